@@ -1,0 +1,78 @@
+"""aioshmcache: an async-first single-writer / multi-reader shared-memory object cache.
+
+A writer (the API gateway) puts preprocessed tensors into a ring buffer in POSIX shared memory
+and sends small ``ShmRef`` references to reader processes (engine workers), which read the
+tensors back, zero-copy if they like. See ``SenderCache`` / ``ReceiverCache`` and their asyncio
+twins ``AsyncSenderCache`` / ``AsyncReceiverCache``.
+"""
+
+from ._ring import ShmRingBuffer
+from ._serde import MsgpackSerde, Serde
+from ._store import ShmObjectStore
+from ._sweep import sweep
+from ._types import (
+    CacheConfig,
+    CacheHandle,
+    CacheInfo,
+    CacheSnapshot,
+    FeatureSpec,
+    ReaderSlotInfo,
+    ShmRef,
+)
+from .aio import AsyncReceiverCache, AsyncSenderCache
+from .cache import ReceiverCache, SenderCache
+from .errors import (
+    CacheFullError,
+    CacheMissError,
+    ClosedCacheError,
+    DuplicateKeyError,
+    InvalidReferenceError,
+    ObjectTooLargeError,
+    ReaderEvictedError,
+    ReaderLimitError,
+    RoleError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+    SerdeError,
+    ShmCacheError,
+    ShmSpaceError,
+    StaleReferenceError,
+    WriterGoneError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncReceiverCache",
+    "AsyncSenderCache",
+    "CacheConfig",
+    "CacheFullError",
+    "CacheHandle",
+    "CacheInfo",
+    "CacheMissError",
+    "CacheSnapshot",
+    "ClosedCacheError",
+    "DuplicateKeyError",
+    "FeatureSpec",
+    "InvalidReferenceError",
+    "MsgpackSerde",
+    "ObjectTooLargeError",
+    "ReaderEvictedError",
+    "ReaderLimitError",
+    "ReaderSlotInfo",
+    "ReceiverCache",
+    "RoleError",
+    "SegmentExistsError",
+    "SegmentNotFoundError",
+    "SenderCache",
+    "Serde",
+    "SerdeError",
+    "ShmCacheError",
+    "ShmObjectStore",
+    "ShmRef",
+    "ShmRingBuffer",
+    "ShmSpaceError",
+    "StaleReferenceError",
+    "WriterGoneError",
+    "sweep",
+]

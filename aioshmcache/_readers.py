@@ -1,0 +1,168 @@
+"""Layer 3: the reader table — crash-safe reader slots and single-writer acknowledgement logs.
+
+Slot layout (``slot_size`` bytes, one per reader slot, word = native u64)::
+
+    +0    reader-written words          +64   writer-written words
+          0 session (0: free)                 8  consumed cursor (acks the writer has read)
+          1 pid (information only)            9  revoked session
+          2 log head (acks written)          10  owed (hand-outs not yet acknowledged)
+          3 log start (head at attach)
+          4 attach time (ns)
+    +128  acknowledgement log: ``log_entries`` words, entry ``k % log_entries`` = id acked
+
+A reader claims a slot by taking the OFD lock on byte ``1 + slot`` of the segment; the kernel
+drops the lock when the reader dies, so the writer tests liveness with ``F_OFD_GETLK`` without
+the reader's help (a zombie has closed its files: it is dead; pids are never trusted). Every word
+has exactly one writing process, so there is no lock and no read-modify-write across processes:
+an acknowledgement is one store of the id into the log and one store of the new head. The writer
+drains the logs when it needs room; acknowledgements never touch chunk memory, which the writer
+may already have reused.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Final
+
+from ._segment import (
+    SLOT_HEADER,
+    W_LOG_ENTRIES,
+    W_N_READERS,
+    W_READER_OFF,
+    W_SLOT_SIZE,
+    Segment,
+    ofd_lock,
+    ofd_probe,
+    ofd_unlock,
+)
+from .errors import ReaderEvictedError, ReaderLimitError, ShmCacheError
+
+__all__ = ["ReaderSlot", "ReaderTable", "SlotState"]
+
+R_SESSION, R_PID, R_HEAD, R_START, R_ATTACHED = 0, 1, 2, 3, 4
+W_CONSUMED, W_REVOKED, W_OWED = 8, 9, 10
+LOG_FULL_WAIT: Final = 2.0
+
+
+class ReaderTable:
+    """The table of reader slots of one segment (shared by writer and readers)."""
+
+    def __init__(self, segment: Segment) -> None:
+        hw = segment.words
+        self.segment = segment
+        self.n_slots = int(hw[W_N_READERS])
+        self.slot_size = int(hw[W_SLOT_SIZE])
+        self.log_entries = int(hw[W_LOG_ENTRIES])
+        off = int(hw[W_READER_OFF])
+        region = segment.buf[off : off + self.n_slots * self.slot_size]
+        self._all = region.cast("Q")
+        self._stride = self.slot_size // 8
+
+    def word(self, slot: int, index: int) -> int:
+        return int(self._all[slot * self._stride + index])
+
+    def set_word(self, slot: int, index: int, value: int) -> None:
+        self._all[slot * self._stride + index] = value
+
+    def log_view(self, slot: int) -> memoryview:
+        base = slot * self._stride + SLOT_HEADER // 8
+        return self._all[base : base + self.log_entries]
+
+    def probe(self, slot: int) -> bool:
+        """Kernel truth: is some process holding slot ``slot``'s lock?"""
+        return ofd_probe(self.segment.fd, 1 + slot)
+
+    def release(self) -> None:
+        self._all.release()
+
+    # --- reader side -----------------------------------------------------------------------
+    def claim(self) -> ReaderSlot:
+        """Take a free slot (lock it, then publish a fresh session); ``ReaderLimitError`` if none."""
+        fd = self.segment.fd
+        for slot in range(self.n_slots):
+            if not ofd_lock(fd, 1 + slot):
+                continue
+            session = secrets.randbits(63) | 1
+            base = slot * self._stride
+            a = self._all
+            a[base + R_PID] = os.getpid()
+            a[base + R_ATTACHED] = time.time_ns()
+            a[base + R_START] = a[base + R_HEAD]
+            a[base + R_SESSION] = session  # last: the writer sees a complete slot
+            return ReaderSlot(self, slot, session)
+        raise ReaderLimitError(f"all {self.n_slots} reader slots of {self.segment.name!r} are taken")
+
+
+class ReaderSlot:
+    """One claimed slot: this reader's acknowledgement log and its revocation flag."""
+
+    def __init__(self, table: ReaderTable, slot: int, session: int) -> None:
+        self.table = table
+        self.slot = slot
+        self.session = session
+        base = slot * table._stride
+        self._words = table._all[base : base + SLOT_HEADER // 8]
+        self._log = table.log_view(slot)
+        self._n = table.log_entries
+        self.closed = False
+
+    @property
+    def revoked(self) -> bool:
+        return self._words[W_REVOKED] == self.session
+
+    def check_revoked(self) -> None:
+        if self._words[W_REVOKED] == self.session:
+            raise ReaderEvictedError(
+                f"reader slot {self.slot} was revoked by the writer (stuck past its deadline)"
+            )
+
+    @property
+    def acknowledged(self) -> int:
+        return int(self._words[R_HEAD] - self._words[R_START])
+
+    def ack(self, cid: int) -> None:
+        """Record that chunk ``cid`` was read and verified: two aligned stores, no syscall."""
+        w = self._words
+        head = int(w[R_HEAD])
+        if head - int(w[W_CONSUMED]) >= self._n:
+            self._wait_for_log_room(head)
+        self._log[head % self._n] = cid
+        w[R_HEAD] = head + 1
+
+    def _wait_for_log_room(self, head: int) -> None:
+        deadline = time.monotonic() + LOG_FULL_WAIT
+        while head - int(self._words[W_CONSUMED]) >= self._n:
+            self.check_revoked()
+            if time.monotonic() > deadline:
+                raise ShmCacheError(
+                    f"acknowledgement log of reader slot {self.slot} is full: the writer has not "
+                    f"drained it for {LOG_FULL_WAIT} s"
+                )
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        """Free the slot: clear the session, then drop the kernel lock."""
+        if self.closed:
+            return
+        self.closed = True
+        seg = self.table.segment
+        if not seg.closed and not seg.forked:
+            if self._words[R_SESSION] == self.session:
+                self._words[R_SESSION] = 0
+            ofd_unlock(seg.fd, 1 + self.slot)
+        self._words.release()
+        self._log.release()
+
+
+@dataclass
+class SlotState:
+    """The writer's view of one slot."""
+
+    session: int = 0
+    cursor: int = 0
+    alive: bool = False
+    revoked: int = 0
+    last_probe: float = 0.0

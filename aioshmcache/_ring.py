@@ -1,0 +1,313 @@
+"""Layer 2: ``ShmRingBuffer``, a single-writer ring of chunks in a shared-memory segment.
+
+Chunk layout (``address`` is the chunk's offset in the ring, a multiple of 64)::
+
+    address      +--------------------------------------------------+
+                 | word 0  id      64-bit generation, never reused  |
+                 | word 1  length  payload bytes                    |
+                 | word 2  state   1 writing, 2 committed,          |
+                 |                 3 freed, 4 dead (abandoned)      |
+                 | word 3  check   id ^ length ^ CHUNK_MAGIC        |
+                 | words 4-7 reserved                               |
+    address+64   +--------------------------------------------------+
+                 | payload (length bytes), padded to 64             |
+                 +--------------------------------------------------+
+
+All bookkeeping (FIFO order, head, tail) lives in the writer's memory; readers see chunk headers
+only. The writer writes a chunk's header (state *writing*), then the payload, then flips the state
+to *committed*; it frees a chunk by flipping the state to *freed* before any byte of it can be
+reused. A reader validates a reference (bounds, alignment, check word, id, state, length), copies,
+and re-checks id and state: on x86-64 (total store order) a copy that saw a single reused byte
+sees the freed state or the new id afterwards, so torn reads are always detected.
+
+Allocation wraps at the end of the ring; the tail that is skipped stays accounted as used until the
+head passes it. Ids come from a 64-bit counter in the segment header and keep increasing across
+``clear`` (which also bumps the epoch).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable
+from typing import Final
+
+from ._segment import (
+    W_CAPACITY,
+    W_EPOCH,
+    W_NEXT_ID,
+    W_RING_OFF,
+    Layout,
+    Segment,
+)
+from ._types import CacheHandle
+from .errors import (
+    CacheFullError,
+    ClosedCacheError,
+    InvalidReferenceError,
+    RoleError,
+    ShmCacheError,
+    StaleReferenceError,
+)
+
+__all__ = ["CHUNK_HEADER", "ShmRingBuffer"]
+
+CHUNK_HEADER: Final = 64
+CHUNK_MAGIC: Final = 0x9E3779B97F4A7C15
+WRITING, COMMITTED, FREED, DEAD = 1, 2, 3, 4
+_MAX_ID: Final = (1 << 64) - 2
+
+
+def chunk_size(payload: int) -> int:
+    """Bytes a chunk with ``payload`` bytes occupies in the ring."""
+    return CHUNK_HEADER + (payload + 63) // 64 * 64
+
+
+class ShmRingBuffer:
+    """Single-writer ring of chunks, addressed by (address, id).
+
+    The writer allocates, commits, abandons and frees (FIFO); any process reads a committed chunk
+    through :meth:`access` and confirms the copy with :meth:`verify`.
+    """
+
+    def __init__(self, segment: Segment, *, writer: bool) -> None:
+        self._seg = segment
+        self._hw = segment.words
+        off = int(self._hw[W_RING_OFF])
+        self.capacity = int(self._hw[W_CAPACITY])
+        self.buf = segment.buf[off : off + self.capacity]
+        self._w = self.buf.cast("Q")
+        self._writer = writer
+        # writer bookkeeping: FIFO of [address, size, id]
+        self._chunks: deque[tuple[int, int, int]] = deque()
+        self._by_addr: dict[int, int] = {}  # address -> state (writer's own view)
+        self._tail = 0
+
+    # --- standalone construction ----------------------------------------------------------
+    @classmethod
+    def create(cls, capacity_bytes: int, *, name: str | None = None, first_id: int = 1) -> ShmRingBuffer:
+        """A ring in a new segment of its own (the store builds its ring on a shared segment)."""
+        layout = Layout(capacity_bytes, 1, 64)
+        seg = Segment.create(
+            name, layout, max_object_bytes=capacity_bytes, delivery="broadcast", handout_ttl=30.0
+        )
+        if first_id < 1 or first_id > _MAX_ID:
+            seg.close()
+            raise ValueError("first_id must be a positive 64-bit id")
+        seg.words[W_NEXT_ID] = first_id
+        return cls(seg, writer=True)
+
+    @classmethod
+    def attach(cls, handle: CacheHandle | str) -> ShmRingBuffer:
+        if isinstance(handle, CacheHandle):
+            return cls(Segment.attach(handle.name, nonce=handle.nonce), writer=False)
+        return cls(Segment.attach(handle), writer=False)
+
+    def handle(self) -> CacheHandle:
+        from ._segment import LAYOUT_VERSION
+
+        return CacheHandle(self._seg.name, self._seg.nonce, LAYOUT_VERSION)
+
+    def close(self) -> None:
+        if not self._seg.closed:
+            self._w.release()
+            self.buf.release()
+            self._seg.close()
+
+    # --- state ---------------------------------------------------------------------------
+    @property
+    def segment(self) -> Segment:
+        return self._seg
+
+    @property
+    def epoch(self) -> int:
+        return int(self._hw[W_EPOCH])
+
+    @property
+    def next_id(self) -> int:
+        return int(self._hw[W_NEXT_ID])
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self._chunks)
+
+    @property
+    def head(self) -> int:
+        return self._chunks[0][0] if self._chunks else 0
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes between head and tail, the skipped tail of a wrap included."""
+        if not self._chunks:
+            return 0
+        head = self._chunks[0][0]
+        return self._tail - head if self._tail > head else self.capacity - head + self._tail
+
+    def chunk_ids(self) -> list[int]:
+        """Ids of the allocated chunks, oldest first."""
+        return [c[2] for c in self._chunks]
+
+    def chunks(self) -> list[tuple[int, int, int]]:
+        """(address, size, id) of the allocated chunks, oldest first."""
+        return list(self._chunks)
+
+    def _check_writer(self) -> None:
+        if not self._writer:
+            raise RoleError("this is a reader: only the writer allocates, commits and frees")
+        if self._seg.closed:
+            raise ClosedCacheError("the ring is closed")
+        if self._seg.forked or self._seg.pid != os.getpid():
+            raise RoleError("a forked child of the writer cannot act as the writer")
+
+    # --- writer side ---------------------------------------------------------------------
+    def _place(self, size: int) -> int | None:
+        """Address where a chunk of ``size`` bytes fits contiguously, or None."""
+        cap = self.capacity
+        if not self._chunks:
+            return 0 if size <= cap else None
+        head, tail = self._chunks[0][0], self._tail
+        if tail > head:  # data in [head, tail)
+            if cap - tail >= size:
+                return tail
+            return 0 if head >= size else None
+        return tail if head - tail >= size else None  # wrapped: data in [head, cap) + [0, tail)
+
+    def fits(self, payload: int) -> bool:
+        """Whether a payload of this size fits now without freeing anything."""
+        return self._place(chunk_size(payload)) is not None
+
+    def allocate(self, payload: int) -> tuple[int, int]:
+        """Reserve a chunk for ``payload`` bytes; returns (address, id). State: *writing*."""
+        self._check_writer()
+        if payload < 0:
+            raise ValueError("payload size must be non-negative")
+        size = chunk_size(payload)
+        if size > self.capacity:
+            raise CacheFullError(f"a {payload}-byte chunk can never fit a {self.capacity}-byte ring")
+        addr = self._place(size)
+        if addr is None:
+            raise CacheFullError(f"no contiguous room for {size} bytes (used {self.used_bytes})")
+        cid = int(self._hw[W_NEXT_ID])
+        if cid > _MAX_ID:
+            raise ShmCacheError("64-bit chunk ids exhausted")
+        self._hw[W_NEXT_ID] = cid + 1
+        w, i = self._w, addr >> 3
+        w[i + 2] = WRITING
+        w[i] = cid
+        w[i + 1] = payload
+        w[i + 3] = cid ^ payload ^ CHUNK_MAGIC
+        self._chunks.append((addr, size, cid))
+        self._by_addr[addr] = WRITING
+        self._tail = addr + size
+        return addr, cid
+
+    def payload(self, address: int) -> memoryview:
+        """Writable view of an allocated chunk's payload (writer only)."""
+        i = address >> 3
+        return self.buf[address + CHUNK_HEADER : address + CHUNK_HEADER + int(self._w[i + 1])]
+
+    def commit(self, address: int) -> None:
+        """Make the chunk readable: its payload must be fully written."""
+        self._check_writer()
+        if self._by_addr.get(address) != WRITING:
+            raise ShmCacheError(f"chunk at {address} is not being written")
+        self._w[(address >> 3) + 2] = COMMITTED
+        self._by_addr[address] = COMMITTED
+
+    def abandon(self, address: int) -> None:
+        """Mark an allocation whose copy was abandoned as dead; it is reclaimed in FIFO order."""
+        self._check_writer()
+        if address in self._by_addr:
+            self._w[(address >> 3) + 2] = DEAD
+            self._by_addr[address] = DEAD
+
+    def state(self, address: int) -> int:
+        return self._by_addr.get(address, FREED)
+
+    def free(self, is_free: Callable[[int], bool], nbytes: int = 0) -> list[int]:
+        """Free chunks oldest first while they are free, until ``nbytes`` fit contiguously.
+
+        ``nbytes == 0`` frees every free chunk at the head. Dead chunks are always free; chunks
+        being written never are. Returns the ids freed, oldest first.
+        """
+        self._check_writer()
+        need = chunk_size(nbytes) if nbytes > 0 else 0
+        freed: list[int] = []
+        chunks, w = self._chunks, self._w
+        while chunks:
+            if need and self._place(need) is not None:
+                break
+            addr, _size, cid = chunks[0]
+            st = self._by_addr[addr]
+            if st == WRITING or (st == COMMITTED and not is_free(cid)):
+                break
+            w[(addr >> 3) + 2] = FREED
+            del self._by_addr[addr]
+            chunks.popleft()
+            freed.append(cid)
+        if not chunks:
+            self._tail = 0
+        return freed
+
+    def clear(self) -> list[int]:
+        """Free every chunk not being written, bump the epoch. Returns the ids freed.
+
+        Chunks being written (a copy in flight) stay allocated; they are reclaimed in FIFO order
+        once their writer commits or abandons them.
+        """
+        self._check_writer()
+        self._hw[W_EPOCH] = int(self._hw[W_EPOCH]) + 1
+        if any(self._by_addr[c[0]] == WRITING for c in self._chunks):
+            freed = []
+            for addr, _size, cid in self._chunks:
+                if self._by_addr[addr] != WRITING:
+                    self._w[(addr >> 3) + 2] = FREED
+                    self._by_addr[addr] = DEAD
+                    freed.append(cid)
+            return freed
+        freed = [c[2] for c in self._chunks]
+        for addr, _size, _cid in self._chunks:
+            self._w[(addr >> 3) + 2] = FREED
+        self._chunks.clear()
+        self._by_addr.clear()
+        self._tail = 0
+        return freed
+
+    # --- reader side (any process) -----------------------------------------------------
+    def access(self, address: int, cid: int, length: int | None = None) -> memoryview:
+        """Validated read-only view of a committed chunk's payload.
+
+        ``InvalidReferenceError``: out of range, misaligned, not a chunk start, wrong length or
+        an id never issued. ``StaleReferenceError``: the chunk was freed or reused.
+        """
+        if self._seg.closed:
+            raise ClosedCacheError("the ring is closed")
+        cap = self.capacity
+        if (
+            type(address) is not int
+            or type(cid) is not int
+            or address < 0
+            or address & 63
+            or address + CHUNK_HEADER > cap
+        ):
+            raise InvalidReferenceError(f"address {address!r} is not a chunk address in this ring")
+        w, i = self._w, address >> 3
+        hid, hlen, hstate, hcheck = w[i], w[i + 1], w[i + 2], w[i + 3]
+        if hid != cid or hcheck != hid ^ hlen ^ CHUNK_MAGIC:
+            if 0 < cid < self._hw[W_NEXT_ID]:
+                raise StaleReferenceError(f"chunk {cid} was evicted and its space reused")
+            raise InvalidReferenceError(f"chunk id {cid} was never issued by this writer")
+        if hstate != COMMITTED:
+            if hstate in (FREED, DEAD):
+                raise StaleReferenceError(f"chunk {cid} was evicted or cleared")
+            raise InvalidReferenceError(f"chunk {cid} is not committed")
+        if (length is not None and hlen != length) or address + CHUNK_HEADER + hlen > cap:
+            raise InvalidReferenceError(f"chunk {cid}: length {length} does not match")
+        start = address + CHUNK_HEADER
+        return self.buf[start : start + hlen].toreadonly()
+
+    def verify(self, address: int, cid: int) -> None:
+        """Re-check after a copy that the chunk was not freed or reused meanwhile."""
+        i = address >> 3
+        if self._w[i] != cid or self._w[i + 2] != COMMITTED:
+            raise StaleReferenceError(f"chunk {cid} was reclaimed during the read")

@@ -1,0 +1,729 @@
+"""Serialization of cache items straight into shared memory: `MsgpackSerde` and the `Serde` protocol.
+
+An item is encoded in two steps so that the store can size (and refuse) it before touching shared
+memory: :meth:`MsgpackSerde.plan` walks the value, packs a small msgpack *structure header*
+(arrays appear in it as descriptors: dtype, shape, offset) and computes the exact size; no array
+byte is copied. :meth:`MsgpackSerde.write` then writes the prefix and header into the allocated
+chunk and copies each array's bytes with one ``np.copyto`` into an ``np.frombuffer`` view of the
+chunk (one copy per array; ``np.copyto`` releases the GIL for large copies; a non-contiguous
+array is made contiguous by that same copy). :meth:`MsgpackSerde.read` rebuilds the value, with
+arrays either copied out (``copy=True``) or as read-only zero-copy views (``copy=False``).
+
+Payload layout (integers little-endian; offsets relative to the payload start, which the store
+places at a 64-byte aligned address, so every array starts 64-byte aligned in memory)::
+
+    0       4         6         8            12                    20
+    +-------+---------+---------+------------+---------------------+
+    | magic | version |  flags  | header_len |      data_len       |  prefix, struct "<4sHHIQ"
+    | ASHM  | u16 = 1 | u16 = 0 |    u32     |         u64         |
+    +-------+---------+---------+------------+---------------------+
+    20                             20 + header_len       data_off = align64(20 + header_len)
+    +------------------------------+---------------------+
+    | msgpack structure header     | zero padding (< 64) |
+    +------------------------------+---------------------+
+    data_off                                                         data_off + data_len
+    +-----------+--------+-----------+--------+-----------+
+    |  array 0  |  pad   |  array 1  |  pad   |  array 2  |   data section
+    +-----------+--------+-----------+--------+-----------+
+    nbytes = data_off + data_len   (the payload is exactly nbytes long)
+
+The structure header is one msgpack object: maps (str/bytes keys), arrays, str, bin, int, float,
+bool, nil, and these ``ExtType`` records (all fields little-endian)::
+
+    code 1  ARRAY   "<QQBBB" offset, nbytes, flags, ndim, dtype_len
+                    + ndim x "<Q" dims + dtype string (numpy ``dtype.str``, ASCII)
+                    flags: 1 = torch tensor, 2 = torch bfloat16 (stored as its "<u2" bit pattern)
+    code 2  SCALAR  "<B" dtype_len + dtype string + the item's raw bytes (a numpy scalar)
+    code 3  TUPLE   empty; only as the first element of a msgpack array: that array is a tuple
+    code 4  BYTES   "<QQ" offset, nbytes: a bytes value of >= 1 KiB kept in the data section
+
+``offset`` is relative to ``data_off``, so the header can be packed before its own length (and
+therefore ``data_off``) is known. The layout is canonical: data items are placed in header order
+(depth-first, dict insertion order), each at ``align64(end of the previous one)``. The reader
+recomputes that layout and accepts nothing else, which implies 64-byte alignment, no overlap
+with each other or with the header, bounds inside the payload and no unreferenced bytes.
+
+Decoding treats the payload as hostile (a writable segment can be written by anyone who can open
+it). No pickle, no ``ext_hook``: the header length is checked against ``max_header_bytes``
+before unpacking (this plays the role of msgpack's ``max_buffer_size``, which ``unpackb`` does
+not take), ``msgpack.unpackb`` runs with ``raw=False, strict_map_key=True`` and explicit
+``max_*_len`` limits (trailing bytes are an error), and the result is walked with a depth limit,
+converting ``ExtType`` records after validating each descriptor: dtype string against a whitelist
+regex, then ``np.dtype`` and a check that it round-trips to the same canonical string with an
+allowed kind; ``ndim``; ``prod(shape) * itemsize == nbytes`` in Python integers; the canonical
+offset. Every failure is a :class:`~aioshmcache.errors.SerdeError`.
+
+Deliberate choices (and where they differ from the first sketch):
+
+* Views are built with positional ``np.frombuffer(buf, dtype, count, offset)``: measured 2.5x
+  faster than the keyword form here. ``np.ndarray(shape, dtype, buffer=...)`` is faster still but
+  records the underlying mmap as the base, which lets a caller flip a read-only view back to
+  writable; a ``frombuffer`` view of a read-only memoryview refuses that.
+* Values come back as their base type: bytearray / memoryview as bytes, dict / list / tuple / str /
+  int / float subclasses (OrderedDict, namedtuple, StrEnum, IntEnum) as the plain type, ndarray
+  subclasses as ndarray, arrays always C-contiguous. ``np.ma.MaskedArray`` is refused (its mask
+  would be lost silently). Python ``complex``, sets and any other object are refused.
+* Torch (optional; never imported unless a tensor is encoded or decoded): CPU strided tensors
+  round-trip with their dtype and shape; ``bfloat16`` travels as its uint16 bit pattern. Torch has
+  no read-only tensors, so with ``copy=False`` a tensor shares the (writable) shared memory and
+  must not be written to; if the buffer is read-only, the tensor is a copy instead (sharing would
+  make ``torch.from_numpy`` warn).
+* Thread safety: a ``MsgpackSerde`` may be shared between threads (one ``msgpack.Packer`` per
+  thread). A plan keeps references to the source arrays, not copies: do not mutate them between
+  ``plan`` and ``write``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+import sys
+import threading
+from typing import Any, Protocol, runtime_checkable
+
+import msgpack
+import numpy as np
+
+from .errors import SerdeError
+
+__all__ = ["EncodePlan", "MsgpackSerde", "Serde"]
+
+
+@runtime_checkable
+class EncodePlan(Protocol):
+    """What :meth:`Serde.plan` returns: everything :meth:`Serde.write` needs, sized exactly."""
+
+    @property
+    def nbytes(self) -> int:
+        """Exact number of bytes the encoded value occupies."""
+        ...
+
+
+@runtime_checkable
+class Serde(Protocol):
+    """A pluggable serializer: size first (``plan``), then write into shared memory, then read."""
+
+    def plan(self, obj: object) -> EncodePlan:
+        """Walk ``obj`` and size its encoding; copies no array bytes. Raises ``SerdeError``."""
+        ...
+
+    def write(self, plan: EncodePlan, buf: memoryview) -> None:
+        """Write ``plan`` into ``buf[0:plan.nbytes]`` (a writable, 64-byte aligned uint8 view)."""
+        ...
+
+    def read(self, buf: memoryview, *, copy: bool = True) -> object:
+        """Decode exactly one payload; arrays are copies, or read-only views with ``copy=False``."""
+        ...
+
+
+# --- format constants -------------------------------------------------------------------------
+
+_MAGIC = b"ASHM"
+_VERSION = 1
+_PREFIX = struct.Struct("<4sHHIQ")
+_PREFIX_SIZE = _PREFIX.size  # 20
+_ALIGN = 64
+_ALIGN_MASK = _ALIGN - 1
+
+_EXT_ARRAY = 1
+_EXT_SCALAR = 2
+_EXT_TUPLE = 3
+_EXT_BYTES = 4
+
+_FLAG_TORCH = 1
+_FLAG_BF16 = 2
+_KNOWN_FLAGS = _FLAG_TORCH | _FLAG_BF16
+
+_ARR_HEAD = struct.Struct("<QQBBB")
+_ARR_HEAD_SIZE = _ARR_HEAD.size  # 19
+_MAX_NDIM_FORMAT = 64  # numpy's own limit (NPY_MAXDIMS in numpy 2)
+_ARR_STRUCTS = tuple(struct.Struct(f"<QQBBB{n}Q") for n in range(_MAX_NDIM_FORMAT + 1))
+_SHAPE_STRUCTS = tuple(struct.Struct(f"<{n}Q") for n in range(_MAX_NDIM_FORMAT + 1))
+_BYTES_DESC = struct.Struct("<QQ")
+_U8 = struct.Struct("<B")
+
+_INLINE_BYTES_MAX = 1023  # bytes values longer than this go to the data section
+_INT_MIN = -(1 << 63)
+_INT_MAX = (1 << 64) - 1
+_SIZE_MAX = (1 << 62) - 1  # bound on any array's element count / byte size (fits npy_intp)
+
+_ALLOWED_KINDS = frozenset("biufcSUmM")
+_DTYPE_RE = re.compile(
+    rb"[<>|](?:[biufc][1-9][0-9]?|[SU][1-9][0-9]{0,8}"
+    rb"|[mM]8(?:\[(?:[1-9][0-9]{0,8})?(?:Y|M|W|D|h|m|s|ms|us|ns|ps|fs|as)\])?)"
+)
+_DTYPE_CACHE_MAX = 512
+
+_TUPLE_MARK = msgpack.ExtType(_EXT_TUPLE, b"")
+_ZEROS = memoryview(bytes(_ALIGN))
+_ExtType = msgpack.ExtType
+# ExtType.__new__ re-validates its (constant, known-good) arguments in Python; tuple.__new__
+# builds the same namedtuple in a fifth of the time (measured 0.67 -> 0.1 us).
+_new_tuple = tuple.__new__
+_ndarray = np.ndarray
+_generic = np.generic
+_uint8 = np.dtype(np.uint8)
+_frombuffer = np.frombuffer
+_copyto = np.copyto
+
+# dtype -> its encoded descriptor string (encode side); descriptor bytes -> dtype (decode side).
+# Only dtypes that passed validation are cached; both caches are bounded.
+_ENC_DTYPES: dict[np.dtype[Any], bytes] = {}
+_DEC_DTYPES: dict[bytes, np.dtype[Any]] = {}
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN_MASK) & ~_ALIGN_MASK
+
+
+def _check_dtype_string(raw: bytes) -> np.dtype[Any]:
+    """Validate a dtype descriptor string (hostile input) and return the dtype it names."""
+    dt = _DEC_DTYPES.get(raw)
+    if dt is not None:
+        return dt
+    if _DTYPE_RE.fullmatch(raw) is None:
+        raise SerdeError(f"dtype {raw[:40]!r} is not an allowed dtype")
+    text = raw.decode("ascii")
+    try:
+        dt = np.dtype(text)
+    except Exception as exc:  # numpy raises TypeError / ValueError / DeprecationWarning
+        raise SerdeError(f"dtype {text!r} is not understood by numpy") from exc
+    if (
+        dt.str != text
+        or dt.kind not in _ALLOWED_KINDS
+        or dt.hasobject
+        or dt.fields is not None
+        or dt.subdtype is not None
+        or dt.itemsize <= 0
+    ):
+        raise SerdeError(f"dtype {text!r} is not an allowed dtype")
+    if len(_DEC_DTYPES) < _DTYPE_CACHE_MAX:
+        _DEC_DTYPES[raw] = dt
+    return dt
+
+
+def _encode_dtype(dt: np.dtype[Any]) -> bytes:
+    """The descriptor string of an array's dtype; ``SerdeError`` if we do not carry it."""
+    enc = _ENC_DTYPES.get(dt)
+    if enc is not None:
+        return enc
+    if dt.hasobject or dt.fields is not None or dt.kind not in _ALLOWED_KINDS:
+        raise SerdeError(f"arrays of dtype {dt!r} are not supported (only numeric/str/datetime)")
+    enc = dt.str.encode("ascii")
+    # Never write what the reader would refuse.
+    if _check_dtype_string(enc) != dt:
+        raise SerdeError(f"arrays of dtype {dt!r} are not supported")
+    if len(_ENC_DTYPES) < _DTYPE_CACHE_MAX:
+        _ENC_DTYPES[dt] = enc
+    return enc
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+
+class _Plan:
+    """An encoded value: prefix + header ready, arrays referenced (not copied) with their slots."""
+
+    __slots__ = ("_chunks", "_data_len", "_data_off", "_header", "nbytes")
+
+    def __init__(
+        self,
+        header: bytes,
+        data_len: int,
+        chunks: list[tuple[int, np.ndarray[Any, Any]]],
+    ) -> None:
+        self._header = header
+        self._data_off = _align(_PREFIX_SIZE + len(header))
+        self._data_len = data_len
+        # (offset relative to the data section, source array); bytes values as uint8 arrays
+        self._chunks = chunks
+        self.nbytes = self._data_off + data_len
+
+    def __repr__(self) -> str:
+        return (
+            f"<serde plan nbytes={self.nbytes} header={len(self._header)} "
+            f"arrays={len(self._chunks)}>"
+        )
+
+
+class _Encoder:
+    """State of one :meth:`MsgpackSerde.plan` walk."""
+
+    __slots__ = ("chunks", "cursor", "max_arrays", "max_depth", "max_ndim")
+
+    def __init__(self, max_depth: int, max_ndim: int, max_arrays: int) -> None:
+        self.max_depth = max_depth
+        self.max_ndim = max_ndim
+        self.max_arrays = max_arrays
+        self.cursor = 0
+        self.chunks: list[tuple[int, np.ndarray[Any, Any]]] = []
+
+    def conv(self, obj: object, depth: int) -> object:
+        """Return the msgpack-packable stand-in of ``obj`` (exact builtin types and ExtTypes)."""
+        t = type(obj)
+        if t is str or t is float or t is bool or obj is None:
+            return obj
+        if t is int:
+            if _INT_MIN <= obj <= _INT_MAX:  # type: ignore[operator]
+                return obj
+            raise SerdeError(f"int {obj} is outside msgpack's range [-2**63, 2**64)")
+        if t is _ndarray:
+            return self.array(obj, 0)  # type: ignore[arg-type]
+        if t is dict:
+            return self.mapping(obj, depth + 1)  # type: ignore[arg-type]
+        if t is list:
+            depth += 1
+            if depth > self.max_depth:
+                raise SerdeError(f"nesting deeper than max_depth={self.max_depth}")
+            return [self.conv(v, depth) for v in obj]  # type: ignore[attr-defined]
+        if t is tuple:
+            depth += 1
+            if depth > self.max_depth:
+                raise SerdeError(f"nesting deeper than max_depth={self.max_depth}")
+            out = [_TUPLE_MARK]
+            out.extend([self.conv(v, depth) for v in obj])  # type: ignore[attr-defined]
+            return out
+        if t is bytes:
+            return self.blob(obj)  # type: ignore[arg-type]
+        return self.conv_other(obj, depth)
+
+    def conv_other(self, obj: object, depth: int) -> object:
+        """The slow path: numpy scalars, subclasses of builtins, torch tensors, refusals."""
+        if isinstance(obj, _generic):
+            return self.scalar(obj)
+        if isinstance(obj, _ndarray):
+            if isinstance(obj, np.ma.MaskedArray):
+                raise SerdeError("masked arrays are not supported (the mask would be lost)")
+            return self.array(obj.view(_ndarray), 0)
+        if isinstance(obj, bool):  # pragma: no cover - bool cannot be subclassed
+            return bool(obj)
+        if isinstance(obj, int):
+            return self.conv(int.__int__(obj), depth)
+        if isinstance(obj, float):
+            return float.__float__(obj)
+        if isinstance(obj, str):
+            return str.__str__(obj)
+        if isinstance(obj, (bytes, bytearray)):
+            return self.blob(bytes(obj) if len(obj) <= _INLINE_BYTES_MAX else obj)
+        if isinstance(obj, memoryview):
+            if not obj.c_contiguous or len(obj) <= _INLINE_BYTES_MAX:
+                return self.blob(obj.tobytes())
+            return self.blob(obj.cast("B"))
+        if isinstance(obj, dict):
+            return self.mapping(obj, depth + 1)
+        if isinstance(obj, (list, tuple)):
+            return self.conv(tuple(obj) if isinstance(obj, tuple) else list(obj), depth)
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return self.tensor(obj)
+        raise SerdeError(f"values of type {type(obj).__qualname__} are not supported")
+
+    def mapping(self, obj: dict[Any, Any], depth: int) -> dict[str | bytes, object]:
+        if depth > self.max_depth:
+            raise SerdeError(f"nesting deeper than max_depth={self.max_depth}")
+        out: dict[str | bytes, object] = {}
+        conv = self.conv
+        for k, v in obj.items():
+            tk = type(k)
+            if tk is not str and tk is not bytes:
+                if isinstance(k, str) and not isinstance(k, _generic):
+                    k = str.__str__(k)
+                elif isinstance(k, bytes) and not isinstance(k, _generic):
+                    k = bytes(k)
+                else:
+                    raise SerdeError(
+                        f"dict keys must be str or bytes, not {type(k).__qualname__}"
+                    )
+            out[k] = conv(v, depth)
+        if len(out) != len(obj):
+            raise SerdeError("dict keys collide after conversion to str / bytes")
+        return out
+
+    def _slot(self, nbytes: int) -> int:
+        if len(self.chunks) >= self.max_arrays:
+            raise SerdeError(f"more than max_arrays={self.max_arrays} arrays / large bytes")
+        off = (self.cursor + _ALIGN_MASK) & ~_ALIGN_MASK
+        self.cursor = off + nbytes
+        return off
+
+    def array(self, arr: np.ndarray[Any, Any], flags: int) -> msgpack.ExtType:
+        dt = arr.dtype
+        dts = _ENC_DTYPES.get(dt)
+        if dts is None:
+            dts = _encode_dtype(dt)
+        shape = arr.shape
+        ndim = len(shape)
+        if ndim > self.max_ndim:
+            raise SerdeError(f"array has {ndim} dimensions, more than max_ndim={self.max_ndim}")
+        nbytes = arr.nbytes
+        off = self._slot(nbytes)
+        self.chunks.append((off, arr))
+        desc = _ARR_STRUCTS[ndim].pack(off, nbytes, flags, ndim, len(dts), *shape) + dts
+        return _new_tuple(_ExtType, (_EXT_ARRAY, desc))
+
+    def blob(self, data: bytes | bytearray | memoryview) -> object:
+        n = len(data)
+        if n <= _INLINE_BYTES_MAX:
+            return data
+        off = self._slot(n)
+        self.chunks.append((off, _frombuffer(data, _uint8)))
+        return _new_tuple(_ExtType, (_EXT_BYTES, _BYTES_DESC.pack(off, n)))
+
+    def scalar(self, obj: np.generic[Any]) -> msgpack.ExtType:
+        arr = np.asarray(obj)
+        dts = _encode_dtype(arr.dtype)
+        return _new_tuple(_ExtType, (_EXT_SCALAR, _U8.pack(len(dts)) + dts + arr.tobytes()))
+
+    def tensor(self, obj: Any) -> msgpack.ExtType:
+        torch = sys.modules["torch"]
+        if obj.device.type != "cpu":
+            raise SerdeError(f"only CPU tensors are supported, not {obj.device}; call .cpu()")
+        if obj.layout != torch.strided or obj.is_quantized:
+            raise SerdeError(f"only dense strided tensors are supported, not {obj.layout}")
+        t = obj.detach().resolve_conj().resolve_neg()
+        flags = _FLAG_TORCH
+        try:
+            if t.dtype == torch.bfloat16:
+                flags |= _FLAG_BF16
+                arr = t.view(torch.uint16).numpy()
+            else:
+                arr = t.numpy()
+        except (TypeError, RuntimeError) as exc:
+            raise SerdeError(f"tensors of dtype {t.dtype} are not supported") from exc
+        return self.array(arr, flags)
+
+
+# --- decoding ---------------------------------------------------------------------------------
+
+
+class _Decoder:
+    """State of one :meth:`MsgpackSerde.read`: the buffer, the canonical-layout cursor, limits."""
+
+    __slots__ = (
+        "buf",
+        "copy",
+        "count",
+        "cursor",
+        "data_len",
+        "data_off",
+        "max_arrays",
+        "max_depth",
+        "max_ndim",
+        "ro",
+    )
+
+    def __init__(
+        self,
+        buf: memoryview,
+        data_off: int,
+        data_len: int,
+        copy: bool,
+        max_depth: int,
+        max_ndim: int,
+        max_arrays: int,
+    ) -> None:
+        self.buf = buf
+        self.ro = buf if buf.readonly else buf.toreadonly()
+        self.data_off = data_off
+        self.data_len = data_len
+        self.copy = copy
+        self.max_depth = max_depth
+        self.max_ndim = max_ndim
+        self.max_arrays = max_arrays
+        self.cursor = 0
+        self.count = 0
+
+    def conv(self, obj: object, depth: int) -> object:
+        t = type(obj)
+        if t is _ExtType:
+            return self.ext(obj)  # type: ignore[arg-type]
+        if t is dict:
+            depth += 1
+            if depth > self.max_depth:
+                raise SerdeError(f"nesting deeper than max_depth={self.max_depth}")
+            conv = self.conv
+            return {k: conv(v, depth) for k, v in obj.items()}  # type: ignore[attr-defined]
+        if t is list:
+            depth += 1
+            if depth > self.max_depth:
+                raise SerdeError(f"nesting deeper than max_depth={self.max_depth}")
+            conv = self.conv
+            items: list[object] = obj  # type: ignore[assignment]
+            if items:
+                first = items[0]
+                if type(first) is _ExtType and first.code == _EXT_TUPLE:
+                    if first.data:
+                        raise SerdeError("malformed tuple marker")
+                    return tuple([conv(v, depth) for v in items[1:]])
+            return [conv(v, depth) for v in items]
+        if t is str or t is int or t is float or t is bool or t is bytes or obj is None:
+            return obj
+        raise SerdeError(f"unexpected {type(obj).__qualname__} in the structure header")
+
+    def _slot(self, off: int, nbytes: int) -> int:
+        """Check ``off`` is the canonical slot of the next data item; return its absolute start."""
+        self.count += 1
+        if self.count > self.max_arrays:
+            raise SerdeError(f"more than max_arrays={self.max_arrays} arrays")
+        expected = (self.cursor + _ALIGN_MASK) & ~_ALIGN_MASK
+        if off != expected:
+            raise SerdeError(f"array offset {off} is not the canonical offset {expected}")
+        end = off + nbytes
+        if end > self.data_len:
+            raise SerdeError("array extends past the end of the data section")
+        self.cursor = end
+        return self.data_off + off
+
+    def ext(self, rec: msgpack.ExtType) -> object:
+        code = rec.code
+        data: bytes = rec.data
+        if code == _EXT_ARRAY:
+            return self.array(data)
+        if code == _EXT_SCALAR:
+            return self.scalar(data)
+        if code == _EXT_BYTES:
+            if len(data) != _BYTES_DESC.size:
+                raise SerdeError("malformed bytes descriptor")
+            off, nbytes = _BYTES_DESC.unpack(data)
+            start = self._slot(off, nbytes)
+            return self.buf[start : start + nbytes].tobytes()
+        if code == _EXT_TUPLE:
+            raise SerdeError("tuple marker outside the first element of an array")
+        raise SerdeError(f"unknown ExtType code {code}")
+
+    def array(self, data: bytes) -> object:
+        n = len(data)
+        if n < _ARR_HEAD_SIZE:
+            raise SerdeError("malformed array descriptor")
+        off, nbytes, flags, ndim, dlen = _ARR_HEAD.unpack_from(data)
+        if ndim > self.max_ndim:
+            raise SerdeError(f"array has {ndim} dimensions, more than max_ndim={self.max_ndim}")
+        dstart = _ARR_HEAD_SIZE + 8 * ndim
+        if n != dstart + dlen or flags & ~_KNOWN_FLAGS:
+            raise SerdeError("malformed array descriptor")
+        dt = _DEC_DTYPES.get(data[dstart:])
+        if dt is None:
+            dt = _check_dtype_string(data[dstart:])
+        if ndim == 1:
+            (count,) = shape = _SHAPE_STRUCTS[1].unpack_from(data, _ARR_HEAD_SIZE)
+            if count > _SIZE_MAX:
+                raise SerdeError("array dimension too large")
+        else:
+            shape = _SHAPE_STRUCTS[ndim].unpack_from(data, _ARR_HEAD_SIZE)
+            count = math.prod(shape)
+            if count == 0:
+                if math.prod([d or 1 for d in shape]) * dt.itemsize > _SIZE_MAX:
+                    raise SerdeError("zero-size array with an impossible shape")
+            elif count > _SIZE_MAX:
+                raise SerdeError("array too large")
+        if count * dt.itemsize != nbytes:
+            raise SerdeError("array nbytes does not match its shape and dtype")
+        start = self._slot(off, nbytes)
+        if flags:
+            return self.tensor(dt, shape, count, start, flags)
+        if count == 0:
+            out = np.empty(shape, dt)
+            if not self.copy:
+                out.flags.writeable = False
+            return out
+        arr = _frombuffer(self.ro, dt, count, start)
+        if ndim != 1:
+            arr = arr.reshape(shape)
+        return arr.copy() if self.copy else arr
+
+    def scalar(self, data: bytes) -> object:
+        if not data:
+            raise SerdeError("malformed scalar descriptor")
+        dlen = data[0]
+        dt = _check_dtype_string(data[1 : 1 + dlen])
+        if len(data) != 1 + dlen + dt.itemsize:
+            raise SerdeError("scalar byte length does not match its dtype")
+        return _frombuffer(data, dt, 1, 1 + dlen)[0]
+
+    def tensor(
+        self, dt: np.dtype[Any], shape: tuple[int, ...], count: int, start: int, flags: int
+    ) -> object:
+        if not flags & _FLAG_TORCH:
+            raise SerdeError("malformed array flags")
+        if flags & _FLAG_BF16 and dt.str != "<u2":
+            raise SerdeError("a bfloat16 tensor must be stored as '<u2'")
+        if dt.kind not in "biufc" or dt.byteorder == ">":
+            raise SerdeError(f"dtype {dt.str!r} cannot be a torch tensor")
+        try:
+            import torch
+        except ImportError as exc:
+            raise SerdeError(
+                "this value holds a torch tensor, but torch is not importable here; "
+                "install torch (pip install 'aioshmcache[torch]') to read it"
+            ) from exc
+        if count == 0:
+            arr = np.empty(shape, dt)
+        else:
+            # torch has no read-only tensors: share a writable buffer, otherwise copy
+            # (torch.from_numpy of a read-only array warns).
+            share = not self.copy and not self.buf.readonly
+            arr = _frombuffer(self.buf if share else self.ro, dt, count, start).reshape(shape)
+            if not share:
+                arr = arr.copy()
+        tensor = torch.from_numpy(arr)
+        if flags & _FLAG_BF16:
+            tensor = tensor.view(torch.bfloat16)
+        return tensor
+
+
+# --- the serde --------------------------------------------------------------------------------
+
+
+class MsgpackSerde:
+    """The default :class:`Serde`: a msgpack structure header plus raw, 64-byte aligned arrays.
+
+    The limits bound what :meth:`read` accepts (and :meth:`plan` refuses to produce anything the
+    reader would refuse): the structure header's size, the number of arrays (and large bytes
+    values), the dimensions of one array and the nesting depth of containers.
+    """
+
+    __slots__ = ("_local", "max_arrays", "max_depth", "max_header_bytes", "max_ndim")
+
+    def __init__(
+        self,
+        *,
+        max_header_bytes: int = 1 << 20,
+        max_arrays: int = 4096,
+        max_ndim: int = 32,
+        max_depth: int = 64,
+    ) -> None:
+        for name, value, hi in (
+            ("max_header_bytes", max_header_bytes, (1 << 32) - 1),
+            ("max_arrays", max_arrays, 1 << 32),
+            ("max_ndim", max_ndim, _MAX_NDIM_FORMAT),
+            ("max_depth", max_depth, 256),
+        ):
+            if type(value) is not int or not 1 <= value <= hi:
+                raise ValueError(f"{name} must be an int in [1, {hi}], got {value!r}")
+        self.max_header_bytes = max_header_bytes
+        self.max_arrays = max_arrays
+        self.max_ndim = max_ndim
+        self.max_depth = max_depth
+        self._local = threading.local()
+
+    def __repr__(self) -> str:
+        return (
+            f"MsgpackSerde(max_header_bytes={self.max_header_bytes}, "
+            f"max_arrays={self.max_arrays}, max_ndim={self.max_ndim}, max_depth={self.max_depth})"
+        )
+
+    def _packer(self) -> msgpack.Packer:
+        packer: msgpack.Packer | None = getattr(self._local, "packer", None)
+        if packer is None:
+            packer = msgpack.Packer(use_bin_type=True, strict_types=True, datetime=False)
+            self._local.packer = packer
+        return packer
+
+    def plan(self, obj: object) -> EncodePlan:
+        """Walk ``obj``, pack its structure header and size the payload (no array bytes copied)."""
+        enc = _Encoder(self.max_depth, self.max_ndim, self.max_arrays)
+        try:
+            structure = enc.conv(obj, 0)
+            header: bytes = self._packer().pack(structure)
+        except SerdeError:
+            raise
+        except MemoryError:
+            raise
+        except Exception as exc:  # e.g. a surrogate in a str, a hostile __iter__
+            raise SerdeError(f"cannot encode value: {exc}") from exc
+        if len(header) > self.max_header_bytes:
+            raise SerdeError(
+                f"structure header of {len(header)} bytes exceeds "
+                f"max_header_bytes={self.max_header_bytes} (large str values live in the header)"
+            )
+        return _Plan(header, enc.cursor, enc.chunks)
+
+    def write(self, plan: EncodePlan, buf: memoryview) -> None:
+        """Write ``plan`` into ``buf[0:plan.nbytes]``; one ``np.copyto`` per array."""
+        if not isinstance(plan, _Plan):
+            raise SerdeError(f"not a plan made by MsgpackSerde: {plan!r}")
+        if type(buf) is not memoryview:
+            buf = memoryview(buf)
+        if buf.format != "B" or buf.ndim != 1:
+            buf = buf.cast("B")
+        if buf.readonly:
+            raise SerdeError("write needs a writable buffer")
+        if len(buf) < plan.nbytes:
+            raise SerdeError(f"buffer of {len(buf)} bytes is smaller than plan.nbytes={plan.nbytes}")
+        header = plan._header
+        hend = _PREFIX_SIZE + len(header)
+        data_off = plan._data_off
+        _PREFIX.pack_into(buf, 0, _MAGIC, _VERSION, 0, len(header), plan._data_len)
+        buf[_PREFIX_SIZE:hend] = header
+        buf[hend:data_off] = _ZEROS[: data_off - hend]
+        prev = data_off
+        try:
+            for off, src in plan._chunks:
+                start = data_off + off
+                if start != prev:
+                    buf[prev:start] = _ZEROS[: start - prev]
+                nbytes = src.nbytes
+                prev = start + nbytes
+                if nbytes == 0:
+                    continue
+                dst = _frombuffer(buf, src.dtype, src.size, start)
+                if src.ndim != 1:
+                    dst = dst.reshape(src.shape)
+                _copyto(dst, src, casting="no")
+        except MemoryError:
+            raise
+        except Exception as exc:  # a source array reshaped between plan and write
+            raise SerdeError(f"cannot write plan (source changed since plan?): {exc}") from exc
+
+    def read(self, buf: memoryview, *, copy: bool = True) -> object:
+        """Decode one payload (exactly ``nbytes`` long). Anything not in our format: SerdeError."""
+        try:
+            if type(buf) is not memoryview:
+                buf = memoryview(buf)
+            if buf.format != "B" or buf.ndim != 1:
+                buf = buf.cast("B")
+            size = len(buf)
+            if size < _PREFIX_SIZE:
+                raise SerdeError(f"truncated payload ({size} bytes)")
+            magic, version, pflags, hlen, data_len = _PREFIX.unpack_from(buf)
+            if magic != _MAGIC:
+                raise SerdeError("not an aioshmcache payload (bad magic)")
+            if version != _VERSION or pflags != 0:
+                raise SerdeError(f"unsupported payload version {version} / flags {pflags}")
+            if not 0 < hlen <= self.max_header_bytes:
+                raise SerdeError(f"header length {hlen} outside (0, {self.max_header_bytes}]")
+            hend = _PREFIX_SIZE + hlen
+            data_off = (hend + _ALIGN_MASK) & ~_ALIGN_MASK
+            if data_off + data_len != size:
+                raise SerdeError(
+                    f"payload is {size} bytes, its prefix says {data_off + data_len} "
+                    "(truncated or trailing bytes)"
+                )
+            try:
+                structure = msgpack.unpackb(
+                    buf[_PREFIX_SIZE:hend],
+                    raw=False,
+                    strict_map_key=True,
+                    use_list=True,
+                    max_str_len=hlen,
+                    max_bin_len=hlen,
+                    max_array_len=hlen,
+                    max_map_len=hlen,
+                    max_ext_len=hlen,
+                )
+            except Exception as exc:
+                raise SerdeError(f"malformed structure header: {exc}") from exc
+            dec = _Decoder(
+                buf, data_off, data_len, copy, self.max_depth, self.max_ndim, self.max_arrays
+            )
+            value = dec.conv(structure, 0)
+            if dec.cursor != data_len:
+                raise SerdeError("data section holds bytes no array refers to")
+            return value
+        except SerdeError:
+            raise
+        except MemoryError:
+            raise
+        except Exception as exc:
+            raise SerdeError(f"cannot decode payload: {exc}") from exc

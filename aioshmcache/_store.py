@@ -1,0 +1,801 @@
+"""Layer 5: ``ShmObjectStore`` — keys to chunks, hand-outs, acknowledgements and FIFO eviction.
+
+The writer keeps an index ``key -> entry`` (address, id, length, debts, pins). A **hand-out** is
+one ``ShmRef`` returned by :meth:`put` or :meth:`get_cached`; every reader that owes it
+acknowledges it once, after reading and verifying the bytes (:meth:`get`). An entry is free when
+it is not pinned and every debt is settled:
+
+* broadcast: each reader session attached at hand-out time owes it; debts are counted per session
+  (the seed's "reader acks >= writer hand-outs x readers", kept per reader), so a dead or revoked
+  reader's debts can be dropped and a reader that attaches later owes nothing older;
+* one-of-N: any one reader settles a hand-out; an undelivered hand-out expires ``handout_ttl``
+  seconds after the entry's last hand-out.
+
+Eviction is FIFO in allocation order: under put pressure the writer drains the readers'
+acknowledgement logs, frees free chunks from the head until the new chunk fits contiguously,
+probes the kernel locks of the readers owing the head entry (a dead one's debts are dropped at
+once), optionally revokes a stuck one, and waits (up to ``wait_for_space``) on a named semaphore
+that readers post after acknowledging while the writer waits. The semaphore only wakes the
+writer; correctness never depends on it (a lost post costs one poll interval).
+
+Writes come in three short steps so that the asyncio facade can copy outside its lock:
+:meth:`reserve` (check, allocate), :meth:`write_reserved` (the copy, no shared state), and
+:meth:`commit` (publish, index, first hand-out) or :meth:`abort`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+import posix_ipc
+
+from ._readers import (
+    R_HEAD,
+    R_PID,
+    R_SESSION,
+    R_START,
+    W_CONSUMED,
+    W_OWED,
+    W_REVOKED,
+    ReaderSlot,
+    ReaderTable,
+    SlotState,
+)
+from ._ring import ShmRingBuffer, chunk_size
+from ._segment import (
+    DELIVERY_CODES,
+    LAYOUT_VERSION,
+    W_BYTES_USED,
+    W_DELIVERY,
+    W_EPOCH,
+    W_EVICTIONS,
+    W_HANDOUT_TTL_MS,
+    W_ITEMS,
+    W_MAX_OBJECT,
+    W_STATE,
+    W_WAITING,
+    STATE_LIVE,
+    Layout,
+    Segment,
+)
+from ._serde import EncodePlan, MsgpackSerde, Serde
+from ._types import CacheConfig, CacheHandle, ReaderSlotInfo, ShmRef
+from .errors import (
+    CacheFullError,
+    ClosedCacheError,
+    DuplicateKeyError,
+    InvalidReferenceError,
+    ObjectTooLargeError,
+    RoleError,
+    ShmCacheError,
+    StaleReferenceError,
+    WriterGoneError,
+)
+
+__all__ = ["Reservation", "ShmObjectStore"]
+
+log = logging.getLogger("aioshmcache")
+
+WAIT_POLL: Final = 0.1  # the longest a waiting writer sleeps between checks (lost-post bound)
+
+
+def semaphore_name(segment: str, nonce: int) -> str:
+    return f"/{segment}.{nonce & 0xFFFFFFFF:08x}.wake"
+
+
+class _Entry:
+    __slots__ = (
+        "address",
+        "debt",
+        "handouts",
+        "id",
+        "key",
+        "last_handout",
+        "length",
+        "owed",
+        "owed_since",
+        "pins",
+        "releasable",
+        "touched",
+    )
+
+    def __init__(self, key: str, address: int, cid: int, length: int) -> None:
+        self.key = key
+        self.address = address
+        self.id = cid
+        self.length = length
+        self.debt = 0  # unsettled hand-out debts (all sessions)
+        self.owed: dict[int, int] = {}  # broadcast: session -> unsettled hand-outs
+        self.owed_since: dict[int, float] = {}  # broadcast: session -> when it started owing
+        self.pins = 0  # request-scoped pins
+        self.touched = False  # a standalone touch: lasts until the next hand-out
+        self.handouts = 0
+        self.releasable = 0
+        self.last_handout = 0.0
+
+
+@dataclass
+class Reservation:
+    """An allocated chunk whose copy has not been committed yet."""
+
+    key: str
+    address: int
+    id: int
+    plan: EncodePlan
+    done: bool = False
+
+
+class ShmObjectStore:
+    """Single-writer / multi-reader object store in one shared-memory segment.
+
+    Create the writer with :meth:`create`; readers attach with :meth:`from_handle` (a
+    ``CacheHandle`` or the segment name) and each claims a reader slot.
+    """
+
+    def __init__(
+        self,
+        segment: Segment,
+        *,
+        writer: bool,
+        serde: Serde | None = None,
+        config: CacheConfig | None = None,
+    ) -> None:
+        self._seg = segment
+        self._hw = segment.words
+        self.ring = ShmRingBuffer(segment, writer=writer)
+        self.readers = ReaderTable(segment)
+        self.serde: Serde = serde if serde is not None else MsgpackSerde()
+        self.is_writer = writer
+        self.max_object_bytes = int(self._hw[W_MAX_OBJECT])
+        self.one_of_n = int(self._hw[W_DELIVERY]) == DELIVERY_CODES["one_of_n"]
+        self.handout_ttl = int(self._hw[W_HANDOUT_TTL_MS]) / 1000.0
+        self._closed = False
+        self._sem: Any = None
+        # writer state
+        self._config = config
+        self._index: dict[str, _Entry] = {}
+        self._by_id: dict[int, _Entry] = {}
+        self._pending: dict[str, Reservation] = {}
+        self._slots = [SlotState() for _ in range(self.readers.n_slots)]
+        self._owed_by_session: dict[int, int] = {}
+        self._undrained = 0
+        self.evictions = 0
+        self.wakeups = 0
+        self.on_evict: Callable[[str], None] | None = None
+        # reader state
+        self.slot: ReaderSlot | None = None
+        self._last_writer_probe = 0.0
+        self._probe_interval = 0.25
+        self._lock = threading.Lock()  # serialises writer state changes between threads
+
+    # --- construction ------------------------------------------------------------------------
+    @classmethod
+    def create(cls, config: CacheConfig, *, serde: Serde | None = None) -> ShmObjectStore:
+        """Create the segment and become its writer (``close`` unlinks it)."""
+        layout = Layout(config.capacity_bytes, config.n_readers, config.ack_log_entries)
+        seg = Segment.create(
+            config.name,
+            layout,
+            max_object_bytes=config.max_object_bytes,
+            delivery=config.delivery,
+            handout_ttl=config.handout_ttl,
+            prefault=config.prefault,
+        )
+        try:
+            store = cls(seg, writer=True, serde=serde, config=config)
+            store._sem = posix_ipc.Semaphore(
+                semaphore_name(seg.name, seg.nonce), posix_ipc.O_CREX, 0o600, 0
+            )
+        except BaseException:
+            seg.close()
+            raise
+        return store
+
+    @classmethod
+    def from_handle(
+        cls,
+        handle: CacheHandle | str | dict[str, Any],
+        *,
+        serde: Serde | None = None,
+        probe_interval: float = 0.25,
+    ) -> ShmObjectStore:
+        """Attach to a writer's segment as a reader and claim a reader slot."""
+        if isinstance(handle, dict):
+            handle = CacheHandle.from_dict(handle)
+        if isinstance(handle, CacheHandle):
+            if handle.layout_version != LAYOUT_VERSION:
+                raise InvalidReferenceError(f"handle layout version {handle.layout_version} unknown")
+            seg = Segment.attach(handle.name, nonce=handle.nonce)
+        else:
+            seg = Segment.attach(handle)
+        try:
+            store = cls(seg, writer=False, serde=serde)
+            store._probe_interval = probe_interval
+            if not seg.writer_alive():
+                raise WriterGoneError(f"the writer of {seg.name!r} is gone")
+            store.slot = store.readers.claim()
+        except BaseException:
+            seg.close()
+            raise
+        return store
+
+    def handle(self) -> CacheHandle:
+        return CacheHandle(self._seg.name, self._seg.nonce, LAYOUT_VERSION)
+
+    @property
+    def name(self) -> str:
+        return self._seg.name
+
+    @property
+    def nonce(self) -> int:
+        return self._seg.nonce
+
+    @property
+    def epoch(self) -> int:
+        return int(self._hw[W_EPOCH])
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def lock(self) -> threading.Lock:
+        """The writer lock: every writer state change holds it (re-entrant use is a bug)."""
+        return self._lock
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedCacheError(f"store {self._seg.name!r} is closed")
+
+    def _check_writer(self) -> None:
+        self._check_open()
+        if not self.is_writer:
+            raise RoleError("this is a reader: only the writer puts, hands out and evicts")
+        if self._seg.forked:
+            raise RoleError("a forked child of the writer cannot act as the writer")
+
+    # --- writer: look-ups ------------------------------------------------------------------
+    def is_cached(self, key: str) -> bool:
+        """Pure look-up: no hand-out, no change to eviction order."""
+        return key in self._index
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def keys(self) -> list[str]:
+        """Cached keys in FIFO (eviction) order, oldest first."""
+        order = {c: i for i, c in enumerate(self.ring.chunk_ids())}
+        return sorted(self._index, key=lambda k: order.get(self._index[k].id, -1))
+
+    def ref_of(self, key: str) -> ShmRef | None:
+        """The reference of a cached key, without a hand-out (for inspection and tests)."""
+        e = self._index.get(key)
+        return None if e is None else self._ref(e)
+
+    def _ref(self, e: _Entry) -> ShmRef:
+        return ShmRef(self._seg.nonce, int(self._hw[W_EPOCH]), e.address, e.id, e.length)
+
+    # --- writer: put -------------------------------------------------------------------------
+    def plan(self, value: object) -> EncodePlan:
+        """Serialise the structure (no array bytes copied) and check the size limit."""
+        plan = self.serde.plan(value)
+        if plan.nbytes > self.max_object_bytes:
+            raise ObjectTooLargeError(
+                f"object of {plan.nbytes} bytes exceeds max_object_bytes={self.max_object_bytes}"
+            )
+        return plan
+
+    def put(self, key: str, value: object, *, wait_for_space: float | None = None) -> ShmRef:
+        """Store ``value`` under ``key`` and return its first hand-out.
+
+        ``ObjectTooLargeError`` (before any copy), ``DuplicateKeyError``, or ``CacheFullError``
+        when no room exists even after evicting every free item and waiting ``wait_for_space``
+        seconds (default: the config's, 0 for a store created without one).
+        """
+        with self._lock:
+            res = self.reserve(key, self.plan(value), wait_for_space=wait_for_space)
+        try:
+            self.write_reserved(res)
+        except BaseException:
+            with self._lock:
+                self.abort(res)
+            raise
+        with self._lock:
+            return self.commit(res)
+
+    def reserve(
+        self, key: str, plan: EncodePlan, *, wait_for_space: float | None = None
+    ) -> Reservation:
+        """Allocate a chunk for ``plan`` (evicting FIFO as needed). Hold :attr:`lock`."""
+        self._check_writer()
+        if not isinstance(key, str):
+            raise TypeError(f"keys are str, not {type(key).__name__}")
+        if key in self._index or key in self._pending:
+            raise DuplicateKeyError(f"key {key!r} is already cached")
+        if plan.nbytes > self.max_object_bytes:
+            raise ObjectTooLargeError(
+                f"object of {plan.nbytes} bytes exceeds max_object_bytes={self.max_object_bytes}"
+            )
+        if wait_for_space is None:
+            wait_for_space = self._config.wait_for_space if self._config else 0.0
+        self._make_room(plan.nbytes, wait_for_space)
+        address, cid = self.ring.allocate(plan.nbytes)
+        res = Reservation(key, address, cid, plan)
+        self._pending[key] = res
+        self._publish_usage()
+        return res
+
+    def write_reserved(self, res: Reservation) -> None:
+        """Copy the value into its chunk. Touches only that chunk: no lock needed."""
+        self.serde.write(res.plan, self.ring.payload(res.address))
+
+    def commit(self, res: Reservation) -> ShmRef:
+        """Publish a written chunk, index it and take the first hand-out. Hold :attr:`lock`."""
+        if res.done:
+            raise ShmCacheError("reservation already finished")
+        res.done = True
+        del self._pending[res.key]
+        if self._closed:
+            raise ClosedCacheError("store closed during the put")
+        self.ring.commit(res.address)
+        e = _Entry(res.key, res.address, res.id, res.plan.nbytes)
+        self._index[res.key] = e
+        self._by_id[res.id] = e
+        self._publish_usage()
+        return self._hand_out(e)
+
+    def abort(self, res: Reservation) -> None:
+        """Abandon a reservation whose copy failed or was cancelled. Hold :attr:`lock`."""
+        if res.done:
+            return
+        res.done = True
+        self._pending.pop(res.key, None)
+        if not self._closed:
+            self.ring.abandon(res.address)
+
+    def is_pending(self, key: str) -> bool:
+        return key in self._pending
+
+    # --- writer: hand-outs, pins, release -------------------------------------------------
+    def get_cached(self, key: str) -> ShmRef | None:
+        """A new hand-out of a cached key, or None if it is not cached."""
+        self._check_writer()
+        e = self._index.get(key)
+        return None if e is None else self._hand_out(e)
+
+    def _hand_out(self, e: _Entry) -> ShmRef:
+        now = time.monotonic()
+        if self.one_of_n:
+            e.debt += 1
+        else:
+            self._sync_sessions()
+            for st in self._slots:
+                s = st.session
+                if s and st.alive:
+                    c = e.owed.get(s, 0)
+                    if not c:
+                        e.owed_since[s] = now
+                    e.owed[s] = c + 1
+                    e.debt += 1
+                    self._owed_by_session[s] = self._owed_by_session.get(s, 0) + 1
+        e.handouts += 1
+        e.releasable += 1
+        e.touched = False
+        e.last_handout = now
+        self._undrained += 1
+        if self._undrained * 2 >= self.readers.log_entries:
+            self.drain()
+        return self._ref(e)
+
+    def touch(self, key: str) -> bool:
+        """Protect a cached key from eviction until its next hand-out (no debt)."""
+        self._check_writer()
+        e = self._index.get(key)
+        if e is None:
+            return False
+        e.touched = True
+        return True
+
+    def pin(self, key: str) -> bool:
+        """Request-scoped pin (counted); pair with :meth:`unpin`."""
+        e = self._index.get(key)
+        if e is None:
+            return False
+        e.pins += 1
+        return True
+
+    def unpin(self, key: str) -> None:
+        e = self._index.get(key)
+        if e is not None and e.pins > 0:
+            e.pins -= 1
+
+    @contextlib.contextmanager
+    def pinned(self, keys: list[str]) -> Iterator[list[str]]:
+        """Pin the cached ones of ``keys`` for the block; yields the keys pinned."""
+        done = [k for k in keys if self.pin(k)]
+        try:
+            yield done
+        finally:
+            for k in done:
+                self.unpin(k)
+
+    def release(self, ref: ShmRef) -> bool:
+        """Undo one hand-out that never reached the readers. False if unknown or none left."""
+        self._check_writer()
+        e = self._by_id.get(ref.id) if isinstance(ref, ShmRef) else None
+        if e is None or ref.nonce != self._seg.nonce or e.address != ref.address or e.releasable <= 0:
+            return False
+        e.releasable -= 1
+        if self.one_of_n:
+            if e.debt > 0:
+                e.debt -= 1
+        else:
+            for s, c in list(e.owed.items()):
+                if c > 0:
+                    self._settle(e, s, 1)
+        return True
+
+    def _settle(self, e: _Entry, session: int, n: int) -> None:
+        c = e.owed.get(session, 0)
+        n = min(n, c)
+        if not n:
+            return
+        if c - n:
+            e.owed[session] = c - n
+        else:
+            del e.owed[session]
+            e.owed_since.pop(session, None)
+        e.debt -= n
+        self._owed_by_session[session] = self._owed_by_session.get(session, 0) - n
+
+    def invalidate(self, key: str) -> bool:
+        """Forget ``key``: it is no longer handed out; its chunk is freed once its debts settle."""
+        self._check_writer()
+        e = self._index.pop(key, None)
+        if e is None:
+            return False
+        e.pins = 0
+        e.touched = False
+        self._publish_usage()
+        return True
+
+    # --- writer: readers' acknowledgements and liveness -----------------------------------
+    def _sync_sessions(self) -> None:
+        """Notice slots whose session changed (attach, close, a replacement after a death)."""
+        t = self.readers
+        for slot, st in enumerate(self._slots):
+            s = t.word(slot, R_SESSION)
+            if s == st.session:
+                continue
+            if st.session:
+                self._drop_session(st.session)
+            st.session = s
+            st.alive = s != 0
+            st.revoked = 0
+            if not self.one_of_n:
+                st.cursor = t.word(slot, R_START)
+                t.set_word(slot, W_CONSUMED, st.cursor)
+
+    def _drop_session(self, session: int) -> None:
+        """A reader died, closed or was revoked: it owes nothing any more."""
+        self._owed_by_session.pop(session, None)
+        if not self.one_of_n:
+            for e in self._by_id.values():
+                c = e.owed.get(session)
+                if c:
+                    del e.owed[session]
+                    e.owed_since.pop(session, None)
+                    e.debt -= c
+
+    def drain(self) -> int:
+        """Apply every acknowledgement written since the last drain; returns how many."""
+        t = self.readers
+        n_total = 0
+        self._undrained = 0
+        for slot, st in enumerate(self._slots):
+            for _ in range(3):
+                s = t.word(slot, R_SESSION)
+                if s != st.session:
+                    self._sync_sessions()
+                head = t.word(slot, R_HEAD)
+                if t.word(slot, R_SESSION) == st.session:
+                    break
+            else:
+                continue
+            cur = st.cursor
+            if head == cur:
+                continue
+            n = head - cur
+            if n < 0 or n > t.log_entries:  # a corrupted slot: never trust it
+                log.warning("reader slot %d has an inconsistent log; ignoring it", slot)
+                st.cursor = head
+                t.set_word(slot, W_CONSUMED, head)
+                continue
+            logv = t.log_view(slot)
+            ids = [int(logv[k % t.log_entries]) for k in range(cur, head)]
+            logv.release()
+            by_id = self._by_id
+            if self.one_of_n:
+                for cid in ids:
+                    e = by_id.get(cid)
+                    if e is not None and e.debt > 0:
+                        e.debt -= 1
+            elif st.session and st.alive:
+                for cid in ids:
+                    e = by_id.get(cid)
+                    if e is not None:
+                        self._settle(e, st.session, 1)
+            st.cursor = head
+            t.set_word(slot, W_CONSUMED, head)
+            t.set_word(slot, W_OWED, max(0, self._owed_by_session.get(st.session, 0)))
+            n_total += n
+        return n_total
+
+    def _probe_debtors(self, e: _Entry) -> bool:
+        """Probe the readers owing ``e``; drop dead ones, revoke stuck ones. True if any dropped."""
+        changed = False
+        now = time.monotonic()
+        evict_after = self._config.evict_stuck_readers_after if self._config else None
+        for slot, st in enumerate(self._slots):
+            s = st.session
+            if not s or not st.alive or s not in e.owed:
+                continue
+            if not self.readers.probe(slot):
+                log.info("reader slot %d (pid %d) is dead: dropping its debts", slot,
+                         self.readers.word(slot, R_PID))
+                st.alive = False
+                self._drop_session(s)
+                changed = True
+            elif evict_after is not None and now - e.owed_since.get(s, now) > evict_after:
+                log.warning("reader slot %d is stuck for %.1f s: revoking it", slot, evict_after)
+                self.readers.set_word(slot, W_REVOKED, s)
+                st.alive = False
+                st.revoked = s
+                self._drop_session(s)
+                changed = True
+        return changed
+
+    def _is_free(self, cid: int) -> bool:
+        e = self._by_id.get(cid)
+        if e is None:
+            return True
+        if e.pins or e.touched and self._index.get(e.key) is e:
+            return False
+        if e.debt <= 0:
+            return True
+        return self.one_of_n and time.monotonic() - e.last_handout > self.handout_ttl
+
+    def is_freeable(self, key: str) -> bool:
+        """Whether ``key``'s chunk could be evicted now (after draining acknowledgements)."""
+        self.drain()
+        e = self._index.get(key)
+        return e is not None and self._is_free(e.id)
+
+    def _forget(self, freed: list[int]) -> None:
+        for cid in freed:
+            e = self._by_id.pop(cid, None)
+            if e is None:
+                continue
+            if e.debt > 0 and not self.one_of_n:
+                for s, c in e.owed.items():
+                    self._owed_by_session[s] = self._owed_by_session.get(s, 0) - c
+            if self._index.get(e.key) is e:
+                del self._index[e.key]
+                self.evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(e.key)
+        self._publish_usage()
+
+    def evict(self, nbytes: int = 0) -> list[str]:
+        """Free free chunks from the head (all of them, or until ``nbytes`` fit)."""
+        self._check_writer()
+        self.drain()
+        freed = self.ring.free(self._is_free, nbytes)
+        keys = [self._by_id[c].key for c in freed if c in self._by_id]
+        self._forget(freed)
+        return keys
+
+    def _make_room(self, nbytes: int, wait_for_space: float) -> None:
+        ring = self.ring
+        if chunk_size(nbytes) > ring.capacity:
+            raise CacheFullError(f"{nbytes} bytes can never fit a {ring.capacity}-byte ring")
+        deadline = time.monotonic() + wait_for_space
+        waiting = False
+        try:
+            while True:
+                if ring.fits(nbytes):
+                    return
+                self.drain()
+                self._forget(ring.free(self._is_free, nbytes))
+                if ring.fits(nbytes):
+                    return
+                head = self._by_id.get(ring.chunk_ids()[0]) if ring.n_chunks else None
+                if head is not None and head.debt > 0 and self._probe_debtors(head):
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CacheFullError(
+                        f"no room for {nbytes} bytes: the oldest item is "
+                        + ("pinned" if head is not None and (head.pins or head.touched)
+                           else "still owed to readers")
+                    )
+                if not waiting:
+                    waiting = True
+                    self._hw[W_WAITING] = 1
+                    continue  # re-check once after raising the flag: no lost wake-up
+                self._wait(min(remaining, WAIT_POLL))
+        finally:
+            if waiting:
+                self._hw[W_WAITING] = 0
+
+    def _wait(self, timeout: float) -> None:
+        self.wakeups += 1
+        try:
+            self._sem.acquire(timeout)
+        except posix_ipc.BusyError:
+            return
+        # absorb posts that piled up while we were not waiting
+        with contextlib.suppress(posix_ipc.BusyError):
+            while True:
+                self._sem.acquire(0)
+
+    def _publish_usage(self) -> None:
+        hw = self._hw
+        hw[W_BYTES_USED] = self.ring.used_bytes
+        hw[W_ITEMS] = len(self._index)
+        hw[W_EVICTIONS] = self.evictions
+
+    def clear(self) -> int:
+        """Drop every item: a new epoch makes every older reference stale. Returns items dropped."""
+        self._check_writer()
+        n = len(self._index)
+        freed = self.ring.clear()
+        for cid in freed:
+            self._by_id.pop(cid, None)
+        self._index.clear()
+        for s in list(self._owed_by_session):
+            self._owed_by_session[s] = 0
+        self._publish_usage()
+        return n
+
+    def reader_info(self) -> list[ReaderSlotInfo]:
+        return reader_slots_info(self.readers, probe=True)
+
+    # --- reader: get --------------------------------------------------------------------------
+    def check_writer(self) -> None:
+        """``WriterGoneError`` if the writer closed or died (probed at most every 0.25 s)."""
+        if self._hw[W_STATE] != STATE_LIVE:
+            raise WriterGoneError(f"the writer of {self._seg.name!r} closed the cache")
+        now = time.monotonic()
+        if now - self._last_writer_probe > self._probe_interval:
+            if not self._seg.writer_alive():
+                raise WriterGoneError(f"the writer of {self._seg.name!r} died")
+            self._last_writer_probe = now
+
+    def _check_reader(self) -> ReaderSlot:
+        self._check_open()
+        slot = self.slot
+        if self._seg.forked:
+            raise RoleError("a forked child cannot use its parent's reader slot; attach anew")
+        if slot is None:
+            raise RoleError("this store is the writer; attach a reader to read with acknowledgement")
+        self.check_writer()
+        slot.check_revoked()
+        return slot
+
+    def validate(self, ref: object) -> ShmRef:
+        """Check a reference against this segment without reading it (typed errors)."""
+        r, view = self._resolve(ref)
+        view.release()
+        return r
+
+    def _resolve(self, ref: object) -> tuple[ShmRef, memoryview]:
+        self._check_open()
+        r = ref if isinstance(ref, ShmRef) else ShmRef.from_dict(ref)
+        if r.nonce != self._seg.nonce:
+            raise InvalidReferenceError("reference belongs to another cache (nonce mismatch)")
+        epoch = self._hw[W_EPOCH]
+        if r.epoch != epoch:
+            if r.epoch < epoch:
+                raise StaleReferenceError(f"reference is from before clear (epoch {r.epoch} < {epoch})")
+            raise InvalidReferenceError(f"reference epoch {r.epoch} is in the future")
+        return r, self.ring.access(r.address, r.id, r.length)
+
+    def get(self, ref: ShmRef | dict[str, Any], *, copy: bool = True) -> Any:
+        """Read a reference; a reader acknowledges it once the copy is verified.
+
+        With ``copy=False`` the arrays are read-only views into shared memory and nothing is
+        acknowledged: call :meth:`ack` when done (a ``lease`` does this for you).
+        """
+        if self.is_writer:
+            r, view = self._resolve(ref)
+            with view:
+                return self.serde.read(view, copy=True)
+        slot = self._check_reader()
+        r, view = self._resolve(ref)
+        try:
+            value = self.serde.read(view, copy=copy)
+        except ShmCacheError:
+            self.ring.verify(r.address, r.id)  # torn: stale; intact but undecodable: re-raise
+            raise
+        finally:
+            if copy:
+                view.release()  # zero-copy arrays keep exporting it
+        self.ring.verify(r.address, r.id)
+        slot.check_revoked()
+        if copy:
+            self._ack(slot, r.id)
+        return value
+
+    def ack(self, ref: ShmRef) -> None:
+        """Acknowledge a reference read with ``copy=False`` after re-verifying it."""
+        slot = self._check_reader()
+        self.ring.verify(ref.address, ref.id)
+        self._ack(slot, ref.id)
+
+    def _ack(self, slot: ReaderSlot, cid: int) -> None:
+        slot.ack(cid)
+        if self._hw[W_WAITING]:
+            self._post_wake()
+
+    def _post_wake(self) -> None:
+        try:
+            if self._sem is None:
+                self._sem = posix_ipc.Semaphore(semaphore_name(self._seg.name, self._seg.nonce))
+            self._sem.release()
+        except (posix_ipc.ExistentialError, OSError):
+            pass  # the writer is gone or has not created it: waking is best-effort by design
+
+    # --- lifetime -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Idempotent. The writer unlinks the segment and its semaphore; a reader frees its slot."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.slot is not None:
+            self.slot.close()
+        if self._sem is not None:
+            with contextlib.suppress(posix_ipc.ExistentialError, OSError):
+                if self.is_writer and not self._seg.forked:
+                    self._sem.unlink()
+            with contextlib.suppress(posix_ipc.ExistentialError, OSError):
+                self._sem.close()
+        self._index.clear()
+        self._by_id.clear()
+        self.readers.release()
+        self.ring.close()
+
+    def __enter__(self) -> ShmObjectStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def reader_slots_info(table: ReaderTable, *, probe: bool) -> list[ReaderSlotInfo]:
+    """Every reader slot as seen from outside: session, pid, liveness, lag."""
+    out = []
+    for slot in range(table.n_slots):
+        session = table.word(slot, R_SESSION)
+        alive = bool(session) and probe and table.probe(slot)
+        out.append(
+            ReaderSlotInfo(
+                slot=slot,
+                attached=bool(session),
+                alive=alive,
+                pid=table.word(slot, R_PID) if session else 0,
+                acknowledged=table.word(slot, R_HEAD) - table.word(slot, R_START) if session else 0,
+                lag=table.word(slot, W_OWED) if session else 0,
+                revoked=bool(session) and table.word(slot, W_REVOKED) == session,
+            )
+        )
+    return out

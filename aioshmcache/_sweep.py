@@ -1,0 +1,62 @@
+"""Orphan removal: segments whose writer died (SIGKILL, OOM) are unlinked by ``sweep``.
+
+A segment is an orphan exactly when nobody holds its writer lock (byte 0, an OFD lock the kernel
+releases when the writer dies). A live writer's segment is never touched, nor a file of another
+user. Wake-up semaphores (``sem.aioshm-...``) whose segment is gone are removed too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+
+from ._segment import SHM_DIR, list_segments, ofd_probe
+from ._types import SEGMENT_PREFIX
+
+__all__ = ["sweep"]
+
+
+def _writer_dead(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return False
+        return not ofd_probe(fd, 0)
+    finally:
+        os.close(fd)
+
+
+def sweep(*, dry_run: bool = False) -> list[str]:
+    """Remove every ``aioshm-`` segment whose writer is dead; returns the names removed."""
+    removed: list[str] = []
+    for name in list_segments():
+        path = os.path.join(SHM_DIR, name)
+        if _writer_dead(path):
+            if not dry_run:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            removed.append(name)
+    live = set(list_segments()) if not dry_run else set(list_segments()) - set(removed)
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        names = []
+    for n in names:
+        if not n.startswith("sem." + SEGMENT_PREFIX):
+            continue
+        seg = n[4:].split(".", 1)[0]
+        if seg in live:
+            continue
+        path = os.path.join(SHM_DIR, n)
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            if not dry_run:
+                os.unlink(path)
+            removed.append(n)
+    return removed

@@ -1,0 +1,268 @@
+"""Plain value types: configuration, handles, references, features and statistics.
+
+Everything here is small, immutable where it crosses a process boundary, and free of pickle-only
+state: a ``CacheHandle`` and a ``ShmRef`` go through msgpack, JSON or pickle (``to_dict`` /
+``from_dict``). ``from_dict`` validates types and ranges and raises ``InvalidReferenceError`` for
+anything that is not a well-formed reference, so a dict read off a socket cannot smuggle in a
+negative address or a string id.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .errors import InvalidReferenceError
+
+__all__ = [
+    "CacheConfig",
+    "CacheHandle",
+    "CacheInfo",
+    "CacheSnapshot",
+    "Delivery",
+    "FeatureSpec",
+    "ReaderSlotInfo",
+    "ShmRef",
+]
+
+Delivery = Literal["broadcast", "one_of_n"]
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+SEGMENT_PREFIX = "aioshm-"
+_U64 = (1 << 64) - 1
+_MiB = 1 << 20
+
+
+def segment_name(name: str) -> str:
+    """Normalise a user name to a segment name under /dev/shm (``aioshm-<name>``)."""
+    if not isinstance(name, str):
+        raise TypeError(f"segment name must be a str, not {type(name).__name__}")
+    bare = name[1:] if name.startswith("/") else name
+    if not bare.startswith(SEGMENT_PREFIX):
+        bare = SEGMENT_PREFIX + bare
+    if not _NAME_RE.match(bare):
+        raise ValueError(f"invalid segment name {name!r}: use letters, digits, '_', '.', '-'")
+    return bare
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """What a writer creates: ring size, object limit, reader slots and policies.
+
+    ``capacity_bytes`` is the ring's payload capacity (chunk headers included, the segment header
+    and the reader table come on top). ``max_object_bytes`` bounds one serialized object
+    (structure header, array bytes and alignment padding). ``n_readers`` is the number of reader
+    slots. ``delivery`` is ``"broadcast"`` (every attached reader reads every hand-out) or
+    ``"one_of_n"`` (one reader of a pool reads each hand-out; an unread one expires after
+    ``handout_ttl`` seconds). ``evict_stuck_readers_after`` revokes a live reader whose debt
+    blocks eviction for that long (``None``: never). ``wait_for_space`` is the default number of
+    seconds a put waits for readers to acknowledge when the ring is full (0: serve inline at once).
+    ``ack_log_entries`` is the size of each reader's acknowledgement log.
+    """
+
+    capacity_bytes: int
+    max_object_bytes: int
+    n_readers: int
+    name: str | None = field(default=None, kw_only=True)
+    delivery: Delivery = field(default="broadcast", kw_only=True)
+    handout_ttl: float = field(default=30.0, kw_only=True)
+    evict_stuck_readers_after: float | None = field(default=None, kw_only=True)
+    wait_for_space: float = field(default=0.0, kw_only=True)
+    ack_log_entries: int = field(default=16384, kw_only=True)
+    writer_probe_interval: float = field(default=0.25, kw_only=True)
+    prefault: bool = field(default=True, kw_only=True)
+
+    def __post_init__(self) -> None:
+        def _int(name: str, value: object, low: int, high: int) -> None:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an int, not {type(value).__name__}")
+            if not low <= value <= high:
+                raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+        def _secs(name: str, value: object, *, positive: bool) -> None:
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number of seconds")
+            if not math.isfinite(value) or value < 0 or (positive and value == 0):
+                raise ValueError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, got {value}")
+
+        _int("capacity_bytes", self.capacity_bytes, 4096, 1 << 46)
+        _int("max_object_bytes", self.max_object_bytes, 1, 1 << 46)
+        _int("n_readers", self.n_readers, 1, 256)
+        _int("ack_log_entries", self.ack_log_entries, 64, 1 << 24)
+        if self.max_object_bytes + 64 > self.capacity_bytes:
+            raise ValueError(
+                f"max_object_bytes ({self.max_object_bytes}) plus a 64-byte chunk header must fit "
+                f"in capacity_bytes ({self.capacity_bytes})"
+            )
+        if self.delivery not in ("broadcast", "one_of_n"):
+            raise ValueError(f"delivery must be 'broadcast' or 'one_of_n', got {self.delivery!r}")
+        _secs("handout_ttl", self.handout_ttl, positive=True)
+        _secs("wait_for_space", self.wait_for_space, positive=False)
+        _secs("writer_probe_interval", self.writer_probe_interval, positive=True)
+        if self.evict_stuck_readers_after is not None:
+            _secs("evict_stuck_readers_after", self.evict_stuck_readers_after, positive=True)
+        if self.name is not None:
+            segment_name(self.name)
+
+    @classmethod
+    def from_gb(
+        cls, cache_gb: float, max_object_mb: float, n_readers: int, **kwargs: Any
+    ) -> CacheConfig:
+        """Mirror vLLM's ``mm_processor_cache_gb`` / ``mm_shm_cache_max_object_size_mb``."""
+        if not isinstance(cache_gb, (int, float)) or not math.isfinite(cache_gb) or cache_gb <= 0:
+            raise ValueError(f"cache_gb must be a positive number, got {cache_gb!r}")
+        if not isinstance(max_object_mb, (int, float)) or not math.isfinite(max_object_mb) or max_object_mb <= 0:
+            raise ValueError(f"max_object_mb must be a positive number, got {max_object_mb!r}")
+        return cls(int(cache_gb * (1 << 30)), int(max_object_mb * _MiB), n_readers, **kwargs)
+
+
+def _check_u64(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _U64:
+        raise InvalidReferenceError(f"reference field {name!r} must be an unsigned 64-bit int")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class CacheHandle:
+    """All a reader needs to attach: segment name, its nonce and layout version."""
+
+    name: str
+    nonce: int
+    layout_version: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "nonce": self.nonce, "layout_version": self.layout_version}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CacheHandle:
+        if not isinstance(data, Mapping):
+            raise InvalidReferenceError("a cache handle must be a mapping")
+        try:
+            name, nonce, version = data["name"], data["nonce"], data["layout_version"]
+        except KeyError as exc:
+            raise InvalidReferenceError(f"cache handle is missing {exc.args[0]!r}") from None
+        if not isinstance(name, str):
+            raise InvalidReferenceError("cache handle name must be a str")
+        return cls(segment_name(name), _check_u64("nonce", nonce), _check_u64("layout_version", version))
+
+
+_REF_FIELDS = ("nonce", "epoch", "address", "id", "length")
+
+
+@dataclass(frozen=True, slots=True)
+class ShmRef:
+    """The reference a reader gets instead of the data.
+
+    ``nonce`` names the segment instance, ``epoch`` the clear generation, ``address`` the chunk's
+    offset in the ring, ``id`` its 64-bit generation and ``length`` the payload size. Every field
+    is checked by the reader against the chunk header before and after the copy.
+    """
+
+    nonce: int
+    epoch: int
+    address: int
+    id: int
+    length: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "nonce": self.nonce,
+            "epoch": self.epoch,
+            "address": self.address,
+            "id": self.id,
+            "length": self.length,
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> ShmRef:
+        """Build a reference from a mapping, validating every field (``InvalidReferenceError``)."""
+        if isinstance(data, ShmRef):
+            return data
+        if not isinstance(data, Mapping):
+            raise InvalidReferenceError(f"a reference must be a mapping, not {type(data).__name__}")
+        missing = [f for f in _REF_FIELDS if f not in data]
+        if missing:
+            raise InvalidReferenceError(f"reference is missing fields: {', '.join(missing)}")
+        extra = set(data) - set(_REF_FIELDS)
+        if extra:
+            raise InvalidReferenceError(f"reference has unknown fields: {', '.join(sorted(map(str, extra)))}")
+        return cls(*(_check_u64(f, data[f]) for f in _REF_FIELDS))
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureSpec:
+    """One multimodal item of a request.
+
+    ``data`` is the item (a mapping of field name to nested arrays), a ``ShmRef`` standing for it,
+    or ``None`` (the sender believes the receiver side can resolve the hash).
+    """
+
+    mm_hash: str
+    data: Any
+    identifier: str | None = field(default=None, kw_only=True)
+    prompt_updates: Sequence[Any] = field(default=(), kw_only=True)
+
+    def with_data(self, data: Any) -> FeatureSpec:
+        return FeatureSpec(
+            self.mm_hash, data, identifier=self.identifier, prompt_updates=self.prompt_updates
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheInfo:
+    """Hit counters; subtraction gives the delta between two readings."""
+
+    hits: int
+    total: int
+
+    @property
+    def misses(self) -> int:
+        return self.total - self.hits
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits / self.total if self.total else 0.0
+
+    def __sub__(self, other: CacheInfo) -> CacheInfo:
+        return CacheInfo(self.hits - other.hits, self.total - other.total)
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderSlotInfo:
+    """One reader slot as the writer sees it."""
+
+    slot: int
+    attached: bool
+    alive: bool
+    pid: int
+    acknowledged: int
+    lag: int
+    revoked: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSnapshot:
+    """What an operator watches."""
+
+    name: str
+    hits: int
+    misses: int
+    inline_too_large: int
+    inline_full: int
+    evictions: int
+    bytes_used: int
+    items: int
+    capacity_bytes: int
+    epoch: int
+    readers: tuple[ReaderSlotInfo, ...]
+
+    @property
+    def total(self) -> int:
+        return self.hits + self.misses
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits / self.total if self.total else 0.0

@@ -1,0 +1,109 @@
+"""Error types shared by every layer, the sync caches and the asyncio facade.
+
+All errors derive from :class:`ShmCacheError`. Some also mix in the builtin that a caller would
+naturally catch (``ValueError`` for bad input, ``FileExistsError`` / ``FileNotFoundError`` for
+segment names). No error derives from ``MemoryError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = [
+    "CacheFullError",
+    "CacheMissError",
+    "ClosedCacheError",
+    "DuplicateKeyError",
+    "InvalidReferenceError",
+    "ObjectTooLargeError",
+    "ReaderEvictedError",
+    "ReaderLimitError",
+    "RoleError",
+    "SegmentExistsError",
+    "SegmentNotFoundError",
+    "SerdeError",
+    "ShmCacheError",
+    "ShmSpaceError",
+    "StaleReferenceError",
+    "WriterGoneError",
+]
+
+
+class ShmCacheError(Exception):
+    """Base class of every error raised by aioshmcache."""
+
+
+class CacheFullError(ShmCacheError):
+    """No room in the ring, even after evicting every freeable item (and waiting, if asked)."""
+
+
+class ObjectTooLargeError(ShmCacheError, ValueError):
+    """The serialized object is larger than ``max_object_bytes`` (checked before any copy)."""
+
+
+class DuplicateKeyError(ShmCacheError, ValueError):
+    """``put`` of a key that is already cached."""
+
+
+class InvalidReferenceError(ShmCacheError, ValueError):
+    """A reference that was never valid here: forged, out of bounds, or from another segment."""
+
+
+class StaleReferenceError(ShmCacheError):
+    """A reference that was valid once, but its chunk was evicted, reused or cleared."""
+
+
+class CacheMissError(ShmCacheError, KeyError):
+    """Items the cache no longer holds; ``mm_hashes`` lists them (the drift-recovery signal).
+
+    The writer answers it with ``invalidate`` and a resend of the data.
+    """
+
+    def __init__(
+        self, mm_hashes: Iterable[str], message: str | None = None, *, features: object = None
+    ) -> None:
+        self.mm_hashes: tuple[str, ...] = tuple(mm_hashes)
+        #: the receiver's partial result (valid references read, stale ones ``None``), if any
+        self.features: object = features
+        if message is None:
+            message = f"not cached (resend with data): {', '.join(map(str, self.mm_hashes))}"
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class WriterGoneError(ShmCacheError):
+    """The writer process died or closed the segment."""
+
+
+class ReaderEvictedError(ShmCacheError):
+    """This reader was revoked by the writer (it was stuck past ``evict_stuck_readers_after``)."""
+
+
+class ReaderLimitError(ShmCacheError):
+    """Every reader slot of the segment is taken."""
+
+
+class ClosedCacheError(ShmCacheError):
+    """The cache (or store, or segment) was closed."""
+
+
+class SegmentExistsError(ShmCacheError, FileExistsError):
+    """A segment of that name already exists."""
+
+
+class SegmentNotFoundError(ShmCacheError, FileNotFoundError):
+    """No segment of that name (or it is not an aioshmcache segment)."""
+
+
+class ShmSpaceError(ShmCacheError, OSError):
+    """Not enough space in /dev/shm to reserve the segment at creation."""
+
+
+class RoleError(ShmCacheError):
+    """A writer-only method was called on a reader (or in a forked child of the writer)."""
+
+
+class SerdeError(ShmCacheError, ValueError):
+    """A value cannot be encoded, or bytes are not in our format (decoding is refused)."""
