@@ -111,7 +111,8 @@ def ofd_unlock(fd: int, byte: int) -> None:
 def ofd_probe(fd: int, byte: int) -> bool:
     """True when some *other* open file description holds a lock on ``byte`` (its owner lives)."""
     res = fcntl.fcntl(fd, _F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0))
-    return _FLOCK.unpack(res)[0] != fcntl.F_UNLCK
+    kind: int = _FLOCK.unpack(res)[0]
+    return kind != fcntl.F_UNLCK
 
 
 class Layout:

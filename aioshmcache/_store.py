@@ -162,6 +162,8 @@ class ShmObjectStore:
         self._index: dict[str, _Entry] = {}
         self._by_id: dict[int, _Entry] = {}
         self._pending: dict[str, Reservation] = {}
+        self._waiting_keys: set[str] = set()
+        self._waiters = 0  # threads asleep in _wait (they own the semaphore handle then)
         self._slots = [SlotState() for _ in range(self.readers.n_slots)]
         self._owed_by_session: dict[int, int] = {}
         self._undrained = 0
@@ -319,7 +321,7 @@ class ShmObjectStore:
         self._check_writer()
         if not isinstance(key, str):
             raise TypeError(f"keys are str, not {type(key).__name__}")
-        if key in self._index or key in self._pending:
+        if self.is_pending(key) or key in self._index:
             raise DuplicateKeyError(f"key {key!r} is already cached")
         if plan.nbytes > self.max_object_bytes:
             raise ObjectTooLargeError(
@@ -327,7 +329,12 @@ class ShmObjectStore:
             )
         if wait_for_space is None:
             wait_for_space = self._config.wait_for_space if self._config else 0.0
-        self._make_room(plan.nbytes, wait_for_space)
+        self._waiting_keys.add(key)  # the lock may be let go while waiting: claim the key
+        try:
+            self._make_room(plan.nbytes, wait_for_space)
+        finally:
+            self._waiting_keys.discard(key)
+        self._check_writer()  # closed while we waited?
         address, cid = self.ring.allocate(plan.nbytes)
         res = Reservation(key, address, cid, plan)
         self._pending[key] = res
@@ -363,7 +370,8 @@ class ShmObjectStore:
             self.ring.abandon(res.address)
 
     def is_pending(self, key: str) -> bool:
-        return key in self._pending
+        """A put of ``key`` is in progress (allocated, or waiting for room)."""
+        return key in self._pending or key in self._waiting_keys
 
     # --- writer: hand-outs, pins, release -------------------------------------------------
     def get_cached(self, key: str) -> ShmRef | None:
@@ -634,19 +642,34 @@ class ShmObjectStore:
                     continue  # re-check once after raising the flag: no lost wake-up
                 self._wait(min(remaining, WAIT_POLL))
         finally:
-            if waiting:
+            if waiting and not self._closed:
                 self._hw[W_WAITING] = 0
 
     def _wait(self, timeout: float) -> None:
+        """Sleep until a reader posts (or ``timeout``), letting go of the writer lock meanwhile.
+
+        Callers of :meth:`reserve` hold :attr:`lock`; releasing it while asleep lets hits and
+        other puts go on (the waiting loop re-checks everything after waking).
+        """
         self.wakeups += 1
+        sem = self._sem
+        self._waiters += 1
+        self._lock.release()
         try:
-            self._sem.acquire(timeout)
+            sem.acquire(timeout)
+            # absorb posts that piled up while we were not waiting
+            with contextlib.suppress(posix_ipc.BusyError):
+                while True:
+                    sem.acquire(0)
         except posix_ipc.BusyError:
-            return
-        # absorb posts that piled up while we were not waiting
-        with contextlib.suppress(posix_ipc.BusyError):
-            while True:
-                self._sem.acquire(0)
+            pass
+        finally:
+            self._lock.acquire()
+            self._waiters -= 1
+            if self._closed and not self._waiters:  # close() left the handle to us
+                with contextlib.suppress(posix_ipc.ExistentialError, OSError):
+                    sem.close()
+        self._check_writer()
 
     def _publish_usage(self) -> None:
         hw = self._hw
@@ -767,8 +790,13 @@ class ShmObjectStore:
             with contextlib.suppress(posix_ipc.ExistentialError, OSError):
                 if self.is_writer and not self._seg.forked:
                     self._sem.unlink()
-            with contextlib.suppress(posix_ipc.ExistentialError, OSError):
-                self._sem.close()
+            if self._waiters:  # wake them; the last one closes the handle (never under them)
+                for _ in range(self._waiters):
+                    with contextlib.suppress(posix_ipc.ExistentialError, OSError):
+                        self._sem.release()
+            else:
+                with contextlib.suppress(posix_ipc.ExistentialError, OSError):
+                    self._sem.close()
         self._index.clear()
         self._by_id.clear()
         self.readers.release()

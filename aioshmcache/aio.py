@@ -371,10 +371,11 @@ class AsyncSenderCache(_AsyncBase):
             item = _split_item_async(mm_items[i])
             with store.lock:
                 # the store releases its lock while it sleeps on the readers' semaphore
-                res = sender._reserve_locked(item, hashes[i], wait)
-                if res is None:
+                waited = sender._reserve_locked(item, hashes[i], wait)
+                if waited is None:
                     out[i] = item
                     continue
+                res = waited
             try:
                 store.write_reserved(res)
             except BaseException:

@@ -1,0 +1,38 @@
+"""Helpers shared by tests (importable from spawned child processes)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+SPAWN = mp.get_context("spawn")
+
+
+def checksum(arr: np.ndarray[Any, Any]) -> int:
+    return zlib.crc32(np.ascontiguousarray(arr).view(np.uint8).reshape(-1).data)
+
+
+def random_item(rng: np.random.Generator, nbytes: int) -> dict[str, Any]:
+    data = rng.integers(0, 255, size=max(1, nbytes), dtype=np.uint8)
+    return {"data": data, "crc": checksum(data)}
+
+
+def wait_until(pred: Any, timeout: float = 10.0, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return bool(pred())
+
+
+def kill_and_reap(proc: Any, sig: int = signal.SIGKILL) -> None:
+    if proc.is_alive():
+        os.kill(proc.pid, sig)
+    proc.join(10)

@@ -1,0 +1,245 @@
+"""Layer 2: the ring against a plain-Python model, wraparound, ids, and reference validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    precondition,
+    rule,
+)
+
+from aioshmcache import (
+    CacheFullError,
+    InvalidReferenceError,
+    RoleError,
+    ShmRingBuffer,
+    StaleReferenceError,
+)
+from aioshmcache._ring import CHUNK_HEADER, chunk_size
+
+CAP = 4096
+
+
+class RingModel(RuleBasedStateMachine):
+    """The ring vs a model: a FIFO of (address, size, id, payload bytes, acked)."""
+
+    chunks = Bundle("chunks")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ring = ShmRingBuffer.create(CAP, first_id=(1 << 32) - 3)  # ids cross 2**32
+        self.fifo: list[list[object]] = []  # [addr, size, id, data, acked]
+        self.last_id = 0
+        self.freed: list[tuple[int, int]] = []
+        self.rng = np.random.default_rng(0)
+
+    def teardown(self) -> None:
+        self.ring.close()
+
+    def _model_place(self, size: int) -> int | None:
+        if not self.fifo:
+            return 0 if size <= CAP else None
+        head = int(self.fifo[0][0])  # type: ignore[call-overload]
+        tail = int(self.fifo[-1][0]) + int(self.fifo[-1][1])  # type: ignore[call-overload]
+        if tail > head:
+            if CAP - tail >= size:
+                return tail
+            return 0 if head >= size else None
+        return tail if head - tail >= size else None
+
+    @rule(target=chunks, payload=st.integers(0, 1500))
+    def allocate(self, payload: int) -> object:
+        expect = self._model_place(chunk_size(payload))
+        if expect is None:
+            with pytest.raises(CacheFullError):
+                self.ring.allocate(payload)
+            return None
+        addr, cid = self.ring.allocate(payload)
+        assert addr == expect
+        assert addr % 64 == 0 and addr + chunk_size(payload) <= CAP
+        assert cid > self.last_id  # strictly increasing, never reused
+        self.last_id = cid
+        data = self.rng.integers(0, 255, payload, dtype=np.uint8).tobytes()
+        self.ring.payload(addr)[:] = data
+        self.ring.commit(addr)
+        rec: list[object] = [addr, chunk_size(payload), cid, data, False]
+        self.fifo.append(rec)
+        return rec
+
+    @rule(rec=chunks)
+    def access(self, rec: list[object] | None) -> None:
+        if rec is None:
+            return
+        addr, _size, cid, data, _acked = rec
+        assert isinstance(addr, int) and isinstance(cid, int)
+        if rec in self.fifo:
+            view = self.ring.access(addr, cid, len(data))  # type: ignore[arg-type]
+            assert bytes(view) == data
+            self.ring.verify(addr, cid)
+        else:
+            with pytest.raises((StaleReferenceError, InvalidReferenceError)):
+                self.ring.access(addr, cid)
+
+    @rule(rec=chunks)
+    def acknowledge(self, rec: list[object] | None) -> None:
+        if rec is not None:
+            rec[4] = True
+
+    @rule(n=st.integers(0, 3000))
+    def free(self, n: int) -> None:
+        acked = {r[2] for r in self.fifo if r[4]}
+        freed = self.ring.free(lambda cid: cid in acked, n)
+        expect = []
+        need = chunk_size(n) if n else 0
+        while self.fifo:
+            if need and self._model_place(need) is not None:
+                break
+            if not self.fifo[0][4]:
+                break
+            expect.append(self.fifo.pop(0)[2])
+        assert freed == expect
+
+    @precondition(lambda self: len(self.fifo) > 0)
+    @rule()
+    def clear(self) -> None:
+        epoch = self.ring.epoch
+        freed = self.ring.clear()
+        assert freed == [r[2] for r in self.fifo]
+        self.fifo.clear()
+        assert self.ring.epoch == epoch + 1
+
+    @invariant()
+    def geometry(self) -> None:
+        assert self.ring.chunk_ids() == [r[2] for r in self.fifo]
+        spans = sorted((int(r[0]), int(r[0]) + int(r[1])) for r in self.fifo)  # type: ignore[call-overload]
+        for (a0, a1), (b0, _b1) in zip(spans, spans[1:]):
+            assert a1 <= b0, "live chunks overlap"
+        assert all(0 <= a and b <= CAP for a, b in spans)
+        used = sum(int(r[1]) for r in self.fifo)  # type: ignore[call-overload]
+        assert self.ring.used_bytes >= used
+
+
+TestRingModel = RingModel.TestCase
+TestRingModel.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def test_wraparound_accounts_the_skipped_tail() -> None:
+    ring = ShmRingBuffer.create(1024)
+    try:
+        a, _ = ring.allocate(300)  # 384 bytes
+        b, _ = ring.allocate(300)  # 384 -> 768
+        assert (a, b) == (0, 384)
+        ring.commit(a)
+        ring.commit(b)
+        assert ring.free(lambda c: c == 1, 400) == [1]  # the second is not free: stops there
+        c, _ = ring.allocate(300)  # 256 left at the end: wraps to 0
+        assert c == 0
+        assert ring.used_bytes == 1024  # [384, 768) live, [768, 1024) skipped, [0, 384) live
+    finally:
+        ring.close()
+
+
+def test_reference_validation_is_typed() -> None:
+    ring = ShmRingBuffer.create(4096)
+    try:
+        addr, cid = ring.allocate(100)
+        with pytest.raises(InvalidReferenceError):  # not committed yet
+            ring.access(addr, cid)
+        ring.commit(addr)
+        assert len(ring.access(addr, cid, 100)) == 100
+        for bad in [(-64, cid), (4096, cid), (7, cid), (addr, cid + 10), (64, cid)]:
+            with pytest.raises((InvalidReferenceError, StaleReferenceError)):
+                ring.access(*bad)
+        with pytest.raises(InvalidReferenceError):
+            ring.access(addr, cid, 99)  # wrong length
+        with pytest.raises(InvalidReferenceError):
+            ring.access(addr, cid + 10)  # never issued
+        ring.free(lambda _c: True)
+        with pytest.raises(StaleReferenceError):
+            ring.access(addr, cid)
+        a2, c2 = ring.allocate(100)
+        ring.commit(a2)
+        assert a2 == addr and c2 > cid
+        with pytest.raises(StaleReferenceError):
+            ring.access(addr, cid)  # same address, reused by a newer chunk
+    finally:
+        ring.close()
+
+
+def test_reader_role_and_abandoned_chunks() -> None:
+    ring = ShmRingBuffer.create(4096)
+    try:
+        reader = ShmRingBuffer.attach(ring.handle())
+        with pytest.raises(RoleError):
+            reader.allocate(10)
+        with pytest.raises(RoleError):
+            reader.clear()
+        addr, cid = ring.allocate(64)
+        ring.abandon(addr)  # a copy that was cancelled: reclaimed in FIFO order
+        with pytest.raises(StaleReferenceError):
+            reader.access(addr, cid)
+        assert ring.free(lambda _c: False) == [cid]
+        reader.close()
+    finally:
+        ring.close()
+
+
+def test_chunk_being_written_blocks_fifo_free() -> None:
+    ring = ShmRingBuffer.create(4096)
+    try:
+        a, c = ring.allocate(64)
+        assert ring.free(lambda _c: True) == []
+        ring.commit(a)
+        assert ring.free(lambda _c: True) == [c]
+    finally:
+        ring.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(address=st.integers(-(1 << 70), 1 << 70), cid=st.integers(-(1 << 70), 1 << 70),
+       length=st.one_of(st.none(), st.integers(-(1 << 70), 1 << 70)))
+def test_forged_addresses_only_raise_typed_errors(address: int, cid: int, length: int | None) -> None:
+    ring = _shared_ring()
+    try:
+        view = ring.access(address, cid, length)
+    except (InvalidReferenceError, StaleReferenceError):
+        return
+    # only the one real chunk may be accessed
+    assert (address, cid) == _REAL and len(view) == 200
+
+
+_RING: list[ShmRingBuffer] = []
+_REAL: tuple[int, int] = (0, 0)
+
+
+def _shared_ring() -> ShmRingBuffer:
+    global _REAL
+    if not _RING:
+        r = ShmRingBuffer.create(1 << 16)
+        a, c = r.allocate(200)
+        r.commit(a)
+        _REAL = (a, c)
+        _RING.append(r)
+    return _RING[0]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_shared_ring() -> object:
+    yield None
+    for r in _RING:
+        r.close()
+    _RING.clear()
+
+
+def test_chunk_header_is_small() -> None:
+    assert CHUNK_HEADER == 64

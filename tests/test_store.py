@@ -1,0 +1,314 @@
+"""Layer 5: the object store against a model, real reader processes, and hostile references."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from aioshmcache import (
+    CacheConfig,
+    CacheFullError,
+    DuplicateKeyError,
+    InvalidReferenceError,
+    ObjectTooLargeError,
+    RoleError,
+    ShmObjectStore,
+    ShmRef,
+    StaleReferenceError,
+)
+
+from .helpers import SPAWN, checksum
+
+KEYS = [f"k{i}" for i in range(12)]
+
+
+class StoreModel(RuleBasedStateMachine):
+    """Writer + 2 in-process readers vs a model of hand-outs and acknowledgements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = ShmObjectStore.create(CacheConfig(8192, 4000, 2, ack_log_entries=64))
+        self.readers = [ShmObjectStore.from_handle(self.store.handle()) for _ in range(2)]
+        self.order: list[str] = []  # model FIFO of cached keys
+        self.data: dict[str, bytes] = {}
+        self.owed: dict[str, list[int]] = {}  # key -> per reader unsettled hand-outs
+        self.refs: dict[str, ShmRef] = {}
+        self.touched: set[str] = set()
+        self.releasable: dict[str, int] = {}
+
+    def teardown(self) -> None:
+        for r in self.readers:
+            r.close()
+        self.store.close()
+
+    def _free(self, k: str) -> bool:
+        return not any(self.owed[k]) and k not in self.touched
+
+    def _sync_evictions(self, before: list[str]) -> None:
+        now = set(self.store.keys())
+        gone = [k for k in before if k not in now]
+        assert gone == before[: len(gone)], "eviction is not FIFO"
+        for k in gone:
+            assert self._free(k), f"{k} evicted while owed {self.owed[k]} / touched"
+            self.order.remove(k)
+            del self.owed[k], self.data[k], self.refs[k]
+            self.touched.discard(k)
+
+    @rule(key=st.sampled_from(KEYS), size=st.integers(1, 3000))
+    def put(self, key: str, size: int) -> None:
+        blob = os.urandom(size)
+        before = list(self.order)
+        if key in self.order:
+            with pytest.raises(DuplicateKeyError):
+                self.store.put(key, {"b": blob})
+            return
+        try:
+            ref = self.store.put(key, {"b": blob})
+        except CacheFullError:
+            self._sync_evictions(before)
+            assert self.order and not self._free(self.order[0]), "full although the head is free"
+            return
+        self._sync_evictions(before)
+        self.order.append(key)
+        self.data[key] = blob
+        self.owed[key] = [1, 1]
+        self.releasable[key] = 1
+        self.refs[key] = ref
+        assert self.store.keys() == self.order
+
+    @rule(key=st.sampled_from(KEYS))
+    def hand_out(self, key: str) -> None:
+        ref = self.store.get_cached(key)
+        if key not in self.order:
+            assert ref is None
+            return
+        assert ref == self.refs[key]
+        self.owed[key] = [c + 1 for c in self.owed[key]]
+        self.releasable[key] += 1
+        self.touched.discard(key)
+
+    @rule(key=st.sampled_from(KEYS), reader=st.integers(0, 1))
+    def read(self, key: str, reader: int) -> None:
+        if key not in self.order or not self.owed[key][reader]:
+            return
+        value = self.readers[reader].get(self.refs[key])
+        assert value == {"b": self.data[key]}
+        self.owed[key][reader] -= 1
+
+    @rule(key=st.sampled_from(KEYS))
+    def touch(self, key: str) -> None:
+        assert self.store.touch(key) == (key in self.order)
+        if key in self.order:
+            self.touched.add(key)
+
+    @rule(key=st.sampled_from(KEYS))
+    def release(self, key: str) -> None:
+        if key not in self.order:
+            return
+        ok = self.store.release(self.refs[key])
+        assert ok == (self.releasable[key] > 0)
+        if ok:
+            self.releasable[key] -= 1
+            self.owed[key] = [max(0, c - 1) for c in self.owed[key]]
+
+    @rule()
+    def clear(self) -> None:
+        old = dict(self.refs)
+        self.store.clear()
+        self.order.clear()
+        self.data.clear()
+        self.owed.clear()
+        self.refs.clear()
+        self.touched.clear()
+        for ref in old.values():
+            with pytest.raises(StaleReferenceError):
+                self.readers[0].get(ref)
+
+    @invariant()
+    def consistent(self) -> None:
+        assert self.store.keys() == self.order
+        for k in self.order:
+            assert self.store.is_freeable(k) == self._free(k)
+
+
+TestStoreModel = StoreModel.TestCase
+TestStoreModel.settings = settings(
+    max_examples=40, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def test_put_checks_size_before_copy_and_keys(make_config: Any) -> None:
+    with ShmObjectStore.create(make_config(1 << 16, 1 << 12, 1)) as store:
+        with pytest.raises(ObjectTooLargeError) as ei:
+            store.put("big", {"a": np.zeros(1 << 13, np.uint8)})
+        assert isinstance(ei.value, ValueError)
+        assert store.ring.n_chunks == 0  # nothing allocated
+        store.put("a", {"x": 1})
+        with pytest.raises(DuplicateKeyError):
+            store.put("a", {"x": 2})
+        with pytest.raises(TypeError):
+            store.put(1, {"x": 1})  # type: ignore[arg-type]
+
+
+def test_eviction_frees_until_contiguous_room(make_config: Any) -> None:
+    with ShmObjectStore.create(make_config(1 << 16, 40000, 1)) as store:
+        for i in range(30):  # small items, no readers attached: all free
+            store.put(f"s{i}", {"b": b"x" * 1500})
+        store.put("big", {"b": b"y" * 39000})  # needs many small ones gone, not a fixed count
+        assert "big" in store.keys()
+        assert store.evictions > 10
+
+
+def test_reader_role_errors(make_config: Any) -> None:
+    with ShmObjectStore.create(make_config()) as store:
+        reader = ShmObjectStore.from_handle(store.handle())
+        try:
+            for call in (lambda: reader.put("k", {}), lambda: reader.get_cached("k"),
+                         lambda: reader.clear(), lambda: reader.touch("k")):
+                with pytest.raises(RoleError):
+                    call()
+        finally:
+            reader.close()
+
+
+_STORE: list[ShmObjectStore] = []
+
+
+def _fuzz_store() -> tuple[ShmObjectStore, ShmObjectStore, ShmRef]:
+    if not _STORE:
+        w = ShmObjectStore.create(CacheConfig(1 << 16, 1 << 14, 1))
+        r = ShmObjectStore.from_handle(w.handle())
+        ref = w.put("real", {"a": np.arange(100)})
+        _STORE.extend([w, r])
+        _STORE.append(ref)  # type: ignore[arg-type]
+    return _STORE[0], _STORE[1], _STORE[2]  # type: ignore[return-value]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_fuzz_store() -> Any:
+    yield
+    if _STORE:
+        _STORE[1].close()
+        _STORE[0].close()
+        _STORE.clear()
+
+
+u64 = st.integers(0, (1 << 64) - 1)
+
+
+@settings(max_examples=400, deadline=None)
+@given(nonce_ok=st.booleans(), epoch=st.one_of(st.just(1), u64), address=u64, cid=u64,
+       length=u64)
+def test_forged_references_only_raise_typed_errors(
+    nonce_ok: bool, epoch: int, address: int, cid: int, length: int
+) -> None:
+    w, r, real = _fuzz_store()
+    forged = ShmRef(real.nonce if nonce_ok else real.nonce ^ 5, epoch, address, cid, length)
+    try:
+        value = r.get(forged)
+    except (InvalidReferenceError, StaleReferenceError):
+        return
+    assert forged == real
+    assert np.array_equal(value["a"], np.arange(100))
+    w.release(real)  # keep the accounting honest for the next example
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.one_of(
+        st.dictionaries(
+            st.sampled_from(["nonce", "epoch", "address", "id", "length", "x"]),
+            st.one_of(st.integers(-5, 1 << 65), st.text(max_size=3), st.none(), st.floats()),
+            max_size=6,
+        ),
+        st.integers(),
+        st.text(),
+        st.lists(st.integers(), max_size=3),
+    )
+)
+def test_malformed_reference_dicts(data: object) -> None:
+    _w, r, _real = _fuzz_store()
+    with pytest.raises(InvalidReferenceError):
+        r.get(data)  # type: ignore[arg-type]
+
+
+def _reader_proc(handle: dict[str, Any], conn: Any) -> None:
+    from aioshmcache import ShmObjectStore, ShmRef
+
+    store = ShmObjectStore.from_handle(handle)
+    conn.send("ready")
+    n = 0
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        ref = ShmRef.from_dict(msg["ref"])
+        value = store.get(ref)
+        ok = checksum(value["data"]) == msg["crc"] == value["crc"]
+        conn.send((msg["key"], ok))
+        n += 1
+    store.close()
+    conn.send(("done", n))
+
+
+def test_writer_and_two_reader_processes_move_1000_items(make_config: Any) -> None:
+    cfg = make_config(4 << 20, 256 << 10, 2, ack_log_entries=256)
+    rng = np.random.default_rng(7)
+    with ShmObjectStore.create(cfg) as store:
+        pipes, procs = [], []
+        for _ in range(2):
+            a, b = SPAWN.Pipe()
+            p = SPAWN.Process(target=_reader_proc, args=(store.handle().to_dict(), b))
+            p.start()
+            pipes.append(a)
+            procs.append(p)
+        try:
+            for a in pipes:
+                assert a.poll(60) and a.recv() == "ready"
+            results: list[list[tuple[str, bool]]] = [[], []]
+            for i in range(1000):
+                size = int(rng.integers(1, 200_000))
+                data = rng.integers(0, 255, size, dtype=np.uint8)
+                key = f"item{i}"
+                try:
+                    ref = store.put(key, {"data": data, "crc": checksum(data)},
+                                    wait_for_space=10.0)
+                except CacheFullError:
+                    pytest.fail("readers acknowledge: the put should find room in time")
+                # nothing is freed before every reader acknowledged
+                assert not store.is_freeable(key)
+                for a in pipes:
+                    a.send({"key": key, "ref": ref.to_dict(), "crc": checksum(data)})
+                for a, res in zip(pipes, results):  # readers lag behind as they like
+                    while a.poll(0):
+                        res.append(a.recv())
+            for a in pipes:
+                a.send(None)
+            counts = []
+            for a, res in zip(pipes, results):
+                while True:
+                    assert a.poll(60)
+                    msg = a.recv()
+                    if msg[0] == "done":
+                        counts.append(msg[1])
+                        break
+                    res.append(msg)
+            assert counts == [1000, 1000]
+            for res in results:
+                assert [k for k, _ok in res] == [f"item{i}" for i in range(1000)]
+                assert all(ok for _k, ok in res), "a reader got wrong data"
+            store.drain()
+            assert all(store.is_freeable(k) for k in store.keys())
+        finally:
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
