@@ -847,3 +847,15 @@ def test_decoded_view_keeps_buffer_contract() -> None:
     assert isinstance(got, dict)
     buf.region[buf.n - 8 : buf.n] = 0  # the view sees later writes: it is zero-copy
     assert got["a"][-1] == 0
+
+
+def test_write_refuses_odd_buffers() -> None:
+    plan = SERDE.plan({"a": np.arange(10)})
+    big = bytearray(plan.nbytes * 2)
+    with pytest.raises(SerdeError):
+        SERDE.write(plan, memoryview(big)[::2])  # not contiguous
+    with pytest.raises(SerdeError):
+        SERDE.write(plan, 12345)  # type: ignore[arg-type]
+    SERDE.write(plan, memoryview(big).cast("I"))  # any contiguous format is taken as bytes
+    assert_same({"a": np.arange(10)}, SERDE.read(memoryview(big)[: plan.nbytes]))
+    assert not any(big[plan.nbytes :])

@@ -1,0 +1,198 @@
+"""Measurement helpers: samples, medians over runs, sizes, a warm shared-memory baseline.
+
+Every figure of the benchmark is a :class:`Stat`: the median of all samples, plus the spread of
+the per-run medians (how much one run differs from the next on a noisy, shared machine). Ratios
+are taken between stats measured in the same run, interleaved where possible, so that a load
+spike slows baseline and subject alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TextIO
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "KiB",
+    "MiB",
+    "GiB",
+    "Progress",
+    "ShmBuffer",
+    "Stat",
+    "Samples",
+    "fmt_bytes",
+    "fmt_seconds",
+    "memcpy_into",
+    "percentile",
+    "source_array",
+    "timed_calls",
+]
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+Array = npt.NDArray[np.uint8]
+
+
+def fmt_bytes(n: int) -> str:
+    """1 KiB, 64 KiB, 1 MiB, 8 GiB (exact powers stay integral)."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size:
+            v = n / size
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{n} B"
+
+
+def fmt_seconds(s: float) -> str:
+    """A duration with a unit that keeps three significant digits."""
+    if not math.isfinite(s):
+        return "n/a"
+    a = abs(s)
+    if a >= 1.0:
+        return f"{s:.2f} s"
+    if a >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} µs"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) with linear interpolation; NaN when empty."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    if len(xs) == 1:
+        return xs[0]
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class Stat:
+    """A measured quantity: median of all samples, the range of per-run medians, p99."""
+
+    median: float
+    lo: float  # smallest per-run median
+    hi: float  # largest per-run median
+    p99: float
+    n: int  # samples
+    runs: int
+
+    @property
+    def spread(self) -> float:
+        """(hi - lo) / median: run-to-run noise, relative."""
+        return (self.hi - self.lo) / self.median if self.median else math.nan
+
+
+@dataclass
+class Samples:
+    """Per-run lists of samples (seconds per operation, or any other unit)."""
+
+    runs: list[list[float]] = field(default_factory=list)
+
+    def new_run(self) -> list[float]:
+        run: list[float] = []
+        self.runs.append(run)
+        return run
+
+    def add_run(self, values: Sequence[float]) -> None:
+        self.runs.append(list(values))
+
+    @property
+    def all(self) -> list[float]:
+        return [v for run in self.runs for v in run]
+
+    def stat(self) -> Stat:
+        values = self.all
+        if not values:
+            return Stat(math.nan, math.nan, math.nan, math.nan, 0, 0)
+        meds = [statistics.median(r) for r in self.runs if r]
+        return Stat(
+            statistics.median(values),
+            min(meds),
+            max(meds),
+            percentile(values, 99),
+            len(values),
+            len(meds),
+        )
+
+
+class ShmBuffer:
+    """A warm mapping of a /dev/shm file: the destination of the physical-limit baseline.
+
+    The file is unlinked right after mapping (the mapping stays valid), so nothing is left in
+    /dev/shm even if the benchmark is killed.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        path = f"/dev/shm/aioshmbench-{os.getpid()}-{time.monotonic_ns()}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.unlink(path)
+            os.posix_fallocate(fd, 0, nbytes)
+            self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.array: Array = np.frombuffer(self._mm, dtype=np.uint8)
+        self.array[:] = 1  # warm: every page faulted in and written once
+
+    def view(self, nbytes: int, offset: int = 0) -> Array:
+        return self.array[offset : offset + nbytes]
+
+    def close(self) -> None:
+        del self.array
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+
+
+def source_array(nbytes: int, seed: int = 0) -> Array:
+    """A warm, private uint8 array of ``nbytes`` (random content, touched once)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 255, size=nbytes, dtype=np.uint8)
+
+
+def memcpy_into(dst: Array, src: Array, n: int, out: list[float]) -> None:
+    """Time ``n`` ``np.copyto(dst, src)`` calls, one sample each."""
+    copyto = np.copyto
+    clock = time.perf_counter_ns
+    for _ in range(n):
+        t0 = clock()
+        copyto(dst, src)
+        out.append((clock() - t0) * 1e-9)
+
+
+class Progress:
+    """Progress lines on stderr: elapsed time and what runs now."""
+
+    def __init__(self, *, enabled: bool = True, stream: TextIO | None = None) -> None:
+        self.t0 = time.monotonic()
+        self.enabled = enabled
+        self._stream = stream
+
+    def __call__(self, msg: str) -> None:
+        if not self.enabled:
+            return
+        stream = self._stream if self._stream is not None else sys.stderr
+        print(f"[{time.monotonic() - self.t0:6.1f} s] {msg}", file=stream, flush=True)
+
+
+
+def timed_calls(fn: Callable[[], object], n: int, out: list[float]) -> None:
+    """Time ``n`` calls of ``fn``, one sample each."""
+    clock = time.perf_counter_ns
+    for _ in range(n):
+        t0 = clock()
+        fn()
+        out.append((clock() - t0) * 1e-9)

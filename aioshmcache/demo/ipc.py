@@ -1,0 +1,154 @@
+"""The gateway <-> engine worker channel: msgpack messages on a Unix-domain stream socket.
+
+Each message is one frame: a 4-byte big-endian length, then a msgpack map. Frames above
+``MAX_FRAME`` are refused before anything is read into memory, and msgpack is decoded with
+explicit size limits: the channel is as hostile-input-proof as the cache itself.
+
+Messages (``t`` is the type)::
+
+    worker -> gateway  {"t": "hello", "worker": i, "pid": pid, "token": secret}
+    gateway -> worker  {"t": "infer", "id": n, "features": [feature, ...]}
+    worker -> gateway  {"t": "result", "id": n, "ok": true, "results": [summary, ...]}
+                       {"t": "result", "id": n, "ok": false, "error": kind, "message": text,
+                        "mm_hashes": [...]}       # kind: cache_miss, invalid_reference, ...
+    gateway -> worker  {"t": "stop"}
+
+A feature is ``{"mm_hash": h, "ref": ShmRef.to_dict()}`` (the tensors are in shared memory) or
+``{"mm_hash": h, "inline": {field: {"dtype": str, "shape": [...], "data": bytes}}}`` (served
+inline: too large for the cache, or the cache is off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Mapping
+from typing import Any, Final
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from aioshmcache import FeatureSpec, ShmRef
+
+__all__ = [
+    "MAX_FRAME",
+    "ProtocolError",
+    "decode_feature",
+    "encode_feature",
+    "read_frame",
+    "write_frame",
+]
+
+MAX_FRAME: Final = 256 << 20
+_HEADER = struct.Struct(">I")
+_DTYPES: Final = frozenset({"float32", "float16", "int64", "int32", "uint8"})
+_MAX_DIMS: Final = 8
+
+
+class ProtocolError(Exception):
+    """A malformed frame or message on the worker channel."""
+
+
+def pack(message: Mapping[str, Any]) -> bytes:
+    body: bytes = msgpack.packb(message, use_bin_type=True)
+    if len(body) > MAX_FRAME:
+        raise ProtocolError(f"message of {len(body)} bytes exceeds the frame limit {MAX_FRAME}")
+    return _HEADER.pack(len(body)) + body
+
+
+async def write_frame(
+    writer: asyncio.StreamWriter, message: Mapping[str, Any], lock: asyncio.Lock | None = None
+) -> None:
+    """Send one message (under ``lock`` when several tasks share the writer)."""
+    frame = pack(message)
+    if lock is None:
+        writer.write(frame)
+        await writer.drain()
+        return
+    async with lock:
+        writer.write(frame)
+        await writer.drain()
+
+
+async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
+    """Read one message; ``None`` at a clean end of stream."""
+    try:
+        head = await reader.readexactly(_HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise ProtocolError("stream ended inside a frame header") from None
+    (n,) = _HEADER.unpack(head)
+    if n > MAX_FRAME:
+        raise ProtocolError(f"frame of {n} bytes exceeds the limit {MAX_FRAME}")
+    try:
+        body = await reader.readexactly(n)
+    except asyncio.IncompleteReadError:
+        raise ProtocolError("stream ended inside a frame") from None
+    try:
+        msg = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_buffer_size=MAX_FRAME,
+            max_str_len=1 << 20,
+            max_bin_len=MAX_FRAME,
+            max_array_len=1 << 16,
+            max_map_len=1 << 12,
+        )
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise ProtocolError(f"undecodable frame: {exc}") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+        raise ProtocolError("a message must be a map with a string 't'")
+    return msg
+
+
+def _encode_array(a: npt.NDArray[Any]) -> dict[str, Any]:
+    a = np.ascontiguousarray(a)
+    return {"dtype": str(a.dtype), "shape": list(a.shape), "data": a.tobytes()}
+
+
+def _decode_array(d: object) -> npt.NDArray[Any]:
+    if not isinstance(d, dict) or set(d) != {"dtype", "shape", "data"}:
+        raise ProtocolError("an inline array is {dtype, shape, data}")
+    dtype, shape, data = d["dtype"], d["shape"], d["data"]
+    if dtype not in _DTYPES:
+        raise ProtocolError(f"inline array dtype {dtype!r} is not allowed")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > _MAX_DIMS
+        or not all(isinstance(x, int) and 0 <= x < 1 << 40 for x in shape)
+    ):
+        raise ProtocolError("inline array shape must be a short list of non-negative ints")
+    if not isinstance(data, bytes):
+        raise ProtocolError("inline array data must be bytes")
+    dt = np.dtype(dtype)
+    if int(np.prod(shape, dtype=np.int64)) * dt.itemsize != len(data):
+        raise ProtocolError("inline array data does not match its dtype and shape")
+    return np.frombuffer(data, dtype=dt).reshape(shape)
+
+
+def encode_feature(f: FeatureSpec) -> dict[str, Any]:
+    """A sender's output feature as a message field (a reference, or inline tensors)."""
+    if isinstance(f.data, ShmRef):
+        return {"mm_hash": f.mm_hash, "ref": f.data.to_dict()}
+    if isinstance(f.data, Mapping):
+        return {
+            "mm_hash": f.mm_hash,
+            "inline": {str(k): _encode_array(np.asarray(v)) for k, v in f.data.items()},
+        }
+    raise ProtocolError(f"feature {f.mm_hash} has neither a reference nor inline data")
+
+
+def decode_feature(d: object) -> FeatureSpec:
+    """The worker's side of :func:`encode_feature` (references are validated by the cache)."""
+    if not isinstance(d, dict) or not isinstance(d.get("mm_hash"), str):
+        raise ProtocolError("a feature is a map with a string 'mm_hash'")
+    h: str = d["mm_hash"]
+    if "ref" in d:
+        return FeatureSpec(h, ShmRef.from_dict(d["ref"]))
+    inline = d.get("inline")
+    if not isinstance(inline, dict) or not inline:
+        raise ProtocolError(f"feature {h} has neither 'ref' nor 'inline'")
+    return FeatureSpec(h, {str(k): _decode_array(v) for k, v in inline.items()})

@@ -1,0 +1,73 @@
+"""Child-process bodies for the multi-process tests (spawned, so they must be importable)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from .helpers import checksum
+
+
+def reader_loop(handle: Any, conn: Any) -> None:
+    """Attach, then answer each message: a ref dict -> (key, ok or error name); None -> stop."""
+    from aioshmcache import ReceiverCache, ShmCacheError, ShmRef
+
+    rx = ReceiverCache.attach(handle)
+    conn.send(("ready", os.getpid()))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        if msg == "sleep":
+            time.sleep(3600)
+        try:
+            value = rx.store.get(ShmRef.from_dict(msg["ref"]))
+            ok = checksum(value["data"]) == value["crc"] == msg.get("crc", value["crc"])
+            conn.send((msg["key"], "ok" if ok else "WRONG"))
+        except ShmCacheError as exc:
+            conn.send((msg["key"], type(exc).__name__))
+    rx.close()
+    conn.send(("done", 0))
+
+
+def writer_forever(name: str, conn: Any) -> None:
+    """Create a cache and put big items forever (to be SIGKILLed mid-put)."""
+    from aioshmcache import CacheConfig, SenderCache
+
+    cache = SenderCache(CacheConfig(256 << 20, 80 << 20, 2, name=name))
+    big = {"data": np.ones(64 << 20, np.uint8)}
+    ref, _ = cache.get_and_update_item(({"data": np.arange(10), "crc": 0}, ()), "small")
+    conn.send(ref.to_dict())
+    i = 0
+    while True:
+        cache.get_and_update_item((big, ()), f"big{i}")
+        i += 1
+
+
+def one_of_n_reader(handle: Any, queue: Any, results: Any) -> None:
+    """Take refs from a shared queue (each read by exactly one reader); report the keys read."""
+    from aioshmcache import ReceiverCache, ShmRef
+
+    rx = ReceiverCache.attach(handle)
+    results.put(("ready", os.getpid()))
+    seen: list[str] = []
+    bad = 0
+    while True:
+        msg = queue.get(timeout=60)
+        if msg is None:
+            break
+        value = rx.store.get(ShmRef.from_dict(msg["ref"]))
+        if checksum(value["data"]) != value["crc"]:
+            bad += 1
+        seen.append(msg["key"])
+    rx.close()
+    results.put(("done", seen, bad))
+
+
+def attach_and_exit(handle: Any) -> None:
+    from aioshmcache import ReceiverCache
+
+    ReceiverCache.attach(handle)  # never closed: the process just ends

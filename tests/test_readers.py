@@ -1,0 +1,357 @@
+"""Layer 3: readers (and writers) that die, stop or fork — with real processes and signals."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aioshmcache import (
+    CacheConfig,
+    CacheFullError,
+    ReaderEvictedError,
+    ReaderLimitError,
+    ReceiverCache,
+    SenderCache,
+    ShmObjectStore,
+    StaleReferenceError,
+    WriterGoneError,
+    sweep,
+)
+
+from . import _procs
+from .helpers import SPAWN, checksum, random_item, wait_until
+
+
+def _start_reader(handle: Any) -> tuple[Any, Any]:
+    a, b = SPAWN.Pipe()
+    p = SPAWN.Process(target=_procs.reader_loop, args=(handle, b), daemon=True)
+    p.start()
+    assert a.poll(60), "reader did not start"
+    tag, _pid = a.recv()
+    assert tag == "ready"
+    return p, a
+
+
+def _stop(p: Any, conn: Any) -> None:
+    if p.is_alive():
+        try:
+            conn.send(None)
+        except OSError:
+            pass
+        p.join(10)
+    if p.is_alive():
+        p.kill()
+        p.join(10)
+
+
+def _put(cache: SenderCache, key: str, nbytes: int, rng: np.random.Generator,
+         wait: float = 0.0) -> Any:
+    item = random_item(rng, nbytes)
+    out, _ = cache.get_and_update_item((item, ()), key, wait_for_space=wait)
+    return out, item
+
+
+def test_sigkilled_readers_never_block_the_writer(make_config: Any) -> None:
+    """20+ readers killed at random points during reads: puts go on, the survivor reads right."""
+    rng = np.random.default_rng(1)
+    cache = SenderCache(make_config(2 << 20, 300 << 10, 3, ack_log_entries=256))
+    stable, sconn = _start_reader(cache.handle().to_dict())
+    answers: list[tuple[str, str]] = []
+
+    def collect() -> None:  # keep the survivor's reply pipe from filling up
+        while sconn.poll(0):
+            answers.append(sconn.recv())
+
+    try:
+        n = 0
+        for round_ in range(21):
+            victim, vconn = _start_reader(cache.handle().to_dict())
+            kill_at = random.uniform(0.0, 0.05)
+            t0 = time.monotonic()
+            killed = False
+            for j in range(40):
+                ref, _item = _put(cache, f"r{round_}-{j}", int(rng.integers(1000, 200_000)), rng,
+                                  wait=5.0)
+                assert not isinstance(ref, dict), "put was served inline: the cache is stuck"
+                for conn in (sconn, vconn) if not killed else (sconn,):
+                    conn.send({"key": f"r{round_}-{j}", "ref": ref.to_dict()})
+                n += 1
+                collect()
+                if not killed and time.monotonic() - t0 > kill_at:
+                    os.kill(victim.pid, signal.SIGKILL)
+                    killed = True
+            if not killed:
+                os.kill(victim.pid, signal.SIGKILL)
+            victim.join(10)
+            vconn.close()
+        # the writer carries on after all those deaths
+        for j in range(30):
+            ref, _ = _put(cache, f"after{j}", 150_000, rng, wait=5.0)
+            assert not isinstance(ref, dict)
+            sconn.send({"key": f"after{j}", "ref": ref.to_dict()})
+            collect()
+        sconn.send(None)
+        while True:
+            assert sconn.poll(60)
+            msg = sconn.recv()
+            if msg[0] == "done":
+                break
+            answers.append(msg)
+        assert len(answers) == n + 30
+        assert all(a[1] == "ok" for a in answers), [a for a in answers if a[1] != "ok"][:5]
+        snap = cache.snapshot()
+        assert sum(r.attached for r in snap.readers) <= 3
+    finally:
+        _stop(stable, sconn)
+        cache.close()
+
+
+def test_sigkilled_writer_is_seen_within_a_second_and_swept(shm_name: str) -> None:
+    a, b = SPAWN.Pipe()
+    writer = SPAWN.Process(target=_procs.writer_forever, args=(shm_name, b), daemon=True)
+    writer.start()
+    try:
+        assert a.poll(60)
+        ref = a.recv()
+        rx = ReceiverCache.attach(shm_name)
+        time.sleep(0.3)  # mid-put of a 64 MiB item
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join(10)
+        t0 = time.monotonic()
+        with pytest.raises(WriterGoneError):
+            while time.monotonic() - t0 < 5:
+                rx.get_and_update_item(ref, "small")
+                time.sleep(0.01)
+        assert time.monotonic() - t0 < 1.0
+        rx.close()
+        removed = sweep()
+        assert f"aioshm-{shm_name}" in removed
+        assert not os.path.exists(f"/dev/shm/aioshm-{shm_name}")
+        assert not [n for n in os.listdir("/dev/shm") if shm_name in n]
+    finally:
+        if writer.is_alive():
+            writer.kill()
+            writer.join(5)
+        sweep()
+
+
+def test_sweep_leaves_live_segments_alone(make_config: Any) -> None:
+    with SenderCache(make_config()) as cache:
+        assert cache.name not in sweep()
+        assert os.path.exists(f"/dev/shm/{cache.name}")
+
+
+def test_stopped_reader_deadline_then_eviction(make_config: Any) -> None:
+    rng = np.random.default_rng(2)
+    cfg = make_config(1 << 20, 300 << 10, 2, evict_stuck_readers_after=0.5)
+    cache = SenderCache(cfg)
+    p, conn = _start_reader(cache.handle().to_dict())
+    try:
+        refs = []
+        for j in range(3):  # fill the ring with items the reader owes
+            ref, _ = _put(cache, f"o{j}", 290_000, rng)
+            refs.append(ref)
+        os.kill(p.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        out, _ = _put(cache, "x", 290_000, rng, wait=0.2)  # not yet stuck long enough
+        assert isinstance(out, dict), "should be served inline (full)"
+        assert time.monotonic() - t0 < 1.0
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        out, _ = _put(cache, "y", 290_000, rng, wait=0.2)  # now the writer revokes the slot
+        assert not isinstance(out, dict)
+        assert time.monotonic() - t0 < 1.0
+        os.kill(p.pid, signal.SIGCONT)
+        conn.send({"key": "o0", "ref": refs[0].to_dict()})
+        assert conn.poll(10)
+        assert conn.recv() == ("o0", "ReaderEvictedError")
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+        _stop(p, conn)
+        cache.close()
+
+
+def test_stopped_reader_without_eviction_puts_fail_within_deadline(make_config: Any) -> None:
+    rng = np.random.default_rng(3)
+    with SenderCache(make_config(1 << 20, 300 << 10, 1)) as cache:
+        p, conn = _start_reader(cache.handle().to_dict())
+        try:
+            for j in range(3):
+                _put(cache, f"o{j}", 290_000, rng)
+            os.kill(p.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(CacheFullError):
+                cache.store.put("z", random_item(rng, 290_000), wait_for_space=0.5)
+            assert 0.45 < time.monotonic() - t0 < 2.0
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+            _stop(p, conn)
+
+
+def test_zombie_reader_is_dead_and_a_newcomer_owes_nothing(make_config: Any) -> None:
+    rng = np.random.default_rng(4)
+    with SenderCache(make_config(1 << 20, 300 << 10, 1)) as cache:
+        code = (
+            "import sys, time; from aioshmcache import ReceiverCache; "
+            f"r = ReceiverCache.attach({cache.name!r}); print('up', flush=True); "
+            "sys.stdin.readline()"
+        )
+        with subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) as child:
+            _zombie_scenario(cache, child, rng)
+
+
+def _zombie_scenario(cache: SenderCache, child: Any, rng: np.random.Generator) -> None:
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "up"
+        wait_until(lambda: cache.snapshot().readers[0].attached)
+        for j in range(3):
+            _put(cache, f"o{j}", 290_000, rng)  # owed by the child
+        assert not cache.is_freeable("o0")
+        child.stdin.write("\n")
+        child.stdin.flush()
+        # wait for exit without reaping: the child is a zombie now
+        assert wait_until(lambda: _is_zombie(child.pid), timeout=20)
+        out, _ = _put(cache, "new", 290_000, rng)  # dead debts dropped at this free attempt
+        assert not isinstance(out, dict)
+        assert cache.snapshot().readers[0].alive is False
+        # a new process takes the freed slot and owes nothing older
+        newcomer = ReceiverCache.attach(cache.handle())
+        try:
+            with pytest.raises(ReaderLimitError):
+                ReceiverCache.attach(cache.handle())
+            assert cache.is_freeable("o1") and cache.is_freeable("o2")
+        finally:
+            newcomer.close()
+    finally:
+        child.wait(10)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_one_of_n_each_handout_read_exactly_once(make_config: Any) -> None:
+    cfg = make_config(8 << 20, 64 << 10, 4, delivery="one_of_n", handout_ttl=60.0)
+    rng = np.random.default_rng(5)
+    with SenderCache(cfg) as cache:
+        queue, results = SPAWN.Queue(), SPAWN.Queue()
+        procs = [
+            SPAWN.Process(target=_procs.one_of_n_reader,
+                          args=(cache.handle().to_dict(), queue, results), daemon=True)
+            for _ in range(4)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            for _ in procs:
+                assert results.get(timeout=60)[0] == "ready"
+            sent = []
+            for i in range(2000):
+                key = f"h{i % 300}"  # repeated hashes: several hand-outs of one item
+                if cache.is_cached_item(key):
+                    ref, _ = cache.get_and_update_item(None, key)
+                else:
+                    ref, _ = cache.get_and_update_item(
+                        (random_item(rng, int(rng.integers(100, 20_000))), ()), key,
+                        wait_for_space=10.0)
+                assert not isinstance(ref, dict)
+                queue.put({"key": key, "ref": ref.to_dict()})
+                sent.append(key)
+            for _ in procs:
+                queue.put(None)
+            seen: list[str] = []
+            for _ in procs:
+                tag, keys, bad = results.get(timeout=60)
+                assert tag == "done" and bad == 0
+                seen.extend(keys)
+            assert sorted(seen) == sorted(sent)  # every hand-out read exactly once
+            cache.store.drain()
+            assert all(cache.is_freeable(k) for k in cache.cached_order())
+        finally:
+            for p in procs:
+                p.join(20)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+            queue.close()
+            results.close()
+            queue.join_thread()
+            results.join_thread()
+
+
+def test_one_of_n_undelivered_handouts_expire(make_config: Any) -> None:
+    cfg = make_config(1 << 20, 1 << 16, 2, delivery="one_of_n", handout_ttl=0.3)
+    with SenderCache(cfg) as cache:
+        cache.get_and_update_item(({"a": np.zeros(100)}, ()), "lost")  # never delivered
+        assert not cache.is_freeable("lost")
+        time.sleep(0.35)
+        assert cache.is_freeable("lost")
+
+
+def test_torn_reads_are_detected(make_config: Any) -> None:
+    """A reader that owes nothing copies while the writer reuses the chunk: never wrong data."""
+    cfg = make_config(4 << 20, 1100 << 10, 1)
+    writer = ShmObjectStore.create(cfg)
+    stop = threading.Event()
+    outcomes = {"ok": 0, "stale": 0, "wrong": 0}
+    refs: list[Any] = []
+
+    def reader() -> None:
+        rx = ShmObjectStore.from_handle(writer.handle())
+        try:
+            while not stop.is_set():
+                if not refs:
+                    continue
+                ref = refs[-1]
+                try:
+                    v = rx.get(ref)
+                except StaleReferenceError:
+                    outcomes["stale"] += 1
+                    continue
+                ok = checksum(v["data"]) == v["crc"]
+                outcomes["ok" if ok else "wrong"] += 1
+        finally:
+            rx.close()
+
+    try:
+        # the reader attaches after every hand-out it reads: it owes nothing, so the writer frees
+        t = threading.Thread(target=reader)
+        rng = np.random.default_rng(6)
+        items = [random_item(rng, 1 << 20) for _ in range(4)]
+        refs.append(writer.put("k0", items[0]))
+        writer.release(refs[-1])  # nobody owes it: the writer may reuse it at any time
+        t.start()
+        wait_until(lambda: writer.readers.word(0, 0) != 0)
+        deadline = time.monotonic() + 3
+        i = 1
+        while time.monotonic() < deadline and (outcomes["stale"] < 20 or outcomes["ok"] < 20):
+            writer.evict(0)
+            writer.drain()
+            writer.invalidate(f"k{i - 1}")
+            writer.evict(0)
+            refs.append(writer.put(f"k{i}", items[i % 4]))
+            writer.release(refs[-1])
+            i += 1
+        stop.set()
+        t.join(10)
+        assert outcomes["wrong"] == 0
+        assert outcomes["ok"] > 0
+        assert outcomes["stale"] > 0, "the test never caught a reuse mid-read"
+    finally:
+        stop.set()
+        writer.close()
