@@ -14,7 +14,8 @@ Layout of the segment (all words are native 8-byte unsigned, written with one al
              | 14 next chunk id     15 writer waiting    |
              | 16 ack log entries   17 total size        |
              | 18 created (ns)      19 state (live/closed)|
-             | 20.. writer-published statistics          |
+             | 20..27 writer-published statistics        |
+             | 28 reference tag secret                   |
     4096     +-------------------------------------------+
              | reader table: n slots x slot size         |  (layer 3, ``_readers``)
     ring_off +-------------------------------------------+
@@ -74,6 +75,7 @@ W_HITS, W_MISSES, W_INLINE_LARGE, W_INLINE_FULL, W_EVICTIONS, W_BYTES_USED, W_IT
     20, 21, 22, 23, 24, 25, 26,
 )
 W_HANDOUT_TTL_MS = 27
+W_SECRET = 28  # keys the reference tag (see ``_types.ShmRef``)
 
 STATE_LIVE: Final = 1
 STATE_CLOSED: Final = 2
@@ -205,6 +207,7 @@ class Segment:
             w[W_SLOT_SIZE] = layout.slot_size
             w[W_RING_OFF] = layout.ring_off
             w[W_NONCE] = secrets.randbits(64) | 1
+            w[W_SECRET] = secrets.randbits(64)
             w[W_WRITER_PID] = os.getpid()
             w[W_EPOCH] = 1
             w[W_OWNER_UID] = os.getuid()

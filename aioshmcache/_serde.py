@@ -6,8 +6,10 @@ memory: :meth:`MsgpackSerde.plan` walks the value, packs a small msgpack *struct
 byte is copied. :meth:`MsgpackSerde.write` then writes the prefix and header into the allocated
 chunk and copies each array's bytes with one array assignment into an ``np.frombuffer`` view of
 the chunk (one copy per array, which releases the GIL for large copies; a non-contiguous array is
-made contiguous by that same copy, with no intermediate ``ascontiguousarray``). :meth:`MsgpackSerde.read` rebuilds the value, with
-arrays either copied out (``copy=True``) or as read-only zero-copy views (``copy=False``).
+made contiguous by that same copy, with no intermediate ``ascontiguousarray``).
+:meth:`MsgpackSerde.read` rebuilds the value, with arrays either copied out by numpy
+(``copy=True``: nothing keeps exporting the buffer afterwards, so the caller may release it) or
+as read-only zero-copy views (``copy=False``: the views export the buffer while they live).
 
 Payload layout (integers little-endian; offsets relative to the payload start, which the store
 places at a 64-byte aligned address, so every array starts 64-byte aligned in memory)::
@@ -64,6 +66,9 @@ Deliberate choices (and where they differ from the first sketch):
   faster than the keyword form here. ``np.ndarray(shape, dtype, buffer=...)`` is faster still but
   records the underlying mmap as the base, which lets a caller flip a read-only view back to
   writable; a ``frombuffer`` view of a read-only memoryview refuses that.
+* Validated dtypes and array descriptors are cached by their exact bytes (bounded caches; only
+  records that passed validation are stored). Items of one kind share their descriptors, since
+  offsets are relative to the data section, so a typical read skips the parsing.
 * Values come back as their base type: bytearray / memoryview as bytes, dict / list / tuple / str /
   int / float subclasses (OrderedDict, namedtuple, StrEnum, IntEnum) as the plain type, ndarray
   subclasses as ndarray, arrays always C-contiguous. ``np.ma.MaskedArray`` is refused (its mask
@@ -114,50 +119,8 @@ class Serde(Protocol):
         ...
 
     def write(self, plan: EncodePlan, buf: memoryview) -> None:
-        """Write ``plan`` into ``buf[0:plan.nbytes]``; one copy per array, no other writes."""
-        if not isinstance(plan, _Plan):
-            raise SerdeError(f"not a plan made by MsgpackSerde: {plan!r}")
-        try:
-            self._write(plan, buf)
-        except SerdeError:
-            raise
-        except MemoryError:
-            raise
-        except Exception as exc:  # not a writable contiguous buffer; a source changed since plan
-            raise SerdeError(f"cannot write plan: {exc}") from exc
-
-    @staticmethod
-    def _write(plan: _Plan, buf: memoryview) -> None:
-        if type(buf) is not memoryview:
-            buf = memoryview(buf)
-        if buf.format != "B" or buf.ndim != 1:
-            buf = buf.cast("B")
-        if buf.readonly:
-            raise SerdeError("write needs a writable buffer")
-        nbytes = plan.nbytes
-        if len(buf) < nbytes:
-            raise SerdeError(f"buffer of {len(buf)} bytes is smaller than plan.nbytes={nbytes}")
-        if len(buf) != nbytes:
-            buf = buf[:nbytes]  # nothing past nbytes can be written, whatever happens below
-        header = plan._header
-        hend = _PREFIX_SIZE + len(header)
-        data_off = plan._data_off
-        _PREFIX.pack_into(buf, 0, _MAGIC, _VERSION, 0, len(header), plan._data_len)
-        buf[_PREFIX_SIZE:hend] = header
-        buf[hend:data_off] = _ZEROS[: data_off - hend]
-        prev = data_off
-        for off, src in plan._chunks:
-            start = data_off + off
-            if start != prev:
-                buf[prev:start] = _ZEROS[: start - prev]
-            size = src.nbytes
-            prev = start + size
-            if size == 0:
-                continue
-            dst = _frombuffer(buf, src.dtype, src.size, start)
-            if src.ndim != 1:
-                dst = dst.reshape(src.shape)
-            dst[...] = src  # see the module docstring: np.copyto's loop, less overhead
+        """Write ``plan`` into ``buf[0:plan.nbytes]`` (a writable, 64-byte aligned uint8 view)."""
+        ...
 
     def read(self, buf: memoryview, *, copy: bool = True) -> object:
         """Decode exactly one payload; arrays are copies, or read-only views with ``copy=False``."""
@@ -438,6 +401,42 @@ class _Encoder:
 
 # --- decoding ---------------------------------------------------------------------------------
 
+_ArrayDesc = tuple[int, int, int, np.dtype[Any], tuple[int, ...], int]
+
+# Validated array descriptors (exact bytes -> parsed fields): items of one kind share their
+# descriptors (offsets are relative to the data section), so most reads skip the parsing. Only
+# descriptors that passed validation are stored, and the cache is bounded (cleared when full).
+_ARRAY_DESCS: dict[bytes, _ArrayDesc] = {}
+_ARRAY_DESCS_MAX = 1024
+
+
+def _parse_array_descriptor(data: bytes) -> _ArrayDesc:
+    """Validate an ARRAY record: (offset, nbytes, flags, dtype, shape, element count).
+
+    Everything that depends only on the record's bytes is checked here; the serde's ``max_ndim``
+    and the canonical offset are checked by the caller.
+    """
+    n = len(data)
+    if n < _ARR_HEAD_SIZE:
+        raise SerdeError("malformed array descriptor")
+    off, nbytes, flags, ndim, dlen = _ARR_HEAD.unpack_from(data)
+    if ndim > _MAX_NDIM_FORMAT:
+        raise SerdeError(f"array has {ndim} dimensions")
+    dstart = _ARR_HEAD_SIZE + 8 * ndim
+    if n != dstart + dlen or flags & ~_KNOWN_FLAGS:
+        raise SerdeError("malformed array descriptor")
+    dt = _check_dtype_string(data[dstart:])
+    shape: tuple[int, ...] = _SHAPE_STRUCTS[ndim].unpack_from(data, _ARR_HEAD_SIZE)
+    count = math.prod(shape)
+    if count == 0:
+        if math.prod([d or 1 for d in shape]) * dt.itemsize > _SIZE_MAX:
+            raise SerdeError("zero-size array with an impossible shape")
+    elif count > _SIZE_MAX:
+        raise SerdeError("array too large")
+    if count * dt.itemsize != nbytes:
+        raise SerdeError("array nbytes does not match its shape and dtype")
+    return off, nbytes, flags, dt, shape, count
+
 
 class _Decoder:
     """State of one :meth:`MsgpackSerde.read`: the buffer, the canonical-layout cursor, limits."""
@@ -537,32 +536,16 @@ class _Decoder:
         raise SerdeError(f"unknown ExtType code {code}")
 
     def array(self, data: bytes) -> object:
-        n = len(data)
-        if n < _ARR_HEAD_SIZE:
-            raise SerdeError("malformed array descriptor")
-        off, nbytes, flags, ndim, dlen = _ARR_HEAD.unpack_from(data)
+        desc = _ARRAY_DESCS.get(data)
+        if desc is None:
+            desc = _parse_array_descriptor(data)
+            if len(_ARRAY_DESCS) >= _ARRAY_DESCS_MAX:
+                _ARRAY_DESCS.clear()
+            _ARRAY_DESCS[data] = desc
+        off, nbytes, flags, dt, shape, count = desc
+        ndim = len(shape)
         if ndim > self.max_ndim:
             raise SerdeError(f"array has {ndim} dimensions, more than max_ndim={self.max_ndim}")
-        dstart = _ARR_HEAD_SIZE + 8 * ndim
-        if n != dstart + dlen or flags & ~_KNOWN_FLAGS:
-            raise SerdeError("malformed array descriptor")
-        dt = _DEC_DTYPES.get(data[dstart:])
-        if dt is None:
-            dt = _check_dtype_string(data[dstart:])
-        if ndim == 1:
-            (count,) = shape = _SHAPE_STRUCTS[1].unpack_from(data, _ARR_HEAD_SIZE)
-            if count > _SIZE_MAX:
-                raise SerdeError("array dimension too large")
-        else:
-            shape = _SHAPE_STRUCTS[ndim].unpack_from(data, _ARR_HEAD_SIZE)
-            count = math.prod(shape)
-            if count == 0:
-                if math.prod([d or 1 for d in shape]) * dt.itemsize > _SIZE_MAX:
-                    raise SerdeError("zero-size array with an impossible shape")
-            elif count > _SIZE_MAX:
-                raise SerdeError("array too large")
-        if count * dt.itemsize != nbytes:
-            raise SerdeError("array nbytes does not match its shape and dtype")
         start = self._slot(off, nbytes)
         if flags:
             return self.tensor(dt, shape, count, start, flags)
@@ -687,6 +670,17 @@ class MsgpackSerde:
         """Write ``plan`` into ``buf[0:plan.nbytes]``; one copy per array, no other writes."""
         if not isinstance(plan, _Plan):
             raise SerdeError(f"not a plan made by MsgpackSerde: {plan!r}")
+        try:
+            self._write(plan, buf)
+        except SerdeError:
+            raise
+        except MemoryError:
+            raise
+        except Exception as exc:  # not a writable contiguous buffer; a source changed since plan
+            raise SerdeError(f"cannot write plan: {exc}") from exc
+
+    @staticmethod
+    def _write(plan: _Plan, buf: memoryview) -> None:
         if type(buf) is not memoryview:
             buf = memoryview(buf)
         if buf.format != "B" or buf.ndim != 1:
@@ -705,23 +699,18 @@ class MsgpackSerde:
         buf[_PREFIX_SIZE:hend] = header
         buf[hend:data_off] = _ZEROS[: data_off - hend]
         prev = data_off
-        try:
-            for off, src in plan._chunks:
-                start = data_off + off
-                if start != prev:
-                    buf[prev:start] = _ZEROS[: start - prev]
-                nbytes = src.nbytes
-                prev = start + nbytes
-                if nbytes == 0:
-                    continue
-                dst = _frombuffer(buf, src.dtype, src.size, start)
-                if src.ndim != 1:
-                    dst = dst.reshape(src.shape)
-                dst[...] = src  # see the module docstring: np.copyto's loop, less overhead
-        except MemoryError:
-            raise
-        except Exception as exc:  # pragma: no cover - a source array changed since plan
-            raise SerdeError(f"cannot write plan (source changed since plan?): {exc}") from exc
+        for off, src in plan._chunks:
+            start = data_off + off
+            if start != prev:
+                buf[prev:start] = _ZEROS[: start - prev]
+            size = src.nbytes
+            prev = start + size
+            if size == 0:
+                continue
+            dst = _frombuffer(buf, src.dtype, src.size, start)
+            if src.ndim != 1:
+                dst = dst.reshape(src.shape)
+            dst[...] = src  # see the module docstring: np.copyto's loop, less overhead
 
     def read(self, buf: memoryview, *, copy: bool = True) -> object:
         """Decode one payload (exactly ``nbytes`` long). Anything not in our format: SerdeError."""

@@ -58,6 +58,7 @@ from ._segment import (
     W_HANDOUT_TTL_MS,
     W_ITEMS,
     W_MAX_OBJECT,
+    W_SECRET,
     W_STATE,
     W_WAITING,
     STATE_LIVE,
@@ -65,7 +66,7 @@ from ._segment import (
     Segment,
 )
 from ._serde import EncodePlan, MsgpackSerde, Serde
-from ._types import CacheConfig, CacheHandle, ReaderSlotInfo, ShmRef
+from ._types import CacheConfig, CacheHandle, ReaderSlotInfo, ShmRef, reference_tag
 from .errors import (
     CacheFullError,
     ClosedCacheError,
@@ -155,6 +156,7 @@ class ShmObjectStore:
         self.max_object_bytes = int(self._hw[W_MAX_OBJECT])
         self.one_of_n = int(self._hw[W_DELIVERY]) == DELIVERY_CODES["one_of_n"]
         self.handout_ttl = int(self._hw[W_HANDOUT_TTL_MS]) / 1000.0
+        self._secret = int(self._hw[W_SECRET])
         self._closed = False
         self._sem: Any = None
         # writer state
@@ -284,7 +286,9 @@ class ShmObjectStore:
         return None if e is None else self._ref(e)
 
     def _ref(self, e: _Entry) -> ShmRef:
-        return ShmRef(self._seg.nonce, int(self._hw[W_EPOCH]), e.address, e.id, e.length)
+        epoch = int(self._hw[W_EPOCH])
+        tag = reference_tag(self._secret, epoch, e.address, e.id, e.length)
+        return ShmRef(self._seg.nonce, epoch, e.address, e.id, e.length, tag)
 
     # --- writer: put -------------------------------------------------------------------------
     def plan(self, value: object) -> EncodePlan:
@@ -428,7 +432,10 @@ class ShmObjectStore:
 
     @contextlib.contextmanager
     def pinned(self, keys: list[str]) -> Iterator[list[str]]:
-        """Pin the cached ones of ``keys`` for the block; yields the keys pinned."""
+        """Pin the cached ones of ``keys`` for the block; yields the list of keys pinned.
+
+        Keys appended to that list (pinned later in the block) are unpinned on exit too.
+        """
         done = [k for k in keys if self.pin(k)]
         try:
             yield done
@@ -726,6 +733,8 @@ class ShmObjectStore:
         r = ref if isinstance(ref, ShmRef) else ShmRef.from_dict(ref)
         if r.nonce != self._seg.nonce:
             raise InvalidReferenceError("reference belongs to another cache (nonce mismatch)")
+        if r.tag != reference_tag(self._secret, r.epoch, r.address, r.id, r.length):
+            raise InvalidReferenceError("reference is forged or corrupted (tag mismatch)")
         epoch = self._hw[W_EPOCH]
         if r.epoch != epoch:
             if r.epoch < epoch:

@@ -149,7 +149,26 @@ class CacheHandle:
         return cls(segment_name(name), _check_u64("nonce", nonce), _check_u64("layout_version", version))
 
 
-_REF_FIELDS = ("nonce", "epoch", "address", "id", "length")
+REF_FIELDS = ("nonce", "epoch", "address", "id", "length", "tag")
+_M1, _M2, _M3, _M4 = (
+    0x9E3779B97F4A7C15,
+    0xC2B2AE3D27D4EB4F,
+    0x165667B19E3779F9,
+    0xD6E8FEB86659FD93,
+)
+
+
+def reference_tag(secret: int, epoch: int, address: int, cid: int, length: int) -> int:
+    """A 64-bit tag binding a reference's fields to its segment's secret.
+
+    Not a cryptographic MAC (anyone who can map the segment can read the secret, and could write
+    the segment anyway): it makes a reference with any field changed by accident or by a naive
+    forger fail as ``InvalidReferenceError`` instead of looking merely stale.
+    """
+    h = secret ^ (cid * _M1) ^ (address * _M2) ^ (length * _M3) ^ (epoch * _M4)
+    h &= _U64
+    h ^= h >> 29
+    return (h * _M1) & _U64
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +177,8 @@ class ShmRef:
 
     ``nonce`` names the segment instance, ``epoch`` the clear generation, ``address`` the chunk's
     offset in the ring, ``id`` its 64-bit generation and ``length`` the payload size. Every field
-    is checked by the reader against the chunk header before and after the copy.
+    is checked by the reader against the chunk header before and after the copy; ``tag`` binds
+    the fields together (a reference with any field altered is invalid, not stale).
     """
 
     nonce: int
@@ -166,6 +186,7 @@ class ShmRef:
     address: int
     id: int
     length: int
+    tag: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return {
@@ -174,6 +195,7 @@ class ShmRef:
             "address": self.address,
             "id": self.id,
             "length": self.length,
+            "tag": self.tag,
         }
 
     @classmethod
@@ -183,13 +205,13 @@ class ShmRef:
             return data
         if not isinstance(data, Mapping):
             raise InvalidReferenceError(f"a reference must be a mapping, not {type(data).__name__}")
-        missing = [f for f in _REF_FIELDS if f not in data]
+        missing = [f for f in REF_FIELDS if f not in data]
         if missing:
             raise InvalidReferenceError(f"reference is missing fields: {', '.join(missing)}")
-        extra = set(data) - set(_REF_FIELDS)
+        extra = set(data) - set(REF_FIELDS)
         if extra:
             raise InvalidReferenceError(f"reference has unknown fields: {', '.join(sorted(map(str, extra)))}")
-        return cls(*(_check_u64(f, data[f]) for f in _REF_FIELDS))
+        return cls(*(_check_u64(f, data[f]) for f in REF_FIELDS))
 
 
 @dataclass(frozen=True, slots=True)

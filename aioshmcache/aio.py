@@ -309,6 +309,8 @@ class AsyncSenderCache(_AsyncBase):
                         store.abort(res)
                         raise
                     out[i] = sender._commit_locked(res, updates)
+                    if store.pin(res.key):  # protect it from the rest of this request
+                        pinned.append(res.key)
             # step 2: big copies and waiting puts in one worker thread
             if big or deferred:
 
@@ -318,7 +320,9 @@ class AsyncSenderCache(_AsyncBase):
                             store.abort(res)
 
                 await self._in_thread(
-                    lambda tok: self._thread_puts(tok, big, deferred, mm_items, hashes, wait, out),
+                    lambda tok: self._thread_puts(
+                        tok, big, deferred, mm_items, hashes, wait, out, pinned
+                    ),
                     never_started,
                 )
             done = [r for r in out if r is not None]
@@ -345,8 +349,13 @@ class AsyncSenderCache(_AsyncBase):
         hashes: list[str],
         wait: float,
         out: list[MmItem | None],
+        pinned: list[str],
     ) -> None:
-        """Runs in a worker thread: copy -> commit each reservation; wait for room if asked."""
+        """Runs in a worker thread: copy -> commit each reservation; wait for room if asked.
+
+        Each commit happens under the store lock together with the check of
+        ``token.abandoned``: a caller that is gone gets nothing pinned and nothing handed out.
+        """
         sender, store = self.sender, self.sender.store
         for i, res, updates in big:
             if token.abandoned:
@@ -365,6 +374,8 @@ class AsyncSenderCache(_AsyncBase):
                     store.release(ref)
                 else:
                     out[i] = (ref, upd)
+                    if store.pin(res.key):
+                        pinned.append(res.key)
         for i in deferred:
             if token.abandoned:
                 return
@@ -388,6 +399,8 @@ class AsyncSenderCache(_AsyncBase):
                     store.release(ref)
                 else:
                     out[i] = (ref, upd)
+                    if store.pin(res.key):
+                        pinned.append(res.key)
 
     async def touch_sender_cache_item(self, mm_hash: str) -> bool:
         self._check()

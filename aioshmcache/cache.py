@@ -26,6 +26,7 @@ from ._segment import (
 from ._serde import Serde
 from ._store import Reservation, ShmObjectStore
 from ._types import (
+    REF_FIELDS,
     CacheConfig,
     CacheHandle,
     CacheInfo,
@@ -44,7 +45,7 @@ __all__ = ["ReceiverCache", "SenderCache"]
 
 log = logging.getLogger("aioshmcache")
 
-_REF_KEYS: Final = frozenset(("nonce", "epoch", "address", "id", "length"))
+_REF_KEYS: Final = frozenset(REF_FIELDS)
 _TOO_LARGE_MEMORY: Final = 4096  # hashes remembered as too large (no re-serialisation)
 
 MmItem = tuple[Any, Sequence[Any]]
@@ -222,10 +223,13 @@ class SenderCache:
             if missing:
                 raise CacheMissError(missing)
             out: list[MmItem] = []
-            with self.store.pinned(hashes):
+            with self.store.pinned(hashes) as pins:
                 try:
                     for it, h in zip(mm_items, hashes):
+                        cached = self.store.is_cached(h)
                         out.append(self._update_locked(it, h, wait_for_space))
+                        if not cached and self.store.pin(h):  # new: protect it from the rest
+                            pins.append(h)
                 except BaseException:
                     for r in out:
                         if isinstance(r[0], ShmRef):

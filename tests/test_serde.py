@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import enum
 import inspect
+import mmap
 import os
 import pickle
 import struct
@@ -859,3 +860,31 @@ def test_write_refuses_odd_buffers() -> None:
     SERDE.write(plan, memoryview(big).cast("I"))  # any contiguous format is taken as bytes
     assert_same({"a": np.arange(10)}, SERDE.read(memoryview(big)[: plan.nbytes]))
     assert not any(big[plan.nbytes :])
+
+
+def test_copy_read_leaves_no_buffer_export() -> None:
+    """After ``read(copy=True)`` — success or failure — the caller can release its view."""
+    for obj in VALID_SAMPLES:
+        view = encode(obj).view
+        SERDE.read(view, copy=True)
+        view.release()  # BufferError if anything still exported it
+    a16 = np.arange(4, dtype="<f4").tobytes()
+    bad = craft([ext_array("<f4", (4,), 0, 16), ext_array("|O", (4,), 64, 32)], a16 + bytes(80))
+    view = memoryview(bytearray(bad))
+    with pytest.raises(SerdeError):
+        SERDE.read(view, copy=True)
+    view.release()
+    # Zero-copy views hold their own export of the underlying memory: releasing the caller's
+    # view is harmless, and the mapping cannot be closed under them.
+    plan = SERDE.plan({"a": np.arange(3)})
+    mm = mmap.mmap(-1, plan.nbytes)
+    view = memoryview(mm)
+    SERDE.write(plan, view)
+    got = SERDE.read(view, copy=False)
+    view.release()
+    assert isinstance(got, dict)
+    with pytest.raises(BufferError):
+        mm.close()
+    np.testing.assert_array_equal(got["a"], np.arange(3))
+    del got
+    mm.close()

@@ -149,3 +149,10 @@ def test_reader_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
         SERDE.read(payload)
     # Values without tensors do not need torch.
     assert SERDE.read(encode({"a": np.zeros(2)})) is not None
+
+
+def test_copy_read_leaves_no_buffer_export() -> None:
+    view = encode({"t": torch.ones(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16)})
+    got = SERDE.read(view, copy=True)
+    view.release()  # BufferError if a tensor still exported it
+    assert isinstance(got, dict) and got["t"].sum().item() == 12

@@ -24,7 +24,7 @@ from .timing import Stat, fmt_bytes, fmt_seconds
 
 __all__ = ["Report", "Row", "Target"]
 
-Kind = Literal["time", "rate", "ratio", "count"]
+Kind = Literal["time", "rate", "ratio", "count", "bytes"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,8 @@ def _fmt_value(v: float, kind: Kind) -> str:
         return f"{v:,.0f}/s"
     if kind == "ratio":
         return f"{v:.2f}×"
+    if kind == "bytes":
+        return fmt_bytes(int(v))
     return f"{v:,.0f}"
 
 
@@ -274,7 +276,16 @@ def plot(report: Report, path: Path) -> bool:
     except ImportError:
         report.skip("plot: matplotlib is not installed (pip install 'aioshmcache[bench]')")
         return False
-    panels = [k for k in _PANELS if any(r.plot == k for r in report.rows)]
+    def rows_of(key: str) -> list[Row]:
+        if key == "store_ratio":  # derived: the ratios of the store rows (the lease is not a copy)
+            return [
+                Row(r.section, r.label, r.param, r.ratio, kind="ratio", series=r.series, x=r.x)
+                for r in report.rows
+                if r.plot == "store" and r.ratio is not None and r.series != "get (lease)"
+            ]
+        return [r for r in report.rows if r.plot == key]
+
+    panels = [k for k in _PANELS if rows_of(k)]
     if not panels:
         return False
     ncols = 3 if len(panels) > 4 else 2 if len(panels) > 1 else 1
@@ -284,7 +295,7 @@ def plot(report: Report, path: Path) -> bool:
         ax.set_visible(False)
     for ax, key in zip(axes.flat, panels):
         title, xlabel, ylabel, logx, logy = _PANELS[key]
-        rows = [r for r in report.rows if r.plot == key]
+        rows = rows_of(key)
         scale = 1.0
         unit = ""
         if all(r.kind == "time" for r in rows):
@@ -324,7 +335,7 @@ def plot(report: Report, path: Path) -> bool:
                 ax.axhline(1.0, color="gray", lw=0.8)
                 ax.axhline(0.8, color="gray", ls=":", lw=0.8)
             if key == "threshold":
-                from ..aio import DEFAULT_INLINE_THRESHOLD
+                from aioshmcache.aio import DEFAULT_INLINE_THRESHOLD
 
                 ax.axvline(DEFAULT_INLINE_THRESHOLD, color="gray", ls=":", lw=0.8)
             if xs_all and key in ("store", "store_ratio", "roundtrip", "threshold", "cache_size"):

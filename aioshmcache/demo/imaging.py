@@ -156,8 +156,10 @@ def decode_image(data: bytes, config: ProcessorConfig) -> Image.Image:
         img.load()
         img = ImageOps.exif_transpose(img)
         return img.convert("RGB")
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ImageDecodeError(f"not a decodable image: {exc}") from None
+    except UnidentifiedImageError:
+        raise ImageDecodeError("not an image (Pillow cannot identify the format)") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageTooLargeError(f"image refused: {exc}") from None
     except (OSError, SyntaxError, ValueError) as exc:
         if isinstance(exc, (ImageDecodeError, ImageTooLargeError)):
             raise

@@ -91,7 +91,6 @@ async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
             body,
             raw=False,
             strict_map_key=True,
-            max_buffer_size=MAX_FRAME,
             max_str_len=1 << 20,
             max_bin_len=MAX_FRAME,
             max_array_len=1 << 16,

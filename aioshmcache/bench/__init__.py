@@ -1,0 +1,138 @@
+"""``python -m aioshmcache bench``: the benchmark suite against the physical limit and the peers.
+
+Three suites, each also runnable alone (``--suite``) or through the scripts in ``bench/``:
+
+* ``store`` — put / get / lease of single-array items from 1 KiB to 64 MiB against an
+  ``np.copyto`` into warm shared memory; the 1 KiB steady state with a reader process; a fresh
+  cache's first put; churn; reader-count and cache-size scaling;
+* ``peers`` — the round trip writer → reader process → reply against ``multiprocessing`` Pipe
+  and Queue, Redis (``redis.asyncio`` against a private ``redis-server``) and Ray (if installed);
+* ``async`` — the asyncio facade: cache hits, offloaded puts, loop lag, concurrency and the
+  inline-vs-thread threshold.
+
+It writes ``<stem>.md`` (the table), ``<stem>.png`` (the plot) and ``<stem>.json`` (every
+figure) to ``bench/results/`` (or ``--out``), prints the table and reports progress on stderr.
+``--quick`` is the smoke run CI uses (about 30 s): fewer sizes and repetitions, no Ray. A peer
+that is not installed is skipped with a message, never an error. Figures are medians of several
+runs with a ratio against a baseline measured in the same run; there are no timed assertions
+anywhere: the targets are reported, not enforced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from .params import Params, segment_prefix
+from .report import Report
+from .timing import Progress
+
+__all__ = ["SUITES", "default_out_dir", "main", "run"]
+
+SUITES = ("store", "peers", "async")
+
+
+def default_out_dir() -> Path:
+    """``bench/results`` of the source checkout when run from one, else of the current directory."""
+    here = Path(__file__).resolve().parent.parent.parent
+    if (here / "bench").is_dir() and (here / "aioshmcache").is_dir():
+        return here / "bench" / "results"
+    return Path.cwd() / "bench" / "results"
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m aioshmcache bench",
+        description="Benchmarks against np.copyto into shared memory and against peers "
+        "(multiprocessing, redis.asyncio, Ray). Writes a markdown table and a PNG plot.",
+    )
+    ap.add_argument("--quick", action="store_true", help="a ~30 s smoke run (CI)")
+    ap.add_argument("--out", type=Path, default=None, help="output directory (bench/results)")
+    ap.add_argument(
+        "--suite",
+        action="append",
+        choices=SUITES,
+        help="run only this suite (repeatable; default: all)",
+    )
+    ray = ap.add_mutually_exclusive_group()
+    ray.add_argument("--ray", dest="ray", action="store_true", default=None,
+                     help="compare with Ray (default: yes if installed, except with --quick)")
+    ray.add_argument("--no-ray", dest="ray", action="store_false")
+    ap.add_argument("--no-redis", action="store_true", help="skip the redis peer")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    ap.add_argument("--no-print", action="store_true", help="do not print the table")
+    return ap
+
+
+def run(
+    suites: tuple[str, ...] | list[str],
+    *,
+    quick: bool,
+    want_ray: bool,
+    want_redis: bool = True,
+    progress: Progress | None = None,
+) -> Report:
+    """Run the given suites and return the report (files are written by :func:`main`)."""
+    from .asyncbench import run_async_suite
+    from .peers import run_peers_suite
+    from .workloads import run_store_suite
+
+    p = Params.smoke() if quick else Params.full()
+    progress = progress or Progress()
+    report = Report("aioshmcache benchmark", quick=quick)
+    if "store" in suites:
+        run_store_suite(p, report, progress)
+    if "peers" in suites:
+        if not want_redis:
+            report.skip("redis: --no-redis")
+        run_peers_suite(p, report, progress, want_ray=want_ray, want_redis=want_redis)
+    if "async" in suites:
+        run_async_suite(p, report, progress)
+    report.finish()
+    return report
+
+
+def _leftovers() -> list[str]:
+    prefix = "aioshm-" + segment_prefix()
+    try:
+        return sorted(
+            n for n in os.listdir("/dev/shm") if n.startswith((prefix, "sem." + prefix))
+        )
+    except FileNotFoundError:
+        return []
+
+
+def main(argv: list[str]) -> int:
+    ns = _parser().parse_args(argv)
+    suites = tuple(ns.suite) if ns.suite else SUITES
+    want_ray = (not ns.quick) if ns.ray is None else bool(ns.ray)
+    progress = Progress(enabled=not ns.quiet)
+    out_dir: Path = ns.out if ns.out is not None else default_out_dir()
+    stem = "bench" + ("" if set(suites) == set(SUITES) else "-" + "-".join(suites))
+    stem += "-quick" if ns.quick else ""
+    t0 = time.monotonic()
+    rc = 0
+    try:
+        report = run(suites, quick=ns.quick, want_ray=want_ray, want_redis=not ns.no_redis,
+                     progress=progress)
+    except KeyboardInterrupt:
+        print("bench: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        left = _leftovers()
+        if left:  # the library (or this benchmark) leaked: report it loudly, then clean up
+            print(f"bench: LEFT BEHIND in /dev/shm: {left}", file=sys.stderr)
+            for n in left:
+                try:
+                    os.unlink(os.path.join("/dev/shm", n))
+                except OSError:
+                    pass
+            rc = 1
+    files = report.write(out_dir, stem)
+    if not ns.no_print:
+        print(report.markdown())
+    progress(f"done in {time.monotonic() - t0:.0f} s; wrote {', '.join(str(f) for f in files)}")
+    return rc

@@ -1,0 +1,463 @@
+"""The store suite: put / get / lease against the memcpy limit, steady state, churn and scaling.
+
+Each workload measures its baseline in the same run, interleaved with the subject (run 1:
+baseline, subject; run 2: baseline, subject; ...), so that a load spike from the other users of
+this machine slows both. Items are single-array mappings ``{"data": uint8 array}``; the writer
+is this process, readers are an in-process reader store (for per-operation timing) or the
+spawned worker (for cross-process steady state, churn and scaling).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from aioshmcache import ShmObjectStore, ShmRef
+
+from .params import Params, bench_config, open_store
+from .procs import Worker
+from .report import Report, Row, Target
+from .timing import (
+    GiB,
+    MiB,
+    Progress,
+    Samples,
+    ShmBuffer,
+    fmt_bytes,
+    memcpy_into,
+    source_array,
+)
+
+__all__ = ["run_store_suite"]
+
+S_STORE = "Store: one array item, in-process reader (vs np.copyto into warm shm)"
+S_SMALL = "Small items steady state: 1 KiB, ring churning, reader in another process (issue 2)"
+S_FRESH = "Fresh cache: first put vs warm put (issue 2)"
+S_CHURN = "Churn: 64 MiB ring, 1 MiB items, a reader process acknowledging each (issue 7)"
+S_READERS = "Read path vs attached readers (issue 3)"
+S_CACHE = "Cost vs cache size"
+
+_clock = time.perf_counter_ns
+
+
+def _ring_for(size: int, *, items: int = 6, minimum: int = 8 * MiB) -> int:
+    return max(minimum, items * (size + 4096))
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _shm_free() -> int:
+    st = os.statvfs("/dev/shm")
+    return st.f_bavail * st.f_frsize
+
+
+def _room_for(nbytes: int) -> bool:
+    """Whether creating a segment of ``nbytes`` leaves the machine (and others) some room."""
+    return _mem_available() > nbytes + 3 * GiB and _shm_free() > nbytes + 1 * GiB
+
+
+# --- put / get / lease per size ------------------------------------------------------------
+
+
+def bench_store_ops(p: Params, report: Report, progress: Progress) -> None:
+    shm = ShmBuffer(max(p.sizes))
+    try:
+        for size in p.sizes:
+            progress(f"store: put / get / lease of {fmt_bytes(size)} ({p.runs} runs)")
+            _store_ops_one(p, report, shm, size)
+    finally:
+        shm.close()
+
+
+def _store_ops_one(p: Params, report: Report, shm: ShmBuffer, size: int) -> None:
+    n = p.n_ops(size)
+    src = source_array(size)
+    item = {"data": src}
+    dst = shm.view(size)
+    base, put, get, lease, copyout = Samples(), Samples(), Samples(), Samples(), Samples()
+    cfg = bench_config(_ring_for(size), size + 64 * 1024, 1)
+    with open_store(cfg) as store:
+        reader = ShmObjectStore.from_handle(store.handle())
+        try:
+            seq = 0
+            for _ in range(max(3, n // 10)):  # warm-up: the ring wraps at least once for big items
+                reader.ack(store.put(f"w{seq}", item))
+                seq += 1
+            for _ in range(p.runs):
+                memcpy_into(dst, src, n, base.new_run())
+                run = put.new_run()
+                for _ in range(n):
+                    key = f"k{seq}"
+                    seq += 1
+                    t0 = _clock()
+                    ref = store.put(key, item)
+                    run.append((_clock() - t0) * 1e-9)
+                    reader.ack(ref)
+                last = f"k{seq - 1}"
+                run = get.new_run()
+                for _ in range(n):
+                    ref = store.get_cached(last)  # a new hand-out (untimed): the writer's part
+                    if ref is None:
+                        raise RuntimeError("the item just put is not cached")
+                    t0 = _clock()
+                    reader.get(ref)
+                    run.append((_clock() - t0) * 1e-9)
+                run = lease.new_run()
+                for _ in range(n):
+                    ref = store.get_cached(last)
+                    if ref is None:
+                        raise RuntimeError("the item just put is not cached")
+                    t0 = _clock()
+                    v = reader.get(ref, copy=False)
+                    reader.ack(ref)
+                    run.append((_clock() - t0) * 1e-9)
+                    del v
+                run = copyout.new_run()
+                for _ in range(n):
+                    t0 = _clock()
+                    np.array(dst)  # copy out of shared memory into a fresh private array
+                    run.append((_clock() - t0) * 1e-9)
+        finally:
+            reader.close()
+    sz = fmt_bytes(size)
+    b = base.stat()
+    rows = [
+        Row(S_STORE, "np.copyto into warm shm (baseline)", sz, b.median, stat=b,
+            plot="store", series="np.copyto (baseline)", x=size),
+    ]
+    for label, samples, series, target in (
+        ("put", put, "put", _put_target(size)),
+        ("get (copy)", get, "get (copy)", _get_target(size)),
+        ("get (lease: view + ack)", lease, "get (lease)", _lease_target()),
+        ("np.array(shm view): copy into a fresh array", copyout, "np.array(shm view)", None),
+    ):
+        s = samples.stat()
+        rows.append(
+            Row(S_STORE, label, sz, s.median, stat=s, baseline="np.copyto",
+                ratio=b.median / s.median, target=target, plot="store", series=series, x=size)
+        )
+    report.extend(rows)
+
+
+def _put_target(size: int) -> Target | None:
+    return Target("ratio", ">=", 0.8, "issues 2, 7") if size == 16 * MiB else None
+
+
+def _get_target(size: int) -> Target | None:
+    if size == 1 * MiB:
+        return Target("ratio", ">=", 0.8, "issue 2")
+    if size == 16 * MiB:
+        return Target("ratio", ">=", 0.8, "issue 7")
+    return None
+
+
+def _lease_target() -> Target:
+    return Target("value", "<=", 20e-6, "issue 7")
+
+
+# --- small items steady state (issue 2) -------------------------------------------------------
+
+BATCH = 256
+
+
+def bench_small_steady(p: Params, report: Report, progress: Progress, worker: Worker) -> None:
+    progress(f"small items: 1 KiB steady state, reader process ({p.runs} runs)")
+    size = 1024
+    item = {"data": source_array(size)}
+    # a 2 MiB ring holds ~1,700 items: with two batches of 256 in flight it churns continuously
+    cfg = bench_config(2 * MiB, 64 * 1024, 1)
+    put, get, lease_get = Samples(), Samples(), Samples()
+    with open_store(cfg) as store:
+        worker.attach(store.handle())
+        try:
+            seq = 0
+            for mode, samples in (("copy", get), ("lease", lease_get)):
+                worker.send("timed_gets", mode)
+                pending = 0
+                warm = 4
+                for r in range(p.runs + 1):
+                    putrun: list[float] = []
+                    getrun: list[float] = []
+                    for _ in range(p.small_batches if r else warm):
+                        refs: list[ShmRef] = []
+                        for _ in range(BATCH):
+                            key = f"s{seq}"
+                            seq += 1
+                            t0 = _clock()
+                            ref = store.put(key, item)
+                            putrun.append((_clock() - t0) * 1e-9)
+                            refs.append(ref)
+                        worker.send_refs(refs)
+                        pending += 1
+                        if pending >= 2:  # keep one batch in flight while putting the next
+                            getrun += [ns * 1e-9 for ns in _recv_list(worker)]
+                            pending -= 1
+                    while pending:
+                        getrun += [ns * 1e-9 for ns in _recv_list(worker)]
+                        pending -= 1
+                    if r:  # run 0 is the warm-up
+                        if mode == "copy":
+                            put.add_run(putrun)
+                        samples.add_run(getrun)
+                worker.send_refs(None)
+                worker.reply()
+            evictions = store.evictions
+        finally:
+            worker.detach()
+    ps, gs, ls = put.stat(), get.stat(), lease_get.stat()
+    note = f"{evictions:,} evictions, gc {'on' if gc.isenabled() else 'OFF'}"
+    report.add(Row(S_SMALL, "put (writer process)", "1 KiB", ps.median, stat=ps, note=note,
+                   target=Target("value", "<=", 12e-6, "issue 2"), plot="small",
+                   series="put"))
+    report.add(Row(S_SMALL, "get (copy, reader process)", "1 KiB", gs.median, stat=gs,
+                   target=Target("value", "<=", 10e-6, "issue 2"), plot="small",
+                   series="get (copy)"))
+    report.add(Row(S_SMALL, "get (lease: view + ack, reader process)", "1 KiB", ls.median,
+                   stat=ls, plot="small", series="get (lease)"))
+
+
+def _recv_list(worker: Worker) -> list[int]:
+    r = worker.conn.recv()
+    if isinstance(r, tuple):  # ("error", msg): the worker's loop failed
+        raise RuntimeError(f"bench worker: {r[1] if len(r) > 1 else r}")
+    out: list[int] = r
+    return out
+
+
+# --- fresh vs warm put (issue 2) ---------------------------------------------------------------
+
+
+def bench_fresh_vs_warm(p: Params, report: Report, progress: Progress) -> None:
+    cache = p.fresh_cache
+    if not _room_for(cache):
+        report.skip(f"fresh vs warm put: not enough free memory for a {fmt_bytes(cache)} cache")
+        return
+    progress(f"fresh {fmt_bytes(cache)} cache: first 16 MiB put vs warm put ({p.fresh_runs} runs)")
+    size = 16 * MiB
+    item = {"data": source_array(size)}
+    create, first, warm = Samples(), Samples(), Samples()
+    for _ in range(p.fresh_runs):
+        cfg = bench_config(cache, size + 64 * 1024, 1)
+        t0 = _clock()
+        store = ShmObjectStore.create(cfg)
+        create.add_run([(_clock() - t0) * 1e-9])
+        try:
+            t0 = _clock()
+            store.put("first", item)
+            first.add_run([(_clock() - t0) * 1e-9])
+            run = warm.new_run()
+            for j in range(5):
+                store.clear()  # the ring starts again at address 0: the very same pages, warm
+                t0 = _clock()
+                store.put(f"warm{j}", item)
+                run.append((_clock() - t0) * 1e-9)
+        finally:
+            store.close()
+    cs, fs, ws = create.stat(), first.stat(), warm.stat()
+    param = f"{fmt_bytes(cache)} cache, 16 MiB item"
+    report.add(Row(S_FRESH, "create the cache (fallocate + prefault)", fmt_bytes(cache),
+                   cs.median, stat=cs))
+    report.add(Row(S_FRESH, "first put into the fresh cache", param, fs.median, stat=fs,
+                   baseline="warm put", ratio=ws.median / fs.median))
+    report.add(Row(S_FRESH, "warm put (same pages, after clear)", param, ws.median, stat=ws))
+    report.add(Row(S_FRESH, "first put ÷ warm put", param, fs.median / ws.median, kind="ratio",
+                   target=Target("value", "<=", 1.5, "issue 2")))
+
+
+# --- churn (issue 7) ------------------------------------------------------------------------------
+
+
+def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -> None:
+    size = 1 * MiB
+    item = {"data": source_array(size)}
+    shm = ShmBuffer(size)
+    try:
+        for mode in ("copy", "lease"):
+            progress(f"churn: {p.churn_puts:,} puts of 1 MiB, reader {mode} ({p.churn_runs} runs)")
+            rates, lat, base = Samples(), Samples(), Samples()
+            waits = 0
+            for _ in range(p.churn_runs):
+                memcpy_into(shm.view(size), item["data"], 200, base.new_run())
+                cfg = bench_config(64 * MiB, 2 * MiB, 1, wait_for_space=5.0)
+                with open_store(cfg) as store:
+                    worker.attach(store.handle())
+                    try:
+                        worker.send("ack_stream", mode)
+                        run = lat.new_run()
+                        t_start = _clock()
+                        for i in range(p.churn_puts):
+                            t0 = _clock()
+                            ref = store.put(f"c{i}", item)
+                            run.append((_clock() - t0) * 1e-9)
+                            worker.send_refs([ref])
+                        worker.send_refs(None)
+                        worker.reply()  # every item read and acknowledged
+                        elapsed = (_clock() - t_start) * 1e-9
+                        rates.add_run([p.churn_puts / elapsed])
+                        waits += store.wakeups
+                    finally:
+                        worker.detach()
+            rs, ls, bs = rates.stat(), lat.stat(), base.stat()
+            who = "reader copies each item" if mode == "copy" else "reader leases (no copy)"
+            report.add(Row(S_CHURN, f"puts/s ({who})", "1 MiB", rs.median, kind="rate", stat=rs,
+                           baseline="1 / np.copyto time", ratio=rs.median * bs.median,
+                           target=Target("value", ">=", 8000, "issue 7") if mode == "copy"
+                           else None,
+                           note=f"writer waited for room {waits} times"))
+            report.add(Row(S_CHURN, f"put latency ({who})", "1 MiB", ls.median, stat=ls,
+                           baseline="np.copyto", ratio=bs.median / ls.median))
+    finally:
+        shm.close()
+
+
+# --- readers scaling (issue 3) ----------------------------------------------------------------
+
+
+def bench_readers(p: Params, report: Report, progress: Progress, worker: Worker) -> None:
+    progress(f"readers: get with {p.readers} attached readers ({p.runs} runs)")
+    n_slots = max(p.readers)
+    sizes = (1024, 1 * MiB)
+    items = {s: {"data": source_array(s)} for s in sizes}
+    cfg = bench_config(8 * MiB, 2 * MiB, n_slots)
+    results: dict[tuple[int, int], Samples] = {}
+    handouts: dict[int, Samples] = {}
+    with open_store(cfg) as store:
+        reader = ShmObjectStore.from_handle(store.handle())
+        try:
+            for s in sizes:
+                reader.ack(store.put(f"r{s}", items[s]))
+            for _ in range(p.runs):
+                for k in p.readers:
+                    if k > 1:
+                        worker.attach(store.handle(), k - 1)  # idle readers in another process
+                    try:
+                        h = handouts.setdefault(k, Samples()).new_run()
+                        for s in sizes:
+                            run = results.setdefault((k, s), Samples()).new_run()
+                            n = p.n_ops(s)
+                            for _ in range(n):
+                                t0 = _clock()
+                                ref = store.get_cached(f"r{s}")
+                                t1 = _clock()
+                                if ref is None:
+                                    raise RuntimeError("item vanished")
+                                reader.get(ref)
+                                run.append((_clock() - t1) * 1e-9)
+                                h.append((t1 - t0) * 1e-9)
+                    finally:
+                        if k > 1:
+                            worker.detach()
+        finally:
+            reader.close()
+    for s in sizes:
+        one = results[(1, s)].stat()
+        for k in p.readers:
+            st = results[(k, s)].stat()
+            report.add(Row(S_READERS, f"get (copy) of {fmt_bytes(s)}", f"{k} readers",
+                           st.median, stat=st, baseline="1 reader", ratio=one.median / st.median,
+                           plot="readers", series=f"get {fmt_bytes(s)}", x=k))
+        kmax = max(p.readers)
+        worst = results[(kmax, s)].stat().median / one.median
+        report.add(Row(S_READERS, f"get {fmt_bytes(s)}: {kmax} readers ÷ 1 reader",
+                       f"{kmax} vs 1", worst, kind="ratio",
+                       target=Target("value", "<=", 1.10, "issue 3")))
+    h1 = handouts[1].stat()
+    for k in p.readers:
+        st = handouts[k].stat()
+        report.add(Row(S_READERS, "writer hand-out (get_cached)", f"{k} readers", st.median,
+                       stat=st, baseline="1 reader", ratio=h1.median / st.median,
+                       plot="readers", series="writer hand-out", x=k))
+
+
+# --- cost vs cache size -----------------------------------------------------------------------
+
+
+def bench_cache_size(p: Params, report: Report, progress: Progress) -> None:
+    small = {"data": source_array(1024)}
+    big = {"data": source_array(1 * MiB)}
+    for cache in p.cache_sizes:
+        if not _room_for(cache):
+            report.skip(
+                f"cache size {fmt_bytes(cache)}: not enough free memory "
+                f"({fmt_bytes(_mem_available())} available, {fmt_bytes(_shm_free())} in /dev/shm)"
+            )
+            continue
+        progress(f"cache size {fmt_bytes(cache)}: create, attach, put, get")
+        create, attach = Samples(), Samples()
+        ops: dict[str, Samples] = {k: Samples() for k in ("put 1 KiB", "get 1 KiB", "get 1 MiB")}
+        runs = 1 if cache >= 4 * GiB else min(p.runs, 3)
+        for _ in range(runs):
+            cfg = bench_config(cache, 2 * MiB, 1)
+            t0 = _clock()
+            store = ShmObjectStore.create(cfg)
+            create.add_run([(_clock() - t0) * 1e-9])
+            try:
+                t0 = _clock()
+                reader = ShmObjectStore.from_handle(store.handle())
+                attach.add_run([(_clock() - t0) * 1e-9])
+                try:
+                    _cache_ops(p, store, reader, small, big, ops)
+                finally:
+                    reader.close()
+            finally:
+                store.close()
+        c = fmt_bytes(cache)
+        cs, at = create.stat(), attach.stat()
+        report.add(Row(S_CACHE, "create (fallocate + prefault)", c, cs.median, stat=cs,
+                       plot="cache_size", series="create", x=cache))
+        report.add(Row(S_CACHE, "reader attach (maps and populates the segment)", c, at.median,
+                       stat=at, plot="cache_size", series="reader attach", x=cache))
+        for k, smp in ops.items():
+            st = smp.stat()
+            report.add(Row(S_CACHE, k, c, st.median, stat=st, plot="cache_size", series=k,
+                           x=cache))
+
+
+def _cache_ops(
+    p: Params,
+    store: ShmObjectStore,
+    reader: ShmObjectStore,
+    small: dict[str, Any],
+    big: dict[str, Any],
+    ops: dict[str, Samples],
+) -> None:
+    n = p.n_ops(1024)
+    run = ops["put 1 KiB"].new_run()
+    for i in range(n):
+        t0 = _clock()
+        ref = store.put(f"p{i}", small)
+        run.append((_clock() - t0) * 1e-9)
+        reader.ack(ref)
+    for label, key, value in (("get 1 KiB", "g1", small), ("get 1 MiB", "g2", big)):
+        reader.ack(store.put(key, value))
+        run = ops[label].new_run()
+        for _ in range(p.n_ops(len(value["data"]))):
+            ref = store.get_cached(key)
+            if ref is None:
+                raise RuntimeError("item vanished")
+            t0 = _clock()
+            reader.get(ref)
+            run.append((_clock() - t0) * 1e-9)
+
+
+def run_store_suite(p: Params, report: Report, progress: Progress) -> None:
+    bench_store_ops(p, report, progress)
+    bench_fresh_vs_warm(p, report, progress)
+    with Worker() as worker:
+        bench_small_steady(p, report, progress, worker)
+        bench_churn(p, report, progress, worker)
+        bench_readers(p, report, progress, worker)
+    bench_cache_size(p, report, progress)

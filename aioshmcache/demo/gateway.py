@@ -1,0 +1,836 @@
+"""The multimodal API gateway: a FastAPI app whose lifespan owns the cache and the workers.
+
+The gateway is the cache's writer. For every request (a prompt plus 1..N images) it hashes each
+image's raw bytes with the processor settings (``mm_hash``), asks the cache whether it already
+holds the tensors (``is_cached_item``) and preprocesses only the images it does not hold (in a
+worker thread, never on the loop). It then makes the request's hand-outs with
+``await cache.get_and_update_features(...)``: cached images become ``FeatureSpec(h, None)`` and
+come back as ``ShmRef``s without any copy; new ones are put; images whose tensors exceed
+``max_object_bytes`` come back inline. Only references (or inline tensors) travel to the engine
+workers over a Unix socket; their answers prove they read the right bytes.
+
+Endpoints::
+
+    POST /v1/generate          JSON {"prompt", "images": [{"data": base64} | {"mm_hash": h}]}
+    POST /v1/generate/upload   multipart: prompt, images (files), mm_hashes (hash-only items)
+    GET  /v1/processor         the processor settings (clients compute mm_hash with them)
+    GET  /healthz              200 when the workers are ready, 503 otherwise
+    GET  /metrics              Prometheus text format (its own CollectorRegistry)
+    GET  /stats                the same and more as JSON;  POST /stats/reset resets loop lag
+
+The drift path: an image sent as a hash only (no bytes) that the cache does not hold is a 409
+naming the missing hashes; the client resends with the bytes. A worker that reports stale
+references (``cache_miss``) makes the gateway ``invalidate`` them and retry with fresh data.
+
+Errors are JSON ``{"error": kind, "message": text, ...}``: 413 (too many images, image or body
+too large), 415 (not a decodable image), 422 (bad base64, bad hash, malformed body), 409
+(drift), 503 (workers restarting), 502/504 (a worker failed or was late).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import logging
+import os
+import signal
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, MutableMapping
+from dataclasses import asdict, dataclass, field
+from typing import Annotated, Any, Literal
+
+import anyio
+import anyio.to_thread
+import numpy as np
+from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from pydantic import BaseModel, ConfigDict, Field
+
+from aioshmcache import (
+    AsyncSenderCache,
+    CacheConfig,
+    CacheMissError,
+    CacheSnapshot,
+    FeatureSpec,
+    ShmRef,
+)
+
+from .imaging import (
+    ImageDecodeError,
+    ImageTooLargeError,
+    ProcessorConfig,
+    image_nbytes,
+    is_mm_hash,
+    mm_hash,
+    num_image_tokens,
+    preprocess,
+)
+from .ipc import encode_feature
+from .pool import WorkerDied, WorkerPool, WorkerUnavailable
+
+__all__ = ["Gateway", "GatewayError", "GatewaySettings", "ImageInput", "create_app"]
+
+log = logging.getLogger("aioshmcache.demo")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_MiB = 1 << 20
+MAX_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """Everything the gateway is configured with (the demo CLI maps its flags onto it)."""
+
+    workers: int = 2
+    delivery: Literal["broadcast", "one_of_n"] = "broadcast"
+    cache_mb: float = 64.0
+    max_object_mb: float = 3.0
+    cache_enabled: bool = True
+    name: str | None = None
+    handout_ttl: float = 10.0
+    evict_stuck_readers_after: float | None = 30.0
+    max_images: int = 8
+    max_image_bytes: int = 16 * _MiB
+    max_body_bytes: int = 64 * _MiB
+    preprocess_threads: int = 2
+    worker_timeout: float = 30.0
+    worker_loop: Literal["asyncio", "uvloop"] = "asyncio"
+    restart_workers: bool = True
+    exit_with_parent: bool = False
+    processor: ProcessorConfig = field(default_factory=ProcessorConfig)
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            int(self.cache_mb * _MiB),
+            int(self.max_object_mb * _MiB),
+            self.workers + 1,  # a spare slot: a replacement never waits for a dead one's slot
+            name=self.name,
+            delivery=self.delivery,
+            handout_ttl=self.handout_ttl,
+            evict_stuck_readers_after=self.evict_stuck_readers_after,
+        )
+
+
+class GatewayError(Exception):
+    """An HTTP error with a JSON body ``{"error": kind, "message": message, **extra}``."""
+
+    def __init__(self, status: int, kind: str, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.message = message
+        self.extra = extra
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status == 503 else None
+        body = {"error": self.kind, "message": self.message, **self.extra}
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+@dataclass
+class ImageInput:
+    """One image of a request: its position, its bytes (None: hash only) and its hash."""
+
+    index: int
+    data: bytes | None
+    mm_hash: str
+    filename: str | None = None
+
+
+class _LoopLag:
+    """Measures how late the event loop wakes up (a blocked loop shows up here)."""
+
+    def __init__(self, interval: float = 0.02, window: int = 30_000) -> None:
+        self.interval = interval
+        self.samples: deque[float] = deque(maxlen=window)
+        self.max = 0.0
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(self.interval)
+            lag = max(0.0, loop.time() - t - self.interval)
+            self.samples.append(lag)
+            self.max = max(self.max, lag)
+
+    def reset(self) -> None:
+        self.samples.clear()
+        self.max = 0.0
+
+    def summary(self) -> dict[str, float]:
+        if not self.samples:
+            return {"p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0, "samples": 0}
+        a = np.fromiter(self.samples, dtype=np.float64)
+        p50, p99 = np.percentile(a, [50, 99])
+        return {
+            "p50_ms": float(p50) * 1e3,
+            "p99_ms": float(p99) * 1e3,
+            "max_ms": self.max * 1e3,
+            "samples": len(a),
+        }
+
+
+class _SnapshotCollector:
+    """Exports ``cache.snapshot()`` and the worker table at every scrape."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        gw = self.gw
+        out: list[Metric] = []
+        snap = gw.snapshot()
+        if snap is not None:
+
+            def counter(name: str, doc: str, value: float) -> None:
+                out.append(CounterMetricFamily(f"aioshmcache_{name}", doc, value=value))
+
+            def gauge(name: str, doc: str, value: float) -> None:
+                out.append(GaugeMetricFamily(f"aioshmcache_{name}", doc, value=value))
+
+            counter("hits", "Items handed out from the cache (no preprocessing, no copy)", snap.hits)
+            counter("misses", "Items that were not cached (put, or served inline)", snap.misses)
+            inline = CounterMetricFamily(
+                "aioshmcache_inline", "Items served inline instead of cached", labels=["cause"]
+            )
+            inline.add_metric(["too_large"], snap.inline_too_large)
+            inline.add_metric(["full"], snap.inline_full)
+            out.append(inline)
+            counter("evictions", "Items evicted (FIFO) to make room", snap.evictions)
+            gauge("bytes_used", "Bytes of the ring in use", snap.bytes_used)
+            gauge("items", "Items cached", snap.items)
+            gauge("capacity_bytes", "Ring capacity in bytes", snap.capacity_bytes)
+            gauge("epoch", "Clear generation", snap.epoch)
+            gauge("hit_ratio", "hits / (hits + misses)", snap.hit_ratio)
+            pid_to_worker = {w.pid: w.index for w in gw.pool.info()} if gw.pool else {}
+            labels = ["slot", "worker"]
+            alive = GaugeMetricFamily("aioshmcache_reader_alive", "Reader slot alive", labels=labels)
+            lag = GaugeMetricFamily(
+                "aioshmcache_reader_lag", "Hand-outs the reader has not acknowledged", labels=labels
+            )
+            acked = CounterMetricFamily(
+                "aioshmcache_reader_acknowledged", "Acknowledgements by the reader", labels=labels
+            )
+            for r in snap.readers:
+                if not r.attached:
+                    continue
+                lv = [str(r.slot), str(pid_to_worker.get(r.pid, "-"))]
+                alive.add_metric(lv, 1.0 if r.alive else 0.0)
+                lag.add_metric(lv, r.lag)
+                acked.add_metric(lv, r.acknowledged)
+            out += [alive, lag, acked]
+        if gw.pool is not None:
+            up = GaugeMetricFamily("gateway_worker_up", "Engine worker ready", labels=["worker"])
+            served = CounterMetricFamily(
+                "gateway_worker_requests", "Requests answered per worker", labels=["worker"]
+            )
+            for w in gw.pool.info():
+                up.add_metric([str(w.index)], 1.0 if w.ready else 0.0)
+                served.add_metric([str(w.index)], w.served)
+            out += [up, served]
+            out.append(
+                CounterMetricFamily(
+                    "gateway_worker_restarts", "Replacement workers started", value=gw.pool.restarts
+                )
+            )
+        lagsum = gw.loop_lag.summary()
+        out.append(
+            GaugeMetricFamily(
+                "gateway_loop_lag_p99_seconds",
+                "p99 event-loop wake-up lateness",
+                value=lagsum["p99_ms"] / 1e3,
+            )
+        )
+        out.append(
+            GaugeMetricFamily(
+                "gateway_loop_lag_max_seconds",
+                "Largest event-loop wake-up lateness",
+                value=lagsum["max_ms"] / 1e3,
+            )
+        )
+        return out
+
+
+class Gateway:
+    """The cache, the worker pool and the request logic behind the HTTP endpoints."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.processor = settings.processor
+        self.cache: AsyncSenderCache | None = None
+        self.pool: WorkerPool | None = None
+        self.loop_lag = _LoopLag()
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.counters: dict[str, int] = {
+            "requests": 0,
+            "images": 0,
+            "preprocessed": 0,
+            "preprocess_skipped": 0,
+            "bytes_from_cache": 0,
+            "bytes_put": 0,
+            "bytes_inline": 0,
+            "drift_409": 0,
+            "worker_cache_miss": 0,
+            "retries": 0,
+        }
+        self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            "gateway_http_requests",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.http_latency = Histogram(
+            "gateway_request_duration_seconds",
+            "Latency of the generate endpoints",
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+        )
+        self.preprocess_seconds = Histogram(
+            "gateway_preprocess_seconds",
+            "Decode + preprocess time per image (cache misses only)",
+            registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+        )
+        self.bytes_total = Counter(
+            "gateway_feature_bytes",
+            "Tensor bytes by path: from_cache (no copy), put (copied once), inline (sent)",
+            ["path"],
+            registry=self.registry,
+        )
+        self.registry.register(_SnapshotCollector(self))
+
+    # --- lifetime ------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Gateway]:
+        """The lifespan: create the cache, start the workers; on exit stop both (bounded)."""
+        s = self.settings
+        self._limiter = anyio.CapacityLimiter(s.preprocess_threads)
+        self._tasks.append(asyncio.ensure_future(self.loop_lag.run()))
+        if s.exit_with_parent:
+            self._tasks.append(asyncio.ensure_future(_watch_parent()))
+        try:
+            async with AsyncSenderCache.from_config(s.cache_config()) as cache:
+                self.cache = cache
+                pool = WorkerPool(
+                    s.workers,
+                    cache.handle().to_dict(),
+                    delivery=s.delivery,
+                    processor=self.processor,
+                    loop=s.worker_loop,
+                    restart=s.restart_workers,
+                )
+                self.pool = pool
+                await pool.start()
+                log.info(
+                    "gateway ready: segment %s, %d %s workers", cache.sender.name, s.workers,
+                    s.delivery,
+                )
+                try:
+                    yield self
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await pool.stop()
+        finally:
+            for t in self._tasks:
+                t.cancel()
+            self._tasks.clear()
+            self.cache = None
+
+    def snapshot(self) -> CacheSnapshot | None:
+        cache = self.cache
+        if cache is None:
+            return None
+        try:
+            return cache.snapshot()
+        except Exception:  # closing
+            return None
+
+    # --- request handling ----------------------------------------------------------------
+    async def _preprocess(self, img: ImageInput) -> dict[str, Any]:
+        data = img.data
+        if data is None:  # guarded by the caller
+            raise GatewayError(409, "cache_miss", f"image {img.index} has no data")
+        t0 = time.perf_counter()
+        try:
+            item = await anyio.to_thread.run_sync(preprocess, data, self.processor, limiter=self._limiter)
+        except ImageDecodeError as exc:
+            name = f" ({img.filename})" if img.filename else ""
+            raise GatewayError(
+                415, "unsupported_image", f"image {img.index}{name}: {exc}", index=img.index
+            ) from None
+        except ImageTooLargeError as exc:
+            raise GatewayError(413, "image_too_large", f"image {img.index}: {exc}") from None
+        self.preprocess_seconds.observe(time.perf_counter() - t0)
+        self.counters["preprocessed"] += 1
+        return item
+
+    async def generate(
+        self, prompt: str, images: list[ImageInput], request_id: str | None = None
+    ) -> dict[str, Any]:
+        """Resolve, hand out, dispatch to the workers, check and assemble the answer."""
+        s = self.settings
+        cache, pool = self.cache, self.pool
+        if cache is None or pool is None:
+            raise GatewayError(503, "unavailable", "the gateway is starting or stopping")
+        if not images:
+            raise GatewayError(422, "no_images", "a request needs at least one image")
+        if len(images) > s.max_images:
+            raise GatewayError(
+                413, "too_many_images", f"{len(images)} images, at most {s.max_images} per request"
+            )
+        t0 = time.perf_counter()
+        self.counters["requests"] += 1
+        self.counters["images"] += len(images)
+        unique: list[str] = []
+        data_of: dict[str, ImageInput] = {}
+        for img in images:
+            if img.mm_hash not in data_of:
+                unique.append(img.mm_hash)
+                data_of[img.mm_hash] = img
+            elif data_of[img.mm_hash].data is None and img.data is not None:
+                data_of[img.mm_hash] = img
+        prepared: dict[str, dict[str, Any]] = {}
+        use_cache = s.cache_enabled
+        last_error: GatewayError | None = None
+        for attempt in range(MAX_ATTEMPTS):
+            if attempt:
+                self.counters["retries"] += 1
+            # 1. what the cache holds is not preprocessed again
+            cached = set()
+            if use_cache:
+                cached = {h for h in unique if h not in prepared and cache.is_cached_item(h)}
+            missing = [h for h in unique if h not in cached and data_of[h].data is None]
+            if missing:
+                self.counters["drift_409"] += 1
+                raise GatewayError(
+                    409,
+                    "cache_miss",
+                    "images not cached, resend them with their data: " + ", ".join(missing),
+                    missing=missing,
+                )
+            todo = [h for h in unique if h not in cached and h not in prepared]
+            if todo:
+                items = await asyncio.gather(*(self._preprocess(data_of[h]) for h in todo))
+                prepared.update(zip(todo, items))
+            self.counters["preprocess_skipped"] += len(cached) if attempt == 0 else 0
+            specs = []
+            for h in unique:
+                if h in cached:
+                    specs.append(FeatureSpec(h, None))
+                else:
+                    item = prepared[h]
+                    tokens = num_image_tokens(item["image_grid_thw"], self.processor)
+                    specs.append(FeatureSpec(h, item, prompt_updates=(tokens,)))
+            # 2. hand-outs (the group must be complete and unchanged for broadcast)
+            try:
+                pool.check_available()
+            except WorkerUnavailable as exc:
+                raise GatewayError(503, "workers_unavailable", str(exc)) from None
+            generation = pool.generation
+            if use_cache:
+                try:
+                    out = await cache.get_and_update_features(specs)
+                except CacheMissError as exc:  # evicted after is_cached_item: preprocess now
+                    last_error = GatewayError(409, "cache_miss", str(exc))
+                    continue
+            else:
+                out = specs
+            refs = [f.data for f in out if isinstance(f.data, ShmRef)]
+            try:
+                if s.delivery == "broadcast" and pool.generation != generation:
+                    raise WorkerUnavailable("the worker group changed during the hand-out")
+                encoded = [encode_feature(f) for f in out]
+                replies = await pool.dispatch(encoded, timeout=s.worker_timeout)
+            except WorkerUnavailable as exc:  # nothing was sent: give the hand-outs back
+                for r in refs:
+                    await cache.release(r)
+                raise GatewayError(503, "workers_unavailable", str(exc)) from None
+            except WorkerDied as exc:
+                if s.delivery == "one_of_n" and attempt + 1 < MAX_ATTEMPTS:
+                    last_error = GatewayError(503, "worker_died", str(exc))
+                    continue  # another worker, fresh hand-outs (the lost ones expire)
+                raise GatewayError(503, "worker_died", str(exc)) from None
+            except asyncio.TimeoutError:
+                raise GatewayError(
+                    504, "worker_timeout", f"no answer from the workers within {s.worker_timeout} s"
+                ) from None
+            stale = sorted({h for r in replies if not r.get("ok") for h in r.get("mm_hashes", ())})
+            if stale:
+                self.counters["worker_cache_miss"] += 1
+                for h in stale:
+                    await cache.invalidate(h)
+                    prepared.pop(h, None)
+                last_error = GatewayError(
+                    409, "cache_miss", "workers reported stale references: " + ", ".join(stale),
+                    missing=stale,
+                )
+                continue
+            failed = [r for r in replies if not r.get("ok")]
+            if failed:
+                r = failed[0]
+                raise GatewayError(
+                    502, "worker_error", f"worker error {r.get('error')}: {r.get('message')}"
+                )
+            return self._answer(prompt, images, out, cached, replies, request_id, attempt, t0)
+        raise last_error or GatewayError(503, "unavailable", "gave up after retries")
+
+    def _answer(
+        self,
+        prompt: str,
+        images: list[ImageInput],
+        out: list[FeatureSpec],
+        cached: set[str],
+        replies: list[dict[str, Any]],
+        request_id: str | None,
+        attempt: int,
+        t0: float,
+    ) -> dict[str, Any]:
+        by_hash = {f.mm_hash: f for f in out}
+        primary = {r["mm_hash"]: r for r in replies[0]["results"]}
+        for rep in replies[1:]:  # broadcast: every rank must have read the same bytes
+            for res in rep["results"]:
+                ref = primary.get(res["mm_hash"])
+                if (
+                    ref is None
+                    or res["crc32"] != ref["crc32"]
+                    or res["shape"] != ref["shape"]
+                    or not np.allclose(res["embedding"], ref["embedding"], rtol=1e-6, atol=1e-9)
+                ):
+                    raise GatewayError(
+                        500, "workers_disagree", f"workers disagree on image {res['mm_hash']}"
+                    )
+        for f in out:
+            if isinstance(f.data, ShmRef):
+                path = "from_cache" if f.mm_hash in cached else "put"
+                n = f.data.length
+            else:
+                path, n = "inline", image_nbytes(f.data)
+            self.counters["bytes_" + path] += n
+            self.bytes_total.labels(path).inc(n)
+        results = []
+        image_tokens = 0
+        for img in images:
+            f = by_hash[img.mm_hash]
+            res = primary[img.mm_hash]
+            tokens = int(f.prompt_updates[0]) if f.prompt_updates else res["num_image_tokens"]
+            image_tokens += tokens
+            results.append(
+                {
+                    "index": img.index,
+                    "mm_hash": img.mm_hash,
+                    "transport": "shm" if isinstance(f.data, ShmRef) else "inline",
+                    "preprocessed": img.mm_hash not in cached,
+                    "num_image_tokens": tokens,
+                    **{k: v for k, v in res.items() if k != "mm_hash"},
+                }
+            )
+        elapsed = time.perf_counter() - t0
+        self.http_latency.observe(elapsed)
+        return {
+            "request_id": request_id or uuid.uuid4().hex,
+            "prompt_tokens": len(prompt.split()) + image_tokens,
+            "images": results,
+            "workers": [
+                {"worker": r.get("worker"), "pid": r.get("pid"), "results": r["results"]}
+                for r in replies
+            ],
+            "delivery": self.settings.delivery,
+            "cache": self.settings.cache_enabled,
+            "attempts": attempt + 1,
+            "latency_ms": elapsed * 1e3,
+        }
+
+    async def hash_of(self, data: bytes) -> str:
+        if len(data) >= _MiB:
+            return await anyio.to_thread.run_sync(mm_hash, data, self.processor)
+        return mm_hash(data, self.processor)
+
+    def stats(self) -> dict[str, Any]:
+        snap = self.snapshot()
+        pool = self.pool
+        out: dict[str, Any] = {
+            "settings": {
+                k: v for k, v in asdict(self.settings).items() if k != "processor"
+            },
+            "gateway": dict(self.counters),
+            "loop_lag": self.loop_lag.summary(),
+            "workers": [asdict(w) for w in pool.info()] if pool else [],
+            "worker_restarts": pool.restarts if pool else 0,
+        }
+        if snap is not None:
+            out["cache"] = {
+                "name": snap.name,
+                "hits": snap.hits,
+                "misses": snap.misses,
+                "hit_ratio": snap.hit_ratio,
+                "inline_too_large": snap.inline_too_large,
+                "inline_full": snap.inline_full,
+                "evictions": snap.evictions,
+                "bytes_used": snap.bytes_used,
+                "items": snap.items,
+                "capacity_bytes": snap.capacity_bytes,
+                "epoch": snap.epoch,
+                "readers": [asdict(r) for r in snap.readers],
+            }
+        return out
+
+
+async def _watch_parent() -> None:
+    """Shut down gracefully (SIGTERM to ourselves) when the process that started us dies."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(0.5)
+    log.warning("parent process %d is gone: shutting down", parent)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+class ImageIn(BaseModel):
+    """One image of a JSON request: base64 bytes (a ``data:`` URL is fine) or a hash only."""
+
+    model_config = ConfigDict(extra="forbid")
+    data: str | None = None
+    mm_hash: str | None = None
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt: str = Field(max_length=1_000_000)
+    images: list[ImageIn]
+    request_id: str | None = Field(default=None, max_length=200)
+
+
+class _ObserveAndLimit:
+    """Pure ASGI middleware: counts responses by route and status; refuses oversized bodies."""
+
+    def __init__(self, app: ASGIApp, gw: Gateway) -> None:
+        self.app = app
+        self.gw = gw
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = str(scope.get("path", ""))
+        limit = self.gw.settings.max_body_bytes
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length" and v.isdigit() and int(v) > limit:
+                resp = GatewayError(
+                    413, "body_too_large", f"request body of {int(v)} bytes exceeds {limit} bytes"
+                ).response()
+                self.gw.http_requests.labels(route, "413").inc()
+                await resp(scope, receive, send)
+                return
+        status = [500]
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            known = route if route in _ROUTES else "other"
+            self.gw.http_requests.labels(known, str(status[0])).inc()
+
+
+_ROUTES = frozenset(
+    {"/v1/generate", "/v1/generate/upload", "/metrics", "/stats", "/healthz", "/v1/processor"}
+)
+
+
+def _b64(s: str, index: int) -> bytes:
+    if s.startswith("data:"):
+        _, sep, s = s.partition(",")
+        if not sep:
+            raise GatewayError(422, "bad_base64", f"image {index}: malformed data URL")
+    try:
+        return base64.b64decode(s, validate=True)
+    except (binascii.Error, ValueError):
+        raise GatewayError(422, "bad_base64", f"image {index}: data is not valid base64") from None
+
+
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    """The FastAPI app; its lifespan runs a :class:`Gateway` configured by ``settings``."""
+    gw = Gateway(settings or GatewaySettings())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with gw.running():
+            yield
+
+    app = FastAPI(title="aioshmcache multimodal gateway demo", lifespan=lifespan)
+    app.state.gateway = gw
+    app.add_middleware(_ObserveAndLimit, gw=gw)
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return exc.response()
+
+    def check_images(n: int) -> None:
+        if n == 0:
+            raise GatewayError(422, "no_images", "a request needs at least one image")
+        if n > gw.settings.max_images:
+            raise GatewayError(
+                413, "too_many_images", f"{n} images, at most {gw.settings.max_images} per request"
+            )
+
+    def check_size(index: int, n: int) -> None:
+        if n > gw.settings.max_image_bytes:
+            raise GatewayError(
+                413,
+                "image_too_large",
+                f"image {index} has {n} bytes, at most {gw.settings.max_image_bytes}",
+            )
+
+    def check_hash(index: int, h: str) -> str:
+        if not is_mm_hash(h):
+            raise GatewayError(
+                422, "bad_hash", f"image {index}: mm_hash must be 32 lowercase hex digits"
+            )
+        return h
+
+    @app.post("/v1/generate")
+    async def generate_json(body: GenerateRequest) -> dict[str, Any]:
+        check_images(len(body.images))
+        images: list[ImageInput] = []
+        for i, im in enumerate(body.images):
+            if im.data is None and im.mm_hash is None:
+                raise GatewayError(422, "bad_image", f"image {i}: give 'data' or 'mm_hash'")
+            if im.data is None:
+                images.append(ImageInput(i, None, check_hash(i, im.mm_hash or "")))
+                continue
+            data = _b64(im.data, i)
+            check_size(i, len(data))
+            h = await gw.hash_of(data)
+            if im.mm_hash is not None and im.mm_hash != h:
+                raise GatewayError(
+                    422, "hash_mismatch", f"image {i}: mm_hash does not match the data ({h})"
+                )
+            images.append(ImageInput(i, data, h))
+        return await gw.generate(body.prompt, images, body.request_id)
+
+    @app.post("/v1/generate/upload")
+    async def generate_upload(
+        prompt: Annotated[str, Form(max_length=1_000_000)],
+        images: Annotated[list[UploadFile] | None, File()] = None,
+        mm_hashes: Annotated[list[str] | None, Form()] = None,
+        request_id: Annotated[str | None, Form(max_length=200)] = None,
+    ) -> dict[str, Any]:
+        files = images or []
+        hashes = mm_hashes or []
+        check_images(len(files) + len(hashes))
+        inputs: list[ImageInput] = []
+        for i, f in enumerate(files):
+            if f.size is not None:
+                check_size(i, f.size)
+            data = await f.read(gw.settings.max_image_bytes + 1)
+            check_size(i, len(data))
+            inputs.append(ImageInput(i, data, await gw.hash_of(data), f.filename))
+        for j, h in enumerate(hashes):
+            inputs.append(ImageInput(len(files) + j, None, check_hash(len(files) + j, h)))
+        return await gw.generate(prompt, inputs, request_id)
+
+    @app.get("/v1/processor")
+    async def processor() -> dict[str, Any]:
+        return gw.processor.to_dict()
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        ok = gw.pool is not None and gw.pool.available()
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        return gw.stats()
+
+    @app.post("/stats/reset")
+    async def stats_reset() -> dict[str, Any]:
+        gw.loop_lag.reset()
+        return {"status": "ok"}
+
+    return app
+
+
+def create_app_from_env() -> FastAPI:
+    """For ``uvicorn --factory aioshmcache.demo.gateway:create_app_from_env``.
+
+    Reads ``AIOSHM_DEMO_WORKERS``, ``AIOSHM_DEMO_DELIVERY``, ``AIOSHM_DEMO_CACHE_MB``,
+    ``AIOSHM_DEMO_MAX_OBJECT_MB``, ``AIOSHM_DEMO_NAME`` and ``AIOSHM_DEMO_CACHE`` (``off``).
+    """
+    env = os.environ
+    delivery = env.get("AIOSHM_DEMO_DELIVERY", "broadcast")
+    if delivery not in ("broadcast", "one_of_n"):
+        raise ValueError("AIOSHM_DEMO_DELIVERY must be broadcast or one_of_n")
+    return create_app(
+        GatewaySettings(
+            workers=int(env.get("AIOSHM_DEMO_WORKERS", "2")),
+            delivery="one_of_n" if delivery == "one_of_n" else "broadcast",
+            cache_mb=float(env.get("AIOSHM_DEMO_CACHE_MB", "64")),
+            max_object_mb=float(env.get("AIOSHM_DEMO_MAX_OBJECT_MB", "3")),
+            name=env.get("AIOSHM_DEMO_NAME") or None,
+            cache_enabled=env.get("AIOSHM_DEMO_CACHE", "on") != "off",
+        )
+    )
+
+
+def serve(
+    settings: GatewaySettings,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    loop: Literal["auto", "asyncio", "uvloop"] = "auto",
+    log_level: str = "warning",
+) -> int:
+    """Run the gateway under uvicorn (blocking) on a socket bound here; prints the URL first.
+
+    ``port=0`` picks a free port. The first line on stdout is ``listening on http://HOST:PORT``
+    (printed before the lifespan starts: poll ``/healthz`` for readiness). SIGINT and SIGTERM
+    shut down gracefully: workers stopped, the segment unlinked.
+    """
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(False)
+    actual = sock.getsockname()[1]
+    print(f"listening on http://{host}:{actual}", flush=True)
+    config = uvicorn.Config(
+        create_app(settings),
+        loop=loop,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0 if server.started else 1

@@ -1,0 +1,379 @@
+"""Layer 6: the P0 sender and P1 receiver caches — the seed's semantics, hardened."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aioshmcache import (
+    CacheConfig,
+    CacheInfo,
+    CacheMissError,
+    FeatureSpec,
+    InvalidReferenceError,
+    MsgpackSerde,
+    ReceiverCache,
+    SenderCache,
+    ShmRef,
+    StaleReferenceError,
+)
+
+from . import _procs  # noqa: F401  (spawned children import it)
+from .helpers import SPAWN, checksum
+
+SLOT = 60_000  # bytes of one test item's array: 4 fit in the 256 KiB ring below
+
+
+def item(tag: int, nbytes: int = SLOT) -> dict[str, Any]:
+    return {"pixel_values": np.full(nbytes, tag % 251, np.uint8), "grid": np.array([1, tag])}
+
+
+@pytest.fixture
+def pair(make_config: Any) -> Any:
+    sender = SenderCache(make_config(256 << 10, 100 << 10, 1))
+    receiver = ReceiverCache.attach(sender.handle())
+    yield sender, receiver
+    receiver.close()
+    sender.close()
+
+
+def feats(*specs: tuple[str, Any]) -> list[FeatureSpec]:
+    return [FeatureSpec(h, d) for h, d in specs]
+
+
+def test_hit_miss_and_prompt_updates(pair: Any) -> None:
+    sender, receiver = pair
+    ref, updates = sender.get_and_update_item((item(1), ["u1"]), "a")
+    assert isinstance(ref, ShmRef) and updates == ["u1"]
+    ref2, updates2 = sender.get_and_update_item(None, "a")  # hit: prompt updates from the writer
+    assert ref2 == ref and updates2 == ["u1"]
+    assert sender.make_stats() == CacheInfo(1, 2)
+    for r in (ref, ref2):
+        got = receiver.get_and_update_item(r, "a")
+        assert np.array_equal(got["pixel_values"], item(1)["pixel_values"])
+        assert got["grid"].dtype == np.int64
+    with pytest.raises(CacheMissError) as ei:
+        sender.get_and_update_item(None, "nope")
+    assert ei.value.mm_hashes == ("nope",)
+
+
+def test_lookups_are_pure(pair: Any) -> None:
+    sender, receiver = pair
+    for i, h in enumerate("abcd"):
+        ref, _ = sender.get_and_update_item((item(i), ()), h)
+        receiver.get_and_update_item(ref, h)
+    assert sender.is_cached(["a", "x", "d"]) == [True, False, True]
+    assert sender.make_stats().total == 4
+    sender.get_and_update_item((item(9), ()), "e")  # evicts the oldest: lookups did not touch
+    assert sender.cached_order() == ["b", "c", "d", "e"]
+
+
+def test_too_large_served_inline_counted_logged_once_not_reserialised(
+    make_config: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = []
+
+    class CountingSerde(MsgpackSerde):
+        def plan(self, obj: object) -> Any:
+            calls.append(1)
+            return super().plan(obj)
+
+    sender = SenderCache(make_config(256 << 10, 50 << 10, 1), serde=CountingSerde())
+    try:
+        big = item(1, 80_000)
+        with caplog.at_level(logging.WARNING, logger="aioshmcache"):
+            for _ in range(5):
+                out = sender.get_and_update_item((big, ["u"]), "big")
+                assert out[0] is big
+        assert sender.inline_too_large == 5
+        assert not sender.is_cached_item("big")
+        assert len([r for r in caplog.records if "max_object_bytes" in r.message]) == 1
+        assert len(calls) <= 2  # measured once (plus one for the error message), not per request
+        assert sender.snapshot().inline_too_large == 5
+    finally:
+        sender.close()
+
+
+def test_full_cache_serves_inline_and_counts(pair: Any) -> None:
+    sender, receiver = pair
+    refs = [sender.get_and_update_item((item(i), ()), f"h{i}")[0] for i in range(4)]
+    out = sender.get_and_update_item((item(5), ()), "h5")  # all four owed to the reader
+    assert isinstance(out[0], dict)
+    assert sender.inline_full == 1
+    receiver.get_and_update_features([FeatureSpec(f"h{i}", r) for i, r in enumerate(refs)])
+    out = sender.get_and_update_item((item(5), ()), "h5")
+    assert isinstance(out[0], ShmRef)
+
+
+def test_eviction_order_with_request_pins(make_config: Any) -> None:
+    """A request's own items are pinned; others go first-in first-out; the rest is inline."""
+    sender = SenderCache(make_config(256 << 10, 100 << 10, 1))  # no reader: only pins protect
+    try:
+        def request(*hashes: str) -> list[str]:
+            out = sender.get_and_update(
+                [None if sender.is_cached_item(h) else (item(ord(h)), ()) for h in hashes],
+                list(hashes),
+            )
+            return ["ref" if isinstance(d, ShmRef) else "inline" for d, _u in out]
+
+        assert request("A", "B") == ["ref", "ref"]
+        assert sender.cached_order() == ["A", "B"]
+        assert request("C", "D") == ["ref", "ref"]
+        assert sender.cached_order() == ["A", "B", "C", "D"]
+        assert request("B", "E") == ["ref", "ref"]  # A (unprotected, oldest) goes
+        assert sender.cached_order() == ["B", "C", "D", "E"]
+        # B and C are this request's: the head B is pinned, so F and G cannot get room
+        assert request("B", "C", "F", "G") == ["ref", "ref", "inline", "inline"]
+        assert sender.cached_order() == ["B", "C", "D", "E"]
+        assert request("D", "H") == ["ref", "ref"]  # B goes; D is protected
+        assert sender.cached_order() == ["C", "D", "E", "H"]
+        # a request never evicts its own earlier items (vLLM issue 26195)
+        assert request("I", "J", "K", "L", "M") == ["ref", "ref", "ref", "ref", "inline"]
+        assert sender.cached_order() == ["I", "J", "K", "L"]
+        assert sender.inline_full == 3
+    finally:
+        sender.close()
+
+
+def test_prompt_update_table_never_outgrows_the_cache(pair: Any) -> None:
+    sender, receiver = pair
+    for i in range(40):
+        ref, _ = sender.get_and_update_item((item(i), [f"u{i}"]), f"h{i}")
+        receiver.get_and_update_item(ref, f"h{i}")
+        assert len(sender._prompt_updates) <= len(sender.cached_order())
+    assert set(sender._prompt_updates) == set(sender.cached_order())
+    assert sender.remove_dangling_items() == 0
+
+
+def test_release_after_failed_request_makes_item_freeable(pair: Any) -> None:
+    sender, _receiver = pair
+    ref, _ = sender.get_and_update_item((item(1), ()), "a")
+    assert not sender.is_freeable("a")
+    assert sender.release(ref) is True
+    assert sender.is_freeable("a")
+    assert sender.release(ref) is False  # already released
+    bogus = ShmRef(ref.nonce, ref.epoch, ref.address, ref.id + 99, ref.length)
+    assert sender.release(bogus) is False
+
+
+def test_failed_request_releases_its_own_handouts(pair: Any) -> None:
+    sender, _ = pair
+    sender.get_and_update_item((item(1), ()), "a")
+    sender.get_and_update_item(None, "a")
+    receiver_owed = sender.snapshot().readers[0].lag
+    with pytest.raises(CacheMissError) as ei:
+        sender.get_and_update([None, None, None], ["a", "ghost1", "ghost2"])
+    assert ei.value.mm_hashes == ("ghost1", "ghost2")  # every missing hash, at once
+    assert sender.snapshot().readers[0].lag == receiver_owed  # nothing handed out
+
+
+def test_invalidate_clear_and_ids(pair: Any) -> None:
+    sender, receiver = pair
+    ref, _ = sender.get_and_update_item((item(1), ()), "a")
+    receiver.get_and_update_item(ref, "a")
+    assert sender.invalidate("a") and not sender.is_cached_item("a")
+    assert sender.invalidate("a") is False
+    ref_b, _ = sender.get_and_update_item((item(2), ()), "b")
+    sender.clear_cache()
+    assert sender.cached_order() == []
+    with pytest.raises(StaleReferenceError):
+        receiver.get_and_update_item(ref_b, "b")
+    ref_c, _ = sender.get_and_update_item((item(3), ()), "c")
+    assert ref_c.id > ref_b.id > ref.id  # ids never restart
+    assert ref_c.epoch == ref_b.epoch + 1
+
+
+def test_make_stats_delta(pair: Any) -> None:
+    sender, _ = pair
+    sender.get_and_update_item((item(1), ()), "a")
+    sender.get_and_update_item(None, "a")
+    assert sender.make_stats(delta=True) == CacheInfo(1, 2)
+    sender.get_and_update_item(None, "a")
+    d = sender.make_stats(delta=True)
+    assert d == CacheInfo(1, 1) and d.misses == 0 and d.hit_ratio == 1.0
+    assert sender.make_stats() == CacheInfo(2, 3)
+
+
+def test_receiver_features_pass_through_and_input_untouched(pair: Any) -> None:
+    sender, receiver = pair
+    inline = {"x": np.arange(3)}
+    ref, _ = sender.get_and_update_item((item(1), ()), "a")
+    request = [FeatureSpec("n", None), FeatureSpec("a", ref, identifier="img0"),
+               FeatureSpec("i", inline)]
+    before = list(request)
+    out = receiver.get_and_update_features(request)
+    assert request == before and request[1].data is ref  # not mutated
+    assert out[0].data is None and out[2].data is inline
+    assert out[1].identifier == "img0"
+    assert np.array_equal(out[1].data["pixel_values"], item(1)["pixel_values"])
+
+
+def test_receiver_stale_references_collected_into_one_miss(pair: Any) -> None:
+    sender, receiver = pair
+    ra, _ = sender.get_and_update_item((item(1), ()), "a")
+    rb, _ = sender.get_and_update_item((item(2), ()), "b")
+    receiver.get_and_update_features(feats(("a", ra), ("b", rb)))
+    sender.clear_cache()
+    rc, _ = sender.get_and_update_item((item(3), ()), "c")
+    with pytest.raises(CacheMissError) as ei:
+        receiver.get_and_update_features(feats(("a", ra), ("c", rc), ("b", rb)))
+    assert ei.value.mm_hashes == ("a", "b")
+    partial = ei.value.features
+    assert isinstance(partial, list) and partial[1].data["grid"][1] == 3  # the valid one read
+    assert sender.is_freeable("c")  # and acknowledged
+
+
+def test_bad_input_is_a_typed_error_and_the_cache_survives(make_config: Any, pair: Any) -> None:
+    sender, receiver = pair
+    ref, _ = sender.get_and_update_item((item(1), ()), "a")
+    other = SenderCache(make_config(1 << 16, 1 << 12, 1, name=sender.name[7:] + "-other"))
+    try:
+        foreign, _ = other.get_and_update_item(({"x": 1}, ()), "a")
+        forged = ShmRef(ref.nonce, ref.epoch, ref.address + 64, ref.id, ref.length)
+        cases: list[Any] = [
+            foreign,
+            forged,
+            ShmRef(ref.nonce, ref.epoch, ref.address, ref.id + 1000, ref.length),
+            {"nonce": ref.nonce, "address": ref.address, "id": ref.id},  # missing fields
+            {**ref.to_dict(), "id": "7"},  # wrong type
+            {**ref.to_dict(), "address": -64},
+        ]
+        for bad in cases:
+            with pytest.raises(InvalidReferenceError):
+                receiver.get_and_update_features([FeatureSpec("a", bad)])
+            with pytest.raises(InvalidReferenceError):
+                receiver.get_and_update_item(bad, "a")
+        with pytest.raises(InvalidReferenceError):  # a forged one fails the whole request at once
+            receiver.get_and_update_features(feats(("a", ref), ("b", forged), ("c", None)))
+        with pytest.raises(TypeError):
+            receiver.get_and_update_features([FeatureSpec(7, ref)])  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            sender.get_and_update_item((item(1), ()), 7)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            receiver.get_and_update_features(["not a feature"])  # type: ignore[list-item]
+        # still intact: the valid reference reads (it was never acknowledged above)
+        got = receiver.get_and_update_features(
+            feats(("n", None), ("a", ref.to_dict()), ("i", {"x": 1})))
+        assert got[0].data is None and got[2].data == {"x": 1}
+        assert np.array_equal(got[1].data["pixel_values"], item(1)["pixel_values"])
+        assert sender.is_freeable("a")
+    finally:
+        other.close()
+
+
+def test_drift_path_end_to_end(pair: Any) -> None:
+    """A request with only a hash the receiver cannot resolve -> CacheMissError -> invalidate
+    -> resend with data -> success."""
+    sender, receiver = pair
+    ref, _ = sender.get_and_update_item((item(1), ()), "a")
+    receiver.get_and_update_item(ref, "a")
+    for i in range(5):  # "a" is evicted by pressure
+        r, _ = sender.get_and_update_item((item(10 + i), ()), f"p{i}")
+        receiver.get_and_update_item(r, f"p{i}")
+    assert not sender.is_cached_item("a")
+    with pytest.raises(CacheMissError) as ei:  # the sender side notices
+        sender.get_and_update_features([FeatureSpec("a", None), FeatureSpec("p4", None)])
+    assert ei.value.mm_hashes == ("a",)
+    stale = ref  # the receiver side notices an old reference
+    with pytest.raises(CacheMissError) as ei2:
+        receiver.get_and_update_features([FeatureSpec("a", stale)])
+    for h in ei2.value.mm_hashes:
+        sender.invalidate(h)
+    out = sender.get_and_update_features([FeatureSpec("a", item(1))])
+    got = receiver.get_and_update_features(out)
+    assert np.array_equal(got[0].data["pixel_values"], item(1)["pixel_values"])
+
+
+def test_lease_is_zero_copy_and_acknowledges_on_exit(pair: Any) -> None:
+    sender, receiver = pair
+    ref, _ = sender.get_and_update_item((item(1), ()), "a")
+    with receiver.lease([FeatureSpec("a", ref)]) as leased:
+        arr = leased[0].data["pixel_values"]
+        assert not arr.flags.writeable and not arr.flags.owndata
+        assert not sender.is_freeable("a")  # still owed while leased
+        assert arr[0] == 1
+    assert sender.is_freeable("a")
+
+
+def _receiver_proc(handle: Any, conn: Any) -> None:
+    from aioshmcache import FeatureSpec, ReceiverCache, ShmRef
+
+    rx = ReceiverCache.attach(handle)
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        features = [FeatureSpec(h, ShmRef.from_dict(d) if isinstance(d, dict) else None)
+                    for h, d in msg]
+        out = rx.get_and_update_features(features)
+        conn.send([(f.mm_hash, checksum(f.data["pixel_values"]), int(f.data["grid"][1]))
+                   if f.data is not None else (f.mm_hash, None, None) for f in out])
+    rx.close()
+
+
+def test_500_requests_two_receiver_processes(make_config: Any) -> None:
+    sender = SenderCache(make_config(4 << 20, 1 << 20, 2))
+    rng = np.random.default_rng(11)
+    sizes: dict[int, int] = {}
+    read_from_shm = [0]
+    pipes, procs = [], []
+    try:
+        for _ in range(2):
+            a, b = SPAWN.Pipe()
+            p = SPAWN.Process(target=_receiver_proc, args=(sender.handle().to_dict(), b),
+                              daemon=True)
+            p.start()
+            pipes.append(a)
+            procs.append(p)
+        for a in pipes:
+            assert a.poll(60) and a.recv() == "ready"
+        for _req in range(500):
+            n = int(rng.integers(1, 4))
+            hs = [int(min(rng.zipf(1.3), 120)) for _ in range(n)]
+            hashes = [f"img{h}" for h in hs]
+            features = []
+            for h, name in zip(hs, hashes):
+                sizes.setdefault(h, int(rng.integers(1000, 400_000)))
+                data = None if sender.is_cached_item(name) else item(h, sizes[h])
+                features.append(FeatureSpec(name, data))
+            out = sender.get_and_update_features(features, wait_for_space=10)
+            msg = [(f.mm_hash, f.data.to_dict() if isinstance(f.data, ShmRef) else None)
+                   for f in out]
+            for a in pipes:
+                a.send(msg)
+            inline = [not isinstance(f.data, ShmRef) for f in out]
+            for f, was_inline, h in zip(out, inline, hs):  # served inline: must be the data
+                if was_inline:
+                    assert f.data["grid"][1] == h
+            for a in pipes:
+                assert a.poll(60)
+                for (name, crc, tag), h, was_inline in zip(a.recv(), hs, inline):
+                    if was_inline:
+                        assert crc is None
+                        continue
+                    assert (name, tag) == (f"img{h}", h)
+                    assert crc == checksum(item(h, sizes[h])["pixel_values"])
+                    read_from_shm[0] += 1
+        for a in pipes:
+            a.send(None)
+        for p in procs:
+            p.join(30)
+        assert read_from_shm[0] > 500
+        stats = sender.make_stats()
+        snap = sender.snapshot()
+        assert stats.hits + stats.misses == stats.total > 500
+        assert stats.hits > 0 and snap.hits == stats.hits
+        sender.store.drain()
+        assert all(sender.is_freeable(h) for h in sender.cached_order())
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        sender.close()
+
+
+def test_from_gb_mirrors_vllm() -> None:
+    cfg = CacheConfig.from_gb(1, 32, 4)
+    assert (cfg.capacity_bytes, cfg.max_object_bytes, cfg.n_readers) == (1 << 30, 32 << 20, 4)
