@@ -23,6 +23,8 @@ from aioshmcache import (
     StaleReferenceError,
 )
 
+from aioshmcache._types import reference_tag
+
 from .helpers import SPAWN, checksum
 
 KEYS = [f"k{i}" for i in range(12)]
@@ -204,13 +206,16 @@ u64 = st.integers(0, (1 << 64) - 1)
 
 
 @settings(max_examples=400, deadline=None)
-@given(nonce_ok=st.booleans(), epoch=st.one_of(st.just(1), u64), address=u64, cid=u64,
-       length=u64)
+@given(nonce_ok=st.booleans(), tag_ok=st.booleans(), epoch=st.one_of(st.just(1), u64),
+       address=st.one_of(st.sampled_from([0, 64, 128, 4096]), u64),
+       cid=st.one_of(st.integers(0, 3), u64), length=st.one_of(st.integers(0, 2000), u64))
 def test_forged_references_only_raise_typed_errors(
-    nonce_ok: bool, epoch: int, address: int, cid: int, length: int
+    nonce_ok: bool, tag_ok: bool, epoch: int, address: int, cid: int, length: int
 ) -> None:
+    """Even with a correct tag (a forger who read the secret), the ring checks hold."""
     w, r, real = _fuzz_store()
-    forged = ShmRef(real.nonce if nonce_ok else real.nonce ^ 5, epoch, address, cid, length)
+    tag = reference_tag(w._secret, epoch, address, cid, length) if tag_ok else 0
+    forged = ShmRef(real.nonce if nonce_ok else real.nonce ^ 5, epoch, address, cid, length, tag)
     try:
         value = r.get(forged)
     except (InvalidReferenceError, StaleReferenceError):
