@@ -55,18 +55,17 @@ def inspect_segment(name: str) -> str:
             f"capacity    {cap} bytes (max object {int(w[W_MAX_OBJECT])})",
             f"used        {used} bytes ({100 * used / cap:.1f}%), {int(w[W_ITEMS])} items",
             f"epoch       {int(w[W_EPOCH])}, next id {int(w[W_NEXT_ID])}",
-            f"hits        {hits} of {total}"
-            + (f" ({100 * hits / total:.1f}%)" if total else ""),
+            f"hits        {hits} of {total}" + (f" ({100 * hits / total:.1f}%)" if total else ""),
             f"inline      too large {int(w[W_INLINE_LARGE])}, full {int(w[W_INLINE_FULL])}",
             f"evictions   {int(w[W_EVICTIONS])}",
             "readers     slot  attached  alive  pid      acked     behind  revoked",
         ]
-        for s in slots:
-            lines.append(
-                f"            {s.slot:<5} {'yes' if s.attached else 'no':<9} "
-                f"{'yes' if s.alive else 'no':<6} {s.pid or '-':<8} {s.acknowledged:<9} "
-                f"{s.lag:<7} {'yes' if s.revoked else 'no'}"
-            )
+        lines.extend(
+            f"            {s.slot:<5} {'yes' if s.attached else 'no':<9} "
+            f"{'yes' if s.alive else 'no':<6} {s.pid or '-':<8} {s.acknowledged:<9} "
+            f"{s.lag:<7} {'yes' if s.revoked else 'no'}"
+            for s in slots
+        )
         return "\n".join(lines)
     finally:
         with contextlib.suppress(Exception):

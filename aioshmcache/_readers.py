@@ -80,7 +80,7 @@ class ReaderTable:
 
     # --- reader side -----------------------------------------------------------------------
     def claim(self) -> ReaderSlot:
-        """Take a free slot (lock it, then publish a fresh session); ``ReaderLimitError`` if none."""
+        """Take a free slot: lock it, then publish a fresh session (``ReaderLimitError``: none)."""
         fd = self.segment.fd
         for slot in range(self.n_slots):
             if not ofd_lock(fd, 1 + slot):
@@ -93,7 +93,9 @@ class ReaderTable:
             a[base + R_START] = a[base + R_HEAD]
             a[base + R_SESSION] = session  # last: the writer sees a complete slot
             return ReaderSlot(self, slot, session)
-        raise ReaderLimitError(f"all {self.n_slots} reader slots of {self.segment.name!r} are taken")
+        raise ReaderLimitError(
+            f"all {self.n_slots} reader slots of {self.segment.name!r} are taken"
+        )
 
 
 class ReaderSlot:

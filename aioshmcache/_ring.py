@@ -85,7 +85,9 @@ class ShmRingBuffer:
 
     # --- standalone construction ----------------------------------------------------------
     @classmethod
-    def create(cls, capacity_bytes: int, *, name: str | None = None, first_id: int = 1) -> ShmRingBuffer:
+    def create(
+        cls, capacity_bytes: int, *, name: str | None = None, first_id: int = 1
+    ) -> ShmRingBuffer:
         """A ring in a new segment of its own (the store builds its ring on a shared segment)."""
         layout = Layout(capacity_bytes, 1, 64)
         seg = Segment.create(
@@ -183,7 +185,9 @@ class ShmRingBuffer:
             raise ValueError("payload size must be non-negative")
         size = chunk_size(payload)
         if size > self.capacity:
-            raise CacheFullError(f"a {payload}-byte chunk can never fit a {self.capacity}-byte ring")
+            raise CacheFullError(
+                f"a {payload}-byte chunk can never fit a {self.capacity}-byte ring"
+            )
         addr = self._place(size)
         if addr is None:
             raise CacheFullError(f"no contiguous room for {size} bytes (used {self.used_bytes})")

@@ -72,7 +72,13 @@ W_OWNER_UID, W_DELIVERY, W_NEXT_ID, W_WAITING, W_LOG_ENTRIES, W_TOTAL = 12, 13, 
 W_CREATED, W_STATE = 18, 19
 # writer-published statistics (for ``inspect`` from another process)
 W_HITS, W_MISSES, W_INLINE_LARGE, W_INLINE_FULL, W_EVICTIONS, W_BYTES_USED, W_ITEMS = (
-    20, 21, 22, 23, 24, 25, 26,
+    20,
+    21,
+    22,
+    23,
+    24,
+    25,
+    26,
 )
 W_HANDOUT_TTL_MS = 27
 W_SECRET = 28  # keys the reference tag (see ``_types.ShmRef``)
@@ -120,7 +126,15 @@ def ofd_probe(fd: int, byte: int) -> bool:
 class Layout:
     """Offsets derived from the configuration; identical in writer and readers."""
 
-    __slots__ = ("capacity", "log_entries", "n_readers", "reader_off", "ring_off", "slot_size", "total")
+    __slots__ = (
+        "capacity",
+        "log_entries",
+        "n_readers",
+        "reader_off",
+        "ring_off",
+        "slot_size",
+        "total",
+    )
 
     def __init__(self, capacity: int, n_readers: int, log_entries: int) -> None:
         self.capacity = _align(capacity, 64)
@@ -177,7 +191,9 @@ class Segment:
         try:
             fd = os.open(path, flags, 0o600)
         except FileExistsError:
-            raise SegmentExistsError(errno.EEXIST, f"segment {full!r} already exists", path) from None
+            raise SegmentExistsError(
+                errno.EEXIST, f"segment {full!r} already exists", path
+            ) from None
         mm: mmap.mmap | None = None
         try:
             if not ofd_lock(fd, 0):  # cannot fail on a file we just created, but never assume
@@ -251,7 +267,9 @@ class Segment:
                     errno.ENOENT, f"{full!r} is not an aioshmcache segment (or not yet initialised)"
                 )
             if hw[W_VERSION] != LAYOUT_VERSION:
-                raise ShmCacheError(f"{full!r} has layout version {hw[W_VERSION]}, need {LAYOUT_VERSION}")
+                raise ShmCacheError(
+                    f"{full!r} has layout version {hw[W_VERSION]}, need {LAYOUT_VERSION}"
+                )
             if hw[W_OWNER_UID] != os.getuid() or hw[W_TOTAL] != st.st_size:
                 raise ShmCacheError(f"segment {full!r} has an inconsistent header")
             if nonce is not None and hw[W_NONCE] != nonce:

@@ -51,6 +51,7 @@ from ._ring import ShmRingBuffer, chunk_size
 from ._segment import (
     DELIVERY_CODES,
     LAYOUT_VERSION,
+    STATE_LIVE,
     W_BYTES_USED,
     W_DELIVERY,
     W_EPOCH,
@@ -61,7 +62,6 @@ from ._segment import (
     W_SECRET,
     W_STATE,
     W_WAITING,
-    STATE_LIVE,
     Layout,
     Segment,
 )
@@ -214,7 +214,9 @@ class ShmObjectStore:
             handle = CacheHandle.from_dict(handle)
         if isinstance(handle, CacheHandle):
             if handle.layout_version != LAYOUT_VERSION:
-                raise InvalidReferenceError(f"handle layout version {handle.layout_version} unknown")
+                raise InvalidReferenceError(
+                    f"handle layout version {handle.layout_version} unknown"
+                )
             seg = Segment.attach(handle.name, nonce=handle.nonce)
         else:
             seg = Segment.attach(handle)
@@ -447,7 +449,12 @@ class ShmObjectStore:
         """Undo one hand-out that never reached the readers. False if unknown or none left."""
         self._check_writer()
         e = self._by_id.get(ref.id) if isinstance(ref, ShmRef) else None
-        if e is None or ref.nonce != self._seg.nonce or e.address != ref.address or e.releasable <= 0:
+        if (
+            e is None
+            or ref.nonce != self._seg.nonce
+            or e.address != ref.address
+            or e.releasable <= 0
+        ):
             return False
         e.releasable -= 1
         if self.one_of_n:
@@ -565,8 +572,11 @@ class ShmObjectStore:
             if not s or not st.alive or s not in e.owed:
                 continue
             if not self.readers.probe(slot):
-                log.info("reader slot %d (pid %d) is dead: dropping its debts", slot,
-                         self.readers.word(slot, R_PID))
+                log.info(
+                    "reader slot %d (pid %d) is dead: dropping its debts",
+                    slot,
+                    self.readers.word(slot, R_PID),
+                )
                 st.alive = False
                 self._drop_session(s)
                 changed = True
@@ -583,7 +593,7 @@ class ShmObjectStore:
         e = self._by_id.get(cid)
         if e is None:
             return True
-        if e.pins or e.touched and self._index.get(e.key) is e:
+        if e.pins or (e.touched and self._index.get(e.key) is e):
             return False
         if e.debt <= 0:
             return True
@@ -640,8 +650,11 @@ class ShmObjectStore:
                 if remaining <= 0:
                     raise CacheFullError(
                         f"no room for {nbytes} bytes: the oldest item is "
-                        + ("pinned" if head is not None and (head.pins or head.touched)
-                           else "still owed to readers")
+                        + (
+                            "pinned"
+                            if head is not None and (head.pins or head.touched)
+                            else "still owed to readers"
+                        )
                     )
                 if not waiting:
                     waiting = True
@@ -717,7 +730,9 @@ class ShmObjectStore:
         if self._seg.forked:
             raise RoleError("a forked child cannot use its parent's reader slot; attach anew")
         if slot is None:
-            raise RoleError("this store is the writer; attach a reader to read with acknowledgement")
+            raise RoleError(
+                "this store is the writer; attach a reader to read with acknowledgement"
+            )
         self.check_writer()
         slot.check_revoked()
         return slot
@@ -738,7 +753,9 @@ class ShmObjectStore:
         epoch = self._hw[W_EPOCH]
         if r.epoch != epoch:
             if r.epoch < epoch:
-                raise StaleReferenceError(f"reference is from before clear (epoch {r.epoch} < {epoch})")
+                raise StaleReferenceError(
+                    f"reference is from before clear (epoch {r.epoch} < {epoch})"
+                )
             raise InvalidReferenceError(f"reference epoch {r.epoch} is in the future")
         return r, self.ring.access(r.address, r.id, r.length)
 

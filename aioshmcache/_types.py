@@ -86,7 +86,8 @@ class CacheConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ValueError(f"{name} must be a number of seconds")
             if not math.isfinite(value) or value < 0 or (positive and value == 0):
-                raise ValueError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, got {value}")
+                kind = "positive" if positive else "non-negative"
+                raise ValueError(f"{name} must be a finite {kind} number, got {value}")
 
         _int("capacity_bytes", self.capacity_bytes, 4096, 1 << 46)
         _int("max_object_bytes", self.max_object_bytes, 1, 1 << 46)
@@ -114,7 +115,11 @@ class CacheConfig:
         """Mirror vLLM's ``mm_processor_cache_gb`` / ``mm_shm_cache_max_object_size_mb``."""
         if not isinstance(cache_gb, (int, float)) or not math.isfinite(cache_gb) or cache_gb <= 0:
             raise ValueError(f"cache_gb must be a positive number, got {cache_gb!r}")
-        if not isinstance(max_object_mb, (int, float)) or not math.isfinite(max_object_mb) or max_object_mb <= 0:
+        if (
+            not isinstance(max_object_mb, (int, float))
+            or not math.isfinite(max_object_mb)
+            or max_object_mb <= 0
+        ):
             raise ValueError(f"max_object_mb must be a positive number, got {max_object_mb!r}")
         return cls(int(cache_gb * (1 << 30)), int(max_object_mb * _MiB), n_readers, **kwargs)
 
@@ -146,7 +151,9 @@ class CacheHandle:
             raise InvalidReferenceError(f"cache handle is missing {exc.args[0]!r}") from None
         if not isinstance(name, str):
             raise InvalidReferenceError("cache handle name must be a str")
-        return cls(segment_name(name), _check_u64("nonce", nonce), _check_u64("layout_version", version))
+        return cls(
+            segment_name(name), _check_u64("nonce", nonce), _check_u64("layout_version", version)
+        )
 
 
 REF_FIELDS = ("nonce", "epoch", "address", "id", "length", "tag")
@@ -210,7 +217,9 @@ class ShmRef:
             raise InvalidReferenceError(f"reference is missing fields: {', '.join(missing)}")
         extra = set(data) - set(REF_FIELDS)
         if extra:
-            raise InvalidReferenceError(f"reference has unknown fields: {', '.join(sorted(map(str, extra)))}")
+            raise InvalidReferenceError(
+                f"reference has unknown fields: {', '.join(sorted(map(str, extra)))}"
+            )
         return cls(*(_check_u64(f, data[f]) for f in REF_FIELDS))
 
 

@@ -140,9 +140,9 @@ class _AsyncBase:
             raise
 
     async def _wait_idle(self) -> None:
-        with anyio.move_on_after(CLOSE_TIMEOUT):
-            while not self._inflight.idle.is_set():
-                await anyio.sleep(0.005)
+        """Wait (bounded) until no worker thread of ours is still running."""
+        if not self._inflight.idle.is_set():
+            await anyio.to_thread.run_sync(self._inflight.idle.wait, CLOSE_TIMEOUT)
 
 
 class AsyncSenderCache(_AsyncBase):
@@ -453,7 +453,9 @@ class AsyncReceiverCache(_AsyncBase):
         self._owned = receiver is None
 
     @classmethod
-    def attach(cls, handle: CacheHandle | str | dict[str, Any], **kwargs: Any) -> AsyncReceiverCache:
+    def attach(
+        cls, handle: CacheHandle | str | dict[str, Any], **kwargs: Any
+    ) -> AsyncReceiverCache:
         """A reader that attaches (on ``__aenter__``) and frees its slot on ``aclose``."""
         return cls(handle=handle, **kwargs)
 

@@ -71,3 +71,39 @@ def attach_and_exit(handle: Any) -> None:
     from aioshmcache import ReceiverCache
 
     ReceiverCache.attach(handle)  # never closed: the process just ends
+
+
+def slow_acker(handle: Any, conn: Any) -> None:
+    """Attach, say ready, then on each message wait ``delay`` s and read the refs given."""
+    from aioshmcache import ReceiverCache, ShmRef
+
+    rx = ReceiverCache.attach(handle)
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        delay, refs = msg
+        time.sleep(delay)
+        for r in refs:
+            rx.store.get(ShmRef.from_dict(r))
+        conn.send(time.monotonic())
+    rx.close()
+
+
+def async_receiver(handle: Any, conn: Any) -> None:
+    """An asyncio reader: gets lists of (hash, ref dict, crc) and answers with checksums ok."""
+    import asyncio
+
+    from aioshmcache import AsyncReceiverCache, FeatureSpec, ShmRef
+
+    async def run() -> None:
+        async with AsyncReceiverCache.attach(handle) as rx:
+            conn.send("ready")
+            loop = asyncio.get_running_loop()
+            while True:
+                msg = await loop.run_in_executor(None, conn.recv)
+                if msg is None:
+                    break
+                feats = [FeatureSpec(h, ShmRef.from_dict(d)) for h, d, _crc in msg]
+                out = await rx.get_and_update_features(feats)
+                conn.send([checksum(f.data["data"]) == crc for f, (_h, _d, crc) in zip(out, msg)])
+
+    asyncio.run(run())

@@ -112,6 +112,7 @@ def test_eviction_order_with_request_pins(make_config: Any) -> None:
     """A request's own items are pinned; others go first-in first-out; the rest is inline."""
     sender = SenderCache(make_config(256 << 10, 100 << 10, 1))  # no reader: only pins protect
     try:
+
         def request(*hashes: str) -> list[str]:
             out = sender.get_and_update(
                 [None if sender.is_cached_item(h) else (item(ord(h)), ()) for h in hashes],
@@ -201,8 +202,11 @@ def test_receiver_features_pass_through_and_input_untouched(pair: Any) -> None:
     sender, receiver = pair
     inline = {"x": np.arange(3)}
     ref, _ = sender.get_and_update_item((item(1), ()), "a")
-    request = [FeatureSpec("n", None), FeatureSpec("a", ref, identifier="img0"),
-               FeatureSpec("i", inline)]
+    request = [
+        FeatureSpec("n", None),
+        FeatureSpec("a", ref, identifier="img0"),
+        FeatureSpec("i", inline),
+    ]
     before = list(request)
     out = receiver.get_and_update_features(request)
     assert request == before and request[1].data is ref  # not mutated
@@ -251,12 +255,13 @@ def test_bad_input_is_a_typed_error_and_the_cache_survives(make_config: Any, pai
         with pytest.raises(TypeError):
             receiver.get_and_update_features([FeatureSpec(7, ref)])  # type: ignore[arg-type]
         with pytest.raises(TypeError):
-            sender.get_and_update_item((item(1), ()), 7)  # type: ignore[arg-type]
+            sender.get_and_update_item((item(1), ()), 7)
         with pytest.raises(TypeError):
-            receiver.get_and_update_features(["not a feature"])  # type: ignore[list-item]
+            receiver.get_and_update_features(["not a feature"])
         # still intact: the valid reference reads (it was never acknowledged above)
         got = receiver.get_and_update_features(
-            feats(("n", None), ("a", ref.to_dict()), ("i", {"x": 1})))
+            feats(("n", None), ("a", ref.to_dict()), ("i", {"x": 1}))
+        )
         assert got[0].data is None and got[2].data == {"x": 1}
         assert np.array_equal(got[1].data["pixel_values"], item(1)["pixel_values"])
         assert sender.is_freeable("a")
@@ -304,11 +309,18 @@ def _receiver_proc(handle: Any, conn: Any) -> None:
     rx = ReceiverCache.attach(handle)
     conn.send("ready")
     while (msg := conn.recv()) is not None:
-        features = [FeatureSpec(h, ShmRef.from_dict(d) if isinstance(d, dict) else None)
-                    for h, d in msg]
+        features = [
+            FeatureSpec(h, ShmRef.from_dict(d) if isinstance(d, dict) else None) for h, d in msg
+        ]
         out = rx.get_and_update_features(features)
-        conn.send([(f.mm_hash, checksum(f.data["pixel_values"]), int(f.data["grid"][1]))
-                   if f.data is not None else (f.mm_hash, None, None) for f in out])
+        conn.send(
+            [
+                (f.mm_hash, checksum(f.data["pixel_values"]), int(f.data["grid"][1]))
+                if f.data is not None
+                else (f.mm_hash, None, None)
+                for f in out
+            ]
+        )
     rx.close()
 
 
@@ -321,8 +333,9 @@ def test_500_requests_two_receiver_processes(make_config: Any) -> None:
     try:
         for _ in range(2):
             a, b = SPAWN.Pipe()
-            p = SPAWN.Process(target=_receiver_proc, args=(sender.handle().to_dict(), b),
-                              daemon=True)
+            p = SPAWN.Process(
+                target=_receiver_proc, args=(sender.handle().to_dict(), b), daemon=True
+            )
             p.start()
             pipes.append(a)
             procs.append(p)
@@ -338,8 +351,9 @@ def test_500_requests_two_receiver_processes(make_config: Any) -> None:
                 data = None if sender.is_cached_item(name) else item(h, sizes[h])
                 features.append(FeatureSpec(name, data))
             out = sender.get_and_update_features(features, wait_for_space=10)
-            msg = [(f.mm_hash, f.data.to_dict() if isinstance(f.data, ShmRef) else None)
-                   for f in out]
+            msg = [
+                (f.mm_hash, f.data.to_dict() if isinstance(f.data, ShmRef) else None) for f in out
+            ]
             for a in pipes:
                 a.send(msg)
             inline = [not isinstance(f.data, ShmRef) for f in out]

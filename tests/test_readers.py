@@ -15,9 +15,7 @@ import numpy as np
 import pytest
 
 from aioshmcache import (
-    CacheConfig,
     CacheFullError,
-    ReaderEvictedError,
     ReaderLimitError,
     ReceiverCache,
     SenderCache,
@@ -53,8 +51,9 @@ def _stop(p: Any, conn: Any) -> None:
         p.join(10)
 
 
-def _put(cache: SenderCache, key: str, nbytes: int, rng: np.random.Generator,
-         wait: float = 0.0) -> Any:
+def _put(
+    cache: SenderCache, key: str, nbytes: int, rng: np.random.Generator, wait: float = 0.0
+) -> Any:
     item = random_item(rng, nbytes)
     out, _ = cache.get_and_update_item((item, ()), key, wait_for_space=wait)
     return out, item
@@ -79,8 +78,9 @@ def test_sigkilled_readers_never_block_the_writer(make_config: Any) -> None:
             t0 = time.monotonic()
             killed = False
             for j in range(40):
-                ref, _item = _put(cache, f"r{round_}-{j}", int(rng.integers(1000, 200_000)), rng,
-                                  wait=5.0)
+                ref, _item = _put(
+                    cache, f"r{round_}-{j}", int(rng.integers(1000, 200_000)), rng, wait=5.0
+                )
                 assert not isinstance(ref, dict), "put was served inline: the cache is stuck"
                 for conn in (sconn, vconn) if not killed else (sconn,):
                     conn.send({"key": f"r{round_}-{j}", "ref": ref.to_dict()})
@@ -124,7 +124,7 @@ def test_sigkilled_writer_is_seen_within_a_second_and_swept(shm_name: str) -> No
         ref = a.recv()
         rx = ReceiverCache.attach(shm_name)
         time.sleep(0.3)  # mid-put of a 64 MiB item
-        os.kill(writer.pid, signal.SIGKILL)
+        writer.kill()
         writer.join(10)
         t0 = time.monotonic()
         with pytest.raises(WriterGoneError):
@@ -205,8 +205,9 @@ def test_zombie_reader_is_dead_and_a_newcomer_owes_nothing(make_config: Any) -> 
             f"r = ReceiverCache.attach({cache.name!r}); print('up', flush=True); "
             "sys.stdin.readline()"
         )
-        with subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True) as child:
+        with subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        ) as child:
             _zombie_scenario(cache, child, rng)
 
 
@@ -251,8 +252,11 @@ def test_one_of_n_each_handout_read_exactly_once(make_config: Any) -> None:
     with SenderCache(cfg) as cache:
         queue, results = SPAWN.Queue(), SPAWN.Queue()
         procs = [
-            SPAWN.Process(target=_procs.one_of_n_reader,
-                          args=(cache.handle().to_dict(), queue, results), daemon=True)
+            SPAWN.Process(
+                target=_procs.one_of_n_reader,
+                args=(cache.handle().to_dict(), queue, results),
+                daemon=True,
+            )
             for _ in range(4)
         ]
         for p in procs:
@@ -267,8 +271,10 @@ def test_one_of_n_each_handout_read_exactly_once(make_config: Any) -> None:
                     ref, _ = cache.get_and_update_item(None, key)
                 else:
                     ref, _ = cache.get_and_update_item(
-                        (random_item(rng, int(rng.integers(100, 20_000))), ()), key,
-                        wait_for_space=10.0)
+                        (random_item(rng, int(rng.integers(100, 20_000))), ()),
+                        key,
+                        wait_for_space=10.0,
+                    )
                 assert not isinstance(ref, dict)
                 queue.put({"key": key, "ref": ref.to_dict()})
                 sent.append(key)

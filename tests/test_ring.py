@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -9,7 +12,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
-    consumes,
     invariant,
     precondition,
     rule,
@@ -35,7 +37,7 @@ class RingModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.ring = ShmRingBuffer.create(CAP, first_id=(1 << 32) - 3)  # ids cross 2**32
-        self.fifo: list[list[object]] = []  # [addr, size, id, data, acked]
+        self.fifo: list[list[Any]] = []  # [addr, size, id, data, acked]
         self.last_id = 0
         self.freed: list[tuple[int, int]] = []
         self.rng = np.random.default_rng(0)
@@ -46,8 +48,8 @@ class RingModel(RuleBasedStateMachine):
     def _model_place(self, size: int) -> int | None:
         if not self.fifo:
             return 0 if size <= CAP else None
-        head = int(self.fifo[0][0])  # type: ignore[call-overload]
-        tail = int(self.fifo[-1][0]) + int(self.fifo[-1][1])  # type: ignore[call-overload]
+        head = int(self.fifo[0][0])
+        tail = int(self.fifo[-1][0]) + int(self.fifo[-1][1])
         if tail > head:
             if CAP - tail >= size:
                 return tail
@@ -118,17 +120,19 @@ class RingModel(RuleBasedStateMachine):
     @invariant()
     def geometry(self) -> None:
         assert self.ring.chunk_ids() == [r[2] for r in self.fifo]
-        spans = sorted((int(r[0]), int(r[0]) + int(r[1])) for r in self.fifo)  # type: ignore[call-overload]
-        for (a0, a1), (b0, _b1) in zip(spans, spans[1:]):
+        spans = sorted((int(r[0]), int(r[0]) + int(r[1])) for r in self.fifo)
+        for (_a0, a1), (b0, _b1) in itertools.pairwise(spans):
             assert a1 <= b0, "live chunks overlap"
-        assert all(0 <= a and b <= CAP for a, b in spans)
-        used = sum(int(r[1]) for r in self.fifo)  # type: ignore[call-overload]
+        assert all(a >= 0 and b <= CAP for a, b in spans)
+        used = sum(int(r[1]) for r in self.fifo)
         assert self.ring.used_bytes >= used
 
 
 TestRingModel = RingModel.TestCase
 TestRingModel.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None,
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 
@@ -206,9 +210,14 @@ def test_chunk_being_written_blocks_fifo_free() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(address=st.integers(-(1 << 70), 1 << 70), cid=st.integers(-(1 << 70), 1 << 70),
-       length=st.one_of(st.none(), st.integers(-(1 << 70), 1 << 70)))
-def test_forged_addresses_only_raise_typed_errors(address: int, cid: int, length: int | None) -> None:
+@given(
+    address=st.integers(-(1 << 70), 1 << 70),
+    cid=st.integers(-(1 << 70), 1 << 70),
+    length=st.one_of(st.none(), st.integers(-(1 << 70), 1 << 70)),
+)
+def test_forged_addresses_only_raise_typed_errors(
+    address: int, cid: int, length: int | None
+) -> None:
     ring = _shared_ring()
     try:
         view = ring.access(address, cid, length)

@@ -27,8 +27,9 @@ SHM = "/dev/shm"
 
 def test_create_reserves_space_mode_and_header(shm_name: str) -> None:
     layout = Layout(1 << 20, 2, 64)
-    seg = Segment.create(shm_name, layout, max_object_bytes=1 << 19, delivery="broadcast",
-                         handout_ttl=30.0)
+    seg = Segment.create(
+        shm_name, layout, max_object_bytes=1 << 19, delivery="broadcast", handout_ttl=30.0
+    )
     try:
         path = os.path.join(SHM, seg.name)
         st = os.stat(path)
@@ -129,8 +130,9 @@ def test_too_small_dev_shm_is_a_clean_error() -> None:
         print("LEFT", sorted(os.listdir("/dev/shm")))
     """)
     script = f"mount -t tmpfs -o size=8m tmpfs /dev/shm && {sys.executable} -c '{code}'"
-    proc = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=60
+    )
     if proc.returncode != 0 and "SPACE" not in proc.stdout:
         pytest.skip(f"unshare -m is not permitted here: {proc.stderr.strip()[:200]}")
     assert "SPACE" in proc.stdout, proc.stdout + proc.stderr

@@ -1,0 +1,320 @@
+"""Layer 7: the asyncio facade — lifetime, cancellation safety, concurrency, loop lag, waits."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import time
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from aioshmcache import (
+    AsyncReceiverCache,
+    AsyncSenderCache,
+    ClosedCacheError,
+    FeatureSpec,
+    ReceiverCache,
+    SenderCache,
+    ShmRef,
+)
+
+from . import _procs
+from .helpers import SPAWN, checksum, random_item
+
+MiB = 1 << 20
+
+
+def test_twins_stay_in_step() -> None:
+    """Every public method of a sync cache exists on its async twin (close -> aclose)."""
+    for sync, aio in ((SenderCache, AsyncSenderCache), (ReceiverCache, AsyncReceiverCache)):
+        names = {n for n, _ in inspect.getmembers(sync, callable) if not n.startswith("_")}
+        names -= {"close"}
+        missing = {n for n in names if not hasattr(aio, n)}
+        assert not missing, f"{aio.__name__} lacks {sorted(missing)}"
+        assert hasattr(aio, "aclose")
+        for n in ("get_and_update_features", "get_and_update_item", "touch", "clear"):
+            assert inspect.iscoroutinefunction(getattr(aio, n)), n
+
+
+def test_constructors_do_no_loop_bound_work(make_config: Any) -> None:
+    cache = AsyncSenderCache.from_config(make_config())  # no running loop here: must not fail
+    rx = AsyncReceiverCache.attach("whatever")
+    assert cache._limiter is None and rx._limiter is None
+
+
+async def test_lifetime_owned_and_borrowed(make_config: Any) -> None:
+    cfg = make_config()
+    async with AsyncSenderCache.from_config(cfg) as cache:
+        name = cache.handle().name
+        async with AsyncReceiverCache.attach(cache.handle()) as rx:
+            out = await cache.get_and_update_item(({"a": np.arange(5)}, ["u"]), "h")
+            assert isinstance(out[0], ShmRef) and out[1] == ["u"]
+            got = await rx.get_and_update_item(out[0], "h")
+            assert np.array_equal(got["a"], np.arange(5))
+            assert cache.make_stats().total == 1 and cache.is_cached(["h"]) == [True]
+        await rx.aclose()  # idempotent
+        with pytest.raises(ClosedCacheError):
+            await rx.get_and_update_features([])
+    await cache.aclose()
+    with pytest.raises(ClosedCacheError):
+        await cache.get_and_update_item(None, "h")
+    assert name not in await anyio.to_thread.run_sync(os.listdir, "/dev/shm")
+    # wrapping borrows: aclose leaves the sync cache open
+    sync = SenderCache(make_config(name=cfg.name + "b"))
+    try:
+        async with AsyncSenderCache(sync) as wrapped:
+            await wrapped.get_and_update_item(({"a": 1}, ()), "k")
+        assert not sync.closed and sync.is_cached_item("k")
+    finally:
+        sync.close()
+
+
+async def test_hits_are_inline_and_lease(make_config: Any) -> None:
+    async with (
+        AsyncSenderCache.from_config(make_config(8 * MiB, 4 * MiB, 1)) as cache,
+        AsyncReceiverCache.attach(cache.handle()) as rx,
+    ):
+        item = {"x": np.arange(1000, dtype=np.float32)}
+        [f] = await cache.get_and_update_features([FeatureSpec("a", item)])
+        [f2] = await cache.get_and_update_features([FeatureSpec("a", None)])
+        assert f.data == f2.data
+        async with rx.lease([f, f2]) as leased:
+            assert not leased[0].data["x"].flags.writeable
+            assert np.array_equal(leased[1].data["x"], item["x"])
+            assert not cache.is_freeable("a")
+        assert cache.is_freeable("a")
+
+
+async def _drain_everything(cache: AsyncSenderCache, rx: AsyncReceiverCache) -> None:
+    """Read (and so acknowledge) every outstanding hand-out the writer still tracks."""
+    store = cache.sender.store
+    store.drain()
+    for key in cache.cached_order():
+        e = store._index[key]
+        ref = store._ref(e)
+        for _ in range(e.owed.get(rx.receiver.store.slot.session, 0)):  # type: ignore[union-attr]
+            await rx.get_and_update_item(ref, key)
+
+
+@pytest.mark.parametrize("how", ["move_on_after", "task_cancel", "asyncio_timeout"])
+async def test_cancellation_at_every_await_point_leaks_nothing(make_config: Any, how: str) -> None:
+    cfg = make_config(96 * MiB, 24 * MiB, 1)
+    rng = np.random.default_rng(0)
+    items = [random_item(rng, int(s)) for s in (2 * MiB, 8 * MiB, 16 * MiB, 3 * MiB)]
+    async with (
+        AsyncSenderCache.from_config(cfg, inline_threshold_bytes=MiB) as cache,
+        AsyncReceiverCache.attach(cache.handle(), inline_threshold_bytes=MiB) as rx,
+    ):
+        for k, delay in enumerate([0, 0.0001, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.02]):
+            feats = [FeatureSpec(f"c{k}-{j}", it) for j, it in enumerate(items)]
+            if how == "move_on_after":
+                with anyio.move_on_after(delay):
+                    await cache.get_and_update_features(feats)
+            else:
+                task = asyncio.ensure_future(cache.get_and_update_features(feats))
+                if how == "task_cancel":
+                    await asyncio.sleep(delay)
+                    task.cancel()
+                    try:
+                        await task  # it may have finished before the cancel arrived
+                    except asyncio.CancelledError:
+                        pass
+                else:
+                    try:
+                        async with asyncio.timeout(delay):
+                            await task
+                    except TimeoutError:
+                        pass
+            # the reader side too: cancel a read of what is cached
+            refs = [FeatureSpec(h, cache.sender.store.ref_of(h)) for h in cache.cached_order()]
+            handed = await cache.get_and_update_features(
+                [FeatureSpec(f.mm_hash, None) for f in refs]
+            )
+            rtask = asyncio.ensure_future(rx.get_and_update_features(handed))
+            await asyncio.sleep(delay)
+            rtask.cancel()
+            try:
+                out = await rtask
+                for f in out:  # a read that finished is right
+                    assert checksum(f.data["data"]) == f.data["crc"]
+            except asyncio.CancelledError:
+                pass
+        # let threads finish, then: every item freeable once the reader drained
+        await anyio.sleep(0.3)
+        await _drain_everything(cache, rx)
+        await anyio.sleep(0.05)
+        cache.sender.store.drain()
+        assert all(cache.is_freeable(h) for h in cache.cached_order()), cache.snapshot()
+        store = cache.sender.store
+        assert not store._pending, "a reservation was left half-done"
+        # every committed chunk holds exactly what was put: no half-written one is readable
+        cached = cache.cached_order()
+        assert cached
+        handed = await cache.get_and_update_features([FeatureSpec(h, None) for h in cached])
+        for f in await rx.get_and_update_features(handed):
+            assert checksum(f.data["data"]) == f.data["crc"]
+        # the next operation succeeds
+        out = await cache.get_and_update_features([FeatureSpec("final", items[0])])
+        assert isinstance(out[0].data, ShmRef)
+        [back] = await rx.get_and_update_features(out)
+        assert checksum(back.data["data"]) == items[0]["crc"]
+
+
+async def test_200_concurrent_tasks_two_receiver_processes(make_config: Any) -> None:
+    cfg = make_config(64 * MiB, 4 * MiB, 2)
+    rng = np.random.default_rng(3)
+    pool = [random_item(rng, int(rng.integers(1000, 3 * MiB))) for _ in range(40)]
+    async with AsyncSenderCache.from_config(cfg) as cache:
+        pipes, procs = [], []
+        for _ in range(2):
+            a, b = SPAWN.Pipe()
+            p = SPAWN.Process(
+                target=_procs.async_receiver, args=(cache.handle().to_dict(), b), daemon=True
+            )
+            p.start()
+            pipes.append(a)
+            procs.append(p)
+        try:
+            for a in pipes:
+                assert await anyio.to_thread.run_sync(a.poll, 60)
+                assert a.recv() == "ready"
+            lock = anyio.Lock()  # one request at a time on each pipe; the cache work overlaps
+            results: list[bool] = []
+
+            async def one(i: int) -> None:
+                j = int(rng.integers(0, len(pool)))
+                h = f"p{j}"
+                data = None if cache.is_cached_item(h) else pool[j]
+                [f] = await cache.get_and_update_features([FeatureSpec(h, data)], wait_for_space=20)
+                if not isinstance(f.data, ShmRef):
+                    results.append(checksum(f.data["data"]) == pool[j]["crc"])
+                    return
+                async with lock:
+                    for a in pipes:
+                        a.send([(h, f.data.to_dict(), pool[j]["crc"])])
+                    for a in pipes:
+                        assert await anyio.to_thread.run_sync(a.poll, 60)
+                        results.extend(a.recv())
+
+            async with anyio.create_task_group() as tg:
+                for i in range(200):
+                    tg.start_soon(one, i)
+            assert len(results) >= 200 and all(results)
+        finally:
+            for a in pipes:
+                a.send(None)
+            for p in procs:
+                await anyio.to_thread.run_sync(p.join, 20)
+                if p.is_alive():
+                    p.kill()
+
+
+async def test_wait_for_space_wakes_on_acknowledgement(make_config: Any) -> None:
+    cfg = make_config(4 * MiB, MiB + 4096, 1)
+    rng = np.random.default_rng(4)
+    async with AsyncSenderCache.from_config(cfg) as cache:
+        a, b = SPAWN.Pipe()
+        p = SPAWN.Process(target=_procs.slow_acker, args=(cache.handle().to_dict(), b), daemon=True)
+        p.start()
+        try:
+            assert await anyio.to_thread.run_sync(a.poll, 60)
+            assert a.recv() == "ready"
+            refs = []
+            for i in range(3):  # full of unread items
+                [f] = await cache.get_and_update_features(
+                    [FeatureSpec(f"f{i}", random_item(rng, MiB))]
+                )
+                assert isinstance(f.data, ShmRef)
+                refs.append(f.data.to_dict())
+            [inline] = await cache.get_and_update_features(
+                [FeatureSpec("x", random_item(rng, MiB))]
+            )
+            assert not isinstance(inline.data, ShmRef)  # wait_for_space=0: inline at once
+            wakeups0 = cache.sender.store.wakeups
+            a.send((0.2, refs))
+            t0 = time.monotonic()
+            [f] = await cache.get_and_update_features(
+                [FeatureSpec("y", random_item(rng, MiB))], wait_for_space=5
+            )
+            elapsed = time.monotonic() - t0
+            assert isinstance(f.data, ShmRef)
+            acked_at = await anyio.to_thread.run_sync(a.recv)
+            assert 0.15 < elapsed < 1.5
+            assert time.monotonic() - acked_at < 1.5
+            wakeups = cache.sender.store.wakeups - wakeups0
+            assert wakeups <= 6, f"the writer polled {wakeups} times: busy-polling"
+        finally:
+            a.send(None)
+            await anyio.to_thread.run_sync(p.join, 10)
+            if p.is_alive():
+                p.kill()
+
+
+async def test_heartbeat_keeps_ticking_during_64mib_copies(make_config: Any) -> None:
+    cfg = make_config(200 * MiB, 70 * MiB, 1)
+    big = {"data": np.ones(64 * MiB, np.uint8)}
+    async with (
+        AsyncSenderCache.from_config(cfg) as cache,
+        AsyncReceiverCache.attach(cache.handle()) as rx,
+    ):
+        gaps: list[float] = []
+        stop = anyio.Event()
+
+        async def heartbeat() -> None:
+            last = time.monotonic()
+            while not stop.is_set():
+                await anyio.sleep(0.001)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(heartbeat)
+            for i in range(4):
+                [f] = await cache.get_and_update_features([FeatureSpec(f"b{i}", big)])
+                [back] = await rx.get_and_update_features([f])
+                assert back.data["data"].shape == (64 * MiB,)
+            stop.set()
+        gaps.sort()
+        assert len(gaps) > 20
+        # a 64 MiB copy takes ~15-40 ms; on the loop it would stall the heartbeat that long
+        assert gaps[int(len(gaps) * 0.9)] < 0.012, gaps[-5:]
+
+
+async def test_lease_data_intact_under_eviction_pressure(make_config: Any) -> None:
+    cfg = make_config(8 * MiB, 2 * MiB, 1)
+    rng = np.random.default_rng(5)
+    async with (
+        AsyncSenderCache.from_config(cfg) as cache,
+        AsyncReceiverCache.attach(cache.handle()) as rx,
+    ):
+        for i in range(3):  # older items the pressure can evict
+            [g] = await cache.get_and_update_features(
+                [FeatureSpec(f"old{i}", random_item(rng, MiB))]
+            )
+            await rx.get_and_update_features([g])
+        first = random_item(rng, MiB)
+        [f] = await cache.get_and_update_features([FeatureSpec("leased", first)])
+
+        async def pressure() -> None:
+            for i in range(60):
+                [g] = await cache.get_and_update_features(
+                    [FeatureSpec(f"p{i}", random_item(rng, MiB))]
+                )
+                if isinstance(g.data, ShmRef):
+                    await rx.get_and_update_features([g])
+
+        async with rx.lease([f]) as leased:
+            view = leased[0].data["data"]
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(pressure)
+            assert checksum(view) == first["crc"]  # never reused while leased
+            assert cache.is_cached_item("leased")
+        snap = cache.sender.snapshot()
+        # FIFO: everything older than the leased item was evicted; it then blocks the ring, so
+        # newer puts are served inline rather than overwrite it
+        assert snap.evictions >= 3 and snap.inline_full > 0
