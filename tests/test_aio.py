@@ -318,3 +318,27 @@ async def test_lease_data_intact_under_eviction_pressure(make_config: Any) -> No
         # FIFO: everything older than the leased item was evicted; it then blocks the ring, so
         # newer puts are served inline rather than overwrite it
         assert snap.evictions >= 3 and snap.inline_full > 0
+
+
+def test_loop_shutdown_with_copies_in_flight_is_bounded(make_config: Any) -> None:
+    """asyncio.run() waits for executor threads: ours finish (or abandon) quickly."""
+    cfg = make_config(300 * MiB, 80 * MiB, 1)
+    big = {"data": np.ones(64 * MiB, np.uint8)}
+
+    async def main() -> None:
+        cache = AsyncSenderCache.from_config(cfg)
+        await cache.open()
+        try:
+            tasks = [
+                asyncio.ensure_future(cache.get_and_update_features([FeatureSpec(f"b{i}", big)]))
+                for i in range(3)
+            ]
+            await asyncio.sleep(0.005)
+            for t in tasks:
+                t.cancel()
+        finally:
+            await cache.aclose()
+
+    t0 = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - t0 < 5.0
