@@ -60,6 +60,11 @@ class ReaderTable:
         region = segment.buf[off : off + self.n_slots * self.slot_size]
         self._all = region.cast("Q")
         self._stride = self.slot_size // 8
+        self._sessions = self._all[R_SESSION :: self._stride]  # one word per slot, strided
+
+    def sessions(self) -> list[int]:
+        """Every slot's session word (0: free), read in one go."""
+        return self._sessions.tolist()
 
     def word(self, slot: int, index: int) -> int:
         return int(self._all[slot * self._stride + index])
@@ -76,6 +81,7 @@ class ReaderTable:
         return ofd_probe(self.segment.fd, 1 + slot)
 
     def release(self) -> None:
+        self._sessions.release()
         self._all.release()
 
     # --- reader side -----------------------------------------------------------------------

@@ -27,7 +27,6 @@ head passes it. Ids come from a 64-bit counter in the segment header and keep in
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable
 from typing import Final
@@ -158,7 +157,7 @@ class ShmRingBuffer:
             raise RoleError("this is a reader: only the writer allocates, commits and frees")
         if self._seg.closed:
             raise ClosedCacheError("the ring is closed")
-        if self._seg.forked or self._seg.pid != os.getpid():
+        if self._seg.forked:
             raise RoleError("a forked child of the writer cannot act as the writer")
 
     # --- writer side ---------------------------------------------------------------------

@@ -167,6 +167,7 @@ class ShmObjectStore:
         self._waiting_keys: set[str] = set()
         self._waiters = 0  # threads asleep in _wait (they own the semaphore handle then)
         self._slots = [SlotState() for _ in range(self.readers.n_slots)]
+        self._known_sessions = [0] * self.readers.n_slots
         self._owed_by_session: dict[int, int] = {}
         self._undrained = 0
         self.evictions = 0
@@ -494,8 +495,12 @@ class ShmObjectStore:
     def _sync_sessions(self) -> None:
         """Notice slots whose session changed (attach, close, a replacement after a death)."""
         t = self.readers
+        now = t.sessions()
+        if now == self._known_sessions:
+            return
+        self._known_sessions = now
         for slot, st in enumerate(self._slots):
-            s = t.word(slot, R_SESSION)
+            s = now[slot]
             if s == st.session:
                 continue
             if st.session:
