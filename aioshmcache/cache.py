@@ -259,6 +259,8 @@ class SenderCache:
         with self.store.lock:
             return self.store.touch(_check_hash(mm_hash))
 
+    touch = touch_sender_cache_item
+
     def release(self, ref: ShmRef) -> bool:
         """Undo a hand-out whose request failed before reaching the readers."""
         with self.store.lock:
@@ -277,6 +279,8 @@ class SenderCache:
             self.store.clear()
             self._prompt_updates.clear()
             self._too_large.clear()
+
+    clear = clear_cache
 
     def remove_dangling_items(self) -> int:
         """Free every freeable chunk at the head and drop side-table rows of evicted items."""
@@ -446,6 +450,8 @@ class ReceiverCache:
         if ref is not None:
             self.store.validate(ref)
 
+    touch = touch_receiver_cache_item
+
     @contextlib.contextmanager
     def lease(self, features: Sequence[FeatureSpec]) -> Iterator[list[FeatureSpec]]:
         """Zero-copy read: arrays are read-only views into shared memory for the block.
@@ -483,7 +489,10 @@ class ReceiverCache:
         self.total = 0
         self._last_delta = CacheInfo(0, 0)
 
+    clear = clear_cache
+
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
+        """References resolved (hits) of features seen (total); ``delta`` as on the sender."""
         info = CacheInfo(self.hits, self.total)
         if not delta:
             return info
