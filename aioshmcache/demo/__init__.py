@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
     command = args[0] if args and args[0] in ("run", "serve", "worker") else "run"
     if args and args[0] == command:
         args = args[1:]
-    if command == "worker":  # keep the worker's imports light: no FastAPI, no Pillow decode
+    if command == "worker":  # keep the worker's imports light: no FastAPI, uvicorn or httpx
         from .worker import main as worker_main
 
         return worker_main(args)

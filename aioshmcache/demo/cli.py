@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Literal
 
 __all__ = ["run_main", "serve_main"]
 
@@ -45,7 +46,7 @@ def serve_main(argv: list[str]) -> int:
     from .gateway import GatewaySettings, serve
     from .imaging import ProcessorConfig
 
-    worker_loop = "asyncio" if ns.loop == "asyncio" else "uvloop"
+    worker_loop: Literal["asyncio", "uvloop"] = "asyncio" if ns.loop == "asyncio" else "uvloop"
     settings = GatewaySettings(
         workers=ns.workers,
         delivery=ns.delivery,

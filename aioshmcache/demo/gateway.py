@@ -48,8 +48,13 @@ import anyio.to_thread
 import numpy as np
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client import generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -72,7 +77,7 @@ from .imaging import (
     num_image_tokens,
     preprocess,
 )
-from .ipc import encode_feature
+from .ipc import ProtocolError, encode_feature
 from .pool import WorkerDied, WorkerPool, WorkerUnavailable
 
 __all__ = ["Gateway", "GatewayError", "GatewaySettings", "ImageInput", "create_app"]
@@ -158,11 +163,10 @@ class _LoopLag:
         self.max = 0.0
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            t = loop.time()
+            t = time.perf_counter()
             await asyncio.sleep(self.interval)
-            lag = max(0.0, loop.time() - t - self.interval)
+            lag = max(0.0, time.perf_counter() - t - self.interval)
             self.samples.append(lag)
             self.max = max(self.max, lag)
 
@@ -204,7 +208,9 @@ class _SnapshotCollector:
             def gauge(name: str, doc: str, value: float) -> None:
                 out.append(GaugeMetricFamily(f"aioshmcache_{name}", doc, value=value))
 
-            counter("hits", "Items handed out from the cache (no preprocessing, no copy)", snap.hits)
+            counter(
+                "hits", "Items handed out from the cache (no preprocessing, no copy)", snap.hits
+            )
             counter("misses", "Items that were not cached (put, or served inline)", snap.misses)
             inline = CounterMetricFamily(
                 "aioshmcache_inline", "Items served inline instead of cached", labels=["cause"]
@@ -220,7 +226,9 @@ class _SnapshotCollector:
             gauge("hit_ratio", "hits / (hits + misses)", snap.hit_ratio)
             pid_to_worker = {w.pid: w.index for w in gw.pool.info()} if gw.pool else {}
             labels = ["slot", "worker"]
-            alive = GaugeMetricFamily("aioshmcache_reader_alive", "Reader slot alive", labels=labels)
+            alive = GaugeMetricFamily(
+                "aioshmcache_reader_alive", "Reader slot alive", labels=labels
+            )
             lag = GaugeMetricFamily(
                 "aioshmcache_reader_lag", "Hand-outs the reader has not acknowledged", labels=labels
             )
@@ -340,7 +348,9 @@ class Gateway:
                 self.pool = pool
                 await pool.start()
                 log.info(
-                    "gateway ready: segment %s, %d %s workers", cache.sender.name, s.workers,
+                    "gateway ready: segment %s, %d %s workers",
+                    cache.sender.name,
+                    s.workers,
                     s.delivery,
                 )
                 try:
@@ -370,7 +380,9 @@ class Gateway:
             raise GatewayError(409, "cache_miss", f"image {img.index} has no data")
         t0 = time.perf_counter()
         try:
-            item = await anyio.to_thread.run_sync(preprocess, data, self.processor, limiter=self._limiter)
+            item = await anyio.to_thread.run_sync(
+                preprocess, data, self.processor, limiter=self._limiter
+            )
         except ImageDecodeError as exc:
             name = f" ({img.filename})" if img.filename else ""
             raise GatewayError(
@@ -408,15 +420,20 @@ class Gateway:
             elif data_of[img.mm_hash].data is None and img.data is not None:
                 data_of[img.mm_hash] = img
         prepared: dict[str, dict[str, Any]] = {}
+        gone: set[str] = set()  # hashes the cache said it no longer holds (a race with eviction)
         use_cache = s.cache_enabled
         last_error: GatewayError | None = None
         for attempt in range(MAX_ATTEMPTS):
             if attempt:
                 self.counters["retries"] += 1
             # 1. what the cache holds is not preprocessed again
-            cached = set()
+            cached: set[str] = set()
             if use_cache:
-                cached = {h for h in unique if h not in prepared and cache.is_cached_item(h)}
+                cached = {
+                    h
+                    for h in unique
+                    if h not in prepared and h not in gone and cache.is_cached_item(h)
+                }
             missing = [h for h in unique if h not in cached and data_of[h].data is None]
             if missing:
                 self.counters["drift_409"] += 1
@@ -449,19 +466,24 @@ class Gateway:
                 try:
                     out = await cache.get_and_update_features(specs)
                 except CacheMissError as exc:  # evicted after is_cached_item: preprocess now
+                    gone.update(exc.mm_hashes)
                     last_error = GatewayError(409, "cache_miss", str(exc))
                     continue
             else:
                 out = specs
             refs = [f.data for f in out if isinstance(f.data, ShmRef)]
+            # No await between the hand-out and the (synchronous) send in dispatch: nothing
+            # can cancel us in between. Errors raised before the send give the hand-outs back.
             try:
                 if s.delivery == "broadcast" and pool.generation != generation:
                     raise WorkerUnavailable("the worker group changed during the hand-out")
                 encoded = [encode_feature(f) for f in out]
                 replies = await pool.dispatch(encoded, timeout=s.worker_timeout)
-            except WorkerUnavailable as exc:  # nothing was sent: give the hand-outs back
+            except (WorkerUnavailable, ProtocolError) as exc:  # nothing was sent
                 for r in refs:
                     await cache.release(r)
+                if isinstance(exc, ProtocolError):
+                    raise GatewayError(413, "request_too_large", str(exc)) from None
                 raise GatewayError(503, "workers_unavailable", str(exc)) from None
             except WorkerDied as exc:
                 if s.delivery == "one_of_n" and attempt + 1 < MAX_ATTEMPTS:
@@ -479,15 +501,19 @@ class Gateway:
                     await cache.invalidate(h)
                     prepared.pop(h, None)
                 last_error = GatewayError(
-                    409, "cache_miss", "workers reported stale references: " + ", ".join(stale),
+                    409,
+                    "cache_miss",
+                    "workers reported stale references: " + ", ".join(stale),
                     missing=stale,
                 )
                 continue
-            failed = [r for r in replies if not r.get("ok")]
+            failed = [rep for rep in replies if not rep.get("ok")]
             if failed:
-                r = failed[0]
+                first = failed[0]
                 raise GatewayError(
-                    502, "worker_error", f"worker error {r.get('error')}: {r.get('message')}"
+                    502,
+                    "worker_error",
+                    f"worker error {first.get('error')}: {first.get('message')}",
                 )
             return self._answer(prompt, images, out, cached, replies, request_id, attempt, t0)
         raise last_error or GatewayError(503, "unavailable", "gave up after retries")
@@ -559,7 +585,8 @@ class Gateway:
         }
 
     async def hash_of(self, data: bytes) -> str:
-        if len(data) >= _MiB:
+        """``mm_hash`` of raw bytes; large inputs in a thread (hashlib releases the GIL)."""
+        if len(data) >= 256 << 10:
             return await anyio.to_thread.run_sync(mm_hash, data, self.processor)
         return mm_hash(data, self.processor)
 
@@ -567,9 +594,7 @@ class Gateway:
         snap = self.snapshot()
         pool = self.pool
         out: dict[str, Any] = {
-            "settings": {
-                k: v for k, v in asdict(self.settings).items() if k != "processor"
-            },
+            "settings": {k: v for k, v in asdict(self.settings).items() if k != "processor"},
             "gateway": dict(self.counters),
             "loop_lag": self.loop_lag.summary(),
             "workers": [asdict(w) for w in pool.info()] if pool else [],
@@ -596,8 +621,10 @@ class Gateway:
 async def _watch_parent() -> None:
     """Shut down gracefully (SIGTERM to ourselves) when the process that started us dies."""
     parent = os.getppid()
-    while os.getppid() == parent:
+    while True:
         await asyncio.sleep(0.5)
+        if os.getppid() != parent:
+            break
     log.warning("parent process %d is gone: shutting down", parent)
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -756,7 +783,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
         ok = gw.pool is not None and gw.pool.available()
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -829,6 +858,10 @@ def serve(
         timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has shut down; a no-op handler makes
+    # a graceful SIGTERM / SIGINT shutdown exit with code 0 (cleanup done) instead of -15.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
     try:
         server.run(sockets=[sock])
     finally:

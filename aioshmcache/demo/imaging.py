@@ -154,8 +154,8 @@ def decode_image(data: bytes, config: ProcessorConfig) -> Image.Image:
                 f"image of {w}x{h} pixels exceeds the limit of {config.max_source_pixels} pixels"
             )
         img.load()
-        img = ImageOps.exif_transpose(img)
-        return img.convert("RGB")
+        upright = ImageOps.exif_transpose(img)
+        return upright.convert("RGB")
     except UnidentifiedImageError:
         raise ImageDecodeError("not an image (Pillow cannot identify the format)") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -233,7 +233,7 @@ def summarize(item: dict[str, Any], config: ProcessorConfig) -> dict[str, Any]:
         "shape": [int(x) for x in pv.shape],
         "dtype": str(pv.dtype),
         "grid_thw": [int(x) for x in grid],
-        "crc32": zlib.crc32(memoryview(pv).cast("B")),
+        "crc32": zlib.crc32(pv.data),
         "nbytes": int(pv.nbytes + grid.nbytes),
         "num_image_tokens": num_image_tokens(grid, config),
         "embedding": embed(pv, config.patch_size),

@@ -47,9 +47,12 @@ from .imaging import ProcessorConfig
 from .ipc import ProtocolError, pack, read_frame
 from .worker import TOKEN_ENV
 
-__all__ = ["WorkerDied", "WorkerInfo", "WorkerPool", "WorkerUnavailable"]
+__all__ = ["SOCKET_DIR_PREFIX", "WorkerDied", "WorkerInfo", "WorkerPool", "WorkerUnavailable"]
 
 log = logging.getLogger("aioshmcache.demo")
+
+#: the gateway's socket directory is ``$TMPDIR/aioshmcache-demo-<segment>-<random>``
+SOCKET_DIR_PREFIX = "aioshmcache-demo-"
 
 
 class WorkerUnavailable(Exception):
@@ -139,7 +142,8 @@ class WorkerPool:
     async def start(self) -> None:
         """Listen, spawn every worker and wait (bounded) until each one said hello."""
         self._changed = asyncio.Event()
-        self._dir = tempfile.mkdtemp(prefix="aioshmcache-demo-")
+        # named after the segment, so that whoever cleans up after a killed gateway finds it
+        self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{self.handle.get('name', '')}-")
         self._server = await asyncio.start_unix_server(self._on_connect, path=self.socket_path)
         try:
             for w in self._workers:
@@ -314,7 +318,7 @@ class WorkerPool:
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
         except (asyncio.TimeoutError, ConnectionError, ProtocolError) as exc:
-            log.warning("worker channel: %s", exc)
+            log.info("worker channel: %s", exc)
         except Exception:
             log.exception("worker channel failed")
         finally:
@@ -344,11 +348,14 @@ class WorkerPool:
 
     async def _write(self, w: _Worker, frame: bytes) -> None:
         writer = w.writer
-        if writer is None:
+        if writer is None or writer.is_closing():
             raise WorkerDied(f"worker {w.index} is not connected")
         async with w.write_lock:
-            writer.write(frame)
-            await writer.drain()
+            try:
+                writer.write(frame)
+                await writer.drain()
+            except (ConnectionError, OSError, RuntimeError) as exc:  # uvloop: RuntimeError
+                raise WorkerDied(f"worker {w.index}: {exc}") from None
 
     # --- dispatch ----------------------------------------------------------------------------
     def all_ready(self) -> bool:
@@ -382,28 +389,37 @@ class WorkerPool:
     async def dispatch(
         self, features: Sequence[dict[str, Any]], *, timeout: float
     ) -> list[dict[str, Any]]:
-        """Send one request (``WorkerUnavailable`` before anything is sent); gather the replies.
+        """Send one request to its target worker(s) and gather the replies.
 
-        Returns one reply per target worker. ``WorkerDied`` if a target's connection ended,
-        ``asyncio.TimeoutError`` if a reply is late; in both cases the other targets' replies
-        were awaited first (so their reads are settled).
+        ``WorkerUnavailable`` means nothing was sent. Otherwise the frame is handed to every
+        target's transport synchronously, before the first ``await``: a cancellation can never
+        leave a broadcast half-sent (a live rank owing a hand-out it never received). Returns
+        one reply per target; ``WorkerDied`` if a target's connection ended, and
+        ``asyncio.TimeoutError`` if a reply is late — in both cases only after the other
+        targets' replies were awaited (so their reads are settled).
         """
         targets = self._targets()
         rid = next(self._ids)
         frame = pack({"t": "infer", "id": rid, "features": list(features)})
         loop = asyncio.get_running_loop()
         futs: list[asyncio.Future[dict[str, Any]]] = []
-        for w in targets:
+        for w in targets:  # no await in this loop: all or nothing
             fut: asyncio.Future[dict[str, Any]] = loop.create_future()
-            w.pending[rid] = fut
             futs.append(fut)
+            writer = w.writer
+            try:
+                if writer is None or writer.is_closing():
+                    raise WorkerDied(f"worker {w.index} is not connected")
+                writer.write(frame)
+            except (ConnectionError, OSError, RuntimeError) as exc:  # uvloop: RuntimeError
+                fut.set_exception(WorkerDied(f"worker {w.index}: {exc}"))
+                continue
+            w.pending[rid] = fut
 
         async def one(w: _Worker, fut: asyncio.Future[dict[str, Any]]) -> dict[str, Any]:
             try:
-                try:
-                    await self._write(w, frame)
-                except (ConnectionError, OSError) as exc:
-                    raise WorkerDied(f"worker {w.index}: {exc}") from None
+                if not fut.done():
+                    await self._drain(w)
                 reply = await asyncio.wait_for(fut, timeout)
                 w.served += 1
                 return reply
@@ -423,6 +439,17 @@ class WorkerPool:
                 raise r
             replies.append(r)
         return replies
+
+    async def _drain(self, w: _Worker) -> None:
+        """Flow control after a write (the bytes are already in the transport's buffer)."""
+        writer = w.writer
+        if writer is None:
+            return
+        async with w.write_lock:
+            try:
+                await writer.drain()
+            except (ConnectionError, OSError, RuntimeError):
+                pass  # the reply future fails when the connection's end is noticed
 
     # --- observation -------------------------------------------------------------------------
     def info(self) -> list[WorkerInfo]:

@@ -148,7 +148,7 @@ async def serve_worker(
 
 
 def main(argv: list[str]) -> int:
-    """``python -m aioshmcache demo worker --socket P --index I --handle JSON [--processor JSON]``."""
+    """``python -m aioshmcache demo worker --socket P --index I --handle JSON [...]``."""
     p = argparse.ArgumentParser(prog="python -m aioshmcache demo worker")
     p.add_argument("--socket", required=True)
     p.add_argument("--index", type=int, required=True)
