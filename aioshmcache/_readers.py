@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from typing import Final
@@ -116,6 +117,9 @@ class ReaderSlot:
         self._log = table.log_view(slot)
         self._n = table.log_entries
         self.closed = False
+        # one process, several threads (the asyncio facade reads in worker threads): the log
+        # head is a read-modify-write, so acknowledgements from two threads must not interleave
+        self._ack_lock = threading.Lock()
 
     @property
     def revoked(self) -> bool:
@@ -133,12 +137,13 @@ class ReaderSlot:
 
     def ack(self, cid: int) -> None:
         """Record that chunk ``cid`` was read and verified: two aligned stores, no syscall."""
-        w = self._words
-        head = int(w[R_HEAD])
-        if head - int(w[W_CONSUMED]) >= self._n:
-            self._wait_for_log_room(head)
-        self._log[head % self._n] = cid
-        w[R_HEAD] = head + 1
+        with self._ack_lock:
+            w = self._words
+            head = int(w[R_HEAD])
+            if head - int(w[W_CONSUMED]) >= self._n:
+                self._wait_for_log_room(head)
+            self._log[head % self._n] = cid
+            w[R_HEAD] = head + 1
 
     def _wait_for_log_room(self, head: int) -> None:
         deadline = time.monotonic() + LOG_FULL_WAIT

@@ -381,8 +381,22 @@ class AsyncSenderCache(_AsyncBase):
                 return
             item = _split_item_async(mm_items[i])
             with store.lock:
+                h = hashes[i]
+                if store.is_cached(h):  # another request cached it since step 1: now a hit
+                    hit = sender._lookup_locked(item, h)
+                    if hit is not None and token.abandoned:
+                        store.release(hit[0])
+                    elif hit is not None:
+                        out[i] = hit
+                        if store.pin(h):
+                            pinned.append(h)
+                    continue
+                if store.is_pending(h):  # another request is copying it right now
+                    self.inline_busy += 1
+                    out[i] = item
+                    continue
                 # the store releases its lock while it sleeps on the readers' semaphore
-                waited = sender._reserve_locked(item, hashes[i], wait)
+                waited = sender._reserve_locked(item, h, wait)
                 if waited is None:
                     out[i] = item
                     continue
