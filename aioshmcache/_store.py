@@ -605,10 +605,18 @@ class ShmObjectStore:
         return self.one_of_n and time.monotonic() - e.last_handout > self.handout_ttl
 
     def is_freeable(self, key: str) -> bool:
-        """Whether ``key``'s chunk could be evicted now (after draining acknowledgements)."""
+        """Whether ``key``'s chunk could be evicted now.
+
+        Drains the acknowledgement logs first and probes the readers still owing it, so a dead
+        reader's debts do not count.
+        """
         self.drain()
         e = self._index.get(key)
-        return e is not None and self._is_free(e.id)
+        if e is None:
+            return False
+        if e.debt > 0 and not self.one_of_n:
+            self._probe_debtors(e)
+        return self._is_free(e.id)
 
     def _forget(self, freed: list[int]) -> None:
         for cid in freed:
@@ -626,9 +634,15 @@ class ShmObjectStore:
         self._publish_usage()
 
     def evict(self, nbytes: int = 0) -> list[str]:
-        """Free free chunks from the head (all of them, or until ``nbytes`` fit)."""
+        """Free free chunks from the head (all of them, or until ``nbytes`` fit).
+
+        Readers owing the head item are probed first: a dead one's debts are dropped.
+        """
         self._check_writer()
         self.drain()
+        head = self._by_id.get(self.ring.chunk_ids()[0]) if self.ring.n_chunks else None
+        if head is not None and head.debt > 0:
+            self._probe_debtors(head)
         freed = self.ring.free(self._is_free, nbytes)
         keys = [self._by_id[c].key for c in freed if c in self._by_id]
         self._forget(freed)

@@ -10,11 +10,18 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import sys
+import time
 
-from ._segment import SHM_DIR, list_segments, ofd_probe
+from ._segment import MAGIC, SHM_DIR, list_segments, ofd_probe
 from ._types import SEGMENT_PREFIX
 
 __all__ = ["sweep"]
+
+
+#: a segment without its magic yet may be in the microseconds between ``open`` and the writer's
+#: lock: only one older than this is an orphan of a creation that died
+_CREATION_GRACE = 10.0
 
 
 def _writer_dead(path: str) -> bool:
@@ -26,7 +33,11 @@ def _writer_dead(path: str) -> bool:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
             return False
-        return not ofd_probe(fd, 0)
+        if ofd_probe(fd, 0):
+            return False
+        head = os.pread(fd, 8, 0)
+        initialised = len(head) == 8 and int.from_bytes(head, sys.byteorder) == MAGIC
+        return initialised or time.time() - st.st_mtime > _CREATION_GRACE
     finally:
         os.close(fd)
 

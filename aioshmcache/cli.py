@@ -1,4 +1,4 @@
-"""Layer 8: ``python -m aioshmcache`` with ``demo``, ``stress``, ``bench``, ``inspect``, ``sweep``."""
+"""Layer 8: ``python -m aioshmcache`` (``demo``, ``stress``, ``bench``, ``inspect``, ``sweep``)."""
 
 from __future__ import annotations
 

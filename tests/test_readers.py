@@ -361,3 +361,16 @@ def test_torn_reads_are_detected(make_config: Any) -> None:
     finally:
         stop.set()
         writer.close()
+
+
+def test_dead_reader_debts_do_not_count_for_is_freeable(make_config: Any) -> None:
+    with SenderCache(make_config(1 << 20, 300 << 10, 2)) as cache:
+        p, conn = _start_reader(cache.handle().to_dict())
+        cache.get_and_update_item(({"a": np.zeros(100)}, ()), "a")
+        assert not cache.is_freeable("a")
+        p.kill()
+        p.join(10)
+        conn.close()
+        assert cache.is_freeable("a")
+        cache.remove_dangling_items()
+        assert not cache.is_cached_item("a")  # freed at the head

@@ -58,8 +58,13 @@ def _parser() -> argparse.ArgumentParser:
         help="run only this suite (repeatable; default: all)",
     )
     ray = ap.add_mutually_exclusive_group()
-    ray.add_argument("--ray", dest="ray", action="store_true", default=None,
-                     help="compare with Ray (default: yes if installed, except with --quick)")
+    ray.add_argument(
+        "--ray",
+        dest="ray",
+        action="store_true",
+        default=None,
+        help="compare with Ray (default: yes if installed, except with --quick)",
+    )
     ray.add_argument("--no-ray", dest="ray", action="store_false")
     ap.add_argument("--no-redis", action="store_true", help="skip the redis peer")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -98,9 +103,7 @@ def run(
 def _leftovers() -> list[str]:
     prefix = "aioshm-" + segment_prefix()
     try:
-        return sorted(
-            n for n in os.listdir("/dev/shm") if n.startswith((prefix, "sem." + prefix))
-        )
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith((prefix, "sem." + prefix)))
     except FileNotFoundError:
         return []
 
@@ -116,8 +119,9 @@ def main(argv: list[str]) -> int:
     t0 = time.monotonic()
     rc = 0
     try:
-        report = run(suites, quick=ns.quick, want_ray=want_ray, want_redis=not ns.no_redis,
-                     progress=progress)
+        report = run(
+            suites, quick=ns.quick, want_ray=want_ray, want_redis=not ns.no_redis, progress=progress
+        )
     except KeyboardInterrupt:
         print("bench: interrupted", file=sys.stderr)
         return 130
@@ -131,6 +135,8 @@ def main(argv: list[str]) -> int:
                 except OSError:
                     pass
             rc = 1
+    if report.errors:
+        rc = 1
     files = report.write(out_dir, stem)
     if not ns.no_print:
         print(report.markdown())

@@ -12,16 +12,19 @@ import importlib
 import math
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
+import numpy as np
 
 from aioshmcache import AsyncSenderCache, ReceiverCache, SenderCache, ShmRef
 from aioshmcache.aio import DEFAULT_INLINE_THRESHOLD
 
 from .params import Params, bench_config
-from .procs import Worker
+from .procs import LazyWorker, Worker
 from .report import Report, Row, Target
 from .timing import (
     KiB,
@@ -110,12 +113,30 @@ def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
 
     _run(loop, main)
     hs, ss, ts = hit.stat(), sync_hit.stat(), hop.stat()
-    report.add(Row(S_HIT, f"async hit [{loop}]", "1 KiB", hs.median, stat=hs,
-                   baseline="sync hit", ratio=ss.median / hs.median,
-                   target=Target("value", "<=", 20e-6, "issues 5, 7")))
+    report.add(
+        Row(
+            S_HIT,
+            f"async hit [{loop}]",
+            "1 KiB",
+            hs.median,
+            stat=hs,
+            baseline="sync hit",
+            ratio=ss.median / hs.median,
+            target=Target("value", "<=", 20e-6, "issues 5, 7"),
+        )
+    )
     report.add(Row(S_HIT, f"sync SenderCache hit [{loop} run]", "1 KiB", ss.median, stat=ss))
-    report.add(Row(S_HIT, f"thread hop: anyio.to_thread.run_sync(noop) [{loop}]", "", ts.median,
-                   stat=ts, baseline="async hit", ratio=hs.median / ts.median))
+    report.add(
+        Row(
+            S_HIT,
+            f"thread hop: anyio.to_thread.run_sync(noop) [{loop}]",
+            "",
+            ts.median,
+            stat=ts,
+            baseline="async hit",
+            ratio=hs.median / ts.median,
+        )
+    )
 
 
 def _noop() -> None:
@@ -137,17 +158,25 @@ def bench_big_put(p: Params, report: Report, progress: Progress, loop: str) -> N
     src = source_array(size)
     item = {"data": src}
     n = p.n_ops(size)
-    put, base = Samples(), Samples()
-    shm = ShmBuffer(size)
+    put, base, rot = Samples(), Samples(), Samples()
+    ring = 8 * size
+    shm = ShmBuffer(ring)
+    slots = ring // (size + 4096) - 1
 
     async def main() -> None:
-        async with AsyncSenderCache.from_config(bench_config(8 * size, size + 64 * KiB, 1)) as c:
+        async with AsyncSenderCache.from_config(bench_config(ring, size + 64 * KiB, 1)) as c:
             seq = 0
             for _ in range(3):
                 await c.get_and_update_item((item, ()), f"w{seq}")
                 seq += 1
             for _ in range(p.runs):
                 memcpy_into(shm.view(size), src, n, base.new_run())
+                run = rot.new_run()
+                for i in range(n):
+                    d = shm.view(size, (i % slots) * (size + 4096) + 128)
+                    t0 = _clock()
+                    np.copyto(d, src)
+                    run.append((_clock() - t0) * 1e-9)
                 run = put.new_run()
                 for _ in range(n):
                     t0 = _clock()
@@ -160,11 +189,32 @@ def bench_big_put(p: Params, report: Report, progress: Progress, loop: str) -> N
         _run(loop, main)
     finally:
         shm.close()
-    ps, bs = put.stat(), base.stat()
+    ps, bs, rs = put.stat(), base.stat(), rot.stat()
     report.add(Row(S_PUT, f"np.copyto into warm shm [{loop} run]", "16 MiB", bs.median, stat=bs))
-    report.add(Row(S_PUT, f"await get_and_update_item (a miss: put) [{loop}]", "16 MiB",
-                   ps.median, stat=ps, baseline="np.copyto", ratio=bs.median / ps.median,
-                   target=Target("ratio", ">=", 0.7, "issue 5")))
+    report.add(
+        Row(
+            S_PUT,
+            f"np.copyto into rotating places of a 128 MiB shm buffer [{loop} run]",
+            "16 MiB",
+            rs.median,
+            stat=rs,
+            baseline="np.copyto",
+            ratio=bs.median / rs.median,
+        )
+    )
+    report.add(
+        Row(
+            S_PUT,
+            f"await get_and_update_item (a miss: put) [{loop}]",
+            "16 MiB",
+            ps.median,
+            stat=ps,
+            baseline="np.copyto",
+            ratio=bs.median / ps.median,
+            target=Target("ratio", ">=", 0.7, "issue 5"),
+            note=f"{rs.median / ps.median:.2f}x the rotating copy",
+        )
+    )
 
 
 # --- loop lag ---------------------------------------------------------------------------------
@@ -174,69 +224,109 @@ def bench_lag(p: Params, report: Report, progress: Progress, loop: str, worker: 
     size = 16 * MiB
     item = {"data": source_array(size)}
     modes = ["idle", "thread", "thread + reader process", "inline"]
+    p99s = {m: Samples() for m in modes}
+    p50s = {m: Samples() for m in modes}
+    maxs = {m: Samples() for m in modes}
+    ticks = dict.fromkeys(modes, 0)
+    puts = {m: [0, 0] for m in modes}  # puts, served inline (full)
+    for r in range(p.lag_runs):
+        progress(
+            f"async [{loop}]: loop lag while 16 MiB items stream, run {r + 1}/{p.lag_runs} "
+            f"({len(modes)} modes x {p.lag_seconds:.1f} s)"
+        )
+        for mode in modes:  # interleaved: the idle baseline sees the same load as the others
+            lags = _lag_once(p, loop, worker, mode, item, puts[mode])
+            p99s[mode].add_run([percentile(lags, 99)])
+            p50s[mode].add_run([percentile(lags, 50)])
+            maxs[mode].add_run([max(lags, default=math.nan)])
+            ticks[mode] += len(lags)
+    idle = p99s["idle"].stat()
     for mode in modes:
-        progress(f"async [{loop}]: loop lag, 16 MiB stream, {mode} ({p.lag_seconds:.1f} s)")
-        lags: list[float] = []
-        puts = [0, 0]  # puts, served inline (full)
-
-        async def main(mode: str = mode, lags: list[float] = lags, puts: list[int] = puts) -> None:
-            threshold = NEVER if mode == "inline" else DEFAULT_INLINE_THRESHOLD
-            cfg = bench_config(16 * (size + 64 * KiB), size + 64 * KiB, 1)
-            async with AsyncSenderCache.from_config(cfg, inline_threshold_bytes=threshold) as c:
-                reader = mode.endswith("reader process")
-                if reader:
-                    worker.attach(c.handle())
-                    worker.send("ack_stream", "copy")
-                stop = anyio.Event()
-
-                async def ticker() -> None:
-                    while not stop.is_set():
-                        t0 = _clock()
-                        await anyio.sleep(0.001)
-                        lags.append(max(0.0, (_clock() - t0) * 1e-9 - 0.001))
-
-                async def stream() -> None:
-                    deadline = time.monotonic() + p.lag_seconds
-                    i = 0
-                    try:
-                        while time.monotonic() < deadline:
-                            if mode == "idle":
-                                await anyio.sleep(0.01)
-                                continue
-                            ref, _ = await c.get_and_update_item(
-                                (item, ()), f"lag{i}", wait_for_space=5.0 if reader else None
-                            )
-                            i += 1
-                            puts[0] += 1
-                            if isinstance(ref, ShmRef):
-                                if reader:
-                                    worker.send_refs([ref])
-                            else:
-                                puts[1] += 1
-                    finally:
-                        stop.set()
-
-                try:
-                    async with anyio.create_task_group() as tg:
-                        tg.start_soon(ticker)
-                        tg.start_soon(stream)
-                finally:
-                    if reader:
-                        worker.send_refs(None)
-                        worker.reply()
-                        worker.detach()
-
-        _run(loop, main)
-        p50, p99, mx = percentile(lags, 50), percentile(lags, 99), max(lags, default=math.nan)
+        st = p99s[mode].stat()
         tgt = Target("value", "<=", 2e-3, "issue 5") if mode.startswith("thread") else None
-        note = "" if mode == "idle" else f"{puts[0]} puts in {p.lag_seconds:.1f} s"
-        if puts[1]:
-            note += f", {puts[1]} served inline (full)"
+        n_puts, n_inline = puts[mode]
+        note = "" if mode == "idle" else f"{n_puts} puts in {p.lag_runs * p.lag_seconds:.1f} s"
+        if n_inline:
+            note += f", {n_inline} served inline (full)"
         label = f"{mode} [{loop}]"
-        report.add(Row(S_LAG, f"lag p99, {label}", f"{len(lags)} ticks", p99, target=tgt,
-                       note=note, plot="looplag", series=f"p99 {mode} [{loop}]"))
-        report.add(Row(S_LAG, f"lag p50, {label}", f"{len(lags)} ticks", p50))
-        report.add(Row(S_LAG, f"lag max, {label}", f"{len(lags)} ticks", mx))
+        param = f"{ticks[mode]} ticks"
+        report.add(
+            Row(
+                S_LAG,
+                f"lag p99, {label}",
+                param,
+                st.median,
+                stat=st,
+                baseline=None if mode == "idle" else "idle loop p99",
+                ratio=None if mode == "idle" else idle.median / st.median,
+                target=tgt,
+                note=note,
+                plot="looplag",
+                series=f"p99 {mode} [{loop}]",
+            )
+        )
+        p50, mx = p50s[mode].stat(), maxs[mode].stat()
+        report.add(Row(S_LAG, f"lag p50, {label}", param, p50.median, stat=p50))
+        report.add(Row(S_LAG, f"lag max, {label}", param, mx.median, stat=mx))
+
+
+def _lag_once(
+    p: Params, loop: str, worker: Worker, mode: str, item: dict[str, Any], puts: list[int]
+) -> list[float]:
+    """One run of the ticker beside one streaming mode; returns the ticker's lags."""
+    lags: list[float] = []
+    size = int(item["data"].nbytes)
+
+    async def main() -> None:
+        threshold = NEVER if mode == "inline" else DEFAULT_INLINE_THRESHOLD
+        cfg = bench_config(16 * (size + 64 * KiB), size + 64 * KiB, 1)
+        async with AsyncSenderCache.from_config(cfg, inline_threshold_bytes=threshold) as c:
+            reader = mode.endswith("reader process")
+            if reader:
+                worker.attach(c.handle())
+                worker.send("ack_stream", "copy")
+            stop = anyio.Event()
+
+            async def ticker() -> None:
+                while not stop.is_set():
+                    t0 = _clock()
+                    await anyio.sleep(0.001)
+                    lags.append(max(0.0, (_clock() - t0) * 1e-9 - 0.001))
+
+            async def stream() -> None:
+                deadline = time.monotonic() + p.lag_seconds
+                i = 0
+                try:
+                    while time.monotonic() < deadline:
+                        # a server yields between requests (it awaits its sockets)
+                        await anyio.sleep(0.01 if mode == "idle" else 0)
+                        if mode == "idle":
+                            continue
+                        ref, _ = await c.get_and_update_item(
+                            (item, ()), f"lag{i}", wait_for_space=5.0 if reader else None
+                        )
+                        i += 1
+                        puts[0] += 1
+                        if isinstance(ref, ShmRef):
+                            if reader:
+                                worker.send_refs([ref])
+                        else:
+                            puts[1] += 1
+                finally:
+                    stop.set()
+
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(ticker)
+                    tg.start_soon(stream)
+            finally:
+                if reader:
+                    worker.send_refs(None)
+                    worker.reply()
+                    worker.detach()
+
+    _run(loop, main)
+    return lags
 
 
 # --- many small concurrent requests ---------------------------------------------------------
@@ -251,26 +341,28 @@ def bench_concurrent(p: Params, report: Report, progress: Progress, loop: str) -
     conc_rate, seq_rate, lat, put_rate = Samples(), Samples(), Samples(), Samples()
 
     async def main() -> None:
-        sender = SenderCache(bench_config(16 * MiB, 1 * MiB, 1))
+        sender = SenderCache(bench_config(16 * MiB, 1 * MiB, 1))  # the hits: never evicted
+        fresh = SenderCache(bench_config(16 * MiB, 1 * MiB, 1))  # the puts churn this one
         try:
-            async with AsyncSenderCache(sender) as c:
+            async with AsyncSenderCache(sender) as c, AsyncSenderCache(fresh) as cf:
                 for i, it in enumerate(items):
                     await c.get_and_update_item((it, ()), f"h{i}")
                 seq = [0]
 
                 async def client(k: int, out: list[float]) -> None:
                     for j in range(per_task):
-                        await anyio.sleep(0)  # a server awaits its socket between requests
+                        # a server awaits its socket between requests
+                        await anyio.lowlevel.checkpoint()
                         t0 = _clock()
                         await c.get_and_update_item(None, f"h{(k * 7 + j) % n_items}")
                         out.append((_clock() - t0) * 1e-9)
 
                 async def putter(k: int) -> None:
                     for _ in range(per_task):
-                        await anyio.sleep(0)
+                        await anyio.lowlevel.checkpoint()
                         i = seq[0]
                         seq[0] += 1
-                        await c.get_and_update_item((items[i % n_items], ()), f"new{i}")
+                        await cf.get_and_update_item((items[i % n_items], ()), f"new{i}")
 
                 for _ in range(p.runs):
                     run = lat.new_run()
@@ -289,17 +381,36 @@ def bench_concurrent(p: Params, report: Report, progress: Progress, loop: str) -
                             tg.start_soon(putter, k)
                     put_rate.add_run([total / ((_clock() - t0) * 1e-9)])
         finally:
+            fresh.close()
             sender.close()
 
     _run(loop, main)
     cs, ss, ls, ps = conc_rate.stat(), seq_rate.stat(), lat.stat(), put_rate.stat()
-    param = f"{tasks} tasks × {per_task}"
-    report.add(Row(S_CONC, f"hits/s, concurrent tasks [{loop}]", param, cs.median, kind="rate",
-                   stat=cs, baseline="one task, same requests", ratio=cs.median / ss.median))
+    param = f"{tasks} tasks x {per_task}"
+    report.add(
+        Row(
+            S_CONC,
+            f"hits/s, concurrent tasks [{loop}]",
+            param,
+            cs.median,
+            kind="rate",
+            stat=cs,
+            baseline="one task, same requests",
+            ratio=cs.median / ss.median,
+        )
+    )
     report.add(Row(S_CONC, f"hits/s, one task [{loop}]", param, ss.median, kind="rate", stat=ss))
     report.add(Row(S_CONC, f"hit latency under concurrency [{loop}]", param, ls.median, stat=ls))
-    report.add(Row(S_CONC, f"new 1 KiB items (puts)/s, concurrent tasks [{loop}]", param,
-                   ps.median, kind="rate", stat=ps))
+    report.add(
+        Row(
+            S_CONC,
+            f"new 1 KiB items (puts)/s, concurrent tasks [{loop}]",
+            param,
+            ps.median,
+            kind="rate",
+            stat=ps,
+        )
+    )
 
 
 # --- inline vs thread threshold -------------------------------------------------------------
@@ -359,44 +470,143 @@ def bench_threshold(p: Params, report: Report, progress: Progress, loop: str) ->
     for size in sizes:
         ins, ths, bs = inline[size].stat(), thread[size].stat(), base[size].stat()
         sz = fmt_bytes(size)
-        report.add(Row(S_THR, f"np.copyto [{loop}]", sz, bs.median, stat=bs, plot="threshold",
-                       series="np.copyto (baseline)", x=size))
-        report.add(Row(S_THR, f"put inline on the loop [{loop}]", sz, ins.median, stat=ins,
-                       baseline="np.copyto", ratio=bs.median / ins.median, plot="threshold",
-                       series="inline put", x=size))
-        report.add(Row(S_THR, f"put in a worker thread [{loop}]", sz, ths.median, stat=ths,
-                       baseline="inline put", ratio=ins.median / ths.median, plot="threshold",
-                       series="thread put", x=size))
+        report.add(
+            Row(
+                S_THR,
+                f"np.copyto [{loop}]",
+                sz,
+                bs.median,
+                stat=bs,
+                plot="threshold",
+                series="np.copyto (baseline)",
+                x=size,
+            )
+        )
+        report.add(
+            Row(
+                S_THR,
+                f"put inline on the loop [{loop}]",
+                sz,
+                ins.median,
+                stat=ins,
+                baseline="np.copyto",
+                ratio=bs.median / ins.median,
+                plot="threshold",
+                series="inline put",
+                x=size,
+            )
+        )
+        report.add(
+            Row(
+                S_THR,
+                f"put in a worker thread [{loop}]",
+                sz,
+                ths.median,
+                stat=ths,
+                baseline="inline put",
+                ratio=ins.median / ths.median,
+                plot="threshold",
+                series="thread put",
+                x=size,
+            )
+        )
         if crossover is None and ths.median <= ins.median:
             crossover = size
+    medians = [(size, inline[size].stat().median, thread[size].stat().median) for size in sizes]
     thr = DEFAULT_INLINE_THRESHOLD
     if crossover is None:
-        verdict = (f"the thread never beat inline up to {fmt_bytes(max(sizes))}: the threshold "
-                   "is set by loop lag, not latency")
-    elif crossover > thr:
-        verdict = (f"latency crossover at {fmt_bytes(crossover)} (> {fmt_bytes(thr)}): inline is "
-                   f"faster below it, so {fmt_bytes(thr)} is conservative — it trades a little "
-                   "latency between the two for a shorter loop stall")
-    elif crossover == thr:
-        verdict = f"latency crossover at {fmt_bytes(crossover)}: supports {fmt_bytes(thr)}"
+        latency = (
+            f"a worker thread never made the put itself faster (up to {fmt_bytes(max(sizes))}): "
+            "the hop is pure overhead for the request"
+        )
     else:
-        verdict = (f"latency crossover at {fmt_bytes(crossover)} (< {fmt_bytes(thr)}): threads "
-                   f"already win below the {fmt_bytes(thr)} threshold")
-    report.add(Row(S_THR, f"measured crossover (first size where thread ≤ inline) [{loop}]",
-                   "", float(crossover or math.nan), kind="bytes", note=verdict))
-    report.notes.append(f"inline/thread threshold [{loop}]: {verdict}")
+        latency = f"the put itself is faster in a thread from {fmt_bytes(crossover)} on"
+    report.add(
+        Row(
+            S_THR,
+            f"latency crossover: first size where thread <= inline [{loop}]",
+            "",
+            float(crossover or math.nan),
+            kind="bytes",
+            note=latency,
+        )
+    )
+    even = _break_even(medians)
+    if even is None:
+        stall = "no break-even in the sizes measured"
+        verdict = "cannot tell"
+    else:
+        stall = (
+            f"an inline put stalls the loop as long as the hop delays the request at "
+            f"~{fmt_bytes(int(even))}"
+        )
+        if even / 2 <= thr <= even * 2:
+            verdict = f"supports {fmt_bytes(thr)} (within 2x of the break-even)"
+        elif thr > even * 2:
+            verdict = (
+                f"{fmt_bytes(thr)} is high: inline copies above ~{fmt_bytes(int(even))} stall "
+            )
+            verdict += "the loop longer than a hop costs"
+        else:
+            verdict = f"{fmt_bytes(thr)} is low: hops below ~{fmt_bytes(int(even))} cost more than "
+            verdict += "the stall they avoid"
+    report.add(
+        Row(
+            S_THR,
+            f"break-even: inline put time = thread put - inline put [{loop}]",
+            "",
+            float(even if even is not None else math.nan),
+            kind="bytes",
+            note=stall,
+        )
+    )
+    report.notes.append(
+        f"inline/thread threshold [{loop}]: {latency}; {stall}: {verdict} "
+        f"(DEFAULT_INLINE_THRESHOLD = {fmt_bytes(thr)})"
+    )
+
+
+def _break_even(medians: list[tuple[int, float, float]]) -> float | None:
+    """Size where an inline put's loop stall equals the latency a thread hop adds.
+
+    Below it a put is cheaper for everyone inline (the stall is shorter than the hop's cost);
+    above it the loop is better off handing the copy to a thread. Interpolated on log scales
+    between the two measured sizes around the sign change.
+    """
+    prev: tuple[float, float] | None = None
+    for size, ins, ths in medians:
+        diff = ins - (ths - ins)  # stall minus the hop's extra latency
+        if diff >= 0:
+            if prev is None:
+                return float(size)
+            ps, pd = prev
+            frac = -pd / (diff - pd) if diff != pd else 0.0
+            return math.exp(math.log(ps) + frac * (math.log(size) - math.log(ps)))
+        prev = (float(size), diff)
+    return None
 
 
 def run_async_suite(p: Params, report: Report, progress: Progress) -> None:
     loops = _loops(report, ["asyncio", "uvloop"])
     lag_loops = [lp for lp in p.lag_loops if lp in loops]
     for loop in loops:
-        bench_hit(p, report, progress, loop)
+        report.attempt(f"async hit [{loop}]", partial(bench_hit, p, report, progress, loop))
     for loop in loops:
-        bench_big_put(p, report, progress, loop)
-    with Worker() as worker:
+        report.attempt(
+            f"async 16 MiB put [{loop}]", partial(bench_big_put, p, report, progress, loop)
+        )
+    with LazyWorker() as lw:
         for loop in lag_loops:
-            bench_lag(p, report, progress, loop, worker)
+
+            def lag(loop: str = loop) -> None:
+                bench_lag(p, report, progress, loop, lw.get())
+
+            if not report.attempt(f"loop lag [{loop}]", lag):
+                lw.reset()
     for loop in loops:
-        bench_concurrent(p, report, progress, loop)
-    bench_threshold(p, report, progress, loops[-1])
+        report.attempt(
+            f"concurrent requests [{loop}]", partial(bench_concurrent, p, report, progress, loop)
+        )
+    report.attempt(
+        f"inline vs thread [{loops[-1]}]", partial(bench_threshold, p, report, progress, loops[-1])
+    )

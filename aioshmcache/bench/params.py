@@ -61,6 +61,7 @@ class Params:
     readers: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     cache_sizes: list[int] = field(default_factory=list)
     lag_seconds: float = 2.0
+    lag_runs: int = 3
     lag_loops: list[str] = field(default_factory=lambda: ["asyncio", "uvloop"])
     threshold_sizes: list[int] = field(default_factory=list)
     concurrent_tasks: int = 100
@@ -81,10 +82,18 @@ class Params:
             churn_puts=10_000,
             churn_runs=3,
             cache_sizes=[64 * MiB, 256 * MiB, 1 * GiB, 4 * GiB, 8 * GiB],
-            lag_seconds=2.0,
+            lag_seconds=1.0,
+            lag_runs=3,
             lag_loops=["asyncio", "uvloop"],
             threshold_sizes=[
-                16 * KiB, 64 * KiB, 256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB,
+                16 * KiB,
+                64 * KiB,
+                256 * KiB,
+                512 * KiB,
+                1 * MiB,
+                2 * MiB,
+                4 * MiB,
+                8 * MiB,
                 16 * MiB,
             ],
         )
@@ -106,6 +115,7 @@ class Params:
             readers=[1, 8],
             cache_sizes=[64 * MiB, 256 * MiB],
             lag_seconds=0.6,
+            lag_runs=1,
             lag_loops=["asyncio"],
             threshold_sizes=[64 * KiB, 1 * MiB, 4 * MiB],
             concurrent_tasks=20,

@@ -23,6 +23,7 @@ import importlib
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 from aioshmcache import ShmObjectStore
 
 from .params import Params, bench_config
-from .procs import Worker
+from .procs import LazyWorker, Worker
 from .report import Report, Row, Target
 from .timing import MiB, Progress, Samples, ShmBuffer, fmt_bytes, memcpy_into, source_array
 
@@ -61,9 +62,23 @@ class RedisServer:
         self.port = _free_port()
         self.proc = subprocess.Popen(
             [
-                binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--daemonize", "no", "--protected-mode", "yes",
-                "--loglevel", "warning", "--dir", "/tmp",
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+                "--protected-mode",
+                "yes",
+                "--loglevel",
+                "warning",
+                "--dir",
+                "/tmp",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -153,7 +168,12 @@ def redis_peer(report: Report, progress: Progress) -> Iterator[RedisClient | Non
         yield None
         return
     progress(f"redis: starting {binary} on 127.0.0.1")
-    server = RedisServer(binary)
+    try:
+        server = RedisServer(binary)
+    except (OSError, RuntimeError) as exc:
+        report.skip(f"redis: redis-server would not start here ({exc})")
+        yield None
+        return
     client: RedisClient | None = None
     try:
         client = RedisClient(server.port)
@@ -252,8 +272,11 @@ def bench_roundtrip(
     shm = ShmBuffer(max(p.peer_sizes))
     try:
         for size in p.peer_sizes:
-            progress(f"round trip: {fmt_bytes(size)}, aioshmcache vs Pipe / Queue"
-                     + (" / redis" if redis else "") + f" ({p.runs} runs)")
+            progress(
+                f"round trip: {fmt_bytes(size)}, aioshmcache vs Pipe / Queue"
+                + (" / redis" if redis else "")
+                + f" ({p.runs} runs)"
+            )
             _roundtrip_one(p, report, worker, redis, shm, size)
     finally:
         shm.close()
@@ -304,10 +327,20 @@ def _roundtrip_one(
     stats = {k: v.stat() for k, v in samples.items()}
     for k in names:
         st = stats[k]
-        report.add(Row(S_RT, k, sz, st.median, stat=st,
-                       baseline=None if k == names[0] else "np.copyto",
-                       ratio=None if k == names[0] else base.median / st.median,
-                       plot="roundtrip", series=_SERIES.get(k, k.split(" (")[0]), x=size))
+        report.add(
+            Row(
+                S_RT,
+                k,
+                sz,
+                st.median,
+                stat=st,
+                baseline=None if k == names[0] else "np.copyto",
+                ratio=None if k == names[0] else base.median / st.median,
+                plot="roundtrip",
+                series=_SERIES.get(k, k.split(" (")[0]),
+                x=size,
+            )
+        )
     # aioshmcache against each peer, same size, same runs
     for mode, key in (("reader copies", names[1]), ("reader leases", names[2])):
         mine = stats[key].median
@@ -318,8 +351,17 @@ def _roundtrip_one(
             if size == 16 * MiB and peer.startswith("redis"):
                 tgt = Target("ratio", ">=", 20.0, "issue 7")
             short = peer.split(" (")[0]
-            report.add(Row(S_RT, f"aioshmcache ({mode}) vs {short}", sz, mine,
-                           baseline=short, ratio=stats[peer].median / mine, target=tgt))
+            report.add(
+                Row(
+                    S_RT,
+                    f"aioshmcache ({mode}) vs {short}",
+                    sz,
+                    mine,
+                    baseline=short,
+                    ratio=stats[peer].median / mine,
+                    target=tgt,
+                )
+            )
 
 
 # --- Ray --------------------------------------------------------------------------------------
@@ -338,17 +380,25 @@ def bench_ray(p: Params, report: Report, progress: Progress, worker: Worker, *, 
     import numpy as np
 
     biggest = max(p.peer_sizes)
-    ray.init(
-        num_cpus=1,
-        include_dashboard=False,
-        log_to_driver=False,
-        object_store_memory=max(512 * MiB, 8 * biggest),
-        logging_level="ERROR",
-    )
+    temp = tempfile.mkdtemp(prefix="aioshmbench-ray-")  # Ray's sessions and logs: removed after
+    try:
+        ray.init(
+            num_cpus=1,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=max(512 * MiB, 8 * biggest),
+            logging_level="ERROR",
+            _temp_dir=temp,
+        )
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
     try:
         ray.get(ray.put(np.zeros(16, np.uint8)))
         for size in p.peer_sizes:
-            progress(f"Ray: {fmt_bytes(size)}, ray.get(ray.put(arr)) vs aioshmcache ({p.runs} runs)")
+            progress(
+                f"Ray: {fmt_bytes(size)}, ray.get(ray.put(arr)) vs aioshmcache ({p.runs} runs)"
+            )
             n = p.n_ops(size, peers=True)
             arr = source_array(size)
             item = {"data": arr}
@@ -371,24 +421,51 @@ def bench_ray(p: Params, report: Report, progress: Progress, worker: Worker, *, 
                 ours.close()
             sz = fmt_bytes(size)
             rs = ray_s.stat()
-            report.add(Row(S_RAY, "Ray ray.get(ray.put(arr)) (one process)", sz, rs.median,
-                           stat=rs, plot="roundtrip", series="Ray put + get", x=size))
+            report.add(
+                Row(
+                    S_RAY,
+                    "Ray ray.get(ray.put(arr)) (one process)",
+                    sz,
+                    rs.median,
+                    stat=rs,
+                    plot="roundtrip",
+                    series="Ray put + get",
+                    x=size,
+                )
+            )
             for label, smp in (("reader copies", copy_s), ("reader leases", lease_s)):
                 st = smp.stat()
                 tgt = Target("ratio", ">=", 1.5, "issue 7") if size == 16 * MiB else None
-                report.add(Row(S_RAY, f"aioshmcache ({label}) vs Ray put + get", sz, st.median,
-                               stat=st, baseline="Ray", ratio=rs.median / st.median, target=tgt))
+                report.add(
+                    Row(
+                        S_RAY,
+                        f"aioshmcache ({label}) vs Ray put + get",
+                        sz,
+                        st.median,
+                        stat=st,
+                        baseline="Ray",
+                        ratio=rs.median / st.median,
+                        target=tgt,
+                    )
+                )
     finally:
         ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def run_peers_suite(
     p: Params, report: Report, progress: Progress, *, want_ray: bool, want_redis: bool = True
 ) -> None:
-    with Worker() as worker:
+    with LazyWorker() as lw:
         if want_redis:
             with redis_peer(report, progress) as redis:
-                bench_roundtrip(p, report, progress, worker, redis)
+                ok = report.attempt(
+                    "round trip", lambda: bench_roundtrip(p, report, progress, lw.get(), redis)
+                )
         else:
-            bench_roundtrip(p, report, progress, worker, None)
-        bench_ray(p, report, progress, worker, want=want_ray)
+            ok = report.attempt(
+                "round trip", lambda: bench_roundtrip(p, report, progress, lw.get(), None)
+            )
+        if not ok:
+            lw.reset()
+        report.attempt("Ray", lambda: bench_ray(p, report, progress, lw.get(), want=want_ray))

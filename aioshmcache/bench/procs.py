@@ -20,7 +20,7 @@ from typing import Any
 
 from aioshmcache import ShmObjectStore, ShmRef
 
-__all__ = ["Worker"]
+__all__ = ["LazyWorker", "Worker"]
 
 JOIN_TIMEOUT = 10.0
 
@@ -67,8 +67,7 @@ def _dispatch(
 ) -> tuple[Any, ...]:
     if cmd == "attach":  # ("attach", handle, n): claim n reader slots
         handle, n = args
-        for _ in range(n):
-            stores.append(ShmObjectStore.from_handle(handle))
+        stores.extend(ShmObjectStore.from_handle(handle) for _ in range(n))
         return ("ok", len(stores))
     if cmd == "detach":
         detach()
@@ -204,6 +203,13 @@ class Worker:
     def send_refs(self, refs: Sequence[ShmRef] | ShmRef | None) -> None:
         self.conn.send(refs)
 
+    def kill(self) -> None:
+        """End the worker at once (after a failed workload left it in an unknown state)."""
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.proc.join(JOIN_TIMEOUT)
+        self.close()
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             if self.proc.is_alive():
@@ -222,6 +228,34 @@ class Worker:
                 q.join_thread()
 
     def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LazyWorker:
+    """Starts a worker on first use; ``reset`` kills it so the next use starts a fresh one."""
+
+    def __init__(self) -> None:
+        self._worker: Worker | None = None
+
+    def get(self) -> Worker:
+        if self._worker is None:
+            self._worker = Worker()
+        return self._worker
+
+    def reset(self) -> None:
+        if self._worker is not None:
+            self._worker.kill()
+            self._worker = None
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    def __enter__(self) -> LazyWorker:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -15,7 +15,8 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterable, Sequence
+import traceback
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -45,7 +46,7 @@ class Target:
     def text(self, kind: Kind) -> str:
         op = "≤" if self.op == "<=" else "≥"
         if self.on == "ratio":
-            return f"ratio {op} {self.limit:g}×"
+            return f"ratio {op} {self.limit:g}x"
         return f"{op} {_fmt_value(self.limit, kind)}"
 
 
@@ -80,7 +81,7 @@ def _fmt_value(v: float, kind: Kind) -> str:
     if kind == "rate":
         return f"{v:,.0f}/s"
     if kind == "ratio":
-        return f"{v:.2f}×"
+        return f"{v:.2f}x"
     if kind == "bytes":
         return fmt_bytes(int(v))
     return f"{v:,.0f}"
@@ -91,7 +92,7 @@ def _fmt_ratio(r: float | None) -> str:
         return ""
     if not math.isfinite(r):
         return "n/a"
-    return f"{r:.3g}×"
+    return f"{r:.3g}x"
 
 
 def _verdict(h: bool | None) -> str:
@@ -107,6 +108,7 @@ class Report:
     rows: list[Row] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.time)
     load_start: tuple[float, float, float] = field(default_factory=os.getloadavg)
     load_end: tuple[float, float, float] | None = None
@@ -122,6 +124,17 @@ class Report:
     def skip(self, what: str) -> None:
         self.skipped.append(what)
 
+    def attempt(self, what: str, fn: Callable[[], None]) -> bool:
+        """Run one workload; a failure is recorded (and printed), not fatal to the others."""
+        try:
+            fn()
+        except Exception as exc:
+            tb = traceback.format_exception(exc)
+            self.errors.append(f"{what}: {type(exc).__name__}: {exc}")
+            print(f"bench: {what} FAILED\n{''.join(tb)}", file=sys.stderr, flush=True)
+            return False
+        return True
+
     def finish(self) -> None:
         self.finished = time.time()
         self.load_end = os.getloadavg()
@@ -134,7 +147,8 @@ class Report:
         dur = (self.finished or time.time()) - self.started
         le = self.load_end or os.getloadavg()
         return [
-            f"- date: {t}; duration {dur:.0f} s; {'quick (smoke) run' if self.quick else 'full run'}",
+            f"- date: {t}; duration {dur:.0f} s; "
+            + ("quick (smoke) run" if self.quick else "full run"),
             f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
             f"- Python {platform.python_version()}, numpy {np.__version__}",
             "- load average (1/5/15 min) at start: "
@@ -170,7 +184,8 @@ class Report:
 
     def section_table(self, section: str) -> list[str]:
         out = [
-            "| workload | param | median | run medians (min–max) | p99 | baseline | ratio | target |",
+            "| workload | param | median | run medians (min-max) | p99 | baseline | ratio "
+            "| target |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in self.rows:
@@ -178,7 +193,7 @@ class Report:
                 continue
             spread = p99 = ""
             if r.stat is not None and r.stat.runs > 1:
-                spread = f"{_fmt_value(r.stat.lo, r.kind)} – {_fmt_value(r.stat.hi, r.kind)}"
+                spread = f"{_fmt_value(r.stat.lo, r.kind)} - {_fmt_value(r.stat.hi, r.kind)}"
             if r.stat is not None and r.kind == "time" and r.stat.n >= 20:
                 p99 = _fmt_value(r.stat.p99, r.kind)
             tgt = ""
@@ -194,9 +209,9 @@ class Report:
     def markdown(self) -> str:
         lines = [f"# {self.title}", "", *self.conditions(), ""]
         lines += [
-            "Every figure is the median of all samples over several runs; 'run medians' is the "
-            "range of the per-run medians (the noise between runs). ratio = baseline time ÷ "
-            "subject time (rates: subject ÷ baseline): above 1 the subject is faster.",
+            "Every figure is the median over several runs of each run's median; 'run medians' "
+            "is their range (the noise between runs); p99 is over all samples. ratio = baseline "
+            "time ÷ subject time (rates: subject ÷ baseline): above 1 the subject is faster.",
             "",
         ]
         tt = self.targets_table()
@@ -204,6 +219,8 @@ class Report:
             lines += ["## Targets", "", *tt, ""]
         for s in self.sections():
             lines += [f"## {s}", "", *self.section_table(s), ""]
+        if self.errors:
+            lines += ["## Errors", ""] + [f"- {e}" for e in self.errors] + [""]
         if self.skipped:
             lines += ["## Skipped", ""] + [f"- {s}" for s in self.skipped] + [""]
         if self.notes:
@@ -227,6 +244,7 @@ class Report:
             "python": sys.version,
             "rows": [row(r) for r in self.rows],
             "skipped": self.skipped,
+            "errors": self.errors,
             "notes": self.notes,
         }
 
@@ -249,7 +267,13 @@ class Report:
 _PANELS: dict[str, tuple[str, str, str, bool, bool]] = {
     # key: (title, x label, y label, log x, log y)
     "store": ("Store, one array item (median)", "item size", "time per operation", True, True),
-    "store_ratio": ("Speed relative to np.copyto into shm", "item size", "ratio (1 = memcpy)", True, False),
+    "store_ratio": (
+        "Speed relative to np.copyto into shm",
+        "item size",
+        "ratio (1 = memcpy)",
+        True,
+        False,
+    ),
     "roundtrip": ("Round trip writer → reader → reply", "item size", "time", True, True),
     "readers": ("Read path vs attached readers", "attached readers", "get time", False, True),
     "cache_size": ("Cost vs cache size", "cache size", "time", True, True),
@@ -276,6 +300,7 @@ def plot(report: Report, path: Path) -> bool:
     except ImportError:
         report.skip("plot: matplotlib is not installed (pip install 'aioshmcache[bench]')")
         return False
+
     def rows_of(key: str) -> list[Row]:
         if key == "store_ratio":  # derived: the ratios of the store rows (the lease is not a copy)
             return [
@@ -286,6 +311,17 @@ def plot(report: Report, path: Path) -> bool:
         return [r for r in report.rows if r.plot == key]
 
     panels = [k for k in _PANELS if rows_of(k)]
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda v, _pos: f"{v:g}")
+    colors: dict[str, str] = {}  # one colour per series name across all panels
+
+    def color(name: str) -> str:
+        key = name.replace(" (baseline)", "")
+        if key not in colors:
+            colors[key] = f"C{len(colors) % 10}"
+        return colors[key]
+
     if not panels:
         return False
     ncols = 3 if len(panels) > 4 else 2 if len(panels) > 1 else 1
@@ -320,13 +356,13 @@ def plot(report: Report, path: Path) -> bool:
                 if r.x is not None and math.isfinite(r.value):
                     series.setdefault(r.series or r.label, []).append(r)
             xs_all: list[float] = []
-            for i, (name, rs) in enumerate(series.items()):
+            for name, rs in series.items():
                 rs = sorted(rs, key=lambda r: r.x or 0.0)
                 xs = [float(r.x or 0.0) for r in rs]
                 ys = [r.value * scale for r in rs]
                 xs_all += xs
                 style = "--" if name.startswith(("np.", "memcpy", "baseline")) else "-"
-                ax.plot(xs, ys, style, marker="o", ms=3, label=name, color=f"C{i % 10}")
+                ax.plot(xs, ys, style, marker="o", ms=3, label=name, color=color(name))
             if logx:
                 ax.set_xscale("log")
             if logy:
@@ -341,6 +377,9 @@ def plot(report: Report, path: Path) -> bool:
             if xs_all and key in ("store", "store_ratio", "roundtrip", "threshold", "cache_size"):
                 _size_ticks(ax, xs_all)
             ax.legend(fontsize=6)
+        if logy:
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(FuncFormatter(lambda _v, _pos: ""))
         ax.set_title(title, fontsize=9)
         ax.set_xlabel(xlabel, fontsize=8)
         ax.set_ylabel(ylabel + (f" ({unit})" if unit else ""), fontsize=8)

@@ -16,8 +16,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TextIO
 from dataclasses import dataclass, field
+from typing import TextIO
 
 import numpy as np
 import numpy.typing as npt
@@ -81,7 +81,12 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class Stat:
-    """A measured quantity: median of all samples, the range of per-run medians, p99."""
+    """A measured quantity: the median of the per-run medians, their range, and p99.
+
+    The headline is the median over runs of each run's median, so that one run hit by a burst
+    of load from another user of the machine does not move it; ``lo``/``hi`` show how far the
+    runs disagree, ``p99`` is taken over all samples pooled.
+    """
 
     median: float
     lo: float  # smallest per-run median
@@ -120,7 +125,7 @@ class Samples:
             return Stat(math.nan, math.nan, math.nan, math.nan, 0, 0)
         meds = [statistics.median(r) for r in self.runs if r]
         return Stat(
-            statistics.median(values),
+            statistics.median(meds),
             min(meds),
             max(meds),
             percentile(values, 99),
@@ -186,7 +191,6 @@ class Progress:
             return
         stream = self._stream if self._stream is not None else sys.stderr
         print(f"[{time.monotonic() - self.t0:6.1f} s] {msg}", file=stream, flush=True)
-
 
 
 def timed_calls(fn: Callable[[], object], n: int, out: list[float]) -> None:

@@ -1,0 +1,124 @@
+"""The benchmark's smoke run produces a sane table, JSON and plot (so the bench code cannot rot).
+
+``python -m aioshmcache bench --quick`` runs in a subprocess, as CI and users run it. No timed
+assertions: only that every workload reported, that its figures are finite and positive, that
+targets carry a verdict, and that the plot is a real PNG. A missing ``redis-server`` or Ray is a
+skip message in the report, never a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SECTIONS = (
+    "Store: one array item",
+    "Small items steady state",
+    "Fresh cache",
+    "Churn",
+    "Read path vs attached readers",
+    "Cost vs cache size",
+    "Round trip",
+    "Async: cache hit",
+    "Async: 16 MiB put",
+    "Async: loop lag",
+    "Async: many small concurrent requests",
+    "Async: inline vs thread",
+)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run(
+        [sys.executable, "-m", "aioshmcache", "bench", "--quick", "--no-ray", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, (
+        f"bench --quick failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    return out, proc.stdout, proc.stderr
+
+
+def _rows(out: Path) -> list[dict[str, Any]]:
+    data = json.loads((out / "bench-quick.json").read_text(encoding="utf-8"))
+    assert data["quick"] is True
+    rows: list[dict[str, Any]] = data["rows"]
+    return rows
+
+
+def test_files_are_written(quick_run: tuple[Path, str, str]) -> None:
+    out, stdout, stderr = quick_run
+    for name in ("bench-quick.md", "bench-quick.json", "bench-quick.png"):
+        assert (out / name).is_file(), name
+    md = (out / "bench-quick.md").read_text(encoding="utf-8")
+    assert "## Targets" in md and "| target |" in md
+    assert "## Targets" in stdout  # the table is printed too
+    assert "done in" in stderr  # progress lines go to stderr
+
+
+def test_every_workload_reports_sane_figures(quick_run: tuple[Path, str, str]) -> None:
+    rows = _rows(quick_run[0])
+    for section in SECTIONS:
+        assert any(r["section"].startswith(section) for r in rows), f"no rows for {section!r}"
+    for r in rows:
+        v = r["value"]
+        if r["kind"] == "bytes" and (v is None or math.isnan(v)):
+            continue  # "no crossover in the sizes measured" is a legitimate answer
+        assert isinstance(v, (int, float)) and math.isfinite(v) and v > 0, r
+        if r["kind"] == "time":
+            assert v < 60.0, r  # seconds per operation: a unit mix-up would show here
+        if r["ratio"] is not None:
+            assert math.isfinite(r["ratio"]) and r["ratio"] > 0, r
+        if r["target"] is not None:
+            assert r["holds"] in (True, False), r
+        stat = r["stat"]
+        if stat is not None:
+            assert stat["n"] >= 1 and stat["lo"] <= stat["median"] <= stat["hi"], r
+
+
+def test_baselines_are_measured_in_the_same_run(quick_run: tuple[Path, str, str]) -> None:
+    rows = _rows(quick_run[0])
+    store = [r for r in rows if r["section"].startswith("Store: one array item")]
+    sizes = {r["param"] for r in store}
+    for size in sizes:
+        labels = {r["label"] for r in store if r["param"] == size}
+        assert "np.copyto into warm shm (baseline)" in labels
+        assert {"put", "get (copy)", "get (lease: view + ack)"} <= labels
+        for r in store:
+            if r["param"] == size and r["label"] == "put":
+                assert r["baseline"] == "np.copyto" and r["ratio"] is not None
+
+
+def test_missing_peers_are_skipped_not_failed(quick_run: tuple[Path, str, str]) -> None:
+    out = quick_run[0]
+    rows = _rows(out)
+    data = json.loads((out / "bench-quick.json").read_text(encoding="utf-8"))
+    skipped = " ".join(data["skipped"])
+    assert "Ray" in skipped  # --no-ray
+    has_redis = any("redis" in r["label"] for r in rows)
+    if shutil.which("redis-server") is None:
+        assert not has_redis and "redis" in skipped
+    else:
+        assert has_redis, "redis-server is installed but the redis peer did not run"
+
+
+def test_plot_is_a_png(quick_run: tuple[Path, str, str]) -> None:
+    raw = (quick_run[0] / "bench-quick.png").read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", raw[16:24])  # the IHDR chunk
+    assert width >= 600 and height >= 400
+    assert len(raw) > 20_000  # drawn panels, not an empty canvas
