@@ -299,7 +299,8 @@ class ShmObjectStore:
         plan = self.serde.plan(value)
         if plan.nbytes > self.max_object_bytes:
             raise ObjectTooLargeError(
-                f"object of {plan.nbytes} bytes exceeds max_object_bytes={self.max_object_bytes}"
+                f"object of {plan.nbytes} bytes exceeds max_object_bytes={self.max_object_bytes}",
+                nbytes=plan.nbytes,
             )
         return plan
 
@@ -332,7 +333,8 @@ class ShmObjectStore:
             raise DuplicateKeyError(f"key {key!r} is already cached")
         if plan.nbytes > self.max_object_bytes:
             raise ObjectTooLargeError(
-                f"object of {plan.nbytes} bytes exceeds max_object_bytes={self.max_object_bytes}"
+                f"object of {plan.nbytes} bytes exceeds max_object_bytes={self.max_object_bytes}",
+                nbytes=plan.nbytes,
             )
         if wait_for_space is None:
             wait_for_space = self._config.wait_for_space if self._config else 0.0

@@ -32,7 +32,7 @@ import anyio.to_thread
 from ._store import Reservation
 from ._types import CacheConfig, CacheHandle, CacheInfo, CacheSnapshot, FeatureSpec, ShmRef
 from .cache import MmItem, ReceiverCache, SenderCache, _check_hash, _feature_item, as_reference
-from .errors import CacheMissError, ClosedCacheError, StaleReferenceError
+from .errors import CacheFullError, CacheMissError, ClosedCacheError, StaleReferenceError
 
 __all__ = ["DEFAULT_INLINE_THRESHOLD", "AsyncReceiverCache", "AsyncSenderCache"]
 
@@ -288,14 +288,13 @@ class AsyncSenderCache(_AsyncBase):
                         self.inline_busy += 1
                         out[i] = item
                         continue
-                    res = sender._reserve_locked(item, h, 0.0)
+                    try:
+                        res = sender._reserve_locked(item, h, 0.0, defer_full=wait > 0)
+                    except CacheFullError:  # wait for room, in a thread (never on the loop)
+                        deferred.append(i)
+                        continue
                     if res is None:
-                        if wait > 0 and h not in sender._too_large:
-                            sender.inline_full -= 1  # not final: we will wait for room
-                            sender.total -= 1
-                            deferred.append(i)
-                        else:
-                            out[i] = item
+                        out[i] = item
                         continue
                     if res.plan.nbytes >= self.inline_threshold_bytes:
                         big.append((i, res, item[1]))
@@ -396,7 +395,7 @@ class AsyncSenderCache(_AsyncBase):
                     out[i] = item
                     continue
                 # the store releases its lock while it sleeps on the readers' semaphore
-                waited = sender._reserve_locked(item, h, wait)
+                waited = sender._reserve_locked(item, h, wait, count=False)
                 if waited is None:
                     out[i] = item
                     continue

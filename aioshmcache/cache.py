@@ -158,10 +158,21 @@ class SenderCache:
         return self._commit_locked(res, assert_item[1])
 
     def _reserve_locked(
-        self, mm_item: MmItem, mm_hash: str, wait_for_space: float | None
+        self,
+        mm_item: MmItem,
+        mm_hash: str,
+        wait_for_space: float | None,
+        *,
+        count: bool = True,
+        defer_full: bool = False,
     ) -> Reservation | None:
-        """Plan and allocate a miss; None means: serve inline (counted and logged once)."""
-        self._count(False)
+        """Plan and allocate a miss; None means: serve inline (counted and logged once).
+
+        ``count=False``: the miss was counted already (a retry). ``defer_full``: raise
+        ``CacheFullError`` instead of serving inline (the caller will wait for room).
+        """
+        if count:
+            self._count(False)
         known = self._too_large.get(mm_hash)
         if known is not None:
             self._too_large.move_to_end(mm_hash)
@@ -170,14 +181,16 @@ class SenderCache:
         try:
             plan = self.store.plan(mm_item[0])
             return self.store.reserve(mm_hash, plan, wait_for_space=wait_for_space)
-        except ObjectTooLargeError:
-            nbytes = self.store.serde.plan(mm_item[0]).nbytes
+        except ObjectTooLargeError as exc:
+            nbytes = exc.nbytes
             self._too_large[mm_hash] = nbytes
             if len(self._too_large) > _TOO_LARGE_MEMORY:
                 self._too_large.popitem(last=False)
             self._inline("too_large", mm_hash, nbytes)
             return None
         except CacheFullError:
+            if defer_full:
+                raise
             self._inline("full", mm_hash, 0)
             return None
 

@@ -40,6 +40,11 @@ class CacheFullError(ShmCacheError):
 class ObjectTooLargeError(ShmCacheError, ValueError):
     """The serialized object is larger than ``max_object_bytes`` (checked before any copy)."""
 
+    def __init__(self, message: str, *, nbytes: int = 0) -> None:
+        super().__init__(message)
+        #: the serialized size that was refused
+        self.nbytes = nbytes
+
 
 class DuplicateKeyError(ShmCacheError, ValueError):
     """``put`` of a key that is already cached."""
