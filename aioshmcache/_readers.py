@@ -62,6 +62,11 @@ class ReaderTable:
         self._all = region.cast("Q")
         self._stride = self.slot_size // 8
         self._sessions = self._all[R_SESSION :: self._stride]  # one word per slot, strided
+        self._heads = self._all[R_HEAD :: self._stride]
+
+    def heads(self) -> list[int]:
+        """Every slot's log head, read in one go."""
+        return self._heads.tolist()
 
     def sessions(self) -> list[int]:
         """Every slot's session word (0: free), read in one go."""
@@ -83,6 +88,7 @@ class ReaderTable:
 
     def release(self) -> None:
         self._sessions.release()
+        self._heads.release()
         self._all.release()
 
     # --- reader side -----------------------------------------------------------------------

@@ -102,6 +102,7 @@ class _Entry:
         "owed",
         "owed_since",
         "pins",
+        "ref",
         "releasable",
         "touched",
     )
@@ -119,6 +120,7 @@ class _Entry:
         self.handouts = 0
         self.releasable = 0
         self.last_handout = 0.0
+        self.ref: ShmRef | None = None  # the reference, built once per epoch
 
 
 @dataclass
@@ -290,8 +292,11 @@ class ShmObjectStore:
 
     def _ref(self, e: _Entry) -> ShmRef:
         epoch = int(self._hw[W_EPOCH])
-        tag = reference_tag(self._secret, epoch, e.address, e.id, e.length)
-        return ShmRef(self._seg.nonce, epoch, e.address, e.id, e.length, tag)
+        ref = e.ref
+        if ref is None or ref.epoch != epoch:
+            tag = reference_tag(self._secret, epoch, e.address, e.id, e.length)
+            ref = e.ref = ShmRef(self._seg.nonce, epoch, e.address, e.id, e.length, tag)
+        return ref
 
     # --- writer: put -------------------------------------------------------------------------
     def plan(self, value: object) -> EncodePlan:
@@ -336,18 +341,18 @@ class ShmObjectStore:
                 f"object of {plan.nbytes} bytes exceeds max_object_bytes={self.max_object_bytes}",
                 nbytes=plan.nbytes,
             )
-        if wait_for_space is None:
-            wait_for_space = self._config.wait_for_space if self._config else 0.0
-        self._waiting_keys.add(key)  # the lock may be let go while waiting: claim the key
-        try:
-            self._make_room(plan.nbytes, wait_for_space)
-        finally:
-            self._waiting_keys.discard(key)
-        self._check_writer()  # closed while we waited?
+        if not self.ring.fits(plan.nbytes):  # the slow path: evict, maybe wait
+            if wait_for_space is None:
+                wait_for_space = self._config.wait_for_space if self._config else 0.0
+            self._waiting_keys.add(key)  # the lock may be let go while waiting: claim the key
+            try:
+                self._make_room(plan.nbytes, wait_for_space)
+            finally:
+                self._waiting_keys.discard(key)
+            self._check_writer()  # closed while we waited?
         address, cid = self.ring.allocate(plan.nbytes)
         res = Reservation(key, address, cid, plan)
         self._pending[key] = res
-        self._publish_usage()
         return res
 
     def write_reserved(self, res: Reservation) -> None:
@@ -530,6 +535,8 @@ class ShmObjectStore:
         t = self.readers
         n_total = 0
         self._undrained = 0
+        if t.sessions() == self._known_sessions and t.heads() == [st.cursor for st in self._slots]:
+            return 0  # nothing new: the common case, two strided reads
         for slot, st in enumerate(self._slots):
             for _ in range(3):
                 s = t.word(slot, R_SESSION)
