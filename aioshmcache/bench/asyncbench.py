@@ -245,11 +245,13 @@ def bench_lag(p: Params, report: Report, progress: Progress, loop: str, worker: 
         st = p99s[mode].stat()
         tgt = Target("value", "<=", 2e-3, "issue 5") if mode.startswith("thread") else None
         n_puts, n_inline = puts[mode]
-        note = "" if mode == "idle" else f"{n_puts} puts in {p.lag_runs * p.lag_seconds:.1f} s"
+        note = f"{ticks[mode]} ticks"
+        if mode != "idle":
+            note += f", {n_puts} puts in {p.lag_runs * p.lag_seconds:.1f} s"
         if n_inline:
             note += f", {n_inline} served inline (full)"
         label = f"{mode} [{loop}]"
-        param = f"{ticks[mode]} ticks"
+        param = "1 ms ticker"
         report.add(
             Row(
                 S_LAG,

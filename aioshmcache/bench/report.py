@@ -314,13 +314,7 @@ def plot(report: Report, path: Path) -> bool:
     from matplotlib.ticker import FuncFormatter
 
     plain = FuncFormatter(lambda v, _pos: f"{v:g}")
-    colors: dict[str, str] = {}  # one colour per series name across all panels
-
-    def color(name: str) -> str:
-        key = name.replace(" (baseline)", "")
-        if key not in colors:
-            colors[key] = f"C{len(colors) % 10}"
-        return colors[key]
+    baseline_styles = [("black", "--", "s"), ("dimgray", ":", "^"), ("gray", "-.", "v")]
 
     if not panels:
         return False
@@ -356,13 +350,19 @@ def plot(report: Report, path: Path) -> bool:
                 if r.x is not None and math.isfinite(r.value):
                     series.setdefault(r.series or r.label, []).append(r)
             xs_all: list[float] = []
+            n_base = n_subject = 0
             for name, rs in series.items():
                 rs = sorted(rs, key=lambda r: r.x or 0.0)
                 xs = [float(r.x or 0.0) for r in rs]
                 ys = [r.value * scale for r in rs]
                 xs_all += xs
-                style = "--" if name.startswith(("np.", "memcpy", "baseline")) else "-"
-                ax.plot(xs, ys, style, marker="o", ms=3, label=name, color=color(name))
+                if name.startswith("np."):  # baselines: greys, dashed
+                    c, ls, mk = baseline_styles[n_base % len(baseline_styles)]
+                    n_base += 1
+                else:
+                    c, ls, mk = f"C{n_subject % 10}", "-", "o"
+                    n_subject += 1
+                ax.plot(xs, ys, ls, marker=mk, ms=3, label=name, color=c)
             if logx:
                 ax.set_xscale("log")
             if logy:
