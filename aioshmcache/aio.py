@@ -27,6 +27,7 @@ from types import TracebackType
 from typing import Any, Final, TypeVar
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 from ._store import Reservation
@@ -254,7 +255,12 @@ class AsyncSenderCache(_AsyncBase):
         *,
         wait_for_space: float | None = None,
     ) -> list[MmItem]:
-        """A whole request, as ``SenderCache.get_and_update``; big copies run in a thread."""
+        """A whole request, as ``SenderCache.get_and_update``; big copies run in a thread.
+
+        Always yields to the loop once (before any state change), so that a stream of hits,
+        which need no thread, cannot starve other tasks.
+        """
+        await anyio.lowlevel.checkpoint()
         self._check()
         sender = self.sender
         store = sender.store
@@ -511,7 +517,11 @@ class AsyncReceiverCache(_AsyncBase):
         return self.receiver.make_stats(delta=delta)
 
     async def get_and_update_features(self, features: Sequence[FeatureSpec]) -> list[FeatureSpec]:
-        """As ``ReceiverCache.get_and_update_features``; big copies run in a worker thread."""
+        """As ``ReceiverCache.get_and_update_features``; big copies run in a worker thread.
+
+        Yields to the loop once before reading, like the sender.
+        """
+        await anyio.lowlevel.checkpoint()
         self._check()
         rc = self.receiver
         store = rc.store

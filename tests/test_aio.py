@@ -342,3 +342,22 @@ def test_loop_shutdown_with_copies_in_flight_is_bounded(make_config: Any) -> Non
     t0 = time.monotonic()
     asyncio.run(main())
     assert time.monotonic() - t0 < 5.0
+
+
+async def test_a_stream_of_hits_does_not_starve_the_loop(make_config: Any) -> None:
+    async with AsyncSenderCache.from_config(make_config()) as cache:
+        await cache.get_and_update_item(({"a": 1}, ()), "h")
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await anyio.sleep(0)
+                ticks += 1
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            for _ in range(200):  # hits need no thread: each call must still yield once
+                await cache.get_and_update_item(None, "h")
+            tg.cancel_scope.cancel()
+        assert ticks >= 100
