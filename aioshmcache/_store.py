@@ -84,6 +84,7 @@ __all__ = ["Reservation", "ShmObjectStore"]
 log = logging.getLogger("aioshmcache")
 
 WAIT_POLL: Final = 0.1  # the longest a waiting writer sleeps between checks (lost-post bound)
+INLINE_COPY_UNDER_LOCK: Final = 64 << 10  # put copies this small without letting go the lock
 
 
 def semaphore_name(segment: str, nonce: int) -> str:
@@ -316,8 +317,16 @@ class ShmObjectStore:
         when no room exists even after evicting every free item and waiting ``wait_for_space``
         seconds (default: the config's, 0 for a store created without one).
         """
+        plan = self.plan(value)
         with self._lock:
-            res = self.reserve(key, self.plan(value), wait_for_space=wait_for_space)
+            res = self.reserve(key, plan, wait_for_space=wait_for_space)
+            if plan.nbytes <= INLINE_COPY_UNDER_LOCK:  # small: one lock round, the copy is µs
+                try:
+                    self.write_reserved(res)
+                except BaseException:
+                    self.abort(res)
+                    raise
+                return self.commit(res)
         try:
             self.write_reserved(res)
         except BaseException:
@@ -640,7 +649,6 @@ class ShmObjectStore:
                 self.evictions += 1
                 if self.on_evict is not None:
                     self.on_evict(e.key)
-        self._publish_usage()
 
     def evict(self, nbytes: int = 0) -> list[str]:
         """Free free chunks from the head (all of them, or until ``nbytes`` fit).
@@ -655,6 +663,7 @@ class ShmObjectStore:
         freed = self.ring.free(self._is_free, nbytes)
         keys = [self._by_id[c].key for c in freed if c in self._by_id]
         self._forget(freed)
+        self._publish_usage()
         return keys
 
     def _make_room(self, nbytes: int, wait_for_space: float) -> None:
@@ -676,6 +685,7 @@ class ShmObjectStore:
                     continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    self._publish_usage()
                     raise CacheFullError(
                         f"no room for {nbytes} bytes: the oldest item is "
                         + (
