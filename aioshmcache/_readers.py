@@ -26,7 +26,6 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Final
 
 from ._segment import (
     SLOT_HEADER,
@@ -39,13 +38,12 @@ from ._segment import (
     ofd_probe,
     ofd_unlock,
 )
-from .errors import ReaderEvictedError, ReaderLimitError, ShmCacheError
+from .errors import ClosedCacheError, ReaderEvictedError, ReaderLimitError
 
 __all__ = ["ReaderSlot", "ReaderTable", "SlotState"]
 
 R_SESSION, R_PID, R_HEAD, R_START, R_ATTACHED = 0, 1, 2, 3, 4
 W_CONSUMED, W_REVOKED, W_OWED = 8, 9, 10
-LOG_FULL_WAIT: Final = 2.0
 
 
 class ReaderTable:
@@ -126,6 +124,7 @@ class ReaderSlot:
         # one process, several threads (the asyncio facade reads in worker threads): the log
         # head is a read-modify-write, so acknowledgements from two threads must not interleave
         self._ack_lock = threading.Lock()
+        self._overflow: list[int] = []  # acknowledgements waiting for room in the log
 
     @property
     def revoked(self) -> bool:
@@ -142,31 +141,52 @@ class ReaderSlot:
         return int(self._words[R_HEAD] - self._words[R_START])
 
     def ack(self, cid: int) -> None:
-        """Record that chunk ``cid`` was read and verified: two aligned stores, no syscall."""
+        """Record that chunk ``cid`` was read and verified: two aligned stores, no syscall.
+
+        Never blocks and never loses one: if the log is full (the writer has not drained it),
+        the id waits in a local overflow list that the next acknowledgement flushes first.
+        """
         with self._ack_lock:
+            if self.closed:
+                raise ClosedCacheError("the reader slot is closed")
+            if self._overflow:
+                self._overflow.append(cid)
+                self._flush()
+                return
             w = self._words
             head = int(w[R_HEAD])
             if head - int(w[W_CONSUMED]) >= self._n:
-                self._wait_for_log_room(head)
+                self._overflow.append(cid)
+                return
             self._log[head % self._n] = cid
             w[R_HEAD] = head + 1
 
-    def _wait_for_log_room(self, head: int) -> None:
-        deadline = time.monotonic() + LOG_FULL_WAIT
-        while head - int(self._words[W_CONSUMED]) >= self._n:
-            self.check_revoked()
-            if time.monotonic() > deadline:
-                raise ShmCacheError(
-                    f"acknowledgement log of reader slot {self.slot} is full: the writer has not "
-                    f"drained it for {LOG_FULL_WAIT} s"
-                )
-            time.sleep(0.001)
+    def _flush(self) -> None:
+        """Move overflowed acknowledgements into the log as far as it has room."""
+        w = self._words
+        head = int(w[R_HEAD])
+        room = self._n - (head - int(w[W_CONSUMED]))
+        k = min(room, len(self._overflow))
+        for cid in self._overflow[:k]:
+            self._log[head % self._n] = cid
+            head += 1
+        if k:
+            w[R_HEAD] = head
+            del self._overflow[:k]
+
+    def flush(self) -> int:
+        """Retry overflowed acknowledgements; returns how many still wait."""
+        with self._ack_lock:
+            if self._overflow and not self.closed:
+                self._flush()
+            return len(self._overflow)
 
     def close(self) -> None:
         """Free the slot: clear the session, then drop the kernel lock."""
-        if self.closed:
-            return
-        self.closed = True
+        with self._ack_lock:
+            if self.closed:
+                return
+            self.closed = True
         seg = self.table.segment
         if not seg.closed and not seg.forked:
             if self._words[R_SESSION] == self.session:

@@ -311,6 +311,8 @@ class ShmRingBuffer:
 
     def verify(self, address: int, cid: int) -> None:
         """Re-check after a copy that the chunk was not freed or reused meanwhile."""
+        if self._seg.closed:
+            raise ClosedCacheError("the ring was closed during the read")
         i = address >> 3
         if self._w[i] != cid or self._w[i + 2] != COMMITTED:
             raise StaleReferenceError(f"chunk {cid} was reclaimed during the read")

@@ -272,6 +272,17 @@ class Segment:
                 )
             if hw[W_OWNER_UID] != os.getuid() or hw[W_TOTAL] != st.st_size:
                 raise ShmCacheError(f"segment {full!r} has an inconsistent header")
+            n, entries, cap = int(hw[W_N_READERS]), int(hw[W_LOG_ENTRIES]), int(hw[W_CAPACITY])
+            if not (1 <= n <= 256 and 64 <= entries <= 1 << 24 and 4096 <= cap <= 1 << 46):
+                raise ShmCacheError(f"segment {full!r} has an inconsistent header")
+            expect = Layout(cap, n, entries)
+            if (
+                expect.capacity != cap
+                or (expect.reader_off, expect.slot_size, expect.ring_off, expect.total)
+                != (hw[W_READER_OFF], hw[W_SLOT_SIZE], hw[W_RING_OFF], hw[W_TOTAL])
+                or int(hw[W_MAX_OBJECT]) + 64 > cap
+            ):
+                raise ShmCacheError(f"segment {full!r} has an inconsistent layout")
             if nonce is not None and hw[W_NONCE] != nonce:
                 raise SegmentNotFoundError(
                     errno.ENOENT, f"segment {full!r} is another instance than the handle names"

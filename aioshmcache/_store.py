@@ -83,6 +83,7 @@ __all__ = ["Reservation", "ShmObjectStore"]
 
 log = logging.getLogger("aioshmcache")
 
+_U64: Final = (1 << 64) - 1
 WAIT_POLL: Final = 0.1  # the longest a waiting writer sleeps between checks (lost-post bound)
 INLINE_COPY_UNDER_LOCK: Final = 64 << 10  # put copies this small without letting go the lock
 
@@ -449,23 +450,48 @@ class ShmObjectStore:
         if e is not None and e.pins > 0:
             e.pins -= 1
 
+    def pin_entry(self, key: str) -> _Entry | None:
+        """Request-scoped pin of the entry cached under ``key`` now (see :meth:`unpin_entry`)."""
+        e = self._index.get(key)
+        if e is not None:
+            e.pins += 1
+        return e
+
+    @staticmethod
+    def unpin_entry(e: _Entry) -> None:
+        if e.pins > 0:
+            e.pins -= 1
+
     @contextlib.contextmanager
     def pinned(self, keys: list[str]) -> Iterator[list[str]]:
         """Pin the cached ones of ``keys`` for the block; yields the list of keys pinned.
 
-        Keys appended to that list (pinned later in the block) are unpinned on exit too.
+        Keys appended to that list (pinned later in the block with :meth:`pin`) are unpinned on
+        exit too. Pins belong to entries: an entry invalidated and re-put meanwhile keeps the
+        pins of its own requests, and the new entry is not unpinned by mistake.
         """
-        done = [k for k in keys if self.pin(k)]
+        entries = [e for k in keys if (e := self.pin_entry(k)) is not None]
+        done = [e.key for e in entries]
+        n0 = len(done)
         try:
             yield done
         finally:
-            for k in done:
+            for e in entries:
+                self.unpin_entry(e)
+            for k in done[n0:]:
                 self.unpin(k)
 
     def release(self, ref: ShmRef) -> bool:
         """Undo one hand-out that never reached the readers. False if unknown or none left."""
         self._check_writer()
-        e = self._by_id.get(ref.id) if isinstance(ref, ShmRef) else None
+        if not isinstance(ref, ShmRef) or not all(
+            type(v) is int and 0 <= v <= _U64
+            for v in (ref.nonce, ref.epoch, ref.address, ref.id, ref.length, ref.tag)
+        ):
+            return False
+        if ref.tag != reference_tag(self._secret, ref.epoch, ref.address, ref.id, ref.length):
+            return False
+        e = self._by_id.get(ref.id)
         if (
             e is None
             or ref.nonce != self._seg.nonce
@@ -497,12 +523,14 @@ class ShmObjectStore:
         self._owed_by_session[session] = self._owed_by_session.get(session, 0) - n
 
     def invalidate(self, key: str) -> bool:
-        """Forget ``key``: it is no longer handed out; its chunk is freed once its debts settle."""
+        """Forget ``key``: it is no longer handed out; its chunk is freed once its debts settle.
+
+        Request pins on the old entry stay until their requests end (they unpin that entry).
+        """
         self._check_writer()
         e = self._index.pop(key, None)
         if e is None:
             return False
-        e.pins = 0
         e.touched = False
         self._publish_usage()
         return True
@@ -773,6 +801,8 @@ class ShmObjectStore:
             )
         self.check_writer()
         slot.check_revoked()
+        if slot._overflow:
+            slot.flush()
         return slot
 
     def validate(self, ref: object) -> ShmRef:
@@ -784,6 +814,9 @@ class ShmObjectStore:
     def _resolve(self, ref: object) -> tuple[ShmRef, memoryview]:
         self._check_open()
         r = ref if isinstance(ref, ShmRef) else ShmRef.from_dict(ref)
+        for v in (r.nonce, r.epoch, r.address, r.id, r.length, r.tag):
+            if type(v) is not int or not 0 <= v <= _U64:  # a ShmRef built by hand
+                raise InvalidReferenceError("reference fields must be unsigned 64-bit ints")
         if r.nonce != self._seg.nonce:
             raise InvalidReferenceError("reference belongs to another cache (nonce mismatch)")
         if r.tag != reference_tag(self._secret, r.epoch, r.address, r.id, r.length):
@@ -808,7 +841,12 @@ class ShmObjectStore:
             with view:
                 return self.serde.read(view, copy=True)
         slot = self._check_reader()
-        r, view = self._resolve(ref)
+        try:
+            r, view = self._resolve(ref)
+        except StaleReferenceError:
+            if isinstance(ref, ShmRef):
+                self.give_back(ref)
+            raise
         try:
             value = self.serde.read(view, copy=copy)
         except ShmCacheError:
@@ -828,6 +866,18 @@ class ShmObjectStore:
         slot = self._check_reader()
         self.ring.verify(ref.address, ref.id)
         self._ack(slot, ref.id)
+
+    def give_back(self, ref: ShmRef) -> None:
+        """Acknowledge a reference that will not be read (never raises).
+
+        For a request that failed or was cancelled, or a reference found stale: the debt is
+        settled so the writer can free the chunk. Nothing is read, so nothing needs verifying.
+        """
+        slot = self.slot
+        if slot is None or self._closed or slot.closed or self._seg.forked:
+            return
+        with contextlib.suppress(ShmCacheError, ValueError):
+            self._ack(slot, ref.id)
 
     def _ack(self, slot: ReaderSlot, cid: int) -> None:
         slot.ack(cid)

@@ -60,7 +60,7 @@ def sweep(*, dry_run: bool = False) -> list[str]:
     for n in names:
         if not n.startswith("sem." + SEGMENT_PREFIX):
             continue
-        seg = n[4:].split(".", 1)[0]
+        seg = n[4:].rsplit(".", 2)[0]  # sem.<segment>.<nonce>.wake; segment names may hold dots
         if seg in live:
             continue
         path = os.path.join(SHM_DIR, n)

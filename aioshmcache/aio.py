@@ -273,7 +273,9 @@ class AsyncSenderCache(_AsyncBase):
         out: list[MmItem | None] = [None] * len(hashes)
         big: list[tuple[int, Reservation, Sequence[Any]]] = []
         deferred: list[int] = []  # misses that must wait for space (in a thread)
-        pinned: list[str] = []
+        pinned: list[Any] = []  # the store's entries this request pinned
+        reserved: list[Reservation] = []  # every allocation of step 1
+        offloaded = False  # from then on the worker thread (or never_started) owns ``big``
         try:
             # step 1, inline and atomic: pin, hand out the hits, allocate the misses
             with store.lock:
@@ -282,7 +284,7 @@ class AsyncSenderCache(_AsyncBase):
                 ]
                 if missing:
                     raise CacheMissError(missing)
-                pinned = [h for h in hashes if store.pin(h)]
+                pinned = [e for h in hashes if (e := store.pin_entry(h)) is not None]
                 small: list[tuple[int, Reservation, Sequence[Any]]] = []
                 for i, (it, h) in enumerate(zip(mm_items, hashes)):
                     hit = sender._lookup_locked(it, h)
@@ -302,20 +304,17 @@ class AsyncSenderCache(_AsyncBase):
                     if res is None:
                         out[i] = item
                         continue
+                    reserved.append(res)
                     if res.plan.nbytes >= self.inline_threshold_bytes:
                         big.append((i, res, item[1]))
                     else:
                         small.append((i, res, item[1]))
                 # small copies inline, still under the lock (microseconds)
                 for i, res, updates in small:
-                    try:
-                        store.write_reserved(res)
-                    except BaseException:
-                        store.abort(res)
-                        raise
+                    store.write_reserved(res)  # on error: aborted below with the others
                     out[i] = sender._commit_locked(res, updates)
-                    if store.pin(res.key):  # protect it from the rest of this request
-                        pinned.append(res.key)
+                    if (e := store.pin_entry(res.key)) is not None:  # protect it from the rest
+                        pinned.append(e)
             # step 2: big copies and waiting puts in one worker thread
             if big or deferred:
 
@@ -324,6 +323,7 @@ class AsyncSenderCache(_AsyncBase):
                         for _i, res, _u in big:
                             store.abort(res)
 
+                offloaded = True
                 await self._in_thread(
                     lambda tok: self._thread_puts(
                         tok, big, deferred, mm_items, hashes, wait, out, pinned
@@ -339,11 +339,14 @@ class AsyncSenderCache(_AsyncBase):
                 for r in out:
                     if r is not None and isinstance(r[0], ShmRef):
                         store.release(r[0])
+                if not offloaded:  # nothing else will finish these allocations
+                    for res in reserved:
+                        store.abort(res)  # idempotent: a committed one is left alone
             raise
         finally:
             with store.lock:
-                for h in pinned:
-                    store.unpin(h)
+                for e in pinned:
+                    store.unpin_entry(e)
 
     def _thread_puts(
         self,
@@ -354,33 +357,56 @@ class AsyncSenderCache(_AsyncBase):
         hashes: list[str],
         wait: float,
         out: list[MmItem | None],
-        pinned: list[str],
+        pinned: list[Any],
     ) -> None:
         """Runs in a worker thread: copy -> commit each reservation; wait for room if asked.
 
         Each commit happens under the store lock together with the check of
         ``token.abandoned``: a caller that is gone gets nothing pinned and nothing handed out.
         """
+        store = self.sender.store
+        try:
+            self._thread_copies(token, big, out, pinned)
+        finally:
+            with store.lock:  # a copy that failed leaves the rest: abort them (idempotent)
+                for _i, res, _u in big:
+                    store.abort(res)
+        self._thread_waits(token, deferred, mm_items, hashes, wait, out, pinned)
+
+    def _thread_copies(
+        self,
+        token: _Token,
+        big: list[tuple[int, Reservation, Sequence[Any]]],
+        out: list[MmItem | None],
+        pinned: list[Any],
+    ) -> None:
         sender, store = self.sender, self.sender.store
         for i, res, updates in big:
             if token.abandoned:
                 with store.lock:
                     store.abort(res)
                 continue
-            try:
-                store.write_reserved(res)
-            except BaseException:
-                with store.lock:
-                    store.abort(res)
-                raise
+            store.write_reserved(res)
             with store.lock:
                 ref, upd = sender._commit_locked(res, updates)
                 if token.abandoned:
                     store.release(ref)
                 else:
                     out[i] = (ref, upd)
-                    if store.pin(res.key):
-                        pinned.append(res.key)
+                    if (e := store.pin_entry(res.key)) is not None:
+                        pinned.append(e)
+
+    def _thread_waits(
+        self,
+        token: _Token,
+        deferred: list[int],
+        mm_items: Sequence[MmItem | None],
+        hashes: list[str],
+        wait: float,
+        out: list[MmItem | None],
+        pinned: list[Any],
+    ) -> None:
+        sender, store = self.sender, self.sender.store
         for i in deferred:
             if token.abandoned:
                 return
@@ -393,8 +419,8 @@ class AsyncSenderCache(_AsyncBase):
                         store.release(hit[0])
                     elif hit is not None:
                         out[i] = hit
-                        if store.pin(h):
-                            pinned.append(h)
+                        if (e := store.pin_entry(h)) is not None:
+                            pinned.append(e)
                     continue
                 if store.is_pending(h):  # another request is copying it right now
                     self.inline_busy += 1
@@ -418,8 +444,8 @@ class AsyncSenderCache(_AsyncBase):
                     store.release(ref)
                 else:
                     out[i] = (ref, upd)
-                    if store.pin(res.key):
-                        pinned.append(res.key)
+                    if (e := store.pin_entry(res.key)) is not None:
+                        pinned.append(e)
 
     async def touch_sender_cache_item(self, mm_hash: str) -> bool:
         self._check()
@@ -528,18 +554,23 @@ class AsyncReceiverCache(_AsyncBase):
         refs, stale = rc._plan(features)
         results: list[Any] = [None] * len(features)
         big: list[int] = []
-        for i, (f, ref) in enumerate(zip(features, refs)):
-            rc.total += 1
-            if ref is None:
-                results[i] = None if as_reference(f.data) is not None else f.data
-            elif ref.length >= self.inline_threshold_bytes:
-                big.append(i)
-            else:
-                try:
-                    results[i] = store.get(ref)
-                    rc.hits += 1
-                except StaleReferenceError:
-                    stale.append(f.mm_hash)
+        i = 0
+        try:
+            for i, (f, ref) in enumerate(zip(features, refs)):
+                rc.total += 1
+                if ref is None:
+                    results[i] = None if as_reference(f.data) is not None else f.data
+                elif ref.length >= self.inline_threshold_bytes:
+                    big.append(i)
+                else:
+                    try:
+                        results[i] = store.get(ref)
+                        rc.hits += 1
+                    except StaleReferenceError:
+                        stale.append(f.mm_hash)
+        except BaseException:  # what will not be read is owed no more
+            rc._give_back(refs[i:] + [refs[j] for j in big])
+            raise
         if big:
 
             def read_all(token: _Token) -> None:

@@ -37,6 +37,7 @@ from ._types import (
 from .errors import (
     CacheFullError,
     CacheMissError,
+    InvalidReferenceError,
     ObjectTooLargeError,
     StaleReferenceError,
 )
@@ -60,13 +61,13 @@ def _check_hash(mm_hash: object) -> str:
 def as_reference(data: object) -> ShmRef | None:
     """``data`` as a reference if it is one (a ``ShmRef``, or a mapping of reference fields).
 
-    A mapping whose keys are all reference field names is taken for a reference and validated
+    A mapping with a ``nonce`` whose keys are all reference field names is a reference, validated
     strictly (``InvalidReferenceError`` for missing fields or wrong types); any other mapping is
     an inline item.
     """
     if isinstance(data, ShmRef):
         return data
-    if isinstance(data, Mapping) and data and all(k in _REF_KEYS for k in data):
+    if isinstance(data, Mapping) and "nonce" in data and all(k in _REF_KEYS for k in data):
         return ShmRef.from_dict(data)
     return None
 
@@ -147,6 +148,9 @@ class SenderCache:
         if hit is not None:
             return hit
         assert_item = _split_item(mm_item)
+        if self.store.is_pending(mm_hash):  # another thread is putting it right now
+            self._count(False)
+            return assert_item
         res = self._reserve_locked(assert_item, mm_hash, wait_for_space)
         if res is None:
             return assert_item
@@ -393,23 +397,43 @@ class ReceiverCache:
         return self.store.handle()
 
     def _plan(self, features: Sequence[FeatureSpec]) -> tuple[list[ShmRef | None], list[str]]:
-        """Validate a whole request before reading any of it: refs, and hashes found stale."""
+        """Validate a whole request before reading any of it: refs, and hashes found stale.
+
+        A bad entry (forged reference, wrong type) fails the request, but only after every valid
+        reference in it was given back (acknowledged unread): a rejected request owes nothing.
+        """
         self.store._check_reader()
         refs: list[ShmRef | None] = []
         stale: list[str] = []
+        error: Exception | None = None
         for f in features:
-            if not isinstance(f, FeatureSpec):
-                raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
-            _check_hash(f.mm_hash)
-            ref = as_reference(f.data)
-            if ref is not None:
-                try:
-                    self.store.validate(ref)
-                except StaleReferenceError:
-                    stale.append(f.mm_hash)
-                    ref = None
+            ref = None
+            try:
+                if not isinstance(f, FeatureSpec):
+                    raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
+                _check_hash(f.mm_hash)
+                ref = as_reference(f.data)
+                if ref is not None:
+                    try:
+                        self.store.validate(ref)
+                    except StaleReferenceError:
+                        stale.append(f.mm_hash)
+                        self.store.give_back(ref)
+                        ref = None
+            except (InvalidReferenceError, TypeError) as exc:
+                error = error or exc
+                ref = None
             refs.append(ref)
+        if error is not None:
+            self._give_back(refs)
+            raise error
         return refs, stale
+
+    def _give_back(self, refs: Sequence[ShmRef | None]) -> None:
+        """Acknowledge references that will not be read (the request failed or was cancelled)."""
+        for ref in refs:
+            if ref is not None:
+                self.store.give_back(ref)
 
     def get_and_update_features(self, features: Sequence[FeatureSpec]) -> list[FeatureSpec]:
         """Resolve every reference of a request into its item (a copy); returns new specs.
@@ -421,22 +445,27 @@ class ReceiverCache:
         """
         refs, stale = self._plan(features)
         out: list[FeatureSpec] = []
-        for f, ref in zip(features, refs):
-            self.total += 1
-            if ref is None:
-                if as_reference(f.data) is not None:  # stale at validation
+        i = 0
+        try:
+            for i, (f, ref) in enumerate(zip(features, refs)):  # noqa: B007 (i used on error)
+                self.total += 1
+                if ref is None:
+                    if as_reference(f.data) is not None:  # stale at validation
+                        out.append(f.with_data(None))
+                    else:
+                        out.append(f.with_data(f.data))
+                    continue
+                try:
+                    data = self.store.get(ref)
+                except StaleReferenceError:
+                    stale.append(f.mm_hash)
                     out.append(f.with_data(None))
-                else:
-                    out.append(f.with_data(f.data))
-                continue
-            try:
-                data = self.store.get(ref)
-            except StaleReferenceError:
-                stale.append(f.mm_hash)
-                out.append(f.with_data(None))
-                continue
-            self.hits += 1
-            out.append(f.with_data(data))
+                    continue
+                self.hits += 1
+                out.append(f.with_data(data))
+        except BaseException:
+            self._give_back(refs[i:])  # what was not read is owed no more
+            raise
         if stale:
             raise CacheMissError(stale, features=out)
         return out
@@ -474,15 +503,20 @@ class ReceiverCache:
         """
         refs, stale = self._plan(features)
         if stale:
+            self._give_back(refs)
             raise CacheMissError(stale)
         out: list[FeatureSpec] = []
         held: list[ShmRef] = []
         try:
-            for f, ref in zip(features, refs):
+            for i, (f, ref) in enumerate(zip(features, refs)):
                 if ref is None:
                     out.append(f.with_data(f.data))
                     continue
-                out.append(f.with_data(self.store.get(ref, copy=False)))
+                try:
+                    out.append(f.with_data(self.store.get(ref, copy=False)))
+                except BaseException:
+                    self._give_back(refs[i:])
+                    raise
                 held.append(ref)
             yield out
         finally:
