@@ -90,7 +90,11 @@ class ShmRingBuffer:
         """A ring in a new segment of its own (the store builds its ring on a shared segment)."""
         layout = Layout(capacity_bytes, 1, 64)
         seg = Segment.create(
-            name, layout, max_object_bytes=capacity_bytes, delivery="broadcast", handout_ttl=30.0
+            name,
+            layout,
+            max_object_bytes=layout.capacity - CHUNK_HEADER,
+            delivery="broadcast",
+            handout_ttl=30.0,
         )
         if first_id < 1 or first_id > _MAX_ID:
             seg.close()
