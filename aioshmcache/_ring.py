@@ -20,6 +20,13 @@ reused. A reader validates a reference (bounds, alignment, check word, id, state
 and re-checks id and state: on x86-64 (total store order) a copy that saw a single reused byte
 sees the freed state or the new id afterwards, so torn reads are always detected.
 
+Payload bytes cannot be trusted to detect their own reuse: the next occupant of the memory may
+write anything, a forged chunk header included. So each chunk also has a *position*, a 64-bit
+offset in the endless stream of allocations (position mod capacity = address), and the writer
+publishes in the segment header the position of the oldest live chunk (``W_HEAD_POS``) *before*
+it reuses any byte behind it. A reader re-checks after its copy that the head has not passed its
+chunk's position — a word no payload can touch.
+
 Allocation wraps at the end of the ring; the tail that is skipped stays accounted as used until the
 head passes it. Ids come from a 64-bit counter in the segment header and keep increasing across
 ``clear`` (which also bumps the epoch).
@@ -34,6 +41,7 @@ from typing import Final
 from ._segment import (
     W_CAPACITY,
     W_EPOCH,
+    W_HEAD_POS,
     W_NEXT_ID,
     W_RING_OFF,
     Layout,
@@ -80,7 +88,9 @@ class ShmRingBuffer:
         # writer bookkeeping: FIFO of [address, size, id]
         self._chunks: deque[tuple[int, int, int]] = deque()
         self._by_addr: dict[int, int] = {}  # address -> state (writer's own view)
+        self._pos: dict[int, int] = {}  # address -> position of the chunk there
         self._tail = 0
+        self._next_pos = int(self._hw[W_HEAD_POS])  # position of the next byte allocated
 
     # --- standalone construction ----------------------------------------------------------
     @classmethod
@@ -203,10 +213,28 @@ class ShmRingBuffer:
         w[i] = cid
         w[i + 1] = payload
         w[i + 3] = cid ^ payload ^ CHUNK_MAGIC
+        if addr != self._tail:  # wrapped: the skipped tail counts in the stream of positions
+            self._next_pos += self.capacity - self._tail
+        self._pos[addr] = self._next_pos
+        self._next_pos += size
         self._chunks.append((addr, size, cid))
         self._by_addr[addr] = WRITING
         self._tail = addr + size
         return addr, cid
+
+    def position(self, address: int) -> int:
+        """The position of the allocated chunk at ``address`` (goes into its references)."""
+        return self._pos[address]
+
+    def _publish_head(self) -> None:
+        """Publish the reuse fence: everything before the head's position may be overwritten."""
+        if self._chunks:
+            self._hw[W_HEAD_POS] = self._pos[self._chunks[0][0]]
+            return
+        cap = self.capacity  # empty: the next chunk goes to address 0, the next lap
+        self._next_pos = -(-self._next_pos // cap) * cap
+        self._tail = 0
+        self._hw[W_HEAD_POS] = self._next_pos
 
     def payload(self, address: int) -> memoryview:
         """Writable view of an allocated chunk's payload (writer only)."""
@@ -250,10 +278,11 @@ class ShmRingBuffer:
                 break
             w[(addr >> 3) + 2] = FREED
             del self._by_addr[addr]
+            del self._pos[addr]
             chunks.popleft()
             freed.append(cid)
-        if not chunks:
-            self._tail = 0
+        if freed:
+            self._publish_head()  # before the caller can reuse a byte of what was freed
         return freed
 
     def clear(self) -> list[int]:
@@ -277,11 +306,14 @@ class ShmRingBuffer:
             self._w[(addr >> 3) + 2] = FREED
         self._chunks.clear()
         self._by_addr.clear()
-        self._tail = 0
+        self._pos.clear()
+        self._publish_head()
         return freed
 
     # --- reader side (any process) -----------------------------------------------------
-    def access(self, address: int, cid: int, length: int | None = None) -> memoryview:
+    def access(
+        self, address: int, cid: int, length: int | None = None, position: int | None = None
+    ) -> memoryview:
         """Validated read-only view of a committed chunk's payload.
 
         ``InvalidReferenceError``: out of range, misaligned, not a chunk start, wrong length or
@@ -310,13 +342,24 @@ class ShmRingBuffer:
             raise InvalidReferenceError(f"chunk {cid} is not committed")
         if (length is not None and hlen != length) or address + CHUNK_HEADER + hlen > cap:
             raise InvalidReferenceError(f"chunk {cid}: length {length} does not match")
+        if position is not None:
+            if position % cap != address:
+                raise InvalidReferenceError(f"chunk {cid}: position does not match its address")
+            if self._hw[W_HEAD_POS] > position:
+                raise StaleReferenceError(f"chunk {cid} was evicted and its space reused")
         start = address + CHUNK_HEADER
         return self.buf[start : start + hlen].toreadonly()
 
-    def verify(self, address: int, cid: int) -> None:
-        """Re-check after a copy that the chunk was not freed or reused meanwhile."""
+    def verify(self, address: int, cid: int, position: int | None = None) -> None:
+        """Re-check after a copy that the chunk was not freed or reused meanwhile.
+
+        With ``position`` the check reads the reuse fence in the segment header, which payload
+        bytes cannot forge; the chunk header words are checked too.
+        """
         if self._seg.closed:
             raise ClosedCacheError("the ring was closed during the read")
+        if position is not None and self._hw[W_HEAD_POS] > position:
+            raise StaleReferenceError(f"chunk {cid} was reclaimed during the read")
         i = address >> 3
         if self._w[i] != cid or self._w[i + 2] != COMMITTED:
             raise StaleReferenceError(f"chunk {cid} was reclaimed during the read")

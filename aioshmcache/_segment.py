@@ -16,6 +16,7 @@ Layout of the segment (all words are native 8-byte unsigned, written with one al
              | 18 created (ns)      19 state (live/closed)|
              | 20..27 writer-published statistics        |
              | 28 reference tag secret                   |
+             | 29 head position (reuse fence, ``_ring``) |
     4096     +-------------------------------------------+
              | reader table: n slots x slot size         |  (layer 3, ``_readers``)
     ring_off +-------------------------------------------+
@@ -82,6 +83,7 @@ W_HITS, W_MISSES, W_INLINE_LARGE, W_INLINE_FULL, W_EVICTIONS, W_BYTES_USED, W_IT
 )
 W_HANDOUT_TTL_MS = 27
 W_SECRET = 28  # keys the reference tag (see ``_types.ShmRef``)
+W_HEAD_POS = 29  # ring position of the oldest live chunk: every byte before it may be reused
 
 STATE_LIVE: Final = 1
 STATE_CLOSED: Final = 2

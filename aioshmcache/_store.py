@@ -104,14 +104,16 @@ class _Entry:
         "owed",
         "owed_since",
         "pins",
+        "position",
         "ref",
         "releasable",
         "touched",
     )
 
-    def __init__(self, key: str, address: int, cid: int, length: int) -> None:
+    def __init__(self, key: str, address: int, cid: int, length: int, position: int) -> None:
         self.key = key
         self.address = address
+        self.position = position
         self.id = cid
         self.length = length
         self.debt = 0  # unsettled hand-out debts (all sessions)
@@ -296,8 +298,8 @@ class ShmObjectStore:
         epoch = int(self._hw[W_EPOCH])
         ref = e.ref
         if ref is None or ref.epoch != epoch:
-            tag = reference_tag(self._secret, epoch, e.address, e.id, e.length)
-            ref = e.ref = ShmRef(self._seg.nonce, epoch, e.address, e.id, e.length, tag)
+            tag = reference_tag(self._secret, epoch, e.address, e.id, e.length, e.position)
+            ref = e.ref = ShmRef(self._seg.nonce, epoch, e.address, e.id, e.length, tag, e.position)
         return ref
 
     # --- writer: put -------------------------------------------------------------------------
@@ -378,7 +380,7 @@ class ShmObjectStore:
         if self._closed:
             raise ClosedCacheError("store closed during the put")
         self.ring.commit(res.address)
-        e = _Entry(res.key, res.address, res.id, res.plan.nbytes)
+        e = _Entry(res.key, res.address, res.id, res.plan.nbytes, self.ring.position(res.address))
         self._index[res.key] = e
         self._by_id[res.id] = e
         self._publish_usage()
@@ -486,10 +488,12 @@ class ShmObjectStore:
         self._check_writer()
         if not isinstance(ref, ShmRef) or not all(
             type(v) is int and 0 <= v <= _U64
-            for v in (ref.nonce, ref.epoch, ref.address, ref.id, ref.length, ref.tag)
+            for v in (ref.nonce, ref.epoch, ref.address, ref.id, ref.length, ref.tag, ref.position)
         ):
             return False
-        if ref.tag != reference_tag(self._secret, ref.epoch, ref.address, ref.id, ref.length):
+        if ref.tag != reference_tag(
+            self._secret, ref.epoch, ref.address, ref.id, ref.length, ref.position
+        ):
             return False
         e = self._by_id.get(ref.id)
         if (
@@ -814,12 +818,12 @@ class ShmObjectStore:
     def _resolve(self, ref: object) -> tuple[ShmRef, memoryview]:
         self._check_open()
         r = ref if isinstance(ref, ShmRef) else ShmRef.from_dict(ref)
-        for v in (r.nonce, r.epoch, r.address, r.id, r.length, r.tag):
+        for v in (r.nonce, r.epoch, r.address, r.id, r.length, r.tag, r.position):
             if type(v) is not int or not 0 <= v <= _U64:  # a ShmRef built by hand
                 raise InvalidReferenceError("reference fields must be unsigned 64-bit ints")
         if r.nonce != self._seg.nonce:
             raise InvalidReferenceError("reference belongs to another cache (nonce mismatch)")
-        if r.tag != reference_tag(self._secret, r.epoch, r.address, r.id, r.length):
+        if r.tag != reference_tag(self._secret, r.epoch, r.address, r.id, r.length, r.position):
             raise InvalidReferenceError("reference is forged or corrupted (tag mismatch)")
         epoch = self._hw[W_EPOCH]
         if r.epoch != epoch:
@@ -828,7 +832,7 @@ class ShmObjectStore:
                     f"reference is from before clear (epoch {r.epoch} < {epoch})"
                 )
             raise InvalidReferenceError(f"reference epoch {r.epoch} is in the future")
-        return r, self.ring.access(r.address, r.id, r.length)
+        return r, self.ring.access(r.address, r.id, r.length, r.position)
 
     def get(self, ref: ShmRef | dict[str, Any], *, copy: bool = True) -> Any:
         """Read a reference; a reader acknowledges it once the copy is verified.
@@ -850,12 +854,14 @@ class ShmObjectStore:
         try:
             value = self.serde.read(view, copy=copy)
         except ShmCacheError:
-            self.ring.verify(r.address, r.id)  # torn: stale; intact but undecodable: re-raise
+            self.ring.verify(
+                r.address, r.id, r.position
+            )  # torn: stale; intact but undecodable: re-raise
             raise
         finally:
             if copy:
                 view.release()  # zero-copy arrays keep exporting it
-        self.ring.verify(r.address, r.id)
+        self.ring.verify(r.address, r.id, r.position)
         slot.check_revoked()
         if copy:
             self._ack(slot, r.id)
@@ -864,7 +870,7 @@ class ShmObjectStore:
     def ack(self, ref: ShmRef) -> None:
         """Acknowledge a reference read with ``copy=False`` after re-verifying it."""
         slot = self._check_reader()
-        self.ring.verify(ref.address, ref.id)
+        self.ring.verify(ref.address, ref.id, ref.position)
         self._ack(slot, ref.id)
 
     def give_back(self, ref: ShmRef) -> None:

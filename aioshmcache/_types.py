@@ -156,7 +156,7 @@ class CacheHandle:
         )
 
 
-REF_FIELDS = ("nonce", "epoch", "address", "id", "length", "tag")
+REF_FIELDS = ("nonce", "epoch", "address", "id", "length", "tag", "position")
 _M1, _M2, _M3, _M4 = (
     0x9E3779B97F4A7C15,
     0xC2B2AE3D27D4EB4F,
@@ -165,7 +165,9 @@ _M1, _M2, _M3, _M4 = (
 )
 
 
-def reference_tag(secret: int, epoch: int, address: int, cid: int, length: int) -> int:
+def reference_tag(
+    secret: int, epoch: int, address: int, cid: int, length: int, position: int = 0
+) -> int:
     """A 64-bit tag binding a reference's fields to its segment's secret.
 
     Not a cryptographic MAC (anyone who can map the segment can read the secret, and could write
@@ -173,7 +175,7 @@ def reference_tag(secret: int, epoch: int, address: int, cid: int, length: int) 
     forger fail as ``InvalidReferenceError`` instead of looking merely stale.
     """
     h = secret ^ (cid * _M1) ^ (address * _M2) ^ (length * _M3) ^ (epoch * _M4)
-    h &= _U64
+    h = (h ^ (position * _M2 >> 7)) & _U64
     h ^= h >> 29
     return (h * _M1) & _U64
 
@@ -184,8 +186,10 @@ class ShmRef:
 
     ``nonce`` names the segment instance, ``epoch`` the clear generation, ``address`` the chunk's
     offset in the ring, ``id`` its 64-bit generation and ``length`` the payload size. Every field
-    is checked by the reader against the chunk header before and after the copy; ``tag`` binds
-    the fields together (a reference with any field altered is invalid, not stale).
+    is checked by the reader against the chunk header before and after the copy; ``position``
+    is the chunk's place in the endless stream of allocations, checked against the writer's reuse
+    fence; ``tag`` binds the fields together (a reference with any field altered is invalid, not
+    stale).
     """
 
     nonce: int
@@ -194,6 +198,7 @@ class ShmRef:
     id: int
     length: int
     tag: int = 0
+    position: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return {
@@ -203,6 +208,7 @@ class ShmRef:
             "id": self.id,
             "length": self.length,
             "tag": self.tag,
+            "position": self.position,
         }
 
     @classmethod

@@ -18,6 +18,7 @@ from aioshmcache import (
     SenderCache,
     SerdeError,
     ShmRef,
+    StaleReferenceError,
 )
 from aioshmcache._sweep import sweep
 
@@ -147,3 +148,31 @@ def test_sweep_keeps_the_semaphore_of_a_live_dotted_name(make_config: Any) -> No
     with SenderCache(make_config(name="with.dots.name")) as tx:
         sweep()
         assert any(n.startswith(f"sem.{tx.name}.") for n in os.listdir("/dev/shm"))
+
+
+def test_reused_bytes_that_forge_the_old_chunk_header_are_still_stale(make_config: Any) -> None:
+    """The next occupant's payload writes a perfect copy of the freed chunk's header."""
+    from aioshmcache._ring import CHUNK_MAGIC, COMMITTED
+
+    with (
+        SenderCache(make_config(1 << 16, 1 << 15, 1)) as tx,
+        ReceiverCache.attach(tx.handle()) as rx,
+    ):
+        tx.get_and_update_item(({"f": np.zeros(900, np.uint8)}, ()), "filler")
+        ref, _ = tx.get_and_update_item(({"a": np.arange(10)}, ()), "a")
+        assert ref.address > 0
+        rx.get_and_update_item(ref, "a")
+        rx.get_and_update_item(tx.store.ref_of("filler"), "filler")
+        tx.invalidate("a")
+        tx.invalidate("filler")
+        tx.remove_dangling_items()  # both freed: the ring is empty, the next put starts at 0
+        pattern = np.zeros(8, np.uint64)
+        pattern[:4] = [ref.id, ref.length, COMMITTED, ref.id ^ ref.length ^ CHUNK_MAGIC]
+        forged = np.tile(pattern, 400)  # a forged header at every 64-byte boundary
+        tx.get_and_update_item(({"x": forged}, ()), "b")
+        words = tx.store.ring.buf.cast("Q")
+        i = ref.address // 8
+        assert list(words[i : i + 4]) == list(pattern[:4])  # the old header is back, verbatim
+        words.release()
+        with pytest.raises(StaleReferenceError):
+            rx.get_and_update_item(ref, "a")

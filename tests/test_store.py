@@ -224,8 +224,11 @@ def test_forged_references_only_raise_typed_errors(
 ) -> None:
     """Even with a correct tag (a forger who read the secret), the ring checks hold."""
     w, r, real = _fuzz_store()
-    tag = reference_tag(w._secret, epoch, address, cid, length) if tag_ok else 0
-    forged = ShmRef(real.nonce if nonce_ok else real.nonce ^ 5, epoch, address, cid, length, tag)
+    pos = address  # first lap: position == address
+    tag = reference_tag(w._secret, epoch, address, cid, length, pos) if tag_ok else 0
+    forged = ShmRef(
+        real.nonce if nonce_ok else real.nonce ^ 5, epoch, address, cid, length, tag, pos
+    )
     try:
         value = r.get(forged)
     except (InvalidReferenceError, StaleReferenceError):
