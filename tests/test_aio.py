@@ -244,7 +244,7 @@ async def test_wait_for_space_wakes_on_acknowledgement(make_config: Any) -> None
             elapsed = time.monotonic() - t0
             assert isinstance(f.data, ShmRef)
             acked_at = await anyio.to_thread.run_sync(a.recv)
-            assert 0.15 < elapsed < 1.5
+            assert 0.15 < elapsed < 2.0
             assert time.monotonic() - acked_at < 1.5
             wakeups = cache.sender.store.wakeups - wakeups0
             assert wakeups <= 6, f"the writer polled {wakeups} times: busy-polling"

@@ -164,12 +164,12 @@ def test_stopped_reader_deadline_then_eviction(make_config: Any) -> None:
         t0 = time.monotonic()
         out, _ = _put(cache, "x", 290_000, rng, wait=0.2)  # not yet stuck long enough
         assert isinstance(out, dict), "should be served inline (full)"
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 2.0
         time.sleep(0.5)
         t0 = time.monotonic()
         out, _ = _put(cache, "y", 290_000, rng, wait=0.2)  # now the writer revokes the slot
         assert not isinstance(out, dict)
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 2.0
         os.kill(p.pid, signal.SIGCONT)
         conn.send({"key": "o0", "ref": refs[0].to_dict()})
         assert conn.poll(10)
@@ -191,7 +191,7 @@ def test_stopped_reader_without_eviction_puts_fail_within_deadline(make_config: 
             t0 = time.monotonic()
             with pytest.raises(CacheFullError):
                 cache.store.put("z", random_item(rng, 290_000), wait_for_space=0.5)
-            assert 0.45 < time.monotonic() - t0 < 2.0
+            assert 0.45 < time.monotonic() - t0 < 3.0
         finally:
             os.kill(p.pid, signal.SIGCONT)
             _stop(p, conn)
