@@ -8,7 +8,8 @@ Slot layout (``slot_size`` bytes, one per reader slot, word = native u64)::
           2 log head (acks written)          10  owed (hand-outs not yet acknowledged)
           3 log start (head at attach)
           4 attach time (ns)
-    +128  acknowledgement log: ``log_entries`` words, entry ``k % log_entries`` = id acked
+    +128  acknowledgement log: ``log_entries`` pairs of words, entry ``k % log_entries`` =
+          (chunk id, hand-out seq) acknowledged
 
 A reader claims a slot by taking the OFD lock on byte ``1 + slot`` of the segment; the kernel
 drops the lock when the reader dies, so the writer tests liveness with ``F_OFD_GETLK`` without
@@ -77,8 +78,9 @@ class ReaderTable:
         self._all[slot * self._stride + index] = value
 
     def log_view(self, slot: int) -> memoryview:
+        """The slot's log: entry ``k`` is words ``2k`` (chunk id) and ``2k + 1`` (seq)."""
         base = slot * self._stride + SLOT_HEADER // 8
-        return self._all[base : base + self.log_entries]
+        return self._all[base : base + 2 * self.log_entries]
 
     def probe(self, slot: int) -> bool:
         """Kernel truth: is some process holding slot ``slot``'s lock?"""
@@ -124,7 +126,7 @@ class ReaderSlot:
         # one process, several threads (the asyncio facade reads in worker threads): the log
         # head is a read-modify-write, so acknowledgements from two threads must not interleave
         self._ack_lock = threading.Lock()
-        self._overflow: list[int] = []  # acknowledgements waiting for room in the log
+        self._overflow: list[tuple[int, int]] = []  # acknowledgements waiting for log room
 
     @property
     def revoked(self) -> bool:
@@ -140,7 +142,7 @@ class ReaderSlot:
     def acknowledged(self) -> int:
         return int(self._words[R_HEAD] - self._words[R_START])
 
-    def ack(self, cid: int) -> None:
+    def ack(self, cid: int, seq: int) -> None:
         """Record that chunk ``cid`` was read and verified: two aligned stores, no syscall.
 
         Never blocks and never loses one: if the log is full (the writer has not drained it),
@@ -150,15 +152,17 @@ class ReaderSlot:
             if self.closed:
                 raise ClosedCacheError("the reader slot is closed")
             if self._overflow:
-                self._overflow.append(cid)
+                self._overflow.append((cid, seq))
                 self._flush()
                 return
             w = self._words
             head = int(w[R_HEAD])
             if head - int(w[W_CONSUMED]) >= self._n:
-                self._overflow.append(cid)
+                self._overflow.append((cid, seq))
                 return
-            self._log[head % self._n] = cid
+            k = 2 * (head % self._n)
+            self._log[k] = cid
+            self._log[k + 1] = seq
             w[R_HEAD] = head + 1
 
     def _flush(self) -> None:
@@ -167,8 +171,10 @@ class ReaderSlot:
         head = int(w[R_HEAD])
         room = self._n - (head - int(w[W_CONSUMED]))
         k = min(room, len(self._overflow))
-        for cid in self._overflow[:k]:
-            self._log[head % self._n] = cid
+        for cid, seq in self._overflow[:k]:
+            j = 2 * (head % self._n)
+            self._log[j] = cid
+            self._log[j + 1] = seq
             head += 1
         if k:
             w[R_HEAD] = head

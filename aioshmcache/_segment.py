@@ -62,7 +62,7 @@ __all__ = ["SHM_DIR", "Segment", "Layout", "ofd_lock", "ofd_probe"]
 
 SHM_DIR: Final = "/dev/shm"
 MAGIC: Final = int.from_bytes(b"AIOSHMC1", "little")
-LAYOUT_VERSION: Final = 1
+LAYOUT_VERSION: Final = 2
 HEADER_SIZE: Final = 4096
 PAGE: Final = 4096
 
@@ -142,7 +142,7 @@ class Layout:
         self.capacity = _align(capacity, 64)
         self.n_readers = n_readers
         self.log_entries = log_entries
-        self.slot_size = _align(SLOT_HEADER + 8 * log_entries, 64)
+        self.slot_size = _align(SLOT_HEADER + 16 * log_entries, 64)  # (id, seq) per entry
         self.reader_off = HEADER_SIZE
         self.ring_off = _align(self.reader_off + n_readers * self.slot_size, PAGE)
         self.total = _align(self.ring_off + self.capacity, PAGE)

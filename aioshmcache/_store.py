@@ -1,13 +1,15 @@
 """Layer 5: ``ShmObjectStore`` — keys to chunks, hand-outs, acknowledgements and FIFO eviction.
 
 The writer keeps an index ``key -> entry`` (address, id, length, debts, pins). A **hand-out** is
-one ``ShmRef`` returned by :meth:`put` or :meth:`get_cached`; every reader that owes it
-acknowledges it once, after reading and verifying the bytes (:meth:`get`). An entry is free when
-it is not pinned and every debt is settled:
+one ``ShmRef`` returned by :meth:`put` or :meth:`get_cached`, numbered by its ``seq``; every
+reader that owes it acknowledges exactly that hand-out, ``(id, seq)``, once, after reading and
+verifying the bytes (:meth:`get`). An entry is free when it is not pinned and every hand-out is
+settled:
 
-* broadcast: each reader session attached at hand-out time owes it; debts are counted per session
-  (the seed's "reader acks >= writer hand-outs x readers", kept per reader), so a dead or revoked
-  reader's debts can be dropped and a reader that attaches later owes nothing older;
+* broadcast: each hand-out records the reader sessions attached when it was made, and is owed
+  by exactly those (the seed's "reader acks >= writer hand-outs x readers", kept per hand-out
+  and reader), so a dead or revoked reader's debts can be dropped, a reader that attaches later
+  owes nothing older, and a reader reading a reference it was never handed settles nothing;
 * one-of-N: any one reader settles a hand-out; an undelivered hand-out expires ``handout_ttl``
   seconds after the entry's last hand-out.
 
@@ -101,12 +103,11 @@ class _Entry:
         "key",
         "last_handout",
         "length",
-        "owed",
-        "owed_since",
+        "out",
+        "out_time",
         "pins",
         "position",
         "ref",
-        "releasable",
         "touched",
     )
 
@@ -116,15 +117,15 @@ class _Entry:
         self.position = position
         self.id = cid
         self.length = length
-        self.debt = 0  # unsettled hand-out debts (all sessions)
-        self.owed: dict[int, int] = {}  # broadcast: session -> unsettled hand-outs
-        self.owed_since: dict[int, float] = {}  # broadcast: session -> when it started owing
+        self.debt = 0  # unsettled (hand-out, reader) pairs
+        # outstanding hand-outs: seq -> sessions still owing it (broadcast), or None (one-of-N)
+        self.out: dict[int, list[int] | None] = {}
+        self.out_time: dict[int, float] = {}  # seq -> when it was handed out
         self.pins = 0  # request-scoped pins
         self.touched = False  # a standalone touch: lasts until the next hand-out
         self.handouts = 0
-        self.releasable = 0
         self.last_handout = 0.0
-        self.ref: ShmRef | None = None  # the reference, built once per epoch
+        self.ref: ShmRef | None = None  # the last reference made (tests, inspection)
 
 
 @dataclass
@@ -175,6 +176,7 @@ class ShmObjectStore:
         self._slots = [SlotState() for _ in range(self.readers.n_slots)]
         self._known_sessions = [0] * self.readers.n_slots
         self._owed_by_session: dict[int, int] = {}
+        self._next_seq = 1
         self._undrained = 0
         self.evictions = 0
         self.wakeups = 0
@@ -294,12 +296,11 @@ class ShmObjectStore:
         e = self._index.get(key)
         return None if e is None else self._ref(e)
 
-    def _ref(self, e: _Entry) -> ShmRef:
+    def _ref(self, e: _Entry, seq: int = 0) -> ShmRef:
         epoch = int(self._hw[W_EPOCH])
-        ref = e.ref
-        if ref is None or ref.epoch != epoch:
-            tag = reference_tag(self._secret, epoch, e.address, e.id, e.length, e.position)
-            ref = e.ref = ShmRef(self._seg.nonce, epoch, e.address, e.id, e.length, tag, e.position)
+        tag = reference_tag(self._secret, epoch, e.address, e.id, e.length, e.position, seq)
+        ref = ShmRef(self._seg.nonce, epoch, e.address, e.id, e.length, tag, e.position, seq)
+        e.ref = ref
         return ref
 
     # --- writer: put -------------------------------------------------------------------------
@@ -408,27 +409,29 @@ class ShmObjectStore:
 
     def _hand_out(self, e: _Entry) -> ShmRef:
         now = time.monotonic()
+        seq = self._next_seq
+        self._next_seq = seq + 1
         if self.one_of_n:
+            e.out[seq] = None
+            e.out_time[seq] = now
             e.debt += 1
         else:
             self._sync_sessions()
-            for st in self._slots:
-                s = st.session
-                if s and st.alive:
-                    c = e.owed.get(s, 0)
-                    if not c:
-                        e.owed_since[s] = now
-                    e.owed[s] = c + 1
-                    e.debt += 1
-                    self._owed_by_session[s] = self._owed_by_session.get(s, 0) + 1
+            owers = [st.session for st in self._slots if st.session and st.alive]
+            if owers:
+                e.out[seq] = owers
+                e.out_time[seq] = now
+                e.debt += len(owers)
+                obs = self._owed_by_session
+                for s in owers:
+                    obs[s] = obs.get(s, 0) + 1
         e.handouts += 1
-        e.releasable += 1
         e.touched = False
         e.last_handout = now
         self._undrained += 1
         if self._undrained * 2 >= self.readers.log_entries:
             self.drain()
-        return self._ref(e)
+        return self._ref(e, seq)
 
     def touch(self, key: str) -> bool:
         """Protect a cached key from eviction until its next hand-out (no debt)."""
@@ -488,43 +491,54 @@ class ShmObjectStore:
         self._check_writer()
         if not isinstance(ref, ShmRef) or not all(
             type(v) is int and 0 <= v <= _U64
-            for v in (ref.nonce, ref.epoch, ref.address, ref.id, ref.length, ref.tag, ref.position)
+            for v in (
+                ref.nonce,
+                ref.epoch,
+                ref.address,
+                ref.id,
+                ref.length,
+                ref.tag,
+                ref.position,
+                ref.seq,
+            )
         ):
             return False
         if ref.tag != reference_tag(
-            self._secret, ref.epoch, ref.address, ref.id, ref.length, ref.position
+            self._secret, ref.epoch, ref.address, ref.id, ref.length, ref.position, ref.seq
         ):
             return False
         e = self._by_id.get(ref.id)
-        if (
-            e is None
-            or ref.nonce != self._seg.nonce
-            or e.address != ref.address
-            or e.releasable <= 0
-        ):
+        if e is None or ref.nonce != self._seg.nonce or e.address != ref.address:
             return False
-        e.releasable -= 1
-        if self.one_of_n:
-            if e.debt > 0:
-                e.debt -= 1
+        if ref.seq not in e.out:
+            return False  # unknown, already released, or already read by everyone
+        owers = e.out.pop(ref.seq)
+        e.out_time.pop(ref.seq, None)
+        if owers is None:  # one-of-N
+            e.debt -= 1
         else:
-            for s, c in list(e.owed.items()):
-                if c > 0:
-                    self._settle(e, s, 1)
+            e.debt -= len(owers)
+            for s in owers:
+                self._owed_by_session[s] = self._owed_by_session.get(s, 0) - 1
         return True
 
-    def _settle(self, e: _Entry, session: int, n: int) -> None:
-        c = e.owed.get(session, 0)
-        n = min(n, c)
-        if not n:
+    def _settle(self, e: _Entry, seq: int, session: int) -> None:
+        """Reader ``session`` acknowledged hand-out ``seq`` of ``e``."""
+        if seq not in e.out:
+            return  # not outstanding (released, expired, or never handed to this reader)
+        owers = e.out[seq]
+        if owers is None:  # one-of-N: any reader settles it
+            del e.out[seq]
+            e.out_time.pop(seq, None)
+            e.debt -= 1
             return
-        if c - n:
-            e.owed[session] = c - n
-        else:
-            del e.owed[session]
-            e.owed_since.pop(session, None)
-        e.debt -= n
-        self._owed_by_session[session] = self._owed_by_session.get(session, 0) - n
+        if session in owers:
+            owers.remove(session)
+            e.debt -= 1
+            self._owed_by_session[session] = self._owed_by_session.get(session, 0) - 1
+            if not owers:
+                del e.out[seq]
+                e.out_time.pop(seq, None)
 
     def invalidate(self, key: str) -> bool:
         """Forget ``key``: it is no longer handed out; its chunk is freed once its debts settle.
@@ -565,11 +579,15 @@ class ShmObjectStore:
         self._owed_by_session.pop(session, None)
         if not self.one_of_n:
             for e in self._by_id.values():
-                c = e.owed.get(session)
-                if c:
-                    del e.owed[session]
-                    e.owed_since.pop(session, None)
-                    e.debt -= c
+                if not e.debt:
+                    continue
+                for seq, owers in list(e.out.items()):
+                    if owers and session in owers:
+                        owers.remove(session)
+                        e.debt -= 1
+                        if not owers:
+                            del e.out[seq]
+                            e.out_time.pop(seq, None)
 
     def drain(self) -> int:
         """Apply every acknowledgement written since the last drain; returns how many."""
@@ -598,19 +616,18 @@ class ShmObjectStore:
                 t.set_word(slot, W_CONSUMED, head)
                 continue
             logv = t.log_view(slot)
-            ids = [int(logv[k % t.log_entries]) for k in range(cur, head)]
+            n_log = t.log_entries
+            pairs = [
+                (int(logv[2 * (k % n_log)]), int(logv[2 * (k % n_log) + 1]))
+                for k in range(cur, head)
+            ]
             logv.release()
             by_id = self._by_id
-            if self.one_of_n:
-                for cid in ids:
-                    e = by_id.get(cid)
-                    if e is not None and e.debt > 0:
-                        e.debt -= 1
-            elif st.session and st.alive:
-                for cid in ids:
+            if self.one_of_n or (st.session and st.alive):
+                for cid, seq in pairs:
                     e = by_id.get(cid)
                     if e is not None:
-                        self._settle(e, st.session, 1)
+                        self._settle(e, seq, st.session)
             st.cursor = head
             t.set_word(slot, W_CONSUMED, head)
             t.set_word(slot, W_OWED, max(0, self._owed_by_session.get(st.session, 0)))
@@ -622,9 +639,15 @@ class ShmObjectStore:
         changed = False
         now = time.monotonic()
         evict_after = self._config.evict_stuck_readers_after if self._config else None
+        since: dict[int, float] = {}  # session -> its oldest unsettled hand-out of e
+        for seq, owers in e.out.items():
+            for s in owers or ():
+                t = e.out_time.get(seq, now)
+                if t < since.get(s, now + 1):
+                    since[s] = t
         for slot, st in enumerate(self._slots):
             s = st.session
-            if not s or not st.alive or s not in e.owed:
+            if not s or not st.alive or s not in since:
                 continue
             if not self.readers.probe(slot):
                 log.info(
@@ -635,7 +658,7 @@ class ShmObjectStore:
                 st.alive = False
                 self._drop_session(s)
                 changed = True
-            elif evict_after is not None and now - e.owed_since.get(s, now) > evict_after:
+            elif evict_after is not None and now - since[s] > evict_after:
                 log.warning("reader slot %d is stuck for %.1f s: revoking it", slot, evict_after)
                 self.readers.set_word(slot, W_REVOKED, s)
                 st.alive = False
@@ -674,8 +697,9 @@ class ShmObjectStore:
             if e is None:
                 continue
             if e.debt > 0 and not self.one_of_n:
-                for s, c in e.owed.items():
-                    self._owed_by_session[s] = self._owed_by_session.get(s, 0) - c
+                for owers in e.out.values():
+                    for s in owers or ():
+                        self._owed_by_session[s] = self._owed_by_session.get(s, 0) - 1
             if self._index.get(e.key) is e:
                 del self._index[e.key]
                 self.evictions += 1
@@ -818,12 +842,14 @@ class ShmObjectStore:
     def _resolve(self, ref: object) -> tuple[ShmRef, memoryview]:
         self._check_open()
         r = ref if isinstance(ref, ShmRef) else ShmRef.from_dict(ref)
-        for v in (r.nonce, r.epoch, r.address, r.id, r.length, r.tag, r.position):
+        for v in (r.nonce, r.epoch, r.address, r.id, r.length, r.tag, r.position, r.seq):
             if type(v) is not int or not 0 <= v <= _U64:  # a ShmRef built by hand
                 raise InvalidReferenceError("reference fields must be unsigned 64-bit ints")
         if r.nonce != self._seg.nonce:
             raise InvalidReferenceError("reference belongs to another cache (nonce mismatch)")
-        if r.tag != reference_tag(self._secret, r.epoch, r.address, r.id, r.length, r.position):
+        if r.tag != reference_tag(
+            self._secret, r.epoch, r.address, r.id, r.length, r.position, r.seq
+        ):
             raise InvalidReferenceError("reference is forged or corrupted (tag mismatch)")
         epoch = self._hw[W_EPOCH]
         if r.epoch != epoch:
@@ -864,14 +890,14 @@ class ShmObjectStore:
         self.ring.verify(r.address, r.id, r.position)
         slot.check_revoked()
         if copy:
-            self._ack(slot, r.id)
+            self._ack(slot, r.id, r.seq)
         return value
 
     def ack(self, ref: ShmRef) -> None:
         """Acknowledge a reference read with ``copy=False`` after re-verifying it."""
         slot = self._check_reader()
         self.ring.verify(ref.address, ref.id, ref.position)
-        self._ack(slot, ref.id)
+        self._ack(slot, ref.id, ref.seq)
 
     def give_back(self, ref: ShmRef) -> None:
         """Acknowledge a reference that will not be read (never raises).
@@ -883,10 +909,10 @@ class ShmObjectStore:
         if slot is None or self._closed or slot.closed or self._seg.forked:
             return
         with contextlib.suppress(ShmCacheError, ValueError):
-            self._ack(slot, ref.id)
+            self._ack(slot, ref.id, ref.seq)
 
-    def _ack(self, slot: ReaderSlot, cid: int) -> None:
-        slot.ack(cid)
+    def _ack(self, slot: ReaderSlot, cid: int, seq: int) -> None:
+        slot.ack(cid, seq)
         if self._hw[W_WAITING]:
             self._post_wake()
 

@@ -973,7 +973,15 @@ class WriterProc:
             raise ValueError(kind)
         secret = getattr(store, "_secret", None)
         if isinstance(secret, int) and self.rng.random() < 0.5:
-            r["tag"] = reference_tag(secret, r["epoch"], r["address"], r["id"], r["length"])
+            r["tag"] = reference_tag(
+                secret,
+                r["epoch"],
+                r["address"],
+                r["id"],
+                r["length"],
+                r.get("position", 0),
+                r.get("seq", 0),
+            )
             return r, retagged, kind + "+tag"
         return r, [inv], kind
 

@@ -156,7 +156,7 @@ class CacheHandle:
         )
 
 
-REF_FIELDS = ("nonce", "epoch", "address", "id", "length", "tag", "position")
+REF_FIELDS = ("nonce", "epoch", "address", "id", "length", "tag", "position", "seq")
 _M1, _M2, _M3, _M4 = (
     0x9E3779B97F4A7C15,
     0xC2B2AE3D27D4EB4F,
@@ -166,7 +166,7 @@ _M1, _M2, _M3, _M4 = (
 
 
 def reference_tag(
-    secret: int, epoch: int, address: int, cid: int, length: int, position: int = 0
+    secret: int, epoch: int, address: int, cid: int, length: int, position: int = 0, seq: int = 0
 ) -> int:
     """A 64-bit tag binding a reference's fields to its segment's secret.
 
@@ -175,7 +175,7 @@ def reference_tag(
     forger fail as ``InvalidReferenceError`` instead of looking merely stale.
     """
     h = secret ^ (cid * _M1) ^ (address * _M2) ^ (length * _M3) ^ (epoch * _M4)
-    h = (h ^ (position * _M2 >> 7)) & _U64
+    h = (h ^ (position * _M2 >> 7) ^ (seq * _M3 >> 11)) & _U64
     h ^= h >> 29
     return (h * _M1) & _U64
 
@@ -188,8 +188,9 @@ class ShmRef:
     offset in the ring, ``id`` its 64-bit generation and ``length`` the payload size. Every field
     is checked by the reader against the chunk header before and after the copy; ``position``
     is the chunk's place in the endless stream of allocations, checked against the writer's reuse
-    fence; ``tag`` binds the fields together (a reference with any field altered is invalid, not
-    stale).
+    fence; ``seq`` numbers the hand-out (each hand-out of an item is a distinct reference, and
+    is acknowledged as such); ``tag`` binds the fields together (a reference with any field
+    altered is invalid, not stale).
     """
 
     nonce: int
@@ -199,6 +200,7 @@ class ShmRef:
     length: int
     tag: int = 0
     position: int = 0
+    seq: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return {
@@ -209,6 +211,7 @@ class ShmRef:
             "length": self.length,
             "tag": self.tag,
             "position": self.position,
+            "seq": self.seq,
         }
 
     @classmethod

@@ -613,6 +613,11 @@ class AsyncReceiverCache(_AsyncBase):
             raise StaleReferenceError(f"reference for {mm_hash!r} is stale") from None
         return out[0].data
 
+    async def release(self, ref: ShmRef) -> bool:
+        """As ``ReceiverCache.release``: give back a hand-out this reader will not read."""
+        self._check()
+        return self.receiver.release(ref)
+
     async def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:
         self._check()
         self.receiver.touch_receiver_cache_item(mm_hash, mm_item)

@@ -382,6 +382,7 @@ class ReceiverCache:
 
     def __init__(self, store: ShmObjectStore) -> None:
         self.store = store
+        self._released: dict[tuple[int, int], None] = {}  # hand-outs given back (bounded)
         self.hits = 0
         self.total = 0
         self._last_delta = CacheInfo(0, 0)
@@ -493,6 +494,25 @@ class ReceiverCache:
             self.store.validate(ref)
 
     touch = touch_receiver_cache_item
+
+    def release(self, ref: ShmRef) -> bool:
+        """Give back a hand-out this reader will not read; False if unknown or already released.
+
+        The writer may then free the chunk (as if the reference had been read). Each hand-out is
+        a distinct reference (its ``seq``), so a second release of it is recognised.
+        """
+        try:
+            r = self.store.validate(ref)
+        except (InvalidReferenceError, StaleReferenceError):
+            return False
+        key = (r.id, r.seq)
+        if key in self._released:
+            return False
+        self._released[key] = None
+        if len(self._released) > 65536:
+            self._released.pop(next(iter(self._released)))
+        self.store.give_back(r)
+        return True
 
     @contextlib.contextmanager
     def lease(self, features: Sequence[FeatureSpec]) -> Iterator[list[FeatureSpec]]:

@@ -49,7 +49,8 @@ def test_hit_miss_and_prompt_updates(pair: Any) -> None:
     ref, updates = sender.get_and_update_item((item(1), ["u1"]), "a")
     assert isinstance(ref, ShmRef) and updates == ["u1"]
     ref2, updates2 = sender.get_and_update_item(None, "a")  # hit: prompt updates from the writer
-    assert ref2 == ref and updates2 == ["u1"]
+    assert (ref2.id, ref2.address) == (ref.id, ref.address) and updates2 == ["u1"]
+    assert ref2.seq != ref.seq  # each hand-out is its own reference
     assert sender.make_stats() == CacheInfo(1, 2)
     for r in (ref, ref2):
         got = receiver.get_and_update_item(r, "a")

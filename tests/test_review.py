@@ -158,14 +158,15 @@ def test_reused_bytes_that_forge_the_old_chunk_header_are_still_stale(make_confi
         SenderCache(make_config(1 << 16, 1 << 15, 1)) as tx,
         ReceiverCache.attach(tx.handle()) as rx,
     ):
-        tx.get_and_update_item(({"f": np.zeros(900, np.uint8)}, ()), "filler")
+        filler, _ = tx.get_and_update_item(({"f": np.zeros(900, np.uint8)}, ()), "filler")
         ref, _ = tx.get_and_update_item(({"a": np.arange(10)}, ()), "a")
         assert ref.address > 0
         rx.get_and_update_item(ref, "a")
-        rx.get_and_update_item(tx.store.ref_of("filler"), "filler")
+        rx.get_and_update_item(filler, "filler")
         tx.invalidate("a")
         tx.invalidate("filler")
         tx.remove_dangling_items()  # both freed: the ring is empty, the next put starts at 0
+        assert tx.store.ring.n_chunks == 0
         pattern = np.zeros(8, np.uint64)
         pattern[:4] = [ref.id, ref.length, COMMITTED, ref.id ^ ref.length ^ CHUNK_MAGIC]
         forged = np.tile(pattern, 400)  # a forged header at every 64-byte boundary
@@ -176,3 +177,20 @@ def test_reused_bytes_that_forge_the_old_chunk_header_are_still_stale(make_confi
         words.release()
         with pytest.raises(StaleReferenceError):
             rx.get_and_update_item(ref, "a")
+
+
+def test_each_handout_is_settled_by_exactly_its_own_acknowledgement(make_config: Any) -> None:
+    """A late reader reading an older reference must not settle its debt for a newer hand-out;
+    release() undoes exactly the sessions a hand-out was made to."""
+    with SenderCache(make_config(1 << 20, 1 << 18, 2)) as tx:
+        h1, _ = tx.get_and_update_item(({"a": np.ones(4)}, ()), "a")  # nobody attached yet
+        with ReceiverCache.attach(tx.handle()) as late:
+            h2, _ = tx.get_and_update_item(None, "a")  # owed by `late`
+            assert late.get_and_update_item(h1, "a")["a"].sum() == 4  # not owed: settles nothing
+            assert not tx.is_freeable("a")
+            assert tx.release(h1) is False  # nobody owed h1
+            assert tx.release(h2) is True and tx.release(h2) is False
+            assert tx.is_freeable("a")
+            h3, _ = tx.get_and_update_item(None, "a")
+            assert late.release(h3) is True and late.release(h3) is False
+            assert tx.is_freeable("a")

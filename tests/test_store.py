@@ -38,10 +38,10 @@ class StoreModel(RuleBasedStateMachine):
         self.readers = [ShmObjectStore.from_handle(self.store.handle()) for _ in range(2)]
         self.order: list[str] = []  # model FIFO of cached keys
         self.data: dict[str, bytes] = {}
-        self.owed: dict[str, list[int]] = {}  # key -> per reader unsettled hand-outs
-        self.refs: dict[str, ShmRef] = {}
+        # key -> every hand-out made: [reference, readers that still owe it]
+        self.handouts: dict[str, list[tuple[ShmRef, set[int]]]] = {}
+        self.refs: dict[str, ShmRef] = {}  # the first hand-out (stale checks after clear)
         self.touched: set[str] = set()
-        self.releasable: dict[str, int] = {}
 
     def teardown(self) -> None:
         for r in self.readers:
@@ -49,16 +49,16 @@ class StoreModel(RuleBasedStateMachine):
         self.store.close()
 
     def _free(self, k: str) -> bool:
-        return not any(self.owed[k]) and k not in self.touched
+        return not any(p for _r, p in self.handouts[k]) and k not in self.touched
 
     def _sync_evictions(self, before: list[str]) -> None:
         now = set(self.store.keys())
         gone = [k for k in before if k not in now]
         assert gone == before[: len(gone)], "eviction is not FIFO"
         for k in gone:
-            assert self._free(k), f"{k} evicted while owed {self.owed[k]} / touched"
+            assert self._free(k), f"{k} evicted while owed / touched"
             self.order.remove(k)
-            del self.owed[k], self.data[k], self.refs[k]
+            del self.handouts[k], self.data[k], self.refs[k]
             self.touched.discard(k)
 
     @rule(key=st.sampled_from(KEYS), size=st.integers(1, 3000))
@@ -78,8 +78,7 @@ class StoreModel(RuleBasedStateMachine):
         self._sync_evictions(before)
         self.order.append(key)
         self.data[key] = blob
-        self.owed[key] = [1, 1]
-        self.releasable[key] = 1
+        self.handouts[key] = [(ref, {0, 1})]
         self.refs[key] = ref
         assert self.store.keys() == self.order
 
@@ -89,18 +88,28 @@ class StoreModel(RuleBasedStateMachine):
         if key not in self.order:
             assert ref is None
             return
-        assert ref == self.refs[key]
-        self.owed[key] = [c + 1 for c in self.owed[key]]
-        self.releasable[key] += 1
+        assert ref is not None and (ref.id, ref.address) == (
+            self.refs[key].id,
+            self.refs[key].address,
+        )
+        assert all(ref.seq != r.seq for r, _p in self.handouts[key])
+        self.handouts[key].append((ref, {0, 1}))
         self.touched.discard(key)
 
-    @rule(key=st.sampled_from(KEYS), reader=st.integers(0, 1))
-    def read(self, key: str, reader: int) -> None:
-        if key not in self.order or not self.owed[key][reader]:
+    @rule(key=st.sampled_from(KEYS), reader=st.integers(0, 1), late=st.booleans())
+    def read(self, key: str, reader: int, late: bool) -> None:
+        if key not in self.order:
             return
-        value = self.readers[reader].get(self.refs[key])
+        owed = [(r, p) for r, p in self.handouts[key] if reader in p]
+        if not owed:
+            if late and self.handouts[key]:  # reading a hand-out already read settles nothing
+                ref = self.handouts[key][0][0]
+                assert self.readers[reader].get(ref) == {"b": self.data[key]}
+            return
+        ref, pending = owed[-1] if late else owed[0]
+        value = self.readers[reader].get(ref)
         assert value == {"b": self.data[key]}
-        self.owed[key][reader] -= 1
+        pending.discard(reader)
 
     @rule(key=st.sampled_from(KEYS))
     def touch(self, key: str) -> None:
@@ -108,15 +117,14 @@ class StoreModel(RuleBasedStateMachine):
         if key in self.order:
             self.touched.add(key)
 
-    @rule(key=st.sampled_from(KEYS))
-    def release(self, key: str) -> None:
+    @rule(key=st.sampled_from(KEYS), which=st.integers(0, 50))
+    def release(self, key: str, which: int) -> None:
         if key not in self.order:
             return
-        ok = self.store.release(self.refs[key])
-        assert ok == (self.releasable[key] > 0)
-        if ok:
-            self.releasable[key] -= 1
-            self.owed[key] = [max(0, c - 1) for c in self.owed[key]]
+        ref, pending = self.handouts[key][which % len(self.handouts[key])]
+        ok = self.store.release(ref)
+        assert ok == bool(pending)  # exactly that hand-out, if anyone still owes it
+        pending.clear()
 
     @rule()
     def clear(self) -> None:
@@ -124,7 +132,7 @@ class StoreModel(RuleBasedStateMachine):
         self.store.clear()
         self.order.clear()
         self.data.clear()
-        self.owed.clear()
+        self.handouts.clear()
         self.refs.clear()
         self.touched.clear()
         for ref in old.values():
