@@ -68,7 +68,15 @@ from ._segment import (
     Segment,
 )
 from ._serde import EncodePlan, MsgpackSerde, Serde
-from ._types import CacheConfig, CacheHandle, ReaderSlotInfo, ShmRef, reference_tag
+from ._types import (
+    CacheConfig,
+    CacheHandle,
+    ReaderSlotInfo,
+    ShmRef,
+    finish_tag,
+    reference_tag,
+    tag_base,
+)
 from .errors import (
     CacheFullError,
     ClosedCacheError,
@@ -108,6 +116,8 @@ class _Entry:
         "pins",
         "position",
         "ref",
+        "tag_base",
+        "tag_epoch",
         "touched",
     )
 
@@ -126,6 +136,8 @@ class _Entry:
         self.handouts = 0
         self.last_handout = 0.0
         self.ref: ShmRef | None = None  # the last reference made (tests, inspection)
+        self.tag_base = 0
+        self.tag_epoch = -1
 
 
 @dataclass
@@ -164,6 +176,7 @@ class ShmObjectStore:
         self.one_of_n = int(self._hw[W_DELIVERY]) == DELIVERY_CODES["one_of_n"]
         self.handout_ttl = int(self._hw[W_HANDOUT_TTL_MS]) / 1000.0
         self._secret = int(self._hw[W_SECRET])
+        self._nonce = segment.nonce
         self._closed = False
         self._sem: Any = None
         # writer state
@@ -298,8 +311,19 @@ class ShmObjectStore:
 
     def _ref(self, e: _Entry, seq: int = 0) -> ShmRef:
         epoch = int(self._hw[W_EPOCH])
-        tag = reference_tag(self._secret, epoch, e.address, e.id, e.length, e.position, seq)
-        ref = ShmRef(self._seg.nonce, epoch, e.address, e.id, e.length, tag, e.position, seq)
+        if e.tag_epoch != epoch:  # the seq-independent part of the tag, once per epoch
+            e.tag_epoch = epoch
+            e.tag_base = tag_base(self._secret, epoch, e.address, e.id, e.length, e.position)
+        ref = ShmRef(
+            self._nonce,
+            epoch,
+            e.address,
+            e.id,
+            e.length,
+            finish_tag(e.tag_base, seq),
+            e.position,
+            seq,
+        )
         e.ref = ref
         return ref
 

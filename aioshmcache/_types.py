@@ -13,7 +13,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from .errors import InvalidReferenceError
 
@@ -165,6 +165,19 @@ _M1, _M2, _M3, _M4 = (
 )
 
 
+def tag_base(secret: int, epoch: int, address: int, cid: int, length: int, position: int) -> int:
+    """The part of a reference's tag that does not depend on the hand-out (see ``finish_tag``)."""
+    h = secret ^ (cid * _M1) ^ (address * _M2) ^ (length * _M3) ^ (epoch * _M4)
+    return h ^ (position * _M2 >> 7)
+
+
+def finish_tag(base: int, seq: int) -> int:
+    """The tag of hand-out ``seq`` from its ``tag_base``."""
+    h = (base ^ (seq * _M3 >> 11)) & _U64
+    h ^= h >> 29
+    return (h * _M1) & _U64
+
+
 def reference_tag(
     secret: int, epoch: int, address: int, cid: int, length: int, position: int = 0, seq: int = 0
 ) -> int:
@@ -174,15 +187,14 @@ def reference_tag(
     the segment anyway): it makes a reference with any field changed by accident or by a naive
     forger fail as ``InvalidReferenceError`` instead of looking merely stale.
     """
-    h = secret ^ (cid * _M1) ^ (address * _M2) ^ (length * _M3) ^ (epoch * _M4)
-    h = (h ^ (position * _M2 >> 7) ^ (seq * _M3 >> 11)) & _U64
-    h ^= h >> 29
-    return (h * _M1) & _U64
+    return finish_tag(tag_base(secret, epoch, address, cid, length, position), seq)
 
 
-@dataclass(frozen=True, slots=True)
-class ShmRef:
-    """The reference a reader gets instead of the data.
+class ShmRef(NamedTuple):
+    """The reference a reader gets instead of the data (immutable, hashable, picklable).
+
+    A ``NamedTuple`` rather than a frozen dataclass: one is made per hand-out, and a tuple is
+    built three times faster (0.3 us against 1 us here).
 
     ``nonce`` names the segment instance, ``epoch`` the clear generation, ``address`` the chunk's
     offset in the ring, ``id`` its 64-bit generation and ``length`` the payload size. Every field
