@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from typing import Literal
 
 __all__ = ["run_main", "serve_main"]
@@ -47,6 +48,8 @@ def serve_main(argv: list[str]) -> int:
     from .imaging import ProcessorConfig
 
     worker_loop: Literal["asyncio", "uvloop"] = "asyncio" if ns.loop == "asyncio" else "uvloop"
+    if ns.loop == "auto" and importlib.util.find_spec("uvloop") is None:
+        worker_loop = "asyncio"  # uvloop is optional: fall back rather than fail
     settings = GatewaySettings(
         workers=ns.workers,
         delivery=ns.delivery,
