@@ -315,6 +315,7 @@ def test_torn_reads_are_detected(make_config: Any) -> None:
     writer = ShmObjectStore.create(cfg)
     stop = threading.Event()
     outcomes = {"ok": 0, "stale": 0, "wrong": 0}
+    n_reads = [0]
     refs: list[Any] = []
 
     def reader() -> None:
@@ -323,7 +324,9 @@ def test_torn_reads_are_detected(make_config: Any) -> None:
             while not stop.is_set():
                 if not refs:
                     continue
-                ref = refs[-1]
+                # the newest (live) and the one before (freed and being reused right now)
+                ref = refs[-1 - (n_reads[0] % 2)] if len(refs) > 1 else refs[-1]
+                n_reads[0] += 1
                 try:
                     v = rx.get(ref)
                 except StaleReferenceError:
@@ -343,7 +346,7 @@ def test_torn_reads_are_detected(make_config: Any) -> None:
         writer.release(refs[-1])  # nobody owes it: the writer may reuse it at any time
         t.start()
         wait_until(lambda: writer.readers.word(0, 0) != 0)
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 10
         i = 1
         while time.monotonic() < deadline and (outcomes["stale"] < 20 or outcomes["ok"] < 20):
             writer.evict(0)
@@ -353,6 +356,7 @@ def test_torn_reads_are_detected(make_config: Any) -> None:
             refs.append(writer.put(f"k{i}", items[i % 4]))
             writer.release(refs[-1])
             i += 1
+            time.sleep(random.uniform(0, 0.002))  # sometimes a read finishes before the reuse
         stop.set()
         t.join(10)
         assert outcomes["wrong"] == 0
