@@ -7,26 +7,32 @@ call, so it never evicts what it is about to hand out (vLLM issue 26195). The re
 references back into items: it validates every reference of a request first, reads each one,
 verifies it and only then acknowledges it, and reports stale ones together as one
 ``CacheMissError`` (the drift signal: the sender answers with ``invalidate`` and a resend).
+
+A request's algorithm lives in ``_request`` (``SenderRequest``, ``ReceiverRequest``) as explicit
+steps; these classes run the steps inline, the asyncio twins in ``aio`` run the very same steps
+and only choose where the copy jobs run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Final
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-from ._segment import (
-    W_HITS,
-    W_INLINE_FULL,
-    W_INLINE_LARGE,
-    W_MISSES,
+from ._request import (
+    DEFAULT_INLINE_THRESHOLD,
+    MmItem,
+    ReceiverRequest,
+    RequestCounters,
+    SenderBook,
+    SenderRequest,
+    as_reference,
+    check_hash,
 )
 from ._serde import Serde
-from ._store import Reservation, ShmObjectStore
+from ._store import ShmObjectStore
 from ._types import (
-    REF_FIELDS,
     CacheConfig,
     CacheHandle,
     CacheInfo,
@@ -35,41 +41,23 @@ from ._types import (
     ShmRef,
 )
 from .errors import (
-    CacheFullError,
-    CacheMissError,
     InvalidReferenceError,
-    ObjectTooLargeError,
     StaleReferenceError,
 )
 
-__all__ = ["ReceiverCache", "SenderCache"]
+__all__ = ["MmItem", "ReceiverCache", "SenderCache", "as_reference"]
 
 log = logging.getLogger("aioshmcache")
 
-_REF_KEYS: Final = frozenset(REF_FIELDS)
-_TOO_LARGE_MEMORY: Final = 4096  # hashes remembered as too large (no re-serialisation)
 
-MmItem = tuple[Any, Sequence[Any]]
-
-
-def _check_hash(mm_hash: object) -> str:
-    if not isinstance(mm_hash, str):
-        raise TypeError(f"mm_hash must be a str, not {type(mm_hash).__name__}")
-    return mm_hash
-
-
-def as_reference(data: object) -> ShmRef | None:
-    """``data`` as a reference if it is one (a ``ShmRef``, or a mapping of reference fields).
-
-    A mapping with a ``nonce`` whose keys are all reference field names is a reference, validated
-    strictly (``InvalidReferenceError`` for missing fields or wrong types); any other mapping is
-    an inline item.
-    """
-    if isinstance(data, ShmRef):
-        return data
-    if isinstance(data, Mapping) and "nonce" in data and all(k in _REF_KEYS for k in data):
-        return ShmRef.from_dict(data)
-    return None
+def _run_inline(request: SenderRequest | ReceiverRequest) -> None:
+    """The sync face of a request: every step on the calling thread; abandon on any error."""
+    try:
+        request.begin()
+        request.run_jobs()
+    except BaseException:
+        request.abandon()
+        raise
 
 
 class SenderCache:
@@ -78,35 +66,93 @@ class SenderCache:
     def __init__(self, config: CacheConfig, *, serde: Serde | None = None) -> None:
         self.config = config
         self.store = ShmObjectStore.create(config, serde=serde)
-        self._prompt_updates: dict[str, Sequence[Any]] = {}
-        self.store.on_evict = self._forget
-        self._too_large: OrderedDict[str, int] = OrderedDict()
-        self.hits = 0
-        self.total = 0
-        self.inline_too_large = 0
-        self.inline_full = 0
-        self._logged: set[str] = set()
+        self._book = SenderBook(self.store, default_wait_for_space=config.wait_for_space)
+        self._prompt_updates = self._book.prompt_updates
+        self._too_large = self._book.too_large
+        self._counters = self._book.counters
+        self.store.on_evict = self._book.forget
         self._last_delta = CacheInfo(0, 0)
 
-    def _forget(self, key: str) -> None:
-        self._prompt_updates.pop(key, None)
+    @property
+    def hits(self) -> int:
+        """Items answered from the cache."""
+        return self._counters.hits
 
-    # --- look-ups --------------------------------------------------------------------------
+    @property
+    def total(self) -> int:
+        """Items asked for."""
+        return self._counters.total
+
+    @property
+    def inline_too_large(self) -> int:
+        """Items served inline because they exceed ``max_object_bytes``."""
+        return self._counters.inline_too_large
+
+    @property
+    def inline_full(self) -> int:
+        """Items served inline because there was no room (even after eviction and waiting)."""
+        return self._counters.inline_full
+
+    @property
+    def inline_busy(self) -> int:
+        """Items served inline because another request was putting the same hash."""
+        return self._counters.inline_busy
+
     def is_cached_item(self, mm_hash: str) -> bool:
         """Pure look-up: no hand-out, no change to eviction order."""
-        return self.store.is_cached(_check_hash(mm_hash))
+        return self.store.is_cached(check_hash(mm_hash))
 
     def is_cached(self, mm_hashes: Sequence[str]) -> list[bool]:
+        """``is_cached_item`` of each hash."""
         return [self.is_cached_item(h) for h in mm_hashes]
 
     def handle(self) -> CacheHandle:
+        """What a reader needs to attach (picklable, msgpack- and JSON-friendly)."""
         return self.store.handle()
 
     @property
     def name(self) -> str:
+        """The segment's name (``aioshm-...``)."""
         return self.store.name
 
-    # --- the seed's get_and_update -------------------------------------------------------
+    def request(
+        self,
+        mm_items: Sequence[MmItem | None],
+        mm_hashes: Sequence[str],
+        *,
+        wait_for_space: float | None = None,
+        copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
+    ) -> SenderRequest:
+        """A request as steps (``begin``, ``run_jobs``, ``finish`` or ``abandon``).
+
+        For drivers such as the asyncio facade, which choose where ``run_jobs`` runs; the
+        methods below run all the steps inline.
+        """
+        return SenderRequest(
+            self.store,
+            self._book,
+            mm_items,
+            mm_hashes,
+            wait_for_space=wait_for_space,
+            copy_inline_below=copy_inline_below,
+        )
+
+    def features_request(
+        self,
+        features: Sequence[FeatureSpec],
+        *,
+        wait_for_space: float | None = None,
+        copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
+    ) -> SenderRequest:
+        """``request`` over ``FeatureSpec``s; end it with ``finish_features``."""
+        return SenderRequest.for_features(
+            self.store,
+            self._book,
+            features,
+            wait_for_space=wait_for_space,
+            copy_inline_below=copy_inline_below,
+        )
+
     def get_and_update_item(
         self, mm_item: MmItem | None, mm_hash: str, *, wait_for_space: float | None = None
     ) -> MmItem:
@@ -115,109 +161,7 @@ class SenderCache:
         ``mm_item`` is ``(item, prompt_updates)`` or ``None`` (the caller believes it is cached:
         ``CacheMissError`` if not).
         """
-        _check_hash(mm_hash)
-        with self.store.lock:
-            if mm_item is None and not self.store.is_cached(mm_hash):
-                raise CacheMissError([mm_hash])
-            with self.store.pinned([mm_hash]):
-                return self._update_locked(mm_item, mm_hash, wait_for_space)
-
-    def _count(self, hit: bool) -> None:
-        self.total += 1
-        if hit:
-            self.hits += 1
-        w = self.store.ring.segment.words
-        w[W_HITS] = self.hits
-        w[W_MISSES] = self.total - self.hits
-
-    def _lookup_locked(self, mm_item: MmItem | None, mm_hash: str) -> MmItem | None:
-        """The hit path (or None on a miss). Hold the store lock."""
-        ref = self.store.get_cached(mm_hash)
-        if ref is None:
-            if mm_item is None:
-                raise CacheMissError([mm_hash])
-            return None
-        self._count(True)
-        updates = self._prompt_updates.get(mm_hash, ()) if mm_item is None else mm_item[1]
-        return ref, updates
-
-    def _update_locked(
-        self, mm_item: MmItem | None, mm_hash: str, wait_for_space: float | None
-    ) -> MmItem:
-        hit = self._lookup_locked(mm_item, mm_hash)
-        if hit is not None:
-            return hit
-        assert_item = _split_item(mm_item)
-        if self.store.is_pending(mm_hash):  # another thread is putting it right now
-            self._count(False)
-            return assert_item
-        res = self._reserve_locked(assert_item, mm_hash, wait_for_space)
-        if res is None:
-            return assert_item
-        try:
-            self.store.write_reserved(res)
-        except BaseException:
-            self.store.abort(res)
-            raise
-        return self._commit_locked(res, assert_item[1])
-
-    def _reserve_locked(
-        self,
-        mm_item: MmItem,
-        mm_hash: str,
-        wait_for_space: float | None,
-        *,
-        count: bool = True,
-        defer_full: bool = False,
-    ) -> Reservation | None:
-        """Plan and allocate a miss; None means: serve inline (counted and logged once).
-
-        ``count=False``: the miss was counted already (a retry). ``defer_full``: raise
-        ``CacheFullError`` instead of serving inline (the caller will wait for room).
-        """
-        if count:
-            self._count(False)
-        known = self._too_large.get(mm_hash)
-        if known is not None:
-            self._too_large.move_to_end(mm_hash)
-            self._inline("too_large", mm_hash, known)
-            return None
-        try:
-            plan = self.store.plan(mm_item[0])
-            return self.store.reserve(mm_hash, plan, wait_for_space=wait_for_space)
-        except ObjectTooLargeError as exc:
-            nbytes = exc.nbytes
-            self._too_large[mm_hash] = nbytes
-            if len(self._too_large) > _TOO_LARGE_MEMORY:
-                self._too_large.popitem(last=False)
-            self._inline("too_large", mm_hash, nbytes)
-            return None
-        except CacheFullError:
-            if defer_full:
-                raise
-            self._inline("full", mm_hash, 0)
-            return None
-
-    def _commit_locked(self, res: Reservation, prompt_updates: Sequence[Any]) -> MmItem:
-        ref = self.store.commit(res)
-        self._prompt_updates[res.key] = prompt_updates
-        return ref, prompt_updates
-
-    def _inline(self, cause: str, mm_hash: str, nbytes: int) -> None:
-        w = self.store.ring.segment.words
-        if cause == "too_large":
-            self.inline_too_large += 1
-            w[W_INLINE_LARGE] = self.inline_too_large
-            msg = "item %s (%d bytes) exceeds max_object_bytes=%d: serving inline, not cached"
-            args: tuple[Any, ...] = (mm_hash, nbytes, self.store.max_object_bytes)
-        else:
-            self.inline_full += 1
-            w[W_INLINE_FULL] = self.inline_full
-            msg = "cache full (oldest items still owed to readers): serving %s inline"
-            args = (mm_hash,)
-        if cause not in self._logged:  # one line per cause, not one per request
-            self._logged.add(cause)
-            log.warning(msg + " (logged once per cause; see snapshot() for counts)", *args)
+        return self.get_and_update([mm_item], [mm_hash], wait_for_space=wait_for_space)[0]
 
     def get_and_update(
         self,
@@ -228,31 +172,12 @@ class SenderCache:
     ) -> list[MmItem]:
         """A whole request: pin every cached hash first, then update each item in order.
 
-        If anything raises, the hand-outs already taken by this call are released.
+        ``wait_for_space`` (seconds, default the config's) bounds the whole call. If anything
+        raises, everything the call took is given back (hand-outs, allocations, pins).
         """
-        if len(mm_items) != len(mm_hashes):
-            raise ValueError("mm_items and mm_hashes differ in length")
-        hashes = [_check_hash(h) for h in mm_hashes]
-        with self.store.lock:
-            missing = [
-                h for it, h in zip(mm_items, hashes) if it is None and not self.store.is_cached(h)
-            ]
-            if missing:
-                raise CacheMissError(missing)
-            out: list[MmItem] = []
-            with self.store.pinned(hashes) as pins:
-                try:
-                    for it, h in zip(mm_items, hashes):
-                        cached = self.store.is_cached(h)
-                        out.append(self._update_locked(it, h, wait_for_space))
-                        if not cached and self.store.pin(h):  # new: protect it from the rest
-                            pins.append(h)
-                except BaseException:
-                    for r in out:
-                        if isinstance(r[0], ShmRef):
-                            self.store.release(r[0])
-                    raise
-            return out
+        req = self.request(mm_items, mm_hashes, wait_for_space=wait_for_space)
+        _run_inline(req)
+        return req.finish()
 
     def get_and_update_features(
         self, features: Sequence[FeatureSpec], *, wait_for_space: float | None = None
@@ -261,20 +186,14 @@ class SenderCache:
 
         A spec whose data is ``None`` (or already a reference) is looked up by its hash.
         """
-        items = [_feature_item(f) for f in features]
-        results = self.get_and_update(
-            items, [f.mm_hash for f in features], wait_for_space=wait_for_space
-        )
-        return [
-            FeatureSpec(f.mm_hash, data, identifier=f.identifier, prompt_updates=tuple(updates))
-            for f, (data, updates) in zip(features, results)
-        ]
+        req = self.features_request(features, wait_for_space=wait_for_space)
+        _run_inline(req)
+        return req.finish_features()
 
-    # --- maintenance ---------------------------------------------------------------------
     def touch_sender_cache_item(self, mm_hash: str) -> bool:
         """Protect a cached item from eviction until its next hand-out."""
         with self.store.lock:
-            return self.store.touch(_check_hash(mm_hash))
+            return self.store.touch(check_hash(mm_hash))
 
     touch = touch_sender_cache_item
 
@@ -287,8 +206,8 @@ class SenderCache:
         """Forget an item (after a receiver's ``CacheMissError``); the next request re-puts it."""
         with self.store.lock:
             self._prompt_updates.pop(mm_hash, None)
-            self._too_large.pop(mm_hash, None)
-            return self.store.invalidate(_check_hash(mm_hash))
+            self._too_large.discard(mm_hash)
+            return self.store.invalidate(check_hash(mm_hash))
 
     def clear_cache(self) -> None:
         """Drop everything; a new epoch makes every older reference stale."""
@@ -313,12 +232,14 @@ class SenderCache:
         return self.store.keys()
 
     def is_freeable(self, mm_hash: str) -> bool:
+        """Whether the item's chunk could be evicted now (debts of dead readers dropped)."""
         with self.store.lock:
             return self.store.is_freeable(mm_hash)
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
         """Hits and total; with ``delta`` the change since the previous delta call."""
-        info = CacheInfo(self.hits, self.total)
+        with self._counters.lock:
+            info = CacheInfo(self._counters.hits, self._counters.total)
         if not delta:
             return info
         out = info - self._last_delta
@@ -326,6 +247,7 @@ class SenderCache:
         return out
 
     def snapshot(self) -> CacheSnapshot:
+        """What an operator watches: counters, usage and every reader slot."""
         with self.store.lock:
             self.store.drain()
             st = self.store
@@ -351,6 +273,7 @@ class SenderCache:
 
     @property
     def closed(self) -> bool:
+        """Whether ``close`` was called."""
         return self.store.closed
 
     def __enter__(self) -> SenderCache:
@@ -360,31 +283,13 @@ class SenderCache:
         self.close()
 
 
-def _split_item(mm_item: MmItem | None) -> MmItem:
-    if mm_item is None:  # guarded by the callers; never an assert (python -O)
-        raise CacheMissError([])
-    if not isinstance(mm_item, tuple) or len(mm_item) != 2:
-        raise TypeError("mm_item must be (item, prompt_updates) or None")
-    return mm_item
-
-
-def _feature_item(f: FeatureSpec) -> MmItem | None:
-    if not isinstance(f, FeatureSpec):
-        raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
-    _check_hash(f.mm_hash)
-    if f.data is None or isinstance(f.data, ShmRef):
-        return None
-    return (f.data, tuple(f.prompt_updates))
-
-
 class ReceiverCache:
     """P1: a reader. Attaches to a sender's segment and claims a reader slot."""
 
     def __init__(self, store: ShmObjectStore) -> None:
         self.store = store
         self._released: dict[tuple[int, int], None] = {}  # hand-outs given back (bounded)
-        self.hits = 0
-        self.total = 0
+        self._counters = RequestCounters()
         self._last_delta = CacheInfo(0, 0)
 
     @classmethod
@@ -395,46 +300,37 @@ class ReceiverCache:
         return cls(ShmObjectStore.from_handle(handle, serde=serde))
 
     def handle(self) -> CacheHandle:
+        """The handle of the segment this reader is attached to."""
         return self.store.handle()
 
-    def _plan(self, features: Sequence[FeatureSpec]) -> tuple[list[ShmRef | None], list[str]]:
-        """Validate a whole request before reading any of it: refs, and hashes found stale.
+    @property
+    def hits(self) -> int:
+        """References resolved into items."""
+        return self._counters.hits
 
-        A bad entry (forged reference, wrong type) fails the request, but only after every valid
-        reference in it was given back (acknowledged unread): a rejected request owes nothing.
+    @property
+    def total(self) -> int:
+        """Features seen."""
+        return self._counters.total
+
+    def request(
+        self,
+        features: Sequence[FeatureSpec],
+        *,
+        copy: bool = True,
+        copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
+    ) -> ReceiverRequest:
+        """A read as steps (``begin``, ``run_jobs``, ``finish`` or ``abandon``), for drivers.
+
+        ``copy=False`` reads zero-copy views that stay owed until ``settle_lease``.
         """
-        self.store._check_reader()
-        refs: list[ShmRef | None] = []
-        stale: list[str] = []
-        error: Exception | None = None
-        for f in features:
-            ref = None
-            try:
-                if not isinstance(f, FeatureSpec):
-                    raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
-                _check_hash(f.mm_hash)
-                ref = as_reference(f.data)
-                if ref is not None:
-                    try:
-                        self.store.validate(ref)
-                    except StaleReferenceError:
-                        stale.append(f.mm_hash)
-                        self.store.give_back(ref)
-                        ref = None
-            except (InvalidReferenceError, TypeError) as exc:
-                error = error or exc
-                ref = None
-            refs.append(ref)
-        if error is not None:
-            self._give_back(refs)
-            raise error
-        return refs, stale
-
-    def _give_back(self, refs: Sequence[ShmRef | None]) -> None:
-        """Acknowledge references that will not be read (the request failed or was cancelled)."""
-        for ref in refs:
-            if ref is not None:
-                self.store.give_back(ref)
+        return ReceiverRequest(
+            self.store,
+            self._counters,
+            features,
+            copy=copy,
+            copy_inline_below=copy_inline_below,
+        )
 
     def get_and_update_features(self, features: Sequence[FeatureSpec]) -> list[FeatureSpec]:
         """Resolve every reference of a request into its item (a copy); returns new specs.
@@ -442,53 +338,25 @@ class ReceiverCache:
         Features whose data is ``None`` or inline pass through. ``WriterGoneError`` first (a
         dead writer), ``InvalidReferenceError`` at once (forged or foreign), and stale references
         are read around and raised together as one ``CacheMissError`` listing their hashes (its
-        ``features`` attribute holds the partial result).
+        ``features`` attribute holds the partial result). Any failure gives back every reference
+        of the request that was not read: a failed read owes nothing.
         """
-        refs, stale = self._plan(features)
-        out: list[FeatureSpec] = []
-        i = 0
-        try:
-            for i, (f, ref) in enumerate(zip(features, refs)):  # noqa: B007 (i used on error)
-                self.total += 1
-                if ref is None:
-                    if as_reference(f.data) is not None:  # stale at validation
-                        out.append(f.with_data(None))
-                    else:
-                        out.append(f.with_data(f.data))
-                    continue
-                try:
-                    data = self.store.get(ref)
-                except StaleReferenceError:
-                    stale.append(f.mm_hash)
-                    out.append(f.with_data(None))
-                    continue
-                self.hits += 1
-                out.append(f.with_data(data))
-        except BaseException:
-            self._give_back(refs[i:])  # what was not read is owed no more
-            raise
-        if stale:
-            raise CacheMissError(stale, features=out)
-        return out
+        req = self.request(features)
+        _run_inline(req)
+        return req.finish()
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
         """A reference becomes its item (a copy); inline data is returned unchanged.
 
         A stale reference raises ``StaleReferenceError``.
         """
-        _check_hash(mm_hash)
-        self.store._check_reader()
-        ref = as_reference(mm_item)
-        self.total += 1
-        if ref is None:
-            return mm_item
-        data = self.store.get(ref)
-        self.hits += 1
-        return data
+        req = self.request([FeatureSpec(check_hash(mm_hash), mm_item)])
+        _run_inline(req)
+        return req.finish_item()
 
     def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:
         """Validate a reference without reading it; owes nothing (parity with vLLM)."""
-        _check_hash(mm_hash)
+        check_hash(mm_hash)
         ref = as_reference(mm_item)
         if ref is not None:
             self.store.validate(ref)
@@ -519,48 +387,34 @@ class ReceiverCache:
         """Zero-copy read: arrays are read-only views into shared memory for the block.
 
         The hand-outs stay owed (the writer cannot reuse the bytes) until the block exits; then
-        each is re-verified and acknowledged. Do not keep the arrays past the block.
+        each is re-verified and acknowledged. Do not keep the arrays past the block. A stale
+        reference raises ``CacheMissError`` before the block (nothing is leased then).
         """
-        refs, stale = self._plan(features)
-        if stale:
-            self._give_back(refs)
-            raise CacheMissError(stale)
-        out: list[FeatureSpec] = []
-        held: list[ShmRef] = []
+        req = self.request(features, copy=False)
         try:
-            for i, (f, ref) in enumerate(zip(features, refs)):
-                if ref is None:
-                    out.append(f.with_data(f.data))
-                    continue
-                try:
-                    out.append(f.with_data(self.store.get(ref, copy=False)))
-                except BaseException:
-                    self._give_back(refs[i:])
-                    raise
-                held.append(ref)
+            req.begin()
+            out = req.finish()
+        except BaseException:
+            req.abandon()
+            raise
+        try:
             yield out
         finally:
             out.clear()
-            errors: list[BaseException] = []
-            for ref in held:
-                try:
-                    self.store.ack(ref)
-                except Exception as exc:  # keep acknowledging the others
-                    errors.append(exc)
-            if errors:
-                raise errors[0]
+            req.settle_lease()
 
     def clear_cache(self) -> None:
         """Drop local state (the receiver keeps no item copies)."""
-        self.hits = 0
-        self.total = 0
+        with self._counters.lock:
+            self._counters.hits = self._counters.total = 0
         self._last_delta = CacheInfo(0, 0)
 
     clear = clear_cache
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
         """References resolved (hits) of features seen (total); ``delta`` as on the sender."""
-        info = CacheInfo(self.hits, self.total)
+        with self._counters.lock:
+            info = CacheInfo(self._counters.hits, self._counters.total)
         if not delta:
             return info
         out = info - self._last_delta
@@ -573,6 +427,7 @@ class ReceiverCache:
 
     @property
     def closed(self) -> bool:
+        """Whether ``close`` was called."""
         return self.store.closed
 
     def __enter__(self) -> ReceiverCache:

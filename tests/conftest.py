@@ -1,14 +1,17 @@
 """Shared fixtures: unique segment names, event loops (asyncio and uvloop), and a leak check.
 
 Every async test runs on both asyncio and uvloop (``pytest_asyncio_loop_factories``). At the end
-of the session the suite fails if /dev/shm holds an ``aioshm-`` segment or semaphore that was not
-there when it started.
+of the session the suite fails if /dev/shm holds a segment (or semaphore) that this run created
+and did not remove: one named with this run's prefix (``RUN_PREFIX``, every fixture name has it)
+or one whose header names this process as its writer. Other programs' segments (another test
+run, a developer's gateway) are never looked at: the machine may be shared.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import struct
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -17,10 +20,33 @@ import pytest
 import uvloop
 
 SHM = "/dev/shm"
+#: every segment name made by the fixtures starts with this (unique per test run)
+RUN_PREFIX = f"t{uuid.uuid4().hex[:6]}-"
+_WRITER_PID_WORD = 10  # the segment header word that holds the writer's pid
 
 
-def _ours() -> set[str]:
-    return {n for n in os.listdir(SHM) if n.startswith(("aioshm-", "sem.aioshm-"))}
+def _written_by_us(name: str) -> bool:
+    try:
+        with open(os.path.join(SHM, name), "rb") as f:
+            head = f.read(8 * (_WRITER_PID_WORD + 1))
+    except OSError:
+        return False
+    if len(head) < 8 * (_WRITER_PID_WORD + 1):
+        return False
+    return struct.unpack_from("=Q", head, 8 * _WRITER_PID_WORD)[0] == os.getpid()
+
+
+def _ours(before: frozenset[str] = frozenset()) -> set[str]:
+    """This run's segments and semaphores in /dev/shm (never another program's)."""
+    names = set(os.listdir(SHM)) - before
+    segs = {
+        n
+        for n in names
+        if n.startswith("aioshm-" + RUN_PREFIX) or (n.startswith("aioshm-") and _written_by_us(n))
+    }
+    sems = {n for n in names if n.startswith("sem.") and n[4:].split(".")[0] in segs}
+    sems |= {n for n in names if n.startswith("sem.aioshm-" + RUN_PREFIX)}
+    return segs | sems
 
 
 def pytest_asyncio_loop_factories(
@@ -31,9 +57,9 @@ def pytest_asyncio_loop_factories(
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leftover_segments() -> Iterator[None]:
-    before = _ours()
+    before = frozenset(os.listdir(SHM))
     yield
-    left = _ours() - before
+    left = _ours(before)
     if left:
         pytest.fail(f"left behind in /dev/shm: {sorted(left)}", pytrace=False)
 
@@ -41,7 +67,7 @@ def no_leftover_segments() -> Iterator[None]:
 @pytest.fixture
 def shm_name() -> str:
     """A unique segment name for one test."""
-    return f"t-{uuid.uuid4().hex[:12]}"
+    return f"{RUN_PREFIX}{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture
