@@ -33,7 +33,8 @@ def _written_by_us(name: str) -> bool:
         return False
     if len(head) < 8 * (_WRITER_PID_WORD + 1):
         return False
-    return struct.unpack_from("=Q", head, 8 * _WRITER_PID_WORD)[0] == os.getpid()
+    pid: int = struct.unpack_from("=Q", head, 8 * _WRITER_PID_WORD)[0]
+    return pid == os.getpid()
 
 
 def _ours(before: frozenset[str] = frozenset()) -> set[str]:
