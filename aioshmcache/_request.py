@@ -275,6 +275,8 @@ class SenderRequest(_Steps):
         self._waits: list[int] = []  # misses waiting for room
         self._reserved: list[Reservation] = []  # every allocation, for the roll back
         self._features: list[FeatureSpec] | None = None
+        self._putting: set[str] = set()  # hashes this request reserved
+        self._followers: dict[str, list[int]] = {}  # hash -> later items of the same hash
 
     @property
     def has_jobs(self) -> bool:
@@ -316,6 +318,9 @@ class SenderRequest(_Steps):
             book.count(hit=True)
             return None
         item = _split_item(it, h)
+        if h in self._putting:  # this request puts it: a hit once that copy is committed
+            self._followers.setdefault(h, []).append(i)
+            return None
         if store.is_pending(h):  # another request is putting this very item right now
             self._out[i] = item
             book.count(hit=False, inline="busy")
@@ -341,6 +346,7 @@ class SenderRequest(_Steps):
             book.count(hit=False, inline="full", mm_hash=h)
             return None
         self._reserved.append(res)
+        self._putting.add(h)
         book.count(hit=False)
         return res
 
@@ -348,10 +354,13 @@ class SenderRequest(_Steps):
         item = self._items[i]
         updates: Sequence[Any] = () if item is None else item[1]
         ref = self._store.commit(res)
+        self._putting.discard(res.key)
         self._book.prompt_updates[res.key] = updates
         self._out[i] = (ref, updates)
         if (e := self._store.pin_entry(res.key)) is not None:  # protect it from the rest
             self._pins.append(e)
+        for j in self._followers.pop(res.key, ()):  # the same hash again in this request
+            self._decide_locked(j, wait=0.0, may_defer=False)
 
     def _run_jobs(self) -> None:
         store = self._store

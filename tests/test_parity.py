@@ -1,0 +1,298 @@
+"""The sync caches and their async twins behave the same: one table of scenarios, both faces.
+
+Each scenario drives a sender and a receiver through a ``Face`` (the sync classes called
+directly, or the async twins awaited) and returns what a user sees: results, raised errors,
+counters, and the debts left in the store afterwards. Both faces must give equal outcomes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from aioshmcache import (
+    AsyncReceiverCache,
+    AsyncSenderCache,
+    CacheMissError,
+    FeatureSpec,
+    InvalidReferenceError,
+    MsgpackSerde,
+    ReceiverCache,
+    SenderCache,
+    SerdeError,
+    ShmRef,
+)
+
+from .helpers import checksum, random_item
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+class _FailingSerde(MsgpackSerde):
+    """A reader's serde whose every read fails (a decoder limit, a MemoryError, a bug...)."""
+
+    def read(self, view: memoryview, *, copy: bool = True) -> Any:
+        raise SerdeError("decoder limit exceeded (test)")
+
+
+@dataclass
+class Face:
+    """One face of the caches: every call is awaitable so one scenario serves both."""
+
+    kind: str
+    sender: SenderCache
+    receiver: ReceiverCache
+    send: Callable[..., Awaitable[list[FeatureSpec]]]
+    read: Callable[[Sequence[FeatureSpec]], Awaitable[list[FeatureSpec]]]
+    read_item: Callable[[Any, str], Awaitable[Any]]
+
+
+def _faces(sender: SenderCache, receiver: ReceiverCache, kind: str) -> Face:
+    if kind == "sync":
+
+        async def send(feats: Sequence[FeatureSpec], **kw: Any) -> list[FeatureSpec]:
+            return sender.get_and_update_features(feats, **kw)
+
+        async def read(feats: Sequence[FeatureSpec]) -> list[FeatureSpec]:
+            return receiver.get_and_update_features(feats)
+
+        async def read_item(item: Any, h: str) -> Any:
+            return receiver.get_and_update_item(item, h)
+
+        return Face(kind, sender, receiver, send, read, read_item)
+    # small threshold: big copies really go through worker threads
+    tx = AsyncSenderCache(sender, inline_threshold_bytes=64 * KiB)
+    rx = AsyncReceiverCache(receiver, inline_threshold_bytes=64 * KiB)
+    return Face(
+        kind,
+        sender,
+        receiver,
+        tx.get_and_update_features,
+        rx.get_and_update_features,
+        rx.get_and_update_item,
+    )
+
+
+def _shape(features: Sequence[FeatureSpec]) -> list[tuple[str, str]]:
+    return [(f.mm_hash, "ref" if isinstance(f.data, ShmRef) else "inline") for f in features]
+
+
+def _content(features: Sequence[FeatureSpec]) -> list[tuple[str, object]]:
+    out: list[tuple[str, object]] = []
+    for f in features:
+        d = f.data
+        out.append((f.mm_hash, checksum(d["data"]) == d["crc"] if isinstance(d, dict) else d))
+    return out
+
+
+async def _settle(face: Face) -> dict[str, Any]:
+    """Counters and debts once the reader has flushed: what both faces must agree on."""
+    face.receiver.get_and_update_features([])  # flushes a locally buffered acknowledgement log
+    snap = face.sender.snapshot()
+    return {
+        "sender": face.sender.make_stats(),
+        "receiver": face.receiver.make_stats(),
+        "inline": (snap.inline_too_large, snap.inline_full, face.sender.inline_busy),
+        "items": snap.items,
+        "lag": [r.lag for r in snap.readers if r.attached],
+        "freeable": {h: face.sender.is_freeable(h) for h in face.sender.cached_order()},
+    }
+
+
+def _item(rng: np.random.Generator, n: int) -> dict[str, Any]:
+    return random_item(rng, n)
+
+
+# --- the scenarios ------------------------------------------------------------------------
+async def sc_hits_and_misses(face: Face, rng: np.random.Generator) -> list[Any]:
+    items = {h: _item(rng, n) for h, n in (("a", 200), ("b", 300 * KiB), ("c", 5 * KiB))}
+    first = await face.send([FeatureSpec(h, it) for h, it in items.items()])
+    again = await face.send([FeatureSpec(h, None) for h in items])
+    return [_shape(first), _content(await face.read(first)), _content(await face.read(again))]
+
+
+async def sc_duplicate_hashes(face: Face, rng: np.random.Generator) -> list[Any]:
+    it = _item(rng, 200 * KiB)
+    out = await face.send([FeatureSpec("d", it), FeatureSpec("d", it)])
+    with pytest.raises(CacheMissError):  # None for a hash not cached *before* the call
+        await face.send([FeatureSpec("e", it), FeatureSpec("e", None)])
+    again = await face.send([FeatureSpec("d", None), FeatureSpec("d", None)])
+    return [_shape(out), _content(await face.read(out)), _content(await face.read(again))]
+
+
+async def sc_oversize(face: Face, rng: np.random.Generator) -> list[Any]:
+    big = _item(rng, 3 * MiB)  # max object is 1 MiB
+    out = await face.send([FeatureSpec("big", big), FeatureSpec("ok", _item(rng, 10))])
+    again = await face.send([FeatureSpec("big", big)])  # remembered: not serialised again
+    return [_shape(out), _shape(again), _content(await face.read(out))]
+
+
+async def _fill(face: Face, rng: np.random.Generator) -> list[FeatureSpec]:
+    """Fill the 4 MiB ring with hand-outs nobody has read yet."""
+    return await face.send([FeatureSpec(f"f{i}", _item(rng, 900 * KiB)) for i in range(4)])
+
+
+async def sc_full_no_wait(face: Face, rng: np.random.Generator) -> list[Any]:
+    held = await _fill(face, rng)
+    out = await face.send([FeatureSpec("new", _item(rng, 900 * KiB))])
+    return [_shape(held), _shape(out), _content(await face.read(held))]
+
+
+async def sc_full_wait_nobody_reads(face: Face, rng: np.random.Generator) -> list[Any]:
+    held = await _fill(face, rng)
+    new = [FeatureSpec(f"n{i}", _item(rng, 900 * KiB)) for i in range(3)]
+    out = await face.send(new, wait_for_space=0.2)  # one deadline for the whole call
+    return [_shape(held), _shape(out), _content(await face.read(held))]
+
+
+async def sc_full_wait_reader_acks(face: Face, rng: np.random.Generator) -> list[Any]:
+    held = await _fill(face, rng)
+    reader = threading.Thread(target=lambda: face.receiver.get_and_update_features(held[:1]))
+    timer = threading.Timer(0.2, reader.start)
+    timer.start()
+    try:
+        out = await face.send([FeatureSpec("w", _item(rng, 900 * KiB))], wait_for_space=30)
+    finally:
+        timer.join()
+        await anyio.to_thread.run_sync(reader.join, 30)
+    return [_shape(out), _content(await face.read(held[1:] + out))]
+
+
+async def sc_stale_reference(face: Face, rng: np.random.Generator) -> list[Any]:
+    out = await face.send([FeatureSpec("s", _item(rng, 300 * KiB)), FeatureSpec("t", {"x": 1})])
+    face.sender.clear_cache()
+    fresh = await face.send([FeatureSpec("u", _item(rng, 100))])
+    with pytest.raises(CacheMissError) as info:
+        await face.read(out + fresh)
+    with pytest.raises(Exception) as item_error:
+        await face.read_item(out[0].data, "s")
+    return [info.value.mm_hashes, type(item_error.value).__name__]
+
+
+async def sc_forged_reference(face: Face, rng: np.random.Generator) -> list[Any]:
+    out = await face.send([FeatureSpec("g", _item(rng, 300 * KiB)), FeatureSpec("h", {"x": 1})])
+    ref = out[0].data
+    forged = FeatureSpec("x", ref._replace(length=ref.length + 64))
+    with pytest.raises(InvalidReferenceError):
+        await face.read([*out, forged])  # fails at once; the valid ones are given back
+    return [_shape(out)]
+
+
+async def sc_failed_decode(face: Face, rng: np.random.Generator) -> list[Any]:
+    out = await face.send([FeatureSpec(f"e{i}", _item(rng, n)) for i, n in enumerate((10, 600 * KiB))])
+    failing = ReceiverCache.attach(face.sender.handle(), serde=_FailingSerde())
+    try:
+        other = _faces(face.sender, failing, face.kind)
+        with pytest.raises(SerdeError):
+            await other.read(out)
+        with pytest.raises(SerdeError):
+            await other.read_item(out[1].data, "e1")
+        failing.get_and_update_features([])  # flush: what it gave back reaches the writer
+        result = [_shape(out), {r.slot: r.lag for r in face.sender.snapshot().readers}]
+    finally:
+        failing.close()
+    await face.read(out)  # the healthy reader settles its own share
+    return result
+
+
+SCENARIOS: dict[str, Callable[[Face, np.random.Generator], Awaitable[list[Any]]]] = {
+    "hits_and_misses": sc_hits_and_misses,
+    "duplicate_hashes": sc_duplicate_hashes,
+    "oversize": sc_oversize,
+    "full_no_wait": sc_full_no_wait,
+    "full_wait_nobody_reads": sc_full_wait_nobody_reads,
+    "full_wait_reader_acks": sc_full_wait_reader_acks,
+    "stale_reference": sc_stale_reference,
+    "forged_reference": sc_forged_reference,
+    "failed_decode": sc_failed_decode,
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+async def test_sync_and_async_faces_agree(make_config: Any, scenario: str) -> None:
+    outcomes = {}
+    for kind in ("sync", "async"):
+        cfg = make_config(4 * MiB, MiB, 2, name=f"{make_config().name}-{kind}")
+        with SenderCache(cfg) as tx, ReceiverCache.attach(tx.handle()) as rx:
+            face = _faces(tx, rx, kind)
+            seen = await SCENARIOS[scenario](face, np.random.default_rng(7))
+            outcomes[kind] = (seen, await _settle(face))
+    assert outcomes["sync"] == outcomes["async"]
+
+
+@pytest.mark.parametrize("delay", [0, 0.0005, 0.003, 0.02])
+async def test_cancelled_request_leaves_what_an_abandoned_sync_request_leaves(
+    make_config: Any, delay: float
+) -> None:
+    """Cancellation (the async face's own case) ends like a sync request that failed: nothing
+    owed, pinned or half-allocated, and the next request of the same items works."""
+    rng = np.random.default_rng(1)
+    feats = [FeatureSpec(f"c{i}", _item(rng, 2 * MiB)) for i in range(3)]
+    ends = {}
+    for kind in ("sync", "async"):
+        cfg = make_config(16 * MiB, 4 * MiB, 1, name=f"{make_config().name}-{kind}")
+        with SenderCache(cfg) as tx, ReceiverCache.attach(tx.handle()) as rx:
+            if kind == "sync":
+                req = tx.features_request(feats, copy_inline_below=64 * KiB)
+                req.begin()
+                req.abandon()  # what a failure before the copies does
+            else:
+                tx_async = AsyncSenderCache(tx, inline_threshold_bytes=64 * KiB)
+                got: list[FeatureSpec] = []
+                with anyio.move_on_after(delay):  # mid-copy, in the worker thread, or before
+                    got = await tx_async.get_and_update_features(feats)
+                await tx_async.aclose()  # waits for a thread that may still run
+                await _read_all(rx, got)  # a call that finished first handed out: settle
+            rx.get_and_update_features([])
+            ends[kind] = (
+                all(tx.is_freeable(h) for h in tx.cached_order()),
+                tx.snapshot().readers[0].lag,
+            )
+            out = tx.get_and_update_features(feats)  # the cache still works
+            back = await _read_all(rx, out)
+            assert [_content([f]) for f in back] == [[(f.mm_hash, True)] for f in feats]
+    assert ends == {"sync": (True, 0), "async": (True, 0)}
+
+
+async def _read_all(rx: ReceiverCache, feats: list[FeatureSpec]) -> list[FeatureSpec]:
+    return rx.get_and_update_features(feats)
+
+
+def _public_methods(cls: type) -> dict[str, inspect.Signature]:
+    return {
+        n: inspect.signature(m)
+        for n, m in inspect.getmembers(cls, callable)
+        if not n.startswith("_")
+    }
+
+
+@pytest.mark.parametrize(
+    ("sync", "aio"), [(SenderCache, AsyncSenderCache), (ReceiverCache, AsyncReceiverCache)]
+)
+def test_twins_have_the_same_signatures(sync: type, aio: type) -> None:
+    """Names, parameters (name, kind, default) match; the async twin may only add options."""
+    ours, theirs = _public_methods(sync), _public_methods(aio)
+    skip = {"close", "request", "features_request", "attach"}  # attach: see below
+    for name, sig in ours.items():
+        if name in skip:
+            continue
+        assert name in theirs, f"{aio.__name__} lacks {name}"
+        a = theirs[name].parameters
+        for pname, p in sig.parameters.items():
+            assert pname in a, f"{aio.__name__}.{name} lacks parameter {pname}"
+            q = a[pname]
+            assert (q.kind, q.default) == (p.kind, p.default), f"{name}({pname})"
+        extra = [q for q in a.values() if q.name not in sig.parameters]
+        assert all(q.kind is q.KEYWORD_ONLY for q in extra), f"{name}: {extra}"
+    assert "aclose" in theirs and "close" not in theirs
+    if sync is ReceiverCache:  # attach(handle, ...) exists on both; the async one is not awaited
+        assert list(inspect.signature(aio.attach).parameters)[0] == "handle"
+        assert not inspect.iscoroutinefunction(aio.attach)
