@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from typing import Any
 
 import msgpack
 import pytest
@@ -206,3 +207,15 @@ def test_snapshot_to_dict_is_plain_json() -> None:
         }
     ]
     assert type(d["readers"]) is list
+
+
+def test_coerce_handle_output_attaches_today(make_config: Any) -> None:
+    """What the lead wires into ``attach``: every form of a real handle reaches the segment."""
+    from aioshmcache import ReceiverCache, SenderCache
+
+    with SenderCache(make_config(1 << 16, 1 << 12, 4)) as sender:
+        h = sender.handle()
+        for given in (h, h.to_dict(), h.to_json(), h.name, h.name.removeprefix("aioshm-")):
+            coerced = coerce_handle(given)
+            with ReceiverCache.attach(coerced) as receiver:
+                assert receiver.handle() == h
