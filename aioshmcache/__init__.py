@@ -4,8 +4,13 @@ A writer (the API gateway) puts preprocessed tensors into a ring buffer in POSIX
 and sends small ``ShmRef`` references to reader processes (engine workers), which read the
 tensors back, zero-copy if they like. See ``SenderCache`` / ``ReceiverCache`` and their asyncio
 twins ``AsyncSenderCache`` / ``AsyncReceiverCache``.
+
+Modules: ``aioshmcache.wire`` moves a request's features between processes (``pack_features`` /
+``unpack_features`` and length-prefixed frames); ``aioshmcache.metrics`` (the ``metrics`` extra,
+not imported here) exports a cache to Prometheus.
 """
 
+from . import wire
 from ._ring import ShmRingBuffer
 from ._serde import MsgpackSerde, Serde
 from ._store import ShmObjectStore
@@ -18,6 +23,7 @@ from ._types import (
     FeatureSpec,
     ReaderSlotInfo,
     ShmRef,
+    coerce_handle,
 )
 from .aio import AsyncReceiverCache, AsyncSenderCache
 from .cache import ReceiverCache, SenderCache
@@ -26,6 +32,10 @@ from .errors import (
     CacheMissError,
     ClosedCacheError,
     DuplicateKeyError,
+    EndOfFramesError,
+    FrameError,
+    FrameTooLargeError,
+    IncompleteFrameError,
     InvalidReferenceError,
     ObjectTooLargeError,
     ReaderEvictedError,
@@ -37,6 +47,7 @@ from .errors import (
     ShmCacheError,
     ShmSpaceError,
     StaleReferenceError,
+    WireError,
     WriterGoneError,
 )
 
@@ -53,7 +64,11 @@ __all__ = [
     "CacheSnapshot",
     "ClosedCacheError",
     "DuplicateKeyError",
+    "EndOfFramesError",
     "FeatureSpec",
+    "FrameError",
+    "FrameTooLargeError",
+    "IncompleteFrameError",
     "InvalidReferenceError",
     "MsgpackSerde",
     "ObjectTooLargeError",
@@ -73,6 +88,9 @@ __all__ = [
     "ShmRingBuffer",
     "ShmSpaceError",
     "StaleReferenceError",
+    "WireError",
     "WriterGoneError",
+    "coerce_handle",
     "sweep",
+    "wire",
 ]

@@ -9,11 +9,14 @@ negative address or a string id.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, NamedTuple
+
+import msgpack
 
 from .errors import InvalidReferenceError
 
@@ -26,6 +29,7 @@ __all__ = [
     "FeatureSpec",
     "ReaderSlotInfo",
     "ShmRef",
+    "coerce_handle",
 ]
 
 Delivery = Literal["broadcast", "one_of_n"]
@@ -34,6 +38,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 SEGMENT_PREFIX = "aioshm-"
 _U64 = (1 << 64) - 1
 _MiB = 1 << 20
+_MAX_HANDLE_BYTES = 4096  # a handle is ~100 bytes; refuse to parse anything much larger
 
 
 def segment_name(name: str) -> str:
@@ -132,17 +137,25 @@ def _check_u64(name: str, value: object) -> int:
 
 @dataclass(frozen=True, slots=True)
 class CacheHandle:
-    """All a reader needs to attach: segment name, its nonce and layout version."""
+    """All a reader needs to attach: segment name, its nonce and layout version.
+
+    It travels in every form a worker might be given: pickle, a dict (``to_dict``, JSON- and
+    msgpack-friendly), a JSON string (``to_json``, e.g. a command-line flag or an environment
+    variable) and msgpack bytes (``to_msgpack``). The nonce names the segment instance, so a
+    reader attaching by handle cannot end up on another segment that reused the name.
+    """
 
     name: str
     nonce: int
     layout_version: int
 
     def to_dict(self) -> dict[str, Any]:
+        """The handle as a plain dict of str and int (JSON and msgpack can carry it)."""
         return {"name": self.name, "nonce": self.nonce, "layout_version": self.layout_version}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CacheHandle:
+        """Build a handle from ``to_dict``'s form, validating it (``InvalidReferenceError``)."""
         if not isinstance(data, Mapping):
             raise InvalidReferenceError("a cache handle must be a mapping")
         try:
@@ -154,6 +167,96 @@ class CacheHandle:
         return cls(
             segment_name(name), _check_u64("nonce", nonce), _check_u64("layout_version", version)
         )
+
+    def to_json(self) -> str:
+        """The handle as a compact JSON object (the nonce is a 64-bit int: parse it exactly)."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes | bytearray) -> CacheHandle:
+        """Parse ``to_json``'s output; ``InvalidReferenceError`` if it is not a handle."""
+        if len(text) > _MAX_HANDLE_BYTES:
+            raise InvalidReferenceError(
+                f"a cache handle's JSON is at most {_MAX_HANDLE_BYTES} bytes"
+            )
+        try:
+            data = json.loads(text)
+        except (ValueError, TypeError) as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise InvalidReferenceError(f"not a cache handle's JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise InvalidReferenceError(
+                f"a cache handle's JSON must be an object, not {type(data).__name__}"
+            )
+        return cls.from_dict(data)
+
+    def to_msgpack(self) -> bytes:
+        """The handle as msgpack bytes (a map, the same fields as ``to_dict``)."""
+        packed: bytes = msgpack.packb(self.to_dict(), use_bin_type=True)
+        return packed
+
+    @classmethod
+    def from_msgpack(cls, data: bytes | bytearray | memoryview) -> CacheHandle:
+        """Parse ``to_msgpack``'s output; ``InvalidReferenceError`` if it is not a handle."""
+        if len(data) > _MAX_HANDLE_BYTES:
+            raise InvalidReferenceError(
+                f"a cache handle's msgpack is at most {_MAX_HANDLE_BYTES} bytes"
+            )
+        try:
+            value = msgpack.unpackb(
+                data,
+                raw=False,
+                strict_map_key=True,
+                max_ext_len=0,
+                max_array_len=16,
+                max_map_len=16,
+            )
+        except Exception as exc:  # msgpack raises ValueError, ExtraData, FormatError, ...
+            raise InvalidReferenceError(f"not a cache handle's msgpack: {exc}") from None
+        if not isinstance(value, dict):
+            raise InvalidReferenceError(
+                f"a cache handle's msgpack must be a map, not {type(value).__name__}"
+            )
+        return cls.from_dict(value)
+
+
+def coerce_handle(obj: object) -> CacheHandle | str:
+    """What ``attach`` was given, as a ``CacheHandle`` or a segment name.
+
+    Accepts a ``CacheHandle``, its dict (``to_dict``), its JSON string (``to_json``: a str that
+    starts with ``{``) or a bare segment name (returned normalised, ``aioshm-`` prefixed). The
+    JSON form is what a command line or an environment variable carries; without this it would be
+    taken for a (invalid) segment name. Anything else raises an error that says what it got:
+    ``TypeError`` for another type (bytes included: decode them, or use ``from_msgpack``),
+    ``InvalidReferenceError`` (a ``ValueError``) for a malformed dict or JSON, ``ValueError``
+    for a str that is neither JSON nor a valid segment name.
+    """
+    if isinstance(obj, CacheHandle):
+        return obj
+    if isinstance(obj, Mapping):
+        return CacheHandle.from_dict(obj)
+    if isinstance(obj, str):
+        text = obj.strip()
+        if text.startswith("{"):
+            return CacheHandle.from_json(text)
+        if not text:
+            raise ValueError("expected a cache handle or a segment name, got an empty string")
+        try:
+            return segment_name(obj)
+        except ValueError:
+            shown = obj if len(obj) <= 60 else obj[:57] + "..."
+            raise ValueError(
+                f"expected a cache handle's JSON (starting with '{{') or a segment name "
+                f"(letters, digits, '_', '.', '-'), got the string {shown!r}"
+            ) from None
+    kind = type(obj).__name__
+    hint = (
+        " (decode it, or use CacheHandle.from_msgpack)"
+        if isinstance(obj, (bytes, bytearray, memoryview))
+        else ""
+    )
+    raise TypeError(
+        f"expected a CacheHandle, its dict, its JSON string or a segment name, got {kind}{hint}"
+    )
 
 
 REF_FIELDS = ("nonce", "epoch", "address", "id", "length", "tag", "position", "seq")
@@ -318,3 +421,16 @@ class CacheSnapshot:
     @property
     def hit_ratio(self) -> float:
         return self.hits / self.total if self.total else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as plain JSON-able values; ``readers`` as a list of dicts.
+
+        For a JSON status endpoint or a log line (``json.dumps(snapshot.to_dict())``).
+        """
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "readers":
+                value = [{g.name: getattr(r, g.name) for g in fields(r)} for r in value]
+            out[f.name] = value
+        return out

@@ -14,6 +14,10 @@ __all__ = [
     "CacheMissError",
     "ClosedCacheError",
     "DuplicateKeyError",
+    "EndOfFramesError",
+    "FrameError",
+    "FrameTooLargeError",
+    "IncompleteFrameError",
     "InvalidReferenceError",
     "ObjectTooLargeError",
     "ReaderEvictedError",
@@ -25,6 +29,7 @@ __all__ = [
     "ShmCacheError",
     "ShmSpaceError",
     "StaleReferenceError",
+    "WireError",
     "WriterGoneError",
 ]
 
@@ -112,3 +117,35 @@ class RoleError(ShmCacheError):
 
 class SerdeError(ShmCacheError, ValueError):
     """A value cannot be encoded, or bytes are not in our format (decoding is refused)."""
+
+
+class WireError(SerdeError):
+    """Bytes received as a features message (``aioshmcache.wire``) are not a valid one."""
+
+
+class FrameError(ShmCacheError):
+    """A length-prefixed frame cannot be read or written; the stream is out of step: close it."""
+
+
+class FrameTooLargeError(FrameError, ValueError):
+    """A frame's declared (or given) length exceeds ``max_bytes``; nothing of it was read."""
+
+    def __init__(self, message: str, *, nbytes: int = 0, max_bytes: int = 0) -> None:
+        super().__init__(message)
+        #: the length that was refused, and the limit it exceeds
+        self.nbytes = nbytes
+        self.max_bytes = max_bytes
+
+
+class IncompleteFrameError(FrameError, EOFError):
+    """The stream ended inside a frame (in its length prefix or its payload)."""
+
+    def __init__(self, message: str, *, received: int = 0, expected: int = 0) -> None:
+        super().__init__(message)
+        #: bytes of the frame (prefix included) received before the end, and the bytes expected
+        self.received = received
+        self.expected = expected
+
+
+class EndOfFramesError(ShmCacheError, EOFError):
+    """The stream ended cleanly between two frames: the peer closed it (not a bad frame)."""

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import json
 import pickle
+from typing import Any
 
 import msgpack
 import pytest
 
-from aioshmcache import CacheHandle, CacheInfo, FeatureSpec, InvalidReferenceError, ShmRef
+from aioshmcache import (
+    CacheHandle,
+    CacheInfo,
+    CacheSnapshot,
+    FeatureSpec,
+    InvalidReferenceError,
+    ReaderSlotInfo,
+    ShmRef,
+    coerce_handle,
+)
 
 REF = ShmRef(nonce=(1 << 64) - 1, epoch=3, address=4096, id=(1 << 40) + 7, length=123, tag=99)
 
@@ -55,3 +65,157 @@ def test_cache_info_and_feature_spec() -> None:
     f = FeatureSpec("h", None, identifier="i", prompt_updates=("u",))
     g = f.with_data(REF)
     assert g.data is REF and g.identifier == "i" and g.prompt_updates == ("u",) and f.data is None
+
+
+# --- handles that travel ------------------------------------------------------------------------
+
+HANDLE = CacheHandle("aioshm-x", (1 << 64) - 1, 1)
+
+
+def test_handle_json_and_msgpack_round_trips() -> None:
+    text = HANDLE.to_json()
+    assert json.loads(text) == HANDLE.to_dict() and " " not in text
+    assert CacheHandle.from_json(text) == HANDLE
+    assert CacheHandle.from_json(text.encode()) == HANDLE
+    assert CacheHandle.from_msgpack(HANDLE.to_msgpack()) == HANDLE
+    assert CacheHandle.from_msgpack(memoryview(HANDLE.to_msgpack())) == HANDLE
+    assert msgpack.unpackb(HANDLE.to_msgpack()) == HANDLE.to_dict()
+    assert CacheHandle.from_dict(json.loads(json.dumps(HANDLE.to_dict()))) == HANDLE
+    assert pickle.loads(pickle.dumps(HANDLE)) == HANDLE
+    assert (
+        CacheHandle.from_json('{"name": "x", "nonce": 5, "layout_version": 1}').name == "aioshm-x"
+    )
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "{",
+        "[1, 2]",
+        '"aioshm-x"',
+        '{"name": "aioshm-x"}',
+        '{"name": "aioshm-x", "nonce": -1, "layout_version": 1}',
+        '{"name": "aioshm-x", "nonce": 1.5, "layout_version": 1}',
+        '{"name": "bad name!", "nonce": 1, "layout_version": 1}',
+        '{"name": 5, "nonce": 1, "layout_version": 1}',
+        b"\xff\xfe",
+        "{" + " " * 5000 + "}",
+    ],
+)
+def test_handle_from_json_refuses_what_is_not_a_handle(bad: str | bytes) -> None:
+    with pytest.raises(ValueError):  # InvalidReferenceError or segment_name's ValueError
+        CacheHandle.from_json(bad)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"",
+        b"\xc1",
+        msgpack.packb([1, 2]),
+        msgpack.packb({"name": "aioshm-x"}),
+        msgpack.packb({1: 2}),
+        msgpack.packb(HANDLE.to_dict()) + b"\x00",
+        msgpack.packb(msgpack.ExtType(1, b"x")),
+        b"\xdf\xff\xff\xff\xff",
+        bytes(5000),
+    ],
+)
+def test_handle_from_msgpack_refuses_what_is_not_a_handle(bad: bytes) -> None:
+    with pytest.raises(InvalidReferenceError):
+        CacheHandle.from_msgpack(bad)
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        HANDLE,
+        HANDLE.to_dict(),
+        HANDLE.to_json(),
+        "  " + HANDLE.to_json() + "\n",
+        json.dumps(HANDLE.to_dict(), indent=2),
+    ],
+    ids=["handle", "dict", "json", "json-with-spaces", "json-indented"],
+)
+def test_coerce_handle_accepts_every_form_of_a_handle(given: object) -> None:
+    assert coerce_handle(given) == HANDLE
+
+
+@pytest.mark.parametrize(
+    ("given", "name"),
+    [("x", "aioshm-x"), ("aioshm-x", "aioshm-x"), ("/aioshm-y.1", "aioshm-y.1")],
+)
+def test_coerce_handle_normalises_bare_names(given: str, name: str) -> None:
+    got = coerce_handle(given)
+    assert type(got) is str and got == name
+
+
+@pytest.mark.parametrize(
+    ("given", "error", "says"),
+    [
+        (5, TypeError, "got int"),
+        (None, TypeError, "got NoneType"),
+        (["aioshm-x"], TypeError, "got list"),
+        (b"aioshm-x", TypeError, "from_msgpack"),
+        (HANDLE.to_msgpack(), TypeError, "got bytes"),
+        ("", ValueError, "empty string"),
+        ("   ", ValueError, "empty string"),
+        ("bad name!", ValueError, "'bad name!'"),
+        ("x" * 300, ValueError, "..."),
+        ("{not json", InvalidReferenceError, "JSON"),
+        ('{"name": "x"}', InvalidReferenceError, "nonce"),
+        ({"name": "x", "nonce": "7", "layout_version": 1}, InvalidReferenceError, "nonce"),
+        ({"nonce": 1}, InvalidReferenceError, "name"),
+    ],
+)
+def test_coerce_handle_says_what_it_got(given: object, error: type[Exception], says: str) -> None:
+    with pytest.raises(error) as info:
+        coerce_handle(given)
+    assert says in str(info.value)
+
+
+def test_snapshot_to_dict_is_plain_json() -> None:
+    reader = ReaderSlotInfo(
+        slot=0, attached=True, alive=True, pid=42, acknowledged=7, lag=1, revoked=False
+    )
+    snap = CacheSnapshot(
+        name="aioshm-x",
+        hits=3,
+        misses=2,
+        inline_too_large=1,
+        inline_full=0,
+        evictions=4,
+        bytes_used=100,
+        items=2,
+        capacity_bytes=4096,
+        epoch=1,
+        readers=(reader,),
+    )
+    d = snap.to_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert d["hits"] == 3 and d["capacity_bytes"] == 4096 and d["name"] == "aioshm-x"
+    assert d["readers"] == [
+        {
+            "slot": 0,
+            "attached": True,
+            "alive": True,
+            "pid": 42,
+            "acknowledged": 7,
+            "lag": 1,
+            "revoked": False,
+        }
+    ]
+    assert type(d["readers"]) is list
+
+
+def test_coerce_handle_output_attaches_today(make_config: Any) -> None:
+    """What the lead wires into ``attach``: every form of a real handle reaches the segment."""
+    from aioshmcache import ReceiverCache, SenderCache
+
+    with SenderCache(make_config(1 << 16, 1 << 12, 4)) as sender:
+        h = sender.handle()
+        for given in (h, h.to_dict(), h.to_json(), h.name, h.name.removeprefix("aioshm-")):
+            coerced = coerce_handle(given)
+            with ReceiverCache.attach(coerced) as receiver:
+                assert receiver.handle() == h
