@@ -187,7 +187,8 @@ async def sc_forged_reference(face: Face, rng: np.random.Generator) -> list[Any]
 
 
 async def sc_failed_decode(face: Face, rng: np.random.Generator) -> list[Any]:
-    out = await face.send([FeatureSpec(f"e{i}", _item(rng, n)) for i, n in enumerate((10, 600 * KiB))])
+    sizes = (10, 600 * KiB)
+    out = await face.send([FeatureSpec(f"e{i}", _item(rng, n)) for i, n in enumerate(sizes)])
     failing = ReceiverCache.attach(face.sender.handle(), serde=_FailingSerde())
     try:
         other = _faces(face.sender, failing, face.kind)
@@ -294,5 +295,6 @@ def test_twins_have_the_same_signatures(sync: type, aio: type) -> None:
         assert all(q.kind is q.KEYWORD_ONLY for q in extra), f"{name}: {extra}"
     assert "aclose" in theirs and "close" not in theirs
     if sync is ReceiverCache:  # attach(handle, ...) exists on both; the async one is not awaited
-        assert list(inspect.signature(aio.attach).parameters)[0] == "handle"
-        assert not inspect.iscoroutinefunction(aio.attach)
+        attach = AsyncReceiverCache.attach
+        assert next(iter(inspect.signature(attach).parameters)) == "handle"
+        assert not inspect.iscoroutinefunction(attach)
