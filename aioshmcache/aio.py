@@ -281,7 +281,7 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         self,
         receiver: ReceiverCache | None = None,
         *,
-        handle: CacheHandle | str | dict[str, Any] | None = None,
+        handle: object = None,
         max_threads: int = 4,
         inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
     ) -> None:
@@ -293,10 +293,11 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         self._handle = handle
 
     @classmethod
-    def attach(
-        cls, handle: CacheHandle | str | dict[str, Any], **kwargs: Any
-    ) -> AsyncReceiverCache:
-        """A reader that attaches (on ``__aenter__``) and frees its slot on ``aclose``."""
+    def attach(cls, handle: object, **kwargs: Any) -> AsyncReceiverCache:
+        """A reader that attaches (on ``__aenter__``) and frees its slot on ``aclose``.
+
+        ``handle`` as for ``ReceiverCache.attach`` (a handle, its dict or JSON, or a name).
+        """
         return cls(handle=handle, **kwargs)
 
     def _open_cache(self) -> ReceiverCache:

@@ -39,6 +39,7 @@ from ._types import (
     CacheSnapshot,
     FeatureSpec,
     ShmRef,
+    coerce_handle,
 )
 from .errors import (
     InvalidReferenceError,
@@ -293,11 +294,15 @@ class ReceiverCache:
         self._last_delta = CacheInfo(0, 0)
 
     @classmethod
-    def attach(
-        cls, handle: CacheHandle | str | dict[str, Any], *, serde: Serde | None = None
-    ) -> ReceiverCache:
-        """Attach by handle (or segment name); ``ReaderLimitError`` if every slot is taken."""
-        return cls(ShmObjectStore.from_handle(handle, serde=serde))
+    def attach(cls, handle: object, *, serde: Serde | None = None) -> ReceiverCache:
+        """Attach as a reader and claim a reader slot.
+
+        ``handle`` is a ``CacheHandle``, its dict, its JSON string (``CacheHandle.to_json``) or
+        a bare segment name; anything else is a ``TypeError`` that says what it got. A handle
+        carries the segment's nonce, so attaching by handle also checks that it is the same
+        segment instance (a name alone cannot). ``ReaderLimitError`` if every slot is taken.
+        """
+        return cls(ShmObjectStore.from_handle(coerce_handle(handle), serde=serde))
 
     def handle(self) -> CacheHandle:
         """The handle of the segment this reader is attached to."""

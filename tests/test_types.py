@@ -209,13 +209,18 @@ def test_snapshot_to_dict_is_plain_json() -> None:
     assert type(d["readers"]) is list
 
 
-def test_coerce_handle_output_attaches_today(make_config: Any) -> None:
-    """What the lead wires into ``attach``: every form of a real handle reaches the segment."""
-    from aioshmcache import ReceiverCache, SenderCache
+def test_attach_takes_every_form_of_a_handle(make_config: Any) -> None:
+    """``attach`` takes a handle, its dict, its JSON or a name; anything else says what it got."""
+    from aioshmcache import ReceiverCache, SegmentNotFoundError, SenderCache
 
     with SenderCache(make_config(1 << 16, 1 << 12, 4)) as sender:
         h = sender.handle()
         for given in (h, h.to_dict(), h.to_json(), h.name, h.name.removeprefix("aioshm-")):
-            coerced = coerce_handle(given)
-            with ReceiverCache.attach(coerced) as receiver:
+            with ReceiverCache.attach(given) as receiver:
                 assert receiver.handle() == h
+        with pytest.raises(TypeError, match="got bytes"):
+            ReceiverCache.attach(h.to_json().encode())
+        # the JSON form keeps the instance check: a handle of a gone segment instance fails
+        stale = CacheHandle(h.name, h.nonce ^ 1, h.layout_version).to_json()
+        with pytest.raises((InvalidReferenceError, SegmentNotFoundError)):
+            ReceiverCache.attach(stale)
