@@ -17,6 +17,7 @@ from aioshmcache import (
     MsgpackSerde,
     ReceiverCache,
     SenderCache,
+    SerdeError,
     ShmRef,
     StaleReferenceError,
 )
@@ -392,3 +393,61 @@ def test_500_requests_two_receiver_processes(make_config: Any) -> None:
 def test_from_gb_mirrors_vllm() -> None:
     cfg = CacheConfig.from_gb(1, 32, 4)
     assert (cfg.capacity_bytes, cfg.max_object_bytes, cfg.n_readers) == (1 << 30, 32 << 20, 4)
+
+
+class _ReadFails(MsgpackSerde):
+    """A reader's serde whose reads fail with a given exception (decoder limit, memory, bug)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__()
+        self.exc = exc
+
+    def read(self, view: memoryview, *, copy: bool = True) -> Any:
+        raise self.exc
+
+
+@pytest.mark.parametrize(
+    "exc", [SerdeError("limit"), MemoryError("no memory"), RuntimeError("bug")], ids=repr
+)
+@pytest.mark.parametrize("how", ["features", "item", "lease", "async_small", "async_big"])
+def test_a_failed_read_gives_its_references_back(
+    make_config: Any, exc: BaseException, how: str
+) -> None:
+    """Whatever fails after a reference was handed to a read, nothing stays owed: the writer can
+    evict every item of the request (the seed's reader would have pinned the ring)."""
+    import anyio
+
+    from aioshmcache import AsyncReceiverCache
+
+    with SenderCache(make_config(8 << 20, 4 << 20, 1)) as tx:
+        feats = tx.get_and_update_features(
+            [
+                FeatureSpec(f"k{i}", {"a": np.full(n, i, np.uint8)})
+                for i, n in enumerate((10, 3 << 20, 20))
+            ]
+        )
+        rx = ReceiverCache.attach(tx.handle(), serde=_ReadFails(exc))
+        try:
+            with pytest.raises(type(exc)):
+                if how == "features":
+                    rx.get_and_update_features(feats)
+                elif how == "item":
+                    rx.get_and_update_item(feats[1].data, "k1")
+                elif how == "lease":
+                    with rx.lease(feats):
+                        pass
+                else:
+                    threshold = 1 << 40 if how == "async_small" else 1 << 10
+
+                    async def read() -> None:
+                        arx = AsyncReceiverCache(rx, inline_threshold_bytes=threshold)
+                        await arx.get_and_update_features(feats)
+
+                    anyio.run(read)
+            if how == "item":  # the other two were never given to a read: give them back
+                assert rx.release(feats[0].data) and rx.release(feats[2].data)
+            rx.get_and_update_features([])  # flushes what was acknowledged locally
+            assert [r.lag for r in tx.snapshot().readers if r.attached] == [0]
+            assert all(tx.is_freeable(f.mm_hash) for f in feats)
+        finally:
+            rx.close()
