@@ -110,6 +110,7 @@ class RequestCounters:
     inline_too_large: int = 0
     inline_full: int = 0
     inline_busy: int = 0
+    wait_seconds: float = 0.0  # time spent waiting for space, summed over requests
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def as_tuple(self) -> tuple[int, int, int, int, int]:
@@ -374,8 +375,9 @@ class SenderRequest(_Steps):
             if self._abandoned:
                 return
             with store.lock:  # the store lets go of the lock while it sleeps
-                remaining = max(0.0, self._deadline - time.monotonic())
-                waited = self._decide_locked(i, wait=remaining, may_defer=False)
+                t0 = time.monotonic()
+                waited = self._decide_locked(i, wait=max(0.0, self._deadline - t0), may_defer=False)
+                self._book.counters.wait_seconds += time.monotonic() - t0
             if waited is None:
                 continue
             store.write_reserved(waited)

@@ -413,13 +413,19 @@ class CacheSnapshot:
     capacity_bytes: int
     epoch: int
     readers: tuple[ReaderSlotInfo, ...]
+    #: items served inline because another request was putting the same hash at that moment
+    inline_busy: int = 0
+    #: seconds requests spent waiting for space (``wait_for_space``), summed
+    wait_for_space_seconds: float = 0.0
 
     @property
     def total(self) -> int:
+        """Items asked for (hits + misses)."""
         return self.hits + self.misses
 
     @property
     def hit_ratio(self) -> float:
+        """Hits over items asked for (0 when nothing was asked)."""
         return self.hits / self.total if self.total else 0.0
 
     def to_dict(self) -> dict[str, Any]:

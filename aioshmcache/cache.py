@@ -75,26 +75,6 @@ class SenderCache:
         self._last_delta = CacheInfo(0, 0)
 
     @property
-    def hits(self) -> int:
-        """Items answered from the cache."""
-        return self._counters.hits
-
-    @property
-    def total(self) -> int:
-        """Items asked for."""
-        return self._counters.total
-
-    @property
-    def inline_too_large(self) -> int:
-        """Items served inline because they exceed ``max_object_bytes``."""
-        return self._counters.inline_too_large
-
-    @property
-    def inline_full(self) -> int:
-        """Items served inline because there was no room (even after eviction and waiting)."""
-        return self._counters.inline_full
-
-    @property
     def inline_busy(self) -> int:
         """Items served inline because another request was putting the same hash."""
         return self._counters.inline_busy
@@ -251,13 +231,15 @@ class SenderCache:
         """What an operator watches: counters, usage and every reader slot."""
         with self.store.lock:
             self.store.drain()
-            st = self.store
+            st, c = self.store, self._counters
             return CacheSnapshot(
                 name=st.name,
-                hits=self.hits,
-                misses=self.total - self.hits,
-                inline_too_large=self.inline_too_large,
-                inline_full=self.inline_full,
+                hits=c.hits,
+                misses=c.total - c.hits,
+                inline_too_large=c.inline_too_large,
+                inline_full=c.inline_full,
+                inline_busy=c.inline_busy,
+                wait_for_space_seconds=c.wait_seconds,
                 evictions=st.evictions,
                 bytes_used=st.ring.used_bytes,
                 items=len(st),
@@ -307,16 +289,6 @@ class ReceiverCache:
     def handle(self) -> CacheHandle:
         """The handle of the segment this reader is attached to."""
         return self.store.handle()
-
-    @property
-    def hits(self) -> int:
-        """References resolved into items."""
-        return self._counters.hits
-
-    @property
-    def total(self) -> int:
-        """Features seen."""
-        return self._counters.total
 
     def request(
         self,

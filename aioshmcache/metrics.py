@@ -22,7 +22,7 @@ The metrics (counters end in ``_total``, sizes in ``_bytes``; labels ``cache`` a
                                                      asked; receiver: features that came inline
                                                      or without data
 ``aioshmcache_inline_serves_total``         counter  items served inline, label ``cause``:
-                                                     ``too_large`` or ``full``
+                                                     ``too_large``, ``full`` or ``busy``
 ``aioshmcache_evictions_total``             counter  items evicted to make room
 ``aioshmcache_used_bytes``                  gauge    bytes of the ring in use
 ``aioshmcache_capacity_bytes``              gauge    the ring's capacity
@@ -35,8 +35,7 @@ The metrics (counters end in ``_total``, sizes in ``_bytes``; labels ``cache`` a
 ``aioshmcache_reader_lag``                  gauge    per slot: hand-outs the reader owes
 ``aioshmcache_reader_revoked``              gauge    per slot: 1 if the writer revoked it
 ``aioshmcache_reader_acknowledged_total``   counter  per slot: acknowledgements since it attached
-``aioshmcache_wait_for_space_seconds_total`` counter time puts spent waiting for space (only if
-                                                     the snapshot has ``wait_for_space_seconds``)
+``aioshmcache_wait_for_space_seconds_total`` counter time requests spent waiting for space
 ``aioshmcache_open``                        gauge    1 while the cache is open, 0 once closed
 ==========================================  =======  =============================================
 
@@ -111,7 +110,7 @@ class _Families:
         )
         self.inline = counter(
             "inline_serves",
-            "Items served inline instead of cached, by cause (too_large, full)",
+            "Items served inline instead of cached, by cause (too_large, full, busy)",
             [*_CACHE_LABELS, "cause"],
         )
         self.evictions = counter("evictions", "Items evicted to make room")
@@ -155,6 +154,7 @@ class _Families:
         self.misses.add_metric(labels, snap.misses)
         self.inline.add_metric([*labels, "too_large"], snap.inline_too_large)
         self.inline.add_metric([*labels, "full"], snap.inline_full)
+        self.inline.add_metric([*labels, "busy"], snap.inline_busy)
         self.evictions.add_metric(labels, snap.evictions)
         self.used.add_metric(labels, snap.bytes_used)
         self.capacity.add_metric(labels, snap.capacity_bytes)
@@ -172,9 +172,7 @@ class _Families:
             self.revoked.add_metric(slot, 1.0 if r.revoked else 0.0)
             self.acked.add_metric(slot, r.acknowledged)
         self.owed.add_metric(labels, owed)
-        waited = getattr(snap, "wait_for_space_seconds", None)
-        if isinstance(waited, (int, float)):
-            self.waited.add_metric(labels, waited)
+        self.waited.add_metric(labels, snap.wait_for_space_seconds)
 
     def add_stats(self, name: str, role: str, info: CacheInfo) -> None:
         labels = [name, role]

@@ -90,7 +90,7 @@ def test_too_large_served_inline_counted_logged_once_not_reserialised(
             for _ in range(5):
                 out = sender.get_and_update_item((big, ["u"]), "big")
                 assert out[0] is big
-        assert sender.inline_too_large == 5
+        assert sender.snapshot().inline_too_large == 5
         assert not sender.is_cached_item("big")
         assert len([r for r in caplog.records if "max_object_bytes" in r.message]) == 1
         assert len(calls) == 1  # measured once, not on every request
@@ -104,7 +104,7 @@ def test_full_cache_serves_inline_and_counts(pair: Any) -> None:
     refs = [sender.get_and_update_item((item(i), ()), f"h{i}")[0] for i in range(4)]
     out = sender.get_and_update_item((item(5), ()), "h5")  # all four owed to the reader
     assert isinstance(out[0], dict)
-    assert sender.inline_full == 1
+    assert sender.snapshot().inline_full == 1
     receiver.get_and_update_features([FeatureSpec(f"h{i}", r) for i, r in enumerate(refs)])
     out = sender.get_and_update_item((item(5), ()), "h5")
     assert isinstance(out[0], ShmRef)
@@ -136,7 +136,7 @@ def test_eviction_order_with_request_pins(make_config: Any) -> None:
         # a request never evicts its own earlier items (vLLM issue 26195)
         assert request("I", "J", "K", "L", "M") == ["ref", "ref", "ref", "ref", "inline"]
         assert sender.cached_order() == ["I", "J", "K", "L"]
-        assert sender.inline_full == 3
+        assert sender.snapshot().inline_full == 3
     finally:
         sender.close()
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pytest
@@ -95,7 +94,7 @@ def test_sender_and_receiver_metrics_match_what_happened(pair: Any) -> None:
     assert value(s, "aioshmcache_reader_acknowledged_total", **rl) == 1
     assert not any(k[0] == "aioshmcache_reader_alive" and ("slot", "1") in k[1] for k in s)
     assert "aioshmcache_hits:counter" in types and "aioshmcache_used_bytes:gauge" in types
-    assert not any(k[0].startswith("aioshmcache_wait_for_space") for k in s)  # not exposed
+    assert value(s, "aioshmcache_wait_for_space_seconds_total", **sl) == 0  # nobody waited
 
     receiver.get_and_update_features([*first[1:], *again, FeatureSpec("none", None)])
     s, _ = scrape(sender, receiver)
@@ -150,26 +149,20 @@ def test_one_collector_per_registry_and_per_cache(pair: Any) -> None:
     collector.add(receiver)  # same segment, other role: fine
 
 
-def test_wait_for_space_is_exported_when_the_snapshot_has_it(pair: Any) -> None:
-    sender, _ = pair
-    snap = sender.snapshot()
-    fields = {k: getattr(snap, k) for k in snap.__dataclass_fields__}
-
-    class Fake:
-        closed = False
-
-        def handle(self) -> Any:
-            return sender.handle()
-
-        def make_stats(self, *, delta: bool = False) -> Any:
-            return sender.make_stats()
-
-        def snapshot(self) -> Any:
-            return SimpleNamespace(**fields, wait_for_space_seconds=1.25)
-
-    s, types = scrape(cast(Any, Fake()))
-    name = sender.handle().name
-    assert value(s, "aioshmcache_wait_for_space_seconds_total", cache=name, role="sender") == 1.25
+def test_time_spent_waiting_for_space_is_exported(make_config: Any) -> None:
+    with (
+        SenderCache(make_config(1 << 20, 700 << 10, 1)) as sender,
+        ReceiverCache.attach(sender.handle()),  # attached, never reads: everything owed
+    ):
+        held = sender.get_and_update_features([FeatureSpec("a", item(500 << 10))])
+        assert isinstance(held[0].data, ShmRef)
+        out = sender.get_and_update_features(
+            [FeatureSpec("b", item(600 << 10))], wait_for_space=0.2
+        )
+        assert not isinstance(out[0].data, ShmRef)  # no room came: inline after the wait
+        s, types = scrape(sender)
+    waited = value(s, "aioshmcache_wait_for_space_seconds_total", cache=sender.name, role="sender")
+    assert waited >= 0.2
     assert "aioshmcache_wait_for_space_seconds:counter" in types
 
 
