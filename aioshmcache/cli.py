@@ -14,9 +14,9 @@ __all__ = ["main"]
 
 # subcommands implemented in their own modules: name -> (module, help)
 _DELEGATED = {
-    "demo": ("aioshmcache.demo", "run the FastAPI multimodal gateway demo with worker processes"),
-    "stress": ("aioshmcache._stress", "async stress and fault-injection harness"),
-    "bench": ("aioshmcache.bench", "benchmarks against memcpy and peers (table + plot)"),
+    "demo": ("aioshmcache.tools.demo", "the FastAPI multimodal gateway demo with worker processes"),
+    "stress": ("aioshmcache.tools.stress", "async stress and fault-injection harness"),
+    "bench": ("aioshmcache.tools.bench", "benchmarks against memcpy and peers (table + plot)"),
 }
 
 

@@ -2,14 +2,14 @@
 and Queue, redis.asyncio against a private redis-server, and Ray if installed (issue 7).
 
 A thin wrapper: ``python bench/bench_peers.py [--quick] [--out DIR]`` is
-``python -m aioshmcache bench --suite peers ...``; the code lives in ``aioshmcache.bench``.
+``python -m aioshmcache bench --suite peers ...``; the code lives in ``aioshmcache.tools.bench``.
 """
 
 from __future__ import annotations
 
 import sys
 
-from aioshmcache.bench import main
+from aioshmcache.tools.bench import main
 
 if __name__ == "__main__":  # the guard matters: the benchmark spawns worker processes
     sys.exit(main(["--suite", "peers", *sys.argv[1:]]))

@@ -31,8 +31,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from aioshmcache import FeatureSpec, ShmRef
-from aioshmcache.demo.gateway import Gateway, GatewayError, GatewaySettings, ImageInput
-from aioshmcache.demo.imaging import (
+from aioshmcache.tools.demo.gateway import Gateway, GatewayError, GatewaySettings, ImageInput
+from aioshmcache.tools.demo.imaging import (
     ImageDecodeError,
     ProcessorConfig,
     decode_image,
@@ -43,15 +43,9 @@ from aioshmcache.demo.imaging import (
     summarize,
     synthetic_image,
 )
-from aioshmcache.demo.ipc import (
-    MAX_FRAME,
-    ProtocolError,
-    decode_feature,
-    encode_feature,
-    pack,
-    read_frame,
-)
-from aioshmcache.demo.load import GatewayProcess, check_response, plan_requests
+from aioshmcache.tools.demo.ipc import decode_feature, encode_feature
+from aioshmcache.tools.demo.load import GatewayProcess, check_response, plan_requests
+from aioshmcache.tools.framing import MAX_FRAME, ProtocolError, pack, read_frame
 
 SHM = "/dev/shm"
 PROC = ProcessorConfig()

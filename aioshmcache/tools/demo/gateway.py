@@ -38,7 +38,6 @@ import os
 import signal
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any, Literal
@@ -67,6 +66,8 @@ from aioshmcache import (
     ShmRef,
 )
 
+from ..framing import ProtocolError
+from ..lag import LoopLagMeter
 from .imaging import (
     ImageDecodeError,
     ImageTooLargeError,
@@ -77,12 +78,12 @@ from .imaging import (
     num_image_tokens,
     preprocess,
 )
-from .ipc import ProtocolError, encode_feature
+from .ipc import encode_feature
 from .pool import WorkerDied, WorkerPool, WorkerUnavailable
 
 __all__ = ["Gateway", "GatewayError", "GatewaySettings", "ImageInput", "create_app"]
 
-log = logging.getLogger("aioshmcache.demo")
+log = logging.getLogger("aioshmcache.tools.demo")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -152,39 +153,6 @@ class ImageInput:
     data: bytes | None
     mm_hash: str
     filename: str | None = None
-
-
-class _LoopLag:
-    """Measures how late the event loop wakes up (a blocked loop shows up here)."""
-
-    def __init__(self, interval: float = 0.02, window: int = 30_000) -> None:
-        self.interval = interval
-        self.samples: deque[float] = deque(maxlen=window)
-        self.max = 0.0
-
-    async def run(self) -> None:
-        while True:
-            t = time.perf_counter()
-            await asyncio.sleep(self.interval)
-            lag = max(0.0, time.perf_counter() - t - self.interval)
-            self.samples.append(lag)
-            self.max = max(self.max, lag)
-
-    def reset(self) -> None:
-        self.samples.clear()
-        self.max = 0.0
-
-    def summary(self) -> dict[str, float]:
-        if not self.samples:
-            return {"p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0, "samples": 0}
-        a = np.fromiter(self.samples, dtype=np.float64)
-        p50, p99 = np.percentile(a, [50, 99])
-        return {
-            "p50_ms": float(p50) * 1e3,
-            "p99_ms": float(p99) * 1e3,
-            "max_ms": self.max * 1e3,
-            "samples": len(a),
-        }
 
 
 class _SnapshotCollector:
@@ -283,7 +251,7 @@ class Gateway:
         self.processor = settings.processor
         self.cache: AsyncSenderCache | None = None
         self.pool: WorkerPool | None = None
-        self.loop_lag = _LoopLag()
+        self.loop_lag = LoopLagMeter(0.02)
         self._limiter: anyio.CapacityLimiter | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.counters: dict[str, int] = {
@@ -804,7 +772,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
 
 def create_app_from_env() -> FastAPI:
-    """For ``uvicorn --factory aioshmcache.demo.gateway:create_app_from_env``.
+    """For ``uvicorn --factory aioshmcache.tools.demo.gateway:create_app_from_env``.
 
     Reads ``AIOSHM_DEMO_WORKERS``, ``AIOSHM_DEMO_DELIVERY``, ``AIOSHM_DEMO_CACHE_MB``,
     ``AIOSHM_DEMO_MAX_OBJECT_MB``, ``AIOSHM_DEMO_NAME`` and ``AIOSHM_DEMO_CACHE`` (``off``).

@@ -19,19 +19,12 @@ import numpy as np
 
 from aioshmcache import ShmObjectStore, ShmRef
 
+from ..progress import Progress
+from ..units import GiB, MiB, fmt_bytes
 from .params import Params, bench_config, open_store
 from .procs import LazyWorker, Worker
 from .report import Report, Row, Target
-from .timing import (
-    GiB,
-    MiB,
-    Progress,
-    Samples,
-    ShmBuffer,
-    fmt_bytes,
-    memcpy_into,
-    source_array,
-)
+from .timing import Samples, ShmBuffer, memcpy_into, source_array
 
 __all__ = ["run_store_suite"]
 

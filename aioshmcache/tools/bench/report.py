@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .timing import Stat, fmt_bytes, fmt_seconds
+from ..units import fmt_bytes, fmt_seconds
+from .timing import Stat
 
 __all__ = ["Report", "Row", "Target"]
 

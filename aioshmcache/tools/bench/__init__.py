@@ -21,14 +21,14 @@ anywhere: the targets are reported, not enforced.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
+from ..progress import Progress
+from ..shm import files_with_prefix, remove
 from .params import Params, segment_prefix
 from .report import Report
-from .timing import Progress
 
 __all__ = ["SUITES", "default_out_dir", "main", "run"]
 
@@ -101,11 +101,7 @@ def run(
 
 
 def _leftovers() -> list[str]:
-    prefix = "aioshm-" + segment_prefix()
-    try:
-        return sorted(n for n in os.listdir("/dev/shm") if n.startswith((prefix, "sem." + prefix)))
-    except FileNotFoundError:
-        return []
+    return files_with_prefix(segment_prefix())
 
 
 def main(argv: list[str]) -> int:
@@ -129,11 +125,7 @@ def main(argv: list[str]) -> int:
         left = _leftovers()
         if left:  # the library (or this benchmark) leaked: report it loudly, then clean up
             print(f"bench: LEFT BEHIND in /dev/shm: {left}", file=sys.stderr)
-            for n in left:
-                try:
-                    os.unlink(os.path.join("/dev/shm", n))
-                except OSError:
-                    pass
+            remove(left)
             rc = 1
     if report.errors:
         rc = 1
