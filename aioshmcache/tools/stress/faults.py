@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import anyio
@@ -86,8 +86,9 @@ class Faults:
         """Wake the loops that wait for a resume (they see that the run is over)."""
         self.resumed.set()
 
-    async def kill_readers_loop(self) -> None:
-        while await self.sleep(self.opts.reader_kill_every):
+    async def act_on_readers(self, mean: float, action: Callable[[Child], Awaitable[None]]) -> None:
+        """Every ``mean`` seconds or so while the run lasts: ``action`` on a reader not busy."""
+        while await self.sleep(mean):
             async with self.acting():
                 if self.paused:
                     continue
@@ -95,43 +96,41 @@ class Faults:
                 if c is None:
                     continue
                 c.busy = True
-                c.killed_by_us = True
-                with contextlib.suppress(ProcessLookupError):
-                    c.proc.send_signal(signal.SIGKILL)
-                with anyio.move_on_after(10):
-                    await c.proc.wait()
-                    await c.eof.wait()
-                self.orch.tally.stats["reader_kills"] += 1
-                self.orch.write_off(c.token)
-                if self.orch.readers[c.pos] is c:
-                    self.orch.readers[c.pos] = None
-                await self.orch.start_reader(c.pos)
+                await action(c)
+
+    async def kill_readers_loop(self) -> None:
+        await self.act_on_readers(self.opts.reader_kill_every, self.kill_reader)
+
+    async def kill_reader(self, c: Child) -> None:
+        """SIGKILL, write off what it owed, start a new reader in its place."""
+        await c.kill(wait_link=True)
+        self.orch.tally.stats["reader_kills"] += 1
+        self.orch.write_off(c.token)
+        if self.orch.readers[c.pos] is c:
+            self.orch.readers[c.pos] = None
+        await self.orch.start_reader(c.pos)
 
     async def stop_readers_loop(self) -> None:
+        await self.act_on_readers(self.opts.reader_stop_every, self.stop_reader)
+
+    async def stop_reader(self, c: Child) -> None:
+        """SIGSTOP for a while (up to twice the eviction delay), then SIGCONT."""
         evict = self.opts.evict_after
-        while await self.sleep(self.opts.reader_stop_every):
-            async with self.acting():
-                if self.paused:
-                    continue
-                c = self.pick_reader()
-                if c is None:
-                    continue
-                c.busy = True
-                top = 2 * evict if evict > 0 else 2.0
-                dur = self.rng.uniform(0.3, min(top, self.opts.hang_timeout / 3))
-                c.stopped = True
-                self.orch.write_off(c.token)
-                try:
-                    c.proc.send_signal(signal.SIGSTOP)
-                    self.orch.tally.stats["reader_stops"] += 1
-                    with anyio.move_on_after(dur):
-                        await self.pausing.wait()
-                finally:
-                    with contextlib.suppress(ProcessLookupError):
-                        c.proc.send_signal(signal.SIGCONT)
-                    c.last_hb = time.monotonic()
-                    c.stopped = False
-                    c.busy = False
+        top = 2 * evict if evict > 0 else 2.0
+        dur = self.rng.uniform(0.3, min(top, self.opts.hang_timeout / 3))
+        c.stopped = True
+        self.orch.write_off(c.token)
+        try:
+            c.proc.send_signal(signal.SIGSTOP)
+            self.orch.tally.stats["reader_stops"] += 1
+            with anyio.move_on_after(dur):
+                await self.pausing.wait()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                c.proc.send_signal(signal.SIGCONT)
+            c.last_hb = time.monotonic()
+            c.stopped = False
+            c.busy = False
 
     async def kill_writer_loop(self) -> None:
         while await self.sleep(self.opts.writer_kill_every):

@@ -79,6 +79,18 @@ class Child:
         if self.link is not None:
             self.link.send(msg)
 
+    async def kill(self, *, wait_link: bool, within: float = 10.0) -> bool:
+        """SIGKILL; True once it is reaped (and its link closed) within ``within`` seconds."""
+        self.killed_by_us = True
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGKILL)
+        with anyio.move_on_after(within):
+            await self.proc.wait()
+            if wait_link:
+                await self.eof.wait()
+            return True
+        return False
+
     def send_raw(self, frame: bytes) -> None:
         if self.link is not None:
             self.link.send_raw(frame)
@@ -165,14 +177,9 @@ class Orchestrator:
         await self.hard_kill(child)
         return False
 
-    async def hard_kill(self, child: Child) -> int | None:
-        child.killed_by_us = True
-        with contextlib.suppress(ProcessLookupError):
-            child.proc.send_signal(signal.SIGKILL)
-        with anyio.move_on_after(10):
-            return await child.proc.wait()
-        self.violation(child.token, "a SIGKILLed process did not exit within 10 s")
-        return None
+    async def hard_kill(self, child: Child) -> None:
+        if not await child.kill(wait_link=False):
+            self.violation(child.token, "a SIGKILLed process did not exit within 10 s")
 
     async def start_writer(self, prev: dict[str, Any] | None) -> bool:
         self.writer_gen += 1
@@ -397,12 +404,7 @@ class Orchestrator:
             w = self.writer
             if w is None:
                 return
-            w.killed_by_us = True
-            with contextlib.suppress(ProcessLookupError):
-                w.proc.send_signal(signal.SIGKILL)
-            with anyio.move_on_after(10):
-                await w.proc.wait()
-                await w.eof.wait()
+            await w.kill(wait_link=True)
             dead_at = time.monotonic()
             self.tally.stats["writer_kills"] += 1
             self.tally.dead_gens[w.gen] = "killed"
