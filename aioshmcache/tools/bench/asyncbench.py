@@ -1,4 +1,4 @@
-"""The async suite (issue 5): cache hits, offloaded big puts, loop lag, concurrency, threshold.
+"""The async suite: cache hits, offloaded big puts, loop lag, concurrency, threshold.
 
 Runs on asyncio and on uvloop (through anyio). The writer is an ``AsyncSenderCache``; the
 readers, where there are any, are the spawned worker process. The inline-vs-thread threshold is
@@ -33,9 +33,9 @@ from .timing import Samples, ShmBuffer, memcpy_into, percentile, source_array
 
 __all__ = ["run_async_suite"]
 
-S_HIT = "Async: cache hit of a small item, get_and_update_item(None, h) (issue 5)"
-S_PUT = "Async: 16 MiB put through the thread pool (issue 5)"
-S_LAG = "Async: loop lag of a 1 ms ticker while 16 MiB items stream (issue 5)"
+S_HIT = "Async: cache hit of a small item, get_and_update_item(None, h)"
+S_PUT = "Async: 16 MiB put through the thread pool"
+S_LAG = "Async: loop lag of a 1 ms ticker while 16 MiB items stream"
 S_CONC = "Async: many small concurrent requests"
 S_THR = "Async: inline vs thread (DEFAULT_INLINE_THRESHOLD = 1 MiB)"
 
@@ -115,7 +115,7 @@ def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
             stat=hs,
             baseline="sync hit",
             ratio=ss.median / hs.median,
-            target=Target("value", "<=", 20e-6, "issues 5, 7"),
+            target=Target("value", "<=", 20e-6),
         )
     )
     report.add(Row(S_HIT, f"sync SenderCache hit [{loop} run]", "1 KiB", ss.median, stat=ss))
@@ -204,7 +204,7 @@ def bench_big_put(p: Params, report: Report, progress: Progress, loop: str) -> N
             stat=ps,
             baseline="np.copyto",
             ratio=bs.median / ps.median,
-            target=Target("ratio", ">=", 0.7, "issue 5"),
+            target=Target("ratio", ">=", 0.7),
             note=f"{rs.median / ps.median:.2f}x the rotating copy",
         )
     )
@@ -236,7 +236,7 @@ def bench_lag(p: Params, report: Report, progress: Progress, loop: str, worker: 
     idle = p99s["idle"].stat()
     for mode in modes:
         st = p99s[mode].stat()
-        tgt = Target("value", "<=", 2e-3, "issue 5") if mode.startswith("thread") else None
+        tgt = Target("value", "<=", 2e-3) if mode.startswith("thread") else None
         n_puts, n_inline = puts[mode]
         note = f"{ticks[mode]} ticks"
         if mode != "idle":
