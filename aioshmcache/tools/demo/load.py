@@ -48,6 +48,7 @@ from ..shm import remove, segment_files
 from ..units import fmt_bytes
 from .imaging import ProcessorConfig, expected_summary, synthetic_image
 from .pool import SOCKET_DIR_PREFIX
+from .settings import DemoOptions, GatewaySettings
 
 __all__ = [
     "DemoOptions",
@@ -63,25 +64,6 @@ __all__ = [
 
 T = TypeVar("T")
 _PNG = b"\x89PNG"
-
-
-@dataclass
-class DemoOptions:
-    requests: int = 300
-    concurrency: int = 20
-    images: int = 64
-    max_per_request: int = 3
-    zipf: float = 1.1
-    seed: int = 0
-    workers: int = 2
-    delivery: str = "broadcast"
-    cache_mb: float = 64.0
-    max_object_mb: float = 3.0
-    loop: str = "auto"
-    compare: bool = True
-    hash_first: float = 0.2
-    json_path: str | None = None
-    progress: bool = True
 
 
 # --- the gateway process -------------------------------------------------------------------
@@ -505,7 +487,7 @@ def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
         f"aioshmcache demo: {opts.requests} requests, {opts.concurrency} clients, {opts.images} "
         f"images (Zipf s={opts.zipf}), 1-{opts.max_per_request} images/request,",
         f"  {opts.workers} workers ({opts.delivery}), cache {opts.cache_mb:g} MiB, "
-        f"max object {opts.max_object_mb:g} MiB",
+        f"max object {fmt_bytes(_max_object_bytes(opts))}",
         "",
         f"  {'':<34}" + "".join(f"{s['label']:>22}" for s in sums),
         row("requests ok / failed", lambda s: f"{s['ok']} / {s['failed']}"),
@@ -550,6 +532,10 @@ def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
     return "\n".join(lines)
 
 
+def _max_object_bytes(opts: DemoOptions) -> int:
+    return GatewaySettings(max_object_mb=opts.max_object_mb).max_object_bytes
+
+
 def _gateway_args(opts: DemoOptions, *, cache: bool) -> list[str]:
     args = [
         "--workers",
@@ -558,11 +544,11 @@ def _gateway_args(opts: DemoOptions, *, cache: bool) -> list[str]:
         opts.delivery,
         "--cache-mb",
         str(opts.cache_mb),
-        "--max-object-mb",
-        str(opts.max_object_mb),
         "--loop",
         opts.loop,
     ]
+    if opts.max_object_mb is not None:
+        args += ["--max-object-mb", str(opts.max_object_mb)]
     return args if cache else [*args, "--no-cache"]
 
 
