@@ -1,7 +1,7 @@
 """Round trip writer -> reader process -> reply against the peers: multiprocessing Pipe
-and Queue, redis.asyncio against a private redis-server, and Ray if installed (issue 7).
+and Queue, redis.asyncio against a private redis-server, and Ray if installed.
 
-A thin wrapper: ``python bench/bench_peers.py [--quick] [--out DIR]`` is
+A thin wrapper: ``python bench/bench_peers.py [--quick] [--results-dir [DIR]]`` is
 ``python -m aioshmcache bench --suite peers ...``; the code lives in ``aioshmcache.tools.bench``.
 """
 
