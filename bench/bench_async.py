@@ -1,4 +1,4 @@
-"""Async benchmarks (issue 5): an async cache hit, a 16 MiB put through the thread pool,
+"""Async benchmarks: an async cache hit, a 16 MiB put through the thread pool,
 loop lag of a 1 ms ticker while 16 MiB items stream, many small concurrent requests, and the
 inline-vs-thread threshold behind aio.DEFAULT_INLINE_THRESHOLD.
 

@@ -62,8 +62,9 @@ cleanup (exit status 2); children die with the parent (``PR_SET_PDEATHSIG``) eve
 
 Modules, by role: :mod:`.options` (the options and their command line), :mod:`.workload` (items
 and digests), :mod:`.calls` (deadlines and injected cancellation), :mod:`.writer` and
-:mod:`.reader` (the two kinds of child), :mod:`.child` (a child's entry point), :mod:`.faults`,
-:mod:`.orchestrator` (the parent), :mod:`.report` (counters, progress line, table, JSON).
+:mod:`.reader` (the two kinds of child), :mod:`.entry` (a child's entry point), :mod:`.protocol`
+(the channel), :mod:`.children` (the parent's view of its children), :mod:`.flow` (flow control),
+:mod:`.faults`, :mod:`.orchestrator` (the parent), :mod:`.report` (counters, progress, table).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ import sys
 import traceback
 
 from ..units import parse_duration, parse_size
-from .child import run_loop
+from .entry import run_loop
 from .options import FAULTS, StressOptions, parse_args
 from .orchestrator import IN_PRIVATE_SHM, Orchestrator
 from .workload import Workload, item_size, verify_item

@@ -2,6 +2,6 @@
 
 import sys
 
-from .child import child_main
+from .entry import child_main
 
 sys.exit(child_main(sys.argv[1:]))

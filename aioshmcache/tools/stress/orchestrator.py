@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import random
@@ -23,7 +22,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from typing import Any, BinaryIO, Final
+from typing import Any, Final
 
 import anyio
 
@@ -32,7 +31,9 @@ from aioshmcache import sweep
 from ..framing import Link, pack
 from ..progress import Progress
 from ..shm import SEGMENT_PREFIX, SHM_DIR, files_with_prefix, remove, segment_files
+from .children import Child, child_pids, open_log
 from .faults import Faults
+from .flow import Owed
 from .options import StressOptions
 from .protocol import MAX_FRAME, sock_path
 from .report import Tally, as_json, progress_line, summary
@@ -40,60 +41,6 @@ from .report import Tally, as_json, progress_line, summary
 __all__ = ["IN_PRIVATE_SHM", "Child", "Orchestrator"]
 
 IN_PRIVATE_SHM: Final = "AIOSHM_STRESS_PRIVATE_SHM"  # set inside the private /dev/shm namespace
-
-
-def _open_log(path: str) -> BinaryIO:
-    return open(path, "wb")
-
-
-@dataclasses.dataclass(eq=False)
-class Child:
-    """A child process as the parent sees it: its link, its state under faults, its replies."""
-
-    role: str
-    token: str
-    proc: asyncio.subprocess.Process
-    log_path: str
-    pos: int = -1
-    gen: int = 0
-    name: str = ""
-    link: Link | None = None
-    connected: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    eof: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    handle_msg: dict[str, Any] | None = None
-    got_handle: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    last_hb: float = 0.0
-    stopped: bool = False
-    busy: bool = False  # a fault is acting on it
-    killed_by_us: bool = False
-    attached_gen: int = 0
-    rc_seen: bool = False
-    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
-    replies: dict[str, asyncio.Future[dict[str, Any]]] = dataclasses.field(default_factory=dict)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def send(self, msg: dict[str, Any]) -> None:
-        if self.link is not None:
-            self.link.send(msg)
-
-    async def kill(self, *, wait_link: bool, within: float = 10.0) -> bool:
-        """SIGKILL; True once it is reaped (and its link closed) within ``within`` seconds."""
-        self.killed_by_us = True
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGKILL)
-        with anyio.move_on_after(within):
-            await self.proc.wait()
-            if wait_link:
-                await self.eof.wait()
-            return True
-        return False
-
-    def send_raw(self, frame: bytes) -> None:
-        if self.link is not None:
-            self.link.send_raw(frame)
 
 
 class Orchestrator:
@@ -110,13 +57,11 @@ class Orchestrator:
         self.readers: list[Child | None] = [None] * opts.readers
         self.writer: Child | None = None
         self.writer_gen = 0
-        self.pending: dict[tuple[int, int], set[str]] = {}
+        self.owed = Owed(self.credit)
         self.old_refs: deque[dict[str, Any]] = deque(maxlen=64)
         self.cur_refs: deque[dict[str, Any]] = deque(maxlen=64)
         self.topology = asyncio.Lock()
         self.faults = Faults(self)
-        self.no_pending = asyncio.Event()
-        self.no_pending.set()
         self.t_start = 0.0
         self.run_elapsed = 0.0
         self.inst = 0
@@ -151,7 +96,7 @@ class Orchestrator:
         token = f"{role[0]}{self.inst}"
         spec["opts"] = self.opts.child_dict()
         log_path = os.path.join(self.tmp, f"{token}.log")
-        with _open_log(log_path) as log:
+        with open_log(log_path) as log:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
@@ -254,7 +199,7 @@ class Orchestrator:
             if child is not None:
                 child.eof.set()
                 if child.role == "reader":
-                    self.forget_reader(child)
+                    self.write_off(child.token)
                 for fut in child.replies.values():
                     if not fut.done():
                         fut.set_result({"t": "eof"})
@@ -295,40 +240,18 @@ class Orchestrator:
         readers = self.live_readers()
         if self.delivery_for(gen) == "one_of_n" and readers:
             readers = [self.rng.choice(readers)]
-        waiting = set()
         for r in readers:
             r.send_raw(raw)
             self.tally.stats["deliveries"] += 1
-            if not r.stopped:
-                waiting.add(r.token)
-        if waiting:
-            self.pending[(gen, rid)] = waiting
-            self.no_pending.clear()
-        else:
-            self.credit(gen)
+        self.owed.expect((gen, rid), [r.token for r in readers if not r.stopped])
 
     def credit(self, gen: int) -> None:
         w = self.writer
         if w is not None and w.gen == gen and not w.eof.is_set():
             w.send({"t": "credit", "n": 1})
 
-    def resolve(self, token: str, key: tuple[int, int]) -> None:
-        waiting = self.pending.get(key)
-        if waiting is None:
-            return
-        waiting.discard(token)
-        if not waiting:
-            del self.pending[key]
-            self.credit(key[0])
-            if not self.pending:
-                self.no_pending.set()
-
     def write_off(self, token: str) -> None:
-        for key in list(self.pending):
-            self.resolve(token, key)
-
-    def forget_reader(self, child: Child) -> None:
-        self.write_off(child.token)
+        self.owed.write_off(token)
 
     def on_reader(self, r: Child, msg: dict[str, Any]) -> None:
         kind = msg["t"]
@@ -347,7 +270,7 @@ class Orchestrator:
                 self.tally.errors[res] += 1
                 if res == "WriterGoneError":
                     self.tally.wgone_gens.add(int(msg["gen"]))
-            self.resolve(r.token, (int(msg["gen"]), int(msg["rid"])))
+            self.owed.reported(r.token, (int(msg["gen"]), int(msg["rid"])))
         elif kind == "probe_done":
             res = str(msg["r"])
             self.tally.probes[f"{msg['kind']}:{res}"] += 1
@@ -408,10 +331,7 @@ class Orchestrator:
             dead_at = time.monotonic()
             self.tally.stats["writer_kills"] += 1
             self.tally.dead_gens[w.gen] = "killed"
-            for key in [k for k in self.pending if k[0] == w.gen]:
-                del self.pending[key]
-            if not self.pending:
-                self.no_pending.set()
+            self.owed.forget_generation(w.gen)
             self.old_refs.extend(self.cur_refs)
             self.cur_refs.clear()
             self.sweep_dead(w)
@@ -479,15 +399,7 @@ class Orchestrator:
                 if rc is not None and not c.killed_by_us and not c.rc_seen:
                     c.rc_seen = True
                     if rc != 0 and self.phase != "exit":
-                        self.violation(c.token, f"{c.role} exited with {rc}: {self.log_tail(c)}")
-
-    def log_tail(self, c: Child, n: int = 1200) -> str:
-        try:
-            with open(c.log_path, "rb") as f:
-                data = f.read()
-        except OSError:
-            return ""
-        return data[-n:].decode(errors="replace").strip()
+                        self.violation(c.token, f"{c.role} exited with {rc}: {c.log_tail()}")
 
     async def progress(self) -> None:
         """A progress line every second on stderr (not with ``--quiet``)."""
@@ -523,13 +435,10 @@ class Orchestrator:
             self.violation(w.token, f"{why}: the writer did not stop")
             return
         with anyio.move_on_after(60) as sc:
-            await self.no_pending.wait()
+            await self.owed.none.wait()
         if sc.cancelled_caught:
-            self.violation(
-                "quiesce", f"{why}: {len(self.pending)} requests never reported by readers"
-            )
-            self.pending.clear()
-            self.no_pending.set()
+            self.violation("quiesce", f"{why}: {len(self.owed)} requests never reported by readers")
+            self.owed.clear()
         synced: dict[str, dict[str, Any]] = {}
         for c in self.live_readers():
             tok = secrets.token_hex(4)
@@ -597,7 +506,7 @@ class Orchestrator:
             self.violation(w.token, f"{why}: writer did not exit within 30 s")
             await self.hard_kill(w)
         elif rc != 0:
-            self.violation(w.token, f"{why}: writer exited with {rc}: {self.log_tail(w)}")
+            self.violation(w.token, f"{why}: writer exited with {rc}: {w.log_tail()}")
         w.killed_by_us = True
         self.tally.dead_gens[w.gen] = "closed"
         left = segment_files(w.name)
@@ -711,7 +620,7 @@ class Orchestrator:
                 self.violation(c.token, "reader did not exit within 30 s of 'exit'")
                 await self.hard_kill(c)
             elif rc != 0 and not c.killed_by_us:
-                self.violation(c.token, f"reader exited with {rc}: {self.log_tail(c)}")
+                self.violation(c.token, f"reader exited with {rc}: {c.log_tail()}")
         w = self.writer
         if w is not None and not w.eof.is_set():
             await self.close_writer("end of run")
@@ -731,30 +640,13 @@ class Orchestrator:
         """Our segments and semaphores still in /dev/shm (alone in a private one: any)."""
         return files_with_prefix(SEGMENT_PREFIX if os.environ.get(IN_PRIVATE_SHM) else self.prefix)
 
-    @staticmethod
-    def child_pids() -> list[int]:
-        """Live (non-zombie) processes whose parent is this one, from /proc/*/stat."""
-        me, pids = os.getpid(), []
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                with open(f"/proc/{d}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rfind(b")") + 2 :].split()
-            if len(fields) > 1 and int(fields[1]) == me and fields[0] != b"Z":
-                pids.append(int(d))
-        return pids
-
     def finish(self) -> int:
         """The end-state checks, the report, and the exit status."""
         left = self.leftovers()
         if left and not self.interrupted:  # an interrupted run killed its writer: orphans
             self.violation("end", f"left in {SHM_DIR}: {left}")
         remove(left)
-        kids = self.child_pids()
+        kids = child_pids()
         if kids:
             self.violation("end", f"child processes left: {kids}")
         stray = self.tally.wgone_gens - set(self.tally.dead_gens)
