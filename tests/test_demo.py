@@ -237,6 +237,18 @@ async def test_channel_frames_and_features() -> None:
         decode_feature(short)
 
 
+def test_documented_hash_format_matches() -> None:
+    """The mm_hash recipe in examples/README.md computes the gateway's hash."""
+    readme = (Path(__file__).resolve().parent.parent / "examples" / "README.md").read_text()
+    block = re.search(r"## The image hash.*?```python\n(.*?)```", readme, re.S)
+    assert block is not None
+    namespace: dict[str, Any] = {}
+    exec(block.group(1), namespace)
+    data = synthetic_image(4242, width=200, height=150)
+    settings = json.loads(json.dumps(PROC.to_dict()))  # as GET /v1/processor sends it
+    assert namespace["mm_hash"](data, settings) == mm_hash(data, PROC)
+
+
 def test_request_plan_is_zipf_and_reproducible() -> None:
     a = plan_requests(400, 16, max_per_request=3, zipf=1.1, seed=3, hash_first=0.3)
     assert a == plan_requests(400, 16, max_per_request=3, zipf=1.1, seed=3, hash_first=0.3)
