@@ -1,4 +1,8 @@
-"""Layer 8: ``python -m aioshmcache`` (``demo``, ``stress``, ``bench``, ``inspect``, ``sweep``)."""
+"""``python -m aioshmcache``: the demo, the benchmarks and the stress harness; inspect and sweep.
+
+``demo``, ``bench`` and ``stress`` live in :mod:`aioshmcache.tools`, imported only when one of
+them runs (the library never imports its tools).
+"""
 
 from __future__ import annotations
 
@@ -12,28 +16,72 @@ from ._sweep import sweep
 
 __all__ = ["main"]
 
+DESCRIPTION = (
+    "aioshmcache: an async-first shared-memory object cache for numpy tensors. "
+    "Run a tool (demo, bench, stress) or look at the caches of this machine (inspect, sweep)."
+)
+
 # subcommands implemented in their own modules: name -> (module, help)
 _DELEGATED = {
-    "demo": ("aioshmcache.demo", "run the FastAPI multimodal gateway demo with worker processes"),
-    "stress": ("aioshmcache._stress", "async stress and fault-injection harness"),
-    "bench": ("aioshmcache.bench", "benchmarks against memcpy and peers (table + plot)"),
+    "demo": (
+        "aioshmcache.tools.demo",
+        "run the FastAPI multimodal gateway demo with worker processes "
+        "(needs the 'examples' extra)",
+    ),
+    "stress": ("aioshmcache.tools.stress", "run the async stress and fault-injection harness"),
+    "bench": (
+        "aioshmcache.tools.bench",
+        "benchmark against memcpy and peers (writes a table, a plot and JSON)",
+    ),
 }
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m aioshmcache", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_mod, help_) in _DELEGATED.items():
+        sub.add_parser(name, help=help_, description=help_, add_help=False)
+    help_ = "show a cache segment's state from outside its writer"
+    p_inspect = sub.add_parser(
+        "inspect",
+        help=help_,
+        description=f"{help_[0].upper()}{help_[1:]}: capacity, use, hits, evictions and each "
+        "reader slot (alive, acknowledged, behind, revoked). Attaches without claiming a slot.",
+    )
+    p_inspect.add_argument("name", help="segment name (with or without the aioshm- prefix)")
+    help_ = "remove the segments of writers that died"
+    p_sweep = sub.add_parser(
+        "sweep",
+        help=help_,
+        description=f"{help_[0].upper()}{help_[1:]} (killed, out of memory) and their "
+        "semaphores. A live writer's segment and other users' files are never touched.",
+    )
+    p_sweep.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    return parser
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _sweep_summary(removed: list[str], *, dry_run: bool) -> str:
+    """``removed 2 orphan segments and 1 semaphore`` (or ``would remove ...``)."""
+    if not removed:
+        return "no orphan segment found"
+    sems = sum(1 for n in removed if n.startswith("sem."))
+    parts = [_plural(len(removed) - sems, "orphan segment")] if len(removed) > sems else []
+    parts += [_plural(sems, "orphan semaphore" if not parts else "semaphore")] if sems else []
+    return f"{'would remove' if dry_run else 'removed'} {' and '.join(parts)}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``python -m aioshmcache ARGV``; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in _DELEGATED:
         module = importlib.import_module(_DELEGATED[args[0]][0])
         rc: int = module.main(args[1:])
         return rc
-    parser = argparse.ArgumentParser(prog="python -m aioshmcache", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (_mod, help_) in _DELEGATED.items():
-        sub.add_parser(name, help=help_, add_help=False)
-    p_inspect = sub.add_parser("inspect", help="show a segment's state from outside its writer")
-    p_inspect.add_argument("name", help="segment name (with or without the aioshm- prefix)")
-    p_sweep = sub.add_parser("sweep", help="remove aioshm- segments whose writer is dead")
-    p_sweep.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    parser = _parser()
     ns = parser.parse_args(args)
     if ns.command == "inspect":
         try:
@@ -47,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         verb = "would remove" if ns.dry_run else "removed"
         for n in removed:
             print(f"{verb} {n}")
-        print(f"{len(removed)} {'orphan' if len(removed) == 1 else 'orphans'} {verb}")
+        print(_sweep_summary(removed, dry_run=ns.dry_run))
         return 0
     parser.error(f"unknown command {ns.command!r}")
     return 2

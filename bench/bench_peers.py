@@ -1,15 +1,15 @@
 """Round trip writer -> reader process -> reply against the peers: multiprocessing Pipe
-and Queue, redis.asyncio against a private redis-server, and Ray if installed (issue 7).
+and Queue, redis.asyncio against a private redis-server, and Ray if installed.
 
-A thin wrapper: ``python bench/bench_peers.py [--quick] [--out DIR]`` is
-``python -m aioshmcache bench --suite peers ...``; the code lives in ``aioshmcache.bench``.
+A thin wrapper: ``python bench/bench_peers.py [--quick] [--results-dir [DIR]]`` is
+``python -m aioshmcache bench --suite peers ...``; the code lives in ``aioshmcache.tools.bench``.
 """
 
 from __future__ import annotations
 
 import sys
 
-from aioshmcache.bench import main
+from aioshmcache.tools.bench import main
 
 if __name__ == "__main__":  # the guard matters: the benchmark spawns worker processes
     sys.exit(main(["--suite", "peers", *sys.argv[1:]]))

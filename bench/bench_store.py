@@ -1,16 +1,16 @@
 """Store benchmarks: put / get / lease vs np.copyto into shared memory (1 KiB to 64 MiB),
 the 1 KiB steady state with a reader process, a fresh cache's first put, churn, and how the
-cost grows with the number of readers and the cache size (issues 2, 3 and 7).
+cost grows with the number of readers and the cache size.
 
-A thin wrapper: ``python bench/bench_store.py [--quick] [--out DIR]`` is
-``python -m aioshmcache bench --suite store ...``; the code lives in ``aioshmcache.bench``.
+A thin wrapper: ``python bench/bench_store.py [--quick] [--results-dir [DIR]]`` is
+``python -m aioshmcache bench --suite store ...``; the code lives in ``aioshmcache.tools.bench``.
 """
 
 from __future__ import annotations
 
 import sys
 
-from aioshmcache.bench import main
+from aioshmcache.tools.bench import main
 
 if __name__ == "__main__":  # the guard matters: the benchmark spawns worker processes
     sys.exit(main(["--suite", "store", *sys.argv[1:]]))

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from aioshmcache.demo.imaging import ProcessorConfig, mm_hash, synthetic_image
+from aioshmcache.tools.demo.imaging import ProcessorConfig, mm_hash, synthetic_image
 
 
 def processor_of(client: httpx.Client) -> ProcessorConfig:

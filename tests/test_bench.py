@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import re
 import shutil
 import struct
 import subprocess
@@ -19,6 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from aioshmcache.tools import bench
+from aioshmcache.tools.bench.report import Report, Row, Target
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +49,9 @@ SECTIONS = (
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run(
-        [sys.executable, "-m", "aioshmcache", "bench", "--quick", "--no-ray", "--out", str(out)],
+        [sys.executable, "-m", "aioshmcache", "bench", "--quick", "--no-ray"],
+        cwd=out,  # the results go to the current directory by default
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=240,
@@ -55,7 +64,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]
 
 
 def _rows(out: Path) -> list[dict[str, Any]]:
-    data = json.loads((out / "bench-quick.json").read_text(encoding="utf-8"))
+    data = json.loads((out / "aioshmcache-bench-quick.json").read_text(encoding="utf-8"))
     assert data["quick"] is True
     rows: list[dict[str, Any]] = data["rows"]
     return rows
@@ -66,13 +75,53 @@ HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 def test_files_are_written(quick_run: tuple[Path, str, str]) -> None:
     out, stdout, stderr = quick_run
-    names = ["bench-quick.md", "bench-quick.json"] + (["bench-quick.png"] if HAS_MATPLOTLIB else [])
+    stem = "aioshmcache-bench-quick"
+    names = [f"{stem}.md", f"{stem}.json"] + ([f"{stem}.png"] if HAS_MATPLOTLIB else [])
     for name in names:
         assert (out / name).is_file(), name
-    md = (out / "bench-quick.md").read_text(encoding="utf-8")
+    md = (out / "aioshmcache-bench-quick.md").read_text(encoding="utf-8")
     assert "## Targets" in md and "| target |" in md
     assert "## Targets" in stdout  # the table is printed too
     assert "done in" in stderr  # progress lines go to stderr
+    assert re.search(r"targets: \d+ of \d+ met", stderr)
+    assert not re.search(r"\bissues? \d", stdout + md), "no issue numbers in the output"
+    assert sorted(p.name for p in out.iterdir()) == sorted(names)  # nothing else, no bench/
+
+
+def _fake_report(*, miss: bool) -> Report:
+    report = Report("fake", quick=True)
+    held = Row("S", "fast enough", "1 KiB", 1e-6, target=Target("value", "<=", 2e-6))
+    report.add(held)
+    report.add(Row("S", "no target", "", 5.0))
+    if miss:
+        report.add(Row("S", "too slow", "16 MiB", 3e-3, target=Target("value", "<=", 2e-3)))
+    report.finish()
+    return report
+
+
+@pytest.mark.parametrize("miss", [False, True])
+@pytest.mark.parametrize("check", [False, True])
+def test_check_fails_on_a_missed_target(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    miss: bool,
+    check: bool,
+) -> None:
+    """``--check`` turns a missed target into exit status 1; without it a miss is reported."""
+    monkeypatch.setattr(bench, "run", lambda *a, **k: _fake_report(miss=miss))
+    args = ["--quick", "--no-print", "--quiet", "--results-dir", str(tmp_path / "r")]
+    rc = bench.main(args + (["--check"] if check else []))
+    assert rc == (1 if check and miss else 0)
+    err = capsys.readouterr().err
+    assert f"targets: 1 of {2 if miss else 1} met" in err
+    assert ("missed: too slow (16 MiB)" in err) == miss
+    assert (tmp_path / "r" / "aioshmcache-bench-quick.md").is_file()
+
+
+def test_bare_results_dir_is_the_checkouts_bench_results() -> None:
+    assert bench.checkout_results_dir() == ROOT / "bench" / "results"
+    assert bench.results_stem(("store",), quick=False) == "aioshmcache-bench-store"
 
 
 def test_every_workload_reports_sane_figures(quick_run: tuple[Path, str, str]) -> None:
@@ -111,7 +160,7 @@ def test_baselines_are_measured_in_the_same_run(quick_run: tuple[Path, str, str]
 def test_missing_peers_are_skipped_not_failed(quick_run: tuple[Path, str, str]) -> None:
     out = quick_run[0]
     rows = _rows(out)
-    data = json.loads((out / "bench-quick.json").read_text(encoding="utf-8"))
+    data = json.loads((out / "aioshmcache-bench-quick.json").read_text(encoding="utf-8"))
     skipped = " ".join(data["skipped"])
     assert "Ray" in skipped  # --no-ray
     has_redis = any("redis" in r["label"] for r in rows)
@@ -123,7 +172,7 @@ def test_missing_peers_are_skipped_not_failed(quick_run: tuple[Path, str, str]) 
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed (the bench extra)")
 def test_plot_is_a_png(quick_run: tuple[Path, str, str]) -> None:
-    raw = (quick_run[0] / "bench-quick.png").read_bytes()
+    raw = (quick_run[0] / "aioshmcache-bench-quick.png").read_bytes()
     assert raw[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", raw[16:24])  # the IHDR chunk
     assert width >= 600 and height >= 400

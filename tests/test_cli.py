@@ -81,3 +81,60 @@ def test_help_lists_every_command() -> None:
     out = run_cli("--help")
     for cmd in ("demo", "stress", "bench", "inspect", "sweep"):
         assert cmd in out.stdout
+
+
+def test_help_describes_every_command() -> None:
+    out = run_cli("--help")
+    assert out.returncode == 0
+    assert out.stdout.startswith("usage: python -m aioshmcache")
+    description = out.stdout.split("\n\n")[1]
+    assert description.startswith("aioshmcache: ") and "Layer" not in out.stdout
+    for cmd in ("inspect", "sweep"):
+        sub = run_cli(cmd, "--help")
+        assert sub.returncode == 0
+        text = sub.stdout.split("\n\n")[1]  # the paragraph after usage: the description
+        assert not text.startswith(("options:", "positional")), (cmd, sub.stdout)
+        assert len(text.split()) > 8, (cmd, text)
+    listed = re.findall(r"^    (\w+)\s+(\S.*)$", out.stdout, re.M)
+    assert {name for name, _help in listed} == {"demo", "stress", "bench", "inspect", "sweep"}
+
+
+def test_sweep_dry_run_says_what_it_would_remove(make_config: Any, shm_name: str) -> None:
+    """The summary line is a sentence: 'would remove 1 orphan segment', not '1 orphan would ...'."""
+    a, b = SPAWN.Pipe()
+    writer = SPAWN.Process(target=_procs.writer_forever, args=(shm_name + "-dry", b), daemon=True)
+    writer.start()
+    try:
+        assert a.poll(60)
+        a.recv()
+        writer.kill()
+        writer.join(10)
+        out = run_cli("sweep", "--dry-run")
+        assert out.returncode == 0
+        assert f"would remove aioshm-{shm_name}-dry\n" in out.stdout
+        last = out.stdout.strip().splitlines()[-1]
+        assert re.fullmatch(r"would remove \d+ orphan segments?( and \d+ semaphores?)?", last), last
+        assert os.path.exists(f"/dev/shm/aioshm-{shm_name}-dry")  # a dry run removes nothing
+    finally:
+        done = run_cli("sweep")
+        assert f"removed aioshm-{shm_name}-dry" in done.stdout
+        assert re.search(r"^removed \d+ orphan segments?", done.stdout, re.M)
+
+
+def test_demo_without_the_examples_extra_says_how_to_install_it() -> None:
+    """No raw ModuleNotFoundError: the missing package and the install command."""
+    for blocked, command in (("fastapi", "run"), ("httpx", "run"), ("PIL", "worker")):
+        code = (
+            "import sys\n"
+            f"sys.modules[{blocked!r}] = None  # as if it were not installed\n"
+            "from aioshmcache.cli import main\n"
+            f"sys.exit(main(['demo', {command!r}, '--help']))\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 1, out.stderr
+        assert "Traceback" not in out.stderr and "ModuleNotFoundError" not in out.stderr
+        assert "pip install 'aioshmcache[examples]'" in out.stderr
+        dist = {"PIL": "pillow"}.get(blocked, blocked)
+        assert f"{dist} is not installed" in out.stderr, out.stderr

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import re
+import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,9 +33,9 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from aioshmcache import FeatureSpec, ShmRef
-from aioshmcache.demo.gateway import Gateway, GatewayError, GatewaySettings, ImageInput
-from aioshmcache.demo.imaging import (
+from aioshmcache import CacheConfig, FeatureSpec, SenderCache, ShmRef
+from aioshmcache.tools.demo.gateway import Gateway, GatewayError, GatewaySettings, ImageInput
+from aioshmcache.tools.demo.imaging import (
     ImageDecodeError,
     ProcessorConfig,
     decode_image,
@@ -43,18 +46,14 @@ from aioshmcache.demo.imaging import (
     summarize,
     synthetic_image,
 )
-from aioshmcache.demo.ipc import (
-    MAX_FRAME,
-    ProtocolError,
-    decode_feature,
-    encode_feature,
-    pack,
-    read_frame,
-)
-from aioshmcache.demo.load import GatewayProcess, check_response, plan_requests
+from aioshmcache.tools.demo.ipc import decode_feature, encode_feature
+from aioshmcache.tools.demo.load import GatewayProcess, check_response, plan_requests
+from aioshmcache.tools.demo.settings import default_max_object_bytes, largest_item_bytes
+from aioshmcache.tools.framing import MAX_FRAME, ProtocolError, pack, read_frame
 
 SHM = "/dev/shm"
 PROC = ProcessorConfig()
+JSON_CT = {"content-type": "application/json"}
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -238,6 +237,18 @@ async def test_channel_frames_and_features() -> None:
         decode_feature(short)
 
 
+def test_documented_hash_format_matches() -> None:
+    """The mm_hash recipe in examples/README.md computes the gateway's hash."""
+    readme = (Path(__file__).resolve().parent.parent / "examples" / "README.md").read_text()
+    block = re.search(r"## The image hash.*?```python\n(.*?)```", readme, re.S)
+    assert block is not None
+    namespace: dict[str, Any] = {}
+    exec(block.group(1), namespace)
+    data = synthetic_image(4242, width=200, height=150)
+    settings = json.loads(json.dumps(PROC.to_dict()))  # as GET /v1/processor sends it
+    assert namespace["mm_hash"](data, settings) == mm_hash(data, PROC)
+
+
 def test_request_plan_is_zipf_and_reproducible() -> None:
     a = plan_requests(400, 16, max_per_request=3, zipf=1.1, seed=3, hash_first=0.3)
     assert a == plan_requests(400, 16, max_per_request=3, zipf=1.1, seed=3, hash_first=0.3)
@@ -338,6 +349,7 @@ def test_bad_inputs_are_4xx_and_the_server_keeps_serving(
     for resp, status, text in cases:
         assert resp.status_code == status, (status, resp.text)
         assert text.lower() in resp.text.lower(), (text, resp.text)
+        assert {"error", "message"} <= set(resp.json()), resp.text  # one shape everywhere
     too_many = [("images", (f"{i}.png", png)) for i in range(5)]
     r = c.post("/v1/generate/upload", data={"prompt": "p"}, files=too_many)
     assert r.status_code == 413 and r.json()["error"] == "too_many_images"
@@ -346,6 +358,141 @@ def test_bad_inputs_are_4xx_and_the_server_keeps_serving(
     assert r.status_code == 200, r.text
     _verify(r.json(), [png], gateway.n_workers)
     assert c.get("/healthz").status_code == 200
+
+
+def test_one_error_shape_for_validation_and_routing(gateway: RunningGateway) -> None:
+    """FastAPI's own errors (validation, 404, 405) come in the gateway's shape too."""
+    c = gateway.client
+    r = c.post("/v1/generate", json={"prompt": 3, "images": "no"})
+    body = r.json()
+    assert r.status_code == 422 and body["error"] == "invalid_request", r.text
+    assert "detail" not in body and "images" in body["message"] and "prompt" in body["message"]
+    assert {e["field"] for e in body["errors"]} == {"prompt", "images"}
+    r = c.get("/nowhere")
+    assert r.status_code == 404 and r.json() == {"error": "not_found", "message": "Not Found"}
+    r = c.get("/v1/generate")
+    assert r.status_code == 405 and r.json()["error"] == "method_not_allowed"
+    assert "POST" in r.headers.get("allow", "")
+
+
+def test_wrong_content_type_is_415(gateway: RunningGateway, images: list[bytes]) -> None:
+    c = gateway.client
+    body = json.dumps({"prompt": "p", "images": [{"data": _b64(images[0])}]})
+    for ctype in ("text/plain", None, "multipart/form-data; boundary=x"):
+        headers = {} if ctype is None else {"content-type": ctype}
+        r = c.post("/v1/generate", content=body.encode(), headers=headers)
+        assert r.status_code == 415, (ctype, r.text)
+        assert r.json()["error"] == "unsupported_media_type" and "application/json" in r.text
+    r = c.post("/v1/generate/upload", json={"prompt": "p"})
+    assert r.status_code == 415 and "multipart/form-data" in r.json()["message"]
+    r = c.post("/v1/generate", content=body.encode(), headers={"content-type": "Application/JSON"})
+    assert r.status_code == 200, r.text  # media types are case-insensitive
+
+
+def test_default_max_object_caches_a_1080p_photo(shm_name: str) -> None:
+    """The default maximum object size holds a preprocessed 1920x1080 photo (and 640x480)."""
+    settings = GatewaySettings()
+    assert settings.max_object_mb is None
+    limit = settings.max_object_bytes
+    assert limit == default_max_object_bytes(PROC) == 6 << 20
+    full_hd = preprocess(synthetic_image(77, width=1920, height=1080, fmt="JPEG"), PROC)
+    vga = preprocess(synthetic_image(78, width=640, height=480, fmt="JPEG"), PROC)
+    assert full_hd["pixel_values"].shape == (3, 476, 840)
+    nbytes = sum(int(a.nbytes) for a in full_hd.values())
+    assert 3 << 20 < nbytes <= largest_item_bytes(PROC) < limit  # the old 3 MiB did not fit
+    config = CacheConfig(4 * limit, limit, 1, name=shm_name)
+    with SenderCache(config) as sender:
+        for i, item in enumerate((full_hd, vga)):
+            ref, _ = sender.get_and_update_item((item, ()), f"{i:032x}")
+            assert isinstance(ref, ShmRef), "served inline: the default is too small"
+        assert sender.snapshot().inline_too_large == 0
+
+
+def _status(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (peak) of a process, in bytes, from /proc/<pid>/status."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _post_chunked(
+    url: str, path: str, content_type: str, total: int, preamble: bytes = b""
+) -> tuple[int, bytes]:
+    """POST ``preamble`` and ``total`` bytes of junk, chunked; stops sending once answered."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    sock = socket.create_connection((host, int(port.rstrip("/"))), timeout=60)
+    with sock:
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {content_type}\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n"
+        )
+        sock.sendall(head.encode())
+        payload = b"7" * (1 << 20)
+        chunk = b"%x\r\n" % len(payload) + payload + b"\r\n"
+        frames = [chunk] * -(-total // len(payload)) + [b"0\r\n\r\n"]
+        if preamble:
+            frames.insert(0, b"%x\r\n" % len(preamble) + preamble + b"\r\n")
+        pending = memoryview(b"")
+        sock.setblocking(False)
+        deadline = time.monotonic() + 60
+        while (pending or frames) and time.monotonic() < deadline:
+            if not pending:
+                pending = memoryview(frames.pop(0))
+            readable, writable, _ = select.select([sock], [sock], [], 5)
+            if readable:
+                break  # the answer came before the body ended: stop sending
+            if writable:
+                try:
+                    pending = pending[sock.send(pending) :]
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+        sock.setblocking(True)
+        data = b""
+        with contextlib.suppress(OSError):
+            while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+                got = sock.recv(65536)
+                if not got:
+                    break
+                data += got
+    status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else 0
+    return status, data.partition(b"\r\n\r\n")[2]
+
+
+def test_chunked_body_stops_at_the_limit_without_buffering(tmp_path: Path) -> None:
+    """A 160 MB chunked body against an 8 MiB limit: 413, and the gateway's memory stays put."""
+    limit_mb, total = 8, 160 * 1000 * 1000
+    gw = _start(tmp_path, "--max-body-mb", str(limit_mb), workers=1)
+    try:
+        pid = gw.proc.pid
+        warm = gw.client.post("/v1/generate", content=b"x" * 4096, headers=JSON_CT)
+        assert warm.status_code == 422, warm.text  # not JSON, but under the limit
+        before = _status(pid)
+        file_part = (
+            b'--zzz\r\nContent-Disposition: form-data; name="images"; filename="a.png"\r\n'
+            b"Content-Type: image/png\r\n\r\n"
+        )
+        answers = [
+            _post_chunked(gw.proc.url, path, ctype, total, preamble)
+            for path, ctype, preamble in (
+                ("/v1/generate", "application/json", b""),
+                ("/v1/generate/upload", "multipart/form-data; boundary=zzz", file_part),
+            )
+        ]
+        after = _status(pid)
+        margin = 48 << 20  # the limit may be held once or twice while the app reads; not 160 MB
+        assert after["VmHWM"] <= max(before["VmHWM"], before["VmRSS"] + (limit_mb << 20) + margin)
+        assert after["VmRSS"] <= before["VmRSS"] + (limit_mb << 20) + margin
+        for status, body in answers:
+            assert status == 413, (status, body[:300])
+            err = json.loads(body)
+            assert err["error"] == "body_too_large" and str(limit_mb << 20) in err["message"]
+        r = gw.client.get("/healthz")  # and it keeps serving
+        assert r.status_code == 200
+    finally:
+        gw.stop_and_check()
 
 
 def test_oversize_image_served_inline_and_correct(gateway: RunningGateway) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aioshmcache._stress import (
+from aioshmcache.tools.stress import (
     FAULTS,
     StressOptions,
     Workload,

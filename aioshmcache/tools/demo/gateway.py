@@ -22,8 +22,11 @@ The drift path: an image sent as a hash only (no bytes) that the cache does not 
 naming the missing hashes; the client resends with the bytes. A worker that reports stale
 references (``cache_miss``) makes the gateway ``invalidate`` them and retry with fresh data.
 
-Errors are JSON ``{"error": kind, "message": text, ...}``: 413 (too many images, image or body
-too large), 415 (not a decodable image), 422 (bad base64, bad hash, malformed body), 409
+Every error is JSON ``{"error": kind, "message": text, ...}`` (FastAPI's validation errors and
+404/405 included): 413 (too many images, image or body too large: the body is counted as it
+arrives, chunked or not, and reading stops at the limit), 415 (a body that is not JSON on
+``/v1/generate`` or not a form on ``/v1/generate/upload``; an image that does not decode), 422
+(bad base64, bad hash, malformed or invalid body: ``invalid_request`` with ``errors``), 409
 (drift), 503 (workers restarting), 502/504 (a worker failed or was late).
 """
 
@@ -38,15 +41,16 @@ import os
 import signal
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, MutableMapping
-from dataclasses import asdict, dataclass, field
-from typing import Annotated, Any, Literal
+from dataclasses import asdict, dataclass
+from http import HTTPStatus
+from typing import Annotated, Any, Final, Literal
 
 import anyio
 import anyio.to_thread
 import numpy as np
 from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -57,32 +61,34 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from aioshmcache import (
     AsyncSenderCache,
-    CacheConfig,
     CacheMissError,
     CacheSnapshot,
     FeatureSpec,
     ShmRef,
 )
 
+from ..framing import ProtocolError
+from ..lag import LoopLagMeter
 from .imaging import (
     ImageDecodeError,
     ImageTooLargeError,
-    ProcessorConfig,
     image_nbytes,
     is_mm_hash,
     mm_hash,
     num_image_tokens,
     preprocess,
 )
-from .ipc import ProtocolError, encode_feature
+from .ipc import encode_feature
 from .pool import WorkerDied, WorkerPool, WorkerUnavailable
+from .settings import GatewaySettings
 
 __all__ = ["Gateway", "GatewayError", "GatewaySettings", "ImageInput", "create_app"]
 
-log = logging.getLogger("aioshmcache.demo")
+log = logging.getLogger("aioshmcache.tools.demo")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -92,40 +98,6 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _MiB = 1 << 20
 MAX_ATTEMPTS = 3
-
-
-@dataclass(frozen=True)
-class GatewaySettings:
-    """Everything the gateway is configured with (the demo CLI maps its flags onto it)."""
-
-    workers: int = 2
-    delivery: Literal["broadcast", "one_of_n"] = "broadcast"
-    cache_mb: float = 64.0
-    max_object_mb: float = 3.0
-    cache_enabled: bool = True
-    name: str | None = None
-    handout_ttl: float = 10.0
-    evict_stuck_readers_after: float | None = 30.0
-    max_images: int = 8
-    max_image_bytes: int = 16 * _MiB
-    max_body_bytes: int = 64 * _MiB
-    preprocess_threads: int = 2
-    worker_timeout: float = 30.0
-    worker_loop: Literal["asyncio", "uvloop"] = "asyncio"
-    restart_workers: bool = True
-    exit_with_parent: bool = False
-    processor: ProcessorConfig = field(default_factory=ProcessorConfig)
-
-    def cache_config(self) -> CacheConfig:
-        return CacheConfig(
-            int(self.cache_mb * _MiB),
-            int(self.max_object_mb * _MiB),
-            self.workers + 1,  # a spare slot: a replacement never waits for a dead one's slot
-            name=self.name,
-            delivery=self.delivery,
-            handout_ttl=self.handout_ttl,
-            evict_stuck_readers_after=self.evict_stuck_readers_after,
-        )
 
 
 class GatewayError(Exception):
@@ -152,39 +124,6 @@ class ImageInput:
     data: bytes | None
     mm_hash: str
     filename: str | None = None
-
-
-class _LoopLag:
-    """Measures how late the event loop wakes up (a blocked loop shows up here)."""
-
-    def __init__(self, interval: float = 0.02, window: int = 30_000) -> None:
-        self.interval = interval
-        self.samples: deque[float] = deque(maxlen=window)
-        self.max = 0.0
-
-    async def run(self) -> None:
-        while True:
-            t = time.perf_counter()
-            await asyncio.sleep(self.interval)
-            lag = max(0.0, time.perf_counter() - t - self.interval)
-            self.samples.append(lag)
-            self.max = max(self.max, lag)
-
-    def reset(self) -> None:
-        self.samples.clear()
-        self.max = 0.0
-
-    def summary(self) -> dict[str, float]:
-        if not self.samples:
-            return {"p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0, "samples": 0}
-        a = np.fromiter(self.samples, dtype=np.float64)
-        p50, p99 = np.percentile(a, [50, 99])
-        return {
-            "p50_ms": float(p50) * 1e3,
-            "p99_ms": float(p99) * 1e3,
-            "max_ms": self.max * 1e3,
-            "samples": len(a),
-        }
 
 
 class _SnapshotCollector:
@@ -283,7 +222,7 @@ class Gateway:
         self.processor = settings.processor
         self.cache: AsyncSenderCache | None = None
         self.pool: WorkerPool | None = None
-        self.loop_lag = _LoopLag()
+        self.loop_lag = LoopLagMeter(0.02)
         self._limiter: anyio.CapacityLimiter | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.counters: dict[str, int] = {
@@ -644,44 +583,109 @@ class GenerateRequest(BaseModel):
     request_id: str | None = Field(default=None, max_length=200)
 
 
+#: the media types each body-carrying route accepts (anything else, or none, is a 415)
+_MEDIA_TYPES: Final = {
+    "/v1/generate": ("application/json",),
+    "/v1/generate/upload": ("multipart/form-data", "application/x-www-form-urlencoded"),
+}
+
+
+class _BodyTooLarge(Exception):
+    """Raised from ``receive`` once a request body passes the limit (the app stops reading)."""
+
+
 class _ObserveAndLimit:
-    """Pure ASGI middleware: counts responses by route and status; refuses oversized bodies."""
+    """Pure ASGI middleware: counts responses by route and status; guards request bodies.
+
+    A body is counted as it arrives, chunked or not: at the first byte past ``max_body_bytes``
+    reading stops and the answer is a 413, so no more than the limit is ever held. A
+    ``Content-Length`` above the limit is refused before anything is read, and a body of a media
+    type the route does not take is a 415 before anything is read.
+    """
 
     def __init__(self, app: ASGIApp, gw: Gateway) -> None:
         self.app = app
         self.gw = gw
+
+    def _refuse_early(self, scope: Scope) -> GatewayError | None:
+        limit = self.gw.settings.max_body_bytes
+        headers = dict(scope.get("headers", ()))
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            return GatewayError(
+                413, "body_too_large", f"request body of {int(length)} bytes exceeds {limit} bytes"
+            )
+        accepted = _MEDIA_TYPES.get(str(scope.get("path", "")))
+        if accepted is not None and scope.get("method") == "POST":
+            media = headers.get(b"content-type", b"").decode("latin-1").split(";")[0]
+            if media.strip().lower() not in accepted:
+                return GatewayError(
+                    415,
+                    "unsupported_media_type",
+                    f"content type {media or 'none'!r} is not accepted here; "
+                    f"send {' or '.join(accepted)}",
+                )
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         route = str(scope.get("path", ""))
+        known = route if route in _ROUTES else "other"
+        refused = self._refuse_early(scope)
+        if refused is not None:
+            self.gw.http_requests.labels(known, str(refused.status)).inc()
+            await refused.response()(scope, receive, send)
+            return
         limit = self.gw.settings.max_body_bytes
-        for k, v in scope.get("headers", ()):
-            if k == b"content-length" and v.isdigit() and int(v) > limit:
-                resp = GatewayError(
-                    413, "body_too_large", f"request body of {int(v)} bytes exceeds {limit} bytes"
-                ).response()
-                self.gw.http_requests.labels(route, "413").inc()
-                await resp(scope, receive, send)
-                return
+        received = 0
+        too_large = False
         status = [500]
 
+        async def counting_receive() -> Message:
+            nonlocal received, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    too_large = True
+                    raise _BodyTooLarge
+            return message
+
         async def send_wrapper(message: Message) -> None:
+            if too_large:
+                return  # the app's own answer to a body it could not finish: ours follows
             if message["type"] == "http.response.start":
                 status[0] = int(message["status"])
             await send(message)
 
         try:
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, counting_receive, send_wrapper)
+        except _BodyTooLarge:
+            pass
         finally:
-            known = route if route in _ROUTES else "other"
+            if too_large:
+                status[0] = 413
+                await GatewayError(
+                    413, "body_too_large", f"request body exceeds {limit} bytes"
+                ).response()(scope, receive, send)
             self.gw.http_requests.labels(known, str(status[0])).inc()
 
 
 _ROUTES = frozenset(
     {"/v1/generate", "/v1/generate/upload", "/metrics", "/stats", "/healthz", "/v1/processor"}
 )
+
+
+def _validation_response(exc: RequestValidationError) -> GatewayError:
+    """FastAPI's validation errors in the gateway's one error shape."""
+    problems = []
+    for e in exc.errors():
+        where = ".".join(str(p) for p in e.get("loc", ()) if p != "body") or "body"
+        problems.append({"field": where, "problem": str(e.get("msg", ""))})
+    text = "; ".join(f"{p['field']}: {p['problem']}" for p in problems[:5])
+    return GatewayError(422, "invalid_request", text or "invalid request", errors=problems)
 
 
 def _b64(s: str, index: int) -> bytes:
@@ -711,6 +715,18 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_response(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
+        err = GatewayError(exc.status_code, kind, str(exc.detail))
+        resp = err.response()
+        resp.headers.update(exc.headers or {})
+        return resp
 
     def check_images(n: int) -> None:
         if n == 0:
@@ -804,21 +820,23 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
 
 def create_app_from_env() -> FastAPI:
-    """For ``uvicorn --factory aioshmcache.demo.gateway:create_app_from_env``.
+    """For ``uvicorn --factory aioshmcache.tools.demo.gateway:create_app_from_env``.
 
     Reads ``AIOSHM_DEMO_WORKERS``, ``AIOSHM_DEMO_DELIVERY``, ``AIOSHM_DEMO_CACHE_MB``,
     ``AIOSHM_DEMO_MAX_OBJECT_MB``, ``AIOSHM_DEMO_NAME`` and ``AIOSHM_DEMO_CACHE`` (``off``).
     """
     env = os.environ
-    delivery = env.get("AIOSHM_DEMO_DELIVERY", "broadcast")
+    d = GatewaySettings()  # the defaults, for what the environment does not set
+    delivery = env.get("AIOSHM_DEMO_DELIVERY", d.delivery)
     if delivery not in ("broadcast", "one_of_n"):
         raise ValueError("AIOSHM_DEMO_DELIVERY must be broadcast or one_of_n")
+    max_object = env.get("AIOSHM_DEMO_MAX_OBJECT_MB")
     return create_app(
         GatewaySettings(
-            workers=int(env.get("AIOSHM_DEMO_WORKERS", "2")),
+            workers=int(env.get("AIOSHM_DEMO_WORKERS", d.workers)),
             delivery="one_of_n" if delivery == "one_of_n" else "broadcast",
-            cache_mb=float(env.get("AIOSHM_DEMO_CACHE_MB", "64")),
-            max_object_mb=float(env.get("AIOSHM_DEMO_MAX_OBJECT_MB", "3")),
+            cache_mb=float(env.get("AIOSHM_DEMO_CACHE_MB", d.cache_mb)),
+            max_object_mb=float(max_object) if max_object else d.max_object_mb,
             name=env.get("AIOSHM_DEMO_NAME") or None,
             cache_enabled=env.get("AIOSHM_DEMO_CACHE", "on") != "off",
         )

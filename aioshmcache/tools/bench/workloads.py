@@ -19,27 +19,20 @@ import numpy as np
 
 from aioshmcache import ShmObjectStore, ShmRef
 
+from ..progress import Progress
+from ..units import GiB, MiB, fmt_bytes
 from .params import Params, bench_config, open_store
 from .procs import LazyWorker, Worker
 from .report import Report, Row, Target
-from .timing import (
-    GiB,
-    MiB,
-    Progress,
-    Samples,
-    ShmBuffer,
-    fmt_bytes,
-    memcpy_into,
-    source_array,
-)
+from .timing import Samples, ShmBuffer, memcpy_into, source_array
 
 __all__ = ["run_store_suite"]
 
 S_STORE = "Store: one array item, in-process reader (vs np.copyto into warm shm)"
-S_SMALL = "Small items steady state: 1 KiB, ring churning, reader in another process (issue 2)"
-S_FRESH = "Fresh cache: first put vs warm put (issue 2)"
-S_CHURN = "Churn: 64 MiB ring, 1 MiB items, a reader process acknowledging each (issue 7)"
-S_READERS = "Read path vs attached readers (issue 3)"
+S_SMALL = "Small items steady state: 1 KiB, ring churning, reader in another process"
+S_FRESH = "Fresh cache: first put vs warm put"
+S_CHURN = "Churn: 64 MiB ring, 1 MiB items, a reader process acknowledging each"
+S_READERS = "Read path vs attached readers"
 S_CACHE = "Cost vs cache size"
 
 _clock = time.perf_counter_ns
@@ -205,22 +198,22 @@ def _store_ops_one(p: Params, report: Report, shm: ShmBuffer, size: int) -> None
 
 
 def _put_target(size: int) -> Target | None:
-    return Target("ratio", ">=", 0.8, "issues 2, 7") if size == 16 * MiB else None
+    return Target("ratio", ">=", 0.8) if size == 16 * MiB else None
 
 
 def _get_target(size: int) -> Target | None:
     if size == 1 * MiB:
-        return Target("ratio", ">=", 0.8, "issue 2")
+        return Target("ratio", ">=", 0.8)
     if size == 16 * MiB:
-        return Target("ratio", ">=", 0.8, "issue 7")
+        return Target("ratio", ">=", 0.8)
     return None
 
 
 def _lease_target() -> Target:
-    return Target("value", "<=", 20e-6, "issue 7")
+    return Target("value", "<=", 20e-6)
 
 
-# --- small items steady state (issue 2) -------------------------------------------------------
+# --- small items steady state -------------------------------------------------------
 
 BATCH = 256
 
@@ -279,7 +272,7 @@ def bench_small_steady(p: Params, report: Report, progress: Progress, worker: Wo
             ps.median,
             stat=ps,
             note=note,
-            target=Target("value", "<=", 12e-6, "issue 2"),
+            target=Target("value", "<=", 12e-6),
             plot="small",
             series="put",
         )
@@ -291,7 +284,7 @@ def bench_small_steady(p: Params, report: Report, progress: Progress, worker: Wo
             "1 KiB",
             gs.median,
             stat=gs,
-            target=Target("value", "<=", 10e-6, "issue 2"),
+            target=Target("value", "<=", 10e-6),
             plot="small",
             series="get (copy)",
         )
@@ -317,7 +310,7 @@ def _recv_list(worker: Worker) -> list[int]:
     return out
 
 
-# --- fresh vs warm put (issue 2) ---------------------------------------------------------------
+# --- fresh vs warm put ---------------------------------------------------------------
 
 
 def bench_fresh_vs_warm(p: Params, report: Report, progress: Progress) -> None:
@@ -415,12 +408,12 @@ def bench_fresh_vs_warm(p: Params, report: Report, progress: Progress) -> None:
             param,
             fs.median / ws.median,
             kind="ratio",
-            target=Target("value", "<=", 1.5, "issue 2"),
+            target=Target("value", "<=", 1.5),
         )
     )
 
 
-# --- churn (issue 7) ------------------------------------------------------------------------------
+# --- churn ------------------------------------------------------------------------------
 
 
 def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -> None:
@@ -474,7 +467,7 @@ def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -
                     stat=rs,
                     baseline="1 / rotating np.copyto",
                     ratio=rs.median * bs.median,
-                    target=Target("value", ">=", 8000, "issue 7") if mode == "copy" else None,
+                    target=Target("value", ">=", 8000) if mode == "copy" else None,
                     note=f"writer waited for room {waits} times",
                 )
             )
@@ -502,7 +495,7 @@ def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -
         shm.close()
 
 
-# --- readers scaling (issue 3) ----------------------------------------------------------------
+# --- readers scaling ----------------------------------------------------------------
 
 
 def bench_readers(p: Params, report: Report, progress: Progress, worker: Worker) -> None:
@@ -566,7 +559,7 @@ def bench_readers(p: Params, report: Report, progress: Progress, worker: Worker)
                 f"{kmax} vs 1",
                 worst,
                 kind="ratio",
-                target=Target("value", "<=", 1.10, "issue 3"),
+                target=Target("value", "<=", 1.10),
             )
         )
     h1 = handouts[1].stat()

@@ -1,4 +1,4 @@
-"""The async suite (issue 5): cache hits, offloaded big puts, loop lag, concurrency, threshold.
+"""The async suite: cache hits, offloaded big puts, loop lag, concurrency, threshold.
 
 Runs on asyncio and on uvloop (through anyio). The writer is an ``AsyncSenderCache``; the
 readers, where there are any, are the spawned worker process. The inline-vs-thread threshold is
@@ -23,26 +23,19 @@ import numpy as np
 from aioshmcache import AsyncSenderCache, ReceiverCache, SenderCache, ShmRef
 from aioshmcache.aio import DEFAULT_INLINE_THRESHOLD
 
+from ..lag import LoopLagMeter
+from ..progress import Progress
+from ..units import KiB, MiB, fmt_bytes
 from .params import Params, bench_config
 from .procs import LazyWorker, Worker
 from .report import Report, Row, Target
-from .timing import (
-    KiB,
-    MiB,
-    Progress,
-    Samples,
-    ShmBuffer,
-    fmt_bytes,
-    memcpy_into,
-    percentile,
-    source_array,
-)
+from .timing import Samples, ShmBuffer, memcpy_into, percentile, source_array
 
 __all__ = ["run_async_suite"]
 
-S_HIT = "Async: cache hit of a small item, get_and_update_item(None, h) (issue 5)"
-S_PUT = "Async: 16 MiB put through the thread pool (issue 5)"
-S_LAG = "Async: loop lag of a 1 ms ticker while 16 MiB items stream (issue 5)"
+S_HIT = "Async: cache hit of a small item, get_and_update_item(None, h)"
+S_PUT = "Async: 16 MiB put through the thread pool"
+S_LAG = "Async: loop lag of a 1 ms ticker while 16 MiB items stream"
 S_CONC = "Async: many small concurrent requests"
 S_THR = "Async: inline vs thread (DEFAULT_INLINE_THRESHOLD = 1 MiB)"
 
@@ -87,7 +80,7 @@ def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
             cache = AsyncSenderCache(sender)
             async with cache:
                 ref, _ = await cache.get_and_update_item((item, ()), "hit")
-                receiver.store.ack(_as_ref(ref))
+                receiver.release(_as_ref(ref))
                 limiter = anyio.CapacityLimiter(1)
                 for _ in range(p.runs):
                     run = hit.new_run()
@@ -95,13 +88,13 @@ def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
                         t0 = _clock()
                         ref, _ = await cache.get_and_update_item(None, "hit")
                         run.append((_clock() - t0) * 1e-9)
-                        receiver.store.ack(_as_ref(ref))
+                        receiver.release(_as_ref(ref))
                     run = sync_hit.new_run()
                     for _ in range(n):
                         t0 = _clock()
                         ref, _ = sender.get_and_update_item(None, "hit")
                         run.append((_clock() - t0) * 1e-9)
-                        receiver.store.ack(_as_ref(ref))
+                        receiver.release(_as_ref(ref))
                     run = hop.new_run()
                     for _ in range(max(20, n // 20)):
                         t0 = _clock()
@@ -122,7 +115,7 @@ def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
             stat=hs,
             baseline="sync hit",
             ratio=ss.median / hs.median,
-            target=Target("value", "<=", 20e-6, "issues 5, 7"),
+            target=Target("value", "<=", 20e-6),
         )
     )
     report.add(Row(S_HIT, f"sync SenderCache hit [{loop} run]", "1 KiB", ss.median, stat=ss))
@@ -211,7 +204,7 @@ def bench_big_put(p: Params, report: Report, progress: Progress, loop: str) -> N
             stat=ps,
             baseline="np.copyto",
             ratio=bs.median / ps.median,
-            target=Target("ratio", ">=", 0.7, "issue 5"),
+            target=Target("ratio", ">=", 0.7),
             note=f"{rs.median / ps.median:.2f}x the rotating copy",
         )
     )
@@ -243,7 +236,7 @@ def bench_lag(p: Params, report: Report, progress: Progress, loop: str, worker: 
     idle = p99s["idle"].stat()
     for mode in modes:
         st = p99s[mode].stat()
-        tgt = Target("value", "<=", 2e-3, "issue 5") if mode.startswith("thread") else None
+        tgt = Target("value", "<=", 2e-3) if mode.startswith("thread") else None
         n_puts, n_inline = puts[mode]
         note = f"{ticks[mode]} ticks"
         if mode != "idle":
@@ -276,7 +269,7 @@ def _lag_once(
     p: Params, loop: str, worker: Worker, mode: str, item: dict[str, Any], puts: list[int]
 ) -> list[float]:
     """One run of the ticker beside one streaming mode; returns the ticker's lags."""
-    lags: list[float] = []
+    ticker = LoopLagMeter(0.001, window=None)
     size = int(item["data"].nbytes)
 
     async def main() -> None:
@@ -287,13 +280,6 @@ def _lag_once(
             if reader:
                 worker.attach(c.handle())
                 worker.send("ack_stream", "copy")
-            stop = anyio.Event()
-
-            async def ticker() -> None:
-                while not stop.is_set():
-                    t0 = _clock()
-                    await anyio.sleep(0.001)
-                    lags.append(max(0.0, (_clock() - t0) * 1e-9 - 0.001))
 
             async def stream() -> None:
                 deadline = time.monotonic() + p.lag_seconds
@@ -315,11 +301,11 @@ def _lag_once(
                         else:
                             puts[1] += 1
                 finally:
-                    stop.set()
+                    tg.cancel_scope.cancel()  # stops the ticker
 
             try:
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(ticker)
+                    tg.start_soon(ticker.run)
                     tg.start_soon(stream)
             finally:
                 if reader:
@@ -328,7 +314,7 @@ def _lag_once(
                     worker.detach()
 
     _run(loop, main)
-    return lags
+    return list(ticker.samples)
 
 
 # --- many small concurrent requests ---------------------------------------------------------

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from aioshmcache import CacheConfig, ShmObjectStore
 
-from .timing import GiB, KiB, MiB
+from ..units import GiB, KiB, MiB
 
 __all__ = ["Params", "bench_config", "open_store", "segment_prefix"]
 

@@ -10,37 +10,48 @@ Three suites, each also runnable alone (``--suite``) or through the scripts in `
 * ``async`` — the asyncio facade: cache hits, offloaded puts, loop lag, concurrency and the
   inline-vs-thread threshold.
 
-It writes ``<stem>.md`` (the table), ``<stem>.png`` (the plot) and ``<stem>.json`` (every
-figure) to ``bench/results/`` (or ``--out``), prints the table and reports progress on stderr.
-``--quick`` is the smoke run CI uses (about 30 s): fewer sizes and repetitions, no Ray. A peer
-that is not installed is skipped with a message, never an error. Figures are medians of several
-runs with a ratio against a baseline measured in the same run; there are no timed assertions
-anywhere: the targets are reported, not enforced.
+It writes ``aioshmcache-bench[-SUITES][-quick]`` ``.md`` (the table), ``.png`` (the plot) and
+``.json`` (every figure) to the current directory (``--results-dir DIR`` elsewhere; a bare
+``--results-dir`` in a source checkout: its ``bench/results/``), prints the table and reports
+progress on stderr. ``--quick`` is the smoke run CI uses (about 30 s): fewer sizes and
+repetitions, no Ray. A peer that is not installed is skipped with a message, never an error.
+Figures are medians of several runs with a ratio against a baseline measured in the same run.
+The targets are reported; ``--check`` makes a missed one an exit status of 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
+from ..progress import Progress
+from ..shm import files_with_prefix, remove
 from .params import Params, segment_prefix
 from .report import Report
-from .timing import Progress
 
-__all__ = ["SUITES", "default_out_dir", "main", "run"]
+__all__ = ["SUITES", "checkout_results_dir", "main", "results_stem", "run"]
 
 SUITES = ("store", "peers", "async")
 
 
-def default_out_dir() -> Path:
-    """``bench/results`` of the source checkout when run from one, else of the current directory."""
-    here = Path(__file__).resolve().parent.parent.parent
-    if (here / "bench").is_dir() and (here / "aioshmcache").is_dir():
-        return here / "bench" / "results"
-    return Path.cwd() / "bench" / "results"
+#: a bare ``--results-dir``: the ``bench/results`` folder of the source checkout
+_CHECKOUT = Path("<checkout>")
+
+
+def checkout_results_dir() -> Path | None:
+    """``bench/results`` beside the package's ``bench/`` scripts, in a source checkout only."""
+    root = Path(__file__).resolve().parents[3]
+    if (root / "bench").is_dir() and (root / "aioshmcache").is_dir():
+        return root / "bench" / "results"
+    return None
+
+
+def results_stem(suites: tuple[str, ...], *, quick: bool) -> str:
+    """``aioshmcache-bench``, then the suites if not all of them, then ``-quick``."""
+    stem = "aioshmcache-bench" + ("" if set(suites) == set(SUITES) else "-" + "-".join(suites))
+    return stem + ("-quick" if quick else "")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,7 +61,17 @@ def _parser() -> argparse.ArgumentParser:
         "(multiprocessing, redis.asyncio, Ray). Writes a markdown table and a PNG plot.",
     )
     ap.add_argument("--quick", action="store_true", help="a ~30 s smoke run (CI)")
-    ap.add_argument("--out", type=Path, default=None, help="output directory (bench/results)")
+    ap.add_argument(
+        "--results-dir",
+        type=Path,
+        nargs="?",
+        const=_CHECKOUT,
+        default=None,
+        metavar="DIR",
+        help="where the results go (default: the current directory); without DIR: the "
+        "bench/results folder of the source checkout",
+    )
+    ap.add_argument("--check", action="store_true", help="exit with status 1 if a target is missed")
     ap.add_argument(
         "--suite",
         action="append",
@@ -101,21 +122,34 @@ def run(
 
 
 def _leftovers() -> list[str]:
-    prefix = "aioshm-" + segment_prefix()
-    try:
-        return sorted(n for n in os.listdir("/dev/shm") if n.startswith((prefix, "sem." + prefix)))
-    except FileNotFoundError:
-        return []
+    return files_with_prefix(segment_prefix())
+
+
+def _targets_line(report: Report, *, check: bool) -> str:
+    with_target = [r for r in report.rows if r.target is not None]
+    missed = report.missed()
+    line = f"targets: {len(with_target) - len(missed)} of {len(with_target)} met"
+    if missed:
+        names = "; ".join(f"{r.label} ({r.param})" if r.param else r.label for r in missed[:5])
+        line += f"; missed: {names}" + (" ..." if len(missed) > 5 else "")
+        line += "" if check else " (--check turns a miss into exit status 1)"
+    return line
 
 
 def main(argv: list[str]) -> int:
-    ns = _parser().parse_args(argv)
+    """``python -m aioshmcache bench ARGV``; 1 on an error, a leak or (with --check) a miss."""
+    ap = _parser()
+    ns = ap.parse_args(argv)
     suites = tuple(ns.suite) if ns.suite else SUITES
     want_ray = (not ns.quick) if ns.ray is None else bool(ns.ray)
     progress = Progress(enabled=not ns.quiet)
-    out_dir: Path = ns.out if ns.out is not None else default_out_dir()
-    stem = "bench" + ("" if set(suites) == set(SUITES) else "-" + "-".join(suites))
-    stem += "-quick" if ns.quick else ""
+    out_dir: Path = ns.results_dir if ns.results_dir is not None else Path.cwd()
+    if out_dir == _CHECKOUT:
+        found = checkout_results_dir()
+        if found is None:
+            ap.error("--results-dir without DIR needs a source checkout (with bench/): give DIR")
+        out_dir = found
+    stem = results_stem(suites, quick=ns.quick)
     t0 = time.monotonic()
     rc = 0
     try:
@@ -129,16 +163,15 @@ def main(argv: list[str]) -> int:
         left = _leftovers()
         if left:  # the library (or this benchmark) leaked: report it loudly, then clean up
             print(f"bench: LEFT BEHIND in /dev/shm: {left}", file=sys.stderr)
-            for n in left:
-                try:
-                    os.unlink(os.path.join("/dev/shm", n))
-                except OSError:
-                    pass
+            remove(left)
             rc = 1
     if report.errors:
         rc = 1
     files = report.write(out_dir, stem)
     if not ns.no_print:
         print(report.markdown())
+    print(f"bench: {_targets_line(report, check=ns.check)}", file=sys.stderr)
+    if ns.check and report.missed():
+        rc = 1
     progress(f"done in {time.monotonic() - t0:.0f} s; wrote {', '.join(str(f) for f in files)}")
     return rc

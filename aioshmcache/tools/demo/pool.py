@@ -43,13 +43,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..framing import ProtocolError, pack, read_frame
 from .imaging import ProcessorConfig
-from .ipc import ProtocolError, pack, read_frame
 from .worker import TOKEN_ENV
 
 __all__ = ["SOCKET_DIR_PREFIX", "WorkerDied", "WorkerInfo", "WorkerPool", "WorkerUnavailable"]
 
-log = logging.getLogger("aioshmcache.demo")
+log = logging.getLogger("aioshmcache.tools.demo")
 
 #: the gateway's socket directory is ``$TMPDIR/aioshmcache-demo-<segment>-<random>``
 SOCKET_DIR_PREFIX = "aioshmcache-demo-"

@@ -18,7 +18,39 @@ of ``aioshmcache`` is used.
 
 from __future__ import annotations
 
-__all__ = ["main"]
+import importlib.util
+import sys
+from typing import Final
+
+__all__ = ["INSTALL_HINT", "main", "missing_modules"]
+
+#: import name -> distribution of the ``examples`` extra, by what each subcommand imports
+_EXTRA: Final = {
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+    "httpx": "httpx",
+    "PIL": "pillow",
+    "multipart": "python-multipart",
+}
+_NEEDS: Final = {
+    "run": ("httpx", "PIL", "fastapi", "uvicorn", "multipart"),
+    "serve": ("fastapi", "uvicorn", "multipart", "PIL"),
+    "worker": ("PIL",),
+}
+INSTALL_HINT: Final = "pip install 'aioshmcache[examples]'"
+
+
+def missing_modules(names: tuple[str, ...]) -> list[str]:
+    """The distributions of ``names`` that cannot be imported (looked up, not imported)."""
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
+            found = False
+        if not found:
+            missing.append(_EXTRA[name])
+    return missing
 
 
 def main(argv: list[str]) -> int:
@@ -27,6 +59,15 @@ def main(argv: list[str]) -> int:
     command = args[0] if args and args[0] in ("run", "serve", "worker") else "run"
     if args and args[0] == command:
         args = args[1:]
+    missing = missing_modules(_NEEDS[command])
+    if missing:
+        print(
+            f"python -m aioshmcache demo needs the 'examples' extra, and {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not installed. Install it with:\n\n"
+            f"    {INSTALL_HINT}\n",
+            file=sys.stderr,
+        )
+        return 1
     if command == "worker":  # keep the worker's imports light: no FastAPI, uvicorn or httpx
         from .worker import main as worker_main
 

@@ -6,27 +6,48 @@ import argparse
 import importlib.util
 from typing import Literal
 
+from ..units import MiB, fmt_bytes
+from .imaging import ProcessorConfig
+from .settings import DemoOptions, GatewaySettings, default_max_object_bytes
+
 __all__ = ["run_main", "serve_main"]
+
+_GW = GatewaySettings()  # the defaults: flags take theirs from here
+_RUN = DemoOptions()
 
 
 def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=2, help="engine worker processes (default 2)")
+    p.add_argument(
+        "--workers", type=int, default=_GW.workers, help="engine worker processes (%(default)s)"
+    )
     p.add_argument(
         "--delivery",
         choices=("broadcast", "one_of_n"),
-        default="broadcast",
-        help="broadcast: every worker reads every request (TP ranks); one_of_n: a pool",
-    )
-    p.add_argument("--cache-mb", type=float, default=64.0, help="ring capacity in MiB (64)")
-    p.add_argument(
-        "--max-object-mb", type=float, default=3.0, help="largest cached item in MiB (3)"
+        default=_GW.delivery,
+        help="broadcast: every worker reads every request (TP ranks); one_of_n: a pool "
+        "(%(default)s)",
     )
     p.add_argument(
-        "--loop", choices=("auto", "asyncio", "uvloop"), default="auto", help="gateway event loop"
+        "--cache-mb", type=float, default=_GW.cache_mb, help="ring capacity in MiB (%(default)g)"
+    )
+    largest = fmt_bytes(default_max_object_bytes(_GW.processor))
+    p.add_argument(
+        "--max-object-mb",
+        type=float,
+        default=_GW.max_object_mb,
+        help=f"largest cached item in MiB (default: the largest preprocessed image plus 1 MiB, "
+        f"{largest} with the default --max-pixels; a 1080p photo fits)",
+    )
+    p.add_argument(
+        "--loop",
+        choices=("auto", "asyncio", "uvloop"),
+        default=_RUN.loop,
+        help="gateway event loop (%(default)s: uvloop if installed)",
     )
 
 
 def serve_main(argv: list[str]) -> int:
+    """``python -m aioshmcache demo serve``: the gateway alone, until SIGINT / SIGTERM."""
     p = argparse.ArgumentParser(
         prog="python -m aioshmcache demo serve",
         description="Run the multimodal gateway (uvicorn) with its engine workers.",
@@ -36,16 +57,33 @@ def serve_main(argv: list[str]) -> int:
     _add_gateway_flags(p)
     p.add_argument("--name", default=None, help="segment name (default: random)")
     p.add_argument("--no-cache", action="store_true", help="bypass the cache: always inline")
-    p.add_argument("--max-images", type=int, default=8, help="images per request (8)")
-    p.add_argument("--max-pixels", type=int, default=640 * 640, help="processor max pixels")
-    p.add_argument("--handout-ttl", type=float, default=10.0, help="one_of_n hand-out expiry")
+    p.add_argument(
+        "--max-images", type=int, default=_GW.max_images, help="images per request (%(default)s)"
+    )
+    p.add_argument(
+        "--max-pixels",
+        type=int,
+        default=_GW.processor.max_pixels,
+        help="processor max pixels (%(default)s)",
+    )
+    p.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=_GW.max_body_bytes / MiB,
+        help="largest request body in MiB, chunked or not (%(default)g)",
+    )
+    p.add_argument(
+        "--handout-ttl",
+        type=float,
+        default=_GW.handout_ttl,
+        help="one_of_n hand-out expiry in seconds (%(default)s)",
+    )
     p.add_argument("--no-restart", action="store_true", help="do not replace dead workers")
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="warning")
     ns = p.parse_args(argv)
 
-    from .gateway import GatewaySettings, serve
-    from .imaging import ProcessorConfig
+    from .gateway import serve
 
     worker_loop: Literal["asyncio", "uvloop"] = "asyncio" if ns.loop == "asyncio" else "uvloop"
     if ns.loop == "auto" and importlib.util.find_spec("uvloop") is None:
@@ -59,6 +97,7 @@ def serve_main(argv: list[str]) -> int:
         name=ns.name,
         handout_ttl=ns.handout_ttl,
         max_images=ns.max_images,
+        max_body_bytes=int(ns.max_body_mb * MiB),
         worker_loop=worker_loop,
         restart_workers=not ns.no_restart,
         exit_with_parent=ns.exit_with_parent,
@@ -68,6 +107,7 @@ def serve_main(argv: list[str]) -> int:
 
 
 def run_main(argv: list[str]) -> int:
+    """``python -m aioshmcache demo [run]``: gateway, load, verification and the table."""
     p = argparse.ArgumentParser(
         prog="python -m aioshmcache demo",
         description=(
@@ -75,19 +115,25 @@ def run_main(argv: list[str]) -> int:
             "multimodal load at it, verify every answer, and print a table (cache on vs off)."
         ),
     )
-    p.add_argument("--requests", type=int, default=300, help="requests per phase (300)")
-    p.add_argument("--concurrency", type=int, default=20, help="concurrent clients (20)")
-    p.add_argument("--images", type=int, default=64, help="distinct images (64)")
-    p.add_argument("--max-per-request", type=int, default=3, help="images per request: 1..N (3)")
-    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of image popularity")
-    p.add_argument("--seed", type=int, default=0)
+    counts = (
+        ("--requests", _RUN.requests, "requests per phase"),
+        ("--concurrency", _RUN.concurrency, "concurrent clients"),
+        ("--images", _RUN.images, "distinct images"),
+        ("--max-per-request", _RUN.max_per_request, "images per request: 1..N"),
+    )
+    for flag, n, what in counts:
+        p.add_argument(flag, type=int, default=n, help=f"{what} (%(default)s)")
+    p.add_argument(
+        "--zipf", type=float, default=_RUN.zipf, help="Zipf exponent of image popularity"
+    )
+    p.add_argument("--seed", type=int, default=_RUN.seed)
     _add_gateway_flags(p)
     p.add_argument("--no-compare", action="store_true", help="skip the cache-off phase")
     p.add_argument(
         "--hash-first",
         type=float,
-        default=0.2,
-        help="share of repeat requests that first send hashes only (drift path) (0.2)",
+        default=_RUN.hash_first,
+        help="share of repeat requests that first send hashes only (drift path) (%(default)s)",
     )
     p.add_argument("--quick", action="store_true", help="a short CI run (< 20 s)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
@@ -100,7 +146,7 @@ def run_main(argv: list[str]) -> int:
         if getattr(ns, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
 
-    from .load import DemoOptions, run_demo
+    from .load import run_demo
 
     opts = DemoOptions(
         requests=ns.requests,

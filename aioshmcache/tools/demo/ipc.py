@@ -1,8 +1,8 @@
-"""The gateway <-> engine worker channel: msgpack messages on a Unix-domain stream socket.
+"""The gateway <-> engine worker messages, on a Unix-domain stream socket.
 
-Each message is one frame: a 4-byte big-endian length, then a msgpack map. Frames above
-``MAX_FRAME`` are refused before anything is read into memory, and msgpack is decoded with
-explicit size limits: the channel is as hostile-input-proof as the cache itself.
+Each message is one frame of :mod:`aioshmcache.tools.framing` (a 4-byte big-endian length, then
+a msgpack map, with a maximum size and explicit decoding limits): the channel is as
+hostile-input-proof as the cache itself.
 
 Messages (``t`` is the type)::
 
@@ -20,87 +20,20 @@ inline: too large for the cache, or the cache is off).
 
 from __future__ import annotations
 
-import asyncio
-import struct
 from collections.abc import Mapping
 from typing import Any, Final
 
-import msgpack
 import numpy as np
 import numpy.typing as npt
 
 from aioshmcache import FeatureSpec, ShmRef
 
-__all__ = [
-    "MAX_FRAME",
-    "ProtocolError",
-    "decode_feature",
-    "encode_feature",
-    "read_frame",
-    "write_frame",
-]
+from ..framing import ProtocolError
 
-MAX_FRAME: Final = 256 << 20
-_HEADER = struct.Struct(">I")
+__all__ = ["decode_feature", "encode_feature"]
+
 _DTYPES: Final = frozenset({"float32", "float16", "int64", "int32", "uint8"})
 _MAX_DIMS: Final = 8
-
-
-class ProtocolError(Exception):
-    """A malformed frame or message on the worker channel."""
-
-
-def pack(message: Mapping[str, Any]) -> bytes:
-    body: bytes = msgpack.packb(message, use_bin_type=True)
-    if len(body) > MAX_FRAME:
-        raise ProtocolError(f"message of {len(body)} bytes exceeds the frame limit {MAX_FRAME}")
-    return _HEADER.pack(len(body)) + body
-
-
-async def write_frame(
-    writer: asyncio.StreamWriter, message: Mapping[str, Any], lock: asyncio.Lock | None = None
-) -> None:
-    """Send one message (under ``lock`` when several tasks share the writer)."""
-    frame = pack(message)
-    if lock is None:
-        writer.write(frame)
-        await writer.drain()
-        return
-    async with lock:
-        writer.write(frame)
-        await writer.drain()
-
-
-async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
-    """Read one message; ``None`` at a clean end of stream."""
-    try:
-        head = await reader.readexactly(_HEADER.size)
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
-        raise ProtocolError("stream ended inside a frame header") from None
-    (n,) = _HEADER.unpack(head)
-    if n > MAX_FRAME:
-        raise ProtocolError(f"frame of {n} bytes exceeds the limit {MAX_FRAME}")
-    try:
-        body = await reader.readexactly(n)
-    except asyncio.IncompleteReadError:
-        raise ProtocolError("stream ended inside a frame") from None
-    try:
-        msg = msgpack.unpackb(
-            body,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=1 << 20,
-            max_bin_len=MAX_FRAME,
-            max_array_len=1 << 16,
-            max_map_len=1 << 12,
-        )
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise ProtocolError(f"undecodable frame: {exc}") from None
-    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
-        raise ProtocolError("a message must be a map with a string 't'")
-    return msg
 
 
 def _encode_array(a: npt.NDArray[Any]) -> dict[str, Any]:

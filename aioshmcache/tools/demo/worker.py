@@ -38,8 +38,9 @@ from aioshmcache import (
     WriterGoneError,
 )
 
+from ..framing import ProtocolError, read_frame, write_frame
 from .imaging import ProcessorConfig, summarize
-from .ipc import ProtocolError, decode_feature, read_frame, write_frame
+from .ipc import decode_feature
 
 __all__ = ["main", "serve_worker"]
 

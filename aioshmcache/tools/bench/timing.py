@@ -1,4 +1,4 @@
-"""Measurement helpers: samples, medians over runs, sizes, a warm shared-memory baseline.
+"""Measurement helpers: samples, medians over runs, a warm shared-memory baseline.
 
 Every figure of the benchmark is a :class:`Stat`: the median of all samples, plus the spread of
 the per-run medians (how much one run differs from the next on a noisy, shared machine). Ratios
@@ -13,70 +13,29 @@ import math
 import mmap
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TextIO
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
-    "KiB",
-    "MiB",
-    "GiB",
-    "Progress",
     "ShmBuffer",
     "Stat",
     "Samples",
-    "fmt_bytes",
-    "fmt_seconds",
     "memcpy_into",
     "percentile",
     "source_array",
     "timed_calls",
 ]
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
-
 Array = npt.NDArray[np.uint8]
 
 
-def fmt_bytes(n: int) -> str:
-    """1 KiB, 64 KiB, 1 MiB, 8 GiB (exact powers stay integral)."""
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= size:
-            v = n / size
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
-    return f"{n} B"
-
-
-def fmt_seconds(s: float) -> str:
-    """A duration with a unit that keeps three significant digits."""
-    if not math.isfinite(s):
-        return "n/a"
-    a = abs(s)
-    if a >= 1.0:
-        return f"{s:.2f} s"
-    if a >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} µs"
-
-
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) with linear interpolation; NaN when empty."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    if len(xs) == 1:
-        return xs[0]
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    """The ``q``-th percentile (0..100), linearly interpolated; NaN when empty."""
+    return float(np.percentile(values, q)) if len(values) else math.nan
 
 
 @dataclass(frozen=True)
@@ -176,21 +135,6 @@ def memcpy_into(dst: Array, src: Array, n: int, out: list[float]) -> None:
         t0 = clock()
         copyto(dst, src)
         out.append((clock() - t0) * 1e-9)
-
-
-class Progress:
-    """Progress lines on stderr: elapsed time and what runs now."""
-
-    def __init__(self, *, enabled: bool = True, stream: TextIO | None = None) -> None:
-        self.t0 = time.monotonic()
-        self.enabled = enabled
-        self._stream = stream
-
-    def __call__(self, msg: str) -> None:
-        if not self.enabled:
-            return
-        stream = self._stream if self._stream is not None else sys.stderr
-        print(f"[{time.monotonic() - self.t0:6.1f} s] {msg}", file=stream, flush=True)
 
 
 def timed_calls(fn: Callable[[], object], n: int, out: list[float]) -> None:

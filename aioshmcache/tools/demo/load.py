@@ -7,7 +7,7 @@ images per request, half as JSON with base64 and half as multipart uploads, from
 all sent before first try hashes only (a client that trusts the server still holds them); a
 409 then makes the client resend the missing ones with their bytes, as an engine client would.
 
-Every response is checked against :func:`~aioshmcache.demo.imaging.expected_summary` computed
+Every response is checked against :func:`~aioshmcache.tools.demo.imaging.expected_summary` computed
 locally from the same bytes: shape, patch grid, token count, the CRC-32 of the tensors and the
 embedding, for every worker that answered (in broadcast mode, every worker).
 
@@ -43,8 +43,12 @@ import numpy as np
 
 from aioshmcache import sweep
 
+from ..progress import Progress
+from ..shm import remove, segment_files
+from ..units import fmt_bytes
 from .imaging import ProcessorConfig, expected_summary, synthetic_image
 from .pool import SOCKET_DIR_PREFIX
+from .settings import DemoOptions, GatewaySettings
 
 __all__ = [
     "DemoOptions",
@@ -58,28 +62,8 @@ __all__ = [
     "run_load",
 ]
 
-SHM_DIR = "/dev/shm"
 T = TypeVar("T")
 _PNG = b"\x89PNG"
-
-
-@dataclass
-class DemoOptions:
-    requests: int = 300
-    concurrency: int = 20
-    images: int = 64
-    max_per_request: int = 3
-    zipf: float = 1.1
-    seed: int = 0
-    workers: int = 2
-    delivery: str = "broadcast"
-    cache_mb: float = 64.0
-    max_object_mb: float = 3.0
-    loop: str = "auto"
-    compare: bool = True
-    hash_first: float = 0.2
-    json_path: str | None = None
-    progress: bool = True
 
 
 # --- the gateway process -------------------------------------------------------------------
@@ -208,15 +192,11 @@ class GatewayProcess:
         pattern = os.path.join(tempfile.gettempdir(), f"{SOCKET_DIR_PREFIX}{self.name}-*")
         for d in glob.glob(pattern):
             shutil.rmtree(d, ignore_errors=True)
-        if not os.path.exists(os.path.join(SHM_DIR, self.name)):
+        ours = segment_files(self.name)
+        if self.name not in ours:
             return
-        orphans = sweep(dry_run=True)  # segments whose writer is dead, nothing removed
-        if self.name not in orphans:
-            return
-        for n in orphans:
-            if n == self.name or n.startswith(f"sem.{self.name}."):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(SHM_DIR, n))
+        if self.name in sweep(dry_run=True):  # its writer is dead (nothing removed by this)
+            remove(ours)
 
     def __enter__(self) -> GatewayProcess:
         self.start()
@@ -380,29 +360,11 @@ def check_response(
     return not problem, checks, matched, problem
 
 
-class _Progress:
-    def __init__(self, label: str, total: int, enabled: bool) -> None:
-        self.label = label
-        self.total = total
-        self.enabled = enabled
-        self.tty = sys.stderr.isatty()
-        self.t0 = time.perf_counter()
-        self._last_step = 0
-
-    def show(self, res: PhaseResult, *, final: bool = False) -> None:
-        if not self.enabled:
-            return
-        done = res.ok + res.failed
-        rate = res.ok / max(1e-9, time.perf_counter() - self.t0)
-        line = f"[{self.label}] {done}/{self.total} requests, {res.failed} failed, {rate:.1f} req/s"
-        if self.tty:
-            sys.stderr.write("\r" + line.ljust(72) + ("\n" if final else ""))
-            sys.stderr.flush()
-            return
-        step = 10 * done // max(1, self.total)  # not a terminal: a line every 10 %
-        if step > self._last_step or (final and step < 10):
-            self._last_step = step
-            print(line, file=sys.stderr, flush=True)
+def _show(prog: Progress, label: str, total: int, res: PhaseResult, final: bool = False) -> None:
+    done = res.ok + res.failed
+    rate = res.ok / max(1e-9, prog.elapsed())
+    line = f"[{label}] {done}/{total} requests, {res.failed} failed, {rate:.1f} req/s"
+    prog.update(line, done / max(1, total), final=final)
 
 
 async def run_load(
@@ -426,7 +388,7 @@ async def run_load(
     queue: asyncio.Queue[PlannedRequest] = asyncio.Queue()
     for r in plan:
         queue.put_nowait(r)
-    prog = _Progress(label, len(plan), progress)
+    prog = Progress(enabled=progress)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     async def send(
@@ -473,7 +435,7 @@ async def run_load(
             except httpx.HTTPError as exc:
                 res.failed += 1
                 res.errors[type(exc).__name__] += 1
-                prog.show(res)
+                _show(prog, label, len(plan), res)
                 continue
             res.latencies_ms.append((time.perf_counter() - t0) * 1e3)
             if r.status_code != 200:
@@ -490,12 +452,12 @@ async def run_load(
                     res.verified += 1
                 else:
                     res.errors[f"mismatch: {problem}"] += 1
-            prog.show(res)
+            _show(prog, label, len(plan), res)
 
     async def ticker() -> None:
         while True:
             await asyncio.sleep(0.5)
-            prog.show(res)
+            _show(prog, label, len(plan), res)
 
     async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=limits) as client:
         with contextlib.suppress(httpx.HTTPError):
@@ -507,17 +469,13 @@ async def run_load(
         finally:
             tick.cancel()
         res.wall_s = time.perf_counter() - t0
-        prog.show(res, final=True)
+        _show(prog, label, len(plan), res, final=True)
         with contextlib.suppress(httpx.HTTPError, ValueError):
             res.stats = (await client.get("/stats")).json()
     return res
 
 
 # --- the report ------------------------------------------------------------------------
-def _mb(n: float) -> str:
-    return f"{n / (1 << 20):.1f} MiB"
-
-
 def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
     sums = [p.summary() for p in phases]
 
@@ -529,7 +487,7 @@ def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
         f"aioshmcache demo: {opts.requests} requests, {opts.concurrency} clients, {opts.images} "
         f"images (Zipf s={opts.zipf}), 1-{opts.max_per_request} images/request,",
         f"  {opts.workers} workers ({opts.delivery}), cache {opts.cache_mb:g} MiB, "
-        f"max object {opts.max_object_mb:g} MiB",
+        f"max object {fmt_bytes(_max_object_bytes(opts))}",
         "",
         f"  {'':<34}" + "".join(f"{s['label']:>22}" for s in sums),
         row("requests ok / failed", lambda s: f"{s['ok']} / {s['failed']}"),
@@ -545,9 +503,9 @@ def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
             "images preprocessed / skipped",
             lambda s: f"{s['preprocessed']} / {s['preprocess_skipped']}",
         ),
-        row("bytes served from cache", lambda s: _mb(s["bytes_from_cache"])),
-        row("bytes copied into cache", lambda s: _mb(s["bytes_put"])),
-        row("bytes sent inline (socket)", lambda s: _mb(s["bytes_inline"])),
+        row("bytes served from cache", lambda s: fmt_bytes(s["bytes_from_cache"])),
+        row("bytes copied into cache", lambda s: fmt_bytes(s["bytes_put"])),
+        row("bytes sent inline (socket)", lambda s: fmt_bytes(s["bytes_inline"])),
         row(
             "items inline: too large / full",
             lambda s: f"{s['inline_too_large']} / {s['inline_full']}",
@@ -574,6 +532,10 @@ def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
     return "\n".join(lines)
 
 
+def _max_object_bytes(opts: DemoOptions) -> int:
+    return GatewaySettings(max_object_mb=opts.max_object_mb).max_object_bytes
+
+
 def _gateway_args(opts: DemoOptions, *, cache: bool) -> list[str]:
     args = [
         "--workers",
@@ -582,11 +544,11 @@ def _gateway_args(opts: DemoOptions, *, cache: bool) -> list[str]:
         opts.delivery,
         "--cache-mb",
         str(opts.cache_mb),
-        "--max-object-mb",
-        str(opts.max_object_mb),
         "--loop",
         opts.loop,
     ]
+    if opts.max_object_mb is not None:
+        args += ["--max-object-mb", str(opts.max_object_mb)]
     return args if cache else [*args, "--no-cache"]
 
 

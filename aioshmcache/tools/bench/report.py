@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .timing import Stat, fmt_bytes, fmt_seconds
+from ..units import fmt_bytes, fmt_seconds
+from .timing import Stat
 
 __all__ = ["Report", "Row", "Target"]
 
@@ -35,7 +36,6 @@ class Target:
     on: Literal["value", "ratio"]
     op: Literal["<=", ">="]
     limit: float
-    source: str  # where it is stated, e.g. "issue 2"
 
     def holds(self, value: float, ratio: float | None) -> bool | None:
         x = value if self.on == "value" else ratio
@@ -135,6 +135,10 @@ class Report:
             return False
         return True
 
+    def missed(self) -> list[Row]:
+        """The rows whose target does not hold."""
+        return [r for r in self.rows if r.holds is False]
+
     def finish(self) -> None:
         self.finished = time.time()
         self.load_end = os.getloadavg()
@@ -162,15 +166,15 @@ class Report:
         if not rows:
             return []
         out = [
-            "| target | source | measured | ratio | holds |",
-            "|---|---|---|---|---|",
+            "| target | measured | ratio | holds |",
+            "|---|---|---|---|",
         ]
         for r in rows:
             if r.target is None:  # for mypy; filtered above
                 continue
             what = f"{r.label} ({r.param})" if r.param else r.label
             out.append(
-                f"| {what}: {r.target.text(r.kind)} | {r.target.source} | "
+                f"| {what}: {r.target.text(r.kind)} | "
                 f"{_fmt_value(r.value, r.kind)} | {_fmt_ratio(r.ratio)} | {_verdict(r.holds)} |"
             )
         return out

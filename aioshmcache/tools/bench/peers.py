@@ -30,10 +30,12 @@ from typing import Any
 
 from aioshmcache import ShmObjectStore
 
+from ..progress import Progress
+from ..units import MiB, fmt_bytes
 from .params import Params, bench_config
 from .procs import LazyWorker, Worker
 from .report import Report, Row, Target
-from .timing import MiB, Progress, Samples, ShmBuffer, fmt_bytes, memcpy_into, source_array
+from .timing import Samples, ShmBuffer, memcpy_into, source_array
 
 __all__ = ["run_peers_suite"]
 
@@ -200,11 +202,11 @@ class OurRoundTrip:
 
     def _serve(self, mode: str) -> None:
         if self.mode != mode:
-            self._stop_serving()
+            self.stop_serving()
             self.worker.send("serve_refs", mode)
             self.mode = mode
 
-    def _stop_serving(self) -> None:
+    def stop_serving(self) -> None:
         if self.mode is not None:
             self.worker.send_refs(None)
             self.worker.reply()
@@ -225,7 +227,7 @@ class OurRoundTrip:
 
     def close(self) -> None:
         try:
-            self._stop_serving()
+            self.stop_serving()
             self.worker.detach()
         finally:
             self.store.close()
@@ -313,7 +315,7 @@ def _roundtrip_one(
             memcpy_into(shm.view(size), arr, n, samples[names[0]].new_run())
             ours.run("copy", item, n, samples[names[1]].new_run())
             ours.run("lease", item, n, samples[names[2]].new_run())
-            ours._stop_serving()
+            ours.stop_serving()
             _pipe(worker, False, arr, n, samples[names[3]].new_run())
             _queue(worker, False, arr, n, samples[names[4]].new_run())
             _pipe(worker, True, arr, n, samples[names[5]].new_run())
@@ -349,7 +351,7 @@ def _roundtrip_one(
                 continue
             tgt = None
             if size == 16 * MiB and peer.startswith("redis"):
-                tgt = Target("ratio", ">=", 20.0, "issue 7")
+                tgt = Target("ratio", ">=", 20.0)
             short = peer.split(" (")[0]
             report.add(
                 Row(
@@ -435,7 +437,7 @@ def bench_ray(p: Params, report: Report, progress: Progress, worker: Worker, *, 
             )
             for label, smp in (("reader copies", copy_s), ("reader leases", lease_s)):
                 st = smp.stat()
-                tgt = Target("ratio", ">=", 1.5, "issue 7") if size == 16 * MiB else None
+                tgt = Target("ratio", ">=", 1.5) if size == 16 * MiB else None
                 report.add(
                     Row(
                         S_RAY,

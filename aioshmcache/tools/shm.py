@@ -1,0 +1,45 @@
+"""What a tool leaves in /dev/shm: segment and semaphore files by name or prefix.
+
+The core lists its segments privately; until it offers a public listing these scans use the
+naming rules kept in :mod:`._core_gaps` (``aioshm-<name>`` and ``sem.<segment>.<nonce>.wake``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable
+from typing import Final
+
+from ._core_gaps import SEGMENT_PREFIX, semaphore_prefix
+
+__all__ = ["SEGMENT_PREFIX", "SHM_DIR", "files_with_prefix", "remove", "segment_files"]
+
+SHM_DIR: Final = "/dev/shm"
+
+
+def _names() -> list[str]:
+    try:
+        return os.listdir(SHM_DIR)
+    except OSError:
+        return []
+
+
+def segment_files(name: str) -> list[str]:
+    """Segment ``name`` (with or without the prefix) and its semaphores, if they exist."""
+    seg = name if name.startswith(SEGMENT_PREFIX) else SEGMENT_PREFIX + name
+    sem = semaphore_prefix(seg)
+    return sorted(n for n in _names() if n == seg or n.startswith(sem))
+
+
+def files_with_prefix(prefix: str) -> list[str]:
+    """Every segment whose name starts with ``prefix`` (prefix included), and its semaphores."""
+    seg = prefix if prefix.startswith(SEGMENT_PREFIX) else SEGMENT_PREFIX + prefix
+    return sorted(n for n in _names() if n.startswith((seg, semaphore_prefix(seg)[:-1])))
+
+
+def remove(names: Iterable[str]) -> None:
+    """Unlink these files of /dev/shm (already gone is fine)."""
+    for n in names:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(SHM_DIR, n))

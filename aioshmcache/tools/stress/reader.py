@@ -1,0 +1,418 @@
+"""The reader process: attaches to each writer generation in turn and verifies every array.
+
+Every genuine reference must return exactly the item written for its hash (crc32 over every
+array) or a typed error that something explains; every forged or stale one must be refused with
+one of the typed errors the writer expects. A reader that was attached to a writer that died must
+see ``WriterGoneError`` from it within ``DEAD_WRITER_BOUND`` of the death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+import traceback
+from collections import Counter
+from typing import Any, Final
+
+import anyio
+
+from aioshmcache import (
+    AsyncReceiverCache,
+    CacheMissError,
+    FeatureSpec,
+    ReaderEvictedError,
+    SegmentNotFoundError,
+    ShmCacheError,
+    ShmRef,
+    WriterGoneError,
+)
+
+from ..framing import Link
+from ..lag import LoopLagMeter
+from .calls import cancel_mode, guarded
+from .options import StressOptions
+from .protocol import HB_INTERVAL
+from .workload import verify_item
+
+__all__ = ["DEAD_WRITER_BOUND", "ReaderProc"]
+
+DEAD_WRITER_BOUND: Final = 1.0  # DESIGN 4: a reader learns of a dead writer within 1 s
+
+
+class ReaderProc:
+    """One reader: attaches to each writer generation in turn and verifies every array."""
+
+    def __init__(self, opts: StressOptions, token: str, seed: int, link: Link) -> None:
+        self.opts = opts
+        self.token = token
+        self.link = link
+        self.rng = random.Random(seed)
+        self.rx: AsyncReceiverCache | None = None
+        self.gen = 0
+        self.handle: dict[str, Any] | None = None
+        self.delivery = "broadcast"
+        self.gone = False  # the current generation's writer is gone
+        self.need_reattach = False
+        self.attach_after = 0.0
+        self.unowed_ids: set[int] = set()
+        self.session_reads = 0  # references read and verified in this session (one ack each)
+        self.session_uncertain = 0  # cancelled or half-read requests: acks we cannot count
+        self.inflight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.sem = asyncio.Semaphore(opts.reader_concurrency)
+        self.lag = LoopLagMeter(0.05, window=1)
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def violation(self, text: str) -> None:
+        self.link.send({"t": "violation", "who": f"reader {self.token}", "text": text})
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.heartbeat)
+            tg.start_soon(self.lag.run)
+            try:
+                await self.dispatch()
+            finally:
+                await self.wait_idle()
+                await self.detach()
+                tg.cancel_scope.cancel()
+
+    async def heartbeat(self) -> None:
+        while True:
+            self.link.send({"t": "hb", "gen": self.gen, "lag_max": self.lag.max})
+            await asyncio.sleep(HB_INTERVAL)
+
+    async def wait_idle(self) -> None:
+        with anyio.move_on_after(self.opts.op_deadline * 2):
+            await self.idle.wait()
+
+    async def dispatch(self) -> None:
+        while True:
+            msg = await self.link.recv()
+            if msg is None:
+                return
+            kind = msg["t"]
+            if self.need_reattach and kind in ("req", "probe", "sync"):
+                await self.wait_idle()
+                await self.reattach()
+            if kind in ("req", "probe"):
+                if "drop" in self.opts.sabotage and kind == "req" and self.rng.random() < 0.02:
+                    self.link.send({"t": "done", "rid": msg["rid"], "gen": msg["gen"], "r": "ok"})
+                    continue  # self-test: a reader that silently loses requests
+                await self.sem.acquire()
+                self.inflight += 1
+                self.idle.clear()
+                task = asyncio.ensure_future(self.run_one(msg))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+            elif kind == "handle":
+                await self.wait_idle()
+                await self.switch(msg)
+            elif kind == "sync":
+                await self.wait_idle()
+                # the parent compares ``reads`` with the acknowledgements our slot (found by pid)
+                # holds in the writer's snapshot: every verified read wrote one, none was lost
+                self.link.send(
+                    {
+                        "t": "synced",
+                        "token": msg["token"],
+                        "gen": self.gen,
+                        "attached": self.rx is not None and not self.gone,
+                        "pid": os.getpid(),
+                        "reads": self.session_reads,
+                        "uncertain": self.session_uncertain,
+                    }
+                )
+            elif kind == "exit":
+                return
+
+    async def run_one(self, msg: dict[str, Any]) -> None:
+        try:
+            if msg["t"] == "req":
+                await self.read_request(msg)
+            else:
+                await self.read_probe(msg)
+        except Exception as exc:
+            self.violation(f"reader harness error: {exc!r}\n{traceback.format_exc()}")
+        finally:
+            self.sem.release()
+            self.inflight -= 1
+            if not self.inflight:
+                self.idle.set()
+
+    # --- attach / detach --------------------------------------------------------------------
+    async def detach(self) -> None:
+        rx, self.rx = self.rx, None
+        if rx is not None:
+            with anyio.move_on_after(self.opts.op_deadline) as sc:
+                await rx.aclose()
+            if sc.cancelled_caught:
+                self.violation("AsyncReceiverCache.aclose missed its deadline")
+
+    async def attach(self) -> None:
+        if self.handle is None:
+            return
+        rx = AsyncReceiverCache.attach(self.handle)
+        try:
+            with anyio.fail_after(self.opts.op_deadline):
+                await rx.open()
+        except (WriterGoneError, SegmentNotFoundError) as exc:
+            self.gone = True
+            self.link.send(
+                {
+                    "t": "err",
+                    "kind": type(exc).__name__,
+                    "gen": self.gen,
+                    "where": "attach",
+                    "text": str(exc),
+                }
+            )
+            return
+        except TimeoutError:
+            self.violation("attach missed its deadline")
+            self.gone = True
+            return
+        except ShmCacheError as exc:
+            self.violation(f"attach to g{self.gen} raised {exc!r}")
+            self.gone = True
+            return
+        self.rx = rx
+        self.gone = False
+        self.attach_after = time.monotonic()
+        self.unowed_ids = set()
+        self.session_reads = self.session_uncertain = 0
+        self.link.send({"t": "attached", "gen": self.gen})
+
+    async def reattach(self) -> None:
+        self.need_reattach = False
+        await self.detach()
+        await self.attach()
+        self.link.send({"t": "err", "kind": "reattach", "gen": self.gen, "where": "revoked"})
+
+    async def switch(self, msg: dict[str, Any]) -> None:
+        """A new writer generation: the old one must have been reported gone (within 1 s)."""
+        if int(msg["gen"]) == self.gen:
+            return  # already have it (sent on hello and again with the generation change)
+        prev = msg.get("prev")
+        if self.rx is not None and not self.gone and prev is not None:
+            dead_at = float(prev["dead_at"])
+            while True:
+                t_call = time.monotonic()
+                try:
+                    await self.rx.get_and_update_features([])
+                except WriterGoneError:
+                    self.link.send(
+                        {"t": "err", "kind": "WriterGoneError", "gen": self.gen, "where": "switch"}
+                    )
+                    break
+                except ReaderEvictedError:
+                    break
+                if t_call - dead_at > DEAD_WRITER_BOUND:
+                    self.violation(
+                        f"writer g{self.gen} died {t_call - dead_at:.2f} s ago and the reader "
+                        "still does not see WriterGoneError"
+                    )
+                    break
+                await asyncio.sleep(0.05)
+        await self.detach()
+        self.gen = int(msg["gen"])
+        self.handle = msg["handle"]
+        self.delivery = str(msg["delivery"])
+        self.need_reattach = False
+        await self.attach()
+
+    # --- reads --------------------------------------------------------------------------------
+    def report(self, msg: dict[str, Any], result: str, **extra: Any) -> None:
+        out = {"t": "done", "rid": msg["rid"], "gen": msg["gen"], "r": result}
+        out.update(extra)
+        self.link.send(out)
+
+    async def read_request(self, msg: dict[str, Any]) -> None:
+        rx = self.rx
+        if rx is None or self.gone or int(msg["gen"]) != self.gen:
+            self.report(msg, "skip")
+            return
+        t0 = float(msg["t0"])
+        feats: list[list[Any]] = msg["f"]
+        specs: list[FeatureSpec] = []
+        for h, ref, _digest, _n in feats:
+            if ref is None:
+                specs.append(FeatureSpec(h, None))
+            else:
+                data = ShmRef.from_dict(ref) if self.rng.random() < 0.5 else dict(ref)
+                specs.append(FeatureSpec(h, data))
+        maybe_unowed = t0 < self.attach_after
+        if maybe_unowed:
+            self.unowed_ids.update(int(ref["id"]) for _h, ref, _d, _n in feats if ref is not None)
+        mode = cancel_mode(self.opts, self.rng)
+        res = await guarded(
+            lambda: rx.get_and_update_features(specs),
+            mode=mode,
+            deadline=self.opts.op_deadline,
+            rng=self.rng,
+        )
+        if res.kind == "timeout":
+            self.violation(f"get_and_update_features missed its {self.opts.op_deadline} s deadline")
+            self.report(msg, "timeout")
+            return
+        if res.kind == "cancelled":
+            self.session_uncertain += 1
+            self.report(msg, f"cancelled_{mode}")
+            return
+        if res.kind == "ok":
+            n_ok, nbytes, bad = self.verify(feats, res.value)
+            self.session_reads += n_ok + bad
+            self.report(msg, "ok", n=n_ok, b=nbytes, bad=bad)
+            return
+        exc = res.exc
+        if isinstance(exc, CacheMissError):
+            n_ok = nbytes = bad = 0
+            if exc.features is not None:
+                n_ok, nbytes, bad = self.verify(feats, exc.features, allow_missing=True)
+                self.session_reads += n_ok + bad
+            stale = self.stale_indices(feats, exc.features)
+            explained, unexplained = await self.classify(feats, stale, t0, maybe_unowed)
+            self.report(
+                msg,
+                "miss",
+                n=n_ok,
+                b=nbytes,
+                bad=bad,
+                stale=len(stale),
+                why=dict(explained),
+                unexplained=len(unexplained),
+            )
+            for why in unexplained:
+                self.violation(why)
+            return
+        self.session_uncertain += 1  # part of the request may have been read and acknowledged
+        if isinstance(exc, ReaderEvictedError):
+            self.need_reattach = True
+            self.report(msg, "ReaderEvictedError")
+            return
+        if isinstance(exc, WriterGoneError):
+            self.gone = True
+            self.report(msg, "WriterGoneError")
+            return
+        self.violation(f"genuine request {msg['rid']} (g{msg['gen']}) raised {exc!r}")
+        self.report(msg, f"unexpected_{type(exc).__name__}")
+
+    def verify(
+        self, feats: list[list[Any]], out: Any, *, allow_missing: bool = False
+    ) -> tuple[int, int, int]:
+        if not isinstance(out, list) or len(out) != len(feats):
+            self.violation(f"receiver returned {type(out).__name__} for {len(feats)} features")
+            return 0, 0, 1
+        n_ok = nbytes = bad = 0
+        for (h, ref, digest, n), f in zip(feats, out):
+            if not isinstance(f, FeatureSpec) or f.mm_hash != h:
+                self.violation(f"receiver returned {f!r} for {h}")
+                bad += 1
+                continue
+            if ref is None:
+                if f.data is not None:
+                    self.violation(f"{h}: inline placeholder came back as {type(f.data).__name__}")
+                    bad += 1
+                continue
+            if f.data is None and allow_missing:
+                continue
+            err = verify_item(f.data, h, digest, n)
+            if err is not None:
+                self.violation(f"WRONG DATA: {err}")
+                bad += 1
+            else:
+                n_ok += 1
+                nbytes += n
+        return n_ok, nbytes, bad
+
+    @staticmethod
+    def stale_indices(feats: list[list[Any]], out: Any) -> list[int]:
+        if not isinstance(out, list):
+            return [i for i, f in enumerate(feats) if f[1] is not None]
+        return [
+            i
+            for i, (f, o) in enumerate(zip(feats, out))
+            if f[1] is not None and isinstance(o, FeatureSpec) and o.data is None
+        ]
+
+    async def classify(
+        self, feats: list[list[Any]], stale: list[int], t0: float, maybe_unowed: bool
+    ) -> tuple[Counter[str], list[str]]:
+        """Why stale genuine references are explained (by cause); the others, described."""
+        now = time.monotonic()
+        explained: Counter[str] = Counter()
+        todo: list[int] = []
+        for i in stale:
+            ref = feats[i][1]
+            if self.delivery == "one_of_n":
+                if now - t0 > self.opts.handout_ttl - 0.05:
+                    explained["ttl"] += 1
+                    continue
+            elif maybe_unowed:
+                explained["before_attach"] += 1
+                continue
+            elif int(ref["id"]) in self.unowed_ids:
+                explained["unowed_ack"] += 1
+                continue
+            todo.append(i)
+        if not todo:
+            return explained, []
+        if self.delivery != "one_of_n" and self.rx is not None:
+            try:
+                await self.rx.get_and_update_features([])  # revoked? (public, no-op otherwise)
+            except ReaderEvictedError:
+                self.need_reattach = True
+                explained["revoked"] += len(todo)
+                return explained, []
+            except (WriterGoneError, ShmCacheError):
+                pass
+        why = []
+        for i in todo:
+            h, ref = feats[i][0], feats[i][1]
+            why.append(
+                f"{h} (chunk {ref['id']}, {self.delivery}, g{self.gen}) was reclaimed "
+                f"{now - t0:.2f} s after its hand-out, before this reader acknowledged it"
+            )
+        return explained, why
+
+    async def read_probe(self, msg: dict[str, Any]) -> None:
+        rx = self.rx
+        out: dict[str, Any] = {"t": "probe_done", "kind": msg["kind"], "gen": msg["gen"]}
+        if rx is None or self.gone or int(msg["gen"]) != self.gen:
+            out["r"] = "skip"
+            self.link.send(out)
+            return
+        ref, h, expect = msg["ref"], str(msg["h"]), list(msg["expect"])
+
+        async def call() -> Any:
+            if msg["via"] == "item":
+                return await rx.get_and_update_item(ref, h)
+            return await rx.get_and_update_features([FeatureSpec(h, ref)])
+
+        res = await guarded(call, mode="none", deadline=self.opts.op_deadline, rng=self.rng)
+        if res.kind == "timeout":
+            self.violation(f"probe {msg['kind']} missed its deadline")
+            out["r"] = "timeout"
+        elif res.kind == "ok":
+            self.violation(
+                f"FORGED/STALE reference ({msg['kind']}, via {msg['via']}) returned data "
+                f"instead of one of {expect}: {ref}"
+            )
+            out["r"] = "DATA"
+        else:
+            name = type(res.exc).__name__
+            out["r"] = name
+            if name in expect:
+                pass
+            elif isinstance(res.exc, ReaderEvictedError):
+                self.need_reattach = True
+            elif isinstance(res.exc, WriterGoneError):
+                self.gone = True
+            else:
+                self.violation(
+                    f"probe {msg['kind']} (via {msg['via']}) raised {res.exc!r}, expected {expect}"
+                )
+        self.link.send(out)
