@@ -26,12 +26,18 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
+from ._flight import SingleFlight, SingleFlightStats, call_make
 from ._request import DEFAULT_INLINE_THRESHOLD
 from ._types import CacheConfig, CacheHandle, CacheInfo, CacheSnapshot, FeatureSpec, ShmRef
 from .cache import MmItem, ReceiverCache, SenderCache
 from .errors import ClosedCacheError
 
-__all__ = ["DEFAULT_INLINE_THRESHOLD", "AsyncReceiverCache", "AsyncSenderCache"]
+__all__ = [
+    "DEFAULT_INLINE_THRESHOLD",
+    "AsyncReceiverCache",
+    "AsyncSenderCache",
+    "SingleFlightStats",
+]
 
 CLOSE_TIMEOUT: Final = 10.0
 
@@ -158,6 +164,8 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
             sender, max_threads=max_threads, inline_threshold_bytes=inline_threshold_bytes
         )
         self._config = config
+        self._flight: SingleFlight[FeatureSpec] = SingleFlight()
+        self._make_limiter: anyio.CapacityLimiter | None = None
 
     @classmethod
     def from_config(cls, config: CacheConfig, **kwargs: Any) -> AsyncSenderCache:
@@ -247,6 +255,66 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         )
         await self._drive(req)
         return req.finish()
+
+    async def get_or_put(
+        self,
+        mm_hash: str,
+        make: Callable[[], Any],
+        *,
+        identifier: str | None = None,
+        prompt_updates: Sequence[Any] = (),
+        wait_for_space: float | None = None,
+    ) -> FeatureSpec:
+        """The feature of ``mm_hash``, preprocessing it with ``make()`` only if nobody has.
+
+        Single flight: a cached hash is handed out at once (``make`` is not called). Otherwise
+        the first caller runs ``make()`` — awaited if it is a coroutine function, else in a
+        worker thread (its own limiter of ``max_threads`` threads, apart from the copies') —
+        and puts the item; concurrent callers of the same hash wait for that put and then get
+        their own hand-out. Every caller gets its own ``FeatureSpec`` whose data is its own
+        ``ShmRef``, or the item itself when it cannot be cached (too large, no room).
+
+        If ``make`` (or the put) raises, every waiter gets an exception of the same type and
+        nothing is cached; the next call tries again. If the first caller is cancelled, a
+        waiter takes over (reusing the item if ``make`` had returned); the cancelled caller's
+        hand-out is rolled back. ``prompt_updates`` are stored with the item when it is put; a
+        caller served by a hit at once gets the stored ones. Counters: ``single_flight_stats``.
+        """
+        if not isinstance(mm_hash, str):
+            raise TypeError(f"mm_hash must be a str, not {type(mm_hash).__name__}")
+        updates = tuple(prompt_updates)
+
+        async def put(data: Any) -> FeatureSpec:
+            spec = FeatureSpec(mm_hash, data, identifier=identifier, prompt_updates=updates)
+            [out] = await self.get_and_update_features([spec], wait_for_space=wait_for_space)
+            return out
+
+        async def run_make() -> Any:
+            return await call_make(make, self.make_limiter)
+
+        return await self._flight.run(
+            mm_hash,
+            run_make,
+            cached=lambda: self.is_cached_item(mm_hash),
+            hit=lambda: put(None),
+            put=put,
+        )
+
+    @property
+    def make_limiter(self) -> anyio.CapacityLimiter:
+        """The limiter of the worker threads that run ``get_or_put``'s sync ``make``."""
+        if self._make_limiter is None:
+            self._make_limiter = anyio.CapacityLimiter(self._max_threads)
+        return self._make_limiter
+
+    def single_flight_stats(self) -> SingleFlightStats:
+        """What ``get_or_put`` counted: calls, hits, runs of ``make``, saved, failures."""
+        return self._flight.stats()
+
+    @property
+    def single_flight_saved(self) -> int:
+        """Preprocessings saved: ``get_or_put`` calls served by another caller's ``make``."""
+        return self._flight.stats().saved
 
     async def touch_sender_cache_item(self, mm_hash: str) -> bool:
         """Protect a cached item from eviction until its next hand-out."""
