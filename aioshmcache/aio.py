@@ -1,4 +1,4 @@
-"""Layer 7: the asyncio facade, ``AsyncSenderCache`` and ``AsyncReceiverCache`` (on anyio).
+"""The asyncio facade, ``AsyncSenderCache`` and ``AsyncReceiverCache`` (on anyio).
 
 Same method names as the sync classes (``aclose`` for ``close``), and the same algorithm: each
 call builds the sync cache's own request object (``SenderCache.request`` /
@@ -12,6 +12,9 @@ awaiting task raise at once while the thread runs on). ``abandon`` rolls the req
 if its jobs never started, or leaves it to the thread, which rolls back itself when its jobs
 end; either way exactly once. Nothing half-written is ever visible: a chunk becomes readable
 only when committed, and an abandoned one is reclaimed in FIFO order.
+
+``AsyncSenderCache.get_or_put`` adds single-flight puts (one preprocessing per new hash among
+concurrent callers); its bookkeeping lives in ``_flight`` and drives the same requests.
 """
 
 from __future__ import annotations
@@ -110,7 +113,11 @@ class _AsyncFace(Generic[C]):
             self._cache = await anyio.to_thread.run_sync(self._open_cache)
 
     async def aclose(self) -> None:
-        """Idempotent: waits (bounded) for jobs in worker threads, then closes what it owns."""
+        """Close: wait (bounded) for jobs in worker threads, then close what this object owns.
+
+        An owned sender unlinks its segment, an owned reader frees its slot; a borrowed cache is
+        left open. Idempotent.
+        """
         if self._closed:
             return
         self._closed = True
@@ -123,6 +130,7 @@ class _AsyncFace(Generic[C]):
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
+        """Leave ``async with``: ``aclose()``."""
         await self.aclose()
 
     async def _drive(self, request: Any) -> None:
@@ -148,6 +156,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
 
     ``async with AsyncSenderCache.from_config(cfg) as cache`` creates the segment and owns it;
     ``AsyncSenderCache(sender_cache)`` wraps an existing ``SenderCache`` and only borrows it.
+    Use it from one event loop. ``get_or_put`` adds single-flight puts to the sync methods.
     """
 
     def __init__(
@@ -158,6 +167,12 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         max_threads: int = 4,
         inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
     ) -> None:
+        """Wrap ``sender`` (borrowed) or, with ``config``, create one on ``open`` (owned).
+
+        ``max_threads`` bounds the worker threads of big copies (and, separately, those of
+        ``get_or_put``'s sync ``make``); copies under ``inline_threshold_bytes`` run on the
+        loop. Does no loop-bound work: it can be built outside a running loop.
+        """
         if (sender is None) == (config is None):
             raise ValueError("give either a SenderCache to wrap or a config to create one")
         super().__init__(
@@ -188,6 +203,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         return self
 
     async def __aenter__(self) -> AsyncSenderCache:
+        """Enter ``async with``: ``open()``."""
         return await self.open()
 
     @property
@@ -353,6 +369,11 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         max_threads: int = 4,
         inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
     ) -> None:
+        """Wrap ``receiver`` (borrowed) or, with ``handle``, attach on ``open`` (owned).
+
+        ``handle`` is a ``CacheHandle``, its dict or a segment name. ``max_threads`` bounds the
+        worker threads of big reads; reads under ``inline_threshold_bytes`` run on the loop.
+        """
         if (receiver is None) == (handle is None):
             raise ValueError("give either a ReceiverCache to wrap or a handle to attach")
         super().__init__(
@@ -383,6 +404,7 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         return self
 
     async def __aenter__(self) -> AsyncReceiverCache:
+        """Enter ``async with``: ``open()``."""
         return await self.open()
 
     def handle(self) -> CacheHandle:
