@@ -25,7 +25,8 @@ per gateway process), ``AIOSHM_EXAMPLE_CACHE_MB`` (default 512), ``AIOSHM_EXAMPL
 
 One gateway process is the cache's single writer: do not run it with ``uvicorn --workers N``
 (every process would create its own segment; with ``AIOSHM_EXAMPLE_NAME`` set, all but the
-first fail with ``SegmentExistsError``, and uvicorn stops the whole server). Scale the engine workers instead.
+first fail with ``SegmentExistsError``, and uvicorn stops the whole server). Scale the engine
+workers instead.
 """
 
 from __future__ import annotations
