@@ -1,4 +1,4 @@
-"""Layer 7: the asyncio facade, ``AsyncSenderCache`` and ``AsyncReceiverCache`` (on anyio).
+"""The asyncio facade, ``AsyncSenderCache`` and ``AsyncReceiverCache`` (on anyio).
 
 Same method names as the sync classes (``aclose`` for ``close``), and the same algorithm: each
 call builds the sync cache's own request object (``SenderCache.request`` /
@@ -12,6 +12,9 @@ awaiting task raise at once while the thread runs on). ``abandon`` rolls the req
 if its jobs never started, or leaves it to the thread, which rolls back itself when its jobs
 end; either way exactly once. Nothing half-written is ever visible: a chunk becomes readable
 only when committed, and an abandoned one is reclaimed in FIFO order.
+
+``AsyncSenderCache.get_or_put`` adds single-flight puts (one preprocessing per new hash among
+concurrent callers); its bookkeeping lives in ``_flight`` and drives the same requests.
 """
 
 from __future__ import annotations
@@ -26,12 +29,18 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
+from ._flight import SingleFlight, SingleFlightStats, call_make
 from ._request import DEFAULT_INLINE_THRESHOLD
 from ._types import CacheConfig, CacheHandle, CacheInfo, CacheSnapshot, FeatureSpec, ShmRef
 from .cache import MmItem, ReceiverCache, SenderCache
 from .errors import ClosedCacheError
 
-__all__ = ["DEFAULT_INLINE_THRESHOLD", "AsyncReceiverCache", "AsyncSenderCache"]
+__all__ = [
+    "DEFAULT_INLINE_THRESHOLD",
+    "AsyncReceiverCache",
+    "AsyncSenderCache",
+    "SingleFlightStats",
+]
 
 CLOSE_TIMEOUT: Final = 10.0
 
@@ -104,7 +113,11 @@ class _AsyncFace(Generic[C]):
             self._cache = await anyio.to_thread.run_sync(self._open_cache)
 
     async def aclose(self) -> None:
-        """Idempotent: waits (bounded) for jobs in worker threads, then closes what it owns."""
+        """Close: wait (bounded) for jobs in worker threads, then close what this object owns.
+
+        An owned sender unlinks its segment, an owned reader frees its slot; a borrowed cache is
+        left open. Idempotent.
+        """
         if self._closed:
             return
         self._closed = True
@@ -117,6 +130,7 @@ class _AsyncFace(Generic[C]):
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
+        """Leave ``async with``: ``aclose()``."""
         await self.aclose()
 
     async def _drive(self, request: Any) -> None:
@@ -142,6 +156,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
 
     ``async with AsyncSenderCache.from_config(cfg) as cache`` creates the segment and owns it;
     ``AsyncSenderCache(sender_cache)`` wraps an existing ``SenderCache`` and only borrows it.
+    Use it from one event loop. ``get_or_put`` adds single-flight puts to the sync methods.
     """
 
     def __init__(
@@ -152,12 +167,20 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         max_threads: int = 4,
         inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
     ) -> None:
+        """Wrap ``sender`` (borrowed) or, with ``config``, create one on ``open`` (owned).
+
+        ``max_threads`` bounds the worker threads of big copies (and, separately, those of
+        ``get_or_put``'s sync ``make``); copies under ``inline_threshold_bytes`` run on the
+        loop. Does no loop-bound work: it can be built outside a running loop.
+        """
         if (sender is None) == (config is None):
             raise ValueError("give either a SenderCache to wrap or a config to create one")
         super().__init__(
             sender, max_threads=max_threads, inline_threshold_bytes=inline_threshold_bytes
         )
         self._config = config
+        self._flight: SingleFlight[FeatureSpec] = SingleFlight()
+        self._make_limiter: anyio.CapacityLimiter | None = None
 
     @classmethod
     def from_config(cls, config: CacheConfig, **kwargs: Any) -> AsyncSenderCache:
@@ -180,6 +203,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         return self
 
     async def __aenter__(self) -> AsyncSenderCache:
+        """Enter ``async with``: ``open()``."""
         return await self.open()
 
     @property
@@ -248,6 +272,66 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         await self._drive(req)
         return req.finish()
 
+    async def get_or_put(
+        self,
+        mm_hash: str,
+        make: Callable[[], Any],
+        *,
+        identifier: str | None = None,
+        prompt_updates: Sequence[Any] = (),
+        wait_for_space: float | None = None,
+    ) -> FeatureSpec:
+        """The feature of ``mm_hash``, preprocessing it with ``make()`` only if nobody has.
+
+        Single flight: a cached hash is handed out at once (``make`` is not called). Otherwise
+        the first caller runs ``make()`` — awaited if it is a coroutine function, else in a
+        worker thread (its own limiter of ``max_threads`` threads, apart from the copies') —
+        and puts the item; concurrent callers of the same hash wait for that put and then get
+        their own hand-out. Every caller gets its own ``FeatureSpec`` whose data is its own
+        ``ShmRef``, or the item itself when it cannot be cached (too large, no room).
+
+        If ``make`` (or the put) raises, every waiter gets an exception of the same type and
+        nothing is cached; the next call tries again. If the first caller is cancelled, a
+        waiter takes over (reusing the item if ``make`` had returned); the cancelled caller's
+        hand-out is rolled back. ``prompt_updates`` are stored with the item when it is put; a
+        caller served by a hit at once gets the stored ones. Counters: ``single_flight_stats``.
+        """
+        if not isinstance(mm_hash, str):
+            raise TypeError(f"mm_hash must be a str, not {type(mm_hash).__name__}")
+        updates = tuple(prompt_updates)
+
+        async def put(data: Any) -> FeatureSpec:
+            spec = FeatureSpec(mm_hash, data, identifier=identifier, prompt_updates=updates)
+            [out] = await self.get_and_update_features([spec], wait_for_space=wait_for_space)
+            return out
+
+        async def run_make() -> Any:
+            return await call_make(make, self.make_limiter)
+
+        return await self._flight.run(
+            mm_hash,
+            run_make,
+            cached=lambda: self.is_cached_item(mm_hash),
+            hit=lambda: put(None),
+            put=put,
+        )
+
+    @property
+    def make_limiter(self) -> anyio.CapacityLimiter:
+        """The limiter of the worker threads that run ``get_or_put``'s sync ``make``."""
+        if self._make_limiter is None:
+            self._make_limiter = anyio.CapacityLimiter(self._max_threads)
+        return self._make_limiter
+
+    def single_flight_stats(self) -> SingleFlightStats:
+        """What ``get_or_put`` counted: calls, hits, runs of ``make``, saved, failures."""
+        return self._flight.stats()
+
+    @property
+    def single_flight_saved(self) -> int:
+        """Preprocessings saved: ``get_or_put`` calls served by another caller's ``make``."""
+        return self._flight.stats().saved
+
     async def touch_sender_cache_item(self, mm_hash: str) -> bool:
         """Protect a cached item from eviction until its next hand-out."""
         return self.sender.touch_sender_cache_item(mm_hash)
@@ -285,6 +369,11 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         max_threads: int = 4,
         inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
     ) -> None:
+        """Wrap ``receiver`` (borrowed) or, with ``handle``, attach on ``open`` (owned).
+
+        ``handle`` is a ``CacheHandle``, its dict or a segment name. ``max_threads`` bounds the
+        worker threads of big reads; reads under ``inline_threshold_bytes`` run on the loop.
+        """
         if (receiver is None) == (handle is None):
             raise ValueError("give either a ReceiverCache to wrap or a handle to attach")
         super().__init__(
@@ -316,6 +405,7 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         return self
 
     async def __aenter__(self) -> AsyncReceiverCache:
+        """Enter ``async with``: ``open()``."""
         return await self.open()
 
     def handle(self) -> CacheHandle:

@@ -65,6 +65,8 @@ class SenderCache:
     """P0: the writer. Creates and owns the segment; ``close`` unlinks it."""
 
     def __init__(self, config: CacheConfig, *, serde: Serde | None = None) -> None:
+        """Create the segment ``config`` describes (``SegmentExistsError`` if its name is taken
+        by a live writer); ``serde`` replaces the default ``MsgpackSerde``."""
         self.config = config
         self.store = ShmObjectStore.create(config, serde=serde)
         self._book = SenderBook(self.store, default_wait_for_space=config.wait_for_space)
@@ -260,9 +262,11 @@ class SenderCache:
         return self.store.closed
 
     def __enter__(self) -> SenderCache:
+        """Enter ``with``: the cache itself."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Leave ``with``: ``close()`` (unlinks the segment)."""
         self.close()
 
 
@@ -270,6 +274,7 @@ class ReceiverCache:
     """P1: a reader. Attaches to a sender's segment and claims a reader slot."""
 
     def __init__(self, store: ShmObjectStore) -> None:
+        """Wrap an attached reader store; use ``ReceiverCache.attach(handle)`` instead."""
         self.store = store
         self._released: dict[tuple[int, int], None] = {}  # hand-outs given back (bounded)
         self._counters = RequestCounters()
@@ -408,7 +413,9 @@ class ReceiverCache:
         return self.store.closed
 
     def __enter__(self) -> ReceiverCache:
+        """Enter ``with``: the cache itself."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Leave ``with``: ``close()`` (frees the reader slot)."""
         self.close()

@@ -37,11 +37,17 @@ The metrics (counters end in ``_total``, sizes in ``_bytes``; labels ``cache`` a
 ``aioshmcache_reader_acknowledged_total``   counter  per slot: acknowledgements since it attached
 ``aioshmcache_wait_for_space_seconds_total`` counter time requests spent waiting for space
 ``aioshmcache_open``                        gauge    1 while the cache is open, 0 once closed
+``aioshmcache_single_flight_calls_total``   counter  ``AsyncSenderCache.get_or_put`` calls
+``aioshmcache_single_flight_runs_total``    counter  preprocessings (``make()``) it ran
+``aioshmcache_single_flight_saved_total``   counter  preprocessings single flight saved (calls
+                                                     served by another caller's ``make``)
 ==========================================  =======  =============================================
 
 Only the sender's metrics come from its ``snapshot()``; a receiver has no snapshot, so it reports
-hits and misses (from ``make_stats()``) and ``aioshmcache_open``. A closed cache reports
-``aioshmcache_open 0`` and its last counts; a scrape never raises because of a cache.
+hits and misses (from ``make_stats()``) and ``aioshmcache_open``. The single-flight counters come
+from ``single_flight_stats()``, for the caches that have it (``AsyncSenderCache``). A closed
+cache reports ``aioshmcache_open 0`` and its last counts; a scrape never raises because of a
+cache.
 """
 
 from __future__ import annotations
@@ -127,6 +133,11 @@ class _Families:
             "reader_acknowledged", "Acknowledgements by the reader in this slot", _SLOT_LABELS
         )
         self.waited = counter("wait_for_space_seconds", "Seconds puts spent waiting for space")
+        self.sf_calls = counter("single_flight_calls", "get_or_put calls")
+        self.sf_runs = counter("single_flight_runs", "Preprocessings get_or_put ran")
+        self.sf_saved = counter(
+            "single_flight_saved", "Preprocessings saved: get_or_put calls served by another's"
+        )
 
     def all(self) -> list[Metric]:
         return [
@@ -146,6 +157,9 @@ class _Families:
             self.revoked,
             self.acked,
             self.waited,
+            self.sf_calls,
+            self.sf_runs,
+            self.sf_saved,
         ]
 
     def add_snapshot(self, name: str, snap: CacheSnapshot) -> None:
@@ -178,6 +192,17 @@ class _Families:
         labels = [name, role]
         self.hits.add_metric(labels, info.hits)
         self.misses.add_metric(labels, info.misses)
+
+    def add_single_flight(self, name: str, cache: object) -> None:
+        """The ``get_or_put`` counters, if ``cache`` has them (kept in memory: closed or not)."""
+        read = getattr(cache, "single_flight_stats", None)
+        if not callable(read):
+            return
+        stats = read()
+        labels = [name, "sender"]
+        self.sf_calls.add_metric(labels, stats.calls)
+        self.sf_runs.add_metric(labels, stats.runs)
+        self.sf_saved.add_metric(labels, stats.saved)
 
 
 class CacheCollector:
@@ -215,6 +240,7 @@ class CacheCollector:
         """Read every cache now and return its metric families (never raises for a cache)."""
         fam = _Families()
         for name, cache in self._caches:
+            fam.add_single_flight(name, cache)
             is_sender = isinstance(cache, SnapshotCache)
             role = "sender" if is_sender else "receiver"
             is_open = not bool(getattr(cache, "closed", False))

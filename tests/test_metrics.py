@@ -137,6 +137,19 @@ async def test_async_sender_cache(make_config: Any) -> None:
     assert value(s, "aioshmcache_open", cache=name, role="sender") == 0
 
 
+async def test_single_flight_counters_of_an_async_sender(make_config: Any) -> None:
+    async with AsyncSenderCache.from_config(make_config(256 << 10, 64 << 10, 1)) as cache:
+        name = cache.handle().name
+        await cache.get_or_put("a", lambda: item(1000))
+        await cache.get_or_put("a", lambda: item(1000))  # a hit: make not run
+        s, types = scrape(cache)
+        labels = {"cache": name, "role": "sender"}
+        assert value(s, "aioshmcache_single_flight_calls_total", **labels) == 2
+        assert value(s, "aioshmcache_single_flight_runs_total", **labels) == 1
+        assert value(s, "aioshmcache_single_flight_saved_total", **labels) == 0
+        assert "aioshmcache_single_flight_saved:counter" in types
+
+
 def test_one_collector_per_registry_and_per_cache(pair: Any) -> None:
     sender, receiver = pair
     registry = CollectorRegistry()

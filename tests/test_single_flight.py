@@ -1,0 +1,358 @@
+"""``AsyncSenderCache.get_or_put``: single-flight puts (one ``make`` per new hash among callers).
+
+Every test ends by reading every hand-out it was given with an in-process reader and checking
+that nothing is owed any more (reader lag 0, the item freeable): a hand-out leaked by a cancelled
+or failed caller would show up there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from aioshmcache import (
+    AsyncSenderCache,
+    CacheSnapshot,
+    FeatureSpec,
+    ReceiverCache,
+    ShmRef,
+)
+from aioshmcache.aio import SingleFlightStats
+
+from .helpers import checksum, random_item
+
+MiB = 1 << 20
+N = 50
+
+
+async def _until(pred: Callable[[], bool]) -> None:
+    """Wait (on the loop) until ``pred()`` holds; fail after a generous deadline."""
+    deadline = time.monotonic() + 30.0
+    while not pred():
+        if time.monotonic() > deadline:
+            pytest.fail("condition not reached before the deadline")
+        await anyio.sleep(0.005)
+
+
+def _nothing_owed(snap: CacheSnapshot) -> bool:
+    return all(r.lag == 0 for r in snap.readers if r.attached)
+
+
+async def _read_all(
+    cache: AsyncSenderCache, rx: ReceiverCache, out: list[FeatureSpec], item: dict[str, Any]
+) -> None:
+    """Read every hand-out; each must be the item. Then nothing is owed."""
+    back = rx.get_and_update_features(out)
+    for f in back:
+        assert checksum(f.data["data"]) == item["crc"]
+        assert np.array_equal(f.data["data"], item["data"])
+    await _until(lambda: _nothing_owed(cache.snapshot()))
+    for h in cache.cached_order():
+        assert cache.is_freeable(h)
+
+
+def _distinct_refs(out: list[FeatureSpec]) -> list[ShmRef]:
+    refs = [f.data for f in out if isinstance(f.data, ShmRef)]
+    assert len({(r.id, r.seq) for r in refs}) == len(refs), "two callers got the same hand-out"
+    return refs
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_fifty_callers_of_one_new_hash_run_make_once(make_config: Any, kind: str) -> None:
+    item = random_item(np.random.default_rng(1), 256 * 1024)
+    runs = 0
+    go_thread = threading.Event()
+    go_loop = anyio.Event()
+
+    def make_sync() -> dict[str, Any]:
+        nonlocal runs
+        runs += 1
+        if not go_thread.wait(60):
+            raise TimeoutError("the test never let make finish")
+        return item
+
+    async def make_async() -> dict[str, Any]:
+        nonlocal runs
+        runs += 1
+        await go_loop.wait()
+        return item
+
+    make: Callable[[], Any] = make_sync if kind == "sync" else make_async
+    out: list[FeatureSpec] = []
+    async with AsyncSenderCache.from_config(make_config(8 * MiB, 4 * MiB, 1)) as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+
+            async def call(i: int) -> None:
+                out.append(await cache.get_or_put("h", make, identifier=f"id{i}"))
+
+            try:
+                async with anyio.create_task_group() as tg:
+                    for i in range(N):
+                        tg.start_soon(call, i)
+                    await _until(lambda: cache.single_flight_stats().calls == N)
+                    go_thread.set()
+                    go_loop.set()
+            finally:
+                go_thread.set()
+            assert runs == 1
+            assert len(out) == N
+            assert sorted(f.identifier or "" for f in out) == sorted(f"id{i}" for i in range(N))
+            assert len(_distinct_refs(out)) == N  # every caller its own hand-out
+            assert cache.single_flight_stats() == SingleFlightStats(
+                calls=N, hits=0, runs=1, saved=N - 1, failures=0, takeovers=0
+            )
+            assert cache.single_flight_saved == N - 1
+            assert cache.inline_busy == 0  # the waiters came after the put had committed
+            await _read_all(cache, rx, out, item)
+            # now a hit: make is not called again
+            again = await cache.get_or_put("h", make)
+            assert isinstance(again.data, ShmRef) and runs == 1
+            await _read_all(cache, rx, [again], item)
+
+
+class BoomError(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_failure_reaches_every_waiter_and_caches_nothing(
+    make_config: Any, kind: str
+) -> None:
+    item = random_item(np.random.default_rng(2), 4096)
+    runs = 0
+    release = threading.Event()
+
+    def fail_sync() -> Any:
+        nonlocal runs
+        runs += 1
+        release.wait(60)
+        raise BoomError("preprocessing failed")
+
+    async def fail_async() -> Any:
+        nonlocal runs
+        runs += 1
+        await anyio.to_thread.run_sync(release.wait, 60)
+        raise BoomError("preprocessing failed")
+
+    make = fail_sync if kind == "sync" else fail_async
+    errors: list[BaseException] = []
+    async with AsyncSenderCache.from_config(make_config(4 * MiB, 2 * MiB, 1)) as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+
+            async def call() -> None:
+                try:
+                    await cache.get_or_put("bad", make)
+                except BoomError as exc:
+                    errors.append(exc)
+
+            try:
+                async with anyio.create_task_group() as tg:
+                    for _ in range(10):
+                        tg.start_soon(call)
+                    await _until(lambda: cache.single_flight_stats().calls == 10)
+                    release.set()
+            finally:
+                release.set()
+            assert runs == 1
+            assert len(errors) == 10  # every caller got it, as the same type
+            assert all(str(e) == "preprocessing failed" for e in errors)
+            assert sum(e.__cause__ is not None for e in errors) == 9  # waiters: chained
+            assert not cache.is_cached_item("bad") and cache.cached_order() == []
+            assert cache.single_flight_stats().failures == 1
+            # the next call tries again
+            got = await cache.get_or_put("bad", lambda: item)
+            assert isinstance(got.data, ShmRef)
+            assert cache.single_flight_stats().runs == 2
+            await _read_all(cache, rx, [got], item)
+
+
+def _blocking_first_put(cache: AsyncSenderCache, started: threading.Event) -> threading.Event:
+    """Make the first request's copy job block in its worker thread until the event is set."""
+    sender = cache.sender
+    original = sender.features_request
+    release = threading.Event()
+    first = [True]
+
+    def features_request(*args: Any, **kwargs: Any) -> Any:
+        req = original(*args, **kwargs)
+        if first[0]:
+            first[0] = False
+            run = req.run_jobs
+
+            def blocked() -> None:
+                started.set()
+                release.wait(60)
+                run()
+
+            req.run_jobs = blocked  # type: ignore[method-assign]
+        return req
+
+    sender.features_request = features_request  # type: ignore[method-assign]
+    return release
+
+
+@pytest.mark.parametrize("point", ["in_async_make", "in_sync_make", "after_make", "in_put"])
+async def test_cancelling_the_first_caller_hands_the_flight_over(
+    make_config: Any, point: str
+) -> None:
+    item = random_item(np.random.default_rng(3), 2 * MiB)
+    runs: list[str] = []
+    leader_release = threading.Event()
+    leader_made = anyio.Event()
+    waiters_in = anyio.Event()
+    put_started = threading.Event()
+
+    async def leader_make_async() -> Any:
+        runs.append("leader")
+        await anyio.sleep(3600)  # cancelled before it returns
+
+    def leader_make_sync() -> Any:
+        runs.append("leader")
+        leader_release.wait(60)
+        return item
+
+    async def leader_make_then_signal() -> Any:
+        runs.append("leader")
+        await waiters_in.wait()
+        leader_made.set()
+        return item
+
+    def waiter_make() -> Any:
+        runs.append("waiter")
+        return item
+
+    leader_make: Callable[[], Any] = {
+        "in_async_make": leader_make_async,
+        "in_sync_make": leader_make_sync,
+        "after_make": leader_make_then_signal,
+        "in_put": leader_make_then_signal,
+    }[point]
+    cfg = make_config(16 * MiB, 8 * MiB, 1)
+    async with AsyncSenderCache.from_config(cfg, inline_threshold_bytes=0) as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+            put_release = (
+                _blocking_first_put(cache, put_started) if point == "in_put" else threading.Event()
+            )
+            try:
+                leader = asyncio.ensure_future(cache.get_or_put("h", leader_make))
+                await _until(lambda: bool(runs))
+                waiters = [
+                    asyncio.ensure_future(cache.get_or_put("h", waiter_make)) for _ in range(5)
+                ]
+                await _until(lambda: cache.single_flight_stats().calls == 6)
+                waiters_in.set()
+                if point in ("after_make", "in_put"):
+                    await leader_made.wait()
+                if point == "in_put":
+                    await _until(put_started.is_set)
+                leader.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await leader
+                put_release.set()
+                leader_release.set()
+                with anyio.fail_after(60):  # a waiter must never hang on a leader that left
+                    out = list(await asyncio.gather(*waiters))
+            finally:
+                put_release.set()
+                leader_release.set()
+            stats = cache.single_flight_stats()
+            assert stats.takeovers == 1
+            # a make that had returned is not run again: the new leader only puts the item
+            made_before = point in ("after_make", "in_put")
+            assert runs == (["leader"] if made_before else ["leader", "waiter"])
+            assert stats.saved == 4
+            assert len(out) == 5
+            _distinct_refs(out)
+            for f in out:  # its own hand-out, or the item inline (if the put was still pending)
+                if not isinstance(f.data, ShmRef):
+                    assert f.data is item
+            # the cancelled leader's request rolls back (in its thread, if one ran on)
+            await _until(lambda: not cache.sender.store.is_pending("h"))
+            await _read_all(cache, rx, out, item)
+
+
+async def test_a_cancelled_waiter_leaves_the_others_alone(make_config: Any) -> None:
+    item = random_item(np.random.default_rng(4), 4096)
+    go = anyio.Event()
+
+    async def make() -> Any:
+        await go.wait()
+        return item
+
+    async with AsyncSenderCache.from_config(make_config(4 * MiB, 2 * MiB, 1)) as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+            leader = asyncio.ensure_future(cache.get_or_put("w", make))
+            waiters = [asyncio.ensure_future(cache.get_or_put("w", make)) for _ in range(3)]
+            await _until(lambda: cache.single_flight_stats().calls == 4)
+            waiters[0].cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiters[0]
+            go.set()
+            out = [await leader, *await asyncio.gather(*waiters[1:])]
+            assert len(_distinct_refs(out)) == 3
+            assert cache.single_flight_stats().runs == 1
+            await _read_all(cache, rx, out, item)
+
+
+async def test_a_hit_never_calls_make(make_config: Any) -> None:
+    item = random_item(np.random.default_rng(5), 4096)
+    calls = 0
+
+    def make() -> Any:
+        nonlocal calls
+        calls += 1
+        return item
+
+    async with AsyncSenderCache.from_config(make_config(4 * MiB, 2 * MiB, 1)) as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+            [first] = await cache.get_and_update_features(
+                [FeatureSpec("c", item, prompt_updates=("u",))]
+            )
+            out = [await cache.get_or_put("c", make) for _ in range(3)]
+            assert calls == 0
+            assert all(f.prompt_updates == ("u",) for f in out)  # the stored ones
+            assert cache.single_flight_stats() == SingleFlightStats(calls=3, hits=3)
+            assert len(_distinct_refs([first, *out])) == 4
+            await _read_all(cache, rx, [first, *out], item)
+
+
+async def test_a_too_large_item_comes_back_inline_to_every_caller(make_config: Any) -> None:
+    item = random_item(np.random.default_rng(6), 256 * 1024)  # over max_object_bytes
+    runs = 0
+    go = anyio.Event()
+
+    async def make() -> Any:
+        nonlocal runs
+        runs += 1
+        await go.wait()
+        return item
+
+    async with AsyncSenderCache.from_config(make_config(1 * MiB, 64 * 1024, 1)) as cache:
+        out: list[FeatureSpec] = []
+
+        async def call() -> None:
+            out.append(await cache.get_or_put("big", make))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(10):
+                tg.start_soon(call)
+            await _until(lambda: cache.single_flight_stats().calls == 10)
+            go.set()
+        assert runs == 1
+        assert all(f.data is item for f in out)
+        assert cache.cached_order() == [] and cache.snapshot().inline_too_large == 10
+        assert cache.single_flight_saved == 9
+
+
+async def test_get_or_put_checks_the_hash(make_config: Any) -> None:
+    async with AsyncSenderCache.from_config(make_config()) as cache:
+        with pytest.raises(TypeError):
+            await cache.get_or_put(b"h", dict)  # type: ignore[arg-type]
+        assert cache.single_flight_stats().calls == 0
