@@ -37,36 +37,34 @@ from typing import Any, Final
 
 import posix_ipc
 
-from ._readers import (
-    R_HEAD,
-    R_PID,
-    R_SESSION,
-    R_START,
-    W_CONSUMED,
-    W_OWED,
-    W_REVOKED,
-    ReaderSlot,
-    ReaderTable,
-    SlotState,
-)
-from ._ring import ShmRingBuffer, chunk_size
-from ._segment import (
+from ._layout import (
     DELIVERY_CODES,
+    H_BYTES_USED,
+    H_DELIVERY,
+    H_EPOCH,
+    H_EVICTIONS,
+    H_HANDOUT_TTL_MS,
+    H_ITEMS,
+    H_MAX_OBJECT,
+    H_SECRET,
+    H_STATE,
+    H_WAITING,
     LAYOUT_VERSION,
+    RS_HEAD,
+    RS_PID,
+    RS_SESSION,
+    RS_START,
     STATE_LIVE,
-    W_BYTES_USED,
-    W_DELIVERY,
-    W_EPOCH,
-    W_EVICTIONS,
-    W_HANDOUT_TTL_MS,
-    W_ITEMS,
-    W_MAX_OBJECT,
-    W_SECRET,
-    W_STATE,
-    W_WAITING,
+    WS_CONSUMED,
+    WS_OWED,
+    WS_REVOKED,
     Layout,
-    Segment,
+    chunk_size,
+    semaphore_name,
 )
+from ._readers import ReaderSlot, ReaderTable, SlotState, reader_slots_info
+from ._ring import ShmRingBuffer
+from ._segment import Segment
 from ._serde import EncodePlan, MsgpackSerde, Serde
 from ._types import (
     CacheConfig,
@@ -96,10 +94,6 @@ log = logging.getLogger("aioshmcache")
 _U64: Final = (1 << 64) - 1
 WAIT_POLL: Final = 0.1  # the longest a waiting writer sleeps between checks (lost-post bound)
 INLINE_COPY_UNDER_LOCK: Final = 64 << 10  # put copies this small without letting go the lock
-
-
-def semaphore_name(segment: str, nonce: int) -> str:
-    return f"/{segment}.{nonce & 0xFFFFFFFF:08x}.wake"
 
 
 class _Entry:
@@ -172,10 +166,10 @@ class ShmObjectStore:
         self.readers = ReaderTable(segment)
         self.serde: Serde = serde if serde is not None else MsgpackSerde()
         self.is_writer = writer
-        self.max_object_bytes = int(self._hw[W_MAX_OBJECT])
-        self.one_of_n = int(self._hw[W_DELIVERY]) == DELIVERY_CODES["one_of_n"]
-        self.handout_ttl = int(self._hw[W_HANDOUT_TTL_MS]) / 1000.0
-        self._secret = int(self._hw[W_SECRET])
+        self.max_object_bytes = int(self._hw[H_MAX_OBJECT])
+        self.one_of_n = int(self._hw[H_DELIVERY]) == DELIVERY_CODES["one_of_n"]
+        self.handout_ttl = int(self._hw[H_HANDOUT_TTL_MS]) / 1000.0
+        self._secret = int(self._hw[H_SECRET])
         self._nonce = segment.nonce
         self._closed = False
         self._sem: Any = None
@@ -266,7 +260,7 @@ class ShmObjectStore:
 
     @property
     def epoch(self) -> int:
-        return int(self._hw[W_EPOCH])
+        return int(self._hw[H_EPOCH])
 
     @property
     def closed(self) -> bool:
@@ -310,7 +304,7 @@ class ShmObjectStore:
         return None if e is None else self._ref(e)
 
     def _ref(self, e: _Entry, seq: int = 0) -> ShmRef:
-        epoch = int(self._hw[W_EPOCH])
+        epoch = int(self._hw[H_EPOCH])
         if e.tag_epoch != epoch:  # the seq-independent part of the tag, once per epoch
             e.tag_epoch = epoch
             e.tag_base = tag_base(self._secret, epoch, e.address, e.id, e.length, e.position)
@@ -595,8 +589,8 @@ class ShmObjectStore:
             st.alive = s != 0
             st.revoked = 0
             if not self.one_of_n:
-                st.cursor = t.word(slot, R_START)
-                t.set_word(slot, W_CONSUMED, st.cursor)
+                st.cursor = t.word(slot, RS_START)
+                t.set_word(slot, WS_CONSUMED, st.cursor)
 
     def _drop_session(self, session: int) -> None:
         """A reader died, closed or was revoked: it owes nothing any more."""
@@ -622,11 +616,11 @@ class ShmObjectStore:
             return 0  # nothing new: the common case, two strided reads
         for slot, st in enumerate(self._slots):
             for _ in range(3):
-                s = t.word(slot, R_SESSION)
+                s = t.word(slot, RS_SESSION)
                 if s != st.session:
                     self._sync_sessions()
-                head = t.word(slot, R_HEAD)
-                if t.word(slot, R_SESSION) == st.session:
+                head = t.word(slot, RS_HEAD)
+                if t.word(slot, RS_SESSION) == st.session:
                     break
             else:
                 continue
@@ -637,7 +631,7 @@ class ShmObjectStore:
             if n < 0 or n > t.log_entries:  # a corrupted slot: never trust it
                 log.warning("reader slot %d has an inconsistent log; ignoring it", slot)
                 st.cursor = head
-                t.set_word(slot, W_CONSUMED, head)
+                t.set_word(slot, WS_CONSUMED, head)
                 continue
             logv = t.log_view(slot)
             n_log = t.log_entries
@@ -653,8 +647,8 @@ class ShmObjectStore:
                     if e is not None:
                         self._settle(e, seq, st.session)
             st.cursor = head
-            t.set_word(slot, W_CONSUMED, head)
-            t.set_word(slot, W_OWED, max(0, self._owed_by_session.get(st.session, 0)))
+            t.set_word(slot, WS_CONSUMED, head)
+            t.set_word(slot, WS_OWED, max(0, self._owed_by_session.get(st.session, 0)))
             n_total += n
         return n_total
 
@@ -677,14 +671,14 @@ class ShmObjectStore:
                 log.info(
                     "reader slot %d (pid %d) is dead: dropping its debts",
                     slot,
-                    self.readers.word(slot, R_PID),
+                    self.readers.word(slot, RS_PID),
                 )
                 st.alive = False
                 self._drop_session(s)
                 changed = True
             elif evict_after is not None and now - since[s] > evict_after:
                 log.warning("reader slot %d is stuck for %.1f s: revoking it", slot, evict_after)
-                self.readers.set_word(slot, W_REVOKED, s)
+                self.readers.set_word(slot, WS_REVOKED, s)
                 st.alive = False
                 st.revoked = s
                 self._drop_session(s)
@@ -776,12 +770,12 @@ class ShmObjectStore:
                     )
                 if not waiting:
                     waiting = True
-                    self._hw[W_WAITING] = 1
+                    self._hw[H_WAITING] = 1
                     continue  # re-check once after raising the flag: no lost wake-up
                 self._wait(min(remaining, WAIT_POLL))
         finally:
             if waiting and not self._closed:
-                self._hw[W_WAITING] = 0
+                self._hw[H_WAITING] = 0
 
     def _wait(self, timeout: float) -> None:
         """Sleep until a reader posts (or ``timeout``), letting go of the writer lock meanwhile.
@@ -811,9 +805,9 @@ class ShmObjectStore:
 
     def _publish_usage(self) -> None:
         hw = self._hw
-        hw[W_BYTES_USED] = self.ring.used_bytes
-        hw[W_ITEMS] = len(self._index)
-        hw[W_EVICTIONS] = self.evictions
+        hw[H_BYTES_USED] = self.ring.used_bytes
+        hw[H_ITEMS] = len(self._index)
+        hw[H_EVICTIONS] = self.evictions
 
     def clear(self) -> int:
         """Drop every item: a new epoch makes every older reference stale. Returns items dropped."""
@@ -834,7 +828,7 @@ class ShmObjectStore:
     # --- reader: get --------------------------------------------------------------------------
     def check_writer(self) -> None:
         """``WriterGoneError`` if the writer closed or died (probed at most every 0.25 s)."""
-        if self._hw[W_STATE] != STATE_LIVE:
+        if self._hw[H_STATE] != STATE_LIVE:
             raise WriterGoneError(f"the writer of {self._seg.name!r} closed the cache")
         now = time.monotonic()
         if now - self._last_writer_probe > self._probe_interval:
@@ -875,7 +869,7 @@ class ShmObjectStore:
             self._secret, r.epoch, r.address, r.id, r.length, r.position, r.seq
         ):
             raise InvalidReferenceError("reference is forged or corrupted (tag mismatch)")
-        epoch = self._hw[W_EPOCH]
+        epoch = self._hw[H_EPOCH]
         if r.epoch != epoch:
             if r.epoch < epoch:
                 raise StaleReferenceError(
@@ -937,7 +931,7 @@ class ShmObjectStore:
 
     def _ack(self, slot: ReaderSlot, cid: int, seq: int) -> None:
         slot.ack(cid, seq)
-        if self._hw[W_WAITING]:
+        if self._hw[H_WAITING]:
             self._post_wake()
 
     def _post_wake(self) -> None:
@@ -977,23 +971,3 @@ class ShmObjectStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def reader_slots_info(table: ReaderTable, *, probe: bool) -> list[ReaderSlotInfo]:
-    """Every reader slot as seen from outside: session, pid, liveness, lag."""
-    out = []
-    for slot in range(table.n_slots):
-        session = table.word(slot, R_SESSION)
-        alive = bool(session) and probe and table.probe(slot)
-        out.append(
-            ReaderSlotInfo(
-                slot=slot,
-                attached=bool(session),
-                alive=alive,
-                pid=table.word(slot, R_PID) if session else 0,
-                acknowledged=table.word(slot, R_HEAD) - table.word(slot, R_START) if session else 0,
-                lag=table.word(slot, W_OWED) if session else 0,
-                revoked=bool(session) and table.word(slot, W_REVOKED) == session,
-            )
-        )
-    return out

@@ -10,11 +10,12 @@ negative address or a string id.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
+from ._layout import SEGMENT_PREFIX as SEGMENT_PREFIX
+from ._layout import segment_name
 from .errors import InvalidReferenceError
 
 __all__ = [
@@ -30,22 +31,8 @@ __all__ = [
 
 Delivery = Literal["broadcast", "one_of_n"]
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
-SEGMENT_PREFIX = "aioshm-"
 _U64 = (1 << 64) - 1
 _MiB = 1 << 20
-
-
-def segment_name(name: str) -> str:
-    """Normalise a user name to a segment name under /dev/shm (``aioshm-<name>``)."""
-    if not isinstance(name, str):
-        raise TypeError(f"segment name must be a str, not {type(name).__name__}")
-    bare = name[1:] if name.startswith("/") else name
-    if not bare.startswith(SEGMENT_PREFIX):
-        bare = SEGMENT_PREFIX + bare
-    if not _NAME_RE.match(bare):
-        raise ValueError(f"invalid segment name {name!r}: use letters, digits, '_', '.', '-'")
-    return bare
 
 
 @dataclass(frozen=True, slots=True)

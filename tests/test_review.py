@@ -152,7 +152,7 @@ def test_sweep_keeps_the_semaphore_of_a_live_dotted_name(make_config: Any) -> No
 
 def test_reused_bytes_that_forge_the_old_chunk_header_are_still_stale(make_config: Any) -> None:
     """The next occupant's payload writes a perfect copy of the freed chunk's header."""
-    from aioshmcache._ring import CHUNK_MAGIC, COMMITTED
+    from aioshmcache._layout import CHUNK_MAGIC, COMMITTED
 
     with (
         SenderCache(make_config(1 << 16, 1 << 15, 1)) as tx,

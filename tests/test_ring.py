@@ -24,7 +24,7 @@ from aioshmcache import (
     ShmRingBuffer,
     StaleReferenceError,
 )
-from aioshmcache._ring import CHUNK_HEADER, chunk_size
+from aioshmcache._layout import CHUNK_HEADER, chunk_size
 
 CAP = 4096
 

@@ -20,7 +20,8 @@ from aioshmcache import (
     ShmCacheError,
     ShmSpaceError,
 )
-from aioshmcache._segment import HEADER_SIZE, MAGIC, Layout, Segment, ofd_probe
+from aioshmcache._layout import HEADER_SIZE, MAGIC, Layout
+from aioshmcache._segment import Segment, ofd_probe
 
 SHM = "/dev/shm"
 
