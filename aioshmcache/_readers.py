@@ -134,6 +134,11 @@ class ReaderSlot:
             )
 
     @property
+    def overflowing(self) -> bool:
+        """Whether acknowledgements wait for log room (see :meth:`flush`)."""
+        return bool(self._overflow)
+
+    @property
     def acknowledged(self) -> int:
         return int(self._words[RS_HEAD] - self._words[RS_START])
 
