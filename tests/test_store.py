@@ -22,6 +22,8 @@ from aioshmcache import (
     ShmRef,
     StaleReferenceError,
 )
+from aioshmcache._inspect import inspect_segment
+from aioshmcache._serde import MsgpackSerde
 from aioshmcache._types import reference_tag
 
 from .helpers import SPAWN, checksum
@@ -337,3 +339,50 @@ def test_writer_and_two_reader_processes_move_1000_items(make_config: Any) -> No
                 if p.is_alive():
                     p.kill()
                     p.join(5)
+
+
+class _ReuseAfterCopy(MsgpackSerde):
+    """A serde whose next read runs ``hook`` right after its copy (a second writer thread)."""
+
+    hook: Any = None
+
+    def read(self, buf: memoryview, *, copy: bool = True) -> object:
+        value = super().read(buf, copy=copy)
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return value
+
+
+def test_writer_own_get_verifies_like_a_reader(make_config: Any) -> None:
+    """Evicted and reused mid-copy: the writer's get says stale instead of returning the copy."""
+    serde = _ReuseAfterCopy()
+    with ShmObjectStore.create(make_config(1 << 16, 1 << 12, 1), serde=serde) as store:
+        ref = store.put("a", {"x": np.arange(100)})
+        assert store.get(ref)["x"][7] == 7
+
+        def evict_and_reuse() -> None:
+            store.invalidate("a")
+            assert store.evict() == ["a"]
+            other = store.put("b", {"x": np.full(100, -1)})
+            assert (other.address, other.length) == (ref.address, ref.length)
+
+        serde.hook = evict_and_reuse
+        with pytest.raises(StaleReferenceError):
+            store.get(ref)
+
+
+def test_lag_counts_a_reader_that_never_acknowledged(make_config: Any) -> None:
+    with (
+        ShmObjectStore.create(make_config()) as store,
+        ShmObjectStore.from_handle(store.handle()) as reader,
+    ):
+        refs = [store.put(f"k{i}", {"i": i}) for i in range(3)]
+        assert [s.lag for s in store.reader_info() if s.attached] == [3]
+        assert reader.slot is not None and reader.slot.slot == 0
+        # inspect, from outside the writer: slot 0's row says acked 0, behind 3
+        row = inspect_segment(store.name).splitlines()[-2].split()
+        assert row[0] == "0" and row[4:6] == ["0", "3"]
+        reader.get(refs[0])
+        store.drain()
+        assert [s.lag for s in store.reader_info() if s.attached] == [2]
