@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -20,7 +19,6 @@ from aioshmcache import (
     ShmRef,
     StaleReferenceError,
 )
-from aioshmcache._sweep import sweep
 
 MiB = 1 << 20
 
@@ -142,12 +140,6 @@ def test_handmade_refs_with_bad_fields_are_invalid(make_config: Any) -> None:
         # a dict of arrays whose keys happen to be reference field names is inline data
         inline = {"id": np.arange(3)}
         assert rx.get_and_update_item(inline, "i") is inline
-
-
-def test_sweep_keeps_the_semaphore_of_a_live_dotted_name(make_config: Any) -> None:
-    with SenderCache(make_config(name="with.dots.name")) as tx:
-        sweep()
-        assert any(n.startswith(f"sem.{tx.name}.") for n in os.listdir("/dev/shm"))
 
 
 def test_reused_bytes_that_forge_the_old_chunk_header_are_still_stale(make_config: Any) -> None:
