@@ -67,9 +67,11 @@ class ReaderTable:
         return self._sessions.tolist()
 
     def word(self, slot: int, index: int) -> int:
+        """Word ``index`` (an ``RS_`` or ``WS_`` index) of slot ``slot``."""
         return int(self._all[slot * self._stride + index])
 
     def set_word(self, slot: int, index: int, value: int) -> None:
+        """Store word ``index`` of slot ``slot`` (only the word's one writing process does)."""
         self._all[slot * self._stride + index] = value
 
     def log_view(self, slot: int) -> memoryview:
@@ -82,6 +84,7 @@ class ReaderTable:
         return ofd_probe(self.segment.fd, 1 + slot)
 
     def release(self) -> None:
+        """Release the views of the table (before the segment is closed)."""
         self._sessions.release()
         self._heads.release()
         self._all.release()
@@ -125,9 +128,11 @@ class ReaderSlot:
 
     @property
     def revoked(self) -> bool:
+        """Whether the writer revoked this session."""
         return self._words[WS_REVOKED] == self.session
 
     def check_revoked(self) -> None:
+        """``ReaderEvictedError`` if the writer revoked this session."""
         if self._words[WS_REVOKED] == self.session:
             raise ReaderEvictedError(
                 f"reader slot {self.slot} was revoked by the writer (stuck past its deadline)"
@@ -140,6 +145,7 @@ class ReaderSlot:
 
     @property
     def acknowledged(self) -> int:
+        """Acknowledgements written by this session so far."""
         return int(self._words[RS_HEAD] - self._words[RS_START])
 
     def ack(self, cid: int, seq: int) -> None:
@@ -210,7 +216,6 @@ class SlotState:
     cursor: int = 0
     alive: bool = False
     revoked: int = 0
-    last_probe: float = 0.0
 
 
 def reader_slots_info(table: ReaderTable, *, probe: bool) -> list[ReaderSlotInfo]:

@@ -105,14 +105,17 @@ class ShmRingBuffer:
 
     @classmethod
     def attach(cls, handle: CacheHandle | str) -> ShmRingBuffer:
+        """Map the ring of an existing segment as a reader."""
         if isinstance(handle, CacheHandle):
             return cls(Segment.attach(handle.name, nonce=handle.nonce), writer=False)
         return cls(Segment.attach(handle), writer=False)
 
     def handle(self) -> CacheHandle:
+        """What another process needs to attach to this ring."""
         return CacheHandle(self._seg.name, self._seg.nonce, LAYOUT_VERSION)
 
     def close(self) -> None:
+        """Release the views and close the segment (the owner unlinks it); idempotent."""
         if not self._seg.closed:
             self._w.release()
             self.buf.release()
@@ -121,23 +124,23 @@ class ShmRingBuffer:
     # --- state ---------------------------------------------------------------------------
     @property
     def segment(self) -> Segment:
+        """The segment the ring lives in."""
         return self._seg
 
     @property
     def epoch(self) -> int:
+        """The current epoch (bumped by :meth:`clear`)."""
         return int(self._hw[H_EPOCH])
 
     @property
     def next_id(self) -> int:
+        """The id the next allocated chunk gets."""
         return int(self._hw[H_NEXT_ID])
 
     @property
     def n_chunks(self) -> int:
+        """How many chunks are allocated (writer only)."""
         return len(self._chunks)
-
-    @property
-    def head(self) -> int:
-        return self._chunks[0][0] if self._chunks else 0
 
     @property
     def used_bytes(self) -> int:
@@ -150,10 +153,6 @@ class ShmRingBuffer:
     def chunk_ids(self) -> list[int]:
         """Ids of the allocated chunks, oldest first."""
         return [c[2] for c in self._chunks]
-
-    def chunks(self) -> list[tuple[int, int, int]]:
-        """(address, size, id) of the allocated chunks, oldest first."""
-        return list(self._chunks)
 
     def _check_writer(self) -> None:
         if not self._writer:
@@ -246,9 +245,6 @@ class ShmRingBuffer:
         if address in self._by_addr:
             self._w[(address >> 3) + C_STATE] = DEAD
             self._by_addr[address] = DEAD
-
-    def state(self, address: int) -> int:
-        return self._by_addr.get(address, FREED)
 
     def free(self, is_free: Callable[[int], bool], nbytes: int = 0) -> list[int]:
         """Free chunks oldest first while they are free, until ``nbytes`` fit contiguously.

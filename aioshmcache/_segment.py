@@ -98,11 +98,10 @@ _MADV_POPULATE_READ: Final = 22
 _MADV_POPULATE_WRITE: Final = 23
 
 
-def ofd_lock(fd: int, byte: int, *, exclusive: bool = True) -> bool:
-    """Take a non-blocking OFD lock on one byte; False if another open file holds it."""
-    kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
+def ofd_lock(fd: int, byte: int) -> bool:
+    """Take a non-blocking exclusive OFD lock on one byte; False if another open file holds it."""
     try:
-        fcntl.fcntl(fd, _F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0))
+        fcntl.fcntl(fd, _F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0))
     except OSError as exc:
         if exc.errno in (errno.EAGAIN, errno.EACCES):
             return False

@@ -419,10 +419,11 @@ class ShmObjectStore:
             seq = self.ledger.hand_out(e)
         else:
             self._sync_sessions()
-            owers = [st.session for st in self._slots if st.session and st.alive]
-            seq = self.ledger.hand_out(e, owers)
-            if owers:
-                self._publish_owed()
+            live = [(i, st.session) for i, st in enumerate(self._slots) if st.session and st.alive]
+            seq = self.ledger.hand_out(e, [s for _i, s in live])
+            owed, t = self.ledger.owed, self.readers
+            for i, s in live:  # each owing slot's debt, for inspect (the others did not change)
+                t.set_word(i, WS_OWED, max(0, owed[s]))
         self._undrained += 1
         if self._undrained * 2 >= self.readers.log_entries:
             self.drain()

@@ -17,7 +17,9 @@ from aioshmcache import (
     DuplicateKeyError,
     InvalidReferenceError,
     ObjectTooLargeError,
+    ReceiverCache,
     RoleError,
+    SenderCache,
     ShmObjectStore,
     ShmRef,
     StaleReferenceError,
@@ -386,3 +388,36 @@ def test_lag_counts_a_reader_that_never_acknowledged(make_config: Any) -> None:
         reader.get(refs[0])
         store.drain()
         assert [s.lag for s in store.reader_info() if s.attached] == [2]
+
+
+def test_handmade_refs_with_bad_fields_are_invalid(make_config: Any) -> None:
+    with SenderCache(make_config()) as tx, ReceiverCache.attach(tx.handle()) as rx:
+        ref, _ = tx.get_and_update_item(({"a": 1}, ()), "a")
+        for bad in (
+            ShmRef(ref.nonce, ref.epoch, "x", ref.id, ref.length),  # type: ignore[arg-type]
+            ShmRef(ref.nonce, ref.epoch, ref.address, -1, ref.length),
+            ShmRef(ref.nonce, ref.epoch, ref.address, ref.id, 1 << 70),
+        ):
+            with pytest.raises(InvalidReferenceError):
+                rx.get_and_update_item(bad, "a")
+            assert tx.release(bad) is False
+        # a dict of arrays whose keys happen to be reference field names is inline data
+        inline = {"id": np.arange(3)}
+        assert rx.get_and_update_item(inline, "i") is inline
+
+
+def test_each_handout_is_settled_by_exactly_its_own_acknowledgement(make_config: Any) -> None:
+    """A late reader reading an older reference must not settle its debt for a newer hand-out;
+    release() undoes exactly the sessions a hand-out was made to."""
+    with SenderCache(make_config(1 << 20, 1 << 18, 2)) as tx:
+        h1, _ = tx.get_and_update_item(({"a": np.ones(4)}, ()), "a")  # nobody attached yet
+        with ReceiverCache.attach(tx.handle()) as late:
+            h2, _ = tx.get_and_update_item(None, "a")  # owed by `late`
+            assert late.get_and_update_item(h1, "a")["a"].sum() == 4  # not owed: settles nothing
+            assert not tx.is_freeable("a")
+            assert tx.release(h1) is False  # nobody owed h1
+            assert tx.release(h2) is True and tx.release(h2) is False
+            assert tx.is_freeable("a")
+            h3, _ = tx.get_and_update_item(None, "a")
+            assert late.release(h3) is True and late.release(h3) is False
+            assert tx.is_freeable("a")
