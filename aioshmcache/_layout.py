@@ -161,7 +161,7 @@ class Layout:
 SEGMENT_PREFIX: Final = "aioshm-"
 SEMAPHORE_FILE_PREFIX: Final = "sem."  # how glibc stores POSIX semaphores in /dev/shm
 _NAME_RE: Final = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
-_SEM_FILE_RE: Final = re.compile(r"sem\.(aioshm-[A-Za-z0-9_.\-]{1,193})\.([0-9a-f]{8})\.wake")
+_SEM_FILE_RE: Final = re.compile(r"sem\.(aioshm-[A-Za-z0-9_.\-]{0,193})\.([0-9a-f]{8})\.wake")
 
 
 def segment_name(name: str) -> str:

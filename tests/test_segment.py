@@ -23,7 +23,15 @@ from aioshmcache import (
     ShmObjectStore,
     ShmSpaceError,
 )
-from aioshmcache._layout import HEADER_SIZE, MAGIC, Layout, segment_name, semaphore_file
+from aioshmcache._layout import (
+    HEADER_SIZE,
+    MAGIC,
+    Layout,
+    parse_semaphore_file,
+    segment_name,
+    semaphore_file,
+    semaphore_name,
+)
 from aioshmcache._segment import Segment, ofd_probe
 from aioshmcache._sweep import sweep
 
@@ -271,3 +279,14 @@ def test_names_with_a_trailing_newline_are_rejected() -> None:
         with pytest.raises(ValueError):
             CacheConfig(1 << 16, 1 << 12, 1, name=bad)
     assert segment_name("/aioshm-ok.1") == "aioshm-ok.1"
+
+
+def test_semaphore_names_are_built_and_parsed_in_one_place() -> None:
+    for name in ("aioshm-x", "aioshm-with.dots.1.wake", "aioshm-", "aioshm-" + "y" * 193):
+        for nonce in (1, 0xFFFFFFFF, (1 << 64) - 1, 0x1234_5678_9ABC_DEF1):
+            parsed = parse_semaphore_file(semaphore_file(name, nonce))
+            assert parsed == (name, nonce & 0xFFFFFFFF)
+            assert semaphore_name(name, nonce) == "/" + semaphore_file(name, nonce)[4:]
+    for junk in ("sem.aioshm-x.wake", "sem.other-x.12345678.wake", "sem.aioshm-x.1234567G.wake"):
+        assert parse_semaphore_file(junk) is None
+    assert parse_semaphore_file("sem.aioshm-x.12345678.wake\n") is None
