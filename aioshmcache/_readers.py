@@ -57,6 +57,8 @@ class ReaderTable:
         self._stride = self.slot_size // 8
         self._sessions = self._all[RS_SESSION :: self._stride]  # one word per slot, strided
         self._heads = self._all[RS_HEAD :: self._stride]
+        #: every slot's ``WS_OWED`` word, strided (written by the writer only)
+        self.owed_words = self._all[WS_OWED :: self._stride]
 
     def heads(self) -> list[int]:
         """Every slot's log head, read in one go."""
@@ -87,6 +89,7 @@ class ReaderTable:
         """Release the views of the table (before the segment is closed)."""
         self._sessions.release()
         self._heads.release()
+        self.owed_words.release()
         self._all.release()
 
     # --- reader side -----------------------------------------------------------------------

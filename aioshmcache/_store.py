@@ -162,6 +162,8 @@ class ShmObjectStore:
         self._waiters = 0  # threads asleep in _wait (they own the semaphore handle then)
         self._slots = [SlotState() for _ in range(self.readers.n_slots)]
         self._known_sessions = [0] * self.readers.n_slots
+        self._live_slots: list[tuple[int, int]] = []  # (slot, session) of live readers
+        self._live_sessions: list[int] = []
         self._undrained = 0
         self.evictions = 0
         self.wakeups = 0
@@ -419,11 +421,11 @@ class ShmObjectStore:
             seq = self.ledger.hand_out(e)
         else:
             self._sync_sessions()
-            live = [(i, st.session) for i, st in enumerate(self._slots) if st.session and st.alive]
-            seq = self.ledger.hand_out(e, [s for _i, s in live])
-            owed, t = self.ledger.owed, self.readers
-            for i, s in live:  # each owing slot's debt, for inspect (the others did not change)
-                t.set_word(i, WS_OWED, max(0, owed[s]))
+            seq = self.ledger.hand_out(e, self._live_sessions)
+            if self._live_sessions:
+                owed, words = self.ledger.owed, self.readers.owed_words
+                for i, s in self._live_slots:  # the owing slots' debts, for inspect
+                    words[i] = owed[s]
         self._undrained += 1
         if self._undrained * 2 >= self.readers.log_entries:
             self.drain()
@@ -538,6 +540,12 @@ class ShmObjectStore:
                 st.cursor = t.word(slot, RS_START)
                 t.set_word(slot, WS_CONSUMED, st.cursor)
             t.set_word(slot, WS_OWED, 0)
+        self._refresh_live()
+
+    def _refresh_live(self) -> None:
+        """Recompute the live sessions a broadcast hand-out is owed by (after any change)."""
+        self._live_slots = [(i, st.session) for i, st in enumerate(self._slots) if st.alive]
+        self._live_sessions = [s for _i, s in self._live_slots]
 
     def _publish_owed(self) -> None:
         """Publish each live slot's debt for ``inspect`` and ``reader_info`` (``WS_OWED``)."""
@@ -623,6 +631,7 @@ class ShmObjectStore:
                 self.ledger.drop_session(s)
                 changed = True
         if changed:
+            self._refresh_live()
             self._publish_owed()
         return changed
 
