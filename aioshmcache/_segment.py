@@ -35,13 +35,9 @@ from ._layout import (
     H_EPOCH,
     H_HANDOUT_TTL_MS,
     H_HEADER_SIZE,
-    H_HITS,
-    H_INLINE_FULL,
-    H_INLINE_LARGE,
     H_LOG_ENTRIES,
     H_MAGIC,
     H_MAX_OBJECT,
-    H_MISSES,
     H_N_READERS,
     H_NEXT_ID,
     H_NONCE,
@@ -85,9 +81,6 @@ __all__ = [
     "ofd_unlock",
     "writer_state",
 ]
-
-# the writer-published statistics under their former names, for the caches' import
-W_HITS, W_MISSES, W_INLINE_LARGE, W_INLINE_FULL = H_HITS, H_MISSES, H_INLINE_LARGE, H_INLINE_FULL
 
 log = logging.getLogger("aioshmcache")
 

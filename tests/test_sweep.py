@@ -23,13 +23,14 @@ def _files(name: str) -> list[str]:
 
 def test_sweep_leaves_live_segments_alone(make_config: Any) -> None:
     with SenderCache(make_config()) as cache:
-        assert cache.name not in sweep()
+        assert cache.name not in sweep(dry_run=True)  # a dry run: never other runs' orphans
         assert os.path.exists(f"/dev/shm/{cache.name}")
 
 
-def test_sweep_keeps_the_semaphore_of_a_live_dotted_name(make_config: Any) -> None:
-    with SenderCache(make_config(name="with.dots.name")) as tx:
-        sweep()
+def test_sweep_keeps_the_semaphore_of_a_live_dotted_name(make_config: Any, shm_name: str) -> None:
+    with SenderCache(make_config(name=f"{shm_name}.with.dots")) as tx:
+        assert not [n for n in sweep(dry_run=True) if tx.name in n]
+        assert not [n for n in sweep(name=tx.name) if tx.name in n]
         assert any(n.startswith(f"sem.{tx.name}.") for n in os.listdir("/dev/shm"))
 
 
@@ -70,12 +71,31 @@ def test_sweep_never_takes_the_semaphore_of_a_writer_starting_meanwhile(
     _killed_writer(f"{shm_name}-dead")  # something for sweep to judge
     monkeypatch.setattr(sweep_module, "writer_state", start_a_writer_meanwhile)
     try:
-        removed = sweep()
+        removed = sweep(dry_run=True)  # the whole listing, but others' orphans stay untouched
         assert f"aioshm-{shm_name}-dead" in removed
         assert late and not [n for n in removed if n.startswith(f"sem.aioshm-{shm_name}.")]
-        assert len(_files(shm_name)) == 2  # the late writer's segment and semaphore
+        assert len(_files(shm_name)) == 4  # the late writer's two files, and (dry run) the dead's
     finally:
         for store in late:
             store.close()
         monkeypatch.undo()
         sweep(name=f"{shm_name}-dead")
+
+
+def test_cli_sweep_name_removes_that_orphan_only(shm_name: str) -> None:
+    import subprocess
+    import sys
+
+    _killed_writer(shm_name)
+    try:
+        cmd = [sys.executable, "-m", "aioshmcache", "sweep"]
+        dry = subprocess.run([*cmd, shm_name, "--dry-run"], capture_output=True, text=True)
+        assert dry.returncode == 0 and "would remove 1 orphan segment" in dry.stdout, dry
+        assert len(_files(shm_name)) == 2  # a dry run removes nothing
+        done = subprocess.run([*cmd, shm_name], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and f"removed aioshm-{shm_name}\n" in done.stdout, done
+        assert _files(shm_name) == []
+        bad = subprocess.run([*cmd, "bad/name"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1 and "sweep:" in bad.stderr
+    finally:
+        sweep(name=shm_name)
