@@ -27,7 +27,7 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -333,7 +333,7 @@ class SenderRequest(_Steps):
             return None
         try:
             plan = store.plan(item[0])
-            res = store.reserve(h, plan, wait_for_space=wait)
+            res = store.reserve(h, plan, wait_for_space=wait, own_pins=Counter(self._pins))
         except ObjectTooLargeError as exc:
             book.too_large.add(h, exc.nbytes)
             self._out[i] = item

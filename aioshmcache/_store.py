@@ -32,7 +32,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -350,9 +350,19 @@ class ShmObjectStore:
             return self.commit(res)
 
     def reserve(
-        self, key: str, plan: EncodePlan, *, wait_for_space: float | None = None
+        self,
+        key: str,
+        plan: EncodePlan,
+        *,
+        wait_for_space: float | None = None,
+        own_pins: Mapping[object, int] | None = None,
     ) -> Reservation:
-        """Allocate a chunk for ``plan`` (evicting FIFO as needed). Hold :attr:`lock`."""
+        """Allocate a chunk for ``plan`` (evicting FIFO as needed). Hold :attr:`lock`.
+
+        ``own_pins``: the caller's pins (entry -> count, as returned by :meth:`pin_entry`). When
+        only those hold the head of the ring, nothing can make room while the caller waits, so
+        ``CacheFullError`` comes at once instead of after ``wait_for_space``.
+        """
         self._check_writer()
         if not isinstance(key, str):
             raise TypeError(f"keys are str, not {type(key).__name__}")
@@ -368,7 +378,7 @@ class ShmObjectStore:
                 wait_for_space = self._config.wait_for_space if self._config else 0.0
             self._waiting_keys.add(key)  # the lock may be let go while waiting: claim the key
             try:
-                self._make_room(plan.nbytes, wait_for_space)
+                self._make_room(plan.nbytes, wait_for_space, own_pins or {})
             finally:
                 self._waiting_keys.discard(key)
             self._check_writer()  # closed while we waited?
@@ -684,7 +694,9 @@ class ShmObjectStore:
         self._publish_owed()
         return keys
 
-    def _make_room(self, nbytes: int, wait_for_space: float) -> None:
+    def _make_room(
+        self, nbytes: int, wait_for_space: float, own_pins: Mapping[object, int]
+    ) -> None:
         ring = self.ring
         if chunk_size(nbytes) > ring.capacity:
             raise CacheFullError(f"{nbytes} bytes can never fit a {ring.capacity}-byte ring")
@@ -701,6 +713,11 @@ class ShmObjectStore:
                 head = self._by_id.get(ring.chunk_ids()[0]) if ring.n_chunks else None
                 if head is not None and head.debt > 0 and self._probe_debtors(head):
                     continue
+                if head is not None and 0 < head.pins <= own_pins.get(head, 0):
+                    self._publish_usage()
+                    raise CacheFullError(
+                        f"no room for {nbytes} bytes: the oldest item is pinned by this request"
+                    )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     self._publish_usage()

@@ -343,7 +343,10 @@ def test_loop_shutdown_with_copies_in_flight_is_bounded(make_config: Any) -> Non
 
     t0 = time.monotonic()
     asyncio.run(main())
-    assert time.monotonic() - t0 < 5.0
+    # bounded, not hung: aclose waited for the threads (each stops after the copy it is in)
+    # and closed the segment; the bound is loose because a loaded machine copies slowly
+    assert time.monotonic() - t0 < 60
+    assert not os.path.exists(f"/dev/shm/aioshm-{cfg.name}")
 
 
 async def test_a_stream_of_hits_does_not_starve_the_loop(make_config: Any) -> None:
