@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import numpy as np
@@ -504,3 +505,45 @@ def test_wait_for_space_bounds_the_whole_call(make_config: Any) -> None:
         assert not any(isinstance(f.data, ShmRef) for f in out)
         assert 1.0 <= elapsed < 5.0  # one deadline (a deadline per item took 6 s)
         assert tx.snapshot().wait_for_space_seconds >= 1.0
+
+
+def test_a_rejected_request_owes_nothing(make_config: Any) -> None:
+    with SenderCache(make_config()) as tx, ReceiverCache.attach(tx.handle()) as rx:
+        ref, _ = tx.get_and_update_item(({"a": np.ones(10)}, ()), "a")
+        forged = ShmRef(ref.nonce, ref.epoch, ref.address + 64, ref.id, ref.length, ref.tag)
+        with pytest.raises(InvalidReferenceError):
+            rx.get_and_update_features([FeatureSpec("a", ref), FeatureSpec("b", forged)])
+        assert tx.is_freeable("a")  # the valid one was given back, not left owed forever
+        ref2, _ = tx.get_and_update_item(None, "a")
+        with (
+            pytest.raises(InvalidReferenceError),
+            rx.lease([FeatureSpec("a", ref2), FeatureSpec("b", forged)]),
+        ):
+            pass
+        assert tx.is_freeable("a")
+
+
+def test_sync_put_while_another_thread_waits_for_the_same_key(make_config: Any) -> None:
+    with (
+        SenderCache(make_config(2 << 20, 1 << 20, 1)) as tx,
+        ReceiverCache.attach(tx.handle()) as rx,
+    ):
+        held = [
+            tx.get_and_update_item(({"x": np.ones(900_000, np.uint8)}, ()), f"o{i}")[0]
+            for i in range(2)
+        ]
+        big = {"x": np.ones(900_000, np.uint8)}
+        results: dict[str, Any] = {}
+
+        def waiter() -> None:
+            results["A"] = tx.get_and_update_item((big, ()), "k", wait_for_space=2.0)
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        while not tx.store.is_pending("k"):
+            pass
+        results["B"] = tx.get_and_update_item((big, ()), "k")  # no DuplicateKeyError
+        rx.get_and_update_item(held[0], "o0")
+        t.join(10)
+        assert isinstance(results["A"][0], ShmRef)
+        assert results["B"][0] is big
