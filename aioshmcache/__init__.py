@@ -26,7 +26,7 @@ from ._types import (
     coerce_handle,
 )
 from .aio import AsyncReceiverCache, AsyncSenderCache
-from .cache import ReceiverCache, SenderCache
+from .cache import GroupReceiverCache, ReceiverCache, SenderCache
 from .errors import (
     CacheFullError,
     CacheMissError,
@@ -68,6 +68,7 @@ __all__ = [
     "FeatureSpec",
     "FrameError",
     "FrameTooLargeError",
+    "GroupReceiverCache",
     "IncompleteFrameError",
     "InvalidReferenceError",
     "MsgpackSerde",

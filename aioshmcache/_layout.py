@@ -29,8 +29,13 @@ Segment (``total`` bytes, a multiple of the page size)::
              |       28 H_SECRET (keys the reference tag)       |
              |       29 H_HEAD_POS (reuse fence: position of    |
              |          the oldest live chunk, see ``_ring``)   |
+             |       30 H_HINT_OFF  31 H_HINT_SLOTS (0: none)   |
+             |       32 H_SIBLING_HITS (items a group shard     |
+             |          copied from a sibling shard)            |
     4096     +--------------------------------------------------+
              | reader table: H_N_READERS slots x H_SLOT_SIZE    |
+    hint_off +--------------------------------------------------+  (64 aligned; group shards)
+             | key hints: H_HINT_SLOTS x 64 bytes (``_hints``)  |
     ring_off +--------------------------------------------------+  (page aligned)
              | ring: H_CAPACITY bytes of chunks                 |
              +--------------------------------------------------+
@@ -55,12 +60,19 @@ Chunk (at ``address``, a multiple of 64, in the ring)::
     +32   reserved (4 words)
     +64   payload, padded to 64 bytes
 
+Key hint slot (64 bytes, written by the writer only; a seqlock, see ``_hints``)::
+
+    0 HS_SEQ (odd while being written)   1, 2 HS_D0, HS_D1 key digest (0, 0: empty)
+    3 HS_EPOCH  4 HS_ADDRESS  5 HS_ID  6 HS_LENGTH  7 HS_POSITION (the chunk, as in a ``ShmRef``)
+
 Kernel locks (OFD byte-range locks on the segment file): byte 0 is the writer's, byte ``1 + i``
 reader slot ``i``'s.
 
 Names: a segment is ``/dev/shm/aioshm-<name>``; its wake-up semaphore is the POSIX semaphore
 ``/<segment>.<nonce low 32 bits, 8 hex digits>.wake``, which Linux keeps as
-``/dev/shm/sem.<segment>.<nonce>.wake``. Both are built and parsed only here.
+``/dev/shm/sem.<segment>.<nonce>.wake``. A shard of cache group ``G`` is the segment
+``aioshm-G.shard<k>`` (``k`` in ``0 .. MAX_SHARDS - 1``; a group name has no ``.``, so a shard
+name parses one way only). All are built and parsed only here.
 """
 
 from __future__ import annotations
@@ -76,16 +88,20 @@ __all__ = [
     "SHM_DIR",
     "Layout",
     "chunk_size",
+    "check_group",
+    "hint_slots_for",
     "is_segment_file",
+    "parse_shard_name",
     "parse_semaphore_file",
     "segment_name",
     "semaphore_file",
     "semaphore_name",
+    "shard_name",
 ]
 
 SHM_DIR: Final = "/dev/shm"
 MAGIC: Final = int.from_bytes(b"AIOSHMC1", "little")
-LAYOUT_VERSION: Final = 2
+LAYOUT_VERSION: Final = 3  # 3: the key-hint region (H_HINT_OFF, H_HINT_SLOTS)
 HEADER_SIZE: Final = 4096
 PAGE: Final = 4096
 
@@ -106,6 +122,9 @@ H_HITS, H_MISSES, H_INLINE_LARGE, H_INLINE_FULL, H_EVICTIONS, H_BYTES_USED, H_IT
 H_HANDOUT_TTL_MS: Final = 27
 H_SECRET: Final = 28
 H_HEAD_POS: Final = 29
+H_HINT_OFF: Final = 30
+H_HINT_SLOTS: Final = 31
+H_SIBLING_HITS: Final = 32
 
 STATE_LIVE: Final = 1
 STATE_CLOSED: Final = 2
@@ -116,6 +135,11 @@ SLOT_HEADER: Final = 128  # two cache lines: reader-written words, then writer-w
 RS_SESSION, RS_PID, RS_HEAD, RS_START, RS_ATTACHED = 0, 1, 2, 3, 4
 WS_CONSUMED, WS_REVOKED, WS_OWED = 8, 9, 10
 LOG_ENTRY_BYTES: Final = 16  # (chunk id, seq)
+
+# --- key hint slots (group shards) -------------------------------------------------------------
+HINT_SLOT_SIZE: Final = 64
+HS_SEQ, HS_D0, HS_D1, HS_EPOCH, HS_ADDRESS, HS_ID, HS_LENGTH, HS_POSITION = range(8)
+MAX_HINT_SLOTS: Final = 1 << 22
 
 # --- chunk header -----------------------------------------------------------------------------
 CHUNK_HEADER: Final = 64
@@ -139,6 +163,8 @@ class Layout:
 
     __slots__ = (
         "capacity",
+        "hint_off",
+        "hint_slots",
         "log_entries",
         "n_readers",
         "reader_off",
@@ -147,20 +173,37 @@ class Layout:
         "total",
     )
 
-    def __init__(self, capacity: int, n_readers: int, log_entries: int) -> None:
+    def __init__(
+        self, capacity: int, n_readers: int, log_entries: int, hint_slots: int = 0
+    ) -> None:
         self.capacity = _align(capacity, 64)
         self.n_readers = n_readers
         self.log_entries = log_entries
         self.slot_size = _align(SLOT_HEADER + LOG_ENTRY_BYTES * log_entries, 64)
         self.reader_off = HEADER_SIZE
-        self.ring_off = _align(self.reader_off + n_readers * self.slot_size, PAGE)
+        self.hint_slots = hint_slots
+        self.hint_off = _align(self.reader_off + n_readers * self.slot_size, 64)
+        self.ring_off = _align(self.hint_off + hint_slots * HINT_SLOT_SIZE, PAGE)
         self.total = _align(self.ring_off + self.capacity, PAGE)
+
+
+def hint_slots_for(capacity: int) -> int:
+    """The key-hint slots of a shard of ``capacity`` ring bytes: a power of two, about one per
+    8 KiB of ring (so a shard full of items of 32 KiB or more keeps 4 slots per item and
+    collisions stay rare), at least 1024 and at most ``MAX_HINT_SLOTS`` (256 MiB of ring)."""
+    want = min(max(capacity // 8192, 1024), MAX_HINT_SLOTS)
+    return 1 << (want - 1).bit_length()
 
 
 # --- names ------------------------------------------------------------------------------------
 SEGMENT_PREFIX: Final = "aioshm-"
 SEMAPHORE_FILE_PREFIX: Final = "sem."  # how glibc stores POSIX semaphores in /dev/shm
 _NAME_RE: Final = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
+#: a group name: no ``.`` (the shard suffix starts with one) and room for the suffix
+_GROUP_RE: Final = re.compile(r"[A-Za-z0-9_\-]{1,180}")
+_SHARD_RE: Final = re.compile(r"aioshm-([A-Za-z0-9_\-]{1,180})\.shard(0|[1-9][0-9]{0,2})")
+#: shards a group can have (writer processes at once)
+MAX_SHARDS: Final = 64
 _SEM_FILE_RE: Final = re.compile(r"sem\.(aioshm-[A-Za-z0-9_.\-]{0,193})\.([0-9a-f]{8})\.wake")
 
 
@@ -178,6 +221,32 @@ def segment_name(name: str) -> str:
     if _NAME_RE.fullmatch(bare) is None:
         raise ValueError(f"invalid segment name {name!r}: use letters, digits, '_', '.', '-'")
     return bare
+
+
+def check_group(group: str) -> str:
+    """``group`` if it is a valid cache-group name (1-180 letters, digits, ``_``, ``-``)."""
+    if not isinstance(group, str):
+        raise TypeError(f"group name must be a str, not {type(group).__name__}")
+    if _GROUP_RE.fullmatch(group) is None:
+        raise ValueError(
+            f"invalid group name {group!r}: use 1-180 letters, digits, '_', '-' (no '.')"
+        )
+    return group
+
+
+def shard_name(group: str, k: int) -> str:
+    """The segment name of shard ``k`` of cache group ``group``."""
+    if not 0 <= k < MAX_SHARDS:
+        raise ValueError(f"shard index {k} out of range [0, {MAX_SHARDS})")
+    return f"{SEGMENT_PREFIX}{check_group(group)}.shard{k}"
+
+
+def parse_shard_name(filename: str) -> tuple[str, int] | None:
+    """``(group, k)`` of a shard segment name (``aioshm-G.shard<k>``), or None."""
+    m = _SHARD_RE.fullmatch(filename)
+    if m is None or int(m.group(2)) >= MAX_SHARDS:
+        return None
+    return m.group(1), int(m.group(2))
 
 
 def is_segment_file(filename: str) -> bool:

@@ -32,7 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES
+from ._group import Found, Siblings
+from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
 from ._store import Reservation, ShmObjectStore
 from ._types import REF_FIELDS, FeatureSpec, ShmRef
 from .errors import (
@@ -40,6 +41,7 @@ from .errors import (
     CacheMissError,
     InvalidReferenceError,
     ObjectTooLargeError,
+    ShmCacheError,
     StaleReferenceError,
 )
 
@@ -110,6 +112,7 @@ class RequestCounters:
     inline_too_large: int = 0
     inline_full: int = 0
     inline_busy: int = 0
+    sibling_hits: int = 0  # group shards: items copied from a sibling (also counted as hits)
     wait_seconds: float = 0.0  # time spent waiting for space, summed over requests
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -138,8 +141,15 @@ class SenderBook:
     they are not serialised again; counters are published to the segment for ``inspect``.
     """
 
-    def __init__(self, store: ShmObjectStore, *, default_wait_for_space: float = 0.0) -> None:
+    def __init__(
+        self,
+        store: ShmObjectStore,
+        *,
+        default_wait_for_space: float = 0.0,
+        siblings: Siblings | None = None,
+    ) -> None:
         self.store = store
+        self.siblings = siblings  # the other shards of the group, if this cache is a shard
         self.default_wait_for_space = default_wait_for_space
         self.prompt_updates: dict[str, Sequence[Any]] = {}
         self.too_large = TooLargeMemory()
@@ -151,7 +161,13 @@ class SenderBook:
         self.prompt_updates.pop(mm_hash, None)
 
     def count(
-        self, *, hit: bool, inline: str | None = None, mm_hash: str = "", nbytes: int = 0
+        self,
+        *,
+        hit: bool,
+        inline: str | None = None,
+        mm_hash: str = "",
+        nbytes: int = 0,
+        sibling: bool = False,
     ) -> None:
         """Count one decided item and publish the counters (hold the store lock)."""
         c = self.counters
@@ -159,6 +175,9 @@ class SenderBook:
         if hit:
             c.hits += 1
         w = self.store.ring.segment.words
+        if sibling:
+            c.sibling_hits += 1
+            w[H_SIBLING_HITS] = c.sibling_hits
         w[H_HITS] = c.hits
         w[H_MISSES] = c.total - c.hits
         if inline == "too_large":
@@ -278,6 +297,7 @@ class SenderRequest(_Steps):
         self._features: list[FeatureSpec] | None = None
         self._putting: set[str] = set()  # hashes this request reserved
         self._followers: dict[str, list[int]] = {}  # hash -> later items of the same hash
+        self._sibling: dict[str, Found] = {}  # hash -> where a sibling shard holds it (groups)
 
     @property
     def has_jobs(self) -> bool:
@@ -293,7 +313,7 @@ class SenderRequest(_Steps):
             missing = [
                 h
                 for it, h in zip(self._items, self._hashes)
-                if it is None and not store.is_cached(h)
+                if it is None and not store.is_cached(h) and not self._in_sibling(h)
             ]
             if missing:
                 raise CacheMissError(missing)
@@ -303,7 +323,7 @@ class SenderRequest(_Steps):
                 if res is None:
                     continue
                 if res.plan.nbytes < self._inline_below:
-                    store.write_reserved(res)  # microseconds: under the lock
+                    self._write(res)  # microseconds: under the lock
                     self._commit_locked(i, res)
                 else:
                     self._copies.append((i, res))
@@ -318,6 +338,8 @@ class SenderRequest(_Steps):
             self._out[i] = (ref, updates)
             book.count(hit=True)
             return None
+        if it is None and h in self._sibling:
+            return self._reserve_sibling(i, wait=wait, may_defer=may_defer)
         item = _split_item(it, h)
         if h in self._putting:  # this request puts it: a hit once that copy is committed
             self._followers.setdefault(h, []).append(i)
@@ -351,6 +373,51 @@ class SenderRequest(_Steps):
         book.count(hit=False)
         return res
 
+    def _in_sibling(self, h: str) -> bool:
+        """Whether a sibling shard holds ``h`` now (remembered for the decision)."""
+        sib = self._book.siblings
+        if sib is None:
+            return False
+        found = sib.find(h)
+        if found is None:
+            return False
+        self._sibling[h] = found
+        return True
+
+    def _reserve_sibling(self, i: int, *, wait: float, may_defer: bool) -> Reservation | None:
+        """Reserve room for a copy of a sibling shard's chunk of item ``i`` (see ``_group``).
+
+        No room (or the sibling's item exceeds our limit) is a ``CacheMissError``: the caller
+        has no data to serve inline, so it preprocesses and sends it, as for any miss.
+        """
+        h = self._hashes[i]
+        if h in self._putting:
+            self._followers.setdefault(h, []).append(i)
+            return None
+        found = self._sibling[h]
+        try:
+            res = self._store.reserve(h, found.sibling.raw_plan(found.ref), wait_for_space=wait)
+        except CacheFullError:
+            if may_defer and time.monotonic() < self._deadline:
+                self._waits.append(i)
+                return None
+            raise CacheMissError([h]) from None
+        except ObjectTooLargeError:
+            raise CacheMissError([h]) from None
+        self._reserved.append(res)
+        self._putting.add(h)
+        self._book.count(hit=True, sibling=True)
+        return res
+
+    def _write(self, res: Reservation) -> None:
+        """The copy into a reserved chunk; a sibling's chunk that changed meanwhile is a miss."""
+        try:
+            self._store.write_reserved(res)
+        except ShmCacheError:
+            if res.key not in self._sibling:
+                raise
+            raise CacheMissError([res.key]) from None
+
     def _commit_locked(self, i: int, res: Reservation) -> None:
         item = self._items[i]
         updates: Sequence[Any] = () if item is None else item[1]
@@ -368,7 +435,7 @@ class SenderRequest(_Steps):
         for i, res in self._copies:
             if self._abandoned:
                 return  # the roll back aborts what is left
-            store.write_reserved(res)  # outside the lock: copies into distinct chunks overlap
+            self._write(res)  # outside the lock: copies into distinct chunks overlap
             with store.lock:
                 self._commit_locked(i, res)
         for i in self._waits:
@@ -380,7 +447,7 @@ class SenderRequest(_Steps):
                 self._book.counters.wait_seconds += time.monotonic() - t0
             if waited is None:
                 continue
-            store.write_reserved(waited)
+            self._write(waited)
             with store.lock:
                 self._commit_locked(i, waited)
 

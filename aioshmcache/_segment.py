@@ -35,6 +35,8 @@ from ._layout import (
     H_EPOCH,
     H_HANDOUT_TTL_MS,
     H_HEADER_SIZE,
+    H_HINT_OFF,
+    H_HINT_SLOTS,
     H_LOG_ENTRIES,
     H_MAGIC,
     H_MAX_OBJECT,
@@ -53,6 +55,7 @@ from ._layout import (
     HEADER_SIZE,
     LAYOUT_VERSION,
     MAGIC,
+    MAX_HINT_SLOTS,
     PAGE,
     SEGMENT_PREFIX,
     SHM_DIR,
@@ -349,6 +352,8 @@ class Segment:
             w[H_READER_OFF] = layout.reader_off
             w[H_SLOT_SIZE] = layout.slot_size
             w[H_RING_OFF] = layout.ring_off
+            w[H_HINT_OFF] = layout.hint_off
+            w[H_HINT_SLOTS] = layout.hint_slots
             w[H_NONCE] = secrets.randbits(64) | 1
             w[H_SECRET] = secrets.randbits(64)
             w[H_WRITER_PID] = os.getpid()
@@ -408,13 +413,26 @@ class Segment:
             if hw[H_OWNER_UID] != os.getuid() or hw[H_TOTAL] != st.st_size:
                 raise ShmCacheError(f"segment {full!r} has an inconsistent header")
             n, entries, cap = int(hw[H_N_READERS]), int(hw[H_LOG_ENTRIES]), int(hw[H_CAPACITY])
-            if not (1 <= n <= 256 and 64 <= entries <= 1 << 24 and 4096 <= cap <= 1 << 46):
+            hints = int(hw[H_HINT_SLOTS])
+            if not (
+                1 <= n <= 256
+                and 64 <= entries <= 1 << 24
+                and 4096 <= cap <= 1 << 46
+                and 0 <= hints <= MAX_HINT_SLOTS
+                and hints & (hints - 1) == 0
+            ):
                 raise ShmCacheError(f"segment {full!r} has an inconsistent header")
-            expect = Layout(cap, n, entries)
+            expect = Layout(cap, n, entries, hints)
             if (
                 expect.capacity != cap
-                or (expect.reader_off, expect.slot_size, expect.ring_off, expect.total)
-                != (hw[H_READER_OFF], hw[H_SLOT_SIZE], hw[H_RING_OFF], hw[H_TOTAL])
+                or (
+                    expect.reader_off,
+                    expect.slot_size,
+                    expect.hint_off,
+                    expect.ring_off,
+                    expect.total,
+                )
+                != (hw[H_READER_OFF], hw[H_SLOT_SIZE], hw[H_HINT_OFF], hw[H_RING_OFF], hw[H_TOTAL])
                 or int(hw[H_MAX_OBJECT]) + 64 > cap
             ):
                 raise ShmCacheError(f"segment {full!r} has an inconsistent layout")

@@ -36,8 +36,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+import numpy as np
 import posix_ipc
 
+from ._hints import Hint, HintTable
 from ._layout import (
     DELIVERY_CODES,
     H_BYTES_USED,
@@ -87,7 +89,7 @@ from .errors import (
     WriterGoneError,
 )
 
-__all__ = ["Reservation", "ShmObjectStore"]
+__all__ = ["RawPlan", "Reservation", "ShmObjectStore"]
 
 log = logging.getLogger("aioshmcache")
 
@@ -111,6 +113,19 @@ class _Entry(Debts):
         self.tag_epoch = -1
 
 
+@dataclass(frozen=True)
+class RawPlan:
+    """A payload copied byte for byte from another segment (a sibling shard's chunk).
+
+    ``source()`` gives a view of the bytes, ``verify()`` raises ``StaleReferenceError`` if they
+    changed during the copy: the copy is committed only if it did not.
+    """
+
+    nbytes: int
+    source: Callable[[], memoryview]
+    verify: Callable[[], None]
+
+
 @dataclass
 class Reservation:
     """An allocated chunk whose copy has not been committed yet."""
@@ -118,7 +133,7 @@ class Reservation:
     key: str
     address: int
     id: int
-    plan: EncodePlan
+    plan: EncodePlan | RawPlan
     done: bool = False
 
 
@@ -151,6 +166,7 @@ class ShmObjectStore:
         self._nonce = segment.nonce
         self._closed = False
         self._reading = ReadPath(segment, self.ring, self.serde, probe_interval=probe_interval)
+        self.hints = HintTable(segment)  # empty unless the segment is a group shard
         # writer state
         self._sem: Any = None
         self._config = config
@@ -172,21 +188,29 @@ class ShmObjectStore:
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
-    def create(cls, config: CacheConfig, *, serde: Serde | None = None) -> ShmObjectStore:
+    def create(
+        cls,
+        config: CacheConfig,
+        *,
+        serde: Serde | None = None,
+        name: str | None = None,
+        hint_slots: int = 0,
+    ) -> ShmObjectStore:
         """Create the segment and become its writer (``close`` unlinks it).
 
         With a fixed name whose previous writer is provably dead, the old segment and its
-        semaphore are reclaimed first when ``config.reclaim_dead`` (the default).
+        semaphore are reclaimed first when ``config.reclaim_dead`` (the default). ``name``
+        overrides ``config.name``; ``hint_slots`` sizes the key-hint region (group shards).
         """
-        layout = Layout(config.capacity_bytes, config.n_readers, config.ack_log_entries)
+        layout = Layout(config.capacity_bytes, config.n_readers, config.ack_log_entries, hint_slots)
         seg = Segment.create(
-            config.name,
+            name if name is not None else config.name,
             layout,
             max_object_bytes=config.max_object_bytes,
             delivery=config.delivery,
             handout_ttl=config.handout_ttl,
             prefault=config.prefault,
-            reclaim_dead=config.reclaim_dead,
+            reclaim_dead=config.reclaim_dead or name is not None,
         )
         try:
             store = cls(seg, writer=True, serde=serde, config=config)
@@ -352,7 +376,7 @@ class ShmObjectStore:
     def reserve(
         self,
         key: str,
-        plan: EncodePlan,
+        plan: EncodePlan | RawPlan,
         *,
         wait_for_space: float | None = None,
         own_pins: Mapping[object, int] | None = None,
@@ -388,8 +412,22 @@ class ShmObjectStore:
         return res
 
     def write_reserved(self, res: Reservation) -> None:
-        """Copy the value into its chunk. Touches only that chunk: no lock needed."""
-        self.serde.write(res.plan, self.ring.payload(res.address))
+        """Copy the value into its chunk. Touches only that chunk: no lock needed.
+
+        A ``RawPlan`` is copied byte for byte (a numpy copy: the GIL is let go for big ones),
+        then verified at its source (``StaleReferenceError`` if the source changed meanwhile).
+        """
+        plan = res.plan
+        if not isinstance(plan, RawPlan):
+            self.serde.write(plan, self.ring.payload(res.address))
+            return
+        src = plan.source()
+        try:
+            dst = np.frombuffer(self.ring.payload(res.address), dtype=np.uint8)
+            dst[...] = np.frombuffer(src, dtype=np.uint8)
+        finally:
+            src.release()
+        plan.verify()
 
     def commit(self, res: Reservation) -> ShmRef:
         """Publish a written chunk, index it and take the first hand-out. Hold :attr:`lock`."""
@@ -403,6 +441,8 @@ class ShmObjectStore:
         e = _Entry(res.key, res.address, res.id, res.plan.nbytes, self.ring.position(res.address))
         self._index[res.key] = e
         self._by_id[res.id] = e
+        if self.hints:
+            self.hints.publish(res.key, Hint(self.epoch, e.address, e.id, e.length, e.position))
         self._publish_usage()
         return self._hand_out(e)
 
@@ -525,6 +565,8 @@ class ShmObjectStore:
         e = self._index.pop(key, None)
         if e is None:
             return False
+        if self.hints:
+            self.hints.remove(key, e.id)
         self.ledger.untouch(e)
         self._publish_usage()
         return True
@@ -670,6 +712,8 @@ class ShmObjectStore:
                 continue
             if self._index.get(e.key) is e:
                 del self._index[e.key]
+                if self.hints:
+                    self.hints.remove(e.key, e.id)
                 self.evictions += 1
                 if self.on_evict is not None:
                     self.on_evict(e.key)
@@ -850,6 +894,7 @@ class ShmObjectStore:
         self._index.clear()
         self._by_id.clear()
         self.readers.release()
+        self.hints.release()
         self.ring.close()
 
     def __enter__(self) -> ShmObjectStore:

@@ -18,7 +18,7 @@ from typing import Any, Literal, NamedTuple
 import msgpack
 
 from ._layout import SEGMENT_PREFIX as SEGMENT_PREFIX
-from ._layout import segment_name
+from ._layout import check_group, segment_name
 from .errors import InvalidReferenceError
 
 __all__ = [
@@ -57,7 +57,11 @@ class CacheConfig:
     when the ring is full (0: serve inline at once). ``ack_log_entries`` is the size of each
     reader's acknowledgement log. ``reclaim_dead``: a fixed ``name`` whose previous writer is
     provably dead (its kernel lock is free, the segment is this user's and has this layout) is
-    reclaimed instead of raising ``SegmentExistsError``.
+    reclaimed instead of raising ``SegmentExistsError``. ``group``: instead of one segment named
+    ``name``, the writer opens its own *shard* of the cache group of that name when it opens (see
+    ``_group``): each writer process of the group gets ``capacity_bytes`` of its own, so a group
+    of N gateway processes holds up to N x ``capacity_bytes`` (size it per process). ``name``
+    and ``group`` exclude each other; a group name is 1-180 letters, digits, ``_`` or ``-``.
     """
 
     capacity_bytes: int
@@ -71,6 +75,7 @@ class CacheConfig:
     ack_log_entries: int = field(default=16384, kw_only=True)
     reclaim_dead: bool = field(default=True, kw_only=True)
     prefault: bool = field(default=True, kw_only=True)
+    group: str | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         def _int(name: str, value: object, low: int, high: int) -> None:
@@ -105,6 +110,12 @@ class CacheConfig:
             _secs("evict_stuck_readers_after", self.evict_stuck_readers_after, positive=True)
         if self.name is not None:
             segment_name(self.name)
+        if self.group is not None:
+            if self.name is not None:
+                raise ValueError("give a cache either a name or a group, not both")
+            if not isinstance(self.group, str):
+                raise ValueError(f"group must be a str, not {type(self.group).__name__}")
+            check_group(self.group)
 
     @classmethod
     def from_gb(
@@ -410,6 +421,11 @@ class CacheSnapshot:
     inline_busy: int = 0
     #: seconds requests spent waiting for space (``wait_for_space``), summed
     wait_for_space_seconds: float = 0.0
+    #: group shards: items copied from a sibling shard instead of preprocessed (counted as hits)
+    sibling_hits: int = 0
+    #: group shards: the group's name and this shard's index (None for a plain cache)
+    group: str | None = None
+    shard: int | None = None
 
     @property
     def total(self) -> int:

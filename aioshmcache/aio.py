@@ -32,6 +32,7 @@ import anyio.to_thread
 
 from ._flight import SingleFlight, SingleFlightStats, call_make
 from ._request import DEFAULT_INLINE_THRESHOLD
+from ._serde import Serde
 from ._types import CacheConfig, CacheHandle, CacheInfo, CacheSnapshot, FeatureSpec, ShmRef
 from .cache import MmItem, ReceiverCache, SenderCache
 from .errors import ClosedCacheError
@@ -381,6 +382,8 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
             receiver, max_threads=max_threads, inline_threshold_bytes=inline_threshold_bytes
         )
         self._handle = handle
+        self._group: str | None = None
+        self._serde: Serde | None = None
 
     @classmethod
     def attach(cls, handle: object, **kwargs: Any) -> AsyncReceiverCache:
@@ -390,9 +393,29 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         """
         return cls(handle=handle, **kwargs)
 
+    @classmethod
+    def attach_group(
+        cls,
+        group: str,
+        *,
+        serde: Serde | None = None,
+        max_threads: int = 4,
+        inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
+    ) -> AsyncReceiverCache:
+        """A reader of every shard of cache group ``group`` (``ReceiverCache.attach_group``),
+        attached on ``__aenter__``; ``aclose`` frees its slot on every shard."""
+        face = cls(
+            handle=group, max_threads=max_threads, inline_threshold_bytes=inline_threshold_bytes
+        )
+        face._group = group
+        face._serde = serde
+        return face
+
     def _open_cache(self) -> ReceiverCache:
         if self._handle is None:
             raise ClosedCacheError("no handle")
+        if self._group is not None:
+            return ReceiverCache.attach_group(self._group, serde=self._serde)
         return ReceiverCache.attach(self._handle)
 
     @property

@@ -18,8 +18,11 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from ._group import Siblings, open_shard
+from ._group_reader import GroupReceiverRequest, GroupShards
+from ._layout import check_group
 from ._request import (
     DEFAULT_INLINE_THRESHOLD,
     MmItem,
@@ -43,15 +46,30 @@ from ._types import (
 )
 from .errors import (
     InvalidReferenceError,
+    RoleError,
     StaleReferenceError,
+    WriterGoneError,
 )
 
-__all__ = ["MmItem", "ReceiverCache", "SenderCache", "as_reference"]
+__all__ = ["GroupReceiverCache", "MmItem", "ReceiverCache", "SenderCache", "as_reference"]
 
 log = logging.getLogger("aioshmcache")
 
 
-def _run_inline(request: SenderRequest | ReceiverRequest) -> None:
+class ReadRequest(Protocol):
+    """The steps of a receiver's read (a ``ReceiverRequest``, or a group's)."""
+
+    @property
+    def has_jobs(self) -> bool: ...
+    def begin(self) -> None: ...
+    def run_jobs(self) -> None: ...
+    def abandon(self) -> None: ...
+    def finish(self) -> list[FeatureSpec]: ...
+    def finish_item(self) -> Any: ...
+    def settle_lease(self) -> None: ...
+
+
+def _run_inline(request: SenderRequest | ReadRequest) -> None:
     """The sync face of a request: every step on the calling thread; abandon on any error."""
     try:
         request.begin()
@@ -113,8 +131,17 @@ class SenderCache(_Cache):
         """Create the segment ``config`` describes (``SegmentExistsError`` if its name is taken
         by a live writer); ``serde`` replaces the default ``MsgpackSerde``."""
         self.config = config
-        self.store = ShmObjectStore.create(config, serde=serde)
-        self._book = SenderBook(self.store, default_wait_for_space=config.wait_for_space)
+        self.shard: int | None = None
+        siblings: Siblings | None = None
+        if config.group is None:
+            self.store = ShmObjectStore.create(config, serde=serde)
+        else:
+            self.store, self.shard = open_shard(config, serde=serde)
+            siblings = Siblings(config.group, self.store.name)
+        self._book = SenderBook(
+            self.store, default_wait_for_space=config.wait_for_space, siblings=siblings
+        )
+        self._siblings = siblings
         self._prompt_updates = self._book.prompt_updates
         self._too_large = self._book.too_large
         self._counters = self._book.counters
@@ -127,8 +154,19 @@ class SenderCache(_Cache):
         return self._counters.inline_busy
 
     def is_cached_item(self, mm_hash: str) -> bool:
-        """Pure look-up: no hand-out, no change to eviction order."""
-        return self.store.is_cached(check_hash(mm_hash))
+        """Pure look-up: no hand-out, no change to eviction order.
+
+        In a group shard, also true when a live sibling shard holds the item (its chunk checked,
+        not copied): a request passing ``None`` for it then copies it into this shard.
+        """
+        if self.store.is_cached(check_hash(mm_hash)):
+            return True
+        return self._siblings is not None and self._siblings.find(mm_hash) is not None
+
+    @property
+    def group(self) -> str | None:
+        """The cache group this writer is a shard of (None for a plain cache)."""
+        return self.config.group
 
     def is_cached(self, mm_hashes: Sequence[str]) -> list[bool]:
         """``is_cached_item`` of each hash."""
@@ -273,6 +311,9 @@ class SenderCache(_Cache):
                 inline_full=c.inline_full,
                 inline_busy=c.inline_busy,
                 wait_for_space_seconds=c.wait_seconds,
+                sibling_hits=c.sibling_hits,
+                group=self.config.group,
+                shard=self.shard,
                 evictions=st.evictions,
                 bytes_used=st.ring.used_bytes,
                 items=len(st),
@@ -286,6 +327,8 @@ class SenderCache(_Cache):
         with self.store.lock:
             self.store.close()
             self._prompt_updates.clear()
+        if self._siblings is not None:
+            self._siblings.close()
 
 
 class ReceiverCache(_Cache):
@@ -309,13 +352,23 @@ class ReceiverCache(_Cache):
         """
         return cls(ShmObjectStore.from_handle(coerce_handle(handle), serde=serde))
 
+    @classmethod
+    def attach_group(cls, group: str, *, serde: Serde | None = None) -> GroupReceiverCache:
+        """Attach as a reader of every shard of cache group ``group`` (see ``GroupReceiverCache``).
+
+        Claims a reader slot on each live shard now (``ReaderLimitError`` if one has none
+        left); shards that appear later are attached when a reference names them. A group with
+        no shard yet is fine (the gateway may start later).
+        """
+        return GroupReceiverCache(group, serde=serde)
+
     def request(
         self,
         features: Sequence[FeatureSpec],
         *,
         copy: bool = True,
         copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
-    ) -> ReceiverRequest:
+    ) -> ReadRequest:
         """A read as steps (``begin``, ``run_jobs``, ``finish`` or ``abandon``), for drivers.
 
         ``copy=False`` reads zero-copy views that stay owed until ``settle_lease``.
@@ -410,3 +463,96 @@ class ReceiverCache(_Cache):
     def close(self) -> None:
         """Free the reader slot (idempotent)."""
         self.store.close()
+
+
+class GroupReceiverCache(ReceiverCache):
+    """A reader of a whole cache group (``ReceiverCache.attach_group(name)``).
+
+    The same methods as ``ReceiverCache``. Each reference is read from the shard that issued it
+    (its nonce names the shard instance); a reference whose shard's writer is gone raises
+    ``WriterGoneError`` (with ``mm_hashes`` and the partial ``features``) after the request's
+    other references were read; one naming no shard of the group is ``InvalidReferenceError``;
+    stale ones are one ``CacheMissError`` as for a single cache. A group reader has no single
+    segment: ``handle()`` raises ``RoleError``; ``shard_handles()`` lists the shards'.
+    """
+
+    def __init__(self, group: str, *, serde: Serde | None = None) -> None:
+        """Attach to ``group``'s live shards; use ``ReceiverCache.attach_group`` instead."""
+        self.group = check_group(group)
+        self._shards = GroupShards(group, serde=serde)
+        self._released: dict[tuple[int, int], None] = {}
+        self._group_released: dict[tuple[int, int, int], None] = {}
+        self._counters = RequestCounters()
+        self._last_delta = CacheInfo(0, 0)
+        try:
+            self._shards.rescan()
+        except BaseException:
+            self._shards.close()
+            raise
+
+    def handle(self) -> CacheHandle:
+        """A group has no single handle: ``RoleError`` (see ``shard_handles``)."""
+        raise RoleError(f"a reader of cache group {self.group!r} has one handle per shard")
+
+    def shard_handles(self) -> list[CacheHandle]:
+        """The handles of the shards this reader is attached to now."""
+        return [s.handle() for s in self._shards.stores()]
+
+    def rescan(self) -> None:
+        """Attach to new shards and detach from dead ones now (also done on demand)."""
+        self._shards.rescan()
+
+    def request(
+        self,
+        features: Sequence[FeatureSpec],
+        *,
+        copy: bool = True,
+        copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
+    ) -> ReadRequest:
+        """A read over the group, as steps (see ``ReceiverCache.request``)."""
+        return GroupReceiverRequest(
+            self._shards, self._counters, features, copy=copy, copy_inline_below=copy_inline_below
+        )
+
+    def _route(self, ref: object) -> tuple[ShmObjectStore, ShmRef] | None:
+        r = as_reference(ref)
+        if r is None:
+            return None
+        if self._shards.store(r.nonce) is None and not self._shards.is_gone(r.nonce):
+            self._shards.rescan()
+        store = self._shards.route(r)
+        return store, store.validate(r)
+
+    def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:
+        """Validate a reference against its shard without reading it; owes nothing."""
+        check_hash(mm_hash)
+        self._route(mm_item)
+
+    touch = touch_receiver_cache_item
+
+    def release(self, ref: ShmRef) -> bool:
+        """Give back a hand-out this reader will not read; False if unknown or released."""
+        try:
+            routed = self._route(ref)
+        except (InvalidReferenceError, StaleReferenceError, WriterGoneError):
+            return False
+        if routed is None:
+            return False
+        store, r = routed
+        key = (r.nonce, r.id, r.seq)
+        if key in self._group_released:
+            return False
+        self._group_released[key] = None
+        if len(self._group_released) > 65536:
+            self._group_released.pop(next(iter(self._group_released)))
+        store.give_back(r)
+        return True
+
+    def close(self) -> None:
+        """Free the reader slot of every shard (idempotent)."""
+        self._shards.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called."""
+        return self._shards.closed

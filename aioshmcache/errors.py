@@ -84,7 +84,18 @@ class CacheMissError(ShmCacheError, KeyError):
 
 
 class WriterGoneError(ShmCacheError):
-    """The writer process died or closed the segment."""
+    """The writer process died or closed the segment.
+
+    From a group reader, ``mm_hashes`` lists the items whose shard's writer is gone and
+    ``features`` holds the partial result (the other shards' items were read).
+    """
+
+    def __init__(
+        self, message: str = "", *, mm_hashes: Iterable[str] = (), features: object = None
+    ) -> None:
+        super().__init__(message)
+        self.mm_hashes: tuple[str, ...] = tuple(mm_hashes)
+        self.features: object = features
 
 
 class ReaderEvictedError(ShmCacheError):

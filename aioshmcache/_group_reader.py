@@ -1,0 +1,277 @@
+"""A reader of a whole cache group: one reader slot per live shard, references routed by nonce.
+
+``GroupShards`` is the reader's directory of the group's shards: it attaches (claims a reader
+slot) on every live shard it finds, attaches to a new shard when a reference names a nonce it
+does not know (one rescan per request), and detaches from a shard whose writer is gone,
+remembering that shard's nonce so that its late references are told apart from forged ones.
+
+``GroupReceiverRequest`` is one read of a request's features, as the same steps as a
+``ReceiverRequest`` (``begin``, ``run_jobs``, ``finish`` or ``abandon``, ``settle_lease``): it
+routes each reference to the store of the shard that issued it and runs one ``ReceiverRequest``
+per shard, so every check of a single cache holds per shard (validate first, acknowledge after
+verifying, give back on any failure; broadcast or one-of-N as each shard was configured). What
+it adds is the merge:
+
+* a reference naming no known shard, even after a rescan: ``InvalidReferenceError`` for the
+  request (owes nothing, as for a forged reference);
+* a reference of a shard whose writer died or closed: ``WriterGoneError`` after the others were
+  read, listing those hashes (``mm_hashes``) with the partial result (``features``);
+* stale references of every shard are collected into one ``CacheMissError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from ._group import list_shards
+from ._request import (
+    DEFAULT_INLINE_THRESHOLD,
+    ReceiverRequest,
+    RequestCounters,
+    as_reference,
+    check_hash,
+)
+from ._serde import Serde
+from ._store import ShmObjectStore
+from ._types import FeatureSpec, ShmRef
+from .errors import (
+    CacheMissError,
+    ClosedCacheError,
+    InvalidReferenceError,
+    SegmentNotFoundError,
+    StaleReferenceError,
+    WriterGoneError,
+)
+
+__all__ = ["GroupReceiverRequest", "GroupShards"]
+
+_GONE_MEMORY = 1024  # nonces of departed shards remembered (their late references)
+
+
+class GroupShards:
+    """The shards of a group a reader is attached to (thread-safe)."""
+
+    def __init__(self, group: str, *, serde: Serde | None = None, probe_interval: float = 0.25):
+        self.group = group
+        self._serde = serde
+        self._probe = probe_interval
+        self._by_nonce: dict[int, ShmObjectStore] = {}
+        self._gone: OrderedDict[int, str] = OrderedDict()
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def rescan(self) -> None:
+        """Detach from dead shards, attach to new live ones."""
+        with self._lock:
+            if self.closed:
+                raise ClosedCacheError("the group reader is closed")
+            for nonce, store in list(self._by_nonce.items()):
+                try:
+                    store.check_writer()
+                except WriterGoneError:
+                    self._detach_locked(nonce)
+            known = {s.name for s in self._by_nonce.values()}
+            for _k, name in list_shards(self.group):
+                if name in known:
+                    continue
+                try:
+                    store = ShmObjectStore.from_handle(
+                        name, serde=self._serde, probe_interval=self._probe
+                    )
+                except (WriterGoneError, SegmentNotFoundError):
+                    continue  # dead (to be reclaimed) or gone meanwhile
+                self._by_nonce[store.nonce] = store
+
+    def _detach_locked(self, nonce: int) -> None:
+        store = self._by_nonce.pop(nonce, None)
+        if store is None:
+            return
+        self._gone[nonce] = store.name
+        if len(self._gone) > _GONE_MEMORY:
+            self._gone.popitem(last=False)
+        store.close()
+
+    def detach(self, nonce: int) -> None:
+        """Forget a shard whose writer is gone (its slot is freed)."""
+        with self._lock:
+            self._detach_locked(nonce)
+
+    def store(self, nonce: int) -> ShmObjectStore | None:
+        """The attached shard of ``nonce``, or None."""
+        return self._by_nonce.get(nonce)
+
+    def is_gone(self, nonce: int) -> bool:
+        """Whether ``nonce`` names a shard this reader saw die or close."""
+        return nonce in self._gone
+
+    def stores(self) -> list[ShmObjectStore]:
+        """The attached shards."""
+        with self._lock:
+            return list(self._by_nonce.values())
+
+    def route(self, ref: ShmRef) -> ShmObjectStore:
+        """The store of the shard that issued ``ref`` (typed errors; no rescan)."""
+        store = self._by_nonce.get(ref.nonce)
+        if store is not None:
+            return store
+        if ref.nonce in self._gone:
+            raise WriterGoneError(f"the writer of shard {self._gone[ref.nonce]!r} is gone")
+        raise InvalidReferenceError(
+            f"reference names no live shard of cache group {self.group!r} (nonce mismatch)"
+        )
+
+    def close(self) -> None:
+        """Free every reader slot; idempotent."""
+        with self._lock:
+            self.closed = True
+            for store in self._by_nonce.values():
+                store.close()
+            self._by_nonce.clear()
+
+
+class GroupReceiverRequest:
+    """One read of a request's features over a group (see the module docstring)."""
+
+    def __init__(
+        self,
+        shards: GroupShards,
+        counters: RequestCounters,
+        features: Sequence[FeatureSpec],
+        *,
+        copy: bool = True,
+        copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
+    ) -> None:
+        self._shards = shards
+        self._counters = counters
+        self._features = list(features)
+        self._copy = copy
+        self._inline_below = copy_inline_below
+        self._subs: list[tuple[int, list[int], ReceiverRequest]] = []  # (nonce, items, request)
+        self._gone: list[int] = []  # items of shards whose writer is gone
+        self._lock = threading.Lock()
+
+    @property
+    def has_jobs(self) -> bool:
+        """Whether ``run_jobs`` has big reads to do."""
+        return any(sub.has_jobs for _n, _i, sub in self._subs)
+
+    def begin(self) -> None:
+        """Route every reference, then begin one read per shard (typed errors, nothing owed)."""
+        shards = self._shards
+        if shards.closed:
+            raise ClosedCacheError("the group reader is closed")
+        routes: dict[int, list[int]] = {}
+        for i, f in enumerate(self._features):
+            if not isinstance(f, FeatureSpec):
+                raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
+            check_hash(f.mm_hash)
+            ref = as_reference(f.data)
+            if ref is not None:
+                routes.setdefault(ref.nonce, []).append(i)
+        if any(shards.store(n) is None and not shards.is_gone(n) for n in routes):
+            shards.rescan()  # a shard that appeared since (or a forged nonce)
+        for nonce in routes:
+            if shards.store(nonce) is None and not shards.is_gone(nonce):
+                raise InvalidReferenceError(
+                    f"reference names no live shard of cache group {shards.group!r}"
+                )
+        self._counters.add(total=len(self._features) - sum(map(len, routes.values())))
+        for nonce, items in routes.items():
+            store = shards.store(nonce)
+            if store is None:
+                self._gone.extend(items)
+                continue
+            sub = ReceiverRequest(
+                store,
+                self._counters,
+                [self._features[i] for i in items],
+                copy=self._copy,
+                copy_inline_below=self._inline_below,
+            )
+            try:
+                sub.begin()
+            except WriterGoneError:
+                sub.abandon()
+                shards.detach(nonce)
+                self._gone.extend(items)
+                continue
+            except BaseException:
+                sub.abandon()
+                self.abandon()
+                raise
+            with self._lock:
+                self._subs.append((nonce, items, sub))
+
+    def run_jobs(self) -> None:
+        """Each shard's big reads; a shard whose writer dies meanwhile only fails its items."""
+        for nonce, items, sub in list(self._subs):
+            try:
+                sub.run_jobs()
+            except WriterGoneError:
+                sub.abandon()
+                self._shards.detach(nonce)
+                with self._lock:
+                    self._subs.remove((nonce, items, sub))
+                    self._gone.extend(items)
+
+    def abandon(self) -> None:
+        """Roll back every shard's read (each exactly once, as a ``ReceiverRequest`` does)."""
+        for _n, _i, sub in list(self._subs):
+            sub.abandon()
+
+    def finish(self) -> list[FeatureSpec]:
+        """The merged result; ``WriterGoneError`` then ``CacheMissError`` (see the docstring)."""
+        data: list[Any] = [
+            None if as_reference(f.data) is not None else f.data for f in self._features
+        ]
+        stale: list[str] = []
+        leased: list[ReceiverRequest] = []
+        for _n, items, sub in self._subs:
+            try:
+                part: Any = sub.finish()
+                leased.append(sub)
+            except CacheMissError as exc:
+                stale.extend(exc.mm_hashes)
+                part = exc.features
+            if isinstance(part, list):
+                for j, i in enumerate(items):
+                    data[i] = part[j].data
+        out = [f.with_data(d) for f, d in zip(self._features, data)]
+        if (self._gone or stale) and not self._copy:
+            for sub in leased:  # no lease will follow: settle the views read so far now
+                with contextlib.suppress(Exception):
+                    sub.settle_lease()
+        if self._gone:
+            hashes = [self._features[i].mm_hash for i in sorted(self._gone)]
+            raise WriterGoneError(
+                f"the shard writer of {len(hashes)} item(s) is gone: {', '.join(hashes[:8])}",
+                mm_hashes=hashes,
+                features=out if self._copy else None,
+            )
+        if stale:
+            raise CacheMissError(stale, features=out if self._copy else None)
+        return out
+
+    def finish_item(self) -> Any:
+        """The single item of a one-feature request; ``StaleReferenceError`` if it was stale."""
+        try:
+            [f] = self.finish()
+        except CacheMissError:
+            h = self._features[0].mm_hash
+            raise StaleReferenceError(f"reference for {h!r} is stale") from None
+        return f.data
+
+    def settle_lease(self) -> None:
+        """End a lease on every shard (every one settled; the first failure raised after)."""
+        errors: list[BaseException] = []
+        for _n, _i, sub in self._subs:
+            try:
+                sub.settle_lease()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
