@@ -189,9 +189,9 @@ class Layout:
 
 def hint_slots_for(capacity: int) -> int:
     """The key-hint slots of a shard of ``capacity`` ring bytes: a power of two, about one per
-    8 KiB of ring (so a shard full of items of 32 KiB or more keeps 4 slots per item and
-    collisions stay rare), at least 1024 and at most ``MAX_HINT_SLOTS`` (256 MiB of ring)."""
-    want = min(max(capacity // 8192, 1024), MAX_HINT_SLOTS)
+    4 KiB of ring (64 bytes each: 1.6% of the ring; a shard full of items of 16 KiB or more
+    fills at most a quarter of them), at least 1024 and at most ``MAX_HINT_SLOTS``."""
+    want = min(max(capacity // 4096, 1024), MAX_HINT_SLOTS)
     return 1 << (want - 1).bit_length()
 
 

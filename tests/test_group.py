@@ -1,0 +1,223 @@
+"""Cache groups with real processes: shards, sibling look-ups, group readers, deaths, fork."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aioshmcache import (
+    CacheConfig,
+    FeatureSpec,
+    InvalidReferenceError,
+    ReceiverCache,
+    SenderCache,
+    ShmRef,
+    WriterGoneError,
+    sweep,
+)
+from aioshmcache._layout import parse_shard_name, shard_name
+
+from . import _group_procs as gp
+from .conftest import RUN_PREFIX
+
+SPAWN = mp.get_context("spawn")
+
+
+@pytest.fixture
+def group() -> str:
+    return f"{RUN_PREFIX}g{uuid.uuid4().hex[:10]}"
+
+
+def _ours(group: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if group in n]
+
+
+def _stop(procs: list[Any]) -> None:
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+
+
+def test_shard_names_parse_one_way() -> None:
+    assert parse_shard_name(shard_name("a-b_c", 7)) == ("a-b_c", 7)
+    assert parse_shard_name("aioshm-a.b.shard1") is None
+    assert parse_shard_name("aioshm-a.shard64") is None
+    assert parse_shard_name("aioshm-a.shard01") is None
+    with pytest.raises(ValueError):
+        CacheConfig(1 << 20, 1 << 19, 1, group="a.b")
+    with pytest.raises(ValueError):
+        CacheConfig(1 << 20, 1 << 19, 1, group="a", name="b")
+
+
+def test_shards_sibling_hits_and_group_reader_in_process(group: str) -> None:
+    cfg = gp.config(group)
+    with SenderCache(cfg) as a, SenderCache(cfg) as b:
+        assert (a.shard, b.shard) == (0, 1)
+        item = gp.make_item("h1")
+        [fa] = a.get_and_update_features([FeatureSpec("h1", item)])
+        assert b.is_cached_item("h1") and not b.is_cached_item("h2")
+        [fb] = b.get_and_update_features([FeatureSpec("h1", None)])
+        assert fb.data.nonce == b.handle().nonce != fa.data.nonce
+        assert b.snapshot().sibling_hits == 1
+        with ReceiverCache.attach_group(group) as rx:
+            got = rx.get_and_update_features([fa, fb])
+            assert all(np.array_equal(f.data["x"], item["x"]) for f in got)
+            forged = fa.data._replace(nonce=12345)
+            with pytest.raises(InvalidReferenceError):
+                rx.get_and_update_features([FeatureSpec("h1", forged)])
+        a.invalidate("h1")
+        b.invalidate("h1")
+        assert not b.is_cached_item("h1")  # the hint went with the item
+    assert _ours(group) == []
+
+
+def test_four_writers_two_readers_2000_items(group: str) -> None:
+    """4 gateway processes, 2 engine readers, 2,000 items with checksums: 0 wrong; a repeat of
+    an item another gateway process put is copied from its shard, not preprocessed again."""
+    shared = [f"s{i}" for i in range(100)]
+    rng = np.random.default_rng(7)
+    plans = []
+    for w in range(4):
+        own = [shared[i] for i in rng.integers(0, 100, 100)]  # repeats of writer 0's items
+        own += [f"w{w}-{i}" for i in range(400)]  # this process's own items
+        plans.append((shared, own))
+    queues = [SPAWN.Queue(), SPAWN.Queue()]
+    out_w, out_r = SPAWN.Queue(), SPAWN.Queue()
+    barrier, done = SPAWN.Barrier(4), SPAWN.Event()
+    readers = [SPAWN.Process(target=gp.bulk_reader, args=(group, q, 4, out_r)) for q in queues]
+    writers = [
+        SPAWN.Process(
+            target=gp.bulk_writer, args=(group, i, plans[i], queues, barrier, out_w, done)
+        )
+        for i in range(4)
+    ]
+    try:
+        for p in writers:
+            p.start()
+        time.sleep(0.5)  # not needed for correctness: readers attach new shards lazily
+        for p in readers:
+            p.start()
+        counts = [out_w.get(timeout=120) for _ in writers]
+        results = [out_r.get(timeout=120) for _ in readers]
+    finally:
+        done.set()
+        _stop(readers + writers)
+    assert sorted(c["shard"] for c in counts) == [0, 1, 2, 3]
+    assert sum(c["sent"] for c in counts) == 2000
+    for r in results:
+        assert r == {"seen": 2000, "wrong": 0, "errors": 0}
+    # the shared items were preprocessed once, by writer 0; every repeat elsewhere was a copy
+    assert sum(c["pre_shared"] for c in counts) == 0
+    assert sum(c["pre"] for c in counts) == 100 + 4 * 400
+    assert sum(c["sibling_hits"] for c in counts) >= 1
+    assert _ours(group) == []
+
+
+def test_killed_gateway_is_seen_dead_reclaimed_and_typed(group: str) -> None:
+    pipes, procs = [], []
+    try:
+        for _ in range(2):
+            parent, child = SPAWN.Pipe()
+            p = SPAWN.Process(target=gp.command_writer, args=(group, child))
+            p.start()
+            pipes.append(parent)
+            procs.append(p)
+            assert parent.poll(60)
+            _ready, shard, _name = parent.recv()
+        rx = ReceiverCache.attach_group(group)
+        try:
+            refs = []
+            for i, conn in enumerate(pipes):
+                conn.send(("get", f"k{i}"))
+                ref, pre = conn.recv()
+                assert pre
+                refs.append(FeatureSpec(f"k{i}", ShmRef.from_dict(ref)))
+            got = rx.get_and_update_features(refs)
+            assert all(np.array_equal(f.data["x"], gp.make_item(f.mm_hash)["x"]) for f in got)
+            pipes[0].send(("get", "k1"))  # a repeat of writer 1's item: no preprocessing
+            ref, pre = pipes[0].recv()
+            assert not pre
+            again = [FeatureSpec("k0", ShmRef.from_dict(ref)) for _ in range(1)]
+            pipes[1].send(("get", "k1"))
+            ref1, _ = pipes[1].recv()
+            mixed = [*again, FeatureSpec("k1", ShmRef.from_dict(ref1))]
+            os.kill(procs[1].pid or 0, signal.SIGKILL)
+            procs[1].join(30)
+            deadline = time.monotonic() + 30
+            while True:  # the reader learns of the death within its probe interval
+                try:
+                    rx.get_and_update_features(mixed)
+                except WriterGoneError as exc:
+                    assert exc.mm_hashes == ("k1",)
+                    parts: Any = exc.features
+                    f0, f1 = parts
+                    assert np.array_equal(f0.data["x"], gp.make_item("k1")["x"])
+                    assert f1.data is None
+                    break
+                assert time.monotonic() < deadline
+                mixed[0] = FeatureSpec("k0", ShmRef.from_dict(_get(pipes[0], "k1")))
+            # a new gateway process takes the dead one's shard index (reclaimed)
+            parent, child = SPAWN.Pipe()
+            p = SPAWN.Process(target=gp.command_writer, args=(group, child))
+            p.start()
+            procs.append(p)
+            pipes.append(parent)
+            assert parent.poll(60)
+            _ready, shard, _name = parent.recv()
+            assert shard == 1
+            parent.send(("get", "k9"))
+            ref, _ = parent.recv()
+            [f] = rx.get_and_update_features([FeatureSpec("k9", ShmRef.from_dict(ref))])
+            assert np.array_equal(f.data["x"], gp.make_item("k9")["x"])  # attached lazily
+            with pytest.raises(WriterGoneError):  # the dead shard's references stay typed
+                rx.get_and_update_features([mixed[1]])
+        finally:
+            rx.close()
+    finally:
+        for conn in pipes:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        _stop(procs)
+    sweep()
+    assert _ours(group) == []
+
+
+def _get(conn: Any, h: str) -> dict[str, int]:
+    conn.send(("get", h))
+    ref, _pre = conn.recv()
+    out: dict[str, int] = ref
+    return out
+
+
+def test_forked_gateway_workers_open_their_own_shards(group: str) -> None:
+    """gunicorn-style: the config is made in the parent, each forked child opens its shard."""
+    fork = mp.get_context("fork")
+    cfg = gp.config(group)
+    keys = [f"f{i}" for i in range(20)]
+    barrier, out = fork.Barrier(2), fork.Queue()
+    procs = [
+        fork.Process(target=gp.forked_writer, args=(cfg, keys, i == 0, barrier, out))
+        for i in range(2)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        res = sorted(out.get(timeout=60) for _ in procs)
+    finally:
+        _stop(procs)
+    assert [r[0] for r in res] == [0, 1]
+    assert sorted(r[1] for r in res) == [0, 20]  # the second child preprocessed nothing
+    assert max(r[2] for r in res) == 20
+    assert all(p.exitcode == 0 for p in procs)
+    assert _ours(group) == []
