@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import re
 
+from ._group import list_shards
 from ._layout import (
     H_BYTES_USED,
     H_CAPACITY,
@@ -23,16 +25,36 @@ from ._layout import (
     H_MAX_OBJECT,
     H_MISSES,
     H_NEXT_ID,
+    H_SIBLING_HITS,
     H_WRITER_PID,
 )
 from ._readers import ReaderTable, reader_slots_info
 from ._segment import Segment
+from .errors import SegmentNotFoundError, ShmCacheError
+
+_GROUP_RE = re.compile(r"[A-Za-z0-9_\-]{1,180}")
 
 __all__ = ["inspect_segment"]
 
 
 def inspect_segment(name: str) -> str:
-    """A human-readable report of segment ``name``."""
+    """A human-readable report of segment ``name``, or of every shard of cache group ``name``."""
+    try:
+        return _inspect_one(name)
+    except SegmentNotFoundError:
+        shards = list_shards(name) if _GROUP_RE.fullmatch(name) else []
+        if not shards:
+            raise
+    parts = [f"group       {name}: {len(shards)} shard(s)"]
+    for k, seg_name in shards:
+        try:
+            parts.append(f"--- shard {k}\n" + _inspect_one(seg_name))
+        except (SegmentNotFoundError, ShmCacheError) as exc:
+            parts.append(f"--- shard {k}\n{seg_name}: {exc}")
+    return "\n".join(parts)
+
+
+def _inspect_one(name: str) -> str:
     seg = Segment.attach(name, populate=False)
     try:
         w = seg.words
@@ -55,6 +77,7 @@ def inspect_segment(name: str) -> str:
             f"used        {used} bytes ({100 * used / cap:.1f}%), {int(w[H_ITEMS])} items",
             f"epoch       {int(w[H_EPOCH])}, next id {int(w[H_NEXT_ID])}",
             f"hits        {hits} of {total}" + (f" ({100 * hits / total:.1f}%)" if total else ""),
+            f"siblings    {int(w[H_SIBLING_HITS])} items copied from sibling shards",
             f"inline      too large {int(w[H_INLINE_LARGE])}, full {int(w[H_INLINE_FULL])}",
             f"evictions   {int(w[H_EVICTIONS])}",
             "readers     slot  attached  alive  pid      acked     behind  revoked",

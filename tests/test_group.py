@@ -221,3 +221,26 @@ def test_forked_gateway_workers_open_their_own_shards(group: str) -> None:
     assert max(r[2] for r in res) == 20
     assert all(p.exitcode == 0 for p in procs)
     assert _ours(group) == []
+
+
+def test_inspect_lists_the_shards_of_a_group(group: str) -> None:
+    from aioshmcache._inspect import inspect_segment
+
+    cfg = gp.config(group)
+    with SenderCache(cfg), SenderCache(cfg):
+        text = inspect_segment(group)
+    assert "2 shard(s)" in text and "--- shard 1" in text and "siblings" in text
+
+
+async def test_async_group_reader_is_the_same_reader(group: str) -> None:
+    from aioshmcache import AsyncReceiverCache, AsyncSenderCache
+
+    cfg = gp.config(group)
+    async with AsyncSenderCache.from_config(cfg) as a, AsyncSenderCache.from_config(cfg) as b:
+        [fa] = await a.get_and_update_features([FeatureSpec("h", gp.make_item("h"))])
+        assert b.is_cached_item("h")
+        [fb] = await b.get_and_update_features([FeatureSpec("h", None)])
+        async with AsyncReceiverCache.attach_group(group) as rx:
+            got = await rx.get_and_update_features([fa, fb])
+        assert all(np.array_equal(f.data["x"], gp.make_item("h")["x"]) for f in got)
+        assert b.snapshot().sibling_hits == 1
