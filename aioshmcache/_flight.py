@@ -168,10 +168,12 @@ class SingleFlight(Generic[R]):
             f.waiters += 1
             try:
                 await changed.wait()
-            finally:
+            except BaseException:  # this waiter leaves (cancelled)
                 f.waiters -= 1
                 if not f.leading and f.waiters == 0 and f.error is None and not f.finished:
-                    self._drop(key, f)  # a flight nobody leads or waits for
+                    self._drop(key, f)  # a flight nobody leads or waits for any more
+                raise
+            f.waiters -= 1  # woken: the flight (and what its leader made) stays for us
             if f.error is not None:
                 raise _same_kind(f.error) from f.error
             if f.finished and f.made is not None:

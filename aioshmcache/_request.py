@@ -23,6 +23,7 @@ changed under a lock, so a step that runs in a thread counts like one that runs 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -39,6 +40,7 @@ from ._types import REF_FIELDS, FeatureSpec, ShmRef
 from .errors import (
     CacheFullError,
     CacheMissError,
+    ClosedCacheError,
     InvalidReferenceError,
     ObjectTooLargeError,
     ShmCacheError,
@@ -281,6 +283,9 @@ class SenderRequest(_Steps):
             raise ValueError("mm_items and mm_hashes differ in length")
         self._hashes = [check_hash(h) for h in mm_hashes]
         self._items = list(mm_items)
+        for it in self._items:  # before any side effect: nothing to undo for a bad shape
+            if it is not None and (not isinstance(it, tuple) or len(it) != 2):
+                raise TypeError("mm_item must be (item, prompt_updates) or None")
         self._wait = check_wait(
             book.default_wait_for_space if wait_for_space is None else wait_for_space
         )
@@ -294,6 +299,7 @@ class SenderRequest(_Steps):
         self._copies: list[tuple[int, Reservation]] = []  # copy jobs
         self._waits: list[int] = []  # misses waiting for room
         self._reserved: list[Reservation] = []  # every allocation, for the roll back
+        self._handed: list[ShmRef] = []  # every hand-out this request took, for the roll back
         self._features: list[FeatureSpec] | None = None
         self._putting: set[str] = set()  # hashes this request reserved
         self._followers: dict[str, list[int]] = {}  # hash -> later items of the same hash
@@ -334,6 +340,7 @@ class SenderRequest(_Steps):
         it = self._items[i]
         ref = store.get_cached(h)
         if ref is not None:
+            self._handed.append(ref)
             updates = book.prompt_updates.get(h, ()) if it is None else it[1]
             self._out[i] = (ref, updates)
             book.count(hit=True)
@@ -355,7 +362,9 @@ class SenderRequest(_Steps):
             return None
         try:
             plan = store.plan(item[0])
-            res = store.reserve(h, plan, wait_for_space=wait, own_pins=Counter(self._pins))
+            res = store.reserve(
+                h, plan, wait_for_space=wait, own_pins=Counter(self._pins), abort=self._gone
+            )
         except ObjectTooLargeError as exc:
             book.too_large.add(h, exc.nbytes)
             self._out[i] = item
@@ -396,7 +405,9 @@ class SenderRequest(_Steps):
             return None
         found = self._sibling[h]
         try:
-            res = self._store.reserve(h, found.sibling.raw_plan(found.ref), wait_for_space=wait)
+            res = self._store.reserve(
+                h, found.sibling.raw_plan(found.ref), wait_for_space=wait, abort=self._gone
+            )
         except CacheFullError:
             if may_defer and time.monotonic() < self._deadline:
                 self._waits.append(i)
@@ -418,10 +429,18 @@ class SenderRequest(_Steps):
                 raise
             raise CacheMissError([res.key]) from None
 
+    def _gone(self) -> bool:
+        """Whether the caller abandoned the request (a wait for space stops then)."""
+        return self._abandoned
+
     def _commit_locked(self, i: int, res: Reservation) -> None:
+        if self._abandoned:  # the caller is gone: never publish for nobody
+            self._store.abort(res)
+            return
         item = self._items[i]
         updates: Sequence[Any] = () if item is None else item[1]
         ref = self._store.commit(res)
+        self._handed.append(ref)
         self._putting.discard(res.key)
         self._book.prompt_updates[res.key] = updates
         self._out[i] = (ref, updates)
@@ -445,7 +464,7 @@ class SenderRequest(_Steps):
                 t0 = time.monotonic()
                 waited = self._decide_locked(i, wait=max(0.0, self._deadline - t0), may_defer=False)
                 self._book.counters.wait_seconds += time.monotonic() - t0
-            if waited is None:
+            if waited is None or self._abandoned:
                 continue
             self._write(waited)
             with store.lock:
@@ -487,6 +506,7 @@ class SenderRequest(_Steps):
                 raise RuntimeError("request already finished or rolled back")
             out = [r for r in self._out if r is not None]
             if len(out) != len(self._out):
+                self._roll_back_locked()
                 raise RuntimeError("internal error: an item of the request was not decided")
             self._settled = True
             self._unpin_locked()
@@ -499,9 +519,9 @@ class SenderRequest(_Steps):
 
     def _undo_locked(self) -> None:
         store = self._store
-        for r in self._out:
-            if r is not None and isinstance(r[0], ShmRef):
-                store.release(r[0])
+        for ref in self._handed:  # only what this request handed out, never a caller's data
+            with contextlib.suppress(ClosedCacheError):  # closed: nothing is owed any more
+                store.release(ref)
         for res in self._reserved:
             store.abort(res)  # idempotent: a committed reservation is left alone
         self._unpin_locked()
@@ -614,7 +634,10 @@ class ReceiverRequest(_Steps):
         try:
             data = self._store.get(ref, copy=self._copy)
         except StaleReferenceError:
-            self._give_back(i, ref)
+            # ``get`` gave it back if it was stale before the copy; stale after it means the
+            # chunk was freed, and a freed chunk is owed by nobody: settled either way
+            with self._lock:
+                self._owed.discard(i)
             self._stale.append(self._features[i].mm_hash)
             return
         # any other error propagates: the face abandons, and every owed reference is given back

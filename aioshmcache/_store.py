@@ -380,12 +380,15 @@ class ShmObjectStore:
         *,
         wait_for_space: float | None = None,
         own_pins: Mapping[object, int] | None = None,
+        abort: Callable[[], bool] | None = None,
     ) -> Reservation:
         """Allocate a chunk for ``plan`` (evicting FIFO as needed). Hold :attr:`lock`.
 
         ``own_pins``: the caller's pins (entry -> count, as returned by :meth:`pin_entry`). When
         only those hold the head of the ring, nothing can make room while the caller waits, so
-        ``CacheFullError`` comes at once instead of after ``wait_for_space``.
+        ``CacheFullError`` comes at once instead of after ``wait_for_space``. ``abort``: asked
+        after every wake-up while waiting; true ends the wait with ``CacheFullError`` (the caller
+        gave up, e.g. a cancelled request).
         """
         self._check_writer()
         if not isinstance(key, str):
@@ -402,7 +405,7 @@ class ShmObjectStore:
                 wait_for_space = self._config.wait_for_space if self._config else 0.0
             self._waiting_keys.add(key)  # the lock may be let go while waiting: claim the key
             try:
-                self._make_room(plan.nbytes, wait_for_space, own_pins or {})
+                self._make_room(plan.nbytes, wait_for_space, own_pins or {}, abort)
             finally:
                 self._waiting_keys.discard(key)
             self._check_writer()  # closed while we waited?
@@ -739,7 +742,11 @@ class ShmObjectStore:
         return keys
 
     def _make_room(
-        self, nbytes: int, wait_for_space: float, own_pins: Mapping[object, int]
+        self,
+        nbytes: int,
+        wait_for_space: float,
+        own_pins: Mapping[object, int],
+        abort: Callable[[], bool] | None = None,
     ) -> None:
         ring = self.ring
         if chunk_size(nbytes) > ring.capacity:
@@ -778,6 +785,8 @@ class ShmObjectStore:
                     self._hw[H_WAITING] = 1
                     continue  # re-check once after raising the flag: no lost wake-up
                 self._wait(min(remaining, WAIT_POLL))
+                if abort is not None and abort():
+                    raise CacheFullError(f"no room for {nbytes} bytes: the request was abandoned")
         finally:
             if waiting and not self._closed:
                 self._hw[H_WAITING] = 0

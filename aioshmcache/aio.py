@@ -50,7 +50,11 @@ C = TypeVar("C", SenderCache, ReceiverCache)
 
 
 class _InFlight:
-    """Counts jobs running in worker threads so that ``aclose`` can wait for them (bounded)."""
+    """Counts jobs handed to worker threads so that ``aclose`` can wait for them (bounded).
+
+    A job is counted from ``add`` until it has run, or until ``cancel`` withdraws it before its
+    thread started (a task cancelled while it waits for the limiter): then it never runs.
+    """
 
     def __init__(self) -> None:
         self._n = 0
@@ -58,21 +62,45 @@ class _InFlight:
         self.idle.set()
         self._lock = threading.Lock()
 
-    def wrap(self, fn: Callable[[], None]) -> Callable[[], None]:
+    def add(self, fn: Callable[[], None]) -> _Job:
         with self._lock:
             self._n += 1
             self.idle.clear()
+        return _Job(self, fn)
 
-        def run() -> None:
-            try:
-                fn()
-            finally:
-                with self._lock:
-                    self._n -= 1
-                    if self._n == 0:
-                        self.idle.set()
+    def done(self) -> None:
+        with self._lock:
+            self._n -= 1
+            if self._n == 0:
+                self.idle.set()
 
-        return run
+
+class _Job:
+    """One job for a worker thread: runs once, or is withdrawn before it starts."""
+
+    def __init__(self, owner: _InFlight, fn: Callable[[], None]) -> None:
+        self._owner = owner
+        self._fn = fn
+        self._state = "queued"  # -> running | withdrawn
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._state != "queued":
+                return
+            self._state = "running"
+        try:
+            self._fn()
+        finally:
+            self._owner.done()
+
+    def withdraw(self) -> None:
+        """The caller is gone: if the job has not started, it never will."""
+        with self._lock:
+            if self._state != "queued":
+                return
+            self._state = "withdrawn"
+        self._owner.done()
 
 
 class _AsyncFace(Generic[C]):
@@ -142,13 +170,15 @@ class _AsyncFace(Generic[C]):
         by this task or by the thread still running its jobs).
         """
         await anyio.lowlevel.checkpoint()  # a stream of hits must not starve the loop
+        job: _Job | None = None
         try:
             request.begin()
             if request.has_jobs:
-                await anyio.to_thread.run_sync(
-                    self._inflight.wrap(request.run_jobs), limiter=self.limiter
-                )
+                job = self._inflight.add(request.run_jobs)
+                await anyio.to_thread.run_sync(job, limiter=self.limiter)
         except BaseException:
+            if job is not None:
+                job.withdraw()
             request.abandon()
             raise
 

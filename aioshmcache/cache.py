@@ -291,7 +291,8 @@ class SenderCache(_Cache):
 
     def cached_order(self) -> list[str]:
         """Cached hashes oldest first (the FIFO eviction order)."""
-        return self.store.keys()
+        with self.store.lock:
+            return self.store.keys()
 
     def is_freeable(self, mm_hash: str) -> bool:
         """Whether the item's chunk could be evicted now (debts of dead readers dropped)."""

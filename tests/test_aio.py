@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import time
@@ -417,3 +418,88 @@ async def test_a_failing_big_copy_aborts_the_rest(make_config: Any) -> None:
             assert sender.store.ring.n_chunks == 0
     finally:
         sender.close()
+
+
+async def test_a_job_cancelled_before_its_thread_started_does_not_hold_aclose(
+    make_config: Any,
+) -> None:
+    """Review: a job withdrawn while waiting for the thread limiter stayed counted in flight."""
+    cache = AsyncSenderCache.from_config(
+        make_config(64 * MiB, 32 * MiB, 1), max_threads=1, inline_threshold_bytes=MiB
+    )
+    await cache.open()
+    try:
+        a = asyncio.ensure_future(
+            cache.get_and_update_features([FeatureSpec("a", {"x": np.ones(24 * MiB, np.uint8)})])
+        )
+        b = asyncio.ensure_future(
+            cache.get_and_update_features([FeatureSpec("b", {"x": np.ones(24 * MiB, np.uint8)})])
+        )
+        await asyncio.sleep(0.001)  # "a" holds the only thread; "b" waits for the limiter
+        b.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await b
+        await a
+        assert await anyio.to_thread.run_sync(cache._inflight.idle.wait, 30)
+    finally:
+        await cache.aclose()
+
+
+async def test_an_abandoned_request_stops_waiting_for_space(make_config: Any) -> None:
+    """Review: a cancelled request went on waiting, then evicted and copied for nobody."""
+    async with AsyncSenderCache.from_config(
+        make_config(4 * MiB, 2 * MiB, 1), inline_threshold_bytes=MiB
+    ) as cache:
+        rx = ReceiverCache.attach(cache.handle())
+        try:
+            owed = []
+            for k in range(3):
+                owed += await cache.get_and_update_features(
+                    [FeatureSpec(f"f{k}", {"x": np.ones(MiB, np.uint8)})]
+                )
+            big = {"x": np.ones(MiB + 500_000, np.uint8)}
+            task = asyncio.ensure_future(
+                cache.get_and_update_features([FeatureSpec("big", big)], wait_for_space=30)
+            )
+            await asyncio.sleep(0.2)  # it waits for space in its thread
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            rx.get_and_update_features(owed)  # room now: nobody must use it for "big"
+            assert await anyio.to_thread.run_sync(cache._inflight.idle.wait, 30)
+            assert "big" not in cache.cached_order()
+            assert cache.snapshot().evictions == 0
+        finally:
+            rx.close()
+
+
+async def test_a_cancelled_leader_s_finished_make_is_kept_for_the_waiter(
+    make_config: Any,
+) -> None:
+    """Review: with one waiter, a cancelled leader's result was dropped and made again."""
+    async with AsyncSenderCache.from_config(
+        make_config(64 * MiB, 40 * MiB, 1), inline_threshold_bytes=MiB
+    ) as cache:
+        calls = 0
+        gate = anyio.Event()
+
+        async def make() -> dict[str, Any]:
+            nonlocal calls
+            calls += 1
+            await gate.wait()
+            return {"x": np.ones(32 * MiB, np.uint8)}
+
+        lead = asyncio.ensure_future(cache.get_or_put("h", make))
+        await asyncio.sleep(0.01)
+        waiter = asyncio.ensure_future(cache.get_or_put("h", make))
+        await asyncio.sleep(0.01)
+        gate.set()
+        while calls == 0 or (not lead.done() and cache.sender.store.is_pending("h") is False):
+            await asyncio.sleep(0)
+            if lead.done():
+                break
+        lead.cancel()  # while its 32 MiB copy runs in a thread (or, if too late, done)
+        with contextlib.suppress(asyncio.CancelledError):
+            await lead
+        out = await waiter
+        assert out.mm_hash == "h" and calls == 1

@@ -547,3 +547,73 @@ def test_sync_put_while_another_thread_waits_for_the_same_key(make_config: Any) 
         t.join(10)
         assert isinstance(results["A"][0], ShmRef)
         assert results["B"][0] is big
+
+
+def test_a_bad_item_shape_fails_before_any_handout(make_config: Any) -> None:
+    """Review: a hit whose item is not ``(item, prompt_updates)`` used to leak its hand-out."""
+    with SenderCache(make_config()) as tx, ReceiverCache.attach(tx.handle()) as rx:
+        item = {"x": np.arange(10)}
+        tx.get_and_update([(item, ())], ["h"])
+        with pytest.raises(TypeError, match="prompt_updates"):
+            tx.get_and_update([item], ["h"])  # type: ignore[list-item]
+        rx.get_and_update_features([])
+        assert [r.lag for r in tx.snapshot().readers if r.attached] == [1]  # the first only
+
+
+def test_a_rolled_back_request_releases_only_its_own_handouts(make_config: Any) -> None:
+    """Review: a roll back released a caller's own reference served back inline ("busy")."""
+    with SenderCache(make_config(8 << 20, 4 << 20, 1)) as tx, ReceiverCache.attach(tx.handle()):
+        [(ref0, _)] = tx.get_and_update([({"x": np.arange(10)}, ())], ["a"])
+        putting = tx.request([({"x": np.ones(2 << 20, np.uint8)}, ())], ["h1"], copy_inline_below=0)
+        putting.begin()  # h1 is being put: its big copy has not run yet
+        try:
+            with pytest.raises(Exception):  # noqa: B017 (any error of the bad item will do)
+                # h1 is busy: served inline with the caller's data (here a reference!); then
+                # an item that cannot be serialised fails the request, which rolls back
+                tx.get_and_update([(ref0, ()), ({"x": object()}, ())], ["h1", "h2"])
+        finally:
+            putting.abandon()
+        assert tx.release(ref0)  # still outstanding: the failed request did not touch it
+
+
+def test_a_stale_reference_is_given_back_once(make_config: Any) -> None:
+    """Review: a reference found stale at the read was given back twice (two log entries)."""
+    with SenderCache(make_config()) as tx, ReceiverCache.attach(tx.handle()) as rx:
+        [f] = tx.get_and_update_features([FeatureSpec("h", {"x": np.arange(10)})])
+        req = rx.request([f], copy_inline_below=0)
+        req.begin()
+        tx.clear_cache()
+        slot = rx.store.slot
+        assert slot is not None
+        before = slot.acknowledged
+        req.run_jobs()
+        assert slot.acknowledged - before == 1
+        with pytest.raises(CacheMissError):
+            req.finish()
+
+
+def test_cached_order_is_consistent_while_other_threads_put(make_config: Any) -> None:
+    """Review: ``cached_order`` walked the ring without the writer lock."""
+    import time
+
+    with SenderCache(make_config(1 << 20, 64 << 10, 1)) as tx:
+        stop = time.monotonic() + 1.0
+        errors: list[BaseException] = []
+
+        def put() -> None:
+            k = 0
+            while time.monotonic() < stop:
+                k += 1
+                tx.get_and_update_features([FeatureSpec(f"k{k}", {"x": np.ones(40_000, np.uint8)})])
+
+        t = threading.Thread(target=put)
+        t.start()
+        try:
+            while time.monotonic() < stop:
+                try:
+                    tx.cached_order()
+                except Exception as exc:
+                    errors.append(exc)
+        finally:
+            t.join(30)
+        assert errors == []
