@@ -147,3 +147,39 @@ def test_the_checker_sees_private_imports() -> None:
     assert ("aioshmcache._ring", "*") in uses
     assert any(n == "store" for _m, n in uses) and any(n == "_secret" for _m, n in uses)
     assert not any(m.startswith("aioshmcache.tools") for m, _n in uses)
+
+
+def test_the_async_facade_drives_requests_and_never_reaches_into_the_store() -> None:
+    """aio.py touches no store and no private name of another module (issue: one algorithm)."""
+    import ast
+    import pathlib
+
+    import aioshmcache.aio
+
+    tree = ast.parse(pathlib.Path(aioshmcache.aio.__file__).read_text())
+    imported = {
+        a.asname or a.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for a in node.names
+    }
+    bad: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            if node.attr == "store":
+                bad.append(f"line {node.lineno}: .store")
+            owner = node.value
+            # another module's object: an imported name, or reached through an attribute
+            # (self.sender._x); a local instance of the facade's own class is its own business
+            foreign = isinstance(owner, ast.Attribute) or (
+                isinstance(owner, ast.Name) and owner.id in imported
+            )
+            if foreign and node.attr.startswith("_") and not node.attr.startswith("__"):
+                bad.append(f"line {node.lineno}: .{node.attr}")
+        if isinstance(node, ast.ImportFrom):
+            bad += [
+                f"line {node.lineno}: import {a.name}"
+                for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__")
+            ]
+    assert bad == []
