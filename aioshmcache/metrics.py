@@ -4,7 +4,7 @@ A custom collector rather than counters updated on every call: the caches alread
 everything (``SenderCache.snapshot()``, ``make_stats()``), so a scrape reads those numbers and
 the request path pays nothing. Register one collector per registry; it takes every cache the
 process owns (a sender, receivers, the shards of a group), each sample labelled with the cache's
-segment name and role::
+segment name and role (and, for caches of a group, the group and the shard)::
 
     from prometheus_client import CollectorRegistry, generate_latest
     from aioshmcache.metrics import CacheCollector
@@ -41,7 +41,19 @@ The metrics (counters end in ``_total``, sizes in ``_bytes``; labels ``cache`` a
 ``aioshmcache_single_flight_runs_total``    counter  preprocessings (``make()``) it ran
 ``aioshmcache_single_flight_saved_total``   counter  preprocessings single flight saved (calls
                                                      served by another caller's ``make``)
+``aioshmcache_sibling_hits_total``          counter  a shard of a cache group: items copied from a
+                                                     sibling shard instead of preprocessed (also
+                                                     counted in ``aioshmcache_hits_total``)
+``aioshmcache_group_shards``                gauge    a reader of a cache group: the shards it is
+                                                     attached to now
 ==========================================  =======  =============================================
+
+Cache groups. A shard's writer (``CacheConfig(group="G")``) is labelled ``cache`` = its segment
+name (``aioshm-G.shard1``), plus ``group="G"`` and ``shard="1"``: sum by ``group`` for the whole
+group. A reader of the group (``ReceiverCache.attach_group("G")`` or its async twin) has no
+single segment: it is labelled ``cache="G"``, ``role="receiver"``, ``group="G"`` and no
+``shard`` (its counts cover every shard). A plain cache carries neither label; Prometheus treats
+an absent label as an empty one, so ``sum by (group)`` puts plain caches in ``group=""``.
 
 Only the sender's metrics come from its ``snapshot()``; a receiver has no snapshot, so it reports
 hits and misses (from ``make_stats()``) and ``aioshmcache_open``. The single-flight counters come
@@ -52,12 +64,14 @@ cache.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 try:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from prometheus_client.metrics_core import Metric
+    from prometheus_client.samples import Sample
 except ImportError as exc:  # pragma: no cover - exercised in a test with the import blocked
     raise ImportError(
         "aioshmcache.metrics needs prometheus_client, which comes with the 'metrics' extra: "
@@ -72,6 +86,7 @@ __all__ = ["CacheCollector"]
 _PREFIX = "aioshmcache_"
 _CACHE_LABELS = ["cache", "role"]
 _SLOT_LABELS = ["cache", "slot"]
+_GROUP_LABELS = ["group", "shard"]  # only on the samples of a group's caches
 # What reading a closed cache raises: ClosedCacheError, or ValueError from a released mapping.
 _CLOSED = (ShmCacheError, ValueError)
 
@@ -97,15 +112,68 @@ class SnapshotCache(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class _Identity:
+    """How one cache's samples are labelled."""
+
+    name: str  # the segment's name, or a group reader's group name
+    role: str  # "sender" or "receiver"
+    group: str | None = None
+    shard: int | None = None
+
+    def labels(self, **extra: str) -> dict[str, str]:
+        """The cache's labels (``cache``, ``role``, group ones), plus ``extra``."""
+        out = {"cache": self.name, "role": self.role, **extra}
+        return self._grouped(out)
+
+    def slot_labels(self, slot: int) -> dict[str, str]:
+        """The labels of a reader slot of this (sender's) segment."""
+        return self._grouped({"cache": self.name, "slot": str(slot)})
+
+    def _grouped(self, out: dict[str, str]) -> dict[str, str]:
+        if self.group is not None:
+            out["group"] = self.group
+            if self.shard is not None:
+                out["shard"] = str(self.shard)
+        return out
+
+
+def _group_reader_of(cache: object) -> str | None:
+    """The group name if ``cache`` reads a whole cache group (sync, or an async face over one)."""
+    for obj in (cache, getattr(cache, "receiver", None)):
+        if callable(getattr(obj, "shard_handles", None)):
+            group = getattr(obj, "group", None)
+            if isinstance(group, str):
+                return group
+    return None
+
+
+def _identify(cache: StatsCache) -> _Identity:
+    """Name, role, group and shard of a cache (read now, while it is open)."""
+    if isinstance(cache, SnapshotCache):
+        snap = cache.snapshot()
+        return _Identity(cache.handle().name, "sender", snap.group, snap.shard)
+    group = _group_reader_of(cache)
+    if group is not None:
+        return _Identity(group, "receiver", group)
+    return _Identity(cache.handle().name, "receiver")
+
+
+def _put(family: Metric, labels: dict[str, str], value: float) -> None:
+    """One sample of ``family`` (counters get their ``_total`` suffix)."""
+    suffix = "_total" if family.type == "counter" else ""
+    family.samples.append(Sample(family.name + suffix, labels, value))
+
+
 class _Families:
     """The metric families of one scrape, filled cache by cache."""
 
     def __init__(self) -> None:
         def counter(name: str, doc: str, labels: list[str] = _CACHE_LABELS) -> CounterMetricFamily:
-            return CounterMetricFamily(_PREFIX + name, doc, labels=labels)
+            return CounterMetricFamily(_PREFIX + name, doc, labels=[*labels, *_GROUP_LABELS])
 
         def gauge(name: str, doc: str, labels: list[str] = _CACHE_LABELS) -> GaugeMetricFamily:
-            return GaugeMetricFamily(_PREFIX + name, doc, labels=labels)
+            return GaugeMetricFamily(_PREFIX + name, doc, labels=[*labels, *_GROUP_LABELS])
 
         self.open = gauge("open", "1 while the cache is open, 0 once it is closed")
         self.hits = counter(
@@ -138,6 +206,10 @@ class _Families:
         self.sf_saved = counter(
             "single_flight_saved", "Preprocessings saved: get_or_put calls served by another's"
         )
+        self.sibling_hits = counter(
+            "sibling_hits", "Group shard: items copied from a sibling shard (also counted as hits)"
+        )
+        self.shards = gauge("group_shards", "Group reader: shards it is attached to now")
 
     def all(self) -> list[Metric]:
         return [
@@ -160,49 +232,61 @@ class _Families:
             self.sf_calls,
             self.sf_runs,
             self.sf_saved,
+            self.sibling_hits,
+            self.shards,
         ]
 
-    def add_snapshot(self, name: str, snap: CacheSnapshot) -> None:
-        labels = [name, "sender"]
-        self.hits.add_metric(labels, snap.hits)
-        self.misses.add_metric(labels, snap.misses)
-        self.inline.add_metric([*labels, "too_large"], snap.inline_too_large)
-        self.inline.add_metric([*labels, "full"], snap.inline_full)
-        self.inline.add_metric([*labels, "busy"], snap.inline_busy)
-        self.evictions.add_metric(labels, snap.evictions)
-        self.used.add_metric(labels, snap.bytes_used)
-        self.capacity.add_metric(labels, snap.capacity_bytes)
-        self.items.add_metric(labels, snap.items)
-        self.epoch.add_metric(labels, snap.epoch)
-        self.slots.add_metric(labels, len(snap.readers))
+    def add_snapshot(self, who: _Identity, snap: CacheSnapshot) -> None:
+        labels = who.labels()
+        _put(self.hits, labels, snap.hits)
+        _put(self.misses, labels, snap.misses)
+        _put(self.inline, who.labels(cause="too_large"), snap.inline_too_large)
+        _put(self.inline, who.labels(cause="full"), snap.inline_full)
+        _put(self.inline, who.labels(cause="busy"), snap.inline_busy)
+        _put(self.evictions, labels, snap.evictions)
+        _put(self.used, labels, snap.bytes_used)
+        _put(self.capacity, labels, snap.capacity_bytes)
+        _put(self.items, labels, snap.items)
+        _put(self.epoch, labels, snap.epoch)
+        _put(self.slots, labels, len(snap.readers))
         owed = 0
         for r in snap.readers:
             if not r.attached:
                 continue
-            slot = [name, str(r.slot)]
+            slot = who.slot_labels(r.slot)
             owed += r.lag
-            self.alive.add_metric(slot, 1.0 if r.alive else 0.0)
-            self.lag.add_metric(slot, r.lag)
-            self.revoked.add_metric(slot, 1.0 if r.revoked else 0.0)
-            self.acked.add_metric(slot, r.acknowledged)
-        self.owed.add_metric(labels, owed)
-        self.waited.add_metric(labels, snap.wait_for_space_seconds)
+            _put(self.alive, slot, 1.0 if r.alive else 0.0)
+            _put(self.lag, slot, r.lag)
+            _put(self.revoked, slot, 1.0 if r.revoked else 0.0)
+            _put(self.acked, slot, r.acknowledged)
+        _put(self.owed, labels, owed)
+        _put(self.waited, labels, snap.wait_for_space_seconds)
+        if who.group is not None:
+            _put(self.sibling_hits, labels, snap.sibling_hits)
 
-    def add_stats(self, name: str, role: str, info: CacheInfo) -> None:
-        labels = [name, role]
-        self.hits.add_metric(labels, info.hits)
-        self.misses.add_metric(labels, info.misses)
+    def add_stats(self, who: _Identity, info: CacheInfo) -> None:
+        labels = who.labels()
+        _put(self.hits, labels, info.hits)
+        _put(self.misses, labels, info.misses)
 
-    def add_single_flight(self, name: str, cache: object) -> None:
+    def add_group_reader(self, who: _Identity, cache: object) -> None:
+        """The shards a group reader is attached to (skipped once it is closed)."""
+        inner = cache if callable(getattr(cache, "shard_handles", None)) else None
+        inner = inner or getattr(cache, "receiver", None)
+        read = getattr(inner, "shard_handles", None)
+        if callable(read):
+            _put(self.shards, who.labels(), len(read()))
+
+    def add_single_flight(self, who: _Identity, cache: object) -> None:
         """The ``get_or_put`` counters, if ``cache`` has them (kept in memory: closed or not)."""
         read = getattr(cache, "single_flight_stats", None)
         if not callable(read):
             return
         stats = read()
-        labels = [name, "sender"]
-        self.sf_calls.add_metric(labels, stats.calls)
-        self.sf_runs.add_metric(labels, stats.runs)
-        self.sf_saved.add_metric(labels, stats.saved)
+        labels = who.labels()
+        _put(self.sf_calls, labels, stats.calls)
+        _put(self.sf_runs, labels, stats.runs)
+        _put(self.sf_saved, labels, stats.saved)
 
 
 class CacheCollector:
@@ -212,25 +296,21 @@ class CacheCollector:
     only (``snapshot()`` for a sender, ``make_stats()`` for any cache). Register it with a
     ``prometheus_client.CollectorRegistry``; ``describe()`` names its metrics, so registering a
     second collector in the same registry fails loudly instead of emitting duplicates: give one
-    collector all the caches (:meth:`add` takes more later).
+    collector all the caches (:meth:`add` takes more later). A reader of a cache group
+    (``ReceiverCache.attach_group``) is accepted like any reader (see the module docstring).
     """
 
     def __init__(self, cache: StatsCache, *more: StatsCache) -> None:
-        self._caches: list[tuple[str, StatsCache]] = []
+        self._caches: list[tuple[_Identity, StatsCache]] = []
         for c in (cache, *more):
             self.add(c)
 
     def add(self, cache: StatsCache) -> None:
-        """Export one more cache (its segment name is read now, while it is open)."""
-        name = cache.handle().name
-        role = "sender" if isinstance(cache, SnapshotCache) else "receiver"
-        if any(n == name and r == role for n, r in self._roles()):
-            raise ValueError(f"the {role} of {name!r} is already collected")
-        self._caches.append((name, cache))
-
-    def _roles(self) -> Iterator[tuple[str, str]]:
-        for name, cache in self._caches:
-            yield name, "sender" if isinstance(cache, SnapshotCache) else "receiver"
+        """Export one more cache (its name, group and shard are read now, while it is open)."""
+        who = _identify(cache)
+        if any(w.name == who.name and w.role == who.role for w, _c in self._caches):
+            raise ValueError(f"the {who.role} of {who.name!r} is already collected")
+        self._caches.append((who, cache))
 
     def describe(self) -> Iterable[Metric]:
         """The metric families this collector emits (without samples), for the registry."""
@@ -239,22 +319,22 @@ class CacheCollector:
     def collect(self) -> Iterable[Metric]:
         """Read every cache now and return its metric families (never raises for a cache)."""
         fam = _Families()
-        for name, cache in self._caches:
-            fam.add_single_flight(name, cache)
-            is_sender = isinstance(cache, SnapshotCache)
-            role = "sender" if is_sender else "receiver"
+        for who, cache in self._caches:
+            fam.add_single_flight(who, cache)
             is_open = not bool(getattr(cache, "closed", False))
             if is_open and isinstance(cache, SnapshotCache):
                 try:
-                    fam.add_snapshot(name, cache.snapshot())
+                    fam.add_snapshot(who, cache.snapshot())
                 except _CLOSED:  # closed (the async twins have no ``closed`` to ask first)
                     is_open = False
                 else:
-                    fam.open.add_metric([name, role], 1.0)
+                    _put(fam.open, who.labels(), 1.0)
                     continue
             try:
-                fam.add_stats(name, role, cache.make_stats())
+                fam.add_stats(who, cache.make_stats())
+                if is_open and who.group is not None:
+                    fam.add_group_reader(who, cache)
             except _CLOSED:
                 pass
-            fam.open.add_metric([name, role], 1.0 if is_open else 0.0)
+            _put(fam.open, who.labels(), 1.0 if is_open else 0.0)
         return [f for f in fam.all() if f.samples]

@@ -23,10 +23,30 @@ Settings (environment): ``AIOSHM_EXAMPLE_NAME`` (segment name; random if unset; 
 per gateway process), ``AIOSHM_EXAMPLE_CACHE_MB`` (default 512), ``AIOSHM_EXAMPLE_MAX_OBJECT_MB``
 (default 32: a 1080p photo is 23.7 MiB once preprocessed to float32).
 
-One gateway process is the cache's single writer: do not run it with ``uvicorn --workers N``
-(every process would create its own segment; with ``AIOSHM_EXAMPLE_NAME`` set, all but the
-first fail with ``SegmentExistsError``, and uvicorn stops the whole server). Scale the engine
-workers instead.
+Without a group, one gateway process is the cache's single writer: do not run it with
+``uvicorn --workers N`` (every process would create its own segment; with
+``AIOSHM_EXAMPLE_NAME`` set, all but the first fail with ``SegmentExistsError``, and uvicorn
+stops the whole server). Scale the engine workers instead, or use a cache group:
+
+Several gateway processes (``uvicorn --workers N``): set ``AIOSHM_GROUP`` (a cache group name)
+and ``AIOSHM_ENGINE_SOCKET`` (a Unix socket path), and start ONE engine worker for the whole
+group yourself, before or after the gateways::
+
+    python examples/fastapi_app.py --engine --group mm --socket /tmp/mm-engine.sock &
+    AIOSHM_GROUP=mm AIOSHM_ENGINE_SOCKET=/tmp/mm-engine.sock \
+        uvicorn --workers 2 --app-dir examples fastapi_app:app --port 8000
+
+Each gateway process's lifespan then opens its own shard of the group (``CacheConfig(group=)``;
+uvicorn spawns its workers, so each opens its shard in its own process) and connects to the
+engine worker, which is attached to the whole group (``AsyncReceiverCache.attach_group``) and
+serves every gateway on the one socket. Why the engine worker is not started by a gateway
+process: with ``--workers N`` each process runs its own lifespan, and none of them is special
+(the one holding shard 0 may die and be replaced); a process of its own, started by whatever
+starts uvicorn (systemd, the container's entry point, a test), has one clear owner. An image
+preprocessed by one gateway process is a hit in the others: their ``is_cached_item`` finds it
+in the sibling's shard and ``get_or_put`` copies it into their own instead of preprocessing
+(``/stats``: ``cache.sibling_hits``). Stop the gateways first (each unlinks its shard), then
+the engine worker (SIGTERM or SIGINT: it closes its reader and exits).
 """
 
 from __future__ import annotations
@@ -40,6 +60,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import struct
 import tempfile
 import zlib
@@ -59,6 +80,7 @@ from aioshmcache import (
     CacheConfig,
     CacheMissError,
     FeatureSpec,
+    GroupReceiverCache,
     ShmRef,
     coerce_handle,
 )
@@ -131,12 +153,75 @@ async def engine(handle_json: str, socket_path: str) -> None:
             writer.close()
 
 
+def group_engine_main(group: str, socket_path: str) -> None:
+    """Entry point of the one engine worker of a cache group (``--engine --group``)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - the examples extra brings it
+        asyncio.run(group_engine(group, socket_path))
+    else:
+        uvloop.run(group_engine(group, socket_path))
+
+
+async def group_engine(group: str, socket_path: str) -> None:
+    """Attach to every shard of ``group``, serve each gateway process that connects, until
+    SIGTERM or SIGINT; then close the socket and the reader (freeing a slot on every shard).
+
+    A gateway process connects after it opened its shard: the reader rescans the group then,
+    so it owes the hand-outs of that shard from the first one on (a reader attached later
+    owes nothing older).
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with AsyncReceiverCache.attach_group(group) as rx:
+        reader_of_group = rx.receiver
+        conns: set[asyncio.Task[None]] = set()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            if task is not None:
+                conns.add(task)
+            try:
+                if isinstance(reader_of_group, GroupReceiverCache):
+                    await asyncio.to_thread(reader_of_group.rescan)
+                while True:
+                    try:
+                        frame = await read_frame(reader, max_bytes=MAX_FRAME_BYTES)
+                    except EndOfFramesError:
+                        return  # this gateway process is shutting down
+                    rid = frame[: _RID.size]
+                    features = unpack_features(memoryview(frame)[_RID.size :])
+                    answer = await _answer(rx, features)
+                    await write_frame(writer, rid + json.dumps(answer).encode())
+            except (ConnectionError, asyncio.IncompleteReadError):
+                return  # a gateway process died: its shard's references fail typed
+            finally:
+                writer.close()
+                if task is not None:
+                    conns.discard(task)
+
+        server = await asyncio.start_unix_server(serve, socket_path)
+        try:
+            await stop.wait()
+        finally:
+            server.close()
+            for task in list(conns):
+                task.cancel()
+            if conns:
+                await asyncio.wait(conns, timeout=10.0)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(socket_path)
+
+
 async def _answer(rx: AsyncReceiverCache, features: list[FeatureSpec]) -> dict[str, Any]:
     try:
         items = await rx.get_and_update_features(features)
     except CacheMissError as exc:  # stale references: the gateway invalidates, client resends
         return {"error": "cache_miss", "missing": list(exc.mm_hashes)}
     return {
+        "engine_pid": os.getpid(),
         "results": [
             {
                 "mm_hash": f.mm_hash,
@@ -144,7 +229,7 @@ async def _answer(rx: AsyncReceiverCache, features: list[FeatureSpec]) -> dict[s
                 "shape": list(f.data["pixel_values"].shape),
             }
             for f in items
-        ]
+        ],
     }
 
 
@@ -235,15 +320,36 @@ def _cache_miss(missing: Sequence[str]) -> JSONResponse:
 
 def _settings() -> CacheConfig:
     name = os.environ.get("AIOSHM_EXAMPLE_NAME") or None
+    group = os.environ.get("AIOSHM_GROUP") or None
     cache_mb = float(os.environ.get("AIOSHM_EXAMPLE_CACHE_MB", "512"))
     max_object_mb = float(os.environ.get("AIOSHM_EXAMPLE_MAX_OBJECT_MB", "32"))
     # one worker: broadcast and one-of-N agree; a hand-out is owed by that worker alone
+    if group is not None:  # this process's shard: the cache size is per gateway process
+        return CacheConfig.from_gb(cache_mb / 1024, max_object_mb, n_readers=1, group=group)
     return CacheConfig.from_gb(cache_mb / 1024, max_object_mb, n_readers=1, name=name)
+
+
+async def _connect_engine(path: str) -> EngineLink:
+    """Connect to a group's engine worker (retried: it may start after the gateways)."""
+    deadline = asyncio.get_running_loop().time() + START_TIMEOUT
+    while True:
+        try:
+            reader, writer = await asyncio.open_unix_connection(path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+            continue
+        return EngineLink(reader, writer)
 
 
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Create the cache, start the worker; on the way out, the shutdown order of the README."""
+    if os.environ.get("AIOSHM_GROUP"):
+        async with group_lifespan(app):
+            yield
+        return
     sockdir = tempfile.mkdtemp(prefix="aioshm-example-")
     path = os.path.join(sockdir, "engine.sock")
     connected: asyncio.Future[EngineLink] = asyncio.get_running_loop().create_future()
@@ -285,6 +391,33 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         server.close()
         shutil.rmtree(sockdir, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def group_lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """One gateway process of a cache group: open our shard, connect to the group's engine.
+
+    The engine worker is not ours (see the module docstring): hanging up tells it this process
+    is done; then leaving the sender's ``async with`` unlinks our shard.
+    """
+    path = os.environ.get("AIOSHM_ENGINE_SOCKET")
+    if not path:
+        raise RuntimeError("AIOSHM_GROUP needs AIOSHM_ENGINE_SOCKET (the group's engine worker)")
+    link: EngineLink | None = None
+    async with AsyncSenderCache.from_config(_settings()) as cache:
+        try:
+            link = await _connect_engine(path)
+            link.start()
+            hello = await link.call(cache, [])  # the engine has attached to our shard now
+            app.state.cache, app.state.engine = cache, link
+            app.state.pid = hello["engine_pid"]
+            registry = CollectorRegistry()
+            registry.register(CacheCollector(cache))
+            app.state.registry = registry
+            yield
+        finally:
+            if link is not None:
+                await link.close()
 
 
 app = FastAPI(title="aioshmcache example gateway", lifespan=lifespan)
@@ -352,6 +485,7 @@ async def embed(body: EmbedRequest, request: Request) -> dict[str, Any] | JSONRe
         **result,
         "transport": "shm" if isinstance(feature.data, ShmRef) else "inline",
         "preprocessed": ran,
+        "segment": cache.handle().name,  # which gateway process (shard of a group) answered
     }
 
 
@@ -376,3 +510,19 @@ async def stats(request: Request) -> dict[str, Any]:
 async def metrics(request: Request) -> Response:
     """Prometheus text: hits, misses, inline serves, bytes, items, readers."""
     return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def main() -> None:
+    """``python examples/fastapi_app.py --engine --group NAME --socket PATH``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="the engine worker of a cache group")
+    parser.add_argument("--engine", action="store_true", required=True)
+    parser.add_argument("--group", required=True, help="the cache group (AIOSHM_GROUP)")
+    parser.add_argument("--socket", required=True, help="Unix socket (AIOSHM_ENGINE_SOCKET)")
+    args = parser.parse_args()
+    group_engine_main(args.group, args.socket)
+
+
+if __name__ == "__main__":
+    main()

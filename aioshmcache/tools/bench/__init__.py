@@ -8,7 +8,9 @@ Three suites, each also runnable alone (``--suite``) or through the scripts in `
 * ``peers`` — the round trip writer → reader process → reply against ``multiprocessing`` Pipe
   and Queue, Redis (``redis.asyncio`` against a private ``redis-server``) and Ray (if installed);
 * ``async`` — the asyncio facade: cache hits, offloaded puts, loop lag, concurrency and the
-  inline-vs-thread threshold.
+  inline-vs-thread threshold;
+* ``group`` (only when asked for: ``--suite group``) — cache groups: preprocessings of a Zipf
+  load with 1 and 4 gateway processes, the cost of a sibling look-up and of a sibling hit.
 
 It writes ``aioshmcache-bench[-SUITES][-quick]`` ``.md`` (the table), ``.png`` (the plot) and
 ``.json`` (every figure) to the current directory (``--results-dir DIR`` elsewhere; a bare
@@ -34,6 +36,8 @@ from .report import Report
 __all__ = ["SUITES", "checkout_results_dir", "main", "results_stem", "run"]
 
 SUITES = ("store", "peers", "async")
+#: suites run only when named with ``--suite``
+EXTRA_SUITES = ("group",)
 
 
 #: a bare ``--results-dir``: the ``bench/results`` folder of the source checkout
@@ -75,8 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--suite",
         action="append",
-        choices=SUITES,
-        help="run only this suite (repeatable; default: all)",
+        choices=SUITES + EXTRA_SUITES,
+        help="run only this suite (repeatable; default: " + ", ".join(SUITES) + ")",
     )
     ray = ap.add_mutually_exclusive_group()
     ray.add_argument(
@@ -103,6 +107,7 @@ def run(
 ) -> Report:
     """Run the given suites and return the report (files are written by :func:`main`)."""
     from .asyncbench import run_async_suite
+    from .group import run_group_suite
     from .peers import run_peers_suite
     from .workloads import run_store_suite
 
@@ -117,6 +122,8 @@ def run(
         run_peers_suite(p, report, progress, want_ray=want_ray, want_redis=want_redis)
     if "async" in suites:
         run_async_suite(p, report, progress)
+    if "group" in suites:
+        run_group_suite(p, report, progress)
     report.finish()
     return report
 
