@@ -46,10 +46,17 @@ from aioshmcache.tools.demo.imaging import (
     summarize,
     synthetic_image,
 )
-from aioshmcache.tools.demo.ipc import decode_feature, encode_feature
+from aioshmcache.tools.demo.ipc import decode_features, encode_features
 from aioshmcache.tools.demo.load import GatewayProcess, check_response, plan_requests
 from aioshmcache.tools.demo.settings import default_max_object_bytes, largest_item_bytes
-from aioshmcache.tools.framing import MAX_FRAME, ProtocolError, pack, read_frame
+from aioshmcache.tools.framing import (
+    MAX_FRAME,
+    ProtocolError,
+    TruncatedFrameError,
+    pack,
+    read_frame,
+)
+from aioshmcache.wire import FRAME_PREFIX_BYTES, encode_frame
 
 SHM = "/dev/shm"
 PROC = ProcessorConfig()
@@ -207,17 +214,18 @@ def test_processor_shapes_and_hash() -> None:
 
 
 async def test_channel_frames_and_features() -> None:
+    """Messages are aioshmcache.wire frames; features are pack_features bytes, checked on decode."""
     item = preprocess(synthetic_image(2, width=100, height=90), PROC)
     ref = ShmRef(nonce=1, epoch=1, address=4096, id=7, length=1000)
     reader = asyncio.StreamReader()
-    reader.feed_data(pack({"t": "infer", "features": [encode_feature(FeatureSpec("a", ref))]}))
-    reader.feed_data(pack({"t": "infer", "features": [encode_feature(FeatureSpec("b", item))]}))
-    reader.feed_data(len(b"\x91\x01").to_bytes(4, "big") + b"\x91\x01")  # not a map
-    reader.feed_data((MAX_FRAME + 1).to_bytes(4, "big"))
+    reader.feed_data(pack({"t": "infer", "features": encode_features([FeatureSpec("a", ref)])}))
+    reader.feed_data(pack({"t": "infer", "features": encode_features([FeatureSpec("b", item)])}))
+    reader.feed_data(encode_frame(b"\x91\x01"))  # not a map
+    reader.feed_data((MAX_FRAME + 1).to_bytes(FRAME_PREFIX_BYTES, "little"))
     m1, m2 = await read_frame(reader), await read_frame(reader)
     assert m1 is not None and m2 is not None
-    assert decode_feature(m1["features"][0]) == FeatureSpec("a", ref)
-    back = decode_feature(m2["features"][0]).data
+    assert decode_features(m1["features"]) == [FeatureSpec("a", ref)]
+    back = decode_features(m2["features"])[0].data
     assert np.array_equal(back["pixel_values"], item["pixel_values"])
     assert back["image_grid_thw"].dtype == np.int64
     with pytest.raises(ProtocolError, match="map"):
@@ -226,15 +234,20 @@ async def test_channel_frames_and_features() -> None:
         await read_frame(reader)
     reader.feed_eof()
     assert await read_frame(reader) is None
-    bad = {
-        "mm_hash": "x",
-        "inline": {"pixel_values": {"dtype": "object", "shape": [1], "data": b""}},
-    }
-    with pytest.raises(ProtocolError, match="not allowed"):
-        decode_feature(bad)
-    short = {"mm_hash": "x", "inline": {"p": {"dtype": "float32", "shape": [4], "data": b"abc"}}}
-    with pytest.raises(ProtocolError, match="does not match"):
-        decode_feature(short)
+    truncated = asyncio.StreamReader()
+    truncated.feed_data(encode_frame(b"\x81\xa1t\xa1x")[:-1])
+    truncated.feed_eof()
+    with pytest.raises(TruncatedFrameError):
+        await read_frame(truncated)
+    good = encode_features([FeatureSpec("x", {"p": np.zeros(4, np.float32)})])
+    with pytest.raises(ProtocolError, match="undecodable"):
+        decode_features(good[:-3])  # cut short
+    with pytest.raises(ProtocolError, match="undecodable"):
+        decode_features(b"\x93\x01\x02\x03" + good[4:])  # not a features message
+    with pytest.raises(ProtocolError, match="bytes"):
+        decode_features([{"mm_hash": "x"}])  # the old hand-made form
+    with pytest.raises(ProtocolError, match="neither"):
+        encode_features([FeatureSpec("x", None)])
 
 
 def test_documented_hash_format_matches() -> None:

@@ -31,6 +31,7 @@ from aioshmcache.tools.stress import (
     parse_size,
     verify_item,
 )
+from aioshmcache.tools.stress.protocol import SABOTAGE_GRACE, SABOTAGE_MIN_SEEN
 
 
 @functools.cache
@@ -151,7 +152,11 @@ def test_quick_run_without_faults(tmp_path: pathlib.Path) -> None:
 
 
 def test_harness_catches_wrong_data_and_leaks(tmp_path: pathlib.Path) -> None:
-    """Self-test: a writer that lies about digests and a reader that drops requests must fail."""
+    """Self-test: a writer that lies about digests and a reader that drops requests must fail.
+
+    The sabotage is count-based and the run goes on past ``--duration`` until each kind was seen
+    (a loaded machine may fit few requests in 4 s): the outcome does not depend on the load.
+    """
     rc, out, data = run_stress(
         tmp_path,
         "--duration",
@@ -162,9 +167,14 @@ def test_harness_catches_wrong_data_and_leaks(tmp_path: pathlib.Path) -> None:
         "broadcast",
         "--sabotage",
         "digest,drop",
-        limit=120,
+        limit=SABOTAGE_GRACE + 240,
     )
     assert rc == 1, out[-6000:]
+    st = data["stats"]
+    assert st["items_wrong"] >= SABOTAGE_MIN_SEEN, out[-6000:]
+    assert st["sabotage_dropped"] >= SABOTAGE_MIN_SEEN, out[-6000:]
+    # every wrong read is a lie the writer told (each read by at most both readers): none invented
+    assert 2 * data["writer"]["sabotaged"] >= st["items_wrong"]
     text = "\n".join(data["violations"])
     assert "WRONG DATA" in text
     assert "cache does not drain" in text

@@ -82,7 +82,7 @@ from .imaging import (
     num_image_tokens,
     preprocess,
 )
-from .ipc import encode_feature
+from .ipc import encode_features
 from .pool import WorkerDied, WorkerPool, WorkerUnavailable
 from .settings import GatewaySettings
 
@@ -416,7 +416,7 @@ class Gateway:
             try:
                 if s.delivery == "broadcast" and pool.generation != generation:
                     raise WorkerUnavailable("the worker group changed during the hand-out")
-                encoded = [encode_feature(f) for f in out]
+                encoded = encode_features(out)
                 replies = await pool.dispatch(encoded, timeout=s.worker_timeout)
             except (WorkerUnavailable, ProtocolError) as exc:  # nothing was sent
                 for r in refs:

@@ -3,8 +3,8 @@
 It proves the guarantees of DESIGN.md section 6 under load and faults: no wrong data, no hang,
 nothing lost (the cache drains), nothing left behind (no segment, no semaphore, no child).
 
-Processes and channels (every arrow is an abstract Unix socket carrying length-prefixed msgpack
-frames, :mod:`.protocol`; references travel as ``ShmRef.to_dict()``)::
+Processes and channels (every arrow is an abstract Unix socket carrying msgpack messages in
+:mod:`aioshmcache.wire` frames, :mod:`.protocol`; references travel as ``pack_features`` bytes)::
 
     parent: orchestrator (asyncio) -- faults, flow control, watchdog, report
       |  ^                                   |  ^

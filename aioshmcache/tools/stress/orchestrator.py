@@ -35,7 +35,13 @@ from .children import Child, child_pids, open_log
 from .faults import Faults
 from .flow import Owed
 from .options import StressOptions
-from .protocol import MAX_FRAME, sock_path
+from .protocol import (
+    MAX_FRAME,
+    SABOTAGE_GRACE,
+    SABOTAGE_MIN_SEEN,
+    request_features,
+    sock_path,
+)
 from .report import Tally, as_json, progress_line, summary
 
 __all__ = ["IN_PRIVATE_SHM", "Child", "Orchestrator"]
@@ -233,10 +239,11 @@ class Orchestrator:
     def forward(self, w: Child, msg: dict[str, Any], raw: bytes) -> None:
         gen, rid = int(msg["gen"]), int(msg["rid"])
         self.tally.stats["requests"] += 1
-        self.tally.stats["features"] += len(msg["f"])
-        for f in msg["f"]:
-            if f[1] is not None:
-                self.cur_refs.append(f[1])
+        feats = request_features(msg)
+        self.tally.stats["features"] += len(feats)
+        for _h, ref, _digest, _n in feats:
+            if ref is not None:
+                self.cur_refs.append(ref.to_dict())
         readers = self.live_readers()
         if self.delivery_for(gen) == "one_of_n" and readers:
             readers = [self.rng.choice(readers)]
@@ -261,6 +268,8 @@ class Orchestrator:
             self.tally.stats[f"read_{res}"] += 1
             self.tally.stats["items_verified"] += int(msg.get("n", 0))
             self.tally.stats["bytes_verified"] += int(msg.get("b", 0))
+            self.tally.stats["items_wrong"] += int(msg.get("bad", 0))
+            self.tally.stats["sabotage_dropped"] += int(msg.get("dropped", 0))
             if res == "miss":
                 self.tally.errors["CacheMissError (stale genuine refs)"] += int(msg.get("stale", 0))
                 for why, n in dict(msg.get("why", {})).items():
@@ -594,9 +603,12 @@ class Orchestrator:
                 rotate_ops = o.ops // 2
         while True:
             await asyncio.sleep(0.05)
+            over = None
             if o.duration is not None and self.elapsed() >= o.duration:
-                return
-            if o.ops is not None and self.tally.stats["requests"] >= o.ops:
+                over = self.elapsed() - o.duration
+            elif o.ops is not None and self.tally.stats["requests"] >= o.ops:
+                over = 0.0
+            if over is not None and not self.sabotage_pending(over):
                 return
             due = (rotate_at is not None and self.elapsed() >= rotate_at) or (
                 rotate_ops is not None and self.tally.stats["requests"] >= rotate_ops
@@ -606,6 +618,19 @@ class Orchestrator:
                 await self.faults.pause()
                 await self.rotate_writer()
                 self.faults.resume()
+
+    def sabotage_pending(self, overtime: float) -> bool:
+        """The self-test goes on until each sabotage was seen a few times (bounded overtime).
+
+        Count-based, not timed: on a loaded machine a fixed duration may hold too few requests
+        for the sabotage to have happened at all.
+        """
+        if overtime > SABOTAGE_GRACE:
+            return False
+        st, sab = self.tally.stats, self.opts.sabotage
+        if "digest" in sab and st["items_wrong"] < SABOTAGE_MIN_SEEN:
+            return True
+        return "drop" in sab and st["sabotage_dropped"] < SABOTAGE_MIN_SEEN
 
     async def shutdown_children(self) -> None:
         for c in self.live_readers():

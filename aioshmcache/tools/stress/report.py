@@ -20,7 +20,8 @@ class Violations:
     def add(self, who: str, text: str) -> None:
         key = text.split(":")[0][:80]
         self.counts[key] += 1
-        if len(self.items) < 200:
+        # a few of each kind: a flood of one (say, wrong data) must not hide another
+        if self.counts[key] <= 20 and len(self.items) < 200:
             self.items.append(f"[{who}] {text}")
 
     def __len__(self) -> int:

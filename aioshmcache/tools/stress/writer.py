@@ -19,13 +19,14 @@ from typing import Any
 import anyio
 
 from aioshmcache import AsyncSenderCache, CacheConfig, CacheMissError, FeatureSpec, ShmRef
+from aioshmcache.wire import pack_features
 
 from .._core_gaps import retag_reference
 from ..framing import Link
 from ..lag import LoopLagMeter
 from .calls import cancel_mode, guarded
 from .options import StressOptions
-from .protocol import HB_INTERVAL
+from .protocol import HB_INTERVAL, SABOTAGE_EVERY
 from .workload import Workload
 
 __all__ = ["WriterProc"]
@@ -252,11 +253,14 @@ class WriterProc:
         out: Any,
     ) -> bool:
         """Check what the sender returned and send the references (no await: cancel-safe)."""
-        feats: list[list[Any]] = []
+        wired: list[FeatureSpec] = []  # what the readers get: the references, None for inline
+        checks: list[list[int]] = []  # per feature: the digest and size the reader verifies
         if not isinstance(out, list) or len(out) != len(specs):
             self.violation(f"get_and_update_features returned {type(out).__name__}")
             return False
-        sabotage = "digest" in self.opts.sabotage and self.rng.random() < 0.01
+        # self-test: a lying digest on every SABOTAGE_EVERY-th reference (count-based, not
+        # random: the run keeps going until the readers have caught some, however slow it is)
+        sabotage = "digest" in self.opts.sabotage
         for spec, f, (h, k, item, digest, n) in zip(specs, out, meta):
             self.seen.append(k)
             if not isinstance(f, FeatureSpec) or f.mm_hash != h:
@@ -268,17 +272,30 @@ class WriterProc:
             ):
                 self.violation(f"{h}: prompt updates / identifier not preserved")
             if isinstance(f.data, ShmRef):
-                ref = f.data.to_dict()
-                self.recent.append((h, ref))
+                self.recent.append((h, f.data.to_dict()))
                 self.stats["refs"] += 1
                 self.stats["ref_bytes"] += n
-                feats.append([h, ref, digest ^ 1 if sabotage else digest, n])
+                lie = sabotage and self.stats["refs"] % SABOTAGE_EVERY == 0
+                if lie:
+                    self.stats["sabotaged"] += 1
+                wired.append(FeatureSpec(h, f.data))
+                checks.append([digest ^ 1 if lie else digest, n])
             elif f.data is item and spec.data is item:
                 self.stats["inline"] += 1
-                feats.append([h, None, digest, n])
+                wired.append(FeatureSpec(h, None))
+                checks.append([digest, n])
             else:
                 self.violation(f"{h}: sender returned data that is neither a ShmRef nor the input")
-        self.link.send({"t": "req", "gen": self.gen, "rid": rid, "t0": t0, "f": feats})
+        self.link.send(
+            {
+                "t": "req",
+                "gen": self.gen,
+                "rid": rid,
+                "t0": t0,
+                "f": pack_features(wired),
+                "c": checks,
+            }
+        )
         return True
 
     # --- forged and stale references ------------------------------------------------------
