@@ -1,13 +1,14 @@
 """The multimodal API gateway: a FastAPI app whose lifespan owns the cache and the workers.
 
 The gateway is the cache's writer. For every request (a prompt plus 1..N images) it hashes each
-image's raw bytes with the processor settings (``mm_hash``), asks the cache whether it already
-holds the tensors (``is_cached_item``) and preprocesses only the images it does not hold (in a
-worker thread, never on the loop). It then makes the request's hand-outs with
-``await cache.get_and_update_features(...)``: cached images become ``FeatureSpec(h, None)`` and
-come back as ``ShmRef``s without any copy; new ones are put; images whose tensors exceed
-``max_object_bytes`` come back inline. Only references (or inline tensors) travel to the engine
-workers over a Unix socket; their answers prove they read the right bytes.
+image's raw bytes with the processor settings (``mm_hash``) and makes one hand-out per image with
+``await cache.get_or_put(h, make)``: a cached image comes back as a ``ShmRef`` without any copy
+and is not preprocessed again; a new one is preprocessed by ``make`` (in a worker thread, never on
+the loop) and put, once even when concurrent requests carry it (single flight: the others wait
+for that put, and ``single_flight_stats().saved`` counts the preprocessings saved); images whose
+tensors exceed ``max_object_bytes`` come back inline. Only references (or inline tensors) travel
+to the engine workers over a Unix socket (``aioshmcache.wire``); their answers prove they read
+the right bytes.
 
 Endpoints::
 
@@ -15,7 +16,8 @@ Endpoints::
     POST /v1/generate/upload   multipart: prompt, images (files), mm_hashes (hash-only items)
     GET  /v1/processor         the processor settings (clients compute mm_hash with them)
     GET  /healthz              200 when the workers are ready, 503 otherwise
-    GET  /metrics              Prometheus text format (its own CollectorRegistry)
+    GET  /metrics              Prometheus text format: aioshmcache.metrics.CacheCollector and
+                               the gateway's own metrics (its own CollectorRegistry)
     GET  /stats                the same and more as JSON;  POST /stats/reset resets loop lag
 
 The drift path: an image sent as a hash only (no bytes) that the cache does not hold is a 409
