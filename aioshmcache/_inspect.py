@@ -9,25 +9,24 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 
-from ._readers import ReaderTable
-from ._segment import (
-    W_BYTES_USED,
-    W_CAPACITY,
-    W_CREATED,
-    W_DELIVERY,
-    W_EPOCH,
-    W_EVICTIONS,
-    W_HITS,
-    W_INLINE_FULL,
-    W_INLINE_LARGE,
-    W_ITEMS,
-    W_MAX_OBJECT,
-    W_MISSES,
-    W_NEXT_ID,
-    W_WRITER_PID,
-    Segment,
+from ._layout import (
+    H_BYTES_USED,
+    H_CAPACITY,
+    H_CREATED,
+    H_DELIVERY,
+    H_EPOCH,
+    H_EVICTIONS,
+    H_HITS,
+    H_INLINE_FULL,
+    H_INLINE_LARGE,
+    H_ITEMS,
+    H_MAX_OBJECT,
+    H_MISSES,
+    H_NEXT_ID,
+    H_WRITER_PID,
 )
-from ._store import reader_slots_info
+from ._readers import ReaderTable, reader_slots_info
+from ._segment import Segment
 
 __all__ = ["inspect_segment"]
 
@@ -42,22 +41,22 @@ def inspect_segment(name: str) -> str:
             slots = reader_slots_info(table, probe=True)
         finally:
             table.release()
-        cap = int(w[W_CAPACITY])
-        used = int(w[W_BYTES_USED])
-        created = dt.datetime.fromtimestamp(int(w[W_CREATED]) / 1e9, tz=dt.timezone.utc)
-        hits, misses = int(w[W_HITS]), int(w[W_MISSES])
+        cap = int(w[H_CAPACITY])
+        used = int(w[H_BYTES_USED])
+        created = dt.datetime.fromtimestamp(int(w[H_CREATED]) / 1e9, tz=dt.timezone.utc)
+        hits, misses = int(w[H_HITS]), int(w[H_MISSES])
         total = hits + misses
         lines = [
             f"segment     {seg.name}",
-            f"writer      pid {int(w[W_WRITER_PID])}, {'alive' if seg.writer_alive() else 'DEAD'}",
+            f"writer      pid {int(w[H_WRITER_PID])}, {'alive' if seg.writer_alive() else 'DEAD'}",
             f"created     {created:%Y-%m-%d %H:%M:%S} UTC",
-            f"delivery    {'one_of_n' if w[W_DELIVERY] else 'broadcast'}",
-            f"capacity    {cap} bytes (max object {int(w[W_MAX_OBJECT])})",
-            f"used        {used} bytes ({100 * used / cap:.1f}%), {int(w[W_ITEMS])} items",
-            f"epoch       {int(w[W_EPOCH])}, next id {int(w[W_NEXT_ID])}",
+            f"delivery    {'one_of_n' if w[H_DELIVERY] else 'broadcast'}",
+            f"capacity    {cap} bytes (max object {int(w[H_MAX_OBJECT])})",
+            f"used        {used} bytes ({100 * used / cap:.1f}%), {int(w[H_ITEMS])} items",
+            f"epoch       {int(w[H_EPOCH])}, next id {int(w[H_NEXT_ID])}",
             f"hits        {hits} of {total}" + (f" ({100 * hits / total:.1f}%)" if total else ""),
-            f"inline      too large {int(w[W_INLINE_LARGE])}, full {int(w[W_INLINE_FULL])}",
-            f"evictions   {int(w[W_EVICTIONS])}",
+            f"inline      too large {int(w[H_INLINE_LARGE])}, full {int(w[H_INLINE_FULL])}",
+            f"evictions   {int(w[H_EVICTIONS])}",
             "readers     slot  attached  alive  pid      acked     behind  revoked",
         ]
         lines.extend(

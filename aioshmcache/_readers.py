@@ -1,15 +1,7 @@
 """Layer 3: the reader table — crash-safe reader slots and single-writer acknowledgement logs.
 
-Slot layout (``slot_size`` bytes, one per reader slot, word = native u64)::
-
-    +0    reader-written words          +64   writer-written words
-          0 session (0: free)                 8  consumed cursor (acks the writer has read)
-          1 pid (information only)            9  revoked session
-          2 log head (acks written)          10  owed (hand-outs not yet acknowledged)
-          3 log start (head at attach)
-          4 attach time (ns)
-    +128  acknowledgement log: ``log_entries`` pairs of words, entry ``k % log_entries`` =
-          (chunk id, hand-out seq) acknowledged
+The slot layout (reader-written ``RS_`` and writer-written ``WS_`` words, then the log) is in
+``_layout``.
 
 A reader claims a slot by taking the OFD lock on byte ``1 + slot`` of the segment; the kernel
 drops the lock when the reader dies, so the writer tests liveness with ``F_OFD_GETLK`` without
@@ -28,23 +20,26 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ._segment import (
+from ._layout import (
+    H_LOG_ENTRIES,
+    H_N_READERS,
+    H_READER_OFF,
+    H_SLOT_SIZE,
+    RS_ATTACHED,
+    RS_HEAD,
+    RS_PID,
+    RS_SESSION,
+    RS_START,
     SLOT_HEADER,
-    W_LOG_ENTRIES,
-    W_N_READERS,
-    W_READER_OFF,
-    W_SLOT_SIZE,
-    Segment,
-    ofd_lock,
-    ofd_probe,
-    ofd_unlock,
+    WS_CONSUMED,
+    WS_OWED,
+    WS_REVOKED,
 )
+from ._segment import Segment, ofd_lock, ofd_probe, ofd_unlock
+from ._types import ReaderSlotInfo
 from .errors import ClosedCacheError, ReaderEvictedError, ReaderLimitError
 
-__all__ = ["ReaderSlot", "ReaderTable", "SlotState"]
-
-R_SESSION, R_PID, R_HEAD, R_START, R_ATTACHED = 0, 1, 2, 3, 4
-W_CONSUMED, W_REVOKED, W_OWED = 8, 9, 10
+__all__ = ["ReaderSlot", "ReaderTable", "SlotState", "reader_slots_info"]
 
 
 class ReaderTable:
@@ -53,15 +48,17 @@ class ReaderTable:
     def __init__(self, segment: Segment) -> None:
         hw = segment.words
         self.segment = segment
-        self.n_slots = int(hw[W_N_READERS])
-        self.slot_size = int(hw[W_SLOT_SIZE])
-        self.log_entries = int(hw[W_LOG_ENTRIES])
-        off = int(hw[W_READER_OFF])
+        self.n_slots = int(hw[H_N_READERS])
+        self.slot_size = int(hw[H_SLOT_SIZE])
+        self.log_entries = int(hw[H_LOG_ENTRIES])
+        off = int(hw[H_READER_OFF])
         region = segment.buf[off : off + self.n_slots * self.slot_size]
         self._all = region.cast("Q")
         self._stride = self.slot_size // 8
-        self._sessions = self._all[R_SESSION :: self._stride]  # one word per slot, strided
-        self._heads = self._all[R_HEAD :: self._stride]
+        self._sessions = self._all[RS_SESSION :: self._stride]  # one word per slot, strided
+        self._heads = self._all[RS_HEAD :: self._stride]
+        #: every slot's ``WS_OWED`` word, strided (written by the writer only)
+        self.owed_words = self._all[WS_OWED :: self._stride]
 
     def heads(self) -> list[int]:
         """Every slot's log head, read in one go."""
@@ -72,9 +69,11 @@ class ReaderTable:
         return self._sessions.tolist()
 
     def word(self, slot: int, index: int) -> int:
+        """Word ``index`` (an ``RS_`` or ``WS_`` index) of slot ``slot``."""
         return int(self._all[slot * self._stride + index])
 
     def set_word(self, slot: int, index: int, value: int) -> None:
+        """Store word ``index`` of slot ``slot`` (only the word's one writing process does)."""
         self._all[slot * self._stride + index] = value
 
     def log_view(self, slot: int) -> memoryview:
@@ -87,8 +86,10 @@ class ReaderTable:
         return ofd_probe(self.segment.fd, 1 + slot)
 
     def release(self) -> None:
+        """Release the views of the table (before the segment is closed)."""
         self._sessions.release()
         self._heads.release()
+        self.owed_words.release()
         self._all.release()
 
     # --- reader side -----------------------------------------------------------------------
@@ -101,10 +102,10 @@ class ReaderTable:
             session = secrets.randbits(63) | 1
             base = slot * self._stride
             a = self._all
-            a[base + R_PID] = os.getpid()
-            a[base + R_ATTACHED] = time.time_ns()
-            a[base + R_START] = a[base + R_HEAD]
-            a[base + R_SESSION] = session  # last: the writer sees a complete slot
+            a[base + RS_PID] = os.getpid()
+            a[base + RS_ATTACHED] = time.time_ns()
+            a[base + RS_START] = a[base + RS_HEAD]
+            a[base + RS_SESSION] = session  # last: the writer sees a complete slot
             return ReaderSlot(self, slot, session)
         raise ReaderLimitError(
             f"all {self.n_slots} reader slots of {self.segment.name!r} are taken"
@@ -130,17 +131,25 @@ class ReaderSlot:
 
     @property
     def revoked(self) -> bool:
-        return self._words[W_REVOKED] == self.session
+        """Whether the writer revoked this session."""
+        return self._words[WS_REVOKED] == self.session
 
     def check_revoked(self) -> None:
-        if self._words[W_REVOKED] == self.session:
+        """``ReaderEvictedError`` if the writer revoked this session."""
+        if self._words[WS_REVOKED] == self.session:
             raise ReaderEvictedError(
                 f"reader slot {self.slot} was revoked by the writer (stuck past its deadline)"
             )
 
     @property
+    def overflowing(self) -> bool:
+        """Whether acknowledgements wait for log room (see :meth:`flush`)."""
+        return bool(self._overflow)
+
+    @property
     def acknowledged(self) -> int:
-        return int(self._words[R_HEAD] - self._words[R_START])
+        """Acknowledgements written by this session so far."""
+        return int(self._words[RS_HEAD] - self._words[RS_START])
 
     def ack(self, cid: int, seq: int) -> None:
         """Record that chunk ``cid`` was read and verified: two aligned stores, no syscall.
@@ -156,20 +165,20 @@ class ReaderSlot:
                 self._flush()
                 return
             w = self._words
-            head = int(w[R_HEAD])
-            if head - int(w[W_CONSUMED]) >= self._n:
+            head = int(w[RS_HEAD])
+            if head - int(w[WS_CONSUMED]) >= self._n:
                 self._overflow.append((cid, seq))
                 return
             k = 2 * (head % self._n)
             self._log[k] = cid
             self._log[k + 1] = seq
-            w[R_HEAD] = head + 1
+            w[RS_HEAD] = head + 1
 
     def _flush(self) -> None:
         """Move overflowed acknowledgements into the log as far as it has room."""
         w = self._words
-        head = int(w[R_HEAD])
-        room = self._n - (head - int(w[W_CONSUMED]))
+        head = int(w[RS_HEAD])
+        room = self._n - (head - int(w[WS_CONSUMED]))
         k = min(room, len(self._overflow))
         for cid, seq in self._overflow[:k]:
             j = 2 * (head % self._n)
@@ -177,7 +186,7 @@ class ReaderSlot:
             self._log[j + 1] = seq
             head += 1
         if k:
-            w[R_HEAD] = head
+            w[RS_HEAD] = head
             del self._overflow[:k]
 
     def flush(self) -> int:
@@ -195,8 +204,8 @@ class ReaderSlot:
             self.closed = True
         seg = self.table.segment
         if not seg.closed and not seg.forked:
-            if self._words[R_SESSION] == self.session:
-                self._words[R_SESSION] = 0
+            if self._words[RS_SESSION] == self.session:
+                self._words[RS_SESSION] = 0
             ofd_unlock(seg.fd, 1 + self.slot)
         self._words.release()
         self._log.release()
@@ -210,4 +219,29 @@ class SlotState:
     cursor: int = 0
     alive: bool = False
     revoked: int = 0
-    last_probe: float = 0.0
+
+
+def reader_slots_info(table: ReaderTable, *, probe: bool) -> list[ReaderSlotInfo]:
+    """Every reader slot as seen from outside: session, pid, liveness, acknowledgements, lag.
+
+    ``lag`` is the number of hand-outs the slot's reader owes, as the writer last published it
+    (``WS_OWED``), whether or not the reader ever acknowledged anything.
+    """
+    out = []
+    for slot in range(table.n_slots):
+        session = table.word(slot, RS_SESSION)
+        if not session:
+            out.append(ReaderSlotInfo(slot, False, False, 0, 0, 0, False))
+            continue
+        out.append(
+            ReaderSlotInfo(
+                slot=slot,
+                attached=True,
+                alive=probe and table.probe(slot),
+                pid=table.word(slot, RS_PID),
+                acknowledged=table.word(slot, RS_HEAD) - table.word(slot, RS_START),
+                lag=table.word(slot, WS_OWED),
+                revoked=table.word(slot, WS_REVOKED) == session,
+            )
+        )
+    return out

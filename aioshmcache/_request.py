@@ -27,12 +27,12 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from ._segment import W_HITS, W_INLINE_FULL, W_INLINE_LARGE, W_MISSES
+from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES
 from ._store import Reservation, ShmObjectStore
 from ._types import REF_FIELDS, FeatureSpec, ShmRef
 from .errors import (
@@ -159,15 +159,15 @@ class SenderBook:
         if hit:
             c.hits += 1
         w = self.store.ring.segment.words
-        w[W_HITS] = c.hits
-        w[W_MISSES] = c.total - c.hits
+        w[H_HITS] = c.hits
+        w[H_MISSES] = c.total - c.hits
         if inline == "too_large":
             c.inline_too_large += 1
-            w[W_INLINE_LARGE] = c.inline_too_large
+            w[H_INLINE_LARGE] = c.inline_too_large
             self._log_once(inline, mm_hash, nbytes, self.store.max_object_bytes)
         elif inline == "full":
             c.inline_full += 1
-            w[W_INLINE_FULL] = c.inline_full
+            w[H_INLINE_FULL] = c.inline_full
             self._log_once(inline, mm_hash)
         elif inline == "busy":
             c.inline_busy += 1
@@ -333,7 +333,7 @@ class SenderRequest(_Steps):
             return None
         try:
             plan = store.plan(item[0])
-            res = store.reserve(h, plan, wait_for_space=wait)
+            res = store.reserve(h, plan, wait_for_space=wait, own_pins=Counter(self._pins))
         except ObjectTooLargeError as exc:
             book.too_large.add(h, exc.nbytes)
             self._out[i] = item

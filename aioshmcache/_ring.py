@@ -1,17 +1,6 @@
 """Layer 2: ``ShmRingBuffer``, a single-writer ring of chunks in a shared-memory segment.
 
-Chunk layout (``address`` is the chunk's offset in the ring, a multiple of 64)::
-
-    address      +--------------------------------------------------+
-                 | word 0  id      64-bit generation, never reused  |
-                 | word 1  length  payload bytes                    |
-                 | word 2  state   1 writing, 2 committed,          |
-                 |                 3 freed, 4 dead (abandoned)      |
-                 | word 3  check   id ^ length ^ CHUNK_MAGIC        |
-                 | words 4-7 reserved                               |
-    address+64   +--------------------------------------------------+
-                 | payload (length bytes), padded to 64             |
-                 +--------------------------------------------------+
+The chunk header (id, length, state, check word; ``C_`` words) is laid out in ``_layout``.
 
 All bookkeeping (FIFO order, head, tail) lives in the writer's memory; readers see chunk headers
 only. The writer writes a chunk's header (state *writing*), then the payload, then flips the state
@@ -23,7 +12,7 @@ sees the freed state or the new id afterwards, so torn reads are always detected
 Payload bytes cannot be trusted to detect their own reuse: the next occupant of the memory may
 write anything, a forged chunk header included. So each chunk also has a *position*, a 64-bit
 offset in the endless stream of allocations (position mod capacity = address), and the writer
-publishes in the segment header the position of the oldest live chunk (``W_HEAD_POS``) *before*
+publishes in the segment header the position of the oldest live chunk (``H_HEAD_POS``) *before*
 it reuses any byte behind it. A reader re-checks after its copy that the head has not passed its
 chunk's position — a word no payload can touch.
 
@@ -36,17 +25,29 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Final
 
-from ._segment import (
-    W_CAPACITY,
-    W_EPOCH,
-    W_HEAD_POS,
-    W_NEXT_ID,
-    W_RING_OFF,
+from ._layout import (
+    C_CHECK,
+    C_ID,
+    C_LENGTH,
+    C_STATE,
+    CHUNK_HEADER,
+    CHUNK_MAGIC,
+    COMMITTED,
+    DEAD,
+    FREED,
+    H_CAPACITY,
+    H_EPOCH,
+    H_HEAD_POS,
+    H_NEXT_ID,
+    H_RING_OFF,
+    LAYOUT_VERSION,
+    MAX_CHUNK_ID,
+    WRITING,
     Layout,
-    Segment,
+    chunk_size,
 )
+from ._segment import Segment
 from ._types import CacheHandle
 from .errors import (
     CacheFullError,
@@ -59,16 +60,6 @@ from .errors import (
 
 __all__ = ["CHUNK_HEADER", "ShmRingBuffer"]
 
-CHUNK_HEADER: Final = 64
-CHUNK_MAGIC: Final = 0x9E3779B97F4A7C15
-WRITING, COMMITTED, FREED, DEAD = 1, 2, 3, 4
-_MAX_ID: Final = (1 << 64) - 2
-
-
-def chunk_size(payload: int) -> int:
-    """Bytes a chunk with ``payload`` bytes occupies in the ring."""
-    return CHUNK_HEADER + (payload + 63) // 64 * 64
-
 
 class ShmRingBuffer:
     """Single-writer ring of chunks, addressed by (address, id).
@@ -80,8 +71,8 @@ class ShmRingBuffer:
     def __init__(self, segment: Segment, *, writer: bool) -> None:
         self._seg = segment
         self._hw = segment.words
-        off = int(self._hw[W_RING_OFF])
-        self.capacity = int(self._hw[W_CAPACITY])
+        off = int(self._hw[H_RING_OFF])
+        self.capacity = int(self._hw[H_CAPACITY])
         self.buf = segment.buf[off : off + self.capacity]
         self._w = self.buf.cast("Q")
         self._writer = writer
@@ -90,7 +81,7 @@ class ShmRingBuffer:
         self._by_addr: dict[int, int] = {}  # address -> state (writer's own view)
         self._pos: dict[int, int] = {}  # address -> position of the chunk there
         self._tail = 0
-        self._next_pos = int(self._hw[W_HEAD_POS])  # position of the next byte allocated
+        self._next_pos = int(self._hw[H_HEAD_POS])  # position of the next byte allocated
 
     # --- standalone construction ----------------------------------------------------------
     @classmethod
@@ -106,24 +97,25 @@ class ShmRingBuffer:
             delivery="broadcast",
             handout_ttl=30.0,
         )
-        if first_id < 1 or first_id > _MAX_ID:
+        if first_id < 1 or first_id > MAX_CHUNK_ID:
             seg.close()
             raise ValueError("first_id must be a positive 64-bit id")
-        seg.words[W_NEXT_ID] = first_id
+        seg.words[H_NEXT_ID] = first_id
         return cls(seg, writer=True)
 
     @classmethod
     def attach(cls, handle: CacheHandle | str) -> ShmRingBuffer:
+        """Map the ring of an existing segment as a reader."""
         if isinstance(handle, CacheHandle):
             return cls(Segment.attach(handle.name, nonce=handle.nonce), writer=False)
         return cls(Segment.attach(handle), writer=False)
 
     def handle(self) -> CacheHandle:
-        from ._segment import LAYOUT_VERSION
-
+        """What another process needs to attach to this ring."""
         return CacheHandle(self._seg.name, self._seg.nonce, LAYOUT_VERSION)
 
     def close(self) -> None:
+        """Release the views and close the segment (the owner unlinks it); idempotent."""
         if not self._seg.closed:
             self._w.release()
             self.buf.release()
@@ -132,23 +124,23 @@ class ShmRingBuffer:
     # --- state ---------------------------------------------------------------------------
     @property
     def segment(self) -> Segment:
+        """The segment the ring lives in."""
         return self._seg
 
     @property
     def epoch(self) -> int:
-        return int(self._hw[W_EPOCH])
+        """The current epoch (bumped by :meth:`clear`)."""
+        return int(self._hw[H_EPOCH])
 
     @property
     def next_id(self) -> int:
-        return int(self._hw[W_NEXT_ID])
+        """The id the next allocated chunk gets."""
+        return int(self._hw[H_NEXT_ID])
 
     @property
     def n_chunks(self) -> int:
+        """How many chunks are allocated (writer only)."""
         return len(self._chunks)
-
-    @property
-    def head(self) -> int:
-        return self._chunks[0][0] if self._chunks else 0
 
     @property
     def used_bytes(self) -> int:
@@ -161,10 +153,6 @@ class ShmRingBuffer:
     def chunk_ids(self) -> list[int]:
         """Ids of the allocated chunks, oldest first."""
         return [c[2] for c in self._chunks]
-
-    def chunks(self) -> list[tuple[int, int, int]]:
-        """(address, size, id) of the allocated chunks, oldest first."""
-        return list(self._chunks)
 
     def _check_writer(self) -> None:
         if not self._writer:
@@ -204,15 +192,15 @@ class ShmRingBuffer:
         addr = self._place(size)
         if addr is None:
             raise CacheFullError(f"no contiguous room for {size} bytes (used {self.used_bytes})")
-        cid = int(self._hw[W_NEXT_ID])
-        if cid > _MAX_ID:
+        cid = int(self._hw[H_NEXT_ID])
+        if cid > MAX_CHUNK_ID:
             raise ShmCacheError("64-bit chunk ids exhausted")
-        self._hw[W_NEXT_ID] = cid + 1
+        self._hw[H_NEXT_ID] = cid + 1
         w, i = self._w, addr >> 3
-        w[i + 2] = WRITING
-        w[i] = cid
-        w[i + 1] = payload
-        w[i + 3] = cid ^ payload ^ CHUNK_MAGIC
+        w[i + C_STATE] = WRITING
+        w[i + C_ID] = cid
+        w[i + C_LENGTH] = payload
+        w[i + C_CHECK] = cid ^ payload ^ CHUNK_MAGIC
         if addr != self._tail:  # wrapped: the skipped tail counts in the stream of positions
             self._next_pos += self.capacity - self._tail
         self._pos[addr] = self._next_pos
@@ -229,35 +217,34 @@ class ShmRingBuffer:
     def _publish_head(self) -> None:
         """Publish the reuse fence: everything before the head's position may be overwritten."""
         if self._chunks:
-            self._hw[W_HEAD_POS] = self._pos[self._chunks[0][0]]
+            self._hw[H_HEAD_POS] = self._pos[self._chunks[0][0]]
             return
         cap = self.capacity  # empty: the next chunk goes to address 0, the next lap
         self._next_pos = -(-self._next_pos // cap) * cap
         self._tail = 0
-        self._hw[W_HEAD_POS] = self._next_pos
+        self._hw[H_HEAD_POS] = self._next_pos
 
     def payload(self, address: int) -> memoryview:
         """Writable view of an allocated chunk's payload (writer only)."""
         i = address >> 3
-        return self.buf[address + CHUNK_HEADER : address + CHUNK_HEADER + int(self._w[i + 1])]
+        return self.buf[
+            address + CHUNK_HEADER : address + CHUNK_HEADER + int(self._w[i + C_LENGTH])
+        ]
 
     def commit(self, address: int) -> None:
         """Make the chunk readable: its payload must be fully written."""
         self._check_writer()
         if self._by_addr.get(address) != WRITING:
             raise ShmCacheError(f"chunk at {address} is not being written")
-        self._w[(address >> 3) + 2] = COMMITTED
+        self._w[(address >> 3) + C_STATE] = COMMITTED
         self._by_addr[address] = COMMITTED
 
     def abandon(self, address: int) -> None:
         """Mark an allocation whose copy was abandoned as dead; it is reclaimed in FIFO order."""
         self._check_writer()
         if address in self._by_addr:
-            self._w[(address >> 3) + 2] = DEAD
+            self._w[(address >> 3) + C_STATE] = DEAD
             self._by_addr[address] = DEAD
-
-    def state(self, address: int) -> int:
-        return self._by_addr.get(address, FREED)
 
     def free(self, is_free: Callable[[int], bool], nbytes: int = 0) -> list[int]:
         """Free chunks oldest first while they are free, until ``nbytes`` fit contiguously.
@@ -276,7 +263,7 @@ class ShmRingBuffer:
             st = self._by_addr[addr]
             if st == WRITING or (st == COMMITTED and not is_free(cid)):
                 break
-            w[(addr >> 3) + 2] = FREED
+            w[(addr >> 3) + C_STATE] = FREED
             del self._by_addr[addr]
             del self._pos[addr]
             chunks.popleft()
@@ -292,18 +279,18 @@ class ShmRingBuffer:
         once their writer commits or abandons them.
         """
         self._check_writer()
-        self._hw[W_EPOCH] = int(self._hw[W_EPOCH]) + 1
+        self._hw[H_EPOCH] = int(self._hw[H_EPOCH]) + 1
         if any(self._by_addr[c[0]] == WRITING for c in self._chunks):
             freed = []
             for addr, _size, cid in self._chunks:
                 if self._by_addr[addr] != WRITING:
-                    self._w[(addr >> 3) + 2] = FREED
+                    self._w[(addr >> 3) + C_STATE] = FREED
                     self._by_addr[addr] = DEAD
                     freed.append(cid)
             return freed
         freed = [c[2] for c in self._chunks]
         for addr, _size, _cid in self._chunks:
-            self._w[(addr >> 3) + 2] = FREED
+            self._w[(addr >> 3) + C_STATE] = FREED
         self._chunks.clear()
         self._by_addr.clear()
         self._pos.clear()
@@ -331,9 +318,9 @@ class ShmRingBuffer:
         ):
             raise InvalidReferenceError(f"address {address!r} is not a chunk address in this ring")
         w, i = self._w, address >> 3
-        hid, hlen, hstate, hcheck = w[i], w[i + 1], w[i + 2], w[i + 3]
+        hid, hlen, hstate, hcheck = w[i + C_ID], w[i + C_LENGTH], w[i + C_STATE], w[i + C_CHECK]
         if hid != cid or hcheck != hid ^ hlen ^ CHUNK_MAGIC:
-            if 0 < cid < self._hw[W_NEXT_ID]:
+            if 0 < cid < self._hw[H_NEXT_ID]:
                 raise StaleReferenceError(f"chunk {cid} was evicted and its space reused")
             raise InvalidReferenceError(f"chunk id {cid} was never issued by this writer")
         if hstate != COMMITTED:
@@ -345,7 +332,7 @@ class ShmRingBuffer:
         if position is not None:
             if position % cap != address:
                 raise InvalidReferenceError(f"chunk {cid}: position does not match its address")
-            if self._hw[W_HEAD_POS] > position:
+            if self._hw[H_HEAD_POS] > position:
                 raise StaleReferenceError(f"chunk {cid} was evicted and its space reused")
         start = address + CHUNK_HEADER
         return self.buf[start : start + hlen].toreadonly()
@@ -358,8 +345,8 @@ class ShmRingBuffer:
         """
         if self._seg.closed:
             raise ClosedCacheError("the ring was closed during the read")
-        if position is not None and self._hw[W_HEAD_POS] > position:
+        if position is not None and self._hw[H_HEAD_POS] > position:
             raise StaleReferenceError(f"chunk {cid} was reclaimed during the read")
         i = address >> 3
-        if self._w[i] != cid or self._w[i + 2] != COMMITTED:
+        if self._w[i + C_ID] != cid or self._w[i + C_STATE] != COMMITTED:
             raise StaleReferenceError(f"chunk {cid} was reclaimed during the read")

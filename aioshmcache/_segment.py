@@ -1,27 +1,6 @@
 """Layer 1: a named POSIX shared-memory segment with a fixed header and kernel-tracked owner.
 
-Layout of the segment (all words are native 8-byte unsigned, written with one aligned store)::
-
-    0        +-------------------------------------------+
-             | segment header (4096 bytes, word index):  |
-             |  0 magic "AIOSHMC1"   1 layout version    |
-             |  2 header size        3 ring capacity     |
-             |  4 max object bytes   5 reader slots      |
-             |  6 reader table off   7 reader slot size  |
-             |  8 ring offset        9 nonce (random)    |
-             | 10 writer pid        11 epoch             |
-             | 12 owner uid         13 delivery mode     |
-             | 14 next chunk id     15 writer waiting    |
-             | 16 ack log entries   17 total size        |
-             | 18 created (ns)      19 state (live/closed)|
-             | 20..27 writer-published statistics        |
-             | 28 reference tag secret                   |
-             | 29 head position (reuse fence, ``_ring``) |
-    4096     +-------------------------------------------+
-             | reader table: n slots x slot size         |  (layer 3, ``_readers``)
-    ring_off +-------------------------------------------+
-             | ring: capacity bytes of chunks            |  (layer 2, ``_ring``)
-             +-------------------------------------------+
+The byte layout (header words, reader slots, chunks) and the names are in ``_layout``.
 
 Creation uses ``O_CREAT | O_EXCL``, mode 0600, reserves every page with ``posix_fallocate`` (a
 too-small /dev/shm is an ``ShmSpaceError`` now, never a SIGBUS later) and prefaults the mapping.
@@ -30,9 +9,7 @@ the segment with the resource tracker, which unlinks it when an attaching proces
 verifies magic, layout version, owner uid and, when a handle is given, the nonce.
 
 Liveness is proven with OFD byte-range locks (``F_OFD_SETLK``), which the kernel releases when the
-holder dies, SIGKILL included: byte 0 is the writer's, byte ``1 + i`` reader slot ``i``'s. File
-descriptors are opened ``O_CLOEXEC`` and closed in forked children (``os.register_at_fork``) so
-that a child never keeps a dead parent looking alive.
+holder dies, SIGKILL included: byte 0 is the writer's, byte ``1 + i`` reader slot ``i``'s.
 """
 
 from __future__ import annotations
@@ -40,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import secrets
@@ -47,49 +25,64 @@ import stat
 import struct
 import time
 import weakref
-from typing import Final
+from typing import Final, NamedTuple
 
-from ._types import SEGMENT_PREFIX, segment_name
+from ._layout import (
+    DELIVERY_CODES,
+    H_CAPACITY,
+    H_CREATED,
+    H_DELIVERY,
+    H_EPOCH,
+    H_HANDOUT_TTL_MS,
+    H_HEADER_SIZE,
+    H_LOG_ENTRIES,
+    H_MAGIC,
+    H_MAX_OBJECT,
+    H_N_READERS,
+    H_NEXT_ID,
+    H_NONCE,
+    H_OWNER_UID,
+    H_READER_OFF,
+    H_RING_OFF,
+    H_SECRET,
+    H_SLOT_SIZE,
+    H_STATE,
+    H_TOTAL,
+    H_VERSION,
+    H_WRITER_PID,
+    HEADER_SIZE,
+    LAYOUT_VERSION,
+    MAGIC,
+    PAGE,
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    STATE_CLOSED,
+    STATE_LIVE,
+    Layout,
+    is_segment_file,
+    segment_name,
+    semaphore_file,
+)
 from .errors import (
     ClosedCacheError,
+    RoleError,
     SegmentExistsError,
     SegmentNotFoundError,
     ShmCacheError,
     ShmSpaceError,
 )
 
-__all__ = ["SHM_DIR", "Segment", "Layout", "ofd_lock", "ofd_probe"]
+__all__ = [
+    "Segment",
+    "WriterState",
+    "list_segments",
+    "ofd_lock",
+    "ofd_probe",
+    "ofd_unlock",
+    "writer_state",
+]
 
-SHM_DIR: Final = "/dev/shm"
-MAGIC: Final = int.from_bytes(b"AIOSHMC1", "little")
-LAYOUT_VERSION: Final = 2
-HEADER_SIZE: Final = 4096
-PAGE: Final = 4096
-
-# header word indices
-W_MAGIC, W_VERSION, W_HEADER_SIZE, W_CAPACITY, W_MAX_OBJECT, W_N_READERS = 0, 1, 2, 3, 4, 5
-W_READER_OFF, W_SLOT_SIZE, W_RING_OFF, W_NONCE, W_WRITER_PID, W_EPOCH = 6, 7, 8, 9, 10, 11
-W_OWNER_UID, W_DELIVERY, W_NEXT_ID, W_WAITING, W_LOG_ENTRIES, W_TOTAL = 12, 13, 14, 15, 16, 17
-W_CREATED, W_STATE = 18, 19
-# writer-published statistics (for ``inspect`` from another process)
-W_HITS, W_MISSES, W_INLINE_LARGE, W_INLINE_FULL, W_EVICTIONS, W_BYTES_USED, W_ITEMS = (
-    20,
-    21,
-    22,
-    23,
-    24,
-    25,
-    26,
-)
-W_HANDOUT_TTL_MS = 27
-W_SECRET = 28  # keys the reference tag (see ``_types.ShmRef``)
-W_HEAD_POS = 29  # ring position of the oldest live chunk: every byte before it may be reused
-
-STATE_LIVE: Final = 1
-STATE_CLOSED: Final = 2
-DELIVERY_CODES: Final = {"broadcast": 0, "one_of_n": 1}
-
-SLOT_HEADER: Final = 128  # two cache lines: reader-written words, then writer-written words
+log = logging.getLogger("aioshmcache")
 
 _F_OFD_GETLK: Final = getattr(fcntl, "F_OFD_GETLK", 36)
 _F_OFD_SETLK: Final = getattr(fcntl, "F_OFD_SETLK", 37)
@@ -98,15 +91,10 @@ _MADV_POPULATE_READ: Final = 22
 _MADV_POPULATE_WRITE: Final = 23
 
 
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-def ofd_lock(fd: int, byte: int, *, exclusive: bool = True) -> bool:
-    """Take a non-blocking OFD lock on one byte; False if another open file holds it."""
-    kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
+def ofd_lock(fd: int, byte: int) -> bool:
+    """Take a non-blocking exclusive OFD lock on one byte; False if another open file holds it."""
     try:
-        fcntl.fcntl(fd, _F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0))
+        fcntl.fcntl(fd, _F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0))
     except OSError as exc:
         if exc.errno in (errno.EAGAIN, errno.EACCES):
             return False
@@ -115,6 +103,7 @@ def ofd_lock(fd: int, byte: int, *, exclusive: bool = True) -> bool:
 
 
 def ofd_unlock(fd: int, byte: int) -> None:
+    """Drop this open file description's lock on one byte."""
     fcntl.fcntl(fd, _F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, byte, 1, 0))
 
 
@@ -125,46 +114,172 @@ def ofd_probe(fd: int, byte: int) -> bool:
     return kind != fcntl.F_UNLCK
 
 
-class Layout:
-    """Offsets derived from the configuration; identical in writer and readers."""
-
-    __slots__ = (
-        "capacity",
-        "log_entries",
-        "n_readers",
-        "reader_off",
-        "ring_off",
-        "slot_size",
-        "total",
-    )
-
-    def __init__(self, capacity: int, n_readers: int, log_entries: int) -> None:
-        self.capacity = _align(capacity, 64)
-        self.n_readers = n_readers
-        self.log_entries = log_entries
-        self.slot_size = _align(SLOT_HEADER + 16 * log_entries, 64)  # (id, seq) per entry
-        self.reader_off = HEADER_SIZE
-        self.ring_off = _align(self.reader_off + n_readers * self.slot_size, PAGE)
-        self.total = _align(self.ring_off + self.capacity, PAGE)
-
-
 _open_segments: weakref.WeakSet[Segment] = weakref.WeakSet()
 
 
-def _close_fds_in_child() -> None:
+def _close_lock_fds_in_child() -> None:
     for seg in list(_open_segments):
-        seg._forget_fd_after_fork()
+        seg._forget_after_fork()
 
 
-os.register_at_fork(after_in_child=_close_fds_in_child)
+os.register_at_fork(after_in_child=_close_lock_fds_in_child)
+
+_OPEN_FLAGS: Final = os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+_SPACE_ERRNOS: Final = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.ENOMEM)
+#: a segment without its magic yet may be in the microseconds between ``open`` and the writer's
+#: lock: only one older than this is an orphan of a creation that died
+CREATION_GRACE: Final = 10.0
+
+
+def _typed(exc: OSError, full: str, path: str, doing: str) -> ShmCacheError:
+    """The typed error for an ``OSError`` met while attaching to or creating ``full``.
+
+    A symbolic link (``ELOOP`` under ``O_NOFOLLOW``), a directory or a file we may not open is
+    not a segment of ours under that name: ``SegmentNotFoundError``, the same answer as for a
+    file without our magic, so that a caller that handles "no such cache" handles it too.
+    """
+    no = exc.errno
+    if no == errno.ENOENT:
+        return SegmentNotFoundError(no, f"no segment {full!r}", path)
+    if no == errno.ELOOP:
+        return SegmentNotFoundError(
+            no, f"{path} is a symbolic link, not a segment (links are never followed)", path
+        )
+    if no in (errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENXIO, errno.ENODEV):
+        return SegmentNotFoundError(
+            no, f"{path} is not a segment this user can use ({exc.strerror})", path
+        )
+    if no == errno.EEXIST:
+        return SegmentExistsError(no, f"segment {full!r} already exists", path)
+    if no in _SPACE_ERRNOS:
+        return ShmSpaceError(no, f"no room to {doing} segment {full!r}: {exc.strerror}", path)
+    return ShmCacheError(f"cannot {doing} segment {full!r}: {exc}")
+
+
+def _open_lock_fd(fd: int) -> int:
+    """A second open file description of the file behind ``fd``, for the kernel locks only.
+
+    It is never mapped: a forked child that closes its copy (see ``_forget_after_fork``) drops
+    every reference it had to it, while the mapping keeps its own open file description alive.
+    Re-opening through ``/proc/self/fd`` guarantees the same file, never a replacement.
+    """
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+
+
+class WriterState(NamedTuple):
+    """What a segment file says about its writer, read from outside (sweep, reclaim)."""
+
+    exists: bool
+    ours: bool  # a regular file of this user
+    initialised: bool  # our magic and layout version
+    alive: bool  # some open file description holds the writer lock
+    pid: int
+    nonce: int | None
+    old: bool  # older than CREATION_GRACE
+
+    @property
+    def orphan(self) -> bool:
+        """Provably without a writer, and ours to remove."""
+        return self.exists and self.ours and not self.alive and (self.initialised or self.old)
+
+
+def _state_of(fd: int) -> WriterState:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        return WriterState(True, False, False, False, 0, None, False)
+    alive = ofd_probe(fd, 0)
+    head = os.pread(fd, 8 * (H_WRITER_PID + 1), 0)
+    init = False
+    pid, nonce = 0, None
+    if len(head) == 8 * (H_WRITER_PID + 1):
+        hw = memoryview(head).cast("Q")
+        init = hw[H_MAGIC] == MAGIC and hw[H_VERSION] == LAYOUT_VERSION
+        if init:
+            pid, nonce = int(hw[H_WRITER_PID]), int(hw[H_NONCE])
+    old = time.time() - st.st_mtime > CREATION_GRACE
+    return WriterState(True, True, init, alive, pid, nonce, old)
+
+
+def writer_state(path: str) -> WriterState:
+    """Probe the segment file at ``path`` (never follows a link)."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        return WriterState(False, False, False, False, 0, None, False)
+    except OSError:
+        return WriterState(True, False, False, False, 0, None, False)
+    try:
+        return _state_of(fd)
+    finally:
+        os.close(fd)
+
+
+def _reclaim(full: str, path: str, *, allowed: bool) -> None:
+    """Remove the segment at ``path`` if its writer is provably dead, or say why not.
+
+    Provably dead: a regular file of this user, with our magic and layout version, whose writer
+    lock nobody holds. We take that lock ourselves before unlinking, so two writers restarting
+    at once cannot both reclaim (the second sees a held lock). The wake semaphore goes too.
+    """
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        return  # gone meanwhile: just create
+    except OSError as exc:
+        raise SegmentExistsError(
+            errno.EEXIST, f"{path} exists and is not a segment of ours ({exc.strerror})", path
+        ) from None
+    try:
+        st = _state_of(fd)
+        if not st.ours:
+            raise SegmentExistsError(
+                errno.EEXIST, f"{path} exists and is not a segment of this user", path
+            )
+        if st.alive:
+            pid = f"pid {st.pid}" if st.pid else "a process still creating it"
+            raise SegmentExistsError(
+                errno.EEXIST, f"segment {full!r} exists and its writer ({pid}) is alive", path
+            )
+        if not st.initialised:
+            raise SegmentExistsError(
+                errno.EEXIST,
+                f"{path} exists without a complete aioshmcache header of layout "
+                f"{LAYOUT_VERSION}; remove it with sweep(name=...) once it is stale",
+                path,
+            )
+        if not allowed:
+            raise SegmentExistsError(
+                errno.EEXIST,
+                f"segment {full!r} already exists; its writer (pid {st.pid}) is dead: "
+                "remove it with sweep(name=...) or create with reclaim_dead=True",
+                path,
+            )
+        if not ofd_lock(fd, 0):
+            raise SegmentExistsError(
+                errno.EEXIST, f"segment {full!r} was just taken by another writer", path
+            )
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                os.unlink(path)
+        if st.nonce is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM_DIR, semaphore_file(full, st.nonce)))
+        log.info("reclaimed segment %r of dead writer pid %d", full, st.pid)
+    finally:
+        os.close(fd)
 
 
 class Segment:
-    """A mapped segment: its header words, the whole buffer, and the fd that carries our locks."""
+    """A mapped segment: its header words, the whole buffer, and the descriptor of its locks.
 
-    def __init__(self, name: str, fd: int, mm: mmap.mmap, *, owner: bool) -> None:
+    The kernel locks (the writer's, a reader's slot) are held on ``fd``, an open file
+    description of their own that is never mapped and is closed in a forked child; the mapping
+    is made from another descriptor, closed at once (``mmap`` keeps its own).
+    """
+
+    def __init__(self, name: str, lock_fd: int, mm: mmap.mmap, *, owner: bool) -> None:
         self.name = name
-        self._fd = fd
+        self._fd = lock_fd
         self._mmap = mm
         self.buf = memoryview(mm)
         self.words = self.buf[:HEADER_SIZE].cast("Q")
@@ -174,7 +289,6 @@ class Segment:
         self.forked = False
         _open_segments.add(self)
 
-    # --- creation and attachment -------------------------------------------------------
     @classmethod
     def create(
         cls,
@@ -185,25 +299,36 @@ class Segment:
         delivery: str,
         handout_ttl: float,
         prefault: bool = True,
+        reclaim_dead: bool = False,
     ) -> Segment:
-        """Create, reserve, prefault and lock a new segment; nothing is left behind on failure."""
+        """Create, reserve, prefault and lock a new segment; nothing is left behind on failure.
+
+        ``SegmentExistsError`` if the name is taken, unless its writer is provably dead and
+        ``reclaim_dead`` is set: then the old segment and its semaphore are removed first.
+        """
         full = segment_name(name) if name is not None else SEGMENT_PREFIX + secrets.token_hex(8)
         path = os.path.join(SHM_DIR, full)
-        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+        flags = os.O_CREAT | os.O_EXCL | _OPEN_FLAGS
         try:
-            fd = os.open(path, flags, 0o600)
-        except FileExistsError:
-            raise SegmentExistsError(
-                errno.EEXIST, f"segment {full!r} already exists", path
-            ) from None
+            try:
+                fd = os.open(path, flags, 0o600)
+            except FileExistsError:
+                _reclaim(full, path, allowed=reclaim_dead)
+                fd = os.open(path, flags, 0o600)
+        except OSError as exc:
+            if isinstance(exc, ShmCacheError):
+                raise
+            raise _typed(exc, full, path, "create") from None
+        lock_fd = -1
         mm: mmap.mmap | None = None
         try:
-            if not ofd_lock(fd, 0):  # cannot fail on a file we just created, but never assume
+            lock_fd = _open_lock_fd(fd)
+            if not ofd_lock(lock_fd, 0):  # cannot fail on a file we just created; never assume
                 raise SegmentExistsError(errno.EEXIST, f"segment {full!r} has a writer", path)
             try:
                 os.posix_fallocate(fd, 0, layout.total)
             except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                if exc.errno in _SPACE_ERRNOS:
                     free = os.statvfs(SHM_DIR)
                     raise ShmSpaceError(
                         errno.ENOSPC,
@@ -214,37 +339,42 @@ class Segment:
             mm = mmap.mmap(fd, layout.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             if prefault:
                 _prefault(mm, write=True)
-            seg = cls(full, fd, mm, owner=True)
+            seg = cls(full, lock_fd, mm, owner=True)
             w = seg.words
-            w[W_VERSION] = LAYOUT_VERSION
-            w[W_HEADER_SIZE] = HEADER_SIZE
-            w[W_CAPACITY] = layout.capacity
-            w[W_MAX_OBJECT] = max_object_bytes
-            w[W_N_READERS] = layout.n_readers
-            w[W_READER_OFF] = layout.reader_off
-            w[W_SLOT_SIZE] = layout.slot_size
-            w[W_RING_OFF] = layout.ring_off
-            w[W_NONCE] = secrets.randbits(64) | 1
-            w[W_SECRET] = secrets.randbits(64)
-            w[W_WRITER_PID] = os.getpid()
-            w[W_EPOCH] = 1
-            w[W_OWNER_UID] = os.getuid()
-            w[W_DELIVERY] = DELIVERY_CODES[delivery]
-            w[W_NEXT_ID] = 1
-            w[W_LOG_ENTRIES] = layout.log_entries
-            w[W_TOTAL] = layout.total
-            w[W_CREATED] = time.time_ns()
-            w[W_HANDOUT_TTL_MS] = int(handout_ttl * 1000)
-            w[W_STATE] = STATE_LIVE
-            w[W_MAGIC] = MAGIC  # last: a reader that sees the magic sees a complete header
+            w[H_VERSION] = LAYOUT_VERSION
+            w[H_HEADER_SIZE] = HEADER_SIZE
+            w[H_CAPACITY] = layout.capacity
+            w[H_MAX_OBJECT] = max_object_bytes
+            w[H_N_READERS] = layout.n_readers
+            w[H_READER_OFF] = layout.reader_off
+            w[H_SLOT_SIZE] = layout.slot_size
+            w[H_RING_OFF] = layout.ring_off
+            w[H_NONCE] = secrets.randbits(64) | 1
+            w[H_SECRET] = secrets.randbits(64)
+            w[H_WRITER_PID] = os.getpid()
+            w[H_EPOCH] = 1
+            w[H_OWNER_UID] = os.getuid()
+            w[H_DELIVERY] = DELIVERY_CODES[delivery]
+            w[H_NEXT_ID] = 1
+            w[H_LOG_ENTRIES] = layout.log_entries
+            w[H_TOTAL] = layout.total
+            w[H_CREATED] = time.time_ns()
+            w[H_HANDOUT_TTL_MS] = int(handout_ttl * 1000)
+            w[H_STATE] = STATE_LIVE
+            w[H_MAGIC] = MAGIC  # last: a reader that sees the magic sees a complete header
             return seg
-        except BaseException:
+        except BaseException as exc:
             if mm is not None:
                 mm.close()
-            os.close(fd)
+            if lock_fd >= 0:
+                os.close(lock_fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+            if isinstance(exc, OSError) and not isinstance(exc, ShmCacheError):
+                raise _typed(exc, full, path, "create") from None
             raise
+        finally:
+            os.close(fd)
 
     @classmethod
     def attach(cls, name: str, *, nonce: int | None = None, populate: bool = True) -> Segment:
@@ -252,75 +382,92 @@ class Segment:
         full = segment_name(name)
         path = os.path.join(SHM_DIR, full)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
-        except FileNotFoundError:
-            raise SegmentNotFoundError(errno.ENOENT, f"no segment {full!r}", path) from None
+            fd = os.open(path, _OPEN_FLAGS)
+        except OSError as exc:
+            raise _typed(exc, full, path, "attach to") from None
+        lock_fd = -1
         mm: mmap.mmap | None = None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                raise ShmCacheError(f"segment {full!r} is not a regular file owned by this user")
+                raise SegmentNotFoundError(
+                    errno.ENOENT, f"{path} is not a regular file owned by this user", path
+                )
             if st.st_size < HEADER_SIZE:
                 raise SegmentNotFoundError(errno.ENOENT, f"{full!r} is not an aioshmcache segment")
             head = os.pread(fd, HEADER_SIZE, 0)
             hw = memoryview(head).cast("Q")
-            if hw[W_MAGIC] != MAGIC:
+            if hw[H_MAGIC] != MAGIC:
                 raise SegmentNotFoundError(
                     errno.ENOENT, f"{full!r} is not an aioshmcache segment (or not yet initialised)"
                 )
-            if hw[W_VERSION] != LAYOUT_VERSION:
+            if hw[H_VERSION] != LAYOUT_VERSION:
                 raise ShmCacheError(
-                    f"{full!r} has layout version {hw[W_VERSION]}, need {LAYOUT_VERSION}"
+                    f"{full!r} has layout version {hw[H_VERSION]}, need {LAYOUT_VERSION}"
                 )
-            if hw[W_OWNER_UID] != os.getuid() or hw[W_TOTAL] != st.st_size:
+            if hw[H_OWNER_UID] != os.getuid() or hw[H_TOTAL] != st.st_size:
                 raise ShmCacheError(f"segment {full!r} has an inconsistent header")
-            n, entries, cap = int(hw[W_N_READERS]), int(hw[W_LOG_ENTRIES]), int(hw[W_CAPACITY])
+            n, entries, cap = int(hw[H_N_READERS]), int(hw[H_LOG_ENTRIES]), int(hw[H_CAPACITY])
             if not (1 <= n <= 256 and 64 <= entries <= 1 << 24 and 4096 <= cap <= 1 << 46):
                 raise ShmCacheError(f"segment {full!r} has an inconsistent header")
             expect = Layout(cap, n, entries)
             if (
                 expect.capacity != cap
                 or (expect.reader_off, expect.slot_size, expect.ring_off, expect.total)
-                != (hw[W_READER_OFF], hw[W_SLOT_SIZE], hw[W_RING_OFF], hw[W_TOTAL])
-                or int(hw[W_MAX_OBJECT]) + 64 > cap
+                != (hw[H_READER_OFF], hw[H_SLOT_SIZE], hw[H_RING_OFF], hw[H_TOTAL])
+                or int(hw[H_MAX_OBJECT]) + 64 > cap
             ):
                 raise ShmCacheError(f"segment {full!r} has an inconsistent layout")
-            if nonce is not None and hw[W_NONCE] != nonce:
+            if nonce is not None and hw[H_NONCE] != nonce:
                 raise SegmentNotFoundError(
                     errno.ENOENT, f"segment {full!r} is another instance than the handle names"
                 )
+            lock_fd = _open_lock_fd(fd)
             mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             if populate:
                 _prefault(mm, write=False)
-            return cls(full, fd, mm, owner=False)
-        except BaseException:
+            return cls(full, lock_fd, mm, owner=False)
+        except BaseException as exc:
             if mm is not None:
                 mm.close()
-            os.close(fd)
+            if lock_fd >= 0:
+                os.close(lock_fd)
+            if isinstance(exc, OSError) and not isinstance(exc, ShmCacheError):
+                raise _typed(exc, full, path, "attach to") from None
             raise
+        finally:
+            os.close(fd)
 
     # --- accessors -----------------------------------------------------------------------
     @property
     def fd(self) -> int:
+        """The descriptor that carries this process's kernel locks on the segment."""
         if self.closed:
             raise ClosedCacheError(f"segment {self.name!r} is closed")
+        if self.forked:
+            raise RoleError(
+                f"segment {self.name!r} was opened by process {self.pid}, the parent of this "
+                "forked child: attach again in the child"
+            )
         return self._fd
 
     @property
     def nonce(self) -> int:
-        return int(self.words[W_NONCE])
+        """The random number that tells this instance of the name from any other."""
+        return int(self.words[H_NONCE])
 
     def writer_alive(self) -> bool:
         """Kernel truth: does any process hold the writer's lock (and has it not closed)?"""
-        if self.forked or self.words[W_STATE] != STATE_LIVE:
+        if self.forked or self.words[H_STATE] != STATE_LIVE:
             return False
         if self.owner:
             return True
         return ofd_probe(self.fd, 0)
 
-    def _forget_fd_after_fork(self) -> None:
-        # The child must not keep the parent's locks alive: close its copy of the fd (the open
-        # file description and its locks live on in the parent). The mapping stays usable.
+    def _forget_after_fork(self) -> None:
+        # The child must not keep the parent's locks alive: close its copy of the lock
+        # descriptor (its only reference to that open file description). The mapping, made
+        # from another one, stays readable, but this object refuses to be used (``fd``).
         if not self.closed and not self.forked:
             self.forked = True
             with contextlib.suppress(OSError):
@@ -332,7 +479,7 @@ class Segment:
         if self.closed:
             return
         if self.owner and not self.forked:
-            self.words[W_STATE] = STATE_CLOSED
+            self.words[H_STATE] = STATE_CLOSED
             self.unlink()
         self.closed = True
         _open_segments.discard(self)
@@ -347,6 +494,7 @@ class Segment:
             self._fd = -1
 
     def unlink(self) -> None:
+        """Remove the name from /dev/shm (mappings stay valid)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, self.name))
 
@@ -367,6 +515,6 @@ def _prefault(mm: mmap.mmap, *, write: bool) -> None:
 def list_segments() -> list[str]:
     """Names of every ``aioshm-`` segment in /dev/shm."""
     try:
-        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(SEGMENT_PREFIX))
+        return sorted(n for n in os.listdir(SHM_DIR) if is_segment_file(n))
     except FileNotFoundError:
         return []

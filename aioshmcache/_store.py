@@ -1,28 +1,29 @@
 """Layer 5: ``ShmObjectStore`` — keys to chunks, hand-outs, acknowledgements and FIFO eviction.
 
-The writer keeps an index ``key -> entry`` (address, id, length, debts, pins). A **hand-out** is
-one ``ShmRef`` returned by :meth:`put` or :meth:`get_cached`, numbered by its ``seq``; every
-reader that owes it acknowledges exactly that hand-out, ``(id, seq)``, once, after reading and
-verifying the bytes (:meth:`get`). An entry is free when it is not pinned and every hand-out is
-settled:
+The public face of one segment, writer or reader. It is made of three parts:
 
-* broadcast: each hand-out records the reader sessions attached when it was made, and is owed
-  by exactly those (the seed's "reader acks >= writer hand-outs x readers", kept per hand-out
-  and reader), so a dead or revoked reader's debts can be dropped, a reader that attaches later
-  owes nothing older, and a reader reading a reference it was never handed settles nothing;
-* one-of-N: any one reader settles a hand-out; an undelivered hand-out expires ``handout_ttl``
-  seconds after the entry's last hand-out.
+* the **writer's** index ``key -> entry`` (address, id, length) over the ring, with puts in
+  three short steps so that the asyncio facade can copy outside its lock: :meth:`reserve`
+  (check, allocate), :meth:`write_reserved` (the copy, no shared state), and :meth:`commit`
+  (publish, index, first hand-out) or :meth:`abort`;
+* the **hand-out ledger** (``_ledger.HandoutLedger``, pure bookkeeping): who owes which
+  hand-out, pins, touches, and the rules by which debts lapse (one-of-N expiry per hand-out,
+  lost hand-outs in broadcast, stuck readers);
+* the **read path** (``_reading.ReadPath``): resolve, verify, copy or view, acknowledge.
 
-Eviction is FIFO in allocation order: under put pressure the writer drains the readers'
-acknowledgement logs, frees free chunks from the head until the new chunk fits contiguously,
-probes the kernel locks of the readers owing the head entry (a dead one's debts are dropped at
-once), optionally revokes a stuck one, and waits (up to ``wait_for_space``) on a named semaphore
-that readers post after acknowledging while the writer waits. The semaphore only wakes the
-writer; correctness never depends on it (a lost post costs one poll interval).
+A **hand-out** is one ``ShmRef`` returned by :meth:`put` or :meth:`get_cached`, numbered by its
+``seq``; every reader that owes it acknowledges exactly that hand-out, ``(id, seq)``, once, after
+reading and verifying the bytes (:meth:`get`). Here the writer connects the ledger to shared
+memory: it drains the readers' acknowledgement logs into it, notices sessions that attach,
+close, die (their kernel lock is free) or are revoked, and publishes each slot's debt
+(``WS_OWED``) for ``inspect``.
 
-Writes come in three short steps so that the asyncio facade can copy outside its lock:
-:meth:`reserve` (check, allocate), :meth:`write_reserved` (the copy, no shared state), and
-:meth:`commit` (publish, index, first hand-out) or :meth:`abort`.
+Eviction is FIFO in allocation order: under put pressure the writer drains the logs, frees free
+chunks from the head until the new chunk fits contiguously, probes the kernel locks of the
+readers owing the head entry (a dead one's debts are dropped at once), optionally revokes a stuck
+one, and waits (up to ``wait_for_space``) on a named semaphore that readers post after
+acknowledging while the writer waits. The semaphore only wakes the writer; correctness never
+depends on it (a lost post costs one poll interval).
 """
 
 from __future__ import annotations
@@ -31,42 +32,40 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 import posix_ipc
 
-from ._readers import (
-    R_HEAD,
-    R_PID,
-    R_SESSION,
-    R_START,
-    W_CONSUMED,
-    W_OWED,
-    W_REVOKED,
-    ReaderSlot,
-    ReaderTable,
-    SlotState,
-)
-from ._ring import ShmRingBuffer, chunk_size
-from ._segment import (
+from ._layout import (
     DELIVERY_CODES,
+    H_BYTES_USED,
+    H_DELIVERY,
+    H_EPOCH,
+    H_EVICTIONS,
+    H_HANDOUT_TTL_MS,
+    H_ITEMS,
+    H_MAX_OBJECT,
+    H_SECRET,
+    H_WAITING,
     LAYOUT_VERSION,
-    STATE_LIVE,
-    W_BYTES_USED,
-    W_DELIVERY,
-    W_EPOCH,
-    W_EVICTIONS,
-    W_HANDOUT_TTL_MS,
-    W_ITEMS,
-    W_MAX_OBJECT,
-    W_SECRET,
-    W_STATE,
-    W_WAITING,
+    RS_HEAD,
+    RS_PID,
+    RS_SESSION,
+    RS_START,
+    WS_CONSUMED,
+    WS_OWED,
+    WS_REVOKED,
     Layout,
-    Segment,
+    chunk_size,
+    semaphore_name,
 )
+from ._ledger import Debts, HandoutLedger
+from ._readers import ReaderSlot, ReaderTable, SlotState, reader_slots_info
+from ._reading import ReadPath, check_ref_fields
+from ._ring import ShmRingBuffer
+from ._segment import Segment
 from ._serde import EncodePlan, MsgpackSerde, Serde
 from ._types import (
     CacheConfig,
@@ -85,7 +84,6 @@ from .errors import (
     ObjectTooLargeError,
     RoleError,
     ShmCacheError,
-    StaleReferenceError,
     WriterGoneError,
 )
 
@@ -93,48 +91,21 @@ __all__ = ["Reservation", "ShmObjectStore"]
 
 log = logging.getLogger("aioshmcache")
 
-_U64: Final = (1 << 64) - 1
 WAIT_POLL: Final = 0.1  # the longest a waiting writer sleeps between checks (lost-post bound)
 INLINE_COPY_UNDER_LOCK: Final = 64 << 10  # put copies this small without letting go the lock
 
 
-def semaphore_name(segment: str, nonce: int) -> str:
-    return f"/{segment}.{nonce & 0xFFFFFFFF:08x}.wake"
+class _Entry(Debts):
+    """A cached item: where its chunk is, and (from ``Debts``) what is owed on it."""
 
-
-class _Entry:
-    __slots__ = (
-        "address",
-        "debt",
-        "handouts",
-        "id",
-        "key",
-        "last_handout",
-        "length",
-        "out",
-        "out_time",
-        "pins",
-        "position",
-        "ref",
-        "tag_base",
-        "tag_epoch",
-        "touched",
-    )
+    __slots__ = ("address", "key", "length", "position", "ref", "tag_base", "tag_epoch")
 
     def __init__(self, key: str, address: int, cid: int, length: int, position: int) -> None:
+        super().__init__(cid)
         self.key = key
         self.address = address
         self.position = position
-        self.id = cid
         self.length = length
-        self.debt = 0  # unsettled (hand-out, reader) pairs
-        # outstanding hand-outs: seq -> sessions still owing it (broadcast), or None (one-of-N)
-        self.out: dict[int, list[int] | None] = {}
-        self.out_time: dict[int, float] = {}  # seq -> when it was handed out
-        self.pins = 0  # request-scoped pins
-        self.touched = False  # a standalone touch: lasts until the next hand-out
-        self.handouts = 0
-        self.last_handout = 0.0
         self.ref: ShmRef | None = None  # the last reference made (tests, inspection)
         self.tag_base = 0
         self.tag_epoch = -1
@@ -165,6 +136,7 @@ class ShmObjectStore:
         writer: bool,
         serde: Serde | None = None,
         config: CacheConfig | None = None,
+        probe_interval: float = 0.25,
     ) -> None:
         self._seg = segment
         self._hw = segment.words
@@ -172,38 +144,40 @@ class ShmObjectStore:
         self.readers = ReaderTable(segment)
         self.serde: Serde = serde if serde is not None else MsgpackSerde()
         self.is_writer = writer
-        self.max_object_bytes = int(self._hw[W_MAX_OBJECT])
-        self.one_of_n = int(self._hw[W_DELIVERY]) == DELIVERY_CODES["one_of_n"]
-        self.handout_ttl = int(self._hw[W_HANDOUT_TTL_MS]) / 1000.0
-        self._secret = int(self._hw[W_SECRET])
+        self.max_object_bytes = int(self._hw[H_MAX_OBJECT])
+        self.one_of_n = int(self._hw[H_DELIVERY]) == DELIVERY_CODES["one_of_n"]
+        self.handout_ttl = int(self._hw[H_HANDOUT_TTL_MS]) / 1000.0
+        self._secret = int(self._hw[H_SECRET])
         self._nonce = segment.nonce
         self._closed = False
-        self._sem: Any = None
+        self._reading = ReadPath(segment, self.ring, self.serde, probe_interval=probe_interval)
         # writer state
+        self._sem: Any = None
         self._config = config
+        self.ledger = HandoutLedger(one_of_n=self.one_of_n, handout_ttl=self.handout_ttl)
         self._index: dict[str, _Entry] = {}
-        self._by_id: dict[int, _Entry] = {}
+        self._by_id: dict[int, Debts] = self.ledger.entries  # the same dict: chunk id -> entry
         self._pending: dict[str, Reservation] = {}
         self._waiting_keys: set[str] = set()
         self._waiters = 0  # threads asleep in _wait (they own the semaphore handle then)
         self._slots = [SlotState() for _ in range(self.readers.n_slots)]
         self._known_sessions = [0] * self.readers.n_slots
-        self._owed_by_session: dict[int, int] = {}
-        self._next_seq = 1
+        self._live_slots: list[tuple[int, int]] = []  # (slot, session) of live readers
+        self._live_sessions: list[int] = []
         self._undrained = 0
         self.evictions = 0
         self.wakeups = 0
         self.on_evict: Callable[[str], None] | None = None
-        # reader state
-        self.slot: ReaderSlot | None = None
-        self._last_writer_probe = 0.0
-        self._probe_interval = 0.25
         self._lock = threading.Lock()  # serialises writer state changes between threads
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
     def create(cls, config: CacheConfig, *, serde: Serde | None = None) -> ShmObjectStore:
-        """Create the segment and become its writer (``close`` unlinks it)."""
+        """Create the segment and become its writer (``close`` unlinks it).
+
+        With a fixed name whose previous writer is provably dead, the old segment and its
+        semaphore are reclaimed first when ``config.reclaim_dead`` (the default).
+        """
         layout = Layout(config.capacity_bytes, config.n_readers, config.ack_log_entries)
         seg = Segment.create(
             config.name,
@@ -212,6 +186,7 @@ class ShmObjectStore:
             delivery=config.delivery,
             handout_ttl=config.handout_ttl,
             prefault=config.prefault,
+            reclaim_dead=config.reclaim_dead,
         )
         try:
             store = cls(seg, writer=True, serde=serde, config=config)
@@ -231,7 +206,11 @@ class ShmObjectStore:
         serde: Serde | None = None,
         probe_interval: float = 0.25,
     ) -> ShmObjectStore:
-        """Attach to a writer's segment as a reader and claim a reader slot."""
+        """Attach to a writer's segment as a reader and claim a reader slot.
+
+        ``probe_interval`` bounds how often a read probes the writer's kernel lock (and so how
+        long a dead writer can go unnoticed).
+        """
         if isinstance(handle, dict):
             handle = CacheHandle.from_dict(handle)
         if isinstance(handle, CacheHandle):
@@ -243,33 +222,37 @@ class ShmObjectStore:
         else:
             seg = Segment.attach(handle)
         try:
-            store = cls(seg, writer=False, serde=serde)
-            store._probe_interval = probe_interval
+            store = cls(seg, writer=False, serde=serde, probe_interval=probe_interval)
             if not seg.writer_alive():
                 raise WriterGoneError(f"the writer of {seg.name!r} is gone")
-            store.slot = store.readers.claim()
+            store._reading.slot = store.readers.claim()
         except BaseException:
             seg.close()
             raise
         return store
 
     def handle(self) -> CacheHandle:
+        """What a reader needs to attach: name, nonce and layout version."""
         return CacheHandle(self._seg.name, self._seg.nonce, LAYOUT_VERSION)
 
     @property
     def name(self) -> str:
+        """The segment's name in /dev/shm."""
         return self._seg.name
 
     @property
     def nonce(self) -> int:
+        """The random number of this instance of the segment."""
         return self._seg.nonce
 
     @property
     def epoch(self) -> int:
-        return int(self._hw[W_EPOCH])
+        """The current epoch (:meth:`clear` starts a new one)."""
+        return int(self._hw[H_EPOCH])
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
         return self._closed
 
     @property
@@ -277,16 +260,18 @@ class ShmObjectStore:
         """The writer lock: every writer state change holds it (re-entrant use is a bug)."""
         return self._lock
 
+    @property
+    def slot(self) -> ReaderSlot | None:
+        """This reader's slot (None for the writer)."""
+        return self._reading.slot
+
     def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedCacheError(f"store {self._seg.name!r} is closed")
+        self._reading.check_open()
 
     def _check_writer(self) -> None:
         self._check_open()
         if not self.is_writer:
             raise RoleError("this is a reader: only the writer puts, hands out and evicts")
-        if self._seg.forked:
-            raise RoleError("a forked child of the writer cannot act as the writer")
 
     # --- writer: look-ups ------------------------------------------------------------------
     def is_cached(self, key: str) -> bool:
@@ -310,7 +295,7 @@ class ShmObjectStore:
         return None if e is None else self._ref(e)
 
     def _ref(self, e: _Entry, seq: int = 0) -> ShmRef:
-        epoch = int(self._hw[W_EPOCH])
+        epoch = int(self._hw[H_EPOCH])
         if e.tag_epoch != epoch:  # the seq-independent part of the tag, once per epoch
             e.tag_epoch = epoch
             e.tag_base = tag_base(self._secret, epoch, e.address, e.id, e.length, e.position)
@@ -365,9 +350,19 @@ class ShmObjectStore:
             return self.commit(res)
 
     def reserve(
-        self, key: str, plan: EncodePlan, *, wait_for_space: float | None = None
+        self,
+        key: str,
+        plan: EncodePlan,
+        *,
+        wait_for_space: float | None = None,
+        own_pins: Mapping[object, int] | None = None,
     ) -> Reservation:
-        """Allocate a chunk for ``plan`` (evicting FIFO as needed). Hold :attr:`lock`."""
+        """Allocate a chunk for ``plan`` (evicting FIFO as needed). Hold :attr:`lock`.
+
+        ``own_pins``: the caller's pins (entry -> count, as returned by :meth:`pin_entry`). When
+        only those hold the head of the ring, nothing can make room while the caller waits, so
+        ``CacheFullError`` comes at once instead of after ``wait_for_space``.
+        """
         self._check_writer()
         if not isinstance(key, str):
             raise TypeError(f"keys are str, not {type(key).__name__}")
@@ -383,7 +378,7 @@ class ShmObjectStore:
                 wait_for_space = self._config.wait_for_space if self._config else 0.0
             self._waiting_keys.add(key)  # the lock may be let go while waiting: claim the key
             try:
-                self._make_room(plan.nbytes, wait_for_space)
+                self._make_room(plan.nbytes, wait_for_space, own_pins or {})
             finally:
                 self._waiting_keys.discard(key)
             self._check_writer()  # closed while we waited?
@@ -432,64 +427,58 @@ class ShmObjectStore:
         return None if e is None else self._hand_out(e)
 
     def _hand_out(self, e: _Entry) -> ShmRef:
-        now = time.monotonic()
-        seq = self._next_seq
-        self._next_seq = seq + 1
         if self.one_of_n:
-            e.out[seq] = None
-            e.out_time[seq] = now
-            e.debt += 1
+            seq = self.ledger.hand_out(e)
         else:
             self._sync_sessions()
-            owers = [st.session for st in self._slots if st.session and st.alive]
-            if owers:
-                e.out[seq] = owers
-                e.out_time[seq] = now
-                e.debt += len(owers)
-                obs = self._owed_by_session
-                for s in owers:
-                    obs[s] = obs.get(s, 0) + 1
-        e.handouts += 1
-        e.touched = False
-        e.last_handout = now
+            seq = self.ledger.hand_out(e, self._live_sessions)
+            if self._live_sessions:
+                owed, words = self.ledger.owed, self.readers.owed_words
+                for i, s in self._live_slots:  # the owing slots' debts, for inspect
+                    words[i] = owed[s]
         self._undrained += 1
         if self._undrained * 2 >= self.readers.log_entries:
             self.drain()
         return self._ref(e, seq)
 
     def touch(self, key: str) -> bool:
-        """Protect a cached key from eviction until its next hand-out (no debt)."""
+        """Protect a cached key from eviction until its next hand-out (``handout_ttl`` at most).
+
+        Returns False if ``key`` is not cached.
+        """
         self._check_writer()
         e = self._index.get(key)
         if e is None:
             return False
-        e.touched = True
+        self.ledger.touch(e)
         return True
 
     def pin(self, key: str) -> bool:
-        """Request-scoped pin (counted); pair with :meth:`unpin`."""
+        """Request-scoped pin (counted) of the entry cached under ``key``; pair with
+        :meth:`unpin`. False if ``key`` is not cached."""
         e = self._index.get(key)
         if e is None:
             return False
-        e.pins += 1
+        self.ledger.pin(e)
         return True
 
     def unpin(self, key: str) -> None:
+        """Undo one :meth:`pin` of the entry cached under ``key`` now."""
         e = self._index.get(key)
-        if e is not None and e.pins > 0:
-            e.pins -= 1
+        if e is not None:
+            self.ledger.unpin(e)
 
     def pin_entry(self, key: str) -> _Entry | None:
         """Request-scoped pin of the entry cached under ``key`` now (see :meth:`unpin_entry`)."""
         e = self._index.get(key)
         if e is not None:
-            e.pins += 1
+            self.ledger.pin(e)
         return e
 
     @staticmethod
     def unpin_entry(e: _Entry) -> None:
-        if e.pins > 0:
-            e.pins -= 1
+        """Undo one :meth:`pin_entry` of ``e`` (whatever key names it by now)."""
+        HandoutLedger.unpin(e)
 
     @contextlib.contextmanager
     def pinned(self, keys: list[str]) -> Iterator[list[str]]:
@@ -513,56 +502,19 @@ class ShmObjectStore:
     def release(self, ref: ShmRef) -> bool:
         """Undo one hand-out that never reached the readers. False if unknown or none left."""
         self._check_writer()
-        if not isinstance(ref, ShmRef) or not all(
-            type(v) is int and 0 <= v <= _U64
-            for v in (
-                ref.nonce,
-                ref.epoch,
-                ref.address,
-                ref.id,
-                ref.length,
-                ref.tag,
-                ref.position,
-                ref.seq,
-            )
-        ):
+        if not isinstance(ref, ShmRef) or not check_ref_fields(ref):
             return False
         if ref.tag != reference_tag(
             self._secret, ref.epoch, ref.address, ref.id, ref.length, ref.position, ref.seq
         ):
             return False
         e = self._by_id.get(ref.id)
-        if e is None or ref.nonce != self._seg.nonce or e.address != ref.address:
+        if e is None or ref.nonce != self._nonce or not isinstance(e, _Entry):
             return False
-        if ref.seq not in e.out:
+        if e.address != ref.address or not self.ledger.release(ref.id, ref.seq):
             return False  # unknown, already released, or already read by everyone
-        owers = e.out.pop(ref.seq)
-        e.out_time.pop(ref.seq, None)
-        if owers is None:  # one-of-N
-            e.debt -= 1
-        else:
-            e.debt -= len(owers)
-            for s in owers:
-                self._owed_by_session[s] = self._owed_by_session.get(s, 0) - 1
+        self._publish_owed()
         return True
-
-    def _settle(self, e: _Entry, seq: int, session: int) -> None:
-        """Reader ``session`` acknowledged hand-out ``seq`` of ``e``."""
-        if seq not in e.out:
-            return  # not outstanding (released, expired, or never handed to this reader)
-        owers = e.out[seq]
-        if owers is None:  # one-of-N: any reader settles it
-            del e.out[seq]
-            e.out_time.pop(seq, None)
-            e.debt -= 1
-            return
-        if session in owers:
-            owers.remove(session)
-            e.debt -= 1
-            self._owed_by_session[session] = self._owed_by_session.get(session, 0) - 1
-            if not owers:
-                del e.out[seq]
-                e.out_time.pop(seq, None)
 
     def invalidate(self, key: str) -> bool:
         """Forget ``key``: it is no longer handed out; its chunk is freed once its debts settle.
@@ -573,7 +525,7 @@ class ShmObjectStore:
         e = self._index.pop(key, None)
         if e is None:
             return False
-        e.touched = False
+        self.ledger.untouch(e)
         self._publish_usage()
         return True
 
@@ -590,28 +542,28 @@ class ShmObjectStore:
             if s == st.session:
                 continue
             if st.session:
-                self._drop_session(st.session)
+                self.ledger.drop_session(st.session)
             st.session = s
             st.alive = s != 0
             st.revoked = 0
             if not self.one_of_n:
-                st.cursor = t.word(slot, R_START)
-                t.set_word(slot, W_CONSUMED, st.cursor)
+                st.cursor = t.word(slot, RS_START)
+                t.set_word(slot, WS_CONSUMED, st.cursor)
+            t.set_word(slot, WS_OWED, 0)
+        self._refresh_live()
 
-    def _drop_session(self, session: int) -> None:
-        """A reader died, closed or was revoked: it owes nothing any more."""
-        self._owed_by_session.pop(session, None)
-        if not self.one_of_n:
-            for e in self._by_id.values():
-                if not e.debt:
-                    continue
-                for seq, owers in list(e.out.items()):
-                    if owers and session in owers:
-                        owers.remove(session)
-                        e.debt -= 1
-                        if not owers:
-                            del e.out[seq]
-                            e.out_time.pop(seq, None)
+    def _refresh_live(self) -> None:
+        """Recompute the live sessions a broadcast hand-out is owed by (after any change)."""
+        self._live_slots = [(i, st.session) for i, st in enumerate(self._slots) if st.alive]
+        self._live_sessions = [s for _i, s in self._live_slots]
+
+    def _publish_owed(self) -> None:
+        """Publish each live slot's debt for ``inspect`` and ``reader_info`` (``WS_OWED``)."""
+        owed = self.ledger.owed
+        t = self.readers
+        for slot, st in enumerate(self._slots):
+            if st.session:
+                t.set_word(slot, WS_OWED, max(0, owed.get(st.session, 0)))
 
     def drain(self) -> int:
         """Apply every acknowledgement written since the last drain; returns how many."""
@@ -620,13 +572,14 @@ class ShmObjectStore:
         self._undrained = 0
         if t.sessions() == self._known_sessions and t.heads() == [st.cursor for st in self._slots]:
             return 0  # nothing new: the common case, two strided reads
+        settle = self.ledger.settle
         for slot, st in enumerate(self._slots):
             for _ in range(3):
-                s = t.word(slot, R_SESSION)
+                s = t.word(slot, RS_SESSION)
                 if s != st.session:
                     self._sync_sessions()
-                head = t.word(slot, R_HEAD)
-                if t.word(slot, R_SESSION) == st.session:
+                head = t.word(slot, RS_HEAD)
+                if t.word(slot, RS_SESSION) == st.session:
                     break
             else:
                 continue
@@ -637,7 +590,7 @@ class ShmObjectStore:
             if n < 0 or n > t.log_entries:  # a corrupted slot: never trust it
                 log.warning("reader slot %d has an inconsistent log; ignoring it", slot)
                 st.cursor = head
-                t.set_word(slot, W_CONSUMED, head)
+                t.set_word(slot, WS_CONSUMED, head)
                 continue
             logv = t.log_view(slot)
             n_log = t.log_entries
@@ -646,29 +599,23 @@ class ShmObjectStore:
                 for k in range(cur, head)
             ]
             logv.release()
-            by_id = self._by_id
             if self.one_of_n or (st.session and st.alive):
                 for cid, seq in pairs:
-                    e = by_id.get(cid)
-                    if e is not None:
-                        self._settle(e, seq, st.session)
+                    settle(cid, seq, st.session)
             st.cursor = head
-            t.set_word(slot, W_CONSUMED, head)
-            t.set_word(slot, W_OWED, max(0, self._owed_by_session.get(st.session, 0)))
+            t.set_word(slot, WS_CONSUMED, head)
             n_total += n
+        self._publish_owed()
         return n_total
 
-    def _probe_debtors(self, e: _Entry) -> bool:
+    def _probe_debtors(self, e: Debts) -> bool:
         """Probe the readers owing ``e``; drop dead ones, revoke stuck ones. True if any dropped."""
+        since = self.ledger.debtors(e)
+        if not since:
+            return False
         changed = False
-        now = time.monotonic()
         evict_after = self._config.evict_stuck_readers_after if self._config else None
-        since: dict[int, float] = {}  # session -> its oldest unsettled hand-out of e
-        for seq, owers in e.out.items():
-            for s in owers or ():
-                t = e.out_time.get(seq, now)
-                if t < since.get(s, now + 1):
-                    since[s] = t
+        stuck = set(self.ledger.stuck(e, evict_after)) if evict_after is not None else set()
         for slot, st in enumerate(self._slots):
             s = st.session
             if not s or not st.alive or s not in since:
@@ -677,29 +624,30 @@ class ShmObjectStore:
                 log.info(
                     "reader slot %d (pid %d) is dead: dropping its debts",
                     slot,
-                    self.readers.word(slot, R_PID),
+                    self.readers.word(slot, RS_PID),
                 )
                 st.alive = False
-                self._drop_session(s)
+                self.ledger.drop_session(s)
                 changed = True
-            elif evict_after is not None and now - since[s] > evict_after:
-                log.warning("reader slot %d is stuck for %.1f s: revoking it", slot, evict_after)
-                self.readers.set_word(slot, W_REVOKED, s)
+            elif s in stuck:
+                log.warning(
+                    "reader slot %d acknowledged nothing for %.1f s while owing: revoking it",
+                    slot,
+                    evict_after,
+                )
+                self.readers.set_word(slot, WS_REVOKED, s)
                 st.alive = False
                 st.revoked = s
-                self._drop_session(s)
+                self.ledger.drop_session(s)
                 changed = True
+        if changed:
+            self._refresh_live()
+            self._publish_owed()
         return changed
 
     def _is_free(self, cid: int) -> bool:
         e = self._by_id.get(cid)
-        if e is None:
-            return True
-        if e.pins or (e.touched and self._index.get(e.key) is e):
-            return False
-        if e.debt <= 0:
-            return True
-        return self.one_of_n and time.monotonic() - e.last_handout > self.handout_ttl
+        return e is None or self.ledger.is_free(e)
 
     def is_freeable(self, key: str) -> bool:
         """Whether ``key``'s chunk could be evicted now.
@@ -713,22 +661,21 @@ class ShmObjectStore:
             return False
         if e.debt > 0 and not self.one_of_n:
             self._probe_debtors(e)
-        return self._is_free(e.id)
+        return self.ledger.is_free(e)
 
     def _forget(self, freed: list[int]) -> None:
         for cid in freed:
-            e = self._by_id.pop(cid, None)
-            if e is None:
+            e = self.ledger.forget(cid)
+            if not isinstance(e, _Entry):
                 continue
-            if e.debt > 0 and not self.one_of_n:
-                for owers in e.out.values():
-                    for s in owers or ():
-                        self._owed_by_session[s] = self._owed_by_session.get(s, 0) - 1
             if self._index.get(e.key) is e:
                 del self._index[e.key]
                 self.evictions += 1
                 if self.on_evict is not None:
                     self.on_evict(e.key)
+
+    def _head_entry(self) -> Debts | None:
+        return self._by_id.get(self.ring.chunk_ids()[0]) if self.ring.n_chunks else None
 
     def evict(self, nbytes: int = 0) -> list[str]:
         """Free free chunks from the head (all of them, or until ``nbytes`` fit).
@@ -737,16 +684,19 @@ class ShmObjectStore:
         """
         self._check_writer()
         self.drain()
-        head = self._by_id.get(self.ring.chunk_ids()[0]) if self.ring.n_chunks else None
+        head = self._head_entry()
         if head is not None and head.debt > 0:
             self._probe_debtors(head)
         freed = self.ring.free(self._is_free, nbytes)
-        keys = [self._by_id[c].key for c in freed if c in self._by_id]
+        keys = [e.key for c in freed if isinstance(e := self._by_id.get(c), _Entry)]
         self._forget(freed)
         self._publish_usage()
+        self._publish_owed()
         return keys
 
-    def _make_room(self, nbytes: int, wait_for_space: float) -> None:
+    def _make_room(
+        self, nbytes: int, wait_for_space: float, own_pins: Mapping[object, int]
+    ) -> None:
         ring = self.ring
         if chunk_size(nbytes) > ring.capacity:
             raise CacheFullError(f"{nbytes} bytes can never fit a {ring.capacity}-byte ring")
@@ -763,6 +713,11 @@ class ShmObjectStore:
                 head = self._by_id.get(ring.chunk_ids()[0]) if ring.n_chunks else None
                 if head is not None and head.debt > 0 and self._probe_debtors(head):
                     continue
+                if head is not None and 0 < head.pins <= own_pins.get(head, 0):
+                    self._publish_usage()
+                    raise CacheFullError(
+                        f"no room for {nbytes} bytes: the oldest item is pinned by this request"
+                    )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     self._publish_usage()
@@ -776,12 +731,12 @@ class ShmObjectStore:
                     )
                 if not waiting:
                     waiting = True
-                    self._hw[W_WAITING] = 1
+                    self._hw[H_WAITING] = 1
                     continue  # re-check once after raising the flag: no lost wake-up
                 self._wait(min(remaining, WAIT_POLL))
         finally:
             if waiting and not self._closed:
-                self._hw[W_WAITING] = 0
+                self._hw[H_WAITING] = 0
 
     def _wait(self, timeout: float) -> None:
         """Sleep until a reader posts (or ``timeout``), letting go of the writer lock meanwhile.
@@ -811,9 +766,9 @@ class ShmObjectStore:
 
     def _publish_usage(self) -> None:
         hw = self._hw
-        hw[W_BYTES_USED] = self.ring.used_bytes
-        hw[W_ITEMS] = len(self._index)
-        hw[W_EVICTIONS] = self.evictions
+        hw[H_BYTES_USED] = self.ring.used_bytes
+        hw[H_ITEMS] = len(self._index)
+        hw[H_EVICTIONS] = self.evictions
 
     def clear(self) -> int:
         """Drop every item: a new epoch makes every older reference stale. Returns items dropped."""
@@ -823,105 +778,48 @@ class ShmObjectStore:
         for cid in freed:
             self._by_id.pop(cid, None)
         self._index.clear()
-        for s in list(self._owed_by_session):
-            self._owed_by_session[s] = 0
+        for s in list(self.ledger.owed):
+            self.ledger.owed[s] = 0
         self._publish_usage()
+        self._publish_owed()
         return n
 
     def reader_info(self) -> list[ReaderSlotInfo]:
+        """Every reader slot: attached, alive (kernel lock), pid, acknowledgements, debt."""
+        if self.is_writer and not self._closed:
+            self._publish_owed()
         return reader_slots_info(self.readers, probe=True)
 
-    # --- reader: get --------------------------------------------------------------------------
+    # --- reading (the read path) ------------------------------------------------------------
     def check_writer(self) -> None:
         """``WriterGoneError`` if the writer closed or died (probed at most every 0.25 s)."""
-        if self._hw[W_STATE] != STATE_LIVE:
-            raise WriterGoneError(f"the writer of {self._seg.name!r} closed the cache")
-        now = time.monotonic()
-        if now - self._last_writer_probe > self._probe_interval:
-            if not self._seg.writer_alive():
-                raise WriterGoneError(f"the writer of {self._seg.name!r} died")
-            self._last_writer_probe = now
+        self._reading.check_writer()
 
-    def _check_reader(self) -> ReaderSlot:
-        self._check_open()
-        slot = self.slot
-        if self._seg.forked:
-            raise RoleError("a forked child cannot use its parent's reader slot; attach anew")
-        if slot is None:
-            raise RoleError(
-                "this store is the writer; attach a reader to read with acknowledgement"
-            )
-        self.check_writer()
-        slot.check_revoked()
-        if slot._overflow:
-            slot.flush()
-        return slot
+    def check_reader(self) -> ReaderSlot:
+        """This reader's slot, after checking it may read now (open, writer alive, not revoked)."""
+        return self._reading.check_reader()
+
+    _check_reader = check_reader  # the former name, until the caches use the public one
 
     def validate(self, ref: object) -> ShmRef:
         """Check a reference against this segment without reading it (typed errors)."""
-        r, view = self._resolve(ref)
-        view.release()
-        return r
-
-    def _resolve(self, ref: object) -> tuple[ShmRef, memoryview]:
-        self._check_open()
-        r = ref if isinstance(ref, ShmRef) else ShmRef.from_dict(ref)
-        for v in (r.nonce, r.epoch, r.address, r.id, r.length, r.tag, r.position, r.seq):
-            if type(v) is not int or not 0 <= v <= _U64:  # a ShmRef built by hand
-                raise InvalidReferenceError("reference fields must be unsigned 64-bit ints")
-        if r.nonce != self._seg.nonce:
-            raise InvalidReferenceError("reference belongs to another cache (nonce mismatch)")
-        if r.tag != reference_tag(
-            self._secret, r.epoch, r.address, r.id, r.length, r.position, r.seq
-        ):
-            raise InvalidReferenceError("reference is forged or corrupted (tag mismatch)")
-        epoch = self._hw[W_EPOCH]
-        if r.epoch != epoch:
-            if r.epoch < epoch:
-                raise StaleReferenceError(
-                    f"reference is from before clear (epoch {r.epoch} < {epoch})"
-                )
-            raise InvalidReferenceError(f"reference epoch {r.epoch} is in the future")
-        return r, self.ring.access(r.address, r.id, r.length, r.position)
+        return self._reading.validate(ref)
 
     def get(self, ref: ShmRef | dict[str, Any], *, copy: bool = True) -> Any:
         """Read a reference; a reader acknowledges it once the copy is verified.
 
-        With ``copy=False`` the arrays are read-only views into shared memory and nothing is
-        acknowledged: call :meth:`ack` when done (a ``lease`` does this for you).
+        The writer's own read verifies the same way (a chunk reused during the copy is a
+        ``StaleReferenceError``) and acknowledges nothing. With ``copy=False`` the arrays are
+        read-only views into shared memory and nothing is acknowledged: call :meth:`ack` when
+        done (a ``lease`` does this for you).
         """
         if self.is_writer:
-            r, view = self._resolve(ref)
-            with view:
-                return self.serde.read(view, copy=True)
-        slot = self._check_reader()
-        try:
-            r, view = self._resolve(ref)
-        except StaleReferenceError:
-            if isinstance(ref, ShmRef):
-                self.give_back(ref)
-            raise
-        try:
-            value = self.serde.read(view, copy=copy)
-        except ShmCacheError:
-            self.ring.verify(
-                r.address, r.id, r.position
-            )  # torn: stale; intact but undecodable: re-raise
-            raise
-        finally:
-            if copy:
-                view.release()  # zero-copy arrays keep exporting it
-        self.ring.verify(r.address, r.id, r.position)
-        slot.check_revoked()
-        if copy:
-            self._ack(slot, r.id, r.seq)
-        return value
+            return self._reading.read(ref)
+        return self._reading.get(ref, copy=copy)
 
     def ack(self, ref: ShmRef) -> None:
         """Acknowledge a reference read with ``copy=False`` after re-verifying it."""
-        slot = self._check_reader()
-        self.ring.verify(ref.address, ref.id, ref.position)
-        self._ack(slot, ref.id, ref.seq)
+        self._reading.ack(ref)
 
     def give_back(self, ref: ShmRef) -> None:
         """Acknowledge a reference that will not be read (never raises).
@@ -929,24 +827,7 @@ class ShmObjectStore:
         For a request that failed or was cancelled, or a reference found stale: the debt is
         settled so the writer can free the chunk. Nothing is read, so nothing needs verifying.
         """
-        slot = self.slot
-        if slot is None or self._closed or slot.closed or self._seg.forked:
-            return
-        with contextlib.suppress(ShmCacheError, ValueError):
-            self._ack(slot, ref.id, ref.seq)
-
-    def _ack(self, slot: ReaderSlot, cid: int, seq: int) -> None:
-        slot.ack(cid, seq)
-        if self._hw[W_WAITING]:
-            self._post_wake()
-
-    def _post_wake(self) -> None:
-        try:
-            if self._sem is None:
-                self._sem = posix_ipc.Semaphore(semaphore_name(self._seg.name, self._seg.nonce))
-            self._sem.release()
-        except (posix_ipc.ExistentialError, OSError):
-            pass  # the writer is gone or has not created it: waking is best-effort by design
+        self._reading.give_back(ref)
 
     # --- lifetime -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -954,11 +835,10 @@ class ShmObjectStore:
         if self._closed:
             return
         self._closed = True
-        if self.slot is not None:
-            self.slot.close()
+        self._reading.close()
         if self._sem is not None:
             with contextlib.suppress(posix_ipc.ExistentialError, OSError):
-                if self.is_writer and not self._seg.forked:
+                if not self._seg.forked:
                     self._sem.unlink()
             if self._waiters:  # wake them; the last one closes the handle (never under them)
                 for _ in range(self._waiters):
@@ -977,23 +857,3 @@ class ShmObjectStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def reader_slots_info(table: ReaderTable, *, probe: bool) -> list[ReaderSlotInfo]:
-    """Every reader slot as seen from outside: session, pid, liveness, lag."""
-    out = []
-    for slot in range(table.n_slots):
-        session = table.word(slot, R_SESSION)
-        alive = bool(session) and probe and table.probe(slot)
-        out.append(
-            ReaderSlotInfo(
-                slot=slot,
-                attached=bool(session),
-                alive=alive,
-                pid=table.word(slot, R_PID) if session else 0,
-                acknowledged=table.word(slot, R_HEAD) - table.word(slot, R_START) if session else 0,
-                lag=table.word(slot, W_OWED) if session else 0,
-                revoked=bool(session) and table.word(slot, W_REVOKED) == session,
-            )
-        )
-    return out

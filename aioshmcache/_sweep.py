@@ -3,71 +3,68 @@
 A segment is an orphan exactly when nobody holds its writer lock (byte 0, an OFD lock the kernel
 releases when the writer dies). A live writer's segment is never touched, nor a file of another
 user. Wake-up semaphores (``sem.aioshm-...``) whose segment is gone are removed too.
+
+The semaphores are listed *before* the segments are judged: a writer that starts while ``sweep``
+runs creates its semaphore after its segment, so its semaphore is not in that list and cannot be
+taken for an orphan's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import stat
-import sys
-import time
 
-from ._segment import MAGIC, SHM_DIR, list_segments, ofd_probe
-from ._types import SEGMENT_PREFIX
+from ._layout import SHM_DIR, parse_semaphore_file, segment_name
+from ._segment import list_segments, writer_state
 
 __all__ = ["sweep"]
 
 
-#: a segment without its magic yet may be in the microseconds between ``open`` and the writer's
-#: lock: only one older than this is an orphan of a creation that died
-_CREATION_GRACE = 10.0
-
-
-def _writer_dead(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return False
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            return False
-        if ofd_probe(fd, 0):
-            return False
-        head = os.pread(fd, 8, 0)
-        initialised = len(head) == 8 and int.from_bytes(head, sys.byteorder) == MAGIC
-        return initialised or time.time() - st.st_mtime > _CREATION_GRACE
-    finally:
-        os.close(fd)
-
-
-def sweep(*, dry_run: bool = False) -> list[str]:
-    """Remove every ``aioshm-`` segment whose writer is dead; returns the names removed."""
-    removed: list[str] = []
-    for name in list_segments():
-        path = os.path.join(SHM_DIR, name)
-        if _writer_dead(path):
-            if not dry_run:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-            removed.append(name)
-    live = set(list_segments()) if not dry_run else set(list_segments()) - set(removed)
+def _semaphore_files() -> list[tuple[str, str, int]]:
+    """(file name, segment, nonce low bits) of every wake semaphore of ours in /dev/shm."""
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:
-        names = []
+        return []
+    out = []
     for n in names:
-        if not n.startswith("sem." + SEGMENT_PREFIX):
-            continue
-        seg = n[4:].rsplit(".", 2)[0]  # sem.<segment>.<nonce>.wake; segment names may hold dots
-        if seg in live:
-            continue
-        path = os.path.join(SHM_DIR, n)
+        parsed = parse_semaphore_file(n)
+        if parsed is not None:
+            out.append((n, *parsed))
+    return out
+
+
+def sweep(name: str | None = None, *, dry_run: bool = False) -> list[str]:
+    """Remove segments whose writer is dead, and their wake semaphores; returns the names removed.
+
+    With ``name``, only that segment (and its semaphores) is considered; a live one is left
+    alone and nothing is returned. ``dry_run`` only lists what would be removed.
+    """
+    only = segment_name(name) if name is not None else None
+    sems = [s for s in _semaphore_files() if only is None or s[1] == only]
+    candidates = [only] if only is not None else list_segments()
+    removed: list[str] = []
+    for seg in candidates:
+        path = os.path.join(SHM_DIR, seg)
+        if writer_state(path).orphan:
+            if not dry_run:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            removed.append(seg)
+    present = set(list_segments()) - (set(removed) if dry_run else set())
+    live_nonces: dict[str, int | None] = {}
+    for fname, seg, low in sems:
+        if seg in present:
+            if seg not in live_nonces:
+                live_nonces[seg] = writer_state(os.path.join(SHM_DIR, seg)).nonce
+            nonce = live_nonces[seg]
+            if nonce is None or nonce & 0xFFFFFFFF == low:
+                continue  # the semaphore of a present segment (or one we cannot read): keep it
+        path = os.path.join(SHM_DIR, fname)
         with contextlib.suppress(OSError):
-            if os.stat(path).st_uid != os.getuid():
+            if os.stat(path, follow_symlinks=False).st_uid != os.getuid():
                 continue
             if not dry_run:
                 os.unlink(path)
-            removed.append(n)
+            removed.append(fname)
     return removed

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, NamedTuple
 
 import msgpack
 
+from ._layout import SEGMENT_PREFIX as SEGMENT_PREFIX
+from ._layout import segment_name
 from .errors import InvalidReferenceError
 
 __all__ = [
@@ -34,23 +35,9 @@ __all__ = [
 
 Delivery = Literal["broadcast", "one_of_n"]
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
-SEGMENT_PREFIX = "aioshm-"
 _U64 = (1 << 64) - 1
 _MiB = 1 << 20
 _MAX_HANDLE_BYTES = 4096  # a handle is ~100 bytes; refuse to parse anything much larger
-
-
-def segment_name(name: str) -> str:
-    """Normalise a user name to a segment name under /dev/shm (``aioshm-<name>``)."""
-    if not isinstance(name, str):
-        raise TypeError(f"segment name must be a str, not {type(name).__name__}")
-    bare = name[1:] if name.startswith("/") else name
-    if not bare.startswith(SEGMENT_PREFIX):
-        bare = SEGMENT_PREFIX + bare
-    if not _NAME_RE.match(bare):
-        raise ValueError(f"invalid segment name {name!r}: use letters, digits, '_', '.', '-'")
-    return bare
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,11 +48,16 @@ class CacheConfig:
     and the reader table come on top). ``max_object_bytes`` bounds one serialized object
     (structure header, array bytes and alignment padding). ``n_readers`` is the number of reader
     slots. ``delivery`` is ``"broadcast"`` (every attached reader reads every hand-out) or
-    ``"one_of_n"`` (one reader of a pool reads each hand-out; an unread one expires after
-    ``handout_ttl`` seconds). ``evict_stuck_readers_after`` revokes a live reader whose debt
-    blocks eviction for that long (``None``: never). ``wait_for_space`` is the default number of
-    seconds a put waits for readers to acknowledge when the ring is full (0: serve inline at once).
-    ``ack_log_entries`` is the size of each reader's acknowledgement log.
+    ``"one_of_n"`` (one reader of a pool reads each hand-out; an unread one expires
+    ``handout_ttl`` seconds after it was handed out). In broadcast, a hand-out older than
+    ``handout_ttl`` stops pinning for a reader that has acknowledged later ones (it was lost in
+    transit). ``evict_stuck_readers_after`` revokes a live reader that owes a hand-out blocking
+    eviction for that long and has acknowledged nothing since it was made (``None``: never).
+    ``wait_for_space`` is the default number of seconds a put waits for readers to acknowledge
+    when the ring is full (0: serve inline at once). ``ack_log_entries`` is the size of each
+    reader's acknowledgement log. ``reclaim_dead``: a fixed ``name`` whose previous writer is
+    provably dead (its kernel lock is free, the segment is this user's and has this layout) is
+    reclaimed instead of raising ``SegmentExistsError``.
     """
 
     capacity_bytes: int
@@ -77,7 +69,7 @@ class CacheConfig:
     evict_stuck_readers_after: float | None = field(default=None, kw_only=True)
     wait_for_space: float = field(default=0.0, kw_only=True)
     ack_log_entries: int = field(default=16384, kw_only=True)
-    writer_probe_interval: float = field(default=0.25, kw_only=True)
+    reclaim_dead: bool = field(default=True, kw_only=True)
     prefault: bool = field(default=True, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -107,7 +99,8 @@ class CacheConfig:
             raise ValueError(f"delivery must be 'broadcast' or 'one_of_n', got {self.delivery!r}")
         _secs("handout_ttl", self.handout_ttl, positive=True)
         _secs("wait_for_space", self.wait_for_space, positive=False)
-        _secs("writer_probe_interval", self.writer_probe_interval, positive=True)
+        if not isinstance(self.reclaim_dead, bool):
+            raise ValueError(f"reclaim_dead must be a bool, not {type(self.reclaim_dead).__name__}")
         if self.evict_stuck_readers_after is not None:
             _secs("evict_stuck_readers_after", self.evict_stuck_readers_after, positive=True)
         if self.name is not None:

@@ -4,8 +4,9 @@ Same method names as the sync classes (``aclose`` for ``close``), and the same a
 call builds the sync cache's own request object (``SenderCache.request`` /
 ``ReceiverCache.request``) and runs its steps. The only decisions made here are *where* the copy
 jobs run — inline on the loop below ``inline_threshold_bytes`` (a thread hop costs 75-170 us
-here, a 64 KiB copy 3 us), else in a worker thread through a ``CapacityLimiter``, where
-``np.copyto`` releases the GIL — and what cancellation does: ``request.abandon()``.
+here, a 64 KiB copy 3 us), else in a worker thread through a ``CapacityLimiter``, where the
+numpy array assignments of the copy release the GIL — and what cancellation does:
+``request.abandon()``.
 
 Cancellation safety does not rely on anyio's shielding (a raw ``Task.cancel()`` makes the
 awaiting task raise at once while the thread runs on). ``abandon`` rolls the request back at once

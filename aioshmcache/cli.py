@@ -56,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
         description=f"{help_[0].upper()}{help_[1:]} (killed, out of memory) and their "
         "semaphores. A live writer's segment and other users' files are never touched.",
     )
+    p_sweep.add_argument(
+        "name",
+        nargs="?",
+        help="remove only this segment (with or without the aioshm- prefix), if its writer died",
+    )
     p_sweep.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     return parser
 
@@ -91,7 +96,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return 0
     if ns.command == "sweep":
-        removed = sweep(dry_run=ns.dry_run)
+        try:
+            removed = sweep(ns.name, dry_run=ns.dry_run)
+        except (OSError, ValueError) as exc:
+            print(f"sweep: {exc}", file=sys.stderr)
+            return 1
         verb = "would remove" if ns.dry_run else "removed"
         for n in removed:
             print(f"{verb} {n}")

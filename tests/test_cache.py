@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import numpy as np
@@ -451,3 +452,98 @@ def test_a_failed_read_gives_its_references_back(
             assert all(tx.is_freeable(f.mm_hash) for f in feats)
         finally:
             rx.close()
+
+
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_a_request_never_waits_for_space_only_its_own_pins_hold(
+    make_config: Any, face: str
+) -> None:
+    """The head of the ring is this request's own (pinned) item: waiting cannot make room, so
+    the new item is served inline at once instead of after the whole ``wait_for_space``."""
+    import time
+
+    import anyio
+
+    from aioshmcache import AsyncSenderCache
+
+    with SenderCache(make_config(1 << 20, 700 << 10, 1)) as tx:
+        with ReceiverCache.attach(tx.handle()) as rx:
+            [a] = tx.get_and_update_features(
+                [FeatureSpec("a", {"x": np.ones(600 << 10, np.uint8)})]
+            )
+            rx.get_and_update_features([a])  # read: "a" is free, only the request will pin it
+        request = [FeatureSpec("a", None), FeatureSpec("b", {"x": np.ones(600 << 10, np.uint8)})]
+        t0 = time.monotonic()
+        if face == "sync":
+            out = tx.get_and_update_features(request, wait_for_space=60)
+        else:
+
+            async def run() -> list[FeatureSpec]:
+                return await AsyncSenderCache(tx).get_and_update_features(
+                    request, wait_for_space=60
+                )
+
+            out = anyio.run(run)
+        assert time.monotonic() - t0 < 30  # far below the 60 s deadline (today: at once)
+        assert isinstance(out[0].data, ShmRef) and not isinstance(out[1].data, ShmRef)
+        assert tx.snapshot().inline_full == 1
+        assert tx.release(out[0].data) is False  # nobody attached: nothing was owed
+        assert tx.is_freeable("a")  # and the request's pins are gone
+
+
+def test_wait_for_space_bounds_the_whole_call(make_config: Any) -> None:
+    """Six new items against a reader that never reads: one deadline for the call, not six."""
+    import time
+
+    with SenderCache(make_config(1 << 20, 700 << 10, 1)) as tx:
+        with ReceiverCache.attach(tx.handle()):  # attached, never reads: everything stays owed
+            tx.get_and_update_features([FeatureSpec("held", {"x": np.ones(600 << 10, np.uint8)})])
+            new = [FeatureSpec(f"n{i}", {"x": np.ones(600 << 10, np.uint8)}) for i in range(6)]
+            t0 = time.monotonic()
+            out = tx.get_and_update_features(new, wait_for_space=1.0)
+            elapsed = time.monotonic() - t0
+        assert not any(isinstance(f.data, ShmRef) for f in out)
+        assert 1.0 <= elapsed < 5.0  # one deadline (a deadline per item took 6 s)
+        assert tx.snapshot().wait_for_space_seconds >= 1.0
+
+
+def test_a_rejected_request_owes_nothing(make_config: Any) -> None:
+    with SenderCache(make_config()) as tx, ReceiverCache.attach(tx.handle()) as rx:
+        ref, _ = tx.get_and_update_item(({"a": np.ones(10)}, ()), "a")
+        forged = ShmRef(ref.nonce, ref.epoch, ref.address + 64, ref.id, ref.length, ref.tag)
+        with pytest.raises(InvalidReferenceError):
+            rx.get_and_update_features([FeatureSpec("a", ref), FeatureSpec("b", forged)])
+        assert tx.is_freeable("a")  # the valid one was given back, not left owed forever
+        ref2, _ = tx.get_and_update_item(None, "a")
+        with (
+            pytest.raises(InvalidReferenceError),
+            rx.lease([FeatureSpec("a", ref2), FeatureSpec("b", forged)]),
+        ):
+            pass
+        assert tx.is_freeable("a")
+
+
+def test_sync_put_while_another_thread_waits_for_the_same_key(make_config: Any) -> None:
+    with (
+        SenderCache(make_config(2 << 20, 1 << 20, 1)) as tx,
+        ReceiverCache.attach(tx.handle()) as rx,
+    ):
+        held = [
+            tx.get_and_update_item(({"x": np.ones(900_000, np.uint8)}, ()), f"o{i}")[0]
+            for i in range(2)
+        ]
+        big = {"x": np.ones(900_000, np.uint8)}
+        results: dict[str, Any] = {}
+
+        def waiter() -> None:
+            results["A"] = tx.get_and_update_item((big, ()), "k", wait_for_space=2.0)
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        while not tx.store.is_pending("k"):
+            pass
+        results["B"] = tx.get_and_update_item((big, ()), "k")  # no DuplicateKeyError
+        rx.get_and_update_item(held[0], "o0")
+        t.join(10)
+        assert isinstance(results["A"][0], ShmRef)
+        assert results["B"][0] is big

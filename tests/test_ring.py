@@ -20,11 +20,13 @@ from hypothesis.stateful import (
 from aioshmcache import (
     CacheFullError,
     InvalidReferenceError,
+    ReceiverCache,
     RoleError,
+    SenderCache,
     ShmRingBuffer,
     StaleReferenceError,
 )
-from aioshmcache._ring import CHUNK_HEADER, chunk_size
+from aioshmcache._layout import CHUNK_HEADER, chunk_size
 
 CAP = 4096
 
@@ -252,3 +254,32 @@ def _close_shared_ring() -> object:
 
 def test_chunk_header_is_small() -> None:
     assert CHUNK_HEADER == 64
+
+
+def test_reused_bytes_that_forge_the_old_chunk_header_are_still_stale(make_config: Any) -> None:
+    """The next occupant's payload writes a perfect copy of the freed chunk's header."""
+    from aioshmcache._layout import CHUNK_MAGIC, COMMITTED
+
+    with (
+        SenderCache(make_config(1 << 16, 1 << 15, 1)) as tx,
+        ReceiverCache.attach(tx.handle()) as rx,
+    ):
+        filler, _ = tx.get_and_update_item(({"f": np.zeros(900, np.uint8)}, ()), "filler")
+        ref, _ = tx.get_and_update_item(({"a": np.arange(10)}, ()), "a")
+        assert ref.address > 0
+        rx.get_and_update_item(ref, "a")
+        rx.get_and_update_item(filler, "filler")
+        tx.invalidate("a")
+        tx.invalidate("filler")
+        tx.remove_dangling_items()  # both freed: the ring is empty, the next put starts at 0
+        assert tx.store.ring.n_chunks == 0
+        pattern = np.zeros(8, np.uint64)
+        pattern[:4] = [ref.id, ref.length, COMMITTED, ref.id ^ ref.length ^ CHUNK_MAGIC]
+        forged = np.tile(pattern, 400)  # a forged header at every 64-byte boundary
+        tx.get_and_update_item(({"x": forged}, ()), "b")
+        words = tx.store.ring.buf.cast("Q")
+        i = ref.address // 8
+        assert list(words[i : i + 4]) == list(pattern[:4])  # the old header is back, verbatim
+        words.release()
+        with pytest.raises(StaleReferenceError):
+            rx.get_and_update_item(ref, "a")

@@ -7,7 +7,9 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
+from typing import Any
 
 import pytest
 
@@ -18,9 +20,22 @@ from aioshmcache import (
     SegmentNotFoundError,
     SenderCache,
     ShmCacheError,
+    ShmObjectStore,
     ShmSpaceError,
 )
-from aioshmcache._segment import HEADER_SIZE, MAGIC, Layout, Segment, ofd_probe
+from aioshmcache._layout import (
+    HEADER_SIZE,
+    MAGIC,
+    Layout,
+    parse_semaphore_file,
+    segment_name,
+    semaphore_file,
+    semaphore_name,
+)
+from aioshmcache._segment import Segment, ofd_probe
+from aioshmcache._sweep import sweep
+
+from .helpers import SPAWN, kill_and_reap
 
 SHM = "/dev/shm"
 
@@ -167,3 +182,111 @@ def test_forked_child_cannot_write_or_reuse_parent_slot(shm_name: str) -> None:
         # the parent is unaffected, and the child did not keep the writer lock alive
         assert r.get_and_update_item(ref, "h") == {"x": 1}
         r.close()
+
+
+# --- restart after a crash ------------------------------------------------------------------------
+def _writer_sleeps(name: str, conn: Any) -> None:
+    """A writer that creates its store, says so, and waits to be SIGKILLed."""
+    from aioshmcache import ShmObjectStore
+
+    store = ShmObjectStore.create(CacheConfig(1 << 16, 1 << 12, 1, name=name))
+    store.put("a", {"x": 1})
+    conn.send((os.getpid(), store.nonce))
+    time.sleep(3600)
+
+
+def _killed_writer(name: str) -> tuple[int, int]:
+    """Start a writer of segment ``name``, SIGKILL it; returns its pid and nonce."""
+    a, b = SPAWN.Pipe()
+    p = SPAWN.Process(target=_writer_sleeps, args=(name, b))
+    p.start()
+    try:
+        assert a.poll(60)
+        pid, nonce = a.recv()
+    finally:
+        kill_and_reap(p)
+    return pid, nonce
+
+
+def _sem_files(name: str) -> list[str]:
+    return [n for n in os.listdir(SHM) if n.startswith(f"sem.aioshm-{name}.")]
+
+
+def test_restart_reclaims_a_dead_writer_s_segment(shm_name: str) -> None:
+    _pid, old_nonce = _killed_writer(shm_name)
+    assert os.path.exists(os.path.join(SHM, "aioshm-" + shm_name)) and _sem_files(shm_name)
+    with ShmObjectStore.create(CacheConfig(1 << 16, 1 << 12, 1, name=shm_name)) as store:
+        assert store.nonce != old_nonce
+        assert _sem_files(shm_name) == [semaphore_file(store.name, store.nonce)]
+        ref = store.put("a", {"x": 2})
+        with ShmObjectStore.from_handle(store.handle()) as reader:
+            assert reader.get(ref) == {"x": 2}
+    assert not _sem_files(shm_name)
+
+
+def test_restart_without_reclaim_names_the_way_out(shm_name: str) -> None:
+    pid, _nonce = _killed_writer(shm_name)
+    try:
+        cfg = CacheConfig(1 << 16, 1 << 12, 1, name=shm_name, reclaim_dead=False)
+        with pytest.raises(SegmentExistsError, match=rf"pid {pid}\) is dead.*sweep"):
+            ShmObjectStore.create(cfg)
+        sems = _sem_files(shm_name)
+        assert sweep(name=shm_name) == [f"aioshm-{shm_name}", *sems]
+    finally:
+        sweep(name=shm_name)
+    assert not [n for n in os.listdir(SHM) if shm_name in n]
+    with pytest.raises(ValueError, match="reclaim_dead"):
+        CacheConfig(1 << 16, 1 << 12, 1, reclaim_dead=1)  # type: ignore[arg-type]
+
+
+def test_a_live_writer_is_never_reclaimed_and_named_by_pid(shm_name: str) -> None:
+    cfg = CacheConfig(1 << 16, 1 << 12, 1, name=shm_name)
+    with ShmObjectStore.create(cfg) as live:
+        with pytest.raises(SegmentExistsError, match=rf"pid {os.getpid()}\) is alive"):
+            ShmObjectStore.create(cfg)
+        assert live.put("still", {"ok": True}).id > 0
+
+
+def test_a_foreign_file_under_the_name_is_never_reclaimed(shm_name: str) -> None:
+    path = os.path.join(SHM, "aioshm-" + shm_name)
+    with open(path, "wb") as f:
+        f.write(b"\0" * HEADER_SIZE * 2)
+    try:
+        with pytest.raises(SegmentExistsError, match="without a complete aioshmcache header"):
+            ShmObjectStore.create(CacheConfig(1 << 16, 1 << 12, 1, name=shm_name))
+        assert os.path.exists(path)
+    finally:
+        os.unlink(path)
+
+
+def test_attach_through_a_symlink_is_a_typed_error(shm_name: str, tmp_path: Any) -> None:
+    with ShmObjectStore.create(CacheConfig(1 << 16, 1 << 12, 1, name=shm_name)) as store:
+        link = os.path.join(SHM, f"aioshm-{shm_name}-link")
+        os.symlink(os.path.join(SHM, store.name), link)
+        try:
+            with pytest.raises(SegmentNotFoundError, match="symbolic link"):
+                ShmObjectStore.from_handle(f"{shm_name}-link")
+            with pytest.raises(SegmentExistsError):  # a link is never reclaimed either
+                ShmObjectStore.create(CacheConfig(1 << 16, 1 << 12, 1, name=f"{shm_name}-link"))
+        finally:
+            os.unlink(link)
+
+
+def test_names_with_a_trailing_newline_are_rejected() -> None:
+    for bad in ("cache\n", "cache\n\n", "a/b", "x" * 300):
+        with pytest.raises(ValueError):
+            segment_name(bad)
+        with pytest.raises(ValueError):
+            CacheConfig(1 << 16, 1 << 12, 1, name=bad)
+    assert segment_name("/aioshm-ok.1") == "aioshm-ok.1"
+
+
+def test_semaphore_names_are_built_and_parsed_in_one_place() -> None:
+    for name in ("aioshm-x", "aioshm-with.dots.1.wake", "aioshm-", "aioshm-" + "y" * 193):
+        for nonce in (1, 0xFFFFFFFF, (1 << 64) - 1, 0x1234_5678_9ABC_DEF1):
+            parsed = parse_semaphore_file(semaphore_file(name, nonce))
+            assert parsed == (name, nonce & 0xFFFFFFFF)
+            assert semaphore_name(name, nonce) == "/" + semaphore_file(name, nonce)[4:]
+    for junk in ("sem.aioshm-x.wake", "sem.other-x.12345678.wake", "sem.aioshm-x.1234567G.wake"):
+        assert parse_semaphore_file(junk) is None
+    assert parse_semaphore_file("sem.aioshm-x.12345678.wake\n") is None

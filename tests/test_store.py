@@ -17,11 +17,15 @@ from aioshmcache import (
     DuplicateKeyError,
     InvalidReferenceError,
     ObjectTooLargeError,
+    ReceiverCache,
     RoleError,
+    SenderCache,
     ShmObjectStore,
     ShmRef,
     StaleReferenceError,
 )
+from aioshmcache._inspect import inspect_segment
+from aioshmcache._serde import MsgpackSerde
 from aioshmcache._types import reference_tag
 
 from .helpers import SPAWN, checksum
@@ -337,3 +341,83 @@ def test_writer_and_two_reader_processes_move_1000_items(make_config: Any) -> No
                 if p.is_alive():
                     p.kill()
                     p.join(5)
+
+
+class _ReuseAfterCopy(MsgpackSerde):
+    """A serde whose next read runs ``hook`` right after its copy (a second writer thread)."""
+
+    hook: Any = None
+
+    def read(self, buf: memoryview, *, copy: bool = True) -> object:
+        value = super().read(buf, copy=copy)
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return value
+
+
+def test_writer_own_get_verifies_like_a_reader(make_config: Any) -> None:
+    """Evicted and reused mid-copy: the writer's get says stale instead of returning the copy."""
+    serde = _ReuseAfterCopy()
+    with ShmObjectStore.create(make_config(1 << 16, 1 << 12, 1), serde=serde) as store:
+        ref = store.put("a", {"x": np.arange(100)})
+        assert store.get(ref)["x"][7] == 7
+
+        def evict_and_reuse() -> None:
+            store.invalidate("a")
+            assert store.evict() == ["a"]
+            other = store.put("b", {"x": np.full(100, -1)})
+            assert (other.address, other.length) == (ref.address, ref.length)
+
+        serde.hook = evict_and_reuse
+        with pytest.raises(StaleReferenceError):
+            store.get(ref)
+
+
+def test_lag_counts_a_reader_that_never_acknowledged(make_config: Any) -> None:
+    with (
+        ShmObjectStore.create(make_config()) as store,
+        ShmObjectStore.from_handle(store.handle()) as reader,
+    ):
+        refs = [store.put(f"k{i}", {"i": i}) for i in range(3)]
+        assert [s.lag for s in store.reader_info() if s.attached] == [3]
+        assert reader.slot is not None and reader.slot.slot == 0
+        # inspect, from outside the writer: slot 0's row says acked 0, behind 3
+        row = inspect_segment(store.name).splitlines()[-2].split()
+        assert row[0] == "0" and row[4:6] == ["0", "3"]
+        reader.get(refs[0])
+        store.drain()
+        assert [s.lag for s in store.reader_info() if s.attached] == [2]
+
+
+def test_handmade_refs_with_bad_fields_are_invalid(make_config: Any) -> None:
+    with SenderCache(make_config()) as tx, ReceiverCache.attach(tx.handle()) as rx:
+        ref, _ = tx.get_and_update_item(({"a": 1}, ()), "a")
+        for bad in (
+            ShmRef(ref.nonce, ref.epoch, "x", ref.id, ref.length),  # type: ignore[arg-type]
+            ShmRef(ref.nonce, ref.epoch, ref.address, -1, ref.length),
+            ShmRef(ref.nonce, ref.epoch, ref.address, ref.id, 1 << 70),
+        ):
+            with pytest.raises(InvalidReferenceError):
+                rx.get_and_update_item(bad, "a")
+            assert tx.release(bad) is False
+        # a dict of arrays whose keys happen to be reference field names is inline data
+        inline = {"id": np.arange(3)}
+        assert rx.get_and_update_item(inline, "i") is inline
+
+
+def test_each_handout_is_settled_by_exactly_its_own_acknowledgement(make_config: Any) -> None:
+    """A late reader reading an older reference must not settle its debt for a newer hand-out;
+    release() undoes exactly the sessions a hand-out was made to."""
+    with SenderCache(make_config(1 << 20, 1 << 18, 2)) as tx:
+        h1, _ = tx.get_and_update_item(({"a": np.ones(4)}, ()), "a")  # nobody attached yet
+        with ReceiverCache.attach(tx.handle()) as late:
+            h2, _ = tx.get_and_update_item(None, "a")  # owed by `late`
+            assert late.get_and_update_item(h1, "a")["a"].sum() == 4  # not owed: settles nothing
+            assert not tx.is_freeable("a")
+            assert tx.release(h1) is False  # nobody owed h1
+            assert tx.release(h2) is True and tx.release(h2) is False
+            assert tx.is_freeable("a")
+            h3, _ = tx.get_and_update_item(None, "a")
+            assert late.release(h3) is True and late.release(h3) is False
+            assert tx.is_freeable("a")

@@ -68,7 +68,9 @@ class WriterProc:
             o.readers,
             name=self.name,
             delivery="one_of_n" if self.delivery == "one_of_n" else "broadcast",
-            handout_ttl=o.handout_ttl,
+            # broadcast: the default TTL, so a lost hand-out (the "drop" sabotage) stays owed
+            # for longer than the harness's drain check and is seen as the leak it is
+            handout_ttl=o.handout_ttl if self.delivery == "one_of_n" else 30.0,
             evict_stuck_readers_after=evict,
         )
 

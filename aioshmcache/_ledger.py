@@ -1,0 +1,278 @@
+"""The writer's hand-out ledger: who owes which hand-out of which entry, and when it lapses.
+
+Pure bookkeeping: no shared memory, no locks, and time comes from an injectable ``clock`` so
+that every rule below can be tested deterministically. The store feeds it (hand-outs it makes,
+acknowledgements it drains from the readers' logs, sessions that died or were revoked) and asks
+it whether an entry may be freed.
+
+A **hand-out** is one reference given out for an entry, numbered by a ``seq`` that increases
+over the whole ledger. An entry is **free** when it is not pinned, not touched, and owes nothing.
+
+Rules:
+
+* **Broadcast.** A hand-out is owed by exactly the reader sessions attached when it was made;
+  each settles it once by acknowledging ``(id, seq)``. A session that dies, closes or is revoked
+  owes nothing any more (:meth:`HandoutLedger.drop_session`); a session attached later owes
+  nothing older.
+* **One-of-N.** Any one reader settles a hand-out. Each hand-out expires ``handout_ttl``
+  seconds after *it* was made (not after the entry's last hand-out): one lost hand-out of a
+  frequently requested item pins it for at most ``handout_ttl``.
+* **Lost hand-outs in broadcast.** A debt of session ``s`` for hand-out ``seq`` *lapses* once
+  ``seq`` is at least ``handout_ttl`` old **and** ``s`` has acknowledged a later hand-out (a
+  higher ``seq``): the reader is making progress, so the old reference never reached it (the
+  sender lost it and never released it). A reader that acknowledges nothing keeps its debts:
+  that is a stuck reader, not a lost hand-out.
+* **Stuck readers** (``evict_stuck_readers_after``, see :meth:`HandoutLedger.stuck`): a session
+  is stuck on an entry when it owes one of the entry's hand-outs that is older than the limit
+  and has acknowledged nothing since that hand-out was made. A healthy reader whose only debt
+  is a lost hand-out keeps acknowledging newer ones, so it is never revoked for it.
+* **Touch.** :meth:`HandoutLedger.touch` protects an entry until its next hand-out, or for
+  ``handout_ttl`` seconds if no hand-out follows.
+* **Pins** are counted per entry and block freeing while any is held.
+
+Acknowledgements are timed when the writer drains them, not when the reader wrote them; a drain
+happens at least every time the writer needs room, so the difference is bounded by the writer's
+own activity.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+__all__ = ["Debts", "HandoutLedger"]
+
+
+class Debts:
+    """The ledger's part of one entry: its outstanding hand-outs, pins and touch."""
+
+    __slots__ = ("debt", "handouts", "id", "last_handout", "out", "out_time", "pins", "touched_at")
+
+    def __init__(self, cid: int) -> None:
+        self.id = cid
+        #: outstanding hand-outs: seq -> sessions still owing it (broadcast), or None (one-of-N)
+        self.out: dict[int, list[int] | None] = {}
+        self.out_time: dict[int, float] = {}  # seq -> when it was handed out
+        self.debt = 0  # unsettled (hand-out, session) pairs; one per one-of-N hand-out
+        self.pins = 0  # request-scoped pins
+        self.touched_at: float | None = None  # a standalone touch, until the next hand-out
+        self.handouts = 0
+        self.last_handout = 0.0
+
+    @property
+    def touched(self) -> bool:
+        """Whether a touch is in force (it may have expired: see :meth:`HandoutLedger.is_free`)."""
+        return self.touched_at is not None
+
+
+class HandoutLedger:
+    """Debts of hand-outs per entry and session, with the expiry rules of the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        one_of_n: bool,
+        handout_ttl: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.one_of_n = one_of_n
+        self.handout_ttl = handout_ttl
+        self.clock = clock
+        self.entries: dict[int, Debts] = {}  # chunk id -> its debts
+        self.owed: dict[int, int] = {}  # session -> hand-outs it still owes
+        # session -> (highest seq it acknowledged, when that acknowledgement was applied)
+        self._progress: dict[int, tuple[int, float]] = {}
+        self.next_seq = 1
+
+    # --- entries ----------------------------------------------------------------------------
+    def add(self, e: Debts) -> None:
+        """Track a new entry (it owes nothing yet)."""
+        self.entries[e.id] = e
+
+    def forget(self, cid: int) -> Debts | None:
+        """Stop tracking an entry that was freed; its debts disappear with it."""
+        e = self.entries.pop(cid, None)
+        if e is not None and e.debt > 0 and not self.one_of_n:
+            for owers in e.out.values():
+                for s in owers or ():
+                    self._owe(s, -1)
+        return e
+
+    def clear(self) -> None:
+        """Forget every entry and every debt (a new epoch)."""
+        self.entries.clear()
+        self.owed.clear()
+
+    # --- hand-outs and settlement ---------------------------------------------------------
+    def hand_out(self, e: Debts, owers: Iterable[int] = ()) -> int:
+        """Record a hand-out of ``e`` owed by ``owers`` (ignored in one-of-N); returns its seq."""
+        now = self.clock()
+        seq = self.next_seq
+        self.next_seq = seq + 1
+        if self.one_of_n:
+            e.out[seq] = None
+            e.out_time[seq] = now
+            e.debt += 1
+        else:
+            sessions = list(owers)
+            if sessions:
+                e.out[seq] = sessions
+                e.out_time[seq] = now
+                e.debt += len(sessions)
+                for s in sessions:
+                    self._owe(s, 1)
+        e.handouts += 1
+        e.touched_at = None
+        e.last_handout = now
+        return seq
+
+    def settle(self, cid: int, seq: int, session: int) -> bool:
+        """Session ``session`` acknowledged hand-out ``seq`` of entry ``cid``; True if it owed it.
+
+        Every acknowledgement counts as progress of its session (the lost hand-out rule), even
+        one of an entry already freed.
+        """
+        prev = self._progress.get(session)
+        self._progress[session] = (seq if prev is None else max(seq, prev[0]), self.clock())
+        e = self.entries.get(cid)
+        if e is None or seq not in e.out:
+            return False  # not outstanding (released, expired, or never handed to this reader)
+        owers = e.out[seq]
+        if owers is None:  # one-of-N: any reader settles it
+            self._drop_seq(e, seq)
+            e.debt -= 1
+            return True
+        if session not in owers:
+            return False
+        owers.remove(session)
+        e.debt -= 1
+        self._owe(session, -1)
+        if not owers:
+            self._drop_seq(e, seq)
+        return True
+
+    def release(self, cid: int, seq: int) -> bool:
+        """Undo hand-out ``seq`` of ``cid`` (it never reached a reader). False if not owed."""
+        e = self.entries.get(cid)
+        if e is None or seq not in e.out:
+            return False
+        owers = e.out[seq]
+        self._drop_seq(e, seq)
+        if owers is None:
+            e.debt -= 1
+        else:
+            e.debt -= len(owers)
+            for s in owers:
+                self._owe(s, -1)
+        return True
+
+    def drop_session(self, session: int) -> None:
+        """A reader died, closed or was revoked: it owes nothing any more."""
+        self.owed.pop(session, None)
+        self._progress.pop(session, None)
+        if self.one_of_n:
+            return
+        for e in self.entries.values():
+            if not e.debt:
+                continue
+            for seq, owers in list(e.out.items()):
+                if owers and session in owers:
+                    owers.remove(session)
+                    e.debt -= 1
+                    if not owers:
+                        self._drop_seq(e, seq)
+
+    # --- pins and touches -----------------------------------------------------------------
+    @staticmethod
+    def pin(e: Debts) -> None:
+        """Take one request-scoped pin of ``e``."""
+        e.pins += 1
+
+    @staticmethod
+    def unpin(e: Debts) -> None:
+        """Undo one pin of ``e`` (never below zero)."""
+        if e.pins > 0:
+            e.pins -= 1
+
+    def touch(self, e: Debts) -> None:
+        """Protect ``e`` until its next hand-out, or ``handout_ttl`` seconds at most."""
+        e.touched_at = self.clock()
+
+    @staticmethod
+    def untouch(e: Debts) -> None:
+        """End a touch (the entry was invalidated)."""
+        e.touched_at = None
+
+    # --- freeing --------------------------------------------------------------------------
+    def expire(self, e: Debts) -> int:
+        """Apply the expiry rules to ``e`` now; returns how many debts lapsed."""
+        if not e.out and e.touched_at is None:
+            return 0
+        now = self.clock()
+        ttl = self.handout_ttl
+        if e.touched_at is not None and now - e.touched_at >= ttl:
+            e.touched_at = None
+        lapsed = 0
+        for seq, t in list(e.out_time.items()):
+            if now - t < ttl:
+                break  # seqs are in hand-out order, so the rest are younger
+            owers = e.out[seq]
+            if owers is None:  # one-of-N: this hand-out was never read
+                self._drop_seq(e, seq)
+                e.debt -= 1
+                lapsed += 1
+                continue
+            for s in list(owers):
+                p = self._progress.get(s)
+                if p is not None and p[0] > seq:  # s moved on: this hand-out never reached it
+                    owers.remove(s)
+                    e.debt -= 1
+                    self._owe(s, -1)
+                    lapsed += 1
+            if not owers:
+                self._drop_seq(e, seq)
+        return lapsed
+
+    def is_free(self, e: Debts) -> bool:
+        """Whether ``e`` may be freed now (pins, touch and debts, after expiry)."""
+        self.expire(e)
+        return not e.pins and e.touched_at is None and e.debt <= 0
+
+    def debtors(self, e: Debts) -> dict[int, float]:
+        """Sessions owing a hand-out of ``e`` -> when the oldest one they owe was made."""
+        since: dict[int, float] = {}
+        for seq, owers in e.out.items():
+            t = e.out_time[seq]
+            for s in owers or ():
+                if t < since.get(s, float("inf")):
+                    since[s] = t
+        return since
+
+    def stuck(self, e: Debts, after: float) -> list[int]:
+        """Sessions owing ``e`` a hand-out older than ``after`` s with no acknowledgement since."""
+        now = self.clock()
+        out: list[int] = []
+        for seq, owers in e.out.items():
+            t = e.out_time[seq]
+            if now - t <= after:
+                break
+            for s in owers or ():
+                if s in out:
+                    continue
+                p = self._progress.get(s)
+                if p is None or p[1] < t:
+                    out.append(s)
+        return out
+
+    def last_acknowledged(self, session: int) -> tuple[int, float] | None:
+        """(highest seq, when) of ``session``'s acknowledgements, or None if it made none."""
+        return self._progress.get(session)
+
+    # --- internals ------------------------------------------------------------------------
+    @staticmethod
+    def _drop_seq(e: Debts, seq: int) -> None:
+        del e.out[seq]
+        del e.out_time[seq]
+
+    def _owe(self, session: int, n: int) -> None:
+        self.owed[session] = self.owed.get(session, 0) + n

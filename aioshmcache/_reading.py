@@ -1,0 +1,209 @@
+"""The read path: resolve a reference, verify it, copy or view it, acknowledge it.
+
+Used by every reader (with its reader slot) and by the writer's own :meth:`ReadPath.read`
+(without one). A read resolves the reference against this segment (nonce, tag, epoch, then the
+ring's bounds and chunk header), copies or views the payload, and re-verifies the chunk after the
+copy: a chunk freed or reused meanwhile is a ``StaleReferenceError``, never torn data, for the
+writer's own reads too. A reader then acknowledges the hand-out in its slot's log, and posts the
+writer's wake-up semaphore when the writer waits for space. A reference that will not be read
+(stale, or its request failed) is *given back*: acknowledged without reading.
+
+The writer-liveness probe lives here too: a reader checks the writer's kernel lock at most once
+per ``probe_interval`` seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Final
+
+import posix_ipc
+
+from ._layout import H_EPOCH, H_SECRET, H_STATE, H_WAITING, STATE_LIVE, semaphore_name
+from ._readers import ReaderSlot
+from ._ring import ShmRingBuffer
+from ._segment import Segment
+from ._serde import Serde
+from ._types import ShmRef, reference_tag
+from .errors import (
+    ClosedCacheError,
+    InvalidReferenceError,
+    RoleError,
+    ShmCacheError,
+    StaleReferenceError,
+    WriterGoneError,
+)
+
+__all__ = ["ReadPath", "check_ref_fields"]
+
+_U64: Final = (1 << 64) - 1
+
+
+def check_ref_fields(r: ShmRef) -> bool:
+    """Whether every field of ``r`` is an unsigned 64-bit int (a ``ShmRef`` built by hand)."""
+    return all(
+        type(v) is int and 0 <= v <= _U64
+        for v in (r.nonce, r.epoch, r.address, r.id, r.length, r.tag, r.position, r.seq)
+    )
+
+
+class ReadPath:
+    """Reading references of one segment; with a reader slot, acknowledging them too."""
+
+    def __init__(
+        self,
+        segment: Segment,
+        ring: ShmRingBuffer,
+        serde: Serde,
+        *,
+        slot: ReaderSlot | None = None,
+        probe_interval: float = 0.25,
+    ) -> None:
+        self._seg = segment
+        self._hw = segment.words
+        self.ring = ring
+        self.serde = serde
+        self.slot = slot
+        self.probe_interval = probe_interval
+        self._secret = int(self._hw[H_SECRET])
+        self._nonce = segment.nonce
+        self._last_writer_probe = 0.0
+        self._sem: Any = None
+        self.closed = False
+
+    # --- checks -----------------------------------------------------------------------------
+    def check_open(self) -> None:
+        """``ClosedCacheError`` once closed; ``RoleError`` in a forked child of the opener."""
+        if self.closed:
+            raise ClosedCacheError(f"store {self._seg.name!r} is closed")
+        if self._seg.forked:
+            raise RoleError(
+                f"this cache object was opened by process {self._seg.pid}; a forked child "
+                "cannot use it: attach again in the child"
+            )
+
+    def check_writer(self) -> None:
+        """``WriterGoneError`` if the writer closed or died (probed every ``probe_interval``)."""
+        if self._hw[H_STATE] != STATE_LIVE:
+            raise WriterGoneError(f"the writer of {self._seg.name!r} closed the cache")
+        now = time.monotonic()
+        if now - self._last_writer_probe > self.probe_interval:
+            if not self._seg.writer_alive():
+                raise WriterGoneError(f"the writer of {self._seg.name!r} died")
+            self._last_writer_probe = now
+
+    def check_reader(self) -> ReaderSlot:
+        """The reader slot, after checking that this reader may read now (typed errors)."""
+        self.check_open()
+        slot = self.slot
+        if slot is None:
+            raise RoleError(
+                "this store is the writer; attach a reader to read with acknowledgement"
+            )
+        self.check_writer()
+        slot.check_revoked()
+        if slot.overflowing:
+            slot.flush()
+        return slot
+
+    # --- resolving --------------------------------------------------------------------------
+    def resolve(self, ref: object) -> tuple[ShmRef, memoryview]:
+        """Check a reference against this segment; returns it and a view of its payload."""
+        self.check_open()
+        r = ref if isinstance(ref, ShmRef) else ShmRef.from_dict(ref)
+        if not check_ref_fields(r):
+            raise InvalidReferenceError("reference fields must be unsigned 64-bit ints")
+        if r.nonce != self._nonce:
+            raise InvalidReferenceError("reference belongs to another cache (nonce mismatch)")
+        if r.tag != reference_tag(
+            self._secret, r.epoch, r.address, r.id, r.length, r.position, r.seq
+        ):
+            raise InvalidReferenceError("reference is forged or corrupted (tag mismatch)")
+        epoch = self._hw[H_EPOCH]
+        if r.epoch != epoch:
+            if r.epoch < epoch:
+                raise StaleReferenceError(
+                    f"reference is from before clear (epoch {r.epoch} < {epoch})"
+                )
+            raise InvalidReferenceError(f"reference epoch {r.epoch} is in the future")
+        return r, self.ring.access(r.address, r.id, r.length, r.position)
+
+    def validate(self, ref: object) -> ShmRef:
+        """Check a reference against this segment without reading it (typed errors)."""
+        r, view = self.resolve(ref)
+        view.release()
+        return r
+
+    def _decode(self, r: ShmRef, view: memoryview, *, copy: bool) -> Any:
+        """Decode and verify: a chunk reused during the copy is stale, never torn data."""
+        try:
+            value = self.serde.read(view, copy=copy)
+        except ShmCacheError:
+            # torn: stale; intact but undecodable: re-raise
+            self.ring.verify(r.address, r.id, r.position)
+            raise
+        finally:
+            if copy:
+                view.release()  # zero-copy arrays keep exporting it
+        self.ring.verify(r.address, r.id, r.position)
+        return value
+
+    # --- reading ----------------------------------------------------------------------------
+    def read(self, ref: ShmRef | dict[str, Any]) -> Any:
+        """The writer's own read: a verified copy, nothing acknowledged."""
+        r, view = self.resolve(ref)
+        return self._decode(r, view, copy=True)
+
+    def get(self, ref: ShmRef | dict[str, Any], *, copy: bool = True) -> Any:
+        """A reader's read: verify, copy (or view), acknowledge (a copy only)."""
+        slot = self.check_reader()
+        try:
+            r, view = self.resolve(ref)
+        except StaleReferenceError:
+            if isinstance(ref, ShmRef):
+                self.give_back(ref)
+            raise
+        value = self._decode(r, view, copy=copy)
+        slot.check_revoked()
+        if copy:
+            self._ack(slot, r.id, r.seq)
+        return value
+
+    def ack(self, ref: ShmRef) -> None:
+        """Acknowledge a reference read with ``copy=False`` after re-verifying it."""
+        slot = self.check_reader()
+        self.ring.verify(ref.address, ref.id, ref.position)
+        self._ack(slot, ref.id, ref.seq)
+
+    def give_back(self, ref: ShmRef) -> None:
+        """Acknowledge a reference that will not be read (never raises)."""
+        slot = self.slot
+        if slot is None or self.closed or slot.closed or self._seg.forked:
+            return
+        with contextlib.suppress(ShmCacheError, ValueError, AttributeError, TypeError):
+            self._ack(slot, ref.id, ref.seq)
+
+    def _ack(self, slot: ReaderSlot, cid: int, seq: int) -> None:
+        slot.ack(cid, seq)
+        if self._hw[H_WAITING]:
+            self._post_wake()
+
+    def _post_wake(self) -> None:
+        try:
+            if self._sem is None:
+                self._sem = posix_ipc.Semaphore(semaphore_name(self._seg.name, self._nonce))
+            self._sem.release()
+        except (posix_ipc.ExistentialError, OSError):
+            pass  # the writer is gone or has not created it: waking is best-effort by design
+
+    def close(self) -> None:
+        """Free the reader slot and the semaphore handle; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.slot is not None:
+            self.slot.close()
+        if self._sem is not None:
+            with contextlib.suppress(posix_ipc.ExistentialError, OSError):
+                self._sem.close()
