@@ -134,7 +134,7 @@ def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--faults", "meteor"]) == 2
     assert "unknown fault 'meteor'" in capsys.readouterr().err
     assert main(["--capacity", "1MiB", "--max-object", "2MiB"]) == 2
-    assert set(FAULTS) == {"kill-readers", "stop-readers", "cancel", "kill-writer", "forge"}
+    assert set(FAULTS) == {"kill-readers", "stop-readers", "cancel", "kill-writer", "forge", "fork"}
 
 
 # --- short runs -------------------------------------------------------------------------------
@@ -184,7 +184,11 @@ def test_harness_catches_wrong_data_and_leaks(tmp_path: pathlib.Path) -> None:
 # --- the CI stress run --------------------------------------------------------------------------
 @pytest.mark.stress
 def test_stress_all_faults(tmp_path: pathlib.Path) -> None:
-    """Every fault on, both delivery modes: no violation, and every fault really happened."""
+    """Every fault on, both delivery modes: no violation, and every fault really happened.
+
+    Includes ``fork``: the writer and readers fork children that outlive them, then are
+    SIGKILLed (needs the core's fork-safe liveness: locks on descriptors closed at fork).
+    """
     duration = parse_duration(os.environ.get("AIOSHM_STRESS_DURATION", "60s"))
     rc, out, data = run_stress(
         tmp_path, "--duration", f"{duration}s", "--faults", "all", limit=duration + 240
@@ -196,6 +200,10 @@ def test_stress_all_faults(tmp_path: pathlib.Path) -> None:
     assert st.get("reader_stops", 0) > 0
     assert probes.get("answered", 0) > 0
     assert st.get("writer_gens_broadcast", 0) >= 1 and st.get("writer_gens_one_of_n", 0) >= 1
+    # the fork fault: a reader forked then SIGKILLed is dead to the writer while its child lives
+    assert st.get("fork_kills_reader", 0) > 0
+    assert st.get("fork_slots_dropped", 0) > 0
     if duration >= 30:
         assert st.get("writer_kills", 0) > 0
+        assert st.get("fork_kills_writer", 0) > 0  # and readers saw WriterGoneError in time
     assert all(f["n_not_freeable"] == 0 for f in data["finals"])

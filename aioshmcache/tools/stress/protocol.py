@@ -22,6 +22,7 @@ from aioshmcache.wire import unpack_features
 from ..framing import ProtocolError
 
 __all__ = [
+    "FORK_SLOT_BOUND",
     "HB_INTERVAL",
     "MAX_FRAME",
     "SABOTAGE_EVERY",
@@ -39,6 +40,10 @@ SABOTAGE_EVERY: Final = 10
 SABOTAGE_MIN_SEEN: Final = 3
 #: ...but not for longer than this many seconds past ``--duration`` (the run then fails)
 SABOTAGE_GRACE: Final = 300.0
+
+#: the fork fault: a SIGKILLed reader's slot must look dead within this many seconds (while
+#: the child it forked lives on, for ``--fork-linger`` seconds, longer than this)
+FORK_SLOT_BOUND: Final = 3.0
 
 #: one feature of a request: mm_hash, its reference (None: served inline), digest, size
 Feature = tuple[str, ShmRef | None, int, int]

@@ -31,6 +31,7 @@ from aioshmcache import (
 from ..framing import Link
 from ..lag import LoopLagMeter
 from .calls import cancel_mode, guarded
+from .forking import fork_lingering
 from .options import StressOptions
 from .protocol import HB_INTERVAL, SABOTAGE_EVERY, Feature, request_features
 from .workload import verify_item
@@ -130,6 +131,9 @@ class ReaderProc:
                         "uncertain": self.session_uncertain,
                     }
                 )
+            elif kind == "fork":  # the fork fault: the parent SIGKILLs us next
+                pid = fork_lingering(self.link, float(msg["linger"]))
+                self.link.send({"t": "forked", "pid": pid})
             elif kind == "exit":
                 return
 

@@ -149,6 +149,12 @@ def summary(
         "faults: writer SIGKILL / rotations",
         f"{st['writer_kills']:,} / {st['writer_rotations']:,}",
     )
+    if "fork" in o.faults:
+        row(
+            "faults: forked, then SIGKILL: writer / reader",
+            f"{st['fork_kills_writer']:,} / {st['fork_kills_reader']:,} "
+            f"(dead slots dropped {st['fork_slots_dropped']:,})",
+        )
     gens = ", ".join(f"{k[12:]} {v}" for k, v in sorted(st.items()) if k.startswith("writer_gens_"))
     row("writer generations", f"{writer_gens} ({gens})")
     for k, v in sorted(er.items()):

@@ -25,6 +25,7 @@ from .._core_gaps import retag_reference
 from ..framing import Link
 from ..lag import LoopLagMeter
 from .calls import cancel_mode, guarded
+from .forking import fork_lingering
 from .options import StressOptions
 from .protocol import HB_INTERVAL, SABOTAGE_EVERY
 from .workload import Workload
@@ -122,6 +123,11 @@ class WriterProc:
                 self.link.send({"t": "stopped", "gen": self.gen, "stats": self.stats_msg()})
             elif kind == "check":
                 self.link.send(await self.final_check(float(msg["within"])))
+            elif kind == "fork":  # the fork fault: the parent SIGKILLs us next
+                pid = fork_lingering(self.link, float(msg["linger"]))
+                self.link.send({"t": "forked", "pid": pid})
+            elif kind == "slots":
+                self.link.send({"t": "slots", "slots": self.slots()})
             elif kind == "exit":
                 return
 
@@ -434,7 +440,16 @@ class WriterProc:
         snap = tx.snapshot()
         out["after_items"] = snap.items
         out["after_bytes"] = snap.bytes_used
-        out["slots"] = [
+        out["slots"] = self.slots()
+        out["stats"] = self.stats_msg()
+        return out
+
+    def slots(self) -> list[dict[str, Any]]:
+        """The reader slots as the writer sees them now."""
+        tx = self.tx
+        if tx is None or tx.sender.closed:
+            return []
+        return [
             {
                 "slot": s.slot,
                 "attached": s.attached,
@@ -444,7 +459,5 @@ class WriterProc:
                 "acknowledged": s.acknowledged,
                 "revoked": s.revoked,
             }
-            for s in snap.readers
+            for s in tx.snapshot().readers
         ]
-        out["stats"] = self.stats_msg()
-        return out
