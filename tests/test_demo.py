@@ -609,7 +609,8 @@ async def test_lifespan_in_process_drift_recovery(
     shm_name: str, images: list[bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The gateway's lifespan on the test's own loop, with real workers: hit skipping, the
-    worker-side drift path (stale references -> invalidate -> resend) and the eviction race."""
+    worker-side drift path (stale references -> invalidate -> resend), the eviction race,
+    single flight, and hand-outs given back when a request fails."""
     a, b = images[0], images[1]
     ha, hb = mm_hash(a, PROC), mm_hash(b, PROC)
     gw = Gateway(GatewaySettings(workers=2, name=shm_name, cache_mb=16, max_object_mb=2))
@@ -661,6 +662,35 @@ async def test_lifespan_in_process_drift_recovery(
         assert out["attempts"] == 1 and out["images"][0]["preprocessed"] is True
         assert not lies  # the lie was told (and handled by the single-flight call)
         _verify(out, [b], 2)
+        monkeypatch.setattr(cache, "is_cached_item", real_is_cached)
+
+        # single flight: concurrent requests for one new image preprocess it once, each gets
+        # its own hand-out; a request with an undecodable image gives its other hand-outs back
+        c = synthetic_image(77, width=120, height=100)
+        hc = mm_hash(c, PROC)
+        before, flights = gw.counters["preprocessed"], cache.single_flight_stats()
+        outs = await asyncio.gather(*(gw.generate("p", [ImageInput(0, c, hc)]) for _ in range(6)))
+        for o in outs:
+            _verify(o, [c], 2)
+        after = cache.single_flight_stats()
+        assert gw.counters["preprocessed"] == before + 1
+        assert after.runs - flights.runs == 1 and after.calls - flights.calls == 6
+        assert (after.saved - flights.saved) + (after.hits - flights.hits) == 5
+        real_preprocess = gw._preprocess
+
+        async def fail_after_the_hand_out(img: ImageInput) -> dict[str, Any]:
+            deadline = time.monotonic() + 60  # the other image's hand-out is made (owed) first
+            while not any(r.lag for r in cache.snapshot().readers if r.attached):
+                assert time.monotonic() < deadline, "the other image was never handed out"
+                await asyncio.sleep(0.01)
+            return await real_preprocess(img)
+
+        monkeypatch.setattr(gw, "_preprocess", fail_after_the_hand_out)
+        with pytest.raises(GatewayError) as info:
+            await gw.generate("p", [ImageInput(0, c, hc), ImageInput(1, b"not an image", "0" * 64)])
+        assert info.value.status == 415
+        owed = [r.lag for r in cache.snapshot().readers if r.attached]
+        assert owed and all(lag == 0 for lag in owed), owed  # nothing owed for the failed request
     assert _shm_files(shm_name) == []
     for pid in pids:
         assert _gone(pid)
