@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from ._request import (
     DEFAULT_INLINE_THRESHOLD,
@@ -61,7 +61,52 @@ def _run_inline(request: SenderRequest | ReceiverRequest) -> None:
         raise
 
 
-class SenderCache:
+_C = TypeVar("_C", bound="_Cache")
+
+
+class _Cache:
+    """What both caches share: the store, counters, ``make_stats``, lifetime as ``with``."""
+
+    store: ShmObjectStore
+    _counters: RequestCounters
+    _last_delta: CacheInfo
+
+    def handle(self) -> CacheHandle:
+        """The segment's handle: what a reader needs to attach (picklable, JSON-friendly)."""
+        return self.store.handle()
+
+    def make_stats(self, *, delta: bool = False) -> CacheInfo:
+        """Hits and total; with ``delta`` the change since the previous delta call.
+
+        Sender: items answered from the cache of items asked for. Receiver: references
+        resolved into items of features seen.
+        """
+        with self._counters.lock:
+            info = CacheInfo(self._counters.hits, self._counters.total)
+        if not delta:
+            return info
+        out = info - self._last_delta
+        self._last_delta = info
+        return out
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called."""
+        return self.store.closed
+
+    def __enter__(self: _C) -> _C:
+        """Enter ``with``: the cache itself."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Leave ``with``: ``close()``."""
+        self.close()
+
+
+class SenderCache(_Cache):
     """P0: the writer. Creates and owns the segment; ``close`` unlinks it."""
 
     def __init__(self, config: CacheConfig, *, serde: Serde | None = None) -> None:
@@ -88,10 +133,6 @@ class SenderCache:
     def is_cached(self, mm_hashes: Sequence[str]) -> list[bool]:
         """``is_cached_item`` of each hash."""
         return [self.is_cached_item(h) for h in mm_hashes]
-
-    def handle(self) -> CacheHandle:
-        """What a reader needs to attach (picklable, msgpack- and JSON-friendly)."""
-        return self.store.handle()
 
     @property
     def name(self) -> str:
@@ -219,16 +260,6 @@ class SenderCache:
         with self.store.lock:
             return self.store.is_freeable(mm_hash)
 
-    def make_stats(self, *, delta: bool = False) -> CacheInfo:
-        """Hits and total; with ``delta`` the change since the previous delta call."""
-        with self._counters.lock:
-            info = CacheInfo(self._counters.hits, self._counters.total)
-        if not delta:
-            return info
-        out = info - self._last_delta
-        self._last_delta = info
-        return out
-
     def snapshot(self) -> CacheSnapshot:
         """What an operator watches: counters, usage and every reader slot."""
         with self.store.lock:
@@ -256,21 +287,8 @@ class SenderCache:
             self.store.close()
             self._prompt_updates.clear()
 
-    @property
-    def closed(self) -> bool:
-        """Whether ``close`` was called."""
-        return self.store.closed
 
-    def __enter__(self) -> SenderCache:
-        """Enter ``with``: the cache itself."""
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        """Leave ``with``: ``close()`` (unlinks the segment)."""
-        self.close()
-
-
-class ReceiverCache:
+class ReceiverCache(_Cache):
     """P1: a reader. Attaches to a sender's segment and claims a reader slot."""
 
     def __init__(self, store: ShmObjectStore) -> None:
@@ -290,10 +308,6 @@ class ReceiverCache:
         segment instance (a name alone cannot). ``ReaderLimitError`` if every slot is taken.
         """
         return cls(ShmObjectStore.from_handle(coerce_handle(handle), serde=serde))
-
-    def handle(self) -> CacheHandle:
-        """The handle of the segment this reader is attached to."""
-        return self.store.handle()
 
     def request(
         self,
@@ -393,29 +407,6 @@ class ReceiverCache:
 
     clear = clear_cache
 
-    def make_stats(self, *, delta: bool = False) -> CacheInfo:
-        """References resolved (hits) of features seen (total); ``delta`` as on the sender."""
-        with self._counters.lock:
-            info = CacheInfo(self._counters.hits, self._counters.total)
-        if not delta:
-            return info
-        out = info - self._last_delta
-        self._last_delta = info
-        return out
-
     def close(self) -> None:
         """Free the reader slot (idempotent)."""
         self.store.close()
-
-    @property
-    def closed(self) -> bool:
-        """Whether ``close`` was called."""
-        return self.store.closed
-
-    def __enter__(self) -> ReceiverCache:
-        """Enter ``with``: the cache itself."""
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        """Leave ``with``: ``close()`` (frees the reader slot)."""
-        self.close()
