@@ -193,7 +193,7 @@ def test_stress_all_faults(tmp_path: pathlib.Path) -> None:
     rc, out, data = run_stress(
         tmp_path, "--duration", f"{duration}s", "--faults", "all", limit=duration + 240
     )
-    assert rc == 0, out[-8000:]
+    assert rc == 0, "\n".join(data.get("violations", ["(no report)"])) + "\n\n" + out[-8000:]
     st, probes = data["stats"], data["probes"]
     assert st["items_verified"] > 0
     assert st.get("reader_kills", 0) > 0
