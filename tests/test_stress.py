@@ -31,6 +31,7 @@ from aioshmcache.tools.stress import (
     parse_size,
     verify_item,
 )
+from aioshmcache.tools.stress.protocol import SABOTAGE_GRACE, SABOTAGE_MIN_SEEN
 
 
 @functools.cache
@@ -133,13 +134,13 @@ def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--faults", "meteor"]) == 2
     assert "unknown fault 'meteor'" in capsys.readouterr().err
     assert main(["--capacity", "1MiB", "--max-object", "2MiB"]) == 2
-    assert set(FAULTS) == {"kill-readers", "stop-readers", "cancel", "kill-writer", "forge"}
+    assert set(FAULTS) == {"kill-readers", "stop-readers", "cancel", "kill-writer", "forge", "fork"}
 
 
 # --- short runs -------------------------------------------------------------------------------
 def test_quick_run_without_faults(tmp_path: pathlib.Path) -> None:
     """5 s, both delivery modes (a mid-run writer rotation), no faults: clean and drained."""
-    rc, out, data = run_stress(tmp_path, "--duration", "5s", "--readers", "2", limit=120)
+    rc, out, data = run_stress(tmp_path, "--duration", "5s", "--readers", "2", limit=600)
     assert rc == 0, out[-6000:]
     assert "RESULT: OK" in out and "writer requests" in out
     st = data["stats"]
@@ -151,7 +152,11 @@ def test_quick_run_without_faults(tmp_path: pathlib.Path) -> None:
 
 
 def test_harness_catches_wrong_data_and_leaks(tmp_path: pathlib.Path) -> None:
-    """Self-test: a writer that lies about digests and a reader that drops requests must fail."""
+    """Self-test: a writer that lies about digests and a reader that drops requests must fail.
+
+    The sabotage is count-based and the run goes on past ``--duration`` until each kind was seen
+    (a loaded machine may fit few requests in 4 s): the outcome does not depend on the load.
+    """
     rc, out, data = run_stress(
         tmp_path,
         "--duration",
@@ -162,9 +167,14 @@ def test_harness_catches_wrong_data_and_leaks(tmp_path: pathlib.Path) -> None:
         "broadcast",
         "--sabotage",
         "digest,drop",
-        limit=120,
+        limit=SABOTAGE_GRACE + 240,
     )
     assert rc == 1, out[-6000:]
+    st = data["stats"]
+    assert st["items_wrong"] >= SABOTAGE_MIN_SEEN, out[-6000:]
+    assert st["sabotage_dropped"] >= SABOTAGE_MIN_SEEN, out[-6000:]
+    # every wrong read is a lie the writer told (each read by at most both readers): none invented
+    assert 2 * data["writer"]["sabotaged"] >= st["items_wrong"]
     text = "\n".join(data["violations"])
     assert "WRONG DATA" in text
     assert "cache does not drain" in text
@@ -174,18 +184,26 @@ def test_harness_catches_wrong_data_and_leaks(tmp_path: pathlib.Path) -> None:
 # --- the CI stress run --------------------------------------------------------------------------
 @pytest.mark.stress
 def test_stress_all_faults(tmp_path: pathlib.Path) -> None:
-    """Every fault on, both delivery modes: no violation, and every fault really happened."""
+    """Every fault on, both delivery modes: no violation, and every fault really happened.
+
+    Includes ``fork``: the writer and readers fork children that outlive them, then are
+    SIGKILLed (needs the core's fork-safe liveness: locks on descriptors closed at fork).
+    """
     duration = parse_duration(os.environ.get("AIOSHM_STRESS_DURATION", "60s"))
     rc, out, data = run_stress(
         tmp_path, "--duration", f"{duration}s", "--faults", "all", limit=duration + 240
     )
-    assert rc == 0, out[-8000:]
+    assert rc == 0, "\n".join(data.get("violations", ["(no report)"])) + "\n\n" + out[-8000:]
     st, probes = data["stats"], data["probes"]
     assert st["items_verified"] > 0
     assert st.get("reader_kills", 0) > 0
     assert st.get("reader_stops", 0) > 0
     assert probes.get("answered", 0) > 0
     assert st.get("writer_gens_broadcast", 0) >= 1 and st.get("writer_gens_one_of_n", 0) >= 1
+    # the fork fault: a reader forked then SIGKILLed is dead to the writer while its child lives
+    assert st.get("fork_kills_reader", 0) > 0
+    assert st.get("fork_slots_dropped", 0) > 0
     if duration >= 30:
         assert st.get("writer_kills", 0) > 0
+        assert st.get("fork_kills_writer", 0) > 0  # and readers saw WriterGoneError in time
     assert all(f["n_not_freeable"] == 0 for f in data["finals"])

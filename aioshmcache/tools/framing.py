@@ -1,21 +1,24 @@
-"""Length-prefixed msgpack frames on asyncio streams: the channel of the demo and of stress.
+"""Msgpack messages on asyncio streams, one per :mod:`aioshmcache.wire` frame: the tools' channel.
 
-A frame is a 4-byte big-endian length, then a msgpack map with a string ``"t"`` (the message
-type). Frames above the maximum size are refused before anything is read into memory, and
-msgpack is decoded with explicit size limits. Written once for every tool; the library's own
-``aioshmcache.wire`` can replace it here, in one place.
+The framing is the library's own (:func:`aioshmcache.wire.read_frame` / ``encode_frame``: an
+8-byte little-endian length, then the payload, refused before anything is read when it declares
+more than the maximum size). Each payload is a msgpack map with a string ``"t"`` (the message
+type), decoded with explicit size limits. Features inside a message travel as the bytes of
+:func:`aioshmcache.wire.pack_features`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import struct
 from collections.abc import Mapping
 from typing import Any, Final
 
 import anyio
 import msgpack
+
+from aioshmcache import wire
+from aioshmcache.errors import EndOfFramesError, FrameError, IncompleteFrameError
 
 __all__ = [
     "MAX_FRAME",
@@ -28,8 +31,7 @@ __all__ = [
     "write_frame",
 ]
 
-MAX_FRAME: Final = 256 << 20
-_HEADER = struct.Struct(">I")
+MAX_FRAME: Final = wire.DEFAULT_MAX_FRAME_BYTES
 
 
 class ProtocolError(Exception):
@@ -43,9 +45,12 @@ class TruncatedFrameError(ProtocolError):
 def pack(message: Mapping[str, Any], *, max_frame: int = MAX_FRAME) -> bytes:
     """One frame holding ``message``."""
     body: bytes = msgpack.packb(message, use_bin_type=True)
-    if len(body) > max_frame:
-        raise ProtocolError(f"message of {len(body)} bytes exceeds the frame limit {max_frame}")
-    return _HEADER.pack(len(body)) + body
+    try:
+        return wire.encode_frame(body, max_bytes=max_frame)
+    except FrameError:
+        raise ProtocolError(
+            f"message of {len(body)} bytes exceeds the frame limit {max_frame}"
+        ) from None
 
 
 async def write_frame(
@@ -85,19 +90,14 @@ async def read_frame_raw(
 ) -> tuple[dict[str, Any], bytes] | None:
     """The next message and its frame as received (to forward it unchanged); None at the end."""
     try:
-        head = await reader.readexactly(_HEADER.size)
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
-        raise TruncatedFrameError("stream ended inside a frame header") from None
-    (n,) = _HEADER.unpack(head)
-    if n > max_frame:
-        raise ProtocolError(f"frame of {n} bytes exceeds the limit {max_frame}")
-    try:
-        body = await reader.readexactly(n)
-    except asyncio.IncompleteReadError:
-        raise TruncatedFrameError("stream ended inside a frame") from None
-    return _decode(body, max_frame), head + body
+        body = await wire.read_frame(reader, max_bytes=max_frame)
+    except EndOfFramesError:
+        return None
+    except IncompleteFrameError as exc:
+        raise TruncatedFrameError(str(exc)) from None
+    except FrameError as exc:  # a declared length over the limit
+        raise ProtocolError(str(exc)) from None
+    return _decode(body, max_frame), wire.encode_frame(body, max_bytes=max_frame)
 
 
 async def read_frame(

@@ -1,13 +1,14 @@
 """The multimodal API gateway: a FastAPI app whose lifespan owns the cache and the workers.
 
 The gateway is the cache's writer. For every request (a prompt plus 1..N images) it hashes each
-image's raw bytes with the processor settings (``mm_hash``), asks the cache whether it already
-holds the tensors (``is_cached_item``) and preprocesses only the images it does not hold (in a
-worker thread, never on the loop). It then makes the request's hand-outs with
-``await cache.get_and_update_features(...)``: cached images become ``FeatureSpec(h, None)`` and
-come back as ``ShmRef``s without any copy; new ones are put; images whose tensors exceed
-``max_object_bytes`` come back inline. Only references (or inline tensors) travel to the engine
-workers over a Unix socket; their answers prove they read the right bytes.
+image's raw bytes with the processor settings (``mm_hash``) and makes one hand-out per image with
+``await cache.get_or_put(h, make)``: a cached image comes back as a ``ShmRef`` without any copy
+and is not preprocessed again; a new one is preprocessed by ``make`` (in a worker thread, never on
+the loop) and put, once even when concurrent requests carry it (single flight: the others wait
+for that put, and ``single_flight_stats().saved`` counts the preprocessings saved); images whose
+tensors exceed ``max_object_bytes`` come back inline. Only references (or inline tensors) travel
+to the engine workers over a Unix socket (``aioshmcache.wire``); their answers prove they read
+the right bytes.
 
 Endpoints::
 
@@ -15,7 +16,8 @@ Endpoints::
     POST /v1/generate/upload   multipart: prompt, images (files), mm_hashes (hash-only items)
     GET  /v1/processor         the processor settings (clients compute mm_hash with them)
     GET  /healthz              200 when the workers are ready, 503 otherwise
-    GET  /metrics              Prometheus text format (its own CollectorRegistry)
+    GET  /metrics              Prometheus text format: aioshmcache.metrics.CacheCollector and
+                               the gateway's own metrics (its own CollectorRegistry)
     GET  /stats                the same and more as JSON;  POST /stats/reset resets loop lag
 
 The drift path: an image sent as a hash only (no bytes) that the cache does not hold is a 409
@@ -65,11 +67,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from aioshmcache import (
     AsyncSenderCache,
-    CacheMissError,
     CacheSnapshot,
     FeatureSpec,
     ShmRef,
 )
+from aioshmcache.metrics import CacheCollector
 
 from ..framing import ProtocolError
 from ..lag import LoopLagMeter
@@ -82,7 +84,7 @@ from .imaging import (
     num_image_tokens,
     preprocess,
 )
-from .ipc import encode_feature
+from .ipc import encode_features
 from .pool import WorkerDied, WorkerPool, WorkerUnavailable
 from .settings import GatewaySettings
 
@@ -126,8 +128,12 @@ class ImageInput:
     filename: str | None = None
 
 
-class _SnapshotCollector:
-    """Exports ``cache.snapshot()`` and the worker table at every scrape."""
+class _GatewayCollector:
+    """The demo's own metrics, read at every scrape (the cache's come from ``CacheCollector``).
+
+    Which engine worker holds which reader slot (``gateway_reader_slot_info``, an info metric:
+    value 1, the facts in its labels), the workers' state, and the gateway's event-loop lag.
+    """
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
@@ -138,62 +144,32 @@ class _SnapshotCollector:
     def collect(self) -> Iterable[Metric]:
         gw = self.gw
         out: list[Metric] = []
+        pool = gw.pool
         snap = gw.snapshot()
         if snap is not None:
-
-            def counter(name: str, doc: str, value: float) -> None:
-                out.append(CounterMetricFamily(f"aioshmcache_{name}", doc, value=value))
-
-            def gauge(name: str, doc: str, value: float) -> None:
-                out.append(GaugeMetricFamily(f"aioshmcache_{name}", doc, value=value))
-
-            counter(
-                "hits", "Items handed out from the cache (no preprocessing, no copy)", snap.hits
-            )
-            counter("misses", "Items that were not cached (put, or served inline)", snap.misses)
-            inline = CounterMetricFamily(
-                "aioshmcache_inline", "Items served inline instead of cached", labels=["cause"]
-            )
-            inline.add_metric(["too_large"], snap.inline_too_large)
-            inline.add_metric(["full"], snap.inline_full)
-            out.append(inline)
-            counter("evictions", "Items evicted (FIFO) to make room", snap.evictions)
-            gauge("bytes_used", "Bytes of the ring in use", snap.bytes_used)
-            gauge("items", "Items cached", snap.items)
-            gauge("capacity_bytes", "Ring capacity in bytes", snap.capacity_bytes)
-            gauge("epoch", "Clear generation", snap.epoch)
-            gauge("hit_ratio", "hits / (hits + misses)", snap.hit_ratio)
-            pid_to_worker = {w.pid: w.index for w in gw.pool.info()} if gw.pool else {}
-            labels = ["slot", "worker"]
-            alive = GaugeMetricFamily(
-                "aioshmcache_reader_alive", "Reader slot alive", labels=labels
-            )
-            lag = GaugeMetricFamily(
-                "aioshmcache_reader_lag", "Hand-outs the reader has not acknowledged", labels=labels
-            )
-            acked = CounterMetricFamily(
-                "aioshmcache_reader_acknowledged", "Acknowledgements by the reader", labels=labels
+            pid_to_worker = {w.pid: w.index for w in pool.info()} if pool else {}
+            slots = GaugeMetricFamily(
+                "gateway_reader_slot_info",
+                "The engine worker attached in each reader slot of the cache",
+                labels=["cache", "slot", "worker", "pid"],
             )
             for r in snap.readers:
-                if not r.attached:
-                    continue
-                lv = [str(r.slot), str(pid_to_worker.get(r.pid, "-"))]
-                alive.add_metric(lv, 1.0 if r.alive else 0.0)
-                lag.add_metric(lv, r.lag)
-                acked.add_metric(lv, r.acknowledged)
-            out += [alive, lag, acked]
-        if gw.pool is not None:
+                if r.attached:
+                    worker = str(pid_to_worker.get(r.pid, "-"))
+                    slots.add_metric([snap.name, str(r.slot), worker, str(r.pid)], 1.0)
+            out.append(slots)
+        if pool is not None:
             up = GaugeMetricFamily("gateway_worker_up", "Engine worker ready", labels=["worker"])
             served = CounterMetricFamily(
                 "gateway_worker_requests", "Requests answered per worker", labels=["worker"]
             )
-            for w in gw.pool.info():
+            for w in pool.info():
                 up.add_metric([str(w.index)], 1.0 if w.ready else 0.0)
                 served.add_metric([str(w.index)], w.served)
             out += [up, served]
             out.append(
                 CounterMetricFamily(
-                    "gateway_worker_restarts", "Replacement workers started", value=gw.pool.restarts
+                    "gateway_worker_restarts", "Replacement workers started", value=pool.restarts
                 )
             )
         lagsum = gw.loop_lag.summary()
@@ -225,6 +201,7 @@ class Gateway:
         self.loop_lag = LoopLagMeter(0.02)
         self._limiter: anyio.CapacityLimiter | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._unregister: list[CacheCollector] = []  # collectors of this lifespan's cache
         self.counters: dict[str, int] = {
             "requests": 0,
             "images": 0,
@@ -262,7 +239,7 @@ class Gateway:
             ["path"],
             registry=self.registry,
         )
-        self.registry.register(_SnapshotCollector(self))
+        self.registry.register(_GatewayCollector(self))
 
     # --- lifetime ------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -276,6 +253,9 @@ class Gateway:
         try:
             async with AsyncSenderCache.from_config(s.cache_config()) as cache:
                 self.cache = cache
+                cache_metrics = CacheCollector(cache)
+                self.registry.register(cache_metrics)
+                self._unregister.append(cache_metrics)
                 pool = WorkerPool(
                     s.workers,
                     cache.handle().to_dict(),
@@ -301,6 +281,9 @@ class Gateway:
             for t in self._tasks:
                 t.cancel()
             self._tasks.clear()
+            for c in self._unregister:
+                self.registry.unregister(c)
+            self._unregister.clear()
             self.cache = None
 
     def snapshot(self) -> CacheSnapshot | None:
@@ -333,6 +316,61 @@ class Gateway:
         self.counters["preprocessed"] += 1
         return item
 
+    def _spec(self, h: str, item: dict[str, Any]) -> FeatureSpec:
+        """The feature of a preprocessed item; its prompt update is its number of image tokens."""
+        tokens = num_image_tokens(item["image_grid_thw"], self.processor)
+        return FeatureSpec(h, item, prompt_updates=(tokens,))
+
+    async def _hand_out(
+        self,
+        cache: AsyncSenderCache,
+        unique: list[str],
+        data_of: dict[str, ImageInput],
+        prepared: dict[str, dict[str, Any]],
+        made: set[str],
+    ) -> list[FeatureSpec]:
+        """One hand-out per image, preprocessing with single flight (``get_or_put``).
+
+        Concurrent requests for the same new image preprocess it once: the others wait for that
+        put and get their own hand-outs (``single_flight_stats().saved`` counts them). If any
+        image fails, or the request is cancelled, the hand-outs already made are given back.
+        """
+        got: dict[str, FeatureSpec] = {}
+
+        async def one(h: str) -> None:
+            if h in prepared:  # made in an earlier attempt and not cached then: try again
+                [got[h]] = await cache.get_and_update_features([self._spec(h, prepared[h])])
+                return
+            img = data_of[h]
+
+            async def make() -> dict[str, Any]:
+                if img.data is None:  # a hash-only image evicted since the check
+                    raise GatewayError(
+                        409,
+                        "cache_miss",
+                        f"images not cached, resend them with their data: {h}",
+                        missing=[h],
+                    )
+                item = await self._preprocess(img)
+                made.add(h)
+                return item
+
+            got[h] = await cache.get_or_put(h, make)
+
+        tasks = [asyncio.ensure_future(one(h)) for h in unique]
+        try:
+            await asyncio.gather(*tasks)  # the first error (or a cancellation) ends them all
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)  # each rolls itself back
+                for f in got.values():
+                    if isinstance(f.data, ShmRef):
+                        await cache.release(f.data)
+            raise
+        return [got[h] for h in unique]
+
     async def generate(
         self, prompt: str, images: list[ImageInput], request_id: str | None = None
     ) -> dict[str, Any]:
@@ -358,22 +396,19 @@ class Gateway:
                 data_of[img.mm_hash] = img
             elif data_of[img.mm_hash].data is None and img.data is not None:
                 data_of[img.mm_hash] = img
-        prepared: dict[str, dict[str, Any]] = {}
-        gone: set[str] = set()  # hashes the cache said it no longer holds (a race with eviction)
+        prepared: dict[str, dict[str, Any]] = {}  # items made here that the cache did not keep
         use_cache = s.cache_enabled
+        made: set[str] = set()  # hashes this request preprocessed
         last_error: GatewayError | None = None
         for attempt in range(MAX_ATTEMPTS):
             if attempt:
                 self.counters["retries"] += 1
-            # 1. what the cache holds is not preprocessed again
-            cached: set[str] = set()
-            if use_cache:
-                cached = {
-                    h
-                    for h in unique
-                    if h not in prepared and h not in gone and cache.is_cached_item(h)
-                }
-            missing = [h for h in unique if h not in cached and data_of[h].data is None]
+            # 1. an image sent as a hash only must be cached (else the client resends its bytes)
+            missing = [
+                h
+                for h in unique
+                if data_of[h].data is None and not (use_cache and cache.is_cached_item(h))
+            ]
             if missing:
                 self.counters["drift_409"] += 1
                 raise GatewayError(
@@ -382,19 +417,6 @@ class Gateway:
                     "images not cached, resend them with their data: " + ", ".join(missing),
                     missing=missing,
                 )
-            todo = [h for h in unique if h not in cached and h not in prepared]
-            if todo:
-                items = await asyncio.gather(*(self._preprocess(data_of[h]) for h in todo))
-                prepared.update(zip(todo, items))
-            self.counters["preprocess_skipped"] += len(cached) if attempt == 0 else 0
-            specs = []
-            for h in unique:
-                if h in cached:
-                    specs.append(FeatureSpec(h, None))
-                else:
-                    item = prepared[h]
-                    tokens = num_image_tokens(item["image_grid_thw"], self.processor)
-                    specs.append(FeatureSpec(h, item, prompt_updates=(tokens,)))
             # 2. hand-outs (the group must be complete and unchanged for broadcast)
             try:
                 pool.check_available()
@@ -402,21 +424,26 @@ class Gateway:
                 raise GatewayError(503, "workers_unavailable", str(exc)) from None
             generation = pool.generation
             if use_cache:
-                try:
-                    out = await cache.get_and_update_features(specs)
-                except CacheMissError as exc:  # evicted after is_cached_item: preprocess now
-                    gone.update(exc.mm_hashes)
-                    last_error = GatewayError(409, "cache_miss", str(exc))
-                    continue
+                out = await self._hand_out(cache, unique, data_of, prepared, made)
+                if attempt == 0:
+                    self.counters["preprocess_skipped"] += len(unique) - len(made)
+                for f in out:  # served inline (too large, no room): keep it for a retry
+                    if isinstance(f.data, dict):
+                        prepared[f.mm_hash] = f.data
             else:
-                out = specs
+                todo = [h for h in unique if h not in prepared]
+                items = await asyncio.gather(*(self._preprocess(data_of[h]) for h in todo))
+                prepared.update(zip(todo, items))
+                made.update(todo)
+                out = [self._spec(h, prepared[h]) for h in unique]
+            cached = {h for h in unique if h not in made}
             refs = [f.data for f in out if isinstance(f.data, ShmRef)]
             # No await between the hand-out and the (synchronous) send in dispatch: nothing
             # can cancel us in between. Errors raised before the send give the hand-outs back.
             try:
                 if s.delivery == "broadcast" and pool.generation != generation:
                     raise WorkerUnavailable("the worker group changed during the hand-out")
-                encoded = [encode_feature(f) for f in out]
+                encoded = encode_features(out)
                 replies = await pool.dispatch(encoded, timeout=s.worker_timeout)
             except (WorkerUnavailable, ProtocolError) as exc:  # nothing was sent
                 for r in refs:
@@ -539,6 +566,11 @@ class Gateway:
             "workers": [asdict(w) for w in pool.info()] if pool else [],
             "worker_restarts": pool.restarts if pool else 0,
         }
+        cache = self.cache
+        if cache is not None:
+            # preprocessings run and saved by get_or_put (calls = hits + runs + saved, plus the
+            # callers that failed with their flight or were cancelled)
+            out["single_flight"] = cache.single_flight_stats().to_dict()
         if snap is not None:
             out["cache"] = {
                 "name": snap.name,

@@ -310,6 +310,7 @@ class PhaseResult:
             "bytes_used": cache.get("bytes_used", 0),
             "capacity_bytes": cache.get("capacity_bytes", 0),
             "items": cache.get("items", 0),
+            "single_flight": dict(self.stats.get("single_flight", {})),
             "preprocessed": gw.get("preprocessed", 0),
             "preprocess_skipped": gw.get("preprocess_skipped", 0),
             "bytes_from_cache": gw.get("bytes_from_cache", 0),
@@ -480,7 +481,7 @@ def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
     sums = [p.summary() for p in phases]
 
     def row(name: str, fn: Any) -> str:
-        return f"  {name:<34}" + "".join(f"{fn(s):>22}" for s in sums)
+        return f"  {name:<40}" + "".join(f"{fn(s):>22}" for s in sums)
 
     lines = [
         "",
@@ -489,7 +490,7 @@ def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
         f"  {opts.workers} workers ({opts.delivery}), cache {opts.cache_mb:g} MiB, "
         f"max object {fmt_bytes(_max_object_bytes(opts))}",
         "",
-        f"  {'':<34}" + "".join(f"{s['label']:>22}" for s in sums),
+        f"  {'':<40}" + "".join(f"{s['label']:>22}" for s in sums),
         row("requests ok / failed", lambda s: f"{s['ok']} / {s['failed']}"),
         row("answers verified (local compute)", lambda s: f"{s['verified']} / {s['requests']}"),
         row("worker checks matched", lambda s: f"{s['worker_checks_ok']} / {s['worker_checks']}"),
@@ -503,6 +504,8 @@ def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
             "images preprocessed / skipped",
             lambda s: f"{s['preprocessed']} / {s['preprocess_skipped']}",
         ),
+        row("preprocessings saved (single flight)", _saved_cell),
+        row("single flight: calls = hits+runs+saved", _flight_cell),
         row("bytes served from cache", lambda s: fmt_bytes(s["bytes_from_cache"])),
         row("bytes copied into cache", lambda s: fmt_bytes(s["bytes_put"])),
         row("bytes sent inline (socket)", lambda s: fmt_bytes(s["bytes_inline"])),
@@ -530,6 +533,21 @@ def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
         for err, n in p.errors.most_common(5):
             lines.append(f"  {p.label}: {n} x {err}")
     return "\n".join(lines)
+
+
+def _saved_cell(s: dict[str, Any]) -> str:
+    sf = s["single_flight"]
+    return str(sf["saved"]) if sf else "-"
+
+
+def _flight_cell(s: dict[str, Any]) -> str:
+    """``calls = hits+runs+saved``; the rest (failed with a flight, cancelled) in brackets."""
+    sf = s["single_flight"]
+    if not sf:
+        return "-"
+    rest = sf["calls"] - sf["hits"] - sf["runs"] - sf["saved"]
+    cell = f"{sf['calls']} = {sf['hits']}+{sf['runs']}+{sf['saved']}"
+    return cell + (f" (+{rest})" if rest else "")
 
 
 def _max_object_bytes(opts: DemoOptions) -> int:

@@ -39,7 +39,6 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -386,10 +385,8 @@ class WorkerPool:
         ordered = ready[start:] + ready[:start]
         return [min(ordered, key=lambda w: len(w.pending))]
 
-    async def dispatch(
-        self, features: Sequence[dict[str, Any]], *, timeout: float
-    ) -> list[dict[str, Any]]:
-        """Send one request to its target worker(s) and gather the replies.
+    async def dispatch(self, features: bytes, *, timeout: float) -> list[dict[str, Any]]:
+        """Send one request (its features packed by ``encode_features``) and gather the replies.
 
         ``WorkerUnavailable`` means nothing was sent. Otherwise the frame is handed to every
         target's transport synchronously, before the first ``await``: a cancellation can never
@@ -400,7 +397,7 @@ class WorkerPool:
         """
         targets = self._targets()
         rid = next(self._ids)
-        frame = pack({"t": "infer", "id": rid, "features": list(features)})
+        frame = pack({"t": "infer", "id": rid, "features": features})
         loop = asyncio.get_running_loop()
         futs: list[asyncio.Future[dict[str, Any]]] = []
         for w in targets:  # no await in this loop: all or nothing

@@ -40,7 +40,7 @@ from aioshmcache import (
 
 from ..framing import ProtocolError, read_frame, write_frame
 from .imaging import ProcessorConfig, summarize
-from .ipc import decode_feature
+from .ipc import decode_features
 
 __all__ = ["main", "serve_worker"]
 
@@ -69,10 +69,7 @@ class _Worker:
         rid = msg.get("id")
         reply: dict[str, Any] = {"t": "result", "id": rid}
         try:
-            raw = msg.get("features")
-            if not isinstance(raw, list) or not raw:
-                raise ProtocolError("'features' must be a non-empty list")
-            features = [decode_feature(d) for d in raw]
+            features = decode_features(msg.get("features"))
             async with self.read_lock:
                 resolved = await self.rx.get_and_update_features(features)
             items = [f.data for f in resolved]

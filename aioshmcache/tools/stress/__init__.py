@@ -3,8 +3,8 @@
 It proves the guarantees of DESIGN.md section 6 under load and faults: no wrong data, no hang,
 nothing lost (the cache drains), nothing left behind (no segment, no semaphore, no child).
 
-Processes and channels (every arrow is an abstract Unix socket carrying length-prefixed msgpack
-frames, :mod:`.protocol`; references travel as ``ShmRef.to_dict()``)::
+Processes and channels (every arrow is an abstract Unix socket carrying msgpack messages in
+:mod:`aioshmcache.wire` frames, :mod:`.protocol`; references travel as ``pack_features`` bytes)::
 
     parent: orchestrator (asyncio) -- faults, flow control, watchdog, report
       |  ^                                   |  ^
@@ -21,6 +21,12 @@ segments are left alone), starts generation ``g + 1`` and hands its handle to th
 reader that was attached to generation ``g`` must then see ``WriterGoneError`` from it, at the
 latest on a call made 1 s after the death. In ``alternate`` delivery each generation switches
 between broadcast and one-of-N, and the writer is also rotated gracefully at half time.
+
+The ``fork`` fault does the same after the writer, or a reader (in turn), has forked a child that
+outlives it by ``--fork-linger`` seconds (what a prefork server or multiprocessing's ``fork``
+start method does): the dead writer must still be reported gone within 1 s and be an orphan to
+``sweep``, and a dead reader's slot must look dead to the writer within 3 s (so its debts are
+dropped) while its forked child still lives; every forked child must exit after its linger.
 
 Items are deterministic functions of their hash (heavy-tailed sizes from 1 KiB to 32 MiB, mostly
 small; content sliced from a seeded random buffer), so every writer generation produces the

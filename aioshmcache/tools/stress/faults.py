@@ -1,5 +1,10 @@
 """The faults the parent injects: readers SIGKILLed and SIGSTOPped, the writer SIGKILLed.
 
+With ``fork``, the writer or a reader (in turn) first forks a child that outlives it for
+``--fork-linger`` seconds: the dead process must still look dead (readers see
+``WriterGoneError`` within the usual bound, ``sweep`` removes the orphan, the dead reader's slot
+and its debts are dropped while the forked child lives).
+
 Each fault is a loop that acts every ``--*-every`` seconds on average. Faults pause (and the
 parent waits until none is acting) around quiescence and planned writer rotations.
 """
@@ -41,6 +46,7 @@ class Faults:
             "kill-readers": self.kill_readers_loop,
             "stop-readers": self.stop_readers_loop,
             "kill-writer": self.kill_writer_loop,
+            "fork": self.fork_loop,
         }
         return [asyncio.ensure_future(loop()) for f, loop in loops.items() if f in self.opts.faults]
 
@@ -131,6 +137,33 @@ class Faults:
             c.last_hb = time.monotonic()
             c.stopped = False
             c.busy = False
+
+    async def fork_loop(self) -> None:
+        """In turn: the writer forks and is SIGKILLed; a reader forks and is SIGKILLed."""
+        turn = 0
+        while await self.sleep(self.opts.fork_every):
+            async with self.acting():
+                if self.paused:
+                    continue
+                if turn % 2 == 0:
+                    await self.orch.kill_writer(fork=True)
+                    turn += 1
+                    continue
+                c = self.pick_reader()
+                if c is None:
+                    continue
+                c.busy = True
+                turn += 1
+                await self.fork_and_kill_reader(c)
+
+    async def fork_and_kill_reader(self, c: Child) -> None:
+        """The reader forks, is SIGKILLed; its slot must be dead while the forked child lives."""
+        forked = await self.orch.fork_child(c)
+        pid = c.pid
+        await self.kill_reader(c)
+        if forked:
+            self.orch.tally.stats["fork_kills_reader"] += 1
+            await self.orch.check_slot_dropped(pid)
 
     async def kill_writer_loop(self) -> None:
         while await self.sleep(self.opts.writer_kill_every):

@@ -13,7 +13,7 @@ from ..units import fmt_bytes, parse_duration, parse_size
 
 __all__ = ["FAULTS", "StressOptions", "parse_args"]
 
-FAULTS: Final = ("kill-readers", "stop-readers", "cancel", "kill-writer", "forge")
+FAULTS: Final = ("kill-readers", "stop-readers", "cancel", "kill-writer", "forge", "fork")
 
 
 @dataclasses.dataclass
@@ -44,6 +44,8 @@ class StressOptions:
     reader_kill_every: float = 4.0
     reader_stop_every: float = 5.0
     writer_kill_every: float = 15.0
+    fork_every: float = 8.0
+    fork_linger: float = 8.0
     cancel_prob: float = 0.1
     probe_rate: float = 20.0
     seed: int = 0
@@ -150,6 +152,18 @@ def parse_args(argv: list[str]) -> StressOptions:
     p.add_argument("--reader-stop-every", type=parse_duration, default=d.reader_stop_every)
     p.add_argument("--writer-kill-every", type=parse_duration, default=d.writer_kill_every)
     p.add_argument(
+        "--fork-every",
+        type=parse_duration,
+        default=d.fork_every,
+        help="fork fault: the writer or a reader, in turn, forks and is SIGKILLed (%(default)s s)",
+    )
+    p.add_argument(
+        "--fork-linger",
+        type=parse_duration,
+        default=d.fork_linger,
+        help="how long the forked child outlives its killed parent (%(default)s s)",
+    )
+    p.add_argument(
         "--cancel-prob",
         type=float,
         default=d.cancel_prob,
@@ -225,6 +239,8 @@ def parse_args(argv: list[str]) -> StressOptions:
         reader_kill_every=ns.reader_kill_every,
         reader_stop_every=ns.reader_stop_every,
         writer_kill_every=ns.writer_kill_every,
+        fork_every=ns.fork_every,
+        fork_linger=ns.fork_linger,
         cancel_prob=ns.cancel_prob,
         probe_rate=ns.probe_rate,
         seed=ns.seed if ns.seed is not None else secrets.randbits(32),

@@ -34,8 +34,16 @@ from ..shm import SEGMENT_PREFIX, SHM_DIR, files_with_prefix, remove, segment_fi
 from .children import Child, child_pids, open_log
 from .faults import Faults
 from .flow import Owed
+from .forking import process_start
 from .options import StressOptions
-from .protocol import MAX_FRAME, sock_path
+from .protocol import (
+    FORK_SLOT_BOUND,
+    MAX_FRAME,
+    SABOTAGE_GRACE,
+    SABOTAGE_MIN_SEEN,
+    request_features,
+    sock_path,
+)
 from .report import Tally, as_json, progress_line, summary
 
 __all__ = ["IN_PRIVATE_SHM", "Child", "Orchestrator"]
@@ -59,6 +67,7 @@ class Orchestrator:
         self.writer_gen = 0
         self.owed = Owed(self.credit)
         self.old_refs: deque[dict[str, Any]] = deque(maxlen=64)
+        self.forked: list[tuple[int, int, float]] = []  # fork fault: pid, start, exit deadline
         self.cur_refs: deque[dict[str, Any]] = deque(maxlen=64)
         self.topology = asyncio.Lock()
         self.faults = Faults(self)
@@ -220,7 +229,7 @@ class Orchestrator:
         elif kind == "handle":
             w.handle_msg = msg
             w.got_handle.set()
-        elif kind in ("stopped", "final"):
+        elif kind in ("stopped", "final", "forked", "slots"):
             if "stats" in msg:
                 w.stats = msg["stats"]
                 self.tally.writer_stats[w.gen] = w.stats
@@ -233,10 +242,11 @@ class Orchestrator:
     def forward(self, w: Child, msg: dict[str, Any], raw: bytes) -> None:
         gen, rid = int(msg["gen"]), int(msg["rid"])
         self.tally.stats["requests"] += 1
-        self.tally.stats["features"] += len(msg["f"])
-        for f in msg["f"]:
-            if f[1] is not None:
-                self.cur_refs.append(f[1])
+        feats = request_features(msg)
+        self.tally.stats["features"] += len(feats)
+        for _h, ref, _digest, _n in feats:
+            if ref is not None:
+                self.cur_refs.append(ref.to_dict())
         readers = self.live_readers()
         if self.delivery_for(gen) == "one_of_n" and readers:
             readers = [self.rng.choice(readers)]
@@ -261,6 +271,8 @@ class Orchestrator:
             self.tally.stats[f"read_{res}"] += 1
             self.tally.stats["items_verified"] += int(msg.get("n", 0))
             self.tally.stats["bytes_verified"] += int(msg.get("b", 0))
+            self.tally.stats["items_wrong"] += int(msg.get("bad", 0))
+            self.tally.stats["sabotage_dropped"] += int(msg.get("dropped", 0))
             if res == "miss":
                 self.tally.errors["CacheMissError (stale genuine refs)"] += int(msg.get("stale", 0))
                 for why, n in dict(msg.get("why", {})).items():
@@ -301,6 +313,10 @@ class Orchestrator:
             r.attached_gen = int(msg["gen"])
         elif kind == "hb":
             r.stats = msg
+        elif kind == "forked":
+            fut = r.replies.get(kind)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
         elif kind == "synced":
             fut = r.replies.get(str(msg["token"]))
             if fut is not None and not fut.done():
@@ -322,14 +338,68 @@ class Orchestrator:
         finally:
             child.replies.pop(reply, None)
 
-    async def kill_writer(self) -> None:
+    async def fork_child(self, c: Child) -> bool:
+        """Ask ``c`` to fork a child that outlives it (the fork fault); True if it did."""
+        got = await self.ask(c, {"t": "fork", "linger": self.opts.fork_linger}, "forked", 10.0)
+        if got is None:
+            return False
+        pid = int(got["pid"])
+        start = process_start(pid)
+        if start is not None:
+            self.forked.append((pid, start, time.monotonic() + self.opts.fork_linger))
+        self.tally.stats["forks"] += 1
+        return True
+
+    async def check_slot_dropped(self, pid: int) -> None:
+        """A SIGKILLed reader's slot is dead to the writer although its forked child lives."""
+        t0 = time.monotonic()
+        while True:
+            w = self.writer
+            if w is None or w.eof.is_set():
+                return  # the writer changed meanwhile: nothing to ask
+            got = await self.ask(w, {"t": "slots"}, "slots", 10.0)
+            if got is None:
+                return
+            held = [s for s in got["slots"] if s["attached"] and s["alive"] and s["pid"] == pid]
+            if not held:
+                self.tally.stats["fork_slots_dropped"] += 1
+                return
+            if time.monotonic() - t0 > FORK_SLOT_BOUND:
+                self.violation(
+                    "fork",
+                    f"reader {pid} was SIGKILLed after forking, and its slot {held[0]['slot']} "
+                    f"still looks alive {time.monotonic() - t0:.1f} s later (its forked child "
+                    "keeps it alive: its debts are never dropped)",
+                )
+                return
+            await asyncio.sleep(0.1)
+
+    async def reap_forked(self) -> None:
+        """Every forked child exits once its linger is over (or is killed, as a violation)."""
+        for pid, start, exit_by in self.forked:
+            # not our child (its parent was killed): polled, no process handle to wait on
+            while not self.interrupted and time.monotonic() < exit_by + 30:
+                if process_start(pid) != start:
+                    break
+                await asyncio.sleep(0.1)
+            if process_start(pid) == start:
+                if not self.interrupted:
+                    self.violation("fork", f"forked child {pid} did not exit after its linger")
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self.forked.clear()
+
+    async def kill_writer(self, *, fork: bool = False) -> None:
         async with self.topology:
             w = self.writer
             if w is None:
                 return
+            forked = fork and await self.fork_child(w)
             await w.kill(wait_link=True)
             dead_at = time.monotonic()
             self.tally.stats["writer_kills"] += 1
+            if forked:
+                self.tally.stats["fork_kills_writer"] += 1
             self.tally.dead_gens[w.gen] = "killed"
             self.owed.forget_generation(w.gen)
             self.old_refs.extend(self.cur_refs)
@@ -560,6 +630,7 @@ class Orchestrator:
                 t.cancel()
             await asyncio.gather(*faults, *bg, return_exceptions=True)
             await self.kill_all()
+            await self.reap_forked()
             self.server.close()
             with anyio.move_on_after(5):
                 await self.server.wait_closed()
@@ -594,9 +665,12 @@ class Orchestrator:
                 rotate_ops = o.ops // 2
         while True:
             await asyncio.sleep(0.05)
+            over = None
             if o.duration is not None and self.elapsed() >= o.duration:
-                return
-            if o.ops is not None and self.tally.stats["requests"] >= o.ops:
+                over = self.elapsed() - o.duration
+            elif o.ops is not None and self.tally.stats["requests"] >= o.ops:
+                over = 0.0
+            if over is not None and not self.sabotage_pending(over):
                 return
             due = (rotate_at is not None and self.elapsed() >= rotate_at) or (
                 rotate_ops is not None and self.tally.stats["requests"] >= rotate_ops
@@ -606,6 +680,19 @@ class Orchestrator:
                 await self.faults.pause()
                 await self.rotate_writer()
                 self.faults.resume()
+
+    def sabotage_pending(self, overtime: float) -> bool:
+        """The self-test goes on until each sabotage was seen a few times (bounded overtime).
+
+        Count-based, not timed: on a loaded machine a fixed duration may hold too few requests
+        for the sabotage to have happened at all.
+        """
+        if overtime > SABOTAGE_GRACE:
+            return False
+        st, sab = self.tally.stats, self.opts.sabotage
+        if "digest" in sab and st["items_wrong"] < SABOTAGE_MIN_SEEN:
+            return True
+        return "drop" in sab and st["sabotage_dropped"] < SABOTAGE_MIN_SEEN
 
     async def shutdown_children(self) -> None:
         for c in self.live_readers():

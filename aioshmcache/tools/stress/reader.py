@@ -25,15 +25,15 @@ from aioshmcache import (
     ReaderEvictedError,
     SegmentNotFoundError,
     ShmCacheError,
-    ShmRef,
     WriterGoneError,
 )
 
 from ..framing import Link
 from ..lag import LoopLagMeter
 from .calls import cancel_mode, guarded
+from .forking import fork_lingering
 from .options import StressOptions
-from .protocol import HB_INTERVAL
+from .protocol import HB_INTERVAL, SABOTAGE_EVERY, Feature, request_features
 from .workload import verify_item
 
 __all__ = ["DEAD_WRITER_BOUND", "ReaderProc"]
@@ -60,6 +60,7 @@ class ReaderProc:
         self.session_reads = 0  # references read and verified in this session (one ack each)
         self.session_uncertain = 0  # cancelled or half-read requests: acks we cannot count
         self.inflight = 0
+        self.sabotage_seen = 0  # requests with references seen (the drop sabotage counts them)
         self.idle = asyncio.Event()
         self.idle.set()
         self.sem = asyncio.Semaphore(opts.reader_concurrency)
@@ -99,9 +100,13 @@ class ReaderProc:
                 await self.wait_idle()
                 await self.reattach()
             if kind in ("req", "probe"):
-                if "drop" in self.opts.sabotage and kind == "req" and self.rng.random() < 0.02:
-                    self.link.send({"t": "done", "rid": msg["rid"], "gen": msg["gen"], "r": "ok"})
-                    continue  # self-test: a reader that silently loses requests
+                if "drop" in self.opts.sabotage and kind == "req" and self.drop_this(msg):
+                    # self-test: a reader that silently loses requests (it says so to the parent,
+                    # which keeps the run going until some were dropped)
+                    self.link.send(
+                        {"t": "done", "rid": msg["rid"], "gen": msg["gen"], "r": "ok", "dropped": 1}
+                    )
+                    continue
                 await self.sem.acquire()
                 self.inflight += 1
                 self.idle.clear()
@@ -126,8 +131,20 @@ class ReaderProc:
                         "uncertain": self.session_uncertain,
                     }
                 )
+            elif kind == "fork":  # the fork fault: the parent SIGKILLs us next
+                pid = fork_lingering(self.link, float(msg["linger"]))
+                self.link.send({"t": "forked", "pid": pid})
             elif kind == "exit":
                 return
+
+    def drop_this(self, msg: dict[str, Any]) -> bool:
+        """Sabotage: drop every SABOTAGE_EVERY-th request that holds a reference."""
+        if int(msg["gen"]) != self.gen or self.rx is None or self.gone:
+            return False
+        if all(ref is None for _h, ref, _d, _n in request_features(msg)):
+            return False
+        self.sabotage_seen += 1
+        return self.sabotage_seen % SABOTAGE_EVERY == 0
 
     async def run_one(self, msg: dict[str, Any]) -> None:
         try:
@@ -236,17 +253,16 @@ class ReaderProc:
             self.report(msg, "skip")
             return
         t0 = float(msg["t0"])
-        feats: list[list[Any]] = msg["f"]
+        feats = request_features(msg)
         specs: list[FeatureSpec] = []
         for h, ref, _digest, _n in feats:
             if ref is None:
                 specs.append(FeatureSpec(h, None))
-            else:
-                data = ShmRef.from_dict(ref) if self.rng.random() < 0.5 else dict(ref)
-                specs.append(FeatureSpec(h, data))
+            else:  # both forms of a reference the receiver accepts
+                specs.append(FeatureSpec(h, ref if self.rng.random() < 0.5 else ref.to_dict()))
         maybe_unowed = t0 < self.attach_after
         if maybe_unowed:
-            self.unowed_ids.update(int(ref["id"]) for _h, ref, _d, _n in feats if ref is not None)
+            self.unowed_ids.update(ref.id for _h, ref, _d, _n in feats if ref is not None)
         mode = cancel_mode(self.opts, self.rng)
         res = await guarded(
             lambda: rx.get_and_update_features(specs),
@@ -301,7 +317,7 @@ class ReaderProc:
         self.report(msg, f"unexpected_{type(exc).__name__}")
 
     def verify(
-        self, feats: list[list[Any]], out: Any, *, allow_missing: bool = False
+        self, feats: list[Feature], out: Any, *, allow_missing: bool = False
     ) -> tuple[int, int, int]:
         if not isinstance(out, list) or len(out) != len(feats):
             self.violation(f"receiver returned {type(out).__name__} for {len(feats)} features")
@@ -329,7 +345,7 @@ class ReaderProc:
         return n_ok, nbytes, bad
 
     @staticmethod
-    def stale_indices(feats: list[list[Any]], out: Any) -> list[int]:
+    def stale_indices(feats: list[Feature], out: Any) -> list[int]:
         if not isinstance(out, list):
             return [i for i, f in enumerate(feats) if f[1] is not None]
         return [
@@ -339,7 +355,7 @@ class ReaderProc:
         ]
 
     async def classify(
-        self, feats: list[list[Any]], stale: list[int], t0: float, maybe_unowed: bool
+        self, feats: list[Feature], stale: list[int], t0: float, maybe_unowed: bool
     ) -> tuple[Counter[str], list[str]]:
         """Why stale genuine references are explained (by cause); the others, described."""
         now = time.monotonic()
@@ -354,7 +370,7 @@ class ReaderProc:
             elif maybe_unowed:
                 explained["before_attach"] += 1
                 continue
-            elif int(ref["id"]) in self.unowed_ids:
+            elif ref is not None and ref.id in self.unowed_ids:
                 explained["unowed_ack"] += 1
                 continue
             todo.append(i)
@@ -373,7 +389,7 @@ class ReaderProc:
         for i in todo:
             h, ref = feats[i][0], feats[i][1]
             why.append(
-                f"{h} (chunk {ref['id']}, {self.delivery}, g{self.gen}) was reclaimed "
+                f"{h} (chunk {ref.id if ref else '?'}, {self.delivery}, g{self.gen}) was reclaimed "
                 f"{now - t0:.2f} s after its hand-out, before this reader acknowledged it"
             )
         return explained, why

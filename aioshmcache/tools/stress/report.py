@@ -20,7 +20,8 @@ class Violations:
     def add(self, who: str, text: str) -> None:
         key = text.split(":")[0][:80]
         self.counts[key] += 1
-        if len(self.items) < 200:
+        # a few of each kind: a flood of one (say, wrong data) must not hide another
+        if self.counts[key] <= 20 and len(self.items) < 200:
             self.items.append(f"[{who}] {text}")
 
     def __len__(self) -> int:
@@ -148,6 +149,12 @@ def summary(
         "faults: writer SIGKILL / rotations",
         f"{st['writer_kills']:,} / {st['writer_rotations']:,}",
     )
+    if "fork" in o.faults:
+        row(
+            "faults: forked, then SIGKILL: writer / reader",
+            f"{st['fork_kills_writer']:,} / {st['fork_kills_reader']:,} "
+            f"(dead slots dropped {st['fork_slots_dropped']:,})",
+        )
     gens = ", ".join(f"{k[12:]} {v}" for k, v in sorted(st.items()) if k.startswith("writer_gens_"))
     row("writer generations", f"{writer_gens} ({gens})")
     for k, v in sorted(er.items()):

@@ -19,13 +19,15 @@ from typing import Any
 import anyio
 
 from aioshmcache import AsyncSenderCache, CacheConfig, CacheMissError, FeatureSpec, ShmRef
+from aioshmcache.wire import pack_features
 
 from .._core_gaps import retag_reference
 from ..framing import Link
 from ..lag import LoopLagMeter
 from .calls import cancel_mode, guarded
+from .forking import fork_lingering
 from .options import StressOptions
-from .protocol import HB_INTERVAL
+from .protocol import HB_INTERVAL, SABOTAGE_EVERY
 from .workload import Workload
 
 __all__ = ["WriterProc"]
@@ -121,6 +123,11 @@ class WriterProc:
                 self.link.send({"t": "stopped", "gen": self.gen, "stats": self.stats_msg()})
             elif kind == "check":
                 self.link.send(await self.final_check(float(msg["within"])))
+            elif kind == "fork":  # the fork fault: the parent SIGKILLs us next
+                pid = fork_lingering(self.link, float(msg["linger"]))
+                self.link.send({"t": "forked", "pid": pid})
+            elif kind == "slots":
+                self.link.send({"t": "slots", "slots": self.slots()})
             elif kind == "exit":
                 return
 
@@ -254,11 +261,14 @@ class WriterProc:
         out: Any,
     ) -> bool:
         """Check what the sender returned and send the references (no await: cancel-safe)."""
-        feats: list[list[Any]] = []
+        wired: list[FeatureSpec] = []  # what the readers get: the references, None for inline
+        checks: list[list[int]] = []  # per feature: the digest and size the reader verifies
         if not isinstance(out, list) or len(out) != len(specs):
             self.violation(f"get_and_update_features returned {type(out).__name__}")
             return False
-        sabotage = "digest" in self.opts.sabotage and self.rng.random() < 0.01
+        # self-test: a lying digest on every SABOTAGE_EVERY-th reference (count-based, not
+        # random: the run keeps going until the readers have caught some, however slow it is)
+        sabotage = "digest" in self.opts.sabotage
         for spec, f, (h, k, item, digest, n) in zip(specs, out, meta):
             self.seen.append(k)
             if not isinstance(f, FeatureSpec) or f.mm_hash != h:
@@ -270,17 +280,30 @@ class WriterProc:
             ):
                 self.violation(f"{h}: prompt updates / identifier not preserved")
             if isinstance(f.data, ShmRef):
-                ref = f.data.to_dict()
-                self.recent.append((h, ref))
+                self.recent.append((h, f.data.to_dict()))
                 self.stats["refs"] += 1
                 self.stats["ref_bytes"] += n
-                feats.append([h, ref, digest ^ 1 if sabotage else digest, n])
+                lie = sabotage and self.stats["refs"] % SABOTAGE_EVERY == 0
+                if lie:
+                    self.stats["sabotaged"] += 1
+                wired.append(FeatureSpec(h, f.data))
+                checks.append([digest ^ 1 if lie else digest, n])
             elif f.data is item and spec.data is item:
                 self.stats["inline"] += 1
-                feats.append([h, None, digest, n])
+                wired.append(FeatureSpec(h, None))
+                checks.append([digest, n])
             else:
                 self.violation(f"{h}: sender returned data that is neither a ShmRef nor the input")
-        self.link.send({"t": "req", "gen": self.gen, "rid": rid, "t0": t0, "f": feats})
+        self.link.send(
+            {
+                "t": "req",
+                "gen": self.gen,
+                "rid": rid,
+                "t0": t0,
+                "f": pack_features(wired),
+                "c": checks,
+            }
+        )
         return True
 
     # --- forged and stale references ------------------------------------------------------
@@ -417,7 +440,16 @@ class WriterProc:
         snap = tx.snapshot()
         out["after_items"] = snap.items
         out["after_bytes"] = snap.bytes_used
-        out["slots"] = [
+        out["slots"] = self.slots()
+        out["stats"] = self.stats_msg()
+        return out
+
+    def slots(self) -> list[dict[str, Any]]:
+        """The reader slots as the writer sees them now."""
+        tx = self.tx
+        if tx is None or tx.sender.closed:
+            return []
+        return [
             {
                 "slot": s.slot,
                 "attached": s.attached,
@@ -427,7 +459,5 @@ class WriterProc:
                 "acknowledged": s.acknowledged,
                 "revoked": s.revoked,
             }
-            for s in snap.readers
+            for s in tx.snapshot().readers
         ]
-        out["stats"] = self.stats_msg()
-        return out
