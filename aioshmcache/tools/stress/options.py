@@ -275,3 +275,17 @@ def parse_args(argv: list[str]) -> StressOptions:
     except ValueError as exc:
         p.error(f"cache configuration: {exc}")
     return opts
+
+
+def handout_ttl(opts: StressOptions, delivery: str) -> float:
+    """The ``handout_ttl`` a writer generation uses.
+
+    A hand-out the harness never delivers (a reader that attached just before it was connected,
+    a request in flight to a reader being replaced) is a *lost* hand-out: in broadcast mode it
+    lapses ``handout_ttl`` after it was made once its reader acknowledged a later one, so the
+    drain check waits that long. The ``drop`` self-test sabotage drops hand-outs on purpose and
+    must be seen as the leak it is: its broadcast generations keep hand-outs for 10 minutes.
+    """
+    if delivery != "one_of_n" and "drop" in opts.sabotage:
+        return 600.0
+    return opts.handout_ttl

@@ -519,9 +519,9 @@ class Orchestrator:
                 self.violation(c.token, f"{why}: reader not attached to g{w.gen} at quiescence")
             else:
                 synced[c.token] = got
-        within = 5.0
-        if self.delivery_for(w.gen) == "one_of_n":
-            within += self.opts.handout_ttl
+        # lost hand-outs lapse after handout_ttl (one-of-N: always; broadcast: once their reader
+        # acknowledged a later one), so the drain check gives them that long (see handout_ttl)
+        within = 5.0 + self.opts.handout_ttl
         final = await self.ask(w, {"t": "check", "within": within}, "final", within + 30)
         if final is None:
             self.violation(w.token, f"{why}: the writer did not answer the drain check")

@@ -26,7 +26,7 @@ from ..framing import Link
 from ..lag import LoopLagMeter
 from .calls import cancel_mode, guarded
 from .forking import fork_lingering
-from .options import StressOptions
+from .options import StressOptions, handout_ttl
 from .protocol import HB_INTERVAL, SABOTAGE_EVERY
 from .workload import Workload
 
@@ -69,9 +69,7 @@ class WriterProc:
             o.readers,
             name=self.name,
             delivery="one_of_n" if self.delivery == "one_of_n" else "broadcast",
-            # broadcast: the default TTL, so a lost hand-out (the "drop" sabotage) stays owed
-            # for longer than the harness's drain check and is seen as the leak it is
-            handout_ttl=o.handout_ttl if self.delivery == "one_of_n" else 30.0,
+            handout_ttl=handout_ttl(o, self.delivery),
             evict_stuck_readers_after=evict,
         )
 
