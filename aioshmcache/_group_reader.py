@@ -34,6 +34,7 @@ from ._request import (
     RequestCounters,
     as_reference,
     check_hash,
+    single_item,
 )
 from ._serde import Serde
 from ._store import ShmObjectStore
@@ -43,7 +44,6 @@ from .errors import (
     ClosedCacheError,
     InvalidReferenceError,
     SegmentNotFoundError,
-    StaleReferenceError,
     WriterGoneError,
 )
 
@@ -258,12 +258,7 @@ class GroupReceiverRequest:
 
     def finish_item(self) -> Any:
         """The single item of a one-feature request; ``StaleReferenceError`` if it was stale."""
-        try:
-            [f] = self.finish()
-        except CacheMissError:
-            h = self._features[0].mm_hash
-            raise StaleReferenceError(f"reference for {h!r} is stale") from None
-        return f.data
+        return single_item(self.finish, self._features)
 
     def settle_lease(self) -> None:
         """End a lease on every shard (every one settled; the first failure raised after)."""

@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -56,6 +56,7 @@ __all__ = [
     "SenderRequest",
     "as_reference",
     "check_hash",
+    "single_item",
 ]
 
 #: Copies below this size run where the request began (on the loop, for the async facade).
@@ -674,12 +675,7 @@ class ReceiverRequest(_Steps):
 
     def finish_item(self) -> Any:
         """The single item of a one-feature request; ``StaleReferenceError`` if it was stale."""
-        try:
-            [f] = self.finish()
-        except CacheMissError:
-            h = self._features[0].mm_hash
-            raise StaleReferenceError(f"reference for {h!r} is stale") from None
-        return f.data
+        return single_item(self.finish, self._features)
 
     def settle_lease(self) -> None:
         """End a lease: re-verify and acknowledge every leased reference.
@@ -708,6 +704,19 @@ class ReceiverRequest(_Steps):
                 self._store.give_back(ref)
         for ref in held:
             self._store.give_back(ref)
+
+
+def single_item(finish: Callable[[], list[FeatureSpec]], features: Sequence[FeatureSpec]) -> Any:
+    """``finish()`` of a one-feature read as that feature's item; stale is ``StaleReferenceError``.
+
+    (Both the single-segment and the group receiver requests end ``get_and_update_item`` so.)
+    """
+    try:
+        [f] = finish()
+    except CacheMissError:
+        h = features[0].mm_hash
+        raise StaleReferenceError(f"reference for {h!r} is stale") from None
+    return f.data
 
 
 class TooLargeMemory:
