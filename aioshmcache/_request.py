@@ -216,6 +216,8 @@ class _Steps:
     lock, so the decision is atomic with the writer state it protects).
     """
 
+    __slots__ = ("_abandoned", "_lock", "_running", "_settled")
+
     def __init__(self, lock: threading.Lock) -> None:
         self._lock = lock
         self._running = False
@@ -270,6 +272,26 @@ class SenderRequest(_Steps):
     every item it puts is pinned once committed, so a request never evicts its own items.
     """
 
+    __slots__ = (
+        "_book",
+        "_copies",
+        "_deadline",
+        "_features",
+        "_followers",
+        "_handed",
+        "_hashes",
+        "_inline_below",
+        "_items",
+        "_out",
+        "_pins",
+        "_putting",
+        "_reserved",
+        "_sibling",
+        "_store",
+        "_wait",
+        "_waits",
+    )
+
     def __init__(
         self,
         store: ShmObjectStore,
@@ -287,8 +309,9 @@ class SenderRequest(_Steps):
         for it in self._items:  # before any side effect: nothing to undo for a bad shape
             if it is not None and (not isinstance(it, tuple) or len(it) != 2):
                 raise TypeError("mm_item must be (item, prompt_updates) or None")
-        self._wait = check_wait(
-            book.default_wait_for_space if wait_for_space is None else wait_for_space
+        # the config's default was validated with the config
+        self._wait = (
+            book.default_wait_for_space if wait_for_space is None else check_wait(wait_for_space)
         )
         self._book = book
         self._store = store
@@ -565,6 +588,20 @@ class ReceiverRequest(_Steps):
     for a single item). With ``copy=False`` (a lease) arrays are views and the hand-outs stay
     owed until ``settle_lease``.
     """
+
+    __slots__ = (
+        "_copy",
+        "_counters",
+        "_features",
+        "_held",
+        "_inline_below",
+        "_jobs",
+        "_owed",
+        "_refs",
+        "_results",
+        "_stale",
+        "_store",
+    )
 
     def __init__(
         self,

@@ -174,27 +174,20 @@ async def test_a_failure_reaches_every_waiter_and_caches_nothing(
 
 
 def _blocking_first_put(cache: AsyncSenderCache, started: threading.Event) -> threading.Event:
-    """Make the first request's copy job block in its worker thread until the event is set."""
-    sender = cache.sender
-    original = sender.features_request
+    """Make the first put's copy (a job in a worker thread) block until the event is set."""
+    store = cache.sender.store
+    original = store.write_reserved
     release = threading.Event()
     first = [True]
 
-    def features_request(*args: Any, **kwargs: Any) -> Any:
-        req = original(*args, **kwargs)
+    def write_reserved(res: Any) -> None:
         if first[0]:
             first[0] = False
-            run = req.run_jobs
+            started.set()
+            release.wait(60)
+        original(res)
 
-            def blocked() -> None:
-                started.set()
-                release.wait(60)
-                run()
-
-            req.run_jobs = blocked  # type: ignore[method-assign]
-        return req
-
-    sender.features_request = features_request  # type: ignore[method-assign]
+    store.write_reserved = write_reserved  # type: ignore[method-assign]
     return release
 
 
