@@ -222,7 +222,8 @@ class WriterProc:
             if o.wait_for_space > 0 and rng.random() < 0.2:
                 wait = rng.uniform(0.0, o.wait_for_space)
             sent = False
-            for attempt in range(3):
+            # each CacheMissError names hashes passed as None, resent with data: this ends
+            for attempt in range(len(ks) + 1):
                 specs, meta = self.build(ks, force)
                 mode = cancel_mode(o, rng)
                 t0 = time.monotonic()
@@ -239,7 +240,11 @@ class WriterProc:
                     break
                 if res.kind == "error":
                     exc = res.exc
-                    if isinstance(exc, CacheMissError) and attempt < 2:
+                    if (
+                        isinstance(exc, CacheMissError)
+                        and attempt < len(ks)
+                        and not set(exc.mm_hashes) <= force
+                    ):
                         self.stats["sender_cache_miss"] += 1
                         force.update(exc.mm_hashes)
                         continue
