@@ -845,6 +845,41 @@ def test_demo_quick(tmp_path: Path) -> None:
         assert _shm_files(seg) == []
 
 
+def test_demo_gateway_workers(tmp_path: Path) -> None:
+    """``--gateway-workers 2``: the gateway as 2 uvicorn processes (one cache group, engine
+    workers attached to the group), next to the 1-process run; every answer verified."""
+    cp, data = _run_demo(tmp_path, "--gateway-workers", "2", "--quick", "--no-compare")
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert "PASS: all 120 requests" in cp.stdout
+    one, two = data["phases"]
+    assert data["passed"] is True
+    assert (one["gateway_processes"], two["gateway_processes"]) == (1, 2)
+    for ph in (one, two):
+        assert ph["requests"] == ph["ok"] == ph["verified"] == 60 and ph["failed"] == 0
+        assert ph["worker_checks"] == ph["worker_checks_ok"] > 60
+        assert ph["hit_ratio"] > 0.5 and ph["preprocessed"] > 0
+    # the merged stats of both processes: every image was handed out by one of them
+    assert two["hits"] + two["misses"] >= one["hits"] + one["misses"] > 0
+    assert two["capacity_bytes"] == 2 * one["capacity_bytes"]  # a shard per process
+    header = re.search(r"^\s+cache on\s+cache on, 2 gw\s*$", cp.stdout, re.M)
+    assert header is not None, cp.stdout
+    for label in ("gateway processes", "hit ratio", "images preprocessed / skipped"):
+        assert re.search(rf"^\s+{re.escape(label)}\s", cp.stdout, re.M), label
+    procs = re.search(r"gateway processes\s+1\s+2\s*$", cp.stdout, re.M)
+    assert procs is not None, cp.stdout
+    pre = re.search(r"images preprocessed / skipped\s+(\d+) / (\d+)\s+(\d+) / (\d+)", cp.stdout)
+    assert pre is not None
+    assert [int(x) for x in pre.groups()] == [
+        one["preprocessed"],
+        one["preprocess_skipped"],
+        two["preprocessed"],
+        two["preprocess_skipped"],
+    ]
+    for seg in _demo_segments(cp.stderr):
+        assert _shm_files(seg) == []
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(seg + ".shard")]
+
+
 def _demo_segments(text: str) -> list[str]:
     return re.findall(r"segment (aioshm-demo-[\w.-]+)\)", text)
 

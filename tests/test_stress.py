@@ -207,3 +207,36 @@ def test_stress_all_faults(tmp_path: pathlib.Path) -> None:
         assert st.get("writer_kills", 0) > 0
         assert st.get("fork_kills_writer", 0) > 0  # and readers saw WriterGoneError in time
     assert all(f["n_not_freeable"] == 0 for f in data["finals"])
+
+
+def test_stress_group_with_faults(tmp_path: pathlib.Path) -> None:
+    """``--group 3``: three writer processes, one shard each; readers attach to the group.
+
+    Writers share the hash space, so items are copied from sibling shards; a killed writer's
+    shard is reclaimed by its replacement; every read is verified and each shard drains.
+    """
+    rc, out, data = run_stress(
+        tmp_path,
+        "--group",
+        "3",
+        "--duration",
+        "15s",
+        "--faults",
+        "all",
+        "--writer-kill-every",
+        "4s",
+        "--fork-every",
+        "5s",
+        limit=600,
+    )
+    assert rc == 0, "\n".join(data.get("violations", ["(no report)"])) + "\n\n" + out[-8000:]
+    st = data["stats"]
+    assert data["violation_count"] == 0
+    assert st["items_verified"] > 0
+    assert data["writer"].get("sibling_hits", 0) > 0, out[-4000:]
+    assert st.get("writer_kills", 0) > 0
+    assert st.get("shards_reclaimed", 0) > 0
+    assert "sibling hits" in out
+    # the drain check ran on every shard at the end
+    assert sum(f["why"].startswith("end of run") for f in data["finals"]) == 3
+    assert all(f["n_not_freeable"] == 0 for f in data["finals"])

@@ -10,10 +10,12 @@ Subcommands (the first argument; the default is ``run``)::
 ``run`` starts the gateway (``serve``) in a subprocess on 127.0.0.1 on a free port, drives a
 Zipf-distributed multimodal load at it with ``httpx.AsyncClient``, checks every answer against
 the same computation done locally, and prints a results table — then does it again with the
-cache off, side by side. Modules: :mod:`.imaging` (decode, preprocess, hash), :mod:`.gateway`
-(the FastAPI app and its lifespan), :mod:`.pool` and :mod:`.worker` (the engine workers and
-their channel, :mod:`.ipc`), :mod:`.load` (the load driver and the table). Only the public API
-of ``aioshmcache`` is used.
+cache off, side by side. With ``--gateway-workers N`` the same load also runs on a gateway of N
+uvicorn processes (one cache group, :mod:`.group`), and the table shows the 1-process and
+N-process figures next to each other. Modules: :mod:`.imaging` (decode, preprocess, hash),
+:mod:`.gateway` (the FastAPI app and its lifespan), :mod:`.pool` and :mod:`.worker` (the
+engine workers and their channel, :mod:`.ipc`), :mod:`.load` (the load driver and the table).
+Only the public API of ``aioshmcache`` is used.
 """
 
 from __future__ import annotations

@@ -39,6 +39,15 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
         f"{largest} with the default --max-pixels; a 1080p photo fits)",
     )
     p.add_argument(
+        "--gateway-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the gateway as N uvicorn worker processes (spawned), each the writer of its "
+        "own shard of one cache group; the engine workers, started once by the serving "
+        "process, attach to the group (default 1: one process, one cache)",
+    )
+    p.add_argument(
         "--loop",
         choices=("auto", "asyncio", "uvloop"),
         default=_RUN.loop,
@@ -102,6 +111,7 @@ def serve_main(argv: list[str]) -> int:
         restart_workers=not ns.no_restart,
         exit_with_parent=ns.exit_with_parent,
         processor=ProcessorConfig(max_pixels=ns.max_pixels),
+        gateway_processes=ns.gateway_workers,
     )
     return serve(settings, host=ns.host, port=ns.port, loop=ns.loop, log_level=ns.log_level)
 
@@ -142,7 +152,14 @@ def run_main(argv: list[str]) -> int:
         ns.requests = min(ns.requests, 60)
         ns.concurrency = min(ns.concurrency, 8)
         ns.images = min(ns.images, 12)
-    for flag in ("requests", "concurrency", "images", "workers", "max_per_request"):
+    for flag in (
+        "requests",
+        "concurrency",
+        "images",
+        "workers",
+        "max_per_request",
+        "gateway_workers",
+    ):
         if getattr(ns, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
 
@@ -163,5 +180,6 @@ def run_main(argv: list[str]) -> int:
         compare=not ns.no_compare,
         hash_first=ns.hash_first,
         json_path=ns.json,
+        gateway_workers=ns.gateway_workers,
     )
     return run_demo(opts)

@@ -75,6 +75,7 @@ from aioshmcache.metrics import CacheCollector
 
 from ..framing import ProtocolError
 from ..lag import LoopLagMeter
+from .group import mark_ready, ready_count, write_stats
 from .imaging import (
     ImageDecodeError,
     ImageTooLargeError,
@@ -87,6 +88,7 @@ from .imaging import (
 from .ipc import encode_features
 from .pool import WorkerDied, WorkerPool, WorkerUnavailable
 from .settings import GatewaySettings
+from .worker import TOKEN_ENV
 
 __all__ = ["Gateway", "GatewayError", "GatewaySettings", "ImageInput", "create_app"]
 
@@ -263,9 +265,14 @@ class Gateway:
                     processor=self.processor,
                     loop=s.worker_loop,
                     restart=s.restart_workers,
+                    # --gateway-workers: the engine workers are the serving process's
+                    worker_dir=s.worker_dir,
+                    token=os.environ.get(TOKEN_ENV) if s.worker_dir else None,
                 )
                 self.pool = pool
                 await pool.start()
+                if s.worker_dir is not None:
+                    mark_ready(s.worker_dir)
                 log.info(
                     "gateway ready: segment %s, %d %s workers",
                     cache.sender.name,
@@ -275,6 +282,9 @@ class Gateway:
                 try:
                     yield self
                 finally:
+                    if s.worker_dir is not None:  # for the group's merged stats
+                        with contextlib.suppress(OSError):
+                            write_stats(s.worker_dir, self.stats())
                     with anyio.CancelScope(shield=True):
                         await pool.stop()
         finally:
@@ -577,6 +587,7 @@ class Gateway:
                 "hits": snap.hits,
                 "misses": snap.misses,
                 "hit_ratio": snap.hit_ratio,
+                "sibling_hits": snap.sibling_hits,
                 "inline_too_large": snap.inline_too_large,
                 "inline_full": snap.inline_full,
                 "evictions": snap.evictions,
@@ -831,6 +842,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
         ok = gw.pool is not None and gw.pool.available()
+        s = gw.settings
+        if ok and s.worker_dir is not None:  # --gateway-workers: every process is ready
+            ok = ready_count(s.worker_dir) >= s.gateway_processes
         return JSONResponse(
             {"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503
         )
@@ -855,7 +869,9 @@ def create_app_from_env() -> FastAPI:
     """For ``uvicorn --factory aioshmcache.tools.demo.gateway:create_app_from_env``.
 
     Reads ``AIOSHM_DEMO_WORKERS``, ``AIOSHM_DEMO_DELIVERY``, ``AIOSHM_DEMO_CACHE_MB``,
-    ``AIOSHM_DEMO_MAX_OBJECT_MB``, ``AIOSHM_DEMO_NAME`` and ``AIOSHM_DEMO_CACHE`` (``off``).
+    ``AIOSHM_DEMO_MAX_OBJECT_MB``, ``AIOSHM_DEMO_NAME`` and ``AIOSHM_DEMO_CACHE`` (``off``);
+    a gateway process of ``--gateway-workers`` also ``AIOSHM_DEMO_GROUP``, ``AIOSHM_DEMO_DIR``
+    and ``AIOSHM_DEMO_PROCS`` (see :mod:`.group`).
     """
     env = os.environ
     d = GatewaySettings()  # the defaults, for what the environment does not set
@@ -871,6 +887,9 @@ def create_app_from_env() -> FastAPI:
             max_object_mb=float(max_object) if max_object else d.max_object_mb,
             name=env.get("AIOSHM_DEMO_NAME") or None,
             cache_enabled=env.get("AIOSHM_DEMO_CACHE", "on") != "off",
+            group=env.get("AIOSHM_DEMO_GROUP") or None,
+            worker_dir=env.get("AIOSHM_DEMO_DIR") or None,
+            gateway_processes=int(env.get("AIOSHM_DEMO_PROCS", "1")),
         )
     )
 
@@ -892,6 +911,11 @@ def serve(
     import socket
 
     import uvicorn
+
+    if settings.gateway_processes > 1:
+        from .group import serve_group
+
+        return serve_group(settings, host=host, port=port, loop=loop, log_level=log_level)
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -44,8 +44,9 @@ import numpy as np
 from aioshmcache import sweep
 
 from ..progress import Progress
-from ..shm import remove, segment_files
+from ..shm import files_with_prefix, remove, segment_files
 from ..units import fmt_bytes
+from .group import GROUP_STATS_LINE
 from .imaging import ProcessorConfig, expected_summary, synthetic_image
 from .pool import SOCKET_DIR_PREFIX
 from .settings import DemoOptions, GatewaySettings
@@ -187,16 +188,24 @@ class GatewayProcess:
         self._remove_orphan()
         return proc.returncode
 
+    def group_stats(self) -> dict[str, Any] | None:
+        """``--gateway-workers``: the merged stats the serving process printed on its way out."""
+        for chunk in reversed(self.output):
+            for line in chunk.splitlines():
+                if line.startswith(GROUP_STATS_LINE):
+                    got: dict[str, Any] = json.loads(line.removeprefix(GROUP_STATS_LINE))
+                    return got
+        return None
+
     def _remove_orphan(self) -> None:
         """If the gateway died without cleaning up, remove its segment and socket directory."""
         pattern = os.path.join(tempfile.gettempdir(), f"{SOCKET_DIR_PREFIX}{self.name}-*")
         for d in glob.glob(pattern):
             shutil.rmtree(d, ignore_errors=True)
-        ours = segment_files(self.name)
-        if self.name not in ours:
-            return
-        if self.name in sweep(dry_run=True):  # its writer is dead (nothing removed by this)
-            remove(ours)
+        dead = sweep(dry_run=True)  # what lost its writer (nothing removed by this)
+        for seg in [self.name, *files_with_prefix(self.name + ".shard")]:
+            if seg in dead:  # the segment (or a group shard) of a gateway that died
+                remove(segment_files(seg))
 
     def __enter__(self) -> GatewayProcess:
         self.start()
@@ -266,6 +275,7 @@ class PhaseResult:
     latencies_ms: list[float] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
     stats: dict[str, Any] = field(default_factory=dict)
+    gateway_processes: int = 1
 
     def percentile(self, q: float) -> float:
         return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else 0.0
@@ -301,7 +311,9 @@ class PhaseResult:
             "wall_s": self.wall_s,
             "drift_409": self.drift_409,
             "drift_resent_ok": self.drift_resent_ok,
+            "gateway_processes": self.gateway_processes,
             "hit_ratio": cache.get("hit_ratio", 0.0),
+            "sibling_hits": cache.get("sibling_hits", 0),
             "hits": cache.get("hits", 0),
             "misses": cache.get("misses", 0),
             "inline_too_large": cache.get("inline_too_large", 0),
@@ -499,7 +511,9 @@ def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
             "latency p50 / p95 / p99",
             lambda s: f"{s['p50_ms']:.0f}/{s['p95_ms']:.0f}/{s['p99_ms']:.0f} ms",
         ),
+        row("gateway processes", lambda s: str(s["gateway_processes"])),
         row("hit ratio", lambda s: f"{100 * s['hit_ratio']:.1f} %"),
+        row("  copied from a sibling shard", lambda s: str(s["sibling_hits"])),
         row(
             "images preprocessed / skipped",
             lambda s: f"{s['preprocessed']} / {s['preprocess_skipped']}",
@@ -584,7 +598,12 @@ def run_demo(opts: DemoOptions) -> int:
     """The whole demo; 0 only if every request of every phase succeeded and matched."""
     processor = ProcessorConfig()
     phases: list[PhaseResult] = []
-    configs = [("cache on", True)] + ([("cache off", False)] if opts.compare else [])
+    n_gw = opts.gateway_workers
+    configs = [("cache on", True, 1)]
+    if n_gw > 1:  # the same load on N gateway processes (one cache group), next to 1
+        configs.append((f"cache on, {n_gw} gw", True, n_gw))
+    if opts.compare:
+        configs.append(("cache off", False, 1))
     tag = f"demo-{os.getpid()}-{int(time.time()) % 100000}"
     t_start = time.perf_counter()
     images: list[bytes] = []
@@ -606,8 +625,9 @@ def run_demo(opts: DemoOptions) -> int:
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
     try:
-        for i, (label, cache) in enumerate(configs):
-            gw = GatewayProcess(_gateway_args(opts, cache=cache), name=f"{tag}-{i}")
+        for i, (label, cache, procs) in enumerate(configs):
+            args = [*_gateway_args(opts, cache=cache), "--gateway-workers", str(procs)]
+            gw = GatewayProcess(args, name=f"{tag}-{i}")
             print(f"starting the gateway ({label}, {opts.workers} workers) ...", file=sys.stderr)
             if not images:  # generate the images while the first gateway boots
                 errors: list[BaseException] = []
@@ -649,6 +669,12 @@ def run_demo(opts: DemoOptions) -> int:
             )
             phases.append(res)
             gw.stop()
+            if procs > 1:  # one /stats call reached one process: the group's merged stats
+                merged = gw.group_stats()
+                if merged is None:
+                    raise RuntimeError("the gateway processes did not report their stats")
+                res.stats = merged
+            res.gateway_processes = procs
             gw = None
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the gateway and its workers ...", file=sys.stderr)

@@ -22,6 +22,12 @@ Delivery modes (they must match ``CacheConfig(delivery=...)``):
   hand-out; the orphaned hand-out expires after ``handout_ttl``.
 
 Shutdown is bounded: ``stop`` messages, then SIGTERM after ``stop_timeout``, then SIGKILL.
+
+External workers (``worker_dir``, the demo's ``--gateway-workers N``): the pool spawns nothing.
+The serving process started the engine workers once for every gateway process; the pool
+listens on ``worker_dir/gw-<pid>.sock``, where the workers find it, and each worker connects
+and says hello (with the token the serving process gave both). Their supervision is the serving
+process's; the pool only tracks their connections.
 """
 
 from __future__ import annotations
@@ -103,6 +109,8 @@ class WorkerPool:
         start_timeout: float = 30.0,
         stop_timeout: float = 5.0,
         max_restarts_per_minute: int = 20,
+        worker_dir: str | None = None,
+        token: str | None = None,
     ) -> None:
         if n < 1:
             raise ValueError("need at least one worker")
@@ -119,7 +127,8 @@ class WorkerPool:
         self.restarts = 0
         self.deaths = 0
         self._workers = [_Worker(i) for i in range(n)]
-        self._token = secrets.token_hex(16)
+        self._token = token or secrets.token_hex(16)
+        self._external = worker_dir  # external workers connect to a socket in this directory
         self._dir: str | None = None
         self._server: asyncio.AbstractServer | None = None
         self._ids = itertools.count(1)
@@ -134,6 +143,8 @@ class WorkerPool:
     # --- lifetime ------------------------------------------------------------------------
     @property
     def socket_path(self) -> str:
+        if self._external is not None:
+            return os.path.join(self._external, f"gw-{os.getpid()}.sock")
         if self._dir is None:
             raise RuntimeError("the pool is not started")
         return os.path.join(self._dir, "workers.sock")
@@ -141,12 +152,15 @@ class WorkerPool:
     async def start(self) -> None:
         """Listen, spawn every worker and wait (bounded) until each one said hello."""
         self._changed = asyncio.Event()
-        # named after the segment, so that whoever cleans up after a killed gateway finds it
-        self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{self.handle.get('name', '')}-")
+        if self._external is None:
+            # named after the segment, so that whoever cleans up after a killed gateway finds it
+            name = self.handle.get("name", "")
+            self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{name}-")
         self._server = await asyncio.start_unix_server(self._on_connect, path=self.socket_path)
         try:
             for w in self._workers:
-                await self._spawn(w)
+                if self._external is None:
+                    await self._spawn(w)
             deadline = time.monotonic() + self.start_timeout
             while not all(w.ready for w in self._workers):
                 if self._start_error is not None:
@@ -188,6 +202,9 @@ class WorkerPool:
             if w.writer is not None:
                 w.writer.close()
                 w.writer = None
+        if self._external is not None and self._conn_tasks:
+            # external workers close a connection on "stop": let them, rather than cancel
+            await asyncio.wait(list(self._conn_tasks), timeout=2.0)
         for t in list(self._conn_tasks):
             t.cancel()
         if self._server is not None:
@@ -198,6 +215,9 @@ class WorkerPool:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+        if self._external is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.socket_path)
 
     # --- supervision -----------------------------------------------------------------------
     def _command(self, w: _Worker) -> list[str]:
@@ -340,6 +360,8 @@ class WorkerPool:
         if not isinstance(idx, int) or not 0 <= idx < self.n:
             return None
         w = self._workers[idx]
+        if self._external is not None and isinstance(hello.get("pid"), int):
+            w.pid = int(hello["pid"])  # not our child: whoever says hello with the token
         if hello.get("pid") != w.pid or w.writer is not None or self._stopping:
             log.warning("worker channel: unexpected hello from pid %s", hello.get("pid"))
             return None

@@ -59,6 +59,12 @@ class GatewaySettings:
     restart_workers: bool = True
     exit_with_parent: bool = False
     processor: ProcessorConfig = field(default_factory=ProcessorConfig)
+    #: --gateway-workers N: uvicorn runs N gateway processes; each opens its own shard of this
+    #: cache group, and connects to the engine workers the serving process started (they
+    #: attach to the group and find the gateways' sockets in ``worker_dir``)
+    gateway_processes: int = 1
+    group: str | None = None
+    worker_dir: str | None = None
 
     @property
     def max_object_bytes(self) -> int:
@@ -71,7 +77,8 @@ class GatewaySettings:
             int(self.cache_mb * _MiB),
             self.max_object_bytes,
             self.workers + 1,  # a spare slot: a replacement never waits for a dead one's slot
-            name=self.name,
+            name=None if self.group else self.name,
+            group=self.group,
             delivery=self.delivery,
             handout_ttl=self.handout_ttl,
             evict_stuck_readers_after=self.evict_stuck_readers_after,
@@ -95,5 +102,6 @@ class DemoOptions:
     loop: str = "auto"
     compare: bool = True
     hash_first: float = 0.2
+    gateway_workers: int = 1
     json_path: str | None = None
     progress: bool = True

@@ -14,12 +14,21 @@ the embedding is computed outside it. Errors become typed replies: a ``CacheMiss
 references) is ``cache_miss`` with the hashes, which the gateway answers with ``invalidate``
 and a resend. The worker ignores SIGINT (the gateway owns its lifetime), stops on ``stop``,
 SIGTERM, or when the gateway's socket closes, and frees its reader slot on the way out.
+
+With ``--group G --dir D`` (the demo's ``--gateway-workers N``) the worker is started once by
+the serving process, not by a gateway: it attaches to the whole cache group
+(``AsyncReceiverCache.attach_group``), connects to every gateway process's socket it finds in
+``D`` (``gw-<pid>.sock``, looked for every 0.1 s) and serves each connection as above; a
+``stop`` or the end of one connection ends that connection only. A reference from a gateway
+process that died is a ``WriterGoneError`` reply, not the worker's end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import glob
 import json
 import os
 import signal
@@ -55,12 +64,15 @@ class _Worker:
         writer: asyncio.StreamWriter,
         index: int,
         processor: ProcessorConfig,
+        read_lock: asyncio.Lock | None = None,
+        group: bool = False,
     ) -> None:
         self.rx = rx
         self.writer = writer
         self.index = index
         self.processor = processor
-        self.read_lock = asyncio.Lock()
+        self.read_lock = read_lock or asyncio.Lock()
+        self.group = group
         self.write_lock = asyncio.Lock()
         self.fatal: BaseException | None = None
         self.served = 0
@@ -88,7 +100,8 @@ class _Worker:
             reply.update(ok=False, error="invalid_reference", message=str(exc))
         except (WriterGoneError, ReaderEvictedError) as exc:
             reply.update(ok=False, error=type(exc).__name__, message=str(exc))
-            self.fatal = exc
+            if not (self.group and isinstance(exc, WriterGoneError)):
+                self.fatal = exc
         except (ProtocolError, ShmCacheError, ValueError, TypeError, KeyError) as exc:
             reply.update(ok=False, error="bad_request", message=f"{type(exc).__name__}: {exc}")
         await write_frame(self.writer, reply, self.write_lock)
@@ -145,12 +158,88 @@ async def serve_worker(
     return 0
 
 
+async def _serve_connection(
+    worker: _Worker, reader: asyncio.StreamReader, stop: asyncio.Event, token: str
+) -> None:
+    """One gateway's connection: hello, then ``infer`` until stop, EOF or a fatal error."""
+    tasks: set[asyncio.Task[None]] = set()
+    hello = {"t": "hello", "worker": worker.index, "pid": os.getpid(), "token": token}
+    await write_frame(worker.writer, hello, worker.write_lock)
+    stop_wait = asyncio.ensure_future(stop.wait())
+    try:
+        while worker.fatal is None:
+            read = asyncio.ensure_future(read_frame(reader))
+            done, _ = await asyncio.wait({read, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if read not in done:
+                read.cancel()
+                break
+            msg = read.result()
+            if msg is None or msg["t"] == "stop":
+                break
+            if msg["t"] == "infer":
+                task = asyncio.ensure_future(worker.handle(msg))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+    finally:
+        stop_wait.cancel()
+        if tasks:  # let requests in flight finish (bounded)
+            await asyncio.wait(tasks, timeout=5.0)
+        for t in tasks:
+            t.cancel()
+        worker.writer.close()
+        with contextlib.suppress(OSError, asyncio.TimeoutError):
+            await asyncio.wait_for(worker.writer.wait_closed(), 1.0)
+
+
+async def serve_group_worker(
+    group: str, sock_dir: str, index: int, processor: ProcessorConfig, token: str
+) -> int:
+    """A worker of a cache group, serving every gateway process found in ``sock_dir``."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    read_lock = asyncio.Lock()  # one reader (one slot per shard) for every connection
+    conns: dict[str, asyncio.Task[None]] = {}
+    evicted: list[BaseException] = []
+    async with AsyncReceiverCache.attach_group(group) as rx:
+        while not stop.is_set() and not evicted:
+            for path in sorted(glob.glob(os.path.join(sock_dir, "gw-*.sock"))):
+                if path in conns:
+                    continue
+                try:
+                    reader, writer = await asyncio.open_unix_connection(path)
+                except OSError:
+                    continue  # not listening yet, or gone: looked for again
+                worker = _Worker(rx, writer, index, processor, read_lock, group=True)
+
+                async def serve(w: _Worker = worker, r: asyncio.StreamReader = reader) -> None:
+                    try:
+                        await _serve_connection(w, r, stop, token)
+                    except (ConnectionError, ProtocolError) as exc:
+                        print(f"worker {index}: channel error: {exc}", file=sys.stderr)
+                    if isinstance(w.fatal, ReaderEvictedError):
+                        evicted.append(w.fatal)
+
+                conns[path] = asyncio.ensure_future(serve())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.1)
+        stop.set()
+        if conns:
+            await asyncio.wait(conns.values(), timeout=10.0)
+    if evicted:
+        print(f"worker {index}: {evicted[0]}; exiting", file=sys.stderr)
+        return EXIT_EVICTED
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """``python -m aioshmcache demo worker --socket P --index I --handle JSON [...]``."""
     p = argparse.ArgumentParser(prog="python -m aioshmcache demo worker")
-    p.add_argument("--socket", required=True)
+    p.add_argument("--socket")
     p.add_argument("--index", type=int, required=True)
-    p.add_argument("--handle", required=True, help="CacheHandle.to_dict() as JSON")
+    p.add_argument("--handle", help="CacheHandle.to_dict() as JSON")
+    p.add_argument("--group", help="attach to this cache group instead (with --dir)")
+    p.add_argument("--dir", help="with --group: where the gateway processes' sockets are")
     p.add_argument("--processor", default="{}", help="ProcessorConfig fields as JSON")
     p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
     ns = p.parse_args(argv)
@@ -161,7 +250,14 @@ def main(argv: list[str]) -> int:
             proc_fields[k] = tuple(proc_fields[k])
     processor = ProcessorConfig(**proc_fields)
     token = os.environ.get(TOKEN_ENV, "")
-    coro = serve_worker(ns.socket, ns.index, json.loads(ns.handle), processor, token)
+    if ns.group:
+        if not ns.dir:
+            p.error("--group needs --dir")
+        coro = serve_group_worker(ns.group, ns.dir, ns.index, processor, token)
+    elif ns.handle and ns.socket:
+        coro = serve_worker(ns.socket, ns.index, json.loads(ns.handle), processor, token)
+    else:
+        p.error("give --socket and --handle, or --group and --dir")
     try:
         if ns.loop == "uvloop":
             import uvloop

@@ -28,6 +28,19 @@ start method does): the dead writer must still be reported gone within 1 s and b
 ``sweep``, and a dead reader's slot must look dead to the writer within 3 s (so its debts are
 dropped) while its forked child still lives; every forked child must exit after its linger.
 
+``--group N`` runs N writer processes instead of one, each the writer of its own shard of one
+cache group (named after the run, ``CacheConfig(group=...)``); readers attach to the whole group
+(``AsyncReceiverCache.attach_group``) once and read every writer's references. All writers
+sample the same Zipf hash space, so a writer often asks for a hash (passing ``None``) that only
+a sibling shard holds: the copies are counted (``sibling_hits``). Every check applies per
+shard: flow control and delivery mode per writer generation, acknowledgements per shard (the
+reader counts its reads by nonce), the drain check on every shard at each quiescence. The
+``kill-writer`` and ``fork`` faults kill one of the N writers: its replacement must reclaim the
+dead shard (counted), readers get ``WriterGoneError`` for its references and go on with the
+others, and its old references are refused (``WriterGoneError`` or ``InvalidReferenceError``).
+In ``alternate`` delivery the first writer is rotated at half time. No fault is disabled
+with groups.
+
 Items are deterministic functions of their hash (heavy-tailed sizes from 1 KiB to 32 MiB, mostly
 small; content sliced from a seeded random buffer), so every writer generation produces the
 same bytes for the same hash. An item carries its crc32 (over dtype, shape and bytes of each

@@ -11,9 +11,11 @@ from aioshmcache import CacheConfig
 
 from ..units import fmt_bytes, parse_duration, parse_size
 
-__all__ = ["FAULTS", "StressOptions", "parse_args"]
+__all__ = ["FAULTS", "GROUP_DISABLED", "StressOptions", "parse_args"]
 
 FAULTS: Final = ("kill-readers", "stop-readers", "cancel", "kill-writer", "forge", "fork")
+#: faults that cannot work with ``--group`` (none so far: every fault applies per shard)
+GROUP_DISABLED: Final[frozenset[str]] = frozenset()
 
 
 @dataclasses.dataclass
@@ -24,6 +26,7 @@ class StressOptions:
     ops: int | None = None
     readers: int = 3
     writers: int = 4
+    group: int = 0
     reader_concurrency: int = 2
     delivery: str = "alternate"
     faults: frozenset[str] = frozenset()
@@ -90,6 +93,18 @@ def parse_args(argv: list[str]) -> StressOptions:
     p.add_argument("--readers", type=int, default=d.readers, help="reader processes (%(default)s)")
     p.add_argument(
         "--writers", type=int, default=d.writers, help="concurrent writer tasks (%(default)s)"
+    )
+    p.add_argument(
+        "--group",
+        type=int,
+        default=d.group,
+        metavar="N",
+        help="run N writer processes, each the writer of its own shard of one cache group; "
+        "readers attach to the group (attach_group) and writers share the hash space, so "
+        "sibling hits happen. Faults apply per shard: kill-writer and fork kill one of the N "
+        "writers (its shard is reclaimed by the replacement, readers get WriterGoneError for its "
+        "references), alternate delivery rotates one writer at half time (default 0: one "
+        "plain cache)",
     )
     p.add_argument(
         "--reader-concurrency",
@@ -211,6 +226,8 @@ def parse_args(argv: list[str]) -> StressOptions:
     for f in FAULTS:
         if getattr(ns, f.replace("-", "_")):
             faults.add(f)
+    if ns.group:
+        faults -= GROUP_DISABLED
     sabotage = frozenset(s for s in ns.sabotage.split(",") if s)
     if not sabotage <= {"digest", "drop"}:
         p.error("--sabotage takes digest,drop")
@@ -220,6 +237,7 @@ def parse_args(argv: list[str]) -> StressOptions:
         ops=ns.ops,
         readers=ns.readers,
         writers=ns.writers,
+        group=ns.group,
         reader_concurrency=ns.reader_concurrency,
         delivery=ns.delivery,
         faults=frozenset(faults),
@@ -256,6 +274,7 @@ def parse_args(argv: list[str]) -> StressOptions:
         (opts.readers >= 1, "--readers must be >= 1"),
         (opts.readers <= 64, "--readers must be <= 64"),
         (opts.writers >= 1, "--writers must be >= 1"),
+        (0 <= opts.group <= 16, "--group must be in 0..16"),
         (opts.reader_concurrency >= 1, "--reader-concurrency must be >= 1"),
         (opts.ops is None or opts.ops >= 1, "--ops must be >= 1"),
         (opts.window >= 1, "--window must be >= 1"),

@@ -63,7 +63,9 @@ class Orchestrator:
         self.tally = Tally()
         self.children: dict[str, Child] = {}
         self.readers: list[Child | None] = [None] * opts.readers
-        self.writer: Child | None = None
+        # --group N: N writer processes, each the writer of its own shard of this group
+        self.group = f"stress-{self.run_id}-grp" if opts.group else None
+        self.writers: list[Child | None] = [None] * max(1, opts.group)
         self.writer_gen = 0
         self.owed = Owed(self.credit)
         self.old_refs: deque[dict[str, Any]] = deque(maxlen=64)
@@ -93,6 +95,37 @@ class Orchestrator:
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t_start
+
+    @property
+    def writer(self) -> Child | None:
+        """The writer (with ``--group``: the first one)."""
+        return self.writers[0]
+
+    def live_writers(self) -> list[Child]:
+        return [w for w in self.writers if w is not None and not w.eof.is_set()]
+
+    def writer_of(self, gen: int) -> Child | None:
+        """The live writer of generation ``gen``, if any."""
+        for w in self.writers:
+            if w is not None and w.gen == gen and not w.eof.is_set():
+                return w
+        return None
+
+    @staticmethod
+    def nonce_of(w: Child) -> int | None:
+        """The nonce of the segment (shard) this writer opened."""
+        if w.handle_msg is None:
+            return None
+        return int(w.handle_msg["handle"]["nonce"])
+
+    def take_refs(self, w: Child) -> None:
+        """The recent references of writer ``w`` become old ones (probed after its death)."""
+        nonce = self.nonce_of(w)
+        mine = [r for r in self.cur_refs if self.group is None or r.get("nonce") == nonce]
+        self.old_refs.extend(mine)
+        kept = [r for r in self.cur_refs if r not in mine]
+        self.cur_refs.clear()
+        self.cur_refs.extend(kept)
 
     def live_readers(self) -> list[Child]:
         return [
@@ -135,14 +168,14 @@ class Orchestrator:
         if not await child.kill(wait_link=False):
             self.violation(child.token, "a SIGKILLed process did not exit within 10 s")
 
-    async def start_writer(self, prev: dict[str, Any] | None) -> bool:
+    async def start_writer(self, prev: dict[str, Any] | None, pos: int = 0) -> bool:
         self.writer_gen += 1
         gen = self.writer_gen
-        name = f"{self.prefix}g{gen}"
+        name = self.group if self.group is not None else f"{self.prefix}g{gen}"
         delivery = self.delivery_for(gen)
         child = await self.spawn("writer", {"gen": gen, "name": name, "delivery": delivery})
-        child.gen, child.name = gen, name
-        self.writer = child
+        child.gen, child.name, child.pos = gen, name, pos
+        self.writers[pos] = child
         if not await self.wait_connected(child):
             return False
         with anyio.move_on_after(30):
@@ -152,6 +185,9 @@ class Orchestrator:
             await self.hard_kill(child)
             return False
         self.tally.stats[f"writer_gens_{delivery}"] += 1
+        if self.group is not None:  # readers find the shard themselves
+            child.name = str(child.handle_msg["name"])
+            return True
         msg = dict(child.handle_msg)
         msg["prev"] = prev
         frame = pack(msg, max_frame=MAX_FRAME)
@@ -169,6 +205,9 @@ class Orchestrator:
         """A reader said hello: it receives every request from now on (then the handle)."""
         if child.role == "reader":
             self.readers[child.pos] = child
+            if self.group is not None:
+                child.send({"t": "group", "group": self.group})
+                return
             w = self.writer
             if w is not None and w.handle_msg is not None and not w.eof.is_set():
                 child.send(dict(w.handle_msg, prev=None))
@@ -256,8 +295,8 @@ class Orchestrator:
         self.owed.expect((gen, rid), [r.token for r in readers if not r.stopped])
 
     def credit(self, gen: int) -> None:
-        w = self.writer
-        if w is not None and w.gen == gen and not w.eof.is_set():
+        w = self.writer_of(gen)
+        if w is not None:
             w.send({"t": "credit", "n": 1})
 
     def write_off(self, token: str) -> None:
@@ -293,11 +332,10 @@ class Orchestrator:
             self.tally.errors[f"{msg['kind']} ({msg['where']})"] += 1
             if msg.get("text"):
                 self.tally.err_texts[f"{msg['kind']} ({msg['where']})"] = str(msg["text"])
-            w = self.writer
+            w = self.writer_of(int(msg["gen"]))
             if (
                 msg["kind"] == "SegmentNotFoundError"
                 and w is not None
-                and int(msg["gen"]) == w.gen
                 and w.proc.returncode is None
                 and not w.killed_by_us
                 and not segment_files(w.name)
@@ -354,13 +392,13 @@ class Orchestrator:
         """A SIGKILLed reader's slot is dead to the writer although its forked child lives."""
         t0 = time.monotonic()
         while True:
-            w = self.writer
-            if w is None or w.eof.is_set():
-                return  # the writer changed meanwhile: nothing to ask
-            got = await self.ask(w, {"t": "slots"}, "slots", 10.0)
-            if got is None:
-                return
-            held = [s for s in got["slots"] if s["attached"] and s["alive"] and s["pid"] == pid]
+            held: list[dict[str, Any]] = []
+            for w in self.live_writers():  # with --group: its slot in every shard
+                got = await self.ask(w, {"t": "slots"}, "slots", 10.0)
+                if got is not None:
+                    held += [
+                        s for s in got["slots"] if s["attached"] and s["alive"] and s["pid"] == pid
+                    ]
             if not held:
                 self.tally.stats["fork_slots_dropped"] += 1
                 return
@@ -390,10 +428,12 @@ class Orchestrator:
         self.forked.clear()
 
     async def kill_writer(self, *, fork: bool = False) -> None:
+        """SIGKILL the writer (with ``--group``: one of them) and start its replacement."""
         async with self.topology:
-            w = self.writer
-            if w is None:
+            live = self.live_writers()
+            if not live:
                 return
+            w = self.rng.choice(live)
             forked = fork and await self.fork_child(w)
             await w.kill(wait_link=True)
             dead_at = time.monotonic()
@@ -402,10 +442,13 @@ class Orchestrator:
                 self.tally.stats["fork_kills_writer"] += 1
             self.tally.dead_gens[w.gen] = "killed"
             self.owed.forget_generation(w.gen)
-            self.old_refs.extend(self.cur_refs)
-            self.cur_refs.clear()
-            self.sweep_dead(w)
-            await self.start_writer({"gen": w.gen, "dead_at": dead_at, "how": "killed"})
+            self.take_refs(w)
+            if self.group is None:
+                self.sweep_dead(w)
+            prev = {"gen": w.gen, "dead_at": dead_at, "how": "killed"}
+            started = await self.start_writer(prev, w.pos)
+            if started and self.group is not None:
+                self.check_reclaimed(w)
             if "forge" in self.opts.faults:
                 self.probe_old_refs()
 
@@ -425,11 +468,23 @@ class Orchestrator:
         if left:
             self.violation("sweep", f"left after sweeping the dead writer: {left}")
 
+    def check_reclaimed(self, dead: Child) -> None:
+        """--group: the dead writer's shard is reclaimed by its replacement (the lowest free
+        index is the dead one's, unless another shard closed meanwhile: then it is left for the
+        next writer, and the end-of-run check finds it if nobody reclaims it)."""
+        new = self.writers[dead.pos]
+        if new is not None and new.name == dead.name:
+            self.tally.stats["shards_reclaimed"] += 1
+
     def probe_old_refs(self) -> None:
-        """References of a dead writer, shown to the new one: InvalidReferenceError (nonce)."""
+        """References of a dead writer, shown to the new one: InvalidReferenceError (nonce);
+        a group reader may still remember the dead shard's nonce: WriterGoneError."""
         w = self.writer
         if w is None:
             return
+        expect = ["InvalidReferenceError"]
+        if self.group is not None:
+            expect.append("WriterGoneError")
         readers = self.live_readers()
         for ref in list(self.old_refs)[-8:]:
             if not readers:
@@ -442,7 +497,7 @@ class Orchestrator:
                     "via": "features",
                     "h": "old",
                     "ref": ref,
-                    "expect": ["InvalidReferenceError"],
+                    "expect": expect,
                 }
             )
             self.tally.probes["sent"] += 1
@@ -495,15 +550,19 @@ class Orchestrator:
                 await self.start_reader(pos)
 
     async def quiesce_and_check(self, why: str) -> None:
-        """No faults, writer stopped, every request read, then the drain check."""
-        w = self.writer
-        if w is None or w.eof.is_set():
+        """No faults, writers stopped, every request read, then the drain check (per shard)."""
+        writers = self.live_writers()
+        if not writers:
             return
         await self.ensure_readers()
-        got = await self.ask(w, {"t": "stop"}, "stopped", self.opts.op_deadline + 20)
-        if got is None:
-            self.violation(w.token, f"{why}: the writer did not stop")
-            return
+        stop = {"t": "stop"}
+        stopped = await asyncio.gather(
+            *(self.ask(w, stop, "stopped", self.opts.op_deadline + 20) for w in writers)
+        )
+        for w, got in zip(writers, stopped):
+            if got is None:
+                self.violation(w.token, f"{why}: the writer did not stop")
+                return
         with anyio.move_on_after(60) as sc:
             await self.owed.none.wait()
         if sc.cancelled_caught:
@@ -515,10 +574,16 @@ class Orchestrator:
             got = await self.ask(c, {"t": "sync", "token": tok}, tok, 60)
             if got is None:
                 self.violation(c.token, f"{why}: reader did not catch up (sync)")
-            elif not got.get("attached") or int(got["gen"]) != w.gen:
-                self.violation(c.token, f"{why}: reader not attached to g{w.gen} at quiescence")
+            elif not got.get("attached") or (
+                self.group is None and int(got["gen"]) != writers[0].gen
+            ):
+                self.violation(c.token, f"{why}: reader not attached to its writer at quiescence")
             else:
                 synced[c.token] = got
+        await asyncio.gather(*(self.drain_check(w, why, synced) for w in writers))
+
+    async def drain_check(self, w: Child, why: str, synced: dict[str, dict[str, Any]]) -> None:
+        """Writer ``w``'s cache (its shard) drains: every item freeable, then the ring empty."""
         # lost hand-outs lapse after handout_ttl (one-of-N: always; broadcast: once their reader
         # acknowledged a later one), so the drain check gives them that long (see handout_ttl)
         within = 5.0 + self.opts.handout_ttl
@@ -526,9 +591,9 @@ class Orchestrator:
         if final is None:
             self.violation(w.token, f"{why}: the writer did not answer the drain check")
             return
-        final["why"] = why
+        final["why"] = why if self.group is None else f"{why} g{w.gen}"
         self.tally.finals.append(final)
-        self.check_acks(synced, final.get("slots", []))
+        self.check_acks(synced, final.get("slots", []), self.nonce_of(w))
         if final.get("n_not_freeable"):
             self.violation(
                 w.token,
@@ -542,7 +607,9 @@ class Orchestrator:
                 f"items / {final['after_bytes']} bytes",
             )
 
-    def check_acks(self, synced: dict[str, dict[str, Any]], slots: list[dict[str, Any]]) -> None:
+    def check_acks(
+        self, synced: dict[str, dict[str, Any]], slots: list[dict[str, Any]], nonce: int | None
+    ) -> None:
         """Every verified read wrote an acknowledgement into its reader's slot: none was lost.
 
         More acknowledgements than reads is fine (stale or rejected references are given back,
@@ -555,6 +622,9 @@ class Orchestrator:
                 if s.get("attached") and not s.get("revoked") and s.get("pid") == got.get("pid")
             ]
             reads, uncertain = int(got.get("reads", 0)), int(got.get("uncertain", 0))
+            if self.group is not None:  # this shard's reads only
+                by_nonce = {int(n): int(c) for n, c in got.get("reads_by_nonce", [])}
+                reads = by_nonce.get(nonce, 0) if nonce is not None else 0
             if len(acked) == 1 and acked[0] < reads:
                 self.violation(
                     f"reader {token}",
@@ -563,8 +633,7 @@ class Orchestrator:
                     + (f" ({uncertain} uncounted)" if uncertain else ""),
                 )
 
-    async def close_writer(self, why: str) -> float:
-        w = self.writer
+    async def close_writer(self, why: str, w: Child | None) -> float:
         if w is None:
             return time.monotonic()
         w.send({"t": "exit"})
@@ -588,12 +657,12 @@ class Orchestrator:
         async with self.topology:
             await self.quiesce_and_check("rotation")
             w = self.writer
-            closed_at = await self.close_writer("rotation")
+            closed_at = await self.close_writer("rotation", w)
             self.tally.stats["writer_rotations"] += 1
             if w is not None:
-                self.old_refs.extend(self.cur_refs)
-                self.cur_refs.clear()
-                await self.start_writer({"gen": w.gen, "dead_at": closed_at, "how": "closed"})
+                self.take_refs(w)
+                prev = {"gen": w.gen, "dead_at": closed_at, "how": "closed"}
+                await self.start_writer(prev, w.pos)
                 if "forge" in self.opts.faults:
                     self.probe_old_refs()
 
@@ -619,7 +688,8 @@ class Orchestrator:
         faults: list[asyncio.Task[None]] = []
         try:
             self.t_start = time.monotonic()
-            if await self.start_writer(None):
+            started = [await self.start_writer(None, pos) for pos in range(len(self.writers))]
+            if all(started):
                 await self.body(faults)
         except asyncio.CancelledError:
             if not self.interrupted:
@@ -708,9 +778,8 @@ class Orchestrator:
                 await self.hard_kill(c)
             elif rc != 0 and not c.killed_by_us:
                 self.violation(c.token, f"reader exited with {rc}: {c.log_tail()}")
-        w = self.writer
-        if w is not None and not w.eof.is_set():
-            await self.close_writer("end of run")
+        for w in self.live_writers():
+            await self.close_writer("end of run", w)
 
     async def kill_all(self) -> None:
         for c in self.children.values():

@@ -56,7 +56,10 @@ class ReaderProc:
         self.gone = False  # the current generation's writer is gone
         self.need_reattach = False
         self.attach_after = 0.0
-        self.unowed_ids: set[int] = set()
+        self.group: str | None = None  # --group: the cache group this reader is attached to
+        self.unowed_ids: set[tuple[int, int]] = set()  # (nonce, chunk id)
+        self.nonce_seen: dict[int, float] = {}  # --group: a shard first read from, and when
+        self.reads_by_nonce: Counter[int] = Counter()  # per shard: session_reads
         self.session_reads = 0  # references read and verified in this session (one ack each)
         self.session_uncertain = 0  # cancelled or half-read requests: acks we cannot count
         self.inflight = 0
@@ -116,6 +119,10 @@ class ReaderProc:
             elif kind == "handle":
                 await self.wait_idle()
                 await self.switch(msg)
+            elif kind == "group":  # --group: attach to the whole group, once
+                if self.group is None:
+                    self.group = str(msg["group"])
+                    await self.attach()
             elif kind == "sync":
                 await self.wait_idle()
                 # the parent compares ``reads`` with the acknowledgements our slot (found by pid)
@@ -128,6 +135,7 @@ class ReaderProc:
                         "attached": self.rx is not None and not self.gone,
                         "pid": os.getpid(),
                         "reads": self.session_reads,
+                        "reads_by_nonce": [[n, c] for n, c in self.reads_by_nonce.items()],
                         "uncertain": self.session_uncertain,
                     }
                 )
@@ -139,7 +147,7 @@ class ReaderProc:
 
     def drop_this(self, msg: dict[str, Any]) -> bool:
         """Sabotage: drop every SABOTAGE_EVERY-th request that holds a reference."""
-        if int(msg["gen"]) != self.gen or self.rx is None or self.gone:
+        if self.rx is None or self.gone or (self.group is None and int(msg["gen"]) != self.gen):
             return False
         if all(ref is None for _h, ref, _d, _n in request_features(msg)):
             return False
@@ -170,9 +178,12 @@ class ReaderProc:
                 self.violation("AsyncReceiverCache.aclose missed its deadline")
 
     async def attach(self) -> None:
-        if self.handle is None:
+        if self.group is not None:
+            rx = AsyncReceiverCache.attach_group(self.group)
+        elif self.handle is None:
             return
-        rx = AsyncReceiverCache.attach(self.handle)
+        else:
+            rx = AsyncReceiverCache.attach(self.handle)
         try:
             with anyio.fail_after(self.opts.op_deadline):
                 await rx.open()
@@ -200,6 +211,8 @@ class ReaderProc:
         self.gone = False
         self.attach_after = time.monotonic()
         self.unowed_ids = set()
+        self.nonce_seen = {}
+        self.reads_by_nonce = Counter()
         self.session_reads = self.session_uncertain = 0
         self.link.send({"t": "attached", "gen": self.gen})
 
@@ -247,13 +260,40 @@ class ReaderProc:
         out.update(extra)
         self.link.send(out)
 
+    def stale_gen(self, msg: dict[str, Any]) -> bool:
+        """Not for the writer generation we read (a group reader reads every generation)."""
+        return self.group is None and (self.gone or int(msg["gen"]) != self.gen)
+
+    def count_reads(self, nonce: int | None, n: int) -> None:
+        self.session_reads += n
+        if nonce is not None:
+            self.reads_by_nonce[nonce] += n
+
     async def read_request(self, msg: dict[str, Any]) -> None:
         rx = self.rx
-        if rx is None or self.gone or int(msg["gen"]) != self.gen:
+        if rx is None or self.stale_gen(msg):
             self.report(msg, "skip")
             return
         t0 = float(msg["t0"])
         feats = request_features(msg)
+        # a request holds the references of one writer: one shard
+        nonce = next((ref.nonce for _h, ref, _d, _n in feats if ref is not None), None)
+        try:
+            await self.read_checked(msg, rx, t0, feats, nonce)
+        finally:
+            if nonce is not None and nonce not in self.nonce_seen:
+                # a group reader attaches to a new shard when it first reads from it: hand-outs
+                # made before this moment may not be owed to it
+                self.nonce_seen[nonce] = time.monotonic()
+
+    async def read_checked(
+        self,
+        msg: dict[str, Any],
+        rx: AsyncReceiverCache,
+        t0: float,
+        feats: list[Feature],
+        nonce: int | None,
+    ) -> None:
         specs: list[FeatureSpec] = []
         for h, ref, _digest, _n in feats:
             if ref is None:
@@ -261,8 +301,13 @@ class ReaderProc:
             else:  # both forms of a reference the receiver accepts
                 specs.append(FeatureSpec(h, ref if self.rng.random() < 0.5 else ref.to_dict()))
         maybe_unowed = t0 < self.attach_after
+        if self.group is not None and nonce is not None:
+            seen = self.nonce_seen.get(nonce)
+            maybe_unowed = maybe_unowed or seen is None or t0 < seen
         if maybe_unowed:
-            self.unowed_ids.update(ref.id for _h, ref, _d, _n in feats if ref is not None)
+            self.unowed_ids.update(
+                (ref.nonce, ref.id) for _h, ref, _d, _n in feats if ref is not None
+            )
         mode = cancel_mode(self.opts, self.rng)
         res = await guarded(
             lambda: rx.get_and_update_features(specs),
@@ -280,7 +325,7 @@ class ReaderProc:
             return
         if res.kind == "ok":
             n_ok, nbytes, bad = self.verify(feats, res.value)
-            self.session_reads += n_ok + bad
+            self.count_reads(nonce, n_ok + bad)
             self.report(msg, "ok", n=n_ok, b=nbytes, bad=bad)
             return
         exc = res.exc
@@ -288,9 +333,10 @@ class ReaderProc:
             n_ok = nbytes = bad = 0
             if exc.features is not None:
                 n_ok, nbytes, bad = self.verify(feats, exc.features, allow_missing=True)
-                self.session_reads += n_ok + bad
+                self.count_reads(nonce, n_ok + bad)
             stale = self.stale_indices(feats, exc.features)
-            explained, unexplained = await self.classify(feats, stale, t0, maybe_unowed)
+            delivery = str(msg.get("d", self.delivery))
+            explained, unexplained = await self.classify(feats, stale, t0, maybe_unowed, delivery)
             self.report(
                 msg,
                 "miss",
@@ -310,7 +356,7 @@ class ReaderProc:
             self.report(msg, "ReaderEvictedError")
             return
         if isinstance(exc, WriterGoneError):
-            self.gone = True
+            self.gone = self.group is None  # a group reader goes on with the other shards
             self.report(msg, "WriterGoneError")
             return
         self.violation(f"genuine request {msg['rid']} (g{msg['gen']}) raised {exc!r}")
@@ -355,7 +401,12 @@ class ReaderProc:
         ]
 
     async def classify(
-        self, feats: list[Feature], stale: list[int], t0: float, maybe_unowed: bool
+        self,
+        feats: list[Feature],
+        stale: list[int],
+        t0: float,
+        maybe_unowed: bool,
+        delivery: str,
     ) -> tuple[Counter[str], list[str]]:
         """Why stale genuine references are explained (by cause); the others, described."""
         now = time.monotonic()
@@ -363,20 +414,20 @@ class ReaderProc:
         todo: list[int] = []
         for i in stale:
             ref = feats[i][1]
-            if self.delivery == "one_of_n":
+            if delivery == "one_of_n":
                 if now - t0 > self.opts.handout_ttl - 0.05:
                     explained["ttl"] += 1
                     continue
             elif maybe_unowed:
                 explained["before_attach"] += 1
                 continue
-            elif ref is not None and ref.id in self.unowed_ids:
+            elif ref is not None and (ref.nonce, ref.id) in self.unowed_ids:
                 explained["unowed_ack"] += 1
                 continue
             todo.append(i)
         if not todo:
             return explained, []
-        if self.delivery != "one_of_n" and self.rx is not None:
+        if delivery != "one_of_n" and self.rx is not None:
             try:
                 await self.rx.get_and_update_features([])  # revoked? (public, no-op otherwise)
             except ReaderEvictedError:
@@ -389,7 +440,7 @@ class ReaderProc:
         for i in todo:
             h, ref = feats[i][0], feats[i][1]
             why.append(
-                f"{h} (chunk {ref.id if ref else '?'}, {self.delivery}, g{self.gen}) was reclaimed "
+                f"{h} (chunk {ref.id if ref else '?'}, {delivery}, g{self.gen}) was reclaimed "
                 f"{now - t0:.2f} s after its hand-out, before this reader acknowledged it"
             )
         return explained, why
@@ -397,7 +448,7 @@ class ReaderProc:
     async def read_probe(self, msg: dict[str, Any]) -> None:
         rx = self.rx
         out: dict[str, Any] = {"t": "probe_done", "kind": msg["kind"], "gen": msg["gen"]}
-        if rx is None or self.gone or int(msg["gen"]) != self.gen:
+        if rx is None or self.stale_gen(msg):
             out["r"] = "skip"
             self.link.send(out)
             return
@@ -426,7 +477,7 @@ class ReaderProc:
             elif isinstance(res.exc, ReaderEvictedError):
                 self.need_reattach = True
             elif isinstance(res.exc, WriterGoneError):
-                self.gone = True
+                self.gone = self.group is None
             else:
                 self.violation(
                     f"probe {msg['kind']} (via {msg['via']}) raised {res.exc!r}, expected {expect}"

@@ -74,7 +74,9 @@ def progress_line(
         f"({st['requests'] / max(el, 1e-9):.0f}/s) verified {st['items_verified']} "
         f"{fmt_bytes(st['bytes_verified'], digits=2)} hit {hr:.0%} "
         f"evict {wt.get('evictions', 0)} "
-        f"inline {wt.get('inline', 0)} | kills r{st['reader_kills']} w{st['writer_kills']} "
+        f"inline {wt.get('inline', 0)} "
+        + (f"sibling {wt.get('sibling_hits', 0)} " if opts.group else "")
+        + f"| kills r{st['reader_kills']} w{st['writer_kills']} "
         f"stops {st['reader_stops']} wgone {wgone} revoked {er['ReaderEvictedError']} "
         f"miss {er['CacheMissError (stale genuine refs)']} probes {t.probes['answered']} "
         f"| violations {len(t.violations)}"
@@ -119,6 +121,8 @@ def summary(
     row("writer requests", st["requests"], True)
     row("  features", st["features"], True)
     row("  hits / misses", f"{hits:,} / {misses:,} ({hits / max(hits + misses, 1):.1%} hit)")
+    if o.group:
+        row("  sibling hits (copied from another shard)", wt.get("sibling_hits", 0), True)
     row("  handed out (refs)", wt.get("refs", 0), True)
     row(
         "  inline: full / too large / busy",
@@ -155,6 +159,8 @@ def summary(
             f"{st['fork_kills_writer']:,} / {st['fork_kills_reader']:,} "
             f"(dead slots dropped {st['fork_slots_dropped']:,})",
         )
+    if o.group:
+        row("group: dead shards reclaimed by the replacement", st["shards_reclaimed"])
     gens = ", ".join(f"{k[12:]} {v}" for k, v in sorted(st.items()) if k.startswith("writer_gens_"))
     row("writer generations", f"{writer_gens} ({gens})")
     for k, v in sorted(er.items()):
@@ -189,7 +195,9 @@ def summary(
     lim = f"{elapsed:.1f} s" + (f" (ops limit {o.ops})" if o.ops else "")
     head = (
         f"aioshmcache stress: {lim}, delivery {o.delivery}, {o.readers} readers x "
-        f"{o.reader_concurrency}, {o.writers} writer tasks, ring {fmt_bytes(o.capacity)},\n"
+        f"{o.reader_concurrency}, "
+        + (f"group of {o.group} writer processes x " if o.group else "")
+        + f"{o.writers} writer tasks, ring {fmt_bytes(o.capacity)},\n"
         f"  items {fmt_bytes(o.min_item)}..{fmt_bytes(o.max_item)}, faults {faults}, "
         f"seed {o.seed}"
     )

@@ -63,11 +63,13 @@ class WriterProc:
     def config(self) -> CacheConfig:
         o = self.opts
         evict = o.evict_after if ("stop-readers" in o.faults and o.evict_after > 0) else None
+        # --group: this process is the writer of its own shard of the group ``self.name``
         return CacheConfig(
             o.capacity,
             o.max_object,
             o.readers,
-            name=self.name,
+            name=None if o.group else self.name,
+            group=self.name if o.group else None,
             delivery="one_of_n" if self.delivery == "one_of_n" else "broadcast",
             handout_ttl=handout_ttl(o, self.delivery),
             evict_stuck_readers_after=evict,
@@ -149,6 +151,7 @@ class WriterProc:
                 inline_busy=tx.inline_busy,
                 items=snap.items,
                 bytes_used=snap.bytes_used,
+                sibling_hits=snap.sibling_hits,
             )
         out["lag_max"] = self.lag.max
         out["lag_over_100ms"] = self.lag.n_large
@@ -219,7 +222,8 @@ class WriterProc:
             if o.wait_for_space > 0 and rng.random() < 0.2:
                 wait = rng.uniform(0.0, o.wait_for_space)
             sent = False
-            for attempt in range(3):
+            # each CacheMissError names hashes passed as None, resent with data: this ends
+            for attempt in range(len(ks) + 1):
                 specs, meta = self.build(ks, force)
                 mode = cancel_mode(o, rng)
                 t0 = time.monotonic()
@@ -236,7 +240,11 @@ class WriterProc:
                     break
                 if res.kind == "error":
                     exc = res.exc
-                    if isinstance(exc, CacheMissError) and attempt < 2:
+                    if (
+                        isinstance(exc, CacheMissError)
+                        and attempt < len(ks)
+                        and not set(exc.mm_hashes) <= force
+                    ):
                         self.stats["sender_cache_miss"] += 1
                         force.update(exc.mm_hashes)
                         continue
@@ -272,10 +280,13 @@ class WriterProc:
             if not isinstance(f, FeatureSpec) or f.mm_hash != h:
                 self.violation(f"{h}: sender returned {f!r}")
                 continue
+            updates = tuple(f.prompt_updates)
+            # DESIGN: prompt updates stay in the writer process only, so an item a group shard
+            # copied from a sibling (asked for with None) comes back without them
+            sibling_copy = self.opts.group and spec.data is None and updates == ()
             if (
-                tuple(f.prompt_updates) != tuple(spec.prompt_updates)
-                or f.identifier != spec.identifier
-            ):
+                updates != tuple(spec.prompt_updates) and not sibling_copy
+            ) or f.identifier != spec.identifier:
                 self.violation(f"{h}: prompt updates / identifier not preserved")
             if isinstance(f.data, ShmRef):
                 self.recent.append((h, f.data.to_dict()))
@@ -296,6 +307,7 @@ class WriterProc:
             {
                 "t": "req",
                 "gen": self.gen,
+                "d": self.delivery,
                 "rid": rid,
                 "t0": t0,
                 "f": pack_features(wired),
