@@ -22,12 +22,14 @@ it adds is the merge:
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 from ._group import list_shards
+from ._layout import SHM_DIR
 from ._request import (
     DEFAULT_INLINE_THRESHOLD,
     ReceiverRequest,
@@ -36,6 +38,7 @@ from ._request import (
     check_hash,
     single_item,
 )
+from ._segment import writer_state
 from ._serde import Serde
 from ._store import ShmObjectStore
 from ._types import FeatureSpec, ShmRef
@@ -74,10 +77,15 @@ class GroupShards:
                     store.check_writer()
                 except WriterGoneError:
                     self._detach_locked(nonce)
-            known = {s.name for s in self._by_nonce.values()}
+            known = {s.name: nonce for nonce, s in self._by_nonce.items()}
             for _k, name in list_shards(self.group):
                 if name in known:
-                    continue
+                    # the writer's lock is probed only every probe interval: a shard reclaimed
+                    # by a new writer since (same name, new nonce) must not hide behind it
+                    st = writer_state(os.path.join(SHM_DIR, name))
+                    if st.alive and st.nonce == known[name]:
+                        continue
+                    self._detach_locked(known[name])
                 try:
                     store = ShmObjectStore.from_handle(
                         name, serde=self._serde, probe_interval=self._probe

@@ -427,6 +427,8 @@ class SenderRequest(_Steps):
         if h in self._putting:
             self._followers.setdefault(h, []).append(i)
             return None
+        if self._store.is_pending(h):  # another request is copying it in: as for a plain miss
+            raise CacheMissError([h])
         found = self._sibling[h]
         try:
             res = self._store.reserve(

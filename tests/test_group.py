@@ -244,3 +244,54 @@ async def test_async_group_reader_is_the_same_reader(group: str) -> None:
             got = await rx.get_and_update_features([fa, fb])
         assert all(np.array_equal(f.data["x"], gp.make_item("h")["x"]) for f in got)
         assert b.snapshot().sibling_hits == 1
+
+
+async def test_concurrent_sibling_copies_of_one_hash_are_misses_not_duplicates(
+    group: str,
+) -> None:
+    """Several requests of this process pass None for a hash only a sibling holds: one copies
+    it in, the others see it pending and get the miss a plain cache gives (never a
+    DuplicateKeyError)."""
+    import asyncio
+
+    from aioshmcache import AsyncSenderCache, CacheMissError
+
+    cfg = gp.config(group)
+    async with (
+        AsyncSenderCache.from_config(cfg) as a,
+        AsyncSenderCache.from_config(
+            cfg,
+            inline_threshold_bytes=0,  # every copy in a thread: the requests overlap
+        ) as b,
+    ):
+        await a.get_and_update_features([FeatureSpec("h", gp.make_item("h"))])
+        results = await asyncio.gather(
+            *(b.get_and_update_features([FeatureSpec("h", None)]) for _ in range(4)),
+            return_exceptions=True,
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert all(isinstance(e, CacheMissError) for e in errors), errors
+        assert len(errors) < 4 and b.is_cached_item("h")
+
+
+def test_a_reader_attaches_a_shard_recreated_under_the_same_name(group: str) -> None:
+    """A shard reclaimed under the same name (new nonce) is attached by the next rescan even if
+    the old writer's lock was probed alive a moment ago."""
+    cfg = gp.config(group)
+    with SenderCache(cfg) as a:
+        rx = ReceiverCache.attach_group(group)
+        try:
+            [fa] = a.get_and_update_features([FeatureSpec("x", gp.make_item("x"))])
+            rx.get_and_update_features([fa])  # the old shard is attached and just probed
+            name = a.name
+        finally:
+            a.close()
+        try:
+            with SenderCache(cfg) as b:  # takes the same shard name back, a new instance
+                assert b.name == name
+                [fb] = b.get_and_update_features([FeatureSpec("y", gp.make_item("y"))])
+                [got] = rx.get_and_update_features([fb])
+                assert np.array_equal(got.data["x"], gp.make_item("y")["x"])
+        finally:
+            rx.close()
+    assert _ours(group) == []
