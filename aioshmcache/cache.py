@@ -73,7 +73,8 @@ def _run_inline(request: SenderRequest | ReadRequest) -> None:
     """The sync face of a request: every step on the calling thread; abandon on any error."""
     try:
         request.begin()
-        request.run_jobs()
+        if request.has_jobs:
+            request.run_jobs()
     except BaseException:
         request.abandon()
         raise
