@@ -90,18 +90,28 @@ class GroupShards:
                     store = ShmObjectStore.from_handle(
                         name, serde=self._serde, probe_interval=self._probe
                     )
-                except (WriterGoneError, SegmentNotFoundError):
-                    continue  # dead (to be reclaimed) or gone meanwhile
+                except WriterGoneError:
+                    # dead before we ever attached: remember its instance, so that references
+                    # it handed out are "writer gone", not "no such shard"
+                    dead = writer_state(os.path.join(SHM_DIR, name))
+                    if dead.nonce is not None and dead.nonce not in self._by_nonce:
+                        self._remember_gone(dead.nonce, name)
+                    continue
+                except SegmentNotFoundError:
+                    continue  # gone meanwhile
                 self._by_nonce[store.nonce] = store
 
     def _detach_locked(self, nonce: int) -> None:
         store = self._by_nonce.pop(nonce, None)
         if store is None:
             return
-        self._gone[nonce] = store.name
+        self._remember_gone(nonce, store.name)
+        store.close()
+
+    def _remember_gone(self, nonce: int, name: str) -> None:
+        self._gone[nonce] = name
         if len(self._gone) > _GONE_MEMORY:
             self._gone.popitem(last=False)
-        store.close()
 
     def detach(self, nonce: int) -> None:
         """Forget a shard whose writer is gone (its slot is freed)."""

@@ -295,3 +295,37 @@ def test_a_reader_attaches_a_shard_recreated_under_the_same_name(group: str) -> 
         finally:
             rx.close()
     assert _ours(group) == []
+
+
+def test_a_reference_of_a_shard_that_died_before_the_reader_attached_is_writer_gone(
+    group: str,
+) -> None:
+    """A reader that never attached to a shard gets a reference it handed out after the
+    shard's writer died: that is ``WriterGoneError`` (typed as a dead writer), not "no such
+    shard" (stress --group found it: a writer killed right after its first request)."""
+    from aioshmcache import WriterGoneError
+
+    parent, child = SPAWN.Pipe()
+    p = SPAWN.Process(target=gp.command_writer, args=(group, child))
+    p.start()
+    try:
+        assert parent.poll(60)
+        parent.recv()
+        parent.send(("get", "k"))
+        ref, _pre = parent.recv()
+        p.kill()
+        p.join(30)
+        with ReceiverCache.attach_group(group) as rx:  # the dead shard is never attached
+            with pytest.raises(WriterGoneError):
+                rx.get_and_update_features([FeatureSpec("k", ShmRef.from_dict(ref))])
+            forged = ShmRef.from_dict(ref)._replace(nonce=12345)
+            with pytest.raises(InvalidReferenceError):
+                rx.get_and_update_features([FeatureSpec("k", forged)])
+    finally:
+        _stop([p])
+        from aioshmcache import sweep
+
+        for name in _ours(group):
+            if not name.startswith("sem."):
+                sweep(name=name)
+    assert _ours(group) == []
