@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._group import list_shards
-from ._layout import SHM_DIR
+from ._layout import LAYOUT_VERSION, SHM_DIR
 from ._request import (
     DEFAULT_INLINE_THRESHOLD,
     ReceiverRequest,
@@ -41,7 +41,7 @@ from ._request import (
 from ._segment import writer_state
 from ._serde import Serde
 from ._store import ShmObjectStore
-from ._types import FeatureSpec, ShmRef
+from ._types import CacheHandle, FeatureSpec, ShmRef
 from .errors import (
     CacheMissError,
     ClosedCacheError,
@@ -100,6 +100,35 @@ class GroupShards:
                 except SegmentNotFoundError:
                     continue  # gone meanwhile
                 self._by_nonce[store.nonce] = store
+
+    def find(self, nonce: int) -> None:
+        """Attach the shard whose file holds instance ``nonce`` now, or mark it gone.
+
+        The last resort for a reference that a rescan did not resolve: unlike a rescan, which
+        skips a shard it cannot attach, this lets the attach error through (a full reader table,
+        say), so the caller learns the real cause instead of "no such shard".
+        """
+        with self._lock:
+            if self.closed or nonce in self._by_nonce or nonce in self._gone:
+                return
+            for _k, name in list_shards(self.group):
+                st = writer_state(os.path.join(SHM_DIR, name))
+                if st.nonce != nonce:
+                    continue
+                if not st.alive:
+                    self._remember_gone(nonce, name)
+                    return
+                try:
+                    store = ShmObjectStore.from_handle(
+                        CacheHandle(name, nonce, LAYOUT_VERSION),
+                        serde=self._serde,
+                        probe_interval=self._probe,
+                    )
+                except WriterGoneError:
+                    self._remember_gone(nonce, name)
+                    return
+                self._by_nonce[store.nonce] = store
+                return
 
     def _detach_locked(self, nonce: int) -> None:
         store = self._by_nonce.pop(nonce, None)
@@ -193,6 +222,8 @@ class GroupReceiverRequest:
         if any(shards.store(n) is None and not shards.is_gone(n) for n in routes):
             shards.rescan()  # a shard that appeared since (or a forged nonce)
         for nonce in routes:
+            if shards.store(nonce) is None and not shards.is_gone(nonce):
+                shards.find(nonce)  # the one shard file that holds this instance, if any
             if shards.store(nonce) is None and not shards.is_gone(nonce):
                 raise InvalidReferenceError(
                     f"reference names no live shard of cache group {shards.group!r}"

@@ -220,11 +220,11 @@ def test_stress_group_with_faults(tmp_path: pathlib.Path) -> None:
         "--group",
         "3",
         "--duration",
-        "15s",
+        "30s",  # long enough for a writer kill even on a loaded machine (15 s was not)
         "--faults",
         "all",
         "--writer-kill-every",
-        "4s",
+        "3s",
         "--fork-every",
         "5s",
         limit=600,
