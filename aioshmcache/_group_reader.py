@@ -243,7 +243,12 @@ class GroupReceiverRequest:
             )
             try:
                 sub.begin()
-            except WriterGoneError:
+            except (WriterGoneError, ClosedCacheError) as exc:
+                # closed: another request detached this shard (its writer is gone) meanwhile
+                if isinstance(exc, ClosedCacheError) and not shards.is_gone(nonce):
+                    sub.abandon()
+                    self.abandon()
+                    raise
                 sub.abandon()
                 shards.detach(nonce)
                 self._gone.extend(items)
@@ -260,7 +265,9 @@ class GroupReceiverRequest:
         for nonce, items, sub in list(self._subs):
             try:
                 sub.run_jobs()
-            except WriterGoneError:
+            except (WriterGoneError, ClosedCacheError) as exc:
+                if isinstance(exc, ClosedCacheError) and not self._shards.is_gone(nonce):
+                    raise
                 sub.abandon()
                 self._shards.detach(nonce)
                 with self._lock:

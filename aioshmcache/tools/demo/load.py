@@ -620,7 +620,10 @@ def run_demo(opts: DemoOptions) -> int:
     boot: threading.Thread | None = None
 
     def on_sigterm(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt  # the same clean shutdown as Ctrl-C
+        # the same clean shutdown as Ctrl-C: re-raised as SIGINT, so that a running event loop
+        # (asyncio.Runner) cancels its main task instead of a KeyboardInterrupt landing in the
+        # middle of a cancel scope's exit; without a loop it is a plain KeyboardInterrupt
+        signal.raise_signal(signal.SIGINT)
 
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
