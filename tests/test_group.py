@@ -339,37 +339,34 @@ def test_a_reference_of_a_dead_instance_reclaimed_before_the_reader_started_is_w
     the instances it was reclaimed from, so that is ``WriterGoneError``, not "no live shard"
     (CI's stress --group found it: a restarted reader got a reference queued before a writer
     kill). A nonce that no shard file ever held stays ``InvalidReferenceError``."""
-    refs = []
-    for _gen in range(3):  # three instances of shard 0, each killed and reclaimed
+
+    def writer_of_shard0() -> tuple[Any, Any]:
         parent, child = SPAWN.Pipe()
         p = SPAWN.Process(target=gp.command_writer, args=(group, child))
         p.start()
+        assert parent.poll(60)
+        _ready, shard, _name = parent.recv()
+        assert shard == 0  # the dead instances' file, reclaimed each time
+        return p, parent
+
+    refs = []
+    for gen in range(3):  # three instances of shard 0, each killed and reclaimed
+        p, parent = writer_of_shard0()
         try:
-            assert parent.poll(60)
-            _ready, shard, _name = parent.recv()
-            assert shard == 0
-            parent.send(("get", f"k{_gen}"))
-            ref, _pre = parent.recv()
-            refs.append(ShmRef.from_dict(ref))
+            refs.append(ShmRef.from_dict(_get(parent, f"k{gen}")))
         finally:
             p.kill()
             _stop([p])
-    parent, child = SPAWN.Pipe()
-    p = SPAWN.Process(target=gp.command_writer, args=(group, child))
-    p.start()
+    p, parent = writer_of_shard0()
     try:
-        assert parent.poll(60)
-        _ready, shard, _name = parent.recv()
-        assert shard == 0  # the dead instances' file, reclaimed
         with ReceiverCache.attach_group(group) as rx:  # it never saw the dead instances
             for i, ref in enumerate(refs):
                 with pytest.raises(WriterGoneError):
                     rx.get_and_update_features([FeatureSpec(f"k{i}", ref)])
             with pytest.raises(InvalidReferenceError):
                 rx.get_and_update_features([FeatureSpec("k0", refs[0]._replace(nonce=12345))])
-            parent.send(("get", "live"))
-            live, _pre = parent.recv()
-            [got] = rx.get_and_update_features([FeatureSpec("live", ShmRef.from_dict(live))])
+            live = ShmRef.from_dict(_get(parent, "live"))
+            [got] = rx.get_and_update_features([FeatureSpec("live", live)])
             assert np.array_equal(got.data["x"], gp.make_item("live")["x"])
     finally:
         try:
