@@ -25,7 +25,7 @@ from ._readers import ReaderSlot
 from ._ring import ShmRingBuffer
 from ._segment import Segment
 from ._serde import Serde
-from ._types import ShmRef, reference_tag
+from ._types import ShmRef, finish_tag, tag_base
 from .errors import (
     ClosedCacheError,
     InvalidReferenceError,
@@ -38,14 +38,12 @@ from .errors import (
 __all__ = ["ReadPath", "check_ref_fields"]
 
 _U64: Final = (1 << 64) - 1
+_INT_FIELDS: Final = (int,) * len(ShmRef._fields)
 
 
 def check_ref_fields(r: ShmRef) -> bool:
     """Whether every field of ``r`` is an unsigned 64-bit int (a ``ShmRef`` built by hand)."""
-    return all(
-        type(v) is int and 0 <= v <= _U64
-        for v in (r.nonce, r.epoch, r.address, r.id, r.length, r.tag, r.position, r.seq)
-    )
+    return tuple(map(type, r)) == _INT_FIELDS and min(r) >= 0 and max(r) <= _U64
 
 
 class ReadPath:
@@ -95,7 +93,8 @@ class ReadPath:
 
     def check_reader(self) -> ReaderSlot:
         """The reader slot, after checking that this reader may read now (typed errors)."""
-        self.check_open()
+        if self.closed or self._seg.forked:
+            self.check_open()
         slot = self.slot
         if slot is None:
             raise RoleError(
@@ -108,25 +107,33 @@ class ReadPath:
         return slot
 
     # --- resolving --------------------------------------------------------------------------
+    def check_ref(self, ref: object) -> ShmRef:
+        """The checks that touch no chunk: fields, nonce, tag, epoch (typed errors)."""
+        r = ref if isinstance(ref, ShmRef) else ShmRef.from_dict(ref)
+        if tuple(map(type, r)) != _INT_FIELDS or min(r) < 0 or max(r) > _U64:
+            raise InvalidReferenceError("reference fields must be unsigned 64-bit ints")
+        nonce, epoch, address, cid, length, tag, position, seq = r
+        if nonce != self._nonce:
+            raise InvalidReferenceError("reference belongs to another cache (nonce mismatch)")
+        if tag != finish_tag(tag_base(self._secret, epoch, address, cid, length, position), seq):
+            raise InvalidReferenceError("reference is forged or corrupted (tag mismatch)")
+        self._check_epoch(epoch)
+        return r
+
+    def _check_epoch(self, epoch: int) -> None:
+        current = self._hw[H_EPOCH]
+        if epoch != current:
+            if epoch < current:
+                raise StaleReferenceError(
+                    f"reference is from before clear (epoch {epoch} < {current})"
+                )
+            raise InvalidReferenceError(f"reference epoch {epoch} is in the future")
+
     def resolve(self, ref: object) -> tuple[ShmRef, memoryview]:
         """Check a reference against this segment; returns it and a view of its payload."""
-        self.check_open()
-        r = ref if isinstance(ref, ShmRef) else ShmRef.from_dict(ref)
-        if not check_ref_fields(r):
-            raise InvalidReferenceError("reference fields must be unsigned 64-bit ints")
-        if r.nonce != self._nonce:
-            raise InvalidReferenceError("reference belongs to another cache (nonce mismatch)")
-        if r.tag != reference_tag(
-            self._secret, r.epoch, r.address, r.id, r.length, r.position, r.seq
-        ):
-            raise InvalidReferenceError("reference is forged or corrupted (tag mismatch)")
-        epoch = self._hw[H_EPOCH]
-        if r.epoch != epoch:
-            if r.epoch < epoch:
-                raise StaleReferenceError(
-                    f"reference is from before clear (epoch {r.epoch} < {epoch})"
-                )
-            raise InvalidReferenceError(f"reference epoch {r.epoch} is in the future")
+        if self.closed or self._seg.forked:
+            self.check_open()
+        r = self.check_ref(ref)
         return r, self.ring.access(r.address, r.id, r.length, r.position)
 
     def validate(self, ref: object) -> ShmRef:
@@ -164,10 +171,29 @@ class ReadPath:
             if isinstance(ref, ShmRef):
                 self.give_back(ref)
             raise
+        return self._read_acked(slot, r, view, copy)
+
+    def get_checked(self, r: ShmRef, *, copy: bool = True) -> Any:
+        """``get`` of a reference that passed :meth:`check_ref` here (a request's, validated).
+
+        The fields, nonce and tag cannot have changed; the epoch and the chunk are checked again.
+        """
+        slot = self.check_reader()
+        try:
+            self._check_epoch(r.epoch)
+            view = self.ring.access(r.address, r.id, r.length, r.position)
+        except StaleReferenceError:
+            self.give_back(r)
+            raise
+        return self._read_acked(slot, r, view, copy)
+
+    def _read_acked(self, slot: ReaderSlot, r: ShmRef, view: memoryview, copy: bool) -> Any:
         value = self._decode(r, view, copy=copy)
         slot.check_revoked()
         if copy:
-            self._ack(slot, r.id, r.seq)
+            slot.ack(r.id, r.seq)
+            if self._hw[H_WAITING]:
+                self._post_wake()
         return value
 
     def ack(self, ref: ShmRef) -> None:
