@@ -173,12 +173,14 @@ class ReadPath:
             raise
         return self._read_acked(slot, r, view, copy)
 
-    def get_checked(self, r: ShmRef, *, copy: bool = True) -> Any:
+    def get_checked(self, r: ShmRef, *, copy: bool = True, slot: ReaderSlot | None = None) -> Any:
         """``get`` of a reference that passed :meth:`check_ref` here (a request's, validated).
 
         The fields, nonce and tag cannot have changed; the epoch and the chunk are checked again.
+        ``slot``: what :meth:`check_reader` returned just before (the same step), else it runs.
         """
-        slot = self.check_reader()
+        if slot is None:
+            slot = self.check_reader()
         try:
             self._check_epoch(r.epoch)
             view = self.ring.access(r.address, r.id, r.length, r.position)

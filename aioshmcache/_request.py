@@ -35,6 +35,7 @@ from typing import Any, Final
 
 from ._group import Found, Siblings
 from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
+from ._readers import ReaderSlot
 from ._store import Reservation, ShmObjectStore
 from ._types import REF_FIELDS, FeatureSpec, ShmRef
 from .errors import (
@@ -635,7 +636,7 @@ class ReceiverRequest(_Steps):
     def begin(self) -> None:
         """Validate the whole request, then read what is small. Typed errors, nothing owed."""
         reading = self._store._reading
-        reading.check_reader()
+        slot = reading.check_reader()
         error: Exception | None = None
         for i, f in enumerate(self._features):
             ref = None
@@ -668,17 +669,17 @@ class ReceiverRequest(_Steps):
                 if ref is None:
                     continue
                 if not self._copy or ref.length < self._inline_below:
-                    hits += self._read(i, ref)
+                    hits += self._read(i, ref, slot)  # checked above, in this same step
                 else:
                     self._jobs.append(i)
         finally:
             # one lock round for the whole step (totals counted even if a read failed)
             self._counters.add(hits=hits, total=len(self._features))
 
-    def _read(self, i: int, ref: ShmRef) -> int:
+    def _read(self, i: int, ref: ShmRef, slot: ReaderSlot | None = None) -> int:
         """Read one validated reference; 1 if it was read (a hit), 0 if it was stale."""
         try:
-            data = self._store._reading.get_checked(ref, copy=self._copy)
+            data = self._store._reading.get_checked(ref, copy=self._copy, slot=slot)
         except StaleReferenceError:
             # ``get`` gave it back if it was stale before the copy; stale after it means the
             # chunk was freed, and a freed chunk is owed by nobody: settled either way
