@@ -134,6 +134,8 @@ _MAGIC = b"ASHM"
 _VERSION = 1
 _PREFIX = struct.Struct("<4sHHIQ")
 _PREFIX_SIZE = _PREFIX.size  # 20
+_HLEN = struct.Struct("<I")  # the prefix's header_len alone
+_HLEN_OFFSET = 8
 _ALIGN = 64
 _ALIGN_MASK = _ALIGN - 1
 
@@ -448,13 +450,13 @@ def _parse_array_descriptor(data: bytes) -> _ArrayDesc:
 # passed validation are stored, and the cache is bounded (cleared when full).
 _TEMPLATE_HEADER_MAX = 4096  # longer headers (e.g. big str values) are not worth keeping
 _TEMPLATES_MAX = 256
-_LIMITS = frozenset(("max_arrays", "max_depth", "max_ndim"))
+_LIMITS = frozenset(("max_arrays", "max_depth", "max_header_bytes", "max_ndim"))
 
 #: builds one node of a value: (buffer, read-only buffer, copy) -> value
 _Builder = Callable[[memoryview, memoryview, bool], Any]
 #: a compiled node: (builder, None), or (None, a value every read may share)
 _Node = tuple["_Builder | None", Any]
-#: a compiled header: its root node and the data length its layout implies
+#: a compiled header: its root node and the payload size its layout implies
 _Template = tuple["_Builder | None", Any, int]
 
 
@@ -473,10 +475,30 @@ def _container_builder(kind: type, nodes: list[_Node]) -> _Builder:
 
 def _dict_builder(items: list[tuple[Any, _Builder | None, Any]]) -> _Builder:
     """Build a fresh dict of ``items`` (key, builder, shared value) on each read."""
-    if all(b is not None for _, b, _ in items):  # the usual item: every value an array
-        pairs = [(k, b) for k, b, _ in items]
-        return lambda buf, ro, copy: {k: b(buf, ro, copy) for k, b in pairs}  # type: ignore[misc]
-    return lambda buf, ro, copy: {k: v if b is None else b(buf, ro, copy) for k, b, v in items}
+
+    def build(buf: memoryview, ro: memoryview, copy: bool) -> Any:
+        return {k: v if b is None else b(buf, ro, copy) for k, b, v in items}
+
+    return build
+
+
+#: one array of a flat dict: key, dtype, element count, absolute start, shape (None: 1-D)
+_FlatArray = tuple[Any, np.dtype[Any], int, int, "tuple[int, ...] | None"]
+
+
+def _flat_dict_builder(arrays: list[_FlatArray]) -> _Builder:
+    """The usual item, a dict of plain non-empty arrays: every array made in one loop."""
+
+    def build(buf: memoryview, ro: memoryview, copy: bool) -> Any:
+        out = {}
+        for k, dt, count, start, shape in arrays:
+            arr = _frombuffer(ro, dt, count, start)
+            if shape is not None:
+                arr = arr.reshape(shape)
+            out[k] = arr.copy() if copy else arr
+        return out
+
+    return build
 
 
 def _array_builder(dt: np.dtype[Any], shape: tuple[int, ...], count: int, start: int) -> _Builder:
@@ -564,7 +586,21 @@ class _Compiler:
             if depth > self.max_depth:
                 raise SerdeError(f"nesting deeper than max_depth={self.max_depth}")
             conv = self.conv
-            items = [(k, *conv(v, depth)) for k, v in obj.items()]
+            flat: list[_FlatArray] | None = []
+            items: list[tuple[Any, _Builder | None, Any]] = []
+            for k, v in obj.items():
+                if flat is not None and type(v) is _ExtType and v.code == _EXT_ARRAY:
+                    dt, shape, count, start, flags = desc = self.array_desc(v.data)
+                    if not flags and count:
+                        flat.append((k, dt, count, start, None if len(shape) == 1 else shape))
+                    items.append((k, self.array_builder(desc), None))
+                    if flags or not count:
+                        flat = None
+                    continue
+                flat = None
+                items.append((k, *conv(v, depth)))
+            if flat is not None and flat:
+                return _flat_dict_builder(flat), None
             return _dict_builder(items), None
         if t is list:
             depth += 1
@@ -604,7 +640,7 @@ class _Compiler:
         code = rec.code
         data: bytes = rec.data
         if code == _EXT_ARRAY:
-            return self.array(data), None
+            return self.array_builder(self.array_desc(data)), None
         if code == _EXT_SCALAR:
             return None, self.scalar(data)
         if code == _EXT_BYTES:
@@ -618,7 +654,8 @@ class _Compiler:
             raise SerdeError("tuple marker outside the first element of an array")
         raise SerdeError(f"unknown ExtType code {code}")
 
-    def array(self, data: bytes) -> _Builder:
+    def array_desc(self, data: bytes) -> tuple[np.dtype[Any], tuple[int, ...], int, int, int]:
+        """Validate an ARRAY record in walk order: (dtype, shape, count, absolute start, flags)."""
         desc = _ARRAY_DESCS.get(data)
         if desc is None:
             desc = _parse_array_descriptor(data)
@@ -631,7 +668,14 @@ class _Compiler:
             raise SerdeError(f"array has {ndim} dimensions, more than max_ndim={self.max_ndim}")
         start = self._slot(off, nbytes)
         if flags:
-            return self.tensor(dt, shape, count, start, flags)
+            self.check_tensor(dt, flags)
+        return dt, shape, count, start, flags
+
+    @staticmethod
+    def array_builder(desc: tuple[np.dtype[Any], tuple[int, ...], int, int, int]) -> _Builder:
+        dt, shape, count, start, flags = desc
+        if flags:
+            return _tensor_builder(dt, shape, count, start, bool(flags & _FLAG_BF16))
         return _array_builder(dt, shape, count, start)
 
     @staticmethod
@@ -645,9 +689,7 @@ class _Compiler:
         return _frombuffer(data, dt, 1, 1 + dlen)[0]  # immutable: shared by every read
 
     @staticmethod
-    def tensor(
-        dt: np.dtype[Any], shape: tuple[int, ...], count: int, start: int, flags: int
-    ) -> _Builder:
+    def check_tensor(dt: np.dtype[Any], flags: int) -> None:
         if not flags & _FLAG_TORCH:
             raise SerdeError("malformed array flags")
         if flags & _FLAG_BF16 and dt.str != "<u2":
@@ -655,7 +697,6 @@ class _Compiler:
         if dt.kind not in "biufc" or dt.byteorder == ">":
             raise SerdeError(f"dtype {dt.str!r} cannot be a torch tensor")
         _import_torch()  # fail here, in walk order, as an uncompiled read would
-        return _tensor_builder(dt, shape, count, start, bool(flags & _FLAG_BF16))
 
 
 # --- the serde --------------------------------------------------------------------------------
@@ -806,7 +847,7 @@ class MsgpackSerde:
         build, value = comp.conv(structure, 0)
         if comp.cursor != data_len:
             raise SerdeError("data section holds bytes no array refers to")
-        return build, value, data_len
+        return build, value, data_off + data_len
 
     def read(self, buf: memoryview, *, copy: bool = True) -> object:
         """Decode one payload (exactly ``nbytes`` long). Anything not in our format: SerdeError."""
@@ -816,45 +857,60 @@ class MsgpackSerde:
             if buf.format != "B" or buf.ndim != 1:
                 buf = buf.cast("B")
             size = len(buf)
-            if size < _PREFIX_SIZE:
-                raise SerdeError(f"truncated payload ({size} bytes)")
-            magic, version, pflags, hlen, data_len = _PREFIX.unpack_from(buf)
-            if magic != _MAGIC:
-                raise SerdeError("not an aioshmcache payload (bad magic)")
-            if version != _VERSION or pflags != 0:
-                raise SerdeError(f"unsupported payload version {version} / flags {pflags}")
-            if not 0 < hlen <= self.max_header_bytes:
-                raise SerdeError(
-                    f"header length {hlen} outside (0, max_header_bytes={self.max_header_bytes}]"
-                )
-            hend = _PREFIX_SIZE + hlen
-            data_off = (hend + _ALIGN_MASK) & ~_ALIGN_MASK
-            if data_off + data_len != size:
-                raise SerdeError(
-                    f"payload is {size} bytes, its prefix says {data_off + data_len} "
-                    "(truncated or trailing bytes)"
-                )
-            if hlen > _TEMPLATE_HEADER_MAX:
-                build, value, _ = self._compile(buf[_PREFIX_SIZE:hend], data_off, data_len)
-            else:
-                # the key is a private copy, and the template is compiled from that copy: bytes
-                # changing in shared memory meanwhile cannot give a key another header's template
-                header = buf[_PREFIX_SIZE:hend].tobytes()
-                templates = self._templates
-                tmpl = templates.get(header)
-                if tmpl is None or tmpl[2] != data_len:
-                    tmpl = self._compile(header, data_off, data_len)  # raises on a mismatch
-                    if len(templates) >= _TEMPLATES_MAX:
-                        templates.clear()
-                    templates[header] = tmpl
-                build, value, _ = tmpl
-            if build is None:
-                return value
-            # copies may come from the writable view; views must come from a read-only one
-            return build(buf, buf if copy or buf.readonly else buf.toreadonly(), copy)
+            if size >= _PREFIX_SIZE:
+                # A template is keyed by the prefix and the header: a hit (of the same payload
+                # size) implies every check below passed when it was compiled.
+                hend = _PREFIX_SIZE + _HLEN.unpack_from(buf, _HLEN_OFFSET)[0]
+                if hend <= _PREFIX_SIZE + _TEMPLATE_HEADER_MAX:
+                    tmpl = self._templates.get(buf[:hend].tobytes())
+                    if tmpl is not None and tmpl[2] == size:
+                        build, value, _ = tmpl
+                        if build is None:
+                            return value
+                        return build(buf, buf if copy or buf.readonly else buf.toreadonly(), copy)
+            return self._read(buf, size, copy)
         except SerdeError:
             raise
         except MemoryError:
             raise
         except Exception as exc:
             raise SerdeError(f"cannot decode payload: {exc}") from exc
+
+    def _read(self, buf: memoryview, size: int, copy: bool) -> object:
+        """``read`` without a template at hand: check the prefix, compile (and keep) one."""
+        if size < _PREFIX_SIZE:
+            raise SerdeError(f"truncated payload ({size} bytes)")
+        magic, version, pflags, hlen, data_len = _PREFIX.unpack_from(buf)
+        if magic != _MAGIC:
+            raise SerdeError("not an aioshmcache payload (bad magic)")
+        if version != _VERSION or pflags != 0:
+            raise SerdeError(f"unsupported payload version {version} / flags {pflags}")
+        if not 0 < hlen <= self.max_header_bytes:
+            raise SerdeError(
+                f"header length {hlen} outside (0, max_header_bytes={self.max_header_bytes}]"
+            )
+        hend = _PREFIX_SIZE + hlen
+        data_off = (hend + _ALIGN_MASK) & ~_ALIGN_MASK
+        if data_off + data_len != size:
+            raise SerdeError(
+                f"payload is {size} bytes, its prefix says {data_off + data_len} "
+                "(truncated or trailing bytes)"
+            )
+        if hlen > _TEMPLATE_HEADER_MAX:
+            build, value, _ = self._compile(buf[_PREFIX_SIZE:hend], data_off, data_len)
+        else:
+            # the key is a private copy, and the template is compiled from that copy: bytes
+            # changing in shared memory meanwhile cannot give a key another header's template
+            key = buf[:hend].tobytes()
+            if _PREFIX.unpack_from(key) != (magic, version, pflags, hlen, data_len):
+                raise SerdeError("payload prefix changed while it was read")
+            tmpl = self._compile(memoryview(key)[_PREFIX_SIZE:], data_off, data_len)
+            templates = self._templates
+            if len(templates) >= _TEMPLATES_MAX:
+                templates.clear()
+            templates[key] = tmpl
+            build, value, _ = tmpl
+        if build is None:
+            return value
+        # copies may come from the writable view; views must come from a read-only one
+        return build(buf, buf if copy or buf.readonly else buf.toreadonly(), copy)
