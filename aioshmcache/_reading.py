@@ -110,26 +110,18 @@ class ReadPath:
             raise RoleError(
                 "this store is the writer; attach a reader to read with acknowledgement"
             )
-        self.check_writer()
+        # check_writer's probe is due every probe_interval only: test that here, call it then
+        if (
+            self._hw[H_STATE] != STATE_LIVE
+            or time.monotonic() - self._last_writer_probe > self.probe_interval
+        ):
+            self.check_writer()
         slot.check_revoked()
         if slot.overflowing:
             slot.flush()
         return slot
 
     # --- resolving --------------------------------------------------------------------------
-    def check_ref(self, ref: object) -> ShmRef:
-        """The checks that touch no chunk: fields, nonce, tag, epoch (typed errors)."""
-        r = ref if isinstance(ref, ShmRef) else ShmRef.from_dict(ref)
-        if not check_ref_fields(r):
-            raise InvalidReferenceError("reference fields must be unsigned 64-bit ints")
-        nonce, epoch, address, cid, length, tag, position, seq = r
-        if nonce != self._nonce:
-            raise InvalidReferenceError("reference belongs to another cache (nonce mismatch)")
-        if tag != finish_tag(tag_base(self._secret, epoch, address, cid, length, position), seq):
-            raise InvalidReferenceError("reference is forged or corrupted (tag mismatch)")
-        self._check_epoch(epoch)
-        return r
-
     def _check_epoch(self, epoch: int) -> None:
         current = self._hw[H_EPOCH]
         if epoch != current:
@@ -140,11 +132,24 @@ class ReadPath:
             raise InvalidReferenceError(f"reference epoch {epoch} is in the future")
 
     def resolve(self, ref: object) -> tuple[ShmRef, memoryview]:
-        """Check a reference against this segment; returns it and a view of its payload."""
+        """Check a reference against this segment; returns it and a view of its payload.
+
+        In order: open, fields, nonce, tag, epoch (none touches the chunk), then the chunk's
+        header and the reuse fence (``ShmRingBuffer.access``). Typed errors.
+        """
         if self.closed or self._seg.forked:
             self.check_open()
-        r = self.check_ref(ref)
-        return r, self.ring.access(r.address, r.id, r.length, r.position)
+        r = ref if isinstance(ref, ShmRef) else ShmRef.from_dict(ref)
+        if not check_ref_fields(r):
+            raise InvalidReferenceError("reference fields must be unsigned 64-bit ints")
+        nonce, epoch, address, cid, length, tag, position, seq = r
+        if nonce != self._nonce:
+            raise InvalidReferenceError("reference belongs to another cache (nonce mismatch)")
+        if tag != finish_tag(tag_base(self._secret, epoch, address, cid, length, position), seq):
+            raise InvalidReferenceError("reference is forged or corrupted (tag mismatch)")
+        if epoch != self._hw[H_EPOCH]:
+            self._check_epoch(epoch)
+        return r, self.ring.access(address, cid, length, position)
 
     def validate(self, ref: object) -> ShmRef:
         """Check a reference against this segment without reading it (typed errors)."""
@@ -184,7 +189,7 @@ class ReadPath:
         return self._read_acked(slot, r, view, copy)
 
     def get_checked(self, r: ShmRef, *, copy: bool = True, slot: ReaderSlot | None = None) -> Any:
-        """``get`` of a reference that passed :meth:`check_ref` here (a request's, validated).
+        """``get`` of a reference that passed :meth:`validate` here (a request's).
 
         The fields, nonce and tag cannot have changed; the epoch and the chunk are checked again.
         ``slot``: what :meth:`check_reader` returned just before (the same step), else it runs.
