@@ -157,25 +157,36 @@ class ReadPath:
         view.release()
         return r
 
-    def _decode(self, r: ShmRef, view: memoryview, *, copy: bool) -> Any:
-        """Decode and verify: a chunk reused during the copy is stale, never torn data."""
+    def _read_verified(
+        self, slot: ReaderSlot | None, r: ShmRef, view: memoryview, copy: bool
+    ) -> Any:
+        """Decode and verify (a chunk reused during the copy is stale, never torn data); with a
+        reader slot, check revocation and acknowledge a copy."""
+        _nonce, _epoch, address, cid, _length, _tag, position, seq = r
+        ring = self.ring
         try:
             value = self.serde.read(view, copy=copy)
         except ShmCacheError:
             # torn: stale; intact but undecodable: re-raise
-            self.ring.verify(r.address, r.id, r.position)
+            ring.verify(address, cid, position)
             raise
         finally:
             if copy:
                 view.release()  # zero-copy arrays keep exporting it
-        self.ring.verify(r.address, r.id, r.position)
+        ring.verify(address, cid, position)
+        if slot is not None:
+            slot.check_revoked()
+            if copy:
+                slot.ack(cid, seq)
+                if self._hw[H_WAITING]:
+                    self._post_wake()
         return value
 
     # --- reading ----------------------------------------------------------------------------
     def read(self, ref: ShmRef | dict[str, Any]) -> Any:
         """The writer's own read: a verified copy, nothing acknowledged."""
         r, view = self.resolve(ref)
-        return self._decode(r, view, copy=True)
+        return self._read_verified(None, r, view, True)
 
     def get(self, ref: ShmRef | dict[str, Any], *, copy: bool = True) -> Any:
         """A reader's read: verify, copy (or view), acknowledge (a copy only)."""
@@ -186,7 +197,7 @@ class ReadPath:
             if isinstance(ref, ShmRef):
                 self.give_back(ref)
             raise
-        return self._read_acked(slot, r, view, copy)
+        return self._read_verified(slot, r, view, copy)
 
     def get_checked(self, r: ShmRef, *, copy: bool = True, slot: ReaderSlot | None = None) -> Any:
         """``get`` of a reference that passed :meth:`validate` here (a request's).
@@ -202,16 +213,7 @@ class ReadPath:
         except StaleReferenceError:
             self.give_back(r)
             raise
-        return self._read_acked(slot, r, view, copy)
-
-    def _read_acked(self, slot: ReaderSlot, r: ShmRef, view: memoryview, copy: bool) -> Any:
-        value = self._decode(r, view, copy=copy)
-        slot.check_revoked()
-        if copy:
-            slot.ack(r.id, r.seq)
-            if self._hw[H_WAITING]:
-                self._post_wake()
-        return value
+        return self._read_verified(slot, r, view, copy)
 
     def ack(self, ref: ShmRef) -> None:
         """Acknowledge a reference read with ``copy=False`` after re-verifying it."""
