@@ -157,11 +157,9 @@ class ReadPath:
         view.release()
         return r
 
-    def _read_verified(
-        self, slot: ReaderSlot | None, r: ShmRef, view: memoryview, copy: bool
-    ) -> Any:
-        """Decode and verify (a chunk reused during the copy is stale, never torn data); with a
-        reader slot, check revocation and acknowledge a copy."""
+    def finish_read(self, slot: ReaderSlot | None, r: ShmRef, view: memoryview, copy: bool) -> Any:
+        """Decode and verify a resolved reference's view (a chunk reused during the copy is
+        stale, never torn data); with a reader slot, check revocation and acknowledge a copy."""
         _nonce, _epoch, address, cid, _length, _tag, position, seq = r
         ring = self.ring
         try:
@@ -186,7 +184,7 @@ class ReadPath:
     def read(self, ref: ShmRef | dict[str, Any]) -> Any:
         """The writer's own read: a verified copy, nothing acknowledged."""
         r, view = self.resolve(ref)
-        return self._read_verified(None, r, view, True)
+        return self.finish_read(None, r, view, True)
 
     def get(self, ref: ShmRef | dict[str, Any], *, copy: bool = True) -> Any:
         """A reader's read: verify, copy (or view), acknowledge (a copy only)."""
@@ -197,7 +195,7 @@ class ReadPath:
             if isinstance(ref, ShmRef):
                 self.give_back(ref)
             raise
-        return self._read_verified(slot, r, view, copy)
+        return self.finish_read(slot, r, view, copy)
 
     def get_checked(self, r: ShmRef, *, copy: bool = True, slot: ReaderSlot | None = None) -> Any:
         """``get`` of a reference that passed :meth:`validate` here (a request's).
@@ -213,7 +211,7 @@ class ReadPath:
         except StaleReferenceError:
             self.give_back(r)
             raise
-        return self._read_verified(slot, r, view, copy)
+        return self.finish_read(slot, r, view, copy)
 
     def ack(self, ref: ShmRef) -> None:
         """Acknowledge a reference read with ``copy=False`` after re-verifying it."""

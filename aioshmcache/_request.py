@@ -634,52 +634,81 @@ class ReceiverRequest(_Steps):
         return bool(self._jobs)
 
     def begin(self) -> None:
-        """Validate the whole request, then read what is small. Typed errors, nothing owed."""
+        """Validate the whole request, then read what is small. Typed errors, nothing owed.
+
+        The view a validation made of a reference read in this step is the one read: the copy
+        is verified after it (a chunk freed meanwhile is stale), so a second look-up of the
+        chunk would add nothing. Jobs look their chunk up again when they run.
+        """
         reading = self._store._reading
         slot = reading.check_reader()
+        copy, inline_below = self._copy, self._inline_below
+        views: dict[int, memoryview] = {}
         error: Exception | None = None
-        for i, f in enumerate(self._features):
-            ref = None
-            try:
-                if not isinstance(f, FeatureSpec):
-                    raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
-                check_hash(f.mm_hash)
-                ref = as_reference(f.data)
-                if ref is not None:
-                    try:
-                        # forged or foreign: never given back (not ours)
-                        ref = reading.validate(ref)
-                    except StaleReferenceError:
-                        reading.give_back(ref)
-                        self._stale.append(f.mm_hash)
-                        ref = None
-                    else:
-                        self._owed.add(i)
-                else:
-                    self._results[i] = f.data
-            except (InvalidReferenceError, TypeError) as exc:
-                error = error or exc
+        try:
+            for i, f in enumerate(self._features):
                 ref = None
-            self._refs.append(ref)
-        if error is not None:
-            raise error  # the face abandons the request: every valid reference is given back
+                try:
+                    if not isinstance(f, FeatureSpec):
+                        raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
+                    check_hash(f.mm_hash)
+                    ref = as_reference(f.data)
+                    if ref is not None:
+                        try:
+                            # forged or foreign: never given back (not ours)
+                            ref, view = reading.resolve(ref)
+                        except StaleReferenceError:
+                            reading.give_back(ref)
+                            self._stale.append(f.mm_hash)
+                            ref = None
+                        else:
+                            self._owed.add(i)
+                            if not copy or ref.length < inline_below:
+                                views[i] = view
+                            else:
+                                view.release()
+                    else:
+                        self._results[i] = f.data
+                except (InvalidReferenceError, TypeError) as exc:
+                    error = error or exc
+                    ref = None
+                self._refs.append(ref)
+            if error is not None:
+                raise error  # the face abandons the request: every valid reference is given back
+        except BaseException:
+            for view in views.values():
+                view.release()
+            raise
         hits = 0
         try:
             for i, ref in enumerate(self._refs):
                 if ref is None:
                     continue
-                if not self._copy or ref.length < self._inline_below:
-                    hits += self._read(i, ref, slot)  # checked above, in this same step
+                if i in views:  # checked above, in this same step
+                    hits += self._read(i, ref, slot, views.pop(i))
                 else:
                     self._jobs.append(i)
         finally:
+            for unread in views.values():  # a read raised: the others are released, not leaked
+                unread.release()
             # one lock round for the whole step (totals counted even if a read failed)
             self._counters.add(hits=hits, total=len(self._features))
 
-    def _read(self, i: int, ref: ShmRef, slot: ReaderSlot | None = None) -> int:
-        """Read one validated reference; 1 if it was read (a hit), 0 if it was stale."""
+    def _read(
+        self, i: int, ref: ShmRef, slot: ReaderSlot | None = None, view: memoryview | None = None
+    ) -> int:
+        """Read one validated reference; 1 if it was read (a hit), 0 if it was stale.
+
+        With ``view`` (what validating it returned, in the same step as ``slot``) the chunk is
+        not looked up again.
+        """
+        reading = self._store._reading
         try:
-            data = self._store._reading.get_checked(ref, copy=self._copy, slot=slot)
+            if view is None:
+                data = reading.get_checked(ref, copy=self._copy, slot=slot)
+            else:
+                assert slot is not None
+                data = reading.finish_read(slot, ref, view, self._copy)
         except StaleReferenceError:
             # ``get`` gave it back if it was stale before the copy; stale after it means the
             # chunk was freed, and a freed chunk is owed by nobody: settled either way
