@@ -704,10 +704,9 @@ class ReceiverRequest(_Steps):
         """
         reading = self._store._reading
         try:
-            if view is None:
+            if view is None or slot is None:
                 data = reading.get_checked(ref, copy=self._copy, slot=slot)
             else:
-                assert slot is not None
                 data = reading.finish_read(slot, ref, view, self._copy)
         except StaleReferenceError:
             # ``get`` gave it back if it was stale before the copy; stale after it means the
