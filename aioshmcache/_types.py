@@ -351,6 +351,10 @@ class ShmRef(NamedTuple):
         return cls(*(_check_u64(f, data[f]) for f in REF_FIELDS))
 
 
+_new_object = object.__new__
+_set_field = object.__setattr__
+
+
 @dataclass(frozen=True, slots=True)
 class FeatureSpec:
     """One multimodal item of a request.
@@ -365,9 +369,15 @@ class FeatureSpec:
     prompt_updates: Sequence[Any] = field(default=(), kw_only=True)
 
     def with_data(self, data: Any) -> FeatureSpec:
-        return FeatureSpec(
-            self.mm_hash, data, identifier=self.identifier, prompt_updates=self.prompt_updates
-        )
+        # this spec's fields with another data: nothing to check, so the frozen dataclass's
+        # __init__ (one object.__setattr__ call per field, with keyword handling) is bypassed;
+        # measured 1.6 -> 0.9 us, once per feature of every read
+        new = _new_object(FeatureSpec)
+        _set_field(new, "mm_hash", self.mm_hash)
+        _set_field(new, "data", data)
+        _set_field(new, "identifier", self.identifier)
+        _set_field(new, "prompt_updates", self.prompt_updates)
+        return new
 
 
 @dataclass(frozen=True, slots=True)
