@@ -32,6 +32,9 @@ Segment (``total`` bytes, a multiple of the page size)::
              |       30 H_HINT_OFF  31 H_HINT_SLOTS (0: none)   |
              |       32 H_SIBLING_HITS (items a group shard     |
              |          copied from a sibling shard)            |
+             |       33 H_RELOCATIONS  34 H_BYTES_RELOCATED     |
+             |          (second chance: chunks moved to the     |
+             |          tail instead of evicted, their bytes)   |
     4096     +--------------------------------------------------+
              | reader table: H_N_READERS slots x H_SLOT_SIZE    |
     hint_off +--------------------------------------------------+  (64 aligned; group shards)
@@ -125,6 +128,8 @@ H_HEAD_POS: Final = 29
 H_HINT_OFF: Final = 30
 H_HINT_SLOTS: Final = 31
 H_SIBLING_HITS: Final = 32
+H_RELOCATIONS: Final = 33
+H_BYTES_RELOCATED: Final = 34
 
 STATE_LIVE: Final = 1
 STATE_CLOSED: Final = 2
