@@ -96,6 +96,25 @@ class RingModel(RuleBasedStateMachine):
         if rec is not None:
             rec[4] = True
 
+    @precondition(lambda self: len(self.fifo) > 0)
+    @rule(target=chunks)
+    def relocate(self) -> object:
+        """Second chance: the head chunk moves to the tail, a new chunk with the same bytes."""
+        old = self.fifo.pop(0)
+        _addr, size, _cid, data, _acked = old
+        expect = self._model_place(int(size))  # the old chunk's room is free first
+        assert expect is not None, "a relocated chunk always fits"
+        assert isinstance(data, bytes)
+        moved = self.ring.relocate_head()
+        assert moved is not None
+        addr, cid, _pos = moved
+        assert addr == expect and cid > self.last_id
+        self.last_id = cid
+        assert bytes(self.ring.access(addr, cid, len(data))) == data
+        rec: list[object] = [addr, size, cid, data, False]
+        self.fifo.append(rec)
+        return rec
+
     @rule(n=st.integers(0, 3000))
     def free(self, n: int) -> None:
         acked = {r[2] for r in self.fifo if r[4]}
