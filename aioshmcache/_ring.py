@@ -27,14 +27,14 @@ tail (it always fits: the freed chunk's own bytes are free now), the payload mov
 committed. The new chunk has a new id, address and position, so every reference to the old one
 is stale like any evicted chunk's. The new chunk never starts inside the old payload (it starts
 at or before the old address, or after the old chunk), so the move is a forward ``memmove`` from
-bytes nobody else writes; when the ring is full the new address is the old one and nothing
-moves at all. Eviction stays FIFO in positions.
+bytes nobody else writes; in a full ring it is a shift back by the gap between tail and head
+(none at all when the ring is exactly full). Eviction stays FIFO in positions.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -166,6 +166,12 @@ class ShmRingBuffer:
     def head_id(self) -> int | None:
         """Id of the oldest allocated chunk, None if the ring is empty (writer only)."""
         return self._chunks[0][2] if self._chunks else None
+
+    def iter_chunks(self) -> Iterator[tuple[int, int, bool]]:
+        """(id, chunk size, being written) of each allocated chunk, oldest first (writer only)."""
+        by_addr = self._by_addr
+        for addr, size, cid in self._chunks:
+            yield cid, size, by_addr[addr] == WRITING
 
     def chunk_ids(self) -> list[int]:
         """Ids of the allocated chunks, oldest first."""

@@ -34,7 +34,10 @@ group shard) then names the new chunk, and the new entry starts unmarked. Refere
 chunk are stale exactly as for an evicted one. Each put relocates at most
 :data:`RELOCATE_BUDGET` bytes (chunk sizes); past that, marked heads are evicted as in plain FIFO.
 The pass always ends: a relocated entry is unmarked (it is evicted when the head comes round to
-it again) and every relocation spends budget.
+it again) and every relocation spends budget. Before moving anything the pass looks ahead over
+the chunks it would visit: when an item that cannot be freed (owed, pinned, being written) comes
+before enough room, it evicts in plain FIFO order instead — rotating hot items past a blocked one
+would leave the put without room where FIFO finds some.
 
 **Batch eviction.** Once the put fits, the same pass frees a few more free head chunks (at most
 :data:`EVICT_SLACK_CHUNKS`, until :data:`EVICT_SLACK_BYTES` beyond the put are free, never more
@@ -118,7 +121,8 @@ INLINE_COPY_UNDER_LOCK: Final = 64 << 10  # put copies this small without lettin
 #: moves in 0.3 ms warm (40 us/MiB) to 1.6 ms at cold memory bandwidth here, under the 5 ms a
 #: put may take and far under a miss (a preprocessing, milliseconds to tens of milliseconds);
 #: it is also the largest preprocessed image the benchmark traces use, so any hot item can get
-#: its second chance. A full ring moves nothing at all (the new chunk lands at the old address).
+#: its second chance. In a full ring a move is a short shift back (by the gap between tail and
+#: head), and nothing at all when the ring is exactly full.
 RELOCATE_BUDGET: Final = 8 << 20
 #: Batch eviction: free up to this many bytes beyond a put's own need in the same pass...
 EVICT_SLACK_BYTES: Final = 256 << 10
@@ -766,7 +770,8 @@ class ShmObjectStore:
     def evict(self, nbytes: int = 0) -> list[str]:
         """Free free chunks from the head (all of them, or until ``nbytes`` fit).
 
-        Readers owing the head item are probed first: a dead one's debts are dropped.
+        Readers owing the head item are probed first: a dead one's debts are dropped. An explicit
+        eviction: hit items are evicted too (second chance applies to puts that need room).
         """
         self._check_writer()
         self.drain()
@@ -833,14 +838,24 @@ class ShmObjectStore:
 
     def _reclaim(self, nbytes: int, budget: list[int]) -> None:
         """Free from the head until ``nbytes`` fit (and a bounded slack), relocating marked free
-        heads while ``budget[0]`` (bytes, spent here) allows; stops at a head that is not free."""
+        heads while ``budget[0]`` (bytes, spent here) allows; stops at a head that is not free.
+
+        Before the first relocation, :meth:`_rotation_makes_room` looks ahead: if an item that
+        cannot be freed comes before enough room, moving marked items past it would only leave
+        that item at the head and the put without room, so this pass evicts in plain FIFO order
+        instead (what the ring did without second chance).
+        """
         ring, ledger, index = self.ring, self.ledger, self._index
+        fifo = [not self.second_chance]
+
+        def marked(e: Debts | None) -> bool:
+            return isinstance(e, _Entry) and e.marked and index.get(e.key) is e
 
         def relocatable(e: Debts | None) -> bool:
             return (
-                isinstance(e, _Entry)
-                and e.marked
-                and index.get(e.key) is e
+                not fifo[0]
+                and marked(e)
+                and isinstance(e, _Entry)
                 and chunk_size(e.length) <= budget[0]
                 and ledger.is_free(e)
                 and not self.is_pending(e.key)
@@ -852,12 +867,13 @@ class ShmObjectStore:
                 return True
             if not ledger.is_free(e):
                 return False
-            if not isinstance(e, _Entry) or not e.marked:
+            if not marked(e):
                 return True
             # a marked head is moved (not freed) while the put needs room, and kept in the slack
             return not (relocatable(e) or ring.fits(nbytes))
 
         pred = evictable if self.second_chance else self._is_free
+        looked_ahead = False
         while True:
             self._forget(
                 ring.free(pred, nbytes, slack=self.evict_slack, max_extra=EVICT_SLACK_CHUNKS)
@@ -865,10 +881,41 @@ class ShmObjectStore:
             if ring.fits(nbytes):
                 return
             head = self._head_entry()
-            if not self.second_chance or not relocatable(head) or not isinstance(head, _Entry):
+            if not relocatable(head) or not isinstance(head, _Entry):
                 return
+            if not looked_ahead:
+                looked_ahead = True
+                if not self._rotation_makes_room(nbytes, budget[0], marked):
+                    fifo[0] = True
+                    continue
             budget[0] -= chunk_size(head.length)
             self._relocate(head)
+
+    def _rotation_makes_room(
+        self, nbytes: int, budget: int, marked: Callable[[Debts | None], bool]
+    ) -> bool:
+        """Whether moving marked heads (within ``budget``) and evicting the others reaches room
+        for ``nbytes`` before a chunk that cannot be freed. Visits the chunks the pass would.
+
+        Room is counted as free bytes against twice the chunk (contiguity: a wrap may skip up to
+        one chunk's worth at the end), so a "yes" is safe; past every chunk it is "yes" too (the
+        moved items come round unmarked and are evicted).
+        """
+        need = 2 * chunk_size(nbytes)
+        room = self.ring.capacity - self.ring.used_bytes
+        for cid, size, writing in self.ring.iter_chunks():
+            if room >= need:
+                return True
+            if writing:
+                return False
+            e = self._by_id.get(cid)
+            if e is not None and not self.ledger.is_free(e):
+                return False
+            if marked(e) and isinstance(e, _Entry) and chunk_size(e.length) <= budget:
+                budget -= chunk_size(e.length)
+            else:
+                room += size
+        return True
 
     def _relocate(self, e: _Entry) -> None:
         """Move ``e``'s chunk (the free head) to the tail and point its key at the new chunk."""

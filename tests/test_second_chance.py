@@ -132,6 +132,21 @@ def test_an_owed_leased_pinned_or_touched_item_is_never_relocated(
         assert store.relocations == 1 and store.keys()[-2:] == ["k0", "new"]
 
 
+def test_no_rotation_past_a_blocked_item(store: ShmObjectStore) -> None:
+    """k0, k1 hit, k2 pinned: moving k0 and k1 would leave k2 at the head and no room, so the
+    put evicts k0 in FIFO order instead (the ring's behaviour without second chance)."""
+    store.get_cached("k0")
+    store.get_cached("k1")
+    store.pin("k2")
+    store.put("new", {"b": blob("new")})
+    assert store.keys() == ["k1", "k2", "k3", "k4", "new"]
+    assert (store.relocations, store.evictions) == (0, 1)
+    store.unpin("k2")
+    store.put("new2", {"b": blob("new2")})  # k1 is still marked: now it moves, k2 goes
+    assert store.keys() == ["k3", "k4", "new", "k1", "new2"]
+    assert store.relocations == 1
+
+
 def test_relocated_bytes_per_put_are_bounded(store: ShmObjectStore) -> None:
     one = chunk_size(store.ref_of("k0").length)  # type: ignore[union-attr]
     store.relocate_budget = one  # one chunk per put

@@ -98,7 +98,8 @@ class StoreModel(RuleBasedStateMachine):
             size = chunk_size(self.refs[k].length)
             if k in relocated:
                 spent += size
-            elif k in self.marked and self.SECOND_CHANCE:
+            elif k in self.marked and self.SECOND_CHANCE and all(map(self._free, before)):
+                # (with a blocked key ahead the pass may fall back to FIFO: see _reclaim)
                 assert spent + size > self.BUDGET, f"{k} was hit, free and in budget: evicted"
         assert spent <= self.BUDGET
         for k in head:
