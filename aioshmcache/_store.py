@@ -32,7 +32,8 @@ put), marked, and the put's relocation budget allows, the head chunk is moved to
 (``ShmRingBuffer.relocate_head``) instead of freed: the index entry (and its key hint, for a
 group shard) then names the new chunk, and the new entry starts unmarked. References to the old
 chunk are stale exactly as for an evicted one. Each put relocates at most
-:data:`RELOCATE_BUDGET` bytes (chunk sizes); past that, marked heads are evicted as in plain FIFO.
+:data:`RELOCATE_BUDGET` bytes (chunk sizes) and :data:`RELOCATE_MAX_ITEMS` items; past that,
+marked heads are evicted as in plain FIFO.
 The pass always ends: a relocated entry is unmarked (it is evicted when the head comes round to
 it again) and every relocation spends budget. Before moving anything the pass looks ahead over
 the chunks it would visit: when an item that cannot be freed (owed, pinned, being written) comes
@@ -124,6 +125,10 @@ INLINE_COPY_UNDER_LOCK: Final = 64 << 10  # put copies this small without lettin
 #: its second chance. In a full ring a move is a short shift back (by the gap between tail and
 #: head), and nothing at all when the ring is exactly full.
 RELOCATE_BUDGET: Final = 8 << 20
+#: ...and at most this many relocations per put (each costs a few microseconds of bookkeeping
+#: besides its copy): a relocation is charged at least ``RELOCATE_BUDGET / RELOCATE_MAX_ITEMS``
+#: bytes, so a ring of tiny hot items cannot make one put move thousands of them.
+RELOCATE_MAX_ITEMS: Final = 32
 #: Batch eviction: free up to this many bytes beyond a put's own need in the same pass...
 EVICT_SLACK_BYTES: Final = 256 << 10
 #: ...but at most this many extra chunks (each costs a few microseconds): never a burst.
@@ -856,7 +861,7 @@ class ShmObjectStore:
                 not fifo[0]
                 and marked(e)
                 and isinstance(e, _Entry)
-                and chunk_size(e.length) <= budget[0]
+                and self._relocation_cost(e) <= budget[0]
                 and ledger.is_free(e)
                 and not self.is_pending(e.key)
             )
@@ -888,8 +893,12 @@ class ShmObjectStore:
                 if not self._rotation_makes_room(nbytes, budget[0], marked):
                     fifo[0] = True
                     continue
-            budget[0] -= chunk_size(head.length)
+            budget[0] -= self._relocation_cost(head)
             self._relocate(head)
+
+    def _relocation_cost(self, e: _Entry) -> int:
+        """What moving ``e`` takes from a put's relocation budget (see ``RELOCATE_MAX_ITEMS``)."""
+        return max(chunk_size(e.length), self.relocate_budget // RELOCATE_MAX_ITEMS)
 
     def _rotation_makes_room(
         self, nbytes: int, budget: int, marked: Callable[[Debts | None], bool]
@@ -911,8 +920,8 @@ class ShmObjectStore:
             e = self._by_id.get(cid)
             if e is not None and not self.ledger.is_free(e):
                 return False
-            if marked(e) and isinstance(e, _Entry) and chunk_size(e.length) <= budget:
-                budget -= chunk_size(e.length)
+            if marked(e) and isinstance(e, _Entry) and self._relocation_cost(e) <= budget:
+                budget -= self._relocation_cost(e)
             else:
                 room += size
         return True

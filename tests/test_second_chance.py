@@ -27,7 +27,7 @@ from aioshmcache import (
 )
 from aioshmcache._inspect import inspect_segment
 from aioshmcache._layout import chunk_size
-from aioshmcache._store import EVICT_SLACK_CHUNKS, RELOCATE_BUDGET
+from aioshmcache._store import EVICT_SLACK_CHUNKS, RELOCATE_BUDGET, RELOCATE_MAX_ITEMS
 from aioshmcache.errors import ShmCacheError
 
 from .conftest import RUN_PREFIX
@@ -166,6 +166,22 @@ def test_relocated_bytes_per_put_are_bounded(store: ShmObjectStore) -> None:
         assert store.bytes_relocated - before <= one
         before = store.bytes_relocated
     assert store.relocations > 5
+
+
+def test_relocations_per_put_are_bounded_for_tiny_items(make_config: Any) -> None:
+    """A thousand tiny hot items: one put moves at most RELOCATE_MAX_ITEMS, then evicts."""
+    with ShmObjectStore.create(make_config(256 << 10, 8000, 1)) as s:
+        i = 0
+        while s.ring.fits(100):
+            s.put(f"t{i}", {"b": b"x" * 60})
+            i += 1
+        assert i > 1000
+        fifo = s.keys()
+        for k in fifo:
+            s.get_cached(k)
+        s.put("one-more", {"b": b"y" * 60})
+        assert 0 < s.relocations <= RELOCATE_MAX_ITEMS
+        assert s.evictions >= 1
 
 
 def test_stale_references_of_a_relocated_item_are_typed(make_config: Any) -> None:
