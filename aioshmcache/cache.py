@@ -351,6 +351,8 @@ class SenderCache(_Cache):
                 group=self.config.group,
                 shard=self.shard,
                 evictions=st.evictions,
+                relocations=st.relocations,
+                bytes_relocated=st.bytes_relocated,
                 bytes_used=st.ring.used_bytes,
                 items=len(st),
                 capacity_bytes=st.ring.capacity,
