@@ -34,15 +34,27 @@ def _semaphore_files() -> list[tuple[str, str, int]]:
     return out
 
 
-def sweep(name: str | None = None, *, dry_run: bool = False) -> list[str]:
+def sweep(
+    name: str | None = None, *, prefix: str | None = None, dry_run: bool = False
+) -> list[str]:
     """Remove segments whose writer is dead, and their wake semaphores; returns the names removed.
 
     With ``name``, only that segment (and its semaphores) is considered; a live one is left
-    alone and nothing is returned. ``dry_run`` only lists what would be removed.
+    alone and nothing is returned. With ``prefix``, only segments whose name starts with it
+    (``name`` as given to ``CacheConfig``, without ``aioshm-``; a cache group's shards start with
+    the group's name): what a test run, a deployment or a tool uses to clean up after itself
+    without touching anyone else's. ``dry_run`` only lists what would be removed.
     """
+    if name is not None and prefix is not None:
+        raise ValueError("pass name or prefix, not both")
     only = segment_name(name) if name is not None else None
-    sems = [s for s in _semaphore_files() if only is None or s[1] == only]
-    candidates = [only] if only is not None else list_segments()
+    start = segment_name(prefix) if prefix is not None else ""  # validated like a name
+
+    def mine(seg: str) -> bool:
+        return seg == only if only is not None else seg.startswith(start)
+
+    sems = [s for s in _semaphore_files() if mine(s[1])]
+    candidates = [only] if only is not None else [s for s in list_segments() if mine(s)]
     removed: list[str] = []
     for seg in candidates:
         path = os.path.join(SHM_DIR, seg)

@@ -61,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
         nargs="?",
         help="remove only this segment (with or without the aioshm- prefix), if its writer died",
     )
+    p_sweep.add_argument(
+        "--prefix",
+        help="consider only segments whose name starts with this (e.g. a test run's or a "
+        "cache group's names)",
+    )
     p_sweep.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     return parser
 
@@ -97,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if ns.command == "sweep":
         try:
-            removed = sweep(ns.name, dry_run=ns.dry_run)
+            removed = sweep(ns.name, prefix=ns.prefix, dry_run=ns.dry_run)
         except (OSError, ValueError) as exc:
             print(f"sweep: {exc}", file=sys.stderr)
             return 1

@@ -14,6 +14,7 @@ import numpy as np
 from aioshmcache import ReceiverCache, SenderCache
 
 from . import _procs
+from .conftest import RUN_PREFIX
 from .helpers import SPAWN
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "aioshmcache"
@@ -59,7 +60,7 @@ def test_sweep_cli_removes_only_orphans(make_config: Any, shm_name: str) -> None
         a.recv()
         writer.kill()
         writer.join(10)
-        out = run_cli("sweep")
+        out = run_cli("sweep", "--prefix", RUN_PREFIX)  # never other runs' orphans
         assert out.returncode == 0
         assert f"removed aioshm-{shm_name}-orphan" in out.stdout
         assert f"removed {live.name}\n" not in out.stdout
@@ -109,14 +110,14 @@ def test_sweep_dry_run_says_what_it_would_remove(make_config: Any, shm_name: str
         a.recv()
         writer.kill()
         writer.join(10)
-        out = run_cli("sweep", "--dry-run")
+        out = run_cli("sweep", "--prefix", RUN_PREFIX, "--dry-run")
         assert out.returncode == 0
         assert f"would remove aioshm-{shm_name}-dry\n" in out.stdout
         last = out.stdout.strip().splitlines()[-1]
         assert re.fullmatch(r"would remove \d+ orphan segments?( and \d+ semaphores?)?", last), last
         assert os.path.exists(f"/dev/shm/aioshm-{shm_name}-dry")  # a dry run removes nothing
     finally:
-        done = run_cli("sweep")
+        done = run_cli("sweep", "--prefix", RUN_PREFIX)
         assert f"removed aioshm-{shm_name}-dry" in done.stdout
         assert re.search(r"^removed \d+ orphan segments?", done.stdout, re.M)
 

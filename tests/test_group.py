@@ -189,7 +189,7 @@ def test_killed_gateway_is_seen_dead_reclaimed_and_typed(group: str) -> None:
             except OSError:
                 pass
         _stop(procs)
-    sweep()
+    sweep(prefix=group)
     assert _ours(group) == []
 
 
@@ -374,5 +374,5 @@ def test_a_reference_of_a_dead_instance_reclaimed_before_the_reader_started_is_w
         except OSError:
             pass
         _stop([p])
-    sweep()
+    sweep(prefix=group)
     assert _ours(group) == []

@@ -99,3 +99,21 @@ def test_cli_sweep_name_removes_that_orphan_only(shm_name: str) -> None:
         assert bad.returncode == 1 and "sweep:" in bad.stderr
     finally:
         sweep(name=shm_name)
+
+
+def test_sweep_with_a_prefix_touches_only_names_that_start_with_it(shm_name: str) -> None:
+    """``sweep(prefix=...)``: a test run or a deployment cleans up its own orphans only."""
+    _killed_writer(f"{shm_name}-a")
+    _killed_writer(f"{shm_name}x-b")  # shares a shorter prefix only
+    try:
+        mine = _files(f"{shm_name}-a")  # the segment and its semaphore
+        assert len(mine) == 2
+        assert sorted(sweep(prefix=f"{shm_name}-", dry_run=True)) == mine
+        assert sorted(sweep(prefix=f"{shm_name}-")) == mine
+        assert _files(f"{shm_name}-a") == [] and len(_files(f"{shm_name}x-b")) == 2
+        with pytest.raises(ValueError):
+            sweep(name=shm_name, prefix=shm_name)
+        with pytest.raises(ValueError):
+            sweep(prefix="bad/prefix")
+    finally:
+        sweep(name=f"{shm_name}x-b")

@@ -15,12 +15,12 @@ Processes and channels (every arrow is an abstract Unix socket carrying msgpack 
     forged/stale reference injector         checksum verification of every array
 
 The writer is a child process so that it can be SIGKILLed for real. The parent then checks that
-``sweep`` lists the dead writer's segment as an orphan and removes it (in a private /dev/shm the
-real ``sweep()`` runs; on a shared machine only our own names are unlinked, other people's
-segments are left alone), starts generation ``g + 1`` and hands its handle to the readers. A
-reader that was attached to generation ``g`` must then see ``WriterGoneError`` from it, at the
-latest on a call made 1 s after the death. In ``alternate`` delivery each generation switches
-between broadcast and one-of-N, and the writer is also rotated gracefully at half time.
+``sweep(prefix=<this run's names>)`` lists the dead writer's segment as an orphan and removes it
+(other programs' segments on the machine are never looked at), starts generation ``g + 1`` and
+hands its handle to the readers. A reader that was attached to generation ``g`` must then see
+``WriterGoneError`` from it, at the latest on a call made 1 s after the death. In ``alternate``
+delivery each generation switches between broadcast and one-of-N, and the writer is also rotated
+gracefully at half time.
 
 The ``fork`` fault does the same after the writer, or a reader (in turn), has forked a child that
 outlives it by ``--fork-linger`` seconds (what a prefork server or multiprocessing's ``fork``

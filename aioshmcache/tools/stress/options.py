@@ -216,7 +216,7 @@ def parse_args(argv: list[str]) -> StressOptions:
         default=0,
         metavar="SIZE",
         help="run in a private /dev/shm of this size (unshare -m; needs root): other "
-        "processes' sweeps and cleanups cannot touch our segments, and the real sweep() runs",
+        "processes' sweeps and cleanups cannot touch our segments",
     )
     p.add_argument("--sabotage", default="", help=argparse.SUPPRESS)  # harness self-test
     ns = p.parse_args(argv)

@@ -453,16 +453,14 @@ class Orchestrator:
                 self.probe_old_refs()
 
     def sweep_dead(self, w: Child) -> None:
-        """The dead writer's segment must be an orphan to ``sweep``; remove ours only."""
-        alone = bool(os.environ.get(IN_PRIVATE_SHM))
-        candidates = sweep(dry_run=not alone)
-        mine = [n for n in candidates if n.startswith((self.prefix, "sem." + self.prefix))]
-        if w.name not in candidates:
+        """The dead writer's segment must be an orphan to ``sweep``, which removes our run's
+        orphans only (``prefix``): other programs' segments are never touched."""
+        mine = sweep(prefix=self.prefix)
+        if w.name not in mine:
             if w.name in segment_files(w.name):
                 self.violation("sweep", f"sweep does not list the dead writer's segment {w.name}")
             else:  # another process on this machine ran sweep() first: fine
                 self.tally.stats["swept_by_others"] += 1
-        remove(mine)
         self.tally.stats["swept"] += len(mine)
         left = segment_files(w.name)
         if left:
