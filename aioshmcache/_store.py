@@ -122,7 +122,7 @@ class RawPlan:
     verify: Callable[[], None]
 
 
-@dataclass
+@dataclass(slots=True)
 class Reservation:
     """An allocated chunk whose copy has not been committed yet."""
 
