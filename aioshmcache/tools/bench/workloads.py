@@ -714,7 +714,7 @@ def bench_gc_live_entries(p: Params, report: Report, progress: Progress) -> None
             tracked = len(gc.get_objects())
             for _ in range(p.runs):
                 collect(full)
-            live = len(sender.store)
+            live = sender.snapshot().items
         finally:
             reader.close()
     finally:
