@@ -30,6 +30,13 @@ Rules:
   ``handout_ttl`` seconds if no hand-out follows.
 * **Pins** are counted per entry and block freeing while any is held.
 
+**Only active entries are tracked.** An entry that owes nothing, is not pinned and not touched
+has no ``Debts`` object at all: the writer may hold hundreds of thousands of settled items, and
+a Python object per item makes every full garbage collection walk them all (~250 ns each here).
+``debts_of(cid)`` makes one when needed (a hand-out owed by someone, a pin, a touch); the
+ledger drops it again (``_retire``) as soon as it is idle. A ``Debts`` passed in by the caller is
+(re-)registered by any operation that gives it something to track.
+
 Acknowledgements are timed when the writer drains them, not when the reader wrote them; a drain
 happens at least every time the writer needs room, so the difference is bounded by the writer's
 own activity.
@@ -46,7 +53,7 @@ __all__ = ["Debts", "HandoutLedger"]
 class Debts:
     """The ledger's part of one entry: its outstanding hand-outs, pins and touch."""
 
-    __slots__ = ("debt", "handouts", "id", "last_handout", "out", "out_time", "pins", "touched_at")
+    __slots__ = ("debt", "id", "out", "out_time", "pins", "touched_at")
 
     def __init__(self, cid: int) -> None:
         self.id = cid
@@ -56,8 +63,6 @@ class Debts:
         self.debt = 0  # unsettled (hand-out, session) pairs; one per one-of-N hand-out
         self.pins = 0  # request-scoped pins
         self.touched_at: float | None = None  # a standalone touch, until the next hand-out
-        self.handouts = 0
-        self.last_handout = 0.0
 
     @property
     def touched(self) -> bool:
@@ -78,7 +83,7 @@ class HandoutLedger:
         self.one_of_n = one_of_n
         self.handout_ttl = handout_ttl
         self.clock = clock
-        self.entries: dict[int, Debts] = {}  # chunk id -> its debts
+        self.entries: dict[int, Debts] = {}  # chunk id -> its debts (active entries only)
         self.owed: dict[int, int] = {}  # session -> hand-outs it still owes
         # session -> (highest seq it acknowledged, when that acknowledgement was applied)
         self._progress: dict[int, tuple[int, float]] = {}
@@ -86,8 +91,28 @@ class HandoutLedger:
 
     # --- entries ----------------------------------------------------------------------------
     def add(self, e: Debts) -> None:
-        """Track a new entry (it owes nothing yet)."""
+        """Track an entry (optional: operations that give it something to track register it)."""
         self.entries[e.id] = e
+
+    def get(self, cid: int) -> Debts | None:
+        """The debts of entry ``cid`` if it has any (owed, pinned or touched), else None."""
+        return self.entries.get(cid)
+
+    def debts_of(self, cid: int) -> Debts:
+        """The debts of entry ``cid``, made (and registered) if it had none."""
+        e = self.entries.get(cid)
+        if e is None:
+            e = self.entries[cid] = Debts(cid)
+        return e
+
+    def _track(self, e: Debts) -> None:
+        if e.id not in self.entries:
+            self.entries[e.id] = e
+
+    def _retire(self, e: Debts) -> None:
+        """Stop tracking ``e`` once it is idle (nothing owed, pinned or touched)."""
+        if not e.out and not e.pins and e.touched_at is None and self.entries.get(e.id) is e:
+            del self.entries[e.id]
 
     def forget(self, cid: int) -> Debts | None:
         """Stop tracking an entry that was freed; its debts disappear with it."""
@@ -106,25 +131,37 @@ class HandoutLedger:
     # --- hand-outs and settlement ---------------------------------------------------------
     def hand_out(self, e: Debts, owers: Iterable[int] = ()) -> int:
         """Record a hand-out of ``e`` owed by ``owers`` (ignored in one-of-N); returns its seq."""
-        now = self.clock()
         seq = self.next_seq
         self.next_seq = seq + 1
         if self.one_of_n:
+            self._track(e)
             e.out[seq] = None
-            e.out_time[seq] = now
+            e.out_time[seq] = self.clock()
             e.debt += 1
         else:
             sessions = list(owers)
             if sessions:
+                self._track(e)
                 e.out[seq] = sessions
-                e.out_time[seq] = now
+                e.out_time[seq] = self.clock()
                 e.debt += len(sessions)
+                owed = self.owed
                 for s in sessions:
-                    self._owe(s, 1)
-        e.handouts += 1
+                    owed[s] = owed.get(s, 0) + 1
         e.touched_at = None
-        e.last_handout = now
+        self._retire(e)
         return seq
+
+    def hand_out_id(self, cid: int, owers: list[int]) -> int:
+        """``hand_out`` by chunk id: makes no ``Debts`` when nobody owes it and none exists."""
+        e = self.entries.get(cid)
+        if e is None:
+            if not owers and not self.one_of_n:
+                seq = self.next_seq  # owed by nobody, nothing pinned or touched: just a number
+                self.next_seq = seq + 1
+                return seq
+            e = Debts(cid)
+        return self.hand_out(e, owers)
 
     def settle(self, cid: int, seq: int, session: int) -> bool:
         """Session ``session`` acknowledged hand-out ``seq`` of entry ``cid``; True if it owed it.
@@ -141,6 +178,7 @@ class HandoutLedger:
         if owers is None:  # one-of-N: any reader settles it
             self._drop_seq(e, seq)
             e.debt -= 1
+            self._retire(e)
             return True
         if session not in owers:
             return False
@@ -149,6 +187,7 @@ class HandoutLedger:
         self._owe(session, -1)
         if not owers:
             self._drop_seq(e, seq)
+            self._retire(e)
         return True
 
     def release(self, cid: int, seq: int) -> bool:
@@ -164,6 +203,7 @@ class HandoutLedger:
             e.debt -= len(owers)
             for s in owers:
                 self._owe(s, -1)
+        self._retire(e)
         return True
 
     def drop_session(self, session: int) -> None:
@@ -172,6 +212,7 @@ class HandoutLedger:
         self._progress.pop(session, None)
         if self.one_of_n:
             return
+        emptied: list[Debts] = []
         for e in self.entries.values():
             if not e.debt:
                 continue
@@ -181,27 +222,33 @@ class HandoutLedger:
                     e.debt -= 1
                     if not owers:
                         self._drop_seq(e, seq)
+            if not e.out:
+                emptied.append(e)
+        for e in emptied:
+            self._retire(e)
 
     # --- pins and touches -----------------------------------------------------------------
-    @staticmethod
-    def pin(e: Debts) -> None:
+    def pin(self, e: Debts) -> None:
         """Take one request-scoped pin of ``e``."""
+        self._track(e)
         e.pins += 1
 
-    @staticmethod
-    def unpin(e: Debts) -> None:
+    def unpin(self, e: Debts) -> None:
         """Undo one pin of ``e`` (never below zero)."""
         if e.pins > 0:
             e.pins -= 1
+            if not e.pins:
+                self._retire(e)
 
     def touch(self, e: Debts) -> None:
         """Protect ``e`` until its next hand-out, or ``handout_ttl`` seconds at most."""
+        self._track(e)
         e.touched_at = self.clock()
 
-    @staticmethod
-    def untouch(e: Debts) -> None:
+    def untouch(self, e: Debts) -> None:
         """End a touch (the entry was invalidated)."""
         e.touched_at = None
+        self._retire(e)
 
     # --- freeing --------------------------------------------------------------------------
     def expire(self, e: Debts) -> int:
@@ -231,6 +278,7 @@ class HandoutLedger:
                     lapsed += 1
             if not owers:
                 self._drop_seq(e, seq)
+        self._retire(e)
         return lapsed
 
     def is_free(self, e: Debts) -> bool:

@@ -31,7 +31,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from ._group import Found, Siblings
 from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
@@ -305,9 +305,9 @@ class SenderRequest(_Steps):
     ) -> None:
         if len(mm_items) != len(mm_hashes):
             raise ValueError("mm_items and mm_hashes differ in length")
-        self._hashes = [check_hash(h) for h in mm_hashes]
-        self._items = list(mm_items)
-        for it in self._items:  # before any side effect: nothing to undo for a bad shape
+        self._hashes = [h if type(h) is str else check_hash(h) for h in mm_hashes]
+        self._items = items = list(mm_items)
+        for it in items:  # before any side effect: nothing to undo for a bad shape
             if it is not None and (not isinstance(it, tuple) or len(it) != 2):
                 raise TypeError("mm_item must be (item, prompt_updates) or None")
         # the config's default was validated with the config
@@ -316,19 +316,21 @@ class SenderRequest(_Steps):
         )
         self._book = book
         self._store = store
-        super().__init__(store.lock)
+        self._lock = store.lock
+        self._running = self._abandoned = self._settled = False
         self._inline_below = copy_inline_below
         self._deadline = 0.0
-        self._out: list[MmItem | None] = [None] * len(self._hashes)
+        self._out: list[MmItem | None] = [None] * len(items)
         self._pins: list[Any] = []  # the store's entries this request pinned
-        self._copies: list[tuple[int, Reservation]] = []  # copy jobs
-        self._waits: list[int] = []  # misses waiting for room
-        self._reserved: list[Reservation] = []  # every allocation, for the roll back
+        # What only misses and groups need is made on first use (a hit needs none of it):
+        self._copies: list[tuple[int, Reservation]] = _NONE  # copy jobs
+        self._waits: list[int] = _NONE  # misses waiting for room
+        self._reserved: list[Reservation] = _NONE  # every allocation, for the roll back
         self._handed: list[ShmRef] = []  # every hand-out this request took, for the roll back
         self._features: list[FeatureSpec] | None = None
-        self._putting: set[str] = set()  # hashes this request reserved
-        self._followers: dict[str, list[int]] = {}  # hash -> later items of the same hash
-        self._sibling: dict[str, Found] = {}  # hash -> where a sibling shard holds it (groups)
+        self._putting: set[str] = _NO_SET  # hashes this request reserved
+        self._followers: dict[str, list[int]] | None = None  # hash -> later items of that hash
+        self._sibling: dict[str, Found] | None = None  # hash -> a sibling shard holding it
 
     @property
     def has_jobs(self) -> bool:
@@ -337,26 +339,38 @@ class SenderRequest(_Steps):
 
     def begin(self) -> None:
         """Validate, pin, hand out hits, reserve misses and copy the small ones. Raises
-        ``CacheMissError`` (taking nothing) for a ``None`` item whose hash is not cached."""
+        ``CacheMissError`` (taking nothing) for a ``None`` item whose hash is not cached.
+
+        A one-item request pins nothing up front: its own decision is the only step before
+        ``finish`` that could evict, and it never evicts its own hit. (An item it puts is still
+        pinned from commit to ``finish`` when the copy runs as a job.)
+        """
         store = self._store
+        hashes = self._hashes
+        single = len(hashes) == 1
+        may_defer = self._wait > 0
         with store.lock:
-            self._deadline = time.monotonic() + self._wait
+            if may_defer:
+                self._deadline = time.monotonic() + self._wait
             missing = [
                 h
-                for it, h in zip(self._items, self._hashes)
+                for it, h in zip(self._items, hashes)
                 if it is None and not store.is_cached(h) and not self._in_sibling(h)
             ]
             if missing:
                 raise CacheMissError(missing)
-            self._pins = [e for h in self._hashes if (e := store.pin_entry(h)) is not None]
-            for i in range(len(self._hashes)):
-                res = self._decide_locked(i, wait=0.0, may_defer=self._wait > 0)
+            if not single:
+                self._pins = [e for h in hashes if (e := store.pin_entry(h)) is not None]
+            for i in range(len(hashes)):
+                res = self._decide_locked(i, wait=0.0, may_defer=may_defer)
                 if res is None:
                     continue
                 if res.plan.nbytes < self._inline_below:
                     self._write(res)  # microseconds: under the lock
-                    self._commit_locked(i, res)
+                    self._commit_locked(i, res, pin=not single)
                 else:
+                    if self._copies is _NONE:
+                        self._copies = []
                     self._copies.append((i, res))
 
     def _decide_locked(self, i: int, *, wait: float, may_defer: bool) -> Reservation | None:
@@ -370,11 +384,11 @@ class SenderRequest(_Steps):
             self._out[i] = (ref, updates)
             book.count(hit=True)
             return None
-        if it is None and h in self._sibling:
+        if it is None and self._sibling is not None and h in self._sibling:
             return self._reserve_sibling(i, wait=wait, may_defer=may_defer)
         item = _split_item(it, h)
         if h in self._putting:  # this request puts it: a hit once that copy is committed
-            self._followers.setdefault(h, []).append(i)
+            self._follow(h, i)
             return None
         if store.is_pending(h):  # another request is putting this very item right now
             self._out[i] = item
@@ -388,7 +402,11 @@ class SenderRequest(_Steps):
         try:
             plan = store.plan(item[0])
             res = store.reserve(
-                h, plan, wait_for_space=wait, own_pins=Counter(self._pins), abort=self._gone
+                h,
+                plan,
+                wait_for_space=wait,
+                own_pins=Counter(self._pins) if self._pins else None,
+                abort=self._gone,
             )
         except ObjectTooLargeError as exc:
             book.too_large.add(h, exc.nbytes)
@@ -397,15 +415,32 @@ class SenderRequest(_Steps):
             return None
         except CacheFullError:
             if may_defer and time.monotonic() < self._deadline:
-                self._waits.append(i)  # counted once it is decided
+                self._wait_for_room(i)  # counted once it is decided
                 return None
             self._out[i] = item
             book.count(hit=False, inline="full", mm_hash=h)
             return None
-        self._reserved.append(res)
-        self._putting.add(h)
+        self._reserving(res)
         book.count(hit=False)
         return res
+
+    def _reserving(self, res: Reservation) -> None:
+        """Remember an allocation of this request (for the roll back and its followers)."""
+        if self._reserved is _NONE:
+            self._reserved, self._putting = [], set()
+        self._reserved.append(res)
+        self._putting.add(res.key)
+
+    def _follow(self, h: str, i: int) -> None:
+        """Item ``i`` repeats ``h``, which this request is putting: decided after its commit."""
+        if self._followers is None:
+            self._followers = {}
+        self._followers.setdefault(h, []).append(i)
+
+    def _wait_for_room(self, i: int) -> None:
+        if self._waits is _NONE:
+            self._waits = []
+        self._waits.append(i)
 
     def _in_sibling(self, h: str) -> bool:
         """Whether a sibling shard holds ``h`` now (remembered for the decision)."""
@@ -415,6 +450,8 @@ class SenderRequest(_Steps):
         found = sib.find(h)
         if found is None:
             return False
+        if self._sibling is None:
+            self._sibling = {}
         self._sibling[h] = found
         return True
 
@@ -426,10 +463,12 @@ class SenderRequest(_Steps):
         """
         h = self._hashes[i]
         if h in self._putting:
-            self._followers.setdefault(h, []).append(i)
+            self._follow(h, i)
             return None
         if self._store.is_pending(h):  # another request is copying it in: as for a plain miss
             raise CacheMissError([h])
+        if self._sibling is None:
+            raise RuntimeError(f"internal error: {h!r} not found in a sibling")
         found = self._sibling[h]
         try:
             res = self._store.reserve(
@@ -437,13 +476,12 @@ class SenderRequest(_Steps):
             )
         except CacheFullError:
             if may_defer and time.monotonic() < self._deadline:
-                self._waits.append(i)
+                self._wait_for_room(i)
                 return None
             raise CacheMissError([h]) from None
         except ObjectTooLargeError:
             raise CacheMissError([h]) from None
-        self._reserved.append(res)
-        self._putting.add(h)
+        self._reserving(res)
         self._book.count(hit=True, sibling=True)
         return res
 
@@ -452,7 +490,7 @@ class SenderRequest(_Steps):
         try:
             self._store.write_reserved(res)
         except ShmCacheError:
-            if res.key not in self._sibling:
+            if self._sibling is None or res.key not in self._sibling:
                 raise
             raise CacheMissError([res.key]) from None
 
@@ -460,7 +498,7 @@ class SenderRequest(_Steps):
         """Whether the caller abandoned the request (a wait for space stops then)."""
         return self._abandoned
 
-    def _commit_locked(self, i: int, res: Reservation) -> None:
+    def _commit_locked(self, i: int, res: Reservation, *, pin: bool = True) -> None:
         if self._abandoned:  # the caller is gone: never publish for nobody
             self._store.abort(res)
             return
@@ -471,10 +509,11 @@ class SenderRequest(_Steps):
         self._putting.discard(res.key)
         self._book.prompt_updates[res.key] = updates
         self._out[i] = (ref, updates)
-        if (e := self._store.pin_entry(res.key)) is not None:  # protect it from the rest
+        if pin and (e := self._store.pin_entry(res.key)) is not None:  # protect it from the rest
             self._pins.append(e)
-        for j in self._followers.pop(res.key, ()):  # the same hash again in this request
-            self._decide_locked(j, wait=0.0, may_defer=False)
+        if self._followers is not None:
+            for j in self._followers.pop(res.key, ()):  # the same hash again in this request
+                self._decide_locked(j, wait=0.0, may_defer=False)
 
     def _run_jobs(self) -> None:
         store = self._store
@@ -552,6 +591,10 @@ class SenderRequest(_Steps):
         for res in self._reserved:
             store.abort(res)  # idempotent: a committed reservation is left alone
         self._unpin_locked()
+
+
+_NONE: Final[list[Any]] = []  # shared "nothing yet" list: replaced, never appended to
+_NO_SET: Final[set[str]] = cast("set[str]", frozenset())  # likewise (immutable: safe)
 
 
 def _split_item(mm_item: MmItem | None, mm_hash: str) -> MmItem:

@@ -167,6 +167,8 @@ _DTYPE_RE = re.compile(
     rb"|[mM]8(?:\[(?:[1-9][0-9]{0,8})?(?:Y|M|W|D|h|m|s|ms|us|ns|ps|fs|as)\])?)"
 )
 _DTYPE_CACHE_MAX = 512
+_FLAT_MAX = 64  # flat items with at most this many fields have their headers cached by shape
+_FLAT_SHAPES_MAX = 256  # shapes remembered per serde (cleared when full)
 
 _TUPLE_MARK = msgpack.ExtType(_EXT_TUPLE, b"")
 _ZEROS = memoryview(bytes(_ALIGN))
@@ -712,6 +714,7 @@ class MsgpackSerde:
 
     __slots__ = (
         "_local",
+        "_shapes",
         "_templates",
         "max_arrays",
         "max_depth",
@@ -740,6 +743,10 @@ class MsgpackSerde:
         self.max_ndim = max_ndim
         self.max_depth = max_depth
         self._local = threading.local()
+        # Structure headers of flat items (a dict of str -> plain ndarray), by item shape (keys,
+        # dtypes, shapes in order): the header depends on nothing else, so a repeated shape
+        # skips the walk and the msgpack packing. Only headers that passed every check are kept.
+        self._shapes: dict[tuple[object, ...], tuple[bytes, int, tuple[int, ...]]] = {}
         self._templates: dict[bytes, _Template] = {}
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -762,7 +769,35 @@ class MsgpackSerde:
         return packer
 
     def plan(self, obj: object) -> EncodePlan:
-        """Walk ``obj``, pack its structure header and size the payload (no array bytes copied)."""
+        """Walk ``obj``, pack its structure header and size the payload (no array bytes copied).
+
+        A flat item (a dict of str keys to plain ndarrays, as preprocessed features are) whose
+        shape was planned before reuses that header: the same keys, dtypes and shapes in the
+        same order give the very same header and array offsets.
+        """
+        if type(obj) is not dict or len(obj) > _FLAT_MAX:
+            return self._plan(obj)
+        shape: list[object] = []
+        arrays: list[np.ndarray[Any, Any]] = []
+        max_ndim = self.max_ndim
+        for k, v in obj.items():
+            if type(k) is not str or type(v) is not _ndarray or v.ndim > max_ndim:
+                return self._plan(obj)  # the walk raises what must be raised
+            shape += (k, v.dtype, v.shape)
+            arrays.append(v)
+        key = tuple(shape)
+        known = self._shapes.get(key)
+        if known is not None:
+            header, data_len, offsets = known
+            if len(arrays) <= self.max_arrays and len(header) <= self.max_header_bytes:
+                return _Plan(header, data_len, list(zip(offsets, arrays)))
+        plan = self._plan(obj)
+        if len(self._shapes) >= _FLAT_SHAPES_MAX:
+            self._shapes.clear()
+        self._shapes[key] = (plan._header, plan._data_len, tuple(o for o, _a in plan._chunks))
+        return plan
+
+    def _plan(self, obj: object) -> _Plan:
         enc = _Encoder(self.max_depth, self.max_ndim, self.max_arrays)
         try:
             structure = enc.conv(obj, 0)

@@ -44,6 +44,13 @@ would leave the put without room where FIFO finds some.
 :data:`EVICT_SLACK_CHUNKS`, until :data:`EVICT_SLACK_BYTES` beyond the put are free, never more
 than 1/16 of the ring), so a run of small puts evicts once per batch instead of at every put.
 Both bounds are small on purpose: a burst of lazy frees is what makes a put stall.
+
+**Compact writer state.** A full garbage collection walks every tracked object; a Python object
+per cached item costs ~250 ns each (65-90 ms for 250,000 items here, more with the dicts that
+point at them). So the writer keeps no object per item: the index maps key -> chunk id, and
+each chunk's row is a tuple of str and ints (``_rows``), which the collector untracks, as it
+does dicts holding only such values. Only *active* entries (owed, pinned or touched) have a
+``Debts`` object in the ledger, and it is dropped again once settled.
 """
 
 from __future__ import annotations
@@ -135,21 +142,9 @@ EVICT_SLACK_BYTES: Final = 256 << 10
 EVICT_SLACK_CHUNKS: Final = 16
 
 
-class _Entry(Debts):
-    """A cached item: where its chunk is, and (from ``Debts``) what is owed on it."""
-
-    __slots__ = ("address", "key", "length", "marked", "position", "ref", "tag_base", "tag_epoch")
-
-    def __init__(self, key: str, address: int, cid: int, length: int, position: int) -> None:
-        super().__init__(cid)
-        self.key = key
-        self.address = address
-        self.position = position
-        self.length = length
-        self.ref: ShmRef | None = None  # the last reference made (tests, inspection)
-        self.tag_base = 0
-        self.tag_epoch = -1
-        self.marked = False  # second chance: hit since written or relocated
+#: A cached item's row, by chunk id: ``(key, address, length, position, tag_base, tag_epoch)``.
+#: A plain tuple of str and ints on purpose (see "Compact writer state" in the module docstring).
+_Row = tuple[str, int, int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -165,7 +160,7 @@ class RawPlan:
     verify: Callable[[], None]
 
 
-@dataclass
+@dataclass(slots=True)
 class Reservation:
     """An allocated chunk whose copy has not been committed yet."""
 
@@ -210,8 +205,10 @@ class ShmObjectStore:
         self._sem: Any = None
         self._config = config
         self.ledger = HandoutLedger(one_of_n=self.one_of_n, handout_ttl=self.handout_ttl)
-        self._index: dict[str, _Entry] = {}
-        self._by_id: dict[int, Debts] = self.ledger.entries  # the same dict: chunk id -> entry
+        self._index: dict[str, int] = {}  # key -> chunk id
+        self._rows: dict[int, _Row] = {}  # chunk id -> its row, until the chunk is freed
+        self._marked: set[int] = set()  # second chance: chunk ids hit since written or moved
+        self._by_id: dict[int, Debts] = self.ledger.entries  # the same dict: active entries only
         self._pending: dict[str, Reservation] = {}
         self._waiting_keys: set[str] = set()
         self._waiters = 0  # threads asleep in _wait (they own the semaphore handle then)
@@ -355,30 +352,28 @@ class ShmObjectStore:
     def keys(self) -> list[str]:
         """Cached keys in FIFO (eviction) order, oldest first."""
         order = {c: i for i, c in enumerate(self.ring.chunk_ids())}
-        return sorted(self._index, key=lambda k: order.get(self._index[k].id, -1))
+        return sorted(self._index, key=lambda k: order.get(self._index[k], -1))
 
     def ref_of(self, key: str) -> ShmRef | None:
         """The reference of a cached key, without a hand-out (for inspection and tests)."""
-        e = self._index.get(key)
-        return None if e is None else self._ref(e)
+        cid = self._index.get(key)
+        return None if cid is None else self._ref(cid)
 
-    def _ref(self, e: _Entry, seq: int = 0) -> ShmRef:
+    def key_of(self, cid: int) -> str | None:
+        """The key a live chunk was put under (None once freed; it may be invalidated)."""
+        row = self._rows.get(cid)
+        return None if row is None else row[0]
+
+    def _ref(self, cid: int, seq: int = 0) -> ShmRef:
         epoch = int(self._hw[H_EPOCH])
-        if e.tag_epoch != epoch:  # the seq-independent part of the tag, once per epoch
-            e.tag_epoch = epoch
-            e.tag_base = tag_base(self._secret, epoch, e.address, e.id, e.length, e.position)
-        ref = ShmRef(
-            self._nonce,
-            epoch,
-            e.address,
-            e.id,
-            e.length,
-            finish_tag(e.tag_base, seq),
-            e.position,
-            seq,
+        row = self._rows[cid]
+        key, address, length, position, base, tag_epoch = row
+        if tag_epoch != epoch:  # the seq-independent part of the tag, once per epoch
+            base = tag_base(self._secret, epoch, address, cid, length, position)
+            self._rows[cid] = (key, address, length, position, base, epoch)
+        return ShmRef(
+            self._nonce, epoch, address, cid, length, finish_tag(base, seq), position, seq
         )
-        e.ref = ref
-        return ref
 
     # --- writer: put -------------------------------------------------------------------------
     def plan(self, value: object) -> EncodePlan:
@@ -485,13 +480,16 @@ class ShmObjectStore:
         if self._closed:
             raise ClosedCacheError("store closed during the put")
         self.ring.commit(res.address)
-        e = _Entry(res.key, res.address, res.id, res.plan.nbytes, self.ring.position(res.address))
-        self._index[res.key] = e
-        self._by_id[res.id] = e
+        cid, address, length = res.id, res.address, res.plan.nbytes
+        position = self.ring.position(address)
+        epoch = int(self._hw[H_EPOCH])
+        base = tag_base(self._secret, epoch, address, cid, length, position)
+        self._rows[cid] = (res.key, address, length, position, base, epoch)
+        self._index[res.key] = cid
         if self.hints:
-            self.hints.publish(res.key, Hint(self.epoch, e.address, e.id, e.length, e.position))
+            self.hints.publish(res.key, Hint(epoch, address, cid, length, position))
         self._publish_usage()
-        return self._hand_out(e)
+        return self._hand_out(cid)
 
     def abort(self, res: Reservation) -> None:
         """Abandon a reservation whose copy failed or was cancelled. Hold :attr:`lock`."""
@@ -510,18 +508,19 @@ class ShmObjectStore:
     def get_cached(self, key: str) -> ShmRef | None:
         """A new hand-out of a cached key, or None if it is not cached."""
         self._check_writer()
-        e = self._index.get(key)
-        if e is None:
+        cid = self._index.get(key)
+        if cid is None:
             return None
-        e.marked = True  # a hit: second chance
-        return self._hand_out(e)
+        if self.second_chance:
+            self._marked.add(cid)  # a hit: second chance
+        return self._hand_out(cid)
 
-    def _hand_out(self, e: _Entry) -> ShmRef:
+    def _hand_out(self, cid: int) -> ShmRef:
         if self.one_of_n:
-            seq = self.ledger.hand_out(e)
+            seq = self.ledger.hand_out_id(cid, [])
         else:
             self._sync_sessions()
-            seq = self.ledger.hand_out(e, self._live_sessions)
+            seq = self.ledger.hand_out_id(cid, self._live_sessions)
             if self._live_sessions:
                 owed, words = self.ledger.owed, self.readers.owed_words
                 for i, s in self._live_slots:  # the owing slots' debts, for inspect
@@ -529,7 +528,7 @@ class ShmObjectStore:
         self._undrained += 1
         if self._undrained * 2 >= self.readers.log_entries:
             self.drain()
-        return self._ref(e, seq)
+        return self._ref(cid, seq)
 
     def touch(self, key: str) -> bool:
         """Protect a cached key from eviction until its next hand-out (``handout_ttl`` at most).
@@ -537,38 +536,42 @@ class ShmObjectStore:
         Returns False if ``key`` is not cached.
         """
         self._check_writer()
-        e = self._index.get(key)
-        if e is None:
+        cid = self._index.get(key)
+        if cid is None:
             return False
-        self.ledger.touch(e)
+        self.ledger.touch(self.ledger.debts_of(cid))
         return True
 
     def pin(self, key: str) -> bool:
         """Request-scoped pin (counted) of the entry cached under ``key``; pair with
         :meth:`unpin`. False if ``key`` is not cached."""
-        e = self._index.get(key)
-        if e is None:
+        cid = self._index.get(key)
+        if cid is None:
             return False
-        self.ledger.pin(e)
+        self.ledger.pin(self.ledger.debts_of(cid))
         return True
 
     def unpin(self, key: str) -> None:
         """Undo one :meth:`pin` of the entry cached under ``key`` now."""
-        e = self._index.get(key)
-        if e is not None:
+        cid = self._index.get(key)
+        if cid is not None and (e := self.ledger.get(cid)) is not None:
             self.ledger.unpin(e)
 
-    def pin_entry(self, key: str) -> _Entry | None:
-        """Request-scoped pin of the entry cached under ``key`` now (see :meth:`unpin_entry`)."""
-        e = self._index.get(key)
-        if e is not None:
-            self.ledger.pin(e)
+    def pin_entry(self, key: str) -> Debts | None:
+        """Request-scoped pin of the entry cached under ``key`` now (see :meth:`unpin_entry`).
+
+        Returns the entry's debts (``id`` is its chunk id), which hold the pin.
+        """
+        cid = self._index.get(key)
+        if cid is None:
+            return None
+        e = self.ledger.debts_of(cid)
+        self.ledger.pin(e)
         return e
 
-    @staticmethod
-    def unpin_entry(e: _Entry) -> None:
+    def unpin_entry(self, e: Debts) -> None:
         """Undo one :meth:`pin_entry` of ``e`` (whatever key names it by now)."""
-        HandoutLedger.unpin(e)
+        self.ledger.unpin(e)
 
     @contextlib.contextmanager
     def pinned(self, keys: list[str]) -> Iterator[list[str]]:
@@ -578,13 +581,13 @@ class ShmObjectStore:
         exit too. Pins belong to entries: an entry invalidated and re-put meanwhile keeps the
         pins of its own requests, and the new entry is not unpinned by mistake.
         """
-        entries = [e for k in keys if (e := self.pin_entry(k)) is not None]
-        done = [e.key for e in entries]
+        entries = [(k, e) for k in keys if (e := self.pin_entry(k)) is not None]
+        done = [k for k, _e in entries]
         n0 = len(done)
         try:
             yield done
         finally:
-            for e in entries:
+            for _k, e in entries:
                 self.unpin_entry(e)
             for k in done[n0:]:
                 self.unpin(k)
@@ -598,10 +601,10 @@ class ShmObjectStore:
             self._secret, ref.epoch, ref.address, ref.id, ref.length, ref.position, ref.seq
         ):
             return False
-        e = self._by_id.get(ref.id)
-        if e is None or ref.nonce != self._nonce or not isinstance(e, _Entry):
+        row = self._rows.get(ref.id)
+        if row is None or ref.nonce != self._nonce:
             return False
-        if e.address != ref.address or not self.ledger.release(ref.id, ref.seq):
+        if row[1] != ref.address or not self.ledger.release(ref.id, ref.seq):
             return False  # unknown, already released, or already read by everyone
         self._publish_owed()
         return True
@@ -612,12 +615,13 @@ class ShmObjectStore:
         Request pins on the old entry stay until their requests end (they unpin that entry).
         """
         self._check_writer()
-        e = self._index.pop(key, None)
-        if e is None:
+        cid = self._index.pop(key, None)
+        if cid is None:
             return False
         if self.hints:
-            self.hints.remove(key, e.id)
-        self.ledger.untouch(e)
+            self.hints.remove(key, cid)
+        if (e := self.ledger.get(cid)) is not None:
+            self.ledger.untouch(e)
         self._publish_usage()
         return True
 
@@ -748,25 +752,32 @@ class ShmObjectStore:
         reader's debts do not count.
         """
         self.drain()
-        e = self._index.get(key)
-        if e is None:
+        cid = self._index.get(key)
+        if cid is None:
             return False
+        e = self.ledger.get(cid)
+        if e is None:
+            return True  # nothing owed, pinned or touched
         if e.debt > 0 and not self.one_of_n:
             self._probe_debtors(e)
         return self.ledger.is_free(e)
 
     def _forget(self, freed: list[int]) -> None:
+        index, rows = self._index, self._rows
         for cid in freed:
-            e = self.ledger.forget(cid)
-            if not isinstance(e, _Entry):
-                continue
-            if self._index.get(e.key) is e:
-                del self._index[e.key]
+            self.ledger.forget(cid)
+            self._marked.discard(cid)
+            row = rows.pop(cid, None)
+            if row is None:
+                continue  # a dead allocation: never indexed
+            key = row[0]
+            if index.get(key) == cid:
+                del index[key]
                 if self.hints:
-                    self.hints.remove(e.key, e.id)
+                    self.hints.remove(key, cid)
                 self.evictions += 1
                 if self.on_evict is not None:
-                    self.on_evict(e.key)
+                    self.on_evict(key)
 
     def _head_entry(self) -> Debts | None:
         cid = self.ring.head_id
@@ -784,7 +795,7 @@ class ShmObjectStore:
         if head is not None and head.debt > 0:
             self._probe_debtors(head)
         freed = self.ring.free(self._is_free, nbytes)
-        keys = [e.key for c in freed if isinstance(e := self._by_id.get(c), _Entry)]
+        keys = [row[0] for c in freed if (row := self._rows.get(c)) is not None]
         self._forget(freed)
         self._publish_usage()
         self._publish_owed()
@@ -850,32 +861,26 @@ class ShmObjectStore:
         that item at the head and the put without room, so this pass evicts in plain FIFO order
         instead (what the ring did without second chance).
         """
-        ring, ledger, index = self.ring, self.ledger, self._index
-        fifo = [not self.second_chance]
+        ring = self.ring
+        fifo = not self.second_chance
 
-        def marked(e: Debts | None) -> bool:
-            return isinstance(e, _Entry) and e.marked and index.get(e.key) is e
-
-        def relocatable(e: Debts | None) -> bool:
+        def relocatable(cid: int | None) -> bool:
             return (
-                not fifo[0]
-                and marked(e)
-                and isinstance(e, _Entry)
-                and self._relocation_cost(e) <= budget[0]
-                and ledger.is_free(e)
-                and not self.is_pending(e.key)
+                not fifo
+                and cid is not None
+                and self._is_marked(cid)
+                and self._relocation_cost(cid) <= budget[0]
+                and self._is_free(cid)
+                and not self.is_pending(self._rows[cid][0])
             )
 
         def evictable(cid: int) -> bool:
-            e = self._by_id.get(cid)
-            if e is None:
-                return True
-            if not ledger.is_free(e):
+            if not self._is_free(cid):
                 return False
-            if not marked(e):
+            if not self._is_marked(cid):
                 return True
             # a marked head is moved (not freed) while the put needs room, and kept in the slack
-            return not (relocatable(e) or ring.fits(nbytes))
+            return not (relocatable(cid) or ring.fits(nbytes))
 
         pred = evictable if self.second_chance else self._is_free
         looked_ahead = False
@@ -885,24 +890,29 @@ class ShmObjectStore:
             )
             if ring.fits(nbytes):
                 return
-            head = self._head_entry()
-            if not relocatable(head) or not isinstance(head, _Entry):
+            head = ring.head_id
+            if head is None or not relocatable(head):
                 return
             if not looked_ahead:
                 looked_ahead = True
-                if not self._rotation_makes_room(nbytes, budget[0], marked):
-                    fifo[0] = True
+                if not self._rotation_makes_room(nbytes, budget[0]):
+                    fifo = True
                     continue
             budget[0] -= self._relocation_cost(head)
             self._relocate(head)
 
-    def _relocation_cost(self, e: _Entry) -> int:
-        """What moving ``e`` takes from a put's relocation budget (see ``RELOCATE_MAX_ITEMS``)."""
-        return max(chunk_size(e.length), self.relocate_budget // RELOCATE_MAX_ITEMS)
+    def _is_marked(self, cid: int) -> bool:
+        """Hit since written or relocated, and still the indexed chunk of its key."""
+        if cid not in self._marked:
+            return False
+        row = self._rows.get(cid)
+        return row is not None and self._index.get(row[0]) == cid
 
-    def _rotation_makes_room(
-        self, nbytes: int, budget: int, marked: Callable[[Debts | None], bool]
-    ) -> bool:
+    def _relocation_cost(self, cid: int) -> int:
+        """What moving chunk ``cid`` takes from a put's budget (see ``RELOCATE_MAX_ITEMS``)."""
+        return max(chunk_size(self._rows[cid][2]), self.relocate_budget // RELOCATE_MAX_ITEMS)
+
+    def _rotation_makes_room(self, nbytes: int, budget: int) -> bool:
         """Whether moving marked heads (within ``budget``) and evicting the others reaches room
         for ``nbytes`` before a chunk that cannot be freed. Visits the chunks the pass would.
 
@@ -915,33 +925,33 @@ class ShmObjectStore:
         for cid, size, writing in self.ring.iter_chunks():
             if room >= need:
                 return True
-            if writing:
+            if writing or not self._is_free(cid):
                 return False
-            e = self._by_id.get(cid)
-            if e is not None and not self.ledger.is_free(e):
-                return False
-            if marked(e) and isinstance(e, _Entry) and self._relocation_cost(e) <= budget:
-                budget -= self._relocation_cost(e)
+            if self._is_marked(cid) and self._relocation_cost(cid) <= budget:
+                budget -= self._relocation_cost(cid)
             else:
                 room += size
         return True
 
-    def _relocate(self, e: _Entry) -> None:
-        """Move ``e``'s chunk (the free head) to the tail and point its key at the new chunk."""
-        self.ledger.forget(e.id)  # it owes nothing: it was free
+    def _relocate(self, cid: int) -> None:
+        """Move chunk ``cid`` (the free head) to the tail and point its key at the new chunk."""
+        key, _address, length, _position, _base, _epoch = self._rows[cid]
+        self.ledger.forget(cid)  # it owes nothing: it was free
+        self._marked.discard(cid)
         moved = self.ring.relocate_head()
         if moved is None:  # ids exhausted: the chunk is gone, as if evicted
-            self._by_id[e.id] = e
-            self._forget([e.id])
+            self._forget([cid])
             return
-        address, cid, position = moved
-        n = _Entry(e.key, address, cid, e.length, position)
-        self._index[e.key] = n
-        self._by_id[cid] = n
+        del self._rows[cid]
+        address, new, position = moved
+        epoch = int(self._hw[H_EPOCH])
+        base = tag_base(self._secret, epoch, address, new, length, position)
+        self._rows[new] = (key, address, length, position, base, epoch)
+        self._index[key] = new
         if self.hints:
-            self.hints.publish(e.key, Hint(self.epoch, address, cid, e.length, position))
+            self.hints.publish(key, Hint(epoch, address, new, length, position))
         self.relocations += 1
-        self.bytes_relocated += e.length
+        self.bytes_relocated += length
         hw = self._hw
         hw[H_RELOCATIONS] = self.relocations
         hw[H_BYTES_RELOCATED] = self.bytes_relocated
@@ -985,7 +995,9 @@ class ShmObjectStore:
         freed = self.ring.clear()
         for cid in freed:
             self._by_id.pop(cid, None)
+            self._rows.pop(cid, None)
         self._index.clear()
+        self._marked.clear()
         for s in list(self.ledger.owed):
             self.ledger.owed[s] = 0
         self._publish_usage()
@@ -1056,6 +1068,8 @@ class ShmObjectStore:
                 with contextlib.suppress(posix_ipc.ExistentialError, OSError):
                     self._sem.close()
         self._index.clear()
+        self._rows.clear()
+        self._marked.clear()
         self._by_id.clear()
         self.readers.release()
         self.hints.release()

@@ -273,6 +273,47 @@ def test_nbytes_exact_and_deterministic(obj: dict[str, object]) -> None:
     assert_same(obj, SERDE.read(a.view))
 
 
+@FAST
+@given(
+    first=st.dictionaries(st.text(max_size=6), arrays(), max_size=4),
+    data=st.data(),
+)
+def test_flat_item_header_cached_by_shape(first: dict[str, Any], data: st.DataObject) -> None:
+    """A flat item whose shape was planned before reuses the header: the very same bytes as a
+    fresh walk, and the new item's own arrays (not the first one's)."""
+    serde = MsgpackSerde()
+    encode(first, serde)  # plans and remembers the shape
+    # same keys, dtypes and shapes, other values (a non-contiguous layout is still the same shape)
+    second = {
+        k: data.draw(hnp.arrays(v.dtype, v.shape), label=f"values of {k!r}")
+        for k, v in first.items()
+    }
+    assert bytes(encode(second, serde).view) == bytes(encode(second, MsgpackSerde()).view)
+    assert_same(second, serde.read(encode(second, serde).view))
+    # another shape under the same keys gets its own header
+    if first:
+        k = next(iter(first))
+        other = dict(second)
+        other[k] = np.zeros((*first[k].shape, 2), dtype=first[k].dtype)
+        assert bytes(encode(other, serde).view) == bytes(encode(other, MsgpackSerde()).view)
+
+
+def test_flat_item_cached_header_keeps_the_limits() -> None:
+    """A header remembered under roomier limits is not used past tighter ones."""
+    serde = MsgpackSerde(max_arrays=2)
+    item = {"a": np.zeros((1, 3)), "b": np.ones(2, np.int8)}
+    encode(item, serde)
+    serde.max_arrays = 1
+    with pytest.raises(SerdeError, match="max_arrays"):
+        serde.plan(item)
+    serde.max_arrays, serde.max_ndim = 2, 1
+    with pytest.raises(SerdeError, match="max_ndim"):
+        serde.plan(item)
+    serde.max_ndim, serde.max_header_bytes = 32, 8
+    with pytest.raises(SerdeError, match="max_header_bytes"):
+        serde.plan(item)
+
+
 def test_array_offsets_aligned() -> None:
     odd = {
         "a": np.arange(3, dtype=np.uint8),

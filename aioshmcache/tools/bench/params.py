@@ -67,6 +67,7 @@ class Params:
     threshold_sizes: list[int] = field(default_factory=list)
     concurrent_tasks: int = 100
     concurrent_requests: int = 50
+    gc_entries: int = 250_000  # live small items in the writer for the full-collection cell
 
     @classmethod
     def full(cls) -> Params:
@@ -123,6 +124,7 @@ class Params:
             threshold_sizes=[64 * KiB, 1 * MiB, 4 * MiB],
             concurrent_tasks=20,
             concurrent_requests=20,
+            gc_entries=20_000,
         )
 
     def n_ops(self, size: int, *, peers: bool = False) -> int:

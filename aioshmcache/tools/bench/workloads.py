@@ -35,6 +35,8 @@ S_FRESH = "Fresh cache: first put vs warm put"
 S_CHURN = "Churn: 64 MiB ring, 1 MiB items, a reader process acknowledging each"
 S_READERS = "Read path vs attached readers"
 S_CACHE = "Cost vs cache size"
+S_GC = "Writer state vs the garbage collector: many live small items"
+GC_TARGET_ENTRIES = 250_000  # the figure the target names
 
 _clock = time.perf_counter_ns
 
@@ -741,8 +743,74 @@ def _cache_ops(
             run.append((_clock() - t0) * 1e-9)
 
 
+# --- a full garbage collection in a writer holding many live items ---------------------------
+
+
+def bench_gc_live_entries(p: Params, report: Report, progress: Progress) -> None:
+    """``gc.collect()`` in a writer holding ``p.gc_entries`` live small items.
+
+    The items go through ``SenderCache.get_and_update_item`` (a put, then a hit of each), and an
+    in-process reader acknowledges every hand-out: the state a busy gateway holds. The baseline
+    is the same collection before the items exist (the interpreter and the libraries alone).
+    """
+    n = p.gc_entries
+    size = 512
+    progress(f"gc: full collection with {n:,} live {fmt_bytes(size)} items ({p.runs} runs)")
+    item = {"data": source_array(size)}
+    cap = n * (size + 1024) + 64 * MiB
+    if not _room_for(cap):
+        report.skip(f"gc: not enough free memory for a {fmt_bytes(cap)} cache")
+        return
+    base, full = Samples(), Samples()
+
+    def collect(samples: Samples) -> None:
+        run = samples.new_run()
+        for _ in range(3):
+            t0 = _clock()
+            gc.collect()
+            run.append((_clock() - t0) * 1e-9)
+
+    sender = SenderCache(bench_config(cap, 64 * 1024, 1))
+    try:
+        reader = ShmObjectStore.from_handle(sender.handle())
+        try:
+            for _ in range(p.runs):
+                collect(base)
+            for i in range(n):
+                key = f"g{i}"
+                ref, _ = sender.get_and_update_item((item, ()), key)
+                reader.ack(ref)
+                ref, _ = sender.get_and_update_item(None, key)
+                reader.ack(ref)
+            sender.is_freeable("g0")  # drains the last acknowledgements
+            tracked = len(gc.get_objects())
+            for _ in range(p.runs):
+                collect(full)
+            live = sender.snapshot().items
+        finally:
+            reader.close()
+    finally:
+        sender.close()
+    bs, fs = base.stat(), full.stat()
+    report.add(
+        Row(S_GC, "gc.collect(), no items yet (baseline)", f"{n:,} items", bs.median, stat=bs)
+    )
+    report.add(
+        Row(
+            S_GC,
+            f"gc.collect() with {n:,} live entries",
+            f"{n:,} items",
+            fs.median,
+            stat=fs,
+            note=f"{live:,} items cached, {tracked:,} objects tracked by gc",
+            target=Target("value", "<=", 30e-3) if n >= GC_TARGET_ENTRIES else None,
+        )
+    )
+
+
 def run_store_suite(p: Params, report: Report, progress: Progress) -> None:
     report.attempt("store ops", lambda: bench_store_ops(p, report, progress))
+    report.attempt("gc live entries", lambda: bench_gc_live_entries(p, report, progress))
     report.attempt("fresh vs warm", lambda: bench_fresh_vs_warm(p, report, progress))
     with LazyWorker() as lw:
         for name, fn in (
