@@ -313,7 +313,8 @@ def _trace_bars(ax: Any, rows: Sequence[Row]) -> None:
             if (r.series or r.label) == name and math.isfinite(r.value):
                 xs.append(traces.index(r.param) + (k - (len(policies) - 1) / 2) * width)
                 ys.append(r.value)
-        ax.bar(xs, ys, width, label=name, color=_TRACE_COLOURS.get(name, f"C{k}"))
+        bars = ax.bar(xs, ys, width, label=name, color=_TRACE_COLOURS.get(name, f"C{k}"))
+        ax.bar_label(bars, labels=[f"{y:.0%}" for y in ys], fontsize=5, padding=1)
     ax.set_xticks(range(len(traces)))
     ax.set_xticklabels([t.replace(", ", "\n") for t in traces], fontsize=7)
     ax.set_ylim(0, 1)

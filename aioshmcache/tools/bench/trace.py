@@ -356,6 +356,19 @@ def _report(
                     series=name,
                 )
             )
+        fifo_vs_lru = _median_stat(
+            [_ratio(f.misses, m.misses) for f, m in zip(got[FIFO], got[LRU])]
+        ).stat()
+        report.add(
+            Row(
+                S_TRACE,
+                "misses: FIFO ÷ LRU model",
+                param,
+                fifo_vs_lru.median,
+                kind="ratio",
+                stat=fifo_vs_lru,
+            )
+        )
         sc_vs_fifo = math.nan
         if SECOND_CHANCE in got:
             pairs = list(zip(got[SECOND_CHANCE], got[FIFO], got[LRU]))
