@@ -66,11 +66,13 @@ class Params:
     threshold_sizes: list[int] = field(default_factory=list)
     concurrent_tasks: int = 100
     concurrent_requests: int = 50
-    # the trace suite: a catalogue of images, requests per trace, image sizes, seeds per trace
+    # the trace suite: a catalogue of images, requests per trace, image sizes, seeds per trace;
+    # sizes (and the capacity, a fraction of them) divided by trace_scale to keep the copies short
     trace_items: int = 3000
     trace_requests: int = 20_000
     trace_sizes: tuple[int, int] = (512 * KiB, 8 * MiB)
     trace_seeds: int = 5
+    trace_scale: int = 4
 
     @classmethod
     def full(cls) -> Params:
@@ -125,11 +127,10 @@ class Params:
             threshold_sizes=[64 * KiB, 1 * MiB, 4 * MiB],
             concurrent_tasks=20,
             concurrent_requests=20,
-            # sizes and capacity scaled down together (1/64): the same ratios, seconds not minutes
             trace_items=400,
             trace_requests=2000,
-            trace_sizes=(8 * KiB, 128 * KiB),
             trace_seeds=1,
+            trace_scale=64,
         )
 
     def n_ops(self, size: int, *, peers: bool = False) -> int:
