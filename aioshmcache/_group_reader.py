@@ -13,7 +13,11 @@ verifying, give back on any failure; broadcast or one-of-N as each shard was con
 it adds is the merge:
 
 * a reference naming no known shard, even after a rescan: ``InvalidReferenceError`` for the
-  request (owes nothing, as for a forged reference);
+  request (owes nothing, as for a forged reference). A dead instance is known as long as a
+  shard file names it: the file it lived in, or the file that reclaimed it (which remembers
+  the last ``PAST_NONCES`` instances of its name); a shard closed cleanly and removed, then
+  created afresh, forgets its past, so a reference of it is told apart from a forged one only
+  by a reader that saw that instance;
 * a reference of a shard whose writer died or closed: ``WriterGoneError`` after the others were
   read, listing those hashes (``mm_hashes``) with the partial result (``features``);
 * stale references of every shard are collected into one ``CacheMissError``.
@@ -106,13 +110,19 @@ class GroupShards:
 
         The last resort for a reference that a rescan did not resolve: unlike a rescan, which
         skips a shard it cannot attach, this lets the attach error through (a full reader table,
-        say), so the caller learns the real cause instead of "no such shard".
+        say), so the caller learns the real cause instead of "no such shard". A shard file also
+        names the dead instances it was reclaimed from (``WriterState.past``): a reference of
+        one of those is "writer gone" even for a reader that started after the reclaim.
         """
         with self._lock:
             if self.closed or nonce in self._by_nonce or nonce in self._gone:
                 return
             for _k, name in list_shards(self.group):
                 st = writer_state(os.path.join(SHM_DIR, name))
+                if nonce in st.past:
+                    # a dead instance whose shard a new writer reclaimed before we ever saw it
+                    self._remember_gone(nonce, name)
+                    return
                 if st.nonce != nonce:
                     continue
                 if not st.alive:

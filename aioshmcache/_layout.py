@@ -32,6 +32,9 @@ Segment (``total`` bytes, a multiple of the page size)::
              |       30 H_HINT_OFF  31 H_HINT_SLOTS (0: none)   |
              |       32 H_SIBLING_HITS (items a group shard     |
              |          copied from a sibling shard)            |
+             |       48..63 H_PAST: nonces of the earlier       |
+             |          writers of this name (reclaimed from    |
+             |          dead writers; latest first, 0: none)    |
     4096     +--------------------------------------------------+
              | reader table: H_N_READERS slots x H_SLOT_SIZE    |
     hint_off +--------------------------------------------------+  (64 aligned; group shards)
@@ -125,6 +128,10 @@ H_HEAD_POS: Final = 29
 H_HINT_OFF: Final = 30
 H_HINT_SLOTS: Final = 31
 H_SIBLING_HITS: Final = 32
+#: words ``H_PAST .. H_PAST + PAST_NONCES - 1``: the nonces of the dead writers this segment name
+#: was reclaimed from, latest first (zeros: none; a segment of an older build reads as none)
+H_PAST: Final = 48
+PAST_NONCES: Final = 16
 
 STATE_LIVE: Final = 1
 STATE_CLOSED: Final = 2

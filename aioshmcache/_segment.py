@@ -44,6 +44,7 @@ from ._layout import (
     H_NEXT_ID,
     H_NONCE,
     H_OWNER_UID,
+    H_PAST,
     H_READER_OFF,
     H_RING_OFF,
     H_SECRET,
@@ -57,6 +58,7 @@ from ._layout import (
     MAGIC,
     MAX_HINT_SLOTS,
     PAGE,
+    PAST_NONCES,
     SEGMENT_PREFIX,
     SHM_DIR,
     STATE_CLOSED,
@@ -179,6 +181,12 @@ class WriterState(NamedTuple):
     pid: int
     nonce: int | None
     old: bool  # older than CREATION_GRACE
+    past: tuple[int, ...] = ()  # nonces of the dead writers this name was reclaimed from
+
+    @property
+    def lineage(self) -> tuple[int, ...]:
+        """Every writer instance this name has held, this one first (newest to oldest)."""
+        return ((self.nonce,) if self.nonce is not None else ()) + self.past
 
     @property
     def orphan(self) -> bool:
@@ -191,16 +199,19 @@ def _state_of(fd: int) -> WriterState:
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
         return WriterState(True, False, False, False, 0, None, False)
     alive = ofd_probe(fd, 0)
-    head = os.pread(fd, 8 * (H_WRITER_PID + 1), 0)
+    words = H_PAST + PAST_NONCES
+    head = os.pread(fd, 8 * words, 0)
     init = False
     pid, nonce = 0, None
-    if len(head) == 8 * (H_WRITER_PID + 1):
+    past: tuple[int, ...] = ()
+    if len(head) == 8 * words:
         hw = memoryview(head).cast("Q")
         init = hw[H_MAGIC] == MAGIC and hw[H_VERSION] == LAYOUT_VERSION
         if init:
             pid, nonce = int(hw[H_WRITER_PID]), int(hw[H_NONCE])
+            past = tuple(int(n) for n in hw[H_PAST:words] if n)
     old = time.time() - st.st_mtime > CREATION_GRACE
-    return WriterState(True, True, init, alive, pid, nonce, old)
+    return WriterState(True, True, init, alive, pid, nonce, old, past)
 
 
 def writer_state(path: str) -> WriterState:
@@ -217,17 +228,20 @@ def writer_state(path: str) -> WriterState:
         os.close(fd)
 
 
-def _reclaim(full: str, path: str, *, allowed: bool) -> None:
+def _reclaim(full: str, path: str, *, allowed: bool) -> tuple[int, ...]:
     """Remove the segment at ``path`` if its writer is provably dead, or say why not.
 
     Provably dead: a regular file of this user, with our magic and layout version, whose writer
     lock nobody holds. We take that lock ourselves before unlinking, so two writers restarting
     at once cannot both reclaim (the second sees a held lock). The wake semaphore goes too.
+    Returns the removed segment's lineage (its nonce, then its own past ones), which the new
+    segment records, so that a late reference of a dead instance is known as such
+    (``WriterGoneError``) by a reader that never saw that instance (a group's reader).
     """
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
-        return  # gone meanwhile: just create
+        return ()  # gone meanwhile: just create
     except OSError as exc:
         raise SegmentExistsError(
             errno.EEXIST, f"{path} exists and is not a segment of ours ({exc.strerror})", path
@@ -268,6 +282,7 @@ def _reclaim(full: str, path: str, *, allowed: bool) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(SHM_DIR, semaphore_file(full, st.nonce)))
         log.info("reclaimed segment %r of dead writer pid %d", full, st.pid)
+        return st.lineage[:PAST_NONCES]
     finally:
         os.close(fd)
 
@@ -312,11 +327,12 @@ class Segment:
         full = segment_name(name) if name is not None else SEGMENT_PREFIX + secrets.token_hex(8)
         path = os.path.join(SHM_DIR, full)
         flags = os.O_CREAT | os.O_EXCL | _OPEN_FLAGS
+        past: tuple[int, ...] = ()
         try:
             try:
                 fd = os.open(path, flags, 0o600)
             except FileExistsError:
-                _reclaim(full, path, allowed=reclaim_dead)
+                past = _reclaim(full, path, allowed=reclaim_dead)
                 fd = os.open(path, flags, 0o600)
         except OSError as exc:
             if isinstance(exc, ShmCacheError):
@@ -366,6 +382,8 @@ class Segment:
             w[H_CREATED] = time.time_ns()
             w[H_HANDOUT_TTL_MS] = int(handout_ttl * 1000)
             w[H_STATE] = STATE_LIVE
+            for i, old_nonce in enumerate(past):
+                w[H_PAST + i] = old_nonce
             w[H_MAGIC] = MAGIC  # last: a reader that sees the magic sees a complete header
             return seg
         except BaseException as exc:

@@ -329,3 +329,50 @@ def test_a_reference_of_a_shard_that_died_before_the_reader_attached_is_writer_g
             if not name.startswith("sem."):
                 sweep(name=name)
     assert _ours(group) == []
+
+
+def test_a_reference_of_a_dead_instance_reclaimed_before_the_reader_started_is_writer_gone(
+    group: str,
+) -> None:
+    """A shard's writer dies, a new writer reclaims the name (new nonce), and only then does a
+    reader start and meet a reference the dead instance handed out: the shard file remembers
+    the instances it was reclaimed from, so that is ``WriterGoneError``, not "no live shard"
+    (CI's stress --group found it: a restarted reader got a reference queued before a writer
+    kill). A nonce that no shard file ever held stays ``InvalidReferenceError``."""
+
+    def writer_of_shard0() -> tuple[Any, Any]:
+        parent, child = SPAWN.Pipe()
+        p = SPAWN.Process(target=gp.command_writer, args=(group, child))
+        p.start()
+        assert parent.poll(60)
+        _ready, shard, _name = parent.recv()
+        assert shard == 0  # the dead instances' file, reclaimed each time
+        return p, parent
+
+    refs = []
+    for gen in range(3):  # three instances of shard 0, each killed and reclaimed
+        p, parent = writer_of_shard0()
+        try:
+            refs.append(ShmRef.from_dict(_get(parent, f"k{gen}")))
+        finally:
+            p.kill()
+            _stop([p])
+    p, parent = writer_of_shard0()
+    try:
+        with ReceiverCache.attach_group(group) as rx:  # it never saw the dead instances
+            for i, ref in enumerate(refs):
+                with pytest.raises(WriterGoneError):
+                    rx.get_and_update_features([FeatureSpec(f"k{i}", ref)])
+            with pytest.raises(InvalidReferenceError):
+                rx.get_and_update_features([FeatureSpec("k0", refs[0]._replace(nonce=12345))])
+            live = ShmRef.from_dict(_get(parent, "live"))
+            [got] = rx.get_and_update_features([FeatureSpec("live", live)])
+            assert np.array_equal(got.data["x"], gp.make_item("live")["x"])
+    finally:
+        try:
+            parent.send(None)
+        except OSError:
+            pass
+        _stop([p])
+    sweep()
+    assert _ours(group) == []

@@ -54,6 +54,7 @@ class Params:
     ops: dict[int, int]
     peer_ops: dict[int, int]
     small_batches: int  # 1 KiB steady state: batches of 256 puts per run
+    sender_puts: int  # 1 KiB through SenderCache: puts per run (the latency max is over all runs)
     fresh_cache: int
     fresh_runs: int
     churn_puts: int
@@ -84,6 +85,7 @@ class Params:
             ops={1 * KiB: 2000, 64 * KiB: 1000, 1 * MiB: 200, 16 * MiB: 20, 64 * MiB: 6},
             peer_ops={1 * KiB: 300, 64 * KiB: 200, 1 * MiB: 60, 16 * MiB: 8, 64 * MiB: 3},
             small_batches=8,
+            sender_puts=20_000,  # x 5 runs: the max is over 100,000 steady-state puts
             fresh_cache=1 * GiB,
             fresh_runs=5,
             churn_puts=10_000,
@@ -115,6 +117,7 @@ class Params:
             ops={1 * KiB: 300, 64 * KiB: 200, 1 * MiB: 40, 16 * MiB: 4},
             peer_ops={1 * KiB: 40, 1 * MiB: 10},
             small_batches=3,
+            sender_puts=2_000,
             fresh_cache=256 * MiB,
             fresh_runs=1,
             churn_puts=1_000,
