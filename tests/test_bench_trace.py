@@ -106,6 +106,26 @@ def test_replay_through_the_real_cache() -> None:
     assert 0.0 < real.miss_ratio < 1.0
 
 
+def test_replay_second_chance_when_the_build_has_it() -> None:
+    """``second_chance=`` reaches ``CacheConfig`` only on a build that has the field."""
+    trace = [int(i) for i in tr.zipf_trace(800, 100, 1.2, seed=4)]
+    sizes = [int(s) for s in tr.item_sizes(100, 4096, 64 * 1024, seed=4)]
+    small = sum(sizes) // 10
+    if not tr.has_second_chance():
+        with pytest.raises(RuntimeError, match="second_chance"):
+            tr.replay(trace, sizes, small, second_chance=True)
+        assert [name for name, _ in tr._policies()] == [tr.FIFO]
+        return
+    assert [name for name, _ in tr._policies()] == [tr.FIFO, tr.SECOND_CHANCE]
+    fifo = tr.replay(trace, sizes, small, second_chance=False)
+    second = tr.replay(trace, sizes, small, second_chance=True)
+    assert fifo.relocations == 0 and fifo.bytes_relocated == 0
+    # a skewed trace with eviction: hit items reach the head and are moved, not dropped
+    assert second.relocations > 0 and second.bytes_relocated > 0
+    assert second.bytes_written > second.bytes_relocated
+    assert second.misses + second.inline <= len(trace)
+
+
 def _fake(misses: int, requests: int = 100, relocations: int = 0) -> tr.PolicyResult:
     return tr.PolicyResult(requests, misses, misses * 1000, relocations=relocations)
 
