@@ -12,6 +12,7 @@ import re
 
 from ._group import list_shards
 from ._layout import (
+    H_BYTES_RELOCATED,
     H_BYTES_USED,
     H_CAPACITY,
     H_CREATED,
@@ -25,6 +26,7 @@ from ._layout import (
     H_MAX_OBJECT,
     H_MISSES,
     H_NEXT_ID,
+    H_RELOCATIONS,
     H_SIBLING_HITS,
     H_WRITER_PID,
 )
@@ -80,6 +82,8 @@ def _inspect_one(name: str) -> str:
             f"siblings    {int(w[H_SIBLING_HITS])} items copied from sibling shards",
             f"inline      too large {int(w[H_INLINE_LARGE])}, full {int(w[H_INLINE_FULL])}",
             f"evictions   {int(w[H_EVICTIONS])}",
+            f"relocated   {int(w[H_RELOCATIONS])} items, {int(w[H_BYTES_RELOCATED])} bytes "
+            "(second chance: hit items moved to the tail instead of evicted)",
             "readers     slot  attached  alive  pid      acked     behind  revoked",
         ]
         lines.extend(

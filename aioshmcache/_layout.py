@@ -32,6 +32,9 @@ Segment (``total`` bytes, a multiple of the page size)::
              |       30 H_HINT_OFF  31 H_HINT_SLOTS (0: none)   |
              |       32 H_SIBLING_HITS (items a group shard     |
              |          copied from a sibling shard)            |
+             |       33 H_RELOCATIONS  34 H_BYTES_RELOCATED     |
+             |          (second chance: chunks moved to the     |
+             |          tail instead of evicted, their bytes)   |
              |       48..63 H_PAST: nonces of the earlier       |
              |          writers of this name (reclaimed from    |
              |          dead writers; latest first, 0: none)    |
@@ -128,6 +131,8 @@ H_HEAD_POS: Final = 29
 H_HINT_OFF: Final = 30
 H_HINT_SLOTS: Final = 31
 H_SIBLING_HITS: Final = 32
+H_RELOCATIONS: Final = 33
+H_BYTES_RELOCATED: Final = 34
 #: words ``H_PAST .. H_PAST + PAST_NONCES - 1``: the nonces of the dead writers this segment name
 #: was reclaimed from, latest first (zeros: none; a segment of an older build reads as none)
 H_PAST: Final = 48

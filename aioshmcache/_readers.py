@@ -165,13 +165,15 @@ class ReaderSlot:
                 self._flush()
                 return
             w = self._words
-            head = int(w[RS_HEAD])
-            if head - int(w[WS_CONSUMED]) >= self._n:
+            head: int = w[RS_HEAD]  # a "Q" view's items are ints already
+            n = self._n
+            if head - w[WS_CONSUMED] >= n:
                 self._overflow.append((cid, seq))
                 return
-            k = 2 * (head % self._n)
-            self._log[k] = cid
-            self._log[k + 1] = seq
+            k = 2 * (head % n)
+            log = self._log
+            log[k] = cid
+            log[k + 1] = seq
             w[RS_HEAD] = head + 1
 
     def _flush(self) -> None:

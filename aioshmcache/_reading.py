@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Final
+from typing import Any
 
 import posix_ipc
 
@@ -25,7 +25,7 @@ from ._readers import ReaderSlot
 from ._ring import ShmRingBuffer
 from ._segment import Segment
 from ._serde import Serde
-from ._types import ShmRef, reference_tag
+from ._types import ShmRef, finish_tag, tag_base
 from .errors import (
     ClosedCacheError,
     InvalidReferenceError,
@@ -37,14 +37,22 @@ from .errors import (
 
 __all__ = ["ReadPath", "check_ref_fields"]
 
-_U64: Final = (1 << 64) - 1
-
 
 def check_ref_fields(r: ShmRef) -> bool:
     """Whether every field of ``r`` is an unsigned 64-bit int (a ``ShmRef`` built by hand)."""
-    return all(
-        type(v) is int and 0 <= v <= _U64
-        for v in (r.nonce, r.epoch, r.address, r.id, r.length, r.tag, r.position, r.seq)
+    a, b, c, d, e, f, g, h = r
+    # exact ints only (no bool, no numpy ints); the OR of ints in [0, 2**64) stays below 2**64,
+    # a negative one makes it negative: one shift checks every range (twice as fast as min/max)
+    return (
+        type(a) is int
+        and type(b) is int
+        and type(c) is int
+        and type(d) is int
+        and type(e) is int
+        and type(f) is int
+        and type(g) is int
+        and type(h) is int
+        and not (a | b | c | d | e | f | g | h) >> 64
     )
 
 
@@ -95,39 +103,53 @@ class ReadPath:
 
     def check_reader(self) -> ReaderSlot:
         """The reader slot, after checking that this reader may read now (typed errors)."""
-        self.check_open()
+        if self.closed or self._seg.forked:
+            self.check_open()
         slot = self.slot
         if slot is None:
             raise RoleError(
                 "this store is the writer; attach a reader to read with acknowledgement"
             )
-        self.check_writer()
+        # check_writer's probe is due every probe_interval only: test that here, call it then
+        if (
+            self._hw[H_STATE] != STATE_LIVE
+            or time.monotonic() - self._last_writer_probe > self.probe_interval
+        ):
+            self.check_writer()
         slot.check_revoked()
         if slot.overflowing:
             slot.flush()
         return slot
 
     # --- resolving --------------------------------------------------------------------------
+    def _check_epoch(self, epoch: int) -> None:
+        current = self._hw[H_EPOCH]
+        if epoch != current:
+            if epoch < current:
+                raise StaleReferenceError(
+                    f"reference is from before clear (epoch {epoch} < {current})"
+                )
+            raise InvalidReferenceError(f"reference epoch {epoch} is in the future")
+
     def resolve(self, ref: object) -> tuple[ShmRef, memoryview]:
-        """Check a reference against this segment; returns it and a view of its payload."""
-        self.check_open()
+        """Check a reference against this segment; returns it and a view of its payload.
+
+        In order: open, fields, nonce, tag, epoch (none touches the chunk), then the chunk's
+        header and the reuse fence (``ShmRingBuffer.access``). Typed errors.
+        """
+        if self.closed or self._seg.forked:
+            self.check_open()
         r = ref if isinstance(ref, ShmRef) else ShmRef.from_dict(ref)
         if not check_ref_fields(r):
             raise InvalidReferenceError("reference fields must be unsigned 64-bit ints")
-        if r.nonce != self._nonce:
+        nonce, epoch, address, cid, length, tag, position, seq = r
+        if nonce != self._nonce:
             raise InvalidReferenceError("reference belongs to another cache (nonce mismatch)")
-        if r.tag != reference_tag(
-            self._secret, r.epoch, r.address, r.id, r.length, r.position, r.seq
-        ):
+        if tag != finish_tag(tag_base(self._secret, epoch, address, cid, length, position), seq):
             raise InvalidReferenceError("reference is forged or corrupted (tag mismatch)")
-        epoch = self._hw[H_EPOCH]
-        if r.epoch != epoch:
-            if r.epoch < epoch:
-                raise StaleReferenceError(
-                    f"reference is from before clear (epoch {r.epoch} < {epoch})"
-                )
-            raise InvalidReferenceError(f"reference epoch {r.epoch} is in the future")
-        return r, self.ring.access(r.address, r.id, r.length, r.position)
+        if epoch != self._hw[H_EPOCH]:
+            self._check_epoch(epoch)
+        return r, self.ring.access(address, cid, length, position)
 
     def validate(self, ref: object) -> ShmRef:
         """Check a reference against this segment without reading it (typed errors)."""
@@ -135,25 +157,34 @@ class ReadPath:
         view.release()
         return r
 
-    def _decode(self, r: ShmRef, view: memoryview, *, copy: bool) -> Any:
-        """Decode and verify: a chunk reused during the copy is stale, never torn data."""
+    def finish_read(self, slot: ReaderSlot | None, r: ShmRef, view: memoryview, copy: bool) -> Any:
+        """Decode and verify a resolved reference's view (a chunk reused during the copy is
+        stale, never torn data); with a reader slot, check revocation and acknowledge a copy."""
+        _nonce, _epoch, address, cid, _length, _tag, position, seq = r
+        ring = self.ring
         try:
             value = self.serde.read(view, copy=copy)
         except ShmCacheError:
             # torn: stale; intact but undecodable: re-raise
-            self.ring.verify(r.address, r.id, r.position)
+            ring.verify(address, cid, position)
             raise
         finally:
             if copy:
                 view.release()  # zero-copy arrays keep exporting it
-        self.ring.verify(r.address, r.id, r.position)
+        ring.verify(address, cid, position)
+        if slot is not None:
+            slot.check_revoked()
+            if copy:
+                slot.ack(cid, seq)
+                if self._hw[H_WAITING]:
+                    self._post_wake()
         return value
 
     # --- reading ----------------------------------------------------------------------------
     def read(self, ref: ShmRef | dict[str, Any]) -> Any:
         """The writer's own read: a verified copy, nothing acknowledged."""
         r, view = self.resolve(ref)
-        return self._decode(r, view, copy=True)
+        return self.finish_read(None, r, view, True)
 
     def get(self, ref: ShmRef | dict[str, Any], *, copy: bool = True) -> Any:
         """A reader's read: verify, copy (or view), acknowledge (a copy only)."""
@@ -164,11 +195,23 @@ class ReadPath:
             if isinstance(ref, ShmRef):
                 self.give_back(ref)
             raise
-        value = self._decode(r, view, copy=copy)
-        slot.check_revoked()
-        if copy:
-            self._ack(slot, r.id, r.seq)
-        return value
+        return self.finish_read(slot, r, view, copy)
+
+    def get_checked(self, r: ShmRef, *, copy: bool = True, slot: ReaderSlot | None = None) -> Any:
+        """``get`` of a reference that passed :meth:`validate` here (a request's).
+
+        The fields, nonce and tag cannot have changed; the epoch and the chunk are checked again.
+        ``slot``: what :meth:`check_reader` returned just before (the same step), else it runs.
+        """
+        if slot is None:
+            slot = self.check_reader()
+        try:
+            self._check_epoch(r.epoch)
+            view = self.ring.access(r.address, r.id, r.length, r.position)
+        except StaleReferenceError:
+            self.give_back(r)
+            raise
+        return self.finish_read(slot, r, view, copy)
 
     def ack(self, ref: ShmRef) -> None:
         """Acknowledge a reference read with ``copy=False`` after re-verifying it."""

@@ -35,6 +35,7 @@ from typing import Any, Final
 
 from ._group import Found, Siblings
 from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
+from ._readers import ReaderSlot
 from ._store import Reservation, ShmObjectStore
 from ._types import REF_FIELDS, FeatureSpec, ShmRef
 from .errors import (
@@ -633,60 +634,94 @@ class ReceiverRequest(_Steps):
         return bool(self._jobs)
 
     def begin(self) -> None:
-        """Validate the whole request, then read what is small. Typed errors, nothing owed."""
-        store = self._store
-        store._check_reader()
-        error: Exception | None = None
-        for i, f in enumerate(self._features):
-            ref = None
-            try:
-                if not isinstance(f, FeatureSpec):
-                    raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
-                check_hash(f.mm_hash)
-                ref = as_reference(f.data)
-                if ref is not None:
-                    try:
-                        store.validate(ref)  # forged or foreign: never given back (not ours)
-                    except StaleReferenceError:
-                        store.give_back(ref)
-                        self._stale.append(f.mm_hash)
-                        ref = None
-                    else:
-                        self._owed.add(i)
-                else:
-                    self._results[i] = f.data
-            except (InvalidReferenceError, TypeError) as exc:
-                error = error or exc
-                ref = None
-            self._refs.append(ref)
-        if error is not None:
-            raise error  # the face abandons the request: every valid reference is given back
-        self._counters.add(total=len(self._features))
-        for i, ref in enumerate(self._refs):
-            if ref is None:
-                continue
-            if not self._copy or ref.length < self._inline_below:
-                self._read(i, ref)
-            else:
-                self._jobs.append(i)
+        """Validate the whole request, then read what is small. Typed errors, nothing owed.
 
-    def _read(self, i: int, ref: ShmRef) -> None:
+        The view a validation made of a reference read in this step is the one read: the copy
+        is verified after it (a chunk freed meanwhile is stale), so a second look-up of the
+        chunk would add nothing. Jobs look their chunk up again when they run.
+        """
+        reading = self._store._reading
+        slot = reading.check_reader()
+        copy, inline_below = self._copy, self._inline_below
+        views: dict[int, memoryview] = {}
+        error: Exception | None = None
         try:
-            data = self._store.get(ref, copy=self._copy)
+            for i, f in enumerate(self._features):
+                ref = None
+                try:
+                    if not isinstance(f, FeatureSpec):
+                        raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
+                    check_hash(f.mm_hash)
+                    ref = as_reference(f.data)
+                    if ref is not None:
+                        try:
+                            # forged or foreign: never given back (not ours)
+                            ref, view = reading.resolve(ref)
+                        except StaleReferenceError:
+                            reading.give_back(ref)
+                            self._stale.append(f.mm_hash)
+                            ref = None
+                        else:
+                            self._owed.add(i)
+                            if not copy or ref.length < inline_below:
+                                views[i] = view
+                            else:
+                                view.release()
+                    else:
+                        self._results[i] = f.data
+                except (InvalidReferenceError, TypeError) as exc:
+                    error = error or exc
+                    ref = None
+                self._refs.append(ref)
+            if error is not None:
+                raise error  # the face abandons the request: every valid reference is given back
+        except BaseException:
+            for view in views.values():
+                view.release()
+            raise
+        hits = 0
+        try:
+            for i, ref in enumerate(self._refs):
+                if ref is None:
+                    continue
+                if i in views:  # checked above, in this same step
+                    hits += self._read(i, ref, slot, views.pop(i))
+                else:
+                    self._jobs.append(i)
+        finally:
+            for unread in views.values():  # a read raised: the others are released, not leaked
+                unread.release()
+            # one lock round for the whole step (totals counted even if a read failed)
+            self._counters.add(hits=hits, total=len(self._features))
+
+    def _read(
+        self, i: int, ref: ShmRef, slot: ReaderSlot | None = None, view: memoryview | None = None
+    ) -> int:
+        """Read one validated reference; 1 if it was read (a hit), 0 if it was stale.
+
+        With ``view`` (what validating it returned, in the same step as ``slot``) the chunk is
+        not looked up again.
+        """
+        reading = self._store._reading
+        try:
+            if view is None or slot is None:
+                data = reading.get_checked(ref, copy=self._copy, slot=slot)
+            else:
+                data = reading.finish_read(slot, ref, view, self._copy)
         except StaleReferenceError:
             # ``get`` gave it back if it was stale before the copy; stale after it means the
             # chunk was freed, and a freed chunk is owed by nobody: settled either way
             with self._lock:
                 self._owed.discard(i)
             self._stale.append(self._features[i].mm_hash)
-            return
+            return 0
         # any other error propagates: the face abandons, and every owed reference is given back
         with self._lock:
             self._owed.discard(i)
             if not self._copy:
                 self._held.append(ref)
         self._results[i] = data
-        self._counters.add(hits=1)
+        return 1
 
     def _give_back(self, i: int, ref: ShmRef) -> None:
         self._store.give_back(ref)
@@ -694,12 +729,17 @@ class ReceiverRequest(_Steps):
             self._owed.discard(i)
 
     def _run_jobs(self) -> None:
-        for i in self._jobs:
-            if self._abandoned:
-                return  # the roll back gives back what is left
-            ref = self._refs[i]
-            if ref is not None:
-                self._read(i, ref)
+        hits = 0
+        try:
+            for i in self._jobs:
+                if self._abandoned:
+                    return  # the roll back gives back what is left
+                ref = self._refs[i]
+                if ref is not None:
+                    hits += self._read(i, ref)
+        finally:
+            if hits:
+                self._counters.add(hits=hits)
 
     def finish(self) -> list[FeatureSpec]:
         """New specs with the items read; ``CacheMissError`` lists the stale ones, if any."""
@@ -714,7 +754,15 @@ class ReceiverRequest(_Steps):
 
     def finish_item(self) -> Any:
         """The single item of a one-feature request; ``StaleReferenceError`` if it was stale."""
-        return single_item(self.finish, self._features)
+        with self._lock:
+            if self._settled or len(self._features) != 1:
+                return single_item(self.finish, self._features)  # its errors, unchanged
+            if self._stale:
+                # what ``single_item`` makes of ``finish``'s CacheMissError
+                h = self._features[0].mm_hash
+                raise StaleReferenceError(f"reference for {h!r} is stale") from None
+            self._settled = True
+        return self._results[0]  # no new spec: only its data is returned
 
     def settle_lease(self) -> None:
         """End a lease: re-verify and acknowledge every leased reference.

@@ -19,12 +19,24 @@ chunk's position — a word no payload can touch.
 Allocation wraps at the end of the ring; the tail that is skipped stays accounted as used until the
 head passes it. Ids come from a 64-bit counter in the segment header and keep increasing across
 ``clear`` (which also bumps the epoch).
+
+**Relocation** (second chance, :meth:`ShmRingBuffer.relocate_head`) moves the committed head
+chunk to the tail: the head chunk is freed exactly as by :meth:`~ShmRingBuffer.free` (state
+*freed*, reuse fence published past it), then a new chunk of the same length is allocated at the
+tail (it always fits: the freed chunk's own bytes are free now), the payload moved into it and
+committed. The new chunk has a new id, address and position, so every reference to the old one
+is stale like any evicted chunk's. The new chunk never starts inside the old payload (it starts
+at or before the old address, or after the old chunk), so the move is a forward ``memmove`` from
+bytes nobody else writes; in a full ring it is a shift back by the gap between tail and head
+(none at all when the ring is exactly full). Eviction stays FIFO in positions.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+import numpy as np
 
 from ._layout import (
     C_CHECK,
@@ -150,6 +162,17 @@ class ShmRingBuffer:
         head = self._chunks[0][0]
         return self._tail - head if self._tail > head else self.capacity - head + self._tail
 
+    @property
+    def head_id(self) -> int | None:
+        """Id of the oldest allocated chunk, None if the ring is empty (writer only)."""
+        return self._chunks[0][2] if self._chunks else None
+
+    def iter_chunks(self) -> Iterator[tuple[int, int, bool]]:
+        """(id, chunk size, being written) of each allocated chunk, oldest first (writer only)."""
+        by_addr = self._by_addr
+        for addr, size, cid in self._chunks:
+            yield cid, size, by_addr[addr] == WRITING
+
     def chunk_ids(self) -> list[int]:
         """Ids of the allocated chunks, oldest first."""
         return [c[2] for c in self._chunks]
@@ -246,19 +269,31 @@ class ShmRingBuffer:
             self._w[(address >> 3) + C_STATE] = DEAD
             self._by_addr[address] = DEAD
 
-    def free(self, is_free: Callable[[int], bool], nbytes: int = 0) -> list[int]:
+    def free(
+        self,
+        is_free: Callable[[int], bool],
+        nbytes: int = 0,
+        *,
+        slack: int = 0,
+        max_extra: int = 0,
+    ) -> list[int]:
         """Free chunks oldest first while they are free, until ``nbytes`` fit contiguously.
 
         ``nbytes == 0`` frees every free chunk at the head. Dead chunks are always free; chunks
-        being written never are. Returns the ids freed, oldest first.
+        being written never are. Once ``nbytes`` fit, up to ``max_extra`` more free chunks go
+        while fewer than ``nbytes + slack`` bytes are free in all (batch eviction: the next puts
+        find room without evicting). Returns the ids freed, oldest first.
         """
         self._check_writer()
         need = chunk_size(nbytes) if nbytes > 0 else 0
         freed: list[int] = []
         chunks, w = self._chunks, self._w
+        extra = 0
         while chunks:
             if need and self._place(need) is not None:
-                break
+                if extra >= max_extra or self.capacity - self.used_bytes >= need + slack:
+                    break
+                extra += 1
             addr, _size, cid = chunks[0]
             st = self._by_addr[addr]
             if st == WRITING or (st == COMMITTED and not is_free(cid)):
@@ -271,6 +306,37 @@ class ShmRingBuffer:
         if freed:
             self._publish_head()  # before the caller can reuse a byte of what was freed
         return freed
+
+    def relocate_head(self) -> tuple[int, int, int] | None:
+        """Move the committed head chunk to the tail (see the module docstring).
+
+        Returns the new chunk's (address, id, position), committed; None if the head was freed
+        but no chunk could be allocated (only when 64-bit ids run out): the item is then gone,
+        as if evicted.
+        """
+        self._check_writer()
+        if not self._chunks:
+            raise ShmCacheError("the ring is empty: no head chunk to relocate")
+        addr, _size, _cid = self._chunks[0]
+        if self._by_addr[addr] != COMMITTED:
+            raise ShmCacheError(f"the head chunk at {addr} is not committed")
+        length = int(self._w[(addr >> 3) + C_LENGTH])
+        self._w[(addr >> 3) + C_STATE] = FREED
+        del self._by_addr[addr]
+        del self._pos[addr]
+        self._chunks.popleft()
+        self._publish_head()  # the old chunk is stale before a byte of it is reused
+        try:
+            new, cid = self.allocate(length)
+        except ShmCacheError:
+            return None
+        if new != addr:  # new < addr, or new past the old chunk: a forward move is safe
+            src = np.frombuffer(self.buf, np.uint8, length, addr + CHUNK_HEADER)
+            dst = np.frombuffer(self.buf, np.uint8, length, new + CHUNK_HEADER)
+            dst[...] = src  # numpy copies overlapping 1-D data as memmove, without the GIL
+            del src, dst
+        self.commit(new)
+        return new, cid, self._pos[new]
 
     def clear(self) -> list[int]:
         """Free every chunk not being written, bump the epoch. Returns the ids freed.

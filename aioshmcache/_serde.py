@@ -90,6 +90,7 @@ import re
 import struct
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import msgpack
@@ -133,6 +134,8 @@ _MAGIC = b"ASHM"
 _VERSION = 1
 _PREFIX = struct.Struct("<4sHHIQ")
 _PREFIX_SIZE = _PREFIX.size  # 20
+_HLEN = struct.Struct("<I")  # the prefix's header_len alone
+_HLEN_OFFSET = 8
 _ALIGN = 64
 _ALIGN_MASK = _ALIGN - 1
 
@@ -438,46 +441,143 @@ def _parse_array_descriptor(data: bytes) -> _ArrayDesc:
     return off, nbytes, flags, dt, shape, count
 
 
-class _Decoder:
-    """State of one :meth:`MsgpackSerde.read`: the buffer, the canonical-layout cursor, limits."""
+# A read rebuilds the value from a *template*: the structure header unpacked and walked once,
+# every check of the format applied, and compiled into builders that only make what must be new
+# for each read (arrays, as copies or views at offsets the template fixed, bytes values, mutable
+# containers); immutable parts (str, numbers, numpy scalars, tuples of those) are shared. Each
+# serde caches templates by the header's exact bytes (and the data length they imply), so a read
+# of an item shaped like an earlier one skips the unpacking and the walk. Only templates that
+# passed validation are stored, and the cache is bounded (cleared when full).
+_TEMPLATE_HEADER_MAX = 4096  # longer headers (e.g. big str values) are not worth keeping
+_TEMPLATES_MAX = 256
+_LIMITS = frozenset(("max_arrays", "max_depth", "max_header_bytes", "max_ndim"))
 
-    __slots__ = (
-        "buf",
-        "copy",
-        "count",
-        "cursor",
-        "data_len",
-        "data_off",
-        "max_arrays",
-        "max_depth",
-        "max_ndim",
-        "ro",
-    )
+#: builds one node of a value: (buffer, read-only buffer, copy) -> value
+_Builder = Callable[[memoryview, memoryview, bool], Any]
+#: a compiled node: (builder, None), or (None, a value every read may share)
+_Node = tuple["_Builder | None", Any]
+#: a compiled header: its root node and the payload size its layout implies
+_Template = tuple["_Builder | None", Any, int]
+
+
+def _is_shared(nodes: list[_Node]) -> bool:
+    return all(b is None for b, _ in nodes)
+
+
+def _container_builder(kind: type, nodes: list[_Node]) -> _Builder:
+    """Build a fresh list or tuple of ``nodes`` on each read."""
+
+    def build(buf: memoryview, ro: memoryview, copy: bool) -> Any:
+        return kind([v if b is None else b(buf, ro, copy) for b, v in nodes])
+
+    return build
+
+
+def _dict_builder(items: list[tuple[Any, _Builder | None, Any]]) -> _Builder:
+    """Build a fresh dict of ``items`` (key, builder, shared value) on each read."""
+
+    def build(buf: memoryview, ro: memoryview, copy: bool) -> Any:
+        return {k: v if b is None else b(buf, ro, copy) for k, b, v in items}
+
+    return build
+
+
+#: one array of a flat dict: key, dtype, element count, absolute start, shape (None: 1-D)
+_FlatArray = tuple[Any, np.dtype[Any], int, int, "tuple[int, ...] | None"]
+
+
+def _flat_dict_builder(arrays: list[_FlatArray]) -> _Builder:
+    """The usual item, a dict of plain non-empty arrays: every array made in one loop."""
+
+    def build(buf: memoryview, ro: memoryview, copy: bool) -> Any:
+        out = {}
+        for k, dt, count, start, shape in arrays:
+            arr = _frombuffer(ro, dt, count, start)
+            if shape is not None:
+                arr = arr.reshape(shape)
+            out[k] = arr.copy() if copy else arr
+        return out
+
+    return build
+
+
+def _array_builder(dt: np.dtype[Any], shape: tuple[int, ...], count: int, start: int) -> _Builder:
+    """Build one array: a copy, or a read-only view of the read-only buffer."""
+    if count == 0:
+
+        def empty(buf: memoryview, ro: memoryview, copy: bool) -> Any:
+            out = np.empty(shape, dt)
+            if not copy:
+                out.flags.writeable = False
+            return out
+
+        return empty
+    if len(shape) == 1:
+
+        def flat(buf: memoryview, ro: memoryview, copy: bool) -> Any:
+            arr = _frombuffer(ro, dt, count, start)
+            return arr.copy() if copy else arr
+
+        return flat
+
+    def shaped(buf: memoryview, ro: memoryview, copy: bool) -> Any:
+        arr = _frombuffer(ro, dt, count, start).reshape(shape)
+        return arr.copy() if copy else arr
+
+    return shaped
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:
+        raise SerdeError(
+            "this value holds a torch tensor, but torch is not importable here; "
+            "install torch (pip install 'aioshmcache[torch]') to read it"
+        ) from exc
+    return torch
+
+
+def _tensor_builder(
+    dt: np.dtype[Any], shape: tuple[int, ...], count: int, start: int, bf16: bool
+) -> _Builder:
+    def build(buf: memoryview, ro: memoryview, copy: bool) -> Any:
+        torch = _import_torch()
+        if count == 0:
+            arr = np.empty(shape, dt)
+        else:
+            # torch has no read-only tensors: share a writable buffer, otherwise copy
+            # (torch.from_numpy of a read-only array warns).
+            share = not copy and not buf.readonly
+            arr = _frombuffer(buf if share else ro, dt, count, start).reshape(shape)
+            if not share:
+                arr = arr.copy()
+        tensor = torch.from_numpy(arr)
+        if bf16:
+            tensor = tensor.view(torch.bfloat16)
+        return tensor
+
+    return build
+
+
+class _Compiler:
+    """One walk of an unpacked structure header: validates it and compiles its template."""
+
+    __slots__ = ("count", "cursor", "data_len", "data_off", "max_arrays", "max_depth", "max_ndim")
 
     def __init__(
-        self,
-        buf: memoryview,
-        data_off: int,
-        data_len: int,
-        copy: bool,
-        max_depth: int,
-        max_ndim: int,
-        max_arrays: int,
+        self, data_off: int, data_len: int, max_depth: int, max_ndim: int, max_arrays: int
     ) -> None:
-        self.buf = buf
-        # copies may come from the writable view; views must come from a read-only one
-        self.ro = buf if copy or buf.readonly else buf.toreadonly()
         self.data_off = data_off
         self.data_len = data_len
-        self.copy = copy
         self.max_depth = max_depth
         self.max_ndim = max_ndim
         self.max_arrays = max_arrays
         self.cursor = 0
         self.count = 0
 
-    def conv(self, obj: Any, depth: int) -> Any:
-        """Rebuild the value from the unpacked header: ExtType records become arrays etc."""
+    def conv(self, obj: Any, depth: int) -> _Node:
+        """Compile one node of the unpacked header: ExtType records become array builders etc."""
         t = type(obj)
         if t is _ExtType:
             return self.ext(obj)
@@ -486,22 +586,40 @@ class _Decoder:
             if depth > self.max_depth:
                 raise SerdeError(f"nesting deeper than max_depth={self.max_depth}")
             conv = self.conv
-            return {k: conv(v, depth) for k, v in obj.items()}
+            flat: list[_FlatArray] | None = []
+            items: list[tuple[Any, _Builder | None, Any]] = []
+            for k, v in obj.items():
+                if flat is not None and type(v) is _ExtType and v.code == _EXT_ARRAY:
+                    dt, shape, count, start, flags = desc = self.array_desc(v.data)
+                    if not flags and count:
+                        flat.append((k, dt, count, start, None if len(shape) == 1 else shape))
+                    items.append((k, self.array_builder(desc), None))
+                    if flags or not count:
+                        flat = None
+                    continue
+                flat = None
+                items.append((k, *conv(v, depth)))
+            if flat is not None and flat:
+                return _flat_dict_builder(flat), None
+            return _dict_builder(items), None
         if t is list:
             depth += 1
             if depth > self.max_depth:
                 raise SerdeError(f"nesting deeper than max_depth={self.max_depth}")
             conv = self.conv
-            items: list[Any] = obj
-            if items:
-                first = items[0]
+            values: list[Any] = obj
+            if values:
+                first = values[0]
                 if type(first) is _ExtType and first.code == _EXT_TUPLE:
                     if first.data:
                         raise SerdeError("malformed tuple marker")
-                    return tuple([conv(v, depth) for v in items[1:]])
-            return [conv(v, depth) for v in items]
+                    nodes = [conv(v, depth) for v in values[1:]]
+                    if _is_shared(nodes):
+                        return None, tuple([v for _, v in nodes])
+                    return _container_builder(tuple, nodes), None
+            return _container_builder(list, [conv(v, depth) for v in values]), None
         if t is str or t is int or t is float or t is bool or t is bytes or obj is None:
-            return obj
+            return None, obj
         raise SerdeError(f"unexpected {type(obj).__qualname__} in the structure header")
 
     def _slot(self, off: int, nbytes: int) -> int:
@@ -518,24 +636,26 @@ class _Decoder:
         self.cursor = end
         return self.data_off + off
 
-    def ext(self, rec: msgpack.ExtType) -> object:
+    def ext(self, rec: msgpack.ExtType) -> _Node:
         code = rec.code
         data: bytes = rec.data
         if code == _EXT_ARRAY:
-            return self.array(data)
+            return self.array_builder(self.array_desc(data)), None
         if code == _EXT_SCALAR:
-            return self.scalar(data)
+            return None, self.scalar(data)
         if code == _EXT_BYTES:
             if len(data) != _BYTES_DESC.size:
                 raise SerdeError("malformed bytes descriptor")
             off, nbytes = _BYTES_DESC.unpack(data)
             start = self._slot(off, nbytes)
-            return self.buf[start : start + nbytes].tobytes()
+            end = start + nbytes
+            return (lambda buf, ro, copy: buf[start:end].tobytes()), None
         if code == _EXT_TUPLE:
             raise SerdeError("tuple marker outside the first element of an array")
         raise SerdeError(f"unknown ExtType code {code}")
 
-    def array(self, data: bytes) -> object:
+    def array_desc(self, data: bytes) -> tuple[np.dtype[Any], tuple[int, ...], int, int, int]:
+        """Validate an ARRAY record in walk order: (dtype, shape, count, absolute start, flags)."""
         desc = _ARRAY_DESCS.get(data)
         if desc is None:
             desc = _parse_array_descriptor(data)
@@ -548,55 +668,35 @@ class _Decoder:
             raise SerdeError(f"array has {ndim} dimensions, more than max_ndim={self.max_ndim}")
         start = self._slot(off, nbytes)
         if flags:
-            return self.tensor(dt, shape, count, start, flags)
-        if count == 0:
-            out = np.empty(shape, dt)
-            if not self.copy:
-                out.flags.writeable = False
-            return out
-        arr = _frombuffer(self.ro, dt, count, start)
-        if ndim != 1:
-            arr = arr.reshape(shape)
-        return arr.copy() if self.copy else arr
+            self.check_tensor(dt, flags)
+        return dt, shape, count, start, flags
 
-    def scalar(self, data: bytes) -> object:
+    @staticmethod
+    def array_builder(desc: tuple[np.dtype[Any], tuple[int, ...], int, int, int]) -> _Builder:
+        dt, shape, count, start, flags = desc
+        if flags:
+            return _tensor_builder(dt, shape, count, start, bool(flags & _FLAG_BF16))
+        return _array_builder(dt, shape, count, start)
+
+    @staticmethod
+    def scalar(data: bytes) -> object:
         if not data:
             raise SerdeError("malformed scalar descriptor")
         dlen = data[0]
         dt = _check_dtype_string(data[1 : 1 + dlen])
         if len(data) != 1 + dlen + dt.itemsize:
             raise SerdeError("scalar byte length does not match its dtype")
-        return _frombuffer(data, dt, 1, 1 + dlen)[0]
+        return _frombuffer(data, dt, 1, 1 + dlen)[0]  # immutable: shared by every read
 
-    def tensor(
-        self, dt: np.dtype[Any], shape: tuple[int, ...], count: int, start: int, flags: int
-    ) -> object:
+    @staticmethod
+    def check_tensor(dt: np.dtype[Any], flags: int) -> None:
         if not flags & _FLAG_TORCH:
             raise SerdeError("malformed array flags")
         if flags & _FLAG_BF16 and dt.str != "<u2":
             raise SerdeError("a bfloat16 tensor must be stored as '<u2'")
         if dt.kind not in "biufc" or dt.byteorder == ">":
             raise SerdeError(f"dtype {dt.str!r} cannot be a torch tensor")
-        try:
-            import torch
-        except ImportError as exc:
-            raise SerdeError(
-                "this value holds a torch tensor, but torch is not importable here; "
-                "install torch (pip install 'aioshmcache[torch]') to read it"
-            ) from exc
-        if count == 0:
-            arr = np.empty(shape, dt)
-        else:
-            # torch has no read-only tensors: share a writable buffer, otherwise copy
-            # (torch.from_numpy of a read-only array warns).
-            share = not self.copy and not self.buf.readonly
-            arr = _frombuffer(self.buf if share else self.ro, dt, count, start).reshape(shape)
-            if not share:
-                arr = arr.copy()
-        tensor = torch.from_numpy(arr)
-        if flags & _FLAG_BF16:
-            tensor = tensor.view(torch.bfloat16)
-        return tensor
+        _import_torch()  # fail here, in walk order, as an uncompiled read would
 
 
 # --- the serde --------------------------------------------------------------------------------
@@ -610,7 +710,14 @@ class MsgpackSerde:
     values), the dimensions of one array and the nesting depth of containers.
     """
 
-    __slots__ = ("_local", "max_arrays", "max_depth", "max_header_bytes", "max_ndim")
+    __slots__ = (
+        "_local",
+        "_templates",
+        "max_arrays",
+        "max_depth",
+        "max_header_bytes",
+        "max_ndim",
+    )
 
     def __init__(
         self,
@@ -633,6 +740,13 @@ class MsgpackSerde:
         self.max_ndim = max_ndim
         self.max_depth = max_depth
         self._local = threading.local()
+        self._templates: dict[bytes, _Template] = {}
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # templates were validated against the limits: changing one forgets them
+        object.__setattr__(self, name, value)
+        if name in _LIMITS and hasattr(self, "_templates"):
+            self._templates.clear()
 
     def __repr__(self) -> str:
         return (
@@ -712,6 +826,29 @@ class MsgpackSerde:
                 dst = dst.reshape(src.shape)
             dst[...] = src  # see the module docstring: np.copyto's loop, less overhead
 
+    def _compile(self, header: bytes | memoryview, data_off: int, data_len: int) -> _Template:
+        """Unpack and validate a structure header into a template (``SerdeError`` if invalid)."""
+        hlen = len(header)
+        try:
+            structure = msgpack.unpackb(
+                header,
+                raw=False,
+                strict_map_key=True,
+                use_list=True,
+                max_str_len=hlen,
+                max_bin_len=hlen,
+                max_array_len=hlen,
+                max_map_len=hlen,
+                max_ext_len=hlen,
+            )
+        except Exception as exc:
+            raise SerdeError(f"malformed structure header: {exc}") from exc
+        comp = _Compiler(data_off, data_len, self.max_depth, self.max_ndim, self.max_arrays)
+        build, value = comp.conv(structure, 0)
+        if comp.cursor != data_len:
+            raise SerdeError("data section holds bytes no array refers to")
+        return build, value, data_off + data_len
+
     def read(self, buf: memoryview, *, copy: bool = True) -> object:
         """Decode one payload (exactly ``nbytes`` long). Anything not in our format: SerdeError."""
         try:
@@ -720,48 +857,60 @@ class MsgpackSerde:
             if buf.format != "B" or buf.ndim != 1:
                 buf = buf.cast("B")
             size = len(buf)
-            if size < _PREFIX_SIZE:
-                raise SerdeError(f"truncated payload ({size} bytes)")
-            magic, version, pflags, hlen, data_len = _PREFIX.unpack_from(buf)
-            if magic != _MAGIC:
-                raise SerdeError("not an aioshmcache payload (bad magic)")
-            if version != _VERSION or pflags != 0:
-                raise SerdeError(f"unsupported payload version {version} / flags {pflags}")
-            if not 0 < hlen <= self.max_header_bytes:
-                raise SerdeError(
-                    f"header length {hlen} outside (0, max_header_bytes={self.max_header_bytes}]"
-                )
-            hend = _PREFIX_SIZE + hlen
-            data_off = (hend + _ALIGN_MASK) & ~_ALIGN_MASK
-            if data_off + data_len != size:
-                raise SerdeError(
-                    f"payload is {size} bytes, its prefix says {data_off + data_len} "
-                    "(truncated or trailing bytes)"
-                )
-            try:
-                structure = msgpack.unpackb(
-                    buf[_PREFIX_SIZE:hend],
-                    raw=False,
-                    strict_map_key=True,
-                    use_list=True,
-                    max_str_len=hlen,
-                    max_bin_len=hlen,
-                    max_array_len=hlen,
-                    max_map_len=hlen,
-                    max_ext_len=hlen,
-                )
-            except Exception as exc:
-                raise SerdeError(f"malformed structure header: {exc}") from exc
-            dec = _Decoder(
-                buf, data_off, data_len, copy, self.max_depth, self.max_ndim, self.max_arrays
-            )
-            value = dec.conv(structure, 0)
-            if dec.cursor != data_len:
-                raise SerdeError("data section holds bytes no array refers to")
-            return value
+            if size >= _PREFIX_SIZE:
+                # A template is keyed by the prefix and the header: a hit (of the same payload
+                # size) implies every check below passed when it was compiled.
+                hend = _PREFIX_SIZE + _HLEN.unpack_from(buf, _HLEN_OFFSET)[0]
+                if hend <= _PREFIX_SIZE + _TEMPLATE_HEADER_MAX:
+                    tmpl = self._templates.get(buf[:hend].tobytes())
+                    if tmpl is not None and tmpl[2] == size:
+                        build, value, _ = tmpl
+                        if build is None:
+                            return value
+                        return build(buf, buf if copy or buf.readonly else buf.toreadonly(), copy)
+            return self._read(buf, size, copy)
         except SerdeError:
             raise
         except MemoryError:
             raise
         except Exception as exc:
             raise SerdeError(f"cannot decode payload: {exc}") from exc
+
+    def _read(self, buf: memoryview, size: int, copy: bool) -> object:
+        """``read`` without a template at hand: check the prefix, compile (and keep) one."""
+        if size < _PREFIX_SIZE:
+            raise SerdeError(f"truncated payload ({size} bytes)")
+        magic, version, pflags, hlen, data_len = _PREFIX.unpack_from(buf)
+        if magic != _MAGIC:
+            raise SerdeError("not an aioshmcache payload (bad magic)")
+        if version != _VERSION or pflags != 0:
+            raise SerdeError(f"unsupported payload version {version} / flags {pflags}")
+        if not 0 < hlen <= self.max_header_bytes:
+            raise SerdeError(
+                f"header length {hlen} outside (0, max_header_bytes={self.max_header_bytes}]"
+            )
+        hend = _PREFIX_SIZE + hlen
+        data_off = (hend + _ALIGN_MASK) & ~_ALIGN_MASK
+        if data_off + data_len != size:
+            raise SerdeError(
+                f"payload is {size} bytes, its prefix says {data_off + data_len} "
+                "(truncated or trailing bytes)"
+            )
+        if hlen > _TEMPLATE_HEADER_MAX:
+            build, value, _ = self._compile(buf[_PREFIX_SIZE:hend], data_off, data_len)
+        else:
+            # the key is a private copy, and the template is compiled from that copy: bytes
+            # changing in shared memory meanwhile cannot give a key another header's template
+            key = buf[:hend].tobytes()
+            if _PREFIX.unpack_from(key) != (magic, version, pflags, hlen, data_len):
+                raise SerdeError("payload prefix changed while it was read")
+            tmpl = self._compile(memoryview(key)[_PREFIX_SIZE:], data_off, data_len)
+            templates = self._templates
+            if len(templates) >= _TEMPLATES_MAX:
+                templates.clear()
+            templates[key] = tmpl
+            build, value, _ = tmpl
+        if build is None:
+            return value
+        # copies may come from the writable view; views must come from a read-only one
+        return build(buf, buf if copy or buf.readonly else buf.toreadonly(), copy)

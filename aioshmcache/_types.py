@@ -62,6 +62,11 @@ class CacheConfig:
     ``_group``): each writer process of the group gets ``capacity_bytes`` of its own, so a group
     of N gateway processes holds up to N x ``capacity_bytes`` (size it per process). ``name``
     and ``group`` exclude each other; a group name is 1-180 letters, digits, ``_`` or ``-``.
+    ``second_chance`` (default on): when a put needs room and the oldest item is free (nothing
+    owed, pinned, leased or touched) and was hit since it was written, it is moved to the tail of
+    the ring instead of evicted (a bounded number of bytes per put; see ``_store``); off, the
+    ring evicts in pure allocation (FIFO) order. A moved item gets a new reference: older
+    references to it become stale, exactly as if it had been evicted.
     """
 
     capacity_bytes: int
@@ -76,6 +81,7 @@ class CacheConfig:
     reclaim_dead: bool = field(default=True, kw_only=True)
     prefault: bool = field(default=True, kw_only=True)
     group: str | None = field(default=None, kw_only=True)
+    second_chance: bool = field(default=True, kw_only=True)
 
     def __post_init__(self) -> None:
         def _int(name: str, value: object, low: int, high: int) -> None:
@@ -106,6 +112,10 @@ class CacheConfig:
         _secs("wait_for_space", self.wait_for_space, positive=False)
         if not isinstance(self.reclaim_dead, bool):
             raise ValueError(f"reclaim_dead must be a bool, not {type(self.reclaim_dead).__name__}")
+        if not isinstance(self.second_chance, bool):
+            raise ValueError(
+                f"second_chance must be a bool, not {type(self.second_chance).__name__}"
+            )
         if self.evict_stuck_readers_after is not None:
             _secs("evict_stuck_readers_after", self.evict_stuck_readers_after, positive=True)
         if self.name is not None:
@@ -351,6 +361,10 @@ class ShmRef(NamedTuple):
         return cls(*(_check_u64(f, data[f]) for f in REF_FIELDS))
 
 
+_new_object = object.__new__
+_set_field = object.__setattr__
+
+
 @dataclass(frozen=True, slots=True)
 class FeatureSpec:
     """One multimodal item of a request.
@@ -365,9 +379,15 @@ class FeatureSpec:
     prompt_updates: Sequence[Any] = field(default=(), kw_only=True)
 
     def with_data(self, data: Any) -> FeatureSpec:
-        return FeatureSpec(
-            self.mm_hash, data, identifier=self.identifier, prompt_updates=self.prompt_updates
-        )
+        # this spec's fields with another data: nothing to check, so the frozen dataclass's
+        # __init__ (one object.__setattr__ call per field, with keyword handling) is bypassed;
+        # measured 1.6 -> 0.9 us, once per feature of every read
+        new = _new_object(FeatureSpec)
+        _set_field(new, "mm_hash", self.mm_hash)
+        _set_field(new, "data", data)
+        _set_field(new, "identifier", self.identifier)
+        _set_field(new, "prompt_updates", self.prompt_updates)
+        return new
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,6 +446,9 @@ class CacheSnapshot:
     #: group shards: the group's name and this shard's index (None for a plain cache)
     group: str | None = None
     shard: int | None = None
+    #: second chance: items moved to the tail of the ring instead of evicted, and their bytes
+    relocations: int = 0
+    bytes_relocated: int = 0
 
     @property
     def total(self) -> int:

@@ -24,6 +24,9 @@ The metrics (counters end in ``_total``, sizes in ``_bytes``; labels ``cache`` a
 ``aioshmcache_inline_serves_total``         counter  items served inline, label ``cause``:
                                                      ``too_large``, ``full`` or ``busy``
 ``aioshmcache_evictions_total``             counter  items evicted to make room
+``aioshmcache_relocations_total``           counter  second chance: hit items moved to the tail
+                                                     of the ring instead of evicted
+``aioshmcache_relocated_bytes_total``       counter  their payload bytes
 ``aioshmcache_used_bytes``                  gauge    bytes of the ring in use
 ``aioshmcache_capacity_bytes``              gauge    the ring's capacity
 ``aioshmcache_items``                       gauge    items cached
@@ -188,6 +191,10 @@ class _Families:
             [*_CACHE_LABELS, "cause"],
         )
         self.evictions = counter("evictions", "Items evicted to make room")
+        self.relocations = counter(
+            "relocations", "Second chance: hit items moved to the ring's tail instead of evicted"
+        )
+        self.relocated_bytes = counter("relocated_bytes", "Payload bytes of relocated items")
         self.used = gauge("used_bytes", "Bytes of the ring in use")
         self.capacity = gauge("capacity_bytes", "Capacity of the ring in bytes")
         self.items = gauge("items", "Items cached")
@@ -218,6 +225,8 @@ class _Families:
             self.misses,
             self.inline,
             self.evictions,
+            self.relocations,
+            self.relocated_bytes,
             self.used,
             self.capacity,
             self.items,
@@ -244,6 +253,8 @@ class _Families:
         _put(self.inline, who.labels(cause="full"), snap.inline_full)
         _put(self.inline, who.labels(cause="busy"), snap.inline_busy)
         _put(self.evictions, labels, snap.evictions)
+        _put(self.relocations, labels, snap.relocations)
+        _put(self.relocated_bytes, labels, snap.bytes_relocated)
         _put(self.used, labels, snap.bytes_used)
         _put(self.capacity, labels, snap.capacity_bytes)
         _put(self.items, labels, snap.items)

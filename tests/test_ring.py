@@ -96,19 +96,50 @@ class RingModel(RuleBasedStateMachine):
         if rec is not None:
             rec[4] = True
 
-    @rule(n=st.integers(0, 3000))
-    def free(self, n: int) -> None:
+    @precondition(lambda self: len(self.fifo) > 0)
+    @rule(target=chunks)
+    def relocate(self) -> object:
+        """Second chance: the head chunk moves to the tail, a new chunk with the same bytes."""
+        old = self.fifo.pop(0)
+        _addr, size, _cid, data, _acked = old
+        expect = self._model_place(int(size))  # the old chunk's room is free first
+        assert expect is not None, "a relocated chunk always fits"
+        assert isinstance(data, bytes)
+        moved = self.ring.relocate_head()
+        assert moved is not None
+        addr, cid, _pos = moved
+        assert addr == expect and cid > self.last_id
+        self.last_id = cid
+        assert bytes(self.ring.access(addr, cid, len(data))) == data
+        rec: list[object] = [addr, size, cid, data, False]
+        self.fifo.append(rec)
+        return rec
+
+    def _model_free_bytes(self) -> int:
+        if not self.fifo:
+            return CAP
+        head = int(self.fifo[0][0])
+        tail = int(self.fifo[-1][0]) + int(self.fifo[-1][1])
+        return CAP - (tail - head if tail > head else CAP - head + tail)
+
+    @rule(n=st.integers(0, 3000), slack=st.integers(0, 2000), max_extra=st.integers(0, 3))
+    def free(self, n: int, slack: int, max_extra: int) -> None:
+        """Free acknowledged chunks until ``n`` bytes fit, then a bounded batch beyond."""
         acked = {r[2] for r in self.fifo if r[4]}
-        freed = self.ring.free(lambda cid: cid in acked, n)
+        freed = self.ring.free(lambda cid: cid in acked, n, slack=slack, max_extra=max_extra)
         expect = []
         need = chunk_size(n) if n else 0
+        extra = 0
         while self.fifo:
             if need and self._model_place(need) is not None:
-                break
+                if extra >= max_extra or self._model_free_bytes() >= need + slack:
+                    break
+                extra += 1
             if not self.fifo[0][4]:
                 break
             expect.append(self.fifo.pop(0)[2])
         assert freed == expect
+        assert self.ring.capacity - self.ring.used_bytes == self._model_free_bytes()
 
     @precondition(lambda self: len(self.fifo) > 0)
     @rule()

@@ -888,3 +888,58 @@ def test_copy_read_leaves_no_buffer_export() -> None:
     np.testing.assert_array_equal(got["a"], np.arange(3))
     del got
     mm.close()
+
+
+# --- decoded structure headers (templates) --------------------------------------------------
+
+
+def test_template_reads_build_fresh_values() -> None:
+    """A read of a shape seen before shares no mutable object with the earlier read."""
+    serde = MsgpackSerde()
+    obj = {"a": np.arange(6, dtype=np.int32).reshape(2, 3), "meta": {"k": [1, 2]}, "t": (1, "x")}
+    buf = encode(obj, serde)
+    first: Any = serde.read(buf.view)
+    assert len(serde._templates) == 1
+    first["a"][0, 0] = 99
+    first["meta"]["k"].append(3)
+    first["extra"] = 1
+    second: Any = serde.read(buf.view)
+    assert_same(obj, second)
+    assert second is not first and second["meta"] is not first["meta"]
+    views: Any = serde.read(buf.view, copy=False)
+    assert_same(obj, views)
+    assert not views["a"].flags.writeable
+
+
+def test_template_same_header_other_payload_size_refused() -> None:
+    """A payload whose prefix and header match a template but whose size does not is refused."""
+    serde = MsgpackSerde()
+    obj = {"data": np.ones(100, dtype=np.uint8)}
+    raw = encoded_bytes(obj)
+    serde.read(memoryview(raw))  # the template is kept
+    for bad in (raw + bytes(64), raw[:-1]):
+        with pytest.raises(SerdeError, match="payload is"):
+            serde.read(memoryview(bad))
+    assert_same(obj, serde.read(memoryview(raw)))
+
+
+def test_template_forgotten_when_a_limit_changes() -> None:
+    """Templates were validated against the limits: lowering one applies to the next read."""
+    serde = MsgpackSerde()
+    buf = encode({"a": np.zeros((2, 2, 2), dtype=np.uint8)}, serde)
+    serde.read(buf.view)
+    serde.max_ndim = 2
+    with pytest.raises(SerdeError, match="max_ndim"):
+        serde.read(buf.view)
+    serde.max_ndim = 3
+    serde.read(buf.view)
+    serde.max_header_bytes = 8
+    with pytest.raises(SerdeError, match="max_header_bytes"):
+        serde.read(buf.view)
+
+
+def test_template_cache_is_bounded() -> None:
+    serde = MsgpackSerde()
+    for n in range(serde_module._TEMPLATES_MAX + 10):
+        serde.read(encode({f"k{n}": n}, serde).view)
+    assert 0 < len(serde._templates) <= serde_module._TEMPLATES_MAX

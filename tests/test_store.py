@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from aioshmcache import (
     CacheConfig,
@@ -25,27 +25,51 @@ from aioshmcache import (
     StaleReferenceError,
 )
 from aioshmcache._inspect import inspect_segment
+from aioshmcache._layout import chunk_size
 from aioshmcache._serde import MsgpackSerde
 from aioshmcache._types import reference_tag
 
 from .helpers import SPAWN, checksum
 
-KEYS = [f"k{i}" for i in range(12)]
+KEYS = [f"k{i}" for i in range(6)]  # few: the ring fills, wraps and evicts often
 
 
 class StoreModel(RuleBasedStateMachine):
-    """Writer + 2 in-process readers vs a model of hand-outs and acknowledgements."""
+    """Writer + 2 in-process readers vs a model of hand-outs, acknowledgements and second chance.
+
+    A hit (``get_cached``) marks a key; a put may then move marked free keys from the head to the
+    tail (at most ``BUDGET`` bytes of chunks per put) and evict free ones. The model checks that
+    the store's new order is exactly that: a suffix of the old order, then the relocated keys in
+    their old order; every evicted key was free, every relocated one free and marked; every
+    reference to a relocated key's old chunk is stale (a typed error, never data).
+    """
+
+    SECOND_CHANCE = True
+    BUDGET = 2048
 
     def __init__(self) -> None:
         super().__init__()
-        self.store = ShmObjectStore.create(CacheConfig(8192, 4000, 2, ack_log_entries=64))
+        self.store = ShmObjectStore.create(
+            CacheConfig(4096, 4000, 2, ack_log_entries=64, second_chance=self.SECOND_CHANCE)
+        )
+        self.store.relocate_budget = self.BUDGET
         self.readers = [ShmObjectStore.from_handle(self.store.handle()) for _ in range(2)]
         self.order: list[str] = []  # model FIFO of cached keys
         self.data: dict[str, bytes] = {}
         # key -> every hand-out made: [reference, readers that still owe it]
         self.handouts: dict[str, list[tuple[ShmRef, set[int]]]] = {}
-        self.refs: dict[str, ShmRef] = {}  # the first hand-out (stale checks after clear)
+        self.refs: dict[str, ShmRef] = {}  # the current chunk's reference
         self.touched: set[str] = set()
+        self.marked: set[str] = set()  # hit since put or relocated
+        self.stale: list[ShmRef] = []  # references to chunks that were relocated away
+        self.relocated: list[str] = []  # what the store relocated during the last put, in order
+        relocate = self.store._relocate
+
+        def spy(e: Any) -> None:
+            self.relocated.append(e.key)
+            relocate(e)
+
+        self.store._relocate = spy  # type: ignore[method-assign]
 
     def teardown(self) -> None:
         for r in self.readers:
@@ -55,18 +79,49 @@ class StoreModel(RuleBasedStateMachine):
     def _free(self, k: str) -> bool:
         return not any(p for _r, p in self.handouts[k]) and k not in self.touched
 
-    def _sync_evictions(self, before: list[str]) -> None:
-        now = set(self.store.keys())
-        gone = [k for k in before if k not in now]
-        assert gone == before[: len(gone)], "eviction is not FIFO"
-        for k in gone:
-            assert self._free(k), f"{k} evicted while owed / touched"
-            self.order.remove(k)
+    def _sync_evictions(self, before: list[str], new: str | None = None) -> None:
+        fifo = self.store.keys()  # oldest first
+        now = [k for k in fifo if k != new]
+        ids = {k: ref.id for k in now if (ref := self.store.ref_of(k)) is not None}
+        moved = [k for k in now if ids[k] != self.refs[k].id]  # relocated: a new chunk
+        kept = [k for k in now if k not in moved]
+        assert now == kept + moved, "relocated items are not at the tail"
+        j = len(before) - len(kept)
+        assert before[j:] == kept, "eviction is not FIFO"
+        head = before[:j]
+        relocated, self.relocated = self.relocated, []
+        assert [k for k in head if k in moved] == moved, "not FIFO: moved out of order"
+        assert [k for k in relocated if k in now] == moved
+        assert self.SECOND_CHANCE or not relocated, "relocated although second chance is off"
+        spent = 0
+        for k in head:  # relocations in head order, each within the put's budget
+            size = chunk_size(self.refs[k].length)
+            if k in relocated:
+                spent += size
+            elif k in self.marked and self.SECOND_CHANCE and all(map(self._free, before)):
+                # (with a blocked key ahead the pass may fall back to FIFO: see _reclaim)
+                assert spent + size > self.BUDGET, f"{k} was hit, free and in budget: evicted"
+        assert spent <= self.BUDGET
+        for k in head:
+            assert self._free(k), f"{k} evicted or relocated while owed / touched"
+            for ref, _p in self.handouts[k]:
+                self.stale.append(ref)
+            if k in moved:
+                assert k in self.marked, f"{k} relocated without a hit"
+                self.marked.discard(k)
+                ref = self.store.ref_of(k)
+                assert ref is not None and ref.id > self.refs[k].id
+                assert ref.position > self.refs[k].position
+                self.refs[k] = ref
+                self.handouts[k] = []
+                continue
             del self.handouts[k], self.data[k], self.refs[k]
             self.touched.discard(k)
+            self.marked.discard(k)
+        self.order = list(now)
 
-    @rule(key=st.sampled_from(KEYS), size=st.integers(1, 3000))
-    def put(self, key: str, size: int) -> None:
+    @rule(key=st.sampled_from(KEYS), size=st.integers(500, 1800), read=st.booleans())
+    def put(self, key: str, size: int, read: bool) -> None:
         blob = os.urandom(size)
         before = list(self.order)
         if key in self.order:
@@ -79,15 +134,18 @@ class StoreModel(RuleBasedStateMachine):
             self._sync_evictions(before)
             assert self.order and not self._free(self.order[0]), "full although the head is free"
             return
-        self._sync_evictions(before)
+        self._sync_evictions(before, key)
         self.order.append(key)
         self.data[key] = blob
         self.handouts[key] = [(ref, {0, 1})]
         self.refs[key] = ref
         assert self.store.keys() == self.order
+        if read:
+            self.read_all(key)
 
-    @rule(key=st.sampled_from(KEYS))
-    def hand_out(self, key: str) -> None:
+    @rule(key=st.sampled_from(KEYS), read=st.booleans())
+    def hand_out(self, key: str, read: bool) -> None:
+        """A hit; with ``read``, both readers read it at once (a free, marked key)."""
         ref = self.store.get_cached(key)
         if key not in self.order:
             assert ref is None
@@ -99,6 +157,20 @@ class StoreModel(RuleBasedStateMachine):
         assert all(ref.seq != r.seq for r, _p in self.handouts[key])
         self.handouts[key].append((ref, {0, 1}))
         self.touched.discard(key)
+        self.marked.add(key)
+        if read:
+            self.read_all(key)
+
+    @rule(which=st.integers(0, 1000), reader=st.integers(0, 1))
+    def read_stale(self, which: int, reader: int) -> None:
+        """A reference to a chunk relocated away is stale: a typed error, never data."""
+        if not self.stale:
+            return
+        with pytest.raises(StaleReferenceError):
+            self.readers[reader].get(self.stale[which % len(self.stale)])
+        with pytest.raises(StaleReferenceError):
+            self.store.get(self.stale[which % len(self.stale)])
+        assert self.store.release(self.stale[which % len(self.stale)]) is False
 
     @rule(key=st.sampled_from(KEYS), reader=st.integers(0, 1), late=st.booleans())
     def read(self, key: str, reader: int, late: bool) -> None:
@@ -116,6 +188,14 @@ class StoreModel(RuleBasedStateMachine):
         pending.discard(reader)
 
     @rule(key=st.sampled_from(KEYS))
+    def read_all(self, key: str) -> None:
+        """Both readers read every hand-out of ``key`` they owe (the key becomes free)."""
+        for ref, pending in self.handouts.get(key, []):
+            for reader in sorted(pending):
+                assert self.readers[reader].get(ref) == {"b": self.data[key]}
+            pending.clear()
+
+    @rule(key=st.sampled_from(KEYS))
     def touch(self, key: str) -> None:
         assert self.store.touch(key) == (key in self.order)
         if key in self.order:
@@ -123,13 +203,14 @@ class StoreModel(RuleBasedStateMachine):
 
     @rule(key=st.sampled_from(KEYS), which=st.integers(0, 50))
     def release(self, key: str, which: int) -> None:
-        if key not in self.order:
+        if key not in self.order or not self.handouts[key]:  # none since it was relocated
             return
         ref, pending = self.handouts[key][which % len(self.handouts[key])]
         ok = self.store.release(ref)
         assert ok == bool(pending)  # exactly that hand-out, if anyone still owes it
         pending.clear()
 
+    @precondition(lambda self: len(self.stale) > 3)  # rarely: let the ring fill and wrap first
     @rule()
     def clear(self) -> None:
         old = dict(self.refs)
@@ -139,6 +220,7 @@ class StoreModel(RuleBasedStateMachine):
         self.handouts.clear()
         self.refs.clear()
         self.touched.clear()
+        self.marked.clear()
         for ref in old.values():
             with pytest.raises(StaleReferenceError):
                 self.readers[0].get(ref)
@@ -148,12 +230,26 @@ class StoreModel(RuleBasedStateMachine):
         assert self.store.keys() == self.order
         for k in self.order:
             assert self.store.is_freeable(k) == self._free(k)
+            assert self.store.get(self.refs[k]) == {"b": self.data[k]}  # every live key's bytes
+
+
+class FifoStoreModel(StoreModel):
+    """The same model with ``second_chance=False``: pure FIFO, hits or not."""
+
+    SECOND_CHANCE = False
 
 
 TestStoreModel = StoreModel.TestCase
-TestStoreModel.settings = settings(
+TestStoreModel.settings = settings(  # ~30 relocations and ~120 evictions per run (measured)
+    max_examples=120,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestFifoStoreModel = FifoStoreModel.TestCase
+TestFifoStoreModel.settings = settings(
     max_examples=40,
-    stateful_step_count=40,
+    stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -41,6 +41,7 @@ class StressOptions:
     evict_after: float = 1.5
     handout_ttl: float = 3.0
     wait_for_space: float = 0.2
+    second_chance: bool = True
     op_deadline: float = 10.0
     hang_timeout: float = 15.0
     max_loop_lag: float = 5.0
@@ -156,6 +157,13 @@ def parse_args(argv: list[str]) -> StressOptions:
         default=d.wait_for_space,
         help="largest wait_for_space a writer task passes (%(default)s s; 0: never wait)",
     )
+    p.add_argument(
+        "--no-second-chance",
+        dest="second_chance",
+        action="store_false",
+        help="CacheConfig(second_chance=False): evict in pure FIFO order (default: hit items "
+        "are moved to the ring's tail instead of evicted)",
+    )
     seconds = (
         ("--op-deadline", d.op_deadline, "per-operation deadline"),
         ("--hang-timeout", d.hang_timeout, "silent child = hang"),
@@ -251,6 +259,7 @@ def parse_args(argv: list[str]) -> StressOptions:
         evict_after=ns.evict_after,
         handout_ttl=ns.handout_ttl,
         wait_for_space=ns.wait_for_space,
+        second_chance=ns.second_chance,
         op_deadline=ns.op_deadline,
         hang_timeout=ns.hang_timeout,
         max_loop_lag=ns.max_loop_lag,

@@ -74,6 +74,7 @@ def progress_line(
         f"({st['requests'] / max(el, 1e-9):.0f}/s) verified {st['items_verified']} "
         f"{fmt_bytes(st['bytes_verified'], digits=2)} hit {hr:.0%} "
         f"evict {wt.get('evictions', 0)} "
+        f"reloc {wt.get('relocations', 0)} "
         f"inline {wt.get('inline', 0)} "
         + (f"sibling {wt.get('sibling_hits', 0)} " if opts.group else "")
         + f"| kills r{st['reader_kills']} w{st['writer_kills']} "
@@ -131,6 +132,12 @@ def summary(
     )
     row("  sender CacheMissError resends", wt.get("sender_cache_miss", 0))
     row("  evictions", wt.get("evictions", 0), True)
+    row(
+        "  relocations (second chance)",
+        f"{wt.get('relocations', 0):,} items, {fmt_bytes(wt.get('bytes_relocated', 0))}"
+        if o.second_chance
+        else "off (--no-second-chance)",
+    )
     row(
         "  cancelled (Task.cancel / move_on_after)",
         f"{wt.get('cancelled_task', 0):,} / {wt.get('cancelled_scope', 0):,}"

@@ -73,6 +73,7 @@ class WriterProc:
             delivery="one_of_n" if self.delivery == "one_of_n" else "broadcast",
             handout_ttl=handout_ttl(o, self.delivery),
             evict_stuck_readers_after=evict,
+            second_chance=o.second_chance,
         )
 
     async def run(self) -> None:
@@ -148,6 +149,8 @@ class WriterProc:
                 inline_full=snap.inline_full,
                 inline_too_large=snap.inline_too_large,
                 evictions=snap.evictions,
+                relocations=snap.relocations,
+                bytes_relocated=snap.bytes_relocated,
                 inline_busy=tx.inline_busy,
                 items=snap.items,
                 bytes_used=snap.bytes_used,
