@@ -10,7 +10,10 @@ Three suites, each also runnable alone (``--suite``) or through the scripts in `
 * ``async`` — the asyncio facade: cache hits, offloaded puts, loop lag, concurrency and the
   inline-vs-thread threshold;
 * ``group`` (only when asked for: ``--suite group``) — cache groups: preprocessings of a Zipf
-  load with 1 and 4 gateway processes, the cost of a sibling look-up and of a sibling hit.
+  load with 1 and 4 gateway processes, the cost of a sibling look-up and of a sibling hit;
+* ``trace`` (only when asked for: ``--suite trace``) — miss ratio and bytes written per request
+  of FIFO and second-chance eviction on seeded Zipf traces replayed through the real cache,
+  against an LRU model of the same capacity.
 
 It writes ``aioshmcache-bench[-SUITES][-quick]`` ``.md`` (the table), ``.png`` (the plot) and
 ``.json`` (every figure) to the current directory (``--results-dir DIR`` elsewhere; a bare
@@ -37,7 +40,7 @@ __all__ = ["SUITES", "checkout_results_dir", "main", "results_stem", "run"]
 
 SUITES = ("store", "peers", "async")
 #: suites run only when named with ``--suite``
-EXTRA_SUITES = ("group",)
+EXTRA_SUITES = ("group", "trace")
 
 
 #: a bare ``--results-dir``: the ``bench/results`` folder of the source checkout
@@ -109,6 +112,7 @@ def run(
     from .asyncbench import run_async_suite
     from .group import run_group_suite
     from .peers import run_peers_suite
+    from .trace import run_trace_suite
     from .workloads import run_store_suite
 
     p = Params.smoke() if quick else Params.full()
@@ -124,6 +128,8 @@ def run(
         run_async_suite(p, report, progress)
     if "group" in suites:
         run_group_suite(p, report, progress)
+    if "trace" in suites:
+        run_trace_suite(p, report, progress)
     report.finish()
     return report
 

@@ -68,6 +68,13 @@ class Params:
     concurrent_tasks: int = 100
     concurrent_requests: int = 50
     gc_entries: int = 250_000  # live small items in the writer for the full-collection cell
+    # the trace suite: a catalogue of images, requests per trace, image sizes, seeds per trace;
+    # sizes (and the capacity, a fraction of them) divided by trace_scale to keep the copies short
+    trace_items: int = 3000
+    trace_requests: int = 20_000
+    trace_sizes: tuple[int, int] = (512 * KiB, 8 * MiB)
+    trace_seeds: int = 5
+    trace_scale: int = 4
 
     @classmethod
     def full(cls) -> Params:
@@ -125,6 +132,10 @@ class Params:
             concurrent_tasks=20,
             concurrent_requests=20,
             gc_entries=20_000,
+            trace_items=400,
+            trace_requests=2000,
+            trace_seeds=1,
+            trace_scale=64,
         )
 
     def n_ops(self, size: int, *, peers: bool = False) -> int:

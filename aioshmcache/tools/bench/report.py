@@ -26,7 +26,7 @@ from .timing import Stat
 
 __all__ = ["Report", "Row", "Target"]
 
-Kind = Literal["time", "rate", "ratio", "count", "bytes"]
+Kind = Literal["time", "rate", "ratio", "count", "bytes", "fraction"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,8 @@ def _fmt_value(v: float, kind: Kind) -> str:
         return f"{v:.2f}x"
     if kind == "bytes":
         return fmt_bytes(int(v))
+    if kind == "fraction":
+        return f"{v:.1%}"
     return f"{v:,.0f}"
 
 
@@ -108,6 +110,8 @@ class Report:
     rows: list[Row] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: extra markdown tables: (heading, lines), written after the sections
+    blocks: list[tuple[str, list[str]]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.time)
     load_start: tuple[float, float, float] = field(default_factory=os.getloadavg)
@@ -223,6 +227,8 @@ class Report:
             lines += ["## Targets", "", *tt, ""]
         for s in self.sections():
             lines += [f"## {s}", "", *self.section_table(s), ""]
+        for heading, block in self.blocks:
+            lines += [f"## {heading}", "", *block, ""]
         if self.errors:
             lines += ["## Errors", ""] + [f"- {e}" for e in self.errors] + [""]
         if self.skipped:
@@ -250,6 +256,7 @@ class Report:
             "skipped": self.skipped,
             "errors": self.errors,
             "notes": self.notes,
+            "blocks": [{"heading": h, "lines": b} for h, b in self.blocks],
         }
 
     # --- files ------------------------------------------------------------------------------
@@ -284,7 +291,34 @@ _PANELS: dict[str, tuple[str, str, str, bool, bool]] = {
     "threshold": ("Async put: inline vs thread", "item size", "put latency", True, True),
     "looplag": ("Loop lag of a 1 ms ticker", "", "lag", False, True),
     "small": ("1 KiB steady state (writer/reader processes)", "", "time", False, False),
+    "trace": ("Miss ratio on Zipf traces (lower is better)", "", "miss ratio", False, False),
 }
+#: bar colours of the trace panel, by policy (anything else: the next default colour)
+_TRACE_COLOURS = {"FIFO": "C3", "second chance": "C2", "LRU model": "silver"}
+
+
+def _trace_bars(ax: Any, rows: Sequence[Row]) -> None:
+    """Grouped bars: one group per trace (the row's param), one bar per policy (its series)."""
+    traces: list[str] = []
+    policies: list[str] = []
+    for r in rows:
+        if r.param not in traces:
+            traces.append(r.param)
+        if (r.series or r.label) not in policies:
+            policies.append(r.series or r.label)
+    width = 0.8 / max(1, len(policies))
+    for k, name in enumerate(policies):
+        xs, ys = [], []
+        for r in rows:
+            if (r.series or r.label) == name and math.isfinite(r.value):
+                xs.append(traces.index(r.param) + (k - (len(policies) - 1) / 2) * width)
+                ys.append(r.value)
+        bars = ax.bar(xs, ys, width, label=name, color=_TRACE_COLOURS.get(name, f"C{k}"))
+        ax.bar_label(bars, labels=[f"{y:.0%}" for y in ys], fontsize=5, padding=1)
+    ax.set_xticks(range(len(traces)))
+    ax.set_xticklabels([t.replace(", ", "\n") for t in traces], fontsize=7)
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=6)
 
 
 def _size_ticks(ax: Any, xs: Sequence[float]) -> None:
@@ -335,7 +369,9 @@ def plot(report: Report, path: Path) -> bool:
         if all(r.kind == "time" for r in rows):
             m = max((r.value for r in rows if math.isfinite(r.value)), default=1.0)
             scale, unit = (1e3, "ms") if m > 2e-3 else (1e6, "µs")
-        if key in ("looplag", "small"):
+        if key == "trace":
+            _trace_bars(ax, rows)
+        elif key in ("looplag", "small"):
             # categorical bars
             labels = [f"{r.series or r.label}" for r in rows]
             vals = [r.value * scale for r in rows]
