@@ -20,7 +20,23 @@ from typing import Any
 
 import posix_ipc
 
-from ._layout import H_EPOCH, H_SECRET, H_STATE, H_WAITING, STATE_LIVE, semaphore_name
+from ._layout import (
+    C_CHECK,
+    C_ID,
+    C_LENGTH,
+    C_STATE,
+    CHUNK_HEADER,
+    CHUNK_MAGIC,
+    COMMITTED,
+    H_EPOCH,
+    H_HEAD_POS,
+    H_SECRET,
+    H_STATE,
+    H_WAITING,
+    STATE_LIVE,
+    WS_REVOKED,
+    semaphore_name,
+)
 from ._readers import ReaderSlot
 from ._ring import ShmRingBuffer
 from ._segment import Segment
@@ -79,6 +95,11 @@ class ReadPath:
         self._last_writer_probe = 0.0
         self._sem: Any = None
         self.closed = False
+        # the ring's size and views, for ``get``'s inline chunk checks (borrowed: the ring
+        # releases them when it closes)
+        self._capacity = ring.capacity
+        self._chunk_words = ring._w
+        self._chunk_bytes = ring.buf
 
     # --- checks -----------------------------------------------------------------------------
     def check_open(self) -> None:
@@ -187,7 +208,87 @@ class ReadPath:
         return self.finish_read(None, r, view, True)
 
     def get(self, ref: ShmRef | dict[str, Any], *, copy: bool = True) -> Any:
-        """A reader's read: verify, copy (or view), acknowledge (a copy only)."""
+        """A reader's read: verify, copy (or view), acknowledge (a copy only).
+
+        The usual case (a ``ShmRef`` that passes every check, a live writer, a slot with room)
+        runs in this one function: the checks of :meth:`check_reader`, :meth:`resolve` and
+        ``ShmRingBuffer.access``, in their order, before the copy; after it only the
+        re-verification and the acknowledgement (a big copy evicts the CPU caches: the less is
+        touched after it, the better). Anything unusual takes the general path, which makes the
+        same checks again and raises the typed error.
+        """
+        slot = self.slot
+        hw = self._hw
+        if (
+            slot is None
+            or type(ref) is not ShmRef
+            or self.closed
+            or self._seg.forked
+            or self._seg.closed
+            or hw[H_STATE] != STATE_LIVE
+            or time.monotonic() - self._last_writer_probe > self.probe_interval
+            or slot._words[WS_REVOKED] == slot.session
+            or slot._overflow
+        ):
+            return self._get(ref, copy)
+        nonce, epoch, address, cid, length, tag, position, seq = ref
+        if (
+            type(nonce) is not int
+            or type(epoch) is not int
+            or type(address) is not int
+            or type(cid) is not int
+            or type(length) is not int
+            or type(tag) is not int
+            or type(position) is not int
+            or type(seq) is not int
+            or (nonce | epoch | address | cid | length | tag | position | seq) >> 64
+            or nonce != self._nonce
+            or tag != finish_tag(tag_base(self._secret, epoch, address, cid, length, position), seq)
+            or epoch != hw[H_EPOCH]
+        ):
+            return self._get(ref, copy)
+        # ShmRingBuffer.access: a committed chunk of this id and length, at its position, not
+        # behind the reuse fence
+        cw = self._chunk_words
+        i = address >> 3
+        if (
+            address & 63
+            or address + (CHUNK_HEADER + length) > self._capacity
+            or cw[i + C_ID] != cid
+            or cw[i + C_LENGTH] != length
+            or cw[i + C_CHECK] != cid ^ length ^ CHUNK_MAGIC
+            or cw[i + C_STATE] != COMMITTED
+            or position % self._capacity != address
+            or hw[H_HEAD_POS] > position
+        ):
+            return self._get(ref, copy)
+        start = address + CHUNK_HEADER
+        view = self._chunk_bytes[start : start + length].toreadonly()
+        try:
+            value = self.serde.read(view, copy=copy)
+        except ShmCacheError:
+            self.ring.verify(address, cid, position)  # torn: stale; intact: re-raise
+            raise
+        finally:
+            if copy:
+                view.release()  # zero-copy arrays keep exporting it
+        # the copy is done: re-verify (a few words), acknowledge
+        if (
+            self._seg.closed
+            or hw[H_HEAD_POS] > position
+            or cw[i + C_ID] != cid
+            or cw[i + C_STATE] != COMMITTED
+        ):
+            self.ring.verify(address, cid, position)  # raises the typed error
+        if slot._words[WS_REVOKED] == slot.session:
+            slot.check_revoked()
+        if copy:
+            slot.ack(cid, seq)
+            if hw[H_WAITING]:
+                self._post_wake()
+        return value
+
+    def _get(self, ref: object, copy: bool) -> Any:
         slot = self.check_reader()
         try:
             r, view = self.resolve(ref)

@@ -490,6 +490,15 @@ _FlatArray = tuple[Any, np.dtype[Any], int, int, "tuple[int, ...] | None"]
 
 def _flat_dict_builder(arrays: list[_FlatArray]) -> _Builder:
     """The usual item, a dict of plain non-empty arrays: every array made in one loop."""
+    if len(arrays) == 1:
+        [(key, dt, count, start, shape)] = arrays
+        if shape is None:
+            # the commonest item of all, one 1-D array: no loop, no reshape
+            def one(buf: memoryview, ro: memoryview, copy: bool) -> Any:
+                arr = _frombuffer(ro, dt, count, start)
+                return {key: arr.copy() if copy else arr}
+
+            return one
 
     def build(buf: memoryview, ro: memoryview, copy: bool) -> Any:
         out = {}

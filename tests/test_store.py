@@ -472,6 +472,81 @@ def test_writer_own_get_verifies_like_a_reader(make_config: Any) -> None:
             store.get(ref)
 
 
+@pytest.mark.parametrize("copy", [True, False])
+def test_reader_get_verifies_after_the_copy(make_config: Any, copy: bool) -> None:
+    """Cleared and reused mid-copy: a reader's get says stale instead of returning the copy."""
+    serde = _ReuseAfterCopy()
+    with (
+        ShmObjectStore.create(make_config(1 << 16, 1 << 12, 1)) as store,
+        ShmObjectStore.from_handle(store.handle(), serde=serde) as reader,
+    ):
+        ref = store.put("a", {"x": np.arange(100)})
+        assert reader.get(ref, copy=copy)["x"][7] == 7
+        again = store.get_cached("a")
+        assert again is not None
+        ref = again
+
+        def clear_and_reuse() -> None:
+            store.clear()
+            other = store.put("b", {"x": np.full(100, -1)})
+            assert other.address == ref.address
+
+        serde.hook = clear_and_reuse
+        with pytest.raises(StaleReferenceError):
+            reader.get(ref, copy=copy)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, np.ndarray):
+        return bool(np.array_equal(a, b))
+    return bool(a == b)
+
+
+def test_reader_get_reads_the_usual_reference_in_one_function(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A valid reference, a live writer, a slot with room: no detour through the general path
+    (``ReadPath._get``), whose repeated checks cost a small read a quarter of its time. An
+    unusual one (a dict, a forged tag, a stale chunk) still takes it, for its typed errors."""
+    from aioshmcache._reading import ReadPath
+
+    detours: list[object] = []
+    general = ReadPath._get
+
+    def counting(self: ReadPath, ref: object, copy: bool) -> Any:
+        detours.append(ref)
+        return general(self, ref, copy)
+
+    monkeypatch.setattr(ReadPath, "_get", counting)
+    with (
+        ShmObjectStore.create(make_config(1 << 16, 1 << 12, 1)) as store,
+        ShmObjectStore.from_handle(store.handle()) as reader,
+    ):
+        reader.get(store.put("z", {"z": 0}))  # the first read probes the writer's lock
+        detours.clear()
+        items = {"a": {"x": np.arange(100)}, "b": {"x": np.ones((3, 4)), "s": "t"}, "c": [1, "2"]}
+        for key, item in items.items():
+            for copy in (True, False):
+                ref = store.put(key, item) if copy else store.get_cached(key)
+                assert ref is not None
+                got = reader.get(ref, copy=copy)
+                assert _same(got, item)
+                if not copy:
+                    del got
+                    reader.ack(ref)
+        assert detours == []
+        ref = store.get_cached("a")
+        assert ref is not None
+        with pytest.raises(InvalidReferenceError):
+            reader.get(ref._replace(tag=ref.tag ^ 1))
+        assert reader.get(ref._asdict())["x"][5] == 5
+        assert len(detours) == 2
+
+
 def test_lag_counts_a_reader_that_never_acknowledged(make_config: Any) -> None:
     with (
         ShmObjectStore.create(make_config()) as store,
