@@ -180,24 +180,35 @@ class ReadPath:
 
     def finish_read(self, slot: ReaderSlot | None, r: ShmRef, view: memoryview, copy: bool) -> Any:
         """Decode and verify a resolved reference's view (a chunk reused during the copy is
-        stale, never torn data); with a reader slot, check revocation and acknowledge a copy."""
-        _nonce, _epoch, address, cid, _length, _tag, position, seq = r
-        ring = self.ring
+        stale, never torn data); with a reader slot, check revocation and acknowledge a copy.
+
+        After a big copy the CPU caches are cold: only a few words are touched after it.
+        """
+        address, cid, position = r[2], r[3], r[6]
         try:
             value = self.serde.read(view, copy=copy)
         except ShmCacheError:
             # torn: stale; intact but undecodable: re-raise
-            ring.verify(address, cid, position)
+            self.ring.verify(address, cid, position)
             raise
         finally:
             if copy:
                 view.release()  # zero-copy arrays keep exporting it
-        ring.verify(address, cid, position)
+        # ShmRingBuffer.verify's checks, inline; it raises the typed error if one fails
+        cw, hw, i = self._chunk_words, self._hw, address >> 3
+        if (
+            self._seg.closed
+            or hw[H_HEAD_POS] > position
+            or cw[i + C_ID] != cid
+            or cw[i + C_STATE] != COMMITTED
+        ):
+            self.ring.verify(address, cid, position)
         if slot is not None:
-            slot.check_revoked()
+            if slot._words[WS_REVOKED] == slot.session:
+                slot.check_revoked()
             if copy:
-                slot.ack(cid, seq)
-                if self._hw[H_WAITING]:
+                slot.ack(cid, r[7])
+                if hw[H_WAITING]:
                     self._post_wake()
         return value
 
@@ -210,12 +221,22 @@ class ReadPath:
     def get(self, ref: ShmRef | dict[str, Any], *, copy: bool = True) -> Any:
         """A reader's read: verify, copy (or view), acknowledge (a copy only).
 
-        The usual case (a ``ShmRef`` that passes every check, a live writer, a slot with room)
-        runs in this one function: the checks of :meth:`check_reader`, :meth:`resolve` and
-        ``ShmRingBuffer.access``, in their order, before the copy; after it only the
-        re-verification and the acknowledgement (a big copy evicts the CPU caches: the less is
-        touched after it, the better). Anything unusual takes the general path, which makes the
-        same checks again and raises the typed error.
+        The usual case is :meth:`lookup` then :meth:`finish_read`; anything unusual takes the
+        general path, which makes the same checks again and raises the typed error.
+        """
+        view = self.lookup(ref)
+        if view is None:
+            return self._get(ref, copy)
+        return self.finish_read(self.slot, ref, view, copy)  # type: ignore[arg-type]
+
+    def lookup(self, ref: object) -> memoryview | None:
+        """The usual case of :meth:`check_reader` and :meth:`resolve`, in one function.
+
+        A view of the payload of ``ref`` if it is a ``ShmRef`` that passes every check, the
+        writer is live (and its probe not due) and this reader's slot has room; ``None`` for
+        anything else (nothing raised, nothing owed: the general path then raises the typed
+        error, or gives back a stale reference). The checks are those of ``check_reader``,
+        ``resolve`` and ``ShmRingBuffer.access``, in their order.
         """
         slot = self.slot
         hw = self._hw
@@ -230,7 +251,7 @@ class ReadPath:
             or slot._words[WS_REVOKED] == slot.session
             or slot._overflow
         ):
-            return self._get(ref, copy)
+            return None
         nonce, epoch, address, cid, length, tag, position, seq = ref
         if (
             type(nonce) is not int
@@ -246,7 +267,7 @@ class ReadPath:
             or tag != finish_tag(tag_base(self._secret, epoch, address, cid, length, position), seq)
             or epoch != hw[H_EPOCH]
         ):
-            return self._get(ref, copy)
+            return None
         # ShmRingBuffer.access: a committed chunk of this id and length, at its position, not
         # behind the reuse fence
         cw = self._chunk_words
@@ -261,32 +282,9 @@ class ReadPath:
             or position % self._capacity != address
             or hw[H_HEAD_POS] > position
         ):
-            return self._get(ref, copy)
+            return None
         start = address + CHUNK_HEADER
-        view = self._chunk_bytes[start : start + length].toreadonly()
-        try:
-            value = self.serde.read(view, copy=copy)
-        except ShmCacheError:
-            self.ring.verify(address, cid, position)  # torn: stale; intact: re-raise
-            raise
-        finally:
-            if copy:
-                view.release()  # zero-copy arrays keep exporting it
-        # the copy is done: re-verify (a few words), acknowledge
-        if (
-            self._seg.closed
-            or hw[H_HEAD_POS] > position
-            or cw[i + C_ID] != cid
-            or cw[i + C_STATE] != COMMITTED
-        ):
-            self.ring.verify(address, cid, position)  # raises the typed error
-        if slot._words[WS_REVOKED] == slot.session:
-            slot.check_revoked()
-        if copy:
-            slot.ack(cid, seq)
-            if hw[H_WAITING]:
-                self._post_wake()
-        return value
+        return self._chunk_bytes[start : start + length].toreadonly()
 
     def _get(self, ref: object, copy: bool) -> Any:
         slot = self.check_reader()
