@@ -137,8 +137,9 @@ class ReadPath:
             or time.monotonic() - self._last_writer_probe > self.probe_interval
         ):
             self.check_writer()
-        slot.check_revoked()
-        if slot.overflowing:
+        if slot._words[WS_REVOKED] == slot.session:
+            slot.check_revoked()
+        if slot._overflow:
             slot.flush()
         return slot
 
@@ -315,8 +316,17 @@ class ReadPath:
     def ack(self, ref: ShmRef) -> None:
         """Acknowledge a reference read with ``copy=False`` after re-verifying it."""
         slot = self.check_reader()
-        self.ring.verify(ref.address, ref.id, ref.position)
-        self._ack(slot, ref.id, ref.seq)
+        address, cid, position = ref.address, ref.id, ref.position
+        # ShmRingBuffer.verify's checks, inline (as in finish_read); it raises if one fails
+        hw = self._hw
+        if self._seg.closed or hw[H_HEAD_POS] > position:
+            self.ring.verify(address, cid, position)
+        cw, i = self._chunk_words, address >> 3
+        if cw[i + C_ID] != cid or cw[i + C_STATE] != COMMITTED:
+            self.ring.verify(address, cid, position)
+        slot.ack(cid, ref.seq)
+        if hw[H_WAITING]:
+            self._post_wake()
 
     def give_back(self, ref: ShmRef) -> None:
         """Acknowledge a reference that will not be read (never raises)."""

@@ -410,7 +410,9 @@ class _ReadFails(MsgpackSerde):
 @pytest.mark.parametrize(
     "exc", [SerdeError("limit"), MemoryError("no memory"), RuntimeError("bug")], ids=repr
 )
-@pytest.mark.parametrize("how", ["features", "item", "lease", "async_small", "async_big"])
+@pytest.mark.parametrize(
+    "how", ["features", "item", "lease", "lease_one", "async_small", "async_big"]
+)
 def test_a_failed_read_gives_its_references_back(
     make_config: Any, exc: BaseException, how: str
 ) -> None:
@@ -429,6 +431,7 @@ def test_a_failed_read_gives_its_references_back(
         )
         rx = ReceiverCache.attach(tx.handle(), serde=_ReadFails(exc))
         try:
+            rx.store.check_reader()  # the writer probed now: one-item reads take their own path
             with pytest.raises(type(exc)):
                 if how == "features":
                     rx.get_and_update_features(feats)
@@ -436,6 +439,9 @@ def test_a_failed_read_gives_its_references_back(
                     rx.get_and_update_item(feats[1].data, "k1")
                 elif how == "lease":
                     with rx.lease(feats):
+                        pass
+                elif how == "lease_one":
+                    with rx.lease([feats[1]]):
                         pass
                 else:
                     threshold = 1 << 40 if how == "async_small" else 1 << 10
@@ -445,7 +451,7 @@ def test_a_failed_read_gives_its_references_back(
                         await arx.get_and_update_features(feats)
 
                     anyio.run(read)
-            if how == "item":  # the other two were never given to a read: give them back
+            if how in ("item", "lease_one"):  # the other two were never read: give them back
                 assert rx.release(feats[0].data) and rx.release(feats[2].data)
             rx.get_and_update_features([])  # flushes what was acknowledged locally
             assert [r.lag for r in tx.snapshot().readers if r.attached] == [0]
@@ -591,6 +597,92 @@ def test_a_stale_reference_is_given_back_once(make_config: Any) -> None:
         assert slot.acknowledged - before == 1
         with pytest.raises(CacheMissError):
             req.finish()
+
+
+class _ClearsDuringRead(MsgpackSerde):
+    """A reader's serde whose next read runs ``hook`` after decoding (the writer clears)."""
+
+    hook: Any = None
+
+    def read(self, buf: memoryview, *, copy: bool = True) -> object:
+        value = super().read(buf, copy=copy)
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return value
+
+
+def test_one_reference_is_read_without_a_request(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """get_and_update_item and a one-item lease of a ShmRef read it directly (a request costs
+    as much again as the read), with the request's outcomes: counted, acknowledged (a lease on
+    exit), a chunk reused during the read raised as the request raises it."""
+    from aioshmcache._request import ReceiverRequest
+
+    serde = _ClearsDuringRead()
+    requests: list[object] = []
+    with (
+        SenderCache(make_config()) as tx,
+        ReceiverCache.attach(tx.handle(), serde=serde) as rx,
+    ):
+        rx.store.check_reader()  # the first check probes the writer: not the usual case
+        monkeypatch.setattr(ReceiverRequest, "begin", lambda self: requests.append(self))
+
+        def owed() -> list[int]:
+            return [r.lag for r in tx.snapshot().readers if r.attached]
+
+        ref, _ = tx.get_and_update_item(({"x": np.arange(10)}, ()), "a")
+        assert rx.get_and_update_item(ref, "a")["x"][3] == 3
+        ref, _ = tx.get_and_update_item(None, "a")
+        with rx.lease([FeatureSpec("a", ref, identifier="i")]) as out:
+            [f] = out
+            assert (f.mm_hash, f.identifier) == ("a", "i")
+            assert f.data["x"][4] == 4 and not f.data["x"].flags.writeable
+            assert owed() == [1]
+        assert out == [] and owed() == [0]
+        assert rx.make_stats() == CacheInfo(2, 2)
+
+        others: list[ShmRef] = []
+
+        def clear_and_reuse() -> None:
+            tx.clear_cache()
+            other, _ = tx.get_and_update_item(({"x": np.full(10, -1)}, ()), "b")
+            others.append(other)
+
+        for lease in (False, True):
+            ref, _ = tx.get_and_update_item(({"x": np.arange(10)}, ()), "a")
+            serde.hook = clear_and_reuse
+            if lease:
+                with pytest.raises(CacheMissError) as miss, rx.lease([FeatureSpec("a", ref)]):
+                    pass
+                assert miss.value.mm_hashes == ("a",) and miss.value.features is None
+            else:
+                with pytest.raises(StaleReferenceError, match="reference for 'a' is stale"):
+                    rx.get_and_update_item(ref, "a")
+        assert rx.make_stats() == CacheInfo(2, 4)
+
+        def fail() -> None:
+            raise SerdeError("a limit")
+
+        for lease in (False, True):  # a failed read is given back (counted, as a request does)
+            ref, _ = tx.get_and_update_item(None, "b")
+            assert owed() == [2]
+            serde.hook = fail
+            with pytest.raises(SerdeError):
+                if lease:
+                    with rx.lease([FeatureSpec("b", ref)]):
+                        pass
+                else:
+                    rx.get_and_update_item(ref, "b")
+            rx.store.slot.flush()  # type: ignore[union-attr]
+            assert owed() == [1]
+        assert rx.make_stats() == CacheInfo(2, 6)
+        assert requests == []
+        monkeypatch.undo()
+        assert rx.release(others[-1])  # the last "b" (the clear settled the first)
+        rx.get_and_update_features([])  # flushes what was acknowledged locally
+        assert owed() == [0]
 
 
 def test_cached_order_is_consistent_while_other_threads_put(make_config: Any) -> None:
