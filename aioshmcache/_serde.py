@@ -451,6 +451,7 @@ def _parse_array_descriptor(data: bytes) -> _ArrayDesc:
 # of an item shaped like an earlier one skips the unpacking and the walk. Only templates that
 # passed validation are stored, and the cache is bounded (cleared when full).
 _TEMPLATE_HEADER_MAX = 4096  # longer headers (e.g. big str values) are not worth keeping
+_TEMPLATE_KEY_MAX = _PREFIX_SIZE + _TEMPLATE_HEADER_MAX
 _TEMPLATES_MAX = 256
 _LIMITS = frozenset(("max_arrays", "max_depth", "max_header_bytes", "max_ndim"))
 
@@ -896,21 +897,19 @@ class MsgpackSerde:
     def read(self, buf: memoryview, *, copy: bool = True) -> object:
         """Decode one payload (exactly ``nbytes`` long). Anything not in our format: SerdeError."""
         try:
-            if type(buf) is not memoryview:
-                buf = memoryview(buf)
-            if buf.format != "B" or buf.ndim != 1:
-                buf = buf.cast("B")
+            if type(buf) is not memoryview or buf.format != "B" or buf.ndim != 1:
+                buf = (buf if type(buf) is memoryview else memoryview(buf)).cast("B")
             size = len(buf)
             if size >= _PREFIX_SIZE:
                 # A template is keyed by the prefix and the header: a hit (of the same payload
                 # size) implies every check below passed when it was compiled.
                 hend = _PREFIX_SIZE + _HLEN.unpack_from(buf, _HLEN_OFFSET)[0]
-                if hend <= _PREFIX_SIZE + _TEMPLATE_HEADER_MAX:
+                if hend <= _TEMPLATE_KEY_MAX:
                     tmpl = self._templates.get(buf[:hend].tobytes())
                     if tmpl is not None and tmpl[2] == size:
-                        build, value, _ = tmpl
+                        build = tmpl[0]
                         if build is None:
-                            return value
+                            return tmpl[1]
                         return build(buf, buf if copy or buf.readonly else buf.toreadonly(), copy)
             return self._read(buf, size, copy)
         except SerdeError:
