@@ -506,7 +506,7 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def test_reader_get_reads_the_usual_reference_in_one_function(
+def test_reader_get_reads_the_usual_reference_without_the_general_path(
     make_config: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A valid reference, a live writer, a slot with room: no detour through the general path
