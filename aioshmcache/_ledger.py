@@ -155,13 +155,24 @@ class HandoutLedger:
     def hand_out_id(self, cid: int, owers: list[int]) -> int:
         """``hand_out`` by chunk id: makes no ``Debts`` when nobody owes it and none exists."""
         e = self.entries.get(cid)
-        if e is None:
-            if not owers and not self.one_of_n:
-                seq = self.next_seq  # owed by nobody, nothing pinned or touched: just a number
-                self.next_seq = seq + 1
-                return seq
-            e = Debts(cid)
-        return self.hand_out(e, owers)
+        if e is not None:
+            return self.hand_out(e, owers)
+        seq = self.next_seq
+        self.next_seq = seq + 1
+        if self.one_of_n:
+            e = self.entries[cid] = Debts(cid)
+            e.out[seq] = None
+            e.out_time[seq] = self.clock()
+            e.debt = 1
+        elif owers:  # the common put: a new entry owed by the live sessions, in one go
+            e = self.entries[cid] = Debts(cid)
+            e.out[seq] = list(owers)
+            e.out_time[seq] = self.clock()
+            e.debt = len(owers)
+            owed = self.owed
+            for s in owers:
+                owed[s] = owed.get(s, 0) + 1
+        return seq  # owed by nobody, nothing pinned or touched: just a number
 
     def settle(self, cid: int, seq: int, session: int) -> bool:
         """Session ``session`` acknowledged hand-out ``seq`` of entry ``cid``; True if it owed it.

@@ -239,17 +239,26 @@ class ShmRingBuffer:
 
     def allocate(self, payload: int) -> tuple[int, int]:
         """Reserve a chunk for ``payload`` bytes; returns (address, id). State: *writing*."""
-        self._check_writer()
+        got = self.try_allocate(payload)
+        if got is None:
+            size = chunk_size(payload)
+            if size > self.capacity:
+                raise CacheFullError(
+                    f"a {payload}-byte chunk can never fit a {self.capacity}-byte ring"
+                )
+            raise CacheFullError(f"no contiguous room for {size} bytes (used {self.used_bytes})")
+        return got
+
+    def try_allocate(self, payload: int) -> tuple[int, int] | None:
+        """:meth:`allocate`, or None (nothing changed) if the chunk does not fit now."""
+        if not self._writer or self._seg.closed or self._seg.forked:
+            self._check_writer()
         if payload < 0:
             raise ValueError("payload size must be non-negative")
         size = chunk_size(payload)
-        if size > self.capacity:
-            raise CacheFullError(
-                f"a {payload}-byte chunk can never fit a {self.capacity}-byte ring"
-            )
         addr = self._place(size)
         if addr is None:
-            raise CacheFullError(f"no contiguous room for {size} bytes (used {self.used_bytes})")
+            return None
         cid = int(self._hw[H_NEXT_ID])
         if cid > MAX_CHUNK_ID:
             raise ShmCacheError("64-bit chunk ids exhausted")
@@ -298,14 +307,16 @@ class ShmRingBuffer:
             address + CHUNK_HEADER : address + CHUNK_HEADER + int(self._w[i + C_LENGTH])
         ]
 
-    def commit(self, address: int) -> None:
-        """Make the chunk readable: its payload must be fully written."""
-        self._check_writer()
+    def commit(self, address: int) -> int:
+        """Make the chunk readable: its payload must be fully written. Returns its position."""
+        if not self._writer or self._seg.closed or self._seg.forked:
+            self._check_writer()
         k = self._num.get(address)
         if k is None or self._state[k & self._mask] != WRITING:
             raise ShmCacheError(f"chunk at {address} is not being written")
         self._w[(address >> 3) + C_STATE] = COMMITTED
         self._state[k & self._mask] = COMMITTED
+        return self._cpos[k & self._mask]
 
     def abandon(self, address: int) -> None:
         """Mark an allocation whose copy was abandoned as dead; it is reclaimed in FIFO order."""

@@ -187,10 +187,6 @@ _ENC_DTYPES: dict[np.dtype[Any], bytes] = {}
 _DEC_DTYPES: dict[bytes, np.dtype[Any]] = {}
 
 
-def _align(n: int) -> int:
-    return (n + _ALIGN_MASK) & ~_ALIGN_MASK
-
-
 def _check_dtype_string(raw: bytes) -> np.dtype[Any]:
     """Validate a dtype descriptor string (hostile input) and return the dtype it names."""
     dt = _DEC_DTYPES.get(raw)
@@ -248,7 +244,7 @@ class _Plan:
         chunks: list[tuple[int, np.ndarray[Any, Any]]],
     ) -> None:
         self._header = header
-        self._data_off = _align(_PREFIX_SIZE + len(header))
+        self._data_off = (_PREFIX_SIZE + len(header) + _ALIGN_MASK) & ~_ALIGN_MASK  # _align
         self._data_len = data_len
         # (offset relative to the data section, source array); bytes values as uint8 arrays
         self._chunks = chunks
@@ -817,49 +813,45 @@ class MsgpackSerde:
 
     def write(self, plan: EncodePlan, buf: memoryview) -> None:
         """Write ``plan`` into ``buf[0:plan.nbytes]``; one copy per array, no other writes."""
-        if not isinstance(plan, _Plan):
+        if type(plan) is not _Plan and not isinstance(plan, _Plan):
             raise SerdeError(f"not a plan made by MsgpackSerde: {plan!r}")
-        try:
-            self._write(plan, buf)
+        try:  # one frame on the put path: the checks and copies, errors made typed
+            if type(buf) is not memoryview:
+                buf = memoryview(buf)
+            if buf.format != "B" or buf.ndim != 1:
+                buf = buf.cast("B")
+            if buf.readonly:
+                raise SerdeError("write needs a writable buffer")
+            nbytes = plan.nbytes
+            if len(buf) < nbytes:
+                raise SerdeError(f"buffer of {len(buf)} bytes is smaller than plan.nbytes={nbytes}")
+            if len(buf) != nbytes:
+                buf = buf[:nbytes]  # nothing past nbytes can be written, whatever happens below
+            header = plan._header
+            hend = _PREFIX_SIZE + len(header)
+            data_off = plan._data_off
+            _PREFIX.pack_into(buf, 0, _MAGIC, _VERSION, 0, len(header), plan._data_len)
+            buf[_PREFIX_SIZE:hend] = header
+            buf[hend:data_off] = _ZEROS[: data_off - hend]
+            prev = data_off
+            for off, src in plan._chunks:
+                start = data_off + off
+                if start != prev:
+                    buf[prev:start] = _ZEROS[: start - prev]
+                size = src.nbytes
+                prev = start + size
+                if size == 0:
+                    continue
+                dst = _frombuffer(buf, src.dtype, src.size, start)
+                if src.ndim != 1:
+                    dst = dst.reshape(src.shape)
+                dst[...] = src  # see the module docstring: np.copyto's loop, less overhead
         except SerdeError:
             raise
         except MemoryError:
             raise
         except Exception as exc:  # not a writable contiguous buffer; a source changed since plan
             raise SerdeError(f"cannot write plan: {exc}") from exc
-
-    @staticmethod
-    def _write(plan: _Plan, buf: memoryview) -> None:
-        if type(buf) is not memoryview:
-            buf = memoryview(buf)
-        if buf.format != "B" or buf.ndim != 1:
-            buf = buf.cast("B")
-        if buf.readonly:
-            raise SerdeError("write needs a writable buffer")
-        nbytes = plan.nbytes
-        if len(buf) < nbytes:
-            raise SerdeError(f"buffer of {len(buf)} bytes is smaller than plan.nbytes={nbytes}")
-        if len(buf) != nbytes:
-            buf = buf[:nbytes]  # nothing past nbytes can be written, whatever happens below
-        header = plan._header
-        hend = _PREFIX_SIZE + len(header)
-        data_off = plan._data_off
-        _PREFIX.pack_into(buf, 0, _MAGIC, _VERSION, 0, len(header), plan._data_len)
-        buf[_PREFIX_SIZE:hend] = header
-        buf[hend:data_off] = _ZEROS[: data_off - hend]
-        prev = data_off
-        for off, src in plan._chunks:
-            start = data_off + off
-            if start != prev:
-                buf[prev:start] = _ZEROS[: start - prev]
-            size = src.nbytes
-            prev = start + size
-            if size == 0:
-                continue
-            dst = _frombuffer(buf, src.dtype, src.size, start)
-            if src.ndim != 1:
-                dst = dst.reshape(src.shape)
-            dst[...] = src  # see the module docstring: np.copyto's loop, less overhead
 
     def _compile(self, header: bytes | memoryview, data_off: int, data_len: int) -> _Template:
         """Unpack and validate a structure header into a template (``SerdeError`` if invalid)."""

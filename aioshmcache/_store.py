@@ -145,6 +145,8 @@ EVICT_SLACK_CHUNKS: Final = 16
 #: A cached item's row, by chunk id: ``(key, address, length, position, tag_base, tag_epoch)``.
 #: A plain tuple of str and ints on purpose (see "Compact writer state" in the module docstring).
 _Row = tuple[str, int, int, int, int, int]
+_new_ref: Final = tuple.__new__  # ShmRef's fields in order, without its Python-level __new__
+_NOBODY: Final[list[int]] = []  # the owers of a one-of-N hand-out (never appended to)
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,7 @@ class ShmObjectStore:
         self._closed = False
         self._reading = ReadPath(segment, self.ring, self.serde, probe_interval=probe_interval)
         self.hints = HintTable(segment)  # empty unless the segment is a group shard
+        self._has_hints = bool(self.hints)  # its size is fixed with the segment
         # writer state
         self._sem: Any = None
         self._config = config
@@ -334,8 +337,8 @@ class ShmObjectStore:
         self._reading.check_open()
 
     def _check_writer(self) -> None:
-        self._check_open()
-        if not self.is_writer:
+        if self._reading.closed or self._seg.forked or not self.is_writer:  # one call when fine
+            self._check_open()
             raise RoleError("this is a reader: only the writer puts, hands out and evicts")
 
     # --- writer: look-ups ------------------------------------------------------------------
@@ -371,8 +374,8 @@ class ShmObjectStore:
         if tag_epoch != epoch:  # the seq-independent part of the tag, once per epoch
             base = tag_base(self._secret, epoch, address, cid, length, position)
             self._rows[cid] = (key, address, length, position, base, epoch)
-        return ShmRef(
-            self._nonce, epoch, address, cid, length, finish_tag(base, seq), position, seq
+        return _new_ref(
+            ShmRef, (self._nonce, epoch, address, cid, length, finish_tag(base, seq), position, seq)
         )
 
     # --- writer: put -------------------------------------------------------------------------
@@ -430,16 +433,17 @@ class ShmObjectStore:
         gave up, e.g. a cancelled request).
         """
         self._check_writer()
-        if not isinstance(key, str):
+        if type(key) is not str and not isinstance(key, str):
             raise TypeError(f"keys are str, not {type(key).__name__}")
-        if self.is_pending(key) or key in self._index:
+        if key in self._index or key in self._pending or key in self._waiting_keys:
             raise DuplicateKeyError(f"key {key!r} is already cached")
         if plan.nbytes > self.max_object_bytes:
             raise ObjectTooLargeError(
                 f"object of {plan.nbytes} bytes exceeds max_object_bytes={self.max_object_bytes}",
                 nbytes=plan.nbytes,
             )
-        if not self.ring.fits(plan.nbytes):  # the slow path: evict, maybe wait
+        got = self.ring.try_allocate(plan.nbytes)
+        if got is None:  # the slow path: evict, maybe wait
             if wait_for_space is None:
                 wait_for_space = self._config.wait_for_space if self._config else 0.0
             self._waiting_keys.add(key)  # the lock may be let go while waiting: claim the key
@@ -448,8 +452,8 @@ class ShmObjectStore:
             finally:
                 self._waiting_keys.discard(key)
             self._check_writer()  # closed while we waited?
-        address, cid = self.ring.allocate(plan.nbytes)
-        res = Reservation(key, address, cid, plan)
+            got = self.ring.allocate(plan.nbytes)
+        res = Reservation(key, got[0], got[1], plan)
         self._pending[key] = res
         return res
 
@@ -479,16 +483,18 @@ class ShmObjectStore:
         del self._pending[res.key]
         if self._closed:
             raise ClosedCacheError("store closed during the put")
-        self.ring.commit(res.address)
+        ring, hw = self.ring, self._hw
         cid, address, length = res.id, res.address, res.plan.nbytes
-        position = self.ring.position(address)
-        epoch = int(self._hw[H_EPOCH])
+        position = ring.commit(address)
+        epoch = int(hw[H_EPOCH])
         base = tag_base(self._secret, epoch, address, cid, length, position)
         self._rows[cid] = (res.key, address, length, position, base, epoch)
         self._index[res.key] = cid
-        if self.hints:
+        if self._has_hints:
             self.hints.publish(res.key, Hint(epoch, address, cid, length, position))
-        self._publish_usage()
+        hw[H_BYTES_USED] = ring.used_bytes  # _publish_usage, inline: every put
+        hw[H_ITEMS] = len(self._index)
+        hw[H_EVICTIONS] = self.evictions
         return self._hand_out(cid)
 
     def abort(self, res: Reservation) -> None:
@@ -517,9 +523,10 @@ class ShmObjectStore:
 
     def _hand_out(self, cid: int) -> ShmRef:
         if self.one_of_n:
-            seq = self.ledger.hand_out_id(cid, [])
+            seq = self.ledger.hand_out_id(cid, _NOBODY)
         else:
-            self._sync_sessions()
+            if self.readers.sessions() != self._known_sessions:
+                self._sync_sessions()
             seq = self.ledger.hand_out_id(cid, self._live_sessions)
             if self._live_sessions:
                 owed, words = self.ledger.owed, self.readers.owed_words
