@@ -259,7 +259,7 @@ class ShmRingBuffer:
         addr = self._place(size)
         if addr is None:
             return None
-        cid = int(self._hw[H_NEXT_ID])
+        cid = self._hw[H_NEXT_ID]
         if cid > MAX_CHUNK_ID:
             raise ShmCacheError("64-bit chunk ids exhausted")
         self._hw[H_NEXT_ID] = cid + 1

@@ -61,7 +61,10 @@ Deliberate choices (and where they differ from the first sketch):
   numpy's same assign loop, which drops the GIL for large arrays (measured: a 64 MiB copy in a
   thread left the main thread running in both cases; a memoryview slice assignment did not), but
   ``np.copyto`` pays the array-function dispatch (0.54 vs 0.24 us for 1 KiB). Source and
-  destination have the same dtype and shape, so nothing is cast or broadcast.
+  destination have the same dtype and shape, so nothing is cast or broadcast. Arrays of at
+  most :data:`_SMALL_COPY` bytes that are C-contiguous are copied as raw bytes by a memoryview
+  slice assignment instead (0.3 against 0.55 us for 1 KiB: no numpy view is made; holding
+  the GIL for a copy that short costs nothing).
 * Views are built with positional ``np.frombuffer(buf, dtype, count, offset)``: measured 2.5x
   faster than the keyword form here. ``np.ndarray(shape, dtype, buffer=...)`` is faster still but
   records the underlying mmap as the base, which lets a caller flip a read-only view back to
@@ -172,6 +175,7 @@ _FLAT_SHAPES_MAX = 256  # shapes remembered per serde (cleared when full)
 
 _TUPLE_MARK = msgpack.ExtType(_EXT_TUPLE, b"")
 _ZEROS = memoryview(bytes(_ALIGN))
+_SMALL_COPY = 64 << 10  # arrays up to this size are copied by memoryview (see the docstring)
 _ExtType = msgpack.ExtType
 # ExtType.__new__ re-validates its (constant, known-good) arguments in Python; tuple.__new__
 # builds the same namedtuple in a fifth of the time (measured 0.67 -> 0.1 us).
@@ -842,6 +846,12 @@ class MsgpackSerde:
                 prev = start + size
                 if size == 0:
                     continue
+                if size <= _SMALL_COPY:
+                    try:  # the raw bytes of a C-contiguous array, without making a numpy view
+                        buf[start:prev] = src.data.cast("B")
+                        continue
+                    except (TypeError, ValueError, NotImplementedError):
+                        pass  # not C-contiguous, or a dtype with no buffer format: numpy's copy
                 dst = _frombuffer(buf, src.dtype, src.size, start)
                 if src.ndim != 1:
                     dst = dst.reshape(src.shape)

@@ -368,7 +368,7 @@ class ShmObjectStore:
         return None if row is None else row[0]
 
     def _ref(self, cid: int, seq: int = 0) -> ShmRef:
-        epoch = int(self._hw[H_EPOCH])
+        epoch = self._hw[H_EPOCH]  # a "Q" view: already an int
         row = self._rows[cid]
         key, address, length, position, base, tag_epoch = row
         if tag_epoch != epoch:  # the seq-independent part of the tag, once per epoch
@@ -486,7 +486,7 @@ class ShmObjectStore:
         ring, hw = self.ring, self._hw
         cid, address, length = res.id, res.address, res.plan.nbytes
         position = ring.commit(address)
-        epoch = int(hw[H_EPOCH])
+        epoch = hw[H_EPOCH]
         base = tag_base(self._secret, epoch, address, cid, length, position)
         self._rows[cid] = (res.key, address, length, position, base, epoch)
         self._index[res.key] = cid
@@ -675,7 +675,7 @@ class ShmObjectStore:
         self._undrained = 0
         if t.sessions() == self._known_sessions and t.heads() == [st.cursor for st in self._slots]:
             return 0  # nothing new: the common case, two strided reads
-        settle = self.ledger.settle
+        settle_all = self.ledger.settle_all
         for slot, st in enumerate(self._slots):
             for _ in range(3):
                 s = t.word(slot, RS_SESSION)
@@ -697,14 +697,14 @@ class ShmObjectStore:
                 continue
             logv = t.log_view(slot)
             n_log = t.log_entries
-            pairs = [
-                (int(logv[2 * (k % n_log)]), int(logv[2 * (k % n_log) + 1]))
-                for k in range(cur, head)
-            ]
+            start = cur % n_log  # entries cur..head-1, flat (id, seq, id, seq, ...)
+            if start + n <= n_log:
+                acks = logv[2 * start : 2 * (start + n)].tolist()
+            else:
+                acks = logv[2 * start :].tolist() + logv[: 2 * (start + n - n_log)].tolist()
             logv.release()
             if self.one_of_n or (st.session and st.alive):
-                for cid, seq in pairs:
-                    settle(cid, seq, st.session)
+                settle_all(acks, st.session)
             st.cursor = head
             t.set_word(slot, WS_CONSUMED, head)
             n_total += n
