@@ -182,14 +182,13 @@ class LedgerModel(RuleBasedStateMachine):
         """A drain: one session's acknowledgements applied in order by ``settle_all``."""
         s = data.draw(st.sampled_from(sorted(self.sessions)))
         owed = [(c, q) for c, hs in self.handouts.items() for q in hs]
-        pairs = data.draw(
-            st.lists(
-                st.sampled_from(owed)
-                if owed and data.draw(st.booleans())
-                else st.tuples(st.integers(1, self.next_cid), st.integers(1, self.next_seq)),
-                max_size=5,
-            )
+        pick_owed: bool = data.draw(st.booleans())
+        one: st.SearchStrategy[tuple[int, int]] = (
+            st.sampled_from(owed)
+            if owed and pick_owed
+            else st.tuples(st.integers(1, self.next_cid), st.integers(1, self.next_seq))
         )
+        pairs = data.draw(st.lists(one, max_size=5))
         expected = 0
         for cid, seq in pairs:
             h = self.handouts.get(cid, {}).get(seq)
