@@ -210,7 +210,10 @@ class ShmObjectStore:
         self.ledger = HandoutLedger(one_of_n=self.one_of_n, handout_ttl=self.handout_ttl)
         self._index: dict[str, int] = {}  # key -> chunk id
         self._rows: dict[int, _Row] = {}  # chunk id -> its row, until the chunk is freed
-        self._marked: set[int] = set()  # second chance: chunk ids hit since written or moved
+        # second chance: chunk ids hit since written or moved. A dict of int -> None, not a set:
+        # the collector untracks such a dict, while it walks every member of a set (12 ms per
+        # full collection with 250,000 marked items)
+        self._marked: dict[int, None] = {}
         self._by_id: dict[int, Debts] = self.ledger.entries  # the same dict: active entries only
         self._pending: dict[str, Reservation] = {}
         self._waiting_keys: set[str] = set()
@@ -518,7 +521,7 @@ class ShmObjectStore:
         if cid is None:
             return None
         if self.second_chance:
-            self._marked.add(cid)  # a hit: second chance
+            self._marked[cid] = None  # a hit: second chance
         return self._hand_out(cid)
 
     def _hand_out(self, cid: int) -> ShmRef:
@@ -773,7 +776,7 @@ class ShmObjectStore:
         index, rows = self._index, self._rows
         for cid in freed:
             self.ledger.forget(cid)
-            self._marked.discard(cid)
+            self._marked.pop(cid, None)
             row = rows.pop(cid, None)
             if row is None:
                 continue  # a dead allocation: never indexed
@@ -944,7 +947,7 @@ class ShmObjectStore:
         """Move chunk ``cid`` (the free head) to the tail and point its key at the new chunk."""
         key, _address, length, _position, _base, _epoch = self._rows[cid]
         self.ledger.forget(cid)  # it owes nothing: it was free
-        self._marked.discard(cid)
+        self._marked.pop(cid, None)
         moved = self.ring.relocate_head()
         if moved is None:  # ids exhausted: the chunk is gone, as if evicted
             self._forget([cid])
