@@ -191,21 +191,16 @@ class ShmRingBuffer:
         m, ids = self._mask, self._id
         return [ids[k & m] for k in range(self._head, self._end)]
 
-    def _state_at(self, address: int) -> int | None:
-        """The writer's view of the state of the chunk at ``address`` (None: not allocated)."""
-        k = self._num.get(address)
-        return None if k is None else self._state[k & self._mask]
-
     def _grow(self) -> None:
-        """Double the FIFO's columns (they are full), keeping every chunk's number."""
-        old, new = self._mask, 2 * self._mask + 1
-        for name in ("_addr", "_size", "_id", "_cpos", "_state"):
-            col: array[int] = getattr(self, name)
-            grown = array("q", bytes(8 * (new + 1)))
-            for k in range(self._head, self._end):
-                grown[k & new] = col[k & old]
-            setattr(self, name, grown)
-        self._mask = new
+        """Double the FIFO's columns (they are full), keeping every chunk's number.
+
+        Each column is extended by a copy of itself: chunk ``k`` was in slot ``k & mask`` and is
+        now in slot ``k & mask`` or ``(k & mask) + size``, which hold the same value. One
+        ``memcpy`` per column, no Python loop: growing to a million chunks takes milliseconds.
+        """
+        for col in (self._addr, self._size, self._id, self._cpos, self._state):
+            col.extend(col)
+        self._mask = 2 * self._mask + 1
 
     def _pop_head(self) -> None:
         """Drop the head chunk from the FIFO (its state word is already written)."""
