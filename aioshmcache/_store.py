@@ -50,7 +50,9 @@ per cached item costs ~250 ns each (65-90 ms for 250,000 items here, more with t
 point at them). So the writer keeps no object per item: the index maps key -> chunk id, and
 each chunk's row is a tuple of str and ints (``_rows``), which the collector untracks, as it
 does dicts holding only such values. Only *active* entries (owed, pinned or touched) have a
-``Debts`` object in the ledger, and it is dropped again once settled.
+``Debts`` object in the ledger, and it is dropped again once settled. The second-chance marks
+are a dict of chunk id -> None (a set would be walked member by member), and the ring keeps its
+FIFO in ``array('q')`` columns.
 """
 
 from __future__ import annotations
