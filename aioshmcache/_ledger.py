@@ -49,6 +49,8 @@ from collections.abc import Callable, Iterable
 
 __all__ = ["Debts", "HandoutLedger"]
 
+_ABSENT: list[int] = []  # the "no such hand-out" marker of a look-up in ``Debts.out``
+
 
 class Debts:
     """The ledger's part of one entry: its outstanding hand-outs, pins and touch."""
@@ -155,13 +157,24 @@ class HandoutLedger:
     def hand_out_id(self, cid: int, owers: list[int]) -> int:
         """``hand_out`` by chunk id: makes no ``Debts`` when nobody owes it and none exists."""
         e = self.entries.get(cid)
-        if e is None:
-            if not owers and not self.one_of_n:
-                seq = self.next_seq  # owed by nobody, nothing pinned or touched: just a number
-                self.next_seq = seq + 1
-                return seq
-            e = Debts(cid)
-        return self.hand_out(e, owers)
+        if e is not None:
+            return self.hand_out(e, owers)
+        seq = self.next_seq
+        self.next_seq = seq + 1
+        if self.one_of_n:
+            e = self.entries[cid] = Debts(cid)
+            e.out[seq] = None
+            e.out_time[seq] = self.clock()
+            e.debt = 1
+        elif owers:  # the common put: a new entry owed by the live sessions, in one go
+            e = self.entries[cid] = Debts(cid)
+            e.out[seq] = list(owers)
+            e.out_time[seq] = self.clock()
+            e.debt = len(owers)
+            owed = self.owed
+            for s in owers:
+                owed[s] = owed.get(s, 0) + 1
+        return seq  # owed by nobody, nothing pinned or touched: just a number
 
     def settle(self, cid: int, seq: int, session: int) -> bool:
         """Session ``session`` acknowledged hand-out ``seq`` of entry ``cid``; True if it owed it.
@@ -189,6 +202,47 @@ class HandoutLedger:
             self._drop_seq(e, seq)
             self._retire(e)
         return True
+
+    def settle_all(self, acks: list[int], session: int) -> int:
+        """:meth:`settle` of each ``(cid, seq)`` pair in ``acks`` (flat: cid, seq, cid, ...),
+        in order, by ``session``; returns how many it owed. One clock read for the batch (the
+        time a drain applied them), and the common case inline: a broadcast hand-out whose
+        last debt this is.
+        """
+        if not acks:
+            return 0
+        now = self.clock()
+        prev = self._progress.get(session)
+        top = max(acks[1::2])
+        self._progress[session] = (top if prev is None else max(top, prev[0]), now)
+        entries, owed = self.entries, self.owed
+        settled = 0
+        for k in range(0, len(acks), 2):
+            cid, seq = acks[k], acks[k + 1]
+            e = entries.get(cid)
+            if e is None:
+                continue
+            out = e.out
+            owers = out.get(seq, _ABSENT)
+            if owers is _ABSENT:
+                continue  # not outstanding (released, expired, or never handed to this reader)
+            if owers is None:  # one-of-N: any reader settles it
+                del out[seq], e.out_time[seq]
+                e.debt -= 1
+            elif session in owers:
+                owers.remove(session)
+                e.debt -= 1
+                owed[session] = owed.get(session, 0) - 1
+                if owers:
+                    settled += 1
+                    continue
+                del out[seq], e.out_time[seq]
+            else:
+                continue
+            settled += 1
+            if not out and not e.pins and e.touched_at is None:  # _retire, inline
+                del entries[cid]
+        return settled
 
     def release(self, cid: int, seq: int) -> bool:
         """Undo hand-out ``seq`` of ``cid`` (it never reached a reader). False if not owed."""

@@ -162,6 +162,7 @@ class SenderBook:
         self.prompt_updates: dict[str, Sequence[Any]] = {}
         self.too_large = TooLargeMemory()
         self.counters = RequestCounters(lock=store.lock)
+        self._words = store.ring.segment.words
         self._logged: set[str] = set()
 
     def forget(self, mm_hash: str) -> None:
@@ -177,17 +178,23 @@ class SenderBook:
         nbytes: int = 0,
         sibling: bool = False,
     ) -> None:
-        """Count one decided item and publish the counters (hold the store lock)."""
+        """Count one decided item and publish the counters (hold the store lock).
+
+        Only the words that change are written: a hit moves ``H_HITS``, a miss ``H_MISSES``.
+        """
         c = self.counters
         c.total += 1
+        w = self._words
         if hit:
             c.hits += 1
-        w = self.store.ring.segment.words
+            w[H_HITS] = c.hits
+        else:
+            w[H_MISSES] = c.total - c.hits
         if sibling:
             c.sibling_hits += 1
             w[H_SIBLING_HITS] = c.sibling_hits
-        w[H_HITS] = c.hits
-        w[H_MISSES] = c.total - c.hits
+        if inline is None:
+            return
         if inline == "too_large":
             c.inline_too_large += 1
             w[H_INLINE_LARGE] = c.inline_too_large
@@ -309,7 +316,10 @@ class SenderRequest(_Steps):
     ) -> None:
         if len(mm_items) != len(mm_hashes):
             raise ValueError("mm_items and mm_hashes differ in length")
-        self._hashes = [h if type(h) is str else check_hash(h) for h in mm_hashes]
+        self._hashes = hashes = list(mm_hashes)
+        for i, h in enumerate(hashes):
+            if type(h) is not str:
+                hashes[i] = check_hash(h)
         self._items = items = list(mm_items)
         for it in items:  # before any side effect: nothing to undo for a bad shape
             if it is not None and (not isinstance(it, tuple) or len(it) != 2):
@@ -353,16 +363,17 @@ class SenderRequest(_Steps):
         hashes = self._hashes
         single = len(hashes) == 1
         may_defer = self._wait > 0
-        with store.lock:
+        with self._lock:  # the store's writer lock
             if may_defer:
                 self._deadline = time.monotonic() + self._wait
-            missing = [
-                h
-                for it, h in zip(self._items, hashes)
-                if it is None and not store.is_cached(h) and not self._in_sibling(h)
-            ]
-            if missing:
-                raise CacheMissError(missing)
+            if None in self._items:  # look-ups: every one must be cached (here or a sibling)
+                missing = [
+                    h
+                    for it, h in zip(self._items, hashes)
+                    if it is None and not store.is_cached(h) and not self._in_sibling(h)
+                ]
+                if missing:
+                    raise CacheMissError(missing)
             if not single:
                 self._pins = [e for h in hashes if (e := store.pin_entry(h)) is not None]
             for i in range(len(hashes)):
@@ -390,7 +401,9 @@ class SenderRequest(_Steps):
             return None
         if it is None and self._sibling is not None and h in self._sibling:
             return self._reserve_sibling(i, wait=wait, may_defer=may_defer)
-        item = _split_item(it, h)
+        if it is None:  # only when the item was dropped meanwhile (invalidate)
+            raise CacheMissError([h])
+        item = it  # its shape was checked when the request was made
         if h in self._putting:  # this request puts it: a hit once that copy is committed
             self._follow(h, i)
             return None
@@ -398,7 +411,7 @@ class SenderRequest(_Steps):
             self._out[i] = item
             book.count(hit=False, inline="busy")
             return None
-        known = book.too_large.get(h)
+        known = book.too_large.get(h) if book.too_large._sizes else None  # mostly empty
         if known is not None:
             self._out[i] = item
             book.count(hit=False, inline="too_large", mm_hash=h, nbytes=known)
@@ -574,13 +587,14 @@ class SenderRequest(_Steps):
         with self._lock:
             if self._settled:
                 raise RuntimeError("request already finished or rolled back")
-            out = [r for r in self._out if r is not None]
-            if len(out) != len(self._out):
+            out = self._out
+            if None in out:
                 self._roll_back_locked()
                 raise RuntimeError("internal error: an item of the request was not decided")
             self._settled = True
-            self._unpin_locked()
-            return out
+            if self._pins:
+                self._unpin_locked()
+            return cast("list[MmItem]", out)
 
     def _unpin_locked(self) -> None:
         for e in self._pins:
@@ -599,14 +613,6 @@ class SenderRequest(_Steps):
 
 _NONE: Final[list[Any]] = []  # shared "nothing yet" list: replaced, never appended to
 _NO_SET: Final[set[str]] = cast("set[str]", frozenset())  # likewise (immutable: safe)
-
-
-def _split_item(mm_item: MmItem | None, mm_hash: str) -> MmItem:
-    if mm_item is None:  # only when the item was dropped meanwhile (invalidate)
-        raise CacheMissError([mm_hash])
-    if not isinstance(mm_item, tuple) or len(mm_item) != 2:
-        raise TypeError("mm_item must be (item, prompt_updates) or None")
-    return mm_item
 
 
 def feature_item(f: FeatureSpec) -> MmItem | None:

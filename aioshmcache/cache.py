@@ -286,7 +286,11 @@ class SenderCache(_Cache):
         ``mm_item`` is ``(item, prompt_updates)`` or ``None`` (the caller believes it is cached:
         ``CacheMissError`` if not).
         """
-        return self.get_and_update([mm_item], [mm_hash], wait_for_space=wait_for_space)[0]
+        req = SenderRequest(
+            self.store, self._book, [mm_item], [mm_hash], wait_for_space=wait_for_space
+        )  # as ``get_and_update`` does, one call shorter (the hot path of a gateway)
+        _run_inline(req)
+        return req.finish()[0]
 
     def get_and_update(
         self,

@@ -159,6 +159,56 @@ class LedgerModel(RuleBasedStateMachine):
         self.progress[s] = (seq if p is None else max(p[0], seq), self.clock.now)
         assert self.ledger.settle(cid, seq, s) is expected
 
+    @precondition(lambda self: self.entries)
+    @rule(data=st.data())
+    def hand_out_by_id(self, data: st.DataObject) -> None:
+        """The store's path: by chunk id, a ``Debts`` made only when something is owed."""
+        cid = data.draw(st.sampled_from(sorted(self.entries)))
+        seq = self.ledger.hand_out_id(cid, sorted(self.sessions))
+        assert seq == self.next_seq
+        self.next_seq += 1
+        self.touched[cid] = None  # a hand-out ends a touch (an untracked entry has none)
+        tracked = self.ledger.get(cid)
+        if tracked is not None:
+            self.entries[cid] = tracked  # made by the ledger if it had none
+        if self.one_of_n:
+            self.handouts[cid][seq] = _Handout(None, self.clock.now)
+        elif self.sessions:
+            self.handouts[cid][seq] = _Handout(set(self.sessions), self.clock.now)
+
+    @precondition(lambda self: self.sessions and self.next_seq > 1)
+    @rule(data=st.data())
+    def settle_batch(self, data: st.DataObject) -> None:
+        """A drain: one session's acknowledgements applied in order by ``settle_all``."""
+        s = data.draw(st.sampled_from(sorted(self.sessions)))
+        owed = [(c, q) for c, hs in self.handouts.items() for q in hs]
+        pick_owed: bool = data.draw(st.booleans())
+        one: st.SearchStrategy[tuple[int, int]] = (
+            st.sampled_from(owed)
+            if owed and pick_owed
+            else st.tuples(st.integers(1, self.next_cid), st.integers(1, self.next_seq))
+        )
+        pairs = data.draw(st.lists(one, max_size=5))
+        expected = 0
+        for cid, seq in pairs:
+            h = self.handouts.get(cid, {}).get(seq)
+            if h is None:
+                continue
+            if h.owers is None:
+                del self.handouts[cid][seq]
+                expected += 1
+            elif s in h.owers:
+                h.owers.discard(s)
+                expected += 1
+                if not h.owers:
+                    del self.handouts[cid][seq]
+        if pairs:
+            top = max(q for _c, q in pairs)
+            p = self.progress.get(s)
+            self.progress[s] = (top if p is None else max(p[0], top), self.clock.now)
+        flat = [x for pair in pairs for x in pair]
+        assert self.ledger.settle_all(flat, s) == expected
+
     @precondition(lambda self: self.next_seq > 1)
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:

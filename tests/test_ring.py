@@ -314,3 +314,27 @@ def test_reused_bytes_that_forge_the_old_chunk_header_are_still_stale(make_confi
         words.release()
         with pytest.raises(StaleReferenceError):
             rx.get_and_update_item(ref, "a")
+
+
+def test_fifo_columns_grow_and_wrap_in_order() -> None:
+    """Thousands of chunks: the writer's FIFO columns grow (keeping the order) across wraps."""
+    ring = ShmRingBuffer.create(1 << 20)
+    try:
+        live: list[tuple[int, int, int]] = []  # (address, id, position), oldest first
+        for n in range(40_000):
+            if not ring.fits(100 + n % 700):
+                freed = ring.free(lambda _c: True, 100 + n % 700)
+                assert freed == [c for _a, c, _p in live[: len(freed)]]
+                del live[: len(freed)]
+            addr, cid = ring.allocate(100 + n % 700)
+            ring.commit(addr)
+            pos = ring.position(addr)
+            assert pos % ring.capacity == addr
+            live.append((addr, cid, pos))
+            assert ring.head_id == live[0][1]
+        assert ring.chunk_ids() == [c for _a, c, _p in live]
+        assert [c for c, _s, _w in ring.iter_chunks()] == ring.chunk_ids()
+        assert all(ring.position(a) == p for a, _c, p in live)
+        assert ring.n_chunks == len(live) > 1000
+    finally:
+        ring.close()
