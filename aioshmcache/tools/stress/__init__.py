@@ -59,7 +59,10 @@ genuine reference means the writer reclaimed a hand-out before this reader ackno
 * broadcast: explained if the hand-out may predate the reader's session (its request started
   before the reader attached), if the session acknowledged the same chunk through such an
   unowed hand-out before (acknowledgements are counted per chunk, not per hand-out), or if the
-  reader was revoked (checked at once with a no-op call that must raise ``ReaderEvictedError``);
+  reader was revoked (checked at once with a no-op call that must raise ``ReaderEvictedError``),
+  or if it lapsed by the ledger's lost-hand-out rule: older than ``handout_ttl`` while this
+  session had already acknowledged a later hand-out of the same writer (a delivery delayed that
+  long under load and faults);
 * one-of-N: explained only if the hand-out is older than ``handout_ttl``.
 
 Flow control: the parent forwards each request to its readers (all of them in broadcast, one in

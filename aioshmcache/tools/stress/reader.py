@@ -60,6 +60,8 @@ class ReaderProc:
         self.unowed_ids: set[tuple[int, int]] = set()  # (nonce, chunk id)
         self.nonce_seen: dict[int, float] = {}  # --group: a shard first read from, and when
         self.reads_by_nonce: Counter[int] = Counter()  # per shard: session_reads
+        # per writer instance: the highest hand-out seq this session read and acknowledged
+        self.acked_seq: dict[int, int] = {}
         self.session_reads = 0  # references read and verified in this session (one ack each)
         self.session_uncertain = 0  # cancelled or half-read requests: acks we cannot count
         self.inflight = 0
@@ -213,6 +215,7 @@ class ReaderProc:
         self.unowed_ids = set()
         self.nonce_seen = {}
         self.reads_by_nonce = Counter()
+        self.acked_seq = {}
         self.session_reads = self.session_uncertain = 0
         self.link.send({"t": "attached", "gen": self.gen})
 
@@ -326,6 +329,9 @@ class ReaderProc:
         if res.kind == "ok":
             n_ok, nbytes, bad = self.verify(feats, res.value)
             self.count_reads(nonce, n_ok + bad)
+            for _h, ref, _d, _n in feats:
+                if ref is not None and ref.seq > self.acked_seq.get(ref.nonce, 0):
+                    self.acked_seq[ref.nonce] = ref.seq
             self.report(msg, "ok", n=n_ok, b=nbytes, bad=bad)
             return
         exc = res.exc
@@ -423,6 +429,15 @@ class ReaderProc:
                 continue
             elif ref is not None and (ref.nonce, ref.id) in self.unowed_ids:
                 explained["unowed_ack"] += 1
+                continue
+            elif (
+                ref is not None
+                and now - t0 > self.opts.handout_ttl - 0.05
+                and ref.seq < self.acked_seq.get(ref.nonce, 0)
+            ):
+                # the ledger's lost-hand-out rule: older than handout_ttl while this reader has
+                # acknowledged a later hand-out of the same writer (a delivery delayed that long)
+                explained["lapsed"] += 1
                 continue
             todo.append(i)
         if not todo:
