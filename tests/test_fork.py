@@ -38,6 +38,17 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _messages(conn: Any) -> dict[str, Any]:
+    """The parent's and the forked child's messages, by sender: they share one pipe, and the
+    child may well report before its parent does (it starts first)."""
+    out: dict[str, Any] = {}
+    while len(out) < 2:
+        assert conn.poll(60)
+        who, what = conn.recv()
+        out[who] = what
+    return out
+
+
 def _kill_grandchild(pid: int) -> None:
     """Kill a process started by a child of ours (re-parented when that child died)."""
     if pid and not _gone(pid):
@@ -60,7 +71,7 @@ def _use_the_parent_s_store(store: ShmObjectStore, ref: dict[str, Any], conn: An
             results.append("attach again" in str(exc))
         except Exception as exc:  # report anything else to the test
             results.append(type(exc).__name__)
-    conn.send(results)
+    conn.send(("child", results))
     time.sleep(3600)
 
 
@@ -69,7 +80,7 @@ def _writer_that_forks(name: str, conn: Any) -> None:
     ref = store.put("a", {"x": 1})
     child = FORK.Process(target=_use_the_parent_s_store, args=(store, ref.to_dict(), conn))
     child.start()
-    conn.send((store.handle().to_dict(), ref.to_dict(), child.pid))
+    conn.send(("parent", (store.handle().to_dict(), ref.to_dict(), child.pid)))
     time.sleep(3600)
 
 
@@ -77,7 +88,7 @@ def _reader_that_forks(handle: dict[str, Any], conn: Any) -> None:
     store = ShmObjectStore.from_handle(handle)
     child = FORK.Process(target=_use_the_parent_s_store, args=(store, {}, conn))
     child.start()
-    conn.send(child.pid)
+    conn.send(("parent", child.pid))
     time.sleep(3600)
 
 
@@ -87,10 +98,9 @@ def test_writer_killed_while_its_forked_child_lives(shm_name: str) -> None:
     writer.start()
     grandchild = 0
     try:
-        assert a.poll(60)
-        handle, ref, grandchild = a.recv()
-        assert a.poll(60)
-        assert a.recv() == [True, True, True]  # the child got RoleError, told to attach again
+        got = _messages(a)
+        handle, ref, grandchild = got["parent"]
+        assert got["child"] == [True, True, True]  # the child got RoleError, told to attach again
         with ShmObjectStore.from_handle(handle, probe_interval=0.05) as reader:
             assert reader.get(ShmRef.from_dict(ref)) == {"x": 1}
             kill_and_reap(writer)
@@ -120,10 +130,9 @@ def test_reader_killed_while_its_forked_child_lives(make_config: Any) -> None:
         reader.start()
         grandchild = 0
         try:
-            assert a.poll(60)
-            grandchild = a.recv()
-            assert a.poll(60)
-            assert a.recv() == [True, True, True]  # the child cannot use its parent's slot
+            got = _messages(a)
+            grandchild = got["parent"]
+            assert got["child"] == [True, True, True]  # the child cannot use its parent's slot
             store.put("a", {"x": 1})  # owed by the reader
             assert not store.is_freeable("a")
             kill_and_reap(reader)
