@@ -2,7 +2,8 @@
 
 The public face of one segment, writer or reader. It is made of three parts:
 
-* the **writer's** index ``key -> entry`` (address, id, length) over the ring, with puts in
+* the **writer's** index ``key -> chunk id`` and a row per chunk (key, address, length,
+  position, tag) over the ring (see "Compact writer state" below), with puts in
   three short steps so that the asyncio facade can copy outside its lock: :meth:`reserve`
   (check, allocate), :meth:`write_reserved` (the copy, no shared state), and :meth:`commit`
   (publish, index, first hand-out) or :meth:`abort`;
