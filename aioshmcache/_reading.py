@@ -5,8 +5,15 @@ Used by every reader (with its reader slot) and by the writer's own :meth:`ReadP
 ring's bounds and chunk header), copies or views the payload, and re-verifies the chunk after the
 copy: a chunk freed or reused meanwhile is a ``StaleReferenceError``, never torn data, for the
 writer's own reads too. A reader then acknowledges the hand-out in its slot's log, and posts the
-writer's wake-up semaphore when the writer waits for space. A reference that will not be read
-(stale, or its request failed) is *given back*: acknowledged without reading.
+writer's wake-up semaphore when the writer waits for space. A valid reference that will not be
+read (its request failed or was cancelled) is *given back*: acknowledged without reading.
+
+A reference found **stale** is not acknowledged: it owes nothing. The writer frees a chunk only
+once no hand-out of it is owed (or a clear dropped every debt), so a stale reference's hand-out is
+settled already. Acknowledging it anyway could only ever settle a debt if the reference were
+forged: a copy of a genuine one re-tagged with an older epoch (what anyone who can map the
+segment may make) would settle the genuine hand-out its (id, seq) names before the reader read
+it, and the writer would free the chunk under that reader.
 
 The writer-liveness probe lives here too: a reader checks the writer's kernel lock at most once
 per ``probe_interval`` seconds.
@@ -289,12 +296,7 @@ class ReadPath:
 
     def _get(self, ref: object, copy: bool) -> Any:
         slot = self.check_reader()
-        try:
-            r, view = self.resolve(ref)
-        except StaleReferenceError:
-            if isinstance(ref, ShmRef):
-                self.give_back(ref)
-            raise
+        r, view = self.resolve(ref)  # stale: raised, not acknowledged (see the module docstring)
         return self.finish_read(slot, r, view, copy)
 
     def get_checked(self, r: ShmRef, *, copy: bool = True, slot: ReaderSlot | None = None) -> Any:
@@ -305,12 +307,8 @@ class ReadPath:
         """
         if slot is None:
             slot = self.check_reader()
-        try:
-            self._check_epoch(r.epoch)
-            view = self.ring.access(r.address, r.id, r.length, r.position)
-        except StaleReferenceError:
-            self.give_back(r)
-            raise
+        self._check_epoch(r.epoch)  # stale: raised, owes nothing (see the module docstring)
+        view = self.ring.access(r.address, r.id, r.length, r.position)
         return self.finish_read(slot, r, view, copy)
 
     def ack(self, ref: ShmRef) -> None:

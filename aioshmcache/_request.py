@@ -637,12 +637,13 @@ class ReceiverRequest(_Steps):
     """One read of a request's features by a receiver, as steps (see the module docstring).
 
     ``begin`` validates every reference first (a forged or foreign one fails the request, which
-    then owes nothing), gives back the stale ones, and reads the small ones at once; the big
-    reads are the jobs. A reference is owed until it is read and verified (then acknowledged) or
-    given back; any failure gives back every reference not read yet. Stale references are read
-    around and reported together by ``finish`` (``CacheMissError``, or ``StaleReferenceError``
-    for a single item). With ``copy=False`` (a lease) arrays are views and the hand-outs stay
-    owed until ``settle_lease``.
+    then owes nothing), sets the stale ones aside (a stale reference owes nothing: it is not
+    acknowledged), and reads the small ones at once; the big reads are the jobs. A reference is
+    owed until it is read and verified (then acknowledged) or given back; any failure gives back
+    every reference not read yet. Stale references are read around and reported together by
+    ``finish`` (``CacheMissError``, or ``StaleReferenceError`` for a single item). With
+    ``copy=False`` (a lease) arrays are views and the hand-outs stay owed until
+    ``settle_lease``.
     """
 
     __slots__ = (
@@ -710,8 +711,7 @@ class ReceiverRequest(_Steps):
                         try:
                             # forged or foreign: never given back (not ours)
                             ref, view = reading.resolve(ref)
-                        except StaleReferenceError:
-                            reading.give_back(ref)
+                        except StaleReferenceError:  # owes nothing: not acknowledged
                             self._stale.append(f.mm_hash)
                             ref = None
                         else:
@@ -762,8 +762,8 @@ class ReceiverRequest(_Steps):
             else:
                 data = reading.finish_read(slot, ref, view, self._copy)
         except StaleReferenceError:
-            # ``get`` gave it back if it was stale before the copy; stale after it means the
-            # chunk was freed, and a freed chunk is owed by nobody: settled either way
+            # stale before or after the copy: the chunk was freed (or cleared), and a freed
+            # chunk is owed by nobody, so there is nothing to acknowledge
             with self._lock:
                 self._owed.discard(i)
             self._stale.append(self._features[i].mm_hash)

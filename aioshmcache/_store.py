@@ -1057,8 +1057,9 @@ class ShmObjectStore:
     def give_back(self, ref: ShmRef) -> None:
         """Acknowledge a reference that will not be read (never raises).
 
-        For a request that failed or was cancelled, or a reference found stale: the debt is
-        settled so the writer can free the chunk. Nothing is read, so nothing needs verifying.
+        For a request that failed or was cancelled: the debt is settled so the writer can free
+        the chunk. Nothing is read, so nothing needs verifying. A reference found stale is never
+        given back (it owes nothing; see ``_reading``).
         """
         self._reading.give_back(ref)
 

@@ -22,6 +22,7 @@ from aioshmcache import (
     ShmRef,
     StaleReferenceError,
 )
+from aioshmcache._types import reference_tag
 
 from . import _procs  # noqa: F401  (spawned children import it)
 from .helpers import SPAWN, checksum
@@ -583,8 +584,11 @@ def test_a_rolled_back_request_releases_only_its_own_handouts(make_config: Any) 
         assert tx.release(ref0)  # still outstanding: the failed request did not touch it
 
 
-def test_a_stale_reference_is_given_back_once(make_config: Any) -> None:
-    """Review: a reference found stale at the read was given back twice (two log entries)."""
+def test_a_stale_reference_is_not_acknowledged(make_config: Any) -> None:
+    """A reference found stale owes nothing: the writer freed its chunk only once no debt of it
+    was left (or cleared them all), so the reader writes no acknowledgement for it (a review
+    once found two log entries for one; an acknowledgement would only ever settle a debt for a
+    forged reference: see the next test)."""
     with SenderCache(make_config()) as tx, ReceiverCache.attach(tx.handle()) as rx:
         [f] = tx.get_and_update_features([FeatureSpec("h", {"x": np.arange(10)})])
         req = rx.request([f], copy_inline_below=0)
@@ -594,9 +598,51 @@ def test_a_stale_reference_is_given_back_once(make_config: Any) -> None:
         assert slot is not None
         before = slot.acknowledged
         req.run_jobs()
-        assert slot.acknowledged - before == 1
+        assert slot.acknowledged == before
         with pytest.raises(CacheMissError):
             req.finish()
+        for read in (
+            rx.get_and_update_item,
+            lambda r, h: rx.get_and_update_features([FeatureSpec(h, r)]),
+        ):
+            with pytest.raises((StaleReferenceError, CacheMissError)):
+                read(f.data, "h")
+        assert slot.acknowledged == before
+
+
+def test_a_retagged_stale_reference_settles_no_genuine_hand_out(make_config: Any) -> None:
+    """Stress (CI): a forged reference re-tagged with the secret, a genuine one's fields but an
+    older epoch, was found stale and given back: its (id, seq) acknowledged the genuine hand-out
+    the reader had not read yet, the writer freed the chunk, and the reader's genuine read of it
+    came back stale. Stale references are not acknowledged, so nothing settles the debt but the
+    read itself."""
+    cfg = make_config(256 << 10, 100 << 10, 1)
+    with SenderCache(cfg) as tx, ReceiverCache.attach(tx.handle()) as rx:
+        tx.clear_cache()  # epoch 1: a reference can claim epoch 0
+        [f] = tx.get_and_update_features([FeatureSpec("h", item(1))])
+        ref = f.data
+        assert isinstance(ref, ShmRef)
+        forged = ref.to_dict()
+        forged["epoch"] = ref.epoch - 1
+        forged["tag"] = reference_tag(
+            tx.store._secret,
+            forged["epoch"],
+            forged["address"],
+            forged["id"],
+            forged["length"],
+            forged["position"],
+            forged["seq"],
+        )
+        with pytest.raises(StaleReferenceError):
+            rx.get_and_update_item(forged, "h")
+        with pytest.raises(CacheMissError):
+            rx.get_and_update_features([FeatureSpec("h", forged)])
+        assert not tx.is_freeable("h")  # still owed: nobody read the genuine hand-out
+        for k in range(2, 7):  # the ring turns over: an unowed "h" would be evicted
+            tx.get_and_update_features([FeatureSpec(f"k{k}", item(k))])
+        out = rx.get_and_update_item(ref, "h")
+        assert np.array_equal(out["pixel_values"], item(1)["pixel_values"])
+        assert tx.is_freeable("h")  # the read settled it
 
 
 class _ClearsDuringRead(MsgpackSerde):

@@ -610,8 +610,9 @@ class Orchestrator:
     ) -> None:
         """Every verified read wrote an acknowledgement into its reader's slot: none was lost.
 
-        More acknowledgements than reads is fine (stale or rejected references are given back,
-        acknowledged unread, so that they pin nothing); fewer would be a lost one.
+        More acknowledgements than reads is fine (the references of a failed or cancelled read
+        are given back, acknowledged unread, so that they pin nothing; stale ones owe nothing and
+        are not acknowledged); fewer would be a lost one.
         """
         for token, got in synced.items():
             acked = [
