@@ -206,6 +206,60 @@ class SenderBook:
         elif inline == "busy":
             c.inline_busy += 1
 
+    def one_item(self, mm_item: object, mm_hash: object) -> MmItem | None:
+        """A one-item request in its usual case, decided without a request object.
+
+        The same decision as a one-item ``SenderRequest`` with the default ``wait_for_space``
+        and copy threshold, when it is one of: a hit, a put of a new hash that fits now (after
+        eviction, without waiting) and copies under ``DEFAULT_INLINE_THRESHOLD`` bytes, or an
+        item found too large (served inline, remembered). Anything else returns ``None`` before
+        any side effect that matters (at most a failed allocation's eviction, which the request
+        repeats), and the caller runs the request: an item or hash of another type, a hash being
+        put or known too large, a group shard, an item that needs a wait, a big copy. Counted
+        and published exactly as the request counts (``test_parity`` compares the two).
+        """
+        if (
+            type(mm_item) is not tuple
+            or len(mm_item) != 2
+            or type(mm_hash) is not str
+            or self.siblings is not None
+        ):
+            return None
+        store = self.store
+        with store.lock:
+            ref = store.get_cached(mm_hash)
+            if ref is not None:
+                self.count(hit=True)
+                return (ref, mm_item[1])
+            if store.is_pending(mm_hash) or mm_hash in self.too_large._sizes:
+                return None
+            try:
+                plan = store.plan(mm_item[0])
+            except ObjectTooLargeError as exc:
+                self.found_too_large(mm_hash, exc.nbytes)
+                return mm_item  # inline, as the request serves it
+            if plan.nbytes >= DEFAULT_INLINE_THRESHOLD:
+                return None
+            try:
+                res = store.reserve(mm_hash, plan, wait_for_space=0.0)
+            except CacheFullError:
+                return None
+            self.count(hit=False)
+            try:
+                store.write_reserved(res)
+            except BaseException:
+                store.abort(res)
+                raise
+            updates = mm_item[1]
+            ref = store.commit(res)
+            self.prompt_updates[mm_hash] = updates
+            return (ref, updates)
+
+    def found_too_large(self, mm_hash: str, nbytes: int) -> None:
+        """An item measured over ``max_object_bytes``: remember it, count it served inline."""
+        self.too_large.add(mm_hash, nbytes)
+        self.count(hit=False, inline="too_large", mm_hash=mm_hash, nbytes=nbytes)
+
     def _log_once(self, cause: str, *args: object) -> None:
         if cause in self._logged:  # one line per cause, not one per request
             return
@@ -426,9 +480,8 @@ class SenderRequest(_Steps):
                 abort=self._gone,
             )
         except ObjectTooLargeError as exc:
-            book.too_large.add(h, exc.nbytes)
+            book.found_too_large(h, exc.nbytes)
             self._out[i] = item
-            book.count(hit=False, inline="too_large", mm_hash=h, nbytes=exc.nbytes)
             return None
         except CacheFullError:
             if may_defer and time.monotonic() < self._deadline:

@@ -298,3 +298,106 @@ def test_twins_have_the_same_signatures(sync: type, aio: type) -> None:
         attach = AsyncReceiverCache.attach
         assert next(iter(inspect.signature(attach).parameters)) == "handle"
         assert not inspect.iscoroutinefunction(attach)
+
+
+# --- the sender's one-item path decides as a one-item request does ----------------------------
+
+
+class _FailingWriteSerde(MsgpackSerde):
+    """A writer's serde whose copy into the chunk fails (after the chunk was allocated)."""
+
+    def write(self, plan: Any, buf: memoryview) -> None:
+        raise SerdeError("copy failed (test)")
+
+
+def _one_item_steps(tx: SenderCache, put: Callable[[Any, Any], Any]) -> list[Any]:
+    """What a user sees of a sequence of one-item calls: each result or error, then counters."""
+    rng = np.random.default_rng(3)
+    items = {h: (random_item(rng, 60 * KiB), (f"upd-{h}",)) for h in "abcdef"}
+    big = (random_item(rng, 150 * KiB), ("upd-big",))  # over max_object_bytes
+    seen: list[Any] = []
+
+    def step(mm_item: Any, h: Any) -> None:
+        try:
+            data, updates = put(mm_item, h)
+        except Exception as exc:
+            seen.append(("raised", type(exc).__name__))
+            return
+        if isinstance(data, ShmRef):
+            seen.append(("ref", data.id, data.length, data.seq, updates))
+        else:
+            seen.append(("inline", data is (mm_item or (None,))[0], updates))
+
+    step(items["a"], "a")  # a put
+    step(items["a"], "a")  # a hit
+    step(None, "a")  # a look-up: the updates stored with the put
+    step(None, "zz")  # not cached: CacheMissError
+    step(big, "big")  # too large: inline
+    step(big, "big")  # known too large: inline, not serialised again
+    putting = tx.request([items["b"]], ["b"], copy_inline_below=0)
+    putting.begin()  # "b" is being put (a copy job not run yet)
+    step(items["b"], "b")  # busy: inline
+    putting.run_jobs()
+    putting.finish()
+    for h in "cdef":  # nobody reads: the owed items fill the ring, then the rest is inline
+        step(items[h], h)
+    step(items["a"], 7)  # a hash that is not a str
+    step(["not", "a", "tuple"], "a")
+    snap = tx.snapshot()
+    counters = ("hits", "misses", "inline_too_large", "inline_full", "items", "evictions")
+    seen.append([getattr(snap, c) for c in counters])
+    seen.append((tx.inline_busy, dict(tx._prompt_updates)))
+    return seen
+
+
+def test_the_one_item_path_decides_as_a_one_item_request(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SenderCache.get_and_update_item`` decides the usual cases (a hit, a small put that fits)
+    without a request object; every outcome, counter and side table equals a one-item request's
+    (``get_and_update``), and the unusual cases still go through the request."""
+    import aioshmcache.cache as cache_module
+    from aioshmcache._request import SenderRequest
+
+    made: list[int] = []
+
+    class Counting(SenderRequest):
+        __slots__ = ()
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(cache_module, "SenderRequest", Counting)
+    outcomes = {}
+    for kind in ("one_item", "request"):
+        cfg = make_config(256 * KiB, 100 * KiB, 1, name=f"{make_config().name}-{kind}")
+        with SenderCache(cfg) as tx, ReceiverCache.attach(tx.handle()):
+            if kind == "one_item":
+                outcomes[kind] = _one_item_steps(tx, tx.get_and_update_item)
+                requests_made = len(made)
+            else:
+                outcomes[kind] = _one_item_steps(tx, lambda it, h: tx.get_and_update([it], [h])[0])
+    assert outcomes["one_item"] == outcomes["request"]
+    assert outcomes["one_item"][0][0] == "ref" and outcomes["one_item"][1][0] == "ref"
+    # the put, the hit and the item found too large took no request; the look-ups, the known
+    # too large, the busy, the full and the malformed calls did (and the scenario's own request)
+    assert requests_made == 2 + 1 + 1 + 2 + 2 + 1
+
+
+def test_a_failed_copy_on_the_one_item_path_leaves_nothing(make_config: Any) -> None:
+    """The copy into the chunk fails: the error reaches the caller, the allocation is aborted
+    (reclaimed in FIFO order), nothing is cached or owed, as for a request."""
+    for kind in ("one_item", "request"):
+        cfg = make_config(256 * KiB, 100 * KiB, 1, name=f"{make_config().name}-{kind}")
+        with SenderCache(cfg, serde=_FailingWriteSerde()) as tx:
+            item = ({"data": np.arange(100)}, ())
+            with pytest.raises(SerdeError):
+                if kind == "one_item":
+                    tx.get_and_update_item(item, "a")
+                else:
+                    tx.get_and_update([item], ["a"])
+            assert not tx.is_cached_item("a")
+            tx.remove_dangling_items()
+            snap = tx.snapshot()
+            assert (snap.items, snap.bytes_used, snap.misses) == (0, 0, 1)
