@@ -241,17 +241,14 @@ class SenderBook:
             if plan.nbytes >= DEFAULT_INLINE_THRESHOLD:
                 return None
             try:
-                res = store.reserve(mm_hash, plan, wait_for_space=0.0)
+                ref = store.put_locked(mm_hash, plan)
             except CacheFullError:
-                return None
-            self.count(hit=False)
-            try:
-                store.write_reserved(res)
+                return None  # nothing taken: the request decides (inline, or wait for room)
             except BaseException:
-                store.abort(res)
+                self.count(hit=False)  # a failed copy counts as the request counts it
                 raise
+            self.count(hit=False)
             updates = mm_item[1]
-            ref = store.commit(res)
             self.prompt_updates[mm_hash] = updates
             return (ref, updates)
 

@@ -250,22 +250,38 @@ class ShmRingBuffer:
             self._check_writer()
         if payload < 0:
             raise ValueError("payload size must be non-negative")
-        size = chunk_size(payload)
-        addr = self._place(size)
-        if addr is None:
-            return None
-        cid = self._hw[H_NEXT_ID]
+        size = CHUNK_HEADER + ((payload + 63) & -64)  # chunk_size, inline (the hot path)
+        tail, cap = self._tail, self.capacity
+        if self._end == self._head:  # _place, inline
+            if size > cap:
+                return None
+            addr = 0
+        else:
+            head = self._addr[self._head & self._mask]
+            if tail > head:  # data in [head, tail)
+                if cap - tail >= size:
+                    addr = tail
+                elif head >= size:
+                    addr = 0
+                else:
+                    return None
+            elif head - tail >= size:  # wrapped: data in [head, cap) + [0, tail)
+                addr = tail
+            else:
+                return None
+        hw = self._hw
+        cid = hw[H_NEXT_ID]
         if cid > MAX_CHUNK_ID:
             raise ShmCacheError("64-bit chunk ids exhausted")
-        self._hw[H_NEXT_ID] = cid + 1
+        hw[H_NEXT_ID] = cid + 1
         w, i = self._w, addr >> 3
         w[i + C_STATE] = WRITING
         w[i + C_ID] = cid
         w[i + C_LENGTH] = payload
         w[i + C_CHECK] = cid ^ payload ^ CHUNK_MAGIC
         pos = self._next_pos
-        if addr != self._tail:  # wrapped: the skipped tail counts in the stream of positions
-            pos += self.capacity - self._tail
+        if addr != tail:  # wrapped: the skipped tail counts in the stream of positions
+            pos += cap - tail
         self._next_pos = pos + size
         k = self._end
         if k - self._head > self._mask:
@@ -341,12 +357,20 @@ class ShmRingBuffer:
         freed: list[int] = []
         w, m, num = self._w, self._mask, self._num
         addrs, ids, states = self._addr, self._id, self._state
+        cap, tail = self.capacity, self._tail
         extra = 0
+        fits = False  # once it fits it keeps fitting: freeing the head only adds room
         while self._end != self._head:
-            if need and self._place(need) is not None:
-                if extra >= max_extra or self.capacity - self.used_bytes >= need + slack:
-                    break
-                extra += 1
+            if need:
+                if not fits:
+                    fits = self._place(need) is not None
+                if fits:
+                    if extra >= max_extra:
+                        break
+                    a = addrs[self._head & m]  # used_bytes, inline
+                    if cap - (tail - a if tail > a else cap - a + tail) >= need + slack:
+                        break
+                    extra += 1
             j = self._head & m
             cid, st = ids[j], states[j]
             if st == WRITING or (st == COMMITTED and not is_free(cid)):

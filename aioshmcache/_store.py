@@ -404,8 +404,10 @@ class ShmObjectStore:
         """
         plan = self.plan(value)
         with self._lock:
+            if plan.nbytes <= INLINE_COPY_UNDER_LOCK and not wait_for_space:
+                return self.put_locked(key, plan)  # small: one step, the copy is µs
             res = self.reserve(key, plan, wait_for_space=wait_for_space)
-            if plan.nbytes <= INLINE_COPY_UNDER_LOCK:  # small: one lock round, the copy is µs
+            if plan.nbytes <= INLINE_COPY_UNDER_LOCK:
                 try:
                     self.write_reserved(res)
                 except BaseException:
@@ -420,6 +422,35 @@ class ShmObjectStore:
             raise
         with self._lock:
             return self.commit(res)
+
+    def put_locked(self, key: str, plan: EncodePlan) -> ShmRef:
+        """``reserve`` + ``write_reserved`` + ``commit`` of a small value in one step, without
+        waiting for space. Hold :attr:`lock` (it is never let go: the copy runs under it).
+
+        For copies of microseconds (the sender's one-item path, :meth:`put` of a small value):
+        no ``Reservation`` is made, since nothing can see the chunk before it is committed.
+        ``DuplicateKeyError``, ``CacheFullError`` (nothing allocated: eviction made no room), or
+        the copy's error (the chunk is abandoned, reclaimed in FIFO order). ``plan`` was made by
+        :meth:`plan` (the size limit is checked there).
+        """
+        if type(key) is not str and not isinstance(key, str):
+            raise TypeError(f"keys are str, not {type(key).__name__}")
+        if key in self._index or key in self._pending or key in self._waiting_keys:
+            self._check_writer()
+            raise DuplicateKeyError(f"key {key!r} is already cached")
+        ring = self.ring
+        nbytes = plan.nbytes
+        got = ring.try_allocate(nbytes)
+        if got is None:
+            self._make_room(nbytes, 0.0, {})  # no wait: the lock is never let go
+            got = ring.allocate(nbytes)
+        address, cid = got
+        try:
+            self.serde.write(plan, ring.payload(address))
+        except BaseException:
+            ring.abandon(address)
+            raise
+        return self._publish_put(key, address, cid, nbytes)
 
     def reserve(
         self,
@@ -489,18 +520,20 @@ class ShmObjectStore:
         del self._pending[res.key]
         if self._closed:
             raise ClosedCacheError("store closed during the put")
+        return self._publish_put(res.key, res.address, res.id, res.plan.nbytes)
+
+    def _publish_put(self, key: str, address: int, cid: int, length: int) -> ShmRef:
+        """Commit a written chunk, index it under ``key`` and take its first hand-out."""
         ring, hw = self.ring, self._hw
-        cid, address, length = res.id, res.address, res.plan.nbytes
         position = ring.commit(address)
         epoch = hw[H_EPOCH]
         base = tag_base(self._secret, epoch, address, cid, length, position)
-        self._rows[cid] = (res.key, address, length, position, base, epoch)
-        self._index[res.key] = cid
+        self._rows[cid] = (key, address, length, position, base, epoch)
+        self._index[key] = cid
         if self._has_hints:
-            self.hints.publish(res.key, Hint(epoch, address, cid, length, position))
-        hw[H_BYTES_USED] = ring.used_bytes  # _publish_usage, inline: every put
-        hw[H_ITEMS] = len(self._index)
-        hw[H_EVICTIONS] = self.evictions
+            self.hints.publish(key, Hint(epoch, address, cid, length, position))
+        hw[H_BYTES_USED] = ring.used_bytes  # _publish_usage, inline: every put (evictions are
+        hw[H_ITEMS] = len(self._index)  # published where they happen, by _forget)
         return self._hand_out(cid)
 
     def abort(self, res: Reservation) -> None:
@@ -776,21 +809,28 @@ class ShmObjectStore:
         return self.ledger.is_free(e)
 
     def _forget(self, freed: list[int]) -> None:
-        index, rows = self._index, self._rows
+        """Drop the rows, index entries, marks and debts of freed chunks; count evictions."""
+        index, rows, marked, entries = self._index, self._rows, self._marked, self._by_id
+        hints, on_evict = self.hints, self.on_evict
+        evicted = self.evictions
         for cid in freed:
-            self.ledger.forget(cid)
-            self._marked.pop(cid, None)
+            if cid in entries:
+                self.ledger.forget(cid)
+            if cid in marked:
+                del marked[cid]
             row = rows.pop(cid, None)
             if row is None:
                 continue  # a dead allocation: never indexed
             key = row[0]
             if index.get(key) == cid:
                 del index[key]
-                if self.hints:
-                    self.hints.remove(key, cid)
+                if hints:
+                    hints.remove(key, cid)
                 self.evictions += 1
-                if self.on_evict is not None:
-                    self.on_evict(key)
+                if on_evict is not None:
+                    on_evict(key)
+        if self.evictions != evicted:
+            self._hw[H_EVICTIONS] = self.evictions
 
     def _head_entry(self) -> Debts | None:
         cid = self.ring.head_id
@@ -887,10 +927,13 @@ class ShmObjectStore:
                 and not self.is_pending(self._rows[cid][0])
             )
 
-        def evictable(cid: int) -> bool:
-            if not self._is_free(cid):
+        entries, marked, ledger = self._by_id, self._marked, self.ledger
+
+        def evictable(cid: int) -> bool:  # _is_free and _is_marked, inline: once per chunk freed
+            e = entries.get(cid)
+            if e is not None and not ledger.is_free(e):
                 return False
-            if not self._is_marked(cid):
+            if cid not in marked or not self._is_marked(cid):
                 return True
             # a marked head is moved (not freed) while the put needs room, and kept in the slack
             return not (relocatable(cid) or ring.fits(nbytes))
