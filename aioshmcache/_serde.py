@@ -5,8 +5,8 @@ memory: :meth:`MsgpackSerde.plan` walks the value, packs a small msgpack *struct
 (arrays appear in it as descriptors: dtype, shape, offset) and computes the exact size; no array
 byte is copied; the plan holds the payload's first bytes (prefix, header, padding) ready and the
 slot of every array. :meth:`MsgpackSerde.write` then writes those bytes into the allocated chunk
-with one slice assignment, zeroes the padding between arrays and copies each array's bytes once
-(into an ``np.frombuffer`` view of the chunk for large ones, which releases the GIL; a
+with one slice assignment, zeroes the padding between arrays and copies each array in, in C
+order (a large one into an ``np.frombuffer`` view of the chunk, which releases the GIL; a
 non-contiguous array is made contiguous by that same copy, with no intermediate
 ``ascontiguousarray``). Every byte of the payload is written: a chunk holds an earlier item's
 bytes, and the reader accepts only the canonical layout below.
@@ -901,7 +901,7 @@ class MsgpackSerde:
         return _new_plan(_layout(header, chunks, enc.cursor), tuple([src for _o, src in chunks]))
 
     def write(self, plan: EncodePlan, buf: memoryview) -> None:
-        """Write ``plan`` into ``buf[0:plan.nbytes]``; one copy per array, no other writes."""
+        """Write ``plan`` into ``buf[0:plan.nbytes]``: every byte of it, and nothing else."""
         if type(plan) is not _Plan and not isinstance(plan, _Plan):
             raise SerdeError(f"not a plan made by MsgpackSerde: {plan!r}")
         try:  # one frame on the put path: the checks and copies, errors made typed
