@@ -259,12 +259,12 @@ def _encode_dtype(dt: np.dtype[Any]) -> bytes:
 
 #: What a plan writes, fixed by the item's structure alone (items of one shape share it):
 #: (nbytes, head, blob, slots, gaps). ``blob`` is the payload's first bytes (prefix, header, zero
-#: padding up to the data section) and ``head`` the slice they go to; ``slots`` has one
-#: (slice, tiny, small) per source array in header order, absolute in the payload, ``tiny`` if
-#: it is non-empty and copied by ``tobytes``, ``small`` if it may be copied by memoryview (see the
-#: module docstring); ``gaps`` has (slice,
-#: zeros) for each run of padding between two slots (there is none after the last one). Slices
-#: are made here once: a store through a ready slice object is the cheapest write.
+#: padding up to the data section) and ``head`` the slice they go to. ``slots`` has one
+#: (slice, tiny, small) per source array in header order, absolute in the payload: ``tiny`` if
+#: it is non-empty and goes by ``tobytes``, else ``small`` if it is non-empty and may go by
+#: memoryview (see the module docstring). ``gaps`` has (slice, zeros) for each run of padding
+#: between two slots (there is none after the last one). The slices are made once, here: a
+#: store through a ready slice object is the cheapest write.
 _Layout = tuple[
     int, slice, bytes, tuple[tuple[slice, bool, bool], ...], tuple[tuple[slice, memoryview], ...]
 ]
@@ -287,7 +287,7 @@ def _layout(
             gaps.append((slice(prev, start), _ZEROS[: start - prev]))
         size = src.nbytes
         prev = start + size
-        slots.append((slice(start, prev), 0 < size <= _BYTES_COPY, size <= _SMALL_COPY))
+        slots.append((slice(start, prev), 0 < size <= _BYTES_COPY, 0 < size <= _SMALL_COPY))
     return data_off + data_len, slice(0, data_off), blob, tuple(slots), tuple(gaps)
 
 
