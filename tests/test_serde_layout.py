@@ -254,7 +254,7 @@ def test_source_resized_after_plan(size: int) -> None:
             arr = np.zeros(size)
             plan = serde.plan({"a": arr, "b": np.ones(3)})
             arr.resize(new_size, refcheck=False)
-            with pytest.raises(SerdeError, match="changed size|different structures"):
+            with pytest.raises(SerdeError, match=r"changed size|different structures"):
                 serde.write(plan, Aligned(plan.nbytes + 4096).view)
 
 
