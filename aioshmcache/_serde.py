@@ -68,7 +68,7 @@ Deliberate choices (and where they differ from the first sketch):
   skip numpy's view (holding the GIL for a copy that short costs nothing): up to
   :data:`_BYTES_COPY` bytes, ``src.tobytes()`` goes in by a slice assignment (two copies, but
   the least fixed cost, and any memory layout or dtype: 0.23 against 0.29 us for 1 KiB; the
-  second copy outweighs that from about 8 KiB), and up to :data:`_SMALL_COPY` bytes a
+  second copy outweighs that between 4 and 16 KiB), and up to :data:`_SMALL_COPY` bytes a
   C-contiguous array's raw bytes go in by a memoryview slice assignment (0.3 against 0.55 us
   for numpy's copy at 1 KiB).
 * Views are built with positional ``np.frombuffer(buf, dtype, count, offset)``: measured 2.5x
