@@ -3,10 +3,13 @@
 An item is encoded in two steps so that the store can size (and refuse) it before touching shared
 memory: :meth:`MsgpackSerde.plan` walks the value, packs a small msgpack *structure header*
 (arrays appear in it as descriptors: dtype, shape, offset) and computes the exact size; no array
-byte is copied. :meth:`MsgpackSerde.write` then writes the prefix and header into the allocated
-chunk and copies each array's bytes with one array assignment into an ``np.frombuffer`` view of
-the chunk (one copy per array, which releases the GIL for large copies; a non-contiguous array is
-made contiguous by that same copy, with no intermediate ``ascontiguousarray``).
+byte is copied; the plan holds the payload's first bytes (prefix, header, padding) ready and the
+slot of every array. :meth:`MsgpackSerde.write` then writes those bytes into the allocated chunk
+with one slice assignment, zeroes the padding between arrays and copies each array in, in C
+order (a large one into an ``np.frombuffer`` view of the chunk, which releases the GIL; a
+non-contiguous array is made contiguous by that same copy, with no intermediate
+``ascontiguousarray``). Every byte of the payload is written: a chunk holds an earlier item's
+bytes, and the reader accepts only the canonical layout below.
 :meth:`MsgpackSerde.read` rebuilds the value, with arrays either copied out by numpy
 (``copy=True``: nothing keeps exporting the buffer afterwards, so the caller may release it) or
 as read-only zero-copy views (``copy=False``: the views export the buffer while they live).
@@ -61,14 +64,30 @@ Deliberate choices (and where they differ from the first sketch):
   numpy's same assign loop, which drops the GIL for large arrays (measured: a 64 MiB copy in a
   thread left the main thread running in both cases; a memoryview slice assignment did not), but
   ``np.copyto`` pays the array-function dispatch (0.54 vs 0.24 us for 1 KiB). Source and
-  destination have the same dtype and shape, so nothing is cast or broadcast. Arrays of at
-  most :data:`_SMALL_COPY` bytes that are C-contiguous are copied as raw bytes by a memoryview
-  slice assignment instead (0.3 against 0.55 us for 1 KiB: no numpy view is made; holding
-  the GIL for a copy that short costs nothing).
+  destination have the same dtype and shape, so nothing is cast or broadcast. Smaller arrays
+  skip numpy's view (holding the GIL for a copy that short costs nothing): up to
+  :data:`_BYTES_COPY` bytes, ``src.tobytes()`` goes in by a slice assignment (two copies, but
+  the least fixed cost, and any memory layout or dtype: 0.23 against 0.29 us for 1 KiB; the
+  second copy outweighs that between 4 and 16 KiB), and up to :data:`_SMALL_COPY` bytes a
+  C-contiguous array's raw bytes go in by a memoryview slice assignment (0.3 against 0.55 us
+  for numpy's copy at 1 KiB).
 * Views are built with positional ``np.frombuffer(buf, dtype, count, offset)``: measured 2.5x
   faster than the keyword form here. ``np.ndarray(shape, dtype, buffer=...)`` is faster still but
   records the underlying mmap as the base, which lets a caller flip a read-only view back to
   writable; a ``frombuffer`` view of a read-only memoryview refuses that.
+* Flat items (a dict of str keys to plain ndarrays) are cached by shape: keys, dtypes and shapes
+  in order (exact ``str`` and ``ndarray`` types only, checked before anything is hashed) map to
+  the layout a walk produced (prefix, header and padding bytes, array slots as ready ``slice``
+  objects, padding runs), so a repeated shape skips the walk and the packing, and its plan costs
+  one pass over the dict. Only layouts that passed every check are kept; changing a limit
+  replaces the cache (and the read templates' cache) with an empty one, and a walk captures the
+  cache it fills before it reads the limits, so a walk racing a limit change cannot leave a
+  layout checked against the old limits where later plans look. ``write`` checks the buffer
+  by casting it to uint8 (refusing a non-contiguous one), then writability and length; a
+  source array whose size changed since ``plan`` is refused rather than leaving old bytes. A
+  plan is made by ``object.__new__`` and three attribute stores, with no ``__init__`` call (a
+  NamedTuple built by ``tuple.__new__`` runs fewer opcodes but measured slower to build and
+  to read).
 * Validated dtypes and array descriptors are cached by their exact bytes (bounded caches; only
   records that passed validation are stored). Items of one kind share their descriptors, since
   offsets are relative to the data section, so a typical read skips the parsing.
@@ -175,11 +194,13 @@ _FLAT_SHAPES_MAX = 256  # shapes remembered per serde (cleared when full)
 
 _TUPLE_MARK = msgpack.ExtType(_EXT_TUPLE, b"")
 _ZEROS = memoryview(bytes(_ALIGN))
+_BYTES_COPY = 4 << 10  # arrays up to this size are copied by tobytes (see the docstring)
 _SMALL_COPY = 64 << 10  # arrays up to this size are copied by memoryview (see the docstring)
 _ExtType = msgpack.ExtType
 # ExtType.__new__ re-validates its (constant, known-good) arguments in Python; tuple.__new__
 # builds the same namedtuple in a fifth of the time (measured 0.67 -> 0.1 us).
 _new_tuple = tuple.__new__
+_new_object = object.__new__
 _ndarray = np.ndarray
 _generic = np.generic
 _uint8 = np.dtype(np.uint8)
@@ -236,29 +257,70 @@ def _encode_dtype(dt: np.dtype[Any]) -> bytes:
 # --- encoding ---------------------------------------------------------------------------------
 
 
+#: What a plan writes, fixed by the item's structure alone (items of one shape share it):
+#: (nbytes, head, blob, slots, gaps). ``blob`` is the payload's first bytes (prefix, header, zero
+#: padding up to the data section) and ``head`` the slice they go to. ``slots`` has one
+#: (slice, tiny, small) per source array in header order, absolute in the payload: ``tiny`` if
+#: it is non-empty and goes by ``tobytes``, else ``small`` if it is non-empty and may go by
+#: memoryview (see the module docstring). ``gaps`` has (slice, zeros) for each run of padding
+#: between two slots (there is none after the last one). The slices are made once, here: a
+#: store through a ready slice object is the cheapest write.
+_Layout = tuple[
+    int, slice, bytes, tuple[tuple[slice, bool, bool], ...], tuple[tuple[slice, memoryview], ...]
+]
+
+
+def _layout(
+    header: bytes, chunks: list[tuple[int, np.ndarray[Any, Any]]], data_len: int
+) -> _Layout:
+    """Lay out a packed header and its data items (offsets relative to the data section)."""
+    hend = _PREFIX_SIZE + len(header)
+    data_off = (hend + _ALIGN_MASK) & ~_ALIGN_MASK
+    prefix = _PREFIX.pack(_MAGIC, _VERSION, 0, len(header), data_len)
+    blob = b"".join((prefix, header, _ZEROS[: data_off - hend]))
+    slots: list[tuple[slice, bool, bool]] = []
+    gaps: list[tuple[slice, memoryview]] = []
+    prev = data_off
+    for off, src in chunks:
+        start = data_off + off
+        if start != prev:
+            gaps.append((slice(prev, start), _ZEROS[: start - prev]))
+        size = src.nbytes
+        prev = start + size
+        slots.append((slice(start, prev), 0 < size <= _BYTES_COPY, 0 < size <= _SMALL_COPY))
+    return data_off + data_len, slice(0, data_off), blob, tuple(slots), tuple(gaps)
+
+
 class _Plan:
-    """An encoded value: prefix + header ready, arrays referenced (not copied) with their slots."""
+    """An encoded value: its layout (prefix and header packed) and the source arrays, not copied."""
 
-    __slots__ = ("_chunks", "_data_len", "_data_off", "_header", "nbytes")
+    __slots__ = ("_layout", "_sources", "nbytes")
 
-    def __init__(
-        self,
-        header: bytes,
-        data_len: int,
-        chunks: list[tuple[int, np.ndarray[Any, Any]]],
-    ) -> None:
-        self._header = header
-        self._data_off = (_PREFIX_SIZE + len(header) + _ALIGN_MASK) & ~_ALIGN_MASK  # _align
-        self._data_len = data_len
-        # (offset relative to the data section, source array); bytes values as uint8 arrays
-        self._chunks = chunks
-        self.nbytes = self._data_off + data_len
+    nbytes: int
+    _layout: _Layout
+    # the arrays in header order (bytes values as uint8 arrays), one per slot of the layout
+    _sources: tuple[np.ndarray[Any, Any], ...]
 
     def __repr__(self) -> str:
-        return (
-            f"<serde plan nbytes={self.nbytes} header={len(self._header)} "
-            f"arrays={len(self._chunks)}>"
-        )
+        header = _HLEN.unpack_from(self._layout[2], _HLEN_OFFSET)[0]
+        return f"<serde plan nbytes={self.nbytes} header={header} arrays={len(self._sources)}>"
+
+
+def _new_plan(layout: _Layout, sources: tuple[np.ndarray[Any, Any], ...]) -> _Plan:
+    plan = _new_object(_Plan)
+    plan.nbytes = layout[0]
+    plan._layout = layout
+    plan._sources = sources
+    return plan
+
+
+def _fit(buf: memoryview, nbytes: int) -> memoryview:
+    """A uint8 view that is not writable or not ``nbytes`` long: refuse it, or cut it to size."""
+    if buf.readonly:
+        raise SerdeError("write needs a writable buffer")
+    if len(buf) < nbytes:
+        raise SerdeError(f"buffer of {len(buf)} bytes is smaller than plan.nbytes={nbytes}")
+    return buf[:nbytes]  # nothing past nbytes can be written, whatever happens next
 
 
 class _Encoder:
@@ -753,17 +815,21 @@ class MsgpackSerde:
         self.max_ndim = max_ndim
         self.max_depth = max_depth
         self._local = threading.local()
-        # Structure headers of flat items (a dict of str -> plain ndarray), by item shape (keys,
-        # dtypes, shapes in order): the header depends on nothing else, so a repeated shape
-        # skips the walk and the msgpack packing. Only headers that passed every check are kept.
-        self._shapes: dict[tuple[object, ...], tuple[bytes, int, tuple[int, ...]]] = {}
+        # Layouts of flat items (a dict of str -> plain ndarray), by item shape (keys, dtypes,
+        # shapes in order): the header depends on nothing else, so a repeated shape skips the
+        # walk and the msgpack packing. Only layouts that passed every check are kept.
+        self._shapes: dict[tuple[object, ...], _Layout] = {}
         self._templates: dict[bytes, _Template] = {}
 
     def __setattr__(self, name: str, value: object) -> None:
-        # templates were validated against the limits: changing one forgets them
+        # Cached layouts and templates were validated against the limits: changing one forgets
+        # them. The caches are replaced, not cleared, after the limit is set: a walk captures its
+        # cache before it reads the limits, so one that read the old limits stores into a cache
+        # that is no longer used.
         object.__setattr__(self, name, value)
         if name in _LIMITS and hasattr(self, "_templates"):
-            self._templates.clear()
+            object.__setattr__(self, "_shapes", {})
+            object.__setattr__(self, "_templates", {})
 
     def __repr__(self) -> str:
         return (
@@ -782,29 +848,37 @@ class MsgpackSerde:
         """Walk ``obj``, pack its structure header and size the payload (no array bytes copied).
 
         A flat item (a dict of str keys to plain ndarrays, as preprocessed features are) whose
-        shape was planned before reuses that header: the same keys, dtypes and shapes in the
+        shape was planned before reuses that layout: the same keys, dtypes and shapes in the
         same order give the very same header and array offsets.
         """
-        if type(obj) is not dict or len(obj) > _FLAT_MAX:
-            return self._plan(obj)
-        shape: list[object] = []
-        arrays: list[np.ndarray[Any, Any]] = []
-        max_ndim = self.max_ndim
-        for k, v in obj.items():
-            if type(k) is not str or type(v) is not _ndarray or v.ndim > max_ndim:
-                return self._plan(obj)  # the walk raises what must be raised
-            shape += (k, v.dtype, v.shape)
-            arrays.append(v)
-        key = tuple(shape)
-        known = self._shapes.get(key)
-        if known is not None:
-            header, data_len, offsets = known
-            if len(arrays) <= self.max_arrays and len(header) <= self.max_header_bytes:
-                return _Plan(header, data_len, list(zip(offsets, arrays)))
+        if type(obj) is dict:
+            shape: list[object] = []
+            for k, v in obj.items():
+                if type(k) is not str or type(v) is not _ndarray:
+                    return self._plan(obj)
+                shape += (k, v.dtype, v.shape)
+            key = tuple(shape)
+            try:
+                layout = self._shapes[key]
+            except KeyError:
+                return self._plan_flat(obj, key)
+            # A hit passed every check under the current limits (a change forgets them all).
+            # This is _new_plan, inlined: no call on the put path.
+            plan = _new_object(_Plan)
+            plan.nbytes = layout[0]
+            plan._layout = layout
+            plan._sources = tuple(obj.values())
+            return plan
+        return self._plan(obj)
+
+    def _plan_flat(self, obj: dict[str, np.ndarray[Any, Any]], key: tuple[object, ...]) -> _Plan:
+        """Plan a flat item of a shape not seen yet (under these limits), and remember it."""
+        shapes = self._shapes  # before the walk reads the limits: see __setattr__
         plan = self._plan(obj)
-        if len(self._shapes) >= _FLAT_SHAPES_MAX:
-            self._shapes.clear()
-        self._shapes[key] = (plan._header, plan._data_len, tuple(o for o, _a in plan._chunks))
+        if len(obj) <= _FLAT_MAX:
+            if len(shapes) >= _FLAT_SHAPES_MAX:
+                shapes.clear()
+            shapes[key] = plan._layout
         return plan
 
     def _plan(self, obj: object) -> _Plan:
@@ -823,49 +897,43 @@ class MsgpackSerde:
                 f"structure header of {len(header)} bytes exceeds "
                 f"max_header_bytes={self.max_header_bytes} (large str values live in the header)"
             )
-        return _Plan(header, enc.cursor, enc.chunks)
+        chunks = enc.chunks
+        return _new_plan(_layout(header, chunks, enc.cursor), tuple([src for _o, src in chunks]))
 
     def write(self, plan: EncodePlan, buf: memoryview) -> None:
-        """Write ``plan`` into ``buf[0:plan.nbytes]``; one copy per array, no other writes."""
+        """Write ``plan`` into ``buf[0:plan.nbytes]``: every byte of it, and nothing else."""
         if type(plan) is not _Plan and not isinstance(plan, _Plan):
             raise SerdeError(f"not a plan made by MsgpackSerde: {plan!r}")
         try:  # one frame on the put path: the checks and copies, errors made typed
+            nbytes, head, blob, slots, gaps = plan._layout
             if type(buf) is not memoryview:
                 buf = memoryview(buf)
-            if buf.format != "B" or buf.ndim != 1:
-                buf = buf.cast("B")
-            if buf.readonly:
-                raise SerdeError("write needs a writable buffer")
-            nbytes = plan.nbytes
-            if len(buf) < nbytes:
-                raise SerdeError(f"buffer of {len(buf)} bytes is smaller than plan.nbytes={nbytes}")
-            if len(buf) != nbytes:
-                buf = buf[:nbytes]  # nothing past nbytes can be written, whatever happens below
-            header = plan._header
-            hend = _PREFIX_SIZE + len(header)
-            data_off = plan._data_off
-            _PREFIX.pack_into(buf, 0, _MAGIC, _VERSION, 0, len(header), plan._data_len)
-            buf[_PREFIX_SIZE:hend] = header
-            buf[hend:data_off] = _ZEROS[: data_off - hend]
-            prev = data_off
-            for off, src in plan._chunks:
-                start = data_off + off
-                if start != prev:
-                    buf[prev:start] = _ZEROS[: start - prev]
-                size = src.nbytes
-                prev = start + size
-                if size == 0:
+            # uint8 and one-dimensional: the store's view already is, so this costs little; a
+            # buffer that is not C-contiguous is refused here (TypeError)
+            buf = buf.cast("B")
+            if buf.readonly or len(buf) != nbytes:
+                buf = _fit(buf, nbytes)
+            buf[head] = blob  # prefix, header and its padding
+            for gap, zeros in gaps:  # every byte is written: the chunk held other data
+                buf[gap] = zeros
+            for (slot, tiny, small), src in zip(slots, plan._sources):
+                if tiny:  # C order whatever the layout; a size changed since plan fails here
+                    buf[slot] = src.tobytes()
                     continue
-                if size <= _SMALL_COPY:
+                if small:
                     try:  # the raw bytes of a C-contiguous array, without making a numpy view
-                        buf[start:prev] = src.data.cast("B")
+                        buf[slot] = src.data.cast("B")
                         continue
                     except (TypeError, ValueError, NotImplementedError):
                         pass  # not C-contiguous, or a dtype with no buffer format: numpy's copy
-                dst = _frombuffer(buf, src.dtype, src.size, start)
-                if src.ndim != 1:
-                    dst = dst.reshape(src.shape)
-                dst[...] = src  # see the module docstring: np.copyto's loop, less overhead
+                start: int = slot.start
+                if src.nbytes != slot.stop - start:
+                    raise SerdeError("a source array changed size since it was planned")
+                if src.nbytes:
+                    dst = _frombuffer(buf, src.dtype, src.size, start)
+                    if src.ndim != 1:
+                        dst = dst.reshape(src.shape)
+                    dst[...] = src  # see the module docstring: np.copyto's loop, less overhead
         except SerdeError:
             raise
         except MemoryError:
@@ -923,6 +991,7 @@ class MsgpackSerde:
 
     def _read(self, buf: memoryview, size: int, copy: bool) -> object:
         """``read`` without a template at hand: check the prefix, compile (and keep) one."""
+        templates = self._templates  # before the limits are read: see __setattr__
         if size < _PREFIX_SIZE:
             raise SerdeError(f"truncated payload ({size} bytes)")
         magic, version, pflags, hlen, data_len = _PREFIX.unpack_from(buf)
@@ -950,7 +1019,6 @@ class MsgpackSerde:
             if _PREFIX.unpack_from(key) != (magic, version, pflags, hlen, data_len):
                 raise SerdeError("payload prefix changed while it was read")
             tmpl = self._compile(memoryview(key)[_PREFIX_SIZE:], data_off, data_len)
-            templates = self._templates
             if len(templates) >= _TEMPLATES_MAX:
                 templates.clear()
             templates[key] = tmpl
