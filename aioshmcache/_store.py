@@ -433,10 +433,10 @@ class ShmObjectStore:
         the copy's error (the chunk is abandoned, reclaimed in FIFO order). ``plan`` was made by
         :meth:`plan` (the size limit is checked there).
         """
+        self._check_writer()  # closed, a reader, or a forked child: the typed error first
         if type(key) is not str and not isinstance(key, str):
             raise TypeError(f"keys are str, not {type(key).__name__}")
         if key in self._index or key in self._pending or key in self._waiting_keys:
-            self._check_writer()
             raise DuplicateKeyError(f"key {key!r} is already cached")
         ring = self.ring
         nbytes = plan.nbytes
