@@ -16,6 +16,7 @@ from aioshmcache import (
     CacheConfig,
     FeatureSpec,
     InvalidReferenceError,
+    ReaderEvictedError,
     ReceiverCache,
     SenderCache,
     ShmRef,
@@ -375,4 +376,30 @@ def test_a_reference_of_a_dead_instance_reclaimed_before_the_reader_started_is_w
             pass
         _stop([p])
     sweep(prefix=group)
+    assert _ours(group) == []
+
+
+def test_a_group_reader_revoked_by_one_shard_learns_it_from_that_shard_s_references(
+    group: str,
+) -> None:
+    """A stuck group reader is revoked by one shard only: a request that routes a reference to
+    that shard raises ``ReaderEvictedError`` (even a stale one: the revocation freed it), the
+    other shard still serves it, and a request routing nothing to the shard cannot know (the
+    stress harness used an empty request to ask, and missed a revocation by one shard)."""
+    cfg = CacheConfig(1 << 20, 1 << 18, 2, group=group, evict_stuck_readers_after=0.05)
+    with SenderCache(cfg) as a, SenderCache(cfg) as b, ReceiverCache.attach_group(group) as rx:
+        [fb0] = b.get_and_update_features([FeatureSpec("hb0", gp.make_item("hb0"))])
+        rx.get_and_update_features([fb0])  # attached to both shards, b's slot in use
+        [fa] = a.get_and_update_features([FeatureSpec("ha", gp.make_item("ha"))])
+        [fb] = b.get_and_update_features([FeatureSpec("hb", gp.make_item("hb"))])
+        time.sleep(0.2)  # the reader owes "ha" and acknowledges nothing: stuck
+        assert a.is_freeable("ha")  # probing the debtors revoked the reader on shard a
+        assert a.snapshot().readers[0].revoked
+        a.invalidate("ha")
+        a.remove_dangling_items()  # the chunk is freed: the reference is stale now
+        assert rx.get_and_update_features([]) == []  # routes to no shard: nothing to say
+        with pytest.raises(ReaderEvictedError):
+            rx.get_and_update_features([fa])
+        [got] = rx.get_and_update_features([fb])  # shard b never revoked it
+        assert np.array_equal(got.data["x"], gp.make_item("hb")["x"])
     assert _ours(group) == []

@@ -58,8 +58,10 @@ genuine reference means the writer reclaimed a hand-out before this reader ackno
 
 * broadcast: explained if the hand-out may predate the reader's session (its request started
   before the reader attached), if the session acknowledged the same chunk through such an
-  unowed hand-out before (acknowledgements are counted per chunk, not per hand-out), or if the
-  reader was revoked (checked at once with a no-op call that must raise ``ReaderEvictedError``),
+  unowed hand-out before, or if the reader was revoked (checked at once by reading the stale
+  references again, which must raise ``ReaderEvictedError``: a group reader is revoked per shard,
+  so only a request routed to that shard can tell; a stale reference owes nothing, so reading it
+  again settles nothing),
   or if it lapsed by the ledger's lost-hand-out rule: older than ``handout_ttl`` while this
   session had already acknowledged a later hand-out of the same writer (a delivery delayed that
   long under load and faults);

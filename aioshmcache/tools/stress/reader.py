@@ -443,8 +443,12 @@ class ReaderProc:
         if not todo:
             return explained, []
         if delivery != "one_of_n" and self.rx is not None:
+            # revoked? Asked with the stale references themselves: a revocation is per shard for
+            # a group reader, and only a request routed to that shard raises it (a stale
+            # reference is read around again, and owes nothing: it is not acknowledged)
+            again = [FeatureSpec(feats[i][0], feats[i][1]) for i in todo]
             try:
-                await self.rx.get_and_update_features([])  # revoked? (public, no-op otherwise)
+                await self.rx.get_and_update_features(again)
             except ReaderEvictedError:
                 self.need_reattach = True
                 explained["revoked"] += len(todo)
