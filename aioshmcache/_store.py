@@ -403,9 +403,11 @@ class ShmObjectStore:
         seconds (default: the config's, 0 for a store created without one).
         """
         plan = self.plan(value)
+        if wait_for_space is None:
+            wait_for_space = self._config.wait_for_space if self._config else 0.0
         with self._lock:
             if plan.nbytes <= INLINE_COPY_UNDER_LOCK and not wait_for_space:
-                return self.put_locked(key, plan)  # small: one step, the copy is µs
+                return self.put_locked(key, plan)  # small, no wait: one step, the copy is µs
             res = self.reserve(key, plan, wait_for_space=wait_for_space)
             if plan.nbytes <= INLINE_COPY_UNDER_LOCK:
                 try:

@@ -756,3 +756,20 @@ def test_cached_order_is_consistent_while_other_threads_put(make_config: Any) ->
         finally:
             t.join(30)
         assert errors == []
+
+
+def test_one_item_put_waits_for_space_as_the_config_says(make_config: Any) -> None:
+    """``get_and_update_item`` takes its short path only when the item fits at once: with the
+    ring full of owed items and a config wait, it waits for the reader like a request does."""
+    cfg = make_config(256 << 10, 100 << 10, 1, wait_for_space=10.0)
+    with SenderCache(cfg) as tx, ReceiverCache.attach(tx.handle()) as rx:
+        owed = [tx.get_and_update_item((item(i), ()), f"o{i}")[0] for i in range(4)]
+        assert all(isinstance(r, ShmRef) for r in owed)  # the ring is full of unread items
+        reads = threading.Timer(0.3, lambda: [rx.get_and_update_item(r, "o") for r in owed])
+        reads.start()
+        try:
+            ref, _updates = tx.get_and_update_item((item(9), ()), "later")
+        finally:
+            reads.join()
+        assert isinstance(ref, ShmRef)  # waited, then cached: not served inline
+        assert tx.snapshot().inline_full == 0

@@ -270,6 +270,30 @@ def test_put_checks_size_before_copy_and_keys(make_config: Any) -> None:
             store.put(1, {"x": 1})  # type: ignore[arg-type]
 
 
+def test_a_small_put_waits_for_space_as_the_config_says(make_config: Any) -> None:
+    """``put`` without ``wait_for_space`` waits the config's default, small values too (they
+    take the one-step put only when there is no wait to make), and waits nothing with 0."""
+    import threading
+
+    cfg = make_config(1 << 16, 1 << 14, 1, wait_for_space=10.0)
+    with ShmObjectStore.create(cfg) as store:
+        reader = ShmObjectStore.from_handle(store.handle())
+        try:
+            owed = [store.put(f"o{i}", {"b": b"x" * 12000}) for i in range(5)]  # the ring is full
+            with pytest.raises(CacheFullError):
+                store.put("now", {"b": b"y" * 12000}, wait_for_space=0)
+            acks = threading.Timer(0.3, lambda: [reader.ack(r) for r in owed])
+            acks.start()
+            try:
+                ref = store.put("later", {"b": b"z" * 12000})  # waits until the reader acks
+            finally:
+                acks.join()
+            assert store.is_cached("later") and store.wakeups >= 1
+            assert reader.get(ref)["b"] == b"z" * 12000
+        finally:
+            reader.close()
+
+
 def test_eviction_frees_until_contiguous_room(make_config: Any) -> None:
     with ShmObjectStore.create(make_config(1 << 16, 40000, 1)) as store:
         for i in range(30):  # small items, no readers attached: all free
