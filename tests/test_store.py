@@ -282,7 +282,12 @@ def test_a_small_put_waits_for_space_as_the_config_says(make_config: Any) -> Non
             owed = [store.put(f"o{i}", {"b": b"x" * 12000}) for i in range(5)]  # the ring is full
             with pytest.raises(CacheFullError):
                 store.put("now", {"b": b"y" * 12000}, wait_for_space=0)
-            acks = threading.Timer(0.3, lambda: [reader.ack(r) for r in owed])
+
+            def ack_all() -> None:
+                for r in owed:
+                    reader.ack(r)
+
+            acks = threading.Timer(0.3, ack_all)
             acks.start()
             try:
                 ref = store.put("later", {"b": b"z" * 12000})  # waits until the reader acks
