@@ -586,11 +586,18 @@ def _stop_process(proc: multiprocessing.process.BaseProcess) -> None:
 
 
 def _run_worker(start: Callable[[str], None], path: str) -> None:
-    """A spawned engine worker's entry: ``start(path)``; quiet if another worker won the path."""
+    """A spawned engine worker's entry: take the path, then ``start(path)``.
+
+    The path's lock is taken before ``start`` runs (before it attaches a reader anywhere), so a
+    process that lost the race to another starter leaves at once and quietly; ``serve_engine``
+    in ``start`` then uses the lock this process already holds.
+    """
     try:
-        start(path)
+        _HELD[path] = _take_path(path)
     except EngineAddressInUseError:
         return
+    try:
+        start(path)
     except KeyboardInterrupt:
         return
 
@@ -617,8 +624,15 @@ def _lock_held(path: str) -> bool:
     return False
 
 
+#: path -> lock fd, for a path this process took before ``serve_engine`` ran (``_run_worker``)
+_HELD: dict[str, int] = {}
+
+
 def _take_path(path: str) -> int:
     """Take ``path``'s lock (kernel-released if we die) and clear a dead worker's socket file."""
+    held = _HELD.pop(path, None)
+    if held is not None:
+        return held  # taken by this process already (flock would refuse a second open of it)
     fd = os.open(_lock_path(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     deadline = time.monotonic() + _LOCK_TRIES_S
     while True:
