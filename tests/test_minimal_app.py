@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from aioshmcache.channel import _lock_held
 
@@ -74,6 +75,16 @@ def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> httpx
     return httpx.post(url, content=body, headers=h, timeout=120.0)
 
 
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of metric ``name`` (counters: its ``_total``) in a Prometheus text page."""
+    return [
+        (s.labels, s.value)
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name in (name, name + "_total")
+    ]
+
+
 def _ours(group: str) -> list[str]:
     return [n for n in os.listdir(SHM) if f"aioshm-{group}." in n]
 
@@ -114,9 +125,24 @@ def test_minimal_app_under_uvicorn_workers_2(tmp_path: Path) -> None:
         assert wait_until(lambda: len([n for n in _ours(group) if "sem." not in n]) == 2)
         assert _lock_held(sock)  # one engine worker serves the group
 
+        # a scrape of either process shows both shards (read from shared memory); the
+        # single-flight series (process-local) tell which process answered
+        base = url.rsplit("/", 1)[0]
+        answered: dict[str, float] = {}
+        for _ in range(400):
+            text = httpx.get(f"{base}/metrics/", headers={"Connection": "close"}).text
+            items = samples(text, "aioshmcache_items")
+            assert sorted(lb["shard"] for lb, _v in items) == ["0", "1"], text
+            assert sum(v for _lb, v in items) >= len(bodies)
+            [(local, runs)] = samples(text, "aioshmcache_single_flight_runs")
+            answered[local["cache"]] = runs
+            if len(answered) == 2:
+                break
+        assert sorted(answered) == [f"aioshm-{group}.shard0", f"aioshm-{group}.shard1"]
+
         r = _post(url, bodies[0], {"X-MM-Hash": "photo-1"})
         assert r.status_code == 200 and r.json() == {"crc32": expected_crc(bodies[0])}
-        assert _post(url, b"x", {"X-MM-Hash": "no spaces"}).status_code == 400
+        assert _post(url, b"x", {"X-MM-Hash": "h" * 129}).status_code == 400
         assert _post(url, bytes(8 << 20) + b"x").status_code == 413
 
         server.send_signal(signal.SIGINT)
