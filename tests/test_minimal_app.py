@@ -125,6 +125,16 @@ def test_minimal_app_under_uvicorn_workers_2(tmp_path: Path) -> None:
         assert wait_until(lambda: len([n for n in _ours(group) if "sem." not in n]) == 2)
         assert _lock_held(sock)  # one engine worker serves the group
 
+        # bursts of identical new requests: each image preprocessed once in the whole group
+        bursts = [rng.integers(0, 256, 5000 + 13 * i, dtype=np.uint8).tobytes() for i in range(12)]
+        with ThreadPoolExecutor(6) as pool:
+            for body in bursts:
+                for r in pool.map(lambda b: _post(url, b), [body] * 6):
+                    assert r.status_code == 200 and r.json() == {"crc32": expected_crc(body)}
+        r = _post(url, bodies[0], {"X-MM-Hash": "photo-1"})
+        assert r.status_code == 200 and r.json() == {"crc32": expected_crc(bodies[0])}
+        distinct = 1 + len(bodies) + len(bursts) + 1  # "ping", the images, "photo-1"
+
         # a scrape of either process shows both shards (read from shared memory); the
         # single-flight series (process-local) tell which process answered
         base = url.rsplit("/", 1)[0]
@@ -139,9 +149,8 @@ def test_minimal_app_under_uvicorn_workers_2(tmp_path: Path) -> None:
             if len(answered) == 2:
                 break
         assert sorted(answered) == [f"aioshm-{group}.shard0", f"aioshm-{group}.shard1"]
+        assert sum(answered.values()) == distinct, answered  # no preprocessing done twice
 
-        r = _post(url, bodies[0], {"X-MM-Hash": "photo-1"})
-        assert r.status_code == 200 and r.json() == {"crc32": expected_crc(bodies[0])}
         assert _post(url, b"x", {"X-MM-Hash": "h" * 129}).status_code == 400
         assert _post(url, bytes(8 << 20) + b"x").status_code == 413
 
