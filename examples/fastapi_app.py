@@ -2,7 +2,7 @@
 
     uvicorn --loop uvloop --app-dir examples fastapi_app:app --host 127.0.0.1 --port 8000
 
-The pieces, in the order a request meets them (README, "In a FastAPI app", explains each):
+The pieces, in the order a request meets them (docs/fastapi.md explains each):
 
 - the lifespan creates the ``AsyncSenderCache`` (the writer: it owns the segment) and starts
   one engine worker process with the ``spawn`` start method, giving it the cache's handle as
