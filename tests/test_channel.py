@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 from collections.abc import AsyncIterator, Callable
@@ -324,3 +325,33 @@ async def test_a_call_in_progress_finishes_through_a_graceful_shutdown(
                     await engine.call([], {"op": "echo"}, timeout=0.5)
         finally:
             kill_and_reap(proc)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+async def test_start_keeps_one_worker_alive_among_clients(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """``start=``: two clients (two gateways) share one worker; one killed -9 is replaced."""
+    from aioshmcache.channel import _lock_held
+
+    sock = tmp_path / "e.sock"
+    async with AsyncSenderCache.from_config(make_config(4 << 20)) as cache:
+        start = functools.partial(_channel_procs.engine_main, handle=cache.handle())
+        async with (
+            EngineClient.connect(sock, cache=cache, start=start, backoff_max=0.2) as one,
+            EngineClient.connect(sock, cache=cache, start=start, backoff_max=0.2) as two,
+        ):
+            first = await one.call([], {"op": "echo"}, timeout=60)
+            assert (await two.call([], {"op": "echo"}, timeout=60))["pid"] == first["pid"]
+            os.kill(first["pid"], signal.SIGKILL)
+            again = first
+            for _ in range(600):  # a call on a connection of the dead worker fails typed
+                with contextlib.suppress(EngineUnavailableError):
+                    again = await one.call([], {"op": "echo"}, timeout=60)
+                if again["pid"] != first["pid"]:
+                    break
+                await asyncio.sleep(0.1)
+            assert again["pid"] != first["pid"]  # a new worker was started for the path
+            assert (await two.call([], {"op": "echo"}, timeout=60))["pid"] == again["pid"]
+        assert await asyncio.to_thread(wait_until, lambda: not _lock_held(str(sock)), 30)
