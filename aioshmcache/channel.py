@@ -118,6 +118,9 @@ _SERDE = MsgpackSerde()
 _LOCK_TRIES_S: Final = 1.0
 _STOP_GRACE_S: Final = 10.0
 _SEND_TRIES: Final = 3
+_KEEP_POLL_S: Final = 0.5  # how often EngineClient(start=) checks the worker
+_KEEP_QUICK_S: Final = 5.0  # a worker that crashes sooner than this after its start ...
+_KEEP_MAX_S: Final = 30.0  # ... is restarted after a pause that doubles up to this
 _KIND_ERRORS: Final[dict[str, type[ShmCacheError]]] = {
     "stale_reference": StaleReferenceError,
     "invalid_reference": InvalidReferenceError,
@@ -552,17 +555,35 @@ class EngineClient:
             await ev.wait()
 
     async def _keep_worker(self, start: Callable[[str], None]) -> None:
-        """Start an engine worker whenever none holds the path's lock (and ours is not alive)."""
+        """Start an engine worker whenever none holds the path's lock (and ours is not alive).
+
+        A worker that crashes (exits non-zero) soon after it started is restarted with a growing
+        pause (0.5 s doubling to 30 s), so that a worker that cannot start does not spin.
+        """
         ctx = multiprocessing.get_context("spawn")
+        pause, started = _KEEP_POLL_S, 0.0
         while True:
             mine = self._child
             if (mine is None or not mine.is_alive()) and not _lock_held(self.path):
                 if mine is not None:
                     await asyncio.to_thread(mine.join, 1.0)
+                    crashed = mine.exitcode not in (0, None)
+                    quick = time.monotonic() - started < _KEEP_QUICK_S
+                    pause = min(pause * 2, _KEEP_MAX_S) if crashed and quick else _KEEP_POLL_S
+                    if pause > _KEEP_POLL_S:
+                        log.warning(
+                            "the engine worker for %s exited with %s; restarting in %.1f s",
+                            self.path,
+                            mine.exitcode,
+                            pause,
+                        )
+                        self._child = None
+                        await asyncio.sleep(pause)
+                        continue
                 child = ctx.Process(target=_run_worker, args=(start, self.path), daemon=True)
                 await asyncio.to_thread(child.start)
-                self._child = child
-            await asyncio.sleep(0.5)
+                self._child, started = child, time.monotonic()
+            await asyncio.sleep(_KEEP_POLL_S)
 
 
 async def _item_of(items: Items, mm_hash: str) -> Any:

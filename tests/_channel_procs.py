@@ -46,3 +46,8 @@ def engine_main(path: str, handle: Any, lease: bool = False) -> None:
             )
 
     asyncio.run(main())
+
+
+def crash(path: str) -> None:
+    """An engine worker that cannot start."""
+    raise RuntimeError(f"no engine for {path} today")

@@ -355,3 +355,20 @@ async def test_start_keeps_one_worker_alive_among_clients(
             assert again["pid"] != first["pid"]  # a new worker was started for the path
             assert (await two.call([], {"op": "echo"}, timeout=60))["pid"] == again["pid"]
         assert await asyncio.to_thread(wait_until, lambda: not _lock_held(str(sock)), 30)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+async def test_a_worker_that_cannot_start_is_restarted_with_growing_pauses(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("WARNING", logger="aioshmcache.channel")
+    async with EngineClient.connect(tmp_path / "e.sock", start=_channel_procs.crash) as engine:
+        with pytest.raises(EngineUnavailableError):
+            await engine.call([], timeout=1.0)
+
+        def pauses() -> list[float]:
+            return [float(r.args[2]) for r in caplog.records if "restarting in" in r.msg]  # type: ignore[index,arg-type]
+
+        assert await asyncio.to_thread(wait_until, lambda: len(pauses()) >= 2, 60)
+        assert pauses()[:2] == [1.0, 2.0]  # doubling, not a crash loop every half second
