@@ -167,7 +167,12 @@ def _encode(value: object) -> bytes:
 
 
 def _decode(data: bytes, what: str) -> list[Any]:
-    value = _SERDE.read(memoryview(data), copy=False)
+    try:
+        value = _SERDE.read(memoryview(data), copy=False)
+    except WireError:
+        raise
+    except SerdeError as exc:
+        raise WireError(f"not an aioshmcache.channel {what}: {exc}") from exc
     if type(value) is not list or len(value) < 3 or value[0] != _TAG:
         raise WireError(f"not an aioshmcache.channel {what}")
     if value[1] != _VERSION:

@@ -372,3 +372,53 @@ async def test_a_worker_that_cannot_start_is_restarted_with_growing_pauses(
 
         assert await asyncio.to_thread(wait_until, lambda: len(pauses()) >= 2, 60)
         assert pauses()[:2] == [1.0, 2.0]  # doubling, not a crash loop every half second
+
+
+async def test_hostile_calls_get_typed_answers_and_the_worker_keeps_serving(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Garbage call frames are answered ``bad_request``; a huge declared frame ends only its
+    own connection; a well-formed call on a new connection is served afterwards."""
+    from aioshmcache.channel import _decode, _raise_error
+    from aioshmcache.wire import read_frame, write_frame
+
+    sock = tmp_path / "e.sock"
+    async with (
+        _engine(make_config, sock, max_frame_bytes=1 << 20) as (cache, _rx, _t),
+        EngineClient.connect(sock, cache=cache) as engine,
+    ):
+        reader, writer = await asyncio.open_unix_connection(str(sock))
+        for head, body in [
+            (b"\x00garbage", b"more garbage"),
+            (np.arange(8, dtype=np.uint8).tobytes(), b""),
+            (b"", b""),
+        ]:
+            await write_frame(writer, head)
+            await write_frame(writer, body)
+            value = _decode(await asyncio.wait_for(read_frame(reader), 10), "response")
+            assert value[2] == "error" and value[3] == "bad_request" and value[7] is True
+            with pytest.raises(WireError):
+                _raise_error(value)
+        writer.write((1 << 40).to_bytes(8, "little"))  # a frame far over max_frame_bytes
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # that connection ends
+        writer.close()
+        out = await engine.call([], {"op": "echo", "n": 3})
+        assert out["payload"]["n"] == 3
+
+
+async def test_a_garbage_answer_is_a_typed_error(tmp_path: Path) -> None:
+    """A peer that answers junk (not a worker) makes the call raise ``WireError``."""
+    from aioshmcache.wire import read_frame, write_frame
+
+    async def junk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_frame(reader)
+        await read_frame(reader)
+        await write_frame(writer, b"\x93not ours")
+        writer.close()
+
+    sock = tmp_path / "junk.sock"
+    server = await asyncio.start_unix_server(junk, str(sock))
+    async with server, EngineClient.connect(sock) as engine:
+        with pytest.raises(WireError):
+            await engine.call([], {"op": "echo"}, timeout=10)
