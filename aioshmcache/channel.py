@@ -74,6 +74,7 @@ import logging
 import multiprocessing
 import os
 import stat
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -127,6 +128,16 @@ _KIND_ERRORS: Final[dict[str, type[ShmCacheError]]] = {
     "reader_evicted": ReaderEvictedError,
     "bad_request": WireError,
 }
+
+if sys.version_info >= (3, 11):
+    _timeout = asyncio.timeout  # 10-17 us a call here, anyio.fail_after 35-95 us
+else:  # pragma: no cover - Python 3.10
+
+    @contextlib.asynccontextmanager
+    async def _timeout(delay: float) -> AsyncIterator[None]:
+        with anyio.fail_after(delay):
+            yield
+
 
 Handler = Callable[[list[FeatureSpec], Any], Awaitable[Any]]
 Items = Mapping[str, Any] | Callable[[str], Any]
@@ -459,7 +470,7 @@ class EngineClient:
         phase = "connect"
         broken = 0  # connections that broke before the call reached the worker
         try:
-            with anyio.fail_after(max(0.0, deadline - time.monotonic())):
+            async with _timeout(max(0.0, deadline - time.monotonic())):
                 while True:
                     conn = await self._acquire()
                     phase = "send"
