@@ -31,7 +31,8 @@ sibling that sees it free and the hash still missing knows the computation faile
 itself. A leader that dies holding a marker holds nothing: the kernel drops a dead process's
 ``flock``. Marker files are removed by the process that held them (unlinked before the lock is
 dropped; a claimer checks that the file it locked is still the one at the path); one whose holder
-died stays behind, empty, and is reused by the next claim of that hash. If the directory cannot be
+died stays behind, empty, and is reused by the next claim of that hash; the group's directory
+goes with its last marker (a claimer that finds it gone makes it again). If the directory cannot be
 used, the group-wide part is skipped (each process computes its own misses): it never fails a
 request.
 """
@@ -64,6 +65,7 @@ __all__ = [
     "SingleFlight",
     "SingleFlightStats",
     "call_make",
+    "marker_directory",
 ]
 
 log = logging.getLogger("aioshmcache")
@@ -265,6 +267,12 @@ class SingleFlight(Generic[R]):
                 self._on_end(key)
 
 
+def marker_directory(group: str) -> str:
+    """Where the single-flight markers of cache group ``group`` live (computed, not made)."""
+    base = os.path.join(tempfile.gettempdir(), f"aioshm-{os.getuid()}-flights")
+    return os.path.join(base, group.replace("/", "_"))
+
+
 class GroupFlight:
     """The cross-process marker of a cache group: "a process of the group is computing h".
 
@@ -283,8 +291,8 @@ class GroupFlight:
 
     def _directory(self) -> str | None:
         if self._dir is None:
-            base = os.path.join(tempfile.gettempdir(), f"aioshm-{os.getuid()}-flights")
-            path = os.path.join(base, self.group.replace("/", "_"))
+            path = marker_directory(self.group)
+            base = os.path.dirname(path)
             try:
                 for d in (base, path):
                     with contextlib.suppress(FileExistsError):
@@ -307,7 +315,12 @@ class GroupFlight:
 
     def _try_lock(self, path: str) -> int | None:
         """The locked marker file at ``path`` (the one linked there now), or None if held."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:  # the group's directory went with its last marker: again
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(os.path.dirname(path), 0o700)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -370,3 +383,5 @@ class GroupFlight:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # before the lock goes: a claimer then sees a fresh file
         os.close(fd)
+        with contextlib.suppress(OSError):  # the last marker takes the group's directory along
+            os.rmdir(os.path.dirname(path))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import io
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from aioshmcache._flight import marker_directory
 from aioshmcache.channel import _lock_held
 
 from .conftest import RUN_PREFIX, SHM
@@ -159,9 +161,11 @@ def test_minimal_app_under_uvicorn_workers_2(tmp_path: Path) -> None:
         assert wait_until(lambda: not _lock_held(sock), timeout=30)  # the engine worker ended
         assert not os.path.exists(sock)
         assert _ours(group) == [], "the group left a shard (or a semaphore) behind"
+        assert not os.path.exists(marker_directory(group))  # every marker, and their directory
     finally:
         if server.poll() is None:
             server.kill()
             server.wait(30)
         for left in _ours(group):
             os.unlink(os.path.join(SHM, left))
+        shutil.rmtree(marker_directory(group), ignore_errors=True)

@@ -8,9 +8,10 @@ or failed caller would show up there.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -361,12 +362,18 @@ def _group_config(name: str) -> Any:
 
 
 @pytest.fixture
-def group() -> str:
+def group() -> Iterator[str]:
+    """A group name of this run; its directory of single-flight markers is removed after."""
     import uuid
+
+    from aioshmcache._flight import marker_directory
 
     from .conftest import RUN_PREFIX
 
-    return f"{RUN_PREFIX}sf{uuid.uuid4().hex[:8]}"
+    name = f"{RUN_PREFIX}sf{uuid.uuid4().hex[:8]}"
+    yield name
+    markers = marker_directory(name)
+    assert not os.path.exists(markers)  # every marker was removed, and their directory
 
 
 async def test_a_sibling_computing_the_hash_is_waited_for_not_repeated(group: str) -> None:
