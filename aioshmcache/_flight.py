@@ -142,6 +142,9 @@ def _same_kind(exc: Exception) -> Exception:
     """
     try:
         clone = copy.copy(exc)
+        # a constructor that derives its message from other arguments (CacheMissError's
+        # mm_hashes) rebuilt it from the message itself: the original arguments, as given
+        clone.args = exc.args
     except Exception:
         return exc
     return clone if type(clone) is type(exc) else exc
@@ -374,8 +377,10 @@ class GroupFlight:
     def release(self, key: str) -> None:
         """The flight of ``key`` is over in this process: drop its marker, if held."""
         fd = self._held.pop(key, None)
+        if fd is None:
+            return
         path = self._path(key)
-        if fd is not None and path is not None:
+        if path is not None:
             self._unlock(path, fd)
 
     @staticmethod

@@ -35,7 +35,7 @@ from ._request import DEFAULT_INLINE_THRESHOLD
 from ._serde import Serde
 from ._types import CacheConfig, CacheHandle, CacheInfo, CacheSnapshot, FeatureSpec, ShmRef
 from .cache import MmItem, ReceiverCache, SenderCache
-from .errors import ClosedCacheError
+from .errors import CacheMissError, ClosedCacheError
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
@@ -342,7 +342,11 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         updates = tuple(prompt_updates)
 
         async def put(data: Any) -> FeatureSpec:
-            data = None if data is FROM_SIBLING else data  # a sibling put it: a hit
+            if data is FROM_SIBLING:  # a sibling put it: a hit (its copy into our shard)
+                try:
+                    return await put(None)
+                except CacheMissError:  # gone again meanwhile: preprocess it here after all
+                    data = await call_make(make, self.make_limiter)
             spec = FeatureSpec(mm_hash, data, identifier=identifier, prompt_updates=updates)
             [out] = await self.get_and_update_features([spec], wait_for_space=wait_for_space)
             return out

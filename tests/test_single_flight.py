@@ -485,3 +485,52 @@ async def test_a_dead_siblings_marker_is_seen_dead(group: str) -> None:
         gf.release("h")
     finally:
         kill_and_reap(proc)
+
+
+async def test_a_sibling_hit_that_is_gone_again_is_computed_here(group: str) -> None:
+    """The marker said a sibling cached it, but the copy finds it gone: make runs here."""
+    made: list[str] = []
+
+    async def make() -> dict[str, Any]:
+        made.append("b")
+        return random_item(np.random.default_rng(5), 1024)
+
+    async def a_sibling_has_it(key: str, cached: Callable[[], bool]) -> bool:
+        return False  # "cached by a sibling" (which evicted it right after)
+
+    async with AsyncSenderCache.from_config(_group_config(group)) as b:
+        assert b._group_flight is not None
+        b._group_flight.claim = a_sibling_has_it  # type: ignore[method-assign]
+        out = await b.get_or_put("h", make)
+        assert made == ["b"] and isinstance(out.data, ShmRef)
+
+
+async def test_waiters_get_the_leaders_cache_miss_intact(make_config: Any) -> None:
+    """A ``CacheMissError`` copied to a waiter keeps its message and ``mm_hashes``."""
+    from aioshmcache import CacheMissError
+
+    started = anyio.Event()
+
+    async def fails() -> dict[str, Any]:
+        started.set()
+        await anyio.sleep(0.05)
+        raise CacheMissError(["x1", "x2"])
+
+    async with AsyncSenderCache.from_config(make_config(4 * MiB)) as cache:
+        errors: list[BaseException] = []
+
+        async def call() -> None:
+            try:
+                await cache.get_or_put("h", fails)
+            except CacheMissError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+            await started.wait()
+            tg.start_soon(call)
+        assert len(errors) == 2
+        for exc in errors:
+            assert isinstance(exc, CacheMissError)
+            assert exc.mm_hashes == ("x1", "x2")
+            assert str(exc) == "not cached (resend with data): x1, x2"
