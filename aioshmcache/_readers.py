@@ -203,15 +203,22 @@ class ReaderSlot:
             return len(self._overflow)
 
     def close(self) -> None:
-        """Free the slot: clear the session, then drop the kernel lock."""
+        """Free the slot: mark every acknowledgement as the start, clear the session, unlock.
+
+        ``RS_START = RS_HEAD`` first: the writer starts reading a slot whose session changed at
+        its ``RS_START``, so a free slot then has nothing to read, however many acknowledgements
+        the closed session wrote (more than the log holds is no inconsistency).
+        """
         with self._ack_lock:
             if self.closed:
                 return
             self.closed = True
         seg = self.table.segment
         if not seg.closed and not seg.forked:
-            if self._words[RS_SESSION] == self.session:
-                self._words[RS_SESSION] = 0
+            w = self._words
+            if w[RS_SESSION] == self.session:
+                w[RS_START] = w[RS_HEAD]
+                w[RS_SESSION] = 0
             ofd_unlock(seg.fd, 1 + self.slot)
         self._words.release()
         self._log.release()
