@@ -213,12 +213,19 @@ class WriterState(NamedTuple):
 
 
 def _state_of(fd: int) -> WriterState:
+    """The state of the segment file open as ``fd``.
+
+    The header is read *before* the writer's lock is probed: a writer takes its lock before it
+    writes the magic, so a magic seen first and a lock found free next mean a dead writer. The
+    other order would take a writer that locked and wrote its header between the two reads for
+    a dead one (and ``sweep`` would remove a segment just born).
+    """
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
         return WriterState(True, False, False, False, 0, None, False)
-    alive = ofd_probe(fd, 0)
     words = H_PAST + PAST_NONCES
     head = os.pread(fd, 8 * words, 0)
+    alive = ofd_probe(fd, 0)
     init = False
     pid, nonce = 0, None
     past: tuple[int, ...] = ()

@@ -11,7 +11,7 @@ import pytest
 from aioshmcache import CacheConfig, SenderCache, ShmObjectStore
 from aioshmcache import _sweep as sweep_module
 from aioshmcache._layout import Layout
-from aioshmcache._segment import Segment, writer_state
+from aioshmcache._segment import Segment, remove_orphan, writer_state
 from aioshmcache._sweep import sweep
 
 from . import _procs
@@ -65,15 +65,15 @@ def test_sweep_never_takes_the_semaphore_of_a_writer_starting_meanwhile(
 ) -> None:
     """The semaphores are listed before any writer is judged: a late writer's is not listed."""
     late: list[ShmObjectStore] = []
-    real = writer_state
+    real = remove_orphan
 
-    def start_a_writer_meanwhile(path: str) -> Any:
+    def start_a_writer_meanwhile(path: str, *, dry_run: bool = False) -> bool:
         if not late:
             late.append(ShmObjectStore.create(CacheConfig(1 << 16, 1 << 12, 1, name=shm_name)))
-        return real(path)
+        return real(path, dry_run=dry_run)
 
     _killed_writer(f"{shm_name}-dead")  # something for sweep to judge
-    monkeypatch.setattr(sweep_module, "writer_state", start_a_writer_meanwhile)
+    monkeypatch.setattr(sweep_module, "remove_orphan", start_a_writer_meanwhile)
     try:
         removed = sweep(dry_run=True)  # the whole listing, but others' orphans stay untouched
         assert f"aioshm-{shm_name}-dead" in removed
@@ -271,3 +271,59 @@ def test_a_restart_waits_for_a_removal_in_progress_within_a_bound(
         assert _owns_its_file(seg)
     finally:
         seg.close()
+
+
+def test_sweep_never_takes_a_writer_that_locks_and_initialises_while_judged(
+    shm_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer creating its segment (file made, lock not yet taken) finishes its creation
+    exactly while ``sweep`` judges the file: between the probe of its lock and the read of its
+    header. Judged in that order, it looked dead *and* initialised, and sweep removed a segment
+    just born; the header is read first now. (Found by the natural race test, ~1 in 10,000.)"""
+    from aioshmcache import _segment as segment_module
+
+    created = threading.Event()  # the writer made its file (O_EXCL), before taking its lock
+    finish = threading.Event()  # let it take the lock and write its header
+    real_open_lock_fd = segment_module._open_lock_fd
+    real_probe = segment_module.ofd_probe
+    writer_thread = 0  # set once the writer's thread runs
+    born: list[Segment] = []
+    failures: list[BaseException] = []
+
+    def paused_open_lock_fd(fd: int) -> int:
+        created.set()
+        assert finish.wait(30)
+        return real_open_lock_fd(fd)
+
+    def probe_while_the_writer_finishes(fd: int, byte: int) -> bool:
+        alive = real_probe(fd, byte)
+        if byte == 0 and threading.get_ident() != writer_thread and not finish.is_set():
+            finish.set()
+            t.join(30)  # the writer has locked and written its magic
+        return alive
+
+    def create() -> None:
+        try:
+            born.append(_new_segment(shm_name))
+        except BaseException as exc:  # reported to the test
+            failures.append(exc)
+
+    monkeypatch.setattr(segment_module, "_open_lock_fd", paused_open_lock_fd)
+    monkeypatch.setattr(segment_module, "ofd_probe", probe_while_the_writer_finishes)
+    t = threading.Thread(target=create)
+    t.start()
+    writer_thread = t.ident or 0
+    try:
+        assert created.wait(30)
+        assert sweep(name=shm_name) == []
+        t.join(30)
+        assert finish.is_set() and not failures and born, failures
+        monkeypatch.undo()
+        assert _owns_its_file(born[0])
+    finally:
+        finish.set()
+        t.join(30)
+        monkeypatch.undo()
+        for seg in born:
+            seg.close()
+        sweep(name=shm_name)
