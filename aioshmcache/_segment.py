@@ -275,6 +275,9 @@ def remove_orphan(path: str, *, dry_run: bool = False) -> bool:
     except OSError:
         return False  # gone, or not a file of ours to open: never an orphan of ours
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return False  # not a segment of ours: not even locked
         if not ofd_lock(fd, REMOVER_BYTE):
             return False  # another sweep or a restart is removing this file now
         if not _state_of(fd).orphan:
@@ -283,7 +286,10 @@ def remove_orphan(path: str, *, dry_run: bool = False) -> bool:
             return True
         if not _same_file(path, fd):
             return False  # replaced since we opened it: the new file was not judged
-        os.unlink(path)  # still holding the remover lock: the name still leads to this file
+        try:
+            os.unlink(path)  # still holding the remover lock: the name still leads to this file
+        except FileNotFoundError:
+            return False  # removed by hand meanwhile
         return True
     finally:
         os.close(fd)  # drops the remover lock
