@@ -342,16 +342,15 @@ class ShmObjectStore:
     def _check_open(self) -> None:
         self._reading.check_open()
 
-    def _check_writer(self) -> None:
-        if self._reading.closed or self._seg.forked or not self.is_writer:  # one call when fine
-            self._check_open()
-            raise RoleError("this is a reader: only the writer puts, hands out and evicts")
-
     def check_owner(self) -> None:
         """``RoleError`` unless this is the writer, in the process that created it (not a
         forked child); ``ClosedCacheError`` once closed. Every writer method checks it first,
         before it touches shared memory or takes :attr:`lock`."""
-        self._check_writer()
+        if self._reading.closed or self._seg.forked or not self.is_writer:  # one call when fine
+            self._check_open()
+            raise RoleError("this is a reader: only the writer puts, hands out and evicts")
+
+    _check_writer = check_owner  # the name the store's own methods use
 
     # --- writer: look-ups ------------------------------------------------------------------
     def is_cached(self, key: str) -> bool:
