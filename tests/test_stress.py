@@ -251,7 +251,8 @@ def test_stress_all_faults(tmp_path: pathlib.Path) -> None:
     # the fork fault: a reader forked then SIGKILLed is dead to the writer while its child lives
     assert st.get("fork_kills_reader", 0) > 0
     assert st.get("fork_slots_dropped", 0) > 0
-    assert st.get("sweep_restarts", 0) > 0  # writers restarted while swept, each kept its segment
+    if duration >= 15:  # the first burst comes 3-9 s in
+        assert st.get("sweep_restarts", 0) > 0  # restarted while swept, each kept its segment
     if duration >= 30:
         assert st.get("writer_kills", 0) > 0
         assert st.get("fork_kills_writer", 0) > 0  # and readers saw WriterGoneError in time
