@@ -396,7 +396,7 @@ class RedisTier:
                 self._scripts["probe"],
                 keys=[vkey, lkey],
                 args=[token, int(self.lease_s * 1000), _SKIP],
-                timeout=self.lookup_timeout_s,
+                deadline_s=self.lookup_timeout_s,
             )
             if probe is None:  # Redis failed (counted): make it here, write nothing
                 self._n["misses"] += 1
@@ -446,7 +446,7 @@ class RedisTier:
     async def _fetch(self, vkey: str, mm_hash: str, n: int, t0: float) -> tuple[Any] | None:
         """GET, verify and decode a value of ``n`` bytes; None if it failed (counted)."""
         deadline = self.lookup_timeout_s + 2 * self.policy.fetch_cost(n)
-        data = await self._call(self._client.get, args=[vkey], timeout=deadline)
+        data = await self._call(self._client.get, args=[vkey], deadline_s=deadline)
         if data is None:
             return None  # failed, or expired between the probe and the GET
         try:
@@ -512,7 +512,7 @@ class RedisTier:
                 self._scripts["renew"],
                 keys=[lkey],
                 args=[token, int(self.lease_s * 1000)],
-                timeout=max(self.lookup_timeout_s, self.lease_s / 6),
+                deadline_s=max(self.lookup_timeout_s, self.lease_s / 6),
             )
             if out == 0:
                 return  # expired or taken over: nothing left to keep
@@ -583,7 +583,7 @@ class RedisTier:
             self._client.set,
             args=[w.vkey, value],
             kwargs={"px": int(self.ttl_s * 1000)},
-            timeout=self.write_timeout_s,
+            deadline_s=self.write_timeout_s,
         )
         if ok is None:
             return
@@ -603,7 +603,7 @@ class RedisTier:
             self._scripts["release"],
             keys=[w.lkey],
             args=[w.token, replacement, int(self.skip_ttl_s * 1000)],
-            timeout=max(self.lookup_timeout_s, 0.5),
+            deadline_s=max(self.lookup_timeout_s, 0.5),
         )
 
     async def _call(
@@ -613,11 +613,11 @@ class RedisTier:
         keys: list[str] | None = None,
         args: list[Any] | None = None,
         kwargs: dict[str, Any] | None = None,
-        timeout: float,
+        deadline_s: float,
     ) -> Any:
         """One Redis operation under a deadline; None on a failure (counted, breaker told)."""
         try:
-            with anyio.fail_after(timeout):
+            with anyio.fail_after(deadline_s):
                 if keys is not None:
                     out = await fn(keys=keys, args=args)
                 else:

@@ -106,7 +106,8 @@ def test_breaker_failures_of_older_operations_while_open_change_nothing() -> Non
 
 
 @pytest.mark.parametrize(
-    "kw", [{"failures": 0}, {"retry_after_s": 0.0}, {"retry_after_s": 5.0, "max_retry_after_s": 1.0}]
+    "kw",
+    [{"failures": 0}, {"retry_after_s": 0.0}, {"retry_after_s": 5.0, "max_retry_after_s": 1.0}],
 )
 def test_breaker_rejects_nonsense(kw: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
@@ -147,9 +148,9 @@ class BreakerModel(RuleBasedStateMachine):
         got = self.b.allow()
         if self.mode == "closed":
             expect = True
-        elif self.clock.now < self.until:
-            expect = False
-        elif self.probe is not None and self.clock.now < self.probe + self.wait:
+        elif self.clock.now < self.until or (
+            self.probe is not None and self.clock.now < self.probe + self.wait
+        ):
             expect = False
         else:
             expect, self.probe = True, self.clock.now
@@ -259,7 +260,7 @@ def test_policy_that_does_not_learn_keeps_its_priors() -> None:
 def test_policy_rejects_nonsense() -> None:
     for kw in ({"margin": 0.0}, {"margin": 1.5}, {"prior_fixed_s": -1.0}, {"explore_every": -1}):
         with pytest.raises(ValueError):
-            TierPolicy(**kw)  # type: ignore[arg-type]
+            TierPolicy(**kw)
 
 
 # --- value format -------------------------------------------------------------------------------

@@ -122,9 +122,9 @@ class RedisCluster:
             for _ in range(masters):
                 self.nodes.append(RedisServer(cluster=True))
             addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+            create = ["--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"]
             subprocess.run(
-                [found[1], "--cluster", "create", *addrs, "--cluster-replicas", "0"]
-                + ["--cluster-yes"],
+                [found[1], *create],
                 check=True,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
