@@ -592,9 +592,7 @@ class RedisTier:
         await self._release(w, b"")
 
     def _seal(self, w: _Write) -> bytes:
-        return seal_value(
-            self._secret, w.vkey, w.mm_hash, w.item, make_ns=int(w.make_s * 1e9)
-        )
+        return seal_value(self._secret, w.vkey, w.mm_hash, w.item, make_ns=int(w.make_s * 1e9))
 
     async def _release(self, w: _Write, replacement: bytes) -> None:
         if w.token is None:

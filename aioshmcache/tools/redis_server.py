@@ -9,6 +9,7 @@ context manager); nothing is left running or on disk.
 
 from __future__ import annotations
 
+import random
 import shutil
 import signal
 import socket
@@ -17,7 +18,7 @@ import tempfile
 import time
 from types import TracebackType
 
-__all__ = ["RedisCluster", "RedisServer", "free_port", "redis_binaries"]
+__all__ = ["RedisCluster", "RedisServer", "cluster_port", "free_port", "redis_binaries"]
 
 
 def free_port() -> int:
@@ -26,6 +27,28 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def cluster_port() -> int:
+    """A free port ``p`` whose cluster bus port ``p + 10000`` is free too (and below 65536).
+
+    An ephemeral port from the kernel is often above 55535, where the bus port cannot exist.
+    """
+    rng = random.Random()
+    for _ in range(1000):
+        p = rng.randrange(20000, 55000)
+        if _bindable(p) and _bindable(p + 10000):
+            return p
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 def redis_binaries() -> tuple[str, str] | None:
@@ -48,11 +71,17 @@ class RedisServer:
         if found is None:
             raise FileNotFoundError("redis-server / redis-cli are not installed")
         self.binary = found[0]
-        self.port = port if port is not None else free_port()
+        if port is None:
+            port = cluster_port() if cluster else free_port()
+        self.port = port
         self.cluster = cluster
         self._dir = tempfile.TemporaryDirectory(prefix="aioshm-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
 
     @property
     def url(self) -> str:
