@@ -16,6 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from types import TracebackType
 
 __all__ = ["RedisCluster", "RedisServer", "cluster_port", "free_port", "redis_binaries"]
@@ -66,7 +67,9 @@ def _ping(port: int) -> bytes:
 class RedisServer:
     """One ``redis-server`` on 127.0.0.1; ``kill`` (SIGKILL) and ``start`` again on its port."""
 
-    def __init__(self, *, port: int | None = None, cluster: bool = False) -> None:
+    def __init__(
+        self, *, port: int | None = None, cluster: bool = False, extra_args: Sequence[str] = ()
+    ) -> None:
         found = redis_binaries()
         if found is None:
             raise FileNotFoundError("redis-server / redis-cli are not installed")
@@ -75,6 +78,7 @@ class RedisServer:
             port = cluster_port() if cluster else free_port()
         self.port = port
         self.cluster = cluster
+        self.extra_args = list(extra_args)  # e.g. ["--maxmemory", "4gb"]
         self._dir = tempfile.TemporaryDirectory(prefix="aioshm-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
         try:
@@ -94,7 +98,7 @@ class RedisServer:
             return
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
         args += ["--save", "", "--appendonly", "no", "--daemonize", "no"]
-        args += ["--loglevel", "warning", "--dir", self._dir.name]
+        args += ["--loglevel", "warning", "--dir", self._dir.name, *self.extra_args]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{self.port}.conf"]
             args += ["--cluster-node-timeout", "2000"]
