@@ -36,7 +36,7 @@ class CircuitBreaker:
         *,
         failures: int = 3,
         retry_after_s: float = 1.0,
-        max_retry_after_s: float = 30.0,
+        max_retry_after_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if type(failures) is not int or failures < 1:

@@ -21,8 +21,10 @@ Decisions (pure functions of what was learned):
 * :meth:`TierPolicy.worth_storing` — write an item only if fetching it would beat the make it
   took (``fetch(n) <= margin * measured make``): no host would fetch it otherwise.
 * Until a make has been seen, the make cost is unknown and the budget is ``max_bytes``
-  (optimistic: the first lookups teach the fetch cost). Until a fetch has been seen, the fetch
-  cost is a prior (``prior_fixed_s`` + ``n * prior_per_byte_s``).
+  (optimistic: the first lookups teach the fetch cost). Until ``min_samples`` look-ups (for
+  the fixed part) and fetches of a value (for the part per byte) have been seen, the fetch cost
+  is a prior (``prior_fixed_s`` + ``n * prior_per_byte_s``): the first look-ups of a process
+  also open its connections, and one such outlier must not decide what the fleet stores.
 * ``learn=False`` keeps the priors and an unknown make cost for good: every value is looked
   up, and an item is stored when the prior fetch cost beats the make it took (deterministic:
   for tests and for operators who measured their costs).
@@ -117,11 +119,14 @@ class TierPolicy:
         prior_per_byte_s: float = 2.5e-9,
         explore_every: int = 50,
         learn: bool = True,
+        min_samples: int = 5,
     ) -> None:
         if not 0 < margin <= 1:
             raise ValueError(f"margin must be in (0, 1], got {margin!r}")
         if prior_fixed_s < 0 or prior_per_byte_s < 0:
             raise ValueError("the priors must be >= 0")
+        if type(min_samples) is not int or min_samples < 1:
+            raise ValueError(f"min_samples must be an int >= 1, got {min_samples!r}")
         if type(explore_every) is not int or explore_every < 0:
             raise ValueError(f"explore_every must be an int >= 0 (0: never), got {explore_every!r}")
         self.margin = margin
@@ -131,6 +136,7 @@ class TierPolicy:
         self._prior = (prior_fixed_s, prior_per_byte_s)
         self._explore_every = explore_every
         self._learn = learn
+        self._min = min_samples
         self._lookups = 0
 
     # --- learning ---------------------------------------------------------------------------
@@ -157,9 +163,9 @@ class TierPolicy:
     def fetch_coefficients(self) -> tuple[float, float]:
         """``(fixed seconds, seconds per byte)`` of a fetch (the prior's parts until learned)."""
         a, b = self._fetch.coefficients()
-        if self._fetch.samples == 0:
+        if self._fetch.samples < self._min:
             a = self._prior[0]
-        if self._fetch_sized == 0:
+        if self._fetch_sized < self._min:
             b = self._prior[1]
         return a, b
 

@@ -227,7 +227,7 @@ class RedisTier:
         write_timeout_s: float = 5.0,
         write_queue_items: int = 32,
         write_queue_bytes: int = 512 * MiB,
-        skip_ttl_s: float = 60.0,
+        skip_ttl_s: float = 10.0,
         breaker: CircuitBreaker | None = None,
         policy: TierPolicy | None = None,
     ) -> None:

@@ -248,6 +248,19 @@ def test_policy_before_learning_is_optimistic_and_explores() -> None:
     assert [p.lookup_budget(64 * MiB) for _ in range(6)] == [0, 0, 64 * MiB, 0, 0, 64 * MiB]
 
 
+def test_policy_keeps_its_prior_until_enough_samples() -> None:
+    p = TierPolicy(min_samples=3, prior_fixed_s=0.0005, prior_per_byte_s=2e-9)
+    p.observe_fetch(0.050, 0)  # the first look-up also opened the connection
+    p.observe_fetch(0.080, MiB)
+    assert p.fetch_coefficients() == (0.0005, 2e-9)
+    assert p.worth_storing(MiB, 0.010)  # judged by the prior: 2.6 ms <= 8 ms
+    for _ in range(2):
+        p.observe_fetch(0.050, 0)
+        p.observe_fetch(0.080, MiB)
+    assert p.fetch_coefficients()[0] == pytest.approx(0.050)
+    assert not p.worth_storing(MiB, 0.010)  # learned: 80 ms per MiB
+
+
 def test_policy_that_does_not_learn_keeps_its_priors() -> None:
     p = TierPolicy(learn=False, prior_fixed_s=0.001, prior_per_byte_s=1e-9)
     p.observe_make(0.0001, MiB)
@@ -258,7 +271,13 @@ def test_policy_that_does_not_learn_keeps_its_priors() -> None:
 
 
 def test_policy_rejects_nonsense() -> None:
-    for kw in ({"margin": 0.0}, {"margin": 1.5}, {"prior_fixed_s": -1.0}, {"explore_every": -1}):
+    for kw in (
+        {"margin": 0.0},
+        {"margin": 1.5},
+        {"prior_fixed_s": -1.0},
+        {"explore_every": -1},
+        {"min_samples": 0},
+    ):
         with pytest.raises(ValueError):
             TierPolicy(**kw)
 
