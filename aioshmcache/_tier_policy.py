@@ -23,8 +23,10 @@ Decisions (pure functions of what was learned):
 * Until a make has been seen, the make cost is unknown and the budget is ``max_bytes``
   (optimistic: the first lookups teach the fetch cost). Until ``min_samples`` look-ups (for
   the fixed part) and fetches of a value (for the part per byte) have been seen, the fetch cost
-  is a prior (``prior_fixed_s`` + ``n * prior_per_byte_s``): the first look-ups of a process
-  also open its connections, and one such outlier must not decide what the fleet stores.
+  is a prior (``prior_fixed_s`` + ``n * prior_per_byte_s``), and the first ``warmup``
+  look-ups are not learned from at all: a process's first look-ups also open its connections
+  (a pool opens one per concurrent request), and such outliers must not decide what the fleet
+  stores.
 * ``learn=False`` keeps the priors and an unknown make cost for good: every value is looked
   up, and an item is stored when the prior fetch cost beats the make it took (deterministic:
   for tests and for operators who measured their costs).
@@ -120,11 +122,14 @@ class TierPolicy:
         explore_every: int = 50,
         learn: bool = True,
         min_samples: int = 5,
+        warmup: int = 16,
     ) -> None:
         if not 0 < margin <= 1:
             raise ValueError(f"margin must be in (0, 1], got {margin!r}")
         if prior_fixed_s < 0 or prior_per_byte_s < 0:
             raise ValueError("the priors must be >= 0")
+        if type(warmup) is not int or warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
         if type(min_samples) is not int or min_samples < 1:
             raise ValueError(f"min_samples must be an int >= 1, got {min_samples!r}")
         if type(explore_every) is not int or explore_every < 0:
@@ -137,6 +142,7 @@ class TierPolicy:
         self._explore_every = explore_every
         self._learn = learn
         self._min = min_samples
+        self._warmup = warmup  # fetch samples still to ignore
         self._lookups = 0
 
     # --- learning ---------------------------------------------------------------------------
@@ -149,6 +155,9 @@ class TierPolicy:
     def observe_fetch(self, seconds: float, nbytes: int) -> None:
         """A lookup that transferred ``nbytes`` (0: a miss) took ``seconds`` end to end."""
         if not self._learn:
+            return
+        if self._warmup > 0:
+            self._warmup -= 1
             return
         self._fetch.add(nbytes, seconds)
         if nbytes > 0:

@@ -8,10 +8,15 @@ caches, in this process or in spawned processes, that share nothing but Redis.
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
+import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -404,6 +409,27 @@ async def test_tier_arguments_are_checked() -> None:
             RedisTier(url, **kw)
     with pytest.raises(TypeError):
         RedisTier("", secret=SECRET)
+
+
+@e2e
+@pytest.mark.slow
+def test_the_fleet_example_preprocesses_each_image_once(redis_server: RedisServer) -> None:
+    root = Path(__file__).resolve().parent.parent
+    args = ["--redis", redis_server.url, "--hosts", "3", "--images", "6", "--lookup-timeout", "2"]
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "fleet_app.py"), *args],
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    hosts_out, summary = lines[:-1], lines[-1]
+    assert summary == {"images": 6, "hosts": 3, "preprocessings_in_the_fleet": 6}
+    assert sum(h["from_redis"] for h in hosts_out) == 2 * 6
+    assert all(h["redis_errors"] == 0 for h in hosts_out)
 
 
 # --- a Redis Cluster ---------------------------------------------------------------------------

@@ -214,7 +214,7 @@ def test_linear_cost_one_size_only() -> None:
 
 
 def _trained(make_s: float = 0.020, fixed: float = 0.0003, per_byte: float = 2.5e-9) -> TierPolicy:
-    p = TierPolicy(margin=0.8, explore_every=0)
+    p = TierPolicy(margin=0.8, explore_every=0, warmup=0)
     for n in (MiB, 2 * MiB, 4 * MiB, 8 * MiB) * 4:
         p.observe_make(make_s, n)
         p.observe_fetch(fixed, 0)
@@ -249,8 +249,11 @@ def test_policy_before_learning_is_optimistic_and_explores() -> None:
 
 
 def test_policy_keeps_its_prior_until_enough_samples() -> None:
-    p = TierPolicy(min_samples=3, prior_fixed_s=0.0005, prior_per_byte_s=2e-9)
-    p.observe_fetch(0.050, 0)  # the first look-up also opened the connection
+    p = TierPolicy(min_samples=3, warmup=2, prior_fixed_s=0.0005, prior_per_byte_s=2e-9)
+    p.observe_fetch(1.0, 0)  # warm-up: opening connections; never learned from
+    p.observe_fetch(1.0, MiB)
+    assert p.view(MiB).fetches_seen == 0
+    p.observe_fetch(0.050, 0)
     p.observe_fetch(0.080, MiB)
     assert p.fetch_coefficients() == (0.0005, 2e-9)
     assert p.worth_storing(MiB, 0.010)  # judged by the prior: 2.6 ms <= 8 ms
@@ -277,6 +280,7 @@ def test_policy_rejects_nonsense() -> None:
         {"prior_fixed_s": -1.0},
         {"explore_every": -1},
         {"min_samples": 0},
+        {"warmup": -1},
     ):
         with pytest.raises(ValueError):
             TierPolicy(**kw)
