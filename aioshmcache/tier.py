@@ -208,8 +208,9 @@ class RedisTier:
     """Redis as the fleet-wide second tier of an ``AsyncSenderCache`` (see the module docstring).
 
     Give it to the cache: ``AsyncSenderCache.from_config(config, tier=RedisTier(url,
-    secret=...))``; the cache opens and closes it with itself. Every host of a fleet uses the
-    same ``url``, ``secret`` and ``prefix``.
+    secret=...))``; the cache opens and closes it with itself (one tier per cache: a tier the
+    cache closed raises ``ClosedCacheError``). Every host of a fleet uses the same ``url``,
+    ``secret`` and ``prefix``.
     """
 
     def __init__(
@@ -380,9 +381,9 @@ class RedisTier:
             raise ClosedCacheError("the tier is not open (the cache opens it: 'async with')")
         vkey, lkey = value_key(self.prefix, mm_hash), lease_key(self.prefix, mm_hash)
         budget = min(self.policy.lookup_budget(self.max_item_bytes), self.max_item_bytes)
-        if budget == 0:
+        if budget == 0:  # a round trip costs more than a make: nothing to look up or store
             self._n["skipped"] += 1
-            return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=True)
+            return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
         if not self.breaker.allow():
             self._n["bypassed"] += 1
             return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
