@@ -429,7 +429,9 @@ def run_fleet_suite(p: Params, report: Report, progress: Progress) -> None:
         report.skip("fleet: redis-server is not installed (apt-get install redis-server)")
         return
     try:
-        import redis.asyncio  # noqa: F401
+        import redis
+        import redis.asyncio
+        from redis.utils import HIREDIS_AVAILABLE
     except ImportError:
         report.skip("fleet: the redis client is not installed (pip install 'aioshmcache[fleet]')")
         return
@@ -437,7 +439,8 @@ def run_fleet_suite(p: Params, report: Report, progress: Progress) -> None:
         f"fleet: preprocessing = {MAKE_S * 1e3:.0f} ms of CPU (GIL released); {HOSTS} hosts = "
         f"{HOSTS} processes on this machine ({os.cpu_count()} CPUs); Redis on localhost; "
         f"lookup_timeout_s {ZIPF_LOOKUP_TIMEOUT_S} s for the Zipf hosts, else "
-        f"{LOOKUP_TIMEOUT_S} s (the default)"
+        f"{LOOKUP_TIMEOUT_S} s (the default); redis-py {redis.__version__} with "
+        f"{'hiredis' if HIREDIS_AVAILABLE else 'its pure-Python parser (hiredis not installed)'}"
     )
     report.attempt("fleet: tier hit latency", lambda: bench_hit(p, report, progress))
     report.attempt("fleet: Redis killed", lambda: bench_kill(p, report, progress))
