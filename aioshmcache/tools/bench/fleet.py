@@ -95,6 +95,11 @@ def preprocess(i: int, size: int) -> dict[str, Any]:
 ZIPF_LOOKUP_TIMEOUT_S = 0.5
 
 
+def always_fetch() -> TierPolicy:
+    """The cost policy switched off: every item is stored, every value fetched."""
+    return TierPolicy(learn=False, explore_every=0, prior_fixed_s=0.0, prior_per_byte_s=0.0)
+
+
 def _tier(url: str, **kw: Any) -> RedisTier:
     kw.setdefault("lookup_timeout_s", LOOKUP_TIMEOUT_S)
     return RedisTier(url, secret=SECRET, max_wait_s=10.0, **kw)
@@ -150,7 +155,7 @@ def _host(
     """One simulated host (a spawned process): its own cache, the shared Redis if any."""
 
     async def main() -> None:
-        policy = TierPolicy(learn=False, explore_every=0) if always else None
+        policy = always_fetch() if always else None
         tier = _tier(url, policy=policy, lookup_timeout_s=ZIPF_LOOKUP_TIMEOUT_S) if url else None
         cfg = CacheConfig(capacity, max(sizes) + MiB, 1, name=name)
         async with AsyncSenderCache.from_config(cfg, tier=tier) as cache:
@@ -281,7 +286,7 @@ def _not_made() -> None:
 async def _hit(url: str, sizes: list[int], reps: int, runs: int, report: Report) -> None:
     tag = f"{segment_prefix()}flh{time.monotonic_ns() % 10**6}"
     # the raw cost of a hit: a policy that always fetches, and a deadline no fetch here reaches
-    always = {"policy": TierPolicy(learn=False, explore_every=0), "lookup_timeout_s": 5.0}
+    always = {"policy": always_fetch(), "lookup_timeout_s": 5.0}
     cfg = CacheConfig(160 * MiB, 20 * MiB, 1)
     a_tier, b_tier, c_tier = _tier(url, **always), _tier(url, **always), _tier(url)
     a = AsyncSenderCache.from_config(dataclasses.replace(cfg, name=f"{tag}a"), tier=a_tier)
