@@ -357,6 +357,63 @@ async def test_a_failing_make_releases_the_claim_at_once(
 
 
 @e2e
+@pytest.mark.slow
+async def test_a_claim_is_renewed_while_make_runs_longer_than_its_lease(
+    redis_server: RedisServer, make_config: Any, shm_name: str
+) -> None:
+    # without renewal the 0.5 s lease would lapse during the 2 s make and b would make it too
+    t1 = _tier(redis_server.url, lease_s=0.5)
+    t2 = _tier(redis_server.url, lease_s=0.5, max_wait_s=30.0)
+    started = asyncio.Event()
+    calls: list[str] = []
+
+    async def slow() -> dict[str, Any]:
+        calls.append("r1")
+        started.set()
+        await asyncio.sleep(2.0)
+        return hosts.item_of("r1")
+
+    async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
+        with ReceiverCache.attach(b.handle()) as rb:
+            first = asyncio.ensure_future(a.get_or_put("r1", slow))
+            await started.wait()
+            _check(rb, await b.get_or_put("r1", _maker("r1", calls)), "r1")
+            await first
+    s2 = t2.stats()
+    assert calls == ["r1"] and s2.waits == 1 and s2.hits == 1 and s2.takeovers == 0
+
+
+@e2e
+async def test_a_cancelled_claimer_releases_the_claim_at_once(
+    redis_server: RedisServer, make_config: Any, shm_name: str
+) -> None:
+    t1 = _tier(redis_server.url, lease_s=60.0)
+    t2 = _tier(redis_server.url, lease_s=60.0, max_wait_s=30.0)
+    started = asyncio.Event()
+    calls: list[str] = []
+
+    async def forever() -> dict[str, Any]:
+        started.set()
+        await asyncio.sleep(3600)
+        raise AssertionError("never")
+
+    async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
+        with ReceiverCache.attach(b.handle()) as rb:
+            first = asyncio.ensure_future(a.get_or_put("x1", forever))
+            await started.wait()
+            second = asyncio.ensure_future(b.get_or_put("x1", _maker("x1", calls)))
+            deadline = time.monotonic() + 20
+            while t2.stats().waits == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # until b waits on a's claim
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            _check(rb, await asyncio.wait_for(second, 20), "x1")
+    s2 = t2.stats()
+    assert calls == ["x1"] and s2.takeovers == 1 and s2.wait_timeouts == 0
+
+
+@e2e
 async def test_a_full_write_queue_drops_the_write_and_releases_the_claim(
     redis_server: RedisServer, raw: Any, make_config: Any
 ) -> None:
