@@ -30,6 +30,7 @@ from aioshmcache.tools.redis_server import RedisCluster, RedisServer, free_port,
 
 from . import _tier_hosts as hosts
 from .conftest import RUN_PREFIX
+from .test_single_flight import _until
 
 pytestmark = pytest.mark.skipif(
     redis_binaries() is None, reason="redis-server / redis-cli are not installed"
@@ -402,9 +403,7 @@ async def test_a_cancelled_claimer_releases_the_claim_at_once(
             first = asyncio.ensure_future(a.get_or_put("x1", forever))
             await started.wait()
             second = asyncio.ensure_future(b.get_or_put("x1", _maker("x1", calls)))
-            deadline = time.monotonic() + 20
-            while t2.stats().waits == 0 and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)  # until b waits on a's claim
+            await _until(lambda: t2.stats().waits == 1)  # b waits on a's claim
             first.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await first
