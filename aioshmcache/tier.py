@@ -621,7 +621,13 @@ class RedisTier:
                     out = await fn(keys=keys, args=args)
                 else:
                     out = await fn(*(args or []), **(kwargs or {}))
-        except Exception as exc:  # redis errors, OSError, deadlines: Redis is unavailable
+        except self._redis_mod.ResponseError:
+            # Redis answered, but refused (a key of another type under ours, out of memory):
+            # an error to count, not a sign that Redis is down
+            self._n["errors"] += 1
+            self.breaker.success()
+            return None
+        except Exception as exc:  # connection errors, OSError, deadlines: Redis is unavailable
             timed_out = isinstance(exc, (TimeoutError, self._redis_mod.TimeoutError))
             self._n["timeouts" if timed_out else "errors"] += 1
             self.breaker.failure()

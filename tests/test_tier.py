@@ -282,6 +282,24 @@ async def test_a_value_that_fails_a_check_is_never_served(
 
 
 @e2e
+async def test_a_key_of_another_type_is_an_error_that_does_not_open_the_breaker(
+    redis_server: RedisServer, raw: Any, make_config: Any
+) -> None:
+    tier = _tier(redis_server.url, breaker=CircuitBreaker(failures=1))
+    key = value_key(tier.prefix, "w1")
+    await raw.rpush(key, b"not a string")  # STRLEN fails with WRONGTYPE
+    calls: list[str] = []
+    async with _cache(make_config, tier) as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+            _check(rx, await cache.get_or_put("w1", _maker("w1", calls)), "w1")
+            assert await tier.flush(30)
+    s = tier.stats()
+    assert calls == ["w1"] and s.errors == 1 and s.breaker_opens == 0
+    assert s.breaker_state == "closed"
+    assert s.writes == 0 and await raw.type(key) == b"list"  # not ours to overwrite
+
+
+@e2e
 async def test_an_oversized_value_is_never_fetched(
     redis_server: RedisServer, raw: Any, make_config: Any
 ) -> None:
