@@ -24,9 +24,11 @@ The rules (tests in ``tests/test_tier*.py``; the byte layout of a value in ``_ti
   predicted cost. An error or a timeout is a miss (the request calls ``make``); repeated ones
   open a circuit breaker (``_tier_breaker``) that skips Redis for ``retry_after_s`` (doubling
   while Redis stays down), then lets one probe through; the tier is used again as soon as
-  Redis answers. Writes run in one background task from a bounded queue
-  (``write_queue_items`` items, ``write_queue_bytes`` bytes of arrays): a full queue drops
-  the write (``dropped_writes``); a request never waits for a write.
+  Redis answers (a refusal — a key of another type under ours, Redis out of memory — is
+  counted as an error but is an answer: it does not open the breaker). Writes run in one
+  background task from a bounded queue (``write_queue_items`` items, ``write_queue_bytes``
+  bytes of arrays): a full queue drops the write (``dropped_writes``); a request never waits
+  for a write.
 * **Never slower than computing it.** The cost policy (``_tier_policy``) learns what a
   ``make`` costs and what a fetch costs per byte; a look-up never transfers a value larger
   than the size at which fetching stops paying (the server reports the size first), and an
