@@ -431,6 +431,31 @@ async def test_a_cancelled_claimer_releases_the_claim_at_once(
 
 
 @e2e
+async def test_a_request_never_waits_for_its_write(
+    redis_server: RedisServer, make_config: Any
+) -> None:
+    tier = _tier(redis_server.url)
+    calls: list[str] = []
+    gate = asyncio.Event()
+    async with _cache(make_config, tier) as cache:
+        real_set = tier._client.set
+
+        async def stalled_set(*args: Any, **kw: Any) -> Any:
+            await gate.wait()  # a write that takes as long as the test likes
+            return await real_set(*args, **kw)
+
+        tier._client.set = stalled_set
+        with ReceiverCache.attach(cache.handle()) as rx:
+            for i in range(3):  # answered while the first write is still stuck
+                _check(rx, await cache.get_or_put(f"g{i}", _maker(f"g{i}", calls)), f"g{i}")
+            stuck = tier.stats()
+            assert stuck.writes == 0 and stuck.queued_writes == 2  # one in flight, two queued
+            gate.set()
+            assert await tier.flush(30)
+    assert tier.stats().writes == 3 and len(calls) == 3
+
+
+@e2e
 async def test_a_full_write_queue_drops_the_write_and_releases_the_claim(
     redis_server: RedisServer, raw: Any, make_config: Any
 ) -> None:

@@ -376,3 +376,17 @@ def test_forged_values_are_refused() -> None:
     assert _reason(head + tag + payload) == "decoding"
     ref = ShmRef(1, 1, 0, 1, 64, 0, 0, 0)
     assert _reason(seal_value(SECRET, key, "h1", ref)) == "decoding"  # a reference, not an item
+
+
+def test_the_tier_s_public_names_have_docstrings() -> None:
+    import inspect
+
+    from aioshmcache.tier import RedisTier, TierStats
+
+    for cls in (RedisTier, TierStats, TierPolicy, CircuitBreaker, LinearCost):
+        assert inspect.getdoc(cls), cls
+        for name, member in vars(cls).items():
+            if name.startswith("_") and name not in ("__init__", "__aenter__"):
+                continue
+            if callable(member) or isinstance(member, property):
+                assert inspect.getdoc(member), f"{cls.__name__}.{name}"
