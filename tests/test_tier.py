@@ -116,6 +116,34 @@ async def test_a_second_host_is_served_from_the_tier(
 
 
 @e2e
+async def test_a_cache_group_shard_with_a_tier(redis_server: RedisServer) -> None:
+    """The uvicorn recipe: each gateway process opens its shard of a group with its own tier.
+
+    A hash a sibling shard holds comes from the sibling (same host), not from Redis; a hash
+    only another host made comes from Redis.
+    """
+    group = f"{RUN_PREFIX}g{time.monotonic_ns() % 10**9}"
+    cfg = CacheConfig(16 * MiB, 4 * MiB, 1, group=group)
+    t0, t1, far = _tier(redis_server.url), _tier(redis_server.url), _tier(redis_server.url)
+    calls: list[str] = []
+    far_cfg = CacheConfig(16 * MiB, 4 * MiB, 1, name=f"{group}-far")
+    async with (
+        AsyncSenderCache.from_config(cfg, tier=t0) as s0,
+        AsyncSenderCache.from_config(cfg, tier=t1) as s1,
+        AsyncSenderCache.from_config(far_cfg, tier=far) as other_host,
+    ):
+        await s0.get_or_put("sib", _maker("sib", calls))
+        await other_host.get_or_put("far", _maker("far", calls))
+        assert await far.flush(30) and await t0.flush(30)
+        with ReceiverCache.attach_group(group) as rx:
+            _check(rx, await s1.get_or_put("sib", _maker("sib", calls)), "sib")
+            _check(rx, await s1.get_or_put("far", _maker("far", calls)), "far")
+    assert calls == ["sib", "far"]
+    assert s1.tier_stats() is not None and t1.stats().hits == 1  # "far" only
+    assert t1.stats().lookups == 1
+
+
+@e2e
 @pytest.mark.slow
 def test_several_hosts_preprocess_each_item_once(redis_server: RedisServer) -> None:
     """Three host processes ask for the same 12 hashes at once: each is made once, fleet-wide."""
