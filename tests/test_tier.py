@@ -522,22 +522,6 @@ async def test_an_item_not_worth_fetching_is_not_stored_and_nobody_waits_for_it(
     assert s2.skipped == 1 and s2.waits == 0 and s2.claims == 0
 
 
-async def test_tier_arguments_are_checked() -> None:
-    url = "redis://127.0.0.1:1/0"
-    for kw in (
-        {"secret": b"short"},
-        {"secret": SECRET, "ttl_s": 0},
-        {"secret": SECRET, "lookup_timeout_s": -1.0},
-        {"secret": SECRET, "max_item_bytes": 0},
-        {"secret": SECRET, "prefix": "a{b}"},
-        {"secret": SECRET, "max_wait_s": float("nan")},
-    ):
-        with pytest.raises(ValueError):
-            RedisTier(url, **kw)
-    with pytest.raises(TypeError):
-        RedisTier("", secret=SECRET)
-
-
 @e2e
 @pytest.mark.slow
 def test_the_fleet_example_preprocesses_each_image_once(redis_server: RedisServer) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import inspect
 import struct
 from typing import Any
 
@@ -29,6 +30,7 @@ from aioshmcache._tier_value import (
     seal_value,
     value_key,
 )
+from aioshmcache.tier import RedisTier, TierStats
 from aioshmcache.wire import pack_features
 
 SECRET = b"k" * 32
@@ -379,10 +381,6 @@ def test_forged_values_are_refused() -> None:
 
 
 def test_the_tier_s_public_names_have_docstrings() -> None:
-    import inspect
-
-    from aioshmcache.tier import RedisTier, TierStats
-
     for cls in (RedisTier, TierStats, TierPolicy, CircuitBreaker, LinearCost):
         assert inspect.getdoc(cls), cls
         for name, member in vars(cls).items():
@@ -390,3 +388,19 @@ def test_the_tier_s_public_names_have_docstrings() -> None:
                 continue
             if callable(member) or isinstance(member, property):
                 assert inspect.getdoc(member), f"{cls.__name__}.{name}"
+
+
+def test_tier_arguments_are_checked() -> None:
+    url = "redis://127.0.0.1:1/0"
+    for kw in (
+        {"secret": b"short"},
+        {"secret": SECRET, "ttl_s": 0},
+        {"secret": SECRET, "lookup_timeout_s": -1.0},
+        {"secret": SECRET, "max_item_bytes": 0},
+        {"secret": SECRET, "prefix": "a{b}"},
+        {"secret": SECRET, "max_wait_s": float("nan")},
+    ):
+        with pytest.raises(ValueError):
+            RedisTier(url, **kw)
+    with pytest.raises(TypeError):
+        RedisTier("", secret=SECRET)
