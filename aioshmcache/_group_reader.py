@@ -145,7 +145,8 @@ class GroupShards:
         if store is None:
             return
         self._remember_gone(nonce, store.name)
-        store.close()
+        # another thread may be reading from it right now: released when its last read ends
+        store._reading.close_when_idle(store.close, wait=0.0)
 
     def _remember_gone(self, nonce: int, name: str) -> None:
         self._gone[nonce] = name
@@ -186,7 +187,7 @@ class GroupShards:
         with self._lock:
             self.closed = True
             for store in self._by_nonce.values():
-                store.close()
+                store._reading.close_when_idle(store.close)  # safe while other threads read
             self._by_nonce.clear()
 
 

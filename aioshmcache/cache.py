@@ -558,8 +558,18 @@ class ReceiverCache(_Cache):
     clear = clear_cache
 
     def close(self) -> None:
-        """Free the reader slot (idempotent)."""
-        self.store.close()
+        """Free the reader slot (idempotent; safe while other threads read).
+
+        Reads that start after it raise ``ClosedCacheError``. Reads already in flight in other
+        threads finish first: the slot and the mapping are released once the last of them
+        ends (waiting up to ``CLOSE_WAIT`` s here, else by that last read as it leaves).
+        """
+        self.store._reading.close_when_idle(self.store.close)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called (reads refused; the release may wait for reads)."""
+        return self.store._reading.closed or self.store.closed
 
 
 class GroupReceiverCache(ReceiverCache):
