@@ -32,8 +32,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from ._group import list_shards
-from ._layout import LAYOUT_VERSION, SHM_DIR
+from ._group import is_member, list_shards, shard_identity
+from ._layout import LAYOUT_VERSION, SHM_DIR, group_word
 from ._request import (
     DEFAULT_INLINE_THRESHOLD,
     ReceiverRequest,
@@ -82,7 +82,11 @@ class GroupShards:
                 except WriterGoneError:
                     self._detach_locked(nonce)
             known = {s.name: nonce for nonce, s in self._by_nonce.items()}
+            word = group_word(self.group)
             for _k, name in list_shards(self.group):
+                ident = shard_identity(name)
+                if ident is None or ident[1] != word:
+                    continue  # not a member (a plain cache named like a shard), or not ready
                 if name in known:
                     # the writer's lock is probed only every probe interval: a shard reclaimed
                     # by a new writer since (same name, new nonce) must not hide behind it
@@ -103,7 +107,8 @@ class GroupShards:
                     continue
                 except SegmentNotFoundError:
                     continue  # gone meanwhile
-                self._by_nonce[store.nonce] = store
+                if not self._adopt_locked(store):
+                    continue
 
     def find(self, nonce: int) -> None:
         """Attach the shard whose file holds instance ``nonce`` now, or mark it gone.
@@ -117,7 +122,11 @@ class GroupShards:
         with self._lock:
             if self.closed or nonce in self._by_nonce or nonce in self._gone:
                 return
+            word = group_word(self.group)
             for _k, name in list_shards(self.group):
+                ident = shard_identity(name)
+                if ident is None or ident[1] != word:
+                    continue  # not a member of the group
                 st = writer_state(os.path.join(SHM_DIR, name))
                 if nonce in st.past:
                     # a dead instance whose shard a new writer reclaimed before we ever saw it
@@ -137,8 +146,17 @@ class GroupShards:
                 except WriterGoneError:
                     self._remember_gone(nonce, name)
                     return
-                self._by_nonce[store.nonce] = store
+                self._adopt_locked(store)
                 return
+
+    def _adopt_locked(self, store: ShmObjectStore) -> bool:
+        """Keep an attached shard if it proves membership (the name may have been reused
+        since its header was read); else free its slot at once."""
+        if not is_member(store.ring.segment, self.group):
+            store.close()
+            return False
+        self._by_nonce[store.nonce] = store
+        return True
 
     def _detach_locked(self, nonce: int) -> None:
         store = self._by_nonce.pop(nonce, None)

@@ -403,3 +403,34 @@ def test_a_group_reader_revoked_by_one_shard_learns_it_from_that_shard_s_referen
         [got] = rx.get_and_update_features([fb])  # shard b never revoked it
         assert np.array_equal(got.data["x"], gp.make_item("hb")["x"])
     assert _ours(group) == []
+
+
+def test_a_plain_cache_named_like_a_shard_is_not_a_member(group: str) -> None:
+    """``G.shard0`` created as a plain cache is not shard 0 of ``G`` (issue 19, item 8): group
+    readers claim no slot on it, sibling writers never look into it, its references are not
+    the group's, and its own puts keep being cached."""
+    from aioshmcache._group import shard_identity
+    from aioshmcache._layout import group_word
+
+    plain_cfg = CacheConfig(4 << 20, 1 << 20, 1, name=f"{group}.shard0")
+    with SenderCache(plain_cfg) as plain, SenderCache(gp.config(group)) as member:
+        assert member.shard == 1  # the name of shard 0 is taken (by a live writer)
+        assert shard_identity(plain.name) == (plain.handle().nonce, 0)
+        assert shard_identity(member.name) == (member.handle().nonce, group_word(group))
+        ref_plain, _ = plain.get_and_update_item((gp.make_item("p"), []), "p")
+        with ReceiverCache.attach_group(group) as rx:
+            assert [h.name for h in rx.shard_handles()] == [member.name]
+            assert not any(r.attached for r in plain.snapshot().readers)
+            with pytest.raises(InvalidReferenceError):
+                rx.get_and_update_features([FeatureSpec("p", ref_plain)])
+            assert [h.name for h in rx.shard_handles()] == [member.name]  # the rescan, too
+            # the plain cache's own single reader slot is still free for its own reader
+            with ReceiverCache.attach(plain.handle()) as own:
+                for i in range(20):  # puts keep being cached, and are read by its reader
+                    ref, _ = plain.get_and_update_item((gp.make_item(f"q{i}"), []), f"q{i}")
+                    assert type(ref) is ShmRef
+                    got = own.get_and_update_item(ref, f"q{i}")
+                    assert np.array_equal(got["x"], gp.make_item(f"q{i}")["x"])
+        # a sibling writer never maps the plain cache, so never finds its keys
+        assert not member.is_cached_item("p")
+        assert member._siblings is not None and member._siblings.names() == []
