@@ -26,8 +26,10 @@ it adds is the merge:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -57,6 +59,7 @@ from .errors import (
 __all__ = ["GroupReceiverRequest", "GroupShards"]
 
 _GONE_MEMORY = 1024  # nonces of departed shards remembered (their late references)
+_MEMBER_POLL = 0.05  # how often ``wait_for_member`` looks for the group's first shard (s)
 
 
 class GroupShards:
@@ -109,6 +112,34 @@ class GroupShards:
                     continue  # gone meanwhile
                 if not self._adopt_locked(store):
                     continue
+
+    def has_member(self) -> bool:
+        """Whether any shard file of the group (live or dead) proves its membership now."""
+        word = group_word(self.group)
+        return any(
+            (ident := shard_identity(name)) is not None and ident[1] == word
+            for _k, name in list_shards(self.group)
+        )
+
+    def wait_for_member(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the group's first shard, then attach what is there.
+
+        ``SegmentNotFoundError`` if no shard of the group exists by then (a typo in the group
+        name shows up here, not at the first request).
+        """
+        deadline = time.monotonic() + timeout
+        while not self.has_member():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SegmentNotFoundError(
+                    errno.ENOENT,
+                    f"cache group {self.group!r} has no shard in {SHM_DIR}"
+                    + (f" after waiting {timeout:g} s" if timeout > 0 else "")
+                    + ": is its name right, and has a writer opened it?",
+                    self.group,
+                )
+            time.sleep(min(_MEMBER_POLL, left))
+        self.rescan()
 
     def find(self, nonce: int) -> None:
         """Attach the shard whose file holds instance ``nonce`` now, or mark it gone.
@@ -254,8 +285,9 @@ class GroupReceiverRequest:
             if shards.store(nonce) is None and not shards.is_gone(nonce):
                 shards.find(nonce)  # the one shard file that holds this instance, if any
             if shards.store(nonce) is None and not shards.is_gone(nonce):
+                hint = "" if shards.has_member() else f" (it has no shard in {SHM_DIR} at all)"
                 raise InvalidReferenceError(
-                    f"reference names no live shard of cache group {shards.group!r}"
+                    f"reference names no live shard of cache group {shards.group!r}{hint}"
                 )
         self._counters.add(total=len(self._features) - sum(map(len, routes.values())))
         for nonce, items in routes.items():

@@ -427,14 +427,20 @@ class ReceiverCache(_Cache):
         return cls(ShmObjectStore.from_handle(coerce_handle(handle), serde=serde))
 
     @classmethod
-    def attach_group(cls, group: str, *, serde: Serde | None = None) -> GroupReceiverCache:
+    def attach_group(
+        cls, group: str, *, serde: Serde | None = None, wait_for_shard: float | None = None
+    ) -> GroupReceiverCache:
         """Attach as a reader of every shard of cache group ``group`` (see ``GroupReceiverCache``).
 
         Claims a reader slot on each live shard now (``ReaderLimitError`` if one has none
-        left); shards that appear later are attached when a reference names them. A group with
-        no shard yet is fine (the gateway may start later).
+        left); shards that appear later are attached when a reference names them.
+
+        ``wait_for_shard``: seconds to wait for the group's first shard (``0``: look once);
+        ``SegmentNotFoundError`` if there is none by then, so a mistyped group name fails
+        here rather than at the first request. ``None`` (the default) accepts a group with no
+        shard yet: an engine worker may be started before its gateways.
         """
-        return GroupReceiverCache(group, serde=serde)
+        return GroupReceiverCache(group, serde=serde, wait_for_shard=wait_for_shard)
 
     def request(
         self,
@@ -583,8 +589,14 @@ class GroupReceiverCache(ReceiverCache):
     segment: ``handle()`` raises ``RoleError``; ``shard_handles()`` lists the shards'.
     """
 
-    def __init__(self, group: str, *, serde: Serde | None = None) -> None:
+    def __init__(
+        self, group: str, *, serde: Serde | None = None, wait_for_shard: float | None = None
+    ) -> None:
         """Attach to ``group``'s live shards; use ``ReceiverCache.attach_group`` instead."""
+        if wait_for_shard is not None and (
+            type(wait_for_shard) not in (int, float) or not 0 <= wait_for_shard < float("inf")
+        ):
+            raise ValueError(f"wait_for_shard must be None or seconds >= 0, got {wait_for_shard!r}")
         self.group = check_group(group)
         self._shards = GroupShards(group, serde=serde)
         self._released: dict[tuple[int, int], None] = {}
@@ -592,7 +604,10 @@ class GroupReceiverCache(ReceiverCache):
         self._counters = RequestCounters()
         self._last_delta = CacheInfo(0, 0)
         try:
-            self._shards.rescan()
+            if wait_for_shard is None:
+                self._shards.rescan()
+            else:
+                self._shards.wait_for_member(wait_for_shard)
         except BaseException:
             self._shards.close()
             raise

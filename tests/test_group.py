@@ -434,3 +434,58 @@ def test_a_plain_cache_named_like_a_shard_is_not_a_member(group: str) -> None:
         # a sibling writer never maps the plain cache, so never finds its keys
         assert not member.is_cached_item("p")
         assert member._siblings is not None and member._siblings.names() == []
+
+
+def test_attach_group_to_no_such_group_fails_when_asked_to_wait(group: str) -> None:
+    """A mistyped group name fails at attach with ``wait_for_shard`` (issue 19, item 11)."""
+    from aioshmcache import SegmentNotFoundError
+
+    with pytest.raises(SegmentNotFoundError, match="no shard"):
+        ReceiverCache.attach_group(group, wait_for_shard=0)
+    with pytest.raises(SegmentNotFoundError, match=r"after waiting 0\.2 s"):
+        ReceiverCache.attach_group(group, wait_for_shard=0.2)
+    for bad in (-1, float("nan"), float("inf"), "1", True):
+        with pytest.raises(ValueError, match="wait_for_shard"):
+            ReceiverCache.attach_group(group, wait_for_shard=bad)  # type: ignore[arg-type]
+    # a plain cache named like a shard is no shard of the group
+    with SenderCache(CacheConfig(1 << 20, 1 << 19, 1, name=f"{group}.shard0")) as plain:
+        with pytest.raises(SegmentNotFoundError):
+            ReceiverCache.attach_group(group, wait_for_shard=0)
+        assert not any(r.attached for r in plain.snapshot().readers)
+    # the default still accepts a group with no shard yet (engine before gateways), and the
+    # first reference then says the group has no shard at all
+    with ReceiverCache.attach_group(group) as rx:
+        assert rx.shard_handles() == []
+        with pytest.raises(InvalidReferenceError, match="no shard"):
+            rx.get_and_update_features([FeatureSpec("h", ShmRef(1, 0, 0, 1, 1, 0, 0, 0))])
+
+
+def test_attach_group_waits_for_the_first_shard(group: str) -> None:
+    import threading
+
+    opened = threading.Event()
+    stop = threading.Event()
+
+    def gateway() -> None:
+        time.sleep(0.3)  # after the reader started waiting (most likely; either way it works)
+        with SenderCache(gp.config(group)):
+            opened.set()
+            stop.wait(60)
+
+    th = threading.Thread(target=gateway)
+    th.start()
+    try:
+        with ReceiverCache.attach_group(group, wait_for_shard=60) as rx:
+            assert opened.is_set()
+            assert [h.name for h in rx.shard_handles()] == [shard_name(group, 0)]
+    finally:
+        stop.set()
+        th.join(30)
+
+
+async def test_async_attach_group_passes_wait_for_shard(group: str) -> None:
+    from aioshmcache import AsyncReceiverCache, SegmentNotFoundError
+
+    with pytest.raises(SegmentNotFoundError):
+        async with AsyncReceiverCache.attach_group(group, wait_for_shard=0):
+            pass
