@@ -375,7 +375,8 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         return self.sender.release(ref)
 
     async def invalidate(self, mm_hash: str) -> bool:
-        """Forget an item; the next request re-puts it."""
+        """Forget an item; the next request re-puts it (``SenderCache.invalidate``: references
+        handed out before stay readable until acknowledged)."""
         return self.sender.invalidate(mm_hash)
 
     async def clear_cache(self) -> None:

@@ -336,7 +336,17 @@ class SenderCache(_Cache):
             return self.store.release(ref)
 
     def invalidate(self, mm_hash: str) -> bool:
-        """Forget an item (after a receiver's ``CacheMissError``); the next request re-puts it."""
+        """Forget an item (after a receiver's ``CacheMissError``); the next request re-puts it.
+
+        False if ``mm_hash`` was not cached. The guarantee: from now on no request is given the
+        old copy (the next one for ``mm_hash`` is a miss and puts a new one). References handed
+        out *before* stay valid: each is still owed by its readers, so it reads the item it was
+        made for, and the old chunk is freed once every hand-out of it is acknowledged (or
+        expires by the usual rules). A reference becomes stale only when its chunk is freed
+        (nothing owed for it any more), on ``clear_cache``, when a one-of-N hand-out outlives
+        ``handout_ttl`` or when its reader was evicted. Revoking outstanding references here
+        would only turn reads that are correct (same hash, same bytes) into misses and resends.
+        """
         with self.store.lock:
             self._prompt_updates.pop(mm_hash, None)
             self._too_large.discard(mm_hash)
