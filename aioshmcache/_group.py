@@ -185,6 +185,11 @@ class Sibling:
         self.hints = HintTable(segment)
         self._probed = 0.0
         self._alive = True
+        # a copy from this sibling runs outside the Siblings lock (payload, the copy, verify):
+        # a rescan may close the sibling meanwhile. payload and verify take this lock and see
+        # ``closed`` (the copy itself reads a view that keeps its pages mapped); see _reading
+        self._lock = threading.Lock()
+        self.closed = False
 
     def alive(self) -> bool:
         """The writer has not closed the shard, and holds its kernel lock (probed sparingly)."""
@@ -212,21 +217,35 @@ class Sibling:
 
     def payload(self, ref: ShmRef) -> memoryview:
         """A view of the chunk's payload, checked now (``StaleReferenceError`` if gone)."""
-        return self.ring.access(ref.address, ref.id, ref.length, ref.position)
+        with self._lock:
+            self._check_open()
+            return self.ring.access(ref.address, ref.id, ref.length, ref.position)
 
     def verify(self, ref: ShmRef) -> None:
-        """``StaleReferenceError`` if the chunk was freed or reused since ``payload``."""
-        self.ring.verify(ref.address, ref.id, ref.position)
-        if self._hw[H_EPOCH] != ref.epoch:
-            raise StaleReferenceError("the sibling shard was cleared during the copy")
+        """``StaleReferenceError`` if the chunk was freed or reused since ``payload`` (or this
+        sibling was detached meanwhile: its chunk can no longer be vouched for)."""
+        with self._lock:
+            self._check_open()
+            self.ring.verify(ref.address, ref.id, ref.position)
+            if self._hw[H_EPOCH] != ref.epoch:
+                raise StaleReferenceError("the sibling shard was cleared during the copy")
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise StaleReferenceError(f"sibling shard {self.name!r} was detached during the copy")
 
     def raw_plan(self, ref: ShmRef) -> RawPlan:
         """The plan that copies this chunk into a chunk of our own shard."""
         return RawPlan(ref.length, lambda: self.payload(ref), lambda: self.verify(ref))
 
     def close(self) -> None:
-        self.hints.release()
-        self.ring.close()
+        """Unmap (idempotent); a copy in progress then fails its ``verify`` (stale)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.hints.release()
+            self.ring.close()
 
 
 class Siblings:

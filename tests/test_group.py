@@ -489,3 +489,27 @@ async def test_async_attach_group_passes_wait_for_shard(group: str) -> None:
     with pytest.raises(SegmentNotFoundError):
         async with AsyncReceiverCache.attach_group(group, wait_for_shard=0):
             pass
+
+
+def test_a_sibling_detached_during_a_copy_is_stale_not_a_released_buffer(group: str) -> None:
+    """A writer copying from a sibling while a rescan detaches it: the copy's checks say
+    stale (the request turns it into a miss), under the sibling's lock, so they never touch
+    the released mapping (a ``ValueError``) half-way."""
+    from aioshmcache import StaleReferenceError
+
+    with SenderCache(gp.config(group)) as a, SenderCache(gp.config(group)) as b:
+        a.get_and_update_item((gp.make_item("k"), []), "k")
+        assert b._siblings is not None
+        found = b._siblings.find("k")
+        assert found is not None
+        src = found.sibling.payload(found.ref)  # the copy has begun...
+        b._siblings.close()  # ...and the sibling is detached under it
+        try:
+            copied = bytes(src)  # the view still reads mapped pages
+        finally:
+            src.release()
+        assert len(copied) == found.ref.length
+        with pytest.raises(StaleReferenceError):
+            found.sibling.verify(found.ref)
+        with pytest.raises(StaleReferenceError):
+            found.sibling.payload(found.ref)
