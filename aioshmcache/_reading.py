@@ -172,7 +172,8 @@ class ReadPath:
         """Refuse new reads, then wait up to ``wait`` s for those in flight; True once none is.
 
         After it returns True nothing can touch this reader's memory or descriptors any more:
-        the caller may release them.
+        the caller may release them. (Not from inside a read of this path: see
+        ``close_when_idle``.)
         """
         self.closed = True
         deadline = time.monotonic() + wait
@@ -188,8 +189,9 @@ class ReadPath:
         """Close now and run ``release`` (which frees the memory this path reads) when safe.
 
         ``release`` runs here if no read is in flight within ``wait`` s, else in the thread of
-        the last read to leave. True if it ran here. Idempotent with respect to ``release``:
-        it runs at most once.
+        the last read to leave (once). True if it ran here. Each call runs its ``release``, so
+        it must be idempotent (``ShmObjectStore.close`` is). Never call it from inside a read
+        of this path: it would wait for itself for ``wait`` s.
         """
         if self.shut(wait):
             release()
