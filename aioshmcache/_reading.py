@@ -501,7 +501,9 @@ class ReadPath:
         """Free the reader slot and the semaphore handle; idempotent.
 
         Waits (up to ``CLOSE_WAIT`` s) for reads in flight in other threads first: see "Closing
-        during a read" in the module docstring (``close_when_idle`` never releases under one).
+        during a read" in the module docstring. ``ShmObjectStore.close`` releases the mapping
+        after this returns even if a read is still in flight then; the caches close through
+        ``close_when_idle``, which never releases under one.
         """
         if self._closed_done:
             return

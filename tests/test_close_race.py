@@ -212,9 +212,12 @@ def test_a_writer_probe_during_a_close_never_uses_a_closed_descriptor(
             _check(out, 1)
 
 
+@pytest.mark.parametrize("how", ["rescan", "close"])
 def test_a_group_shard_detached_during_a_read_gives_the_item_or_a_typed_error(
-    clock: ParkingClock,
+    clock: ParkingClock, how: str
 ) -> None:
+    """The shard closed under a read by a rescan (its writer went away) or by the group
+    reader's own ``close``."""
     group = f"{RUN_PREFIX}gcr{uuid.uuid4().hex[:8]}"
     cfg = CacheConfig(8 << 20, 1 << 20, 2, group=group)
     with SenderCache(cfg) as keep, ReceiverCache.attach_group(group) as rx:
@@ -232,7 +235,9 @@ def test_a_group_shard_detached_during_a_read_gives_the_item_or_a_typed_error(
                 rx.rescan()  # ...and the rescan detaches (closes) its shard
 
             out = _park_and_close(
-                clock, lambda: rx.get_and_update_item(ref, "h2"), writer_goes_then_rescan
+                clock,
+                lambda: rx.get_and_update_item(ref, "h2"),
+                writer_goes_then_rescan if how == "rescan" else rx.close,
             )
         finally:
             tx.close()
