@@ -20,6 +20,7 @@ FAULTS: Final = (
     "kill-writer",
     "forge",
     "fork",
+    "sweep-restart",
     "close-read",
 )
 #: faults that cannot work with ``--group`` (none so far: every fault applies per shard)
@@ -58,6 +59,7 @@ class StressOptions:
     writer_kill_every: float = 15.0
     fork_every: float = 8.0
     fork_linger: float = 8.0
+    sweep_restart_every: float = 6.0
     cancel_prob: float = 0.1
     close_read_prob: float = 0.02
     probe_rate: float = 20.0
@@ -196,6 +198,13 @@ def parse_args(argv: list[str]) -> StressOptions:
         help="how long the forked child outlives its killed parent (%(default)s s)",
     )
     p.add_argument(
+        "--sweep-restart-every",
+        type=parse_duration,
+        default=d.sweep_restart_every,
+        help="sweep-restart fault: a burst of writers that crash and restart under one name "
+        "while another process sweeps it; each must keep its segment (%(default)s s)",
+    )
+    p.add_argument(
         "--cancel-prob",
         type=float,
         default=d.cancel_prob,
@@ -284,6 +293,7 @@ def parse_args(argv: list[str]) -> StressOptions:
         writer_kill_every=ns.writer_kill_every,
         fork_every=ns.fork_every,
         fork_linger=ns.fork_linger,
+        sweep_restart_every=ns.sweep_restart_every,
         cancel_prob=ns.cancel_prob,
         close_read_prob=ns.close_read_prob,
         probe_rate=ns.probe_rate,
