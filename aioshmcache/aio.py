@@ -425,7 +425,8 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         return self.sender.release(ref)
 
     async def invalidate(self, mm_hash: str) -> bool:
-        """Forget an item; the next request re-puts it."""
+        """Forget an item; the next request re-puts it (``SenderCache.invalidate``: references
+        handed out before stay readable until acknowledged)."""
         return self.sender.invalidate(mm_hash)
 
     async def clear_cache(self) -> None:
@@ -463,6 +464,7 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         )
         self._handle = handle
         self._group: str | None = None
+        self._wait_for_shard: float | None = None
         self._serde: Serde | None = None
 
     @classmethod
@@ -479,23 +481,28 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         group: str,
         *,
         serde: Serde | None = None,
+        wait_for_shard: float | None = None,
         max_threads: int = 4,
         inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
     ) -> AsyncReceiverCache:
         """A reader of every shard of cache group ``group`` (``ReceiverCache.attach_group``),
-        attached on ``__aenter__``; ``aclose`` frees its slot on every shard."""
+        attached on ``__aenter__`` (in a worker thread: a ``wait_for_shard`` wait does not
+        block the loop); ``aclose`` frees its slot on every shard."""
         face = cls(
             handle=group, max_threads=max_threads, inline_threshold_bytes=inline_threshold_bytes
         )
         face._group = group
         face._serde = serde
+        face._wait_for_shard = wait_for_shard
         return face
 
     def _open_cache(self) -> ReceiverCache:
         if self._handle is None:
             raise ClosedCacheError("no handle")
         if self._group is not None:
-            return ReceiverCache.attach_group(self._group, serde=self._serde)
+            return ReceiverCache.attach_group(
+                self._group, serde=self._serde, wait_for_shard=self._wait_for_shard
+            )
         return ReceiverCache.attach(self._handle)
 
     @property
