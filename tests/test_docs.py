@@ -48,8 +48,6 @@ def test_pydoc_shows_no_source_comments(module: object) -> None:
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ["README.md", "examples/README.md", *sorted(p.name for p in (ROOT / "docs").glob("*.md"))]
-# written by another change (the fleet); the README keeps a link to it
-NOT_YET = {"docs/fleet.md"}
 
 
 def _page(name: str) -> Path:
@@ -64,7 +62,7 @@ def test_every_relative_link_resolves(name: str) -> None:
         if "://" in target:
             continue
         resolved = (page.parent / target).resolve()
-        if not resolved.exists() and str(resolved.relative_to(ROOT)) not in NOT_YET:
+        if not resolved.exists():
             broken.append(target)
     assert not broken, f"{name}: links to missing files {broken}"
 
