@@ -22,7 +22,6 @@ COMMANDS = [
     [*MODULE, "demo"],
     [*MODULE, "demo", "run"],
     [*MODULE, "demo", "serve"],
-    [*MODULE, "demo", "worker"],
     [*MODULE, "stress"],
     [*MODULE, "bench"],
     [*MODULE, "inspect"],
