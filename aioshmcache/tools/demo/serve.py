@@ -77,6 +77,9 @@ def serve(
             log_level=log_level,
             timeout_graceful_shutdown=10,
         )
+        # uvicorn shuts down gracefully on SIGTERM and then raises it again, to exit as if
+        # killed by it: this handler makes that second one a clean exit (code 0) instead
+        signal.signal(signal.SIGTERM, _exit_cleanly)
         if gateway_workers > 1:
             with contextlib.suppress(KeyboardInterrupt):
                 Multiprocess(config, sockets=[listener]).run()
@@ -97,3 +100,7 @@ def serve(
                 engine.join(5.0)
         shutil.rmtree(sock_dir, ignore_errors=True)
         sys.stdout.flush()
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
