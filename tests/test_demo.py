@@ -278,6 +278,25 @@ def test_engine_worker_sigkilled_mid_run_is_replaced_and_no_answer_is_wrong(
         assert r.status_code == 200 and check_response(r.json(), expected_answer((pixels, h, w)))[0]
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_example_client_sends_the_hash_first_then_the_pixels(
+    gateway: GatewayProcess, tmp_path: Path
+) -> None:
+    """examples/client.py against the gateway: 409 and the pixels first, the cache second."""
+    image = pytest.importorskip("PIL.Image")
+    pixels, h, w = synthetic_image(21)
+    path = tmp_path / "photo.png"
+    image.frombytes("RGB", (w, h), pixels).save(path)
+    cmd = [sys.executable, str(ROOT / "examples" / "client.py"), gateway.url, str(path)]
+    cp = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert cp.returncode == 0, cp.stderr
+    first, second = cp.stdout.split("round 2:")
+    crc = f"crc32 {expected_answer((pixels, h, w))['crc32']:08x}"
+    assert "409" in first and "(preprocessed)" in first and crc in first
+    assert "409" not in second and "(cache)" in second and crc in second
+
+
 # --- the demo as a user runs it ----------------------------------------------------------------
 def _demo_caches(text: str) -> list[str]:
     return re.findall(r"cache (demo-[\w-]+)\)", text)
