@@ -42,6 +42,7 @@ from .errors import (
     CacheFullError,
     CacheMissError,
     ClosedCacheError,
+    DuplicateKeyError,
     InvalidReferenceError,
     ObjectTooLargeError,
     ShmCacheError,
@@ -70,6 +71,9 @@ _REF_KEYS: Final = frozenset(REF_FIELDS)
 log = logging.getLogger("aioshmcache")
 
 MmItem = tuple[Any, Sequence[Any]]
+
+_NONE: Final[list[Any]] = []  # shared "nothing yet" list: replaced, never appended to
+_NO_SET: Final[set[str]] = cast("set[str]", frozenset())  # likewise (immutable: safe)
 
 
 def check_hash(mm_hash: object) -> str:
@@ -206,51 +210,18 @@ class SenderBook:
         elif inline == "busy":
             c.inline_busy += 1
 
-    def one_item(self, mm_item: object, mm_hash: object) -> MmItem | None:
-        """A one-item request in its usual case, decided without a request object.
+    def count_hit(self) -> None:
+        """``count(hit=True)``, the usual case, in fewer steps."""
+        c = self.counters
+        c.total += 1
+        c.hits = hits = c.hits + 1
+        self._words[H_HITS] = hits
 
-        The same decision as a one-item ``SenderRequest`` with the default ``wait_for_space``
-        and copy threshold, when it is one of: a hit, a put of a new hash that fits now (after
-        eviction, without waiting) and copies under ``DEFAULT_INLINE_THRESHOLD`` bytes, or an
-        item found too large (served inline, remembered). Anything else returns ``None`` before
-        any side effect that matters (at most a failed allocation's eviction, which the request
-        repeats), and the caller runs the request: an item or hash of another type, a hash being
-        put or known too large, a group shard, an item that needs a wait, a big copy. Counted
-        and published exactly as the request counts (``test_parity`` compares the two).
-        """
-        if (
-            type(mm_item) is not tuple
-            or len(mm_item) != 2
-            or type(mm_hash) is not str
-            or self.siblings is not None
-        ):
-            return None
-        store = self.store
-        with store.lock:
-            ref = store.get_cached(mm_hash)
-            if ref is not None:
-                self.count(hit=True)
-                return (ref, mm_item[1])
-            if store.is_pending(mm_hash) or mm_hash in self.too_large._sizes:
-                return None
-            try:
-                plan = store.plan(mm_item[0])
-            except ObjectTooLargeError as exc:
-                self.found_too_large(mm_hash, exc.nbytes)
-                return mm_item  # inline, as the request serves it
-            if plan.nbytes >= DEFAULT_INLINE_THRESHOLD:
-                return None
-            try:
-                ref = store.put_locked(mm_hash, plan)
-            except CacheFullError:
-                return None  # nothing taken: the request decides (inline, or wait for room)
-            except BaseException:
-                self.count(hit=False)  # a failed copy counts as the request counts it
-                raise
-            self.count(hit=False)
-            updates = mm_item[1]
-            self.prompt_updates[mm_hash] = updates
-            return (ref, updates)
+    def count_miss(self) -> None:
+        """``count(hit=False)`` of an item put, in fewer steps."""
+        c = self.counters
+        c.total = total = c.total + 1
+        self._words[H_MISSES] = total - c.hits
 
     def found_too_large(self, mm_hash: str, nbytes: int) -> None:
         """An item measured over ``max_object_bytes``: remember it, count it served inline."""
@@ -335,25 +306,19 @@ class SenderRequest(_Steps):
     every item it puts is pinned once committed, so a request never evicts its own items.
     """
 
-    __slots__ = (
-        "_book",
-        "_copies",
-        "_deadline",
-        "_features",
-        "_followers",
-        "_handed",
-        "_hashes",
-        "_inline_below",
-        "_items",
-        "_out",
-        "_pins",
-        "_putting",
-        "_reserved",
-        "_sibling",
-        "_store",
-        "_wait",
-        "_waits",
-    )
+    # No __slots__: what only some requests need has a class-level default (one store fewer
+    # per field for every request; a hit needs none of them) and is set on first use.
+    _copies: list[tuple[int, Reservation]] = _NONE  # copy jobs
+    _waits: list[int] = _NONE  # misses waiting for room
+    _reserved: list[Reservation] = _NONE  # every allocation, for the roll back
+    _pins: list[Any] = _NONE  # the store's entries this request pinned
+    _putting: set[str] = _NO_SET  # hashes this request reserved
+    _followers: dict[str, list[int]] | None = None  # hash -> later items of that hash
+    _sibling: dict[str, Found] | None = None  # hash -> a sibling shard holding it
+    _features: list[FeatureSpec] | None = None
+    _deadline = 0.0
+    _wait: float | None = None  # wait_for_space if the caller gave one, else the book's default
+    _running = _abandoned = _settled = False
 
     def __init__(
         self,
@@ -365,37 +330,25 @@ class SenderRequest(_Steps):
         wait_for_space: float | None = None,
         copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
     ) -> None:
-        if len(mm_items) != len(mm_hashes):
-            raise ValueError("mm_items and mm_hashes differ in length")
         self._hashes = hashes = list(mm_hashes)
-        for i, h in enumerate(hashes):
-            if type(h) is not str:
-                hashes[i] = check_hash(h)
         self._items = items = list(mm_items)
+        if len(items) != len(hashes):
+            raise ValueError("mm_items and mm_hashes differ in length")
+        for h in hashes:
+            if type(h) is not str:
+                hashes[:] = map(check_hash, hashes)
+                break
         for it in items:  # before any side effect: nothing to undo for a bad shape
             if it is not None and (not isinstance(it, tuple) or len(it) != 2):
                 raise TypeError("mm_item must be (item, prompt_updates) or None")
-        # the config's default was validated with the config
-        self._wait = (
-            book.default_wait_for_space if wait_for_space is None else check_wait(wait_for_space)
-        )
+        if wait_for_space is not None:  # else the config's, validated with the config
+            self._wait = check_wait(wait_for_space)
         self._book = book
         self._store = store
         self._lock = store.lock
-        self._running = self._abandoned = self._settled = False
         self._inline_below = copy_inline_below
-        self._deadline = 0.0
-        self._out: list[MmItem | None] = [None] * len(items)
-        self._pins: list[Any] = []  # the store's entries this request pinned
-        # What only misses and groups need is made on first use (a hit needs none of it):
-        self._copies: list[tuple[int, Reservation]] = _NONE  # copy jobs
-        self._waits: list[int] = _NONE  # misses waiting for room
-        self._reserved: list[Reservation] = _NONE  # every allocation, for the roll back
+        self._out: list[Any] = [None] * len(items)
         self._handed: list[ShmRef] = []  # every hand-out this request took, for the roll back
-        self._features: list[FeatureSpec] | None = None
-        self._putting: set[str] = _NO_SET  # hashes this request reserved
-        self._followers: dict[str, list[int]] | None = None  # hash -> later items of that hash
-        self._sibling: dict[str, Found] | None = None  # hash -> a sibling shard holding it
 
     @property
     def has_jobs(self) -> bool:
@@ -403,72 +356,103 @@ class SenderRequest(_Steps):
         return bool(self._copies or self._waits)
 
     def begin(self) -> None:
-        """Validate, pin, hand out hits, reserve misses and copy the small ones. Raises
+        """Validate, guard, hand out hits, put the small misses, reserve the big ones. Raises
         ``CacheMissError`` (taking nothing) for a ``None`` item whose hash is not cached.
 
-        A one-item request pins nothing up front: its own decision is the only step before
-        ``finish`` that could evict, and it never evicts its own hit. (An item it puts is still
-        pinned from commit to ``finish`` when the copy runs as a job.)
+        The whole step runs under the store's writer lock, so a request of several items guards
+        its own items (``ShmObjectStore.guard``: its cached hashes, and every chunk allocated
+        during the step) instead of pinning each; if the request goes on outside the lock (copy
+        jobs, waits), the guard becomes pins of those items before the lock is let go. A
+        one-item request guards nothing: its own decision is the only step before ``finish``
+        that could evict, and it never evicts its own hit. (An item it puts is still pinned from
+        commit to ``finish`` when the copy runs as a job.)
         """
-        store = self._store
         hashes = self._hashes
-        single = len(hashes) == 1
-        may_defer = self._wait > 0
+        wait = self._wait
+        if wait is None:
+            wait = self._book.default_wait_for_space
+        may_defer = wait > 0
         with self._lock:  # the store's writer lock
             if may_defer:
-                self._deadline = time.monotonic() + self._wait
+                self._deadline = time.monotonic() + wait
             if None in self._items:  # look-ups: every one must be cached (here or a sibling)
-                missing = [
-                    h
-                    for it, h in zip(self._items, hashes)
-                    if it is None and not store.is_cached(h) and not self._in_sibling(h)
-                ]
-                if missing:
-                    raise CacheMissError(missing)
-            if not single:
-                self._pins = [e for h in hashes if (e := store.pin_entry(h)) is not None]
-            for i in range(len(hashes)):
-                res = self._decide_locked(i, wait=0.0, may_defer=may_defer)
-                if res is None:
-                    continue
-                if res.plan.nbytes < self._inline_below:
-                    self._write(res)  # microseconds: under the lock
-                    self._commit_locked(i, res, pin=not single)
-                else:
-                    if self._copies is _NONE:
-                        self._copies = []
-                    self._copies.append((i, res))
+                self._check_lookups()
+            if len(hashes) == 1:
+                self._decide_locked(0, wait=0.0, may_defer=may_defer, begin=True)
+                return
+            store = self._store
+            guarded = store.guard(hashes)
+            try:
+                for i in range(len(hashes)):
+                    self._decide_locked(i, wait=0.0, may_defer=may_defer, begin=True)
+                if self._copies or self._waits:  # going on unlocked: the guard becomes pins
+                    self._pins = store.pin_ids(guarded)
+            finally:
+                store.unguard()
 
-    def _decide_locked(self, i: int, *, wait: float, may_defer: bool) -> Reservation | None:
-        """Decide item ``i``: a hit, inline, deferred, or a reservation to copy into."""
+    def _check_lookups(self) -> None:
+        """``CacheMissError`` (nothing taken) unless every ``None`` item's hash is cached here
+        or in a sibling shard."""
+        store = self._store
+        missing = [
+            h
+            for it, h in zip(self._items, self._hashes)
+            if it is None and not store.is_cached(h) and not self._in_sibling(h)
+        ]
+        if missing:
+            raise CacheMissError(missing)
+
+    def _decide_locked(
+        self, i: int, *, wait: float, may_defer: bool, begin: bool = False
+    ) -> Reservation | None:
+        """Decide item ``i``: a hit, inline, deferred, or put.
+
+        In ``begin``, a put copies at once when small (``put_locked``: one step, no
+        reservation) and is a copy job otherwise; after a wait, the reservation is returned for
+        the caller to copy (outside the lock) and commit.
+        """
         store, book, h = self._store, self._book, self._hashes[i]
         it = self._items[i]
         ref = store.get_cached(h)
         if ref is not None:
             self._handed.append(ref)
-            updates = book.prompt_updates.get(h, ()) if it is None else it[1]
-            self._out[i] = (ref, updates)
-            book.count(hit=True)
+            self._out[i] = (ref, book.prompt_updates.get(h, ()) if it is None else it[1])
+            book.count_hit()
             return None
-        if it is None and self._sibling is not None and h in self._sibling:
-            return self._reserve_sibling(i, wait=wait, may_defer=may_defer)
-        if it is None:  # only when the item was dropped meanwhile (invalidate)
-            raise CacheMissError([h])
-        item = it  # its shape was checked when the request was made
+        if it is None:
+            if self._sibling is not None and h in self._sibling:
+                res = self._reserve_sibling(i, wait=wait, may_defer=may_defer)
+                if begin and res is not None:
+                    self._job(i, res)
+                    return None
+                return res
+            raise CacheMissError([h])  # only when the item was dropped meanwhile (invalidate)
         if h in self._putting:  # this request puts it: a hit once that copy is committed
             self._follow(h, i)
             return None
-        if store.is_pending(h):  # another request is putting this very item right now
-            self._out[i] = item
-            book.count(hit=False, inline="busy")
-            return None
-        known = book.too_large.get(h) if book.too_large._sizes else None  # mostly empty
-        if known is not None:
-            self._out[i] = item
-            book.count(hit=False, inline="too_large", mm_hash=h, nbytes=known)
-            return None
+        if book.too_large._sizes:  # mostly empty
+            known = book.too_large.get(h)
+            if known is not None:
+                self._out[i] = it
+                book.count(hit=False, inline="too_large", mm_hash=h, nbytes=known)
+                return None
         try:
-            plan = store.plan(item[0])
+            plan = store.plan(it[0])
+            if begin and plan.nbytes < self._inline_below:
+                # a small copy: allocate, copy and publish in one step (microseconds, under
+                # the lock; nothing can see the chunk before it is committed)
+                try:
+                    ref = store.put_locked(h, plan)
+                except (CacheFullError, DuplicateKeyError):
+                    raise
+                except BaseException:
+                    book.count_miss()  # a failed copy counts as a miss
+                    raise
+                book.count_miss()
+                self._handed.append(ref)
+                book.prompt_updates[h] = updates = it[1]
+                self._out[i] = (ref, updates)
+                return None
             res = store.reserve(
                 h,
                 plan,
@@ -476,20 +460,38 @@ class SenderRequest(_Steps):
                 own_pins=Counter(self._pins) if self._pins else None,
                 abort=self._gone,
             )
+        except DuplicateKeyError:  # not cached: another request is putting it right now
+            self._out[i] = it
+            book.count(hit=False, inline="busy")
+            return None
         except ObjectTooLargeError as exc:
             book.found_too_large(h, exc.nbytes)
-            self._out[i] = item
+            self._out[i] = it
             return None
         except CacheFullError:
             if may_defer and time.monotonic() < self._deadline:
                 self._wait_for_room(i)  # counted once it is decided
                 return None
-            self._out[i] = item
+            self._out[i] = it
             book.count(hit=False, inline="full", mm_hash=h)
             return None
         self._reserving(res)
-        book.count(hit=False)
+        book.count_miss()
+        if begin:
+            self._job(i, res)
+            return None
         return res
+
+    def _job(self, i: int, res: Reservation) -> None:
+        """A reservation made in ``begin``: copied now if small (a sibling's chunk), else a
+        copy job."""
+        if res.plan.nbytes < self._inline_below:
+            self._write(res)  # microseconds: under the lock
+            self._commit_locked(i, res, pin=False)  # guarded meanwhile (see ``begin``)
+            return
+        if self._copies is _NONE:
+            self._copies = []
+        self._copies.append((i, res))
 
     def _reserving(self, res: Reservation) -> None:
         """Remember an allocation of this request (for the roll back and its followers)."""
@@ -577,6 +579,8 @@ class SenderRequest(_Steps):
         self._book.prompt_updates[res.key] = updates
         self._out[i] = (ref, updates)
         if pin and (e := self._store.pin_entry(res.key)) is not None:  # protect it from the rest
+            if self._pins is _NONE:
+                self._pins = []
             self._pins.append(e)
         if self._followers is not None:
             for j in self._followers.pop(res.key, ()):  # the same hash again in this request
@@ -637,19 +641,19 @@ class SenderRequest(_Steps):
         with self._lock:
             if self._settled:
                 raise RuntimeError("request already finished or rolled back")
-            out = self._out
+            out: list[MmItem] = self._out
             if None in out:
                 self._roll_back_locked()
                 raise RuntimeError("internal error: an item of the request was not decided")
             self._settled = True
             if self._pins:
                 self._unpin_locked()
-            return cast("list[MmItem]", out)
+            return out
 
     def _unpin_locked(self) -> None:
         for e in self._pins:
             self._store.unpin_entry(e)
-        self._pins = []
+        self._pins = _NONE
 
     def _undo_locked(self) -> None:
         store = self._store
@@ -659,10 +663,6 @@ class SenderRequest(_Steps):
         for res in self._reserved:
             store.abort(res)  # idempotent: a committed reservation is left alone
         self._unpin_locked()
-
-
-_NONE: Final[list[Any]] = []  # shared "nothing yet" list: replaced, never appended to
-_NO_SET: Final[set[str]] = cast("set[str]", frozenset())  # likewise (immutable: safe)
 
 
 def feature_item(f: FeatureSpec) -> MmItem | None:

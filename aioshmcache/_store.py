@@ -62,7 +62,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -235,6 +235,9 @@ class ShmObjectStore:
         self.evict_slack = min(EVICT_SLACK_BYTES, self.ring.capacity // 16)
         self.on_evict: Callable[[str], None] | None = None
         self._lock = threading.Lock()  # serialises writer state changes between threads
+        # a request's guard while it decides under the lock (see ``guard``): these chunk ids
+        # are not evicted or moved; every chunk put meanwhile joins them. None: no guard
+        self._guarded: dict[int, None] | None = None
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
@@ -532,6 +535,8 @@ class ShmObjectStore:
         base = tag_base(self._secret, epoch, address, cid, length, position)
         self._rows[cid] = (key, address, length, position, base, epoch)
         self._index[key] = cid
+        if self._guarded is not None:  # a request's own put (see ``guard``)
+            self._guarded[cid] = None
         if self._has_hints:
             self.hints.publish(key, Hint(epoch, address, cid, length, position))
         hw[H_BYTES_USED] = ring.used_bytes  # _publish_usage, inline: every put (evictions are
@@ -790,8 +795,42 @@ class ShmObjectStore:
         return changed
 
     def _is_free(self, cid: int) -> bool:
+        g = self._guarded
+        if g is not None and cid in g:
+            return False  # guarded by the request deciding now
         e = self._by_id.get(cid)
         return e is None or self.ledger.is_free(e)
+
+    def guard(self, keys: Sequence[str]) -> dict[int, None]:
+        """Protect the chunks of the cached ``keys``, and every chunk put (committed) from now
+        on, from eviction and relocation until :meth:`unguard`. Hold :attr:`lock` throughout.
+
+        A request protects its own items so that its later puts never evict its earlier ones.
+        While it decides in one step under the lock, nothing else can put, so "every chunk put
+        from now on" is exactly its own puts: a set member each instead of a pin (a ledger
+        entry). Returns the guarded set (for :meth:`pin_ids` if the request goes on unlocked).
+        """
+        index = self._index
+        self._guarded = g = {cid: None for k in keys if (cid := index.get(k)) is not None}
+        return g
+
+    def unguard(self) -> None:
+        """End :meth:`guard` (idempotent)."""
+        self._guarded = None
+
+    def pin_ids(self, ids: Iterable[int]) -> list[Debts]:
+        """Request-scoped pins of the live chunks ``ids`` (each undone by :meth:`unpin_entry`).
+
+        What a request's :meth:`guard` becomes when the request goes on outside the lock.
+        """
+        rows, ledger = self._rows, self.ledger
+        out = []
+        for cid in ids:
+            if cid in rows:
+                e = ledger.debts_of(cid)
+                ledger.pin(e)
+                out.append(e)
+        return out
 
     def is_freeable(self, key: str) -> bool:
         """Whether ``key``'s chunk could be evicted now.
@@ -880,7 +919,10 @@ class ShmObjectStore:
                 head = self._head_entry()
                 if head is not None and head.debt > 0 and self._probe_debtors(head):
                     continue
-                if head is not None and 0 < head.pins <= own_pins.get(head, 0):
+                head_id, guarded = ring.head_id, self._guarded
+                if (head is not None and 0 < head.pins <= own_pins.get(head, 0)) or (
+                    guarded is not None and head_id in guarded
+                ):
                     self._publish_usage()
                     raise CacheFullError(
                         f"no room for {nbytes} bytes: the oldest item is pinned by this request"
@@ -929,9 +971,11 @@ class ShmObjectStore:
                 and not self.is_pending(self._rows[cid][0])
             )
 
-        entries, marked, ledger = self._by_id, self._marked, self.ledger
+        entries, marked, ledger, guarded = self._by_id, self._marked, self.ledger, self._guarded
 
         def evictable(cid: int) -> bool:  # _is_free and _is_marked, inline: once per chunk freed
+            if guarded is not None and cid in guarded:
+                return False
             e = entries.get(cid)
             if e is not None and not ledger.is_free(e):
                 return False

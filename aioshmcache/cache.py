@@ -286,13 +286,9 @@ class SenderCache(_Cache):
         ``mm_item`` is ``(item, prompt_updates)`` or ``None`` (the caller believes it is cached:
         ``CacheMissError`` if not).
         """
-        if wait_for_space is None:  # the usual case without a request (same decision)
-            out = self._book.one_item(mm_item, mm_hash)
-            if out is not None:
-                return out
         req = SenderRequest(
             self.store, self._book, [mm_item], [mm_hash], wait_for_space=wait_for_space
-        )  # as ``get_and_update`` does, one call shorter
+        )  # ``get_and_update`` of one item, one call shorter
         _run_inline(req)
         return req.finish()[0]
 
