@@ -329,18 +329,24 @@ class SenderRequest(_Steps):
         *,
         wait_for_space: float | None = None,
         copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
+        _checked: bool = False,
     ) -> None:
-        self._hashes = hashes = list(mm_hashes)
-        self._items = items = list(mm_items)
-        if len(items) != len(hashes):
-            raise ValueError("mm_items and mm_hashes differ in length")
-        for h in hashes:
-            if type(h) is not str:
-                hashes[:] = map(check_hash, hashes)
-                break
-        for it in items:  # before any side effect: nothing to undo for a bad shape
-            if it is not None and (not isinstance(it, tuple) or len(it) != 2):
-                raise TypeError("mm_item must be (item, prompt_updates) or None")
+        # ``_checked``: new lists of valid items and hashes (``for_features``): kept as they are
+        if _checked:
+            self._hashes, self._items = mm_hashes, mm_items
+            items = self._items
+        else:
+            self._hashes = hashes = list(mm_hashes)
+            self._items = items = list(mm_items)
+            if len(items) != len(hashes):
+                raise ValueError("mm_items and mm_hashes differ in length")
+            for h in hashes:
+                if type(h) is not str:
+                    hashes[:] = map(check_hash, hashes)
+                    break
+            for it in items:  # before any side effect: nothing to undo for a bad shape
+                if it is not None and (not isinstance(it, tuple) or len(it) != 2):
+                    raise TypeError("mm_item must be (item, prompt_updates) or None")
         if wait_for_space is not None:  # else the config's, validated with the config
             self._wait = check_wait(wait_for_space)
         self._book = book
@@ -619,13 +625,15 @@ class SenderRequest(_Steps):
     ) -> SenderRequest:
         """A request over ``FeatureSpec``s: data ``None`` (or a reference) means look it up."""
         features = list(features)
+        items = [feature_item(f) for f in features]  # checks every spec and its hash
         req = cls(
             store,
             book,
-            [feature_item(f) for f in features],
+            items,
             [f.mm_hash for f in features],
             wait_for_space=wait_for_space,
             copy_inline_below=copy_inline_below,
+            _checked=True,
         )
         req._features = features
         return req
@@ -669,18 +677,32 @@ def feature_item(f: FeatureSpec) -> MmItem | None:
     """A ``FeatureSpec`` as the sender's ``(item, prompt_updates)``, or ``None`` (look it up)."""
     if not isinstance(f, FeatureSpec):
         raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
-    check_hash(f.mm_hash)
-    if f.data is None or isinstance(f.data, ShmRef):
+    if type(f.mm_hash) is not str:
+        check_hash(f.mm_hash)
+    data = f.data
+    if data is None or isinstance(data, ShmRef):
         return None
-    return (f.data, tuple(f.prompt_updates))
+    u = f.prompt_updates
+    return (data, u if type(u) is tuple else tuple(u))
+
+
+_new_object = object.__new__
+_set_field = object.__setattr__
 
 
 def features_from(features: Sequence[FeatureSpec], results: Sequence[MmItem]) -> list[FeatureSpec]:
     """New specs carrying each result (a ``ShmRef`` or the inline item)."""
-    return [
-        FeatureSpec(f.mm_hash, data, identifier=f.identifier, prompt_updates=tuple(updates))
-        for f, (data, updates) in zip(features, results)
-    ]
+    out = []
+    for f, (data, updates) in zip(features, results):
+        # FeatureSpec(f.mm_hash, data, identifier=..., prompt_updates=tuple(updates)) without
+        # the frozen dataclass's __init__, as ``FeatureSpec.with_data`` does (nothing to check)
+        new = _new_object(FeatureSpec)
+        _set_field(new, "mm_hash", f.mm_hash)
+        _set_field(new, "data", data)
+        _set_field(new, "identifier", f.identifier)
+        _set_field(new, "prompt_updates", updates if type(updates) is tuple else tuple(updates))
+        out.append(new)
+    return out
 
 
 class ReceiverRequest(_Steps):
@@ -745,57 +767,71 @@ class ReceiverRequest(_Steps):
         chunk would add nothing. Jobs look their chunk up again when they run.
         """
         reading = self._store._reading
-        slot = reading.check_reader()
+        # ``check_reader`` (a dead writer is raised first) is skipped while every reference
+        # passes ``ReadPath.lookup``, which checks the same (open, writer live, not revoked)
+        slot: ReaderSlot | None = None
         copy, inline_below = self._copy, self._inline_below
+        features, results, owed = self._features, self._results, self._owed
+        refs: list[ShmRef | None] = [None] * len(features)
+        self._refs = refs
         views: dict[int, memoryview] = {}
         error: Exception | None = None
         try:
-            for i, f in enumerate(self._features):
-                ref = None
+            for i, f in enumerate(features):
                 try:
                     if not isinstance(f, FeatureSpec):
                         raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
-                    check_hash(f.mm_hash)
-                    ref = as_reference(f.data)
-                    if ref is not None:
+                    h = f.mm_hash
+                    if type(h) is not str:
+                        check_hash(h)
+                    data = f.data
+                    # the usual case in one call (``ReadPath.lookup``); else the typed checks
+                    view = reading.lookup(data) if type(data) is ShmRef else None
+                    if view is not None:
+                        ref: ShmRef = data
+                    else:
+                        if slot is None:
+                            slot = reading.check_reader()
+                        given = as_reference(data)
+                        if given is None:
+                            results[i] = data
+                            continue
                         try:
                             # forged or foreign: never given back (not ours)
-                            ref, view = reading.resolve(ref)
+                            ref, view = reading.resolve(given)
                         except StaleReferenceError:  # owes nothing: not acknowledged
-                            self._stale.append(f.mm_hash)
-                            ref = None
-                        else:
-                            self._owed.add(i)
-                            if not copy or ref.length < inline_below:
-                                views[i] = view
-                            else:
-                                view.release()
+                            self._stale.append(h)
+                            continue
+                    owed.add(i)
+                    refs[i] = ref
+                    if not copy or ref.length < inline_below:
+                        views[i] = view
                     else:
-                        self._results[i] = f.data
+                        view.release()
                 except (InvalidReferenceError, TypeError) as exc:
                     error = error or exc
-                    ref = None
-                self._refs.append(ref)
             if error is not None:
                 raise error  # the face abandons the request: every valid reference is given back
+            if slot is None:
+                slot = reading.check_reader() if not owed else reading.slot
         except BaseException:
             for view in views.values():
                 view.release()
             raise
         hits = 0
         try:
-            for i, ref in enumerate(self._refs):
-                if ref is None:
+            for i, r in enumerate(refs):
+                if r is None:
                     continue
                 if i in views:  # checked above, in this same step
-                    hits += self._read(i, ref, slot, views.pop(i))
+                    hits += self._read(i, r, slot, views.pop(i))
                 else:
                     self._jobs.append(i)
         finally:
             for unread in views.values():  # a read raised: the others are released, not leaked
                 unread.release()
             # one lock round for the whole step (totals counted even if a read failed)
-            self._counters.add(hits=hits, total=len(self._features))
+            self._counters.add(hits=hits, total=len(features))
 
     def _read(
         self, i: int, ref: ShmRef, slot: ReaderSlot | None = None, view: memoryview | None = None

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, Final, Generic, TypeVar
 
@@ -45,6 +46,14 @@ __all__ = [
 ]
 
 CLOSE_TIMEOUT: Final = 10.0
+#: An awaitable call whose request has no jobs (every copy inline) yields to the loop before it
+#: begins only on every ``CHECKPOINT_EVERY``-th such call of the face, or when
+#: ``CHECKPOINT_AFTER`` seconds passed since it last yielded: a checkpoint per call was a loop
+#: round per call (most of the async face's cost), while a stream of hits still lets other
+#: tasks run at least every few calls (and every half millisecond of inline copies).
+CHECKPOINT_EVERY: Final = 8
+CHECKPOINT_AFTER: Final = 0.0005
+_monotonic = time.monotonic
 
 C = TypeVar("C", SenderCache, ReceiverCache)
 
@@ -118,6 +127,8 @@ class _AsyncFace(Generic[C]):
         self._owned = cache is None
         self._closed = False
         self._inflight = _InFlight()
+        self._inline_calls = 0  # inline calls since this face last yielded to the loop
+        self._last_yield = _monotonic()
 
     @property
     def limiter(self) -> anyio.CapacityLimiter:
@@ -163,24 +174,57 @@ class _AsyncFace(Generic[C]):
         """Leave ``async with``: ``aclose()``."""
         await self.aclose()
 
-    async def _drive(self, request: Any) -> None:
-        """Run a request's steps: ``begin`` on the loop, the jobs where they belong.
+    def _due(self) -> bool:
+        """Whether this inline call should yield to the loop first (see ``CHECKPOINT_EVERY``)."""
+        n = self._inline_calls + 1
+        now = _monotonic()
+        if n >= CHECKPOINT_EVERY or now - self._last_yield >= CHECKPOINT_AFTER:
+            self._inline_calls = 0
+            self._last_yield = now
+            return True
+        self._inline_calls = n
+        return False
 
-        On any exception or cancellation the request is abandoned (rolled back exactly once,
-        by this task or by the thread still running its jobs).
+    def _drive(self, request: Any) -> Coroutine[Any, Any, None] | None:
+        """Run a request's steps as far as they go on the loop; what is left to await, if any.
+
+        The awaitable calls do ``if (pending := self._drive(req)) is not None: await pending``:
+        a request without jobs (every copy inline) whose turn to yield is not due (``_due``)
+        runs entirely here, with no loop round and no coroutine besides the call's own. On any
+        exception or cancellation the request is abandoned (rolled back exactly once, by this
+        task or by the thread still running its jobs).
         """
-        await anyio.lowlevel.checkpoint()  # a stream of hits must not starve the loop
-        job: _Job | None = None
+        if self._due():
+            return self._yield_then_run(request)
+        return self._run_jobs(request) if self._begin(request) else None
+
+    async def _yield_then_run(self, request: Any) -> None:
+        await anyio.lowlevel.checkpoint()  # before anything is taken: nothing to undo
+        if self._begin(request):
+            await self._run_jobs(request)
+
+    @staticmethod
+    def _begin(request: Any) -> bool:
+        """``begin`` a request (abandoned if it raises); whether it has jobs to run."""
         try:
             request.begin()
-            if request.has_jobs:
-                job = self._inflight.add(request.run_jobs)
-                await anyio.to_thread.run_sync(job, limiter=self.limiter)
         except BaseException:
-            if job is not None:
-                job.withdraw()
             request.abandon()
             raise
+        return bool(request.has_jobs)
+
+    async def _run_jobs(self, request: Any) -> None:
+        """The request's jobs in a worker thread (the thread hop is the loop's turn)."""
+        self._inline_calls = 0
+        job = self._inflight.add(request.run_jobs)
+        try:
+            await anyio.to_thread.run_sync(job, limiter=self.limiter)
+        except BaseException:
+            job.withdraw()
+            request.abandon()
+            raise
+        finally:
+            self._last_yield = _monotonic()
 
 
 class AsyncSenderCache(_AsyncFace[SenderCache]):
@@ -275,7 +319,15 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         self, mm_item: MmItem | None, mm_hash: str, *, wait_for_space: float | None = None
     ) -> MmItem:
         """As ``SenderCache.get_and_update_item``; big copies and waits run in a thread."""
-        return (await self.get_and_update([mm_item], [mm_hash], wait_for_space=wait_for_space))[0]
+        req = self.sender.request(
+            [mm_item],
+            [mm_hash],
+            wait_for_space=wait_for_space,
+            copy_inline_below=self.inline_threshold_bytes,
+        )
+        if (pending := self._drive(req)) is not None:
+            await pending
+        return req.finish()[0]
 
     async def get_and_update_features(
         self, features: Sequence[FeatureSpec], *, wait_for_space: float | None = None
@@ -284,7 +336,8 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         req = self.sender.features_request(
             features, wait_for_space=wait_for_space, copy_inline_below=self.inline_threshold_bytes
         )
-        await self._drive(req)
+        if (pending := self._drive(req)) is not None:
+            await pending
         return req.finish_features()
 
     async def get_and_update(
@@ -301,7 +354,8 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
             wait_for_space=wait_for_space,
             copy_inline_below=self.inline_threshold_bytes,
         )
-        await self._drive(req)
+        if (pending := self._drive(req)) is not None:
+            await pending
         return req.finish()
 
     async def get_or_put(
@@ -473,7 +527,8 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
     async def get_and_update_features(self, features: Sequence[FeatureSpec]) -> list[FeatureSpec]:
         """As ``ReceiverCache.get_and_update_features``; big copies run in a worker thread."""
         req = self.receiver.request(features, copy_inline_below=self.inline_threshold_bytes)
-        await self._drive(req)
+        if (pending := self._drive(req)) is not None:
+            await pending
         return req.finish()
 
     async def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
@@ -481,7 +536,8 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         req = self.receiver.request(
             [FeatureSpec(mm_hash, mm_item)], copy_inline_below=self.inline_threshold_bytes
         )
-        await self._drive(req)
+        if (pending := self._drive(req)) is not None:
+            await pending
         return req.finish_item()
 
     async def release(self, ref: ShmRef) -> bool:

@@ -658,22 +658,28 @@ class _ClearsDuringRead(MsgpackSerde):
         return value
 
 
-def test_one_reference_is_read_without_a_request(
+def test_one_reference_is_read_by_a_one_item_request(
     make_config: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """get_and_update_item and a one-item lease of a ShmRef read it directly (a request costs
-    as much again as the read), with the request's outcomes: counted, acknowledged (a lease on
-    exit), a chunk reused during the read raised as the request raises it."""
+    """get_and_update_item and a one-item lease of a ShmRef run one ``ReceiverRequest`` each
+    (no path of their own, issue 20), with the request's outcomes: counted, acknowledged (a
+    lease on exit), a chunk reused during the read raised as stale, a failed read given back."""
     from aioshmcache._request import ReceiverRequest
 
     serde = _ClearsDuringRead()
     requests: list[object] = []
+    begin = ReceiverRequest.begin
+
+    def counted_begin(self: ReceiverRequest) -> None:
+        requests.append(self)
+        begin(self)
+
     with (
         SenderCache(make_config()) as tx,
         ReceiverCache.attach(tx.handle(), serde=serde) as rx,
     ):
         rx.store.check_reader()  # the first check probes the writer: not the usual case
-        monkeypatch.setattr(ReceiverRequest, "begin", lambda self: requests.append(self))
+        monkeypatch.setattr(ReceiverRequest, "begin", counted_begin)
 
         def owed() -> list[int]:
             return [r.lag for r in tx.snapshot().readers if r.attached]
@@ -724,7 +730,7 @@ def test_one_reference_is_read_without_a_request(
             rx.store.slot.flush()  # type: ignore[union-attr]
             assert owed() == [1]
         assert rx.make_stats() == CacheInfo(2, 6)
-        assert requests == []
+        assert len(requests) == 6  # one per call
         monkeypatch.undo()
         assert rx.release(others[-1])  # the last "b" (the clear settled the first)
         rx.get_and_update_features([])  # flushes what was acknowledged locally
