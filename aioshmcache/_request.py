@@ -36,6 +36,7 @@ from typing import Any, Final, cast
 from ._group import Found, Siblings
 from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
 from ._readers import ReaderSlot
+from ._shards import ShardedMap
 from ._store import Reservation, ShmObjectStore
 from ._types import REF_FIELDS, FeatureSpec, ShmRef
 from .errors import (
@@ -163,7 +164,7 @@ class SenderBook:
         self.store = store
         self.siblings = siblings  # the other shards of the group, if this cache is a shard
         self.default_wait_for_space = default_wait_for_space
-        self.prompt_updates: dict[str, Sequence[Any]] = {}
+        self.prompt_updates: ShardedMap[str, Sequence[Any]] = ShardedMap()  # one per item
         self.too_large = TooLargeMemory()
         self.counters = RequestCounters(lock=store.lock)
         self._words = store.ring.segment.words
@@ -373,6 +374,29 @@ class SenderRequest(_Steps):
         that could evict, and it never evicts its own hit. (An item it puts is still pinned from
         commit to ``finish`` when the copy runs as a job.)
         """
+        self._begin(False)
+
+    def start(self) -> list[MmItem] | None:
+        """``begin``, and when that leaves nothing to run, ``finish`` in the same locked step.
+
+        Returns the result, or None when there are jobs (then ``run_jobs`` and ``finish``, or
+        ``abandon``). What every face calls: most requests end here, in one step.
+        """
+        return self._begin(True)
+
+    def run(self) -> list[MmItem]:
+        """Every step on the calling thread (the sync face); abandoned on any error."""
+        try:
+            out = self._begin(True)
+            if out is not None:
+                return out
+            self.run_jobs()
+        except BaseException:
+            self.abandon()
+            raise
+        return self.finish()
+
+    def _begin(self, settle: bool) -> list[MmItem] | None:
         hashes = self._hashes
         wait = self._wait
         if wait is None:
@@ -384,17 +408,24 @@ class SenderRequest(_Steps):
             if None in self._items:  # look-ups: every one must be cached (here or a sibling)
                 self._check_lookups()
             if len(hashes) == 1:
-                self._decide_locked(0, wait=0.0, may_defer=may_defer, begin=True)
-                return
-            store = self._store
-            guarded = store.guard(hashes)
-            try:
-                for i in range(len(hashes)):
-                    self._decide_locked(i, wait=0.0, may_defer=may_defer, begin=True)
-                if self._copies or self._waits:  # going on unlocked: the guard becomes pins
-                    self._pins = store.pin_ids(guarded)
-            finally:
-                store.unguard()
+                self._decide_locked(0, 0.0, may_defer, True)
+            else:
+                store = self._store
+                guarded = store.guard(hashes)
+                try:
+                    for i in range(len(hashes)):
+                        self._decide_locked(i, 0.0, may_defer, True)
+                    if self._copies or self._waits:  # going on unlocked: guard becomes pins
+                        self._pins = store.pin_ids(guarded)
+                finally:
+                    store.unguard()
+            if not settle or self._copies or self._waits:
+                return None
+            out: list[MmItem] = self._out  # ``finish``, in the same step (nothing pinned)
+            if None in out:
+                raise RuntimeError("internal error: an item of the request was not decided")
+            self._settled = True
+            return out
 
     def _check_lookups(self) -> None:
         """``CacheMissError`` (nothing taken) unless every ``None`` item's hash is cached here
@@ -409,7 +440,7 @@ class SenderRequest(_Steps):
             raise CacheMissError(missing)
 
     def _decide_locked(
-        self, i: int, *, wait: float, may_defer: bool, begin: bool = False
+        self, i: int, wait: float, may_defer: bool, begin: bool = False
     ) -> Reservation | None:
         """Decide item ``i``: a hit, inline, deferred, or put.
 
@@ -590,7 +621,7 @@ class SenderRequest(_Steps):
             self._pins.append(e)
         if self._followers is not None:
             for j in self._followers.pop(res.key, ()):  # the same hash again in this request
-                self._decide_locked(j, wait=0.0, may_defer=False)
+                self._decide_locked(j, 0.0, False)
 
     def _run_jobs(self) -> None:
         store = self._store
@@ -605,7 +636,7 @@ class SenderRequest(_Steps):
                 return
             with store.lock:  # the store lets go of the lock while it sleeps
                 t0 = time.monotonic()
-                waited = self._decide_locked(i, wait=max(0.0, self._deadline - t0), may_defer=False)
+                waited = self._decide_locked(i, max(0.0, self._deadline - t0), False)
                 self._book.counters.wait_seconds += time.monotonic() - t0
             if waited is None or self._abandoned:
                 continue
@@ -637,6 +668,19 @@ class SenderRequest(_Steps):
         )
         req._features = features
         return req
+
+    @property
+    def features(self) -> list[FeatureSpec]:
+        """The specs of a request over features (``TypeError`` for another request)."""
+        if self._features is None:
+            raise TypeError("not a request over features")
+        return self._features
+
+    def run_features(self) -> list[FeatureSpec]:
+        """``run`` as new specs whose data is a ``ShmRef`` or the inline item."""
+        if self._features is None:
+            raise TypeError("not a request over features (use run)")
+        return features_from(self._features, self.run())
 
     def finish_features(self) -> list[FeatureSpec]:
         """``finish`` as new specs whose data is a ``ShmRef`` or the inline item."""

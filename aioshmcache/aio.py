@@ -32,7 +32,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from ._flight import SingleFlight, SingleFlightStats, call_make
-from ._request import DEFAULT_INLINE_THRESHOLD
+from ._request import DEFAULT_INLINE_THRESHOLD, SenderRequest, features_from
 from ._serde import Serde
 from ._types import CacheConfig, CacheHandle, CacheInfo, CacheSnapshot, FeatureSpec, ShmRef
 from .cache import MmItem, ReceiverCache, SenderCache
@@ -268,6 +268,37 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
             raise ClosedCacheError("no configuration")
         return SenderCache(self._config)
 
+    def _send(self, req: SenderRequest) -> list[MmItem] | Coroutine[Any, Any, list[MmItem]]:
+        """Run a sender request as far as it goes on the loop: its result, or what is left to
+        await (a turn to yield, copy jobs in a thread).
+
+        The calls do ``out = self._send(req)`` and await ``out`` unless it is the result: a
+        request whose copies all run inline (``SenderRequest.start`` ends it in one locked step)
+        and whose turn to yield is not due (``_due``) costs no loop round and no coroutine
+        besides the call's own. On any exception or cancellation the request is abandoned.
+        """
+        if self._due():
+            return self._yield_then_send(req)
+        try:
+            out = req.start()
+        except BaseException:
+            req.abandon()
+            raise
+        return out if out is not None else self._jobs_then_finish(req)
+
+    async def _yield_then_send(self, req: SenderRequest) -> list[MmItem]:
+        await anyio.lowlevel.checkpoint()  # before anything is taken: nothing to undo
+        try:
+            out = req.start()
+        except BaseException:
+            req.abandon()
+            raise
+        return out if out is not None else await self._jobs_then_finish(req)
+
+    async def _jobs_then_finish(self, req: SenderRequest) -> list[MmItem]:
+        await self._run_jobs(req)
+        return req.finish()
+
     @property
     def sender(self) -> SenderCache:
         """The sync cache this face drives."""
@@ -325,9 +356,8 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
             wait_for_space=wait_for_space,
             copy_inline_below=self.inline_threshold_bytes,
         )
-        if (pending := self._drive(req)) is not None:
-            await pending
-        return req.finish()[0]
+        out = self._send(req)
+        return (out if type(out) is list else await out)[0]  # type: ignore[misc]
 
     async def get_and_update_features(
         self, features: Sequence[FeatureSpec], *, wait_for_space: float | None = None
@@ -336,9 +366,8 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         req = self.sender.features_request(
             features, wait_for_space=wait_for_space, copy_inline_below=self.inline_threshold_bytes
         )
-        if (pending := self._drive(req)) is not None:
-            await pending
-        return req.finish_features()
+        out = self._send(req)
+        return features_from(req.features, out if type(out) is list else await out)  # type: ignore[misc]
 
     async def get_and_update(
         self,
@@ -354,9 +383,8 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
             wait_for_space=wait_for_space,
             copy_inline_below=self.inline_threshold_bytes,
         )
-        if (pending := self._drive(req)) is not None:
-            await pending
-        return req.finish()
+        out = self._send(req)
+        return out if type(out) is list else await out  # type: ignore[misc]
 
     async def get_or_put(
         self,

@@ -69,7 +69,7 @@ class ReadRequest(Protocol):
     def settle_lease(self) -> None: ...
 
 
-def _run_inline(request: SenderRequest | ReadRequest) -> None:
+def _run_inline(request: ReadRequest) -> None:
     """The sync face of a request: every step on the calling thread; abandon on any error."""
     try:
         request.begin()
@@ -260,11 +260,9 @@ class SenderCache(_Cache):
         ``mm_item`` is ``(item, prompt_updates)`` or ``None`` (the caller believes it is cached:
         ``CacheMissError`` if not).
         """
-        req = SenderRequest(
+        return SenderRequest(  # ``get_and_update`` of one item, one call shorter
             self.store, self._book, [mm_item], [mm_hash], wait_for_space=wait_for_space
-        )  # ``get_and_update`` of one item, one call shorter
-        _run_inline(req)
-        return req.finish()[0]
+        ).run()[0]
 
     def get_and_update(
         self,
@@ -278,9 +276,7 @@ class SenderCache(_Cache):
         ``wait_for_space`` (seconds, default the config's) bounds the whole call. If anything
         raises, everything the call took is given back (hand-outs, allocations, pins).
         """
-        req = self.request(mm_items, mm_hashes, wait_for_space=wait_for_space)
-        _run_inline(req)
-        return req.finish()
+        return self.request(mm_items, mm_hashes, wait_for_space=wait_for_space).run()
 
     def get_and_update_features(
         self, features: Sequence[FeatureSpec], *, wait_for_space: float | None = None
@@ -289,9 +285,9 @@ class SenderCache(_Cache):
 
         A spec whose data is ``None`` (or already a reference) is looked up by its hash.
         """
-        req = self.features_request(features, wait_for_space=wait_for_space)
-        _run_inline(req)
-        return req.finish_features()
+        return SenderRequest.for_features(
+            self.store, self._book, features, wait_for_space=wait_for_space
+        ).run_features()
 
     def touch_sender_cache_item(self, mm_hash: str) -> bool:
         """Protect a cached item from eviction until its next hand-out."""

@@ -23,6 +23,7 @@ from aioshmcache import (
     ReceiverCache,
     RoleError,
     SenderCache,
+    ShmCacheError,
     ShmRingBuffer,
     StaleReferenceError,
 )
@@ -336,5 +337,21 @@ def test_fifo_columns_grow_and_wrap_in_order() -> None:
         assert [c for c, _s, _w in ring.iter_chunks()] == ring.chunk_ids()
         assert all(ring.position(a) == p for a, _c, p in live)
         assert ring.n_chunks == len(live) > 1000
+    finally:
+        ring.close()
+
+
+def test_commit_and_abandon_refuse_an_address_between_chunks() -> None:
+    """The writer finds a chunk by its address divided by 64 (chunks are 64-byte aligned): an
+    address that is not a chunk's, even one inside a chunk's first 64 bytes, is refused."""
+    ring = ShmRingBuffer.create(4096)
+    try:
+        addr, _cid = ring.allocate(100)
+        for wrong in (addr + 1, addr + 63, addr + 64):
+            with pytest.raises(ShmCacheError, match="not being written"):
+                ring.commit(wrong)
+            ring.abandon(wrong)  # nothing there: nothing marked dead
+        ring.commit(addr)  # the chunk itself is still being written, then committed
+        assert ring.n_chunks == 1
     finally:
         ring.close()

@@ -662,7 +662,7 @@ def test_settled_entries_leave_no_objects_for_the_garbage_collector(
             assert grown < n // 20, f"{grown} more tracked objects for {n} settled items"
             assert not tx.store.ledger.entries  # settled: nothing owed, pinned or touched
             assert not any(gc.is_tracked(row) for row in tx.store._rows.values())
-            assert not gc.is_tracked(tx.store._index)
+            assert not any(gc.is_tracked(shard) for shard in tx.store._index.shards)
         finally:
             if rx is not None:
                 rx.close()
