@@ -34,13 +34,12 @@ from typing import Any
 
 from ._group import list_shards
 from ._layout import LAYOUT_VERSION, SHM_DIR
+from ._receive import ReceiverRequest, single_item
 from ._request import (
     DEFAULT_INLINE_THRESHOLD,
-    ReceiverRequest,
     RequestCounters,
     as_reference,
     check_hash,
-    single_item,
 )
 from ._segment import writer_state
 from ._serde import Serde

@@ -23,10 +23,10 @@ from typing import Any, Protocol, TypeVar
 from ._group import Siblings, open_shard
 from ._group_reader import GroupReceiverRequest, GroupShards
 from ._layout import check_group
+from ._receive import ReceiverRequest
 from ._request import (
     DEFAULT_INLINE_THRESHOLD,
     MmItem,
-    ReceiverRequest,
     RequestCounters,
     SenderBook,
     SenderRequest,

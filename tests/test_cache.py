@@ -664,7 +664,7 @@ def test_one_reference_is_read_by_a_one_item_request(
     """get_and_update_item and a one-item lease of a ShmRef run one ``ReceiverRequest`` each
     (no path of their own, issue 20), with the request's outcomes: counted, acknowledged (a
     lease on exit), a chunk reused during the read raised as stale, a failed read given back."""
-    from aioshmcache._request import ReceiverRequest
+    from aioshmcache._receive import ReceiverRequest
 
     serde = _ClearsDuringRead()
     requests: list[object] = []
