@@ -179,16 +179,18 @@ class Eviction:
         Drains the acknowledgement logs first and probes the readers still owing it, so a dead
         reader's debts do not count.
         """
-        self.drain()
-        cid = self._index.get(key)
-        if cid is None:
-            return False
-        e = self.ledger.get(cid)
-        if e is None:
-            return True  # nothing owed, pinned or touched
-        if e.debt > 0 and not self.one_of_n:
-            self._probe_debtors(e)
-        return self.ledger.is_free(e)
+        self._check_writer()
+        with self._lock:
+            self.drain()
+            cid = self._index.get(key)
+            if cid is None:
+                return False
+            e = self.ledger.get(cid)
+            if e is None:
+                return True  # nothing owed, pinned or touched
+            if e.debt > 0 and not self.one_of_n:
+                self._probe_debtors(e)
+            return self.ledger.is_free(e)
 
     def _forget(self, freed: list[int]) -> None:
         """Drop the rows, index entries, marks and debts of freed chunks; count evictions."""
@@ -225,16 +227,17 @@ class Eviction:
         eviction: hit items are evicted too (second chance applies to puts that need room).
         """
         self._check_writer()
-        self.drain()
-        head = self._head_entry()
-        if head is not None and head.debt > 0:
-            self._probe_debtors(head)
-        freed = self.ring.free(self._is_free, nbytes)
-        keys = [row[0] for c in freed if (row := self._rows.get(c)) is not None]
-        self._forget(freed)
-        self._publish_usage()
-        self._publish_owed()
-        return keys
+        with self._lock:
+            self.drain()
+            head = self._head_entry()
+            if head is not None and head.debt > 0:
+                self._probe_debtors(head)
+            freed = self.ring.free(self._is_free, nbytes)
+            keys = [row[0] for c in freed if (row := self._rows.get(c)) is not None]
+            self._forget(freed)
+            self._publish_usage()
+            self._publish_owed()
+            return keys
 
     def _make_room(
         self,

@@ -302,10 +302,15 @@ class ShmObjectStore(Eviction):
     def _check_open(self) -> None:
         self._reading.check_open()
 
-    def _check_writer(self) -> None:
+    def check_owner(self) -> None:
+        """``RoleError`` unless this is the writer, in the process that created it (not a
+        forked child); ``ClosedCacheError`` once closed. Every writer method checks it first,
+        before it touches shared memory or takes :attr:`lock`."""
         if self._reading.closed or self._seg.forked or not self.is_writer:  # one call when fine
             self._check_open()
             raise RoleError("this is a reader: only the writer puts, hands out and evicts")
+
+    _check_writer = check_owner  # the name the store's own methods use
 
     # --- writer: look-ups ------------------------------------------------------------------
     def is_cached(self, key: str) -> bool:
@@ -320,12 +325,14 @@ class ShmObjectStore(Eviction):
 
     def keys(self) -> list[str]:
         """Cached keys in FIFO (eviction) order, oldest first."""
+        self._check_writer()
         with self._lock:
             order = {c: i for i, c in enumerate(self.ring.chunk_ids())}
             return sorted(self._index, key=lambda k: order.get(self._index[k], -1))
 
     def ref_of(self, key: str) -> ShmRef | None:
         """The reference of a cached key, without a hand-out (for inspection and tests)."""
+        self._check_writer()
         with self._lock:
             cid = self._index.get(key)
             return None if cid is None else self._ref(cid)
@@ -365,6 +372,7 @@ class ShmObjectStore(Eviction):
         when no room exists even after evicting every free item and waiting ``wait_for_space``
         seconds (default: the config's, 0 for a store created without one).
         """
+        self._check_writer()  # first: a forked child may inherit the lock held
         plan = self.plan(value)
         if wait_for_space is None:
             wait_for_space = self._config.wait_for_space if self._config else 0.0
@@ -398,8 +406,8 @@ class ShmObjectStore(Eviction):
         the copy's error (the chunk is abandoned, reclaimed in FIFO order). ``plan`` was made by
         :meth:`plan` (the size limit is checked there).
         """
+        self._check_writer()  # closed, a reader, or a forked child: the typed error first
         with self._lock:
-            self._check_writer()  # closed, a reader, or a forked child: the typed error first
             if type(key) is not str and not isinstance(key, str):
                 raise TypeError(f"keys are str, not {type(key).__name__}")
             if (
@@ -440,8 +448,8 @@ class ShmObjectStore(Eviction):
         after every wake-up while waiting; true ends the wait with ``CacheFullError`` (the caller
         gave up, e.g. a cancelled request).
         """
+        self._check_writer()  # first: a forked child may inherit the lock held
         with self._lock:
-            self._check_writer()
             if type(key) is not str and not isinstance(key, str):
                 raise TypeError(f"keys are str, not {type(key).__name__}")
             if key in self._index or key in self._pending or key in self._waiting_keys:
@@ -535,8 +543,8 @@ class ShmObjectStore(Eviction):
     # --- writer: hand-outs, pins, release -------------------------------------------------
     def get_cached(self, key: str) -> ShmRef | None:
         """A new hand-out of a cached key, or None if it is not cached."""
+        self._check_writer()  # first: a forked child may inherit the lock held
         with self._lock:
-            self._check_writer()
             cid = self._index.shards[hash(key) & MASK].get(key)  # self._index.get, one call shorter
             if cid is None:
                 return None
@@ -569,8 +577,8 @@ class ShmObjectStore(Eviction):
 
         Returns False if ``key`` is not cached.
         """
+        self._check_writer()  # first: a forked child may inherit the lock held
         with self._lock:
-            self._check_writer()
             cid = self._index.get(key)
             if cid is None:
                 return False
@@ -580,6 +588,7 @@ class ShmObjectStore(Eviction):
     def pin(self, key: str) -> bool:
         """Request-scoped pin (counted) of the entry cached under ``key``; pair with
         :meth:`unpin`. False if ``key`` is not cached."""
+        self._check_writer()
         with self._lock:
             cid = self._index.get(key)
             if cid is None:
@@ -589,6 +598,8 @@ class ShmObjectStore(Eviction):
 
     def unpin(self, key: str) -> None:
         """Undo one :meth:`pin` of the entry cached under ``key`` now."""
+        if self._seg.forked:  # not when closed: a request's cleanup may run after a close
+            self._check_writer()
         with self._lock:
             cid = self._index.get(key)
             if cid is not None and (e := self.ledger.get(cid)) is not None:
@@ -599,6 +610,7 @@ class ShmObjectStore(Eviction):
 
         Returns the entry's debts (``id`` is its chunk id), which hold the pin.
         """
+        self._check_writer()
         with self._lock:
             cid = self._index.get(key)
             if cid is None:
@@ -633,8 +645,8 @@ class ShmObjectStore(Eviction):
 
     def release(self, ref: ShmRef) -> bool:
         """Undo one hand-out that never reached the readers. False if unknown or none left."""
+        self._check_writer()  # first: a forked child may inherit the lock held
         with self._lock:
-            self._check_writer()
             if not isinstance(ref, ShmRef) or not check_ref_fields(ref):
                 return False
             if ref.tag != reference_tag(
@@ -654,8 +666,8 @@ class ShmObjectStore(Eviction):
 
         Request pins on the old entry stay until their requests end (they unpin that entry).
         """
+        self._check_writer()  # first: a forked child may inherit the lock held
         with self._lock:
-            self._check_writer()
             cid = self._index.pop(key, None)
             if cid is None:
                 return False
@@ -704,6 +716,7 @@ class ShmObjectStore(Eviction):
 
     def drain(self) -> int:
         """Apply every acknowledgement written since the last drain; returns how many."""
+        self._check_writer()
         with self._lock:
             t = self.readers
             n_total = 0
@@ -791,8 +804,8 @@ class ShmObjectStore(Eviction):
 
     def clear(self) -> int:
         """Drop every item: a new epoch makes every older reference stale. Returns items dropped."""
+        self._check_writer()  # first: a forked child may inherit the lock held
         with self._lock:
-            self._check_writer()
             n = len(self._index)
             freed = self.ring.clear()
             for cid in freed:
@@ -808,8 +821,11 @@ class ShmObjectStore(Eviction):
 
     def reader_info(self) -> list[ReaderSlotInfo]:
         """Every reader slot: attached, alive (kernel lock), pid, acknowledgements, debt."""
-        if self.is_writer and not self._closed:
+        if self.is_writer:
+            self._check_writer()  # a forked child must not publish the parent's words
             self._publish_owed()
+        else:
+            self._check_open()
         return reader_slots_info(self.readers, probe=True)
 
     # --- reading (the read path) ------------------------------------------------------------

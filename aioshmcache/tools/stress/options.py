@@ -13,7 +13,15 @@ from ..units import fmt_bytes, parse_duration, parse_size
 
 __all__ = ["FAULTS", "GROUP_DISABLED", "StressOptions", "parse_args"]
 
-FAULTS: Final = ("kill-readers", "stop-readers", "cancel", "kill-writer", "forge", "fork")
+FAULTS: Final = (
+    "kill-readers",
+    "stop-readers",
+    "cancel",
+    "kill-writer",
+    "forge",
+    "fork",
+    "sweep-restart",
+)
 #: faults that cannot work with ``--group`` (none so far: every fault applies per shard)
 GROUP_DISABLED: Final[frozenset[str]] = frozenset()
 
@@ -50,6 +58,7 @@ class StressOptions:
     writer_kill_every: float = 15.0
     fork_every: float = 8.0
     fork_linger: float = 8.0
+    sweep_restart_every: float = 6.0
     cancel_prob: float = 0.1
     probe_rate: float = 20.0
     seed: int = 0
@@ -187,6 +196,13 @@ def parse_args(argv: list[str]) -> StressOptions:
         help="how long the forked child outlives its killed parent (%(default)s s)",
     )
     p.add_argument(
+        "--sweep-restart-every",
+        type=parse_duration,
+        default=d.sweep_restart_every,
+        help="sweep-restart fault: a burst of writers that crash and restart under one name "
+        "while another process sweeps it; each must keep its segment (%(default)s s)",
+    )
+    p.add_argument(
         "--cancel-prob",
         type=float,
         default=d.cancel_prob,
@@ -268,6 +284,7 @@ def parse_args(argv: list[str]) -> StressOptions:
         writer_kill_every=ns.writer_kill_every,
         fork_every=ns.fork_every,
         fork_linger=ns.fork_linger,
+        sweep_restart_every=ns.sweep_restart_every,
         cancel_prob=ns.cancel_prob,
         probe_rate=ns.probe_rate,
         seed=ns.seed if ns.seed is not None else secrets.randbits(32),
