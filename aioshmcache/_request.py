@@ -399,6 +399,7 @@ class SenderRequest(_Steps):
         if wait is None:
             wait = self._book.default_wait_for_space
         may_defer = wait > 0
+        self._store.check_owner()  # before the lock (a forked child may inherit it held)
         with self._lock:  # the store's writer lock
             if may_defer:
                 self._deadline = time.monotonic() + wait
@@ -447,7 +448,7 @@ class SenderRequest(_Steps):
         """
         store, book, h = self._store, self._book, self._hashes[i]
         it = self._items[i]
-        ref = store.get_cached(h)
+        ref = store._hand_out_key(h)  # get_cached: checked in ``begin``, under its lock
         if ref is not None:
             self._handed.append(ref)
             self._out[i] = (ref, book.prompt_updates.get(h, ()) if it is None else it[1])
@@ -476,7 +477,7 @@ class SenderRequest(_Steps):
                 # a small copy: allocate, copy and publish in one step (microseconds, under
                 # the lock; nothing can see the chunk before it is committed)
                 try:
-                    ref = store.put_locked(h, plan)
+                    ref = store._put_now(h, plan)  # put_locked: checked, under the lock
                 except (CacheFullError, DuplicateKeyError):
                     raise
                 except BaseException:

@@ -378,7 +378,7 @@ class ShmObjectStore(Eviction):
             wait_for_space = self._config.wait_for_space if self._config else 0.0
         with self._lock:
             if plan.nbytes <= INLINE_COPY_UNDER_LOCK and not wait_for_space:
-                return self.put_locked(key, plan)  # small, no wait: one step, the copy is µs
+                return self._put_now(key, plan)  # small, no wait: one step, the copy is µs
             res = self.reserve(key, plan, wait_for_space=wait_for_space)
             if plan.nbytes <= INLINE_COPY_UNDER_LOCK:
                 try:
@@ -408,27 +408,32 @@ class ShmObjectStore(Eviction):
         """
         self._check_writer()  # closed, a reader, or a forked child: the typed error first
         with self._lock:
-            if type(key) is not str and not isinstance(key, str):
-                raise TypeError(f"keys are str, not {type(key).__name__}")
-            if (
-                key in self._index.shards[hash(key) & MASK]  # ``key in self._index``, inline
-                or key in self._pending
-                or key in self._waiting_keys
-            ):
-                raise DuplicateKeyError(f"key {key!r} is already cached")
-            ring = self.ring
-            nbytes = plan.nbytes
-            got = ring.try_allocate(nbytes)
-            if got is None:
-                self._make_room(nbytes, 0.0, {})  # no wait: the lock is never let go
-                got = ring.allocate(nbytes)
-            address, cid = got
-            try:
-                self.serde.write(plan, ring.payload(address))
-            except BaseException:
-                ring.abandon(address)
-                raise
-            return self._publish_put(key, address, cid, nbytes)
+            return self._put_now(key, plan)
+
+    def _put_now(self, key: str, plan: EncodePlan) -> ShmRef:
+        """:meth:`put_locked` for a caller that checked the owner and holds the lock (a
+        sender request, deciding all its items in one locked step)."""
+        if type(key) is not str and not isinstance(key, str):
+            raise TypeError(f"keys are str, not {type(key).__name__}")
+        if (
+            key in self._index.shards[hash(key) & MASK]  # ``key in self._index``, inline
+            or key in self._pending
+            or key in self._waiting_keys
+        ):
+            raise DuplicateKeyError(f"key {key!r} is already cached")
+        ring = self.ring
+        nbytes = plan.nbytes
+        got = ring.try_allocate(nbytes)
+        if got is None:
+            self._make_room(nbytes, 0.0, {})  # no wait: the lock is never let go
+            got = ring.allocate(nbytes)
+        address, cid = got
+        try:
+            self.serde.write(plan, ring.payload(address))
+        except BaseException:
+            ring.abandon(address)
+            raise
+        return self._publish_put(key, address, cid, nbytes)
 
     def reserve(
         self,
@@ -545,16 +550,20 @@ class ShmObjectStore(Eviction):
         """A new hand-out of a cached key, or None if it is not cached."""
         self._check_writer()  # first: a forked child may inherit the lock held
         with self._lock:
-            cid = self._index.shards[hash(key) & MASK].get(key)  # self._index.get, one call shorter
-            if cid is None:
-                return None
-            if self.second_chance:  # a hit: second chance (``self._marked[cid] = None``, inline)
-                marks = self._marked
-                shard = marks.shards[hash(cid) & MASK]
-                if cid not in shard:
-                    shard[cid] = None
-                    marks.n += 1
-            return self._hand_out(cid)
+            return self._hand_out_key(key)
+
+    def _hand_out_key(self, key: str) -> ShmRef | None:
+        """:meth:`get_cached` for a caller that checked the owner and holds the lock."""
+        cid = self._index.shards[hash(key) & MASK].get(key)  # self._index.get, one call shorter
+        if cid is None:
+            return None
+        if self.second_chance:  # a hit: second chance (``self._marked[cid] = None``, inline)
+            marks = self._marked
+            shard = marks.shards[hash(cid) & MASK]
+            if cid not in shard:
+                shard[cid] = None
+                marks.n += 1
+        return self._hand_out(cid)
 
     def _hand_out(self, cid: int) -> ShmRef:
         if self.one_of_n:
