@@ -101,7 +101,8 @@ class Eviction:
         hints: HintTable
         _hw: Any
         _index: ShardedMap[str, int]
-        _rows: ShardedMap[int, tuple[str, int, int, int, int, int]]
+        _rows: ShardedMap[int, bytes]
+        _keys: ShardedMap[int, str]
         _marked: ShardedMap[int, None]
         _by_id: dict[int, Debts]
         _guarded: dict[int, None] | None
@@ -125,6 +126,9 @@ class Eviction:
         def drain(self) -> int: ...
         def is_pending(self, key: str) -> bool: ...
         def _check_writer(self) -> None: ...
+        def _row(self, cid: int) -> tuple[str, int, int, int, int, int] | None: ...
+        def _set_row(self, cid: int, row: tuple[str, int, int, int, int, int]) -> None: ...
+        def _drop_row(self, cid: int) -> str | None: ...
         def _publish_usage(self) -> None: ...
         def _publish_owed(self) -> None: ...
         def _refresh_live(self) -> None: ...
@@ -194,7 +198,7 @@ class Eviction:
 
     def _forget(self, freed: list[int]) -> None:
         """Drop the rows, index entries, marks and debts of freed chunks; count evictions."""
-        index, rows, marked, entries = self._index, self._rows, self._marked, self._by_id
+        index, marked, entries = self._index, self._marked, self._by_id
         hints, on_evict = self.hints, self.on_evict
         evicted = self.evictions
         for cid in freed:
@@ -202,10 +206,9 @@ class Eviction:
                 self.ledger.forget(cid)
             if cid in marked:
                 del marked[cid]
-            row = rows.pop(cid, None)
-            if row is None:
+            key = self._drop_row(cid)
+            if key is None:
                 continue  # a dead allocation: never indexed
-            key = row[0]
             if index.get(key) == cid:
                 del index[key]
                 if hints:
@@ -233,7 +236,7 @@ class Eviction:
             if head is not None and head.debt > 0:
                 self._probe_debtors(head)
             freed = self.ring.free(self._is_free, nbytes)
-            keys = [row[0] for c in freed if (row := self._rows.get(c)) is not None]
+            keys = [k for c in freed if (k := self._keys.get(c)) is not None]
             self._forget(freed)
             self._publish_usage()
             self._publish_owed()
@@ -312,7 +315,7 @@ class Eviction:
                 and self._is_marked(cid)
                 and self._relocation_cost(cid) <= budget[0]
                 and self._is_free(cid)
-                and not self.is_pending(self._rows[cid][0])
+                and not self.is_pending(self._keys[cid])
             )
 
         entries, marked, ledger, guarded = self._by_id, self._marked, self.ledger, self._guarded
@@ -351,12 +354,14 @@ class Eviction:
         """Hit since written or relocated, and still the indexed chunk of its key."""
         if cid not in self._marked:
             return False
-        row = self._rows.get(cid)
-        return row is not None and self._index.get(row[0]) == cid
+        key = self._keys.get(cid)
+        return key is not None and self._index.get(key) == cid
 
     def _relocation_cost(self, cid: int) -> int:
         """What moving chunk ``cid`` takes from a put's budget (see ``RELOCATE_MAX_ITEMS``)."""
-        return max(chunk_size(self._rows[cid][2]), self.relocate_budget // RELOCATE_MAX_ITEMS)
+        row = self._row(cid)
+        length = 0 if row is None else row[2]
+        return max(chunk_size(length), self.relocate_budget // RELOCATE_MAX_ITEMS)
 
     def _rotation_makes_room(self, nbytes: int, budget: int) -> bool:
         """Whether moving marked heads (within ``budget``) and evicting the others reaches room
@@ -381,18 +386,21 @@ class Eviction:
 
     def _relocate(self, cid: int) -> None:
         """Move chunk ``cid`` (the free head) to the tail and point its key at the new chunk."""
-        key, _address, length, _position, _base, _epoch = self._rows[cid]
+        row = self._row(cid)
+        if row is None:  # unreachable: the head of a relocation is an indexed chunk
+            return
+        key, _address, length, _position, _base, _epoch = row
         self.ledger.forget(cid)  # it owes nothing: it was free
         self._marked.pop(cid, None)
         moved = self.ring.relocate_head()
         if moved is None:  # ids exhausted: the chunk is gone, as if evicted
             self._forget([cid])
             return
-        del self._rows[cid]
+        self._drop_row(cid)
         address, new, position = moved
         epoch = int(self._hw[H_EPOCH])
-        base = tag_base(self._secret, epoch, address, new, length, position)
-        self._rows[new] = (key, address, length, position, base, epoch)
+        base = tag_base(self._secret, epoch, address, new, length, position) & ((1 << 64) - 1)
+        self._set_row(new, (key, address, length, position, base, epoch))
         self._index[key] = new
         if self.hints:
             self.hints.publish(key, Hint(epoch, address, new, length, position))

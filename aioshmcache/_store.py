@@ -24,19 +24,22 @@ Eviction (FIFO, second chance, batch eviction, waiting for space) lives in ``_ev
 **Compact writer state.** A full garbage collection walks every tracked object; a Python object
 per cached item costs ~250 ns each (65-90 ms for 250,000 items here, more with the dicts that
 point at them). So the writer keeps no object per item: the index maps key -> chunk id, and
-each chunk's row is a tuple of str and ints (``_rows``), which the collector untracks, as it
-does dicts holding only such values. Only *active* entries (owed, pinned or touched) have a
-``Debts`` object in the ledger, and it is dropped again once settled. The second-chance marks
-are a map of chunk id -> None (a set would be walked member by member), and the ring keeps its
-FIFO in ``array('q')`` columns. The maps with one entry per item (index, rows, marks) are
-``ShardedMap``s of 256 small dicts: growing, or rebuilding after churn, never stalls a put for
-the tens of milliseconds a rebuild of one big dict takes.
+each chunk's row is its key and a bytes object of packed ints (``_rows``, ``_keys``): the
+collector never tracks them, nor the dicts holding only such values. (A tuple of ints would be
+untracked only by a collection, and every insert of a fresh one tracks its dict again: a full
+collection then walked every row, ~6 ms per 30,000 items here.) Only *active* entries (owed,
+pinned or touched) have a ``Debts`` object in the ledger, and it is dropped again once settled.
+The second-chance marks are a map of chunk id -> None (a set would be walked member by member),
+and the ring keeps its FIFO in ``array('q')`` columns. The maps with one entry per item (index,
+rows, keys, marks) are ``ShardedMap``s of 256 small dicts: growing, or rebuilding after churn,
+never stalls a put for the tens of milliseconds a rebuild of one big dict takes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -99,8 +102,14 @@ log = logging.getLogger("aioshmcache")
 INLINE_COPY_UNDER_LOCK: Final = 64 << 10  # put copies this small without letting go the lock
 
 #: A cached item's row, by chunk id: ``(key, address, length, position, tag_base, tag_epoch)``.
-#: A plain tuple of str and ints on purpose (see "Compact writer state" in the module docstring).
+#: Kept as its key (a str) and the five ints packed in a bytes object (``_ROW``): neither is a
+#: container, so the collector never tracks them or the dicts that hold them (see "Compact
+#: writer state" in the module docstring).
 _Row = tuple[str, int, int, int, int, int]
+_ROW: Final = struct.Struct("=5Q")  # a tag base is kept to 64 bits (its tag is the same)
+_U64: Final = (1 << 64) - 1
+_pack_row: Final = _ROW.pack
+_unpack_row: Final = _ROW.unpack
 _new_ref: Final = tuple.__new__  # ShmRef's fields in order, without its Python-level __new__
 _NOBODY: Final[list[int]] = []  # the owers of a one-of-N hand-out (never appended to)
 
@@ -166,7 +175,10 @@ class ShmObjectStore(Eviction):
         self.ledger = HandoutLedger(one_of_n=self.one_of_n, handout_ttl=self.handout_ttl)
         # one entry per cached item: sharded, so that no put rebuilds a big table (``_shards``)
         self._index: ShardedMap[str, int] = ShardedMap()  # key -> chunk id
-        self._rows: ShardedMap[int, _Row] = ShardedMap()  # chunk id -> its row, until freed
+        # chunk id -> its row (``_ROW``-packed bytes: never tracked by the collector, nor is a
+        # dict of them) and its key, until the chunk is freed
+        self._rows: ShardedMap[int, bytes] = ShardedMap()
+        self._keys: ShardedMap[int, str] = ShardedMap()
         # second chance: chunk ids hit since written or moved. A dict of int -> None, not a set:
         # the collector untracks such a dict, while it walks every member of a set (12 ms per
         # full collection with 250,000 marked items)
@@ -340,16 +352,32 @@ class ShmObjectStore(Eviction):
     def key_of(self, cid: int) -> str | None:
         """The key a live chunk was put under (None once freed; it may be invalidated)."""
         with self._lock:
-            row = self._rows.get(cid)
-            return None if row is None else row[0]
+            return self._keys.get(cid)
+
+    def _row(self, cid: int) -> _Row | None:
+        """Chunk ``cid``'s row ``(key, address, length, position, tag_base, tag_epoch)``."""
+        packed = self._rows.get(cid)
+        if packed is None:
+            return None
+        return (self._keys[cid], *_unpack_row(packed))
+
+    def _set_row(self, cid: int, row: _Row) -> None:
+        key, *fields = row
+        self._rows[cid] = _pack_row(*fields)
+        self._keys[cid] = key
+
+    def _drop_row(self, cid: int) -> str | None:
+        """Forget chunk ``cid``'s row; its key (None if it had none: a dead allocation)."""
+        self._rows.pop(cid, None)
+        return self._keys.pop(cid, None)
 
     def _ref(self, cid: int, seq: int = 0) -> ShmRef:
         epoch = self._hw[H_EPOCH]  # a "Q" view: already an int
-        row = self._rows.shards[hash(cid) & MASK][cid]  # self._rows[cid], one call shorter
-        key, address, length, position, base, tag_epoch = row
+        shard = self._rows.shards[hash(cid) & MASK]  # self._rows[cid], one call shorter
+        address, length, position, base, tag_epoch = _unpack_row(shard[cid])
         if tag_epoch != epoch:  # the seq-independent part of the tag, once per epoch
-            base = tag_base(self._secret, epoch, address, cid, length, position)
-            self._rows[cid] = (key, address, length, position, base, epoch)
+            base = tag_base(self._secret, epoch, address, cid, length, position) & _U64
+            shard[cid] = _pack_row(address, length, position, base, epoch)
         return _new_ref(
             ShmRef, (self._nonce, epoch, address, cid, length, finish_tag(base, seq), position, seq)
         )
@@ -514,12 +542,14 @@ class ShmObjectStore(Eviction):
         ring, hw = self.ring, self._hw
         position = ring.commit(address)
         epoch = hw[H_EPOCH]
-        base = tag_base(self._secret, epoch, address, cid, length, position)
+        base = tag_base(self._secret, epoch, address, cid, length, position) & _U64
         # ``self._rows[cid] = ...`` and ``self._index[key] = cid`` inline: both keys are new
         # (a new chunk id; a key checked not cached, not pending, under the lock)
-        rows, index = self._rows, self._index
-        rows.shards[hash(cid) & MASK][cid] = (key, address, length, position, base, epoch)
+        rows, keys, index = self._rows, self._keys, self._index
+        rows.shards[hash(cid) & MASK][cid] = _pack_row(address, length, position, base, epoch)
         rows.n += 1
+        keys.shards[hash(cid) & MASK][cid] = key
+        keys.n += 1
         index.shards[hash(key) & MASK][key] = cid
         index.n = n_items = index.n + 1
         if self._guarded is not None:  # a request's own put (see ``guard``)
@@ -662,7 +692,7 @@ class ShmObjectStore(Eviction):
                 self._secret, ref.epoch, ref.address, ref.id, ref.length, ref.position, ref.seq
             ):
                 return False
-            row = self._rows.get(ref.id)
+            row = self._row(ref.id)
             if row is None or ref.nonce != self._nonce:
                 return False
             if row[1] != ref.address or not self.ledger.release(ref.id, ref.seq):
@@ -819,7 +849,7 @@ class ShmObjectStore(Eviction):
             freed = self.ring.clear()
             for cid in freed:
                 self._by_id.pop(cid, None)
-                self._rows.pop(cid, None)
+                self._drop_row(cid)
             self._index.clear()
             self._marked.clear()
             for s in list(self.ledger.owed):
@@ -897,6 +927,7 @@ class ShmObjectStore(Eviction):
                     self._sem.close()
         self._index.clear()
         self._rows.clear()
+        self._keys.clear()
         self._marked.clear()
         self._by_id.clear()
         self.readers.release()
