@@ -164,5 +164,5 @@ def test_the_suite_runs_beside_a_store_loaded_from_a_file(tmp_path: Path) -> Non
     run_vllm_suite(Params.smoke(), report, Progress(enabled=False), path)
     assert not report.skipped and not report.errors
     assert len(_finite_rows(report, S_VLLM)) == 2 * (4 + 2) + 2  # 2 sizes x 6 rows + churn
-    assert len(_finite_rows(report, S_LIMIT)) == 2 * 7
+    assert len(_finite_rows(report, S_LIMIT)) == 2 * (6 + 2)  # 6 subjects, 2 baselines
     assert not [f for f in os.listdir("/dev/shm") if "vllm" in f and str(os.getpid()) in f]
