@@ -161,7 +161,8 @@ class SenderBook:
         self.store = store
         self.siblings = siblings  # the other shards of the group, if this cache is a shard
         self.default_wait_for_space = default_wait_for_space
-        self.prompt_updates: ShardedMap[str, Sequence[Any]] = ShardedMap()  # one per item
+        # one entry per cached item: as many shards as the store's index
+        self.prompt_updates: ShardedMap[str, Sequence[Any]] = ShardedMap(store.shards)
         self.too_large = TooLargeMemory()
         self.counters = RequestCounters(lock=store.lock)
         self._words = store.ring.segment.words

@@ -65,8 +65,7 @@ from ._layout import (
     chunk_size,
 )
 from ._segment import Segment
-from ._shards import MASK as SHARD_MASK
-from ._shards import ShardedMap
+from ._shards import ShardedMap, shards_for
 from ._types import CacheHandle
 from .errors import (
     CacheFullError,
@@ -113,7 +112,9 @@ class ShmRingBuffer:
         # address // 64 -> number of the chunk there: one entry per chunk, so sharded
         # (``_shards``); by the 64-byte unit, so that consecutive chunks fall in different shards
         # (a shard then holds at most capacity / 16 KiB entries, whatever the chunk sizes)
-        self._num: ShardedMap[int, int] = ShardedMap()
+        self._num: ShardedMap[int, int] = ShardedMap(
+            shards_for(self.capacity // (2 * CHUNK_HEADER))
+        )
         self._tail = 0
         self._next_pos = int(self._hw[H_HEAD_POS])  # position of the next byte allocated
 
@@ -305,7 +306,7 @@ class ShmRingBuffer:
         self._cpos[j] = pos
         self._state[j] = WRITING
         num = self._num  # ``self._num[addr >> 6] = k`` inline: no chunk is at addr yet
-        num.shards[hash(addr >> 6) & SHARD_MASK][addr >> 6] = k
+        num.shards[hash(addr >> 6) & num.mask][addr >> 6] = k
         num.n += 1
         self._end = k + 1
         self._tail = addr + size
@@ -342,7 +343,7 @@ class ShmRingBuffer:
         k = (
             None
             if address & 63
-            else self._num.shards[hash(address >> 6) & SHARD_MASK].get(address >> 6)
+            else (num := self._num).shards[hash(address >> 6) & num.mask].get(address >> 6)
         )
         if k is None or self._state[k & self._mask] != WRITING:
             raise ShmCacheError(f"chunk at {address} is not being written")

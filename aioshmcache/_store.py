@@ -67,6 +67,7 @@ from ._layout import (
     WS_CONSUMED,
     WS_OWED,
     Layout,
+    chunk_size,
     semaphore_name,
 )
 from ._ledger import Debts, HandoutLedger
@@ -75,7 +76,7 @@ from ._reading import ReadPath, check_ref_fields
 from ._ring import ShmRingBuffer
 from ._segment import Segment
 from ._serde import EncodePlan, MsgpackSerde, Serde
-from ._shards import MASK, ShardedMap
+from ._shards import ShardedMap, shards_for
 from ._types import (
     CacheConfig,
     CacheHandle,
@@ -174,15 +175,17 @@ class ShmObjectStore(Eviction):
         self._config = config
         self.ledger = HandoutLedger(one_of_n=self.one_of_n, handout_ttl=self.handout_ttl)
         # one entry per cached item: sharded, so that no put rebuilds a big table (``_shards``)
-        self._index: ShardedMap[str, int] = ShardedMap()  # key -> chunk id
+        # at most one item per smallest chunk: the per-item maps are sized for that many
+        n = shards_for(self.ring.capacity // chunk_size(1))
+        self._index: ShardedMap[str, int] = ShardedMap(n)  # key -> chunk id
         # chunk id -> its row (``_ROW``-packed bytes: never tracked by the collector, nor is a
         # dict of them) and its key, until the chunk is freed
-        self._rows: ShardedMap[int, bytes] = ShardedMap()
-        self._keys: ShardedMap[int, str] = ShardedMap()
+        self._rows: ShardedMap[int, bytes] = ShardedMap(n)
+        self._keys: ShardedMap[int, str] = ShardedMap(n)
         # second chance: chunk ids hit since written or moved. A dict of int -> None, not a set:
         # the collector untracks such a dict, while it walks every member of a set (12 ms per
         # full collection with 250,000 marked items)
-        self._marked: ShardedMap[int, None] = ShardedMap()
+        self._marked: ShardedMap[int, None] = ShardedMap(n)
         self._by_id: dict[int, Debts] = self.ledger.entries  # the same dict: active entries only
         self._pending: dict[str, Reservation] = {}
         self._waiting_keys: set[str] = set()
@@ -307,6 +310,11 @@ class ShmObjectStore(Eviction):
         return self._lock
 
     @property
+    def shards(self) -> int:
+        """How many dicts each per-item map of the writer is split into (``_shards``)."""
+        return len(self._index.shards)
+
+    @property
     def slot(self) -> ReaderSlot | None:
         """This reader's slot (None for the writer)."""
         return self._reading.slot
@@ -373,7 +381,8 @@ class ShmObjectStore(Eviction):
 
     def _ref(self, cid: int, seq: int = 0) -> ShmRef:
         epoch = self._hw[H_EPOCH]  # a "Q" view: already an int
-        shard = self._rows.shards[hash(cid) & MASK]  # self._rows[cid], one call shorter
+        rows = self._rows
+        shard = rows.shards[hash(cid) & rows.mask]  # self._rows[cid], one call shorter
         address, length, position, base, tag_epoch = _unpack_row(shard[cid])
         if tag_epoch != epoch:  # the seq-independent part of the tag, once per epoch
             base = tag_base(self._secret, epoch, address, cid, length, position) & _U64
@@ -444,7 +453,7 @@ class ShmObjectStore(Eviction):
         if type(key) is not str and not isinstance(key, str):
             raise TypeError(f"keys are str, not {type(key).__name__}")
         if (
-            key in self._index.shards[hash(key) & MASK]  # ``key in self._index``, inline
+            key in (i := self._index).shards[hash(key) & i.mask]  # ``key in self._index``
             or key in self._pending
             or key in self._waiting_keys
         ):
@@ -546,11 +555,11 @@ class ShmObjectStore(Eviction):
         # ``self._rows[cid] = ...`` and ``self._index[key] = cid`` inline: both keys are new
         # (a new chunk id; a key checked not cached, not pending, under the lock)
         rows, keys, index = self._rows, self._keys, self._index
-        rows.shards[hash(cid) & MASK][cid] = _pack_row(address, length, position, base, epoch)
+        rows.shards[hash(cid) & rows.mask][cid] = _pack_row(address, length, position, base, epoch)
         rows.n += 1
-        keys.shards[hash(cid) & MASK][cid] = key
+        keys.shards[hash(cid) & keys.mask][cid] = key
         keys.n += 1
-        index.shards[hash(key) & MASK][key] = cid
+        index.shards[hash(key) & index.mask][key] = cid
         index.n = n_items = index.n + 1
         if self._guarded is not None:  # a request's own put (see ``guard``)
             self._guarded[cid] = None
@@ -584,12 +593,13 @@ class ShmObjectStore(Eviction):
 
     def _hand_out_key(self, key: str) -> ShmRef | None:
         """:meth:`get_cached` for a caller that checked the owner and holds the lock."""
-        cid = self._index.shards[hash(key) & MASK].get(key)  # self._index.get, one call shorter
+        index = self._index
+        cid = index.shards[hash(key) & index.mask].get(key)  # self._index.get, one call shorter
         if cid is None:
             return None
         if self.second_chance:  # a hit: second chance (``self._marked[cid] = None``, inline)
             marks = self._marked
-            shard = marks.shards[hash(cid) & MASK]
+            shard = marks.shards[hash(cid) & marks.mask]
             if cid not in shard:
                 shard[cid] = None
                 marks.n += 1

@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from aioshmcache._shards import SHARDS, ShardedMap
+from aioshmcache._shards import SHARD_ENTRIES, SHARDS, ShardedMap, shards_for
 
 
 def test_it_behaves_as_a_dict() -> None:
@@ -51,3 +51,19 @@ def test_entries_spread_over_the_shards_and_stay_untracked() -> None:
     gc.collect()  # the collector untracks tuples of atomic values, then dicts of them
     assert not any(gc.is_tracked(d) for d in strs.shards)
     assert not any(gc.is_tracked(v) for v in ints.values())
+
+
+def test_the_shard_count_is_sized_from_what_the_map_may_hold() -> None:
+    """One dict for a small cache; more (powers of two, at most SHARDS) as the most entries
+    the map may hold grows, so that no shard holds much more than SHARD_ENTRIES."""
+    assert shards_for(0) == shards_for(SHARD_ENTRIES) == 1
+    assert shards_for(SHARD_ENTRIES + 1) == 2
+    assert shards_for(100 * SHARD_ENTRIES) == 128
+    assert shards_for(10**12) == SHARDS
+    for bad in (0, 3, 6):
+        with pytest.raises(ValueError, match="power of two"):
+            ShardedMap(bad)
+    m: ShardedMap[int, int] = ShardedMap(4)
+    for i in range(100):
+        m[i] = i
+    assert len(m.shards) == 4 and all(len(d) == 25 for d in m.shards)
