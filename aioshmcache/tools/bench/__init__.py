@@ -14,6 +14,8 @@ Three suites, each also runnable alone (``--suite``) or through the scripts in `
 * ``trace`` (only when asked for: ``--suite trace``) — miss ratio and bytes written per request
   of FIFO and second-chance eviction on seeded Zipf traces replayed through the real cache,
   against an LRU model of the same capacity;
+* ``fleet`` (only when asked for: ``--suite fleet``) — the Redis tier across 4 simulated hosts:
+  preprocessings per distinct item with and without it, a tier hit's latency, Redis killed;
 * ``vllm`` (only when asked for: ``--suite vllm``) — vLLM's own ``shm_object_storage.py`` side
   by side (from an installed vLLM, or the file named by ``--vllm-file PATH``).
 
@@ -42,7 +44,7 @@ __all__ = ["SUITES", "checkout_results_dir", "main", "results_stem", "run"]
 
 SUITES = ("store", "peers", "async")
 #: suites run only when named with ``--suite``
-EXTRA_SUITES = ("group", "trace", "vllm")
+EXTRA_SUITES = ("group", "trace", "fleet", "vllm")
 
 
 #: a bare ``--results-dir``: the ``bench/results`` folder of the source checkout
@@ -120,6 +122,7 @@ def run(
 ) -> Report:
     """Run the given suites and return the report (files are written by :func:`main`)."""
     from .asyncbench import run_async_suite
+    from .fleet import run_fleet_suite
     from .group import run_group_suite
     from .peers import run_peers_suite
     from .trace import run_trace_suite
@@ -141,6 +144,8 @@ def run(
         run_group_suite(p, report, progress)
     if "trace" in suites:
         run_trace_suite(p, report, progress)
+    if "fleet" in suites:
+        run_fleet_suite(p, report, progress)
     if "vllm" in suites:
         run_vllm_suite(p, report, progress, vllm_file)
     report.finish()

@@ -21,6 +21,7 @@ FAULTS: Final = (
     "forge",
     "fork",
     "sweep-restart",
+    "close-read",
 )
 #: faults that cannot work with ``--group`` (none so far: every fault applies per shard)
 GROUP_DISABLED: Final[frozenset[str]] = frozenset()
@@ -60,6 +61,7 @@ class StressOptions:
     fork_linger: float = 8.0
     sweep_restart_every: float = 6.0
     cancel_prob: float = 0.1
+    close_read_prob: float = 0.02
     probe_rate: float = 20.0
     seed: int = 0
     loop: str = "asyncio"
@@ -209,6 +211,13 @@ def parse_args(argv: list[str]) -> StressOptions:
         help="share of cancelled operations (%(default)s)",
     )
     p.add_argument(
+        "--close-read-prob",
+        type=float,
+        default=d.close_read_prob,
+        help="close-read fault: share of requests during which the reader closes its cache "
+        "(then attaches again) (%(default)s)",
+    )
+    p.add_argument(
         "--probe-rate",
         type=float,
         default=d.probe_rate,
@@ -286,6 +295,7 @@ def parse_args(argv: list[str]) -> StressOptions:
         fork_linger=ns.fork_linger,
         sweep_restart_every=ns.sweep_restart_every,
         cancel_prob=ns.cancel_prob,
+        close_read_prob=ns.close_read_prob,
         probe_rate=ns.probe_rate,
         seed=ns.seed if ns.seed is not None else secrets.randbits(32),
         loop=ns.loop,
@@ -310,6 +320,7 @@ def parse_args(argv: list[str]) -> StressOptions:
         (opts.handout_ttl > 0, "--handout-ttl must be > 0"),
         (opts.op_deadline > 0 and opts.hang_timeout > 0, "deadlines must be > 0"),
         (0 <= opts.cancel_prob <= 1, "--cancel-prob must be in [0, 1]"),
+        (0 <= opts.close_read_prob <= 1, "--close-read-prob must be in [0, 1]"),
         (opts.wait_for_space >= 0 and opts.evict_after >= 0, "negative seconds"),
     ]
     for ok, msg in checks:
