@@ -779,3 +779,29 @@ def test_one_item_put_waits_for_space_as_the_config_says(make_config: Any) -> No
             reads.join()
         assert isinstance(ref, ShmRef)  # waited, then cached: not served inline
         assert tx.snapshot().inline_full == 0
+
+
+def test_a_request_that_goes_on_unlocked_keeps_its_early_items(make_config: Any) -> None:
+    """A request decides its items in one locked step, where its own puts are guarded without a
+    pin each (issue 20); when it goes on outside the lock (a copy job), the guard becomes pins:
+    another request's puts meanwhile cannot evict the items it already put."""
+    sender = SenderCache(make_config(256 << 10, 100 << 10, 1))  # no reader: only pins protect
+    try:
+        req = sender.request(
+            [(item(1, 8 << 10), ()), (item(2, 60 << 10), ())],
+            ["A", "B"],
+            copy_inline_below=32 << 10,
+        )
+        req.begin()  # A put at once (small), B reserved: a copy job
+        assert req.has_jobs and sender.is_cached_item("A")
+        for i, h in enumerate("CDEF"):  # fill the ring behind A and B: eviction reaches A
+            sender.get_and_update_item((item(10 + i, 60 << 10), ()), h)
+        assert sender.is_cached_item("A")  # pinned by the request: never evicted
+        assert sender.snapshot().inline_full >= 1  # the ring was full: someone was refused
+        req.run_jobs()
+        [(a, _), (b, _)] = req.finish()
+        assert isinstance(a, ShmRef) and isinstance(b, ShmRef)
+        sender.get_and_update_item((item(20, 60 << 10), ()), "G")  # unpinned now: A may go
+        assert not sender.is_cached_item("A")
+    finally:
+        sender.close()
