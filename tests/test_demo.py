@@ -280,6 +280,26 @@ def test_engine_worker_sigkilled_mid_run_is_replaced_and_no_answer_is_wrong(
 
 @pytest.mark.e2e
 @pytest.mark.slow
+def test_a_sigkilled_gateway_is_cleaned_up_by_stop(tmp_path: Path) -> None:
+    """The writer dies without cleaning up: ``stop`` ends its engine worker, removes the orphan."""
+    name = f"{RUN_PREFIX}demo-{uuid.uuid4().hex[:8]}"
+    gw = GatewayProcess(["--cache-mb", "16"], name=name)
+    gw.start(timeout=120.0)
+    try:
+        engines = _engine_pids(gw.pid)
+        assert engines and gw.segments() == [f"aioshm-{name}"]
+        os.kill(gw.pid, signal.SIGKILL)
+        assert wait_until(lambda: _gone(gw.pid), timeout=30)
+        assert _shm_files(name), "a SIGKILLed writer cannot unlink its segment"
+    finally:
+        rc = gw.stop()
+    assert rc == -signal.SIGKILL
+    assert all(wait_until(lambda p=p: _gone(p), timeout=30) for p in engines)
+    assert _shm_files(name) == []
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_example_client_sends_the_hash_first_then_the_pixels(
     gateway: GatewayProcess, tmp_path: Path
 ) -> None:

@@ -196,9 +196,13 @@ class GatewayProcess:
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)  # its processes share its session
-                proc.wait(5.0)
+                pass
+        # whatever of its session is left (all of it after a timeout; an engine worker whose
+        # gateway was killed): its own session, started for it, so nothing else is hit
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.wait(5.0)
         if proc.stdout is not None:
             proc.stdout.close()
         if self._drain is not None:
