@@ -138,6 +138,7 @@ def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # --- short runs -------------------------------------------------------------------------------
+@pytest.mark.stress
 def test_quick_run_without_faults(tmp_path: pathlib.Path) -> None:
     """5 s, both delivery modes (a mid-run writer rotation), no faults: clean and drained."""
     rc, out, data = run_stress(tmp_path, "--duration", "5s", "--readers", "2", limit=600)
@@ -151,6 +152,7 @@ def test_quick_run_without_faults(tmp_path: pathlib.Path) -> None:
     assert data["violation_count"] == 0
 
 
+@pytest.mark.stress
 def test_harness_catches_wrong_data_and_leaks(tmp_path: pathlib.Path) -> None:
     """Self-test: a writer that lies about digests and a reader that drops requests must fail.
 
@@ -209,6 +211,7 @@ def test_stress_all_faults(tmp_path: pathlib.Path) -> None:
     assert all(f["n_not_freeable"] == 0 for f in data["finals"])
 
 
+@pytest.mark.stress
 def test_stress_group_with_faults(tmp_path: pathlib.Path) -> None:
     """``--group 3``: three writer processes, one shard each; readers attach to the group.
 
