@@ -15,6 +15,8 @@ import signal
 import time
 from typing import Any
 
+import pytest
+
 from aioshmcache import (
     CacheConfig,
     RoleError,
