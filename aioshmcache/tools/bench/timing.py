@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -27,10 +28,12 @@ __all__ = [
     "memcpy_into",
     "percentile",
     "source_array",
+    "timed",
     "timed_calls",
 ]
 
 Array = npt.NDArray[np.uint8]
+R = TypeVar("R")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -135,6 +138,14 @@ def memcpy_into(dst: Array, src: Array, n: int, out: list[float]) -> None:
         t0 = clock()
         copyto(dst, src)
         out.append((clock() - t0) * 1e-9)
+
+
+def timed(run: list[float], fn: Callable[..., R], *args: Any) -> R:
+    """Call ``fn(*args)`` once, append its time in seconds to ``run``, return its result."""
+    t0 = time.perf_counter_ns()
+    out = fn(*args)
+    run.append((time.perf_counter_ns() - t0) * 1e-9)
+    return out
 
 
 def timed_calls(fn: Callable[[], object], n: int, out: list[float]) -> None:
