@@ -14,7 +14,7 @@ import mmap
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -24,6 +24,7 @@ import numpy.typing as npt
 __all__ = [
     "ShmBuffer",
     "Stat",
+    "atimed",
     "Samples",
     "memcpy_into",
     "percentile",
@@ -144,6 +145,14 @@ def timed(run: list[float], fn: Callable[..., R], *args: Any) -> R:
     """Call ``fn(*args)`` once, append its time in seconds to ``run``, return its result."""
     t0 = time.perf_counter_ns()
     out = fn(*args)
+    run.append((time.perf_counter_ns() - t0) * 1e-9)
+    return out
+
+
+async def atimed(run: list[float], aw: Awaitable[R]) -> R:
+    """Await ``aw``, append the time it took in seconds to ``run``, return its result."""
+    t0 = time.perf_counter_ns()
+    out = await aw
     run.append((time.perf_counter_ns() - t0) * 1e-9)
     return out
 
