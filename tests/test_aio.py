@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import os
 import threading
 import time
@@ -41,18 +40,6 @@ async def _until(pred: Callable[[], bool], timeout: float = 60.0) -> None:
     with anyio.fail_after(timeout):
         while not pred():  # noqa: ASYNC110 - library state that signals nothing: polled
             await anyio.sleep(0.001)
-
-
-def test_twins_stay_in_step() -> None:
-    """Every public method of a sync cache exists on its async twin (close -> aclose)."""
-    for sync, aio in ((SenderCache, AsyncSenderCache), (ReceiverCache, AsyncReceiverCache)):
-        names = {n for n, _ in inspect.getmembers(sync, callable) if not n.startswith("_")}
-        names -= {"close", "request", "features_request"}  # the steps API, for drivers
-        missing = {n for n in names if not hasattr(aio, n)}
-        assert not missing, f"{aio.__name__} lacks {sorted(missing)}"
-        assert hasattr(aio, "aclose")
-        for n in ("get_and_update_features", "get_and_update_item", "touch", "clear"):
-            assert inspect.iscoroutinefunction(getattr(aio, n)), n
 
 
 def test_constructors_do_no_loop_bound_work(make_config: Any) -> None:
