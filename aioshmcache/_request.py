@@ -36,7 +36,7 @@ from typing import Any, Final, cast
 from ._group import Found, Siblings
 from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
 from ._readers import ReaderSlot
-from ._store import Reservation, ShmObjectStore
+from ._store import INLINE_COPY_UNDER_LOCK, Reservation, ShmObjectStore
 from ._types import REF_FIELDS, FeatureSpec, ShmRef
 from .errors import (
     CacheFullError,
@@ -211,7 +211,8 @@ class SenderBook:
 
         The same decision as a one-item ``SenderRequest`` with the default ``wait_for_space``
         and copy threshold, when it is one of: a hit, a put of a new hash that fits now (after
-        eviction, without waiting) and copies under ``DEFAULT_INLINE_THRESHOLD`` bytes, or an
+        eviction, without waiting) and is small enough to copy holding the writer lock
+        (``INLINE_COPY_UNDER_LOCK``, the one threshold ``ShmObjectStore.put`` uses too), or an
         item found too large (served inline, remembered). Anything else returns ``None`` before
         any side effect that matters (at most a failed allocation's eviction, which the request
         repeats), and the caller runs the request: an item or hash of another type, a hash being
@@ -238,8 +239,8 @@ class SenderBook:
             except ObjectTooLargeError as exc:
                 self.found_too_large(mm_hash, exc.nbytes)
                 return mm_item  # inline, as the request serves it
-            if plan.nbytes >= DEFAULT_INLINE_THRESHOLD:
-                return None
+            if plan.nbytes > INLINE_COPY_UNDER_LOCK:
+                return None  # a bigger copy runs outside the lock: the request does that
             try:
                 ref = store.put_locked(mm_hash, plan)
             except CacheFullError:
@@ -388,9 +389,10 @@ class SenderRequest(_Steps):
         self._out: list[MmItem | None] = [None] * len(items)
         self._pins: list[Any] = []  # the store's entries this request pinned
         # What only misses and groups need is made on first use (a hit needs none of it):
-        self._copies: list[tuple[int, Reservation]] = _NONE  # copy jobs
-        self._waits: list[int] = _NONE  # misses waiting for room
-        self._reserved: list[Reservation] = _NONE  # every allocation, for the roll back
+        # None until the first one (most requests have none: no list made for nothing)
+        self._copies: list[tuple[int, Reservation]] | None = None  # copy jobs
+        self._waits: list[int] | None = None  # misses waiting for room
+        self._reserved: list[Reservation] | None = None  # every allocation, for the roll back
         self._handed: list[ShmRef] = []  # every hand-out this request took, for the roll back
         self._features: list[FeatureSpec] | None = None
         self._putting: set[str] = _NO_SET  # hashes this request reserved
@@ -435,7 +437,7 @@ class SenderRequest(_Steps):
                     self._write(res)  # microseconds: under the lock
                     self._commit_locked(i, res, pin=not single)
                 else:
-                    if self._copies is _NONE:
+                    if self._copies is None:
                         self._copies = []
                     self._copies.append((i, res))
 
@@ -493,7 +495,7 @@ class SenderRequest(_Steps):
 
     def _reserving(self, res: Reservation) -> None:
         """Remember an allocation of this request (for the roll back and its followers)."""
-        if self._reserved is _NONE:
+        if self._reserved is None:
             self._reserved, self._putting = [], set()
         self._reserved.append(res)
         self._putting.add(res.key)
@@ -505,7 +507,7 @@ class SenderRequest(_Steps):
         self._followers.setdefault(h, []).append(i)
 
     def _wait_for_room(self, i: int) -> None:
-        if self._waits is _NONE:
+        if self._waits is None:
             self._waits = []
         self._waits.append(i)
 
@@ -584,13 +586,13 @@ class SenderRequest(_Steps):
 
     def _run_jobs(self) -> None:
         store = self._store
-        for i, res in self._copies:
+        for i, res in self._copies or ():
             if self._abandoned:
                 return  # the roll back aborts what is left
             self._write(res)  # outside the lock: copies into distinct chunks overlap
             with store.lock:
                 self._commit_locked(i, res)
-        for i in self._waits:
+        for i in self._waits or ():
             if self._abandoned:
                 return
             with store.lock:  # the store lets go of the lock while it sleeps
@@ -656,12 +658,11 @@ class SenderRequest(_Steps):
         for ref in self._handed:  # only what this request handed out, never a caller's data
             with contextlib.suppress(ClosedCacheError):  # closed: nothing is owed any more
                 store.release(ref)
-        for res in self._reserved:
+        for res in self._reserved or ():
             store.abort(res)  # idempotent: a committed reservation is left alone
         self._unpin_locked()
 
 
-_NONE: Final[list[Any]] = []  # shared "nothing yet" list: replaced, never appended to
 _NO_SET: Final[set[str]] = cast("set[str]", frozenset())  # likewise (immutable: safe)
 
 

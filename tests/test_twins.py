@@ -165,3 +165,20 @@ def test_serde_for_a_wrapped_cache_is_refused(make_config: Any) -> None:
             AsyncSenderCache(sender, serde=MsgpackSerde())
         with pytest.raises(ValueError, match="serde"):
             AsyncReceiverCache(rx, serde=MsgpackSerde())
+
+
+def test_one_threshold_for_a_copy_under_the_writer_lock(make_config: Any) -> None:
+    """The one-item fast path copies holding the writer lock exactly what ``put`` would.
+
+    Review: the fast path held the lock for copies up to 1 MiB, the store's ``put`` for copies
+    up to 64 KiB; a bigger copy belongs outside the lock (other puts and hits go on meanwhile).
+    """
+    from aioshmcache._store import INLINE_COPY_UNDER_LOCK
+
+    with SenderCache(make_config(4 << 20, 2 << 20, 1)) as tx:
+        book = tx._book
+        small = ({"x": np.zeros(INLINE_COPY_UNDER_LOCK // 2, np.uint8)}, ())
+        bigger = ({"x": np.zeros(INLINE_COPY_UNDER_LOCK * 2, np.uint8)}, ())
+        assert book.one_item(small, "small") is not None  # one step under the lock
+        assert book.one_item(bigger, "bigger") is None  # the request copies it outside the lock
+        assert not tx.is_cached_item("bigger")
