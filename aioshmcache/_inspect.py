@@ -1,7 +1,10 @@
 """``python -m aioshmcache inspect NAME``: a segment's state, read from outside its writer.
 
 Attaches read-only in spirit: maps the segment without claiming a reader slot, reads the header
-words the writer publishes, and probes each slot's kernel lock for liveness.
+words the writer publishes, and probes each slot's kernel lock for liveness. A reader's
+"behind" count needs no help from the writer: it is the debt the writer last published less the
+acknowledgements the reader wrote since (``_readers.reader_slots_info``), so an idle gateway,
+which drains nothing, shows its readers' true lag.
 """
 
 from __future__ import annotations

@@ -203,15 +203,22 @@ class ReaderSlot:
             return len(self._overflow)
 
     def close(self) -> None:
-        """Free the slot: clear the session, then drop the kernel lock."""
+        """Free the slot: mark every acknowledgement as the start, clear the session, unlock.
+
+        ``RS_START = RS_HEAD`` first: the writer starts reading a slot whose session changed at
+        its ``RS_START``, so a free slot then has nothing to read, however many acknowledgements
+        the closed session wrote (more than the log holds is no inconsistency).
+        """
         with self._ack_lock:
             if self.closed:
                 return
             self.closed = True
         seg = self.table.segment
         if not seg.closed and not seg.forked:
-            if self._words[RS_SESSION] == self.session:
-                self._words[RS_SESSION] = 0
+            w = self._words
+            if w[RS_SESSION] == self.session:
+                w[RS_START] = w[RS_HEAD]
+                w[RS_SESSION] = 0
             ofd_unlock(seg.fd, 1 + self.slot)
         self._words.release()
         self._log.release()
@@ -230,8 +237,14 @@ class SlotState:
 def reader_slots_info(table: ReaderTable, *, probe: bool) -> list[ReaderSlotInfo]:
     """Every reader slot as seen from outside: session, pid, liveness, acknowledgements, lag.
 
-    ``lag`` is the number of hand-outs the slot's reader owes, as the writer last published it
-    (``WS_OWED``), whether or not the reader ever acknowledged anything.
+    ``lag`` is the number of hand-outs the slot's reader owes, from shared memory alone: the
+    debt the writer last published (``WS_OWED``, kept current at every hand-out) less the
+    acknowledgements the reader wrote since the writer last read its log (``RS_HEAD -
+    WS_CONSUMED``). So an idle writer, which drains nothing, is still shown right from outside
+    (``inspect``); right after a drain the second term is 0. A difference outside the log's size
+    is a slot the writer has not synced yet (a session just changed): nothing is subtracted.
+    Until the next drain an acknowledgement of a hand-out the reader did not owe (one made
+    before it attached) makes the count one low, never negative.
     """
     out = []
     for slot in range(table.n_slots):
@@ -239,6 +252,10 @@ def reader_slots_info(table: ReaderTable, *, probe: bool) -> list[ReaderSlotInfo
         if not session:
             out.append(ReaderSlotInfo(slot, False, False, 0, 0, 0, False))
             continue
+        owed = table.word(slot, WS_OWED)
+        unread = table.word(slot, RS_HEAD) - table.word(slot, WS_CONSUMED)
+        if 0 < unread <= table.log_entries:
+            owed = max(0, owed - unread)
         out.append(
             ReaderSlotInfo(
                 slot=slot,
@@ -246,7 +263,7 @@ def reader_slots_info(table: ReaderTable, *, probe: bool) -> list[ReaderSlotInfo
                 alive=probe and table.probe(slot),
                 pid=table.word(slot, RS_PID),
                 acknowledged=table.word(slot, RS_HEAD) - table.word(slot, RS_START),
-                lag=table.word(slot, WS_OWED),
+                lag=owed,
                 revoked=table.word(slot, WS_REVOKED) == session,
             )
         )

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterator
+from typing import Final
 
 import numpy as np
 
@@ -59,7 +60,6 @@ from ._layout import (
     H_NEXT_ID,
     H_RING_OFF,
     LAYOUT_VERSION,
-    MAX_CHUNK_ID,
     WRITING,
     Layout,
     chunk_size,
@@ -75,7 +75,11 @@ from .errors import (
     StaleReferenceError,
 )
 
-__all__ = ["CHUNK_HEADER", "ShmRingBuffer"]
+__all__ = ["CHUNK_HEADER", "MAX_RING_ID", "ShmRingBuffer"]
+
+#: the largest chunk id: the writer's FIFO columns are signed 64-bit (``array("q")``), so ids
+#: stop at 2**63 - 1 (a ring numbering 10**9 chunks a second takes 292 years to get there)
+MAX_RING_ID: Final = (1 << 63) - 1
 
 
 class ShmRingBuffer:
@@ -113,7 +117,13 @@ class ShmRingBuffer:
     def create(
         cls, capacity_bytes: int, *, name: str | None = None, first_id: int = 1
     ) -> ShmRingBuffer:
-        """A ring in a new segment of its own (the store builds its ring on a shared segment)."""
+        """A ring in a new segment of its own (the store builds its ring on a shared segment).
+
+        ``first_id`` is the first chunk id, 1 to :data:`MAX_RING_ID`: checked before anything is
+        created, so that an id the ring cannot number never reaches an allocation.
+        """
+        if type(first_id) is not int or not 1 <= first_id <= MAX_RING_ID:
+            raise ValueError(f"first_id must be an int from 1 to 2**63 - 1, not {first_id!r}")
         layout = Layout(capacity_bytes, 1, 64)
         seg = Segment.create(
             name,
@@ -122,9 +132,6 @@ class ShmRingBuffer:
             delivery="broadcast",
             handout_ttl=30.0,
         )
-        if first_id < 1 or first_id > MAX_CHUNK_ID:
-            seg.close()
-            raise ValueError("first_id must be a positive 64-bit id")
         seg.words[H_NEXT_ID] = first_id
         return cls(seg, writer=True)
 
@@ -271,8 +278,8 @@ class ShmRingBuffer:
                 return None
         hw = self._hw
         cid = hw[H_NEXT_ID]
-        if cid > MAX_CHUNK_ID:
-            raise ShmCacheError("64-bit chunk ids exhausted")
+        if cid > MAX_RING_ID:  # before any store: an exhausted ring is left as it was
+            raise ShmCacheError("chunk ids exhausted (the last id is 2**63 - 1)")
         hw[H_NEXT_ID] = cid + 1
         w, i = self._w, addr >> 3
         w[i + C_STATE] = WRITING

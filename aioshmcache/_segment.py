@@ -10,6 +10,17 @@ verifies magic, layout version, owner uid and, when a handle is given, the nonce
 
 Liveness is proven with OFD byte-range locks (``F_OFD_SETLK``), which the kernel releases when the
 holder dies, SIGKILL included: byte 0 is the writer's, byte ``1 + i`` reader slot ``i``'s.
+
+**Removing a dead writer's file** (``sweep``, a restart that reclaims its name) races with the
+others that do the same and with restarts that put a new file under the name. The rule: only
+the very file judged dead is ever unlinked. A remover opens the file, takes its *remover lock*
+(byte :data:`REMOVER_BYTE`, far past every other lock), judges it (nobody holds the writer's
+byte 0), then, still holding the remover lock, checks that the name still leads to that file
+(device and inode) and unlinks it. Another remover of the same file cannot get in between (it
+waits for the remover lock, or finds the file gone), and nobody else unlinks a dead writer's
+file, so the name cannot be given to a new file between the check and the unlink. The remover
+lock is not byte 0: a writer's liveness is probed on byte 0, and a remover must never look
+like a live writer (a restart would then refuse the name).
 """
 
 from __future__ import annotations
@@ -78,12 +89,14 @@ from .errors import (
 )
 
 __all__ = [
+    "REMOVER_BYTE",
     "Segment",
     "WriterState",
     "list_segments",
     "ofd_lock",
     "ofd_probe",
     "ofd_unlock",
+    "remove_orphan",
     "writer_state",
 ]
 
@@ -134,6 +147,11 @@ _SPACE_ERRNOS: Final = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.ENOMEM)
 #: a segment without its magic yet may be in the microseconds between ``open`` and the writer's
 #: lock: only one older than this is an orphan of a creation that died
 CREATION_GRACE: Final = 10.0
+#: the lock byte held by whoever removes a dead writer's file (see the module docstring)
+REMOVER_BYTE: Final = 1 << 62
+#: how long a restart waits for another process that is removing the dead file under its name
+#: (a removal holds its lock for microseconds; this only bounds a stalled one)
+REMOVAL_WAIT: Final = 5.0
 
 
 def _typed(exc: OSError, full: str, path: str, doing: str) -> ShmCacheError:
@@ -195,12 +213,19 @@ class WriterState(NamedTuple):
 
 
 def _state_of(fd: int) -> WriterState:
+    """The state of the segment file open as ``fd``.
+
+    The header is read *before* the writer's lock is probed: a writer takes its lock before it
+    writes the magic, so a magic seen first and a lock found free next mean a dead writer. The
+    other order would take a writer that locked and wrote its header between the two reads for
+    a dead one (and ``sweep`` would remove a segment just born).
+    """
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
         return WriterState(True, False, False, False, 0, None, False)
-    alive = ofd_probe(fd, 0)
     words = H_PAST + PAST_NONCES
     head = os.pread(fd, 8 * words, 0)
+    alive = ofd_probe(fd, 0)
     init = False
     pid, nonce = 0, None
     past: tuple[int, ...] = ()
@@ -228,15 +253,60 @@ def writer_state(path: str) -> WriterState:
         os.close(fd)
 
 
-def _reclaim(full: str, path: str, *, allowed: bool) -> tuple[int, ...]:
+def _same_file(path: str, fd: int) -> bool:
+    """Whether ``path`` (never followed) names the very file open as ``fd``."""
+    try:
+        named = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
+def remove_orphan(path: str, *, dry_run: bool = False) -> bool:
+    """Unlink the segment file at ``path`` if it is an orphan, and only that very file.
+
+    True when it was removed (``dry_run``: when it would be). False when it is not an orphan
+    (a live writer, another user's file, a creation still in its grace time), is gone, or is
+    being removed by another process right now (which holds its remover lock).
+    """
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError:
+        return False  # gone, or not a file of ours to open: never an orphan of ours
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return False  # not a segment of ours: not even locked
+        if not ofd_lock(fd, REMOVER_BYTE):
+            return False  # another sweep or a restart is removing this file now
+        if not _state_of(fd).orphan:
+            return False
+        if dry_run:
+            return True
+        if not _same_file(path, fd):
+            return False  # replaced since we opened it: the new file was not judged
+        try:
+            os.unlink(path)  # still holding the remover lock: the name still leads to this file
+        except FileNotFoundError:
+            return False  # removed by hand meanwhile
+        return True
+    finally:
+        os.close(fd)  # drops the remover lock
+
+
+def _reclaim(full: str, path: str, *, allowed: bool) -> tuple[int, ...] | None:
     """Remove the segment at ``path`` if its writer is provably dead, or say why not.
 
     Provably dead: a regular file of this user, with our magic and layout version, whose writer
-    lock nobody holds. We take that lock ourselves before unlinking, so two writers restarting
-    at once cannot both reclaim (the second sees a held lock). The wake semaphore goes too.
+    lock nobody holds. It is removed as :func:`remove_orphan` removes (under its remover lock,
+    only if the name still leads to it), so two writers restarting at once, or a restart and a
+    ``sweep``, never remove each other's new file. The wake semaphore goes too.
     Returns the removed segment's lineage (its nonce, then its own past ones), which the new
     segment records, so that a late reference of a dead instance is known as such
-    (``WriterGoneError``) by a reader that never saw that instance (a group's reader).
+    (``WriterGoneError``) by a reader that never saw that instance (a group's reader); ``()``
+    when the file went meanwhile; None when another process is removing it right now (try
+    again).
     """
     try:
         fd = os.open(path, _OPEN_FLAGS)
@@ -247,6 +317,8 @@ def _reclaim(full: str, path: str, *, allowed: bool) -> tuple[int, ...]:
             errno.EEXIST, f"{path} exists and is not a segment of ours ({exc.strerror})", path
         ) from None
     try:
+        if not ofd_lock(fd, REMOVER_BYTE):
+            return None  # a sweep or another restart is removing it: wait for it
         st = _state_of(fd)
         if not st.ours:
             raise SegmentExistsError(
@@ -271,13 +343,9 @@ def _reclaim(full: str, path: str, *, allowed: bool) -> tuple[int, ...]:
                 "remove it with sweep(name=...) or create with reclaim_dead=True",
                 path,
             )
-        if not ofd_lock(fd, 0):
-            raise SegmentExistsError(
-                errno.EEXIST, f"segment {full!r} was just taken by another writer", path
-            )
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
-                os.unlink(path)
+        if not _same_file(path, fd):
+            return ()  # removed (and maybe replaced) meanwhile: try to create again
+        os.unlink(path)  # under the remover lock: still the file judged
         if st.nonce is not None:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(SHM_DIR, semaphore_file(full, st.nonce)))
@@ -328,12 +396,25 @@ class Segment:
         path = os.path.join(SHM_DIR, full)
         flags = os.O_CREAT | os.O_EXCL | _OPEN_FLAGS
         past: tuple[int, ...] = ()
+        deadline = time.monotonic() + REMOVAL_WAIT
         try:
-            try:
-                fd = os.open(path, flags, 0o600)
-            except FileExistsError:
-                past = _reclaim(full, path, allowed=reclaim_dead)
-                fd = os.open(path, flags, 0o600)
+            while True:
+                try:
+                    fd = os.open(path, flags, 0o600)
+                    break
+                except FileExistsError:
+                    if time.monotonic() > deadline:
+                        raise SegmentExistsError(
+                            errno.EEXIST,
+                            f"segment {full!r} is still being removed by another process "
+                            f"after {REMOVAL_WAIT:g} s",
+                            path,
+                        ) from None
+                    got = _reclaim(full, path, allowed=reclaim_dead)  # or raises why not
+                    if got is None:
+                        time.sleep(0.001)  # another process is removing it: microseconds
+                    elif got:
+                        past = got
         except OSError as exc:
             if isinstance(exc, ShmCacheError):
                 raise
@@ -530,9 +611,16 @@ class Segment:
             self._fd = -1
 
     def unlink(self) -> None:
-        """Remove the name from /dev/shm (mappings stay valid)."""
+        """Remove the name from /dev/shm if it still names this segment (mappings stay valid).
+
+        A name that leads to another file (this one was removed by hand, and the name reused)
+        is left to its owner.
+        """
+        path = os.path.join(SHM_DIR, self.name)
+        if self._fd >= 0 and not _same_file(path, self._fd):
+            return
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, self.name))
+            os.unlink(path)
 
 
 def _prefault(mm: mmap.mmap, *, write: bool) -> None:

@@ -342,10 +342,15 @@ class ShmObjectStore:
     def _check_open(self) -> None:
         self._reading.check_open()
 
-    def _check_writer(self) -> None:
+    def check_owner(self) -> None:
+        """``RoleError`` unless this is the writer, in the process that created it (not a
+        forked child); ``ClosedCacheError`` once closed. Every writer method checks it first,
+        before it touches shared memory or takes :attr:`lock`."""
         if self._reading.closed or self._seg.forked or not self.is_writer:  # one call when fine
             self._check_open()
             raise RoleError("this is a reader: only the writer puts, hands out and evicts")
+
+    _check_writer = check_owner  # the name the store's own methods use
 
     # --- writer: look-ups ------------------------------------------------------------------
     def is_cached(self, key: str) -> bool:
@@ -360,11 +365,13 @@ class ShmObjectStore:
 
     def keys(self) -> list[str]:
         """Cached keys in FIFO (eviction) order, oldest first."""
+        self._check_writer()
         order = {c: i for i, c in enumerate(self.ring.chunk_ids())}
         return sorted(self._index, key=lambda k: order.get(self._index[k], -1))
 
     def ref_of(self, key: str) -> ShmRef | None:
         """The reference of a cached key, without a hand-out (for inspection and tests)."""
+        self._check_writer()
         cid = self._index.get(key)
         return None if cid is None else self._ref(cid)
 
@@ -593,6 +600,7 @@ class ShmObjectStore:
     def pin(self, key: str) -> bool:
         """Request-scoped pin (counted) of the entry cached under ``key``; pair with
         :meth:`unpin`. False if ``key`` is not cached."""
+        self._check_writer()
         cid = self._index.get(key)
         if cid is None:
             return False
@@ -601,6 +609,8 @@ class ShmObjectStore:
 
     def unpin(self, key: str) -> None:
         """Undo one :meth:`pin` of the entry cached under ``key`` now."""
+        if self._seg.forked:  # not when closed: a request's cleanup may run after a close
+            self._check_writer()
         cid = self._index.get(key)
         if cid is not None and (e := self.ledger.get(cid)) is not None:
             self.ledger.unpin(e)
@@ -610,6 +620,7 @@ class ShmObjectStore:
 
         Returns the entry's debts (``id`` is its chunk id), which hold the pin.
         """
+        self._check_writer()
         cid = self._index.get(key)
         if cid is None:
             return None
@@ -711,6 +722,7 @@ class ShmObjectStore:
 
     def drain(self) -> int:
         """Apply every acknowledgement written since the last drain; returns how many."""
+        self._check_writer()
         t = self.readers
         n_total = 0
         self._undrained = 0
@@ -799,6 +811,7 @@ class ShmObjectStore:
         Drains the acknowledgement logs first and probes the readers still owing it, so a dead
         reader's debts do not count.
         """
+        self._check_writer()
         self.drain()
         cid = self._index.get(key)
         if cid is None:
@@ -1064,8 +1077,11 @@ class ShmObjectStore:
 
     def reader_info(self) -> list[ReaderSlotInfo]:
         """Every reader slot: attached, alive (kernel lock), pid, acknowledgements, debt."""
-        if self.is_writer and not self._closed:
+        if self.is_writer:
+            self._check_writer()  # a forked child must not publish the parent's words
             self._publish_owed()
+        else:
+            self._check_open()
         return reader_slots_info(self.readers, probe=True)
 
     # --- reading (the read path) ------------------------------------------------------------

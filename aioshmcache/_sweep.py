@@ -7,6 +7,10 @@ user. Wake-up semaphores (``sem.aioshm-...``) whose segment is gone are removed 
 The semaphores are listed *before* the segments are judged: a writer that starts while ``sweep``
 runs creates its semaphore after its segment, so its semaphore is not in that list and cannot be
 taken for an orphan's.
+
+A segment is judged and unlinked by ``_segment.remove_orphan``: under the file's remover lock,
+and only if the name still leads to the very file judged dead. So a writer that restarts under
+the name meanwhile (reclaiming the dead file, creating its own) never loses its new segment.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import contextlib
 import os
 
 from ._layout import SHM_DIR, parse_semaphore_file, segment_name
-from ._segment import list_segments, writer_state
+from ._segment import list_segments, remove_orphan, writer_state
 
 __all__ = ["sweep"]
 
@@ -55,14 +59,9 @@ def sweep(
 
     sems = [s for s in _semaphore_files() if mine(s[1])]
     candidates = [only] if only is not None else [s for s in list_segments() if mine(s)]
-    removed: list[str] = []
-    for seg in candidates:
-        path = os.path.join(SHM_DIR, seg)
-        if writer_state(path).orphan:
-            if not dry_run:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-            removed.append(seg)
+    removed = [
+        seg for seg in candidates if remove_orphan(os.path.join(SHM_DIR, seg), dry_run=dry_run)
+    ]
     present = set(list_segments()) - (set(removed) if dry_run else set())
     live_nonces: dict[str, int | None] = {}
     for fname, seg, low in sems:

@@ -222,6 +222,7 @@ class SenderCache(_Cache):
         In a group shard, also true when a live sibling shard holds the item (its chunk checked,
         not copied): a request passing ``None`` for it then copies it into this shard.
         """
+        self.store.check_owner()
         if self.store.is_cached(check_hash(mm_hash)):
             return True
         return self._siblings is not None and self._siblings.find(mm_hash) is not None
@@ -253,6 +254,7 @@ class SenderCache(_Cache):
         For drivers such as the asyncio facade, which choose where ``run_jobs`` runs; the
         methods below run all the steps inline.
         """
+        self.store.check_owner()
         return SenderRequest(
             self.store,
             self._book,
@@ -270,6 +272,7 @@ class SenderCache(_Cache):
         copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
     ) -> SenderRequest:
         """``request`` over ``FeatureSpec``s; end it with ``finish_features``."""
+        self.store.check_owner()
         return SenderRequest.for_features(
             self.store,
             self._book,
@@ -286,6 +289,7 @@ class SenderCache(_Cache):
         ``mm_item`` is ``(item, prompt_updates)`` or ``None`` (the caller believes it is cached:
         ``CacheMissError`` if not).
         """
+        self.store.check_owner()  # before the lock, which a forked child may inherit held
         if wait_for_space is None:  # the usual case without a request (same decision)
             out = self._book.one_item(mm_item, mm_hash)
             if out is not None:
@@ -325,6 +329,7 @@ class SenderCache(_Cache):
 
     def touch_sender_cache_item(self, mm_hash: str) -> bool:
         """Protect a cached item from eviction until its next hand-out."""
+        self.store.check_owner()
         with self.store.lock:
             return self.store.touch(check_hash(mm_hash))
 
@@ -337,11 +342,13 @@ class SenderCache(_Cache):
 
     def release(self, ref: ShmRef) -> bool:
         """Undo a hand-out whose request failed before reaching the readers."""
+        self.store.check_owner()
         with self.store.lock:
             return self.store.release(ref)
 
     def invalidate(self, mm_hash: str) -> bool:
         """Forget an item (after a receiver's ``CacheMissError``); the next request re-puts it."""
+        self.store.check_owner()
         with self.store.lock:
             self._prompt_updates.pop(mm_hash, None)
             self._too_large.discard(mm_hash)
@@ -349,6 +356,7 @@ class SenderCache(_Cache):
 
     def clear_cache(self) -> None:
         """Drop everything; a new epoch makes every older reference stale."""
+        self.store.check_owner()
         with self.store.lock:
             self.store.clear()
             self._prompt_updates.clear()
@@ -363,6 +371,7 @@ class SenderCache(_Cache):
 
     def remove_dangling_items(self) -> int:
         """Free every freeable chunk at the head and drop side-table rows of evicted items."""
+        self.store.check_owner()
         with self.store.lock:
             self.store.evict(0)
             dangling = [k for k in self._prompt_updates if not self.store.is_cached(k)]
@@ -372,16 +381,19 @@ class SenderCache(_Cache):
 
     def cached_order(self) -> list[str]:
         """Cached hashes oldest first (the FIFO eviction order)."""
+        self.store.check_owner()
         with self.store.lock:
             return self.store.keys()
 
     def is_freeable(self, mm_hash: str) -> bool:
         """Whether the item's chunk could be evicted now (debts of dead readers dropped)."""
+        self.store.check_owner()
         with self.store.lock:
             return self.store.is_freeable(mm_hash)
 
     def snapshot(self) -> CacheSnapshot:
         """What an operator watches: counters, usage and every reader slot."""
+        self.store.check_owner()
         with self.store.lock:
             self.store.drain()
             st, c = self.store, self._counters

@@ -107,3 +107,13 @@ def async_receiver(handle: Any, conn: Any) -> None:
                 conn.send([checksum(f.data["data"]) == crc for f, (_h, _d, crc) in zip(out, msg)])
 
     asyncio.run(run())
+
+
+def sweeper_loop(name: str, stop: Any, passes: Any) -> None:
+    """Sweep one name over and over until ``stop`` is set; count the passes in ``passes``."""
+    from aioshmcache import sweep
+
+    while not stop.is_set():
+        sweep(name=name)
+        with passes.get_lock():
+            passes.value += 1

@@ -49,6 +49,36 @@ def test_inspect_shows_the_state_from_outside(make_config: Any) -> None:
     assert missing.returncode == 1 and "no segment" in missing.stderr
 
 
+def _reader_rows(text: str) -> list[list[str]]:
+    return [ln.split() for ln in text.splitlines() if re.match(r"\s+\d+\s+(yes|no)\s", ln)]
+
+
+def test_inspect_counts_what_a_reader_is_behind_without_the_writer_s_help(
+    make_config: Any,
+) -> None:
+    """Issue 19 item 10: an idle writer never drains, yet ``inspect`` shows the true lag.
+
+    The count comes from shared memory: the debt the writer last published, less the
+    acknowledgements the reader wrote since the writer last read its log.
+    """
+    cache = SenderCache(make_config(1 << 20, 1 << 18, 1))
+    with cache, ReceiverCache.attach(cache.handle()) as rx:
+        refs = [
+            cache.get_and_update_item(({"i": np.full(10, i)}, ()), f"h{i}")[0] for i in range(20)
+        ]
+        refs += [cache.get_and_update_item(None, f"h{i}")[0] for i in range(5)]  # hits
+        for i, ref in enumerate(refs[:22]):
+            rx.get_and_update_item(ref, f"h{i % 20}")
+        out = run_cli("inspect", cache.name)  # the writer did nothing since its hand-outs
+        assert out.returncode == 0, out.stderr
+        row = _reader_rows(out.stdout)[0]
+        assert row[:3] == ["0", "yes", "yes"] and row[4:6] == ["22", "3"], out.stdout
+        for i, ref in enumerate(refs[22:], start=22):
+            rx.get_and_update_item(ref, f"h{i % 20}")
+        assert _reader_rows(run_cli("inspect", cache.name).stdout)[0][4:6] == ["25", "0"]
+        assert cache.snapshot().readers[0].lag == 0  # the writer's own view agrees
+
+
 def test_sweep_cli_removes_only_orphans(make_config: Any, shm_name: str) -> None:
     a, b = SPAWN.Pipe()
     writer = SPAWN.Process(

@@ -9,17 +9,23 @@ it to attach again).
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
 from aioshmcache import (
     CacheConfig,
+    FeatureSpec,
+    ReceiverCache,
     RoleError,
+    SenderCache,
     ShmObjectStore,
     ShmRef,
     WriterGoneError,
@@ -179,3 +185,104 @@ def test_fork_hook_closes_only_the_lock_descriptor(make_config: Any) -> None:
             os.close(r)
             os.waitpid(pid, 0)
         assert store._seg.fd == fd and not store._seg.forked
+
+
+def _writer_calls(tx: SenderCache, ref: ShmRef) -> dict[str, Callable[[], object]]:
+    """Every writer method of the cache and of its store, as calls a forked child might make."""
+    st = tx.store
+    feat = FeatureSpec("h0", None)
+    return {
+        "is_cached_item": lambda: tx.is_cached_item("h0"),
+        "is_cached": lambda: tx.is_cached(["h0"]),
+        "request": lambda: tx.request([None], ["h0"]),
+        "features_request": lambda: tx.features_request([feat]),
+        "get_and_update_item hit": lambda: tx.get_and_update_item(None, "h0"),
+        "get_and_update_item put": lambda: tx.get_and_update_item(({"x": 1}, ()), "new"),
+        "get_and_update": lambda: tx.get_and_update([None], ["h0"]),
+        "get_and_update_features": lambda: tx.get_and_update_features([feat]),
+        "touch_sender_cache_item": lambda: tx.touch_sender_cache_item("h0"),
+        "release": lambda: tx.release(ref),
+        "invalidate": lambda: tx.invalidate("h0"),
+        "clear_cache": tx.clear_cache,
+        "remove_dangling_items": tx.remove_dangling_items,
+        "cached_order": tx.cached_order,
+        "is_freeable": lambda: tx.is_freeable("h0"),
+        "snapshot": tx.snapshot,
+        "store.drain": st.drain,
+        "store.is_freeable": lambda: st.is_freeable("h0"),
+        "store.keys": st.keys,
+        "store.ref_of": lambda: st.ref_of("h0"),
+        "store.reader_info": st.reader_info,
+        "store.evict": st.evict,
+        "store.pin": lambda: st.pin("h0"),
+        "store.pin_entry": lambda: st.pin_entry("h0"),
+        "store.unpin": lambda: st.unpin("h0"),
+        "store.get_cached": lambda: st.get_cached("h0"),
+        "store.touch": lambda: st.touch("h0"),
+        "store.put": lambda: st.put("new", {"x": 1}),
+        "store.release": lambda: st.release(ref),
+        "store.invalidate": lambda: st.invalidate("h0"),
+        "store.clear": st.clear,
+    }
+
+
+def _child_uses_the_parent_s_writer(tx: SenderCache, ref: ShmRef, conn: Any) -> None:
+    """Forked child: report, per writer method, the error it raised (or that it raised none)."""
+    out = {}
+    for name, call in _writer_calls(tx, ref).items():
+        try:
+            call()
+            out[name] = "no error"
+        except RoleError as exc:
+            out[name] = "RoleError" if "attach again" in str(exc) else f"RoleError: {exc}"
+        except Exception as exc:  # report anything else to the test
+            out[name] = f"{type(exc).__name__}: {exc}"
+    conn.send(out)
+    conn.close()
+
+
+def test_a_forked_child_cannot_touch_its_parent_s_writer(
+    make_config: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 19 item 2: every writer method raises ``RoleError`` in a forked child before it
+    touches anything, so the parent's accounting is undisturbed.
+
+    Before the fix the child's ``snapshot()`` drained the reader's log (writing the writer's
+    words in shared memory) and ``is_freeable`` / ``cached_order`` ran: the parent then called the
+    log inconsistent, dropped real acknowledgements, and served the following puts inline.
+    """
+    caplog.set_level(logging.WARNING, logger="aioshmcache")
+    n = 31  # hand-outs: fewer than half the log, so the parent drains none of them
+    cfg = make_config(64 * 1024, 8 * 1024, 1, ack_log_entries=64)
+    with SenderCache(cfg) as tx, ReceiverCache.attach(tx.handle()) as rx:
+        blob = np.zeros(256, np.uint8)
+        refs = [tx.get_and_update_item(({"a": blob + i}, ()), f"h{i}")[0] for i in range(n - 1)]
+        spare = tx.get_and_update_item(None, "h0")[0]
+        assert tx.release(spare)  # the parent can; the child must not
+        for i, ref in enumerate(refs):
+            rx.get_and_update_item(ref, f"h{i}")
+        a, b = FORK.Pipe()
+        child = FORK.Process(target=_child_uses_the_parent_s_writer, args=(tx, spare, b))
+        child.start()
+        try:
+            assert a.poll(60), "the forked child did not report"
+            got = a.recv()
+            child.join(60)
+            assert child.exitcode == 0
+        finally:
+            kill_and_reap(child)
+        assert {k: v for k, v in got.items() if v != "RoleError"} == {}
+        for _ in range(2):  # read everything twice more: had the child drained the log, these
+            for i, ref in enumerate(refs):  # acknowledgements would overwrite unread ones
+                rx.get_and_update_item(ref, f"h{i}")
+        # the parent's accounting is undisturbed: every acknowledgement counts
+        assert tx.snapshot().readers[0].lag == 0
+        assert all(tx.is_freeable(f"h{i}") for i in range(n - 1))
+        assert tx.cached_order() == [f"h{i}" for i in range(n - 1)]
+        big = np.zeros(4000, np.uint8)  # 40 puts of 4 KB need the ring's room many times over
+        for i in range(40):
+            ref = tx.get_and_update_item(({"a": big + i}, ()), f"k{i}")[0]
+            assert isinstance(ref, ShmRef), f"put {i} was served inline"
+            assert int(rx.get_and_update_item(ref, f"k{i}")["a"][0]) == i
+        assert tx.snapshot().readers[0].lag == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -388,3 +389,24 @@ def test_full_ack_log_never_blocks_nor_loses(make_config: Any) -> None:
             rx.get_and_update_features([])
             assert rx.store.slot.flush() == 0
             assert all(tx.is_freeable(f"k{i}") for i in range(100))
+
+
+def test_closing_a_reader_that_acknowledged_more_than_its_log_holds_logs_nothing(
+    make_config: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 19 item 6: a normal close is not an "inconsistent log" (a false WARNING)."""
+    caplog.set_level(logging.WARNING, logger="aioshmcache")
+    with SenderCache(make_config(4 << 20, 1 << 20, 1, ack_log_entries=64)) as tx:
+        rx = ReceiverCache.attach(tx.handle())
+        for i in range(3 * 64):  # three times the log: the writer drains as it hands out
+            ref = tx.get_and_update_item(({"i": i}, ()), f"k{i}")[0]
+            assert rx.get_and_update_item(ref, f"k{i}") == {"i": i}
+        assert rx.store.slot is not None and rx.store.slot.acknowledged == 3 * 64
+        rx.close()
+        snap = tx.snapshot()  # the writer drains and notices the closed slot
+        assert not snap.readers[0].attached
+        with ReceiverCache.attach(tx.handle()) as rx2:  # the slot is reused cleanly
+            ref = tx.get_and_update_item(None, "k0")[0]
+            assert rx2.get_and_update_item(ref, "k0") == {"i": 0}
+            assert tx.snapshot().readers[0].lag == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []

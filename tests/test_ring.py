@@ -23,6 +23,7 @@ from aioshmcache import (
     ReceiverCache,
     RoleError,
     SenderCache,
+    ShmCacheError,
     ShmRingBuffer,
     StaleReferenceError,
 )
@@ -336,5 +337,32 @@ def test_fifo_columns_grow_and_wrap_in_order() -> None:
         assert [c for c, _s, _w in ring.iter_chunks()] == ring.chunk_ids()
         assert all(ring.position(a) == p for a, _c, p in live)
         assert ring.n_chunks == len(live) > 1000
+    finally:
+        ring.close()
+
+
+@pytest.mark.parametrize("first_id", [0, 1 << 63, (1 << 64) - 2, 1 << 64])
+def test_a_first_id_past_the_id_range_is_refused_at_creation(first_id: int) -> None:
+    """Issue 19 item 7: an id the ring cannot number is a ``ValueError`` at creation, never an
+    ``OverflowError`` at the first allocation (which left the ring half-updated)."""
+    with pytest.raises(ValueError, match="first_id"):
+        ShmRingBuffer.create(CAP, first_id=first_id)
+
+
+def test_the_last_id_is_usable_and_exhaustion_changes_nothing() -> None:
+    last = (1 << 63) - 1  # the largest id the writer's signed 64-bit columns hold
+    ring = ShmRingBuffer.create(CAP, first_id=last)
+    try:
+        addr, cid = ring.allocate(100)
+        assert cid == last
+        ring.commit(addr)
+        before = (ring.next_id, ring.n_chunks, ring.used_bytes, ring.chunk_ids())
+        with pytest.raises(ShmCacheError, match="exhausted"):
+            ring.allocate(100)
+        with pytest.raises(ShmCacheError, match="exhausted"):
+            ring.try_allocate(100)
+        assert (ring.next_id, ring.n_chunks, ring.used_bytes, ring.chunk_ids()) == before
+        assert len(ring.access(addr, cid, 100)) == 100  # the ring still works for what it holds
+        assert ring.free(lambda _c: True) == [cid]
     finally:
         ring.close()

@@ -290,3 +290,19 @@ def test_semaphore_names_are_built_and_parsed_in_one_place() -> None:
     for junk in ("sem.aioshm-x.wake", "sem.other-x.12345678.wake", "sem.aioshm-x.1234567G.wake"):
         assert parse_semaphore_file(junk) is None
     assert parse_semaphore_file("sem.aioshm-x.12345678.wake\n") is None
+
+
+def test_closing_a_writer_whose_file_was_replaced_leaves_the_new_file(shm_name: str) -> None:
+    """A writer unlinks its name on close only while the name still leads to its own file."""
+    layout = Layout(4096, 1, 64)
+    kw: dict[str, Any] = {"max_object_bytes": 1024, "delivery": "broadcast", "handout_ttl": 30.0}
+    old = Segment.create(shm_name, layout, **kw)
+    os.unlink(os.path.join(SHM, old.name))  # removed by hand...
+    new = Segment.create(shm_name, layout, **kw)  # ...and the name taken again
+    try:
+        old.close()
+        assert os.path.exists(os.path.join(SHM, new.name))
+        Segment.attach(shm_name, nonce=new.nonce).close()  # still the new one, attachable
+    finally:
+        new.close()
+    assert not os.path.exists(os.path.join(SHM, new.name))

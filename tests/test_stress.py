@@ -31,6 +31,7 @@ from aioshmcache.tools.stress import (
     parse_size,
     verify_item,
 )
+from aioshmcache.tools.stress.options import parse_args
 from aioshmcache.tools.stress.protocol import SABOTAGE_GRACE, SABOTAGE_MIN_SEEN
 
 
@@ -134,7 +135,32 @@ def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--faults", "meteor"]) == 2
     assert "unknown fault 'meteor'" in capsys.readouterr().err
     assert main(["--capacity", "1MiB", "--max-object", "2MiB"]) == 2
-    assert set(FAULTS) == {"kill-readers", "stop-readers", "cancel", "kill-writer", "forge", "fork"}
+    assert set(FAULTS) == {
+        "kill-readers",
+        "stop-readers",
+        "cancel",
+        "kill-writer",
+        "forge",
+        "fork",
+        "sweep-restart",
+    }
+    assert parse_args(["--faults", "all"]).faults == frozenset(FAULTS)
+
+
+def test_sweep_restart_burst_keeps_every_restarted_writer_s_segment(shm_name: str) -> None:
+    """The ``sweep-restart`` fault's burst on its own: 30 writers crash and restart under one
+    name while a process sweeps it; each keeps its segment, each restart reclaims, nothing is
+    left. (Before ``sweep`` removed only the very file it judged, about 1 in 75 lost it.)"""
+    done = subprocess.run(
+        [sys.executable, "-m", "aioshmcache.tools.stress.restarts", shm_name, "30"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    res = json.loads(done.stdout.strip().splitlines()[-1])
+    assert res == {"rounds": 30, "lost": 0, "failed": 0, "left": [], "errors": []}
 
 
 # --- short runs -------------------------------------------------------------------------------
@@ -150,6 +176,28 @@ def test_quick_run_without_faults(tmp_path: pathlib.Path) -> None:
     assert [f["why"] for f in data["finals"]] == ["rotation", "end of run"]
     assert all(f["n_not_freeable"] == 0 and f["after_items"] == 0 for f in data["finals"])
     assert data["violation_count"] == 0
+
+
+@pytest.mark.stress
+def test_short_run_with_sweeps_during_restarts(tmp_path: pathlib.Path) -> None:
+    """``--faults sweep-restart`` alone, a short run: bursts of restarts under a swept name, 0
+    violations (a restarted writer that lost its segment, or could not reclaim, is one)."""
+    rc, out, data = run_stress(
+        tmp_path,
+        "--duration",
+        "5s",
+        "--readers",
+        "2",
+        "--faults",
+        "sweep-restart",
+        "--sweep-restart-every",
+        "1s",
+        limit=600,
+    )
+    assert rc == 0, "\n".join(data.get("violations", ["(no report)"])) + "\n\n" + out[-6000:]
+    assert data["violation_count"] == 0
+    assert data["stats"].get("sweep_restarts", 0) > 0
+    assert "writers restarted while swept" in out
 
 
 @pytest.mark.stress
@@ -205,6 +253,8 @@ def test_stress_all_faults(tmp_path: pathlib.Path) -> None:
     # the fork fault: a reader forked then SIGKILLed is dead to the writer while its child lives
     assert st.get("fork_kills_reader", 0) > 0
     assert st.get("fork_slots_dropped", 0) > 0
+    if duration >= 15:  # the first burst comes 3-9 s in
+        assert st.get("sweep_restarts", 0) > 0  # restarted while swept, each kept its segment
     if duration >= 30:
         assert st.get("writer_kills", 0) > 0
         assert st.get("fork_kills_writer", 0) > 0  # and readers saw WriterGoneError in time

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import pytest
 
 from aioshmcache import CacheConfig, SenderCache, ShmObjectStore
 from aioshmcache import _sweep as sweep_module
-from aioshmcache._segment import writer_state
+from aioshmcache._layout import Layout
+from aioshmcache._segment import Segment, remove_orphan, writer_state
 from aioshmcache._sweep import sweep
 
+from . import _procs
+from .helpers import SPAWN, kill_and_reap, wait_until
 from .test_segment import _killed_writer
 
 SHM = "/dev/shm"
@@ -61,15 +65,15 @@ def test_sweep_never_takes_the_semaphore_of_a_writer_starting_meanwhile(
 ) -> None:
     """The semaphores are listed before any writer is judged: a late writer's is not listed."""
     late: list[ShmObjectStore] = []
-    real = writer_state
+    real = remove_orphan
 
-    def start_a_writer_meanwhile(path: str) -> Any:
+    def start_a_writer_meanwhile(path: str, *, dry_run: bool = False) -> bool:
         if not late:
             late.append(ShmObjectStore.create(CacheConfig(1 << 16, 1 << 12, 1, name=shm_name)))
-        return real(path)
+        return real(path, dry_run=dry_run)
 
     _killed_writer(f"{shm_name}-dead")  # something for sweep to judge
-    monkeypatch.setattr(sweep_module, "writer_state", start_a_writer_meanwhile)
+    monkeypatch.setattr(sweep_module, "remove_orphan", start_a_writer_meanwhile)
     try:
         removed = sweep(dry_run=True)  # the whole listing, but others' orphans stay untouched
         assert f"aioshm-{shm_name}-dead" in removed
@@ -117,3 +121,209 @@ def test_sweep_with_a_prefix_touches_only_names_that_start_with_it(shm_name: str
             sweep(prefix="bad/prefix")
     finally:
         sweep(name=f"{shm_name}x-b")
+
+
+def _new_segment(name: str) -> Segment:
+    """A writer's segment under ``name``, reclaiming a dead writer's (as a restart does)."""
+    layout = Layout(4096, 1, 64)
+    return Segment.create(
+        name,
+        layout,
+        max_object_bytes=1024,
+        delivery="broadcast",
+        handout_ttl=30.0,
+        prefault=False,
+        reclaim_dead=True,
+    )
+
+
+def _crash(seg: Segment) -> None:
+    """Make ``seg``'s writer dead as a SIGKILL would: its lock goes, its file stays."""
+    os.close(seg._fd)
+    seg._fd = -1
+    seg.closed = True
+    seg.words.release()
+    seg.buf.release()
+    seg._mmap.close()
+
+
+def _owns_its_file(seg: Segment) -> bool:
+    """The name in /dev/shm is still this writer's very file (same device and inode)."""
+    try:
+        st = os.stat(os.path.join(SHM, seg.name))
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(seg._fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def test_a_restart_between_sweep_s_judgement_and_its_unlink_keeps_its_segment(
+    shm_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 19 item 1: sweep removes only the very file it judged dead.
+
+    A dead writer's segment is judged an orphan by ``sweep``; right then (in the sweep's unlink
+    call) a new writer restarts under the same name, reclaiming it. Before the fix the restart
+    replaced the file and the sweep then unlinked the *new, live* segment. Now the restart waits
+    for the sweep (which holds the remover lock of the file it judged) or finds the file gone,
+    and the sweep unlinks only what it judged.
+    """
+    _crash(_new_segment(shm_name))
+    path = os.path.join(SHM, f"aioshm-{shm_name}")
+    sweeper = threading.get_ident()
+    restarted: list[Segment] = []
+    failures: list[BaseException] = []
+    real_unlink = os.unlink
+
+    def restart() -> None:
+        try:
+            restarted.append(_new_segment(shm_name))
+        except BaseException as exc:  # reported to the test
+            failures.append(exc)
+
+    def unlink_after_a_restart(p: Any, *args: Any, **kw: Any) -> None:
+        if threading.get_ident() == sweeper and p == path and not restarted and not failures:
+            t = threading.Thread(target=restart)
+            t.start()
+            # Without the fix the restart is done in milliseconds; with it, it waits for this
+            # sweep to finish (far below its own deadline), so the wait here is only a bound.
+            t.join(0.5)
+            threads.append(t)
+        real_unlink(p, *args, **kw)
+
+    threads: list[threading.Thread] = []
+    monkeypatch.setattr(os, "unlink", unlink_after_a_restart)
+    try:
+        removed = sweep(name=shm_name)
+        for t in threads:
+            t.join(30)
+        monkeypatch.undo()
+        assert threads and not failures, failures
+        assert f"aioshm-{shm_name}" in removed  # the dead one went...
+        assert _owns_its_file(restarted[0])  # ...and the restarted writer keeps its own
+        assert sweep(name=shm_name) == []
+        assert _owns_its_file(restarted[0])
+    finally:
+        monkeypatch.undo()
+        for seg in restarted:
+            seg.close()
+        sweep(name=shm_name)
+
+
+@pytest.mark.slow
+def test_restarts_racing_a_sweeping_process_never_lose_their_segment(shm_name: str) -> None:
+    """Issue 19 item 1, the natural race: a writer crashes and restarts under one name over and
+    over while another process sweeps that name in a loop. Every restarted writer keeps its
+    own file: the name always names the very file it created, across sweeps."""
+    stop = SPAWN.Event()
+    passes = SPAWN.Value("q", 0)
+    sweeper = SPAWN.Process(target=_procs.sweeper_loop, args=(shm_name, stop, passes))
+    sweeper.start()
+    lost: list[int] = []
+    seg: Segment | None = None
+    try:
+        assert wait_until(lambda: passes.value > 0, timeout=60)
+        for i in range(2000):  # before the fix: ~2% of the restarts lost their segment
+            seg = _new_segment(shm_name)
+            seen = passes.value
+            # give the sweeper a full pass (it may have judged the dead file just before)
+            assert wait_until(lambda s=seen: passes.value > s + 1, timeout=60, interval=0.0005)
+            if not _owns_its_file(seg):
+                lost.append(i)
+            _crash(seg)
+            seg = None
+    finally:
+        stop.set()
+        sweeper.join(30)
+        if sweeper.is_alive():
+            kill_and_reap(sweeper)
+        if seg is not None:
+            seg.close()
+        sweep(name=shm_name)
+    assert sweeper.exitcode == 0
+    assert lost == []
+
+
+def test_a_restart_waits_for_a_removal_in_progress_within_a_bound(
+    shm_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart meeting a dead file that another process is removing (its remover lock held)
+    waits for it, a bounded time: then a typed ``SegmentExistsError`` naming why."""
+    from aioshmcache import SegmentExistsError
+    from aioshmcache import _segment as segment_module
+    from aioshmcache._segment import REMOVER_BYTE, ofd_lock
+
+    _crash(_new_segment(shm_name))
+    path = os.path.join(SHM, f"aioshm-{shm_name}")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert ofd_lock(fd, REMOVER_BYTE)  # a remover that stalls
+        assert not writer_state(path).alive  # a remover never looks like a live writer
+        assert sweep(name=shm_name) == []  # another sweep leaves the file to it
+        monkeypatch.setattr(segment_module, "REMOVAL_WAIT", 0.2)
+        with pytest.raises(SegmentExistsError, match="being removed by another process"):
+            _new_segment(shm_name)
+        assert os.path.exists(path)
+    finally:
+        os.close(fd)
+    seg = _new_segment(shm_name)  # the remover gone, the restart reclaims at once
+    try:
+        assert _owns_its_file(seg)
+    finally:
+        seg.close()
+
+
+def test_sweep_never_takes_a_writer_that_locks_and_initialises_while_judged(
+    shm_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer creating its segment (file made, lock not yet taken) finishes its creation
+    exactly while ``sweep`` judges the file: between the probe of its lock and the read of its
+    header. Judged in that order, it looked dead *and* initialised, and sweep removed a segment
+    just born; the header is read first now. (Found by the natural race test, ~1 in 10,000.)"""
+    from aioshmcache import _segment as segment_module
+
+    created = threading.Event()  # the writer made its file (O_EXCL), before taking its lock
+    finish = threading.Event()  # let it take the lock and write its header
+    real_open_lock_fd = segment_module._open_lock_fd
+    real_probe = segment_module.ofd_probe
+    writer_thread = 0  # set once the writer's thread runs
+    born: list[Segment] = []
+    failures: list[BaseException] = []
+
+    def paused_open_lock_fd(fd: int) -> int:
+        created.set()
+        assert finish.wait(30)
+        return real_open_lock_fd(fd)
+
+    def probe_while_the_writer_finishes(fd: int, byte: int) -> bool:
+        alive = real_probe(fd, byte)
+        if byte == 0 and threading.get_ident() != writer_thread and not finish.is_set():
+            finish.set()
+            t.join(30)  # the writer has locked and written its magic
+        return alive
+
+    def create() -> None:
+        try:
+            born.append(_new_segment(shm_name))
+        except BaseException as exc:  # reported to the test
+            failures.append(exc)
+
+    monkeypatch.setattr(segment_module, "_open_lock_fd", paused_open_lock_fd)
+    monkeypatch.setattr(segment_module, "ofd_probe", probe_while_the_writer_finishes)
+    t = threading.Thread(target=create)
+    t.start()
+    writer_thread = t.ident or 0
+    try:
+        assert created.wait(30)
+        assert sweep(name=shm_name) == []
+        t.join(30)
+        assert finish.is_set() and not failures and born, failures
+        monkeypatch.undo()
+        assert _owns_its_file(born[0])
+    finally:
+        finish.set()
+        t.join(30)
+        monkeypatch.undo()
+        for seg in born:
+            seg.close()
+        sweep(name=shm_name)

@@ -5,6 +5,10 @@ With ``fork``, the writer or a reader (in turn) first forks a child that outlive
 ``WriterGoneError`` within the usual bound, ``sweep`` removes the orphan, the dead reader's slot
 and its debts are dropped while the forked child lives).
 
+With ``sweep-restart``, a helper process (``restarts``) runs a burst of writers that crash and
+restart under one name of the run while another process sweeps that name: every restarted
+writer must keep its segment, every restart must reclaim, nothing may be left.
+
 Each fault is a loop that acts every ``--*-every`` seconds on average. Faults pause (and the
 parent waits until none is acting) around quiescence and planned writer rotations.
 """
@@ -13,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -24,6 +30,9 @@ if TYPE_CHECKING:
     from .orchestrator import Child, Orchestrator
 
 __all__ = ["Faults"]
+
+#: crash-and-restart rounds per ``sweep-restart`` burst (about 15 ms each here)
+SWEEP_RESTART_ROUNDS = 40
 
 
 class Faults:
@@ -47,6 +56,7 @@ class Faults:
             "stop-readers": self.stop_readers_loop,
             "kill-writer": self.kill_writer_loop,
             "fork": self.fork_loop,
+            "sweep-restart": self.sweep_restart_loop,
         }
         return [asyncio.ensure_future(loop()) for f, loop in loops.items() if f in self.opts.faults]
 
@@ -171,3 +181,53 @@ class Faults:
                 if self.paused:
                     continue
                 await self.orch.kill_writer()
+
+    async def sweep_restart_loop(self) -> None:
+        name = f"{self.orch.prefix}sr"
+        while await self.sleep(self.opts.sweep_restart_every):
+            async with self.acting():
+                if self.paused:
+                    continue
+                await self.sweep_restart(name)
+
+    async def sweep_restart(self, name: str) -> None:
+        """One burst of crash-and-restart rounds under ``name`` against a sweeping process."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "aioshmcache.tools.stress.restarts",
+            name,
+            str(SWEEP_RESTART_ROUNDS),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out = err = b""
+        with anyio.move_on_after(self.opts.hang_timeout + 60) as scope:
+            out, err = await proc.communicate()
+        if scope.cancelled_caught:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            self.orch.violation("sweep-restart", "the restart-and-sweep burst did not finish")
+            return
+        try:
+            res = json.loads(out.decode(errors="replace").strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            tail = err.decode(errors="replace")[-600:]
+            self.orch.violation("sweep-restart", f"no result (exit {proc.returncode}): {tail}")
+            return
+        self.orch.tally.stats["sweep_restarts"] += res["rounds"]
+        if res["lost"]:
+            self.orch.violation(
+                "sweep-restart",
+                f"{res['lost']} of {res['rounds']} writers restarted under {name} lost their "
+                "segment to a concurrent sweep",
+            )
+        if res["failed"]:
+            self.orch.violation(
+                "sweep-restart",
+                f"{res['failed']} restarts under {name} could not reclaim a dead writer's "
+                f"name: {res['errors']}",
+            )
+        if res["left"]:
+            self.orch.violation("sweep-restart", f"left after the final sweep: {res['left']}")

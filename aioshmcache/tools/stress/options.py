@@ -19,7 +19,15 @@ from ..units import fmt_bytes, parse_duration, parse_size
 
 __all__ = ["FAULTS", "GROUP_DISABLED", "StressOptions", "parse_args"]
 
-FAULTS: Final = ("kill-readers", "stop-readers", "cancel", "kill-writer", "forge", "fork")
+FAULTS: Final = (
+    "kill-readers",
+    "stop-readers",
+    "cancel",
+    "kill-writer",
+    "forge",
+    "fork",
+    "sweep-restart",
+)
 #: faults that cannot work with ``--group`` (none so far: every fault applies per shard)
 GROUP_DISABLED: Final[frozenset[str]] = frozenset()
 
@@ -85,6 +93,12 @@ class StressOptions:
     )
     fork_linger: float = _opt(
         8.0, "how long the forked child outlives its killed parent", parse_duration
+    )
+    sweep_restart_every: float = _opt(
+        6.0,
+        "sweep-restart fault: a burst of writers that crash and restart under one name while "
+        "another process sweeps it; each must keep its segment",
+        parse_duration,
     )
     cancel_prob: float = _opt(0.1, "share of cancelled operations")
     probe_rate: float = _opt(20.0, "forged/stale probes per second")

@@ -166,6 +166,8 @@ def summary(
             f"{st['fork_kills_writer']:,} / {st['fork_kills_reader']:,} "
             f"(dead slots dropped {st['fork_slots_dropped']:,})",
         )
+    if "sweep-restart" in o.faults:
+        row("faults: writers restarted while swept (kept)", st["sweep_restarts"])
     if o.group:
         row("group: dead shards reclaimed by the replacement", st["shards_reclaimed"])
     gens = ", ".join(f"{k[12:]} {v}" for k, v in sorted(st.items()) if k.startswith("writer_gens_"))
