@@ -33,6 +33,12 @@ Why this shape:
 * **Readers of a group** (``ReceiverCache.attach_group``) claim a reader slot on every live
   shard and route each reference by its nonce to the shard that issued it (``_group_reader``).
 
+**Membership is proven, not guessed from the name.** A plain cache named ``G.shard0`` is not
+shard 0 of group ``G``: only a segment whose header word ``H_GROUP`` is ``group_word(G)``
+(written by ``open_shard``; see ``_layout``) is a member. Readers check it before they claim a
+reader slot (``shard_identity``, a read of the file's header) and again once attached (the name
+may have been reused in between); sibling writers check it when they map a sibling.
+
 A sibling writer that dies is noticed through its kernel lock (probed at most every
 ``PROBE_INTERVAL``) and forgotten; its segment is reclaimed by the next writer that takes its
 index, or removed by ``sweep``.
@@ -50,11 +56,18 @@ from typing import Final
 from ._hints import HintTable
 from ._layout import (
     H_EPOCH,
+    H_GROUP,
+    H_MAGIC,
+    H_NONCE,
     H_SECRET,
     H_STATE,
+    H_VERSION,
+    LAYOUT_VERSION,
+    MAGIC,
     MAX_SHARDS,
     SHM_DIR,
     STATE_LIVE,
+    group_word,
     hint_slots_for,
     parse_shard_name,
     shard_name,
@@ -66,7 +79,16 @@ from ._store import RawPlan, ShmObjectStore
 from ._types import CacheConfig, ShmRef, reference_tag
 from .errors import SegmentExistsError, ShmCacheError, StaleReferenceError
 
-__all__ = ["RESCAN_INTERVAL", "Found", "Sibling", "Siblings", "list_shards", "open_shard"]
+__all__ = [
+    "RESCAN_INTERVAL",
+    "Found",
+    "Sibling",
+    "Siblings",
+    "is_member",
+    "list_shards",
+    "open_shard",
+    "shard_identity",
+]
 
 log = logging.getLogger("aioshmcache")
 
@@ -90,6 +112,35 @@ def list_shards(group: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+def shard_identity(name: str) -> tuple[int, int] | None:
+    """``(nonce, H_GROUP word)`` of segment ``name`` read from its file, or None.
+
+    None unless it is an initialised segment of this layout (magic and version), readable by
+    this user. Reads the header only: nothing is mapped, no slot is claimed.
+    """
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        head = os.pread(fd, 8 * (H_GROUP + 1), 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(head) != 8 * (H_GROUP + 1):
+        return None
+    hw = memoryview(head).cast("Q")
+    if hw[H_MAGIC] != MAGIC or hw[H_VERSION] != LAYOUT_VERSION:
+        return None
+    return int(hw[H_NONCE]), int(hw[H_GROUP])
+
+
+def is_member(segment: Segment, group: str) -> bool:
+    """Whether the mapped ``segment`` proves it is a shard of ``group`` (its ``H_GROUP`` word)."""
+    return not segment.closed and int(segment.words[H_GROUP]) == group_word(group)
+
+
 def open_shard(config: CacheConfig, *, serde: Serde | None = None) -> tuple[ShmObjectStore, int]:
     """Create this process's shard of ``config.group``; returns the store and its index.
 
@@ -106,6 +157,8 @@ def open_shard(config: CacheConfig, *, serde: Serde | None = None) -> tuple[ShmO
             store = ShmObjectStore.create(config, serde=serde, name=name, hint_slots=hints)
         except SegmentExistsError:
             continue  # a live writer (or one creating it right now): the next index
+        # the proof of membership, before anything is handed out or published (see _layout)
+        store.ring.segment.words[H_GROUP] = group_word(group)
         log.info("opened shard %d of cache group %r (%s)", k, group, name)
         return store, k
     raise SegmentExistsError(f"cache group {group!r} has {MAX_SHARDS} live writers already")
@@ -132,6 +185,11 @@ class Sibling:
         self.hints = HintTable(segment)
         self._probed = 0.0
         self._alive = True
+        # a copy from this sibling runs outside the Siblings lock (payload, the copy, verify):
+        # a rescan may close the sibling meanwhile. payload and verify take this lock and see
+        # ``closed`` (the copy itself reads a view that keeps its pages mapped); see _reading
+        self._lock = threading.Lock()
+        self.closed = False
 
     def alive(self) -> bool:
         """The writer has not closed the shard, and holds its kernel lock (probed sparingly)."""
@@ -159,21 +217,35 @@ class Sibling:
 
     def payload(self, ref: ShmRef) -> memoryview:
         """A view of the chunk's payload, checked now (``StaleReferenceError`` if gone)."""
-        return self.ring.access(ref.address, ref.id, ref.length, ref.position)
+        with self._lock:
+            self._check_open()
+            return self.ring.access(ref.address, ref.id, ref.length, ref.position)
 
     def verify(self, ref: ShmRef) -> None:
-        """``StaleReferenceError`` if the chunk was freed or reused since ``payload``."""
-        self.ring.verify(ref.address, ref.id, ref.position)
-        if self._hw[H_EPOCH] != ref.epoch:
-            raise StaleReferenceError("the sibling shard was cleared during the copy")
+        """``StaleReferenceError`` if the chunk was freed or reused since ``payload`` (or this
+        sibling was detached meanwhile: its chunk can no longer be vouched for)."""
+        with self._lock:
+            self._check_open()
+            self.ring.verify(ref.address, ref.id, ref.position)
+            if self._hw[H_EPOCH] != ref.epoch:
+                raise StaleReferenceError("the sibling shard was cleared during the copy")
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise StaleReferenceError(f"sibling shard {self.name!r} was detached during the copy")
 
     def raw_plan(self, ref: ShmRef) -> RawPlan:
         """The plan that copies this chunk into a chunk of our own shard."""
         return RawPlan(ref.length, lambda: self.payload(ref), lambda: self.verify(ref))
 
     def close(self) -> None:
-        self.hints.release()
-        self.ring.close()
+        """Unmap (idempotent); a copy in progress then fails its ``verify`` (stale)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.hints.release()
+            self.ring.close()
 
 
 class Siblings:
@@ -202,6 +274,9 @@ class Siblings:
                 seg = Segment.attach(name, populate=False)
             except (ShmCacheError, OSError):
                 continue  # being created, reclaimed, or not ours
+            if not is_member(seg, self.group):
+                seg.close()  # a plain cache named like a shard (or one being opened)
+                continue
             sib = Sibling(seg)
             if not sib.alive():
                 sib.close()

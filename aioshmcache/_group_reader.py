@@ -26,14 +26,16 @@ it adds is the merge:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from ._group import list_shards
-from ._layout import LAYOUT_VERSION, SHM_DIR
+from ._group import is_member, list_shards, shard_identity
+from ._layout import LAYOUT_VERSION, SHM_DIR, group_word
 from ._request import (
     DEFAULT_INLINE_THRESHOLD,
     ReceiverRequest,
@@ -57,6 +59,7 @@ from .errors import (
 __all__ = ["GroupReceiverRequest", "GroupShards"]
 
 _GONE_MEMORY = 1024  # nonces of departed shards remembered (their late references)
+_MEMBER_POLL = 0.05  # how often ``wait_for_member`` looks for the group's first shard (s)
 
 
 class GroupShards:
@@ -82,7 +85,11 @@ class GroupShards:
                 except WriterGoneError:
                     self._detach_locked(nonce)
             known = {s.name: nonce for nonce, s in self._by_nonce.items()}
+            word = group_word(self.group)
             for _k, name in list_shards(self.group):
+                ident = shard_identity(name)
+                if ident is None or ident[1] != word:
+                    continue  # not a member (a plain cache named like a shard), or not ready
                 if name in known:
                     # the writer's lock is probed only every probe interval: a shard reclaimed
                     # by a new writer since (same name, new nonce) must not hide behind it
@@ -103,7 +110,36 @@ class GroupShards:
                     continue
                 except SegmentNotFoundError:
                     continue  # gone meanwhile
-                self._by_nonce[store.nonce] = store
+                if not self._adopt_locked(store):
+                    continue
+
+    def has_member(self) -> bool:
+        """Whether any shard file of the group (live or dead) proves its membership now."""
+        word = group_word(self.group)
+        return any(
+            (ident := shard_identity(name)) is not None and ident[1] == word
+            for _k, name in list_shards(self.group)
+        )
+
+    def wait_for_member(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the group's first shard, then attach what is there.
+
+        ``SegmentNotFoundError`` if no shard of the group exists by then (a typo in the group
+        name shows up here, not at the first request).
+        """
+        deadline = time.monotonic() + timeout
+        while not self.has_member():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SegmentNotFoundError(
+                    errno.ENOENT,
+                    f"cache group {self.group!r} has no shard in {SHM_DIR}"
+                    + (f" after waiting {timeout:g} s" if timeout > 0 else "")
+                    + ": is its name right, and has a writer opened it?",
+                    self.group,
+                )
+            time.sleep(min(_MEMBER_POLL, left))
+        self.rescan()
 
     def find(self, nonce: int) -> None:
         """Attach the shard whose file holds instance ``nonce`` now, or mark it gone.
@@ -117,7 +153,11 @@ class GroupShards:
         with self._lock:
             if self.closed or nonce in self._by_nonce or nonce in self._gone:
                 return
+            word = group_word(self.group)
             for _k, name in list_shards(self.group):
+                ident = shard_identity(name)
+                if ident is None or ident[1] != word:
+                    continue  # not a member of the group
                 st = writer_state(os.path.join(SHM_DIR, name))
                 if nonce in st.past:
                     # a dead instance whose shard a new writer reclaimed before we ever saw it
@@ -137,15 +177,25 @@ class GroupShards:
                 except WriterGoneError:
                     self._remember_gone(nonce, name)
                     return
-                self._by_nonce[store.nonce] = store
+                self._adopt_locked(store)
                 return
+
+    def _adopt_locked(self, store: ShmObjectStore) -> bool:
+        """Keep an attached shard if it proves membership (the name may have been reused
+        since its header was read); else free its slot at once."""
+        if not is_member(store.ring.segment, self.group):
+            store.close()
+            return False
+        self._by_nonce[store.nonce] = store
+        return True
 
     def _detach_locked(self, nonce: int) -> None:
         store = self._by_nonce.pop(nonce, None)
         if store is None:
             return
         self._remember_gone(nonce, store.name)
-        store.close()
+        # another thread may be reading from it right now: released when its last read ends
+        store._reading.close_when_idle(store.close, wait=0.0)
 
     def _remember_gone(self, nonce: int, name: str) -> None:
         self._gone[nonce] = name
@@ -186,7 +236,7 @@ class GroupShards:
         with self._lock:
             self.closed = True
             for store in self._by_nonce.values():
-                store.close()
+                store._reading.close_when_idle(store.close)  # safe while other threads read
             self._by_nonce.clear()
 
 
@@ -235,8 +285,9 @@ class GroupReceiverRequest:
             if shards.store(nonce) is None and not shards.is_gone(nonce):
                 shards.find(nonce)  # the one shard file that holds this instance, if any
             if shards.store(nonce) is None and not shards.is_gone(nonce):
+                hint = "" if shards.has_member() else f" (it has no shard in {SHM_DIR} at all)"
                 raise InvalidReferenceError(
-                    f"reference names no live shard of cache group {shards.group!r}"
+                    f"reference names no live shard of cache group {shards.group!r}{hint}"
                 )
         self._counters.add(total=len(self._features) - sum(map(len, routes.values())))
         for nonce, items in routes.items():

@@ -35,6 +35,8 @@ Segment (``total`` bytes, a multiple of the page size)::
              |       33 H_RELOCATIONS  34 H_BYTES_RELOCATED     |
              |          (second chance: chunks moved to the     |
              |          tail instead of evicted, their bytes)   |
+             |       35 H_GROUP: ``group_word(G)`` in a shard   |
+             |          of cache group G, 0 in a plain cache    |
              |       48..63 H_PAST: nonces of the earlier       |
              |          writers of this name (reclaimed from    |
              |          dead writers; latest first, 0: none)    |
@@ -79,10 +81,19 @@ Names: a segment is ``/dev/shm/aioshm-<name>``; its wake-up semaphore is the POS
 ``/dev/shm/sem.<segment>.<nonce>.wake``. A shard of cache group ``G`` is the segment
 ``aioshm-G.shard<k>`` (``k`` in ``0 .. MAX_SHARDS - 1``; a group name has no ``.``, so a shard
 name parses one way only). All are built and parsed only here.
+
+Group membership is proven by the header, not by the name: a plain cache may be named
+``G.shard0`` too. A shard's writer writes ``H_GROUP`` (a 64-bit digest of the group name, never
+0) once, right after creating its segment and before it hands out anything or publishes a key;
+a plain cache leaves it 0. Readers and sibling writers look only at files whose word is their
+group's; a shard seen in the instant before its word is written is skipped and found at the
+next scan (no reference of it can exist yet). Layout version 4 added the word (a version-3
+segment has no such proof, and is refused as any other version mismatch).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Final
 
@@ -95,6 +106,7 @@ __all__ = [
     "Layout",
     "chunk_size",
     "check_group",
+    "group_word",
     "hint_slots_for",
     "is_segment_file",
     "parse_shard_name",
@@ -107,7 +119,7 @@ __all__ = [
 
 SHM_DIR: Final = "/dev/shm"
 MAGIC: Final = int.from_bytes(b"AIOSHMC1", "little")
-LAYOUT_VERSION: Final = 3  # 3: the key-hint region (H_HINT_OFF, H_HINT_SLOTS)
+LAYOUT_VERSION: Final = 4  # 3: the key-hint region (H_HINT_OFF, H_HINT_SLOTS); 4: H_GROUP
 HEADER_SIZE: Final = 4096
 PAGE: Final = 4096
 
@@ -133,6 +145,8 @@ H_HINT_SLOTS: Final = 31
 H_SIBLING_HITS: Final = 32
 H_RELOCATIONS: Final = 33
 H_BYTES_RELOCATED: Final = 34
+#: a group shard's proof of membership (``group_word``); 0 in a plain cache
+H_GROUP: Final = 35
 #: words ``H_PAST .. H_PAST + PAST_NONCES - 1``: the nonces of the dead writers this segment name
 #: was reclaimed from, latest first (zeros: none; a segment of an older build reads as none)
 H_PAST: Final = 48
@@ -244,6 +258,12 @@ def check_group(group: str) -> str:
             f"invalid group name {group!r}: use 1-180 letters, digits, '_', '-' (no '.')"
         )
     return group
+
+
+def group_word(group: str) -> int:
+    """The ``H_GROUP`` word of a shard of ``group``: a 64-bit digest of its name, never 0."""
+    digest = hashlib.blake2b(check_group(group).encode(), digest_size=8, person=b"aioshm-g")
+    return int.from_bytes(digest.digest(), "little") | 1
 
 
 def shard_name(group: str, k: int) -> str:

@@ -17,12 +17,31 @@ it, and the writer would free the chunk under that reader.
 
 The writer-liveness probe lives here too: a reader checks the writer's kernel lock at most once
 per ``probe_interval`` seconds.
+
+**Closing during a read.** A reader may be closed by one thread while others read through it
+(a worker's shutdown, or a group reader's rescan detaching the shard of a writer that went
+away). Closing releases the views of the mapping, the reader slot and the descriptor that
+carries the kernel locks; a read still using them would meet a released buffer (an untyped
+``ValueError``) or probe a closed descriptor (``EBADF``, or worse, another file that reused its
+number). So every entry point that touches shared memory counts itself *in flight* for its
+duration (``_inflight``: one list entry per read; ``append`` and ``pop`` are single operations
+under the GIL, so the hot path takes no lock) and checks ``closed`` after counting itself.
+:meth:`shut` sets ``closed`` first and then waits, for a bounded time, until nothing is in
+flight; a read that counted itself before that saw ``closed`` false and finishes against live
+memory, one that counts itself after sees ``closed`` and raises ``ClosedCacheError`` before
+touching anything. When the wait runs out (or the caller chose not to wait),
+:meth:`close_when_idle` hands the release to the last read in flight, which runs it as it
+leaves: the mapping and the descriptor stay valid until no read can use them, and no close
+blocks for longer than its bound. A payload view handed out before the close (a zero-copy
+read) keeps its pages mapped by itself (the mapping cannot be unmapped while exported).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import posix_ipc
@@ -58,7 +77,11 @@ from .errors import (
     WriterGoneError,
 )
 
-__all__ = ["ReadPath", "check_ref_fields"]
+__all__ = ["CLOSE_WAIT", "ReadPath", "check_ref_fields"]
+
+#: how long ``close`` waits for reads in flight in other threads (seconds); a read is a bounded
+#: copy and check, so this is only ever reached by a thread the OS did not schedule
+CLOSE_WAIT = 5.0
 
 
 def check_ref_fields(r: ShmRef) -> bool:
@@ -102,11 +125,83 @@ class ReadPath:
         self._last_writer_probe = 0.0
         self._sem: Any = None
         self.closed = False
+        # reads in flight (one entry each; see "Closing during a read" in the module docstring)
+        self._inflight: list[None] = []
+        self._idle = threading.Condition(threading.Lock())
+        self._release: Callable[[], None] | None = None  # run by the last read out, if deferred
+        self._closed_done = False
         # the ring's size and views, for ``get``'s inline chunk checks (borrowed: the ring
         # releases them when it closes)
         self._capacity = ring.capacity
         self._chunk_words = ring._w
         self._chunk_bytes = ring.buf
+
+    # --- reads in flight (see "Closing during a read" in the module docstring) --------------
+    def _enter(self) -> None:
+        """Count a read in flight; ``ClosedCacheError`` (uncounted) if closed already."""
+        self._inflight.append(None)
+        if self.closed:
+            self._leave()
+            self.check_open()
+
+    def _leave(self) -> None:
+        """Uncount a read; the last one out after a close wakes the closer or runs the release."""
+        self._inflight.pop()
+        if self.closed:
+            self._left_closed()
+
+    def _left_closed(self) -> None:
+        with self._idle:
+            if self._inflight:
+                return
+            self._idle.notify_all()
+            release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Hold the mapping for a read made of several calls (typed error if closed)."""
+        self._enter()
+        try:
+            yield
+        finally:
+            self._leave()
+
+    def shut(self, wait: float) -> bool:
+        """Refuse new reads, then wait up to ``wait`` s for those in flight; True once none is.
+
+        After it returns True nothing can touch this reader's memory or descriptors any more:
+        the caller may release them. (Not from inside a read of this path: see
+        ``close_when_idle``.)
+        """
+        self.closed = True
+        deadline = time.monotonic() + wait
+        with self._idle:
+            while self._inflight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close_when_idle(self, release: Callable[[], None], *, wait: float = CLOSE_WAIT) -> bool:
+        """Close now and run ``release`` (which frees the memory this path reads) when safe.
+
+        ``release`` runs here if no read is in flight within ``wait`` s, else in the thread of
+        the last read to leave (once). True if it ran here. Each call runs its ``release``, so
+        it must be idempotent (``ShmObjectStore.close`` is). Never call it from inside a read
+        of this path: it would wait for itself for ``wait`` s.
+        """
+        if self.shut(wait):
+            release()
+            return True
+        with self._idle:
+            if self._inflight:
+                self._release = release
+                return False
+        release()  # the last read left between the wait and the lock
+        return True
 
     # --- checks -----------------------------------------------------------------------------
     def check_open(self) -> None:
@@ -121,6 +216,13 @@ class ReadPath:
 
     def check_writer(self) -> None:
         """``WriterGoneError`` if the writer closed or died (probed every ``probe_interval``)."""
+        self._enter()
+        try:
+            self._check_writer()
+        finally:
+            self._leave()
+
+    def _check_writer(self) -> None:
         if self._hw[H_STATE] != STATE_LIVE:
             raise WriterGoneError(f"the writer of {self._seg.name!r} closed the cache")
         now = time.monotonic()
@@ -131,6 +233,13 @@ class ReadPath:
 
     def check_reader(self) -> ReaderSlot:
         """The reader slot, after checking that this reader may read now (typed errors)."""
+        self._enter()
+        try:
+            return self._check_reader()
+        finally:
+            self._leave()
+
+    def _check_reader(self) -> ReaderSlot:
         if self.closed or self._seg.forked:
             self.check_open()
         slot = self.slot
@@ -143,7 +252,7 @@ class ReadPath:
             self._hw[H_STATE] != STATE_LIVE
             or time.monotonic() - self._last_writer_probe > self.probe_interval
         ):
-            self.check_writer()
+            self._check_writer()
         if slot._words[WS_REVOKED] == slot.session:
             slot.check_revoked()
         if slot._overflow:
@@ -166,6 +275,13 @@ class ReadPath:
         In order: open, fields, nonce, tag, epoch (none touches the chunk), then the chunk's
         header and the reuse fence (``ShmRingBuffer.access``). Typed errors.
         """
+        self._enter()
+        try:
+            return self._resolve(ref)
+        finally:
+            self._leave()
+
+    def _resolve(self, ref: object) -> tuple[ShmRef, memoryview]:
         if self.closed or self._seg.forked:
             self.check_open()
         r = ref if isinstance(ref, ShmRef) else ShmRef.from_dict(ref)
@@ -192,6 +308,20 @@ class ReadPath:
 
         After a big copy the CPU caches are cold: only a few words are touched after it.
         """
+        inflight = self._inflight  # _enter and _leave, inlined (once per read)
+        inflight.append(None)
+        try:
+            if self.closed:
+                if copy:
+                    view.release()
+                self.check_open()
+            return self._finish_read(slot, r, view, copy)
+        finally:
+            inflight.pop()
+            if self.closed:
+                self._left_closed()
+
+    def _finish_read(self, slot: ReaderSlot | None, r: ShmRef, view: memoryview, copy: bool) -> Any:
         address, cid, position = r[2], r[3], r[6]
         try:
             value = self.serde.read(view, copy=copy)
@@ -246,6 +376,16 @@ class ReadPath:
         error, or gives back a stale reference). The checks are those of ``check_reader``,
         ``resolve`` and ``ShmRingBuffer.access``, in their order.
         """
+        inflight = self._inflight  # _enter and _leave, inlined (once per read)
+        inflight.append(None)
+        try:
+            return self._lookup(ref)
+        finally:
+            inflight.pop()
+            if self.closed:
+                self._left_closed()
+
+    def _lookup(self, ref: object) -> memoryview | None:
         slot = self.slot
         hw = self._hw
         if (
@@ -295,9 +435,10 @@ class ReadPath:
         return self._chunk_bytes[start : start + length].toreadonly()
 
     def _get(self, ref: object, copy: bool) -> Any:
-        slot = self.check_reader()
-        r, view = self.resolve(ref)  # stale: raised, not acknowledged (see the module docstring)
-        return self.finish_read(slot, r, view, copy)
+        with self.in_use():
+            slot = self._check_reader()
+            r, view = self._resolve(ref)  # stale: raised, not acknowledged (module docstring)
+            return self._finish_read(slot, r, view, copy)
 
     def get_checked(self, r: ShmRef, *, copy: bool = True, slot: ReaderSlot | None = None) -> Any:
         """``get`` of a reference that passed :meth:`validate` here (a request's).
@@ -305,15 +446,20 @@ class ReadPath:
         The fields, nonce and tag cannot have changed; the epoch and the chunk are checked again.
         ``slot``: what :meth:`check_reader` returned just before (the same step), else it runs.
         """
-        if slot is None:
-            slot = self.check_reader()
-        self._check_epoch(r.epoch)  # stale: raised, owes nothing (see the module docstring)
-        view = self.ring.access(r.address, r.id, r.length, r.position)
-        return self.finish_read(slot, r, view, copy)
+        with self.in_use():
+            if slot is None:
+                slot = self._check_reader()
+            self._check_epoch(r.epoch)  # stale: raised, owes nothing (see the module docstring)
+            view = self.ring.access(r.address, r.id, r.length, r.position)
+            return self._finish_read(slot, r, view, copy)
 
     def ack(self, ref: ShmRef) -> None:
         """Acknowledge a reference read with ``copy=False`` after re-verifying it."""
-        slot = self.check_reader()
+        with self.in_use():
+            self._ack_checked(ref)
+
+    def _ack_checked(self, ref: ShmRef) -> None:
+        slot = self._check_reader()
         address, cid, position = ref.address, ref.id, ref.position
         # ShmRingBuffer.verify's checks, inline (as in finish_read); it raises if one fails
         hw = self._hw
@@ -331,7 +477,11 @@ class ReadPath:
         slot = self.slot
         if slot is None or self.closed or slot.closed or self._seg.forked:
             return
-        with contextlib.suppress(ShmCacheError, ValueError, AttributeError, TypeError):
+        # closed meanwhile: in_use raises ClosedCacheError, suppressed
+        with (
+            contextlib.suppress(ShmCacheError, ValueError, AttributeError, TypeError),
+            self.in_use(),
+        ):
             self._ack(slot, ref.id, ref.seq)
 
     def _ack(self, slot: ReaderSlot, cid: int, seq: int) -> None:
@@ -348,10 +498,17 @@ class ReadPath:
             pass  # the writer is gone or has not created it: waking is best-effort by design
 
     def close(self) -> None:
-        """Free the reader slot and the semaphore handle; idempotent."""
-        if self.closed:
+        """Free the reader slot and the semaphore handle; idempotent.
+
+        Waits (up to ``CLOSE_WAIT`` s) for reads in flight in other threads first: see "Closing
+        during a read" in the module docstring. ``ShmObjectStore.close`` releases the mapping
+        after this returns even if a read is still in flight then; the caches close through
+        ``close_when_idle``, which never releases under one.
+        """
+        if self._closed_done:
             return
-        self.closed = True
+        self._closed_done = True
+        self.shut(CLOSE_WAIT)
         if self.slot is not None:
             self.slot.close()
         if self._sem is not None:

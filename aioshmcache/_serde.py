@@ -49,14 +49,28 @@ recomputes that layout and accepts nothing else, which implies 64-byte alignment
 with each other or with the header, bounds inside the payload and no unreferenced bytes.
 
 Decoding treats the payload as hostile (a writable segment can be written by anyone who can open
-it). No pickle, no ``ext_hook``: the header length is checked against ``max_header_bytes``
-before unpacking (this plays the role of msgpack's ``max_buffer_size``, which ``unpackb`` does
-not take), ``msgpack.unpackb`` runs with ``raw=False, strict_map_key=True`` and explicit
-``max_*_len`` limits (trailing bytes are an error), and the result is walked with a depth limit,
+it). No pickle, no hook that decodes anything (the hooks below only count): the header length
+is checked against ``max_header_bytes`` before unpacking (this plays the role of msgpack's
+``max_buffer_size``, which ``unpackb`` does not take), ``msgpack.unpackb`` runs with
+``raw=False, strict_map_key=True`` and explicit ``max_*_len`` limits (trailing bytes are an
+error), and the result is walked with a depth limit,
 converting ``ExtType`` records after validating each descriptor: dtype string against a whitelist
 regex, then ``np.dtype`` and a check that it round-trips to the same canonical string with an
 allowed kind; ``ndim``; ``prod(shape) * itemsize == nbytes`` in Python integers; the canonical
 offset. Every failure is a :class:`~aioshmcache.errors.SerdeError`.
+
+Decoding cost is bounded by the payload's size, not only its validity. One byte of msgpack can be
+a whole Python container (``0x80`` is an empty map, ``0x90`` an empty list): a 1 MiB header of
+them unpacked into a million dicts cost ~0.5 GiB and seconds of CPU while staying inside every
+length limit. So ``max_containers`` (default 32,768) bounds the *nodes* of a header: maps,
+msgpack arrays (lists and tuples) and extension records other than ``ARRAY`` and ``BYTES``
+(numpy scalars, tuple markers; arrays and large bytes are bounded by ``max_arrays``). They are
+counted *while* msgpack unpacks (its ``object_hook`` / ``list_hook`` / ``ext_hook`` count and
+return what they are given, converting nothing), so a hostile header is refused after at most
+``max_containers`` containers were built, whatever its length; ``plan`` counts the same way and
+refuses to produce a header that ``read`` would refuse. Plain values cost at most a few times
+their encoded size: a list or map whose values are all plain (no container, no record) is
+compiled into one copy of it, not one node per element.
 
 Deliberate choices (and where they differ from the first sketch):
 
@@ -326,14 +340,21 @@ def _fit(buf: memoryview, nbytes: int) -> memoryview:
 class _Encoder:
     """State of one :meth:`MsgpackSerde.plan` walk."""
 
-    __slots__ = ("chunks", "cursor", "max_arrays", "max_depth", "max_ndim")
+    __slots__ = ("chunks", "cursor", "max_arrays", "max_depth", "max_ndim", "nodes_left")
 
-    def __init__(self, max_depth: int, max_ndim: int, max_arrays: int) -> None:
+    def __init__(self, max_depth: int, max_ndim: int, max_arrays: int, max_containers: int) -> None:
         self.max_depth = max_depth
         self.max_ndim = max_ndim
         self.max_arrays = max_arrays
+        self.nodes_left = max_containers  # counted as the reader counts (module docstring)
         self.cursor = 0
         self.chunks: list[tuple[int, np.ndarray[Any, Any]]] = []
+
+    def node(self, n: int = 1) -> None:
+        """Count ``n`` containers (or scalar records); ``SerdeError`` past ``max_containers``."""
+        self.nodes_left -= n
+        if self.nodes_left < 0:
+            raise SerdeError(_too_many_containers())
 
     def conv(self, obj: Any, depth: int) -> Any:
         """Return the msgpack-packable stand-in of ``obj`` (exact builtin types and ExtTypes)."""
@@ -352,11 +373,13 @@ class _Encoder:
             depth += 1
             if depth > self.max_depth:
                 raise SerdeError(f"nesting deeper than max_depth={self.max_depth}")
+            self.node()
             return [self.conv(v, depth) for v in obj]
         if t is tuple:
             depth += 1
             if depth > self.max_depth:
                 raise SerdeError(f"nesting deeper than max_depth={self.max_depth}")
+            self.node(2)  # a msgpack array and its tuple marker
             out = [_TUPLE_MARK]
             out.extend([self.conv(v, depth) for v in obj])
             return out
@@ -396,6 +419,7 @@ class _Encoder:
     def mapping(self, obj: dict[Any, Any], depth: int) -> dict[str | bytes, object]:
         if depth > self.max_depth:
             raise SerdeError(f"nesting deeper than max_depth={self.max_depth}")
+        self.node()
         out: dict[str | bytes, object] = {}
         conv = self.conv
         for k, v in obj.items():
@@ -443,6 +467,7 @@ class _Encoder:
         return _new_tuple(_ExtType, (_EXT_BYTES, _BYTES_DESC.pack(off, n)))
 
     def scalar(self, obj: np.generic[Any]) -> msgpack.ExtType:
+        self.node()
         arr = np.asarray(obj)
         dts = _encode_dtype(arr.dtype)
         return _new_tuple(_ExtType, (_EXT_SCALAR, _U8.pack(len(dts)) + dts + arr.tobytes()))
@@ -515,7 +540,58 @@ def _parse_array_descriptor(data: bytes) -> _ArrayDesc:
 _TEMPLATE_HEADER_MAX = 4096  # longer headers (e.g. big str values) are not worth keeping
 _TEMPLATE_KEY_MAX = _PREFIX_SIZE + _TEMPLATE_HEADER_MAX
 _TEMPLATES_MAX = 256
-_LIMITS = frozenset(("max_arrays", "max_depth", "max_header_bytes", "max_ndim"))
+_LIMITS = frozenset(("max_arrays", "max_containers", "max_depth", "max_header_bytes", "max_ndim"))
+#: what a plain value of an unpacked header may be (anything else is a node to compile)
+_NODE_TYPES = frozenset((dict, list, _ExtType))
+
+
+def _too_many_containers() -> str:
+    return "more containers (maps, lists, tuples, numpy scalars) than max_containers allows"
+
+
+class _NodeCounter:
+    """msgpack's hooks for one unpacking: count containers and scalar records, convert nothing.
+
+    Called as msgpack builds each map (``object_hook``), array (``list_hook``) and extension
+    record (``ext_hook``), so the count stops a hostile header before it is all built.
+    """
+
+    __slots__ = ("left", "max")
+
+    def __init__(self, max_containers: int) -> None:
+        self.left = self.max = max_containers
+
+    def container(self, obj: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise SerdeError(f"{_too_many_containers()} ({self.max})")
+        return obj
+
+    def ext(self, code: int, data: bytes) -> msgpack.ExtType:
+        if code != _EXT_ARRAY and code != _EXT_BYTES:  # those are bounded by max_arrays
+            self.left -= 1
+            if self.left < 0:
+                raise SerdeError(f"{_too_many_containers()} ({self.max})")
+        return _ExtType(code, data)
+
+
+def _copy_list_builder(values: list[Any]) -> _Builder:
+    """A list of plain values (no container, no record): a fresh copy on each read."""
+
+    def build(buf: memoryview, ro: memoryview, copy: bool) -> Any:
+        return list(values)
+
+    return build
+
+
+def _copy_dict_builder(mapping: dict[Any, Any]) -> _Builder:
+    """A map of plain values (no container, no record): a fresh copy on each read."""
+
+    def build(buf: memoryview, ro: memoryview, copy: bool) -> Any:
+        return dict(mapping)
+
+    return build
+
 
 #: builds one node of a value: (buffer, read-only buffer, copy) -> value
 _Builder = Callable[[memoryview, memoryview, bool], Any]
@@ -659,6 +735,8 @@ class _Compiler:
             depth += 1
             if depth > self.max_depth:
                 raise SerdeError(f"nesting deeper than max_depth={self.max_depth}")
+            if _NODE_TYPES.isdisjoint(map(type, obj.values())):
+                return _copy_dict_builder(obj), None  # plain values only: one node, not one each
             conv = self.conv
             flat: list[_FlatArray] | None = []
             items: list[tuple[Any, _Builder | None, Any]] = []
@@ -687,10 +765,15 @@ class _Compiler:
                 if type(first) is _ExtType and first.code == _EXT_TUPLE:
                     if first.data:
                         raise SerdeError("malformed tuple marker")
-                    nodes = [conv(v, depth) for v in values[1:]]
+                    rest = values[1:]
+                    if _NODE_TYPES.isdisjoint(map(type, rest)):
+                        return None, tuple(rest)  # plain values only: shared, immutable
+                    nodes = [conv(v, depth) for v in rest]
                     if _is_shared(nodes):
                         return None, tuple([v for _, v in nodes])
                     return _container_builder(tuple, nodes), None
+                if _NODE_TYPES.isdisjoint(map(type, values)):
+                    return _copy_list_builder(values), None  # plain values: one node, not one each
             return _container_builder(list, [conv(v, depth) for v in values]), None
         if t is str or t is int or t is float or t is bool or t is bytes or obj is None:
             return None, obj
@@ -781,7 +864,9 @@ class MsgpackSerde:
 
     The limits bound what :meth:`read` accepts (and :meth:`plan` refuses to produce anything the
     reader would refuse): the structure header's size, the number of arrays (and large bytes
-    values), the dimensions of one array and the nesting depth of containers.
+    values), the dimensions of one array, the nesting depth of containers and the number of
+    containers (``max_containers``: maps, lists, tuples and numpy scalars, which bounds the
+    memory and time a hostile header can cost; see the module docstring).
     """
 
     __slots__ = (
@@ -789,6 +874,7 @@ class MsgpackSerde:
         "_shapes",
         "_templates",
         "max_arrays",
+        "max_containers",
         "max_depth",
         "max_header_bytes",
         "max_ndim",
@@ -801,12 +887,14 @@ class MsgpackSerde:
         max_arrays: int = 4096,
         max_ndim: int = 32,
         max_depth: int = 64,
+        max_containers: int = 1 << 15,
     ) -> None:
         for name, value, hi in (
             ("max_header_bytes", max_header_bytes, (1 << 32) - 1),
             ("max_arrays", max_arrays, 1 << 32),
             ("max_ndim", max_ndim, _MAX_NDIM_FORMAT),
             ("max_depth", max_depth, 256),
+            ("max_containers", max_containers, 1 << 32),
         ):
             if type(value) is not int or not 1 <= value <= hi:
                 raise ValueError(f"{name} must be an int in [1, {hi}], got {value!r}")
@@ -814,6 +902,7 @@ class MsgpackSerde:
         self.max_arrays = max_arrays
         self.max_ndim = max_ndim
         self.max_depth = max_depth
+        self.max_containers = max_containers
         self._local = threading.local()
         # Layouts of flat items (a dict of str -> plain ndarray), by item shape (keys, dtypes,
         # shapes in order): the header depends on nothing else, so a repeated shape skips the
@@ -834,7 +923,8 @@ class MsgpackSerde:
     def __repr__(self) -> str:
         return (
             f"MsgpackSerde(max_header_bytes={self.max_header_bytes}, "
-            f"max_arrays={self.max_arrays}, max_ndim={self.max_ndim}, max_depth={self.max_depth})"
+            f"max_arrays={self.max_arrays}, max_ndim={self.max_ndim}, max_depth={self.max_depth}, "
+            f"max_containers={self.max_containers})"
         )
 
     def _packer(self) -> msgpack.Packer:
@@ -882,7 +972,7 @@ class MsgpackSerde:
         return plan
 
     def _plan(self, obj: object) -> _Plan:
-        enc = _Encoder(self.max_depth, self.max_ndim, self.max_arrays)
+        enc = _Encoder(self.max_depth, self.max_ndim, self.max_arrays, self.max_containers)
         try:
             structure = enc.conv(obj, 0)
             header: bytes = self._packer().pack(structure)
@@ -944,6 +1034,7 @@ class MsgpackSerde:
     def _compile(self, header: bytes | memoryview, data_off: int, data_len: int) -> _Template:
         """Unpack and validate a structure header into a template (``SerdeError`` if invalid)."""
         hlen = len(header)
+        counter = _NodeCounter(self.max_containers)
         try:
             structure = msgpack.unpackb(
                 header,
@@ -955,7 +1046,12 @@ class MsgpackSerde:
                 max_array_len=hlen,
                 max_map_len=hlen,
                 max_ext_len=hlen,
+                object_hook=counter.container,
+                list_hook=counter.container,
+                ext_hook=counter.ext,
             )
+        except SerdeError:
+            raise
         except Exception as exc:
             raise SerdeError(f"malformed structure header: {exc}") from exc
         comp = _Compiler(data_off, data_len, self.max_depth, self.max_ndim, self.max_arrays)

@@ -178,9 +178,11 @@ class CacheHandle:
             raise InvalidReferenceError(f"cache handle is missing {exc.args[0]!r}") from None
         if not isinstance(name, str):
             raise InvalidReferenceError("cache handle name must be a str")
-        return cls(
-            segment_name(name), _check_u64("nonce", nonce), _check_u64("layout_version", version)
-        )
+        try:
+            full = segment_name(name)
+        except ValueError as exc:
+            raise InvalidReferenceError(f"cache handle name: {exc}") from None
+        return cls(full, _check_u64("nonce", nonce), _check_u64("layout_version", version))
 
     def to_json(self) -> str:
         """The handle as a compact JSON object (the nonce is a 64-bit int: parse it exactly)."""
@@ -194,6 +196,9 @@ class CacheHandle:
                 f"a cache handle's JSON is at most {_MAX_HANDLE_BYTES} bytes"
             )
         try:
+            if not isinstance(text, str):
+                text = text.decode(json.detect_encoding(text))
+            _check_flat_json(text)  # before json.loads, which recurses once per level
             data = json.loads(text)
         except (ValueError, TypeError) as exc:  # JSONDecodeError, UnicodeDecodeError
             raise InvalidReferenceError(f"not a cache handle's JSON: {exc}") from None
@@ -231,6 +236,33 @@ class CacheHandle:
                 f"a cache handle's msgpack must be a map, not {type(value).__name__}"
             )
         return cls.from_dict(value)
+
+
+def _check_flat_json(text: str) -> None:
+    """``ValueError`` if ``text`` nests arrays or objects: a handle is one flat object.
+
+    ``json.loads`` recurses once per nesting level, so 4 KB of ``[`` is a ``RecursionError``
+    (not a ``ValueError``); a handle never nests, so any nesting is refused before parsing.
+    Brackets inside strings do not count (escapes are skipped).
+    """
+    depth = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch == "{" or ch == "[":
+            depth += 1
+            if depth > 1:
+                raise ValueError("a cache handle is one flat JSON object (no nesting)")
+        elif ch == "}" or ch == "]":
+            depth -= 1
 
 
 def coerce_handle(obj: object) -> CacheHandle | str:

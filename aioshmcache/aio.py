@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -47,6 +47,26 @@ __all__ = [
 CLOSE_TIMEOUT: Final = 10.0
 
 C = TypeVar("C", SenderCache, ReceiverCache)
+
+
+class SecondTier(Protocol):
+    """What ``AsyncSenderCache(tier=...)`` needs of a second tier (``aioshmcache.tier``)."""
+
+    async def open(self) -> object:
+        """Start (no I/O that may fail: the tier may be down)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop (idempotent)."""
+        ...
+
+    async def fetch_or_make(self, mm_hash: str, make: Callable[[], Awaitable[Any]]) -> Any:
+        """The item: from the tier, or ``make()`` (whose item the tier stores behind)."""
+        ...
+
+    def stats(self) -> Any:
+        """The tier's counters."""
+        ...
 
 
 class _InFlight:
@@ -204,14 +224,16 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         serde: Serde | None = None,
         max_threads: int = 4,
         inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
+        tier: SecondTier | None = None,
     ) -> None:
         """Wrap ``sender`` (borrowed) or, with ``config``, create one on ``open`` (owned).
 
         ``serde`` replaces the default ``MsgpackSerde`` of a cache this object creates (a wrapped
         cache keeps its own). ``max_threads`` bounds the worker threads of big copies (and,
         separately, those of ``get_or_put``'s sync ``make``); copies under
-        ``inline_threshold_bytes`` run on the loop. Does no loop-bound work: it can be built
-        outside a running loop.
+        ``inline_threshold_bytes`` run on the loop. ``tier`` (an ``aioshmcache.tier.RedisTier``)
+        is a second tier ``get_or_put`` looks in before it calls ``make``; this object opens and
+        closes it. Does no loop-bound work: it can be built outside a running loop.
         """
         if (sender is None) == (config is None):
             raise ValueError("give either a SenderCache to wrap or a config to create one")
@@ -224,6 +246,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         self._serde = serde
         self._flight: SingleFlight[FeatureSpec] = SingleFlight()
         self._make_limiter: anyio.CapacityLimiter | None = None
+        self._tier = tier
 
     @classmethod
     def from_config(cls, config: CacheConfig, **kwargs: Any) -> AsyncSenderCache:
@@ -256,7 +279,25 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
     async def open(self) -> AsyncSenderCache:
         """Create the segment if this object owns one (fallocate + prefault run in a thread)."""
         await self._open()
+        if self._tier is not None:
+            await self._tier.open()
         return self
+
+    async def aclose(self) -> None:
+        """Close the tier (its queued writes flushed, bounded), then as the base class."""
+        if self._tier is not None:
+            with anyio.CancelScope(shield=True):
+                await self._tier.aclose()
+        await super().aclose()
+
+    @property
+    def tier(self) -> SecondTier | None:
+        """The second tier ``get_or_put`` consults, if any."""
+        return self._tier
+
+    def tier_stats(self) -> Any:
+        """The second tier's counters (``aioshmcache.tier.TierStats``); None without a tier."""
+        return None if self._tier is None else self._tier.stats()
 
     async def __aenter__(self) -> AsyncSenderCache:
         """Enter ``async with``: ``open()``."""
@@ -351,6 +392,10 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         waiter takes over (reusing the item if ``make`` had returned); the cancelled caller's
         hand-out is rolled back. ``prompt_updates`` are stored with the item when it is put; a
         caller served by a hit at once gets the stored ones. Counters: ``single_flight_stats``.
+
+        With a ``tier``, the first caller looks in the tier before it calls ``make`` (an item
+        found there is put as if made here) and ``make``'s item is stored in the tier behind
+        the request; see ``aioshmcache.tier`` and ``tier_stats()``.
         """
         if not isinstance(mm_hash, str):
             raise TypeError(f"mm_hash must be a str, not {type(mm_hash).__name__}")
@@ -362,6 +407,10 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
             return out
 
         async def run_make() -> Any:
+            if self._tier is not None:  # shared memory missed: the tier, then ``make``
+                return await self._tier.fetch_or_make(
+                    mm_hash, lambda: call_make(make, self.make_limiter)
+                )
             return await call_make(make, self.make_limiter)
 
         return await self._flight.run(
@@ -399,7 +448,8 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         return self.sender.release(ref)
 
     async def invalidate(self, mm_hash: str) -> bool:
-        """Forget an item; the next request re-puts it."""
+        """Forget an item; the next request re-puts it (``SenderCache.invalidate``: references
+        handed out before stay readable until acknowledged)."""
         return self.sender.invalidate(mm_hash)
 
     async def clear_cache(self) -> None:
@@ -448,6 +498,7 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         )
         self._handle = handle
         self._group: str | None = None
+        self._wait_for_shard: float | None = None
         self._serde = serde
 
     @classmethod
@@ -465,11 +516,13 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         group: str,
         *,
         serde: Serde | None = None,
+        wait_for_shard: float | None = None,
         max_threads: int = 4,
         inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
     ) -> AsyncReceiverCache:
         """A reader of every shard of cache group ``group`` (``ReceiverCache.attach_group``),
-        attached on ``__aenter__``; ``aclose`` frees its slot on every shard."""
+        attached on ``__aenter__`` (in a worker thread: a ``wait_for_shard`` wait does not
+        block the loop); ``aclose`` frees its slot on every shard."""
         face = cls(
             handle=group,
             serde=serde,
@@ -477,13 +530,16 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
             inline_threshold_bytes=inline_threshold_bytes,
         )
         face._group = group
+        face._wait_for_shard = wait_for_shard
         return face
 
     def _open_cache(self) -> ReceiverCache:
         if self._handle is None:
             raise ClosedCacheError("no handle")
         if self._group is not None:
-            return ReceiverCache.attach_group(self._group, serde=self._serde)
+            return ReceiverCache.attach_group(
+                self._group, serde=self._serde, wait_for_shard=self._wait_for_shard
+            )
         return ReceiverCache.attach(self._handle, serde=self._serde)
 
     @property

@@ -347,7 +347,17 @@ class SenderCache(_Cache):
             return self.store.release(ref)
 
     def invalidate(self, mm_hash: str) -> bool:
-        """Forget an item (after a receiver's ``CacheMissError``); the next request re-puts it."""
+        """Forget an item (after a receiver's ``CacheMissError``); the next request re-puts it.
+
+        False if ``mm_hash`` was not cached. The guarantee: from now on no request is given the
+        old copy (the next one for ``mm_hash`` is a miss and puts a new one). References handed
+        out *before* stay valid: each is still owed by its readers, so it reads the item it was
+        made for, and the old chunk is freed once every hand-out of it is acknowledged (or
+        expires by the usual rules). A reference becomes stale only when its chunk is freed
+        (nothing owed for it any more), on ``clear_cache``, when a one-of-N hand-out outlives
+        ``handout_ttl`` or when its reader was evicted. Revoking outstanding references here
+        would only turn reads that are correct (same hash, same bytes) into misses and resends.
+        """
         self.store.check_owner()
         with self.store.lock:
             self._prompt_updates.pop(mm_hash, None)
@@ -449,14 +459,20 @@ class ReceiverCache(_Cache):
         return cls(ShmObjectStore.from_handle(coerce_handle(handle), serde=serde))
 
     @classmethod
-    def attach_group(cls, group: str, *, serde: Serde | None = None) -> GroupReceiverCache:
+    def attach_group(
+        cls, group: str, *, serde: Serde | None = None, wait_for_shard: float | None = None
+    ) -> GroupReceiverCache:
         """Attach as a reader of every shard of cache group ``group`` (see ``GroupReceiverCache``).
 
         Claims a reader slot on each live shard now (``ReaderLimitError`` if one has none
-        left); shards that appear later are attached when a reference names them. A group with
-        no shard yet is fine (the gateway may start later).
+        left); shards that appear later are attached when a reference names them.
+
+        ``wait_for_shard``: seconds to wait for the group's first shard (``0``: look once);
+        ``SegmentNotFoundError`` if there is none by then, so a mistyped group name fails
+        here rather than at the first request. ``None`` (the default) accepts a group with no
+        shard yet: an engine worker may be started before its gateways.
         """
-        return GroupReceiverCache(group, serde=serde)
+        return GroupReceiverCache(group, serde=serde, wait_for_shard=wait_for_shard)
 
     def request(
         self,
@@ -590,8 +606,18 @@ class ReceiverCache(_Cache):
         self.clear_cache()
 
     def close(self) -> None:
-        """Free the reader slot (idempotent)."""
-        self.store.close()
+        """Free the reader slot (idempotent; safe while other threads read).
+
+        Reads that start after it raise ``ClosedCacheError``. Reads already in flight in other
+        threads finish first: the slot and the mapping are released once the last of them
+        ends (waiting up to ``CLOSE_WAIT`` s here, else by that last read as it leaves).
+        """
+        self.store._reading.close_when_idle(self.store.close)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called (reads refused; the release may wait for reads)."""
+        return self.store._reading.closed or self.store.closed
 
 
 class GroupReceiverCache(ReceiverCache):
@@ -605,8 +631,14 @@ class GroupReceiverCache(ReceiverCache):
     segment: ``handle()`` raises ``RoleError``; ``shard_handles()`` lists the shards'.
     """
 
-    def __init__(self, group: str, *, serde: Serde | None = None) -> None:
+    def __init__(
+        self, group: str, *, serde: Serde | None = None, wait_for_shard: float | None = None
+    ) -> None:
         """Attach to ``group``'s live shards; use ``ReceiverCache.attach_group`` instead."""
+        if wait_for_shard is not None and (
+            type(wait_for_shard) not in (int, float) or not 0 <= wait_for_shard < float("inf")
+        ):
+            raise ValueError(f"wait_for_shard must be None or seconds >= 0, got {wait_for_shard!r}")
         self.group = check_group(group)
         self._shards = GroupShards(group, serde=serde)
         self._released: dict[tuple[int, int], None] = {}
@@ -614,7 +646,10 @@ class GroupReceiverCache(ReceiverCache):
         self._counters = RequestCounters()
         self._last_delta = CacheInfo(0, 0)
         try:
-            self._shards.rescan()
+            if wait_for_shard is None:
+                self._shards.rescan()
+            else:
+                self._shards.wait_for_member(wait_for_shard)
         except BaseException:
             self._shards.close()
             raise

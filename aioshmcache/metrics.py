@@ -49,7 +49,20 @@ The metrics (counters end in ``_total``, sizes in ``_bytes``; labels ``cache`` a
                                                      counted in ``aioshmcache_hits_total``)
 ``aioshmcache_group_shards``                gauge    a reader of a cache group: the shards it is
                                                      attached to now
+``aioshmcache_tier_*``                      mixed    a sender with a second tier
+                                                     (``aioshmcache.tier``): see below
 ==========================================  =======  =============================================
+
+The second tier (``AsyncSenderCache(tier=RedisTier(...))``), from ``tier_stats()``: counters
+``aioshmcache_tier_lookups_total``, ``_hits_total``, ``_misses_total``, ``_errors_total``,
+``_timeouts_total``, ``_rejected_total`` (label ``reason``: ``truncated``, ``malformed``,
+``oversized``, ``signature``, ``decoding``), ``_skipped_total`` (the cost policy skipped the
+tier), ``_bypassed_total`` (the circuit breaker was open), ``_claims_total``, ``_waits_total``,
+``_takeovers_total``, ``_writes_total``, ``_dropped_writes_total``, ``_skipped_writes_total``,
+``_read_bytes_total``, ``_written_bytes_total``, ``_breaker_opens_total``; a summary
+``aioshmcache_tier_lookup_seconds`` (``_count``, ``_sum``: look-up latency); gauges
+``aioshmcache_tier_breaker_open`` (1 unless closed), ``_queued_writes`` and
+``_fetch_budget_bytes`` (the largest value the cost policy would fetch now).
 
 Cache groups. A shard's writer (``CacheConfig(group="G")``) is labelled ``cache`` = its segment
 name (``aioshm-G.shard1``), plus ``group="G"`` and ``shard="1"``: sum by ``group`` for the whole
@@ -72,7 +85,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 try:
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
     from prometheus_client.metrics_core import Metric
     from prometheus_client.samples import Sample
 except ImportError as exc:  # pragma: no cover - exercised in a test with the import blocked
@@ -325,7 +338,7 @@ class CacheCollector:
 
     def describe(self) -> Iterable[Metric]:
         """The metric families this collector emits (without samples), for the registry."""
-        return _Families().all()
+        return [*_Families().all(), *_TierFamilies().all()]
 
     def collect(self) -> Iterable[Metric]:
         """Read every cache now and return its metric families (never raises for a cache)."""
@@ -348,4 +361,95 @@ class CacheCollector:
             except _CLOSED:
                 pass
             _put(fam.open, who.labels(), 1.0 if is_open else 0.0)
-        return [f for f in fam.all() if f.samples]
+        return [f for f in (*fam.all(), *_tier_families(self._caches)) if f.samples]
+
+
+# --- the second tier (``aioshmcache.tier``) -------------------------------------------------------
+
+
+class _TierFamilies:
+    """The ``aioshmcache_tier_*`` families of one scrape."""
+
+    _COUNTERS = (
+        ("lookups", "lookups", "Tier look-ups that asked Redis"),
+        ("hits", "hits", "Tier values fetched, verified and served"),
+        ("misses", "misses", "Tier look-ups without a usable value"),
+        ("errors", "errors", "Redis operations of the tier that failed"),
+        ("timeouts", "timeouts", "Redis operations of the tier that hit their deadline"),
+        ("skipped", "skipped", "Look-ups the cost policy skipped (fetching would not pay)"),
+        ("bypassed", "bypassed", "Tier operations skipped while the circuit breaker was open"),
+        ("claims", "claims", "Hashes this process claimed to make for the fleet"),
+        ("waits", "waits", "Look-ups that waited for another host's make"),
+        ("takeovers", "takeovers", "Claims taken over from a claimer whose lease expired"),
+        ("writes", "writes", "Values written to the tier"),
+        ("dropped_writes", "dropped_writes", "Tier writes dropped: the write queue was full"),
+        ("skipped_writes", "skipped_writes", "Items not written: fetching would not pay"),
+        ("read_bytes", "bytes_read", "Bytes of tier values fetched and served"),
+        ("written_bytes", "bytes_written", "Bytes of tier values written"),
+        ("breaker_opens", "breaker_opens", "Times the tier's circuit breaker opened"),
+    )
+
+    def __init__(self) -> None:
+        labels = [*_CACHE_LABELS, *_GROUP_LABELS]
+        self.counters = [
+            (attr, CounterMetricFamily(f"{_PREFIX}tier_{name}", doc, labels=labels))
+            for name, attr, doc in self._COUNTERS
+        ]
+        self.rejected = CounterMetricFamily(
+            f"{_PREFIX}tier_rejected",
+            "Tier values refused by a check, by reason",
+            labels=[*_CACHE_LABELS, "reason", *_GROUP_LABELS],
+        )
+        self.latency = SummaryMetricFamily(
+            f"{_PREFIX}tier_lookup_seconds", "Latency of tier look-ups", labels=labels
+        )
+        self.breaker = GaugeMetricFamily(
+            f"{_PREFIX}tier_breaker_open",
+            "1 while the circuit breaker is not closed",
+            labels=labels,
+        )
+        self.queued = GaugeMetricFamily(
+            f"{_PREFIX}tier_queued_writes", "Tier writes waiting in the queue", labels=labels
+        )
+        self.budget = GaugeMetricFamily(
+            f"{_PREFIX}tier_fetch_budget_bytes",
+            "The largest value the cost policy would fetch now",
+            labels=labels,
+        )
+
+    def all(self) -> list[Metric]:
+        return [
+            *(f for _a, f in self.counters),
+            self.rejected,
+            self.latency,
+            self.breaker,
+            self.queued,
+            self.budget,
+        ]
+
+    def add(self, who: _Identity, stats: object, samples: int) -> None:
+        labels = who.labels()
+        for attr, family in self.counters:
+            _put(family, labels, float(getattr(stats, attr)))
+        for reason, n in getattr(stats, "rejected", {}).items():
+            _put(self.rejected, who.labels(reason=reason), n)
+        seconds = float(getattr(stats, "lookup_seconds", 0.0))
+        self.latency.samples.append(Sample(self.latency.name + "_count", labels, samples))
+        self.latency.samples.append(Sample(self.latency.name + "_sum", labels, seconds))
+        _put(self.breaker, labels, 0.0 if getattr(stats, "breaker_state", "") == "closed" else 1.0)
+        _put(self.queued, labels, float(getattr(stats, "queued_writes", 0)))
+        policy = getattr(stats, "policy", None)
+        if policy is not None:
+            _put(self.budget, labels, float(policy.budget_bytes))
+
+
+def _tier_families(caches: Iterable[tuple[_Identity, StatsCache]]) -> list[Metric]:
+    """The tier series of every collected cache that has a second tier (kept when closed)."""
+    fam = _TierFamilies()
+    for who, cache in caches:
+        tier = getattr(cache, "tier", None)
+        read = getattr(tier, "stats", None)
+        if not callable(read):
+            continue
+        fam.add(who, read(), int(getattr(tier, "lookup_samples", 0)))
+    return fam.all()

@@ -23,13 +23,16 @@ Message format: one payload of the store's own serde (:class:`~aioshmcache.Msgpa
         prompt_updates  list or tuple of serde values
 
 Reusing the serde rather than writing a second format means one set of rules and one hostile-input
-decoder: no pickle, no ``ext_hook``; the structure header is unpacked with explicit ``max_*_len``
-limits; arrays travel as raw bytes at canonical 64-byte aligned offsets, their dtype checked
-against a whitelist, their shape against their byte length; trailing bytes are an error. Every
-decoding failure is a ``SerdeError`` (``WireError`` when the value decodes but is not a features
-message). The limits are the serde's (same names,
-same defaults), counted over the whole message; ``max_depth`` counts from the item, as in the
-store, although the message wraps items in three more levels.
+decoder: no pickle, no decoding hook that builds anything; the structure header is unpacked with
+explicit ``max_*_len`` limits and a bound on its containers (``max_containers``: a message of
+1 MiB of empty maps or lists is refused after 32,768 of them, not unpacked into a million);
+arrays travel as raw bytes at canonical 64-byte aligned offsets, their dtype checked against a
+whitelist, their shape against their byte length; trailing bytes are an error. Every decoding
+failure is a ``SerdeError`` (``WireError`` when the value decodes but is not a features message).
+The limits are the serde's (same names, same defaults), counted over the whole message (the
+wrapping counts too: two lists, and per feature its row, its reference and its prompt updates);
+``max_depth`` counts from the item, as in the store, although the message wraps items in three
+more levels.
 
 Frame format: an 8-byte little-endian unsigned length, then that many payload bytes. The length is
 checked against ``max_bytes`` before any of the payload is read; payload bytes are then gathered
@@ -101,10 +104,13 @@ _MAX_ARRAYS = 4096
 _MAX_NDIM = 32
 _MAX_DEPTH = 64
 _MAX_FEATURES = 4096
+_MAX_CONTAINERS = 1 << 15
 
 
 @functools.lru_cache(maxsize=16)
-def _serde(max_header_bytes: int, max_arrays: int, max_ndim: int, max_depth: int) -> MsgpackSerde:
+def _serde(
+    max_header_bytes: int, max_arrays: int, max_ndim: int, max_depth: int, max_containers: int
+) -> MsgpackSerde:
     if type(max_depth) is not int or not 1 <= max_depth <= 256 - _WRAP_DEPTH:
         raise ValueError(f"max_depth must be an int in [1, {256 - _WRAP_DEPTH}], got {max_depth!r}")
     return MsgpackSerde(
@@ -112,6 +118,7 @@ def _serde(max_header_bytes: int, max_arrays: int, max_ndim: int, max_depth: int
         max_arrays=max_arrays,
         max_ndim=max_ndim,
         max_depth=max_depth + _WRAP_DEPTH,
+        max_containers=max_containers,
     )
 
 
@@ -135,6 +142,7 @@ def pack_features(
     max_ndim: int = _MAX_NDIM,
     max_depth: int = _MAX_DEPTH,
     max_features: int = _MAX_FEATURES,
+    max_containers: int = _MAX_CONTAINERS,
 ) -> bytes:
     """Encode a request's features as one message: references compact, inline items as arrays.
 
@@ -156,7 +164,7 @@ def pack_features(
     _check_max_features(max_features)
     if len(features) > max_features:
         raise WireError(f"{len(features)} features exceed max_features={max_features}")
-    serde = _serde(max_header_bytes, max_arrays, max_ndim, max_depth)
+    serde = _serde(max_header_bytes, max_arrays, max_ndim, max_depth, max_containers)
     rows: list[list[Any]] = []
     for i, f in enumerate(features):
         if not isinstance(f, FeatureSpec):
@@ -197,6 +205,7 @@ def unpack_features(
     max_ndim: int = _MAX_NDIM,
     max_depth: int = _MAX_DEPTH,
     max_features: int = _MAX_FEATURES,
+    max_containers: int = _MAX_CONTAINERS,
 ) -> list[FeatureSpec]:
     """Decode a message made by :func:`pack_features` into new ``FeatureSpec`` objects.
 
@@ -217,7 +226,7 @@ def unpack_features(
             f"data must be bytes, bytearray or memoryview, not {type(data).__name__}"
         ) from None
     _check_max_features(max_features)
-    serde = _serde(max_header_bytes, max_arrays, max_ndim, max_depth)
+    serde = _serde(max_header_bytes, max_arrays, max_ndim, max_depth, max_containers)
     value = serde.read(view, copy=copy)
     try:
         return _features(value, max_features)

@@ -404,3 +404,113 @@ def test_a_group_reader_revoked_by_one_shard_learns_it_from_that_shard_s_referen
         [got] = rx.get_and_update_features([fb])  # shard b never revoked it
         assert np.array_equal(got.data["x"], gp.make_item("hb")["x"])
     assert _ours(group) == []
+
+
+def test_a_plain_cache_named_like_a_shard_is_not_a_member(group: str) -> None:
+    """``G.shard0`` created as a plain cache is not shard 0 of ``G`` (issue 19, item 8): group
+    readers claim no slot on it, sibling writers never look into it, its references are not
+    the group's, and its own puts keep being cached."""
+    from aioshmcache._group import shard_identity
+    from aioshmcache._layout import group_word
+
+    plain_cfg = CacheConfig(4 << 20, 1 << 20, 1, name=f"{group}.shard0")
+    with SenderCache(plain_cfg) as plain, SenderCache(gp.config(group)) as member:
+        assert member.shard == 1  # the name of shard 0 is taken (by a live writer)
+        assert shard_identity(plain.name) == (plain.handle().nonce, 0)
+        assert shard_identity(member.name) == (member.handle().nonce, group_word(group))
+        ref_plain, _ = plain.get_and_update_item((gp.make_item("p"), []), "p")
+        with ReceiverCache.attach_group(group) as rx:
+            assert [h.name for h in rx.shard_handles()] == [member.name]
+            assert not any(r.attached for r in plain.snapshot().readers)
+            with pytest.raises(InvalidReferenceError):
+                rx.get_and_update_features([FeatureSpec("p", ref_plain)])
+            assert [h.name for h in rx.shard_handles()] == [member.name]  # the rescan, too
+            # the plain cache's own single reader slot is still free for its own reader
+            with ReceiverCache.attach(plain.handle()) as own:
+                for i in range(20):  # puts keep being cached, and are read by its reader
+                    ref, _ = plain.get_and_update_item((gp.make_item(f"q{i}"), []), f"q{i}")
+                    assert type(ref) is ShmRef
+                    got = own.get_and_update_item(ref, f"q{i}")
+                    assert np.array_equal(got["x"], gp.make_item(f"q{i}")["x"])
+        # a sibling writer never maps the plain cache, so never finds its keys
+        assert not member.is_cached_item("p")
+        assert member._siblings is not None and member._siblings.names() == []
+
+
+def test_attach_group_to_no_such_group_fails_when_asked_to_wait(group: str) -> None:
+    """A mistyped group name fails at attach with ``wait_for_shard`` (issue 19, item 11)."""
+    from aioshmcache import SegmentNotFoundError
+
+    with pytest.raises(SegmentNotFoundError, match="no shard"):
+        ReceiverCache.attach_group(group, wait_for_shard=0)
+    with pytest.raises(SegmentNotFoundError, match=r"after waiting 0\.2 s"):
+        ReceiverCache.attach_group(group, wait_for_shard=0.2)
+    for bad in (-1, float("nan"), float("inf"), "1", True):
+        with pytest.raises(ValueError, match="wait_for_shard"):
+            ReceiverCache.attach_group(group, wait_for_shard=bad)  # type: ignore[arg-type]
+    # a plain cache named like a shard is no shard of the group
+    with SenderCache(CacheConfig(1 << 20, 1 << 19, 1, name=f"{group}.shard0")) as plain:
+        with pytest.raises(SegmentNotFoundError):
+            ReceiverCache.attach_group(group, wait_for_shard=0)
+        assert not any(r.attached for r in plain.snapshot().readers)
+    # the default still accepts a group with no shard yet (engine before gateways), and the
+    # first reference then says the group has no shard at all
+    with ReceiverCache.attach_group(group) as rx:
+        assert rx.shard_handles() == []
+        with pytest.raises(InvalidReferenceError, match="no shard"):
+            rx.get_and_update_features([FeatureSpec("h", ShmRef(1, 0, 0, 1, 1, 0, 0, 0))])
+
+
+def test_attach_group_waits_for_the_first_shard(group: str) -> None:
+    import threading
+
+    opened = threading.Event()
+    stop = threading.Event()
+
+    def gateway() -> None:
+        time.sleep(0.3)  # after the reader started waiting (most likely; either way it works)
+        with SenderCache(gp.config(group)):
+            opened.set()
+            stop.wait(60)
+
+    th = threading.Thread(target=gateway)
+    th.start()
+    try:
+        with ReceiverCache.attach_group(group, wait_for_shard=60) as rx:
+            assert opened.is_set()
+            assert [h.name for h in rx.shard_handles()] == [shard_name(group, 0)]
+    finally:
+        stop.set()
+        th.join(30)
+
+
+async def test_async_attach_group_passes_wait_for_shard(group: str) -> None:
+    from aioshmcache import AsyncReceiverCache, SegmentNotFoundError
+
+    with pytest.raises(SegmentNotFoundError):
+        async with AsyncReceiverCache.attach_group(group, wait_for_shard=0):
+            pass
+
+
+def test_a_sibling_detached_during_a_copy_is_stale_not_a_released_buffer(group: str) -> None:
+    """A writer copying from a sibling while a rescan detaches it: the copy's checks say
+    stale (the request turns it into a miss), under the sibling's lock, so they never touch
+    the released mapping (a ``ValueError``) half-way."""
+    from aioshmcache import StaleReferenceError
+
+    with SenderCache(gp.config(group)) as a, SenderCache(gp.config(group)) as b:
+        a.get_and_update_item((gp.make_item("k"), []), "k")
+        assert b._siblings is not None
+        found = b._siblings.find("k")
+        assert found is not None
+        src = found.sibling.payload(found.ref)  # the copy has begun...
+        b._siblings.close()  # ...and the sibling is detached under it
+        try:
+            copied = bytes(src)  # the view still reads mapped pages
+        finally:
+            src.release()
+        assert len(copied) == found.ref.length
+        with pytest.raises(StaleReferenceError):
+            found.sibling.verify(found.ref)
+        with pytest.raises(StaleReferenceError):
+            found.sibling.payload(found.ref)

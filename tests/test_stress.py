@@ -142,6 +142,7 @@ def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
         "kill-writer",
         "forge",
         "fork",
+        "close-read",
         "sweep-restart",
     }
     assert parse_args(["--faults", "all"]).faults == frozenset(FAULTS)
@@ -259,6 +260,41 @@ def test_stress_all_faults(tmp_path: pathlib.Path) -> None:
         assert st.get("writer_kills", 0) > 0
         assert st.get("fork_kills_writer", 0) > 0  # and readers saw WriterGoneError in time
     assert all(f["n_not_freeable"] == 0 for f in data["finals"])
+    # close-read: readers closed their cache under a running read, and saw typed errors only
+    assert st.get("read_closed_during_read", 0) + st.get("closed_read_ok", 0) > 0
+
+
+@pytest.mark.stress
+@pytest.mark.parametrize("group", ["0", "2"])
+def test_stress_close_during_read(tmp_path: pathlib.Path, group: str) -> None:
+    """The ``close-read`` fault alone: a reader's cache (or group reader) closed under a read.
+
+    Every read ends with verified bytes or a typed error (an untyped one is a violation), the
+    reader attaches again, and every shard still drains.
+    """
+    assert "close-read" in FAULTS
+    rc, out, data = run_stress(
+        tmp_path,
+        "--duration",
+        "6s",
+        "--readers",
+        "2",
+        "--reader-concurrency",
+        "3",
+        "--group",
+        group,
+        "--faults",
+        "close-read",
+        "--close-read-prob",
+        "0.3",
+        limit=600,
+    )
+    assert rc == 0, "\n".join(data.get("violations", ["(no report)"])) + "\n\n" + out[-8000:]
+    st = data["stats"]
+    assert data["violation_count"] == 0
+    assert st.get("read_closed_during_read", 0) + st.get("closed_read_ok", 0) > 0, out[-4000:]
+    assert data["errors"].get("reattach (close-read)", 0) > 0
+    assert all(f["n_not_freeable"] == 0 and f["after_items"] == 0 for f in data["finals"])
 
 
 @pytest.mark.stress

@@ -224,3 +224,42 @@ def test_attach_takes_every_form_of_a_handle(make_config: Any) -> None:
         stale = CacheHandle(h.name, h.nonce ^ 1, h.layout_version).to_json()
         with pytest.raises((InvalidReferenceError, SegmentNotFoundError)):
             ReceiverCache.attach(stale)
+
+
+DEEP_JSON = [
+    "[" * 4000,
+    "{" + '"a":[' * 1000,
+    '{"name": [[[[[[[[1]]]]]]]], "nonce": 1, "layout_version": 1}',
+    ("[" * 4000).encode(),
+    ("[" * 2000).encode("utf-16"),
+]
+
+
+@pytest.mark.parametrize("deep", DEEP_JSON, ids=["lists", "objects", "field", "bytes", "utf16"])
+def test_a_deeply_nested_json_handle_is_an_invalid_reference(deep: str | bytes) -> None:
+    """4 KB of ``[[[[`` is refused as not a handle, never a RecursionError (issue 19, item 5)."""
+    with pytest.raises(InvalidReferenceError):
+        CacheHandle.from_json(deep)
+    if isinstance(deep, str) and deep.startswith("{"):
+        with pytest.raises(InvalidReferenceError):
+            coerce_handle(deep)
+    with pytest.raises(InvalidReferenceError):
+        coerce_handle("{" + "[" * 4000)
+
+
+def test_brackets_inside_json_strings_are_not_nesting() -> None:
+    text = '{"name": "a\\"[[{", "nonce": 1, "layout_version": 1}'
+    with pytest.raises(InvalidReferenceError, match="name"):  # parsed: the name is what is wrong
+        CacheHandle.from_json(text)
+
+
+def test_a_bad_handle_name_is_an_invalid_reference() -> None:
+    with pytest.raises(InvalidReferenceError, match="name"):
+        CacheHandle.from_dict({"name": "bad name!", "nonce": 1, "layout_version": 1})
+
+
+def test_attach_with_a_deeply_nested_json_handle_is_an_invalid_reference() -> None:
+    from aioshmcache import ReceiverCache
+
+    with pytest.raises(InvalidReferenceError):
+        ReceiverCache.attach("{" + "[" * 4000)

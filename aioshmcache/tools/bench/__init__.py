@@ -13,7 +13,9 @@ Three suites, each also runnable alone (``--suite``) or through the scripts in `
   load with 1 and 4 gateway processes, the cost of a sibling look-up and of a sibling hit;
 * ``trace`` (only when asked for: ``--suite trace``) — miss ratio and bytes written per request
   of FIFO and second-chance eviction on seeded Zipf traces replayed through the real cache,
-  against an LRU model of the same capacity.
+  against an LRU model of the same capacity;
+* ``fleet`` (only when asked for: ``--suite fleet``) — the Redis tier across 4 simulated hosts:
+  preprocessings per distinct item with and without it, a tier hit's latency, Redis killed.
 
 It writes ``aioshmcache-bench[-SUITES][-quick]`` ``.md`` (the table), ``.png`` (the plot) and
 ``.json`` (every figure) to the current directory (``--results-dir DIR`` elsewhere; a bare
@@ -40,7 +42,7 @@ __all__ = ["SUITES", "checkout_results_dir", "main", "results_stem", "run"]
 
 SUITES = ("store", "peers", "async")
 #: suites run only when named with ``--suite``
-EXTRA_SUITES = ("group", "trace")
+EXTRA_SUITES = ("group", "trace", "fleet")
 
 
 #: a bare ``--results-dir``: the ``bench/results`` folder of the source checkout
@@ -110,6 +112,7 @@ def run(
 ) -> Report:
     """Run the given suites and return the report (files are written by :func:`main`)."""
     from .asyncbench import run_async_suite
+    from .fleet import run_fleet_suite
     from .group import run_group_suite
     from .peers import run_peers_suite
     from .trace import run_trace_suite
@@ -130,6 +133,8 @@ def run(
         run_group_suite(p, report, progress)
     if "trace" in suites:
         run_trace_suite(p, report, progress)
+    if "fleet" in suites:
+        run_fleet_suite(p, report, progress)
     report.finish()
     return report
 

@@ -27,6 +27,7 @@ FAULTS: Final = (
     "forge",
     "fork",
     "sweep-restart",
+    "close-read",
 )
 #: faults that cannot work with ``--group`` (none so far: every fault applies per shard)
 GROUP_DISABLED: Final[frozenset[str]] = frozenset()
@@ -101,6 +102,11 @@ class StressOptions:
         parse_duration,
     )
     cancel_prob: float = _opt(0.1, "share of cancelled operations")
+    close_read_prob: float = _opt(
+        0.02,
+        "close-read fault: share of requests during which the reader closes its cache (then "
+        "attaches again)",
+    )
     probe_rate: float = _opt(20.0, "forged/stale probes per second")
     seed: int = _opt(0, "random seed (default: random)", int)
     loop: str = _opt("asyncio", "event loop of the children", choices=("asyncio", "uvloop"))
@@ -225,6 +231,7 @@ def parse_args(argv: list[str]) -> StressOptions:
         (opts.handout_ttl > 0, "--handout-ttl must be > 0"),
         (opts.op_deadline > 0 and opts.hang_timeout > 0, "deadlines must be > 0"),
         (0 <= opts.cancel_prob <= 1, "--cancel-prob must be in [0, 1]"),
+        (0 <= opts.close_read_prob <= 1, "--close-read-prob must be in [0, 1]"),
         (opts.wait_for_space >= 0 and opts.evict_after >= 0, "negative seconds"),
     ]
     for ok, msg in checks:

@@ -312,6 +312,7 @@ class Orchestrator:
             self.tally.stats["bytes_verified"] += int(msg.get("b", 0))
             self.tally.stats["items_wrong"] += int(msg.get("bad", 0))
             self.tally.stats["sabotage_dropped"] += int(msg.get("dropped", 0))
+            self.tally.stats["closed_read_ok"] += int(msg.get("closing", 0))
             if res == "miss":
                 self.tally.errors["CacheMissError (stale genuine refs)"] += int(msg.get("stale", 0))
                 for why, n in dict(msg.get("why", {})).items():

@@ -21,6 +21,7 @@ import anyio
 from aioshmcache import (
     AsyncReceiverCache,
     CacheMissError,
+    ClosedCacheError,
     FeatureSpec,
     ReaderEvictedError,
     SegmentNotFoundError,
@@ -31,6 +32,7 @@ from aioshmcache import (
 from ..framing import Link
 from ..lag import LoopLagMeter
 from .calls import cancel_mode, guarded
+from .closing import read_while_closing
 from .forking import fork_lingering
 from .options import StressOptions
 from .protocol import HB_INTERVAL, SABOTAGE_EVERY, Feature, request_features
@@ -71,6 +73,8 @@ class ReaderProc:
         self.sem = asyncio.Semaphore(opts.reader_concurrency)
         self.lag = LoopLagMeter(0.05, window=1)
         self.tasks: set[asyncio.Task[None]] = set()
+        # the close-read fault: the cache it closed (its operations may raise ClosedCacheError)
+        self.closed_rx: AsyncReceiverCache | None = None
 
     def violation(self, text: str) -> None:
         self.link.send({"t": "violation", "who": f"reader {self.token}", "text": text})
@@ -221,16 +225,22 @@ class ReaderProc:
 
     async def reattach(self) -> None:
         self.need_reattach = False
+        why = "close-read" if self.rx is not None and self.rx is self.closed_rx else "revoked"
         await self.detach()
         await self.attach()
-        self.link.send({"t": "err", "kind": "reattach", "gen": self.gen, "where": "revoked"})
+        self.link.send({"t": "err", "kind": "reattach", "gen": self.gen, "where": why})
 
     async def switch(self, msg: dict[str, Any]) -> None:
         """A new writer generation: the old one must have been reported gone (within 1 s)."""
         if int(msg["gen"]) == self.gen:
             return  # already have it (sent on hello and again with the generation change)
         prev = msg.get("prev")
-        if self.rx is not None and not self.gone and prev is not None:
+        if (
+            self.rx is not None
+            and not self.gone
+            and prev is not None
+            and self.rx is not self.closed_rx
+        ):
             dead_at = float(prev["dead_at"])
             while True:
                 t_call = time.monotonic()
@@ -312,12 +322,27 @@ class ReaderProc:
                 (ref.nonce, ref.id) for _h, ref, _d, _n in feats if ref is not None
             )
         mode = cancel_mode(self.opts, self.rng)
-        res = await guarded(
-            lambda: rx.get_and_update_features(specs),
-            mode=mode,
-            deadline=self.opts.op_deadline,
-            rng=self.rng,
-        )
+        if (
+            "close-read" in self.opts.faults
+            and rx is not self.closed_rx
+            and self.rng.random() < self.opts.close_read_prob
+        ):
+            mode = "close"
+            self.closed_rx = rx
+            self.need_reattach = True  # the next message attaches again (a new session)
+            res = await read_while_closing(
+                rx,
+                lambda: rx.get_and_update_features(specs),
+                deadline=self.opts.op_deadline,
+                rng=self.rng,
+            )
+        else:
+            res = await guarded(
+                lambda: rx.get_and_update_features(specs),
+                mode=mode,
+                deadline=self.opts.op_deadline,
+                rng=self.rng,
+            )
         if res.kind == "timeout":
             self.violation(f"get_and_update_features missed its {self.opts.op_deadline} s deadline")
             self.report(msg, "timeout")
@@ -332,7 +357,7 @@ class ReaderProc:
             for _h, ref, _d, _n in feats:
                 if ref is not None and ref.seq > self.acked_seq.get(ref.nonce, 0):
                     self.acked_seq[ref.nonce] = ref.seq
-            self.report(msg, "ok", n=n_ok, b=nbytes, bad=bad)
+            self.report(msg, "ok", n=n_ok, b=nbytes, bad=bad, closing=int(mode == "close"))
             return
         exc = res.exc
         if isinstance(exc, CacheMissError):
@@ -357,6 +382,10 @@ class ReaderProc:
                 self.violation(why)
             return
         self.session_uncertain += 1  # part of the request may have been read and acknowledged
+        if isinstance(exc, ClosedCacheError) and rx is self.closed_rx:
+            # the close-read fault closed this cache under the read (or beside it): typed
+            self.report(msg, "closed_during_read" if mode == "close" else "closed_beside_read")
+            return
         if isinstance(exc, ReaderEvictedError):
             self.need_reattach = True
             self.report(msg, "ReaderEvictedError")
@@ -493,6 +522,8 @@ class ReaderProc:
             out["r"] = name
             if name in expect:
                 pass
+            elif isinstance(res.exc, ClosedCacheError) and rx is self.closed_rx:
+                out["r"] = "closed_beside_read"  # the close-read fault closed it meanwhile
             elif isinstance(res.exc, ReaderEvictedError):
                 self.need_reattach = True
             elif isinstance(res.exc, WriterGoneError):

@@ -155,6 +155,12 @@ def summary(
         f"{st['read_cancelled_task']:,} / {st['read_cancelled_scope']:,}",
     )
     row("  skipped (writer gone)", st["read_skip"])
+    if "close-read" in o.faults:
+        row(
+            "  closed under / beside a read (close-read)",
+            f"{st['read_closed_during_read'] + st['closed_read_ok']:,} "
+            f"({st['closed_read_ok']:,} read anyway) / {st['read_closed_beside_read']:,}",
+        )
     row("faults: reader SIGKILL / SIGSTOP", f"{st['reader_kills']:,} / {st['reader_stops']:,}")
     row(
         "faults: writer SIGKILL / rotations",

@@ -1,0 +1,230 @@
+"""The tier's cost policy: use Redis only for items that are cheaper to fetch than to make.
+
+A tier hit is not free: a ``redis.asyncio`` GET of 16 MiB on localhost took 44 ms here, more
+than a typical 20 ms preprocessing. The policy learns, from what the tier observes, two linear
+costs in the item's size ``n`` (bytes of the value):
+
+* ``make(n) = a_m + b_m * n`` — from every ``make`` this host ran, and from the make time a
+  value carries (the host that wrote it measured it);
+* ``fetch(n) = a_f + b_f * n`` — from every lookup (a miss: ``n = 0``, the round trip) and
+  every fetch (GET, signature check and decoding of ``n`` bytes).
+
+Each is an exponentially weighted least-squares fit (recent samples count more: ``decay`` per
+sample), so the policy follows a machine that gets busier or a network that gets slower.
+
+Decisions (pure functions of what was learned):
+
+* :meth:`TierPolicy.fetch_budget` — the largest value worth fetching: the largest ``n`` with
+  ``fetch(n) <= margin * make(n)``, capped at ``max_bytes``; 0 means a lookup itself (one round
+  trip) costs more than a make, so the tier is skipped altogether. A lookup never transfers a
+  value larger than the budget (the server reports the size first).
+* :meth:`TierPolicy.worth_storing` — write an item only if fetching it would beat the make it
+  took (``fetch(n) <= margin * measured make``): no host would fetch it otherwise.
+* Until a make has been seen, the make cost is unknown and the budget is ``max_bytes``
+  (optimistic: the first lookups teach the fetch cost). Until ``min_samples`` look-ups (for
+  the fixed part) and fetches of a value (for the part per byte) have been seen, the fetch cost
+  is a prior (``prior_fixed_s`` + ``n * prior_per_byte_s``), and the first ``warmup``
+  look-ups are not learned from at all: a process's first look-ups also open its connections
+  (a pool opens one per concurrent request), and such outliers must not decide what the fleet
+  stores.
+* ``learn=False`` keeps the priors and an unknown make cost for good: every value is looked
+  up, and an item is stored when the prior fetch cost beats the make it took (deterministic:
+  for tests and for operators who measured their costs).
+* **Exploration.** An item the budget excludes is never fetched, so the fetch cost of large
+  items would never be re-learned after a slow spell: one lookup in ``explore_every`` gets the
+  full ``max_bytes`` budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["LinearCost", "TierPolicy"]
+
+
+class LinearCost:
+    """An exponentially weighted least-squares fit of ``seconds = a + b * nbytes``.
+
+    With samples at a single size the slope cannot be told apart from the intercept: the fit is
+    then proportional (``a = 0``) if ``proportional`` (a fetch: its cost grows with the bytes),
+    else flat (``b = 0``, a make of unknown size dependence).
+    """
+
+    def __init__(self, *, decay: float = 0.95, proportional: bool = False) -> None:
+        if not 0 < decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+        self._decay = decay
+        self._proportional = proportional
+        self._w = self._sx = self._sxx = self._sy = self._sxy = 0.0
+        self.samples = 0
+
+    def add(self, nbytes: float, seconds: float) -> None:
+        """One observation (negative or non-finite values are ignored)."""
+        if not (0 <= nbytes < float("inf") and 0 <= seconds < float("inf")):
+            return
+        d = self._decay
+        x = nbytes / 1e6  # MB: keeps the sums well scaled
+        self._w = self._w * d + 1.0
+        self._sx = self._sx * d + x
+        self._sxx = self._sxx * d + x * x
+        self._sy = self._sy * d + seconds
+        self._sxy = self._sxy * d + x * seconds
+        self.samples += 1
+
+    def coefficients(self) -> tuple[float, float]:
+        """``(a seconds, b seconds per byte)``, both >= 0; ``(0, 0)`` before any sample."""
+        if self._w == 0:
+            return 0.0, 0.0
+        w, sx, sxx, sy, sxy = self._w, self._sx, self._sxx, self._sy, self._sxy
+        det = w * sxx - sx * sx
+        if det > 1e-9 * max(w * sxx, 1e-30):
+            b = (w * sxy - sx * sy) / det
+            a = (sy - b * sx) / w
+            if b < 0:  # costs do not shrink with size: a flat fit
+                a, b = sy / w, 0.0
+            elif a < 0:  # nor are they negative at size 0: a proportional fit
+                a, b = 0.0, (sxy / sxx if sxx > 0 else 0.0)
+        elif self._proportional and sx > 0:
+            a, b = 0.0, sy / sx
+        else:
+            a, b = sy / w, 0.0
+        return a, b / 1e6
+
+    def predict(self, nbytes: float) -> float:
+        """Seconds for ``nbytes``."""
+        a, b = self.coefficients()
+        return a + b * nbytes
+
+
+@dataclass(frozen=True)
+class PolicyView:
+    """What the policy believes now (for the stats and the bench)."""
+
+    make_fixed_s: float
+    make_per_byte_s: float
+    fetch_fixed_s: float
+    fetch_per_byte_s: float
+    makes_seen: int
+    fetches_seen: int
+    budget_bytes: int
+
+
+class TierPolicy:
+    """Learns make and fetch costs; decides what to look up and what to store (see module)."""
+
+    def __init__(
+        self,
+        *,
+        margin: float = 0.8,
+        decay: float = 0.95,
+        prior_fixed_s: float = 0.0005,
+        prior_per_byte_s: float = 2.5e-9,
+        explore_every: int = 50,
+        learn: bool = True,
+        min_samples: int = 5,
+        warmup: int = 16,
+    ) -> None:
+        if not 0 < margin <= 1:
+            raise ValueError(f"margin must be in (0, 1], got {margin!r}")
+        if prior_fixed_s < 0 or prior_per_byte_s < 0:
+            raise ValueError("the priors must be >= 0")
+        if type(warmup) is not int or warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+        if type(min_samples) is not int or min_samples < 1:
+            raise ValueError(f"min_samples must be an int >= 1, got {min_samples!r}")
+        if type(explore_every) is not int or explore_every < 0:
+            raise ValueError(f"explore_every must be an int >= 0 (0: never), got {explore_every!r}")
+        self.margin = margin
+        self._make = LinearCost(decay=decay)
+        self._fetch = LinearCost(decay=decay, proportional=True)
+        self._fetch_sized = 0  # fetches with bytes (a miss alone says nothing per byte)
+        self._prior = (prior_fixed_s, prior_per_byte_s)
+        self._explore_every = explore_every
+        self._learn = learn
+        self._min = min_samples
+        self._warmup = warmup  # fetch samples still to ignore
+        self._lookups = 0
+
+    # --- learning ---------------------------------------------------------------------------
+
+    def observe_make(self, seconds: float, nbytes: int) -> None:
+        """A ``make`` produced a value of ``nbytes`` in ``seconds`` (here or on another host)."""
+        if self._learn:
+            self._make.add(nbytes, seconds)
+
+    def observe_fetch(self, seconds: float, nbytes: int) -> None:
+        """A lookup that transferred ``nbytes`` (0: a miss) took ``seconds`` end to end."""
+        if not self._learn:
+            return
+        if self._warmup > 0:
+            self._warmup -= 1
+            return
+        self._fetch.add(nbytes, seconds)
+        if nbytes > 0:
+            self._fetch_sized += 1
+
+    # --- estimates --------------------------------------------------------------------------
+
+    def make_cost(self, nbytes: int) -> float | None:
+        """Predicted seconds of a ``make`` of ``nbytes``; None before any was seen."""
+        return self._make.predict(nbytes) if self._make.samples else None
+
+    def fetch_coefficients(self) -> tuple[float, float]:
+        """``(fixed seconds, seconds per byte)`` of a fetch (the prior's parts until learned)."""
+        a, b = self._fetch.coefficients()
+        if self._fetch.samples < self._min:
+            a = self._prior[0]
+        if self._fetch_sized < self._min:
+            b = self._prior[1]
+        return a, b
+
+    def fetch_cost(self, nbytes: int) -> float:
+        """Predicted seconds of fetching a value of ``nbytes``."""
+        a, b = self.fetch_coefficients()
+        return a + b * nbytes
+
+    # --- decisions --------------------------------------------------------------------------
+
+    def fetch_budget(self, max_bytes: int) -> int:
+        """The largest value worth fetching (<= ``max_bytes``); 0: skip the tier."""
+        if self._make.samples == 0:
+            return max_bytes
+        am, bm = self._make.coefficients()
+        af, bf = self.fetch_coefficients()
+        m = self.margin
+        # fetch(n) <= m * make(n)  <=>  n * (bf - m*bm) <= m*am - af
+        room, slope = m * am - af, bf - m * bm
+        if slope <= 0:
+            if room >= 0:
+                return max_bytes
+            # only large values win (rare: a make that grows faster than a fetch); a lookup
+            # cannot ask for "at least n" bytes, so take the tier if the largest one wins
+            return max_bytes if room - slope * max_bytes >= 0 else 0
+        if room < 0:
+            return 0
+        return int(min(room / slope, max_bytes))
+
+    def lookup_budget(self, max_bytes: int) -> int:
+        """:meth:`fetch_budget` for the next lookup, with one in ``explore_every`` at full size."""
+        self._lookups += 1
+        if self._explore_every and self._lookups % self._explore_every == 0:
+            return max_bytes
+        return self.fetch_budget(max_bytes)
+
+    def worth_storing(self, nbytes: int, make_seconds: float) -> bool:
+        """Whether fetching ``nbytes`` would beat the ``make_seconds`` the item took."""
+        return self.fetch_cost(nbytes) <= self.margin * make_seconds
+
+    def view(self, max_bytes: int) -> PolicyView:
+        """A snapshot of the learned costs."""
+        am, bm = self._make.coefficients()
+        af, bf = self.fetch_coefficients()
+        return PolicyView(
+            make_fixed_s=am,
+            make_per_byte_s=bm,
+            fetch_fixed_s=af,
+            fetch_per_byte_s=bf,
+            makes_seen=self._make.samples,
+            fetches_seen=self._fetch.samples,
+            budget_bytes=self.fetch_budget(max_bytes),
+        )

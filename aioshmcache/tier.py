@@ -1,0 +1,674 @@
+"""A second tier behind the shared-memory cache: Redis, shared by every host of a fleet.
+
+Shared memory ends at the host. With ``AsyncSenderCache.from_config(config, tier=RedisTier(...))``
+``get_or_put(mm_hash, make)`` looks in shared memory, then in Redis, and only then calls
+``make``; a value found in Redis is put into shared memory and handed out as usual, and a value
+made here is written to Redis behind the request. Needs the ``fleet`` extra (``redis>=5``;
+``hiredis`` optional) and an asyncio event loop (``redis.asyncio``).
+
+The rules (tests in ``tests/test_tier*.py``; the byte layout of a value in ``_tier_value``):
+
+* **Values are untrusted input.** A value is the wire module's bytes of the item behind a
+  64-byte header, signed with HMAC-SHA256 under ``secret`` over its key, header and payload.
+  A value whose size, signature or decoding fails is a miss (counted in ``rejected``), never
+  served, and is overwritten by the next write. No pickle anywhere.
+* **Fleet-wide single flight.** Within a process, ``get_or_put`` already runs one ``make`` per
+  hash. Across processes and hosts, the first to miss *claims* the hash (``SET lease token NX
+  PX lease_s``, in the same Lua script as the look-up: one round trip) and renews its lease
+  while ``make`` runs; the others find the lease and wait (polling, at most ``max_wait_s``) for
+  the value. A claimer that dies stops renewing: its lease expires and the first waiter to
+  look again claims the hash (a *takeover*) and makes it. A claimer whose ``make`` fails or is
+  cancelled releases its lease at once.
+* **Redis is never a single point of failure.** Every Redis operation has a deadline: a
+  look-up ``lookup_timeout_s``, the transfer of a value ``lookup_timeout_s`` plus twice its
+  predicted cost. An error or a timeout is a miss (the request calls ``make``); repeated ones
+  open a circuit breaker (``_tier_breaker``) that skips Redis for ``retry_after_s`` (doubling
+  while Redis stays down), then lets one probe through; the tier is used again as soon as
+  Redis answers (a refusal — a key of another type under ours, Redis out of memory — is
+  counted as an error but is an answer: it does not open the breaker). Writes run in one
+  background task from a bounded queue (``write_queue_items`` items, ``write_queue_bytes``
+  bytes of arrays): a full queue drops the write (``dropped_writes``); a request never waits
+  for a write.
+* **Never slower than computing it.** The cost policy (``_tier_policy``) learns what a
+  ``make`` costs and what a fetch costs per byte; a look-up never transfers a value larger
+  than the size at which fetching stops paying (the server reports the size first), and an
+  item that would not pay is not written at all: its lease becomes a ``skip`` marker for
+  ``skip_ttl_s`` so that other hosts make it at once instead of waiting.
+
+Counters: :meth:`RedisTier.stats` (``AsyncSenderCache.tier_stats()``), and the
+``aioshmcache_tier_*`` series of :class:`aioshmcache.metrics.CacheCollector`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import asdict, dataclass, field
+from types import TracebackType
+from typing import Any, Final
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from ._tier_breaker import CircuitBreaker
+from ._tier_policy import PolicyView, TierPolicy
+from ._tier_value import (
+    HEADER_SIZE,
+    TierValueError,
+    lease_key,
+    open_value,
+    seal_value,
+    value_key,
+)
+from .errors import ClosedCacheError
+
+__all__ = ["CircuitBreaker", "RedisTier", "TierPolicy", "TierStats", "TierValueError"]
+
+MiB: Final = 1 << 20
+#: values at least this large are signed / verified in a worker thread (hashing releases the GIL)
+THREAD_THRESHOLD: Final = 256 << 10
+_SKIP: Final = b"skip"  # a lease value that says "not worth storing: make it yourself"
+_REJECT_REASONS: Final = ("truncated", "malformed", "oversized", "signature", "decoding")
+
+# KEYS: value, lease. ARGV: our token, lease ms, the skip marker.
+# -> {1, n} a value of n bytes | {2, 0} claimed by us | {3, 0} leased by another | {4, 0} skip
+_PROBE: Final = """
+local n = redis.call('STRLEN', KEYS[1])
+if n > 0 then return {1, n} end
+local l = redis.call('GET', KEYS[2])
+if l == ARGV[3] then return {4, 0} end
+if l then return {3, 0} end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+return {2, 0}
+"""
+# KEYS: lease. ARGV: token, ms. Extends our own lease only.
+_RENEW: Final = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+# KEYS: lease. ARGV: token, replacement ('' deletes), ms. Touches our own lease only.
+_RELEASE: Final = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  if ARGV[2] == '' then redis.call('DEL', KEYS[1])
+  else redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) end
+  return 1
+end
+return 0
+"""
+_VALUE, _CLAIMED, _LEASED, _SKIPPED = 1, 2, 3, 4
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """What a :class:`RedisTier` counted since it was created."""
+
+    #: look-ups that asked Redis (a probe, and a GET if the value was worth fetching)
+    lookups: int = 0
+    #: values fetched, verified and served
+    hits: int = 0
+    #: look-ups that found no usable value (nothing there, a rejected value, a failure)
+    misses: int = 0
+    #: Redis operations that failed (connection refused, reset, server error)
+    errors: int = 0
+    #: Redis operations that hit their deadline
+    timeouts: int = 0
+    #: values refused by a check (size, signature, decoding), by reason
+    rejected: dict[str, int] = field(default_factory=dict)
+    #: look-ups skipped by the cost policy (a lookup or that value would cost more than a make)
+    skipped: int = 0
+    #: operations skipped because the circuit breaker was open
+    bypassed: int = 0
+    #: hashes claimed (this process ran ``make`` for the fleet)
+    claims: int = 0
+    #: look-ups that waited for another host's ``make``
+    waits: int = 0
+    #: waits that gave up after ``max_wait_s`` (then ``make`` ran here)
+    wait_timeouts: int = 0
+    #: claims taken over from a claimer whose lease had expired
+    takeovers: int = 0
+    #: ``make`` calls this tier ran
+    makes: int = 0
+    #: values written
+    writes: int = 0
+    #: writes dropped because the write queue was full
+    dropped_writes: int = 0
+    #: items not written because fetching them would not beat making them
+    skipped_writes: int = 0
+    #: bytes of values fetched and served / written
+    bytes_read: int = 0
+    bytes_written: int = 0
+    #: total seconds of look-ups (probe and fetch), and their number: the mean latency
+    lookup_seconds: float = 0.0
+    #: the circuit breaker: ``closed``, ``open`` or ``half_open``; times it opened
+    breaker_state: str = "closed"
+    breaker_opens: int = 0
+    #: writes waiting in the queue now
+    queued_writes: int = 0
+    #: the cost policy's current beliefs (learned costs, fetch budget)
+    policy: PolicyView | None = None
+
+    @property
+    def rejected_total(self) -> int:
+        """Values refused, all reasons."""
+        return sum(self.rejected.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The counters as plain data (for JSON, a status page, a results table)."""
+        return asdict(self)
+
+
+@dataclass
+class _Write:
+    """One entry of the write queue: a made item to store (or only a lease to release)."""
+
+    vkey: str
+    lkey: str
+    mm_hash: str
+    token: bytes | None  # our lease, if we claimed
+    item: Any = None
+    has_item: bool = False
+    make_s: float = 0.0
+    nbytes: int = 0  # the item's array bytes (the queue's byte bound)
+    renewal: asyncio.Task[None] | None = None
+
+
+def _array_bytes(item: Any, depth: int = 0) -> int:
+    """The bytes of the numpy arrays in ``item`` (what a queued write keeps alive)."""
+    if isinstance(item, np.ndarray):
+        return int(item.nbytes)
+    if depth > 64:
+        return 0
+    if isinstance(item, dict):
+        return sum(_array_bytes(v, depth + 1) for v in item.values())
+    if isinstance(item, (list, tuple)):
+        return sum(_array_bytes(v, depth + 1) for v in item)
+    if isinstance(item, (bytes, bytearray)):
+        return len(item)
+    return 0
+
+
+def _import_redis() -> Any:
+    try:
+        import redis.asyncio
+        import redis.exceptions
+    except ImportError as exc:
+        raise ImportError(
+            "aioshmcache.tier.RedisTier needs the redis client, which comes with the 'fleet' "
+            "extra: pip install 'aioshmcache[fleet]'"
+        ) from exc
+    return redis.asyncio
+
+
+class RedisTier:
+    """Redis as the fleet-wide second tier of an ``AsyncSenderCache`` (see the module docstring).
+
+    Give it to the cache: ``AsyncSenderCache.from_config(config, tier=RedisTier(url,
+    secret=...))``; the cache opens and closes it with itself (one tier per cache: a tier the
+    cache closed raises ``ClosedCacheError``). Every host of a fleet uses the same ``url``,
+    ``secret`` and ``prefix``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        secret: bytes | str,
+        ttl_s: float = 3600.0,
+        max_item_bytes: int = 64 * MiB,
+        lookup_timeout_s: float = 0.05,
+        prefix: str = "aioshm:",
+        cluster: bool = False,
+        lease_s: float = 2.0,
+        max_wait_s: float = 5.0,
+        write_timeout_s: float = 5.0,
+        write_queue_items: int = 32,
+        write_queue_bytes: int = 512 * MiB,
+        skip_ttl_s: float = 10.0,
+        breaker: CircuitBreaker | None = None,
+        policy: TierPolicy | None = None,
+    ) -> None:
+        """Configure; no connection is made here (nor on ``open``: Redis may be down).
+
+        ``secret`` (at least 16 bytes; a str is UTF-8 encoded) signs and verifies every value.
+        ``ttl_s``: how long Redis keeps a value. ``max_item_bytes``: the largest payload
+        written or read. ``lookup_timeout_s``: the deadline of a look-up. ``prefix``: of every
+        key. ``cluster``: ``url`` names a node of a Redis Cluster. ``lease_s``: the lease of a
+        claim (renewed every third of it while ``make`` runs); ``max_wait_s``: how long a
+        request waits for another host's ``make``. ``breaker`` and ``policy`` replace the
+        default circuit breaker and cost policy.
+        """
+        if not isinstance(url, str) or not url:
+            raise TypeError("url must be a non-empty str (redis://host:port/db)")
+        key = secret.encode("utf-8") if isinstance(secret, str) else secret
+        if not isinstance(key, bytes) or len(key) < 16:
+            raise ValueError("secret must be bytes (or str) of at least 16 bytes")
+        for name, value in (
+            ("ttl_s", ttl_s),
+            ("lookup_timeout_s", lookup_timeout_s),
+            ("lease_s", lease_s),
+            ("write_timeout_s", write_timeout_s),
+            ("skip_ttl_s", skip_ttl_s),
+        ):
+            if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not isinstance(max_wait_s, (int, float)) or not 0 <= max_wait_s < float("inf"):
+            raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
+        for name, n in (
+            ("max_item_bytes", max_item_bytes),
+            ("write_queue_items", write_queue_items),
+            ("write_queue_bytes", write_queue_bytes),
+        ):
+            if type(n) is not int or n < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+        if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+            raise ValueError("prefix must be a str without braces (they make the hash tag)")
+        self._redis_mod = _import_redis()
+        self.url = url
+        self._secret = key
+        self.ttl_s = float(ttl_s)
+        self.max_item_bytes = max_item_bytes
+        self.lookup_timeout_s = float(lookup_timeout_s)
+        self.prefix = prefix
+        self.cluster = bool(cluster)
+        self.lease_s = float(lease_s)
+        self.max_wait_s = float(max_wait_s)
+        self.write_timeout_s = float(write_timeout_s)
+        self._queue_items = write_queue_items
+        self._queue_bytes = write_queue_bytes
+        self.skip_ttl_s = float(skip_ttl_s)
+        self.breaker = breaker if breaker is not None else CircuitBreaker()
+        self.policy = policy if policy is not None else TierPolicy()
+        self._client: Any = None
+        self._scripts: dict[str, Any] = {}
+        self._queue: collections.deque[_Write] = collections.deque()
+        self._queued_bytes = 0
+        self._wake: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self._n: collections.Counter[str] = collections.Counter()
+        self._rejected: collections.Counter[str] = collections.Counter()
+        self._lookup_seconds = 0.0
+
+    # --- lifetime -----------------------------------------------------------------------------
+
+    @property
+    def is_open(self) -> bool:
+        """Whether :meth:`open` ran and :meth:`aclose` did not."""
+        return self._client is not None and not self._closed
+
+    async def open(self) -> RedisTier:
+        """Make the client and start the writer task (no round trip: Redis may be down)."""
+        if self._closed:
+            raise ClosedCacheError("the tier is closed")
+        if self._client is not None:
+            return self
+        r = self._redis_mod
+        opts: dict[str, Any] = {
+            "socket_connect_timeout": max(self.lookup_timeout_s, 0.5),
+            "socket_timeout": self.write_timeout_s,
+        }
+        if self.cluster:
+            self._client = r.RedisCluster.from_url(self.url, **opts)
+        else:
+            from redis.asyncio.retry import Retry
+            from redis.backoff import NoBackoff
+
+            # our own deadlines and breaker decide; a client-side retry would only add delay
+            self._client = r.Redis.from_url(self.url, retry=Retry(NoBackoff(), 0), **opts)
+        for name, body in (("probe", _PROBE), ("renew", _RENEW), ("release", _RELEASE)):
+            self._scripts[name] = self._client.register_script(body)
+        self._wake, self._idle = asyncio.Event(), asyncio.Event()
+        self._idle.set()
+        self._writer = asyncio.create_task(self._write_loop(), name="aioshmcache-tier-writer")
+        return self
+
+    async def __aenter__(self) -> RedisTier:
+        """Enter ``async with``: :meth:`open`."""
+        return await self.open()
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Leave ``async with``: :meth:`aclose`."""
+        await self.aclose()
+
+    async def aclose(self, *, flush_timeout_s: float = 2.0) -> None:
+        """Write what is queued (at most ``flush_timeout_s``), stop the tasks, close the client.
+
+        Idempotent. Writes still queued after the timeout are dropped (and counted).
+        """
+        if self._closed:
+            return
+        with anyio.CancelScope(shield=True):
+            if self._client is not None:
+                await self.flush(flush_timeout_s)
+            self._closed = True
+            self._n["dropped_writes"] += sum(1 for w in self._queue if w.has_item)
+            self._queue.clear()
+            tasks = [t for t in (self._writer, *self._tasks) if t is not None]
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(BaseException):
+                    await t
+            if self._client is not None:
+                with contextlib.suppress(Exception):
+                    await self._client.aclose()
+
+    async def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the write queue is empty (or ``timeout_s``); True if it is."""
+        if self._idle is None:
+            return True
+        with anyio.move_on_after(timeout_s):
+            await self._idle.wait()
+        return self._idle.is_set()
+
+    # --- the request path ---------------------------------------------------------------------
+
+    async def fetch_or_make(self, mm_hash: str, make: Callable[[], Awaitable[Any]]) -> Any:
+        """The item of ``mm_hash``: from Redis if it is there and worth it, else ``make()``.
+
+        Never raises because of Redis; raises what ``make`` raises (after releasing a claim).
+        """
+        if not self.is_open:
+            raise ClosedCacheError("the tier is not open (the cache opens it: 'async with')")
+        vkey, lkey = value_key(self.prefix, mm_hash), lease_key(self.prefix, mm_hash)
+        budget = min(self.policy.lookup_budget(self.max_item_bytes), self.max_item_bytes)
+        if budget == 0:  # a round trip costs more than a make: nothing to look up or store
+            self._n["skipped"] += 1
+            return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
+        if not self.breaker.allow():
+            self._n["bypassed"] += 1
+            return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
+        self._n["lookups"] += 1
+        token = b"c:" + secrets.token_hex(12).encode()
+        waited_since: float | None = None
+        pause = 0.002
+        while True:
+            t0 = time.perf_counter()
+            probe = await self._call(
+                self._scripts["probe"],
+                keys=[vkey, lkey],
+                args=[token, int(self.lease_s * 1000), _SKIP],
+                deadline_s=self.lookup_timeout_s,
+            )
+            if probe is None:  # Redis failed (counted): make it here, write nothing
+                self._n["misses"] += 1
+                return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
+            kind, n = int(probe[0]), int(probe[1])
+            if kind == _VALUE:
+                if n > HEADER_SIZE + self.max_item_bytes:
+                    self._n["misses"] += 1
+                    self._rejected["oversized"] += 1
+                    return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=True)
+                if n > HEADER_SIZE + budget:
+                    self._n["misses"] += 1
+                    self._n["skipped"] += 1
+                    return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
+                item = await self._fetch(vkey, mm_hash, n, t0)
+                if item is not None:
+                    return item[0]
+                self._n["misses"] += 1  # rejected (counted), vanished or failed: make it here
+                return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=True)
+            self._note_latency(time.perf_counter() - t0, 0)
+            if kind == _CLAIMED:
+                self._n["misses"] += 1
+                self._n["claims"] += 1
+                if waited_since is not None:
+                    self._n["takeovers"] += 1
+                return await self._make(_Write(vkey, lkey, mm_hash, token), make, store=True)
+            if kind == _SKIPPED:
+                self._n["misses"] += 1
+                self._n["skipped"] += 1
+                return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
+            # leased by another process or host: wait for its value (bounded)
+            now = time.monotonic()
+            if waited_since is None:
+                waited_since = now
+                self._n["waits"] += 1
+            if now - waited_since >= self.max_wait_s:
+                self._n["misses"] += 1
+                self._n["wait_timeouts"] += 1
+                return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
+            await anyio.sleep(min(pause, max(0.0, waited_since + self.max_wait_s - now)))
+            pause = min(pause * 1.5, 0.05)
+            if not self.breaker.allow():
+                self._n["misses"] += 1
+                self._n["bypassed"] += 1
+                return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
+
+    async def _fetch(self, vkey: str, mm_hash: str, n: int, t0: float) -> tuple[Any] | None:
+        """GET, verify and decode a value of ``n`` bytes; None if it failed (counted)."""
+        deadline = self.lookup_timeout_s + 2 * self.policy.fetch_cost(n)
+        data = await self._call(self._client.get, args=[vkey], deadline_s=deadline)
+        if data is None:
+            return None  # failed, or expired between the probe and the GET
+        try:
+            if len(data) >= THREAD_THRESHOLD:
+                item, make_ns = await anyio.to_thread.run_sync(self._open, vkey, mm_hash, data)
+            else:
+                item, make_ns = self._open(vkey, mm_hash, data)
+        except TierValueError as exc:
+            self._rejected[exc.reason] += 1
+            return None
+        elapsed = time.perf_counter() - t0
+        self._note_latency(elapsed, len(data))
+        self._n["hits"] += 1
+        self._n["bytes_read"] += len(data)
+        if make_ns > 0:
+            self.policy.observe_make(make_ns * 1e-9, len(data))
+        return (item,)
+
+    def _open(self, vkey: str, mm_hash: str, data: bytes) -> tuple[Any, int]:
+        return open_value(self._secret, vkey, mm_hash, data, max_item_bytes=self.max_item_bytes)
+
+    def _note_latency(self, seconds: float, nbytes: int) -> None:
+        self._lookup_seconds += seconds
+        self._n["lookup_samples"] += 1
+        self.policy.observe_fetch(seconds, nbytes)
+
+    async def _make(self, w: _Write, make: Callable[[], Awaitable[Any]], *, store: bool) -> Any:
+        """Run ``make`` (renewing our lease, if any), then queue the write or the release."""
+        if w.token is not None:
+            w.renewal = self._spawn(self._renew(w.lkey, w.token))
+        self._n["makes"] += 1
+        t0 = time.perf_counter()
+        try:
+            item = await make()
+        except BaseException:
+            if w.token is not None:  # let a waiter take over now, not when the lease expires
+                self._enqueue(w)
+            elif w.renewal is not None:
+                w.renewal.cancel()
+            raise
+        w.make_s = time.perf_counter() - t0
+        if store:
+            w.item, w.has_item = item, True
+            w.nbytes = _array_bytes(item)
+        self._enqueue(w)
+        return item
+
+    # --- background: lease renewal, the write queue ------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _renew(self, lkey: str, token: bytes) -> None:
+        """Extend our lease every third of it until cancelled (or the lease is not ours)."""
+        while True:
+            await anyio.sleep(self.lease_s / 3)
+            if not self.breaker.allow():
+                continue
+            out = await self._call(
+                self._scripts["renew"],
+                keys=[lkey],
+                args=[token, int(self.lease_s * 1000)],
+                deadline_s=max(self.lookup_timeout_s, self.lease_s / 6),
+            )
+            if out == 0:
+                return  # expired or taken over: nothing left to keep
+
+    def _enqueue(self, w: _Write) -> None:
+        """Queue a write (dropped, and counted, if the queue is full) or a lease release."""
+        if w.has_item and (
+            sum(1 for q in self._queue if q.has_item) >= self._queue_items
+            or self._queued_bytes + w.nbytes > self._queue_bytes
+        ):
+            self._n["dropped_writes"] += 1
+            w.item, w.has_item = None, False  # still release the lease (tiny, never dropped)
+        if not w.has_item and w.token is None:
+            if w.renewal is not None:
+                w.renewal.cancel()
+            return
+        if w.has_item:
+            self._queued_bytes += w.nbytes
+        self._queue.append(w)
+        if self._idle is not None and self._wake is not None:
+            self._idle.clear()
+            self._wake.set()
+
+    async def _write_loop(self) -> None:
+        if self._wake is None or self._idle is None:
+            return
+        while True:
+            if not self._queue:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            w = self._queue.popleft()
+            try:
+                await self._write(w)
+            except Exception:  # never let the writer die: count and go on
+                self._n["errors"] += 1
+            finally:
+                if w.has_item:
+                    self._queued_bytes -= w.nbytes
+                if w.renewal is not None:
+                    w.renewal.cancel()
+
+    async def _write(self, w: _Write) -> None:
+        if not w.has_item:  # make failed, was cancelled, or its write was dropped
+            if w.token is not None and self.breaker.allow():
+                await self._release(w, b"")
+            return
+        try:
+            if w.nbytes >= THREAD_THRESHOLD:
+                value = await anyio.to_thread.run_sync(self._seal, w)
+            else:
+                value = self._seal(w)
+        except Exception:  # not something the wire carries: nobody can fetch it
+            self._n["skipped_writes"] += 1
+            await self._release(w, _SKIP)
+            return
+        n = len(value)
+        self.policy.observe_make(w.make_s, n)
+        if n > HEADER_SIZE + self.max_item_bytes or not self.policy.worth_storing(n, w.make_s):
+            self._n["skipped_writes"] += 1
+            await self._release(w, _SKIP)
+            return
+        if not self.breaker.allow():
+            self._n["bypassed"] += 1
+            return
+        ok = await self._call(
+            self._client.set,
+            args=[w.vkey, value],
+            kwargs={"px": int(self.ttl_s * 1000)},
+            deadline_s=self.write_timeout_s,
+        )
+        if ok is None:
+            return
+        self._n["writes"] += 1
+        self._n["bytes_written"] += n
+        await self._release(w, b"")
+
+    def _seal(self, w: _Write) -> bytes:
+        return seal_value(self._secret, w.vkey, w.mm_hash, w.item, make_ns=int(w.make_s * 1e9))
+
+    async def _release(self, w: _Write, replacement: bytes) -> None:
+        if w.token is None:
+            return
+        await self._call(
+            self._scripts["release"],
+            keys=[w.lkey],
+            args=[w.token, replacement, int(self.skip_ttl_s * 1000)],
+            deadline_s=max(self.lookup_timeout_s, 0.5),
+        )
+
+    async def _call(
+        self,
+        fn: Callable[..., Awaitable[Any]],
+        *,
+        keys: list[str] | None = None,
+        args: list[Any] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        deadline_s: float,
+    ) -> Any:
+        """One Redis operation under a deadline; None on a failure (counted, breaker told)."""
+        try:
+            with anyio.fail_after(deadline_s):
+                if keys is not None:
+                    out = await fn(keys=keys, args=args)
+                else:
+                    out = await fn(*(args or []), **(kwargs or {}))
+        except self._redis_mod.ResponseError:
+            # Redis answered, but refused (a key of another type under ours, out of memory):
+            # an error to count, not a sign that Redis is down
+            self._n["errors"] += 1
+            self.breaker.success()
+            return None
+        except Exception as exc:  # connection errors, OSError, deadlines: Redis is unavailable
+            timed_out = isinstance(exc, (TimeoutError, self._redis_mod.TimeoutError))
+            self._n["timeouts" if timed_out else "errors"] += 1
+            self.breaker.failure()
+            return None
+        self.breaker.success()
+        return out
+
+    # --- counters -----------------------------------------------------------------------------
+
+    def stats(self) -> TierStats:
+        """The counters, read together."""
+        n = self._n
+        return TierStats(
+            lookups=n["lookups"],
+            hits=n["hits"],
+            misses=n["misses"],
+            errors=n["errors"],
+            timeouts=n["timeouts"],
+            rejected={r: self._rejected[r] for r in _REJECT_REASONS},
+            skipped=n["skipped"],
+            bypassed=n["bypassed"],
+            claims=n["claims"],
+            waits=n["waits"],
+            wait_timeouts=n["wait_timeouts"],
+            takeovers=n["takeovers"],
+            makes=n["makes"],
+            writes=n["writes"],
+            dropped_writes=n["dropped_writes"],
+            skipped_writes=n["skipped_writes"],
+            bytes_read=n["bytes_read"],
+            bytes_written=n["bytes_written"],
+            lookup_seconds=self._lookup_seconds,
+            breaker_state=self.breaker.state,
+            breaker_opens=self.breaker.opened,
+            queued_writes=sum(1 for w in self._queue if w.has_item),
+            policy=self.policy.view(self.max_item_bytes),
+        )
+
+    @property
+    def lookup_samples(self) -> int:
+        """Look-ups timed (the denominator of ``lookup_seconds``)."""
+        return self._n["lookup_samples"]

@@ -1,0 +1,351 @@
+"""Closing a reader while other threads read from it: typed errors only (issue 19, item 3).
+
+A reader (or a group reader's rescan, which closes the shard of a writer that went away) may be
+closed by one thread while others are in the middle of a read. Those reads must end with a
+typed error of ``aioshmcache.errors`` or a correct item: never a released buffer's
+``ValueError``, nor an ``OSError`` from a liveness probe on a closed (or reused) descriptor.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aioshmcache import (
+    CacheConfig,
+    ClosedCacheError,
+    FeatureSpec,
+    ReceiverCache,
+    SenderCache,
+    ShmCacheError,
+    ShmRef,
+)
+from aioshmcache._reading import ReadPath
+
+from .conftest import RUN_PREFIX
+
+ROUNDS = 8
+THREADS = 3
+
+
+class ParkingClock:
+    """Stands in for ``time`` in ``_reading``: the first clock read of the thread named
+    ``parked-reader`` (armed) parks until the reader is closed under it.
+
+    The read path reads the clock after its ``closed`` checks and before it touches the
+    reader slot and the mapping, so this makes "closed during a read" deterministic.
+    """
+
+    def __init__(self) -> None:
+        self.armed = threading.Event()
+        self.parked = threading.Event()
+        self.closed: Callable[[], bool] = lambda: False
+
+    def monotonic(self) -> float:
+        if self.armed.is_set() and threading.current_thread().name == "parked-reader":
+            self.armed.clear()
+            self.parked.set()
+            deadline = time.monotonic() + 10
+            while not self.closed() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.1)  # let the closer go as far as it will
+        return time.monotonic()
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> ParkingClock:
+    from aioshmcache import _reading
+
+    c = ParkingClock()
+    monkeypatch.setattr(_reading, "time", c)
+    return c
+
+
+def _park_and_close(clock: ParkingClock, read: Callable[[], Any], close: Callable[[], None]) -> Any:
+    """Run ``read`` in a thread, park it inside the read path, close meanwhile; its outcome."""
+    outcome: list[Any] = []
+
+    def reader() -> None:
+        try:
+            outcome.append(read())
+        except BaseException as exc:  # the outcome is what the test checks
+            outcome.append(exc)
+
+    clock.armed.set()
+    th = threading.Thread(target=reader, name="parked-reader")
+    th.start()
+    assert clock.parked.wait(30)
+    closer = threading.Thread(target=close)
+    closer.start()
+    th.join(30)
+    closer.join(30)
+    assert not th.is_alive() and not closer.is_alive()
+    return outcome[0]
+
+
+def _item(i: int) -> dict[str, Any]:
+    return {"x": np.full(2048 + 64 * i, i, dtype=np.int32)}
+
+
+def _check(item: Any, i: int) -> None:
+    if not (isinstance(item, dict) and np.array_equal(item["x"], _item(i)["x"])):
+        raise AssertionError(f"wrong bytes for item {i}")
+
+
+def _race(
+    read: Callable[[int], Any], close: Callable[[], None], n_items: int
+) -> tuple[list[BaseException], int]:
+    """Threads read items ``0 .. n_items-1`` over and over until the cache is closed under them.
+
+    Returns the untyped errors they met and how many reads succeeded.
+    """
+    untyped: list[BaseException] = []
+    ok = [0]
+    started = threading.Barrier(THREADS + 1)
+    stop = threading.Event()
+
+    def reader(t: int) -> None:
+        started.wait(30)
+        i = t
+        while not stop.is_set():
+            try:
+                _check(read(i % n_items), i % n_items)
+                ok[0] += 1
+            except ShmCacheError:
+                pass  # typed: closed, writer gone, stale...
+            except BaseException as exc:  # what the test is looking for
+                untyped.append(exc)
+                return
+            i += 1
+
+    threads = [threading.Thread(target=reader, args=(t,)) for t in range(THREADS)]
+    for th in threads:
+        th.start()
+    started.wait(30)
+    # let every thread be inside a read, then close under them
+    deadline_reads = ok[0] + 3 * THREADS
+    for _ in range(200_000):
+        if ok[0] >= deadline_reads or untyped:
+            break
+    close()
+    for _ in range(50):  # reads after the close: typed errors too
+        if untyped:
+            break
+        threading.Event().wait(0.001)
+    stop.set()
+    for th in threads:
+        th.join(30)
+        assert not th.is_alive()
+    return untyped, ok[0]
+
+
+@pytest.mark.parametrize("how", ["item", "features"])
+def test_a_reader_closed_during_a_read_gives_the_item_or_a_typed_error(
+    how: str, clock: ParkingClock
+) -> None:
+    name = f"{RUN_PREFIX}cr{uuid.uuid4().hex[:8]}"
+    with SenderCache(CacheConfig(8 << 20, 1 << 20, 2, name=name)) as tx:
+        rx = ReceiverCache.attach(tx.handle())
+        clock.closed = lambda: rx.closed
+        ref = tx.get_and_update_item((_item(3), []), "h3")[0]
+
+        def read() -> Any:
+            if how == "item":
+                return rx.get_and_update_item(ref, "h3")
+            return rx.get_and_update_features([FeatureSpec("h3", ref)])[0].data
+
+        out = _park_and_close(clock, read, rx.close)
+        if isinstance(out, BaseException):
+            assert isinstance(out, ShmCacheError), repr(out)
+        else:
+            _check(out, 3)
+        assert rx.closed and rx.store.closed
+
+
+def test_a_writer_probe_during_a_close_never_uses_a_closed_descriptor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The liveness probe of a read in flight runs on the descriptor it was given, open."""
+    from aioshmcache import _segment
+
+    name = f"{RUN_PREFIX}cr{uuid.uuid4().hex[:8]}"
+    with SenderCache(CacheConfig(8 << 20, 1 << 20, 2, name=name)) as tx:
+        rx = ReceiverCache.attach(tx.handle())
+        ref = tx.get_and_update_item((_item(1), []), "h1")[0]
+        real_probe = _segment.ofd_probe
+        parked = threading.Event()
+
+        def parking_probe(fd: int, byte: int) -> bool:
+            if threading.current_thread().name == "probing-reader" and not parked.is_set():
+                parked.set()
+                deadline = time.monotonic() + 10
+                while not rx.closed and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                time.sleep(0.1)  # let the closer go as far as it will
+            return real_probe(fd, byte)
+
+        monkeypatch.setattr(_segment, "ofd_probe", parking_probe)
+        rx.store._reading._last_writer_probe = 0.0  # the next read probes the writer
+        outcome: list[Any] = []
+
+        def reader() -> None:
+            try:
+                outcome.append(rx.get_and_update_item(ref, "h1"))
+            except BaseException as exc:  # the outcome is what the test checks
+                outcome.append(exc)
+
+        th = threading.Thread(target=reader, name="probing-reader")
+        th.start()
+        assert parked.wait(30)
+        rx.close()
+        th.join(30)
+        [out] = outcome
+        if isinstance(out, BaseException):
+            assert isinstance(out, ShmCacheError), repr(out)
+        else:
+            _check(out, 1)
+
+
+@pytest.mark.parametrize("how", ["rescan", "close"])
+def test_a_group_shard_detached_during_a_read_gives_the_item_or_a_typed_error(
+    clock: ParkingClock, how: str
+) -> None:
+    """The shard closed under a read by a rescan (its writer went away) or by the group
+    reader's own ``close``."""
+    group = f"{RUN_PREFIX}gcr{uuid.uuid4().hex[:8]}"
+    cfg = CacheConfig(8 << 20, 1 << 20, 2, group=group)
+    with SenderCache(cfg) as keep, ReceiverCache.attach_group(group) as rx:
+        tx = SenderCache(cfg)
+        try:
+            rx.rescan()
+            ref = tx.get_and_update_item((_item(2), []), "h2")[0]
+            assert keep.shard != tx.shard
+            store = rx._shards.store(ref.nonce)
+            assert store is not None
+            clock.closed = lambda: store._reading.closed
+
+            def writer_goes_then_rescan() -> None:
+                tx.close()  # its references now raise WriterGoneError...
+                rx.rescan()  # ...and the rescan detaches (closes) its shard
+
+            out = _park_and_close(
+                clock,
+                lambda: rx.get_and_update_item(ref, "h2"),
+                writer_goes_then_rescan if how == "rescan" else rx.close,
+            )
+        finally:
+            tx.close()
+        if isinstance(out, BaseException):
+            assert isinstance(out, ShmCacheError), repr(out)
+        else:
+            _check(out, 2)
+        assert store.closed
+
+
+def test_closing_a_reader_during_reads_gives_typed_errors_only() -> None:
+    name = f"{RUN_PREFIX}cr{uuid.uuid4().hex[:8]}"
+    untyped: list[BaseException] = []
+    with SenderCache(CacheConfig(8 << 20, 1 << 20, 2, name=name)) as tx:
+        refs = [tx.get_and_update_item((_item(i), []), f"h{i}")[0] for i in range(8)]
+        for rnd in range(ROUNDS):
+            rx = ReceiverCache.attach(tx.handle())
+            for i in range(8):  # every hand-out is owed by this reader now
+                refs[i] = tx.get_and_update_item(None, f"h{i}")[0]
+
+            if rnd % 2:
+
+                def read(i: int, rx: ReceiverCache = rx) -> Any:
+                    return rx.get_and_update_item(refs[i], f"h{i}")
+            else:
+
+                def read(i: int, rx: ReceiverCache = rx) -> Any:
+                    [f] = rx.get_and_update_features([FeatureSpec(f"h{i}", refs[i])])
+                    return f.data
+
+            got, _n = _race(read, rx.close, 8)
+            untyped += got
+            assert rx.closed
+            with pytest.raises(ClosedCacheError):
+                rx.get_and_update_item(refs[0], "h0")
+            if untyped:
+                break
+    assert not untyped, f"untyped errors: {untyped[:3]!r}"
+
+
+def test_a_group_rescan_closing_a_shard_during_reads_gives_typed_errors_only() -> None:
+    untyped: list[BaseException] = []
+    for _rnd in range(ROUNDS // 2):
+        group = f"{RUN_PREFIX}gcr{uuid.uuid4().hex[:8]}"
+        cfg = CacheConfig(8 << 20, 1 << 20, 2, group=group)
+        with SenderCache(cfg) as keep, ReceiverCache.attach_group(group) as rx:
+            tx = SenderCache(cfg)
+            try:
+                rx.rescan()
+                refs = [tx.get_and_update_item((_item(i), []), f"h{i}")[0] for i in range(8)]
+                del keep  # the other shard keeps the group alive; not read here
+
+                def read(i: int, refs: list[ShmRef] = refs) -> Any:
+                    return rx.get_and_update_item(refs[i], f"h{i}")
+
+                def writer_goes_then_rescan(tx: SenderCache = tx) -> None:
+                    tx.close()  # its references now raise WriterGoneError...
+                    rx.rescan()  # ...and the rescan detaches (closes) its shard
+
+                got, _n = _race(read, writer_goes_then_rescan, 8)
+                untyped += got
+            finally:
+                tx.close()
+        if untyped:
+            break
+    assert not untyped, f"untyped errors: {untyped[:3]!r}"
+
+
+def test_a_close_waits_for_a_read_in_flight_in_another_thread() -> None:
+    """The mechanism: while a read is in flight, nothing it uses is released under it."""
+    name = f"{RUN_PREFIX}cr{uuid.uuid4().hex[:8]}"
+    with SenderCache(CacheConfig(8 << 20, 1 << 20, 2, name=name)) as tx:
+        ref = tx.get_and_update_item((_item(0), []), "h0")[0]
+        rx = ReceiverCache.attach(tx.handle())
+        reading: ReadPath = rx.store._reading
+        entered, closing = threading.Event(), threading.Event()
+        seen: list[bool] = []
+
+        def read_in_flight() -> None:
+            with reading.in_use():
+                entered.set()
+                closing.wait(30)
+                threading.Event().wait(0.2)  # give the close every chance to release early
+                seen.append(rx.store.closed)  # still open: the read holds it
+
+        th = threading.Thread(target=read_in_flight)
+        th.start()
+        assert entered.wait(30)
+        closing.set()
+        rx.close()
+        th.join(30)
+        assert seen == [False]
+        assert rx.closed and rx.store.closed  # released once the read ended
+        with pytest.raises(ClosedCacheError):
+            rx.get_and_update_item(ShmRef(*ref), "h0")  # no read starts after a close
+
+
+def test_a_close_that_cannot_wait_leaves_the_release_to_the_last_read() -> None:
+    name = f"{RUN_PREFIX}cr{uuid.uuid4().hex[:8]}"
+    with SenderCache(CacheConfig(8 << 20, 1 << 20, 2, name=name)) as tx:
+        ref = tx.get_and_update_item((_item(0), []), "h0")[0]
+        rx = ReceiverCache.attach(tx.handle())
+        reading: ReadPath = rx.store._reading
+        with reading.in_use():  # a read in flight (this thread)
+            assert reading.close_when_idle(rx.store.close, wait=0.0) is False
+            assert rx.closed and not rx.store.closed  # mapping and slot kept for the read
+            assert [r.attached for r in tx.snapshot().readers].count(True) == 1
+            with pytest.raises(ClosedCacheError):
+                rx.get_and_update_item(ShmRef(*ref), "h0")  # no read starts after a close
+        assert rx.store.closed  # the last read out released everything
+        assert [r.attached for r in tx.snapshot().readers].count(True) == 0

@@ -1,0 +1,580 @@
+"""``RedisTier`` end to end against a real ``redis-server`` (and a three-master Redis Cluster).
+
+Every server is started by a fixture on a free port without persistence and stopped after; the
+tests skip (with the reason) only when ``redis-server`` is not installed. "Hosts" are separate
+caches, in this process or in spawned processes, that share nothing but Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+
+from aioshmcache import AsyncSenderCache, CacheConfig, FeatureSpec, ReceiverCache, ShmRef, sweep
+from aioshmcache._tier_value import HEADER_SIZE, lease_key, seal_value, value_key
+from aioshmcache.tier import CircuitBreaker, RedisTier, TierPolicy
+from aioshmcache.tools.redis_server import RedisCluster, RedisServer, free_port, redis_binaries
+
+from . import _tier_hosts as hosts
+from .conftest import RUN_PREFIX
+from .test_single_flight import _until
+
+pytestmark = pytest.mark.skipif(
+    redis_binaries() is None, reason="redis-server / redis-cli are not installed"
+)
+e2e = pytest.mark.e2e
+SECRET = hosts.SECRET
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+async def raw(redis_server: RedisServer) -> AsyncIterator[Any]:
+    """A plain client of the server (what an attacker, or another deployment, could do)."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+def _tier(url: str, **kw: Any) -> RedisTier:
+    return RedisTier(url, **hosts.tier_options(url, **kw))
+
+
+def _cache(make_config: Callable[..., CacheConfig], tier: RedisTier, **kw: Any) -> AsyncSenderCache:
+    return AsyncSenderCache.from_config(make_config(16 * MiB, 4 * MiB, 1, **kw), tier=tier)
+
+
+def _maker(h: str, calls: list[str], nbytes: int = 64 * KiB) -> Callable[[], dict[str, Any]]:
+    """A 10 ms preprocessing (20 times what fetching its item costs by the policy's priors)."""
+
+    def make() -> dict[str, Any]:
+        calls.append(h)
+        time.sleep(0.01)
+        return hosts.item_of(h, nbytes)
+
+    return make
+
+
+def _check(rx: ReceiverCache, f: FeatureSpec, h: str, nbytes: int = 64 * KiB) -> None:
+    """What the reader gets for ``f`` is exactly ``h``'s item."""
+    [got] = rx.get_and_update_features([f])
+    assert isinstance(got.data, dict) and got.data["hash"] == h
+    np.testing.assert_array_equal(
+        got.data["pixel_values"], hosts.item_of(h, nbytes)["pixel_values"]
+    )
+
+
+# --- one server --------------------------------------------------------------------------------
+
+
+@e2e
+async def test_a_second_host_is_served_from_the_tier(
+    redis_server: RedisServer, make_config: Any, shm_name: str
+) -> None:
+    calls: list[str] = []
+    a_tier, b_tier = _tier(redis_server.url), _tier(redis_server.url)
+    async with (
+        _cache(make_config, a_tier) as a,
+        _cache(make_config, b_tier, name=shm_name + "b") as b,
+    ):
+        with ReceiverCache.attach(a.handle()) as ra, ReceiverCache.attach(b.handle()) as rb:
+            fa = await a.get_or_put("h1", _maker("h1", calls))
+            assert calls == ["h1"] and isinstance(fa.data, ShmRef)
+            assert await a_tier.flush(30)
+            fb = await b.get_or_put("h1", _maker("h1", calls), identifier="x")
+            assert calls == ["h1"], "host b preprocessed an item the tier had"
+            assert isinstance(fb.data, ShmRef) and fb.identifier == "x"
+            _check(ra, fa, "h1")
+            _check(rb, fb, "h1")
+            # a hit in b's shared memory now: neither make nor the tier is asked
+            again = await b.get_or_put("h1", _maker("h1", calls))
+            _check(rb, again, "h1")
+    sa, sb = a_tier.stats(), b_tier.stats()
+    assert (sa.claims, sa.makes, sa.writes, sa.hits) == (1, 1, 1, 0)
+    assert (sb.lookups, sb.hits, sb.makes, sb.misses) == (1, 1, 0, 0)
+    assert sb.bytes_read == sa.bytes_written > 64 * KiB
+    assert sb.lookup_seconds > 0 and b.tier_stats() == sb
+    assert not a_tier.is_open and not b_tier.is_open  # the caches closed their tiers
+
+
+@e2e
+async def test_a_cache_group_shard_with_a_tier(redis_server: RedisServer) -> None:
+    """The uvicorn recipe: each gateway process opens its shard of a group with its own tier.
+
+    A hash a sibling shard holds comes from the sibling (same host), not from Redis; a hash
+    only another host made comes from Redis.
+    """
+    group = f"{RUN_PREFIX}g{time.monotonic_ns() % 10**9}"
+    cfg = CacheConfig(16 * MiB, 4 * MiB, 1, group=group)
+    t0, t1, far = _tier(redis_server.url), _tier(redis_server.url), _tier(redis_server.url)
+    calls: list[str] = []
+    far_cfg = CacheConfig(16 * MiB, 4 * MiB, 1, name=f"{group}-far")
+    async with (
+        AsyncSenderCache.from_config(cfg, tier=t0) as s0,
+        AsyncSenderCache.from_config(cfg, tier=t1) as s1,
+        AsyncSenderCache.from_config(far_cfg, tier=far) as other_host,
+    ):
+        await s0.get_or_put("sib", _maker("sib", calls))
+        await other_host.get_or_put("far", _maker("far", calls))
+        assert await far.flush(30) and await t0.flush(30)
+        with ReceiverCache.attach_group(group) as rx:
+            _check(rx, await s1.get_or_put("sib", _maker("sib", calls)), "sib")
+            _check(rx, await s1.get_or_put("far", _maker("far", calls)), "far")
+    assert calls == ["sib", "far"]
+    assert s1.tier_stats() is not None and t1.stats().hits == 1  # "far" only
+    assert t1.stats().lookups == 1
+
+
+@e2e
+@pytest.mark.slow
+def test_several_hosts_preprocess_each_item_once(redis_server: RedisServer) -> None:
+    """Three host processes ask for the same 12 hashes at once: each is made once, fleet-wide."""
+    ctx = mp.get_context("spawn")
+    n_hosts, hashes = 3, [f"img{i}" for i in range(12)]
+    barrier, out = ctx.Barrier(n_hosts), ctx.Queue()
+    names = [f"{RUN_PREFIX}fleet{k}-{time.monotonic_ns() % 10**6}" for k in range(n_hosts)]
+    procs = [
+        ctx.Process(
+            target=hosts.host,
+            args=(redis_server.url, names[k], hashes[k:] + hashes[:k], 0.2, barrier, out, {}),
+        )
+        for k in range(n_hosts)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        results = [out.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+        sweep(prefix=RUN_PREFIX + "fleet")
+    made = [h for r in results for h in r["made"]]
+    assert sorted(made) == sorted(hashes), f"preprocessings per hash: {made}"
+    assert all(r["bad"] == 0 for r in results)
+    stats = [r["stats"] for r in results]
+    assert sum(s["hits"] for s in stats) == (n_hosts - 1) * len(hashes)
+    assert sum(s["waits"] for s in stats) >= 1  # the hosts did collide on some hashes
+    assert all(p.exitcode == 0 for p in procs)
+
+
+@e2e
+@pytest.mark.slow
+async def test_redis_killed_and_restarted_mid_run_fails_no_request(
+    redis_server: RedisServer, make_config: Any
+) -> None:
+    breaker = CircuitBreaker(failures=2, retry_after_s=0.2, max_retry_after_s=0.4)
+    tier = _tier(redis_server.url, lookup_timeout_s=0.05, breaker=breaker)
+    calls: list[str] = []
+    served = 0
+    async with _cache(make_config, tier) as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+
+            async def ask(h: str) -> None:
+                nonlocal served
+                f = await cache.get_or_put(h, _maker(h, calls, 4 * KiB))
+                _check(rx, f, h, 4 * KiB)
+                served += 1
+                await cache.invalidate(h)  # the next ask misses shared memory again
+
+            for i in range(10):
+                await ask(f"a{i}")
+            assert await tier.flush(30)
+            assert tier.stats().writes == 10
+            redis_server.kill()
+            for i in range(10):  # Redis is gone: every request is still answered
+                await ask(f"a{i}")
+            down = tier.stats()
+            assert down.errors + down.timeouts >= 2 and down.breaker_opens >= 1
+            assert down.bypassed >= 1  # the open breaker kept requests away from Redis
+            redis_server.start()  # empty: no persistence
+            for i in range(10):
+                await ask(f"b{i}")
+            assert await tier.flush(30)
+            before = tier.stats()
+            await cache.invalidate("b0")
+            for _ in range(100):  # the breaker closes at the first answer after its wait
+                await ask("b0")
+                if tier.stats().hits > before.hits:
+                    break
+                await asyncio.sleep(0.05)
+    after = tier.stats()
+    assert served >= 31
+    assert after.hits > before.hits, "the tier was not used again after Redis came back"
+    assert after.breaker_state == "closed"
+
+
+@e2e
+async def test_a_slow_redis_is_bounded_by_the_lookup_timeout(
+    redis_server: RedisServer, make_config: Any
+) -> None:
+    tier = _tier(redis_server.url, lookup_timeout_s=0.05)
+    calls: list[str] = []
+    async with _cache(make_config, tier) as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+            await cache.get_or_put("warm", _maker("warm", calls))  # connect first
+            assert redis_server.proc is not None
+            redis_server.proc.send_signal(signal.SIGSTOP)  # alive, but answers nothing
+            try:
+                for i in range(3):
+                    f = await cache.get_or_put(f"s{i}", _maker(f"s{i}", calls))
+                    _check(rx, f, f"s{i}")
+            finally:
+                redis_server.proc.send_signal(signal.SIGCONT)
+    s = tier.stats()
+    assert calls == ["warm", "s0", "s1", "s2"]
+    assert s.timeouts >= 1 and s.hits == 0
+
+
+@e2e
+async def test_redis_that_never_ran_costs_requests_nothing(make_config: Any) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nobody listens
+    tier = _tier(
+        url, breaker=CircuitBreaker(failures=2, retry_after_s=60.0, max_retry_after_s=60.0)
+    )
+    calls: list[str] = []
+    async with _cache(make_config, tier) as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+            for i in range(6):
+                _check(rx, await cache.get_or_put(f"d{i}", _maker(f"d{i}", calls)), f"d{i}")
+    s = tier.stats()
+    assert len(calls) == 6 and s.errors == 2 and s.breaker_opens == 1 and s.bypassed == 4
+
+
+def _tampered(kind: str, key: str, h: str) -> bytes:
+    good = seal_value(SECRET, key, h, {"pixel_values": np.full(64 * KiB, 7, np.uint8), "hash": h})
+    if kind == "another_secret":
+        return seal_value(b"another-secret-of-32-bytes......", key, h, hosts.item_of(h))
+    if kind == "truncated":
+        return good[: len(good) - 100]
+    if kind == "forged":
+        bad = bytearray(good)
+        bad[HEADER_SIZE + len(bad) // 2] ^= 0xFF  # one payload byte changed
+        return bytes(bad)
+    if kind == "garbage":
+        return b"\x80\x04pickle?" * 10
+    raise AssertionError(kind)
+
+
+@e2e
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        ("another_secret", "signature"),
+        ("truncated", "truncated"),
+        ("forged", "signature"),
+        ("garbage", "malformed"),
+    ],
+)
+async def test_a_value_that_fails_a_check_is_never_served(
+    redis_server: RedisServer, raw: Any, make_config: Any, kind: str, reason: str
+) -> None:
+    tier = _tier(redis_server.url)
+    key = value_key(tier.prefix, "t1")
+    await raw.set(key, _tampered(kind, key, "t1"))
+    calls: list[str] = []
+    async with _cache(make_config, tier) as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+            f = await cache.get_or_put("t1", _maker("t1", calls))
+            _check(rx, f, "t1")  # make's item, not the one in Redis
+            assert calls == ["t1"]
+            assert await tier.flush(30)
+    s = tier.stats()
+    assert s.rejected[reason] == 1 and s.rejected_total == 1 and s.hits == 0
+    # the bad value was replaced by a good one
+    fresh = _tier(redis_server.url)
+    async with _cache(make_config, fresh, name=make_config().name + "2") as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+            _check(rx, await cache.get_or_put("t1", _maker("t1", calls)), "t1")
+    assert calls == ["t1"] and fresh.stats().hits == 1
+
+
+@e2e
+async def test_a_key_of_another_type_is_an_error_that_does_not_open_the_breaker(
+    redis_server: RedisServer, raw: Any, make_config: Any
+) -> None:
+    tier = _tier(redis_server.url, breaker=CircuitBreaker(failures=1))
+    key = value_key(tier.prefix, "w1")
+    await raw.rpush(key, b"not a string")  # STRLEN fails with WRONGTYPE
+    calls: list[str] = []
+    async with _cache(make_config, tier) as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+            _check(rx, await cache.get_or_put("w1", _maker("w1", calls)), "w1")
+            assert await tier.flush(30)
+    s = tier.stats()
+    assert calls == ["w1"] and s.errors == 1 and s.breaker_opens == 0
+    assert s.breaker_state == "closed"
+    assert s.writes == 0 and await raw.type(key) == b"list"  # not ours to overwrite
+
+
+@e2e
+async def test_an_oversized_value_is_never_fetched(
+    redis_server: RedisServer, raw: Any, make_config: Any
+) -> None:
+    tier = _tier(redis_server.url, max_item_bytes=128 * KiB)
+    key = value_key(tier.prefix, "big")
+    big = {"pixel_values": np.zeros(256 * KiB, np.uint8), "hash": "big"}
+    await raw.set(key, seal_value(SECRET, key, "big", big))  # well signed, but too large
+    calls: list[str] = []
+    async with _cache(make_config, tier) as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+            _check(rx, await cache.get_or_put("big", _maker("big", calls)), "big")
+    s = tier.stats()
+    assert calls == ["big"] and s.rejected["oversized"] == 1 and s.bytes_read == 0
+
+
+@e2e
+async def test_a_claimer_killed_while_computing_lets_one_waiter_take_over(
+    redis_server: RedisServer, make_config: Any, shm_name: str
+) -> None:
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    name = f"{RUN_PREFIX}claimer-{time.monotonic_ns() % 10**6}"
+    proc = ctx.Process(target=hosts.claimer, args=(redis_server.url, name, "k1", ready))
+    proc.start()
+    try:
+        assert await asyncio.to_thread(ready.wait, 60), "the claimer never started its make"
+        proc.kill()  # -9 while computing: its lease is never released
+        proc.join(30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        sweep(prefix=name)
+    calls: list[str] = []
+    t1, t2 = _tier(redis_server.url, lease_s=1.0), _tier(redis_server.url, lease_s=1.0)
+    async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
+        with ReceiverCache.attach(a.handle()) as ra, ReceiverCache.attach(b.handle()) as rb:
+            fa, fb = await asyncio.gather(
+                a.get_or_put("k1", _maker("k1", calls)), b.get_or_put("k1", _maker("k1", calls))
+            )
+            _check(ra, fa, "k1")
+            _check(rb, fb, "k1")
+    s1, s2 = t1.stats(), t2.stats()
+    assert calls == ["k1"], "both waiters computed after the claimer died"
+    assert s1.takeovers + s2.takeovers == 1 and s1.waits + s2.waits == 2
+    assert s1.hits + s2.hits == 1 and s1.wait_timeouts + s2.wait_timeouts == 0
+
+
+@e2e
+async def test_a_failing_make_releases_the_claim_at_once(
+    redis_server: RedisServer, make_config: Any, shm_name: str
+) -> None:
+    # a lease that would outlive the test's patience: only a release lets b take over in time
+    t1 = _tier(redis_server.url, lease_s=60.0)
+    t2 = _tier(redis_server.url, lease_s=60.0, max_wait_s=30.0)
+    started = asyncio.Event()
+    calls: list[str] = []
+
+    async def failing() -> dict[str, Any]:
+        started.set()
+        await asyncio.sleep(0.3)
+        raise RuntimeError("preprocessing failed")
+
+    async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
+        with ReceiverCache.attach(b.handle()) as rb:
+            first = asyncio.ensure_future(a.get_or_put("f1", failing))
+            await started.wait()
+            second = asyncio.ensure_future(b.get_or_put("f1", _maker("f1", calls)))
+            with pytest.raises(RuntimeError, match="preprocessing failed"):
+                await first
+            _check(rb, await asyncio.wait_for(second, 20), "f1")
+    s2 = t2.stats()
+    assert calls == ["f1"] and s2.waits == 1 and s2.takeovers == 1 and s2.wait_timeouts == 0
+
+
+@e2e
+@pytest.mark.slow
+async def test_a_claim_is_renewed_while_make_runs_longer_than_its_lease(
+    redis_server: RedisServer, make_config: Any, shm_name: str
+) -> None:
+    # without renewal the 0.5 s lease would lapse during the 2 s make and b would make it too
+    t1 = _tier(redis_server.url, lease_s=0.5)
+    t2 = _tier(redis_server.url, lease_s=0.5, max_wait_s=30.0)
+    started = asyncio.Event()
+    calls: list[str] = []
+
+    async def slow() -> dict[str, Any]:
+        calls.append("r1")
+        started.set()
+        await asyncio.sleep(2.0)
+        return hosts.item_of("r1")
+
+    async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
+        with ReceiverCache.attach(b.handle()) as rb:
+            first = asyncio.ensure_future(a.get_or_put("r1", slow))
+            await started.wait()
+            _check(rb, await b.get_or_put("r1", _maker("r1", calls)), "r1")
+            await first
+    s2 = t2.stats()
+    assert calls == ["r1"] and s2.waits == 1 and s2.hits == 1 and s2.takeovers == 0
+
+
+@e2e
+async def test_a_cancelled_claimer_releases_the_claim_at_once(
+    redis_server: RedisServer, make_config: Any, shm_name: str
+) -> None:
+    t1 = _tier(redis_server.url, lease_s=60.0)
+    t2 = _tier(redis_server.url, lease_s=60.0, max_wait_s=30.0)
+    started = asyncio.Event()
+    calls: list[str] = []
+
+    async def forever() -> dict[str, Any]:
+        started.set()
+        await asyncio.sleep(3600)
+        raise AssertionError("never")
+
+    async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
+        with ReceiverCache.attach(b.handle()) as rb:
+            first = asyncio.ensure_future(a.get_or_put("x1", forever))
+            await started.wait()
+            second = asyncio.ensure_future(b.get_or_put("x1", _maker("x1", calls)))
+            await _until(lambda: t2.stats().waits == 1)  # b waits on a's claim
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            _check(rb, await asyncio.wait_for(second, 20), "x1")
+    s2 = t2.stats()
+    assert calls == ["x1"] and s2.takeovers == 1 and s2.wait_timeouts == 0
+
+
+@e2e
+async def test_a_request_never_waits_for_its_write(
+    redis_server: RedisServer, make_config: Any
+) -> None:
+    tier = _tier(redis_server.url)
+    calls: list[str] = []
+    gate = asyncio.Event()
+    async with _cache(make_config, tier) as cache:
+        real_set = tier._client.set
+
+        async def stalled_set(*args: Any, **kw: Any) -> Any:
+            await gate.wait()  # a write that takes as long as the test likes
+            return await real_set(*args, **kw)
+
+        tier._client.set = stalled_set
+        with ReceiverCache.attach(cache.handle()) as rx:
+            for i in range(3):  # answered while the first write is still stuck
+                _check(rx, await cache.get_or_put(f"g{i}", _maker(f"g{i}", calls)), f"g{i}")
+            stuck = tier.stats()
+            assert stuck.writes == 0 and stuck.queued_writes == 2  # one in flight, two queued
+            gate.set()
+            assert await tier.flush(30)
+    assert tier.stats().writes == 3 and len(calls) == 3
+
+
+@e2e
+async def test_a_full_write_queue_drops_the_write_and_releases_the_claim(
+    redis_server: RedisServer, raw: Any, make_config: Any
+) -> None:
+    tier = _tier(redis_server.url, write_queue_bytes=1)  # every item is larger
+    calls: list[str] = []
+    async with _cache(make_config, tier) as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+            for i in range(3):
+                _check(rx, await cache.get_or_put(f"q{i}", _maker(f"q{i}", calls)), f"q{i}")
+            assert await tier.flush(30)
+    s = tier.stats()
+    assert len(calls) == 3 and s.dropped_writes == 3 and s.writes == 0 and s.claims == 3
+    for i in range(3):
+        assert (
+            await raw.exists(value_key(tier.prefix, f"q{i}"), lease_key(tier.prefix, f"q{i}")) == 0
+        )
+
+
+@e2e
+async def test_an_item_not_worth_fetching_is_not_stored_and_nobody_waits_for_it(
+    redis_server: RedisServer, raw: Any, make_config: Any, shm_name: str
+) -> None:
+    # fetching costs 1 s per MiB here; the make takes ~0: storing can never pay
+    slow_net = {"policy": TierPolicy(learn=False, prior_per_byte_s=1e-6, explore_every=0)}
+    t1, t2 = _tier(redis_server.url, **slow_net), _tier(redis_server.url, **slow_net)
+    calls: list[str] = []
+    async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
+        with ReceiverCache.attach(b.handle()) as rb:
+            await a.get_or_put("n1", _maker("n1", calls))
+            assert await t1.flush(30)
+            assert await raw.get(lease_key(t1.prefix, "n1")) == b"skip"
+            _check(rb, await b.get_or_put("n1", _maker("n1", calls)), "n1")
+    assert calls == ["n1", "n1"]
+    assert t1.stats().skipped_writes == 1 and await raw.exists(value_key(t1.prefix, "n1")) == 0
+    s2 = t2.stats()
+    assert s2.skipped == 1 and s2.waits == 0 and s2.claims == 0
+
+
+@e2e
+@pytest.mark.slow
+def test_the_fleet_example_preprocesses_each_image_once(redis_server: RedisServer) -> None:
+    root = Path(__file__).resolve().parent.parent
+    args = ["--redis", redis_server.url, "--hosts", "3", "--images", "6", "--lookup-timeout", "2"]
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "fleet_app.py"), *args],
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    hosts_out, summary = lines[:-1], lines[-1]
+    assert summary == {"images": 6, "hosts": 3, "preprocessings_in_the_fleet": 6}
+    assert sum(h["from_redis"] for h in hosts_out) == 2 * 6
+    assert all(h["redis_errors"] == 0 for h in hosts_out)
+
+
+# --- a Redis Cluster ---------------------------------------------------------------------------
+
+
+@e2e
+@pytest.mark.slow
+async def test_a_redis_cluster_serves_as_the_tier(make_config: Any, shm_name: str) -> None:
+    try:
+        cluster = RedisCluster(3)
+    except RuntimeError as exc:  # pragma: no cover - the machine cannot run one
+        pytest.skip(f"a Redis Cluster would not start here: {exc}")
+    with cluster:
+        calls: list[str] = []
+        hashes = [f"c{i}" for i in range(8)]  # spread over the masters' slots
+        t1 = _tier(cluster.url, cluster=True)
+        t2 = _tier(cluster.url, cluster=True)
+        async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
+            with ReceiverCache.attach(b.handle()) as rb:
+                for h in hashes:
+                    await a.get_or_put(h, _maker(h, calls))
+                assert await t1.flush(60)
+                for h in hashes:
+                    _check(rb, await b.get_or_put(h, _maker(h, calls)), h)
+        assert calls == hashes, "host b preprocessed items the cluster had"
+        assert t1.stats().writes == len(hashes) and t2.stats().hits == len(hashes)
+        assert t1.stats().errors == t2.stats().errors == 0
+        slots = set()
+        client = aioredis.RedisCluster.from_url(cluster.url)
+        try:
+            for h in hashes:
+                v, lk = value_key("aioshm:", h), lease_key("aioshm:", h)
+                assert client.keyslot(v) == client.keyslot(lk)
+                slots.add(client.keyslot(v))
+        finally:
+            await client.aclose()
+        assert len(slots) > 1

@@ -1,0 +1,51 @@
+"""``python -m aioshmcache bench --suite fleet --quick`` runs and reports sane figures.
+
+No timed assertions: every row is there and finite, no request failed, the tier never makes
+more preprocessings than no tier, the targets carry a verdict, and nothing is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aioshmcache.tools.redis_server import redis_binaries
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = [
+    pytest.mark.bench,
+    pytest.mark.slow,
+    pytest.mark.skipif(redis_binaries() is None, reason="redis-server is not installed"),
+]
+
+
+def test_fleet_suite_quick(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "aioshmcache", "bench", "--quick", "--suite", "fleet"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    data = json.loads((tmp_path / "aioshmcache-bench-fleet-quick.json").read_text("utf-8"))
+    rows = {r["label"] + "|" + r["param"]: r for r in data["rows"]}
+    assert all(math.isfinite(r["value"]) for r in rows.values())
+    by_label = {r["label"]: r for r in data["rows"]}
+    assert by_label["failed requests"]["value"] == 0
+    without = by_label["preprocessings per distinct item, no tier"]["value"]
+    with_tier = by_label["preprocessings per distinct item, RedisTier"]["value"]
+    assert 1.0 <= with_tier <= without
+    for label in ("preprocessings per distinct item, RedisTier", "failed requests"):
+        assert by_label[label]["holds"] in (True, False)
+    assert sum(r["label"].startswith("tier hit:") for r in data["rows"]) == 3  # 1, 4, 16 MiB
+    assert any(r["label"].startswith("learned fetch budget") for r in data["rows"])

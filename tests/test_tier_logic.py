@@ -1,0 +1,406 @@
+"""The tier's pure parts: the circuit breaker (against a model), the cost policy, the value format.
+
+No Redis here (these run in the default suite); the end-to-end tests are in ``test_tier.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import inspect
+import struct
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from aioshmcache import FeatureSpec, ShmRef
+from aioshmcache._tier_breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from aioshmcache._tier_policy import LinearCost, TierPolicy
+from aioshmcache._tier_value import (
+    DOMAIN,
+    HEADER_SIZE,
+    TierValueError,
+    key_digest,
+    lease_key,
+    open_value,
+    seal_value,
+    value_key,
+)
+from aioshmcache.tier import RedisTier, TierStats
+from aioshmcache.wire import pack_features
+
+SECRET = b"k" * 32
+MiB = 1 << 20
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# --- circuit breaker ----------------------------------------------------------------------------
+
+
+def test_breaker_opens_after_consecutive_failures_and_a_success_resets_the_count() -> None:
+    clock = Clock()
+    b = CircuitBreaker(failures=3, retry_after_s=1.0, clock=clock)
+    b.failure()
+    b.failure()
+    b.success()  # the count restarts
+    b.failure()
+    b.failure()
+    assert b.state == CLOSED and b.allow()
+    b.failure()
+    assert b.state == OPEN and not b.allow() and b.opened == 1
+
+
+def test_breaker_half_open_lets_one_probe_through_and_backs_off_when_it_fails() -> None:
+    clock = Clock()
+    b = CircuitBreaker(failures=1, retry_after_s=1.0, max_retry_after_s=3.0, clock=clock)
+    b.failure()
+    clock.now += 0.999
+    assert not b.allow()
+    clock.now += 0.002
+    assert b.state == HALF_OPEN
+    assert b.allow()  # the probe
+    assert not b.allow()  # nobody else while it runs
+    b.failure()
+    assert b.state == OPEN and b.retry_after_s == 2.0
+    clock.now += 2.0
+    assert b.allow()
+    b.failure()
+    assert b.retry_after_s == 3.0  # capped
+    clock.now += 3.0
+    assert b.allow()
+    b.success()
+    assert b.state == CLOSED and b.retry_after_s == 1.0 and b.allow() and b.allow()
+
+
+def test_breaker_a_lost_probe_frees_its_slot_after_the_wait() -> None:
+    clock = Clock()
+    b = CircuitBreaker(failures=1, retry_after_s=1.0, clock=clock)
+    b.failure()
+    clock.now += 1.0
+    assert b.allow()  # a probe that never reports (its task was cancelled)
+    clock.now += 0.5
+    assert not b.allow()
+    clock.now += 0.5
+    assert b.allow()
+
+
+def test_breaker_failures_of_older_operations_while_open_change_nothing() -> None:
+    clock = Clock()
+    b = CircuitBreaker(failures=2, retry_after_s=1.0, clock=clock)
+    b.failure()
+    b.failure()
+    clock.now += 0.5
+    b.failure()  # started before the breaker opened
+    assert b.retry_after_s == 1.0 and b.opened == 1
+    clock.now += 0.5
+    assert b.allow()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"failures": 0}, {"retry_after_s": 0.0}, {"retry_after_s": 5.0, "max_retry_after_s": 1.0}],
+)
+def test_breaker_rejects_nonsense(kw: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        CircuitBreaker(**kw)
+
+
+class BreakerModel(RuleBasedStateMachine):
+    """The breaker against a plain restatement of its rules (the module docstring)."""
+
+    THRESHOLD, BASE, MAX = 3, 1.0, 4.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.b = CircuitBreaker(
+            failures=self.THRESHOLD,
+            retry_after_s=self.BASE,
+            max_retry_after_s=self.MAX,
+            clock=self.clock,
+        )
+        self.mode = "closed"  # closed | open (until `until`)
+        self.fails = 0
+        self.wait = self.BASE
+        self.until = 0.0
+        self.probe: float | None = None
+        self.opens = 0
+
+    def _open(self) -> None:
+        self.mode, self.until, self.probe, self.fails = "open", self.clock.now + self.wait, None, 0
+        self.opens += 1
+
+    @rule(dt=st.sampled_from([0.0, 0.25, 1.0, 2.0, 5.0]))
+    def tick(self, dt: float) -> None:
+        self.clock.now += dt
+
+    @rule()
+    def allow(self) -> None:
+        got = self.b.allow()
+        if self.mode == "closed":
+            expect = True
+        elif self.clock.now < self.until or (
+            self.probe is not None and self.clock.now < self.probe + self.wait
+        ):
+            expect = False
+        else:
+            expect, self.probe = True, self.clock.now
+        assert got == expect
+
+    @rule()
+    def success(self) -> None:
+        self.b.success()
+        self.mode, self.fails, self.wait, self.probe = "closed", 0, self.BASE, None
+
+    @rule()
+    def failure(self) -> None:
+        self.b.failure()
+        if self.mode == "closed":
+            self.fails += 1
+            if self.fails == self.THRESHOLD:
+                self._open()
+        elif self.probe is not None:
+            self.wait = min(2 * self.wait, self.MAX)
+            self._open()
+
+    @invariant()
+    def same_state(self) -> None:
+        if self.mode == "closed":
+            expect = CLOSED
+        else:
+            expect = OPEN if self.clock.now < self.until else HALF_OPEN
+        assert self.b.state == expect
+        assert self.b.opened == self.opens
+        assert self.b.retry_after_s == self.wait
+
+
+TestBreakerModel = BreakerModel.TestCase
+TestBreakerModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# --- cost policy --------------------------------------------------------------------------------
+
+
+def test_linear_cost_recovers_a_line_and_follows_a_change() -> None:
+    fit = LinearCost(decay=0.9)
+    for n in (0, MiB, 4 * MiB, 16 * MiB) * 5:
+        fit.add(n, 0.001 + 2e-9 * n)
+    a, b = fit.coefficients()
+    assert a == pytest.approx(0.001, rel=1e-6) and b == pytest.approx(2e-9, rel=1e-6)
+    for n in (0, MiB, 4 * MiB, 16 * MiB) * 30:  # the network got twice as slow
+        fit.add(n, 0.001 + 4e-9 * n)
+    assert fit.coefficients()[1] == pytest.approx(4e-9, rel=0.01)
+
+
+def test_linear_cost_one_size_only() -> None:
+    flat, prop = LinearCost(), LinearCost(proportional=True)
+    for _ in range(3):
+        flat.add(MiB, 0.02)
+        prop.add(MiB, 0.02)
+    assert flat.coefficients() == pytest.approx((0.02, 0.0))
+    assert prop.coefficients() == pytest.approx((0.0, 0.02 / MiB))
+    assert LinearCost().coefficients() == (0.0, 0.0)
+    with pytest.raises(ValueError):
+        LinearCost(decay=0.0)
+
+
+def _trained(make_s: float = 0.020, fixed: float = 0.0003, per_byte: float = 2.5e-9) -> TierPolicy:
+    p = TierPolicy(margin=0.8, explore_every=0, warmup=0)
+    for n in (MiB, 2 * MiB, 4 * MiB, 8 * MiB) * 4:
+        p.observe_make(make_s, n)
+        p.observe_fetch(fixed, 0)
+        p.observe_fetch(fixed + per_byte * n, n)
+    return p
+
+
+def test_policy_budget_is_where_fetching_stops_beating_the_make() -> None:
+    p = _trained()
+    budget = p.fetch_budget(64 * MiB)
+    # 0.8 * 20 ms = 16 ms = 0.3 ms + 2.5 ns * n  ->  n = 6.28 MB
+    assert budget == pytest.approx((0.016 - 0.0003) / 2.5e-9, rel=1e-3)
+    assert p.fetch_cost(budget) <= 0.8 * 0.020 + 1e-9
+    assert p.fetch_cost(budget + 1024) > 0.8 * 0.020
+    assert p.worth_storing(4 * MiB, 0.020) and not p.worth_storing(8 * MiB, 0.020)
+    assert p.fetch_budget(MiB) == MiB  # capped
+
+
+def test_policy_skips_the_tier_when_a_round_trip_costs_more_than_a_make() -> None:
+    p = _trained(make_s=0.0002, fixed=0.0003)
+    assert p.fetch_budget(64 * MiB) == 0
+    assert not p.worth_storing(1024, 0.0002)
+
+
+def test_policy_before_learning_is_optimistic_and_explores() -> None:
+    p = TierPolicy(explore_every=3)
+    assert p.fetch_budget(64 * MiB) == 64 * MiB  # no make seen yet
+    assert p.fetch_cost(0) == pytest.approx(0.0005)  # the prior
+    p = _trained(make_s=0.0002, fixed=0.0003)
+    p._explore_every = 3
+    assert [p.lookup_budget(64 * MiB) for _ in range(6)] == [0, 0, 64 * MiB, 0, 0, 64 * MiB]
+
+
+def test_policy_keeps_its_prior_until_enough_samples() -> None:
+    p = TierPolicy(min_samples=3, warmup=2, prior_fixed_s=0.0005, prior_per_byte_s=2e-9)
+    p.observe_fetch(1.0, 0)  # warm-up: opening connections; never learned from
+    p.observe_fetch(1.0, MiB)
+    assert p.view(MiB).fetches_seen == 0
+    p.observe_fetch(0.050, 0)
+    p.observe_fetch(0.080, MiB)
+    assert p.fetch_coefficients() == (0.0005, 2e-9)
+    assert p.worth_storing(MiB, 0.010)  # judged by the prior: 2.6 ms <= 8 ms
+    for _ in range(2):
+        p.observe_fetch(0.050, 0)
+        p.observe_fetch(0.080, MiB)
+    assert p.fetch_coefficients()[0] == pytest.approx(0.050)
+    assert not p.worth_storing(MiB, 0.010)  # learned: 80 ms per MiB
+
+
+def test_policy_that_does_not_learn_keeps_its_priors() -> None:
+    p = TierPolicy(learn=False, prior_fixed_s=0.001, prior_per_byte_s=1e-9)
+    p.observe_make(0.0001, MiB)
+    p.observe_fetch(1.0, MiB)
+    assert p.fetch_budget(64 * MiB) == 64 * MiB
+    assert p.fetch_cost(MiB) == pytest.approx(0.001 + 1e-9 * MiB)
+    assert p.worth_storing(MiB, 0.01) and not p.worth_storing(MiB, 0.001)
+
+
+def test_policy_rejects_nonsense() -> None:
+    for kw in (
+        {"margin": 0.0},
+        {"margin": 1.5},
+        {"prior_fixed_s": -1.0},
+        {"explore_every": -1},
+        {"min_samples": 0},
+        {"warmup": -1},
+    ):
+        with pytest.raises(ValueError):
+            TierPolicy(**kw)
+
+
+# --- value format -------------------------------------------------------------------------------
+
+
+def _item() -> dict[str, Any]:
+    return {"pixel_values": np.arange(1000, dtype=np.float32).reshape(10, 100), "n": 3}
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert set(a) == set(b)
+    np.testing.assert_array_equal(a["pixel_values"], b["pixel_values"])
+    assert a["pixel_values"].dtype == b["pixel_values"].dtype and a["n"] == b["n"]
+
+
+def test_value_round_trip_and_layout() -> None:
+    key = value_key("p:", "h1")
+    data = seal_value(SECRET, key, "h1", _item(), make_ns=12345)
+    magic, version, flags, header, length, make_ns = struct.unpack_from("<8sHHIQQ", data)
+    assert (magic, version, flags, header) == (b"AIOSHMTV", 1, 0, HEADER_SIZE)
+    assert length == len(data) - HEADER_SIZE and make_ns == 12345
+    payload = data[HEADER_SIZE:]
+    assert payload == pack_features([FeatureSpec("h1", _item())])
+    kb = key.encode()
+    tag = hmac.new(
+        SECRET, DOMAIN + struct.pack("<I", len(kb)) + kb + data[:32] + payload, hashlib.sha256
+    ).digest()
+    assert data[32:64] == tag
+    item, ns = open_value(SECRET, key, "h1", data, max_item_bytes=MiB)
+    _same(item, _item())
+    assert ns == 12345
+
+
+def test_keys_share_a_hash_tag_whatever_the_hash_looks_like() -> None:
+    for h in ("abc", "{x}y}", "é" * 300, ""):
+        v, lk = value_key("aioshm:", h), lease_key("aioshm:", h)
+        tag = "{" + key_digest(h) + "}"
+        assert v == f"aioshm:{tag}:v" and lk == f"aioshm:{tag}:l"
+
+
+def _reason(data: bytes, *, key: str | None = None, h: str = "h1", limit: int = MiB) -> str:
+    with pytest.raises(TierValueError) as ei:
+        open_value(SECRET, key or value_key("p:", "h1"), h, data, max_item_bytes=limit)
+    assert isinstance(ei.value, ValueError)
+    return ei.value.reason
+
+
+def test_value_under_another_secret_is_refused() -> None:
+    key = value_key("p:", "h1")
+    assert _reason(seal_value(b"q" * 32, key, "h1", _item())) == "signature"
+
+
+def test_value_copied_under_another_key_or_for_another_hash_is_refused() -> None:
+    data = seal_value(SECRET, value_key("p:", "h2"), "h2", _item())
+    assert _reason(data) == "signature"  # signed for another key
+    forged_hash = seal_value(SECRET, value_key("p:", "h1"), "h2", _item())
+    assert _reason(forged_hash) == "decoding"  # right key, the payload says another hash
+
+
+def test_truncated_values_are_refused() -> None:
+    data = seal_value(SECRET, value_key("p:", "h1"), "h1", _item())
+    for cut in (0, 10, HEADER_SIZE - 1, HEADER_SIZE, len(data) - 1):
+        assert _reason(data[:cut]) == "truncated"
+
+
+def test_oversized_and_malformed_values_are_refused() -> None:
+    data = seal_value(SECRET, value_key("p:", "h1"), "h1", _item())
+    assert _reason(data, limit=len(data) - HEADER_SIZE - 1) == "oversized"
+    assert _reason(data + b"\0") == "malformed"
+    for offset, value in ((0, b"X"), (8, b"\x02"), (10, b"\x01"), (12, b"\x40\x01")):
+        bad = bytearray(data)
+        bad[offset : offset + len(value)] = value
+        assert _reason(bytes(bad)) == "malformed"
+
+
+def test_forged_values_are_refused() -> None:
+    key = value_key("p:", "h1")
+    data = bytearray(seal_value(SECRET, key, "h1", _item()))
+    for offset in (24, 40, HEADER_SIZE + 5, len(data) - 1):  # make time, tag, payload
+        bad = bytearray(data)
+        bad[offset] ^= 0x01
+        assert _reason(bytes(bad)) == "signature"
+    # a well-signed value whose payload is not a features message (the key holder's mistake)
+    payload = b"\x93\xa1x\x01\x90"  # msgpack ["x", 1, []]
+    head = struct.pack("<8sHHIQQ", b"AIOSHMTV", 1, 0, HEADER_SIZE, len(payload), 0)
+    kb = key.encode()
+    tag = hmac.new(
+        SECRET, DOMAIN + struct.pack("<I", len(kb)) + kb + head + payload, hashlib.sha256
+    ).digest()
+    assert _reason(head + tag + payload) == "decoding"
+    ref = ShmRef(1, 1, 0, 1, 64, 0, 0, 0)
+    assert _reason(seal_value(SECRET, key, "h1", ref)) == "decoding"  # a reference, not an item
+
+
+def test_the_tier_s_public_names_have_docstrings() -> None:
+    for cls in (RedisTier, TierStats, TierPolicy, CircuitBreaker, LinearCost):
+        assert inspect.getdoc(cls), cls
+        for name, member in vars(cls).items():
+            if name.startswith("_") and name not in ("__init__", "__aenter__"):
+                continue
+            if callable(member) or isinstance(member, property):
+                assert inspect.getdoc(member), f"{cls.__name__}.{name}"
+
+
+def test_tier_arguments_are_checked() -> None:
+    url = "redis://127.0.0.1:1/0"
+    for kw in (
+        {"secret": b"short"},
+        {"secret": SECRET, "ttl_s": 0},
+        {"secret": SECRET, "lookup_timeout_s": -1.0},
+        {"secret": SECRET, "max_item_bytes": 0},
+        {"secret": SECRET, "prefix": "a{b}"},
+        {"secret": SECRET, "max_wait_s": float("nan")},
+    ):
+        with pytest.raises(ValueError):
+            RedisTier(url, **kw)
+    with pytest.raises(TypeError):
+        RedisTier("", secret=SECRET)
