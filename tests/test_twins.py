@@ -41,6 +41,8 @@ ASYNC_ONLY = {
     "receiver": "the wrapped sync cache",
     "get_or_put": "single flight joins concurrent tasks: only tasks have it",
     "single_flight_stats": "the counters of get_or_put",
+    "tier": "the second tier (aioshmcache.tier.RedisTier) get_or_put looks in: async only",
+    "tier_stats": "the counters of that tier",
 }
 #: sync methods that stay plain (not awaited) on the async face: they only read state
 NOT_AWAITED = {
