@@ -35,9 +35,9 @@ MiB = 1 << 20
 HEARTBEAT_TURNS = 200
 
 
-async def _until(pred: Callable[[], bool], timeout: float = 60.0) -> None:
+async def _until(pred: Callable[[], bool], deadline: float = 60.0) -> None:
     """Wait on the loop until ``pred()`` holds (a generous deadline: a hang, not a speed)."""
-    with anyio.fail_after(timeout):
+    with anyio.fail_after(deadline):
         while not pred():  # noqa: ASYNC110 - library state that signals nothing: polled
             await anyio.sleep(0.001)
 
