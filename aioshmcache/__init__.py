@@ -13,7 +13,7 @@ engine worker channel built on it (``EngineClient``, ``serve_engine``); ``aioshm
 
 from . import wire
 from ._ring import ShmRingBuffer
-from ._serde import MsgpackSerde, Serde
+from ._serde import EncodePlan, MsgpackSerde, Serde
 from ._store import ShmObjectStore
 from ._sweep import sweep
 from ._types import (
@@ -70,6 +70,7 @@ __all__ = [
     "CacheSnapshot",
     "ClosedCacheError",
     "DuplicateKeyError",
+    "EncodePlan",
     "EndOfFramesError",
     "EngineAddressInUseError",
     "EngineCallError",

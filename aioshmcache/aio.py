@@ -1,8 +1,8 @@
 """The asyncio facade, ``AsyncSenderCache`` and ``AsyncReceiverCache`` (on anyio).
 
 Same method names as the sync classes (``aclose`` for ``close``), and the same algorithm: each
-call builds the sync cache's own request object (``SenderCache.request`` /
-``ReceiverCache.request``) and runs its steps. The only decisions made here are *where* the copy
+call builds the sync cache's own request object (``SenderCache._request`` /
+``ReceiverCache._request``) and runs its steps. The only decisions made here are *where* the copy
 jobs run — inline on the loop below ``inline_threshold_bytes`` (a thread hop costs 75-170 us
 here, a 64 KiB copy 3 us), else in a worker thread through a ``CapacityLimiter``, where the
 numpy array assignments of the copy release the GIL — and what cancellation does:
@@ -420,7 +420,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         self, mm_item: MmItem | None, mm_hash: str, *, wait_for_space: float | None = None
     ) -> MmItem:
         """As ``SenderCache.get_and_update_item``; big copies and waits run in a thread."""
-        req = self.sender.request(
+        req = self.sender._request(
             [mm_item],
             [mm_hash],
             wait_for_space=wait_for_space,
@@ -433,7 +433,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         self, features: Sequence[FeatureSpec], *, wait_for_space: float | None = None
     ) -> list[FeatureSpec]:
         """As ``SenderCache.get_and_update_features``; big copies and waits run in a thread."""
-        req = self.sender.features_request(
+        req = self.sender._features_request(
             features, wait_for_space=wait_for_space, copy_inline_below=self.inline_threshold_bytes
         )
         out = self._send(req)
@@ -447,7 +447,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         wait_for_space: float | None = None,
     ) -> list[MmItem]:
         """As ``SenderCache.get_and_update``; big copies and waits run in a thread."""
-        req = self.sender.request(
+        req = self.sender._request(
             mm_items,
             mm_hashes,
             wait_for_space=wait_for_space,
@@ -668,14 +668,14 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
 
     async def get_and_update_features(self, features: Sequence[FeatureSpec]) -> list[FeatureSpec]:
         """As ``ReceiverCache.get_and_update_features``; big copies run in a worker thread."""
-        req = self.receiver.request(features, copy_inline_below=self.inline_threshold_bytes)
+        req = self.receiver._request(features, copy_inline_below=self.inline_threshold_bytes)
         if (pending := self._drive(req)) is not None:
             await pending
         return req.finish()
 
     async def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
         """As ``ReceiverCache.get_and_update_item``; a big copy runs in a worker thread."""
-        req = self.receiver.request(
+        req = self.receiver._request(
             [FeatureSpec(mm_hash, mm_item)], copy_inline_below=self.inline_threshold_bytes
         )
         if (pending := self._drive(req)) is not None:

@@ -100,7 +100,7 @@ class _Lease:
         if self._entered:
             raise RuntimeError("a lease is entered once")
         self._entered = True
-        req = self._req = self._cache.request(self._features, copy=False)
+        req = self._req = self._cache._request(self._features, copy=False)
         try:
             req.begin()
             out = req.finish()
@@ -215,7 +215,7 @@ class SenderCache(_Cache):
         """The segment's name (``aioshm-...``)."""
         return self.store.name
 
-    def request(
+    def _request(
         self,
         mm_items: Sequence[MmItem | None],
         mm_hashes: Sequence[str],
@@ -238,14 +238,14 @@ class SenderCache(_Cache):
             copy_inline_below=copy_inline_below,
         )
 
-    def features_request(
+    def _features_request(
         self,
         features: Sequence[FeatureSpec],
         *,
         wait_for_space: float | None = None,
         copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
     ) -> SenderRequest:
-        """``request`` over ``FeatureSpec``s; end it with ``finish_features``."""
+        """``_request`` over ``FeatureSpec``s; end it with ``finish_features``."""
         self.store.check_owner()
         return SenderRequest.for_features(
             self.store,
@@ -280,7 +280,7 @@ class SenderCache(_Cache):
         ``wait_for_space`` (seconds, default the config's) bounds the whole call. If anything
         raises, everything the call took is given back (hand-outs, allocations, pins).
         """
-        return self.request(mm_items, mm_hashes, wait_for_space=wait_for_space).run()
+        return self._request(mm_items, mm_hashes, wait_for_space=wait_for_space).run()
 
     def get_and_update_features(
         self, features: Sequence[FeatureSpec], *, wait_for_space: float | None = None
@@ -440,7 +440,7 @@ class ReceiverCache(_Cache):
         """
         return GroupReceiverCache(group, serde=serde, wait_for_shard=wait_for_shard)
 
-    def request(
+    def _request(
         self,
         features: Sequence[FeatureSpec],
         *,
@@ -468,7 +468,7 @@ class ReceiverCache(_Cache):
         ``features`` attribute holds the partial result). Any failure gives back every reference
         of the request that was not read: a failed read owes nothing.
         """
-        req = self.request(features)
+        req = self._request(features)
         _run_inline(req)
         return req.finish()
 
@@ -478,7 +478,7 @@ class ReceiverCache(_Cache):
         A stale reference raises ``StaleReferenceError``.
         """
         check_hash(mm_hash)
-        req = self.request([FeatureSpec(mm_hash, mm_item)])
+        req = self._request([FeatureSpec(mm_hash, mm_item)])
         _run_inline(req)
         return req.finish_item()
 
@@ -600,14 +600,14 @@ class GroupReceiverCache(ReceiverCache):
         """Attach to new shards and detach from dead ones now (also done on demand)."""
         self._shards.rescan()
 
-    def request(
+    def _request(
         self,
         features: Sequence[FeatureSpec],
         *,
         copy: bool = True,
         copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
     ) -> ReadRequest:
-        """A read over the group, as steps (see ``ReceiverCache.request``)."""
+        """A read over the group, as steps (see ``ReceiverCache._request``)."""
         return GroupReceiverRequest(
             self._shards, self._counters, features, copy=copy, copy_inline_below=copy_inline_below
         )
