@@ -24,7 +24,6 @@ from ._types import (
     FeatureSpec,
     ReaderSlotInfo,
     ShmRef,
-    coerce_handle,
 )
 from .aio import AsyncReceiverCache, AsyncSenderCache
 from .cache import GroupReceiverCache, ReceiverCache, SenderCache
@@ -103,7 +102,6 @@ __all__ = [
     "StaleReferenceError",
     "WireError",
     "WriterGoneError",
-    "coerce_handle",
     "sweep",
     "wire",
 ]

@@ -34,7 +34,15 @@ import anyio.to_thread
 from ._flight import FROM_SIBLING, GroupFlight, SingleFlight, SingleFlightStats, call_make
 from ._request import DEFAULT_INLINE_THRESHOLD, SenderRequest, features_from
 from ._serde import Serde
-from ._types import CacheConfig, CacheHandle, CacheInfo, CacheSnapshot, FeatureSpec, ShmRef
+from ._types import (
+    CacheConfig,
+    CacheHandle,
+    CacheInfo,
+    CacheSnapshot,
+    FeatureSpec,
+    ShmRef,
+    coerce_handle,
+)
 from .cache import MmItem, ReceiverCache, SenderCache
 from .errors import CacheMissError, ClosedCacheError
 
@@ -609,8 +617,9 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
 
         ``handle`` as for ``ReceiverCache.attach`` (a handle, its dict or JSON, or a name);
         keywords as for the constructor: ``serde``, ``max_threads``, ``inline_threshold_bytes``.
+        A malformed handle is refused here, at once, rather than at ``__aenter__``.
         """
-        return cls(handle=handle, **kwargs)
+        return cls(handle=coerce_handle(handle), **kwargs)
 
     @classmethod
     def attach_group(
