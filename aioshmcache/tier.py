@@ -344,7 +344,10 @@ class RedisTier:
     async def aclose(self, *, flush_timeout_s: float = 2.0) -> None:
         """Write what is queued (at most ``flush_timeout_s``), stop the tasks, close the client.
 
-        Idempotent. Writes still queued after the timeout are dropped (and counted).
+        Idempotent. Writes still queued after the timeout are dropped (and counted). A request
+        still running on the tier then finishes without Redis: it claims nothing, renews
+        nothing, queues nothing and opens no new connection (a lease it holds expires after
+        ``lease_s``).
         """
         if self._closed:
             return
@@ -478,7 +481,7 @@ class RedisTier:
 
     async def _make(self, w: _Write, make: Callable[[], Awaitable[Any]], *, store: bool) -> Any:
         """Run ``make`` (renewing our lease, if any), then queue the write or the release."""
-        if w.token is not None:
+        if w.token is not None and not self._closed:
             w.renewal = self._spawn(self._renew(w.lkey, w.token))
         self._n["makes"] += 1
         t0 = time.perf_counter()
@@ -509,6 +512,8 @@ class RedisTier:
         """Extend our lease every third of it until cancelled (or the lease is not ours)."""
         while True:
             await anyio.sleep(self.lease_s / 3)
+            if self._closed:
+                return  # the lease expires by itself; nobody may keep it alive
             if not self.breaker.allow():
                 continue
             out = await self._call(
@@ -522,6 +527,13 @@ class RedisTier:
 
     def _enqueue(self, w: _Write) -> None:
         """Queue a write (dropped, and counted, if the queue is full) or a lease release."""
+        if self._closed:  # nobody writes any more: drop it (the lease, if any, expires)
+            if w.has_item:
+                self._n["dropped_writes"] += 1
+            w.item, w.has_item = None, False
+            if w.renewal is not None:
+                w.renewal.cancel()
+            return
         if w.has_item and (
             sum(1 for q in self._queue if q.has_item) >= self._queue_items
             or self._queued_bytes + w.nbytes > self._queue_bytes
@@ -616,7 +628,12 @@ class RedisTier:
         kwargs: dict[str, Any] | None = None,
         deadline_s: float,
     ) -> Any:
-        """One Redis operation under a deadline; None on a failure (counted, breaker told)."""
+        """One Redis operation under a deadline; None on a failure (counted, breaker told).
+
+        None at once once the tier is closed: the closed client would otherwise connect again.
+        """
+        if self._closed:
+            return None
         try:
             with anyio.fail_after(deadline_s):
                 if keys is not None:

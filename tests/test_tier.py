@@ -459,6 +459,62 @@ async def test_a_cancelled_claimer_releases_the_claim_at_once(
 
 
 @e2e
+async def test_a_request_running_when_its_tier_closes_leaves_nothing_behind(
+    redis_server: RedisServer, raw: Any
+) -> None:
+    """After ``aclose`` a request still on the tier claims, renews and queues nothing.
+
+    Before, a request that was waiting on another host's claim when its tier closed went on
+    probing through the closed client (which connected again), claimed the hash once the lease
+    was free, and renewed that claim forever (the writer that cancels renewals was gone): every
+    other host then waited ``max_wait_s`` for that hash. A write queued after close stayed in
+    the queue for good, holding its item.
+    """
+    a = _tier(redis_server.url, lease_s=60.0)
+    b = _tier(redis_server.url, lease_s=60.0, max_wait_s=30.0)
+    c = _tier(redis_server.url, lease_s=60.0)
+    fail, made, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def failing() -> dict[str, Any]:
+        made.set()
+        await fail.wait()
+        raise RuntimeError("a's preprocessing failed")
+
+    async def held() -> dict[str, Any]:
+        made.set()
+        await release.wait()
+        return hosts.item_of("z2")
+
+    async def plain() -> dict[str, Any]:
+        return hosts.item_of("z1")
+
+    async with a:
+        await b.open()
+        first = asyncio.ensure_future(a.fetch_or_make("z1", failing))
+        await made.wait()
+        second = asyncio.ensure_future(b.fetch_or_make("z1", plain))
+        await _until(lambda: b.stats().waits == 1)  # b waits on a's claim
+        await b.aclose()
+        fail.set()  # a releases its claim; b must not take it over through a closed client
+        with pytest.raises(RuntimeError, match="preprocessing failed"):
+            await first
+        assert (await asyncio.wait_for(second, 20))["hash"] == "z1"
+        assert b.stats().claims == 0 and b.stats().queued_writes == 0
+        assert await raw.get(lease_key(b.prefix, "z1")) is None
+
+        made.clear()
+        await c.open()
+        third = asyncio.ensure_future(c.fetch_or_make("z2", held))
+        await made.wait()  # c claimed z2 and runs its make
+        await c.aclose()
+        release.set()
+        assert (await asyncio.wait_for(third, 20))["hash"] == "z2"
+        s = c.stats()
+        assert s.claims == 1 and s.queued_writes == 0 and s.dropped_writes == 1 and s.writes == 0
+        assert not c._tasks  # no renewal left running
+
+
+@e2e
 async def test_a_request_never_waits_for_its_write(
     redis_server: RedisServer, make_config: Any
 ) -> None:
