@@ -53,7 +53,6 @@ from typing import Any, Final
 
 import anyio
 import anyio.to_thread
-import numpy as np
 
 from ._tier_breaker import CircuitBreaker
 from ._tier_policy import PolicyView, TierPolicy
@@ -180,18 +179,22 @@ class _Write:
 
 
 def _array_bytes(item: Any, depth: int = 0) -> int:
-    """The bytes of the numpy arrays in ``item`` (what a queued write keeps alive)."""
-    if isinstance(item, np.ndarray):
-        return int(item.nbytes)
+    """The bytes of the arrays and buffers in ``item`` (what a queued write keeps alive).
+
+    Counts what the wire carries in bulk: numpy arrays, torch tensors and memoryviews (their
+    ``nbytes``), bytes, bytearrays and strings; a tensor or a str counted as nothing would let
+    ``write_queue_items`` items of any size through the byte bound.
+    """
+    if isinstance(item, (bytes, bytearray, str)):
+        return len(item)
     if depth > 64:
         return 0
     if isinstance(item, dict):
         return sum(_array_bytes(v, depth + 1) for v in item.values())
     if isinstance(item, (list, tuple)):
         return sum(_array_bytes(v, depth + 1) for v in item)
-    if isinstance(item, (bytes, bytearray)):
-        return len(item)
-    return 0
+    nbytes = getattr(item, "nbytes", None)  # np.ndarray, np.generic, torch.Tensor, memoryview
+    return nbytes if type(nbytes) is int and nbytes > 0 else 0
 
 
 def _import_redis() -> Any:

@@ -540,6 +540,34 @@ async def test_a_request_never_waits_for_its_write(
 
 
 @e2e
+async def test_the_write_queue_s_byte_bound_counts_tensors_buffers_and_strings(
+    redis_server: RedisServer,
+) -> None:
+    """Items whose bulk is not a numpy array count against ``write_queue_bytes`` too.
+
+    Before, a torch tensor, a memoryview or a str counted as 0 bytes: 32 queued items of any
+    size passed a byte bound meant to cap what the queue keeps alive.
+    """
+    torch = pytest.importorskip("torch")
+    tier = _tier(redis_server.url, write_queue_bytes=64 * KiB)
+    items: list[Any] = [
+        {"t": torch.zeros(128 * KiB, dtype=torch.uint8)},
+        [memoryview(bytes(128 * KiB))],
+        {"s": "x" * (128 * KiB)},
+    ]
+    async with tier:
+        for i, item in enumerate(items):
+
+            async def make(item: Any = item) -> Any:
+                return item
+
+            assert await tier.fetch_or_make(f"b{i}", make) is item
+        assert await tier.flush(30)
+    s = tier.stats()
+    assert s.claims == 3 and s.dropped_writes == 3 and s.writes == 0
+
+
+@e2e
 async def test_a_full_write_queue_drops_the_write_and_releases_the_claim(
     redis_server: RedisServer, raw: Any, make_config: Any
 ) -> None:
