@@ -71,6 +71,9 @@ __all__ = ["CircuitBreaker", "RedisTier", "TierPolicy", "TierStats", "TierValueE
 MiB: Final = 1 << 20
 #: values at least this large are signed / verified in a worker thread (hashing releases the GIL)
 THREAD_THRESHOLD: Final = 256 << 10
+#: the durations sent to Redis as expiries (in ms): at least 1 ms, at most ~31 years
+_MIN_EXPIRY_S: Final = 0.001
+_MAX_EXPIRY_S: Final = 1e9
 _SKIP: Final = b"skip"  # a lease value that says "not worth storing: make it yourself"
 _REJECT_REASONS: Final = ("truncated", "malformed", "oversized", "signature", "decoding")
 
@@ -261,6 +264,14 @@ class RedisTier:
         ):
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name, value in (("ttl_s", ttl_s), ("lease_s", lease_s), ("skip_ttl_s", skip_ttl_s)):
+            # sent to Redis in whole milliseconds: 0 ms, or more than Redis can add to its
+            # clock, is refused by the server on every command (a tier that never works)
+            if not _MIN_EXPIRY_S <= value <= _MAX_EXPIRY_S:
+                raise ValueError(
+                    f"{name} must be between {_MIN_EXPIRY_S} and {_MAX_EXPIRY_S:.0f} s, "
+                    f"got {value!r}"
+                )
         if not isinstance(max_wait_s, (int, float)) or not 0 <= max_wait_s < float("inf"):
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
         for name, n in (
@@ -272,6 +283,10 @@ class RedisTier:
                 raise ValueError(f"{name} must be an int >= 1, got {n!r}")
         if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
             raise ValueError("prefix must be a str without braces (they make the hash tag)")
+        try:
+            prefix.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("prefix must encode as UTF-8 (it starts every key)") from None
         self._redis_mod = _import_redis()
         self.url = url
         self._secret = key

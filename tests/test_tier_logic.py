@@ -399,6 +399,12 @@ def test_tier_arguments_are_checked() -> None:
         {"secret": SECRET, "max_item_bytes": 0},
         {"secret": SECRET, "prefix": "a{b}"},
         {"secret": SECRET, "max_wait_s": float("nan")},
+        # Redis refuses an expiry of 0 ms (or one past its clock) on every command
+        {"secret": SECRET, "ttl_s": 0.0004},
+        {"secret": SECRET, "lease_s": 1e-6},
+        {"secret": SECRET, "skip_ttl_s": 1e300},
+        # every key would fail to encode: each request an error, the breaker open for good
+        {"secret": SECRET, "prefix": "bad\ud800:"},
     ):
         with pytest.raises(ValueError):
             RedisTier(url, **kw)
