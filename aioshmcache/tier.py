@@ -422,10 +422,11 @@ class RedisTier:
                 args=[token, int(self.lease_s * 1000), _SKIP],
                 deadline_s=self.lookup_timeout_s,
             )
-            if probe is None:  # Redis failed (counted): make it here, write nothing
+            reply = None if probe is None else self._probe_reply(probe)
+            if reply is None:  # Redis failed or answered nonsense (counted): make it here
                 self._n["misses"] += 1
                 return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
-            kind, n = int(probe[0]), int(probe[1])
+            kind, n = reply
             if kind == _VALUE:
                 if n > HEADER_SIZE + self.max_item_bytes:
                     self._n["misses"] += 1
@@ -467,12 +468,37 @@ class RedisTier:
                 self._n["bypassed"] += 1
                 return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
 
+    def _probe_reply(self, probe: Any) -> tuple[int, int] | None:
+        """``(kind, size)`` of the probe script's reply, or None (an error, counted) if it is
+        not what the script returns.
+
+        The server is not trusted to be a sane Redis (a wrong URL, a proxy, an incompatible
+        server, an attacker on the network): a reply of another shape must not fail the
+        request with an untyped error, nor pass for "leased by another" and hold it for
+        ``max_wait_s``.
+        """
+        if (
+            isinstance(probe, (list, tuple))
+            and len(probe) == 2
+            and type(probe[0]) is int
+            and type(probe[1]) is int
+            and probe[0] in (_VALUE, _CLAIMED, _LEASED, _SKIPPED)
+            and probe[1] >= 0
+        ):
+            return probe[0], probe[1]
+        self._n["errors"] += 1
+        self.breaker.failure()
+        return None
+
     async def _fetch(self, vkey: str, mm_hash: str, n: int, t0: float) -> tuple[Any] | None:
         """GET, verify and decode a value of ``n`` bytes; None if it failed (counted)."""
         deadline = self.lookup_timeout_s + 2 * self.policy.fetch_cost(n)
         data = await self._call(self._client.get, args=[vkey], deadline_s=deadline)
         if data is None:
             return None  # failed, or expired between the probe and the GET
+        if not isinstance(data, bytes):  # not a GET's reply (see _probe_reply): never served
+            self._rejected["malformed"] += 1
+            return None
         try:
             if len(data) >= THREAD_THRESHOLD:
                 item, make_ns = await anyio.to_thread.run_sync(self._open, vkey, mm_hash, data)

@@ -5,6 +5,7 @@ No Redis here (these run in the default suite); the end-to-end tests are in ``te
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import inspect
@@ -410,3 +411,59 @@ def test_tier_arguments_are_checked() -> None:
             RedisTier(url, **kw)
     with pytest.raises(TypeError):
         RedisTier("", secret=SECRET)
+
+
+# --- a server that is not a sane Redis ----------------------------------------------------------
+
+
+async def _serve_resp(reply: bytes, reader: Any, writer: Any) -> None:
+    """Answer every RESP command with ``reply`` (a wrong URL, a proxy, a tampering middlebox)."""
+    try:
+        while line := await reader.readline():
+            for _ in range(int(line[1:])):
+                size = int((await reader.readline())[1:])
+                await reader.readexactly(size + 2)
+            writer.write(reply)
+            await writer.drain()
+    except (ValueError, ConnectionError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"+OK\r\n",  # a status where the probe script returns a pair: was "leased", max_wait_s
+        b":5\r\n",  # an integer: was TypeError out of the request
+        b"*1\r\n:1\r\n",  # one element: was IndexError
+        b"*2\r\n:1\r\n$1\r\nx\r\n",  # a size that is not a number: was ValueError
+        b"*2\r\n:9\r\n:0\r\n",  # an unknown kind: was "leased by another", max_wait_s
+        b"*2\r\n:1\r\n:99\r\n",  # "a value of 99 bytes", then the GET answers a pair
+    ],
+)
+async def test_a_server_answering_nonsense_fails_no_request_and_holds_none(reply: bytes) -> None:
+    """Whatever the server answers, the request is made here at once and the error counted."""
+    server = await asyncio.start_server(lambda r, w: _serve_resp(reply, r, w), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    tier = RedisTier(
+        f"redis://127.0.0.1:{port}/0",
+        secret=SECRET,
+        lookup_timeout_s=5.0,
+        max_wait_s=30.0,
+        policy=TierPolicy(learn=False, explore_every=0),
+    )
+    item = {"x": np.arange(4)}
+
+    async def make() -> dict[str, Any]:
+        return item
+
+    try:
+        async with tier:
+            assert await asyncio.wait_for(tier.fetch_or_make("h", make), 20) is item
+        s = tier.stats()
+        assert s.makes == 1 and s.waits == 0 and s.hits == 0
+        assert s.errors + s.rejected_total >= 1
+    finally:
+        server.close()
+        await server.wait_closed()
