@@ -18,7 +18,8 @@ The rules (tests in ``tests/test_tier*.py``; the byte layout of a value in ``_ti
   while ``make`` runs; the others find the lease and wait (polling, at most ``max_wait_s``) for
   the value. A claimer that dies stops renewing: its lease expires and the first waiter to
   look again claims the hash (a *takeover*) and makes it. A claimer whose ``make`` fails or is
-  cancelled releases its lease at once.
+  cancelled releases its lease at once (a compare-and-delete of its own token, not queued
+  behind the writes).
 * **Redis is never a single point of failure.** Every Redis operation has a deadline: a
   look-up ``lookup_timeout_s``, the transfer of a value ``lookup_timeout_s`` plus twice its
   predicted cost. An error or a timeout is a miss (the request calls ``make``); repeated ones
@@ -311,6 +312,7 @@ class RedisTier:
         self._idle: asyncio.Event | None = None
         self._writer: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._releasing: set[asyncio.Task[None]] = set()  # claims being given up (in _tasks)
         self._closed = False
         self._n: collections.Counter[str] = collections.Counter()
         self._rejected: collections.Counter[str] = collections.Counter()
@@ -386,12 +388,15 @@ class RedisTier:
                     await self._client.aclose()
 
     async def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until the write queue is empty (or ``timeout_s``); True if it is."""
+        """Wait until the write queue is empty and no claim is being given up (or
+        ``timeout_s``); True if so."""
         if self._idle is None:
             return True
         with anyio.move_on_after(timeout_s):
             await self._idle.wait()
-        return self._idle.is_set()
+            while self._releasing:
+                await asyncio.wait(set(self._releasing))
+        return self._idle.is_set() and not self._releasing
 
     # --- the request path ---------------------------------------------------------------------
 
@@ -583,10 +588,16 @@ class RedisTier:
             or self._queued_bytes + w.nbytes > self._queue_bytes
         ):
             self._n["dropped_writes"] += 1
-            w.item, w.has_item = None, False  # still release the lease (tiny, never dropped)
-        if not w.has_item and w.token is None:
+            w.item, w.has_item = None, False  # still release the lease (below)
+        if not w.has_item:
             if w.renewal is not None:
                 w.renewal.cancel()
+            if w.token is not None:
+                # at once, not behind the queued writes: a stuck write would otherwise keep
+                # every waiting host waiting for a make that failed (up to max_wait_s)
+                task = self._spawn(self._release_claim(w))
+                self._releasing.add(task)
+                task.add_done_callback(self._releasing.discard)
             return
         if w.has_item:
             self._queued_bytes += w.nbytes
@@ -615,11 +626,12 @@ class RedisTier:
                 if w.renewal is not None:
                     w.renewal.cancel()
 
+    async def _release_claim(self, w: _Write) -> None:
+        """Give up a claim whose make failed, was cancelled, or whose write was dropped."""
+        if self.breaker.allow():
+            await self._release(w, b"")
+
     async def _write(self, w: _Write) -> None:
-        if not w.has_item:  # make failed, was cancelled, or its write was dropped
-            if w.token is not None and self.breaker.allow():
-                await self._release(w, b"")
-            return
         try:
             if w.nbytes >= THREAD_THRESHOLD:
                 value = await anyio.to_thread.run_sync(self._seal, w)

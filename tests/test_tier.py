@@ -404,6 +404,49 @@ async def test_a_failing_make_releases_the_claim_at_once(
 
 
 @e2e
+async def test_a_failed_claim_is_released_while_writes_are_stuck(
+    redis_server: RedisServer, make_config: Any, shm_name: str
+) -> None:
+    """The release of a failed make's claim does not queue behind the writes.
+
+    Before, it went through the write queue: while a write was stuck (a slow Redis, up to
+    ``write_timeout_s`` each), a host waiting on the claim waited for it too, up to
+    ``max_wait_s``, for a make that had already failed.
+    """
+    t1 = _tier(redis_server.url, lease_s=60.0, write_timeout_s=120.0)  # a write stuck for good
+    t2 = _tier(redis_server.url, lease_s=60.0, max_wait_s=60.0)
+    gate, started = asyncio.Event(), asyncio.Event()
+    calls: list[str] = []
+
+    async def failing() -> dict[str, Any]:
+        started.set()
+        await asyncio.sleep(0.1)
+        raise RuntimeError("preprocessing failed")
+
+    async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
+        real_set = t1._client.set
+
+        async def stalled_set(*args: Any, **kw: Any) -> Any:
+            await gate.wait()
+            return await real_set(*args, **kw)
+
+        t1._client.set = stalled_set
+        with ReceiverCache.attach(b.handle()) as rb:
+            await a.get_or_put("s0", _maker("s0", calls))  # its write is now stuck
+            await _until(lambda: t1.stats().queued_writes == 0)  # in flight, not queued
+            first = asyncio.ensure_future(a.get_or_put("s1", failing))
+            await started.wait()
+            second = asyncio.ensure_future(b.get_or_put("s1", _maker("s1", calls)))
+            with pytest.raises(RuntimeError, match="preprocessing failed"):
+                await first
+            _check(rb, await asyncio.wait_for(second, 20), "s1")
+            assert t1.stats().writes == 0  # the write was still stuck all along
+            gate.set()
+    s2 = t2.stats()
+    assert calls == ["s0", "s1"] and s2.takeovers == 1 and s2.wait_timeouts == 0
+
+
+@e2e
 @pytest.mark.slow
 async def test_a_claim_is_renewed_while_make_runs_longer_than_its_lease(
     redis_server: RedisServer, make_config: Any, shm_name: str
