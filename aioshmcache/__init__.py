@@ -6,8 +6,9 @@ tensors back, zero-copy if they like. See ``SenderCache`` / ``ReceiverCache`` an
 twins ``AsyncSenderCache`` / ``AsyncReceiverCache``.
 
 Modules: ``aioshmcache.wire`` moves a request's features between processes (``pack_features`` /
-``unpack_features`` and length-prefixed frames); ``aioshmcache.metrics`` (the ``metrics`` extra,
-not imported here) exports a cache to Prometheus.
+``unpack_features`` and length-prefixed frames); ``aioshmcache.channel`` is the gateway <->
+engine worker channel built on it (``EngineClient``, ``serve_engine``); ``aioshmcache.metrics``
+(the ``metrics`` extra, not imported here) exports caches and cache groups to Prometheus.
 """
 
 from . import wire
@@ -33,6 +34,11 @@ from .errors import (
     ClosedCacheError,
     DuplicateKeyError,
     EndOfFramesError,
+    EngineAddressInUseError,
+    EngineCallError,
+    EngineError,
+    EngineTimeoutError,
+    EngineUnavailableError,
     FrameError,
     FrameTooLargeError,
     IncompleteFrameError,
@@ -65,6 +71,11 @@ __all__ = [
     "ClosedCacheError",
     "DuplicateKeyError",
     "EndOfFramesError",
+    "EngineAddressInUseError",
+    "EngineCallError",
+    "EngineError",
+    "EngineTimeoutError",
+    "EngineUnavailableError",
     "FeatureSpec",
     "FrameError",
     "FrameTooLargeError",

@@ -20,12 +20,35 @@ The rules, in one place:
 
 Everything here runs on the event loop of the cache (no locks: between two awaits nothing else
 changes the table). One ``AsyncSenderCache`` is used from one event loop.
+
+**Across the processes of a cache group** (:class:`GroupFlight`): a leader whose hash no shard
+holds first claims a marker the sibling processes can see, a file per hash under a directory of
+the group, locked with ``flock``. A process that finds the marker held waits (bounded by
+``GROUP_WAIT_S``, polling every few milliseconds) until the hash is cached somewhere in the group
+— then it is read like any sibling hit, not computed again — or until the marker is free. The
+marker is held until the flight ends in this process (its put committed, or it failed), so a
+sibling that sees it free and the hash still missing knows the computation failed and computes
+itself. A leader that dies holding a marker holds nothing: the kernel drops a dead process's
+``flock``. Marker files are removed by the process that held them (unlinked before the lock is
+dropped; a claimer checks that the file it locked is still the one at the path); one whose holder
+died stays behind, empty, and is reused by the next claim of that hash; the group's directory
+goes with its last marker (a claimer that finds it gone makes it again). If the directory cannot be
+used, the group-wide part is skipped (each process computes its own misses): it never fails a
+request.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import fcntl
+import hashlib
 import inspect
+import logging
+import os
+import stat
+import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
@@ -35,7 +58,23 @@ import anyio.to_thread
 
 from .errors import CacheMissError
 
-__all__ = ["SingleFlight", "SingleFlightStats", "call_make"]
+__all__ = [
+    "FROM_SIBLING",
+    "GROUP_WAIT_S",
+    "GroupFlight",
+    "SingleFlight",
+    "SingleFlightStats",
+    "call_make",
+    "marker_directory",
+]
+
+log = logging.getLogger("aioshmcache")
+
+#: how long a process waits for a sibling that is computing the same hash (seconds)
+GROUP_WAIT_S = 30.0
+_POLL_MIN_S, _POLL_MAX_S = 0.001, 0.01
+#: what a ``make`` returns when a sibling process computed the item: the put is then a hit
+FROM_SIBLING: Any = object()
 
 R = TypeVar("R")
 
@@ -60,6 +99,8 @@ class SingleFlightStats:
     failures: int = 0
     #: flights a waiter took over because their leader was cancelled
     takeovers: int = 0
+    #: flights served by a sibling process of the group that was computing the same hash
+    group_saved: int = 0
 
     def to_dict(self) -> dict[str, int]:
         """The counters as a plain dict (for JSON, a status page, a results table)."""
@@ -101,6 +142,9 @@ def _same_kind(exc: Exception) -> Exception:
     """
     try:
         clone = copy.copy(exc)
+        # a constructor that derives its message from other arguments (CacheMissError's
+        # mm_hashes) rebuilt it from the message itself: the original arguments, as given
+        clone.args = exc.args
     except Exception:
         return exc
     return clone if type(clone) is type(exc) else exc
@@ -109,10 +153,11 @@ def _same_kind(exc: Exception) -> Exception:
 class SingleFlight(Generic[R]):
     """Per-key flights: at most one ``make`` running per key among concurrent callers."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, on_end: Callable[[str], None] | None = None) -> None:
+        self._on_end = on_end  # told when a key's flight is over in this process
         self._flights: dict[str, _Flight] = {}
         self._calls = self._hits = self._runs = self._saved = 0
-        self._failures = self._takeovers = 0
+        self._failures = self._takeovers = self._group_saved = 0
 
     def stats(self) -> SingleFlightStats:
         """The counters, read together."""
@@ -123,6 +168,7 @@ class SingleFlight(Generic[R]):
             saved=self._saved,
             failures=self._failures,
             takeovers=self._takeovers,
+            group_saved=self._group_saved,
         )
 
     def in_flight(self) -> int:
@@ -193,6 +239,9 @@ class SingleFlight(Generic[R]):
             if f.made is None:
                 self._runs += 1
                 f.made = (await make(),)
+                if f.made[0] is FROM_SIBLING:  # not run here after all
+                    self._runs -= 1
+                    self._group_saved += 1
             out = await put(f.made[0])
         except Exception as exc:  # a failure: every waiter gets it, nothing is cached
             self._failures += 1
@@ -217,3 +266,127 @@ class SingleFlight(Generic[R]):
     def _drop(self, key: str, f: _Flight) -> None:
         if self._flights.get(key) is f:
             del self._flights[key]
+            if self._on_end is not None:
+                self._on_end(key)
+
+
+def marker_directory(group: str) -> str:
+    """Where the single-flight markers of cache group ``group`` live (computed, not made)."""
+    base = os.path.join(tempfile.gettempdir(), f"aioshm-{os.getuid()}-flights")
+    return os.path.join(base, group.replace("/", "_"))
+
+
+class GroupFlight:
+    """The cross-process marker of a cache group: "a process of the group is computing h".
+
+    :meth:`claim` is called by a process's leader before it computes; :meth:`release` when the
+    flight is over in that process (``SingleFlight(on_end=...)``). See the module docstring.
+    """
+
+    def __init__(self, group: str, *, wait_s: float = GROUP_WAIT_S) -> None:
+        self.group = group
+        self.wait_s = wait_s
+        self._dir: str | None = None
+        self._held: dict[str, int] = {}
+        #: claims that found a sibling computing, and of those, the ones it then served
+        self.waited = 0
+        self.served = 0
+
+    def _directory(self) -> str | None:
+        if self._dir is None:
+            path = marker_directory(self.group)
+            base = os.path.dirname(path)
+            try:
+                for d in (base, path):
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(d, 0o700)
+                    st = os.lstat(d)
+                    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                        raise PermissionError(f"{d} is not a directory of this user")
+            except OSError as exc:
+                log.warning("group-wide single flight is off for %r: %s", self.group, exc)
+                self._dir = ""
+            else:
+                self._dir = path
+        return self._dir or None
+
+    def _path(self, key: str) -> str | None:
+        d = self._directory()
+        if d is None:
+            return None
+        return os.path.join(d, hashlib.blake2b(key.encode(), digest_size=16).hexdigest())
+
+    def _try_lock(self, path: str) -> int | None:
+        """The locked marker file at ``path`` (the one linked there now), or None if held."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:  # the group's directory went with its last marker: again
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(os.path.dirname(path), 0o700)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # its holder unlinked it after we opened it: try the new one
+            os.close(fd)
+            return self._try_lock(path)
+        return fd
+
+    async def claim(self, key: str, cached: Callable[[], bool]) -> bool:
+        """Whether this process should compute ``key``: False once a sibling has cached it.
+
+        True with the marker held (release it with :meth:`release`), or True without it when
+        the markers cannot be used or a sibling took longer than ``wait_s``.
+        """
+        path = self._path(key)
+        if path is None or key in self._held:
+            return True
+        deadline = time.monotonic() + self.wait_s
+        pause = _POLL_MIN_S
+        waited = False
+        while True:
+            try:
+                fd = self._try_lock(path)
+            except OSError as exc:
+                log.warning("group-wide single flight: %s", exc)
+                return True
+            if fd is not None:
+                if cached():  # put (and released) between our look-up and the lock
+                    self._unlock(path, fd)
+                    self.served += waited
+                    return False
+                self._held[key] = fd
+                return True
+            if not waited:
+                waited = True
+                self.waited += 1
+            if cached():
+                self.served += 1
+                return False
+            if time.monotonic() >= deadline:
+                return True
+            await anyio.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+
+    def release(self, key: str) -> None:
+        """The flight of ``key`` is over in this process: drop its marker, if held."""
+        fd = self._held.pop(key, None)
+        if fd is None:
+            return
+        path = self._path(key)
+        if path is not None:
+            self._unlock(path, fd)
+
+    @staticmethod
+    def _unlock(path: str, fd: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # before the lock goes: a claimer then sees a fresh file
+        os.close(fd)
+        with contextlib.suppress(OSError):  # the last marker takes the group's directory along
+            os.rmdir(os.path.dirname(path))

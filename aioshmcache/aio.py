@@ -30,12 +30,12 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from ._flight import SingleFlight, SingleFlightStats, call_make
+from ._flight import FROM_SIBLING, GroupFlight, SingleFlight, SingleFlightStats, call_make
 from ._request import DEFAULT_INLINE_THRESHOLD
 from ._serde import Serde
 from ._types import CacheConfig, CacheHandle, CacheInfo, CacheSnapshot, FeatureSpec, ShmRef
 from .cache import MmItem, ReceiverCache, SenderCache
-from .errors import ClosedCacheError
+from .errors import CacheMissError, ClosedCacheError
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
@@ -234,7 +234,12 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
             sender, max_threads=max_threads, inline_threshold_bytes=inline_threshold_bytes
         )
         self._config = config
-        self._flight: SingleFlight[FeatureSpec] = SingleFlight()
+        cfg = config if config is not None else sender.config if sender is not None else None
+        group = None if cfg is None else cfg.group
+        self._group_flight = None if group is None else GroupFlight(group)  # across processes
+        self._flight: SingleFlight[FeatureSpec] = SingleFlight(
+            on_end=None if self._group_flight is None else self._group_flight.release
+        )
         self._make_limiter: anyio.CapacityLimiter | None = None
         self._tier = tier
 
@@ -370,6 +375,10 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         hand-out is rolled back. ``prompt_updates`` are stored with the item when it is put; a
         caller served by a hit at once gets the stored ones. Counters: ``single_flight_stats``.
 
+        In a cache group the flight spans the group's processes: a hash that a sibling process
+        is computing right now is waited for (up to ``_flight.GROUP_WAIT_S``) and then read
+        from its shard, not computed again (``group_saved``; see ``_flight.GroupFlight``).
+
         With a ``tier``, the first caller looks in the tier before it calls ``make`` (an item
         found there is put as if made here) and ``make``'s item is stored in the tier behind
         the request; see ``aioshmcache.tier`` and ``tier_stats()``.
@@ -378,17 +387,28 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
             raise TypeError(f"mm_hash must be a str, not {type(mm_hash).__name__}")
         updates = tuple(prompt_updates)
 
-        async def put(data: Any) -> FeatureSpec:
-            spec = FeatureSpec(mm_hash, data, identifier=identifier, prompt_updates=updates)
-            [out] = await self.get_and_update_features([spec], wait_for_space=wait_for_space)
-            return out
-
-        async def run_make() -> Any:
+        async def make_here() -> Any:
             if self._tier is not None:  # shared memory missed: the tier, then ``make``
                 return await self._tier.fetch_or_make(
                     mm_hash, lambda: call_make(make, self.make_limiter)
                 )
             return await call_make(make, self.make_limiter)
+
+        async def put(data: Any) -> FeatureSpec:
+            if data is FROM_SIBLING:  # a sibling put it: a hit (its copy into our shard)
+                try:
+                    return await put(None)
+                except CacheMissError:  # gone again meanwhile: preprocess it here after all
+                    data = await make_here()
+            spec = FeatureSpec(mm_hash, data, identifier=identifier, prompt_updates=updates)
+            [out] = await self.get_and_update_features([spec], wait_for_space=wait_for_space)
+            return out
+
+        async def run_make() -> Any:
+            gf = self._group_flight  # a sibling process computing it: wait, then read its item
+            if gf is not None and not await gf.claim(mm_hash, lambda: self.is_cached_item(mm_hash)):
+                return FROM_SIBLING
+            return await make_here()
 
         return await self._flight.run(
             mm_hash,

@@ -15,6 +15,11 @@ __all__ = [
     "ClosedCacheError",
     "DuplicateKeyError",
     "EndOfFramesError",
+    "EngineAddressInUseError",
+    "EngineCallError",
+    "EngineError",
+    "EngineTimeoutError",
+    "EngineUnavailableError",
     "FrameError",
     "FrameTooLargeError",
     "IncompleteFrameError",
@@ -160,3 +165,32 @@ class IncompleteFrameError(FrameError, EOFError):
 
 class EndOfFramesError(ShmCacheError, EOFError):
     """The stream ended cleanly between two frames: the peer closed it (not a bad frame)."""
+
+
+class EngineError(ShmCacheError):
+    """The engine channel (``aioshmcache.channel``) failed: base of the channel's own errors.
+
+    Errors of the cache met by the engine worker while reading a request's features come back
+    as the cache's own types (``CacheMissError``, ``WriterGoneError``, ...), not as these.
+    """
+
+
+class EngineUnavailableError(EngineError, ConnectionError):
+    """No engine worker could be reached, or it went away before answering."""
+
+
+class EngineTimeoutError(EngineError, TimeoutError):
+    """A call's deadline passed before the engine worker answered."""
+
+
+class EngineCallError(EngineError):
+    """The engine worker's handler raised; ``remote_type`` names the exception it raised."""
+
+    def __init__(self, message: str, *, remote_type: str = "") -> None:
+        super().__init__(message)
+        #: the class name of the exception raised in the engine worker
+        self.remote_type = remote_type
+
+
+class EngineAddressInUseError(EngineError, FileExistsError):
+    """Another live engine worker already serves this socket path."""

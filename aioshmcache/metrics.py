@@ -34,7 +34,8 @@ The metrics (counters end in ``_total``, sizes in ``_bytes``; labels ``cache`` a
 ``aioshmcache_handouts_owed``               gauge    hand-outs not yet acknowledged, summed over
                                                      the attached readers
 ``aioshmcache_reader_slots``                gauge    reader slots of the segment
-``aioshmcache_reader_alive``                gauge    per attached slot (label ``slot``): 1 alive
+``aioshmcache_reader_alive``                gauge    per attached slot (labels ``cache``,
+                                                     ``role`` and ``slot``): 1 alive
 ``aioshmcache_reader_lag``                  gauge    per slot: hand-outs the reader owes
 ``aioshmcache_reader_revoked``              gauge    per slot: 1 if the writer revoked it
 ``aioshmcache_reader_acknowledged_total``   counter  per slot: acknowledgements since it attached
@@ -64,7 +65,10 @@ tier), ``_bypassed_total`` (the circuit breaker was open), ``_claims_total``, ``
 ``aioshmcache_tier_breaker_open`` (1 unless closed), ``_queued_writes`` and
 ``_fetch_budget_bytes`` (the largest value the cost policy would fetch now).
 
-Cache groups. A shard's writer (``CacheConfig(group="G")``) is labelled ``cache`` = its segment
+Cache groups. :class:`GroupCollector` (``GroupCollector("G", cache)``) reads every live shard
+of group ``G`` from shared memory at each scrape, so that a scrape of any gateway process of a
+``uvicorn --workers N`` app shows all shards; use it instead of ``CacheCollector`` there (one
+per registry). A shard's writer (``CacheConfig(group="G")``) is labelled ``cache`` = its segment
 name (``aioshm-G.shard1``), plus ``group="G"`` and ``shard="1"``: sum by ``group`` for the whole
 group. A reader of the group (``ReceiverCache.attach_group("G")`` or its async twin) has no
 single segment: it is labelled ``cache="G"``, ``role="receiver"``, ``group="G"`` and no
@@ -94,14 +98,32 @@ except ImportError as exc:  # pragma: no cover - exercised in a test with the im
         "pip install 'aioshmcache[metrics]'"
     ) from exc
 
+from ._group import list_shards
+from ._layout import (
+    H_BYTES_RELOCATED,
+    H_BYTES_USED,
+    H_CAPACITY,
+    H_EPOCH,
+    H_EVICTIONS,
+    H_HITS,
+    H_INLINE_FULL,
+    H_INLINE_LARGE,
+    H_ITEMS,
+    H_MISSES,
+    H_RELOCATIONS,
+    H_SIBLING_HITS,
+    parse_shard_name,
+)
+from ._readers import ReaderTable, reader_slots_info
+from ._segment import Segment
 from ._types import CacheHandle, CacheInfo, CacheSnapshot
 from .errors import ShmCacheError
 
-__all__ = ["CacheCollector"]
+__all__ = ["CacheCollector", "GroupCollector", "read_snapshot"]
 
 _PREFIX = "aioshmcache_"
 _CACHE_LABELS = ["cache", "role"]
-_SLOT_LABELS = ["cache", "slot"]
+_SLOT_LABELS = ["cache", "role", "slot"]
 _GROUP_LABELS = ["group", "shard"]  # only on the samples of a group's caches
 # What reading a closed cache raises: ClosedCacheError, or ValueError from a released mapping.
 _CLOSED = (ShmCacheError, ValueError)
@@ -144,7 +166,7 @@ class _Identity:
 
     def slot_labels(self, slot: int) -> dict[str, str]:
         """The labels of a reader slot of this (sender's) segment."""
-        return self._grouped({"cache": self.name, "slot": str(slot)})
+        return self._grouped({"cache": self.name, "role": self.role, "slot": str(slot)})
 
     def _grouped(self, out: dict[str, str]) -> dict[str, str]:
         if self.group is not None:
@@ -453,3 +475,84 @@ def _tier_families(caches: Iterable[tuple[_Identity, StatsCache]]) -> list[Metri
             continue
         fam.add(who, read(), int(getattr(tier, "lookup_samples", 0)))
     return fam.all()
+
+
+def read_snapshot(name: str) -> tuple[CacheSnapshot, bool]:
+    """A segment's counters and reader slots read from shared memory, and its writer's liveness.
+
+    Needs no reader slot and nothing from the writer: it maps the segment, reads the words the
+    writer publishes in its header and each slot's words, and probes the kernel locks. What only
+    the writer process knows (items served inline because busy, seconds waited for space) is 0.
+    ``SegmentNotFoundError`` (or another ``ShmCacheError``) if the segment is gone or not ours.
+    """
+    seg = Segment.attach(name, populate=False)
+    try:
+        w = seg.words
+        table = ReaderTable(seg)
+        try:
+            slots = tuple(reader_slots_info(table, probe=True))
+        finally:
+            table.release()
+        parsed = parse_shard_name(name)
+        snap = CacheSnapshot(
+            name=name,
+            hits=int(w[H_HITS]),
+            misses=int(w[H_MISSES]),
+            inline_too_large=int(w[H_INLINE_LARGE]),
+            inline_full=int(w[H_INLINE_FULL]),
+            evictions=int(w[H_EVICTIONS]),
+            bytes_used=int(w[H_BYTES_USED]),
+            items=int(w[H_ITEMS]),
+            capacity_bytes=int(w[H_CAPACITY]),
+            epoch=int(w[H_EPOCH]),
+            readers=slots,
+            sibling_hits=int(w[H_SIBLING_HITS]),
+            group=None if parsed is None else parsed[0],
+            shard=None if parsed is None else parsed[1],
+            relocations=int(w[H_RELOCATIONS]),
+            bytes_relocated=int(w[H_BYTES_RELOCATED]),
+        )
+        return snap, seg.writer_alive()
+    finally:
+        seg.close()
+
+
+class GroupCollector:
+    """A Prometheus collector for every live shard of a cache group, read from shared memory.
+
+    Why: under ``uvicorn --workers N`` each process writes its own shard, and a scrape reaches
+    whichever process the kernel picks. A ``CacheCollector`` of the process's own cache shows one
+    shard per scrape; this collector lists the group's shards at every scrape and reads each
+    from shared memory (:func:`read_snapshot`), so a scrape of any process shows them all, with
+    the same labels a ``CacheCollector`` gives a shard (``cache``, ``role="sender"``,
+    ``group``, ``shard``; reader slots add ``slot``). A shard whose writer died shows
+    ``aioshmcache_open 0`` until it is reclaimed or swept.
+
+    ``caches`` are this process's own caches: their process-local counters (single flight, the
+    second tier's) are added under their labels; everything in shared memory comes from the
+    shards. Register one collector per registry (its ``describe`` names the same families as
+    ``CacheCollector``).
+    """
+
+    def __init__(self, group: str, *caches: StatsCache) -> None:
+        self.group = group
+        self._local = [(_identify(c), c) for c in caches]
+
+    def describe(self) -> Iterable[Metric]:
+        """The metric families this collector emits (without samples), for the registry."""
+        return [*_Families().all(), *_TierFamilies().all()]
+
+    def collect(self) -> Iterable[Metric]:
+        """Read every shard of the group now (never raises because of a shard)."""
+        fam = _Families()
+        for who, cache in self._local:
+            fam.add_single_flight(who, cache)
+        for k, name in list_shards(self.group):
+            try:
+                snap, alive = read_snapshot(name)
+            except (ShmCacheError, OSError, ValueError):
+                continue  # gone, being created or reclaimed right now
+            who = _Identity(name, "sender", self.group, k)
+            fam.add_snapshot(who, snap)
+            _put(fam.open, who.labels(), 1.0 if alive else 0.0)
+        return [f for f in (*fam.all(), *_tier_families(self._local)) if f.samples]

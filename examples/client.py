@@ -11,6 +11,7 @@ multipart upload). A second round of hashes alone is then answered from the cach
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,10 +50,14 @@ def ask(client: httpx.Client, prompt: str, images: list[bytes], hashes: list[str
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
-        print(__doc__)
-        return 2
-    url, paths = argv[0], argv[1:]
+    p = argparse.ArgumentParser(
+        prog="python examples/client.py",
+        description="Send images to the demo gateway hash-first, resending the bytes on 409.",
+    )
+    p.add_argument("url", help="the gateway, e.g. http://127.0.0.1:8000")
+    p.add_argument("images", nargs="*", help="image files (default: two synthetic images)")
+    ns = p.parse_args(argv)
+    url, paths = ns.url, ns.images
     images = [Path(p).read_bytes() for p in paths] or [synthetic_image(1), synthetic_image(2)]
     with httpx.Client(base_url=url, timeout=30.0) as client:
         processor = processor_of(client)

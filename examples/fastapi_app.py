@@ -2,19 +2,20 @@
 
     uvicorn --loop uvloop --app-dir examples fastapi_app:app --host 127.0.0.1 --port 8000
 
-The pieces, in the order a request meets them (README, "In a FastAPI app", explains each):
+The pieces, in the order a request meets them (docs/fastapi.md explains each):
 
-- the lifespan creates the ``AsyncSenderCache`` (the writer: it owns the segment) and starts
-  one engine worker process with the ``spawn`` start method, giving it the cache's handle as
-  JSON; the worker attaches with ``AsyncReceiverCache`` and connects back over a Unix socket;
+- the lifespan creates the ``AsyncSenderCache`` (the writer: it owns the segment) and an
+  ``aioshmcache.channel.EngineClient`` whose ``start=`` spawns the engine worker process with
+  the cache's handle as JSON (and replaces it if it dies); the worker attaches with
+  ``AsyncReceiverCache`` and serves calls on a Unix socket with ``serve_engine``;
 - ``POST /v1/embed`` takes ``{"mm_hash", "pixels"?, "height"?, "width"?}`` (pixels: base64 of
   ``height * width * 3`` RGB bytes; ``mm_hash``: :func:`image_hash` of them). Hash first: a
   client sends the hash alone; if the gateway does not hold it the answer is 409
   ``{"error": "cache_miss", "missing": [...]}`` and the client resends with the pixels;
 - ``get_or_put`` runs the preprocessing once per new hash, however many requests carry it at
   the same moment, and gives each request its own hand-out;
-- the features travel to the worker as ``aioshmcache.wire`` frames: a reference (a few dozen
-  bytes) or, when the item could not be cached, the tensors themselves;
+- ``engine.call`` sends the features (a reference of a few dozen bytes or, when the item could
+  not be cached, the tensors themselves) and waits, with a deadline, for the answer;
 - the worker reads them, acknowledges them, and answers with a CRC-32 of the tensor it read;
 - ``GET /metrics`` is Prometheus text from ``aioshmcache.metrics.CacheCollector``; ``GET /stats``
   is the cache snapshot and the single-flight counters as JSON; ``GET /healthz`` says ready.
@@ -55,17 +56,14 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import functools
 import hashlib
-import json
-import multiprocessing
 import os
 import shutil
 import signal
-import struct
 import tempfile
 import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -84,9 +82,9 @@ from aioshmcache import (
     ShmRef,
     coerce_handle,
 )
-from aioshmcache.errors import EndOfFramesError
+from aioshmcache.channel import EngineClient, serve_engine
+from aioshmcache.errors import EngineError
 from aioshmcache.metrics import CacheCollector
-from aioshmcache.wire import pack_features, read_frame, unpack_features, write_frame
 
 MiB = 1 << 20
 #: frames carry at most one inline 1080p image and then some; a bigger frame is refused
@@ -94,7 +92,6 @@ MAX_FRAME_BYTES = 64 * MiB
 MAX_PIXELS = 4096 * 4096
 START_TIMEOUT = 60.0
 ENGINE_TIMEOUT = 60.0
-_RID = struct.Struct("<Q")  # every frame starts with the request id it belongs to
 
 MEAN = np.array([0.485, 0.456, 0.406], np.float32).reshape(3, 1, 1)
 STD = np.array([0.229, 0.224, 0.225], np.float32).reshape(3, 1, 1)
@@ -121,105 +118,10 @@ def tensor_crc(item: Any) -> int:
     return zlib.crc32(arr.view(np.uint8).reshape(-1).data)
 
 
-def engine_main(handle_json: str, socket_path: str) -> None:
-    """Entry point of the worker process (started with ``spawn``)."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - the examples extra brings it
-        asyncio.run(engine(handle_json, socket_path))
-    else:
-        uvloop.run(engine(handle_json, socket_path))
-
-
-async def engine(handle_json: str, socket_path: str) -> None:
-    """Attach, connect back to the gateway, and answer requests until the gateway hangs up.
-
-    Reading a reference acknowledges it; a request whose read fails owes nothing (the receiver
-    gives its references back). Leaving the ``async with`` frees the reader slot.
-    """
-    async with AsyncReceiverCache.attach(coerce_handle(handle_json)) as rx:
-        reader, writer = await asyncio.open_unix_connection(socket_path)
-        try:
-            while True:
-                try:
-                    frame = await read_frame(reader, max_bytes=MAX_FRAME_BYTES)
-                except EndOfFramesError:
-                    return  # the gateway is shutting down
-                rid = frame[: _RID.size]
-                features = unpack_features(memoryview(frame)[_RID.size :])
-                answer = await _answer(rx, features)
-                await write_frame(writer, rid + json.dumps(answer).encode())
-        finally:
-            writer.close()
-
-
-def group_engine_main(group: str, socket_path: str) -> None:
-    """Entry point of the one engine worker of a cache group (``--engine --group``)."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - the examples extra brings it
-        asyncio.run(group_engine(group, socket_path))
-    else:
-        uvloop.run(group_engine(group, socket_path))
-
-
-async def group_engine(group: str, socket_path: str) -> None:
-    """Attach to every shard of ``group``, serve each gateway process that connects, until
-    SIGTERM or SIGINT; then close the socket and the reader (freeing a slot on every shard).
-
-    A gateway process connects after it opened its shard: the reader rescans the group then,
-    so it owes the hand-outs of that shard from the first one on (a reader attached later
-    owes nothing older).
-    """
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    async with AsyncReceiverCache.attach_group(group) as rx:
-        reader_of_group = rx.receiver
-        conns: set[asyncio.Task[None]] = set()
-
-        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            task = asyncio.current_task()
-            if task is not None:
-                conns.add(task)
-            try:
-                if isinstance(reader_of_group, GroupReceiverCache):
-                    await asyncio.to_thread(reader_of_group.rescan)
-                while True:
-                    try:
-                        frame = await read_frame(reader, max_bytes=MAX_FRAME_BYTES)
-                    except EndOfFramesError:
-                        return  # this gateway process is shutting down
-                    rid = frame[: _RID.size]
-                    features = unpack_features(memoryview(frame)[_RID.size :])
-                    answer = await _answer(rx, features)
-                    await write_frame(writer, rid + json.dumps(answer).encode())
-            except (ConnectionError, asyncio.IncompleteReadError):
-                return  # a gateway process died: its shard's references fail typed
-            finally:
-                writer.close()
-                if task is not None:
-                    conns.discard(task)
-
-        server = await asyncio.start_unix_server(serve, socket_path)
-        try:
-            await stop.wait()
-        finally:
-            server.close()
-            for task in list(conns):
-                task.cancel()
-            if conns:
-                await asyncio.wait(conns, timeout=10.0)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(socket_path)
-
-
-async def _answer(rx: AsyncReceiverCache, features: list[FeatureSpec]) -> dict[str, Any]:
-    try:
-        items = await rx.get_and_update_features(features)
-    except CacheMissError as exc:  # stale references: the gateway invalidates, client resends
-        return {"error": "cache_miss", "missing": list(exc.mm_hashes)}
+async def engine_handler(features: list[FeatureSpec], payload: Any) -> dict[str, Any]:
+    """The engine's work on one call: a checksum of each tensor it read (or a hello)."""
+    if payload == "hello":  # a gateway process connected: see its shard from now on
+        return {"engine_pid": os.getpid()}
     return {
         "engine_pid": os.getpid(),
         "results": [
@@ -228,77 +130,48 @@ async def _answer(rx: AsyncReceiverCache, features: list[FeatureSpec]) -> dict[s
                 "crc32": tensor_crc(f.data),
                 "shape": list(f.data["pixel_values"].shape),
             }
-            for f in items
+            for f in features
         ],
     }
 
 
-@dataclass
-class EngineLink:
-    """The gateway's end of the worker's socket: one frame per request, answers by request id."""
+def engine_main(handle_json: str, socket_path: str) -> None:
+    """The engine worker process of one gateway: a reader of its cache, until SIGTERM."""
+    _run(AsyncReceiverCache.attach(coerce_handle(handle_json)), socket_path)
 
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
-    pending: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
-    next_id: int = 0
-    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        """Start the task that reads answers and hands each to its waiting request."""
-        self.task = asyncio.ensure_future(self._read_answers())
+def group_engine_main(group: str, socket_path: str) -> None:
+    """The one engine worker of a cache group (``--engine --group``), until SIGTERM or SIGINT.
 
-    async def _read_answers(self) -> None:
-        error: BaseException = ConnectionError("the engine worker closed the connection")
-        try:
-            while True:
-                frame = await read_frame(self.reader, max_bytes=MAX_FRAME_BYTES)
-                (rid,) = _RID.unpack_from(frame)
-                fut = self.pending.pop(rid, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(json.loads(frame[_RID.size :]))
-        except EndOfFramesError:
-            pass
-        except Exception as exc:  # a broken stream: every request waiting fails with it
-            error = exc
-        finally:
-            for fut in self.pending.values():
-                if not fut.done():
-                    fut.set_exception(error)
-            self.pending.clear()
+    A reader of every shard of the group: a shard opened later is attached when a gateway
+    process says hello (so that the reader owes that shard's hand-outs from the first one on)
+    or when a reference names it. Stopping closes the socket and the reader (a slot on every
+    shard).
+    """
+    _run(AsyncReceiverCache.attach_group(group), socket_path)
 
-    async def call(self, cache: AsyncSenderCache, features: Sequence[FeatureSpec]) -> Any:
-        """Send a request's features, wait for the worker's answer (bounded).
 
-        If the frame cannot be sent, the hand-outs never reach a reader: give them back.
-        """
-        self.next_id += 1
-        rid = self.next_id
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self.pending[rid] = fut
-        try:
-            payload = _RID.pack(rid) + pack_features(features)
-            async with self.write_lock:  # frames of concurrent requests must not interleave
-                await write_frame(self.writer, payload, max_bytes=MAX_FRAME_BYTES)
-        except BaseException:
-            self.pending.pop(rid, None)
-            for f in features:
-                if isinstance(f.data, ShmRef):
-                    await cache.release(f.data)
-            raise
-        try:
-            return await asyncio.wait_for(fut, ENGINE_TIMEOUT)
-        finally:
-            self.pending.pop(rid, None)
+def _run(receiver: AsyncReceiverCache, socket_path: str) -> None:
+    async def main() -> None:
+        async with receiver as rx:
 
-    async def close(self) -> None:
-        """Hang up: the worker sees the end of the stream, closes its receiver and exits."""
-        self.writer.close()
-        with contextlib.suppress(Exception):
-            await self.writer.wait_closed()
-        if self.task is not None:
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(self.task, 10.0)
+            async def handler(features: list[FeatureSpec], payload: Any) -> dict[str, Any]:
+                inner = rx.receiver
+                if payload == "hello" and isinstance(inner, GroupReceiverCache):
+                    await asyncio.to_thread(inner.rescan)
+                return await engine_handler(features, payload)
+
+            stop_on = (signal.SIGTERM, signal.SIGINT)
+            await serve_engine(
+                socket_path, handler, rx, max_frame_bytes=MAX_FRAME_BYTES, shutdown_signals=stop_on
+            )
+
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - the examples extra brings it
+        asyncio.run(main())
+    else:
+        uvloop.run(main())
 
 
 class EmbedRequest(BaseModel):
@@ -329,95 +202,39 @@ def _settings() -> CacheConfig:
     return CacheConfig.from_gb(cache_mb / 1024, max_object_mb, n_readers=1, name=name)
 
 
-async def _connect_engine(path: str) -> EngineLink:
-    """Connect to a group's engine worker (retried: it may start after the gateways)."""
-    deadline = asyncio.get_running_loop().time() + START_TIMEOUT
-    while True:
-        try:
-            reader, writer = await asyncio.open_unix_connection(path)
-        except (FileNotFoundError, ConnectionRefusedError):
-            if asyncio.get_running_loop().time() > deadline:
-                raise
-            await asyncio.sleep(0.1)
-            continue
-        return EngineLink(reader, writer)
-
-
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Create the cache, start the worker; on the way out, the shutdown order of the README."""
-    if os.environ.get("AIOSHM_GROUP"):
-        async with group_lifespan(app):
-            yield
-        return
+    """Create the cache and reach the engine worker; on the way out, the shutdown order.
+
+    Alone, this gateway starts its own engine worker (``EngineClient(start=...)`` spawns it,
+    replaces it if it dies, and stops it when the client closes). In a cache group
+    (``AIOSHM_GROUP``) the engine worker is started apart and the client only connects (it
+    retries, with backoff, until the worker is up). Either way the client is closed first,
+    then the sender's ``async with`` unlinks the segment.
+    """
+    group_socket = os.environ.get("AIOSHM_ENGINE_SOCKET")
+    if os.environ.get("AIOSHM_GROUP") and not group_socket:
+        raise RuntimeError("AIOSHM_GROUP needs AIOSHM_ENGINE_SOCKET (the group's engine worker)")
     sockdir = tempfile.mkdtemp(prefix="aioshm-example-")
-    path = os.path.join(sockdir, "engine.sock")
-    connected: asyncio.Future[EngineLink] = asyncio.get_running_loop().create_future()
-
-    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if connected.done():  # one worker only
-            writer.close()
-            return
-        connected.set_result(EngineLink(reader, writer))
-
-    server = await asyncio.start_unix_server(on_connect, path)
-    proc: multiprocessing.process.BaseProcess | None = None
-    link: EngineLink | None = None
     try:
         async with AsyncSenderCache.from_config(_settings()) as cache:
-            try:
-                ctx = multiprocessing.get_context("spawn")  # never fork a running event loop
-                proc = ctx.Process(
-                    target=engine_main, args=(cache.handle().to_json(), path), daemon=True
-                )
-                proc.start()
-                link = await asyncio.wait_for(connected, START_TIMEOUT)
-                link.start()
-                app.state.cache, app.state.engine, app.state.pid = cache, link, proc.pid
+            if os.environ.get("AIOSHM_GROUP") and group_socket:
+                path, start = group_socket, None
+            else:
+                path = os.path.join(sockdir, "engine.sock")
+                start = functools.partial(engine_main, cache.handle().to_json())
+            async with EngineClient.connect(
+                path, cache=cache, start=start, max_frame_bytes=MAX_FRAME_BYTES
+            ) as engine:
+                hello = await engine.call([], "hello", timeout=START_TIMEOUT)
+                app.state.cache, app.state.engine = cache, engine
+                app.state.pid = hello["engine_pid"]
                 registry = CollectorRegistry()
                 registry.register(CacheCollector(cache))
                 app.state.registry = registry
                 yield  # serving; uvicorn stops sending requests before we go on
-            finally:
-                # 1. hang up: the worker closes its receiver (frees its slot) and exits
-                if link is not None:
-                    await link.close()
-                if proc is not None:
-                    await asyncio.to_thread(proc.join, 10.0)
-                    if proc.is_alive():
-                        proc.kill()
-                        await asyncio.to_thread(proc.join, 5.0)
-        # 2. the sender's ``async with`` has exited: aclose unlinked the segment
     finally:
-        server.close()
         shutil.rmtree(sockdir, ignore_errors=True)
-
-
-@contextlib.asynccontextmanager
-async def group_lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """One gateway process of a cache group: open our shard, connect to the group's engine.
-
-    The engine worker is not ours (see the module docstring): hanging up tells it this process
-    is done; then leaving the sender's ``async with`` unlinks our shard.
-    """
-    path = os.environ.get("AIOSHM_ENGINE_SOCKET")
-    if not path:
-        raise RuntimeError("AIOSHM_GROUP needs AIOSHM_ENGINE_SOCKET (the group's engine worker)")
-    link: EngineLink | None = None
-    async with AsyncSenderCache.from_config(_settings()) as cache:
-        try:
-            link = await _connect_engine(path)
-            link.start()
-            hello = await link.call(cache, [])  # the engine has attached to our shard now
-            app.state.cache, app.state.engine = cache, link
-            app.state.pid = hello["engine_pid"]
-            registry = CollectorRegistry()
-            registry.register(CacheCollector(cache))
-            app.state.registry = registry
-            yield
-        finally:
-            if link is not None:
-                await link.close()
 
 
 app = FastAPI(title="aioshmcache example gateway", lifespan=lifespan)
@@ -447,7 +264,7 @@ def _decode(body: EmbedRequest) -> tuple[bytes, int, int] | JSONResponse:
 async def embed(body: EmbedRequest, request: Request) -> dict[str, Any] | JSONResponse:
     """Hash first: features from the cache, or preprocessed once (single flight)."""
     cache: AsyncSenderCache = request.app.state.cache
-    link: EngineLink = request.app.state.engine
+    engine: EngineClient = request.app.state.engine
     ran = False
     make: Callable[[], Any]
     if body.pixels is None:
@@ -473,13 +290,11 @@ async def embed(body: EmbedRequest, request: Request) -> dict[str, Any] | JSONRe
     except CacheMissError as exc:
         return _cache_miss(list(exc.mm_hashes))
     try:
-        answer = await link.call(cache, [feature])
-    except (ConnectionError, TimeoutError, OSError) as exc:
+        answer = await engine.call([feature], timeout=ENGINE_TIMEOUT)
+    except CacheMissError as exc:  # stale references (the client invalidated them): resend
+        return _cache_miss(list(exc.mm_hashes))
+    except EngineError as exc:
         return _error(502, "engine_failed", f"the engine worker failed: {exc}")
-    if "error" in answer:  # stale references: forget them; the client resends the pixels
-        for h in answer["missing"]:
-            await cache.invalidate(h)
-        return _cache_miss(answer["missing"])
     [result] = answer["results"]
     return {
         **result,

@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import pydoc
 import re
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +44,34 @@ def test_pydoc_shows_no_source_comments(module: object) -> None:
     """A method without a docstring shows the comment above it; none may show up as docs."""
     text = pydoc.plain(pydoc.render_doc(module))
     assert not re.search(r"^\s*\|?\s*#", text, re.MULTILINE), "a source comment shows in pydoc"
+
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = ["README.md", "examples/README.md", *sorted(p.name for p in (ROOT / "docs").glob("*.md"))]
+
+
+def _page(name: str) -> Path:
+    return ROOT / name if "/" in name or name == "README.md" else ROOT / "docs" / name
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_every_relative_link_resolves(name: str) -> None:
+    page = _page(name)
+    broken = []
+    for target in re.findall(r"\]\(([^)#\s]+)", page.read_text()):
+        if "://" in target:
+            continue
+        resolved = (page.parent / target).resolve()
+        if not resolved.exists():
+            broken.append(target)
+    assert not broken, f"{name}: links to missing files {broken}"
+
+
+def test_readme_is_short_and_keeps_the_two_commands() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 120
+    ci = (ROOT / ".ci" / "run").read_text()
+    test_command = next(ln for ln in ci.splitlines() if ln.startswith("python3 -m venv"))
+    assert f"    {test_command}\n" in text  # the test command exactly as CI runs it
+    assert "python -m aioshmcache demo" in text
+    assert "## More than one host" in text and "docs/fleet.md" in text

@@ -81,7 +81,7 @@ def test_sender_and_receiver_metrics_match_what_happened(pair: Any) -> None:
     assert value(s, "aioshmcache_reader_slots", **sl) == 2
     assert value(s, "aioshmcache_open", **sl) == 1
     (slot,) = [r for r in snap.readers if r.attached]
-    rl = {"cache": name, "slot": str(slot.slot)}
+    rl = {"cache": name, "role": "sender", "slot": str(slot.slot)}
     assert value(s, "aioshmcache_reader_alive", **rl) == 1
     assert value(s, "aioshmcache_reader_revoked", **rl) == 0
     assert value(s, "aioshmcache_reader_acknowledged_total", **rl) == 0

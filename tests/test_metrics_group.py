@@ -17,7 +17,7 @@ from aioshmcache import (
     ReceiverCache,
     SenderCache,
 )
-from aioshmcache.metrics import CacheCollector
+from aioshmcache.metrics import CacheCollector, GroupCollector
 
 from . import _group_procs as gp
 from .conftest import RUN_PREFIX
@@ -48,7 +48,7 @@ def test_shards_are_labelled_by_group_and_shard(group: str) -> None:
         assert value(s, "aioshmcache_open", **la) == 1
         assert "aioshmcache_sibling_hits:counter" in types
         # the reader slots of each shard carry the shard too
-        slot_b = {"cache": lb["cache"], "slot": "0", "group": group, "shard": "1"}
+        slot_b = {**lb, "slot": "0"}
         assert value(s, "aioshmcache_reader_acknowledged_total", **slot_b) == 1
 
         # the group reader: one series for the whole group, no shard label
@@ -99,3 +99,48 @@ async def test_async_group_faces(group: str) -> None:
         lr = {"cache": group, "role": "receiver", "group": group}
         assert value(s, "aioshmcache_hits_total", **lr) == 2
         assert value(s, "aioshmcache_group_shards", **lr) == 2
+
+
+def test_group_collector_shows_every_shard_as_its_writer_would(group: str) -> None:
+    """Read from shared memory, a shard's series equal its writer's own ``CacheCollector``'s.
+
+    Shard 1's writer is another process: this process sees it only through shared memory.
+    """
+    from .helpers import SPAWN, kill_and_reap
+
+    parent, child = SPAWN.Pipe()
+    proc = SPAWN.Process(target=gp.command_writer, args=(group, child))
+    with SenderCache(gp.config(group)) as a, ReceiverCache.attach_group(group) as rx:
+        proc.start()
+        try:
+            assert parent.poll(60)
+            _ready, shard, name = parent.recv()
+            assert shard == 1
+            for h in ("h1", "h2"):
+                parent.send(("get", h))
+                assert parent.poll(60)
+                parent.recv()
+            [fa] = a.get_and_update_features([FeatureSpec("h1", None)])  # from the sibling
+            rx.get_and_update_features([fa])
+            registry = CollectorRegistry()
+            registry.register(GroupCollector(group, a))
+            s = parse(registry)
+            la = {"cache": a.handle().name, "role": "sender", "group": group, "shard": "0"}
+            lb = {"cache": name, "role": "sender", "group": group, "shard": "1"}
+            assert value(s, "aioshmcache_items", **lb) == 2
+            assert value(s, "aioshmcache_misses_total", **lb) == 2
+            assert value(s, "aioshmcache_open", **lb) == 1
+            assert value(s, "aioshmcache_sibling_hits_total", **la) == 1
+            # parity: shard 0's series as its own writer reports them (none of its
+            # process-local counters, inline "busy" and waits for space, is nonzero here)
+            own, _ = scrape(a)
+            assert {k: v for k, v in s.items() if ("shard", "0") in k[1]} == own
+            # the slot series carry the role like every other series
+            slot = {**la, "slot": "0"}
+            assert value(s, "aioshmcache_reader_alive", **slot) == 1
+        finally:
+            parent.send(None)
+            proc.join(30)
+            kill_and_reap(proc)
+        s = parse(registry)
+        assert not any(("shard", "1") in k[1] for k in s)  # closed and unlinked: gone

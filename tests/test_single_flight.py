@@ -8,9 +8,10 @@ or failed caller would show up there.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -349,3 +350,187 @@ async def test_get_or_put_checks_the_hash(make_config: Any) -> None:
         with pytest.raises(TypeError):
             await cache.get_or_put(b"h", dict)  # type: ignore[arg-type]
         assert cache.single_flight_stats().calls == 0
+
+
+# --- across the processes of a cache group -----------------------------------------------------
+
+
+def _group_config(name: str) -> Any:
+    from aioshmcache import CacheConfig
+
+    return CacheConfig(8 * MiB, 2 * MiB, 2, group=name)
+
+
+@pytest.fixture
+def group() -> Iterator[str]:
+    """A group name of this run; its directory of single-flight markers is removed after."""
+    import uuid
+
+    from aioshmcache._flight import marker_directory
+
+    from .conftest import RUN_PREFIX
+
+    name = f"{RUN_PREFIX}sf{uuid.uuid4().hex[:8]}"
+    yield name
+    markers = marker_directory(name)
+    assert not os.path.exists(markers)  # every marker was removed, and their directory
+
+
+async def test_a_sibling_computing_the_hash_is_waited_for_not_repeated(group: str) -> None:
+    """Two shards (as two gateway processes): b waits for a's make and reads a's item."""
+    from aioshmcache._group import Siblings
+
+    item = random_item(np.random.default_rng(3), 4096)
+    started, release = anyio.Event(), anyio.Event()
+    made: list[str] = []
+
+    async def slow_make() -> dict[str, Any]:
+        made.append("a")
+        started.set()
+        await release.wait()
+        return item
+
+    async def never() -> dict[str, Any]:
+        made.append("b")
+        return item
+
+    cfg = _group_config(group)
+    async with AsyncSenderCache.from_config(cfg) as a, AsyncSenderCache.from_config(cfg) as b:
+        b.sender._siblings = Siblings(group, b.sender.store.name, rescan_interval=0.0)
+        with ReceiverCache.attach_group(group) as rx:
+            async with anyio.create_task_group() as tg:
+                results: list[FeatureSpec] = []
+
+                async def ask(cache: AsyncSenderCache, make: Any) -> None:
+                    results.append(await cache.get_or_put("h", make))
+
+                tg.start_soon(ask, a, slow_make)
+                await started.wait()
+                tg.start_soon(ask, b, never)
+                await _until(lambda: b._group_flight is not None and b._group_flight.waited == 1)
+                release.set()
+            assert made == ["a"]  # computed once in the group
+            assert b.single_flight_stats().runs == 0
+            assert b.single_flight_stats().group_saved == 1
+            assert b.sender.snapshot().sibling_hits == 1  # read from a's shard
+            for f in rx.get_and_update_features(results):
+                assert checksum(f.data["data"]) == f.data["crc"]
+
+
+async def test_a_sibling_that_failed_lets_the_waiter_compute(group: str) -> None:
+    started, release = anyio.Event(), anyio.Event()
+
+    async def failing() -> dict[str, Any]:
+        started.set()
+        await release.wait()
+        raise RuntimeError("preprocessing failed")
+
+    made: list[str] = []
+
+    async def works() -> dict[str, Any]:
+        made.append("b")
+        return random_item(np.random.default_rng(4), 1024)
+
+    cfg = _group_config(group)
+    async with AsyncSenderCache.from_config(cfg) as a, AsyncSenderCache.from_config(cfg) as b:
+        async with anyio.create_task_group() as tg:
+
+            async def lead() -> None:
+                with pytest.raises(RuntimeError):
+                    await a.get_or_put("h", failing)
+
+            tg.start_soon(lead)
+            await started.wait()
+            got: list[FeatureSpec] = []
+
+            async def wait() -> None:
+                got.append(await b.get_or_put("h", works))
+
+            tg.start_soon(wait)
+            await _until(lambda: b._group_flight is not None and b._group_flight.waited == 1)
+            release.set()
+        assert made == ["b"]
+        assert isinstance(got[0].data, ShmRef)
+        assert b.single_flight_stats().runs == 1
+
+
+def _hold_marker(group: str, conn: Any) -> None:
+    """Claim the marker of "h" and sleep (to be SIGKILLed)."""
+    from aioshmcache._flight import GroupFlight
+
+    gf = GroupFlight(group)
+    assert anyio.run(gf.claim, "h", lambda: False)
+    conn.send("held")
+    time.sleep(3600)
+
+
+async def test_a_dead_siblings_marker_is_seen_dead(group: str) -> None:
+    from aioshmcache._flight import GroupFlight
+
+    from .helpers import SPAWN, kill_and_reap
+
+    parent, child = SPAWN.Pipe()
+    proc = SPAWN.Process(target=_hold_marker, args=(group, child))
+    proc.start()
+    try:
+        assert await anyio.to_thread.run_sync(parent.poll, 60)
+        assert parent.recv() == "held"
+        gf = GroupFlight(group, wait_s=60.0)
+        with anyio.move_on_after(0.05):
+            await gf.claim("h", lambda: False)  # held by the live child: still waiting
+        assert gf.waited == 1 and "h" not in gf._held
+        await anyio.to_thread.run_sync(kill_and_reap, proc)
+        with anyio.fail_after(30):  # the kernel dropped the dead child's lock
+            assert await gf.claim("h", lambda: False)
+        gf.release("h")
+    finally:
+        kill_and_reap(proc)
+
+
+async def test_a_sibling_hit_that_is_gone_again_is_computed_here(group: str) -> None:
+    """The marker said a sibling cached it, but the copy finds it gone: make runs here."""
+    made: list[str] = []
+
+    async def make() -> dict[str, Any]:
+        made.append("b")
+        return random_item(np.random.default_rng(5), 1024)
+
+    async def a_sibling_has_it(key: str, cached: Callable[[], bool]) -> bool:
+        return False  # "cached by a sibling" (which evicted it right after)
+
+    async with AsyncSenderCache.from_config(_group_config(group)) as b:
+        assert b._group_flight is not None
+        b._group_flight.claim = a_sibling_has_it  # type: ignore[method-assign]
+        out = await b.get_or_put("h", make)
+        assert made == ["b"] and isinstance(out.data, ShmRef)
+
+
+async def test_waiters_get_the_leaders_cache_miss_intact(make_config: Any) -> None:
+    """A ``CacheMissError`` copied to a waiter keeps its message and ``mm_hashes``."""
+    from aioshmcache import CacheMissError
+
+    started = anyio.Event()
+
+    async def fails() -> dict[str, Any]:
+        started.set()
+        await anyio.sleep(0.05)
+        raise CacheMissError(["x1", "x2"])
+
+    async with AsyncSenderCache.from_config(make_config(4 * MiB)) as cache:
+        errors: list[BaseException] = []
+
+        async def call() -> None:
+            try:
+                await cache.get_or_put("h", fails)
+            except CacheMissError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+            await started.wait()
+            tg.start_soon(call)
+        assert len(errors) == 2
+        for exc in errors:
+            assert isinstance(exc, CacheMissError)
+            assert exc.mm_hashes == ("x1", "x2")
+            assert str(exc) == "not cached (resend with data): x1, x2"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 from typing import Literal
 
 from ..units import MiB, fmt_bytes
@@ -91,6 +92,13 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="warning")
     ns = p.parse_args(argv)
+    if ns.name is not None and _has_live_writer(ns.name):
+        print(
+            f"python -m aioshmcache demo serve: cache {ns.name!r} already has a live writer "
+            "(another gateway?); stop it or pick another --name",
+            file=sys.stderr,
+        )
+        return 2
 
     from .gateway import serve
 
@@ -114,6 +122,23 @@ def serve_main(argv: list[str]) -> int:
         gateway_processes=ns.gateway_workers,
     )
     return serve(settings, host=ns.host, port=ns.port, loop=ns.loop, log_level=ns.log_level)
+
+
+def _has_live_writer(name: str) -> bool:
+    """Whether segment ``name`` exists with a live writer (checked before anything is bound).
+
+    Attaching succeeds only while the writer lives (its slot is freed at once); a segment whose
+    writer died is reclaimed by the gateway's own ``CacheConfig(reclaim_dead=True)``.
+    """
+    from aioshmcache import ReaderLimitError, ReceiverCache, ShmCacheError
+
+    try:
+        ReceiverCache.attach(name).close()
+    except ReaderLimitError:
+        return True  # every slot taken: alive, and busy
+    except ShmCacheError:
+        return False  # no such segment, a dead writer, or not a segment of ours
+    return True
 
 
 def run_main(argv: list[str]) -> int:

@@ -1,0 +1,179 @@
+"""The channel's round trip (``aioshmcache.channel``) next to a bare asyncio Unix-socket exchange.
+
+    python bench/bench_channel.py [--quick] [--loop asyncio|uvloop]
+
+One engine worker process serves two sockets: ``serve_engine`` (reads the call's features with an
+``AsyncReceiverCache``, answers ``{"n": bytes read}``) and a bare asyncio server that reads one
+length-prefixed message and answers 8 bytes. The gateway side, in this process, times:
+
+* ``bare``: N bytes through a bare asyncio Unix socket, 8 bytes back (the floor for inline);
+* ``channel ref``: a cache hit (a new hand-out of the cached N-byte item) and an
+  ``EngineClient.call`` with the reference: the worker copies the item out of shared memory;
+* ``channel inline``: an ``EngineClient.call`` with the N-byte item itself in the frame;
+* ``bare 64 B``: 64 bytes through the bare socket (the floor for a reference's round trip).
+
+Every figure is the median of repeated sequential round trips, printed with its ratio to the
+bare figure of the same row measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import multiprocessing as mp
+import os
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from aioshmcache import AsyncReceiverCache, AsyncSenderCache, CacheConfig, FeatureSpec
+from aioshmcache.channel import EngineClient, serve_engine
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [(KiB, "1 KiB"), (MiB, "1 MiB"), (16 * MiB, "16 MiB")]
+_LEN = struct.Struct("<Q")
+
+
+async def _read_n(features: list[FeatureSpec], payload: Any) -> dict[str, int]:
+    return {"n": sum(int(f.data["x"].nbytes) for f in features)}
+
+
+async def _bare(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+            await reader.readexactly(n)
+            writer.write(_LEN.pack(n))
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+        pass  # the client hung up, or the worker is stopping
+    finally:
+        writer.close()
+
+
+def worker(handle: Any, channel_path: str, bare_path: str, loop: str) -> None:
+    """The engine worker process: ``serve_engine`` and the bare server, side by side."""
+
+    async def main() -> None:
+        server = await asyncio.start_unix_server(_bare, bare_path)
+        async with server, AsyncReceiverCache.attach(handle) as rx:
+            await serve_engine(channel_path, _read_n, rx, shutdown_signals=(15,))
+
+    _run(main(), loop)
+
+
+def _run(coro: Any, loop: str) -> Any:
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(coro)
+    return asyncio.run(coro)
+
+
+async def _median_us(fn: Callable[[], Awaitable[Any]], reps: int) -> float:
+    for _ in range(min(5, reps)):  # warm up
+        await fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        await fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+async def measure(quick: bool, loop: str) -> list[dict[str, Any]]:
+    tmp = tempfile.mkdtemp(prefix="aioshm-bench-")
+    channel_path, bare_path = os.path.join(tmp, "engine.sock"), os.path.join(tmp, "bare.sock")
+    config = CacheConfig(256 * MiB, 64 * MiB, 1)
+    rows = []
+    async with AsyncSenderCache.from_config(config) as cache:
+        proc = mp.get_context("spawn").Process(
+            target=worker, args=(cache.handle(), channel_path, bare_path, loop)
+        )
+        proc.start()
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    reader, writer = await asyncio.open_unix_connection(bare_path)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline or not proc.is_alive():
+                        raise RuntimeError("the worker did not start") from None
+                    await asyncio.sleep(0.05)
+
+            async def bare(n: int) -> None:
+                writer.write(_LEN.pack(n))
+                writer.write(bytes(n))
+                await writer.drain()
+                await reader.readexactly(_LEN.size)
+
+            async with EngineClient.connect(channel_path, cache=cache, max_connections=1) as eng:
+                for nbytes, label in SIZES:
+                    reps = (20 if quick else 60) if nbytes >= 16 * MiB else (50 if quick else 300)
+                    item = {"x": np.random.default_rng(1).integers(0, 255, nbytes, np.uint8)}
+                    key = f"item-{nbytes}"
+                    [first] = await cache.get_and_update_features([FeatureSpec(key, item)])
+                    assert (await eng.call([first]))["n"] == nbytes
+
+                    async def ref_call(key: str = key, n: int = nbytes) -> None:
+                        [f] = await cache.get_and_update_features([FeatureSpec(key, None)])
+                        if (await eng.call([f]))["n"] != n:
+                            raise RuntimeError("wrong answer")
+
+                    async def inline_call(item: Any = item, n: int = nbytes) -> None:
+                        if (await eng.call([FeatureSpec("inline", item)]))["n"] != n:
+                            raise RuntimeError("wrong answer")
+
+                    rows.append(
+                        {
+                            "size": label,
+                            "bare": await _median_us(functools.partial(bare, nbytes), reps),
+                            "bare64": await _median_us(functools.partial(bare, 64), reps),
+                            "ref": await _median_us(ref_call, reps),
+                            "inline": await _median_us(inline_call, reps),
+                        }
+                    )
+            writer.close()
+        finally:
+            if proc.is_alive():
+                proc.terminate()
+            proc.join(30)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The figures as a markdown table (medians in microseconds, ratios to the bare rows)."""
+    out = [
+        "| size | bare N bytes | channel inline | x bare | bare 64 B | channel ref | x bare 64 B |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    out += [
+        f"| {r['size']} | {r['bare']:.0f} us | {r['inline']:.0f} us | "
+        f"{r['inline'] / r['bare']:.2f} | {r['bare64']:.0f} us | {r['ref']:.0f} us | "
+        f"{r['ref'] / r['bare64']:.2f} |"
+        for r in rows
+    ]
+    return "\n".join(out)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop")
+    ns = p.parse_args(argv)
+    rows = _run(measure(ns.quick, ns.loop), ns.loop)
+    print(f"loop {ns.loop}, median of sequential round trips, one connection")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":  # the guard matters: the benchmark spawns a worker process
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,53 @@
+"""Engine worker bodies for the channel tests (spawned, so they must be importable)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import zlib
+from typing import Any
+
+import numpy as np
+
+from aioshmcache import AsyncReceiverCache, FeatureSpec
+from aioshmcache.channel import serve_engine
+
+
+def crc(arr: Any) -> int:
+    return zlib.crc32(np.ascontiguousarray(arr).view(np.uint8).reshape(-1).data)
+
+
+async def handler(features: list[FeatureSpec], payload: Any) -> Any:
+    """What the tests ask of a worker, by ``payload["op"]``."""
+    op = payload.get("op", "crc") if isinstance(payload, dict) else "crc"
+    if op == "sleep":
+        await asyncio.sleep(float(payload["s"]))
+    elif op == "fail":
+        raise ZeroDivisionError("the handler divided by zero")
+    elif op == "echo":
+        return {"payload": payload, "pid": os.getpid()}
+    return {
+        "pid": os.getpid(),
+        "hashes": [f.mm_hash for f in features],
+        "crcs": [crc(f.data["x"]) for f in features],
+        "tag": payload.get("tag") if isinstance(payload, dict) else None,
+        "first": np.asarray(features[0].data["x"][:4]).copy() if features else None,
+    }
+
+
+def engine_main(path: str, handle: Any, lease: bool = False) -> None:
+    """Attach to ``handle`` (a handle, or a group name when ``group``), serve until SIGTERM."""
+
+    async def main() -> None:
+        async with AsyncReceiverCache.attach(handle) as rx:
+            await serve_engine(
+                path, handler, rx, lease=lease, shutdown_signals=(signal.SIGTERM, signal.SIGINT)
+            )
+
+    asyncio.run(main())
+
+
+def crash(path: str) -> None:
+    """An engine worker that cannot start."""
+    raise RuntimeError(f"no engine for {path} today")

@@ -1,0 +1,424 @@
+"""aioshmcache.channel: the gateway <-> engine worker channel.
+
+In-process tests (the worker's ``serve_engine`` as a task of the test's loop, its receiver
+attached in the same process) cover the protocol, errors, hand-outs and drift; the ``e2e`` ones
+run the worker as a real spawned process: pool, deadline, kill -9 and restart, shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import signal
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aioshmcache import (
+    AsyncReceiverCache,
+    AsyncSenderCache,
+    CacheMissError,
+    EngineAddressInUseError,
+    EngineCallError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+    FeatureSpec,
+    ShmRef,
+    WireError,
+)
+from aioshmcache.channel import EngineClient, serve_engine
+
+from . import _channel_procs
+from ._channel_procs import crc, handler
+from .helpers import SPAWN, kill_and_reap, wait_until
+
+
+def _item(i: int, n: int = 1024) -> dict[str, Any]:
+    return {"x": (np.arange(n, dtype=np.int64) * (i + 1)).astype(np.float32)}
+
+
+@contextlib.asynccontextmanager
+async def _engine(
+    make_config: Callable[..., Any], path: Path, **kw: Any
+) -> AsyncIterator[tuple[AsyncSenderCache, AsyncReceiverCache, asyncio.Task[None]]]:
+    """A sender, an in-process worker serving ``path`` with a receiver of it."""
+    async with (
+        AsyncSenderCache.from_config(make_config(4 << 20)) as cache,
+        AsyncReceiverCache.attach(cache.handle()) as rx,
+    ):
+        ready = asyncio.Event()
+        task = asyncio.create_task(serve_engine(path, handler, rx, ready=ready.set, **kw))
+        await asyncio.wait_for(ready.wait(), 10)
+        try:
+            yield cache, rx, task
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _features(cache: AsyncSenderCache, ids: range) -> list[FeatureSpec]:
+    return await cache.get_and_update_features([FeatureSpec(f"h{i}", _item(i)) for i in ids])
+
+
+@pytest.mark.parametrize("lease", [False, True])
+async def test_call_round_trip_refs_and_inline(
+    make_config: Callable[..., Any], tmp_path: Path, lease: bool
+) -> None:
+    sock = tmp_path / "e.sock"
+    async with (
+        _engine(make_config, sock, lease=lease) as (cache, _rx, _t),
+        EngineClient.connect(sock, cache=cache) as engine,
+    ):
+        feats = await _features(cache, range(3))
+        assert all(isinstance(f.data, ShmRef) for f in feats)
+        inline = FeatureSpec("inline", _item(9))
+        out = await engine.call([*feats, inline], {"tag": "t1"})
+        assert out["hashes"] == ["h0", "h1", "h2", "inline"]
+        assert out["crcs"] == [crc(_item(i)["x"]) for i in (0, 1, 2, 9)]
+        assert out["tag"] == "t1"
+        np.testing.assert_array_equal(out["first"], _item(0)["x"][:4])  # arrays come back
+        assert out["first"].dtype == np.float32
+        assert cache.snapshot().readers[0].lag == 0  # every hand-out read and acknowledged
+        assert not sock.with_name("e.sock").exists() or sock.is_socket()
+    assert not sock.exists()  # the worker removed its socket file
+
+
+async def test_handler_error_is_typed_and_the_connection_stays_usable(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    sock = tmp_path / "e.sock"
+    async with (
+        _engine(make_config, sock) as (cache, _rx, _t),
+        EngineClient.connect(sock, cache=cache, max_connections=1) as engine,
+    ):
+        [f] = await _features(cache, range(1))
+        with pytest.raises(EngineCallError, match="divided by zero") as info:
+            await engine.call([f], {"op": "fail"})
+        assert info.value.remote_type == "ZeroDivisionError"
+        assert cache.snapshot().readers[0].lag == 0  # the features were read before the handler
+        out = await engine.call([], {"op": "echo", "n": 1})
+        assert out["payload"] == {"op": "echo", "n": 1}
+        assert engine.stats().connects == 1
+
+
+async def test_unencodable_call_gives_its_hand_outs_back(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    sock = tmp_path / "e.sock"
+    async with (
+        _engine(make_config, sock) as (cache, _rx, _t),
+        EngineClient.connect(sock, cache=cache) as engine,
+    ):
+        [f] = await _features(cache, range(1))
+        with pytest.raises(WireError):
+            await engine.call([f], {"op": object()})
+        assert engine.stats().released == 1
+        assert not await cache.release(f.data)  # already given back by the client
+        assert cache.snapshot().readers[0].lag == 0
+
+
+async def test_a_call_without_a_worker_fails_typed_and_gives_hand_outs_back(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    async with (
+        AsyncSenderCache.from_config(make_config(4 << 20)) as cache,
+        AsyncReceiverCache.attach(cache.handle()),  # a reader that would owe the hand-out
+        EngineClient.connect(tmp_path / "none.sock", cache=cache, backoff_max=0.05) as engine,
+    ):
+        [f] = await _features(cache, range(1))
+        assert cache.snapshot().readers[0].lag == 1
+        with pytest.raises(EngineUnavailableError, match="no engine worker"):
+            await engine.call([f], timeout=0.5)
+        assert engine.stats().connect_failures >= 2  # it kept trying, with backoff
+        assert engine.stats().released == 1
+        assert cache.snapshot().readers[0].lag == 0
+        assert not await cache.release(f.data)
+
+
+async def test_deadline_then_the_late_answer_never_reaches_the_next_call(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    sock = tmp_path / "e.sock"
+    async with (
+        _engine(make_config, sock) as (cache, _rx, _t),
+        EngineClient.connect(sock, cache=cache, max_connections=1) as engine,
+    ):
+        with pytest.raises(EngineTimeoutError, match="answer"):
+            await engine.call([], {"op": "sleep", "s": 1.0}, timeout=0.2)
+        out = await engine.call([], {"op": "echo", "n": 2}, timeout=10)
+        assert out["payload"]["n"] == 2  # its own answer, not the slept call's
+        assert engine.stats().connects == 2  # the timed-out call's connection was dropped
+
+
+async def test_cancelled_while_waiting_for_the_pool_gives_hand_outs_back(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    sock = tmp_path / "e.sock"
+    async with (
+        _engine(make_config, sock) as (cache, _rx, _t),
+        EngineClient.connect(sock, cache=cache, max_connections=1) as engine,
+    ):
+        blocker = asyncio.create_task(engine.call([], {"op": "sleep", "s": 0.5}))
+        assert await asyncio.to_thread(wait_until, lambda: engine.open_connections == 1)
+        [f] = await _features(cache, range(1))
+        waiting = asyncio.create_task(engine.call([f]))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert engine.stats().released == 1
+        assert not await cache.release(f.data)
+        await blocker
+        assert cache.snapshot().readers[0].lag == 0
+
+
+async def test_cancelled_after_delivery_is_still_read_by_the_worker(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    sock = tmp_path / "e.sock"
+    async with (
+        _engine(make_config, sock) as (cache, rx, _t),
+        EngineClient.connect(sock, cache=cache) as engine,
+    ):
+        [f] = await _features(cache, range(1))
+        call = asyncio.create_task(engine.call([f], {"op": "crc"}))
+        assert await asyncio.to_thread(wait_until, lambda: rx.make_stats().total == 1)
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        assert engine.stats().released == 0  # delivered: not given back twice
+        assert cache.snapshot().readers[0].lag == 0  # the worker read and acknowledged it
+
+
+async def test_many_concurrent_calls_share_a_bounded_pool(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    sock = tmp_path / "e.sock"
+    async with (
+        _engine(make_config, sock) as (cache, _rx, _t),
+        EngineClient.connect(sock, cache=cache, max_connections=3) as engine,
+    ):
+        feats = await _features(cache, range(24))
+        seen = []
+
+        async def one(f: FeatureSpec) -> None:
+            out = await engine.call([f], {"op": "crc"})
+            seen.append(out["crcs"][0] == crc(_item(int(f.mm_hash[1:]))["x"]))
+            assert engine.open_connections <= 3
+
+        await asyncio.gather(*(one(f) for f in feats))
+        assert seen == [True] * 24
+        assert engine.stats().connects <= 3
+
+
+@pytest.mark.parametrize("with_items", [True, False])
+async def test_drift_recovery_resends_the_missing_items_inline_once(
+    make_config: Callable[..., Any], tmp_path: Path, with_items: bool
+) -> None:
+    sock = tmp_path / "e.sock"
+    async with (
+        _engine(make_config, sock) as (cache, _rx, _t),
+        EngineClient.connect(sock, cache=cache) as engine,
+    ):
+        [stale] = await _features(cache, range(1))
+        await cache.clear_cache()  # a new epoch: the reference goes stale (the worker misses it)
+        [fresh] = await _features(cache, range(1, 2))
+        made: list[str] = []
+
+        def items(h: str) -> dict[str, Any]:
+            made.append(h)
+            return _item(int(h[1:]))
+
+        if not with_items:
+            with pytest.raises(CacheMissError) as info:
+                await engine.call([stale, fresh])
+            assert info.value.mm_hashes == ("h0",)
+            assert not cache.is_cached_item("h0")  # invalidated for the next request
+            return
+        out = await engine.call([stale, fresh], items=items)
+        assert made == ["h0"]  # only the missing item was asked for
+        assert out["crcs"] == [crc(_item(0)["x"]), crc(_item(1)["x"])]
+        assert engine.stats().resends == 1
+        assert cache.snapshot().readers[0].lag == 0
+
+
+async def test_a_second_worker_on_a_live_path_is_refused(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    sock = tmp_path / "e.sock"
+    async with _engine(make_config, sock) as (_cache, rx, _t):
+        with pytest.raises(EngineAddressInUseError, match="another engine worker"):
+            await serve_engine(sock, handler, rx)
+        assert sock.is_socket()  # the live worker's socket is untouched
+
+
+# --- real worker processes ---------------------------------------------------------------------
+
+
+def _start_worker(sock: Path, handle: Any) -> Any:
+    proc = SPAWN.Process(target=_channel_procs.engine_main, args=(str(sock), handle))
+    proc.start()
+    return proc
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+async def test_reconnect_after_the_worker_is_killed_and_restarted(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    sock = tmp_path / "e.sock"
+    async with AsyncSenderCache.from_config(make_config(4 << 20)) as cache:
+        handle = cache.handle()
+        first = _start_worker(sock, handle)
+        try:
+            async with EngineClient.connect(
+                sock, cache=cache, max_connections=2, backoff_max=0.2
+            ) as engine:
+                [f] = await _features(cache, range(1))
+                out = await engine.call([f], timeout=60)
+                assert out["pid"] == first.pid
+                kill_and_reap(first, signal.SIGKILL)
+                [g] = await _features(cache, range(1, 2))
+                with pytest.raises(EngineUnavailableError):
+                    await engine.call([g], timeout=0.5)
+                assert sock.exists()  # the dead worker's socket file is still there
+                second = _start_worker(sock, handle)
+                try:
+                    [h] = await _features(cache, range(2, 3))
+                    out = await engine.call([h], timeout=60)  # reconnects once it is up
+                    assert out["pid"] == second.pid
+                    assert out["crcs"] == [crc(_item(2)["x"])]
+                    assert engine.stats().connect_failures >= 1
+                finally:
+                    os.kill(second.pid, signal.SIGTERM)
+                    second.join(30)
+                    assert second.exitcode == 0
+                    assert not sock.exists()  # graceful shutdown removed it
+        finally:
+            kill_and_reap(first)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+async def test_a_call_in_progress_finishes_through_a_graceful_shutdown(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    sock = tmp_path / "e.sock"
+    async with AsyncSenderCache.from_config(make_config(4 << 20)) as cache:
+        proc = _start_worker(sock, cache.handle())
+        try:
+            async with EngineClient.connect(sock, cache=cache) as engine:
+                await engine.call([], {"op": "echo"}, timeout=60)  # up
+                slow = asyncio.create_task(engine.call([], {"op": "sleep", "s": 1.0}))
+                await asyncio.sleep(0.3)
+                os.kill(proc.pid, signal.SIGTERM)
+                await slow  # answered, not cut off
+                await asyncio.to_thread(proc.join, 30)
+                assert proc.exitcode == 0
+                with pytest.raises(EngineUnavailableError):
+                    await engine.call([], {"op": "echo"}, timeout=0.5)
+        finally:
+            kill_and_reap(proc)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+async def test_start_keeps_one_worker_alive_among_clients(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """``start=``: two clients (two gateways) share one worker; one killed -9 is replaced."""
+    from aioshmcache.channel import _lock_held
+
+    sock = tmp_path / "e.sock"
+    async with AsyncSenderCache.from_config(make_config(4 << 20)) as cache:
+        start = functools.partial(_channel_procs.engine_main, handle=cache.handle())
+        async with (
+            EngineClient.connect(sock, cache=cache, start=start, backoff_max=0.2) as one,
+            EngineClient.connect(sock, cache=cache, start=start, backoff_max=0.2) as two,
+        ):
+            first = await one.call([], {"op": "echo"}, timeout=60)
+            assert (await two.call([], {"op": "echo"}, timeout=60))["pid"] == first["pid"]
+            os.kill(first["pid"], signal.SIGKILL)
+            again = first
+            for _ in range(600):  # a call on a connection of the dead worker fails typed
+                with contextlib.suppress(EngineUnavailableError):
+                    again = await one.call([], {"op": "echo"}, timeout=60)
+                if again["pid"] != first["pid"]:
+                    break
+                await asyncio.sleep(0.1)
+            assert again["pid"] != first["pid"]  # a new worker was started for the path
+            assert (await two.call([], {"op": "echo"}, timeout=60))["pid"] == again["pid"]
+        assert await asyncio.to_thread(wait_until, lambda: not _lock_held(str(sock)), 30)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+async def test_a_worker_that_cannot_start_is_restarted_with_growing_pauses(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("WARNING", logger="aioshmcache.channel")
+    async with EngineClient.connect(tmp_path / "e.sock", start=_channel_procs.crash) as engine:
+        with pytest.raises(EngineUnavailableError):
+            await engine.call([], timeout=1.0)
+
+        def pauses() -> list[float]:
+            return [float(r.args[2]) for r in caplog.records if "restarting in" in r.msg]  # type: ignore[index,arg-type]
+
+        assert await asyncio.to_thread(wait_until, lambda: len(pauses()) >= 2, 60)
+        assert pauses()[:2] == [1.0, 2.0]  # doubling, not a crash loop every half second
+
+
+async def test_hostile_calls_get_typed_answers_and_the_worker_keeps_serving(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Garbage call frames are answered ``bad_request``; a huge declared frame ends only its
+    own connection; a well-formed call on a new connection is served afterwards."""
+    from aioshmcache.channel import _decode, _raise_error
+    from aioshmcache.wire import read_frame, write_frame
+
+    sock = tmp_path / "e.sock"
+    async with (
+        _engine(make_config, sock, max_frame_bytes=1 << 20) as (cache, _rx, _t),
+        EngineClient.connect(sock, cache=cache) as engine,
+    ):
+        reader, writer = await asyncio.open_unix_connection(str(sock))
+        for head, body in [
+            (b"\x00garbage", b"more garbage"),
+            (np.arange(8, dtype=np.uint8).tobytes(), b""),
+            (b"", b""),
+        ]:
+            await write_frame(writer, head)
+            await write_frame(writer, body)
+            value = _decode(await asyncio.wait_for(read_frame(reader), 10), "response")
+            assert value[2] == "error" and value[3] == "bad_request" and value[7] is True
+            with pytest.raises(WireError):
+                _raise_error(value)
+        writer.write((1 << 40).to_bytes(8, "little"))  # a frame far over max_frame_bytes
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # that connection ends
+        writer.close()
+        out = await engine.call([], {"op": "echo", "n": 3})
+        assert out["payload"]["n"] == 3
+
+
+async def test_a_garbage_answer_is_a_typed_error(tmp_path: Path) -> None:
+    """A peer that answers junk (not a worker) makes the call raise ``WireError``."""
+    from aioshmcache.wire import read_frame, write_frame
+
+    async def junk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_frame(reader)
+        await read_frame(reader)
+        await write_frame(writer, b"\x93not ours")
+        writer.close()
+
+    sock = tmp_path / "junk.sock"
+    server = await asyncio.start_unix_server(junk, str(sock))
+    async with server, EngineClient.connect(sock) as engine:
+        with pytest.raises(WireError):
+            await engine.call([], {"op": "echo"}, timeout=10)

@@ -1,0 +1,198 @@
+"""The engine client's pool bookkeeping, pure: a state machine against a plain model, then rules."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from aioshmcache._channel_pool import PoolBook
+
+MAX = 3
+INITIAL, CAP, FACTOR, JITTER = 0.1, 1.0, 2.0, 0.5
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class PoolModel(RuleBasedStateMachine):
+    """Random plans, opens, failures, returns, clock steps and a close, checked step by step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.r = 0.5
+        self.book: PoolBook[int] = PoolBook(
+            MAX,
+            backoff_initial=INITIAL,
+            backoff_max=CAP,
+            backoff_factor=FACTOR,
+            jitter=JITTER,
+            clock=self.clock,
+            rand=lambda: self.r,
+        )
+        # the model
+        self.idle: list[int] = []
+        self.lent: set[int] = set()
+        self.opening = 0
+        self.failures = 0
+        self.retry_at = 0.0
+        self.closed = False
+        self.next_conn = 0
+
+    def expected_kind(self) -> str:
+        if self.closed:
+            return "closed"
+        if self.idle:
+            return "reuse"
+        if len(self.lent) + self.opening >= MAX:
+            return "wait"
+        if self.failures and self.opening:
+            return "wait"
+        if self.clock.now < self.retry_at:
+            return "wait"
+        return "open"
+
+    @rule()
+    def plan(self) -> None:
+        kind = self.expected_kind()
+        step = self.book.plan()
+        assert step.kind == kind
+        if kind == "reuse":
+            assert step.conn == self.idle.pop()  # most recently returned first
+            self.lent.add(step.conn)
+        elif kind == "open":
+            self.opening += 1
+        elif kind == "wait" and self.clock.now < self.retry_at and not self.opening:
+            assert step.until == (self.retry_at if len(self.lent) < MAX else None)
+
+    @precondition(lambda self: self.opening > 0)
+    @rule()
+    def open_succeeds(self) -> None:
+        self.next_conn += 1
+        self.book.opened(self.next_conn)
+        self.opening -= 1
+        self.lent.add(self.next_conn)
+        if not self.closed:
+            self.failures = 0
+            self.retry_at = 0.0
+
+    @precondition(lambda self: self.opening > 0)
+    @rule(r=st.floats(0.0, 0.999))
+    def open_fails(self, r: float) -> None:
+        self.r = r
+        self.book.open_failed(OSError("refused"))
+        self.opening -= 1
+        self.failures += 1
+        delay = min(CAP, INITIAL * FACTOR ** (self.failures - 1)) * (1 - JITTER * r)
+        self.retry_at = self.clock.now + delay
+
+    @precondition(lambda self: self.opening > 0)
+    @rule()
+    def open_abandoned(self) -> None:
+        self.book.open_abandoned()
+        self.opening -= 1
+
+    @precondition(lambda self: bool(self.lent))
+    @rule(reusable=st.booleans(), data=st.data())
+    def give_back(self, reusable: bool, data: st.DataObject) -> None:
+        conn = data.draw(st.sampled_from(sorted(self.lent)))
+        self.lent.discard(conn)
+        out = self.book.give_back(conn, reusable=reusable)
+        if reusable and not self.closed:
+            assert out is None
+            self.idle.append(conn)
+        else:
+            assert out == conn
+
+    @rule(dt=st.floats(0.0, 2.0))
+    def time_passes(self, dt: float) -> None:
+        self.clock.now += dt
+
+    @precondition(lambda self: not self.closed)
+    @rule()
+    def close(self) -> None:
+        assert sorted(self.book.close()) == sorted(self.idle)
+        self.idle = []
+        self.closed = True
+
+    @invariant()
+    def agrees(self) -> None:
+        assert self.book.lent == len(self.lent)
+        assert self.book.opening == self.opening
+        assert self.book.idle == self.idle
+        assert self.book.failures == self.failures
+        assert self.book.retry_at == pytest.approx(self.retry_at)
+        assert self.book.lent + self.book.opening <= MAX
+
+
+TestPoolModel = PoolModel.TestCase
+TestPoolModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_backoff_doubles_up_to_the_cap_and_ends_at_the_first_success() -> None:
+    clock = Clock()
+    book: PoolBook[str] = PoolBook(2, backoff_initial=0.1, backoff_max=0.5, jitter=0.0, clock=clock)
+    delays = []
+    for _ in range(5):
+        assert book.plan().kind == "open"
+        book.open_failed(OSError())
+        delays.append(book.retry_at - clock.now)
+        step = book.plan()
+        assert step.kind == "wait" and step.until == book.retry_at  # no open before retry_at
+        clock.now = book.retry_at
+    assert delays == pytest.approx([0.1, 0.2, 0.4, 0.5, 0.5])
+    assert book.plan().kind == "open"
+    book.opened("c")
+    assert book.failures == 0 and book.retry_at == 0.0
+    book.give_back("c", reusable=True)
+    assert book.plan().conn == "c"  # reuse before opening another
+
+
+def test_one_probe_at_a_time_while_the_engine_fails() -> None:
+    book: PoolBook[str] = PoolBook(4, jitter=0.0, clock=Clock())
+    assert book.plan().kind == "open"
+    book.open_failed(OSError())
+    book.retry_at = 0.0  # the backoff has passed
+    assert book.plan().kind == "open"
+    assert book.plan().kind == "wait"  # half-open: the second caller waits for the probe
+
+
+def test_a_closed_pool_lends_nothing_and_hands_back_what_returns() -> None:
+    book: PoolBook[str] = PoolBook(2, clock=Clock())
+    assert book.plan().kind == "open"
+    book.opened("a")
+    book.give_back("a", reusable=True)
+    assert book.plan().kind == "reuse"
+    assert book.close() == []
+    assert book.give_back("a", reusable=True) == "a"
+    assert book.plan().kind == "closed"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_connections": 0},
+        {"max_connections": 1, "backoff_initial": 0.0},
+        {"max_connections": 1, "backoff_initial": 2.0, "backoff_max": 1.0},
+        {"max_connections": 1, "jitter": 1.0},
+        {"max_connections": 1, "backoff_factor": 0.5},
+    ],
+)
+def test_nonsense_settings_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        PoolBook(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bookkeeping_misuse_raises() -> None:
+    book: PoolBook[str] = PoolBook(1, clock=Clock())
+    with pytest.raises(RuntimeError):
+        book.opened("x")
+    with pytest.raises(RuntimeError):
+        book.give_back("x", reusable=True)

@@ -1,0 +1,55 @@
+"""Every command line answers ``--help``; a gateway refuses a name whose writer is alive.
+
+The ``--help`` runs are subprocesses, as a user types them: exit 0, a usage line, no traceback
+(``examples/client.py --help`` used to crash asking the network for a URL named ``--help``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aioshmcache import SenderCache
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULE = [sys.executable, "-m", "aioshmcache"]
+COMMANDS = [
+    [*MODULE],
+    [*MODULE, "demo"],
+    [*MODULE, "demo", "run"],
+    [*MODULE, "demo", "serve"],
+    [*MODULE, "demo", "worker"],
+    [*MODULE, "stress"],
+    [*MODULE, "bench"],
+    [*MODULE, "inspect"],
+    [*MODULE, "sweep"],
+    [sys.executable, str(ROOT / "examples" / "client.py")],
+    [sys.executable, str(ROOT / "examples" / "fastapi_app.py")],
+]
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: " ".join(Path(a).name for a in c[1:]))
+def test_every_cli_answers_help(cmd: list[str]) -> None:
+    out = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: "), out.stdout
+    assert "Traceback" not in out.stderr
+
+
+def test_a_gateway_on_a_name_with_a_live_writer_says_so_in_one_line(
+    make_config: Any, shm_name: str
+) -> None:
+    """Checked before anything is announced: no "listening on", one line, exit code 2."""
+    with SenderCache(make_config(1 << 20)) as live:
+        cmd = [*MODULE, "demo", "serve", "--name", shm_name, "--workers", "1"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert out.returncode == 2
+        assert "listening" not in out.stdout
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1, out.stderr
+        assert shm_name in lines[0] and "live writer" in lines[0]
+        assert live.snapshot().readers[0].attached is False  # the probe left no reader behind
