@@ -213,6 +213,23 @@ def _import_redis() -> Any:
     return redis.asyncio
 
 
+def _check_url(url: str) -> None:
+    """``ValueError`` for a URL the client refuses, or one that makes it decode replies.
+
+    Values are bytes: with ``decode_responses`` (which the URL's query overrides whatever the
+    tier asks for) every GET of a value fails to decode, each counted as a Redis failure: the
+    breaker stays open and the tier silently never serves anything.
+    """
+    from redis.asyncio.connection import parse_url, to_bool
+
+    try:
+        options = parse_url(url)
+    except ValueError as exc:
+        raise ValueError(f"url: {exc}") from None
+    if to_bool(options.get("decode_responses")):
+        raise ValueError("url must not set decode_responses: the tier's values are bytes")
+
+
 class RedisTier:
     """Redis as the fleet-wide second tier of an ``AsyncSenderCache`` (see the module docstring).
 
@@ -289,6 +306,7 @@ class RedisTier:
         except UnicodeEncodeError:
             raise ValueError("prefix must encode as UTF-8 (it starts every key)") from None
         self._redis_mod = _import_redis()
+        _check_url(url)
         self.url = url
         self._secret = key
         self.ttl_s = float(ttl_s)

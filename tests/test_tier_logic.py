@@ -411,6 +411,11 @@ def test_tier_arguments_are_checked() -> None:
             RedisTier(url, **kw)
     with pytest.raises(TypeError):
         RedisTier("", secret=SECRET)
+    # every GET of a value would fail to decode (the URL's query wins over the tier's options)
+    for bad in ("redis://127.0.0.1:1/0?decode_responses=True", "http://127.0.0.1:1/0"):
+        with pytest.raises(ValueError, match="url"):
+            RedisTier(bad, secret=SECRET)
+    RedisTier(url + "?decode_responses=false", secret=SECRET)
 
 
 # --- a server that is not a sane Redis ----------------------------------------------------------
