@@ -36,13 +36,12 @@ from typing import Any
 
 from ._group import is_member, list_shards, shard_identity
 from ._layout import LAYOUT_VERSION, SHM_DIR, group_word
+from ._receive import ReceiverRequest, single_item
 from ._request import (
     DEFAULT_INLINE_THRESHOLD,
-    ReceiverRequest,
     RequestCounters,
     as_reference,
     check_hash,
-    single_item,
 )
 from ._segment import writer_state
 from ._serde import Serde

@@ -29,35 +29,32 @@ import math
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, cast
+from typing import Any, Final, TypeAlias, cast
 
 from ._group import Found, Siblings
 from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
-from ._readers import ReaderSlot
+from ._shards import ShardedMap
 from ._store import Reservation, ShmObjectStore
 from ._types import REF_FIELDS, FeatureSpec, ShmRef
 from .errors import (
     CacheFullError,
     CacheMissError,
     ClosedCacheError,
-    InvalidReferenceError,
+    DuplicateKeyError,
     ObjectTooLargeError,
     ShmCacheError,
-    StaleReferenceError,
 )
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
     "MmItem",
-    "ReceiverRequest",
     "RequestCounters",
     "SenderBook",
     "SenderRequest",
     "as_reference",
     "check_hash",
-    "single_item",
 ]
 
 #: Copies below this size run where the request began (on the loop, for the async facade).
@@ -70,6 +67,11 @@ _REF_KEYS: Final = frozenset(REF_FIELDS)
 log = logging.getLogger("aioshmcache")
 
 MmItem = tuple[Any, Sequence[Any]]
+
+#: the sender's are the store's (re-entrant) lock; a receiver's are plain locks
+_Lock: TypeAlias = "threading.Lock | threading.RLock"
+_NONE: Final[list[Any]] = []  # shared "nothing yet" list: replaced, never appended to
+_NO_SET: Final[set[str]] = cast("set[str]", frozenset())  # likewise (immutable: safe)
 
 
 def check_hash(mm_hash: object) -> str:
@@ -118,7 +120,7 @@ class RequestCounters:
     inline_busy: int = 0
     sibling_hits: int = 0  # group shards: items copied from a sibling (also counted as hits)
     wait_seconds: float = 0.0  # time spent waiting for space, summed over requests
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    lock: _Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def as_tuple(self) -> tuple[int, int, int, int, int]:
         """Every counter, read together."""
@@ -159,7 +161,8 @@ class SenderBook:
         self.store = store
         self.siblings = siblings  # the other shards of the group, if this cache is a shard
         self.default_wait_for_space = default_wait_for_space
-        self.prompt_updates: dict[str, Sequence[Any]] = {}
+        # one entry per cached item: as many shards as the store's index
+        self.prompt_updates: ShardedMap[str, Sequence[Any]] = ShardedMap(store.shards)
         self.too_large = TooLargeMemory()
         self.counters = RequestCounters(lock=store.lock)
         self._words = store.ring.segment.words
@@ -206,51 +209,18 @@ class SenderBook:
         elif inline == "busy":
             c.inline_busy += 1
 
-    def one_item(self, mm_item: object, mm_hash: object) -> MmItem | None:
-        """A one-item request in its usual case, decided without a request object.
+    def count_hit(self) -> None:
+        """``count(hit=True)``, the usual case, in fewer steps."""
+        c = self.counters
+        c.total += 1
+        c.hits = hits = c.hits + 1
+        self._words[H_HITS] = hits
 
-        The same decision as a one-item ``SenderRequest`` with the default ``wait_for_space``
-        and copy threshold, when it is one of: a hit, a put of a new hash that fits now (after
-        eviction, without waiting) and copies under ``DEFAULT_INLINE_THRESHOLD`` bytes, or an
-        item found too large (served inline, remembered). Anything else returns ``None`` before
-        any side effect that matters (at most a failed allocation's eviction, which the request
-        repeats), and the caller runs the request: an item or hash of another type, a hash being
-        put or known too large, a group shard, an item that needs a wait, a big copy. Counted
-        and published exactly as the request counts (``test_parity`` compares the two).
-        """
-        if (
-            type(mm_item) is not tuple
-            or len(mm_item) != 2
-            or type(mm_hash) is not str
-            or self.siblings is not None
-        ):
-            return None
-        store = self.store
-        with store.lock:
-            ref = store.get_cached(mm_hash)
-            if ref is not None:
-                self.count(hit=True)
-                return (ref, mm_item[1])
-            if store.is_pending(mm_hash) or mm_hash in self.too_large._sizes:
-                return None
-            try:
-                plan = store.plan(mm_item[0])
-            except ObjectTooLargeError as exc:
-                self.found_too_large(mm_hash, exc.nbytes)
-                return mm_item  # inline, as the request serves it
-            if plan.nbytes >= DEFAULT_INLINE_THRESHOLD:
-                return None
-            try:
-                ref = store.put_locked(mm_hash, plan)
-            except CacheFullError:
-                return None  # nothing taken: the request decides (inline, or wait for room)
-            except BaseException:
-                self.count(hit=False)  # a failed copy counts as the request counts it
-                raise
-            self.count(hit=False)
-            updates = mm_item[1]
-            self.prompt_updates[mm_hash] = updates
-            return (ref, updates)
+    def count_miss(self) -> None:
+        """``count(hit=False)`` of an item put, in fewer steps."""
+        c = self.counters
+        c.total = total = c.total + 1
+        self._words[H_MISSES] = total - c.hits
 
     def found_too_large(self, mm_hash: str, nbytes: int) -> None:
         """An item measured over ``max_object_bytes``: remember it, count it served inline."""
@@ -281,7 +251,7 @@ class _Steps:
 
     __slots__ = ("_abandoned", "_lock", "_running", "_settled")
 
-    def __init__(self, lock: threading.Lock) -> None:
+    def __init__(self, lock: _Lock) -> None:
         self._lock = lock
         self._running = False
         self._abandoned = False
@@ -335,25 +305,19 @@ class SenderRequest(_Steps):
     every item it puts is pinned once committed, so a request never evicts its own items.
     """
 
-    __slots__ = (
-        "_book",
-        "_copies",
-        "_deadline",
-        "_features",
-        "_followers",
-        "_handed",
-        "_hashes",
-        "_inline_below",
-        "_items",
-        "_out",
-        "_pins",
-        "_putting",
-        "_reserved",
-        "_sibling",
-        "_store",
-        "_wait",
-        "_waits",
-    )
+    # No __slots__: what only some requests need has a class-level default (one store fewer
+    # per field for every request; a hit needs none of them) and is set on first use.
+    _copies: list[tuple[int, Reservation]] = _NONE  # copy jobs
+    _waits: list[int] = _NONE  # misses waiting for room
+    _reserved: list[Reservation] = _NONE  # every allocation, for the roll back
+    _pins: list[Any] = _NONE  # the store's entries this request pinned
+    _putting: set[str] = _NO_SET  # hashes this request reserved
+    _followers: dict[str, list[int]] | None = None  # hash -> later items of that hash
+    _sibling: dict[str, Found] | None = None  # hash -> a sibling shard holding it
+    _features: list[FeatureSpec] | None = None
+    _deadline = 0.0
+    _wait: float | None = None  # wait_for_space if the caller gave one, else the book's default
+    _running = _abandoned = _settled = False
 
     def __init__(
         self,
@@ -364,38 +328,32 @@ class SenderRequest(_Steps):
         *,
         wait_for_space: float | None = None,
         copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
+        _checked: bool = False,
     ) -> None:
-        if len(mm_items) != len(mm_hashes):
-            raise ValueError("mm_items and mm_hashes differ in length")
-        self._hashes = hashes = list(mm_hashes)
-        for i, h in enumerate(hashes):
-            if type(h) is not str:
-                hashes[i] = check_hash(h)
-        self._items = items = list(mm_items)
-        for it in items:  # before any side effect: nothing to undo for a bad shape
-            if it is not None and (not isinstance(it, tuple) or len(it) != 2):
-                raise TypeError("mm_item must be (item, prompt_updates) or None")
-        # the config's default was validated with the config
-        self._wait = (
-            book.default_wait_for_space if wait_for_space is None else check_wait(wait_for_space)
-        )
+        # ``_checked``: new lists of valid items and hashes (``for_features``): kept as they are
+        if _checked:
+            self._hashes, self._items = mm_hashes, mm_items
+            items = self._items
+        else:
+            self._hashes = hashes = list(mm_hashes)
+            self._items = items = list(mm_items)
+            if len(items) != len(hashes):
+                raise ValueError("mm_items and mm_hashes differ in length")
+            for h in hashes:
+                if type(h) is not str:
+                    hashes[:] = map(check_hash, hashes)
+                    break
+            for it in items:  # before any side effect: nothing to undo for a bad shape
+                if it is not None and (not isinstance(it, tuple) or len(it) != 2):
+                    raise TypeError("mm_item must be (item, prompt_updates) or None")
+        if wait_for_space is not None:  # else the config's, validated with the config
+            self._wait = check_wait(wait_for_space)
         self._book = book
         self._store = store
         self._lock = store.lock
-        self._running = self._abandoned = self._settled = False
         self._inline_below = copy_inline_below
-        self._deadline = 0.0
-        self._out: list[MmItem | None] = [None] * len(items)
-        self._pins: list[Any] = []  # the store's entries this request pinned
-        # What only misses and groups need is made on first use (a hit needs none of it):
-        self._copies: list[tuple[int, Reservation]] = _NONE  # copy jobs
-        self._waits: list[int] = _NONE  # misses waiting for room
-        self._reserved: list[Reservation] = _NONE  # every allocation, for the roll back
+        self._out: list[Any] = [None] * len(items)
         self._handed: list[ShmRef] = []  # every hand-out this request took, for the roll back
-        self._features: list[FeatureSpec] | None = None
-        self._putting: set[str] = _NO_SET  # hashes this request reserved
-        self._followers: dict[str, list[int]] | None = None  # hash -> later items of that hash
-        self._sibling: dict[str, Found] | None = None  # hash -> a sibling shard holding it
 
     @property
     def has_jobs(self) -> bool:
@@ -403,72 +361,134 @@ class SenderRequest(_Steps):
         return bool(self._copies or self._waits)
 
     def begin(self) -> None:
-        """Validate, pin, hand out hits, reserve misses and copy the small ones. Raises
+        """Validate, guard, hand out hits, put the small misses, reserve the big ones. Raises
         ``CacheMissError`` (taking nothing) for a ``None`` item whose hash is not cached.
 
-        A one-item request pins nothing up front: its own decision is the only step before
-        ``finish`` that could evict, and it never evicts its own hit. (An item it puts is still
-        pinned from commit to ``finish`` when the copy runs as a job.)
+        The whole step runs under the store's writer lock, so a request of several items guards
+        its own items (``ShmObjectStore.guard``: its cached hashes, and every chunk allocated
+        during the step) instead of pinning each; if the request goes on outside the lock (copy
+        jobs, waits), the guard becomes pins of those items before the lock is let go. A
+        one-item request guards nothing: its own decision is the only step before ``finish``
+        that could evict, and it never evicts its own hit. (An item it puts is still pinned from
+        commit to ``finish`` when the copy runs as a job.)
         """
-        store = self._store
+        self._begin(False)
+
+    def start(self) -> list[MmItem] | None:
+        """``begin``, and when that leaves nothing to run, ``finish`` in the same locked step.
+
+        Returns the result, or None when there are jobs (then ``run_jobs`` and ``finish``, or
+        ``abandon``). What every face calls: most requests end here, in one step.
+        """
+        return self._begin(True)
+
+    def run(self) -> list[MmItem]:
+        """Every step on the calling thread (the sync face); abandoned on any error."""
+        try:
+            out = self._begin(True)
+            if out is not None:
+                return out
+            self.run_jobs()
+        except BaseException:
+            self.abandon()
+            raise
+        return self.finish()
+
+    def _begin(self, settle: bool) -> list[MmItem] | None:
         hashes = self._hashes
-        single = len(hashes) == 1
-        may_defer = self._wait > 0
+        wait = self._wait
+        if wait is None:
+            wait = self._book.default_wait_for_space
+        may_defer = wait > 0
+        self._store.check_owner()  # before the lock (a forked child may inherit it held)
         with self._lock:  # the store's writer lock
             if may_defer:
-                self._deadline = time.monotonic() + self._wait
+                self._deadline = time.monotonic() + wait
             if None in self._items:  # look-ups: every one must be cached (here or a sibling)
-                missing = [
-                    h
-                    for it, h in zip(self._items, hashes)
-                    if it is None and not store.is_cached(h) and not self._in_sibling(h)
-                ]
-                if missing:
-                    raise CacheMissError(missing)
-            if not single:
-                self._pins = [e for h in hashes if (e := store.pin_entry(h)) is not None]
-            for i in range(len(hashes)):
-                res = self._decide_locked(i, wait=0.0, may_defer=may_defer)
-                if res is None:
-                    continue
-                if res.plan.nbytes < self._inline_below:
-                    self._write(res)  # microseconds: under the lock
-                    self._commit_locked(i, res, pin=not single)
-                else:
-                    if self._copies is _NONE:
-                        self._copies = []
-                    self._copies.append((i, res))
+                self._check_lookups()
+            if len(hashes) == 1:
+                self._decide_locked(0, 0.0, may_defer, True)
+            else:
+                store = self._store
+                guarded = store.guard(hashes)
+                try:
+                    for i in range(len(hashes)):
+                        self._decide_locked(i, 0.0, may_defer, True)
+                    if self._copies or self._waits:  # going on unlocked: guard becomes pins
+                        self._pins = store.pin_ids(guarded)
+                finally:
+                    store.unguard()
+            if not settle or self._copies or self._waits:
+                return None
+            out: list[MmItem] = self._out  # ``finish``, in the same step (nothing pinned)
+            if None in out:
+                raise RuntimeError("internal error: an item of the request was not decided")
+            self._settled = True
+            return out
 
-    def _decide_locked(self, i: int, *, wait: float, may_defer: bool) -> Reservation | None:
-        """Decide item ``i``: a hit, inline, deferred, or a reservation to copy into."""
+    def _check_lookups(self) -> None:
+        """``CacheMissError`` (nothing taken) unless every ``None`` item's hash is cached here
+        or in a sibling shard."""
+        store = self._store
+        missing = [
+            h
+            for it, h in zip(self._items, self._hashes)
+            if it is None and not store.is_cached(h) and not self._in_sibling(h)
+        ]
+        if missing:
+            raise CacheMissError(missing)
+
+    def _decide_locked(
+        self, i: int, wait: float, may_defer: bool, begin: bool = False
+    ) -> Reservation | None:
+        """Decide item ``i``: a hit, inline, deferred, or put.
+
+        In ``begin``, a put copies at once when small (``put_locked``: one step, no
+        reservation) and is a copy job otherwise; after a wait, the reservation is returned for
+        the caller to copy (outside the lock) and commit.
+        """
         store, book, h = self._store, self._book, self._hashes[i]
         it = self._items[i]
-        ref = store.get_cached(h)
+        ref = store._hand_out_key(h)  # get_cached: checked in ``begin``, under its lock
         if ref is not None:
             self._handed.append(ref)
-            updates = book.prompt_updates.get(h, ()) if it is None else it[1]
-            self._out[i] = (ref, updates)
-            book.count(hit=True)
+            self._out[i] = (ref, book.prompt_updates.get(h, ()) if it is None else it[1])
+            book.count_hit()
             return None
-        if it is None and self._sibling is not None and h in self._sibling:
-            return self._reserve_sibling(i, wait=wait, may_defer=may_defer)
-        if it is None:  # only when the item was dropped meanwhile (invalidate)
-            raise CacheMissError([h])
-        item = it  # its shape was checked when the request was made
+        if it is None:
+            if self._sibling is not None and h in self._sibling:
+                res = self._reserve_sibling(i, wait=wait, may_defer=may_defer)
+                if begin and res is not None:
+                    self._job(i, res)
+                    return None
+                return res
+            raise CacheMissError([h])  # only when the item was dropped meanwhile (invalidate)
         if h in self._putting:  # this request puts it: a hit once that copy is committed
             self._follow(h, i)
             return None
-        if store.is_pending(h):  # another request is putting this very item right now
-            self._out[i] = item
-            book.count(hit=False, inline="busy")
-            return None
-        known = book.too_large.get(h) if book.too_large._sizes else None  # mostly empty
-        if known is not None:
-            self._out[i] = item
-            book.count(hit=False, inline="too_large", mm_hash=h, nbytes=known)
-            return None
+        if book.too_large._sizes:  # mostly empty
+            known = book.too_large.get(h)
+            if known is not None:
+                self._out[i] = it
+                book.count(hit=False, inline="too_large", mm_hash=h, nbytes=known)
+                return None
         try:
-            plan = store.plan(item[0])
+            plan = store.plan(it[0])
+            if begin and plan.nbytes < self._inline_below:
+                # a small copy: allocate, copy and publish in one step (microseconds, under
+                # the lock; nothing can see the chunk before it is committed)
+                try:
+                    ref = store._put_now(h, plan)  # put_locked: checked, under the lock
+                except (CacheFullError, DuplicateKeyError):
+                    raise
+                except BaseException:
+                    book.count_miss()  # a failed copy counts as a miss
+                    raise
+                book.count_miss()
+                self._handed.append(ref)
+                book.prompt_updates[h] = updates = it[1]
+                self._out[i] = (ref, updates)
+                return None
             res = store.reserve(
                 h,
                 plan,
@@ -476,20 +496,38 @@ class SenderRequest(_Steps):
                 own_pins=Counter(self._pins) if self._pins else None,
                 abort=self._gone,
             )
+        except DuplicateKeyError:  # not cached: another request is putting it right now
+            self._out[i] = it
+            book.count(hit=False, inline="busy")
+            return None
         except ObjectTooLargeError as exc:
             book.found_too_large(h, exc.nbytes)
-            self._out[i] = item
+            self._out[i] = it
             return None
         except CacheFullError:
             if may_defer and time.monotonic() < self._deadline:
                 self._wait_for_room(i)  # counted once it is decided
                 return None
-            self._out[i] = item
+            self._out[i] = it
             book.count(hit=False, inline="full", mm_hash=h)
             return None
         self._reserving(res)
-        book.count(hit=False)
+        book.count_miss()
+        if begin:
+            self._job(i, res)
+            return None
         return res
+
+    def _job(self, i: int, res: Reservation) -> None:
+        """A reservation made in ``begin``: copied now if small (a sibling's chunk), else a
+        copy job."""
+        if res.plan.nbytes < self._inline_below:
+            self._write(res)  # microseconds: under the lock
+            self._commit_locked(i, res, pin=False)  # guarded meanwhile (see ``begin``)
+            return
+        if self._copies is _NONE:
+            self._copies = []
+        self._copies.append((i, res))
 
     def _reserving(self, res: Reservation) -> None:
         """Remember an allocation of this request (for the roll back and its followers)."""
@@ -577,10 +615,12 @@ class SenderRequest(_Steps):
         self._book.prompt_updates[res.key] = updates
         self._out[i] = (ref, updates)
         if pin and (e := self._store.pin_entry(res.key)) is not None:  # protect it from the rest
+            if self._pins is _NONE:
+                self._pins = []
             self._pins.append(e)
         if self._followers is not None:
             for j in self._followers.pop(res.key, ()):  # the same hash again in this request
-                self._decide_locked(j, wait=0.0, may_defer=False)
+                self._decide_locked(j, 0.0, False)
 
     def _run_jobs(self) -> None:
         store = self._store
@@ -595,7 +635,7 @@ class SenderRequest(_Steps):
                 return
             with store.lock:  # the store lets go of the lock while it sleeps
                 t0 = time.monotonic()
-                waited = self._decide_locked(i, wait=max(0.0, self._deadline - t0), may_defer=False)
+                waited = self._decide_locked(i, max(0.0, self._deadline - t0), False)
                 self._book.counters.wait_seconds += time.monotonic() - t0
             if waited is None or self._abandoned:
                 continue
@@ -615,16 +655,31 @@ class SenderRequest(_Steps):
     ) -> SenderRequest:
         """A request over ``FeatureSpec``s: data ``None`` (or a reference) means look it up."""
         features = list(features)
+        items = [feature_item(f) for f in features]  # checks every spec and its hash
         req = cls(
             store,
             book,
-            [feature_item(f) for f in features],
+            items,
             [f.mm_hash for f in features],
             wait_for_space=wait_for_space,
             copy_inline_below=copy_inline_below,
+            _checked=True,
         )
         req._features = features
         return req
+
+    @property
+    def features(self) -> list[FeatureSpec]:
+        """The specs of a request over features (``TypeError`` for another request)."""
+        if self._features is None:
+            raise TypeError("not a request over features")
+        return self._features
+
+    def run_features(self) -> list[FeatureSpec]:
+        """``run`` as new specs whose data is a ``ShmRef`` or the inline item."""
+        if self._features is None:
+            raise TypeError("not a request over features (use run)")
+        return features_from(self._features, self.run())
 
     def finish_features(self) -> list[FeatureSpec]:
         """``finish`` as new specs whose data is a ``ShmRef`` or the inline item."""
@@ -637,19 +692,19 @@ class SenderRequest(_Steps):
         with self._lock:
             if self._settled:
                 raise RuntimeError("request already finished or rolled back")
-            out = self._out
+            out: list[MmItem] = self._out
             if None in out:
                 self._roll_back_locked()
                 raise RuntimeError("internal error: an item of the request was not decided")
             self._settled = True
             if self._pins:
                 self._unpin_locked()
-            return cast("list[MmItem]", out)
+            return out
 
     def _unpin_locked(self) -> None:
         for e in self._pins:
             self._store.unpin_entry(e)
-        self._pins = []
+        self._pins = _NONE
 
     def _undo_locked(self) -> None:
         store = self._store
@@ -661,252 +716,36 @@ class SenderRequest(_Steps):
         self._unpin_locked()
 
 
-_NONE: Final[list[Any]] = []  # shared "nothing yet" list: replaced, never appended to
-_NO_SET: Final[set[str]] = cast("set[str]", frozenset())  # likewise (immutable: safe)
-
-
 def feature_item(f: FeatureSpec) -> MmItem | None:
     """A ``FeatureSpec`` as the sender's ``(item, prompt_updates)``, or ``None`` (look it up)."""
     if not isinstance(f, FeatureSpec):
         raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
-    check_hash(f.mm_hash)
-    if f.data is None or isinstance(f.data, ShmRef):
+    if type(f.mm_hash) is not str:
+        check_hash(f.mm_hash)
+    data = f.data
+    if data is None or isinstance(data, ShmRef):
         return None
-    return (f.data, tuple(f.prompt_updates))
+    u = f.prompt_updates
+    return (data, u if type(u) is tuple else tuple(u))
+
+
+_new_object = object.__new__
+_set_field = object.__setattr__
 
 
 def features_from(features: Sequence[FeatureSpec], results: Sequence[MmItem]) -> list[FeatureSpec]:
     """New specs carrying each result (a ``ShmRef`` or the inline item)."""
-    return [
-        FeatureSpec(f.mm_hash, data, identifier=f.identifier, prompt_updates=tuple(updates))
-        for f, (data, updates) in zip(features, results)
-    ]
-
-
-class ReceiverRequest(_Steps):
-    """One read of a request's features by a receiver, as steps (see the module docstring).
-
-    ``begin`` validates every reference first (a forged or foreign one fails the request, which
-    then owes nothing), sets the stale ones aside (a stale reference owes nothing: it is not
-    acknowledged), and reads the small ones at once; the big reads are the jobs. A reference is
-    owed until it is read and verified (then acknowledged) or given back; any failure gives back
-    every reference not read yet. Stale references are read around and reported together by
-    ``finish`` (``CacheMissError``, or ``StaleReferenceError`` for a single item). With
-    ``copy=False`` (a lease) arrays are views and the hand-outs stay owed until
-    ``settle_lease``.
-    """
-
-    __slots__ = (
-        "_copy",
-        "_counters",
-        "_features",
-        "_held",
-        "_inline_below",
-        "_jobs",
-        "_owed",
-        "_refs",
-        "_results",
-        "_stale",
-        "_store",
-    )
-
-    def __init__(
-        self,
-        store: ShmObjectStore,
-        counters: RequestCounters,
-        features: Sequence[FeatureSpec],
-        *,
-        copy: bool = True,
-        copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
-    ) -> None:
-        super().__init__(threading.Lock())
-        self._counters = counters
-        self._store = store
-        self._features = list(features)
-        self._copy = copy
-        self._inline_below = copy_inline_below
-        self._refs: list[ShmRef | None] = []
-        self._results: list[Any] = [None] * len(self._features)
-        self._owed: set[int] = set()  # references handed to this request, not settled yet
-        self._held: list[ShmRef] = []  # leased: read as views, acknowledged by settle_lease
-        self._stale: list[str] = []
-        self._jobs: list[int] = []
-
-    @property
-    def has_jobs(self) -> bool:
-        """Whether ``run_jobs`` has reads to do (references of ``copy_inline_below`` or more)."""
-        return bool(self._jobs)
-
-    def begin(self) -> None:
-        """Validate the whole request, then read what is small. Typed errors, nothing owed.
-
-        The view a validation made of a reference read in this step is the one read: the copy
-        is verified after it (a chunk freed meanwhile is stale), so a second look-up of the
-        chunk would add nothing. Jobs look their chunk up again when they run.
-        """
-        reading = self._store._reading
-        slot = reading.check_reader()
-        copy, inline_below = self._copy, self._inline_below
-        views: dict[int, memoryview] = {}
-        error: Exception | None = None
-        try:
-            for i, f in enumerate(self._features):
-                ref = None
-                try:
-                    if not isinstance(f, FeatureSpec):
-                        raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
-                    check_hash(f.mm_hash)
-                    ref = as_reference(f.data)
-                    if ref is not None:
-                        try:
-                            # forged or foreign: never given back (not ours)
-                            ref, view = reading.resolve(ref)
-                        except StaleReferenceError:  # owes nothing: not acknowledged
-                            self._stale.append(f.mm_hash)
-                            ref = None
-                        else:
-                            self._owed.add(i)
-                            if not copy or ref.length < inline_below:
-                                views[i] = view
-                            else:
-                                view.release()
-                    else:
-                        self._results[i] = f.data
-                except (InvalidReferenceError, TypeError) as exc:
-                    error = error or exc
-                    ref = None
-                self._refs.append(ref)
-            if error is not None:
-                raise error  # the face abandons the request: every valid reference is given back
-        except BaseException:
-            for view in views.values():
-                view.release()
-            raise
-        hits = 0
-        try:
-            for i, ref in enumerate(self._refs):
-                if ref is None:
-                    continue
-                if i in views:  # checked above, in this same step
-                    hits += self._read(i, ref, slot, views.pop(i))
-                else:
-                    self._jobs.append(i)
-        finally:
-            for unread in views.values():  # a read raised: the others are released, not leaked
-                unread.release()
-            # one lock round for the whole step (totals counted even if a read failed)
-            self._counters.add(hits=hits, total=len(self._features))
-
-    def _read(
-        self, i: int, ref: ShmRef, slot: ReaderSlot | None = None, view: memoryview | None = None
-    ) -> int:
-        """Read one validated reference; 1 if it was read (a hit), 0 if it was stale.
-
-        With ``view`` (what validating it returned, in the same step as ``slot``) the chunk is
-        not looked up again.
-        """
-        reading = self._store._reading
-        try:
-            if view is None or slot is None:
-                data = reading.get_checked(ref, copy=self._copy, slot=slot)
-            else:
-                data = reading.finish_read(slot, ref, view, self._copy)
-        except StaleReferenceError:
-            # stale before or after the copy: the chunk was freed (or cleared), and a freed
-            # chunk is owed by nobody, so there is nothing to acknowledge
-            with self._lock:
-                self._owed.discard(i)
-            self._stale.append(self._features[i].mm_hash)
-            return 0
-        # any other error propagates: the face abandons, and every owed reference is given back
-        with self._lock:
-            self._owed.discard(i)
-            if not self._copy:
-                self._held.append(ref)
-        self._results[i] = data
-        return 1
-
-    def _give_back(self, i: int, ref: ShmRef) -> None:
-        self._store.give_back(ref)
-        with self._lock:
-            self._owed.discard(i)
-
-    def _run_jobs(self) -> None:
-        hits = 0
-        try:
-            for i in self._jobs:
-                if self._abandoned:
-                    return  # the roll back gives back what is left
-                ref = self._refs[i]
-                if ref is not None:
-                    hits += self._read(i, ref)
-        finally:
-            if hits:
-                self._counters.add(hits=hits)
-
-    def finish(self) -> list[FeatureSpec]:
-        """New specs with the items read; ``CacheMissError`` lists the stale ones, if any."""
-        out = [f.with_data(d) for f, d in zip(self._features, self._results)]
-        with self._lock:
-            if self._settled:
-                raise RuntimeError("request already finished or rolled back")
-            if self._stale:  # not settled: a lease's views are given back by ``abandon``
-                raise CacheMissError(self._stale, features=out if self._copy else None)
-            self._settled = True
-        return out
-
-    def finish_item(self) -> Any:
-        """The single item of a one-feature request; ``StaleReferenceError`` if it was stale."""
-        with self._lock:
-            if self._settled or len(self._features) != 1:
-                return single_item(self.finish, self._features)  # its errors, unchanged
-            if self._stale:
-                # what ``single_item`` makes of ``finish``'s CacheMissError
-                h = self._features[0].mm_hash
-                raise StaleReferenceError(f"reference for {h!r} is stale") from None
-            self._settled = True
-        return self._results[0]  # no new spec: only its data is returned
-
-    def settle_lease(self) -> None:
-        """End a lease: re-verify and acknowledge every leased reference.
-
-        Every one is settled even if some fail; the first failure (``StaleReferenceError``: the
-        bytes may have been reused under the views) is raised after.
-        """
-        with self._lock:
-            held, self._held = self._held, []
-        errors: list[BaseException] = []
-        for ref in held:
-            try:
-                self._store.ack(ref)
-            except Exception as exc:  # keep settling the others
-                self._store.give_back(ref)
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-
-    def _undo_locked(self) -> None:
-        owed, self._owed = self._owed, set()
-        held, self._held = self._held, []
-        for i in sorted(owed):
-            ref = self._refs[i] if i < len(self._refs) else None
-            if ref is not None:
-                self._store.give_back(ref)
-        for ref in held:
-            self._store.give_back(ref)
-
-
-def single_item(finish: Callable[[], list[FeatureSpec]], features: Sequence[FeatureSpec]) -> Any:
-    """``finish()`` of a one-feature read as that feature's item; stale is ``StaleReferenceError``.
-
-    (Both the single-segment and the group receiver requests end ``get_and_update_item`` so.)
-    """
-    try:
-        [f] = finish()
-    except CacheMissError:
-        h = features[0].mm_hash
-        raise StaleReferenceError(f"reference for {h!r} is stale") from None
-    return f.data
+    out = []
+    for f, (data, updates) in zip(features, results):
+        # FeatureSpec(f.mm_hash, data, identifier=..., prompt_updates=tuple(updates)) without
+        # the frozen dataclass's __init__, as ``FeatureSpec.with_data`` does (nothing to check)
+        new = _new_object(FeatureSpec)
+        _set_field(new, "mm_hash", f.mm_hash)
+        _set_field(new, "data", data)
+        _set_field(new, "identifier", f.identifier)
+        _set_field(new, "prompt_updates", updates if type(updates) is tuple else tuple(updates))
+        out.append(new)
+    return out
 
 
 class TooLargeMemory:

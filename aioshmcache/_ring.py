@@ -65,6 +65,7 @@ from ._layout import (
     chunk_size,
 )
 from ._segment import Segment
+from ._shards import ShardedMap, shards_for
 from ._types import CacheHandle
 from .errors import (
     CacheFullError,
@@ -108,7 +109,12 @@ class ShmRingBuffer:
         self._state = array("q", bytes(64))
         self._head = 0  # number of the oldest chunk
         self._end = 0  # number the next chunk gets
-        self._num: dict[int, int] = {}  # address -> number of the chunk there
+        # address // 64 -> number of the chunk there: one entry per chunk, so sharded
+        # (``_shards``); by the 64-byte unit, so that consecutive chunks fall in different shards
+        # (a shard then holds at most capacity / 16 KiB entries, whatever the chunk sizes)
+        self._num: ShardedMap[int, int] = ShardedMap(
+            shards_for(self.capacity // (2 * CHUNK_HEADER))
+        )
         self._tail = 0
         self._next_pos = int(self._hw[H_HEAD_POS])  # position of the next byte allocated
 
@@ -211,7 +217,7 @@ class ShmRingBuffer:
 
     def _pop_head(self) -> None:
         """Drop the head chunk from the FIFO (its state word is already written)."""
-        del self._num[self._addr[self._head & self._mask]]
+        del self._num[self._addr[self._head & self._mask] >> 6]
         self._head += 1
 
     def _check_writer(self) -> None:
@@ -299,14 +305,18 @@ class ShmRingBuffer:
         self._id[j] = cid
         self._cpos[j] = pos
         self._state[j] = WRITING
-        self._num[addr] = k
+        num = self._num  # ``self._num[addr >> 6] = k`` inline: no chunk is at addr yet
+        num.shards[hash(addr >> 6) & num.mask][addr >> 6] = k
+        num.n += 1
         self._end = k + 1
         self._tail = addr + size
         return addr, cid
 
     def position(self, address: int) -> int:
         """The position of the allocated chunk at ``address`` (goes into its references)."""
-        return self._cpos[self._num[address] & self._mask]
+        if address & 63:
+            raise KeyError(address)
+        return self._cpos[self._num[address >> 6] & self._mask]
 
     def _publish_head(self) -> None:
         """Publish the reuse fence: everything before the head's position may be overwritten."""
@@ -329,7 +339,12 @@ class ShmRingBuffer:
         """Make the chunk readable: its payload must be fully written. Returns its position."""
         if not self._writer or self._seg.closed or self._seg.forked:
             self._check_writer()
-        k = self._num.get(address)
+        # ``self._num.get(address >> 6)``, inline
+        k = (
+            None
+            if address & 63
+            else (num := self._num).shards[hash(address >> 6) & num.mask].get(address >> 6)
+        )
         if k is None or self._state[k & self._mask] != WRITING:
             raise ShmCacheError(f"chunk at {address} is not being written")
         self._w[(address >> 3) + C_STATE] = COMMITTED
@@ -339,7 +354,7 @@ class ShmRingBuffer:
     def abandon(self, address: int) -> None:
         """Mark an allocation whose copy was abandoned as dead; it is reclaimed in FIFO order."""
         self._check_writer()
-        k = self._num.get(address)
+        k = None if address & 63 else self._num.get(address >> 6)
         if k is not None:
             self._w[(address >> 3) + C_STATE] = DEAD
             self._state[k & self._mask] = DEAD
@@ -384,7 +399,7 @@ class ShmRingBuffer:
                 break
             addr = addrs[j]
             w[(addr >> 3) + C_STATE] = FREED
-            del num[addr]
+            del num[addr >> 6]
             self._head += 1
             freed.append(cid)
         if freed:

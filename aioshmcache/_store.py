@@ -14,65 +14,45 @@ The public face of one segment, writer or reader. It is made of three parts:
 
 A **hand-out** is one ``ShmRef`` returned by :meth:`put` or :meth:`get_cached`, numbered by its
 ``seq``; every reader that owes it acknowledges exactly that hand-out, ``(id, seq)``, once, after
-reading and verifying the bytes (:meth:`get`). Here the writer connects the ledger to shared
-memory: it drains the readers' acknowledgement logs into it, notices sessions that attach,
-close, die (their kernel lock is free) or are revoked, and publishes each slot's debt
+reading and verifying the bytes (:meth:`get`). The writer connects the ledger to shared
+memory in ``_acks``: it drains the readers' acknowledgement logs into it, notices sessions that
+attach, close, die (their kernel lock is free) or are revoked, and publishes each slot's debt
 (``WS_OWED``) for ``inspect``.
 
-Eviction is FIFO in allocation order: under put pressure the writer drains the logs, frees free
-chunks from the head until the new chunk fits contiguously, probes the kernel locks of the
-readers owing the head entry (a dead one's debts are dropped at once), optionally revokes a stuck
-one, and waits (up to ``wait_for_space``) on a named semaphore that readers post after
-acknowledging while the writer waits. The semaphore only wakes the writer; correctness never
-depends on it (a lost post costs one poll interval).
-
-**Second chance** (``CacheConfig(second_chance=True)``, the default). A hit (:meth:`get_cached`,
-a hand-out after the put's own) marks the entry. When a put needs room and the head entry is
-free (``HandoutLedger.is_free``: nothing owed, pinned, leased or touched; indexed and not being
-put), marked, and the put's relocation budget allows, the head chunk is moved to the tail
-(``ShmRingBuffer.relocate_head``) instead of freed: the index entry (and its key hint, for a
-group shard) then names the new chunk, and the new entry starts unmarked. References to the old
-chunk are stale exactly as for an evicted one. Each put relocates at most
-:data:`RELOCATE_BUDGET` bytes (chunk sizes) and :data:`RELOCATE_MAX_ITEMS` items; past that,
-marked heads are evicted as in plain FIFO.
-The pass always ends: a relocated entry is unmarked (it is evicted when the head comes round to
-it again) and every relocation spends budget. Before moving anything the pass looks ahead over
-the chunks it would visit: when an item that cannot be freed (owed, pinned, being written) comes
-before enough room, it evicts in plain FIFO order instead — rotating hot items past a blocked one
-would leave the put without room where FIFO finds some.
-
-**Batch eviction.** Once the put fits, the same pass frees a few more free head chunks (at most
-:data:`EVICT_SLACK_CHUNKS`, until :data:`EVICT_SLACK_BYTES` beyond the put are free, never more
-than 1/16 of the ring), so a run of small puts evicts once per batch instead of at every put.
-Both bounds are small on purpose: a burst of lazy frees is what makes a put stall.
+Eviction (FIFO, second chance, batch eviction, waiting for space) lives in ``_evict``.
 
 **Compact writer state.** A full garbage collection walks every tracked object; a Python object
 per cached item costs ~250 ns each (65-90 ms for 250,000 items here, more with the dicts that
 point at them). So the writer keeps no object per item: the index maps key -> chunk id, and
-each chunk's row is a tuple of str and ints (``_rows``), which the collector untracks, as it
-does dicts holding only such values. Only *active* entries (owed, pinned or touched) have a
-``Debts`` object in the ledger, and it is dropped again once settled. The second-chance marks
-are a dict of chunk id -> None (a set would be walked member by member), and the ring keeps its
-FIFO in ``array('q')`` columns.
+each chunk's row is its key and a bytes object of packed ints (``_rows``, ``_keys``): the
+collector never tracks them, nor the dicts holding only such values. (A tuple of ints would be
+untracked only by a collection, and every insert of a fresh one tracks its dict again: a full
+collection then walked every row, ~6 ms per 30,000 items here.) Only *active* entries (owed,
+pinned or touched) have a ``Debts`` object in the ledger, and it is dropped again once settled.
+The second-chance marks are a map of chunk id -> None (a set would be walked member by member),
+and the ring keeps its FIFO in ``array('q')`` columns. The maps with one entry per item (index,
+rows, keys, marks) are ``ShardedMap``s of 256 small dicts: growing, or rebuilding after churn,
+never stalls a put for the tens of milliseconds a rebuild of one big dict takes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import struct
 import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
 import posix_ipc
 
+from ._acks import Acknowledgements
+from ._evict import EVICT_SLACK_BYTES, RELOCATE_BUDGET, Eviction
 from ._hints import Hint, HintTable
 from ._layout import (
     DELIVERY_CODES,
-    H_BYTES_RELOCATED,
     H_BYTES_USED,
     H_DELIVERY,
     H_EPOCH,
@@ -80,17 +60,8 @@ from ._layout import (
     H_HANDOUT_TTL_MS,
     H_ITEMS,
     H_MAX_OBJECT,
-    H_RELOCATIONS,
     H_SECRET,
-    H_WAITING,
     LAYOUT_VERSION,
-    RS_HEAD,
-    RS_PID,
-    RS_SESSION,
-    RS_START,
-    WS_CONSUMED,
-    WS_OWED,
-    WS_REVOKED,
     Layout,
     chunk_size,
     semaphore_name,
@@ -101,6 +72,7 @@ from ._reading import ReadPath, check_ref_fields
 from ._ring import ShmRingBuffer
 from ._segment import Segment
 from ._serde import EncodePlan, MsgpackSerde, Serde
+from ._shards import ShardedMap, shards_for
 from ._types import (
     CacheConfig,
     CacheHandle,
@@ -111,7 +83,6 @@ from ._types import (
     tag_base,
 )
 from .errors import (
-    CacheFullError,
     ClosedCacheError,
     DuplicateKeyError,
     InvalidReferenceError,
@@ -125,29 +96,17 @@ __all__ = ["RawPlan", "Reservation", "ShmObjectStore"]
 
 log = logging.getLogger("aioshmcache")
 
-WAIT_POLL: Final = 0.1  # the longest a waiting writer sleeps between checks (lost-post bound)
 INLINE_COPY_UNDER_LOCK: Final = 64 << 10  # put copies this small without letting go the lock
-#: Second chance: bytes (chunk sizes) one put may relocate before marked heads are evicted.
-#: Relocation copies run where the put reserves, on the event loop for the async facade: 8 MiB
-#: moves in 0.3 ms warm (40 us/MiB) to 1.6 ms at cold memory bandwidth here, under the 5 ms a
-#: put may take and far under a miss (a preprocessing, milliseconds to tens of milliseconds);
-#: it is also the largest preprocessed image the benchmark traces use, so any hot item can get
-#: its second chance. In a full ring a move is a short shift back (by the gap between tail and
-#: head), and nothing at all when the ring is exactly full.
-RELOCATE_BUDGET: Final = 8 << 20
-#: ...and at most this many relocations per put (each costs a few microseconds of bookkeeping
-#: besides its copy): a relocation is charged at least ``RELOCATE_BUDGET / RELOCATE_MAX_ITEMS``
-#: bytes, so a ring of tiny hot items cannot make one put move thousands of them.
-RELOCATE_MAX_ITEMS: Final = 32
-#: Batch eviction: free up to this many bytes beyond a put's own need in the same pass...
-EVICT_SLACK_BYTES: Final = 256 << 10
-#: ...but at most this many extra chunks (each costs a few microseconds): never a burst.
-EVICT_SLACK_CHUNKS: Final = 16
-
 
 #: A cached item's row, by chunk id: ``(key, address, length, position, tag_base, tag_epoch)``.
-#: A plain tuple of str and ints on purpose (see "Compact writer state" in the module docstring).
+#: Kept as its key (a str) and the five ints packed in a bytes object (``_ROW``): neither is a
+#: container, so the collector never tracks them or the dicts that hold them (see "Compact
+#: writer state" in the module docstring).
 _Row = tuple[str, int, int, int, int, int]
+_ROW: Final = struct.Struct("=5Q")  # a tag base is kept to 64 bits (its tag is the same)
+_U64: Final = (1 << 64) - 1
+_pack_row: Final = _ROW.pack
+_unpack_row: Final = _ROW.unpack
 _new_ref: Final = tuple.__new__  # ShmRef's fields in order, without its Python-level __new__
 _NOBODY: Final[list[int]] = []  # the owers of a one-of-N hand-out (never appended to)
 
@@ -176,7 +135,7 @@ class Reservation:
     done: bool = False
 
 
-class ShmObjectStore:
+class ShmObjectStore(Acknowledgements, Eviction):
     """Single-writer / multi-reader object store in one shared-memory segment.
 
     Create the writer with :meth:`create`; readers attach with :meth:`from_handle` (a
@@ -211,12 +170,18 @@ class ShmObjectStore:
         self._sem: Any = None
         self._config = config
         self.ledger = HandoutLedger(one_of_n=self.one_of_n, handout_ttl=self.handout_ttl)
-        self._index: dict[str, int] = {}  # key -> chunk id
-        self._rows: dict[int, _Row] = {}  # chunk id -> its row, until the chunk is freed
+        # one entry per cached item: sharded, so that no put rebuilds a big table (``_shards``)
+        # at most one item per smallest chunk: the per-item maps are sized for that many
+        n = shards_for(self.ring.capacity // chunk_size(1))
+        self._index: ShardedMap[str, int] = ShardedMap(n)  # key -> chunk id
+        # chunk id -> its row (``_ROW``-packed bytes: never tracked by the collector, nor is a
+        # dict of them) and its key, until the chunk is freed
+        self._rows: ShardedMap[int, bytes] = ShardedMap(n)
+        self._keys: ShardedMap[int, str] = ShardedMap(n)
         # second chance: chunk ids hit since written or moved. A dict of int -> None, not a set:
         # the collector untracks such a dict, while it walks every member of a set (12 ms per
         # full collection with 250,000 marked items)
-        self._marked: dict[int, None] = {}
+        self._marked: ShardedMap[int, None] = ShardedMap(n)
         self._by_id: dict[int, Debts] = self.ledger.entries  # the same dict: active entries only
         self._pending: dict[str, Reservation] = {}
         self._waiting_keys: set[str] = set()
@@ -234,7 +199,12 @@ class ShmObjectStore:
         self.relocate_budget = RELOCATE_BUDGET  # per put (tests lower it)
         self.evict_slack = min(EVICT_SLACK_BYTES, self.ring.capacity // 16)
         self.on_evict: Callable[[str], None] | None = None
-        self._lock = threading.Lock()  # serialises writer state changes between threads
+        # serialises writer state changes between threads; re-entrant, so that one lock rule
+        # holds: every writer method takes it itself, and a caller may hold it around several
+        self._lock = threading.RLock()
+        # a request's guard while it decides under the lock (see ``guard``): these chunk ids
+        # are not evicted or moved; every chunk put meanwhile joins them. None: no guard
+        self._guarded: dict[int, None] | None = None
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
@@ -330,9 +300,15 @@ class ShmObjectStore:
         return self._closed
 
     @property
-    def lock(self) -> threading.Lock:
-        """The writer lock: every writer state change holds it (re-entrant use is a bug)."""
+    def lock(self) -> threading.RLock:
+        """The writer lock (re-entrant). Every writer method takes it itself; hold it around
+        several calls to make them one step for other threads (``with store.lock: ...``)."""
         return self._lock
+
+    @property
+    def shards(self) -> int:
+        """How many dicts each per-item map of the writer is split into (``_shards``)."""
+        return len(self._index.shards)
 
     @property
     def slot(self) -> ReaderSlot | None:
@@ -366,27 +342,47 @@ class ShmObjectStore:
     def keys(self) -> list[str]:
         """Cached keys in FIFO (eviction) order, oldest first."""
         self._check_writer()
-        order = {c: i for i, c in enumerate(self.ring.chunk_ids())}
-        return sorted(self._index, key=lambda k: order.get(self._index[k], -1))
+        with self._lock:
+            order = {c: i for i, c in enumerate(self.ring.chunk_ids())}
+            return sorted(self._index, key=lambda k: order.get(self._index[k], -1))
 
     def ref_of(self, key: str) -> ShmRef | None:
         """The reference of a cached key, without a hand-out (for inspection and tests)."""
         self._check_writer()
-        cid = self._index.get(key)
-        return None if cid is None else self._ref(cid)
+        with self._lock:
+            cid = self._index.get(key)
+            return None if cid is None else self._ref(cid)
 
     def key_of(self, cid: int) -> str | None:
         """The key a live chunk was put under (None once freed; it may be invalidated)."""
-        row = self._rows.get(cid)
-        return None if row is None else row[0]
+        with self._lock:
+            return self._keys.get(cid)
+
+    def _row(self, cid: int) -> _Row | None:
+        """Chunk ``cid``'s row ``(key, address, length, position, tag_base, tag_epoch)``."""
+        packed = self._rows.get(cid)
+        if packed is None:
+            return None
+        return (self._keys[cid], *_unpack_row(packed))
+
+    def _set_row(self, cid: int, row: _Row) -> None:
+        key, *fields = row
+        self._rows[cid] = _pack_row(*fields)
+        self._keys[cid] = key
+
+    def _drop_row(self, cid: int) -> str | None:
+        """Forget chunk ``cid``'s row; its key (None if it had none: a dead allocation)."""
+        self._rows.pop(cid, None)
+        return self._keys.pop(cid, None)
 
     def _ref(self, cid: int, seq: int = 0) -> ShmRef:
         epoch = self._hw[H_EPOCH]  # a "Q" view: already an int
-        row = self._rows[cid]
-        key, address, length, position, base, tag_epoch = row
+        rows = self._rows
+        shard = rows.shards[hash(cid) & rows.mask]  # self._rows[cid], one call shorter
+        address, length, position, base, tag_epoch = _unpack_row(shard[cid])
         if tag_epoch != epoch:  # the seq-independent part of the tag, once per epoch
-            base = tag_base(self._secret, epoch, address, cid, length, position)
-            self._rows[cid] = (key, address, length, position, base, epoch)
+            base = tag_base(self._secret, epoch, address, cid, length, position) & _U64
+            shard[cid] = _pack_row(address, length, position, base, epoch)
         return _new_ref(
             ShmRef, (self._nonce, epoch, address, cid, length, finish_tag(base, seq), position, seq)
         )
@@ -409,12 +405,13 @@ class ShmObjectStore:
         when no room exists even after evicting every free item and waiting ``wait_for_space``
         seconds (default: the config's, 0 for a store created without one).
         """
+        self._check_writer()  # first: a forked child may inherit the lock held
         plan = self.plan(value)
         if wait_for_space is None:
             wait_for_space = self._config.wait_for_space if self._config else 0.0
         with self._lock:
             if plan.nbytes <= INLINE_COPY_UNDER_LOCK and not wait_for_space:
-                return self.put_locked(key, plan)  # small, no wait: one step, the copy is µs
+                return self._put_now(key, plan)  # small, no wait: one step, the copy is µs
             res = self.reserve(key, plan, wait_for_space=wait_for_space)
             if plan.nbytes <= INLINE_COPY_UNDER_LOCK:
                 try:
@@ -434,7 +431,7 @@ class ShmObjectStore:
 
     def put_locked(self, key: str, plan: EncodePlan) -> ShmRef:
         """``reserve`` + ``write_reserved`` + ``commit`` of a small value in one step, without
-        waiting for space. Hold :attr:`lock` (it is never let go: the copy runs under it).
+        waiting for space. The lock is held throughout (never let go: the copy runs under it).
 
         For copies of microseconds (the sender's one-item path, :meth:`put` of a small value):
         no ``Reservation`` is made, since nothing can see the chunk before it is committed.
@@ -443,9 +440,19 @@ class ShmObjectStore:
         :meth:`plan` (the size limit is checked there).
         """
         self._check_writer()  # closed, a reader, or a forked child: the typed error first
+        with self._lock:
+            return self._put_now(key, plan)
+
+    def _put_now(self, key: str, plan: EncodePlan) -> ShmRef:
+        """:meth:`put_locked` for a caller that checked the owner and holds the lock (a
+        sender request, deciding all its items in one locked step)."""
         if type(key) is not str and not isinstance(key, str):
             raise TypeError(f"keys are str, not {type(key).__name__}")
-        if key in self._index or key in self._pending or key in self._waiting_keys:
+        if (
+            key in (i := self._index).shards[hash(key) & i.mask]  # ``key in self._index``
+            or key in self._pending
+            or key in self._waiting_keys
+        ):
             raise DuplicateKeyError(f"key {key!r} is already cached")
         ring = self.ring
         nbytes = plan.nbytes
@@ -470,7 +477,8 @@ class ShmObjectStore:
         own_pins: Mapping[object, int] | None = None,
         abort: Callable[[], bool] | None = None,
     ) -> Reservation:
-        """Allocate a chunk for ``plan`` (evicting FIFO as needed). Hold :attr:`lock`.
+        """Allocate a chunk for ``plan`` (evicting FIFO as needed; the lock is let go only while
+        waiting for space).
 
         ``own_pins``: the caller's pins (entry -> count, as returned by :meth:`pin_entry`). When
         only those hold the head of the ring, nothing can make room while the caller waits, so
@@ -478,30 +486,32 @@ class ShmObjectStore:
         after every wake-up while waiting; true ends the wait with ``CacheFullError`` (the caller
         gave up, e.g. a cancelled request).
         """
-        self._check_writer()
-        if type(key) is not str and not isinstance(key, str):
-            raise TypeError(f"keys are str, not {type(key).__name__}")
-        if key in self._index or key in self._pending or key in self._waiting_keys:
-            raise DuplicateKeyError(f"key {key!r} is already cached")
-        if plan.nbytes > self.max_object_bytes:
-            raise ObjectTooLargeError(
-                f"object of {plan.nbytes} bytes exceeds max_object_bytes={self.max_object_bytes}",
-                nbytes=plan.nbytes,
-            )
-        got = self.ring.try_allocate(plan.nbytes)
-        if got is None:  # the slow path: evict, maybe wait
-            if wait_for_space is None:
-                wait_for_space = self._config.wait_for_space if self._config else 0.0
-            self._waiting_keys.add(key)  # the lock may be let go while waiting: claim the key
-            try:
-                self._make_room(plan.nbytes, wait_for_space, own_pins or {}, abort)
-            finally:
-                self._waiting_keys.discard(key)
-            self._check_writer()  # closed while we waited?
-            got = self.ring.allocate(plan.nbytes)
-        res = Reservation(key, got[0], got[1], plan)
-        self._pending[key] = res
-        return res
+        self._check_writer()  # first: a forked child may inherit the lock held
+        with self._lock:
+            if type(key) is not str and not isinstance(key, str):
+                raise TypeError(f"keys are str, not {type(key).__name__}")
+            if key in self._index or key in self._pending or key in self._waiting_keys:
+                raise DuplicateKeyError(f"key {key!r} is already cached")
+            if plan.nbytes > self.max_object_bytes:
+                raise ObjectTooLargeError(
+                    f"object of {plan.nbytes} bytes exceeds "
+                    f"max_object_bytes={self.max_object_bytes}",
+                    nbytes=plan.nbytes,
+                )
+            got = self.ring.try_allocate(plan.nbytes)
+            if got is None:  # the slow path: evict, maybe wait
+                if wait_for_space is None:
+                    wait_for_space = self._config.wait_for_space if self._config else 0.0
+                self._waiting_keys.add(key)  # the lock may be let go while waiting: claim the key
+                try:
+                    self._make_room(plan.nbytes, wait_for_space, own_pins or {}, abort)
+                finally:
+                    self._waiting_keys.discard(key)
+                self._check_writer()  # closed while we waited?
+                got = self.ring.allocate(plan.nbytes)
+            res = Reservation(key, got[0], got[1], plan)
+            self._pending[key] = res
+            return res
 
     def write_reserved(self, res: Reservation) -> None:
         """Copy the value into its chunk. Touches only that chunk: no lock needed.
@@ -522,51 +532,73 @@ class ShmObjectStore:
         plan.verify()
 
     def commit(self, res: Reservation) -> ShmRef:
-        """Publish a written chunk, index it and take the first hand-out. Hold :attr:`lock`."""
-        if res.done:
-            raise ShmCacheError("reservation already finished")
-        res.done = True
-        del self._pending[res.key]
-        if self._closed:
-            raise ClosedCacheError("store closed during the put")
-        return self._publish_put(res.key, res.address, res.id, res.plan.nbytes)
+        """Publish a written chunk, index it and take the first hand-out."""
+        with self._lock:
+            if res.done:
+                raise ShmCacheError("reservation already finished")
+            res.done = True
+            del self._pending[res.key]
+            if self._closed:
+                raise ClosedCacheError("store closed during the put")
+            return self._publish_put(res.key, res.address, res.id, res.plan.nbytes)
 
     def _publish_put(self, key: str, address: int, cid: int, length: int) -> ShmRef:
         """Commit a written chunk, index it under ``key`` and take its first hand-out."""
         ring, hw = self.ring, self._hw
         position = ring.commit(address)
         epoch = hw[H_EPOCH]
-        base = tag_base(self._secret, epoch, address, cid, length, position)
-        self._rows[cid] = (key, address, length, position, base, epoch)
-        self._index[key] = cid
+        base = tag_base(self._secret, epoch, address, cid, length, position) & _U64
+        # ``self._rows[cid] = ...`` and ``self._index[key] = cid`` inline: both keys are new
+        # (a new chunk id; a key checked not cached, not pending, under the lock)
+        rows, keys, index = self._rows, self._keys, self._index
+        rows.shards[hash(cid) & rows.mask][cid] = _pack_row(address, length, position, base, epoch)
+        rows.n += 1
+        keys.shards[hash(cid) & keys.mask][cid] = key
+        keys.n += 1
+        index.shards[hash(key) & index.mask][key] = cid
+        index.n = n_items = index.n + 1
+        if self._guarded is not None:  # a request's own put (see ``guard``)
+            self._guarded[cid] = None
         if self._has_hints:
             self.hints.publish(key, Hint(epoch, address, cid, length, position))
         hw[H_BYTES_USED] = ring.used_bytes  # _publish_usage, inline: every put (evictions are
-        hw[H_ITEMS] = len(self._index)  # published where they happen, by _forget)
+        hw[H_ITEMS] = n_items  # published where they happen, by _forget)
         return self._hand_out(cid)
 
     def abort(self, res: Reservation) -> None:
-        """Abandon a reservation whose copy failed or was cancelled. Hold :attr:`lock`."""
-        if res.done:
-            return
-        res.done = True
-        self._pending.pop(res.key, None)
-        if not self._closed:
-            self.ring.abandon(res.address)
+        """Abandon a reservation whose copy failed or was cancelled."""
+        with self._lock:
+            if res.done:
+                return
+            res.done = True
+            self._pending.pop(res.key, None)
+            if not self._closed:
+                self.ring.abandon(res.address)
 
     def is_pending(self, key: str) -> bool:
         """A put of ``key`` is in progress (allocated, or waiting for room)."""
-        return key in self._pending or key in self._waiting_keys
+        with self._lock:
+            return key in self._pending or key in self._waiting_keys
 
     # --- writer: hand-outs, pins, release -------------------------------------------------
     def get_cached(self, key: str) -> ShmRef | None:
         """A new hand-out of a cached key, or None if it is not cached."""
-        self._check_writer()
-        cid = self._index.get(key)
+        self._check_writer()  # first: a forked child may inherit the lock held
+        with self._lock:
+            return self._hand_out_key(key)
+
+    def _hand_out_key(self, key: str) -> ShmRef | None:
+        """:meth:`get_cached` for a caller that checked the owner and holds the lock."""
+        index = self._index
+        cid = index.shards[hash(key) & index.mask].get(key)  # self._index.get, one call shorter
         if cid is None:
             return None
-        if self.second_chance:
-            self._marked[cid] = None  # a hit: second chance
+        if self.second_chance:  # a hit: second chance (``self._marked[cid] = None``, inline)
+            marks = self._marked
+            shard = marks.shards[hash(cid) & marks.mask]
+            if cid not in shard:
+                shard[cid] = None
+                marks.n += 1
         return self._hand_out(cid)
 
     def _hand_out(self, cid: int) -> ShmRef:
@@ -590,30 +622,33 @@ class ShmObjectStore:
 
         Returns False if ``key`` is not cached.
         """
-        self._check_writer()
-        cid = self._index.get(key)
-        if cid is None:
-            return False
-        self.ledger.touch(self.ledger.debts_of(cid))
-        return True
+        self._check_writer()  # first: a forked child may inherit the lock held
+        with self._lock:
+            cid = self._index.get(key)
+            if cid is None:
+                return False
+            self.ledger.touch(self.ledger.debts_of(cid))
+            return True
 
     def pin(self, key: str) -> bool:
         """Request-scoped pin (counted) of the entry cached under ``key``; pair with
         :meth:`unpin`. False if ``key`` is not cached."""
         self._check_writer()
-        cid = self._index.get(key)
-        if cid is None:
-            return False
-        self.ledger.pin(self.ledger.debts_of(cid))
-        return True
+        with self._lock:
+            cid = self._index.get(key)
+            if cid is None:
+                return False
+            self.ledger.pin(self.ledger.debts_of(cid))
+            return True
 
     def unpin(self, key: str) -> None:
         """Undo one :meth:`pin` of the entry cached under ``key`` now."""
         if self._seg.forked:  # not when closed: a request's cleanup may run after a close
             self._check_writer()
-        cid = self._index.get(key)
-        if cid is not None and (e := self.ledger.get(cid)) is not None:
-            self.ledger.unpin(e)
+        with self._lock:
+            cid = self._index.get(key)
+            if cid is not None and (e := self.ledger.get(cid)) is not None:
+                self.ledger.unpin(e)
 
     def pin_entry(self, key: str) -> Debts | None:
         """Request-scoped pin of the entry cached under ``key`` now (see :meth:`unpin_entry`).
@@ -621,16 +656,18 @@ class ShmObjectStore:
         Returns the entry's debts (``id`` is its chunk id), which hold the pin.
         """
         self._check_writer()
-        cid = self._index.get(key)
-        if cid is None:
-            return None
-        e = self.ledger.debts_of(cid)
-        self.ledger.pin(e)
-        return e
+        with self._lock:
+            cid = self._index.get(key)
+            if cid is None:
+                return None
+            e = self.ledger.debts_of(cid)
+            self.ledger.pin(e)
+            return e
 
     def unpin_entry(self, e: Debts) -> None:
         """Undo one :meth:`pin_entry` of ``e`` (whatever key names it by now)."""
-        self.ledger.unpin(e)
+        with self._lock:
+            self.ledger.unpin(e)
 
     @contextlib.contextmanager
     def pinned(self, keys: list[str]) -> Iterator[list[str]]:
@@ -653,405 +690,73 @@ class ShmObjectStore:
 
     def release(self, ref: ShmRef) -> bool:
         """Undo one hand-out that never reached the readers. False if unknown or none left."""
-        self._check_writer()
-        if not isinstance(ref, ShmRef) or not check_ref_fields(ref):
-            return False
-        if ref.tag != reference_tag(
-            self._secret, ref.epoch, ref.address, ref.id, ref.length, ref.position, ref.seq
-        ):
-            return False
-        row = self._rows.get(ref.id)
-        if row is None or ref.nonce != self._nonce:
-            return False
-        if row[1] != ref.address or not self.ledger.release(ref.id, ref.seq):
-            return False  # unknown, already released, or already read by everyone
-        self._publish_owed()
-        return True
+        self._check_writer()  # first: a forked child may inherit the lock held
+        with self._lock:
+            if not isinstance(ref, ShmRef) or not check_ref_fields(ref):
+                return False
+            if ref.tag != reference_tag(
+                self._secret, ref.epoch, ref.address, ref.id, ref.length, ref.position, ref.seq
+            ):
+                return False
+            row = self._row(ref.id)
+            if row is None or ref.nonce != self._nonce:
+                return False
+            if row[1] != ref.address or not self.ledger.release(ref.id, ref.seq):
+                return False  # unknown, already released, or already read by everyone
+            self._publish_owed()
+            return True
 
     def invalidate(self, key: str) -> bool:
         """Forget ``key``: it is no longer handed out; its chunk is freed once its debts settle.
 
         Request pins on the old entry stay until their requests end (they unpin that entry).
         """
-        self._check_writer()
-        cid = self._index.pop(key, None)
-        if cid is None:
-            return False
-        if self.hints:
-            self.hints.remove(key, cid)
-        if (e := self.ledger.get(cid)) is not None:
-            self.ledger.untouch(e)
-        self._publish_usage()
-        return True
-
-    # --- writer: readers' acknowledgements and liveness -----------------------------------
-    def _sync_sessions(self) -> None:
-        """Notice slots whose session changed (attach, close, a replacement after a death)."""
-        t = self.readers
-        now = t.sessions()
-        if now == self._known_sessions:
-            return
-        self._known_sessions = now
-        for slot, st in enumerate(self._slots):
-            s = now[slot]
-            if s == st.session:
-                continue
-            if st.session:
-                self.ledger.drop_session(st.session)
-            st.session = s
-            st.alive = s != 0
-            st.revoked = 0
-            if not self.one_of_n:
-                st.cursor = t.word(slot, RS_START)
-                t.set_word(slot, WS_CONSUMED, st.cursor)
-            t.set_word(slot, WS_OWED, 0)
-        self._refresh_live()
-
-    def _refresh_live(self) -> None:
-        """Recompute the live sessions a broadcast hand-out is owed by (after any change)."""
-        self._live_slots = [(i, st.session) for i, st in enumerate(self._slots) if st.alive]
-        self._live_sessions = [s for _i, s in self._live_slots]
-
-    def _publish_owed(self) -> None:
-        """Publish each live slot's debt for ``inspect`` and ``reader_info`` (``WS_OWED``)."""
-        owed = self.ledger.owed
-        t = self.readers
-        for slot, st in enumerate(self._slots):
-            if st.session:
-                t.set_word(slot, WS_OWED, max(0, owed.get(st.session, 0)))
-
-    def drain(self) -> int:
-        """Apply every acknowledgement written since the last drain; returns how many."""
-        self._check_writer()
-        t = self.readers
-        n_total = 0
-        self._undrained = 0
-        if t.sessions() == self._known_sessions and t.heads() == [st.cursor for st in self._slots]:
-            return 0  # nothing new: the common case, two strided reads
-        settle_all = self.ledger.settle_all
-        for slot, st in enumerate(self._slots):
-            for _ in range(3):
-                s = t.word(slot, RS_SESSION)
-                if s != st.session:
-                    self._sync_sessions()
-                head = t.word(slot, RS_HEAD)
-                if t.word(slot, RS_SESSION) == st.session:
-                    break
-            else:
-                continue
-            cur = st.cursor
-            if head == cur:
-                continue
-            n = head - cur
-            if n < 0 or n > t.log_entries:  # a corrupted slot: never trust it
-                log.warning("reader slot %d has an inconsistent log; ignoring it", slot)
-                st.cursor = head
-                t.set_word(slot, WS_CONSUMED, head)
-                continue
-            logv = t.log_view(slot)
-            n_log = t.log_entries
-            start = cur % n_log  # entries cur..head-1, flat (id, seq, id, seq, ...)
-            if start + n <= n_log:
-                acks = logv[2 * start : 2 * (start + n)].tolist()
-            else:
-                acks = logv[2 * start :].tolist() + logv[: 2 * (start + n - n_log)].tolist()
-            logv.release()
-            if self.one_of_n or (st.session and st.alive):
-                settle_all(acks, st.session)
-            st.cursor = head
-            t.set_word(slot, WS_CONSUMED, head)
-            n_total += n
-        self._publish_owed()
-        return n_total
-
-    def _probe_debtors(self, e: Debts) -> bool:
-        """Probe the readers owing ``e``; drop dead ones, revoke stuck ones. True if any dropped."""
-        since = self.ledger.debtors(e)
-        if not since:
-            return False
-        changed = False
-        evict_after = self._config.evict_stuck_readers_after if self._config else None
-        stuck = set(self.ledger.stuck(e, evict_after)) if evict_after is not None else set()
-        for slot, st in enumerate(self._slots):
-            s = st.session
-            if not s or not st.alive or s not in since:
-                continue
-            if not self.readers.probe(slot):
-                log.info(
-                    "reader slot %d (pid %d) is dead: dropping its debts",
-                    slot,
-                    self.readers.word(slot, RS_PID),
-                )
-                st.alive = False
-                self.ledger.drop_session(s)
-                changed = True
-            elif s in stuck:
-                log.warning(
-                    "reader slot %d acknowledged nothing for %.1f s while owing: revoking it",
-                    slot,
-                    evict_after,
-                )
-                self.readers.set_word(slot, WS_REVOKED, s)
-                st.alive = False
-                st.revoked = s
-                self.ledger.drop_session(s)
-                changed = True
-        if changed:
-            self._refresh_live()
-            self._publish_owed()
-        return changed
-
-    def _is_free(self, cid: int) -> bool:
-        e = self._by_id.get(cid)
-        return e is None or self.ledger.is_free(e)
-
-    def is_freeable(self, key: str) -> bool:
-        """Whether ``key``'s chunk could be evicted now.
-
-        Drains the acknowledgement logs first and probes the readers still owing it, so a dead
-        reader's debts do not count.
-        """
-        self._check_writer()
-        self.drain()
-        cid = self._index.get(key)
-        if cid is None:
-            return False
-        e = self.ledger.get(cid)
-        if e is None:
-            return True  # nothing owed, pinned or touched
-        if e.debt > 0 and not self.one_of_n:
-            self._probe_debtors(e)
-        return self.ledger.is_free(e)
-
-    def _forget(self, freed: list[int]) -> None:
-        """Drop the rows, index entries, marks and debts of freed chunks; count evictions."""
-        index, rows, marked, entries = self._index, self._rows, self._marked, self._by_id
-        hints, on_evict = self.hints, self.on_evict
-        evicted = self.evictions
-        for cid in freed:
-            if cid in entries:
-                self.ledger.forget(cid)
-            if cid in marked:
-                del marked[cid]
-            row = rows.pop(cid, None)
-            if row is None:
-                continue  # a dead allocation: never indexed
-            key = row[0]
-            if index.get(key) == cid:
-                del index[key]
-                if hints:
-                    hints.remove(key, cid)
-                self.evictions += 1
-                if on_evict is not None:
-                    on_evict(key)
-        if self.evictions != evicted:
-            self._hw[H_EVICTIONS] = self.evictions
-
-    def _head_entry(self) -> Debts | None:
-        cid = self.ring.head_id
-        return None if cid is None else self._by_id.get(cid)
-
-    def evict(self, nbytes: int = 0) -> list[str]:
-        """Free free chunks from the head (all of them, or until ``nbytes`` fit).
-
-        Readers owing the head item are probed first: a dead one's debts are dropped. An explicit
-        eviction: hit items are evicted too (second chance applies to puts that need room).
-        """
-        self._check_writer()
-        self.drain()
-        head = self._head_entry()
-        if head is not None and head.debt > 0:
-            self._probe_debtors(head)
-        freed = self.ring.free(self._is_free, nbytes)
-        keys = [row[0] for c in freed if (row := self._rows.get(c)) is not None]
-        self._forget(freed)
-        self._publish_usage()
-        self._publish_owed()
-        return keys
-
-    def _make_room(
-        self,
-        nbytes: int,
-        wait_for_space: float,
-        own_pins: Mapping[object, int],
-        abort: Callable[[], bool] | None = None,
-    ) -> None:
-        ring = self.ring
-        if chunk_size(nbytes) > ring.capacity:
-            raise CacheFullError(f"{nbytes} bytes can never fit a {ring.capacity}-byte ring")
-        deadline = time.monotonic() + wait_for_space
-        waiting = False
-        budget = [self.relocate_budget if self.second_chance else 0]
-        try:
-            while True:
-                if ring.fits(nbytes):
-                    return
-                self.drain()
-                self._reclaim(nbytes, budget)
-                if ring.fits(nbytes):
-                    return
-                head = self._head_entry()
-                if head is not None and head.debt > 0 and self._probe_debtors(head):
-                    continue
-                if head is not None and 0 < head.pins <= own_pins.get(head, 0):
-                    self._publish_usage()
-                    raise CacheFullError(
-                        f"no room for {nbytes} bytes: the oldest item is pinned by this request"
-                    )
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._publish_usage()
-                    raise CacheFullError(
-                        f"no room for {nbytes} bytes: the oldest item is "
-                        + (
-                            "pinned"
-                            if head is not None and (head.pins or head.touched)
-                            else "still owed to readers"
-                        )
-                    )
-                if not waiting:
-                    waiting = True
-                    self._hw[H_WAITING] = 1
-                    continue  # re-check once after raising the flag: no lost wake-up
-                self._wait(min(remaining, WAIT_POLL))
-                if abort is not None and abort():
-                    raise CacheFullError(f"no room for {nbytes} bytes: the request was abandoned")
-        finally:
-            if waiting and not self._closed:
-                self._hw[H_WAITING] = 0
-
-    def _reclaim(self, nbytes: int, budget: list[int]) -> None:
-        """Free from the head until ``nbytes`` fit (and a bounded slack), relocating marked free
-        heads while ``budget[0]`` (bytes, spent here) allows; stops at a head that is not free.
-
-        Before the first relocation, :meth:`_rotation_makes_room` looks ahead: if an item that
-        cannot be freed comes before enough room, moving marked items past it would only leave
-        that item at the head and the put without room, so this pass evicts in plain FIFO order
-        instead (what the ring did without second chance).
-        """
-        ring = self.ring
-        fifo = not self.second_chance
-
-        def relocatable(cid: int | None) -> bool:
-            return (
-                not fifo
-                and cid is not None
-                and self._is_marked(cid)
-                and self._relocation_cost(cid) <= budget[0]
-                and self._is_free(cid)
-                and not self.is_pending(self._rows[cid][0])
-            )
-
-        entries, marked, ledger = self._by_id, self._marked, self.ledger
-
-        def evictable(cid: int) -> bool:  # _is_free and _is_marked, inline: once per chunk freed
-            e = entries.get(cid)
-            if e is not None and not ledger.is_free(e):
+        self._check_writer()  # first: a forked child may inherit the lock held
+        with self._lock:
+            cid = self._index.pop(key, None)
+            if cid is None:
                 return False
-            if cid not in marked or not self._is_marked(cid):
-                return True
-            # a marked head is moved (not freed) while the put needs room, and kept in the slack
-            return not (relocatable(cid) or ring.fits(nbytes))
+            if self.hints:
+                self.hints.remove(key, cid)
+            if (e := self.ledger.get(cid)) is not None:
+                self.ledger.untouch(e)
+            self._publish_usage()
+            return True
 
-        pred = evictable if self.second_chance else self._is_free
-        looked_ahead = False
-        while True:
-            self._forget(
-                ring.free(pred, nbytes, slack=self.evict_slack, max_extra=EVICT_SLACK_CHUNKS)
-            )
-            if ring.fits(nbytes):
-                return
-            head = ring.head_id
-            if head is None or not relocatable(head):
-                return
-            if not looked_ahead:
-                looked_ahead = True
-                if not self._rotation_makes_room(nbytes, budget[0]):
-                    fifo = True
-                    continue
-            budget[0] -= self._relocation_cost(head)
-            self._relocate(head)
+    def guard(self, keys: Sequence[str]) -> dict[int, None]:
+        """Protect the chunks of the cached ``keys``, and every chunk put (committed) from now
+        on, from eviction and relocation until :meth:`unguard`. Hold :attr:`lock` from here to
+        :meth:`unguard`: the guard covers one step.
 
-    def _is_marked(self, cid: int) -> bool:
-        """Hit since written or relocated, and still the indexed chunk of its key."""
-        if cid not in self._marked:
-            return False
-        row = self._rows.get(cid)
-        return row is not None and self._index.get(row[0]) == cid
-
-    def _relocation_cost(self, cid: int) -> int:
-        """What moving chunk ``cid`` takes from a put's budget (see ``RELOCATE_MAX_ITEMS``)."""
-        return max(chunk_size(self._rows[cid][2]), self.relocate_budget // RELOCATE_MAX_ITEMS)
-
-    def _rotation_makes_room(self, nbytes: int, budget: int) -> bool:
-        """Whether moving marked heads (within ``budget``) and evicting the others reaches room
-        for ``nbytes`` before a chunk that cannot be freed. Visits the chunks the pass would.
-
-        Room is counted as free bytes against twice the chunk (contiguity: a wrap may skip up to
-        one chunk's worth at the end), so a "yes" is safe; past every chunk it is "yes" too (the
-        moved items come round unmarked and are evicted).
+        A request protects its own items so that its later puts never evict its earlier ones.
+        While it decides in one step under the lock, nothing else can put, so "every chunk put
+        from now on" is exactly its own puts: a set member each instead of a pin (a ledger
+        entry). Returns the guarded set (for :meth:`pin_ids` if the request goes on unlocked).
         """
-        need = 2 * chunk_size(nbytes)
-        room = self.ring.capacity - self.ring.used_bytes
-        for cid, size, writing in self.ring.iter_chunks():
-            if room >= need:
-                return True
-            if writing or not self._is_free(cid):
-                return False
-            if self._is_marked(cid) and self._relocation_cost(cid) <= budget:
-                budget -= self._relocation_cost(cid)
-            else:
-                room += size
-        return True
+        with self._lock:
+            index = self._index
+            self._guarded = g = {cid: None for k in keys if (cid := index.get(k)) is not None}
+            return g
 
-    def _relocate(self, cid: int) -> None:
-        """Move chunk ``cid`` (the free head) to the tail and point its key at the new chunk."""
-        key, _address, length, _position, _base, _epoch = self._rows[cid]
-        self.ledger.forget(cid)  # it owes nothing: it was free
-        self._marked.pop(cid, None)
-        moved = self.ring.relocate_head()
-        if moved is None:  # ids exhausted: the chunk is gone, as if evicted
-            self._forget([cid])
-            return
-        del self._rows[cid]
-        address, new, position = moved
-        epoch = int(self._hw[H_EPOCH])
-        base = tag_base(self._secret, epoch, address, new, length, position)
-        self._rows[new] = (key, address, length, position, base, epoch)
-        self._index[key] = new
-        if self.hints:
-            self.hints.publish(key, Hint(epoch, address, new, length, position))
-        self.relocations += 1
-        self.bytes_relocated += length
-        hw = self._hw
-        hw[H_RELOCATIONS] = self.relocations
-        hw[H_BYTES_RELOCATED] = self.bytes_relocated
+    def unguard(self) -> None:
+        """End :meth:`guard` (idempotent)."""
+        with self._lock:
+            self._guarded = None
 
-    def _wait(self, timeout: float) -> None:
-        """Sleep until a reader posts (or ``timeout``), letting go of the writer lock meanwhile.
+    def pin_ids(self, ids: Iterable[int]) -> list[Debts]:
+        """Request-scoped pins of the live chunks ``ids`` (each undone by :meth:`unpin_entry`).
 
-        Callers of :meth:`reserve` hold :attr:`lock`; releasing it while asleep lets hits and
-        other puts go on (the waiting loop re-checks everything after waking).
+        What a request's :meth:`guard` becomes when the request goes on outside the lock.
         """
-        self.wakeups += 1
-        sem = self._sem
-        self._waiters += 1
-        self._lock.release()
-        try:
-            sem.acquire(timeout)
-            # absorb posts that piled up while we were not waiting
-            with contextlib.suppress(posix_ipc.BusyError):
-                while True:
-                    sem.acquire(0)
-        except posix_ipc.BusyError:
-            pass
-        finally:
-            self._lock.acquire()
-            self._waiters -= 1
-            if self._closed and not self._waiters:  # close() left the handle to us
-                with contextlib.suppress(posix_ipc.ExistentialError, OSError):
-                    sem.close()
-        self._check_writer()
+        with self._lock:
+            rows, ledger = self._rows, self.ledger
+            out = []
+            for cid in ids:
+                if cid in rows:
+                    e = ledger.debts_of(cid)
+                    ledger.pin(e)
+                    out.append(e)
+            return out
 
     def _publish_usage(self) -> None:
         hw = self._hw
@@ -1061,19 +766,20 @@ class ShmObjectStore:
 
     def clear(self) -> int:
         """Drop every item: a new epoch makes every older reference stale. Returns items dropped."""
-        self._check_writer()
-        n = len(self._index)
-        freed = self.ring.clear()
-        for cid in freed:
-            self._by_id.pop(cid, None)
-            self._rows.pop(cid, None)
-        self._index.clear()
-        self._marked.clear()
-        for s in list(self.ledger.owed):
-            self.ledger.owed[s] = 0
-        self._publish_usage()
-        self._publish_owed()
-        return n
+        self._check_writer()  # first: a forked child may inherit the lock held
+        with self._lock:
+            n = len(self._index)
+            freed = self.ring.clear()
+            for cid in freed:
+                self._by_id.pop(cid, None)
+                self._drop_row(cid)
+            self._index.clear()
+            self._marked.clear()
+            for s in list(self.ledger.owed):
+                self.ledger.owed[s] = 0
+            self._publish_usage()
+            self._publish_owed()
+            return n
 
     def reader_info(self) -> list[ReaderSlotInfo]:
         """Every reader slot: attached, alive (kernel lock), pid, acknowledgements, debt."""
@@ -1144,6 +850,7 @@ class ShmObjectStore:
                     self._sem.close()
         self._index.clear()
         self._rows.clear()
+        self._keys.clear()
         self._marked.clear()
         self._by_id.clear()
         self.readers.release()

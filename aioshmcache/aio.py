@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, Final, Generic, Protocol, TypeVar
 
@@ -31,7 +32,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from ._flight import FROM_SIBLING, GroupFlight, SingleFlight, SingleFlightStats, call_make
-from ._request import DEFAULT_INLINE_THRESHOLD
+from ._request import DEFAULT_INLINE_THRESHOLD, SenderRequest, features_from
 from ._serde import Serde
 from ._types import CacheConfig, CacheHandle, CacheInfo, CacheSnapshot, FeatureSpec, ShmRef
 from .cache import MmItem, ReceiverCache, SenderCache
@@ -45,6 +46,14 @@ __all__ = [
 ]
 
 CLOSE_TIMEOUT: Final = 10.0
+#: An awaitable call whose request has no jobs (every copy inline) yields to the loop before it
+#: begins only on every ``CHECKPOINT_EVERY``-th such call of the face, or when
+#: ``CHECKPOINT_AFTER`` seconds passed since it last yielded: a checkpoint per call was a loop
+#: round per call (most of the async face's cost), while a stream of hits still lets other
+#: tasks run at least every few calls (and every half millisecond of inline copies).
+CHECKPOINT_EVERY: Final = 8
+CHECKPOINT_AFTER: Final = 0.0005
+_monotonic = time.monotonic
 
 C = TypeVar("C", SenderCache, ReceiverCache)
 
@@ -138,6 +147,8 @@ class _AsyncFace(Generic[C]):
         self._owned = cache is None
         self._closed = False
         self._inflight = _InFlight()
+        self._inline_calls = 0  # inline calls since this face last yielded to the loop
+        self._last_yield = _monotonic()
 
     @property
     def limiter(self) -> anyio.CapacityLimiter:
@@ -183,24 +194,57 @@ class _AsyncFace(Generic[C]):
         """Leave ``async with``: ``aclose()``."""
         await self.aclose()
 
-    async def _drive(self, request: Any) -> None:
-        """Run a request's steps: ``begin`` on the loop, the jobs where they belong.
+    def _due(self) -> bool:
+        """Whether this inline call should yield to the loop first (see ``CHECKPOINT_EVERY``)."""
+        n = self._inline_calls + 1
+        now = _monotonic()
+        if n >= CHECKPOINT_EVERY or now - self._last_yield >= CHECKPOINT_AFTER:
+            self._inline_calls = 0
+            self._last_yield = now
+            return True
+        self._inline_calls = n
+        return False
 
-        On any exception or cancellation the request is abandoned (rolled back exactly once,
-        by this task or by the thread still running its jobs).
+    def _drive(self, request: Any) -> Coroutine[Any, Any, None] | None:
+        """Run a request's steps as far as they go on the loop; what is left to await, if any.
+
+        The awaitable calls do ``if (pending := self._drive(req)) is not None: await pending``:
+        a request without jobs (every copy inline) whose turn to yield is not due (``_due``)
+        runs entirely here, with no loop round and no coroutine besides the call's own. On any
+        exception or cancellation the request is abandoned (rolled back exactly once, by this
+        task or by the thread still running its jobs).
         """
-        await anyio.lowlevel.checkpoint()  # a stream of hits must not starve the loop
-        job: _Job | None = None
+        if self._due():
+            return self._yield_then_run(request)
+        return self._run_jobs(request) if self._begin(request) else None
+
+    async def _yield_then_run(self, request: Any) -> None:
+        await anyio.lowlevel.checkpoint()  # before anything is taken: nothing to undo
+        if self._begin(request):
+            await self._run_jobs(request)
+
+    @staticmethod
+    def _begin(request: Any) -> bool:
+        """``begin`` a request (abandoned if it raises); whether it has jobs to run."""
         try:
             request.begin()
-            if request.has_jobs:
-                job = self._inflight.add(request.run_jobs)
-                await anyio.to_thread.run_sync(job, limiter=self.limiter)
         except BaseException:
-            if job is not None:
-                job.withdraw()
             request.abandon()
             raise
+        return bool(request.has_jobs)
+
+    async def _run_jobs(self, request: Any) -> None:
+        """The request's jobs in a worker thread (the thread hop is the loop's turn)."""
+        self._inline_calls = 0
+        job = self._inflight.add(request.run_jobs)
+        try:
+            await anyio.to_thread.run_sync(job, limiter=self.limiter)
+        except BaseException:
+            job.withdraw()
+            request.abandon()
+            raise
+        finally:
+            self._last_yield = _monotonic()
 
 
 class AsyncSenderCache(_AsyncFace[SenderCache]):
@@ -252,6 +296,37 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         if self._config is None:  # unreachable by construction; never an assert
             raise ClosedCacheError("no configuration")
         return SenderCache(self._config)
+
+    def _send(self, req: SenderRequest) -> list[MmItem] | Coroutine[Any, Any, list[MmItem]]:
+        """Run a sender request as far as it goes on the loop: its result, or what is left to
+        await (a turn to yield, copy jobs in a thread).
+
+        The calls do ``out = self._send(req)`` and await ``out`` unless it is the result: a
+        request whose copies all run inline (``SenderRequest.start`` ends it in one locked step)
+        and whose turn to yield is not due (``_due``) costs no loop round and no coroutine
+        besides the call's own. On any exception or cancellation the request is abandoned.
+        """
+        if self._due():
+            return self._yield_then_send(req)
+        try:
+            out = req.start()
+        except BaseException:
+            req.abandon()
+            raise
+        return out if out is not None else self._jobs_then_finish(req)
+
+    async def _yield_then_send(self, req: SenderRequest) -> list[MmItem]:
+        await anyio.lowlevel.checkpoint()  # before anything is taken: nothing to undo
+        try:
+            out = req.start()
+        except BaseException:
+            req.abandon()
+            raise
+        return out if out is not None else await self._jobs_then_finish(req)
+
+    async def _jobs_then_finish(self, req: SenderRequest) -> list[MmItem]:
+        await self._run_jobs(req)
+        return req.finish()
 
     @property
     def sender(self) -> SenderCache:
@@ -322,7 +397,14 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         self, mm_item: MmItem | None, mm_hash: str, *, wait_for_space: float | None = None
     ) -> MmItem:
         """As ``SenderCache.get_and_update_item``; big copies and waits run in a thread."""
-        return (await self.get_and_update([mm_item], [mm_hash], wait_for_space=wait_for_space))[0]
+        req = self.sender.request(
+            [mm_item],
+            [mm_hash],
+            wait_for_space=wait_for_space,
+            copy_inline_below=self.inline_threshold_bytes,
+        )
+        out = self._send(req)
+        return (out if type(out) is list else await out)[0]  # type: ignore[misc]
 
     async def get_and_update_features(
         self, features: Sequence[FeatureSpec], *, wait_for_space: float | None = None
@@ -331,8 +413,8 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         req = self.sender.features_request(
             features, wait_for_space=wait_for_space, copy_inline_below=self.inline_threshold_bytes
         )
-        await self._drive(req)
-        return req.finish_features()
+        out = self._send(req)
+        return features_from(req.features, out if type(out) is list else await out)  # type: ignore[misc]
 
     async def get_and_update(
         self,
@@ -348,8 +430,8 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
             wait_for_space=wait_for_space,
             copy_inline_below=self.inline_threshold_bytes,
         )
-        await self._drive(req)
-        return req.finish()
+        out = self._send(req)
+        return out if type(out) is list else await out  # type: ignore[misc]
 
     async def get_or_put(
         self,
@@ -550,7 +632,8 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
     async def get_and_update_features(self, features: Sequence[FeatureSpec]) -> list[FeatureSpec]:
         """As ``ReceiverCache.get_and_update_features``; big copies run in a worker thread."""
         req = self.receiver.request(features, copy_inline_below=self.inline_threshold_bytes)
-        await self._drive(req)
+        if (pending := self._drive(req)) is not None:
+            await pending
         return req.finish()
 
     async def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
@@ -558,7 +641,8 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         req = self.receiver.request(
             [FeatureSpec(mm_hash, mm_item)], copy_inline_below=self.inline_threshold_bytes
         )
-        await self._drive(req)
+        if (pending := self._drive(req)) is not None:
+            await pending
         return req.finish_item()
 
     async def release(self, ref: ShmRef) -> bool:

@@ -23,10 +23,10 @@ from typing import Any, Protocol, TypeVar
 from ._group import Siblings, open_shard
 from ._group_reader import GroupReceiverRequest, GroupShards
 from ._layout import check_group
+from ._receive import ReceiverRequest
 from ._request import (
     DEFAULT_INLINE_THRESHOLD,
     MmItem,
-    ReceiverRequest,
     RequestCounters,
     SenderBook,
     SenderRequest,
@@ -45,7 +45,6 @@ from ._types import (
     coerce_handle,
 )
 from .errors import (
-    CacheMissError,
     InvalidReferenceError,
     RoleError,
     StaleReferenceError,
@@ -70,7 +69,7 @@ class ReadRequest(Protocol):
     def settle_lease(self) -> None: ...
 
 
-def _run_inline(request: SenderRequest | ReadRequest) -> None:
+def _run_inline(request: ReadRequest) -> None:
     """The sync face of a request: every step on the calling thread; abandon on any error."""
     try:
         request.begin()
@@ -85,17 +84,15 @@ class _Lease:
     """The context manager of ``ReceiverCache.lease`` (a class: a generator's costs ~1 us more).
 
     As a ``with`` block: the request begins on entry (a failure abandons it, nothing is leased),
-    the views are dropped and every hand-out settled on exit, whatever the block raised. A lease
-    of one reference takes the cache's one-item read (no request; the same checks and errors).
+    the views are dropped and every hand-out settled on exit, whatever the block raised.
     """
 
-    __slots__ = ("_cache", "_entered", "_features", "_out", "_ref", "_req")
+    __slots__ = ("_cache", "_entered", "_features", "_out", "_req")
 
     def __init__(self, cache: ReceiverCache, features: Sequence[FeatureSpec]) -> None:
         self._cache = cache
         self._features = features
         self._req: ReadRequest | None = None
-        self._ref: ShmRef | None = None  # the one-item read's reference, owed until exit
         self._out: list[FeatureSpec] = []
         self._entered = False
 
@@ -103,16 +100,7 @@ class _Lease:
         if self._entered:
             raise RuntimeError("a lease is entered once")
         self._entered = True
-        features = self._features
-        if len(features) == 1:
-            [f] = features
-            if type(f) is FeatureSpec and type(f.mm_hash) is str and type(f.data) is ShmRef:
-                data = self._cache._read_one(f.data, f.mm_hash, False)
-                if data is not _GENERAL:
-                    self._ref = f.data
-                    self._out = out = [f.with_data(data)]
-                    return out
-        req = self._req = self._cache.request(features, copy=False)
+        req = self._req = self._cache.request(self._features, copy=False)
         try:
             req.begin()
             out = req.finish()
@@ -124,22 +112,8 @@ class _Lease:
 
     def __exit__(self, *exc: object) -> None:
         self._out.clear()
-        ref = self._ref
-        if ref is not None:
-            # ``ReceiverRequest.settle_lease`` of its one reference
-            self._ref = None
-            store = self._cache.store
-            try:
-                store.ack(ref)
-            except Exception:
-                store.give_back(ref)
-                raise
-        elif self._req is not None:
+        if self._req is not None:
             self._req.settle_lease()
-
-
-#: what ``ReceiverCache._read_one`` returns when the reference needs the general path
-_GENERAL: Any = object()
 
 
 _C = TypeVar("_C", bound="_Cache")
@@ -290,15 +264,9 @@ class SenderCache(_Cache):
         ``CacheMissError`` if not).
         """
         self.store.check_owner()  # before the lock, which a forked child may inherit held
-        if wait_for_space is None:  # the usual case without a request (same decision)
-            out = self._book.one_item(mm_item, mm_hash)
-            if out is not None:
-                return out
-        req = SenderRequest(
+        return SenderRequest(  # ``get_and_update`` of one item, one call shorter
             self.store, self._book, [mm_item], [mm_hash], wait_for_space=wait_for_space
-        )  # as ``get_and_update`` does, one call shorter
-        _run_inline(req)
-        return req.finish()[0]
+        ).run()[0]
 
     def get_and_update(
         self,
@@ -312,9 +280,7 @@ class SenderCache(_Cache):
         ``wait_for_space`` (seconds, default the config's) bounds the whole call. If anything
         raises, everything the call took is given back (hand-outs, allocations, pins).
         """
-        req = self.request(mm_items, mm_hashes, wait_for_space=wait_for_space)
-        _run_inline(req)
-        return req.finish()
+        return self.request(mm_items, mm_hashes, wait_for_space=wait_for_space).run()
 
     def get_and_update_features(
         self, features: Sequence[FeatureSpec], *, wait_for_space: float | None = None
@@ -323,9 +289,9 @@ class SenderCache(_Cache):
 
         A spec whose data is ``None`` (or already a reference) is looked up by its hash.
         """
-        req = self.features_request(features, wait_for_space=wait_for_space)
-        _run_inline(req)
-        return req.finish_features()
+        return SenderRequest.for_features(
+            self.store, self._book, features, wait_for_space=wait_for_space
+        ).run_features()
 
     def touch_sender_cache_item(self, mm_hash: str) -> bool:
         """Protect a cached item from eviction until its next hand-out."""
@@ -502,41 +468,9 @@ class ReceiverCache(_Cache):
         A stale reference raises ``StaleReferenceError``.
         """
         check_hash(mm_hash)
-        if type(mm_item) is ShmRef:
-            data = self._read_one(mm_item, mm_hash, True)
-            if data is not _GENERAL:
-                return data
         req = self.request([FeatureSpec(mm_hash, mm_item)])
         _run_inline(req)
         return req.finish_item()
-
-    def _read_one(self, ref: ShmRef, mm_hash: str, copy: bool) -> Any:
-        """One reference read as a one-item ``ReceiverRequest`` reads it, without the request.
-
-        ``_GENERAL`` (nothing done, nothing owed) unless ``ReadPath.lookup`` finds the usual
-        case; then, as the request would: the read verified and acknowledged (a copy) or owed
-        until the lease ends (a view), counted; stale is ``StaleReferenceError`` for a copy and
-        ``CacheMissError`` for a lease; any other failure gives the reference back.
-        """
-        reading = self.store._reading
-        view = reading.lookup(ref)
-        if view is None:
-            return _GENERAL
-        counters = self._counters
-        try:
-            data = reading.finish_read(reading.slot, ref, view, copy)
-        except StaleReferenceError:
-            # stale after the copy: the chunk was freed, so nothing is owed any more
-            counters.add(total=1)
-            if copy:
-                raise StaleReferenceError(f"reference for {mm_hash!r} is stale") from None
-            raise CacheMissError([mm_hash]) from None
-        except BaseException:
-            reading.give_back(ref)
-            counters.add(total=1)
-            raise
-        counters.add(hits=1, total=1)
-        return data
 
     def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:
         """Validate a reference without reading it; owes nothing (parity with vLLM)."""
@@ -633,9 +567,6 @@ class GroupReceiverCache(ReceiverCache):
         except BaseException:
             self._shards.close()
             raise
-
-    def _read_one(self, ref: ShmRef, mm_hash: str, copy: bool) -> Any:
-        return _GENERAL  # a group reads through its request (routing by nonce)
 
     def handle(self) -> CacheHandle:
         """A group has no single handle: ``RoleError`` (see ``shard_handles``)."""

@@ -24,6 +24,7 @@ from aioshmcache import (
     SerdeError,
     ShmRef,
 )
+from aioshmcache.aio import CHECKPOINT_EVERY
 
 from . import _procs
 from .helpers import SPAWN, checksum, random_item
@@ -355,20 +356,50 @@ def test_loop_shutdown_with_copies_in_flight_is_bounded(make_config: Any) -> Non
 async def test_a_stream_of_hits_does_not_starve_the_loop(make_config: Any) -> None:
     async with AsyncSenderCache.from_config(make_config()) as cache:
         await cache.get_and_update_item(({"a": 1}, ()), "h")
-        ticks = 0
+        calls = 25 * CHECKPOINT_EVERY
+        ticks = await _turns_of_others(cache, calls)
+        # at least one turn of the other tasks per CHECKPOINT_EVERY calls (the ticker starts
+        # on the first one)
+        assert ticks >= calls // CHECKPOINT_EVERY - 1
 
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                await anyio.lowlevel.checkpoint()
-                ticks += 1
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(ticker)
-            for _ in range(200):  # hits need no thread: each call must still yield once
-                await cache.get_and_update_item(None, "h")
-            tg.cancel_scope.cancel()
-        assert ticks >= 100
+async def _turns_of_others(cache: AsyncSenderCache, calls: int) -> int:
+    """How often another task ran while this one made ``calls`` hits of "h" in a row."""
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.lowlevel.checkpoint()
+            ticks += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        for _ in range(calls):  # hits need no thread: every few calls must still yield
+            await cache.get_and_update_item(None, "h")
+        tg.cancel_scope.cancel()
+    return ticks
+
+
+async def test_inline_calls_yield_once_half_a_millisecond_has_passed(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Besides every ``CHECKPOINT_EVERY`` calls, an inline call yields when 0.5 ms passed since
+    the face last yielded (slow inline copies): with a clock that moves 1 ms per reading, every
+    call yields."""
+    import aioshmcache.aio as aio_module
+
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.001
+        return now[0]
+
+    monkeypatch.setattr(aio_module, "_monotonic", clock)
+    async with AsyncSenderCache.from_config(make_config()) as cache:
+        await cache.get_and_update_item(({"a": 1}, ()), "h")
+        calls = 2 * CHECKPOINT_EVERY
+        assert await _turns_of_others(cache, calls) >= calls - 1
 
 
 async def test_async_rejected_request_owes_nothing(make_config: Any) -> None:

@@ -658,22 +658,28 @@ class _ClearsDuringRead(MsgpackSerde):
         return value
 
 
-def test_one_reference_is_read_without_a_request(
+def test_one_reference_is_read_by_a_one_item_request(
     make_config: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """get_and_update_item and a one-item lease of a ShmRef read it directly (a request costs
-    as much again as the read), with the request's outcomes: counted, acknowledged (a lease on
-    exit), a chunk reused during the read raised as the request raises it."""
-    from aioshmcache._request import ReceiverRequest
+    """get_and_update_item and a one-item lease of a ShmRef run one ``ReceiverRequest`` each
+    (no path of their own, issue 20), with the request's outcomes: counted, acknowledged (a
+    lease on exit), a chunk reused during the read raised as stale, a failed read given back."""
+    from aioshmcache._receive import ReceiverRequest
 
     serde = _ClearsDuringRead()
     requests: list[object] = []
+    begin = ReceiverRequest.begin
+
+    def counted_begin(self: ReceiverRequest) -> None:
+        requests.append(self)
+        begin(self)
+
     with (
         SenderCache(make_config()) as tx,
         ReceiverCache.attach(tx.handle(), serde=serde) as rx,
     ):
         rx.store.check_reader()  # the first check probes the writer: not the usual case
-        monkeypatch.setattr(ReceiverRequest, "begin", lambda self: requests.append(self))
+        monkeypatch.setattr(ReceiverRequest, "begin", counted_begin)
 
         def owed() -> list[int]:
             return [r.lag for r in tx.snapshot().readers if r.attached]
@@ -724,7 +730,7 @@ def test_one_reference_is_read_without_a_request(
             rx.store.slot.flush()  # type: ignore[union-attr]
             assert owed() == [1]
         assert rx.make_stats() == CacheInfo(2, 6)
-        assert requests == []
+        assert len(requests) == 6  # one per call
         monkeypatch.undo()
         assert rx.release(others[-1])  # the last "b" (the clear settled the first)
         rx.get_and_update_features([])  # flushes what was acknowledged locally
@@ -773,3 +779,29 @@ def test_one_item_put_waits_for_space_as_the_config_says(make_config: Any) -> No
             reads.join()
         assert isinstance(ref, ShmRef)  # waited, then cached: not served inline
         assert tx.snapshot().inline_full == 0
+
+
+def test_a_request_that_goes_on_unlocked_keeps_its_early_items(make_config: Any) -> None:
+    """A request decides its items in one locked step, where its own puts are guarded without a
+    pin each (issue 20); when it goes on outside the lock (a copy job), the guard becomes pins:
+    another request's puts meanwhile cannot evict the items it already put."""
+    sender = SenderCache(make_config(256 << 10, 100 << 10, 1))  # no reader: only pins protect
+    try:
+        req = sender.request(
+            [(item(1, 8 << 10), ()), (item(2, 60 << 10), ())],
+            ["A", "B"],
+            copy_inline_below=32 << 10,
+        )
+        req.begin()  # A put at once (small), B reserved: a copy job
+        assert req.has_jobs and sender.is_cached_item("A")
+        for i, h in enumerate("CDEF"):  # fill the ring behind A and B: eviction reaches A
+            sender.get_and_update_item((item(10 + i, 60 << 10), ()), h)
+        assert sender.is_cached_item("A")  # pinned by the request: never evicted
+        assert sender.snapshot().inline_full >= 1  # the ring was full: someone was refused
+        req.run_jobs()
+        [(a, _), (b, _)] = req.finish()
+        assert isinstance(a, ShmRef) and isinstance(b, ShmRef)
+        sender.get_and_update_item((item(20, 60 << 10), ()), "G")  # unpinned now: A may go
+        assert not sender.is_cached_item("A")
+    finally:
+        sender.close()

@@ -300,7 +300,7 @@ def test_twins_have_the_same_signatures(sync: type, aio: type) -> None:
         assert not inspect.iscoroutinefunction(attach)
 
 
-# --- the sender's one-item path decides as a one-item request does ----------------------------
+# --- the sender's one-item call is a one-item request (one algorithm, issue 20) --------------
 
 
 class _FailingWriteSerde(MsgpackSerde):
@@ -350,39 +350,38 @@ def _one_item_steps(tx: SenderCache, put: Callable[[Any, Any], Any]) -> list[Any
     return seen
 
 
-def test_the_one_item_path_decides_as_a_one_item_request(
+def test_get_and_update_item_is_a_one_item_request(
     make_config: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``SenderCache.get_and_update_item`` decides the usual cases (a hit, a small put that fits)
-    without a request object; every outcome, counter and side table equals a one-item request's
-    (``get_and_update``), and the unusual cases still go through the request."""
+    """``SenderCache.get_and_update_item`` has no path of its own: every call, the usual cases
+    (a hit, a small put that fits) included, runs exactly one ``SenderRequest``, and every
+    outcome, counter and side table equals ``get_and_update`` of one item."""
     import aioshmcache.cache as cache_module
     from aioshmcache._request import SenderRequest
 
     made: list[int] = []
 
     class Counting(SenderRequest):
-        __slots__ = ()
-
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             made.append(1)
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(cache_module, "SenderRequest", Counting)
     outcomes = {}
+    calls = 0
     for kind in ("one_item", "request"):
         cfg = make_config(256 * KiB, 100 * KiB, 1, name=f"{make_config().name}-{kind}")
         with SenderCache(cfg) as tx, ReceiverCache.attach(tx.handle()):
             if kind == "one_item":
                 outcomes[kind] = _one_item_steps(tx, tx.get_and_update_item)
                 requests_made = len(made)
+                calls = len(outcomes[kind]) - 2  # the last two entries are the counters
             else:
                 outcomes[kind] = _one_item_steps(tx, lambda it, h: tx.get_and_update([it], [h])[0])
     assert outcomes["one_item"] == outcomes["request"]
     assert outcomes["one_item"][0][0] == "ref" and outcomes["one_item"][1][0] == "ref"
-    # the put, the hit and the item found too large took no request; the look-ups, the known
-    # too large, the busy, the full and the malformed calls did (and the scenario's own request)
-    assert requests_made == 2 + 1 + 1 + 2 + 2 + 1
+    # one request per call, and the scenario's own (the request left putting "b")
+    assert calls == 13 and requests_made == calls + 1
 
 
 def test_a_failed_copy_on_the_one_item_path_leaves_nothing(make_config: Any) -> None:

@@ -341,6 +341,22 @@ def test_fifo_columns_grow_and_wrap_in_order() -> None:
         ring.close()
 
 
+def test_commit_and_abandon_refuse_an_address_between_chunks() -> None:
+    """The writer finds a chunk by its address divided by 64 (chunks are 64-byte aligned): an
+    address that is not a chunk's, even one inside a chunk's first 64 bytes, is refused."""
+    ring = ShmRingBuffer.create(4096)
+    try:
+        addr, _cid = ring.allocate(100)
+        for wrong in (addr + 1, addr + 63, addr + 64):
+            with pytest.raises(ShmCacheError, match="not being written"):
+                ring.commit(wrong)
+            ring.abandon(wrong)  # nothing there: nothing marked dead
+        ring.commit(addr)  # the chunk itself is still being written, then committed
+        assert ring.n_chunks == 1
+    finally:
+        ring.close()
+
+
 @pytest.mark.parametrize("first_id", [0, 1 << 63, (1 << 64) - 2, 1 << 64])
 def test_a_first_id_past_the_id_range_is_refused_at_creation(first_id: int) -> None:
     """Issue 19 item 7: an id the ring cannot number is a ``ValueError`` at creation, never an

@@ -25,9 +25,9 @@ from aioshmcache import (
     ShmRingBuffer,
     StaleReferenceError,
 )
+from aioshmcache._evict import EVICT_SLACK_CHUNKS, RELOCATE_BUDGET, RELOCATE_MAX_ITEMS
 from aioshmcache._inspect import inspect_segment
 from aioshmcache._layout import chunk_size
-from aioshmcache._store import EVICT_SLACK_CHUNKS, RELOCATE_BUDGET, RELOCATE_MAX_ITEMS
 from aioshmcache.errors import ShmCacheError
 
 from .conftest import RUN_PREFIX

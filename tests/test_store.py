@@ -662,7 +662,70 @@ def test_settled_entries_leave_no_objects_for_the_garbage_collector(
             assert grown < n // 20, f"{grown} more tracked objects for {n} settled items"
             assert not tx.store.ledger.entries  # settled: nothing owed, pinned or touched
             assert not any(gc.is_tracked(row) for row in tx.store._rows.values())
-            assert not gc.is_tracked(tx.store._index)
+            # nor the maps that hold them: a full collection walks no row (issue 20)
+            assert not any(gc.is_tracked(shard) for shard in tx.store._rows.shards)
+            assert not any(gc.is_tracked(shard) for shard in tx.store._index.shards)
         finally:
             if rx is not None:
                 rx.close()
+
+
+# --- one lock rule (issue 20): every writer method takes the lock itself ----------------------
+
+
+def test_a_caller_may_hold_the_lock_around_any_writer_call(make_config: Any) -> None:
+    """``with store.lock: store.put(...)`` (and every other writer call) runs, never deadlocks:
+    the lock is re-entrant and each method takes it itself. Run in a thread, joined with a
+    deadline, so that a deadlock fails the test instead of hanging the suite."""
+    import threading
+
+    with ShmObjectStore.create(make_config(256 << 10, 64 << 10, 1, second_chance=False)) as st:
+        done: list[object] = []
+
+        def calls() -> None:
+            try:
+                with st.lock:
+                    st.put("a", {"x": np.arange(10)})
+                    ref = st.get_cached("a")
+                    assert ref is not None and st.touch("a")
+                    st.release(ref)  # nobody attached owes it: False, but no deadlock
+                    with st.lock:  # nested: still one owner
+                        st.put("b", {"x": np.arange(10)}, wait_for_space=0.5)
+                    assert st.invalidate("a") and st.drain() >= 0
+                    assert st.keys() == ["b"]
+                    assert st.clear() == 1
+                    st.put("c", {"x": np.arange(10)})
+                    assert st.evict(0) == ["c"] and st.keys() == []  # nothing owed: all freed
+                done.append(True)
+            except BaseException as exc:  # reported by the test, not as a thread warning
+                done.append(exc)
+
+        t = threading.Thread(target=calls)
+        t.start()
+        t.join(timeout=30)
+        assert not t.is_alive(), "a writer call deadlocked under the caller's lock"
+        assert done == [True]
+
+
+def test_writer_calls_of_another_thread_wait_for_the_lock_holder(make_config: Any) -> None:
+    """The methods that once needed the caller to hold the lock take it themselves: another
+    thread's ``get_cached`` (and ``evict``) waits while this thread holds the lock."""
+    import threading
+
+    with ShmObjectStore.create(make_config(256 << 10, 64 << 10, 1)) as st:
+        st.put("a", {"x": np.arange(10)})
+        started, out = threading.Event(), list[object]()
+
+        def other() -> None:
+            started.set()
+            out.append(st.get_cached("a"))
+            out.append(st.evict(0))
+
+        with st.lock:
+            t = threading.Thread(target=other)
+            t.start()
+            assert started.wait(30)
+            t.join(timeout=0.3)
+            assert t.is_alive() and out == []  # blocked on the lock we hold
+        t.join(timeout=30)
+        assert not t.is_alive() and isinstance(out[0], ShmRef) and out[1] == ["a"]  # owed by none

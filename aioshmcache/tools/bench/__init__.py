@@ -15,7 +15,9 @@ Three suites, each also runnable alone (``--suite``) or through the scripts in `
   of FIFO and second-chance eviction on seeded Zipf traces replayed through the real cache,
   against an LRU model of the same capacity;
 * ``fleet`` (only when asked for: ``--suite fleet``) — the Redis tier across 4 simulated hosts:
-  preprocessings per distinct item with and without it, a tier hit's latency, Redis killed.
+  preprocessings per distinct item with and without it, a tier hit's latency, Redis killed;
+* ``vllm`` (only when asked for: ``--suite vllm``) — vLLM's own ``shm_object_storage.py`` side
+  by side (from an installed vLLM, or the file named by ``--vllm-file PATH``).
 
 It writes ``aioshmcache-bench[-SUITES][-quick]`` ``.md`` (the table), ``.png`` (the plot) and
 ``.json`` (every figure) to the current directory (``--results-dir DIR`` elsewhere; a bare
@@ -42,7 +44,7 @@ __all__ = ["SUITES", "checkout_results_dir", "main", "results_stem", "run"]
 
 SUITES = ("store", "peers", "async")
 #: suites run only when named with ``--suite``
-EXTRA_SUITES = ("group", "trace", "fleet")
+EXTRA_SUITES = ("group", "trace", "fleet", "vllm")
 
 
 #: a bare ``--results-dir``: the ``bench/results`` folder of the source checkout
@@ -97,6 +99,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     ray.add_argument("--no-ray", dest="ray", action="store_false")
     ap.add_argument("--no-redis", action="store_true", help="skip the redis peer")
+    ap.add_argument(
+        "--vllm-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="vLLM's shm_object_storage.py for --suite vllm (default: from an installed vllm)",
+    )
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     ap.add_argument("--no-print", action="store_true", help="do not print the table")
     return ap
@@ -109,6 +118,7 @@ def run(
     want_ray: bool,
     want_redis: bool = True,
     progress: Progress | None = None,
+    vllm_file: Path | None = None,
 ) -> Report:
     """Run the given suites and return the report (files are written by :func:`main`)."""
     from .asyncbench import run_async_suite
@@ -116,6 +126,7 @@ def run(
     from .group import run_group_suite
     from .peers import run_peers_suite
     from .trace import run_trace_suite
+    from .vllm import run_vllm_suite
     from .workloads import run_store_suite
 
     p = Params.smoke() if quick else Params.full()
@@ -135,6 +146,8 @@ def run(
         run_trace_suite(p, report, progress)
     if "fleet" in suites:
         run_fleet_suite(p, report, progress)
+    if "vllm" in suites:
+        run_vllm_suite(p, report, progress, vllm_file)
     report.finish()
     return report
 
@@ -172,7 +185,12 @@ def main(argv: list[str]) -> int:
     rc = 0
     try:
         report = run(
-            suites, quick=ns.quick, want_ray=want_ray, want_redis=not ns.no_redis, progress=progress
+            suites,
+            quick=ns.quick,
+            want_ray=want_ray,
+            want_redis=not ns.no_redis,
+            progress=progress,
+            vllm_file=ns.vllm_file,
         )
     except KeyboardInterrupt:
         print("bench: interrupted", file=sys.stderr)

@@ -1,0 +1,168 @@
+"""``bench --suite vllm``: loading vLLM's store (installed, or a file) and running beside it.
+
+vLLM is not a dependency and its file is never vendored: the harness is exercised against a
+small stand-in store written here with the same calls (put, get_signature, a verified get,
+handle / create_from_handle), and against the real file only when ``AIOSHM_VLLM_FILE`` names it
+(or vLLM is installed). No timed assertions: only that every cell reported a finite figure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aioshmcache.tools.bench.params import Params
+from aioshmcache.tools.bench.report import Report
+from aioshmcache.tools.bench.vllm import (
+    S_LIMIT,
+    S_VLLM,
+    _TensorDecoder,
+    _TensorEncoder,
+    load_vllm_store,
+    run_vllm_suite,
+)
+from aioshmcache.tools.progress import Progress
+
+pytestmark = pytest.mark.bench
+
+#: a store with the calls the suite makes of vLLM's, and the imports the real file has
+STAND_IN = """
+import hashlib, hmac, secrets
+from multiprocessing import shared_memory
+import torch
+from vllm.logger import init_logger
+
+log = init_logger(__name__)
+
+
+class SingleWriterShmRingBuffer:
+    def __init__(self, size, name=None, create=False):
+        self.DATA_OFFSET = 32
+        self.size = size
+        self.shared_memory = shared_memory.SharedMemory(create=create, size=size + 32, name=name)
+        if create:
+            self.shared_memory.buf[:32] = secrets.token_bytes(32)
+        self.end = 0
+
+    def handle(self):
+        return (self.size, self.shared_memory.name)
+
+    def close(self):
+        self.shared_memory.close()
+
+
+class Handle:
+    def __init__(self, ring, max_object):
+        self.ring_buffer_handle, self.max_object_size, self.reader_lock = ring, max_object, None
+
+
+class SingleWriterShmObjectStorage:
+    def __init__(self, max_object, n_readers, ring, reader_lock=None):
+        from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+        self.enc, self.dec = MsgpackEncoder(), MsgpackDecoder(torch.Tensor, share_mem=False)
+        self.ring, self.max_object, self.lock, self.index = ring, max_object, reader_lock, {}
+
+    def _sign(self, key, address):
+        secret = bytes(self.ring.shared_memory.buf[:32])
+        return hmac.new(secret, key.encode() + address.to_bytes(8, "little"), hashlib.sha256)
+
+    def put(self, key, value):
+        assert isinstance(value, torch.Tensor)
+        head, body = self.enc.encode(value)
+        n = 8 + len(head) + len(body)
+        if self.ring.end + n > self.ring.size:
+            self.ring.end = 0
+        a, buf = self.ring.end, self.ring.shared_memory.buf
+        buf[32 + a : 36 + a] = len(head).to_bytes(4, "little")
+        buf[36 + a : 40 + a] = len(body).to_bytes(4, "little")
+        buf[40 + a : 40 + a + len(head)] = head
+        buf[40 + a + len(head) : 40 + a + n - 8] = body
+        self.ring.end += n
+        self.index[key] = (a, 1)
+        return a, 1
+
+    def get_signature(self, key):
+        return list(self._sign(key, self.index[key][0]).digest())
+
+    def get(self, address, mid, signature, key):
+        if bytes(signature) != self._sign(key, address).digest():
+            raise ValueError("bad signature")
+        buf = self.ring.shared_memory.buf[32:]
+        nh = int.from_bytes(buf[address : address + 4], "little")
+        nb = int.from_bytes(buf[address + 4 : address + 8], "little")
+        with self.lock:
+            return self.dec.decode([buf[address + 8 : address + 8 + nh],
+                                    buf[address + 8 + nh : address + 8 + nh + nb]])
+
+    def handle(self):
+        return Handle(self.ring.handle(), self.max_object)
+
+    @staticmethod
+    def create_from_handle(h):
+        size, name = h.ring_buffer_handle
+        ring = SingleWriterShmRingBuffer(size, name=name)
+        return SingleWriterShmObjectStorage(h.max_object_size, 1, ring, h.reader_lock)
+
+    def close(self):
+        self.ring.close()
+        if self.lock is None:
+            self.ring.shared_memory.unlink()
+"""
+
+
+def _finite_rows(report: Report, section: str) -> list[float]:
+    values = [r.value for r in report.rows if r.section == section]
+    ratios = [r.ratio for r in report.rows if r.section == section and r.ratio is not None]
+    assert values and all(math.isfinite(v) and v > 0 for v in values + ratios)
+    return values
+
+
+def test_the_stand_in_tensor_codec_round_trips_as_a_copy() -> None:
+    arr = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    bufs = _TensorEncoder().encode(arr)
+    assert len(bufs) == 2 and bytes(bufs[1]) == arr.tobytes()  # header + raw bytes, no copy
+    out = _TensorDecoder(None, share_mem=False).decode([bytes(bufs[0]), bytearray(bufs[1])])
+    assert out.dtype == arr.dtype and out.shape == arr.shape and np.array_equal(out, arr)
+    assert out.flags.owndata  # share_mem=False: a copy
+
+
+def test_a_missing_or_wrong_file_is_a_skip_line_not_an_error(tmp_path: Path) -> None:
+    wrong = tmp_path / "not_vllm.py"
+    wrong.write_text("x = 1\n")
+    for path, says in ((tmp_path / "nope.py", "no such file"), (wrong, "no SingleWriter")):
+        with pytest.raises((FileNotFoundError, ValueError), match=says):
+            load_vllm_store(path)
+        report = Report("t", quick=True)
+        run_vllm_suite(Params.smoke(), report, Progress(enabled=False), path)
+        assert not report.rows and len(report.skipped) == 1 and says in report.skipped[0]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None, reason="vLLM is installed: it would be used"
+)
+def test_no_vllm_and_no_file_is_a_skip_line() -> None:
+    assert load_vllm_store(None) is None
+    report = Report("t", quick=True)
+    run_vllm_suite(Params.smoke(), report, Progress(enabled=False), None)
+    assert not report.rows and "not importable" in report.skipped[0]
+
+
+@pytest.mark.slow
+def test_the_suite_runs_beside_a_store_loaded_from_a_file(tmp_path: Path) -> None:
+    """Every cell, ours and the peer's, reports a finite time and ratio; nothing is left."""
+    given = os.environ.get("AIOSHM_VLLM_FILE")
+    path = Path(given) if given else tmp_path / "shm_object_storage.py"
+    if not given:
+        path.write_text(STAND_IN)
+    report = Report("t", quick=True)
+    run_vllm_suite(Params.smoke(), report, Progress(enabled=False), path)
+    assert not report.skipped and not report.errors
+    assert len(_finite_rows(report, S_VLLM)) == 2 * (4 + 2) + 2  # 2 sizes x 6 rows + churn
+    assert len(_finite_rows(report, S_LIMIT)) == 2 * (6 + 2)  # 6 subjects, 2 baselines
+    assert not [f for f in os.listdir("/dev/shm") if "vllm" in f and str(os.getpid()) in f]
