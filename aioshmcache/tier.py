@@ -324,6 +324,8 @@ class RedisTier:
         self.policy = policy if policy is not None else TierPolicy()
         self._client: Any = None
         self._scripts: dict[str, Any] = {}
+        # writes of made items only (a claim to give up is its own task): len() is the count,
+        # which stats() reads from any thread (a metrics scrape) without iterating
         self._queue: collections.deque[_Write] = collections.deque()
         self._queued_bytes = 0
         self._wake: asyncio.Event | None = None
@@ -393,7 +395,7 @@ class RedisTier:
             if self._client is not None:
                 await self.flush(flush_timeout_s)
             self._closed = True
-            self._n["dropped_writes"] += sum(1 for w in self._queue if w.has_item)
+            self._n["dropped_writes"] += len(self._queue)
             self._queue.clear()
             tasks = [t for t in (self._writer, *self._tasks) if t is not None]
             for t in tasks:
@@ -602,7 +604,7 @@ class RedisTier:
                 w.renewal.cancel()
             return
         if w.has_item and (
-            sum(1 for q in self._queue if q.has_item) >= self._queue_items
+            len(self._queue) >= self._queue_items
             or self._queued_bytes + w.nbytes > self._queue_bytes
         ):
             self._n["dropped_writes"] += 1
@@ -755,7 +757,7 @@ class RedisTier:
             lookup_seconds=self._lookup_seconds,
             breaker_state=self.breaker.state,
             breaker_opens=self.breaker.opened,
-            queued_writes=sum(1 for w in self._queue if w.has_item),
+            queued_writes=len(self._queue),
             policy=self.policy.view(self.max_item_bytes),
         )
 

@@ -472,3 +472,47 @@ async def test_a_server_answering_nonsense_fails_no_request_and_holds_none(reply
     finally:
         server.close()
         await server.wait_closed()
+
+
+def test_stats_never_iterate_the_write_queue() -> None:
+    """``stats()`` runs in a metrics scrape's thread while the loop changes the write queue.
+
+    Before, it counted the queue by iterating it, and a scrape thread got ``RuntimeError:
+    deque mutated during iteration`` (reproduced with a real scrape thread against Redis). Here
+    the loop's change is made by the queue entry itself, as the iteration reads it.
+    """
+    tier = RedisTier("redis://127.0.0.1:1/0", secret=SECRET)
+
+    class Racing:
+        """A queued write whose reading appends another (the loop, between two steps)."""
+
+        @property
+        def has_item(self) -> bool:
+            if len(tier._queue) < 3:
+                tier._queue.append(Racing())  # type: ignore[arg-type]
+            return True
+
+    tier._queue.append(Racing())  # type: ignore[arg-type]
+    assert tier.stats().queued_writes == 1
+
+
+def test_breaker_state_read_while_the_loop_closes_it() -> None:
+    """``state`` (read by a metrics scrape's thread) while the loop reports a success.
+
+    Before, it read ``_opened_at`` twice and the second read could be None: a ``TypeError``
+    in the scrape (reproduced with a real scrape thread). Here the clock, called between the
+    two reads, does what the loop would.
+    """
+    armed = False
+    breaker: CircuitBreaker | None = None
+
+    def clock() -> float:
+        if armed and breaker is not None:
+            breaker.success()  # the loop, between the state's check and its arithmetic
+        return 100.0
+
+    breaker = CircuitBreaker(failures=1, clock=clock)
+    breaker.failure()
+    armed = True
+    assert breaker.state in (OPEN, HALF_OPEN)
+    assert breaker.state == CLOSED
