@@ -299,7 +299,12 @@ class SenderCache(_Cache):
         with self.store.lock:
             return self.store.touch(check_hash(mm_hash))
 
-    touch = touch_sender_cache_item
+    def touch(self, mm_hash: str) -> bool:
+        """``touch_sender_cache_item`` by the short name both faces share (DESIGN §5).
+
+        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
+        """
+        return self.touch_sender_cache_item(mm_hash)
 
     def release(self, ref: ShmRef) -> bool:
         """Undo a hand-out whose request failed before reaching the readers."""
@@ -333,7 +338,12 @@ class SenderCache(_Cache):
             self._prompt_updates.clear()
             self._too_large.clear()
 
-    clear = clear_cache
+    def clear(self) -> None:
+        """``clear_cache`` by the short name both faces share (DESIGN §5).
+
+        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
+        """
+        self.clear_cache()
 
     def remove_dangling_items(self) -> int:
         """Free every freeable chunk at the head and drop side-table rows of evicted items."""
@@ -479,7 +489,12 @@ class ReceiverCache(_Cache):
         if ref is not None:
             self.store.validate(ref)
 
-    touch = touch_receiver_cache_item
+    def touch(self, mm_hash: str, mm_item: Any = None) -> None:
+        """``touch_receiver_cache_item`` by the short name both faces share (DESIGN §5).
+
+        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
+        """
+        self.touch_receiver_cache_item(mm_hash, mm_item)
 
     def release(self, ref: ShmRef) -> bool:
         """Give back a hand-out this reader will not read; False if unknown or already released.
@@ -517,7 +532,12 @@ class ReceiverCache(_Cache):
             self._counters.hits = self._counters.total = 0
         self._last_delta = CacheInfo(0, 0)
 
-    clear = clear_cache
+    def clear(self) -> None:
+        """``clear_cache`` by the short name both faces share (DESIGN §5).
+
+        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
+        """
+        self.clear_cache()
 
     def close(self) -> None:
         """Free the reader slot (idempotent; safe while other threads read).
@@ -605,8 +625,6 @@ class GroupReceiverCache(ReceiverCache):
         """Validate a reference against its shard without reading it; owes nothing."""
         check_hash(mm_hash)
         self._route(mm_item)
-
-    touch = touch_receiver_cache_item
 
     def release(self, ref: ShmRef) -> bool:
         """Give back a hand-out this reader will not read; False if unknown or released."""

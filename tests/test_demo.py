@@ -61,7 +61,8 @@ from aioshmcache.wire import FRAME_PREFIX_BYTES, encode_frame
 SHM = "/dev/shm"
 PROC = ProcessorConfig()
 JSON_CT = {"content-type": "application/json"}
-pytestmark = pytest.mark.timeout(600)  # a bound for a hung test, not a speed target
+# a bound for a hung test, not a speed target; end to end: real gateway and worker processes
+pytestmark = [pytest.mark.timeout(600), pytest.mark.e2e]
 
 
 # --- helpers -------------------------------------------------------------------------------------

@@ -100,6 +100,7 @@ def _reader_that_forks(handle: dict[str, Any], conn: Any) -> None:
     time.sleep(3600)
 
 
+@pytest.mark.slow
 def test_writer_killed_while_its_forked_child_lives(shm_name: str) -> None:
     a, b = SPAWN.Pipe()
     writer = SPAWN.Process(target=_writer_that_forks, args=(shm_name, b))
@@ -131,6 +132,7 @@ def test_writer_killed_while_its_forked_child_lives(shm_name: str) -> None:
         sweep(name=shm_name)
 
 
+@pytest.mark.slow
 def test_reader_killed_while_its_forked_child_lives(make_config: Any) -> None:
     with ShmObjectStore.create(make_config(n_readers=1)) as store:
         a, b = SPAWN.Pipe()
