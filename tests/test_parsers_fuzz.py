@@ -207,13 +207,17 @@ HANDLE = CacheHandle("aioshm-x", 12345, 3)
 _plain = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=8)
 )
-values = st.recursive(
-    _plain,
-    lambda inner: st.one_of(
+
+
+def _nested(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    # a def, not a lambda: Hypothesis checks that ``extend`` uses its argument by reading its
+    # source, which it could not always find for a lambda spread over several lines
+    return st.one_of(
         st.lists(inner, max_size=6), st.dictionaries(st.text(max_size=6), inner, max_size=6)
-    ),
-    max_leaves=30,
-)
+    )
+
+
+values = st.recursive(_plain, _nested, max_leaves=30)
 
 
 def _mutated(base: bytes) -> st.SearchStrategy[bytes]:
