@@ -18,6 +18,7 @@ from ._serde_decode import (
     _TEMPLATE_HEADER_MAX,
     _TEMPLATE_KEY_MAX,
     _TEMPLATES_MAX,
+    _check_complete,
     _Compiler,
     _NodeCounter,
     _Template,
@@ -254,6 +255,7 @@ class MsgpackSerde:
     def _compile(self, header: bytes | memoryview, data_off: int, data_len: int) -> _Template:
         """Unpack and validate a structure header into a template (``SerdeError`` if invalid)."""
         hlen = len(header)
+        _check_complete(header)
         counter = _NodeCounter(self.max_containers)
         try:
             structure = msgpack.unpackb(

@@ -71,7 +71,11 @@ msgpack arrays (lists and tuples) and extension records other than ``ARRAY`` and
 counted *while* msgpack unpacks (its ``object_hook`` / ``list_hook`` / ``ext_hook`` count and
 return what they are given, converting nothing), so a hostile header is refused after at most
 ``max_containers`` containers were built, whatever its length; ``plan`` counts the same way and
-refuses to produce a header that ``read`` would refuse. Plain values cost at most a few times
+refuses to produce a header that ``read`` would refuse. msgpack also allocates each array as
+its header *announces* it, before reading its elements: a header that may leave such arrays
+open (more than a few ``array 16/32`` type bytes) is first checked to be one complete object
+(``Unpacker.skip``, in C, building nothing), so what is allocated is backed by input bytes
+(``_check_complete``). Plain values cost at most a few times
 their encoded size: a list or map whose values are all plain (no container, no record) is
 compiled into one copy of it, not one node per element.
 
