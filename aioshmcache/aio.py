@@ -43,8 +43,8 @@ from ._types import (
     ShmRef,
     coerce_handle,
 )
-from .cache import MmItem, ReceiverCache, SenderCache
-from .errors import CacheMissError, ClosedCacheError
+from .cache import GroupReceiverCache, MmItem, ReceiverCache, SenderCache
+from .errors import CacheMissError, ClosedCacheError, RoleError
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
@@ -63,7 +63,7 @@ CHECKPOINT_EVERY: Final = 8
 CHECKPOINT_AFTER: Final = 0.0005
 _monotonic = time.monotonic
 
-C = TypeVar("C", SenderCache, ReceiverCache)
+C = TypeVar("C", SenderCache, ReceiverCache | GroupReceiverCache)
 
 
 class SecondTier(Protocol):
@@ -578,13 +578,13 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         return self.sender.remove_dangling_items()
 
 
-class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
+class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
     """A reader's asyncio face. ``AsyncReceiverCache.attach(handle)`` attaches on ``__aenter__``;
     ``AsyncReceiverCache(receiver_cache)`` wraps (and borrows) an attached ``ReceiverCache``."""
 
     def __init__(
         self,
-        receiver: ReceiverCache | None = None,
+        receiver: ReceiverCache | GroupReceiverCache | None = None,
         *,
         handle: object = None,
         serde: Serde | None = None,
@@ -644,7 +644,7 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         face._wait_for_shard = wait_for_shard
         return face
 
-    def _open_cache(self) -> ReceiverCache:
+    def _open_cache(self) -> ReceiverCache | GroupReceiverCache:
         if self._handle is None:
             raise ClosedCacheError("no handle")
         if self._group is not None:
@@ -654,8 +654,8 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         return ReceiverCache.attach(self._handle, serde=self._serde)
 
     @property
-    def receiver(self) -> ReceiverCache:
-        """The sync cache this face drives."""
+    def receiver(self) -> ReceiverCache | GroupReceiverCache:
+        """The sync cache this face drives (a ``GroupReceiverCache`` after ``attach_group``)."""
         return self._wrapped()
 
     async def open(self) -> AsyncReceiverCache:
@@ -668,8 +668,15 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         return await self.open()
 
     def handle(self) -> CacheHandle:
-        """The handle of the segment this reader is attached to."""
-        return self.receiver.handle()
+        """The handle of the segment this reader is attached to.
+
+        A reader of a cache group has one handle per shard: ``RoleError`` (its ``receiver``'s
+        ``shard_handles()`` lists them).
+        """
+        receiver = self.receiver
+        if isinstance(receiver, GroupReceiverCache):
+            raise RoleError(f"a reader of cache group {receiver.group!r} has one handle per shard")
+        return receiver.handle()
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
         """References resolved (hits) of features seen (total)."""

@@ -12,6 +12,7 @@ import importlib
 import inspect
 import pkgutil
 import typing
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,13 +23,17 @@ import aioshmcache
 from aioshmcache import (
     AsyncReceiverCache,
     AsyncSenderCache,
+    CacheConfig,
     FeatureSpec,
+    GroupReceiverCache,
     MsgpackSerde,
     ReceiverCache,
     SenderCache,
     ShmRef,
 )
 from aioshmcache._request import SenderRequest
+
+from .conftest import RUN_PREFIX
 
 #: names only the sync face has, and why
 SYNC_ONLY = {
@@ -294,3 +299,56 @@ def test_the_check_sees_a_private_return_type() -> None:
 
     where = "aioshmcache._request.SenderRequest"
     assert private_returns([Face], _exported_ids()) == {"Face.request": where, "Face.steps": where}
+
+
+# --- a group reader offers only what works --------------------------------------------------
+
+
+def test_every_public_name_of_a_group_reader_works() -> None:
+    """A ``GroupReceiverCache`` has no method that fails by design (no ``handle``, no ``store``).
+
+    Review (issue 23): it subclassed ``ReceiverCache``, so it inherited ``handle()`` (which it
+    made raise ``RoleError``), ``attach`` and ``attach_group`` (which built a single-segment
+    reader) and a ``store`` it never had. It now shares the read methods, not the class. Every
+    public name is called here; the table must list exactly the public names, so a name added
+    later is exercised too.
+    """
+    group = f"{RUN_PREFIX}tw{uuid.uuid4().hex[:10]}"
+    with SenderCache(CacheConfig(1 << 20, 1 << 18, 2, group=group)) as tx:
+        item = {"x": np.arange(8)}
+        [f1, f2, f3] = tx.get_and_update_features(
+            [FeatureSpec("h1", item), FeatureSpec("h2", item), FeatureSpec("h3", item)]
+        )
+        shard = tx.handle()
+        rx = ReceiverCache.attach_group(group)
+        try:
+
+            def lease() -> object:
+                with rx.lease([f2]) as got:
+                    return got[0].data["x"].sum()
+
+            calls: dict[str, Any] = {
+                "get_and_update_features": lambda: rx.get_and_update_features([f1])[0].data,
+                "get_and_update_item": lambda: rx.get_and_update_item(f3.data, "h3"),
+                "lease": lease,
+                "touch_receiver_cache_item": lambda: rx.touch_receiver_cache_item("h1", f1.data),
+                "touch": lambda: rx.touch("h1", f1.data),
+                "release": lambda: rx.release(f1.data),
+                "make_stats": lambda: rx.make_stats(delta=True),
+                "shard_handles": rx.shard_handles,
+                "rescan": rx.rescan,
+                "clear_cache": rx.clear_cache,
+                "clear": rx.clear,
+                "closed": lambda: rx.closed,
+                "close": rx.close,  # last
+            }
+            assert set(calls) == set(_public(GroupReceiverCache))
+            got = {name: call() for name, call in calls.items()}
+        finally:
+            rx.close()
+    assert np.array_equal(got["get_and_update_features"]["x"], item["x"])
+    assert np.array_equal(got["get_and_update_item"]["x"], item["x"])
+    assert got["lease"] == item["x"].sum()
+    assert got["shard_handles"] == [shard] and got["closed"] is False and rx.closed
+    assert not isinstance(rx, ReceiverCache)
+    assert not hasattr(rx, "handle") and not hasattr(rx, "store")

@@ -279,7 +279,7 @@ async def test_async_attach_takes_the_json_and_refuses_a_bad_handle_at_once(
         AsyncSenderCache.from_config(make_config()) as tx,
         AsyncReceiverCache.attach(tx.handle().to_json()) as rx,
     ):
-        assert rx.receiver.handle() == tx.handle()
+        assert rx.handle() == tx.handle()
 
 
 def test_attach_with_a_deeply_nested_json_handle_is_an_invalid_reference() -> None:
