@@ -23,7 +23,15 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from aioshmcache import AsyncSenderCache, CacheConfig, FeatureSpec, ReceiverCache, ShmRef, sweep
+from aioshmcache import (
+    AsyncSenderCache,
+    CacheConfig,
+    FeatureSpec,
+    GroupReceiverCache,
+    ReceiverCache,
+    ShmRef,
+    sweep,
+)
 from aioshmcache._tier_value import HEADER_SIZE, lease_key, seal_value, value_key
 from aioshmcache.tier import CircuitBreaker, RedisTier, TierPolicy
 from aioshmcache.tools.redis_server import RedisCluster, RedisServer, free_port, redis_binaries
@@ -73,7 +81,9 @@ def _maker(h: str, calls: list[str], nbytes: int = 64 * KiB) -> Callable[[], dic
     return make
 
 
-def _check(rx: ReceiverCache, f: FeatureSpec, h: str, nbytes: int = 64 * KiB) -> None:
+def _check(
+    rx: ReceiverCache | GroupReceiverCache, f: FeatureSpec, h: str, nbytes: int = 64 * KiB
+) -> None:
     """What the reader gets for ``f`` is exactly ``h``'s item."""
     [got] = rx.get_and_update_features([f])
     assert isinstance(got.data, dict) and got.data["hash"] == h
