@@ -70,7 +70,7 @@ def _inspect_one(name: str) -> str:
             table.release()
         cap = int(w[H_CAPACITY])
         used = int(w[H_BYTES_USED])
-        created = dt.datetime.fromtimestamp(int(w[H_CREATED]) / 1e9, tz=dt.timezone.utc)
+        created = dt.datetime.fromtimestamp(int(w[H_CREATED]) / 1e9, tz=dt.UTC)
         hits, misses = int(w[H_HITS]), int(w[H_MISSES])
         total = hits + misses
         lines = [

@@ -36,7 +36,7 @@ from typing import Any, Final, TypeAlias, cast
 from ._group import Found, Siblings
 from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
 from ._shards import ShardedMap
-from ._store import Reservation, ShmObjectStore
+from ._store import INLINE_COPY_UNDER_LOCK, Reservation, ShmObjectStore
 from ._types import REF_FIELDS, FeatureSpec, ShmRef
 from .errors import (
     CacheFullError,
@@ -57,10 +57,8 @@ __all__ = [
     "check_hash",
 ]
 
-#: Copies below this size run where the request began (on the loop, for the async facade).
-#: Measured by ``bench`` on this machine: a thread hop costs 75-170 us, a warm 1 MiB copy
-#: ~40 us, so copies under 1 MiB are cheaper inline and keep loop lag below ~0.1 ms.
-DEFAULT_INLINE_THRESHOLD: Final = 1 << 20
+#: The default ``copy_inline_below``: the store's one threshold for a copy under the writer lock.
+DEFAULT_INLINE_THRESHOLD: Final = INLINE_COPY_UNDER_LOCK
 
 _REF_KEYS: Final = frozenset(REF_FIELDS)
 
@@ -70,8 +68,10 @@ MmItem = tuple[Any, Sequence[Any]]
 
 #: the sender's are the store's (re-entrant) lock; a receiver's are plain locks
 _Lock: TypeAlias = "threading.Lock | threading.RLock"
-_NONE: Final[list[Any]] = []  # shared "nothing yet" list: replaced, never appended to
-_NO_SET: Final[set[str]] = cast("set[str]", frozenset())  # likewise (immutable: safe)
+# Shared "nothing yet" defaults, replaced by a fresh container on first use. Immutable, so a
+# mistaken append fails loudly (AttributeError) instead of leaking into every other request.
+_NONE: Final[list[Any]] = cast("list[Any]", ())
+_NO_SET: Final[set[str]] = cast("set[str]", frozenset())
 
 
 def check_hash(mm_hash: object) -> str:

@@ -1,8 +1,8 @@
 """The asyncio facade, ``AsyncSenderCache`` and ``AsyncReceiverCache`` (on anyio).
 
 Same method names as the sync classes (``aclose`` for ``close``), and the same algorithm: each
-call builds the sync cache's own request object (``SenderCache.request`` /
-``ReceiverCache.request``) and runs its steps. The only decisions made here are *where* the copy
+call builds the sync cache's own request object (``SenderCache._request`` /
+``ReceiverCache._request``) and runs its steps. The only decisions made here are *where* the copy
 jobs run — inline on the loop below ``inline_threshold_bytes`` (a thread hop costs 75-170 us
 here, a 64 KiB copy 3 us), else in a worker thread through a ``CapacityLimiter``, where the
 numpy array assignments of the copy release the GIL — and what cancellation does:
@@ -34,9 +34,17 @@ import anyio.to_thread
 from ._flight import FROM_SIBLING, GroupFlight, SingleFlight, SingleFlightStats, call_make
 from ._request import DEFAULT_INLINE_THRESHOLD, SenderRequest, features_from
 from ._serde import Serde
-from ._types import CacheConfig, CacheHandle, CacheInfo, CacheSnapshot, FeatureSpec, ShmRef
-from .cache import MmItem, ReceiverCache, SenderCache
-from .errors import CacheMissError, ClosedCacheError
+from ._types import (
+    CacheConfig,
+    CacheHandle,
+    CacheInfo,
+    CacheSnapshot,
+    FeatureSpec,
+    ShmRef,
+    coerce_handle,
+)
+from .cache import GroupReceiverCache, MmItem, ReceiverCache, SenderCache
+from .errors import CacheMissError, ClosedCacheError, RoleError
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
@@ -55,7 +63,7 @@ CHECKPOINT_EVERY: Final = 8
 CHECKPOINT_AFTER: Final = 0.0005
 _monotonic = time.monotonic
 
-C = TypeVar("C", SenderCache, ReceiverCache)
+C = TypeVar("C", SenderCache, ReceiverCache | GroupReceiverCache)
 
 
 class SecondTier(Protocol):
@@ -149,6 +157,11 @@ class _AsyncFace(Generic[C]):
         self._inflight = _InFlight()
         self._inline_calls = 0  # inline calls since this face last yielded to the loop
         self._last_yield = _monotonic()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``aclose`` was called (or the wrapped cache was closed)."""
+        return self._closed or (self._cache is not None and self._cache.closed)
 
     @property
     def limiter(self) -> anyio.CapacityLimiter:
@@ -260,24 +273,29 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         sender: SenderCache | None = None,
         *,
         config: CacheConfig | None = None,
+        serde: Serde | None = None,
         max_threads: int = 4,
         inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
         tier: SecondTier | None = None,
     ) -> None:
         """Wrap ``sender`` (borrowed) or, with ``config``, create one on ``open`` (owned).
 
-        ``max_threads`` bounds the worker threads of big copies (and, separately, those of
-        ``get_or_put``'s sync ``make``); copies under ``inline_threshold_bytes`` run on the
-        loop. ``tier`` (an ``aioshmcache.tier.RedisTier``) is a second tier ``get_or_put``
-        looks in before it calls ``make``; this object opens and closes it. Does no
-        loop-bound work: it can be built outside a running loop.
+        ``serde`` replaces the default ``MsgpackSerde`` of a cache this object creates (a wrapped
+        cache keeps its own). ``max_threads`` bounds the worker threads of big copies (and,
+        separately, those of ``get_or_put``'s sync ``make``); copies under
+        ``inline_threshold_bytes`` run on the loop. ``tier`` (an ``aioshmcache.tier.RedisTier``)
+        is a second tier ``get_or_put`` looks in before it calls ``make``; this object opens and
+        closes it. Does no loop-bound work: it can be built outside a running loop.
         """
         if (sender is None) == (config is None):
             raise ValueError("give either a SenderCache to wrap or a config to create one")
+        if sender is not None and serde is not None:
+            raise ValueError("serde= is for a cache this object creates; a wrapped one has its own")
         super().__init__(
             sender, max_threads=max_threads, inline_threshold_bytes=inline_threshold_bytes
         )
         self._config = config
+        self._serde = serde
         cfg = config if config is not None else sender.config if sender is not None else None
         group = None if cfg is None else cfg.group
         self._group_flight = None if group is None else GroupFlight(group)  # across processes
@@ -289,13 +307,16 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
 
     @classmethod
     def from_config(cls, config: CacheConfig, **kwargs: Any) -> AsyncSenderCache:
-        """A cache that creates (on ``__aenter__``) and owns its segment."""
+        """A cache that creates (on ``__aenter__``) and owns its segment.
+
+        Keywords as for the constructor: ``serde``, ``max_threads``, ``inline_threshold_bytes``.
+        """
         return cls(config=config, **kwargs)
 
     def _open_cache(self) -> SenderCache:
         if self._config is None:  # unreachable by construction; never an assert
             raise ClosedCacheError("no configuration")
-        return SenderCache(self._config)
+        return SenderCache(self._config, serde=self._serde)
 
     def _send(self, req: SenderRequest) -> list[MmItem] | Coroutine[Any, Any, list[MmItem]]:
         """Run a sender request as far as it goes on the loop: its result, or what is left to
@@ -332,6 +353,16 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
     def sender(self) -> SenderCache:
         """The sync cache this face drives."""
         return self._wrapped()
+
+    @property
+    def name(self) -> str:
+        """The segment's name (``aioshm-...``), as ``SenderCache.name``."""
+        return self.sender.name
+
+    @property
+    def group(self) -> str | None:
+        """The cache group this writer is a shard of (None for a plain cache)."""
+        return self.sender.group
 
     async def open(self) -> AsyncSenderCache:
         """Create the segment if this object owns one (fallocate + prefault run in a thread)."""
@@ -397,7 +428,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         self, mm_item: MmItem | None, mm_hash: str, *, wait_for_space: float | None = None
     ) -> MmItem:
         """As ``SenderCache.get_and_update_item``; big copies and waits run in a thread."""
-        req = self.sender.request(
+        req = self.sender._request(
             [mm_item],
             [mm_hash],
             wait_for_space=wait_for_space,
@@ -410,7 +441,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         self, features: Sequence[FeatureSpec], *, wait_for_space: float | None = None
     ) -> list[FeatureSpec]:
         """As ``SenderCache.get_and_update_features``; big copies and waits run in a thread."""
-        req = self.sender.features_request(
+        req = self.sender._features_request(
             features, wait_for_space=wait_for_space, copy_inline_below=self.inline_threshold_bytes
         )
         out = self._send(req)
@@ -424,7 +455,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         wait_for_space: float | None = None,
     ) -> list[MmItem]:
         """As ``SenderCache.get_and_update``; big copies and waits run in a thread."""
-        req = self.sender.request(
+        req = self.sender._request(
             mm_items,
             mm_hashes,
             wait_for_space=wait_for_space,
@@ -511,16 +542,16 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         """What ``get_or_put`` counted: calls, hits, runs of ``make``, saved, failures."""
         return self._flight.stats()
 
-    @property
-    def single_flight_saved(self) -> int:
-        """Preprocessings saved: ``get_or_put`` calls served by another caller's ``make``."""
-        return self._flight.stats().saved
-
     async def touch_sender_cache_item(self, mm_hash: str) -> bool:
         """Protect a cached item from eviction until its next hand-out."""
         return self.sender.touch_sender_cache_item(mm_hash)
 
-    touch = touch_sender_cache_item
+    async def touch(self, mm_hash: str) -> bool:
+        """``touch_sender_cache_item`` by the short name both faces share (DESIGN §5).
+
+        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
+        """
+        return await self.touch_sender_cache_item(mm_hash)
 
     async def release(self, ref: ShmRef) -> bool:
         """Undo a hand-out whose request failed before reaching the readers."""
@@ -535,47 +566,60 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         """Drop everything; a new epoch makes every older reference stale."""
         self.sender.clear_cache()
 
-    clear = clear_cache
+    async def clear(self) -> None:
+        """``clear_cache`` by the short name both faces share (DESIGN §5).
+
+        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
+        """
+        await self.clear_cache()
 
     async def remove_dangling_items(self) -> int:
         """Free every freeable chunk at the head; drop side-table rows of evicted items."""
         return self.sender.remove_dangling_items()
 
 
-class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
+class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
     """A reader's asyncio face. ``AsyncReceiverCache.attach(handle)`` attaches on ``__aenter__``;
     ``AsyncReceiverCache(receiver_cache)`` wraps (and borrows) an attached ``ReceiverCache``."""
 
     def __init__(
         self,
-        receiver: ReceiverCache | None = None,
+        receiver: ReceiverCache | GroupReceiverCache | None = None,
         *,
         handle: object = None,
+        serde: Serde | None = None,
         max_threads: int = 4,
         inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
     ) -> None:
         """Wrap ``receiver`` (borrowed) or, with ``handle``, attach on ``open`` (owned).
 
-        ``handle`` is a ``CacheHandle``, its dict or a segment name. ``max_threads`` bounds the
+        ``handle`` is a ``CacheHandle``, its dict or a segment name; ``serde`` replaces the
+        default ``MsgpackSerde`` of a reader this object attaches. ``max_threads`` bounds the
         worker threads of big reads; reads under ``inline_threshold_bytes`` run on the loop.
         """
         if (receiver is None) == (handle is None):
             raise ValueError("give either a ReceiverCache to wrap or a handle to attach")
+        if receiver is not None and serde is not None:
+            raise ValueError(
+                "serde= is for a reader this object attaches; a wrapped one has its own"
+            )
         super().__init__(
             receiver, max_threads=max_threads, inline_threshold_bytes=inline_threshold_bytes
         )
         self._handle = handle
         self._group: str | None = None
         self._wait_for_shard: float | None = None
-        self._serde: Serde | None = None
+        self._serde = serde
 
     @classmethod
     def attach(cls, handle: object, **kwargs: Any) -> AsyncReceiverCache:
         """A reader that attaches (on ``__aenter__``) and frees its slot on ``aclose``.
 
-        ``handle`` as for ``ReceiverCache.attach`` (a handle, its dict or JSON, or a name).
+        ``handle`` as for ``ReceiverCache.attach`` (a handle, its dict or JSON, or a name);
+        keywords as for the constructor: ``serde``, ``max_threads``, ``inline_threshold_bytes``.
+        A malformed handle is refused here, at once, rather than at ``__aenter__``.
         """
-        return cls(handle=handle, **kwargs)
+        return cls(handle=coerce_handle(handle), **kwargs)
 
     @classmethod
     def attach_group(
@@ -591,25 +635,27 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         attached on ``__aenter__`` (in a worker thread: a ``wait_for_shard`` wait does not
         block the loop); ``aclose`` frees its slot on every shard."""
         face = cls(
-            handle=group, max_threads=max_threads, inline_threshold_bytes=inline_threshold_bytes
+            handle=group,
+            serde=serde,
+            max_threads=max_threads,
+            inline_threshold_bytes=inline_threshold_bytes,
         )
         face._group = group
-        face._serde = serde
         face._wait_for_shard = wait_for_shard
         return face
 
-    def _open_cache(self) -> ReceiverCache:
+    def _open_cache(self) -> ReceiverCache | GroupReceiverCache:
         if self._handle is None:
             raise ClosedCacheError("no handle")
         if self._group is not None:
             return ReceiverCache.attach_group(
                 self._group, serde=self._serde, wait_for_shard=self._wait_for_shard
             )
-        return ReceiverCache.attach(self._handle)
+        return ReceiverCache.attach(self._handle, serde=self._serde)
 
     @property
-    def receiver(self) -> ReceiverCache:
-        """The sync cache this face drives."""
+    def receiver(self) -> ReceiverCache | GroupReceiverCache:
+        """The sync cache this face drives (a ``GroupReceiverCache`` after ``attach_group``)."""
         return self._wrapped()
 
     async def open(self) -> AsyncReceiverCache:
@@ -622,8 +668,15 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         return await self.open()
 
     def handle(self) -> CacheHandle:
-        """The handle of the segment this reader is attached to."""
-        return self.receiver.handle()
+        """The handle of the segment this reader is attached to.
+
+        A reader of a cache group has one handle per shard: ``RoleError`` (its ``receiver``'s
+        ``shard_handles()`` lists them).
+        """
+        receiver = self.receiver
+        if isinstance(receiver, GroupReceiverCache):
+            raise RoleError(f"a reader of cache group {receiver.group!r} has one handle per shard")
+        return receiver.handle()
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
         """References resolved (hits) of features seen (total)."""
@@ -631,14 +684,14 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
 
     async def get_and_update_features(self, features: Sequence[FeatureSpec]) -> list[FeatureSpec]:
         """As ``ReceiverCache.get_and_update_features``; big copies run in a worker thread."""
-        req = self.receiver.request(features, copy_inline_below=self.inline_threshold_bytes)
+        req = self.receiver._request(features, copy_inline_below=self.inline_threshold_bytes)
         if (pending := self._drive(req)) is not None:
             await pending
         return req.finish()
 
     async def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
         """As ``ReceiverCache.get_and_update_item``; a big copy runs in a worker thread."""
-        req = self.receiver.request(
+        req = self.receiver._request(
             [FeatureSpec(mm_hash, mm_item)], copy_inline_below=self.inline_threshold_bytes
         )
         if (pending := self._drive(req)) is not None:
@@ -653,13 +706,23 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         """Validate a reference without reading it; owes nothing."""
         self.receiver.touch_receiver_cache_item(mm_hash, mm_item)
 
-    touch = touch_receiver_cache_item
+    async def touch(self, mm_hash: str, mm_item: Any = None) -> None:
+        """``touch_receiver_cache_item`` by the short name both faces share (DESIGN §5).
+
+        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
+        """
+        await self.touch_receiver_cache_item(mm_hash, mm_item)
 
     async def clear_cache(self) -> None:
         """Drop local state (the receiver keeps no item copies)."""
         self.receiver.clear_cache()
 
-    clear = clear_cache
+    async def clear(self) -> None:
+        """``clear_cache`` by the short name both faces share (DESIGN §5).
+
+        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
+        """
+        await self.clear_cache()
 
     @contextlib.asynccontextmanager
     async def lease(self, features: Sequence[FeatureSpec]) -> AsyncIterator[list[FeatureSpec]]:

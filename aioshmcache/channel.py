@@ -74,7 +74,6 @@ import logging
 import multiprocessing
 import os
 import stat
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -129,14 +128,7 @@ _KIND_ERRORS: Final[dict[str, type[ShmCacheError]]] = {
     "bad_request": WireError,
 }
 
-if sys.version_info >= (3, 11):
-    _timeout = asyncio.timeout  # 10-17 us a call here, anyio.fail_after 35-95 us
-else:  # pragma: no cover - Python 3.10
-
-    @contextlib.asynccontextmanager
-    async def _timeout(delay: float) -> AsyncIterator[None]:
-        with anyio.fail_after(delay):
-            yield
+_timeout = asyncio.timeout  # 10-17 us a call here, anyio.fail_after 35-95 us
 
 
 Handler = Callable[[list[FeatureSpec], Any], Awaitable[Any]]

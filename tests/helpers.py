@@ -23,6 +23,23 @@ def random_item(rng: np.random.Generator, nbytes: int) -> dict[str, Any]:
     return {"data": data, "crc": checksum(data)}
 
 
+class FakeClock:
+    """A clock the test moves by hand: TTLs and revocation limits tested without sleeping.
+
+    Set it as a store's ``ledger.clock`` (every hand-out time, touch and acknowledgement time is
+    read from it), then ``advance`` past the limit: no wall-clock wait that load could stretch.
+    """
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def wait_until(pred: Any, timeout: float = 10.0, interval: float = 0.01) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

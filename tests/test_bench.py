@@ -27,7 +27,7 @@ from aioshmcache.tools.bench.report import Report, Row, Target
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.bench
 
 SECTIONS = (
     "Store: one array item",

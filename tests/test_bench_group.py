@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.bench
 
 
 def test_group_suite_quick(tmp_path: Path) -> None:

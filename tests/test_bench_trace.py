@@ -166,7 +166,7 @@ def test_report_targets_with_second_chance() -> None:
     ]
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_trace_suite_quick(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "aioshmcache", "bench", "--quick", "--suite", "trace"],

@@ -71,6 +71,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.e2e
 def test_fastapi_example_under_uvicorn(tmp_path: Path) -> None:
     name = f"{RUN_PREFIX}app-{uuid.uuid4().hex[:8]}"
     port = _free_port()

@@ -63,6 +63,7 @@ def _stop(proc: subprocess.Popen[bytes], sig: int) -> int | None:
         return None
 
 
+@pytest.mark.e2e
 def test_fastapi_example_as_a_group_under_uvicorn_workers_2(tmp_path: Path) -> None:
     group = f"{RUN_PREFIX}ga{uuid.uuid4().hex[:8]}"
     sock = str(tmp_path / "engine.sock")

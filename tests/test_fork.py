@@ -100,6 +100,7 @@ def _reader_that_forks(handle: dict[str, Any], conn: Any) -> None:
     time.sleep(3600)
 
 
+@pytest.mark.slow
 def test_writer_killed_while_its_forked_child_lives(shm_name: str) -> None:
     a, b = SPAWN.Pipe()
     writer = SPAWN.Process(target=_writer_that_forks, args=(shm_name, b))
@@ -131,6 +132,7 @@ def test_writer_killed_while_its_forked_child_lives(shm_name: str) -> None:
         sweep(name=shm_name)
 
 
+@pytest.mark.slow
 def test_reader_killed_while_its_forked_child_lives(make_config: Any) -> None:
     with ShmObjectStore.create(make_config(n_readers=1)) as store:
         a, b = SPAWN.Pipe()
@@ -192,8 +194,8 @@ def _writer_calls(tx: SenderCache, ref: ShmRef) -> dict[str, Callable[[], object
     return {
         "is_cached_item": lambda: tx.is_cached_item("h0"),
         "is_cached": lambda: tx.is_cached(["h0"]),
-        "request": lambda: tx.request([None], ["h0"]),
-        "features_request": lambda: tx.features_request([feat]),
+        "request": lambda: tx._request([None], ["h0"]),
+        "features_request": lambda: tx._features_request([feat]),
         "get_and_update_item hit": lambda: tx.get_and_update_item(None, "h0"),
         "get_and_update_item put": lambda: tx.get_and_update_item(({"x": 1}, ()), "new"),
         "get_and_update": lambda: tx.get_and_update([None], ["h0"]),

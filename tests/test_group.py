@@ -27,6 +27,7 @@ from aioshmcache._layout import parse_shard_name, shard_name
 
 from . import _group_procs as gp
 from .conftest import RUN_PREFIX
+from .helpers import FakeClock
 
 SPAWN = mp.get_context("spawn")
 
@@ -104,7 +105,6 @@ def test_four_writers_two_readers_2000_items(group: str) -> None:
     try:
         for p in writers:
             p.start()
-        time.sleep(0.5)  # not needed for correctness: readers attach new shards lazily
         for p in readers:
             p.start()
         counts = [out_w.get(timeout=120) for _ in writers]
@@ -388,11 +388,12 @@ def test_a_group_reader_revoked_by_one_shard_learns_it_from_that_shard_s_referen
     stress harness used an empty request to ask, and missed a revocation by one shard)."""
     cfg = CacheConfig(1 << 20, 1 << 18, 2, group=group, evict_stuck_readers_after=0.05)
     with SenderCache(cfg) as a, SenderCache(cfg) as b, ReceiverCache.attach_group(group) as rx:
+        clock = a.store.ledger.clock = FakeClock()  # shard a's stuck limit runs on it
         [fb0] = b.get_and_update_features([FeatureSpec("hb0", gp.make_item("hb0"))])
         rx.get_and_update_features([fb0])  # attached to both shards, b's slot in use
         [fa] = a.get_and_update_features([FeatureSpec("ha", gp.make_item("ha"))])
         [fb] = b.get_and_update_features([FeatureSpec("hb", gp.make_item("hb"))])
-        time.sleep(0.2)  # the reader owes "ha" and acknowledges nothing: stuck
+        clock.advance(0.2)  # the reader owes "ha" and acknowledges nothing: stuck
         assert a.is_freeable("ha")  # probing the debtors revoked the reader on shard a
         assert a.snapshot().readers[0].revoked
         a.invalidate("ha")

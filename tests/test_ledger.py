@@ -7,7 +7,6 @@ broadcast hand-out pinned forever and got healthy readers revoked).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -24,17 +23,9 @@ from hypothesis.stateful import (
 from aioshmcache import CacheConfig, ShmObjectStore
 from aioshmcache._ledger import Debts, HandoutLedger
 
-from .helpers import wait_until
+from .helpers import FakeClock
 
 TTL = 10.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class _Handout:
@@ -49,7 +40,7 @@ class LedgerModel(RuleBasedStateMachine):
     @initialize(one_of_n=st.booleans())
     def setup(self, one_of_n: bool) -> None:
         self.one_of_n = one_of_n
-        self.clock = Clock()
+        self.clock = FakeClock(0.0)
         self.ledger = HandoutLedger(one_of_n=one_of_n, handout_ttl=TTL, clock=self.clock)
         self.entries: dict[int, Debts] = {}
         self.handouts: dict[int, dict[int, _Handout]] = {}  # cid -> seq -> hand-out
@@ -308,8 +299,8 @@ TestLedgerModel.settings = settings(max_examples=150, stateful_step_count=40, de
 
 
 # --- the rules, one by one ----------------------------------------------------------------------
-def _ledger(*, one_of_n: bool) -> tuple[HandoutLedger, Clock, Debts]:
-    clock = Clock()
+def _ledger(*, one_of_n: bool) -> tuple[HandoutLedger, FakeClock, Debts]:
+    clock = FakeClock(0.0)
     ledger = HandoutLedger(one_of_n=one_of_n, handout_ttl=TTL, clock=clock)
     e = Debts(1)
     ledger.add(e)
@@ -426,6 +417,7 @@ def _item() -> dict[str, Any]:
 def test_store_one_of_n_lost_handout_does_not_pin_a_popular_item(shm_name: str) -> None:
     cfg = CacheConfig(1 << 20, 1 << 18, 1, name=shm_name, delivery="one_of_n", handout_ttl=0.3)
     with ShmObjectStore.create(cfg) as w, ShmObjectStore.from_handle(w.handle()) as r:
+        clock = w.ledger.clock = FakeClock()
         w.put("a", _item())  # handed out, lost
 
         def popular_and_freeable() -> bool:
@@ -434,15 +426,21 @@ def test_store_one_of_n_lost_handout_does_not_pin_a_popular_item(shm_name: str) 
             r.get(ref)  # every later hand-out is read at once
             return w.is_freeable("a")
 
-        assert wait_until(popular_and_freeable, timeout=30.0, interval=0.05)
+        assert not popular_and_freeable()  # the lost hand-out is young: it still counts
+        while not popular_and_freeable():
+            clock.advance(0.05)
+        assert clock.now - 1000.0 >= 0.3  # freed by the TTL of the lost hand-out, no sooner
 
 
 def test_store_touch_expires(shm_name: str) -> None:
     cfg = CacheConfig(1 << 20, 1 << 18, 1, name=shm_name, handout_ttl=0.2)
     with ShmObjectStore.create(cfg) as w:
+        clock = w.ledger.clock = FakeClock()
         w.put("a", _item())
         assert w.touch("a")
-        assert wait_until(lambda: w.is_freeable("a"), timeout=30.0)
+        assert not w.is_freeable("a")
+        clock.advance(0.25)
+        assert w.is_freeable("a")
 
 
 def test_store_lost_broadcast_handout_neither_pins_nor_revokes(shm_name: str) -> None:
@@ -450,6 +448,7 @@ def test_store_lost_broadcast_handout_neither_pins_nor_revokes(shm_name: str) ->
         1 << 20, 1 << 18, 1, name=shm_name, handout_ttl=0.3, evict_stuck_readers_after=0.2
     )
     with ShmObjectStore.create(cfg) as w, ShmObjectStore.from_handle(w.handle()) as r:
+        clock = w.ledger.clock = FakeClock()
         w.put("lost", _item())  # the sender never delivers it and never releases it
         i = 0
 
@@ -460,8 +459,9 @@ def test_store_lost_broadcast_handout_neither_pins_nor_revokes(shm_name: str) ->
             w.evict()  # probes the head's debtors: must not revoke the healthy reader
             return "lost" not in w
 
-        t0 = time.monotonic()
-        assert wait_until(reader_progresses_and_lost_lapses, timeout=30.0, interval=0.05)
-        assert time.monotonic() - t0 > 0.2  # the revocation limit passed meanwhile
+        t0 = clock.now
+        while not reader_progresses_and_lost_lapses():
+            clock.advance(0.05)
+        assert clock.now - t0 > 0.2  # the revocation limit passed meanwhile
         assert not r.slot.revoked  # type: ignore[union-attr]
         assert r.get(w.put("after", _item()))["x"][5] == 5

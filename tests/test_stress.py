@@ -165,6 +165,7 @@ def test_sweep_restart_burst_keeps_every_restarted_writer_s_segment(shm_name: st
 
 
 # --- short runs -------------------------------------------------------------------------------
+@pytest.mark.stress
 def test_quick_run_without_faults(tmp_path: pathlib.Path) -> None:
     """5 s, both delivery modes (a mid-run writer rotation), no faults: clean and drained."""
     rc, out, data = run_stress(tmp_path, "--duration", "5s", "--readers", "2", limit=600)
@@ -178,7 +179,7 @@ def test_quick_run_without_faults(tmp_path: pathlib.Path) -> None:
     assert data["violation_count"] == 0
 
 
-@pytest.mark.slow
+@pytest.mark.stress
 def test_short_run_with_sweeps_during_restarts(tmp_path: pathlib.Path) -> None:
     """``--faults sweep-restart`` alone, a short run: bursts of restarts under a swept name, 0
     violations (a restarted writer that lost its segment, or could not reclaim, is one)."""
@@ -200,6 +201,7 @@ def test_short_run_with_sweeps_during_restarts(tmp_path: pathlib.Path) -> None:
     assert "writers restarted while swept" in out
 
 
+@pytest.mark.stress
 def test_harness_catches_wrong_data_and_leaks(tmp_path: pathlib.Path) -> None:
     """Self-test: a writer that lies about digests and a reader that drops requests must fail.
 
@@ -262,7 +264,7 @@ def test_stress_all_faults(tmp_path: pathlib.Path) -> None:
     assert st.get("read_closed_during_read", 0) + st.get("closed_read_ok", 0) > 0
 
 
-@pytest.mark.slow
+@pytest.mark.stress
 @pytest.mark.parametrize("group", ["0", "2"])
 def test_stress_close_during_read(tmp_path: pathlib.Path, group: str) -> None:
     """The ``close-read`` fault alone: a reader's cache (or group reader) closed under a read.
@@ -295,6 +297,7 @@ def test_stress_close_during_read(tmp_path: pathlib.Path, group: str) -> None:
     assert all(f["n_not_freeable"] == 0 and f["after_items"] == 0 for f in data["finals"])
 
 
+@pytest.mark.stress
 def test_stress_group_with_faults(tmp_path: pathlib.Path) -> None:
     """``--group 3``: three writer processes, one shard each; readers attach to the group.
 

@@ -29,7 +29,7 @@ from ..units import KiB, MiB, fmt_bytes
 from .params import Params, bench_config
 from .procs import LazyWorker, Worker
 from .report import Report, Row, Target
-from .timing import Samples, ShmBuffer, memcpy_into, percentile, source_array
+from .timing import Samples, ShmBuffer, atimed, memcpy_into, percentile, source_array, timed
 
 __all__ = ["run_async_suite"]
 
@@ -85,50 +85,32 @@ def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
                 for _ in range(p.runs):
                     run = hit.new_run()
                     for _ in range(n):
-                        t0 = _clock()
-                        ref, _ = await cache.get_and_update_item(None, "hit")
-                        run.append((_clock() - t0) * 1e-9)
+                        ref, _ = await atimed(run, cache.get_and_update_item(None, "hit"))
                         receiver.release(_as_ref(ref))
                     run = sync_hit.new_run()
                     for _ in range(n):
-                        t0 = _clock()
-                        ref, _ = sender.get_and_update_item(None, "hit")
-                        run.append((_clock() - t0) * 1e-9)
+                        ref, _ = timed(run, sender.get_and_update_item, None, "hit")
                         receiver.release(_as_ref(ref))
                     run = hop.new_run()
                     for _ in range(max(20, n // 20)):
-                        t0 = _clock()
-                        await anyio.to_thread.run_sync(_noop, limiter=limiter)
-                        run.append((_clock() - t0) * 1e-9)
+                        await atimed(run, anyio.to_thread.run_sync(_noop, limiter=limiter))
         finally:
             receiver.close()
             sender.close()
 
     _run(loop, main)
     hs, ss, ts = hit.stat(), sync_hit.stat(), hop.stat()
-    report.add(
-        Row(
-            S_HIT,
-            f"async hit [{loop}]",
-            "1 KiB",
-            hs.median,
-            stat=hs,
-            baseline="sync hit",
-            ratio=ss.median / hs.median,
-            target=Target("value", "<=", 20e-6),
-        )
+    report.row(
+        S_HIT,
+        f"async hit [{loop}]",
+        "1 KiB",
+        hs,
+        vs=("sync hit", ss),
+        target=Target("value", "<=", 20e-6),
     )
-    report.add(Row(S_HIT, f"sync SenderCache hit [{loop} run]", "1 KiB", ss.median, stat=ss))
-    report.add(
-        Row(
-            S_HIT,
-            f"thread hop: anyio.to_thread.run_sync(noop) [{loop}]",
-            "",
-            ts.median,
-            stat=ts,
-            baseline="async hit",
-            ratio=hs.median / ts.median,
-        )
+    report.row(S_HIT, f"sync SenderCache hit [{loop} run]", "1 KiB", ss)
+    report.row(
+        S_HIT, f"thread hop: anyio.to_thread.run_sync(noop) [{loop}]", "", ts, vs=("async hit", hs)
     )
 
 
@@ -166,47 +148,34 @@ def bench_big_put(p: Params, report: Report, progress: Progress, loop: str) -> N
                 memcpy_into(shm.view(size), src, n, base.new_run())
                 run = rot.new_run()
                 for i in range(n):
-                    d = shm.view(size, (i % slots) * (size + 4096) + 128)
-                    t0 = _clock()
-                    np.copyto(d, src)
-                    run.append((_clock() - t0) * 1e-9)
+                    timed(run, np.copyto, shm.view(size, (i % slots) * (size + 4096) + 128), src)
                 run = put.new_run()
                 for _ in range(n):
-                    t0 = _clock()
-                    ref, _ = await c.get_and_update_item((item, ()), f"p{seq}")
-                    run.append((_clock() - t0) * 1e-9)
-                    _as_ref(ref)
                     seq += 1
+                    _as_ref((await atimed(run, c.get_and_update_item((item, ()), f"p{seq}")))[0])
 
     try:
         _run(loop, main)
     finally:
         shm.close()
     ps, bs, rs = put.stat(), base.stat(), rot.stat()
-    report.add(Row(S_PUT, f"np.copyto into warm shm [{loop} run]", "16 MiB", bs.median, stat=bs))
-    report.add(
-        Row(
-            S_PUT,
-            f"np.copyto into rotating places of a 128 MiB shm buffer [{loop} run]",
-            "16 MiB",
-            rs.median,
-            stat=rs,
-            baseline="np.copyto",
-            ratio=bs.median / rs.median,
-        )
+    vs_copy = ("np.copyto", bs)
+    report.row(S_PUT, f"np.copyto into warm shm [{loop} run]", "16 MiB", bs)
+    report.row(
+        S_PUT,
+        f"np.copyto into rotating places of a 128 MiB shm buffer [{loop} run]",
+        "16 MiB",
+        rs,
+        vs=vs_copy,
     )
-    report.add(
-        Row(
-            S_PUT,
-            f"await get_and_update_item (a miss: put) [{loop}]",
-            "16 MiB",
-            ps.median,
-            stat=ps,
-            baseline="np.copyto",
-            ratio=bs.median / ps.median,
-            target=Target("ratio", ">=", 0.7),
-            note=f"{rs.median / ps.median:.2f}x the rotating copy",
-        )
+    report.row(
+        S_PUT,
+        f"await get_and_update_item (a miss: put) [{loop}]",
+        "16 MiB",
+        ps,
+        vs=vs_copy,
+        target=Target("ratio", ">=", 0.7),
+        note=f"{rs.median / ps.median:.2f}x the rotating copy",
     )
 
 
@@ -245,24 +214,19 @@ def bench_lag(p: Params, report: Report, progress: Progress, loop: str, worker: 
             note += f", {n_inline} served inline (full)"
         label = f"{mode} [{loop}]"
         param = "1 ms ticker"
-        report.add(
-            Row(
-                S_LAG,
-                f"lag p99, {label}",
-                param,
-                st.median,
-                stat=st,
-                baseline=None if mode == "idle" else "idle loop p99",
-                ratio=None if mode == "idle" else idle.median / st.median,
-                target=tgt,
-                note=note,
-                plot="looplag",
-                series=f"p99 {mode} [{loop}]",
-            )
+        report.row(
+            S_LAG,
+            f"lag p99, {label}",
+            param,
+            st,
+            vs=None if mode == "idle" else ("idle loop p99", idle),
+            target=tgt,
+            note=note,
+            plot="looplag",
+            series=f"p99 {mode} [{loop}]",
         )
-        p50, mx = p50s[mode].stat(), maxs[mode].stat()
-        report.add(Row(S_LAG, f"lag p50, {label}", param, p50.median, stat=p50))
-        report.add(Row(S_LAG, f"lag max, {label}", param, mx.median, stat=mx))
+        report.row(S_LAG, f"lag p50, {label}", param, p50s[mode].stat())
+        report.row(S_LAG, f"lag max, {label}", param, maxs[mode].stat())
 
 
 def _lag_once(
@@ -375,29 +339,19 @@ def bench_concurrent(p: Params, report: Report, progress: Progress, loop: str) -
     _run(loop, main)
     cs, ss, ls, ps = conc_rate.stat(), seq_rate.stat(), lat.stat(), put_rate.stat()
     param = f"{tasks} tasks x {per_task}"
-    report.add(
-        Row(
-            S_CONC,
-            f"hits/s, concurrent tasks [{loop}]",
-            param,
-            cs.median,
-            kind="rate",
-            stat=cs,
-            baseline="one task, same requests",
-            ratio=cs.median / ss.median,
-        )
+    report.row(
+        S_CONC,
+        f"hits/s, concurrent tasks [{loop}]",
+        param,
+        cs,
+        kind="rate",
+        baseline="one task, same requests",
+        ratio=cs.median / ss.median,
     )
-    report.add(Row(S_CONC, f"hits/s, one task [{loop}]", param, ss.median, kind="rate", stat=ss))
-    report.add(Row(S_CONC, f"hit latency under concurrency [{loop}]", param, ls.median, stat=ls))
-    report.add(
-        Row(
-            S_CONC,
-            f"new 1 KiB items (puts)/s, concurrent tasks [{loop}]",
-            param,
-            ps.median,
-            kind="rate",
-            stat=ps,
-        )
+    report.row(S_CONC, f"hits/s, one task [{loop}]", param, ss, kind="rate")
+    report.row(S_CONC, f"hit latency under concurrency [{loop}]", param, ls)
+    report.row(
+        S_CONC, f"new 1 KiB items (puts)/s, concurrent tasks [{loop}]", param, ps, kind="rate"
     )
 
 
@@ -434,15 +388,11 @@ def bench_threshold(p: Params, report: Report, progress: Progress, loop: str) ->
                     for c, out in ((ci, inline[size]), (ct, thread[size])):
                         run = out.new_run()
                         for _ in range(n):
-                            t0 = _clock()
-                            await c.get_and_update_item((item, ()), f"t{seq}")
-                            run.append((_clock() - t0) * 1e-9)
                             seq += 1
+                            await atimed(run, c.get_and_update_item((item, ()), f"t{seq}"))
                     run = hop.new_run()
                     for _ in range(10):
-                        t0 = _clock()
-                        await anyio.to_thread.run_sync(_noop, limiter=limiter)
-                        run.append((_clock() - t0) * 1e-9)
+                        await atimed(run, anyio.to_thread.run_sync(_noop, limiter=limiter))
             await ci.aclose()
             await ct.aclose()
         finally:
@@ -453,51 +403,18 @@ def bench_threshold(p: Params, report: Report, progress: Progress, loop: str) ->
     finally:
         shm.close()
     hs = hop.stat()
-    report.add(Row(S_THR, f"thread hop (noop) [{loop}]", "", hs.median, stat=hs))
+    report.row(S_THR, f"thread hop (noop) [{loop}]", "", hs)
     crossover: int | None = None
     for size in sizes:
         ins, ths, bs = inline[size].stat(), thread[size].stat(), base[size].stat()
-        sz = fmt_bytes(size)
-        report.add(
-            Row(
-                S_THR,
-                f"np.copyto [{loop}]",
-                sz,
-                bs.median,
-                stat=bs,
-                plot="threshold",
-                series="np.copyto (baseline)",
-                x=size,
+        for label, st, vs, series in (
+            (f"np.copyto [{loop}]", bs, None, "np.copyto (baseline)"),
+            (f"put inline on the loop [{loop}]", ins, ("np.copyto", bs), "inline put"),
+            (f"put in a worker thread [{loop}]", ths, ("inline put", ins), "thread put"),
+        ):
+            report.row(
+                S_THR, label, fmt_bytes(size), st, vs=vs, plot="threshold", series=series, x=size
             )
-        )
-        report.add(
-            Row(
-                S_THR,
-                f"put inline on the loop [{loop}]",
-                sz,
-                ins.median,
-                stat=ins,
-                baseline="np.copyto",
-                ratio=bs.median / ins.median,
-                plot="threshold",
-                series="inline put",
-                x=size,
-            )
-        )
-        report.add(
-            Row(
-                S_THR,
-                f"put in a worker thread [{loop}]",
-                sz,
-                ths.median,
-                stat=ths,
-                baseline="inline put",
-                ratio=ins.median / ths.median,
-                plot="threshold",
-                series="thread put",
-                x=size,
-            )
-        )
         if crossover is None and ths.median <= ins.median:
             crossover = size
     medians = [(size, inline[size].stat().median, thread[size].stat().median) for size in sizes]

@@ -34,8 +34,8 @@ from ..progress import Progress
 from ..units import MiB, fmt_bytes
 from .params import Params, bench_config
 from .procs import LazyWorker, Worker
-from .report import Report, Row, Target
-from .timing import Samples, ShmBuffer, memcpy_into, source_array
+from .report import Report, Target
+from .timing import Samples, ShmBuffer, memcpy_into, source_array, timed
 
 __all__ = ["run_peers_suite"]
 
@@ -328,21 +328,9 @@ def _roundtrip_one(
     base = samples[names[0]].stat()
     stats = {k: v.stat() for k, v in samples.items()}
     for k in names:
-        st = stats[k]
-        report.add(
-            Row(
-                S_RT,
-                k,
-                sz,
-                st.median,
-                stat=st,
-                baseline=None if k == names[0] else "np.copyto",
-                ratio=None if k == names[0] else base.median / st.median,
-                plot="roundtrip",
-                series=_SERIES.get(k, k.split(" (")[0]),
-                x=size,
-            )
-        )
+        series = _SERIES.get(k, k.split(" (")[0])
+        vs = None if k == names[0] else ("np.copyto", base)
+        report.row(S_RT, k, sz, stats[k], vs=vs, plot="roundtrip", series=series, x=size)
     # aioshmcache against each peer, same size, same runs
     for mode, key in (("reader copies", names[1]), ("reader leases", names[2])):
         mine = stats[key].median
@@ -353,17 +341,8 @@ def _roundtrip_one(
             if size == 16 * MiB and peer.startswith("redis"):
                 tgt = Target("ratio", ">=", 20.0)
             short = peer.split(" (")[0]
-            report.add(
-                Row(
-                    S_RT,
-                    f"aioshmcache ({mode}) vs {short}",
-                    sz,
-                    mine,
-                    baseline=short,
-                    ratio=stats[peer].median / mine,
-                    target=tgt,
-                )
-            )
+            label = f"aioshmcache ({mode}) vs {short}"
+            report.row(S_RT, label, sz, mine, vs=(short, stats[peer]), target=tgt)
 
 
 # --- Ray --------------------------------------------------------------------------------------
@@ -413,46 +392,40 @@ def bench_ray(p: Params, report: Report, progress: Progress, worker: Worker, *, 
                 for _ in range(p.runs):
                     run = ray_s.new_run()
                     for _ in range(n):
-                        t0 = _clock()
-                        back = ray.get(ray.put(arr))
-                        run.append((_clock() - t0) * 1e-9)
-                        del back
+                        timed(run, _ray_round_trip, ray, arr)
                     ours.run("copy", item, n, copy_s.new_run())
                     ours.run("lease", item, n, lease_s.new_run())
             finally:
                 ours.close()
             sz = fmt_bytes(size)
             rs = ray_s.stat()
-            report.add(
-                Row(
-                    S_RAY,
-                    "Ray ray.get(ray.put(arr)) (one process)",
-                    sz,
-                    rs.median,
-                    stat=rs,
-                    plot="roundtrip",
-                    series="Ray put + get",
-                    x=size,
-                )
+            report.row(
+                S_RAY,
+                "Ray ray.get(ray.put(arr)) (one process)",
+                sz,
+                rs,
+                plot="roundtrip",
+                series="Ray put + get",
+                x=size,
             )
+            tgt = Target("ratio", ">=", 1.5) if size == 16 * MiB else None
             for label, smp in (("reader copies", copy_s), ("reader leases", lease_s)):
-                st = smp.stat()
-                tgt = Target("ratio", ">=", 1.5) if size == 16 * MiB else None
-                report.add(
-                    Row(
-                        S_RAY,
-                        f"aioshmcache ({label}) vs Ray put + get",
-                        sz,
-                        st.median,
-                        stat=st,
-                        baseline="Ray",
-                        ratio=rs.median / st.median,
-                        target=tgt,
-                    )
+                report.row(
+                    S_RAY,
+                    f"aioshmcache ({label}) vs Ray put + get",
+                    sz,
+                    smp.stat(),
+                    vs=("Ray", rs),
+                    target=tgt,
                 )
     finally:
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _ray_round_trip(ray: Any, arr: Any) -> None:
+    """``ray.get(ray.put(arr))``: Ray's put and (zero-copy) get of one array."""
+    ray.get(ray.put(arr))
 
 
 def run_peers_suite(

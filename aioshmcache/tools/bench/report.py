@@ -122,6 +122,25 @@ class Report:
         self.rows.append(row)
         return row
 
+    def row(
+        self,
+        section: str,
+        label: str,
+        param: str,
+        value: float | Stat,
+        *,
+        vs: tuple[str, Stat] | None = None,
+        **kw: Any,
+    ) -> Row:
+        """Add one row: a :class:`Stat` gives its median (and is kept); ``vs=(name, baseline)``
+        names the baseline and sets the ratio baseline ÷ this (above 1: this is faster)."""
+        stat = value if isinstance(value, Stat) else None
+        v = value.median if isinstance(value, Stat) else value
+        if vs is not None:
+            kw.setdefault("baseline", vs[0])
+            kw.setdefault("ratio", vs[1].median / v if v else math.nan)
+        return self.add(Row(section, label, param, v, stat=stat, **kw))
+
     def extend(self, rows: Iterable[Row]) -> None:
         self.rows.extend(rows)
 

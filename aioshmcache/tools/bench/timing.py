@@ -14,8 +14,9 @@ import mmap
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -23,14 +24,17 @@ import numpy.typing as npt
 __all__ = [
     "ShmBuffer",
     "Stat",
+    "atimed",
     "Samples",
     "memcpy_into",
     "percentile",
     "source_array",
+    "timed",
     "timed_calls",
 ]
 
 Array = npt.NDArray[np.uint8]
+R = TypeVar("R")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -135,6 +139,22 @@ def memcpy_into(dst: Array, src: Array, n: int, out: list[float]) -> None:
         t0 = clock()
         copyto(dst, src)
         out.append((clock() - t0) * 1e-9)
+
+
+def timed(run: list[float], fn: Callable[..., R], *args: Any) -> R:
+    """Call ``fn(*args)`` once, append its time in seconds to ``run``, return its result."""
+    t0 = time.perf_counter_ns()
+    out = fn(*args)
+    run.append((time.perf_counter_ns() - t0) * 1e-9)
+    return out
+
+
+async def atimed(run: list[float], aw: Awaitable[R]) -> R:
+    """Await ``aw``, append the time it took in seconds to ``run``, return its result."""
+    t0 = time.perf_counter_ns()
+    out = await aw
+    run.append((time.perf_counter_ns() - t0) * 1e-9)
+    return out
 
 
 def timed_calls(fn: Callable[[], object], n: int, out: list[float]) -> None:

@@ -58,7 +58,7 @@ from aioshmcache import CacheConfig, FeatureSpec, ReceiverCache, SenderCache, Sh
 from ..progress import Progress
 from ..units import KiB, fmt_bytes
 from .params import Params, bench_config
-from .report import Report, Row, Target
+from .report import Report, Target
 from .timing import Samples
 
 __all__ = [
@@ -341,44 +341,29 @@ def _report(
             if not reference and any(r.inline for r in runs_):
                 note += f"{'; ' if note else ''}{max(r.inline for r in runs_)} served inline"
             policy = name + (" (reference)" if reference else "")
-            report.add(
-                Row(
-                    S_TRACE,
-                    f"miss ratio: {policy}",
-                    param,
-                    miss.median,
-                    kind="fraction",
-                    stat=miss,
-                    note=note,
-                    plot="trace" if name != FIFO_MODEL else None,
-                    series=name,
-                    x=s,
-                )
+            report.row(
+                S_TRACE,
+                f"miss ratio: {policy}",
+                param,
+                miss,
+                kind="fraction",
+                note=note,
+                plot="trace" if name != FIFO_MODEL else None,
+                series=name,
+                x=s,
             )
-            report.add(
-                Row(
-                    S_TRACE,
-                    f"bytes written per request: {policy}",
-                    param,
-                    per_req.median,
-                    kind="bytes",
-                    stat=per_req,
-                    series=name,
-                )
+            report.row(
+                S_TRACE,
+                f"bytes written per request: {policy}",
+                param,
+                per_req,
+                kind="bytes",
+                series=name,
             )
         fifo_vs_lru = _per_seed(
             [_ratio(f.misses, m.misses) for f, m in zip(got[FIFO], got[LRU])]
         ).stat()
-        report.add(
-            Row(
-                S_TRACE,
-                "misses: FIFO ÷ LRU model",
-                param,
-                fifo_vs_lru.median,
-                kind="ratio",
-                stat=fifo_vs_lru,
-            )
-        )
+        report.row(S_TRACE, "misses: FIFO ÷ LRU model", param, fifo_vs_lru, kind="ratio")
         sc_vs_fifo = math.nan
         if SECOND_CHANCE in got:
             pairs = list(zip(got[SECOND_CHANCE], got[FIFO], got[LRU]))
@@ -386,28 +371,22 @@ def _report(
             vs_lru = _per_seed([_ratio(a.misses, m.misses) for a, _, m in pairs]).stat()
             sc_vs_fifo = vs_fifo.median
             on_target = (s, fraction) == FIFO_TARGET[0]
-            report.add(
-                Row(
-                    S_TRACE,
-                    "misses: second chance ÷ FIFO",
-                    param,
-                    vs_fifo.median,
-                    kind="ratio",
-                    stat=vs_fifo,
-                    target=Target("value", "<=", FIFO_TARGET[1]) if on_target else None,
-                    note=f"{1 - vs_fifo.median:.1%} fewer misses than FIFO",
-                )
+            report.row(
+                S_TRACE,
+                "misses: second chance ÷ FIFO",
+                param,
+                vs_fifo,
+                kind="ratio",
+                target=Target("value", "<=", FIFO_TARGET[1]) if on_target else None,
+                note=f"{1 - vs_fifo.median:.1%} fewer misses than FIFO",
             )
-            report.add(
-                Row(
-                    S_TRACE,
-                    "misses: second chance ÷ LRU model",
-                    param,
-                    vs_lru.median,
-                    kind="ratio",
-                    stat=vs_lru,
-                    target=Target("value", "<=", 1.0),
-                )
+            report.row(
+                S_TRACE,
+                "misses: second chance ÷ LRU model",
+                param,
+                vs_lru,
+                kind="ratio",
+                target=Target("value", "<=", 1.0),
             )
         dist = statistics.median(distinct[(s, fraction)])
 

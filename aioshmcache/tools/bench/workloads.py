@@ -23,8 +23,8 @@ from ..progress import Progress
 from ..units import GiB, MiB, fmt_bytes
 from .params import Params, bench_config, open_store
 from .procs import LazyWorker, Worker
-from .report import Report, Row, Target
-from .timing import Samples, ShmBuffer, memcpy_into, source_array
+from .report import Report, Target
+from .timing import Samples, ShmBuffer, memcpy_into, source_array, timed
 
 __all__ = ["run_store_suite"]
 
@@ -109,111 +109,68 @@ def _store_ops_one(p: Params, report: Report, shm: ShmBuffer, size: int) -> None
                 memcpy_into(dst, src, n, base.new_run())
                 run = rotating.new_run()
                 for i in range(n):  # what a put's copy meets: a new place in the ring each time
-                    off = (i % slots) * stride + 128
-                    d = shm.view(size, off)
-                    t0 = _clock()
-                    np.copyto(d, src)
-                    run.append((_clock() - t0) * 1e-9)
+                    timed(run, np.copyto, shm.view(size, (i % slots) * stride + 128), src)
                 run = put.new_run()
                 for _ in range(n):
-                    key = f"k{seq}"
                     seq += 1
-                    t0 = _clock()
-                    ref = store.put(key, item)
-                    run.append((_clock() - t0) * 1e-9)
-                    reader.ack(ref)
-                last = f"k{seq - 1}"
+                    reader.ack(timed(run, store.put, f"k{seq}", item))
+                last = f"k{seq}"
                 run = get.new_run()
-                for _ in range(n):
-                    ref = _handout(store, last)  # a new hand-out (untimed): the writer's part
-                    t0 = _clock()
-                    reader.get(ref)
-                    run.append((_clock() - t0) * 1e-9)
+                for _ in range(n):  # a new hand-out (untimed: the writer's part), then the read
+                    timed(run, reader.get, _handout(store, last))
                 run = lease.new_run()
                 for _ in range(n):
-                    ref = _handout(store, last)
-                    t0 = _clock()
-                    v = reader.get(ref, copy=False)
-                    reader.ack(ref)
-                    run.append((_clock() - t0) * 1e-9)
-                    del v
+                    timed(run, _lease_once, reader, _handout(store, last))
                 run = copyout.new_run()
-                for _ in range(n):
-                    t0 = _clock()
-                    np.array(dst)  # copy out of shared memory into a fresh private array
-                    run.append((_clock() - t0) * 1e-9)
+                for _ in range(n):  # copy out of shared memory into a fresh private array
+                    timed(run, np.array, dst)
         finally:
             reader.close()
-    sz = fmt_bytes(size)
-    b = base.stat()
-    rows = [
-        Row(
-            S_STORE,
-            "np.copyto into warm shm (baseline)",
-            sz,
-            b.median,
-            stat=b,
-            plot="store",
-            series="np.copyto (baseline)",
-            x=size,
-        ),
-    ]
-    rs = rotating.stat()
-    rows.append(
-        Row(
-            S_STORE,
-            "np.copyto into rotating places of a ring-sized shm buffer",
-            sz,
-            rs.median,
-            stat=rs,
-            baseline="np.copyto",
-            ratio=b.median / rs.median,
-            plot="store",
-            series="np.copyto, rotating",
-            x=size,
-        )
+    sz, b, rs = fmt_bytes(size), base.stat(), rotating.stat()
+    at_least_08 = Target("ratio", ">=", 0.8)
+    report.row(
+        S_STORE,
+        "np.copyto into warm shm (baseline)",
+        sz,
+        b,
+        plot="store",
+        series="np.copyto (baseline)",
+        x=size,
     )
+    # (label, samples, plot series, target)
     for label, samples, series, target in (
-        ("put", put, "put", _put_target(size)),
-        ("get (copy)", get, "get (copy)", _get_target(size)),
-        ("get (lease: view + ack)", lease, "get (lease)", _lease_target()),
+        (
+            "np.copyto into rotating places of a ring-sized shm buffer",
+            rotating,
+            "np.copyto, rotating",
+            None,
+        ),
+        ("put", put, "put", at_least_08 if size == 16 * MiB else None),
+        ("get (copy)", get, "get (copy)", at_least_08 if size in (MiB, 16 * MiB) else None),
+        ("get (lease: view + ack)", lease, "get (lease)", Target("value", "<=", 20e-6)),
         ("np.array(shm view): copy into a fresh array", copyout, "np.array(shm view)", None),
     ):
-        s = samples.stat()
-        note = f"{rs.median / s.median:.2f}x the rotating copy" if series == "put" else ""
-        rows.append(
-            Row(
-                S_STORE,
-                label,
-                sz,
-                s.median,
-                stat=s,
-                baseline="np.copyto",
-                ratio=b.median / s.median,
-                target=target,
-                plot="store",
-                series=series,
-                x=size,
-                note=note,
-            )
+        st = samples.stat()
+        note = f"{rs.median / st.median:.2f}x the rotating copy" if series == "put" else ""
+        report.row(
+            S_STORE,
+            label,
+            sz,
+            st,
+            vs=("np.copyto", b),
+            target=target,
+            plot="store",
+            series=series,
+            x=size,
+            note=note,
         )
-    report.extend(rows)
 
 
-def _put_target(size: int) -> Target | None:
-    return Target("ratio", ">=", 0.8) if size == 16 * MiB else None
-
-
-def _get_target(size: int) -> Target | None:
-    if size == 1 * MiB:
-        return Target("ratio", ">=", 0.8)
-    if size == 16 * MiB:
-        return Target("ratio", ">=", 0.8)
-    return None
-
-
-def _lease_target() -> Target:
-    return Target("value", "<=", 20e-6)
+def _lease_once(reader: ShmObjectStore, ref: ShmRef) -> None:
+    """A zero-copy read: the view, then the acknowledgement."""
+    v = reader.get(ref, copy=False)
+    reader.ack(ref)
+    del v
 
 
 # --- small items steady state -------------------------------------------------------
@@ -242,12 +199,8 @@ def bench_small_steady(p: Params, report: Report, progress: Progress, worker: Wo
                     for _ in range(p.small_batches if r else warm):
                         refs: list[ShmRef] = []
                         for _ in range(BATCH):
-                            key = f"s{seq}"
                             seq += 1
-                            t0 = _clock()
-                            ref = store.put(key, item)
-                            putrun.append((_clock() - t0) * 1e-9)
-                            refs.append(ref)
+                            refs.append(timed(putrun, store.put, f"s{seq}", item))
                         worker.send_refs(refs)
                         pending += 1
                         if pending >= 2:  # keep one batch in flight while putting the next
@@ -267,43 +220,21 @@ def bench_small_steady(p: Params, report: Report, progress: Progress, worker: Wo
             worker.detach()
     ps, gs, ls = put.stat(), get.stat(), lease_get.stat()
     note = f"{evictions:,} evictions, gc {'on' if gc.isenabled() else 'OFF'}"
-    report.add(
-        Row(
+    for label, st, series, limit, extra in (
+        ("put (writer process)", ps, "put", 10e-6, note),
+        ("get (copy, reader process)", gs, "get (copy)", 8e-6, ""),
+        ("get (lease: view + ack, reader process)", ls, "get (lease)", 8e-6, ""),
+    ):
+        report.row(
             S_SMALL,
-            "put (writer process)",
+            label,
             "1 KiB",
-            ps.median,
-            stat=ps,
-            note=note,
-            target=Target("value", "<=", 10e-6),
+            st,
+            target=Target("value", "<=", limit),
             plot="small",
-            series="put",
+            series=series,
+            note=extra,
         )
-    )
-    report.add(
-        Row(
-            S_SMALL,
-            "get (copy, reader process)",
-            "1 KiB",
-            gs.median,
-            stat=gs,
-            target=Target("value", "<=", 8e-6),
-            plot="small",
-            series="get (copy)",
-        )
-    )
-    report.add(
-        Row(
-            S_SMALL,
-            "get (lease: view + ack, reader process)",
-            "1 KiB",
-            ls.median,
-            stat=ls,
-            target=Target("value", "<=", 8e-6),
-            plot="small",
-            series="get (lease)",
-        )
-    )
 
 
 class _FullCollections:
@@ -352,12 +283,9 @@ def bench_sender_steady(p: Params, report: Report, progress: Progress, worker: W
                             run: list[float] = []
                             refs: list[ShmRef] = []
                             for _ in range(p.sender_puts):
-                                key = f"m{seq}"
                                 seq += 1
-                                t0 = _clock()
-                                ref, _updates = cache.get_and_update_item(item, key)
-                                run.append((_clock() - t0) * 1e-9)
-                                refs.append(ref)
+                                key = f"m{seq}"
+                                refs.append(timed(run, cache.get_and_update_item, item, key)[0])
                                 if len(refs) == BATCH:
                                     worker.send_refs(refs)
                                     refs = []
@@ -368,10 +296,9 @@ def bench_sender_steady(p: Params, report: Report, progress: Progress, worker: W
                                 put.add_run(run)
                                 hot = hit.new_run()
                                 for _ in range(1000):
-                                    t0 = _clock()
-                                    ref, _updates = cache.get_and_update_item(None, key)
-                                    hot.append((_clock() - t0) * 1e-9)
-                                    cache.release(ref)
+                                    cache.release(
+                                        timed(hot, cache.get_and_update_item, None, key)[0]
+                                    )
                     fulls[mode] = counted.n
                 finally:
                     gc.unfreeze()
@@ -383,40 +310,31 @@ def bench_sender_steady(p: Params, report: Report, progress: Progress, worker: W
     ps, hs = put.stat(), hit.stat()
     note = f"{evictions:,} evictions, gc {'on' if gc.isenabled() else 'OFF'}"
     n = p.runs * p.sender_puts
-    report.add(
-        Row(
-            S_SENDER,
-            "get_and_update_item, miss (put)",
-            "1 KiB",
-            ps.median,
-            stat=ps,
-            note=note,
-            target=Target("value", "<=", 10e-6),
-        )
+    report.row(
+        S_SENDER,
+        "get_and_update_item, miss (put)",
+        "1 KiB",
+        ps,
+        note=note,
+        target=Target("value", "<=", 10e-6),
     )
-    report.add(
-        Row(
-            S_SENDER,
-            f"put latency, max over {n:,} puts, after gc.freeze()",
-            "1 KiB",
-            worst["frozen"],
-            target=Target("value", "<=", 5e-3),
-            note=f"{fulls['frozen']} full collections of the unfrozen rest",
-        )
+    report.row(
+        S_SENDER,
+        f"put latency, max over {n:,} puts, after gc.freeze()",
+        "1 KiB",
+        worst["frozen"],
+        target=Target("value", "<=", 5e-3),
+        note=f"{fulls['frozen']} full collections of the unfrozen rest",
     )
-    report.add(
-        Row(
-            S_SENDER,
-            f"put latency, max over {n:,} puts, as is",
-            "1 KiB",
-            worst["as is"],
-            note=f"p99 {ps.p99 * 1e6:.1f} us; {fulls['as is']} full collections of this "
-            f"process ({len(gc.get_objects()):,} tracked objects)",
-        )
+    report.row(
+        S_SENDER,
+        f"put latency, max over {n:,} puts, as is",
+        "1 KiB",
+        worst["as is"],
+        note=f"p99 {ps.p99 * 1e6:.1f} us; {fulls['as is']} full collections of this "
+        f"process ({len(gc.get_objects()):,} tracked objects)",
     )
-    report.add(
-        Row(S_SENDER, "get_and_update_item, hit (then release)", "1 KiB", hs.median, stat=hs)
-    )
+    report.row(S_SENDER, "get_and_update_item, hit (then release)", "1 KiB", hs)
 
 
 def _recv_list(worker: Worker) -> list[int]:
@@ -441,92 +359,41 @@ def bench_fresh_vs_warm(p: Params, report: Report, progress: Progress) -> None:
     create, first, fresh, warm, hot = Samples(), Samples(), Samples(), Samples(), Samples()
     per_ring = cache // (size + 64 * 1024)
     for _ in range(p.fresh_runs):
-        cfg = bench_config(cache, size + 64 * 1024, 1)
-        t0 = _clock()
-        store = ShmObjectStore.create(cfg)
-        create.add_run([(_clock() - t0) * 1e-9])
+        store = timed(create.new_run(), ShmObjectStore.create, bench_config(cache, size + 65536, 1))
         try:
-            t0 = _clock()
-            store.put("first", item)
-            first.add_run([(_clock() - t0) * 1e-9])
+            timed(first.new_run(), store.put, "first", item)
             run = fresh.new_run()
             for j in range(1, 8):  # more puts into pages no put has written yet
-                t0 = _clock()
-                store.put(f"fresh{j}", item)
-                run.append((_clock() - t0) * 1e-9)
+                timed(run, store.put, f"fresh{j}", item)
             for j in range(per_ring + 2):  # wrap the ring: from here on, pages written before
                 store.put(f"wrap{j}", item)
             run = warm.new_run()
             for j in range(5):  # steady state: written once, long out of the CPU caches
-                t0 = _clock()
-                store.put(f"warm{j}", item)
-                run.append((_clock() - t0) * 1e-9)
+                timed(run, store.put, f"warm{j}", item)
             run = hot.new_run()
             for j in range(3):
                 store.clear()  # the ring starts again at address 0: the very same pages, hot
-                t0 = _clock()
-                store.put(f"hot{j}", item)
-                run.append((_clock() - t0) * 1e-9)
+                timed(run, store.put, f"hot{j}", item)
         finally:
             store.close()
     cs, fs, rs, ws, hs = create.stat(), first.stat(), fresh.stat(), warm.stat(), hot.stat()
     param = f"{fmt_bytes(cache)} cache, 16 MiB item"
-    report.add(
-        Row(
-            S_FRESH, "create the cache (fallocate + prefault)", fmt_bytes(cache), cs.median, stat=cs
-        )
+    cache_s, vs_warm = fmt_bytes(cache), ("warm put", ws)
+    report.row(S_FRESH, "create the cache (fallocate + prefault)", cache_s, cs)
+    report.row(S_FRESH, "first put into the fresh cache", param, fs, vs=vs_warm)
+    report.row(
+        S_FRESH, "puts 2-8 into the fresh cache (pages not yet written)", param, rs, vs=vs_warm
     )
-    report.add(
-        Row(
-            S_FRESH,
-            "first put into the fresh cache",
-            param,
-            fs.median,
-            stat=fs,
-            baseline="warm put",
-            ratio=ws.median / fs.median,
-        )
-    )
-    report.add(
-        Row(
-            S_FRESH,
-            "puts 2-8 into the fresh cache (pages not yet written)",
-            param,
-            rs.median,
-            stat=rs,
-            baseline="warm put",
-            ratio=ws.median / rs.median,
-        )
-    )
-    report.add(
-        Row(
-            S_FRESH,
-            "warm put (after the ring wrapped: pages written before)",
-            param,
-            ws.median,
-            stat=ws,
-        )
-    )
-    report.add(
-        Row(
-            S_FRESH,
-            "hot put (the same pages again right after clear)",
-            param,
-            hs.median,
-            stat=hs,
-            baseline="warm put",
-            ratio=ws.median / hs.median,
-        )
-    )
-    report.add(
-        Row(
-            S_FRESH,
-            "first put ÷ warm put",
-            param,
-            fs.median / ws.median,
-            kind="ratio",
-            target=Target("value", "<=", 1.5),
-        )
+    report.row(S_FRESH, "warm put (after the ring wrapped: pages written before)", param, ws)
+    report.row(S_FRESH, "hot put (the same pages again right after clear)", param, hs, vs=vs_warm)
+    first_vs_warm = fs.median / ws.median
+    report.row(
+        S_FRESH,
+        "first put ÷ warm put",
+        param,
+        first_vs_warm,
+        kind="ratio",
+        target=Target("value", "<=", 1.5),
     )
 
 
@@ -549,10 +416,7 @@ def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -
             for _ in range(p.churn_runs):
                 run = base.new_run()  # the limit: np.copyto into rotating places of 64 MiB
                 for i in range(400):
-                    d = shm.view(size, (i % slots) * stride + 128)
-                    t0 = _clock()
-                    np.copyto(d, src)
-                    run.append((_clock() - t0) * 1e-9)
+                    timed(run, np.copyto, shm.view(size, (i % slots) * stride + 128), src)
                 cfg = bench_config(ring, 2 * MiB, 1, wait_for_space=5.0)
                 with open_store(cfg) as store:
                     worker.attach(store.handle())
@@ -560,11 +424,8 @@ def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -
                         worker.send("ack_stream", mode)
                         run = lat.new_run()
                         t_start = _clock()
-                        for i in range(p.churn_puts):
-                            t0 = _clock()
-                            ref = store.put(f"c{i}", item)
-                            run.append((_clock() - t0) * 1e-9)
-                            worker.send_refs([ref])  # each reference on its own, no batching
+                        for i in range(p.churn_puts):  # each reference on its own, no batching
+                            worker.send_refs([timed(run, store.put, f"c{i}", item)])
                         worker.send_refs(None)
                         worker.reply()  # every item read and acknowledged
                         elapsed = (_clock() - t_start) * 1e-9
@@ -574,40 +435,21 @@ def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -
                         worker.detach()
             rs, ls, bs = rates.stat(), lat.stat(), base.stat()
             who = "reader copies each item" if mode == "copy" else "reader leases (no copy)"
-            report.add(
-                Row(
-                    S_CHURN,
-                    f"puts/s ({who})",
-                    "1 MiB",
-                    rs.median,
-                    kind="rate",
-                    stat=rs,
-                    baseline="1 / rotating np.copyto",
-                    ratio=rs.median * bs.median,
-                    target=Target("value", ">=", 10_000) if mode == "copy" else None,
-                    note=f"writer waited for room {waits} times",
-                )
-            )
-            report.add(
-                Row(
-                    S_CHURN,
-                    f"put latency ({who})",
-                    "1 MiB",
-                    ls.median,
-                    stat=ls,
-                    baseline="rotating np.copyto",
-                    ratio=bs.median / ls.median,
-                )
-            )
-        report.add(
-            Row(
+            target = Target("value", ">=", 10_000) if mode == "copy" else None
+            report.row(
                 S_CHURN,
-                "np.copyto into rotating places of a 64 MiB shm buffer (baseline)",
+                f"puts/s ({who})",
                 "1 MiB",
-                bs.median,
-                stat=bs,
+                rs,
+                kind="rate",
+                target=target,
+                baseline="1 / rotating np.copyto",
+                ratio=rs.median * bs.median,
+                note=f"writer waited for room {waits} times",
             )
-        )
+            report.row(S_CHURN, f"put latency ({who})", "1 MiB", ls, vs=("rotating np.copyto", bs))
+        base_label = "np.copyto into rotating places of a 64 MiB shm buffer (baseline)"
+        report.row(S_CHURN, base_label, "1 MiB", bs)
     finally:
         shm.close()
 
@@ -637,64 +479,47 @@ def bench_readers(p: Params, report: Report, progress: Progress, worker: Worker)
                         for s in sizes:
                             run = results.setdefault((k, s), Samples()).new_run()
                             n = p.n_ops(s)
-                            for _ in range(n):
-                                t0 = _clock()
-                                ref = _handout(store, f"r{s}")
-                                t1 = _clock()
-                                reader.get(ref)
-                                run.append((_clock() - t1) * 1e-9)
-                                h.append((t1 - t0) * 1e-9)
+                            for _ in range(n):  # the hand-out and the read, timed apart
+                                timed(run, reader.get, timed(h, _handout, store, f"r{s}"))
                     finally:
                         if k > 1:
                             worker.detach()
         finally:
             reader.close()
+    kmax = max(p.readers)
     for s in sizes:
         one = results[(1, s)].stat()
         for k in p.readers:
-            st = results[(k, s)].stat()
-            report.add(
-                Row(
-                    S_READERS,
-                    f"get (copy) of {fmt_bytes(s)}",
-                    f"{k} readers",
-                    st.median,
-                    stat=st,
-                    baseline="1 reader",
-                    ratio=one.median / st.median,
-                    plot="readers",
-                    series=f"get {fmt_bytes(s)}",
-                    x=k,
-                )
-            )
-        kmax = max(p.readers)
-        worst = results[(kmax, s)].stat().median / one.median
-        report.add(
-            Row(
+            report.row(
                 S_READERS,
-                f"get {fmt_bytes(s)}: {kmax} readers ÷ 1 reader",
-                f"{kmax} vs 1",
-                worst,
-                kind="ratio",
-                target=Target("value", "<=", 1.10),
+                f"get (copy) of {fmt_bytes(s)}",
+                f"{k} readers",
+                results[(k, s)].stat(),
+                vs=("1 reader", one),
+                plot="readers",
+                series=f"get {fmt_bytes(s)}",
+                x=k,
             )
+        worst = results[(kmax, s)].stat().median / one.median
+        report.row(
+            S_READERS,
+            f"get {fmt_bytes(s)}: {kmax} readers ÷ 1 reader",
+            f"{kmax} vs 1",
+            worst,
+            kind="ratio",
+            target=Target("value", "<=", 1.10),
         )
     h1 = handouts[1].stat()
     for k in p.readers:
-        st = handouts[k].stat()
-        report.add(
-            Row(
-                S_READERS,
-                "writer hand-out (get_cached)",
-                f"{k} readers",
-                st.median,
-                stat=st,
-                baseline="1 reader",
-                ratio=h1.median / st.median,
-                plot="readers",
-                series="writer hand-out",
-                x=k,
-            )
+        report.row(
+            S_READERS,
+            "writer hand-out (get_cached)",
+            f"{k} readers",
+            handouts[k].stat(),
+            vs=("1 reader", h1),
+            plot="readers",
+            series="writer hand-out",
+            x=k,
         )
 
 
@@ -716,49 +541,30 @@ def bench_cache_size(p: Params, report: Report, progress: Progress) -> None:
         ops: dict[str, Samples] = {k: Samples() for k in ("put 1 KiB", "get 1 KiB", "get 1 MiB")}
         runs = 1 if cache >= 4 * GiB else min(p.runs, 3)
         for _ in range(runs):
-            cfg = bench_config(cache, 2 * MiB, 1)
-            t0 = _clock()
-            store = ShmObjectStore.create(cfg)
-            create.add_run([(_clock() - t0) * 1e-9])
+            store = timed(create.new_run(), ShmObjectStore.create, bench_config(cache, 2 * MiB, 1))
             try:
-                t0 = _clock()
-                reader = ShmObjectStore.from_handle(store.handle())
-                attach.add_run([(_clock() - t0) * 1e-9])
+                reader = timed(attach.new_run(), ShmObjectStore.from_handle, store.handle())
                 try:
                     _cache_ops(p, store, reader, small, big, ops)
                 finally:
                     reader.close()
             finally:
                 store.close()
-        c = fmt_bytes(cache)
-        cs, at = create.stat(), attach.stat()
-        report.add(
-            Row(
+        for label, samples in (
+            ("create (fallocate + prefault)", create),
+            ("reader attach (maps and populates the segment)", attach),
+            *ops.items(),
+        ):
+            series = label.split(" (")[0]  # "create", "reader attach", "put 1 KiB", ...
+            report.row(
                 S_CACHE,
-                "create (fallocate + prefault)",
-                c,
-                cs.median,
-                stat=cs,
+                label,
+                fmt_bytes(cache),
+                samples.stat(),
                 plot="cache_size",
-                series="create",
+                series=series,
                 x=cache,
             )
-        )
-        report.add(
-            Row(
-                S_CACHE,
-                "reader attach (maps and populates the segment)",
-                c,
-                at.median,
-                stat=at,
-                plot="cache_size",
-                series="reader attach",
-                x=cache,
-            )
-        )
-        for k, smp in ops.items():
-            st = smp.stat()
-            report.add(Row(S_CACHE, k, c, st.median, stat=st, plot="cache_size", series=k, x=cache))
 
 
 def _cache_ops(
@@ -772,18 +578,12 @@ def _cache_ops(
     n = p.n_ops(1024)
     run = ops["put 1 KiB"].new_run()
     for i in range(n):
-        t0 = _clock()
-        ref = store.put(f"p{i}", small)
-        run.append((_clock() - t0) * 1e-9)
-        reader.ack(ref)
+        reader.ack(timed(run, store.put, f"p{i}", small))
     for label, key, value in (("get 1 KiB", "g1", small), ("get 1 MiB", "g2", big)):
         reader.ack(store.put(key, value))
         run = ops[label].new_run()
         for _ in range(p.n_ops(len(value["data"]))):
-            ref = _handout(store, key)
-            t0 = _clock()
-            reader.get(ref)
-            run.append((_clock() - t0) * 1e-9)
+            timed(run, reader.get, _handout(store, key))
 
 
 # --- a full garbage collection in a writer holding many live items ---------------------------
@@ -809,9 +609,7 @@ def bench_gc_live_entries(p: Params, report: Report, progress: Progress) -> None
     def collect(samples: Samples) -> None:
         run = samples.new_run()
         for _ in range(3):
-            t0 = _clock()
-            gc.collect()
-            run.append((_clock() - t0) * 1e-9)
+            timed(run, gc.collect)
 
     sender = SenderCache(bench_config(cap, 64 * 1024, 1))
     try:
@@ -834,20 +632,15 @@ def bench_gc_live_entries(p: Params, report: Report, progress: Progress) -> None
             reader.close()
     finally:
         sender.close()
-    bs, fs = base.stat(), full.stat()
-    report.add(
-        Row(S_GC, "gc.collect(), no items yet (baseline)", f"{n:,} items", bs.median, stat=bs)
-    )
-    report.add(
-        Row(
-            S_GC,
-            f"gc.collect() with {n:,} live entries",
-            f"{n:,} items",
-            fs.median,
-            stat=fs,
-            note=f"{live:,} items cached, {tracked:,} objects tracked by gc",
-            target=Target("value", "<=", 30e-3) if n >= GC_TARGET_ENTRIES else None,
-        )
+    param = f"{n:,} items"
+    report.row(S_GC, "gc.collect(), no items yet (baseline)", param, base.stat())
+    report.row(
+        S_GC,
+        f"gc.collect() with {n:,} live entries",
+        param,
+        full.stat(),
+        note=f"{live:,} items cached, {tracked:,} objects tracked by gc",
+        target=Target("value", "<=", 30e-3) if n >= GC_TARGET_ENTRIES else None,
     )
 
 

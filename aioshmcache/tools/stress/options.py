@@ -1,11 +1,17 @@
-"""The harness's options: what a run is parametrised by, and the command line that sets it."""
+"""The harness's options: what a run is parametrised by, and the command line that sets it.
+
+Each field of :class:`StressOptions` carries its flag's help (and parser, where it is not the
+field's own type) in its metadata; :func:`parse_args` builds the argparse parser from the fields,
+so a new option is one field.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import secrets
-from typing import Any, Final
+from collections.abc import Callable
+from typing import Any, Final, cast
 
 from aioshmcache import CacheConfig
 
@@ -27,50 +33,98 @@ FAULTS: Final = (
 GROUP_DISABLED: Final[frozenset[str]] = frozenset()
 
 
+def _opt(default: Any, help: str, parse: Callable[[str], Any] | None = None, **kw: Any) -> Any:
+    """A field that is also a command-line flag (``--field-name``), with its help text."""
+    return dataclasses.field(default=default, metadata={"help": help, "parse": parse, **kw})
+
+
 @dataclasses.dataclass
 class StressOptions:
     """Everything a run is parametrised by (the parent passes what children need as JSON)."""
 
-    duration: float | None = 30.0
-    ops: int | None = None
-    readers: int = 3
-    writers: int = 4
-    group: int = 0
-    reader_concurrency: int = 2
-    delivery: str = "alternate"
-    faults: frozenset[str] = frozenset()
-    capacity: int = 96 << 20
-    max_object: int = 33 << 20
-    min_item: int = 1 << 10
-    max_item: int = 32 << 20
+    duration: float | None = _opt(30.0, "run time, e.g. 60s, 2h (default 30s)", parse_duration)
+    ops: int | None = _opt(None, "stop after this many writer requests", int)
+    readers: int = _opt(3, "reader processes")
+    writers: int = _opt(4, "concurrent writer tasks")
+    group: int = _opt(
+        0,
+        "run N writer processes, each the writer of its own shard of one cache group; readers "
+        "attach to the group (attach_group) and writers share the hash space, so sibling hits "
+        "happen. Faults apply per shard: kill-writer and fork kill one of the N writers (its "
+        "shard is reclaimed by the replacement, readers get WriterGoneError for its "
+        "references), alternate delivery rotates one writer at half time (0: one plain cache)",
+        metavar="N",
+    )
+    reader_concurrency: int = _opt(2, "concurrent reads per reader")
+    delivery: str = _opt(
+        "alternate",
+        "alternate: each writer generation switches mode",
+        choices=("broadcast", "one_of_n", "alternate"),
+    )
+    faults: frozenset[str] = frozenset()  # --faults LIST and one --FAULT flag each
+    capacity: int = _opt(96 << 20, "ring capacity", parse_size)
+    max_object: int = _opt(33 << 20, "max object", parse_size)
+    min_item: int = _opt(1 << 10, "smallest item", parse_size)
+    max_item: int = _opt(32 << 20, "largest item", parse_size)
     oversize_fraction: float = 0.003
-    universe: int = 2000
-    zipf: float = 1.1
-    window: int = 16
-    evict_after: float = 1.5
-    handout_ttl: float = 3.0
-    wait_for_space: float = 0.2
-    second_chance: bool = True
-    op_deadline: float = 10.0
-    hang_timeout: float = 15.0
-    max_loop_lag: float = 5.0
-    reader_kill_every: float = 4.0
-    reader_stop_every: float = 5.0
-    writer_kill_every: float = 15.0
-    fork_every: float = 8.0
-    fork_linger: float = 8.0
-    sweep_restart_every: float = 6.0
-    cancel_prob: float = 0.1
-    close_read_prob: float = 0.02
-    probe_rate: float = 20.0
-    seed: int = 0
-    loop: str = "asyncio"
-    json_path: str | None = None
-    quiet: bool = False
-    keep_logs: bool = False
-    private_shm: int = 0
-    switch_interval: float = 0.0001
-    sabotage: frozenset[str] = frozenset()
+    universe: int = _opt(2000, "distinct hashes")
+    zipf: float = _opt(1.1, "Zipf exponent of hash repeats")
+    window: int = _opt(16, "requests in flight")
+    evict_after: float = _opt(
+        1.5, "evict_stuck_readers_after when stop-readers is on (s; 0: never)"
+    )
+    handout_ttl: float = _opt(3.0, "one-of-N handout_ttl (s)")
+    wait_for_space: float = _opt(
+        0.2, "largest wait_for_space a writer task passes (s; 0: never wait)"
+    )
+    second_chance: bool = _opt(
+        True,
+        "CacheConfig(second_chance=False): evict in pure FIFO order (default: hit items are "
+        "moved to the ring's tail instead of evicted)",
+        flag="--no-second-chance",
+    )
+    op_deadline: float = _opt(10.0, "per-operation deadline (s)")
+    hang_timeout: float = _opt(15.0, "silent child = hang (s)")
+    max_loop_lag: float = _opt(5.0, "writer loop lag bound (s)")
+    reader_kill_every: float = _opt(4.0, "kill-readers fault period", parse_duration)
+    reader_stop_every: float = _opt(5.0, "stop-readers fault period", parse_duration)
+    writer_kill_every: float = _opt(15.0, "kill-writer fault period", parse_duration)
+    fork_every: float = _opt(
+        8.0, "fork fault: the writer or a reader, in turn, forks and is SIGKILLed", parse_duration
+    )
+    fork_linger: float = _opt(
+        8.0, "how long the forked child outlives its killed parent", parse_duration
+    )
+    sweep_restart_every: float = _opt(
+        6.0,
+        "sweep-restart fault: a burst of writers that crash and restart under one name while "
+        "another process sweeps it; each must keep its segment",
+        parse_duration,
+    )
+    cancel_prob: float = _opt(0.1, "share of cancelled operations")
+    close_read_prob: float = _opt(
+        0.02,
+        "close-read fault: share of requests during which the reader closes its cache (then "
+        "attaches again)",
+    )
+    probe_rate: float = _opt(20.0, "forged/stale probes per second")
+    seed: int = _opt(0, "random seed (default: random)", int)
+    loop: str = _opt("asyncio", "event loop of the children", choices=("asyncio", "uvloop"))
+    json_path: str | None = _opt(None, "write the final statistics here as JSON", flag="--json")
+    quiet: bool = _opt(False, "no progress line")
+    keep_logs: bool = _opt(False, "keep the children's logs")
+    private_shm: int = _opt(
+        0,
+        "run in a private /dev/shm of this size (unshare -m; needs root): other processes' "
+        "sweeps and cleanups cannot touch our segments",
+        parse_size,
+        metavar="SIZE",
+    )
+    switch_interval: float = _opt(
+        0.0001,
+        "sys.setswitchinterval in the children: more thread interleaving (s; 0: Python's default)",
+    )
+    sabotage: frozenset[str] = frozenset()  # the harness's self-test (a hidden flag)
 
     def child_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -86,229 +140,86 @@ class StressOptions:
         return cls(**d)
 
 
-def parse_args(argv: list[str]) -> StressOptions:
-    """The options of ``python -m aioshmcache stress ARGV`` (argparse exits on bad usage)."""
-    p = argparse.ArgumentParser(
-        prog="python -m aioshmcache stress",
-        description="Async stress and fault-injection harness (exit 0: clean, 1: violations).",
+def _add_field(p: argparse.ArgumentParser | Any, f: dataclasses.Field[Any]) -> None:
+    """One flag for one field: its help, its default shown, its parser."""
+    meta, default = dict(f.metadata), cast(Any, f.default)
+    help_, parse, flag = meta.pop("help"), meta.pop("parse"), meta.pop("flag", None)
+    flag = flag or "--" + f.name.replace("_", "-")
+    if isinstance(default, bool):
+        action = "store_false" if default else "store_true"
+        p.add_argument(flag, dest=f.name, action=action, help=help_)
+        return
+    if f.name in ("duration", "ops", "seed"):  # their defaults are worked out after parsing
+        p.add_argument(flag, dest=f.name, type=parse, help=help_, **meta)
+        return
+    if parse is parse_size:
+        shown = fmt_bytes(default).replace(" ", "")
+    else:
+        shown = f"{default:g}" if isinstance(default, int | float) else str(default)
+    p.add_argument(
+        flag,
+        dest=f.name,
+        type=parse or (str if f.default is None else type(f.default)),
+        default=f.default,
+        help=f"{help_} (default {shown})",
+        **meta,
     )
-    d = StressOptions()  # the defaults live in the dataclass only
 
-    def size(n: int) -> str:
-        return fmt_bytes(n).replace(" ", "")
 
-    g = p.add_mutually_exclusive_group()
-    g.add_argument(
-        "--duration", type=parse_duration, help=f"run time, e.g. 60s, 2h (default {d.duration:g}s)"
-    )
-    g.add_argument("--ops", type=int, help="stop after this many writer requests")
-    p.add_argument("--readers", type=int, default=d.readers, help="reader processes (%(default)s)")
-    p.add_argument(
-        "--writers", type=int, default=d.writers, help="concurrent writer tasks (%(default)s)"
-    )
-    p.add_argument(
-        "--group",
-        type=int,
-        default=d.group,
-        metavar="N",
-        help="run N writer processes, each the writer of its own shard of one cache group; "
-        "readers attach to the group (attach_group) and writers share the hash space, so "
-        "sibling hits happen. Faults apply per shard: kill-writer and fork kill one of the N "
-        "writers (its shard is reclaimed by the replacement, readers get WriterGoneError for its "
-        "references), alternate delivery rotates one writer at half time (default 0: one "
-        "plain cache)",
-    )
-    p.add_argument(
-        "--reader-concurrency",
-        type=int,
-        default=d.reader_concurrency,
-        help="concurrent reads per reader (%(default)s)",
-    )
-    p.add_argument(
-        "--delivery",
-        choices=("broadcast", "one_of_n", "alternate"),
-        default=d.delivery,
-        help="alternate: each writer generation switches mode (%(default)s)",
-    )
-    p.add_argument(
-        "--faults",
-        default="none",
-        help=f"comma list of {', '.join(FAULTS)}; or 'all' / 'none' (default none)",
-    )
-    for f in FAULTS:
-        p.add_argument(f"--{f}", action="store_true", help=f"enable the {f} fault")
-    sizes = (
-        ("--capacity", d.capacity, "ring capacity"),
-        ("--max-object", d.max_object, "max object"),
-        ("--min-item", d.min_item, "smallest item"),
-        ("--max-item", d.max_item, "largest item"),
-    )
-    for flag, default, what in sizes:
-        p.add_argument(flag, type=parse_size, default=default, help=f"{what} ({size(default)})")
-    p.add_argument("--universe", type=int, default=d.universe, help="distinct hashes (%(default)s)")
-    p.add_argument(
-        "--zipf", type=float, default=d.zipf, help="Zipf exponent of hash repeats (%(default)s)"
-    )
-    p.add_argument("--window", type=int, default=d.window, help="requests in flight (%(default)s)")
-    p.add_argument(
-        "--evict-after",
-        type=float,
-        default=d.evict_after,
-        help="evict_stuck_readers_after when stop-readers is on (%(default)s s; 0: never)",
-    )
-    p.add_argument(
-        "--handout-ttl",
-        type=float,
-        default=d.handout_ttl,
-        help="one-of-N handout_ttl (%(default)s s)",
-    )
-    p.add_argument(
-        "--wait-for-space",
-        type=float,
-        default=d.wait_for_space,
-        help="largest wait_for_space a writer task passes (%(default)s s; 0: never wait)",
-    )
-    p.add_argument(
-        "--no-second-chance",
-        dest="second_chance",
-        action="store_false",
-        help="CacheConfig(second_chance=False): evict in pure FIFO order (default: hit items "
-        "are moved to the ring's tail instead of evicted)",
-    )
-    seconds = (
-        ("--op-deadline", d.op_deadline, "per-operation deadline"),
-        ("--hang-timeout", d.hang_timeout, "silent child = hang"),
-        ("--max-loop-lag", d.max_loop_lag, "writer loop lag bound"),
-    )
-    for flag, secs, what in seconds:
-        p.add_argument(flag, type=float, default=secs, help=f"{what} (%(default)s s)")
-    p.add_argument("--reader-kill-every", type=parse_duration, default=d.reader_kill_every)
-    p.add_argument("--reader-stop-every", type=parse_duration, default=d.reader_stop_every)
-    p.add_argument("--writer-kill-every", type=parse_duration, default=d.writer_kill_every)
-    p.add_argument(
-        "--fork-every",
-        type=parse_duration,
-        default=d.fork_every,
-        help="fork fault: the writer or a reader, in turn, forks and is SIGKILLed (%(default)s s)",
-    )
-    p.add_argument(
-        "--fork-linger",
-        type=parse_duration,
-        default=d.fork_linger,
-        help="how long the forked child outlives its killed parent (%(default)s s)",
-    )
-    p.add_argument(
-        "--sweep-restart-every",
-        type=parse_duration,
-        default=d.sweep_restart_every,
-        help="sweep-restart fault: a burst of writers that crash and restart under one name "
-        "while another process sweeps it; each must keep its segment (%(default)s s)",
-    )
-    p.add_argument(
-        "--cancel-prob",
-        type=float,
-        default=d.cancel_prob,
-        help="share of cancelled operations (%(default)s)",
-    )
-    p.add_argument(
-        "--close-read-prob",
-        type=float,
-        default=d.close_read_prob,
-        help="close-read fault: share of requests during which the reader closes its cache "
-        "(then attaches again) (%(default)s)",
-    )
-    p.add_argument(
-        "--probe-rate",
-        type=float,
-        default=d.probe_rate,
-        help="forged/stale probes per second (%(default)s)",
-    )
-    p.add_argument(
-        "--switch-interval",
-        type=float,
-        default=d.switch_interval,
-        help="sys.setswitchinterval in the children: more thread interleaving "
-        "(%(default)s s; 0: Python's default)",
-    )
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
-    p.add_argument("--loop", choices=("asyncio", "uvloop"), default=d.loop)
-    p.add_argument("--json", dest="json_path", help="write the final statistics here as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress line")
-    p.add_argument("--keep-logs", action="store_true", help="keep the children's logs")
-    p.add_argument(
-        "--private-shm",
-        type=parse_size,
-        default=0,
-        metavar="SIZE",
-        help="run in a private /dev/shm of this size (unshare -m; needs root): other "
-        "processes' sweeps and cleanups cannot touch our segments",
-    )
-    p.add_argument("--sabotage", default="", help=argparse.SUPPRESS)  # harness self-test
-    ns = p.parse_args(argv)
-
+def _faults(p: argparse.ArgumentParser, ns: argparse.Namespace) -> frozenset[str]:
     faults: set[str] = set()
     spec = ns.faults.strip().lower()
     if spec == "all":
         faults.update(FAULTS)
     elif spec not in ("", "none"):
         for f in spec.split(","):
-            f = f.strip()
-            if f not in FAULTS:
-                p.error(f"unknown fault {f!r}; choose from {', '.join(FAULTS)}")
-            faults.add(f)
+            if f.strip() not in FAULTS:
+                p.error(f"unknown fault {f.strip()!r}; choose from {', '.join(FAULTS)}")
+            faults.add(f.strip())
+    faults |= {f for f in FAULTS if getattr(ns, "fault_" + f.replace("-", "_"))}
+    return frozenset(faults - GROUP_DISABLED if ns.group else faults)
+
+
+def parse_args(argv: list[str]) -> StressOptions:
+    """The options of ``python -m aioshmcache stress ARGV`` (argparse exits on bad usage)."""
+    p = argparse.ArgumentParser(
+        prog="python -m aioshmcache stress",
+        description="Async stress and fault-injection harness (exit 0: clean, 1: violations).",
+    )
+    until = p.add_mutually_exclusive_group()
+    for field in dataclasses.fields(StressOptions):
+        if "help" in field.metadata:
+            _add_field(until if field.name in ("duration", "ops") else p, field)
+    p.add_argument(
+        "--faults",
+        default="none",
+        help=f"comma list of {', '.join(FAULTS)}; or 'all' / 'none' (default none)",
+    )
     for f in FAULTS:
-        if getattr(ns, f.replace("-", "_")):
-            faults.add(f)
-    if ns.group:
-        faults -= GROUP_DISABLED
+        p.add_argument(
+            f"--{f}",
+            dest="fault_" + f.replace("-", "_"),
+            action="store_true",
+            help=f"the {f} fault",
+        )
+    p.add_argument("--sabotage", default="", help=argparse.SUPPRESS)  # harness self-test
+    ns = p.parse_args(argv)
+
+    values = {
+        f.name: getattr(ns, f.name)
+        for f in dataclasses.fields(StressOptions)
+        if "help" in f.metadata
+    }
+    if ns.duration is None:
+        values["duration"] = None if ns.ops else StressOptions.duration
+    if ns.seed is None:
+        values["seed"] = secrets.randbits(32)
     sabotage = frozenset(s for s in ns.sabotage.split(",") if s)
     if not sabotage <= {"digest", "drop"}:
         p.error("--sabotage takes digest,drop")
-    duration = ns.duration if ns.duration is not None else (None if ns.ops else d.duration)
-    opts = StressOptions(
-        duration=duration,
-        ops=ns.ops,
-        readers=ns.readers,
-        writers=ns.writers,
-        group=ns.group,
-        reader_concurrency=ns.reader_concurrency,
-        delivery=ns.delivery,
-        faults=frozenset(faults),
-        capacity=ns.capacity,
-        max_object=ns.max_object,
-        min_item=ns.min_item,
-        max_item=ns.max_item,
-        universe=ns.universe,
-        zipf=ns.zipf,
-        window=ns.window,
-        evict_after=ns.evict_after,
-        handout_ttl=ns.handout_ttl,
-        wait_for_space=ns.wait_for_space,
-        second_chance=ns.second_chance,
-        op_deadline=ns.op_deadline,
-        hang_timeout=ns.hang_timeout,
-        max_loop_lag=ns.max_loop_lag,
-        reader_kill_every=ns.reader_kill_every,
-        reader_stop_every=ns.reader_stop_every,
-        writer_kill_every=ns.writer_kill_every,
-        fork_every=ns.fork_every,
-        fork_linger=ns.fork_linger,
-        sweep_restart_every=ns.sweep_restart_every,
-        cancel_prob=ns.cancel_prob,
-        close_read_prob=ns.close_read_prob,
-        probe_rate=ns.probe_rate,
-        seed=ns.seed if ns.seed is not None else secrets.randbits(32),
-        loop=ns.loop,
-        json_path=ns.json_path,
-        quiet=ns.quiet,
-        keep_logs=ns.keep_logs,
-        private_shm=ns.private_shm,
-        switch_interval=ns.switch_interval,
-        sabotage=sabotage,
-    )
+    opts = StressOptions(**values, faults=_faults(p, ns), sabotage=sabotage)
     checks = [
-        (opts.readers >= 1, "--readers must be >= 1"),
-        (opts.readers <= 64, "--readers must be <= 64"),
+        (1 <= opts.readers <= 64, "--readers must be in 1..64"),
         (opts.writers >= 1, "--writers must be >= 1"),
         (0 <= opts.group <= 16, "--group must be in 0..16"),
         (opts.reader_concurrency >= 1, "--reader-concurrency must be >= 1"),

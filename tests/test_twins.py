@@ -1,0 +1,354 @@
+"""The sync caches and their async twins offer the same public surface: methods and properties.
+
+Every public name of one face exists on the other, of the same kind (a property stays a
+property; a sync method is an ``async def`` on the async face unless it only reads state), or
+is listed below with the reason it differs. The lists are checked too: a name listed as
+one-sided that the other face gains (or that no longer exists) fails, so they cannot go stale.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import typing
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aioshmcache
+from aioshmcache import (
+    AsyncReceiverCache,
+    AsyncSenderCache,
+    CacheConfig,
+    FeatureSpec,
+    GroupReceiverCache,
+    MsgpackSerde,
+    ReceiverCache,
+    SenderCache,
+    ShmRef,
+)
+from aioshmcache._request import SenderRequest
+
+from .conftest import RUN_PREFIX
+
+#: names only the sync face has, and why
+SYNC_ONLY = {
+    "close": "the async face's is aclose (STYLE: the one name that differs between twins)",
+}
+#: names only the async face has, and why
+ASYNC_ONLY = {
+    "aclose": "close, awaited",
+    "open": "an async face creates or attaches in a thread; a sync cache is open once built",
+    "from_config": "the async sender is built before the loop runs, opened by async with",
+    "limiter": "the worker threads of big copies: the sync face copies in the caller's thread",
+    "make_limiter": "the worker threads of get_or_put's sync make",
+    "sender": "the wrapped sync cache",
+    "receiver": "the wrapped sync cache",
+    "get_or_put": "single flight joins concurrent tasks: only tasks have it",
+    "single_flight_stats": "the counters of get_or_put",
+    "tier": "the second tier (aioshmcache.tier.RedisTier) get_or_put looks in: async only",
+    "tier_stats": "the counters of that tier",
+}
+#: sync methods that stay plain (not awaited) on the async face: they only read state
+NOT_AWAITED = {
+    "handle",
+    "make_stats",
+    "is_cached",
+    "is_cached_item",
+    "is_freeable",
+    "snapshot",
+    "cached_order",
+    "lease",  # an async context manager on the async face
+}
+PAIRS = [(SenderCache, AsyncSenderCache), (ReceiverCache, AsyncReceiverCache)]
+
+
+def _public(cls: type) -> dict[str, Any]:
+    return {n: inspect.getattr_static(cls, n) for n in dir(cls) if not n.startswith("_")}
+
+
+def _kind(attr: Any) -> str:
+    if isinstance(attr, property):
+        return "property"
+    if isinstance(attr, classmethod | staticmethod):
+        return "classmethod"
+    return "method" if callable(attr) else "attribute"
+
+
+def surface_gaps(sync: type, aio: type) -> list[str]:
+    """Every way ``sync`` and ``aio`` differ beyond the listed reasons (empty: in step)."""
+    s, a = _public(sync), _public(aio)
+    gaps = [f"{aio.__name__} lacks {n}" for n in sorted(s.keys() - a.keys() - SYNC_ONLY.keys())]
+    gaps += [f"{sync.__name__} lacks {n}" for n in sorted(a.keys() - s.keys() - ASYNC_ONLY.keys())]
+    for n in sorted(s.keys() & a.keys()):
+        ks, ka = _kind(s[n]), _kind(a[n])
+        if ks != ka:
+            gaps.append(f"{n}: {ks} on {sync.__name__}, {ka} on {aio.__name__}")
+        elif ks == "method" and n not in NOT_AWAITED and not inspect.iscoroutinefunction(a[n]):
+            gaps.append(f"{aio.__name__}.{n} is not awaitable")
+    return gaps
+
+
+@pytest.mark.parametrize("sync, aio", PAIRS, ids=lambda c: c.__name__)
+def test_twins_have_the_same_methods_and_properties(sync: type, aio: type) -> None:
+    assert surface_gaps(sync, aio) == []
+
+
+def test_the_listed_differences_are_real() -> None:
+    """A name listed as one-sided must exist on exactly that side, on some pair."""
+    for n in SYNC_ONLY:
+        assert any(n in _public(s) and n not in _public(a) for s, a in PAIRS), n
+    for n in ASYNC_ONLY:
+        assert any(n in _public(a) and n not in _public(s) for s, a in PAIRS), n
+
+
+def test_the_check_sees_a_missing_property_and_a_sync_method() -> None:
+    """The checker itself: a twin without a property, or with a plain method, is reported."""
+
+    class Sync:
+        @property
+        def closed(self) -> bool:
+            return False
+
+        def invalidate(self, h: str) -> bool:
+            return True
+
+    class Async:
+        def invalidate(self, h: str) -> bool:  # should be awaitable
+            return True
+
+    assert surface_gaps(Sync, Async) == ["Async lacks closed", "Async.invalidate is not awaitable"]
+
+
+async def test_async_properties_answer_as_the_sync_ones(make_config: Any) -> None:
+    cfg = make_config()
+    async with (
+        AsyncSenderCache.from_config(cfg) as tx,
+        AsyncReceiverCache.attach(tx.handle()) as rx,
+    ):
+        assert (tx.name, tx.group, tx.closed) == (tx.sender.name, tx.sender.group, False)
+        assert rx.closed is False
+    assert tx.closed and rx.closed
+    with SenderCache(make_config()) as sender:
+        face = AsyncSenderCache(sender)
+        await face.aclose()  # a borrowed cache stays open, the face is closed
+        assert face.closed and not sender.closed
+
+
+class _CountingSerde(MsgpackSerde):
+    """The default serde, counting the items it encodes and decodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plans = 0
+        self.reads = 0
+
+    def plan(self, value: Any) -> Any:
+        self.plans += 1
+        return super().plan(value)
+
+    def read(self, *args: Any, **kwargs: Any) -> Any:
+        self.reads += 1
+        return super().read(*args, **kwargs)
+
+
+async def test_serde_is_taken_wherever_a_cache_is_created_or_attached(make_config: Any) -> None:
+    tx_serde, rx_serde = _CountingSerde(), _CountingSerde()
+    async with (
+        AsyncSenderCache.from_config(make_config(), serde=tx_serde) as tx,
+        AsyncReceiverCache.attach(tx.handle(), serde=rx_serde) as rx,
+    ):
+        [f] = await tx.get_and_update_features([FeatureSpec("a", {"x": np.arange(10)})])
+        assert isinstance(f.data, ShmRef)
+        [back] = await rx.get_and_update_features([f])
+        assert np.array_equal(back.data["x"], np.arange(10))
+    assert tx_serde.plans == 1 and rx_serde.reads == 1
+
+
+def test_serde_for_a_wrapped_cache_is_refused(make_config: Any) -> None:
+    """A wrapped cache has its serde already: a second one would be silently ignored."""
+    with SenderCache(make_config()) as sender, ReceiverCache.attach(sender.handle()) as rx:
+        with pytest.raises(ValueError, match="serde"):
+            AsyncSenderCache(sender, serde=MsgpackSerde())
+        with pytest.raises(ValueError, match="serde"):
+            AsyncReceiverCache(rx, serde=MsgpackSerde())
+
+
+def test_one_threshold_for_a_copy_under_the_writer_lock(make_config: Any) -> None:
+    """A request copies holding the writer lock exactly what ``put`` would, and no more.
+
+    Review: the one-item fast path held the lock for copies up to 1 MiB, the store's ``put``
+    for copies up to 64 KiB: two constants for one decision. Now one threshold decides both.
+    """
+    from aioshmcache._request import DEFAULT_INLINE_THRESHOLD
+    from aioshmcache._store import INLINE_COPY_UNDER_LOCK
+
+    assert DEFAULT_INLINE_THRESHOLD == INLINE_COPY_UNDER_LOCK
+    with SenderCache(make_config(8 << 20, 4 << 20, 1)) as tx:
+        small = ({"x": np.zeros(INLINE_COPY_UNDER_LOCK // 2, np.uint8)}, ())
+        bigger = ({"x": np.zeros(INLINE_COPY_UNDER_LOCK * 2, np.uint8)}, ())
+        req = tx._request([small, bigger], ["small", "bigger"])
+        try:
+            req.begin()
+            assert tx.is_cached_item("small")  # copied and committed in the locked step
+            assert req.has_jobs and not tx.is_cached_item("bigger")  # left for outside the lock
+            req.run_jobs()
+        except BaseException:
+            req.abandon()
+            raise
+        req.finish()
+        assert tx.is_cached_item("bigger")
+
+
+# --- no public method returns a private type --------------------------------------------------
+
+#: public methods of the lower layers (``ShmObjectStore``, ``ShmRingBuffer``: DESIGN.md section 2,
+#: the layers the caches are built on) that hand out their private building blocks, and why
+PRIVATE_RETURNS = {
+    "ShmObjectStore.reserve": "the reservation a put commits or aborts (used by the caches)",
+    "ShmObjectStore.pin_entry": "the debts a reader pays back (the caches' pinning)",
+    "ShmObjectStore.pin_ids": "the debts a reader pays back (the caches' pinning)",
+    "ShmObjectStore.check_reader": "the reader's own slot (the caches' liveness checks)",
+    "ShmObjectStore.slot": "the reader's own slot (the caches' liveness checks)",
+    "ShmRingBuffer.segment": "the mapped segment under the ring (the store's layout)",
+}
+
+
+def _exported_ids() -> set[int]:
+    """Ids of everything the package and its public modules export by ``__all__``."""
+    modules: list[Any] = [aioshmcache]
+    for info in pkgutil.iter_modules(aioshmcache.__path__):
+        if info.name.startswith("_"):
+            continue
+        try:
+            modules.append(importlib.import_module(f"aioshmcache.{info.name}"))
+        except ModuleNotFoundError as exc:  # a module of an extra that is not installed
+            if (exc.name or "").startswith("aioshmcache"):
+                raise
+    return {id(getattr(m, n)) for m in modules for n in getattr(m, "__all__", ())}
+
+
+def _classes_in(hint: Any) -> Iterator[type]:
+    """Every class an annotation names (``X | None``, ``list[X]``, ``Iterator[X]`` ...)."""
+    if isinstance(hint, type):
+        yield hint
+    origin = typing.get_origin(hint)
+    if isinstance(origin, type):
+        yield origin
+    for arg in typing.get_args(hint):
+        yield from _classes_in(arg)
+
+
+def _is_private(cls: type, exported: set[int]) -> bool:
+    """Defined in aioshmcache, not exported, and private by its module's or its own name."""
+    module = cls.__module__
+    if module.split(".")[0] != "aioshmcache" or id(cls) in exported:
+        return False
+    return cls.__name__.startswith("_") or any(p.startswith("_") for p in module.split("."))
+
+
+def private_returns(classes: list[type], exported: set[int]) -> dict[str, str]:
+    """``"Class.name": "module.Type"`` for each public method/property returning a private type."""
+    found: dict[str, str] = {}
+    for cls in classes:
+        for name in dir(cls):
+            if name.startswith("_"):
+                continue
+            attr = inspect.getattr_static(cls, name)
+            func = attr.fget if isinstance(attr, property) else getattr(attr, "__func__", attr)
+            if not inspect.isfunction(func):
+                continue
+            for c in _classes_in(typing.get_type_hints(func).get("return")):
+                if _is_private(c, exported):
+                    found[f"{cls.__name__}.{name}"] = f"{c.__module__}.{c.__qualname__}"
+    return found
+
+
+def test_no_public_method_returns_a_private_type() -> None:
+    """A caller can name what the API hands out: its return types are exported too.
+
+    Review (issue 23): ``SenderCache.request`` returned the private ``SenderRequest``; the
+    request steps are now ``_request`` / ``_features_request``, for the async face only.
+    """
+    public = [c for n in aioshmcache.__all__ if isinstance(c := getattr(aioshmcache, n), type)]
+    found = private_returns(public, _exported_ids())
+    assert found.keys() - PRIVATE_RETURNS.keys() == set(), found
+    assert PRIVATE_RETURNS.keys() - found.keys() == set(), "a listed exception no longer is one"
+
+
+def test_the_check_sees_a_private_return_type() -> None:
+    """The checker itself: a method or a property returning a private class is reported."""
+
+    class Face:
+        def request(self) -> SenderRequest | None:
+            return None
+
+        @property
+        def steps(self) -> list[SenderRequest]:
+            return []
+
+        def _own(self) -> SenderRequest | None:  # private: not reported
+            return None
+
+        def info(self) -> aioshmcache.CacheInfo | None:  # exported: not reported
+            return None
+
+    where = "aioshmcache._request.SenderRequest"
+    assert private_returns([Face], _exported_ids()) == {"Face.request": where, "Face.steps": where}
+
+
+# --- a group reader offers only what works --------------------------------------------------
+
+
+def test_every_public_name_of_a_group_reader_works() -> None:
+    """A ``GroupReceiverCache`` has no method that fails by design (no ``handle``, no ``store``).
+
+    Review (issue 23): it subclassed ``ReceiverCache``, so it inherited ``handle()`` (which it
+    made raise ``RoleError``), ``attach`` and ``attach_group`` (which built a single-segment
+    reader) and a ``store`` it never had. It now shares the read methods, not the class. Every
+    public name is called here; the table must list exactly the public names, so a name added
+    later is exercised too.
+    """
+    group = f"{RUN_PREFIX}tw{uuid.uuid4().hex[:10]}"
+    with SenderCache(CacheConfig(1 << 20, 1 << 18, 2, group=group)) as tx:
+        item = {"x": np.arange(8)}
+        [f1, f2, f3] = tx.get_and_update_features(
+            [FeatureSpec("h1", item), FeatureSpec("h2", item), FeatureSpec("h3", item)]
+        )
+        shard = tx.handle()
+        rx = ReceiverCache.attach_group(group)
+        try:
+
+            def lease() -> object:
+                with rx.lease([f2]) as got:
+                    return got[0].data["x"].sum()
+
+            calls: dict[str, Any] = {
+                "get_and_update_features": lambda: rx.get_and_update_features([f1])[0].data,
+                "get_and_update_item": lambda: rx.get_and_update_item(f3.data, "h3"),
+                "lease": lease,
+                "touch_receiver_cache_item": lambda: rx.touch_receiver_cache_item("h1", f1.data),
+                "touch": lambda: rx.touch("h1", f1.data),
+                "release": lambda: rx.release(f1.data),
+                "make_stats": lambda: rx.make_stats(delta=True),
+                "shard_handles": rx.shard_handles,
+                "rescan": rx.rescan,
+                "clear_cache": rx.clear_cache,
+                "clear": rx.clear,
+                "closed": lambda: rx.closed,
+                "close": rx.close,  # last
+            }
+            assert set(calls) == set(_public(GroupReceiverCache))
+            got = {name: call() for name, call in calls.items()}
+        finally:
+            rx.close()
+    assert np.array_equal(got["get_and_update_features"]["x"], item["x"])
+    assert np.array_equal(got["get_and_update_item"]["x"], item["x"])
+    assert got["lease"] == item["x"].sum()
+    assert got["shard_handles"] == [shard] and got["closed"] is False and rx.closed
+    assert not isinstance(rx, ReceiverCache)
+    assert not hasattr(rx, "handle") and not hasattr(rx, "store")
