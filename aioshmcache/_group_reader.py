@@ -59,6 +59,8 @@ __all__ = ["GroupReceiverRequest", "GroupShards"]
 
 _GONE_MEMORY = 1024  # nonces of departed shards remembered (their late references)
 _MEMBER_POLL = 0.05  # how often ``wait_for_member`` looks for the group's first shard (s)
+SETTLE_TIMEOUT = 2.0  # the longest a read waits for a shard file mid-creation (s)
+_SETTLE_POLL = 0.005
 
 
 class GroupShards:
@@ -155,13 +157,17 @@ class GroupShards:
             word = group_word(self.group)
             for _k, name in list_shards(self.group):
                 ident = shard_identity(name)
-                if ident is None or ident[1] != word:
+                if ident is None or ident[1] not in (word, 0):
                     continue  # not a member of the group
                 st = writer_state(os.path.join(SHM_DIR, name))
                 if nonce in st.past:
                     # a dead instance whose shard a new writer reclaimed before we ever saw it
+                    # (the reclaimer may not have written its group word yet: the file still
+                    # names the instances it held, which is all this needs)
                     self._remember_gone(nonce, name)
                     return
+                if ident[1] != word:
+                    continue  # not a proven member (yet): never adopted
                 if st.nonce != nonce:
                     continue
                 if not st.alive:
@@ -178,6 +184,28 @@ class GroupShards:
                     return
                 self._adopt_locked(store)
                 return
+
+    def initialising(self) -> bool:
+        """Whether a file of the group's shards is being created or reclaimed right now (no
+        complete header yet, or no group word yet): its writer may be the reclaimer of the
+        instance a reference names."""
+        return any(
+            (ident := shard_identity(name)) is None or ident[1] == 0
+            for _k, name in list_shards(self.group)
+        )
+
+    def settle(self, nonce: int) -> None:
+        """``find``, and while a shard file of the group is mid-creation, again (bounded):
+        a reclaimer writes the dead instances it replaces into its header before it marks it
+        complete, so a reference of one of them is told apart only once that is done."""
+        deadline = time.monotonic() + SETTLE_TIMEOUT
+        while True:
+            self.find(nonce)
+            if self.closed or nonce in self._by_nonce or nonce in self._gone:
+                return
+            if time.monotonic() >= deadline or not self.initialising():
+                return
+            time.sleep(_SETTLE_POLL)
 
     def _adopt_locked(self, store: ShmObjectStore) -> bool:
         """Keep an attached shard if it proves membership (the name may have been reused
@@ -282,7 +310,7 @@ class GroupReceiverRequest:
             shards.rescan()  # a shard that appeared since (or a forged nonce)
         for nonce in routes:
             if shards.store(nonce) is None and not shards.is_gone(nonce):
-                shards.find(nonce)  # the one shard file that holds this instance, if any
+                shards.settle(nonce)  # the one shard file that holds this instance, if any
             if shards.store(nonce) is None and not shards.is_gone(nonce):
                 if shards.closed:  # closed meanwhile (another thread): the look-up was skipped
                     raise ClosedCacheError("the group reader is closed")

@@ -608,7 +608,7 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
         )
         self._handle = handle
         self._group: str | None = None
-        self._wait_for_shard: float | None = None
+        self._wait_for_shard: float | None = 0.0
         self._serde = serde
 
     @classmethod
@@ -627,7 +627,7 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
         group: str,
         *,
         serde: Serde | None = None,
-        wait_for_shard: float | None = None,
+        wait_for_shard: float | None = 0.0,
         max_threads: int = 4,
         inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
     ) -> AsyncReceiverCache:

@@ -504,17 +504,18 @@ class ReceiverCache(_Cache, _Reader):
 
     @classmethod
     def attach_group(
-        cls, group: str, *, serde: Serde | None = None, wait_for_shard: float | None = None
+        cls, group: str, *, serde: Serde | None = None, wait_for_shard: float | None = 0.0
     ) -> GroupReceiverCache:
         """Attach as a reader of every shard of cache group ``group`` (see ``GroupReceiverCache``).
 
         Claims a reader slot on each live shard now (``ReaderLimitError`` if one has none
         left); shards that appear later are attached when a reference names them.
 
-        ``wait_for_shard``: seconds to wait for the group's first shard (``0``: look once);
-        ``SegmentNotFoundError`` if there is none by then, so a mistyped group name fails
-        here rather than at the first request. ``None`` (the default) accepts a group with no
-        shard yet: an engine worker may be started before its gateways.
+        ``wait_for_shard``: seconds to wait for the group's first shard (``0``, the default:
+        look once); ``SegmentNotFoundError`` if there is none by then, so a mistyped group name
+        fails here rather than at the first request. ``None`` accepts a group with no shard
+        yet, for an engine worker started before its gateways (shards are attached as their
+        references arrive).
         """
         return GroupReceiverCache(group, serde=serde, wait_for_shard=wait_for_shard)
 
@@ -591,7 +592,7 @@ class GroupReceiverCache(_Reader):
     """
 
     def __init__(
-        self, group: str, *, serde: Serde | None = None, wait_for_shard: float | None = None
+        self, group: str, *, serde: Serde | None = None, wait_for_shard: float | None = 0.0
     ) -> None:
         """Attach to ``group``'s live shards; use ``ReceiverCache.attach_group`` instead."""
         if wait_for_shard is not None and (

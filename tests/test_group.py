@@ -438,9 +438,11 @@ def test_a_plain_cache_named_like_a_shard_is_not_a_member(group: str) -> None:
 
 
 def test_attach_group_to_no_such_group_fails_when_asked_to_wait(group: str) -> None:
-    """A mistyped group name fails at attach with ``wait_for_shard`` (issue 19, item 11)."""
+    """A mistyped group name fails at attach, by default at once (issue 19, item 11)."""
     from aioshmcache import SegmentNotFoundError
 
+    with pytest.raises(SegmentNotFoundError, match="no shard"):
+        ReceiverCache.attach_group(group)
     with pytest.raises(SegmentNotFoundError, match="no shard"):
         ReceiverCache.attach_group(group, wait_for_shard=0)
     with pytest.raises(SegmentNotFoundError, match=r"after waiting 0\.2 s"):
@@ -453,9 +455,9 @@ def test_attach_group_to_no_such_group_fails_when_asked_to_wait(group: str) -> N
         with pytest.raises(SegmentNotFoundError):
             ReceiverCache.attach_group(group, wait_for_shard=0)
         assert not any(r.attached for r in plain.snapshot().readers)
-    # the default still accepts a group with no shard yet (engine before gateways), and the
-    # first reference then says the group has no shard at all
-    with ReceiverCache.attach_group(group) as rx:
+    # None accepts a group with no shard yet (an engine started before its gateways), and
+    # the first reference then says the group has no shard at all
+    with ReceiverCache.attach_group(group, wait_for_shard=None) as rx:
         assert rx.shard_handles() == []
         with pytest.raises(InvalidReferenceError, match="no shard"):
             rx.get_and_update_features([FeatureSpec("h", ShmRef(1, 0, 0, 1, 1, 0, 0, 0))])
@@ -514,3 +516,77 @@ def test_a_sibling_detached_during_a_copy_is_stale_not_a_released_buffer(group: 
             found.sibling.verify(found.ref)
         with pytest.raises(StaleReferenceError):
             found.sibling.payload(found.ref)
+
+
+def test_a_dead_instance_s_reference_is_writer_gone_while_its_reclaimer_initialises(
+    group: str,
+) -> None:
+    """A new writer reclaims a dead shard's file and writes its group word just after: in
+    between, the file is not yet a proven member, but it already names the dead instances it
+    was reclaimed from, so their references are still ``WriterGoneError``, never reported as
+    forged (the group stress run: genuine references of a killed writer raised
+    ``InvalidReferenceError`` while its replacement started)."""
+    from aioshmcache._layout import H_GROUP, SHM_DIR
+
+    parent, child = SPAWN.Pipe()
+    p = SPAWN.Process(target=gp.command_writer, args=(group, child))
+    p.start()
+    try:
+        assert parent.poll(60)
+        _ready, shard, name = parent.recv()
+        ref = ShmRef.from_dict(_get(parent, "k"))
+    finally:
+        p.kill()
+        _stop([p])
+    with SenderCache(gp.config(group)) as again:
+        assert (again.shard, again.name) == (shard, name)  # the dead shard's file, reclaimed
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        word = os.pread(fd, 8, 8 * H_GROUP)
+        try:
+            os.pwrite(fd, bytes(8), 8 * H_GROUP)  # as before the reclaimer writes its word
+            with ReceiverCache.attach_group(group, wait_for_shard=None) as rx:
+                with pytest.raises(WriterGoneError):
+                    rx.get_and_update_features([FeatureSpec("k", ref)])
+        finally:
+            os.pwrite(fd, word, 8 * H_GROUP)
+            os.close(fd)
+    sweep(prefix=group)
+    assert _ours(group) == []
+
+
+def test_a_read_looks_again_while_a_shard_file_of_the_group_is_mid_creation(
+    group: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reclaimer removes a dead shard's file and writes the dead instance's nonce into the
+    new file's header, completed last: a reference of that instance met in between is looked
+    for again until the file is complete (bounded), not reported forged at once. With no file
+    mid-creation an unknown nonce is forged at the first look."""
+    from aioshmcache import _group_reader
+    from aioshmcache._layout import SHM_DIR
+
+    with SenderCache(gp.config(group)) as tx, ReceiverCache.attach_group(group) as rx:
+        ref = tx.get_and_update_item((gp.make_item("k"), []), "k")[0]
+        forged = ref._replace(nonce=12345)
+        shards = rx._shards
+        looks: list[int] = []
+        find = shards.find
+
+        def counting_find(nonce: int) -> None:
+            looks.append(nonce)
+            find(nonce)
+
+        monkeypatch.setattr(shards, "find", counting_find)
+        with pytest.raises(InvalidReferenceError):
+            rx.get_and_update_features([FeatureSpec("k", forged)])
+        assert looks == [12345]  # nothing mid-creation: one look
+        monkeypatch.setattr(_group_reader, "SETTLE_TIMEOUT", 0.3)
+        mid = os.path.join(SHM_DIR, shard_name(group, 7))
+        os.close(os.open(mid, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))  # no header yet
+        try:
+            looks.clear()
+            with pytest.raises(InvalidReferenceError):
+                rx.get_and_update_features([FeatureSpec("k", forged)])
+            assert len(looks) > 1  # looked again while the file was mid-creation, then gave up
+        finally:
+            os.unlink(mid)
+        tx.release(ref)

@@ -156,7 +156,8 @@ def group_engine_main(group: str, socket_path: str) -> None:
     or when a reference names it. Stopping closes the socket and the reader (a slot on every
     shard).
     """
-    _run(AsyncReceiverCache.attach_group(group), socket_path)
+    # None: started before its gateways, the group has no shard yet
+    _run(AsyncReceiverCache.attach_group(group, wait_for_shard=None), socket_path)
 
 
 def _run(receiver: AsyncReceiverCache, socket_path: str) -> None:

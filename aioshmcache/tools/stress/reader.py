@@ -185,7 +185,7 @@ class ReaderProc:
 
     async def attach(self) -> None:
         if self.group is not None:
-            rx = AsyncReceiverCache.attach_group(self.group)
+            rx = AsyncReceiverCache.attach_group(self.group, wait_for_shard=self.opts.op_deadline)
         elif self.handle is None:
             return
         else:
