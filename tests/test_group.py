@@ -544,9 +544,11 @@ def test_a_dead_instance_s_reference_is_writer_gone_while_its_reclaimer_initiali
         word = os.pread(fd, 8, 8 * H_GROUP)
         try:
             os.pwrite(fd, bytes(8), 8 * H_GROUP)  # as before the reclaimer writes its word
-            with ReceiverCache.attach_group(group, wait_for_shard=None) as rx:
-                with pytest.raises(WriterGoneError):
-                    rx.get_and_update_features([FeatureSpec("k", ref)])
+            with (
+                ReceiverCache.attach_group(group, wait_for_shard=None) as rx,
+                pytest.raises(WriterGoneError),
+            ):
+                rx.get_and_update_features([FeatureSpec("k", ref)])
         finally:
             os.pwrite(fd, word, 8 * H_GROUP)
             os.close(fd)
