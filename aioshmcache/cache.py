@@ -263,10 +263,9 @@ class SenderCache(_Cache):
         ``mm_item`` is ``(item, prompt_updates)`` or ``None`` (the caller believes it is cached:
         ``CacheMissError`` if not).
         """
-        self.store.check_owner()  # before the lock, which a forked child may inherit held
         return SenderRequest(  # ``get_and_update`` of one item, one call shorter
-            self.store, self._book, [mm_item], [mm_hash], wait_for_space=wait_for_space
-        ).run()[0]
+            self.store, self._book, [mm_item], [mm_hash], wait_for_space=wait_for_space, _fresh=True
+        ).run()[0]  # ``run`` checks the owner first (before the lock a forked child may hold)
 
     def get_and_update(
         self,
