@@ -13,7 +13,7 @@ engine worker channel built on it (``EngineClient``, ``serve_engine``); ``aioshm
 
 from . import wire
 from ._ring import ShmRingBuffer
-from ._serde import MsgpackSerde, Serde
+from ._serde import EncodePlan, MsgpackSerde, Serde
 from ._store import ShmObjectStore
 from ._sweep import sweep
 from ._types import (
@@ -24,7 +24,6 @@ from ._types import (
     FeatureSpec,
     ReaderSlotInfo,
     ShmRef,
-    coerce_handle,
 )
 from .aio import AsyncReceiverCache, AsyncSenderCache
 from .cache import GroupReceiverCache, ReceiverCache, SenderCache
@@ -70,6 +69,7 @@ __all__ = [
     "CacheSnapshot",
     "ClosedCacheError",
     "DuplicateKeyError",
+    "EncodePlan",
     "EndOfFramesError",
     "EngineAddressInUseError",
     "EngineCallError",
@@ -102,7 +102,6 @@ __all__ = [
     "StaleReferenceError",
     "WireError",
     "WriterGoneError",
-    "coerce_handle",
     "sweep",
     "wire",
 ]

@@ -56,10 +56,14 @@ class CircuitBreaker:
 
     @property
     def state(self) -> str:
-        """``"closed"``, ``"open"`` or ``"half_open"`` (now)."""
-        if self._opened_at is None:
+        """``"closed"``, ``"open"`` or ``"half_open"`` (now).
+
+        Read once (a metrics scrape reads it from another thread while the loop closes it).
+        """
+        opened_at, wait = self._opened_at, self._wait
+        if opened_at is None:
             return CLOSED
-        return OPEN if self._clock() < self._opened_at + self._wait else HALF_OPEN
+        return OPEN if self._clock() < opened_at + wait else HALF_OPEN
 
     @property
     def retry_after_s(self) -> float:

@@ -30,7 +30,6 @@ __all__ = [
     "FeatureSpec",
     "ReaderSlotInfo",
     "ShmRef",
-    "coerce_handle",
 ]
 
 Delivery = Literal["broadcast", "one_of_n"]
@@ -275,6 +274,9 @@ def coerce_handle(obj: object) -> CacheHandle | str:
     ``TypeError`` for another type (bytes included: decode them, or use ``from_msgpack``),
     ``InvalidReferenceError`` (a ``ValueError``) for a malformed dict or JSON, ``ValueError``
     for a str that is neither JSON nor a valid segment name.
+
+    Not exported: ``ReceiverCache.attach`` and ``AsyncReceiverCache.attach`` take every one of
+    these forms themselves, so a second public way in would only be a detour.
     """
     if isinstance(obj, CacheHandle):
         return obj

@@ -1,8 +1,8 @@
 """The asyncio facade, ``AsyncSenderCache`` and ``AsyncReceiverCache`` (on anyio).
 
 Same method names as the sync classes (``aclose`` for ``close``), and the same algorithm: each
-call builds the sync cache's own request object (``SenderCache.request`` /
-``ReceiverCache.request``) and runs its steps. The only decisions made here are *where* the copy
+call builds the sync cache's own request object (``SenderCache._request`` /
+``ReceiverCache._request``) and runs its steps. The only decisions made here are *where* the copy
 jobs run — inline on the loop below ``inline_threshold_bytes`` (a thread hop costs 75-170 us
 here, a 64 KiB copy 3 us), else in a worker thread through a ``CapacityLimiter``, where the
 numpy array assignments of the copy release the GIL — and what cancellation does:
@@ -34,9 +34,17 @@ import anyio.to_thread
 from ._flight import FROM_SIBLING, GroupFlight, SingleFlight, SingleFlightStats, call_make
 from ._request import DEFAULT_INLINE_THRESHOLD, SenderRequest, features_from
 from ._serde import Serde
-from ._types import CacheConfig, CacheHandle, CacheInfo, CacheSnapshot, FeatureSpec, ShmRef
-from .cache import MmItem, ReceiverCache, SenderCache
-from .errors import CacheMissError, ClosedCacheError
+from ._types import (
+    CacheConfig,
+    CacheHandle,
+    CacheInfo,
+    CacheSnapshot,
+    FeatureSpec,
+    ShmRef,
+    coerce_handle,
+)
+from .cache import GroupReceiverCache, MmItem, ReceiverCache, SenderCache
+from .errors import CacheMissError, ClosedCacheError, RoleError
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
@@ -55,7 +63,7 @@ CHECKPOINT_EVERY: Final = 8
 CHECKPOINT_AFTER: Final = 0.0005
 _monotonic = time.monotonic
 
-C = TypeVar("C", SenderCache, ReceiverCache)
+C = TypeVar("C", SenderCache, ReceiverCache | GroupReceiverCache)
 
 
 class SecondTier(Protocol):
@@ -420,7 +428,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         self, mm_item: MmItem | None, mm_hash: str, *, wait_for_space: float | None = None
     ) -> MmItem:
         """As ``SenderCache.get_and_update_item``; big copies and waits run in a thread."""
-        req = self.sender.request(
+        req = self.sender._request(
             [mm_item],
             [mm_hash],
             wait_for_space=wait_for_space,
@@ -433,7 +441,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         self, features: Sequence[FeatureSpec], *, wait_for_space: float | None = None
     ) -> list[FeatureSpec]:
         """As ``SenderCache.get_and_update_features``; big copies and waits run in a thread."""
-        req = self.sender.features_request(
+        req = self.sender._features_request(
             features, wait_for_space=wait_for_space, copy_inline_below=self.inline_threshold_bytes
         )
         out = self._send(req)
@@ -447,7 +455,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         wait_for_space: float | None = None,
     ) -> list[MmItem]:
         """As ``SenderCache.get_and_update``; big copies and waits run in a thread."""
-        req = self.sender.request(
+        req = self.sender._request(
             mm_items,
             mm_hashes,
             wait_for_space=wait_for_space,
@@ -570,13 +578,13 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         return self.sender.remove_dangling_items()
 
 
-class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
+class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
     """A reader's asyncio face. ``AsyncReceiverCache.attach(handle)`` attaches on ``__aenter__``;
     ``AsyncReceiverCache(receiver_cache)`` wraps (and borrows) an attached ``ReceiverCache``."""
 
     def __init__(
         self,
-        receiver: ReceiverCache | None = None,
+        receiver: ReceiverCache | GroupReceiverCache | None = None,
         *,
         handle: object = None,
         serde: Serde | None = None,
@@ -609,8 +617,9 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
 
         ``handle`` as for ``ReceiverCache.attach`` (a handle, its dict or JSON, or a name);
         keywords as for the constructor: ``serde``, ``max_threads``, ``inline_threshold_bytes``.
+        A malformed handle is refused here, at once, rather than at ``__aenter__``.
         """
-        return cls(handle=handle, **kwargs)
+        return cls(handle=coerce_handle(handle), **kwargs)
 
     @classmethod
     def attach_group(
@@ -635,7 +644,7 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         face._wait_for_shard = wait_for_shard
         return face
 
-    def _open_cache(self) -> ReceiverCache:
+    def _open_cache(self) -> ReceiverCache | GroupReceiverCache:
         if self._handle is None:
             raise ClosedCacheError("no handle")
         if self._group is not None:
@@ -645,8 +654,8 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         return ReceiverCache.attach(self._handle, serde=self._serde)
 
     @property
-    def receiver(self) -> ReceiverCache:
-        """The sync cache this face drives."""
+    def receiver(self) -> ReceiverCache | GroupReceiverCache:
+        """The sync cache this face drives (a ``GroupReceiverCache`` after ``attach_group``)."""
         return self._wrapped()
 
     async def open(self) -> AsyncReceiverCache:
@@ -659,8 +668,15 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
         return await self.open()
 
     def handle(self) -> CacheHandle:
-        """The handle of the segment this reader is attached to."""
-        return self.receiver.handle()
+        """The handle of the segment this reader is attached to.
+
+        A reader of a cache group has one handle per shard: ``RoleError`` (its ``receiver``'s
+        ``shard_handles()`` lists them).
+        """
+        receiver = self.receiver
+        if isinstance(receiver, GroupReceiverCache):
+            raise RoleError(f"a reader of cache group {receiver.group!r} has one handle per shard")
+        return receiver.handle()
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
         """References resolved (hits) of features seen (total)."""
@@ -668,14 +684,14 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache]):
 
     async def get_and_update_features(self, features: Sequence[FeatureSpec]) -> list[FeatureSpec]:
         """As ``ReceiverCache.get_and_update_features``; big copies run in a worker thread."""
-        req = self.receiver.request(features, copy_inline_below=self.inline_threshold_bytes)
+        req = self.receiver._request(features, copy_inline_below=self.inline_threshold_bytes)
         if (pending := self._drive(req)) is not None:
             await pending
         return req.finish()
 
     async def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
         """As ``ReceiverCache.get_and_update_item``; a big copy runs in a worker thread."""
-        req = self.receiver.request(
+        req = self.receiver._request(
             [FeatureSpec(mm_hash, mm_item)], copy_inline_below=self.inline_threshold_bytes
         )
         if (pending := self._drive(req)) is not None:

@@ -15,6 +15,7 @@ and only choose where the copy jobs run.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import logging
 from collections.abc import Sequence
@@ -46,7 +47,6 @@ from ._types import (
 )
 from .errors import (
     InvalidReferenceError,
-    RoleError,
     StaleReferenceError,
     WriterGoneError,
 )
@@ -89,7 +89,7 @@ class _Lease:
 
     __slots__ = ("_cache", "_entered", "_features", "_out", "_req")
 
-    def __init__(self, cache: ReceiverCache, features: Sequence[FeatureSpec]) -> None:
+    def __init__(self, cache: _Reader, features: Sequence[FeatureSpec]) -> None:
         self._cache = cache
         self._features = features
         self._req: ReadRequest | None = None
@@ -100,7 +100,7 @@ class _Lease:
         if self._entered:
             raise RuntimeError("a lease is entered once")
         self._entered = True
-        req = self._req = self._cache.request(self._features, copy=False)
+        req = self._req = self._cache._request(self._features, copy=False)
         try:
             req.begin()
             out = req.finish()
@@ -116,19 +116,14 @@ class _Lease:
             self._req.settle_lease()
 
 
-_C = TypeVar("_C", bound="_Cache")
+_C = TypeVar("_C", bound="_Counted")
 
 
-class _Cache:
-    """What both caches share: the store, counters, ``make_stats``, lifetime as ``with``."""
+class _Counted(abc.ABC):
+    """What every cache shares: counters, ``make_stats``, lifetime as ``with``."""
 
-    store: ShmObjectStore
     _counters: RequestCounters
     _last_delta: CacheInfo
-
-    def handle(self) -> CacheHandle:
-        """The segment's handle: what a reader needs to attach (picklable, JSON-friendly)."""
-        return self.store.handle()
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
         """Hits and total; with ``delta`` the change since the previous delta call.
@@ -144,13 +139,9 @@ class _Cache:
         self._last_delta = info
         return out
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
-
-    @property
-    def closed(self) -> bool:
-        """Whether ``close`` was called."""
-        return self.store.closed
+        """Close the cache (idempotent)."""
 
     def __enter__(self: _C) -> _C:
         """Enter ``with``: the cache itself."""
@@ -159,6 +150,21 @@ class _Cache:
     def __exit__(self, *exc: object) -> None:
         """Leave ``with``: ``close()``."""
         self.close()
+
+
+class _Cache(_Counted):
+    """What the caches of one segment share: the store and its handle."""
+
+    store: ShmObjectStore
+
+    def handle(self) -> CacheHandle:
+        """The segment's handle: what a reader needs to attach (picklable, JSON-friendly)."""
+        return self.store.handle()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called."""
+        return self.store.closed
 
 
 class SenderCache(_Cache):
@@ -215,7 +221,7 @@ class SenderCache(_Cache):
         """The segment's name (``aioshm-...``)."""
         return self.store.name
 
-    def request(
+    def _request(
         self,
         mm_items: Sequence[MmItem | None],
         mm_hashes: Sequence[str],
@@ -238,14 +244,14 @@ class SenderCache(_Cache):
             copy_inline_below=copy_inline_below,
         )
 
-    def features_request(
+    def _features_request(
         self,
         features: Sequence[FeatureSpec],
         *,
         wait_for_space: float | None = None,
         copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
     ) -> SenderRequest:
-        """``request`` over ``FeatureSpec``s; end it with ``finish_features``."""
+        """``_request`` over ``FeatureSpec``s; end it with ``finish_features``."""
         self.store.check_owner()
         return SenderRequest.for_features(
             self.store,
@@ -279,7 +285,7 @@ class SenderCache(_Cache):
         ``wait_for_space`` (seconds, default the config's) bounds the whole call. If anything
         raises, everything the call took is given back (hand-outs, allocations, pins).
         """
-        return self.request(mm_items, mm_hashes, wait_for_space=wait_for_space).run()
+        return self._request(mm_items, mm_hashes, wait_for_space=wait_for_space).run()
 
     def get_and_update_features(
         self, features: Sequence[FeatureSpec], *, wait_for_space: float | None = None
@@ -402,7 +408,79 @@ class SenderCache(_Cache):
             self._siblings.close()
 
 
-class ReceiverCache(_Cache):
+class _Reader(_Counted):
+    """The read methods both readers share (one segment's, a group's), on their ``_request``."""
+
+    @abc.abstractmethod
+    def _request(
+        self,
+        features: Sequence[FeatureSpec],
+        *,
+        copy: bool = True,
+        copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
+    ) -> ReadRequest:
+        """A read as steps, over this reader's store or shards."""
+
+    @abc.abstractmethod
+    def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:
+        """Validate a reference without reading it; owes nothing."""
+
+    def get_and_update_features(self, features: Sequence[FeatureSpec]) -> list[FeatureSpec]:
+        """Resolve every reference of a request into its item (a copy); returns new specs.
+
+        Features whose data is ``None`` or inline pass through. ``WriterGoneError`` first (a
+        dead writer), ``InvalidReferenceError`` at once (forged or foreign), and stale references
+        are read around and raised together as one ``CacheMissError`` listing their hashes (its
+        ``features`` attribute holds the partial result). Any failure gives back every reference
+        of the request that was not read: a failed read owes nothing.
+        """
+        req = self._request(features)
+        _run_inline(req)
+        return req.finish()
+
+    def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
+        """A reference becomes its item (a copy); inline data is returned unchanged.
+
+        A stale reference raises ``StaleReferenceError``.
+        """
+        check_hash(mm_hash)
+        req = self._request([FeatureSpec(mm_hash, mm_item)])
+        _run_inline(req)
+        return req.finish_item()
+
+    def touch(self, mm_hash: str, mm_item: Any = None) -> None:
+        """``touch_receiver_cache_item`` by the short name both faces share (DESIGN §5).
+
+        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
+        """
+        self.touch_receiver_cache_item(mm_hash, mm_item)
+
+    def lease(
+        self, features: Sequence[FeatureSpec]
+    ) -> contextlib.AbstractContextManager[list[FeatureSpec]]:
+        """Zero-copy read: arrays are read-only views into shared memory for the block.
+
+        The hand-outs stay owed (the writer cannot reuse the bytes) until the block exits; then
+        each is re-verified and acknowledged. Do not keep the arrays past the block. A stale
+        reference raises ``CacheMissError`` before the block (nothing is leased then).
+        """
+        return _Lease(self, features)
+
+    def clear_cache(self) -> None:
+        """Drop local state (the receiver keeps no item copies)."""
+        with self._counters.lock:
+            self._counters.hits = self._counters.total = 0
+        self._last_delta = CacheInfo(0, 0)
+
+    def clear(self) -> None:
+        """``clear_cache`` by the short name both faces share (DESIGN §5).
+
+        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
+        """
+        self.clear_cache()
+
+
+class ReceiverCache(_Cache, _Reader):
     """P1: a reader. Attaches to a sender's segment and claims a reader slot."""
 
     def __init__(self, store: ShmObjectStore) -> None:
@@ -439,7 +517,7 @@ class ReceiverCache(_Cache):
         """
         return GroupReceiverCache(group, serde=serde, wait_for_shard=wait_for_shard)
 
-    def request(
+    def _request(
         self,
         features: Sequence[FeatureSpec],
         *,
@@ -458,42 +536,12 @@ class ReceiverCache(_Cache):
             copy_inline_below=copy_inline_below,
         )
 
-    def get_and_update_features(self, features: Sequence[FeatureSpec]) -> list[FeatureSpec]:
-        """Resolve every reference of a request into its item (a copy); returns new specs.
-
-        Features whose data is ``None`` or inline pass through. ``WriterGoneError`` first (a
-        dead writer), ``InvalidReferenceError`` at once (forged or foreign), and stale references
-        are read around and raised together as one ``CacheMissError`` listing their hashes (its
-        ``features`` attribute holds the partial result). Any failure gives back every reference
-        of the request that was not read: a failed read owes nothing.
-        """
-        req = self.request(features)
-        _run_inline(req)
-        return req.finish()
-
-    def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
-        """A reference becomes its item (a copy); inline data is returned unchanged.
-
-        A stale reference raises ``StaleReferenceError``.
-        """
-        check_hash(mm_hash)
-        req = self.request([FeatureSpec(mm_hash, mm_item)])
-        _run_inline(req)
-        return req.finish_item()
-
     def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:
         """Validate a reference without reading it; owes nothing (parity with vLLM)."""
         check_hash(mm_hash)
         ref = as_reference(mm_item)
         if ref is not None:
             self.store.validate(ref)
-
-    def touch(self, mm_hash: str, mm_item: Any = None) -> None:
-        """``touch_receiver_cache_item`` by the short name both faces share (DESIGN §5).
-
-        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
-        """
-        self.touch_receiver_cache_item(mm_hash, mm_item)
 
     def release(self, ref: ShmRef) -> bool:
         """Give back a hand-out this reader will not read; False if unknown or already released.
@@ -514,30 +562,6 @@ class ReceiverCache(_Cache):
         self.store.give_back(r)
         return True
 
-    def lease(
-        self, features: Sequence[FeatureSpec]
-    ) -> contextlib.AbstractContextManager[list[FeatureSpec]]:
-        """Zero-copy read: arrays are read-only views into shared memory for the block.
-
-        The hand-outs stay owed (the writer cannot reuse the bytes) until the block exits; then
-        each is re-verified and acknowledged. Do not keep the arrays past the block. A stale
-        reference raises ``CacheMissError`` before the block (nothing is leased then).
-        """
-        return _Lease(self, features)
-
-    def clear_cache(self) -> None:
-        """Drop local state (the receiver keeps no item copies)."""
-        with self._counters.lock:
-            self._counters.hits = self._counters.total = 0
-        self._last_delta = CacheInfo(0, 0)
-
-    def clear(self) -> None:
-        """``clear_cache`` by the short name both faces share (DESIGN §5).
-
-        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
-        """
-        self.clear_cache()
-
     def close(self) -> None:
         """Free the reader slot (idempotent; safe while other threads read).
 
@@ -553,15 +577,16 @@ class ReceiverCache(_Cache):
         return self.store._reading.closed or self.store.closed
 
 
-class GroupReceiverCache(ReceiverCache):
+class GroupReceiverCache(_Reader):
     """A reader of a whole cache group (``ReceiverCache.attach_group(name)``).
 
-    The same methods as ``ReceiverCache``. Each reference is read from the shard that issued it
-    (its nonce names the shard instance); a reference whose shard's writer is gone raises
+    The read methods of ``ReceiverCache`` (shared, not inherited: a group has no single store,
+    segment or handle, so it offers none of those). Each reference is read from the shard that
+    issued it (its nonce names the shard instance); a reference whose shard's writer is gone raises
     ``WriterGoneError`` (with ``mm_hashes`` and the partial ``features``) after the request's
     other references were read; one naming no shard of the group is ``InvalidReferenceError``;
-    stale ones are one ``CacheMissError`` as for a single cache. A group reader has no single
-    segment: ``handle()`` raises ``RoleError``; ``shard_handles()`` lists the shards'.
+    stale ones are one ``CacheMissError`` as for a single cache. ``shard_handles()`` lists the
+    handles of the shards it reads.
     """
 
     def __init__(
@@ -574,7 +599,6 @@ class GroupReceiverCache(ReceiverCache):
             raise ValueError(f"wait_for_shard must be None or seconds >= 0, got {wait_for_shard!r}")
         self.group = check_group(group)
         self._shards = GroupShards(group, serde=serde)
-        self._released: dict[tuple[int, int], None] = {}
         self._group_released: dict[tuple[int, int, int], None] = {}
         self._counters = RequestCounters()
         self._last_delta = CacheInfo(0, 0)
@@ -587,10 +611,6 @@ class GroupReceiverCache(ReceiverCache):
             self._shards.close()
             raise
 
-    def handle(self) -> CacheHandle:
-        """A group has no single handle: ``RoleError`` (see ``shard_handles``)."""
-        raise RoleError(f"a reader of cache group {self.group!r} has one handle per shard")
-
     def shard_handles(self) -> list[CacheHandle]:
         """The handles of the shards this reader is attached to now."""
         return [s.handle() for s in self._shards.stores()]
@@ -599,14 +619,14 @@ class GroupReceiverCache(ReceiverCache):
         """Attach to new shards and detach from dead ones now (also done on demand)."""
         self._shards.rescan()
 
-    def request(
+    def _request(
         self,
         features: Sequence[FeatureSpec],
         *,
         copy: bool = True,
         copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
     ) -> ReadRequest:
-        """A read over the group, as steps (see ``ReceiverCache.request``)."""
+        """A read over the group, as steps (see ``ReceiverCache._request``)."""
         return GroupReceiverRequest(
             self._shards, self._counters, features, copy=copy, copy_inline_below=copy_inline_below
         )

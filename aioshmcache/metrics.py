@@ -130,11 +130,16 @@ _CLOSED = (ShmCacheError, ValueError)
 
 
 class StatsCache(Protocol):
-    """What every cache offers (``SenderCache``, ``ReceiverCache`` and their async twins)."""
+    """What every cache offers (the sync caches, a group reader and the async twins)."""
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
         """Hit counters (the collector only ever reads them: ``delta=False``)."""
         ...
+
+
+@runtime_checkable
+class SegmentCache(Protocol):
+    """A cache of one segment (any but a group reader): it has a handle."""
 
     def handle(self) -> CacheHandle:
         """The cache's handle (the collector takes the segment name from it)."""
@@ -142,7 +147,7 @@ class StatsCache(Protocol):
 
 
 @runtime_checkable
-class SnapshotCache(Protocol):
+class SnapshotCache(SegmentCache, Protocol):
     """A cache that also offers ``snapshot()``: the sender side."""
 
     def snapshot(self) -> CacheSnapshot:
@@ -194,6 +199,8 @@ def _identify(cache: StatsCache) -> _Identity:
     group = _group_reader_of(cache)
     if group is not None:
         return _Identity(group, "receiver", group)
+    if not isinstance(cache, SegmentCache):
+        raise TypeError(f"not a cache: {type(cache).__name__} has no handle()")
     return _Identity(cache.handle().name, "receiver")
 
 

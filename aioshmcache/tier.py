@@ -18,7 +18,8 @@ The rules (tests in ``tests/test_tier*.py``; the byte layout of a value in ``_ti
   while ``make`` runs; the others find the lease and wait (polling, at most ``max_wait_s``) for
   the value. A claimer that dies stops renewing: its lease expires and the first waiter to
   look again claims the hash (a *takeover*) and makes it. A claimer whose ``make`` fails or is
-  cancelled releases its lease at once.
+  cancelled releases its lease at once (a compare-and-delete of its own token, not queued
+  behind the writes).
 * **Redis is never a single point of failure.** Every Redis operation has a deadline: a
   look-up ``lookup_timeout_s``, the transfer of a value ``lookup_timeout_s`` plus twice its
   predicted cost. An error or a timeout is a miss (the request calls ``make``); repeated ones
@@ -53,7 +54,6 @@ from typing import Any, Final
 
 import anyio
 import anyio.to_thread
-import numpy as np
 
 from ._tier_breaker import CircuitBreaker
 from ._tier_policy import PolicyView, TierPolicy
@@ -72,6 +72,9 @@ __all__ = ["CircuitBreaker", "RedisTier", "TierPolicy", "TierStats", "TierValueE
 MiB: Final = 1 << 20
 #: values at least this large are signed / verified in a worker thread (hashing releases the GIL)
 THREAD_THRESHOLD: Final = 256 << 10
+#: the durations sent to Redis as expiries (in ms): at least 1 ms, at most ~31 years
+_MIN_EXPIRY_S: Final = 0.001
+_MAX_EXPIRY_S: Final = 1e9
 _SKIP: Final = b"skip"  # a lease value that says "not worth storing: make it yourself"
 _REJECT_REASONS: Final = ("truncated", "malformed", "oversized", "signature", "decoding")
 
@@ -180,18 +183,22 @@ class _Write:
 
 
 def _array_bytes(item: Any, depth: int = 0) -> int:
-    """The bytes of the numpy arrays in ``item`` (what a queued write keeps alive)."""
-    if isinstance(item, np.ndarray):
-        return int(item.nbytes)
+    """The bytes of the arrays and buffers in ``item`` (what a queued write keeps alive).
+
+    Counts what the wire carries in bulk: numpy arrays, torch tensors and memoryviews (their
+    ``nbytes``), bytes, bytearrays and strings; a tensor or a str counted as nothing would let
+    ``write_queue_items`` items of any size through the byte bound.
+    """
+    if isinstance(item, (bytes, bytearray, str)):
+        return len(item)
     if depth > 64:
         return 0
     if isinstance(item, dict):
         return sum(_array_bytes(v, depth + 1) for v in item.values())
     if isinstance(item, (list, tuple)):
         return sum(_array_bytes(v, depth + 1) for v in item)
-    if isinstance(item, (bytes, bytearray)):
-        return len(item)
-    return 0
+    nbytes = getattr(item, "nbytes", None)  # np.ndarray, np.generic, torch.Tensor, memoryview
+    return nbytes if type(nbytes) is int and nbytes > 0 else 0
 
 
 def _import_redis() -> Any:
@@ -204,6 +211,23 @@ def _import_redis() -> Any:
             "extra: pip install 'aioshmcache[fleet]'"
         ) from exc
     return redis.asyncio
+
+
+def _check_url(url: str) -> None:
+    """``ValueError`` for a URL the client refuses, or one that makes it decode replies.
+
+    Values are bytes: with ``decode_responses`` (which the URL's query overrides whatever the
+    tier asks for) every GET of a value fails to decode, each counted as a Redis failure: the
+    breaker stays open and the tier silently never serves anything.
+    """
+    from redis.asyncio.connection import parse_url, to_bool
+
+    try:
+        options = parse_url(url)
+    except ValueError as exc:
+        raise ValueError(f"url: {exc}") from None
+    if to_bool(options.get("decode_responses")):
+        raise ValueError("url must not set decode_responses: the tier's values are bytes")
 
 
 class RedisTier:
@@ -258,6 +282,14 @@ class RedisTier:
         ):
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name, value in (("ttl_s", ttl_s), ("lease_s", lease_s), ("skip_ttl_s", skip_ttl_s)):
+            # sent to Redis in whole milliseconds: 0 ms, or more than Redis can add to its
+            # clock, is refused by the server on every command (a tier that never works)
+            if not _MIN_EXPIRY_S <= value <= _MAX_EXPIRY_S:
+                raise ValueError(
+                    f"{name} must be between {_MIN_EXPIRY_S} and {_MAX_EXPIRY_S:.0f} s, "
+                    f"got {value!r}"
+                )
         if not isinstance(max_wait_s, (int, float)) or not 0 <= max_wait_s < float("inf"):
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
         for name, n in (
@@ -269,7 +301,12 @@ class RedisTier:
                 raise ValueError(f"{name} must be an int >= 1, got {n!r}")
         if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
             raise ValueError("prefix must be a str without braces (they make the hash tag)")
+        try:
+            prefix.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("prefix must encode as UTF-8 (it starts every key)") from None
         self._redis_mod = _import_redis()
+        _check_url(url)
         self.url = url
         self._secret = key
         self.ttl_s = float(ttl_s)
@@ -287,12 +324,15 @@ class RedisTier:
         self.policy = policy if policy is not None else TierPolicy()
         self._client: Any = None
         self._scripts: dict[str, Any] = {}
+        # writes of made items only (a claim to give up is its own task): len() is the count,
+        # which stats() reads from any thread (a metrics scrape) without iterating
         self._queue: collections.deque[_Write] = collections.deque()
         self._queued_bytes = 0
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._writer: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._releasing: set[asyncio.Task[None]] = set()  # claims being given up (in _tasks)
         self._closed = False
         self._n: collections.Counter[str] = collections.Counter()
         self._rejected: collections.Counter[str] = collections.Counter()
@@ -344,7 +384,10 @@ class RedisTier:
     async def aclose(self, *, flush_timeout_s: float = 2.0) -> None:
         """Write what is queued (at most ``flush_timeout_s``), stop the tasks, close the client.
 
-        Idempotent. Writes still queued after the timeout are dropped (and counted).
+        Idempotent. Writes still queued after the timeout are dropped (and counted). A request
+        still running on the tier then finishes without Redis: it claims nothing, renews
+        nothing, queues nothing and opens no new connection (a lease it holds expires after
+        ``lease_s``).
         """
         if self._closed:
             return
@@ -352,7 +395,7 @@ class RedisTier:
             if self._client is not None:
                 await self.flush(flush_timeout_s)
             self._closed = True
-            self._n["dropped_writes"] += sum(1 for w in self._queue if w.has_item)
+            self._n["dropped_writes"] += len(self._queue)
             self._queue.clear()
             tasks = [t for t in (self._writer, *self._tasks) if t is not None]
             for t in tasks:
@@ -365,12 +408,15 @@ class RedisTier:
                     await self._client.aclose()
 
     async def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until the write queue is empty (or ``timeout_s``); True if it is."""
+        """Wait until the write queue is empty and no claim is being given up (or
+        ``timeout_s``); True if so."""
         if self._idle is None:
             return True
         with anyio.move_on_after(timeout_s):
             await self._idle.wait()
-        return self._idle.is_set()
+            while self._releasing:
+                await asyncio.wait(set(self._releasing))
+        return self._idle.is_set() and not self._releasing
 
     # --- the request path ---------------------------------------------------------------------
 
@@ -401,10 +447,11 @@ class RedisTier:
                 args=[token, int(self.lease_s * 1000), _SKIP],
                 deadline_s=self.lookup_timeout_s,
             )
-            if probe is None:  # Redis failed (counted): make it here, write nothing
+            reply = None if probe is None else self._probe_reply(probe)
+            if reply is None:  # Redis failed or answered nonsense (counted): make it here
                 self._n["misses"] += 1
                 return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
-            kind, n = int(probe[0]), int(probe[1])
+            kind, n = reply
             if kind == _VALUE:
                 if n > HEADER_SIZE + self.max_item_bytes:
                     self._n["misses"] += 1
@@ -446,12 +493,37 @@ class RedisTier:
                 self._n["bypassed"] += 1
                 return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
 
+    def _probe_reply(self, probe: Any) -> tuple[int, int] | None:
+        """``(kind, size)`` of the probe script's reply, or None (an error, counted) if it is
+        not what the script returns.
+
+        The server is not trusted to be a sane Redis (a wrong URL, a proxy, an incompatible
+        server, an attacker on the network): a reply of another shape must not fail the
+        request with an untyped error, nor pass for "leased by another" and hold it for
+        ``max_wait_s``.
+        """
+        if (
+            isinstance(probe, (list, tuple))
+            and len(probe) == 2
+            and type(probe[0]) is int
+            and type(probe[1]) is int
+            and probe[0] in (_VALUE, _CLAIMED, _LEASED, _SKIPPED)
+            and probe[1] >= 0
+        ):
+            return probe[0], probe[1]
+        self._n["errors"] += 1
+        self.breaker.failure()
+        return None
+
     async def _fetch(self, vkey: str, mm_hash: str, n: int, t0: float) -> tuple[Any] | None:
         """GET, verify and decode a value of ``n`` bytes; None if it failed (counted)."""
         deadline = self.lookup_timeout_s + 2 * self.policy.fetch_cost(n)
         data = await self._call(self._client.get, args=[vkey], deadline_s=deadline)
         if data is None:
             return None  # failed, or expired between the probe and the GET
+        if not isinstance(data, bytes):  # not a GET's reply (see _probe_reply): never served
+            self._rejected["malformed"] += 1
+            return None
         try:
             if len(data) >= THREAD_THRESHOLD:
                 item, make_ns = await anyio.to_thread.run_sync(self._open, vkey, mm_hash, data)
@@ -478,7 +550,7 @@ class RedisTier:
 
     async def _make(self, w: _Write, make: Callable[[], Awaitable[Any]], *, store: bool) -> Any:
         """Run ``make`` (renewing our lease, if any), then queue the write or the release."""
-        if w.token is not None:
+        if w.token is not None and not self._closed:
             w.renewal = self._spawn(self._renew(w.lkey, w.token))
         self._n["makes"] += 1
         t0 = time.perf_counter()
@@ -509,6 +581,8 @@ class RedisTier:
         """Extend our lease every third of it until cancelled (or the lease is not ours)."""
         while True:
             await anyio.sleep(self.lease_s / 3)
+            if self._closed:
+                return  # the lease expires by itself; nobody may keep it alive
             if not self.breaker.allow():
                 continue
             out = await self._call(
@@ -522,15 +596,28 @@ class RedisTier:
 
     def _enqueue(self, w: _Write) -> None:
         """Queue a write (dropped, and counted, if the queue is full) or a lease release."""
+        if self._closed:  # nobody writes any more: drop it (the lease, if any, expires)
+            if w.has_item:
+                self._n["dropped_writes"] += 1
+            w.item, w.has_item = None, False
+            if w.renewal is not None:
+                w.renewal.cancel()
+            return
         if w.has_item and (
-            sum(1 for q in self._queue if q.has_item) >= self._queue_items
+            len(self._queue) >= self._queue_items
             or self._queued_bytes + w.nbytes > self._queue_bytes
         ):
             self._n["dropped_writes"] += 1
-            w.item, w.has_item = None, False  # still release the lease (tiny, never dropped)
-        if not w.has_item and w.token is None:
+            w.item, w.has_item = None, False  # still release the lease (below)
+        if not w.has_item:
             if w.renewal is not None:
                 w.renewal.cancel()
+            if w.token is not None:
+                # at once, not behind the queued writes: a stuck write would otherwise keep
+                # every waiting host waiting for a make that failed (up to max_wait_s)
+                task = self._spawn(self._release_claim(w))
+                self._releasing.add(task)
+                task.add_done_callback(self._releasing.discard)
             return
         if w.has_item:
             self._queued_bytes += w.nbytes
@@ -559,11 +646,12 @@ class RedisTier:
                 if w.renewal is not None:
                     w.renewal.cancel()
 
+    async def _release_claim(self, w: _Write) -> None:
+        """Give up a claim whose make failed, was cancelled, or whose write was dropped."""
+        if self.breaker.allow():
+            await self._release(w, b"")
+
     async def _write(self, w: _Write) -> None:
-        if not w.has_item:  # make failed, was cancelled, or its write was dropped
-            if w.token is not None and self.breaker.allow():
-                await self._release(w, b"")
-            return
         try:
             if w.nbytes >= THREAD_THRESHOLD:
                 value = await anyio.to_thread.run_sync(self._seal, w)
@@ -616,7 +704,12 @@ class RedisTier:
         kwargs: dict[str, Any] | None = None,
         deadline_s: float,
     ) -> Any:
-        """One Redis operation under a deadline; None on a failure (counted, breaker told)."""
+        """One Redis operation under a deadline; None on a failure (counted, breaker told).
+
+        None at once once the tier is closed: the closed client would otherwise connect again.
+        """
+        if self._closed:
+            return None
         try:
             with anyio.fail_after(deadline_s):
                 if keys is not None:
@@ -664,7 +757,7 @@ class RedisTier:
             lookup_seconds=self._lookup_seconds,
             breaker_state=self.breaker.state,
             breaker_opens=self.breaker.opened,
-            queued_writes=sum(1 for w in self._queue if w.has_item),
+            queued_writes=len(self._queue),
             policy=self.policy.view(self.max_item_bytes),
         )
 

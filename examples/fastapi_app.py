@@ -80,7 +80,6 @@ from aioshmcache import (
     FeatureSpec,
     GroupReceiverCache,
     ShmRef,
-    coerce_handle,
 )
 from aioshmcache.channel import EngineClient, serve_engine
 from aioshmcache.errors import EngineError
@@ -137,7 +136,7 @@ async def engine_handler(features: list[FeatureSpec], payload: Any) -> dict[str,
 
 def engine_main(handle_json: str, socket_path: str) -> None:
     """The engine worker process of one gateway: a reader of its cache, until SIGTERM."""
-    _run(AsyncReceiverCache.attach(coerce_handle(handle_json)), socket_path)
+    _run(AsyncReceiverCache.attach(handle_json), socket_path)
 
 
 def group_engine_main(group: str, socket_path: str) -> None:

@@ -569,7 +569,9 @@ def test_a_rolled_back_request_releases_only_its_own_handouts(make_config: Any) 
     """Review: a roll back released a caller's own reference served back inline ("busy")."""
     with SenderCache(make_config(8 << 20, 4 << 20, 1)) as tx, ReceiverCache.attach(tx.handle()):
         [(ref0, _)] = tx.get_and_update([({"x": np.arange(10)}, ())], ["a"])
-        putting = tx.request([({"x": np.ones(2 << 20, np.uint8)}, ())], ["h1"], copy_inline_below=0)
+        putting = tx._request(
+            [({"x": np.ones(2 << 20, np.uint8)}, ())], ["h1"], copy_inline_below=0
+        )
         putting.begin()  # h1 is being put: its big copy has not run yet
         try:
             with pytest.raises(Exception):  # noqa: B017 (any error of the bad item will do)
@@ -588,7 +590,7 @@ def test_a_stale_reference_is_not_acknowledged(make_config: Any) -> None:
     forged reference: see the next test)."""
     with SenderCache(make_config()) as tx, ReceiverCache.attach(tx.handle()) as rx:
         [f] = tx.get_and_update_features([FeatureSpec("h", {"x": np.arange(10)})])
-        req = rx.request([f], copy_inline_below=0)
+        req = rx._request([f], copy_inline_below=0)
         req.begin()
         tx.clear_cache()
         slot = rx.store.slot
@@ -786,7 +788,7 @@ def test_a_request_that_goes_on_unlocked_keeps_its_early_items(make_config: Any)
     another request's puts meanwhile cannot evict the items it already put."""
     sender = SenderCache(make_config(256 << 10, 100 << 10, 1))  # no reader: only pins protect
     try:
-        req = sender.request(
+        req = sender._request(
             [(item(1, 8 << 10), ()), (item(2, 60 << 10), ())],
             ["A", "B"],
             copy_inline_below=32 << 10,

@@ -194,8 +194,8 @@ def _writer_calls(tx: SenderCache, ref: ShmRef) -> dict[str, Callable[[], object
     return {
         "is_cached_item": lambda: tx.is_cached_item("h0"),
         "is_cached": lambda: tx.is_cached(["h0"]),
-        "request": lambda: tx.request([None], ["h0"]),
-        "features_request": lambda: tx.features_request([feat]),
+        "request": lambda: tx._request([None], ["h0"]),
+        "features_request": lambda: tx._features_request([feat]),
         "get_and_update_item hit": lambda: tx.get_and_update_item(None, "h0"),
         "get_and_update_item put": lambda: tx.get_and_update_item(({"x": 1}, ()), "new"),
         "get_and_update": lambda: tx.get_and_update([None], ["h0"]),

@@ -242,7 +242,7 @@ async def test_cancelled_request_leaves_what_an_abandoned_sync_request_leaves(
         cfg = make_config(16 * MiB, 4 * MiB, 1, name=f"{make_config().name}-{kind}")
         with SenderCache(cfg) as tx, ReceiverCache.attach(tx.handle()) as rx:
             if kind == "sync":
-                req = tx.features_request(feats, copy_inline_below=64 * KiB)
+                req = tx._features_request(feats, copy_inline_below=64 * KiB)
                 req.begin()
                 req.abandon()  # what a failure before the copies does
             else:
@@ -281,7 +281,7 @@ def _public_methods(cls: type) -> dict[str, inspect.Signature]:
 def test_twins_have_the_same_signatures(sync: type, aio: type) -> None:
     """Names, parameters (name, kind, default) match; the async twin may only add options."""
     ours, theirs = _public_methods(sync), _public_methods(aio)
-    skip = {"close", "request", "features_request", "attach"}  # attach: see below
+    skip = {"close", "attach"}  # attach: see below
     for name, sig in ours.items():
         if name in skip:
             continue
@@ -334,7 +334,7 @@ def _one_item_steps(tx: SenderCache, put: Callable[[Any, Any], Any]) -> list[Any
     step(None, "zz")  # not cached: CacheMissError
     step(big, "big")  # too large: inline
     step(big, "big")  # known too large: inline, not serialised again
-    putting = tx.request([items["b"]], ["b"], copy_inline_below=0)
+    putting = tx._request([items["b"]], ["b"], copy_inline_below=0)
     putting.begin()  # "b" is being put (a copy job not run yet)
     step(items["b"], "b")  # busy: inline
     putting.run_jobs()

@@ -79,6 +79,9 @@ WORST = {
     "zeros": _array32(N, b"\x00"),
     "nils": _array32(N, b"\xc0"),
     "floats": msgpack.packb([1.5] * (N // 9)),
+    # 1,000 array headers announcing 65,536 slots each, left open: msgpack allocates ~78 KiB
+    # for each before reading an element (~80 MiB), unless the header is checked complete first
+    "nested array headers": (b"\xdd" + struct.pack(">I", 1 << 16)) * 1000 + bytes(N - 5000),
 }
 
 
@@ -101,6 +104,38 @@ def test_a_1mib_worst_case_header_costs_tens_of_mib_at_most(name: str) -> None:
         peak, out = _peak(lambda d=data: unpack_features(d, max_header_bytes=4 * MiB))  # type: ignore[misc]
         assert not isinstance(out, BaseException) or isinstance(out, SerdeError), repr(out)
         _bounded(len(data), peak)
+
+
+def test_a_few_kib_of_open_array_headers_cost_no_more_than_their_bound() -> None:
+    """An incomplete header is refused before msgpack allocates what its arrays announce."""
+    for levels in (1000, 1100):  # each announces as many slots as the header has bytes
+        header = (b"\xdd" + struct.pack(">I", 5 * levels)) * levels
+        for data in (_payload(header), _wire_message(header)):
+            peak, out = _peak(lambda d=data: unpack_features(d))  # type: ignore[misc]
+            assert isinstance(out, SerdeError), repr(out)
+            _bounded(len(data), peak)
+            assert peak < 8 * MiB
+
+
+def test_headers_checked_for_completeness_decode_as_before() -> None:
+    """Headers with many ``array 16`` type bytes (checked complete first) decode as before;
+    bytes after the object and a truncated one are still refused."""
+    serde = MsgpackSerde(max_depth=8)
+    deep: Any = [b"\xdc" * 100, *range(19)]  # type bytes of array 16 inside a bin: checked
+    for _ in range(7):  # eight levels of 20-element lists: the limit exactly
+        deep = [deep, *range(19)]
+    wide = {"rows": [[i, f"{i}", b"\xdc\xdd" * 3, 1.5, None] * 4 for i in range(300)]}
+    for value in (deep, wide, [[0xDC] * 40] * 50):
+        plan = serde.plan(value)
+        buf = bytearray(plan.nbytes)
+        serde.write(plan, memoryview(buf))
+        assert serde.read(memoryview(buf)) == value
+    with pytest.raises(SerdeError, match="max_depth"):
+        serde.read(memoryview(_payload(msgpack.packb([deep, *range(19)]))))
+    packed = msgpack.packb(wide)
+    for header in (packed + b"\xc0", packed[:-1]):
+        with pytest.raises(SerdeError, match="malformed structure header"):
+            serde.read(memoryview(_payload(header)))
 
 
 def test_empty_maps_and_lists_are_refused_past_max_containers() -> None:
@@ -172,13 +207,17 @@ HANDLE = CacheHandle("aioshm-x", 12345, 3)
 _plain = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=8)
 )
-values = st.recursive(
-    _plain,
-    lambda inner: st.one_of(
+
+
+def _nested(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    # a def, not a lambda: Hypothesis checks that ``extend`` uses its argument by reading its
+    # source, which it could not always find for a lambda spread over several lines
+    return st.one_of(
         st.lists(inner, max_size=6), st.dictionaries(st.text(max_size=6), inner, max_size=6)
-    ),
-    max_leaves=30,
-)
+    )
+
+
+values = st.recursive(_plain, _nested, max_leaves=30)
 
 
 def _mutated(base: bytes) -> st.SearchStrategy[bytes]:

@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-import aioshmcache._serde as serde_module
+import aioshmcache._serde_encode as serde_encode
 from aioshmcache._serde import MsgpackSerde
 from aioshmcache.errors import SerdeError
 
 from .test_serde import Aligned, assert_same, encode
 
-SMALL = serde_module._SMALL_COPY
+SMALL = serde_encode._SMALL_COPY
 # array sizes in float64 elements for each way write copies: tobytes, memoryview, numpy
 COPY_SIZES = [16, 1024, SMALL // 8 + 8]
 
@@ -196,12 +196,12 @@ def test_limit_changed_during_a_walk(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_wide_items_are_not_cached_and_the_cache_is_bounded() -> None:
     serde = MsgpackSerde()
-    wide = {f"k{i}": np.zeros(1) for i in range(serde_module._FLAT_MAX + 1)}
+    wide = {f"k{i}": np.zeros(1) for i in range(serde_encode._FLAT_MAX + 1)}
     assert bytes(encode(wide, serde).view) == fresh_bytes(wide)
     assert not serde._shapes
-    for n in range(serde_module._FLAT_SHAPES_MAX + 10):
+    for n in range(serde_encode._FLAT_SHAPES_MAX + 10):
         encode({"a": np.zeros(n, np.uint8)}, serde)
-    assert 0 < len(serde._shapes) <= serde_module._FLAT_SHAPES_MAX
+    assert 0 < len(serde._shapes) <= serde_encode._FLAT_SHAPES_MAX
 
 
 @pytest.mark.parametrize("cached_first", [False, True])

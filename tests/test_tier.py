@@ -23,7 +23,15 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from aioshmcache import AsyncSenderCache, CacheConfig, FeatureSpec, ReceiverCache, ShmRef, sweep
+from aioshmcache import (
+    AsyncSenderCache,
+    CacheConfig,
+    FeatureSpec,
+    GroupReceiverCache,
+    ReceiverCache,
+    ShmRef,
+    sweep,
+)
 from aioshmcache._tier_value import HEADER_SIZE, lease_key, seal_value, value_key
 from aioshmcache.tier import CircuitBreaker, RedisTier, TierPolicy
 from aioshmcache.tools.redis_server import RedisCluster, RedisServer, free_port, redis_binaries
@@ -73,7 +81,9 @@ def _maker(h: str, calls: list[str], nbytes: int = 64 * KiB) -> Callable[[], dic
     return make
 
 
-def _check(rx: ReceiverCache, f: FeatureSpec, h: str, nbytes: int = 64 * KiB) -> None:
+def _check(
+    rx: ReceiverCache | GroupReceiverCache, f: FeatureSpec, h: str, nbytes: int = 64 * KiB
+) -> None:
     """What the reader gets for ``f`` is exactly ``h``'s item."""
     [got] = rx.get_and_update_features([f])
     assert isinstance(got.data, dict) and got.data["hash"] == h
@@ -404,6 +414,49 @@ async def test_a_failing_make_releases_the_claim_at_once(
 
 
 @e2e
+async def test_a_failed_claim_is_released_while_writes_are_stuck(
+    redis_server: RedisServer, make_config: Any, shm_name: str
+) -> None:
+    """The release of a failed make's claim does not queue behind the writes.
+
+    Before, it went through the write queue: while a write was stuck (a slow Redis, up to
+    ``write_timeout_s`` each), a host waiting on the claim waited for it too, up to
+    ``max_wait_s``, for a make that had already failed.
+    """
+    t1 = _tier(redis_server.url, lease_s=60.0, write_timeout_s=120.0)  # a write stuck for good
+    t2 = _tier(redis_server.url, lease_s=60.0, max_wait_s=60.0)
+    gate, started = asyncio.Event(), asyncio.Event()
+    calls: list[str] = []
+
+    async def failing() -> dict[str, Any]:
+        started.set()
+        await asyncio.sleep(0.1)
+        raise RuntimeError("preprocessing failed")
+
+    async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
+        real_set = t1._client.set
+
+        async def stalled_set(*args: Any, **kw: Any) -> Any:
+            await gate.wait()
+            return await real_set(*args, **kw)
+
+        t1._client.set = stalled_set
+        with ReceiverCache.attach(b.handle()) as rb:
+            await a.get_or_put("s0", _maker("s0", calls))  # its write is now stuck
+            await _until(lambda: t1.stats().queued_writes == 0)  # in flight, not queued
+            first = asyncio.ensure_future(a.get_or_put("s1", failing))
+            await started.wait()
+            second = asyncio.ensure_future(b.get_or_put("s1", _maker("s1", calls)))
+            with pytest.raises(RuntimeError, match="preprocessing failed"):
+                await first
+            _check(rb, await asyncio.wait_for(second, 20), "s1")
+            assert t1.stats().writes == 0  # the write was still stuck all along
+            gate.set()
+    s2 = t2.stats()
+    assert calls == ["s0", "s1"] and s2.takeovers == 1 and s2.wait_timeouts == 0
+
+
+@e2e
 @pytest.mark.slow
 async def test_a_claim_is_renewed_while_make_runs_longer_than_its_lease(
     redis_server: RedisServer, make_config: Any, shm_name: str
@@ -459,6 +512,62 @@ async def test_a_cancelled_claimer_releases_the_claim_at_once(
 
 
 @e2e
+async def test_a_request_running_when_its_tier_closes_leaves_nothing_behind(
+    redis_server: RedisServer, raw: Any
+) -> None:
+    """After ``aclose`` a request still on the tier claims, renews and queues nothing.
+
+    Before, a request that was waiting on another host's claim when its tier closed went on
+    probing through the closed client (which connected again), claimed the hash once the lease
+    was free, and renewed that claim forever (the writer that cancels renewals was gone): every
+    other host then waited ``max_wait_s`` for that hash. A write queued after close stayed in
+    the queue for good, holding its item.
+    """
+    a = _tier(redis_server.url, lease_s=60.0)
+    b = _tier(redis_server.url, lease_s=60.0, max_wait_s=30.0)
+    c = _tier(redis_server.url, lease_s=60.0)
+    fail, made, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def failing() -> dict[str, Any]:
+        made.set()
+        await fail.wait()
+        raise RuntimeError("a's preprocessing failed")
+
+    async def held() -> dict[str, Any]:
+        made.set()
+        await release.wait()
+        return hosts.item_of("z2")
+
+    async def plain() -> dict[str, Any]:
+        return hosts.item_of("z1")
+
+    async with a:
+        await b.open()
+        first = asyncio.ensure_future(a.fetch_or_make("z1", failing))
+        await made.wait()
+        second = asyncio.ensure_future(b.fetch_or_make("z1", plain))
+        await _until(lambda: b.stats().waits == 1)  # b waits on a's claim
+        await b.aclose()
+        fail.set()  # a releases its claim; b must not take it over through a closed client
+        with pytest.raises(RuntimeError, match="preprocessing failed"):
+            await first
+        assert (await asyncio.wait_for(second, 20))["hash"] == "z1"
+        assert b.stats().claims == 0 and b.stats().queued_writes == 0
+        assert await raw.get(lease_key(b.prefix, "z1")) is None
+
+        made.clear()
+        await c.open()
+        third = asyncio.ensure_future(c.fetch_or_make("z2", held))
+        await made.wait()  # c claimed z2 and runs its make
+        await c.aclose()
+        release.set()
+        assert (await asyncio.wait_for(third, 20))["hash"] == "z2"
+        s = c.stats()
+        assert s.claims == 1 and s.queued_writes == 0 and s.dropped_writes == 1 and s.writes == 0
+        assert not c._tasks  # no renewal left running
+
+
+@e2e
 async def test_a_request_never_waits_for_its_write(
     redis_server: RedisServer, make_config: Any
 ) -> None:
@@ -481,6 +590,34 @@ async def test_a_request_never_waits_for_its_write(
             gate.set()
             assert await tier.flush(30)
     assert tier.stats().writes == 3 and len(calls) == 3
+
+
+@e2e
+async def test_the_write_queue_s_byte_bound_counts_tensors_buffers_and_strings(
+    redis_server: RedisServer,
+) -> None:
+    """Items whose bulk is not a numpy array count against ``write_queue_bytes`` too.
+
+    Before, a torch tensor, a memoryview or a str counted as 0 bytes: 32 queued items of any
+    size passed a byte bound meant to cap what the queue keeps alive.
+    """
+    torch = pytest.importorskip("torch")
+    tier = _tier(redis_server.url, write_queue_bytes=64 * KiB)
+    items: list[Any] = [
+        {"t": torch.zeros(128 * KiB, dtype=torch.uint8)},
+        [memoryview(bytes(128 * KiB))],
+        {"s": "x" * (128 * KiB)},
+    ]
+    async with tier:
+        for i, item in enumerate(items):
+
+            async def make(item: Any = item) -> Any:
+                return item
+
+            assert await tier.fetch_or_make(f"b{i}", make) is item
+        assert await tier.flush(30)
+    s = tier.stats()
+    assert s.claims == 3 and s.dropped_writes == 3 and s.writes == 0
 
 
 @e2e

@@ -5,6 +5,7 @@ No Redis here (these run in the default suite); the end-to-end tests are in ``te
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import inspect
@@ -399,8 +400,119 @@ def test_tier_arguments_are_checked() -> None:
         {"secret": SECRET, "max_item_bytes": 0},
         {"secret": SECRET, "prefix": "a{b}"},
         {"secret": SECRET, "max_wait_s": float("nan")},
+        # Redis refuses an expiry of 0 ms (or one past its clock) on every command
+        {"secret": SECRET, "ttl_s": 0.0004},
+        {"secret": SECRET, "lease_s": 1e-6},
+        {"secret": SECRET, "skip_ttl_s": 1e300},
+        # every key would fail to encode: each request an error, the breaker open for good
+        {"secret": SECRET, "prefix": "bad\ud800:"},
     ):
         with pytest.raises(ValueError):
             RedisTier(url, **kw)
     with pytest.raises(TypeError):
         RedisTier("", secret=SECRET)
+    # every GET of a value would fail to decode (the URL's query wins over the tier's options)
+    for bad in ("redis://127.0.0.1:1/0?decode_responses=True", "http://127.0.0.1:1/0"):
+        with pytest.raises(ValueError, match="url"):
+            RedisTier(bad, secret=SECRET)
+    RedisTier(url + "?decode_responses=false", secret=SECRET)
+
+
+# --- a server that is not a sane Redis ----------------------------------------------------------
+
+
+async def _serve_resp(reply: bytes, reader: Any, writer: Any) -> None:
+    """Answer every RESP command with ``reply`` (a wrong URL, a proxy, a tampering middlebox)."""
+    try:
+        while line := await reader.readline():
+            for _ in range(int(line[1:])):
+                size = int((await reader.readline())[1:])
+                await reader.readexactly(size + 2)
+            writer.write(reply)
+            await writer.drain()
+    except (ValueError, ConnectionError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"+OK\r\n",  # a status where the probe script returns a pair: was "leased", max_wait_s
+        b":5\r\n",  # an integer: was TypeError out of the request
+        b"*1\r\n:1\r\n",  # one element: was IndexError
+        b"*2\r\n:1\r\n$1\r\nx\r\n",  # a size that is not a number: was ValueError
+        b"*2\r\n:9\r\n:0\r\n",  # an unknown kind: was "leased by another", max_wait_s
+        b"*2\r\n:1\r\n:99\r\n",  # "a value of 99 bytes", then the GET answers a pair
+    ],
+)
+async def test_a_server_answering_nonsense_fails_no_request_and_holds_none(reply: bytes) -> None:
+    """Whatever the server answers, the request is made here at once and the error counted."""
+    server = await asyncio.start_server(lambda r, w: _serve_resp(reply, r, w), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    tier = RedisTier(
+        f"redis://127.0.0.1:{port}/0",
+        secret=SECRET,
+        lookup_timeout_s=5.0,
+        max_wait_s=30.0,
+        policy=TierPolicy(learn=False, explore_every=0),
+    )
+    item = {"x": np.arange(4)}
+
+    async def make() -> dict[str, Any]:
+        return item
+
+    try:
+        async with tier:
+            assert await asyncio.wait_for(tier.fetch_or_make("h", make), 20) is item
+        s = tier.stats()
+        assert s.makes == 1 and s.waits == 0 and s.hits == 0
+        assert s.errors + s.rejected_total >= 1
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_stats_never_iterate_the_write_queue() -> None:
+    """``stats()`` runs in a metrics scrape's thread while the loop changes the write queue.
+
+    Before, it counted the queue by iterating it, and a scrape thread got ``RuntimeError:
+    deque mutated during iteration`` (reproduced with a real scrape thread against Redis). Here
+    the loop's change is made by the queue entry itself, as the iteration reads it.
+    """
+    tier = RedisTier("redis://127.0.0.1:1/0", secret=SECRET)
+
+    class Racing:
+        """A queued write whose reading appends another (the loop, between two steps)."""
+
+        @property
+        def has_item(self) -> bool:
+            if len(tier._queue) < 3:
+                tier._queue.append(Racing())  # type: ignore[arg-type]
+            return True
+
+    tier._queue.append(Racing())  # type: ignore[arg-type]
+    assert tier.stats().queued_writes == 1
+
+
+def test_breaker_state_read_while_the_loop_closes_it() -> None:
+    """``state`` (read by a metrics scrape's thread) while the loop reports a success.
+
+    Before, it read ``_opened_at`` twice and the second read could be None: a ``TypeError``
+    in the scrape (reproduced with a real scrape thread). Here the clock, called between the
+    two reads, does what the loop would.
+    """
+    armed = False
+    breaker: CircuitBreaker | None = None
+
+    def clock() -> float:
+        if armed and breaker is not None:
+            breaker.success()  # the loop, between the state's check and its arithmetic
+        return 100.0
+
+    breaker = CircuitBreaker(failures=1, clock=clock)
+    breaker.failure()
+    armed = True
+    assert breaker.state in (OPEN, HALF_OPEN)
+    assert breaker.state == CLOSED

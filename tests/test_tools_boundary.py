@@ -149,6 +149,11 @@ def test_the_checker_sees_private_imports() -> None:
     assert not any(m.startswith("aioshmcache.tools") for m, _n in uses)
 
 
+#: the one private door aio.py may use: the sync caches' request steps, private because they
+#: return the private request objects (issue 23) and have exactly one driver, the async face
+REQUEST_STEPS = frozenset(("_request", "_features_request"))
+
+
 def test_the_async_facade_drives_requests_and_never_reaches_into_the_store() -> None:
     """aio.py touches no store and no private name of another module (issue: one algorithm)."""
     import ast
@@ -174,7 +179,8 @@ def test_the_async_facade_drives_requests_and_never_reaches_into_the_store() -> 
             foreign = isinstance(owner, ast.Attribute) or (
                 isinstance(owner, ast.Name) and owner.id in imported
             )
-            if foreign and node.attr.startswith("_") and not node.attr.startswith("__"):
+            private = node.attr.startswith("_") and not node.attr.startswith("__")
+            if foreign and private and node.attr not in REQUEST_STEPS:
                 bad.append(f"line {node.lineno}: .{node.attr}")
         if isinstance(node, ast.ImportFrom):
             bad += [

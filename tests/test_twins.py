@@ -8,27 +8,36 @@ one-sided that the other face gains (or that no longer exists) fails, so they ca
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
+import typing
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
+import aioshmcache
 from aioshmcache import (
     AsyncReceiverCache,
     AsyncSenderCache,
+    CacheConfig,
     FeatureSpec,
+    GroupReceiverCache,
     MsgpackSerde,
     ReceiverCache,
     SenderCache,
     ShmRef,
 )
+from aioshmcache._request import SenderRequest
+
+from .conftest import RUN_PREFIX
 
 #: names only the sync face has, and why
 SYNC_ONLY = {
     "close": "the async face's is aclose (STYLE: the one name that differs between twins)",
-    "request": "the request-steps API the async face drives (it is not a second way in)",
-    "features_request": "the request-steps API the async face drives",
 }
 #: names only the async face has, and why
 ASYNC_ONLY = {
@@ -182,7 +191,7 @@ def test_one_threshold_for_a_copy_under_the_writer_lock(make_config: Any) -> Non
     with SenderCache(make_config(8 << 20, 4 << 20, 1)) as tx:
         small = ({"x": np.zeros(INLINE_COPY_UNDER_LOCK // 2, np.uint8)}, ())
         bigger = ({"x": np.zeros(INLINE_COPY_UNDER_LOCK * 2, np.uint8)}, ())
-        req = tx.request([small, bigger], ["small", "bigger"])
+        req = tx._request([small, bigger], ["small", "bigger"])
         try:
             req.begin()
             assert tx.is_cached_item("small")  # copied and committed in the locked step
@@ -193,3 +202,153 @@ def test_one_threshold_for_a_copy_under_the_writer_lock(make_config: Any) -> Non
             raise
         req.finish()
         assert tx.is_cached_item("bigger")
+
+
+# --- no public method returns a private type --------------------------------------------------
+
+#: public methods of the lower layers (``ShmObjectStore``, ``ShmRingBuffer``: DESIGN.md section 2,
+#: the layers the caches are built on) that hand out their private building blocks, and why
+PRIVATE_RETURNS = {
+    "ShmObjectStore.reserve": "the reservation a put commits or aborts (used by the caches)",
+    "ShmObjectStore.pin_entry": "the debts a reader pays back (the caches' pinning)",
+    "ShmObjectStore.pin_ids": "the debts a reader pays back (the caches' pinning)",
+    "ShmObjectStore.check_reader": "the reader's own slot (the caches' liveness checks)",
+    "ShmObjectStore.slot": "the reader's own slot (the caches' liveness checks)",
+    "ShmRingBuffer.segment": "the mapped segment under the ring (the store's layout)",
+}
+
+
+def _exported_ids() -> set[int]:
+    """Ids of everything the package and its public modules export by ``__all__``."""
+    modules: list[Any] = [aioshmcache]
+    for info in pkgutil.iter_modules(aioshmcache.__path__):
+        if info.name.startswith("_"):
+            continue
+        try:
+            modules.append(importlib.import_module(f"aioshmcache.{info.name}"))
+        except ModuleNotFoundError as exc:  # a module of an extra that is not installed
+            if (exc.name or "").startswith("aioshmcache"):
+                raise
+    return {id(getattr(m, n)) for m in modules for n in getattr(m, "__all__", ())}
+
+
+def _classes_in(hint: Any) -> Iterator[type]:
+    """Every class an annotation names (``X | None``, ``list[X]``, ``Iterator[X]`` ...)."""
+    if isinstance(hint, type):
+        yield hint
+    origin = typing.get_origin(hint)
+    if isinstance(origin, type):
+        yield origin
+    for arg in typing.get_args(hint):
+        yield from _classes_in(arg)
+
+
+def _is_private(cls: type, exported: set[int]) -> bool:
+    """Defined in aioshmcache, not exported, and private by its module's or its own name."""
+    module = cls.__module__
+    if module.split(".")[0] != "aioshmcache" or id(cls) in exported:
+        return False
+    return cls.__name__.startswith("_") or any(p.startswith("_") for p in module.split("."))
+
+
+def private_returns(classes: list[type], exported: set[int]) -> dict[str, str]:
+    """``"Class.name": "module.Type"`` for each public method/property returning a private type."""
+    found: dict[str, str] = {}
+    for cls in classes:
+        for name in dir(cls):
+            if name.startswith("_"):
+                continue
+            attr = inspect.getattr_static(cls, name)
+            func = attr.fget if isinstance(attr, property) else getattr(attr, "__func__", attr)
+            if not inspect.isfunction(func):
+                continue
+            for c in _classes_in(typing.get_type_hints(func).get("return")):
+                if _is_private(c, exported):
+                    found[f"{cls.__name__}.{name}"] = f"{c.__module__}.{c.__qualname__}"
+    return found
+
+
+def test_no_public_method_returns_a_private_type() -> None:
+    """A caller can name what the API hands out: its return types are exported too.
+
+    Review (issue 23): ``SenderCache.request`` returned the private ``SenderRequest``; the
+    request steps are now ``_request`` / ``_features_request``, for the async face only.
+    """
+    public = [c for n in aioshmcache.__all__ if isinstance(c := getattr(aioshmcache, n), type)]
+    found = private_returns(public, _exported_ids())
+    assert found.keys() - PRIVATE_RETURNS.keys() == set(), found
+    assert PRIVATE_RETURNS.keys() - found.keys() == set(), "a listed exception no longer is one"
+
+
+def test_the_check_sees_a_private_return_type() -> None:
+    """The checker itself: a method or a property returning a private class is reported."""
+
+    class Face:
+        def request(self) -> SenderRequest | None:
+            return None
+
+        @property
+        def steps(self) -> list[SenderRequest]:
+            return []
+
+        def _own(self) -> SenderRequest | None:  # private: not reported
+            return None
+
+        def info(self) -> aioshmcache.CacheInfo | None:  # exported: not reported
+            return None
+
+    where = "aioshmcache._request.SenderRequest"
+    assert private_returns([Face], _exported_ids()) == {"Face.request": where, "Face.steps": where}
+
+
+# --- a group reader offers only what works --------------------------------------------------
+
+
+def test_every_public_name_of_a_group_reader_works() -> None:
+    """A ``GroupReceiverCache`` has no method that fails by design (no ``handle``, no ``store``).
+
+    Review (issue 23): it subclassed ``ReceiverCache``, so it inherited ``handle()`` (which it
+    made raise ``RoleError``), ``attach`` and ``attach_group`` (which built a single-segment
+    reader) and a ``store`` it never had. It now shares the read methods, not the class. Every
+    public name is called here; the table must list exactly the public names, so a name added
+    later is exercised too.
+    """
+    group = f"{RUN_PREFIX}tw{uuid.uuid4().hex[:10]}"
+    with SenderCache(CacheConfig(1 << 20, 1 << 18, 2, group=group)) as tx:
+        item = {"x": np.arange(8)}
+        [f1, f2, f3] = tx.get_and_update_features(
+            [FeatureSpec("h1", item), FeatureSpec("h2", item), FeatureSpec("h3", item)]
+        )
+        shard = tx.handle()
+        rx = ReceiverCache.attach_group(group)
+        try:
+
+            def lease() -> object:
+                with rx.lease([f2]) as got:
+                    return got[0].data["x"].sum()
+
+            calls: dict[str, Any] = {
+                "get_and_update_features": lambda: rx.get_and_update_features([f1])[0].data,
+                "get_and_update_item": lambda: rx.get_and_update_item(f3.data, "h3"),
+                "lease": lease,
+                "touch_receiver_cache_item": lambda: rx.touch_receiver_cache_item("h1", f1.data),
+                "touch": lambda: rx.touch("h1", f1.data),
+                "release": lambda: rx.release(f1.data),
+                "make_stats": lambda: rx.make_stats(delta=True),
+                "shard_handles": rx.shard_handles,
+                "rescan": rx.rescan,
+                "clear_cache": rx.clear_cache,
+                "clear": rx.clear,
+                "closed": lambda: rx.closed,
+                "close": rx.close,  # last
+            }
+            assert set(calls) == set(_public(GroupReceiverCache))
+            got = {name: call() for name, call in calls.items()}
+        finally:
+            rx.close()
+    assert np.array_equal(got["get_and_update_features"]["x"], item["x"])
+    assert np.array_equal(got["get_and_update_item"]["x"], item["x"])
+    assert got["lease"] == item["x"].sum()
+    assert got["shard_handles"] == [shard] and got["closed"] is False and rx.closed
+    assert not isinstance(rx, ReceiverCache)
+    assert not hasattr(rx, "handle") and not hasattr(rx, "store")

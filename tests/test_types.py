@@ -17,8 +17,8 @@ from aioshmcache import (
     InvalidReferenceError,
     ReaderSlotInfo,
     ShmRef,
-    coerce_handle,
 )
+from aioshmcache._types import coerce_handle
 
 REF = ShmRef(nonce=(1 << 64) - 1, epoch=3, address=4096, id=(1 << 40) + 7, length=123, tag=99)
 
@@ -256,6 +256,30 @@ def test_brackets_inside_json_strings_are_not_nesting() -> None:
 def test_a_bad_handle_name_is_an_invalid_reference() -> None:
     with pytest.raises(InvalidReferenceError, match="name"):
         CacheHandle.from_dict({"name": "bad name!", "nonce": 1, "layout_version": 1})
+
+
+async def test_async_attach_takes_the_json_and_refuses_a_bad_handle_at_once(
+    make_config: Any,
+) -> None:
+    """``AsyncReceiverCache.attach(text)`` is all a worker needs (no public ``coerce_handle``).
+
+    Review (issue 23): ``coerce_handle`` duplicated ``attach``; docs told workers to call
+    ``attach(coerce_handle(text))`` to have a bad handle refused at once. ``attach`` now refuses
+    it itself, before the cache is entered.
+    """
+    import aioshmcache
+    from aioshmcache import AsyncReceiverCache, AsyncSenderCache
+
+    assert not hasattr(aioshmcache, "coerce_handle")
+    with pytest.raises(InvalidReferenceError):
+        AsyncReceiverCache.attach('{"name": "aioshm-x"}')  # no nonce: refused, nothing entered
+    with pytest.raises(TypeError, match="got bytes"):
+        AsyncReceiverCache.attach(b"aioshm-x")
+    async with (
+        AsyncSenderCache.from_config(make_config()) as tx,
+        AsyncReceiverCache.attach(tx.handle().to_json()) as rx,
+    ):
+        assert rx.handle() == tx.handle()
 
 
 def test_attach_with_a_deeply_nested_json_handle_is_an_invalid_reference() -> None:
