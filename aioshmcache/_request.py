@@ -209,13 +209,6 @@ class SenderBook:
         elif inline == "busy":
             c.inline_busy += 1
 
-    def count_hit(self) -> None:
-        """``count(hit=True)``, the usual case, in fewer steps."""
-        c = self.counters
-        c.total += 1
-        c.hits = hits = c.hits + 1
-        self._words[H_HITS] = hits
-
     def count_miss(self) -> None:
         """``count(hit=False)`` of an item put, in fewer steps."""
         c = self.counters
@@ -468,7 +461,10 @@ class SenderRequest(_Steps):
                 self._out[i] = (ref, pu.shards[hash(h) & pu.mask].get(h, ()))
             else:
                 self._out[i] = (ref, it[1])
-            book.count_hit()
+            c = book.counters  # ``book.count_hit()``, inline: the usual case
+            c.total += 1
+            c.hits = hits = c.hits + 1
+            book._words[H_HITS] = hits
             return None
         if it is None:
             if self._sibling is not None and h in self._sibling:
