@@ -284,6 +284,8 @@ class GroupReceiverRequest:
             if shards.store(nonce) is None and not shards.is_gone(nonce):
                 shards.find(nonce)  # the one shard file that holds this instance, if any
             if shards.store(nonce) is None and not shards.is_gone(nonce):
+                if shards.closed:  # closed meanwhile (another thread): the look-up was skipped
+                    raise ClosedCacheError("the group reader is closed")
                 hint = "" if shards.has_member() else f" (it has no shard in {SHM_DIR} at all)"
                 raise InvalidReferenceError(
                     f"reference names no live shard of cache group {shards.group!r}{hint}"

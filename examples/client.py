@@ -1,50 +1,46 @@
-"""A tiny client of the demo gateway: hash-first requests with the 409 drift fallback.
+"""A tiny client of the example gateway: hash first, the pixels on 409.
 
     python examples/client.py http://127.0.0.1:8000 [IMAGE ...]
 
-With no image files it generates two synthetic ones. For each image the client computes the
-``mm_hash`` itself (with the processor settings the gateway publishes on ``/v1/processor``) and
-first sends only the hashes, trusting that the gateway's cache still holds them. The gateway
-answers 409 with the hashes it does not hold; the client resends those with their bytes (as a
-multipart upload). A second round of hashes alone is then answered from the cache.
+Serve the gateway with ``python -m aioshmcache demo serve --port 8000`` (or ``uvicorn
+--app-dir examples fastapi_app:app``). With no image files the client makes two synthetic
+ones; files are decoded to RGB with Pillow. For each image the client computes the
+``mm_hash`` itself (``image_hash``: BLAKE2b of the size and the RGB bytes) and first sends the
+hash alone, trusting that the gateway's cache still holds it. The gateway answers 409 for a
+hash it does not hold; the client resends that image with its pixels. A second round of hashes
+alone is then answered from the cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import sys
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from aioshmcache.tools.demo.imaging import ProcessorConfig, mm_hash, synthetic_image
+from aioshmcache.tools.demo.app import image_hash
+from aioshmcache.tools.demo.load import synthetic_image
 
 
-def processor_of(client: httpx.Client) -> ProcessorConfig:
-    settings: dict[str, Any] = client.get("/v1/processor").raise_for_status().json()
-    for key in ("image_mean", "image_std"):
-        settings[key] = tuple(settings[key])
-    return ProcessorConfig(**settings)
+def load_rgb(path: str) -> tuple[bytes, int, int]:
+    """An image file as RGB bytes, height and width (Pillow: the examples extra has it)."""
+    from PIL import Image
+
+    with Image.open(path) as img:
+        rgb = img.convert("RGB")
+    return rgb.tobytes(), rgb.height, rgb.width
 
 
-def ask(client: httpx.Client, prompt: str, images: list[bytes], hashes: list[str]) -> Any:
-    """Hashes first; on 409 resend the missing images with their bytes (as multipart)."""
-    body = {"prompt": prompt, "images": [{"mm_hash": h} for h in hashes]}
-    r = client.post("/v1/generate", json=body)
-    resend: set[str] = set()
-    for _ in range(3):  # others may be evicted in between: then they are resent too
-        if r.status_code != 409:
-            break
-        missing = set(r.json()["missing"])
-        print(f"  409: gateway does not hold {len(missing)} image(s): resending their bytes")
-        resend |= missing
-        files = [("images", (f"{h}.img", b)) for b, h in zip(images, hashes) if h in resend]
-        data: dict[str, Any] = {"prompt": prompt}
-        others = [h for h in hashes if h not in resend]
-        if others:
-            data["mm_hashes"] = others
-        r = client.post("/v1/generate/upload", data=data, files=files)
+def ask(client: httpx.Client, pixels: bytes, height: int, width: int) -> Any:
+    """The hash alone first; on 409 the same request with the pixels."""
+    mm_hash = image_hash(pixels, height, width)
+    r = client.post("/v1/embed", json={"mm_hash": mm_hash})
+    if r.status_code == 409:
+        print(f"  409: the gateway does not hold {mm_hash[:12]}: resending its pixels")
+        body = {"mm_hash": mm_hash, "height": height, "width": width}
+        r = client.post("/v1/embed", json={**body, "pixels": base64.b64encode(pixels).decode()})
     r.raise_for_status()
     return r.json()
 
@@ -52,28 +48,22 @@ def ask(client: httpx.Client, prompt: str, images: list[bytes], hashes: list[str
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="python examples/client.py",
-        description="Send images to the demo gateway hash-first, resending the bytes on 409.",
+        description="Send images to the example gateway hash first, the pixels on 409.",
     )
     p.add_argument("url", help="the gateway, e.g. http://127.0.0.1:8000")
     p.add_argument("images", nargs="*", help="image files (default: two synthetic images)")
     ns = p.parse_args(argv)
-    url, paths = ns.url, ns.images
-    images = [Path(p).read_bytes() for p in paths] or [synthetic_image(1), synthetic_image(2)]
-    with httpx.Client(base_url=url, timeout=30.0) as client:
-        processor = processor_of(client)
-        hashes = [mm_hash(b, processor) for b in images]
+    images = [load_rgb(path) for path in ns.images] or [synthetic_image(1), synthetic_image(2)]
+    with httpx.Client(base_url=ns.url, timeout=30.0) as client:
         for round_ in (1, 2):
             print(f"round {round_}:")
-            answer = ask(client, "Describe the images.", images, hashes)
-            for im in answer["images"]:
-                where = "cache" if not im["preprocessed"] else "preprocessed"
+            for k, image in enumerate(images):
+                answer = ask(client, *image)
+                where = "preprocessed" if answer["preprocessed"] else "cache"
                 print(
-                    f"  image {im['index']} {im['mm_hash'][:12]}: {im['shape']} via "
-                    f"{im['transport']} ({where}), crc32 {im['crc32']:08x}, "
-                    f"{im['num_image_tokens']} tokens"
+                    f"  image {k} {answer['mm_hash'][:12]}: {answer['shape']} via "
+                    f"{answer['transport']} ({where}), crc32 {answer['crc32']:08x}"
                 )
-            workers = ", ".join(str(w["worker"]) for w in answer["workers"])
-            print(f"  answered by worker(s) {workers}; prompt tokens {answer['prompt_tokens']}")
     return 0
 
 

@@ -1,342 +1,41 @@
-"""A FastAPI gateway that preprocesses images once and hands the tensors to an engine worker.
+"""The FastAPI example gateway: its code is ``aioshmcache/tools/demo/app.py``, imported here.
 
     uvicorn --loop uvloop --app-dir examples fastapi_app:app --host 127.0.0.1 --port 8000
+    python examples/fastapi_app.py --engine --group mm --socket /tmp/mm.sock   # a group's engine
 
-The pieces, in the order a request meets them (docs/fastapi.md explains each):
-
-- the lifespan creates the ``AsyncSenderCache`` (the writer: it owns the segment) and an
-  ``aioshmcache.channel.EngineClient`` whose ``start=`` spawns the engine worker process with
-  the cache's handle as JSON (and replaces it if it dies); the worker attaches with
-  ``AsyncReceiverCache`` and serves calls on a Unix socket with ``serve_engine``;
-- ``POST /v1/embed`` takes ``{"mm_hash", "pixels"?, "height"?, "width"?}`` (pixels: base64 of
-  ``height * width * 3`` RGB bytes; ``mm_hash``: :func:`image_hash` of them). Hash first: a
-  client sends the hash alone; if the gateway does not hold it the answer is 409
-  ``{"error": "cache_miss", "missing": [...]}`` and the client resends with the pixels;
-- ``get_or_put`` runs the preprocessing once per new hash, however many requests carry it at
-  the same moment, and gives each request its own hand-out;
-- ``engine.call`` sends the features (a reference of a few dozen bytes or, when the item could
-  not be cached, the tensors themselves) and waits, with a deadline, for the answer;
-- the worker reads them, acknowledges them, and answers with a CRC-32 of the tensor it read;
-- ``GET /metrics`` is Prometheus text from ``aioshmcache.metrics.CacheCollector``; ``GET /stats``
-  is the cache snapshot and the single-flight counters as JSON; ``GET /healthz`` says ready.
-
-Settings (environment): ``AIOSHM_EXAMPLE_NAME`` (segment name; random if unset; must be unique
-per gateway process), ``AIOSHM_EXAMPLE_CACHE_MB`` (default 512), ``AIOSHM_EXAMPLE_MAX_OBJECT_MB``
-(default 32: a 1080p photo is 23.7 MiB once preprocessed to float32).
-
-Without a group, one gateway process is the cache's single writer: do not run it with
-``uvicorn --workers N`` (every process would create its own segment; with
-``AIOSHM_EXAMPLE_NAME`` set, all but the first fail with ``SegmentExistsError``, and uvicorn
-stops the whole server). Scale the engine workers instead, or use a cache group:
-
-Several gateway processes (``uvicorn --workers N``): set ``AIOSHM_GROUP`` (a cache group name)
-and ``AIOSHM_ENGINE_SOCKET`` (a Unix socket path), and start ONE engine worker for the whole
-group yourself, before or after the gateways::
-
-    python examples/fastapi_app.py --engine --group mm --socket /tmp/mm-engine.sock &
-    AIOSHM_GROUP=mm AIOSHM_ENGINE_SOCKET=/tmp/mm-engine.sock \
-        uvicorn --workers 2 --app-dir examples fastapi_app:app --port 8000
-
-Each gateway process's lifespan then opens its own shard of the group (``CacheConfig(group=)``;
-uvicorn spawns its workers, so each opens its shard in its own process) and connects to the
-engine worker, which is attached to the whole group (``AsyncReceiverCache.attach_group``) and
-serves every gateway on the one socket. Why the engine worker is not started by a gateway
-process: with ``--workers N`` each process runs its own lifespan, and none of them is special
-(the one holding shard 0 may die and be replaced); a process of its own, started by whatever
-starts uvicorn (systemd, the container's entry point, a test), has one clear owner. An image
-preprocessed by one gateway process is a hit in the others: their ``is_cached_item`` finds it
-in the sibling's shard and ``get_or_put`` copies it into their own instead of preprocessing
-(``/stats``: ``cache.sibling_hits``). Stop the gateways first (each unlinks its shard), then
-the engine worker (SIGTERM or SIGINT: it closes its reader and exits).
+Why it lives in the package: ``python -m aioshmcache demo`` runs this same app under uvicorn
+and drives its load at it, so there is one gateway implementation, and the demo works from an
+installed wheel too. Read that module for the whole integration (docs/fastapi.md explains it
+piece by piece); ``examples/minimal_app.py`` is the same integration in one screen.
 """
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import binascii
-import contextlib
-import functools
-import hashlib
-import os
-import shutil
-import signal
-import tempfile
-import zlib
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
-
-import numpy as np
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel
-
-from aioshmcache import (
-    AsyncReceiverCache,
-    AsyncSenderCache,
-    CacheConfig,
-    CacheMissError,
-    FeatureSpec,
-    GroupReceiverCache,
-    ShmRef,
+from aioshmcache.tools.demo.app import (
+    BAD_INPUT,
+    MAX_BODY_BYTES,
+    MAX_PIXELS,
+    app,
+    engine_main,
+    group_engine_main,
+    image_hash,
+    main,
+    preprocess,
+    tensor_crc,
 )
-from aioshmcache.channel import EngineClient, serve_engine
-from aioshmcache.errors import EngineError
-from aioshmcache.metrics import CacheCollector
 
-MiB = 1 << 20
-#: frames carry at most one inline 1080p image and then some; a bigger frame is refused
-MAX_FRAME_BYTES = 64 * MiB
-MAX_PIXELS = 4096 * 4096
-START_TIMEOUT = 60.0
-ENGINE_TIMEOUT = 60.0
-
-MEAN = np.array([0.485, 0.456, 0.406], np.float32).reshape(3, 1, 1)
-STD = np.array([0.229, 0.224, 0.225], np.float32).reshape(3, 1, 1)
-
-
-def image_hash(pixels: bytes, height: int, width: int) -> str:
-    """The ``mm_hash`` of an image: BLAKE2b-128 of its size and RGB bytes, in hex."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"{height}x{width}:".encode())
-    h.update(pixels)
-    return h.hexdigest()
-
-
-def preprocess(pixels: bytes, height: int, width: int) -> dict[str, Any]:
-    """RGB bytes to normalised float32 CHW tensors: 4 bytes per channel value, 12 per pixel."""
-    img = np.frombuffer(pixels, np.uint8).reshape(height, width, 3)
-    x = (img.transpose(2, 0, 1).astype(np.float32) / 255.0 - MEAN) / STD
-    return {"pixel_values": np.ascontiguousarray(x), "image_size": np.array([height, width])}
-
-
-def tensor_crc(item: Any) -> int:
-    """CRC-32 of the pixel tensor's bytes: what the worker answers, to prove what it read."""
-    arr = np.ascontiguousarray(item["pixel_values"])
-    return zlib.crc32(arr.view(np.uint8).reshape(-1).data)
-
-
-async def engine_handler(features: list[FeatureSpec], payload: Any) -> dict[str, Any]:
-    """The engine's work on one call: a checksum of each tensor it read (or a hello)."""
-    if payload == "hello":  # a gateway process connected: see its shard from now on
-        return {"engine_pid": os.getpid()}
-    return {
-        "engine_pid": os.getpid(),
-        "results": [
-            {
-                "mm_hash": f.mm_hash,
-                "crc32": tensor_crc(f.data),
-                "shape": list(f.data["pixel_values"].shape),
-            }
-            for f in features
-        ],
-    }
-
-
-def engine_main(handle_json: str, socket_path: str) -> None:
-    """The engine worker process of one gateway: a reader of its cache, until SIGTERM."""
-    _run(AsyncReceiverCache.attach(handle_json), socket_path)
-
-
-def group_engine_main(group: str, socket_path: str) -> None:
-    """The one engine worker of a cache group (``--engine --group``), until SIGTERM or SIGINT.
-
-    A reader of every shard of the group: a shard opened later is attached when a gateway
-    process says hello (so that the reader owes that shard's hand-outs from the first one on)
-    or when a reference names it. Stopping closes the socket and the reader (a slot on every
-    shard).
-    """
-    _run(AsyncReceiverCache.attach_group(group), socket_path)
-
-
-def _run(receiver: AsyncReceiverCache, socket_path: str) -> None:
-    async def main() -> None:
-        async with receiver as rx:
-
-            async def handler(features: list[FeatureSpec], payload: Any) -> dict[str, Any]:
-                inner = rx.receiver
-                if payload == "hello" and isinstance(inner, GroupReceiverCache):
-                    await asyncio.to_thread(inner.rescan)
-                return await engine_handler(features, payload)
-
-            stop_on = (signal.SIGTERM, signal.SIGINT)
-            await serve_engine(
-                socket_path, handler, rx, max_frame_bytes=MAX_FRAME_BYTES, shutdown_signals=stop_on
-            )
-
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - the examples extra brings it
-        asyncio.run(main())
-    else:
-        uvloop.run(main())
-
-
-class EmbedRequest(BaseModel):
-    """One image: its hash, and its pixels unless the client trusts the gateway to hold it."""
-
-    mm_hash: str
-    pixels: str | None = None  # base64 of height * width * 3 RGB bytes, row-major
-    height: int | None = None
-    width: int | None = None
-
-
-def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"error": kind, "message": message, **extra}, status_code=status)
-
-
-def _cache_miss(missing: Sequence[str]) -> JSONResponse:
-    return _error(409, "cache_miss", "resend these images with their pixels", missing=missing)
-
-
-def _settings() -> CacheConfig:
-    name = os.environ.get("AIOSHM_EXAMPLE_NAME") or None
-    group = os.environ.get("AIOSHM_GROUP") or None
-    cache_mb = float(os.environ.get("AIOSHM_EXAMPLE_CACHE_MB", "512"))
-    max_object_mb = float(os.environ.get("AIOSHM_EXAMPLE_MAX_OBJECT_MB", "32"))
-    # one worker: broadcast and one-of-N agree; a hand-out is owed by that worker alone
-    if group is not None:  # this process's shard: the cache size is per gateway process
-        return CacheConfig.from_gb(cache_mb / 1024, max_object_mb, n_readers=1, group=group)
-    return CacheConfig.from_gb(cache_mb / 1024, max_object_mb, n_readers=1, name=name)
-
-
-@contextlib.asynccontextmanager
-async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Create the cache and reach the engine worker; on the way out, the shutdown order.
-
-    Alone, this gateway starts its own engine worker (``EngineClient(start=...)`` spawns it,
-    replaces it if it dies, and stops it when the client closes). In a cache group
-    (``AIOSHM_GROUP``) the engine worker is started apart and the client only connects (it
-    retries, with backoff, until the worker is up). Either way the client is closed first,
-    then the sender's ``async with`` unlinks the segment.
-    """
-    group_socket = os.environ.get("AIOSHM_ENGINE_SOCKET")
-    if os.environ.get("AIOSHM_GROUP") and not group_socket:
-        raise RuntimeError("AIOSHM_GROUP needs AIOSHM_ENGINE_SOCKET (the group's engine worker)")
-    sockdir = tempfile.mkdtemp(prefix="aioshm-example-")
-    try:
-        async with AsyncSenderCache.from_config(_settings()) as cache:
-            if os.environ.get("AIOSHM_GROUP") and group_socket:
-                path, start = group_socket, None
-            else:
-                path = os.path.join(sockdir, "engine.sock")
-                start = functools.partial(engine_main, cache.handle().to_json())
-            async with EngineClient.connect(
-                path, cache=cache, start=start, max_frame_bytes=MAX_FRAME_BYTES
-            ) as engine:
-                hello = await engine.call([], "hello", timeout=START_TIMEOUT)
-                app.state.cache, app.state.engine = cache, engine
-                app.state.pid = hello["engine_pid"]
-                registry = CollectorRegistry()
-                registry.register(CacheCollector(cache))
-                app.state.registry = registry
-                yield  # serving; uvicorn stops sending requests before we go on
-    finally:
-        shutil.rmtree(sockdir, ignore_errors=True)
-
-
-app = FastAPI(title="aioshmcache example gateway", lifespan=lifespan)
-
-
-def _decode(body: EmbedRequest) -> tuple[bytes, int, int] | JSONResponse:
-    """The pixels of a request that carries them, checked against its hash and size."""
-    if body.height is None or body.width is None or body.pixels is None:
-        return _error(422, "bad_request", "pixels need height and width")
-    h, w = body.height, body.width
-    if h <= 0 or w <= 0:
-        return _error(422, "bad_request", "height and width must be positive")
-    if h * w > MAX_PIXELS:
-        return _error(413, "too_large", f"at most {MAX_PIXELS} pixels")
-    try:
-        pixels = base64.b64decode(body.pixels, validate=True)
-    except (binascii.Error, ValueError):
-        return _error(422, "bad_request", "pixels are not base64")
-    if len(pixels) != h * w * 3:
-        return _error(422, "bad_request", f"expected {h * w * 3} bytes of RGB, got {len(pixels)}")
-    if image_hash(pixels, h, w) != body.mm_hash:  # never cache data under someone else's hash
-        return _error(422, "bad_hash", "mm_hash does not match the pixels")
-    return pixels, h, w
-
-
-@app.post("/v1/embed", response_model=None)
-async def embed(body: EmbedRequest, request: Request) -> dict[str, Any] | JSONResponse:
-    """Hash first: features from the cache, or preprocessed once (single flight)."""
-    cache: AsyncSenderCache = request.app.state.cache
-    engine: EngineClient = request.app.state.engine
-    ran = False
-    make: Callable[[], Any]
-    if body.pixels is None:
-        if not cache.is_cached_item(body.mm_hash):  # ask before any work: 409, client resends
-            return _cache_miss([body.mm_hash])
-
-        def make() -> Any:  # evicted since the look-up: the client must resend
-            raise CacheMissError([body.mm_hash])
-
-    else:
-        decoded = _decode(body)
-        if isinstance(decoded, JSONResponse):
-            return decoded
-        pixels, h, w = decoded
-
-        def make() -> Any:  # runs in a worker thread, once per hash among concurrent requests
-            nonlocal ran
-            ran = True
-            return preprocess(pixels, h, w)
-
-    try:
-        feature = await cache.get_or_put(body.mm_hash, make)
-    except CacheMissError as exc:
-        return _cache_miss(list(exc.mm_hashes))
-    try:
-        answer = await engine.call([feature], timeout=ENGINE_TIMEOUT)
-    except CacheMissError as exc:  # stale references (the client invalidated them): resend
-        return _cache_miss(list(exc.mm_hashes))
-    except EngineError as exc:
-        return _error(502, "engine_failed", f"the engine worker failed: {exc}")
-    [result] = answer["results"]
-    return {
-        **result,
-        "transport": "shm" if isinstance(feature.data, ShmRef) else "inline",
-        "preprocessed": ran,
-        "segment": cache.handle().name,  # which gateway process (shard of a group) answered
-    }
-
-
-@app.get("/healthz")
-async def healthz(request: Request) -> dict[str, Any]:
-    """Ready once the worker has attached and connected (the lifespan waits for it)."""
-    cache: AsyncSenderCache = request.app.state.cache
-    return {"ok": True, "segment": cache.handle().name, "worker_pid": request.app.state.pid}
-
-
-@app.get("/stats")
-async def stats(request: Request) -> dict[str, Any]:
-    """The cache snapshot and the single-flight counters, as JSON."""
-    cache: AsyncSenderCache = request.app.state.cache
-    return {
-        "cache": cache.snapshot().to_dict(),
-        "single_flight": cache.single_flight_stats().to_dict(),
-    }
-
-
-@app.get("/metrics")
-async def metrics(request: Request) -> Response:
-    """Prometheus text: hits, misses, inline serves, bytes, items, readers."""
-    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-def main() -> None:
-    """``python examples/fastapi_app.py --engine --group NAME --socket PATH``."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description="the engine worker of a cache group")
-    parser.add_argument("--engine", action="store_true", required=True)
-    parser.add_argument("--group", required=True, help="the cache group (AIOSHM_GROUP)")
-    parser.add_argument("--socket", required=True, help="Unix socket (AIOSHM_ENGINE_SOCKET)")
-    args = parser.parse_args()
-    group_engine_main(args.group, args.socket)
-
+__all__ = [
+    "BAD_INPUT",
+    "MAX_BODY_BYTES",
+    "MAX_PIXELS",
+    "app",
+    "engine_main",
+    "group_engine_main",
+    "image_hash",
+    "main",
+    "preprocess",
+    "tensor_crc",
+]
 
 if __name__ == "__main__":
     main()

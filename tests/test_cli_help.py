@@ -22,7 +22,6 @@ COMMANDS = [
     [*MODULE, "demo"],
     [*MODULE, "demo", "run"],
     [*MODULE, "demo", "serve"],
-    [*MODULE, "demo", "worker"],
     [*MODULE, "stress"],
     [*MODULE, "bench"],
     [*MODULE, "inspect"],
@@ -45,7 +44,7 @@ def test_a_gateway_on_a_name_with_a_live_writer_says_so_in_one_line(
 ) -> None:
     """Checked before anything is announced: no "listening on", one line, exit code 2."""
     with SenderCache(make_config(1 << 20)) as live:
-        cmd = [*MODULE, "demo", "serve", "--name", shm_name, "--workers", "1"]
+        cmd = [*MODULE, "demo", "serve", "--name", shm_name]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert out.returncode == 2
         assert "listening" not in out.stdout

@@ -349,3 +349,28 @@ def test_a_close_that_cannot_wait_leaves_the_release_to_the_last_read() -> None:
                 rx.get_and_update_item(ShmRef(*ref), "h0")  # no read starts after a close
         assert rx.store.closed  # the last read out released everything
         assert [r.attached for r in tx.snapshot().readers].count(True) == 0
+
+
+def test_a_group_reader_closed_while_it_looks_for_a_new_shard_is_closed_not_forged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reference of a shard the reader has not adopted yet makes the read rescan; a close
+    from another thread right after drops what the rescan adopted, and the look-up is skipped.
+    The read must say the reader is closed, not that a genuine reference is forged (the group
+    stress run at seed 1543538767: a reader closing itself during reads got
+    ``InvalidReferenceError``)."""
+    group = f"{RUN_PREFIX}gcl{uuid.uuid4().hex[:8]}"
+    cfg = CacheConfig(8 << 20, 1 << 20, 2, group=group)
+    # one shard the reader attached, and one it has not seen yet
+    with SenderCache(cfg), ReceiverCache.attach_group(group) as rx, SenderCache(cfg) as second:
+        ref = second.get_and_update_item((_item(0), []), "h0")[0]
+        shards = rx._shards
+        rescan = shards.rescan
+
+        def rescan_then_close() -> None:
+            rescan()  # adopts the new shard...
+            rx.close()  # ...and another thread's close drops it before the look-up
+
+        monkeypatch.setattr(shards, "rescan", rescan_then_close)
+        with pytest.raises(ClosedCacheError):
+            rx.get_and_update_item(ref, "h0")

@@ -1,21 +1,18 @@
-"""``python -m aioshmcache demo``: a FastAPI multimodal gateway, engine workers, and a load run.
+"""``python -m aioshmcache demo``: the example gateway under uvicorn, its engine worker, a load run.
 
 Subcommands (the first argument; the default is ``run``)::
 
-    python -m aioshmcache demo [run] [--requests N --concurrency C --images K --workers W
-                                      --delivery broadcast|one_of_n --cache-mb M --quick ...]
-    python -m aioshmcache demo serve [--port P --workers W --delivery ... --no-cache ...]
-    python -m aioshmcache demo worker ...      (started by the gateway, not by hand)
+    python -m aioshmcache demo [run] [--requests N --concurrency C --images K --cache-mb M
+                                      --gateway-workers N --quick ...]
+    python -m aioshmcache demo serve [--port P --gateway-workers N --no-cache ...]
 
-``run`` starts the gateway (``serve``) in a subprocess on 127.0.0.1 on a free port, drives a
-Zipf-distributed multimodal load at it with ``httpx.AsyncClient``, checks every answer against
-the same computation done locally, and prints a results table — then does it again with the
-cache off, side by side. With ``--gateway-workers N`` the same load also runs on a gateway of N
-uvicorn processes (one cache group, :mod:`.group`), and the table shows the 1-process and
-N-process figures next to each other. Modules: :mod:`.imaging` (decode, preprocess, hash),
-:mod:`.gateway` (the FastAPI app and its lifespan), :mod:`.pool` and :mod:`.worker` (the
-engine workers and their channel, :mod:`.ipc`), :mod:`.load` (the load driver and the table).
-Only the public API of ``aioshmcache`` is used.
+``serve`` runs the example app (:mod:`.app`, which ``examples/fastapi_app.py`` imports: one
+gateway implementation) under uvicorn, with its engine worker (:mod:`.serve`). ``run`` starts
+``serve`` in a subprocess on 127.0.0.1 on a free port, drives a Zipf-distributed image load at
+it with ``httpx.AsyncClient``, checks every answer against the same computation done locally,
+and prints a results table, then does it again with the cache off, side by side. With
+``--gateway-workers N`` the same load also runs on N uvicorn processes (one cache group). The
+load driver and the table are :mod:`.load`. Only the public API of ``aioshmcache`` is used.
 """
 
 from __future__ import annotations
@@ -31,13 +28,10 @@ _EXTRA: Final = {
     "fastapi": "fastapi",
     "uvicorn": "uvicorn",
     "httpx": "httpx",
-    "PIL": "pillow",
-    "multipart": "python-multipart",
 }
 _NEEDS: Final = {
-    "run": ("httpx", "PIL", "fastapi", "uvicorn", "multipart"),
-    "serve": ("fastapi", "uvicorn", "multipart", "PIL"),
-    "worker": ("PIL",),
+    "run": ("httpx", "fastapi", "uvicorn"),
+    "serve": ("fastapi", "uvicorn"),
 }
 INSTALL_HINT: Final = "pip install 'aioshmcache[examples]'"
 
@@ -58,7 +52,7 @@ def missing_modules(names: tuple[str, ...]) -> list[str]:
 def main(argv: list[str]) -> int:
     """Entry point of ``python -m aioshmcache demo ...``; returns the exit code."""
     args = list(argv)
-    command = args[0] if args and args[0] in ("run", "serve", "worker") else "run"
+    command = args[0] if args and args[0] in ("run", "serve") else "run"
     if args and args[0] == command:
         args = args[1:]
     missing = missing_modules(_NEEDS[command])
@@ -70,10 +64,6 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 1
-    if command == "worker":  # keep the worker's imports light: no FastAPI, uvicorn or httpx
-        from .worker import main as worker_main
-
-        return worker_main(args)
     from .cli import run_main, serve_main
 
     return serve_main(args) if command == "serve" else run_main(args)

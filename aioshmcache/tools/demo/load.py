@@ -1,36 +1,31 @@
-"""The demo's load driver: start the gateway, drive a realistic load, verify, print a table.
+"""The demo's load driver: start the example gateway, drive a realistic load, verify, report.
 
-The load: ``images`` distinct synthetic photos (seeded numpy + Pillow; PNG and JPEG, 96-576 px),
-whose popularity follows a Zipf law (a few hot images, a long tail), 1..``max_per_request``
-images per request, half as JSON with base64 and half as multipart uploads, from
-``concurrency`` clients sharing one ``httpx.AsyncClient``. A share of requests whose images were
-all sent before first try hashes only (a client that trusts the server still holds them); a
-409 then makes the client resend the missing ones with their bytes, as an engine client would.
+The gateway is the example app (:mod:`.app`, the code of ``examples/fastapi_app.py``) run by
+``python -m aioshmcache demo serve`` in a child process of its own session (Ctrl-C reaches only
+this driver, which then stops it: SIGTERM, then SIGKILL after a deadline).
 
-Every response is checked against :func:`~aioshmcache.tools.demo.imaging.expected_summary` computed
-locally from the same bytes: shape, patch grid, token count, the CRC-32 of the tensors and the
-embedding, for every worker that answered (in broadcast mode, every worker).
+The load: ``images`` distinct synthetic RGB images (seeded numpy, 96-576 px a side) whose
+popularity follows a Zipf law (a few hot images, a long tail), one image per ``POST /v1/embed``,
+from ``concurrency`` clients sharing one ``httpx.AsyncClient``. A share of the requests for an
+image already sent first tries its hash alone (a client that trusts the gateway still holds
+it); a 409 then makes the client resend it with its pixels, as the example's protocol says. A
+502 or 503 (the engine worker being replaced) is retried a few times, as a client would.
 
-The gateway runs in its own process (``python -m aioshmcache demo serve``, in its own session so
-that Ctrl-C reaches only this driver, which then stops it: SIGTERM, then SIGKILL after a
-deadline). The same load runs a second time against a gateway with the cache off, and the two
-are printed side by side.
+Every answer is checked against the same computation done locally (:func:`expected_answer`:
+the preprocessed tensor's shape and CRC-32, which the engine worker computes from what it read).
+The same load runs again against a gateway with the cache off, and the table shows both.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import glob
 import json
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -41,15 +36,14 @@ from typing import IO, Any, TypeVar
 import httpx
 import numpy as np
 
-from aioshmcache import sweep
+from aioshmcache import ShmCacheError, sweep
+from aioshmcache.metrics import read_snapshot
 
 from ..progress import Progress
 from ..shm import files_with_prefix, remove, segment_files
 from ..units import fmt_bytes
-from .group import GROUP_STATS_LINE
-from .imaging import ProcessorConfig, expected_summary, synthetic_image
-from .pool import SOCKET_DIR_PREFIX
-from .settings import DemoOptions, GatewaySettings
+from .app import image_hash, preprocess, tensor_crc
+from .cli import DemoOptions
 
 __all__ = [
     "DemoOptions",
@@ -57,48 +51,44 @@ __all__ = [
     "PhaseResult",
     "PlannedRequest",
     "check_response",
-    "make_images",
+    "expected_answer",
     "plan_requests",
     "run_demo",
     "run_load",
+    "synthetic_image",
 ]
 
 T = TypeVar("T")
-_PNG = b"\x89PNG"
+#: how often a 502 / 503 (engine worker being replaced) is retried, and the pause between tries
+RETRIES = 20
+RETRY_PAUSE = 0.25
 
 
 # --- the gateway process -------------------------------------------------------------------
 class GatewayProcess:
     """``python -m aioshmcache demo serve ...`` as a child process, with a bounded stop.
 
-    ``start`` waits for the URL line and then for ``/healthz`` to answer 200 (workers attached).
-    ``stop`` sends SIGTERM (graceful: workers stopped, segment unlinked), SIGKILL after
-    ``timeout``, and finally sweeps the segment if the gateway could not remove it itself.
+    ``start`` waits for the URL line and then for ``/healthz`` to answer 200 (the engine worker
+    is up). ``stop`` sends SIGTERM (graceful: each gateway process unlinks its segment, then the
+    engine worker stops), SIGKILL to the whole session after ``timeout``, and finally removes
+    the segments of a gateway that could not remove them itself.
     """
 
-    def __init__(self, args: Sequence[str], *, name: str, stderr: IO[Any] | None = None) -> None:
+    def __init__(
+        self, args: Sequence[str], *, name: str, procs: int = 1, stderr: IO[Any] | None = None
+    ) -> None:
         self.args = list(args)
-        self.name = name if name.startswith("aioshm-") else f"aioshm-{name}"
+        self.name = name  # the segment's name, or the group's (procs > 1)
+        self.procs = procs
         self.stderr = stderr
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.output: list[str] = []
         self._drain: threading.Thread | None = None
 
-    def start(self, timeout: float = 30.0) -> str:
-        cmd = [
-            sys.executable,
-            "-m",
-            "aioshmcache",
-            "demo",
-            "serve",
-            "--port",
-            "0",
-            "--name",
-            self.name,
-            "--exit-with-parent",
-            *self.args,
-        ]
+    def start(self, timeout: float = 60.0) -> str:
+        cmd = [sys.executable, "-m", "aioshmcache", "demo", "serve", "--port", "0"]
+        cmd += ["--name", self.name, "--gateway-workers", str(self.procs), *self.args]
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
@@ -149,6 +139,7 @@ class GatewayProcess:
             self.output.append(line.decode(errors="replace"))
 
     def _wait_healthy(self, timeout: float) -> None:
+        """Until ``/healthz`` answers 200 (with N processes: until every shard is open)."""
         deadline = time.monotonic() + timeout
         with httpx.Client(base_url=self.url, timeout=2.0) as client:
             while True:
@@ -157,17 +148,44 @@ class GatewayProcess:
                         f"the gateway exited during startup (code {self.proc.poll()})"
                     )
                 with contextlib.suppress(httpx.HTTPError):
-                    if client.get("/healthz").status_code == 200:
+                    up = client.get("/healthz").status_code == 200
+                    if up and len(self.segments()) >= self.procs:
                         return
                 if time.monotonic() > deadline:
-                    raise RuntimeError("the gateway's workers did not become ready in time")
+                    raise RuntimeError("the gateway's engine worker did not become ready in time")
                 time.sleep(0.05)
+
+    def segments(self) -> list[str]:
+        """The gateway's segments in /dev/shm: its one cache, or its group's shards."""
+        if self.procs == 1:
+            return [n for n in segment_files(self.name) if n == f"aioshm-{self.name}"]
+        prefix = f"aioshm-{self.name}.shard"
+        return [n for n in files_with_prefix(prefix) if n.removeprefix(prefix).isdigit()]
+
+    def cache_stats(self) -> dict[str, Any]:
+        """The counters of every segment of the gateway, read from shared memory and summed.
+
+        Why from shared memory: with N gateway processes a ``/stats`` call reaches one of
+        them; the segments hold every process's counters.
+        """
+        total: Counter[str] = Counter()
+        for seg in self.segments():
+            try:
+                snap, _alive = read_snapshot(seg)
+            except (ShmCacheError, OSError, ValueError):
+                continue  # going away right now
+            for key in _SUMMED:
+                total[key] += getattr(snap, key)
+        out: dict[str, Any] = dict(total)
+        looked_up = total["hits"] + total["misses"]
+        out["hit_ratio"] = total["hits"] / looked_up if looked_up else 0.0
+        return out
 
     @property
     def pid(self) -> int:
         return self.proc.pid if self.proc is not None else 0
 
-    def stop(self, timeout: float = 15.0) -> int | None:
+    def stop(self, timeout: float = 30.0) -> int | None:
         """Stop the gateway (bounded); returns its exit code. Idempotent."""
         proc = self.proc
         if proc is None:
@@ -178,33 +196,25 @@ class GatewayProcess:
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)  # its workers share its session
-                proc.wait(5.0)
+                pass
+        # whatever of its session is left (all of it after a timeout; an engine worker whose
+        # gateway was killed): its own session, started for it, so nothing else is hit
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.wait(5.0)
         if proc.stdout is not None:
             proc.stdout.close()
         if self._drain is not None:
             self._drain.join(1.0)
-        self._remove_orphan()
+        self._remove_orphans()
         return proc.returncode
 
-    def group_stats(self) -> dict[str, Any] | None:
-        """``--gateway-workers``: the merged stats the serving process printed on its way out."""
-        for chunk in reversed(self.output):
-            for line in chunk.splitlines():
-                if line.startswith(GROUP_STATS_LINE):
-                    got: dict[str, Any] = json.loads(line.removeprefix(GROUP_STATS_LINE))
-                    return got
-        return None
-
-    def _remove_orphan(self) -> None:
-        """If the gateway died without cleaning up, remove its segment and socket directory."""
-        pattern = os.path.join(tempfile.gettempdir(), f"{SOCKET_DIR_PREFIX}{self.name}-*")
-        for d in glob.glob(pattern):
-            shutil.rmtree(d, ignore_errors=True)
+    def _remove_orphans(self) -> None:
+        """If a gateway process died without cleaning up, remove its segment."""
         dead = sweep(dry_run=True)  # what lost its writer (nothing removed by this)
-        for seg in [self.name, *files_with_prefix(self.name + ".shard")]:
-            if seg in dead:  # the segment (or a group shard) of a gateway that died
+        for seg in self.segments():
+            if seg in dead:
                 remove(segment_files(seg))
 
     def __enter__(self) -> GatewayProcess:
@@ -215,48 +225,64 @@ class GatewayProcess:
         self.stop()
 
 
+_SUMMED = (
+    "hits",
+    "misses",
+    "sibling_hits",
+    "inline_too_large",
+    "inline_full",
+    "evictions",
+    "bytes_used",
+    "items",
+    "capacity_bytes",
+)
+
+
 # --- the load ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PlannedRequest:
-    images: tuple[int, ...]
-    multipart: bool
+    image: int
     hash_first: bool
 
 
-def make_images(n: int, seed: int) -> list[bytes]:
-    """``n`` distinct synthetic images (PNG and JPEG, random sizes), reproducible from ``seed``."""
-    return [synthetic_image(seed * 100_003 + i) for i in range(n)]
+def synthetic_image(seed: int) -> tuple[bytes, int, int]:
+    """A reproducible RGB image, 96-576 px a side: ``(pixels, height, width)``."""
+    rng = np.random.default_rng(seed)
+    h, w = (int(x) for x in rng.integers(96, 577, size=2))
+    # smooth gradients and noise: compresses like a photo would, differs per seed
+    y = np.linspace(0, 255, h, dtype=np.float32)[:, None, None]
+    x = np.linspace(0, 255, w, dtype=np.float32)[None, :, None]
+    tint = rng.uniform(0.2, 1.0, size=3).astype(np.float32)
+    img = (y * tint + x * tint[::-1]) / 2 + rng.normal(0, 8, size=(h, w, 3))
+    return np.clip(img, 0, 255).astype(np.uint8).tobytes(), h, w
+
+
+def expected_answer(image: tuple[bytes, int, int]) -> dict[str, Any]:
+    """What the engine worker must answer for ``image``: computed here, from the same bytes."""
+    pixels, h, w = image
+    item = preprocess(pixels, h, w)
+    return {
+        "mm_hash": image_hash(pixels, h, w),
+        "crc32": tensor_crc(item),
+        "shape": list(item["pixel_values"].shape),
+    }
 
 
 def plan_requests(
-    n_requests: int,
-    n_images: int,
-    *,
-    max_per_request: int,
-    zipf: float,
-    seed: int,
-    hash_first: float,
+    n_requests: int, n_images: int, *, zipf: float, seed: int, hash_first: float
 ) -> list[PlannedRequest]:
-    """A reproducible request mix: Zipf popularity, 1..max images, JSON or multipart."""
+    """A reproducible request mix: Zipf popularity; hash first only for an image sent before."""
     rng = np.random.default_rng(seed)
-    ranks = np.arange(1, n_images + 1, dtype=np.float64)
-    log_p = -zipf * np.log(ranks)
+    weights = np.arange(1, n_images + 1, dtype=np.float64) ** -zipf
     popularity = rng.permutation(n_images)  # which image has which rank
-    k_max = min(max_per_request, n_images)
-    sizes = rng.integers(1, k_max + 1, size=n_requests)
-    multipart = rng.random(n_requests) < 0.5
+    ranks = rng.choice(n_images, size=n_requests, p=weights / weights.sum())
     try_hash = rng.random(n_requests) < hash_first
     seen: set[int] = set()
     plan = []
-    for start in range(0, n_requests, 4096):
-        # Gumbel top-k: k distinct images per request, drawn in proportion to their Zipf weight
-        keys = log_p + rng.gumbel(size=(min(4096, n_requests - start), n_images))
-        top = np.argsort(-keys, axis=1)[:, :k_max]
-        for j, row in enumerate(top.tolist(), start):
-            picks = tuple(int(popularity[r]) for r in row[: sizes[j]])
-            hf = bool(try_hash[j]) and all(i in seen for i in picks)
-            plan.append(PlannedRequest(picks, bool(multipart[j]), hf))
-            seen.update(picks)
+    for rank, hf in zip(ranks.tolist(), try_hash.tolist(), strict=True):
+        image = int(popularity[rank])
+        plan.append(PlannedRequest(image, bool(hf) and image in seen))
+        seen.add(image)
     return plan
 
 
@@ -267,14 +293,16 @@ class PhaseResult:
     ok: int = 0
     failed: int = 0
     verified: int = 0
-    worker_checks: int = 0
-    worker_checks_ok: int = 0
+    preprocessed: int = 0
+    inline: int = 0
     drift_409: int = 0
     drift_resent_ok: int = 0
+    retried: int = 0
     wall_s: float = 0.0
     latencies_ms: list[float] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
-    stats: dict[str, Any] = field(default_factory=dict)
+    cache: dict[str, Any] = field(default_factory=dict)
+    single_flight: dict[str, Any] = field(default_factory=dict)
     gateway_processes: int = 1
 
     def percentile(self, q: float) -> float:
@@ -286,91 +314,41 @@ class PhaseResult:
 
     @property
     def passed(self) -> bool:
-        return (
-            self.requests > 0
-            and self.ok == self.requests
-            and self.verified == self.requests
-            and self.worker_checks_ok == self.worker_checks
-        )
+        return self.requests > 0 and self.ok == self.requests and self.verified == self.requests
 
     def summary(self) -> dict[str, Any]:
-        cache = self.stats.get("cache", {})
-        gw = self.stats.get("gateway", {})
+        cache = self.cache
         return {
             "label": self.label,
             "requests": self.requests,
             "ok": self.ok,
             "failed": self.failed,
             "verified": self.verified,
-            "worker_checks": self.worker_checks,
-            "worker_checks_ok": self.worker_checks_ok,
             "throughput_rps": self.throughput,
             "p50_ms": self.percentile(50),
             "p95_ms": self.percentile(95),
             "p99_ms": self.percentile(99),
             "wall_s": self.wall_s,
+            "preprocessed": self.preprocessed,
+            "inline": self.inline,
             "drift_409": self.drift_409,
             "drift_resent_ok": self.drift_resent_ok,
+            "retried": self.retried,
             "gateway_processes": self.gateway_processes,
             "hit_ratio": cache.get("hit_ratio", 0.0),
-            "sibling_hits": cache.get("sibling_hits", 0),
-            "hits": cache.get("hits", 0),
-            "misses": cache.get("misses", 0),
-            "inline_too_large": cache.get("inline_too_large", 0),
-            "inline_full": cache.get("inline_full", 0),
-            "evictions": cache.get("evictions", 0),
-            "bytes_used": cache.get("bytes_used", 0),
-            "capacity_bytes": cache.get("capacity_bytes", 0),
-            "items": cache.get("items", 0),
-            "single_flight": dict(self.stats.get("single_flight", {})),
-            "preprocessed": gw.get("preprocessed", 0),
-            "preprocess_skipped": gw.get("preprocess_skipped", 0),
-            "bytes_from_cache": gw.get("bytes_from_cache", 0),
-            "bytes_put": gw.get("bytes_put", 0),
-            "bytes_inline": gw.get("bytes_inline", 0),
-            "loop_lag_p99_ms": self.stats.get("loop_lag", {}).get("p99_ms", 0.0),
-            "loop_lag_max_ms": self.stats.get("loop_lag", {}).get("max_ms", 0.0),
-            "worker_restarts": self.stats.get("worker_restarts", 0),
+            **{key: cache.get(key, 0) for key in _SUMMED},
+            "single_flight": dict(self.single_flight),
             "errors": dict(self.errors),
             "passed": self.passed,
         }
 
 
-def check_response(
-    body: dict[str, Any], sent: Sequence[str], expected: dict[str, dict[str, Any]], n_workers: int
-) -> tuple[bool, int, int, str]:
-    """Check one 200 answer: (verified, worker checks, worker checks matched, first problem)."""
-    problem = ""
-    images = body.get("images", [])
-    if sorted(im.get("mm_hash") for im in images) != sorted(sent):
-        problem = "the answer's images are not the ones sent"
-    checks = matched = 0
-    workers = body.get("workers", [])
-    if len(workers) != n_workers:
-        problem = problem or f"{len(workers)} workers answered, expected {n_workers}"
-    for w in workers:
-        for res in w.get("results", []):
-            checks += 1
-            exp = expected.get(res.get("mm_hash", ""))
-            if exp is None:
-                problem = problem or "a worker answered for an unknown image"
-                continue
-            same = (
-                res["shape"] == exp["shape"]
-                and res["grid_thw"] == exp["grid_thw"]
-                and res["crc32"] == exp["crc32"]
-                and res["num_image_tokens"] == exp["num_image_tokens"]
-                and np.allclose(res["embedding"], exp["embedding"], rtol=1e-6, atol=1e-9)
-            )
-            if same:
-                matched += 1
-            else:
-                problem = problem or f"worker {w.get('worker')} disagrees on {res['mm_hash']}"
-    for im in images:
-        exp = expected.get(im.get("mm_hash", ""))
-        if exp is None or im.get("crc32") != exp["crc32"]:
-            problem = problem or "an image's checksum is wrong"
-    return not problem, checks, matched, problem
+def check_response(body: dict[str, Any], expected: dict[str, Any]) -> tuple[bool, str]:
+    """Check one 200 answer against :func:`expected_answer`: (matched, the first problem)."""
+    for key in ("mm_hash", "shape", "crc32"):
+        if body.get(key) != expected[key]:
+            return False, f"{key} is {body.get(key)!r}, expected {expected[key]!r}"
+    return True, ""
 
 
 def _show(prog: Progress, label: str, total: int, res: PhaseResult, final: bool = False) -> None:
@@ -383,44 +361,49 @@ def _show(prog: Progress, label: str, total: int, res: PhaseResult, final: bool 
 async def run_load(
     url: str,
     plan: Sequence[PlannedRequest],
-    images: Sequence[bytes],
+    images: Sequence[tuple[bytes, int, int]],
     expected: Sequence[dict[str, Any]],
     *,
     concurrency: int,
-    n_workers: int,
     label: str,
     progress: bool = True,
     use_hashes: bool = True,
 ) -> PhaseResult:
     """Drive ``plan`` at the gateway with ``concurrency`` clients; check every answer."""
+    import base64
+
     res = PhaseResult(label, requests=len(plan))
-    by_hash = {e["mm_hash"]: e for e in expected}
-    hashes = [e["mm_hash"] for e in expected]
-    b64 = [base64.b64encode(b).decode() for b in images]
-    names = [f"img{i}.{'png' if b.startswith(_PNG) else 'jpg'}" for i, b in enumerate(images)]
+    full = [
+        {"mm_hash": e["mm_hash"], "pixels": base64.b64encode(p).decode(), "height": h, "width": w}
+        for (p, h, w), e in zip(images, expected, strict=True)
+    ]
     queue: asyncio.Queue[PlannedRequest] = asyncio.Queue()
     for r in plan:
         queue.put_nowait(r)
     prog = Progress(enabled=progress)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
-    async def send(
-        client: httpx.AsyncClient, req: PlannedRequest, with_data: set[int]
-    ) -> httpx.Response:
-        if req.multipart:
-            files = [("images", (names[i], images[i])) for i in req.images if i in with_data]
-            data: dict[str, Any] = {"prompt": f"Describe these {len(req.images)} images."}
-            only = [hashes[i] for i in req.images if i not in with_data]
-            if only:
-                data["mm_hashes"] = only
-            return await client.post("/v1/generate/upload", data=data, files=files or None)
-        body = {
-            "prompt": f"Describe these {len(req.images)} images.",
-            "images": [
-                {"data": b64[i]} if i in with_data else {"mm_hash": hashes[i]} for i in req.images
-            ],
-        }
-        return await client.post("/v1/generate", json=body)
+    async def post(client: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Response:
+        """One request; a 502 / 503 (the engine worker being replaced) is tried again."""
+        for _ in range(RETRIES):
+            r = await client.post("/v1/embed", json=body)
+            if r.status_code not in (502, 503):
+                break
+            res.retried += 1
+            await asyncio.sleep(RETRY_PAUSE)
+        return r
+
+    async def ask(client: httpx.AsyncClient, req: PlannedRequest) -> httpx.Response:
+        """Hash first when planned; the pixels after a 409 (as the example's protocol says)."""
+        if req.hash_first and use_hashes:
+            r = await post(client, {"mm_hash": expected[req.image]["mm_hash"]})
+            if r.status_code != 409:
+                return r
+            res.drift_409 += 1
+            r = await post(client, full[req.image])
+            res.drift_resent_ok += r.status_code == 200
+            return r
+        return await post(client, full[req.image])
 
     async def client_task(client: httpx.AsyncClient) -> None:
         while True:
@@ -430,21 +413,7 @@ async def run_load(
                 return
             t0 = time.perf_counter()
             try:
-                all_data = set(req.images)
-                if req.hash_first and use_hashes:
-                    with_data: set[int] = set()
-                    r = await send(client, req, with_data)
-                    for _ in range(3):  # more of them may be evicted meanwhile: resend again
-                        if r.status_code != 409:
-                            break
-                        res.drift_409 += 1
-                        missing = set(r.json().get("missing", ()))
-                        with_data |= {i for i in req.images if hashes[i] in missing}
-                        r = await send(client, req, with_data)
-                        if r.status_code == 200:
-                            res.drift_resent_ok += 1
-                else:
-                    r = await send(client, req, all_data)
+                r = await ask(client, req)
             except httpx.HTTPError as exc:
                 res.failed += 1
                 res.errors[type(exc).__name__] += 1
@@ -455,12 +424,11 @@ async def run_load(
                 res.failed += 1
                 res.errors[f"HTTP {r.status_code}: {r.text[:120]}"] += 1
             else:
-                ok, checks, matched, problem = check_response(
-                    r.json(), [hashes[i] for i in req.images], by_hash, n_workers
-                )
+                body = r.json()
+                ok, problem = check_response(body, expected[req.image])
                 res.ok += 1
-                res.worker_checks += checks
-                res.worker_checks_ok += matched
+                res.preprocessed += bool(body.get("preprocessed"))
+                res.inline += body.get("transport") == "inline"
                 if ok:
                     res.verified += 1
                 else:
@@ -473,8 +441,6 @@ async def run_load(
             _show(prog, label, len(plan), res)
 
     async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=limits) as client:
-        with contextlib.suppress(httpx.HTTPError):
-            await client.post("/stats/reset")
         t0 = time.perf_counter()
         tick = asyncio.ensure_future(ticker())
         try:
@@ -483,8 +449,8 @@ async def run_load(
             tick.cancel()
         res.wall_s = time.perf_counter() - t0
         _show(prog, label, len(plan), res, final=True)
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            res.stats = (await client.get("/stats")).json()
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            res.single_flight = (await client.get("/stats")).json()["single_flight"]
     return res
 
 
@@ -498,14 +464,13 @@ def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
     lines = [
         "",
         f"aioshmcache demo: {opts.requests} requests, {opts.concurrency} clients, {opts.images} "
-        f"images (Zipf s={opts.zipf}), 1-{opts.max_per_request} images/request,",
-        f"  {opts.workers} workers ({opts.delivery}), cache {opts.cache_mb:g} MiB, "
-        f"max object {fmt_bytes(_max_object_bytes(opts))}",
+        f"images (Zipf s={opts.zipf}), one image per request,",
+        f"  the example gateway (examples/fastapi_app.py) and its engine worker, cache "
+        f"{opts.cache_mb:g} MiB, max object {fmt_bytes(int(opts.max_object_mb * (1 << 20)))}",
         "",
         f"  {'':<40}" + "".join(f"{s['label']:>22}" for s in sums),
         row("requests ok / failed", lambda s: f"{s['ok']} / {s['failed']}"),
         row("answers verified (local compute)", lambda s: f"{s['verified']} / {s['requests']}"),
-        row("worker checks matched", lambda s: f"{s['worker_checks_ok']} / {s['worker_checks']}"),
         row("throughput", lambda s: f"{s['throughput_rps']:.1f} req/s"),
         row(
             "latency p50 / p95 / p99",
@@ -514,15 +479,9 @@ def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
         row("gateway processes", lambda s: str(s["gateway_processes"])),
         row("hit ratio", lambda s: f"{100 * s['hit_ratio']:.1f} %"),
         row("  copied from a sibling shard", lambda s: str(s["sibling_hits"])),
-        row(
-            "images preprocessed / skipped",
-            lambda s: f"{s['preprocessed']} / {s['preprocess_skipped']}",
-        ),
+        row("images preprocessed", lambda s: f"{s['preprocessed']} / {s['requests']}"),
         row("preprocessings saved (single flight)", _saved_cell),
-        row("single flight: calls = hits+runs+saved", _flight_cell),
-        row("bytes served from cache", lambda s: fmt_bytes(s["bytes_from_cache"])),
-        row("bytes copied into cache", lambda s: fmt_bytes(s["bytes_put"])),
-        row("bytes sent inline (socket)", lambda s: fmt_bytes(s["bytes_inline"])),
+        row("sent inline (socket) / by reference", _transport_cell),
         row(
             "items inline: too large / full",
             lambda s: f"{s['inline_too_large']} / {s['inline_full']}",
@@ -535,12 +494,10 @@ def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
             ),
         ),
         row("items cached", lambda s: str(s["items"])),
-        row("drift 409s -> resent ok", lambda s: f"{s['drift_409']} -> {s['drift_resent_ok']}"),
         row(
-            "gateway loop lag p99 / max",
-            lambda s: f"{s['loop_lag_p99_ms']:.1f}/{s['loop_lag_max_ms']:.1f} ms",
+            "hash-first 409s -> resent ok", lambda s: f"{s['drift_409']} -> {s['drift_resent_ok']}"
         ),
-        row("worker restarts", lambda s: str(s["worker_restarts"])),
+        row("retried (502/503: engine restarting)", lambda s: str(s["retried"])),
         "",
     ]
     for p in phases:
@@ -550,37 +507,18 @@ def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
 
 
 def _saved_cell(s: dict[str, Any]) -> str:
+    """Single flight is per process: shown for one gateway process only."""
     sf = s["single_flight"]
-    return str(sf["saved"]) if sf else "-"
+    return str(sf.get("saved", "-")) if sf and s["gateway_processes"] == 1 else "-"
 
 
-def _flight_cell(s: dict[str, Any]) -> str:
-    """``calls = hits+runs+saved``; the rest (failed with a flight, cancelled) in brackets."""
-    sf = s["single_flight"]
-    if not sf:
-        return "-"
-    rest = sf["calls"] - sf["hits"] - sf["runs"] - sf["saved"]
-    cell = f"{sf['calls']} = {sf['hits']}+{sf['runs']}+{sf['saved']}"
-    return cell + (f" (+{rest})" if rest else "")
-
-
-def _max_object_bytes(opts: DemoOptions) -> int:
-    return GatewaySettings(max_object_mb=opts.max_object_mb).max_object_bytes
+def _transport_cell(s: dict[str, Any]) -> str:
+    return f"{s['inline']} / {s['ok'] - s['inline']}"
 
 
 def _gateway_args(opts: DemoOptions, *, cache: bool) -> list[str]:
-    args = [
-        "--workers",
-        str(opts.workers),
-        "--delivery",
-        opts.delivery,
-        "--cache-mb",
-        str(opts.cache_mb),
-        "--loop",
-        opts.loop,
-    ]
-    if opts.max_object_mb is not None:
-        args += ["--max-object-mb", str(opts.max_object_mb)]
+    args = ["--cache-mb", str(opts.cache_mb), "--max-object-mb", str(opts.max_object_mb)]
+    args += ["--loop", opts.loop]
     return args if cache else [*args, "--no-cache"]
 
 
@@ -596,7 +534,6 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
 
 def run_demo(opts: DemoOptions) -> int:
     """The whole demo; 0 only if every request of every phase succeeded and matched."""
-    processor = ProcessorConfig()
     phases: list[PhaseResult] = []
     n_gw = opts.gateway_workers
     configs = [("cache on", True, 1)]
@@ -606,15 +543,10 @@ def run_demo(opts: DemoOptions) -> int:
         configs.append(("cache off", False, 1))
     tag = f"demo-{os.getpid()}-{int(time.time()) % 100000}"
     t_start = time.perf_counter()
-    images: list[bytes] = []
+    images: list[tuple[bytes, int, int]] = []
     expected: list[dict[str, Any]] = []
     plan = plan_requests(
-        opts.requests,
-        opts.images,
-        max_per_request=opts.max_per_request,
-        zipf=opts.zipf,
-        seed=opts.seed,
-        hash_first=opts.hash_first,
+        opts.requests, opts.images, zipf=opts.zipf, seed=opts.seed, hash_first=opts.hash_first
     )
     gw: GatewayProcess | None = None
     boot: threading.Thread | None = None
@@ -629,10 +561,9 @@ def run_demo(opts: DemoOptions) -> int:
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
     try:
         for i, (label, cache, procs) in enumerate(configs):
-            args = [*_gateway_args(opts, cache=cache), "--gateway-workers", str(procs)]
-            gw = GatewayProcess(args, name=f"{tag}-{i}")
-            print(f"starting the gateway ({label}, {opts.workers} workers) ...", file=sys.stderr)
-            if not images:  # generate the images while the first gateway boots
+            gw = GatewayProcess(_gateway_args(opts, cache=cache), name=f"{tag}-{i}", procs=procs)
+            print(f"starting the gateway ({label}) ...", file=sys.stderr)
+            if not images:  # make the images and their answers while the first gateway boots
                 errors: list[BaseException] = []
 
                 def start(g: GatewayProcess = gw, errs: list[BaseException] = errors) -> None:
@@ -643,20 +574,15 @@ def run_demo(opts: DemoOptions) -> int:
 
                 boot = threading.Thread(target=start, daemon=True)
                 boot.start()
-                images = make_images(opts.images, opts.seed)
-                expected = [expected_summary(b, processor) for b in images]
+                images = [synthetic_image(opts.seed * 100_003 + k) for k in range(opts.images)]
+                expected = [expected_answer(im) for im in images]
                 boot.join()
                 boot = None
                 if errors:
                     raise errors[0]
             else:
                 gw.start()
-            print(
-                f"gateway at {gw.url} (pid {gw.pid}, segment {gw.name}), "
-                f"{len(images)} images ready",
-                file=sys.stderr,
-            )
-            n_targets = opts.workers if opts.delivery == "broadcast" else 1
+            print(f"gateway at {gw.url} (pid {gw.pid}, cache {gw.name})", file=sys.stderr)
             res = _run(
                 run_load(
                     gw.url,
@@ -664,23 +590,18 @@ def run_demo(opts: DemoOptions) -> int:
                     images,
                     expected,
                     concurrency=opts.concurrency,
-                    n_workers=n_targets,
                     label=label,
                     progress=opts.progress,
                     use_hashes=cache,
                 )
             )
+            res.cache = gw.cache_stats()  # before the stop: the segments go with the gateway
+            res.gateway_processes = procs
             phases.append(res)
             gw.stop()
-            if procs > 1:  # one /stats call reached one process: the group's merged stats
-                merged = gw.group_stats()
-                if merged is None:
-                    raise RuntimeError("the gateway processes did not report their stats")
-                res.stats = merged
-            res.gateway_processes = procs
             gw = None
     except KeyboardInterrupt:
-        print("\ninterrupted: stopping the gateway and its workers ...", file=sys.stderr)
+        print("\ninterrupted: stopping the gateway and its engine worker ...", file=sys.stderr)
         return 130
     except RuntimeError as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
@@ -689,7 +610,7 @@ def run_demo(opts: DemoOptions) -> int:
         if in_main:
             signal.signal(signal.SIGTERM, previous)
         if boot is not None:  # interrupted while the gateway was booting: let it finish first
-            boot.join(40.0)
+            boot.join(70.0)
         if gw is not None:
             gw.stop()
     print(format_table(opts, phases))
@@ -708,13 +629,6 @@ def run_demo(opts: DemoOptions) -> int:
         )
     if opts.json_path:
         with open(opts.json_path, "w") as f:
-            json.dump(
-                {
-                    "options": asdict(opts),
-                    "phases": [p.summary() for p in phases],
-                    "passed": passed,
-                },
-                f,
-                indent=2,
-            )
+            summary = {"options": asdict(opts), "phases": [p.summary() for p in phases]}
+            json.dump({**summary, "passed": passed}, f, indent=2)
     return 0 if passed else 1
