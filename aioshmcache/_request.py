@@ -209,13 +209,6 @@ class SenderBook:
         elif inline == "busy":
             c.inline_busy += 1
 
-    def count_hit(self) -> None:
-        """``count(hit=True)``, the usual case, in fewer steps."""
-        c = self.counters
-        c.total += 1
-        c.hits = hits = c.hits + 1
-        self._words[H_HITS] = hits
-
     def count_miss(self) -> None:
         """``count(hit=False)`` of an item put, in fewer steps."""
         c = self.counters
@@ -329,19 +322,21 @@ class SenderRequest(_Steps):
         wait_for_space: float | None = None,
         copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
         _checked: bool = False,
+        _fresh: bool = False,
     ) -> None:
-        # ``_checked``: new lists of valid items and hashes (``for_features``): kept as they are
-        if _checked:
-            self._hashes, self._items = mm_hashes, mm_items
-            items = self._items
+        # ``_checked``: new lists of valid items and hashes (``for_features``): kept as they are;
+        # ``_fresh``: new lists (the caller's own, e.g. ``[mm_item]``): checked, not copied
+        if _checked or _fresh:
+            self._hashes, self._items = hashes, items = mm_hashes, mm_items
         else:
             self._hashes = hashes = list(mm_hashes)
             self._items = items = list(mm_items)
             if len(items) != len(hashes):
                 raise ValueError("mm_items and mm_hashes differ in length")
+        if not _checked:
             for h in hashes:
                 if type(h) is not str:
-                    hashes[:] = map(check_hash, hashes)
+                    self._hashes = [check_hash(x) for x in hashes]
                     break
             for it in items:  # before any side effect: nothing to undo for a bad shape
                 if it is not None and (not isinstance(it, tuple) or len(it) != 2):
@@ -350,7 +345,7 @@ class SenderRequest(_Steps):
             self._wait = check_wait(wait_for_space)
         self._book = book
         self._store = store
-        self._lock = store.lock
+        self._lock = store._lock  # ``store.lock``, one call shorter
         self._inline_below = copy_inline_below
         self._out: list[Any] = [None] * len(items)
         self._handed: list[ShmRef] = []  # every hand-out this request took, for the roll back
@@ -372,6 +367,7 @@ class SenderRequest(_Steps):
         that could evict, and it never evicts its own hit. (An item it puts is still pinned from
         commit to ``finish`` when the copy runs as a job.)
         """
+        self._store.check_owner()  # before the lock (a forked child may inherit it held)
         self._begin(False)
 
     def start(self) -> list[MmItem] | None:
@@ -380,10 +376,14 @@ class SenderRequest(_Steps):
         Returns the result, or None when there are jobs (then ``run_jobs`` and ``finish``, or
         ``abandon``). What every face calls: most requests end here, in one step.
         """
+        self._store.check_owner()  # before the lock (a forked child may inherit it held)
         return self._begin(True)
 
     def run(self) -> list[MmItem]:
         """Every step on the calling thread (the sync face); abandoned on any error."""
+        # before the lock and before ``try``: a forked child may inherit the lock held, and
+        # ``abandon`` takes it (nothing is taken yet, so there is nothing to undo)
+        self._store.check_owner()
         try:
             out = self._begin(True)
             if out is not None:
@@ -395,16 +395,20 @@ class SenderRequest(_Steps):
         return self.finish()
 
     def _begin(self, settle: bool) -> list[MmItem] | None:
+        """``begin`` (and ``finish`` when ``settle`` and nothing is left), the owner checked."""
         hashes = self._hashes
         wait = self._wait
+        book = self._book
         if wait is None:
-            wait = self._book.default_wait_for_space
+            wait = book.default_wait_for_space
         may_defer = wait > 0
-        self._store.check_owner()  # before the lock (a forked child may inherit it held)
         with self._lock:  # the store's writer lock
             if may_defer:
                 self._deadline = time.monotonic() + wait
-            if None in self._items:  # look-ups: every one must be cached (here or a sibling)
+            # look-ups: every one must be cached (here or a sibling) before anything is taken;
+            # one item with no siblings needs no pass of its own: its decision is the look-up,
+            # raising the same ``CacheMissError`` with nothing taken
+            if None in self._items and (len(hashes) != 1 or book.siblings is not None):
                 self._check_lookups()
             if len(hashes) == 1:
                 self._decide_locked(0, 0.0, may_defer, True)
@@ -452,8 +456,15 @@ class SenderRequest(_Steps):
         ref = store._hand_out_key(h)  # get_cached: checked in ``begin``, under its lock
         if ref is not None:
             self._handed.append(ref)
-            self._out[i] = (ref, book.prompt_updates.get(h, ()) if it is None else it[1])
-            book.count_hit()
+            if it is None:  # ``book.prompt_updates.get(h, ())``, one call shorter
+                pu = book.prompt_updates
+                self._out[i] = (ref, pu.shards[hash(h) & pu.mask].get(h, ()))
+            else:
+                self._out[i] = (ref, it[1])
+            c = book.counters  # ``book.count_hit()``, inline: the usual case
+            c.total += 1
+            c.hits = hits = c.hits + 1
+            book._words[H_HITS] = hits
             return None
         if it is None:
             if self._sibling is not None and h in self._sibling:
@@ -486,7 +497,12 @@ class SenderRequest(_Steps):
                     raise
                 book.count_miss()
                 self._handed.append(ref)
-                book.prompt_updates[h] = updates = it[1]
+                updates = it[1]
+                pu = book.prompt_updates  # ``pu[h] = updates``, one call shorter
+                d = pu.shards[hash(h) & pu.mask]
+                if h not in d:
+                    pu.n += 1
+                d[h] = updates
                 self._out[i] = (ref, updates)
                 return None
             res = store.reserve(
@@ -655,12 +671,16 @@ class SenderRequest(_Steps):
     ) -> SenderRequest:
         """A request over ``FeatureSpec``s: data ``None`` (or a reference) means look it up."""
         features = list(features)
-        items = [feature_item(f) for f in features]  # checks every spec and its hash
+        items: list[MmItem | None] = []
+        hashes: list[str] = []
+        for f in features:  # one pass, no comprehension frames
+            items.append(feature_item(f))  # checks every spec and its hash
+            hashes.append(f.mm_hash)
         req = cls(
             store,
             book,
             items,
-            [f.mm_hash for f in features],
+            hashes,
             wait_for_space=wait_for_space,
             copy_inline_below=copy_inline_below,
             _checked=True,

@@ -568,7 +568,12 @@ class ShmObjectStore(Acknowledgements, Eviction):
             self.hints.publish(key, Hint(epoch, address, cid, length, position))
         hw[H_BYTES_USED] = ring.used_bytes  # _publish_usage, inline: every put (evictions are
         hw[H_ITEMS] = n_items  # published where they happen, by _forget)
-        return self._hand_out(cid)
+        # ``self._ref(cid, seq)`` from what is at hand: the row just written, read back for
+        # nothing otherwise (the epoch moves only in ``clear``, under this lock)
+        seq = self._hand_out_seq(cid)
+        return _new_ref(
+            ShmRef, (self._nonce, epoch, address, cid, length, finish_tag(base, seq), position, seq)
+        )
 
     def abort(self, res: Reservation) -> None:
         """Abandon a reservation whose copy failed or was cancelled."""
@@ -604,9 +609,10 @@ class ShmObjectStore(Acknowledgements, Eviction):
             if cid not in shard:
                 shard[cid] = None
                 marks.n += 1
-        return self._hand_out(cid)
+        return self._ref(cid, self._hand_out_seq(cid))
 
-    def _hand_out(self, cid: int) -> ShmRef:
+    def _hand_out_seq(self, cid: int) -> int:
+        """Record a hand-out of chunk ``cid`` (owed by the live sessions); its sequence number."""
         if self.one_of_n:
             seq = self.ledger.hand_out_id(cid, _NOBODY)
         else:
@@ -620,7 +626,7 @@ class ShmObjectStore(Acknowledgements, Eviction):
         self._undrained += 1
         if self._undrained * 2 >= self.readers.log_entries:
             self.drain()
-        return self._ref(cid, seq)
+        return seq
 
     def touch(self, key: str) -> bool:
         """Protect a cached key from eviction until its next hand-out (``handout_ttl`` at most).

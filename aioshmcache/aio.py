@@ -428,11 +428,12 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         self, mm_item: MmItem | None, mm_hash: str, *, wait_for_space: float | None = None
     ) -> MmItem:
         """As ``SenderCache.get_and_update_item``; big copies and waits run in a thread."""
-        req = self.sender._request(
+        req = self._wrapped()._request(  # ``self.sender``, one call shorter
             [mm_item],
             [mm_hash],
             wait_for_space=wait_for_space,
             copy_inline_below=self.inline_threshold_bytes,
+            _fresh=True,
         )
         out = self._send(req)
         return (out if type(out) is list else await out)[0]  # type: ignore[misc]
@@ -441,7 +442,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         self, features: Sequence[FeatureSpec], *, wait_for_space: float | None = None
     ) -> list[FeatureSpec]:
         """As ``SenderCache.get_and_update_features``; big copies and waits run in a thread."""
-        req = self.sender._features_request(
+        req = self._wrapped()._features_request(  # ``self.sender``, one call shorter
             features, wait_for_space=wait_for_space, copy_inline_below=self.inline_threshold_bytes
         )
         out = self._send(req)

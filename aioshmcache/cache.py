@@ -228,11 +228,13 @@ class SenderCache(_Cache):
         *,
         wait_for_space: float | None = None,
         copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
+        _fresh: bool = False,
     ) -> SenderRequest:
         """A request as steps (``begin``, ``run_jobs``, ``finish`` or ``abandon``).
 
         For drivers such as the asyncio facade, which choose where ``run_jobs`` runs; the
-        methods below run all the steps inline.
+        methods below run all the steps inline. ``_fresh``: the lists are the caller's own,
+        made for this request (kept, not copied).
         """
         self.store.check_owner()
         return SenderRequest(
@@ -242,6 +244,7 @@ class SenderCache(_Cache):
             mm_hashes,
             wait_for_space=wait_for_space,
             copy_inline_below=copy_inline_below,
+            _fresh=_fresh,
         )
 
     def _features_request(
@@ -269,10 +272,9 @@ class SenderCache(_Cache):
         ``mm_item`` is ``(item, prompt_updates)`` or ``None`` (the caller believes it is cached:
         ``CacheMissError`` if not).
         """
-        self.store.check_owner()  # before the lock, which a forked child may inherit held
         return SenderRequest(  # ``get_and_update`` of one item, one call shorter
-            self.store, self._book, [mm_item], [mm_hash], wait_for_space=wait_for_space
-        ).run()[0]
+            self.store, self._book, [mm_item], [mm_hash], wait_for_space=wait_for_space, _fresh=True
+        ).run()[0]  # ``run`` checks the owner first (before the lock a forked child may hold)
 
     def get_and_update(
         self,

@@ -286,3 +286,61 @@ def test_a_forked_child_cannot_touch_its_parent_s_writer(
             assert int(rx.get_and_update_item(ref, f"k{i}")["a"][0]) == i
         assert tx.snapshot().readers[0].lag == 0
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_forked_child_with_the_writer_lock_held_gets_role_error_not_a_hang(
+    make_config: Any,
+) -> None:
+    """Forked while another thread holds the writer lock, the child inherits it held forever:
+    every sender request entry point must raise ``RoleError`` before it would take that lock
+    (the request's roll back takes it too, so the check comes before the request's ``try``)."""
+    import select
+    import threading
+
+    with SenderCache(make_config()) as tx:
+        tx.get_and_update_item(({"x": 1}, ()), "h0")
+        calls: dict[str, Callable[[], object]] = {
+            "get_and_update_item": lambda: tx.get_and_update_item(None, "h0"),
+            "get_and_update": lambda: tx.get_and_update([None], ["h0"]),
+            "get_and_update_features": lambda: tx.get_and_update_features(
+                [FeatureSpec("h0", None)]
+            ),
+        }
+        held, done = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with tx.store.lock:
+                held.set()
+                done.wait(60)
+
+        t = threading.Thread(target=hold)
+        t.start()
+        try:
+            assert held.wait(30)
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - child
+                out = []
+                for name, call in calls.items():
+                    try:
+                        call()
+                        out.append(f"{name}: no error")
+                    except RoleError:
+                        out.append(f"{name}: RoleError")
+                    except Exception as exc:
+                        out.append(f"{name}: {type(exc).__name__}")
+                os.write(w, "\n".join(out).encode())
+                os._exit(0)
+            os.close(w)
+            try:
+                ready, _, _ = select.select([r], [], [], 30)
+                got = os.read(r, 4096).decode() if ready else ""
+            finally:
+                os.close(r)
+                if not got:
+                    os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        finally:
+            done.set()
+            t.join(30)
+        assert got.splitlines() == [f"{name}: RoleError" for name in calls], got or "hang"

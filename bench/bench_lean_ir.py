@@ -1,0 +1,123 @@
+"""Issue 20, second pass: machine instructions per call of the one request path (callgrind).
+
+``python bench/bench_lean_ir.py [--calls N] [CELL ...]`` runs each cell under ``valgrind
+--tool=callgrind`` twice, with ``N`` calls and with none (same set-up and warm-up), and prints
+``(Ir(N) - Ir(0)) / N``: instructions per call, which do not depend on the machine's load (the
+figure the wall clock cannot give on a shared machine). ``OPENBLAS_NUM_THREADS=1``: numpy's BLAS
+threads otherwise spin, and their instructions grow with the run's length.
+
+``python bench/bench_lean_ir.py --inner CELL N`` is one such run (what valgrind executes).
+Cells: a 1 KiB miss and a hit, through ``get_and_update_item``, ``get_and_update_features([spec])``
+and their awaited twins on ``AsyncSenderCache``. Uses only the public API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+CELLS = ("item_miss", "item_hit", "feat_miss", "feat_hit", "aitem_miss", "aitem_hit", "afeat_miss")
+WARM = 200
+
+
+def inner(cell: str, calls: int) -> None:
+    """Set up, warm up, then ``calls`` calls of ``cell`` (the run valgrind counts)."""
+    import numpy as np
+
+    from aioshmcache import AsyncSenderCache, CacheConfig, FeatureSpec, SenderCache
+
+    item = {"data": np.arange(256, dtype=np.float32)}  # 1 KiB
+    n = WARM + max(calls, 1)
+    keys = [f"k{i:08d}" for i in range(n)]
+    cfg = CacheConfig(64 << 20, 1 << 20, 1, name=f"bench-ir-{os.getpid()}")
+    with SenderCache(cfg) as tx:
+        face = AsyncSenderCache(tx)
+        tx.get_and_update_item((item, ()), "hot")
+        hot_spec = [FeatureSpec("hot", None)]
+        specs = [[FeatureSpec(k, item)] for k in keys]
+        miss = (item, ())
+        one: Callable[[int], object]
+        if cell == "item_miss":
+            one = lambda i: tx.get_and_update_item(miss, keys[i])  # noqa: E731
+        elif cell == "item_hit":
+            one = lambda i: tx.get_and_update_item(None, "hot")  # noqa: E731
+        elif cell == "feat_miss":
+            one = lambda i: tx.get_and_update_features(specs[i])  # noqa: E731
+        elif cell == "feat_hit":
+            one = lambda i: tx.get_and_update_features(hot_spec)  # noqa: E731
+        elif cell.startswith("a"):
+
+            async def run(lo: int, hi: int) -> None:
+                for i in range(lo, hi):
+                    if cell == "aitem_miss":
+                        await face.get_and_update_item(miss, keys[i])
+                    elif cell == "aitem_hit":
+                        await face.get_and_update_item(None, "hot")
+                    else:
+                        await face.get_and_update_features(specs[i])
+
+            loop = asyncio.new_event_loop()
+            loop.run_until_complete(run(0, WARM))
+            loop.run_until_complete(run(WARM, WARM + calls))
+            loop.close()
+            return
+        else:
+            raise SystemExit(f"unknown cell {cell!r}")
+        for i in range(WARM):
+            one(i)
+        for i in range(WARM, WARM + calls):
+            one(i)
+
+
+def _ir(cell: str, calls: int) -> int:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "cg.out")
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0")
+        subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                f"--callgrind-out-file={out}",
+                *(sys.executable, __file__, "--inner", cell, str(calls)),
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
+        with open(out) as f:
+            m = re.search(r"^summary:\s+(\d+)", f.read(), re.M)
+        if m is None:
+            raise SystemExit("no summary line in callgrind's output")
+        return int(m.group(1))
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("cells", nargs="*")
+    a = ap.parse_args(argv)
+    if a.inner:
+        inner(a.cells[0], int(a.cells[1]))
+        return 0
+    cells = a.cells or list(CELLS)
+    runs = [(c, n) for c in cells for n in (a.calls, 0)]
+    with ThreadPoolExecutor(a.jobs) as pool:
+        irs = dict(zip(runs, pool.map(lambda r: _ir(*r), runs)))
+    print("load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+    for c in cells:
+        per = (irs[(c, a.calls)] - irs[(c, 0)]) / a.calls
+        print(f"{c:12s} {per / 1000:8.1f} k instructions/call")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
