@@ -73,7 +73,9 @@ import inspect
 import logging
 import multiprocessing
 import os
+import signal
 import stat
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -625,10 +627,28 @@ def _run_worker(start: Callable[[str], None], path: str) -> None:
         _HELD[path] = _take_path(path)
     except EngineAddressInUseError:
         return
+    threading.Thread(
+        target=_leave_with_the_starter, args=(os.getppid(),), name="aioshm-starter", daemon=True
+    ).start()
     try:
         start(path)
     except KeyboardInterrupt:
         return
+
+
+def _leave_with_the_starter(ppid: int) -> None:
+    """End this engine worker once the process that started it is gone (killed, even -9).
+
+    Nothing else would: the worker serves a socket, not its parent. A SIGINT first (the
+    worker's ``asyncio.run`` cancels its task: the receiver and the socket close cleanly),
+    then a hard exit if it has not gone within ``_STOP_GRACE_S``. Other clients of the path
+    start a new worker when they need one (``EngineClient(start=)``).
+    """
+    while os.getppid() == ppid:
+        time.sleep(_KEEP_POLL_S)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(_STOP_GRACE_S)
+    os._exit(1)
 
 
 # --- worker side -------------------------------------------------------------------------------

@@ -51,3 +51,24 @@ def engine_main(path: str, handle: Any, lease: bool = False) -> None:
 def crash(path: str) -> None:
     """An engine worker that cannot start."""
     raise RuntimeError(f"no engine for {path} today")
+
+
+def gateway_starting_a_worker(path: str, name: str, conn: Any) -> None:
+    """A gateway whose ``EngineClient(start=)`` starts the engine worker; says "ready" once the
+    worker answered, then waits to be killed."""
+    import functools
+
+    from aioshmcache import AsyncSenderCache, CacheConfig
+    from aioshmcache.channel import EngineClient
+
+    async def main() -> None:
+        start = functools.partial(engine_main, handle=name)
+        async with (
+            AsyncSenderCache.from_config(CacheConfig(1 << 20, 1 << 19, 1, name=name)) as cache,
+            EngineClient.connect(path, cache=cache, start=start) as engine,
+        ):
+            await engine.call([], payload={"op": "echo"}, timeout=60)
+            conn.send("ready")
+            await asyncio.sleep(3600)
+
+    asyncio.run(main())

@@ -359,6 +359,34 @@ async def test_start_keeps_one_worker_alive_among_clients(
 
 @pytest.mark.e2e
 @pytest.mark.slow
+def test_a_started_worker_leaves_when_its_gateway_is_killed(tmp_path: Path) -> None:
+    """``start=``'s engine worker does not outlive the gateway that started it: killed -9,
+    the gateway cannot stop it, so the worker sees its parent gone and leaves (the demo found
+    such orphans, each holding a reader slot and the path's lock)."""
+    import uuid
+
+    from aioshmcache import sweep
+    from aioshmcache.channel import _lock_held
+
+    from .conftest import RUN_PREFIX
+
+    sock, name = str(tmp_path / "e.sock"), f"{RUN_PREFIX}orph{uuid.uuid4().hex[:6]}"
+    parent, child = SPAWN.Pipe()
+    gateway = SPAWN.Process(
+        target=_channel_procs.gateway_starting_a_worker, args=(sock, name, child)
+    )
+    gateway.start()
+    try:
+        assert parent.poll(120) and parent.recv() == "ready"
+        assert _lock_held(sock)  # the started worker serves the path
+    finally:
+        kill_and_reap(gateway)
+    assert wait_until(lambda: not _lock_held(sock), 60)  # the orphan left
+    sweep(name=name)  # the killed gateway's segment
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
 async def test_a_worker_that_cannot_start_is_restarted_with_growing_pauses(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
