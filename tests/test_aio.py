@@ -272,6 +272,7 @@ async def test_wait_for_space_wakes_on_acknowledgement(make_config: Any) -> None
                 p.kill()
 
 
+@pytest.mark.slow
 async def test_heartbeat_keeps_ticking_during_64mib_copies(make_config: Any) -> None:
     cfg = make_config(200 * MiB, 70 * MiB, 1)
     big = {"data": np.ones(64 * MiB, np.uint8)}

@@ -329,6 +329,7 @@ def _receiver_proc(handle: Any, conn: Any) -> None:
     rx.close()
 
 
+@pytest.mark.slow
 def test_500_requests_two_receiver_processes(make_config: Any) -> None:
     sender = SenderCache(make_config(4 << 20, 1 << 20, 2))
     rng = np.random.default_rng(11)

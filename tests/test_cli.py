@@ -79,6 +79,7 @@ def test_inspect_counts_what_a_reader_is_behind_without_the_writer_s_help(
         assert cache.snapshot().readers[0].lag == 0  # the writer's own view agrees
 
 
+@pytest.mark.slow
 def test_sweep_cli_removes_only_orphans(make_config: Any, shm_name: str) -> None:
     a, b = SPAWN.Pipe()
     writer = SPAWN.Process(
@@ -130,6 +131,7 @@ def test_help_describes_every_command() -> None:
     assert {name for name, _help in listed} == {"demo", "stress", "bench", "inspect", "sweep"}
 
 
+@pytest.mark.slow
 def test_sweep_dry_run_says_what_it_would_remove(make_config: Any, shm_name: str) -> None:
     """The summary line is a sentence: 'would remove 1 orphan segment', not '1 orphan would ...'."""
     a, b = SPAWN.Pipe()

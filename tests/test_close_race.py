@@ -248,6 +248,7 @@ def test_a_group_shard_detached_during_a_read_gives_the_item_or_a_typed_error(
         assert store.closed
 
 
+@pytest.mark.slow
 def test_closing_a_reader_during_reads_gives_typed_errors_only() -> None:
     name = f"{RUN_PREFIX}cr{uuid.uuid4().hex[:8]}"
     untyped: list[BaseException] = []
@@ -278,6 +279,7 @@ def test_closing_a_reader_during_reads_gives_typed_errors_only() -> None:
     assert not untyped, f"untyped errors: {untyped[:3]!r}"
 
 
+@pytest.mark.slow
 def test_a_group_rescan_closing_a_shard_during_reads_gives_typed_errors_only() -> None:
     untyped: list[BaseException] = []
     for _rnd in range(ROUNDS // 2):

@@ -82,6 +82,7 @@ def test_shards_sibling_hits_and_group_reader_in_process(group: str) -> None:
     assert _ours(group) == []
 
 
+@pytest.mark.slow
 def test_four_writers_two_readers_2000_items(group: str) -> None:
     """4 gateway processes, 2 engine readers, 2,000 items with checksums: 0 wrong; a repeat of
     an item another gateway process put is copied from its shard, not preprocessed again."""
@@ -123,6 +124,7 @@ def test_four_writers_two_readers_2000_items(group: str) -> None:
     assert _ours(group) == []
 
 
+@pytest.mark.slow
 def test_killed_gateway_is_seen_dead_reclaimed_and_typed(group: str) -> None:
     pipes, procs = [], []
     try:
@@ -332,6 +334,7 @@ def test_a_reference_of_a_shard_that_died_before_the_reader_attached_is_writer_g
     assert _ours(group) == []
 
 
+@pytest.mark.slow
 def test_a_reference_of_a_dead_instance_reclaimed_before_the_reader_started_is_writer_gone(
     group: str,
 ) -> None:

@@ -265,6 +265,7 @@ def test_single_array_exact(arr: np.ndarray[Any, Any]) -> None:
         np.testing.assert_array_equal(got["x"], arr)  # value equality too (NaN-safe)
 
 
+@pytest.mark.slow
 @FAST
 @given(obj=items)
 def test_nbytes_exact_and_deterministic(obj: dict[str, object]) -> None:
@@ -282,6 +283,7 @@ def test_nbytes_exact_and_deterministic(obj: dict[str, object]) -> None:
     assert_same(obj, SERDE.read(a.view))
 
 
+@pytest.mark.slow
 @FAST
 @given(
     first=st.dictionaries(st.text(max_size=6), arrays(), max_size=4),

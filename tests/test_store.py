@@ -415,6 +415,7 @@ def _reader_proc(handle: dict[str, Any], conn: Any) -> None:
     conn.send(("done", n))
 
 
+@pytest.mark.slow
 def test_writer_and_two_reader_processes_move_1000_items(make_config: Any) -> None:
     cfg = make_config(4 << 20, 256 << 10, 2, ack_log_entries=256)
     rng = np.random.default_rng(7)

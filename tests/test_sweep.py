@@ -86,6 +86,7 @@ def test_sweep_never_takes_the_semaphore_of_a_writer_starting_meanwhile(
         sweep(name=f"{shm_name}-dead")
 
 
+@pytest.mark.slow
 def test_cli_sweep_name_removes_that_orphan_only(shm_name: str) -> None:
     import subprocess
     import sys
