@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 import numpy as np
+import pytest
 
 from aioshmcache import ReceiverCache, SenderCache
 
