@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from ._inspect import inspect_segment
 from ._sweep import sweep
+from .errors import ShmCacheError
 
 __all__ = ["main"]
 
@@ -96,14 +97,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.command == "inspect":
         try:
             print(inspect_segment(ns.name))
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, ShmCacheError) as exc:  # one line, never a traceback
             print(f"inspect: {exc}", file=sys.stderr)
             return 1
         return 0
     if ns.command == "sweep":
         try:
             removed = sweep(ns.name, prefix=ns.prefix, dry_run=ns.dry_run)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, ShmCacheError) as exc:
             print(f"sweep: {exc}", file=sys.stderr)
             return 1
         verb = "would remove" if ns.dry_run else "removed"

@@ -27,6 +27,24 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_inspect_of_another_layout_says_so_in_one_line(make_config: Any) -> None:
+    """A segment of an older layout (left by an older version of the library) is a one-line
+    error from ``inspect``, exit 1, never a traceback."""
+    from aioshmcache._layout import H_VERSION, LAYOUT_VERSION, SHM_DIR
+
+    with SenderCache(make_config(1 << 20, 1 << 18, 1)) as cache:
+        fd = os.open(os.path.join(SHM_DIR, cache.name), os.O_RDWR)
+        try:
+            os.pwrite(fd, (LAYOUT_VERSION - 1).to_bytes(8, sys.byteorder), 8 * H_VERSION)
+            out = run_cli("inspect", cache.name)
+            assert out.returncode == 1, out
+            assert "Traceback" not in out.stderr and "layout version" in out.stderr, out
+            assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        finally:
+            os.pwrite(fd, LAYOUT_VERSION.to_bytes(8, sys.byteorder), 8 * H_VERSION)
+            os.close(fd)
+
+
 def test_inspect_shows_the_state_from_outside(make_config: Any) -> None:
     with SenderCache(make_config(1 << 20, 1 << 18, 2)) as cache:
         rx = ReceiverCache.attach(cache.handle())
