@@ -78,7 +78,7 @@ def bulk_reader(group: str, queue: Any, n_writers: int, out: Any) -> None:
     """Read every reference sent; count wrong bytes and errors."""
     from aioshmcache import FeatureSpec, ReceiverCache, ShmCacheError, ShmRef
 
-    rx = ReceiverCache.attach_group(group)
+    rx = ReceiverCache.attach_group(group, wait_for_shard=60)  # may start before the writers
     seen = wrong = errors = 0
     stops = 0
     while stops < n_writers:
