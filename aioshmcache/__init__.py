@@ -24,6 +24,7 @@ from ._types import (
     FeatureSpec,
     ReaderSlotInfo,
     ShmRef,
+    TierSnapshot,
 )
 from .aio import AsyncReceiverCache, AsyncSenderCache
 from .cache import GroupReceiverCache, ReceiverCache, SenderCache
@@ -100,6 +101,7 @@ __all__ = [
     "ShmRingBuffer",
     "ShmSpaceError",
     "StaleReferenceError",
+    "TierSnapshot",
     "WireError",
     "WriterGoneError",
     "sweep",

@@ -37,9 +37,9 @@ Decisions (pure functions of what was learned):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from ._types import PolicyView
 
-__all__ = ["LinearCost", "TierPolicy"]
+__all__ = ["LinearCost", "PolicyView", "TierPolicy"]
 
 
 class LinearCost:
@@ -94,19 +94,6 @@ class LinearCost:
         """Seconds for ``nbytes``."""
         a, b = self.coefficients()
         return a + b * nbytes
-
-
-@dataclass(frozen=True)
-class PolicyView:
-    """What the policy believes now (for the stats and the bench)."""
-
-    make_fixed_s: float
-    make_per_byte_s: float
-    fetch_fixed_s: float
-    fetch_per_byte_s: float
-    makes_seen: int
-    fetches_seen: int
-    budget_bytes: int
 
 
 class TierPolicy:

@@ -33,11 +33,13 @@ from aioshmcache import (
     sweep,
 )
 from aioshmcache._tier_value import HEADER_SIZE, lease_key, seal_value, value_key
+from aioshmcache.metrics import read_snapshot
 from aioshmcache.tier import CircuitBreaker, RedisTier, TierPolicy
 from aioshmcache.tools.redis_server import RedisCluster, RedisServer, free_port, redis_binaries
 
 from . import _tier_hosts as hosts
 from .conftest import RUN_PREFIX
+from .test_metrics import scrape, value
 from .test_single_flight import _until
 
 pytestmark = pytest.mark.skipif(
@@ -123,6 +125,55 @@ async def test_a_second_host_is_served_from_the_tier(
     assert sb.bytes_read == sa.bytes_written > 64 * KiB
     assert sb.lookup_seconds > 0 and b.tier_stats() == sb
     assert not a_tier.is_open and not b_tier.is_open  # the caches closed their tiers
+
+
+@e2e
+async def test_the_snapshot_shows_the_tier_s_counters_as_the_collector_does(
+    redis_server: RedisServer, make_config: Any, shm_name: str
+) -> None:
+    """``snapshot().tier`` after a miss, a hit and an error; the scrape shows the same numbers."""
+    calls: list[str] = []
+    breaker = CircuitBreaker(failures=5)  # the error below must not open it
+    a_tier, b_tier = _tier(redis_server.url), _tier(redis_server.url, breaker=breaker)
+    async with (
+        _cache(make_config, a_tier) as a,
+        _cache(make_config, b_tier, name=shm_name + "b") as b,
+    ):
+        await a.get_or_put("h1", _maker("h1", calls))  # a miss in the tier: claimed, made
+        assert await a_tier.flush(30)
+        sa = a.snapshot().tier
+        assert sa is not None
+        assert (sa.lookups, sa.misses, sa.hits, sa.claims, sa.makes) == (1, 1, 0, 1, 1)
+        assert sa.writes == 1 and sa.bytes_written > 64 * KiB and sa.lookup_samples == 1
+        await b.get_or_put("h1", _maker("h1", calls))  # a hit in the tier
+        hit = b.snapshot().tier
+        assert hit is not None and (hit.hits, hit.misses, hit.errors) == (1, 0, 0)
+        assert hit.bytes_read == sa.bytes_written and hit.lookup_samples == 1
+        assert hit.mean_lookup_s == hit.lookup_seconds > 0
+        redis_server.kill()
+        await b.get_or_put("h2", _maker("h2", calls))  # an error: made here
+        down = b.snapshot()
+        assert down.tier is not None and down.tier.hits == 1 and down.tier.misses == 1
+        assert down.tier.errors + down.tier.timeouts == 1 and calls == ["h1", "h2"]
+        assert down.to_dict()["tier"]["errors"] == down.tier.errors  # JSON-able, nested
+        json.dumps(down.to_dict())
+        samples, _types = scrape(b)
+        labels = {"cache": b.handle().name, "role": "sender"}
+        for series, n in (
+            ("hits", down.tier.hits),
+            ("misses", down.tier.misses),
+            ("errors", down.tier.errors),
+            ("timeouts", down.tier.timeouts),
+            ("read_bytes", down.tier.bytes_read),
+            ("dropped_writes", down.tier.dropped_writes),
+        ):
+            assert value(samples, f"aioshmcache_tier_{series}_total", **labels) == n
+        count = value(samples, "aioshmcache_tier_lookup_seconds_count", **labels)
+        assert count == down.tier.lookup_samples == 1  # a failed look-up is not timed
+        # counters of this process, not of the segment: a reader of shared memory has none
+        assert read_snapshot(b.handle().name)[0].tier is None
+        assert b.sender.snapshot().tier is None  # the wrapped sync cache has no tier
+    assert b.tier_stats() == down.tier  # the last counts stay readable after close
 
 
 @e2e

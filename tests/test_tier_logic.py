@@ -31,7 +31,7 @@ from aioshmcache._tier_value import (
     seal_value,
     value_key,
 )
-from aioshmcache.tier import RedisTier, TierStats
+from aioshmcache.tier import RedisTier, TierSnapshot
 from aioshmcache.wire import pack_features
 
 SECRET = b"k" * 32
@@ -382,7 +382,7 @@ def test_forged_values_are_refused() -> None:
 
 
 def test_the_tier_s_public_names_have_docstrings() -> None:
-    for cls in (RedisTier, TierStats, TierPolicy, CircuitBreaker, LinearCost):
+    for cls in (RedisTier, TierSnapshot, TierPolicy, CircuitBreaker, LinearCost):
         assert inspect.getdoc(cls), cls
         for name, member in vars(cls).items():
             if name.startswith("_") and name not in ("__init__", "__aenter__"):
