@@ -460,13 +460,21 @@ class ReaderSlotInfo:
 
 @dataclass(frozen=True)
 class PolicyView:
-    """What a second tier's cost policy believes now (``aioshmcache.tier.TierPolicy``)."""
+    """What a second tier's cost policy believes now (``aioshmcache.tier.TierPolicy``).
+
+    A make costs ``make_fixed_s + make_per_byte_s * n``; a look-up's probe (one round trip)
+    ``probe_s``; fetching a value of ``n`` bytes once the probe has answered
+    ``fetch_fixed_s + fetch_per_byte_s * n``. ``budget_bytes``: the largest value it would fetch
+    now (0: it skips the tier).
+    """
 
     make_fixed_s: float
     make_per_byte_s: float
+    probe_s: float
     fetch_fixed_s: float
     fetch_per_byte_s: float
     makes_seen: int
+    probes_seen: int
     fetches_seen: int
     budget_bytes: int
 

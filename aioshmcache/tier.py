@@ -401,6 +401,8 @@ class RedisTier:
             if reply is None:  # Redis failed or answered nonsense (counted): make it here
                 self._n["misses"] += 1
                 return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
+            t1 = time.perf_counter()
+            self.policy.observe_probe(t1 - t0)
             kind, n = reply
             if kind == _VALUE:
                 if n > HEADER_SIZE + self.max_item_bytes:
@@ -411,12 +413,12 @@ class RedisTier:
                     self._n["misses"] += 1
                     self._n["skipped"] += 1
                     return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
-                item = await self._fetch(vkey, mm_hash, n, t0)
+                item = await self._fetch(vkey, mm_hash, n, t0, t1)
                 if item is not None:
                     return item[0]
                 self._n["misses"] += 1  # rejected (counted), vanished or failed: make it here
                 return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=True)
-            self._note_latency(time.perf_counter() - t0, 0)
+            self._note_lookup(t1 - t0)
             if kind == _CLAIMED:
                 self._n["misses"] += 1
                 self._n["claims"] += 1
@@ -465,8 +467,14 @@ class RedisTier:
         self.breaker.failure()
         return None
 
-    async def _fetch(self, vkey: str, mm_hash: str, n: int, t0: float) -> tuple[Any] | None:
-        """GET, verify and decode a value of ``n`` bytes; None if it failed (counted)."""
+    async def _fetch(
+        self, vkey: str, mm_hash: str, n: int, t0: float, t1: float
+    ) -> tuple[Any] | None:
+        """GET, verify and decode a value of ``n`` bytes; None if it failed (counted).
+
+        ``t0``: when the look-up's probe was sent; ``t1``: when it answered (the policy learns
+        the fetch from there: the probe is paid whether the value is fetched or made).
+        """
         deadline = self.lookup_timeout_s + 2 * self.policy.fetch_cost(n)
         data = await self._call(self._client.get, args=[vkey], deadline_s=deadline)
         if data is None:
@@ -482,8 +490,9 @@ class RedisTier:
         except TierValueError as exc:
             self._rejected[exc.reason] += 1
             return None
-        elapsed = time.perf_counter() - t0
-        self._note_latency(elapsed, len(data))
+        done = time.perf_counter()
+        self.policy.observe_fetch(done - t1, len(data))
+        self._note_lookup(done - t0)
         self._n["hits"] += 1
         self._n["bytes_read"] += len(data)
         if make_ns > 0:
@@ -493,10 +502,9 @@ class RedisTier:
     def _open(self, vkey: str, mm_hash: str, data: bytes) -> tuple[Any, int]:
         return open_value(self._secret, vkey, mm_hash, data, max_item_bytes=self.max_item_bytes)
 
-    def _note_latency(self, seconds: float, nbytes: int) -> None:
+    def _note_lookup(self, seconds: float) -> None:
         self._lookup_seconds += seconds
         self._n["lookup_samples"] += 1
-        self.policy.observe_fetch(seconds, nbytes)
 
     async def _make(self, w: _Write, make: Callable[[], Awaitable[Any]], *, store: bool) -> Any:
         """Run ``make`` (renewing our lease, if any), then queue the write or the release."""
@@ -513,9 +521,12 @@ class RedisTier:
                 w.renewal.cancel()
             raise
         w.make_s = time.perf_counter() - t0
+        w.nbytes = _array_bytes(item)
+        # every make teaches its cost, not only those stored: the ones the policy kept out of
+        # the tier (too large to fetch, Redis down) are the ones whose cost it must re-learn
+        self.policy.observe_make(w.make_s, w.nbytes)
         if store:
             w.item, w.has_item = item, True
-            w.nbytes = _array_bytes(item)
         self._enqueue(w)
         return item
 
@@ -612,7 +623,6 @@ class RedisTier:
             await self._release(w, _SKIP)
             return
         n = len(value)
-        self.policy.observe_make(w.make_s, n)
         if n > HEADER_SIZE + self.max_item_bytes or not self.policy.worth_storing(n, w.make_s):
             self._n["skipped_writes"] += 1
             await self._release(w, _SKIP)
