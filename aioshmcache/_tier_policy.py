@@ -19,8 +19,8 @@ Decisions (pure functions of what was learned):
   ``fetch(n) <= margin * make(n)``, capped at ``max_bytes``; 0 means a probe alone (one round
   trip) costs more than ``margin`` times a make, so the tier is skipped altogether. A look-up
   never transfers a value larger than the budget (the probe reports the size first).
-* :meth:`TierPolicy.worth_storing` — write an item only if fetching it would beat the make it
-  took (``fetch(n) <= margin * measured make``): no host would fetch it otherwise.
+* :meth:`TierPolicy.worth_storing` — write an item only if fetching it would beat making it
+  (``fetch(n) <= margin * max(its measured make, make(n))``): no host would fetch it otherwise.
 * **The probe is a sunk cost** in both: when the probe has reported a value's size, its round
   trip is paid whether the value is fetched or made, and a host that looks an item up pays it
   whether the item was stored or not. Only what a fetch adds is weighed against the make.
@@ -219,8 +219,16 @@ class TierPolicy:
         return self.fetch_budget(max_bytes)
 
     def worth_storing(self, nbytes: int, make_seconds: float) -> bool:
-        """Whether fetching ``nbytes`` would beat the ``make_seconds`` the item took."""
-        return self.fetch_cost(nbytes) <= self.margin * make_seconds
+        """Whether fetching ``nbytes`` would beat making it: the ``make_seconds`` this item
+        took, or what a make of that size costs (as learned), whichever is longer.
+
+        Why both: the hosts that look the item up decide by the learned cost; judged by its one
+        make alone, an item made in a quiet moment would be refused (and every host would make
+        it for ``skip_ttl_s``) although each of them would fetch it.
+        """
+        learned = self.make_cost(nbytes)
+        make = make_seconds if learned is None else max(make_seconds, learned)
+        return self.fetch_cost(nbytes) <= self.margin * make
 
     def view(self, max_bytes: int) -> PolicyView:
         """A snapshot of the learned costs."""

@@ -253,6 +253,20 @@ def test_policy_weighs_only_what_a_fetch_adds_to_the_probe() -> None:
     assert not p.worth_storing(8 * MiB, 0.100)
 
 
+def test_policy_stores_what_the_other_hosts_would_fetch_however_fast_its_make_ran() -> None:
+    """The write is judged as the look-ups are: by the learned make cost too, not one sample.
+
+    Seen in the fleet bench: on a loaded machine one 20 ms (CPU) make took 20-500 ms; items
+    whose make ran in a quiet moment were not written, and every host then made them for
+    ``skip_ttl_s``, although each would have fetched them (1.1 makes per item under 2 MiB).
+    """
+    p = _trained(make_s=0.100, fixed=0.001, per_byte=0.010 / MiB, probe=0.001)
+    assert p.fetch_budget(64 * MiB) > 6 * MiB  # a host that looks 6 MiB up fetches it
+    assert p.worth_storing(6 * MiB, 0.010)  # so it is stored, though this make took 10 ms
+    assert not p.worth_storing(9 * MiB, 0.010)  # over the budget and a quick make: not
+    assert p.worth_storing(9 * MiB, 0.500)  # an item whose own make was long: stored
+
+
 def test_policy_skips_the_tier_when_a_round_trip_costs_more_than_a_make() -> None:
     p = _trained(make_s=0.0002, fixed=0.0003, probe=0.0003)
     assert p.fetch_budget(64 * MiB) == 0
