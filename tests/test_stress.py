@@ -31,8 +31,8 @@ from aioshmcache.tools.stress import (
     parse_size,
     verify_item,
 )
+from aioshmcache.tools.stress.child import SABOTAGE_GRACE, SABOTAGE_MIN_SEEN
 from aioshmcache.tools.stress.options import parse_args
-from aioshmcache.tools.stress.protocol import SABOTAGE_GRACE, SABOTAGE_MIN_SEEN
 
 
 @functools.cache

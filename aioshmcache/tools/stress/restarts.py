@@ -1,17 +1,12 @@
 """The ``sweep-restart`` fault: writers crash and restart under one name while ``sweep`` runs.
 
-The parent runs ``python -m aioshmcache.tools.stress.restarts NAME ROUNDS`` now and then. This
-process first forks a *sweeper* that sweeps ``NAME`` in a loop, then, ``ROUNDS`` times, forks a
-*writer* that creates a cache under ``NAME`` with ``reclaim_dead`` (the previous round's writer
-died holding the name), checks that the name leads to its own segment (a reader attaches by its
-handle, which names the segment's nonce) before and after the sweeper made two more passes, and
-dies without closing (``_exit``: the kernel drops its lock, its segment stays, for the next
-round to reclaim or for the sweeper to remove). A restarted writer whose name no longer leads to
-its segment lost it to a sweep; a restart that raised could not reclaim a dead writer's name:
-both are violations. The last line printed is JSON: ``rounds``, ``lost``, ``failed``,
-``left`` (files still under ``NAME`` after a final sweep) and a few error texts.
-
-Forking is safe here: this process runs no thread and no event loop.
+``python -m aioshmcache.tools.stress.restarts NAME ROUNDS`` forks a *sweeper* that sweeps
+``NAME`` in a loop, then ``ROUNDS`` times a *writer* that creates a cache under ``NAME`` with
+``reclaim_dead`` (its predecessor died holding the name), checks that the name leads to its own
+segment before and after two more sweeper passes, and dies without closing. A writer whose name
+no longer leads to its segment ``lost`` it to a sweep; one that raised ``failed`` to reclaim.
+It prints one JSON line: ``rounds``, ``lost``, ``failed``, ``left`` (files under ``NAME`` after
+a final sweep), ``errors``. Forking is safe here: no thread, no event loop.
 """
 
 from __future__ import annotations
@@ -33,8 +28,6 @@ from aioshmcache import (
 )
 
 from ..shm import segment_files
-
-__all__ = ["run_rounds"]
 
 _FORK = mp.get_context("fork")
 
@@ -64,12 +57,12 @@ def _read_to_eof(fd: int) -> bytes:
 
 
 def _writer_round(name: str, passes: Any, after: int, report: int, die: int) -> None:
-    """Forked writer: wait for the previous one's death (EOF on ``after``), restart under
-    ``name`` at once, check twice across sweeps, report, wait for ``die`` and die."""
+    """Forked writer: restart under ``name`` once the previous one died (EOF on ``after``),
+    check twice across sweeps, report, die (``_exit``: its segment stays) at EOF on ``die``."""
     if after >= 0:
         _read_to_eof(after)  # the previous writer is gone: its lock is free, its file stays
     text = b"ok"
-    try:
+    try:  # a failure is reported to the parent, which counts it as a violation
         tx = SenderCache(CacheConfig(1 << 16, 1 << 12, 1, name=name, reclaim_dead=True))
         mine = _owns_its_name(tx)
         seen = passes.value
@@ -78,22 +71,20 @@ def _writer_round(name: str, passes: Any, after: int, report: int, die: int) -> 
             time.sleep(0.0005)
         if not (mine and _owns_its_name(tx)):
             text = b"lost"
-    except BaseException as exc:  # reported to the parent, which counts it as a violation
+    except BaseException as exc:
         text = f"failed {type(exc).__name__}: {exc}".encode()[:400]
     os.write(report, text + b"\n")
     os.close(report)
     _read_to_eof(die)
-    _exit(0)  # a crash: no close, the segment stays behind
+    _exit(0)
 
 
 def run_rounds(name: str, rounds: int) -> dict[str, Any]:
     """``rounds`` crash-and-restart rounds under ``name`` against a sweeping process.
 
-    Each writer is forked while its predecessor lives and restarts the moment the predecessor
-    dies (the end of a pipe only the predecessor held): the sweeper meets a freshly dead file
-    while the restart reclaims it, the race that lost segments before ``sweep`` removed only the
-    very file it judged.
-    """
+    Each writer restarts the moment its predecessor dies: the sweeper meets a freshly dead file
+    while the restart reclaims it (the race that lost segments before ``sweep`` removed only the
+    very file it judged)."""
     stop, passes = _FORK.Event(), _FORK.Value("q", 0)
     sweeper = _FORK.Process(target=_sweeper, args=(name, stop, passes), daemon=True)
     sweeper.start()
