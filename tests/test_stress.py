@@ -161,7 +161,7 @@ def test_sweep_restart_burst_keeps_every_restarted_writer_s_segment(shm_name: st
     )
     assert done.returncode == 0, done.stderr[-4000:]
     res = json.loads(done.stdout.strip().splitlines()[-1])
-    assert res == {"rounds": 30, "lost": 0, "failed": 0, "left": [], "errors": []}
+    assert res == {"rounds": 30, "lost": 0, "failed": 0, "left": [], "violations": []}
 
 
 # --- short runs -------------------------------------------------------------------------------

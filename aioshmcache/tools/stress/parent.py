@@ -1,13 +1,11 @@
-"""The parent: starts and replaces the children, routes their messages, injects the faults and
-checks the end state.
+"""The parent: starts and replaces the children, routes their messages, injects the faults of
+:data:`PERIODIC` and checks the end state.
 
-Flow control: each request goes to its readers (all in broadcast, one in one-of-N); one credit
-returns to its writer when every target reported it (a killed or stopped one is written off), so
-a writer runs at most ``--window`` requests ahead. A child silent for ``--hang-timeout`` hangs.
-Periodic faults are one table, :data:`PERIODIC` (name -> action); each acts every ``--*-every``
-seconds on average and they pause (the parent waits until none is acting) around quiescence and
-planned rotations. Quiescence: the writers stop, every reader reports every request and syncs,
-then each writer checks that its cache (its shard) drains.
+Flow control: a request goes to its readers (all in broadcast, one in one-of-N); its credit
+returns to the writer once every target reported it (a killed or stopped one is written off),
+so a writer runs at most ``--window`` requests ahead. Quiescence (at the end and before the
+rotation): faults stop, writers stop, every reader syncs (after every request sent to it),
+then each writer's cache (shard) must drain.
 """
 
 from __future__ import annotations
@@ -48,12 +46,10 @@ Msg = dict[str, Any]
 
 def process_start(pid: int) -> int | None:
     """The start time of live process ``pid`` (pid and start name one process); None if none."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = (stat := f.read())[stat.rfind(b")") + 2 :].split()
-    except OSError:
-        return None
-    return None if len(fields) < 20 or fields[0] == b"Z" else int(fields[19])
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat", "rb") as f:
+        fields = (stat := f.read())[stat.rfind(b")") + 2 :].split()
+        return None if len(fields) < 20 or fields[0] == b"Z" else int(fields[19])
+    return None
 
 
 def child_pids() -> list[int]:
@@ -75,25 +71,20 @@ class Child:
     token: str
     proc: asyncio.subprocess.Process
     log_path: str
-    pos: int = -1
+    pos: int
     gen: int = 0
     name: str = ""
+    handle: Msg | None = None  # a writer's answer to "handle"
     link: Link | None = None
     connected: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     eof: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    handle_msg: Msg | None = None
-    got_handle: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     last_hb: float = dataclasses.field(default_factory=time.monotonic)
     stopped: bool = False
     busy: bool = False  # a fault is acting on it
     killed_by_us: bool = False
     rc_seen: bool = False
     replies: dict[str, asyncio.Future[Msg]] = dataclasses.field(default_factory=dict)
-    refs: deque[Msg] = dataclasses.field(default_factory=lambda: deque(maxlen=64))  # writer's
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+    refs: deque[Msg] = dataclasses.field(default_factory=lambda: deque(maxlen=64))  # a writer's
 
     @property
     def live(self) -> bool:
@@ -124,42 +115,6 @@ class Child:
         return ""
 
 
-class Owed:
-    """Requests forwarded and not yet reported by all their readers (flow control)."""
-
-    def __init__(self, credit: Callable[[int], None]) -> None:
-        self.credit = credit  # called with the generation when a request is fully reported
-        self.pending: dict[tuple[int, int], set[str]] = {}  # (generation, rid) -> readers
-        self.none = asyncio.Event()
-        self.none.set()
-
-    def expect(self, key: tuple[int, int], tokens: set[str]) -> None:
-        if not tokens:
-            return self.credit(key[0])
-        self.pending[key] = tokens
-        self.none.clear()
-
-    def reported(self, token: str, key: tuple[int, int]) -> None:
-        if (waiting := self.pending.get(key)) is not None:
-            waiting.discard(token)
-            if not waiting:
-                del self.pending[key]
-                self.credit(key[0])
-                self.drop(lambda k: False)  # none left: set ``none``
-
-    def write_off(self, token: str) -> None:
-        """A reader that will not report (killed, stopped) owes nothing any more."""
-        for key in list(self.pending):
-            self.reported(token, key)
-
-    def drop(self, which: Callable[[tuple[int, int]], bool]) -> None:
-        """Forget requests without credit (a dead writer's, or all after a timeout)."""
-        for key in [k for k in self.pending if which(k)]:
-            del self.pending[key]
-        if not self.pending:
-            self.none.set()
-
-
 async def _kill_readers(o: Orchestrator) -> None:
     if (c := o.pick_reader()) is not None:
         await o.kill_reader(c)
@@ -169,13 +124,13 @@ async def _stop_readers(o: Orchestrator) -> None:
     """SIGSTOP a reader for a while (up to twice the eviction delay), then SIGCONT."""
     if (c := o.pick_reader()) is None:
         return
-    top = 2 * o.opts.evict_after if o.opts.evict_after > 0 else 2.0
+    top = min(2 * o.opts.evict_after or 2.0, o.opts.hang_timeout / 3)
     c.stopped = True
-    o.owed.write_off(c.token)
+    o.write_off(c.token)
     try:
         c.proc.send_signal(signal.SIGSTOP)
         o.tally.stats["reader_stops"] += 1
-        with anyio.move_on_after(o.rng.uniform(0.3, min(top, o.opts.hang_timeout / 3))):
+        with anyio.move_on_after(o.rng.uniform(0.3, top)):
             await o.pausing.wait()
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -183,43 +138,31 @@ async def _stop_readers(o: Orchestrator) -> None:
         c.last_hb, c.stopped, c.busy = time.monotonic(), False, False
 
 
-async def _kill_writer(o: Orchestrator) -> None:
-    await o.kill_writer()
-
-
 async def _fork(o: Orchestrator) -> None:
-    """In turn: the writer, or a reader, forks a child that outlives it and is SIGKILLed; the
-    reader's slot must look dead to the writer while its forked child lives."""
+    """In turn, the writer or a reader forks a child that outlives it and is SIGKILLed; the
+    reader's slot must look dead to every writer while its forked child lives."""
     if o.fork_turn % 2 == 0:
         o.fork_turn += 1
         return await o.kill_writer(fork=True)
     if (c := o.pick_reader()) is None:
         return
     o.fork_turn += 1
-    forked, pid = await o.fork_child(c), c.pid
+    forked, pid = await o.fork_child(c), c.proc.pid
     await o.kill_reader(c)
-    if not forked:
-        return
-    o.tally.stats["fork_kills_reader"] += 1
+    o.tally.stats["fork_kills_reader"] += forked
     t0 = time.monotonic()
-    while True:
-        held = []
-        for w in o.live_writers():  # with --group: its slot in every shard
-            got = await o.ask(w, "slots", 10.0)
-            held += [
-                s
-                for s in (got or {}).get("slots", [])
-                if s["attached"] and s["alive"] and s["pid"] == pid
-            ]
+    while forked:
+        slots = [await o.ask(w, "slots", 10.0) or {} for w in o.live_writers()]
+        held = [s for g in slots for s in g.get("slots", []) if s["alive"] and s["pid"] == pid]
+        held = [s for s in held if s["attached"]]
         if not held:
             o.tally.stats["fork_slots_dropped"] += 1
             return
-        if time.monotonic() - t0 > FORK_SLOT_BOUND:
+        if (late := time.monotonic() - t0) > FORK_SLOT_BOUND:
             return o.violation(
                 "fork",
                 f"reader {pid} was SIGKILLed after forking, and its slot {held[0]['slot']} still "
-                f"looks alive {time.monotonic() - t0:.1f} s later (its forked child keeps it "
-                "alive: its debts are never dropped)",
+                f"looks alive {late:.1f} s later (its forked child keeps it: debts never dropped)",
             )
         await asyncio.sleep(0.1)
 
@@ -227,38 +170,22 @@ async def _fork(o: Orchestrator) -> None:
 async def _sweep_restart(o: Orchestrator) -> None:
     """A burst of writers that crash and restart under one name while another process sweeps
     it (:mod:`.restarts`): each must keep its segment and reclaim; nothing may be left."""
-    name = f"{o.prefix}sr"
-    cmd = ["-m", "aioshmcache.tools.stress.restarts", name, str(SWEEP_RESTART_ROUNDS)]
-    proc = await asyncio.create_subprocess_exec(sys.executable, *cmd, stdout=PIPE, stderr=PIPE)
+    args = ("-m", "aioshmcache.tools.stress.restarts", f"{o.prefix}sr", str(SWEEP_RESTART_ROUNDS))
+    proc = await asyncio.create_subprocess_exec(sys.executable, *args, stdout=PIPE, stderr=PIPE)
     out = err = b""
-    with anyio.move_on_after(o.opts.hang_timeout + 60) as scope:
+    with anyio.move_on_after(o.opts.hang_timeout + 60):
         out, err = await proc.communicate()
-    if scope.cancelled_caught:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-        return o.violation("sweep-restart", "the restart-and-sweep burst did not finish")
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    await proc.wait()
     try:
         res = json.loads(out.decode(errors="replace").strip().splitlines()[-1])
     except (ValueError, IndexError):
         tail = err.decode(errors="replace")[-600:]
         return o.violation("sweep-restart", f"no result (exit {proc.returncode}): {tail}")
     o.tally.stats["sweep_restarts"] += res["rounds"]
-    for bad, text in (
-        (
-            res["lost"],
-            f"{res['lost']} of {res['rounds']} writers restarted under {name} lost their "
-            "segment to a concurrent sweep",
-        ),
-        (
-            res["failed"],
-            f"{res['failed']} restarts under {name} could not reclaim a dead writer's name: "
-            f"{res['errors']}",
-        ),
-        (res["left"], f"left after the final sweep: {res['left']}"),
-    ):
-        if bad:
-            o.violation("sweep-restart", text)
+    for text in res["violations"]:
+        o.violation("sweep-restart", text)
 
 
 #: the faults the parent injects, each a small action run every ``--*-every`` seconds or so
@@ -266,7 +193,7 @@ async def _sweep_restart(o: Orchestrator) -> None:
 PERIODIC: Final[dict[str, Callable[[Orchestrator], Awaitable[None]]]] = {
     "kill-readers": _kill_readers,
     "stop-readers": _stop_readers,
-    "kill-writer": _kill_writer,
+    "kill-writer": lambda o: o.kill_writer(),
     "fork": _fork,
     "sweep-restart": _sweep_restart,
 }
@@ -284,14 +211,14 @@ class Orchestrator:
         # --group N: N writer processes, each the writer of its own shard of this group
         self.group = f"stress-{self.run_id}-grp" if opts.group else None
         self.writers: list[Child | None] = [None] * max(1, opts.group)
-        self.writer_gen = self.inst = self.fork_turn = self.acting = 0
-        self.owed = Owed(self.credit)
+        self.writer_gen = self.inst = self.fork_turn = 0
+        self.owed: dict[tuple[int, int], set[str]] = {}  # (gen, rid) -> readers yet to report
         self.forked: list[tuple[int, int, float]] = []  # fork fault: pid, start, exit deadline
-        self.topology = asyncio.Lock()
+        self.topology, self.pausing = asyncio.Lock(), asyncio.Event()
+        self.acting, self.held = asyncio.Semaphore(len(PERIODIC)), 0  # one token per fault
+        self.faults: list[asyncio.Task[None]] = []
         self.t_start = self.run_elapsed = 0.0
-        self.phase, self.interrupted, self.paused = "start", False, False
-        self.idle, self.resumed, self.pausing = asyncio.Event(), asyncio.Event(), asyncio.Event()
-        self.idle.set()
+        self.phase, self.interrupted = "start", False
 
     def violation(self, who: str, text: str) -> None:
         self.tally.violations.add(who, text)
@@ -307,16 +234,12 @@ class Orchestrator:
     def live_writers(self) -> list[Child]:
         return [w for w in self.writers if w is not None and not w.eof.is_set()]
 
-    def writer_of(self, gen: int) -> Child | None:
-        return next((w for w in self.live_writers() if w.gen == gen), None)
-
     def live_readers(self) -> list[Child]:
         return [c for c in self.readers if c is not None and c.live]
 
     def pick_reader(self) -> Child | None:
         """A reader no fault acts on, now marked busy."""
-        cands = [c for c in self.live_readers() if not c.busy and not c.stopped]
-        if cands:
+        if cands := [c for c in self.live_readers() if not c.busy and not c.stopped]:
             (c := self.rng.choice(cands)).busy = True
             return c
         return None
@@ -327,12 +250,11 @@ class Orchestrator:
         self.inst += 1
         token = f"{role[0]}{self.inst}"
         log_path = os.path.join(self.tmp, f"{token}.log")
-        blob = json.dumps(dict(spec, opts=self.opts.child_dict()))
         log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        args = (role, self.sock, token, json.dumps(dict(spec, opts=self.opts.child_dict())))
         try:
-            args = ("-m", "aioshmcache.tools.stress", role, self.sock, token, blob)
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, *args, stdin=DEVNULL, stdout=log, stderr=log
+                sys.executable, "-m", __package__, *args, stdin=DEVNULL, stdout=log, stderr=log
             )
         finally:
             os.close(log)
@@ -341,7 +263,7 @@ class Orchestrator:
         with anyio.move_on_after(30):
             await child.connected.wait()
             return child
-        self.violation(child.token, f"{child.role} process did not connect within 30 s")
+        self.violation(token, f"{role} process did not connect within 30 s")
         await self.hard_kill(child)
         return None
 
@@ -350,28 +272,28 @@ class Orchestrator:
             self.violation(child.token, "a SIGKILLed process did not exit within 10 s")
 
     async def start_writer(self, prev: Msg | None, pos: int = 0) -> bool:
+        """Writer generation ``writer_gen + 1``; readers get its handle (``prev``: its
+        predecessor, which they must have seen gone within 1 s of ``prev["dead_at"]``)."""
         self.writer_gen += 1
-        gen = self.writer_gen
+        gen, delivery = self.writer_gen, self.delivery_for(self.writer_gen)
         name = self.group or f"{self.prefix}g{gen}"
-        delivery = self.delivery_for(gen)
-        self.writers[pos] = child = await self.spawn(
+        w = self.writers[pos] = await self.spawn(
             "writer", pos, gen=gen, name=name, delivery=delivery
         )
-        if child is None:
+        if w is None:
             return False
-        with anyio.move_on_after(30):
-            await child.got_handle.wait()
-        if child.handle_msg is None:
-            self.violation(child.token, "writer did not publish its handle within 30 s")
-            await self.hard_kill(child)
+        if not (handle := await self.ask(w, "handle", 30)):
+            self.violation(w.token, "writer did not publish its handle within 30 s")
+            await self.hard_kill(w)
             return False
+        w.handle = handle
         self.tally.stats[f"writer_gens_{delivery}"] += 1
-        if self.group is not None:  # readers find the shard themselves
-            child.name = str(child.handle_msg["name"])
-            return True
-        frame = pack(dict(child.handle_msg, prev=prev), max_frame=MAX_FRAME)
-        for r in self.live_readers():
-            r.send_raw(frame)
+        if self.group is not None:  # a group's readers find the shard themselves
+            w.name = w.handle["name"]
+        else:
+            frame = pack({"t": "handle", **w.handle, "prev": prev}, max_frame=MAX_FRAME)
+            for r in self.live_readers():
+                r.send_raw(frame)
         return True
 
     async def start_reader(self, pos: int) -> None:
@@ -382,44 +304,35 @@ class Orchestrator:
         """SIGKILL, write off what it owed, start a new reader in its place."""
         await c.kill(wait_link=True)
         self.tally.stats["reader_kills"] += 1
-        self.owed.write_off(c.token)
+        self.write_off(c.token)
         if self.readers[c.pos] is c:
             self.readers[c.pos] = None
         await self.start_reader(c.pos)
 
     # --- the channel (see .child): one on_<t> method per message a child sends ---------------
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        link = Link(reader, writer, max_frame=MAX_FRAME)
-        child: Child | None = None
+        link, child = Link(reader, writer, max_frame=MAX_FRAME), None
         try:
-            hello = await link.recv()
-            if (
-                hello is None
-                or hello.get("t") != "hello"
-                or hello.get("token") not in self.children
-            ):
+            hello = await link.recv() or {}
+            if (child := self.children.get(hello.get("token", ""))) is None:
                 return await link.close()
-            child = self.children[str(hello["token"])]
             child.link, child.last_hb = link, time.monotonic()
             if child.role == "reader":  # it gets every request from now on (then the handle)
                 self.readers[child.pos] = child
-                w = self.writers[0]
                 if self.group is not None:
                     child.send("group", group=self.group)
-                elif w is not None and w.handle_msg is not None and not w.eof.is_set():
-                    child.send_raw(pack(dict(w.handle_msg, prev=None), max_frame=MAX_FRAME))
+                elif (w := self.writers[0]) is not None and w.handle and not w.eof.is_set():
+                    child.send("handle", **w.handle, prev=None)
             child.connected.set()
             while (got := await link.recv_raw()) is not None:
                 child.last_hb = time.monotonic()
                 getattr(self, "on_" + got[0]["t"])(child, *got)
         except Exception as exc:
-            who = child.token if child is not None else "?"
-            self.violation(who, f"harness: bad frame from child: {exc!r}")
+            self.violation(getattr(child, "token", "?"), f"harness: bad frame from child: {exc!r}")
         finally:
             if child is not None:
                 child.eof.set()
-                if child.role == "reader":
-                    self.owed.write_off(child.token)
+                self.write_off(child.token)
                 for fut in child.replies.values():
                     if not fut.done():
                         fut.set_result({"t": "eof"})
@@ -427,17 +340,19 @@ class Orchestrator:
 
     def on_req(self, w: Child, msg: Msg, raw: bytes) -> None:
         """A writer's request: forwarded unchanged to its readers."""
-        gen, rid = int(msg["gen"]), int(msg["rid"])
         feats = request_features(msg)
         self.tally.stats.update(requests=1, features=len(feats))
         w.refs.extend(ref.to_dict() for _h, ref, _d, _n in feats if ref is not None)
         readers = self.live_readers()
-        if self.delivery_for(gen) == "one_of_n" and readers:
+        if self.delivery_for(w.gen) == "one_of_n" and readers:
             readers = [self.rng.choice(readers)]
         for r in readers:
             r.send_raw(raw)
         self.tally.stats["deliveries"] += len(readers)
-        self.owed.expect((gen, rid), {r.token for r in readers if not r.stopped})
+        if waiting := {r.token for r in readers if not r.stopped}:
+            self.owed[w.gen, int(msg["rid"])] = waiting
+        else:
+            w.send("credit", n=1)
 
     def on_probe(self, w: Child, msg: Msg, raw: bytes) -> None:
         """A forged or stale reference: to one reader, which must refuse it."""
@@ -445,17 +360,13 @@ class Orchestrator:
             self.rng.choice(targets).send_raw(raw)
             self.tally.probes["sent"] += 1
 
-    def on_handle(self, w: Child, msg: Msg, raw: bytes) -> None:
-        w.handle_msg = msg
-        w.got_handle.set()
-
     def on_hb(self, c: Child, msg: Msg, raw: bytes) -> None:
         if "stats" in msg:
             self.tally.writer_stats[c.gen] = msg["stats"]
 
     def on_re(self, c: Child, msg: Msg, raw: bytes) -> None:
         self.on_hb(c, msg, raw)
-        if (fut := c.replies.get(str(msg["re"]))) is not None and not fut.done():
+        if (fut := c.replies.get(msg["re"])) is not None and not fut.done():
             fut.set_result(msg)
 
     def on_violation(self, c: Child, msg: Msg, raw: bytes) -> None:
@@ -463,36 +374,41 @@ class Orchestrator:
 
     def on_count(self, r: Child, msg: Msg, raw: bytes) -> None:
         """Counters a reader adds: stats ``c``, errors ``e``, probe outcomes ``p``."""
-        t = self.tally
+        t, gen = self.tally, int(msg.get("gen", -1))
         t.stats.update(msg.get("c", {}))
         t.errors.update(msg.get("e", {}))
         t.probes.update(msg.get("p", {}))
         if msg.get("text"):
             t.err_texts.update((k, str(msg["text"])) for k in msg["e"])
         if msg.get("wgone"):
-            t.wgone_gens.add(int(msg["gen"]))
-        w = self.writer_of(int(msg.get("gen", -1)))
-        if (
-            msg.get("kind") == "SegmentNotFoundError"
-            and w
-            and not w.killed_by_us
-            and w.proc.returncode is None
-            and not segment_files(w.name)
-        ):
+            t.wgone_gens.add(gen)
+        w = next((w for w in self.live_writers() if w.gen == gen), None)
+        name = w.name if w and not w.killed_by_us and w.proc.returncode is None else None
+        if msg.get("kind") == "SegmentNotFoundError" and name and not segment_files(name):
             self.violation(
                 "environment",
-                f"the live writer's segment {w.name} was unlinked by another process (someone's "
+                f"the live writer's segment {name} was unlinked by another process (a "
                 "/dev/shm cleanup or a buggy sweep); rerun with --private-shm",
             )
 
     def on_done(self, r: Child, msg: Msg, raw: bytes) -> None:
         """A reader settled a request: its counters, and the request's credit."""
         self.on_count(r, msg, raw)
-        self.owed.reported(r.token, (int(msg["gen"]), int(msg["rid"])))
+        self.reported(r.token, (int(msg["gen"]), int(msg["rid"])))
 
-    def credit(self, gen: int) -> None:
-        if (w := self.writer_of(gen)) is not None:
-            w.send("credit", n=1)
+    def reported(self, token: str, key: tuple[int, int]) -> None:
+        if (waiting := self.owed.get(key)) is not None:
+            waiting.discard(token)
+            if not waiting:
+                del self.owed[key]
+                for w in self.live_writers():
+                    if w.gen == key[0]:
+                        w.send("credit", n=1)
+
+    def write_off(self, token: str) -> None:
+        """A reader that will not report (killed, stopped) owes nothing any more."""
+        for key in list(self.owed):
+            self.reported(token, key)
 
     async def ask(self, child: Child, t: str, limit: float, **kw: Any) -> Msg | None:
         """Send a question; its answer, or None (no answer within ``limit`` s, or EOF)."""
@@ -501,17 +417,16 @@ class Orchestrator:
         child.send(t, re=token, **kw)
         try:
             with anyio.move_on_after(limit):
-                got = await fut
-                return None if got.get("t") == "eof" else got
+                if (got := await fut).get("t") != "eof":
+                    return {k: v for k, v in got.items() if k not in ("t", "re")}
             return None
         finally:
             child.replies.pop(token, None)
 
-    # --- the writer's death --------------------------------------------------------------------
+    # --- a writer's death ----------------------------------------------------------------------
     async def fork_child(self, c: Child) -> bool:
         """Ask ``c`` to fork a child that outlives it (the fork fault); True if it did."""
-        got = await self.ask(c, "fork", 10.0, linger=self.opts.fork_linger)
-        if got is None:
+        if (got := await self.ask(c, "fork", 10.0, linger=self.opts.fork_linger)) is None:
             return False
         if (start := process_start(pid := int(got["pid"]))) is not None:
             self.forked.append((pid, start, time.monotonic() + self.opts.fork_linger))
@@ -546,26 +461,19 @@ class Orchestrator:
             forked = fork and await self.fork_child(w)
             await w.kill(wait_link=True)
             dead_at = time.monotonic()
-            self.tally.stats.update(writer_kills=1, fork_kills_writer=int(forked))
+            self.tally.stats.update(writer_kills=1, fork_kills_writer=forked)
             self.tally.dead_gens[w.gen] = "killed"
-            self.owed.drop(lambda k: k[0] == w.gen)  # nobody owes it anything, no credit back
+            self.owed = {k: v for k, v in self.owed.items() if k[0] != w.gen}  # no credit back
             if self.group is None:
-                mine = sweep(prefix=self.prefix)
-                if w.name not in mine:
-                    if w.name in segment_files(w.name):
-                        self.violation(
-                            "sweep", f"sweep does not list the dead writer's segment {w.name}"
-                        )
-                    else:  # another process on this machine ran sweep() first: fine
-                        self.tally.stats["swept_by_others"] += 1
-                self.tally.stats["swept"] += len(mine)
+                swept = sweep(prefix=self.prefix)
+                self.tally.stats["swept"] += len(swept)
+                if w.name not in swept and w.name in segment_files(w.name):
+                    self.violation("sweep", f"sweep does not list the dead writer's {w.name}")
                 if left := segment_files(w.name):
                     self.violation("sweep", f"left after sweeping the dead writer: {left}")
-            started = await self.start_writer(
-                {"gen": w.gen, "dead_at": dead_at, "how": "killed"}, w.pos
-            )
-            new = self.writers[w.pos]
+            started = await self.start_writer({"gen": w.gen, "dead_at": dead_at}, w.pos)
             # the lowest free shard index is the dead one's, unless another shard closed meanwhile
+            new = self.writers[w.pos]
             if started and self.group is not None and new is not None and new.name == w.name:
                 self.tally.stats["shards_reclaimed"] += 1
             self.probe_old_refs(w)
@@ -578,34 +486,23 @@ class Orchestrator:
             return
         expect = ["InvalidReferenceError"] + (["WriterGoneError"] if self.group else [])
         for ref in list(dead.refs)[-8:]:
-            probe = {
-                "gen": w.gen,
-                "kind": "old_writer",
-                "via": "features",
-                "h": "old",
-                "expect": expect,
-            }
-            self.rng.choice(readers).send("probe", ref=ref, **probe)
+            probe = {"kind": "old_writer", "via": "features", "h": "old", "expect": expect}
+            self.rng.choice(readers).send("probe", gen=w.gen, ref=ref, **probe)
             self.tally.probes["sent"] += 1
 
     # --- background tasks ----------------------------------------------------------------------
     async def watchdog(self) -> None:
+        """A child silent for ``--hang-timeout`` hangs; one that exits on its own crashed."""
         while True:
             await asyncio.sleep(1.0)
-            now = time.monotonic()
-            for c in list(self.children.values()):
-                if (
-                    c.live
-                    and not (c.stopped or c.killed_by_us or c.proc.returncode is not None)
-                    and now - c.last_hb > self.opts.hang_timeout
-                ):
-                    self.violation(
-                        c.token, f"{c.role} pid {c.pid} silent for {now - c.last_hb:.1f} s (hang)"
-                    )
-                    c.last_hb = now
-                    await self.hard_kill(c)
+            now, hang = time.monotonic(), self.opts.hang_timeout
             for c in list(self.children.values()):
                 rc = c.proc.returncode
+                hung = c.live and rc is None and now - c.last_hb > hang
+                if hung and not (c.stopped or c.killed_by_us):
+                    self.violation(c.token, f"{c.role} silent for {now - c.last_hb:.1f} s (hang)")
+                    c.last_hb = now
+                    await self.hard_kill(c)
                 if rc is not None and not c.killed_by_us and not c.rc_seen:
                     c.rc_seen = True
                     if rc != 0 and self.phase != "exit":
@@ -613,115 +510,91 @@ class Orchestrator:
 
     async def progress(self) -> None:
         """A progress line every second on stderr (not with ``--quiet``)."""
-        show = Progress(enabled=not self.opts.quiet)
+        show, o, t = Progress(enabled=not self.opts.quiet), self.opts, self.tally
         while True:
             await asyncio.sleep(1.0)
-            g = self.writer_gen
-            show(
-                progress_line(
-                    self.opts,
-                    self.tally,
-                    elapsed=self.elapsed(),
-                    gen=g,
-                    delivery=self.delivery_for(g),
-                    readers=len(self.live_readers()),
-                )
-            )
+            g, n = self.writer_gen, len(self.live_readers())
+            show(progress_line(o, t, self.elapsed(), g, self.delivery_for(g), n))
 
-    async def fault_loop(self, name: str) -> None:
-        """Fault ``name`` acts every ``--*-every`` seconds or so while the run lasts."""
-        action, mean = PERIODIC[name], getattr(self.opts, FAULTS[name])
+    async def fault_loop(self, act: Callable[[Orchestrator], Awaitable[None]], mean: float) -> None:
+        """One fault: ``act`` every ``mean`` seconds or so (held back while paused)."""
         while True:
             await asyncio.sleep(self.rng.uniform(0.5, 1.5) * mean if mean > 0 else 1.0)
-            while self.paused and self.phase == "run":
-                await self.resumed.wait()
-            if self.phase != "run":
-                return
-            self.acting += 1
-            self.idle.clear()
-            try:
-                if not self.paused:
-                    await action(self)
-            finally:
-                self.acting -= 1
-                if not self.acting:
-                    self.idle.set()
+            async with self.acting:
+                if self.phase != "run":
+                    return
+                await act(self)
 
     async def pause_faults(self) -> None:
-        """Stop injecting and wait until no fault is acting."""
-        self.paused = True
+        """Stop injecting and wait until no fault is acting (a stopped reader resumes): take
+        every token of ``acting``."""
         self.pausing.set()
-        self.resumed.clear()
         with anyio.move_on_after(self.opts.hang_timeout + 30):
-            await self.idle.wait()
-            return
-        self.violation("harness", "fault actions did not finish")
+            while self.held < len(PERIODIC):
+                await self.acting.acquire()
+                self.held += 1
+        if self.held < len(PERIODIC):
+            self.violation("harness", "fault actions did not finish")
 
     def resume_faults(self) -> None:
-        self.paused = False
         self.pausing.clear()
-        self.resumed.set()
+        for _ in range(self.held):
+            self.acting.release()
+        self.held = 0
 
     # --- quiescence and checks ----------------------------------------------------------------
     async def quiesce_and_check(self, why: str) -> None:
-        """No faults, writers stopped, every request read, then the drain check (per shard)."""
+        """Writers stopped, every request read, then the drain check (per shard)."""
         if not (writers := self.live_writers()):
             return
         for pos, c in enumerate(self.readers):
             if c is None or c.eof.is_set():
                 await self.start_reader(pos)
-        stopped = await asyncio.gather(
-            *(self.ask(w, "stop", self.opts.op_deadline + 20) for w in writers)
-        )
-        for w, got in zip(writers, stopped):
+        limit = self.opts.op_deadline + 20
+        for w, got in zip(
+            writers, await asyncio.gather(*(self.ask(w, "stop", limit) for w in writers))
+        ):
             if got is None:
                 return self.violation(w.token, f"{why}: the writer did not stop")
-        with anyio.move_on_after(60) as sc:
-            await self.owed.none.wait()
-        if sc.cancelled_caught:
-            self.violation(
-                "quiesce", f"{why}: {len(self.owed.pending)} requests never reported by readers"
-            )
-            self.owed.drop(lambda k: True)
-        synced: dict[str, Msg] = {}
+        synced: dict[str, Msg] = {}  # a reader syncs after every request sent to it
         for c in self.live_readers():
             if (got := await self.ask(c, "sync", 60)) is None:
                 self.violation(c.token, f"{why}: reader did not catch up (sync)")
-            elif not got["attached"] or (self.group is None and int(got["gen"]) != writers[0].gen):
+            elif not got["attached"] or (self.group is None and got["gen"] != writers[0].gen):
                 self.violation(c.token, f"{why}: reader not attached to its writer at quiescence")
             else:
                 synced[c.token] = got
+        self.owed.clear()
         await asyncio.gather(*(self.drain_check(w, why, synced) for w in writers))
 
     async def drain_check(self, w: Child, why: str, synced: dict[str, Msg]) -> None:
         """Writer ``w``'s cache drains: every item freeable, then the ring empty; and no reader
         slot holds fewer acknowledgements than the references its reader read and verified."""
-        # lost hand-outs lapse after handout_ttl: the check gives them that long
-        within = 5.0 + self.opts.handout_ttl
+        within = 5.0 + self.opts.handout_ttl  # lost hand-outs lapse after handout_ttl
         if (final := await self.ask(w, "check", within + 30, within=within)) is None:
             return self.violation(w.token, f"{why}: the writer did not answer the drain check")
-        final = {k: v for k, v in final.items() if k not in ("t", "re", "stats")}
+        final = {k: v for k, v in final.items() if k != "stats"}
         final.update(gen=w.gen, why=why if self.group is None else f"{why} g{w.gen}")
         self.tally.finals.append(final)
         # more acknowledgements than reads is fine (a failed or cancelled read's references are
         # given back, acknowledged unread; stale ones owe nothing); fewer is a lost one
-        nonce = int(w.handle_msg["handle"]["nonce"]) if w.handle_msg else None
+        nonce = w.handle["handle"]["nonce"] if w.handle else None
         for token, got in synced.items():
+            slots = final.get("slots", [])
             acked = [
-                int(s["acknowledged"])
-                for s in final.get("slots", [])
+                s["acknowledged"]
+                for s in slots
                 if s["attached"] and not s["revoked"] and s["pid"] == got["pid"]
             ]
-            reads = int(got["reads"])
-            if self.group is not None:  # this shard's reads only
-                by_nonce = {int(n): int(c) for n, c in got["reads_by_nonce"]}
-                reads = by_nonce.get(nonce, 0) if nonce is not None else 0
+            # a group reader's reads of this shard only
+            reads = (
+                got["reads"] if self.group is None else dict(got["reads_by_nonce"]).get(nonce, 0)
+            )
             if len(acked) == 1 and acked[0] < reads:
-                uncounted = f" ({got['uncertain']} uncounted)" if got["uncertain"] else ""
                 self.violation(
                     f"reader {token}",
                     f"acknowledgements lost: {reads} references read and verified in this session, "
-                    f"but the slot's log holds {acked[0]} acknowledgements{uncounted}",
+                    f"but the slot's log holds {acked[0]} ({got['uncertain']} reads uncounted)",
                 )
         if final.get("n_not_freeable"):
             self.violation(
@@ -736,44 +609,44 @@ class Orchestrator:
                 f"items / {final['after_bytes']} bytes",
             )
 
-    async def close_writer(self, why: str, w: Child) -> float:
-        """Ask ``w`` to exit; its segment must be gone (``aclose`` unlinks it)."""
-        w.send("exit")
+    async def exit_child(self, why: str, c: Child) -> float:
+        """Tell ``c`` to exit; it must, with status 0 (a writer: leaving no segment behind)."""
+        c.send("exit")
         rc = None
         with anyio.move_on_after(30):
-            rc = await w.proc.wait()
-        closed_at = time.monotonic()
+            rc = await c.proc.wait()
         if rc is None:
-            self.violation(w.token, f"{why}: writer did not exit within 30 s")
-            await self.hard_kill(w)
-        elif rc != 0:
-            self.violation(w.token, f"{why}: writer exited with {rc}: {w.log_tail()}")
-        w.killed_by_us = True
-        self.tally.dead_gens[w.gen] = "closed"
-        if left := segment_files(w.name):
-            self.violation(w.token, f"{why}: aclose left {left} in {SHM_DIR}")
-        return closed_at
+            self.violation(c.token, f"{why}: {c.role} did not exit within 30 s")
+            await self.hard_kill(c)
+        elif rc != 0 and not c.killed_by_us:
+            self.violation(c.token, f"{why}: {c.role} exited with {rc}: {c.log_tail()}")
+        c.killed_by_us = True
+        if c.role == "writer":
+            self.tally.dead_gens[c.gen] = "closed"
+            if left := segment_files(c.name):
+                self.violation(c.token, f"{why}: aclose left {left} in {SHM_DIR}")
+        return time.monotonic()
 
     # --- the run ---------------------------------------------------------------------------------
     async def run(self) -> int:
-        me = asyncio.current_task()
-        for sig in (signal.SIGINT, signal.SIGTERM):  # stop the run, then clean up as usual
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                asyncio.get_running_loop().add_signal_handler(sig, self.interrupt, me)
+        if (me := asyncio.current_task()) is not None:  # SIGINT / SIGTERM: stop, clean up
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    asyncio.get_running_loop().add_signal_handler(sig, self.interrupt, me)
         server = await asyncio.start_unix_server(self.serve, path=sock_path(self.sock))
         bg = [asyncio.ensure_future(self.watchdog()), asyncio.ensure_future(self.progress())]
         try:
             self.t_start = time.monotonic()
             if all([await self.start_writer(None, pos) for pos in range(len(self.writers))]):
-                await self.body(bg)
+                await self.body()
         except asyncio.CancelledError:
             if not self.interrupted:
                 raise
             self.run_elapsed = self.run_elapsed or self.elapsed()
         finally:
-            for t in bg:
+            for t in bg + self.faults:
                 t.cancel()
-            await asyncio.gather(*bg, return_exceptions=True)
+            await asyncio.gather(*bg, *self.faults, return_exceptions=True)
             await self.kill_all()
             await self.reap_forked()
             server.close()
@@ -781,61 +654,28 @@ class Orchestrator:
                 await server.wait_closed()
         return self.finish()
 
-    def interrupt(self, task: asyncio.Task[Any] | None) -> None:
-        """SIGINT / SIGTERM (a second signal is ignored)."""
-        if not self.interrupted and task is not None:
+    def interrupt(self, task: asyncio.Task[Any]) -> None:
+        if not self.interrupted:  # a second signal is ignored
             self.interrupted = True
             task.cancel()
 
-    async def body(self, bg: list[asyncio.Task[None]]) -> None:
+    async def body(self) -> None:
         """Readers up, the main phase with its faults, then the final drain and the exit."""
-        await asyncio.gather(*(self.start_reader(i) for i in range(self.opts.readers)))
-        self.phase = "run"
-        faults = [
-            asyncio.ensure_future(self.fault_loop(f)) for f in PERIODIC if f in self.opts.faults
-        ]
-        bg += faults
-        await self.main_phase()
-        self.run_elapsed = self.elapsed()
-        self.phase = "quiesce"
-        self.resumed.set()  # the loops waiting for a resume see that the run is over
-        await self.pause_faults()
-        for t in faults:
-            t.cancel()
-        await asyncio.gather(*faults, return_exceptions=True)
-        async with self.topology:
-            await self.quiesce_and_check("end of run")
-        self.phase = "exit"
-        for c in self.live_readers():
-            c.send("exit")
-        for c in list(self.children.values()):
-            if c.role != "reader" or (c.proc.returncode is not None and c.killed_by_us):
-                continue
-            rc = None
-            with anyio.move_on_after(30):
-                rc = await c.proc.wait()
-            if rc is None:
-                self.violation(c.token, "reader did not exit within 30 s of 'exit'")
-                await self.hard_kill(c)
-            elif rc != 0 and not c.killed_by_us:
-                self.violation(c.token, f"reader exited with {rc}: {c.log_tail()}")
-        for w in self.live_writers():
-            await self.close_writer("end of run", w)
-
-    async def main_phase(self) -> None:
-        """Until ``--duration`` or ``--ops``; ``alternate`` delivery rotates the (first) writer
-        gracefully at half time: both modes in every run, and a mid-run drain check."""
         o, st = self.opts, self.tally.stats
-        half = o.delivery == "alternate"
-        while True:
+        await asyncio.gather(*(self.start_reader(i) for i in range(o.readers)))
+        self.phase, half = "run", o.delivery == "alternate"
+        for f in (f for f in PERIODIC if f in o.faults):
+            loop = self.fault_loop(PERIODIC[f], getattr(o, FAULTS[f]))
+            self.faults.append(asyncio.ensure_future(loop))
+        while True:  # until --duration or --ops; the self-test until it saw its sabotage
             await asyncio.sleep(0.05)
-            over = None
             if o.duration is not None and self.elapsed() >= o.duration:
-                over = self.elapsed() - o.duration
-            elif o.ops is not None and st["requests"] >= o.ops:
-                over = 0.0
-            if over is not None and not self.sabotage_pending(over):
-                return
+                if not self.sabotage_pending(self.elapsed() - o.duration):
+                    break
+            elif o.ops is not None and st["requests"] >= o.ops and not self.sabotage_pending(0):
+                break
+            # alternate delivery: the (first) writer is rotated gracefully at half time, so
+            # that a run has both modes and a mid-run drain check
             if half and (
                 self.elapsed() >= o.duration / 2
                 if o.duration
@@ -846,20 +686,22 @@ class Orchestrator:
                 async with self.topology:
                     await self.quiesce_and_check("rotation")
                     if (w := self.writers[0]) is not None:
-                        closed_at = await self.close_writer("rotation", w)
+                        closed_at = await self.exit_child("rotation", w)
                         st["writer_rotations"] += 1
-                        await self.start_writer(
-                            {"gen": w.gen, "dead_at": closed_at, "how": "closed"}, w.pos
-                        )
+                        await self.start_writer({"gen": w.gen, "dead_at": closed_at}, w.pos)
                         self.probe_old_refs(w)
                 self.resume_faults()
+        self.run_elapsed, self.phase = self.elapsed(), "quiesce"
+        await self.pause_faults()
+        async with self.topology:
+            await self.quiesce_and_check("end of run")
+        self.phase = "exit"
+        for c in self.live_readers() + self.live_writers():
+            await self.exit_child("end of run", c)
 
     def sabotage_pending(self, overtime: float) -> bool:
-        """The self-test goes on until each sabotage was seen a few times (bounded overtime).
-
-        Count-based, not timed: on a loaded machine a fixed duration may hold too few requests
-        for the sabotage to have happened at all.
-        """
+        """The self-test goes on until each sabotage was seen a few times (bounded overtime):
+        count-based, as a loaded machine may fit too few requests in a fixed duration."""
         st, sab = self.tally.stats, self.opts.sabotage
         return overtime <= SABOTAGE_GRACE and (
             ("digest" in sab and st["items_wrong"] < SABOTAGE_MIN_SEEN)
@@ -879,6 +721,7 @@ class Orchestrator:
 
     def finish(self) -> int:
         """The end-state checks, the report, and the exit status."""
+        t, o = self.tally, self.opts
         # our segments and semaphores still in /dev/shm (alone in a private one: any)
         left = files_with_prefix(SEGMENT_PREFIX if os.environ.get(IN_PRIVATE_SHM) else self.prefix)
         if left and not self.interrupted:  # an interrupted run killed its writer: orphans
@@ -886,31 +729,16 @@ class Orchestrator:
         remove(left)
         if kids := child_pids():
             self.violation("end", f"child processes left: {kids}")
-        stray = self.tally.wgone_gens - set(self.tally.dead_gens)
-        if stray and not self.interrupted:
+        if (stray := t.wgone_gens - set(t.dead_gens)) and not self.interrupted:
             self.violation("end", f"WriterGoneError for live writer generations {sorted(stray)}")
-        self.tally.stats.update(f"dead_gen_{how}" for how in self.tally.dead_gens.values())
-        t, o = self.tally, self.opts
-        report = summary(
-            o,
-            t,
-            elapsed=self.run_elapsed,
-            writer_gens=self.writer_gen,
-            interrupted=self.interrupted,
-        )
-        print(report, file=sys.stderr if o.quiet else sys.stdout, flush=True)
+        t.stats.update(f"dead_gen_{how}" for how in t.dead_gens.values())
+        text = summary(o, t, self.run_elapsed, self.writer_gen, self.interrupted)
+        print(text, file=sys.stderr if o.quiet else sys.stdout, flush=True)
         if o.json_path:
             with open(o.json_path, "w") as f:
-                json.dump(
-                    as_json(o, t, elapsed=self.run_elapsed),
-                    f,
-                    indent=1,
-                    sort_keys=True,
-                    default=str,
-                )
-        failed = len(t.violations) > 0
-        if not failed and not o.keep_logs:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        elif failed:
+                json.dump(as_json(o, t, self.run_elapsed), f, indent=1, sort_keys=True, default=str)
+        if failed := len(t.violations) > 0:
             print(f"children's logs kept in {self.tmp}", file=sys.stderr)
+        elif not o.keep_logs:
+            shutil.rmtree(self.tmp, ignore_errors=True)
         return 2 if self.interrupted else int(failed)

@@ -55,7 +55,7 @@ class Tally:
 
 
 def progress_line(
-    o: StressOptions, t: Tally, *, elapsed: float, gen: int, delivery: str, readers: int
+    o: StressOptions, t: Tally, elapsed: float, gen: int, delivery: str, readers: int
 ) -> str:
     """One line of progress (every second on stderr)."""
     st, er, wt = t.stats, t.errors, t.writer_totals()
@@ -75,7 +75,7 @@ def progress_line(
     )
 
 
-def as_json(o: StressOptions, t: Tally, *, elapsed: float) -> dict[str, Any]:
+def as_json(o: StressOptions, t: Tally, elapsed: float) -> dict[str, Any]:
     """The ``--json`` report."""
     return {
         "options": o.child_dict(),
@@ -148,9 +148,7 @@ def _by(counts: Counter[str], prefix: str) -> str:
     return ", ".join(got) or "-"
 
 
-def summary(
-    o: StressOptions, t: Tally, *, elapsed: float, writer_gens: int, interrupted: bool
-) -> str:
+def summary(o: StressOptions, t: Tally, elapsed: float, writer_gens: int, interrupted: bool) -> str:
     """The final table, the violations, and the verdict."""
     st, wt, p, el = t.stats, t.writer_totals(), t.probes, max(elapsed, 1e-9)
     v = _Values({f"s_{k}": n for k, n in st.items()})

@@ -6,7 +6,7 @@
 segment before and after two more sweeper passes, and dies without closing. A writer whose name
 no longer leads to its segment ``lost`` it to a sweep; one that raised ``failed`` to reclaim.
 It prints one JSON line: ``rounds``, ``lost``, ``failed``, ``left`` (files under ``NAME`` after
-a final sweep), ``errors``. Forking is safe here: no thread, no event loop.
+a final sweep) and ``violations`` (in words). Forking is safe here: no thread, no event loop.
 """
 
 from __future__ import annotations
@@ -132,13 +132,18 @@ def run_rounds(name: str, rounds: int) -> dict[str, Any]:
             sweeper.kill()
             sweeper.join(10)
         sweep(name=name)
-    return {
-        "rounds": rounds,
-        "lost": lost,
-        "failed": failed,
-        "left": segment_files(name),
-        "errors": errors,
-    }
+    left, why = segment_files(name), []
+    if lost:
+        why.append(
+            f"{lost} of {rounds} writers restarted under {name} lost their segment to a sweep"
+        )
+    if failed:
+        why.append(
+            f"{failed} restarts under {name} could not reclaim a dead writer's name: {errors}"
+        )
+    if left:
+        why.append(f"left after the final sweep: {left}")
+    return {"rounds": rounds, "lost": lost, "failed": failed, "left": left, "violations": why}
 
 
 def main(argv: list[str]) -> int:

@@ -82,6 +82,7 @@ class WriterProc(Proc):
         self.recent: deque[tuple[str, Ref]] = deque(maxlen=512)
         self.seen: deque[int] = deque(maxlen=256)
         self.tx: AsyncSenderCache | None = None
+        self.handle: dict[str, Any] = {}
         self.tasks: list[asyncio.Task[None]] = []
 
     def violation(self, text: str) -> None:
@@ -106,9 +107,8 @@ class WriterProc(Proc):
         async with AsyncSenderCache.from_config(self.config()) as tx:
             self.tx, self.capacity = tx, tx.snapshot().capacity_bytes
             handle = tx.handle().to_dict()
-            self.send(
-                "handle", gen=self.gen, handle=handle, delivery=self.delivery, name=tx.sender.name
-            )
+            self.handle = {"gen": self.gen, "delivery": self.delivery, "handle": handle}
+            self.handle["name"] = tx.sender.name
             loops = [self.request_loop() for _ in range(self.opts.writers)]
             if "forge" in self.opts.faults and self.opts.probe_rate > 0:
                 loops.append(self.inject_loop())
@@ -144,6 +144,10 @@ class WriterProc(Proc):
         }
 
     # --- the parent's messages -----------------------------------------------------------
+    async def on_handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """What readers need to attach (sent to them as a ``handle`` message)."""
+        return self.handle
+
     async def on_credit(self, msg: dict[str, Any]) -> None:
         self.give_credit(int(msg["n"]))
 
