@@ -1,36 +1,30 @@
 """``python -m aioshmcache stress``: an async stress and fault-injection harness.
 
 It proves the guarantees of DESIGN.md section 6 under load and faults: no wrong data, no hang,
-nothing lost (the cache drains), nothing left behind (no segment, semaphore or child)::
+nothing lost (the cache drains), nothing left behind (no segment, semaphore or process)::
 
-    parent (asyncio, .parent): children, flow control, faults, watchdog, report
-      | ^ req, probe, hb, re                     | ^ done, count, hb, re
-      v | credit, stop, check, slots, fork       v | handle, group, req, probe, sync, fork
-    writer process(es) (.writer)                 reader processes (.reader)
+    parent (.parent): children, flow control, faults, watchdog, report
+      | ^ req, probe, hb, re                  | ^ done, count, hb, re
+      v | credit, stop, check, slots, fork    v | handle, group, req, probe, sync, fork
+    writer process(es) (.writer)              reader processes (.reader)
 
-Every arrow is one protocol (:mod:`.child`) over an abstract Unix socket. The writer is a child
-so that it can be SIGKILLed for real: its segment must then be an orphan to ``sweep`` (of this
-run's names only), readers must see ``WriterGoneError`` within 1 s, and generation ``g + 1``
-takes over. ``alternate`` delivery switches broadcast / one-of-N each generation and rotates the
-writer gracefully at half time. ``--group N`` runs N writers, each the writer of its own shard of
-one group that readers attach to (``attach_group``); they share a Zipf hash space, so sibling
-hits happen; every check applies per shard; a killed writer's shard must be reclaimed.
+one protocol (:mod:`.child`) over an abstract Unix socket. Items (:mod:`.workload`) are functions
+of their hash and carry their crc32; readers check every array. Writers are children so that they
+can be SIGKILLed for real; ``alternate`` delivery switches broadcast / one-of-N each writer
+generation and rotates the writer at half time; ``--group N`` runs N writers of one cache group's
+shards, read through ``attach_group``, every check per shard. The faults (``--faults all``) and
+what each must not break are in :data:`.parent.PERIODIC` (``kill-readers``, ``stop-readers``,
+``kill-writer``, ``fork``, ``sweep-restart``) and in the children (``cancel``, ``forge``,
+``close-read``).
 
-Items (:mod:`.workload`) are functions of their hash (1 KiB to 32 MiB, heavy-tailed), carry
-their crc32, and readers check every array. Faults (``--faults all``): ``kill-readers``,
-``stop-readers`` (SIGSTOP past ``evict_stuck_readers_after``), ``kill-writer``, ``fork`` (the
-writer or a reader forks a child that outlives it, then is SIGKILLed: it must still look dead),
-``sweep-restart`` (:mod:`.restarts`), ``cancel`` (calls cancelled mid-way), ``forge`` (forged and
-stale references must be refused with typed errors), ``close-read`` (a reader closes its cache
-under a read).
-
-A violation (exit 1, listed in the report): wrong or torn data; a forged or stale reference
-that returns data or an unexpected error; any unexpected exception; a missed deadline, a silent
-child, a writer loop blocked past ``--max-loop-lag``; a reader slot with fewer
-acknowledgements than its reader's verified reads; a cache that does not drain after
-quiescence; a leftover segment, semaphore or process; a crashed child; a stale genuine
-reference nothing explains (see :meth:`.reader.ReaderProc.classify`). SIGINT / SIGTERM end a run
-with the same cleanup (exit 2). ``--private-shm SIZE`` re-runs it in a private /dev/shm.
+A violation (exit 1, listed in the report): wrong or torn data; a forged or stale reference that
+returns data or an unexpected error; any unexpected exception; a missed deadline, a silent child,
+a writer loop blocked past ``--max-loop-lag``; a dead writer not seen gone within 1 s, or not an
+orphan to ``sweep``; a reader slot with fewer acknowledgements than its reader's verified reads;
+a cache that does not drain after quiescence; a leftover segment, semaphore or process; a crashed
+child; a stale genuine reference nothing explains (:meth:`.reader.ReaderProc.classify`). SIGINT /
+SIGTERM end a run with the same cleanup (exit 2); ``--private-shm SIZE`` re-runs it in a private
+/dev/shm (root).
 """
 
 from __future__ import annotations

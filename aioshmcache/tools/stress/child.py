@@ -1,18 +1,11 @@
 """The children's side of the one protocol, and what writer and reader share.
 
-``python -m aioshmcache.tools.stress ROLE SOCKET TOKEN SPEC`` connects to the parent's
-abstract Unix socket, says ``hello`` and serves until ``exit`` or the parent is gone; it dies
-with the parent even on SIGKILL (``PR_SET_PDEATHSIG``). Every message either way is a msgpack
-map in an :mod:`aioshmcache.wire` frame; its ``t`` names the receiver's ``on_<t>`` method. A
-message with ``re`` is a question: the method's result goes back as ``{"t": "re", "re": ...}``.
-A request's features travel as ``pack_features`` bytes in ``f``, with ``c`` holding each one's
-digest and size; forged references stay dicts. Children also send ``hb`` (heartbeats, the
-writer's statistics), ``count`` / ``done`` (counters to add; ``done`` settles a request) and
-``violation``.
-
-Cancellation (the ``cancel`` fault, :func:`guarded`): a raw ``Task.cancel()`` lands while the
-call is suspended (one that finishes without suspending counts as "completed first"); an
-``anyio.move_on_after`` scope only at anyio checkpoints (``to_thread.run_sync`` holds it back).
+``python -m aioshmcache.tools.stress ROLE SOCKET TOKEN SPEC`` connects to the parent, says
+``hello`` and serves until ``exit`` or the parent is gone (it dies with the parent, even on
+SIGKILL: ``PR_SET_PDEATHSIG``). A message either way is a msgpack map in an
+:mod:`aioshmcache.wire` frame whose ``t`` names the receiver's ``on_<t>`` method; one with ``re``
+is a question, answered by ``{"t": "re", "re": ..., **result}``. A request carries its features
+as ``pack_features`` bytes in ``f`` and each one's digest and size in ``c``.
 """
 
 from __future__ import annotations
@@ -76,8 +69,13 @@ class Outcome(NamedTuple):
 async def guarded(
     make: Callable[[], Awaitable[Any]], *, mode: str, deadline: float, rng: random.Random
 ) -> Outcome:
-    """One library call under a deadline; ``mode`` ``"task"`` cancels it with a raw
-    ``Task.cancel()`` once started, ``"scope"`` with a tiny ``move_on_after``, ``"none"`` not."""
+    """One library call under a deadline, cancelled mid-way by the ``cancel`` fault.
+
+    ``mode`` ``"task"``: a raw ``Task.cancel()`` once started (it lands while the call is
+    suspended: one that finishes without suspending counts as "completed first"); ``"scope"``: a
+    tiny ``anyio.move_on_after`` (it lands at anyio checkpoints only: ``to_thread.run_sync`` holds
+    it back until its thread returns); ``"none"``.
+    """
     if mode == "task":
         started = asyncio.Event()
 

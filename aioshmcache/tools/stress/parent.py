@@ -469,6 +469,8 @@ class Orchestrator:
                 self.tally.stats["swept"] += len(swept)
                 if w.name not in swept and w.name in segment_files(w.name):
                     self.violation("sweep", f"sweep does not list the dead writer's {w.name}")
+                elif w.name not in swept:  # another process on this machine swept it first
+                    self.tally.stats["swept_by_others"] += 1
                 if left := segment_files(w.name):
                     self.violation("sweep", f"left after sweeping the dead writer: {left}")
             started = await self.start_writer({"gen": w.gen, "dead_at": dead_at}, w.pos)

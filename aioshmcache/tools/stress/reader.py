@@ -35,12 +35,17 @@ from aioshmcache import (
 )
 
 from ..framing import Link
-from .child import SABOTAGE_EVERY, Feature, Outcome, Proc, guarded, request_features
+from .child import SABOTAGE_EVERY, Feature, Proc, guarded, request_features
 from .options import StressOptions
 from .workload import verify_item
 
 DEAD_WRITER_BOUND: Final = 1.0  # DESIGN 4: a reader learns of a dead writer within 1 s
-CLOSE_DELAY_MAX: Final = 0.002  # close-read: the close lands up to this long after the read began
+
+
+def close_after(receiver: Any, delay: float) -> None:
+    """The close-read fault, in a worker thread: close ``receiver`` ``delay`` s from now."""
+    time.sleep(delay)
+    receiver.close()
 
 
 @dataclasses.dataclass
@@ -97,7 +102,7 @@ class ReaderProc(Proc):
         )
 
     def done(
-        self, msg: dict[str, Any], result: str, e: dict[str, int] | None = None, **c: int
+        self, msg: dict[str, Any], result: str, e: dict[str, int] | None = None, /, **c: int
     ) -> None:
         """A request is settled: its outcome and counters."""
         c = {k: v for k, v in dict(c, reads=1, **{f"read_{result}": 1}).items() if v}
@@ -247,75 +252,44 @@ class ReaderProc(Proc):
         """Not for the writer generation we read (a group reader reads every generation)."""
         return self.group is None and (self.gone or int(msg["gen"]) != self.gen)
 
-    async def read_while_closing(self, rx: AsyncReceiverCache, specs: list[FeatureSpec]) -> Outcome:
-        """The close-read fault: a worker thread closes ``rx`` while the read runs."""
-        rng, receiver = self.rng, rx.receiver
-        delay = rng.choice(
-            (0.0, rng.uniform(0.0, CLOSE_DELAY_MAX / 10), rng.uniform(0.0, CLOSE_DELAY_MAX))
-        )
-
-        def close_soon() -> None:
-            time.sleep(delay)
-            receiver.close()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(anyio.to_thread.run_sync, close_soon)
-            out = await guarded(
-                lambda: rx.get_and_update_features(specs),
-                mode="none",
-                deadline=self.opts.op_deadline,
-                rng=rng,
-            )
-        return out
-
     async def read_request(self, msg: dict[str, Any]) -> None:
-        rx, s = self.rx, self.s
+        rx, s, o = self.rx, self.s, self.opts
         if rx is None or self.stale_gen(msg):
             return self.done(msg, "skip")
         t0, feats = float(msg["t0"]), request_features(msg)
         # a request holds the references of one writer: one shard
         nonce = next((ref.nonce for _h, ref, _d, _n in feats if ref is not None), None)
-        # both forms of a reference the receiver accepts
-        specs = [
-            FeatureSpec(h, ref if ref is None or self.rng.random() < 0.5 else ref.to_dict())
-            for h, ref, _d, _n in feats
-        ]
         # hand-outs made before this session (or, in a group, before its first read of the
         # shard, which attaches it) may not be owed to it
         seen = s.nonce_seen.get(nonce, time.monotonic()) if nonce is not None else 0.0
-        maybe_unowed = t0 < s.attached_at or (
-            self.group is not None and nonce is not None and t0 < seen
-        )
+        unowed = t0 < s.attached_at or (self.group is not None and nonce is not None and t0 < seen)
+        if unowed:
+            s.unowed.update((ref.nonce, ref.id) for _h, ref, _d, _n in feats if ref is not None)
+        # both forms of a reference the receiver accepts
+        specs = [
+            FeatureSpec(h, r if r is None or self.rng.random() < 0.5 else r.to_dict())
+            for h, r, _d, _n in feats
+        ]
+        mode, delay = self.cancel_mode(), 0.0
+        closing = "close-read" in o.faults and rx is not self.closed_rx
+        if closing := closing and self.rng.random() < o.close_read_prob:
+            # close-read: a worker thread closes the cache (the sync ``close``, which races a
+            # read) none, up to 0.2 ms or up to 2 ms after the read started; then we reattach
+            mode, self.closed_rx, self.need_reattach = "close", rx, True
+            delay = self.rng.choice((0.0, self.rng.uniform(0, 0.0002), self.rng.uniform(0, 0.002)))
+        call = functools.partial(rx.get_and_update_features, specs)
         try:
-            await self.read_checked(msg, rx, t0, feats, specs, nonce, maybe_unowed)
+            async with anyio.create_task_group() as tg:
+                if closing:
+                    tg.start_soon(
+                        anyio.to_thread.run_sync, functools.partial(close_after, rx.receiver, delay)
+                    )
+                res = await guarded(
+                    call, mode="none" if closing else mode, deadline=o.op_deadline, rng=self.rng
+                )
         finally:
             if nonce is not None:
                 s.nonce_seen.setdefault(nonce, time.monotonic())
-
-    async def read_checked(
-        self,
-        msg: dict[str, Any],
-        rx: AsyncReceiverCache,
-        t0: float,
-        feats: list[Feature],
-        specs: list[FeatureSpec],
-        nonce: int | None,
-        maybe_unowed: bool,
-    ) -> None:
-        s, o = self.s, self.opts
-        if maybe_unowed:
-            s.unowed.update((ref.nonce, ref.id) for _h, ref, _d, _n in feats if ref is not None)
-        mode = self.cancel_mode()
-        if (
-            "close-read" in o.faults
-            and rx is not self.closed_rx
-            and self.rng.random() < o.close_read_prob
-        ):
-            mode, self.closed_rx, self.need_reattach = "close", rx, True
-            res = await self.read_while_closing(rx, specs)
-        else:
-            call = functools.partial(rx.get_and_update_features, specs)
-            res = await guarded(call, mode=mode, deadline=o.op_deadline, rng=self.rng)
         exc = res.exc
         if res.kind == "timeout":
             self.violation(f"get_and_update_features missed its {o.op_deadline} s deadline")
@@ -324,46 +298,29 @@ class ReaderProc(Proc):
             s.uncertain += 1
             self.done(msg, f"cancelled_{mode}")
         elif res.kind == "ok":
-            n_ok, nbytes, bad = self.verify(feats, res.value)
-            s.reads[nonce] += n_ok + bad
+            counts = self.verify(feats, res.value, nonce)
             for _h, ref, _d, _n in feats:
                 if ref is not None and ref.seq > s.acked_seq.get(ref.nonce, 0):
                     s.acked_seq[ref.nonce] = ref.seq
-            closing = int(mode == "close")
-            self.done(
-                msg,
-                "ok",
-                items_verified=n_ok,
-                bytes_verified=nbytes,
-                items_wrong=bad,
-                closed_read_ok=closing,
-            )
+            self.done(msg, "ok", **counts, closed_read_ok=closing)
         elif isinstance(exc, CacheMissError):
-            n_ok = nbytes = bad = 0
-            if exc.features is not None:
-                n_ok, nbytes, bad = self.verify(feats, exc.features, allow_missing=True)
-                s.reads[nonce] += n_ok + bad
+            counts = (
+                self.verify(feats, exc.features, nonce, allow_missing=True)
+                if exc.features is not None
+                else {}
+            )
             stale = self.stale_indices(feats, exc.features)
-            why, unexplained = await self.classify(
-                feats, stale, t0, maybe_unowed, str(msg.get("d", self.delivery))
-            )
-            self.done(
-                msg,
-                "miss",
-                {"CacheMissError (stale genuine refs)": len(stale)},
-                items_verified=n_ok,
-                bytes_verified=nbytes,
-                items_wrong=bad,
-                stale_explained=why.total(),
-                **{f"stale_explained_{k}": v for k, v in why.items()},
-            )
+            why, unexplained = await self.classify(feats, stale, t0, unowed, str(msg["d"]))
+            causes = {f"stale_explained_{k}": v for k, v in why.items()}
+            e = {"CacheMissError (stale genuine refs)": len(stale)}
+            self.done(msg, "miss", e, **counts, stale_explained=why.total(), **causes)
             for text in unexplained:
                 self.violation(text)
         else:
             s.uncertain += 1  # part of the request may have been read and acknowledged
             if isinstance(exc, ClosedCacheError) and rx is self.closed_rx:
                 # the close-read fault closed this cache under the read (or beside it): typed
-                self.done(msg, "closed_during_read" if mode == "close" else "closed_beside_read")
+                self.done(msg, "closed_during_read" if closing else "closed_beside_read")
             elif isinstance(exc, ReaderEvictedError):
                 self.need_reattach = True
                 self.done(msg, "ReaderEvictedError", {"ReaderEvictedError": 1})
@@ -375,32 +332,30 @@ class ReaderProc(Proc):
                 self.done(msg, f"unexpected_{type(exc).__name__}")
 
     def verify(
-        self, feats: list[Feature], out: Any, *, allow_missing: bool = False
-    ) -> tuple[int, int, int]:
-        """Items verified, their bytes, items wrong (each one a violation)."""
+        self, feats: list[Feature], out: Any, nonce: int | None, *, allow_missing: bool = False
+    ) -> dict[str, int]:
+        """Check every item read against its digest: the counters (a wrong one is a violation);
+        each item read was acknowledged, counted for the session."""
         if not isinstance(out, list) or len(out) != len(feats):
-            self.violation(f"receiver returned {type(out).__name__} for {len(feats)} features")
-            return 0, 0, 1
-        n_ok = nbytes = bad = 0
+            out = [f"receiver returned {type(out).__name__} for {len(feats)} features"]
+        ok = nbytes = bad = 0
         for (h, ref, digest, n), f in zip(feats, out):
             if not isinstance(f, FeatureSpec) or f.mm_hash != h:
-                err: str | None = f"receiver returned {f!r} for {h}"
+                err: str | None = f if isinstance(f, str) else f"receiver returned {f!r} for {h}"
             elif ref is None:
-                err = (
-                    None
-                    if f.data is None
-                    else f"{h}: inline placeholder came back as {type(f.data).__name__}"
-                )
+                kind = type(f.data).__name__
+                err = None if f.data is None else f"{h}: inline placeholder came back as {kind}"
             elif f.data is None and allow_missing:
                 continue
+            elif err := verify_item(f.data, h, digest, n):
+                err = f"WRONG DATA: {err}"
             else:
-                err = verify_item(f.data, h, digest, n)
-                err = err and f"WRONG DATA: {err}"
-                n_ok, nbytes = n_ok + (err is None), nbytes + n * (err is None)
+                ok, nbytes = ok + 1, nbytes + n
             if err is not None:
                 self.violation(err)
                 bad += 1
-        return n_ok, nbytes, bad
+        self.s.reads[nonce] += ok + bad
+        return {"items_verified": ok, "bytes_verified": nbytes, "items_wrong": bad}
 
     @staticmethod
     def stale_indices(feats: list[Feature], out: Any) -> list[int]:
