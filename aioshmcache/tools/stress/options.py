@@ -32,7 +32,8 @@ FAULTS: Final = {
     "close-read": "close_read_prob",
 }
 SABOTAGES: Final = frozenset({"digest", "drop"})
-BOUNDS: Final = {"lo": ">=", "gt": ">", "hi": "<="}
+DELIVERIES: Final = ("broadcast", "one_of_n", "alternate")
+BOUNDS: Final = {"lo": (">=", ge), "gt": (">", gt), "hi": ("<=", le)}
 
 
 def _opt(default: Any, help: str, parse: Callable[[str], Any] | None = None, **kw: Any) -> Any:
@@ -47,20 +48,9 @@ class StressOptions:
     ops: int | None = _opt(None, "stop after this many writer requests", int, lo=1)
     readers: int = _opt(3, "reader processes", lo=1, hi=64)
     writers: int = _opt(4, "concurrent writer tasks", lo=1)
-    group: int = _opt(
-        0,
-        "N writer processes, each the writer of its own shard of one cache group; readers "
-        "attach_group; faults apply per shard (0: one plain cache)",
-        lo=0,
-        hi=16,
-        metavar="N",
-    )
+    group: int = _opt(0, "writers of one cache group's shards (0: a plain cache)", lo=0, hi=16)
     reader_concurrency: int = _opt(2, "concurrent reads per reader", lo=1)
-    delivery: str = _opt(
-        "alternate",
-        "alternate: each writer generation switches mode",
-        choices=("broadcast", "one_of_n", "alternate"),
-    )
+    delivery: str = _opt("alternate", "alternate: switch at each writer", choices=DELIVERIES)
     faults: frozenset[str] = frozenset()  # --faults LIST and one --FAULT flag each
     capacity: int = _opt(96 << 20, "ring capacity", parse_size)
     max_object: int = _opt(33 << 20, "max object", parse_size)
@@ -70,40 +60,28 @@ class StressOptions:
     universe: int = _opt(2000, "distinct hashes", lo=1)
     zipf: float = _opt(1.1, "Zipf exponent of hash repeats", gt=0)
     window: int = _opt(16, "requests in flight", lo=1)
-    evict_after: float = _opt(
-        1.5, "evict_stuck_readers_after with stop-readers (s; 0: never)", lo=0
-    )
+    evict_after: float = _opt(1.5, "evict_stuck_readers_after with stop-readers (s)", lo=0)
     handout_ttl: float = _opt(3.0, "one-of-N handout_ttl (s)", gt=0)
     wait_for_space: float = _opt(0.2, "largest wait_for_space a writer passes (s)", lo=0)
-    second_chance: bool = _opt(
-        True, "CacheConfig(second_chance=False): pure FIFO eviction", flag="--no-second-chance"
-    )
+    second_chance: bool = _opt(True, "pure FIFO eviction", flag="--no-second-chance")
     op_deadline: float = _opt(10.0, "per-operation deadline (s)", gt=0)
     hang_timeout: float = _opt(15.0, "silent child = hang (s)", gt=0)
     max_loop_lag: float = _opt(5.0, "writer loop lag bound (s)")
     reader_kill_every: float = _opt(4.0, "kill-readers fault period", parse_duration)
     reader_stop_every: float = _opt(5.0, "stop-readers fault period", parse_duration)
     writer_kill_every: float = _opt(15.0, "kill-writer fault period", parse_duration)
-    fork_every: float = _opt(
-        8.0, "fork fault: the writer or a reader, in turn, forks and is SIGKILLed", parse_duration
-    )
+    fork_every: float = _opt(8.0, "fork fault period (a fork, then SIGKILL)", parse_duration)
     fork_linger: float = _opt(8.0, "how long the forked child outlives its parent", parse_duration)
-    sweep_restart_every: float = _opt(
-        6.0, "sweep-restart fault: writers crash and restart under a swept name", parse_duration
-    )
+    sweep_restart_every: float = _opt(6.0, "sweep-restart fault period", parse_duration)
     cancel_prob: float = _opt(0.1, "share of cancelled operations", lo=0, hi=1)
-    close_read_prob: float = _opt(
-        0.02, "close-read fault: share of reads under which the reader closes", lo=0, hi=1
-    )
+    close_read_prob: float = _opt(0.02, "share of reads closed under (close-read)", lo=0, hi=1)
     probe_rate: float = _opt(20.0, "forged/stale probes per second")
     seed: int = _opt(0, "random seed (default: random)", int)
     loop: str = _opt("asyncio", "event loop of the children", choices=("asyncio", "uvloop"))
     json_path: str | None = _opt(None, "write the final statistics here as JSON", flag="--json")
     quiet: bool = _opt(False, "no progress line")
     keep_logs: bool = _opt(False, "keep the children's logs")
-    private_shm: int = _opt(
-        0, "run in a private /dev/shm of SIZE (unshare -m; root)", parse_size, metavar="SIZE"
-    )
+    private_shm: int = _opt(0, "run in a private /dev/shm of this size (root)", parse_size)
     switch_interval: float = _opt(0.0001, "sys.setswitchinterval in the children (s; 0: default)")
     sabotage: frozenset[str] = frozenset()  # the harness's self-test (a hidden flag)
 
@@ -131,11 +109,11 @@ def _add(p: Any, f: dataclasses.Field[Any]) -> None:
         return
     if default is not None and f.name not in ("duration", "seed"):  # worked out after parsing
         shown = f"{default:g}" if isinstance(default, int | float) else default
-        help_ += (
-            f" (default {fmt_bytes(default).replace(' ', '') if parse is parse_size else shown})"
-        )
+        shown = fmt_bytes(default).replace(" ", "") if parse is parse_size else shown
+        help_ += f" (default {shown})"
         meta["default"] = default
     kind = parse or (str if default is None else type(default))
+    meta.setdefault("metavar", {parse_size: "SIZE", parse_duration: "TIME"}.get(parse))
     p.add_argument(flag, dest=f.name, type=kind, help=help_, **meta)
 
 
@@ -151,9 +129,7 @@ def parse_args(argv: list[str]) -> StressOptions:
     names = ", ".join(FAULTS)
     p.add_argument("--faults", default="none", help=f"comma list of {names}; all; none (default)")
     for name in FAULTS:
-        p.add_argument(
-            f"--{name}", dest=f"fault {name}", action="store_true", help=f"the {name} fault"
-        )
+        p.add_argument(f"--{name}", dest=f"fault {name}", action="store_true", help="this fault")
     p.add_argument("--sabotage", default="", help=argparse.SUPPRESS)  # harness self-test
     ns = p.parse_args(argv)
     values = {f.name: getattr(ns, f.name) for f in FIELDS}
@@ -171,10 +147,10 @@ def parse_args(argv: list[str]) -> StressOptions:
     if ns.seed is None:
         values["seed"] = secrets.randbits(32)
     for f in FIELDS:
-        v, fine = values[f.name], {"lo": ge, "gt": gt, "hi": le}
-        for key, op in BOUNDS.items():
-            if key in f.metadata and v is not None and not fine[key](v, f.metadata[key]):
-                p.error(f"--{f.name.replace('_', '-')} must be {op} {f.metadata[key]}")
+        for key, (op, fine) in BOUNDS.items():
+            v = values[f.name]
+            if key in f.metadata and v is not None and not fine(v, bound := f.metadata[key]):
+                p.error(f"--{f.name.replace('_', '-')} must be {op} {bound}")
     opts = StressOptions(**values, faults=frozenset(faults), sabotage=sabotage)
     if opts.min_item > opts.max_item:
         p.error("need --min-item <= --max-item")

@@ -54,27 +54,6 @@ class Tally:
         return max((float(s.get(key, 0.0)) for s in self.writer_stats.values()), default=0.0)
 
 
-def progress_line(
-    o: StressOptions, t: Tally, elapsed: float, gen: int, delivery: str, readers: int
-) -> str:
-    """One line of progress (every second on stderr)."""
-    st, er, wt = t.stats, t.errors, t.writer_totals()
-    hr = wt["hits"] / max(wt["hits"] + wt["misses"], 1)
-    lim = f"of {o.duration:.0f}s" if o.duration else f"ops {st['requests']}/{o.ops}"
-    wgone = sum(v for k, v in er.items() if k.startswith("WriterGoneError"))
-    return (
-        f"{lim}: g{gen} {delivery} readers {readers}/{o.readers} | req {st['requests']} "
-        f"({st['requests'] / max(elapsed, 1e-9):.0f}/s) verified {st['items_verified']} "
-        f"{fmt_bytes(st['bytes_verified'], digits=2)} hit {hr:.0%} evict {wt['evictions']} "
-        f"reloc {wt['relocations']} inline {wt['inline']} "
-        + (f"sibling {wt['sibling_hits']} " if o.group else "")
-        + f"| kills r{st['reader_kills']} w{st['writer_kills']} stops {st['reader_stops']} "
-        f"wgone {wgone} revoked {er['ReaderEvictedError']} "
-        f"miss {er['CacheMissError (stale genuine refs)']} probes {t.probes['answered']} "
-        f"| violations {len(t.violations)}"
-    )
-
-
 def as_json(o: StressOptions, t: Tally, elapsed: float) -> dict[str, Any]:
     """The ``--json`` report."""
     return {
@@ -112,7 +91,7 @@ reader requests | {s_reads:,} | s_reads
   bytes verified | {verified} ({mib_s:,.0f} MiB/s)
   cancelled (Task.cancel / move_on_after) | {s_read_cancelled_task:,} / {s_read_cancelled_scope:,}
   skipped (writer gone) | {s_read_skip:,}
-[close-read]  closed under / beside a read | {closed:,} ({s_closed_read_ok:,} read ok) / {beside:,}
+[close-read]  closed under / beside a read | {closed}
 faults: reader SIGKILL / SIGSTOP | {s_reader_kills:,} / {s_reader_stops:,}
 faults: writer SIGKILL / rotations | {s_writer_kills:,} / {s_writer_rotations:,}
 [fork]faults: forked, then SIGKILL: writer / reader | {s_fork_kills_writer:,} / {forked}
@@ -135,6 +114,13 @@ HEAD: Final = (
     "{o.reader_concurrency}, {group}{o.writers} writer tasks, ring {ring},\n  items {items}, "
     "faults {faults}, seed {o.seed}"
 )
+PROGRESS: Final = (
+    "{lim}: g{gen} {delivery} readers {live}/{o.readers} | req {s_requests} ({rate:.0f}/s) "
+    "verified {s_items_verified} {verified} hit {hit:.0%} evict {w_evictions} reloc "
+    "{w_relocations} inline {w_inline} {sibling}| kills r{s_reader_kills} w{s_writer_kills} "
+    "stops {s_reader_stops} wgone {wgone} revoked {e_ReaderEvictedError} miss {e_miss} "
+    "probes {p_answered} | violations {violations}"
+)
 
 
 class _Values(dict[str, Any]):
@@ -148,40 +134,59 @@ def _by(counts: Counter[str], prefix: str) -> str:
     return ", ".join(got) or "-"
 
 
-def summary(o: StressOptions, t: Tally, elapsed: float, writer_gens: int, interrupted: bool) -> str:
-    """The final table, the violations, and the verdict."""
-    st, wt, p, el = t.stats, t.writer_totals(), t.probes, max(elapsed, 1e-9)
-    v = _Values({f"s_{k}": n for k, n in st.items()})
-    v.update({f"w_{k}": n for k, n in wt.items()}, **{f"p_{k}": n for k, n in p.items()})
+def _values(o: StressOptions, t: Tally, elapsed: float) -> _Values:
+    """What the templates show: the counters (``s_``: the parent's, ``w_``: the writers'
+    totals, ``p_``: the probes', ``e_``: the errors') and values derived from them."""
+    st, wt, el = t.stats, t.writer_totals(), max(elapsed, 1e-9)
+    v = _Values({f"s_{k}": n for k, n in st.items()}, o=o, el=el, violations=len(t.violations))
+    for prefix, counts in (("w_", wt), ("p_", t.probes), ("e_", t.errors)):
+        v.update({prefix + k: n for k, n in counts.items()})
     outcomes: Counter[str] = Counter()
-    for k, n in p.items():
+    for k, n in t.probes.items():
         if ":" in k:
             outcomes["_" + k.split(":", 1)[1]] += n
-    reloc = f"{wt['relocations']:,} items, {fmt_bytes(wt['bytes_relocated'])}"
-    forked = f"{st['fork_kills_reader']:,} (dead slots dropped {st['fork_slots_dropped']:,})"
     drains = [
         f"{f['why']}: {f.get('items')} items, {f.get('n_not_freeable')} stuck" for f in t.finals
     ]
-    v.update(hit=wt["hits"] / max(wt["hits"] + wt["misses"], 1), forked=forked)
-    v.update(reloc=reloc if o.second_chance else "off (--no-second-chance)")
-    v.update(late=f"{wt['cancel_too_late']:,} completed first", drains=", ".join(drains) or "-")
     v.update(
-        verified=fmt_bytes(st["bytes_verified"], digits=2), mib_s=st["bytes_verified"] / el / 2**20
-    )
-    v.update(
-        closed=st["read_closed_during_read"] + st["closed_read_ok"],
-        beside=st["read_closed_beside_read"],
-    )
-    v.update(gens=f"{writer_gens} ({_by(st, 'writer_gens_')})", causes=_by(st, "stale_explained_"))
-    v.update(
+        hit=wt["hits"] / max(wt["hits"] + wt["misses"], 1),
+        reloc=f"{wt['relocations']:,} items, {fmt_bytes(wt['bytes_relocated'])}"
+        if o.second_chance
+        else "off (--no-second-chance)",
+        late=f"{wt['cancel_too_late']:,} completed first",
+        drains=", ".join(drains) or "-",
+        verified=fmt_bytes(st["bytes_verified"], digits=2),
+        mib_s=st["bytes_verified"] / el / 2**20,
+        closed=f"{st['read_closed_during_read'] + st['closed_read_ok']:,} ({st['closed_read_ok']:,}"
+        f" read ok) / {st['read_closed_beside_read']:,}",
+        forked=f"{st['fork_kills_reader']:,} (dead slots dropped {st['fork_slots_dropped']:,})",
+        causes=_by(st, "stale_explained_"),
         rejected=sum(n for k, n in outcomes.items() if k not in ("_skip", "_DATA")),
         outcomes=_by(outcomes, "_"),
-    )
-    v.update(
         lag=t.writer_max("lag_max") * 1000,
         op_max=t.writer_max("op_max"),
-        violations=len(t.violations),
+        rate=st["requests"] / el,
+        wgone=sum(n for k, n in t.errors.items() if k.startswith("WriterGoneError")),
+        e_miss=t.errors["CacheMissError (stale genuine refs)"],
+        sibling=f"sibling {wt['sibling_hits']} " if o.group else "",
     )
+    return v
+
+
+def progress_line(
+    o: StressOptions, t: Tally, elapsed: float, gen: int, delivery: str, live: int
+) -> str:
+    """One line of progress (every second on stderr)."""
+    lim = f"of {o.duration:.0f}s" if o.duration else f"ops {t.stats['requests']}/{o.ops}"
+    return PROGRESS.format_map(
+        _Values(_values(o, t, elapsed), lim=lim, gen=gen, delivery=delivery, live=live)
+    )
+
+
+def summary(o: StressOptions, t: Tally, elapsed: float, writer_gens: int, interrupted: bool) -> str:
+    """The final table, the violations, and the verdict."""
+    v = _values(o, t, elapsed)
+    v["gens"] = f"{writer_gens} ({_by(t.stats, 'writer_gens_')})"
     errors = "\n".join(f"error {k} | {n:,}" for k, n in sorted(t.errors.items()))
     shown = {"group": bool(o.group), **{f: f in o.faults for f in FAULTS}}
     rows = []
@@ -189,25 +194,20 @@ def summary(o: StressOptions, t: Tally, elapsed: float, writer_gens: int, interr
         cond, _, line = line[1:].partition("]") if line.startswith("[") else ("", "", line)
         if shown.get(cond, True):
             label, value, *rate = line.split(" | ")
-            rows.append((label, value.format_map(v), f"{v[rate[0]] / el:,.1f}/s" if rate else ""))
+            rows.append(
+                (label, value.format_map(v), f"{v[rate[0]] / v['el']:,.1f}/s" if rate else "")
+            )
     w1 = max(len(r[0]) for r in rows)
     w2 = max([len(r[1]) for r in rows if r[2] or r[1][:1].isdigit()] + [8])
-    group = f"group of {o.group} writer processes x " if o.group else ""
-    ops, items = (
-        f" (ops limit {o.ops})" if o.ops else "",
-        f"{fmt_bytes(o.min_item)}..{fmt_bytes(o.max_item)}",
-    )
-    faults = ",".join(sorted(o.faults)) or "none"
-    head = HEAD.format(
+    v.update(
         elapsed=elapsed,
-        ops=ops,
-        o=o,
-        group=group,
+        ops=f" (ops limit {o.ops})" if o.ops else "",
+        group=f"group of {o.group} writer processes x " if o.group else "",
         ring=fmt_bytes(o.capacity),
-        items=items,
-        faults=faults,
+        items=f"{fmt_bytes(o.min_item)}..{fmt_bytes(o.max_item)}",
+        faults=",".join(sorted(o.faults)) or "none",
     )
-    lines = [head, "-" * (w1 + w2 + 14)]
+    lines = [HEAD.format_map(v), "-" * (w1 + w2 + 14)]
     for a, b, c in rows:
         numeric = bool(c) or b.replace(",", "").isdigit()
         lines.append((f"{a:<{w1}}  {b:>{w2}}  {c}" if numeric else f"{a:<{w1}}  {b}").rstrip())
