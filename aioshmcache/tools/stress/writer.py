@@ -31,29 +31,16 @@ Ref = dict[str, Any]
 #: forgeries: how a recent reference is altered, and what a reader may answer when the forgery
 #: is re-tagged with the segment's secret (what an attacker who maps the segment can do: the
 #: ring's own checks must refuse it); untagged, the tag check refuses it (InvalidReferenceError)
-FORGERIES: Final[dict[str, tuple[Callable[[Ref, WriterProc], None], list[str]]]] = {
+FORGERIES: Final[dict[str, tuple[Callable[[Ref, WriterProc], object], list[str]]]] = {
     "past_epoch": (lambda r, w: r.update(epoch=r["epoch"] - 1), [MISS]),  # from before a clear
     "future_epoch": (lambda r, w: r.update(epoch=r["epoch"] + 1), [INV]),
     "misaligned": (lambda r, w: r.update(address=r["address"] + 8), [INV]),
-    "out_of_range": (
-        lambda r, w: r.update(address=w.capacity + 64 * w.rng.randrange(1, 1 << 20)),
-        [INV],
-    ),
+    "out_of_range": (lambda r, w: r.update(address=w.capacity + 64 * w.rand(1, 1 << 20)), [INV]),
     # stale if the chunk was evicted meanwhile
-    "wrong_length": (
-        lambda r, w: r.update(length=r["length"] + w.rng.choice((1, 64, 4096))),
-        [INV, MISS],
-    ),
-    "unissued_id": (lambda r, w: r.update(id=(1 << 62) + w.rng.randrange(1 << 40)), [INV]),
+    "wrong_length": (lambda r, w: r.update(length=r["length"] + 64 ** w.rand(0, 3)), [INV, MISS]),
+    "unissued_id": (lambda r, w: r.update(id=(1 << 62) + w.rand(0, 1 << 40)), [INV]),
     # an issued id at a place it does not live: stale or invalid
-    "random": (
-        lambda r, w: r.update(
-            address=w.rng.randrange(0, w.capacity // 64) * 64,
-            id=w.rng.randrange(1, max(2, max(int(x["id"]) for _h, x in w.recent) + 1)),
-            length=w.rng.randrange(0, 1 << 20),
-        ),
-        [INV, MISS],
-    ),
+    "random": (lambda r, w: r.update(w.random_fields()), [INV, MISS]),
 }
 #: not even a well-formed reference
 MALFORMED: Final[tuple[Callable[[Ref], object], ...]] = (
@@ -88,6 +75,19 @@ class WriterProc(Proc):
     def violation(self, text: str) -> None:
         self.stats["violations"] += 1
         super().violation(text)
+
+    def rand(self, lo: int, hi: int) -> int:
+        return self.rng.randrange(lo, hi)
+
+    def random_fields(self) -> Ref:
+        """A random place, length and issued id for a forged reference."""
+        last = max(int(ref["id"]) for _h, ref in self.recent)
+        length = self.rand(0, 1 << 20)
+        return {
+            "address": 64 * self.rand(0, self.capacity // 64),
+            "id": self.rand(1, max(2, last + 1)),
+            "length": length,
+        }
 
     def config(self) -> CacheConfig:
         o = self.opts
@@ -182,15 +182,10 @@ class WriterProc(Proc):
             await asyncio.sleep(0.1)
         if not stuck:
             await tx.remove_dangling_items()
-        snap = tx.snapshot()
-        out = {"items": len(keys), "not_freeable": stuck[:20], "n_not_freeable": len(stuck)}
-        return dict(
-            out,
-            after_items=snap.items,
-            after_bytes=snap.bytes_used,
-            slots=self.slots(),
-            **self.hb(),
-        )
+        snap, out = tx.snapshot(), self.hb()
+        out.update(items=len(keys), not_freeable=stuck[:20], n_not_freeable=len(stuck))
+        out.update(after_items=snap.items, after_bytes=snap.bytes_used, slots=self.slots())
+        return out
 
     # --- requests --------------------------------------------------------------------------
     def give_credit(self, n: int) -> None:
@@ -219,12 +214,8 @@ class WriterProc(Proc):
             r = self.rng.random()
             cached = self.tx is not None and self.tx.is_cached_item(h)
             none = h not in force_data and ((r < 0.4 and cached) or (r > 0.97 and k in self.seen))
-            updates = (("upd", k),)
-            specs.append(
-                FeatureSpec(
-                    h, None if none else item, identifier=f"{self.rid}.{j}", prompt_updates=updates
-                )
-            )
+            data, ident, updates = None if none else item, f"{self.rid}.{j}", (("upd", k),)
+            specs.append(FeatureSpec(h, data, identifier=ident, prompt_updates=updates))
             meta.append((h, k, item, digest, n))
         return specs, meta
 
@@ -232,17 +223,10 @@ class WriterProc(Proc):
         o, rng, tx = self.opts, self.rng, self.tx
         while tx is not None and not self.stopping and await self.take_credit():
             self.rid += 1
-            rid, ks = (
-                self.rid,
-                [self.work.sample(rng) for _ in range(rng.choice((1, 1, 1, 2, 2, 3, 4)))],
-            )
-            force: set[str] = set()
-            wait = (
-                rng.uniform(0.0, o.wait_for_space)
-                if o.wait_for_space > 0 and rng.random() < 0.2
-                else 0.0
-            )
-            sent = False
+            rid, force, sent = self.rid, set[str](), False
+            ks = [self.work.sample(rng) for _ in range(rng.choice((1, 1, 1, 2, 2, 3, 4)))]
+            waits = o.wait_for_space > 0 and rng.random() < 0.2
+            wait = rng.uniform(0.0, o.wait_for_space) if waits else 0.0
             for attempt in range(len(ks) + 1):  # each CacheMissError is resent with data: ends
                 specs, meta = self.build(ks, force)
                 mode, t0 = self.cancel_mode(), time.monotonic()
@@ -250,6 +234,7 @@ class WriterProc(Proc):
                 res = await guarded(call, mode=mode, deadline=o.op_deadline, rng=rng)
                 self.max_op = max(self.max_op, time.monotonic() - t0)
                 self.stats["requests"] += 1
+                miss = res.exc.mm_hashes if isinstance(res.exc, CacheMissError) else None
                 if res.kind == "timeout":
                     self.violation(f"get_and_update_features missed its {o.op_deadline} s deadline")
                 elif res.kind == "cancelled":
@@ -257,13 +242,9 @@ class WriterProc(Proc):
                 elif res.kind == "ok":
                     self.stats["cancel_too_late"] += mode != "none"
                     sent = self.publish(rid, t0, specs, meta, res.value)
-                elif (
-                    isinstance(res.exc, CacheMissError)
-                    and attempt < len(ks)
-                    and not set(res.exc.mm_hashes) <= force
-                ):
+                elif miss and attempt < len(ks) and not set(miss) <= force:
                     self.stats["sender_cache_miss"] += 1
-                    force.update(res.exc.mm_hashes)
+                    force.update(miss)
                     continue
                 else:
                     self.violation(f"get_and_update_features raised {res.exc!r}")
@@ -290,9 +271,8 @@ class WriterProc(Proc):
             # prompt updates stay in the writer process: a group shard's copy from a sibling
             # (asked for with None) comes back without them
             sibling_copy = self.opts.group and spec.data is None and updates == ()
-            if (
-                updates != tuple(spec.prompt_updates) and not sibling_copy
-            ) or f.identifier != spec.identifier:
+            lost = updates != tuple(spec.prompt_updates) and not sibling_copy
+            if lost or f.identifier != spec.identifier:
                 self.violation(f"{h}: prompt updates / identifier not preserved")
             if isinstance(f.data, ShmRef):
                 self.recent.append((h, f.data.to_dict()))
