@@ -44,23 +44,23 @@ SWEEP_RESTART_ROUNDS: Final = 40  # crash-and-restart rounds per sweep-restart b
 Msg = dict[str, Any]
 
 
-def process_start(pid: int) -> int | None:
-    """The start time of live process ``pid`` (pid and start name one process); None if none."""
+def _stat(pid: int | str) -> list[bytes]:
+    """A live process's /proc/PID/stat fields after its name: state, ppid, ... ([]: none)."""
     with contextlib.suppress(OSError), open(f"/proc/{pid}/stat", "rb") as f:
         fields = (stat := f.read())[stat.rfind(b")") + 2 :].split()
-        return None if len(fields) < 20 or fields[0] == b"Z" else int(fields[19])
-    return None
+        return fields if len(fields) > 19 and fields[0] != b"Z" else []
+    return []
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of live process ``pid`` (pid and start name one process); None if none."""
+    return int(fields[19]) if (fields := _stat(pid)) else None
 
 
 def child_pids() -> list[int]:
     """Live (non-zombie) processes whose parent is this one."""
-    pids = []
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError), open(f"/proc/{d}/stat", "rb") as f:
-            fields = (stat := f.read())[stat.rfind(b")") + 2 :].split()
-            if len(fields) > 1 and int(fields[1]) == os.getpid() and fields[0] != b"Z":
-                pids.append(int(d))
-    return pids
+    me = str(os.getpid()).encode()
+    return [int(d) for d in os.listdir("/proc") if d.isdigit() and _stat(d)[1:2] == [me]]
 
 
 @dataclasses.dataclass(eq=False)
@@ -217,7 +217,7 @@ class Orchestrator:
         self.topology, self.pausing = asyncio.Lock(), asyncio.Event()
         self.acting, self.held = asyncio.Semaphore(len(PERIODIC)), 0  # one token per fault
         self.faults: list[asyncio.Task[None]] = []
-        self.t_start = self.run_elapsed = 0.0
+        self.t_start, self.run_elapsed = time.monotonic(), 0.0
         self.phase, self.interrupted = "start", False
 
     def violation(self, who: str, text: str) -> None:
@@ -638,7 +638,6 @@ class Orchestrator:
         server = await asyncio.start_unix_server(self.serve, path=sock_path(self.sock))
         bg = [asyncio.ensure_future(self.watchdog()), asyncio.ensure_future(self.progress())]
         try:
-            self.t_start = time.monotonic()
             if all([await self.start_writer(None, pos) for pos in range(len(self.writers))]):
                 await self.body()
         except asyncio.CancelledError:
@@ -665,7 +664,8 @@ class Orchestrator:
         """Readers up, the main phase with its faults, then the final drain and the exit."""
         o, st = self.opts, self.tally.stats
         await asyncio.gather(*(self.start_reader(i) for i in range(o.readers)))
-        self.phase, half = "run", o.delivery == "alternate"
+        # --duration counts from here: every process is up (which may take seconds under load)
+        self.phase, half, self.t_start = "run", o.delivery == "alternate", time.monotonic()
         for f in (f for f in PERIODIC if f in o.faults):
             loop = self.fault_loop(PERIODIC[f], getattr(o, FAULTS[f]))
             self.faults.append(asyncio.ensure_future(loop))

@@ -427,18 +427,11 @@ class ReaderProc(Proc):
         if rx is None or self.stale_gen(msg):
             r = "skip"
         else:
-
-            async def call() -> Any:
-                if via == "item":
-                    return await rx.get_and_update_item(ref, h)
-                return await rx.get_and_update_features([FeatureSpec(h, ref)])
-
+            call = functools.partial(rx.get_and_update_features, [FeatureSpec(h, ref)])
+            if via == "item":
+                call = functools.partial(rx.get_and_update_item, ref, h)
             res = await guarded(call, mode="none", deadline=self.opts.op_deadline, rng=self.rng)
-            r = (
-                type(res.exc).__name__
-                if res.exc is not None
-                else {"ok": "DATA"}.get(res.kind, res.kind)
-            )
+            r = type(res.exc).__name__ if res.exc else {"ok": "DATA"}.get(res.kind, res.kind)
             if r == "timeout":
                 self.violation(f"probe {kind} missed its deadline")
             elif r == "DATA":

@@ -192,7 +192,7 @@ def summary(o: StressOptions, t: Tally, elapsed: float, writer_gens: int, interr
     rows = []
     for line in TABLE.replace("{errors}", errors).strip().splitlines():
         cond, _, line = line[1:].partition("]") if line.startswith("[") else ("", "", line)
-        if shown.get(cond, True):
+        if line and shown.get(cond, True):
             label, value, *rate = line.split(" | ")
             rows.append(
                 (label, value.format_map(v), f"{v[rate[0]] / v['el']:,.1f}/s" if rate else "")
