@@ -34,6 +34,7 @@ from aioshmcache.tools.stress import (
 )
 from aioshmcache.tools.stress.child import SABOTAGE_GRACE, SABOTAGE_MIN_SEEN
 from aioshmcache.tools.stress.options import parse_args
+from aioshmcache.tools.stress.report import Tally, summary
 
 
 @functools.cache
@@ -169,6 +170,20 @@ def test_the_command_line_is_generated_from_the_options() -> None:
     got = parse_args(["--seed", "1", "--ops", "9", "--capacity", "64MiB", "--fork-every", "2m"])
     assert (got.duration, got.ops, got.capacity, got.fork_every) == (None, 9, 64 << 20, 120.0)
     assert not parse_args(["--no-second-chance"]).second_chance
+
+
+def test_the_report_renders_any_tally() -> None:
+    """The table shows what was counted, with no error rows at all too, and the verdict."""
+    tally = Tally()
+    tally.stats.update(requests=10, items_verified=7)
+    text = summary(StressOptions(seed=1, faults=frozenset(FAULTS)), tally, 2.0, 1, False)
+    assert "writer requests" in text and "writers restarted while swept" in text
+    assert text.endswith("RESULT: OK")
+    tally.violations.add("reader r1", "WRONG DATA: h000001: checksum")
+    tally.errors["WriterGoneError (switch)"] += 1
+    text = summary(StressOptions(seed=1), tally, 2.0, 1, True)
+    assert "error WriterGoneError (switch)" in text and "1 x WRONG DATA" in text
+    assert text.endswith("RESULT: INTERRUPTED (FAIL so far)")
 
 
 def test_sweep_restart_burst_keeps_every_restarted_writer_s_segment(shm_name: str) -> None:
