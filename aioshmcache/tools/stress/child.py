@@ -30,7 +30,6 @@ from aioshmcache import ShmRef
 from aioshmcache.wire import unpack_features
 
 from ..framing import Link, ProtocolError
-from ..lag import LoopLagMeter
 from .options import StressOptions
 
 T = TypeVar("T")
@@ -110,7 +109,6 @@ class Proc:
 
     def __init__(self, opts: StressOptions, link: Link, seed: int) -> None:
         self.opts, self.link, self.rng = opts, link, random.Random(seed)
-        self.lag = LoopLagMeter(0.05, window=1)
 
     def send(self, t: str, **kw: Any) -> None:
         self.link.send({"t": t, **kw})

@@ -82,7 +82,6 @@ class ReaderProc(Proc):
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.heartbeat)
-            tg.start_soon(self.lag.run)
             try:
                 await self.serve()
             finally:
@@ -273,8 +272,7 @@ class ReaderProc(Proc):
         mode, delay = self.cancel_mode(), 0.0
         closing = "close-read" in o.faults and rx is not self.closed_rx
         if closing := closing and self.rng.random() < o.close_read_prob:
-            # close-read: a worker thread closes the cache (the sync ``close``, which races a
-            # read) none, up to 0.2 ms or up to 2 ms after the read started; then we reattach
+            # close-read (see the module docstring); the next message reattaches
             mode, self.closed_rx, self.need_reattach = "close", rx, True
             delay = self.rng.choice((0.0, self.rng.uniform(0, 0.0002), self.rng.uniform(0, 0.002)))
         call = functools.partial(rx.get_and_update_features, specs)

@@ -22,6 +22,7 @@ from aioshmcache.wire import pack_features
 
 from .._core_gaps import retag_reference
 from ..framing import Link
+from ..lag import LoopLagMeter
 from .child import SABOTAGE_EVERY, Proc, guarded
 from .options import StressOptions, handout_ttl
 from .workload import Workload
@@ -60,6 +61,7 @@ class WriterProc(Proc):
         self, opts: StressOptions, link: Link, token: str, *, gen: int, name: str, delivery: str
     ) -> None:
         super().__init__(opts, link, opts.seed * 1000 + gen)
+        self.lag = LoopLagMeter(0.05, window=1)  # a blocked event loop shows up here
         self.who, self.gen, self.name, self.delivery = f"writer g{gen}", gen, name, delivery
         self.work = Workload(opts)
         self.credit, self.credit_event = opts.window, asyncio.Event()
