@@ -4,9 +4,10 @@ It proves the guarantees of DESIGN.md section 6 under load and faults: no wrong 
 nothing lost (the cache drains), nothing left behind (no segment, semaphore or process)::
 
     parent (.parent): children, flow control, faults, watchdog, report
-      | ^ req, probe, hb, re                  | ^ done, count, hb, re
-      v | credit, stop, check, slots, fork    v | handle, group, req, probe, sync, fork
-    writer process(es) (.writer)              reader processes (.reader)
+      | ^ req, probe, hb, re, violation         | ^ done, count, hb, re, violation
+      v | handle, credit, stop, check, slots,   v | handle, group, req, probe, sync,
+      |   fork, exit                            |   fork, exit
+    writer process(es) (.writer)                reader processes (.reader)
 
 one protocol (:mod:`.child`) over an abstract Unix socket. Items (:mod:`.workload`) are functions
 of their hash and carry their crc32; readers check every array. Writers are children so that they
