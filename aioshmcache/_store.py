@@ -307,8 +307,8 @@ class ShmObjectStore(abc.ABC):
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` was called (a reader's reads are refused from then on)."""
-        return self._closed or self._reading.closed
+        """Whether :meth:`close` was called (and has released the mapping)."""
+        return self._closed
 
     def _check_open(self) -> None:
         self._reading.check_open()

@@ -580,6 +580,11 @@ class ReceiverCache(_Cache, _Reader):
         """
         self.store.close_when_idle()
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called (reads refused; the release may wait for reads)."""
+        return self.store._reading.closed or self.store.closed
+
 
 class GroupReceiverCache(_Reader):
     """A reader of a whole cache group (``ReceiverCache.attach_group(name)``).
