@@ -391,6 +391,9 @@ def test_a_method_of_the_other_role_is_a_role_error(make_config: Any) -> None:
                 reader.no_such_name  # noqa: B018
             assert not isinstance(info.value, RoleError)
             assert store.get_cached("k") is not None  # nothing above touched the writer
+            # class attributes, no ``__getattr__`` (which would slow every attribute load)
+            assert not any("__getattr__" in vars(c) for c in StoreWriter.__mro__)
+            assert not any("__getattr__" in vars(c) for c in StoreReader.__mro__)
         finally:
             reader.close()
 
