@@ -6,9 +6,9 @@ a **reader**, a ``StoreReader`` (``_store_reader``). Both are ``ShmObjectStore``
 what the two roles share (the mapped segment, its ring and reader table, the read path's checks
 in :meth:`~ShmObjectStore.validate` and :meth:`~ShmObjectStore.get`, the handle, the lifetime)
 and nothing else. Each role holds only its own state (``__slots__``): the writer has no reader
-slot, the reader no index, ledger, rows or writer lock. A method of the other role is not
-there: looked up on the wrong object it raises ``WrongRoleError``, a ``RoleError`` that says
-which role has it and is also an ``AttributeError`` (so ``hasattr(reader, "put")`` is False).
+slot, the reader no index, ledger, rows or writer lock. Neither offers the other's methods:
+looked up on the wrong object, one raises ``WrongRoleError``, a ``RoleError`` that says which
+role has it and is also an ``AttributeError`` (so ``hasattr(reader, "put")`` is False).
 The type checker knows each role too: ``create`` is typed to return a ``StoreWriter``,
 ``from_handle`` a ``StoreReader``, and neither class declares the other's methods.
 
