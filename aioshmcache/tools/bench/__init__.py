@@ -1,39 +1,21 @@
-"""``python -m aioshmcache bench``: the benchmark suite against the physical limit and the peers.
+"""``python -m aioshmcache bench``: the benchmark suites against the physical limit and the peers.
 
-Three suites, each also runnable alone (``--suite``) or through the scripts in ``bench/``:
-
-* ``store`` — put / get / lease of single-array items from 1 KiB to 64 MiB against an
-  ``np.copyto`` into warm shared memory; the 1 KiB steady state with a reader process; a fresh
-  cache's first put; churn; reader-count and cache-size scaling;
-* ``peers`` — the round trip writer → reader process → reply against ``multiprocessing`` Pipe
-  and Queue, Redis (``redis.asyncio`` against a private ``redis-server``) and Ray (if installed);
-* ``async`` — the asyncio facade: cache hits, offloaded puts, loop lag, concurrency and the
-  inline-vs-thread threshold;
-* ``group`` (only when asked for: ``--suite group``) — cache groups: preprocessings of a Zipf
-  load with 1 and 4 gateway processes, the cost of a sibling look-up and of a sibling hit;
-* ``trace`` (only when asked for: ``--suite trace``) — miss ratio and bytes written per request
-  of FIFO and second-chance eviction on seeded Zipf traces replayed through the real cache,
-  against an LRU model of the same capacity;
-* ``fleet`` (only when asked for: ``--suite fleet``) — the Redis tier across 4 simulated hosts:
-  preprocessings per distinct item with and without it, a tier hit's latency, Redis killed;
-* ``vllm`` (only when asked for: ``--suite vllm``) — vLLM's own ``shm_object_storage.py`` side
-  by side (from an installed vLLM, or the file named by ``--vllm-file PATH``).
-
-It writes ``aioshmcache-bench[-SUITES][-quick]`` ``.md`` (the table), ``.png`` (the plot) and
-``.json`` (every figure) to the current directory (``--results-dir DIR`` elsewhere; a bare
-``--results-dir`` in a source checkout: its ``bench/results/``), prints the table and reports
-progress on stderr. ``--quick`` is the smoke run CI uses (about 30 s): fewer sizes and
-repetitions, no Ray. A peer that is not installed is skipped with a message, never an error.
-Figures are medians of several runs with a ratio against a baseline measured in the same run.
-The targets are reported; ``--check`` makes a missed one an exit status of 1.
+``store`` (put / get / lease against ``np.copyto`` into warm shared memory, steady state, churn,
+scaling), ``peers`` (the round trip against ``multiprocessing``, Redis, Ray) and ``async`` run by
+default; ``group``, ``trace``, ``fleet`` and ``vllm`` when named with ``--suite``. Each writes
+``aioshmcache-bench[-SUITES][-quick]`` ``.md``, ``.png`` and ``.json``; bench/README.md gives the
+method. ``--quick`` is the smoke run CI uses. A peer that is not installed is a skip line, never
+an error; ``--check`` turns a missed target into exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from ..progress import Progress
 from ..shm import files_with_prefix, remove
@@ -71,18 +53,23 @@ def _parser() -> argparse.ArgumentParser:
         description="Benchmarks against np.copyto into shared memory and against peers "
         "(multiprocessing, redis.asyncio, Ray). Writes a markdown table and a PNG plot.",
     )
-    ap.add_argument("--quick", action="store_true", help="a ~30 s smoke run (CI)")
+    for flag, text in (
+        ("--quick", "a ~30 s smoke run (CI)"),
+        ("--check", "exit with status 1 if a target is missed"),
+        ("--no-redis", "skip the redis peer"),
+        ("--quiet", "no progress lines on stderr"),
+        ("--no-print", "do not print the table"),
+    ):
+        ap.add_argument(flag, action="store_true", help=text)
     ap.add_argument(
         "--results-dir",
         type=Path,
         nargs="?",
         const=_CHECKOUT,
-        default=None,
         metavar="DIR",
         help="where the results go (default: the current directory); without DIR: the "
         "bench/results folder of the source checkout",
     )
-    ap.add_argument("--check", action="store_true", help="exit with status 1 if a target is missed")
     ap.add_argument(
         "--suite",
         action="append",
@@ -90,24 +77,11 @@ def _parser() -> argparse.ArgumentParser:
         help="run only this suite (repeatable; default: " + ", ".join(SUITES) + ")",
     )
     ray = ap.add_mutually_exclusive_group()
-    ray.add_argument(
-        "--ray",
-        dest="ray",
-        action="store_true",
-        default=None,
-        help="compare with Ray (default: yes if installed, except with --quick)",
-    )
+    text = "compare with Ray (default: yes if installed, except with --quick)"
+    ray.add_argument("--ray", dest="ray", action="store_true", default=None, help=text)
     ray.add_argument("--no-ray", dest="ray", action="store_false")
-    ap.add_argument("--no-redis", action="store_true", help="skip the redis peer")
-    ap.add_argument(
-        "--vllm-file",
-        type=Path,
-        default=None,
-        metavar="PATH",
-        help="vLLM's shm_object_storage.py for --suite vllm (default: from an installed vllm)",
-    )
-    ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    ap.add_argument("--no-print", action="store_true", help="do not print the table")
+    text = "vLLM's shm_object_storage.py for --suite vllm (default: from an installed vllm)"
+    ap.add_argument("--vllm-file", type=Path, metavar="PATH", help=text)
     return ap
 
 
@@ -121,35 +95,33 @@ def run(
     vllm_file: Path | None = None,
 ) -> Report:
     """Run the given suites and return the report (files are written by :func:`main`)."""
-    from .asyncbench import run_async_suite
-    from .fleet import run_fleet_suite
-    from .group import run_group_suite
-    from .peers import run_peers_suite
-    from .trace import run_trace_suite
-    from .vllm import run_vllm_suite
-    from .workloads import run_store_suite
-
     p = Params.smoke() if quick else Params.full()
     progress = progress or Progress()
     report = Report("aioshmcache benchmark", quick=quick)
-    if "store" in suites:
-        run_store_suite(p, report, progress)
-    if "peers" in suites:
-        if not want_redis:
-            report.skip("redis: --no-redis")
-        run_peers_suite(p, report, progress, want_ray=want_ray, want_redis=want_redis)
-    if "async" in suites:
-        run_async_suite(p, report, progress)
-    if "group" in suites:
-        run_group_suite(p, report, progress)
-    if "trace" in suites:
-        run_trace_suite(p, report, progress)
-    if "fleet" in suites:
-        run_fleet_suite(p, report, progress)
-    if "vllm" in suites:
-        run_vllm_suite(p, report, progress, vllm_file)
+    if "peers" in suites and not want_redis:
+        report.skip("redis: --no-redis")
+    extra: dict[str, dict[str, Any]] = {
+        "peers": {"want_ray": want_ray, "want_redis": want_redis},
+        "vllm": {"vllm_file": vllm_file},
+    }
+    for suite in (s for s in SUITES + EXTRA_SUITES if s in suites):
+        module, fn = _RUNNERS[suite]
+        runner = getattr(importlib.import_module(f".{module}", __name__), fn)
+        runner(p, report, progress, **extra.get(suite, {}))
     report.finish()
     return report
+
+
+#: suite: (module, function(params, report, progress, **options))
+_RUNNERS = {
+    "store": ("workloads", "run_store_suite"),
+    "peers": ("peers", "run_peers_suite"),
+    "async": ("asyncbench", "run_async_suite"),
+    "group": ("group", "run_group_suite"),
+    "trace": ("trace", "run_trace_suite"),
+    "fleet": ("fleet", "run_fleet_suite"),
+    "vllm": ("vllm", "run_vllm_suite"),
+}
 
 
 def _leftovers() -> list[str]:
