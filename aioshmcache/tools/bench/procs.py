@@ -160,6 +160,25 @@ class Worker:
     def detach(self) -> None:
         self.call("detach")
 
+    @contextlib.contextmanager
+    def attached(
+        self, handle: Any, n: int = 1, serve: tuple[str, str] | None = None
+    ) -> Iterator[Any]:
+        """``n`` reader slots on ``handle`` for the block; ``serve=(command, mode)`` runs that
+        data loop in the worker meanwhile (ended, and waited for, when the block ends)."""
+        self.attach(handle, n)
+        try:
+            if serve is not None:
+                self.send(*serve)
+            try:
+                yield self.conn
+            finally:
+                if serve is not None:
+                    self.send_refs(None)
+                    self.reply()
+        finally:
+            self.detach()
+
     def send_refs(self, refs: Any) -> None:
         """Data on the control pipe: a reference, a list of them, or ``None`` (the end)."""
         self.conn.send(refs)
