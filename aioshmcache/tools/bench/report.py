@@ -271,7 +271,7 @@ _PANELS: dict[str, tuple[str, str, str, int, int, str]] = {
     "threshold": ("Async put: inline vs thread", "item size", "put latency", 1, 1, "lines"),
     "looplag": ("Loop lag of a 1 ms ticker", "", "lag", 0, 1, "bars"),
     "small": ("1 KiB steady state (writer/reader processes)", "", "time", 0, 0, "bars"),
-    "trace": ("Miss ratio on Zipf traces (lower is better)", "", "miss ratio", 0, 0, "grouped"),
+    "trace": ("Miss ratio on Zipf traces (lower is better)", "", "miss ratio", 0, 0, "bars"),
 }
 _COLOURS = {"FIFO": "C3", "second chance": "C2", "LRU model": "silver"}
 _BASELINE_STYLES = [("black", "--", "s"), ("dimgray", ":", "^"), ("gray", "-.", "v")]
@@ -288,30 +288,29 @@ def _panel_rows(report: Report, key: str) -> list[Row]:
 
 
 def _draw(ax: Any, key: str, rows: list[Row], scale: float) -> None:
-    """One panel's data: lines (baselines grey and dashed), bars, or bars grouped by param."""
-    style, sizes = _PANELS[key][5], _PANELS[key][3]
+    """Lines over x (baselines grey and dashed), or bars grouped by param, one per series."""
     names = list(dict.fromkeys(r.series or r.label for r in rows))
-    if style == "bars":
-        bars = ax.bar(range(len(rows)), [r.value * scale for r in rows], color="C0")
-        labels = [r.series or r.label for r in rows]
-        ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=7)
-        for b, r in zip(bars, rows):
-            if r.target is not None:
-                b.set_color("C2" if r.holds else "C3")
-                ax.axhline(r.target.limit * scale, color="gray", ls=":", lw=0.8)
-        return
-    if style == "grouped":  # one group per trace (the param), one bar per policy (the series)
+    if _PANELS[key][5] == "bars":  # one group per param, a bar per series; one group: by name
         groups = list(dict.fromkeys(r.param for r in rows))
-        width = 0.8 / max(1, len(names))
+        width = 0.8 / len(names) if len(groups) > 1 else 0.8
         for k, name in enumerate(names):
             mine = [r for r in rows if (r.series or r.label) == name]
-            xs = [groups.index(r.param) + (k - (len(names) - 1) / 2) * width for r in mine]
-            ys = [r.value for r in mine]
-            bars = ax.bar(xs, ys, width, label=name, color=_COLOURS.get(name, f"C{k}"))
-            ax.bar_label(bars, labels=[f"{y:.0%}" for y in ys], fontsize=5, padding=1)
-        ax.set_xticks(range(len(groups)), [g.replace(", ", "\n") for g in groups], fontsize=7)
-        ax.set_ylim(0, 1)
-        ax.legend(fontsize=6)
+            at = [groups.index(r.param) + (k - (len(names) - 1) / 2) * width for r in mine]
+            xs = at if len(groups) > 1 else [k]
+            bars = ax.bar(xs, [r.value * scale for r in mine], width, label=name)
+            for b, r in zip(bars, mine):  # a target: green if it holds, red if not, and its line
+                held = "C0" if r.holds is None else "C2" if r.holds else "C3"
+                b.set_color(_COLOURS.get(name, held))
+                if r.target is not None:
+                    ax.hlines(r.target.limit * scale, b.get_x(), b.get_x() + width, "gray", ":")
+            if key == "trace":
+                ax.bar_label(bars, labels=[f"{r.value:.0%}" for r in mine], fontsize=5)
+                ax.set_ylim(0, 1)
+        if len(groups) > 1:
+            ax.set_xticks(range(len(groups)), [g.replace(", ", "\n") for g in groups], fontsize=7)
+            ax.legend(fontsize=6)
+        else:
+            ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
         return
     n_base = 0
     for k, name in enumerate(names):
@@ -323,14 +322,13 @@ def _draw(ax: Any, key: str, rows: list[Row], scale: float) -> None:
         xs, ys = [r.x or 0.0 for r in mine], [r.value * scale for r in mine]
         ax.plot(xs, ys, ls, marker=mk, ms=3, label=name, color=colour)
     ax.set_xscale("log")
-    if key == "store_ratio":
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.axhline(0.8, color="gray", ls=":", lw=0.8)
+    for y, style in ((1.0, "-"), (0.8, ":")) if key == "store_ratio" else ():
+        ax.axhline(y, color="gray", ls=style, lw=0.8)
     if key == "threshold":
         from aioshmcache.aio import DEFAULT_INLINE_THRESHOLD
 
         ax.axvline(DEFAULT_INLINE_THRESHOLD, color="gray", ls=":", lw=0.8)
-    ticks = sorted({r.x for r in rows if r.x is not None})
+    ticks, sizes = sorted({r.x for r in rows if r.x is not None}), _PANELS[key][3]
     labels = [fmt_bytes(int(t)).replace(" ", "") if sizes else f"{t:g}" for t in ticks]
     ax.set_xticks(ticks, labels, rotation=45 if sizes else 0, fontsize=7)
     ax.minorticks_off()
