@@ -28,21 +28,10 @@ from aioshmcache.aio import DEFAULT_INLINE_THRESHOLD
 from ..lag import LoopLagMeter
 from ..progress import Progress
 from ..units import KiB, MiB, fmt_bytes
+from . import timing as tm
 from .params import Params, bench_config
 from .procs import LazyWorker, Worker
 from .report import Report, Target
-from .timing import (
-    ACell,
-    Samples,
-    ShmBuffer,
-    Stat,
-    ainterleave,
-    atimed,
-    memcpy_into,
-    percentile,
-    source_array,
-    timed,
-)
 
 __all__ = ["run_async_suite"]
 
@@ -71,21 +60,21 @@ def _ref(x: object) -> ShmRef:
 
 
 async def _hops(n: int, limiter: anyio.CapacityLimiter, out: list[float]) -> None:
-    """``n`` thread hops: ``anyio.to_thread.run_sync`` of a no-op, each timed."""
+    """``n`` thread hops: ``anyio.to_thread.run_sync`` of a no-op, each tm.timed."""
     for _ in range(n):
-        await atimed(out, anyio.to_thread.run_sync(lambda: None, limiter=limiter))
+        await tm.atimed(out, anyio.to_thread.run_sync(lambda: None, limiter=limiter))
 
 
 async def _puts(c: AsyncSenderCache, item: Any, n: int, out: list[float]) -> None:
-    """``n`` misses (puts) of new keys through ``c``, each timed."""
+    """``n`` misses (puts) of new keys through ``c``, each tm.timed."""
     for _ in range(n):
-        await atimed(out, c.get_and_update_item((item, ()), f"p{next(_keys)}"))
+        await tm.atimed(out, c.get_and_update_item((item, ()), f"p{next(_keys)}"))
 
 
 def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
     progress(f"async [{loop}]: small cache hit ({p.runs} runs)")
-    item, n = {"data": source_array(1024)}, p.n_ops(1024)
-    st: dict[str, Stat] = {}
+    item, n = {"data": tm.source_array(1024)}, p.n_ops(1024)
+    st: dict[str, tm.Stat] = {}
 
     async def main() -> None:
         sender = SenderCache(bench_config(8 * MiB, 1 * MiB, 1))
@@ -96,14 +85,16 @@ def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
 
                 async def hit(out: list[float]) -> None:
                     for _ in range(n):
-                        rx.release(_ref((await atimed(out, c.get_and_update_item(None, "h")))[0]))
+                        rx.release(
+                            _ref((await tm.atimed(out, c.get_and_update_item(None, "h")))[0])
+                        )
 
                 async def sync_hit(out: list[float]) -> None:
                     for _ in range(n):
-                        rx.release(_ref(timed(out, sender.get_and_update_item, None, "h")[0]))
+                        rx.release(_ref(tm.timed(out, sender.get_and_update_item, None, "h")[0]))
 
                 hops = partial(_hops, max(20, n // 20), anyio.CapacityLimiter(1))
-                st.update(await ainterleave(p.runs, {"hit": hit, "sync": sync_hit, "hop": hops}))
+                st.update(await tm.ainterleave(p.runs, {"hit": hit, "sync": sync_hit, "hop": hops}))
 
     _run(loop, main)
     add = report.section(S_HIT, "1 KiB")
@@ -116,20 +107,20 @@ def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
 def bench_big_put(p: Params, report: Report, progress: Progress, loop: str) -> None:
     progress(f"async [{loop}]: 16 MiB put through the thread pool ({p.runs} runs)")
     size = 16 * MiB
-    src, n, ring = source_array(size), p.n_ops(size), 8 * size
-    item, shm = {"data": src}, ShmBuffer(ring)
-    st: dict[str, Stat] = {}
+    src, n, ring = tm.source_array(size), p.n_ops(size), 8 * size
+    item, shm = {"data": src}, tm.ShmBuffer(ring)
+    st: dict[str, tm.Stat] = {}
 
     async def main() -> None:
         async with AsyncSenderCache.from_config(bench_config(ring, size + 64 * KiB, 1)) as c:
             await _puts(c, item, 3, [])
             rotating = [shm.rotating(size, i) for i in range(n)]
-            cells: dict[str, ACell] = {
-                "copy": _acell(partial(memcpy_into, shm.view(size), src, n)),
+            cells: dict[str, tm.ACell] = {
+                "copy": _acell(partial(tm.memcpy_into, shm.view(size), src, n)),
                 "rotating": _acell(partial(_copies, rotating, src)),
                 "put": partial(_puts, c, item, n),
             }
-            st.update(await ainterleave(p.runs, cells))
+            st.update(await tm.ainterleave(p.runs, cells))
 
     try:
         _run(loop, main)
@@ -155,7 +146,7 @@ def _acell(cell: Callable[[list[float]], object]) -> Callable[[list[float]], Awa
 
 def _copies(dsts: list[Any], src: Any, out: list[float]) -> None:
     for dst in dsts:
-        timed(out, np.copyto, dst, src)
+        tm.timed(out, np.copyto, dst, src)
 
 
 # --- loop lag -------------------------------------------------------------------------------
@@ -164,8 +155,8 @@ _LAG_MODES = ("idle", "thread", "thread + reader process", "inline")
 
 
 def bench_lag(p: Params, report: Report, progress: Progress, loop: str, worker: Worker) -> None:
-    item = {"data": source_array(16 * MiB)}
-    lag = {(m, q): Samples() for m in _LAG_MODES for q in ("p99", "p50", "max")}
+    item = {"data": tm.source_array(16 * MiB)}
+    lag = {(m, q): tm.Samples() for m in _LAG_MODES for q in ("p99", "p50", "max")}
     ticks, puts = dict.fromkeys(_LAG_MODES, 0), {m: [0, 0] for m in _LAG_MODES}
     for r in range(p.lag_runs):
         progress(
@@ -174,8 +165,8 @@ def bench_lag(p: Params, report: Report, progress: Progress, loop: str, worker: 
         )
         for mode in _LAG_MODES:  # interleaved: the idle baseline sees the same load as the others
             lags = _lag_once(p, loop, worker, mode, item, puts[mode])
-            lag[(mode, "p99")].add_run([percentile(lags, 99)])
-            lag[(mode, "p50")].add_run([percentile(lags, 50)])
+            lag[(mode, "p99")].add_run([tm.percentile(lags, 99)])
+            lag[(mode, "p50")].add_run([tm.percentile(lags, 50)])
             lag[(mode, "max")].add_run([max(lags, default=math.nan)])
             ticks[mode] += len(lags)
     idle, add = lag[("idle", "p99")].stat(), report.section(S_LAG, "1 ms ticker")
@@ -251,9 +242,9 @@ def bench_concurrent(p: Params, report: Report, progress: Progress, loop: str) -
     tasks, per_task = p.concurrent_tasks, p.concurrent_requests
     progress(f"async [{loop}]: {tasks} concurrent tasks x {per_task} small requests")
     n_items, total = 64, tasks * per_task
-    items = [{"data": source_array(1024, seed=i)} for i in range(n_items)]
-    rates = {k: Samples() for k in ("concurrent", "one task", "puts")}
-    lat = Samples()
+    items = [{"data": tm.source_array(1024, seed=i)} for i in range(n_items)]
+    rates = {k: tm.Samples() for k in ("concurrent", "one task", "puts")}
+    lat = tm.Samples()
 
     async def main() -> None:
         sender = SenderCache(bench_config(16 * MiB, 1 * MiB, 1))  # the hits: never evicted
@@ -309,8 +300,8 @@ def bench_concurrent(p: Params, report: Report, progress: Progress, loop: str) -
 def bench_threshold(p: Params, report: Report, progress: Progress, loop: str) -> None:
     sizes, biggest = p.threshold_sizes, max(p.threshold_sizes)
     progress(f"async [{loop}]: inline vs thread put for {', '.join(map(fmt_bytes, sizes))}")
-    shm = ShmBuffer(biggest)
-    by_size: dict[int, dict[str, Stat]] = {}
+    shm = tm.ShmBuffer(biggest)
+    by_size: dict[int, dict[str, tm.Stat]] = {}
     limiter = anyio.CapacityLimiter(4)
 
     async def main() -> None:
@@ -318,17 +309,17 @@ def bench_threshold(p: Params, report: Report, progress: Progress, loop: str) ->
             ci = AsyncSenderCache(s, inline_threshold_bytes=NEVER)
             ct = AsyncSenderCache(s, inline_threshold_bytes=0)
             for size in sizes:
-                src = source_array(size)
+                src = tm.source_array(size)
                 item, n = {"data": src}, max(6, p.n_ops(size) // 2)
                 for c in (ci, ct, ci, ct):  # warm both paths and the worker threads
                     await _puts(c, item, 1, [])
-                cells: dict[str, ACell] = {
-                    "copy": _acell(partial(memcpy_into, shm.view(size), src, n)),
+                cells: dict[str, tm.ACell] = {
+                    "copy": _acell(partial(tm.memcpy_into, shm.view(size), src, n)),
                     "inline": partial(_puts, ci, item, n),
                     "thread": partial(_puts, ct, item, n),
                     "hop": partial(_hops, 10, limiter),
                 }
-                by_size[size] = await ainterleave(p.runs, cells)
+                by_size[size] = await tm.ainterleave(p.runs, cells)
             await ci.aclose()
             await ct.aclose()
 

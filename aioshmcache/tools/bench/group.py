@@ -28,9 +28,9 @@ from aioshmcache import CacheConfig, CacheMissError, FeatureSpec, SenderCache
 
 from ..progress import Progress
 from ..units import KiB, MiB
+from . import timing as tm
 from .params import Params, segment_prefix
 from .report import Report, Target
-from .timing import Cell, ShmBuffer, each, interleave, memcpy_into, source_array
 
 __all__ = ["run_group_suite", "zipf_stream"]
 
@@ -104,7 +104,7 @@ def bench_zipf(p: Params, report: Report, progress: Progress) -> None:
     for label, writers, group in (
         ("1 process", 1, True),
         ("4 processes of one group", 4, True),
-        ("4 processes, a plain cache each (no group)", 4, False),
+        ("4 processes, a plain cache tm.each (no group)", 4, False),
     ):
         progress(f"group: Zipf load, {p.group_requests} requests, {distinct} images, {label}")
         runs[label] = _run_load(stream, writers, group=group, capacity=capacity)
@@ -135,7 +135,7 @@ def bench_lookup_and_copy(p: Params, report: Report, progress: Progress) -> None
         a.get_and_update_features([FeatureSpec("in-a", preprocess("00" * 8, 4 * KiB))])
         b.get_and_update_features([FeatureSpec("in-b", preprocess("01" * 8, 4 * KiB))])
         keys = ("in-b", "in-a", "nowhere")
-        st = interleave(runs, {h: each(n, partial(b.is_cached_item, h)) for h in keys})
+        st = tm.interleave(runs, {h: tm.each(n, partial(b.is_cached_item, h)) for h in keys})
         add = report.section(S_LOOKUP, "1 sibling")
         add("own hit (baseline)", st["in-b"], param="")
         add("held by a sibling (hint + chunk check)", st["in-a"], vs=("own hit", st["in-b"]))
@@ -143,7 +143,7 @@ def bench_lookup_and_copy(p: Params, report: Report, progress: Progress) -> None
         add(label, st["nowhere"], vs=("own hit", st["in-b"]))
         for size in (1 * MiB, 16 * MiB):
             key = f"big{size}"
-            a.get_and_update_features([FeatureSpec(key, {"x": source_array(size)})])
+            a.get_and_update_features([FeatureSpec(key, {"x": tm.source_array(size)})])
             reps = max(2, (5 if size > MiB else 30) // (5 if p.quick else 1))
 
             def sibling_hit(key: str = key) -> None:
@@ -152,14 +152,17 @@ def bench_lookup_and_copy(p: Params, report: Report, progress: Progress) -> None
                     raise RuntimeError("the sibling hit did not produce a reference")
 
             def drop_own(i: int, key: str = key) -> tuple[()]:
-                b.invalidate(key)  # so that each hit copies again (untimed)
+                b.invalidate(key)  # so that tm.each hit copies again (untimed)
                 return ()
 
-            dst, src = ShmBuffer(size), source_array(size, seed=1)
+            dst, src = tm.ShmBuffer(size), tm.source_array(size, seed=1)
             try:
-                copy = partial(memcpy_into, dst.view(size), src, reps)
-                cells: dict[str, Cell] = {"copy": each(reps, sibling_hit, drop_own), "base": copy}
-                st = interleave(runs, cells, warmup=1)
+                copy = partial(tm.memcpy_into, dst.view(size), src, reps)
+                cells: dict[str, tm.Cell] = {
+                    "copy": tm.each(reps, sibling_hit, drop_own),
+                    "base": copy,
+                }
+                st = tm.interleave(runs, cells, warmup=1)
             finally:
                 dst.close()
             add = report.section(S_COPY, f"{size // MiB} MiB")

@@ -30,10 +30,10 @@ from aioshmcache import ShmObjectStore
 from ..progress import Progress
 from ..redis_server import RedisServer, redis_binaries
 from ..units import KiB, MiB, fmt_bytes
+from . import timing as tm
 from .params import Params, bench_config
 from .procs import LazyWorker, Worker
 from .report import Report, Target
-from .timing import Cell, ShmBuffer, each, interleave, memcpy_into, source_array
 
 __all__ = ["run_peers_suite"]
 
@@ -152,7 +152,7 @@ def _via_queue(q_in: Any, q_out: Any, arr: Any) -> None:
 def _pipe(echo: bool, worker: Worker, arr: Any, n: int, out: list[float]) -> None:
     """``n`` arrays to the worker over the pipe and back (or their size back)."""
     worker.send("pipe_echo", echo)
-    each(n, _via_pipe, lambda i: (worker.conn, arr))(out)
+    tm.each(n, _via_pipe, lambda i: (worker.conn, arr))(out)
     worker.send_refs(None)
     worker.reply()
 
@@ -160,7 +160,7 @@ def _pipe(echo: bool, worker: Worker, arr: Any, n: int, out: list[float]) -> Non
 def _queue(echo: bool, worker: Worker, arr: Any, n: int, out: list[float]) -> None:
     """The same over a pair of ``multiprocessing.Queue``."""
     worker.send("queue_echo", echo)
-    each(n, _via_queue, lambda i: (worker.q_in, worker.q_out, arr))(out)
+    tm.each(n, _via_queue, lambda i: (worker.q_in, worker.q_out, arr))(out)
     worker.q_in.put(None)
     worker.reply()
 
@@ -179,14 +179,14 @@ _OURS = {"copy": "aioshmcache (reader copies)", "lease": "aioshmcache (reader le
 def _roundtrips(
     p: Params, report: Report, progress: Progress, worker: Worker, redis: RedisClient | None
 ) -> None:
-    shm = ShmBuffer(max(p.peer_sizes))
+    shm = tm.ShmBuffer(max(p.peer_sizes))
     try:
         for size in p.peer_sizes:
             peers = "Pipe / Queue" + (" / redis" if redis else "")
             progress(f"round trip: {fmt_bytes(size)}, aioshmcache vs {peers} ({p.runs} runs)")
-            n, arr = p.n_ops(size, peers=True), source_array(size)
+            n, arr = p.n_ops(size, peers=True), tm.source_array(size)
             item, ours = {"data": arr}, OurRoundTrip(worker, size)
-            cells: dict[str, Cell] = {BASE: partial(memcpy_into, shm.view(size), arr, n)}
+            cells: dict[str, tm.Cell] = {BASE: partial(tm.memcpy_into, shm.view(size), arr, n)}
             try:
                 for mode in _OURS:  # warm-up: both processes, the pipe, the ring
                     ours.run(mode, item, max(2, n // 5), [])
@@ -196,7 +196,7 @@ def _roundtrips(
                 if redis is not None:
                     label = f"redis.asyncio SET + GET ({redis.loop_name})"
                     cells[label] = partial(redis.set_get, arr, n)
-                stats = interleave(p.runs, cells)
+                stats = tm.interleave(p.runs, cells)
             finally:
                 ours.close()
             del stats["stop"]
@@ -214,7 +214,7 @@ def _report_roundtrip(report: Report, size: int, stats: dict[str, Any]) -> None:
         kw = {"plot": "roundtrip", "series": series.get(label, label.split(" (")[0]), "x": size}
         add(label, st, vs=vs, **kw)
     for mode, ours in (("reader copies", _OURS["copy"]), ("reader leases", _OURS["lease"])):
-        for peer, st in stats.items():  # aioshmcache against each peer, same size, same runs
+        for peer, st in stats.items():  # aioshmcache against tm.each peer, same size, same runs
             if peer.startswith(("np.", "aioshmcache")) or "echo" in peer:
                 continue
             short = peer.split(" (")[0]
@@ -248,15 +248,17 @@ def bench_ray(p: Params, report: Report, progress: Progress, worker: Worker, *, 
             ray.get(ray.put(np.zeros(16, np.uint8)))
             for size in p.peer_sizes:
                 progress(f"Ray: {fmt_bytes(size)}, ray.get(ray.put(arr)) vs aioshmcache")
-                n, arr = p.n_ops(size, peers=True), source_array(size)
+                n, arr = p.n_ops(size, peers=True), tm.source_array(size)
                 item, ours = {"data": arr}, OurRoundTrip(worker, size)
                 try:
                     ours.run("lease", item, 2, [])
                     for _ in range(max(2, n // 5)):
                         ray.get(ray.put(arr))
-                    cells: dict[str, Cell] = {"ray": each(n, partial(_ray_round_trip, ray, arr))}
+                    cells: dict[str, tm.Cell] = {
+                        "ray": tm.each(n, partial(_ray_round_trip, ray, arr))
+                    }
                     cells |= {m: partial(ours.run, m, item, n) for m in ("copy", "lease")}
-                    st = interleave(p.runs, cells)
+                    st = tm.interleave(p.runs, cells)
                 finally:
                     ours.close()
                 add = report.section(S_RAY, fmt_bytes(size))

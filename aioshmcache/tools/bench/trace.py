@@ -39,9 +39,9 @@ from aioshmcache import CacheConfig, FeatureSpec, ReceiverCache, SenderCache, Sh
 
 from ..progress import Progress
 from ..units import KiB, fmt_bytes
+from . import timing as tm
 from .params import Params, bench_config
 from .report import Report, Target, md_table
-from .timing import Samples, Stat
 
 __all__ = [
     "FIFO",
@@ -270,9 +270,9 @@ def bench_traces(p: Params, report: Report, progress: Progress) -> None:
     _report(p, report, results, distinct, capacities, [n for n, _ in policies])
 
 
-def _median(values: Any) -> Stat:
+def _median(values: Any) -> tm.Stat:
     """The median (and range) over seeds: one run per seed."""
-    return Samples.per_run(list(values)).stat()
+    return tm.Samples.per_run(list(values)).stat()
 
 
 def _report(

@@ -37,9 +37,9 @@ from aioshmcache import CacheConfig, ReceiverCache, SenderCache, ShmObjectStore
 
 from ..progress import Progress
 from ..units import KiB, MiB, fmt_bytes
+from . import timing as tm
 from .params import Params, segment_prefix
 from .report import Report, Target
-from .timing import Cell, ShmBuffer, Stat, interleave, source_array
 
 __all__ = ["VLLM_MODULE", "load_vllm_store", "run_vllm_suite"]
 
@@ -205,7 +205,7 @@ def _stores(mod: types.ModuleType, capacity: int, max_object: int) -> Iterator[_
 
 def _batch(
     n: int, args: Callable[[], list[Any]], op: Callable[[Any], Any], kept: list[Any] | None = None
-) -> Cell:
+) -> tm.Cell:
     """A cell: ``op`` over a batch of ``args()`` (made untimed); one sample, the time per op.
 
     The results are kept until the batch ends (a read's copy lands in fresh memory each time);
@@ -223,7 +223,7 @@ def _batch(
     return cell
 
 
-def _cells(st: _Stores, src: Any, n: int, target: ShmBuffer, span: int) -> dict[str, Cell]:
+def _cells(st: _Stores, src: Any, n: int, target: tm.ShmBuffer, span: int) -> dict[str, tm.Cell]:
     """Every subject of one item size, in the order each round runs them."""
     item, tensor, size = {"data": src}, _as_tensor(src), len(src)
     keys, slots = itertools.count(), itertools.count()
@@ -257,9 +257,9 @@ def _cells(st: _Stores, src: Any, n: int, target: ShmBuffer, span: int) -> dict[
     }
 
 
-def _churn(mod: types.ModuleType, rounds: int, n: int) -> dict[str, Stat]:
+def _churn(mod: types.ModuleType, rounds: int, n: int) -> dict[str, tm.Stat]:
     """64 MiB rings, 1 MiB items: put then read back (acknowledge) each, lap after lap."""
-    src = source_array(1 * MiB)
+    src = tm.source_array(1 * MiB)
     item, tensor, keys = {"data": src}, _as_tensor(src), itertools.count()
     with _stores(mod, 64 * MiB, 2 * MiB) as st:
 
@@ -272,7 +272,7 @@ def _churn(mod: types.ModuleType, rounds: int, n: int) -> dict[str, Stat]:
 
         new = lambda: [f"k{next(keys)}" for _ in range(n)]  # noqa: E731
         cells = {"vllm": _batch(n, new, vllm_lap), "ours": _batch(n, new, ours_lap)}
-        return interleave(rounds, cells, warmup=1)
+        return tm.interleave(rounds, cells, warmup=1)
 
 
 _READS = (
@@ -308,10 +308,10 @@ def run_vllm_suite(p: Params, report: Report, progress: Progress, vllm_file: Pat
         progress(f"vllm: {fmt_bytes(size)} x {batch}, {p.vllm_rounds} interleaved rounds")
         cap = 2 * batch * (size + 4 * KiB) + 8 * MiB
         with _stores(mod, cap, size + 64 * KiB) as st:
-            target = ShmBuffer(cap)
+            target = tm.ShmBuffer(cap)
             try:
-                cells = _cells(st, source_array(size), batch, target, cap)
-                stats = interleave(p.vllm_rounds, cells, warmup=1)  # round 0 warms every path
+                cells = _cells(st, tm.source_array(size), batch, target, cap)
+                stats = tm.interleave(p.vllm_rounds, cells, warmup=1)  # round 0 warms every path
             finally:
                 target.close()
         add = report.section(S_VLLM, fmt_bytes(size))
