@@ -13,11 +13,11 @@ import itertools
 import math
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
 import anyio
-import anyio.abc
 import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
@@ -175,14 +175,14 @@ def bench_lag(p: Params, report: Report, progress: Progress, loop: str, worker: 
         note = f"{ticks[mode]} ticks"
         note += f", {n_puts} puts in {p.lag_runs * p.lag_seconds:.1f} s" if mode != "idle" else ""
         note += f", {n_inline} served inline (full)" if n_inline else ""
+        kw: dict[str, Any] = {"vs": None if mode == "idle" else ("idle loop p99", idle)}
+        kw["target"] = Target.at_most(2e-3) if mode.startswith("thread") else None
         add(
             f"lag p99, {label}",
             lag[(mode, "p99")].stat(),
-            vs=None if mode == "idle" else ("idle loop p99", idle),
-            target=Target.at_most(2e-3) if mode.startswith("thread") else None,
-            note=note,
             plot="looplag",
-            series=f"p99 {mode} [{loop}]",
+            series=f"p99 {label}",
+            **kw,
         )
         add(f"lag p50, {label}", lag[(mode, "p50")].stat())
         add(f"lag max, {label}", lag[(mode, "max")].stat())
@@ -196,7 +196,7 @@ def _lag_once(
     size = int(item["data"].nbytes) + 64 * KiB
     reader = mode.endswith("reader process")
 
-    async def stream(c: AsyncSenderCache, tg: anyio.abc.TaskGroup) -> None:
+    async def stream(c: AsyncSenderCache, scope: anyio.CancelScope) -> None:
         deadline = time.monotonic() + p.lag_seconds
         try:
             while time.monotonic() < deadline:
@@ -212,24 +212,17 @@ def _lag_once(
                 if reader and isinstance(ref, ShmRef):
                     worker.send_refs([ref])
         finally:
-            tg.cancel_scope.cancel()  # stops the ticker
+            scope.cancel()  # stops the ticker
 
     async def main() -> None:
         threshold = NEVER if mode == "inline" else DEFAULT_INLINE_THRESHOLD
         cfg = bench_config(16 * size, size, 1)
         async with AsyncSenderCache.from_config(cfg, inline_threshold_bytes=threshold) as c:
-            if reader:
-                worker.attach(c.handle())
-                worker.send("ack_stream", "copy")
-            try:
+            serve = worker.attached(c.handle(), serve=("ack_stream", "copy"))
+            with serve if reader else nullcontext(), anyio.CancelScope() as scope:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(ticker.run)
-                    tg.start_soon(stream, c, tg)
-            finally:
-                if reader:
-                    worker.send_refs(None)
-                    worker.reply()
-                    worker.detach()
+                    tg.start_soon(stream, c, scope)
 
     _run(loop, main)
     return list(ticker.samples)
