@@ -18,12 +18,10 @@ What a cache policy is worth is how many preprocessings it saves on a realistic 
 
 A figure is the median over ``trace_seeds`` seeds. Targets: second chance misses no more than
 the LRU model on every trace, and at most 0.92x FIFO's misses at s = 1.0 and 5 % capacity.
-``second_chance`` is passed only where ``CacheConfig`` has it (else FIFO only, and a skip line).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 import time
@@ -35,7 +33,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from aioshmcache import CacheConfig, FeatureSpec, ReceiverCache, SenderCache, ShmRef
+from aioshmcache import FeatureSpec, ReceiverCache, SenderCache, ShmRef
 
 from ..progress import Progress
 from ..units import KiB, fmt_bytes
@@ -46,9 +44,9 @@ from .report import Report, Target, md_table
 __all__ = [
     "FIFO",
     "LRU",
+    "POLICIES",
     "SECOND_CHANCE",
     "PolicyResult",
-    "has_second_chance",
     "item_sizes",
     "replay",
     "run_trace_suite",
@@ -67,15 +65,12 @@ SECOND_CHANCE = "second chance"
 LRU = "LRU model"
 FIFO_MODEL = "FIFO model"
 
+#: the real cache's policies: (name, ``CacheConfig(second_chance=)``)
+POLICIES = ((FIFO, False), (SECOND_CHANCE, True))
 #: the trace the FIFO target names: (skew, capacity fraction) -> second chance ÷ FIFO ≤ 0.92
 FIFO_TARGET = ((1.0, 0.05), 0.92)
 
 Indices = npt.NDArray[np.int64]
-
-
-def has_second_chance() -> bool:
-    """Whether this build's ``CacheConfig`` has a ``second_chance`` field."""
-    return any(f.name == "second_chance" for f in dataclasses.fields(CacheConfig))
 
 
 def zipf_trace(requests: int, items: int, s: float, *, seed: int) -> Indices:
@@ -172,11 +167,7 @@ def replay(
     ``second_chance=None`` passes nothing (the build's default eviction); True/False set
     ``CacheConfig(second_chance=...)``, which needs a build that has it.
     """
-    kw: dict[str, object] = {}
-    if second_chance is not None:
-        if not has_second_chance():
-            raise RuntimeError("this build's CacheConfig has no second_chance")
-        kw["second_chance"] = second_chance
+    kw = {} if second_chance is None else {"second_chance": second_chance}
     biggest = int(max(sizes))
     config = bench_config(capacity, biggest + 64 * KiB, 1, **kw)
     # one source buffer: an item is a view of its first `size` bytes; the put copies them
@@ -206,24 +197,17 @@ def replay(
     if snap.hits + snap.misses != len(trace):
         counted = snap.hits + snap.misses
         raise RuntimeError(f"the cache counted {counted} requests, not {len(trace)}")
-    relocated = int(getattr(snap, "bytes_relocated", 0))
+    relocated = snap.bytes_relocated
     return PolicyResult(
         len(trace),
         snap.misses,
         written + relocated,
-        relocations=int(getattr(snap, "relocations", 0)),
+        relocations=snap.relocations,
         bytes_relocated=relocated,
         evictions=snap.evictions,
         inline=snap.inline_too_large + snap.inline_full + snap.inline_busy,
         seconds=seconds,
     )
-
-
-def _policies() -> list[tuple[str, bool | None]]:
-    """The real-cache policies this build can run (name, ``second_chance=`` to pass)."""
-    if has_second_chance():
-        return [(FIFO, False), (SECOND_CHANCE, True)]
-    return [(FIFO, None)]  # today's only eviction is FIFO
 
 
 def _param(s: float, fraction: float) -> str:
@@ -239,9 +223,6 @@ Cells = dict[tuple[float, float], Any]
 
 
 def bench_traces(p: Params, report: Report, progress: Progress) -> None:
-    policies = _policies()
-    if not has_second_chance():
-        report.skip("trace: second chance — this build's CacheConfig has none (FIFO only)")
     lo, hi = (x // p.trace_scale for x in p.trace_sizes)
     # results[(s, fraction)][policy] = one PolicyResult per seed
     results: Cells = {}
@@ -260,14 +241,14 @@ def bench_traces(p: Params, report: Report, progress: Progress) -> None:
                 got = results.setdefault(cell, {})
                 for name, model in ((LRU, simulate_lru), (FIFO_MODEL, simulate_fifo)):
                     got.setdefault(name, []).append(model(trace, sizes, capacity))
-                for name, sc in policies:
+                for name, sc in POLICIES:
                     progress(
                         f"trace: seed {seed + 1}/{p.trace_seeds}, {_param(s, fraction)} "
                         f"({fmt_bytes(capacity)}), {name}, {len(trace):,} requests"
                     )
                     done = replay(trace, sizes, capacity, second_chance=sc)
                     got.setdefault(name, []).append(done)
-    _report(p, report, results, distinct, capacities, [n for n, _ in policies])
+    _report(p, report, results, distinct, capacities, [n for n, _ in POLICIES])
 
 
 def _median(values: Any) -> tm.Stat:
