@@ -24,13 +24,18 @@ from .report import Report
 
 __all__ = ["SUITES", "checkout_results_dir", "main", "results_stem", "run"]
 
-SUITES = ("store", "peers", "async")
-#: suites run only when named with ``--suite``
-EXTRA_SUITES = ("group", "trace", "fleet", "vllm")
-
-
-#: a bare ``--results-dir``: the ``bench/results`` folder of the source checkout
-_CHECKOUT = Path("<checkout>")
+#: suite: (module, its runner(params, report, progress, **options)); the first three by default
+_RUNNERS = {
+    "store": ("workloads", "run_store_suite"),
+    "peers": ("peers", "run_peers_suite"),
+    "async": ("asyncbench", "run_async_suite"),
+    "group": ("group", "run_group_suite"),
+    "trace": ("trace", "run_trace_suite"),
+    "fleet": ("fleet", "run_fleet_suite"),
+    "vllm": ("vllm", "run_vllm_suite"),
+}
+SUITES, EXTRA_SUITES = tuple(_RUNNERS)[:3], tuple(_RUNNERS)[3:]
+_CHECKOUT = Path("<checkout>")  # a bare ``--results-dir``: the checkout's ``bench/results``
 
 
 def checkout_results_dir() -> Path | None:
@@ -104,7 +109,7 @@ def run(
         "peers": {"want_ray": want_ray, "want_redis": want_redis},
         "vllm": {"vllm_file": vllm_file},
     }
-    for suite in (s for s in SUITES + EXTRA_SUITES if s in suites):
+    for suite in (s for s in _RUNNERS if s in suites):
         module, fn = _RUNNERS[suite]
         runner = getattr(importlib.import_module(f".{module}", __name__), fn)
         runner(p, report, progress, **extra.get(suite, {}))
@@ -112,29 +117,13 @@ def run(
     return report
 
 
-#: suite: (module, function(params, report, progress, **options))
-_RUNNERS = {
-    "store": ("workloads", "run_store_suite"),
-    "peers": ("peers", "run_peers_suite"),
-    "async": ("asyncbench", "run_async_suite"),
-    "group": ("group", "run_group_suite"),
-    "trace": ("trace", "run_trace_suite"),
-    "fleet": ("fleet", "run_fleet_suite"),
-    "vllm": ("vllm", "run_vllm_suite"),
-}
-
-
-def _leftovers() -> list[str]:
-    return files_with_prefix(segment_prefix())
-
-
 def _targets_line(report: Report, *, check: bool) -> str:
-    with_target = [r for r in report.rows if r.target is not None]
+    met = [r.holds for r in report.rows if r.target is not None]
     missed = report.missed()
-    line = f"targets: {len(with_target) - len(missed)} of {len(with_target)} met"
+    line = f"targets: {len(met) - len(missed)} of {len(met)} met"
     if missed:
-        names = "; ".join(f"{r.label} ({r.param})" if r.param else r.label for r in missed[:5])
-        line += f"; missed: {names}" + (" ..." if len(missed) > 5 else "")
+        line += "; missed: " + "; ".join(r.what for r in missed[:5])
+        line += " ..." if len(missed) > 5 else ""
         line += "" if check else " (--check turns a miss into exit status 1)"
     return line
 
@@ -152,34 +141,22 @@ def main(argv: list[str]) -> int:
         if found is None:
             ap.error("--results-dir without DIR needs a source checkout (with bench/): give DIR")
         out_dir = found
-    stem = results_stem(suites, quick=ns.quick)
-    t0 = time.monotonic()
-    rc = 0
+    t0, leaked = time.monotonic(), False
     try:
-        report = run(
-            suites,
-            quick=ns.quick,
-            want_ray=want_ray,
-            want_redis=not ns.no_redis,
-            progress=progress,
-            vllm_file=ns.vllm_file,
-        )
+        opts = {"want_redis": not ns.no_redis, "progress": progress, "vllm_file": ns.vllm_file}
+        report = run(suites, quick=ns.quick, want_ray=want_ray, **opts)
     except KeyboardInterrupt:
         print("bench: interrupted", file=sys.stderr)
         return 130
     finally:
-        left = _leftovers()
+        left = files_with_prefix(segment_prefix())
         if left:  # the library (or this benchmark) leaked: report it loudly, then clean up
             print(f"bench: LEFT BEHIND in /dev/shm: {left}", file=sys.stderr)
             remove(left)
-            rc = 1
-    if report.errors:
-        rc = 1
-    files = report.write(out_dir, stem)
+            leaked = True
+    files = report.write(out_dir, results_stem(suites, quick=ns.quick))
     if not ns.no_print:
         print(report.markdown())
     print(f"bench: {_targets_line(report, check=ns.check)}", file=sys.stderr)
-    if ns.check and report.missed():
-        rc = 1
     progress(f"done in {time.monotonic() - t0:.0f} s; wrote {', '.join(str(f) for f in files)}")
-    return rc
+    return int(leaked or bool(report.errors) or (ns.check and bool(report.missed())))
