@@ -57,14 +57,6 @@ _clock = time.perf_counter
 # --- stand-ins for the file's imports ---------------------------------------------------------
 
 
-def _real_torch() -> Any:
-    """torch if it is installed, else None."""
-    try:
-        return importlib.import_module("torch")
-    except ImportError:
-        return None
-
-
 def _as_tensor(arr: np.ndarray[Any, Any]) -> Any:
     """What vLLM's sender cache stores: a tensor (a numpy array where torch stands in)."""
     torch = sys.modules.get("torch")
@@ -99,22 +91,15 @@ class _MultiModalKwargsItem:
 
 def _stand_ins() -> dict[str, types.ModuleType]:
     """The modules the file imports, for those not importable here."""
-    mods: dict[str, types.ModuleType] = {}
-    logger_mod = types.ModuleType("vllm.logger")
-    logger_mod.init_logger = logging.getLogger  # type: ignore[attr-defined]
-    inputs = types.ModuleType("vllm.multimodal.inputs")
-    inputs.MultiModalKwargsItem = _MultiModalKwargsItem  # type: ignore[attr-defined]
-    serial = types.ModuleType("vllm.v1.serial_utils")
-    serial.MsgpackEncoder = _TensorEncoder  # type: ignore[attr-defined]
-    serial.MsgpackDecoder = _TensorDecoder  # type: ignore[attr-defined]
-    for name in ("vllm", "vllm.multimodal", "vllm.v1"):
-        mods[name] = types.ModuleType(name)
-    mods["vllm.logger"] = logger_mod
-    mods["vllm.multimodal.inputs"] = inputs
-    mods["vllm.v1.serial_utils"] = serial
-    if _real_torch() is None:
-        torch = mods["torch"] = types.ModuleType("torch")
-        torch.Tensor = np.ndarray  # type: ignore[attr-defined]
+    serde = {"MsgpackEncoder": _TensorEncoder, "MsgpackDecoder": _TensorDecoder}
+    members: dict[str, dict[str, Any]] = {"vllm": {}, "vllm.multimodal": {}, "vllm.v1": {}}
+    members |= {"vllm.logger": {"init_logger": logging.getLogger}, "vllm.v1.serial_utils": serde}
+    members["vllm.multimodal.inputs"] = {"MultiModalKwargsItem": _MultiModalKwargsItem}
+    if importlib.util.find_spec("torch") is None:
+        members["torch"] = {"Tensor": np.ndarray}
+    mods = {name: types.ModuleType(name) for name in members}
+    for name, attrs in members.items():
+        vars(mods[name]).update(attrs)
     return mods
 
 
