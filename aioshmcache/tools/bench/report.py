@@ -229,14 +229,9 @@ class Report:
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            **{k: getattr(self, k) for k in ("title", "quick", "started", "finished")},
-            **{k: getattr(self, k) for k in ("load_start", "load_end")},
-            "python": sys.version,
-            "rows": [asdict(r) | {"holds": r.holds} for r in self.rows],
-            **{k: getattr(self, k) for k in ("skipped", "errors", "notes")},
-            "blocks": [{"heading": h, "lines": b} for h, b in self.blocks],
-        }
+        rows = [asdict(r) | {"holds": r.holds} for r in self.rows]
+        blocks = [{"heading": h, "lines": b} for h, b in self.blocks]
+        return asdict(self) | {"python": sys.version, "rows": rows, "blocks": blocks}
 
     def write(self, out_dir: Path, stem: str) -> list[Path]:
         """``STEM.md``, ``STEM.json`` and (with matplotlib) ``STEM.png`` in ``out_dir``."""

@@ -21,21 +21,6 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-__all__ = [
-    "Cell",
-    "Samples",
-    "ShmBuffer",
-    "Stat",
-    "ainterleave",
-    "atimed",
-    "each",
-    "interleave",
-    "memcpy_into",
-    "percentile",
-    "source_array",
-    "timed",
-]
-
 Array = npt.NDArray[np.uint8]
 R = TypeVar("R")
 #: one subject of an interleaved measurement: appends its samples (seconds) to the list given

@@ -41,20 +41,6 @@ from . import timing as tm
 from .params import Params, bench_config
 from .report import Report, Target, md_table
 
-__all__ = [
-    "FIFO",
-    "LRU",
-    "POLICIES",
-    "SECOND_CHANCE",
-    "PolicyResult",
-    "item_sizes",
-    "replay",
-    "run_trace_suite",
-    "simulate_fifo",
-    "simulate_lru",
-    "zipf_trace",
-]
-
 S_TRACE = "Trace: miss ratio on seeded Zipf traces, real cache vs LRU model"
 
 SKEWS = (0.8, 1.0, 1.2)
