@@ -60,13 +60,13 @@ def _ref(x: object) -> ShmRef:
 
 
 async def _hops(n: int, limiter: anyio.CapacityLimiter, out: list[float]) -> None:
-    """``n`` thread hops: ``anyio.to_thread.run_sync`` of a no-op, each tm.timed."""
+    """``n`` thread hops: ``anyio.to_thread.run_sync`` of a no-op, each timed."""
     for _ in range(n):
         await tm.atimed(out, anyio.to_thread.run_sync(lambda: None, limiter=limiter))
 
 
 async def _puts(c: AsyncSenderCache, item: Any, n: int, out: list[float]) -> None:
-    """``n`` misses (puts) of new keys through ``c``, each tm.timed."""
+    """``n`` misses (puts) of new keys through ``c``, each timed."""
     for _ in range(n):
         await tm.atimed(out, c.get_and_update_item((item, ()), f"p{next(_keys)}"))
 
@@ -177,13 +177,8 @@ def bench_lag(p: Params, report: Report, progress: Progress, loop: str, worker: 
         note += f", {n_inline} served inline (full)" if n_inline else ""
         kw: dict[str, Any] = {"vs": None if mode == "idle" else ("idle loop p99", idle)}
         kw["target"] = Target.at_most(2e-3) if mode.startswith("thread") else None
-        add(
-            f"lag p99, {label}",
-            lag[(mode, "p99")].stat(),
-            plot="looplag",
-            series=f"p99 {label}",
-            **kw,
-        )
+        kw |= {"note": note, "plot": "looplag", "series": f"p99 {label}"}
+        add(f"lag p99, {label}", lag[(mode, "p99")].stat(), **kw)
         add(f"lag p50, {label}", lag[(mode, "p50")].stat())
         add(f"lag max, {label}", lag[(mode, "max")].stat())
 

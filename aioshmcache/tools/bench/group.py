@@ -104,7 +104,7 @@ def bench_zipf(p: Params, report: Report, progress: Progress) -> None:
     for label, writers, group in (
         ("1 process", 1, True),
         ("4 processes of one group", 4, True),
-        ("4 processes, a plain cache tm.each (no group)", 4, False),
+        ("4 processes, a plain cache each (no group)", 4, False),
     ):
         progress(f"group: Zipf load, {p.group_requests} requests, {distinct} images, {label}")
         runs[label] = _run_load(stream, writers, group=group, capacity=capacity)
@@ -152,7 +152,7 @@ def bench_lookup_and_copy(p: Params, report: Report, progress: Progress) -> None
                     raise RuntimeError("the sibling hit did not produce a reference")
 
             def drop_own(i: int, key: str = key) -> tuple[()]:
-                b.invalidate(key)  # so that tm.each hit copies again (untimed)
+                b.invalidate(key)  # so that each hit copies again (untimed)
                 return ()
 
             dst, src = tm.ShmBuffer(size), tm.source_array(size, seed=1)

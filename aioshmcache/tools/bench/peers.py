@@ -214,7 +214,7 @@ def _report_roundtrip(report: Report, size: int, stats: dict[str, Any]) -> None:
         kw = {"plot": "roundtrip", "series": series.get(label, label.split(" (")[0]), "x": size}
         add(label, st, vs=vs, **kw)
     for mode, ours in (("reader copies", _OURS["copy"]), ("reader leases", _OURS["lease"])):
-        for peer, st in stats.items():  # aioshmcache against tm.each peer, same size, same runs
+        for peer, st in stats.items():  # aioshmcache against each peer, same size, same runs
             if peer.startswith(("np.", "aioshmcache")) or "echo" in peer:
                 continue
             short = peer.split(" (")[0]

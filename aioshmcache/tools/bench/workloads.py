@@ -367,18 +367,22 @@ def bench_readers(p: Params, report: Report, progress: Progress, worker: Worker)
         add("writer hand-out (get_cached)", handouts[k].stat(), series="writer hand-out")
 
 
+_CREATE = "create (fallocate + prefault)"
+_ATTACH = "reader attach (maps and populates the segment)"
+
+
 def bench_cache_size(p: Params, report: Report, progress: Progress) -> None:
     small, big = {"data": tm.source_array(1024)}, {"data": tm.source_array(1 * MiB)}
     for cache in p.cache_sizes:
         if not _room_for(report, cache, f"cache size {fmt_bytes(cache)}"):
             continue
         progress(f"cache size {fmt_bytes(cache)}: create, attach, put, get")
-        s = {k: tm.Samples() for k in ("create", "attach", "put 1 KiB", "get 1 KiB", "get 1 MiB")}
+        s = {k: tm.Samples() for k in (_CREATE, _ATTACH, "put 1 KiB", "get 1 KiB", "get 1 MiB")}
         for _ in range(1 if cache >= 4 * GiB else min(p.runs, 3)):
             cfg = bench_config(cache, 2 * MiB, 1)
-            with tm.timed(s["create"].new_run(), ShmObjectStore.create, cfg) as store:
+            with tm.timed(s[_CREATE].new_run(), ShmObjectStore.create, cfg) as store:
                 attach = ShmObjectStore.from_handle
-                with tm.timed(s["attach"].new_run(), attach, store.handle()) as reader:
+                with tm.timed(s[_ATTACH].new_run(), attach, store.handle()) as reader:
                     run = s["put 1 KiB"].new_run()
                     for i in range(p.n_ops(1024)):
                         reader.ack(tm.timed(run, store.put, f"p{i}", small))
@@ -389,8 +393,6 @@ def bench_cache_size(p: Params, report: Report, progress: Progress) -> None:
                             s[label].new_run()
                         )
         add = report.section(S_CACHE, fmt_bytes(cache), plot="cache_size", x=cache)
-        s["create (fallocate + prefault)"] = s.pop("create")
-        s["reader attach (maps and populates the segment)"] = s.pop("attach")
         for label, samples in s.items():
             add(label, samples.stat(), series=label.split(" (")[0])
 
