@@ -396,12 +396,7 @@ def run_async_suite(p: Params, report: Report, progress: Progress) -> None:
             report.attempt(f"{name} [{loop}]", partial(fn, p, report, progress, loop))
     with LazyWorker() as lw:
         for loop in (lp for lp in p.lag_loops if lp in loops):
-
-            def lag(loop: str = loop) -> None:
-                bench_lag(p, report, progress, loop, lw.get())
-
-            if not report.attempt(f"loop lag [{loop}]", lag):
-                lw.reset()
+            lw.attempt(report, f"loop lag [{loop}]", partial(bench_lag, p, report, progress, loop))
     for loop in loops:
         conc = partial(bench_concurrent, p, report, progress, loop)
         report.attempt(f"concurrent requests [{loop}]", conc)

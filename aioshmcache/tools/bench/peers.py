@@ -284,7 +284,5 @@ def run_peers_suite(
 ) -> None:
     with LazyWorker() as lw:
         with redis_peer(report, progress) if want_redis else contextlib.nullcontext() as redis:
-            rt = lambda: _roundtrips(p, report, progress, lw.get(), redis)  # noqa: E731
-            if not report.attempt("round trip", rt):
-                lw.reset()
-        report.attempt("Ray", lambda: bench_ray(p, report, progress, lw.get(), want=want_ray))
+            lw.attempt(report, "round trip", partial(_roundtrips, p, report, progress, redis=redis))
+        lw.attempt(report, "Ray", partial(bench_ray, p, report, progress, want=want_ray))

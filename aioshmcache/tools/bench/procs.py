@@ -183,12 +183,6 @@ class Worker:
         """Data on the control pipe: a reference, a list of them, or ``None`` (the end)."""
         self.conn.send(refs)
 
-    def kill(self) -> None:
-        """End the worker at once (after a failed workload left it in an unknown state)."""
-        if self.proc.is_alive():
-            self.proc.terminate()
-        self.close()
-
     def close(self) -> None:
         with contextlib.suppress(Exception):
             if self.proc.is_alive():
@@ -208,7 +202,7 @@ class Worker:
 
 
 class LazyWorker:
-    """Starts a worker on first use; ``reset`` kills it so the next use starts a fresh one."""
+    """Starts a worker on first use; a workload that fails with it gets it replaced."""
 
     def __init__(self) -> None:
         self._worker: Worker | None = None
@@ -218,10 +212,12 @@ class LazyWorker:
             self._worker = Worker()
         return self._worker
 
-    def reset(self) -> None:
-        if self._worker is not None:
-            self._worker.kill()
-            self._worker = None
+    def attempt(self, report: Any, what: str, fn: Callable[[Worker], object]) -> None:
+        """``report.attempt`` of ``fn(worker)``; after a failure the worker (in an unknown
+        state) is ended at once, and the next use starts a fresh one."""
+        if not report.attempt(what, lambda: fn(self.get())) and self._worker is not None:
+            self._worker.proc.terminate()
+            self.__exit__()
 
     def __enter__(self) -> LazyWorker:
         return self

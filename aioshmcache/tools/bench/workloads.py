@@ -445,9 +445,5 @@ _SUITE: list[tuple[str, Callable[..., None], bool]] = [
 def run_store_suite(p: Params, report: Report, progress: Progress) -> None:
     with LazyWorker() as lw:
         for name, fn, needs_worker in _SUITE:
-
-            def one(fn: Callable[..., None] = fn, needs: bool = needs_worker) -> None:
-                fn(p, report, progress, *([lw.get()] if needs else []))
-
-            if not report.attempt(name, one) and needs_worker:
-                lw.reset()
+            run = partial(fn, p, report, progress)
+            lw.attempt(report, name, run) if needs_worker else report.attempt(name, run)
