@@ -110,18 +110,22 @@ class LedgerModel(RuleBasedStateMachine):
                         if not h.owers:
                             del hs[seq]
 
+    def _expect_hand_out(self, cid: int, seq: int) -> None:
+        """The model's side of a hand-out ``seq`` of ``cid``: next in order, owed by whom."""
+        assert seq == self.next_seq
+        self.next_seq += 1
+        self.touched[cid] = None  # a hand-out ends a touch (an untracked entry has none)
+        if self.one_of_n:
+            self.handouts[cid][seq] = _Handout(None, self.clock.now)
+        elif self.sessions:
+            self.handouts[cid][seq] = _Handout(set(self.sessions), self.clock.now)
+
     @precondition(lambda self: self.entries)
     @rule(data=st.data())
     def hand_out(self, data: st.DataObject) -> None:
         cid = data.draw(st.sampled_from(sorted(self.entries)))
         seq = self.ledger.hand_out(self.entries[cid], sorted(self.sessions))
-        assert seq == self.next_seq
-        self.next_seq += 1
-        self.touched[cid] = None
-        if self.one_of_n:
-            self.handouts[cid][seq] = _Handout(None, self.clock.now)
-        elif self.sessions:
-            self.handouts[cid][seq] = _Handout(set(self.sessions), self.clock.now)
+        self._expect_hand_out(cid, seq)
 
     @precondition(lambda self: self.sessions and self.next_seq > 1)
     @rule(data=st.data())
@@ -156,16 +160,10 @@ class LedgerModel(RuleBasedStateMachine):
         """The store's path: by chunk id, a ``Debts`` made only when something is owed."""
         cid = data.draw(st.sampled_from(sorted(self.entries)))
         seq = self.ledger.hand_out_id(cid, sorted(self.sessions))
-        assert seq == self.next_seq
-        self.next_seq += 1
-        self.touched[cid] = None  # a hand-out ends a touch (an untracked entry has none)
         tracked = self.ledger.get(cid)
         if tracked is not None:
             self.entries[cid] = tracked  # made by the ledger if it had none
-        if self.one_of_n:
-            self.handouts[cid][seq] = _Handout(None, self.clock.now)
-        elif self.sessions:
-            self.handouts[cid][seq] = _Handout(set(self.sessions), self.clock.now)
+        self._expect_hand_out(cid, seq)
 
     @precondition(lambda self: self.sessions and self.next_seq > 1)
     @rule(data=st.data())
