@@ -114,10 +114,9 @@ def bench_big_put(p: Params, report: Report, progress: Progress, loop: str) -> N
     async def main() -> None:
         async with AsyncSenderCache.from_config(bench_config(ring, size + 64 * KiB, 1)) as c:
             await _puts(c, item, 3, [])
-            rotating = [shm.rotating(size, i) for i in range(n)]
             cells: dict[str, tm.ACell] = {
                 "copy": _acell(partial(tm.memcpy_into, shm.view(size), src, n)),
-                "rotating": _acell(partial(_copies, rotating, src)),
+                "rotating": _acell(tm.each(n, np.copyto, lambda i: (shm.rotating(size, i), src))),
                 "put": partial(_puts, c, item, n),
             }
             st.update(await tm.ainterleave(p.runs, cells))
@@ -142,11 +141,6 @@ def _acell(cell: Callable[[list[float]], object]) -> Callable[[list[float]], Awa
         cell(out)
 
     return run
-
-
-def _copies(dsts: list[Any], src: Any, out: list[float]) -> None:
-    for dst in dsts:
-        tm.timed(out, np.copyto, dst, src)
 
 
 # --- loop lag -------------------------------------------------------------------------------
