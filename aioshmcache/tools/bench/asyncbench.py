@@ -199,7 +199,7 @@ def _lag_once(
                 puts[0] += 1
                 puts[1] += not isinstance(ref, ShmRef)
                 if reader and isinstance(ref, ShmRef):
-                    worker.send_refs([ref])
+                    worker.conn.send([ref])
         finally:
             scope.cancel()  # stops the ticker
 

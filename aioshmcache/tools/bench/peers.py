@@ -107,20 +107,16 @@ class OurRoundTrip:
 
     def __init__(self, worker: Worker, size: int) -> None:
         self.worker, self.mode, self.keys = worker, "", itertools.count()
-        ring = max(8 * MiB, 6 * (size + 4096))
-        self.store = ShmObjectStore.create(bench_config(ring, size + 64 * KiB, 1))
-        worker.attach(self.store.handle())
-
-    def stop_serving(self, _samples: object = None) -> None:
-        if self.mode:
-            self.worker.send_refs(None)
-            self.worker.reply()
-            self.mode = ""
+        self.stack, self.serve = contextlib.ExitStack(), contextlib.ExitStack()
+        cfg = bench_config(max(8 * MiB, 6 * (size + 4096)), size + 64 * KiB, 1)
+        self.store = self.stack.enter_context(ShmObjectStore.create(cfg))
+        self.stack.enter_context(worker.attached(self.store.handle()))
+        self.stack.callback(self.serve.close)  # the data loop ends before the detach
 
     def run(self, mode: str, item: dict[str, Any], n: int, out: list[float]) -> None:
         if self.mode != mode:
-            self.stop_serving()
-            self.worker.send("serve_refs", mode)
+            self.serve.close()
+            self.serve.enter_context(self.worker.serving("serve_refs", mode))
             self.mode = mode
         store, conn = self.store, self.worker.conn
         for _ in range(n):
@@ -131,12 +127,9 @@ class OurRoundTrip:
             if not isinstance(nb, int):
                 raise RuntimeError(f"bench worker: {nb!r}")
 
-    def close(self) -> None:
-        try:
-            self.stop_serving()
-            self.worker.detach()
-        finally:
-            self.store.close()
+    def stop_serving(self, _samples: object = None) -> None:
+        self.serve.close()
+        self.mode = ""
 
 
 def _via_pipe(conn: Any, arr: Any) -> None:
@@ -151,18 +144,14 @@ def _via_queue(q_in: Any, q_out: Any, arr: Any) -> None:
 
 def _pipe(echo: bool, worker: Worker, arr: Any, n: int, out: list[float]) -> None:
     """``n`` arrays to the worker over the pipe and back (or their size back)."""
-    worker.send("pipe_echo", echo)
-    tm.each(n, _via_pipe, lambda i: (worker.conn, arr))(out)
-    worker.send_refs(None)
-    worker.reply()
+    with worker.serving("pipe_echo", echo) as conn:
+        tm.each(n, _via_pipe, lambda i: (conn, arr))(out)
 
 
 def _queue(echo: bool, worker: Worker, arr: Any, n: int, out: list[float]) -> None:
     """The same over a pair of ``multiprocessing.Queue``."""
-    worker.send("queue_echo", echo)
-    tm.each(n, _via_queue, lambda i: (worker.q_in, worker.q_out, arr))(out)
-    worker.q_in.put(None)
-    worker.reply()
+    with worker.serving("queue_echo", echo, end=worker.q_in.put):
+        tm.each(n, _via_queue, lambda i: (worker.q_in, worker.q_out, arr))(out)
 
 
 #: (row label, plot series, how it is measured: (worker, arr, n, out) -> None)
@@ -198,7 +187,7 @@ def _roundtrips(
                     cells[label] = partial(redis.set_get, arr, n)
                 stats = tm.interleave(p.runs, cells)
             finally:
-                ours.close()
+                ours.stack.close()
             del stats["stop"]
             _report_roundtrip(report, size, stats)
     finally:
@@ -260,7 +249,7 @@ def bench_ray(p: Params, report: Report, progress: Progress, worker: Worker, *, 
                     cells |= {m: partial(ours.run, m, item, n) for m in ("copy", "lease")}
                     st = tm.interleave(p.runs, cells)
                 finally:
-                    ours.close()
+                    ours.stack.close()
                 add = report.section(S_RAY, fmt_bytes(size))
                 label = "Ray ray.get(ray.put(arr)) (one process)"
                 add(label, st["ray"], plot="roundtrip", series="Ray put + get", x=size)

@@ -154,34 +154,30 @@ class Worker:
         self.send(*msg)
         return self.reply(timeout)
 
-    def attach(self, handle: Any, n: int = 1) -> None:
-        self.call("attach", handle, n)
-
-    def detach(self) -> None:
-        self.call("detach")
+    @contextlib.contextmanager
+    def serving(
+        self, command: str, arg: Any, end: Callable[[None], object] | None = None
+    ) -> Iterator[Connection]:
+        """The worker runs the data loop ``command`` for the block; at its end ``end(None)``
+        (by default: ``None`` on the pipe) ends the loop, and its answer is waited for."""
+        self.send(command, arg)
+        try:
+            yield self.conn
+        finally:
+            (end or self.conn.send)(None)
+            self.reply()
 
     @contextlib.contextmanager
     def attached(
         self, handle: Any, n: int = 1, serve: tuple[str, str] | None = None
-    ) -> Iterator[Any]:
-        """``n`` reader slots on ``handle`` for the block; ``serve=(command, mode)`` runs that
-        data loop in the worker meanwhile (ended, and waited for, when the block ends)."""
-        self.attach(handle, n)
+    ) -> Iterator[Connection]:
+        """``n`` reader slots on ``handle`` for the block (and ``serve``'s data loop in it)."""
+        self.call("attach", handle, n)
         try:
-            if serve is not None:
-                self.send(*serve)
-            try:
-                yield self.conn
-            finally:
-                if serve is not None:
-                    self.send_refs(None)
-                    self.reply()
+            with self.serving(*serve) if serve else contextlib.nullcontext(self.conn) as conn:
+                yield conn
         finally:
-            self.detach()
-
-    def send_refs(self, refs: Any) -> None:
-        """Data on the control pipe: a reference, a list of them, or ``None`` (the end)."""
-        self.conn.send(refs)
+            self.call("detach")
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
