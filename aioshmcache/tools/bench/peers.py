@@ -224,15 +224,9 @@ def bench_ray(p: Params, report: Report, progress: Progress, worker: Worker, *, 
     progress("Ray: ray.init (starts its daemons, ~5 s)")
     temp = tempfile.mkdtemp(prefix="aioshmbench-ray-")  # Ray's sessions and logs: removed after
     try:
+        opts = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
         memory = max(512 * MiB, 8 * max(p.peer_sizes))
-        ray.init(
-            num_cpus=1,
-            include_dashboard=False,
-            log_to_driver=False,
-            object_store_memory=memory,
-            logging_level="ERROR",
-            _temp_dir=temp,
-        )
+        ray.init(num_cpus=1, object_store_memory=memory, _temp_dir=temp, **opts)
         try:
             ray.get(ray.put(np.zeros(16, np.uint8)))
             for size in p.peer_sizes:

@@ -183,17 +183,9 @@ def replay(
     if snap.hits + snap.misses != len(trace):
         counted = snap.hits + snap.misses
         raise RuntimeError(f"the cache counted {counted} requests, not {len(trace)}")
-    relocated = snap.bytes_relocated
-    return PolicyResult(
-        len(trace),
-        snap.misses,
-        written + relocated,
-        relocations=snap.relocations,
-        bytes_relocated=relocated,
-        evictions=snap.evictions,
-        inline=snap.inline_too_large + snap.inline_full + snap.inline_busy,
-        seconds=seconds,
-    )
+    inline = snap.inline_too_large + snap.inline_full + snap.inline_busy
+    moved, written = (snap.relocations, snap.bytes_relocated), written + snap.bytes_relocated
+    return PolicyResult(len(trace), snap.misses, written, *moved, snap.evictions, inline, seconds)
 
 
 def _param(s: float, fraction: float) -> str:

@@ -312,16 +312,12 @@ def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -
             rs, bs = rates.stat(), base.stat()
             who = "reader copies each item" if mode == "copy" else "reader leases (no copy)"
             tgt = Target.at_least(10_000) if mode == "copy" else None
-            kw = {
-                "baseline": "1 / rotating np.copyto",
-                "ratio": rs.median * bs.median,
-                "target": tgt,
-            }
+            kw = {"target": tgt, "note": f"writer waited for room {waits} times", "kind": "rate"}
             add(
                 f"puts/s ({who})",
                 rs,
-                kind="rate",
-                note=f"writer waited for room {waits} times",
+                baseline="1 / rotating np.copyto",
+                ratio=rs.median * bs.median,
                 **kw,
             )
             add(f"put latency ({who})", lat.stat(), vs=("rotating np.copyto", bs))
@@ -341,7 +337,7 @@ def bench_readers(p: Params, report: Report, progress: Progress, worker: Worker)
             reader.ack(store.put(f"r{s}", {"data": tm.source_array(s)}))
         for _ in range(p.runs):
             for k in p.readers:
-                # k - 1 idle readers in another process (one slot at least: attach wants n >= 1)
+                # k - 1 idle readers in another process
                 with worker.attached(store.handle(), k - 1) if k > 1 else nullcontext():
                     h = handouts[k].new_run()
                     for s in sizes:  # the hand-out and the read, timed apart
@@ -351,13 +347,10 @@ def bench_readers(p: Params, report: Report, progress: Progress, worker: Worker)
     for s in sizes:
         one, what = gets[(1, s)].stat(), fmt_bytes(s)
         for k in p.readers:
-            add = report.section(S_READERS, f"{k} readers", plot="readers", x=k)
-            add(
-                f"get (copy) of {what}",
-                gets[(k, s)].stat(),
-                vs=("1 reader", one),
-                series=f"get {what}",
+            add = report.section(
+                S_READERS, f"{k} readers", plot="readers", x=k, vs=("1 reader", one)
             )
+            add(f"get (copy) of {what}", gets[(k, s)].stat(), series=f"get {what}")
         worst = gets[(kmax, s)].stat().median / one.median
         label, tgt = f"get {what}: {kmax} readers ÷ 1 reader", Target.at_most(1.10)
         report.row(S_READERS, label, f"{kmax} vs 1", worst, kind="ratio", target=tgt)
