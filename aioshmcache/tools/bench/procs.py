@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from aioshmcache import ShmObjectStore
+from aioshmcache import ShmObjectStore, StoreReader
 
 __all__ = ["LazyWorker", "Worker"]
 
@@ -41,7 +41,7 @@ def _from_queue(q: Any) -> Any:
                 return None
 
 
-def _read(store: ShmObjectStore, ref: Any, mode: str) -> int:
+def _read(store: StoreReader, ref: Any, mode: str) -> int:
     """Read ``ref``: a copy, or (``lease``) a zero-copy view acknowledged at once; its bytes."""
     value = store.get(ref, copy=mode == "copy")
     nb = sum(int(getattr(v, "nbytes", 0)) for v in value.values())
@@ -51,7 +51,7 @@ def _read(store: ShmObjectStore, ref: Any, mode: str) -> int:
     return nb
 
 
-def _timed_gets(store: ShmObjectStore, batch: list[Any], mode: str) -> list[int]:
+def _timed_gets(store: StoreReader, batch: list[Any], mode: str) -> list[int]:
     """Each get of the batch timed alone (ns), nothing else inside the clock."""
     out, clock = [], time.perf_counter_ns
     for ref in batch:
@@ -94,7 +94,7 @@ def _dispatch(cmd: str, args: tuple[Any, ...], conn: Connection, qs: Any, stores
 
 def _serve(conn: Connection, q_in: Any, q_out: Any) -> None:
     """The worker's main loop (runs in the spawned process)."""
-    stores: list[ShmObjectStore] = []
+    stores: list[StoreReader] = []
     try:
         while True:
             try:

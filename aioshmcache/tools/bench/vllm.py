@@ -33,7 +33,14 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from aioshmcache import CacheConfig, ReceiverCache, SenderCache, ShmObjectStore
+from aioshmcache import (
+    CacheConfig,
+    ReceiverCache,
+    SenderCache,
+    ShmObjectStore,
+    StoreReader,
+    StoreWriter,
+)
 
 from ..progress import Progress
 from ..units import KiB, MiB, fmt_bytes
@@ -144,9 +151,9 @@ class _Stores:
     vllm_writer: Any
     vllm_reader: Any
     sender: SenderCache
-    store: ShmObjectStore
+    store: StoreWriter
     receiver: ReceiverCache
-    reader: ShmObjectStore
+    reader: StoreReader
 
     def vllm_put(self, key: str, value: Any) -> tuple[str, Any]:
         """Its sender cache's put: store, then sign the handle (freeing as it does on full)."""

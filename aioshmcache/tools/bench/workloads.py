@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from aioshmcache import SenderCache, ShmObjectStore, ShmRef
+from aioshmcache import SenderCache, ShmObjectStore, ShmRef, StoreReader, StoreWriter
 
 from ..progress import Progress
 from ..units import GiB, KiB, MiB, fmt_bytes
@@ -56,13 +56,13 @@ def _room_for(report: Report, nbytes: int, what: str) -> bool:
     return False
 
 
-def _readers(cfg: Any) -> tuple[ShmObjectStore, ShmObjectStore]:
+def _readers(cfg: Any) -> tuple[StoreWriter, StoreReader]:
     """A new store and an in-process reader of it."""
     store = ShmObjectStore.create(cfg)
     return store, ShmObjectStore.from_handle(store.handle())
 
 
-def _handout(store: ShmObjectStore, key: str) -> ShmRef:
+def _handout(store: StoreWriter, key: str) -> ShmRef:
     """The writer's part of a read: a new hand-out of ``key``."""
     ref = store.get_cached(key)
     if ref is None:
@@ -70,11 +70,11 @@ def _handout(store: ShmObjectStore, key: str) -> ShmRef:
     return ref
 
 
-def _handout_of(store: ShmObjectStore, key: str, i: int) -> tuple[ShmRef]:
+def _handout_of(store: StoreWriter, key: str, i: int) -> tuple[ShmRef]:
     return (_handout(store, key),)
 
 
-def _lease_once(reader: ShmObjectStore, ref: ShmRef) -> None:
+def _lease_once(reader: StoreReader, ref: ShmRef) -> None:
     """A zero-copy read: the view, then the acknowledgement."""
     v = reader.get(ref, copy=False)
     reader.ack(ref)
