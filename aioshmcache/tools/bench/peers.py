@@ -132,34 +132,26 @@ class OurRoundTrip:
         self.mode = ""
 
 
-def _via_pipe(conn: Any, arr: Any) -> None:
-    conn.send(arr)
-    conn.recv()
+def _echo(queues: bool, echo: bool, worker: Worker, arr: Any, n: int, out: list[float]) -> None:
+    """``n`` arrays to the worker and back (or their size back), over the pipe or two queues."""
+    send: Any = worker.q_in.put if queues else worker.conn.send
+    recv: Any = partial(worker.q_out.get, timeout=120.0) if queues else worker.conn.recv
 
+    def there_and_back() -> None:
+        send(arr)
+        recv()
 
-def _via_queue(q_in: Any, q_out: Any, arr: Any) -> None:
-    q_in.put(arr)
-    q_out.get(timeout=120.0)
-
-
-def _pipe(echo: bool, worker: Worker, arr: Any, n: int, out: list[float]) -> None:
-    """``n`` arrays to the worker over the pipe and back (or their size back)."""
-    with worker.serving("pipe_echo", echo) as conn:
-        tm.each(n, _via_pipe, lambda i: (conn, arr))(out)
-
-
-def _queue(echo: bool, worker: Worker, arr: Any, n: int, out: list[float]) -> None:
-    """The same over a pair of ``multiprocessing.Queue``."""
-    with worker.serving("queue_echo", echo, end=worker.q_in.put):
-        tm.each(n, _via_queue, lambda i: (worker.q_in, worker.q_out, arr))(out)
+    end = worker.q_in.put if queues else None
+    with worker.serving("queue_echo" if queues else "pipe_echo", echo, end=end):
+        tm.each(n, there_and_back)(out)
 
 
 #: (row label, plot series, how it is measured: (worker, arr, n, out) -> None)
 _PEERS = [
-    ("Pipe (array → reader, size back)", "Pipe", partial(_pipe, False)),
-    ("Queue (array → reader, size back)", "Queue", partial(_queue, False)),
-    ("Pipe echo (array both ways)", "Pipe echo", partial(_pipe, True)),
-    ("Queue echo (array both ways)", "Queue echo", partial(_queue, True)),
+    ("Pipe (array → reader, size back)", "Pipe", partial(_echo, False, False)),
+    ("Queue (array → reader, size back)", "Queue", partial(_echo, True, False)),
+    ("Pipe echo (array both ways)", "Pipe echo", partial(_echo, False, True)),
+    ("Queue echo (array both ways)", "Queue echo", partial(_echo, True, True)),
 ]
 BASE = "np.copyto (baseline)"
 _OURS = {"copy": "aioshmcache (reader copies)", "lease": "aioshmcache (reader leases)"}

@@ -52,11 +52,6 @@ class Samples:
 
     runs: list[list[float]] = field(default_factory=list)
 
-    @classmethod
-    def per_run(cls, values: Sequence[float]) -> Samples:
-        """One sample per run (a rate, a seed's result)."""
-        return cls([[v] for v in values])
-
     def new_run(self) -> list[float]:
         self.runs.append([])
         return self.runs[-1]

@@ -231,7 +231,7 @@ def bench_traces(p: Params, report: Report, progress: Progress) -> None:
 
 def _median(values: Any) -> tm.Stat:
     """The median (and range) over seeds: one run per seed."""
-    return tm.Samples.per_run(list(values)).stat()
+    return tm.Samples([[v] for v in values]).stat()
 
 
 def _report(

@@ -181,23 +181,6 @@ def _times(reply: Any) -> list[float]:
     return [ns * 1e-9 for ns in reply]
 
 
-class _FullCollections:
-    """Counts the garbage collector's full (generation 2) collections while installed."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        self.n += phase == "start" and info["generation"] == 2
-
-    def __enter__(self) -> _FullCollections:
-        gc.callbacks.append(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self)
-
-
 def bench_sender_steady(p: Params, report: Report, progress: Progress, worker: Worker) -> None:
     """1 KiB items through ``SenderCache.get_and_update_item``: every call a miss (a put) into a
     2 MiB ring that evicts all the time, a reader process acknowledging each reference; and a
@@ -214,25 +197,27 @@ def bench_sender_steady(p: Params, report: Report, progress: Progress, worker: W
     with SenderCache(bench_config(2 * MiB, 64 * KiB, 1)) as cache:
         with worker.attached(cache.handle(), serve=("ack_stream", "copy")) as conn:
             for mode in ("as is", "frozen"):
+
+                def count(phase: str, info: dict[str, int], mode: str = mode) -> None:
+                    fulls[mode] += phase == "start" and info["generation"] == 2  # a full one
+
                 if mode == "frozen":
                     gc.freeze()
+                gc.callbacks.append(count)
                 try:
-                    with _FullCollections() as counted:
-                        for r in range(p.runs + 1):  # run 0 warms up
-                            run: list[float] = []
-                            for i in range(0, p.sender_puts, BATCH):
-                                n = min(BATCH, p.sender_puts - i)
-                                keys = [f"m{next(_keys)}" for _ in range(n)]
-                                miss = cache.get_and_update_item
-                                conn.send([tm.timed(run, miss, item, k)[0] for k in keys])
-                            if r:
-                                worst[mode] = max(worst[mode], max(run))
-                            if r and mode == "as is":
-                                put.add_run(run)
-                                hot = tm.each(1000, partial(_hit_release, cache, keys[-1]))
-                                hot(hit.new_run())
-                    fulls[mode] = counted.n
+                    for r in range(p.runs + 1):  # run 0 warms up
+                        run: list[float] = []
+                        for i in range(0, p.sender_puts, BATCH):
+                            keys = [f"m{next(_keys)}" for _ in range(min(BATCH, p.sender_puts - i))]
+                            miss = cache.get_and_update_item
+                            conn.send([tm.timed(run, miss, item, k)[0] for k in keys])
+                        if r:
+                            worst[mode] = max(worst[mode], max(run))
+                        if r and mode == "as is":
+                            put.add_run(run)
+                            tm.each(1000, partial(_hit_release, cache, keys[-1]))(hit.new_run())
                 finally:
+                    gc.callbacks.remove(count)
                     gc.unfreeze()
         evictions = cache.snapshot().evictions
     ps, n, add = put.stat(), p.runs * p.sender_puts, report.section(S_SENDER, "1 KiB")
