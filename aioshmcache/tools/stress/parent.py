@@ -2,9 +2,8 @@
 :data:`PERIODIC` and checks the end state.
 
 Flow control: a request goes to its readers (all in broadcast, one in one-of-N); its credit
-returns to the writer once every target reported it (a killed or stopped one is written off),
-so a writer runs at most ``--window`` requests ahead. Quiescence (at the end and before the
-rotation): faults stop, writers stop, every reader syncs (after every request sent to it),
+returns to the writer once every target reported it (a killed or stopped one is written off).
+Quiescence (at the end and before the rotation): faults stop, writers stop, every reader syncs,
 then each writer's cache (shard) must drain.
 """
 
@@ -28,10 +27,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import anyio
+import msgpack
 
 from aioshmcache import sweep
 
-from ..framing import Link, pack
+from ..framing import Link
 from ..progress import Progress
 from ..shm import SEGMENT_PREFIX, SHM_DIR, files_with_prefix, remove, segment_files
 from .child import MAX_FRAME, SABOTAGE_GRACE, SABOTAGE_MIN_SEEN, request_features, sock_path
@@ -91,11 +91,11 @@ class Child:
         return self.link is not None and not self.eof.is_set()
 
     def send(self, t: str, **kw: Any) -> None:
-        self.send_raw(pack({"t": t, **kw}, max_frame=MAX_FRAME))
+        self.send_body(msgpack.packb({"t": t, **kw}))
 
-    def send_raw(self, frame: bytes) -> None:
+    def send_body(self, body: bytes) -> None:
         if self.link is not None:
-            self.link.send_raw(frame)
+            self.link.send_body(body)
 
     async def kill(self, *, wait_link: bool) -> bool:
         """SIGKILL; True once it is reaped (and its link closed) within 10 s."""
@@ -291,9 +291,9 @@ class Orchestrator:
         if self.group is not None:  # a group's readers find the shard themselves
             w.name = w.handle["name"]
         else:
-            frame = pack({"t": "handle", **w.handle, "prev": prev}, max_frame=MAX_FRAME)
+            body = msgpack.packb({"t": "handle", **w.handle, "prev": prev})
             for r in self.live_readers():
-                r.send_raw(frame)
+                r.send_body(body)
         return True
 
     async def start_reader(self, pos: int) -> None:
@@ -313,7 +313,7 @@ class Orchestrator:
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         link, child = Link(reader, writer, max_frame=MAX_FRAME), None
         try:
-            hello = await link.recv() or {}
+            hello = (await link.recv() or ({}, b""))[0]
             if (child := self.children.get(hello.get("token", ""))) is None:
                 return await link.close()
             child.link, child.last_hb = link, time.monotonic()
@@ -324,7 +324,7 @@ class Orchestrator:
                 elif (w := self.writers[0]) is not None and w.handle and not w.eof.is_set():
                     child.send("handle", **w.handle, prev=None)
             child.connected.set()
-            while (got := await link.recv_raw()) is not None:
+            while (got := await link.recv()) is not None:
                 child.last_hb = time.monotonic()
                 getattr(self, "on_" + got[0]["t"])(child, *got)
         except Exception as exc:
@@ -347,7 +347,7 @@ class Orchestrator:
         if self.delivery_for(w.gen) == "one_of_n" and readers:
             readers = [self.rng.choice(readers)]
         for r in readers:
-            r.send_raw(raw)
+            r.send_body(raw)
         self.tally.stats["deliveries"] += len(readers)
         if waiting := {r.token for r in readers if not r.stopped}:
             self.owed[w.gen, int(msg["rid"])] = waiting
@@ -357,7 +357,7 @@ class Orchestrator:
     def on_probe(self, w: Child, msg: Msg, raw: bytes) -> None:
         """A forged or stale reference: to one reader, which must refuse it."""
         if targets := self.live_readers():
-            self.rng.choice(targets).send_raw(raw)
+            self.rng.choice(targets).send_body(raw)
             self.tally.probes["sent"] += 1
 
     def on_hb(self, c: Child, msg: Msg, raw: bytes) -> None:
