@@ -28,13 +28,12 @@ from aioshmcache.tools.stress import (
     Workload,
     item_size,
     main,
-    parse_duration,
-    parse_size,
     verify_item,
 )
 from aioshmcache.tools.stress.child import SABOTAGE_GRACE, SABOTAGE_MIN_SEEN
 from aioshmcache.tools.stress.options import parse_args
 from aioshmcache.tools.stress.report import Tally, summary
+from aioshmcache.tools.units import parse_duration, parse_size
 
 
 @functools.cache

@@ -153,17 +153,14 @@ async def _fork(o: Orchestrator) -> None:
     t0 = time.monotonic()
     while forked:
         slots = [await o.ask(w, "slots", 10.0) or {} for w in o.live_writers()]
-        held = [s for g in slots for s in g.get("slots", []) if s["alive"] and s["pid"] == pid]
-        held = [s for s in held if s["attached"]]
-        if not held:
+        held = [s for g in slots for s in g.get("slots", []) if s["alive"] and s["attached"]]
+        if not (held := [s for s in held if s["pid"] == pid]):
             o.tally.stats["fork_slots_dropped"] += 1
             return
         if (late := time.monotonic() - t0) > FORK_SLOT_BOUND:
-            return o.violation(
-                "fork",
-                f"reader {pid} was SIGKILLed after forking, and its slot {held[0]['slot']} still "
-                f"looks alive {late:.1f} s later (its forked child keeps it: debts never dropped)",
-            )
+            slot = held[0]["slot"]
+            text = f"reader {pid} SIGKILLed after forking: its slot {slot} looks alive {late:.1f} s"
+            return o.violation("fork", text + " later (its forked child keeps it)")
         await asyncio.sleep(0.1)
 
 
@@ -249,9 +246,9 @@ class Orchestrator:
         """A new child; None (a violation) if it did not connect within 30 s."""
         self.inst += 1
         token = f"{role[0]}{self.inst}"
+        args = (role, self.sock, token, json.dumps(dict(spec, opts=self.opts.child_dict())))
         log_path = os.path.join(self.tmp, f"{token}.log")
         log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        args = (role, self.sock, token, json.dumps(dict(spec, opts=self.opts.child_dict())))
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", __package__, *args, stdin=DEVNULL, stdout=log, stderr=log
@@ -276,10 +273,8 @@ class Orchestrator:
         predecessor, which they must have seen gone within 1 s of ``prev["dead_at"]``)."""
         self.writer_gen += 1
         gen, delivery = self.writer_gen, self.delivery_for(self.writer_gen)
-        name = self.group or f"{self.prefix}g{gen}"
-        w = self.writers[pos] = await self.spawn(
-            "writer", pos, gen=gen, name=name, delivery=delivery
-        )
+        spec = {"gen": gen, "name": self.group or f"{self.prefix}g{gen}", "delivery": delivery}
+        w = self.writers[pos] = await self.spawn("writer", pos, **spec)
         if w is None:
             return False
         if not (handle := await self.ask(w, "handle", 30)):
@@ -289,7 +284,7 @@ class Orchestrator:
         w.handle = handle
         self.tally.stats[f"writer_gens_{delivery}"] += 1
         if self.group is not None:  # a group's readers find the shard themselves
-            w.name = w.handle["name"]
+            w.name = handle["name"]
         else:
             body = msgpack.packb({"t": "handle", **w.handle, "prev": prev})
             for r in self.live_readers():
@@ -363,11 +358,10 @@ class Orchestrator:
     def on_hb(self, c: Child, msg: Msg, raw: bytes) -> None:
         if "stats" in msg:
             self.tally.writer_stats[c.gen] = msg["stats"]
-
-    def on_re(self, c: Child, msg: Msg, raw: bytes) -> None:
-        self.on_hb(c, msg, raw)
-        if (fut := c.replies.get(msg["re"])) is not None and not fut.done():
+        if (fut := c.replies.get(msg.get("re", ""))) is not None and not fut.done():
             fut.set_result(msg)
+
+    on_re = on_hb  # an answer (with the writer's statistics)
 
     def on_violation(self, c: Child, msg: Msg, raw: bytes) -> None:
         self.violation(str(msg["who"]), str(msg["text"]))
@@ -382,14 +376,13 @@ class Orchestrator:
             t.err_texts.update((k, str(msg["text"])) for k in msg["e"])
         if msg.get("wgone"):
             t.wgone_gens.add(gen)
-        w = next((w for w in self.live_writers() if w.gen == gen), None)
-        name = w.name if w and not w.killed_by_us and w.proc.returncode is None else None
-        if msg.get("kind") == "SegmentNotFoundError" and name and not segment_files(name):
-            self.violation(
-                "environment",
-                f"the live writer's segment {name} was unlinked by another process (a "
-                "/dev/shm cleanup or a buggy sweep); rerun with --private-shm",
-            )
+        if msg.get("kind") == "SegmentNotFoundError":  # is the live writer's segment gone?
+            for w in self.live_writers():
+                if w.gen == gen and not w.killed_by_us and not segment_files(w.name):
+                    why = "a /dev/shm cleanup or a buggy sweep; rerun with --private-shm"
+                    self.violation(
+                        "environment", f"{w.name} was unlinked by another process: {why}"
+                    )
 
     def on_done(self, r: Child, msg: Msg, raw: bytes) -> None:
         """A reader settled a request: its counters, and the request's credit."""
@@ -516,7 +509,7 @@ class Orchestrator:
         while True:
             await asyncio.sleep(1.0)
             g, n = self.writer_gen, len(self.live_readers())
-            show(progress_line(o, t, self.elapsed(), g, self.delivery_for(g), n))
+            show(progress_line(o, t, self.elapsed(), g, n))
 
     async def fault_loop(self, act: Callable[[Orchestrator], Awaitable[None]], mean: float) -> None:
         """One fault: ``act`` every ``mean`` seconds or so (held back while paused)."""
@@ -553,9 +546,8 @@ class Orchestrator:
             if c is None or c.eof.is_set():
                 await self.start_reader(pos)
         limit = self.opts.op_deadline + 20
-        for w, got in zip(
-            writers, await asyncio.gather(*(self.ask(w, "stop", limit) for w in writers))
-        ):
+        stops = await asyncio.gather(*(self.ask(w, "stop", limit) for w in writers))
+        for w, got in zip(writers, stops):
             if got is None:
                 return self.violation(w.token, f"{why}: the writer did not stop")
         synced: dict[str, Msg] = {}  # a reader syncs after every request sent to it
@@ -581,35 +573,22 @@ class Orchestrator:
         # more acknowledgements than reads is fine (a failed or cancelled read's references are
         # given back, acknowledged unread; stale ones owe nothing); fewer is a lost one
         nonce = w.handle["handle"]["nonce"] if w.handle else None
+        slots = [s for s in final.get("slots", []) if s["attached"] and not s["revoked"]]
         for token, got in synced.items():
-            slots = final.get("slots", [])
-            acked = [
-                s["acknowledged"]
-                for s in slots
-                if s["attached"] and not s["revoked"] and s["pid"] == got["pid"]
-            ]
+            acked = [s["acknowledged"] for s in slots if s["pid"] == got["pid"]]
             # a group reader's reads of this shard only
-            reads = (
-                got["reads"] if self.group is None else dict(got["reads_by_nonce"]).get(nonce, 0)
-            )
+            reads = dict(got["reads_by_nonce"]).get(nonce, 0) if self.group else got["reads"]
             if len(acked) == 1 and acked[0] < reads:
-                self.violation(
-                    f"reader {token}",
-                    f"acknowledgements lost: {reads} references read and verified in this session, "
-                    f"but the slot's log holds {acked[0]} ({got['uncertain']} reads uncounted)",
-                )
-        if final.get("n_not_freeable"):
-            self.violation(
-                w.token,
-                f"{why}: cache does not drain: {final['n_not_freeable']} of {final['items']} items "
-                f"never freeable (e.g. {final['not_freeable'][:5]}); slots {final['slots']}",
-            )
+                text = f"{reads} references read and verified in this session, the slot's log"
+                text += f" holds {acked[0]} ({got['uncertain']} reads uncounted)"
+                self.violation(f"reader {token}", f"acknowledgements lost: {text}")
+        if stuck := final.get("n_not_freeable"):
+            text = f"{stuck} of {final['items']} items never freeable"
+            text += f" (e.g. {final['not_freeable'][:5]}); slots {final['slots']}"
+            self.violation(w.token, f"{why}: cache does not drain: {text}")
         elif final.get("after_items") or final.get("after_bytes"):
-            self.violation(
-                w.token,
-                f"{why}: after freeing everything the ring still holds {final['after_items']} "
-                f"items / {final['after_bytes']} bytes",
-            )
+            text = f"{final['after_items']} items / {final['after_bytes']} bytes"
+            self.violation(w.token, f"{why}: after freeing everything the ring still holds {text}")
 
     async def exit_child(self, why: str, c: Child) -> float:
         """Tell ``c`` to exit; it must, with status 0 (a writer: leaving no segment behind)."""
@@ -678,11 +657,8 @@ class Orchestrator:
                 break
             # alternate delivery: the (first) writer is rotated gracefully at half time, so
             # that a run has both modes and a mid-run drain check
-            if half and (
-                self.elapsed() >= o.duration / 2
-                if o.duration
-                else st["requests"] >= (o.ops or 0) // 2
-            ):
+            done = self.elapsed() / o.duration if o.duration else st["requests"] / (o.ops or 1)
+            if half and done >= 0.5:
                 half = False
                 await self.pause_faults()
                 async with self.topology:
