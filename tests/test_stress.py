@@ -169,6 +169,8 @@ def test_the_command_line_is_generated_from_the_options() -> None:
     got = parse_args(["--seed", "1", "--ops", "9", "--capacity", "64MiB", "--fork-every", "2m"])
     assert (got.duration, got.ops, got.capacity, got.fork_every) == (None, 9, 64 << 20, 120.0)
     assert not parse_args(["--no-second-chance"]).second_chance
+    got = parse_args(["--json", "out.json", "--group", "2", "--zipf", "1.5", "--loop", "uvloop"])
+    assert (got.json_path, got.group, got.zipf, got.loop) == ("out.json", 2, 1.5, "uvloop")
 
 
 def test_the_report_renders_any_tally() -> None:

@@ -1,7 +1,8 @@
 """The children's side of the one protocol, and what writer and reader share.
 
 ``python -m aioshmcache.tools.stress ROLE SOCKET TOKEN SPEC`` connects to the parent, says
-``hello`` and serves until ``exit`` or the parent is gone (it dies with the parent, even on
+``hello`` (a writer, once its cache is open: with its handle) and serves until ``exit`` or the
+parent is gone (it dies with the parent, even on
 SIGKILL: ``PR_SET_PDEATHSIG``). A message (:mod:`..framing`) names the receiver's ``on_<t>``
 method; one with ``re`` is a question, answered by ``{"t": "re", "re": ..., **result}``. A
 request carries its features as ``pack_features`` bytes in ``f``, each one's digest and size in
@@ -105,8 +106,8 @@ class Proc:
 
     who = "?"
 
-    def __init__(self, opts: StressOptions, link: Link, seed: int) -> None:
-        self.opts, self.link, self.rng = opts, link, random.Random(seed)
+    def __init__(self, opts: StressOptions, link: Link, token: str, seed: int) -> None:
+        self.opts, self.link, self.token, self.rng = opts, link, token, random.Random(seed)
 
     def send(self, t: str, **kw: Any) -> None:
         self.link.send({"t": t, **kw})
@@ -176,7 +177,6 @@ def child_main(argv: list[str]) -> int:
         from .writer import WriterProc
 
         link = Link(*await asyncio.open_unix_connection(sock_path(sock)), max_frame=MAX_FRAME)
-        link.send({"t": "hello", "token": token, "pid": os.getpid()})
         proc = (WriterProc if role == "writer" else ReaderProc)(opts, link, token, **spec)
         try:
             await proc.run()

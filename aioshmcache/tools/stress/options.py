@@ -112,7 +112,8 @@ def _add(p: Any, f: dataclasses.Field[Any]) -> None:
         shown = fmt_bytes(default).replace(" ", "") if parse is parse_size else default
         help_, meta["default"] = f"{help_} (default {shown})", default
     meta.setdefault("metavar", {parse_size: "SIZE", parse_duration: "TIME"}.get(parse))
-    p.add_argument(flag, dest=f.name, type=parse or type(default), help=help_, **meta)
+    kind = parse or (str if default is None else type(default))
+    p.add_argument(flag, dest=f.name, type=kind, help=help_, **meta)
 
 
 def parse_args(argv: list[str]) -> StressOptions:

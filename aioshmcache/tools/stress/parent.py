@@ -74,7 +74,7 @@ class Child:
     pos: int
     gen: int = 0
     name: str = ""
-    handle: Msg | None = None  # a writer's answer to "handle"
+    handle: Msg | None = None  # a writer's, from its hello
     link: Link | None = None
     connected: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     eof: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -124,12 +124,12 @@ async def _stop_readers(o: Orchestrator) -> None:
     """SIGSTOP a reader for a while (up to twice the eviction delay), then SIGCONT."""
     if (c := o.pick_reader()) is None:
         return
-    top = min(2 * o.opts.evict_after or 2.0, o.opts.hang_timeout / 3)
     c.stopped = True
     o.write_off(c.token)
     try:
         c.proc.send_signal(signal.SIGSTOP)
         o.tally.stats["reader_stops"] += 1
+        top = min(2 * o.opts.evict_after or 2.0, o.opts.hang_timeout / 3)
         with anyio.move_on_after(o.rng.uniform(0.3, top)):
             await o.pausing.wait()
     finally:
@@ -158,9 +158,8 @@ async def _fork(o: Orchestrator) -> None:
             o.tally.stats["fork_slots_dropped"] += 1
             return
         if (late := time.monotonic() - t0) > FORK_SLOT_BOUND:
-            slot = held[0]["slot"]
-            text = f"reader {pid} SIGKILLed after forking: its slot {slot} looks alive {late:.1f} s"
-            return o.violation("fork", text + " later (its forked child keeps it)")
+            text = f"reader {pid} SIGKILLed after forking: its slot {held[0]['slot']} looks alive"
+            return o.violation("fork", f"{text} {late:.1f} s later (its forked child keeps it)")
         await asyncio.sleep(0.1)
 
 
@@ -243,7 +242,8 @@ class Orchestrator:
 
     # --- processes ------------------------------------------------------------------------
     async def spawn(self, role: str, pos: int, **spec: Any) -> Child | None:
-        """A new child; None (a violation) if it did not connect within 30 s."""
+        """A new child, once it said hello (a writer: with its handle); None (a violation) if
+        it did not within 30 s."""
         self.inst += 1
         token = f"{role[0]}{self.inst}"
         args = (role, self.sock, token, json.dumps(dict(spec, opts=self.opts.child_dict())))
@@ -260,7 +260,7 @@ class Orchestrator:
         with anyio.move_on_after(30):
             await child.connected.wait()
             return child
-        self.violation(token, f"{role} process did not connect within 30 s")
+        self.violation(token, f"{role} process did not say hello within 30 s")
         await self.hard_kill(child)
         return None
 
@@ -275,16 +275,11 @@ class Orchestrator:
         gen, delivery = self.writer_gen, self.delivery_for(self.writer_gen)
         spec = {"gen": gen, "name": self.group or f"{self.prefix}g{gen}", "delivery": delivery}
         w = self.writers[pos] = await self.spawn("writer", pos, **spec)
-        if w is None:
+        if w is None or w.handle is None:
             return False
-        if not (handle := await self.ask(w, "handle", 30)):
-            self.violation(w.token, "writer did not publish its handle within 30 s")
-            await self.hard_kill(w)
-            return False
-        w.handle = handle
         self.tally.stats[f"writer_gens_{delivery}"] += 1
         if self.group is not None:  # a group's readers find the shard themselves
-            w.name = handle["name"]
+            w.name = w.handle["name"]
         else:
             body = msgpack.packb({"t": "handle", **w.handle, "prev": prev})
             for r in self.live_readers():
@@ -311,7 +306,7 @@ class Orchestrator:
             hello = (await link.recv() or ({}, b""))[0]
             if (child := self.children.get(hello.get("token", ""))) is None:
                 return await link.close()
-            child.link, child.last_hb = link, time.monotonic()
+            child.link, child.last_hb, child.handle = link, time.monotonic(), hello.get("writer")
             if child.role == "reader":  # it gets every request from now on (then the handle)
                 self.readers[child.pos] = child
                 if self.group is not None:
@@ -333,7 +328,7 @@ class Orchestrator:
                         fut.set_result({"t": "eof"})
             await link.close()
 
-    def on_req(self, w: Child, msg: Msg, raw: bytes) -> None:
+    def on_req(self, w: Child, msg: Msg, body: bytes) -> None:
         """A writer's request: forwarded unchanged to its readers."""
         feats = request_features(msg)
         self.tally.stats.update(requests=1, features=len(feats))
@@ -342,31 +337,30 @@ class Orchestrator:
         if self.delivery_for(w.gen) == "one_of_n" and readers:
             readers = [self.rng.choice(readers)]
         for r in readers:
-            r.send_body(raw)
-        self.tally.stats["deliveries"] += len(readers)
+            r.send_body(body)
         if waiting := {r.token for r in readers if not r.stopped}:
             self.owed[w.gen, int(msg["rid"])] = waiting
         else:
             w.send("credit", n=1)
 
-    def on_probe(self, w: Child, msg: Msg, raw: bytes) -> None:
+    def on_probe(self, w: Child, msg: Msg, body: bytes) -> None:
         """A forged or stale reference: to one reader, which must refuse it."""
         if targets := self.live_readers():
-            self.rng.choice(targets).send_body(raw)
+            self.rng.choice(targets).send_body(body)
             self.tally.probes["sent"] += 1
 
-    def on_hb(self, c: Child, msg: Msg, raw: bytes) -> None:
+    def on_hb(self, c: Child, msg: Msg, body: bytes) -> None:
         if "stats" in msg:
             self.tally.writer_stats[c.gen] = msg["stats"]
         if (fut := c.replies.get(msg.get("re", ""))) is not None and not fut.done():
             fut.set_result(msg)
 
-    on_re = on_hb  # an answer (with the writer's statistics)
+    on_re = on_hb  # an answer (a writer's carries its statistics)
 
-    def on_violation(self, c: Child, msg: Msg, raw: bytes) -> None:
+    def on_violation(self, c: Child, msg: Msg, body: bytes) -> None:
         self.violation(str(msg["who"]), str(msg["text"]))
 
-    def on_count(self, r: Child, msg: Msg, raw: bytes) -> None:
+    def on_count(self, r: Child, msg: Msg, body: bytes) -> None:
         """Counters a reader adds: stats ``c``, errors ``e``, probe outcomes ``p``."""
         t, gen = self.tally, int(msg.get("gen", -1))
         t.stats.update(msg.get("c", {}))
@@ -380,13 +374,11 @@ class Orchestrator:
             for w in self.live_writers():
                 if w.gen == gen and not w.killed_by_us and not segment_files(w.name):
                     why = "a /dev/shm cleanup or a buggy sweep; rerun with --private-shm"
-                    self.violation(
-                        "environment", f"{w.name} was unlinked by another process: {why}"
-                    )
+                    self.violation("environment", f"{w.name} unlinked by another process: {why}")
 
-    def on_done(self, r: Child, msg: Msg, raw: bytes) -> None:
+    def on_done(self, r: Child, msg: Msg, body: bytes) -> None:
         """A reader settled a request: its counters, and the request's credit."""
-        self.on_count(r, msg, raw)
+        self.on_count(r, msg, body)
         self.reported(r.token, (int(msg["gen"]), int(msg["rid"])))
 
     def reported(self, token: str, key: tuple[int, int]) -> None:
@@ -459,11 +451,8 @@ class Orchestrator:
             self.owed = {k: v for k, v in self.owed.items() if k[0] != w.gen}  # no credit back
             if self.group is None:
                 swept = sweep(prefix=self.prefix)
-                self.tally.stats["swept"] += len(swept)
                 if w.name not in swept and w.name in segment_files(w.name):
                     self.violation("sweep", f"sweep does not list the dead writer's {w.name}")
-                elif w.name not in swept:  # another process on this machine swept it first
-                    self.tally.stats["swept_by_others"] += 1
                 if left := segment_files(w.name):
                     self.violation("sweep", f"left after sweeping the dead writer: {left}")
             started = await self.start_writer({"gen": w.gen, "dead_at": dead_at}, w.pos)
@@ -480,8 +469,8 @@ class Orchestrator:
         if "forge" not in self.opts.faults or w is None or not readers:
             return
         expect = ["InvalidReferenceError"] + (["WriterGoneError"] if self.group else [])
+        probe = {"kind": "old_writer", "via": "features", "h": "old", "expect": expect}
         for ref in list(dead.refs)[-8:]:
-            probe = {"kind": "old_writer", "via": "features", "h": "old", "expect": expect}
             self.rng.choice(readers).send("probe", gen=w.gen, ref=ref, **probe)
             self.tally.probes["sent"] += 1
 
@@ -505,11 +494,11 @@ class Orchestrator:
 
     async def progress(self) -> None:
         """A progress line every second on stderr (not with ``--quiet``)."""
-        show, o, t = Progress(enabled=not self.opts.quiet), self.opts, self.tally
+        show = Progress(enabled=not self.opts.quiet)
         while True:
             await asyncio.sleep(1.0)
-            g, n = self.writer_gen, len(self.live_readers())
-            show(progress_line(o, t, self.elapsed(), g, n))
+            n = len(self.live_readers())
+            show(progress_line(self.opts, self.tally, self.elapsed(), self.writer_gen, n))
 
     async def fault_loop(self, act: Callable[[Orchestrator], Awaitable[None]], mean: float) -> None:
         """One fault: ``act`` every ``mean`` seconds or so (held back while paused)."""
@@ -547,9 +536,8 @@ class Orchestrator:
                 await self.start_reader(pos)
         limit = self.opts.op_deadline + 20
         stops = await asyncio.gather(*(self.ask(w, "stop", limit) for w in writers))
-        for w, got in zip(writers, stops):
-            if got is None:
-                return self.violation(w.token, f"{why}: the writer did not stop")
+        if None in stops:
+            return self.violation(writers[stops.index(None)].token, f"{why}: a writer did not stop")
         synced: dict[str, Msg] = {}  # a reader syncs after every request sent to it
         for c in self.live_readers():
             if (got := await self.ask(c, "sync", 60)) is None:
@@ -650,14 +638,11 @@ class Orchestrator:
             self.faults.append(asyncio.ensure_future(loop))
         while True:  # until --duration or --ops; the self-test until it saw its sabotage
             await asyncio.sleep(0.05)
-            if o.duration is not None and self.elapsed() >= o.duration:
-                if not self.sabotage_pending(self.elapsed() - o.duration):
-                    break
-            elif o.ops is not None and st["requests"] >= o.ops and not self.sabotage_pending(0):
+            done = self.elapsed() / o.duration if o.duration else st["requests"] / (o.ops or 1)
+            if done >= 1 and not self.sabotage_pending(self.elapsed() - (o.duration or 0)):
                 break
             # alternate delivery: the (first) writer is rotated gracefully at half time, so
             # that a run has both modes and a mid-run drain check
-            done = self.elapsed() / o.duration if o.duration else st["requests"] / (o.ops or 1)
             if half and done >= 0.5:
                 half = False
                 await self.pause_faults()
@@ -709,7 +694,6 @@ class Orchestrator:
             self.violation("end", f"child processes left: {kids}")
         if (stray := t.wgone_gens - set(t.dead_gens)) and not self.interrupted:
             self.violation("end", f"WriterGoneError for live writer generations {sorted(stray)}")
-        t.stats.update(f"dead_gen_{how}" for how in t.dead_gens.values())
         text = summary(o, t, self.run_elapsed, self.writer_gen, self.interrupted)
         print(text, file=sys.stderr if o.quiet else sys.stdout, flush=True)
         if o.json_path:

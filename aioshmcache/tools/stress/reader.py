@@ -65,7 +65,7 @@ class ReaderProc(Proc):
     """One reader: attaches to each writer generation in turn and verifies every array."""
 
     def __init__(self, opts: StressOptions, link: Link, token: str, *, seed: int) -> None:
-        super().__init__(opts, link, seed)
+        super().__init__(opts, link, token, seed)
         self.who = f"reader {token}"
         self.rx: AsyncReceiverCache | None = None
         self.closed_rx: AsyncReceiverCache | None = None  # the cache close-read closed
@@ -79,6 +79,7 @@ class ReaderProc(Proc):
         self.tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
+        self.send("hello", token=self.token)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.heartbeat)
             try:

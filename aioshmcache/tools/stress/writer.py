@@ -59,7 +59,7 @@ class WriterProc(Proc):
     def __init__(
         self, opts: StressOptions, link: Link, token: str, *, gen: int, name: str, delivery: str
     ) -> None:
-        super().__init__(opts, link, opts.seed * 1000 + gen)
+        super().__init__(opts, link, token, opts.seed * 1000 + gen)
         self.lag = LoopLagMeter(0.05, window=1)  # a blocked event loop shows up here
         self.who, self.gen, self.name, self.delivery = f"writer g{gen}", gen, name, delivery
         self.work = Workload(opts)
@@ -70,7 +70,6 @@ class WriterProc(Proc):
         self.recent: deque[tuple[str, Ref]] = deque(maxlen=512)
         self.seen: deque[int] = deque(maxlen=256)
         self.tx: AsyncSenderCache | None = None
-        self.handle: dict[str, Any] = {}
         self.tasks: list[asyncio.Task[None]] = []
 
     def violation(self, text: str) -> None:
@@ -103,8 +102,9 @@ class WriterProc(Proc):
     async def run(self) -> None:
         async with AsyncSenderCache.from_config(self.config()) as tx:
             self.tx, self.capacity = tx, tx.snapshot().capacity_bytes
-            self.handle = {"gen": self.gen, "delivery": self.delivery, "name": tx.sender.name}
-            self.handle["handle"] = tx.handle().to_dict()
+            handle = {"gen": self.gen, "delivery": self.delivery, "name": tx.sender.name}
+            handle["handle"] = tx.handle().to_dict()  # what readers attach by
+            self.send("hello", token=self.token, writer=handle)
             loops = [self.request_loop() for _ in range(self.opts.writers)]
             if "forge" in self.opts.faults and self.opts.probe_rate > 0:
                 loops.append(self.inject_loop())
@@ -136,10 +136,6 @@ class WriterProc(Proc):
         return {"stats": out}
 
     # --- the parent's messages -----------------------------------------------------------
-    async def on_handle(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """What readers need to attach (sent to them as a ``handle`` message)."""
-        return self.handle
-
     async def on_credit(self, msg: dict[str, Any]) -> None:
         self.give_credit(int(msg["n"]))
 
