@@ -69,14 +69,11 @@ class ReaderProc(Proc):
         self.who = f"reader {token}"
         self.rx: AsyncReceiverCache | None = None
         self.closed_rx: AsyncReceiverCache | None = None  # the cache close-read closed
-        self.gen = 0
         self.handle: Msg | None = None
         self.group: str | None = None  # --group: the cache group this reader is attached to
         self.gone = self.need_reattach = False  # gone: the current generation's writer is
-        self.s, self.inflight, self.sabotage_seen = Session(), 0, 0
-        self.idle, self.sem = asyncio.Event(), asyncio.Semaphore(opts.reader_concurrency)
-        self.idle.set()
-        self.tasks: set[asyncio.Task[None]] = set()
+        self.s, self.gen, self.sabotage_seen = Session(), 0, 0
+        self.sem, self.tasks = asyncio.Semaphore(opts.reader_concurrency), set[asyncio.Task[None]]()
 
     async def run(self) -> None:
         self.send("hello", token=self.token)
@@ -90,8 +87,8 @@ class ReaderProc(Proc):
                 tg.cancel_scope.cancel()
 
     async def wait_idle(self) -> None:
-        with anyio.move_on_after(self.opts.op_deadline * 2):
-            await self.idle.wait()
+        if self.tasks:
+            await asyncio.wait(set(self.tasks), timeout=self.opts.op_deadline * 2)
 
     def err(self, kind: str, where: str, text: str = "") -> None:
         """A typed error outside a request (counted by the parent)."""
@@ -121,17 +118,11 @@ class ReaderProc(Proc):
             # the run going until some were dropped)
             return self.done(msg, "ok", sabotage_dropped=1)
         await self.sem.acquire()
-        self.inflight += 1
-        self.idle.clear()
         task = asyncio.ensure_future(self.run_one(msg))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     on_probe = on_req
-
-    async def on_handle(self, msg: Msg) -> None:
-        await self.wait_idle()
-        await self.switch(msg)
 
     async def on_group(self, msg: Msg) -> None:
         """--group: attach to the whole group, once."""
@@ -169,9 +160,6 @@ class ReaderProc(Proc):
             self.violation(f"reader harness error: {exc!r}\n{traceback.format_exc()}")
         finally:
             self.sem.release()
-            self.inflight -= 1
-            if not self.inflight:
-                self.idle.set()
 
     # --- attach / detach -----------------------------------------------------------------------
     async def detach(self) -> None:
@@ -201,8 +189,9 @@ class ReaderProc(Proc):
             return self.violation(f"attach to g{self.gen} raised {exc!r}")
         self.rx, self.gone, self.s = rx, False, Session()
 
-    async def switch(self, msg: Msg) -> None:
+    async def on_handle(self, msg: Msg) -> None:
         """A new writer generation: the old one, if it died, must be seen gone within 1 s."""
+        await self.wait_idle()
         if int(msg["gen"]) == self.gen:
             return  # already have it (sent on hello and again with the generation change)
         rx, prev = self.rx, msg.get("prev")

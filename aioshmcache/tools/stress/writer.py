@@ -69,7 +69,7 @@ class WriterProc(Proc):
         self.stats: Counter[str] = Counter()
         self.recent: deque[tuple[str, Ref]] = deque(maxlen=512)
         self.seen: deque[int] = deque(maxlen=256)
-        self.tx: AsyncSenderCache | None = None
+        self.tx = AsyncSenderCache.from_config(self.config())  # created by run()
         self.tasks: list[asyncio.Task[None]] = []
 
     def violation(self, text: str) -> None:
@@ -100,8 +100,8 @@ class WriterProc(Proc):
         )
 
     async def run(self) -> None:
-        async with AsyncSenderCache.from_config(self.config()) as tx:
-            self.tx, self.capacity = tx, tx.snapshot().capacity_bytes
+        async with self.tx as tx:
+            self.capacity = tx.snapshot().capacity_bytes
             handle = {"gen": self.gen, "delivery": self.delivery, "name": tx.sender.name}
             handle["handle"] = tx.handle().to_dict()  # what readers attach by
             self.send("hello", token=self.token, writer=handle)
@@ -131,7 +131,7 @@ class WriterProc(Proc):
             self.stats["lag_reported"] = 1
             self.violation(f"writer event loop blocked for {self.lag.max:.2f} s")
         out: dict[str, Any] = dict(self.stats, lag_max=self.lag.max, op_max=self.max_op)
-        if self.tx is not None and not self.tx.sender.closed:
+        if not self.tx.sender.closed:
             out.update((k, v) for k, v in self.tx.snapshot().to_dict().items() if k != "readers")
         return {"stats": out}
 
@@ -150,15 +150,12 @@ class WriterProc(Proc):
 
     async def on_slots(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The reader slots as the writer sees them now."""
-        if (tx := self.tx) is None or tx.sender.closed:
-            return {"slots": []}
-        return {"slots": tx.snapshot().to_dict()["readers"]}
+        closed = self.tx.sender.closed
+        return {"slots": [] if closed else self.tx.snapshot().to_dict()["readers"]}
 
     async def on_check(self, msg: dict[str, Any]) -> dict[str, Any]:
         """After quiescence: every cached item becomes freeable, and then the ring drains."""
-        if (tx := self.tx) is None:
-            return {"error": "no sender"}
-        deadline = time.monotonic() + float(msg["within"])
+        tx, deadline = self.tx, time.monotonic() + float(msg["within"])
         while True:
             keys = tx.cached_order()
             stuck = [h for h in keys if not tx.is_freeable(h)]
@@ -195,7 +192,7 @@ class WriterProc(Proc):
         specs, meta = [], []
         for j, k in enumerate(ks):
             h, (item, digest, n), r = self.work.name(k), self.work.item(k), self.rng.random()
-            cached = self.tx is not None and self.tx.is_cached_item(h)
+            cached = self.tx.is_cached_item(h)
             none = h not in force_data and ((r < 0.4 and cached) or (r > 0.97 and k in self.seen))
             data, ident, updates = None if none else item, f"{self.rid}.{j}", (("upd", k),)
             specs.append(FeatureSpec(h, data, identifier=ident, prompt_updates=updates))
@@ -204,7 +201,7 @@ class WriterProc(Proc):
 
     async def request_loop(self) -> None:
         o, rng, tx = self.opts, self.rng, self.tx
-        while tx is not None and not self.stopping and await self.take_credit():
+        while not self.stopping and await self.take_credit():
             self.rid += 1
             rid, force, sent = self.rid, set[str](), False
             ks = [self.work.sample(rng) for _ in range(rng.choice((1, 1, 1, 2, 2, 3, 4)))]
@@ -292,8 +289,8 @@ class WriterProc(Proc):
     def forge(self) -> tuple[Ref, list[str], str] | None:
         """A forged or stale reference, the typed errors a reader may answer, and its kind."""
         kind, (h, ref) = self.rng.choice(KINDS), self.rng.choice(self.recent)
-        if self.tx is None or kind == "stale_evicted":  # certainly stale once h is not cached
-            return None if self.tx is None or self.tx.is_cached_item(h) else (ref, [MISS], kind)
+        if kind == "stale_evicted":  # certainly stale once h is not cached
+            return None if self.tx.is_cached_item(h) else (ref, [MISS], kind)
         alter, retagged = FORGERIES[kind]
         alter(r := dict(ref), self)
         tag = retag_reference(self.tx.sender, r) if retagged and self.rng.random() < 0.5 else None
