@@ -28,13 +28,12 @@ from aioshmcache.tools.stress import (
     Workload,
     item_size,
     main,
-    parse_duration,
-    parse_size,
     verify_item,
 )
 from aioshmcache.tools.stress.child import SABOTAGE_GRACE, SABOTAGE_MIN_SEEN
 from aioshmcache.tools.stress.options import parse_args
 from aioshmcache.tools.stress.report import Tally, summary
+from aioshmcache.tools.units import parse_duration, parse_size
 
 
 @functools.cache
@@ -170,6 +169,8 @@ def test_the_command_line_is_generated_from_the_options() -> None:
     got = parse_args(["--seed", "1", "--ops", "9", "--capacity", "64MiB", "--fork-every", "2m"])
     assert (got.duration, got.ops, got.capacity, got.fork_every) == (None, 9, 64 << 20, 120.0)
     assert not parse_args(["--no-second-chance"]).second_chance
+    got = parse_args(["--json", "out.json", "--group", "2", "--zipf", "1.5", "--loop", "uvloop"])
+    assert (got.json_path, got.group, got.zipf, got.loop) == ("out.json", 2, 1.5, "uvloop")
 
 
 def test_the_report_renders_any_tally() -> None:

@@ -1,14 +1,10 @@
 """STOPGAP: the only place where a tool reaches into the core's private modules.
 
-Each name below is something a tool needs and the public API does not offer yet; the boundary
-test (tests/test_tools_boundary.py) allows private imports in this module only, and only these.
-Replace each with public API when the core gains it:
+tests/test_tools_boundary.py allows private imports here only, and only these:
 
-* ``SEGMENT_PREFIX`` and the semaphore naming: a public listing of a cache's files in /dev/shm
-  (``aioshmcache.list_segments()`` or similar) would make both unnecessary.
-* ``retag_reference``: the stress harness forges references re-tagged with the segment's secret
-  (what an attacker who can map the segment could do). This is an attack on purpose; it should
-  stay out of the public API and move to a test-support hook of the core.
+* ``SEGMENT_PREFIX`` and the semaphore naming: until the core lists a cache's files publicly.
+* ``retag_reference``: the stress harness re-tags forged references with the segment's secret
+  (what an attacker who maps the segment could do): an attack on purpose, for a test hook.
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
 """``python -m aioshmcache stress``: an async stress and fault-injection harness.
 
 It proves the guarantees of DESIGN.md section 6 under load and faults: no wrong data, no hang,
-nothing lost (the cache drains), nothing left behind (no segment, semaphore or process)::
-
-    parent (.parent): children, flow control, faults, watchdog, report
-      | ^ req, probe, hb, re, violation         | ^ done, count, hb, re, violation
-      v | handle, credit, stop, check, slots,   v | handle, group, req, probe, sync,
-      |   fork, exit                            |   fork, exit
-    writer process(es) (.writer)                reader processes (.reader)
-
-one protocol (:mod:`.child`) over an abstract Unix socket. Items (:mod:`.workload`) are functions
-of their hash and carry their crc32; readers check every array. Writers are children so that they
-can be SIGKILLed for real; ``alternate`` delivery switches broadcast / one-of-N each writer
-generation and rotates the writer at half time; ``--group N`` runs N writers of one cache group's
-shards, read through ``attach_group``, every check per shard. The faults (``--faults all``) and
-what each must not break are in :data:`.parent.PERIODIC` (``kill-readers``, ``stop-readers``,
-``kill-writer``, ``fork``, ``sweep-restart``) and in the children (``cancel``, ``forge``,
-``close-read``).
-
-A violation (exit 1, listed in the report): wrong or torn data; a forged or stale reference that
-returns data or an unexpected error; any unexpected exception; a missed deadline, a silent child,
-a writer loop blocked past ``--max-loop-lag``; a dead writer not seen gone within 1 s, or not an
-orphan to ``sweep``; a reader slot with fewer acknowledgements than its reader's verified reads;
-a cache that does not drain after quiescence; a leftover segment, semaphore or process; a crashed
-child; a stale genuine reference nothing explains (:meth:`.reader.ReaderProc.classify`). SIGINT /
-SIGTERM end a run with the same cleanup (exit 2); ``--private-shm SIZE`` re-runs it in a private
-/dev/shm (root).
+nothing lost (the cache drains), nothing left behind. The parent (:mod:`.parent`) starts writer
+(:mod:`.writer`) and reader (:mod:`.reader`) processes, routes their messages (:mod:`.child`),
+injects the faults (:data:`.options.FAULTS`) and checks the end state; items (:mod:`.workload`)
+are functions of their hash and carry their crc32. A violation (exit 1, listed in the report):
+wrong or torn data; a forged or stale reference that returns data; an unexpected exception; a
+missed deadline, a silent child, a blocked writer loop; a dead writer not seen gone within 1 s
+or not swept; lost acknowledgements; a cache that does not drain; anything left behind; a stale
+genuine reference nothing explains. SIGINT / SIGTERM end a run with the same cleanup (exit 2);
+``--private-shm SIZE`` re-runs it in a private /dev/shm (root).
 """
 
 from __future__ import annotations
@@ -36,22 +20,12 @@ import subprocess
 import sys
 import traceback
 
-from ..units import parse_duration, parse_size
 from .child import run_loop
 from .options import FAULTS, StressOptions, parse_args
 from .parent import IN_PRIVATE_SHM, Orchestrator
 from .workload import Workload, item_size, verify_item
 
-__all__ = [
-    "FAULTS",
-    "StressOptions",
-    "Workload",
-    "item_size",
-    "main",
-    "parse_duration",
-    "parse_size",
-    "verify_item",
-]
+__all__ = ["FAULTS", "StressOptions", "Workload", "item_size", "main", "verify_item"]
 
 
 def _run_in_private_shm(size: int, argv: list[str]) -> int:

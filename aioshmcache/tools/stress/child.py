@@ -1,11 +1,12 @@
 """The children's side of the one protocol, and what writer and reader share.
 
 ``python -m aioshmcache.tools.stress ROLE SOCKET TOKEN SPEC`` connects to the parent, says
-``hello`` and serves until ``exit`` or the parent is gone (it dies with the parent, even on
-SIGKILL: ``PR_SET_PDEATHSIG``). A message either way is a msgpack map in an
-:mod:`aioshmcache.wire` frame whose ``t`` names the receiver's ``on_<t>`` method; one with ``re``
-is a question, answered by ``{"t": "re", "re": ..., **result}``. A request carries its features
-as ``pack_features`` bytes in ``f`` and each one's digest and size in ``c``.
+``hello`` (a writer, once its cache is open: with its handle) and serves until ``exit`` or the
+parent is gone (it dies with the parent, even on
+SIGKILL: ``PR_SET_PDEATHSIG``). A message (:mod:`..framing`) names the receiver's ``on_<t>``
+method; one with ``re`` is a question, answered by ``{"t": "re", "re": ..., **result}``. A
+request carries its features as ``pack_features`` bytes in ``f``, each one's digest and size in
+``c``.
 """
 
 from __future__ import annotations
@@ -70,10 +71,9 @@ async def guarded(
 ) -> Outcome:
     """One library call under a deadline, cancelled mid-way by the ``cancel`` fault.
 
-    ``mode`` ``"task"``: a raw ``Task.cancel()`` once started (it lands while the call is
-    suspended: one that finishes without suspending counts as "completed first"); ``"scope"``: a
-    tiny ``anyio.move_on_after`` (it lands at anyio checkpoints only: ``to_thread.run_sync`` holds
-    it back until its thread returns); ``"none"``.
+    ``mode`` ``"task"``: a raw ``Task.cancel()`` once started (a call that finishes without
+    suspending counts as "completed first"); ``"scope"``: a tiny ``anyio.move_on_after`` (it
+    lands at anyio checkpoints only: ``to_thread.run_sync`` holds it back); ``"none"``.
     """
     if mode == "task":
         started = asyncio.Event()
@@ -87,8 +87,7 @@ async def guarded(
         if not task.done():
             await asyncio.sleep(rng.uniform(0.0, 0.004))
         task.cancel()
-        done, _ = await asyncio.wait({task}, timeout=deadline)
-        if not done:
+        if not (await asyncio.wait({task}, timeout=deadline))[0]:
             return Outcome("timeout")
         if task.cancelled():
             return Outcome("cancelled")
@@ -107,8 +106,8 @@ class Proc:
 
     who = "?"
 
-    def __init__(self, opts: StressOptions, link: Link, seed: int) -> None:
-        self.opts, self.link, self.rng = opts, link, random.Random(seed)
+    def __init__(self, opts: StressOptions, link: Link, token: str, seed: int) -> None:
+        self.opts, self.link, self.token, self.rng = opts, link, token, random.Random(seed)
 
     def send(self, t: str, **kw: Any) -> None:
         self.link.send({"t": t, **kw})
@@ -119,7 +118,7 @@ class Proc:
     def cancel_mode(self) -> str:
         if "cancel" not in self.opts.faults or self.rng.random() >= self.opts.cancel_prob:
             return "none"
-        return "task" if self.rng.random() < 0.5 else "scope"
+        return self.rng.choice(("task", "scope"))
 
     def hb(self) -> dict[str, Any]:
         return {}
@@ -131,33 +130,28 @@ class Proc:
 
     async def serve(self) -> None:
         """Handle the parent's messages until ``exit`` or the end of the link."""
-        while (msg := await self.link.recv()) is not None and msg["t"] != "exit":
-            out = await getattr(self, "on_" + msg["t"])(msg)
-            if "re" in msg:
-                self.send("re", re=msg["re"], **(out or {}))
+        while (got := await self.link.recv()) is not None and got[0]["t"] != "exit":
+            out = await getattr(self, "on_" + got[0]["t"])(got[0])
+            if "re" in got[0]:
+                self.send("re", re=got[0]["re"], **(out or {}))
 
     async def on_fork(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """The fork fault (the parent SIGKILLs us next): a child that outlives us for a while.
+        """The fork fault (the parent SIGKILLs us next): a child that outlives us a while.
 
-        It inherits the segment's mapping and whatever descriptors the core left open at fork,
-        but must not keep our liveness locks; it closes only the channel (so the parent sees
-        our death), does nothing with the cache, lingers and exits.
+        It inherits the mapping and whatever descriptors the core left open at fork but must
+        not keep our liveness locks; it closes only the channel (so the parent sees our death),
+        lingers and exits.
         """
         sock = self.link.writer.get_extra_info("socket")
-        return {"pid": fork_lingering(sock.fileno() if sock else -1, float(msg["linger"]))}
-
-
-def fork_lingering(channel: int, linger: float) -> int:
-    """Fork a child that closes ``channel``, sleeps ``linger`` seconds and exits; its pid."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            if channel >= 0:
-                os.close(channel)
-            time.sleep(linger)
-        finally:
-            _exit(0)
-    return pid
+        pid = os.fork()
+        if pid == 0:
+            try:
+                if sock is not None:
+                    os.close(sock.fileno())
+                time.sleep(float(msg["linger"]))  # noqa: ASYNC251 (the fork runs no loop)
+            finally:
+                _exit(0)
+        return {"pid": pid}
 
 
 def run_loop(loop: str, coro: Callable[[], Coroutine[Any, Any, T]]) -> T:
@@ -182,9 +176,7 @@ def child_main(argv: list[str]) -> int:
         from .reader import ReaderProc
         from .writer import WriterProc
 
-        reader, writer = await asyncio.open_unix_connection(sock_path(sock))
-        link = Link(reader, writer, max_frame=MAX_FRAME)
-        link.send({"t": "hello", "token": token, "pid": os.getpid()})
+        link = Link(*await asyncio.open_unix_connection(sock_path(sock)), max_frame=MAX_FRAME)
         proc = (WriterProc if role == "writer" else ReaderProc)(opts, link, token, **spec)
         try:
             await proc.run()
@@ -193,7 +185,7 @@ def child_main(argv: list[str]) -> int:
             raise
         finally:
             with contextlib.suppress(Exception):
-                await writer.drain()
+                await link.writer.drain()
             await link.close()
 
     try:

@@ -2,7 +2,7 @@
 
 A field with ``help`` in its metadata is a flag ``--field-name`` (``flag`` renames it); ``parse``
 is its parser where the field's type is not enough, ``lo``/``gt``/``hi`` its bounds, the rest
-goes to ``argparse.add_argument`` as is. A new option is one field.
+goes to ``argparse.add_argument``. A new option is one field.
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ from ..units import fmt_bytes, parse_duration, parse_size
 
 __all__ = ["FAULTS", "StressOptions", "handout_ttl", "parse_args"]
 
-#: every fault, and the option that tunes it (the parent's loops are in ``parent.PERIODIC``)
+#: every fault, and the option that tunes it; the parent injects the first five
+#: (``parent.PERIODIC``), the children the others
 FAULTS: Final = {
-    "kill-readers": "reader_kill_every",
-    "stop-readers": "reader_stop_every",
-    "cancel": "cancel_prob",
-    "kill-writer": "writer_kill_every",
-    "forge": "probe_rate",
-    "fork": "fork_every",
-    "sweep-restart": "sweep_restart_every",
-    "close-read": "close_read_prob",
+    "kill-readers": "reader_kill_every",  # SIGKILL: its debts go, a new reader owes nothing older
+    "stop-readers": "reader_stop_every",  # SIGSTOP: revoked past --evict-after, then reattaches
+    "kill-writer": "writer_kill_every",  # readers see WriterGoneError within 1 s; sweep; restart
+    "fork": "fork_every",  # a forked child outlives its SIGKILLed parent: the slot looks dead
+    "sweep-restart": "sweep_restart_every",  # writers restart under a name being swept
+    "cancel": "cancel_prob",  # Task.cancel / anyio scopes mid-call, on both sides
+    "forge": "probe_rate",  # forged and stale references: typed errors, never data
+    "close-read": "close_read_prob",  # a reader's cache closed under its own read
 }
 SABOTAGES: Final = frozenset({"digest", "drop"})
 DELIVERIES: Final = ("broadcast", "one_of_n", "alternate")
@@ -108,12 +109,10 @@ def _add(p: Any, f: dataclasses.Field[Any]) -> None:
         p.add_argument(flag, dest=f.name, action=f"store_{not default}".lower(), help=help_)
         return
     if default is not None and f.name not in ("duration", "seed"):  # worked out after parsing
-        shown = f"{default:g}" if isinstance(default, int | float) else default
-        shown = fmt_bytes(default).replace(" ", "") if parse is parse_size else shown
-        help_ += f" (default {shown})"
-        meta["default"] = default
-    kind = parse or (str if default is None else type(default))
+        shown = fmt_bytes(default).replace(" ", "") if parse is parse_size else default
+        help_, meta["default"] = f"{help_} (default {shown})", default
     meta.setdefault("metavar", {parse_size: "SIZE", parse_duration: "TIME"}.get(parse))
+    kind = parse or (str if default is None else type(default))
     p.add_argument(flag, dest=f.name, type=kind, help=help_, **meta)
 
 
@@ -133,11 +132,10 @@ def parse_args(argv: list[str]) -> StressOptions:
     p.add_argument("--sabotage", default="", help=argparse.SUPPRESS)  # harness self-test
     ns = p.parse_args(argv)
     values = {f.name: getattr(ns, f.name) for f in FIELDS}
-    spec = ns.faults.strip().lower()
-    asked = {s.strip() for s in spec.split(",")} - {""} if spec not in ("all", "none") else set()
-    if asked - set(FAULTS):
-        p.error(f"unknown fault {min(asked - set(FAULTS))!r}; choose from {names}")
-    faults = set(FAULTS) if spec == "all" else asked
+    asked = {s.strip() for s in ns.faults.lower().split(",")} - {"", "none"}
+    faults = set(FAULTS) if asked == {"all"} else asked
+    if unknown := faults - set(FAULTS):
+        p.error(f"unknown fault {min(unknown)!r}; choose from {names}")
     faults |= {name for name in FAULTS if getattr(ns, f"fault {name}")}
     sabotage = frozenset(s for s in ns.sabotage.split(",") if s)
     if not sabotage <= SABOTAGES:

@@ -2,9 +2,8 @@
 :data:`PERIODIC` and checks the end state.
 
 Flow control: a request goes to its readers (all in broadcast, one in one-of-N); its credit
-returns to the writer once every target reported it (a killed or stopped one is written off),
-so a writer runs at most ``--window`` requests ahead. Quiescence (at the end and before the
-rotation): faults stop, writers stop, every reader syncs (after every request sent to it),
+returns to the writer once every target reported it (a killed or stopped one is written off).
+Quiescence (at the end and before the rotation): faults stop, writers stop, every reader syncs,
 then each writer's cache (shard) must drain.
 """
 
@@ -28,10 +27,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import anyio
+import msgpack
 
 from aioshmcache import sweep
 
-from ..framing import Link, pack
+from ..framing import Link
 from ..progress import Progress
 from ..shm import SEGMENT_PREFIX, SHM_DIR, files_with_prefix, remove, segment_files
 from .child import MAX_FRAME, SABOTAGE_GRACE, SABOTAGE_MIN_SEEN, request_features, sock_path
@@ -74,7 +74,7 @@ class Child:
     pos: int
     gen: int = 0
     name: str = ""
-    handle: Msg | None = None  # a writer's answer to "handle"
+    handle: Msg | None = None  # a writer's, from its hello
     link: Link | None = None
     connected: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     eof: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -91,11 +91,11 @@ class Child:
         return self.link is not None and not self.eof.is_set()
 
     def send(self, t: str, **kw: Any) -> None:
-        self.send_raw(pack({"t": t, **kw}, max_frame=MAX_FRAME))
+        self.send_body(msgpack.packb({"t": t, **kw}))
 
-    def send_raw(self, frame: bytes) -> None:
+    def send_body(self, body: bytes) -> None:
         if self.link is not None:
-            self.link.send_raw(frame)
+            self.link.send_body(body)
 
     async def kill(self, *, wait_link: bool) -> bool:
         """SIGKILL; True once it is reaped (and its link closed) within 10 s."""
@@ -124,12 +124,12 @@ async def _stop_readers(o: Orchestrator) -> None:
     """SIGSTOP a reader for a while (up to twice the eviction delay), then SIGCONT."""
     if (c := o.pick_reader()) is None:
         return
-    top = min(2 * o.opts.evict_after or 2.0, o.opts.hang_timeout / 3)
     c.stopped = True
     o.write_off(c.token)
     try:
         c.proc.send_signal(signal.SIGSTOP)
         o.tally.stats["reader_stops"] += 1
+        top = min(2 * o.opts.evict_after or 2.0, o.opts.hang_timeout / 3)
         with anyio.move_on_after(o.rng.uniform(0.3, top)):
             await o.pausing.wait()
     finally:
@@ -153,17 +153,13 @@ async def _fork(o: Orchestrator) -> None:
     t0 = time.monotonic()
     while forked:
         slots = [await o.ask(w, "slots", 10.0) or {} for w in o.live_writers()]
-        held = [s for g in slots for s in g.get("slots", []) if s["alive"] and s["pid"] == pid]
-        held = [s for s in held if s["attached"]]
-        if not held:
+        held = [s for g in slots for s in g.get("slots", []) if s["alive"] and s["attached"]]
+        if not (held := [s for s in held if s["pid"] == pid]):
             o.tally.stats["fork_slots_dropped"] += 1
             return
         if (late := time.monotonic() - t0) > FORK_SLOT_BOUND:
-            return o.violation(
-                "fork",
-                f"reader {pid} was SIGKILLed after forking, and its slot {held[0]['slot']} still "
-                f"looks alive {late:.1f} s later (its forked child keeps it: debts never dropped)",
-            )
+            text = f"reader {pid} SIGKILLed after forking: its slot {held[0]['slot']} looks alive"
+            return o.violation("fork", f"{text} {late:.1f} s later (its forked child keeps it)")
         await asyncio.sleep(0.1)
 
 
@@ -246,12 +242,13 @@ class Orchestrator:
 
     # --- processes ------------------------------------------------------------------------
     async def spawn(self, role: str, pos: int, **spec: Any) -> Child | None:
-        """A new child; None (a violation) if it did not connect within 30 s."""
+        """A new child, once it said hello (a writer: with its handle); None (a violation) if
+        it did not within 30 s."""
         self.inst += 1
         token = f"{role[0]}{self.inst}"
+        args = (role, self.sock, token, json.dumps(dict(spec, opts=self.opts.child_dict())))
         log_path = os.path.join(self.tmp, f"{token}.log")
         log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        args = (role, self.sock, token, json.dumps(dict(spec, opts=self.opts.child_dict())))
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", __package__, *args, stdin=DEVNULL, stdout=log, stderr=log
@@ -263,7 +260,7 @@ class Orchestrator:
         with anyio.move_on_after(30):
             await child.connected.wait()
             return child
-        self.violation(token, f"{role} process did not connect within 30 s")
+        self.violation(token, f"{role} process did not say hello within 30 s")
         await self.hard_kill(child)
         return None
 
@@ -276,24 +273,17 @@ class Orchestrator:
         predecessor, which they must have seen gone within 1 s of ``prev["dead_at"]``)."""
         self.writer_gen += 1
         gen, delivery = self.writer_gen, self.delivery_for(self.writer_gen)
-        name = self.group or f"{self.prefix}g{gen}"
-        w = self.writers[pos] = await self.spawn(
-            "writer", pos, gen=gen, name=name, delivery=delivery
-        )
-        if w is None:
+        spec = {"gen": gen, "name": self.group or f"{self.prefix}g{gen}", "delivery": delivery}
+        w = self.writers[pos] = await self.spawn("writer", pos, **spec)
+        if w is None or w.handle is None:
             return False
-        if not (handle := await self.ask(w, "handle", 30)):
-            self.violation(w.token, "writer did not publish its handle within 30 s")
-            await self.hard_kill(w)
-            return False
-        w.handle = handle
         self.tally.stats[f"writer_gens_{delivery}"] += 1
         if self.group is not None:  # a group's readers find the shard themselves
             w.name = w.handle["name"]
         else:
-            frame = pack({"t": "handle", **w.handle, "prev": prev}, max_frame=MAX_FRAME)
+            body = msgpack.packb({"t": "handle", **w.handle, "prev": prev})
             for r in self.live_readers():
-                r.send_raw(frame)
+                r.send_body(body)
         return True
 
     async def start_reader(self, pos: int) -> None:
@@ -313,10 +303,10 @@ class Orchestrator:
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         link, child = Link(reader, writer, max_frame=MAX_FRAME), None
         try:
-            hello = await link.recv() or {}
+            hello = (await link.recv() or ({}, b""))[0]
             if (child := self.children.get(hello.get("token", ""))) is None:
                 return await link.close()
-            child.link, child.last_hb = link, time.monotonic()
+            child.link, child.last_hb, child.handle = link, time.monotonic(), hello.get("writer")
             if child.role == "reader":  # it gets every request from now on (then the handle)
                 self.readers[child.pos] = child
                 if self.group is not None:
@@ -324,7 +314,7 @@ class Orchestrator:
                 elif (w := self.writers[0]) is not None and w.handle and not w.eof.is_set():
                     child.send("handle", **w.handle, prev=None)
             child.connected.set()
-            while (got := await link.recv_raw()) is not None:
+            while (got := await link.recv()) is not None:
                 child.last_hb = time.monotonic()
                 getattr(self, "on_" + got[0]["t"])(child, *got)
         except Exception as exc:
@@ -338,7 +328,7 @@ class Orchestrator:
                         fut.set_result({"t": "eof"})
             await link.close()
 
-    def on_req(self, w: Child, msg: Msg, raw: bytes) -> None:
+    def on_req(self, w: Child, msg: Msg, body: bytes) -> None:
         """A writer's request: forwarded unchanged to its readers."""
         feats = request_features(msg)
         self.tally.stats.update(requests=1, features=len(feats))
@@ -347,32 +337,30 @@ class Orchestrator:
         if self.delivery_for(w.gen) == "one_of_n" and readers:
             readers = [self.rng.choice(readers)]
         for r in readers:
-            r.send_raw(raw)
-        self.tally.stats["deliveries"] += len(readers)
+            r.send_body(body)
         if waiting := {r.token for r in readers if not r.stopped}:
             self.owed[w.gen, int(msg["rid"])] = waiting
         else:
             w.send("credit", n=1)
 
-    def on_probe(self, w: Child, msg: Msg, raw: bytes) -> None:
+    def on_probe(self, w: Child, msg: Msg, body: bytes) -> None:
         """A forged or stale reference: to one reader, which must refuse it."""
         if targets := self.live_readers():
-            self.rng.choice(targets).send_raw(raw)
+            self.rng.choice(targets).send_body(body)
             self.tally.probes["sent"] += 1
 
-    def on_hb(self, c: Child, msg: Msg, raw: bytes) -> None:
+    def on_hb(self, c: Child, msg: Msg, body: bytes) -> None:
         if "stats" in msg:
             self.tally.writer_stats[c.gen] = msg["stats"]
-
-    def on_re(self, c: Child, msg: Msg, raw: bytes) -> None:
-        self.on_hb(c, msg, raw)
-        if (fut := c.replies.get(msg["re"])) is not None and not fut.done():
+        if (fut := c.replies.get(msg.get("re", ""))) is not None and not fut.done():
             fut.set_result(msg)
 
-    def on_violation(self, c: Child, msg: Msg, raw: bytes) -> None:
+    on_re = on_hb  # an answer (a writer's carries its statistics)
+
+    def on_violation(self, c: Child, msg: Msg, body: bytes) -> None:
         self.violation(str(msg["who"]), str(msg["text"]))
 
-    def on_count(self, r: Child, msg: Msg, raw: bytes) -> None:
+    def on_count(self, r: Child, msg: Msg, body: bytes) -> None:
         """Counters a reader adds: stats ``c``, errors ``e``, probe outcomes ``p``."""
         t, gen = self.tally, int(msg.get("gen", -1))
         t.stats.update(msg.get("c", {}))
@@ -382,18 +370,15 @@ class Orchestrator:
             t.err_texts.update((k, str(msg["text"])) for k in msg["e"])
         if msg.get("wgone"):
             t.wgone_gens.add(gen)
-        w = next((w for w in self.live_writers() if w.gen == gen), None)
-        name = w.name if w and not w.killed_by_us and w.proc.returncode is None else None
-        if msg.get("kind") == "SegmentNotFoundError" and name and not segment_files(name):
-            self.violation(
-                "environment",
-                f"the live writer's segment {name} was unlinked by another process (a "
-                "/dev/shm cleanup or a buggy sweep); rerun with --private-shm",
-            )
+        if msg.get("kind") == "SegmentNotFoundError":  # is the live writer's segment gone?
+            for w in self.live_writers():
+                if w.gen == gen and not w.killed_by_us and not segment_files(w.name):
+                    why = "a /dev/shm cleanup or a buggy sweep; rerun with --private-shm"
+                    self.violation("environment", f"{w.name} unlinked by another process: {why}")
 
-    def on_done(self, r: Child, msg: Msg, raw: bytes) -> None:
+    def on_done(self, r: Child, msg: Msg, body: bytes) -> None:
         """A reader settled a request: its counters, and the request's credit."""
-        self.on_count(r, msg, raw)
+        self.on_count(r, msg, body)
         self.reported(r.token, (int(msg["gen"]), int(msg["rid"])))
 
     def reported(self, token: str, key: tuple[int, int]) -> None:
@@ -466,11 +451,8 @@ class Orchestrator:
             self.owed = {k: v for k, v in self.owed.items() if k[0] != w.gen}  # no credit back
             if self.group is None:
                 swept = sweep(prefix=self.prefix)
-                self.tally.stats["swept"] += len(swept)
                 if w.name not in swept and w.name in segment_files(w.name):
                     self.violation("sweep", f"sweep does not list the dead writer's {w.name}")
-                elif w.name not in swept:  # another process on this machine swept it first
-                    self.tally.stats["swept_by_others"] += 1
                 if left := segment_files(w.name):
                     self.violation("sweep", f"left after sweeping the dead writer: {left}")
             started = await self.start_writer({"gen": w.gen, "dead_at": dead_at}, w.pos)
@@ -487,8 +469,8 @@ class Orchestrator:
         if "forge" not in self.opts.faults or w is None or not readers:
             return
         expect = ["InvalidReferenceError"] + (["WriterGoneError"] if self.group else [])
+        probe = {"kind": "old_writer", "via": "features", "h": "old", "expect": expect}
         for ref in list(dead.refs)[-8:]:
-            probe = {"kind": "old_writer", "via": "features", "h": "old", "expect": expect}
             self.rng.choice(readers).send("probe", gen=w.gen, ref=ref, **probe)
             self.tally.probes["sent"] += 1
 
@@ -512,11 +494,11 @@ class Orchestrator:
 
     async def progress(self) -> None:
         """A progress line every second on stderr (not with ``--quiet``)."""
-        show, o, t = Progress(enabled=not self.opts.quiet), self.opts, self.tally
+        show = Progress(enabled=not self.opts.quiet)
         while True:
             await asyncio.sleep(1.0)
-            g, n = self.writer_gen, len(self.live_readers())
-            show(progress_line(o, t, self.elapsed(), g, self.delivery_for(g), n))
+            n = len(self.live_readers())
+            show(progress_line(self.opts, self.tally, self.elapsed(), self.writer_gen, n))
 
     async def fault_loop(self, act: Callable[[Orchestrator], Awaitable[None]], mean: float) -> None:
         """One fault: ``act`` every ``mean`` seconds or so (held back while paused)."""
@@ -553,11 +535,9 @@ class Orchestrator:
             if c is None or c.eof.is_set():
                 await self.start_reader(pos)
         limit = self.opts.op_deadline + 20
-        for w, got in zip(
-            writers, await asyncio.gather(*(self.ask(w, "stop", limit) for w in writers))
-        ):
-            if got is None:
-                return self.violation(w.token, f"{why}: the writer did not stop")
+        stops = await asyncio.gather(*(self.ask(w, "stop", limit) for w in writers))
+        if None in stops:
+            return self.violation(writers[stops.index(None)].token, f"{why}: a writer did not stop")
         synced: dict[str, Msg] = {}  # a reader syncs after every request sent to it
         for c in self.live_readers():
             if (got := await self.ask(c, "sync", 60)) is None:
@@ -581,35 +561,22 @@ class Orchestrator:
         # more acknowledgements than reads is fine (a failed or cancelled read's references are
         # given back, acknowledged unread; stale ones owe nothing); fewer is a lost one
         nonce = w.handle["handle"]["nonce"] if w.handle else None
+        slots = [s for s in final.get("slots", []) if s["attached"] and not s["revoked"]]
         for token, got in synced.items():
-            slots = final.get("slots", [])
-            acked = [
-                s["acknowledged"]
-                for s in slots
-                if s["attached"] and not s["revoked"] and s["pid"] == got["pid"]
-            ]
+            acked = [s["acknowledged"] for s in slots if s["pid"] == got["pid"]]
             # a group reader's reads of this shard only
-            reads = (
-                got["reads"] if self.group is None else dict(got["reads_by_nonce"]).get(nonce, 0)
-            )
+            reads = dict(got["reads_by_nonce"]).get(nonce, 0) if self.group else got["reads"]
             if len(acked) == 1 and acked[0] < reads:
-                self.violation(
-                    f"reader {token}",
-                    f"acknowledgements lost: {reads} references read and verified in this session, "
-                    f"but the slot's log holds {acked[0]} ({got['uncertain']} reads uncounted)",
-                )
-        if final.get("n_not_freeable"):
-            self.violation(
-                w.token,
-                f"{why}: cache does not drain: {final['n_not_freeable']} of {final['items']} items "
-                f"never freeable (e.g. {final['not_freeable'][:5]}); slots {final['slots']}",
-            )
+                text = f"{reads} references read and verified in this session, the slot's log"
+                text += f" holds {acked[0]} ({got['uncertain']} reads uncounted)"
+                self.violation(f"reader {token}", f"acknowledgements lost: {text}")
+        if stuck := final.get("n_not_freeable"):
+            text = f"{stuck} of {final['items']} items never freeable"
+            text += f" (e.g. {final['not_freeable'][:5]}); slots {final['slots']}"
+            self.violation(w.token, f"{why}: cache does not drain: {text}")
         elif final.get("after_items") or final.get("after_bytes"):
-            self.violation(
-                w.token,
-                f"{why}: after freeing everything the ring still holds {final['after_items']} "
-                f"items / {final['after_bytes']} bytes",
-            )
+            text = f"{final['after_items']} items / {final['after_bytes']} bytes"
+            self.violation(w.token, f"{why}: after freeing everything the ring still holds {text}")
 
     async def exit_child(self, why: str, c: Child) -> float:
         """Tell ``c`` to exit; it must, with status 0 (a writer: leaving no segment behind)."""
@@ -671,18 +638,12 @@ class Orchestrator:
             self.faults.append(asyncio.ensure_future(loop))
         while True:  # until --duration or --ops; the self-test until it saw its sabotage
             await asyncio.sleep(0.05)
-            if o.duration is not None and self.elapsed() >= o.duration:
-                if not self.sabotage_pending(self.elapsed() - o.duration):
-                    break
-            elif o.ops is not None and st["requests"] >= o.ops and not self.sabotage_pending(0):
+            done = self.elapsed() / o.duration if o.duration else st["requests"] / (o.ops or 1)
+            if done >= 1 and not self.sabotage_pending(self.elapsed() - (o.duration or 0)):
                 break
             # alternate delivery: the (first) writer is rotated gracefully at half time, so
             # that a run has both modes and a mid-run drain check
-            if half and (
-                self.elapsed() >= o.duration / 2
-                if o.duration
-                else st["requests"] >= (o.ops or 0) // 2
-            ):
+            if half and done >= 0.5:
                 half = False
                 await self.pause_faults()
                 async with self.topology:
@@ -733,7 +694,6 @@ class Orchestrator:
             self.violation("end", f"child processes left: {kids}")
         if (stray := t.wgone_gens - set(t.dead_gens)) and not self.interrupted:
             self.violation("end", f"WriterGoneError for live writer generations {sorted(stray)}")
-        t.stats.update(f"dead_gen_{how}" for how in t.dead_gens.values())
         text = summary(o, t, self.run_elapsed, self.writer_gen, self.interrupted)
         print(text, file=sys.stderr if o.quiet else sys.stdout, flush=True)
         if o.json_path:

@@ -2,11 +2,10 @@
 
 ``python -m aioshmcache.tools.stress.restarts NAME ROUNDS`` forks a *sweeper* that sweeps
 ``NAME`` in a loop, then ``ROUNDS`` times a *writer* that creates a cache under ``NAME`` with
-``reclaim_dead`` (its predecessor died holding the name), checks that the name leads to its own
-segment before and after two more sweeper passes, and dies without closing. A writer whose name
-no longer leads to its segment ``lost`` it to a sweep; one that raised ``failed`` to reclaim.
-It prints one JSON line: ``rounds``, ``lost``, ``failed``, ``left`` (files under ``NAME`` after
-a final sweep) and ``violations`` (in words). Forking is safe here: no thread, no event loop.
+``reclaim_dead`` the moment its predecessor died, checks that the name leads to its own segment
+before and after two more sweeper passes, and dies without closing. It prints one JSON line:
+``rounds``, ``lost`` (segments lost to a sweep), ``failed`` (reclaims that raised), ``left``
+(files after a final sweep) and ``violations``. Forking is safe here: no thread, no loop.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ _FORK = mp.get_context("fork")
 
 
 def _sweeper(name: str, stop: Any, passes: Any) -> None:
-    """Sweep ``name`` until ``stop`` is set, counting the passes."""
     while not stop.is_set():
         sweep(name=name)
         with passes.get_lock():
@@ -44,8 +42,8 @@ def _owns_its_name(tx: SenderCache) -> bool:
 
 
 def _writer_round(name: str, passes: Any, prev: int | None, report: Connection, die: Any) -> None:
-    """Forked writer: restart under ``name`` the moment the previous one died (its sentinel),
-    check twice across sweeps, report, and die (``_exit``: its segment stays) on ``die``."""
+    """Forked writer: restart once ``prev`` (a sentinel) is gone, check across two sweeps,
+    report, and die on ``die`` (``_exit``: its segment stays)."""
     if prev is not None:
         wait([prev])  # the previous writer is gone: its lock is free, its file stays
     text = "ok"
@@ -64,11 +62,8 @@ def _writer_round(name: str, passes: Any, prev: int | None, report: Connection, 
 
 
 def run_rounds(name: str, rounds: int) -> dict[str, Any]:
-    """``rounds`` crash-and-restart rounds under ``name`` against a sweeping process.
-
-    Each writer restarts the moment its predecessor dies: the sweeper meets a freshly dead file
-    while the restart reclaims it (the race that lost segments before ``sweep`` removed only the
-    very file it judged)."""
+    """``rounds`` crash-and-restart rounds under ``name`` against a sweeping process: the
+    sweeper meets a freshly dead file while the restart reclaims it."""
     stop, passes = _FORK.Event(), _FORK.Value("q", 0)
     sweeper = _FORK.Process(target=_sweeper, args=(name, stop, passes), daemon=True)
     sweeper.start()
@@ -109,12 +104,5 @@ def run_rounds(name: str, rounds: int) -> dict[str, Any]:
     return {"rounds": rounds, "lost": lost, "failed": len(errors), "left": left, "violations": why}
 
 
-def main(argv: list[str]) -> int:
-    """``NAME ROUNDS``: print the result as one JSON line; exit 0 (the parent judges it)."""
-    name, rounds = argv[0], int(argv[1])
-    print(json.dumps(run_rounds(name, rounds)), flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    print(json.dumps(run_rounds(sys.argv[1], int(sys.argv[2]))), flush=True)

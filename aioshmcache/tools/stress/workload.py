@@ -1,6 +1,5 @@
 """The workload: items are functions of their hash (heavy-tailed sizes, content sliced from a
-seeded random buffer), the same bytes in every process, each carrying its crc32 (over dtype,
-shape and bytes of each array) in a field that readers recompute.
+seeded random buffer), the same bytes in every process, each carrying the crc32 of its arrays.
 """
 
 from __future__ import annotations

@@ -29,10 +29,16 @@ from .workload import Workload
 
 INV, MISS = "InvalidReferenceError", "CacheMissError"
 Ref = dict[str, Any]
-#: forgeries: how a recent reference is altered, and what a reader may answer when the forgery
+#: forged references: how a recent one is altered, and what a reader may answer once the forgery
 #: is re-tagged with the segment's secret (what an attacker who maps the segment can do: the
-#: ring's own checks must refuse it); untagged, the tag check refuses it (InvalidReferenceError)
-FORGERIES: Final[dict[str, tuple[Callable[[Ref, WriterProc], object], list[str]]]] = {
+#: ring's own checks must refuse it; None: never re-tagged). Untagged, the tag check refuses
+#: every one (InvalidReferenceError). ``stale_evicted`` is a genuine reference, evicted since.
+FORGERIES: Final[dict[str, tuple[Callable[[Ref, WriterProc], object], list[str] | None]]] = {
+    "foreign_nonce": (lambda r, w: r.update(nonce=r["nonce"] ^ 2), None),
+    "no_length": (lambda r, w: r.pop("length"), None),
+    "negative_address": (lambda r, w: r.update(address=-64), None),
+    "string_id": (lambda r, w: r.update(id="7"), None),
+    "bool_epoch": (lambda r, w: r.update(epoch=True), None),
     "past_epoch": (lambda r, w: r.update(epoch=r["epoch"] - 1), [MISS]),  # from before a clear
     "future_epoch": (lambda r, w: r.update(epoch=r["epoch"] + 1), [INV]),
     "misaligned": (lambda r, w: r.update(address=r["address"] + 8), [INV]),
@@ -40,17 +46,10 @@ FORGERIES: Final[dict[str, tuple[Callable[[Ref, WriterProc], object], list[str]]
     # stale if the chunk was evicted meanwhile
     "wrong_length": (lambda r, w: r.update(length=r["length"] + 64 ** w.rand(0, 3)), [INV, MISS]),
     "unissued_id": (lambda r, w: r.update(id=(1 << 62) + w.rand(0, 1 << 40)), [INV]),
-    # an issued id at a place it does not live: stale or invalid
-    "random": (lambda r, w: r.update(w.random_fields()), [INV, MISS]),
+    # an issued id at a random place: stale or invalid
+    "random": (lambda r, w: r.update(w.random_place()), [INV, MISS]),
 }
-#: not even a well-formed reference
-MALFORMED: Final[tuple[Callable[[Ref], object], ...]] = (
-    lambda r: r.pop("length"),
-    lambda r: r.update(address=-64),
-    lambda r: r.update(id="7"),
-    lambda r: r.update(epoch=True),
-)
-KINDS: Final = ("stale_evicted", "foreign_nonce", "malformed", *FORGERIES)
+KINDS: Final = ("stale_evicted", *FORGERIES)
 Meta = tuple[str, int, dict[str, Any], int, int]  # mm_hash, k, item, digest, size
 
 
@@ -60,7 +59,7 @@ class WriterProc(Proc):
     def __init__(
         self, opts: StressOptions, link: Link, token: str, *, gen: int, name: str, delivery: str
     ) -> None:
-        super().__init__(opts, link, opts.seed * 1000 + gen)
+        super().__init__(opts, link, token, opts.seed * 1000 + gen)
         self.lag = LoopLagMeter(0.05, window=1)  # a blocked event loop shows up here
         self.who, self.gen, self.name, self.delivery = f"writer g{gen}", gen, name, delivery
         self.work = Workload(opts)
@@ -70,8 +69,7 @@ class WriterProc(Proc):
         self.stats: Counter[str] = Counter()
         self.recent: deque[tuple[str, Ref]] = deque(maxlen=512)
         self.seen: deque[int] = deque(maxlen=256)
-        self.tx: AsyncSenderCache | None = None
-        self.handle: dict[str, Any] = {}
+        self.tx = AsyncSenderCache.from_config(self.config())  # created by run()
         self.tasks: list[asyncio.Task[None]] = []
 
     def violation(self, text: str) -> None:
@@ -81,15 +79,11 @@ class WriterProc(Proc):
     def rand(self, lo: int, hi: int) -> int:
         return self.rng.randrange(lo, hi)
 
-    def random_fields(self) -> Ref:
-        """A random place, length and issued id for a forged reference."""
+    def random_place(self) -> Ref:
+        """A random address and length, and an id the writer issued, for a forgery."""
         last = max(int(ref["id"]) for _h, ref in self.recent)
-        length = self.rand(0, 1 << 20)
-        return {
-            "address": 64 * self.rand(0, self.capacity // 64),
-            "id": self.rand(1, max(2, last + 1)),
-            "length": length,
-        }
+        address, length = 64 * self.rand(0, self.capacity // 64), self.rand(0, 1 << 20)
+        return {"address": address, "id": self.rand(1, max(2, last + 1)), "length": length}
 
     def config(self) -> CacheConfig:
         o = self.opts
@@ -106,11 +100,11 @@ class WriterProc(Proc):
         )
 
     async def run(self) -> None:
-        async with AsyncSenderCache.from_config(self.config()) as tx:
-            self.tx, self.capacity = tx, tx.snapshot().capacity_bytes
-            handle = tx.handle().to_dict()
-            self.handle = {"gen": self.gen, "delivery": self.delivery, "handle": handle}
-            self.handle["name"] = tx.sender.name
+        async with self.tx as tx:
+            self.capacity = tx.snapshot().capacity_bytes
+            handle = {"gen": self.gen, "delivery": self.delivery, "name": tx.sender.name}
+            handle["handle"] = tx.handle().to_dict()  # what readers attach by
+            self.send("hello", token=self.token, writer=handle)
             loops = [self.request_loop() for _ in range(self.opts.writers)]
             if "forge" in self.opts.faults and self.opts.probe_rate > 0:
                 loops.append(self.inject_loop())
@@ -136,20 +130,12 @@ class WriterProc(Proc):
         if self.lag.max > self.opts.max_loop_lag and not self.stats["lag_reported"]:
             self.stats["lag_reported"] = 1
             self.violation(f"writer event loop blocked for {self.lag.max:.2f} s")
-        out: dict[str, Any] = dict(self.stats)
-        if self.tx is not None and not self.tx.sender.closed:
+        out: dict[str, Any] = dict(self.stats, lag_max=self.lag.max, op_max=self.max_op)
+        if not self.tx.sender.closed:
             out.update((k, v) for k, v in self.tx.snapshot().to_dict().items() if k != "readers")
-        return {
-            "stats": dict(
-                out, lag_max=self.lag.max, lag_over_100ms=self.lag.n_large, op_max=self.max_op
-            )
-        }
+        return {"stats": out}
 
     # --- the parent's messages -----------------------------------------------------------
-    async def on_handle(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """What readers need to attach (sent to them as a ``handle`` message)."""
-        return self.handle
-
     async def on_credit(self, msg: dict[str, Any]) -> None:
         self.give_credit(int(msg["n"]))
 
@@ -163,19 +149,13 @@ class WriterProc(Proc):
         return self.hb()
 
     async def on_slots(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"slots": self.slots()}
-
-    def slots(self) -> list[dict[str, Any]]:
         """The reader slots as the writer sees them now."""
-        tx = self.tx
-        return [] if tx is None or tx.sender.closed else list(tx.snapshot().to_dict()["readers"])
+        closed = self.tx.sender.closed
+        return {"slots": [] if closed else self.tx.snapshot().to_dict()["readers"]}
 
     async def on_check(self, msg: dict[str, Any]) -> dict[str, Any]:
         """After quiescence: every cached item becomes freeable, and then the ring drains."""
-        tx = self.tx
-        if tx is None:
-            return {"error": "no sender"}
-        deadline = time.monotonic() + float(msg["within"])
+        tx, deadline = self.tx, time.monotonic() + float(msg["within"])
         while True:
             keys = tx.cached_order()
             stuck = [h for h in keys if not tx.is_freeable(h)]
@@ -186,8 +166,8 @@ class WriterProc(Proc):
             await tx.remove_dangling_items()
         snap, out = tx.snapshot(), self.hb()
         out.update(items=len(keys), not_freeable=stuck[:20], n_not_freeable=len(stuck))
-        out.update(after_items=snap.items, after_bytes=snap.bytes_used, slots=self.slots())
-        return out
+        out.update(after_items=snap.items, after_bytes=snap.bytes_used)
+        return out | await self.on_slots(msg)
 
     # --- requests --------------------------------------------------------------------------
     def give_credit(self, n: int) -> None:
@@ -211,10 +191,8 @@ class WriterProc(Proc):
         the sender's CacheMissError)."""
         specs, meta = [], []
         for j, k in enumerate(ks):
-            h = self.work.name(k)
-            item, digest, n = self.work.item(k)
-            r = self.rng.random()
-            cached = self.tx is not None and self.tx.is_cached_item(h)
+            h, (item, digest, n), r = self.work.name(k), self.work.item(k), self.rng.random()
+            cached = self.tx.is_cached_item(h)
             none = h not in force_data and ((r < 0.4 and cached) or (r > 0.97 and k in self.seen))
             data, ident, updates = None if none else item, f"{self.rid}.{j}", (("upd", k),)
             specs.append(FeatureSpec(h, data, identifier=ident, prompt_updates=updates))
@@ -223,7 +201,7 @@ class WriterProc(Proc):
 
     async def request_loop(self) -> None:
         o, rng, tx = self.opts, self.rng, self.tx
-        while tx is not None and not self.stopping and await self.take_credit():
+        while not self.stopping and await self.take_credit():
             self.rid += 1
             rid, force, sent = self.rid, set[str](), False
             ks = [self.work.sample(rng) for _ in range(rng.choice((1, 1, 1, 2, 2, 3, 4)))]
@@ -278,8 +256,7 @@ class WriterProc(Proc):
                 self.violation(f"{h}: prompt updates / identifier not preserved")
             if isinstance(f.data, ShmRef):
                 self.recent.append((h, f.data.to_dict()))
-                self.stats["refs"] += 1
-                self.stats["ref_bytes"] += n
+                self.stats.update(refs=1, ref_bytes=n)
                 # self-test: a lying digest on every SABOTAGE_EVERY-th reference (count-based:
                 # the run goes on until the readers caught some, however slow it is)
                 lie = "digest" in self.opts.sabotage and self.stats["refs"] % SABOTAGE_EVERY == 0
@@ -300,11 +277,7 @@ class WriterProc(Proc):
     async def inject_loop(self) -> None:
         while not self.stopping:
             await asyncio.sleep(self.rng.expovariate(self.opts.probe_rate))
-            if (
-                self.stopping
-                or not self.recent
-                or (probe := self.forge(self.rng.choice(KINDS))) is None
-            ):
+            if self.stopping or not self.recent or (probe := self.forge()) is None:
                 continue
             ref, expect, kind = probe
             via = "item" if self.rng.random() < 0.3 else "features"
@@ -313,19 +286,14 @@ class WriterProc(Proc):
             self.stats.update((f"probe_{kind}", "probes"))
             self.send("probe", gen=self.gen, kind=kind, via=via, h="forged", ref=ref, expect=expect)
 
-    def forge(self, kind: str) -> tuple[Ref, list[str], str] | None:
-        """A forged or stale reference and the typed errors a reader may answer it with."""
-        h, ref = self.rng.choice(self.recent)
-        r = dict(ref)
-        if kind == "stale_evicted":  # cached (this chunk or a newer one): not certainly stale
-            return None if self.tx is None or self.tx.is_cached_item(h) else (r, [MISS], kind)
-        if kind in ("foreign_nonce", "malformed"):
-            if kind == "foreign_nonce":
-                r["nonce"] ^= 2
-            else:
-                self.rng.choice(MALFORMED)(r)
-            return r, [INV], kind
+    def forge(self) -> tuple[Ref, list[str], str] | None:
+        """A forged or stale reference, the typed errors a reader may answer, and its kind."""
+        kind, (h, ref) = self.rng.choice(KINDS), self.rng.choice(self.recent)
+        if kind == "stale_evicted":  # certainly stale once h is not cached
+            return None if self.tx.is_cached_item(h) else (ref, [MISS], kind)
         alter, retagged = FORGERIES[kind]
-        alter(r, self)
-        tag = retag_reference(self.tx.sender, r) if self.tx and self.rng.random() < 0.5 else None
-        return (dict(r, tag=tag), retagged, kind + "+tag") if tag is not None else (r, [INV], kind)
+        alter(r := dict(ref), self)
+        tag = retag_reference(self.tx.sender, r) if retagged and self.rng.random() < 0.5 else None
+        if retagged and tag is not None:
+            return dict(r, tag=tag), retagged, kind + "+tag"
+        return r, [INV], kind
