@@ -146,12 +146,12 @@ def load_vllm_store(path: Path | None) -> types.ModuleType | None:
 
 @dataclass
 class _Stores:
-    """vLLM's writer store and a reader of it; ours: store, sender cache and a reader of each."""
+    """vLLM's writer store and a reader of it; ours: a writer store, a sender cache, readers."""
 
     vllm_writer: Any
     vllm_reader: Any
     sender: SenderCache
-    store: StoreWriter
+    writer: StoreWriter
     receiver: ReceiverCache
     reader: StoreReader
 
@@ -240,7 +240,7 @@ def _cells(st: _Stores, src: Any, n: int, target: tm.ShmBuffer, span: int) -> di
         "copy out": _batch(n, reads, np.copy),
         "vLLM put + sign": _batch(n, new("v"), lambda k: st.vllm_put(k, tensor), v),
         "vLLM get (verify, copy)": _batch(n, lambda: v, st.vllm_get),
-        "ours ShmObjectStore.put": _batch(n, new("s"), lambda k: st.store.put(k, item), s),
+        "ours ShmObjectStore.put": _batch(n, new("s"), lambda k: st.writer.put(k, item), s),
         "ours ShmObjectStore.get (reader)": _batch(n, lambda: s, st.reader.get),
         "ours SenderCache.get_and_update_item": _batch(n, new("c"), cached, c),
         "ours ReceiverCache.get_and_update_item": _batch(
