@@ -72,6 +72,8 @@ _Lock: TypeAlias = "threading.Lock | threading.RLock"
 # mistaken append fails loudly (AttributeError) instead of leaking into every other request.
 _NONE: Final[list[Any]] = cast("list[Any]", ())
 _NO_SET: Final[set[str]] = cast("set[str]", frozenset())
+_new_object = object.__new__
+_set_field = object.__setattr__
 
 
 def check_hash(mm_hash: object) -> str:
@@ -453,8 +455,12 @@ class SenderRequest(_Steps):
         """
         store, book, h = self._store, self._book, self._hashes[i]
         it = self._items[i]
-        ref = store._hand_out_key(h)  # get_cached: checked in ``begin``, under its lock
-        if ref is not None:
+        # ``store._hand_out_key(h)`` (get_cached: checked in ``begin``, under its lock), the
+        # look-up inline: a miss costs no call
+        index = store._index
+        cid = index.shards[hash(h) & index.mask].get(h)
+        if cid is not None:
+            ref = store._hand_out_cid(cid)
             self._handed.append(ref)
             if it is None:  # ``book.prompt_updates.get(h, ())``, one call shorter
                 pu = book.prompt_updates
@@ -495,7 +501,9 @@ class SenderRequest(_Steps):
                 except BaseException:
                     book.count_miss()  # a failed copy counts as a miss
                     raise
-                book.count_miss()
+                c = book.counters  # ``book.count_miss()``, inline: the usual miss
+                c.total = total = c.total + 1
+                book._words[H_MISSES] = total - c.hits
                 self._handed.append(ref)
                 updates = it[1]
                 pu = book.prompt_updates  # ``pu[h] = updates``, one call shorter
@@ -747,10 +755,6 @@ def feature_item(f: FeatureSpec) -> MmItem | None:
         return None
     u = f.prompt_updates
     return (data, u if type(u) is tuple else tuple(u))
-
-
-_new_object = object.__new__
-_set_field = object.__setattr__
 
 
 def features_from(features: Sequence[FeatureSpec], results: Sequence[MmItem]) -> list[FeatureSpec]:

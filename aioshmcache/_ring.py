@@ -123,6 +123,9 @@ class ShmRingBuffer:
         # position of address 0 in the tail's lap: the next byte allocated is at position
         # ``_lap + _tail`` (a segment starts at a lap boundary: position mod capacity = address)
         self._lap = int(self._hw[H_HEAD_POS])
+        #: bytes between head and tail, the skipped tail of a wrap included (writer only; an
+        #: attribute kept up to date, not a property: the store publishes it on every put)
+        self.used_bytes = 0
         self._limit = -1  # end of the free run at the tail (``_set_limit``)
         self._set_limit()
 
@@ -187,14 +190,6 @@ class ShmRingBuffer:
     def n_chunks(self) -> int:
         """How many chunks are allocated (writer only)."""
         return self._end - self._head
-
-    @property
-    def used_bytes(self) -> int:
-        """Bytes between head and tail, the skipped tail of a wrap included."""
-        if self._end == self._head:
-            return 0
-        head = self._addr[self._head & self._mask]
-        return self._tail - head if self._tail > head else self.capacity - head + self._tail
 
     @property
     def head_id(self) -> int | None:
@@ -298,6 +293,7 @@ class ShmRingBuffer:
         self._at[u & self._at_mask][u] = k
         self._end = k + 1
         self._tail = tail + size
+        self.used_bytes += size
         return tail, cid
 
     def _allocate_rare(self, payload: int, size: int) -> tuple[int, int] | None:
@@ -319,6 +315,7 @@ class ShmRingBuffer:
             if self._hw[H_NEXT_ID] > MAX_RING_ID:  # before the skip: nothing changes
                 raise ShmCacheError("chunk ids exhausted (the last id is 2**63 - 1)")
             self._lap += self.capacity  # the skipped bytes count in the stream of positions
+            self.used_bytes += self.capacity - tail  # and as used, until the head passes them
             self._tail = 0
         self._set_limit()
         if self._tail + size > self._limit:  # never: _place said it fits at the tail now
@@ -358,12 +355,14 @@ class ShmRingBuffer:
     def _publish_head(self) -> None:
         """Publish the reuse fence: everything before the head's position may be overwritten."""
         if self._end != self._head:
-            self._hw[H_HEAD_POS] = self._cpos[self._head & self._mask]
+            self._hw[H_HEAD_POS] = head = self._cpos[self._head & self._mask]
+            self.used_bytes = self._lap + self._tail - head  # positions of the tail and the head
         else:  # empty: the next chunk goes to address 0, the next lap
             cap = self.capacity
             self._lap = -(-(self._lap + self._tail) // cap) * cap
             self._tail = 0
             self._hw[H_HEAD_POS] = self._lap
+            self.used_bytes = 0
         self._set_limit()  # the head moved
 
     def payload(self, address: int) -> memoryview:
