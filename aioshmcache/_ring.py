@@ -247,7 +247,8 @@ class ShmRingBuffer:
 
     def fits(self, payload: int) -> bool:
         """Whether a payload of this size fits now without freeing anything."""
-        return self._place(chunk_size(payload)) is not None
+        size = CHUNK_HEADER + ((payload + 63) & -64)  # chunk_size, inline
+        return self._tail + size <= self._limit or self._place(size) is not None
 
     def allocate(self, payload: int) -> tuple[int, int]:
         """Reserve a chunk for ``payload`` bytes; returns (address, id). State: *writing*."""
@@ -417,8 +418,8 @@ class ShmRingBuffer:
         fits = False  # once it fits it keeps fitting: freeing the head only adds room
         while self._end != self._head:
             if need:
-                if not fits:
-                    fits = self._place(need) is not None
+                if not fits:  # ``_limit`` is not updated in the loop: it may only be too low
+                    fits = tail + need <= self._limit or self._place(need) is not None
                 if fits:
                     if extra >= max_extra:
                         break

@@ -528,7 +528,8 @@ class ShmObjectStore(Acknowledgements, Eviction):
         """
         plan = res.plan
         if not isinstance(plan, RawPlan):
-            self.serde.write(plan, self.ring.payload(res.address))
+            start = res.address + CHUNK_HEADER  # ``ring.payload``, inline (as in ``_put_now``)
+            self.serde.write(plan, self.ring.buf[start : start + plan.nbytes])
             return
         src = plan.source()
         try:
