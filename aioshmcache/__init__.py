@@ -3,7 +3,9 @@
 A writer (the API gateway) puts preprocessed tensors into a ring buffer in POSIX shared memory
 and sends small ``ShmRef`` references to reader processes (engine workers), which read the
 tensors back, zero-copy if they like. See ``SenderCache`` / ``ReceiverCache`` and their asyncio
-twins ``AsyncSenderCache`` / ``AsyncReceiverCache``.
+twins ``AsyncSenderCache`` / ``AsyncReceiverCache``. Beneath them, ``ShmObjectStore.create``
+returns the segment's writer (a ``StoreWriter``) and ``ShmObjectStore.from_handle`` a reader (a
+``StoreReader``): one object per role.
 
 Modules: ``aioshmcache.wire`` moves a request's features between processes (``pack_features`` /
 ``unpack_features`` and length-prefixed frames); ``aioshmcache.channel`` is the gateway <->
@@ -14,7 +16,8 @@ engine worker channel built on it (``EngineClient``, ``serve_engine``); ``aioshm
 from . import wire
 from ._ring import ShmRingBuffer
 from ._serde import EncodePlan, MsgpackSerde, Serde
-from ._store import ShmObjectStore
+from ._store import ShmObjectStore, StoreWriter
+from ._store_reader import StoreReader
 from ._sweep import sweep
 from ._types import (
     CacheConfig,
@@ -54,6 +57,7 @@ from .errors import (
     StaleReferenceError,
     WireError,
     WriterGoneError,
+    WrongRoleError,
 )
 
 __version__ = "0.1.0"
@@ -100,8 +104,11 @@ __all__ = [
     "ShmRingBuffer",
     "ShmSpaceError",
     "StaleReferenceError",
+    "StoreReader",
+    "StoreWriter",
     "WireError",
     "WriterGoneError",
+    "WrongRoleError",
     "sweep",
     "wire",
 ]

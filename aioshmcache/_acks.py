@@ -1,9 +1,9 @@
 """Layer 5, acknowledgements: the writer's side of the readers' logs and liveness.
 
-``Acknowledgements`` is the part of the writer (``ShmObjectStore``) that connects the hand-out
+``Acknowledgements`` is the part of the writer (``StoreWriter``) that connects the hand-out
 ledger to shared memory: it drains the readers' acknowledgement logs into the ledger, notices
 sessions that attach, close, die (their kernel lock is free) or are revoked, and publishes each
-slot's debt (``WS_OWED``) for ``inspect``. The store's writer inherits it; it works on the
+slot's debt (``WS_OWED``) for ``inspect``. The writer inherits it; it works on the
 writer's state, declared below for the type checker.
 """
 
@@ -25,7 +25,7 @@ log = logging.getLogger("aioshmcache")
 class Acknowledgements:
     """The writer's reading of the readers' logs (see the module docstring)."""
 
-    if TYPE_CHECKING:  # the writer's state this part works on (set by ``ShmObjectStore``)
+    if TYPE_CHECKING:  # the writer's state this part works on (set by ``StoreWriter``)
         readers: ReaderTable
         ledger: HandoutLedger
         one_of_n: bool
@@ -37,6 +37,8 @@ class Acknowledgements:
         _lock: threading.RLock
 
         def _check_writer(self) -> None: ...
+    else:  # no state of its own: the writer's (hidden from the checker, which
+        __slots__ = ()  # would then refuse every assignment to the writer's state here)
 
     def _sync_sessions(self) -> None:
         """Notice slots whose session changed (attach, close, a replacement after a death)."""

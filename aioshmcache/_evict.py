@@ -1,7 +1,7 @@
 """Layer 5, eviction: how the writer makes room — FIFO, second chance, batch eviction, waits.
 
-``Eviction`` is the part of the writer (``ShmObjectStore``) that frees chunks: the store's
-writer inherits it, and it works on the writer's state (index, rows, marks, ledger, ring),
+``Eviction`` is the part of the writer (``StoreWriter``) that frees chunks: the writer
+inherits it, and it works on the writer's state (index, rows, marks, ledger, ring),
 declared below for the type checker. Its entry points take the writer lock, as the store's do.
 
 Eviction is FIFO in allocation order: under put pressure the writer drains the logs, frees free
@@ -102,9 +102,9 @@ EVICT_AHEAD_PUTS: Final = 2
 
 
 class Eviction:
-    """The writer's eviction (see the module docstring); mixed into ``ShmObjectStore``."""
+    """The writer's eviction (see the module docstring); mixed into ``StoreWriter``."""
 
-    if TYPE_CHECKING:  # the writer's state this part works on (set by ``ShmObjectStore``)
+    if TYPE_CHECKING:  # the writer's state this part works on (set by ``StoreWriter``)
         ring: ShmRingBuffer
         readers: ReaderTable
         ledger: HandoutLedger
@@ -118,7 +118,7 @@ class Eviction:
         _by_id: dict[int, Debts]
         _guarded: dict[int, None] | None
         _slots: list[SlotState]
-        _config: CacheConfig | None
+        _config: CacheConfig
         _sem: Any
         _lock: threading.RLock
         _waiters: int
@@ -143,6 +143,8 @@ class Eviction:
         def _publish_usage(self) -> None: ...
         def _publish_owed(self) -> None: ...
         def _refresh_live(self) -> None: ...
+    else:  # no state of its own: the writer's (hidden from the checker, which
+        __slots__ = ()  # would then refuse every assignment to the writer's state here)
 
     def _probe_debtors(self, e: Debts) -> bool:
         """Probe the readers owing ``e``; drop dead ones, revoke stuck ones. True if any dropped."""
@@ -150,7 +152,7 @@ class Eviction:
         if not since:
             return False
         changed = False
-        evict_after = self._config.evict_stuck_readers_after if self._config else None
+        evict_after = self._config.evict_stuck_readers_after
         stuck = set(self.ledger.stuck(e, evict_after)) if evict_after is not None else set()
         for slot, st in enumerate(self._slots):
             s = st.session

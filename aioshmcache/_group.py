@@ -75,7 +75,7 @@ from ._layout import (
 from ._ring import ShmRingBuffer
 from ._segment import Segment
 from ._serde import Serde
-from ._store import RawPlan, ShmObjectStore
+from ._store import RawPlan, ShmObjectStore, StoreWriter
 from ._types import CacheConfig, ShmRef, reference_tag
 from .errors import SegmentExistsError, ShmCacheError, StaleReferenceError
 
@@ -141,7 +141,7 @@ def is_member(segment: Segment, group: str) -> bool:
     return not segment.closed and int(segment.words[H_GROUP]) == group_word(group)
 
 
-def open_shard(config: CacheConfig, *, serde: Serde | None = None) -> tuple[ShmObjectStore, int]:
+def open_shard(config: CacheConfig, *, serde: Serde | None = None) -> tuple[StoreWriter, int]:
     """Create this process's shard of ``config.group``; returns the store and its index.
 
     Tries ``k = 0, 1, ...``: free -> create, dead writer -> reclaim, live writer -> next.
@@ -158,7 +158,7 @@ def open_shard(config: CacheConfig, *, serde: Serde | None = None) -> tuple[ShmO
         except SegmentExistsError:
             continue  # a live writer (or one creating it right now): the next index
         # the proof of membership, before anything is handed out or published (see _layout)
-        store.ring.segment.words[H_GROUP] = group_word(group)
+        store._hw[H_GROUP] = group_word(group)
         log.info("opened shard %d of cache group %r (%s)", k, group, name)
         return store, k
     raise SegmentExistsError(f"cache group {group!r} has {MAX_SHARDS} live writers already")

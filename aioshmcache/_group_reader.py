@@ -46,6 +46,7 @@ from ._request import (
 from ._segment import writer_state
 from ._serde import Serde
 from ._store import ShmObjectStore
+from ._store_reader import StoreReader
 from ._types import CacheHandle, FeatureSpec, ShmRef
 from .errors import (
     CacheMissError,
@@ -70,7 +71,7 @@ class GroupShards:
         self.group = group
         self._serde = serde
         self._probe = probe_interval
-        self._by_nonce: dict[int, ShmObjectStore] = {}
+        self._by_nonce: dict[int, StoreReader] = {}
         self._gone: OrderedDict[int, str] = OrderedDict()
         self._lock = threading.Lock()
         self.closed = False
@@ -207,10 +208,10 @@ class GroupShards:
                 return
             time.sleep(_SETTLE_POLL)
 
-    def _adopt_locked(self, store: ShmObjectStore) -> bool:
+    def _adopt_locked(self, store: StoreReader) -> bool:
         """Keep an attached shard if it proves membership (the name may have been reused
         since its header was read); else free its slot at once."""
-        if not is_member(store.ring.segment, self.group):
+        if not is_member(store._seg, self.group):
             store.close()
             return False
         self._by_nonce[store.nonce] = store
@@ -222,7 +223,7 @@ class GroupShards:
             return
         self._remember_gone(nonce, store.name)
         # another thread may be reading from it right now: released when its last read ends
-        store._reading.close_when_idle(store.close, wait=0.0)
+        store.close_when_idle(wait=0.0)
 
     def _remember_gone(self, nonce: int, name: str) -> None:
         self._gone[nonce] = name
@@ -234,7 +235,7 @@ class GroupShards:
         with self._lock:
             self._detach_locked(nonce)
 
-    def store(self, nonce: int) -> ShmObjectStore | None:
+    def store(self, nonce: int) -> StoreReader | None:
         """The attached shard of ``nonce``, or None."""
         return self._by_nonce.get(nonce)
 
@@ -242,12 +243,12 @@ class GroupShards:
         """Whether ``nonce`` names a shard this reader saw die or close."""
         return nonce in self._gone
 
-    def stores(self) -> list[ShmObjectStore]:
+    def stores(self) -> list[StoreReader]:
         """The attached shards."""
         with self._lock:
             return list(self._by_nonce.values())
 
-    def route(self, ref: ShmRef) -> ShmObjectStore:
+    def route(self, ref: ShmRef) -> StoreReader:
         """The store of the shard that issued ``ref`` (typed errors; no rescan)."""
         store = self._by_nonce.get(ref.nonce)
         if store is not None:
@@ -263,7 +264,7 @@ class GroupShards:
         with self._lock:
             self.closed = True
             for store in self._by_nonce.values():
-                store._reading.close_when_idle(store.close)  # safe while other threads read
+                store.close_when_idle()  # safe while other threads read
             self._by_nonce.clear()
 
 

@@ -20,7 +20,7 @@ from ._request import (
     as_reference,
     check_hash,
 )
-from ._store import ShmObjectStore
+from ._store_reader import StoreReader
 from ._types import FeatureSpec, ShmRef
 from .errors import CacheMissError, InvalidReferenceError, StaleReferenceError
 
@@ -56,7 +56,7 @@ class ReceiverRequest(_Steps):
 
     def __init__(
         self,
-        store: ShmObjectStore,
+        store: StoreReader,
         counters: RequestCounters,
         features: Sequence[FeatureSpec],
         *,

@@ -36,7 +36,7 @@ from typing import Any, Final, TypeAlias, cast
 from ._group import Found, Siblings
 from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
 from ._shards import ShardedMap
-from ._store import INLINE_COPY_UNDER_LOCK, Reservation, ShmObjectStore
+from ._store import INLINE_COPY_UNDER_LOCK, Reservation, StoreWriter
 from ._types import REF_FIELDS, FeatureSpec, ShmRef
 from .errors import (
     CacheFullError,
@@ -155,7 +155,7 @@ class SenderBook:
 
     def __init__(
         self,
-        store: ShmObjectStore,
+        store: StoreWriter,
         *,
         default_wait_for_space: float = 0.0,
         siblings: Siblings | None = None,
@@ -167,7 +167,7 @@ class SenderBook:
         self.prompt_updates: ShardedMap[str, Sequence[Any]] = ShardedMap(store.shards)
         self.too_large = TooLargeMemory()
         self.counters = RequestCounters(lock=store.lock)
-        self._words = store.ring.segment.words
+        self._words = store._hw
         self._logged: set[str] = set()
 
     def forget(self, mm_hash: str) -> None:
@@ -316,7 +316,7 @@ class SenderRequest(_Steps):
 
     def __init__(
         self,
-        store: ShmObjectStore,
+        store: StoreWriter,
         book: SenderBook,
         mm_items: Sequence[MmItem | None],
         mm_hashes: Sequence[str],
@@ -362,7 +362,7 @@ class SenderRequest(_Steps):
         ``CacheMissError`` (taking nothing) for a ``None`` item whose hash is not cached.
 
         The whole step runs under the store's writer lock, so a request of several items guards
-        its own items (``ShmObjectStore.guard``: its cached hashes, and every chunk allocated
+        its own items (``StoreWriter.guard``: its cached hashes, and every chunk allocated
         during the step) instead of pinning each; if the request goes on outside the lock (copy
         jobs, waits), the guard becomes pins of those items before the lock is let go. A
         one-item request guards nothing: its own decision is the only step before ``finish``
@@ -421,7 +421,7 @@ class SenderRequest(_Steps):
                     for i in range(len(hashes)):
                         self._decide_locked(i, 0.0, may_defer, True)
                     if self._copies or self._waits:  # going on unlocked: guard becomes pins
-                        self._pins = store.pin_ids(guarded)
+                        self._pins = store._pin_ids(guarded)
                 finally:
                     store.unguard()
             if not settle or self._copies or self._waits:
@@ -513,7 +513,7 @@ class SenderRequest(_Steps):
                 d[h] = updates
                 self._out[i] = (ref, updates)
                 return None
-            res = store.reserve(
+            res = store._reserve(
                 h,
                 plan,
                 wait_for_space=wait,
@@ -600,7 +600,7 @@ class SenderRequest(_Steps):
             raise RuntimeError(f"internal error: {h!r} not found in a sibling")
         found = self._sibling[h]
         try:
-            res = self._store.reserve(
+            res = self._store._reserve(
                 h, found.sibling.raw_plan(found.ref), wait_for_space=wait, abort=self._gone
             )
         except CacheFullError:
@@ -617,7 +617,7 @@ class SenderRequest(_Steps):
     def _write(self, res: Reservation) -> None:
         """The copy into a reserved chunk; a sibling's chunk that changed meanwhile is a miss."""
         try:
-            self._store.write_reserved(res)
+            self._store._write_reserved(res)
         except ShmCacheError:
             if self._sibling is None or res.key not in self._sibling:
                 raise
@@ -629,16 +629,16 @@ class SenderRequest(_Steps):
 
     def _commit_locked(self, i: int, res: Reservation, *, pin: bool = True) -> None:
         if self._abandoned:  # the caller is gone: never publish for nobody
-            self._store.abort(res)
+            self._store._abort(res)
             return
         item = self._items[i]
         updates: Sequence[Any] = () if item is None else item[1]
-        ref = self._store.commit(res)
+        ref = self._store._commit(res)
         self._handed.append(ref)
         self._putting.discard(res.key)
         self._book.prompt_updates[res.key] = updates
         self._out[i] = (ref, updates)
-        if pin and (e := self._store.pin_entry(res.key)) is not None:  # protect it from the rest
+        if pin and (e := self._store._pin_entry(res.key)) is not None:  # protect it from the rest
             if self._pins is _NONE:
                 self._pins = []
             self._pins.append(e)
@@ -670,7 +670,7 @@ class SenderRequest(_Steps):
     @classmethod
     def for_features(
         cls,
-        store: ShmObjectStore,
+        store: StoreWriter,
         book: SenderBook,
         features: Sequence[FeatureSpec],
         *,
@@ -731,7 +731,7 @@ class SenderRequest(_Steps):
 
     def _unpin_locked(self) -> None:
         for e in self._pins:
-            self._store.unpin_entry(e)
+            self._store._unpin_entry(e)
         self._pins = _NONE
 
     def _undo_locked(self) -> None:
@@ -740,7 +740,7 @@ class SenderRequest(_Steps):
             with contextlib.suppress(ClosedCacheError):  # closed: nothing is owed any more
                 store.release(ref)
         for res in self._reserved:
-            store.abort(res)  # idempotent: a committed reservation is left alone
+            store._abort(res)  # idempotent: a committed reservation is left alone
         self._unpin_locked()
 
 

@@ -172,11 +172,6 @@ class ShmRingBuffer:
 
     # --- state ---------------------------------------------------------------------------
     @property
-    def segment(self) -> Segment:
-        """The segment the ring lives in."""
-        return self._seg
-
-    @property
     def epoch(self) -> int:
         """The current epoch (bumped by :meth:`clear`)."""
         return int(self._hw[H_EPOCH])

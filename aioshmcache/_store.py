@@ -1,25 +1,48 @@
-"""Layer 5: ``ShmObjectStore`` — keys to chunks, hand-outs, acknowledgements and FIFO eviction.
+"""Layer 5: the object store of one segment, one object per role.
 
-The public face of one segment, writer or reader. It is made of three parts:
+``ShmObjectStore`` is the public name (DESIGN.md): :meth:`ShmObjectStore.create` makes a segment
+and returns its **writer**, a :class:`StoreWriter`; :meth:`ShmObjectStore.from_handle` attaches
+a **reader**, a ``StoreReader`` (``_store_reader``). Both are ``ShmObjectStore``s: the base holds
+what the two roles share (the mapped segment, its ring and reader table, the read path's checks
+in :meth:`~ShmObjectStore.validate` and :meth:`~ShmObjectStore.get`, the handle, the lifetime)
+and nothing else. Each role holds only its own state (``__slots__``): the writer has no reader
+slot, the reader no index, ledger, rows or writer lock. Neither offers the other's methods:
+looked up on the wrong object, one raises ``WrongRoleError``, a ``RoleError`` that says which
+role has it and is also an ``AttributeError`` (so ``hasattr(reader, "put")`` is False).
+The type checker knows each role too: ``create`` is typed to return a ``StoreWriter``,
+``from_handle`` a ``StoreReader``, and neither class declares the other's methods.
 
-* the **writer's** index ``key -> chunk id`` and a row per chunk (key, address, length,
-  position, tag) over the ring (see "Compact writer state" below), with puts in
-  three short steps so that the asyncio facade can copy outside its lock: :meth:`reserve`
-  (check, allocate), :meth:`write_reserved` (the copy, no shared state), and :meth:`commit`
-  (publish, index, first hand-out) or :meth:`abort`;
+The writer is made of three parts:
+
+* its index ``key -> chunk id`` and a row per chunk (key, address, length, position, tag) over
+  the ring (see "Compact writer state" below), with puts in three short steps so that a
+  request can copy outside its lock: ``_reserve`` (check, allocate), ``_write_reserved`` (the
+  copy, no shared state), and ``_commit`` (publish, index, first hand-out) or ``_abort``
+  (private: the caches' requests drive them; :meth:`StoreWriter.put` is the public put);
 * the **hand-out ledger** (``_ledger.HandoutLedger``, pure bookkeeping): who owes which
   hand-out, pins, touches, and the rules by which debts lapse (one-of-N expiry per hand-out,
   lost hand-outs in broadcast, stuck readers);
-* the **read path** (``_reading.ReadPath``): resolve, verify, copy or view, acknowledge.
+* the parts mixed in from their own modules: ``_acks`` (draining the readers' logs),
+  ``_evict`` (FIFO eviction, second chance, waiting for space) and ``_pins`` (touches, a
+  request's pins and guard).
 
-A **hand-out** is one ``ShmRef`` returned by :meth:`put` or :meth:`get_cached`, numbered by its
-``seq``; every reader that owes it acknowledges exactly that hand-out, ``(id, seq)``, once, after
-reading and verifying the bytes (:meth:`get`). The writer connects the ledger to shared
-memory in ``_acks``: it drains the readers' acknowledgement logs into it, notices sessions that
-attach, close, die (their kernel lock is free) or are revoked, and publishes each slot's debt
-(``WS_OWED``) for ``inspect``.
+The read path (``_reading.ReadPath``: resolve, verify, copy or view, acknowledge) serves both
+roles: a reader's has its reader slot and acknowledges; the writer's has none and only verifies
+its own reads.
 
-Eviction (FIFO, second chance, batch eviction, waiting for space) lives in ``_evict``.
+**One lock rule.** Every writer method takes the writer's re-entrant :attr:`StoreWriter.lock`
+itself; a caller may hold it around several calls to make them one step (``with store.lock:
+store.put(...)``). Every writer method first checks that it runs in the process that created
+the writer (:meth:`StoreWriter.check_owner`): a forked child gets ``RoleError`` before it could
+touch the lock it may have inherited held.
+
+A **hand-out** is one ``ShmRef`` returned by :meth:`StoreWriter.put` or
+:meth:`StoreWriter.get_cached`, numbered by its ``seq``; every reader that owes it acknowledges
+exactly that hand-out, ``(id, seq)``, once, after reading and verifying the bytes
+(``StoreReader.get``). The writer connects the ledger to shared memory in ``_acks``: it drains
+the readers' acknowledgement logs into it, notices sessions that attach, close, die (their
+kernel lock is free) or are revoked, and publishes each slot's debt (``WS_OWED``) for
+``inspect``.
 
 **Compact writer state.** A full garbage collection walks every tracked object; a Python object
 per cached item costs ~250 ns each (65-90 ms for 250,000 items here, more with the dicts that
@@ -37,13 +60,14 @@ never stalls a put for the tens of milliseconds a rebuild of one big dict takes.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import logging
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, ClassVar, Final, Self
 
 import numpy as np
 import posix_ipc
@@ -68,7 +92,8 @@ from ._layout import (
     semaphore_name,
 )
 from ._ledger import Debts, HandoutLedger
-from ._readers import ReaderSlot, ReaderTable, SlotState, reader_slots_info
+from ._pins import Pins
+from ._readers import ReaderTable, SlotState, reader_slots_info
 from ._reading import ReadPath, check_ref_fields
 from ._ring import ShmRingBuffer
 from ._segment import Segment
@@ -88,12 +113,11 @@ from .errors import (
     DuplicateKeyError,
     InvalidReferenceError,
     ObjectTooLargeError,
-    RoleError,
     ShmCacheError,
-    WriterGoneError,
+    WrongRoleError,
 )
 
-__all__ = ["RawPlan", "Reservation", "ShmObjectStore"]
+__all__ = ["RawPlan", "Reservation", "ShmObjectStore", "StoreWriter"]
 
 log = logging.getLogger("aioshmcache")
 
@@ -141,40 +165,278 @@ class Reservation:
     done: bool = False
 
 
-class ShmObjectStore(Acknowledgements, Eviction):
+def _public_names(cls: type) -> frozenset[str]:
+    return frozenset(n for n in dir(cls) if not n.startswith("_"))
+
+
+class _OtherRolesName:
+    """One of the other role's names on a role's class (``put`` on the reader's): looked up on
+    an instance, it raises ``WrongRoleError`` (an ``AttributeError`` too: ``hasattr`` is False).
+
+    Set on the class at run time only, so the type checker still knows each role's own names.
+    """
+
+    __slots__ = ("name", "role")
+
+    def __init__(self, name: str, role: str) -> None:
+        self.name = name
+        self.role = role
+
+    def __get__(self, obj: ShmObjectStore | None, cls: type | None = None) -> Any:
+        if obj is None:
+            return self  # on the class: for ``dir``, ``inspect`` and the like
+        raise WrongRoleError(obj._wrong_role(self.name, self.role), name=self.name, obj=obj)
+
+
+class ShmObjectStore(abc.ABC):
     """Single-writer / multi-reader object store in one shared-memory segment.
 
-    Create the writer with :meth:`create`; readers attach with :meth:`from_handle` (a
-    ``CacheHandle`` or the segment name) and each claims a reader slot.
+    :meth:`create` makes the segment and returns its writer (:class:`StoreWriter`);
+    :meth:`from_handle` attaches a reader (``StoreReader``), which claims a reader slot. This
+    base is what both roles share; each role's methods are on its own class (see the module
+    docstring: the other role's names raise ``WrongRoleError``).
     """
+
+    __slots__ = (
+        "_closed",
+        "_hw",
+        "_nonce",
+        "_reading",
+        "_seg",
+        "handout_ttl",
+        "max_object_bytes",
+        "one_of_n",
+        "readers",
+        "ring",
+        "serde",
+    )
+
+    #: the role's name ("writer", "reader"), set by each role's class
+    _role: ClassVar[str] = ""
+    #: each role's own public names (registered by ``__init_subclass__``)
+    _role_names: ClassVar[dict[str, frozenset[str]]] = {}
+    _role_classes: ClassVar[dict[str, type[ShmObjectStore]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Register a role (a class that sets ``_role``): its own public names become, on
+        every other role's class, names that raise ``WrongRoleError`` (``_OtherRolesName``),
+        and theirs on it.
+
+        Class attributes, not ``__getattr__``: a class with ``__getattr__`` loses the
+        interpreter's fast attribute loads on every access (13-16 % more instructions per
+        1 KiB request here), and these names are only ever looked up by mistake.
+        """
+        super().__init_subclass__(**kwargs)
+        if "_role" not in cls.__dict__:
+            return
+        own = _public_names(cls) - _public_names(ShmObjectStore)
+        for role, other in ShmObjectStore._role_classes.items():
+            theirs = ShmObjectStore._role_names[role]
+            for name in theirs - own:
+                setattr(cls, name, _OtherRolesName(name, role))
+            for name in own - theirs:
+                setattr(other, name, _OtherRolesName(name, cls._role))
+        ShmObjectStore._role_names[cls._role] = own
+        ShmObjectStore._role_classes[cls._role] = cls
 
     def __init__(
         self,
         segment: Segment,
+        ring: ShmRingBuffer,
         *,
-        writer: bool,
         serde: Serde | None = None,
-        config: CacheConfig | None = None,
         probe_interval: float = 0.25,
     ) -> None:
         self._seg = segment
         self._hw = segment.words
-        self.ring = ShmRingBuffer(segment, writer=writer)
+        self.ring = ring
         self.readers = ReaderTable(segment)
         self.serde: Serde = serde if serde is not None else MsgpackSerde()
-        self.is_writer = writer
         self.max_object_bytes = int(self._hw[H_MAX_OBJECT])
         self.one_of_n = int(self._hw[H_DELIVERY]) == DELIVERY_CODES["one_of_n"]
         self.handout_ttl = int(self._hw[H_HANDOUT_TTL_MS]) / 1000.0
-        self._secret = int(self._hw[H_SECRET])
         self._nonce = segment.nonce
         self._closed = False
-        self._reading = ReadPath(segment, self.ring, self.serde, probe_interval=probe_interval)
+        self._reading = ReadPath(segment, ring, self.serde, probe_interval=probe_interval)
+
+    # --- construction ------------------------------------------------------------------------
+    @staticmethod
+    def create(
+        config: CacheConfig,
+        *,
+        serde: Serde | None = None,
+        name: str | None = None,
+        hint_slots: int = 0,
+    ) -> StoreWriter:
+        """Create the segment and return its writer (``close`` unlinks it).
+
+        With a fixed name whose previous writer is provably dead, the old segment and its
+        semaphore are reclaimed first when ``config.reclaim_dead`` (the default). ``name``
+        overrides ``config.name``; ``hint_slots`` sizes the key-hint region (group shards).
+        """
+        layout = Layout(config.capacity_bytes, config.n_readers, config.ack_log_entries, hint_slots)
+        seg = Segment.create(
+            name if name is not None else config.name,
+            layout,
+            max_object_bytes=config.max_object_bytes,
+            delivery=config.delivery,
+            handout_ttl=config.handout_ttl,
+            prefault=config.prefault,
+            reclaim_dead=config.reclaim_dead or name is not None,
+        )
+        try:
+            return StoreWriter(seg, config, serde=serde)
+        except BaseException:
+            seg.close()
+            raise
+
+    @staticmethod
+    def from_handle(
+        handle: CacheHandle | str | dict[str, Any],
+        *,
+        serde: Serde | None = None,
+        probe_interval: float = 0.25,
+    ) -> StoreReader:
+        """Attach to a writer's segment and return a reader, which claims a reader slot.
+
+        ``probe_interval`` bounds how often a read probes the writer's kernel lock (and so how
+        long a dead writer can go unnoticed).
+        """
+        if isinstance(handle, dict):
+            handle = CacheHandle.from_dict(handle)
+        if isinstance(handle, CacheHandle):
+            if handle.layout_version != LAYOUT_VERSION:
+                raise InvalidReferenceError(
+                    f"handle layout version {handle.layout_version} unknown"
+                )
+            seg = Segment.attach(handle.name, nonce=handle.nonce)
+        else:
+            seg = Segment.attach(handle)
+        try:
+            return StoreReader(seg, serde=serde, probe_interval=probe_interval)
+        except BaseException:
+            seg.close()
+            raise
+
+    # --- what both roles share -------------------------------------------------------------------
+    def handle(self) -> CacheHandle:
+        """What a reader needs to attach: name, nonce and layout version."""
+        return CacheHandle(self._seg.name, self._seg.nonce, LAYOUT_VERSION)
+
+    @property
+    def name(self) -> str:
+        """The segment's name in /dev/shm."""
+        return self._seg.name
+
+    @property
+    def nonce(self) -> int:
+        """The random number of this instance of the segment."""
+        return self._seg.nonce
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch (:meth:`StoreWriter.clear` starts a new one)."""
+        return int(self._hw[H_EPOCH])
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (and has released the mapping)."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        self._reading.check_open()
+
+    def validate(self, ref: object) -> ShmRef:
+        """Check a reference against this segment without reading it (typed errors)."""
+        return self._reading.validate(ref)
+
+    @abc.abstractmethod
+    def get(self, ref: ShmRef | dict[str, Any]) -> Any:
+        """Read a reference: resolve, copy, and verify the copy (a chunk reused during the
+        copy is a ``StaleReferenceError``, never torn data). A reader then acknowledges it."""
+
+    def reader_info(self) -> list[ReaderSlotInfo]:
+        """Every reader slot: attached, alive (kernel lock), pid, acknowledgements, debt."""
+        self._check_open()
+        return reader_slots_info(self.readers, probe=True)
+
+    # --- lifetime -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Idempotent. The writer unlinks the segment and its semaphore; a reader frees its slot."""
+        if self._closed:
+            return
+        self._closed = True
+        self._reading.close()
+        self._close_role()
+        self.readers.release()
+        self.ring.close()
+
+    @abc.abstractmethod
+    def _close_role(self) -> None:
+        """Release what only this role holds (``close`` calls it once, before the mapping)."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _wrong_role(self, name: str, role: str) -> str:
+        how = "ShmObjectStore.create" if role == "writer" else "ShmObjectStore.from_handle"
+        msg = f"this store is a {self._role}: {name!r} is the {role}'s ({how} makes a {role})"
+        if self._seg.forked:
+            msg += f"; and this object was opened by process {self._seg.pid}: attach again"
+        return msg
+
+
+class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
+    """The writer of one segment (:meth:`ShmObjectStore.create`); ``close`` unlinks it.
+
+    Puts, hands out, pins, evicts and clears; drains the readers' acknowledgements. Every
+    method takes :attr:`lock` itself (re-entrant), after :meth:`check_owner`.
+    """
+
+    __slots__ = (
+        "_by_id",
+        "_config",
+        "_guarded",
+        "_has_hints",
+        "_index",
+        "_keys",
+        "_known_sessions",
+        "_live_sessions",
+        "_live_slots",
+        "_lock",
+        "_marked",
+        "_pending",
+        "_rows",
+        "_secret",
+        "_sem",
+        "_slots",
+        "_undrained",
+        "_waiters",
+        "_waiting_keys",
+        "bytes_relocated",
+        "evict_slack",
+        "evictions",
+        "hints",
+        "ledger",
+        "on_evict",
+        "relocate_budget",
+        "relocations",
+        "second_chance",
+        "wakeups",
+    )
+
+    _role = "writer"
+
+    def __init__(self, segment: Segment, config: CacheConfig, *, serde: Serde | None = None):
+        """The writer's state over a segment just created (use :meth:`ShmObjectStore.create`)."""
+        super().__init__(segment, ShmRingBuffer(segment, writer=True), serde=serde)
+        self._config = config
+        self._secret = int(self._hw[H_SECRET])  # the key of every reference's tag
         self.hints = HintTable(segment)  # empty unless the segment is a group shard
         self._has_hints = bool(self.hints)  # its size is fixed with the segment
-        # writer state
-        self._sem: Any = None
-        self._config = config
         self.ledger = HandoutLedger(one_of_n=self.one_of_n, handout_ttl=self.handout_ttl)
         # one entry per cached item: sharded, so that no put rebuilds a big table (``_shards``)
         # at most one item per smallest chunk: the per-item maps are sized for that many
@@ -201,7 +463,7 @@ class ShmObjectStore(Acknowledgements, Eviction):
         self.wakeups = 0
         self.relocations = 0  # second chance: chunks moved to the tail instead of evicted
         self.bytes_relocated = 0  # their payload bytes
-        self.second_chance = config.second_chance if config is not None else False
+        self.second_chance = config.second_chance
         self.relocate_budget = RELOCATE_BUDGET  # per put (tests lower it)
         self.evict_slack = min(EVICT_SLACK_BYTES, self.ring.capacity // 16)
         self.on_evict: Callable[[str], None] | None = None
@@ -211,99 +473,10 @@ class ShmObjectStore(Acknowledgements, Eviction):
         # a request's guard while it decides under the lock (see ``guard``): these chunk ids
         # are not evicted or moved; every chunk put meanwhile joins them. None: no guard
         self._guarded: dict[int, None] | None = None
-
-    # --- construction ------------------------------------------------------------------------
-    @classmethod
-    def create(
-        cls,
-        config: CacheConfig,
-        *,
-        serde: Serde | None = None,
-        name: str | None = None,
-        hint_slots: int = 0,
-    ) -> ShmObjectStore:
-        """Create the segment and become its writer (``close`` unlinks it).
-
-        With a fixed name whose previous writer is provably dead, the old segment and its
-        semaphore are reclaimed first when ``config.reclaim_dead`` (the default). ``name``
-        overrides ``config.name``; ``hint_slots`` sizes the key-hint region (group shards).
-        """
-        layout = Layout(config.capacity_bytes, config.n_readers, config.ack_log_entries, hint_slots)
-        seg = Segment.create(
-            name if name is not None else config.name,
-            layout,
-            max_object_bytes=config.max_object_bytes,
-            delivery=config.delivery,
-            handout_ttl=config.handout_ttl,
-            prefault=config.prefault,
-            reclaim_dead=config.reclaim_dead or name is not None,
+        # the wake-up semaphore readers post while the writer waits for space (``_evict``)
+        self._sem: Any = posix_ipc.Semaphore(
+            semaphore_name(segment.name, segment.nonce), posix_ipc.O_CREX, 0o600, 0
         )
-        try:
-            store = cls(seg, writer=True, serde=serde, config=config)
-            store._sem = posix_ipc.Semaphore(
-                semaphore_name(seg.name, seg.nonce), posix_ipc.O_CREX, 0o600, 0
-            )
-        except BaseException:
-            seg.close()
-            raise
-        return store
-
-    @classmethod
-    def from_handle(
-        cls,
-        handle: CacheHandle | str | dict[str, Any],
-        *,
-        serde: Serde | None = None,
-        probe_interval: float = 0.25,
-    ) -> ShmObjectStore:
-        """Attach to a writer's segment as a reader and claim a reader slot.
-
-        ``probe_interval`` bounds how often a read probes the writer's kernel lock (and so how
-        long a dead writer can go unnoticed).
-        """
-        if isinstance(handle, dict):
-            handle = CacheHandle.from_dict(handle)
-        if isinstance(handle, CacheHandle):
-            if handle.layout_version != LAYOUT_VERSION:
-                raise InvalidReferenceError(
-                    f"handle layout version {handle.layout_version} unknown"
-                )
-            seg = Segment.attach(handle.name, nonce=handle.nonce)
-        else:
-            seg = Segment.attach(handle)
-        try:
-            store = cls(seg, writer=False, serde=serde, probe_interval=probe_interval)
-            if not seg.writer_alive():
-                raise WriterGoneError(f"the writer of {seg.name!r} is gone")
-            store._reading.slot = store.readers.claim()
-        except BaseException:
-            seg.close()
-            raise
-        return store
-
-    def handle(self) -> CacheHandle:
-        """What a reader needs to attach: name, nonce and layout version."""
-        return CacheHandle(self._seg.name, self._seg.nonce, LAYOUT_VERSION)
-
-    @property
-    def name(self) -> str:
-        """The segment's name in /dev/shm."""
-        return self._seg.name
-
-    @property
-    def nonce(self) -> int:
-        """The random number of this instance of the segment."""
-        return self._seg.nonce
-
-    @property
-    def epoch(self) -> int:
-        """The current epoch (:meth:`clear` starts a new one)."""
-        return int(self._hw[H_EPOCH])
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._closed
 
     @property
     def lock(self) -> threading.RLock:
@@ -316,21 +489,12 @@ class ShmObjectStore(Acknowledgements, Eviction):
         """How many dicts each per-item map of the writer is split into (``_shards``)."""
         return len(self._index.shards)
 
-    @property
-    def slot(self) -> ReaderSlot | None:
-        """This reader's slot (None for the writer)."""
-        return self._reading.slot
-
-    def _check_open(self) -> None:
-        self._reading.check_open()
-
     def check_owner(self) -> None:
-        """``RoleError`` unless this is the writer, in the process that created it (not a
-        forked child); ``ClosedCacheError`` once closed. Every writer method checks it first,
-        before it touches shared memory or takes :attr:`lock`."""
-        if self._reading.closed or self._seg.forked or not self.is_writer:  # one call when fine
-            self._check_open()
-            raise RoleError("this is a reader: only the writer puts, hands out and evicts")
+        """``RoleError`` in a forked child of the process that created the writer;
+        ``ClosedCacheError`` once closed. Every writer method checks it first, before it
+        touches shared memory or takes :attr:`lock` (a forked child may inherit it held)."""
+        if self._reading.closed or self._seg.forked:  # one test when fine
+            self._check_open()  # raises: closed, or a forked child
 
     _check_writer = check_owner  # the name the store's own methods use
 
@@ -414,29 +578,29 @@ class ShmObjectStore(Acknowledgements, Eviction):
         self._check_writer()  # first: a forked child may inherit the lock held
         plan = self.plan(value)
         if wait_for_space is None:
-            wait_for_space = self._config.wait_for_space if self._config else 0.0
+            wait_for_space = self._config.wait_for_space
         with self._lock:
             if plan.nbytes < INLINE_COPY_UNDER_LOCK and not wait_for_space:
                 return self._put_now(key, plan)  # small, no wait: one step, the copy is µs
-            res = self.reserve(key, plan, wait_for_space=wait_for_space)
+            res = self._reserve(key, plan, wait_for_space=wait_for_space)
             if plan.nbytes < INLINE_COPY_UNDER_LOCK:
                 try:
-                    self.write_reserved(res)
+                    self._write_reserved(res)
                 except BaseException:
-                    self.abort(res)
+                    self._abort(res)
                     raise
-                return self.commit(res)
+                return self._commit(res)
         try:
-            self.write_reserved(res)
+            self._write_reserved(res)
         except BaseException:
             with self._lock:
-                self.abort(res)
+                self._abort(res)
             raise
         with self._lock:
-            return self.commit(res)
+            return self._commit(res)
 
     def put_locked(self, key: str, plan: EncodePlan) -> ShmRef:
-        """``reserve`` + ``write_reserved`` + ``commit`` of a small value in one step, without
+        """``_reserve`` + ``_write_reserved`` + ``_commit`` of a small value in one step, without
         waiting for space. The lock is held throughout (never let go: the copy runs under it).
 
         For copies of microseconds (the sender's one-item path, :meth:`put` of a small value):
@@ -475,7 +639,7 @@ class ShmObjectStore(Acknowledgements, Eviction):
             raise
         return self._publish_put(key, address, cid, nbytes)
 
-    def reserve(
+    def _reserve(
         self,
         key: str,
         plan: EncodePlan | RawPlan,
@@ -487,7 +651,7 @@ class ShmObjectStore(Acknowledgements, Eviction):
         """Allocate a chunk for ``plan`` (evicting FIFO as needed; the lock is let go only while
         waiting for space).
 
-        ``own_pins``: the caller's pins (entry -> count, as returned by :meth:`pin_entry`). When
+        ``own_pins``: the caller's pins (entry -> count, as returned by :meth:`_pin_entry`). When
         only those hold the head of the ring, nothing can make room while the caller waits, so
         ``CacheFullError`` comes at once instead of after ``wait_for_space``. ``abort``: asked
         after every wake-up while waiting; true ends the wait with ``CacheFullError`` (the caller
@@ -508,7 +672,7 @@ class ShmObjectStore(Acknowledgements, Eviction):
             got = self.ring.try_allocate(plan.nbytes)
             if got is None:  # the slow path: evict, maybe wait
                 if wait_for_space is None:
-                    wait_for_space = self._config.wait_for_space if self._config else 0.0
+                    wait_for_space = self._config.wait_for_space
                 self._waiting_keys.add(key)  # the lock may be let go while waiting: claim the key
                 try:
                     self._make_room(plan.nbytes, wait_for_space, own_pins or {}, abort)
@@ -520,7 +684,7 @@ class ShmObjectStore(Acknowledgements, Eviction):
             self._pending[key] = res
             return res
 
-    def write_reserved(self, res: Reservation) -> None:
+    def _write_reserved(self, res: Reservation) -> None:
         """Copy the value into its chunk. Touches only that chunk: no lock needed.
 
         A ``RawPlan`` is copied byte for byte (a numpy copy: the GIL is let go for big ones),
@@ -539,7 +703,7 @@ class ShmObjectStore(Acknowledgements, Eviction):
             src.release()
         plan.verify()
 
-    def commit(self, res: Reservation) -> ShmRef:
+    def _commit(self, res: Reservation) -> ShmRef:
         """Publish a written chunk, index it and take the first hand-out."""
         with self._lock:
             if res.done:
@@ -578,7 +742,7 @@ class ShmObjectStore(Acknowledgements, Eviction):
             ShmRef, (self._nonce, epoch, address, cid, length, finish_tag(base, seq), position, seq)
         )
 
-    def abort(self, res: Reservation) -> None:
+    def _abort(self, res: Reservation) -> None:
         """Abandon a reservation whose copy failed or was cancelled."""
         with self._lock:
             if res.done:
@@ -633,77 +797,6 @@ class ShmObjectStore(Acknowledgements, Eviction):
             self.drain()
         return seq
 
-    def touch(self, key: str) -> bool:
-        """Protect a cached key from eviction until its next hand-out (``handout_ttl`` at most).
-
-        Returns False if ``key`` is not cached.
-        """
-        self._check_writer()  # first: a forked child may inherit the lock held
-        with self._lock:
-            cid = self._index.get(key)
-            if cid is None:
-                return False
-            self.ledger.touch(self.ledger.debts_of(cid))
-            return True
-
-    def pin(self, key: str) -> bool:
-        """Request-scoped pin (counted) of the entry cached under ``key``; pair with
-        :meth:`unpin`. False if ``key`` is not cached."""
-        self._check_writer()
-        with self._lock:
-            cid = self._index.get(key)
-            if cid is None:
-                return False
-            self.ledger.pin(self.ledger.debts_of(cid))
-            return True
-
-    def unpin(self, key: str) -> None:
-        """Undo one :meth:`pin` of the entry cached under ``key`` now."""
-        if self._seg.forked:  # not when closed: a request's cleanup may run after a close
-            self._check_writer()
-        with self._lock:
-            cid = self._index.get(key)
-            if cid is not None and (e := self.ledger.get(cid)) is not None:
-                self.ledger.unpin(e)
-
-    def pin_entry(self, key: str) -> Debts | None:
-        """Request-scoped pin of the entry cached under ``key`` now (see :meth:`unpin_entry`).
-
-        Returns the entry's debts (``id`` is its chunk id), which hold the pin.
-        """
-        self._check_writer()
-        with self._lock:
-            cid = self._index.get(key)
-            if cid is None:
-                return None
-            e = self.ledger.debts_of(cid)
-            self.ledger.pin(e)
-            return e
-
-    def unpin_entry(self, e: Debts) -> None:
-        """Undo one :meth:`pin_entry` of ``e`` (whatever key names it by now)."""
-        with self._lock:
-            self.ledger.unpin(e)
-
-    @contextlib.contextmanager
-    def pinned(self, keys: list[str]) -> Iterator[list[str]]:
-        """Pin the cached ones of ``keys`` for the block; yields the list of keys pinned.
-
-        Keys appended to that list (pinned later in the block with :meth:`pin`) are unpinned on
-        exit too. Pins belong to entries: an entry invalidated and re-put meanwhile keeps the
-        pins of its own requests, and the new entry is not unpinned by mistake.
-        """
-        entries = [(k, e) for k in keys if (e := self.pin_entry(k)) is not None]
-        done = [k for k, _e in entries]
-        n0 = len(done)
-        try:
-            yield done
-        finally:
-            for _k, e in entries:
-                self.unpin_entry(e)
-            for k in done[n0:]:
-                self.unpin(k)
-
     def release(self, ref: ShmRef) -> bool:
         """Undo one hand-out that never reached the readers. False if unknown or none left."""
         self._check_writer()  # first: a forked child may inherit the lock held
@@ -739,41 +832,6 @@ class ShmObjectStore(Acknowledgements, Eviction):
             self._publish_usage()
             return True
 
-    def guard(self, keys: Sequence[str]) -> dict[int, None]:
-        """Protect the chunks of the cached ``keys``, and every chunk put (committed) from now
-        on, from eviction and relocation until :meth:`unguard`. Hold :attr:`lock` from here to
-        :meth:`unguard`: the guard covers one step.
-
-        A request protects its own items so that its later puts never evict its earlier ones.
-        While it decides in one step under the lock, nothing else can put, so "every chunk put
-        from now on" is exactly its own puts: a set member each instead of a pin (a ledger
-        entry). Returns the guarded set (for :meth:`pin_ids` if the request goes on unlocked).
-        """
-        with self._lock:
-            index = self._index
-            self._guarded = g = {cid: None for k in keys if (cid := index.get(k)) is not None}
-            return g
-
-    def unguard(self) -> None:
-        """End :meth:`guard` (idempotent)."""
-        with self._lock:
-            self._guarded = None
-
-    def pin_ids(self, ids: Iterable[int]) -> list[Debts]:
-        """Request-scoped pins of the live chunks ``ids`` (each undone by :meth:`unpin_entry`).
-
-        What a request's :meth:`guard` becomes when the request goes on outside the lock.
-        """
-        with self._lock:
-            rows, ledger = self._rows, self.ledger
-            out = []
-            for cid in ids:
-                if cid in rows:
-                    e = ledger.debts_of(cid)
-                    ledger.pin(e)
-                    out.append(e)
-            return out
-
     def _publish_usage(self) -> None:
         hw = self._hw
         hw[H_BYTES_USED] = self.ring.used_bytes
@@ -799,82 +857,38 @@ class ShmObjectStore(Acknowledgements, Eviction):
 
     def reader_info(self) -> list[ReaderSlotInfo]:
         """Every reader slot: attached, alive (kernel lock), pid, acknowledgements, debt."""
-        if self.is_writer:
-            self._check_writer()  # a forked child must not publish the parent's words
+        self._check_writer()  # a forked child must not publish the parent's words
+        with self._lock:
             self._publish_owed()
-        else:
-            self._check_open()
-        return reader_slots_info(self.readers, probe=True)
+            return reader_slots_info(self.readers, probe=True)
 
-    # --- reading (the read path) ------------------------------------------------------------
-    def check_writer(self) -> None:
-        """``WriterGoneError`` if the writer closed or died (probed at most every 0.25 s)."""
-        self._reading.check_writer()
+    def get(self, ref: ShmRef | dict[str, Any]) -> Any:
+        """The writer's own read of a reference: a verified copy; nothing is owed or
+        acknowledged (the writer is nobody's debtor). A chunk reused during the copy is a
+        ``StaleReferenceError``, as for a reader."""
+        return self._reading.read(ref)
 
-    def check_reader(self) -> ReaderSlot:
-        """This reader's slot, after checking it may read now (open, writer alive, not revoked)."""
-        return self._reading.check_reader()
-
-    _check_reader = check_reader  # the former name, until the caches use the public one
-
-    def validate(self, ref: object) -> ShmRef:
-        """Check a reference against this segment without reading it (typed errors)."""
-        return self._reading.validate(ref)
-
-    def get(self, ref: ShmRef | dict[str, Any], *, copy: bool = True) -> Any:
-        """Read a reference; a reader acknowledges it once the copy is verified.
-
-        The writer's own read verifies the same way (a chunk reused during the copy is a
-        ``StaleReferenceError``) and acknowledges nothing. With ``copy=False`` the arrays are
-        read-only views into shared memory and nothing is acknowledged: call :meth:`ack` when
-        done (a ``lease`` does this for you).
-        """
-        if self.is_writer:
-            return self._reading.read(ref)
-        return self._reading.get(ref, copy=copy)
-
-    def ack(self, ref: ShmRef) -> None:
-        """Acknowledge a reference read with ``copy=False`` after re-verifying it."""
-        self._reading.ack(ref)
-
-    def give_back(self, ref: ShmRef) -> None:
-        """Acknowledge a reference that will not be read (never raises).
-
-        For a request that failed or was cancelled: the debt is settled so the writer can free
-        the chunk. Nothing is read, so nothing needs verifying. A reference found stale is never
-        given back (it owes nothing; see ``_reading``).
-        """
-        self._reading.give_back(ref)
-
-    # --- lifetime -----------------------------------------------------------------------------
-    def close(self) -> None:
-        """Idempotent. The writer unlinks the segment and its semaphore; a reader frees its slot."""
-        if self._closed:
-            return
-        self._closed = True
-        self._reading.close()
-        if self._sem is not None:
-            with contextlib.suppress(posix_ipc.ExistentialError, OSError):
-                if not self._seg.forked:
-                    self._sem.unlink()
-            if self._waiters:  # wake them; the last one closes the handle (never under them)
-                for _ in range(self._waiters):
-                    with contextlib.suppress(posix_ipc.ExistentialError, OSError):
-                        self._sem.release()
-            else:
+    def _close_role(self) -> None:
+        """Unlink the wake-up semaphore, wake the writers waiting on it, drop the maps."""
+        sem = self._sem
+        with contextlib.suppress(posix_ipc.ExistentialError, OSError):
+            if not self._seg.forked:
+                sem.unlink()
+        if self._waiters:  # wake them; the last one closes the handle (never under them)
+            for _ in range(self._waiters):
                 with contextlib.suppress(posix_ipc.ExistentialError, OSError):
-                    self._sem.close()
+                    sem.release()
+        else:
+            with contextlib.suppress(posix_ipc.ExistentialError, OSError):
+                sem.close()
         self._index.clear()
         self._rows.clear()
         self._keys.clear()
         self._marked.clear()
         self._by_id.clear()
-        self.readers.release()
         self.hints.release()
-        self.ring.close()
 
-    def __enter__(self) -> ShmObjectStore:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+# The reader's class builds on the base above; imported last so that ``from_handle`` (and its
+# annotation, for ``typing.get_type_hints``) finds it here.
+from ._store_reader import StoreReader  # noqa: E402

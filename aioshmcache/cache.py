@@ -35,7 +35,8 @@ from ._request import (
     check_hash,
 )
 from ._serde import Serde
-from ._store import ShmObjectStore
+from ._store import ShmObjectStore, StoreWriter
+from ._store_reader import StoreReader
 from ._types import (
     CacheConfig,
     CacheHandle,
@@ -169,6 +170,8 @@ class _Cache(_Counted):
 
 class SenderCache(_Cache):
     """P0: the writer. Creates and owns the segment; ``close`` unlinks it."""
+
+    store: StoreWriter
 
     def __init__(self, config: CacheConfig, *, serde: Serde | None = None) -> None:
         """Create the segment ``config`` describes (``SegmentExistsError`` if its name is taken
@@ -486,7 +489,9 @@ class _Reader(_Counted):
 class ReceiverCache(_Cache, _Reader):
     """P1: a reader. Attaches to a sender's segment and claims a reader slot."""
 
-    def __init__(self, store: ShmObjectStore) -> None:
+    store: StoreReader
+
+    def __init__(self, store: StoreReader) -> None:
         """Wrap an attached reader store; use ``ReceiverCache.attach(handle)`` instead."""
         self.store = store
         self._released: dict[tuple[int, int], None] = {}  # hand-outs given back (bounded)
@@ -573,7 +578,7 @@ class ReceiverCache(_Cache, _Reader):
         threads finish first: the slot and the mapping are released once the last of them
         ends (waiting up to ``CLOSE_WAIT`` s here, else by that last read as it leaves).
         """
-        self.store._reading.close_when_idle(self.store.close)
+        self.store.close_when_idle()
 
     @property
     def closed(self) -> bool:
@@ -635,7 +640,7 @@ class GroupReceiverCache(_Reader):
             self._shards, self._counters, features, copy=copy, copy_inline_below=copy_inline_below
         )
 
-    def _route(self, ref: object) -> tuple[ShmObjectStore, ShmRef] | None:
+    def _route(self, ref: object) -> tuple[StoreReader, ShmRef] | None:
         r = as_reference(ref)
         if r is None:
             return None

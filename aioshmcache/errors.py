@@ -36,6 +36,7 @@ __all__ = [
     "StaleReferenceError",
     "WireError",
     "WriterGoneError",
+    "WrongRoleError",
 ]
 
 
@@ -129,6 +130,15 @@ class ShmSpaceError(ShmCacheError, OSError):
 
 class RoleError(ShmCacheError):
     """A writer-only method was called on a reader (or in a forked child of the writer)."""
+
+
+class WrongRoleError(RoleError, AttributeError):
+    """A method of the other role was looked up on a store (``reader.put``, ``writer.ack``).
+
+    A ``RoleError`` that names the role having the method; also an ``AttributeError``, since
+    the object indeed has no such attribute: ``hasattr(reader, "put")`` is False and
+    ``getattr(reader, "put", None)`` is None.
+    """
 
 
 class SerdeError(ShmCacheError, ValueError):

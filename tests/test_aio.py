@@ -96,7 +96,7 @@ async def _drain_everything(cache: AsyncSenderCache, rx: AsyncReceiverCache) -> 
     """Read (and so acknowledge) every outstanding hand-out the writer still tracks."""
     store = cache.sender.store
     store.drain()
-    session = rx.receiver.store.slot.session  # type: ignore[union-attr]
+    session = rx.receiver.store._reading.slot.session  # type: ignore[union-attr]
     for key in cache.cached_order():
         cid = store._index[key]
         e = store.ledger.get(cid)  # None: nothing owed on it

@@ -434,7 +434,7 @@ def test_a_failed_read_gives_its_references_back(
         )
         rx = ReceiverCache.attach(tx.handle(), serde=_ReadFails(exc))
         try:
-            rx.store.check_reader()  # the writer probed now: one-item reads take their own path
+            rx.store._check_reader()  # the writer probed now: one-item reads take their own path
             with pytest.raises(type(exc)):
                 if how == "features":
                     rx.get_and_update_features(feats)
@@ -594,7 +594,7 @@ def test_a_stale_reference_is_not_acknowledged(make_config: Any) -> None:
         req = rx._request([f], copy_inline_below=0)
         req.begin()
         tx.clear_cache()
-        slot = rx.store.slot
+        slot = rx.store._reading.slot
         assert slot is not None
         before = slot.acknowledged
         req.run_jobs()
@@ -678,7 +678,7 @@ def test_one_reference_is_read_by_a_one_item_request(
         SenderCache(make_config()) as tx,
         ReceiverCache.attach(tx.handle(), serde=serde) as rx,
     ):
-        rx.store.check_reader()  # the first check probes the writer: not the usual case
+        rx.store._check_reader()  # the first check probes the writer: not the usual case
         monkeypatch.setattr(ReceiverRequest, "begin", counted_begin)
 
         def owed() -> list[int]:
@@ -727,7 +727,7 @@ def test_one_reference_is_read_by_a_one_item_request(
                         pass
                 else:
                     rx.get_and_update_item(ref, "b")
-            rx.store.slot.flush()  # type: ignore[union-attr]
+            rx.store._reading.slot.flush()  # type: ignore[union-attr]
             assert owed() == [1]
         assert rx.make_stats() == CacheInfo(2, 6)
         assert len(requests) == 6  # one per call

@@ -62,6 +62,18 @@ async def _engine(
                 await task
 
 
+@contextlib.asynccontextmanager
+async def _connected(
+    make_config: Callable[..., Any], sock: Path, serve: dict[str, Any] | None = None, **client: Any
+) -> AsyncIterator[tuple[AsyncSenderCache, AsyncReceiverCache, EngineClient]]:
+    """``_engine`` serving ``sock`` (``serve``: its keywords) and a client connected to it."""
+    async with (
+        _engine(make_config, sock, **(serve or {})) as (cache, rx, _task),
+        EngineClient.connect(sock, cache=cache, **client) as engine,
+    ):
+        yield cache, rx, engine
+
+
 async def _features(cache: AsyncSenderCache, ids: range) -> list[FeatureSpec]:
     return await cache.get_and_update_features([FeatureSpec(f"h{i}", _item(i)) for i in ids])
 
@@ -71,10 +83,7 @@ async def test_call_round_trip_refs_and_inline(
     make_config: Callable[..., Any], tmp_path: Path, lease: bool
 ) -> None:
     sock = tmp_path / "e.sock"
-    async with (
-        _engine(make_config, sock, lease=lease) as (cache, _rx, _t),
-        EngineClient.connect(sock, cache=cache) as engine,
-    ):
+    async with _connected(make_config, sock, {"lease": lease}) as (cache, _rx, engine):
         feats = await _features(cache, range(3))
         assert all(isinstance(f.data, ShmRef) for f in feats)
         inline = FeatureSpec("inline", _item(9))
@@ -93,10 +102,7 @@ async def test_handler_error_is_typed_and_the_connection_stays_usable(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
     sock = tmp_path / "e.sock"
-    async with (
-        _engine(make_config, sock) as (cache, _rx, _t),
-        EngineClient.connect(sock, cache=cache, max_connections=1) as engine,
-    ):
+    async with _connected(make_config, sock, max_connections=1) as (cache, _rx, engine):
         [f] = await _features(cache, range(1))
         with pytest.raises(EngineCallError, match="divided by zero") as info:
             await engine.call([f], {"op": "fail"})
@@ -111,10 +117,7 @@ async def test_unencodable_call_gives_its_hand_outs_back(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
     sock = tmp_path / "e.sock"
-    async with (
-        _engine(make_config, sock) as (cache, _rx, _t),
-        EngineClient.connect(sock, cache=cache) as engine,
-    ):
+    async with _connected(make_config, sock) as (cache, _rx, engine):
         [f] = await _features(cache, range(1))
         with pytest.raises(WireError):
             await engine.call([f], {"op": object()})
@@ -145,10 +148,7 @@ async def test_deadline_then_the_late_answer_never_reaches_the_next_call(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
     sock = tmp_path / "e.sock"
-    async with (
-        _engine(make_config, sock) as (cache, _rx, _t),
-        EngineClient.connect(sock, cache=cache, max_connections=1) as engine,
-    ):
+    async with _connected(make_config, sock, max_connections=1) as (_cache, _rx, engine):
         with pytest.raises(EngineTimeoutError, match="answer"):
             await engine.call([], {"op": "sleep", "s": 1.0}, timeout=0.2)
         out = await engine.call([], {"op": "echo", "n": 2}, timeout=10)
@@ -160,10 +160,7 @@ async def test_cancelled_while_waiting_for_the_pool_gives_hand_outs_back(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
     sock = tmp_path / "e.sock"
-    async with (
-        _engine(make_config, sock) as (cache, _rx, _t),
-        EngineClient.connect(sock, cache=cache, max_connections=1) as engine,
-    ):
+    async with _connected(make_config, sock, max_connections=1) as (cache, _rx, engine):
         blocker = asyncio.create_task(engine.call([], {"op": "sleep", "s": 0.5}))
         assert await asyncio.to_thread(wait_until, lambda: engine.open_connections == 1)
         [f] = await _features(cache, range(1))
@@ -182,10 +179,7 @@ async def test_cancelled_after_delivery_is_still_read_by_the_worker(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
     sock = tmp_path / "e.sock"
-    async with (
-        _engine(make_config, sock) as (cache, rx, _t),
-        EngineClient.connect(sock, cache=cache) as engine,
-    ):
+    async with _connected(make_config, sock) as (cache, rx, engine):
         [f] = await _features(cache, range(1))
         call = asyncio.create_task(engine.call([f], {"op": "crc"}))
         assert await asyncio.to_thread(wait_until, lambda: rx.make_stats().total == 1)
@@ -200,10 +194,7 @@ async def test_many_concurrent_calls_share_a_bounded_pool(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
     sock = tmp_path / "e.sock"
-    async with (
-        _engine(make_config, sock) as (cache, _rx, _t),
-        EngineClient.connect(sock, cache=cache, max_connections=3) as engine,
-    ):
+    async with _connected(make_config, sock, max_connections=3) as (cache, _rx, engine):
         feats = await _features(cache, range(24))
         seen = []
 
@@ -222,10 +213,7 @@ async def test_drift_recovery_resends_the_missing_items_inline_once(
     make_config: Callable[..., Any], tmp_path: Path, with_items: bool
 ) -> None:
     sock = tmp_path / "e.sock"
-    async with (
-        _engine(make_config, sock) as (cache, _rx, _t),
-        EngineClient.connect(sock, cache=cache) as engine,
-    ):
+    async with _connected(make_config, sock) as (cache, _rx, engine):
         [stale] = await _features(cache, range(1))
         await cache.clear_cache()  # a new epoch: the reference goes stale (the worker misses it)
         [fresh] = await _features(cache, range(1, 2))
@@ -411,10 +399,7 @@ async def test_hostile_calls_get_typed_answers_and_the_worker_keeps_serving(
     from aioshmcache.wire import read_frame, write_frame
 
     sock = tmp_path / "e.sock"
-    async with (
-        _engine(make_config, sock, max_frame_bytes=1 << 20) as (cache, _rx, _t),
-        EngineClient.connect(sock, cache=cache) as engine,
-    ):
+    async with _connected(make_config, sock, {"max_frame_bytes": 1 << 20}) as (_cache, _rx, engine):
         reader, writer = await asyncio.open_unix_connection(str(sock))
         for head, body in [
             (b"\x00garbage", b"more garbage"),

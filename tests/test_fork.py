@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -65,12 +65,14 @@ def _kill_grandchild(pid: int) -> None:
 
 
 def _use_the_parent_s_store(store: ShmObjectStore, ref: dict[str, Any], conn: Any) -> None:
-    """Forked child: every use of the parent's store is a RoleError; then live on."""
+    """Forked child: every use of the parent's store is a RoleError; then live on.
+
+    ``put``: the writer's, or for a reader a name of the other role, which says so too."""
     results: list[object] = []
     for call in (
-        lambda: store.put("child", {"x": 2}),
+        lambda: cast(Any, store).put("child", {"x": 2}),
         lambda: store.get(ref),
-        lambda: store.check_reader(),
+        store.reader_info,
     ):
         try:
             call()
@@ -215,7 +217,7 @@ def _writer_calls(tx: SenderCache, ref: ShmRef) -> dict[str, Callable[[], object
         "store.reader_info": st.reader_info,
         "store.evict": st.evict,
         "store.pin": lambda: st.pin("h0"),
-        "store.pin_entry": lambda: st.pin_entry("h0"),
+        "store._pin_entry": lambda: st._pin_entry("h0"),
         "store.unpin": lambda: st.unpin("h0"),
         "store.get_cached": lambda: st.get_cached("h0"),
         "store.touch": lambda: st.touch("h0"),

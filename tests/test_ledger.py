@@ -110,18 +110,22 @@ class LedgerModel(RuleBasedStateMachine):
                         if not h.owers:
                             del hs[seq]
 
+    def _expect_hand_out(self, cid: int, seq: int) -> None:
+        """The model's side of a hand-out ``seq`` of ``cid``: next in order, owed by whom."""
+        assert seq == self.next_seq
+        self.next_seq += 1
+        self.touched[cid] = None  # a hand-out ends a touch (an untracked entry has none)
+        if self.one_of_n:
+            self.handouts[cid][seq] = _Handout(None, self.clock.now)
+        elif self.sessions:
+            self.handouts[cid][seq] = _Handout(set(self.sessions), self.clock.now)
+
     @precondition(lambda self: self.entries)
     @rule(data=st.data())
     def hand_out(self, data: st.DataObject) -> None:
         cid = data.draw(st.sampled_from(sorted(self.entries)))
         seq = self.ledger.hand_out(self.entries[cid], sorted(self.sessions))
-        assert seq == self.next_seq
-        self.next_seq += 1
-        self.touched[cid] = None
-        if self.one_of_n:
-            self.handouts[cid][seq] = _Handout(None, self.clock.now)
-        elif self.sessions:
-            self.handouts[cid][seq] = _Handout(set(self.sessions), self.clock.now)
+        self._expect_hand_out(cid, seq)
 
     @precondition(lambda self: self.sessions and self.next_seq > 1)
     @rule(data=st.data())
@@ -156,16 +160,10 @@ class LedgerModel(RuleBasedStateMachine):
         """The store's path: by chunk id, a ``Debts`` made only when something is owed."""
         cid = data.draw(st.sampled_from(sorted(self.entries)))
         seq = self.ledger.hand_out_id(cid, sorted(self.sessions))
-        assert seq == self.next_seq
-        self.next_seq += 1
-        self.touched[cid] = None  # a hand-out ends a touch (an untracked entry has none)
         tracked = self.ledger.get(cid)
         if tracked is not None:
             self.entries[cid] = tracked  # made by the ledger if it had none
-        if self.one_of_n:
-            self.handouts[cid][seq] = _Handout(None, self.clock.now)
-        elif self.sessions:
-            self.handouts[cid][seq] = _Handout(set(self.sessions), self.clock.now)
+        self._expect_hand_out(cid, seq)
 
     @precondition(lambda self: self.sessions and self.next_seq > 1)
     @rule(data=st.data())
@@ -463,5 +461,5 @@ def test_store_lost_broadcast_handout_neither_pins_nor_revokes(shm_name: str) ->
         while not reader_progresses_and_lost_lapses():
             clock.advance(0.05)
         assert clock.now - t0 > 0.2  # the revocation limit passed meanwhile
-        assert not r.slot.revoked  # type: ignore[union-attr]
+        assert not r._reading.slot.revoked  # type: ignore[union-attr]
         assert r.get(w.put("after", _item()))["x"][5] == 5

@@ -24,6 +24,7 @@ from aioshmcache import (
     ShmObjectStore,
     ShmRingBuffer,
     StaleReferenceError,
+    StoreWriter,
 )
 from aioshmcache._evict import (
     EVICT_AHEAD_PUTS,
@@ -47,7 +48,7 @@ def blob(key: str) -> bytes:
 
 
 @pytest.fixture
-def store(make_config: Any) -> Iterator[ShmObjectStore]:
+def store(make_config: Any) -> Iterator[StoreWriter]:
     """A full ring of k0..k4 (oldest first), batch eviction off so evictions are exact."""
     with ShmObjectStore.create(make_config(CAP, 8000, 2)) as s:
         s.evict_slack = 0
@@ -63,7 +64,7 @@ def test_config_validates_second_chance() -> None:
         CacheConfig(CAP, 8000, 1, second_chance=1)  # type: ignore[arg-type]
 
 
-def test_a_hit_item_survives_a_wrap_that_evicts_an_unhit_one(store: ShmObjectStore) -> None:
+def test_a_hit_item_survives_a_wrap_that_evicts_an_unhit_one(store: StoreWriter) -> None:
     first = store.ref_of("k0")
     hit = store.get_cached("k0")
     assert first is not None and hit is not None
@@ -92,7 +93,7 @@ def test_second_chance_off_keeps_pure_fifo(make_config: Any) -> None:
         assert (s.relocations, s.bytes_relocated, s.evictions) == (0, 0, 1)
 
 
-def test_a_relocated_item_loses_its_mark(store: ShmObjectStore) -> None:
+def test_a_relocated_item_loses_its_mark(store: StoreWriter) -> None:
     """Every item hit: each moves once, then the first moved (unmarked now) is evicted."""
     for k in KEYS:
         store.get_cached(k)
@@ -105,7 +106,7 @@ def test_a_relocated_item_loses_its_mark(store: ShmObjectStore) -> None:
 
 @pytest.mark.parametrize("how", ["owed", "leased", "pinned", "touched"])
 def test_an_owed_leased_pinned_or_touched_item_is_never_relocated(
-    store: ShmObjectStore, how: str
+    store: StoreWriter, how: str
 ) -> None:
     with ShmObjectStore.from_handle(store.handle()) as reader:
         ref = store.get_cached("k0")  # a hit (marked), owed by the reader
@@ -137,7 +138,7 @@ def test_an_owed_leased_pinned_or_touched_item_is_never_relocated(
         assert store.relocations == 1 and store.keys()[-2:] == ["k0", "new"]
 
 
-def test_no_rotation_past_a_blocked_item(store: ShmObjectStore) -> None:
+def test_no_rotation_past_a_blocked_item(store: StoreWriter) -> None:
     """k0, k1 hit, k2 pinned: moving k0 and k1 would leave k2 at the head and no room, so the
     put evicts k0 in FIFO order instead (the ring's behaviour without second chance)."""
     store.get_cached("k0")
@@ -152,7 +153,7 @@ def test_no_rotation_past_a_blocked_item(store: ShmObjectStore) -> None:
     assert store.relocations == 1
 
 
-def test_relocated_bytes_per_put_are_bounded(store: ShmObjectStore) -> None:
+def test_relocated_bytes_per_put_are_bounded(store: StoreWriter) -> None:
     one = chunk_size(store.ref_of("k0").length)  # type: ignore[union-attr]
     store.relocate_budget = one  # one chunk per put
     assert RELOCATE_BUDGET >= 8 << 20

@@ -175,20 +175,21 @@ async def test_a_failure_reaches_every_waiter_and_caches_nothing(
 
 
 def _blocking_first_put(cache: AsyncSenderCache, started: threading.Event) -> threading.Event:
-    """Make the first put's copy (a job in a worker thread) block until the event is set."""
-    store = cache.sender.store
-    original = store.write_reserved
+    """Make the first put's copy (a job in a worker thread) block until the event is set: the
+    copy asks the ring for its chunk's payload first."""
+    ring = cache.sender.store.ring
+    original = ring.payload
     release = threading.Event()
     first = [True]
 
-    def write_reserved(res: Any) -> None:
+    def payload(address: int) -> memoryview:
         if first[0]:
             first[0] = False
             started.set()
             release.wait(60)
-        original(res)
+        return original(address)
 
-    store.write_reserved = write_reserved  # type: ignore[method-assign]
+    ring.payload = payload  # type: ignore[method-assign]
     return release
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, assert_type
 
 import numpy as np
 import pytest
@@ -23,6 +24,9 @@ from aioshmcache import (
     ShmObjectStore,
     ShmRef,
     StaleReferenceError,
+    StoreReader,
+    StoreWriter,
+    WrongRoleError,
 )
 from aioshmcache._inspect import inspect_segment
 from aioshmcache._layout import chunk_size
@@ -63,15 +67,17 @@ class StoreModel(RuleBasedStateMachine):
         self.marked: set[str] = set()  # hit since put or relocated
         self.stale: list[ShmRef] = []  # references to chunks that were relocated away
         self.relocated: list[str] = []  # what the store relocated during the last put, in order
-        relocate = self.store._relocate
+        ring = self.store.ring
+        relocate_head = ring.relocate_head
 
-        def spy(cid: int) -> None:
-            key = self.store.key_of(cid)
+        def spy() -> tuple[int, int, int] | None:  # the store moves its head chunk: which key?
+            cid = ring.head_id
+            key = None if cid is None else self.store.key_of(cid)
             assert key is not None
             self.relocated.append(key)
-            relocate(cid)
+            return relocate_head()
 
-        self.store._relocate = spy  # type: ignore[method-assign]
+        ring.relocate_head = spy  # type: ignore[method-assign]
 
     def teardown(self) -> None:
         for r in self.readers:
@@ -308,33 +314,101 @@ def test_eviction_frees_until_contiguous_room(make_config: Any) -> None:
         assert store.evictions > 10
 
 
-def test_reader_role_errors(make_config: Any) -> None:
+def test_create_makes_the_writer_and_from_handle_a_reader(make_config: Any) -> None:
+    """Issue 20 item 5: one object per role, and the type checker knows which (``assert_type``
+    is checked by mypy over the tests)."""
     with ShmObjectStore.create(make_config()) as store:
-        reader = ShmObjectStore.from_handle(store.handle())
+        assert_type(store, StoreWriter)
+        with ShmObjectStore.from_handle(store.handle()) as reader:
+            assert_type(reader, StoreReader)
+            assert type(store) is StoreWriter and type(reader) is StoreReader
+            assert isinstance(store, ShmObjectStore) and isinstance(reader, ShmObjectStore)
+            assert not isinstance(store, StoreReader) and not isinstance(reader, StoreWriter)
+            ref = store.put("k", {"x": np.arange(3)})
+            assert reader.get(ref)["x"].tolist() == [0, 1, 2]  # read and acknowledged
+            assert store.get(ref)["x"].tolist() == [0, 1, 2]  # the writer's own verified read
+            store.drain()
+            assert store.is_freeable("k")  # the reader's acknowledgement settled the hand-out
+
+
+def _slots(cls: type) -> set[str]:
+    return {n for c in cls.__mro__ for n in c.__dict__.get("__slots__", ())}
+
+
+def test_each_role_holds_only_its_own_state(make_config: Any) -> None:
+    """The writer has no reader slot; the reader has no index, rows, ledger or writer lock.
+
+    Both are slotted all the way down (no ``__dict__``), so what each declares is all it can
+    hold, and every declared field is set by its constructor.
+    """
+    base = _slots(ShmObjectStore)
+    writer_only = _slots(StoreWriter) - base
+    assert _slots(StoreReader) == base  # no field of its own: its slot is its read path's
+    assert {"_index", "_rows", "_keys", "_marked", "ledger", "_lock", "_pending"} <= writer_only
+    with (
+        ShmObjectStore.create(make_config()) as store,
+        ShmObjectStore.from_handle(store.handle()) as reader,
+    ):
+        for obj, cls in ((store, StoreWriter), (reader, StoreReader)):
+            assert not hasattr(obj, "__dict__")
+            assert all(hasattr(obj, n) for n in _slots(cls)), "a declared field left unset"
+        assert store._reading.slot is None  # no reader slot: the writer owes nothing
+        assert reader._reading.slot is not None
+        for name in writer_only:
+            assert not hasattr(reader, name)
+
+
+def test_a_method_of_the_other_role_is_a_role_error(make_config: Any) -> None:
+    """A reader's ``put`` (or a writer's ``ack``) is a ``RoleError`` naming the role that has
+    it; also an ``AttributeError``, so ``hasattr`` is False rather than raising."""
+    names = ShmObjectStore._role_names
+    assert names["reader"] == {"ack", "check_writer", "close_when_idle", "give_back"}
+    assert {"put", "get_cached", "clear", "touch", "evict", "lock", "ledger"} <= names["writer"]
+    assert not names["reader"] & names["writer"]
+    with ShmObjectStore.create(make_config()) as store:
+        ref = store.put("k", {})
+        reader: Any = ShmObjectStore.from_handle(store.handle())
+        writer: Any = store
         try:
-            for call in (
-                lambda: reader.put("k", {}),
+            for obj, other in ((reader, "writer"), (writer, "reader")):
+                for name in names[other]:
+                    assert not hasattr(obj, name)
+                    assert getattr(obj, name, None) is None
+                    with pytest.raises(WrongRoleError, match=f"'{name}' is the {other}'s"):
+                        getattr(obj, name)
+            calls: list[Callable[[], object]] = [
+                lambda: reader.put("k2", {}),
                 lambda: reader.get_cached("k"),
                 lambda: reader.clear(),
                 lambda: reader.touch("k"),
-            ):
+                lambda: writer.ack(ref),
+                lambda: writer.give_back(ref),
+            ]
+            for call in calls:
                 with pytest.raises(RoleError):
                     call()
+            with pytest.raises(AttributeError) as info:
+                reader.no_such_name  # noqa: B018
+            assert not isinstance(info.value, RoleError)
+            assert store.get_cached("k") is not None  # nothing above touched the writer
+            # class attributes, no ``__getattr__`` (which would slow every attribute load)
+            assert not any("__getattr__" in vars(c) for c in StoreWriter.__mro__)
+            assert not any("__getattr__" in vars(c) for c in StoreReader.__mro__)
         finally:
             reader.close()
 
 
-_STORE: list[ShmObjectStore] = []
+_STORE: list[Any] = []  # the writer, then the reader
 
 
-def _fuzz_store() -> tuple[ShmObjectStore, ShmObjectStore, ShmRef]:
+def _fuzz_store() -> tuple[StoreWriter, StoreReader, ShmRef]:
     if not _STORE:
         w = ShmObjectStore.create(CacheConfig(1 << 16, 1 << 14, 1))
         r = ShmObjectStore.from_handle(w.handle())
         ref = w.put("real", {"a": np.arange(100)})
         _STORE.extend([w, r])
-        _STORE.append(ref)  # type: ignore[arg-type]
-    return _STORE[0], _STORE[1], _STORE[2]  # type: ignore[return-value]
+        _STORE.append(ref)
+    return _STORE[0], _STORE[1], _STORE[2]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -584,7 +658,7 @@ def test_lag_counts_a_reader_that_never_acknowledged(make_config: Any) -> None:
     ):
         refs = [store.put(f"k{i}", {"i": i}) for i in range(3)]
         assert [s.lag for s in store.reader_info() if s.attached] == [3]
-        assert reader.slot is not None and reader.slot.slot == 0
+        assert reader._reading.slot is not None and reader._reading.slot.slot == 0
         # inspect, from outside the writer: slot 0's row says acked 0, behind 3
         row = inspect_segment(store.name).splitlines()[-2].split()
         assert row[0] == "0" and row[4:6] == ["0", "3"]

@@ -206,16 +206,11 @@ def test_one_threshold_for_a_copy_under_the_writer_lock(make_config: Any) -> Non
 
 # --- no public method returns a private type --------------------------------------------------
 
-#: public methods of the lower layers (``ShmObjectStore``, ``ShmRingBuffer``: DESIGN.md section 2,
-#: the layers the caches are built on) that hand out their private building blocks, and why
-PRIVATE_RETURNS = {
-    "ShmObjectStore.reserve": "the reservation a put commits or aborts (used by the caches)",
-    "ShmObjectStore.pin_entry": "the debts a reader pays back (the caches' pinning)",
-    "ShmObjectStore.pin_ids": "the debts a reader pays back (the caches' pinning)",
-    "ShmObjectStore.check_reader": "the reader's own slot (the caches' liveness checks)",
-    "ShmObjectStore.slot": "the reader's own slot (the caches' liveness checks)",
-    "ShmRingBuffer.segment": "the mapped segment under the ring (the store's layout)",
-}
+#: public methods of the lower layers (``ShmObjectStore`` and its two roles, ``ShmRingBuffer``:
+#: DESIGN.md section 2, the layers the caches are built on) that hand out their private building
+#: blocks, and why. Empty: the caches' own steps (a put's reservation, a request's pins, the
+#: reader's slot) are private methods (issue 23 item 4).
+PRIVATE_RETURNS: dict[str, str] = {}
 
 
 def _exported_ids() -> set[int]:

@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from aioshmcache import CacheConfig, ShmObjectStore
+from aioshmcache import CacheConfig, ShmObjectStore, StoreWriter
 
 from ..units import GiB, KiB, MiB
 
@@ -34,7 +34,7 @@ def bench_config(capacity: int, max_object: int, n_readers: int = 1, **kw: objec
 
 
 @contextlib.contextmanager
-def open_store(config: CacheConfig) -> Iterator[ShmObjectStore]:
+def open_store(config: CacheConfig) -> Iterator[StoreWriter]:
     store = ShmObjectStore.create(config)
     try:
         yield store

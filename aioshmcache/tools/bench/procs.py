@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from aioshmcache import ShmObjectStore, ShmRef
+from aioshmcache import ShmObjectStore, ShmRef, StoreReader
 
 __all__ = ["LazyWorker", "Worker"]
 
@@ -27,7 +27,7 @@ JOIN_TIMEOUT = 10.0
 
 def _serve(conn: Connection, q_in: Any, q_out: Any) -> None:
     """The worker's main loop (runs in the spawned process)."""
-    stores: list[ShmObjectStore] = []
+    stores: list[StoreReader] = []
 
     def detach() -> None:
         for s in stores:
@@ -62,7 +62,7 @@ def _dispatch(
     conn: Connection,
     q_in: Any,
     q_out: Any,
-    stores: list[ShmObjectStore],
+    stores: list[StoreReader],
     detach: Any,
 ) -> tuple[Any, ...]:
     if cmd == "attach":  # ("attach", handle, n): claim n reader slots
@@ -145,7 +145,7 @@ def _dispatch(
     return ("error", f"unknown command {cmd!r}")
 
 
-def _read(store: ShmObjectStore, ref: Any, mode: str) -> int:
+def _read(store: StoreReader, ref: Any, mode: str) -> int:
     """Read ``ref``: a copy, or (``lease``) a zero-copy view acknowledged at once; its bytes."""
     if mode == "copy":
         return _nbytes(store.get(ref))

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from aioshmcache import SenderCache, ShmObjectStore, ShmRef
+from aioshmcache import SenderCache, ShmObjectStore, ShmRef, StoreReader, StoreWriter
 
 from ..progress import Progress
 from ..units import GiB, MiB, fmt_bytes
@@ -67,7 +67,7 @@ def _room_for(nbytes: int) -> bool:
     return _mem_available() > nbytes + 3 * GiB and _shm_free() > nbytes + 1 * GiB
 
 
-def _handout(store: ShmObjectStore, key: str) -> ShmRef:
+def _handout(store: StoreWriter, key: str) -> ShmRef:
     ref = store.get_cached(key)
     if ref is None:
         raise RuntimeError(f"{key!r} is not cached any more")
@@ -166,7 +166,7 @@ def _store_ops_one(p: Params, report: Report, shm: ShmBuffer, size: int) -> None
         )
 
 
-def _lease_once(reader: ShmObjectStore, ref: ShmRef) -> None:
+def _lease_once(reader: StoreReader, ref: ShmRef) -> None:
     """A zero-copy read: the view, then the acknowledgement."""
     v = reader.get(ref, copy=False)
     reader.ack(ref)
@@ -569,8 +569,8 @@ def bench_cache_size(p: Params, report: Report, progress: Progress) -> None:
 
 def _cache_ops(
     p: Params,
-    store: ShmObjectStore,
-    reader: ShmObjectStore,
+    store: StoreWriter,
+    reader: StoreReader,
     small: dict[str, Any],
     big: dict[str, Any],
     ops: dict[str, Samples],

@@ -1,0 +1,92 @@
+"""Layer 5, the reader's role: ``StoreReader``, what ``ShmObjectStore.from_handle`` returns.
+
+A reader holds a reader slot (claimed at attach, released at close; its kernel lock tells the
+writer it is alive) and reads references: resolve, copy or view, verify the copy, then
+acknowledge the hand-out in its slot's log (``_reading.ReadPath`` does all of it). It holds no
+writer state: no index, rows, ledger or writer lock. The writer's methods are not on this class
+(see ``_store``: looked up here they raise ``WrongRoleError``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._readers import ReaderSlot
+from ._reading import CLOSE_WAIT
+from ._ring import ShmRingBuffer
+from ._segment import Segment
+from ._serde import Serde
+from ._store import ShmObjectStore
+from ._types import ShmRef
+from .errors import WriterGoneError
+
+__all__ = ["StoreReader"]
+
+
+class StoreReader(ShmObjectStore):
+    """A reader of one segment (:meth:`ShmObjectStore.from_handle`); ``close`` frees its slot.
+
+    Reads and acknowledges references; no lock on the read path. Its reader slot is its read
+    path's (``_reading.slot``): the one piece of state it adds to the base.
+    """
+
+    __slots__ = ()
+
+    _role = "reader"
+
+    def __init__(
+        self, segment: Segment, *, serde: Serde | None = None, probe_interval: float = 0.25
+    ) -> None:
+        """Claim a reader slot of an attached segment (use :meth:`ShmObjectStore.from_handle`).
+
+        ``WriterGoneError`` if the writer is gone already; ``ReaderLimitError`` if every slot
+        is taken.
+        """
+        ring = ShmRingBuffer(segment, writer=False)
+        super().__init__(segment, ring, serde=serde, probe_interval=probe_interval)
+        if not segment.writer_alive():
+            raise WriterGoneError(f"the writer of {segment.name!r} is gone")
+        self._reading.slot = self.readers.claim()
+
+    def get(self, ref: ShmRef | dict[str, Any], *, copy: bool = True) -> Any:
+        """Read a reference and acknowledge it once the copy is verified.
+
+        With ``copy=False`` the arrays are read-only views into shared memory and nothing is
+        acknowledged: call :meth:`ack` when done (a cache's ``lease`` does this for you).
+        """
+        return self._reading.get(ref, copy=copy)
+
+    def ack(self, ref: ShmRef) -> None:
+        """Acknowledge a reference read with ``copy=False`` after re-verifying it."""
+        self._reading.ack(ref)
+
+    def give_back(self, ref: ShmRef) -> None:
+        """Acknowledge a reference that will not be read (never raises).
+
+        For a request that failed or was cancelled: the debt is settled so the writer can free
+        the chunk. Nothing is read, so nothing needs verifying. A reference found stale is never
+        given back (it owes nothing; see ``_reading``).
+        """
+        self._reading.give_back(ref)
+
+    def check_writer(self) -> None:
+        """``WriterGoneError`` if the writer closed or died (its kernel lock is probed at most
+        every ``probe_interval`` s)."""
+        self._reading.check_writer()
+
+    def _check_reader(self) -> ReaderSlot:
+        """This reader's slot, after checking it may read now (open, writer alive, not
+        revoked): for the caches' requests, which read through the slot themselves."""
+        return self._reading.check_reader()
+
+    def close_when_idle(self, *, wait: float = CLOSE_WAIT) -> bool:
+        """Close now (reads that start later raise ``ClosedCacheError``) and free the slot and
+        the mapping once no read is in flight in another thread.
+
+        They are freed here if the reads in flight end within ``wait`` s, else by the last of
+        them as it leaves; True if freed here. Never call it from inside a read of this store.
+        """
+        return self._reading.close_when_idle(self.close, wait=wait)
+
+    def _close_role(self) -> None:
+        """Nothing of its own: the slot is the read path's, freed when that closes."""
