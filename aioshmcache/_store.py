@@ -692,8 +692,7 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
         """
         plan = res.plan
         if not isinstance(plan, RawPlan):
-            start = res.address + CHUNK_HEADER  # ``ring.payload``, inline (as in ``_put_now``)
-            self.serde.write(plan, self.ring.buf[start : start + plan.nbytes])
+            self.serde.write(plan, self.ring.payload(res.address))
             return
         src = plan.source()
         try:
