@@ -807,3 +807,43 @@ def test_a_request_that_goes_on_unlocked_keeps_its_early_items(make_config: Any)
         assert not sender.is_cached_item("A")
     finally:
         sender.close()
+
+
+def test_sync_receivers_read_big_references_in_the_validating_step(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sync receiver reads every reference, big ones included, in the step that validated
+    it (no read job, no second look-up of the chunk); the item is read whole and acknowledged.
+    The threshold is the async face's: a ``ReceiverRequest`` with the default one still makes
+    its big reads jobs."""
+    from aioshmcache._receive import ReceiverRequest
+
+    jobs: list[object] = []
+    run_jobs = ReceiverRequest.run_jobs
+
+    def counted_run_jobs(self: ReceiverRequest) -> None:
+        jobs.append(self)
+        run_jobs(self)
+
+    big = 3 << 20  # over the default threshold (1 MiB)
+    with (
+        SenderCache(make_config(16 << 20, 8 << 20, 1)) as tx,
+        ReceiverCache.attach(tx.handle()) as rx,
+    ):
+        monkeypatch.setattr(ReceiverRequest, "run_jobs", counted_run_jobs)
+        refs = [tx.get_and_update_item((item(t, big), ()), f"b{t}")[0] for t in range(3)]
+        got = rx.get_and_update_item(refs[0], "b0")
+        [f1, f2] = rx.get_and_update_features(
+            [FeatureSpec("b1", refs[1]), FeatureSpec("b2", refs[2])]
+        )
+        assert jobs == []
+        for t, data in enumerate([got, f1.data, f2.data]):
+            assert data["pixel_values"].nbytes == big and int(data["pixel_values"][-1]) == t
+        assert all(tx.is_freeable(f"b{t}") for t in range(3))  # every read acknowledged
+        assert rx.make_stats() == CacheInfo(3, 3)
+        ref, _ = tx.get_and_update_item(None, "b0")
+        req = rx._request([FeatureSpec("b0", ref)])  # the async face's default: a read job
+        req.begin()
+        assert req.has_jobs
+        req.run_jobs()
+        assert jobs == [req] and int(req.finish()[0].data["pixel_values"][7]) == 0
