@@ -27,6 +27,7 @@ from ._types import (
     FeatureSpec,
     ReaderSlotInfo,
     ShmRef,
+    TierSnapshot,
 )
 from .aio import AsyncReceiverCache, AsyncSenderCache
 from .cache import GroupReceiverCache, ReceiverCache, SenderCache
@@ -106,6 +107,7 @@ __all__ = [
     "StaleReferenceError",
     "StoreReader",
     "StoreWriter",
+    "TierSnapshot",
     "WireError",
     "WriterGoneError",
     "WrongRoleError",

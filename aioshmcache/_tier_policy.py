@@ -1,13 +1,14 @@
 """The tier's cost policy: use Redis only for items that are cheaper to fetch than to make.
 
 A tier hit is not free: a ``redis.asyncio`` GET of 16 MiB on localhost took 44 ms here, more
-than a typical 20 ms preprocessing. The policy learns, from what the tier observes, two linear
-costs in the item's size ``n`` (bytes of the value):
+than a typical 20 ms preprocessing. A look-up is two steps: a *probe* (one round trip: is there
+a value, how large; or claim the hash) and, if a value is there and worth it, its *fetch* (GET,
+signature check and decoding of ``n`` bytes). The policy learns, from what the tier observes:
 
 * ``make(n) = a_m + b_m * n`` — from every ``make`` this host ran, and from the make time a
   value carries (the host that wrote it measured it);
-* ``fetch(n) = a_f + b_f * n`` — from every lookup (a miss: ``n = 0``, the round trip) and
-  every fetch (GET, signature check and decoding of ``n`` bytes).
+* ``probe`` — the round trip of every probe;
+* ``fetch(n) = a_f + b_f * n`` — from every fetch of a value, timed from the probe's answer.
 
 Each is an exponentially weighted least-squares fit (recent samples count more: ``decay`` per
 sample), so the policy follows a machine that gets busier or a network that gets slower.
@@ -15,31 +16,37 @@ sample), so the policy follows a machine that gets busier or a network that gets
 Decisions (pure functions of what was learned):
 
 * :meth:`TierPolicy.fetch_budget` — the largest value worth fetching: the largest ``n`` with
-  ``fetch(n) <= margin * make(n)``, capped at ``max_bytes``; 0 means a lookup itself (one round
-  trip) costs more than a make, so the tier is skipped altogether. A lookup never transfers a
-  value larger than the budget (the server reports the size first).
-* :meth:`TierPolicy.worth_storing` — write an item only if fetching it would beat the make it
-  took (``fetch(n) <= margin * measured make``): no host would fetch it otherwise.
+  ``fetch(n) <= margin * make(n)``, capped at ``max_bytes``; 0 means a probe alone (one round
+  trip) costs more than ``margin`` times a make, so the tier is skipped altogether. A look-up
+  never transfers a value larger than the budget (the probe reports the size first).
+* :meth:`TierPolicy.worth_storing` — write an item only if fetching it would beat making it
+  (``fetch(n) <= margin * max(its measured make, make(n))``): no host would fetch it otherwise.
+* **The probe is a sunk cost** in both: when the probe has reported a value's size, its round
+  trip is paid whether the value is fetched or made, and a host that looks an item up pays it
+  whether the item was stored or not. Only what a fetch adds is weighed against the make.
+  (Before, the probe was part of ``fetch(n)``: on a loaded machine, where a round trip took
+  20 ms of a 250 ms make, it shrank every budget and kept items out of the tier that fetching
+  would still have served faster than a make.)
 * Until a make has been seen, the make cost is unknown and the budget is ``max_bytes``
-  (optimistic: the first lookups teach the fetch cost). Until ``min_samples`` look-ups (for
-  the fixed part) and fetches of a value (for the part per byte) have been seen, the fetch cost
-  is a prior (``prior_fixed_s`` + ``n * prior_per_byte_s``), and the first ``warmup``
-  look-ups are not learned from at all: a process's first look-ups also open its connections
+  (optimistic: the first look-ups teach the fetch cost). Until ``min_samples`` probes (for the
+  probe) and fetches of a value (for the fetch) have been seen, the costs are priors
+  (``prior_fixed_s``, and ``prior_fixed_s + n * prior_per_byte_s``), and the first ``warmup``
+  samples are not learned from at all: a process's first look-ups also open its connections
   (a pool opens one per concurrent request), and such outliers must not decide what the fleet
   stores.
 * ``learn=False`` keeps the priors and an unknown make cost for good: every value is looked
   up, and an item is stored when the prior fetch cost beats the make it took (deterministic:
   for tests and for operators who measured their costs).
 * **Exploration.** An item the budget excludes is never fetched, so the fetch cost of large
-  items would never be re-learned after a slow spell: one lookup in ``explore_every`` gets the
+  items would never be re-learned after a slow spell: one look-up in ``explore_every`` gets the
   full ``max_bytes`` budget.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from ._types import PolicyView
 
-__all__ = ["LinearCost", "TierPolicy"]
+__all__ = ["LinearCost", "PolicyView", "TierPolicy"]
 
 
 class LinearCost:
@@ -96,19 +103,6 @@ class LinearCost:
         return a + b * nbytes
 
 
-@dataclass(frozen=True)
-class PolicyView:
-    """What the policy believes now (for the stats and the bench)."""
-
-    make_fixed_s: float
-    make_per_byte_s: float
-    fetch_fixed_s: float
-    fetch_per_byte_s: float
-    makes_seen: int
-    fetches_seen: int
-    budget_bytes: int
-
-
 class TierPolicy:
     """Learns make and fetch costs; decides what to look up and what to store (see module)."""
 
@@ -136,8 +130,8 @@ class TierPolicy:
             raise ValueError(f"explore_every must be an int >= 0 (0: never), got {explore_every!r}")
         self.margin = margin
         self._make = LinearCost(decay=decay)
+        self._probe = LinearCost(decay=decay)  # at size 0: a flat fit, the mean
         self._fetch = LinearCost(decay=decay, proportional=True)
-        self._fetch_sized = 0  # fetches with bytes (a miss alone says nothing per byte)
         self._prior = (prior_fixed_s, prior_per_byte_s)
         self._explore_every = explore_every
         self._learn = learn
@@ -152,16 +146,23 @@ class TierPolicy:
         if self._learn:
             self._make.add(nbytes, seconds)
 
+    def observe_probe(self, seconds: float) -> None:
+        """A probe (one round trip: a value's size, a claim, a lease) took ``seconds``."""
+        if self._learning():
+            self._probe.add(0, seconds)
+
     def observe_fetch(self, seconds: float, nbytes: int) -> None:
-        """A lookup that transferred ``nbytes`` (0: a miss) took ``seconds`` end to end."""
+        """The fetch of a value of ``nbytes`` took ``seconds`` from the probe's answer."""
+        if self._learning():
+            self._fetch.add(nbytes, seconds)
+
+    def _learning(self) -> bool:
         if not self._learn:
-            return
+            return False
         if self._warmup > 0:
             self._warmup -= 1
-            return
-        self._fetch.add(nbytes, seconds)
-        if nbytes > 0:
-            self._fetch_sized += 1
+            return False
+        return True
 
     # --- estimates --------------------------------------------------------------------------
 
@@ -169,17 +170,21 @@ class TierPolicy:
         """Predicted seconds of a ``make`` of ``nbytes``; None before any was seen."""
         return self._make.predict(nbytes) if self._make.samples else None
 
+    def probe_cost(self) -> float:
+        """Predicted seconds of a probe (the prior until learned)."""
+        if self._probe.samples < self._min:
+            return self._prior[0]
+        return self._probe.coefficients()[0]
+
     def fetch_coefficients(self) -> tuple[float, float]:
-        """``(fixed seconds, seconds per byte)`` of a fetch (the prior's parts until learned)."""
-        a, b = self._fetch.coefficients()
+        """``(fixed seconds, seconds per byte)`` of a fetch after its probe (the priors until
+        learned)."""
         if self._fetch.samples < self._min:
-            a = self._prior[0]
-        if self._fetch_sized < self._min:
-            b = self._prior[1]
-        return a, b
+            return self._prior
+        return self._fetch.coefficients()
 
     def fetch_cost(self, nbytes: int) -> float:
-        """Predicted seconds of fetching a value of ``nbytes``."""
+        """Predicted seconds of fetching a value of ``nbytes`` once the probe has answered."""
         a, b = self.fetch_coefficients()
         return a + b * nbytes
 
@@ -190,14 +195,16 @@ class TierPolicy:
         if self._make.samples == 0:
             return max_bytes
         am, bm = self._make.coefficients()
-        af, bf = self.fetch_coefficients()
         m = self.margin
+        if self.probe_cost() > m * am:  # a round trip alone loses to a make
+            return 0
+        af, bf = self.fetch_coefficients()
         # fetch(n) <= m * make(n)  <=>  n * (bf - m*bm) <= m*am - af
         room, slope = m * am - af, bf - m * bm
         if slope <= 0:
             if room >= 0:
                 return max_bytes
-            # only large values win (rare: a make that grows faster than a fetch); a lookup
+            # only large values win (rare: a make that grows faster than a fetch); a look-up
             # cannot ask for "at least n" bytes, so take the tier if the largest one wins
             return max_bytes if room - slope * max_bytes >= 0 else 0
         if room < 0:
@@ -205,15 +212,23 @@ class TierPolicy:
         return int(min(room / slope, max_bytes))
 
     def lookup_budget(self, max_bytes: int) -> int:
-        """:meth:`fetch_budget` for the next lookup, with one in ``explore_every`` at full size."""
+        """:meth:`fetch_budget` for the next look-up, with one in ``explore_every`` at full size."""
         self._lookups += 1
         if self._explore_every and self._lookups % self._explore_every == 0:
             return max_bytes
         return self.fetch_budget(max_bytes)
 
     def worth_storing(self, nbytes: int, make_seconds: float) -> bool:
-        """Whether fetching ``nbytes`` would beat the ``make_seconds`` the item took."""
-        return self.fetch_cost(nbytes) <= self.margin * make_seconds
+        """Whether fetching ``nbytes`` would beat making it: the ``make_seconds`` this item
+        took, or what a make of that size costs (as learned), whichever is longer.
+
+        Why both: the hosts that look the item up decide by the learned cost; judged by its one
+        make alone, an item made in a quiet moment would be refused (and every host would make
+        it for ``skip_ttl_s``) although each of them would fetch it.
+        """
+        learned = self.make_cost(nbytes)
+        make = make_seconds if learned is None else max(make_seconds, learned)
+        return self.fetch_cost(nbytes) <= self.margin * make
 
     def view(self, max_bytes: int) -> PolicyView:
         """A snapshot of the learned costs."""
@@ -222,9 +237,11 @@ class TierPolicy:
         return PolicyView(
             make_fixed_s=am,
             make_per_byte_s=bm,
+            probe_s=self.probe_cost(),
             fetch_fixed_s=af,
             fetch_per_byte_s=bf,
             makes_seen=self._make.samples,
+            probes_seen=self._probe.samples,
             fetches_seen=self._fetch.samples,
             budget_bytes=self.fetch_budget(max_bytes),
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, NamedTuple
 
 import msgpack
@@ -28,8 +28,10 @@ __all__ = [
     "CacheSnapshot",
     "Delivery",
     "FeatureSpec",
+    "PolicyView",
     "ReaderSlotInfo",
     "ShmRef",
+    "TierSnapshot",
 ]
 
 Delivery = Literal["broadcast", "one_of_n"]
@@ -456,6 +458,98 @@ class ReaderSlotInfo:
     revoked: bool
 
 
+@dataclass(frozen=True)
+class PolicyView:
+    """What a second tier's cost policy believes now (``aioshmcache.tier.TierPolicy``).
+
+    A make costs ``make_fixed_s + make_per_byte_s * n``; a look-up's probe (one round trip)
+    ``probe_s``; fetching a value of ``n`` bytes once the probe has answered
+    ``fetch_fixed_s + fetch_per_byte_s * n``. ``budget_bytes``: the largest value it would fetch
+    now (0: it skips the tier).
+    """
+
+    make_fixed_s: float
+    make_per_byte_s: float
+    probe_s: float
+    fetch_fixed_s: float
+    fetch_per_byte_s: float
+    makes_seen: int
+    probes_seen: int
+    fetches_seen: int
+    budget_bytes: int
+
+
+@dataclass(frozen=True)
+class TierSnapshot:
+    """What a second tier (``aioshmcache.tier.RedisTier``) counted since it was created.
+
+    The ``tier`` field of an ``AsyncSenderCache``'s ``CacheSnapshot`` (None without a tier),
+    also ``tier_stats()`` and the ``aioshmcache_tier_*`` series of the Prometheus collector:
+    one reading of the same counters. Process-local: a snapshot read from shared memory by
+    another process (``inspect``, ``metrics.read_snapshot``) has none.
+    """
+
+    #: look-ups that asked Redis (a probe, and a GET if the value was worth fetching)
+    lookups: int = 0
+    #: values fetched, verified and served
+    hits: int = 0
+    #: look-ups that found no usable value (nothing there, a rejected value, a failure)
+    misses: int = 0
+    #: Redis operations that failed (connection refused, reset, server error)
+    errors: int = 0
+    #: Redis operations that hit their deadline
+    timeouts: int = 0
+    #: values refused by a check (size, signature, decoding), by reason
+    rejected: dict[str, int] = field(default_factory=dict, hash=False)
+    #: look-ups skipped by the cost policy (a lookup or that value would cost more than a make)
+    skipped: int = 0
+    #: operations skipped because the circuit breaker was open
+    bypassed: int = 0
+    #: hashes claimed (this process ran ``make`` for the fleet)
+    claims: int = 0
+    #: look-ups that waited for another host's ``make``
+    waits: int = 0
+    #: waits that gave up after ``max_wait_s`` (then ``make`` ran here)
+    wait_timeouts: int = 0
+    #: claims taken over from a claimer whose lease had expired
+    takeovers: int = 0
+    #: ``make`` calls this tier ran
+    makes: int = 0
+    #: values written
+    writes: int = 0
+    #: writes dropped because the write queue was full
+    dropped_writes: int = 0
+    #: items not written because fetching them would not beat making them
+    skipped_writes: int = 0
+    #: bytes of values fetched and served / written
+    bytes_read: int = 0
+    bytes_written: int = 0
+    #: look-up latency: total seconds of timed look-ups (probe and fetch), and their number
+    lookup_seconds: float = 0.0
+    lookup_samples: int = 0
+    #: the circuit breaker: ``closed``, ``open`` or ``half_open``; times it opened
+    breaker_state: str = "closed"
+    breaker_opens: int = 0
+    #: writes waiting in the queue now
+    queued_writes: int = 0
+    #: the cost policy's current beliefs (learned costs, fetch budget)
+    policy: PolicyView | None = None
+
+    @property
+    def rejected_total(self) -> int:
+        """Values refused, all reasons."""
+        return sum(self.rejected.values())
+
+    @property
+    def mean_lookup_s(self) -> float:
+        """Mean seconds of a timed look-up (0 before any)."""
+        return self.lookup_seconds / self.lookup_samples if self.lookup_samples else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The counters as plain data (for JSON, a status page, a results table)."""
+        return asdict(self)
+
+
 @dataclass(frozen=True, slots=True)
 class CacheSnapshot:
     """What an operator watches."""
@@ -483,6 +577,8 @@ class CacheSnapshot:
     #: second chance: items moved to the tail of the ring instead of evicted, and their bytes
     relocations: int = 0
     bytes_relocated: int = 0
+    #: an ``AsyncSenderCache`` with a second tier: the tier's counters (None without one)
+    tier: TierSnapshot | None = None
 
     @property
     def total(self) -> int:
@@ -495,7 +591,7 @@ class CacheSnapshot:
         return self.hits / self.total if self.total else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field as plain JSON-able values; ``readers`` as a list of dicts.
+        """Every field as plain JSON-able values; ``readers`` as a list of dicts, ``tier`` a dict.
 
         For a JSON status endpoint or a log line (``json.dumps(snapshot.to_dict())``).
         """
@@ -504,5 +600,7 @@ class CacheSnapshot:
             value = getattr(self, f.name)
             if f.name == "readers":
                 value = [{g.name: getattr(r, g.name) for g in fields(r)} for r in value]
+            elif f.name == "tier" and value is not None:
+                value = value.to_dict()
             out[f.name] = value
         return out

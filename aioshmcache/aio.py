@@ -24,6 +24,7 @@ import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, Final, Generic, Protocol, TypeVar
 
@@ -41,6 +42,7 @@ from ._types import (
     CacheSnapshot,
     FeatureSpec,
     ShmRef,
+    TierSnapshot,
     coerce_handle,
 )
 from .cache import GroupReceiverCache, MmItem, ReceiverCache, SenderCache
@@ -81,7 +83,7 @@ class SecondTier(Protocol):
         """The item: from the tier, or ``make()`` (whose item the tier stores behind)."""
         ...
 
-    def stats(self) -> Any:
+    def stats(self) -> TierSnapshot:
         """The tier's counters."""
         ...
 
@@ -383,8 +385,9 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         """The second tier ``get_or_put`` consults, if any."""
         return self._tier
 
-    def tier_stats(self) -> Any:
-        """The second tier's counters (``aioshmcache.tier.TierStats``); None without a tier."""
+    def tier_stats(self) -> TierSnapshot | None:
+        """The second tier's counters (``snapshot().tier``, readable once closed too); None
+        without a tier."""
         return None if self._tier is None else self._tier.stats()
 
     async def __aenter__(self) -> AsyncSenderCache:
@@ -413,8 +416,13 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         return self.sender.make_stats(delta=delta)
 
     def snapshot(self) -> CacheSnapshot:
-        """What an operator watches: counters, usage and every reader slot."""
-        return self.sender.snapshot()
+        """What an operator watches: counters, usage, every reader slot and the tier's counters.
+
+        ``tier`` is the second tier's ``TierSnapshot`` (None without a tier): the tier lives in
+        this face, not in the wrapped ``SenderCache``, whose own snapshot has none.
+        """
+        snap = self.sender.snapshot()
+        return snap if self._tier is None else replace(snap, tier=self._tier.stats())
 
     def cached_order(self) -> list[str]:
         """Cached hashes oldest first (the FIFO eviction order)."""

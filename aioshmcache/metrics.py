@@ -54,7 +54,8 @@ The metrics (counters end in ``_total``, sizes in ``_bytes``; labels ``cache`` a
                                                      (``aioshmcache.tier``): see below
 ==========================================  =======  =============================================
 
-The second tier (``AsyncSenderCache(tier=RedisTier(...))``), from ``tier_stats()``: counters
+The second tier (``AsyncSenderCache(tier=RedisTier(...))``), from ``snapshot().tier`` (a
+``TierSnapshot``; once the cache is closed, its last counts from ``tier_stats()``): counters
 ``aioshmcache_tier_lookups_total``, ``_hits_total``, ``_misses_total``, ``_errors_total``,
 ``_timeouts_total``, ``_rejected_total`` (label ``reason``: ``truncated``, ``malformed``,
 ``oversized``, ``signature``, ``decoding``), ``_skipped_total`` (the cost policy skipped the
@@ -116,7 +117,7 @@ from ._layout import (
 )
 from ._readers import ReaderTable, reader_slots_info
 from ._segment import Segment
-from ._types import CacheHandle, CacheInfo, CacheSnapshot
+from ._types import CacheHandle, CacheInfo, CacheSnapshot, TierSnapshot
 from .errors import ShmCacheError
 
 __all__ = ["CacheCollector", "GroupCollector", "read_snapshot"]
@@ -371,18 +372,21 @@ class CacheCollector:
 
     def collect(self) -> Iterable[Metric]:
         """Read every cache now and return its metric families (never raises for a cache)."""
-        fam = _Families()
+        fam, tiers = _Families(), _TierFamilies()
         for who, cache in self._caches:
             fam.add_single_flight(who, cache)
             is_open = not bool(getattr(cache, "closed", False))
             if is_open and isinstance(cache, SnapshotCache):
                 try:
-                    fam.add_snapshot(who, cache.snapshot())
+                    snap = cache.snapshot()
                 except _CLOSED:  # closed (the async twins have no ``closed`` to ask first)
                     is_open = False
                 else:
+                    fam.add_snapshot(who, snap)
+                    tiers.add(who, snap.tier)
                     _put(fam.open, who.labels(), 1.0)
                     continue
+            tiers.add(who, _tier_of(cache))
             try:
                 fam.add_stats(who, cache.make_stats())
                 if is_open and who.group is not None:
@@ -390,7 +394,7 @@ class CacheCollector:
             except _CLOSED:
                 pass
             _put(fam.open, who.labels(), 1.0 if is_open else 0.0)
-        return [f for f in (*fam.all(), *_tier_families(self._caches)) if f.samples]
+        return [f for f in (*fam.all(), *tiers.all()) if f.samples]
 
 
 # --- the second tier (``aioshmcache.tier``) -------------------------------------------------------
@@ -456,32 +460,39 @@ class _TierFamilies:
             self.budget,
         ]
 
-    def add(self, who: _Identity, stats: object, samples: int) -> None:
+    def add(self, who: _Identity, tier: TierSnapshot | None) -> None:
+        """The series of one cache's tier (nothing for a cache without one)."""
+        if tier is None:
+            return
         labels = who.labels()
         for attr, family in self.counters:
-            _put(family, labels, float(getattr(stats, attr)))
-        for reason, n in getattr(stats, "rejected", {}).items():
+            _put(family, labels, float(getattr(tier, attr)))
+        for reason, n in tier.rejected.items():
             _put(self.rejected, who.labels(reason=reason), n)
-        seconds = float(getattr(stats, "lookup_seconds", 0.0))
-        self.latency.samples.append(Sample(self.latency.name + "_count", labels, samples))
-        self.latency.samples.append(Sample(self.latency.name + "_sum", labels, seconds))
-        _put(self.breaker, labels, 0.0 if getattr(stats, "breaker_state", "") == "closed" else 1.0)
-        _put(self.queued, labels, float(getattr(stats, "queued_writes", 0)))
-        policy = getattr(stats, "policy", None)
-        if policy is not None:
-            _put(self.budget, labels, float(policy.budget_bytes))
+        self.latency.samples.append(
+            Sample(self.latency.name + "_count", labels, tier.lookup_samples)
+        )
+        self.latency.samples.append(Sample(self.latency.name + "_sum", labels, tier.lookup_seconds))
+        _put(self.breaker, labels, 0.0 if tier.breaker_state == "closed" else 1.0)
+        _put(self.queued, labels, float(tier.queued_writes))
+        if tier.policy is not None:
+            _put(self.budget, labels, float(tier.policy.budget_bytes))
 
 
-def _tier_families(caches: Iterable[tuple[_Identity, StatsCache]]) -> list[Metric]:
-    """The tier series of every collected cache that has a second tier (kept when closed)."""
-    fam = _TierFamilies()
-    for who, cache in caches:
-        tier = getattr(cache, "tier", None)
-        read = getattr(tier, "stats", None)
-        if not callable(read):
-            continue
-        fam.add(who, read(), int(getattr(tier, "lookup_samples", 0)))
-    return fam.all()
+def _tier_of(cache: object) -> TierSnapshot | None:
+    """A cache's tier counters: ``snapshot().tier``, or once closed its last counts.
+
+    ``tier_stats()`` is the same ``TierSnapshot`` read from the tier, which keeps its counters
+    after close (a closed cache's ``snapshot()`` raises).
+    """
+    if isinstance(cache, SnapshotCache):
+        try:
+            return cache.snapshot().tier
+        except _CLOSED:
+            pass
+    read = getattr(cache, "tier_stats", None)
+    tier = read() if callable(read) else None
+    return tier if isinstance(tier, TierSnapshot) else None
 
 
 def read_snapshot(name: str) -> tuple[CacheSnapshot, bool]:
@@ -551,9 +562,10 @@ class GroupCollector:
 
     def collect(self) -> Iterable[Metric]:
         """Read every shard of the group now (never raises because of a shard)."""
-        fam = _Families()
+        fam, tiers = _Families(), _TierFamilies()
         for who, cache in self._local:
             fam.add_single_flight(who, cache)
+            tiers.add(who, _tier_of(cache))
         for k, name in list_shards(self.group):
             try:
                 snap, alive = read_snapshot(name)
@@ -562,4 +574,4 @@ class GroupCollector:
             who = _Identity(name, "sender", self.group, k)
             fam.add_snapshot(who, snap)
             _put(fam.open, who.labels(), 1.0 if alive else 0.0)
-        return [f for f in (*fam.all(), *_tier_families(self._local)) if f.samples]
+        return [f for f in (*fam.all(), *tiers.all()) if f.samples]

@@ -36,8 +36,9 @@ The rules (tests in ``tests/test_tier*.py``; the byte layout of a value in ``_ti
   item that would not pay is not written at all: its lease becomes a ``skip`` marker for
   ``skip_ttl_s`` so that other hosts make it at once instead of waiting.
 
-Counters: :meth:`RedisTier.stats` (``AsyncSenderCache.tier_stats()``), and the
-``aioshmcache_tier_*`` series of :class:`aioshmcache.metrics.CacheCollector`.
+Counters: a :class:`TierSnapshot` from :meth:`RedisTier.stats`, which the cache shows as
+``snapshot().tier`` (and ``tier_stats()``, also once closed) and
+:class:`aioshmcache.metrics.CacheCollector` exports as the ``aioshmcache_tier_*`` series.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final
 
@@ -56,7 +57,7 @@ import anyio
 import anyio.to_thread
 
 from ._tier_breaker import CircuitBreaker
-from ._tier_policy import PolicyView, TierPolicy
+from ._tier_policy import TierPolicy
 from ._tier_value import (
     HEADER_SIZE,
     TierValueError,
@@ -65,9 +66,17 @@ from ._tier_value import (
     seal_value,
     value_key,
 )
+from ._types import PolicyView, TierSnapshot
 from .errors import ClosedCacheError
 
-__all__ = ["CircuitBreaker", "RedisTier", "TierPolicy", "TierStats", "TierValueError"]
+__all__ = [
+    "CircuitBreaker",
+    "PolicyView",
+    "RedisTier",
+    "TierPolicy",
+    "TierSnapshot",
+    "TierValueError",
+]
 
 MiB: Final = 1 << 20
 #: values at least this large are signed / verified in a worker thread (hashing releases the GIL)
@@ -106,65 +115,6 @@ end
 return 0
 """
 _VALUE, _CLAIMED, _LEASED, _SKIPPED = 1, 2, 3, 4
-
-
-@dataclass(frozen=True)
-class TierStats:
-    """What a :class:`RedisTier` counted since it was created."""
-
-    #: look-ups that asked Redis (a probe, and a GET if the value was worth fetching)
-    lookups: int = 0
-    #: values fetched, verified and served
-    hits: int = 0
-    #: look-ups that found no usable value (nothing there, a rejected value, a failure)
-    misses: int = 0
-    #: Redis operations that failed (connection refused, reset, server error)
-    errors: int = 0
-    #: Redis operations that hit their deadline
-    timeouts: int = 0
-    #: values refused by a check (size, signature, decoding), by reason
-    rejected: dict[str, int] = field(default_factory=dict)
-    #: look-ups skipped by the cost policy (a lookup or that value would cost more than a make)
-    skipped: int = 0
-    #: operations skipped because the circuit breaker was open
-    bypassed: int = 0
-    #: hashes claimed (this process ran ``make`` for the fleet)
-    claims: int = 0
-    #: look-ups that waited for another host's ``make``
-    waits: int = 0
-    #: waits that gave up after ``max_wait_s`` (then ``make`` ran here)
-    wait_timeouts: int = 0
-    #: claims taken over from a claimer whose lease had expired
-    takeovers: int = 0
-    #: ``make`` calls this tier ran
-    makes: int = 0
-    #: values written
-    writes: int = 0
-    #: writes dropped because the write queue was full
-    dropped_writes: int = 0
-    #: items not written because fetching them would not beat making them
-    skipped_writes: int = 0
-    #: bytes of values fetched and served / written
-    bytes_read: int = 0
-    bytes_written: int = 0
-    #: total seconds of look-ups (probe and fetch), and their number: the mean latency
-    lookup_seconds: float = 0.0
-    #: the circuit breaker: ``closed``, ``open`` or ``half_open``; times it opened
-    breaker_state: str = "closed"
-    breaker_opens: int = 0
-    #: writes waiting in the queue now
-    queued_writes: int = 0
-    #: the cost policy's current beliefs (learned costs, fetch budget)
-    policy: PolicyView | None = None
-
-    @property
-    def rejected_total(self) -> int:
-        """Values refused, all reasons."""
-        return sum(self.rejected.values())
-
-    def to_dict(self) -> dict[str, Any]:
-        """The counters as plain data (for JSON, a status page, a results table)."""
-        return asdict(self)
 
 
 @dataclass
@@ -451,6 +401,8 @@ class RedisTier:
             if reply is None:  # Redis failed or answered nonsense (counted): make it here
                 self._n["misses"] += 1
                 return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
+            t1 = time.perf_counter()
+            self.policy.observe_probe(t1 - t0)
             kind, n = reply
             if kind == _VALUE:
                 if n > HEADER_SIZE + self.max_item_bytes:
@@ -461,12 +413,12 @@ class RedisTier:
                     self._n["misses"] += 1
                     self._n["skipped"] += 1
                     return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
-                item = await self._fetch(vkey, mm_hash, n, t0)
+                item = await self._fetch(vkey, mm_hash, n, t0, t1)
                 if item is not None:
                     return item[0]
                 self._n["misses"] += 1  # rejected (counted), vanished or failed: make it here
                 return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=True)
-            self._note_latency(time.perf_counter() - t0, 0)
+            self._note_lookup(t1 - t0)
             if kind == _CLAIMED:
                 self._n["misses"] += 1
                 self._n["claims"] += 1
@@ -515,8 +467,14 @@ class RedisTier:
         self.breaker.failure()
         return None
 
-    async def _fetch(self, vkey: str, mm_hash: str, n: int, t0: float) -> tuple[Any] | None:
-        """GET, verify and decode a value of ``n`` bytes; None if it failed (counted)."""
+    async def _fetch(
+        self, vkey: str, mm_hash: str, n: int, t0: float, t1: float
+    ) -> tuple[Any] | None:
+        """GET, verify and decode a value of ``n`` bytes; None if it failed (counted).
+
+        ``t0``: when the look-up's probe was sent; ``t1``: when it answered (the policy learns
+        the fetch from there: the probe is paid whether the value is fetched or made).
+        """
         deadline = self.lookup_timeout_s + 2 * self.policy.fetch_cost(n)
         data = await self._call(self._client.get, args=[vkey], deadline_s=deadline)
         if data is None:
@@ -532,8 +490,9 @@ class RedisTier:
         except TierValueError as exc:
             self._rejected[exc.reason] += 1
             return None
-        elapsed = time.perf_counter() - t0
-        self._note_latency(elapsed, len(data))
+        done = time.perf_counter()
+        self.policy.observe_fetch(done - t1, len(data))
+        self._note_lookup(done - t0)
         self._n["hits"] += 1
         self._n["bytes_read"] += len(data)
         if make_ns > 0:
@@ -543,10 +502,9 @@ class RedisTier:
     def _open(self, vkey: str, mm_hash: str, data: bytes) -> tuple[Any, int]:
         return open_value(self._secret, vkey, mm_hash, data, max_item_bytes=self.max_item_bytes)
 
-    def _note_latency(self, seconds: float, nbytes: int) -> None:
+    def _note_lookup(self, seconds: float) -> None:
         self._lookup_seconds += seconds
         self._n["lookup_samples"] += 1
-        self.policy.observe_fetch(seconds, nbytes)
 
     async def _make(self, w: _Write, make: Callable[[], Awaitable[Any]], *, store: bool) -> Any:
         """Run ``make`` (renewing our lease, if any), then queue the write or the release."""
@@ -563,9 +521,12 @@ class RedisTier:
                 w.renewal.cancel()
             raise
         w.make_s = time.perf_counter() - t0
+        w.nbytes = _array_bytes(item)
+        # every make teaches its cost, not only those stored: the ones the policy kept out of
+        # the tier (too large to fetch, Redis down) are the ones whose cost it must re-learn
+        self.policy.observe_make(w.make_s, w.nbytes)
         if store:
             w.item, w.has_item = item, True
-            w.nbytes = _array_bytes(item)
         self._enqueue(w)
         return item
 
@@ -662,7 +623,6 @@ class RedisTier:
             await self._release(w, _SKIP)
             return
         n = len(value)
-        self.policy.observe_make(w.make_s, n)
         if n > HEADER_SIZE + self.max_item_bytes or not self.policy.worth_storing(n, w.make_s):
             self._n["skipped_writes"] += 1
             await self._release(w, _SKIP)
@@ -732,10 +692,10 @@ class RedisTier:
 
     # --- counters -----------------------------------------------------------------------------
 
-    def stats(self) -> TierStats:
-        """The counters, read together."""
+    def stats(self) -> TierSnapshot:
+        """The counters, read together (also ``snapshot().tier`` of the cache)."""
         n = self._n
-        return TierStats(
+        return TierSnapshot(
             lookups=n["lookups"],
             hits=n["hits"],
             misses=n["misses"],
@@ -755,13 +715,9 @@ class RedisTier:
             bytes_read=n["bytes_read"],
             bytes_written=n["bytes_written"],
             lookup_seconds=self._lookup_seconds,
+            lookup_samples=n["lookup_samples"],
             breaker_state=self.breaker.state,
             breaker_opens=self.breaker.opened,
             queued_writes=len(self._queue),
             policy=self.policy.view(self.max_item_bytes),
         )
-
-    @property
-    def lookup_samples(self) -> int:
-        """Look-ups timed (the denominator of ``lookup_seconds``)."""
-        return self._n["lookup_samples"]

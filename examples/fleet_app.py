@@ -87,7 +87,7 @@ async def serve_host(host: int, opts: dict[str, Any], images: int, start: Any) -
 
             await asyncio.gather(*(request(k) for k in range(images)))
             await tier.flush(30)  # only so that the numbers below are final
-            stats = cache.tier_stats()
+            stats = tier.stats()  # the counters cache.snapshot().tier also shows
     return {
         "host": host,
         "preprocessed": len(preprocessed),

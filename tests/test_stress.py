@@ -9,6 +9,7 @@ test is the CI run with every fault on; its length comes from ``AIOSHM_STRESS_DU
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -31,8 +32,9 @@ from aioshmcache.tools.stress import (
     parse_size,
     verify_item,
 )
+from aioshmcache.tools.stress.child import SABOTAGE_GRACE, SABOTAGE_MIN_SEEN
 from aioshmcache.tools.stress.options import parse_args
-from aioshmcache.tools.stress.protocol import SABOTAGE_GRACE, SABOTAGE_MIN_SEEN
+from aioshmcache.tools.stress.report import Tally, summary
 
 
 @functools.cache
@@ -146,6 +148,42 @@ def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
         "sweep-restart",
     }
     assert parse_args(["--faults", "all"]).faults == frozenset(FAULTS)
+    assert parse_args(["--faults", "cancel,fork", "--close-read"]).faults == {
+        "cancel",
+        "fork",
+        "close-read",
+    }
+    for flag, value, bound in [
+        ("--zipf", "0", "> 0"),
+        ("--cancel-prob", "1.5", "<= 1"),
+        ("--min-item", "512", ">= 1024"),
+        ("--group", "17", "<= 16"),
+    ]:
+        assert main([flag, value]) == 2
+        assert f"{flag} must be {bound}" in capsys.readouterr().err
+
+
+def test_the_command_line_is_generated_from_the_options() -> None:
+    """Every option field is a flag whose default is the field's own (duration and seed are
+    worked out after parsing); sizes and durations take units."""
+    assert parse_args(["--seed", "5"]) == dataclasses.replace(StressOptions(), seed=5)
+    got = parse_args(["--seed", "1", "--ops", "9", "--capacity", "64MiB", "--fork-every", "2m"])
+    assert (got.duration, got.ops, got.capacity, got.fork_every) == (None, 9, 64 << 20, 120.0)
+    assert not parse_args(["--no-second-chance"]).second_chance
+
+
+def test_the_report_renders_any_tally() -> None:
+    """The table shows what was counted, with no error rows at all too, and the verdict."""
+    tally = Tally()
+    tally.stats.update(requests=10, items_verified=7)
+    text = summary(StressOptions(seed=1, faults=frozenset(FAULTS)), tally, 2.0, 1, False)
+    assert "writer requests" in text and "writers restarted while swept" in text
+    assert text.endswith("RESULT: OK")
+    tally.violations.add("reader r1", "WRONG DATA: h000001: checksum")
+    tally.errors["WriterGoneError (switch)"] += 1
+    text = summary(StressOptions(seed=1), tally, 2.0, 1, True)
+    assert "error WriterGoneError (switch)" in text and "1 x WRONG DATA" in text
+    assert text.endswith("RESULT: INTERRUPTED (FAIL so far)")
 
 
 def test_sweep_restart_burst_keeps_every_restarted_writer_s_segment(shm_name: str) -> None:
@@ -161,7 +199,7 @@ def test_sweep_restart_burst_keeps_every_restarted_writer_s_segment(shm_name: st
     )
     assert done.returncode == 0, done.stderr[-4000:]
     res = json.loads(done.stdout.strip().splitlines()[-1])
-    assert res == {"rounds": 30, "lost": 0, "failed": 0, "left": [], "errors": []}
+    assert res == {"rounds": 30, "lost": 0, "failed": 0, "left": [], "violations": []}
 
 
 # --- short runs -------------------------------------------------------------------------------
@@ -260,6 +298,10 @@ def test_stress_all_faults(tmp_path: pathlib.Path) -> None:
         assert st.get("writer_kills", 0) > 0
         assert st.get("fork_kills_writer", 0) > 0  # and readers saw WriterGoneError in time
     assert all(f["n_not_freeable"] == 0 for f in data["finals"])
+    # cancel: calls cancelled mid-way on both sides (a raw Task.cancel or an anyio scope)
+    writer = data["writer"]
+    assert writer.get("cancelled_task", 0) + writer.get("cancelled_scope", 0) > 0
+    assert st.get("read_cancelled_task", 0) + st.get("read_cancelled_scope", 0) > 0
     # close-read: readers closed their cache under a running read, and saw typed errors only
     assert st.get("read_closed_during_read", 0) + st.get("closed_read_ok", 0) > 0
 

@@ -15,7 +15,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +35,13 @@ from aioshmcache import (
     sweep,
 )
 from aioshmcache._tier_value import HEADER_SIZE, lease_key, seal_value, value_key
+from aioshmcache.metrics import read_snapshot
 from aioshmcache.tier import CircuitBreaker, RedisTier, TierPolicy
 from aioshmcache.tools.redis_server import RedisCluster, RedisServer, free_port, redis_binaries
 
 from . import _tier_hosts as hosts
 from .conftest import RUN_PREFIX
+from .test_metrics import scrape, value
 from .test_single_flight import _until
 
 pytestmark = pytest.mark.skipif(
@@ -92,37 +96,131 @@ def _check(
     )
 
 
+@dataclass
+class Hosts:
+    """Two hosts sharing one Redis: caches ``a`` and ``b`` with their tiers, a reader of each.
+
+    ``calls`` records every ``make`` run by :meth:`make`; ``started`` is for a claimer's make
+    to set once it runs.
+    """
+
+    ta: RedisTier
+    tb: RedisTier
+    a: AsyncSenderCache
+    b: AsyncSenderCache
+    ra: ReceiverCache
+    rb: ReceiverCache
+    calls: list[str] = field(default_factory=list)
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def make(self, h: str) -> Callable[[], dict[str, Any]]:
+        """A 10 ms preprocessing of ``h``, recorded in ``calls``."""
+        return _maker(h, self.calls)
+
+    async def b_asks_while_a_makes(
+        self, h: str, a_make: Callable[[], Awaitable[Any]]
+    ) -> tuple[asyncio.Future[FeatureSpec], asyncio.Future[FeatureSpec]]:
+        """``a`` asks for ``h`` (claims it, runs ``a_make``); once that sets ``started``, ``b``
+        asks for ``h`` too. Both requests, running."""
+        first = asyncio.ensure_future(self.a.get_or_put(h, a_make))
+        await self.started.wait()
+        return first, asyncio.ensure_future(self.b.get_or_put(h, self.make(h)))
+
+    async def b_gets(self, request: Awaitable[FeatureSpec], h: str) -> None:
+        """``b``'s request is answered (within 20 s) with exactly ``h``'s item."""
+        _check(self.rb, await asyncio.wait_for(request, 20), h)
+
+
+TwoHosts = Callable[..., AbstractAsyncContextManager[Hosts]]
+
+
+@pytest.fixture
+def two_hosts(redis_server: RedisServer, make_config: Any, shm_name: str) -> TwoHosts:
+    """``async with two_hosts(a_options, b_options) as h``: :class:`Hosts` on the test's server
+    (each dict: options of that host's tier)."""
+
+    @asynccontextmanager
+    async def open_hosts(
+        a: dict[str, Any] | None = None, b: dict[str, Any] | None = None
+    ) -> AsyncIterator[Hosts]:
+        ta, tb = _tier(redis_server.url, **(a or {})), _tier(redis_server.url, **(b or {}))
+        async with (
+            _cache(make_config, ta) as a_,
+            _cache(make_config, tb, name=shm_name + "b") as b_,
+        ):
+            with ReceiverCache.attach(a_.handle()) as ra, ReceiverCache.attach(b_.handle()) as rb:
+                yield Hosts(ta, tb, a_, b_, ra, rb)
+
+    return open_hosts
+
+
 # --- one server --------------------------------------------------------------------------------
 
 
 @e2e
-async def test_a_second_host_is_served_from_the_tier(
-    redis_server: RedisServer, make_config: Any, shm_name: str
-) -> None:
-    calls: list[str] = []
-    a_tier, b_tier = _tier(redis_server.url), _tier(redis_server.url)
-    async with (
-        _cache(make_config, a_tier) as a,
-        _cache(make_config, b_tier, name=shm_name + "b") as b,
-    ):
-        with ReceiverCache.attach(a.handle()) as ra, ReceiverCache.attach(b.handle()) as rb:
-            fa = await a.get_or_put("h1", _maker("h1", calls))
-            assert calls == ["h1"] and isinstance(fa.data, ShmRef)
-            assert await a_tier.flush(30)
-            fb = await b.get_or_put("h1", _maker("h1", calls), identifier="x")
-            assert calls == ["h1"], "host b preprocessed an item the tier had"
-            assert isinstance(fb.data, ShmRef) and fb.identifier == "x"
-            _check(ra, fa, "h1")
-            _check(rb, fb, "h1")
-            # a hit in b's shared memory now: neither make nor the tier is asked
-            again = await b.get_or_put("h1", _maker("h1", calls))
-            _check(rb, again, "h1")
-    sa, sb = a_tier.stats(), b_tier.stats()
+async def test_a_second_host_is_served_from_the_tier(two_hosts: TwoHosts) -> None:
+    async with two_hosts() as h:
+        fa = await h.a.get_or_put("h1", h.make("h1"))
+        assert h.calls == ["h1"] and isinstance(fa.data, ShmRef)
+        assert await h.ta.flush(30)
+        fb = await h.b.get_or_put("h1", h.make("h1"), identifier="x")
+        assert h.calls == ["h1"], "host b preprocessed an item the tier had"
+        assert isinstance(fb.data, ShmRef) and fb.identifier == "x"
+        _check(h.ra, fa, "h1")
+        _check(h.rb, fb, "h1")
+        # a hit in b's shared memory now: neither make nor the tier is asked
+        _check(h.rb, await h.b.get_or_put("h1", h.make("h1")), "h1")
+    sa, sb = h.ta.stats(), h.tb.stats()
     assert (sa.claims, sa.makes, sa.writes, sa.hits) == (1, 1, 1, 0)
     assert (sb.lookups, sb.hits, sb.makes, sb.misses) == (1, 1, 0, 0)
     assert sb.bytes_read == sa.bytes_written > 64 * KiB
-    assert sb.lookup_seconds > 0 and b.tier_stats() == sb
-    assert not a_tier.is_open and not b_tier.is_open  # the caches closed their tiers
+    assert sb.lookup_seconds > 0 and h.b.tier_stats() == sb
+    assert not h.ta.is_open and not h.tb.is_open  # the caches closed their tiers
+
+
+@e2e
+async def test_the_snapshot_shows_the_tier_s_counters_as_the_collector_does(
+    redis_server: RedisServer, two_hosts: TwoHosts
+) -> None:
+    """``snapshot().tier`` after a miss, a hit and an error; the scrape shows the same numbers."""
+    breaker = CircuitBreaker(failures=5)  # the error below must not open it
+    async with two_hosts(b={"breaker": breaker}) as h:
+        a, b = h.a, h.b
+        await a.get_or_put("h1", h.make("h1"))  # a miss in the tier: claimed, made
+        assert await h.ta.flush(30)
+        sa = a.snapshot().tier
+        assert sa is not None
+        assert (sa.lookups, sa.misses, sa.hits, sa.claims, sa.makes) == (1, 1, 0, 1, 1)
+        assert sa.writes == 1 and sa.bytes_written > 64 * KiB and sa.lookup_samples == 1
+        await b.get_or_put("h1", h.make("h1"))  # a hit in the tier
+        hit = b.snapshot().tier
+        assert hit is not None and (hit.hits, hit.misses, hit.errors) == (1, 0, 0)
+        assert hit.bytes_read == sa.bytes_written and hit.lookup_samples == 1
+        assert hit.mean_lookup_s == hit.lookup_seconds > 0
+        redis_server.kill()
+        await b.get_or_put("h2", h.make("h2"))  # an error: made here
+        down = b.snapshot()
+        assert down.tier is not None and down.tier.hits == 1 and down.tier.misses == 1
+        assert down.tier.errors + down.tier.timeouts == 1 and h.calls == ["h1", "h2"]
+        assert down.to_dict()["tier"]["errors"] == down.tier.errors  # JSON-able, nested
+        json.dumps(down.to_dict())
+        samples, _types = scrape(b)
+        labels = {"cache": b.handle().name, "role": "sender"}
+        for series, n in (
+            ("hits", down.tier.hits),
+            ("misses", down.tier.misses),
+            ("errors", down.tier.errors),
+            ("timeouts", down.tier.timeouts),
+            ("read_bytes", down.tier.bytes_read),
+            ("dropped_writes", down.tier.dropped_writes),
+        ):
+            assert value(samples, f"aioshmcache_tier_{series}_total", **labels) == n
+        count = value(samples, "aioshmcache_tier_lookup_seconds_count", **labels)
+        assert count == down.tier.lookup_samples == 1  # a failed look-up is not timed
+        # counters of this process, not of the segment: a reader of shared memory has none
+        assert read_snapshot(b.handle().name)[0].tier is None
+        assert b.sender.snapshot().tier is None  # the wrapped sync cache has no tier
+    assert b.tier_stats() == down.tier  # the last counts stay readable after close
 
 
 @e2e
@@ -355,7 +453,7 @@ async def test_an_oversized_value_is_never_fetched(
 
 @e2e
 async def test_a_claimer_killed_while_computing_lets_one_waiter_take_over(
-    redis_server: RedisServer, make_config: Any, shm_name: str
+    redis_server: RedisServer, two_hosts: TwoHosts
 ) -> None:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
@@ -371,51 +469,48 @@ async def test_a_claimer_killed_while_computing_lets_one_waiter_take_over(
             proc.kill()
             proc.join(10)
         sweep(prefix=name)
-    calls: list[str] = []
-    t1, t2 = _tier(redis_server.url, lease_s=1.0), _tier(redis_server.url, lease_s=1.0)
-    async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
-        with ReceiverCache.attach(a.handle()) as ra, ReceiverCache.attach(b.handle()) as rb:
-            fa, fb = await asyncio.gather(
-                a.get_or_put("k1", _maker("k1", calls)), b.get_or_put("k1", _maker("k1", calls))
-            )
-            _check(ra, fa, "k1")
-            _check(rb, fb, "k1")
-    s1, s2 = t1.stats(), t2.stats()
-    assert calls == ["k1"], "both waiters computed after the claimer died"
+    async with two_hosts({"lease_s": 1.0}, {"lease_s": 1.0}) as h:
+        fa, fb = await asyncio.gather(
+            h.a.get_or_put("k1", h.make("k1")), h.b.get_or_put("k1", h.make("k1"))
+        )
+        _check(h.ra, fa, "k1")
+        _check(h.rb, fb, "k1")
+    s1, s2 = h.ta.stats(), h.tb.stats()
+    assert h.calls == ["k1"], "both waiters computed after the claimer died"
     assert s1.takeovers + s2.takeovers == 1 and s1.waits + s2.waits == 2
     assert s1.hits + s2.hits == 1 and s1.wait_timeouts + s2.wait_timeouts == 0
 
 
 @e2e
-async def test_a_failing_make_releases_the_claim_at_once(
-    redis_server: RedisServer, make_config: Any, shm_name: str
+@pytest.mark.parametrize("how", ["fails", "is cancelled"])
+async def test_a_claimer_whose_make_fails_or_is_cancelled_releases_the_claim_at_once(
+    two_hosts: TwoHosts, how: str
 ) -> None:
     # a lease that would outlive the test's patience: only a release lets b take over in time
-    t1 = _tier(redis_server.url, lease_s=60.0)
-    t2 = _tier(redis_server.url, lease_s=60.0, max_wait_s=30.0)
-    started = asyncio.Event()
-    calls: list[str] = []
+    async with two_hosts({"lease_s": 60.0}, {"lease_s": 60.0, "max_wait_s": 30.0}) as h:
+        fail = asyncio.Event()
 
-    async def failing() -> dict[str, Any]:
-        started.set()
-        await asyncio.sleep(0.3)
-        raise RuntimeError("preprocessing failed")
+        async def claimers_make() -> dict[str, Any]:
+            h.started.set()
+            await fail.wait()  # set only if it fails: cancelled, it waits here
+            raise RuntimeError("preprocessing failed")
 
-    async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
-        with ReceiverCache.attach(b.handle()) as rb:
-            first = asyncio.ensure_future(a.get_or_put("f1", failing))
-            await started.wait()
-            second = asyncio.ensure_future(b.get_or_put("f1", _maker("f1", calls)))
-            with pytest.raises(RuntimeError, match="preprocessing failed"):
-                await first
-            _check(rb, await asyncio.wait_for(second, 20), "f1")
-    s2 = t2.stats()
-    assert calls == ["f1"] and s2.waits == 1 and s2.takeovers == 1 and s2.wait_timeouts == 0
+        first, second = await h.b_asks_while_a_makes("f1", claimers_make)
+        await _until(lambda: h.tb.stats().waits == 1)  # b waits on a's claim
+        if how == "fails":
+            fail.set()
+        else:
+            first.cancel()
+        with pytest.raises(RuntimeError if how == "fails" else asyncio.CancelledError):
+            await first
+        await h.b_gets(second, "f1")
+    s2 = h.tb.stats()
+    assert h.calls == ["f1"] and s2.waits == 1 and s2.takeovers == 1 and s2.wait_timeouts == 0
 
 
 @e2e
 async def test_a_failed_claim_is_released_while_writes_are_stuck(
-    redis_server: RedisServer, make_config: Any, shm_name: str
+    two_hosts: TwoHosts,
 ) -> None:
     """The release of a failed make's claim does not queue behind the writes.
 
@@ -423,92 +518,51 @@ async def test_a_failed_claim_is_released_while_writes_are_stuck(
     ``write_timeout_s`` each), a host waiting on the claim waited for it too, up to
     ``max_wait_s``, for a make that had already failed.
     """
-    t1 = _tier(redis_server.url, lease_s=60.0, write_timeout_s=120.0)  # a write stuck for good
-    t2 = _tier(redis_server.url, lease_s=60.0, max_wait_s=60.0)
-    gate, started = asyncio.Event(), asyncio.Event()
-    calls: list[str] = []
-
-    async def failing() -> dict[str, Any]:
-        started.set()
-        await asyncio.sleep(0.1)
-        raise RuntimeError("preprocessing failed")
-
-    async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
-        real_set = t1._client.set
+    stuck = {"lease_s": 60.0, "write_timeout_s": 120.0}  # a's write will be stuck for good
+    async with two_hosts(stuck, {"lease_s": 60.0, "max_wait_s": 60.0}) as h:
+        gate, real_set = asyncio.Event(), h.ta._client.set
 
         async def stalled_set(*args: Any, **kw: Any) -> Any:
             await gate.wait()
             return await real_set(*args, **kw)
 
-        t1._client.set = stalled_set
-        with ReceiverCache.attach(b.handle()) as rb:
-            await a.get_or_put("s0", _maker("s0", calls))  # its write is now stuck
-            await _until(lambda: t1.stats().queued_writes == 0)  # in flight, not queued
-            first = asyncio.ensure_future(a.get_or_put("s1", failing))
-            await started.wait()
-            second = asyncio.ensure_future(b.get_or_put("s1", _maker("s1", calls)))
-            with pytest.raises(RuntimeError, match="preprocessing failed"):
-                await first
-            _check(rb, await asyncio.wait_for(second, 20), "s1")
-            assert t1.stats().writes == 0  # the write was still stuck all along
-            gate.set()
-    s2 = t2.stats()
-    assert calls == ["s0", "s1"] and s2.takeovers == 1 and s2.wait_timeouts == 0
+        async def failing() -> dict[str, Any]:
+            h.started.set()
+            await asyncio.sleep(0.1)
+            raise RuntimeError("preprocessing failed")
+
+        h.ta._client.set = stalled_set
+        await h.a.get_or_put("s0", h.make("s0"))  # its write is now stuck
+        await _until(lambda: h.ta.stats().queued_writes == 0)  # in flight, not queued
+        first, second = await h.b_asks_while_a_makes("s1", failing)
+        with pytest.raises(RuntimeError, match="preprocessing failed"):
+            await first
+        await h.b_gets(second, "s1")
+        assert h.ta.stats().writes == 0  # the write was still stuck all along
+        gate.set()
+    s2 = h.tb.stats()
+    assert h.calls == ["s0", "s1"] and s2.takeovers == 1 and s2.wait_timeouts == 0
 
 
 @e2e
 @pytest.mark.slow
 async def test_a_claim_is_renewed_while_make_runs_longer_than_its_lease(
-    redis_server: RedisServer, make_config: Any, shm_name: str
+    two_hosts: TwoHosts,
 ) -> None:
     # without renewal the 0.5 s lease would lapse during the 2 s make and b would make it too
-    t1 = _tier(redis_server.url, lease_s=0.5)
-    t2 = _tier(redis_server.url, lease_s=0.5, max_wait_s=30.0)
-    started = asyncio.Event()
-    calls: list[str] = []
+    async with two_hosts({"lease_s": 0.5}, {"lease_s": 0.5, "max_wait_s": 30.0}) as h:
 
-    async def slow() -> dict[str, Any]:
-        calls.append("r1")
-        started.set()
-        await asyncio.sleep(2.0)
-        return hosts.item_of("r1")
+        async def slow() -> dict[str, Any]:
+            h.calls.append("r1")
+            h.started.set()
+            await asyncio.sleep(2.0)
+            return hosts.item_of("r1")
 
-    async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
-        with ReceiverCache.attach(b.handle()) as rb:
-            first = asyncio.ensure_future(a.get_or_put("r1", slow))
-            await started.wait()
-            _check(rb, await b.get_or_put("r1", _maker("r1", calls)), "r1")
-            await first
-    s2 = t2.stats()
-    assert calls == ["r1"] and s2.waits == 1 and s2.hits == 1 and s2.takeovers == 0
-
-
-@e2e
-async def test_a_cancelled_claimer_releases_the_claim_at_once(
-    redis_server: RedisServer, make_config: Any, shm_name: str
-) -> None:
-    t1 = _tier(redis_server.url, lease_s=60.0)
-    t2 = _tier(redis_server.url, lease_s=60.0, max_wait_s=30.0)
-    started = asyncio.Event()
-    calls: list[str] = []
-
-    async def forever() -> dict[str, Any]:
-        started.set()
-        await asyncio.sleep(3600)
-        raise AssertionError("never")
-
-    async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
-        with ReceiverCache.attach(b.handle()) as rb:
-            first = asyncio.ensure_future(a.get_or_put("x1", forever))
-            await started.wait()
-            second = asyncio.ensure_future(b.get_or_put("x1", _maker("x1", calls)))
-            await _until(lambda: t2.stats().waits == 1)  # b waits on a's claim
-            first.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await first
-            _check(rb, await asyncio.wait_for(second, 20), "x1")
-    s2 = t2.stats()
-    assert calls == ["x1"] and s2.takeovers == 1 and s2.wait_timeouts == 0
+        first, second = await h.b_asks_while_a_makes("r1", slow)
+        await h.b_gets(second, "r1")
+        await first
+    s2 = h.tb.stats()
+    assert h.calls == ["r1"] and s2.waits == 1 and s2.hits == 1 and s2.takeovers == 0
 
 
 @e2e
@@ -641,21 +695,20 @@ async def test_a_full_write_queue_drops_the_write_and_releases_the_claim(
 
 @e2e
 async def test_an_item_not_worth_fetching_is_not_stored_and_nobody_waits_for_it(
-    redis_server: RedisServer, raw: Any, make_config: Any, shm_name: str
+    raw: Any, two_hosts: TwoHosts
 ) -> None:
-    # fetching costs 1 s per MiB here; the make takes ~0: storing can never pay
-    slow_net = {"policy": TierPolicy(learn=False, prior_per_byte_s=1e-6, explore_every=0)}
-    t1, t2 = _tier(redis_server.url, **slow_net), _tier(redis_server.url, **slow_net)
-    calls: list[str] = []
-    async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
-        with ReceiverCache.attach(b.handle()) as rb:
-            await a.get_or_put("n1", _maker("n1", calls))
-            assert await t1.flush(30)
-            assert await raw.get(lease_key(t1.prefix, "n1")) == b"skip"
-            _check(rb, await b.get_or_put("n1", _maker("n1", calls)), "n1")
-    assert calls == ["n1", "n1"]
-    assert t1.stats().skipped_writes == 1 and await raw.exists(value_key(t1.prefix, "n1")) == 0
-    s2 = t2.stats()
+    def slow_net() -> dict[str, Any]:  # fetching costs 1 s per MiB; the make ~0: never pays
+        return {"policy": TierPolicy(learn=False, prior_per_byte_s=1e-6, explore_every=0)}
+
+    async with two_hosts(slow_net(), slow_net()) as h:
+        await h.a.get_or_put("n1", h.make("n1"))
+        assert await h.ta.flush(30)
+        assert await raw.get(lease_key(h.ta.prefix, "n1")) == b"skip"
+        _check(h.rb, await h.b.get_or_put("n1", h.make("n1")), "n1")
+    assert h.calls == ["n1", "n1"]
+    assert h.ta.stats().skipped_writes == 1
+    assert await raw.exists(value_key(h.ta.prefix, "n1")) == 0
+    s2 = h.tb.stats()
     assert s2.skipped == 1 and s2.waits == 0 and s2.claims == 0
 
 

@@ -31,7 +31,7 @@ from aioshmcache._tier_value import (
     seal_value,
     value_key,
 )
-from aioshmcache.tier import RedisTier, TierStats
+from aioshmcache.tier import RedisTier, TierSnapshot
 from aioshmcache.wire import pack_features
 
 SECRET = b"k" * 32
@@ -216,11 +216,13 @@ def test_linear_cost_one_size_only() -> None:
         LinearCost(decay=0.0)
 
 
-def _trained(make_s: float = 0.020, fixed: float = 0.0003, per_byte: float = 2.5e-9) -> TierPolicy:
+def _trained(
+    make_s: float = 0.020, fixed: float = 0.0003, per_byte: float = 2.5e-9, probe: float = 0.0002
+) -> TierPolicy:
     p = TierPolicy(margin=0.8, explore_every=0, warmup=0)
     for n in (MiB, 2 * MiB, 4 * MiB, 8 * MiB) * 4:
         p.observe_make(make_s, n)
-        p.observe_fetch(fixed, 0)
+        p.observe_probe(probe)
         p.observe_fetch(fixed + per_byte * n, n)
     return p
 
@@ -236,44 +238,104 @@ def test_policy_budget_is_where_fetching_stops_beating_the_make() -> None:
     assert p.fetch_budget(MiB) == MiB  # capped
 
 
+def test_policy_weighs_only_what_a_fetch_adds_to_the_probe() -> None:
+    """The probe's round trip is paid whether a value is then fetched or made (a sunk cost).
+
+    Seen in the fleet bench at load 7: a probe took 20 ms of a 250 ms make, and counting it in
+    every fetch shrank the budget and kept items out of the tier that a fetch still served
+    faster than a make. Here a probe costs 50 ms, a fetch 1 ms + 10 ms per MiB, a make 100 ms.
+    """
+    p = _trained(make_s=0.100, fixed=0.001, per_byte=0.010 / MiB, probe=0.050)
+    assert p.probe_cost() == pytest.approx(0.050)
+    # 0.8 * 100 ms = 80 ms = 1 ms + 10 ms/MiB * n  ->  7.9 MiB (with the probe: 2.9 MiB)
+    assert p.fetch_budget(64 * MiB) == pytest.approx(7.9 * MiB, rel=1e-3)
+    assert p.worth_storing(6 * MiB, 0.100)  # 61 ms after the probe <= 80 ms
+    assert not p.worth_storing(8 * MiB, 0.100)
+
+
+def test_policy_stores_what_the_other_hosts_would_fetch_however_fast_its_make_ran() -> None:
+    """The write is judged as the look-ups are: by the learned make cost too, not one sample.
+
+    Seen in the fleet bench: on a loaded machine one 20 ms (CPU) make took 20-500 ms; items
+    whose make ran in a quiet moment were not written, and every host then made them for
+    ``skip_ttl_s``, although each would have fetched them (1.1 makes per item under 2 MiB).
+    """
+    p = _trained(make_s=0.100, fixed=0.001, per_byte=0.010 / MiB, probe=0.001)
+    assert p.fetch_budget(64 * MiB) > 6 * MiB  # a host that looks 6 MiB up fetches it
+    assert p.worth_storing(6 * MiB, 0.010)  # so it is stored, though this make took 10 ms
+    assert not p.worth_storing(9 * MiB, 0.010)  # over the budget and a quick make: not
+    assert p.worth_storing(9 * MiB, 0.500)  # an item whose own make was long: stored
+
+
 def test_policy_skips_the_tier_when_a_round_trip_costs_more_than_a_make() -> None:
-    p = _trained(make_s=0.0002, fixed=0.0003)
+    p = _trained(make_s=0.0002, fixed=0.0003, probe=0.0003)
     assert p.fetch_budget(64 * MiB) == 0
     assert not p.worth_storing(1024, 0.0002)
+    # however cheap the fetch of a value, a probe that costs more than the make skips the tier
+    p = _trained(make_s=0.010, fixed=0.0, per_byte=1e-12, probe=0.009)
+    assert p.fetch_budget(64 * MiB) == 0
 
 
 def test_policy_before_learning_is_optimistic_and_explores() -> None:
     p = TierPolicy(explore_every=3)
     assert p.fetch_budget(64 * MiB) == 64 * MiB  # no make seen yet
-    assert p.fetch_cost(0) == pytest.approx(0.0005)  # the prior
-    p = _trained(make_s=0.0002, fixed=0.0003)
+    assert p.fetch_cost(0) == p.probe_cost() == pytest.approx(0.0005)  # the prior
+    p = _trained(make_s=0.0002, fixed=0.0003, probe=0.0003)
     p._explore_every = 3
     assert [p.lookup_budget(64 * MiB) for _ in range(6)] == [0, 0, 64 * MiB, 0, 0, 64 * MiB]
 
 
 def test_policy_keeps_its_prior_until_enough_samples() -> None:
     p = TierPolicy(min_samples=3, warmup=2, prior_fixed_s=0.0005, prior_per_byte_s=2e-9)
-    p.observe_fetch(1.0, 0)  # warm-up: opening connections; never learned from
+    p.observe_probe(1.0)  # warm-up: opening connections; never learned from
     p.observe_fetch(1.0, MiB)
-    assert p.view(MiB).fetches_seen == 0
-    p.observe_fetch(0.050, 0)
+    assert p.view(MiB).fetches_seen == p.view(MiB).probes_seen == 0
+    p.observe_probe(0.050)
     p.observe_fetch(0.080, MiB)
-    assert p.fetch_coefficients() == (0.0005, 2e-9)
+    assert p.fetch_coefficients() == (0.0005, 2e-9) and p.probe_cost() == 0.0005
     assert p.worth_storing(MiB, 0.010)  # judged by the prior: 2.6 ms <= 8 ms
     for _ in range(2):
-        p.observe_fetch(0.050, 0)
+        p.observe_probe(0.050)
         p.observe_fetch(0.080, MiB)
-    assert p.fetch_coefficients()[0] == pytest.approx(0.050)
+    assert p.probe_cost() == pytest.approx(0.050)
+    assert p.fetch_coefficients() == pytest.approx((0.0, 0.080 / MiB))  # one size: proportional
     assert not p.worth_storing(MiB, 0.010)  # learned: 80 ms per MiB
 
 
 def test_policy_that_does_not_learn_keeps_its_priors() -> None:
     p = TierPolicy(learn=False, prior_fixed_s=0.001, prior_per_byte_s=1e-9)
     p.observe_make(0.0001, MiB)
+    p.observe_probe(1.0)
     p.observe_fetch(1.0, MiB)
     assert p.fetch_budget(64 * MiB) == 64 * MiB
     assert p.fetch_cost(MiB) == pytest.approx(0.001 + 1e-9 * MiB)
     assert p.worth_storing(MiB, 0.01) and not p.worth_storing(MiB, 0.001)
+
+
+async def test_every_make_teaches_the_policy_not_only_those_stored() -> None:
+    """A make whose item is not written (Redis down, a value too large to fetch) is learned.
+
+    Before, only the makes of items written to Redis were: a policy that had stopped using the
+    tier for some items never re-learned what making them costs.
+    """
+    policy = TierPolicy(warmup=0, explore_every=0)
+    tier = RedisTier(
+        "redis://127.0.0.1:1/0",  # nobody listens: every look-up fails or is bypassed
+        secret=SECRET,
+        breaker=CircuitBreaker(failures=1, retry_after_s=60.0, max_retry_after_s=60.0),
+        policy=policy,
+    )
+
+    async def make() -> dict[str, Any]:
+        return {"x": np.zeros(MiB, np.uint8)}
+
+    async with tier:
+        for i in range(3):
+            await tier.fetch_or_make(f"m{i}", make)
+    s = tier.stats()
+    assert (s.makes, s.writes, s.errors + s.timeouts, s.bypassed + s.skipped) == (3, 0, 1, 2)
+    assert policy.view(64 * MiB).makes_seen == 3
+    assert policy.make_cost(MiB) is not None
 
 
 def test_policy_rejects_nonsense() -> None:
@@ -382,7 +444,7 @@ def test_forged_values_are_refused() -> None:
 
 
 def test_the_tier_s_public_names_have_docstrings() -> None:
-    for cls in (RedisTier, TierStats, TierPolicy, CircuitBreaker, LinearCost):
+    for cls in (RedisTier, TierSnapshot, TierPolicy, CircuitBreaker, LinearCost):
         assert inspect.getdoc(cls), cls
         for name, member in vars(cls).items():
             if name.startswith("_") and name not in ("__init__", "__aenter__"):

@@ -31,6 +31,7 @@ async def test_tier_series_follow_tier_stats(make_config: Any) -> None:
         samples, types = scrape(cache)
         name = cache.handle().name
         st = tier.stats()
+        assert cache.snapshot().tier == st  # the collector's numbers are the snapshot's
     labels = {"cache": name, "role": "sender"}
     assert (st.lookups, st.errors, st.bypassed, st.makes) == (2, 2, 3, 5)
     assert value(samples, "aioshmcache_tier_lookups_total", **labels) == 2
@@ -41,7 +42,8 @@ async def test_tier_series_follow_tier_stats(make_config: Any) -> None:
     assert value(samples, "aioshmcache_tier_breaker_opens_total", **labels) == 1
     assert value(samples, "aioshmcache_tier_rejected_total", reason="signature", **labels) == 0
     assert value(samples, "aioshmcache_tier_fetch_budget_bytes", **labels) == 64 << 20
-    assert value(samples, "aioshmcache_tier_lookup_seconds_count", **labels) == 0
+    count = value(samples, "aioshmcache_tier_lookup_seconds_count", **labels)
+    assert count == st.lookup_samples == 0
     assert "aioshmcache_tier_lookup_seconds:summary" in types
     assert "aioshmcache_tier_lookups:counter" in types
     assert cache.tier_stats() == st
@@ -52,4 +54,6 @@ async def test_a_cache_without_a_tier_has_no_tier_series(make_config: Any) -> No
         await cache.get_or_put("x", lambda: {"x": np.zeros(16)})
         samples, _types = scrape(cache)
         assert cache.tier is None and cache.tier_stats() is None
+        snap = cache.snapshot()
+        assert snap.tier is None and snap.to_dict()["tier"] is None
     assert not [k for k in samples if k[0].startswith("aioshmcache_tier_")]

@@ -1,39 +1,21 @@
-"""``python -m aioshmcache bench``: the benchmark suite against the physical limit and the peers.
+"""``python -m aioshmcache bench``: the benchmark suites against the physical limit and the peers.
 
-Three suites, each also runnable alone (``--suite``) or through the scripts in ``bench/``:
-
-* ``store`` — put / get / lease of single-array items from 1 KiB to 64 MiB against an
-  ``np.copyto`` into warm shared memory; the 1 KiB steady state with a reader process; a fresh
-  cache's first put; churn; reader-count and cache-size scaling;
-* ``peers`` — the round trip writer → reader process → reply against ``multiprocessing`` Pipe
-  and Queue, Redis (``redis.asyncio`` against a private ``redis-server``) and Ray (if installed);
-* ``async`` — the asyncio facade: cache hits, offloaded puts, loop lag, concurrency and the
-  inline-vs-thread threshold;
-* ``group`` (only when asked for: ``--suite group``) — cache groups: preprocessings of a Zipf
-  load with 1 and 4 gateway processes, the cost of a sibling look-up and of a sibling hit;
-* ``trace`` (only when asked for: ``--suite trace``) — miss ratio and bytes written per request
-  of FIFO and second-chance eviction on seeded Zipf traces replayed through the real cache,
-  against an LRU model of the same capacity;
-* ``fleet`` (only when asked for: ``--suite fleet``) — the Redis tier across 4 simulated hosts:
-  preprocessings per distinct item with and without it, a tier hit's latency, Redis killed;
-* ``vllm`` (only when asked for: ``--suite vllm``) — vLLM's own ``shm_object_storage.py`` side
-  by side (from an installed vLLM, or the file named by ``--vllm-file PATH``).
-
-It writes ``aioshmcache-bench[-SUITES][-quick]`` ``.md`` (the table), ``.png`` (the plot) and
-``.json`` (every figure) to the current directory (``--results-dir DIR`` elsewhere; a bare
-``--results-dir`` in a source checkout: its ``bench/results/``), prints the table and reports
-progress on stderr. ``--quick`` is the smoke run CI uses (about 30 s): fewer sizes and
-repetitions, no Ray. A peer that is not installed is skipped with a message, never an error.
-Figures are medians of several runs with a ratio against a baseline measured in the same run.
-The targets are reported; ``--check`` makes a missed one an exit status of 1.
+``store`` (put / get / lease against ``np.copyto`` into warm shared memory, steady state, churn,
+scaling), ``peers`` (the round trip against ``multiprocessing``, Redis, Ray) and ``async`` run by
+default; ``group``, ``trace``, ``fleet`` and ``vllm`` when named with ``--suite``. Each writes
+``aioshmcache-bench[-SUITES][-quick]`` ``.md``, ``.png`` and ``.json``; bench/README.md gives the
+method. ``--quick`` is the smoke run CI uses. A peer that is not installed is a skip line, never
+an error; ``--check`` turns a missed target into exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from ..progress import Progress
 from ..shm import files_with_prefix, remove
@@ -42,13 +24,18 @@ from .report import Report
 
 __all__ = ["SUITES", "checkout_results_dir", "main", "results_stem", "run"]
 
-SUITES = ("store", "peers", "async")
-#: suites run only when named with ``--suite``
-EXTRA_SUITES = ("group", "trace", "fleet", "vllm")
-
-
-#: a bare ``--results-dir``: the ``bench/results`` folder of the source checkout
-_CHECKOUT = Path("<checkout>")
+#: suite: (module, its runner(params, report, progress, **options)); the first three by default
+_RUNNERS = {
+    "store": ("workloads", "run_store_suite"),
+    "peers": ("peers", "run_peers_suite"),
+    "async": ("asyncbench", "run_async_suite"),
+    "group": ("group", "run_group_suite"),
+    "trace": ("trace", "run_trace_suite"),
+    "fleet": ("fleet", "run_fleet_suite"),
+    "vllm": ("vllm", "run_vllm_suite"),
+}
+SUITES, EXTRA_SUITES = tuple(_RUNNERS)[:3], tuple(_RUNNERS)[3:]
+_CHECKOUT = Path("<checkout>")  # a bare ``--results-dir``: the checkout's ``bench/results``
 
 
 def checkout_results_dir() -> Path | None:
@@ -71,18 +58,23 @@ def _parser() -> argparse.ArgumentParser:
         description="Benchmarks against np.copyto into shared memory and against peers "
         "(multiprocessing, redis.asyncio, Ray). Writes a markdown table and a PNG plot.",
     )
-    ap.add_argument("--quick", action="store_true", help="a ~30 s smoke run (CI)")
+    for flag, text in (
+        ("--quick", "a ~30 s smoke run (CI)"),
+        ("--check", "exit with status 1 if a target is missed"),
+        ("--no-redis", "skip the redis peer"),
+        ("--quiet", "no progress lines on stderr"),
+        ("--no-print", "do not print the table"),
+    ):
+        ap.add_argument(flag, action="store_true", help=text)
     ap.add_argument(
         "--results-dir",
         type=Path,
         nargs="?",
         const=_CHECKOUT,
-        default=None,
         metavar="DIR",
         help="where the results go (default: the current directory); without DIR: the "
         "bench/results folder of the source checkout",
     )
-    ap.add_argument("--check", action="store_true", help="exit with status 1 if a target is missed")
     ap.add_argument(
         "--suite",
         action="append",
@@ -90,24 +82,11 @@ def _parser() -> argparse.ArgumentParser:
         help="run only this suite (repeatable; default: " + ", ".join(SUITES) + ")",
     )
     ray = ap.add_mutually_exclusive_group()
-    ray.add_argument(
-        "--ray",
-        dest="ray",
-        action="store_true",
-        default=None,
-        help="compare with Ray (default: yes if installed, except with --quick)",
-    )
+    text = "compare with Ray (default: yes if installed, except with --quick)"
+    ray.add_argument("--ray", dest="ray", action="store_true", default=None, help=text)
     ray.add_argument("--no-ray", dest="ray", action="store_false")
-    ap.add_argument("--no-redis", action="store_true", help="skip the redis peer")
-    ap.add_argument(
-        "--vllm-file",
-        type=Path,
-        default=None,
-        metavar="PATH",
-        help="vLLM's shm_object_storage.py for --suite vllm (default: from an installed vllm)",
-    )
-    ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    ap.add_argument("--no-print", action="store_true", help="do not print the table")
+    text = "vLLM's shm_object_storage.py for --suite vllm (default: from an installed vllm)"
+    ap.add_argument("--vllm-file", type=Path, metavar="PATH", help=text)
     return ap
 
 
@@ -121,48 +100,30 @@ def run(
     vllm_file: Path | None = None,
 ) -> Report:
     """Run the given suites and return the report (files are written by :func:`main`)."""
-    from .asyncbench import run_async_suite
-    from .fleet import run_fleet_suite
-    from .group import run_group_suite
-    from .peers import run_peers_suite
-    from .trace import run_trace_suite
-    from .vllm import run_vllm_suite
-    from .workloads import run_store_suite
-
     p = Params.smoke() if quick else Params.full()
     progress = progress or Progress()
     report = Report("aioshmcache benchmark", quick=quick)
-    if "store" in suites:
-        run_store_suite(p, report, progress)
-    if "peers" in suites:
-        if not want_redis:
-            report.skip("redis: --no-redis")
-        run_peers_suite(p, report, progress, want_ray=want_ray, want_redis=want_redis)
-    if "async" in suites:
-        run_async_suite(p, report, progress)
-    if "group" in suites:
-        run_group_suite(p, report, progress)
-    if "trace" in suites:
-        run_trace_suite(p, report, progress)
-    if "fleet" in suites:
-        run_fleet_suite(p, report, progress)
-    if "vllm" in suites:
-        run_vllm_suite(p, report, progress, vllm_file)
+    if "peers" in suites and not want_redis:
+        report.skip("redis: --no-redis")
+    extra: dict[str, dict[str, Any]] = {
+        "peers": {"want_ray": want_ray, "want_redis": want_redis},
+        "vllm": {"vllm_file": vllm_file},
+    }
+    for suite in (s for s in _RUNNERS if s in suites):
+        module, fn = _RUNNERS[suite]
+        runner = getattr(importlib.import_module(f".{module}", __name__), fn)
+        runner(p, report, progress, **extra.get(suite, {}))
     report.finish()
     return report
 
 
-def _leftovers() -> list[str]:
-    return files_with_prefix(segment_prefix())
-
-
 def _targets_line(report: Report, *, check: bool) -> str:
-    with_target = [r for r in report.rows if r.target is not None]
+    met = [r.holds for r in report.rows if r.target is not None]
     missed = report.missed()
-    line = f"targets: {len(with_target) - len(missed)} of {len(with_target)} met"
+    line = f"targets: {len(met) - len(missed)} of {len(met)} met"
     if missed:
-        names = "; ".join(f"{r.label} ({r.param})" if r.param else r.label for r in missed[:5])
-        line += f"; missed: {names}" + (" ..." if len(missed) > 5 else "")
+        line += "; missed: " + "; ".join(r.what for r in missed[:5])
+        line += " ..." if len(missed) > 5 else ""
         line += "" if check else " (--check turns a miss into exit status 1)"
     return line
 
@@ -180,34 +141,22 @@ def main(argv: list[str]) -> int:
         if found is None:
             ap.error("--results-dir without DIR needs a source checkout (with bench/): give DIR")
         out_dir = found
-    stem = results_stem(suites, quick=ns.quick)
-    t0 = time.monotonic()
-    rc = 0
+    t0, leaked = time.monotonic(), False
     try:
-        report = run(
-            suites,
-            quick=ns.quick,
-            want_ray=want_ray,
-            want_redis=not ns.no_redis,
-            progress=progress,
-            vllm_file=ns.vllm_file,
-        )
+        opts = {"want_redis": not ns.no_redis, "progress": progress, "vllm_file": ns.vllm_file}
+        report = run(suites, quick=ns.quick, want_ray=want_ray, **opts)
     except KeyboardInterrupt:
         print("bench: interrupted", file=sys.stderr)
         return 130
     finally:
-        left = _leftovers()
+        left = files_with_prefix(segment_prefix())
         if left:  # the library (or this benchmark) leaked: report it loudly, then clean up
             print(f"bench: LEFT BEHIND in /dev/shm: {left}", file=sys.stderr)
             remove(left)
-            rc = 1
-    if report.errors:
-        rc = 1
-    files = report.write(out_dir, stem)
+            leaked = True
+    files = report.write(out_dir, results_stem(suites, quick=ns.quick))
     if not ns.no_print:
         print(report.markdown())
     print(f"bench: {_targets_line(report, check=ns.check)}", file=sys.stderr)
-    if ns.check and report.missed():
-        rc = 1
     progress(f"done in {time.monotonic() - t0:.0f} s; wrote {', '.join(str(f) for f in files)}")
-    return rc
+    return int(leaked or bool(report.errors) or (ns.check and bool(report.missed())))

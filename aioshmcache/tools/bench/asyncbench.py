@@ -9,9 +9,11 @@ everything inline on the loop, one that sends every copy to a worker thread.
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -26,10 +28,10 @@ from aioshmcache.aio import DEFAULT_INLINE_THRESHOLD
 from ..lag import LoopLagMeter
 from ..progress import Progress
 from ..units import KiB, MiB, fmt_bytes
+from . import timing as tm
 from .params import Params, bench_config
 from .procs import LazyWorker, Worker
-from .report import Report, Row, Target
-from .timing import Samples, ShmBuffer, atimed, memcpy_into, percentile, source_array, timed
+from .report import Report, Target
 
 __all__ = ["run_async_suite"]
 
@@ -39,194 +41,140 @@ S_LAG = "Async: loop lag of a 1 ms ticker while 16 MiB items stream"
 S_CONC = "Async: many small concurrent requests"
 S_THR = "Async: inline vs thread (DEFAULT_INLINE_THRESHOLD = 1 MiB)"
 
-_clock = time.perf_counter_ns
 NEVER = 1 << 62
+_clock = time.perf_counter_ns
+_keys = itertools.count()
 
 
 def _run(loop: str, fn: Callable[[], Awaitable[None]]) -> None:
     options: dict[str, Any] = {}
     if loop == "uvloop":
-        uvloop: Any = importlib.import_module("uvloop")
-        options["loop_factory"] = uvloop.new_event_loop
+        options["loop_factory"] = importlib.import_module("uvloop").new_event_loop
     anyio.run(fn, backend="asyncio", backend_options=options)
 
 
-def _loops(report: Report, wanted: list[str]) -> list[str]:
-    out = []
-    for name in wanted:
-        if name == "uvloop":
-            try:
-                importlib.import_module("uvloop")
-            except ImportError:
-                report.skip("uvloop: not installed; async figures on asyncio only")
-                continue
-        out.append(name)
-    return out
-
-
-# --- cache hit ------------------------------------------------------------------------------
-
-
-def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
-    progress(f"async [{loop}]: small cache hit ({p.runs} runs)")
-    item = {"data": source_array(1024)}
-    n = p.n_ops(1024)
-    hit, sync_hit, hop = Samples(), Samples(), Samples()
-
-    async def main() -> None:
-        sender = SenderCache(bench_config(8 * MiB, 1 * MiB, 1))
-        receiver = ReceiverCache.attach(sender.handle())  # a live reader: hand-outs owe it
-        try:
-            cache = AsyncSenderCache(sender)
-            async with cache:
-                ref, _ = await cache.get_and_update_item((item, ()), "hit")
-                receiver.release(_as_ref(ref))
-                limiter = anyio.CapacityLimiter(1)
-                for _ in range(p.runs):
-                    run = hit.new_run()
-                    for _ in range(n):
-                        ref, _ = await atimed(run, cache.get_and_update_item(None, "hit"))
-                        receiver.release(_as_ref(ref))
-                    run = sync_hit.new_run()
-                    for _ in range(n):
-                        ref, _ = timed(run, sender.get_and_update_item, None, "hit")
-                        receiver.release(_as_ref(ref))
-                    run = hop.new_run()
-                    for _ in range(max(20, n // 20)):
-                        await atimed(run, anyio.to_thread.run_sync(_noop, limiter=limiter))
-        finally:
-            receiver.close()
-            sender.close()
-
-    _run(loop, main)
-    hs, ss, ts = hit.stat(), sync_hit.stat(), hop.stat()
-    report.row(
-        S_HIT,
-        f"async hit [{loop}]",
-        "1 KiB",
-        hs,
-        vs=("sync hit", ss),
-        target=Target("value", "<=", 20e-6),
-    )
-    report.row(S_HIT, f"sync SenderCache hit [{loop} run]", "1 KiB", ss)
-    report.row(
-        S_HIT, f"thread hop: anyio.to_thread.run_sync(noop) [{loop}]", "", ts, vs=("async hit", hs)
-    )
-
-
-def _noop() -> None:
-    return None
-
-
-def _as_ref(x: object) -> ShmRef:
+def _ref(x: object) -> ShmRef:
     if not isinstance(x, ShmRef):
         raise RuntimeError(f"expected a ShmRef, the cache served {type(x).__name__} inline")
     return x
 
 
-# --- 16 MiB put through the thread pool ---------------------------------------------------------
+async def _hops(n: int, limiter: anyio.CapacityLimiter, out: list[float]) -> None:
+    """``n`` thread hops: ``anyio.to_thread.run_sync`` of a no-op, each timed."""
+    for _ in range(n):
+        await tm.atimed(out, anyio.to_thread.run_sync(lambda: None, limiter=limiter))
+
+
+async def _puts(c: AsyncSenderCache, item: Any, n: int, out: list[float]) -> None:
+    """``n`` misses (puts) of new keys through ``c``, each timed."""
+    for _ in range(n):
+        await tm.atimed(out, c.get_and_update_item((item, ()), f"p{next(_keys)}"))
+
+
+def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
+    progress(f"async [{loop}]: small cache hit ({p.runs} runs)")
+    item, n = {"data": tm.source_array(1024)}, p.n_ops(1024)
+    st: dict[str, tm.Stat] = {}
+
+    async def main() -> None:
+        sender = SenderCache(bench_config(8 * MiB, 1 * MiB, 1))
+        # a live reader: hand-outs owe it
+        with sender, ReceiverCache.attach(sender.handle()) as rx:
+            async with AsyncSenderCache(sender) as c:
+                rx.release(_ref((await c.get_and_update_item((item, ()), "h"))[0]))
+
+                async def hit(out: list[float]) -> None:
+                    for _ in range(n):
+                        rx.release(
+                            _ref((await tm.atimed(out, c.get_and_update_item(None, "h")))[0])
+                        )
+
+                async def sync_hit(out: list[float]) -> None:
+                    for _ in range(n):
+                        rx.release(_ref(tm.timed(out, sender.get_and_update_item, None, "h")[0]))
+
+                hops = partial(_hops, max(20, n // 20), anyio.CapacityLimiter(1))
+                st.update(await tm.ainterleave(p.runs, {"hit": hit, "sync": sync_hit, "hop": hops}))
+
+    _run(loop, main)
+    add = report.section(S_HIT, "1 KiB")
+    add(f"async hit [{loop}]", st["hit"], vs=("sync hit", st["sync"]), target=Target.at_most(2e-5))
+    add(f"sync SenderCache hit [{loop} run]", st["sync"])
+    label = f"thread hop: anyio.to_thread.run_sync(noop) [{loop}]"
+    add(label, st["hop"], param="", vs=("async hit", st["hit"]))
 
 
 def bench_big_put(p: Params, report: Report, progress: Progress, loop: str) -> None:
     progress(f"async [{loop}]: 16 MiB put through the thread pool ({p.runs} runs)")
     size = 16 * MiB
-    src = source_array(size)
-    item = {"data": src}
-    n = p.n_ops(size)
-    put, base, rot = Samples(), Samples(), Samples()
-    ring = 8 * size
-    shm = ShmBuffer(ring)
-    slots = ring // (size + 4096) - 1
+    src, n, ring = tm.source_array(size), p.n_ops(size), 8 * size
+    item, shm = {"data": src}, tm.ShmBuffer(ring)
+    st: dict[str, tm.Stat] = {}
 
     async def main() -> None:
         async with AsyncSenderCache.from_config(bench_config(ring, size + 64 * KiB, 1)) as c:
-            seq = 0
-            for _ in range(3):
-                await c.get_and_update_item((item, ()), f"w{seq}")
-                seq += 1
-            for _ in range(p.runs):
-                memcpy_into(shm.view(size), src, n, base.new_run())
-                run = rot.new_run()
-                for i in range(n):
-                    timed(run, np.copyto, shm.view(size, (i % slots) * (size + 4096) + 128), src)
-                run = put.new_run()
-                for _ in range(n):
-                    seq += 1
-                    _as_ref((await atimed(run, c.get_and_update_item((item, ()), f"p{seq}")))[0])
+            await _puts(c, item, 3, [])
+            cells: dict[str, tm.ACell] = {
+                "copy": _acell(partial(tm.memcpy_into, shm.view(size), src, n)),
+                "rotating": _acell(tm.each(n, np.copyto, lambda i: (shm.rotating(size, i), src))),
+                "put": partial(_puts, c, item, n),
+            }
+            st.update(await tm.ainterleave(p.runs, cells))
 
     try:
         _run(loop, main)
     finally:
         shm.close()
-    ps, bs, rs = put.stat(), base.stat(), rot.stat()
-    vs_copy = ("np.copyto", bs)
-    report.row(S_PUT, f"np.copyto into warm shm [{loop} run]", "16 MiB", bs)
-    report.row(
-        S_PUT,
-        f"np.copyto into rotating places of a 128 MiB shm buffer [{loop} run]",
-        "16 MiB",
-        rs,
-        vs=vs_copy,
-    )
-    report.row(
-        S_PUT,
-        f"await get_and_update_item (a miss: put) [{loop}]",
-        "16 MiB",
-        ps,
-        vs=vs_copy,
-        target=Target("ratio", ">=", 0.7),
-        note=f"{rs.median / ps.median:.2f}x the rotating copy",
-    )
+    add, vs = report.section(S_PUT, "16 MiB"), ("np.copyto", st["copy"])
+    add(f"np.copyto into warm shm [{loop} run]", st["copy"])
+    label = f"np.copyto into rotating places of a 128 MiB shm buffer [{loop} run]"
+    add(label, st["rotating"], vs=vs)
+    note = f"{st['rotating'].median / st['put'].median:.2f}x the rotating copy"
+    label = f"await get_and_update_item (a miss: put) [{loop}]"
+    add(label, st["put"], vs=vs, target=Target.at_least(0.7, "ratio"), note=note)
 
 
-# --- loop lag ---------------------------------------------------------------------------------
+def _acell(cell: Callable[[list[float]], object]) -> Callable[[list[float]], Awaitable[None]]:
+    """A synchronous cell, awaitable beside the others."""
+
+    async def run(out: list[float]) -> None:
+        cell(out)
+
+    return run
+
+
+# --- loop lag -------------------------------------------------------------------------------
+
+_LAG_MODES = ("idle", "thread", "thread + reader process", "inline")
 
 
 def bench_lag(p: Params, report: Report, progress: Progress, loop: str, worker: Worker) -> None:
-    size = 16 * MiB
-    item = {"data": source_array(size)}
-    modes = ["idle", "thread", "thread + reader process", "inline"]
-    p99s = {m: Samples() for m in modes}
-    p50s = {m: Samples() for m in modes}
-    maxs = {m: Samples() for m in modes}
-    ticks = dict.fromkeys(modes, 0)
-    puts = {m: [0, 0] for m in modes}  # puts, served inline (full)
+    item = {"data": tm.source_array(16 * MiB)}
+    lag = {(m, q): tm.Samples() for m in _LAG_MODES for q in ("p99", "p50", "max")}
+    ticks, puts = dict.fromkeys(_LAG_MODES, 0), {m: [0, 0] for m in _LAG_MODES}
     for r in range(p.lag_runs):
         progress(
             f"async [{loop}]: loop lag while 16 MiB items stream, run {r + 1}/{p.lag_runs} "
-            f"({len(modes)} modes x {p.lag_seconds:.1f} s)"
+            f"({len(_LAG_MODES)} modes x {p.lag_seconds:.1f} s)"
         )
-        for mode in modes:  # interleaved: the idle baseline sees the same load as the others
+        for mode in _LAG_MODES:  # interleaved: the idle baseline sees the same load as the others
             lags = _lag_once(p, loop, worker, mode, item, puts[mode])
-            p99s[mode].add_run([percentile(lags, 99)])
-            p50s[mode].add_run([percentile(lags, 50)])
-            maxs[mode].add_run([max(lags, default=math.nan)])
+            lag[(mode, "p99")].add_run([tm.percentile(lags, 99)])
+            lag[(mode, "p50")].add_run([tm.percentile(lags, 50)])
+            lag[(mode, "max")].add_run([max(lags, default=math.nan)])
             ticks[mode] += len(lags)
-    idle = p99s["idle"].stat()
-    for mode in modes:
-        st = p99s[mode].stat()
-        tgt = Target("value", "<=", 2e-3) if mode.startswith("thread") else None
-        n_puts, n_inline = puts[mode]
+    idle, add = lag[("idle", "p99")].stat(), report.section(S_LAG, "1 ms ticker")
+    for mode in _LAG_MODES:
+        (n_puts, n_inline), label = puts[mode], f"{mode} [{loop}]"
         note = f"{ticks[mode]} ticks"
-        if mode != "idle":
-            note += f", {n_puts} puts in {p.lag_runs * p.lag_seconds:.1f} s"
-        if n_inline:
-            note += f", {n_inline} served inline (full)"
-        label = f"{mode} [{loop}]"
-        param = "1 ms ticker"
-        report.row(
-            S_LAG,
-            f"lag p99, {label}",
-            param,
-            st,
-            vs=None if mode == "idle" else ("idle loop p99", idle),
-            target=tgt,
-            note=note,
-            plot="looplag",
-            series=f"p99 {mode} [{loop}]",
-        )
-        report.row(S_LAG, f"lag p50, {label}", param, p50s[mode].stat())
-        report.row(S_LAG, f"lag max, {label}", param, maxs[mode].stat())
+        note += f", {n_puts} puts in {p.lag_runs * p.lag_seconds:.1f} s" if mode != "idle" else ""
+        note += f", {n_inline} served inline (full)" if n_inline else ""
+        kw: dict[str, Any] = {"vs": None if mode == "idle" else ("idle loop p99", idle)}
+        kw["target"] = Target.at_most(2e-3) if mode.startswith("thread") else None
+        kw |= {"note": note, "plot": "looplag", "series": f"p99 {label}"}
+        add(f"lag p99, {label}", lag[(mode, "p99")].stat(), **kw)
+        add(f"lag p50, {label}", lag[(mode, "p50")].stat())
+        add(f"lag max, {label}", lag[(mode, "max")].stat())
 
 
 def _lag_once(
@@ -234,48 +182,36 @@ def _lag_once(
 ) -> list[float]:
     """One run of the ticker beside one streaming mode; returns the ticker's lags."""
     ticker = LoopLagMeter(0.001, window=None)
-    size = int(item["data"].nbytes)
+    size = int(item["data"].nbytes) + 64 * KiB
+    reader = mode.endswith("reader process")
+
+    async def stream(c: AsyncSenderCache, scope: anyio.CancelScope) -> None:
+        deadline = time.monotonic() + p.lag_seconds
+        try:
+            while time.monotonic() < deadline:
+                # a server yields between requests (it awaits its sockets)
+                await anyio.sleep(0.01 if mode == "idle" else 0)
+                if mode == "idle":
+                    continue
+                wait = 5.0 if reader else None
+                key = f"lag{next(_keys)}"
+                ref, _ = await c.get_and_update_item((item, ()), key, wait_for_space=wait)
+                puts[0] += 1
+                puts[1] += not isinstance(ref, ShmRef)
+                if reader and isinstance(ref, ShmRef):
+                    worker.conn.send([ref])
+        finally:
+            scope.cancel()  # stops the ticker
 
     async def main() -> None:
         threshold = NEVER if mode == "inline" else DEFAULT_INLINE_THRESHOLD
-        cfg = bench_config(16 * (size + 64 * KiB), size + 64 * KiB, 1)
+        cfg = bench_config(16 * size, size, 1)
         async with AsyncSenderCache.from_config(cfg, inline_threshold_bytes=threshold) as c:
-            reader = mode.endswith("reader process")
-            if reader:
-                worker.attach(c.handle())
-                worker.send("ack_stream", "copy")
-
-            async def stream() -> None:
-                deadline = time.monotonic() + p.lag_seconds
-                i = 0
-                try:
-                    while time.monotonic() < deadline:
-                        # a server yields between requests (it awaits its sockets)
-                        await anyio.sleep(0.01 if mode == "idle" else 0)
-                        if mode == "idle":
-                            continue
-                        ref, _ = await c.get_and_update_item(
-                            (item, ()), f"lag{i}", wait_for_space=5.0 if reader else None
-                        )
-                        i += 1
-                        puts[0] += 1
-                        if isinstance(ref, ShmRef):
-                            if reader:
-                                worker.send_refs([ref])
-                        else:
-                            puts[1] += 1
-                finally:
-                    tg.cancel_scope.cancel()  # stops the ticker
-
-            try:
+            serve = worker.attached(c.handle(), serve=("ack_stream", "copy"))
+            with serve if reader else nullcontext(), anyio.CancelScope() as scope:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(ticker.run)
-                    tg.start_soon(stream)
-            finally:
-                if reader:
-                    worker.send_refs(None)
-                    worker.reply()
-                    worker.detach()
+                    tg.start_soon(stream, c, scope)
 
     _run(loop, main)
     return list(ticker.samples)
@@ -287,184 +223,135 @@ def _lag_once(
 def bench_concurrent(p: Params, report: Report, progress: Progress, loop: str) -> None:
     tasks, per_task = p.concurrent_tasks, p.concurrent_requests
     progress(f"async [{loop}]: {tasks} concurrent tasks x {per_task} small requests")
-    n_items = 64
-    items = [{"data": source_array(1024, seed=i)} for i in range(n_items)]
-    total = tasks * per_task
-    conc_rate, seq_rate, lat, put_rate = Samples(), Samples(), Samples(), Samples()
+    n_items, total = 64, tasks * per_task
+    items = [{"data": tm.source_array(1024, seed=i)} for i in range(n_items)]
+    rates = {k: tm.Samples() for k in ("concurrent", "one task", "puts")}
+    lat = tm.Samples()
 
     async def main() -> None:
         sender = SenderCache(bench_config(16 * MiB, 1 * MiB, 1))  # the hits: never evicted
         fresh = SenderCache(bench_config(16 * MiB, 1 * MiB, 1))  # the puts churn this one
-        try:
+        with sender, fresh:
             async with AsyncSenderCache(sender) as c, AsyncSenderCache(fresh) as cf:
                 for i, it in enumerate(items):
                     await c.get_and_update_item((it, ()), f"h{i}")
-                seq = [0]
 
                 async def client(k: int, out: list[float]) -> None:
                     for j in range(per_task):
-                        # a server awaits its socket between requests
-                        await anyio.lowlevel.checkpoint()
+                        await anyio.lowlevel.checkpoint()  # a server awaits its socket
                         t0 = _clock()
                         await c.get_and_update_item(None, f"h{(k * 7 + j) % n_items}")
                         out.append((_clock() - t0) * 1e-9)
 
-                async def putter(k: int) -> None:
+                async def putter(k: int, out: list[float]) -> None:
                     for _ in range(per_task):
                         await anyio.lowlevel.checkpoint()
-                        i = seq[0]
-                        seq[0] += 1
+                        i = next(_keys)
                         await cf.get_and_update_item((items[i % n_items], ()), f"new{i}")
 
+                async def rate(name: str, fn: Any, out: list[float], together: bool) -> None:
+                    t0 = _clock()
+                    if not together:
+                        for k in range(tasks):
+                            await fn(k, [])
+                    else:
+                        async with anyio.create_task_group() as tg:
+                            for k in range(tasks):
+                                tg.start_soon(fn, k, out)
+                    rates[name].add_run([total / ((_clock() - t0) * 1e-9)])
+
                 for _ in range(p.runs):
-                    run = lat.new_run()
-                    t0 = _clock()
-                    async with anyio.create_task_group() as tg:
-                        for k in range(tasks):
-                            tg.start_soon(client, k, run)
-                    conc_rate.add_run([total / ((_clock() - t0) * 1e-9)])
-                    t0 = _clock()
-                    for k in range(tasks):
-                        await client(k, [])
-                    seq_rate.add_run([total / ((_clock() - t0) * 1e-9)])
-                    t0 = _clock()
-                    async with anyio.create_task_group() as tg:
-                        for k in range(tasks):
-                            tg.start_soon(putter, k)
-                    put_rate.add_run([total / ((_clock() - t0) * 1e-9)])
-        finally:
-            fresh.close()
-            sender.close()
+                    await rate("concurrent", client, lat.new_run(), True)
+                    await rate("one task", client, [], False)
+                    await rate("puts", putter, [], True)
 
     _run(loop, main)
-    cs, ss, ls, ps = conc_rate.stat(), seq_rate.stat(), lat.stat(), put_rate.stat()
-    param = f"{tasks} tasks x {per_task}"
-    report.row(
-        S_CONC,
-        f"hits/s, concurrent tasks [{loop}]",
-        param,
-        cs,
-        kind="rate",
-        baseline="one task, same requests",
-        ratio=cs.median / ss.median,
-    )
-    report.row(S_CONC, f"hits/s, one task [{loop}]", param, ss, kind="rate")
-    report.row(S_CONC, f"hit latency under concurrency [{loop}]", param, ls)
-    report.row(
-        S_CONC, f"new 1 KiB items (puts)/s, concurrent tasks [{loop}]", param, ps, kind="rate"
-    )
+    st = {k: v.stat() for k, v in rates.items()}
+    add = report.section(S_CONC, f"{tasks} tasks x {per_task}", kind="rate")
+    ratio = st["concurrent"].median / st["one task"].median
+    label = f"hits/s, concurrent tasks [{loop}]"
+    add(label, st["concurrent"], baseline="one task, same requests", ratio=ratio)
+    add(f"hits/s, one task [{loop}]", st["one task"])
+    add(f"hit latency under concurrency [{loop}]", lat.stat(), kind="time")
+    add(f"new 1 KiB items (puts)/s, concurrent tasks [{loop}]", st["puts"])
 
 
 # --- inline vs thread threshold -------------------------------------------------------------
 
 
 def bench_threshold(p: Params, report: Report, progress: Progress, loop: str) -> None:
-    sizes = p.threshold_sizes
+    sizes, biggest = p.threshold_sizes, max(p.threshold_sizes)
     progress(f"async [{loop}]: inline vs thread put for {', '.join(map(fmt_bytes, sizes))}")
-    biggest = max(sizes)
-    shm = ShmBuffer(biggest)
-    inline: dict[int, Samples] = {s: Samples() for s in sizes}
-    thread: dict[int, Samples] = {s: Samples() for s in sizes}
-    base: dict[int, Samples] = {s: Samples() for s in sizes}
-    hop = Samples()
+    shm = tm.ShmBuffer(biggest)
+    by_size: dict[int, dict[str, tm.Stat]] = {}
+    limiter = anyio.CapacityLimiter(4)
 
     async def main() -> None:
-        sender = SenderCache(bench_config(8 * (biggest + 64 * KiB), biggest + 64 * KiB, 1))
-        try:
-            ci = AsyncSenderCache(sender, inline_threshold_bytes=NEVER)
-            ct = AsyncSenderCache(sender, inline_threshold_bytes=0)
-            limiter = anyio.CapacityLimiter(4)
-            seq = 0
+        with SenderCache(bench_config(8 * (biggest + 64 * KiB), biggest + 64 * KiB, 1)) as s:
+            ci = AsyncSenderCache(s, inline_threshold_bytes=NEVER)
+            ct = AsyncSenderCache(s, inline_threshold_bytes=0)
             for size in sizes:
-                src = source_array(size)
-                item = {"data": src}
-                n = max(6, p.n_ops(size) // 2)
-                for _ in range(2):  # warm both paths and the worker threads
-                    for c in (ci, ct):
-                        await c.get_and_update_item((item, ()), f"w{seq}")
-                        seq += 1
-                for _ in range(p.runs):
-                    memcpy_into(shm.view(size), src, n, base[size].new_run())
-                    for c, out in ((ci, inline[size]), (ct, thread[size])):
-                        run = out.new_run()
-                        for _ in range(n):
-                            seq += 1
-                            await atimed(run, c.get_and_update_item((item, ()), f"t{seq}"))
-                    run = hop.new_run()
-                    for _ in range(10):
-                        await atimed(run, anyio.to_thread.run_sync(_noop, limiter=limiter))
+                src = tm.source_array(size)
+                item, n = {"data": src}, max(6, p.n_ops(size) // 2)
+                for c in (ci, ct, ci, ct):  # warm both paths and the worker threads
+                    await _puts(c, item, 1, [])
+                cells: dict[str, tm.ACell] = {
+                    "copy": _acell(partial(tm.memcpy_into, shm.view(size), src, n)),
+                    "inline": partial(_puts, ci, item, n),
+                    "thread": partial(_puts, ct, item, n),
+                    "hop": partial(_hops, 10, limiter),
+                }
+                by_size[size] = await tm.ainterleave(p.runs, cells)
             await ci.aclose()
             await ct.aclose()
-        finally:
-            sender.close()
 
     try:
         _run(loop, main)
     finally:
         shm.close()
-    hs = hop.stat()
-    report.row(S_THR, f"thread hop (noop) [{loop}]", "", hs)
-    crossover: int | None = None
-    for size in sizes:
-        ins, ths, bs = inline[size].stat(), thread[size].stat(), base[size].stat()
-        for label, st, vs, series in (
-            (f"np.copyto [{loop}]", bs, None, "np.copyto (baseline)"),
-            (f"put inline on the loop [{loop}]", ins, ("np.copyto", bs), "inline put"),
-            (f"put in a worker thread [{loop}]", ths, ("inline put", ins), "thread put"),
+    add = report.section(S_THR, plot="threshold")
+    add(f"thread hop (noop) [{loop}]", by_size[sizes[0]]["hop"], plot=None)
+    for size, st in by_size.items():
+        for label, key, vs, series in (
+            (f"np.copyto [{loop}]", "copy", None, "np.copyto (baseline)"),
+            (f"put inline on the loop [{loop}]", "inline", ("np.copyto", "copy"), "inline put"),
+            (f"put in a worker thread [{loop}]", "thread", ("inline put", "inline"), "thread put"),
         ):
-            report.row(
-                S_THR, label, fmt_bytes(size), st, vs=vs, plot="threshold", series=series, x=size
-            )
-        if crossover is None and ths.median <= ins.median:
-            crossover = size
-    medians = [(size, inline[size].stat().median, thread[size].stat().median) for size in sizes]
-    thr = DEFAULT_INLINE_THRESHOLD
-    if crossover is None:
-        latency = (
-            f"a worker thread never made the put itself faster (up to {fmt_bytes(max(sizes))}): "
-            "the hop is pure overhead for the request"
-        )
-    else:
-        latency = f"the put itself is faster in a thread from {fmt_bytes(crossover)} on"
-    report.add(
-        Row(
-            S_THR,
-            f"latency crossover: first size where thread <= inline [{loop}]",
-            "",
-            float(crossover or math.nan),
-            kind="bytes",
-            note=latency,
-        )
+            base = None if vs is None else (vs[0], st[vs[1]])
+            add(label, st[key], param=fmt_bytes(size), vs=base, series=series, x=size)
+    medians = [(s, st["inline"].median, st["thread"].median) for s, st in by_size.items()]
+    _threshold_verdict(report, loop, medians)
+
+
+def _threshold_verdict(report: Report, loop: str, medians: list[tuple[int, float, float]]) -> None:
+    """Where a thread stops costing more than it saves, against ``DEFAULT_INLINE_THRESHOLD``."""
+    thr, top = DEFAULT_INLINE_THRESHOLD, fmt_bytes(max(s for s, _, _ in medians))
+    crossover = next((s for s, ins, ths in medians if ths <= ins), None)
+    latency = (
+        f"a worker thread never made the put itself faster (up to {top}): "
+        "the hop is pure overhead for the request"
+        if crossover is None
+        else f"the put itself is faster in a thread from {fmt_bytes(crossover)} on"
     )
     even = _break_even(medians)
     if even is None:
-        stall = "no break-even in the sizes measured"
-        verdict = "cannot tell"
+        stall, verdict = "no break-even in the sizes measured", "cannot tell"
     else:
-        stall = (
-            f"an inline put stalls the loop as long as the hop delays the request at "
-            f"~{fmt_bytes(int(even))}"
-        )
+        e = fmt_bytes(int(even))
+        stall = f"an inline put stalls the loop as long as the hop delays the request at ~{e}"
         if even / 2 <= thr <= even * 2:
             verdict = f"supports {fmt_bytes(thr)} (within 2x of the break-even)"
         elif thr > even * 2:
-            verdict = (
-                f"{fmt_bytes(thr)} is high: inline copies above ~{fmt_bytes(int(even))} stall "
-            )
-            verdict += "the loop longer than a hop costs"
+            verdict = f"{fmt_bytes(thr)} is high: inline copies above ~{e} stall the loop "
+            verdict += "longer than a hop costs"
         else:
-            verdict = f"{fmt_bytes(thr)} is low: hops below ~{fmt_bytes(int(even))} cost more than "
-            verdict += "the stall they avoid"
-    report.add(
-        Row(
-            S_THR,
-            f"break-even: inline put time = thread put - inline put [{loop}]",
-            "",
-            float(even if even is not None else math.nan),
-            kind="bytes",
-            note=stall,
-        )
-    )
+            verdict = f"{fmt_bytes(thr)} is low: hops below ~{e} cost more than the stall "
+            verdict += "they avoid"
+    add = report.section(S_THR, kind="bytes")
+    label = f"latency crossover: first size where thread <= inline [{loop}]"
+    add(label, float(crossover or math.nan), note=latency)
+    label = f"break-even: inline put time = thread put - inline put [{loop}]"
+    add(label, math.nan if even is None else even, note=stall)
     report.notes.append(
         f"inline/thread threshold [{loop}]: {latency}; {stall}: {verdict} "
         f"(DEFAULT_INLINE_THRESHOLD = {fmt_bytes(thr)})"
@@ -492,26 +379,20 @@ def _break_even(medians: list[tuple[int, float, float]]) -> float | None:
 
 
 def run_async_suite(p: Params, report: Report, progress: Progress) -> None:
-    loops = _loops(report, ["asyncio", "uvloop"])
-    lag_loops = [lp for lp in p.lag_loops if lp in loops]
-    for loop in loops:
-        report.attempt(f"async hit [{loop}]", partial(bench_hit, p, report, progress, loop))
-    for loop in loops:
-        report.attempt(
-            f"async 16 MiB put [{loop}]", partial(bench_big_put, p, report, progress, loop)
-        )
+    loops = ["asyncio"]
+    try:
+        importlib.import_module("uvloop")
+        loops.append("uvloop")
+    except ImportError:
+        report.skip("uvloop: not installed; async figures on asyncio only")
+    for name, fn in (("async hit", bench_hit), ("async 16 MiB put", bench_big_put)):
+        for loop in loops:
+            report.attempt(f"{name} [{loop}]", partial(fn, p, report, progress, loop))
     with LazyWorker() as lw:
-        for loop in lag_loops:
-
-            def lag(loop: str = loop) -> None:
-                bench_lag(p, report, progress, loop, lw.get())
-
-            if not report.attempt(f"loop lag [{loop}]", lag):
-                lw.reset()
+        for loop in (lp for lp in p.lag_loops if lp in loops):
+            lw.attempt(report, f"loop lag [{loop}]", partial(bench_lag, p, report, progress, loop))
     for loop in loops:
-        report.attempt(
-            f"concurrent requests [{loop}]", partial(bench_concurrent, p, report, progress, loop)
-        )
-    report.attempt(
-        f"inline vs thread [{loops[-1]}]", partial(bench_threshold, p, report, progress, loops[-1])
-    )
+        conc = partial(bench_concurrent, p, report, progress, loop)
+        report.attempt(f"concurrent requests [{loop}]", conc)
+    thr = partial(bench_threshold, p, report, progress, loops[-1])
+    report.attempt(f"inline vs thread [{loops[-1]}]", thr)

@@ -1,27 +1,20 @@
 """``bench --suite fleet``: the Redis tier (``aioshmcache.tier``) across simulated hosts.
 
-* **Preprocessings per distinct item.** A Zipf trace over ``items`` images of 0.5-8 MiB
-  (log-uniform sizes; ``--quick``: fewer, smaller) is split round-robin over 4 *hosts*: spawned
-  processes, each with its own ``AsyncSenderCache`` and nothing shared but a private
-  ``redis-server``. Every host serves its share through ``get_or_put`` (a few requests at once)
-  with a preprocessing that burns 20 ms of CPU. Counted: preprocessings per distinct item
-  requested, without a tier (about 4: every host makes what it sees) and with a ``RedisTier``
-  (target <= 1.05), split by the cost policy's decision: items it fetches and items it makes
-  because fetching them would lose.
-* **A tier hit.** ``get_or_put`` on a second host of an item another host made, 1 / 4 / 16 MiB
-  (a policy that always fetches, to show the raw cost), next to a local hit (shared memory)
-  and the preprocessing; and the fetch budget a learning policy arrives at (the largest item it
-  still fetches rather than makes).
-* **Redis killed halfway.** One host serves a Zipf trace while Redis holds what another host
-  made; Redis is SIGKILLed halfway: failed requests (target 0), requests per second before and
-  after, and the p99 latency after the kill against the same trace served without a tier
-  (target: added latency <= ``lookup_timeout_s`` + 5 ms).
+* **Preprocessings per distinct item.** A Zipf trace over 2,000 images of 0.5-8 MiB is split
+  over 4 *hosts* (spawned processes with their own caches, sharing only a ``redis-server``),
+  each serving its share through ``get_or_put`` (4 at once) with a 20 ms CPU preprocessing:
+  without a tier, with a ``RedisTier`` (target <= 1.05; split by the policy's fetch budget) and
+  with the cost policy off (store and fetch everything).
+* **A tier hit** on a second host, 1 / 4 / 16 MiB (a policy that always fetches: the raw cost),
+  next to a local hit and the preprocessing; and the budget a learning policy arrives at.
+* **Redis killed halfway.** One host serves a Zipf trace from Redis; Redis is SIGKILLed
+  halfway: failed requests (target 0), req/s, and the p99 after the kill against the same
+  requests without a tier run next to it (target: added <= ``lookup_timeout_s`` + 5 ms).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import hashlib
 import math
@@ -39,8 +32,8 @@ from aioshmcache.tier import RedisTier, TierPolicy
 from ..progress import Progress
 from ..redis_server import RedisServer, redis_binaries
 from ..units import KiB, MiB
-from .params import Params, segment_prefix
-from .report import Report, Row, Target
+from .params import Params, bench_config
+from .report import Report, Target
 from .timing import Samples, percentile
 
 __all__ = ["run_fleet_suite"]
@@ -48,23 +41,23 @@ __all__ = ["run_fleet_suite"]
 S_ZIPF = "Fleet: preprocessings per distinct item, 4 hosts, Zipf trace"
 S_HIT = "Fleet: a tier hit (second host) vs a local hit and the preprocessing"
 S_KILL = "Fleet: Redis killed halfway through a run"
+PER_ITEM = "preprocessings per distinct item"
 
 MAKE_S = 0.020  # CPU seconds of one preprocessing
-ZIPF_S = 1.1
 HOSTS = 4
 SECRET = b"aioshmcache-bench-fleet-secret!!"
 LOOKUP_TIMEOUT_S = 0.05
-
-
+#: the Zipf hosts' look-up deadline: 4 hosts x 4 preprocessings on a 2-CPU machine (plus Redis)
+#: delay a process's scheduling by more than the default 50 ms, which is not what is measured
+ZIPF_LOOKUP_TIMEOUT_S = 0.5
 _BLOCK = bytes(256 * KiB)
 
 
 def spin(seconds: float) -> None:
     """Burn ``seconds`` of this thread's CPU time without holding the GIL (a preprocessing).
 
-    Real preprocessing (image decoding, resizing, normalising in numpy) runs mostly in C with
-    the GIL released; a pure-Python busy loop would instead starve the host's event loop and
-    measure the GIL, not the tier. Hashing 256 KiB blocks releases the GIL for each block.
+    Real preprocessing runs mostly in C with the GIL released; a pure-Python loop would measure
+    the GIL, not the tier. Hashing 256 KiB blocks releases the GIL for each block.
     """
     end = time.thread_time() + seconds
     while time.thread_time() < end:
@@ -73,14 +66,13 @@ def spin(seconds: float) -> None:
 
 def item_sizes(items: int, lo: int, hi: int, seed: int = 7) -> list[int]:
     """Per item, a log-uniform size in ``[lo, hi]`` (multiples of 4 KiB)."""
-    rng = np.random.default_rng(seed)
-    raw = np.exp(rng.uniform(math.log(lo), math.log(hi), items))
+    raw = np.exp(np.random.default_rng(seed).uniform(math.log(lo), math.log(hi), items))
     return [int(x) // (4 * KiB) * (4 * KiB) for x in raw]
 
 
 def zipf_trace(n: int, items: int, *, seed: int = 0) -> list[int]:
-    """``n`` item indices, item ``i`` with probability proportional to 1 / (i+1)^s."""
-    w = 1.0 / np.arange(1, items + 1, dtype=np.float64) ** ZIPF_S
+    """``n`` item indices, item ``i`` with probability proportional to 1 / (i+1)^1.1."""
+    w = 1.0 / np.arange(1, items + 1, dtype=np.float64) ** 1.1
     return [int(i) for i in np.random.default_rng(seed).choice(items, size=n, p=w / w.sum())]
 
 
@@ -88,11 +80,6 @@ def preprocess(i: int, size: int) -> dict[str, Any]:
     """20 ms of CPU, then the item (deterministic bytes)."""
     spin(MAKE_S)
     return {"pixel_values": np.full(size, i % 251, np.uint8), "image_size": np.array([224, 224])}
-
-
-#: the Zipf hosts' look-up deadline: 4 hosts x 4 preprocessings on a 2-CPU machine (plus Redis)
-#: delay a process's scheduling by more than the default 50 ms, which is not what is measured
-ZIPF_LOOKUP_TIMEOUT_S = 0.5
 
 
 def always_fetch() -> TierPolicy:
@@ -106,20 +93,17 @@ def _tier(url: str, **kw: Any) -> RedisTier:
 
 
 async def _serve(
-    cache: AsyncSenderCache, trace: Sequence[int], sizes: Sequence[int], concurrency: int
+    cache: AsyncSenderCache, trace: Sequence[int], sizes: Sequence[int], concurrency: int = 4
 ) -> dict[str, Any]:
     """Serve ``trace`` with ``concurrency`` requests at once; per-request latency and makes."""
     made: list[int] = []
-    latencies: list[float] = [math.nan] * len(trace)
+    latencies = [math.nan] * len(trace)
     failures = 0
-    nxt = 0
+    todo = iter(enumerate(trace))
 
     async def worker() -> None:
-        nonlocal nxt, failures
-        while nxt < len(trace):
-            k = nxt
-            nxt += 1
-            i = trace[k]
+        nonlocal failures
+        for k, i in todo:
 
             def make(i: int = i) -> dict[str, Any]:
                 made.append(i)
@@ -134,56 +118,39 @@ async def _serve(
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return {
-        "made": made,
-        "latencies": latencies,
-        "failures": failures,
-        "seconds": time.perf_counter() - t0,
-    }
+    seconds = time.perf_counter() - t0
+    return {"made": made, "latencies": latencies, "failures": failures, "seconds": seconds}
 
 
-def _host(
-    url: str | None,
-    always: bool,
-    name: str,
-    trace: list[int],
-    sizes: list[int],
-    capacity: int,
-    barrier: Any,
-    out: Any,
-) -> None:
-    """One simulated host (a spawned process): its own cache, the shared Redis if any."""
+def _host(url: str | None, always: bool, cfg: CacheConfig, work: Any, sync: Any) -> None:
+    """One simulated host (a spawned process): its own cache, the shared Redis if any.
+
+    ``work``: its trace and every item's size; ``sync``: the hosts' barrier and result queue.
+    """
+    (trace, sizes), (barrier, out) = work, sync
 
     async def main() -> None:
         policy = always_fetch() if always else None
         tier = _tier(url, policy=policy, lookup_timeout_s=ZIPF_LOOKUP_TIMEOUT_S) if url else None
-        cfg = CacheConfig(capacity, max(sizes) + MiB, 1, name=name)
         async with AsyncSenderCache.from_config(cfg, tier=tier) as cache:
             await asyncio.get_running_loop().run_in_executor(None, barrier.wait, 300)
-            res = await _serve(cache, trace, sizes, 4)
+            res = await _serve(cache, trace, sizes)
             if tier is not None:
                 await tier.flush(60)
-                st = tier.stats()
-                res["tier"] = st.to_dict()
-                res["budget"] = st.policy.budget_bytes if st.policy else 0
+                res["tier"] = tier.stats().to_dict()
         out.put(res)
 
     asyncio.run(main())
 
 
 def _fleet_run(
-    url: str | None, trace: list[int], sizes: list[int], capacity: int, *, always: bool = False
+    url: str | None, trace: list[int], sizes: list[int], capacity: int, always: bool = False
 ) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(HOSTS), ctx.Queue()
-    tag = f"{segment_prefix()}fl{'t' if url else 'n'}{time.monotonic_ns() % 10**6}"
-    procs = [
-        ctx.Process(
-            target=_host,
-            args=(url, always, f"{tag}-{k}", trace[k::HOSTS], sizes, capacity, barrier, out),
-        )
-        for k in range(HOSTS)
-    ]
+    cfg = functools.partial(bench_config, capacity, max(sizes) + MiB)
+    args = [(url, always, cfg(), (trace[k::HOSTS], sizes), (barrier, out)) for k in range(HOSTS)]
+    procs = [ctx.Process(target=_host, args=a) for a in args]
     for p in procs:
         p.start()
     try:
@@ -196,21 +163,41 @@ def _fleet_run(
                 p.join(10)
 
 
+def _tier_note(tiers: list[dict[str, Any]]) -> str:
+    """What the hosts' tiers counted, summed, and what their policies learned (median)."""
+    n = {k: sum(t[k] for t in tiers) for k in tiers[0] if isinstance(tiers[0][k], int)}
+    note = (
+        f"; {n['hits']} tier hits, {n['waits']} waits for another host, "
+        f"{n['skipped']} + {n['skipped_writes']} policy skips (look-ups + writes), "
+        f"{n['errors'] + n['timeouts']} Redis errors/timeouts, {n['bypassed']} bypassed, "
+        f"{n['dropped_writes']} dropped writes"
+    )
+    views = [t["policy"] for t in tiers if t["policy"] and t["policy"]["makes_seen"]]
+    if views:  # a learning policy (one that does not learn has seen no make)
+        med = {k: float(np.median([v[k] for v in views])) for k in views[0]}
+        note += (
+            f"; learned (median of hosts): make {med['make_fixed_s'] * 1e3:.0f} ms, probe "
+            f"{med['probe_s'] * 1e3:.1f} ms, fetch {med['fetch_fixed_s'] * 1e3:.1f} ms + "
+            f"{med['fetch_per_byte_s'] * MiB * 1e3:.1f} ms/MiB"
+        )
+    return note
+
+
 def bench_zipf(p: Params, report: Report, progress: Progress) -> None:
     items, n_req = (200, 1600) if p.quick else (2000, 8000)
     lo, hi = (256 * KiB, 2 * MiB) if p.quick else (MiB // 2, 8 * MiB)
-    sizes = item_sizes(items, lo, hi)
-    trace = zipf_trace(n_req, items)
+    sizes, trace = item_sizes(items, lo, hi), zipf_trace(n_req, items)
     distinct = sorted(set(trace))
     capacity = (256 if p.quick else 768) * MiB
     param = f"{n_req} req, {len(distinct)} of {items} items, {lo // KiB} KiB-{hi // MiB} MiB"
+    row = functools.partial(report.row, S_ZIPF, kind="ratio")
     progress(f"fleet: {param}, 4 hosts without a tier")
     runs = {"no tier": _fleet_run(None, trace, sizes, capacity)}
     redis_args = ["--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru"]
     for label, always in (("RedisTier", False), ("RedisTier, policy off (always fetch)", True)):
         progress(f"fleet: the same with a {label}")
         with RedisServer(extra_args=redis_args) as r:
-            runs[label] = _fleet_run(r.url, trace, sizes, capacity, always=always)
+            runs[label] = _fleet_run(r.url, trace, sizes, capacity, always)
     failures = sum(res["failures"] for results in runs.values() for res in results)
     if failures:
         raise RuntimeError(f"{failures} requests failed")
@@ -219,64 +206,34 @@ def bench_zipf(p: Params, report: Report, progress: Progress) -> None:
         made = [i for res in results for i in res["made"]]
         lat = [x for res in results for x in res["latencies"]]
         wall = max(res["seconds"] for res in results)
-        tiers = [res["tier"] for res in results if "tier" in res]
         note = f"wall {wall:.1f} s ({base_s / wall:.2f}x the no-tier run), mean request "
         note += f"{float(np.mean(lat)) * 1e3:.1f} ms"
-        if tiers:
-            hits = sum(t["hits"] for t in tiers)
-            waits = sum(t["waits"] for t in tiers)
-            skips = sum(t["skipped"] + t["skipped_writes"] for t in tiers)
-            fails = sum(t["errors"] + t["timeouts"] for t in tiers)
-            bypassed = sum(t["bypassed"] for t in tiers)
-            dropped = sum(t["dropped_writes"] for t in tiers)
-            note += f"; {hits} tier hits, {waits} waits for another host, {skips} policy skips, "
-            note += f"{fails} Redis errors/timeouts, {bypassed} bypassed, {dropped} dropped writes"
-        report.add(
-            Row(
-                S_ZIPF,
-                f"preprocessings per distinct item, {label}",
-                param,
-                len(made) / len(distinct),
-                kind="ratio",
-                target=Target("value", "<=", 1.05) if label.startswith("RedisTier") else None,
-                note=note,
-            )
-        )
+        if label != "no tier":
+            note += _tier_note([res["tier"] for res in results])
+        target = None if label == "no tier" else Target("value", "<=", 1.05)
+        row(f"{PER_ITEM}, {label}", param, len(made) / len(distinct), note=note, target=target)
     # the policy's decision: the items it fetches and the items it makes on every host
     learned = runs["RedisTier"]
-    budget = min(res.get("budget", 0) for res in learned)
+    budget = min(res["tier"]["policy"]["budget_bytes"] for res in learned)
     counts = dict.fromkeys(distinct, 0)
-    for res in learned:
-        for i in res["made"]:
-            counts[i] += 1
+    for i in (i for res in learned for i in res["made"]):
+        counts[i] += 1
+    under = [i for i in distinct if sizes[i] < budget]
+    over = [i for i in distinct if sizes[i] >= budget]
     for label, group in (
-        (
-            f"RedisTier, items under the learned budget ({budget / MiB:.1f} MiB)",
-            [i for i in distinct if sizes[i] < budget],
-        ),
-        (
-            "RedisTier, items over it (fetching would lose)",
-            [i for i in distinct if sizes[i] >= budget],
-        ),
+        (f"under the learned budget ({budget / MiB:.1f} MiB)", under),
+        ("over it (fetching would lose)", over),
     ):
         if group:
-            report.add(
-                Row(
-                    S_ZIPF,
-                    f"preprocessings per distinct item, {label}",
-                    f"{len(group)} items",
-                    sum(counts[i] for i in group) / len(group),
-                    kind="ratio",
-                )
-            )
+            n = sum(counts[i] for i in group) / len(group)
+            row(f"{PER_ITEM}, RedisTier, items {label}", f"{len(group)} items", n)
 
 
 def bench_hit(p: Params, report: Report, progress: Progress) -> None:
-    sizes = [MiB, 4 * MiB, 16 * MiB]
-    reps = 3 if p.quick else 10
     progress("fleet: tier hit latency, 1 / 4 / 16 MiB")
+    reps, runs = 3 if p.quick else 10, max(3, p.runs)
     with RedisServer() as r:
-        asyncio.run(_hit(r.url, sizes, reps, max(3, p.runs), report))
+        asyncio.run(_hit(r.url, [MiB, 4 * MiB, 16 * MiB], reps, runs, report))
 
 
 def _not_made() -> None:
@@ -284,148 +241,89 @@ def _not_made() -> None:
 
 
 async def _hit(url: str, sizes: list[int], reps: int, runs: int, report: Report) -> None:
-    tag = f"{segment_prefix()}flh{time.monotonic_ns() % 10**6}"
     # the raw cost of a hit: a policy that always fetches, and a deadline no fetch here reaches
-    always = {"policy": always_fetch(), "lookup_timeout_s": 5.0}
-    cfg = CacheConfig(160 * MiB, 20 * MiB, 1)
-    a_tier, b_tier, c_tier = _tier(url, **always), _tier(url, **always), _tier(url)
-    a = AsyncSenderCache.from_config(dataclasses.replace(cfg, name=f"{tag}a"), tier=a_tier)
-    b = AsyncSenderCache.from_config(dataclasses.replace(cfg, name=f"{tag}b"), tier=b_tier)
-    c = AsyncSenderCache.from_config(dataclasses.replace(cfg, name=f"{tag}c"), tier=c_tier)
+    a_tier, b_tier = (_tier(url, policy=always_fetch(), lookup_timeout_s=5.0) for _ in "ab")
+    c_tier = _tier(url)
+    a, b, c = (
+        AsyncSenderCache.from_config(bench_config(160 * MiB, 20 * MiB), tier=t)
+        for t in (a_tier, b_tier, c_tier)
+    )
     async with a, b, c:
         for size in sizes:
-            h = f"hit{size}"
-            make_it = functools.partial(preprocess, 1, size)
+            h, make_it = f"hit{size}", functools.partial(preprocess, 1, size)
             await a.get_or_put(h, make_it)
             await a_tier.flush(60)
             tier_hit, local_hit, make = Samples(), Samples(), Samples()
             for _ in range(runs):
                 trun, lrun, mrun = tier_hit.new_run(), local_hit.new_run(), make.new_run()
                 for _ in range(reps):
-                    t0 = time.perf_counter()
-                    await b.get_or_put(h, _not_made)  # the tier has it
-                    trun.append(time.perf_counter() - t0)
-                    t0 = time.perf_counter()
-                    await b.get_or_put(h, _not_made)  # in shared memory now
-                    lrun.append(time.perf_counter() - t0)
+                    for run in (trun, lrun):  # the tier has it; then shared memory has it
+                        t0 = time.perf_counter()
+                        await b.get_or_put(h, _not_made)
+                        run.append(time.perf_counter() - t0)
                     await b.invalidate(h)
                     t0 = time.perf_counter()
                     preprocess(1, size)
                     mrun.append(time.perf_counter() - t0)
                     await c.get_or_put(h, make_it)
                     await c.invalidate(h)  # the learning policy sees fetches and makes
-            param = f"{size // MiB} MiB"
-            ms, ts, ls = make.stat(), tier_hit.stat(), local_hit.stat()
-            report.add(
-                Row(S_HIT, "the preprocessing (20 ms CPU + fill)", param, ms.median, stat=ms)
-            )
-            report.add(
-                Row(
-                    S_HIT,
-                    "tier hit: get_or_put on a second host",
-                    param,
-                    ts.median,
-                    stat=ts,
-                    baseline="preprocessing",
-                    ratio=ms.median / ts.median,
-                    target=Target("ratio", ">=", 2.0) if size == 4 * MiB else None,
-                )
-            )
-            report.add(
-                Row(
-                    S_HIT,
-                    "local hit: get_or_put, in shared memory",
-                    param,
-                    ls.median,
-                    stat=ls,
-                    baseline="preprocessing",
-                    ratio=ms.median / ls.median,
-                )
-            )
-        view = c_tier.policy.view(c_tier.max_item_bytes)
-        report.add(
-            Row(
-                S_HIT,
-                "learned fetch budget: the largest item fetched rather than made",
-                f"fetch {view.fetch_fixed_s * 1e3:.2f} ms + {view.fetch_per_byte_s * 1e9:.2f} ns/B",
-                view.budget_bytes,
-                kind="bytes",
-                note=f"make {view.make_fixed_s * 1e3:.1f} ms; margin {c_tier.policy.margin}",
-            )
-        )
+            param, ms = f"{size // MiB} MiB", make.stat()
+            target = Target("ratio", ">=", 2.0) if size == 4 * MiB else None
+            row = functools.partial(report.row, S_HIT, param=param, vs=("preprocessing", ms))
+            report.row(S_HIT, "the preprocessing (20 ms CPU + fill)", param, ms)
+            row("tier hit: get_or_put on a second host", value=tier_hit.stat(), target=target)
+            row("local hit: get_or_put, in shared memory", value=local_hit.stat())
+        v = c_tier.policy.view(c_tier.max_item_bytes)
+        fetch = f"fetch {v.fetch_fixed_s * 1e3:.2f} ms + {v.fetch_per_byte_s * 1e9:.2f} ns/B"
+        note = f"make {v.make_fixed_s * 1e3:.1f} ms; probe {v.probe_s * 1e3:.2f} ms; margin "
+        note += f"{c_tier.policy.margin}"
+        label = "learned fetch budget: the largest item fetched rather than made"
+        report.row(S_HIT, label, fetch, v.budget_bytes, kind="bytes", note=note)
 
 
 def bench_kill(p: Params, report: Report, progress: Progress) -> None:
     items, n_req = (60, 240) if p.quick else (300, 1500)
-    sizes = item_sizes(items, 256 * KiB, MiB, seed=3)
-    trace = zipf_trace(n_req, items, seed=5)
     progress(f"fleet: {n_req} requests, Redis killed halfway")
+    trace, sizes = zipf_trace(n_req, items, seed=5), item_sizes(items, 256 * KiB, MiB, seed=3)
     with RedisServer() as r:
         asyncio.run(_kill(r, trace, sizes, report))
 
 
 async def _kill(r: RedisServer, trace: list[int], sizes: list[int], report: Report) -> None:
-    tag = f"{segment_prefix()}flk{time.monotonic_ns() % 10**6}"
-    cfg = CacheConfig(256 * MiB, 2 * MiB, 1)
+    cfg = functools.partial(bench_config, 256 * MiB, 2 * MiB)
     half = len(trace) // 2
-    # another host has made every item already: Redis holds them
-    maker = _tier(r.url)
-    async with AsyncSenderCache.from_config(
-        dataclasses.replace(cfg, name=f"{tag}w"), tier=maker
-    ) as w:
-        await _serve(w, sorted(set(trace)), sizes, 4)
+    maker = _tier(r.url)  # another host has made every item already: Redis holds them
+    async with AsyncSenderCache.from_config(cfg(), tier=maker) as w:
+        await _serve(w, sorted(set(trace)), sizes)
         await maker.flush(120)
-    async with AsyncSenderCache.from_config(dataclasses.replace(cfg, name=f"{tag}n")) as plain:
-        base = await _serve(plain, trace, sizes, 4)
+    # each half without a tier next to it with one: p99s minutes apart compare the machine's load
     tier = _tier(r.url)
-    async with AsyncSenderCache.from_config(
-        dataclasses.replace(cfg, name=f"{tag}t"), tier=tier
-    ) as cache:
-        first = await _serve(cache, trace[:half], sizes, 4)
-        r.kill()
-        second = await _serve(cache, trace[half:], sizes, 4)
-    failures = first["failures"] + second["failures"]
-    param = f"{len(trace)} req, {len(set(trace))} items 256 KiB-1 MiB, 4 at once"
-    report.add(
-        Row(
-            S_KILL,
-            "failed requests",
-            param,
-            failures,
-            kind="count",
-            target=Target("value", "<=", 0),
-        )
-    )
-    base_rate = len(trace) / base["seconds"]
-    for label, res, n in (
-        ("req/s with the tier, Redis up (first half)", first, half),
-        ("req/s with the tier, Redis killed (second half)", second, len(trace) - half),
+    async with (
+        AsyncSenderCache.from_config(cfg()) as plain,
+        AsyncSenderCache.from_config(cfg(), tier=tier) as cache,
     ):
-        report.add(
-            Row(
-                S_KILL,
-                label,
-                param,
-                n / res["seconds"],
-                kind="rate",
-                baseline="no tier",
-                ratio=n / res["seconds"] / base_rate,
-            )
-        )
-    p99_base = percentile(base["latencies"][half:], 99)
-    p99_dead = percentile(second["latencies"], 99)
+        base_first = await _serve(plain, trace[:half], sizes)
+        first = await _serve(cache, trace[:half], sizes)
+        r.kill()
+        second = await _serve(cache, trace[half:], sizes)
+        base_second = await _serve(plain, trace[half:], sizes)
+    param = f"{len(trace)} req, {len(set(trace))} items 256 KiB-1 MiB, 4 at once"
+    row = functools.partial(report.row, S_KILL, param=param)
+    failures = first["failures"] + second["failures"]
+    row("failed requests", value=failures, kind="count", target=Target("value", "<=", 0))
+    for label, res, base in (
+        ("req/s with the tier, Redis up (first half)", first, base_first),
+        ("req/s with the tier, Redis killed (second half)", second, base_second),
+    ):
+        rate, ratio = len(res["latencies"]) / res["seconds"], base["seconds"] / res["seconds"]
+        row(label, value=rate, kind="rate", baseline="no tier", ratio=ratio)
+    p99_base, p99_dead = (percentile(res["latencies"], 99) for res in (base_second, second))
     st = tier.stats()
-    report.add(
-        Row(
-            S_KILL,
-            "added p99 latency after the kill (vs the same requests without a tier)",
-            param,
-            max(0.0, p99_dead - p99_base),
-            target=Target("value", "<=", LOOKUP_TIMEOUT_S + 0.005),
-            note=f"p99 {p99_dead * 1e3:.1f} ms vs {p99_base * 1e3:.1f} ms; {st.errors} errors, "
-            f"{st.timeouts} timeouts, breaker opened {st.breaker_opens}x, {st.bypassed} bypassed",
-        )
-    )
+    note = f"p99 {p99_dead * 1e3:.1f} ms vs {p99_base * 1e3:.1f} ms; {st.errors} errors, "
+    note += f"{st.timeouts} timeouts, breaker opened {st.breaker_opens}x, {st.bypassed} bypassed"
+    label = "added p99 latency after the kill (vs the same requests without a tier)"
+    added, target = max(0.0, p99_dead - p99_base), Target("value", "<=", LOOKUP_TIMEOUT_S + 0.005)
+    row(label, value=added, target=target, note=note)
 
 
 def run_fleet_suite(p: Params, report: Report, progress: Progress) -> None:
@@ -440,12 +338,12 @@ def run_fleet_suite(p: Params, report: Report, progress: Progress) -> None:
     except ImportError:
         report.skip("fleet: the redis client is not installed (pip install 'aioshmcache[fleet]')")
         return
+    parser = "hiredis" if HIREDIS_AVAILABLE else "its pure-Python parser (hiredis not installed)"
     report.notes.append(
         f"fleet: preprocessing = {MAKE_S * 1e3:.0f} ms of CPU (GIL released); {HOSTS} hosts = "
         f"{HOSTS} processes on this machine ({os.cpu_count()} CPUs); Redis on localhost; "
         f"lookup_timeout_s {ZIPF_LOOKUP_TIMEOUT_S} s for the Zipf hosts, else "
-        f"{LOOKUP_TIMEOUT_S} s (the default); redis-py {redis.__version__} with "
-        f"{'hiredis' if HIREDIS_AVAILABLE else 'its pure-Python parser (hiredis not installed)'}"
+        f"{LOOKUP_TIMEOUT_S} s (the default); redis-py {redis.__version__} with {parser}"
     )
     report.attempt("fleet: tier hit latency", lambda: bench_hit(p, report, progress))
     report.attempt("fleet: Redis killed", lambda: bench_kill(p, report, progress))

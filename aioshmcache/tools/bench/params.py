@@ -1,20 +1,23 @@
-"""How much each workload runs: the full run and the ``--quick`` smoke run."""
+"""How much each workload runs: one dataclass whose defaults are the full run; ``--quick`` less."""
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import itertools
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from typing import Any
 
-from aioshmcache import CacheConfig, ShmObjectStore, StoreWriter
+from aioshmcache import CacheConfig
 
 from ..units import GiB, KiB, MiB
 
-__all__ = ["Params", "bench_config", "open_store", "segment_prefix"]
+__all__ = ["Params", "bench_config", "segment_prefix"]
 
 _counter = itertools.count()
+K, M = KiB, MiB
+_SIZES = (K, 64 * K, M, 16 * M, 64 * M)
+_THRESHOLDS = tuple(k * K for k in (16, 64, 256, 512)) + tuple(k * M for k in (1, 2, 4, 8, 16))
+Table = tuple[tuple[int, int], ...]
 
 
 def segment_prefix() -> str:
@@ -22,125 +25,72 @@ def segment_prefix() -> str:
     return f"bench-{os.getpid()}-"
 
 
-def bench_config(capacity: int, max_object: int, n_readers: int = 1, **kw: object) -> CacheConfig:
+def bench_config(capacity: int, max_object: int, n_readers: int = 1, **kw: Any) -> CacheConfig:
     """A config with a recognisable, unique segment name."""
-    return CacheConfig(
-        capacity,
-        max_object,
-        n_readers,
-        name=f"{segment_prefix()}{next(_counter)}",
-        **kw,  # type: ignore[arg-type]
-    )
+    name = f"{segment_prefix()}{next(_counter)}"
+    return CacheConfig(capacity, max_object, n_readers, name=name, **kw)
 
 
-@contextlib.contextmanager
-def open_store(config: CacheConfig) -> Iterator[StoreWriter]:
-    store = ShmObjectStore.create(config)
-    try:
-        yield store
-    finally:
-        store.close()
-
-
-@dataclass
+@dataclasses.dataclass(frozen=True)
 class Params:
-    """Sizes, repetitions and operation counts."""
+    """Sizes, repetitions and operation counts: the defaults are the full run."""
 
-    quick: bool
-    runs: int
-    sizes: list[int]
-    peer_sizes: list[int]
-    # operations per run, by item size (the first key >= size applies)
-    ops: dict[int, int]
-    peer_ops: dict[int, int]
-    small_batches: int  # 1 KiB steady state: batches of 256 puts per run
-    sender_puts: int  # 1 KiB through SenderCache: puts per run (the latency max is over all runs)
-    fresh_cache: int
-    fresh_runs: int
-    churn_puts: int
-    churn_runs: int
-    readers: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    cache_sizes: list[int] = field(default_factory=list)
-    lag_seconds: float = 2.0
+    quick: bool = False
+    runs: int = 5
+    sizes: tuple[int, ...] = _SIZES
+    peer_sizes: tuple[int, ...] = _SIZES
+    #: operations per run by item size: (up to this size, n), the first that fits applies
+    ops: Table = tuple(zip(_SIZES, (2000, 1000, 200, 20, 6)))
+    peer_ops: Table = tuple(zip(_SIZES, (300, 200, 60, 8, 3)))
+    small_batches: int = 8  # 1 KiB steady state: batches of 256 puts per run
+    sender_puts: int = 20_000  # SenderCache puts per run (the latency max is over all runs)
+    fresh_cache: int = 1 * GiB
+    fresh_runs: int = 5
+    churn_puts: int = 10_000
+    churn_runs: int = 3
+    readers: tuple[int, ...] = (1, 2, 4, 8)
+    cache_sizes: tuple[int, ...] = (64 * M, 256 * M, 1 * GiB, 4 * GiB, 8 * GiB)
+    lag_seconds: float = 1.0
     lag_runs: int = 3
-    lag_loops: list[str] = field(default_factory=lambda: ["asyncio", "uvloop"])
-    threshold_sizes: list[int] = field(default_factory=list)
+    lag_loops: tuple[str, ...] = ("asyncio", "uvloop")
+    threshold_sizes: tuple[int, ...] = _THRESHOLDS
     concurrent_tasks: int = 100
     concurrent_requests: int = 50
     gc_entries: int = 250_000  # live small items in the writer for the full-collection cell
-    # the trace suite: a catalogue of images, requests per trace, image sizes, seeds per trace;
-    # sizes (and the capacity, a fraction of them) divided by trace_scale to keep the copies short
+    group_requests: int = 4000  # group: the Zipf load, over group_images distinct images
+    group_images: int = 1000
+    group_lookups: int = 2000  # is_cached_item calls per run
+    # trace: a catalogue of images, requests per trace, image sizes, seeds per trace; sizes (and
+    # the capacity, a fraction of them) divided by trace_scale to keep the copies short
     trace_items: int = 3000
     trace_requests: int = 20_000
-    trace_sizes: tuple[int, int] = (512 * KiB, 8 * MiB)
+    trace_sizes: tuple[int, int] = (512 * K, 8 * M)
     trace_seeds: int = 5
     trace_scale: int = 4
+    vllm_rounds: int = 9  # vllm: interleaved rounds, item sizes, items per churn round
+    vllm_sizes: tuple[int, ...] = (1 * K, 64 * K, 1 * M, 16 * M)
+    vllm_churn: int = 64
 
     @classmethod
     def full(cls) -> Params:
-        return cls(
-            quick=False,
-            runs=5,
-            sizes=[1 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB],
-            peer_sizes=[1 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB],
-            ops={1 * KiB: 2000, 64 * KiB: 1000, 1 * MiB: 200, 16 * MiB: 20, 64 * MiB: 6},
-            peer_ops={1 * KiB: 300, 64 * KiB: 200, 1 * MiB: 60, 16 * MiB: 8, 64 * MiB: 3},
-            small_batches=8,
-            sender_puts=20_000,  # x 5 runs: the max is over 100,000 steady-state puts
-            fresh_cache=1 * GiB,
-            fresh_runs=5,
-            churn_puts=10_000,
-            churn_runs=3,
-            cache_sizes=[64 * MiB, 256 * MiB, 1 * GiB, 4 * GiB, 8 * GiB],
-            lag_seconds=1.0,
-            lag_runs=3,
-            lag_loops=["asyncio", "uvloop"],
-            threshold_sizes=[
-                16 * KiB,
-                64 * KiB,
-                256 * KiB,
-                512 * KiB,
-                1 * MiB,
-                2 * MiB,
-                4 * MiB,
-                8 * MiB,
-                16 * MiB,
-            ],
-        )
+        return cls()
 
     @classmethod
     def smoke(cls) -> Params:
-        return cls(
-            quick=True,
-            runs=3,
-            sizes=[1 * KiB, 64 * KiB, 1 * MiB, 16 * MiB],
-            peer_sizes=[1 * KiB, 1 * MiB],
-            ops={1 * KiB: 300, 64 * KiB: 200, 1 * MiB: 40, 16 * MiB: 4},
-            peer_ops={1 * KiB: 40, 1 * MiB: 10},
-            small_batches=3,
-            sender_puts=2_000,
-            fresh_cache=256 * MiB,
-            fresh_runs=1,
-            churn_puts=1_000,
-            churn_runs=1,
-            readers=[1, 8],
-            cache_sizes=[64 * MiB, 256 * MiB],
-            lag_seconds=0.6,
-            lag_runs=1,
-            lag_loops=["asyncio"],
-            threshold_sizes=[64 * KiB, 1 * MiB, 4 * MiB],
-            concurrent_tasks=20,
-            concurrent_requests=20,
-            gc_entries=20_000,
-            trace_items=400,
-            trace_requests=2000,
-            trace_seeds=1,
-            trace_scale=64,
-        )
+        """The ``--quick`` run CI uses: fewer sizes, runs and operations."""
+        return cls(**_SMOKE)
 
     def n_ops(self, size: int, *, peers: bool = False) -> int:
         table = self.peer_ops if peers else self.ops
-        for limit in sorted(table):
-            if size <= limit:
-                return table[limit]
-        return table[max(table)]
+        return next((n for limit, n in table if size <= limit), table[-1][1])
+
+
+_SMOKE: dict[str, Any] = dict(quick=True, runs=3, sizes=(K, 64 * K, M, 16 * M), peer_sizes=(K, M))
+_SMOKE |= dict(ops=((K, 300), (64 * K, 200), (M, 40), (16 * M, 4)), peer_ops=((K, 40), (M, 10)))
+_SMOKE |= dict(small_batches=3, sender_puts=2_000, fresh_cache=256 * M, fresh_runs=1)
+_SMOKE |= dict(churn_puts=1_000, churn_runs=1, readers=(1, 8), cache_sizes=(64 * M, 256 * M))
+_SMOKE |= dict(lag_seconds=0.6, lag_runs=1, lag_loops=("asyncio",), gc_entries=20_000)
+_SMOKE |= dict(threshold_sizes=(64 * K, M, 4 * M), concurrent_tasks=20, concurrent_requests=20)
+_SMOKE |= dict(group_requests=600, group_images=200, group_lookups=200)
+_SMOKE |= dict(trace_items=400, trace_requests=2000, trace_seeds=1, trace_scale=64)
+_SMOKE |= dict(vllm_rounds=3, vllm_sizes=(K, M), vllm_churn=16)

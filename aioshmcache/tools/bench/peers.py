@@ -1,18 +1,12 @@
 """The round trip, ours and the peers': writer → another process (or server) → reply.
 
-* aioshmcache: the writer ``put``s the array, sends the ``ShmRef`` over a ``Pipe`` to a reader
-  process, which reads it (a copy, or a lease: zero-copy view + ack) and replies its size.
-* ``multiprocessing.Pipe`` / ``Queue``: the array goes to the other process, which replies its
-  size (the same shape of work as ours) or echoes the array back (the "echo" rows).
-* Redis: a real ``redis-server`` (Debian's), started here on 127.0.0.1 on a free port without
-  persistence and stopped afterwards; ``SET`` then ``GET`` through ``redis.asyncio`` on uvloop.
-* Ray (if installed): ``ray.get(ray.put(arr))`` in this process; Ray's ``get`` of a numpy array
-  is itself a zero-copy view of its object store. ``ray.init`` starts several daemons that load
-  the machine, so Ray runs in a phase of its own, with our round trip measured again alongside
-  it: the ratios against Ray come from that phase.
-
-Every mechanism is measured in interleaved runs with the others and with the ``np.copyto``
-baseline of the same size.
+aioshmcache puts the array and sends the ``ShmRef`` over a ``Pipe`` to the reader process, which
+reads it (a copy, or a lease: view + ack) and replies its size; ``multiprocessing`` Pipe and
+Queue send the array itself and get its size back (or the array: the "echo" rows); Redis is
+``SET`` + ``GET`` through ``redis.asyncio`` (uvloop) against a private ``redis-server``; Ray is
+``ray.get(ray.put(arr))`` in a phase of its own (its daemons load the machine), with our round
+trip measured again beside it. Every mechanism runs interleaved with the others and with the
+``np.copyto`` baseline of the same size.
 """
 
 from __future__ import annotations
@@ -20,22 +14,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import importlib.util
+import itertools
 import shutil
-import socket
-import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 from typing import Any
+
+import numpy as np
 
 from aioshmcache import ShmObjectStore
 
 from ..progress import Progress
-from ..units import MiB, fmt_bytes
+from ..redis_server import RedisServer, redis_binaries
+from ..units import KiB, MiB, fmt_bytes
+from . import timing as tm
 from .params import Params, bench_config
 from .procs import LazyWorker, Worker
 from .report import Report, Target
-from .timing import Samples, ShmBuffer, memcpy_into, source_array, timed
 
 __all__ = ["run_peers_suite"]
 
@@ -44,80 +42,11 @@ S_RAY = "Round trip vs Ray (measured while Ray runs)"
 
 _clock = time.perf_counter_ns
 
-Op = Callable[[], None]
-
-
-# --- redis-server ------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-class RedisServer:
-    """A private ``redis-server`` on 127.0.0.1, no persistence; ``stop`` ends it."""
-
-    def __init__(self, binary: str) -> None:
-        self.port = _free_port()
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--daemonize",
-                "no",
-                "--protected-mode",
-                "yes",
-                "--loglevel",
-                "warning",
-                "--dir",
-                "/tmp",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        deadline = time.monotonic() + 10.0
-        while True:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"redis-server exited at start: {err.strip()[:300]}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("redis-server did not answer PING within 10 s")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5.0)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5.0)
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
-
 
 class RedisClient:
     """``redis.asyncio`` on its own (uvloop) event loop, driven synchronously per run."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, url: str) -> None:
         import redis.asyncio
 
         try:
@@ -126,22 +55,17 @@ class RedisClient:
             self.loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
             self.loop_name = "uvloop"
         except ImportError:
-            self.loop = asyncio.new_event_loop()
-            self.loop_name = "asyncio"
-        self.client: Any = redis.asyncio.Redis(host="127.0.0.1", port=port)
+            self.loop, self.loop_name = asyncio.new_event_loop(), "asyncio"
+        self.client: Any = redis.asyncio.Redis.from_url(url)
         self.loop.run_until_complete(self.client.ping())
 
     def set_get(self, arr: Any, n: int, out: list[float]) -> None:
-        import numpy as np
-
         async def run() -> None:
-            c = self.client
             data = memoryview(arr)  # redis-py sends bytes-like values as they are
             for _ in range(n):
                 t0 = _clock()
-                await c.set("bench", data)
-                raw = await c.get("bench")
-                back = np.frombuffer(raw, dtype=np.uint8)
+                await self.client.set("bench", data)
+                back = np.frombuffer(await self.client.get("bench"), dtype=np.uint8)
                 out.append((_clock() - t0) * 1e-9)
                 if back.nbytes != arr.nbytes:
                     raise RuntimeError("redis returned a different size")
@@ -150,202 +74,134 @@ class RedisClient:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self.loop.run_until_complete(self.client.delete("bench"))
-        with contextlib.suppress(Exception):
             self.loop.run_until_complete(self.client.aclose())
         self.loop.close()
 
 
 @contextlib.contextmanager
 def redis_peer(report: Report, progress: Progress) -> Iterator[RedisClient | None]:
-    binary = shutil.which("redis-server")
-    if binary is None:
+    """A client of a private ``redis-server``, or None (and a skip line) when there is none."""
+    if redis_binaries() is None:
         report.skip("redis: redis-server is not installed (apt-get install redis-server)")
-        yield None
-        return
-    try:
-        importlib.import_module("redis.asyncio")
-    except ImportError:
+    elif importlib.util.find_spec("redis") is None:
         report.skip("redis: the redis client is not installed (pip install 'aioshmcache[bench]')")
-        yield None
-        return
-    progress(f"redis: starting {binary} on 127.0.0.1")
-    try:
-        server = RedisServer(binary)
-    except (OSError, RuntimeError) as exc:
-        report.skip(f"redis: redis-server would not start here ({exc})")
-        yield None
-        return
-    client: RedisClient | None = None
-    try:
-        client = RedisClient(server.port)
-        yield client
-    finally:
-        if client is not None:
-            client.close()
-        server.stop()
-
-
-# --- aioshmcache round trip and the multiprocessing peers ----------------------------------------
+    else:
+        progress("redis: starting redis-server on 127.0.0.1")
+        try:
+            server = RedisServer()
+        except (OSError, RuntimeError) as exc:
+            report.skip(f"redis: redis-server would not start here ({exc})")
+        else:
+            with server:
+                client = RedisClient(server.url)
+                try:
+                    yield client
+                finally:
+                    client.close()
+            return
+    yield None
 
 
 class OurRoundTrip:
     """Writer puts, the worker (a reader process) reads the ``ShmRef`` it is sent and replies."""
 
     def __init__(self, worker: Worker, size: int) -> None:
-        self.worker = worker
-        ring = max(8 * MiB, 6 * (size + 4096))
-        self.store = ShmObjectStore.create(bench_config(ring, size + 64 * 1024, 1))
-        self.seq = 0
-        worker.attach(self.store.handle())
-        self.mode: str | None = None
-
-    def _serve(self, mode: str) -> None:
-        if self.mode != mode:
-            self.stop_serving()
-            self.worker.send("serve_refs", mode)
-            self.mode = mode
-
-    def stop_serving(self) -> None:
-        if self.mode is not None:
-            self.worker.send_refs(None)
-            self.worker.reply()
-            self.mode = None
+        self.worker, self.mode, self.keys = worker, "", itertools.count()
+        self.stack, self.serve = contextlib.ExitStack(), contextlib.ExitStack()
+        cfg = bench_config(max(8 * MiB, 6 * (size + 4096)), size + 64 * KiB, 1)
+        self.store = self.stack.enter_context(ShmObjectStore.create(cfg))
+        self.stack.enter_context(worker.attached(self.store.handle()))
+        self.stack.callback(self.serve.close)  # the data loop ends before the detach
 
     def run(self, mode: str, item: dict[str, Any], n: int, out: list[float]) -> None:
-        self._serve(mode)
+        if self.mode != mode:
+            self.serve.close()
+            self.serve.enter_context(self.worker.serving("serve_refs", mode))
+            self.mode = mode
         store, conn = self.store, self.worker.conn
         for _ in range(n):
-            key = f"rt{self.seq}"
-            self.seq += 1
             t0 = _clock()
-            conn.send(store.put(key, item))
+            conn.send(store.put(f"rt{next(self.keys)}", item))
             nb = conn.recv()
             out.append((_clock() - t0) * 1e-9)
             if not isinstance(nb, int):
                 raise RuntimeError(f"bench worker: {nb!r}")
 
-    def close(self) -> None:
-        try:
-            self.stop_serving()
-            self.worker.detach()
-        finally:
-            self.store.close()
+    def stop_serving(self, _samples: object = None) -> None:
+        self.serve.close()
+        self.mode = ""
 
 
-def _pipe(worker: Worker, echo: bool, arr: Any, n: int, out: list[float]) -> None:
-    worker.send("pipe_echo", echo)
-    conn = worker.conn
-    for _ in range(n):
-        t0 = _clock()
-        conn.send(arr)
-        conn.recv()
-        out.append((_clock() - t0) * 1e-9)
-    conn.send(None)
-    worker.reply()
+def _echo(queues: bool, echo: bool, worker: Worker, arr: Any, n: int, out: list[float]) -> None:
+    """``n`` arrays to the worker and back (or their size back), over the pipe or two queues."""
+    send: Any = worker.q_in.put if queues else worker.conn.send
+    recv: Any = partial(worker.q_out.get, timeout=120.0) if queues else worker.conn.recv
+
+    def there_and_back() -> None:
+        send(arr)
+        recv()
+
+    end = worker.q_in.put if queues else None
+    with worker.serving("queue_echo" if queues else "pipe_echo", echo, end=end):
+        tm.each(n, there_and_back)(out)
 
 
-def _queue(worker: Worker, echo: bool, arr: Any, n: int, out: list[float]) -> None:
-    worker.send("queue_echo", echo)
-    q_in, q_out = worker.q_in, worker.q_out
-    for _ in range(n):
-        t0 = _clock()
-        q_in.put(arr)
-        q_out.get(timeout=120.0)
-        out.append((_clock() - t0) * 1e-9)
-    q_in.put(None)
-    worker.reply()
+#: (row label, plot series, how it is measured: (worker, arr, n, out) -> None)
+_PEERS = [
+    ("Pipe (array → reader, size back)", "Pipe", partial(_echo, False, False)),
+    ("Queue (array → reader, size back)", "Queue", partial(_echo, True, False)),
+    ("Pipe echo (array both ways)", "Pipe echo", partial(_echo, False, True)),
+    ("Queue echo (array both ways)", "Queue echo", partial(_echo, True, True)),
+]
+BASE = "np.copyto (baseline)"
+_OURS = {"copy": "aioshmcache (reader copies)", "lease": "aioshmcache (reader leases)"}
 
 
-_SERIES = {
-    "np.copyto (baseline)": "np.copyto (baseline)",
-    "aioshmcache (reader copies)": "aioshmcache (copy)",
-    "aioshmcache (reader leases)": "aioshmcache (lease)",
-    "Pipe (array → reader, size back)": "Pipe",
-    "Queue (array → reader, size back)": "Queue",
-    "Pipe echo (array both ways)": "Pipe echo",
-    "Queue echo (array both ways)": "Queue echo",
-}
-
-
-def bench_roundtrip(
+def _roundtrips(
     p: Params, report: Report, progress: Progress, worker: Worker, redis: RedisClient | None
 ) -> None:
-    shm = ShmBuffer(max(p.peer_sizes))
+    shm = tm.ShmBuffer(max(p.peer_sizes))
     try:
         for size in p.peer_sizes:
-            progress(
-                f"round trip: {fmt_bytes(size)}, aioshmcache vs Pipe / Queue"
-                + (" / redis" if redis else "")
-                + f" ({p.runs} runs)"
-            )
-            _roundtrip_one(p, report, worker, redis, shm, size)
+            peers = "Pipe / Queue" + (" / redis" if redis else "")
+            progress(f"round trip: {fmt_bytes(size)}, aioshmcache vs {peers} ({p.runs} runs)")
+            n, arr = p.n_ops(size, peers=True), tm.source_array(size)
+            item, ours = {"data": arr}, OurRoundTrip(worker, size)
+            cells: dict[str, tm.Cell] = {BASE: partial(tm.memcpy_into, shm.view(size), arr, n)}
+            try:
+                for mode in _OURS:  # warm-up: both processes, the pipe, the ring
+                    ours.run(mode, item, max(2, n // 5), [])
+                cells |= {label: partial(ours.run, mode, item, n) for mode, label in _OURS.items()}
+                cells["stop"] = ours.stop_serving
+                cells |= {label: partial(fn, worker, arr, n) for label, _, fn in _PEERS}
+                if redis is not None:
+                    label = f"redis.asyncio SET + GET ({redis.loop_name})"
+                    cells[label] = partial(redis.set_get, arr, n)
+                stats = tm.interleave(p.runs, cells)
+            finally:
+                ours.stack.close()
+            del stats["stop"]
+            _report_roundtrip(report, size, stats)
     finally:
         shm.close()
 
 
-def _roundtrip_one(
-    p: Params,
-    report: Report,
-    worker: Worker,
-    redis: RedisClient | None,
-    shm: ShmBuffer,
-    size: int,
-) -> None:
-    n = p.n_ops(size, peers=True)
-    arr = source_array(size)
-    item = {"data": arr}
-    names = [
-        "np.copyto (baseline)",
-        "aioshmcache (reader copies)",
-        "aioshmcache (reader leases)",
-        "Pipe (array → reader, size back)",
-        "Queue (array → reader, size back)",
-        "Pipe echo (array both ways)",
-        "Queue echo (array both ways)",
-    ]
-    if redis is not None:
-        names.append(f"redis.asyncio SET + GET ({redis.loop_name})")
-    samples = {k: Samples() for k in names}
-    ours = OurRoundTrip(worker, size)
-    try:
-        ours.run("copy", item, max(2, n // 5), [])  # warm-up: both processes, the pipe, the ring
-        ours.run("lease", item, max(2, n // 5), [])
-        for _ in range(p.runs):
-            memcpy_into(shm.view(size), arr, n, samples[names[0]].new_run())
-            ours.run("copy", item, n, samples[names[1]].new_run())
-            ours.run("lease", item, n, samples[names[2]].new_run())
-            ours.stop_serving()
-            _pipe(worker, False, arr, n, samples[names[3]].new_run())
-            _queue(worker, False, arr, n, samples[names[4]].new_run())
-            _pipe(worker, True, arr, n, samples[names[5]].new_run())
-            _queue(worker, True, arr, n, samples[names[6]].new_run())
-            if redis is not None:
-                redis.set_get(arr, n, samples[names[7]].new_run())
-    finally:
-        ours.close()
-    sz = fmt_bytes(size)
-    base = samples[names[0]].stat()
-    stats = {k: v.stat() for k, v in samples.items()}
-    for k in names:
-        series = _SERIES.get(k, k.split(" (")[0])
-        vs = None if k == names[0] else ("np.copyto", base)
-        report.row(S_RT, k, sz, stats[k], vs=vs, plot="roundtrip", series=series, x=size)
-    # aioshmcache against each peer, same size, same runs
-    for mode, key in (("reader copies", names[1]), ("reader leases", names[2])):
-        mine = stats[key].median
-        for peer in names[3:]:
-            if "echo" in peer:
+def _report_roundtrip(report: Report, size: int, stats: dict[str, Any]) -> None:
+    series = {BASE: BASE} | {v: f"aioshmcache ({k})" for k, v in _OURS.items()}
+    series |= {label: s for label, s, _ in _PEERS}
+    base, add = stats[BASE], report.section(S_RT, fmt_bytes(size))
+    for label, st in stats.items():
+        vs = None if label.startswith("np.") else ("np.copyto", base)
+        kw = {"plot": "roundtrip", "series": series.get(label, label.split(" (")[0]), "x": size}
+        add(label, st, vs=vs, **kw)
+    for mode, ours in (("reader copies", _OURS["copy"]), ("reader leases", _OURS["lease"])):
+        for peer, st in stats.items():  # aioshmcache against each peer, same size, same runs
+            if peer.startswith(("np.", "aioshmcache")) or "echo" in peer:
                 continue
-            tgt = None
-            if size == 16 * MiB and peer.startswith("redis"):
-                tgt = Target("ratio", ">=", 20.0)
             short = peer.split(" (")[0]
-            label = f"aioshmcache ({mode}) vs {short}"
-            report.row(S_RT, label, sz, mine, vs=(short, stats[peer]), target=tgt)
-
-
-# --- Ray --------------------------------------------------------------------------------------
+            big_redis = size == 16 * MiB and peer.startswith("redis")
+            tgt = Target.at_least(20.0, "ratio") if big_redis else None
+            add(f"aioshmcache ({mode}) vs {short}", stats[ours].median, vs=(short, st), target=tgt)
 
 
 def bench_ray(p: Params, report: Report, progress: Progress, worker: Worker, *, want: bool) -> None:
@@ -358,68 +214,38 @@ def bench_ray(p: Params, report: Report, progress: Progress, worker: Worker, *, 
         report.skip("Ray: not installed (pip install ray) — the Ray comparison is skipped")
         return
     progress("Ray: ray.init (starts its daemons, ~5 s)")
-    import numpy as np
-
-    biggest = max(p.peer_sizes)
     temp = tempfile.mkdtemp(prefix="aioshmbench-ray-")  # Ray's sessions and logs: removed after
     try:
-        ray.init(
-            num_cpus=1,
-            include_dashboard=False,
-            log_to_driver=False,
-            object_store_memory=max(512 * MiB, 8 * biggest),
-            logging_level="ERROR",
-            _temp_dir=temp,
-        )
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
-    try:
-        ray.get(ray.put(np.zeros(16, np.uint8)))
-        for size in p.peer_sizes:
-            progress(
-                f"Ray: {fmt_bytes(size)}, ray.get(ray.put(arr)) vs aioshmcache ({p.runs} runs)"
-            )
-            n = p.n_ops(size, peers=True)
-            arr = source_array(size)
-            item = {"data": arr}
-            ray_s, copy_s, lease_s = Samples(), Samples(), Samples()
-            ours = OurRoundTrip(worker, size)
-            try:
-                ours.run("lease", item, 2, [])
-                for _ in range(max(2, n // 5)):
-                    ray.get(ray.put(arr))
-                for _ in range(p.runs):
-                    run = ray_s.new_run()
-                    for _ in range(n):
-                        timed(run, _ray_round_trip, ray, arr)
-                    ours.run("copy", item, n, copy_s.new_run())
-                    ours.run("lease", item, n, lease_s.new_run())
-            finally:
-                ours.close()
-            sz = fmt_bytes(size)
-            rs = ray_s.stat()
-            report.row(
-                S_RAY,
-                "Ray ray.get(ray.put(arr)) (one process)",
-                sz,
-                rs,
-                plot="roundtrip",
-                series="Ray put + get",
-                x=size,
-            )
-            tgt = Target("ratio", ">=", 1.5) if size == 16 * MiB else None
-            for label, smp in (("reader copies", copy_s), ("reader leases", lease_s)):
-                report.row(
-                    S_RAY,
-                    f"aioshmcache ({label}) vs Ray put + get",
-                    sz,
-                    smp.stat(),
-                    vs=("Ray", rs),
-                    target=tgt,
-                )
+        opts = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
+        memory = max(512 * MiB, 8 * max(p.peer_sizes))
+        ray.init(num_cpus=1, object_store_memory=memory, _temp_dir=temp, **opts)
+        try:
+            ray.get(ray.put(np.zeros(16, np.uint8)))
+            for size in p.peer_sizes:
+                progress(f"Ray: {fmt_bytes(size)}, ray.get(ray.put(arr)) vs aioshmcache")
+                n, arr = p.n_ops(size, peers=True), tm.source_array(size)
+                item, ours = {"data": arr}, OurRoundTrip(worker, size)
+                try:
+                    ours.run("lease", item, 2, [])
+                    for _ in range(max(2, n // 5)):
+                        ray.get(ray.put(arr))
+                    cells: dict[str, tm.Cell] = {
+                        "ray": tm.each(n, partial(_ray_round_trip, ray, arr))
+                    }
+                    cells |= {m: partial(ours.run, m, item, n) for m in ("copy", "lease")}
+                    st = tm.interleave(p.runs, cells)
+                finally:
+                    ours.stack.close()
+                add = report.section(S_RAY, fmt_bytes(size))
+                label = "Ray ray.get(ray.put(arr)) (one process)"
+                add(label, st["ray"], plot="roundtrip", series="Ray put + get", x=size)
+                tgt = Target.at_least(1.5, "ratio") if size == 16 * MiB else None
+                for mode, who in (("copy", "reader copies"), ("lease", "reader leases")):
+                    label = f"aioshmcache ({who}) vs Ray put + get"
+                    add(label, st[mode], vs=("Ray", st["ray"]), target=tgt)
+        finally:
+            ray.shutdown()
     finally:
-        ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -432,15 +258,6 @@ def run_peers_suite(
     p: Params, report: Report, progress: Progress, *, want_ray: bool, want_redis: bool = True
 ) -> None:
     with LazyWorker() as lw:
-        if want_redis:
-            with redis_peer(report, progress) as redis:
-                ok = report.attempt(
-                    "round trip", lambda: bench_roundtrip(p, report, progress, lw.get(), redis)
-                )
-        else:
-            ok = report.attempt(
-                "round trip", lambda: bench_roundtrip(p, report, progress, lw.get(), None)
-            )
-        if not ok:
-            lw.reset()
-        report.attempt("Ray", lambda: bench_ray(p, report, progress, lw.get(), want=want_ray))
+        with redis_peer(report, progress) if want_redis else contextlib.nullcontext() as redis:
+            lw.attempt(report, "round trip", partial(_roundtrips, p, report, progress, redis=redis))
+        lw.attempt(report, "Ray", partial(bench_ray, p, report, progress, want=want_ray))

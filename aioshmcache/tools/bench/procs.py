@@ -14,27 +14,87 @@ import contextlib
 import multiprocessing as mp
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from aioshmcache import ShmObjectStore, ShmRef, StoreReader
+from aioshmcache import ShmObjectStore, StoreReader
 
 __all__ = ["LazyWorker", "Worker"]
 
 JOIN_TIMEOUT = 10.0
 
 
+def _until_none(recv: Callable[[], Any]) -> Iterator[Any]:
+    while (msg := recv()) is not None:
+        yield msg
+
+
+def _from_queue(q: Any) -> Any:
+    """The next item of ``q``; ``None`` (the end) once the parent process is gone."""
+    while True:
+        try:
+            return q.get(timeout=1.0)
+        except queue.Empty:
+            parent = mp.parent_process()
+            if parent is not None and not parent.is_alive():
+                return None
+
+
+def _read(store: StoreReader, ref: Any, mode: str) -> int:
+    """Read ``ref``: a copy, or (``lease``) a zero-copy view acknowledged at once; its bytes."""
+    value = store.get(ref, copy=mode == "copy")
+    nb = sum(int(getattr(v, "nbytes", 0)) for v in value.values())
+    if mode != "copy":
+        del value
+        store.ack(ref)
+    return nb
+
+
+def _timed_gets(store: StoreReader, batch: list[Any], mode: str) -> list[int]:
+    """Each get of the batch timed alone (ns), nothing else inside the clock."""
+    out, clock = [], time.perf_counter_ns
+    for ref in batch:
+        t0 = clock()
+        if mode == "copy":
+            store.get(ref)
+        else:
+            store.get(ref, copy=False)
+            store.ack(ref)
+        out.append(clock() - t0)
+    return out
+
+
+def _dispatch(cmd: str, args: tuple[Any, ...], conn: Connection, qs: Any, stores: list[Any]) -> Any:
+    """One command; its loops read from the pipe (or queue) until ``None``."""
+    if cmd == "attach":  # ("attach", handle, n): claim n reader slots
+        stores.extend(ShmObjectStore.from_handle(args[0]) for _ in range(args[1]))
+        return len(stores)
+    if cmd == "serve_refs":  # refs one by one; read each, reply its size
+        for ref in _until_none(conn.recv):
+            conn.send(_read(stores[0], ref, args[0]))
+    elif cmd == "timed_gets":  # batches of refs; reply the get times of each batch
+        for batch in _until_none(conn.recv):
+            conn.send(_timed_gets(stores[0], batch, args[0]))
+    elif cmd == "ack_stream":  # churn: refs in small lists; read and acknowledge each
+        for batch in _until_none(conn.recv):
+            for ref in batch:
+                _read(stores[0], ref, args[0])
+    elif cmd == "pipe_echo":  # arrays over the pipe; echo them back, or reply their size
+        for arr in _until_none(conn.recv):
+            conn.send(arr if args[0] else arr.nbytes)
+    elif cmd == "queue_echo":
+        q_in, q_out = qs
+        for arr in _until_none(lambda: _from_queue(q_in)):
+            q_out.put(arr if args[0] else arr.nbytes)
+    elif cmd != "ping":
+        raise ValueError(f"unknown command {cmd!r}")
+    return None
+
+
 def _serve(conn: Connection, q_in: Any, q_out: Any) -> None:
     """The worker's main loop (runs in the spawned process)."""
     stores: list[StoreReader] = []
-
-    def detach() -> None:
-        for s in stores:
-            with contextlib.suppress(Exception):
-                s.close()
-        stores.clear()
-
     try:
         while True:
             try:
@@ -43,123 +103,24 @@ def _serve(conn: Connection, q_in: Any, q_out: Any) -> None:
                 return
             if not (isinstance(msg, tuple) and msg and isinstance(msg[0], str)):
                 continue  # a stray item of an aborted data loop
-            cmd, args = msg[0], msg[1:]
-            if cmd == "exit":
+            if msg[0] in ("exit", "detach"):
+                for s in stores:
+                    with contextlib.suppress(Exception):
+                        s.close()
+                stores.clear()
                 conn.send(("ok",))
-                return
+                if msg[0] == "exit":
+                    return
+                continue
             try:
-                reply = _dispatch(cmd, args, conn, q_in, q_out, stores, detach)
+                reply = ("ok", _dispatch(msg[0], msg[1:], conn, (q_in, q_out), stores))
             except Exception as exc:  # report, keep serving
                 reply = ("error", f"{type(exc).__name__}: {exc}")
             conn.send(reply)
     finally:
-        detach()
-
-
-def _dispatch(
-    cmd: str,
-    args: tuple[Any, ...],
-    conn: Connection,
-    q_in: Any,
-    q_out: Any,
-    stores: list[StoreReader],
-    detach: Any,
-) -> tuple[Any, ...]:
-    if cmd == "attach":  # ("attach", handle, n): claim n reader slots
-        handle, n = args
-        stores.extend(ShmObjectStore.from_handle(handle) for _ in range(n))
-        return ("ok", len(stores))
-    if cmd == "detach":
-        detach()
-        return ("ok",)
-    if cmd == "serve_refs":  # refs arrive one by one; read each, reply a small int
-        (mode,) = args
-        store = stores[0]
-        n = 0
-        while True:
-            ref = conn.recv()
-            if ref is None:
-                break
-            conn.send(_read(store, ref, mode))
-            n += 1
-        return ("ok", n)
-    if cmd == "timed_gets":  # batches of refs; time each get; reply the samples per batch
-        (mode,) = args
-        store = stores[0]
-        clock = time.perf_counter_ns
-        while True:
-            batch = conn.recv()
-            if batch is None:
-                break
-            out: list[int] = []
-            for ref in batch:  # the get alone is timed (no size computed inside)
-                t0 = clock()
-                if mode == "copy":
-                    store.get(ref)
-                else:
-                    store.get(ref, copy=False)
-                    store.ack(ref)
-                out.append(clock() - t0)
-            conn.send(out)
-        return ("ok",)
-    if cmd == "ack_stream":  # churn: refs in small lists; read (copy) and acknowledge each
-        (mode,) = args
-        store = stores[0]
-        n = 0
-        while True:
-            batch = conn.recv()
-            if batch is None:
-                break
-            for ref in batch:
-                _read(store, ref, mode)
-                n += 1
-        return ("ok", n)
-    if cmd == "pipe_echo":  # arrays over the pipe; echo them back, or reply their size
-        (echo,) = args
-        n = 0
-        while True:
-            arr = conn.recv()
-            if arr is None:
-                break
-            conn.send(arr if echo else arr.nbytes)
-            n += 1
-        return ("ok", n)
-    if cmd == "queue_echo":
-        (echo,) = args
-        n = 0
-        while True:
-            try:
-                arr = q_in.get(timeout=1.0)
-            except queue.Empty:
-                parent = mp.parent_process()
-                if parent is not None and not parent.is_alive():
-                    break
-                continue
-            if arr is None:
-                break
-            q_out.put(arr if echo else arr.nbytes)
-            n += 1
-        return ("ok", n)
-    if cmd == "ping":
-        return ("ok",)
-    return ("error", f"unknown command {cmd!r}")
-
-
-def _read(store: StoreReader, ref: Any, mode: str) -> int:
-    """Read ``ref``: a copy, or (``lease``) a zero-copy view acknowledged at once; its bytes."""
-    if mode == "copy":
-        return _nbytes(store.get(ref))
-    value = store.get(ref, copy=False)
-    nb = _nbytes(value)
-    del value
-    store.ack(ref)
-    return nb
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, dict):
-        return sum(_nbytes(v) for v in value.values())
-    return int(getattr(value, "nbytes", 0))
+        for s in stores:
+            with contextlib.suppress(Exception):
+                s.close()
 
 
 class Worker:
@@ -185,7 +146,7 @@ class Worker:
         if not self.conn.poll(timeout):
             raise TimeoutError(f"bench worker did not answer within {timeout} s")
         r: tuple[Any, ...] = self.conn.recv()
-        if r and r[0] == "error":
+        if isinstance(r, tuple) and r and r[0] == "error":
             raise RuntimeError(f"bench worker: {r[1]}")
         return r
 
@@ -193,21 +154,30 @@ class Worker:
         self.send(*msg)
         return self.reply(timeout)
 
-    def attach(self, handle: Any, n: int = 1) -> None:
+    @contextlib.contextmanager
+    def serving(
+        self, command: str, arg: Any, end: Callable[[None], object] | None = None
+    ) -> Iterator[Connection]:
+        """The worker runs the data loop ``command`` for the block; at its end ``end(None)``
+        (by default: ``None`` on the pipe) ends the loop, and its answer is waited for."""
+        self.send(command, arg)
+        try:
+            yield self.conn
+        finally:
+            (end or self.conn.send)(None)
+            self.reply()
+
+    @contextlib.contextmanager
+    def attached(
+        self, handle: Any, n: int = 1, serve: tuple[str, str] | None = None
+    ) -> Iterator[Connection]:
+        """``n`` reader slots on ``handle`` for the block (and ``serve``'s data loop in it)."""
         self.call("attach", handle, n)
-
-    def detach(self) -> None:
-        self.call("detach")
-
-    def send_refs(self, refs: Sequence[ShmRef] | ShmRef | None) -> None:
-        self.conn.send(refs)
-
-    def kill(self) -> None:
-        """End the worker at once (after a failed workload left it in an unknown state)."""
-        if self.proc.is_alive():
-            self.proc.terminate()
-        self.proc.join(JOIN_TIMEOUT)
-        self.close()
+        try:
+            with self.serving(*serve) if serve else contextlib.nullcontext(self.conn) as conn:
+                yield conn
+        finally:
+            self.call("detach")
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -219,22 +189,16 @@ class Worker:
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(JOIN_TIMEOUT)
-        with contextlib.suppress(Exception):
-            self.conn.close()
+        for c in (self.conn, self.q_in, self.q_out):
+            with contextlib.suppress(Exception):
+                c.close()
         for q in (self.q_in, self.q_out):
             with contextlib.suppress(Exception):
-                q.close()
                 q.join_thread()
-
-    def __enter__(self) -> Worker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class LazyWorker:
-    """Starts a worker on first use; ``reset`` kills it so the next use starts a fresh one."""
+    """Starts a worker on first use; a workload that fails with it gets it replaced."""
 
     def __init__(self) -> None:
         self._worker: Worker | None = None
@@ -244,18 +208,17 @@ class LazyWorker:
             self._worker = Worker()
         return self._worker
 
-    def reset(self) -> None:
-        if self._worker is not None:
-            self._worker.kill()
-            self._worker = None
-
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+    def attempt(self, report: Any, what: str, fn: Callable[[Worker], object]) -> None:
+        """``report.attempt`` of ``fn(worker)``; after a failure the worker (in an unknown
+        state) is ended at once, and the next use starts a fresh one."""
+        if not report.attempt(what, lambda: fn(self.get())) and self._worker is not None:
+            self._worker.proc.terminate()
+            self.__exit__()
 
     def __enter__(self) -> LazyWorker:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None

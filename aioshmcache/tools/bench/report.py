@@ -1,4 +1,4 @@
-"""Results: rows, targets, the markdown table, the JSON dump and the PNG plot.
+"""The one report writer: rows and targets, the markdown tables, the JSON dump and the PNG plot.
 
 Every row names its subject and, where it has one, a baseline measured in the same run. The ratio
 is always ``baseline time / subject time`` (for rates: ``subject rate / baseline rate``), so a
@@ -16,17 +16,39 @@ import platform
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from ..units import fmt_bytes, fmt_seconds
 from .timing import Stat
 
-__all__ = ["Report", "Row", "Target"]
+__all__ = ["Report", "Row", "Target", "md_table"]
 
 Kind = Literal["time", "rate", "ratio", "count", "bytes", "fraction"]
+
+_FORMAT: dict[str, Callable[[float], str]] = {
+    "time": fmt_seconds,
+    "rate": lambda v: f"{v:,.0f}/s",
+    "ratio": lambda v: f"{v:.2f}x",
+    "bytes": lambda v: fmt_bytes(int(v)),
+    "fraction": lambda v: f"{v:.1%}",
+    "count": lambda v: f"{v:,.0f}",
+    "x": lambda v: f"{v:.3g}x",  # the ratio column
+}
+
+
+def _fmt(v: float | None, kind: str) -> str:
+    if v is None:
+        return ""
+    return _FORMAT[kind](v) if math.isfinite(v) else "n/a"
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
+    """A markdown table: the header, the rule, one line per row."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
 @dataclass(frozen=True)
@@ -43,11 +65,19 @@ class Target:
             return None
         return x <= self.limit if self.op == "<=" else x >= self.limit
 
+    @classmethod
+    def at_most(cls, limit: float, on: Literal["value", "ratio"] = "value") -> Target:
+        return cls(on, "<=", limit)
+
+    @classmethod
+    def at_least(cls, limit: float, on: Literal["value", "ratio"] = "value") -> Target:
+        return cls(on, ">=", limit)
+
     def text(self, kind: Kind) -> str:
         op = "≤" if self.op == "<=" else "≥"
         if self.on == "ratio":
             return f"ratio {op} {self.limit:g}x"
-        return f"{op} {_fmt_value(self.limit, kind)}"
+        return f"{op} {_fmt(self.limit, kind)}"
 
 
 @dataclass
@@ -72,33 +102,17 @@ class Row:
     def holds(self) -> bool | None:
         return None if self.target is None else self.target.holds(self.value, self.ratio)
 
+    @property
+    def target_text(self) -> str:
+        return "" if self.target is None else self.target.text(self.kind)
 
-def _fmt_value(v: float, kind: Kind) -> str:
-    if not math.isfinite(v):
-        return "n/a"
-    if kind == "time":
-        return fmt_seconds(v)
-    if kind == "rate":
-        return f"{v:,.0f}/s"
-    if kind == "ratio":
-        return f"{v:.2f}x"
-    if kind == "bytes":
-        return fmt_bytes(int(v))
-    if kind == "fraction":
-        return f"{v:.1%}"
-    return f"{v:,.0f}"
+    @property
+    def verdict(self) -> str:
+        return {True: "yes", False: "**NO**", None: ""}[self.holds]
 
-
-def _fmt_ratio(r: float | None) -> str:
-    if r is None:
-        return ""
-    if not math.isfinite(r):
-        return "n/a"
-    return f"{r:.3g}x"
-
-
-def _verdict(h: bool | None) -> str:
-    return {True: "yes", False: "**NO**", None: ""}[h]
+    @property
+    def what(self) -> str:
+        return f"{self.label} ({self.param})" if self.param else self.label
 
 
 @dataclass
@@ -141,20 +155,26 @@ class Report:
             kw.setdefault("ratio", vs[1].median / v if v else math.nan)
         return self.add(Row(section, label, param, v, stat=stat, **kw))
 
-    def extend(self, rows: Iterable[Row]) -> None:
-        self.rows.extend(rows)
+    def section(self, name: str, param: str = "", **common: Any) -> Callable[..., Row]:
+        """A writer of rows of section ``name``: ``add(label, value, **kw)``, ``param`` and
+        ``common`` preset (and overridable)."""
+
+        def add(label: str, value: float | Stat, param: str = param, **kw: Any) -> Row:
+            return self.row(name, label, param, value, **(common | kw))
+
+        return add
 
     def skip(self, what: str) -> None:
         self.skipped.append(what)
 
-    def attempt(self, what: str, fn: Callable[[], None]) -> bool:
+    def attempt(self, what: str, fn: Callable[[], object]) -> bool:
         """Run one workload; a failure is recorded (and printed), not fatal to the others."""
         try:
             fn()
         except Exception as exc:
-            tb = traceback.format_exception(exc)
             self.errors.append(f"{what}: {type(exc).__name__}: {exc}")
-            print(f"bench: {what} FAILED\n{''.join(tb)}", file=sys.stderr, flush=True)
+            tb = "".join(traceback.format_exception(exc))
+            print(f"bench: {what} FAILED\n{tb}", file=sys.stderr, flush=True)
             return False
         return True
 
@@ -166,213 +186,162 @@ class Report:
         self.finished = time.time()
         self.load_end = os.getloadavg()
 
-    # --- markdown ---------------------------------------------------------------------------
-    def conditions(self) -> list[str]:
+    def markdown(self) -> str:
         import numpy as np
 
-        t = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self.started))
+        when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self.started))
         dur = (self.finished or time.time()) - self.started
-        le = self.load_end or os.getloadavg()
-        return [
-            f"- date: {t}; duration {dur:.0f} s; "
+        loads = [
+            " / ".join(f"{x:.2f}" for x in la)
+            for la in (self.load_start, self.load_end or os.getloadavg())
+        ]
+        lines = [
+            f"# {self.title}",
+            "",
+            f"- date: {when}; duration {dur:.0f} s; "
             + ("quick (smoke) run" if self.quick else "full run"),
             f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
             f"- Python {platform.python_version()}, numpy {np.__version__}",
-            "- load average (1/5/15 min) at start: "
-            + "/".join(f"{x:.2f}" for x in self.load_start)
-            + "; at end: "
-            + "/".join(f"{x:.2f}" for x in le),
-        ]
-
-    def targets_table(self) -> list[str]:
-        rows = [r for r in self.rows if r.target is not None]
-        if not rows:
-            return []
-        out = [
-            "| target | measured | ratio | holds |",
-            "|---|---|---|---|",
-        ]
-        for r in rows:
-            if r.target is None:  # for mypy; filtered above
-                continue
-            what = f"{r.label} ({r.param})" if r.param else r.label
-            out.append(
-                f"| {what}: {r.target.text(r.kind)} | "
-                f"{_fmt_value(r.value, r.kind)} | {_fmt_ratio(r.ratio)} | {_verdict(r.holds)} |"
-            )
-        return out
-
-    def sections(self) -> list[str]:
-        seen: list[str] = []
-        for r in self.rows:
-            if r.section not in seen:
-                seen.append(r.section)
-        return seen
-
-    def section_table(self, section: str) -> list[str]:
-        out = [
-            "| workload | param | median | run medians (min-max) | p99 | baseline | ratio "
-            "| target |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for r in self.rows:
-            if r.section != section:
-                continue
-            spread = p99 = ""
-            if r.stat is not None and r.stat.runs > 1:
-                spread = f"{_fmt_value(r.stat.lo, r.kind)} - {_fmt_value(r.stat.hi, r.kind)}"
-            if r.stat is not None and r.kind == "time" and r.stat.n >= 20:
-                p99 = _fmt_value(r.stat.p99, r.kind)
-            tgt = ""
-            if r.target is not None:
-                tgt = f"{r.target.text(r.kind)}: {_verdict(r.holds)}"
-            label = r.label + (f" — {r.note}" if r.note else "")
-            out.append(
-                f"| {label} | {r.param} | {_fmt_value(r.value, r.kind)} | {spread} | {p99} | "
-                f"{r.baseline or ''} | {_fmt_ratio(r.ratio)} | {tgt} |"
-            )
-        return out
-
-    def markdown(self) -> str:
-        lines = [f"# {self.title}", "", *self.conditions(), ""]
-        lines += [
+            f"- load average (1/5/15 min) at start: {loads[0]}; at end: {loads[1]}",
+            "",
             "Every figure is the median over several runs of each run's median; 'run medians' "
             "is their range (the noise between runs); p99 is over all samples. ratio = baseline "
             "time ÷ subject time (rates: subject ÷ baseline): above 1 the subject is faster.",
             "",
         ]
-        tt = self.targets_table()
-        if tt:
-            lines += ["## Targets", "", *tt, ""]
-        for s in self.sections():
-            lines += [f"## {s}", "", *self.section_table(s), ""]
+        targets = [
+            (f"{r.what}: {r.target_text}", _fmt(r.value, r.kind), _fmt(r.ratio, "x"), r.verdict)
+            for r in self.rows
+            if r.target is not None
+        ]
+        if targets:
+            head = ("target", "measured", "ratio", "holds")
+            lines += ["## Targets", "", *md_table(head, targets), ""]
+        for section in dict.fromkeys(r.section for r in self.rows):
+            cells = [_section_cells(r) for r in self.rows if r.section == section]
+            cols = ("workload", "param", "median", "run medians (min-max)", "p99", "baseline")
+            lines += [f"## {section}", "", *md_table((*cols, "ratio", "target"), cells), ""]
         for heading, block in self.blocks:
             lines += [f"## {heading}", "", *block, ""]
-        if self.errors:
-            lines += ["## Errors", ""] + [f"- {e}" for e in self.errors] + [""]
-        if self.skipped:
-            lines += ["## Skipped", ""] + [f"- {s}" for s in self.skipped] + [""]
-        if self.notes:
-            lines += ["## Notes", ""] + [f"- {n}" for n in self.notes] + [""]
+        for heading, items in (("Errors", self.errors), ("Skipped", self.skipped)):
+            lines += [f"## {heading}", "", *(f"- {x}" for x in items), ""] if items else []
+        lines += ["## Notes", "", *(f"- {n}" for n in self.notes), ""] if self.notes else []
         return "\n".join(lines)
 
-    # --- JSON -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        def row(r: Row) -> dict[str, Any]:
-            d = asdict(r)
-            d["holds"] = r.holds
-            return d
+        rows = [asdict(r) | {"holds": r.holds} for r in self.rows]
+        blocks = [{"heading": h, "lines": b} for h, b in self.blocks]
+        return asdict(self) | {"python": sys.version, "rows": rows, "blocks": blocks}
 
-        return {
-            "title": self.title,
-            "quick": self.quick,
-            "started": self.started,
-            "finished": self.finished,
-            "load_start": self.load_start,
-            "load_end": self.load_end,
-            "python": sys.version,
-            "rows": [row(r) for r in self.rows],
-            "skipped": self.skipped,
-            "errors": self.errors,
-            "notes": self.notes,
-            "blocks": [{"heading": h, "lines": b} for h, b in self.blocks],
-        }
-
-    # --- files ------------------------------------------------------------------------------
     def write(self, out_dir: Path, stem: str) -> list[Path]:
+        """``STEM.md``, ``STEM.json`` and (with matplotlib) ``STEM.png`` in ``out_dir``."""
         out_dir.mkdir(parents=True, exist_ok=True)
-        md = out_dir / f"{stem}.md"
+        md, js, png = (out_dir / f"{stem}.{ext}" for ext in ("md", "json", "png"))
         md.write_text(self.markdown() + "\n", encoding="utf-8")
-        js = out_dir / f"{stem}.json"
-        js.write_text(json.dumps(self.to_json(), indent=1, allow_nan=True) + "\n", encoding="utf-8")
-        written = [md, js]
-        png = out_dir / f"{stem}.png"
-        if plot(self, png):
-            written.append(png)
-        return written
+        js.write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+        return [md, js, png] if plot(self, png) else [md, js]
 
 
-# --- the plot -----------------------------------------------------------------------------
+def _section_cells(r: Row) -> tuple[str, ...]:
+    runs = p99 = ""
+    if r.stat is not None and r.stat.runs > 1:
+        runs = f"{_fmt(r.stat.lo, r.kind)} - {_fmt(r.stat.hi, r.kind)}"
+    if r.stat is not None and r.kind == "time" and r.stat.n >= 20:
+        p99 = _fmt(r.stat.p99, r.kind)
+    tgt = f"{r.target_text}: {r.verdict}" if r.target is not None else ""
+    label = r.label + (f" — {r.note}" if r.note else "")
+    value, ratio = _fmt(r.value, r.kind), _fmt(r.ratio, "x")
+    return (label, r.param, value, runs, p99, r.baseline or "", ratio, tgt)
 
-_PANELS: dict[str, tuple[str, str, str, bool, bool]] = {
-    # key: (title, x label, y label, log x, log y)
-    "store": ("Store, one array item (median)", "item size", "time per operation", True, True),
-    "store_ratio": (
-        "Speed relative to np.copyto into shm",
-        "item size",
-        "ratio (1 = memcpy)",
-        True,
-        False,
-    ),
-    "roundtrip": ("Round trip writer → reader → reply", "item size", "time", True, True),
-    "readers": ("Read path vs attached readers", "attached readers", "get time", False, True),
-    "cache_size": ("Cost vs cache size", "cache size", "time", True, True),
-    "threshold": ("Async put: inline vs thread", "item size", "put latency", True, True),
-    "looplag": ("Loop lag of a 1 ms ticker", "", "lag", False, True),
-    "small": ("1 KiB steady state (writer/reader processes)", "", "time", False, False),
-    "trace": ("Miss ratio on Zipf traces (lower is better)", "", "miss ratio", False, False),
+
+# --- the plot: one panel per key, lines over x (sizes, readers) or bars -----------------------
+
+#: key: (title, x label, y label, x axis is a byte size, log y, drawn as)
+_PANELS: dict[str, tuple[str, str, str, int, int, str]] = {
+    "store": ("Store, one array item (median)", "item size", "time per operation", 1, 1, "lines"),
+    "store_ratio": ("Speed relative to np.copyto into shm", "item size", "ratio", 1, 0, "lines"),
+    "roundtrip": ("Round trip writer → reader → reply", "item size", "time", 1, 1, "lines"),
+    "readers": ("Read path vs attached readers", "attached readers", "get time", 0, 1, "lines"),
+    "cache_size": ("Cost vs cache size", "cache size", "time", 1, 1, "lines"),
+    "threshold": ("Async put: inline vs thread", "item size", "put latency", 1, 1, "lines"),
+    "looplag": ("Loop lag of a 1 ms ticker", "", "lag", 0, 1, "bars"),
+    "small": ("1 KiB steady state (writer/reader processes)", "", "time", 0, 0, "bars"),
+    "trace": ("Miss ratio on Zipf traces (lower is better)", "", "miss ratio", 0, 0, "bars"),
 }
-#: bar colours of the trace panel, by policy (anything else: the next default colour)
-_TRACE_COLOURS = {"FIFO": "C3", "second chance": "C2", "LRU model": "silver"}
+_COLOURS = {"FIFO": "C3", "second chance": "C2", "LRU model": "silver"}
+_BASELINE_STYLES = [("black", "--", "s"), ("dimgray", ":", "^"), ("gray", "-.", "v")]
 
 
-def _trace_bars(ax: Any, rows: Sequence[Row]) -> None:
-    """Grouped bars: one group per trace (the row's param), one bar per policy (its series)."""
-    traces: list[str] = []
-    policies: list[str] = []
-    for r in rows:
-        if r.param not in traces:
-            traces.append(r.param)
-        if (r.series or r.label) not in policies:
-            policies.append(r.series or r.label)
-    width = 0.8 / max(1, len(policies))
-    for k, name in enumerate(policies):
-        xs, ys = [], []
-        for r in rows:
-            if (r.series or r.label) == name and math.isfinite(r.value):
-                xs.append(traces.index(r.param) + (k - (len(policies) - 1) / 2) * width)
-                ys.append(r.value)
-        bars = ax.bar(xs, ys, width, label=name, color=_TRACE_COLOURS.get(name, f"C{k}"))
-        ax.bar_label(bars, labels=[f"{y:.0%}" for y in ys], fontsize=5, padding=1)
-    ax.set_xticks(range(len(traces)))
-    ax.set_xticklabels([t.replace(", ", "\n") for t in traces], fontsize=7)
-    ax.set_ylim(0, 1)
+def _panel_rows(report: Report, key: str) -> list[Row]:
+    if key == "store_ratio":  # derived: the ratios of the store rows (the lease is not a copy)
+        return [
+            replace(r, value=r.ratio, kind="ratio", stat=None)
+            for r in report.rows
+            if r.plot == "store" and r.ratio is not None and r.series != "get (lease)"
+        ]
+    return [r for r in report.rows if r.plot == key and math.isfinite(r.value)]
+
+
+def _draw(ax: Any, key: str, rows: list[Row], scale: float) -> None:
+    """Lines over x (baselines grey and dashed), or bars grouped by param, one per series."""
+    names = list(dict.fromkeys(r.series or r.label for r in rows))
+    if _PANELS[key][5] == "bars":  # one group per param, a bar per series; one group: by name
+        groups = list(dict.fromkeys(r.param for r in rows))
+        width = 0.8 / len(names) if len(groups) > 1 else 0.8
+        for k, name in enumerate(names):
+            mine = [r for r in rows if (r.series or r.label) == name]
+            at = [groups.index(r.param) + (k - (len(names) - 1) / 2) * width for r in mine]
+            xs = at if len(groups) > 1 else [k]
+            bars = ax.bar(xs, [r.value * scale for r in mine], width, label=name)
+            for b, r in zip(bars, mine):  # a target: green if it holds, red if not, and its line
+                held = "C0" if r.holds is None else "C2" if r.holds else "C3"
+                b.set_color(_COLOURS.get(name, held))
+                if r.target is not None:
+                    ax.hlines(r.target.limit * scale, b.get_x(), b.get_x() + width, "gray", ":")
+            if key == "trace":
+                ax.bar_label(bars, labels=[f"{r.value:.0%}" for r in mine], fontsize=5)
+                ax.set_ylim(0, 1)
+        if len(groups) > 1:
+            ax.set_xticks(range(len(groups)), [g.replace(", ", "\n") for g in groups], fontsize=7)
+            ax.legend(fontsize=6)
+        else:
+            ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
+        return
+    n_base = 0
+    for k, name in enumerate(names):
+        mine = sorted((r for r in rows if (r.series or r.label) == name), key=lambda r: r.x or 0)
+        colour, ls, mk = f"C{(k - n_base) % 10}", "-", "o"
+        if name.startswith("np."):  # baselines: greys, dashed
+            colour, ls, mk = _BASELINE_STYLES[n_base % len(_BASELINE_STYLES)]
+            n_base += 1
+        xs, ys = [r.x or 0.0 for r in mine], [r.value * scale for r in mine]
+        ax.plot(xs, ys, ls, marker=mk, ms=3, label=name, color=colour)
+    ax.set_xscale("log")
+    for y, style in ((1.0, "-"), (0.8, ":")) if key == "store_ratio" else ():
+        ax.axhline(y, color="gray", ls=style, lw=0.8)
+    if key == "threshold":
+        from aioshmcache.aio import DEFAULT_INLINE_THRESHOLD
+
+        ax.axvline(DEFAULT_INLINE_THRESHOLD, color="gray", ls=":", lw=0.8)
+    ticks, sizes = sorted({r.x for r in rows if r.x is not None}), _PANELS[key][3]
+    labels = [fmt_bytes(int(t)).replace(" ", "") if sizes else f"{t:g}" for t in ticks]
+    ax.set_xticks(ticks, labels, rotation=45 if sizes else 0, fontsize=7)
+    ax.minorticks_off()
     ax.legend(fontsize=6)
 
 
-def _size_ticks(ax: Any, xs: Sequence[float]) -> None:
-    ticks = sorted(set(xs))
-    ax.set_xticks(ticks)
-    ax.set_xticklabels([fmt_bytes(int(t)).replace(" ", "") for t in ticks], rotation=45, fontsize=7)
-    ax.minorticks_off()
-
-
 def plot(report: Report, path: Path) -> bool:
-    """Draw every panel that has data into one PNG; False if matplotlib is missing."""
+    """Draw every panel that has data into one PNG; False if matplotlib is missing (or none)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, NullFormatter
     except ImportError:
         report.skip("plot: matplotlib is not installed (pip install 'aioshmcache[bench]')")
         return False
-
-    def rows_of(key: str) -> list[Row]:
-        if key == "store_ratio":  # derived: the ratios of the store rows (the lease is not a copy)
-            return [
-                Row(r.section, r.label, r.param, r.ratio, kind="ratio", series=r.series, x=r.x)
-                for r in report.rows
-                if r.plot == "store" and r.ratio is not None and r.series != "get (lease)"
-            ]
-        return [r for r in report.rows if r.plot == key]
-
-    panels = [k for k in _PANELS if rows_of(k)]
-    from matplotlib.ticker import FuncFormatter
-
-    plain = FuncFormatter(lambda v, _pos: f"{v:g}")
-    baseline_styles = [("black", "--", "s"), ("dimgray", ":", "^"), ("gray", "-.", "v")]
-
+    panels = {k: rows for k in _PANELS if (rows := _panel_rows(report, k))}
     if not panels:
         return False
     ncols = 3 if len(panels) > 4 else 2 if len(panels) > 1 else 1
@@ -380,65 +349,16 @@ def plot(report: Report, path: Path) -> bool:
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.9 * nrows), squeeze=False)
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
-    for ax, key in zip(axes.flat, panels):
-        title, xlabel, ylabel, logx, logy = _PANELS[key]
-        rows = rows_of(key)
-        scale = 1.0
-        unit = ""
+    for ax, (key, rows) in zip(axes.flat, panels.items()):
+        title, xlabel, ylabel, _sizes, logy, _style = _PANELS[key]
+        scale, unit = 1.0, ""
         if all(r.kind == "time" for r in rows):
-            m = max((r.value for r in rows if math.isfinite(r.value)), default=1.0)
-            scale, unit = (1e3, "ms") if m > 2e-3 else (1e6, "µs")
-        if key == "trace":
-            _trace_bars(ax, rows)
-        elif key in ("looplag", "small"):
-            # categorical bars
-            labels = [f"{r.series or r.label}" for r in rows]
-            vals = [r.value * scale for r in rows]
-            bars = ax.bar(range(len(rows)), vals, color="C0")
-            ax.set_xticks(range(len(rows)))
-            ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
-            for b, r in zip(bars, rows):
-                if r.target is not None:
-                    b.set_color("C2" if r.holds else "C3")
-                    ax.axhline(r.target.limit * scale, color="gray", ls=":", lw=0.8)
-            if logy:
-                ax.set_yscale("log")
-        else:
-            series: dict[str, list[Row]] = {}
-            for r in rows:
-                if r.x is not None and math.isfinite(r.value):
-                    series.setdefault(r.series or r.label, []).append(r)
-            xs_all: list[float] = []
-            n_base = n_subject = 0
-            for name, rs in series.items():
-                rs = sorted(rs, key=lambda r: r.x or 0.0)
-                xs = [float(r.x or 0.0) for r in rs]
-                ys = [r.value * scale for r in rs]
-                xs_all += xs
-                if name.startswith("np."):  # baselines: greys, dashed
-                    c, ls, mk = baseline_styles[n_base % len(baseline_styles)]
-                    n_base += 1
-                else:
-                    c, ls, mk = f"C{n_subject % 10}", "-", "o"
-                    n_subject += 1
-                ax.plot(xs, ys, ls, marker=mk, ms=3, label=name, color=c)
-            if logx:
-                ax.set_xscale("log")
-            if logy:
-                ax.set_yscale("log")
-            if key == "store_ratio":
-                ax.axhline(1.0, color="gray", lw=0.8)
-                ax.axhline(0.8, color="gray", ls=":", lw=0.8)
-            if key == "threshold":
-                from aioshmcache.aio import DEFAULT_INLINE_THRESHOLD
-
-                ax.axvline(DEFAULT_INLINE_THRESHOLD, color="gray", ls=":", lw=0.8)
-            if xs_all and key in ("store", "store_ratio", "roundtrip", "threshold", "cache_size"):
-                _size_ticks(ax, xs_all)
-            ax.legend(fontsize=6)
+            scale, unit = (1e3, "ms") if max(r.value for r in rows) > 2e-3 else (1e6, "µs")
+        _draw(ax, key, rows, scale)
         if logy:
-            ax.yaxis.set_major_formatter(plain)
-            ax.yaxis.set_minor_formatter(FuncFormatter(lambda _v, _pos: ""))
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_title(title, fontsize=9)
         ax.set_xlabel(xlabel, fontsize=8)
         ax.set_ylabel(ylabel + (f" ({unit})" if unit else ""), fontsize=8)

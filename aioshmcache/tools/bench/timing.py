@@ -1,9 +1,10 @@
-"""Measurement helpers: samples, medians over runs, a warm shared-memory baseline.
+"""The one timing harness: samples per run, numpy statistics, interleaved cells, a warm baseline.
 
-Every figure of the benchmark is a :class:`Stat`: the median of all samples, plus the spread of
-the per-run medians (how much one run differs from the next on a noisy, shared machine). Ratios
-are taken between stats measured in the same run, interleaved where possible, so that a load
-spike slows baseline and subject alike.
+Every figure is a :class:`Stat`: the median over runs of each run's median (one run hit by a
+burst of load from another user of the machine does not move it), the range of those per-run
+medians (the noise between runs) and the p99 of all samples pooled. :func:`interleave` runs
+every subject once per run, in turn, with its baseline, so that a load spike slows baseline and
+subject alike and their ratio holds.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import contextlib
 import math
 import mmap
 import os
-import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,20 +21,12 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-__all__ = [
-    "ShmBuffer",
-    "Stat",
-    "atimed",
-    "Samples",
-    "memcpy_into",
-    "percentile",
-    "source_array",
-    "timed",
-    "timed_calls",
-]
-
 Array = npt.NDArray[np.uint8]
 R = TypeVar("R")
+#: one subject of an interleaved measurement: appends its samples (seconds) to the list given
+Cell = Callable[[list[float]], object]
+ACell = Callable[[list[float]], Awaitable[object]]
+_ns = time.perf_counter_ns
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -44,24 +36,14 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class Stat:
-    """A measured quantity: the median of the per-run medians, their range, and p99.
-
-    The headline is the median over runs of each run's median, so that one run hit by a burst
-    of load from another user of the machine does not move it; ``lo``/``hi`` show how far the
-    runs disagree, ``p99`` is taken over all samples pooled.
-    """
+    """A measured quantity: median of the per-run medians, their range, p99 of all samples."""
 
     median: float
-    lo: float  # smallest per-run median
-    hi: float  # largest per-run median
+    lo: float
+    hi: float
     p99: float
     n: int  # samples
     runs: int
-
-    @property
-    def spread(self) -> float:
-        """(hi - lo) / median: run-to-run noise, relative."""
-        return (self.hi - self.lo) / self.median if self.median else math.nan
 
 
 @dataclass
@@ -71,30 +53,83 @@ class Samples:
     runs: list[list[float]] = field(default_factory=list)
 
     def new_run(self) -> list[float]:
-        run: list[float] = []
-        self.runs.append(run)
-        return run
+        self.runs.append([])
+        return self.runs[-1]
 
     def add_run(self, values: Sequence[float]) -> None:
         self.runs.append(list(values))
 
-    @property
-    def all(self) -> list[float]:
-        return [v for run in self.runs for v in run]
-
     def stat(self) -> Stat:
-        values = self.all
-        if not values:
+        meds = np.array([np.median(r) for r in self.runs if r])
+        pooled = [v for r in self.runs for v in r]
+        if not pooled:
             return Stat(math.nan, math.nan, math.nan, math.nan, 0, 0)
-        meds = [statistics.median(r) for r in self.runs if r]
-        return Stat(
-            statistics.median(meds),
-            min(meds),
-            max(meds),
-            percentile(values, 99),
-            len(values),
-            len(meds),
-        )
+        p99 = percentile(pooled, 99)
+        lo, hi = float(meds.min()), float(meds.max())
+        return Stat(float(np.median(meds)), lo, hi, p99, len(pooled), len(meds))
+
+
+def interleave(runs: int, cells: dict[str, Cell], *, warmup: int = 0) -> dict[str, Stat]:
+    """Every cell once per run, in turn (the first ``warmup`` runs discarded); their stats."""
+    samples = {name: Samples() for name in cells}
+    for r in range(warmup + runs):
+        for name, cell in cells.items():
+            out: list[float] = []
+            cell(out)
+            if r >= warmup:
+                samples[name].add_run(out)
+    return {name: s.stat() for name, s in samples.items()}
+
+
+async def ainterleave(runs: int, cells: dict[str, ACell]) -> dict[str, Stat]:
+    """:func:`interleave` for coroutines: every cell awaited once per run, in turn."""
+    samples = {name: Samples() for name in cells}
+    for _ in range(runs):
+        for name, cell in cells.items():
+            await cell(samples[name].new_run())
+    return {name: s.stat() for name, s in samples.items()}
+
+
+def each(
+    n: int, fn: Callable[..., object], args: Callable[[int], tuple[Any, ...]] | None = None
+) -> Cell:
+    """A cell timing ``n`` calls of ``fn``, one sample each; ``args(i)`` (untimed) gives the
+    arguments of call ``i``. Results are dropped at once (a kept copy would change the next)."""
+
+    def cell(out: list[float]) -> None:
+        for i in range(n):
+            a = args(i) if args is not None else ()
+            t0 = _ns()
+            fn(*a)
+            out.append((_ns() - t0) * 1e-9)
+
+    return cell
+
+
+def memcpy_into(dst: Array, src: Array, n: int, out: list[float]) -> None:
+    """Time ``n`` ``np.copyto(dst, src)`` calls: the physical limit of a put's copy."""
+    each(n, np.copyto, lambda i: (dst, src))(out)
+
+
+def timed(run: list[float], fn: Callable[..., R], *args: Any) -> R:
+    """Call ``fn(*args)`` once, append its time in seconds to ``run``, return its result."""
+    t0 = _ns()
+    out = fn(*args)
+    run.append((_ns() - t0) * 1e-9)
+    return out
+
+
+async def atimed(run: list[float], aw: Awaitable[R]) -> R:
+    """Await ``aw``, append the time it took in seconds to ``run``, return its result."""
+    t0 = _ns()
+    out = await aw
+    run.append((_ns() - t0) * 1e-9)
+    return out
+
+
+def source_array(nbytes: int, seed: int = 0) -> Array:
+    """A warm, private uint8 array of ``nbytes`` (random content, touched once)."""
+    return np.random.default_rng(seed).integers(0, 255, size=nbytes, dtype=np.uint8)
 
 
 class ShmBuffer:
@@ -119,48 +154,14 @@ class ShmBuffer:
     def view(self, nbytes: int, offset: int = 0) -> Array:
         return self.array[offset : offset + nbytes]
 
+    def rotating(self, size: int, i: int, *, span: int = 0) -> Array:
+        """The ``i``-th place of ``size`` bytes round the first ``span`` bytes (default: all),
+        64-byte aligned with a page between: where a ring's next put lands."""
+        stride = (size + 4096 + 63) // 64 * 64
+        slots = max(1, min(span or len(self.array), len(self.array)) // stride - 1)
+        return self.view(size, (i % slots) * stride + 128)
+
     def close(self) -> None:
         del self.array
         with contextlib.suppress(BufferError):
             self._mm.close()
-
-
-def source_array(nbytes: int, seed: int = 0) -> Array:
-    """A warm, private uint8 array of ``nbytes`` (random content, touched once)."""
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 255, size=nbytes, dtype=np.uint8)
-
-
-def memcpy_into(dst: Array, src: Array, n: int, out: list[float]) -> None:
-    """Time ``n`` ``np.copyto(dst, src)`` calls, one sample each."""
-    copyto = np.copyto
-    clock = time.perf_counter_ns
-    for _ in range(n):
-        t0 = clock()
-        copyto(dst, src)
-        out.append((clock() - t0) * 1e-9)
-
-
-def timed(run: list[float], fn: Callable[..., R], *args: Any) -> R:
-    """Call ``fn(*args)`` once, append its time in seconds to ``run``, return its result."""
-    t0 = time.perf_counter_ns()
-    out = fn(*args)
-    run.append((time.perf_counter_ns() - t0) * 1e-9)
-    return out
-
-
-async def atimed(run: list[float], aw: Awaitable[R]) -> R:
-    """Await ``aw``, append the time it took in seconds to ``run``, return its result."""
-    t0 = time.perf_counter_ns()
-    out = await aw
-    run.append((time.perf_counter_ns() - t0) * 1e-9)
-    return out
-
-
-def timed_calls(fn: Callable[[], object], n: int, out: list[float]) -> None:
-    """Time ``n`` calls of ``fn``, one sample each."""
-    clock = time.perf_counter_ns
-    for _ in range(n):
-        t0 = clock()
-        fn()
-        out.append((clock() - t0) * 1e-9)

@@ -1,79 +1,45 @@
 """Trace-driven miss ratios: seeded Zipf traces through the real cache, against an LRU model.
 
-What a cache policy is worth is how many preprocessings it saves on a realistic load, so this
-suite replays request traces and counts misses:
+What a cache policy is worth is how many preprocessings it saves on a realistic load:
 
-* **Traces.** A catalogue of ``trace_items`` images whose sizes are drawn log-uniformly between
-  ``trace_sizes`` (0.5-8 MiB in the full run: preprocessed images, from one small tile to a
-  many-tile high-resolution one); size and popularity are independent. A trace is
-  ``trace_requests`` requests whose image is drawn by a Zipf law of skew ``s`` (rank ``i`` asked
-  with probability ∝ 1 / (i+1)^s), for s = 0.8, 1.0, 1.2. Everything is seeded: seed *k* gives
-  the same sizes and traces on every machine and every run. The capacity is 5 % and 10 % of
-  the *distinct bytes* of the trace (the sizes of the images it actually asks for).
-* **Scale.** Sizes, and so the capacity, are divided by ``trace_scale`` (4 in the full run:
-  128 KiB-2 MiB; 64 in ``--quick``). A miss ratio depends only on sizes relative to the capacity,
-  and the ring's fixed per-item overhead stays under 0.3 % at 128 KiB; at full size one trace
-  copies ~30 GiB, and both policies took ~12 minutes here under load.
+* **Traces.** ``trace_items`` images of sizes drawn log-uniformly in ``trace_sizes`` (divided by
+  ``trace_scale``: a miss ratio depends only on sizes relative to the capacity, and at full size
+  one trace copies ~30 GiB); ``trace_requests`` requests whose image is drawn by a Zipf law of
+  skew s = 0.8, 1.0, 1.2. Everything is seeded. The capacity is 5 % and 10 % of the distinct
+  bytes the trace asks for.
 * **Real cache, both policies.** Each trace is replayed through a ``SenderCache`` (FIFO:
   ``second_chance=False``; second chance: the default) with the gateway's hash-first pattern,
-  public API only: ``is_cached_item(h)``; then ``get_and_update_features([FeatureSpec(h,
-  None)])`` (a hit) or, for a miss, the same with the item ``{"pixel_values": uint8 array of the
-  image's size}`` (a real put: the cache copies that many bytes into its ring). A
-  ``ReceiverCache`` in the same process reads every hand-out at once (``lease``: verified views,
-  acknowledged at the end of the block), so nothing stays owed and eviction is never held up by
-  a reader: the counts measure the policy alone. Misses come from the cache's own
-  ``snapshot()``; bytes written are the put chunks' lengths plus, for second chance, the
-  snapshot's ``bytes_relocated``.
-* **Models (reference only).** A pure-Python LRU of the same capacity in bytes (an
-  ``OrderedDict``; a miss evicts least-recently-used items until the new one fits) and the same
-  for FIFO. The models count item bytes only; the real ring also spends a 64-byte chunk header,
-  the structure header, 64-byte alignment and the tail it skips when it wraps, so it holds a
-  little less than its model in the same capacity — the comparison with LRU is conservative for
-  the real cache. The FIFO model against the real FIFO shows how much that overhead costs.
+  public API only; an in-process ``ReceiverCache`` leases every hand-out at once, so eviction is
+  never held up by a reader. Misses come from the cache's ``snapshot()``; bytes written are the
+  put chunks plus the snapshot's ``bytes_relocated``.
+* **Models (reference only).** Pure-Python LRU and FIFO of the same capacity over item bytes
+  only: the real ring also spends headers and the tail it skips when it wraps, so the
+  comparison with LRU is conservative for the real cache.
 
-Every (trace, capacity) is run with ``trace_seeds`` seeds; a figure is the median over seeds
-(the range shows how much the trace's luck moves it). The targets: second chance
-misses no more than the LRU model on every trace, and at most 0.92x FIFO's misses at s = 1.0
-and 5 % capacity.
-
-``second_chance`` is passed to ``CacheConfig`` only when it has that field: on a build without
-it, the real cache runs FIFO only, and the second-chance rows are reported as skipped.
+A figure is the median over ``trace_seeds`` seeds. Targets: second chance misses no more than
+the LRU model on every trace, and at most 0.92x FIFO's misses at s = 1.0 and 5 % capacity.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from aioshmcache import CacheConfig, FeatureSpec, ReceiverCache, SenderCache, ShmRef
+from aioshmcache import FeatureSpec, ReceiverCache, SenderCache, ShmRef
 
 from ..progress import Progress
 from ..units import KiB, fmt_bytes
+from . import timing as tm
 from .params import Params, bench_config
-from .report import Report, Target
-from .timing import Samples
-
-__all__ = [
-    "FIFO",
-    "LRU",
-    "SECOND_CHANCE",
-    "PolicyResult",
-    "has_second_chance",
-    "item_sizes",
-    "replay",
-    "run_trace_suite",
-    "simulate_fifo",
-    "simulate_lru",
-    "zipf_trace",
-]
+from .report import Report, Target, md_table
 
 S_TRACE = "Trace: miss ratio on seeded Zipf traces, real cache vs LRU model"
 
@@ -85,15 +51,12 @@ SECOND_CHANCE = "second chance"
 LRU = "LRU model"
 FIFO_MODEL = "FIFO model"
 
+#: the real cache's policies: (name, ``CacheConfig(second_chance=)``)
+POLICIES = ((FIFO, False), (SECOND_CHANCE, True))
 #: the trace the FIFO target names: (skew, capacity fraction) -> second chance ÷ FIFO ≤ 0.92
 FIFO_TARGET = ((1.0, 0.05), 0.92)
 
 Indices = npt.NDArray[np.int64]
-
-
-def has_second_chance() -> bool:
-    """Whether this build's ``CacheConfig`` has a ``second_chance`` field."""
-    return any(f.name == "second_chance" for f in dataclasses.fields(CacheConfig))
 
 
 def zipf_trace(requests: int, items: int, s: float, *, seed: int) -> Indices:
@@ -190,11 +153,7 @@ def replay(
     ``second_chance=None`` passes nothing (the build's default eviction); True/False set
     ``CacheConfig(second_chance=...)``, which needs a build that has it.
     """
-    kw: dict[str, object] = {}
-    if second_chance is not None:
-        if not has_second_chance():
-            raise RuntimeError("this build's CacheConfig has no second_chance")
-        kw["second_chance"] = second_chance
+    kw = {} if second_chance is None else {"second_chance": second_chance}
     biggest = int(max(sizes))
     config = bench_config(capacity, biggest + 64 * KiB, 1, **kw)
     # one source buffer: an item is a view of its first `size` bytes; the put copies them
@@ -224,24 +183,9 @@ def replay(
     if snap.hits + snap.misses != len(trace):
         counted = snap.hits + snap.misses
         raise RuntimeError(f"the cache counted {counted} requests, not {len(trace)}")
-    relocated = int(getattr(snap, "bytes_relocated", 0))
-    return PolicyResult(
-        len(trace),
-        snap.misses,
-        written + relocated,
-        relocations=int(getattr(snap, "relocations", 0)),
-        bytes_relocated=relocated,
-        evictions=snap.evictions,
-        inline=snap.inline_too_large + snap.inline_full + snap.inline_busy,
-        seconds=seconds,
-    )
-
-
-def _policies() -> list[tuple[str, bool | None]]:
-    """The real-cache policies this build can run (name, ``second_chance=`` to pass)."""
-    if has_second_chance():
-        return [(FIFO, False), (SECOND_CHANCE, True)]
-    return [(FIFO, None)]  # today's only eviction is FIFO
+    inline = snap.inline_too_large + snap.inline_full + snap.inline_busy
+    moved, written = (snap.relocations, snap.bytes_relocated), written + snap.bytes_relocated
+    return PolicyResult(len(trace), snap.misses, written, *moved, snap.evictions, inline, seconds)
 
 
 def _param(s: float, fraction: float) -> str:
@@ -253,155 +197,107 @@ def run_trace_suite(p: Params, report: Report, progress: Progress) -> None:
     report.attempt("trace: Zipf miss ratios", lambda: bench_traces(p, report, progress))
 
 
+Cells = dict[tuple[float, float], Any]
+
+
 def bench_traces(p: Params, report: Report, progress: Progress) -> None:
-    policies = _policies()
-    if not has_second_chance():
-        report.skip(
-            "trace: second chance — this build's CacheConfig has no second_chance (FIFO only)"
-        )
     lo, hi = (x // p.trace_scale for x in p.trace_sizes)
     # results[(s, fraction)][policy] = one PolicyResult per seed
-    results: dict[tuple[float, float], dict[str, list[PolicyResult]]] = {}
-    distinct: dict[tuple[float, float], list[int]] = {}
-    capacities: dict[tuple[float, float], list[int]] = {}
+    results: Cells = {}
+    distinct: Cells = {}
+    capacities: Cells = {}
     for seed in range(p.trace_seeds):
-        sizes_arr = item_sizes(p.trace_items, lo, hi, seed=seed)
-        sizes = [int(x) for x in sizes_arr]
+        sizes = [int(x) for x in item_sizes(p.trace_items, lo, hi, seed=seed)]
         for s in SKEWS:
             trace = [int(x) for x in zipf_trace(p.trace_requests, p.trace_items, s, seed=seed)]
             seen = set(trace)
-            distinct_bytes = sum(sizes[i] for i in seen)
             for fraction in CAPACITY_FRACTIONS:
                 cell = (s, fraction)
-                capacity = max(int(distinct_bytes * fraction), hi + 64 * KiB + 4096)
+                capacity = max(int(sum(sizes[i] for i in seen) * fraction), hi + 68 * KiB)
                 distinct.setdefault(cell, []).append(len(seen))
                 capacities.setdefault(cell, []).append(capacity)
                 got = results.setdefault(cell, {})
-                got.setdefault(LRU, []).append(simulate_lru(trace, sizes, capacity))
-                got.setdefault(FIFO_MODEL, []).append(simulate_fifo(trace, sizes, capacity))
-                for name, sc in policies:
+                for name, model in ((LRU, simulate_lru), (FIFO_MODEL, simulate_fifo)):
+                    got.setdefault(name, []).append(model(trace, sizes, capacity))
+                for name, sc in POLICIES:
                     progress(
                         f"trace: seed {seed + 1}/{p.trace_seeds}, {_param(s, fraction)} "
                         f"({fmt_bytes(capacity)}), {name}, {len(trace):,} requests"
                     )
                     done = replay(trace, sizes, capacity, second_chance=sc)
                     got.setdefault(name, []).append(done)
-    _report(p, report, results, distinct, capacities, [n for n, _ in policies])
+    _report(p, report, results, distinct, capacities, [n for n, _ in POLICIES])
 
 
-def _per_seed(values: Sequence[float]) -> Samples:
-    samples = Samples()
-    for v in values:
-        samples.add_run([v])
-    return samples
+def _median(values: Any) -> tm.Stat:
+    """The median (and range) over seeds: one run per seed."""
+    return tm.Samples([[v] for v in values]).stat()
 
 
 def _report(
-    p: Params,
-    report: Report,
-    results: dict[tuple[float, float], dict[str, list[PolicyResult]]],
-    distinct: dict[tuple[float, float], list[int]],
-    capacities: dict[tuple[float, float], list[int]],
-    real: list[str],
+    p: Params, report: Report, results: Cells, distinct: Cells, capacities: Cells, real: list[str]
 ) -> None:
-    lo, hi = p.trace_sizes
-    scale = p.trace_scale
-    runs = f"{p.trace_seeds} seed{'s' if p.trace_seeds > 1 else ''}"
-    scaled = (
-        f" scaled 1/{scale} with the capacity ({fmt_bytes(lo // scale)}-{fmt_bytes(hi // scale)})"
-        if scale != 1
-        else ""
-    )
+    (lo, hi), scale, seeds = p.trace_sizes, p.trace_scale, p.trace_seeds
+    runs = f"{seeds} seed{'s' if seeds > 1 else ''}"
+    scaled = f" scaled 1/{scale} with the capacity ({fmt_bytes(lo // scale)}-"
+    scaled += f"{fmt_bytes(hi // scale)})"
     report.notes.append(
         f"trace: {p.trace_items:,} images of {fmt_bytes(lo)}-{fmt_bytes(hi)} (log-uniform),"
-        f"{scaled}; {p.trace_requests:,} Zipf requests per trace, {runs}; FIFO and second chance "
-        "through the real cache (a reader leasing every hand-out at once), LRU and FIFO models "
-        "in Python over item bytes only"
+        f"{scaled if scale != 1 else ''}; {p.trace_requests:,} Zipf requests per trace, {runs}; "
+        "FIFO and second chance through the real cache (a reader leasing every hand-out at "
+        "once), LRU and FIFO models in Python over item bytes only"
     )
-    summary = [
-        "| trace | distinct images | capacity | FIFO | second chance | LRU model | "
-        "second chance vs FIFO | bytes written / request: FIFO | second chance | LRU model |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    summary = []
     for (s, fraction), got in results.items():
-        param = _param(s, fraction)
-        cap = statistics.median(capacities[(s, fraction)])
+        add = report.section(S_TRACE, _param(s, fraction))
         med: dict[str, float] = {}
         bpr: dict[str, float] = {}
         for name in (*real, LRU, FIFO_MODEL):
-            runs_ = got[name]
-            miss = _per_seed([r.miss_ratio for r in runs_]).stat()
-            per_req = _per_seed([r.bytes_per_request for r in runs_]).stat()
+            runs_, reference = got[name], name in (LRU, FIFO_MODEL)
+            miss = _median(r.miss_ratio for r in runs_)
+            per_req = _median(r.bytes_per_request for r in runs_)
             med[name], bpr[name] = miss.median, per_req.median
-            reference = name in (LRU, FIFO_MODEL)
-            note = ""
+            notes = []
             if name == SECOND_CHANCE:
                 reloc = statistics.median(r.relocations / r.requests for r in runs_)
-                note = f"{reloc:.3f} relocations per request"
+                notes.append(f"{reloc:.3f} relocations per request")
             if not reference and any(r.inline for r in runs_):
-                note += f"{'; ' if note else ''}{max(r.inline for r in runs_)} served inline"
+                notes.append(f"{max(r.inline for r in runs_)} served inline")
             policy = name + (" (reference)" if reference else "")
-            report.row(
-                S_TRACE,
-                f"miss ratio: {policy}",
-                param,
-                miss,
-                kind="fraction",
-                note=note,
-                plot="trace" if name != FIFO_MODEL else None,
-                series=name,
-                x=s,
-            )
-            report.row(
-                S_TRACE,
-                f"bytes written per request: {policy}",
-                param,
-                per_req,
-                kind="bytes",
-                series=name,
-            )
-        fifo_vs_lru = _per_seed(
-            [_ratio(f.misses, m.misses) for f, m in zip(got[FIFO], got[LRU])]
-        ).stat()
-        report.row(S_TRACE, "misses: FIFO ÷ LRU model", param, fifo_vs_lru, kind="ratio")
-        sc_vs_fifo = math.nan
+            plot = "trace" if name != FIFO_MODEL else None
+            kw: dict[str, Any] = {"series": name, "note": "; ".join(notes)}
+            add(f"miss ratio: {policy}", miss, kind="fraction", plot=plot, x=s, **kw)
+            add(f"bytes written per request: {policy}", per_req, kind="bytes", series=name)
+        add("misses: FIFO ÷ LRU model", _median(_ratio(got[FIFO], got[LRU])), kind="ratio")
+        rel = "—"
         if SECOND_CHANCE in got:
-            pairs = list(zip(got[SECOND_CHANCE], got[FIFO], got[LRU]))
-            vs_fifo = _per_seed([_ratio(a.misses, f.misses) for a, f, _ in pairs]).stat()
-            vs_lru = _per_seed([_ratio(a.misses, m.misses) for a, _, m in pairs]).stat()
-            sc_vs_fifo = vs_fifo.median
+            vs_fifo = _median(_ratio(got[SECOND_CHANCE], got[FIFO]))
             on_target = (s, fraction) == FIFO_TARGET[0]
-            report.row(
-                S_TRACE,
-                "misses: second chance ÷ FIFO",
-                param,
-                vs_fifo,
-                kind="ratio",
-                target=Target("value", "<=", FIFO_TARGET[1]) if on_target else None,
-                note=f"{1 - vs_fifo.median:.1%} fewer misses than FIFO",
-            )
-            report.row(
-                S_TRACE,
-                "misses: second chance ÷ LRU model",
-                param,
-                vs_lru,
-                kind="ratio",
-                target=Target("value", "<=", 1.0),
-            )
-        dist = statistics.median(distinct[(s, fraction)])
-
+            rel = f"{1 - vs_fifo.median:.1%} fewer misses"
+            tgt = Target.at_most(FIFO_TARGET[1]) if on_target else None
+            note = f"{rel} than FIFO"
+            add("misses: second chance ÷ FIFO", vs_fifo, kind="ratio", target=tgt, note=note)
+            vs_lru = _median(_ratio(got[SECOND_CHANCE], got[LRU]))
+            tgt = Target.at_most(1.0)
+            add("misses: second chance ÷ LRU model", vs_lru, kind="ratio", target=tgt)
         pct = {n: f"{v:.1%}" for n, v in med.items()}
         per = {n: fmt_bytes(int(v)) for n, v in bpr.items()}
-        rel = "—" if math.isnan(sc_vs_fifo) else f"{1 - sc_vs_fifo:.1%} fewer misses"
         summary.append(
-            f"| {param} | {dist:,.0f} | {fmt_bytes(int(cap))} | {pct[FIFO]} | "
-            f"{pct.get(SECOND_CHANCE, '—')} | {pct[LRU]} | {rel} | {per[FIFO]} | "
-            f"{per.get(SECOND_CHANCE, '—')} | {per[LRU]} |"
+            (
+                _param(s, fraction),
+                f"{statistics.median(distinct[(s, fraction)]):,.0f}",
+                fmt_bytes(int(statistics.median(capacities[(s, fraction)]))),
+                *(pct.get(n, "—") for n in (FIFO, SECOND_CHANCE, LRU)),
+                rel,
+                *(per.get(n, "—") for n in (FIFO, SECOND_CHANCE, LRU)),
+            )
         )
-    report.blocks.append((f"{S_TRACE} (medians over {runs})", summary))
+    head = ["trace", "distinct images", "capacity", FIFO, SECOND_CHANCE, LRU]
+    head += ["second chance vs FIFO", "bytes written / request: FIFO", SECOND_CHANCE, LRU]
+    report.blocks.append((f"{S_TRACE} (medians over {runs})", md_table(head, summary)))
 
 
-def _ratio(a: int, b: int) -> float:
-    if b == 0:
-        return 1.0 if a == 0 else math.inf
-    return a / b
+def _ratio(a: Sequence[PolicyResult], b: Sequence[PolicyResult]) -> list[float]:
+    """Misses of ``a`` ÷ misses of ``b``, seed by seed (1 when neither missed)."""
+    inf = math.inf
+    return [x.misses / y.misses if y.misses else inf if x.misses else 1.0 for x, y in zip(a, b)]

@@ -1,26 +1,22 @@
 """The ``vllm`` suite: vLLM's own ``shm_object_storage.py`` side by side with aioshmcache.
 
-Runs only when asked for (``--suite vllm``) and when vLLM's store can be had: from an
-installed ``vllm``, or from the file itself named by ``--vllm-file PATH`` (get it with
-``pip download vllm==0.33.0 --no-deps`` and unzip
-``vllm/distributed/device_communicators/shm_object_storage.py``). The file is never vendored.
-Loaded from a file, its few imports are stood in for: ``vllm.logger.init_logger`` (a plain
-logger), ``torch.Tensor`` (numpy arrays, when torch is not installed), and the msgpack tensor
-encoder / decoder of ``vllm.v1.serial_utils``: a header (dtype, shape) plus the array's raw bytes
-as a second buffer, decoded as a copy — what vLLM's encoder does for a tensor, with
-``share_mem=False`` as its sender and receiver caches use it.
+Runs only when asked for (``--suite vllm``) and when vLLM's store can be had: from an installed
+``vllm``, or from the file named by ``--vllm-file PATH`` (``pip download vllm==0.33.0 --no-deps``,
+then unzip ``vllm/distributed/device_communicators/shm_object_storage.py``); it is never
+vendored. Loaded from a file, its imports are stood in for: ``init_logger`` (a plain logger),
+``torch.Tensor`` (numpy arrays, without torch) and the msgpack tensor encoder / decoder (a
+header plus the raw bytes, decoded as a copy: ``share_mem=False``, as its caches use it).
 
-Both stores are used as the two caches use them: vLLM's sender puts, then signs the handle
-(``get_signature``, HMAC-SHA256); its receiver verifies the signature and reads
-(``get(address, id, signature, key)``) with its reader lock. Ours: ``ShmObjectStore.put`` and
-``SenderCache.get_and_update_item`` against a ``ReceiverCache.get_and_update_item`` (verified,
-acknowledged). Readers are in this process (per-operation timing). Every cell runs its
-subjects in turn in each round (interleaved), with a rotating ``np.copyto`` into a warm shared
-mapping as the physical limit. Ratios are vLLM's time ÷ ours (above 1: ours is faster).
+Both stores are used as their caches use them: vLLM's sender puts and signs the handle
+(HMAC-SHA256), its receiver verifies and reads with its reader lock; ours is
+``ShmObjectStore.put`` / ``SenderCache.get_and_update_item`` against the reader store and a
+``ReceiverCache``. Readers are in this process; every round runs each subject in turn, with a
+rotating ``np.copyto`` into warm shared memory as the limit. Ratios: vLLM's time ÷ ours.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import itertools
@@ -29,20 +25,28 @@ import multiprocessing
 import sys
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from aioshmcache import CacheConfig, ReceiverCache, SenderCache, ShmObjectStore, ShmRef
+from aioshmcache import (
+    CacheConfig,
+    ReceiverCache,
+    SenderCache,
+    ShmObjectStore,
+    StoreReader,
+    StoreWriter,
+)
 
 from ..progress import Progress
 from ..units import KiB, MiB, fmt_bytes
+from . import timing as tm
 from .params import Params, segment_prefix
-from .report import Report, Row, Target
-from .timing import Samples, ShmBuffer, source_array
+from .report import Report, Target
 
 __all__ = ["VLLM_MODULE", "load_vllm_store", "run_vllm_suite"]
 
@@ -58,14 +62,6 @@ _clock = time.perf_counter
 
 
 # --- stand-ins for the file's imports ---------------------------------------------------------
-
-
-def _real_torch() -> Any:
-    """torch if it is installed, else None."""
-    try:
-        return importlib.import_module("torch")
-    except ImportError:
-        return None
 
 
 def _as_tensor(arr: np.ndarray[Any, Any]) -> Any:
@@ -102,22 +98,15 @@ class _MultiModalKwargsItem:
 
 def _stand_ins() -> dict[str, types.ModuleType]:
     """The modules the file imports, for those not importable here."""
-    mods: dict[str, types.ModuleType] = {}
-    logger_mod = types.ModuleType("vllm.logger")
-    logger_mod.init_logger = logging.getLogger  # type: ignore[attr-defined]
-    inputs = types.ModuleType("vllm.multimodal.inputs")
-    inputs.MultiModalKwargsItem = _MultiModalKwargsItem  # type: ignore[attr-defined]
-    serial = types.ModuleType("vllm.v1.serial_utils")
-    serial.MsgpackEncoder = _TensorEncoder  # type: ignore[attr-defined]
-    serial.MsgpackDecoder = _TensorDecoder  # type: ignore[attr-defined]
-    for name in ("vllm", "vllm.multimodal", "vllm.v1"):
-        mods[name] = types.ModuleType(name)
-    mods["vllm.logger"] = logger_mod
-    mods["vllm.multimodal.inputs"] = inputs
-    mods["vllm.v1.serial_utils"] = serial
-    if _real_torch() is None:
-        torch = mods["torch"] = types.ModuleType("torch")
-        torch.Tensor = np.ndarray  # type: ignore[attr-defined]
+    serde = {"MsgpackEncoder": _TensorEncoder, "MsgpackDecoder": _TensorDecoder}
+    members: dict[str, dict[str, Any]] = {"vllm": {}, "vllm.multimodal": {}, "vllm.v1": {}}
+    members |= {"vllm.logger": {"init_logger": logging.getLogger}, "vllm.v1.serial_utils": serde}
+    members["vllm.multimodal.inputs"] = {"MultiModalKwargsItem": _MultiModalKwargsItem}
+    if importlib.util.find_spec("torch") is None:
+        members["torch"] = {"Tensor": np.ndarray}
+    mods = {name: types.ModuleType(name) for name in members}
+    for name, attrs in members.items():
+        vars(mods[name]).update(attrs)
     return mods
 
 
@@ -155,195 +144,127 @@ def load_vllm_store(path: Path | None) -> types.ModuleType | None:
 # --- the two stores as their caches use them ------------------------------------------------
 
 
-class _VllmPair:
-    """vLLM's writer store and one reader store of it, in this process."""
+@dataclass
+class _Stores:
+    """vLLM's writer store and a reader of it; ours: store, sender cache and a reader of each."""
 
-    def __init__(self, mod: types.ModuleType, capacity: int, max_object: int) -> None:
+    vllm_writer: Any
+    vllm_reader: Any
+    sender: SenderCache
+    store: StoreWriter
+    receiver: ReceiverCache
+    reader: StoreReader
+
+    def vllm_put(self, key: str, value: Any) -> tuple[str, Any]:
+        """Its sender cache's put: store, then sign the handle (freeing as it does on full)."""
+        address, mid = self.vllm_writer.put(key, value)
+        return key, (address, mid, self.vllm_writer.get_signature(key))
+
+    def vllm_get(self, kh: tuple[str, Any]) -> Any:
+        """Its receiver's verified read (with its reader lock)."""
+        address, mid, signature = kh[1]
+        return self.vllm_reader.get(address, mid, signature, kh[0])
+
+
+@contextlib.contextmanager
+def _stores(mod: types.ModuleType, capacity: int, max_object: int) -> Iterator[_Stores]:
+    with contextlib.ExitStack() as stack:
         name = f"aioshm-{segment_prefix()}vllm{next(_names)}"
         ring = mod.SingleWriterShmRingBuffer(capacity, name=name, create=True)
         # warm, as ours is prefaulted at creation: every page of the ring touched once (the
         # signing secret in its first bytes is left alone)
-        data = np.frombuffer(ring.shared_memory.buf, dtype=np.uint8)[ring.DATA_OFFSET :]
-        data[:] = 0
-        del data
-        self.writer = mod.SingleWriterShmObjectStorage(max_object, 1, ring)
-        try:
-            handle = self.writer.handle()
-            handle.reader_lock = multiprocessing.Lock()
-            self.reader = mod.SingleWriterShmObjectStorage.create_from_handle(handle)
-        except BaseException:
-            self.writer.close()
-            raise
-        self.mod = mod
+        np.frombuffer(ring.shared_memory.buf, dtype=np.uint8)[ring.DATA_OFFSET :] = 0
+        writer = mod.SingleWriterShmObjectStorage(max_object, 1, ring)
+        stack.callback(writer.close)
+        handle = writer.handle()
+        handle.reader_lock = multiprocessing.Lock()
+        reader = mod.SingleWriterShmObjectStorage.create_from_handle(handle)
+        stack.callback(reader.close)
 
-    def put(self, key: str, value: Any) -> tuple[int, int, list[int]]:
-        """Its sender cache's put: store, then sign the handle (freeing as it does on full)."""
-        address, mid = self.writer.put(key, value)
-        return address, mid, self.writer.get_signature(key)
-
-    def get(self, key: str, handle: tuple[int, int, list[int]]) -> Any:
-        address, mid, signature = handle
-        return self.reader.get(address, mid, signature, key)
-
-    def close(self) -> None:
-        self.reader.close()
-        self.writer.close()
-
-
-class _OursPair:
-    """Our writer (store and sender cache) and one reader, in this process."""
-
-    def __init__(self, capacity: int, max_object: int) -> None:
         def config() -> CacheConfig:
-            return CacheConfig(
-                capacity, max_object, 1, name=f"{segment_prefix()}vllm-ours{next(_names)}"
-            )
+            name = f"{segment_prefix()}vllm-ours{next(_names)}"
+            return CacheConfig(capacity, max_object, 1, name=name)
 
-        self.sender = SenderCache(config())
-        self.writer_store = ShmObjectStore.create(config())
-        try:
-            self.receiver = ReceiverCache.attach(self.sender.handle())
-            self.reader_store = ShmObjectStore.from_handle(self.writer_store.handle())
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        for x in ("reader_store", "receiver"):
-            if hasattr(self, x):
-                getattr(self, x).close()
-        self.writer_store.close()
-        self.sender.close()
+        sender = stack.enter_context(SenderCache(config()))
+        store = stack.enter_context(ShmObjectStore.create(config()))
+        rx = stack.enter_context(ReceiverCache.attach(sender.handle()))
+        rd = stack.enter_context(ShmObjectStore.from_handle(store.handle()))
+        yield _Stores(writer, reader, sender, store, rx, rd)
 
 
 # --- the suite ------------------------------------------------------------------------------
 
 
-def _per_op(fn: Callable[[], object], n: int) -> float:
-    t0 = _clock()
-    fn()
-    return (_clock() - t0) / n
+def _batch(
+    n: int, args: Callable[[], list[Any]], op: Callable[[Any], Any], kept: list[Any] | None = None
+) -> tm.Cell:
+    """A cell: ``op`` over a batch of ``args()`` (made untimed); one sample, the time per op.
+
+    The results are kept until the batch ends (a read's copy lands in fresh memory each time);
+    ``kept`` receives them for the reads of the next cell.
+    """
+
+    def cell(out: list[float]) -> None:
+        batch = args()
+        t0 = _clock()
+        results = [op(a) for a in batch]
+        out.append((_clock() - t0) / n)
+        if kept is not None:
+            kept[:] = results
+
+    return cell
 
 
-class _Cell:
-    """One item size: both stores, the copy target, and one round of every subject."""
+def _cells(st: _Stores, src: Any, n: int, target: tm.ShmBuffer, span: int) -> dict[str, tm.Cell]:
+    """Every subject of one item size, in the order each round runs them."""
+    item, tensor, size = {"data": src}, _as_tensor(src), len(src)
+    keys, slots = itertools.count(), itertools.count()
+    v: list[Any] = []
+    s: list[Any] = []
+    c: list[Any] = []
 
-    def __init__(self, mod: types.ModuleType, size: int, batch: int) -> None:
-        self.src = source_array(size)
-        self.item, self.tensor = {"data": self.src}, _as_tensor(self.src)
-        self.size, self.batch = size, batch
-        self.cap = 2 * batch * (size + 4 * KiB) + 8 * MiB
-        max_obj = size + 64 * KiB
-        self.vllm = _VllmPair(mod, self.cap, max_obj)
-        try:
-            self.ours = _OursPair(self.cap, max_obj)
-        except BaseException:
-            self.vllm.close()
-            raise
-        self.target = ShmBuffer(self.cap)
-        self.keys = itertools.count()
-        self.slot = 0
+    def new(prefix: str) -> Callable[[], list[str]]:
+        return lambda: [f"{prefix}{next(keys)}" for _ in range(n)]
 
-    def _copyto(self) -> None:
-        stride = self.size + 4 * KiB
-        for _ in range(self.batch):
-            off = (self.slot % (self.cap // stride - 1)) * stride
-            np.copyto(self.target.view(self.size, off), self.src)
-            self.slot += 1
+    def places() -> list[Any]:
+        return [target.rotating(size, next(slots), span=span) for _ in range(n)]
 
-    def _copy_out(self) -> None:
-        # kept until the batch ends, as the reads keep theirs: each lands in fresh memory
-        stride = self.size + 4 * KiB
-        kept = [
-            self.target.view(self.size, (i % (self.cap // stride - 1)) * stride).copy()
-            for i in range(self.batch)
-        ]
-        del kept
+    def reads() -> list[Any]:  # the same places every round
+        return [target.rotating(size, i, span=span) for i in range(n)]
 
-    def round(self) -> dict[str, float]:
-        """Seconds per operation of every subject, in turn."""
-        n, vllm, ours = self.batch, self.vllm, self.ours
-        out = {"np.copyto": _per_op(self._copyto, n), "copy out": _per_op(self._copy_out, n)}
-        vkeys = [f"v{next(self.keys)}" for _ in range(n)]
-        vh: list[Any] = []
-        out["vLLM put + sign"] = _per_op(
-            lambda: vh.extend(vllm.put(k, self.tensor) for k in vkeys), n
-        )
-        out["vLLM get (verify, copy)"] = _per_op(
-            lambda: [vllm.get(k, h) for k, h in zip(vkeys, vh)], n
-        )
-        skeys = [f"s{next(self.keys)}" for _ in range(n)]
-        sr: list[ShmRef] = []
-        out["ours ShmObjectStore.put"] = _per_op(
-            lambda: sr.extend(ours.writer_store.put(k, self.item) for k in skeys), n
-        )
-        out["ours ShmObjectStore.get (reader)"] = _per_op(
-            lambda: [ours.reader_store.get(ref) for ref in sr], n
-        )
-        ckeys = [f"c{next(self.keys)}" for _ in range(n)]
-        cr: list[Any] = []
-        out["ours SenderCache.get_and_update_item"] = _per_op(
-            lambda: cr.extend(
-                ours.sender.get_and_update_item((self.item, ()), k)[0] for k in ckeys
-            ),
-            n,
-        )
-        out["ours ReceiverCache.get_and_update_item"] = _per_op(
-            lambda: [ours.receiver.get_and_update_item(r, k) for k, r in zip(ckeys, cr)], n
-        )
-        return out
+    def cached(k: str) -> tuple[str, Any]:
+        return k, st.sender.get_and_update_item((item, ()), k)[0]
 
-    def close(self) -> None:
-        self.vllm.close()
-        self.ours.close()
-        self.target.close()
+    return {
+        "np.copyto": _batch(n, places, lambda dst: np.copyto(dst, src)),
+        "copy out": _batch(n, reads, np.copy),
+        "vLLM put + sign": _batch(n, new("v"), lambda k: st.vllm_put(k, tensor), v),
+        "vLLM get (verify, copy)": _batch(n, lambda: v, st.vllm_get),
+        "ours ShmObjectStore.put": _batch(n, new("s"), lambda k: st.store.put(k, item), s),
+        "ours ShmObjectStore.get (reader)": _batch(n, lambda: s, st.reader.get),
+        "ours SenderCache.get_and_update_item": _batch(n, new("c"), cached, c),
+        "ours ReceiverCache.get_and_update_item": _batch(
+            n, lambda: c, lambda kr: st.receiver.get_and_update_item(kr[1], kr[0])
+        ),
+    }
 
 
-def _cell(mod: types.ModuleType, size: int, batch: int, rounds: int) -> dict[str, Samples]:
-    """One item size: every subject once per round, in turn; seconds per operation."""
-    cell = _Cell(mod, size, batch)
-    out: dict[str, Samples] = {}
-    try:
-        for r in range(rounds + 1):  # round 0 warms every path up
-            measured = cell.round()
-            if r:
-                for name, t in measured.items():
-                    out.setdefault(name, Samples()).add_run([t])
-    finally:
-        cell.close()
-    return out
-
-
-def _churn(mod: types.ModuleType, rounds: int, n: int) -> tuple[Samples, Samples]:
+def _churn(mod: types.ModuleType, rounds: int, n: int) -> dict[str, tm.Stat]:
     """64 MiB rings, 1 MiB items: put then read back (acknowledge) each, lap after lap."""
-    size = 1 * MiB
-    src = source_array(size)
-    item, tensor = {"data": src}, _as_tensor(src)
-    vllm, ours = _VllmPair(mod, 64 * MiB, 2 * MiB), _OursPair(64 * MiB, 2 * MiB)
-    theirs, mine = Samples(), Samples()
-    keys = itertools.count()
-    try:
+    src = tm.source_array(1 * MiB)
+    item, tensor, keys = {"data": src}, _as_tensor(src), itertools.count()
+    with _stores(mod, 64 * MiB, 2 * MiB) as st:
 
-        def vllm_lap() -> None:
-            for _ in range(n):
-                k = f"v{next(keys)}"
-                vllm.get(k, vllm.put(k, tensor))
+        def vllm_lap(k: str) -> None:
+            st.vllm_get(st.vllm_put(k, tensor))
 
-        def ours_lap() -> None:
-            for _ in range(n):
-                k = f"c{next(keys)}"
-                ref, _u = ours.sender.get_and_update_item((item, ()), k)
-                ours.receiver.get_and_update_item(ref, k)
+        def ours_lap(k: str) -> None:
+            ref, _ = st.sender.get_and_update_item((item, ()), k)
+            st.receiver.get_and_update_item(ref, k)
 
-        for r in range(rounds + 1):
-            tv, to = _per_op(vllm_lap, n), _per_op(ours_lap, n)
-            if r:
-                theirs.add_run([tv])
-                mine.add_run([to])
-    finally:
-        vllm.close()
-        ours.close()
-    return theirs, mine
+        new = lambda: [f"k{next(keys)}" for _ in range(n)]  # noqa: E731
+        cells = {"vllm": _batch(n, new, vllm_lap), "ours": _batch(n, new, ours_lap)}
+        return tm.interleave(rounds, cells, warmup=1)
 
 
 _READS = (
@@ -351,14 +272,15 @@ _READS = (
     "ours ShmObjectStore.get (reader)",
     "ours ReceiverCache.get_and_update_item",
 )
+#: (vLLM's subject, ours, the operation): ratio vLLM ÷ ours
 _PAIRS = (
     ("vLLM put + sign", "ours ShmObjectStore.put", "put"),
     ("vLLM put + sign", "ours SenderCache.get_and_update_item", "put"),
     ("vLLM get (verify, copy)", "ours ShmObjectStore.get (reader)", "get"),
     ("vLLM get (verify, copy)", "ours ReceiverCache.get_and_update_item", "get"),
 )
-#: ours ÷ vLLM targets of issue 20, as a ratio vLLM ÷ ours: put ≤ 0.6x and get ≤ 0.3x for
-#: 1 KiB; ≤ 0.95x for 1 MiB and more
+#: ours ÷ vLLM targets, as a ratio vLLM ÷ ours: put ≤ 0.6x and get ≤ 0.3x for 1 KiB; ≤ 0.95x
+#: for 1 MiB and more
 _TARGETS = {("put", 1 * KiB): 1 / 0.6, ("get", 1 * KiB): 1 / 0.3}
 
 
@@ -372,68 +294,38 @@ def run_vllm_suite(p: Params, report: Report, progress: Progress, vllm_file: Pat
     if mod is None:
         report.skip("vllm: not importable and no --vllm-file PATH given")
         return
-    rounds = 3 if p.quick else 9
-    sizes = [1 * KiB, 1 * MiB] if p.quick else [1 * KiB, 64 * KiB, 1 * MiB, 16 * MiB]
-    for size in sizes:
+    for size in p.vllm_sizes:
         batch = max(4, min(256, (256 * MiB) // (size + 4 * KiB) // 4))
-        if p.quick:
-            batch = max(2, batch // 8)
-        progress(f"vllm: {fmt_bytes(size)} x {batch}, {rounds} interleaved rounds")
-        cells = _cell(mod, size, batch, rounds)
-        stats = {name: s.stat() for name, s in cells.items()}
-        param = fmt_bytes(size)
+        batch = max(2, batch // 8) if p.quick else batch
+        progress(f"vllm: {fmt_bytes(size)} x {batch}, {p.vllm_rounds} interleaved rounds")
+        cap = 2 * batch * (size + 4 * KiB) + 8 * MiB
+        with _stores(mod, cap, size + 64 * KiB) as st:
+            target = tm.ShmBuffer(cap)
+            try:
+                cells = _cells(st, tm.source_array(size), batch, target, cap)
+                stats = tm.interleave(p.vllm_rounds, cells, warmup=1)  # round 0 warms every path
+            finally:
+                target.close()
+        add = report.section(S_VLLM, fmt_bytes(size))
         for theirs, mine, op in _PAIRS:
             limit = _TARGETS.get((op, size), 1 / 0.95 if size >= MiB else None)
-            report.add(
-                Row(
-                    S_VLLM,
-                    mine,
-                    param,
-                    stats[mine].median,
-                    stat=stats[mine],
-                    baseline=theirs,
-                    ratio=stats[theirs].median / stats[mine].median,
-                    target=None if limit is None else Target("ratio", ">=", limit),
-                )
-            )
+            tgt = None if limit is None else Target.at_least(limit, "ratio")
+            add(mine, stats[mine], vs=(theirs, stats[theirs]), target=tgt)
         for name in ("vLLM put + sign", "vLLM get (verify, copy)"):
-            report.add(Row(S_VLLM, name, param, stats[name].median, stat=stats[name]))
-        for name, st in stats.items():
-            if name in ("np.copyto", "copy out"):
-                continue
-            big = size >= MiB and name.startswith("ours")
-            base = "copy out" if name in _READS else "np.copyto"
-            report.add(
-                Row(
-                    S_LIMIT,
-                    name,
-                    param,
-                    st.median,
-                    stat=st,
-                    baseline=base,
-                    ratio=stats[base].median / st.median,
-                    target=Target("ratio", ">=", 1 / 1.1) if big else None,
-                )
-            )
-        copy, out = stats["np.copyto"], stats["copy out"]
-        report.add(
-            Row(S_LIMIT, "np.copyto into warm shm (rotating)", param, copy.median, stat=copy)
-        )
-        report.add(Row(S_LIMIT, "copy out of shm into a new array", param, out.median, stat=out))
-    n = 16 if p.quick else 64
-    progress(f"vllm: churn, 1 MiB items through 64 MiB rings ({n} per round)")
-    churn_theirs, churn_ours = _churn(mod, rounds, n)
-    ts, ms = churn_theirs.stat(), churn_ours.stat()
-    report.add(
-        Row(
-            S_VLLM,
-            "churn: put + read back + acknowledge, per item (ours: SenderCache + ReceiverCache)",
-            "1 MiB",
-            ms.median,
-            stat=ms,
-            baseline="vLLM put + sign + get",
-            ratio=ts.median / ms.median,
-            target=Target("ratio", ">=", 1.1),
-        )
-    )
-    report.add(Row(S_VLLM, "churn: vLLM put + sign + get, per item", "1 MiB", ts.median, stat=ts))
+            add(name, stats[name])
+        limit_row = report.section(S_LIMIT, fmt_bytes(size))
+        for name, st_ in stats.items():
+            if name not in ("np.copyto", "copy out"):
+                base = "copy out" if name in _READS else "np.copyto"
+                big = size >= MiB and name.startswith("ours")
+                tgt = Target.at_least(1 / 1.1, "ratio") if big else None
+                limit_row(name, st_, vs=(base, stats[base]), target=tgt)
+        limit_row("np.copyto into warm shm (rotating)", stats["np.copyto"])
+        limit_row("copy out of shm into a new array", stats["copy out"])
+    progress(f"vllm: churn, 1 MiB items through 64 MiB rings ({p.vllm_churn} per round)")
+    churn = _churn(mod, p.vllm_rounds, p.vllm_churn)
+    add = report.section(S_VLLM, "1 MiB")
+    label = "churn: put + read back + acknowledge, per item (ours: SenderCache + ReceiverCache)"
+    vs = ("vLLM put + sign + get", churn["vllm"])
+    add(label, churn["ours"], vs=vs, target=Target.at_least(1.1, "ratio"))
+    add("churn: vLLM put + sign + get, per item", churn["vllm"])

@@ -1,18 +1,15 @@
 """``python -m aioshmcache demo``: the example gateway under uvicorn, its engine worker, a load run.
 
-Subcommands (the first argument; the default is ``run``)::
-
     python -m aioshmcache demo [run] [--requests N --concurrency C --images K --cache-mb M
                                       --gateway-workers N --quick ...]
     python -m aioshmcache demo serve [--port P --gateway-workers N --no-cache ...]
 
-``serve`` runs the example app (:mod:`.app`, which ``examples/fastapi_app.py`` imports: one
-gateway implementation) under uvicorn, with its engine worker (:mod:`.serve`). ``run`` starts
-``serve`` in a subprocess on 127.0.0.1 on a free port, drives a Zipf-distributed image load at
-it with ``httpx.AsyncClient``, checks every answer against the same computation done locally,
-and prints a results table, then does it again with the cache off, side by side. With
-``--gateway-workers N`` the same load also runs on N uvicorn processes (one cache group). The
-load driver and the table are :mod:`.load`. Only the public API of ``aioshmcache`` is used.
+``serve`` runs the example app (:mod:`.app`, which ``examples/fastapi_app.py`` imports) under
+uvicorn with its engine worker (:mod:`.serve`). ``run`` (the default) starts ``serve`` in a
+subprocess on a free port, drives a Zipf-distributed image load at it with ``httpx``, checks
+every answer against the same computation done locally and prints a table, then does it again
+with the cache off (and, with ``--gateway-workers N``, on N uvicorn processes of one cache
+group). The load driver and the table are :mod:`.load`. Only the public API is used.
 """
 
 from __future__ import annotations
@@ -23,16 +20,8 @@ from typing import Final
 
 __all__ = ["INSTALL_HINT", "main", "missing_modules"]
 
-#: import name -> distribution of the ``examples`` extra, by what each subcommand imports
-_EXTRA: Final = {
-    "fastapi": "fastapi",
-    "uvicorn": "uvicorn",
-    "httpx": "httpx",
-}
-_NEEDS: Final = {
-    "run": ("httpx", "fastapi", "uvicorn"),
-    "serve": ("fastapi", "uvicorn"),
-}
+#: what each subcommand imports, of the ``examples`` extra (import name = distribution name)
+_NEEDS: Final = {"run": ("httpx", "fastapi", "uvicorn", "uvloop"), "serve": ("fastapi", "uvicorn")}
 INSTALL_HINT: Final = "pip install 'aioshmcache[examples]'"
 
 
@@ -44,17 +33,14 @@ def missing_modules(names: tuple[str, ...]) -> list[str]:
             found = importlib.util.find_spec(name) is not None
         except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
             found = False
-        if not found:
-            missing.append(_EXTRA[name])
+        missing += [] if found else [name]
     return missing
 
 
 def main(argv: list[str]) -> int:
     """Entry point of ``python -m aioshmcache demo ...``; returns the exit code."""
-    args = list(argv)
-    command = args[0] if args and args[0] in ("run", "serve") else "run"
-    if args and args[0] == command:
-        args = args[1:]
+    command = argv[0] if argv and argv[0] in _NEEDS else "run"
+    args = argv[1:] if argv and argv[0] == command else list(argv)
     missing = missing_modules(_NEEDS[command])
     if missing:
         print(

@@ -3,57 +3,31 @@
     uvicorn --loop uvloop --app-dir examples fastapi_app:app --host 127.0.0.1 --port 8000
     uvicorn --loop uvloop aioshmcache.tools.demo.app:app ...      (the same app)
 
-This is the example gateway of ``examples/fastapi_app.py`` (which imports it from here) and the
-gateway ``python -m aioshmcache demo`` drives: one implementation.
+The example gateway of ``examples/fastapi_app.py`` (which imports it from here) and the gateway
+``python -m aioshmcache demo`` drives: one implementation. docs/fastapi.md explains each piece:
+the lifespan creates the ``AsyncSenderCache`` (the writer) and an ``EngineClient`` whose
+``start=`` spawns the engine worker (an ``AsyncReceiverCache`` serving calls on a Unix socket
+with ``serve_engine``, replaced if it dies); ``POST /v1/embed`` takes ``{"mm_hash", "pixels"?,
+"height"?, "width"?}``, answers bad input per :data:`BAD_INPUT`, and 409 to a hash it does not
+hold (the client resends the pixels); ``get_or_put`` preprocesses once per new hash;
+``engine.call`` sends the reference (or the tensors, when not cached) and the worker answers a
+CRC-32 of what it read. ``GET /metrics`` (Prometheus), ``/stats`` and ``/healthz``.
 
-The pieces, in the order a request meets them (docs/fastapi.md explains each):
-
-- the lifespan creates the ``AsyncSenderCache`` (the writer: it owns the segment) and an
-  ``aioshmcache.channel.EngineClient`` whose ``start=`` spawns the engine worker process with
-  the cache's handle as JSON (and replaces it if it dies); the worker attaches with
-  ``AsyncReceiverCache`` and serves calls on a Unix socket with ``serve_engine``;
-- ``POST /v1/embed`` takes JSON ``{"mm_hash", "pixels"?, "height"?, "width"?}`` (pixels: base64
-  of ``height * width * 3`` RGB bytes; ``mm_hash``: :func:`image_hash` of them); bad input is
-  answered per :data:`BAD_INPUT` (413, 415, 400, 422), never by a crash. Hash first: a
-  client sends the hash alone; if the gateway does not hold it the answer is 409
-  ``{"error": "cache_miss", "missing": [...]}`` and the client resends with the pixels;
-- ``get_or_put`` runs the preprocessing once per new hash, however many requests carry it at
-  the same moment, and gives each request its own hand-out;
-- ``engine.call`` sends the features (a reference of a few dozen bytes or, when the item could
-  not be cached, the tensors themselves) and waits, with a deadline, for the answer;
-- the worker reads them, acknowledges them, and answers with a CRC-32 of the tensor it read;
-- ``GET /metrics`` is Prometheus text from ``aioshmcache.metrics.CacheCollector``; ``GET /stats``
-  is the cache snapshot and the single-flight counters as JSON; ``GET /healthz`` says ready.
-
-Settings (environment): ``AIOSHM_EXAMPLE_NAME`` (segment name; random if unset; must be unique
-per gateway process), ``AIOSHM_EXAMPLE_CACHE_MB`` (default 512), ``AIOSHM_EXAMPLE_MAX_OBJECT_MB``
-(default 32: a 1080p photo is 23.7 MiB once preprocessed to float32), ``AIOSHM_EXAMPLE_CACHE=off``
-(no cache: every request preprocessed and sent inline; the demo's baseline).
-
-Without a group, one gateway process is the cache's single writer: do not run it with
-``uvicorn --workers N`` (every process would create its own segment; with
-``AIOSHM_EXAMPLE_NAME`` set, all but the first fail with ``SegmentExistsError``, and uvicorn
-stops the whole server). Scale the engine workers instead, or use a cache group:
-
-Several gateway processes (``uvicorn --workers N``): set ``AIOSHM_GROUP`` (a cache group name)
-and ``AIOSHM_ENGINE_SOCKET`` (a Unix socket path), and start ONE engine worker for the whole
-group yourself, before or after the gateways::
+Settings (environment): ``AIOSHM_EXAMPLE_NAME`` (segment name; random if unset; unique per
+gateway process), ``AIOSHM_EXAMPLE_CACHE_MB`` (default 512), ``AIOSHM_EXAMPLE_MAX_OBJECT_MB``
+(default 32: a 1080p photo is 23.7 MiB preprocessed), ``AIOSHM_EXAMPLE_CACHE=off`` (no cache:
+the demo's baseline). Without a group, one gateway process is the cache's single writer: do not
+run it with ``uvicorn --workers N``. With ``AIOSHM_GROUP`` (a cache group) and
+``AIOSHM_ENGINE_SOCKET``, each of N gateway processes opens its own shard and connects to ONE
+engine worker for the whole group, started apart (it has one clear owner, and no gateway
+process is special)::
 
     python examples/fastapi_app.py --engine --group mm --socket /tmp/mm-engine.sock &
-    AIOSHM_GROUP=mm AIOSHM_ENGINE_SOCKET=/tmp/mm-engine.sock \
+    AIOSHM_GROUP=mm AIOSHM_ENGINE_SOCKET=/tmp/mm-engine.sock \\
         uvicorn --workers 2 --app-dir examples fastapi_app:app --port 8000
 
-Each gateway process's lifespan then opens its own shard of the group (``CacheConfig(group=)``;
-uvicorn spawns its workers, so each opens its shard in its own process) and connects to the
-engine worker, which is attached to the whole group (``AsyncReceiverCache.attach_group``) and
-serves every gateway on the one socket. Why the engine worker is not started by a gateway
-process: with ``--workers N`` each process runs its own lifespan, and none of them is special
-(the one holding shard 0 may die and be replaced); a process of its own, started by whatever
-starts uvicorn (systemd, the container's entry point, a test), has one clear owner. An image
-preprocessed by one gateway process is a hit in the others: their ``is_cached_item`` finds it
-in the sibling's shard and ``get_or_put`` copies it into their own instead of preprocessing
-(``/stats``: ``cache.sibling_hits``). Stop the gateways first (each unlinks its shard), then
-the engine worker (SIGTERM or SIGINT: it closes its reader and exits).
+An image preprocessed by one gateway process is then a hit in the others (copied from the
+sibling's shard). Stop the gateways first (each unlinks its shard), then the engine worker.
 """
 
 from __future__ import annotations

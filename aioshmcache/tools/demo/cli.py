@@ -1,103 +1,107 @@
-"""Argument parsing for ``python -m aioshmcache demo [run]`` and ``... demo serve``."""
+"""Options of ``python -m aioshmcache demo [run]`` and ``... demo serve``: dataclasses whose
+fields generate the argparse flags (a field's metadata holds its help), so that they agree."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-__all__ = ["DemoOptions", "run_main", "serve_main"]
+__all__ = ["DemoOptions", "ServeOptions", "run_main", "serve_main"]
+
+T = TypeVar("T")
+LOOPS = ("auto", "asyncio", "uvloop")
+GATEWAY_WORKERS = (
+    "run the gateway as N uvicorn worker processes (spawned), each the writer of its own shard "
+    "of one cache group, with one engine worker attached to the group (default 1: one process, "
+    "one cache, its own engine worker)"
+)
+
+
+def _opt(default: Any, help: str, **flag: Any) -> Any:
+    """A field with its flag: ``help``, and ``flag=`` / ``min=`` / any ``add_argument`` option."""
+    return dataclasses.field(default=default, metadata={"help": help, **flag})
 
 
 @dataclass
-class DemoOptions:
-    """What ``python -m aioshmcache demo run`` does (its flags map onto these fields)."""
+class GatewayOptions:
+    """The flags that run and serve share: how the gateway runs."""
 
-    requests: int = 300
-    concurrency: int = 20
-    images: int = 64
-    zipf: float = 1.1
-    seed: int = 0
-    cache_mb: float = 256.0
+    gateway_workers: int = _opt(1, GATEWAY_WORKERS, metavar="N", min=1)
+    cache_mb: float = _opt(256.0, "cache size in MiB (%(default)g)")
     #: a 576x576 image is 3.8 MiB once preprocessed: 8 MiB caches every image of the load
-    max_object_mb: float = 8.0
-    loop: str = "auto"
-    compare: bool = True
-    hash_first: float = 0.2
-    gateway_workers: int = 1
-    json_path: str | None = None
+    max_object_mb: float = _opt(8.0, "largest cached item in MiB, else inline (%(default)g)")
+    loop: str = _opt("auto", "gateway event loop (%(default)s: uvloop if installed)", choices=LOOPS)
+
+
+@dataclass
+class DemoOptions(GatewayOptions):
+    """What ``python -m aioshmcache demo run`` does."""
+
+    requests: int = _opt(300, "requests per phase (%(default)s)", min=1)
+    concurrency: int = _opt(20, "concurrent clients (%(default)s)", min=1)
+    images: int = _opt(64, "distinct images (%(default)s)", min=1)
+    zipf: float = _opt(1.1, "Zipf exponent of image popularity")
+    seed: int = _opt(0, "seed of the images and the request plan")
+    compare: bool = _opt(True, "skip the cache-off phase", flag="--no-compare")
+    hash_first: float = _opt(0.2, "share of repeat requests sending the hash first (%(default)s)")
+    quick: bool = _opt(False, "a short CI run (< 20 s)")
+    json_path: str | None = _opt(None, "write the results as JSON", flag="--json", metavar="PATH")
     progress: bool = True
 
 
-_RUN = DemoOptions()
+@dataclass
+class ServeOptions(GatewayOptions):
+    """What ``python -m aioshmcache demo serve`` does."""
+
+    host: str = _opt("127.0.0.1", "address to listen on (%(default)s)")
+    port: int = _opt(0, "0 picks a free port (default)")
+    name: str | None = _opt(None, "segment name, or the group's with --gateway-workers")
+    cache: bool = _opt(True, "bypass the cache: always inline", flag="--no-cache")
+    log_level: str = _opt("warning", "uvicorn's log level (%(default)s)")
 
 
-def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--gateway-workers",
-        type=int,
-        default=_RUN.gateway_workers,
-        metavar="N",
-        help="run the gateway as N uvicorn worker processes (spawned), each the writer of its "
-        "own shard of one cache group, with one engine worker attached to the group "
-        "(default 1: one process, one cache, its own engine worker)",
-    )
-    p.add_argument(
-        "--cache-mb", type=float, default=_RUN.cache_mb, help="cache size in MiB (%(default)g)"
-    )
-    p.add_argument(
-        "--max-object-mb",
-        type=float,
-        default=_RUN.max_object_mb,
-        help="largest cached item in MiB; larger ones are sent inline (%(default)g)",
-    )
-    p.add_argument(
-        "--loop",
-        choices=("auto", "asyncio", "uvloop"),
-        default=_RUN.loop,
-        help="gateway event loop (%(default)s: uvloop if installed)",
-    )
+def parse(cls: type[T], argv: list[str], prog: str, description: str) -> T:
+    """``cls`` from ``argv``: one flag per field that has a help text."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    limits: dict[str, int] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if "help" not in (meta := dict(f.metadata)):
+            continue
+        flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
+        if "min" in meta:
+            limits[f.name] = meta.pop("min")
+        if isinstance(f.default, bool):
+            action = "store_false" if f.default else "store_true"
+            p.add_argument(flag, dest=f.name, action=action, **meta)
+        else:
+            kind = str if f.default is None else type(f.default)
+            p.add_argument(flag, dest=f.name, type=kind, default=f.default, **meta)
+    ns = p.parse_args(argv)
+    for name, least in limits.items():
+        if getattr(ns, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be >= {least}")
+    return cls(**vars(ns))
 
 
 def serve_main(argv: list[str]) -> int:
     """``python -m aioshmcache demo serve``: the example gateway alone, until SIGINT / SIGTERM."""
-    p = argparse.ArgumentParser(
-        prog="python -m aioshmcache demo serve",
-        description="Run the example gateway (examples/fastapi_app.py) under uvicorn, with its "
-        "engine worker.",
+    what = (
+        "Run the example gateway (examples/fastapi_app.py) under uvicorn, with its engine worker."
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0 picks a free port (default)")
-    _add_gateway_flags(p)
-    p.add_argument(
-        "--name", default=None, help="segment name, or the group's with --gateway-workers"
-    )
-    p.add_argument("--no-cache", action="store_true", help="bypass the cache: always inline")
-    p.add_argument("--log-level", default="warning")
-    ns = p.parse_args(argv)
-    if ns.gateway_workers < 1:
-        p.error("--gateway-workers must be >= 1")
-    if ns.name is not None and ns.gateway_workers == 1 and _has_live_writer(ns.name):
+    opts = parse(ServeOptions, argv, "python -m aioshmcache demo serve", what)
+    if opts.name is not None and opts.gateway_workers == 1 and _has_live_writer(opts.name):
         print(
-            f"python -m aioshmcache demo serve: cache {ns.name!r} already has a live writer "
+            f"python -m aioshmcache demo serve: cache {opts.name!r} already has a live writer "
             "(another gateway?); stop it or pick another --name",
             file=sys.stderr,
         )
         return 2
-
     from .serve import serve
 
-    return serve(
-        host=ns.host,
-        port=ns.port,
-        gateway_workers=ns.gateway_workers,
-        name=ns.name,
-        cache_mb=ns.cache_mb,
-        max_object_mb=ns.max_object_mb,
-        cache=not ns.no_cache,
-        loop=ns.loop,
-        log_level=ns.log_level,
-    )
+    return serve(opts)
 
 
 def _has_live_writer(name: str) -> bool:
@@ -119,58 +123,18 @@ def _has_live_writer(name: str) -> bool:
 
 def run_main(argv: list[str]) -> int:
     """``python -m aioshmcache demo [run]``: gateway, load, verification and the table."""
-    p = argparse.ArgumentParser(
-        prog="python -m aioshmcache demo",
-        description=(
-            "Start the example gateway (examples/fastapi_app.py) under uvicorn on 127.0.0.1, "
-            "drive a Zipf-distributed image load at it, verify every answer against a local "
-            "computation, and print a table (cache on vs off)."
-        ),
+    opts = parse(
+        DemoOptions,
+        argv,
+        "python -m aioshmcache demo",
+        "Start the example gateway (examples/fastapi_app.py) under uvicorn on 127.0.0.1, drive a "
+        "Zipf-distributed image load at it, verify every answer against a local computation, "
+        "and print a table (cache on vs off).",
     )
-    counts = (
-        ("--requests", _RUN.requests, "requests per phase"),
-        ("--concurrency", _RUN.concurrency, "concurrent clients"),
-        ("--images", _RUN.images, "distinct images"),
-    )
-    for flag, n, what in counts:
-        p.add_argument(flag, type=int, default=n, help=f"{what} (%(default)s)")
-    p.add_argument(
-        "--zipf", type=float, default=_RUN.zipf, help="Zipf exponent of image popularity"
-    )
-    p.add_argument("--seed", type=int, default=_RUN.seed)
-    _add_gateway_flags(p)
-    p.add_argument("--no-compare", action="store_true", help="skip the cache-off phase")
-    p.add_argument(
-        "--hash-first",
-        type=float,
-        default=_RUN.hash_first,
-        help="share of repeat requests that first send the hash alone (%(default)s)",
-    )
-    p.add_argument("--quick", action="store_true", help="a short CI run (< 20 s)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    ns = p.parse_args(argv)
-    if ns.quick:
-        ns.requests = min(ns.requests, 60)
-        ns.concurrency = min(ns.concurrency, 8)
-        ns.images = min(ns.images, 12)
-    for flag in ("requests", "concurrency", "images", "gateway_workers"):
-        if getattr(ns, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be >= 1")
-
+    if opts.quick:
+        opts.requests = min(opts.requests, 60)
+        opts.concurrency = min(opts.concurrency, 8)
+        opts.images = min(opts.images, 12)
     from .load import run_demo
 
-    opts = DemoOptions(
-        requests=ns.requests,
-        concurrency=ns.concurrency,
-        images=ns.images,
-        zipf=ns.zipf,
-        seed=ns.seed,
-        cache_mb=ns.cache_mb,
-        max_object_mb=ns.max_object_mb,
-        loop=ns.loop,
-        compare=not ns.no_compare,
-        hash_first=ns.hash_first,
-        json_path=ns.json,
-        gateway_workers=ns.gateway_workers,
-    )
     return run_demo(opts)

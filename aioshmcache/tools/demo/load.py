@@ -1,19 +1,10 @@
 """The demo's load driver: start the example gateway, drive a realistic load, verify, report.
 
-The gateway is the example app (:mod:`.app`, the code of ``examples/fastapi_app.py``) run by
-``python -m aioshmcache demo serve`` in a child process of its own session (Ctrl-C reaches only
-this driver, which then stops it: SIGTERM, then SIGKILL after a deadline).
-
-The load: ``images`` distinct synthetic RGB images (seeded numpy, 96-576 px a side) whose
-popularity follows a Zipf law (a few hot images, a long tail), one image per ``POST /v1/embed``,
-from ``concurrency`` clients sharing one ``httpx.AsyncClient``. A share of the requests for an
-image already sent first tries its hash alone (a client that trusts the gateway still holds
-it); a 409 then makes the client resend it with its pixels, as the example's protocol says. A
-502 or 503 (the engine worker being replaced) is retried a few times, as a client would.
-
-Every answer is checked against the same computation done locally (:func:`expected_answer`:
-the preprocessed tensor's shape and CRC-32, which the engine worker computes from what it read).
-The same load runs again against a gateway with the cache off, and the table shows both.
+The gateway (:mod:`.app`) runs as ``demo serve`` in a child process of its own session. The load:
+seeded synthetic images of Zipf popularity, one per ``POST /v1/embed``, from ``concurrency``
+clients; some repeat requests send the hash alone first (a 409: the pixels follow); a 502 / 503
+(the engine worker being replaced) is retried. Every answer is checked against the same
+computation done locally; the same load runs again with the cache off.
 """
 
 from __future__ import annotations
@@ -22,26 +13,28 @@ import asyncio
 import contextlib
 import json
 import os
-import select
+import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import IO, Any, TypeVar
+from typing import IO, Any, NamedTuple
 
 import httpx
 import numpy as np
+import uvloop
 
 from aioshmcache import ShmCacheError, sweep
 from aioshmcache.metrics import read_snapshot
 
 from ..progress import Progress
 from ..shm import files_with_prefix, remove, segment_files
-from ..units import fmt_bytes
+from ..units import MiB, fmt_bytes
 from .app import image_hash, preprocess, tensor_crc
 from .cli import DemoOptions
 
@@ -58,29 +51,21 @@ __all__ = [
     "synthetic_image",
 ]
 
-T = TypeVar("T")
 #: how often a 502 / 503 (engine worker being replaced) is retried, and the pause between tries
 RETRIES = 20
 RETRY_PAUSE = 0.25
 
 
-# --- the gateway process -------------------------------------------------------------------
 class GatewayProcess:
-    """``python -m aioshmcache demo serve ...`` as a child process, with a bounded stop.
-
-    ``start`` waits for the URL line and then for ``/healthz`` to answer 200 (the engine worker
-    is up). ``stop`` sends SIGTERM (graceful: each gateway process unlinks its segment, then the
-    engine worker stops), SIGKILL to the whole session after ``timeout``, and finally removes
-    the segments of a gateway that could not remove them itself.
-    """
+    """``python -m aioshmcache demo serve ...`` as a child process: ``start`` waits for its URL
+    and for ``/healthz`` (the engine worker is up); ``stop`` sends SIGTERM, SIGKILL to the whole
+    session after ``timeout``, and removes the segments of a gateway that could not."""
 
     def __init__(
         self, args: Sequence[str], *, name: str, procs: int = 1, stderr: IO[Any] | None = None
     ) -> None:
-        self.args = list(args)
-        self.name = name  # the segment's name, or the group's (procs > 1)
-        self.procs = procs
-        self.stderr = stderr
+        # name: the segment's, or the group's (procs > 1)
+        self.args, self.name, self.procs, self.stderr = list(args), name, procs, stderr
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.output: list[str] = []
@@ -89,64 +74,44 @@ class GatewayProcess:
     def start(self, timeout: float = 60.0) -> str:
         cmd = [sys.executable, "-m", "aioshmcache", "demo", "serve", "--port", "0"]
         cmd += ["--name", self.name, "--gateway-workers", str(self.procs), *self.args]
+        out = subprocess.PIPE
         self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=self.stderr,
-            start_new_session=True,
+            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=self.stderr, start_new_session=True
         )
+        lines: queue.Queue[str | None] = queue.Queue()
+        self._drain = threading.Thread(target=self._drain_stdout, args=(lines,), daemon=True)
+        self._drain.start()
         try:
-            self.url = self._read_url(timeout)
-            self._drain = threading.Thread(target=self._drain_stdout, daemon=True)
-            self._drain.start()
+            try:
+                first = lines.get(timeout=timeout)
+            except queue.Empty:
+                raise RuntimeError("the gateway did not print its address in time") from None
+            if first is None:
+                raise RuntimeError(f"the gateway exited early (code {self.proc.poll()})")
+            if not first.startswith("listening on "):
+                raise RuntimeError(f"unexpected first line from the gateway: {first!r}")
+            self.url = first.strip().removeprefix("listening on ")
             self._wait_healthy(timeout)
         except BaseException:
             self.stop()
             raise
         return self.url
 
-    def _read_url(self, timeout: float) -> str:
-        proc = self.proc
-        if proc is None or proc.stdout is None:
-            raise RuntimeError("gateway not started")
-        deadline = time.monotonic() + timeout
-        fd = proc.stdout.fileno()
-        buf = b""
-        while b"\n" not in buf:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RuntimeError("the gateway did not print its address in time")
-            ready, _, _ = select.select([fd], [], [], min(remaining, 0.2))
-            if ready:
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    raise RuntimeError(f"the gateway exited early (code {proc.poll()})")
-                buf += chunk
-        line, _, rest = buf.partition(b"\n")
-        if rest:
-            self.output.append(rest.decode(errors="replace"))
-        text = line.decode().strip()
-        if not text.startswith("listening on "):
-            raise RuntimeError(f"unexpected first line from the gateway: {text!r}")
-        return text.removeprefix("listening on ")
-
-    def _drain_stdout(self) -> None:
-        proc = self.proc
-        if proc is None or proc.stdout is None:
-            return
-        for line in proc.stdout:
-            self.output.append(line.decode(errors="replace"))
+    def _drain_stdout(self, lines: queue.Queue[str | None]) -> None:
+        """Every line the gateway prints, into ``output`` (the first one to ``lines`` too)."""
+        if self.proc is not None and self.proc.stdout is not None:
+            for i, line in enumerate(self.proc.stdout):
+                text = line.decode(errors="replace")
+                lines.put(text) if i == 0 else self.output.append(text)
+        lines.put(None)  # the end (before the first line: the gateway exited early)
 
     def _wait_healthy(self, timeout: float) -> None:
         """Until ``/healthz`` answers 200 (with N processes: until every shard is open)."""
         deadline = time.monotonic() + timeout
         with httpx.Client(base_url=self.url, timeout=2.0) as client:
             while True:
-                if self.proc is not None and self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"the gateway exited during startup (code {self.proc.poll()})"
-                    )
+                if self.proc is not None and (code := self.proc.poll()) is not None:
+                    raise RuntimeError(f"the gateway exited during startup (code {code})")
                 with contextlib.suppress(httpx.HTTPError):
                     up = client.get("/healthz").status_code == 200
                     if up and len(self.segments()) >= self.procs:
@@ -163,11 +128,8 @@ class GatewayProcess:
         return [n for n in files_with_prefix(prefix) if n.removeprefix(prefix).isdigit()]
 
     def cache_stats(self) -> dict[str, Any]:
-        """The counters of every segment of the gateway, read from shared memory and summed.
-
-        Why from shared memory: with N gateway processes a ``/stats`` call reaches one of
-        them; the segments hold every process's counters.
-        """
+        """The counters of every segment of the gateway, summed (from shared memory: with N
+        gateway processes ``/stats`` reaches one of them, the segments hold them all)."""
         total: Counter[str] = Counter()
         for seg in self.segments():
             try:
@@ -176,10 +138,7 @@ class GatewayProcess:
                 continue  # going away right now
             for key in _SUMMED:
                 total[key] += getattr(snap, key)
-        out: dict[str, Any] = dict(total)
-        looked_up = total["hits"] + total["misses"]
-        out["hit_ratio"] = total["hits"] / looked_up if looked_up else 0.0
-        return out
+        return dict(total)
 
     @property
     def pid(self) -> int:
@@ -193,10 +152,8 @@ class GatewayProcess:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
         # whatever of its session is left (all of it after a timeout; an engine worker whose
         # gateway was killed): its own session, started for it, so nothing else is hit
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -207,40 +164,17 @@ class GatewayProcess:
             proc.stdout.close()
         if self._drain is not None:
             self._drain.join(1.0)
-        self._remove_orphans()
+        dead = sweep(dry_run=True)  # lost their writer: a gateway process that could not clean up
+        remove([f for seg in self.segments() if seg in dead for f in segment_files(seg)])
         return proc.returncode
 
-    def _remove_orphans(self) -> None:
-        """If a gateway process died without cleaning up, remove its segment."""
-        dead = sweep(dry_run=True)  # what lost its writer (nothing removed by this)
-        for seg in self.segments():
-            if seg in dead:
-                remove(segment_files(seg))
 
-    def __enter__(self) -> GatewayProcess:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+#: the counters of every segment of a gateway, summed
+_SUMMED: tuple[str, ...] = ("hits", "misses", "sibling_hits", "inline_too_large", "inline_full")
+_SUMMED += ("evictions", "bytes_used", "items", "capacity_bytes")
 
 
-_SUMMED = (
-    "hits",
-    "misses",
-    "sibling_hits",
-    "inline_too_large",
-    "inline_full",
-    "evictions",
-    "bytes_used",
-    "items",
-    "capacity_bytes",
-)
-
-
-# --- the load ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PlannedRequest:
+class PlannedRequest(NamedTuple):
     image: int
     hash_first: bool
 
@@ -317,30 +251,13 @@ class PhaseResult:
         return self.requests > 0 and self.ok == self.requests and self.verified == self.requests
 
     def summary(self) -> dict[str, Any]:
-        cache = self.cache
-        return {
-            "label": self.label,
-            "requests": self.requests,
-            "ok": self.ok,
-            "failed": self.failed,
-            "verified": self.verified,
-            "throughput_rps": self.throughput,
-            "p50_ms": self.percentile(50),
-            "p95_ms": self.percentile(95),
-            "p99_ms": self.percentile(99),
-            "wall_s": self.wall_s,
-            "preprocessed": self.preprocessed,
-            "inline": self.inline,
-            "drift_409": self.drift_409,
-            "drift_resent_ok": self.drift_resent_ok,
-            "retried": self.retried,
-            "gateway_processes": self.gateway_processes,
-            "hit_ratio": cache.get("hit_ratio", 0.0),
-            **{key: cache.get(key, 0) for key in _SUMMED},
-            "single_flight": dict(self.single_flight),
-            "errors": dict(self.errors),
-            "passed": self.passed,
-        }
+        """Every figure of the phase, as the table and ``--json`` give them."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("latencies_ms", "cache")}
+        out |= {f"p{q}_ms": self.percentile(q) for q in (50, 95, 99)}
+        out |= {key: self.cache.get(key, 0) for key in _SUMMED}
+        looked_up = out["hits"] + out["misses"]
+        out |= {"throughput_rps": self.throughput, "hit_ratio": out["hits"] / (looked_up or 1)}
+        return out | {"errors": dict(self.errors), "passed": self.passed}
 
 
 def check_response(body: dict[str, Any], expected: dict[str, Any]) -> tuple[bool, str]:
@@ -377,9 +294,7 @@ async def run_load(
         {"mm_hash": e["mm_hash"], "pixels": base64.b64encode(p).decode(), "height": h, "width": w}
         for (p, h, w), e in zip(images, expected, strict=True)
     ]
-    queue: asyncio.Queue[PlannedRequest] = asyncio.Queue()
-    for r in plan:
-        queue.put_nowait(r)
+    todo = iter(plan)  # shared by the clients: each takes the next request
     prog = Progress(enabled=progress)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
@@ -406,47 +321,32 @@ async def run_load(
         return await post(client, full[req.image])
 
     async def client_task(client: httpx.AsyncClient) -> None:
-        while True:
-            try:
-                req = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
+        for req in todo:
             t0 = time.perf_counter()
             try:
                 r = await ask(client, req)
             except httpx.HTTPError as exc:
                 res.failed += 1
                 res.errors[type(exc).__name__] += 1
-                _show(prog, label, len(plan), res)
-                continue
-            res.latencies_ms.append((time.perf_counter() - t0) * 1e3)
-            if r.status_code != 200:
-                res.failed += 1
-                res.errors[f"HTTP {r.status_code}: {r.text[:120]}"] += 1
             else:
-                body = r.json()
+                res.latencies_ms.append((time.perf_counter() - t0) * 1e3)
+                good = r.status_code == 200
+                body = r.json() if good else {}
                 ok, problem = check_response(body, expected[req.image])
-                res.ok += 1
+                res.ok += good
+                res.failed += not good
+                res.verified += ok
                 res.preprocessed += bool(body.get("preprocessed"))
                 res.inline += body.get("transport") == "inline"
-                if ok:
-                    res.verified += 1
-                else:
+                if not good:
+                    res.errors[f"HTTP {r.status_code}: {r.text[:120]}"] += 1
+                elif not ok:
                     res.errors[f"mismatch: {problem}"] += 1
-            _show(prog, label, len(plan), res)
-
-    async def ticker() -> None:
-        while True:
-            await asyncio.sleep(0.5)
             _show(prog, label, len(plan), res)
 
     async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=limits) as client:
         t0 = time.perf_counter()
-        tick = asyncio.ensure_future(ticker())
-        try:
-            await asyncio.gather(*(client_task(client) for _ in range(concurrency)))
-        finally:
-            tick.cancel()
+        await asyncio.gather(*(client_task(client) for _ in range(concurrency)))
         res.wall_s = time.perf_counter() - t0
         _show(prog, label, len(plan), res, final=True)
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
@@ -454,66 +354,58 @@ async def run_load(
     return res
 
 
-# --- the report ------------------------------------------------------------------------
+#: the rows of the results table: (what, its cell for one phase, from the phase's summary)
+_TABLE = (
+    ("requests ok / failed", "{ok} / {failed}"),
+    ("answers verified (local compute)", "{verified} / {requests}"),
+    ("throughput", "{throughput_rps:.1f} req/s"),
+    ("latency p50 / p95 / p99", "{p50_ms:.0f}/{p95_ms:.0f}/{p99_ms:.0f} ms"),
+    ("gateway processes", "{gateway_processes}"),
+    ("hit ratio", "{hit_pct:.1f} %"),
+    ("  copied from a sibling shard", "{sibling_hits}"),
+    ("images preprocessed", "{preprocessed} / {requests}"),
+    ("preprocessings saved (single flight)", "{saved}"),
+    ("sent inline (socket) / by reference", "{inline} / {by_reference}"),
+    ("items inline: too large / full", "{inline_too_large} / {inline_full}"),
+    ("evictions", "{evictions}"),
+    ("cache used / capacity", "{used_mib:.1f} / {capacity_mib:.0f} MiB"),
+    ("items cached", "{items}"),
+    ("hash-first 409s -> resent ok", "{drift_409} -> {drift_resent_ok}"),
+    ("retried (502/503: engine restarting)", "{retried}"),
+)
+
+
 def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
-    sums = [p.summary() for p in phases]
-
-    def row(name: str, fn: Any) -> str:
-        return f"  {name:<40}" + "".join(f"{fn(s):>22}" for s in sums)
-
+    """The phases side by side, one column each, and their most frequent errors."""
+    cols = []
+    for s in (p.summary() for p in phases):
+        sf = s["single_flight"]  # per process: shown for one gateway process only
+        saved = sf.get("saved", "-") if sf and s["gateway_processes"] == 1 else "-"
+        cols.append(
+            s
+            | {
+                "hit_pct": 100 * s["hit_ratio"],
+                "saved": saved,
+                "by_reference": s["ok"] - s["inline"],
+            }
+            | {"used_mib": s["bytes_used"] / MiB, "capacity_mib": s["capacity_bytes"] / MiB}
+        )
     lines = [
         "",
         f"aioshmcache demo: {opts.requests} requests, {opts.concurrency} clients, {opts.images} "
         f"images (Zipf s={opts.zipf}), one image per request,",
         f"  the example gateway (examples/fastapi_app.py) and its engine worker, cache "
-        f"{opts.cache_mb:g} MiB, max object {fmt_bytes(int(opts.max_object_mb * (1 << 20)))}",
+        f"{opts.cache_mb:g} MiB, max object {fmt_bytes(int(opts.max_object_mb * MiB))}",
         "",
-        f"  {'':<40}" + "".join(f"{s['label']:>22}" for s in sums),
-        row("requests ok / failed", lambda s: f"{s['ok']} / {s['failed']}"),
-        row("answers verified (local compute)", lambda s: f"{s['verified']} / {s['requests']}"),
-        row("throughput", lambda s: f"{s['throughput_rps']:.1f} req/s"),
-        row(
-            "latency p50 / p95 / p99",
-            lambda s: f"{s['p50_ms']:.0f}/{s['p95_ms']:.0f}/{s['p99_ms']:.0f} ms",
+        f"  {'':<40}" + "".join(f"{c['label']:>22}" for c in cols),
+        *(
+            f"  {name:<40}" + "".join(f"{cell.format(**c):>22}" for c in cols)
+            for name, cell in _TABLE
         ),
-        row("gateway processes", lambda s: str(s["gateway_processes"])),
-        row("hit ratio", lambda s: f"{100 * s['hit_ratio']:.1f} %"),
-        row("  copied from a sibling shard", lambda s: str(s["sibling_hits"])),
-        row("images preprocessed", lambda s: f"{s['preprocessed']} / {s['requests']}"),
-        row("preprocessings saved (single flight)", _saved_cell),
-        row("sent inline (socket) / by reference", _transport_cell),
-        row(
-            "items inline: too large / full",
-            lambda s: f"{s['inline_too_large']} / {s['inline_full']}",
-        ),
-        row("evictions", lambda s: str(s["evictions"])),
-        row(
-            "cache used / capacity",
-            lambda s: (
-                f"{s['bytes_used'] / (1 << 20):.1f} / {s['capacity_bytes'] / (1 << 20):.0f} MiB"
-            ),
-        ),
-        row("items cached", lambda s: str(s["items"])),
-        row(
-            "hash-first 409s -> resent ok", lambda s: f"{s['drift_409']} -> {s['drift_resent_ok']}"
-        ),
-        row("retried (502/503: engine restarting)", lambda s: str(s["retried"])),
         "",
     ]
-    for p in phases:
-        for err, n in p.errors.most_common(5):
-            lines.append(f"  {p.label}: {n} x {err}")
+    lines += [f"  {p.label}: {n} x {err}" for p in phases for err, n in p.errors.most_common(5)]
     return "\n".join(lines)
-
-
-def _saved_cell(s: dict[str, Any]) -> str:
-    """Single flight is per process: shown for one gateway process only."""
-    sf = s["single_flight"]
-    return str(sf.get("saved", "-")) if sf and s["gateway_processes"] == 1 else "-"
-
-
-def _transport_cell(s: dict[str, Any]) -> str:
-    return f"{s['inline']} / {s['ok'] - s['inline']}"
 
 
 def _gateway_args(opts: DemoOptions, *, cache: bool) -> list[str]:
@@ -522,34 +414,19 @@ def _gateway_args(opts: DemoOptions, *, cache: bool) -> list[str]:
     return args if cache else [*args, "--no-cache"]
 
 
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run the driver on uvloop when it is installed (less client overhead), else asyncio."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is an optional extra
-        return asyncio.run(coro)
-    result: T = uvloop.run(coro)
-    return result
-
-
 def run_demo(opts: DemoOptions) -> int:
     """The whole demo; 0 only if every request of every phase succeeded and matched."""
-    phases: list[PhaseResult] = []
-    n_gw = opts.gateway_workers
+    n_gw, phases = opts.gateway_workers, []
     configs = [("cache on", True, 1)]
-    if n_gw > 1:  # the same load on N gateway processes (one cache group), next to 1
-        configs.append((f"cache on, {n_gw} gw", True, n_gw))
-    if opts.compare:
-        configs.append(("cache off", False, 1))
-    tag = f"demo-{os.getpid()}-{int(time.time()) % 100000}"
-    t_start = time.perf_counter()
+    configs += [(f"cache on, {n_gw} gw", True, n_gw)] if n_gw > 1 else []  # one cache group
+    configs += [("cache off", False, 1)] if opts.compare else []
+    tag, t_start = f"demo-{os.getpid()}-{int(time.time()) % 100000}", time.perf_counter()
     images: list[tuple[bytes, int, int]] = []
     expected: list[dict[str, Any]] = []
     plan = plan_requests(
         opts.requests, opts.images, zipf=opts.zipf, seed=opts.seed, hash_first=opts.hash_first
     )
     gw: GatewayProcess | None = None
-    boot: threading.Thread | None = None
 
     def on_sigterm(signum: int, frame: object) -> None:
         # the same clean shutdown as Ctrl-C: re-raised as SIGINT, so that a running event loop
@@ -563,38 +440,20 @@ def run_demo(opts: DemoOptions) -> int:
         for i, (label, cache, procs) in enumerate(configs):
             gw = GatewayProcess(_gateway_args(opts, cache=cache), name=f"{tag}-{i}", procs=procs)
             print(f"starting the gateway ({label}) ...", file=sys.stderr)
-            if not images:  # make the images and their answers while the first gateway boots
-                errors: list[BaseException] = []
-
-                def start(g: GatewayProcess = gw, errs: list[BaseException] = errors) -> None:
-                    try:
-                        g.start()
-                    except BaseException as exc:  # re-raised below, in the main thread
-                        errs.append(exc)
-
-                boot = threading.Thread(target=start, daemon=True)
-                boot.start()
-                images = [synthetic_image(opts.seed * 100_003 + k) for k in range(opts.images)]
-                expected = [expected_answer(im) for im in images]
-                boot.join()
-                boot = None
-                if errors:
-                    raise errors[0]
-            else:
-                gw.start()
+            # the first time, the images and their answers are made while the gateway boots
+            # (an interruption waits for the boot to end, then stops the gateway)
+            with ThreadPoolExecutor(1) as pool:
+                booting = pool.submit(gw.start)
+                if not images:
+                    images = [synthetic_image(opts.seed * 100_003 + k) for k in range(opts.images)]
+                    expected = [expected_answer(im) for im in images]
+                booting.result()
             print(f"gateway at {gw.url} (pid {gw.pid}, cache {gw.name})", file=sys.stderr)
-            res = _run(
-                run_load(
-                    gw.url,
-                    plan,
-                    images,
-                    expected,
-                    concurrency=opts.concurrency,
-                    label=label,
-                    progress=opts.progress,
-                    use_hashes=cache,
-                )
-            )
+            load = run_load(
+                gw.url, plan, images, expected, concurrency=opts.concurrency, label=label,
+                progress=opts.progress, use_hashes=cache,
+            )  # fmt: skip
+            res: PhaseResult = uvloop.run(load)  # uvloop: less client overhead
             res.cache = gw.cache_stats()  # before the stop: the segments go with the gateway
             res.gateway_processes = procs
             phases.append(res)
@@ -609,26 +468,18 @@ def run_demo(opts: DemoOptions) -> int:
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, previous)
-        if boot is not None:  # interrupted while the gateway was booting: let it finish first
-            boot.join(70.0)
         if gw is not None:
             gw.stop()
     print(format_table(opts, phases))
-    passed = all(p.passed for p in phases)
-    total = sum(p.requests for p in phases)
-    elapsed = time.perf_counter() - t_start
+    passed, total = all(p.passed for p in phases), sum(p.requests for p in phases)
+    bad, elapsed = sum(p.requests - p.verified for p in phases), time.perf_counter() - t_start
     if passed:
-        print(
-            f"PASS: all {total} requests succeeded and matched the local computation "
-            f"({elapsed:.1f} s)"
-        )
+        print(f"PASS: all {total} requests succeeded and matched the local computation ", end="")
     else:
-        print(
-            f"FAIL: {sum(p.requests - p.verified for p in phases)} of {total} requests failed "
-            f"or did not match ({elapsed:.1f} s)"
-        )
+        print(f"FAIL: {bad} of {total} requests failed or did not match ", end="")
+    print(f"({elapsed:.1f} s)")
     if opts.json_path:
         with open(opts.json_path, "w") as f:
-            summary = {"options": asdict(opts), "phases": [p.summary() for p in phases]}
-            json.dump({**summary, "passed": passed}, f, indent=2)
+            phase = [p.summary() for p in phases]
+            json.dump({"options": asdict(opts), "phases": phase, "passed": passed}, f, indent=2)
     return 0 if passed else 1

@@ -1,7 +1,7 @@
-"""Entry point of the harness's child processes (the parent runs ``-m`` on this package)."""
+"""A child process of the harness (started by the parent only): :func:`.child.child_main`."""
 
 import sys
 
-from .entry import child_main
+from .child import child_main
 
 sys.exit(child_main(sys.argv[1:]))

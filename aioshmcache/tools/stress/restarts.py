@@ -1,40 +1,27 @@
 """The ``sweep-restart`` fault: writers crash and restart under one name while ``sweep`` runs.
 
-The parent runs ``python -m aioshmcache.tools.stress.restarts NAME ROUNDS`` now and then. This
-process first forks a *sweeper* that sweeps ``NAME`` in a loop, then, ``ROUNDS`` times, forks a
-*writer* that creates a cache under ``NAME`` with ``reclaim_dead`` (the previous round's writer
-died holding the name), checks that the name leads to its own segment (a reader attaches by its
-handle, which names the segment's nonce) before and after the sweeper made two more passes, and
-dies without closing (``_exit``: the kernel drops its lock, its segment stays, for the next
-round to reclaim or for the sweeper to remove). A restarted writer whose name no longer leads to
-its segment lost it to a sweep; a restart that raised could not reclaim a dead writer's name:
-both are violations. The last line printed is JSON: ``rounds``, ``lost``, ``failed``,
-``left`` (files still under ``NAME`` after a final sweep) and a few error texts.
-
-Forking is safe here: this process runs no thread and no event loop.
+``python -m aioshmcache.tools.stress.restarts NAME ROUNDS`` forks a *sweeper* that sweeps
+``NAME`` in a loop, then ``ROUNDS`` times a *writer* that creates a cache under ``NAME`` with
+``reclaim_dead`` (its predecessor died holding the name), checks that the name leads to its own
+segment before and after two more sweeper passes, and dies without closing. A writer whose name
+no longer leads to its segment ``lost`` it to a sweep; one that raised ``failed`` to reclaim.
+It prints one JSON line: ``rounds``, ``lost``, ``failed``, ``left`` (files under ``NAME`` after
+a final sweep) and ``violations`` (in words). Forking is safe here: no thread, no event loop.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import sys
 import time
+from multiprocessing.connection import Connection, wait
 from os import _exit  # a forked child leaves without running its parent's exit handlers
 from typing import Any
 
-from aioshmcache import (
-    CacheConfig,
-    ReceiverCache,
-    SegmentNotFoundError,
-    SenderCache,
-    sweep,
-)
+from aioshmcache import CacheConfig, ReceiverCache, SegmentNotFoundError, SenderCache, sweep
 
 from ..shm import segment_files
-
-__all__ = ["run_rounds"]
 
 _FORK = mp.get_context("fork")
 
@@ -56,98 +43,70 @@ def _owns_its_name(tx: SenderCache) -> bool:
     return True
 
 
-def _read_to_eof(fd: int) -> bytes:
-    chunks = []
-    while chunk := os.read(fd, 4096):
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _writer_round(name: str, passes: Any, after: int, report: int, die: int) -> None:
-    """Forked writer: wait for the previous one's death (EOF on ``after``), restart under
-    ``name`` at once, check twice across sweeps, report, wait for ``die`` and die."""
-    if after >= 0:
-        _read_to_eof(after)  # the previous writer is gone: its lock is free, its file stays
-    text = b"ok"
-    try:
+def _writer_round(name: str, passes: Any, prev: int | None, report: Connection, die: Any) -> None:
+    """Forked writer: restart under ``name`` the moment the previous one died (its sentinel),
+    check twice across sweeps, report, and die (``_exit``: its segment stays) on ``die``."""
+    if prev is not None:
+        wait([prev])  # the previous writer is gone: its lock is free, its file stays
+    text = "ok"
+    try:  # a failure is reported to the parent, which counts it as a violation
         tx = SenderCache(CacheConfig(1 << 16, 1 << 12, 1, name=name, reclaim_dead=True))
-        mine = _owns_its_name(tx)
-        seen = passes.value
-        deadline = time.monotonic() + 30.0
+        mine, seen, deadline = _owns_its_name(tx), passes.value, time.monotonic() + 30.0
         while passes.value < seen + 2 and time.monotonic() < deadline:
             time.sleep(0.0005)
         if not (mine and _owns_its_name(tx)):
-            text = b"lost"
-    except BaseException as exc:  # reported to the parent, which counts it as a violation
-        text = f"failed {type(exc).__name__}: {exc}".encode()[:400]
-    os.write(report, text + b"\n")
-    os.close(report)
-    _read_to_eof(die)
-    _exit(0)  # a crash: no close, the segment stays behind
+            text = "lost"
+    except BaseException as exc:
+        text = f"failed {type(exc).__name__}: {exc}"[:400]
+    report.send(text)
+    die.wait()
+    _exit(0)
 
 
 def run_rounds(name: str, rounds: int) -> dict[str, Any]:
     """``rounds`` crash-and-restart rounds under ``name`` against a sweeping process.
 
-    Each writer is forked while its predecessor lives and restarts the moment the predecessor
-    dies (the end of a pipe only the predecessor held): the sweeper meets a freshly dead file
-    while the restart reclaims it, the race that lost segments before ``sweep`` removed only the
-    very file it judged.
-    """
+    Each writer restarts the moment its predecessor dies: the sweeper meets a freshly dead file
+    while the restart reclaims it (the race that lost segments before ``sweep`` removed only the
+    very file it judged)."""
     stop, passes = _FORK.Event(), _FORK.Value("q", 0)
     sweeper = _FORK.Process(target=_sweeper, args=(name, stop, passes), daemon=True)
     sweeper.start()
-    lost = failed = 0
-    errors: list[str] = []
-    prev: tuple[int, int] | None = None  # the live writer: pid, the write end of its die pipe
-    after = -1  # read end of the live writer's death pipe
+    outcomes: list[str] = []
+    prev: tuple[Any, Any] | None = None  # the live writer and its ``die`` event
     try:
         for _ in range(rounds):
-            death_r, death_w = os.pipe()
-            report_r, report_w = os.pipe()
-            die_r, die_w = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - the forked writer
-                for fd in (death_r, report_r, die_w):
-                    os.close(fd)
-                if prev is not None:
-                    os.close(prev[1])
-                _writer_round(name, passes, after, report_w, die_r)
-            for fd in (death_w, report_w, die_r):
-                os.close(fd)
-            if after >= 0:
-                os.close(after)
+            (got, report), die = _FORK.Pipe(duplex=False), _FORK.Event()
+            args = (name, passes, prev and prev[0].sentinel, report, die)
+            (w := _FORK.Process(target=_writer_round, args=args)).start()
+            report.close()
             if prev is not None:
-                os.close(prev[1])  # the previous writer dies; this one restarts at once
-                os.waitpid(prev[0], 0)
-            after, prev = death_r, (pid, die_w)
-            line = _read_to_eof(report_r).decode(errors="replace").strip()
-            os.close(report_r)
-            if line == "lost":
-                lost += 1
-            elif line != "ok":
-                failed += 1
-                if len(errors) < 5:
-                    errors.append(line or "the writer died without a report")
+                prev[1].set()  # the previous writer dies; this one restarts at once
+                prev[0].join()
+            prev = (w, die)
+            try:
+                outcomes.append(got.recv())
+            except EOFError:
+                outcomes.append("the writer died without a report")
     finally:
         if prev is not None:
-            os.close(prev[1])
-            os.waitpid(prev[0], 0)
-        if after >= 0:
-            os.close(after)
+            prev[1].set()
+            prev[0].join(30)
         stop.set()
         sweeper.join(30)
         if sweeper.is_alive():
             sweeper.kill()
             sweeper.join(10)
         sweep(name=name)
-    return {
-        "rounds": rounds,
-        "lost": lost,
-        "failed": failed,
-        "left": segment_files(name),
-        "errors": errors,
-    }
+    lost, errors = outcomes.count("lost"), [o for o in outcomes if o not in ("ok", "lost")]
+    left, why = segment_files(name), []
+    if lost:
+        why.append(f"{lost} of {rounds} writers restarted under {name} lost their segment")
+    if errors:
+        why.append(f"{len(errors)} restarts under {name} could not reclaim: {errors[:5]}")
+    if left:
+        why.append(f"left after the final sweep: {left}")
+    return {"rounds": rounds, "lost": lost, "failed": len(errors), "left": left, "violations": why}
 
 
 def main(argv: list[str]) -> int:

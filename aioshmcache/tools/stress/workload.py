@@ -1,8 +1,6 @@
-"""The workload: deterministic items with digests, the same bytes in every process.
-
-Items are deterministic functions of their hash (heavy-tailed sizes, content sliced from a seeded
-random buffer), so every writer generation produces the same bytes for the same hash. An item
-carries its crc32 (over dtype, shape and bytes of each array) in a field: readers recompute it.
+"""The workload: items are functions of their hash (heavy-tailed sizes, content sliced from a
+seeded random buffer), the same bytes in every process, each carrying its crc32 (over dtype,
+shape and bytes of each array) in a field that readers recompute.
 """
 
 from __future__ import annotations
@@ -16,8 +14,6 @@ from typing import Any, Final
 import numpy as np
 
 from .options import StressOptions
-
-__all__ = ["ARRAY_FIELDS", "Workload", "array_digest", "item_size", "verify_item"]
 
 ARRAY_FIELDS: Final = ("pixel_values", "grid", "mask", "half")
 
@@ -50,19 +46,14 @@ class Workload:
     """Hash universe, Zipf sampler and item factory (same items in every process)."""
 
     def __init__(self, opts: StressOptions) -> None:
-        self.opts = opts
-        self.seed = opts.seed
-        n = opts.universe
-        ranks = np.arange(1, n + 1, dtype=np.float64)
-        w = ranks ** (-opts.zipf)
+        self.opts, self.seed = opts, opts.seed
+        w = np.arange(1, opts.universe + 1, dtype=np.float64) ** (-opts.zipf)
         self._cdf = np.cumsum(w / w.sum())
         # popularity rank -> hash index: popular hashes get random sizes
-        self._perm = np.random.default_rng(opts.seed).permutation(n)
-        big = max(opts.max_item, opts.max_object + (256 << 10))
-        self._base = np.random.default_rng(opts.seed ^ 0x5EED).integers(
-            0, 256, size=big + (1 << 20), dtype=np.uint8
-        )
-        self._digests: dict[int, tuple[int, int]] = {}
+        self._perm = np.random.default_rng(opts.seed).permutation(opts.universe)
+        big = max(opts.max_item, opts.max_object + (256 << 10)) + (1 << 20)
+        self._base = np.random.default_rng(opts.seed ^ 0x5EED).integers(0, 256, big, np.uint8)
+        self._digests: dict[int, int] = {}
 
     def sample(self, rng: random.Random) -> int:
         i = int(np.searchsorted(self._cdf, rng.random(), side="right"))
@@ -82,28 +73,19 @@ class Workload:
         """(item, digest, nbytes): arrays are read-only views into the seeded base buffer."""
         n = self.nbytes(k)
         rows = max(1, (n - 512) // 64)
-        pix_bytes = rows * 64
-        span = len(self._base) - pix_bytes - 256
-        off = int(_unit(self.seed, k, 2) * (span // 64)) * 64
-        base = self._base
-        pixel = base[off : off + pix_bytes].view(np.float32).reshape(rows, 16)
-        grid = np.array([k, rows, 16], dtype=">i8")
-        mask = (base[off + pix_bytes : off + pix_bytes + 64] & 1).astype(np.bool_)
-        half = base[off + pix_bytes + 64 : off + pix_bytes + 128].view(np.float16)
-        arrays = (pixel, grid, mask, half)
-        cached = self._digests.get(k)
-        if cached is None:
-            cached = (array_digest(arrays), n)
-            self._digests[k] = cached
-        digest = cached[0]
-        item = {
-            "pixel_values": pixel,
-            "grid": grid,
-            "mask": mask,
-            "half": half,
-            "meta": {"mm_hash": self.name(k), "digest": digest, "nbytes": n, "tags": ["x", 1, 2.5]},
-        }
-        return item, digest, n
+        end = rows * 64
+        off = int(_unit(self.seed, k, 2) * ((len(self._base) - end - 256) // 64)) * 64
+        base = self._base[off:]
+        arrays = (
+            base[:end].view(np.float32).reshape(rows, 16),  # pixel_values
+            np.array([k, rows, 16], dtype=">i8"),  # grid
+            (base[end : end + 64] & 1).astype(np.bool_),  # mask
+            base[end + 64 : end + 128].view(np.float16),  # half
+        )
+        if (digest := self._digests.get(k)) is None:
+            digest = self._digests[k] = array_digest(arrays)
+        meta = {"mm_hash": self.name(k), "digest": digest, "nbytes": n, "tags": ["x", 1, 2.5]}
+        return {**dict(zip(ARRAY_FIELDS, arrays)), "meta": meta}, digest, n
 
 
 def verify_item(data: object, mm_hash: str, digest: int, nbytes: int) -> str | None:
@@ -117,15 +99,10 @@ def verify_item(data: object, mm_hash: str, digest: int, nbytes: int) -> str | N
         got = meta.get("mm_hash") if isinstance(meta, dict) else meta
         return f"{mm_hash}: item of another hash ({got!r})"
     if meta.get("digest") != digest or meta.get("nbytes") != nbytes:
-        got_meta = f"{meta.get('digest')}/{meta.get('nbytes')}"
-        return f"{mm_hash}: digest/size field {got_meta} != {digest}/{nbytes}"
-    arrays = []
-    for f in ARRAY_FIELDS:
-        a = data[f]
-        if not isinstance(a, np.ndarray):
-            return f"{mm_hash}: field {f} is {type(a).__name__}"
-        arrays.append(a)
-    got = array_digest(arrays)
-    if got != digest:
+        got = f"{meta.get('digest')}/{meta.get('nbytes')}"
+        return f"{mm_hash}: digest/size field {got} != {digest}/{nbytes}"
+    if bad := [f for f in ARRAY_FIELDS if not isinstance(data[f], np.ndarray)]:
+        return f"{mm_hash}: field {bad[0]} is {type(data[bad[0]]).__name__}"
+    if (got := array_digest(data[f] for f in ARRAY_FIELDS)) != digest:
         return f"{mm_hash}: checksum {got:#010x} != expected {digest:#010x} (wrong or torn data)"
     return None

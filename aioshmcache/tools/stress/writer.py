@@ -1,20 +1,19 @@
 """The writer process: one generation of an ``AsyncSenderCache``, M request tasks, forgeries.
 
-It runs at most ``--window`` requests ahead of the readers (credits come back from the parent),
-checks what the sender returns, sends the references on, and, with the ``forge`` fault, sends
-forged and stale references for the readers to refuse. On ``check`` (after quiescence) it checks
-that every cached item becomes freeable and that the ring drains.
+It runs at most ``--window`` requests ahead (credits come back from the parent), checks what the
+sender returns and sends the references on; with ``forge`` it sends forged and stale references
+for the readers to refuse; on ``check`` (after quiescence) it checks that the cache drains.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import random
 import time
 import traceback
 from collections import Counter, deque
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Final
 
 import anyio
 
@@ -24,151 +23,173 @@ from aioshmcache.wire import pack_features
 from .._core_gaps import retag_reference
 from ..framing import Link
 from ..lag import LoopLagMeter
-from .calls import cancel_mode, guarded
-from .forking import fork_lingering
+from .child import SABOTAGE_EVERY, Proc, guarded
 from .options import StressOptions, handout_ttl
-from .protocol import HB_INTERVAL, SABOTAGE_EVERY
 from .workload import Workload
 
-__all__ = ["WriterProc"]
+INV, MISS = "InvalidReferenceError", "CacheMissError"
+Ref = dict[str, Any]
+#: forgeries: how a recent reference is altered, and what a reader may answer when the forgery
+#: is re-tagged with the segment's secret (what an attacker who maps the segment can do: the
+#: ring's own checks must refuse it); untagged, the tag check refuses it (InvalidReferenceError)
+FORGERIES: Final[dict[str, tuple[Callable[[Ref, WriterProc], object], list[str]]]] = {
+    "past_epoch": (lambda r, w: r.update(epoch=r["epoch"] - 1), [MISS]),  # from before a clear
+    "future_epoch": (lambda r, w: r.update(epoch=r["epoch"] + 1), [INV]),
+    "misaligned": (lambda r, w: r.update(address=r["address"] + 8), [INV]),
+    "out_of_range": (lambda r, w: r.update(address=w.capacity + 64 * w.rand(1, 1 << 20)), [INV]),
+    # stale if the chunk was evicted meanwhile
+    "wrong_length": (lambda r, w: r.update(length=r["length"] + 64 ** w.rand(0, 3)), [INV, MISS]),
+    "unissued_id": (lambda r, w: r.update(id=(1 << 62) + w.rand(0, 1 << 40)), [INV]),
+    # an issued id at a place it does not live: stale or invalid
+    "random": (lambda r, w: r.update(w.random_fields()), [INV, MISS]),
+}
+#: not even a well-formed reference
+MALFORMED: Final[tuple[Callable[[Ref], object], ...]] = (
+    lambda r: r.pop("length"),
+    lambda r: r.update(address=-64),
+    lambda r: r.update(id="7"),
+    lambda r: r.update(epoch=True),
+)
+KINDS: Final = ("stale_evicted", "foreign_nonce", "malformed", *FORGERIES)
+Meta = tuple[str, int, dict[str, Any], int, int]  # mm_hash, k, item, digest, size
 
 
-class WriterProc:
+class WriterProc(Proc):
     """One writer generation: an AsyncSenderCache, M request tasks and the probe injector."""
 
-    def __init__(self, opts: StressOptions, gen: int, name: str, delivery: str, link: Link) -> None:
-        self.opts = opts
-        self.gen = gen
-        self.name = name
-        self.delivery = delivery
-        self.link = link
-        self.rng = random.Random(opts.seed * 1000 + gen)
+    def __init__(
+        self, opts: StressOptions, link: Link, token: str, *, gen: int, name: str, delivery: str
+    ) -> None:
+        super().__init__(opts, link, opts.seed * 1000 + gen)
+        self.lag = LoopLagMeter(0.05, window=1)  # a blocked event loop shows up here
+        self.who, self.gen, self.name, self.delivery = f"writer g{gen}", gen, name, delivery
         self.work = Workload(opts)
-        self.credit = opts.window
-        self.credit_event = asyncio.Event()
-        self.stopping = False
-        self.rid = 0
+        self.credit, self.credit_event = opts.window, asyncio.Event()
+        self.stopping, self.rid, self.max_op = False, 0, 0.0
+        self.capacity: int = 0
         self.stats: Counter[str] = Counter()
-        self.lag = LoopLagMeter(0.05, window=1)
-        self.recent: deque[tuple[str, dict[str, int]]] = deque(maxlen=512)
+        self.recent: deque[tuple[str, Ref]] = deque(maxlen=512)
         self.seen: deque[int] = deque(maxlen=256)
         self.tx: AsyncSenderCache | None = None
-        self.max_op = 0.0
-        self.capacity = 0
+        self.handle: dict[str, Any] = {}
+        self.tasks: list[asyncio.Task[None]] = []
 
     def violation(self, text: str) -> None:
         self.stats["violations"] += 1
-        self.link.send({"t": "violation", "who": f"writer g{self.gen}", "text": text})
+        super().violation(text)
+
+    def rand(self, lo: int, hi: int) -> int:
+        return self.rng.randrange(lo, hi)
+
+    def random_fields(self) -> Ref:
+        """A random place, length and issued id for a forged reference."""
+        last = max(int(ref["id"]) for _h, ref in self.recent)
+        length = self.rand(0, 1 << 20)
+        return {
+            "address": 64 * self.rand(0, self.capacity // 64),
+            "id": self.rand(1, max(2, last + 1)),
+            "length": length,
+        }
 
     def config(self) -> CacheConfig:
         o = self.opts
-        evict = o.evict_after if ("stop-readers" in o.faults and o.evict_after > 0) else None
-        # --group: this process is the writer of its own shard of the group ``self.name``
         return CacheConfig(
             o.capacity,
             o.max_object,
             o.readers,
             name=None if o.group else self.name,
-            group=self.name if o.group else None,
+            group=self.name if o.group else None,  # --group: the writer of its own shard
             delivery="one_of_n" if self.delivery == "one_of_n" else "broadcast",
             handout_ttl=handout_ttl(o, self.delivery),
-            evict_stuck_readers_after=evict,
+            evict_stuck_readers_after=o.evict_after or None if "stop-readers" in o.faults else None,
             second_chance=o.second_chance,
         )
 
     async def run(self) -> None:
         async with AsyncSenderCache.from_config(self.config()) as tx:
-            self.tx = tx
-            self.capacity = tx.snapshot().capacity_bytes
-            self.link.send(
-                {
-                    "t": "handle",
-                    "gen": self.gen,
-                    "handle": tx.handle().to_dict(),
-                    "delivery": self.delivery,
-                    "name": tx.sender.name,
-                }
-            )
+            self.tx, self.capacity = tx, tx.snapshot().capacity_bytes
+            handle = tx.handle().to_dict()
+            self.handle = {"gen": self.gen, "delivery": self.delivery, "handle": handle}
+            self.handle["name"] = tx.sender.name
+            loops = [self.request_loop() for _ in range(self.opts.writers)]
+            if "forge" in self.opts.faults and self.opts.probe_rate > 0:
+                loops.append(self.inject_loop())
+            self.tasks = [asyncio.ensure_future(c) for c in loops]
+            for t in self.tasks:
+                t.add_done_callback(self.task_done)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self.lag.run)
                 tg.start_soon(self.heartbeat)
-                tasks = [
-                    asyncio.ensure_future(self.request_loop(i)) for i in range(self.opts.writers)
-                ]
-                if "forge" in self.opts.faults and self.opts.probe_rate > 0:
-                    tasks.append(asyncio.ensure_future(self.inject_loop()))
-                for t in tasks:
-                    t.add_done_callback(self.task_done)
-                await self.control(tasks)
+                await self.serve()
+                self.stopping = True
+                for t in self.tasks:
+                    t.cancel()
+                await asyncio.gather(*self.tasks, return_exceptions=True)
                 tg.cancel_scope.cancel()
 
-    async def control(self, tasks: list[asyncio.Task[None]]) -> None:
-        while True:
-            msg = await self.link.recv()
-            if msg is None:  # the parent is gone
-                self.stopping = True
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                return
-            kind = msg["t"]
-            if kind == "credit":
-                self.give_credit(int(msg["n"]))
-            elif kind == "stop":
-                self.stopping = True
-                self.credit_event.set()
-                _, pending = await asyncio.wait(tasks, timeout=self.opts.op_deadline + 5)
-                for t in pending:
-                    self.violation("a writer task did not stop within its deadline")
-                    t.cancel()
-                self.link.send({"t": "stopped", "gen": self.gen, "stats": self.stats_msg()})
-            elif kind == "check":
-                self.link.send(await self.final_check(float(msg["within"])))
-            elif kind == "fork":  # the fork fault: the parent SIGKILLs us next
-                pid = fork_lingering(self.link, float(msg["linger"]))
-                self.link.send({"t": "forked", "pid": pid})
-            elif kind == "slots":
-                self.link.send({"t": "slots", "slots": self.slots()})
-            elif kind == "exit":
-                return
-
     def task_done(self, t: asyncio.Future[None]) -> None:
-        if not t.cancelled() and t.exception() is not None:
-            exc = t.exception()
-            tb = "".join(traceback.format_exception(exc)) if exc is not None else ""
+        if not t.cancelled() and (exc := t.exception()) is not None:
+            tb = "".join(traceback.format_exception(exc))
             self.violation(f"writer task crashed: {exc!r}\n{tb}")
 
-    def stats_msg(self) -> dict[str, Any]:
-        tx = self.tx
+    def hb(self) -> dict[str, Any]:
+        if self.lag.max > self.opts.max_loop_lag and not self.stats["lag_reported"]:
+            self.stats["lag_reported"] = 1
+            self.violation(f"writer event loop blocked for {self.lag.max:.2f} s")
         out: dict[str, Any] = dict(self.stats)
-        if tx is not None and not tx.sender.closed:
-            snap = tx.snapshot()
-            out.update(
-                hits=snap.hits,
-                misses=snap.misses,
-                inline_full=snap.inline_full,
-                inline_too_large=snap.inline_too_large,
-                evictions=snap.evictions,
-                relocations=snap.relocations,
-                bytes_relocated=snap.bytes_relocated,
-                inline_busy=tx.inline_busy,
-                items=snap.items,
-                bytes_used=snap.bytes_used,
-                sibling_hits=snap.sibling_hits,
+        if self.tx is not None and not self.tx.sender.closed:
+            out.update((k, v) for k, v in self.tx.snapshot().to_dict().items() if k != "readers")
+        return {
+            "stats": dict(
+                out, lag_max=self.lag.max, lag_over_100ms=self.lag.n_large, op_max=self.max_op
             )
-        out["lag_max"] = self.lag.max
-        out["lag_over_100ms"] = self.lag.n_large
-        out["op_max"] = self.max_op
+        }
+
+    # --- the parent's messages -----------------------------------------------------------
+    async def on_handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """What readers need to attach (sent to them as a ``handle`` message)."""
+        return self.handle
+
+    async def on_credit(self, msg: dict[str, Any]) -> None:
+        self.give_credit(int(msg["n"]))
+
+    async def on_stop(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self.stopping = True
+        self.credit_event.set()
+        _, pending = await asyncio.wait(self.tasks, timeout=self.opts.op_deadline + 5)
+        for t in pending:
+            self.violation("a writer task did not stop within its deadline")
+            t.cancel()
+        return self.hb()
+
+    async def on_slots(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"slots": self.slots()}
+
+    def slots(self) -> list[dict[str, Any]]:
+        """The reader slots as the writer sees them now."""
+        tx = self.tx
+        return [] if tx is None or tx.sender.closed else list(tx.snapshot().to_dict()["readers"])
+
+    async def on_check(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """After quiescence: every cached item becomes freeable, and then the ring drains."""
+        tx = self.tx
+        if tx is None:
+            return {"error": "no sender"}
+        deadline = time.monotonic() + float(msg["within"])
+        while True:
+            keys = tx.cached_order()
+            stuck = [h for h in keys if not tx.is_freeable(h)]
+            if not stuck or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        if not stuck:
+            await tx.remove_dangling_items()
+        snap, out = tx.snapshot(), self.hb()
+        out.update(items=len(keys), not_freeable=stuck[:20], n_not_freeable=len(stuck))
+        out.update(after_items=snap.items, after_bytes=snap.bytes_used, slots=self.slots())
         return out
 
-    async def heartbeat(self) -> None:
-        while True:
-            self.link.send({"t": "hb", "stats": self.stats_msg()})
-            if self.lag.max > self.opts.max_loop_lag and not self.stats["lag_reported"]:
-                self.stats["lag_reported"] = 1
-                self.violation(f"writer event loop blocked for {self.lag.max:.2f} s")
-            await asyncio.sleep(HB_INTERVAL)
-
+    # --- requests --------------------------------------------------------------------------
     def give_credit(self, n: int) -> None:
         self.credit += n
         self.credit_event.set()
@@ -182,295 +203,129 @@ class WriterProc:
             if time.monotonic() - t > 60:
                 self.violation("no flow-control credit for 60 s: readers stopped reporting")
                 t = time.monotonic()
-        if self.stopping:
-            return False
-        self.credit -= 1
-        return True
+        self.credit -= not self.stopping
+        return not self.stopping
 
-    def build(
-        self, ks: list[int], force_data: set[str]
-    ) -> tuple[list[FeatureSpec], list[tuple[str, int, dict[str, Any], int, int]]]:
-        tx = self.tx
-        if tx is None:
-            raise RuntimeError("no sender")
-        specs: list[FeatureSpec] = []
-        meta: list[tuple[str, int, dict[str, Any], int, int]] = []
+    def build(self, ks: list[int], force_data: set[str]) -> tuple[list[FeatureSpec], list[Meta]]:
+        """A request's features: items, or None for a hash "the readers have" (a miss then is
+        the sender's CacheMissError)."""
+        specs, meta = [], []
         for j, k in enumerate(ks):
             h = self.work.name(k)
             item, digest, n = self.work.item(k)
             r = self.rng.random()
-            data: Any = item
-            if h not in force_data and (
-                (r < 0.4 and tx.is_cached_item(h)) or (r > 0.97 and k in self.seen)
-            ):
-                data = None  # "the readers have it": a miss here is the sender's CacheMissError
-            specs.append(
-                FeatureSpec(h, data, identifier=f"{self.rid}.{j}", prompt_updates=(("upd", k),))
-            )
+            cached = self.tx is not None and self.tx.is_cached_item(h)
+            none = h not in force_data and ((r < 0.4 and cached) or (r > 0.97 and k in self.seen))
+            data, ident, updates = None if none else item, f"{self.rid}.{j}", (("upd", k),)
+            specs.append(FeatureSpec(h, data, identifier=ident, prompt_updates=updates))
             meta.append((h, k, item, digest, n))
         return specs, meta
 
-    async def request_loop(self, task_no: int) -> None:
+    async def request_loop(self) -> None:
         o, rng, tx = self.opts, self.rng, self.tx
-        if tx is None:
-            return
-        while not self.stopping:
-            if not await self.take_credit():
-                return
+        while tx is not None and not self.stopping and await self.take_credit():
             self.rid += 1
-            rid = self.rid
+            rid, force, sent = self.rid, set[str](), False
             ks = [self.work.sample(rng) for _ in range(rng.choice((1, 1, 1, 2, 2, 3, 4)))]
-            force: set[str] = set()
-            wait = 0.0
-            if o.wait_for_space > 0 and rng.random() < 0.2:
-                wait = rng.uniform(0.0, o.wait_for_space)
-            sent = False
-            # each CacheMissError names hashes passed as None, resent with data: this ends
-            for attempt in range(len(ks) + 1):
+            waits = o.wait_for_space > 0 and rng.random() < 0.2
+            wait = rng.uniform(0.0, o.wait_for_space) if waits else 0.0
+            for attempt in range(len(ks) + 1):  # each CacheMissError is resent with data: ends
                 specs, meta = self.build(ks, force)
-                mode = cancel_mode(o, rng)
-                t0 = time.monotonic()
+                mode, t0 = self.cancel_mode(), time.monotonic()
                 call = functools.partial(tx.get_and_update_features, specs, wait_for_space=wait)
                 res = await guarded(call, mode=mode, deadline=o.op_deadline, rng=rng)
-                took = time.monotonic() - t0
-                self.max_op = max(self.max_op, took)
+                self.max_op = max(self.max_op, time.monotonic() - t0)
                 self.stats["requests"] += 1
+                miss = res.exc.mm_hashes if isinstance(res.exc, CacheMissError) else None
                 if res.kind == "timeout":
                     self.violation(f"get_and_update_features missed its {o.op_deadline} s deadline")
-                    break
-                if res.kind == "cancelled":
+                elif res.kind == "cancelled":
                     self.stats[f"cancelled_{mode}"] += 1
-                    break
-                if res.kind == "error":
-                    exc = res.exc
-                    if (
-                        isinstance(exc, CacheMissError)
-                        and attempt < len(ks)
-                        and not set(exc.mm_hashes) <= force
-                    ):
-                        self.stats["sender_cache_miss"] += 1
-                        force.update(exc.mm_hashes)
-                        continue
-                    self.violation(f"get_and_update_features raised {exc!r}")
-                    break
-                if mode != "none":
-                    self.stats["cancel_too_late"] += 1
-                sent = self.publish(rid, t0, specs, meta, res.value)
+                elif res.kind == "ok":
+                    self.stats["cancel_too_late"] += mode != "none"
+                    sent = self.publish(rid, t0, specs, meta, res.value)
+                elif miss and attempt < len(ks) and not set(miss) <= force:
+                    self.stats["sender_cache_miss"] += 1
+                    force.update(miss)
+                    continue
+                else:
+                    self.violation(f"get_and_update_features raised {res.exc!r}")
                 break
             if not sent:  # nothing went to the readers: no credit comes back for it
                 self.give_credit(1)
             await asyncio.sleep(0)
 
     def publish(
-        self,
-        rid: int,
-        t0: float,
-        specs: list[FeatureSpec],
-        meta: list[tuple[str, int, dict[str, Any], int, int]],
-        out: Any,
+        self, rid: int, t0: float, specs: list[FeatureSpec], meta: list[Meta], out: Any
     ) -> bool:
         """Check what the sender returned and send the references (no await: cancel-safe)."""
-        wired: list[FeatureSpec] = []  # what the readers get: the references, None for inline
-        checks: list[list[int]] = []  # per feature: the digest and size the reader verifies
         if not isinstance(out, list) or len(out) != len(specs):
             self.violation(f"get_and_update_features returned {type(out).__name__}")
             return False
-        # self-test: a lying digest on every SABOTAGE_EVERY-th reference (count-based, not
-        # random: the run keeps going until the readers have caught some, however slow it is)
-        sabotage = "digest" in self.opts.sabotage
+        wired: list[FeatureSpec] = []  # what the readers get: the references, None for inline
+        checks: list[list[int]] = []  # per feature: the digest and size the reader verifies
         for spec, f, (h, k, item, digest, n) in zip(specs, out, meta):
             self.seen.append(k)
             if not isinstance(f, FeatureSpec) or f.mm_hash != h:
                 self.violation(f"{h}: sender returned {f!r}")
                 continue
             updates = tuple(f.prompt_updates)
-            # DESIGN: prompt updates stay in the writer process only, so an item a group shard
-            # copied from a sibling (asked for with None) comes back without them
+            # prompt updates stay in the writer process: a group shard's copy from a sibling
+            # (asked for with None) comes back without them
             sibling_copy = self.opts.group and spec.data is None and updates == ()
-            if (
-                updates != tuple(spec.prompt_updates) and not sibling_copy
-            ) or f.identifier != spec.identifier:
+            lost = updates != tuple(spec.prompt_updates) and not sibling_copy
+            if lost or f.identifier != spec.identifier:
                 self.violation(f"{h}: prompt updates / identifier not preserved")
             if isinstance(f.data, ShmRef):
                 self.recent.append((h, f.data.to_dict()))
                 self.stats["refs"] += 1
                 self.stats["ref_bytes"] += n
-                lie = sabotage and self.stats["refs"] % SABOTAGE_EVERY == 0
-                if lie:
-                    self.stats["sabotaged"] += 1
+                # self-test: a lying digest on every SABOTAGE_EVERY-th reference (count-based:
+                # the run goes on until the readers caught some, however slow it is)
+                lie = "digest" in self.opts.sabotage and self.stats["refs"] % SABOTAGE_EVERY == 0
+                self.stats["sabotaged"] += lie
                 wired.append(FeatureSpec(h, f.data))
-                checks.append([digest ^ 1 if lie else digest, n])
+                checks.append([digest ^ lie, n])
             elif f.data is item and spec.data is item:
                 self.stats["inline"] += 1
                 wired.append(FeatureSpec(h, None))
                 checks.append([digest, n])
             else:
                 self.violation(f"{h}: sender returned data that is neither a ShmRef nor the input")
-        self.link.send(
-            {
-                "t": "req",
-                "gen": self.gen,
-                "d": self.delivery,
-                "rid": rid,
-                "t0": t0,
-                "f": pack_features(wired),
-                "c": checks,
-            }
-        )
+        f = pack_features(wired)
+        self.send("req", gen=self.gen, d=self.delivery, rid=rid, t0=t0, f=f, c=checks)
         return True
 
-    # --- forged and stale references ------------------------------------------------------
+    # --- forged and stale references --------------------------------------------------------
     async def inject_loop(self) -> None:
-        tx = self.tx
-        if tx is None:
-            return
-        kinds = (
-            "stale_evicted",
-            "past_epoch",
-            "future_epoch",
-            "foreign_nonce",
-            "misaligned",
-            "out_of_range",
-            "wrong_length",
-            "unissued_id",
-            "random",
-            "malformed",
-        )
         while not self.stopping:
             await asyncio.sleep(self.rng.expovariate(self.opts.probe_rate))
-            if self.stopping or not self.recent:
+            if (
+                self.stopping
+                or not self.recent
+                or (probe := self.forge(self.rng.choice(KINDS))) is None
+            ):
                 continue
-            kind = self.rng.choice(kinds)
-            probe = self.forge(kind)
-            if probe is None:
-                continue
-            via = "item" if self.rng.random() < 0.3 else "features"
             ref, expect, kind = probe
-            if via == "item":
-                expect = ["StaleReferenceError" if e == "CacheMissError" else e for e in expect]
-            self.stats[f"probe_{kind}"] += 1
-            self.stats["probes"] += 1
-            self.link.send(
-                {
-                    "t": "probe",
-                    "gen": self.gen,
-                    "kind": kind,
-                    "via": via,
-                    "h": "forged",
-                    "ref": ref,
-                    "expect": expect,
-                }
-            )
+            via = "item" if self.rng.random() < 0.3 else "features"
+            if via == "item":  # a stale reference read alone raises StaleReferenceError
+                expect = ["StaleReferenceError" if e == MISS else e for e in expect]
+            self.stats.update((f"probe_{kind}", "probes"))
+            self.send("probe", gen=self.gen, kind=kind, via=via, h="forged", ref=ref, expect=expect)
 
-    def forge(self, kind: str) -> tuple[dict[str, Any], list[str], str] | None:
-        """A forged or stale reference and the typed errors a reader may answer it with.
-
-        References carry a tag binding their fields to the segment's secret, so an altered field
-        is ``InvalidReferenceError``. Half of the forgeries are re-tagged with the secret (what
-        an attacker who can map the segment could do): then the ring's own checks (bounds,
-        alignment, chunk header, id, state, length) must still refuse them.
-        """
-        tx = self.tx
-        if tx is None:
-            return None
+    def forge(self, kind: str) -> tuple[Ref, list[str], str] | None:
+        """A forged or stale reference and the typed errors a reader may answer it with."""
         h, ref = self.rng.choice(self.recent)
-        r: dict[str, Any] = dict(ref)
-        inv, miss = "InvalidReferenceError", "CacheMissError"
-        if kind == "stale_evicted":
-            if tx.is_cached_item(h):
-                return None  # cached (this chunk or a newer one): not certainly stale
-            return r, [miss], kind
-        if kind == "malformed":  # not even a well-formed reference
-            variant = self.rng.randrange(4)
-            if variant == 0:
-                del r["length"]
-            elif variant == 1:
-                r["address"] = -64
-            elif variant == 2:
-                r["id"] = "7"
+        r = dict(ref)
+        if kind == "stale_evicted":  # cached (this chunk or a newer one): not certainly stale
+            return None if self.tx is None or self.tx.is_cached_item(h) else (r, [MISS], kind)
+        if kind in ("foreign_nonce", "malformed"):
+            if kind == "foreign_nonce":
+                r["nonce"] ^= 2
             else:
-                r["epoch"] = True
-            return r, [inv], kind
-        if kind == "foreign_nonce":
-            r["nonce"] ^= 0x2
-            return r, [inv], kind
-        cap = self.capacity
-        if kind == "past_epoch":
-            r["epoch"] -= 1
-            retagged = [miss]  # an older epoch with a valid tag: from before a clear
-        elif kind == "future_epoch":
-            r["epoch"] += 1
-            retagged = [inv]
-        elif kind == "misaligned":
-            r["address"] += 8
-            retagged = [inv]
-        elif kind == "out_of_range":
-            r["address"] = cap + 64 * self.rng.randrange(1, 1 << 20)
-            retagged = [inv]
-        elif kind == "wrong_length":
-            r["length"] += self.rng.choice((1, 64, 4096))
-            retagged = [inv, miss]  # stale if the chunk was evicted meanwhile
-        elif kind == "unissued_id":
-            r["id"] = (1 << 62) + self.rng.randrange(1 << 40)
-            retagged = [inv]
-        elif kind == "random":
-            r["address"] = self.rng.randrange(0, cap // 64) * 64
-            r["id"] = self.rng.randrange(1, max(2, self.max_id_issued() + 1))
-            r["length"] = self.rng.randrange(0, 1 << 20)
-            retagged = [inv, miss]  # an issued id at a place it does not live: stale or invalid
-        else:
-            raise ValueError(kind)
-        if self.rng.random() < 0.5:
-            tag = retag_reference(tx.sender, r)
-            if tag is not None:
-                r["tag"] = tag
-                return r, retagged, kind + "+tag"
-        return r, [inv], kind
-
-    def max_id_issued(self) -> int:
-        """The largest chunk id among the references handed out lately."""
-        return max((int(ref["id"]) for _h, ref in self.recent), default=1)
-
-    async def final_check(self, within: float) -> dict[str, Any]:
-        """After quiescence: every cached item becomes freeable, and then the ring drains."""
-        tx = self.tx
-        out: dict[str, Any] = {"t": "final", "gen": self.gen}
-        if tx is None:
-            out["error"] = "no sender"
-            return out
-        deadline = time.monotonic() + within
-        while True:
-            keys = tx.cached_order()
-            stuck = [h for h in keys if not tx.is_freeable(h)]
-            if not stuck or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.1)
-        out["items"] = len(keys)
-        out["not_freeable"] = stuck[:20]
-        out["n_not_freeable"] = len(stuck)
-        if not stuck:
-            await tx.remove_dangling_items()
-        snap = tx.snapshot()
-        out["after_items"] = snap.items
-        out["after_bytes"] = snap.bytes_used
-        out["slots"] = self.slots()
-        out["stats"] = self.stats_msg()
-        return out
-
-    def slots(self) -> list[dict[str, Any]]:
-        """The reader slots as the writer sees them now."""
-        tx = self.tx
-        if tx is None or tx.sender.closed:
-            return []
-        return [
-            {
-                "slot": s.slot,
-                "attached": s.attached,
-                "alive": s.alive,
-                "pid": s.pid,
-                "lag": s.lag,
-                "acknowledged": s.acknowledged,
-                "revoked": s.revoked,
-            }
-            for s in tx.snapshot().readers
-        ]
+                self.rng.choice(MALFORMED)(r)
+            return r, [INV], kind
+        alter, retagged = FORGERIES[kind]
+        alter(r, self)
+        tag = retag_reference(self.tx.sender, r) if self.tx and self.rng.random() < 0.5 else None
+        return (dict(r, tag=tag), retagged, kind + "+tag") if tag is not None else (r, [INV], kind)
