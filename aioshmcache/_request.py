@@ -72,6 +72,8 @@ _Lock: TypeAlias = "threading.Lock | threading.RLock"
 # mistaken append fails loudly (AttributeError) instead of leaking into every other request.
 _NONE: Final[list[Any]] = cast("list[Any]", ())
 _NO_SET: Final[set[str]] = cast("set[str]", frozenset())
+_new_object = object.__new__
+_set_field = object.__setattr__
 
 
 def check_hash(mm_hash: object) -> str:
@@ -295,7 +297,8 @@ class SenderRequest(_Steps):
     small, else as a copy job); an item too large, or with no room, is served inline; with
     ``wait_for_space`` a miss that finds no room becomes a wait job, bounded by one deadline for
     the whole call. Every cached item of the request is pinned from ``begin`` to the end, and
-    every item it puts is pinned once committed, so a request never evicts its own items.
+    every item it puts is pinned once committed, so a request never evicts its own items (the
+    last copy job of ``run`` commits and finishes in one locked step: no pin is needed there).
     """
 
     # No __slots__: what only some requests need has a class-level default (one store fewer
@@ -311,6 +314,7 @@ class SenderRequest(_Steps):
     _deadline = 0.0
     _wait: float | None = None  # wait_for_space if the caller gave one, else the book's default
     _running = _abandoned = _settled = False
+    _finish_in_jobs = False  # ``run``: the last copy job also finishes (see ``_run_jobs``)
 
     def __init__(
         self,
@@ -365,7 +369,8 @@ class SenderRequest(_Steps):
         jobs, waits), the guard becomes pins of those items before the lock is let go. A
         one-item request guards nothing: its own decision is the only step before ``finish``
         that could evict, and it never evicts its own hit. (An item it puts is still pinned from
-        commit to ``finish`` when the copy runs as a job.)
+        commit to ``finish`` when the copy runs as a job — but for the last job of ``run``,
+        whose commit and ``finish`` are one locked step.)
         """
         self._store.check_owner()  # before the lock (a forked child may inherit it held)
         self._begin(False)
@@ -388,10 +393,13 @@ class SenderRequest(_Steps):
             out = self._begin(True)
             if out is not None:
                 return out
+            self._finish_in_jobs = True
             self.run_jobs()
         except BaseException:
             self.abandon()
             raise
+        if self._settled and not self._abandoned:  # the last copy job finished it
+            return self._out
         return self.finish()
 
     def _begin(self, settle: bool) -> list[MmItem] | None:
@@ -453,8 +461,12 @@ class SenderRequest(_Steps):
         """
         store, book, h = self._store, self._book, self._hashes[i]
         it = self._items[i]
-        ref = store._hand_out_key(h)  # get_cached: checked in ``begin``, under its lock
-        if ref is not None:
+        # ``store._hand_out_key(h)`` (get_cached: checked in ``begin``, under its lock), the
+        # look-up inline: a miss costs no call
+        index = store._index
+        cid = index.shards[hash(h) & index.mask].get(h)
+        if cid is not None:
+            ref = store._hand_out_cid(cid)
             self._handed.append(ref)
             if it is None:  # ``book.prompt_updates.get(h, ())``, one call shorter
                 pu = book.prompt_updates
@@ -495,7 +507,9 @@ class SenderRequest(_Steps):
                 except BaseException:
                     book.count_miss()  # a failed copy counts as a miss
                     raise
-                book.count_miss()
+                c = book.counters  # ``book.count_miss()``, inline: the usual miss
+                c.total = total = c.total + 1
+                book._words[H_MISSES] = total - c.hits
                 self._handed.append(ref)
                 updates = it[1]
                 pu = book.prompt_updates  # ``pu[h] = updates``, one call shorter
@@ -640,12 +654,21 @@ class SenderRequest(_Steps):
 
     def _run_jobs(self) -> None:
         store = self._store
-        for i, res in self._copies:
+        # ``run`` (the sync face) ends the request in the step of its last commit when no wait
+        # follows: that item then needs no pin, since nothing can run between its commit and
+        # the end of the request (as ``start`` ends a request without jobs in ``begin``'s step)
+        last = len(self._copies) - 1 if self._finish_in_jobs and not self._waits else -1
+        for n, (i, res) in enumerate(self._copies):
             if self._abandoned:
                 return  # the roll back aborts what is left
             self._write(res)  # outside the lock: copies into distinct chunks overlap
             with store.lock:
-                self._commit_locked(i, res)
+                if n != last:
+                    self._commit_locked(i, res)
+                    continue
+                self._commit_locked(i, res, pin=False)
+                if not self._abandoned:
+                    self._finish_locked()
         for i in self._waits:
             if self._abandoned:
                 return
@@ -710,16 +733,19 @@ class SenderRequest(_Steps):
     def finish(self) -> list[MmItem]:
         """Unpin and return one ``(ShmRef or item, prompt_updates)`` per item, in order."""
         with self._lock:
-            if self._settled:
-                raise RuntimeError("request already finished or rolled back")
-            out: list[MmItem] = self._out
-            if None in out:
-                self._roll_back_locked()
-                raise RuntimeError("internal error: an item of the request was not decided")
-            self._settled = True
-            if self._pins:
-                self._unpin_locked()
-            return out
+            return self._finish_locked()
+
+    def _finish_locked(self) -> list[MmItem]:
+        if self._settled:
+            raise RuntimeError("request already finished or rolled back")
+        out: list[MmItem] = self._out
+        if None in out:
+            self._roll_back_locked()
+            raise RuntimeError("internal error: an item of the request was not decided")
+        self._settled = True
+        if self._pins:
+            self._unpin_locked()
+        return out
 
     def _unpin_locked(self) -> None:
         for e in self._pins:
@@ -747,10 +773,6 @@ def feature_item(f: FeatureSpec) -> MmItem | None:
         return None
     u = f.prompt_updates
     return (data, u if type(u) is tuple else tuple(u))
-
-
-_new_object = object.__new__
-_set_field = object.__setattr__
 
 
 def features_from(features: Sequence[FeatureSpec], results: Sequence[MmItem]) -> list[FeatureSpec]:

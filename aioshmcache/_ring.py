@@ -17,13 +17,15 @@ it reuses any byte behind it. A reader re-checks after its copy that the head ha
 chunk's position — a word no payload can touch.
 
 The writer's FIFO of chunks is a circular buffer of parallel ``array('q')`` columns (address,
-size, id, position, state) indexed by an ever-growing chunk number, plus one dict address ->
+size, id, position, state) indexed by an ever-growing chunk number, plus dicts address ->
 chunk number: no Python object per chunk, nothing for the garbage collector to walk (a deque of
 250,000 tuples costs ~6 ms per full collection, even a deque of ints as much).
 
 Allocation wraps at the end of the ring; the tail that is skipped stays accounted as used until the
-head passes it. Ids come from a 64-bit counter in the segment header and keep increasing across
-``clear`` (which also bumps the epoch).
+head passes it. The usual allocation, right after the tail, is one comparison with the end of the
+free run there (``_limit``, recomputed when the head moves or the tail wraps); a wrap first skips
+the rest of the ring, then allocates at 0 the usual way. Ids come from a 64-bit counter in the
+segment header and keep increasing across ``clear`` (which also bumps the epoch).
 
 **Relocation** (second chance, :meth:`ShmRingBuffer.relocate_head`) moves the committed head
 chunk to the tail: the head chunk is freed exactly as by :meth:`~ShmRingBuffer.free` (state
@@ -65,7 +67,7 @@ from ._layout import (
     chunk_size,
 )
 from ._segment import Segment
-from ._shards import ShardedMap, shards_for
+from ._shards import shards_for
 from ._types import CacheHandle
 from .errors import (
     CacheFullError,
@@ -109,14 +111,23 @@ class ShmRingBuffer:
         self._state = array("q", bytes(64))
         self._head = 0  # number of the oldest chunk
         self._end = 0  # number the next chunk gets
-        # address // 64 -> number of the chunk there: one entry per chunk, so sharded
-        # (``_shards``); by the 64-byte unit, so that consecutive chunks fall in different shards
-        # (a shard then holds at most capacity / 16 KiB entries, whatever the chunk sizes)
-        self._num: ShardedMap[int, int] = ShardedMap(
-            shards_for(self.capacity // (2 * CHUNK_HEADER))
-        )
+        # address // 64 -> number of the chunk there: one entry per chunk, so split in dicts by
+        # the 64-byte unit (as ``_shards.ShardedMap`` splits by hash, which is the same for these
+        # ints), so that consecutive chunks fall in different dicts (one then holds at most
+        # capacity / 16 KiB entries, whatever the chunk sizes); no count is kept
+        self._at: list[dict[int, int]] = [
+            {} for _ in range(shards_for(self.capacity // (2 * CHUNK_HEADER)))
+        ]
+        self._at_mask = len(self._at) - 1
         self._tail = 0
-        self._next_pos = int(self._hw[H_HEAD_POS])  # position of the next byte allocated
+        # position of address 0 in the tail's lap: the next byte allocated is at position
+        # ``_lap + _tail`` (a segment starts at a lap boundary: position mod capacity = address)
+        self._lap = int(self._hw[H_HEAD_POS])
+        #: bytes between head and tail, the skipped tail of a wrap included (writer only; an
+        #: attribute kept up to date, not a property: the store publishes it on every put)
+        self.used_bytes = 0
+        self._limit = -1  # end of the free run at the tail (``_set_limit``)
+        self._set_limit()
 
     # --- standalone construction ----------------------------------------------------------
     @classmethod
@@ -176,14 +187,6 @@ class ShmRingBuffer:
         return self._end - self._head
 
     @property
-    def used_bytes(self) -> int:
-        """Bytes between head and tail, the skipped tail of a wrap included."""
-        if self._end == self._head:
-            return 0
-        head = self._addr[self._head & self._mask]
-        return self._tail - head if self._tail > head else self.capacity - head + self._tail
-
-    @property
     def head_id(self) -> int | None:
         """Id of the oldest allocated chunk, None if the ring is empty (writer only)."""
         return self._id[self._head & self._mask] if self._end != self._head else None
@@ -212,7 +215,8 @@ class ShmRingBuffer:
 
     def _pop_head(self) -> None:
         """Drop the head chunk from the FIFO (its state word is already written)."""
-        del self._num[self._addr[self._head & self._mask] >> 6]
+        u = self._addr[self._head & self._mask] >> 6
+        del self._at[u & self._at_mask][u]
         self._head += 1
 
     def _check_writer(self) -> None:
@@ -238,7 +242,8 @@ class ShmRingBuffer:
 
     def fits(self, payload: int) -> bool:
         """Whether a payload of this size fits now without freeing anything."""
-        return self._place(chunk_size(payload)) is not None
+        size = CHUNK_HEADER + ((payload + 63) & -64)  # chunk_size, inline
+        return self._tail + size <= self._limit or self._place(size) is not None
 
     def allocate(self, payload: int) -> tuple[int, int]:
         """Reserve a chunk for ``payload`` bytes; returns (address, id). State: *writing*."""
@@ -254,74 +259,107 @@ class ShmRingBuffer:
 
     def try_allocate(self, payload: int) -> tuple[int, int] | None:
         """:meth:`allocate`, or None (nothing changed) if the chunk does not fit now."""
-        if not self._writer or self._seg.closed or self._seg.forked:
-            self._check_writer()
-        if payload < 0:
-            raise ValueError("payload size must be non-negative")
         size = CHUNK_HEADER + ((payload + 63) & -64)  # chunk_size, inline (the hot path)
-        tail, cap = self._tail, self.capacity
-        if self._end == self._head:  # _place, inline
-            if size > cap:
-                return None
-            addr = 0
-        else:
-            head = self._addr[self._head & self._mask]
-            if tail > head:  # data in [head, tail)
-                if cap - tail >= size:
-                    addr = tail
-                elif head >= size:
-                    addr = 0
-                else:
-                    return None
-            elif head - tail >= size:  # wrapped: data in [head, cap) + [0, tail)
-                addr = tail
-            else:
-                return None
+        tail = self._tail
+        seg = self._seg
+        if tail + size > self._limit or payload < 0 or seg.closed or seg.forked:
+            # the rare cases, out of line: a wrap, no room, a bad size, not the writer
+            return self._allocate_rare(payload, size)
+        # the usual case: the chunk fits right after the tail (``_limit``, see ``_set_limit``)
         hw = self._hw
         cid = hw[H_NEXT_ID]
         if cid > MAX_RING_ID:  # before any store: an exhausted ring is left as it was
             raise ShmCacheError("chunk ids exhausted (the last id is 2**63 - 1)")
         hw[H_NEXT_ID] = cid + 1
-        w, i = self._w, addr >> 3
+        w, i = self._w, tail >> 3
         w[i + C_STATE] = WRITING
         w[i + C_ID] = cid
         w[i + C_LENGTH] = payload
         w[i + C_CHECK] = cid ^ payload ^ CHUNK_MAGIC
-        pos = self._next_pos
-        if addr != tail:  # wrapped: the skipped tail counts in the stream of positions
-            pos += cap - tail
-        self._next_pos = pos + size
         k = self._end
         if k - self._head > self._mask:
             self._grow()
         j = k & self._mask
-        self._addr[j] = addr
+        self._addr[j] = tail
         self._size[j] = size
         self._id[j] = cid
-        self._cpos[j] = pos
+        self._cpos[j] = self._lap + tail
         self._state[j] = WRITING
-        num = self._num  # ``self._num[addr >> 6] = k`` inline: no chunk is at addr yet
-        num.shards[hash(addr >> 6) & num.mask][addr >> 6] = k
-        num.n += 1
+        u = tail >> 6
+        self._at[u & self._at_mask][u] = k
         self._end = k + 1
-        self._tail = addr + size
-        return addr, cid
+        self._tail = tail + size
+        self.used_bytes += size
+        return tail, cid
+
+    def _allocate_rare(self, payload: int, size: int) -> tuple[int, int] | None:
+        """:meth:`try_allocate` when the chunk does not fit right after the tail.
+
+        Either it does not fit at all (None), or the input or the role is wrong (the typed
+        error), or it fits at address 0: then the rest of the ring after the tail is skipped —
+        it stays accounted as used, and in the stream of positions, until the head passes it —
+        and the chunk is allocated at the new tail, 0, by the usual path.
+        """
+        self._check_writer()
+        if payload < 0:
+            raise ValueError("payload size must be non-negative")
+        addr = self._place(size)
+        if addr is None:
+            return None
+        tail = self._tail
+        if addr != tail:  # a wrap (or an empty ring whose tail is not at 0)
+            if self._hw[H_NEXT_ID] > MAX_RING_ID:  # before the skip: nothing changes
+                raise ShmCacheError("chunk ids exhausted (the last id is 2**63 - 1)")
+            self._lap += self.capacity  # the skipped bytes count in the stream of positions
+            self.used_bytes += self.capacity - tail  # and as used, until the head passes them
+            self._tail = 0
+        self._set_limit()
+        if self._tail + size > self._limit:  # never: _place said it fits at the tail now
+            raise RuntimeError(f"internal error: no room at {self._tail} after placing there")
+        return self.try_allocate(payload)
+
+    def _set_limit(self) -> None:
+        """Where the free run that starts at the tail ends (the usual allocation's bound).
+
+        The end of the ring while the data does not wrap (or the ring is empty: its tail is 0),
+        else the head's address. Recomputed whenever the head or the tail's lap changes
+        (``_publish_head``, a wrap); a reader's is -1: every allocation goes the rare way, which
+        raises ``RoleError``.
+        """
+        if not self._writer:
+            self._limit = -1
+        elif self._end == self._head:  # empty: its tail is at 0 (else: a wrap to 0 first)
+            self._limit = self.capacity if self._tail == 0 else -1
+        else:
+            head = self._addr[self._head & self._mask]
+            self._limit = self.capacity if self._tail > head else head
+
+    def _number(self, address: int) -> int | None:
+        """The number of the allocated chunk at ``address``, None if no chunk starts there."""
+        if address & 63:
+            return None
+        u = address >> 6
+        return self._at[u & self._at_mask].get(u)
 
     def position(self, address: int) -> int:
         """The position of the allocated chunk at ``address`` (goes into its references)."""
-        if address & 63:
+        k = self._number(address)
+        if k is None:
             raise KeyError(address)
-        return self._cpos[self._num[address >> 6] & self._mask]
+        return self._cpos[k & self._mask]
 
     def _publish_head(self) -> None:
         """Publish the reuse fence: everything before the head's position may be overwritten."""
         if self._end != self._head:
-            self._hw[H_HEAD_POS] = self._cpos[self._head & self._mask]
-            return
-        cap = self.capacity  # empty: the next chunk goes to address 0, the next lap
-        self._next_pos = -(-self._next_pos // cap) * cap
-        self._tail = 0
-        self._hw[H_HEAD_POS] = self._next_pos
+            self._hw[H_HEAD_POS] = head = self._cpos[self._head & self._mask]
+            self.used_bytes = self._lap + self._tail - head  # positions of the tail and the head
+        else:  # empty: the next chunk goes to address 0, the next lap
+            cap = self.capacity
+            self._lap = -(-(self._lap + self._tail) // cap) * cap
+            self._tail = 0
+            self._hw[H_HEAD_POS] = self._lap
+            self.used_bytes = 0
+        self._set_limit()  # the head moved
 
     def payload(self, address: int) -> memoryview:
         """Writable view of an allocated chunk's payload (writer only)."""
@@ -334,22 +372,18 @@ class ShmRingBuffer:
         """Make the chunk readable: its payload must be fully written. Returns its position."""
         if not self._writer or self._seg.closed or self._seg.forked:
             self._check_writer()
-        # ``self._num.get(address >> 6)``, inline
-        k = (
-            None
-            if address & 63
-            else (num := self._num).shards[hash(address >> 6) & num.mask].get(address >> 6)
-        )
-        if k is None or self._state[k & self._mask] != WRITING:
+        # ``self._number(address)``, inline
+        k = None if address & 63 else self._at[(u := address >> 6) & self._at_mask].get(u)
+        if k is None or self._state[j := k & self._mask] != WRITING:
             raise ShmCacheError(f"chunk at {address} is not being written")
         self._w[(address >> 3) + C_STATE] = COMMITTED
-        self._state[k & self._mask] = COMMITTED
-        return self._cpos[k & self._mask]
+        self._state[j] = COMMITTED
+        return self._cpos[j]
 
     def abandon(self, address: int) -> None:
         """Mark an allocation whose copy was abandoned as dead; it is reclaimed in FIFO order."""
         self._check_writer()
-        k = None if address & 63 else self._num.get(address >> 6)
+        k = self._number(address)
         if k is not None:
             self._w[(address >> 3) + C_STATE] = DEAD
             self._state[k & self._mask] = DEAD
@@ -372,15 +406,15 @@ class ShmRingBuffer:
         self._check_writer()
         need = chunk_size(nbytes) if nbytes > 0 else 0
         freed: list[int] = []
-        w, m, num = self._w, self._mask, self._num
+        w, m, at, at_mask = self._w, self._mask, self._at, self._at_mask
         addrs, ids, states = self._addr, self._id, self._state
         cap, tail = self.capacity, self._tail
         extra = 0
         fits = False  # once it fits it keeps fitting: freeing the head only adds room
         while self._end != self._head:
             if need:
-                if not fits:
-                    fits = self._place(need) is not None
+                if not fits:  # ``_limit`` is not updated in the loop: it may only be too low
+                    fits = tail + need <= self._limit or self._place(need) is not None
                 if fits:
                     if extra >= max_extra:
                         break
@@ -394,7 +428,7 @@ class ShmRingBuffer:
                 break
             addr = addrs[j]
             w[(addr >> 3) + C_STATE] = FREED
-            del num[addr >> 6]
+            del at[(u := addr >> 6) & at_mask][u]
             self._head += 1
             freed.append(cid)
         if freed:
@@ -453,7 +487,8 @@ class ShmRingBuffer:
         for k in live:
             self._w[(addrs[k & m] >> 3) + C_STATE] = FREED
         self._head = self._end
-        self._num.clear()
+        for d in self._at:
+            d.clear()
         self._publish_head()
         return freed
 

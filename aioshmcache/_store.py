@@ -76,6 +76,7 @@ from ._acks import Acknowledgements
 from ._evict import EVICT_SLACK_BYTES, RELOCATE_BUDGET, Eviction
 from ._hints import Hint, HintTable
 from ._layout import (
+    CHUNK_HEADER,
     DELIVERY_CODES,
     H_BYTES_USED,
     H_DELIVERY,
@@ -630,8 +631,9 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
             self._make_room(nbytes, 0.0, {})  # no wait: the lock is never let go
             got = ring.allocate(nbytes)
         address, cid = got
+        start = address + CHUNK_HEADER  # ``ring.payload(address)``, inline: its length is nbytes
         try:
-            self.serde.write(plan, ring.payload(address))
+            self.serde.write(plan, ring.buf[start : start + nbytes])
         except BaseException:
             ring.abandon(address)
             raise
@@ -765,8 +767,10 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
         """:meth:`get_cached` for a caller that checked the owner and holds the lock."""
         index = self._index
         cid = index.shards[hash(key) & index.mask].get(key)  # self._index.get, one call shorter
-        if cid is None:
-            return None
+        return None if cid is None else self._hand_out_cid(cid)
+
+    def _hand_out_cid(self, cid: int) -> ShmRef:
+        """A new hand-out of the cached chunk ``cid`` (``_index[key]``; lock held, as above)."""
         if self.second_chance:  # a hit: second chance (``self._marked[cid] = None``, inline)
             marks = self._marked
             shard = marks.shards[hash(cid) & marks.mask]

@@ -8,7 +8,10 @@ threads otherwise spin, and their instructions grow with the run's length.
 
 ``python bench/bench_lean_ir.py --inner CELL N`` is one such run (what valgrind executes).
 Cells: a 1 KiB miss and a hit, through ``get_and_update_item``, ``get_and_update_features([spec])``
-and their awaited twins on ``AsyncSenderCache``. Uses only the public API.
+and their awaited twins on ``AsyncSenderCache``; ``put_1m``, a 1 MiB ``ShmObjectStore.put`` into a
+full 72 MiB ring (every put evicts, in steady state), and ``copy_1m``, a rotating ``np.copyto`` of
+1 MiB into a /dev/shm mapping of the same size: their difference is what a big put costs beyond
+its copy. Uses only the public API.
 """
 
 from __future__ import annotations
@@ -24,7 +27,37 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 CELLS = ("item_miss", "item_hit", "feat_miss", "feat_hit", "aitem_miss", "aitem_hit", "afeat_miss")
+BIG_CELLS = ("put_1m", "copy_1m")
 WARM = 200
+
+
+def inner_big(cell: str, calls: int) -> None:
+    """``put_1m`` / ``copy_1m``: set up, fill the ring once (warm-up), then ``calls`` calls."""
+    import numpy as np
+
+    from aioshmcache import CacheConfig, ShmObjectStore
+    from aioshmcache.tools.bench.timing import ShmBuffer
+
+    mib = 1 << 20
+    capacity = 72 * mib
+    src = np.random.default_rng(0).integers(0, 255, mib, dtype=np.uint8)
+    item = {"data": src}
+    warm = capacity // mib + 8  # a lap and then some: every later put evicts
+    if cell == "put_1m":
+        cfg = CacheConfig(capacity, 2 * mib, 1, name=f"bench-ir-{os.getpid()}")
+        with ShmObjectStore.create(cfg) as store:
+            for i in range(warm + calls):
+                store.put(f"b{i}", item)
+        return
+    if cell != "copy_1m":
+        raise SystemExit(f"unknown cell {cell!r}")
+    target = ShmBuffer(capacity)
+    slots = capacity // (mib + 4096) - 1
+    try:
+        for i in range(warm + calls):
+            np.copyto(target.view(mib, (i % slots) * (mib + 4096)), src)
+    finally:
+        target.close()
 
 
 def inner(cell: str, calls: int) -> None:
@@ -106,7 +139,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("cells", nargs="*")
     a = ap.parse_args(argv)
     if a.inner:
-        inner(a.cells[0], int(a.cells[1]))
+        (inner_big if a.cells[0] in BIG_CELLS else inner)(a.cells[0], int(a.cells[1]))
         return 0
     cells = a.cells or list(CELLS)
     runs = [(c, n) for c in cells for n in (a.calls, 0)]

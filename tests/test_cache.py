@@ -807,3 +807,79 @@ def test_a_request_that_goes_on_unlocked_keeps_its_early_items(make_config: Any)
         assert not sender.is_cached_item("A")
     finally:
         sender.close()
+
+
+def test_sync_receivers_read_big_references_in_the_validating_step(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sync receiver reads every reference, big ones included, in the step that validated
+    it (no read job, no second look-up of the chunk); the item is read whole and acknowledged.
+    The threshold is the async face's: a ``ReceiverRequest`` with the default one still makes
+    its big reads jobs."""
+    from aioshmcache._receive import ReceiverRequest
+
+    jobs: list[object] = []
+    run_jobs = ReceiverRequest.run_jobs
+
+    def counted_run_jobs(self: ReceiverRequest) -> None:
+        jobs.append(self)
+        run_jobs(self)
+
+    big = 3 << 20  # over the default threshold (1 MiB)
+    with (
+        SenderCache(make_config(16 << 20, 8 << 20, 1)) as tx,
+        ReceiverCache.attach(tx.handle()) as rx,
+    ):
+        monkeypatch.setattr(ReceiverRequest, "run_jobs", counted_run_jobs)
+        refs = [tx.get_and_update_item((item(t, big), ()), f"b{t}")[0] for t in range(3)]
+        got = rx.get_and_update_item(refs[0], "b0")
+        [f1, f2] = rx.get_and_update_features(
+            [FeatureSpec("b1", refs[1]), FeatureSpec("b2", refs[2])]
+        )
+        assert jobs == []
+        for t, data in enumerate([got, f1.data, f2.data]):
+            assert data["pixel_values"].nbytes == big and int(data["pixel_values"][-1]) == t
+        assert all(tx.is_freeable(f"b{t}") for t in range(3))  # every read acknowledged
+        assert rx.make_stats() == CacheInfo(3, 3)
+        ref, _ = tx.get_and_update_item(None, "b0")
+        req = rx._request([FeatureSpec("b0", ref)])  # the async face's default: a read job
+        req.begin()
+        assert req.has_jobs
+        req.run_jobs()
+        assert jobs == [req] and int(req.finish()[0].data["pixel_values"][7]) == 0
+
+
+async def test_the_sync_face_s_last_copy_job_needs_no_pin(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SenderRequest.run`` commits its last copy job and finishes in one locked step, so that
+    item is never pinned (nothing can run between); earlier copy jobs of the request are pinned
+    until the end, as are the async face's (its ``finish`` comes later, on the loop). Every
+    pin is undone and every item reads back whole."""
+    from aioshmcache import AsyncSenderCache
+    from aioshmcache._pins import Pins
+
+    pinned: list[str] = []
+    pin_entry = Pins._pin_entry
+
+    def counted(self: Any, key: str) -> Any:
+        pinned.append(key)
+        return pin_entry(self, key)
+
+    monkeypatch.setattr(Pins, "_pin_entry", counted)
+    big = 2 << 20  # a copy job (over the 1 MiB inline threshold)
+    with (
+        SenderCache(make_config(32 << 20, 8 << 20, 1)) as tx,
+        ReceiverCache.attach(tx.handle()) as rx,
+    ):
+        ref, _ = tx.get_and_update_item((item(1, big), ()), "one")
+        assert pinned == []
+        out = tx.get_and_update([(item(2, big), ()), (item(3, big), ())], ["two", "three"])
+        assert pinned == ["two"]  # the last one ends the request in its commit step
+        face = AsyncSenderCache(tx)
+        aref, _ = await face.get_and_update_item((item(4, big), ()), "four")
+        assert pinned == ["two", "four"]
+        assert not [e for e in tx.store.ledger.entries.values() if e.pins]  # nothing left pinned
+        refs = [("one", ref), ("two", out[0][0]), ("three", out[1][0]), ("four", aref)]
+        for t, (h, r) in enumerate(refs, start=1):
+            assert int(rx.get_and_update_item(r, h)["pixel_values"][-1]) == t

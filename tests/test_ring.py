@@ -19,6 +19,7 @@ from hypothesis.stateful import (
 
 from aioshmcache import (
     CacheFullError,
+    ClosedCacheError,
     InvalidReferenceError,
     ReceiverCache,
     RoleError,
@@ -40,8 +41,9 @@ class RingModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.ring = ShmRingBuffer.create(CAP, first_id=(1 << 32) - 3)  # ids cross 2**32
-        self.fifo: list[list[Any]] = []  # [addr, size, id, data, acked]
+        self.fifo: list[list[Any]] = []  # [addr, size, id, data, acked, position]
         self.last_id = 0
+        self.next_pos = 0  # the position of the next byte allocated (the stream of positions)
         self.freed: list[tuple[int, int]] = []
         self.rng = np.random.default_rng(0)
 
@@ -59,6 +61,18 @@ class RingModel(RuleBasedStateMachine):
             return 0 if head >= size else None
         return tail if head - tail >= size else None
 
+    def _model_position(self, addr: int, size: int) -> int:
+        """The position a chunk allocated at ``addr`` gets: an empty ring starts a new lap, a
+        wrap counts the skipped tail."""
+        if not self.fifo:
+            self.next_pos = -(-self.next_pos // CAP) * CAP
+            tail = 0
+        else:
+            tail = int(self.fifo[-1][0]) + int(self.fifo[-1][1])
+        pos = self.next_pos + (CAP - tail if addr != tail else 0)
+        self.next_pos = pos + size
+        return pos
+
     @rule(target=chunks, payload=st.integers(0, 1500))
     def allocate(self, payload: int) -> object:
         expect = self._model_place(chunk_size(payload))
@@ -73,7 +87,7 @@ class RingModel(RuleBasedStateMachine):
         self.last_id = cid
         data = self.rng.integers(0, 255, payload, dtype=np.uint8).tobytes()
         self.ring.payload(addr)[:] = data
-        self.ring.commit(addr)
+        assert self.ring.commit(addr) == self._model_position(addr, chunk_size(payload))
         rec: list[object] = [addr, chunk_size(payload), cid, data, False]
         self.fifo.append(rec)
         return rec
@@ -108,8 +122,9 @@ class RingModel(RuleBasedStateMachine):
         assert isinstance(data, bytes)
         moved = self.ring.relocate_head()
         assert moved is not None
-        addr, cid, _pos = moved
+        addr, cid, pos = moved
         assert addr == expect and cid > self.last_id
+        assert pos == self._model_position(addr, int(size))
         self.last_id = cid
         assert bytes(self.ring.access(addr, cid, len(data))) == data
         rec: list[object] = [addr, size, cid, data, False]
@@ -160,6 +175,7 @@ class RingModel(RuleBasedStateMachine):
         assert all(a >= 0 and b <= CAP for a, b in spans)
         used = sum(int(r[1]) for r in self.fifo)
         assert self.ring.used_bytes >= used
+        assert self.ring.used_bytes == CAP - self._model_free_bytes()  # the skipped tail too
 
 
 TestRingModel = RingModel.TestCase
@@ -185,6 +201,39 @@ def test_wraparound_accounts_the_skipped_tail() -> None:
         assert ring.used_bytes == 1024  # [384, 768) live, [768, 1024) skipped, [0, 384) live
     finally:
         ring.close()
+
+
+def test_a_wrap_with_no_id_left_changes_nothing() -> None:
+    """The last id goes, then an allocation that would wrap raises before it skips the tail."""
+    last = (1 << 63) - 1
+    ring = ShmRingBuffer.create(1024, first_id=last - 1)
+    try:
+        a, ca = ring.allocate(300)  # [0, 384)
+        b, cb = ring.allocate(500)  # [384, 960): 64 bytes left at the end
+        ring.commit(a)
+        ring.commit(b)
+        assert ring.free(lambda c: c == ca, 300) == [ca]  # room at 0 now: a wrap would fit
+        before = (ring.next_id, ring.n_chunks, ring.used_bytes, ring.fits(300))
+        assert before[3] and before[2] == 576
+        with pytest.raises(ShmCacheError, match="exhausted"):
+            ring.try_allocate(300)
+        assert (ring.next_id, ring.n_chunks, ring.used_bytes, ring.fits(300)) == before
+        assert ring.position(b) == 384 and cb == last
+    finally:
+        ring.close()
+
+
+def test_wrong_sizes_and_a_closed_ring_raise_typed_errors() -> None:
+    ring = ShmRingBuffer.create(1024)
+    with pytest.raises(ValueError, match="non-negative"):
+        ring.try_allocate(-100)  # would look like a 0-byte chunk to the room check
+    with pytest.raises(ValueError, match="non-negative"):
+        ring.try_allocate(-1)
+    assert ring.n_chunks == 0 and ring.next_id == 1
+    assert ring.try_allocate(1024) is None  # never fits (its header too): nothing changed
+    ring.close()
+    with pytest.raises(ClosedCacheError):
+        ring.try_allocate(100)
 
 
 def test_reference_validation_is_typed() -> None:

@@ -26,7 +26,12 @@ from aioshmcache import (
     StaleReferenceError,
     StoreWriter,
 )
-from aioshmcache._evict import EVICT_SLACK_CHUNKS, RELOCATE_BUDGET, RELOCATE_MAX_ITEMS
+from aioshmcache._evict import (
+    EVICT_AHEAD_PUTS,
+    EVICT_SLACK_CHUNKS,
+    RELOCATE_BUDGET,
+    RELOCATE_MAX_ITEMS,
+)
 from aioshmcache._inspect import inspect_segment
 from aioshmcache._layout import chunk_size
 from aioshmcache.errors import ShmCacheError
@@ -261,6 +266,32 @@ def test_batch_eviction_frees_a_bounded_slack(make_config: Any) -> None:
         assert max(deltas) <= 1 + EVICT_SLACK_CHUNKS
         passes = sum(1 for d in deltas if d)
         assert passes < len(deltas) / 2
+
+
+@pytest.mark.parametrize("second_chance", [False, True])
+def test_big_puts_evict_room_for_more_than_themselves(
+    make_config: Any, second_chance: bool
+) -> None:
+    """A put bigger than the byte slack frees room for ``EVICT_AHEAD_PUTS`` more of its size:
+    a run of big puts runs an eviction pass every few puts, not at each (issue 20, big copies),
+    and never frees more than 1/16 of the ring beyond its own chunk."""
+    cap, size = 1 << 22, 40_000  # the slack: min(256 KiB, cap / 16) = 256 KiB; puts of 40 KB
+    cfg = make_config(cap, 64_000, 1, second_chance=second_chance)
+    with ShmObjectStore.create(cfg) as s:
+        s.evict_slack = 16_000  # below the put: the big-put rule applies
+        deltas = []
+        for i in range(400):
+            before = s.evictions
+            s.put(f"b{i}", {"b": np.full(size, i % 251, np.uint8)})
+            if i > 2 * cap // size:  # the ring wrapped long ago
+                deltas.append(s.evictions - before)
+                room = s.ring.capacity - s.ring.used_bytes
+                assert room <= chunk_size(size) * (1 + EVICT_AHEAD_PUTS) + cap // 16
+        passes = sum(1 for d in deltas if d)
+        assert sum(deltas) >= len(deltas) - 2  # steady state: one item out per item in
+        # one pass every third put (63 of 190 here; one every other put without the rule: 96)
+        assert passes <= 0.4 * len(deltas), f"{passes} eviction passes for {len(deltas)} puts"
+        assert max(deltas) <= 1 + EVICT_AHEAD_PUTS + 1  # a wrap may skip a chunk's worth
 
 
 def test_the_ring_relocates_only_a_committed_head(make_config: Any) -> None:
