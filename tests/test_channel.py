@@ -165,7 +165,8 @@ async def test_cancelled_while_waiting_for_the_pool_gives_hand_outs_back(
         assert await asyncio.to_thread(wait_until, lambda: engine.open_connections == 1)
         [f] = await _features(cache, range(1))
         waiting = asyncio.create_task(engine.call([f]))
-        await asyncio.sleep(0.05)
+        for _ in range(10):  # loop turns: the call reaches the pool's wait (no I/O before it)
+            await asyncio.sleep(0)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
@@ -303,8 +304,11 @@ async def test_a_call_in_progress_finishes_through_a_graceful_shutdown(
         try:
             async with EngineClient.connect(sock, cache=cache) as engine:
                 await engine.call([], {"op": "echo"}, timeout=60)  # up
-                slow = asyncio.create_task(engine.call([], {"op": "sleep", "s": 1.0}))
-                await asyncio.sleep(0.3)
+                mark = tmp_path / "reached"
+                slow = asyncio.create_task(
+                    engine.call([], {"op": "sleep", "s": 1.0, "mark": str(mark)})
+                )
+                assert await asyncio.to_thread(wait_until, mark.exists, 60)  # in the handler
                 os.kill(proc.pid, signal.SIGTERM)
                 await slow  # answered, not cut off
                 await asyncio.to_thread(proc.join, 30)
