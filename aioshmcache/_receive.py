@@ -118,11 +118,14 @@ class ReceiverRequest(_Steps):
         run.
         """
         reading = self._store._reading
-        reading._enter()  # ClosedCacheError, uncounted, if closed already
+        inflight = reading._inflight  # ``ReadPath.in_use``, inlined
+        inflight.append(None)
         try:
-            self._begin(reading)
+            self._begin(reading)  # closed: ``_lookup`` gives None, ``_check_reader`` raises
         finally:
-            reading._leave()
+            inflight.pop()
+            if reading.closed:
+                reading._left_closed()
 
     def _begin(self, reading: ReadPath) -> None:
         # ``check_reader`` (a dead writer is raised first) is skipped while every reference
