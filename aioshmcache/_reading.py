@@ -67,7 +67,7 @@ from ._readers import ReaderSlot
 from ._ring import ShmRingBuffer
 from ._segment import Segment
 from ._serde import Serde
-from ._types import ShmRef, finish_tag, tag_base
+from ._types import _M1, _M2, _M3, _M4, _U64, ShmRef, finish_tag, tag_base
 from .errors import (
     ClosedCacheError,
     InvalidReferenceError,
@@ -359,33 +359,37 @@ class ReadPath:
     def get(self, ref: ShmRef | dict[str, Any], *, copy: bool = True) -> Any:
         """A reader's read: verify, copy (or view), acknowledge (a copy only).
 
-        The usual case is :meth:`lookup` then :meth:`finish_read`; anything unusual takes the
-        general path, which makes the same checks again and raises the typed error.
+        The usual case is :meth:`_lookup` then :meth:`_finish_read`; anything unusual takes the
+        general path, which makes the same checks again and raises the typed error. One read in
+        flight for the whole call.
         """
-        view = self.lookup(ref)
-        if view is None:
-            return self._get(ref, copy)
-        return self.finish_read(self.slot, ref, view, copy)  # type: ignore[arg-type]
+        inflight = self._inflight  # one read in flight: ``in_use``, inlined
+        inflight.append(None)
+        try:
+            view = self._lookup(ref)  # None if closed: ``_check_reader`` raises then
+            if view is None:
+                return self._get(ref, copy)
+            return self._finish_read(self.slot, ref, view, copy)  # type: ignore[arg-type]
+        finally:
+            inflight.pop()
+            if self.closed:
+                self._left_closed()
 
-    def lookup(self, ref: object) -> memoryview | None:
+    def _get(self, ref: object, copy: bool) -> Any:
+        """``get``'s general path, in the caller's read in flight: every check, typed errors."""
+        slot = self._check_reader()
+        r, view = self._resolve(ref)  # stale: raised, not acknowledged (module docstring)
+        return self._finish_read(slot, r, view, copy)
+
+    def _lookup(self, ref: object) -> memoryview | None:
         """The usual case of :meth:`check_reader` and :meth:`resolve`, in one function.
 
         A view of the payload of ``ref`` if it is a ``ShmRef`` that passes every check, the
         writer is live (and its probe not due) and this reader's slot has room; ``None`` for
         anything else (nothing raised, nothing owed: the general path then raises the typed
         error, or gives back a stale reference). The checks are those of ``check_reader``,
-        ``resolve`` and ``ShmRingBuffer.access``, in their order.
+        ``resolve`` and ``ShmRingBuffer.access``. The caller counts itself in flight.
         """
-        inflight = self._inflight  # _enter and _leave, inlined (once per read)
-        inflight.append(None)
-        try:
-            return self._lookup(ref)
-        finally:
-            inflight.pop()
-            if self.closed:
-                self._left_closed()
-
-    def _lookup(self, ref: object) -> memoryview | None:
         slot = self.slot
         hw = self._hw
         if (
@@ -412,9 +416,21 @@ class ReadPath:
             or type(seq) is not int
             or (nonce | epoch | address | cid | length | tag | position | seq) >> 64
             or nonce != self._nonce
-            or tag != finish_tag(tag_base(self._secret, epoch, address, cid, length, position), seq)
             or epoch != hw[H_EPOCH]
         ):
+            return None
+        # ``_types.reference_tag`` (``tag_base`` then ``finish_tag``), inlined: two calls fewer
+        t = (
+            self._secret
+            ^ cid * _M1
+            ^ address * _M2
+            ^ length * _M3
+            ^ epoch * _M4
+            ^ (position * _M2 >> 7)
+            ^ (seq * _M3 >> 11)
+        ) & _U64
+        t ^= t >> 29
+        if tag != (t * _M1) & _U64:
             return None
         # ShmRingBuffer.access: a committed chunk of this id and length, at its position, not
         # behind the reuse fence
@@ -433,12 +449,6 @@ class ReadPath:
             return None
         start = address + CHUNK_HEADER
         return self._chunk_bytes[start : start + length].toreadonly()
-
-    def _get(self, ref: object, copy: bool) -> Any:
-        with self.in_use():
-            slot = self._check_reader()
-            r, view = self._resolve(ref)  # stale: raised, not acknowledged (module docstring)
-            return self._finish_read(slot, r, view, copy)
 
     def get_checked(self, r: ShmRef, *, copy: bool = True, slot: ReaderSlot | None = None) -> Any:
         """``get`` of a reference that passed :meth:`validate` here (a request's).

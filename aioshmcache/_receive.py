@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Final, cast
 
 from ._readers import ReaderSlot
+from ._reading import ReadPath
 from ._request import (
+    _NONE,
     DEFAULT_INLINE_THRESHOLD,
     RequestCounters,
+    _new_object,
     _Steps,
     as_reference,
     check_hash,
@@ -25,6 +29,8 @@ from ._types import FeatureSpec, ShmRef
 from .errors import CacheMissError, InvalidReferenceError, StaleReferenceError
 
 __all__ = ["ReceiverRequest", "single_item"]
+
+_NO_OWED: Final = cast("dict[int, ShmRef]", MappingProxyType({}))
 
 
 class ReceiverRequest(_Steps):
@@ -40,19 +46,17 @@ class ReceiverRequest(_Steps):
     ``settle_lease``.
     """
 
-    __slots__ = (
-        "_copy",
-        "_counters",
-        "_features",
-        "_held",
-        "_inline_below",
-        "_jobs",
-        "_owed",
-        "_refs",
-        "_results",
-        "_stale",
-        "_store",
-    )
+    # No __slots__ (as ``SenderRequest``): what only some requests need has a class-level
+    # default, replaced on first use, so a one-item read that finds its reference sets none
+    # of them. The shared empty defaults are immutable: a mistaken update fails loudly.
+    _jobs: list[tuple[int, ShmRef, str]] = _NONE  # big reads: item, reference, hash
+    _owed: dict[int, ShmRef] = _NO_OWED  # item -> reference handed out, not settled yet
+    _held: list[ShmRef] = _NONE  # leased: read as views, acknowledged by settle_lease
+    _stale: list[str] = _NONE  # hashes of the stale references
+    _running = _abandoned = _settled = False
+    _copy = True
+    _inline_below = DEFAULT_INLINE_THRESHOLD
+    _pairs = False  # ``_features`` holds one ``(hash, data)`` pair (``for_item``), not specs
 
     def __init__(
         self,
@@ -63,18 +67,41 @@ class ReceiverRequest(_Steps):
         copy: bool = True,
         copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
     ) -> None:
-        super().__init__(threading.Lock())
+        self._lock = threading.Lock()
         self._counters = counters
         self._store = store
-        self._features = list(features)
-        self._copy = copy
-        self._inline_below = copy_inline_below
-        self._refs: list[ShmRef | None] = []
+        self._features: list[Any] = list(features)
         self._results: list[Any] = [None] * len(self._features)
-        self._owed: set[int] = set()  # references handed to this request, not settled yet
-        self._held: list[ShmRef] = []  # leased: read as views, acknowledged by settle_lease
-        self._stale: list[str] = []
-        self._jobs: list[int] = []
+        if not copy:
+            self._copy = False
+        if copy_inline_below != DEFAULT_INLINE_THRESHOLD:
+            self._inline_below = copy_inline_below
+
+    @classmethod
+    def for_item(
+        cls,
+        store: StoreReader,
+        counters: RequestCounters,
+        mm_item: Any,
+        mm_hash: str,
+        copy_inline_below: int,
+    ) -> ReceiverRequest:
+        """The request of ``get_and_update_item``: one feature, given as its hash and data.
+
+        The same request as over ``[FeatureSpec(mm_hash, mm_item)]`` (the hash is checked by
+        ``begin`` as a spec's is), without building the spec: ``finish_item`` returns only the
+        data, so the spec would be thrown away (~1 us).
+        """
+        req = _new_object(cls)
+        req._lock = threading.Lock()
+        req._counters = counters
+        req._store = store
+        req._features = [(mm_hash, mm_item)]
+        req._results = [None]
+        req._pairs = True
+        if copy_inline_below != DEFAULT_INLINE_THRESHOLD:
+            req._inline_below = copy_inline_below
+        return req
 
     @property
     def has_jobs(self) -> bool:
@@ -84,127 +111,168 @@ class ReceiverRequest(_Steps):
     def begin(self) -> None:
         """Validate the whole request, then read what is small. Typed errors, nothing owed.
 
-        The view a validation made of a reference read in this step is the one read: the copy
-        is verified after it (a chunk freed meanwhile is stale), so a second look-up of the
-        chunk would add nothing. Jobs look their chunk up again when they run.
+        The whole step is one read in flight of the store (``ReadPath.in_use``, inlined): a
+        close waits for it, so the view a validation made of a reference read in this step is
+        the one read (the copy is verified after it: a chunk freed meanwhile is stale), and a
+        second look-up of the chunk would add nothing. Jobs look their chunk up again when they
+        run.
         """
         reading = self._store._reading
+        inflight = reading._inflight  # ``ReadPath.in_use``, inlined
+        inflight.append(None)
+        try:
+            self._begin(reading)  # closed: ``_lookup`` gives None, ``_check_reader`` raises
+        finally:
+            inflight.pop()
+            if reading.closed:
+                reading._left_closed()
+
+    def _begin(self, reading: ReadPath) -> None:
         # ``check_reader`` (a dead writer is raised first) is skipped while every reference
-        # passes ``ReadPath.lookup``, which checks the same (open, writer live, not revoked)
+        # passes ``ReadPath._lookup``, which checks the same (open, writer live, not revoked)
         slot: ReaderSlot | None = None
-        copy, inline_below = self._copy, self._inline_below
-        features, results, owed = self._features, self._results, self._owed
-        refs: list[ShmRef | None] = [None] * len(features)
-        self._refs = refs
-        views: dict[int, memoryview] = {}
+        copy, inline_below, pairs = self._copy, self._inline_below, self._pairs
+        results = self._results
+        reads: list[tuple[int, ShmRef, memoryview, str]] = []  # read below, in this step
+        jobs: list[tuple[int, ShmRef, str]] = _NONE
+        stale: list[str] = _NONE
         error: Exception | None = None
         try:
-            for i, f in enumerate(features):
+            for i, f in enumerate(self._features):
                 try:
-                    if not isinstance(f, FeatureSpec):
+                    if pairs:
+                        h, data = f
+                    elif isinstance(f, FeatureSpec):
+                        h, data = f.mm_hash, f.data
+                    else:
                         raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
-                    h = f.mm_hash
                     if type(h) is not str:
                         check_hash(h)
-                    data = f.data
-                    # the usual case in one call (``ReadPath.lookup``); else the typed checks
-                    view = reading.lookup(data) if type(data) is ShmRef else None
+                    # the usual case in one call (``ReadPath._lookup``); else the typed checks
+                    view = reading._lookup(data) if type(data) is ShmRef else None
                     if view is not None:
                         ref: ShmRef = data
                     else:
                         if slot is None:
-                            slot = reading.check_reader()
+                            slot = reading._check_reader()
                         given = as_reference(data)
                         if given is None:
                             results[i] = data
                             continue
                         try:
                             # forged or foreign: never given back (not ours)
-                            ref, view = reading.resolve(given)
+                            ref, view = reading._resolve(given)
                         except StaleReferenceError:  # owes nothing: not acknowledged
-                            self._stale.append(h)
+                            if stale is _NONE:
+                                stale = self._stale = []
+                            stale.append(h)
                             continue
-                    owed.add(i)
-                    refs[i] = ref
                     if not copy or ref.length < inline_below:
-                        views[i] = view
+                        reads.append((i, ref, view, h))
                     else:
                         view.release()
+                        if jobs is _NONE:
+                            jobs = self._jobs = []
+                        jobs.append((i, ref, h))
                 except (InvalidReferenceError, TypeError) as exc:
                     error = error or exc
             if error is not None:
                 raise error  # the face abandons the request: every valid reference is given back
             if slot is None:
-                slot = reading.check_reader() if not owed else reading.slot
+                slot = reading._check_reader() if not reads and not jobs else reading.slot
         except BaseException:
-            for view in views.values():
-                view.release()
+            self._owe(reads, 0, 0)
             raise
-        hits = 0
+        if jobs:
+            self._owed = {i: ref for i, ref, _h in jobs}
+        if not copy:
+            held = self._held = []
+        hits = done = 0
         try:
-            for i, r in enumerate(refs):
-                if r is None:
+            for i, ref, view, h in reads:
+                done += 1
+                try:
+                    results[i] = reading._finish_read(slot, ref, view, copy)
+                except StaleReferenceError:
+                    # stale after the copy: the chunk was freed (or cleared), and a freed chunk
+                    # is owed by nobody, so there is nothing to acknowledge
+                    if stale is _NONE:
+                        stale = self._stale = []
+                    stale.append(h)
                     continue
-                if i in views:  # checked above, in this same step
-                    hits += self._read(i, r, slot, views.pop(i))
-                else:
-                    self._jobs.append(i)
+                hits += 1
+                if not copy:
+                    held.append(ref)
+        except BaseException:
+            # any other error: the face abandons, and the reference that failed and every one
+            # not read yet are given back (the views not read are released, not leaked)
+            self._owe(reads, done - 1, done)
+            raise
         finally:
-            for unread in views.values():  # a read raised: the others are released, not leaked
-                unread.release()
-            # one lock round for the whole step (totals counted even if a read failed)
-            self._counters.add(hits=hits, total=len(features))
+            # one lock round for the whole step (totals counted even if a read failed):
+            # ``RequestCounters.add``, inlined
+            counters = self._counters
+            lock = counters.lock
+            lock.acquire()
+            try:
+                counters.hits += hits
+                counters.total += len(results)
+            finally:
+                lock.release()
 
-    def _read(
-        self, i: int, ref: ShmRef, slot: ReaderSlot | None = None, view: memoryview | None = None
-    ) -> int:
-        """Read one validated reference; 1 if it was read (a hit), 0 if it was stale.
+    def _owe(
+        self, reads: list[tuple[int, ShmRef, memoryview, str]], owed_from: int, unread_from: int
+    ) -> None:
+        """``begin`` failed: ``reads[owed_from:]`` and every job are owed (``abandon`` gives them
+        back); the views of ``reads[unread_from:]``, never read, are released."""
+        owed = {i: ref for i, ref, _h in self._jobs}
+        for k, (i, ref, view, _h) in enumerate(reads):
+            if k >= owed_from:
+                owed[i] = ref
+            if k >= unread_from:
+                view.release()
+        self._owed = owed
 
-        With ``view`` (what validating it returned, in the same step as ``slot``) the chunk is
-        not looked up again.
-        """
-        reading = self._store._reading
+    def _read(self, i: int, ref: ShmRef, h: str) -> int:
+        """Read one job's reference; 1 if it was read (a hit), 0 if it was stale."""
         try:
-            if view is None or slot is None:
-                data = reading.get_checked(ref, copy=self._copy, slot=slot)
-            else:
-                data = reading.finish_read(slot, ref, view, self._copy)
+            data = self._store._reading.get_checked(ref, copy=self._copy)
         except StaleReferenceError:
-            # stale before or after the copy: the chunk was freed (or cleared), and a freed
-            # chunk is owed by nobody, so there is nothing to acknowledge
+            # stale before or after the copy: owed by nobody (see ``_begin``)
             with self._lock:
-                self._owed.discard(i)
-            self._stale.append(self._features[i].mm_hash)
+                self._owed.pop(i, None)
+                if self._stale is _NONE:
+                    self._stale = []
+                self._stale.append(h)
             return 0
         # any other error propagates: the face abandons, and every owed reference is given back
         with self._lock:
-            self._owed.discard(i)
+            self._owed.pop(i, None)
             if not self._copy:
                 self._held.append(ref)
         self._results[i] = data
         return 1
 
-    def _give_back(self, i: int, ref: ShmRef) -> None:
-        self._store.give_back(ref)
-        with self._lock:
-            self._owed.discard(i)
-
     def _run_jobs(self) -> None:
         hits = 0
         try:
-            for i in self._jobs:
+            for i, ref, h in self._jobs:
                 if self._abandoned:
                     return  # the roll back gives back what is left
-                ref = self._refs[i]
-                if ref is not None:
-                    hits += self._read(i, ref)
+                hits += self._read(i, ref, h)
         finally:
             if hits:
                 self._counters.add(hits=hits)
 
+    def _specs(self) -> list[FeatureSpec]:
+        """The request's features as specs (a ``for_item`` request builds its one here)."""
+        if self._pairs:
+            return [FeatureSpec(h, data) for h, data in self._features]
+        return self._features
+
     def finish(self) -> list[FeatureSpec]:
         """New specs with the items read; ``CacheMissError`` lists the stale ones, if any."""
-        out = [f.with_data(d) for f, d in zip(self._features, self._results)]
+        out = [f.with_data(d) for f, d in zip(self._specs(), self._results)]
         with self._lock:
             if self._settled:
                 raise RuntimeError("request already finished or rolled back")
@@ -216,11 +284,11 @@ class ReceiverRequest(_Steps):
     def finish_item(self) -> Any:
         """The single item of a one-feature request; ``StaleReferenceError`` if it was stale."""
         with self._lock:
-            if self._settled or len(self._features) != 1:
-                return single_item(self.finish, self._features)  # its errors, unchanged
+            if self._settled or len(self._results) != 1:
+                return single_item(self.finish, self._specs())  # its errors, unchanged
             if self._stale:
                 # what ``single_item`` makes of ``finish``'s CacheMissError
-                h = self._features[0].mm_hash
+                h = self._stale[0]
                 raise StaleReferenceError(f"reference for {h!r} is stale") from None
             self._settled = True
         return self._results[0]  # no new spec: only its data is returned
@@ -244,12 +312,10 @@ class ReceiverRequest(_Steps):
             raise errors[0]
 
     def _undo_locked(self) -> None:
-        owed, self._owed = self._owed, set()
+        owed, self._owed = self._owed, {}
         held, self._held = self._held, []
         for i in sorted(owed):
-            ref = self._refs[i] if i < len(self._refs) else None
-            if ref is not None:
-                self._store.give_back(ref)
+            self._store.give_back(owed[i])
         for ref in held:
             self._store.give_back(ref)
 

@@ -100,6 +100,8 @@ from ._segment import Segment
 from ._serde import EncodePlan, MsgpackSerde, Serde
 from ._shards import ShardedMap, shards_for
 from ._types import (
+    _M1,
+    _M3,
     CacheConfig,
     CacheHandle,
     ReaderSlotInfo,
@@ -737,8 +739,10 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
         # ``self._ref(cid, seq)`` from what is at hand: the row just written, read back for
         # nothing otherwise (the epoch moves only in ``clear``, under this lock)
         seq = self._hand_out_seq(cid)
+        t = (base ^ (seq * _M3 >> 11)) & _U64  # ``finish_tag(base, seq)``, inlined
+        t ^= t >> 29
         return _new_ref(
-            ShmRef, (self._nonce, epoch, address, cid, length, finish_tag(base, seq), position, seq)
+            ShmRef, (self._nonce, epoch, address, cid, length, (t * _M1) & _U64, position, seq)
         )
 
     def _abort(self, res: Reservation) -> None:

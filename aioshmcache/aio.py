@@ -700,9 +700,7 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
 
     async def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
         """As ``ReceiverCache.get_and_update_item``; a big copy runs in a worker thread."""
-        req = self.receiver._request(
-            [FeatureSpec(mm_hash, mm_item)], copy_inline_below=self.inline_threshold_bytes
-        )
+        req = self.receiver._item_request(mm_item, mm_hash, self.inline_threshold_bytes)
         if (pending := self._drive(req)) is not None:
             await pending
         return req.finish_item()

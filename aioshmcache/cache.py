@@ -456,10 +456,13 @@ class _Reader(_Counted):
 
         A stale reference raises ``StaleReferenceError``.
         """
-        check_hash(mm_hash)
-        req = self._request([FeatureSpec(mm_hash, mm_item)], copy_inline_below=_READ_IN_BEGIN)
+        req = self._item_request(mm_item, mm_hash, _READ_IN_BEGIN)  # ``begin`` checks the hash
         _run_inline(req)
         return req.finish_item()
+
+    def _item_request(self, mm_item: Any, mm_hash: str, copy_inline_below: int) -> ReadRequest:
+        """The request of ``get_and_update_item``: ``_request`` of one spec (of ``mm_hash``)."""
+        return self._request([FeatureSpec(mm_hash, mm_item)], copy_inline_below=copy_inline_below)
 
     def touch(self, mm_hash: str, mm_item: Any = None) -> None:
         """``touch_receiver_cache_item`` by the short name both faces share (DESIGN §5).
@@ -550,6 +553,12 @@ class ReceiverCache(_Cache, _Reader):
             features,
             copy=copy,
             copy_inline_below=copy_inline_below,
+        )
+
+    def _item_request(self, mm_item: Any, mm_hash: str, copy_inline_below: int) -> ReadRequest:
+        """``_request`` of one spec, without building the spec (``ReceiverRequest.for_item``)."""
+        return ReceiverRequest.for_item(
+            self.store, self._counters, mm_item, mm_hash, copy_inline_below
         )
 
     def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:

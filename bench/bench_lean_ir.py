@@ -11,7 +11,10 @@ Cells: a 1 KiB miss and a hit, through ``get_and_update_item``, ``get_and_update
 and their awaited twins on ``AsyncSenderCache``; ``put_1m``, a 1 MiB ``ShmObjectStore.put`` into a
 full 72 MiB ring (every put evicts, in steady state), and ``copy_1m``, a rotating ``np.copyto`` of
 1 MiB into a /dev/shm mapping of the same size: their difference is what a big put costs beyond
-its copy. Uses only the public API.
+its copy. Receiver cells (1 KiB reads of distinct references by a reader in the same process):
+``rx_get``, the reader store's own ``get`` (the floor); ``rx_item``,
+``ReceiverCache.get_and_update_item``; ``rx_feat``, ``get_and_update_features([spec])``;
+``arx_item``, the awaited ``AsyncReceiverCache.get_and_update_item``. Uses only the public API.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 CELLS = ("item_miss", "item_hit", "feat_miss", "feat_hit", "aitem_miss", "aitem_hit", "afeat_miss")
 BIG_CELLS = ("put_1m", "copy_1m")
+RX_CELLS = ("rx_get", "rx_item", "rx_feat", "arx_item")
 WARM = 200
 
 
@@ -58,6 +63,51 @@ def inner_big(cell: str, calls: int) -> None:
             np.copyto(target.view(mib, (i % slots) * (mib + 4096)), src)
     finally:
         target.close()
+
+
+def _on_loop(run: Callable[[int, int], Coroutine[Any, Any, None]], calls: int) -> None:
+    """The warm-up calls, then ``calls`` more, awaited on a fresh asyncio loop."""
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(run(0, WARM))
+        loop.run_until_complete(run(WARM, WARM + calls))
+    finally:
+        loop.close()
+
+
+def inner_rx(cell: str, calls: int, setup: int) -> None:
+    """A receiver cell: ``WARM + setup`` references put first (the same in both runs), then the
+    first ``WARM + calls`` read once each."""
+    import numpy as np
+
+    from aioshmcache import AsyncReceiverCache, CacheConfig, FeatureSpec, ReceiverCache, SenderCache
+
+    item = {"data": np.arange(256, dtype=np.float32)}  # 1 KiB
+    n = WARM + max(calls, setup)
+    cfg = CacheConfig(64 << 20, 1 << 20, 1, name=f"bench-ir-{os.getpid()}")
+    with SenderCache(cfg) as tx, ReceiverCache.attach(tx.handle()) as rx:
+        refs = [(f"k{i:08d}", tx.get_and_update_item((item, ()), f"k{i:08d}")[0]) for i in range(n)]
+        specs = [[FeatureSpec(k, r)] for k, r in refs]
+        one: Callable[[int], object]
+        if cell == "rx_get":
+            one = lambda i: rx.store.get(refs[i][1])  # noqa: E731
+        elif cell == "rx_item":
+            one = lambda i: rx.get_and_update_item(refs[i][1], refs[i][0])  # noqa: E731
+        elif cell == "rx_feat":
+            one = lambda i: rx.get_and_update_features(specs[i])  # noqa: E731
+        elif cell == "arx_item":
+            face = AsyncReceiverCache(rx)
+
+            async def run(lo: int, hi: int) -> None:
+                for i in range(lo, hi):
+                    await face.get_and_update_item(refs[i][1], refs[i][0])
+
+            _on_loop(run, calls)
+            return
+        else:
+            raise SystemExit(f"unknown cell {cell!r}")
+        for i in range(WARM + calls):
+            one(i)
 
 
 def inner(cell: str, calls: int) -> None:
@@ -96,10 +146,7 @@ def inner(cell: str, calls: int) -> None:
                     else:
                         await face.get_and_update_features(specs[i])
 
-            loop = asyncio.new_event_loop()
-            loop.run_until_complete(run(0, WARM))
-            loop.run_until_complete(run(WARM, WARM + calls))
-            loop.close()
+            _on_loop(run, calls)
             return
         else:
             raise SystemExit(f"unknown cell {cell!r}")
@@ -109,7 +156,7 @@ def inner(cell: str, calls: int) -> None:
             one(i)
 
 
-def _ir(cell: str, calls: int) -> int:
+def _ir(cell: str, calls: int, setup: int) -> int:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "cg.out")
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0")
@@ -118,7 +165,7 @@ def _ir(cell: str, calls: int) -> int:
                 "valgrind",
                 "--tool=callgrind",
                 f"--callgrind-out-file={out}",
-                *(sys.executable, __file__, "--inner", cell, str(calls)),
+                *(sys.executable, __file__, "--inner", cell, str(calls), str(setup)),
             ],
             env=env,
             check=True,
@@ -139,12 +186,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("cells", nargs="*")
     a = ap.parse_args(argv)
     if a.inner:
-        (inner_big if a.cells[0] in BIG_CELLS else inner)(a.cells[0], int(a.cells[1]))
+        cell, calls = a.cells[0], int(a.cells[1])
+        if cell in RX_CELLS:
+            inner_rx(cell, calls, int(a.cells[2]))
+        else:
+            (inner_big if cell in BIG_CELLS else inner)(cell, calls)
         return 0
     cells = a.cells or list(CELLS)
     runs = [(c, n) for c in cells for n in (a.calls, 0)]
     with ThreadPoolExecutor(a.jobs) as pool:
-        irs = dict(zip(runs, pool.map(lambda r: _ir(*r), runs)))
+        irs = dict(zip(runs, pool.map(lambda r: _ir(r[0], r[1], a.calls), runs)))
     print("load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     for c in cells:
         per = (irs[(c, a.calls)] - irs[(c, 0)]) / a.calls

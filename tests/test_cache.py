@@ -883,3 +883,65 @@ async def test_the_sync_face_s_last_copy_job_needs_no_pin(
         refs = [("one", ref), ("two", out[0][0]), ("three", out[1][0]), ("four", aref)]
         for t, (h, r) in enumerate(refs, start=1):
             assert int(rx.get_and_update_item(r, h)["pixel_values"][-1]) == t
+
+
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_a_receiver_item_with_a_bad_hash_takes_nothing(make_config: Any, face: str) -> None:
+    """``get_and_update_item`` builds no spec: its request checks the hash as a spec's is, in
+    ``begin``, before the reference is looked up. A bad hash is a ``TypeError`` that counted,
+    read and acknowledged nothing; the reference can still be read."""
+    import anyio
+
+    from aioshmcache import AsyncReceiverCache
+
+    with SenderCache(make_config()) as tx, ReceiverCache.attach(tx.handle()) as rx:
+        ref, _ = tx.get_and_update_item(({"x": np.arange(10)}, ()), "h")
+        slot = rx.store._reading.slot
+        assert slot is not None
+        before = slot.acknowledged
+        with pytest.raises(TypeError, match="mm_hash must be a str"):
+            if face == "sync":
+                rx.get_and_update_item(ref, 7)  # type: ignore[arg-type]
+            else:
+
+                async def read() -> None:
+                    await AsyncReceiverCache(rx).get_and_update_item(ref, 7)  # type: ignore[arg-type]
+
+                anyio.run(read)
+        assert slot.acknowledged == before
+        assert rx.make_stats() == CacheInfo(0, 0)
+        np.testing.assert_array_equal(rx.get_and_update_item(ref, "h")["x"], np.arange(10))
+        assert slot.acknowledged == before + 1
+        assert rx.make_stats() == CacheInfo(1, 1)
+
+
+def test_a_read_failing_midway_gives_back_itself_and_what_follows(make_config: Any) -> None:
+    """A request's reads run in order in ``begin``: when one fails (not stale), the ones read
+    before it stay acknowledged once, and it and every later one are given back once (their
+    views released): nothing is owed and nothing is acknowledged twice."""
+
+    class _FailsSecond(MsgpackSerde):
+        calls = 0
+
+        def read(self, view: memoryview, *, copy: bool = True) -> Any:
+            self.calls += 1
+            if self.calls == 2:
+                raise RuntimeError("bug")
+            return super().read(view, copy=copy)
+
+    with SenderCache(make_config()) as tx:
+        feats = tx.get_and_update_features(
+            [FeatureSpec(f"k{i}", {"a": np.full(10, i, np.uint8)}) for i in range(4)]
+        )
+        serde = _FailsSecond()
+        with ReceiverCache.attach(tx.handle(), serde=serde) as rx:
+            slot = rx.store._reading.slot
+            assert slot is not None
+            before = slot.acknowledged
+            with pytest.raises(RuntimeError, match="bug"):
+                rx.get_and_update_features(feats)
+            assert serde.calls == 2  # the later two were not read
+            assert slot.acknowledged == before + 4  # one read, three given back
+            rx.get_and_update_features([])  # flushes what was acknowledged locally
+            assert [r.lag for r in tx.snapshot().readers if r.attached] == [0]
+            assert all(tx.is_freeable(f.mm_hash) for f in feats)

@@ -151,7 +151,7 @@ def test_the_checker_sees_private_imports() -> None:
 
 #: the one private door aio.py may use: the sync caches' request steps, private because they
 #: return the private request objects (issue 23) and have exactly one driver, the async face
-REQUEST_STEPS = frozenset(("_request", "_features_request"))
+REQUEST_STEPS = frozenset(("_request", "_features_request", "_item_request"))
 
 
 def test_the_async_facade_drives_requests_and_never_reaches_into_the_store() -> None:
