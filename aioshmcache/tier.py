@@ -87,11 +87,15 @@ _MAX_EXPIRY_S: Final = 1e9
 _SKIP: Final = b"skip"  # a lease value that says "not worth storing: make it yourself"
 _REJECT_REASONS: Final = ("truncated", "malformed", "oversized", "signature", "decoding")
 
-# KEYS: value, lease. ARGV: our token, lease ms, the skip marker.
-# -> {1, n} a value of n bytes | {2, 0} claimed by us | {3, 0} leased by another | {4, 0} skip
+# KEYS: value, lease. ARGV: our token, lease ms, the skip marker, the largest value to return.
+# -> {1, n, value} a value of n bytes, carried | {1, n} one too large to carry (its size only)
+#    | {2, 0} claimed by us | {3, 0} leased by another | {4, 0} skip
 _PROBE: Final = """
 local n = redis.call('STRLEN', KEYS[1])
-if n > 0 then return {1, n} end
+if n > 0 then
+  if n <= tonumber(ARGV[4]) then return {1, n, redis.call('GET', KEYS[1])} end
+  return {1, n}
+end
 local l = redis.call('GET', KEYS[2])
 if l == ARGV[3] then return {4, 0} end
 if l then return {3, 0} end
@@ -387,6 +391,14 @@ class RedisTier:
             return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
         self._n["lookups"] += 1
         token = b"c:" + secrets.token_hex(12).encode()
+        # the largest value the probe carries back (a hit in one round trip): within the
+        # budget, and small enough that its predicted transfer keeps the probe's deadline
+        # within twice lookup_timeout_s (a larger one within the budget is fetched by a GET)
+        carry = min(budget, self.policy.fetch_within(self.lookup_timeout_s / 2) - HEADER_SIZE)
+        carry = max(carry, 0)
+        deadline = self.lookup_timeout_s
+        if carry:
+            deadline += 2 * self.policy.fetch_cost(HEADER_SIZE + carry)
         waited_since: float | None = None
         pause = 0.002
         while True:
@@ -394,16 +406,23 @@ class RedisTier:
             probe = await self._call(
                 self._scripts["probe"],
                 keys=[vkey, lkey],
-                args=[token, int(self.lease_s * 1000), _SKIP],
-                deadline_s=self.lookup_timeout_s,
+                args=[token, int(self.lease_s * 1000), _SKIP, HEADER_SIZE + carry],
+                deadline_s=deadline,
             )
-            reply = None if probe is None else self._probe_reply(probe)
+            reply = None if probe is None else self._probe_reply(probe, HEADER_SIZE + carry)
             if reply is None:  # Redis failed or answered nonsense (counted): make it here
                 self._n["misses"] += 1
                 return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
             t1 = time.perf_counter()
+            kind, n, value = reply
+            if value is not None:  # a hit in one round trip: the probe brought the value
+                # the policy learns what carrying it added to an empty probe's round trip
+                item = await self._accept(vkey, mm_hash, value, t0, t0 + self.policy.probe_cost())
+                if item is not None:
+                    return item[0]
+                self._n["misses"] += 1  # rejected (counted): make it here
+                return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=True)
             self.policy.observe_probe(t1 - t0)
-            kind, n = reply
             if kind == _VALUE:
                 if n > HEADER_SIZE + self.max_item_bytes:
                     self._n["misses"] += 1
@@ -445,24 +464,33 @@ class RedisTier:
                 self._n["bypassed"] += 1
                 return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
 
-    def _probe_reply(self, probe: Any) -> tuple[int, int] | None:
-        """``(kind, size)`` of the probe script's reply, or None (an error, counted) if it is
-        not what the script returns.
+    def _probe_reply(self, probe: Any, carried: int) -> tuple[int, int, bytes | None] | None:
+        """``(kind, size, value or None)`` of the probe script's reply, or None (an error,
+        counted) if it is not what the script returns for a value carried up to ``carried``
+        bytes.
 
         The server is not trusted to be a sane Redis (a wrong URL, a proxy, an incompatible
         server, an attacker on the network): a reply of another shape must not fail the
         request with an untyped error, nor pass for "leased by another" and hold it for
-        ``max_wait_s``.
+        ``max_wait_s``. A value comes only with the kind "value", as bytes of the size the
+        reply states, within what was asked for; a value that should have come but did not
+        is an error too (the script carries every value it may).
         """
         if (
             isinstance(probe, (list, tuple))
-            and len(probe) == 2
+            and len(probe) in (2, 3)
             and type(probe[0]) is int
             and type(probe[1]) is int
             and probe[0] in (_VALUE, _CLAIMED, _LEASED, _SKIPPED)
             and probe[1] >= 0
         ):
-            return probe[0], probe[1]
+            kind, n = probe[0], probe[1]
+            if len(probe) == 2 and not (kind == _VALUE and n <= carried):
+                return kind, n, None
+            if len(probe) == 3 and kind == _VALUE and n <= carried:
+                value = probe[2]
+                if type(value) is bytes and len(value) == n:
+                    return kind, n, value
         self._n["errors"] += 1
         self.breaker.failure()
         return None
@@ -470,7 +498,8 @@ class RedisTier:
     async def _fetch(
         self, vkey: str, mm_hash: str, n: int, t0: float, t1: float
     ) -> tuple[Any] | None:
-        """GET, verify and decode a value of ``n`` bytes; None if it failed (counted).
+        """GET, verify and decode a value of ``n`` bytes (too large for the probe to carry);
+        None if it failed (counted).
 
         ``t0``: when the look-up's probe was sent; ``t1``: when it answered (the policy learns
         the fetch from there: the probe is paid whether the value is fetched or made).
@@ -482,6 +511,17 @@ class RedisTier:
         if not isinstance(data, bytes):  # not a GET's reply (see _probe_reply): never served
             self._rejected["malformed"] += 1
             return None
+        return await self._accept(vkey, mm_hash, data, t0, t1)
+
+    async def _accept(
+        self, vkey: str, mm_hash: str, data: bytes, t0: float, fetch_from: float
+    ) -> tuple[Any] | None:
+        """Verify and decode a value read from Redis; None if it failed a check (counted).
+
+        ``t0``: when the look-up's probe was sent (its latency counts from there);
+        ``fetch_from``: where the fetch the policy learns starts (the probe's answer, or when
+        an empty probe would have answered).
+        """
         try:
             if len(data) >= THREAD_THRESHOLD:
                 item, make_ns = await anyio.to_thread.run_sync(self._open, vkey, mm_hash, data)
@@ -491,7 +531,7 @@ class RedisTier:
             self._rejected[exc.reason] += 1
             return None
         done = time.perf_counter()
-        self.policy.observe_fetch(done - t1, len(data))
+        self.policy.observe_fetch(max(done - fetch_from, 0.0), len(data))
         self._note_lookup(done - t0)
         self._n["hits"] += 1
         self._n["bytes_read"] += len(data)

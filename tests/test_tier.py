@@ -178,6 +178,87 @@ async def test_a_second_host_is_served_from_the_tier(two_hosts: TwoHosts) -> Non
     assert not h.ta.is_open and not h.tb.is_open  # the caches closed their tiers
 
 
+def _record_commands(tier: RedisTier) -> list[tuple[str, Any]]:
+    """Every command the (open) tier's client sends from now on, with its reply: a wrapped
+    client, so that the round trips of a request can be counted."""
+    sent: list[tuple[str, Any]] = []
+    client = tier._client
+    inner = client.execute_command
+
+    async def execute_command(*args: Any, **kw: Any) -> Any:
+        out = await inner(*args, **kw)
+        sent.append((str(args[0]).upper(), out))
+        return out
+
+    client.execute_command = execute_command
+    return sent
+
+
+class _RecordingPolicy(TierPolicy):
+    """The test hosts' policy (priors, no learning) that records what it is taught."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(learn=False, explore_every=0, **kw)
+        self.probes: list[float] = []
+        self.fetches: list[tuple[float, int]] = []
+
+    def observe_probe(self, seconds: float) -> None:
+        self.probes.append(seconds)
+        super().observe_probe(seconds)
+
+    def observe_fetch(self, seconds: float, nbytes: int) -> None:
+        self.fetches.append((seconds, nbytes))
+        super().observe_fetch(seconds, nbytes)
+
+
+@e2e
+async def test_a_tier_hit_is_one_round_trip(two_hosts: TwoHosts) -> None:
+    """The probe brings the value back itself: no GET after it (issue 22: 4 MiB hit <= 10 ms).
+
+    The policy learns what carrying the value added to an empty probe, not a probe sample.
+    """
+    policy = _RecordingPolicy()
+    async with two_hosts(b={"policy": policy}) as h:
+        await h.a.get_or_put("h1", h.make("h1"))
+        await h.b.get_or_put("warm", h.make("warm"))  # b's connection and script, a miss
+        assert await h.ta.flush(30) and await h.tb.flush(30)
+        sent = _record_commands(h.tb)
+        probes_before, before = len(policy.probes), h.tb.stats().lookup_seconds
+        _check(h.rb, await h.b.get_or_put("h1", h.make("h1")), "h1")
+        s = h.tb.stats()
+    assert h.calls == ["h1", "warm"] and s.hits == 1
+    assert [name for name, _ in sent] == ["EVALSHA"], "a hit took more than one round trip"
+    kind, n, value = sent[0][1]
+    assert (kind, n) == (1, len(value)) and s.bytes_read == n == h.ta.stats().bytes_written
+    assert len(policy.probes) == probes_before  # not a probe's round trip
+    [(seconds, nbytes)] = policy.fetches
+    assert nbytes == n
+    # what the hit took (its look-up latency) beyond what an empty probe costs (the prior)
+    hit_s = s.lookup_seconds - before
+    assert seconds == pytest.approx(max(hit_s - policy.probe_cost(), 0.0), abs=1e-9)
+
+
+@e2e
+async def test_a_value_over_the_budget_is_not_transferred(two_hosts: TwoHosts) -> None:
+    """A value larger than the look-up's budget: the probe answers its size only, no GET."""
+    # a make costs 10 ms, a fetch 0.5 ms per KiB: the budget is 16 KiB, the value 64 KiB
+    policy = TierPolicy(explore_every=0, warmup=0, min_samples=1)
+    for n in (8 * KiB, 32 * KiB):
+        policy.observe_make(0.010, n)
+        policy.observe_probe(0.0001)
+        policy.observe_fetch(0.0005 * n / KiB, n)
+    assert 8 * KiB < policy.fetch_budget(64 * MiB) < 32 * KiB
+    async with two_hosts(b={"policy": policy}) as h:
+        await h.a.get_or_put("big", h.make("big"))
+        assert await h.ta.flush(30)
+        sent = _record_commands(h.tb)
+        _check(h.rb, await h.b.get_or_put("big", h.make("big")), "big")
+        s = h.tb.stats()
+    assert h.calls == ["big", "big"] and s.skipped == 1 and s.hits == 0 and s.bytes_read == 0
+    assert sent[0][0] == "EVALSHA" and sent[0][1] == [1, h.ta.stats().bytes_written]
+    assert "GET" not in [name for name, _ in sent]
+
+
 @e2e
 async def test_the_snapshot_shows_the_tier_s_counters_as_the_collector_does(
     redis_server: RedisServer, two_hosts: TwoHosts
