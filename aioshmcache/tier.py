@@ -20,19 +20,22 @@ The rules (tests in ``tests/test_tier*.py``; the byte layout of a value in ``_ti
   look again claims the hash (a *takeover*) and makes it. A claimer whose ``make`` fails or is
   cancelled releases its lease at once (a compare-and-delete of its own token, not queued
   behind the writes).
-* **Redis is never a single point of failure.** Every Redis operation has a deadline: a
-  look-up ``lookup_timeout_s``, the transfer of a value ``lookup_timeout_s`` plus twice its
-  predicted cost. An error or a timeout is a miss (the request calls ``make``); repeated ones
-  open a circuit breaker (``_tier_breaker``) that skips Redis for ``retry_after_s`` (doubling
-  while Redis stays down), then lets one probe through; the tier is used again as soon as
-  Redis answers (a refusal — a key of another type under ours, Redis out of memory — is
-  counted as an error but is an answer: it does not open the breaker). Writes run in one
-  background task from a bounded queue (``write_queue_items`` items, ``write_queue_bytes``
-  bytes of arrays): a full queue drops the write (``dropped_writes``); a request never waits
-  for a write.
+* **Redis is never a single point of failure.** Every Redis operation has a deadline: a look-up
+  ``lookup_timeout_s`` plus twice the predicted transfer of the largest value it may carry back
+  (which is kept within ``lookup_timeout_s``), the GET of a larger value ``lookup_timeout_s``
+  plus twice its predicted cost. An error or a timeout is a miss (the request calls ``make``);
+  repeated ones open a circuit breaker (``_tier_breaker``) that skips Redis for
+  ``retry_after_s`` (doubling while Redis stays down), then lets one probe through; the tier is
+  used again as soon as Redis answers (a refusal — a key of another type under ours, Redis out
+  of memory — is counted as an error but is an answer: it does not open the breaker). Writes run
+  in one background task from a bounded queue (``write_queue_items`` items,
+  ``write_queue_bytes`` bytes of arrays): a full queue drops the write (``dropped_writes``); a
+  request never waits for a write.
 * **Never slower than computing it.** The cost policy (``_tier_policy``) learns what a
   ``make`` costs and what a fetch costs per byte; a look-up never transfers a value larger
-  than the size at which fetching stops paying (the server reports the size first), and an
+  than the size at which fetching stops paying (the probe script gets that size and answers a
+  value within it with the value itself: a hit is one round trip; a larger one, with its
+  size only), and an
   item that would not pay is not written at all: its lease becomes a ``skip`` marker for
   ``skip_ttl_s`` so that other hosts make it at once instead of waiting.
 

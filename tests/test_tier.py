@@ -260,6 +260,24 @@ async def test_a_value_over_the_budget_is_not_transferred(two_hosts: TwoHosts) -
 
 
 @e2e
+async def test_a_value_too_slow_to_carry_within_the_deadline_comes_by_a_get(
+    two_hosts: TwoHosts,
+) -> None:
+    """The probe carries only what its predicted transfer fits in half ``lookup_timeout_s``
+    (its deadline stays within twice that); a larger value within the budget is a GET after."""
+    slow = TierPolicy(learn=False, explore_every=0, prior_per_byte_s=1e-4)  # 1 s: ~10 KB
+    async with two_hosts(b={"policy": slow}) as h:
+        await h.a.get_or_put("h1", h.make("h1"))
+        assert await h.ta.flush(30)
+        sent = _record_commands(h.tb)
+        _check(h.rb, await h.b.get_or_put("h1", h.make("h1")), "h1")
+        s = h.tb.stats()
+    assert h.calls == ["h1"] and s.hits == 1 and s.bytes_read == h.ta.stats().bytes_written
+    assert [name for name, _ in sent] == ["EVALSHA", "GET"]
+    assert sent[0][1] == [1, s.bytes_read]  # the size only
+
+
+@e2e
 async def test_the_snapshot_shows_the_tier_s_counters_as_the_collector_does(
     redis_server: RedisServer, two_hosts: TwoHosts
 ) -> None:
