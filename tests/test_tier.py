@@ -126,6 +126,15 @@ class Hosts:
         await self.started.wait()
         return first, asyncio.ensure_future(self.b.get_or_put(h, self.make(h)))
 
+    async def b_fetches(self, h: str) -> list[tuple[str, Any]]:
+        """``a`` makes ``h`` and writes it to Redis; then ``b`` asks for it (and gets exactly
+        ``h``'s item). The commands ``b``'s tier sent for it, with their replies."""
+        await self.a.get_or_put(h, self.make(h))
+        assert await self.ta.flush(30)
+        sent = _record_commands(self.tb)
+        _check(self.rb, await self.b.get_or_put(h, self.make(h)), h)
+        return sent
+
     async def b_gets(self, request: Awaitable[FeatureSpec], h: str) -> None:
         """``b``'s request is answered (within 20 s) with exactly ``h``'s item."""
         _check(self.rb, await asyncio.wait_for(request, 20), h)
@@ -219,14 +228,12 @@ async def test_a_tier_hit_is_one_round_trip(two_hosts: TwoHosts) -> None:
     """
     policy = _RecordingPolicy()
     async with two_hosts(b={"policy": policy}) as h:
-        await h.a.get_or_put("h1", h.make("h1"))
         await h.b.get_or_put("warm", h.make("warm"))  # b's connection and script, a miss
-        assert await h.ta.flush(30) and await h.tb.flush(30)
-        sent = _record_commands(h.tb)
+        assert await h.tb.flush(30)
         probes_before, before = len(policy.probes), h.tb.stats().lookup_seconds
-        _check(h.rb, await h.b.get_or_put("h1", h.make("h1")), "h1")
-        s = h.tb.stats()
-    assert h.calls == ["h1", "warm"] and s.hits == 1
+        sent = await h.b_fetches("h1")
+    s = h.tb.stats()
+    assert h.calls == ["warm", "h1"] and s.hits == 1
     assert [name for name, _ in sent] == ["EVALSHA"], "a hit took more than one round trip"
     kind, n, value = sent[0][1]
     assert (kind, n) == (1, len(value)) and s.bytes_read == n == h.ta.stats().bytes_written
@@ -249,11 +256,8 @@ async def test_a_value_over_the_budget_is_not_transferred(two_hosts: TwoHosts) -
         policy.observe_fetch(0.0005 * n / KiB, n)
     assert 8 * KiB < policy.fetch_budget(64 * MiB) < 32 * KiB
     async with two_hosts(b={"policy": policy}) as h:
-        await h.a.get_or_put("big", h.make("big"))
-        assert await h.ta.flush(30)
-        sent = _record_commands(h.tb)
-        _check(h.rb, await h.b.get_or_put("big", h.make("big")), "big")
-        s = h.tb.stats()
+        sent = await h.b_fetches("big")
+    s = h.tb.stats()
     assert h.calls == ["big", "big"] and s.skipped == 1 and s.hits == 0 and s.bytes_read == 0
     assert sent[0][0] == "EVALSHA" and sent[0][1] == [1, h.ta.stats().bytes_written]
     assert "GET" not in [name for name, _ in sent]
@@ -267,11 +271,8 @@ async def test_a_value_too_slow_to_carry_within_the_deadline_comes_by_a_get(
     (its deadline stays within twice that); a larger value within the budget is a GET after."""
     slow = TierPolicy(learn=False, explore_every=0, prior_per_byte_s=1e-4)  # 1 s: ~10 KB
     async with two_hosts(b={"policy": slow}) as h:
-        await h.a.get_or_put("h1", h.make("h1"))
-        assert await h.ta.flush(30)
-        sent = _record_commands(h.tb)
-        _check(h.rb, await h.b.get_or_put("h1", h.make("h1")), "h1")
-        s = h.tb.stats()
+        sent = await h.b_fetches("h1")
+    s = h.tb.stats()
     assert h.calls == ["h1"] and s.hits == 1 and s.bytes_read == h.ta.stats().bytes_written
     assert [name for name, _ in sent] == ["EVALSHA", "GET"]
     assert sent[0][1] == [1, s.bytes_read]  # the size only
@@ -852,9 +853,11 @@ async def test_a_redis_cluster_serves_as_the_tier(make_config: Any, shm_name: st
                 for h in hashes:
                     await a.get_or_put(h, _maker(h, calls))
                 assert await t1.flush(60)
+                sent = _record_commands(t2)
                 for h in hashes:
                     _check(rb, await b.get_or_put(h, _maker(h, calls)), h)
         assert calls == hashes, "host b preprocessed items the cluster had"
+        assert [name for name, _ in sent] == ["EVALSHA"] * len(hashes)  # a hit: one round trip
         assert t1.stats().writes == len(hashes) and t2.stats().hits == len(hashes)
         assert t1.stats().errors == t2.stats().errors == 0
         slots = set()
