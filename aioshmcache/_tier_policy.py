@@ -1,17 +1,14 @@
 """The tier's cost policy: use Redis only for items that are cheaper to fetch than to make.
 
 A tier hit is not free: a ``redis.asyncio`` GET of 16 MiB on localhost took 44 ms here, more
-than a typical 20 ms preprocessing. A look-up is a *probe* (one round trip: is there a value,
-how large; or claim the hash) and, if a value is there and worth it, its *fetch* (the transfer,
-signature check and decoding of ``n`` bytes). The probe carries a value within the budget back
-itself (one round trip for a hit); a larger one within the budget comes by a second round trip
-(GET). The policy learns, from what the tier observes:
+than a typical 20 ms preprocessing. A look-up is two steps: a *probe* (one round trip: is there
+a value, how large; or claim the hash) and, if a value is there and worth it, its *fetch* (GET,
+signature check and decoding of ``n`` bytes). The policy learns, from what the tier observes:
 
 * ``make(n) = a_m + b_m * n`` — from every ``make`` this host ran, and from the make time a
   value carries (the host that wrote it measured it);
-* ``probe`` — the round trip of every probe that carried no value (a claim, a lease, a size);
-* ``fetch(n) = a_f + b_f * n`` — from every fetch of a value: what the hit took beyond the
-  learned probe when the probe carried the value, else timed from the probe's answer.
+* ``probe`` — the round trip of every probe;
+* ``fetch(n) = a_f + b_f * n`` — from every fetch of a value, timed from the probe's answer.
 
 Each is an exponentially weighted least-squares fit (recent samples count more: ``decay`` per
 sample), so the policy follows a machine that gets busier or a network that gets slower.
@@ -50,8 +47,6 @@ from __future__ import annotations
 from ._types import PolicyView
 
 __all__ = ["LinearCost", "PolicyView", "TierPolicy"]
-
-_UNBOUNDED = 1 << 62  # bytes: "any size" where a size is compared
 
 
 class LinearCost:
@@ -192,19 +187,6 @@ class TierPolicy:
         """Predicted seconds of fetching a value of ``nbytes`` once the probe has answered."""
         a, b = self.fetch_coefficients()
         return a + b * nbytes
-
-    def fetch_within(self, seconds: float) -> int:
-        """The largest value a fetch is predicted to bring in ``seconds`` (0: none).
-
-        What the probe may carry back: the tier bounds the probe's deadline by the predicted
-        transfer of the largest value it asks for.
-        """
-        a, b = self.fetch_coefficients()
-        if not seconds >= a:
-            return 0
-        if b <= 0:
-            return _UNBOUNDED
-        return int(min((seconds - a) / b, _UNBOUNDED))
 
     # --- decisions --------------------------------------------------------------------------
 

@@ -20,22 +20,19 @@ The rules (tests in ``tests/test_tier*.py``; the byte layout of a value in ``_ti
   look again claims the hash (a *takeover*) and makes it. A claimer whose ``make`` fails or is
   cancelled releases its lease at once (a compare-and-delete of its own token, not queued
   behind the writes).
-* **Redis is never a single point of failure.** Every Redis operation has a deadline: a look-up
-  ``lookup_timeout_s`` plus twice the predicted transfer of the largest value it may carry back
-  (which is kept within ``lookup_timeout_s``), the GET of a larger value ``lookup_timeout_s``
-  plus twice its predicted cost. An error or a timeout is a miss (the request calls ``make``);
-  repeated ones open a circuit breaker (``_tier_breaker``) that skips Redis for
-  ``retry_after_s`` (doubling while Redis stays down), then lets one probe through; the tier is
-  used again as soon as Redis answers (a refusal — a key of another type under ours, Redis out
-  of memory — is counted as an error but is an answer: it does not open the breaker). Writes run
-  in one background task from a bounded queue (``write_queue_items`` items,
-  ``write_queue_bytes`` bytes of arrays): a full queue drops the write (``dropped_writes``); a
-  request never waits for a write.
+* **Redis is never a single point of failure.** Every Redis operation has a deadline: a
+  look-up ``lookup_timeout_s``, the transfer of a value ``lookup_timeout_s`` plus twice its
+  predicted cost. An error or a timeout is a miss (the request calls ``make``); repeated ones
+  open a circuit breaker (``_tier_breaker``) that skips Redis for ``retry_after_s`` (doubling
+  while Redis stays down), then lets one probe through; the tier is used again as soon as
+  Redis answers (a refusal — a key of another type under ours, Redis out of memory — is
+  counted as an error but is an answer: it does not open the breaker). Writes run in one
+  background task from a bounded queue (``write_queue_items`` items, ``write_queue_bytes``
+  bytes of arrays): a full queue drops the write (``dropped_writes``); a request never waits
+  for a write.
 * **Never slower than computing it.** The cost policy (``_tier_policy``) learns what a
   ``make`` costs and what a fetch costs per byte; a look-up never transfers a value larger
-  than the size at which fetching stops paying (the probe script gets that size and answers a
-  value within it with the value itself: a hit is one round trip; a larger one, with its
-  size only), and an
+  than the size at which fetching stops paying (the server reports the size first), and an
   item that would not pay is not written at all: its lease becomes a ``skip`` marker for
   ``skip_ttl_s`` so that other hosts make it at once instead of waiting.
 
@@ -90,15 +87,11 @@ _MAX_EXPIRY_S: Final = 1e9
 _SKIP: Final = b"skip"  # a lease value that says "not worth storing: make it yourself"
 _REJECT_REASONS: Final = ("truncated", "malformed", "oversized", "signature", "decoding")
 
-# KEYS: value, lease. ARGV: our token, lease ms, the skip marker, the largest value to return.
-# -> {1, n, value} a value of n bytes, carried | {1, n} one too large to carry (its size only)
-#    | {2, 0} claimed by us | {3, 0} leased by another | {4, 0} skip
+# KEYS: value, lease. ARGV: our token, lease ms, the skip marker.
+# -> {1, n} a value of n bytes | {2, 0} claimed by us | {3, 0} leased by another | {4, 0} skip
 _PROBE: Final = """
 local n = redis.call('STRLEN', KEYS[1])
-if n > 0 then
-  if n <= tonumber(ARGV[4]) then return {1, n, redis.call('GET', KEYS[1])} end
-  return {1, n}
-end
+if n > 0 then return {1, n} end
 local l = redis.call('GET', KEYS[2])
 if l == ARGV[3] then return {4, 0} end
 if l then return {3, 0} end
@@ -394,14 +387,6 @@ class RedisTier:
             return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
         self._n["lookups"] += 1
         token = b"c:" + secrets.token_hex(12).encode()
-        # the largest value the probe carries back (a hit in one round trip): within the
-        # budget, and small enough that its predicted transfer keeps the probe's deadline
-        # within twice lookup_timeout_s (a larger one within the budget is fetched by a GET)
-        carry = min(budget, self.policy.fetch_within(self.lookup_timeout_s / 2) - HEADER_SIZE)
-        carry = max(carry, 0)
-        deadline = self.lookup_timeout_s
-        if carry:
-            deadline += 2 * self.policy.fetch_cost(HEADER_SIZE + carry)
         waited_since: float | None = None
         pause = 0.002
         while True:
@@ -409,23 +394,16 @@ class RedisTier:
             probe = await self._call(
                 self._scripts["probe"],
                 keys=[vkey, lkey],
-                args=[token, int(self.lease_s * 1000), _SKIP, HEADER_SIZE + carry],
-                deadline_s=deadline,
+                args=[token, int(self.lease_s * 1000), _SKIP],
+                deadline_s=self.lookup_timeout_s,
             )
-            reply = None if probe is None else self._probe_reply(probe, HEADER_SIZE + carry)
+            reply = None if probe is None else self._probe_reply(probe)
             if reply is None:  # Redis failed or answered nonsense (counted): make it here
                 self._n["misses"] += 1
                 return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
             t1 = time.perf_counter()
-            kind, n, value = reply
-            if value is not None:  # a hit in one round trip: the probe brought the value
-                # the policy learns what carrying it added to an empty probe's round trip
-                item = await self._accept(vkey, mm_hash, value, t0, t0 + self.policy.probe_cost())
-                if item is not None:
-                    return item[0]
-                self._n["misses"] += 1  # rejected (counted): make it here
-                return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=True)
             self.policy.observe_probe(t1 - t0)
+            kind, n = reply
             if kind == _VALUE:
                 if n > HEADER_SIZE + self.max_item_bytes:
                     self._n["misses"] += 1
@@ -467,33 +445,24 @@ class RedisTier:
                 self._n["bypassed"] += 1
                 return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
 
-    def _probe_reply(self, probe: Any, carried: int) -> tuple[int, int, bytes | None] | None:
-        """``(kind, size, value or None)`` of the probe script's reply, or None (an error,
-        counted) if it is not what the script returns for a value carried up to ``carried``
-        bytes.
+    def _probe_reply(self, probe: Any) -> tuple[int, int] | None:
+        """``(kind, size)`` of the probe script's reply, or None (an error, counted) if it is
+        not what the script returns.
 
         The server is not trusted to be a sane Redis (a wrong URL, a proxy, an incompatible
         server, an attacker on the network): a reply of another shape must not fail the
         request with an untyped error, nor pass for "leased by another" and hold it for
-        ``max_wait_s``. A value comes only with the kind "value", as bytes of the size the
-        reply states, within what was asked for; a value that should have come but did not
-        is an error too (the script carries every value it may).
+        ``max_wait_s``.
         """
         if (
             isinstance(probe, (list, tuple))
-            and len(probe) in (2, 3)
+            and len(probe) == 2
             and type(probe[0]) is int
             and type(probe[1]) is int
             and probe[0] in (_VALUE, _CLAIMED, _LEASED, _SKIPPED)
             and probe[1] >= 0
         ):
-            kind, n = probe[0], probe[1]
-            if len(probe) == 2 and not (kind == _VALUE and n <= carried):
-                return kind, n, None
-            if len(probe) == 3 and kind == _VALUE and n <= carried:
-                value = probe[2]
-                if type(value) is bytes and len(value) == n:
-                    return kind, n, value
+            return probe[0], probe[1]
         self._n["errors"] += 1
         self.breaker.failure()
         return None
@@ -501,8 +470,7 @@ class RedisTier:
     async def _fetch(
         self, vkey: str, mm_hash: str, n: int, t0: float, t1: float
     ) -> tuple[Any] | None:
-        """GET, verify and decode a value of ``n`` bytes (too large for the probe to carry);
-        None if it failed (counted).
+        """GET, verify and decode a value of ``n`` bytes; None if it failed (counted).
 
         ``t0``: when the look-up's probe was sent; ``t1``: when it answered (the policy learns
         the fetch from there: the probe is paid whether the value is fetched or made).
@@ -514,17 +482,6 @@ class RedisTier:
         if not isinstance(data, bytes):  # not a GET's reply (see _probe_reply): never served
             self._rejected["malformed"] += 1
             return None
-        return await self._accept(vkey, mm_hash, data, t0, t1)
-
-    async def _accept(
-        self, vkey: str, mm_hash: str, data: bytes, t0: float, fetch_from: float
-    ) -> tuple[Any] | None:
-        """Verify and decode a value read from Redis; None if it failed a check (counted).
-
-        ``t0``: when the look-up's probe was sent (its latency counts from there);
-        ``fetch_from``: where the fetch the policy learns starts (the probe's answer, or when
-        an empty probe would have answered).
-        """
         try:
             if len(data) >= THREAD_THRESHOLD:
                 item, make_ns = await anyio.to_thread.run_sync(self._open, vkey, mm_hash, data)
@@ -534,7 +491,7 @@ class RedisTier:
             self._rejected[exc.reason] += 1
             return None
         done = time.perf_counter()
-        self.policy.observe_fetch(max(done - fetch_from, 0.0), len(data))
+        self.policy.observe_fetch(done - t1, len(data))
         self._note_lookup(done - t0)
         self._n["hits"] += 1
         self._n["bytes_read"] += len(data)

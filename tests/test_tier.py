@@ -221,28 +221,26 @@ class _RecordingPolicy(TierPolicy):
 
 
 @e2e
-async def test_a_tier_hit_is_one_round_trip(two_hosts: TwoHosts) -> None:
-    """The probe brings the value back itself: no GET after it (issue 22: 4 MiB hit <= 10 ms).
+async def test_a_tier_hit_is_the_probe_then_one_get(two_hosts: TwoHosts) -> None:
+    """A hit: the probe (the value's size), then one GET; the policy learns one of each.
 
-    The policy learns what carrying the value added to an empty probe, not a probe sample.
+    Not one round trip with the probe carrying the value back: Redis 7.0 copies a value
+    returned from Lua several times, and a 4 MiB hit took 12 ms that way against 6 ms for
+    the probe and a GET (bench/runs/fleet-3.md).
     """
     policy = _RecordingPolicy()
     async with two_hosts(b={"policy": policy}) as h:
         await h.b.get_or_put("warm", h.make("warm"))  # b's connection and script, a miss
         assert await h.tb.flush(30)
-        probes_before, before = len(policy.probes), h.tb.stats().lookup_seconds
+        probes_before = len(policy.probes)
         sent = await h.b_fetches("h1")
     s = h.tb.stats()
     assert h.calls == ["warm", "h1"] and s.hits == 1
-    assert [name for name, _ in sent] == ["EVALSHA"], "a hit took more than one round trip"
-    kind, n, value = sent[0][1]
-    assert (kind, n) == (1, len(value)) and s.bytes_read == n == h.ta.stats().bytes_written
-    assert len(policy.probes) == probes_before  # not a probe's round trip
-    [(seconds, nbytes)] = policy.fetches
-    assert nbytes == n
-    # what the hit took (its look-up latency) beyond what an empty probe costs (the prior)
-    hit_s = s.lookup_seconds - before
-    assert seconds == pytest.approx(max(hit_s - policy.probe_cost(), 0.0), abs=1e-9)
+    n = h.ta.stats().bytes_written
+    assert [name for name, _ in sent] == ["EVALSHA", "GET"]
+    assert sent[0][1] == [1, n] and len(sent[1][1]) == n == s.bytes_read  # the size, then it
+    assert len(policy.probes) == probes_before + 1
+    assert [nbytes for _, nbytes in policy.fetches] == [n]
 
 
 @e2e
@@ -261,21 +259,6 @@ async def test_a_value_over_the_budget_is_not_transferred(two_hosts: TwoHosts) -
     assert h.calls == ["big", "big"] and s.skipped == 1 and s.hits == 0 and s.bytes_read == 0
     assert sent[0][0] == "EVALSHA" and sent[0][1] == [1, h.ta.stats().bytes_written]
     assert "GET" not in [name for name, _ in sent]
-
-
-@e2e
-async def test_a_value_too_slow_to_carry_within_the_deadline_comes_by_a_get(
-    two_hosts: TwoHosts,
-) -> None:
-    """The probe carries only what its predicted transfer fits in half ``lookup_timeout_s``
-    (its deadline stays within twice that); a larger value within the budget is a GET after."""
-    slow = TierPolicy(learn=False, explore_every=0, prior_per_byte_s=1e-4)  # 1 s: ~10 KB
-    async with two_hosts(b={"policy": slow}) as h:
-        sent = await h.b_fetches("h1")
-    s = h.tb.stats()
-    assert h.calls == ["h1"] and s.hits == 1 and s.bytes_read == h.ta.stats().bytes_written
-    assert [name for name, _ in sent] == ["EVALSHA", "GET"]
-    assert sent[0][1] == [1, s.bytes_read]  # the size only
 
 
 @e2e
@@ -857,7 +840,7 @@ async def test_a_redis_cluster_serves_as_the_tier(make_config: Any, shm_name: st
                 for h in hashes:
                     _check(rb, await b.get_or_put(h, _maker(h, calls)), h)
         assert calls == hashes, "host b preprocessed items the cluster had"
-        assert [name for name, _ in sent] == ["EVALSHA"] * len(hashes)  # a hit: one round trip
+        assert [name for name, _ in sent] == ["EVALSHA", "GET"] * len(hashes)  # one slot each
         assert t1.stats().writes == len(hashes) and t2.stats().hits == len(hashes)
         assert t1.stats().errors == t2.stats().errors == 0
         slots = set()
