@@ -126,6 +126,15 @@ class Hosts:
         await self.started.wait()
         return first, asyncio.ensure_future(self.b.get_or_put(h, self.make(h)))
 
+    async def b_fetches(self, h: str) -> list[tuple[str, Any]]:
+        """``a`` makes ``h`` and writes it to Redis; then ``b`` asks for it (and gets exactly
+        ``h``'s item). The commands ``b``'s tier sent for it, with their replies."""
+        await self.a.get_or_put(h, self.make(h))
+        assert await self.ta.flush(30)
+        sent = _record_commands(self.tb)
+        _check(self.rb, await self.b.get_or_put(h, self.make(h)), h)
+        return sent
+
     async def b_gets(self, request: Awaitable[FeatureSpec], h: str) -> None:
         """``b``'s request is answered (within 20 s) with exactly ``h``'s item."""
         _check(self.rb, await asyncio.wait_for(request, 20), h)
@@ -176,6 +185,80 @@ async def test_a_second_host_is_served_from_the_tier(two_hosts: TwoHosts) -> Non
     assert sb.bytes_read == sa.bytes_written > 64 * KiB
     assert sb.lookup_seconds > 0 and h.b.tier_stats() == sb
     assert not h.ta.is_open and not h.tb.is_open  # the caches closed their tiers
+
+
+def _record_commands(tier: RedisTier) -> list[tuple[str, Any]]:
+    """Every command the (open) tier's client sends from now on, with its reply: a wrapped
+    client, so that the round trips of a request can be counted."""
+    sent: list[tuple[str, Any]] = []
+    client = tier._client
+    inner = client.execute_command
+
+    async def execute_command(*args: Any, **kw: Any) -> Any:
+        out = await inner(*args, **kw)
+        sent.append((str(args[0]).upper(), out))
+        return out
+
+    client.execute_command = execute_command
+    return sent
+
+
+class _RecordingPolicy(TierPolicy):
+    """The test hosts' policy (priors, no learning) that records what it is taught."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(learn=False, explore_every=0, **kw)
+        self.probes: list[float] = []
+        self.fetches: list[tuple[float, int]] = []
+
+    def observe_probe(self, seconds: float) -> None:
+        self.probes.append(seconds)
+        super().observe_probe(seconds)
+
+    def observe_fetch(self, seconds: float, nbytes: int) -> None:
+        self.fetches.append((seconds, nbytes))
+        super().observe_fetch(seconds, nbytes)
+
+
+@e2e
+async def test_a_tier_hit_is_the_probe_then_one_get(two_hosts: TwoHosts) -> None:
+    """A hit: the probe (the value's size), then one GET; the policy learns one of each.
+
+    Not one round trip with the probe carrying the value back: Redis 7.0 copies a value
+    returned from Lua several times, and a 4 MiB hit took 12 ms that way against 6 ms for
+    the probe and a GET (bench/runs/fleet-3.md).
+    """
+    policy = _RecordingPolicy()
+    async with two_hosts(b={"policy": policy}) as h:
+        await h.b.get_or_put("warm", h.make("warm"))  # b's connection and script, a miss
+        assert await h.tb.flush(30)
+        probes_before = len(policy.probes)
+        sent = await h.b_fetches("h1")
+    s = h.tb.stats()
+    assert h.calls == ["warm", "h1"] and s.hits == 1
+    n = h.ta.stats().bytes_written
+    assert [name for name, _ in sent] == ["EVALSHA", "GET"]
+    assert sent[0][1] == [1, n] and len(sent[1][1]) == n == s.bytes_read  # the size, then it
+    assert len(policy.probes) == probes_before + 1
+    assert [nbytes for _, nbytes in policy.fetches] == [n]
+
+
+@e2e
+async def test_a_value_over_the_budget_is_not_transferred(two_hosts: TwoHosts) -> None:
+    """A value larger than the look-up's budget: the probe answers its size only, no GET."""
+    # a make costs 10 ms, a fetch 0.5 ms per KiB: the budget is 16 KiB, the value 64 KiB
+    policy = TierPolicy(explore_every=0, warmup=0, min_samples=1)
+    for n in (8 * KiB, 32 * KiB):
+        policy.observe_make(0.010, n)
+        policy.observe_probe(0.0001)
+        policy.observe_fetch(0.0005 * n / KiB, n)
+    assert 8 * KiB < policy.fetch_budget(64 * MiB) < 32 * KiB
+    async with two_hosts(b={"policy": policy}) as h:
+        sent = await h.b_fetches("big")
+    s = h.tb.stats()
+    assert h.calls == ["big", "big"] and s.skipped == 1 and s.hits == 0 and s.bytes_read == 0
+    assert sent[0][0] == "EVALSHA" and sent[0][1] == [1, h.ta.stats().bytes_written]
+    assert "GET" not in [name for name, _ in sent]
 
 
 @e2e
@@ -753,9 +836,11 @@ async def test_a_redis_cluster_serves_as_the_tier(make_config: Any, shm_name: st
                 for h in hashes:
                     await a.get_or_put(h, _maker(h, calls))
                 assert await t1.flush(60)
+                sent = _record_commands(t2)
                 for h in hashes:
                     _check(rb, await b.get_or_put(h, _maker(h, calls)), h)
         assert calls == hashes, "host b preprocessed items the cluster had"
+        assert [name for name, _ in sent] == ["EVALSHA", "GET"] * len(hashes)  # one slot each
         assert t1.stats().writes == len(hashes) and t2.stats().hits == len(hashes)
         assert t1.stats().errors == t2.stats().errors == 0
         slots = set()

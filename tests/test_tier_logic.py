@@ -498,19 +498,9 @@ async def _serve_resp(reply: bytes, reader: Any, writer: Any) -> None:
         writer.close()
 
 
-@pytest.mark.parametrize(
-    "reply",
-    [
-        b"+OK\r\n",  # a status where the probe script returns a pair: was "leased", max_wait_s
-        b":5\r\n",  # an integer: was TypeError out of the request
-        b"*1\r\n:1\r\n",  # one element: was IndexError
-        b"*2\r\n:1\r\n$1\r\nx\r\n",  # a size that is not a number: was ValueError
-        b"*2\r\n:9\r\n:0\r\n",  # an unknown kind: was "leased by another", max_wait_s
-        b"*2\r\n:1\r\n:99\r\n",  # "a value of 99 bytes", then the GET answers a pair
-    ],
-)
-async def test_a_server_answering_nonsense_fails_no_request_and_holds_none(reply: bytes) -> None:
-    """Whatever the server answers, the request is made here at once and the error counted."""
+async def _one_request(reply: bytes, **kw: Any) -> RedisTier:
+    """One ``fetch_or_make`` on a tier whose server answers ``reply`` to everything; the
+    request must be answered by ``make`` at once. The tier, closed, for its counters."""
     server = await asyncio.start_server(lambda r, w: _serve_resp(reply, r, w), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     tier = RedisTier(
@@ -519,6 +509,7 @@ async def test_a_server_answering_nonsense_fails_no_request_and_holds_none(reply
         lookup_timeout_s=5.0,
         max_wait_s=30.0,
         policy=TierPolicy(learn=False, explore_every=0),
+        **kw,
     )
     item = {"x": np.arange(4)}
 
@@ -528,12 +519,48 @@ async def test_a_server_answering_nonsense_fails_no_request_and_holds_none(reply
     try:
         async with tier:
             assert await asyncio.wait_for(tier.fetch_or_make("h", make), 20) is item
-        s = tier.stats()
-        assert s.makes == 1 and s.waits == 0 and s.hits == 0
-        assert s.errors + s.rejected_total >= 1
     finally:
         server.close()
         await server.wait_closed()
+    s = tier.stats()
+    assert s.makes == 1 and s.waits == 0 and s.hits == 0 and s.bytes_read == 0
+    return tier
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"+OK\r\n",  # a status where the probe script returns a pair: was "leased", max_wait_s
+        b":5\r\n",  # an integer: was TypeError out of the request
+        b"*1\r\n:1\r\n",  # one element: was IndexError
+        b"*2\r\n:1\r\n$1\r\nx\r\n",  # a size that is not a number: was ValueError
+        b"*2\r\n:9\r\n:0\r\n",  # an unknown kind: was "leased by another", max_wait_s
+        b"*2\r\n:1\r\n:99\r\n",  # "a value of 99 bytes", then the GET answers a pair
+        b"*3\r\n:2\r\n:0\r\n$1\r\nx\r\n",  # a value with a claim
+        b"*4\r\n:1\r\n:1\r\n$1\r\nx\r\n$1\r\ny\r\n",  # four elements
+    ],
+)
+async def test_a_server_answering_nonsense_fails_no_request_and_holds_none(reply: bytes) -> None:
+    """Whatever the server answers, the request is made here at once and the error counted."""
+    s = (await _one_request(reply)).stats()
+    assert s.errors + s.rejected_total >= 1
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"*3\r\n:1\r\n:5\r\n$3\r\nabc\r\n",  # another size than stated
+        b"*3\r\n:1\r\n:100\r\n$100\r\n" + b"x" * 100 + b"\r\n",  # a value carried back
+        b"*3\r\n:3\r\n:0\r\n$0\r\n\r\n",  # a value with "leased by another"
+        b"*3\r\n:1\r\n:1\r\n*1\r\n$1\r\nx\r\n",  # a list where the value goes
+    ],
+)
+async def test_a_garbage_three_element_probe_reply_is_a_counted_error(reply: bytes) -> None:
+    """A reply of three elements (the probe answers two): an error, counted; never served,
+    whatever the third one looks like."""
+    tier = await _one_request(reply, max_item_bytes=16)
+    s = tier.stats()
+    assert s.errors == 1 and s.rejected_total == 0
 
 
 def test_stats_never_iterate_the_write_queue() -> None:
