@@ -111,7 +111,7 @@ def bench_big_put(p: Params, report: Report, progress: Progress, loop: str) -> N
     item = {"data": src}
     st: dict[str, tm.Stat] = {}
 
-    async def main() -> None:
+    async def main(shm: tm.ShmBuffer) -> None:
         async with AsyncSenderCache.from_config(bench_config(ring, size + 64 * KiB, 1)) as c:
             await _puts(c, item, 3, [])
             cells: dict[str, tm.Cell] = {
@@ -122,7 +122,7 @@ def bench_big_put(p: Params, report: Report, progress: Progress, loop: str) -> N
             st.update(await tm.ainterleave(p.runs, cells))
 
     with tm.ShmBuffer(ring) as shm:
-        _run(loop, main)
+        _run(loop, partial(main, shm))
     add, vs = report.section(S_PUT, "16 MiB"), ("np.copyto", st["copy"])
     add(f"np.copyto into warm shm [{loop} run]", st["copy"])
     label = f"np.copyto into rotating places of a 128 MiB shm buffer [{loop} run]"
@@ -274,7 +274,7 @@ def bench_threshold(p: Params, report: Report, progress: Progress, loop: str) ->
     by_size: dict[int, dict[str, tm.Stat]] = {}
     limiter = anyio.CapacityLimiter(4)
 
-    async def main() -> None:
+    async def main(shm: tm.ShmBuffer) -> None:
         with SenderCache(bench_config(8 * (biggest + 64 * KiB), biggest + 64 * KiB, 1)) as s:
             ci = AsyncSenderCache(s, inline_threshold_bytes=NEVER)
             ct = AsyncSenderCache(s, inline_threshold_bytes=0)
@@ -294,7 +294,7 @@ def bench_threshold(p: Params, report: Report, progress: Progress, loop: str) ->
             await ct.aclose()
 
     with tm.ShmBuffer(biggest) as shm:
-        _run(loop, main)
+        _run(loop, partial(main, shm))
     add = report.section(S_THR, plot="threshold")
     add(f"thread hop (noop) [{loop}]", by_size[sizes[0]]["hop"], plot=None)
     for size, st in by_size.items():
