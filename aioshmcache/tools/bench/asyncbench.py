@@ -108,23 +108,21 @@ def bench_big_put(p: Params, report: Report, progress: Progress, loop: str) -> N
     progress(f"async [{loop}]: 16 MiB put through the thread pool ({p.runs} runs)")
     size = 16 * MiB
     src, n, ring = tm.source_array(size), p.n_ops(size), 8 * size
-    item, shm = {"data": src}, tm.ShmBuffer(ring)
+    item = {"data": src}
     st: dict[str, tm.Stat] = {}
 
-    async def main() -> None:
+    async def main(shm: tm.ShmBuffer) -> None:
         async with AsyncSenderCache.from_config(bench_config(ring, size + 64 * KiB, 1)) as c:
             await _puts(c, item, 3, [])
-            cells: dict[str, tm.ACell] = {
-                "copy": _acell(partial(tm.memcpy_into, shm.view(size), src, n)),
-                "rotating": _acell(tm.each(n, np.copyto, lambda i: (shm.rotating(size, i), src))),
+            cells: dict[str, tm.Cell] = {
+                "copy": partial(tm.memcpy_into, shm.view(size), src, n),
+                "rotating": tm.each(n, np.copyto, lambda i: (shm.rotating(size, i), src)),
                 "put": partial(_puts, c, item, n),
             }
             st.update(await tm.ainterleave(p.runs, cells))
 
-    try:
-        _run(loop, main)
-    finally:
-        shm.close()
+    with tm.ShmBuffer(ring) as shm:
+        _run(loop, partial(main, shm))
     add, vs = report.section(S_PUT, "16 MiB"), ("np.copyto", st["copy"])
     add(f"np.copyto into warm shm [{loop} run]", st["copy"])
     label = f"np.copyto into rotating places of a 128 MiB shm buffer [{loop} run]"
@@ -132,15 +130,6 @@ def bench_big_put(p: Params, report: Report, progress: Progress, loop: str) -> N
     note = f"{st['rotating'].median / st['put'].median:.2f}x the rotating copy"
     label = f"await get_and_update_item (a miss: put) [{loop}]"
     add(label, st["put"], vs=vs, target=Target.at_least(0.7, "ratio"), note=note)
-
-
-def _acell(cell: Callable[[list[float]], object]) -> Callable[[list[float]], Awaitable[None]]:
-    """A synchronous cell, awaitable beside the others."""
-
-    async def run(out: list[float]) -> None:
-        cell(out)
-
-    return run
 
 
 # --- loop lag -------------------------------------------------------------------------------
@@ -282,11 +271,10 @@ def bench_concurrent(p: Params, report: Report, progress: Progress, loop: str) -
 def bench_threshold(p: Params, report: Report, progress: Progress, loop: str) -> None:
     sizes, biggest = p.threshold_sizes, max(p.threshold_sizes)
     progress(f"async [{loop}]: inline vs thread put for {', '.join(map(fmt_bytes, sizes))}")
-    shm = tm.ShmBuffer(biggest)
     by_size: dict[int, dict[str, tm.Stat]] = {}
     limiter = anyio.CapacityLimiter(4)
 
-    async def main() -> None:
+    async def main(shm: tm.ShmBuffer) -> None:
         with SenderCache(bench_config(8 * (biggest + 64 * KiB), biggest + 64 * KiB, 1)) as s:
             ci = AsyncSenderCache(s, inline_threshold_bytes=NEVER)
             ct = AsyncSenderCache(s, inline_threshold_bytes=0)
@@ -295,8 +283,8 @@ def bench_threshold(p: Params, report: Report, progress: Progress, loop: str) ->
                 item, n = {"data": src}, max(6, p.n_ops(size) // 2)
                 for c in (ci, ct, ci, ct):  # warm both paths and the worker threads
                     await _puts(c, item, 1, [])
-                cells: dict[str, tm.ACell] = {
-                    "copy": _acell(partial(tm.memcpy_into, shm.view(size), src, n)),
+                cells: dict[str, tm.Cell] = {
+                    "copy": partial(tm.memcpy_into, shm.view(size), src, n),
                     "inline": partial(_puts, ci, item, n),
                     "thread": partial(_puts, ct, item, n),
                     "hop": partial(_hops, 10, limiter),
@@ -305,10 +293,8 @@ def bench_threshold(p: Params, report: Report, progress: Progress, loop: str) ->
             await ci.aclose()
             await ct.aclose()
 
-    try:
-        _run(loop, main)
-    finally:
-        shm.close()
+    with tm.ShmBuffer(biggest) as shm:
+        _run(loop, partial(main, shm))
     add = report.section(S_THR, plot="threshold")
     add(f"thread hop (noop) [{loop}]", by_size[sizes[0]]["hop"], plot=None)
     for size, st in by_size.items():
@@ -365,17 +351,12 @@ def _break_even(medians: list[tuple[int, float, float]]) -> float | None:
     above it the loop is better off handing the copy to a thread. Interpolated on log scales
     between the two measured sizes around the sign change.
     """
-    prev: tuple[float, float] | None = None
-    for size, ins, ths in medians:
-        diff = ins - (ths - ins)  # stall minus the hop's extra latency
-        if diff >= 0:
-            if prev is None:
-                return float(size)
-            ps, pd = prev
-            frac = -pd / (diff - pd) if diff != pd else 0.0
-            return math.exp(math.log(ps) + frac * (math.log(size) - math.log(ps)))
-        prev = (float(size), diff)
-    return None
+    diff = np.array([ins - (ths - ins) for _, ins, ths in medians])  # stall - the hop's cost
+    if not (diff >= 0).any():
+        return None
+    i = int(np.argmax(diff >= 0))  # the first size where the stall is the larger
+    log_sizes = np.log([s for s, _, _ in medians[max(0, i - 1) : i + 1]])
+    return float(np.exp(np.interp(0.0, diff[max(0, i - 1) : i + 1], log_sizes)))
 
 
 def run_async_suite(p: Params, report: Report, progress: Progress) -> None:

@@ -155,16 +155,14 @@ def bench_lookup_and_copy(p: Params, report: Report, progress: Progress) -> None
                 b.invalidate(key)  # so that each hit copies again (untimed)
                 return ()
 
-            dst, src = tm.ShmBuffer(size), tm.source_array(size, seed=1)
-            try:
+            src = tm.source_array(size, seed=1)
+            with tm.ShmBuffer(size) as dst:
                 copy = partial(tm.memcpy_into, dst.view(size), src, reps)
                 cells: dict[str, tm.Cell] = {
                     "copy": tm.each(reps, sibling_hit, drop_own),
                     "base": copy,
                 }
                 st = tm.interleave(runs, cells, warmup=1)
-            finally:
-                dst.close()
             add = report.section(S_COPY, f"{size // MiB} MiB")
             add("np.copyto into warm shm (baseline)", st["base"])
             label = "sibling hit: get_and_update_features(None) in shard 1"

@@ -160,8 +160,7 @@ _OURS = {"copy": "aioshmcache (reader copies)", "lease": "aioshmcache (reader le
 def _roundtrips(
     p: Params, report: Report, progress: Progress, worker: Worker, redis: RedisClient | None
 ) -> None:
-    shm = tm.ShmBuffer(max(p.peer_sizes))
-    try:
+    with tm.ShmBuffer(max(p.peer_sizes)) as shm:
         for size in p.peer_sizes:
             peers = "Pipe / Queue" + (" / redis" if redis else "")
             progress(f"round trip: {fmt_bytes(size)}, aioshmcache vs {peers} ({p.runs} runs)")
@@ -182,8 +181,6 @@ def _roundtrips(
                 ours.stack.close()
             del stats["stop"]
             _report_roundtrip(report, size, stats)
-    finally:
-        shm.close()
 
 
 def _report_roundtrip(report: Report, size: int, stats: dict[str, Any]) -> None:

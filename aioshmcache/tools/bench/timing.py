@@ -10,6 +10,7 @@ subject alike and their ratio holds.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import mmap
 import os
@@ -24,8 +25,8 @@ import numpy.typing as npt
 Array = npt.NDArray[np.uint8]
 R = TypeVar("R")
 #: one subject of an interleaved measurement: appends its samples (seconds) to the list given
+#: (for :func:`ainterleave`, it may be a coroutine function)
 Cell = Callable[[list[float]], object]
-ACell = Callable[[list[float]], Awaitable[object]]
 _ns = time.perf_counter_ns
 
 
@@ -81,12 +82,15 @@ def interleave(runs: int, cells: dict[str, Cell], *, warmup: int = 0) -> dict[st
     return {name: s.stat() for name, s in samples.items()}
 
 
-async def ainterleave(runs: int, cells: dict[str, ACell]) -> dict[str, Stat]:
-    """:func:`interleave` for coroutines: every cell awaited once per run, in turn."""
+async def ainterleave(runs: int, cells: dict[str, Cell]) -> dict[str, Stat]:
+    """:func:`interleave` for coroutines too: every cell called (and awaited if it is a
+    coroutine function) once per run, in turn."""
     samples = {name: Samples() for name in cells}
     for _ in range(runs):
         for name, cell in cells.items():
-            await cell(samples[name].new_run())
+            result = cell(samples[name].new_run())
+            if inspect.isawaitable(result):
+                await result
     return {name: s.stat() for name, s in samples.items()}
 
 
@@ -165,3 +169,9 @@ class ShmBuffer:
         del self.array
         with contextlib.suppress(BufferError):
             self._mm.close()
+
+    def __enter__(self) -> ShmBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

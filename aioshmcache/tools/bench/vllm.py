@@ -299,13 +299,9 @@ def run_vllm_suite(p: Params, report: Report, progress: Progress, vllm_file: Pat
         batch = max(2, batch // 8) if p.quick else batch
         progress(f"vllm: {fmt_bytes(size)} x {batch}, {p.vllm_rounds} interleaved rounds")
         cap = 2 * batch * (size + 4 * KiB) + 8 * MiB
-        with _stores(mod, cap, size + 64 * KiB) as st:
-            target = tm.ShmBuffer(cap)
-            try:
-                cells = _cells(st, tm.source_array(size), batch, target, cap)
-                stats = tm.interleave(p.vllm_rounds, cells, warmup=1)  # round 0 warms every path
-            finally:
-                target.close()
+        with _stores(mod, cap, size + 64 * KiB) as st, tm.ShmBuffer(cap) as target:
+            cells = _cells(st, tm.source_array(size), batch, target, cap)
+            stats = tm.interleave(p.vllm_rounds, cells, warmup=1)  # round 0 warms every path
         add = report.section(S_VLLM, fmt_bytes(size))
         for theirs, mine, op in _PAIRS:
             limit = _TARGETS.get((op, size), 1 / 0.95 if size >= MiB else None)

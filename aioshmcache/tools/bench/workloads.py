@@ -94,8 +94,7 @@ _STORE_ROWS: list[tuple[str, str, str, tuple[int, ...] | None, Target | None]] =
 
 
 def bench_store_ops(p: Params, report: Report, progress: Progress) -> None:
-    shm = tm.ShmBuffer(max(max(64 * MiB, 6 * (s + 4096)) for s in p.sizes))
-    try:
+    with tm.ShmBuffer(max(max(64 * MiB, 6 * (s + 4096)) for s in p.sizes)) as shm:
         for size in p.sizes:
             progress(f"store: put / get / lease of {fmt_bytes(size)} ({p.runs} runs)")
             st = _store_ops(p, shm, size)
@@ -106,8 +105,6 @@ def bench_store_ops(p: Params, report: Report, progress: Progress) -> None:
                 note, vs = note if cell == "put" else "", ("np.copyto", st["base"])
                 target = target if sizes is None or size in sizes else None
                 add(label, st[cell], vs=vs, note=note, target=target, series=series)
-    finally:
-        shm.close()
 
 
 def _store_ops(p: Params, shm: tm.ShmBuffer, size: int) -> dict[str, tm.Stat]:
@@ -275,9 +272,9 @@ def bench_fresh_vs_warm(p: Params, report: Report, progress: Progress) -> None:
 
 def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -> None:
     size, ring = 1 * MiB, 64 * MiB
-    item, shm, base = {"data": tm.source_array(size)}, tm.ShmBuffer(ring), tm.Samples()
+    item, base = {"data": tm.source_array(size)}, tm.Samples()
     add = report.section(S_CHURN, "1 MiB")
-    try:
+    with tm.ShmBuffer(ring) as shm:
         for mode in ("copy", "lease"):
             progress(f"churn: {p.churn_puts:,} puts of 1 MiB, reader {mode} ({p.churn_runs} runs)")
             rates, lat, waits = tm.Samples(), tm.Samples(), 0
@@ -307,8 +304,6 @@ def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -
             )
             add(f"put latency ({who})", lat.stat(), vs=("rotating np.copyto", bs))
         add("np.copyto into rotating places of a 64 MiB shm buffer (baseline)", base.stat())
-    finally:
-        shm.close()
 
 
 def bench_readers(p: Params, report: Report, progress: Progress, worker: Worker) -> None:
