@@ -26,8 +26,8 @@ class Acknowledgements:
     """The writer's reading of the readers' logs (see the module docstring)."""
 
     if TYPE_CHECKING:  # the writer's state this part works on (set by ``StoreWriter``)
-        readers: ReaderTable
-        ledger: HandoutLedger
+        _readers: ReaderTable
+        _ledger: HandoutLedger
         one_of_n: bool
         _slots: list[SlotState]
         _known_sessions: list[int]
@@ -42,7 +42,7 @@ class Acknowledgements:
 
     def _sync_sessions(self) -> None:
         """Notice slots whose session changed (attach, close, a replacement after a death)."""
-        t = self.readers
+        t = self._readers
         now = t.sessions()
         if now == self._known_sessions:
             return
@@ -52,7 +52,7 @@ class Acknowledgements:
             if s == st.session:
                 continue
             if st.session:
-                self.ledger.drop_session(st.session)
+                self._ledger.drop_session(st.session)
             st.session = s
             st.alive = s != 0
             st.revoked = 0
@@ -69,8 +69,8 @@ class Acknowledgements:
 
     def _publish_owed(self) -> None:
         """Publish each live slot's debt for ``inspect`` and ``reader_info`` (``WS_OWED``)."""
-        owed = self.ledger.owed
-        t = self.readers
+        owed = self._ledger.owed
+        t = self._readers
         for slot, st in enumerate(self._slots):
             if st.session:
                 t.set_word(slot, WS_OWED, max(0, owed.get(st.session, 0)))
@@ -79,14 +79,14 @@ class Acknowledgements:
         """Apply every acknowledgement written since the last drain; returns how many."""
         self._check_writer()
         with self._lock:
-            t = self.readers
+            t = self._readers
             n_total = 0
             self._undrained = 0
             if t.sessions() == self._known_sessions and t.heads() == [
                 st.cursor for st in self._slots
             ]:
                 return 0  # nothing new: the common case, two strided reads
-            settle_all = self.ledger.settle_all
+            settle_all = self._ledger.settle_all
             for slot, st in enumerate(self._slots):
                 for _ in range(3):
                     s = t.word(slot, RS_SESSION)

@@ -106,9 +106,9 @@ class Eviction:
 
     if TYPE_CHECKING:  # the writer's state this part works on (set by ``StoreWriter``)
         ring: ShmRingBuffer
-        readers: ReaderTable
-        ledger: HandoutLedger
-        hints: HintTable
+        _readers: ReaderTable
+        _ledger: HandoutLedger
+        _hints: HintTable
         _has_hints: bool
         _hw: Any
         _index: ShardedMap[str, int]
@@ -148,24 +148,24 @@ class Eviction:
 
     def _probe_debtors(self, e: Debts) -> bool:
         """Probe the readers owing ``e``; drop dead ones, revoke stuck ones. True if any dropped."""
-        since = self.ledger.debtors(e)
+        since = self._ledger.debtors(e)
         if not since:
             return False
         changed = False
         evict_after = self._config.evict_stuck_readers_after
-        stuck = set(self.ledger.stuck(e, evict_after)) if evict_after is not None else set()
+        stuck = set(self._ledger.stuck(e, evict_after)) if evict_after is not None else set()
         for slot, st in enumerate(self._slots):
             s = st.session
             if not s or not st.alive or s not in since:
                 continue
-            if not self.readers.probe(slot):
+            if not self._readers.probe(slot):
                 log.info(
                     "reader slot %d (pid %d) is dead: dropping its debts",
                     slot,
-                    self.readers.word(slot, RS_PID),
+                    self._readers.word(slot, RS_PID),
                 )
                 st.alive = False
-                self.ledger.drop_session(s)
+                self._ledger.drop_session(s)
                 changed = True
             elif s in stuck:
                 log.warning(
@@ -173,10 +173,10 @@ class Eviction:
                     slot,
                     evict_after,
                 )
-                self.readers.set_word(slot, WS_REVOKED, s)
+                self._readers.set_word(slot, WS_REVOKED, s)
                 st.alive = False
                 st.revoked = s
-                self.ledger.drop_session(s)
+                self._ledger.drop_session(s)
                 changed = True
         if changed:
             self._refresh_live()
@@ -188,7 +188,7 @@ class Eviction:
         if g is not None and cid in g:
             return False  # guarded by the request deciding now
         e = self._by_id.get(cid)
-        return e is None or self.ledger.is_free(e)
+        return e is None or self._ledger.is_free(e)
 
     def is_freeable(self, key: str) -> bool:
         """Whether ``key``'s chunk could be evicted now.
@@ -202,23 +202,23 @@ class Eviction:
             cid = self._index.get(key)
             if cid is None:
                 return False
-            e = self.ledger.get(cid)
+            e = self._ledger.get(cid)
             if e is None:
                 return True  # nothing owed, pinned or touched
             if e.debt > 0 and not self.one_of_n:
                 self._probe_debtors(e)
-            return self.ledger.is_free(e)
+            return self._ledger.is_free(e)
 
     def _forget(self, freed: list[int]) -> None:
         """Drop the rows, index entries, marks and debts of freed chunks; count evictions."""
         index, marked, entries = self._index, self._marked, self._by_id
         rows, keys = self._rows, self._keys
-        hints = self.hints if self._has_hints else None
+        hints = self._hints if self._has_hints else None
         on_evict = self.on_evict
         evicted = self.evictions
         for cid in freed:  # the ``ShardedMap`` calls inline: once per chunk freed
             if cid in entries:
-                self.ledger.forget(cid)
+                self._ledger.forget(cid)
             h = hash(cid)
             if cid in (dm := marked.shards[h & marked.mask]):  # ``del marked[cid]``
                 del dm[cid]
@@ -340,7 +340,7 @@ class Eviction:
                 and not self.is_pending(self._keys[cid])
             )
 
-        entries, marked, ledger, guarded = self._by_id, self._marked, self.ledger, self._guarded
+        entries, marked, ledger, guarded = self._by_id, self._marked, self._ledger, self._guarded
 
         def evictable(cid: int) -> bool:  # _is_free and _is_marked, inline: once per chunk freed
             if guarded is not None and cid in guarded:
@@ -413,7 +413,7 @@ class Eviction:
         if row is None:  # unreachable: the head of a relocation is an indexed chunk
             return
         key, _address, length, _position, _base, _epoch = row
-        self.ledger.forget(cid)  # it owes nothing: it was free
+        self._ledger.forget(cid)  # it owes nothing: it was free
         self._marked.pop(cid, None)
         moved = self.ring.relocate_head()
         if moved is None:  # ids exhausted: the chunk is gone, as if evicted
@@ -425,8 +425,8 @@ class Eviction:
         base = tag_base(self._secret, epoch, address, new, length, position) & ((1 << 64) - 1)
         self._set_row(new, (key, address, length, position, base, epoch))
         self._index[key] = new
-        if self.hints:
-            self.hints.publish(key, Hint(epoch, address, new, length, position))
+        if self._hints:
+            self._hints.publish(key, Hint(epoch, address, new, length, position))
         self.relocations += 1
         self.bytes_relocated += length
         hw = self._hw

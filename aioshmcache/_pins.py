@@ -28,7 +28,7 @@ class Pins:
     """The writer's pins and guards (see the module docstring); mixed into ``StoreWriter``."""
 
     if TYPE_CHECKING:  # the writer's state this part works on (set by ``StoreWriter``)
-        ledger: HandoutLedger
+        _ledger: HandoutLedger
         _index: ShardedMap[str, int]
         _rows: ShardedMap[int, bytes]
         _guarded: dict[int, None] | None
@@ -49,7 +49,7 @@ class Pins:
             cid = self._index.get(key)
             if cid is None:
                 return False
-            self.ledger.touch(self.ledger.debts_of(cid))
+            self._ledger.touch(self._ledger.debts_of(cid))
             return True
 
     def pin(self, key: str) -> bool:
@@ -60,7 +60,7 @@ class Pins:
             cid = self._index.get(key)
             if cid is None:
                 return False
-            self.ledger.pin(self.ledger.debts_of(cid))
+            self._ledger.pin(self._ledger.debts_of(cid))
             return True
 
     def unpin(self, key: str) -> None:
@@ -69,8 +69,8 @@ class Pins:
             self._check_writer()
         with self._lock:
             cid = self._index.get(key)
-            if cid is not None and (e := self.ledger.get(cid)) is not None:
-                self.ledger.unpin(e)
+            if cid is not None and (e := self._ledger.get(cid)) is not None:
+                self._ledger.unpin(e)
 
     def _pin_entry(self, key: str) -> Debts | None:
         """Request-scoped pin of the entry cached under ``key`` now (see :meth:`_unpin_entry`).
@@ -82,14 +82,14 @@ class Pins:
             cid = self._index.get(key)
             if cid is None:
                 return None
-            e = self.ledger.debts_of(cid)
-            self.ledger.pin(e)
+            e = self._ledger.debts_of(cid)
+            self._ledger.pin(e)
             return e
 
     def _unpin_entry(self, e: Debts) -> None:
         """Undo one :meth:`_pin_entry` of ``e`` (whatever key names it by now)."""
         with self._lock:
-            self.ledger.unpin(e)
+            self._ledger.unpin(e)
 
     @contextlib.contextmanager
     def pinned(self, keys: list[str]) -> Iterator[list[str]]:
@@ -136,7 +136,7 @@ class Pins:
         What a request's :meth:`guard` becomes when the request goes on outside the lock.
         """
         with self._lock:
-            rows, ledger = self._rows, self.ledger
+            rows, ledger = self._rows, self._ledger
             out = []
             for cid in ids:
                 if cid in rows:

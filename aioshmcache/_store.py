@@ -201,12 +201,12 @@ class ShmObjectStore(abc.ABC):
         "_closed",
         "_hw",
         "_nonce",
+        "_readers",
         "_reading",
         "_seg",
         "handout_ttl",
         "max_object_bytes",
         "one_of_n",
-        "readers",
         "ring",
         "serde",
     )
@@ -250,7 +250,7 @@ class ShmObjectStore(abc.ABC):
         self._seg = segment
         self._hw = segment.words
         self.ring = ring
-        self.readers = ReaderTable(segment)
+        self._readers = ReaderTable(segment)
         self.serde: Serde = serde if serde is not None else MsgpackSerde()
         self.max_object_bytes = int(self._hw[H_MAX_OBJECT])
         self.one_of_n = int(self._hw[H_DELIVERY]) == DELIVERY_CODES["one_of_n"]
@@ -358,7 +358,7 @@ class ShmObjectStore(abc.ABC):
     def reader_info(self) -> list[ReaderSlotInfo]:
         """Every reader slot: attached, alive (kernel lock), pid, acknowledgements, debt."""
         self._check_open()
-        return reader_slots_info(self.readers, probe=True)
+        return reader_slots_info(self._readers, probe=True)
 
     # --- lifetime -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -368,7 +368,7 @@ class ShmObjectStore(abc.ABC):
         self._closed = True
         self._reading.close()
         self._close_role()
-        self.readers.release()
+        self._readers.release()
         self.ring.close()
 
     @abc.abstractmethod
@@ -401,9 +401,11 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
         "_config",
         "_guarded",
         "_has_hints",
+        "_hints",
         "_index",
         "_keys",
         "_known_sessions",
+        "_ledger",
         "_live_sessions",
         "_live_slots",
         "_lock",
@@ -419,8 +421,6 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
         "bytes_relocated",
         "evict_slack",
         "evictions",
-        "hints",
-        "ledger",
         "on_evict",
         "relocate_budget",
         "relocations",
@@ -435,9 +435,9 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
         super().__init__(segment, ShmRingBuffer(segment, writer=True), serde=serde)
         self._config = config
         self._secret = int(self._hw[H_SECRET])  # the key of every reference's tag
-        self.hints = HintTable(segment)  # empty unless the segment is a group shard
-        self._has_hints = bool(self.hints)  # its size is fixed with the segment
-        self.ledger = HandoutLedger(one_of_n=self.one_of_n, handout_ttl=self.handout_ttl)
+        self._hints = HintTable(segment)  # empty unless the segment is a group shard
+        self._has_hints = bool(self._hints)  # its size is fixed with the segment
+        self._ledger = HandoutLedger(one_of_n=self.one_of_n, handout_ttl=self.handout_ttl)
         # one entry per cached item: sharded, so that no put rebuilds a big table (``_shards``)
         # at most one item per smallest chunk: the per-item maps are sized for that many
         n = shards_for(self.ring.capacity // chunk_size(1))
@@ -450,12 +450,12 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
         # the collector untracks such a dict, while it walks every member of a set (12 ms per
         # full collection with 250,000 marked items)
         self._marked: ShardedMap[int, None] = ShardedMap(n)
-        self._by_id: dict[int, Debts] = self.ledger.entries  # the same dict: active entries only
+        self._by_id: dict[int, Debts] = self._ledger.entries  # the same dict: active entries only
         self._pending: dict[str, Reservation] = {}
         self._waiting_keys: set[str] = set()
         self._waiters = 0  # threads asleep in _wait (they own the semaphore handle then)
-        self._slots = [SlotState() for _ in range(self.readers.n_slots)]
-        self._known_sessions = [0] * self.readers.n_slots
+        self._slots = [SlotState() for _ in range(self._readers.n_slots)]
+        self._known_sessions = [0] * self._readers.n_slots
         self._live_slots: list[tuple[int, int]] = []  # (slot, session) of live readers
         self._live_sessions: list[int] = []
         self._undrained = 0
@@ -731,7 +731,7 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
         if self._guarded is not None:  # a request's own put (see ``guard``)
             self._guarded[cid] = None
         if self._has_hints:
-            self.hints.publish(key, Hint(epoch, address, cid, length, position))
+            self._hints.publish(key, Hint(epoch, address, cid, length, position))
         hw[H_BYTES_USED] = ring.used_bytes  # _publish_usage, inline: every put (evictions are
         hw[H_ITEMS] = n_items  # published where they happen, by _forget)
         # ``self._ref(cid, seq)`` from what is at hand: the row just written, read back for
@@ -782,17 +782,17 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
     def _hand_out_seq(self, cid: int) -> int:
         """Record a hand-out of chunk ``cid`` (owed by the live sessions); its sequence number."""
         if self.one_of_n:
-            seq = self.ledger.hand_out_id(cid, _NOBODY)
+            seq = self._ledger.hand_out_id(cid, _NOBODY)
         else:
-            if self.readers.sessions() != self._known_sessions:
+            if self._readers.sessions() != self._known_sessions:
                 self._sync_sessions()
-            seq = self.ledger.hand_out_id(cid, self._live_sessions)
+            seq = self._ledger.hand_out_id(cid, self._live_sessions)
             if self._live_sessions:
-                owed, words = self.ledger.owed, self.readers.owed_words
+                owed, words = self._ledger.owed, self._readers.owed_words
                 for i, s in self._live_slots:  # the owing slots' debts, for inspect
                     words[i] = owed[s]
         self._undrained += 1
-        if self._undrained * 2 >= self.readers.log_entries:
+        if self._undrained * 2 >= self._readers.log_entries:
             self.drain()
         return seq
 
@@ -809,7 +809,7 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
             row = self._row(ref.id)
             if row is None or ref.nonce != self._nonce:
                 return False
-            if row[1] != ref.address or not self.ledger.release(ref.id, ref.seq):
+            if row[1] != ref.address or not self._ledger.release(ref.id, ref.seq):
                 return False  # unknown, already released, or already read by everyone
             self._publish_owed()
             return True
@@ -824,10 +824,10 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
             cid = self._index.pop(key, None)
             if cid is None:
                 return False
-            if self.hints:
-                self.hints.remove(key, cid)
-            if (e := self.ledger.get(cid)) is not None:
-                self.ledger.untouch(e)
+            if self._hints:
+                self._hints.remove(key, cid)
+            if (e := self._ledger.get(cid)) is not None:
+                self._ledger.untouch(e)
             self._publish_usage()
             return True
 
@@ -848,8 +848,8 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
                 self._drop_row(cid)
             self._index.clear()
             self._marked.clear()
-            for s in list(self.ledger.owed):
-                self.ledger.owed[s] = 0
+            for s in list(self._ledger.owed):
+                self._ledger.owed[s] = 0
             self._publish_usage()
             self._publish_owed()
             return n
@@ -859,7 +859,7 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
         self._check_writer()  # a forked child must not publish the parent's words
         with self._lock:
             self._publish_owed()
-            return reader_slots_info(self.readers, probe=True)
+            return reader_slots_info(self._readers, probe=True)
 
     def get(self, ref: ShmRef | dict[str, Any]) -> Any:
         """The writer's own read of a reference: a verified copy; nothing is owed or
@@ -885,7 +885,7 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
         self._keys.clear()
         self._marked.clear()
         self._by_id.clear()
-        self.hints.release()
+        self._hints.release()
 
 
 # The reader's class builds on the base above; imported last so that ``from_handle`` (and its

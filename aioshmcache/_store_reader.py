@@ -46,7 +46,7 @@ class StoreReader(ShmObjectStore):
         super().__init__(segment, ring, serde=serde, probe_interval=probe_interval)
         if not segment.writer_alive():
             raise WriterGoneError(f"the writer of {segment.name!r} is gone")
-        self._reading.slot = self.readers.claim()
+        self._reading.slot = self._readers.claim()
 
     def get(self, ref: ShmRef | dict[str, Any], *, copy: bool = True) -> Any:
         """Read a reference and acknowledge it once the copy is verified.

@@ -99,7 +99,7 @@ async def _drain_everything(cache: AsyncSenderCache, rx: AsyncReceiverCache) -> 
     session = rx.receiver.store._reading.slot.session  # type: ignore[union-attr]
     for key in cache.cached_order():
         cid = store._index[key]
-        e = store.ledger.get(cid)  # None: nothing owed on it
+        e = store._ledger.get(cid)  # None: nothing owed on it
         for seq, owers in list(e.out.items()) if e is not None else []:
             if owers and session in owers:
                 await rx.get_and_update_item(store._ref(cid, seq), key)

@@ -879,7 +879,7 @@ async def test_the_sync_face_s_last_copy_job_needs_no_pin(
         face = AsyncSenderCache(tx)
         aref, _ = await face.get_and_update_item((item(4, big), ()), "four")
         assert pinned == ["two", "four"]
-        assert not [e for e in tx.store.ledger.entries.values() if e.pins]  # nothing left pinned
+        assert not [e for e in tx.store._ledger.entries.values() if e.pins]  # nothing left pinned
         refs = [("one", ref), ("two", out[0][0]), ("three", out[1][0]), ("four", aref)]
         for t, (h, r) in enumerate(refs, start=1):
             assert int(rx.get_and_update_item(r, h)["pixel_values"][-1]) == t

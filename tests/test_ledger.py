@@ -415,7 +415,7 @@ def _item() -> dict[str, Any]:
 def test_store_one_of_n_lost_handout_does_not_pin_a_popular_item(shm_name: str) -> None:
     cfg = CacheConfig(1 << 20, 1 << 18, 1, name=shm_name, delivery="one_of_n", handout_ttl=0.3)
     with ShmObjectStore.create(cfg) as w, ShmObjectStore.from_handle(w.handle()) as r:
-        clock = w.ledger.clock = FakeClock()
+        clock = w._ledger.clock = FakeClock()
         w.put("a", _item())  # handed out, lost
 
         def popular_and_freeable() -> bool:
@@ -433,7 +433,7 @@ def test_store_one_of_n_lost_handout_does_not_pin_a_popular_item(shm_name: str) 
 def test_store_touch_expires(shm_name: str) -> None:
     cfg = CacheConfig(1 << 20, 1 << 18, 1, name=shm_name, handout_ttl=0.2)
     with ShmObjectStore.create(cfg) as w:
-        clock = w.ledger.clock = FakeClock()
+        clock = w._ledger.clock = FakeClock()
         w.put("a", _item())
         assert w.touch("a")
         assert not w.is_freeable("a")
@@ -446,7 +446,7 @@ def test_store_lost_broadcast_handout_neither_pins_nor_revokes(shm_name: str) ->
         1 << 20, 1 << 18, 1, name=shm_name, handout_ttl=0.3, evict_stuck_readers_after=0.2
     )
     with ShmObjectStore.create(cfg) as w, ShmObjectStore.from_handle(w.handle()) as r:
-        clock = w.ledger.clock = FakeClock()
+        clock = w._ledger.clock = FakeClock()
         w.put("lost", _item())  # the sender never delivers it and never releases it
         i = 0
 

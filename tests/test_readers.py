@@ -149,7 +149,7 @@ def test_stopped_reader_deadline_then_eviction(make_config: Any) -> None:
     rng = np.random.default_rng(2)
     cfg = make_config(1 << 20, 300 << 10, 2, evict_stuck_readers_after=0.5)
     cache = SenderCache(cfg)
-    clock = cache.store.ledger.clock = FakeClock()  # the stuck limit runs on this clock
+    clock = cache.store._ledger.clock = FakeClock()  # the stuck limit runs on this clock
     p, conn = _start_reader(cache.handle().to_dict())
     try:
         refs = []
@@ -297,7 +297,7 @@ def test_one_of_n_each_handout_read_exactly_once(make_config: Any) -> None:
 def test_one_of_n_undelivered_handouts_expire(make_config: Any) -> None:
     cfg = make_config(1 << 20, 1 << 16, 2, delivery="one_of_n", handout_ttl=0.3)
     with SenderCache(cfg) as cache:
-        clock = cache.store.ledger.clock = FakeClock()
+        clock = cache.store._ledger.clock = FakeClock()
         cache.get_and_update_item(({"a": np.zeros(100)}, ()), "lost")  # never delivered
         assert not cache.is_freeable("lost")
         clock.advance(0.29)
@@ -342,7 +342,7 @@ def test_torn_reads_are_detected(make_config: Any) -> None:
         refs.append(writer.put("k0", items[0]))
         writer.release(refs[-1])  # nobody owes it: the writer may reuse it at any time
         t.start()
-        wait_until(lambda: writer.readers.word(0, 0) != 0)
+        wait_until(lambda: writer._readers.word(0, 0) != 0)
         deadline = time.monotonic() + 10
         i = 1
         while time.monotonic() < deadline and (outcomes["stale"] < 20 or outcomes["ok"] < 20):

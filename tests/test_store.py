@@ -344,7 +344,7 @@ def test_each_role_holds_only_its_own_state(make_config: Any) -> None:
     base = _slots(ShmObjectStore)
     writer_only = _slots(StoreWriter) - base
     assert _slots(StoreReader) == base  # no field of its own: its slot is its read path's
-    assert {"_index", "_rows", "_keys", "_marked", "ledger", "_lock", "_pending"} <= writer_only
+    assert {"_index", "_rows", "_keys", "_marked", "_ledger", "_lock", "_pending"} <= writer_only
     with (
         ShmObjectStore.create(make_config()) as store,
         ShmObjectStore.from_handle(store.handle()) as reader,
@@ -363,7 +363,7 @@ def test_a_method_of_the_other_role_is_a_role_error(make_config: Any) -> None:
     it; also an ``AttributeError``, so ``hasattr`` is False rather than raising."""
     names = ShmObjectStore._role_names
     assert names["reader"] == {"ack", "check_writer", "close_when_idle", "give_back"}
-    assert {"put", "get_cached", "clear", "touch", "evict", "lock", "ledger"} <= names["writer"]
+    assert {"put", "get_cached", "clear", "touch", "evict", "lock", "evictions"} <= names["writer"]
     assert not names["reader"] & names["writer"]
     with ShmObjectStore.create(make_config()) as store:
         ref = store.put("k", {})
@@ -735,7 +735,7 @@ def test_settled_entries_leave_no_objects_for_the_garbage_collector(
             grown = len(gc.get_objects()) - before
             assert len(tx.store) == 2 * n
             assert grown < n // 20, f"{grown} more tracked objects for {n} settled items"
-            assert not tx.store.ledger.entries  # settled: nothing owed, pinned or touched
+            assert not tx.store._ledger.entries  # settled: nothing owed, pinned or touched
             assert not any(gc.is_tracked(row) for row in tx.store._rows.values())
             # nor the maps that hold them: a full collection walks no row (issue 20)
             assert not any(gc.is_tracked(shard) for shard in tx.store._rows.shards)
