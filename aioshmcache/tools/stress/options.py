@@ -18,7 +18,7 @@ from aioshmcache import CacheConfig
 
 from ..units import fmt_bytes, parse_duration, parse_size
 
-__all__ = ["FAULTS", "StressOptions", "handout_ttl", "parse_args"]
+__all__ = ["FAULTS", "StressOptions", "parse_args"]
 
 #: every fault, and the option that tunes it; the parent injects the first five
 #: (``parent.PERIODIC``), the children the others
@@ -157,14 +157,3 @@ def parse_args(argv: list[str]) -> StressOptions:
     except ValueError as exc:
         p.error(f"cache configuration: {exc}")
     return opts
-
-
-def handout_ttl(opts: StressOptions, delivery: str) -> float:
-    """The ``handout_ttl`` of a writer generation.
-
-    A hand-out the harness never delivers (a reader attached just before it was connected, a
-    request in flight to a reader being replaced) lapses ``handout_ttl`` after it was made, so
-    the drain check waits that long. The ``drop`` sabotage must be seen as the leak it is: its
-    broadcast generations keep hand-outs for 10 minutes.
-    """
-    return 600.0 if delivery != "one_of_n" and "drop" in opts.sabotage else opts.handout_ttl

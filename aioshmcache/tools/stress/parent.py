@@ -97,11 +97,17 @@ class Child:
         if self.link is not None:
             self.link.send_body(body)
 
-    async def kill(self, *, wait_link: bool) -> bool:
-        """SIGKILL; True once it is reaped (and its link closed) within 10 s."""
-        self.killed_by_us = True
+    def send_signals(self, *sigs: int) -> None:
+        """Send ``sigs`` in turn (a process already reaped gets none)."""
         with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGKILL)
+            for sig in sigs:
+                self.proc.send_signal(sig)
+
+    async def kill(self, *, wait_link: bool) -> bool:
+        """SIGKILL (SIGCONT first: it may be stopped); True once it is reaped (and its link
+        closed) within 10 s."""
+        self.killed_by_us = True
+        self.send_signals(signal.SIGCONT, signal.SIGKILL)
         with anyio.move_on_after(10):
             await self.proc.wait()
             if wait_link:
@@ -127,14 +133,13 @@ async def _stop_readers(o: Orchestrator) -> None:
     c.stopped = True
     o.write_off(c.token)
     try:
-        c.proc.send_signal(signal.SIGSTOP)
+        c.send_signals(signal.SIGSTOP)
         o.tally.stats["reader_stops"] += 1
         top = min(2 * o.opts.evict_after or 2.0, o.opts.hang_timeout / 3)
         with anyio.move_on_after(o.rng.uniform(0.3, top)):
             await o.pausing.wait()
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            c.proc.send_signal(signal.SIGCONT)
+        c.send_signals(signal.SIGCONT)
         c.last_hb, c.stopped, c.busy = time.monotonic(), False, False
 
 
@@ -672,15 +677,8 @@ class Orchestrator:
         )
 
     async def kill_all(self) -> None:
-        for c in self.children.values():
-            if c.proc.returncode is None:
-                c.killed_by_us = True
-                with contextlib.suppress(ProcessLookupError):
-                    c.proc.send_signal(signal.SIGCONT)
-                    c.proc.send_signal(signal.SIGKILL)
-        for c in self.children.values():
-            with anyio.move_on_after(10):
-                await c.proc.wait()
+        live = [c for c in self.children.values() if c.proc.returncode is None]
+        await asyncio.gather(*(c.kill(wait_link=False) for c in live))
 
     def finish(self) -> int:
         """The end-state checks, the report, and the exit status."""

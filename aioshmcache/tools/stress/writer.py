@@ -24,7 +24,7 @@ from .._core_gaps import retag_reference
 from ..framing import Link
 from ..lag import LoopLagMeter
 from .child import SABOTAGE_EVERY, Proc, guarded
-from .options import StressOptions, handout_ttl
+from .options import StressOptions
 from .workload import Workload
 
 INV, MISS = "InvalidReferenceError", "CacheMissError"
@@ -86,15 +86,17 @@ class WriterProc(Proc):
         return {"address": address, "id": self.rand(1, max(2, last + 1)), "length": length}
 
     def config(self) -> CacheConfig:
-        o = self.opts
+        o, broadcast = self.opts, self.delivery != "one_of_n"
         return CacheConfig(
             o.capacity,
             o.max_object,
             o.readers,
             name=None if o.group else self.name,
             group=self.name if o.group else None,  # --group: the writer of its own shard
-            delivery="one_of_n" if self.delivery == "one_of_n" else "broadcast",
-            handout_ttl=handout_ttl(o, self.delivery),
+            delivery="broadcast" if broadcast else "one_of_n",
+            # a hand-out never delivered lapses after handout_ttl (the drain check waits that
+            # long); the drop sabotage's broadcast generations keep them 10 min: a leak to see
+            handout_ttl=600.0 if broadcast and "drop" in o.sabotage else o.handout_ttl,
             evict_stuck_readers_after=o.evict_after or None if "stop-readers" in o.faults else None,
             second_chance=o.second_chance,
         )
