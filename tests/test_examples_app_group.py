@@ -82,6 +82,7 @@ def test_fastapi_example_as_a_group_under_uvicorn_workers_2(tmp_path: Path) -> N
     engine_cmd += ["--group", group, "--socket", sock]
     cmd = [sys.executable, "-m", "uvicorn", "--loop", "uvloop", "--app-dir", str(EXAMPLES)]
     cmd += ["fastapi_app:app", "--host", "127.0.0.1", "--port", str(port), "--workers", "2"]
+    cmd += ["--timeout-worker-healthcheck", "60"]  # a loaded host: never replaced mid-test
     with engine_log.open("wb") as out:
         engine = subprocess.Popen(engine_cmd, env=env, cwd=ROOT, stdout=out, stderr=out)
     server: subprocess.Popen[bytes] | None = None

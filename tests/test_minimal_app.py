@@ -103,6 +103,7 @@ def test_minimal_app_under_uvicorn_workers_2(tmp_path: Path) -> None:
     env = dict(os.environ, AIOSHM_GROUP=group, AIOSHM_ENGINE_SOCKET=sock)
     cmd = [sys.executable, "-m", "uvicorn", "--workers", "2", "--app-dir", str(APP.parent)]
     cmd += ["minimal_app:app", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--timeout-worker-healthcheck", "60"]  # a loaded host: never replaced mid-test
     log = tmp_path / "uvicorn.log"
     with log.open("wb") as out:
         server = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=out, stderr=out)

@@ -114,7 +114,7 @@ class GatewayProcess:
                     raise RuntimeError(f"the gateway exited during startup (code {code})")
                 with contextlib.suppress(httpx.HTTPError):
                     up = client.get("/healthz").status_code == 200
-                    if up and len(self.segments()) >= self.procs:
+                    if up and len(self._live_snapshots()) >= self.procs:
                         return
                 if time.monotonic() > deadline:
                     raise RuntimeError("the gateway's engine worker did not become ready in time")
@@ -127,15 +127,29 @@ class GatewayProcess:
         prefix = f"aioshm-{self.name}.shard"
         return [n for n in files_with_prefix(prefix) if n.removeprefix(prefix).isdigit()]
 
-    def cache_stats(self) -> dict[str, Any]:
-        """The counters of every segment of the gateway, summed (from shared memory: with N
-        gateway processes ``/stats`` reaches one of them, the segments hold them all)."""
-        total: Counter[str] = Counter()
+    def _live_snapshots(self) -> list[Any]:
+        """The snapshot of every segment of the gateway that is open and has a live writer."""
+        snaps = []
         for seg in self.segments():
             try:
-                snap, _alive = read_snapshot(seg)
+                snap, alive = read_snapshot(seg)
             except (ShmCacheError, OSError, ValueError):
-                continue  # going away right now
+                continue  # being created or removed right now
+            if alive:
+                snaps.append(snap)
+        return snaps
+
+    def cache_stats(self, timeout: float = 15.0) -> dict[str, Any]:
+        """The counters of every segment of the gateway, summed (from shared memory: with N
+        gateway processes ``/stats`` reaches one of them, the segments hold them all).
+
+        Waits (bounded) until every gateway process's segment is open: a gateway process that
+        uvicorn replaced opens a new shard, and one being created cannot be read yet."""
+        deadline = time.monotonic() + timeout
+        while len(snaps := self._live_snapshots()) < self.procs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        total: Counter[str] = Counter()
+        for snap in snaps:
             for key in _SUMMED:
                 total[key] += getattr(snap, key)
         return dict(total)

@@ -66,6 +66,10 @@ def serve(opts: ServeOptions) -> int:
             loop=opts.loop,
             log_level=opts.log_level,
             timeout_graceful_shutdown=10,
+            # the supervisor pings each gateway process and replaces one that does not answer
+            # in time (5 s by default): on a loaded 2-core host a process still importing or
+            # busy with a burst answers late, and replacing it throws its shard away
+            timeout_worker_healthcheck=60,
         )
         # uvicorn shuts down gracefully on SIGTERM and then raises it again, to exit as if
         # killed by it: this handler makes that second one a clean exit (code 0) instead
