@@ -14,10 +14,9 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Self
 
 __all__ = ["RedisCluster", "RedisServer", "free_port", "redis_binaries"]
-S = TypeVar("S", bound="_Stopped")
 
 
 def free_port() -> int:
@@ -71,7 +70,7 @@ class _Stopped:
     def stop(self) -> None:
         raise NotImplementedError
 
-    def __enter__(self: S) -> S:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

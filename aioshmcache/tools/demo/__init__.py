@@ -1,15 +1,13 @@
 """``python -m aioshmcache demo``: the example gateway under uvicorn, its engine worker, a load run.
 
-    python -m aioshmcache demo [run] [--requests N --concurrency C --images K --cache-mb M
-                                      --gateway-workers N --quick ...]
+    python -m aioshmcache demo [run] [--requests N --concurrency C --gateway-workers N --quick ...]
     python -m aioshmcache demo serve [--port P --gateway-workers N --no-cache ...]
 
-``serve`` runs the example app (:mod:`.app`, which ``examples/fastapi_app.py`` imports) under
-uvicorn with its engine worker (:mod:`.serve`). ``run`` (the default) starts ``serve`` in a
-subprocess on a free port, drives a Zipf-distributed image load at it with ``httpx``, checks
-every answer against the same computation done locally and prints a table, then does it again
-with the cache off (and, with ``--gateway-workers N``, on N uvicorn processes of one cache
-group). The load driver and the table are :mod:`.load`. Only the public API is used.
+``serve`` (:mod:`.cli`) runs the example app (:mod:`.app`, which ``examples/fastapi_app.py``
+imports) under uvicorn with its engine worker. ``run`` (:mod:`.load`) starts ``serve`` in a
+subprocess, drives a Zipf-distributed image load at it, checks every answer against a local
+computation and prints a table: cache on, on N gateway processes of one cache group
+(``--gateway-workers N``), and off. Only the public API is used.
 """
 
 from __future__ import annotations

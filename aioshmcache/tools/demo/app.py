@@ -1,33 +1,19 @@
-"""A FastAPI gateway that preprocesses images once and hands the tensors to an engine worker.
+"""The example gateway: FastAPI preprocesses each image once, an engine worker reads its tensors.
 
     uvicorn --loop uvloop --app-dir examples fastapi_app:app --host 127.0.0.1 --port 8000
-    uvicorn --loop uvloop aioshmcache.tools.demo.app:app ...      (the same app)
 
-The example gateway of ``examples/fastapi_app.py`` (which imports it from here) and the gateway
-``python -m aioshmcache demo`` drives: one implementation. docs/fastapi.md explains each piece:
-the lifespan creates the ``AsyncSenderCache`` (the writer) and an ``EngineClient`` whose
-``start=`` spawns the engine worker (an ``AsyncReceiverCache`` serving calls on a Unix socket
-with ``serve_engine``, replaced if it dies); ``POST /v1/embed`` takes ``{"mm_hash", "pixels"?,
-"height"?, "width"?}``, answers bad input per :data:`BAD_INPUT`, and 409 to a hash it does not
-hold (the client resends the pixels); ``get_or_put`` preprocesses once per new hash;
-``engine.call`` sends the reference (or the tensors, when not cached) and the worker answers a
-CRC-32 of what it read. ``GET /metrics`` (Prometheus), ``/stats`` and ``/healthz``.
+One implementation: ``examples/fastapi_app.py`` imports it and ``python -m aioshmcache demo``
+drives it. docs/fastapi.md explains each piece (the lifespan, hash first, the shutdown order);
+examples/README.md gives its HTTP API, the bad-input table (:data:`BAD_INPUT`) and how to run it
+as a cache group.
 
-Settings (environment): ``AIOSHM_EXAMPLE_NAME`` (segment name; random if unset; unique per
-gateway process), ``AIOSHM_EXAMPLE_CACHE_MB`` (default 512), ``AIOSHM_EXAMPLE_MAX_OBJECT_MB``
-(default 32: a 1080p photo is 23.7 MiB preprocessed), ``AIOSHM_EXAMPLE_CACHE=off`` (no cache:
-the demo's baseline). Without a group, one gateway process is the cache's single writer: do not
-run it with ``uvicorn --workers N``. With ``AIOSHM_GROUP`` (a cache group) and
-``AIOSHM_ENGINE_SOCKET``, each of N gateway processes opens its own shard and connects to ONE
-engine worker for the whole group, started apart (it has one clear owner, and no gateway
-process is special)::
-
-    python examples/fastapi_app.py --engine --group mm --socket /tmp/mm-engine.sock &
-    AIOSHM_GROUP=mm AIOSHM_ENGINE_SOCKET=/tmp/mm-engine.sock \\
-        uvicorn --workers 2 --app-dir examples fastapi_app:app --port 8000
-
-An image preprocessed by one gateway process is then a hit in the others (copied from the
-sibling's shard). Stop the gateways first (each unlinks its shard), then the engine worker.
+Settings (environment): ``AIOSHM_EXAMPLE_NAME`` (segment name; random if unset),
+``AIOSHM_EXAMPLE_CACHE_MB`` (default 512), ``AIOSHM_EXAMPLE_MAX_OBJECT_MB`` (default 32: a 1080p
+photo is 23.7 MiB preprocessed), ``AIOSHM_EXAMPLE_CACHE=off`` (no cache: the demo's baseline).
+Alone, a gateway process is its cache's single writer: do not run it with ``uvicorn --workers N``.
+With ``AIOSHM_GROUP`` and ``AIOSHM_ENGINE_SOCKET`` each of N gateway processes opens its own shard
+of the group and connects to the group's one engine worker, started apart
+(:func:`group_engine_main`): it has one clear owner, and no gateway process is special.
 """
 
 from __future__ import annotations
@@ -100,20 +86,12 @@ def tensor_crc(item: Any) -> int:
     return zlib.crc32(arr.view(np.uint8).reshape(-1).data)
 
 
-async def engine_handler(features: list[FeatureSpec], payload: Any) -> dict[str, Any]:
-    """The engine's work on one call: a checksum of each tensor it read (or a hello)."""
-    if payload == "hello":  # a gateway process connected: see its shard from now on
-        return {"engine_pid": os.getpid()}
+def engine_answer(mm_hash: str, item: Any) -> dict[str, Any]:
+    """The engine worker's answer for one item; the demo computes it locally to check each one."""
     return {
-        "engine_pid": os.getpid(),
-        "results": [
-            {
-                "mm_hash": f.mm_hash,
-                "crc32": tensor_crc(f.data),
-                "shape": list(f.data["pixel_values"].shape),
-            }
-            for f in features
-        ],
+        "mm_hash": mm_hash,
+        "crc32": tensor_crc(item),
+        "shape": list(item["pixel_values"].shape),
     }
 
 
@@ -135,14 +113,18 @@ def group_engine_main(group: str, socket_path: str) -> None:
 
 
 def _run(receiver: AsyncReceiverCache, socket_path: str) -> None:
+    """Serve the gateways' calls until SIGTERM or SIGINT: a checksum of each tensor read."""
+
     async def main() -> None:
         async with receiver as rx:
 
             async def handler(features: list[FeatureSpec], payload: Any) -> dict[str, Any]:
-                inner = rx.receiver
-                if payload == "hello" and isinstance(inner, GroupReceiverCache):
-                    await asyncio.to_thread(inner.rescan)
-                return await engine_handler(features, payload)
+                answer: dict[str, Any] = {"engine_pid": os.getpid()}
+                if payload != "hello":
+                    answer["results"] = [engine_answer(f.mm_hash, f.data) for f in features]
+                elif isinstance(rx.receiver, GroupReceiverCache):  # a gateway process connected:
+                    await asyncio.to_thread(rx.receiver.rescan)  # see its shard from now on
+                return answer
 
             stop_on = (signal.SIGTERM, signal.SIGINT)
             await serve_engine(
@@ -215,14 +197,13 @@ def _cache_miss(missing: Sequence[str]) -> JSONResponse:
 
 
 def _settings() -> CacheConfig:
-    name = os.environ.get("AIOSHM_EXAMPLE_NAME") or None
     group = os.environ.get("AIOSHM_GROUP") or None
+    # in a group the name does not apply, and the size is per gateway process (its shard)
+    name = None if group else os.environ.get("AIOSHM_EXAMPLE_NAME") or None
     cache_mb = float(os.environ.get("AIOSHM_EXAMPLE_CACHE_MB", "512"))
     max_object_mb = float(os.environ.get("AIOSHM_EXAMPLE_MAX_OBJECT_MB", "32"))
     # one worker: broadcast and one-of-N agree; a hand-out is owed by that worker alone
-    if group is not None:  # this process's shard: the cache size is per gateway process
-        return CacheConfig.from_gb(cache_mb / 1024, max_object_mb, n_readers=1, group=group)
-    return CacheConfig.from_gb(cache_mb / 1024, max_object_mb, n_readers=1, name=name)
+    return CacheConfig.from_gb(cache_mb / 1024, max_object_mb, n_readers=1, name=name, group=group)
 
 
 @contextlib.asynccontextmanager
@@ -235,13 +216,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     retries, with backoff, until the worker is up). Either way the client is closed first,
     then the sender's ``async with`` unlinks the segment.
     """
-    group_socket = os.environ.get("AIOSHM_ENGINE_SOCKET")
-    if os.environ.get("AIOSHM_GROUP") and not group_socket:
+    group, group_socket = os.environ.get("AIOSHM_GROUP"), os.environ.get("AIOSHM_ENGINE_SOCKET")
+    if group and not group_socket:
         raise RuntimeError("AIOSHM_GROUP needs AIOSHM_ENGINE_SOCKET (the group's engine worker)")
     sockdir = tempfile.mkdtemp(prefix="aioshm-example-")
     try:
         async with AsyncSenderCache.from_config(_settings()) as cache:
-            if os.environ.get("AIOSHM_GROUP") and group_socket:
+            if group and group_socket:  # the group's engine worker, started apart: connect
                 path, start = group_socket, None
             else:
                 path = os.path.join(sockdir, "engine.sock")

@@ -1,15 +1,25 @@
-"""Options of ``python -m aioshmcache demo [run]`` and ``... demo serve``: dataclasses whose
-fields generate the argparse flags (a field's metadata holds its help), so that they agree."""
+"""``python -m aioshmcache demo [run]`` and ``... demo serve``: their options and ``serve``.
+
+The options are dataclasses whose fields generate the argparse flags (a field's metadata holds
+its help), so that the two commands agree on the gateway's. ``serve`` runs the example gateway
+(:mod:`.app`) under uvicorn; ``run`` is :func:`.load.run_demo`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import multiprocessing
+import os
+import shutil
+import signal
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["DemoOptions", "ServeOptions", "run_main", "serve_main"]
+__all__ = ["DemoOptions", "ServeOptions", "run_main", "serve", "serve_main"]
 
 T = TypeVar("T")
 LOOPS = ("auto", "asyncio", "uvloop")
@@ -18,6 +28,8 @@ GATEWAY_WORKERS = (
     "of one cache group, with one engine worker attached to the group (default 1: one process, "
     "one cache, its own engine worker)"
 )
+#: the app uvicorn imports in every gateway process
+APP = "aioshmcache.tools.demo.app:app"
 
 
 def _opt(default: Any, help: str, **flag: Any) -> Any:
@@ -99,8 +111,6 @@ def serve_main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    from .serve import serve
-
     return serve(opts)
 
 
@@ -119,6 +129,83 @@ def _has_live_writer(name: str) -> bool:
     except ShmCacheError:
         return False  # no such segment, a dead writer, or not a segment of ours
     return True
+
+
+def serve(opts: ServeOptions) -> int:
+    """Serve until SIGINT / SIGTERM; returns the exit code.
+
+    Alone, the app's lifespan starts its own engine worker; with ``--gateway-workers N`` uvicorn
+    runs N gateway processes, each the writer of its own shard of one cache group, and this
+    process starts the group's one engine worker (:func:`.app.group_engine_main`) beside them.
+    The socket is bound here first; the first line on stdout is ``listening on URL``. SIGINT or
+    SIGTERM stops uvicorn (each lifespan unlinks its segment), then the engine worker.
+    """
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    workers = opts.gateway_workers
+    config = uvicorn.Config(
+        APP,
+        host=opts.host,
+        port=opts.port,
+        workers=workers,
+        loop=opts.loop,
+        log_level=opts.log_level,
+        timeout_graceful_shutdown=10,
+        # the supervisor pings each gateway process and replaces one that does not answer
+        # in time (5 s by default): on a loaded 2-core host a process still importing or
+        # busy with a burst answers late, and replacing it throws its shard away
+        timeout_worker_healthcheck=60,
+    )
+    listener = config.bind_socket()  # port 0: a free one, read back below
+    env = {
+        "AIOSHM_EXAMPLE_CACHE_MB": str(opts.cache_mb),
+        "AIOSHM_EXAMPLE_MAX_OBJECT_MB": str(opts.max_object_mb),
+        "AIOSHM_EXAMPLE_CACHE": "on" if opts.cache else "off",
+    }
+    sock_dir = tempfile.mkdtemp(prefix="aioshm-demo-")
+    engine: multiprocessing.process.BaseProcess | None = None
+    try:
+        if workers > 1:
+            from .app import group_engine_main
+
+            group = opts.name or f"demo-{os.getpid()}"
+            engine_sock = os.path.join(sock_dir, "engine.sock")
+            env |= {"AIOSHM_GROUP": group, "AIOSHM_ENGINE_SOCKET": engine_sock}
+            engine = multiprocessing.get_context("spawn").Process(
+                target=group_engine_main, args=(group, engine_sock), name="aioshm-demo-engine"
+            )
+            engine.start()
+        elif opts.name:
+            env["AIOSHM_EXAMPLE_NAME"] = opts.name
+        os.environ.update(env)  # read by every gateway process's lifespan
+        bound_host, bound_port = listener.getsockname()[:2]
+        print(f"listening on http://{bound_host}:{bound_port}", flush=True)
+        # uvicorn shuts down gracefully on SIGTERM and then raises it again, to exit as if
+        # killed by it: this handler makes that second one a clean exit (code 0) instead
+        signal.signal(signal.SIGTERM, _exit_cleanly)
+        if workers > 1:
+            with contextlib.suppress(KeyboardInterrupt):
+                Multiprocess(config, sockets=[listener]).run()
+            return 0
+        server = uvicorn.Server(config)
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run(sockets=[listener])
+        return 0 if server.started else 3  # 3: the lifespan failed (uvicorn logged why)
+    finally:
+        listener.close()
+        if engine is not None:  # after the gateways: they release their hand-outs first
+            engine.terminate()  # SIGTERM: it stops serving and closes its reader
+            engine.join(15.0)
+            if engine.is_alive():
+                engine.kill()
+                engine.join(5.0)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        sys.stdout.flush()
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 def run_main(argv: list[str]) -> int:

@@ -13,15 +13,14 @@ import asyncio
 import contextlib
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any, NamedTuple
 
@@ -35,7 +34,7 @@ from aioshmcache.metrics import read_snapshot
 from ..progress import Progress
 from ..shm import files_with_prefix, remove, segment_files
 from ..units import MiB, fmt_bytes
-from .app import image_hash, preprocess, tensor_crc
+from .app import engine_answer, image_hash, preprocess
 from .cli import DemoOptions
 
 __all__ = [
@@ -57,9 +56,11 @@ RETRY_PAUSE = 0.25
 
 
 class GatewayProcess:
-    """``python -m aioshmcache demo serve ...`` as a child process: ``start`` waits for its URL
-    and for ``/healthz`` (the engine worker is up); ``stop`` sends SIGTERM, SIGKILL to the whole
-    session after ``timeout``, and removes the segments of a gateway that could not."""
+    """``python -m aioshmcache demo serve ...`` as a child process, in a session of its own.
+
+    ``start`` waits for its address and for ``/healthz`` (the engine worker is up); ``stop``
+    sends SIGTERM, SIGKILL to the whole session after ``timeout``, and removes the segments of a
+    gateway that could not."""
 
     def __init__(
         self, args: Sequence[str], *, name: str, procs: int = 1, stderr: IO[Any] | None = None
@@ -68,56 +69,42 @@ class GatewayProcess:
         self.args, self.name, self.procs, self.stderr = list(args), name, procs, stderr
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
-        self.output: list[str] = []
-        self._drain: threading.Thread | None = None
 
     def start(self, timeout: float = 60.0) -> str:
         cmd = [sys.executable, "-m", "aioshmcache", "demo", "serve", "--port", "0"]
         cmd += ["--name", self.name, "--gateway-workers", str(self.procs), *self.args]
-        out = subprocess.PIPE
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=self.stderr, start_new_session=True
-        )
-        lines: queue.Queue[str | None] = queue.Queue()
-        self._drain = threading.Thread(target=self._drain_stdout, args=(lines,), daemon=True)
-        self._drain.start()
-        try:
+        # its stdout goes to a file (unlinked: gone with the last descriptor), which nobody has
+        # to keep draining as a pipe would need; its first line is ``listening on URL``
+        with tempfile.TemporaryFile() as out:
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=self.stderr,
+                start_new_session=True,
+            )  # fmt: skip
             try:
-                first = lines.get(timeout=timeout)
-            except queue.Empty:
-                raise RuntimeError("the gateway did not print its address in time") from None
-            if first is None:
-                raise RuntimeError(f"the gateway exited early (code {self.proc.poll()})")
-            if not first.startswith("listening on "):
-                raise RuntimeError(f"unexpected first line from the gateway: {first!r}")
-            self.url = first.strip().removeprefix("listening on ")
-            self._wait_healthy(timeout)
-        except BaseException:
-            self.stop()
-            raise
+                self._wait_ready(self.proc, out, timeout)
+            except BaseException:
+                self.stop()
+                raise
         return self.url
 
-    def _drain_stdout(self, lines: queue.Queue[str | None]) -> None:
-        """Every line the gateway prints, into ``output`` (the first one to ``lines`` too)."""
-        if self.proc is not None and self.proc.stdout is not None:
-            for i, line in enumerate(self.proc.stdout):
-                text = line.decode(errors="replace")
-                lines.put(text) if i == 0 else self.output.append(text)
-        lines.put(None)  # the end (before the first line: the gateway exited early)
-
-    def _wait_healthy(self, timeout: float) -> None:
-        """Until ``/healthz`` answers 200 (with N processes: until every shard is open)."""
+    def _wait_ready(self, proc: subprocess.Popen[bytes], out: IO[bytes], timeout: float) -> None:
+        """Until the gateway prints its URL, then until ``/healthz`` answers 200 and every
+        gateway process's segment is open (with N processes: every shard)."""
         deadline = time.monotonic() + timeout
-        with httpx.Client(base_url=self.url, timeout=2.0) as client:
+        with httpx.Client(timeout=2.0) as client:
             while True:
-                if self.proc is not None and (code := self.proc.poll()) is not None:
+                if (code := proc.poll()) is not None:
                     raise RuntimeError(f"the gateway exited during startup (code {code})")
+                first, newline, _ = os.pread(out.fileno(), 4096, 0).partition(b"\n")
+                if newline and not first.startswith(b"listening on "):
+                    raise RuntimeError(f"unexpected first line from the gateway: {first!r}")
+                self.url = first.decode().removeprefix("listening on ") if newline else ""
                 with contextlib.suppress(httpx.HTTPError):
-                    up = client.get("/healthz").status_code == 200
+                    up = bool(self.url) and client.get(f"{self.url}/healthz").status_code == 200
                     if up and len(self._live_snapshots()) >= self.procs:
                         return
                 if time.monotonic() > deadline:
-                    raise RuntimeError("the gateway's engine worker did not become ready in time")
+                    raise RuntimeError("the gateway and its engine worker were not ready in time")
                 time.sleep(0.05)
 
     def segments(self) -> list[str]:
@@ -174,10 +161,6 @@ class GatewayProcess:
             os.killpg(proc.pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.wait(5.0)
-        if proc.stdout is not None:
-            proc.stdout.close()
-        if self._drain is not None:
-            self._drain.join(1.0)
         dead = sweep(dry_run=True)  # lost their writer: a gateway process that could not clean up
         remove([f for seg in self.segments() if seg in dead for f in segment_files(seg)])
         return proc.returncode
@@ -208,12 +191,7 @@ def synthetic_image(seed: int) -> tuple[bytes, int, int]:
 def expected_answer(image: tuple[bytes, int, int]) -> dict[str, Any]:
     """What the engine worker must answer for ``image``: computed here, from the same bytes."""
     pixels, h, w = image
-    item = preprocess(pixels, h, w)
-    return {
-        "mm_hash": image_hash(pixels, h, w),
-        "crc32": tensor_crc(item),
-        "shape": list(item["pixel_values"].shape),
-    }
+    return engine_answer(image_hash(pixels, h, w), preprocess(pixels, h, w))
 
 
 def plan_requests(
@@ -435,8 +413,8 @@ def run_demo(opts: DemoOptions) -> int:
     configs += [(f"cache on, {n_gw} gw", True, n_gw)] if n_gw > 1 else []  # one cache group
     configs += [("cache off", False, 1)] if opts.compare else []
     tag, t_start = f"demo-{os.getpid()}-{int(time.time()) % 100000}", time.perf_counter()
-    images: list[tuple[bytes, int, int]] = []
-    expected: list[dict[str, Any]] = []
+    images = [synthetic_image(opts.seed * 100_003 + k) for k in range(opts.images)]
+    expected = [expected_answer(im) for im in images]
     plan = plan_requests(
         opts.requests, opts.images, zipf=opts.zipf, seed=opts.seed, hash_first=opts.hash_first
     )
@@ -454,14 +432,7 @@ def run_demo(opts: DemoOptions) -> int:
         for i, (label, cache, procs) in enumerate(configs):
             gw = GatewayProcess(_gateway_args(opts, cache=cache), name=f"{tag}-{i}", procs=procs)
             print(f"starting the gateway ({label}) ...", file=sys.stderr)
-            # the first time, the images and their answers are made while the gateway boots
-            # (an interruption waits for the boot to end, then stops the gateway)
-            with ThreadPoolExecutor(1) as pool:
-                booting = pool.submit(gw.start)
-                if not images:
-                    images = [synthetic_image(opts.seed * 100_003 + k) for k in range(opts.images)]
-                    expected = [expected_answer(im) for im in images]
-                booting.result()
+            gw.start()
             print(f"gateway at {gw.url} (pid {gw.pid}, cache {gw.name})", file=sys.stderr)
             load = run_load(
                 gw.url, plan, images, expected, concurrency=opts.concurrency, label=label,
