@@ -12,39 +12,28 @@ computation and prints a table: cache on, on N gateway processes of one cache gr
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from typing import Final
 
-__all__ = ["INSTALL_HINT", "main", "missing_modules"]
+__all__ = ["INSTALL_HINT", "main"]
 
 #: what each subcommand imports, of the ``examples`` extra (import name = distribution name)
 _NEEDS: Final = {"run": ("httpx", "fastapi", "uvicorn", "uvloop"), "serve": ("fastapi", "uvicorn")}
 INSTALL_HINT: Final = "pip install 'aioshmcache[examples]'"
 
 
-def missing_modules(names: tuple[str, ...]) -> list[str]:
-    """The distributions of ``names`` that cannot be imported (looked up, not imported)."""
-    missing = []
-    for name in names:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
-            found = False
-        missing += [] if found else [name]
-    return missing
-
-
 def main(argv: list[str]) -> int:
     """Entry point of ``python -m aioshmcache demo ...``; returns the exit code."""
     command = argv[0] if argv and argv[0] in _NEEDS else "run"
     args = argv[1:] if argv and argv[0] == command else list(argv)
-    missing = missing_modules(_NEEDS[command])
-    if missing:
+    try:
+        for name in _NEEDS[command]:
+            importlib.import_module(name)
+    except ImportError as exc:  # the first one missing (or a package it needs)
         print(
-            f"python -m aioshmcache demo needs the 'examples' extra, and {', '.join(missing)} "
-            f"{'is' if len(missing) == 1 else 'are'} not installed. Install it with:\n\n"
-            f"    {INSTALL_HINT}\n",
+            f"python -m aioshmcache demo needs the 'examples' extra, and {exc.name} is not "
+            f"installed. Install it with:\n\n    {INSTALL_HINT}\n",
             file=sys.stderr,
         )
         return 1

@@ -144,8 +144,8 @@ class EmbedRequest(BaseModel):
 
     mm_hash: str = Field(min_length=1, max_length=128)
     pixels: str | None = None  # base64 of height * width * 3 RGB bytes, row-major
-    height: int | None = None
-    width: int | None = None
+    height: int | None = Field(None, gt=0)
+    width: int | None = Field(None, gt=0)
 
 
 #: every answer ``POST /v1/embed`` gives to bad input: (status, ``error``, when); examples/README
@@ -250,8 +250,6 @@ def _decode(body: EmbedRequest) -> tuple[bytes, int, int] | JSONResponse:
     if body.height is None or body.width is None or body.pixels is None:
         return _error(422, "bad_request", "pixels need height and width")
     h, w = body.height, body.width
-    if h <= 0 or w <= 0:
-        return _error(422, "bad_request", "height and width must be positive")
     if h * w > MAX_PIXELS:
         return _error(413, "too_large", f"at most {MAX_PIXELS} pixels")
     try:
@@ -299,11 +297,8 @@ async def embed(request: Request) -> dict[str, Any] | JSONResponse:
             feature = await cache.get_or_put(body.mm_hash, make)
         else:  # the baseline: preprocessed every time, the tensors sent over the socket
             feature = FeatureSpec(body.mm_hash, await asyncio.to_thread(make))
-    except CacheMissError as exc:
-        return _cache_miss(list(exc.mm_hashes))
-    try:
         answer = await engine.call([feature], timeout=ENGINE_TIMEOUT)
-    except CacheMissError as exc:  # stale references (the client invalidated them): resend
+    except CacheMissError as exc:  # evicted since the look-up, or stale references: resend
         return _cache_miss(list(exc.mm_hashes))
     except EngineError as exc:
         return _error(502, "engine_failed", f"the engine worker failed: {exc}")

@@ -117,18 +117,16 @@ def serve_main(argv: list[str]) -> int:
 def _has_live_writer(name: str) -> bool:
     """Whether segment ``name`` exists with a live writer (checked before anything is bound).
 
-    Attaching succeeds only while the writer lives (its slot is freed at once); a segment whose
-    writer died is not in the way (the gateway's cache reclaims it).
+    Read from shared memory, without taking a reader slot; a segment whose writer died is not in
+    the way (the gateway's cache reclaims it).
     """
-    from aioshmcache import ReaderLimitError, ReceiverCache, ShmCacheError
+    from aioshmcache import ShmCacheError
+    from aioshmcache.metrics import read_snapshot
 
     try:
-        ReceiverCache.attach(name).close()
-    except ReaderLimitError:
-        return True  # every slot taken: alive, and busy
-    except ShmCacheError:
-        return False  # no such segment, a dead writer, or not a segment of ours
-    return True
+        return read_snapshot(name)[1]
+    except (ShmCacheError, OSError, ValueError):
+        return False  # no such segment, or not a segment of ours
 
 
 def serve(opts: ServeOptions) -> int:

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -32,16 +31,14 @@ from aioshmcache import ShmCacheError, sweep
 from aioshmcache.metrics import read_snapshot
 
 from ..progress import Progress
-from ..shm import files_with_prefix, remove, segment_files
+from ..shm import files_with_prefix, segment_files
 from ..units import MiB, fmt_bytes
 from .app import engine_answer, image_hash, preprocess
 from .cli import DemoOptions
 
 __all__ = [
-    "DemoOptions",
     "GatewayProcess",
     "PhaseResult",
-    "PlannedRequest",
     "check_response",
     "expected_answer",
     "plan_requests",
@@ -161,8 +158,7 @@ class GatewayProcess:
             os.killpg(proc.pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.wait(5.0)
-        dead = sweep(dry_run=True)  # lost their writer: a gateway process that could not clean up
-        remove([f for seg in self.segments() if seg in dead for f in segment_files(seg)])
+        sweep(prefix=self.name)  # what a gateway process that could not clean up left behind
         return proc.returncode
 
 
@@ -231,13 +227,6 @@ class PhaseResult:
     single_flight: dict[str, Any] = field(default_factory=dict)
     gateway_processes: int = 1
 
-    def percentile(self, q: float) -> float:
-        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else 0.0
-
-    @property
-    def throughput(self) -> float:
-        return self.ok / self.wall_s if self.wall_s > 0 else 0.0
-
     @property
     def passed(self) -> bool:
         return self.requests > 0 and self.ok == self.requests and self.verified == self.requests
@@ -245,10 +234,11 @@ class PhaseResult:
     def summary(self) -> dict[str, Any]:
         """Every figure of the phase, as the table and ``--json`` give them."""
         out = {k: v for k, v in asdict(self).items() if k not in ("latencies_ms", "cache")}
-        out |= {f"p{q}_ms": self.percentile(q) for q in (50, 95, 99)}
+        latencies = self.latencies_ms or [0.0]
+        out |= {f"p{q}_ms": float(np.percentile(latencies, q)) for q in (50, 95, 99)}
         out |= {key: self.cache.get(key, 0) for key in _SUMMED}
-        looked_up = out["hits"] + out["misses"]
-        out |= {"throughput_rps": self.throughput, "hit_ratio": out["hits"] / (looked_up or 1)}
+        out["throughput_rps"] = self.ok / self.wall_s if self.wall_s > 0 else 0.0
+        out["hit_ratio"] = out["hits"] / ((out["hits"] + out["misses"]) or 1)
         return out | {"errors": dict(self.errors), "passed": self.passed}
 
 
@@ -370,18 +360,13 @@ _TABLE = (
 def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
     """The phases side by side, one column each, and their most frequent errors."""
     cols = []
-    for s in (p.summary() for p in phases):
-        sf = s["single_flight"]  # per process: shown for one gateway process only
-        saved = sf.get("saved", "-") if sf and s["gateway_processes"] == 1 else "-"
-        cols.append(
-            s
-            | {
-                "hit_pct": 100 * s["hit_ratio"],
-                "saved": saved,
-                "by_reference": s["ok"] - s["inline"],
-            }
-            | {"used_mib": s["bytes_used"] / MiB, "capacity_mib": s["capacity_bytes"] / MiB}
-        )
+    for p in phases:
+        c = p.summary()
+        sf = c["single_flight"]  # per process: shown for one gateway process only
+        c["saved"] = sf.get("saved", "-") if sf and p.gateway_processes == 1 else "-"
+        c |= {"hit_pct": 100 * c["hit_ratio"], "by_reference": c["ok"] - c["inline"]}
+        c |= {"used_mib": c["bytes_used"] / MiB, "capacity_mib": c["capacity_bytes"] / MiB}
+        cols.append(c)
     lines = [
         "",
         f"aioshmcache demo: {opts.requests} requests, {opts.concurrency} clients, {opts.images} "
@@ -426,8 +411,7 @@ def run_demo(opts: DemoOptions) -> int:
         # middle of a cancel scope's exit; without a loop it is a plain KeyboardInterrupt
         signal.raise_signal(signal.SIGINT)
 
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         for i, (label, cache, procs) in enumerate(configs):
             gw = GatewayProcess(_gateway_args(opts, cache=cache), name=f"{tag}-{i}", procs=procs)
@@ -451,8 +435,7 @@ def run_demo(opts: DemoOptions) -> int:
         print(f"demo failed: {exc}", file=sys.stderr)
         return 1
     finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous)
         if gw is not None:
             gw.stop()
     print(format_table(opts, phases))
