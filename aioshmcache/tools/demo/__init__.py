@@ -3,20 +3,30 @@
     python -m aioshmcache demo [run] [--requests N --concurrency C --gateway-workers N --quick ...]
     python -m aioshmcache demo serve [--port P --gateway-workers N --no-cache ...]
 
-``serve`` (:mod:`.cli`) runs the example app (:mod:`.app`, which ``examples/fastapi_app.py``
-imports) under uvicorn with its engine worker. ``run`` (:mod:`.load`) starts ``serve`` in a
-subprocess, drives a Zipf-distributed image load at it, checks every answer against a local
-computation and prints a table: cache on, on N gateway processes of one cache group
-(``--gateway-workers N``), and off. Only the public API is used.
+``serve`` runs the example app (:mod:`.app`, which ``examples/fastapi_app.py`` imports) under
+uvicorn with its engine worker. ``run`` (:mod:`.load`) starts ``serve`` in a subprocess, drives a
+Zipf-distributed image load at it, checks every answer against a local computation and prints a
+table: cache on, on N gateway processes of one cache group (``--gateway-workers N``), and off.
+The options are dataclasses whose fields generate the argparse flags (a field's metadata holds
+its help), so that the two commands agree on the gateway's. Only the public API is used.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import dataclasses
 import importlib
+import multiprocessing
+import os
+import shutil
+import signal
 import sys
-from typing import Final
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
 
-__all__ = ["INSTALL_HINT", "main"]
+__all__ = ["INSTALL_HINT", "DemoOptions", "ServeOptions", "main", "serve"]
 
 #: what each subcommand imports, of the ``examples`` extra (import name = distribution name)
 _NEEDS: Final = {"run": ("httpx", "fastapi", "uvicorn", "uvloop"), "serve": ("fastapi", "uvicorn")}
@@ -37,6 +47,200 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 1
-    from .cli import run_main, serve_main
-
     return serve_main(args) if command == "serve" else run_main(args)
+
+
+T = TypeVar("T")
+LOOPS = ("auto", "asyncio", "uvloop")
+GATEWAY_WORKERS = (
+    "run the gateway as N uvicorn worker processes (spawned), each the writer of its own shard "
+    "of one cache group, with one engine worker attached to the group (default 1: one process, "
+    "one cache, its own engine worker)"
+)
+#: the app uvicorn imports in every gateway process
+APP = "aioshmcache.tools.demo.app:app"
+
+
+def _opt(default: Any, help: str, **flag: Any) -> Any:
+    """A field with its flag: ``help``, and ``flag=`` / ``min=`` / any ``add_argument`` option."""
+    return dataclasses.field(default=default, metadata={"help": help, **flag})
+
+
+@dataclass
+class GatewayOptions:
+    """The flags that run and serve share: how the gateway runs."""
+
+    gateway_workers: int = _opt(1, GATEWAY_WORKERS, metavar="N", min=1)
+    cache_mb: float = _opt(256.0, "cache size in MiB (%(default)g)")
+    #: a 576x576 image is 3.8 MiB once preprocessed: 8 MiB caches every image of the load
+    max_object_mb: float = _opt(8.0, "largest cached item in MiB, else inline (%(default)g)")
+    loop: str = _opt("auto", "gateway event loop (%(default)s: uvloop if installed)", choices=LOOPS)
+
+
+@dataclass
+class DemoOptions(GatewayOptions):
+    """Start the example gateway (examples/fastapi_app.py) under uvicorn on 127.0.0.1, drive a
+    Zipf-distributed image load at it, verify every answer against a local computation, and print
+    a table (cache on vs off)."""
+
+    requests: int = _opt(300, "requests per phase (%(default)s)", min=1)
+    concurrency: int = _opt(20, "concurrent clients (%(default)s)", min=1)
+    images: int = _opt(64, "distinct images (%(default)s)", min=1)
+    zipf: float = _opt(1.1, "Zipf exponent of image popularity")
+    seed: int = _opt(0, "seed of the images and the request plan")
+    compare: bool = _opt(True, "skip the cache-off phase", flag="--no-compare")
+    hash_first: float = _opt(0.2, "share of repeat requests sending the hash first (%(default)s)")
+    quick: bool = _opt(False, "a short CI run (< 20 s)")
+    json_path: str | None = _opt(None, "write the results as JSON", flag="--json", metavar="PATH")
+    progress: bool = True
+
+
+@dataclass
+class ServeOptions(GatewayOptions):
+    """Run the example gateway (examples/fastapi_app.py) under uvicorn, with its engine worker."""
+
+    host: str = _opt("127.0.0.1", "address to listen on (%(default)s)")
+    port: int = _opt(0, "0 picks a free port (default)")
+    name: str | None = _opt(None, "segment name, or the group's with --gateway-workers")
+    cache: bool = _opt(True, "bypass the cache: always inline", flag="--no-cache")
+    log_level: str = _opt("warning", "uvicorn's log level (%(default)s)")
+
+
+def parse(cls: type[T], argv: list[str], prog: str) -> T:
+    """``cls`` from ``argv``: one flag per field that has a help text; its docstring describes."""
+    p = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
+    limits: dict[str, int] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if "help" not in (meta := dict(f.metadata)):
+            continue
+        flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
+        if "min" in meta:
+            limits[f.name] = meta.pop("min")
+        if isinstance(f.default, bool):
+            action = "store_false" if f.default else "store_true"
+            p.add_argument(flag, dest=f.name, action=action, **meta)
+        else:
+            kind = str if f.default is None else type(f.default)
+            p.add_argument(flag, dest=f.name, type=kind, default=f.default, **meta)
+    ns = p.parse_args(argv)
+    for name, least in limits.items():
+        if getattr(ns, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be >= {least}")
+    return cls(**vars(ns))
+
+
+def serve_main(argv: list[str]) -> int:
+    """``python -m aioshmcache demo serve``: the example gateway alone, until SIGINT / SIGTERM."""
+    opts = parse(ServeOptions, argv, "python -m aioshmcache demo serve")
+    if opts.name is not None and opts.gateway_workers == 1 and _has_live_writer(opts.name):
+        print(
+            f"python -m aioshmcache demo serve: cache {opts.name!r} already has a live writer "
+            "(another gateway?); stop it or pick another --name",
+            file=sys.stderr,
+        )
+        return 2
+    return serve(opts)
+
+
+def _has_live_writer(name: str) -> bool:
+    """Whether segment ``name`` exists with a live writer (checked before anything is bound).
+
+    Read from shared memory, without taking a reader slot; a segment whose writer died is not in
+    the way (the gateway's cache reclaims it).
+    """
+    from aioshmcache import ShmCacheError
+    from aioshmcache.metrics import read_snapshot
+
+    try:
+        return read_snapshot(name)[1]
+    except (ShmCacheError, OSError, ValueError):
+        return False  # no such segment, or not a segment of ours
+
+
+def serve(opts: ServeOptions) -> int:
+    """Serve until SIGINT / SIGTERM; returns the exit code.
+
+    Alone, the app's lifespan starts its own engine worker; with ``--gateway-workers N`` uvicorn
+    runs N gateway processes, each the writer of its own shard of one cache group, and this
+    process starts the group's one engine worker (:func:`.app.group_engine_main`) beside them.
+    The socket is bound here first; the first line on stdout is ``listening on URL``. SIGINT or
+    SIGTERM stops uvicorn (each lifespan unlinks its segment), then the engine worker.
+    """
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    workers = opts.gateway_workers
+    config = uvicorn.Config(
+        APP,
+        host=opts.host,
+        port=opts.port,
+        workers=workers,
+        loop=opts.loop,
+        log_level=opts.log_level,
+        timeout_graceful_shutdown=10,
+        # the supervisor pings each gateway process and replaces one that does not answer
+        # in time (5 s by default): on a loaded 2-core host a process still importing or
+        # busy with a burst answers late, and replacing it throws its shard away
+        timeout_worker_healthcheck=60,
+    )
+    listener = config.bind_socket()  # port 0: a free one, read back below
+    env = {
+        "AIOSHM_EXAMPLE_CACHE_MB": str(opts.cache_mb),
+        "AIOSHM_EXAMPLE_MAX_OBJECT_MB": str(opts.max_object_mb),
+        "AIOSHM_EXAMPLE_CACHE": "on" if opts.cache else "off",
+    }
+    sock_dir = tempfile.mkdtemp(prefix="aioshm-demo-")
+    engine: multiprocessing.process.BaseProcess | None = None
+    try:
+        if workers > 1:
+            from .app import group_engine_main
+
+            group = opts.name or f"demo-{os.getpid()}"
+            engine_sock = os.path.join(sock_dir, "engine.sock")
+            env |= {"AIOSHM_GROUP": group, "AIOSHM_ENGINE_SOCKET": engine_sock}
+            engine = multiprocessing.get_context("spawn").Process(
+                target=group_engine_main, args=(group, engine_sock), name="aioshm-demo-engine"
+            )
+            engine.start()
+        elif opts.name:
+            env["AIOSHM_EXAMPLE_NAME"] = opts.name
+        os.environ.update(env)  # read by every gateway process's lifespan
+        bound_host, bound_port = listener.getsockname()[:2]
+        print(f"listening on http://{bound_host}:{bound_port}", flush=True)
+        # uvicorn shuts down gracefully on SIGTERM and then raises it again, to exit as if
+        # killed by it: this handler makes that second one a clean exit (code 0) instead
+        signal.signal(signal.SIGTERM, _exit_cleanly)
+        if workers > 1:
+            with contextlib.suppress(KeyboardInterrupt):
+                Multiprocess(config, sockets=[listener]).run()
+            return 0
+        server = uvicorn.Server(config)
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run(sockets=[listener])
+        return 0 if server.started else 3  # 3: the lifespan failed (uvicorn logged why)
+    finally:
+        listener.close()
+        if engine is not None:  # after the gateways: they release their hand-outs first
+            engine.terminate()  # SIGTERM: it stops serving and closes its reader
+            engine.join(15.0)
+            if engine.is_alive():
+                engine.kill()
+                engine.join(5.0)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        sys.stdout.flush()
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def run_main(argv: list[str]) -> int:
+    """``python -m aioshmcache demo [run]``: gateway, load, verification and the table."""
+    opts = parse(DemoOptions, argv, "python -m aioshmcache demo")
+    if opts.quick:
+        opts.requests = min(opts.requests, 60)
+        opts.concurrency = min(opts.concurrency, 8)
+        opts.images = min(opts.images, 12)
+    from .load import run_demo
+
+    return run_demo(opts)

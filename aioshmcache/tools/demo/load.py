@@ -33,19 +33,8 @@ from aioshmcache.metrics import read_snapshot
 from ..progress import Progress
 from ..shm import files_with_prefix, segment_files
 from ..units import MiB, fmt_bytes
+from . import DemoOptions
 from .app import engine_answer, image_hash, preprocess
-from .cli import DemoOptions
-
-__all__ = [
-    "GatewayProcess",
-    "PhaseResult",
-    "check_response",
-    "expected_answer",
-    "plan_requests",
-    "run_demo",
-    "run_load",
-    "synthetic_image",
-]
 
 #: how often a 502 / 503 (engine worker being replaced) is retried, and the pause between tries
 RETRIES = 20
