@@ -47,7 +47,19 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 1
-    return serve_main(args) if command == "serve" else run_main(args)
+    if command == "serve":
+        opts = parse(ServeOptions, args, "python -m aioshmcache demo serve")
+        if opts.name is not None and opts.gateway_workers == 1 and _has_live_writer(opts.name):
+            print(
+                f"python -m aioshmcache demo serve: cache {opts.name!r} already has a live writer "
+                "(another gateway?); stop it or pick another --name",
+                file=sys.stderr,
+            )
+            return 2
+        return serve(opts)
+    from .load import run_demo
+
+    return run_demo(parse(DemoOptions, args, "python -m aioshmcache demo"))
 
 
 T = TypeVar("T")
@@ -92,7 +104,12 @@ class DemoOptions(GatewayOptions):
     hash_first: float = _opt(0.2, "share of repeat requests sending the hash first (%(default)s)")
     quick: bool = _opt(False, "a short CI run (< 20 s)")
     json_path: str | None = _opt(None, "write the results as JSON", flag="--json", metavar="PATH")
-    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.quick:
+            self.requests = min(self.requests, 60)
+            self.concurrency = min(self.concurrency, 8)
+            self.images = min(self.images, 12)
 
 
 @dataclass
@@ -127,19 +144,6 @@ def parse(cls: type[T], argv: list[str], prog: str) -> T:
         if getattr(ns, name) < least:
             p.error(f"--{name.replace('_', '-')} must be >= {least}")
     return cls(**vars(ns))
-
-
-def serve_main(argv: list[str]) -> int:
-    """``python -m aioshmcache demo serve``: the example gateway alone, until SIGINT / SIGTERM."""
-    opts = parse(ServeOptions, argv, "python -m aioshmcache demo serve")
-    if opts.name is not None and opts.gateway_workers == 1 and _has_live_writer(opts.name):
-        print(
-            f"python -m aioshmcache demo serve: cache {opts.name!r} already has a live writer "
-            "(another gateway?); stop it or pick another --name",
-            file=sys.stderr,
-        )
-        return 2
-    return serve(opts)
 
 
 def _has_live_writer(name: str) -> bool:
@@ -232,15 +236,3 @@ def serve(opts: ServeOptions) -> int:
 
 def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(0)
-
-
-def run_main(argv: list[str]) -> int:
-    """``python -m aioshmcache demo [run]``: gateway, load, verification and the table."""
-    opts = parse(DemoOptions, argv, "python -m aioshmcache demo")
-    if opts.quick:
-        opts.requests = min(opts.requests, 60)
-        opts.concurrency = min(opts.concurrency, 8)
-        opts.images = min(opts.images, 12)
-    from .load import run_demo
-
-    return run_demo(opts)

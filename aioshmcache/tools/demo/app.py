@@ -30,7 +30,7 @@ import shutil
 import signal
 import tempfile
 import zlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -271,29 +271,26 @@ async def embed(request: Request) -> dict[str, Any] | JSONResponse:
         return body
     cache: AsyncSenderCache = request.app.state.cache
     engine: EngineClient = request.app.state.engine
-    ran = False
-    make: Callable[[], Any]
-    if body.pixels is None:
-        held = request.app.state.use_cache and cache.is_cached_item(body.mm_hash)
-        if not held:  # ask before any work: 409, the client resends
-            return _cache_miss([body.mm_hash])
-
-        def make() -> Any:  # evicted since the look-up: the client must resend
-            raise CacheMissError([body.mm_hash])
-
-    else:
+    use_cache: bool = request.app.state.use_cache
+    image: tuple[bytes, int, int] | None = None
+    if body.pixels is not None:
         decoded = _decode(body)
         if isinstance(decoded, JSONResponse):
             return decoded
-        pixels, h, w = decoded
+        image = decoded
+    elif not (use_cache and cache.is_cached_item(body.mm_hash)):
+        return _cache_miss([body.mm_hash])  # asked before any work: 409, the client resends
+    ran = False
 
-        def make() -> Any:  # runs in a worker thread, once per hash among concurrent requests
-            nonlocal ran
-            ran = True
-            return preprocess(pixels, h, w)
+    def make() -> Any:  # runs in a worker thread, once per hash among concurrent requests
+        nonlocal ran
+        if image is None:  # the hash alone, evicted since the look-up: the client must resend
+            raise CacheMissError([body.mm_hash])
+        ran = True
+        return preprocess(*image)
 
     try:
-        if request.app.state.use_cache:
+        if use_cache:
             feature = await cache.get_or_put(body.mm_hash, make)
         else:  # the baseline: preprocessed every time, the tensors sent over the socket
             feature = FeatureSpec(body.mm_hash, await asyncio.to_thread(make))

@@ -121,11 +121,7 @@ class GatewayProcess:
         deadline = time.monotonic() + timeout
         while len(snaps := self._live_snapshots()) < self.procs and time.monotonic() < deadline:
             time.sleep(0.05)
-        total: Counter[str] = Counter()
-        for snap in snaps:
-            for key in _SUMMED:
-                total[key] += getattr(snap, key)
-        return dict(total)
+        return {key: sum(getattr(snap, key) for snap in snaps) for key in _SUMMED}
 
     @property
     def pid(self) -> int:
@@ -374,12 +370,6 @@ def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
     return "\n".join(lines)
 
 
-def _gateway_args(opts: DemoOptions, *, cache: bool) -> list[str]:
-    args = ["--cache-mb", str(opts.cache_mb), "--max-object-mb", str(opts.max_object_mb)]
-    args += ["--loop", opts.loop]
-    return args if cache else [*args, "--no-cache"]
-
-
 def run_demo(opts: DemoOptions) -> int:
     """The whole demo; 0 only if every request of every phase succeeded and matched."""
     n_gw, phases = opts.gateway_workers, []
@@ -403,15 +393,17 @@ def run_demo(opts: DemoOptions) -> int:
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         for i, (label, cache, procs) in enumerate(configs):
-            gw = GatewayProcess(_gateway_args(opts, cache=cache), name=f"{tag}-{i}", procs=procs)
+            args = ["--cache-mb", str(opts.cache_mb), "--max-object-mb", str(opts.max_object_mb)]
+            args += ["--loop", opts.loop] + ([] if cache else ["--no-cache"])
+            gw = GatewayProcess(args, name=f"{tag}-{i}", procs=procs)
             print(f"starting the gateway ({label}) ...", file=sys.stderr)
             gw.start()
             print(f"gateway at {gw.url} (pid {gw.pid}, cache {gw.name})", file=sys.stderr)
             load = run_load(
                 gw.url, plan, images, expected, concurrency=opts.concurrency, label=label,
-                progress=opts.progress, use_hashes=cache,
+                use_hashes=cache,
             )  # fmt: skip
-            res: PhaseResult = uvloop.run(load)  # uvloop: less client overhead
+            res = uvloop.run(load)  # uvloop: less client overhead
             res.cache = gw.cache_stats()  # before the stop: the segments go with the gateway
             res.gateway_processes = procs
             phases.append(res)
