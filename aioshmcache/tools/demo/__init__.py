@@ -1,14 +1,10 @@
 """``python -m aioshmcache demo``: the example gateway under uvicorn, its engine worker, a load run.
 
-    python -m aioshmcache demo [run] [--requests N --concurrency C --gateway-workers N --quick ...]
-    python -m aioshmcache demo serve [--port P --gateway-workers N --no-cache ...]
-
 ``serve`` runs the example app (:mod:`.app`, which ``examples/fastapi_app.py`` imports) under
-uvicorn with its engine worker. ``run`` (:mod:`.load`) starts ``serve`` in a subprocess, drives a
-Zipf-distributed image load at it, checks every answer against a local computation and prints a
-table: cache on, on N gateway processes of one cache group (``--gateway-workers N``), and off.
-The options are dataclasses whose fields generate the argparse flags (a field's metadata holds
-its help), so that the two commands agree on the gateway's. Only the public API is used.
+uvicorn with its engine worker; ``run`` (the default, :mod:`.load`) starts ``serve`` in a
+subprocess, drives a verified load at it and prints a table (examples/README.md, "The
+one-command tour"). The options are dataclasses whose fields generate the argparse flags (a
+field's metadata holds its help), so that the two commands agree on the gateway's.
 """
 
 from __future__ import annotations

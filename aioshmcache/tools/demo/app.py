@@ -1,19 +1,16 @@
 """The example gateway: FastAPI preprocesses each image once, an engine worker reads its tensors.
 
-    uvicorn --loop uvloop --app-dir examples fastapi_app:app --host 127.0.0.1 --port 8000
-
 One implementation: ``examples/fastapi_app.py`` imports it and ``python -m aioshmcache demo``
-drives it. docs/fastapi.md explains each piece (the lifespan, hash first, the shutdown order);
-examples/README.md gives its HTTP API, the bad-input table (:data:`BAD_INPUT`) and how to run it
-as a cache group.
+drives it. docs/fastapi.md explains each piece; examples/README.md gives the commands, the HTTP
+API, the bad-input table (:data:`BAD_INPUT`) and how to run it as a cache group.
 
 Settings (environment): ``AIOSHM_EXAMPLE_NAME`` (segment name; random if unset),
 ``AIOSHM_EXAMPLE_CACHE_MB`` (default 512), ``AIOSHM_EXAMPLE_MAX_OBJECT_MB`` (default 32: a 1080p
 photo is 23.7 MiB preprocessed), ``AIOSHM_EXAMPLE_CACHE=off`` (no cache: the demo's baseline).
-Alone, a gateway process is its cache's single writer: do not run it with ``uvicorn --workers N``.
-With ``AIOSHM_GROUP`` and ``AIOSHM_ENGINE_SOCKET`` each of N gateway processes opens its own shard
-of the group and connects to the group's one engine worker, started apart
-(:func:`group_engine_main`): it has one clear owner, and no gateway process is special.
+Alone, a gateway process is its cache's single writer (not for ``uvicorn --workers N``); with
+``AIOSHM_GROUP`` and ``AIOSHM_ENGINE_SOCKET`` each of N gateway processes writes its own shard
+and connects to the group's one engine worker, started apart (:func:`group_engine_main`): it has
+one clear owner, and no gateway process is special.
 """
 
 from __future__ import annotations
@@ -24,9 +21,7 @@ import binascii
 import contextlib
 import functools
 import hashlib
-import json
 import os
-import shutil
 import signal
 import tempfile
 import zlib
@@ -103,10 +98,8 @@ def engine_main(handle_json: str, socket_path: str) -> None:
 def group_engine_main(group: str, socket_path: str) -> None:
     """The one engine worker of a cache group (``--engine --group``), until SIGTERM or SIGINT.
 
-    A reader of every shard of the group: a shard opened later is attached when a gateway
-    process says hello (so that the reader owes that shard's hand-outs from the first one on)
-    or when a reference names it. Stopping closes the socket and the reader (a slot on every
-    shard).
+    A reader of every shard: one opened later is attached when its gateway process says hello
+    (so that the reader owes its hand-outs from the first one on) or when a reference names it.
     """
     # None: started before its gateways, the group has no shard yet
     _run(AsyncReceiverCache.attach_group(group, wait_for_shard=None), socket_path)
@@ -164,10 +157,10 @@ def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
 
 
 async def _read_body(request: Request) -> EmbedRequest | JSONResponse:
-    """The request's JSON body as an ``EmbedRequest``, read up to ``MAX_BODY_BYTES`` and no further.
+    """The JSON body as an ``EmbedRequest``, read up to ``MAX_BODY_BYTES`` and no further.
 
-    Why by hand rather than a FastAPI body parameter: a body parameter reads the whole body
-    whatever its size, and answers 422 to a wrong media type and to broken JSON alike.
+    By hand: a FastAPI body parameter reads a body whatever its size, and answers 422 to a wrong
+    media type and to broken JSON alike.
     """
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind != "application/json":
@@ -182,12 +175,10 @@ async def _read_body(request: Request) -> EmbedRequest | JSONResponse:
             return _error(413, "too_large", f"the body is over {MAX_BODY_BYTES} bytes")
         chunks.append(chunk)
     try:
-        data = json.loads(b"".join(chunks))
-    except ValueError:  # UnicodeDecodeError and JSONDecodeError alike
-        return _error(400, "bad_json", "the body is not JSON")
-    try:
-        return EmbedRequest.model_validate(data)
+        return EmbedRequest.model_validate_json(b"".join(chunks))
     except ValidationError as exc:
+        if exc.errors()[0]["type"] == "json_invalid":  # broken, or not UTF-8
+            return _error(400, "bad_json", "the body is not JSON")
         problems = [f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()]
         return _error(422, "bad_request", "; ".join(problems))
 
@@ -210,17 +201,14 @@ def _settings() -> CacheConfig:
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Create the cache and reach the engine worker; on the way out, the shutdown order.
 
-    Alone, this gateway starts its own engine worker (``EngineClient(start=...)`` spawns it,
-    replaces it if it dies, and stops it when the client closes). In a cache group
-    (``AIOSHM_GROUP``) the engine worker is started apart and the client only connects (it
-    retries, with backoff, until the worker is up). Either way the client is closed first,
-    then the sender's ``async with`` unlinks the segment.
+    Alone, ``EngineClient(start=...)`` spawns this gateway's engine worker, replaces it if it dies
+    and stops it on close; in a group it only connects (retrying until the worker is up). The
+    client is closed first, then the sender's ``async with`` unlinks the segment.
     """
     group, group_socket = os.environ.get("AIOSHM_GROUP"), os.environ.get("AIOSHM_ENGINE_SOCKET")
     if group and not group_socket:
         raise RuntimeError("AIOSHM_GROUP needs AIOSHM_ENGINE_SOCKET (the group's engine worker)")
-    sockdir = tempfile.mkdtemp(prefix="aioshm-example-")
-    try:
+    with tempfile.TemporaryDirectory(prefix="aioshm-example-") as sockdir:
         async with AsyncSenderCache.from_config(_settings()) as cache:
             if group and group_socket:  # the group's engine worker, started apart: connect
                 path, start = group_socket, None
@@ -234,12 +222,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                 app.state.cache, app.state.engine = cache, engine
                 app.state.use_cache = os.environ.get("AIOSHM_EXAMPLE_CACHE", "on") != "off"
                 app.state.pid = hello["engine_pid"]
-                registry = CollectorRegistry()
-                registry.register(CacheCollector(cache))
-                app.state.registry = registry
+                app.state.registry = CollectorRegistry()
+                app.state.registry.register(CacheCollector(cache))
                 yield  # serving; uvicorn stops sending requests before we go on
-    finally:
-        shutil.rmtree(sockdir, ignore_errors=True)
 
 
 app = FastAPI(title="aioshmcache example gateway", lifespan=lifespan)
