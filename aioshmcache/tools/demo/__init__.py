@@ -61,9 +61,8 @@ def main(argv: list[str]) -> int:
 T = TypeVar("T")
 LOOPS = ("auto", "asyncio", "uvloop")
 GATEWAY_WORKERS = (
-    "run the gateway as N uvicorn worker processes (spawned), each the writer of its own shard "
-    "of one cache group, with one engine worker attached to the group (default 1: one process, "
-    "one cache, its own engine worker)"
+    "N uvicorn gateway processes (spawned), each the writer of its own shard of one cache group, "
+    "and one engine worker for the group (default 1: one process, one cache, its engine worker)"
 )
 #: the app uvicorn imports in every gateway process
 APP = "aioshmcache.tools.demo.app:app"
@@ -120,12 +119,11 @@ class ServeOptions(GatewayOptions):
 
 
 def parse(cls: type[T], argv: list[str], prog: str) -> T:
-    """``cls`` from ``argv``: one flag per field that has a help text; its docstring describes."""
+    """``cls`` from ``argv``: a flag per field; the class's docstring describes the command."""
     p = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
     limits: dict[str, int] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if "help" not in (meta := dict(f.metadata)):
-            continue
+        meta = dict(f.metadata)
         flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
         if "min" in meta:
             limits[f.name] = meta.pop("min")
@@ -210,14 +208,14 @@ def serve(opts: ServeOptions) -> int:
         # uvicorn shuts down gracefully on SIGTERM and then raises it again, to exit as if
         # killed by it: this handler makes that second one a clean exit (code 0) instead
         signal.signal(signal.SIGTERM, _exit_cleanly)
-        if workers > 1:
-            with contextlib.suppress(KeyboardInterrupt):
-                Multiprocess(config, sockets=[listener]).run()
-            return 0
         server = uvicorn.Server(config)
         with contextlib.suppress(KeyboardInterrupt):
-            server.run(sockets=[listener])
-        return 0 if server.started else 3  # 3: the lifespan failed (uvicorn logged why)
+            if workers > 1:
+                Multiprocess(config, sockets=[listener]).run()
+            else:
+                server.run(sockets=[listener])
+        # 3: the lifespan of the one gateway process failed (uvicorn logged why)
+        return 0 if workers > 1 or server.started else 3
     finally:
         listener.close()
         if engine is not None:  # after the gateways: they release their hand-outs first

@@ -83,11 +83,8 @@ def tensor_crc(item: Any) -> int:
 
 def engine_answer(mm_hash: str, item: Any) -> dict[str, Any]:
     """The engine worker's answer for one item; the demo computes it locally to check each one."""
-    return {
-        "mm_hash": mm_hash,
-        "crc32": tensor_crc(item),
-        "shape": list(item["pixel_values"].shape),
-    }
+    shape = list(item["pixel_values"].shape)
+    return {"mm_hash": mm_hash, "crc32": tensor_crc(item), "shape": shape}
 
 
 def engine_main(handle_json: str, socket_path: str) -> None:
@@ -304,10 +301,8 @@ async def healthz(request: Request) -> dict[str, Any]:
 async def stats(request: Request) -> dict[str, Any]:
     """The cache snapshot and the single-flight counters, as JSON."""
     cache: AsyncSenderCache = request.app.state.cache
-    return {
-        "cache": cache.snapshot().to_dict(),
-        "single_flight": cache.single_flight_stats().to_dict(),
-    }
+    snapshot, single_flight = cache.snapshot(), cache.single_flight_stats()
+    return {"cache": snapshot.to_dict(), "single_flight": single_flight.to_dict()}
 
 
 @app.get("/metrics")

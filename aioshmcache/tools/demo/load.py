@@ -54,7 +54,7 @@ class GatewayProcess:
         # name: the segment's, or the group's (procs > 1)
         self.args, self.name, self.procs, self.stderr = list(args), name, procs, stderr
         self.proc: subprocess.Popen[bytes] | None = None
-        self.url = ""
+        self.url, self.pid = "", 0
 
     def start(self, timeout: float = 60.0) -> str:
         cmd = [sys.executable, "-m", "aioshmcache", "demo", "serve", "--port", "0"]
@@ -66,6 +66,7 @@ class GatewayProcess:
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=self.stderr,
                 start_new_session=True,
             )  # fmt: skip
+            self.pid = self.proc.pid
             try:
                 self._wait_ready(self.proc, out, timeout)
             except BaseException:
@@ -104,12 +105,10 @@ class GatewayProcess:
         """The snapshot of every segment of the gateway that is open and has a live writer."""
         snaps = []
         for seg in self.segments():
-            try:
+            with contextlib.suppress(ShmCacheError, OSError, ValueError):  # created or removed now
                 snap, alive = read_snapshot(seg)
-            except (ShmCacheError, OSError, ValueError):
-                continue  # being created or removed right now
-            if alive:
-                snaps.append(snap)
+                if alive:
+                    snaps.append(snap)
         return snaps
 
     def cache_stats(self, timeout: float = 15.0) -> dict[str, Any]:
@@ -123,18 +122,13 @@ class GatewayProcess:
             time.sleep(0.05)
         return {key: sum(getattr(snap, key) for snap in snaps) for key in _SUMMED}
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid if self.proc is not None else 0
-
     def stop(self, timeout: float = 30.0) -> int | None:
         """Stop the gateway (bounded); returns its exit code. Idempotent."""
         proc = self.proc
         if proc is None:
             return None
         if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+            proc.terminate()  # SIGTERM: a graceful stop
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout)
         # whatever of its session is left (all of it after a timeout; an engine worker whose
