@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from aioshmcache import ShmCacheError, sweep
 from aioshmcache.metrics import read_snapshot
 
 from ..progress import Progress
-from ..shm import files_with_prefix, segment_files
+from ..shm import files_with_prefix
 from ..units import MiB, fmt_bytes
 from . import DemoOptions
 from .app import engine_answer, image_hash, preprocess
@@ -96,10 +97,8 @@ class GatewayProcess:
 
     def segments(self) -> list[str]:
         """The gateway's segments in /dev/shm: its one cache, or its group's shards."""
-        if self.procs == 1:
-            return [n for n in segment_files(self.name) if n == f"aioshm-{self.name}"]
-        prefix = f"aioshm-{self.name}.shard"
-        return [n for n in files_with_prefix(prefix) if n.removeprefix(prefix).isdigit()]
+        segment = re.compile(re.escape(f"aioshm-{self.name}") + r"(\.shard\d+)?")
+        return [n for n in files_with_prefix(self.name) if segment.fullmatch(n)]
 
     def _live_snapshots(self) -> list[Any]:
         """The snapshot of every segment of the gateway that is open and has a live writer."""
