@@ -27,7 +27,6 @@ FAULTS: Final = {
     "stop-readers": "reader_stop_every",  # SIGSTOP: revoked past --evict-after, then reattaches
     "kill-writer": "writer_kill_every",  # readers see WriterGoneError within 1 s; sweep; restart
     "fork": "fork_every",  # a forked child outlives its SIGKILLed parent: the slot looks dead
-    "sweep-restart": "sweep_restart_every",  # writers restart under a name being swept
     "cancel": "cancel_prob",  # Task.cancel / anyio scopes mid-call, on both sides
     "forge": "probe_rate",  # forged and stale references: typed errors, never data
     "close-read": "close_read_prob",  # a reader's cache closed under its own read
@@ -73,7 +72,6 @@ class StressOptions:
     writer_kill_every: float = _opt(15.0, "kill-writer fault period", parse_duration)
     fork_every: float = _opt(8.0, "fork fault period (a fork, then SIGKILL)", parse_duration)
     fork_linger: float = _opt(8.0, "how long the forked child outlives its parent", parse_duration)
-    sweep_restart_every: float = _opt(6.0, "sweep-restart fault period", parse_duration)
     cancel_prob: float = _opt(0.1, "share of cancelled operations", lo=0, hi=1)
     close_read_prob: float = _opt(0.02, "share of reads closed under (close-read)", lo=0, hi=1)
     probe_rate: float = _opt(20.0, "forged/stale probes per second")

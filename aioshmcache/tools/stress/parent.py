@@ -21,7 +21,7 @@ import signal
 import sys
 import tempfile
 import time
-from asyncio.subprocess import DEVNULL, PIPE
+from asyncio.subprocess import DEVNULL
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
@@ -40,7 +40,6 @@ from .report import Tally, as_json, progress_line, summary
 
 IN_PRIVATE_SHM: Final = "AIOSHM_STRESS_PRIVATE_SHM"  # set inside the private /dev/shm namespace
 FORK_SLOT_BOUND: Final = 3.0  # fork: a killed reader's slot looks dead within this (child lives)
-SWEEP_RESTART_ROUNDS: Final = 40  # crash-and-restart rounds per sweep-restart burst (~15 ms each)
 Msg = dict[str, Any]
 
 
@@ -168,27 +167,6 @@ async def _fork(o: Orchestrator) -> None:
         await asyncio.sleep(0.1)
 
 
-async def _sweep_restart(o: Orchestrator) -> None:
-    """A burst of writers that crash and restart under one name while another process sweeps
-    it (:mod:`.restarts`): each must keep its segment and reclaim; nothing may be left."""
-    args = ("-m", "aioshmcache.tools.stress.restarts", f"{o.prefix}sr", str(SWEEP_RESTART_ROUNDS))
-    proc = await asyncio.create_subprocess_exec(sys.executable, *args, stdout=PIPE, stderr=PIPE)
-    out = err = b""
-    with anyio.move_on_after(o.opts.hang_timeout + 60):
-        out, err = await proc.communicate()
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
-    await proc.wait()
-    try:
-        res = json.loads(out.decode(errors="replace").strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        tail = err.decode(errors="replace")[-600:]
-        return o.violation("sweep-restart", f"no result (exit {proc.returncode}): {tail}")
-    o.tally.stats["sweep_restarts"] += res["rounds"]
-    for text in res["violations"]:
-        o.violation("sweep-restart", text)
-
-
 #: the faults the parent injects, each a small action run every ``--*-every`` seconds or so
 #: (``cancel``, ``forge`` and ``close-read`` act inside the children)
 PERIODIC: Final[dict[str, Callable[[Orchestrator], Awaitable[None]]]] = {
@@ -196,7 +174,6 @@ PERIODIC: Final[dict[str, Callable[[Orchestrator], Awaitable[None]]]] = {
     "stop-readers": _stop_readers,
     "kill-writer": lambda o: o.kill_writer(),
     "fork": _fork,
-    "sweep-restart": _sweep_restart,
 }
 
 

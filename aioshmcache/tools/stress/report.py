@@ -127,7 +127,6 @@ def summary(o: StressOptions, t: Tally, elapsed: float, writer_gens: int, interr
         ("", "faults: reader SIGKILL / SIGSTOP", f"{st['reader_kills']} / {st['reader_stops']}"),
         ("", "faults: writer SIGKILL / rotations", "{} / {}".format(*writers)),
         ("fork", "faults: fork, SIGKILL: writer / reader (freed)", "{} / {} ({})".format(*forks)),
-        ("sweep-restart", "faults: writers restarted while swept", f"{st['sweep_restarts']}"),
         ("group", "group: dead shards reclaimed", f"{st['shards_reclaimed']}"),
         ("", "writer generations", f"{writer_gens} ({_by(st, 'writer_gens_')})"),
         *(("", f"error {k}", f"{n:,}") for k, n in sorted(t.errors.items())),
