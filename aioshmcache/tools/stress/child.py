@@ -15,14 +15,11 @@ import asyncio
 import contextlib
 import ctypes
 import json
-import os
 import random
 import signal
 import sys
-import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine
-from os import _exit  # a forked child leaves without running its parent's exit handlers
 from typing import Any, Final, NamedTuple, TypeVar
 
 import anyio
@@ -102,7 +99,7 @@ async def guarded(
 
 
 class Proc:
-    """What both children do: messages, violations, heartbeats, the fork fault."""
+    """What both children do: messages, violations, heartbeats."""
 
     who = "?"
 
@@ -134,24 +131,6 @@ class Proc:
             out = await getattr(self, "on_" + got[0]["t"])(got[0])
             if "re" in got[0]:
                 self.send("re", re=got[0]["re"], **(out or {}))
-
-    async def on_fork(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """The fork fault (the parent SIGKILLs us next): a child that outlives us a while.
-
-        It inherits the mapping and whatever descriptors the core left open at fork but must
-        not keep our liveness locks; it closes only the channel (so the parent sees our death),
-        lingers and exits.
-        """
-        sock = self.link.writer.get_extra_info("socket")
-        pid = os.fork()
-        if pid == 0:
-            try:
-                if sock is not None:
-                    os.close(sock.fileno())
-                time.sleep(float(msg["linger"]))  # noqa: ASYNC251 (the fork runs no loop)
-            finally:
-                _exit(0)
-        return {"pid": pid}
 
 
 def run_loop(loop: str, coro: Callable[[], Coroutine[Any, Any, T]]) -> T:

@@ -20,13 +20,12 @@ from ..units import fmt_bytes, parse_duration, parse_size
 
 __all__ = ["FAULTS", "StressOptions", "parse_args"]
 
-#: every fault, and the option that tunes it; the parent injects the first five
+#: every fault, and the option that tunes it; the parent injects the first three
 #: (``parent.PERIODIC``), the children the others
 FAULTS: Final = {
     "kill-readers": "reader_kill_every",  # SIGKILL: its debts go, a new reader owes nothing older
     "stop-readers": "reader_stop_every",  # SIGSTOP: revoked past --evict-after, then reattaches
     "kill-writer": "writer_kill_every",  # readers see WriterGoneError within 1 s; sweep; restart
-    "fork": "fork_every",  # a forked child outlives its SIGKILLed parent: the slot looks dead
     "cancel": "cancel_prob",  # Task.cancel / anyio scopes mid-call, on both sides
     "forge": "probe_rate",  # forged and stale references: typed errors, never data
     "close-read": "close_read_prob",  # a reader's cache closed under its own read
@@ -70,8 +69,6 @@ class StressOptions:
     reader_kill_every: float = _opt(4.0, "kill-readers fault period", parse_duration)
     reader_stop_every: float = _opt(5.0, "stop-readers fault period", parse_duration)
     writer_kill_every: float = _opt(15.0, "kill-writer fault period", parse_duration)
-    fork_every: float = _opt(8.0, "fork fault period (a fork, then SIGKILL)", parse_duration)
-    fork_linger: float = _opt(8.0, "how long the forked child outlives its parent", parse_duration)
     cancel_prob: float = _opt(0.1, "share of cancelled operations", lo=0, hi=1)
     close_read_prob: float = _opt(0.02, "share of reads closed under (close-read)", lo=0, hi=1)
     probe_rate: float = _opt(20.0, "forged/stale probes per second")

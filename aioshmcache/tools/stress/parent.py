@@ -39,21 +39,15 @@ from .options import FAULTS, StressOptions
 from .report import Tally, as_json, progress_line, summary
 
 IN_PRIVATE_SHM: Final = "AIOSHM_STRESS_PRIVATE_SHM"  # set inside the private /dev/shm namespace
-FORK_SLOT_BOUND: Final = 3.0  # fork: a killed reader's slot looks dead within this (child lives)
 Msg = dict[str, Any]
 
 
-def _stat(pid: int | str) -> list[bytes]:
+def _stat(pid: str) -> list[bytes]:
     """A live process's /proc/PID/stat fields after its name: state, ppid, ... ([]: none)."""
     with contextlib.suppress(OSError), open(f"/proc/{pid}/stat", "rb") as f:
         fields = (stat := f.read())[stat.rfind(b")") + 2 :].split()
-        return fields if len(fields) > 19 and fields[0] != b"Z" else []
+        return fields if len(fields) > 1 and fields[0] != b"Z" else []
     return []
-
-
-def process_start(pid: int) -> int | None:
-    """The start time of live process ``pid`` (pid and start name one process); None if none."""
-    return int(fields[19]) if (fields := _stat(pid)) else None
 
 
 def child_pids() -> list[int]:
@@ -142,38 +136,12 @@ async def _stop_readers(o: Orchestrator) -> None:
         c.last_hb, c.stopped, c.busy = time.monotonic(), False, False
 
 
-async def _fork(o: Orchestrator) -> None:
-    """In turn, the writer or a reader forks a child that outlives it and is SIGKILLed; the
-    reader's slot must look dead to every writer while its forked child lives."""
-    if o.fork_turn % 2 == 0:
-        o.fork_turn += 1
-        return await o.kill_writer(fork=True)
-    if (c := o.pick_reader()) is None:
-        return
-    o.fork_turn += 1
-    forked, pid = await o.fork_child(c), c.proc.pid
-    await o.kill_reader(c)
-    o.tally.stats["fork_kills_reader"] += forked
-    t0 = time.monotonic()
-    while forked:
-        slots = [await o.ask(w, "slots", 10.0) or {} for w in o.live_writers()]
-        held = [s for g in slots for s in g.get("slots", []) if s["alive"] and s["attached"]]
-        if not (held := [s for s in held if s["pid"] == pid]):
-            o.tally.stats["fork_slots_dropped"] += 1
-            return
-        if (late := time.monotonic() - t0) > FORK_SLOT_BOUND:
-            text = f"reader {pid} SIGKILLed after forking: its slot {held[0]['slot']} looks alive"
-            return o.violation("fork", f"{text} {late:.1f} s later (its forked child keeps it)")
-        await asyncio.sleep(0.1)
-
-
 #: the faults the parent injects, each a small action run every ``--*-every`` seconds or so
 #: (``cancel``, ``forge`` and ``close-read`` act inside the children)
 PERIODIC: Final[dict[str, Callable[[Orchestrator], Awaitable[None]]]] = {
     "kill-readers": _kill_readers,
     "stop-readers": _stop_readers,
     "kill-writer": lambda o: o.kill_writer(),
-    "fork": _fork,
 }
 
 
@@ -189,9 +157,8 @@ class Orchestrator:
         # --group N: N writer processes, each the writer of its own shard of this group
         self.group = f"stress-{self.run_id}-grp" if opts.group else None
         self.writers: list[Child | None] = [None] * max(1, opts.group)
-        self.writer_gen = self.inst = self.fork_turn = 0
+        self.writer_gen = self.inst = 0
         self.owed: dict[tuple[int, int], set[str]] = {}  # (gen, rid) -> readers yet to report
-        self.forked: list[tuple[int, int, float]] = []  # fork fault: pid, start, exit deadline
         self.topology, self.pausing = asyncio.Lock(), asyncio.Event()
         self.acting, self.held = asyncio.Semaphore(len(PERIODIC)), 0  # one token per fault
         self.faults: list[asyncio.Task[None]] = []
@@ -391,30 +358,7 @@ class Orchestrator:
             child.replies.pop(token, None)
 
     # --- a writer's death ----------------------------------------------------------------------
-    async def fork_child(self, c: Child) -> bool:
-        """Ask ``c`` to fork a child that outlives it (the fork fault); True if it did."""
-        if (got := await self.ask(c, "fork", 10.0, linger=self.opts.fork_linger)) is None:
-            return False
-        if (start := process_start(pid := int(got["pid"]))) is not None:
-            self.forked.append((pid, start, time.monotonic() + self.opts.fork_linger))
-        self.tally.stats["forks"] += 1
-        return True
-
-    async def reap_forked(self) -> None:
-        """Every forked child exits once its linger is over (or is killed, as a violation)."""
-        for pid, start, exit_by in self.forked:  # not our child: polled, no handle to wait on
-            while not self.interrupted and time.monotonic() < exit_by + 30:
-                if process_start(pid) != start:
-                    break
-                await asyncio.sleep(0.1)
-            if process_start(pid) == start:
-                if not self.interrupted:
-                    self.violation("fork", f"forked child {pid} did not exit after its linger")
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        self.forked.clear()
-
-    async def kill_writer(self, *, fork: bool = False) -> None:
+    async def kill_writer(self) -> None:
         """SIGKILL the writer (with ``--group``: one of them) and start its replacement.
 
         Its segment must be an orphan to ``sweep(prefix=<this run's names>)`` (other programs'
@@ -425,10 +369,9 @@ class Orchestrator:
             if not (live := self.live_writers()):
                 return
             w = self.rng.choice(live)
-            forked = fork and await self.fork_child(w)
             await w.kill(wait_link=True)
             dead_at = time.monotonic()
-            self.tally.stats.update(writer_kills=1, fork_kills_writer=forked)
+            self.tally.stats["writer_kills"] += 1
             self.tally.dead_gens[w.gen] = "killed"
             self.owed = {k: v for k, v in self.owed.items() if k[0] != w.gen}  # no credit back
             if self.group is None:
@@ -598,7 +541,6 @@ class Orchestrator:
                 t.cancel()
             await asyncio.gather(*bg, *self.faults, return_exceptions=True)
             await self.kill_all()
-            await self.reap_forked()
             server.close()
             with anyio.move_on_after(5):
                 await server.wait_closed()

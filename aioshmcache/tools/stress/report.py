@@ -106,7 +106,6 @@ def summary(o: StressOptions, t: Tally, elapsed: float, writer_gens: int, interr
     drains = [f"{f['why']}: {f['items']} items, {f['n_not_freeable']} stuck" for f in t.finals]
     closed = [st["read_closed_during_read"], st["read_closed_beside_read"], st["closed_read_ok"]]
     writers = [st["writer_kills"], st["writer_rotations"]]
-    forks = [st["fork_kills_writer"], st["fork_kills_reader"], st["fork_slots_dropped"]]
     lag, op = t.writer_max("lag_max") * 1e3, t.writer_max("op_max")
     rows: list[tuple[str, str, str]] = [  # (shown with, label, value)
         ("", "writer requests", f"{st['requests']:,} ({st['requests'] / el:,.1f}/s)"),
@@ -126,7 +125,6 @@ def summary(o: StressOptions, t: Tally, elapsed: float, writer_gens: int, interr
         ("close-read", "  closed under / beside a read (read ok)", "{} / {} ({})".format(*closed)),
         ("", "faults: reader SIGKILL / SIGSTOP", f"{st['reader_kills']} / {st['reader_stops']}"),
         ("", "faults: writer SIGKILL / rotations", "{} / {}".format(*writers)),
-        ("fork", "faults: fork, SIGKILL: writer / reader (freed)", "{} / {} ({})".format(*forks)),
         ("group", "group: dead shards reclaimed", f"{st['shards_reclaimed']}"),
         ("", "writer generations", f"{writer_gens} ({_by(st, 'writer_gens_')})"),
         *(("", f"error {k}", f"{n:,}") for k, n in sorted(t.errors.items())),

@@ -150,11 +150,6 @@ class WriterProc(Proc):
             t.cancel()
         return self.hb()
 
-    async def on_slots(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """The reader slots as the writer sees them now."""
-        closed = self.tx.sender.closed
-        return {"slots": [] if closed else self.tx.snapshot().to_dict()["readers"]}
-
     async def on_check(self, msg: dict[str, Any]) -> dict[str, Any]:
         """After quiescence: every cached item becomes freeable, and then the ring drains."""
         tx, deadline = self.tx, time.monotonic() + float(msg["within"])
@@ -169,7 +164,7 @@ class WriterProc(Proc):
         snap, out = tx.snapshot(), self.hb()
         out.update(items=len(keys), not_freeable=stuck[:20], n_not_freeable=len(stuck))
         out.update(after_items=snap.items, after_bytes=snap.bytes_used)
-        return out | await self.on_slots(msg)
+        return out | {"slots": snap.to_dict()["readers"]}
 
     # --- requests --------------------------------------------------------------------------
     def give_credit(self, n: int) -> None:
