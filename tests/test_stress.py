@@ -141,7 +141,6 @@ def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
         "stop-readers",
         "cancel",
         "kill-writer",
-        "forge",
         "close-read",
     }
     assert parse_args(["--faults", "all"]).faults == frozenset(FAULTS)
@@ -242,11 +241,10 @@ def test_stress_all_faults(tmp_path: pathlib.Path) -> None:
         tmp_path, "--duration", f"{duration}s", "--faults", "all", limit=duration + 240
     )
     assert rc == 0, "\n".join(data.get("violations", ["(no report)"])) + "\n\n" + out[-8000:]
-    st, probes = data["stats"], data["probes"]
+    st = data["stats"]
     assert st["items_verified"] > 0
     assert st.get("reader_kills", 0) > 0
     assert st.get("reader_stops", 0) > 0
-    assert probes.get("answered", 0) > 0
     assert st.get("writer_gens_broadcast", 0) >= 1 and st.get("writer_gens_one_of_n", 0) >= 1
     if duration >= 30:
         assert st.get("writer_kills", 0) > 0  # and readers saw WriterGoneError in time

@@ -27,7 +27,6 @@ FAULTS: Final = {
     "stop-readers": "reader_stop_every",  # SIGSTOP: revoked past --evict-after, then reattaches
     "kill-writer": "writer_kill_every",  # readers see WriterGoneError within 1 s; sweep; restart
     "cancel": "cancel_prob",  # Task.cancel / anyio scopes mid-call, on both sides
-    "forge": "probe_rate",  # forged and stale references: typed errors, never data
     "close-read": "close_read_prob",  # a reader's cache closed under its own read
 }
 SABOTAGES: Final = frozenset({"digest", "drop"})
@@ -71,7 +70,6 @@ class StressOptions:
     writer_kill_every: float = _opt(15.0, "kill-writer fault period", parse_duration)
     cancel_prob: float = _opt(0.1, "share of cancelled operations", lo=0, hi=1)
     close_read_prob: float = _opt(0.02, "share of reads closed under (close-read)", lo=0, hi=1)
-    probe_rate: float = _opt(20.0, "forged/stale probes per second")
     seed: int = _opt(0, "random seed (default: random)", int)
     loop: str = _opt("asyncio", "event loop of the children", choices=("asyncio", "uvloop"))
     json_path: str | None = _opt(None, "write the final statistics here as JSON", flag="--json")

@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 from asyncio.subprocess import DEVNULL
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -77,7 +76,6 @@ class Child:
     killed_by_us: bool = False
     rc_seen: bool = False
     replies: dict[str, asyncio.Future[Msg]] = dataclasses.field(default_factory=dict)
-    refs: deque[Msg] = dataclasses.field(default_factory=lambda: deque(maxlen=64))  # a writer's
 
     @property
     def live(self) -> bool:
@@ -281,7 +279,6 @@ class Orchestrator:
         """A writer's request: forwarded unchanged to its readers."""
         feats = request_features(msg)
         self.tally.stats.update(requests=1, features=len(feats))
-        w.refs.extend(ref.to_dict() for _h, ref, _d, _n in feats if ref is not None)
         readers = self.live_readers()
         if self.delivery_for(w.gen) == "one_of_n" and readers:
             readers = [self.rng.choice(readers)]
@@ -291,12 +288,6 @@ class Orchestrator:
             self.owed[w.gen, int(msg["rid"])] = waiting
         else:
             w.send("credit", n=1)
-
-    def on_probe(self, w: Child, msg: Msg, body: bytes) -> None:
-        """A forged or stale reference: to one reader, which must refuse it."""
-        if targets := self.live_readers():
-            self.rng.choice(targets).send_body(body)
-            self.tally.probes["sent"] += 1
 
     def on_hb(self, c: Child, msg: Msg, body: bytes) -> None:
         if "stats" in msg:
@@ -310,11 +301,10 @@ class Orchestrator:
         self.violation(str(msg["who"]), str(msg["text"]))
 
     def on_count(self, r: Child, msg: Msg, body: bytes) -> None:
-        """Counters a reader adds: stats ``c``, errors ``e``, probe outcomes ``p``."""
+        """Counters a reader adds: stats ``c``, errors ``e``."""
         t, gen = self.tally, int(msg.get("gen", -1))
         t.stats.update(msg.get("c", {}))
         t.errors.update(msg.get("e", {}))
-        t.probes.update(msg.get("p", {}))
         if msg.get("text"):
             t.err_texts.update((k, str(msg["text"])) for k in msg["e"])
         if msg.get("wgone"):
@@ -363,7 +353,8 @@ class Orchestrator:
 
         Its segment must be an orphan to ``sweep(prefix=<this run's names>)`` (other programs'
         are never looked at); readers must see ``WriterGoneError`` from it within 1 s; a group's
-        replacement must reclaim its shard; its old references must be refused.
+        replacement must reclaim its shard, and a group reader still holding the dead shard's
+        references must get ``WriterGoneError`` for them, never a forged-reference error.
         """
         async with self.topology:
             if not (live := self.live_writers()):
@@ -385,19 +376,6 @@ class Orchestrator:
             new = self.writers[w.pos]
             if started and self.group is not None and new is not None and new.name == w.name:
                 self.tally.stats["shards_reclaimed"] += 1
-            self.probe_old_refs(w)
-
-    def probe_old_refs(self, dead: Child) -> None:
-        """References of a dead writer, shown to the new one: InvalidReferenceError (nonce);
-        a group reader may still remember the dead shard's nonce: WriterGoneError."""
-        w, readers = self.writers[0], self.live_readers()
-        if "forge" not in self.opts.faults or w is None or not readers:
-            return
-        expect = ["InvalidReferenceError"] + (["WriterGoneError"] if self.group else [])
-        probe = {"kind": "old_writer", "via": "features", "h": "old", "expect": expect}
-        for ref in list(dead.refs)[-8:]:
-            self.rng.choice(readers).send("probe", gen=w.gen, ref=ref, **probe)
-            self.tally.probes["sent"] += 1
 
     # --- background tasks ----------------------------------------------------------------------
     async def watchdog(self) -> None:
@@ -576,7 +554,6 @@ class Orchestrator:
                         closed_at = await self.exit_child("rotation", w)
                         st["writer_rotations"] += 1
                         await self.start_writer({"gen": w.gen, "dead_at": closed_at}, w.pos)
-                        self.probe_old_refs(w)
                 self.resume_faults()
         self.run_elapsed, self.phase = self.elapsed(), "quiesce"
         await self.pause_faults()

@@ -113,7 +113,7 @@ class ReaderProc(Proc):
 
     async def on_req(self, msg: Msg) -> None:
         await self.maybe_reattach()
-        if "drop" in self.opts.sabotage and msg["t"] == "req" and self.drop_this(msg):
+        if "drop" in self.opts.sabotage and self.drop_this(msg):
             # self-test: a reader that silently loses requests (it tells the parent, which keeps
             # the run going until some were dropped)
             return self.done(msg, "ok", sabotage_dropped=1)
@@ -121,8 +121,6 @@ class ReaderProc(Proc):
         task = asyncio.ensure_future(self.run_one(msg))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-
-    on_probe = on_req
 
     async def on_group(self, msg: Msg) -> None:
         """--group: attach to the whole group, once."""
@@ -155,7 +153,7 @@ class ReaderProc(Proc):
 
     async def run_one(self, msg: Msg) -> None:
         try:
-            await (self.read_request(msg) if msg["t"] == "req" else self.read_probe(msg))
+            await self.read_request(msg)
         except Exception as exc:
             self.violation(f"reader harness error: {exc!r}\n{traceback.format_exc()}")
         finally:
@@ -385,31 +383,3 @@ class ReaderProc(Proc):
             f"was reclaimed {now - t0:.2f} s after its hand-out, before this reader acknowledged it"
             for i in todo
         ]
-
-    async def read_probe(self, msg: Msg) -> None:
-        """A forged or stale reference must be refused with one of the expected typed errors."""
-        rx, kind, via = self.rx, msg["kind"], msg["via"]
-        ref, h, expect = msg["ref"], str(msg["h"]), list(msg["expect"])
-        if rx is None or self.stale_gen(msg):
-            r = "skip"
-        else:
-            call = functools.partial(rx.get_and_update_features, [FeatureSpec(h, ref)])
-            if via == "item":
-                call = functools.partial(rx.get_and_update_item, ref, h)
-            res = await guarded(call, mode="none", deadline=self.opts.op_deadline, rng=self.rng)
-            r = type(res.exc).__name__ if res.exc else {"ok": "DATA"}.get(res.kind, res.kind)
-            if r == "timeout":
-                self.violation(f"probe {kind} missed its deadline")
-            elif r == "DATA":
-                self.violation(
-                    f"FORGED/STALE reference ({kind}, via {via}) returned data instead of one "
-                    f"of {expect}: {ref}"
-                )
-            elif r not in expect:
-                if (typed := self.typed(res.exc, rx)) is None:
-                    self.violation(
-                        f"probe {kind} (via {via}) raised {res.exc!r}, expected {expect}"
-                    )
-                elif typed == "closed_beside_read":
-                    r = typed
-        self.send("count", p={f"{kind}:{r}": 1, "answered": 1, "skipped": int(r == "skip")})
