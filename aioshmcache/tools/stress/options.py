@@ -49,7 +49,7 @@ class StressOptions:
     group: int = _opt(0, "writers of one cache group's shards (0: a plain cache)", lo=0, hi=16)
     reader_concurrency: int = _opt(2, "concurrent reads per reader", lo=1)
     delivery: str = _opt("alternate", "alternate: switch at each writer", choices=DELIVERIES)
-    faults: frozenset[str] = frozenset()  # --faults LIST and one --FAULT flag each
+    faults: frozenset[str] = frozenset()  # --faults LIST
     capacity: int = _opt(96 << 20, "ring capacity", parse_size)
     max_object: int = _opt(33 << 20, "max object", parse_size)
     min_item: int = _opt(1 << 10, "smallest item", parse_size, lo=1024)
@@ -120,8 +120,6 @@ def parse_args(argv: list[str]) -> StressOptions:
         _add(until if f.name in ("duration", "ops") else p, f)
     names = ", ".join(FAULTS)
     p.add_argument("--faults", default="none", help=f"comma list of {names}; all; none (default)")
-    for name in FAULTS:
-        p.add_argument(f"--{name}", dest=f"fault {name}", action="store_true", help="this fault")
     p.add_argument("--sabotage", default="", help=argparse.SUPPRESS)  # harness self-test
     ns = p.parse_args(argv)
     values = {f.name: getattr(ns, f.name) for f in FIELDS}
@@ -129,7 +127,6 @@ def parse_args(argv: list[str]) -> StressOptions:
     faults = set(FAULTS) if asked == {"all"} else asked
     if unknown := faults - set(FAULTS):
         p.error(f"unknown fault {min(unknown)!r}; choose from {names}")
-    faults |= {name for name in FAULTS if getattr(ns, f"fault {name}")}
     sabotage = frozenset(s for s in ns.sabotage.split(",") if s)
     if not sabotage <= SABOTAGES:
         p.error("--sabotage takes digest,drop")

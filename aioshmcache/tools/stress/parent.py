@@ -41,18 +41,16 @@ IN_PRIVATE_SHM: Final = "AIOSHM_STRESS_PRIVATE_SHM"  # set inside the private /d
 Msg = dict[str, Any]
 
 
-def _stat(pid: str) -> list[bytes]:
-    """A live process's /proc/PID/stat fields after its name: state, ppid, ... ([]: none)."""
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat", "rb") as f:
-        fields = (stat := f.read())[stat.rfind(b")") + 2 :].split()
-        return fields if len(fields) > 1 and fields[0] != b"Z" else []
-    return []
-
-
 def child_pids() -> list[int]:
-    """Live (non-zombie) processes whose parent is this one."""
-    me = str(os.getpid()).encode()
-    return [int(d) for d in os.listdir("/proc") if d.isdigit() and _stat(d)[1:2] == [me]]
+    """Live (non-zombie) processes whose parent is this one (``/proc/PID/stat``: the state and
+    the parent's pid follow the name)."""
+    me, kids = str(os.getpid()).encode(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/stat", "rb") as f:
+            state, ppid = (stat := f.read())[stat.rfind(b")") + 2 :].split()[:2]
+            if state != b"Z" and ppid == me:
+                kids.append(int(pid))
+    return kids
 
 
 @dataclasses.dataclass(eq=False)
@@ -135,7 +133,7 @@ async def _stop_readers(o: Orchestrator) -> None:
 
 
 #: the faults the parent injects, each a small action run every ``--*-every`` seconds or so
-#: (``cancel``, ``forge`` and ``close-read`` act inside the children)
+#: (``cancel`` and ``close-read`` act inside the children)
 PERIODIC: Final[dict[str, Callable[[Orchestrator], Awaitable[None]]]] = {
     "kill-readers": _kill_readers,
     "stop-readers": _stop_readers,

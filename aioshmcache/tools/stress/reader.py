@@ -1,12 +1,10 @@
 """The reader process: attaches to each writer generation in turn and verifies every array.
 
 Every genuine reference must return exactly the item written for its hash (crc32 over every
-array) or a typed error that something explains; every forged or stale one must be refused with
-a typed error the writer expects. A reader attached to a writer that died must see
-``WriterGoneError`` within 1 s of the death. With ``close-read`` a reader closes its own cache
-from a worker thread (the sync ``close``, racing a read) none, up to 0.2 ms or up to 2 ms after
-a read started; the read must end with verified bytes or a typed error, then the reader attaches
-again (a new session).
+array) or a typed error that something explains. A reader attached to a writer that died must
+see ``WriterGoneError`` within 1 s of the death. ``close-read``: a worker thread closes the
+reader's cache (the sync ``close``) 0 to 2 ms into a read; the read must end with verified bytes
+or a typed error, then the reader attaches again (a new session).
 """
 
 from __future__ import annotations

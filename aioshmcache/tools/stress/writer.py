@@ -45,10 +45,6 @@ class WriterProc(Proc):
         self.tx = AsyncSenderCache.from_config(self.config())  # created by run()
         self.tasks: list[asyncio.Task[None]] = []
 
-    def violation(self, text: str) -> None:
-        self.stats["violations"] += 1
-        super().violation(text)
-
     def config(self) -> CacheConfig:
         o, broadcast = self.opts, self.delivery != "one_of_n"
         return CacheConfig(
