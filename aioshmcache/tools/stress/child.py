@@ -2,11 +2,10 @@
 
 ``python -m aioshmcache.tools.stress ROLE SOCKET TOKEN SPEC`` connects to the parent, says
 ``hello`` (a writer, once its cache is open: with its handle) and serves until ``exit`` or the
-parent is gone (it dies with the parent, even on
-SIGKILL: ``PR_SET_PDEATHSIG``). A message (:mod:`..framing`) names the receiver's ``on_<t>``
-method; one with ``re`` is a question, answered by ``{"t": "re", "re": ..., **result}``. A
-request carries its features as ``pack_features`` bytes in ``f``, each one's digest and size in
-``c``.
+parent is gone (it dies with the parent, even on SIGKILL: ``PR_SET_PDEATHSIG``). A message
+(:mod:`..framing`) names the receiver's ``on_<t>`` method; one with ``re`` is a question,
+answered by ``{"t": "re", "re": ..., **result}``. A request carries its features as
+``pack_features`` bytes in ``f``, each one's digest and size in ``c``.
 """
 
 from __future__ import annotations

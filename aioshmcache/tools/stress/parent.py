@@ -299,15 +299,16 @@ class Orchestrator:
         self.violation(str(msg["who"]), str(msg["text"]))
 
     def on_count(self, r: Child, msg: Msg, body: bytes) -> None:
-        """Counters a reader adds: stats ``c``, errors ``e``."""
-        t, gen = self.tally, int(msg.get("gen", -1))
+        """Counters a reader adds: stats ``c``, errors ``e`` (``"Kind (where)": n``)."""
+        t, gen, errors = self.tally, int(msg["gen"]), msg.get("e", {})
         t.stats.update(msg.get("c", {}))
-        t.errors.update(msg.get("e", {}))
+        t.errors.update(errors)
         if msg.get("text"):
-            t.err_texts.update((k, str(msg["text"])) for k in msg["e"])
-        if msg.get("wgone"):
+            t.err_texts.update((k, str(msg["text"])) for k in errors)
+        kinds = {k.split()[0] for k in errors}
+        if "WriterGoneError" in kinds:
             t.wgone_gens.add(gen)
-        if msg.get("kind") == "SegmentNotFoundError":  # is the live writer's segment gone?
+        if "SegmentNotFoundError" in kinds:  # is the live writer's segment gone?
             for w in self.live_writers():
                 if w.gen == gen and not w.killed_by_us and not segment_files(w.name):
                     why = "a /dev/shm cleanup or a buggy sweep; rerun with --private-shm"

@@ -90,14 +90,12 @@ class ReaderProc(Proc):
 
     def err(self, kind: str, where: str, text: str = "") -> None:
         """A typed error outside a request (counted by the parent)."""
-        e, wgone = {f"{kind} ({where})": 1}, kind == "WriterGoneError"
-        self.send("count", e=e, gen=self.gen, kind=kind, text=text, wgone=wgone)
+        self.send("count", e={f"{kind} ({where})": 1}, gen=self.gen, text=text)
 
     def done(self, msg: Msg, result: str, e: dict[str, int] | None = None, /, **c: int) -> None:
         """A request is settled: its outcome and counters."""
         c = {k: v for k, v in dict(c, reads=1, **{f"read_{result}": 1}).items() if v}
-        wgone = result == "WriterGoneError"
-        self.send("done", rid=msg["rid"], gen=msg["gen"], c=c, e=e or {}, wgone=wgone)
+        self.send("done", rid=msg["rid"], gen=msg["gen"], c=c, e=e or {})
 
     # --- the parent's messages -------------------------------------------------------------
     async def maybe_reattach(self) -> None:
@@ -202,10 +200,7 @@ class ReaderProc(Proc):
                 except ReaderEvictedError:
                     break
                 if (late := t_call - float(prev["dead_at"])) > DEAD_WRITER_BOUND:
-                    self.violation(
-                        f"writer g{self.gen} died {late:.2f} s ago and the reader still does "
-                        "not see WriterGoneError"
-                    )
+                    self.violation(f"writer g{self.gen} died {late:.2f} s ago, still not seen gone")
                     break
                 await asyncio.sleep(0.05)
         await self.detach()
@@ -275,25 +270,19 @@ class ReaderProc(Proc):
                 self.violation(text)
         else:
             s.uncertain += 1  # part of the request may have been read and acknowledged
-            if (kind := self.typed(exc, rx)) == "closed_beside_read" and closing:
-                self.done(msg, "closed_during_read")
-            elif kind is not None:
-                self.done(msg, kind, {} if kind.startswith("closed") else {kind: 1})
+            kind = type(exc).__name__
+            if isinstance(exc, ClosedCacheError) and rx is self.closed_rx:
+                # the close-read fault closed this cache: under this very read, or another one
+                self.done(msg, "closed_during_read" if closing else "closed_beside_read")
+            elif isinstance(exc, ReaderEvictedError):
+                self.need_reattach = True
+                self.done(msg, kind, {kind: 1})
+            elif isinstance(exc, WriterGoneError):
+                self.gone = self.group is None  # a group reader goes on with the other shards
+                self.done(msg, kind, {kind: 1})
             else:
                 self.violation(f"genuine request {msg['rid']} (g{msg['gen']}) raised {exc!r}")
-                self.done(msg, f"unexpected_{type(exc).__name__}")
-
-    def typed(self, exc: BaseException | None, rx: AsyncReceiverCache) -> str | None:
-        """The name of an error a fault explains, noting what follows from it; None if none."""
-        if isinstance(exc, ClosedCacheError) and rx is self.closed_rx:
-            return "closed_beside_read"  # the close-read fault closed this cache meanwhile
-        if isinstance(exc, ReaderEvictedError):
-            self.need_reattach = True
-        elif isinstance(exc, WriterGoneError):
-            self.gone = self.group is None  # a group reader goes on with the other shards
-        else:
-            return None
-        return type(exc).__name__
+                self.done(msg, f"unexpected_{kind}")
 
     def verify(
         self, feats: list[Feature], out: Any, nonce: int | None, *, partial: bool = False
