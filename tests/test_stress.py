@@ -17,6 +17,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import types
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from aioshmcache.tools.stress import (
 )
 from aioshmcache.tools.stress.child import SABOTAGE_GRACE, SABOTAGE_MIN_SEEN
 from aioshmcache.tools.stress.options import parse_args
+from aioshmcache.tools.stress.parent import Orchestrator
 from aioshmcache.tools.stress.report import Tally, summary
 from aioshmcache.tools.units import parse_duration, parse_size
 
@@ -184,6 +186,26 @@ def test_the_report_renders_any_tally() -> None:
     text = summary(StressOptions(seed=1), tally, 2.0, 1, True)
     assert "error WriterGoneError (switch)" in text and "1 x WRONG DATA" in text
     assert text.endswith("RESULT: INTERRUPTED (FAIL so far)")
+
+
+def test_the_parent_reads_who_saw_a_writer_gone_from_the_error_counters() -> None:
+    """Readers report errors as ``"Kind (where)": n`` counters; the parent takes the writer
+    generations seen gone from them (the end check flags a WriterGoneError of a live one)."""
+    orch = Orchestrator(StressOptions(seed=1))
+    reader: Any = types.SimpleNamespace(token="r1")  # the sender of the counters
+    try:
+        orch.on_count(reader, {"gen": 3, "e": {"WriterGoneError (switch)": 1}}, b"")
+        orch.on_count(reader, {"gen": 4, "e": {"reattach (revoked)": 1}, "text": "x"}, b"")
+        orch.on_done(reader, {"gen": 5, "rid": 1, "e": {"WriterGoneError": 1}, "c": {}}, b"")
+        stale = {"CacheMissError (stale genuine refs)": 2}
+        orch.on_done(reader, {"gen": 6, "rid": 2, "e": stale, "c": {"reads": 1}}, b"")
+        assert orch.tally.wgone_gens == {3, 5}
+        assert orch.tally.errors["WriterGoneError (switch)"] == 1
+        assert orch.tally.errors["CacheMissError (stale genuine refs)"] == 2
+        assert orch.tally.err_texts == {"reattach (revoked)": "x"}
+        assert orch.tally.stats["reads"] == 1
+    finally:
+        shutil.rmtree(orch.tmp)
 
 
 # --- short runs -------------------------------------------------------------------------------
