@@ -321,3 +321,7 @@ def main() -> None:
     parser.add_argument("--socket", required=True, help="Unix socket (AIOSHM_ENGINE_SOCKET)")
     args = parser.parse_args()
     group_engine_main(args.group, args.socket)
+
+
+if __name__ == "__main__":
+    main()
