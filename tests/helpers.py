@@ -49,6 +49,15 @@ def wait_until(pred: Any, timeout: float = 10.0, interval: float = 0.01) -> bool
     return bool(pred())
 
 
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (no such process, or a zombie not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def kill_and_reap(proc: Any, sig: int = signal.SIGKILL) -> None:
     if proc.is_alive():
         os.kill(proc.pid, sig)

@@ -46,7 +46,7 @@ from aioshmcache.tools.demo.load import (
 )
 
 from .conftest import RUN_PREFIX, SHM
-from .helpers import wait_until
+from .helpers import gone, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(600)  # a bound for a hung test, not a speed target
@@ -91,14 +91,6 @@ def test_the_readme_bad_input_table_is_the_code_table() -> None:
 
 
 # --- a gateway under test ------------------------------------------------------------------------
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
 def _shm_files(name: str) -> list[str]:
     return [n for n in os.listdir(SHM) if name in n]
 
@@ -118,7 +110,7 @@ def _engine_pids(gateway_pid: int) -> list[int]:
                 cmd = f.read()
         except OSError:
             continue
-        if b"spawn_main" in cmd and not _gone(pid):
+        if b"spawn_main" in cmd and not gone(pid):
             pids.append(pid)
     return pids
 
@@ -140,7 +132,7 @@ def gateway(tmp_path: Path) -> Iterator[GatewayProcess]:
     log = (tmp_path / "gateway.log").read_text()
     assert rc == 0, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
-    assert all(wait_until(lambda p=p: _gone(p), timeout=30) for p in [gw.pid, *engines])
+    assert all(wait_until(lambda p=p: gone(p), timeout=30) for p in [gw.pid, *engines])
     assert _shm_files(name) == [], "segment or semaphore left in /dev/shm"
 
 
@@ -263,7 +255,7 @@ def test_engine_worker_sigkilled_mid_run_is_replaced_and_no_answer_is_wrong(
         assert wait_until(lambda: gateway.cache_stats().get("misses", 0) >= 3, timeout=120)
         os.kill(old, signal.SIGKILL)
         assert runner.is_alive(), "the load ended before the kill: make it longer"
-        assert wait_until(lambda: _gone(old), timeout=30)
+        assert wait_until(lambda: gone(old), timeout=30)
         assert wait_until(lambda: _engine_pids(gateway.pid) not in ([], [old]), timeout=120)
     finally:
         runner.join(300)
@@ -289,12 +281,12 @@ def test_a_sigkilled_gateway_is_cleaned_up_by_stop(tmp_path: Path) -> None:
         engines = _engine_pids(gw.pid)
         assert engines and gw.segments() == [f"aioshm-{name}"]
         os.kill(gw.pid, signal.SIGKILL)
-        assert wait_until(lambda: _gone(gw.pid), timeout=30)
+        assert wait_until(lambda: gone(gw.pid), timeout=30)
         assert _shm_files(name), "a SIGKILLed writer cannot unlink its segment"
     finally:
         rc = gw.stop()
     assert rc == -signal.SIGKILL
-    assert all(wait_until(lambda p=p: _gone(p), timeout=30) for p in engines)
+    assert all(wait_until(lambda p=p: gone(p), timeout=30) for p in engines)
     assert _shm_files(name) == []
 
 
@@ -396,5 +388,5 @@ def test_demo_interrupted_cleans_up(sig: signal.Signals) -> None:
             proc.wait()
     assert proc.returncode == 130, err
     assert "interrupted" in err
-    assert all(wait_until(lambda p=p: _gone(p), timeout=30) for p in [gateway_pid, *engines])
+    assert all(wait_until(lambda p=p: gone(p), timeout=30) for p in [gateway_pid, *engines])
     assert _left_behind(caches) == []

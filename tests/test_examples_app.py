@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from .conftest import RUN_PREFIX, SHM
-from .helpers import wait_until
+from .helpers import gone, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -61,14 +61,6 @@ def _expected_crc(img: tuple[bytes, int, int]) -> int:
 
 def _ours(name: str) -> list[str]:
     return [n for n in os.listdir(SHM) if name in n]
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 @pytest.mark.e2e
@@ -160,13 +152,13 @@ def test_fastapi_example_under_uvicorn(tmp_path: Path) -> None:
 
         server.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown runs the lifespan exit
         assert server.wait(60) == 0, log.read_text()[-3000:]
-        assert wait_until(lambda: _gone(worker_pid), timeout=30), "the worker outlived the gateway"
+        assert wait_until(lambda: gone(worker_pid), timeout=30), "the worker outlived the gateway"
         assert _ours(name) == [], "the gateway left its segment (or a semaphore) behind"
     finally:
         if server.poll() is None:
             server.kill()
             server.wait(30)
-        if worker_pid and not _gone(worker_pid):
+        if worker_pid and not gone(worker_pid):
             os.kill(worker_pid, signal.SIGKILL)
         for left in _ours(name):
             os.unlink(os.path.join(SHM, left))

@@ -24,14 +24,13 @@ import httpx
 import pytest
 
 from .conftest import RUN_PREFIX, SHM
-from .helpers import wait_until
+from .helpers import gone, wait_until
 from .test_examples_app import (
     EXAMPLES,
     ROOT,
     _body,
     _expected_crc,
     _free_port,
-    _gone,
     _image,
 )
 
@@ -164,6 +163,6 @@ def test_fastapi_example_as_a_group_under_uvicorn_workers_2(tmp_path: Path) -> N
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(30)
-        assert _gone(engine.pid)
+        assert gone(engine.pid)
         for left in _ours(group):
             os.unlink(os.path.join(SHM, left))

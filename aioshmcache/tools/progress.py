@@ -18,23 +18,19 @@ class Progress:
         self._stream = stream
         self._step = 0
 
-    @property
-    def stream(self) -> TextIO:
-        return self._stream if self._stream is not None else sys.stderr
-
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
 
     def __call__(self, msg: str) -> None:
         """One line, prefixed with the time since the start."""
         if self.enabled:
-            print(f"[{self.elapsed():6.1f} s] {msg}", file=self.stream, flush=True)
+            print(f"[{self.elapsed():6.1f} s] {msg}", file=self._stream or sys.stderr, flush=True)
 
     def update(self, line: str, fraction: float, *, final: bool = False) -> None:
         """A counter: rewritten in place on a terminal, else a line every 10 % (and the last)."""
         if not self.enabled:
             return
-        stream = self.stream
+        stream = self._stream or sys.stderr  # looked up now: pytest's capture replaces it
         if stream.isatty():
             stream.write("\r" + line.ljust(72) + ("\n" if final else ""))
             stream.flush()

@@ -7,6 +7,7 @@ port, as a Redis that crashes and restarts. A cluster is three masters joined by
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 import socket
@@ -14,10 +15,9 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Self
 
 __all__ = ["RedisCluster", "RedisServer", "free_port", "redis_binaries"]
-S = TypeVar("S", bound="_Stopped")
 
 
 def free_port() -> int:
@@ -27,20 +27,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 def _cluster_port() -> int:
     """A free port whose cluster bus port (+10000, below 65536) is free too."""
-    for p in random.sample(range(20000, 55000), 1000):
-        if _bindable(p) and _bindable(p + 10000):
-            return p
+    for port in random.sample(range(20000, 55000), 1000):
+        with socket.socket() as a, socket.socket() as b, contextlib.suppress(OSError):
+            a.bind(("127.0.0.1", port))
+            b.bind(("127.0.0.1", port + 10000))
+            return port
     raise RuntimeError("no free port pair for a cluster node")
 
 
@@ -71,7 +64,7 @@ class _Stopped:
     def stop(self) -> None:
         raise NotImplementedError
 
-    def __enter__(self: S) -> S:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

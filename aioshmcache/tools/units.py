@@ -12,23 +12,19 @@ KiB: Final = 1 << 10
 MiB: Final = 1 << 20
 GiB: Final = 1 << 30
 
-_DURATION_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?", re.IGNORECASE)
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h|d)?", re.IGNORECASE)
+_DURATION_RE = re.compile(f"(?:{_DURATION_PART.pattern})+", re.IGNORECASE)
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
 def parse_duration(text: str) -> float:
     """Seconds from ``"60s"``, ``"2h"``, ``"1m30s"``, ``"500ms"`` or a bare number of seconds."""
-    s = text.strip().replace(" ", "")
-    if not s:
-        raise ValueError("empty duration")
-    pos, total = 0, 0.0
-    while pos < len(s):
-        m = _DURATION_RE.match(s, pos)
-        if m is None or m.end() == pos:
-            raise ValueError(f"bad duration {text!r} (use e.g. 60s, 2h, 1m30s, 500ms)")
-        total += float(m.group(1)) * _UNITS[(m.group(2) or "s").lower()]
-        pos = m.end()
+    s = text.replace(" ", "")
+    if not _DURATION_RE.fullmatch(s):
+        raise ValueError(f"bad duration {text!r} (use e.g. 60s, 2h, 1m30s, 500ms)")
+    parts = _DURATION_PART.findall(s)
+    total = sum(float(n) * _UNITS[(unit or "s").lower()] for n, unit in parts)
     if not math.isfinite(total) or total <= 0:
         raise ValueError(f"duration must be positive, got {text!r}")
     return total

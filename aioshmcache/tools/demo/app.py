@@ -1,33 +1,16 @@
-"""A FastAPI gateway that preprocesses images once and hands the tensors to an engine worker.
+"""The example gateway: FastAPI preprocesses each image once, an engine worker reads its tensors.
 
-    uvicorn --loop uvloop --app-dir examples fastapi_app:app --host 127.0.0.1 --port 8000
-    uvicorn --loop uvloop aioshmcache.tools.demo.app:app ...      (the same app)
+One implementation: ``examples/fastapi_app.py`` imports it and ``python -m aioshmcache demo``
+drives it. docs/fastapi.md explains each piece; examples/README.md gives the commands, the HTTP
+API, the bad-input table (:data:`BAD_INPUT`) and how to run it as a cache group.
 
-The example gateway of ``examples/fastapi_app.py`` (which imports it from here) and the gateway
-``python -m aioshmcache demo`` drives: one implementation. docs/fastapi.md explains each piece:
-the lifespan creates the ``AsyncSenderCache`` (the writer) and an ``EngineClient`` whose
-``start=`` spawns the engine worker (an ``AsyncReceiverCache`` serving calls on a Unix socket
-with ``serve_engine``, replaced if it dies); ``POST /v1/embed`` takes ``{"mm_hash", "pixels"?,
-"height"?, "width"?}``, answers bad input per :data:`BAD_INPUT`, and 409 to a hash it does not
-hold (the client resends the pixels); ``get_or_put`` preprocesses once per new hash;
-``engine.call`` sends the reference (or the tensors, when not cached) and the worker answers a
-CRC-32 of what it read. ``GET /metrics`` (Prometheus), ``/stats`` and ``/healthz``.
-
-Settings (environment): ``AIOSHM_EXAMPLE_NAME`` (segment name; random if unset; unique per
-gateway process), ``AIOSHM_EXAMPLE_CACHE_MB`` (default 512), ``AIOSHM_EXAMPLE_MAX_OBJECT_MB``
-(default 32: a 1080p photo is 23.7 MiB preprocessed), ``AIOSHM_EXAMPLE_CACHE=off`` (no cache:
-the demo's baseline). Without a group, one gateway process is the cache's single writer: do not
-run it with ``uvicorn --workers N``. With ``AIOSHM_GROUP`` (a cache group) and
-``AIOSHM_ENGINE_SOCKET``, each of N gateway processes opens its own shard and connects to ONE
-engine worker for the whole group, started apart (it has one clear owner, and no gateway
-process is special)::
-
-    python examples/fastapi_app.py --engine --group mm --socket /tmp/mm-engine.sock &
-    AIOSHM_GROUP=mm AIOSHM_ENGINE_SOCKET=/tmp/mm-engine.sock \\
-        uvicorn --workers 2 --app-dir examples fastapi_app:app --port 8000
-
-An image preprocessed by one gateway process is then a hit in the others (copied from the
-sibling's shard). Stop the gateways first (each unlinks its shard), then the engine worker.
+Settings (environment): ``AIOSHM_EXAMPLE_NAME`` (segment name; random if unset),
+``AIOSHM_EXAMPLE_CACHE_MB`` (default 512), ``AIOSHM_EXAMPLE_MAX_OBJECT_MB`` (default 32: a 1080p
+photo is 23.7 MiB preprocessed), ``AIOSHM_EXAMPLE_CACHE=off`` (no cache: the demo's baseline).
+Alone, a gateway process is its cache's single writer (not for ``uvicorn --workers N``); with
+``AIOSHM_GROUP`` and ``AIOSHM_ENGINE_SOCKET`` each of N gateway processes writes its own shard
+and connects to the group's one engine worker, started apart (:func:`group_engine_main`): it has
+one clear owner, and no gateway process is special.
 """
 
 from __future__ import annotations
@@ -38,13 +21,11 @@ import binascii
 import contextlib
 import functools
 import hashlib
-import json
 import os
-import shutil
 import signal
 import tempfile
 import zlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -100,21 +81,10 @@ def tensor_crc(item: Any) -> int:
     return zlib.crc32(arr.view(np.uint8).reshape(-1).data)
 
 
-async def engine_handler(features: list[FeatureSpec], payload: Any) -> dict[str, Any]:
-    """The engine's work on one call: a checksum of each tensor it read (or a hello)."""
-    if payload == "hello":  # a gateway process connected: see its shard from now on
-        return {"engine_pid": os.getpid()}
-    return {
-        "engine_pid": os.getpid(),
-        "results": [
-            {
-                "mm_hash": f.mm_hash,
-                "crc32": tensor_crc(f.data),
-                "shape": list(f.data["pixel_values"].shape),
-            }
-            for f in features
-        ],
-    }
+def engine_answer(mm_hash: str, item: Any) -> dict[str, Any]:
+    """The engine worker's answer for one item; the demo computes it locally to check each one."""
+    shape = list(item["pixel_values"].shape)
+    return {"mm_hash": mm_hash, "crc32": tensor_crc(item), "shape": shape}
 
 
 def engine_main(handle_json: str, socket_path: str) -> None:
@@ -125,24 +95,26 @@ def engine_main(handle_json: str, socket_path: str) -> None:
 def group_engine_main(group: str, socket_path: str) -> None:
     """The one engine worker of a cache group (``--engine --group``), until SIGTERM or SIGINT.
 
-    A reader of every shard of the group: a shard opened later is attached when a gateway
-    process says hello (so that the reader owes that shard's hand-outs from the first one on)
-    or when a reference names it. Stopping closes the socket and the reader (a slot on every
-    shard).
+    A reader of every shard: one opened later is attached when its gateway process says hello
+    (so that the reader owes its hand-outs from the first one on) or when a reference names it.
     """
     # None: started before its gateways, the group has no shard yet
     _run(AsyncReceiverCache.attach_group(group, wait_for_shard=None), socket_path)
 
 
 def _run(receiver: AsyncReceiverCache, socket_path: str) -> None:
+    """Serve the gateways' calls until SIGTERM or SIGINT: a checksum of each tensor read."""
+
     async def main() -> None:
         async with receiver as rx:
 
             async def handler(features: list[FeatureSpec], payload: Any) -> dict[str, Any]:
-                inner = rx.receiver
-                if payload == "hello" and isinstance(inner, GroupReceiverCache):
-                    await asyncio.to_thread(inner.rescan)
-                return await engine_handler(features, payload)
+                answer: dict[str, Any] = {"engine_pid": os.getpid()}
+                if payload != "hello":
+                    answer["results"] = [engine_answer(f.mm_hash, f.data) for f in features]
+                elif isinstance(rx.receiver, GroupReceiverCache):  # a gateway process connected:
+                    await asyncio.to_thread(rx.receiver.rescan)  # see its shard from now on
+                return answer
 
             stop_on = (signal.SIGTERM, signal.SIGINT)
             await serve_engine(
@@ -162,8 +134,8 @@ class EmbedRequest(BaseModel):
 
     mm_hash: str = Field(min_length=1, max_length=128)
     pixels: str | None = None  # base64 of height * width * 3 RGB bytes, row-major
-    height: int | None = None
-    width: int | None = None
+    height: int | None = Field(None, gt=0)
+    width: int | None = Field(None, gt=0)
 
 
 #: every answer ``POST /v1/embed`` gives to bad input: (status, ``error``, when); examples/README
@@ -182,10 +154,10 @@ def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
 
 
 async def _read_body(request: Request) -> EmbedRequest | JSONResponse:
-    """The request's JSON body as an ``EmbedRequest``, read up to ``MAX_BODY_BYTES`` and no further.
+    """The JSON body as an ``EmbedRequest``, read up to ``MAX_BODY_BYTES`` and no further.
 
-    Why by hand rather than a FastAPI body parameter: a body parameter reads the whole body
-    whatever its size, and answers 422 to a wrong media type and to broken JSON alike.
+    By hand: a FastAPI body parameter reads a body whatever its size, and answers 422 to a wrong
+    media type and to broken JSON alike.
     """
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind != "application/json":
@@ -200,12 +172,10 @@ async def _read_body(request: Request) -> EmbedRequest | JSONResponse:
             return _error(413, "too_large", f"the body is over {MAX_BODY_BYTES} bytes")
         chunks.append(chunk)
     try:
-        data = json.loads(b"".join(chunks))
-    except ValueError:  # UnicodeDecodeError and JSONDecodeError alike
-        return _error(400, "bad_json", "the body is not JSON")
-    try:
-        return EmbedRequest.model_validate(data)
+        return EmbedRequest.model_validate_json(b"".join(chunks))
     except ValidationError as exc:
+        if exc.errors()[0]["type"] == "json_invalid":  # broken, or not UTF-8
+            return _error(400, "bad_json", "the body is not JSON")
         problems = [f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()]
         return _error(422, "bad_request", "; ".join(problems))
 
@@ -215,33 +185,29 @@ def _cache_miss(missing: Sequence[str]) -> JSONResponse:
 
 
 def _settings() -> CacheConfig:
-    name = os.environ.get("AIOSHM_EXAMPLE_NAME") or None
     group = os.environ.get("AIOSHM_GROUP") or None
+    # in a group the name does not apply, and the size is per gateway process (its shard)
+    name = None if group else os.environ.get("AIOSHM_EXAMPLE_NAME") or None
     cache_mb = float(os.environ.get("AIOSHM_EXAMPLE_CACHE_MB", "512"))
     max_object_mb = float(os.environ.get("AIOSHM_EXAMPLE_MAX_OBJECT_MB", "32"))
     # one worker: broadcast and one-of-N agree; a hand-out is owed by that worker alone
-    if group is not None:  # this process's shard: the cache size is per gateway process
-        return CacheConfig.from_gb(cache_mb / 1024, max_object_mb, n_readers=1, group=group)
-    return CacheConfig.from_gb(cache_mb / 1024, max_object_mb, n_readers=1, name=name)
+    return CacheConfig.from_gb(cache_mb / 1024, max_object_mb, n_readers=1, name=name, group=group)
 
 
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Create the cache and reach the engine worker; on the way out, the shutdown order.
 
-    Alone, this gateway starts its own engine worker (``EngineClient(start=...)`` spawns it,
-    replaces it if it dies, and stops it when the client closes). In a cache group
-    (``AIOSHM_GROUP``) the engine worker is started apart and the client only connects (it
-    retries, with backoff, until the worker is up). Either way the client is closed first,
-    then the sender's ``async with`` unlinks the segment.
+    Alone, ``EngineClient(start=...)`` spawns this gateway's engine worker, replaces it if it dies
+    and stops it on close; in a group it only connects (retrying until the worker is up). The
+    client is closed first, then the sender's ``async with`` unlinks the segment.
     """
-    group_socket = os.environ.get("AIOSHM_ENGINE_SOCKET")
-    if os.environ.get("AIOSHM_GROUP") and not group_socket:
+    group, group_socket = os.environ.get("AIOSHM_GROUP"), os.environ.get("AIOSHM_ENGINE_SOCKET")
+    if group and not group_socket:
         raise RuntimeError("AIOSHM_GROUP needs AIOSHM_ENGINE_SOCKET (the group's engine worker)")
-    sockdir = tempfile.mkdtemp(prefix="aioshm-example-")
-    try:
+    with tempfile.TemporaryDirectory(prefix="aioshm-example-") as sockdir:
         async with AsyncSenderCache.from_config(_settings()) as cache:
-            if os.environ.get("AIOSHM_GROUP") and group_socket:
+            if group and group_socket:  # the group's engine worker, started apart: connect
                 path, start = group_socket, None
             else:
                 path = os.path.join(sockdir, "engine.sock")
@@ -253,12 +219,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                 app.state.cache, app.state.engine = cache, engine
                 app.state.use_cache = os.environ.get("AIOSHM_EXAMPLE_CACHE", "on") != "off"
                 app.state.pid = hello["engine_pid"]
-                registry = CollectorRegistry()
-                registry.register(CacheCollector(cache))
-                app.state.registry = registry
+                app.state.registry = CollectorRegistry()
+                app.state.registry.register(CacheCollector(cache))
                 yield  # serving; uvicorn stops sending requests before we go on
-    finally:
-        shutil.rmtree(sockdir, ignore_errors=True)
 
 
 app = FastAPI(title="aioshmcache example gateway", lifespan=lifespan)
@@ -269,8 +232,6 @@ def _decode(body: EmbedRequest) -> tuple[bytes, int, int] | JSONResponse:
     if body.height is None or body.width is None or body.pixels is None:
         return _error(422, "bad_request", "pixels need height and width")
     h, w = body.height, body.width
-    if h <= 0 or w <= 0:
-        return _error(422, "bad_request", "height and width must be positive")
     if h * w > MAX_PIXELS:
         return _error(413, "too_large", f"at most {MAX_PIXELS} pixels")
     try:
@@ -292,37 +253,31 @@ async def embed(request: Request) -> dict[str, Any] | JSONResponse:
         return body
     cache: AsyncSenderCache = request.app.state.cache
     engine: EngineClient = request.app.state.engine
-    ran = False
-    make: Callable[[], Any]
-    if body.pixels is None:
-        held = request.app.state.use_cache and cache.is_cached_item(body.mm_hash)
-        if not held:  # ask before any work: 409, the client resends
-            return _cache_miss([body.mm_hash])
-
-        def make() -> Any:  # evicted since the look-up: the client must resend
-            raise CacheMissError([body.mm_hash])
-
-    else:
+    use_cache: bool = request.app.state.use_cache
+    image: tuple[bytes, int, int] | None = None
+    if body.pixels is not None:
         decoded = _decode(body)
         if isinstance(decoded, JSONResponse):
             return decoded
-        pixels, h, w = decoded
+        image = decoded
+    elif not (use_cache and cache.is_cached_item(body.mm_hash)):
+        return _cache_miss([body.mm_hash])  # asked before any work: 409, the client resends
+    ran = False
 
-        def make() -> Any:  # runs in a worker thread, once per hash among concurrent requests
-            nonlocal ran
-            ran = True
-            return preprocess(pixels, h, w)
+    def make() -> Any:  # runs in a worker thread, once per hash among concurrent requests
+        nonlocal ran
+        if image is None:  # the hash alone, evicted since the look-up: the client must resend
+            raise CacheMissError([body.mm_hash])
+        ran = True
+        return preprocess(*image)
 
     try:
-        if request.app.state.use_cache:
+        if use_cache:
             feature = await cache.get_or_put(body.mm_hash, make)
         else:  # the baseline: preprocessed every time, the tensors sent over the socket
             feature = FeatureSpec(body.mm_hash, await asyncio.to_thread(make))
-    except CacheMissError as exc:
-        return _cache_miss(list(exc.mm_hashes))
-    try:
         answer = await engine.call([feature], timeout=ENGINE_TIMEOUT)
-    except CacheMissError as exc:  # stale references (the client invalidated them): resend
+    except CacheMissError as exc:  # evicted since the look-up, or stale references: resend
         return _cache_miss(list(exc.mm_hashes))
     except EngineError as exc:
         return _error(502, "engine_failed", f"the engine worker failed: {exc}")
@@ -346,10 +301,8 @@ async def healthz(request: Request) -> dict[str, Any]:
 async def stats(request: Request) -> dict[str, Any]:
     """The cache snapshot and the single-flight counters, as JSON."""
     cache: AsyncSenderCache = request.app.state.cache
-    return {
-        "cache": cache.snapshot().to_dict(),
-        "single_flight": cache.single_flight_stats().to_dict(),
-    }
+    snapshot, single_flight = cache.snapshot(), cache.single_flight_stats()
+    return {"cache": snapshot.to_dict(), "single_flight": single_flight.to_dict()}
 
 
 @app.get("/metrics")

@@ -13,15 +13,14 @@ import asyncio
 import contextlib
 import json
 import os
-import queue
+import re
 import signal
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any, NamedTuple
 
@@ -33,23 +32,10 @@ from aioshmcache import ShmCacheError, sweep
 from aioshmcache.metrics import read_snapshot
 
 from ..progress import Progress
-from ..shm import files_with_prefix, remove, segment_files
+from ..shm import files_with_prefix
 from ..units import MiB, fmt_bytes
-from .app import image_hash, preprocess, tensor_crc
-from .cli import DemoOptions
-
-__all__ = [
-    "DemoOptions",
-    "GatewayProcess",
-    "PhaseResult",
-    "PlannedRequest",
-    "check_response",
-    "expected_answer",
-    "plan_requests",
-    "run_demo",
-    "run_load",
-    "synthetic_image",
-]
+from . import DemoOptions
+from .app import engine_answer, image_hash, preprocess
 
 #: how often a 502 / 503 (engine worker being replaced) is retried, and the pause between tries
 RETRIES = 20
@@ -57,9 +43,11 @@ RETRY_PAUSE = 0.25
 
 
 class GatewayProcess:
-    """``python -m aioshmcache demo serve ...`` as a child process: ``start`` waits for its URL
-    and for ``/healthz`` (the engine worker is up); ``stop`` sends SIGTERM, SIGKILL to the whole
-    session after ``timeout``, and removes the segments of a gateway that could not."""
+    """``python -m aioshmcache demo serve ...`` as a child process, in a session of its own.
+
+    ``start`` waits for its address and for ``/healthz`` (the engine worker is up); ``stop``
+    sends SIGTERM, SIGKILL to the whole session after ``timeout``, and removes the segments of a
+    gateway that could not."""
 
     def __init__(
         self, args: Sequence[str], *, name: str, procs: int = 1, stderr: IO[Any] | None = None
@@ -67,76 +55,59 @@ class GatewayProcess:
         # name: the segment's, or the group's (procs > 1)
         self.args, self.name, self.procs, self.stderr = list(args), name, procs, stderr
         self.proc: subprocess.Popen[bytes] | None = None
-        self.url = ""
-        self.output: list[str] = []
-        self._drain: threading.Thread | None = None
+        self.url, self.pid = "", 0
 
     def start(self, timeout: float = 60.0) -> str:
         cmd = [sys.executable, "-m", "aioshmcache", "demo", "serve", "--port", "0"]
         cmd += ["--name", self.name, "--gateway-workers", str(self.procs), *self.args]
-        out = subprocess.PIPE
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=self.stderr, start_new_session=True
-        )
-        lines: queue.Queue[str | None] = queue.Queue()
-        self._drain = threading.Thread(target=self._drain_stdout, args=(lines,), daemon=True)
-        self._drain.start()
-        try:
+        # its stdout goes to a file (unlinked: gone with the last descriptor), which nobody has
+        # to keep draining as a pipe would need; its first line is ``listening on URL``
+        with tempfile.TemporaryFile() as out:
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=self.stderr,
+                start_new_session=True,
+            )  # fmt: skip
+            self.pid = self.proc.pid
             try:
-                first = lines.get(timeout=timeout)
-            except queue.Empty:
-                raise RuntimeError("the gateway did not print its address in time") from None
-            if first is None:
-                raise RuntimeError(f"the gateway exited early (code {self.proc.poll()})")
-            if not first.startswith("listening on "):
-                raise RuntimeError(f"unexpected first line from the gateway: {first!r}")
-            self.url = first.strip().removeprefix("listening on ")
-            self._wait_healthy(timeout)
-        except BaseException:
-            self.stop()
-            raise
+                self._wait_ready(self.proc, out, timeout)
+            except BaseException:
+                self.stop()
+                raise
         return self.url
 
-    def _drain_stdout(self, lines: queue.Queue[str | None]) -> None:
-        """Every line the gateway prints, into ``output`` (the first one to ``lines`` too)."""
-        if self.proc is not None and self.proc.stdout is not None:
-            for i, line in enumerate(self.proc.stdout):
-                text = line.decode(errors="replace")
-                lines.put(text) if i == 0 else self.output.append(text)
-        lines.put(None)  # the end (before the first line: the gateway exited early)
-
-    def _wait_healthy(self, timeout: float) -> None:
-        """Until ``/healthz`` answers 200 (with N processes: until every shard is open)."""
+    def _wait_ready(self, proc: subprocess.Popen[bytes], out: IO[bytes], timeout: float) -> None:
+        """Until the gateway prints its URL, then until ``/healthz`` answers 200 and every
+        gateway process's segment is open (with N processes: every shard)."""
         deadline = time.monotonic() + timeout
-        with httpx.Client(base_url=self.url, timeout=2.0) as client:
+        with httpx.Client(timeout=2.0) as client:
             while True:
-                if self.proc is not None and (code := self.proc.poll()) is not None:
+                if (code := proc.poll()) is not None:
                     raise RuntimeError(f"the gateway exited during startup (code {code})")
+                first, newline, _ = os.pread(out.fileno(), 4096, 0).partition(b"\n")
+                if newline and not first.startswith(b"listening on "):
+                    raise RuntimeError(f"unexpected first line from the gateway: {first!r}")
+                self.url = first.decode().removeprefix("listening on ") if newline else ""
                 with contextlib.suppress(httpx.HTTPError):
-                    up = client.get("/healthz").status_code == 200
+                    up = bool(self.url) and client.get(f"{self.url}/healthz").status_code == 200
                     if up and len(self._live_snapshots()) >= self.procs:
                         return
                 if time.monotonic() > deadline:
-                    raise RuntimeError("the gateway's engine worker did not become ready in time")
+                    raise RuntimeError("the gateway and its engine worker were not ready in time")
                 time.sleep(0.05)
 
     def segments(self) -> list[str]:
         """The gateway's segments in /dev/shm: its one cache, or its group's shards."""
-        if self.procs == 1:
-            return [n for n in segment_files(self.name) if n == f"aioshm-{self.name}"]
-        prefix = f"aioshm-{self.name}.shard"
-        return [n for n in files_with_prefix(prefix) if n.removeprefix(prefix).isdigit()]
+        segment = re.compile(re.escape(f"aioshm-{self.name}") + r"(\.shard\d+)?")
+        return [n for n in files_with_prefix(self.name) if segment.fullmatch(n)]
 
     def _live_snapshots(self) -> list[Any]:
         """The snapshot of every segment of the gateway that is open and has a live writer."""
         snaps = []
         for seg in self.segments():
-            try:
+            with contextlib.suppress(ShmCacheError, OSError, ValueError):  # created or removed now
                 snap, alive = read_snapshot(seg)
-            except (ShmCacheError, OSError, ValueError):
-                continue  # being created or removed right now
-            if alive:
-                snaps.append(snap)
+                if alive:
+                    snaps.append(snap)
         return snaps
 
     def cache_stats(self, timeout: float = 15.0) -> dict[str, Any]:
@@ -148,15 +119,7 @@ class GatewayProcess:
         deadline = time.monotonic() + timeout
         while len(snaps := self._live_snapshots()) < self.procs and time.monotonic() < deadline:
             time.sleep(0.05)
-        total: Counter[str] = Counter()
-        for snap in snaps:
-            for key in _SUMMED:
-                total[key] += getattr(snap, key)
-        return dict(total)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid if self.proc is not None else 0
+        return {key: sum(getattr(snap, key) for snap in snaps) for key in _SUMMED}
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """Stop the gateway (bounded); returns its exit code. Idempotent."""
@@ -164,8 +127,7 @@ class GatewayProcess:
         if proc is None:
             return None
         if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+            proc.terminate()  # SIGTERM: a graceful stop
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout)
         # whatever of its session is left (all of it after a timeout; an engine worker whose
@@ -174,12 +136,7 @@ class GatewayProcess:
             os.killpg(proc.pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.wait(5.0)
-        if proc.stdout is not None:
-            proc.stdout.close()
-        if self._drain is not None:
-            self._drain.join(1.0)
-        dead = sweep(dry_run=True)  # lost their writer: a gateway process that could not clean up
-        remove([f for seg in self.segments() if seg in dead for f in segment_files(seg)])
+        sweep(prefix=self.name)  # what a gateway process that could not clean up left behind
         return proc.returncode
 
 
@@ -208,12 +165,7 @@ def synthetic_image(seed: int) -> tuple[bytes, int, int]:
 def expected_answer(image: tuple[bytes, int, int]) -> dict[str, Any]:
     """What the engine worker must answer for ``image``: computed here, from the same bytes."""
     pixels, h, w = image
-    item = preprocess(pixels, h, w)
-    return {
-        "mm_hash": image_hash(pixels, h, w),
-        "crc32": tensor_crc(item),
-        "shape": list(item["pixel_values"].shape),
-    }
+    return engine_answer(image_hash(pixels, h, w), preprocess(pixels, h, w))
 
 
 def plan_requests(
@@ -253,13 +205,6 @@ class PhaseResult:
     single_flight: dict[str, Any] = field(default_factory=dict)
     gateway_processes: int = 1
 
-    def percentile(self, q: float) -> float:
-        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else 0.0
-
-    @property
-    def throughput(self) -> float:
-        return self.ok / self.wall_s if self.wall_s > 0 else 0.0
-
     @property
     def passed(self) -> bool:
         return self.requests > 0 and self.ok == self.requests and self.verified == self.requests
@@ -267,10 +212,11 @@ class PhaseResult:
     def summary(self) -> dict[str, Any]:
         """Every figure of the phase, as the table and ``--json`` give them."""
         out = {k: v for k, v in asdict(self).items() if k not in ("latencies_ms", "cache")}
-        out |= {f"p{q}_ms": self.percentile(q) for q in (50, 95, 99)}
+        latencies = self.latencies_ms or [0.0]
+        out |= {f"p{q}_ms": float(np.percentile(latencies, q)) for q in (50, 95, 99)}
         out |= {key: self.cache.get(key, 0) for key in _SUMMED}
-        looked_up = out["hits"] + out["misses"]
-        out |= {"throughput_rps": self.throughput, "hit_ratio": out["hits"] / (looked_up or 1)}
+        out["throughput_rps"] = self.ok / self.wall_s if self.wall_s > 0 else 0.0
+        out["hit_ratio"] = out["hits"] / ((out["hits"] + out["misses"]) or 1)
         return out | {"errors": dict(self.errors), "passed": self.passed}
 
 
@@ -392,18 +338,13 @@ _TABLE = (
 def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
     """The phases side by side, one column each, and their most frequent errors."""
     cols = []
-    for s in (p.summary() for p in phases):
-        sf = s["single_flight"]  # per process: shown for one gateway process only
-        saved = sf.get("saved", "-") if sf and s["gateway_processes"] == 1 else "-"
-        cols.append(
-            s
-            | {
-                "hit_pct": 100 * s["hit_ratio"],
-                "saved": saved,
-                "by_reference": s["ok"] - s["inline"],
-            }
-            | {"used_mib": s["bytes_used"] / MiB, "capacity_mib": s["capacity_bytes"] / MiB}
-        )
+    for p in phases:
+        c = p.summary()
+        sf = c["single_flight"]  # per process: shown for one gateway process only
+        c["saved"] = sf.get("saved", "-") if sf and p.gateway_processes == 1 else "-"
+        c |= {"hit_pct": 100 * c["hit_ratio"], "by_reference": c["ok"] - c["inline"]}
+        c |= {"used_mib": c["bytes_used"] / MiB, "capacity_mib": c["capacity_bytes"] / MiB}
+        cols.append(c)
     lines = [
         "",
         f"aioshmcache demo: {opts.requests} requests, {opts.concurrency} clients, {opts.images} "
@@ -422,12 +363,6 @@ def format_table(opts: DemoOptions, phases: Sequence[PhaseResult]) -> str:
     return "\n".join(lines)
 
 
-def _gateway_args(opts: DemoOptions, *, cache: bool) -> list[str]:
-    args = ["--cache-mb", str(opts.cache_mb), "--max-object-mb", str(opts.max_object_mb)]
-    args += ["--loop", opts.loop]
-    return args if cache else [*args, "--no-cache"]
-
-
 def run_demo(opts: DemoOptions) -> int:
     """The whole demo; 0 only if every request of every phase succeeded and matched."""
     n_gw, phases = opts.gateway_workers, []
@@ -435,8 +370,8 @@ def run_demo(opts: DemoOptions) -> int:
     configs += [(f"cache on, {n_gw} gw", True, n_gw)] if n_gw > 1 else []  # one cache group
     configs += [("cache off", False, 1)] if opts.compare else []
     tag, t_start = f"demo-{os.getpid()}-{int(time.time()) % 100000}", time.perf_counter()
-    images: list[tuple[bytes, int, int]] = []
-    expected: list[dict[str, Any]] = []
+    images = [synthetic_image(opts.seed * 100_003 + k) for k in range(opts.images)]
+    expected = [expected_answer(im) for im in images]
     plan = plan_requests(
         opts.requests, opts.images, zipf=opts.zipf, seed=opts.seed, hash_first=opts.hash_first
     )
@@ -448,26 +383,20 @@ def run_demo(opts: DemoOptions) -> int:
         # middle of a cancel scope's exit; without a loop it is a plain KeyboardInterrupt
         signal.raise_signal(signal.SIGINT)
 
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         for i, (label, cache, procs) in enumerate(configs):
-            gw = GatewayProcess(_gateway_args(opts, cache=cache), name=f"{tag}-{i}", procs=procs)
+            args = ["--cache-mb", str(opts.cache_mb), "--max-object-mb", str(opts.max_object_mb)]
+            args += ["--loop", opts.loop] + ([] if cache else ["--no-cache"])
+            gw = GatewayProcess(args, name=f"{tag}-{i}", procs=procs)
             print(f"starting the gateway ({label}) ...", file=sys.stderr)
-            # the first time, the images and their answers are made while the gateway boots
-            # (an interruption waits for the boot to end, then stops the gateway)
-            with ThreadPoolExecutor(1) as pool:
-                booting = pool.submit(gw.start)
-                if not images:
-                    images = [synthetic_image(opts.seed * 100_003 + k) for k in range(opts.images)]
-                    expected = [expected_answer(im) for im in images]
-                booting.result()
+            gw.start()
             print(f"gateway at {gw.url} (pid {gw.pid}, cache {gw.name})", file=sys.stderr)
             load = run_load(
                 gw.url, plan, images, expected, concurrency=opts.concurrency, label=label,
-                progress=opts.progress, use_hashes=cache,
+                use_hashes=cache,
             )  # fmt: skip
-            res: PhaseResult = uvloop.run(load)  # uvloop: less client overhead
+            res = uvloop.run(load)  # uvloop: less client overhead
             res.cache = gw.cache_stats()  # before the stop: the segments go with the gateway
             res.gateway_processes = procs
             phases.append(res)
@@ -480,8 +409,7 @@ def run_demo(opts: DemoOptions) -> int:
         print(f"demo failed: {exc}", file=sys.stderr)
         return 1
     finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous)
         if gw is not None:
             gw.stop()
     print(format_table(opts, phases))
