@@ -1,7 +1,7 @@
 """``python -m aioshmcache bench``: the benchmark suites against the physical limit and the peers.
 
 ``store`` (put / get / lease against ``np.copyto`` into warm shared memory, steady state, churn,
-scaling), ``peers`` (the round trip against ``multiprocessing``, Redis, Ray) and ``async`` run by
+readers), ``peers`` (the round trip against ``multiprocessing`` and Redis) and ``async`` run by
 default; ``group``, ``trace``, ``fleet`` and ``vllm`` when named with ``--suite``. Each writes
 ``aioshmcache-bench[-SUITES][-quick]`` ``.md``, ``.png`` and ``.json``; bench/README.md gives the
 method. ``--quick`` is the smoke run CI uses. A peer that is not installed is a skip line, never
@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m aioshmcache bench",
         description="Benchmarks against np.copyto into shared memory and against peers "
-        "(multiprocessing, redis.asyncio, Ray). Writes a markdown table and a PNG plot.",
+        "(multiprocessing, redis.asyncio, vLLM). Writes a markdown table and a PNG plot.",
     )
     for flag, text in (
         ("--quick", "a ~30 s smoke run (CI)"),
@@ -81,10 +81,6 @@ def _parser() -> argparse.ArgumentParser:
         choices=SUITES + EXTRA_SUITES,
         help="run only this suite (repeatable; default: " + ", ".join(SUITES) + ")",
     )
-    ray = ap.add_mutually_exclusive_group()
-    text = "compare with Ray (default: yes if installed, except with --quick)"
-    ray.add_argument("--ray", dest="ray", action="store_true", default=None, help=text)
-    ray.add_argument("--no-ray", dest="ray", action="store_false")
     text = "vLLM's shm_object_storage.py for --suite vllm (default: from an installed vllm)"
     ap.add_argument("--vllm-file", type=Path, metavar="PATH", help=text)
     return ap
@@ -94,7 +90,6 @@ def run(
     suites: tuple[str, ...] | list[str],
     *,
     quick: bool,
-    want_ray: bool,
     want_redis: bool = True,
     progress: Progress | None = None,
     vllm_file: Path | None = None,
@@ -106,7 +101,7 @@ def run(
     if "peers" in suites and not want_redis:
         report.skip("redis: --no-redis")
     extra: dict[str, dict[str, Any]] = {
-        "peers": {"want_ray": want_ray, "want_redis": want_redis},
+        "peers": {"want_redis": want_redis},
         "vllm": {"vllm_file": vllm_file},
     }
     for suite in (s for s in _RUNNERS if s in suites):
@@ -133,7 +128,6 @@ def main(argv: list[str]) -> int:
     ap = _parser()
     ns = ap.parse_args(argv)
     suites = tuple(ns.suite) if ns.suite else SUITES
-    want_ray = (not ns.quick) if ns.ray is None else bool(ns.ray)
     progress = Progress(enabled=not ns.quiet)
     out_dir: Path = ns.results_dir if ns.results_dir is not None else Path.cwd()
     if out_dir == _CHECKOUT:
@@ -144,7 +138,7 @@ def main(argv: list[str]) -> int:
     t0, leaked = time.monotonic(), False
     try:
         opts = {"want_redis": not ns.no_redis, "progress": progress, "vllm_file": ns.vllm_file}
-        report = run(suites, quick=ns.quick, want_ray=want_ray, **opts)
+        report = run(suites, quick=ns.quick, **opts)
     except KeyboardInterrupt:
         print("bench: interrupted", file=sys.stderr)
         return 130

@@ -1,4 +1,4 @@
-"""The async suite: cache hits, offloaded big puts, loop lag, concurrency, threshold.
+"""The async suite: cache hits, offloaded big puts, loop lag, the inline-vs-thread threshold.
 
 Runs on asyncio and on uvloop (through anyio). The writer is an ``AsyncSenderCache``; the
 readers, where there are any, are the spawned worker process. The inline-vs-thread threshold is
@@ -18,7 +18,6 @@ from functools import partial
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 
@@ -38,11 +37,9 @@ __all__ = ["run_async_suite"]
 S_HIT = "Async: cache hit of a small item, get_and_update_item(None, h)"
 S_PUT = "Async: 16 MiB put through the thread pool"
 S_LAG = "Async: loop lag of a 1 ms ticker while 16 MiB items stream"
-S_CONC = "Async: many small concurrent requests"
 S_THR = "Async: inline vs thread (DEFAULT_INLINE_THRESHOLD = 1 MiB)"
 
 NEVER = 1 << 62
-_clock = time.perf_counter_ns
 _keys = itertools.count()
 
 
@@ -206,65 +203,6 @@ def _lag_once(
     return list(ticker.samples)
 
 
-# --- many small concurrent requests ---------------------------------------------------------
-
-
-def bench_concurrent(p: Params, report: Report, progress: Progress, loop: str) -> None:
-    tasks, per_task = p.concurrent_tasks, p.concurrent_requests
-    progress(f"async [{loop}]: {tasks} concurrent tasks x {per_task} small requests")
-    n_items, total = 64, tasks * per_task
-    items = [{"data": tm.source_array(1024, seed=i)} for i in range(n_items)]
-    rates = {k: tm.Samples() for k in ("concurrent", "one task", "puts")}
-    lat = tm.Samples()
-
-    async def main() -> None:
-        sender = SenderCache(bench_config(16 * MiB, 1 * MiB, 1))  # the hits: never evicted
-        fresh = SenderCache(bench_config(16 * MiB, 1 * MiB, 1))  # the puts churn this one
-        with sender, fresh:
-            async with AsyncSenderCache(sender) as c, AsyncSenderCache(fresh) as cf:
-                for i, it in enumerate(items):
-                    await c.get_and_update_item((it, ()), f"h{i}")
-
-                async def client(k: int, out: list[float]) -> None:
-                    for j in range(per_task):
-                        await anyio.lowlevel.checkpoint()  # a server awaits its socket
-                        t0 = _clock()
-                        await c.get_and_update_item(None, f"h{(k * 7 + j) % n_items}")
-                        out.append((_clock() - t0) * 1e-9)
-
-                async def putter(k: int, out: list[float]) -> None:
-                    for _ in range(per_task):
-                        await anyio.lowlevel.checkpoint()
-                        i = next(_keys)
-                        await cf.get_and_update_item((items[i % n_items], ()), f"new{i}")
-
-                async def rate(name: str, fn: Any, out: list[float], together: bool) -> None:
-                    t0 = _clock()
-                    if not together:
-                        for k in range(tasks):
-                            await fn(k, [])
-                    else:
-                        async with anyio.create_task_group() as tg:
-                            for k in range(tasks):
-                                tg.start_soon(fn, k, out)
-                    rates[name].add_run([total / ((_clock() - t0) * 1e-9)])
-
-                for _ in range(p.runs):
-                    await rate("concurrent", client, lat.new_run(), True)
-                    await rate("one task", client, [], False)
-                    await rate("puts", putter, [], True)
-
-    _run(loop, main)
-    st = {k: v.stat() for k, v in rates.items()}
-    add = report.section(S_CONC, f"{tasks} tasks x {per_task}", kind="rate")
-    ratio = st["concurrent"].median / st["one task"].median
-    label = f"hits/s, concurrent tasks [{loop}]"
-    add(label, st["concurrent"], baseline="one task, same requests", ratio=ratio)
-    add(f"hits/s, one task [{loop}]", st["one task"])
-    add(f"hit latency under concurrency [{loop}]", lat.stat(), kind="time")
-    add(f"new 1 KiB items (puts)/s, concurrent tasks [{loop}]", st["puts"])
-
-
 # --- inline vs thread threshold -------------------------------------------------------------
 
 
@@ -372,8 +310,5 @@ def run_async_suite(p: Params, report: Report, progress: Progress) -> None:
     with LazyWorker() as lw:
         for loop in (lp for lp in p.lag_loops if lp in loops):
             lw.attempt(report, f"loop lag [{loop}]", partial(bench_lag, p, report, progress, loop))
-    for loop in loops:
-        conc = partial(bench_concurrent, p, report, progress, loop)
-        report.attempt(f"concurrent requests [{loop}]", conc)
     thr = partial(bench_threshold, p, report, progress, loops[-1])
     report.attempt(f"inline vs thread [{loops[-1]}]", thr)

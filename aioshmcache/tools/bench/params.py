@@ -49,13 +49,10 @@ class Params:
     churn_puts: int = 10_000
     churn_runs: int = 3
     readers: tuple[int, ...] = (1, 2, 4, 8)
-    cache_sizes: tuple[int, ...] = (64 * M, 256 * M, 1 * GiB, 4 * GiB, 8 * GiB)
     lag_seconds: float = 1.0
     lag_runs: int = 3
     lag_loops: tuple[str, ...] = ("asyncio", "uvloop")
     threshold_sizes: tuple[int, ...] = _THRESHOLDS
-    concurrent_tasks: int = 100
-    concurrent_requests: int = 50
     gc_entries: int = 250_000  # live small items in the writer for the full-collection cell
     group_requests: int = 4000  # group: the Zipf load, over group_images distinct images
     group_images: int = 1000
@@ -88,9 +85,9 @@ class Params:
 _SMOKE: dict[str, Any] = dict(quick=True, runs=3, sizes=(K, 64 * K, M, 16 * M), peer_sizes=(K, M))
 _SMOKE |= dict(ops=((K, 300), (64 * K, 200), (M, 40), (16 * M, 4)), peer_ops=((K, 40), (M, 10)))
 _SMOKE |= dict(small_batches=3, sender_puts=2_000, fresh_cache=256 * M, fresh_runs=1)
-_SMOKE |= dict(churn_puts=1_000, churn_runs=1, readers=(1, 8), cache_sizes=(64 * M, 256 * M))
+_SMOKE |= dict(churn_puts=1_000, churn_runs=1, readers=(1, 8))
 _SMOKE |= dict(lag_seconds=0.6, lag_runs=1, lag_loops=("asyncio",), gc_entries=20_000)
-_SMOKE |= dict(threshold_sizes=(64 * K, M, 4 * M), concurrent_tasks=20, concurrent_requests=20)
+_SMOKE |= dict(threshold_sizes=(64 * K, M, 4 * M))
 _SMOKE |= dict(group_requests=600, group_images=200, group_lookups=200)
 _SMOKE |= dict(trace_items=400, trace_requests=2000, trace_seeds=1, trace_scale=64)
 _SMOKE |= dict(vllm_rounds=3, vllm_sizes=(K, M), vllm_churn=16)

@@ -3,21 +3,16 @@
 aioshmcache puts the array and sends the ``ShmRef`` over a ``Pipe`` to the reader process, which
 reads it (a copy, or a lease: view + ack) and replies its size; ``multiprocessing`` Pipe and
 Queue send the array itself and get its size back (or the array: the "echo" rows); Redis is
-``SET`` + ``GET`` through ``redis.asyncio`` (uvloop) against a private ``redis-server``; Ray is
-``ray.get(ray.put(arr))`` in a phase of its own (its daemons load the machine), with our round
-trip measured again beside it. Every mechanism runs interleaved with the others and with the
-``np.copyto`` baseline of the same size.
+``SET`` + ``GET`` through ``redis.asyncio`` (uvloop) against a private ``redis-server``. Every
+mechanism runs interleaved with the others and with the ``np.copyto`` baseline of the same size.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import importlib.util
 import itertools
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from functools import partial
@@ -38,7 +33,6 @@ from .report import Report, Target
 __all__ = ["run_peers_suite"]
 
 S_RT = "Round trip: writer → reader process → reply, vs peers"
-S_RAY = "Round trip vs Ray (measured while Ray runs)"
 
 _clock = time.perf_counter_ns
 
@@ -201,60 +195,7 @@ def _report_roundtrip(report: Report, size: int, stats: dict[str, Any]) -> None:
             add(f"aioshmcache ({mode}) vs {short}", stats[ours].median, vs=(short, st), target=tgt)
 
 
-def bench_ray(p: Params, report: Report, progress: Progress, worker: Worker, *, want: bool) -> None:
-    if not want:
-        report.skip("Ray: skipped (--quick skips it unless --ray is given: ray.init takes ~5 s)")
-        return
-    try:
-        ray: Any = importlib.import_module("ray")
-    except ImportError:
-        report.skip("Ray: not installed (pip install ray) — the Ray comparison is skipped")
-        return
-    progress("Ray: ray.init (starts its daemons, ~5 s)")
-    temp = tempfile.mkdtemp(prefix="aioshmbench-ray-")  # Ray's sessions and logs: removed after
-    try:
-        opts = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
-        memory = max(512 * MiB, 8 * max(p.peer_sizes))
-        ray.init(num_cpus=1, object_store_memory=memory, _temp_dir=temp, **opts)
-        try:
-            ray.get(ray.put(np.zeros(16, np.uint8)))
-            for size in p.peer_sizes:
-                progress(f"Ray: {fmt_bytes(size)}, ray.get(ray.put(arr)) vs aioshmcache")
-                n, arr = p.n_ops(size, peers=True), tm.source_array(size)
-                item, ours = {"data": arr}, OurRoundTrip(worker, size)
-                try:
-                    ours.run("lease", item, 2, [])
-                    for _ in range(max(2, n // 5)):
-                        ray.get(ray.put(arr))
-                    cells: dict[str, tm.Cell] = {
-                        "ray": tm.each(n, partial(_ray_round_trip, ray, arr))
-                    }
-                    cells |= {m: partial(ours.run, m, item, n) for m in ("copy", "lease")}
-                    st = tm.interleave(p.runs, cells)
-                finally:
-                    ours.stack.close()
-                add = report.section(S_RAY, fmt_bytes(size))
-                label = "Ray ray.get(ray.put(arr)) (one process)"
-                add(label, st["ray"], plot="roundtrip", series="Ray put + get", x=size)
-                tgt = Target.at_least(1.5, "ratio") if size == 16 * MiB else None
-                for mode, who in (("copy", "reader copies"), ("lease", "reader leases")):
-                    label = f"aioshmcache ({who}) vs Ray put + get"
-                    add(label, st[mode], vs=("Ray", st["ray"]), target=tgt)
-        finally:
-            ray.shutdown()
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-def _ray_round_trip(ray: Any, arr: Any) -> None:
-    """``ray.get(ray.put(arr))``: Ray's put and (zero-copy) get of one array."""
-    ray.get(ray.put(arr))
-
-
-def run_peers_suite(
-    p: Params, report: Report, progress: Progress, *, want_ray: bool, want_redis: bool = True
-) -> None:
-    with LazyWorker() as lw:
-        with redis_peer(report, progress) if want_redis else contextlib.nullcontext() as redis:
-            lw.attempt(report, "round trip", partial(_roundtrips, p, report, progress, redis=redis))
-        lw.attempt(report, "Ray", partial(bench_ray, p, report, progress, want=want_ray))
+def run_peers_suite(p: Params, report: Report, progress: Progress, *, want_redis: bool) -> None:
+    redis = redis_peer(report, progress) if want_redis else contextlib.nullcontext()
+    with LazyWorker() as lw, redis as client:
+        lw.attempt(report, "round trip", partial(_roundtrips, p, report, progress, redis=client))

@@ -1,4 +1,4 @@
-"""The store suite: put / get / lease against the memcpy limit, steady state, churn and scaling.
+"""The store suite: put / get / lease against the memcpy limit, steady state, churn and readers.
 
 Every baseline runs in the same run as its subject, interleaved (:func:`.timing.interleave`).
 Items are single-array mappings ``{"data": uint8 array}``; the writer is this process, readers
@@ -36,7 +36,6 @@ S_SENDER = "SenderCache steady state: 1 KiB misses (puts), ring churning, reader
 S_FRESH = "Fresh cache: first put vs warm put"
 S_CHURN = "Churn: 64 MiB ring, 1 MiB items, a reader process acknowledging each"
 S_READERS = "Read path vs attached readers"
-S_CACHE = "Cost vs cache size"
 S_GC = "Writer state vs the garbage collector: many live small items"
 GC_TARGET_ENTRIES = 250_000  # the figure the target names
 BATCH = 256  # references sent to the reader process at a time
@@ -340,36 +339,6 @@ def bench_readers(p: Params, report: Report, progress: Progress, worker: Worker)
         add("writer hand-out (get_cached)", handouts[k].stat(), series="writer hand-out")
 
 
-_CREATE = "create (fallocate + prefault)"
-_ATTACH = "reader attach (maps and populates the segment)"
-
-
-def bench_cache_size(p: Params, report: Report, progress: Progress) -> None:
-    small, big = {"data": tm.source_array(1024)}, {"data": tm.source_array(1 * MiB)}
-    for cache in p.cache_sizes:
-        if not _room_for(report, cache, f"cache size {fmt_bytes(cache)}"):
-            continue
-        progress(f"cache size {fmt_bytes(cache)}: create, attach, put, get")
-        s = {k: tm.Samples() for k in (_CREATE, _ATTACH, "put 1 KiB", "get 1 KiB", "get 1 MiB")}
-        for _ in range(1 if cache >= 4 * GiB else min(p.runs, 3)):
-            cfg = bench_config(cache, 2 * MiB, 1)
-            with tm.timed(s[_CREATE].new_run(), ShmObjectStore.create, cfg) as store:
-                attach = ShmObjectStore.from_handle
-                with tm.timed(s[_ATTACH].new_run(), attach, store.handle()) as reader:
-                    run = s["put 1 KiB"].new_run()
-                    for i in range(p.n_ops(1024)):
-                        reader.ack(tm.timed(run, store.put, f"p{i}", small))
-                    for label, value in (("get 1 KiB", small), ("get 1 MiB", big)):
-                        reader.ack(store.put(label, value))
-                        n = p.n_ops(len(value["data"]))
-                        tm.each(n, reader.get, partial(_handout_of, store, label))(
-                            s[label].new_run()
-                        )
-        add = report.section(S_CACHE, fmt_bytes(cache), plot="cache_size", x=cache)
-        for label, samples in s.items():
-            add(label, samples.stat(), series=label.split(" (")[0])
-
-
 def bench_gc_live_entries(p: Params, report: Report, progress: Progress) -> None:
     """``gc.collect()`` in a writer holding ``p.gc_entries`` live small items.
 
@@ -411,7 +380,6 @@ _SUITE: list[tuple[str, Callable[..., None], bool]] = [
     ("sender steady state", bench_sender_steady, True),
     ("churn", bench_churn, True),
     ("readers", bench_readers, True),
-    ("cache size", bench_cache_size, False),
 ]
 
 
