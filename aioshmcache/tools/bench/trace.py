@@ -266,7 +266,7 @@ def _report(
             policy = name + (" (reference)" if reference else "")
             plot = "trace" if name != FIFO_MODEL else None
             kw: dict[str, Any] = {"series": name, "note": "; ".join(notes)}
-            add(f"miss ratio: {policy}", miss, kind="fraction", plot=plot, x=s, **kw)
+            add(f"miss ratio: {policy}", miss, kind="fraction", plot=plot, **kw)
             add(f"bytes written per request: {policy}", per_req, kind="bytes", series=name)
         add("misses: FIFO ÷ LRU model", _median(_ratio(got[FIFO], got[LRU])), kind="ratio")
         rel = "—"
