@@ -18,7 +18,6 @@ import asyncio
 import functools
 import hashlib
 import math
-import multiprocessing as mp
 import os
 import time
 from collections.abc import Sequence
@@ -33,8 +32,10 @@ from ..progress import Progress
 from ..redis_server import RedisServer, redis_binaries
 from ..units import KiB, MiB
 from .params import Params, bench_config
+from .procs import run_spawned
 from .report import Report, Target
 from .timing import Samples, percentile
+from .trace import item_sizes, zipf_trace
 
 __all__ = ["run_fleet_suite"]
 
@@ -45,6 +46,7 @@ PER_ITEM = "preprocessings per distinct item"
 
 MAKE_S = 0.020  # CPU seconds of one preprocessing
 HOSTS = 4
+ZIPF_S = 1.1  # the skew of every trace
 SECRET = b"aioshmcache-bench-fleet-secret!!"
 LOOKUP_TIMEOUT_S = 0.05
 #: the Zipf hosts' look-up deadline: 4 hosts x 4 preprocessings on a 2-CPU machine (plus Redis)
@@ -62,18 +64,6 @@ def spin(seconds: float) -> None:
     end = time.thread_time() + seconds
     while time.thread_time() < end:
         hashlib.sha256(_BLOCK).digest()
-
-
-def item_sizes(items: int, lo: int, hi: int, seed: int = 7) -> list[int]:
-    """Per item, a log-uniform size in ``[lo, hi]`` (multiples of 4 KiB)."""
-    raw = np.exp(np.random.default_rng(seed).uniform(math.log(lo), math.log(hi), items))
-    return [int(x) // (4 * KiB) * (4 * KiB) for x in raw]
-
-
-def zipf_trace(n: int, items: int, *, seed: int = 0) -> list[int]:
-    """``n`` item indices, item ``i`` with probability proportional to 1 / (i+1)^1.1."""
-    w = 1.0 / np.arange(1, items + 1, dtype=np.float64) ** 1.1
-    return [int(i) for i in np.random.default_rng(seed).choice(items, size=n, p=w / w.sum())]
 
 
 def preprocess(i: int, size: int) -> dict[str, Any]:
@@ -122,12 +112,14 @@ async def _serve(
     return {"made": made, "latencies": latencies, "failures": failures, "seconds": seconds}
 
 
-def _host(url: str | None, always: bool, cfg: CacheConfig, work: Any, sync: Any) -> None:
+def _host(
+    url: str | None, always: bool, cfg: CacheConfig, work: Any, barrier: Any, out: Any
+) -> None:
     """One simulated host (a spawned process): its own cache, the shared Redis if any.
 
-    ``work``: its trace and every item's size; ``sync``: the hosts' barrier and result queue.
+    ``work``: its trace and every item's size; ``barrier`` and ``out``: see :func:`.run_spawned`.
     """
-    (trace, sizes), (barrier, out) = work, sync
+    trace, sizes = work
 
     async def main() -> None:
         policy = always_fetch() if always else None
@@ -146,21 +138,9 @@ def _host(url: str | None, always: bool, cfg: CacheConfig, work: Any, sync: Any)
 def _fleet_run(
     url: str | None, trace: list[int], sizes: list[int], capacity: int, always: bool = False
 ) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(HOSTS), ctx.Queue()
     cfg = functools.partial(bench_config, capacity, max(sizes) + MiB)
-    args = [(url, always, cfg(), (trace[k::HOSTS], sizes), (barrier, out)) for k in range(HOSTS)]
-    procs = [ctx.Process(target=_host, args=a) for a in args]
-    for p in procs:
-        p.start()
-    try:
-        return [out.get(timeout=1800) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+    args = [(url, always, cfg(), (trace[k::HOSTS], sizes)) for k in range(HOSTS)]
+    return run_spawned(_host, args, timeout=1800)
 
 
 def _tier_note(tiers: list[dict[str, Any]]) -> str:
@@ -186,7 +166,8 @@ def _tier_note(tiers: list[dict[str, Any]]) -> str:
 def bench_zipf(p: Params, report: Report, progress: Progress) -> None:
     items, n_req = (200, 1600) if p.quick else (2000, 8000)
     lo, hi = (256 * KiB, 2 * MiB) if p.quick else (MiB // 2, 8 * MiB)
-    sizes, trace = item_sizes(items, lo, hi), zipf_trace(n_req, items)
+    sizes = item_sizes(items, lo, hi, seed=7).tolist()
+    trace = zipf_trace(n_req, items, ZIPF_S, seed=0).tolist()
     distinct = sorted(set(trace))
     capacity = (256 if p.quick else 768) * MiB
     param = f"{n_req} req, {len(distinct)} of {items} items, {lo // KiB} KiB-{hi // MiB} MiB"
@@ -284,7 +265,8 @@ async def _hit(url: str, sizes: list[int], reps: int, runs: int, report: Report)
 def bench_kill(p: Params, report: Report, progress: Progress) -> None:
     items, n_req = (60, 240) if p.quick else (300, 1500)
     progress(f"fleet: {n_req} requests, Redis killed halfway")
-    trace, sizes = zipf_trace(n_req, items, seed=5), item_sizes(items, 256 * KiB, MiB, seed=3)
+    trace = zipf_trace(n_req, items, ZIPF_S, seed=5).tolist()
+    sizes = item_sizes(items, 256 * KiB, MiB, seed=3).tolist()
     with RedisServer() as r:
         asyncio.run(_kill(r, trace, sizes, report))
 

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -30,7 +29,9 @@ from ..progress import Progress
 from ..units import KiB, MiB
 from . import timing as tm
 from .params import Params, segment_prefix
+from .procs import run_spawned
 from .report import Report, Target
+from .trace import zipf_trace
 
 __all__ = ["run_group_suite", "zipf_stream"]
 
@@ -44,8 +45,7 @@ ITEM_BYTES = 256 * KiB  # one "preprocessed image": 64 Ki float32
 
 def zipf_stream(n_requests: int, images: int, *, s: float = ZIPF_S, seed: int = 0) -> list[str]:
     """``n_requests`` image hashes; image ``i`` is asked with probability ∝ 1 / (i+1)^s."""
-    weights = 1.0 / np.arange(1, images + 1, dtype=np.float64) ** s
-    picks = np.random.default_rng(seed).choice(images, n_requests, p=weights / weights.sum())
+    picks = zipf_trace(n_requests, images, s, seed=seed)
     return [hashlib.blake2b(f"img{i}".encode(), digest_size=16).hexdigest() for i in picks]
 
 
@@ -76,23 +76,12 @@ def _gateway(config: CacheConfig, hashes: Sequence[str], barrier: Any, out: Any)
 
 def _run_load(stream: Sequence[str], writers: int, *, group: bool, capacity: int) -> dict[str, int]:
     """Run ``stream`` over ``writers`` spawned processes; their counts summed."""
-    ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(writers), ctx.Queue()
     tag = f"{segment_prefix()}z{writers}{'g' if group else 'p'}{time.monotonic_ns() % 10**6}"
-    procs = []
+    args = []
     for k in range(writers):
         where: dict[str, Any] = {"group": tag} if group else {"name": f"{tag}-{k}"}
-        cfg = CacheConfig(capacity, 4 * ITEM_BYTES, 1, **where)
-        procs.append(ctx.Process(target=_gateway, args=(cfg, stream[k::writers], barrier, out)))
-        procs[-1].start()
-    try:
-        results = [out.get(timeout=600) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        args.append((CacheConfig(capacity, 4 * ITEM_BYTES, 1, **where), stream[k::writers]))
+    results = run_spawned(_gateway, args, timeout=600)
     return {k: sum(r[k] for r in results) for k in results[0]}
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from aioshmcache import ShmObjectStore, StoreReader
 
-__all__ = ["LazyWorker", "Worker"]
+__all__ = ["LazyWorker", "Worker", "run_spawned"]
 
 JOIN_TIMEOUT = 10.0
 
@@ -222,3 +222,27 @@ class LazyWorker:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+
+
+def run_spawned(
+    target: Callable[..., None], args: list[tuple[Any, ...]], *, timeout: float
+) -> list[Any]:
+    """``target(*a, barrier, out)`` in a spawned process per ``a``; the one result each puts.
+
+    The simulated gateways and hosts of the group and fleet suites: they start their load
+    together behind ``barrier`` (one party per process) and put one result on ``out``. Every
+    process is joined, and killed if it is still alive a minute later.
+    """
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(len(args)), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*a, barrier, out)) for a in args]
+    for proc in procs:
+        proc.start()
+    try:
+        return [out.get(timeout=timeout) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
