@@ -40,6 +40,7 @@ S_LAG = "Async: loop lag of a 1 ms ticker while 16 MiB items stream"
 S_THR = "Async: inline vs thread (DEFAULT_INLINE_THRESHOLD = 1 MiB)"
 
 NEVER = 1 << 62
+BIG = 16 * MiB
 _keys = itertools.count()
 
 
@@ -99,34 +100,6 @@ def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
     add(f"sync SenderCache hit [{loop} run]", st["sync"])
     label = f"thread hop: anyio.to_thread.run_sync(noop) [{loop}]"
     add(label, st["hop"], param="", vs=("async hit", st["hit"]))
-
-
-def bench_big_put(p: Params, report: Report, progress: Progress, loop: str) -> None:
-    progress(f"async [{loop}]: 16 MiB put through the thread pool ({p.runs} runs)")
-    size = 16 * MiB
-    src, n, ring = tm.source_array(size), p.n_ops(size), 8 * size
-    item = {"data": src}
-    st: dict[str, tm.Stat] = {}
-
-    async def main(shm: tm.ShmBuffer) -> None:
-        async with AsyncSenderCache.from_config(bench_config(ring, size + 64 * KiB, 1)) as c:
-            await _puts(c, item, 3, [])
-            cells: dict[str, tm.Cell] = {
-                "copy": partial(tm.memcpy_into, shm.view(size), src, n),
-                "rotating": tm.each(n, np.copyto, lambda i: (shm.rotating(size, i), src)),
-                "put": partial(_puts, c, item, n),
-            }
-            st.update(await tm.ainterleave(p.runs, cells))
-
-    with tm.ShmBuffer(ring) as shm:
-        _run(loop, partial(main, shm))
-    add, vs = report.section(S_PUT, "16 MiB"), ("np.copyto", st["copy"])
-    add(f"np.copyto into warm shm [{loop} run]", st["copy"])
-    label = f"np.copyto into rotating places of a 128 MiB shm buffer [{loop} run]"
-    add(label, st["rotating"], vs=vs)
-    note = f"{st['rotating'].median / st['put'].median:.2f}x the rotating copy"
-    label = f"await get_and_update_item (a miss: put) [{loop}]"
-    add(label, st["put"], vs=vs, target=Target.at_least(0.7, "ratio"), note=note)
 
 
 # --- loop lag -------------------------------------------------------------------------------
@@ -203,38 +176,66 @@ def _lag_once(
     return list(ticker.samples)
 
 
-# --- inline vs thread threshold -------------------------------------------------------------
+# --- puts inline and in a worker thread -----------------------------------------------------
 
 
-def bench_threshold(p: Params, report: Report, progress: Progress, loop: str) -> None:
-    sizes, biggest = p.threshold_sizes, max(p.threshold_sizes)
+def bench_puts(p: Params, report: Report, progress: Progress, loop: str, sizes: list[int]) -> None:
+    """Puts of each size inline on the loop and in a worker thread, against ``np.copyto``.
+
+    Two ``AsyncSenderCache`` faces over one ``SenderCache``: one copies every item inline, one
+    hands every copy to a worker thread. A 16 MiB put (always a thread's by default) is also set
+    against a copy into rotating places of a ring-sized buffer: where a put really lands.
+    """
     progress(f"async [{loop}]: inline vs thread put for {', '.join(map(fmt_bytes, sizes))}")
+    slot = max(sizes) + 64 * KiB
     by_size: dict[int, dict[str, tm.Stat]] = {}
     limiter = anyio.CapacityLimiter(4)
 
     async def main(shm: tm.ShmBuffer) -> None:
-        with SenderCache(bench_config(8 * (biggest + 64 * KiB), biggest + 64 * KiB, 1)) as s:
+        with SenderCache(bench_config(8 * slot, slot, 1)) as s:
             ci = AsyncSenderCache(s, inline_threshold_bytes=NEVER)
             ct = AsyncSenderCache(s, inline_threshold_bytes=0)
-            for size in sizes:
-                src = tm.source_array(size)
-                item, n = {"data": src}, max(6, p.n_ops(size) // 2)
-                for c in (ci, ct, ci, ct):  # warm both paths and the worker threads
-                    await _puts(c, item, 1, [])
-                cells: dict[str, tm.Cell] = {
-                    "copy": partial(tm.memcpy_into, shm.view(size), src, n),
-                    "inline": partial(_puts, ci, item, n),
-                    "thread": partial(_puts, ct, item, n),
-                    "hop": partial(_hops, 10, limiter),
-                }
-                by_size[size] = await tm.ainterleave(p.runs, cells)
-            await ci.aclose()
-            await ct.aclose()
+            async with ci, ct:
+                for size in sizes:
+                    src = tm.source_array(size)
+                    item, n = {"data": src}, max(6, p.n_ops(size) // 2)
+                    for c in (ci, ct, ci, ct):  # warm both paths and the worker threads
+                        await _puts(c, item, 1, [])
+                    cells: dict[str, tm.Cell] = {
+                        "copy": tm.copy_into(shm, src, n),
+                        "inline": partial(_puts, ci, item, n),
+                        "thread": partial(_puts, ct, item, n),
+                        "hop": partial(_hops, 10, limiter),
+                    }
+                    if size == BIG:
+                        cells["rotating"] = tm.copy_into(shm, src, n, rotating=True)
+                    by_size[size] = await tm.ainterleave(p.runs, cells)
 
-    with tm.ShmBuffer(biggest) as shm:
+    with tm.ShmBuffer(8 * slot) as shm:
         _run(loop, partial(main, shm))
+    if BIG in by_size:
+        st, add = by_size[BIG], report.section(S_PUT, "16 MiB")
+        vs = ("np.copyto", st["copy"])
+        add(f"np.copyto into warm shm [{loop} run]", st["copy"])
+        label = f"np.copyto into rotating places of a ring-sized shm buffer [{loop} run]"
+        add(label, st["rotating"], vs=vs)
+        note = f"{st['rotating'].median / st['thread'].median:.2f}x the rotating copy"
+        label = f"await get_and_update_item (a miss: put in a worker thread) [{loop}]"
+        add(label, st["thread"], vs=vs, target=Target.at_least(0.7, "ratio"), note=note)
+    if len(by_size) > 1:
+        _threshold_rows(report, loop, by_size)
+
+
+def _threshold_rows(report: Report, loop: str, by_size: dict[int, dict[str, tm.Stat]]) -> None:
+    """The sweep, and where a worker thread starts to pay (against ``DEFAULT_INLINE_THRESHOLD``).
+
+    Latency crossover: the first size whose put is faster in a thread. Break-even: the size where
+    an inline put stalls the loop as long as the hop delays the request (inline = thread - inline),
+    interpolated on log scales; below it a copy is cheaper for everyone inline, above it the loop
+    is better off handing the copy to a thread.
+    """
     add = report.section(S_THR, plot="threshold")
-    add(f"thread hop (noop) [{loop}]", by_size[sizes[0]]["hop"], plot=None)
+    add(f"thread hop (noop) [{loop}]", next(iter(by_size.values()))["hop"], plot=None)
     for size, st in by_size.items():
         for label, key, vs, series in (
             (f"np.copyto [{loop}]", "copy", None, "np.copyto (baseline)"),
@@ -243,58 +244,21 @@ def bench_threshold(p: Params, report: Report, progress: Progress, loop: str) ->
         ):
             base = None if vs is None else (vs[0], st[vs[1]])
             add(label, st[key], param=fmt_bytes(size), vs=base, series=series, x=size)
-    medians = [(s, st["inline"].median, st["thread"].median) for s, st in by_size.items()]
-    _threshold_verdict(report, loop, medians)
-
-
-def _threshold_verdict(report: Report, loop: str, medians: list[tuple[int, float, float]]) -> None:
-    """Where a thread stops costing more than it saves, against ``DEFAULT_INLINE_THRESHOLD``."""
-    thr, top = DEFAULT_INLINE_THRESHOLD, fmt_bytes(max(s for s, _, _ in medians))
-    crossover = next((s for s, ins, ths in medians if ths <= ins), None)
-    latency = (
-        f"a worker thread never made the put itself faster (up to {top}): "
-        "the hop is pure overhead for the request"
-        if crossover is None
-        else f"the put itself is faster in a thread from {fmt_bytes(crossover)} on"
-    )
-    even = _break_even(medians)
-    if even is None:
-        stall, verdict = "no break-even in the sizes measured", "cannot tell"
-    else:
-        e = fmt_bytes(int(even))
-        stall = f"an inline put stalls the loop as long as the hop delays the request at ~{e}"
-        if even / 2 <= thr <= even * 2:
-            verdict = f"supports {fmt_bytes(thr)} (within 2x of the break-even)"
-        elif thr > even * 2:
-            verdict = f"{fmt_bytes(thr)} is high: inline copies above ~{e} stall the loop "
-            verdict += "longer than a hop costs"
-        else:
-            verdict = f"{fmt_bytes(thr)} is low: hops below ~{e} cost more than the stall "
-            verdict += "they avoid"
-    add = report.section(S_THR, kind="bytes")
-    label = f"latency crossover: first size where thread <= inline [{loop}]"
-    add(label, float(crossover or math.nan), note=latency)
-    label = f"break-even: inline put time = thread put - inline put [{loop}]"
-    add(label, math.nan if even is None else even, note=stall)
-    report.notes.append(
-        f"inline/thread threshold [{loop}]: {latency}; {stall}: {verdict} "
-        f"(DEFAULT_INLINE_THRESHOLD = {fmt_bytes(thr)})"
-    )
-
-
-def _break_even(medians: list[tuple[int, float, float]]) -> float | None:
-    """Size where an inline put's loop stall equals the latency a thread hop adds.
-
-    Below it a put is cheaper for everyone inline (the stall is shorter than the hop's cost);
-    above it the loop is better off handing the copy to a thread. Interpolated on log scales
-    between the two measured sizes around the sign change.
-    """
-    diff = np.array([ins - (ths - ins) for _, ins, ths in medians])  # stall - the hop's cost
-    if not (diff >= 0).any():
-        return None
-    i = int(np.argmax(diff >= 0))  # the first size where the stall is the larger
-    log_sizes = np.log([s for s, _, _ in medians[max(0, i - 1) : i + 1]])
-    return float(np.exp(np.interp(0.0, diff[max(0, i - 1) : i + 1], log_sizes)))
+    sizes = np.array(list(by_size), dtype=np.float64)
+    inline = np.array([st["inline"].median for st in by_size.values()])
+    thread = np.array([st["thread"].median for st in by_size.values()])
+    faster = np.flatnonzero(thread <= inline)
+    crossover = float(sizes[faster[0]]) if faster.size else math.nan
+    stall_minus_hop = inline - (thread - inline)
+    even = math.nan
+    if (stall_minus_hop >= 0).any():
+        i = int(np.argmax(stall_minus_hop >= 0))  # the first size where the stall is the larger
+        around = slice(max(0, i - 1), i + 1)
+        even = float(np.exp(np.interp(0.0, stall_minus_hop[around], np.log(sizes[around]))))
+    note = f"DEFAULT_INLINE_THRESHOLD = {fmt_bytes(DEFAULT_INLINE_THRESHOLD)}"
+    add = report.section(S_THR, kind="bytes", note=note)
+    add(f"latency crossover: first size where thread <= inline [{loop}]", crossover)
+    add(f"break-even: inline put time = thread put - inline put [{loop}]", even)
 
 
 def run_async_suite(p: Params, report: Report, progress: Progress) -> None:
@@ -304,11 +268,12 @@ def run_async_suite(p: Params, report: Report, progress: Progress) -> None:
         loops.append("uvloop")
     except ImportError:
         report.skip("uvloop: not installed; async figures on asyncio only")
-    for name, fn in (("async hit", bench_hit), ("async 16 MiB put", bench_big_put)):
-        for loop in loops:
-            report.attempt(f"{name} [{loop}]", partial(fn, p, report, progress, loop))
+    for loop in loops:
+        report.attempt(f"async hit [{loop}]", partial(bench_hit, p, report, progress, loop))
     with LazyWorker() as lw:
         for loop in (lp for lp in p.lag_loops if lp in loops):
             lw.attempt(report, f"loop lag [{loop}]", partial(bench_lag, p, report, progress, loop))
-    thr = partial(bench_threshold, p, report, progress, loops[-1])
-    report.attempt(f"inline vs thread [{loops[-1]}]", thr)
+    for loop in loops:  # the 16 MiB put on every loop, the whole sweep on the last
+        sizes = sorted({*p.threshold_sizes, BIG}) if loop == loops[-1] else [BIG]
+        puts = partial(bench_puts, p, report, progress, loop, sizes)
+        report.attempt(f"async puts [{loop}]", puts)

@@ -146,7 +146,7 @@ def bench_lookup_and_copy(p: Params, report: Report, progress: Progress) -> None
 
             src = tm.source_array(size, seed=1)
             with tm.ShmBuffer(size) as dst:
-                copy = partial(tm.memcpy_into, dst.view(size), src, reps)
+                copy = tm.copy_into(dst, src, reps)
                 cells: dict[str, tm.Cell] = {
                     "copy": tm.each(reps, sibling_hit, drop_own),
                     "base": copy,

@@ -160,7 +160,7 @@ def _roundtrips(
             progress(f"round trip: {fmt_bytes(size)}, aioshmcache vs {peers} ({p.runs} runs)")
             n, arr = p.n_ops(size, peers=True), tm.source_array(size)
             item, ours = {"data": arr}, OurRoundTrip(worker, size)
-            cells: dict[str, tm.Cell] = {BASE: partial(tm.memcpy_into, shm.view(size), arr, n)}
+            cells: dict[str, tm.Cell] = {BASE: tm.copy_into(shm, arr, n)}
             try:
                 for mode in _OURS:  # warm-up: both processes, the pipe, the ring
                     ours.run(mode, item, max(2, n // 5), [])

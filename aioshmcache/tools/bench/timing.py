@@ -110,9 +110,18 @@ def each(
     return cell
 
 
-def memcpy_into(dst: Array, src: Array, n: int, out: list[float]) -> None:
-    """Time ``n`` ``np.copyto(dst, src)`` calls: the physical limit of a put's copy."""
-    each(n, np.copyto, lambda i: (dst, src))(out)
+def copy_into(buf: ShmBuffer, src: Array, n: int, *, rotating: bool = False, span: int = 0) -> Cell:
+    """A cell timing ``n`` ``np.copyto`` of ``src`` into ``buf``: the physical limit of a copy.
+
+    Into the same place each time (for items up to a few MiB it stays in the CPU caches), or
+    with ``rotating`` into rotating places of its first ``span`` bytes, as a ring's puts land.
+    """
+
+    def dst(i: int) -> tuple[Array, Array]:
+        place = buf.rotating(len(src), i, span=span) if rotating else buf.view(len(src))
+        return place, src
+
+    return each(n, np.copyto, dst)
 
 
 def timed(run: list[float], fn: Callable[..., R], *args: Any) -> R:

@@ -122,9 +122,9 @@ def _store_ops(p: Params, shm: tm.ShmBuffer, size: int) -> dict[str, tm.Stat]:
         for _ in range(max(3, n // 10)):  # warm-up: the ring wraps at least once for big items
             put([])
         cells: dict[str, tm.Cell] = {
-            "base": partial(tm.memcpy_into, shm.view(size), src, n),
+            "base": tm.copy_into(shm, src, n),
             # what a put's copy meets: a new place in the ring each time
-            "rotating": tm.each(n, np.copyto, lambda i: (shm.rotating(size, i, span=ring), src)),
+            "rotating": tm.copy_into(shm, src, n, rotating=True, span=ring),
             "put": put,
             # a new hand-out (untimed: the writer's part), then the read
             "get": tm.each(n, reader.get, lambda i: (_handout(store, last),)),
@@ -279,8 +279,7 @@ def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -
             rates, lat, waits = tm.Samples(), tm.Samples(), 0
             for _ in range(p.churn_runs):
                 # the limit: np.copyto into rotating places of 64 MiB
-                limit = tm.each(400, np.copyto, lambda i: (shm.rotating(size, i), item["data"]))
-                limit(base.new_run())
+                tm.copy_into(shm, item["data"], 400, rotating=True)(base.new_run())
                 cfg = bench_config(ring, 2 * MiB, 1, wait_for_space=5.0)
                 with ShmObjectStore.create(cfg) as store:
                     with worker.attached(store.handle(), serve=("ack_stream", mode)) as conn:
