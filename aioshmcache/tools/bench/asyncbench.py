@@ -166,7 +166,7 @@ def _lag_once(
         threshold = NEVER if mode == "inline" else DEFAULT_INLINE_THRESHOLD
         cfg = bench_config(16 * size, size, 1)
         async with AsyncSenderCache.from_config(cfg, inline_threshold_bytes=threshold) as c:
-            serve = worker.attached(c.handle(), serve=("ack_stream", "copy"))
+            serve = worker.attached(c.handle(), reads="copy")
             with serve if reader else nullcontext(), anyio.CancelScope() as scope:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(ticker.run)

@@ -110,16 +110,16 @@ class OurRoundTrip:
     def run(self, mode: str, item: dict[str, Any], n: int, out: list[float]) -> None:
         if self.mode != mode:
             self.serve.close()
-            self.serve.enter_context(self.worker.serving("serve_refs", mode))
+            self.serve.enter_context(self.worker.serving("read", mode, True))
             self.mode = mode
         store, conn = self.store, self.worker.conn
         for _ in range(n):
             t0 = _clock()
-            conn.send(store.put(f"rt{next(self.keys)}", item))
-            nb = conn.recv()
+            conn.send([store.put(f"rt{next(self.keys)}", item)])
+            reply = conn.recv()
             out.append((_clock() - t0) * 1e-9)
-            if not isinstance(nb, int):
-                raise RuntimeError(f"bench worker: {nb!r}")
+            if not isinstance(reply, list):
+                raise RuntimeError(f"bench worker: {reply!r}")
 
     def stop_serving(self, _samples: object = None) -> None:
         self.serve.close()

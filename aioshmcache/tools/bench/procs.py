@@ -42,27 +42,14 @@ def _from_queue(q: Any) -> Any:
 
 
 def _read(store: StoreReader, ref: Any, mode: str) -> int:
-    """Read ``ref``: a copy, or (``lease``) a zero-copy view acknowledged at once; its bytes."""
-    value = store.get(ref, copy=mode == "copy")
-    nb = sum(int(getattr(v, "nbytes", 0)) for v in value.values())
-    if mode != "copy":
-        del value
+    """Read ``ref``: a copy, or (``lease``) a zero-copy view acknowledged at once; the ns taken."""
+    t0 = time.perf_counter_ns()
+    if mode == "copy":
+        store.get(ref)
+    else:
+        store.get(ref, copy=False)
         store.ack(ref)
-    return nb
-
-
-def _timed_gets(store: StoreReader, batch: list[Any], mode: str) -> list[int]:
-    """Each get of the batch timed alone (ns), nothing else inside the clock."""
-    out, clock = [], time.perf_counter_ns
-    for ref in batch:
-        t0 = clock()
-        if mode == "copy":
-            store.get(ref)
-        else:
-            store.get(ref, copy=False)
-            store.ack(ref)
-        out.append(clock() - t0)
-    return out
+    return time.perf_counter_ns() - t0
 
 
 def _dispatch(cmd: str, args: tuple[Any, ...], conn: Connection, qs: Any, stores: list[Any]) -> Any:
@@ -70,16 +57,11 @@ def _dispatch(cmd: str, args: tuple[Any, ...], conn: Connection, qs: Any, stores
     if cmd == "attach":  # ("attach", handle, n): claim n reader slots
         stores.extend(ShmObjectStore.from_handle(args[0]) for _ in range(args[1]))
         return len(stores)
-    if cmd == "serve_refs":  # refs one by one; read each, reply its size
-        for ref in _until_none(conn.recv):
-            conn.send(_read(stores[0], ref, args[0]))
-    elif cmd == "timed_gets":  # batches of refs; reply the get times of each batch
+    if cmd == "read":  # ("read", mode, reply): lists of refs; read each, reply the times if asked
         for batch in _until_none(conn.recv):
-            conn.send(_timed_gets(stores[0], batch, args[0]))
-    elif cmd == "ack_stream":  # churn: refs in small lists; read and acknowledge each
-        for batch in _until_none(conn.recv):
-            for ref in batch:
-                _read(stores[0], ref, args[0])
+            times = [_read(stores[0], ref, args[0]) for ref in batch]
+            if args[1]:
+                conn.send(times)
     elif cmd == "pipe_echo":  # arrays over the pipe; echo them back, or reply their size
         for arr in _until_none(conn.recv):
             conn.send(arr if args[0] else arr.nbytes)
@@ -156,11 +138,11 @@ class Worker:
 
     @contextlib.contextmanager
     def serving(
-        self, command: str, arg: Any, end: Callable[[None], object] | None = None
+        self, *command: Any, end: Callable[[None], object] | None = None
     ) -> Iterator[Connection]:
         """The worker runs the data loop ``command`` for the block; at its end ``end(None)``
         (by default: ``None`` on the pipe) ends the loop, and its answer is waited for."""
-        self.send(command, arg)
+        self.send(*command)
         try:
             yield self.conn
         finally:
@@ -169,13 +151,16 @@ class Worker:
 
     @contextlib.contextmanager
     def attached(
-        self, handle: Any, n: int = 1, serve: tuple[str, str] | None = None
+        self, handle: Any, n: int = 1, *, reads: str = "", reply: bool = False
     ) -> Iterator[Connection]:
-        """``n`` reader slots on ``handle`` for the block (and ``serve``'s data loop in it)."""
+        """``n`` reader slots on ``handle`` for the block; with ``reads`` (``copy`` or ``lease``)
+        the first reads the lists of references sent to it (and with ``reply`` replies the
+        times of each list's reads)."""
         self.call("attach", handle, n)
         try:
-            with self.serving(*serve) if serve else contextlib.nullcontext(self.conn) as conn:
-                yield conn
+            serve = self.serving("read", reads, reply) if reads else contextlib.nullcontext()
+            with serve:
+                yield self.conn
         finally:
             self.call("detach")
 

@@ -69,10 +69,6 @@ def _handout(store: StoreWriter, key: str) -> ShmRef:
     return ref
 
 
-def _handout_of(store: StoreWriter, key: str, i: int) -> tuple[ShmRef]:
-    return (_handout(store, key),)
-
-
 def _lease_once(reader: StoreReader, ref: ShmRef) -> None:
     """A zero-copy read: the view, then the acknowledgement."""
     v = reader.get(ref, copy=False)
@@ -146,7 +142,7 @@ def bench_small_steady(p: Params, report: Report, progress: Progress, worker: Wo
     put, got = tm.Samples(), {"copy": tm.Samples(), "lease": tm.Samples()}
     with ShmObjectStore.create(bench_config(2 * MiB, 64 * KiB, 1)) as store:
         for mode, samples in got.items():
-            with worker.attached(store.handle(), serve=("timed_gets", mode)) as conn:
+            with worker.attached(store.handle(), reads=mode, reply=True) as conn:
                 for r in range(p.runs + 1):  # run 0 warms up
                     putrun: list[float] = []
                     getrun: list[float] = []
@@ -191,7 +187,7 @@ def bench_sender_steady(p: Params, report: Report, progress: Progress, worker: W
     put, hit = tm.Samples(), tm.Samples()
     worst, fulls = {"as is": 0.0, "frozen": 0.0}, {"as is": 0, "frozen": 0}
     with SenderCache(bench_config(2 * MiB, 64 * KiB, 1)) as cache:
-        with worker.attached(cache.handle(), serve=("ack_stream", "copy")) as conn:
+        with worker.attached(cache.handle(), reads="copy") as conn:
             for mode in ("as is", "frozen"):
 
                 def count(phase: str, info: dict[str, int], mode: str = mode) -> None:
@@ -256,15 +252,15 @@ def bench_fresh_vs_warm(p: Params, report: Report, progress: Progress) -> None:
                 store.clear()  # the ring starts again at address 0: the very same pages, hot
                 tm.timed(run, store.put, f"hot{j}", item)
     st = {k: v.stat() for k, v in s.items()}
-    add, vs = (
-        report.section(S_FRESH, f"{fmt_bytes(cache)} cache, 16 MiB item"),
-        ("warm put", st["warm"]),
-    )
+    add = report.section(S_FRESH, f"{fmt_bytes(cache)} cache, 16 MiB item")
     add("create the cache (fallocate + prefault)", st["create"], param=fmt_bytes(cache))
-    add("first put into the fresh cache", st["first"], vs=vs)
-    add("puts 2-8 into the fresh cache (pages not yet written)", st["fresh"], vs=vs)
-    add("warm put (after the ring wrapped: pages written before)", st["warm"])
-    add("hot put (the same pages again right after clear)", st["hot"], vs=vs)
+    for label, key in (
+        ("first put into the fresh cache", "first"),
+        ("puts 2-8 into the fresh cache (pages not yet written)", "fresh"),
+        ("warm put (after the ring wrapped: pages written before)", "warm"),
+        ("hot put (the same pages again right after clear)", "hot"),
+    ):
+        add(label, st[key], vs=None if key == "warm" else ("warm put", st["warm"]))
     ratio = st["first"].median / st["warm"].median
     add("first put ÷ warm put", ratio, kind="ratio", target=Target.at_most(1.5))
 
@@ -282,7 +278,7 @@ def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -
                 tm.copy_into(shm, item["data"], 400, rotating=True)(base.new_run())
                 cfg = bench_config(ring, 2 * MiB, 1, wait_for_space=5.0)
                 with ShmObjectStore.create(cfg) as store:
-                    with worker.attached(store.handle(), serve=("ack_stream", mode)) as conn:
+                    with worker.attached(store.handle(), reads=mode) as conn:
                         run, t0 = lat.new_run(), time.perf_counter()
                         for i in range(p.churn_puts):  # each reference on its own, no batching
                             conn.send([tm.timed(run, store.put, f"c{i}", item)])
@@ -291,15 +287,10 @@ def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -
                     waits += store.wakeups
             rs, bs = rates.stat(), base.stat()
             who = "reader copies each item" if mode == "copy" else "reader leases (no copy)"
-            tgt = Target.at_least(10_000) if mode == "copy" else None
-            kw = {"target": tgt, "note": f"writer waited for room {waits} times", "kind": "rate"}
-            add(
-                f"puts/s ({who})",
-                rs,
-                baseline="1 / rotating np.copyto",
-                ratio=rs.median * bs.median,
-                **kw,
-            )
+            kw: dict[str, Any] = {"kind": "rate"}
+            kw["target"] = Target.at_least(10_000) if mode == "copy" else None
+            kw |= {"note": f"writer waited for room {waits} times", "ratio": rs.median * bs.median}
+            add(f"puts/s ({who})", rs, baseline="1 / rotating np.copyto", **kw)
             add(f"put latency ({who})", lat.stat(), vs=("rotating np.copyto", bs))
         add("np.copyto into rotating places of a 64 MiB shm buffer (baseline)", base.stat())
 
