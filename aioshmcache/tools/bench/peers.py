@@ -1,8 +1,8 @@
 """The round trip, ours and the peers': writer → another process (or server) → reply.
 
 aioshmcache puts the array and sends the ``ShmRef`` over a ``Pipe`` to the reader process, which
-reads it (a copy, or a lease: view + ack) and replies its size; ``multiprocessing`` Pipe and
-Queue send the array itself and get its size back (or the array: the "echo" rows); Redis is
+reads it (a copy, or a lease: view + ack) and replies; a ``multiprocessing`` Pipe sends the array
+itself and gets its size back (or the array: the "echo" row); Redis is
 ``SET`` + ``GET`` through ``redis.asyncio`` (uvloop) against a private ``redis-server``. Every
 mechanism runs interleaved with the others and with the ``np.copyto`` baseline of the same size.
 """
@@ -126,26 +126,21 @@ class OurRoundTrip:
         self.mode = ""
 
 
-def _echo(queues: bool, echo: bool, worker: Worker, arr: Any, n: int, out: list[float]) -> None:
-    """``n`` arrays to the worker and back (or their size back), over the pipe or two queues."""
-    send: Any = worker.q_in.put if queues else worker.conn.send
-    recv: Any = partial(worker.q_out.get, timeout=120.0) if queues else worker.conn.recv
+def _echo(echo: bool, worker: Worker, arr: Any, n: int, out: list[float]) -> None:
+    """``n`` arrays to the worker over the pipe, and back (or their size back)."""
 
     def there_and_back() -> None:
-        send(arr)
-        recv()
+        worker.conn.send(arr)
+        worker.conn.recv()
 
-    end = worker.q_in.put if queues else None
-    with worker.serving("queue_echo" if queues else "pipe_echo", echo, end=end):
+    with worker.serving("pipe_echo", echo):
         tm.each(n, there_and_back)(out)
 
 
 #: (row label, plot series, how it is measured: (worker, arr, n, out) -> None)
 _PEERS = [
-    ("Pipe (array → reader, size back)", "Pipe", partial(_echo, False, False)),
-    ("Queue (array → reader, size back)", "Queue", partial(_echo, True, False)),
-    ("Pipe echo (array both ways)", "Pipe echo", partial(_echo, False, True)),
-    ("Queue echo (array both ways)", "Queue echo", partial(_echo, True, True)),
+    ("Pipe (array → reader, size back)", "Pipe", partial(_echo, False)),
+    ("Pipe echo (array both ways)", "Pipe echo", partial(_echo, True)),
 ]
 BASE = "np.copyto (baseline)"
 _OURS = {"copy": "aioshmcache (reader copies)", "lease": "aioshmcache (reader leases)"}
@@ -156,7 +151,7 @@ def _roundtrips(
 ) -> None:
     with tm.ShmBuffer(max(p.peer_sizes)) as shm:
         for size in p.peer_sizes:
-            peers = "Pipe / Queue" + (" / redis" if redis else "")
+            peers = "Pipe" + (" / redis" if redis else "")
             progress(f"round trip: {fmt_bytes(size)}, aioshmcache vs {peers} ({p.runs} runs)")
             n, arr = p.n_ops(size, peers=True), tm.source_array(size)
             item, ours = {"data": arr}, OurRoundTrip(worker, size)

@@ -2,17 +2,16 @@
 
 Spawning costs about half a second here (a fresh interpreter imports numpy), so one worker
 serves a whole suite. It receives commands on a control ``Pipe`` and answers each one; the data
-paths it serves are the ones being measured (references over the same pipe, arrays over a
-``Pipe`` or a ``Queue``). Every loop it runs ends on a sentinel (``None``) or when the pipe
-closes, so a benchmark that fails midway never leaves it hanging; ``Worker.close`` joins with a
-timeout and terminates as a last resort.
+paths it serves are the ones being measured (references or arrays over the same pipe). Every
+loop it runs ends on a sentinel (``None``) or when the pipe closes, so a benchmark that fails
+midway never leaves it hanging; ``Worker.close`` joins with a timeout and terminates as a last
+resort.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import queue
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -30,17 +29,6 @@ def _until_none(recv: Callable[[], Any]) -> Iterator[Any]:
         yield msg
 
 
-def _from_queue(q: Any) -> Any:
-    """The next item of ``q``; ``None`` (the end) once the parent process is gone."""
-    while True:
-        try:
-            return q.get(timeout=1.0)
-        except queue.Empty:
-            parent = mp.parent_process()
-            if parent is not None and not parent.is_alive():
-                return None
-
-
 def _read(store: StoreReader, ref: Any, mode: str) -> int:
     """Read ``ref``: a copy, or (``lease``) a zero-copy view acknowledged at once; the ns taken."""
     t0 = time.perf_counter_ns()
@@ -52,8 +40,8 @@ def _read(store: StoreReader, ref: Any, mode: str) -> int:
     return time.perf_counter_ns() - t0
 
 
-def _dispatch(cmd: str, args: tuple[Any, ...], conn: Connection, qs: Any, stores: list[Any]) -> Any:
-    """One command; its loops read from the pipe (or queue) until ``None``."""
+def _dispatch(cmd: str, args: tuple[Any, ...], conn: Connection, stores: list[Any]) -> Any:
+    """One command; its loops read from the pipe until ``None``."""
     if cmd == "attach":  # ("attach", handle, n): claim n reader slots
         stores.extend(ShmObjectStore.from_handle(args[0]) for _ in range(args[1]))
         return len(stores)
@@ -65,16 +53,12 @@ def _dispatch(cmd: str, args: tuple[Any, ...], conn: Connection, qs: Any, stores
     elif cmd == "pipe_echo":  # arrays over the pipe; echo them back, or reply their size
         for arr in _until_none(conn.recv):
             conn.send(arr if args[0] else arr.nbytes)
-    elif cmd == "queue_echo":
-        q_in, q_out = qs
-        for arr in _until_none(lambda: _from_queue(q_in)):
-            q_out.put(arr if args[0] else arr.nbytes)
     elif cmd != "ping":
         raise ValueError(f"unknown command {cmd!r}")
     return None
 
 
-def _serve(conn: Connection, q_in: Any, q_out: Any) -> None:
+def _serve(conn: Connection) -> None:
     """The worker's main loop (runs in the spawned process)."""
     stores: list[StoreReader] = []
     try:
@@ -95,7 +79,7 @@ def _serve(conn: Connection, q_in: Any, q_out: Any) -> None:
                     return
                 continue
             try:
-                reply = ("ok", _dispatch(msg[0], msg[1:], conn, (q_in, q_out), stores))
+                reply = ("ok", _dispatch(msg[0], msg[1:], conn, stores))
             except Exception as exc:  # report, keep serving
                 reply = ("error", f"{type(exc).__name__}: {exc}")
             conn.send(reply)
@@ -106,16 +90,12 @@ def _serve(conn: Connection, q_in: Any, q_out: Any) -> None:
 
 
 class Worker:
-    """A spawned worker process and the pipe and queues that reach it."""
+    """A spawned worker process and the pipe that reaches it."""
 
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.q_in: Any = ctx.Queue()
-        self.q_out: Any = ctx.Queue()
-        self.proc = ctx.Process(
-            target=_serve, args=(child, self.q_in, self.q_out), name="aioshmcache-bench-worker"
-        )
+        self.proc = ctx.Process(target=_serve, args=(child,), name="aioshmcache-bench-worker")
         self.proc.daemon = True
         self.proc.start()
         child.close()
@@ -137,16 +117,14 @@ class Worker:
         return self.reply(timeout)
 
     @contextlib.contextmanager
-    def serving(
-        self, *command: Any, end: Callable[[None], object] | None = None
-    ) -> Iterator[Connection]:
-        """The worker runs the data loop ``command`` for the block; at its end ``end(None)``
-        (by default: ``None`` on the pipe) ends the loop, and its answer is waited for."""
+    def serving(self, *command: Any) -> Iterator[Connection]:
+        """The worker runs the data loop ``command`` for the block; at its end ``None`` on the
+        pipe ends the loop, and its answer is waited for."""
         self.send(*command)
         try:
             yield self.conn
         finally:
-            (end or self.conn.send)(None)
+            self.conn.send(None)
             self.reply()
 
     @contextlib.contextmanager
@@ -174,12 +152,7 @@ class Worker:
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(JOIN_TIMEOUT)
-        for c in (self.conn, self.q_in, self.q_out):
-            with contextlib.suppress(Exception):
-                c.close()
-        for q in (self.q_in, self.q_out):
-            with contextlib.suppress(Exception):
-                q.join_thread()
+        self.conn.close()
 
 
 class LazyWorker:
