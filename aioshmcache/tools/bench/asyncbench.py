@@ -96,7 +96,7 @@ def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
 
     _run(loop, main)
     add = report.section(S_HIT, "1 KiB")
-    add(f"async hit [{loop}]", st["hit"], vs=("sync hit", st["sync"]), target=Target.at_most(2e-5))
+    add(f"async hit [{loop}]", st["hit"], vs=("sync hit", st["sync"]), target=Target("<=", 2e-5))
     add(f"sync SenderCache hit [{loop} run]", st["sync"])
     label = f"thread hop: anyio.to_thread.run_sync(noop) [{loop}]"
     add(label, st["hop"], param="", vs=("async hit", st["hit"]))
@@ -129,7 +129,7 @@ def bench_lag(p: Params, report: Report, progress: Progress, loop: str, worker: 
         note += f", {n_puts} puts in {p.lag_runs * p.lag_seconds:.1f} s" if mode != "idle" else ""
         note += f", {n_inline} served inline (full)" if n_inline else ""
         kw: dict[str, Any] = {"vs": None if mode == "idle" else ("idle loop p99", idle)}
-        kw["target"] = Target.at_most(2e-3) if mode.startswith("thread") else None
+        kw["target"] = Target("<=", 2e-3) if mode.startswith("thread") else None
         kw |= {"note": note, "plot": "looplag", "series": f"p99 {label}"}
         add(f"lag p99, {label}", lag[(mode, "p99")].stat(), **kw)
         add(f"lag p50, {label}", lag[(mode, "p50")].stat())
@@ -221,7 +221,7 @@ def bench_puts(p: Params, report: Report, progress: Progress, loop: str, sizes: 
         add(label, st["rotating"], vs=vs)
         note = f"{st['rotating'].median / st['thread'].median:.2f}x the rotating copy"
         label = f"await get_and_update_item (a miss: put in a worker thread) [{loop}]"
-        add(label, st["thread"], vs=vs, target=Target.at_least(0.7, "ratio"), note=note)
+        add(label, st["thread"], vs=vs, target=Target(">=", 0.7, "ratio"), note=note)
     if len(by_size) > 1:
         _threshold_rows(report, loop, by_size)
 

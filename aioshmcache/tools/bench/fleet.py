@@ -171,7 +171,7 @@ def bench_zipf(p: Params, report: Report, progress: Progress) -> None:
     distinct = sorted(set(trace))
     capacity = (256 if p.quick else 768) * MiB
     param = f"{n_req} req, {len(distinct)} of {items} items, {lo // KiB} KiB-{hi // MiB} MiB"
-    row = functools.partial(report.row, S_ZIPF, kind="ratio")
+    add = report.section(S_ZIPF, param, kind="ratio")
     progress(f"fleet: {param}, 4 hosts without a tier")
     runs = {"no tier": _fleet_run(None, trace, sizes, capacity)}
     redis_args = ["--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru"]
@@ -191,8 +191,8 @@ def bench_zipf(p: Params, report: Report, progress: Progress) -> None:
         note += f"{float(np.mean(lat)) * 1e3:.1f} ms"
         if label != "no tier":
             note += _tier_note([res["tier"] for res in results])
-        target = None if label == "no tier" else Target("value", "<=", 1.05)
-        row(f"{PER_ITEM}, {label}", param, len(made) / len(distinct), note=note, target=target)
+        target = None if label == "no tier" else Target("<=", 1.05)
+        add(f"{PER_ITEM}, {label}", len(made) / len(distinct), note=note, target=target)
     # the policy's decision: the items it fetches and the items it makes on every host
     learned = runs["RedisTier"]
     budget = min(res["tier"]["policy"]["budget_bytes"] for res in learned)
@@ -207,7 +207,7 @@ def bench_zipf(p: Params, report: Report, progress: Progress) -> None:
     ):
         if group:
             n = sum(counts[i] for i in group) / len(group)
-            row(f"{PER_ITEM}, RedisTier, items {label}", f"{len(group)} items", n)
+            add(f"{PER_ITEM}, RedisTier, items {label}", n, param=f"{len(group)} items")
 
 
 def bench_hit(p: Params, report: Report, progress: Progress) -> None:
@@ -249,17 +249,17 @@ async def _hit(url: str, sizes: list[int], reps: int, runs: int, report: Report)
                     await c.get_or_put(h, make_it)
                     await c.invalidate(h)  # the learning policy sees fetches and makes
             param, ms = f"{size // MiB} MiB", make.stat()
-            target = Target("ratio", ">=", 2.0) if size == 4 * MiB else None
-            row = functools.partial(report.row, S_HIT, param=param, vs=("preprocessing", ms))
-            report.row(S_HIT, "the preprocessing (20 ms CPU + fill)", param, ms)
-            row("tier hit: get_or_put on a second host", value=tier_hit.stat(), target=target)
-            row("local hit: get_or_put, in shared memory", value=local_hit.stat())
+            target = Target(">=", 2.0, "ratio") if size == 4 * MiB else None
+            add, vs = report.section(S_HIT, param), ("preprocessing", ms)
+            add("the preprocessing (20 ms CPU + fill)", ms)
+            add("tier hit: get_or_put on a second host", tier_hit.stat(), vs=vs, target=target)
+            add("local hit: get_or_put, in shared memory", local_hit.stat(), vs=vs)
         v = c_tier.policy.view(c_tier.max_item_bytes)
         fetch = f"fetch {v.fetch_fixed_s * 1e3:.2f} ms + {v.fetch_per_byte_s * 1e9:.2f} ns/B"
         note = f"make {v.make_fixed_s * 1e3:.1f} ms; probe {v.probe_s * 1e3:.2f} ms; margin "
         note += f"{c_tier.policy.margin}"
         label = "learned fetch budget: the largest item fetched rather than made"
-        report.row(S_HIT, label, fetch, v.budget_bytes, kind="bytes", note=note)
+        report.section(S_HIT, fetch)(label, v.budget_bytes, kind="bytes", note=note)
 
 
 def bench_kill(p: Params, report: Report, progress: Progress) -> None:
@@ -290,22 +290,22 @@ async def _kill(r: RedisServer, trace: list[int], sizes: list[int], report: Repo
         second = await _serve(cache, trace[half:], sizes)
         base_second = await _serve(plain, trace[half:], sizes)
     param = f"{len(trace)} req, {len(set(trace))} items 256 KiB-1 MiB, 4 at once"
-    row = functools.partial(report.row, S_KILL, param=param)
+    add = report.section(S_KILL, param)
     failures = first["failures"] + second["failures"]
-    row("failed requests", value=failures, kind="count", target=Target("value", "<=", 0))
+    add("failed requests", failures, kind="count", target=Target("<=", 0))
     for label, res, base in (
         ("req/s with the tier, Redis up (first half)", first, base_first),
         ("req/s with the tier, Redis killed (second half)", second, base_second),
     ):
         rate, ratio = len(res["latencies"]) / res["seconds"], base["seconds"] / res["seconds"]
-        row(label, value=rate, kind="rate", baseline="no tier", ratio=ratio)
+        add(label, rate, kind="rate", baseline="no tier", ratio=ratio)
     p99_base, p99_dead = (percentile(res["latencies"], 99) for res in (base_second, second))
     st = tier.stats()
     note = f"p99 {p99_dead * 1e3:.1f} ms vs {p99_base * 1e3:.1f} ms; {st.errors} errors, "
     note += f"{st.timeouts} timeouts, breaker opened {st.breaker_opens}x, {st.bypassed} bypassed"
     label = "added p99 latency after the kill (vs the same requests without a tier)"
-    added, target = max(0.0, p99_dead - p99_base), Target("value", "<=", LOOKUP_TIMEOUT_S + 0.005)
-    row(label, value=added, target=target, note=note)
+    added, target = max(0.0, p99_dead - p99_base), Target("<=", LOOKUP_TIMEOUT_S + 0.005)
+    add(label, added, target=target, note=note)
 
 
 def run_fleet_suite(p: Params, report: Report, progress: Progress) -> None:

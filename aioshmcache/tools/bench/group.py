@@ -104,7 +104,7 @@ def bench_zipf(p: Params, report: Report, progress: Progress) -> None:
     for label, got in runs.items():
         grouped = "no group" not in label
         note = f"{got['sibling_hits']} sibling hits, {got['fallbacks']} stale fallbacks"
-        kw = {"target": Target.at_most(1.1, "ratio"), "note": note} if grouped else {}
+        kw = {"target": Target("<=", 1.1, "ratio"), "note": note} if grouped else {}
         ratio = got["preprocessed"] / base
         add(
             f"preprocessings, {label}",

@@ -186,7 +186,7 @@ def _report_roundtrip(report: Report, size: int, stats: dict[str, Any]) -> None:
                 continue
             short = peer.split(" (")[0]
             big_redis = size == 16 * MiB and peer.startswith("redis")
-            tgt = Target.at_least(20.0, "ratio") if big_redis else None
+            tgt = Target(">=", 20.0, "ratio") if big_redis else None
             add(f"aioshmcache ({mode}) vs {short}", stats[ours].median, vs=(short, st), target=tgt)
 
 

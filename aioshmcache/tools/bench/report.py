@@ -53,25 +53,17 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[st
 
 @dataclass(frozen=True)
 class Target:
-    """A stated target: ``value`` (or ``ratio``) compared with ``limit``."""
+    """A stated target: the row's ``value`` (or its ``ratio``) ``<=`` or ``>=`` ``limit``."""
 
-    on: Literal["value", "ratio"]
     op: Literal["<=", ">="]
     limit: float
+    on: Literal["value", "ratio"] = "value"
 
     def holds(self, value: float, ratio: float | None) -> bool | None:
         x = value if self.on == "value" else ratio
         if x is None or not math.isfinite(x):
             return None
         return x <= self.limit if self.op == "<=" else x >= self.limit
-
-    @classmethod
-    def at_most(cls, limit: float, on: Literal["value", "ratio"] = "value") -> Target:
-        return cls(on, "<=", limit)
-
-    @classmethod
-    def at_least(cls, limit: float, on: Literal["value", "ratio"] = "value") -> Target:
-        return cls(on, ">=", limit)
 
     def text(self, kind: Kind) -> str:
         op = "≤" if self.op == "<=" else "≥"
@@ -136,31 +128,20 @@ class Report:
         self.rows.append(row)
         return row
 
-    def row(
-        self,
-        section: str,
-        label: str,
-        param: str,
-        value: float | Stat,
-        *,
-        vs: tuple[str, Stat] | None = None,
-        **kw: Any,
-    ) -> Row:
-        """Add one row: a :class:`Stat` gives its median (and is kept); ``vs=(name, baseline)``
-        names the baseline and sets the ratio baseline ÷ this (above 1: this is faster)."""
-        stat = value if isinstance(value, Stat) else None
-        v = value.median if isinstance(value, Stat) else value
-        if vs is not None:
-            kw.setdefault("baseline", vs[0])
-            kw.setdefault("ratio", vs[1].median / v if v else math.nan)
-        return self.add(Row(section, label, param, v, stat=stat, **kw))
-
     def section(self, name: str, param: str = "", **common: Any) -> Callable[..., Row]:
-        """A writer of rows of section ``name``: ``add(label, value, **kw)``, ``param`` and
-        ``common`` preset (and overridable)."""
+        """A writer of rows of section ``name``: ``add(label, value, **kw)``, with ``param`` and
+        ``common`` preset (and overridable). A :class:`Stat` value gives its median (and is
+        kept); ``vs=(name, baseline)`` names the baseline and sets the ratio baseline ÷ this
+        (above 1: this is faster)."""
 
         def add(label: str, value: float | Stat, param: str = param, **kw: Any) -> Row:
-            return self.row(name, label, param, value, **(common | kw))
+            kw = common | kw
+            stat = value if isinstance(value, Stat) else None
+            v = value.median if isinstance(value, Stat) else value
+            if (vs := kw.pop("vs", None)) is not None:
+                kw.setdefault("baseline", vs[0])
+                kw.setdefault("ratio", vs[1].median / v if v else math.nan)
+            return self.add(Row(name, label, param, v, stat=stat, **kw))
 
         return add
 

@@ -274,11 +274,11 @@ def _report(
             vs_fifo = _median(_ratio(got[SECOND_CHANCE], got[FIFO]))
             on_target = (s, fraction) == FIFO_TARGET[0]
             rel = f"{1 - vs_fifo.median:.1%} fewer misses"
-            tgt = Target.at_most(FIFO_TARGET[1]) if on_target else None
+            tgt = Target("<=", FIFO_TARGET[1]) if on_target else None
             note = f"{rel} than FIFO"
             add("misses: second chance ÷ FIFO", vs_fifo, kind="ratio", target=tgt, note=note)
             vs_lru = _median(_ratio(got[SECOND_CHANCE], got[LRU]))
-            tgt = Target.at_most(1.0)
+            tgt = Target("<=", 1.0)
             add("misses: second chance ÷ LRU model", vs_lru, kind="ratio", target=tgt)
         pct = {n: f"{v:.1%}" for n, v in med.items()}
         per = {n: fmt_bytes(int(v)) for n, v in bpr.items()}

@@ -305,7 +305,7 @@ def run_vllm_suite(p: Params, report: Report, progress: Progress, vllm_file: Pat
         add = report.section(S_VLLM, fmt_bytes(size))
         for theirs, mine, op in _PAIRS:
             limit = _TARGETS.get((op, size), 1 / 0.95 if size >= MiB else None)
-            tgt = None if limit is None else Target.at_least(limit, "ratio")
+            tgt = None if limit is None else Target(">=", limit, "ratio")
             add(mine, stats[mine], vs=(theirs, stats[theirs]), target=tgt)
         for name in ("vLLM put + sign", "vLLM get (verify, copy)"):
             add(name, stats[name])
@@ -314,7 +314,7 @@ def run_vllm_suite(p: Params, report: Report, progress: Progress, vllm_file: Pat
             if name not in ("np.copyto", "copy out"):
                 base = "copy out" if name in _READS else "np.copyto"
                 big = size >= MiB and name.startswith("ours")
-                tgt = Target.at_least(1 / 1.1, "ratio") if big else None
+                tgt = Target(">=", 1 / 1.1, "ratio") if big else None
                 limit_row(name, st_, vs=(base, stats[base]), target=tgt)
         limit_row("np.copyto into warm shm (rotating)", stats["np.copyto"])
         limit_row("copy out of shm into a new array", stats["copy out"])
@@ -323,5 +323,5 @@ def run_vllm_suite(p: Params, report: Report, progress: Progress, vllm_file: Pat
     add = report.section(S_VLLM, "1 MiB")
     label = "churn: put + read back + acknowledge, per item (ours: SenderCache + ReceiverCache)"
     vs = ("vLLM put + sign + get", churn["vllm"])
-    add(label, churn["ours"], vs=vs, target=Target.at_least(1.1, "ratio"))
+    add(label, churn["ours"], vs=vs, target=Target(">=", 1.1, "ratio"))
     add("churn: vLLM put + sign + get, per item", churn["vllm"])

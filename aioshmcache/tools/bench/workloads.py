@@ -77,13 +77,13 @@ def _lease_once(reader: StoreReader, ref: ShmRef) -> None:
 
 
 #: the store subjects: (label, cell, plot series, the sizes whose target applies, target)
-_AT_08 = Target.at_least(0.8, "ratio")
+_AT_08 = Target(">=", 0.8, "ratio")
 _ROTATING = "np.copyto into rotating places of a ring-sized shm buffer"
 _STORE_ROWS: list[tuple[str, str, str, tuple[int, ...] | None, Target | None]] = [
     (_ROTATING, "rotating", "np.copyto, rotating", (), None),
     ("put", "put", "put", (16 * MiB,), _AT_08),
     ("get (copy)", "get", "get (copy)", (MiB, 16 * MiB), _AT_08),
-    ("get (lease: view + ack)", "lease", "get (lease)", None, Target.at_most(20e-6)),
+    ("get (lease: view + ack)", "lease", "get (lease)", None, Target("<=", 20e-6)),
     ("np.array(shm view): copy into a fresh array", "copyout", "np.array(shm view)", (), None),
 ]
 
@@ -164,7 +164,7 @@ def bench_small_steady(p: Params, report: Report, progress: Progress, worker: Wo
         ("get (lease: view + ack, reader process)", got["lease"], "get (lease)", 8e-6),
     ):
         note = _gc_note(evictions) if series == "put" else ""
-        add(label, st.stat(), target=Target.at_most(limit), series=series, note=note)
+        add(label, st.stat(), target=Target("<=", limit), series=series, note=note)
 
 
 def _times(reply: Any) -> list[float]:
@@ -213,11 +213,11 @@ def bench_sender_steady(p: Params, report: Report, progress: Progress, worker: W
                     gc.unfreeze()
         evictions = cache.snapshot().evictions
     ps, n, add = put.stat(), p.runs * p.sender_puts, report.section(S_SENDER, "1 KiB")
-    tgt = Target.at_most(10e-6)
+    tgt = Target("<=", 10e-6)
     add("get_and_update_item, miss (put)", ps, note=_gc_note(evictions), target=tgt)
     label = f"put latency, max over {n:,} puts, after gc.freeze()"
     note = f"{fulls['frozen']} full collections of the unfrozen rest"
-    add(label, worst["frozen"], target=Target.at_most(5e-3), note=note)
+    add(label, worst["frozen"], target=Target("<=", 5e-3), note=note)
     note = f"p99 {ps.p99 * 1e6:.1f} us; {fulls['as is']} full collections of this process "
     note += f"({len(gc.get_objects()):,} tracked objects)"
     add(f"put latency, max over {n:,} puts, as is", worst["as is"], note=note)
@@ -262,7 +262,7 @@ def bench_fresh_vs_warm(p: Params, report: Report, progress: Progress) -> None:
     ):
         add(label, st[key], vs=None if key == "warm" else ("warm put", st["warm"]))
     ratio = st["first"].median / st["warm"].median
-    add("first put ÷ warm put", ratio, kind="ratio", target=Target.at_most(1.5))
+    add("first put ÷ warm put", ratio, kind="ratio", target=Target("<=", 1.5))
 
 
 def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -> None:
@@ -288,7 +288,7 @@ def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -
             rs, bs = rates.stat(), base.stat()
             who = "reader copies each item" if mode == "copy" else "reader leases (no copy)"
             kw: dict[str, Any] = {"kind": "rate"}
-            kw["target"] = Target.at_least(10_000) if mode == "copy" else None
+            kw["target"] = Target(">=", 10_000) if mode == "copy" else None
             kw |= {"note": f"writer waited for room {waits} times", "ratio": rs.median * bs.median}
             add(f"puts/s ({who})", rs, baseline="1 / rotating np.copyto", **kw)
             add(f"put latency ({who})", lat.stat(), vs=("rotating np.copyto", bs))
@@ -321,8 +321,8 @@ def bench_readers(p: Params, report: Report, progress: Progress, worker: Worker)
             )
             add(f"get (copy) of {what}", gets[(k, s)].stat(), series=f"get {what}")
         worst = gets[(kmax, s)].stat().median / one.median
-        label, tgt = f"get {what}: {kmax} readers ÷ 1 reader", Target.at_most(1.10)
-        report.row(S_READERS, label, f"{kmax} vs 1", worst, kind="ratio", target=tgt)
+        label, tgt = f"get {what}: {kmax} readers ÷ 1 reader", Target("<=", 1.10)
+        report.section(S_READERS, f"{kmax} vs 1")(label, worst, kind="ratio", target=tgt)
     vs = ("1 reader", handouts[1].stat())
     for k in p.readers:
         add = report.section(S_READERS, f"{k} readers", plot="readers", x=k, vs=vs)
@@ -356,7 +356,7 @@ def bench_gc_live_entries(p: Params, report: Report, progress: Progress) -> None
         live = sender.snapshot().items
     add = report.section(S_GC, f"{n:,} items")
     add("gc.collect(), no items yet (baseline)", base.stat())
-    tgt = Target.at_most(30e-3) if n >= GC_TARGET_ENTRIES else None
+    tgt = Target("<=", 30e-3) if n >= GC_TARGET_ENTRIES else None
     note = f"{live:,} items cached, {tracked:,} objects tracked by gc"
     add(f"gc.collect() with {n:,} live entries", full.stat(), note=note, target=tgt)
 
