@@ -11,11 +11,12 @@ an error; ``--check`` turns a missed target into exit status 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from ..progress import Progress
 from ..shm import files_with_prefix, remove
@@ -86,28 +87,13 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def run(
-    suites: tuple[str, ...] | list[str],
-    *,
-    quick: bool,
-    want_redis: bool = True,
-    progress: Progress | None = None,
-    vllm_file: Path | None = None,
-) -> Report:
-    """Run the given suites and return the report (files are written by :func:`main`)."""
-    p = Params.smoke() if quick else Params.full()
+def run(suites: Sequence[str], p: Params, progress: Progress | None = None) -> Report:
+    """Run the given suites with ``p`` and return the report (:func:`main` writes the files)."""
     progress = progress or Progress()
-    report = Report("aioshmcache benchmark", quick=quick)
-    if "peers" in suites and not want_redis:
-        report.skip("redis: --no-redis")
-    extra: dict[str, dict[str, Any]] = {
-        "peers": {"want_redis": want_redis},
-        "vllm": {"vllm_file": vllm_file},
-    }
+    report = Report("aioshmcache benchmark", quick=p.quick)
     for suite in (s for s in _RUNNERS if s in suites):
         module, fn = _RUNNERS[suite]
-        runner = getattr(importlib.import_module(f".{module}", __name__), fn)
-        runner(p, report, progress, **extra.get(suite, {}))
+        getattr(importlib.import_module(f".{module}", __name__), fn)(p, report, progress)
     report.finish()
     return report
 
@@ -137,8 +123,9 @@ def main(argv: list[str]) -> int:
         out_dir = found
     t0, leaked = time.monotonic(), False
     try:
-        opts = {"want_redis": not ns.no_redis, "progress": progress, "vllm_file": ns.vllm_file}
-        report = run(suites, quick=ns.quick, **opts)
+        p = Params.smoke() if ns.quick else Params.full()
+        p = dataclasses.replace(p, redis=not ns.no_redis, vllm_file=ns.vllm_file)
+        report = run(suites, p, progress)
     except KeyboardInterrupt:
         print("bench: interrupted", file=sys.stderr)
         return 130

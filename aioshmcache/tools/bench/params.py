@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+from pathlib import Path
 from typing import Any
 
 from aioshmcache import CacheConfig
@@ -36,6 +37,8 @@ class Params:
     """Sizes, repetitions and operation counts: the defaults are the full run."""
 
     quick: bool = False
+    redis: bool = True  # --no-redis: no Redis peer in the round trip
+    vllm_file: Path | None = None  # --vllm-file: vLLM's store for the vllm suite
     runs: int = 5
     sizes: tuple[int, ...] = _SIZES
     peer_sizes: tuple[int, ...] = _SIZES

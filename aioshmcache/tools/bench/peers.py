@@ -190,7 +190,9 @@ def _report_roundtrip(report: Report, size: int, stats: dict[str, Any]) -> None:
             add(f"aioshmcache ({mode}) vs {short}", stats[ours].median, vs=(short, st), target=tgt)
 
 
-def run_peers_suite(p: Params, report: Report, progress: Progress, *, want_redis: bool) -> None:
-    redis = redis_peer(report, progress) if want_redis else contextlib.nullcontext()
+def run_peers_suite(p: Params, report: Report, progress: Progress) -> None:
+    if not p.redis:
+        report.skip("redis: --no-redis")
+    redis = redis_peer(report, progress) if p.redis else contextlib.nullcontext()
     with LazyWorker() as lw, redis as client:
         lw.attempt(report, "round trip", partial(_roundtrips, p, report, progress, redis=client))

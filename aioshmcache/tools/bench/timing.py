@@ -75,21 +75,16 @@ def interleave(runs: int, cells: dict[str, Cell], *, warmup: int = 0) -> dict[st
     samples = {name: Samples() for name in cells}
     for r in range(warmup + runs):
         for name, cell in cells.items():
-            out: list[float] = []
-            cell(out)
-            if r >= warmup:
-                samples[name].add_run(out)
+            cell(samples[name].new_run() if r >= warmup else [])
     return {name: s.stat() for name, s in samples.items()}
 
 
 async def ainterleave(runs: int, cells: dict[str, Cell]) -> dict[str, Stat]:
-    """:func:`interleave` for coroutines too: every cell called (and awaited if it is a
-    coroutine function) once per run, in turn."""
+    """:func:`interleave` for coroutine functions too: each call awaited if it is awaitable."""
     samples = {name: Samples() for name in cells}
     for _ in range(runs):
         for name, cell in cells.items():
-            result = cell(samples[name].new_run())
-            if inspect.isawaitable(result):
+            if inspect.isawaitable(result := cell(samples[name].new_run())):
                 await result
     return {name: s.stat() for name, s in samples.items()}
 

@@ -284,10 +284,10 @@ _PAIRS = (
 _TARGETS = {("put", 1 * KiB): 1 / 0.6, ("get", 1 * KiB): 1 / 0.3}
 
 
-def run_vllm_suite(p: Params, report: Report, progress: Progress, vllm_file: Path | None) -> None:
+def run_vllm_suite(p: Params, report: Report, progress: Progress) -> None:
     """The suite (skipped, with a line in the report, when vLLM's store is not available)."""
     try:
-        mod = load_vllm_store(vllm_file)
+        mod = load_vllm_store(p.vllm_file)
     except (OSError, ValueError, ImportError) as exc:
         report.skip(f"vllm: {exc}")
         return
