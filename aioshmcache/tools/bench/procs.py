@@ -40,12 +40,21 @@ def _read(store: StoreReader, ref: Any, mode: str) -> int:
     return time.perf_counter_ns() - t0
 
 
+def _close_all(stores: list[StoreReader]) -> None:
+    for s in stores:
+        with contextlib.suppress(Exception):
+            s.close()
+    stores.clear()
+
+
 def _dispatch(cmd: str, args: tuple[Any, ...], conn: Connection, stores: list[Any]) -> Any:
     """One command; its loops read from the pipe until ``None``."""
     if cmd == "attach":  # ("attach", handle, n): claim n reader slots
         stores.extend(ShmObjectStore.from_handle(args[0]) for _ in range(args[1]))
         return len(stores)
-    if cmd == "read":  # ("read", mode, reply): lists of refs; read each, reply the times if asked
+    if cmd == "detach":
+        _close_all(stores)
+    elif cmd == "read":  # ("read", mode, reply): lists of refs; read each, reply times if asked
         for batch in _until_none(conn.recv):
             times = [_read(stores[0], ref, args[0]) for ref in batch]
             if args[1]:
@@ -69,24 +78,16 @@ def _serve(conn: Connection) -> None:
                 return
             if not (isinstance(msg, tuple) and msg and isinstance(msg[0], str)):
                 continue  # a stray item of an aborted data loop
-            if msg[0] in ("exit", "detach"):
-                for s in stores:
-                    with contextlib.suppress(Exception):
-                        s.close()
-                stores.clear()
+            if msg[0] == "exit":
                 conn.send(("ok",))
-                if msg[0] == "exit":
-                    return
-                continue
+                return
             try:
                 reply = ("ok", _dispatch(msg[0], msg[1:], conn, stores))
             except Exception as exc:  # report, keep serving
                 reply = ("error", f"{type(exc).__name__}: {exc}")
             conn.send(reply)
     finally:
-        for s in stores:
-            with contextlib.suppress(Exception):
-                s.close()
+        _close_all(stores)
 
 
 class Worker:

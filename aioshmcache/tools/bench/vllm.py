@@ -34,7 +34,6 @@ import msgpack
 import numpy as np
 
 from aioshmcache import (
-    CacheConfig,
     ReceiverCache,
     SenderCache,
     ShmObjectStore,
@@ -45,7 +44,7 @@ from aioshmcache import (
 from ..progress import Progress
 from ..units import KiB, MiB, fmt_bytes
 from . import timing as tm
-from .params import Params, segment_prefix
+from .params import Params, bench_config, segment_prefix
 from .report import Report, Target
 
 __all__ = ["VLLM_MODULE", "load_vllm_store", "run_vllm_suite"]
@@ -180,13 +179,8 @@ def _stores(mod: types.ModuleType, capacity: int, max_object: int) -> Iterator[_
         handle.reader_lock = multiprocessing.Lock()
         reader = mod.SingleWriterShmObjectStorage.create_from_handle(handle)
         stack.callback(reader.close)
-
-        def config() -> CacheConfig:
-            name = f"{segment_prefix()}vllm-ours{next(_names)}"
-            return CacheConfig(capacity, max_object, 1, name=name)
-
-        sender = stack.enter_context(SenderCache(config()))
-        store = stack.enter_context(ShmObjectStore.create(config()))
+        sender = stack.enter_context(SenderCache(bench_config(capacity, max_object)))
+        store = stack.enter_context(ShmObjectStore.create(bench_config(capacity, max_object)))
         rx = stack.enter_context(ReceiverCache.attach(sender.handle()))
         rd = stack.enter_context(ShmObjectStore.from_handle(store.handle()))
         yield _Stores(writer, reader, sender, store, rx, rd)
