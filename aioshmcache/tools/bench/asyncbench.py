@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import nullcontext
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -39,16 +39,17 @@ S_PUT = "Async: 16 MiB put through the thread pool"
 S_LAG = "Async: loop lag of a 1 ms ticker while 16 MiB items stream"
 S_THR = "Async: inline vs thread (DEFAULT_INLINE_THRESHOLD = 1 MiB)"
 
+R = TypeVar("R")
 NEVER = 1 << 62
 BIG = 16 * MiB
 _keys = itertools.count()
 
 
-def _run(loop: str, fn: Callable[[], Awaitable[None]]) -> None:
+def _run(loop: str, fn: Callable[[], Awaitable[R]]) -> R:
     options: dict[str, Any] = {}
     if loop == "uvloop":
         options["loop_factory"] = importlib.import_module("uvloop").new_event_loop
-    anyio.run(fn, backend="asyncio", backend_options=options)
+    return anyio.run(fn, backend="asyncio", backend_options=options)
 
 
 def _ref(x: object) -> ShmRef:
@@ -72,9 +73,8 @@ async def _puts(c: AsyncSenderCache, item: Any, n: int, out: list[float]) -> Non
 def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
     progress(f"async [{loop}]: small cache hit ({p.runs} runs)")
     item, n = {"data": tm.source_array(1024)}, p.n_ops(1024)
-    st: dict[str, tm.Stat] = {}
 
-    async def main() -> None:
+    async def main() -> dict[str, tm.Stat]:
         sender = SenderCache(bench_config(8 * MiB, 1 * MiB, 1))
         # a live reader: hand-outs owe it
         with sender, ReceiverCache.attach(sender.handle()) as rx:
@@ -92,9 +92,9 @@ def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
                         rx.release(_ref(tm.timed(out, sender.get_and_update_item, None, "h")[0]))
 
                 hops = partial(_hops, max(20, n // 20), anyio.CapacityLimiter(1))
-                st.update(await tm.ainterleave(p.runs, {"hit": hit, "sync": sync_hit, "hop": hops}))
+                return await tm.ainterleave(p.runs, {"hit": hit, "sync": sync_hit, "hop": hops})
 
-    _run(loop, main)
+    st = _run(loop, main)
     add = report.section(S_HIT, "1 KiB")
     add(f"async hit [{loop}]", st["hit"], vs=("sync hit", st["sync"]), target=Target("<=", 2e-5))
     add(f"sync SenderCache hit [{loop} run]", st["sync"])
@@ -189,7 +189,6 @@ def bench_puts(p: Params, report: Report, progress: Progress, loop: str, sizes: 
     progress(f"async [{loop}]: inline vs thread put for {', '.join(map(fmt_bytes, sizes))}")
     slot = max(sizes) + 64 * KiB
     by_size: dict[int, dict[str, tm.Stat]] = {}
-    limiter = anyio.CapacityLimiter(4)
 
     async def main(shm: tm.ShmBuffer) -> None:
         with SenderCache(bench_config(8 * slot, slot, 1)) as s:
@@ -205,7 +204,6 @@ def bench_puts(p: Params, report: Report, progress: Progress, loop: str, sizes: 
                         "copy": tm.copy_into(shm, src, n),
                         "inline": partial(_puts, ci, item, n),
                         "thread": partial(_puts, ct, item, n),
-                        "hop": partial(_hops, 10, limiter),
                     }
                     if size == BIG:
                         cells["rotating"] = tm.copy_into(shm, src, n, rotating=True)
@@ -235,7 +233,6 @@ def _threshold_rows(report: Report, loop: str, by_size: dict[int, dict[str, tm.S
     is better off handing the copy to a thread.
     """
     add = report.section(S_THR, plot="threshold")
-    add(f"thread hop (noop) [{loop}]", next(iter(by_size.values()))["hop"], plot=None)
     for size, st in by_size.items():
         for label, key, vs, series in (
             (f"np.copyto [{loop}]", "copy", None, "np.copyto (baseline)"),

@@ -297,36 +297,31 @@ def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -
 
 def bench_readers(p: Params, report: Report, progress: Progress, worker: Worker) -> None:
     progress(f"readers: get with {p.readers} attached readers ({p.runs} runs)")
-    sizes, kmax = (1024, 1 * MiB), max(p.readers)
-    gets = {(k, s): tm.Samples() for k in p.readers for s in sizes}
-    handouts = {k: tm.Samples() for k in p.readers}
+    gets = {f"get (copy) of {fmt_bytes(s)}": s for s in (1024, 1 * MiB)}
+    labels, kmax = [*gets, "writer hand-out (get_cached)"], max(p.readers)
+    samples = {(k, label): tm.Samples() for k in p.readers for label in labels}
     store, reader = _readers(bench_config(8 * MiB, 2 * MiB, kmax))
     with store, reader:
-        for s in sizes:
+        for s in gets.values():
             reader.ack(store.put(f"r{s}", {"data": tm.source_array(s)}))
         for _ in range(p.runs):
             for k in p.readers:
                 # k - 1 idle readers in another process
                 with worker.attached(store.handle(), k - 1) if k > 1 else nullcontext():
-                    h = handouts[k].new_run()
-                    for s in sizes:  # the hand-out and the read, timed apart
-                        run = gets[(k, s)].new_run()
+                    h = samples[(k, labels[-1])].new_run()
+                    for label, s in gets.items():  # the hand-out and the read, timed apart
+                        run = samples[(k, label)].new_run()
                         for _ in range(p.n_ops(s)):
                             tm.timed(run, reader.get, tm.timed(h, _handout, store, f"r{s}"))
-    for s in sizes:
-        one, what = gets[(1, s)].stat(), fmt_bytes(s)
+    for label in labels:
+        one = samples[(1, label)].stat()
         for k in p.readers:
-            add = report.section(
-                S_READERS, f"{k} readers", plot="readers", x=k, vs=("1 reader", one)
-            )
-            add(f"get (copy) of {what}", gets[(k, s)].stat(), series=f"get {what}")
-        worst = gets[(kmax, s)].stat().median / one.median
-        label, tgt = f"get {what}: {kmax} readers ÷ 1 reader", Target("<=", 1.10)
-        report.section(S_READERS, f"{kmax} vs 1")(label, worst, kind="ratio", target=tgt)
-    vs = ("1 reader", handouts[1].stat())
-    for k in p.readers:
-        add = report.section(S_READERS, f"{k} readers", plot="readers", x=k, vs=vs)
-        add("writer hand-out (get_cached)", handouts[k].stat(), series="writer hand-out")
+            add = report.section(S_READERS, f"{k} readers", plot="readers", x=k)
+            add(label, samples[(k, label)].stat(), vs=("1 reader", one), series=label)
+        if label in gets:
+            worst = samples[(kmax, label)].stat().median / one.median
+            add = report.section(S_READERS, f"{kmax} vs 1", kind="ratio")
+            add(f"{label}: {kmax} readers ÷ 1 reader", worst, target=Target("<=", 1.10))
 
 
 def bench_gc_live_entries(p: Params, report: Report, progress: Progress) -> None:
