@@ -32,9 +32,7 @@ pytestmark = pytest.mark.bench
 SECTIONS = (
     "Store: one array item",
     "Small items steady state",
-    "Fresh cache",
     "Churn",
-    "Read path vs attached readers",
     "Round trip",
     "Async: cache hit",
     "Async: 16 MiB put",

@@ -1,7 +1,7 @@
 """``python -m aioshmcache bench``: the benchmark suites against the physical limit and the peers.
 
 ``store`` (put / get / lease against ``np.copyto`` into warm shared memory, steady state, churn,
-readers), ``peers`` (the round trip against ``multiprocessing`` and Redis) and ``async`` run by
+gc), ``peers`` (the round trip against ``multiprocessing`` and Redis) and ``async`` run by
 default; ``group``, ``trace``, ``fleet`` and ``vllm`` when named with ``--suite``. Each writes
 ``aioshmcache-bench[-SUITES][-quick]`` ``.md``, ``.png`` and ``.json``; bench/README.md gives the
 method. ``--quick`` is the smoke run CI uses. A peer that is not installed is a skip line, never

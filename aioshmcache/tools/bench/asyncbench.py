@@ -75,7 +75,7 @@ def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
     item, n = {"data": tm.source_array(1024)}, p.n_ops(1024)
 
     async def main() -> dict[str, tm.Stat]:
-        sender = SenderCache(bench_config(8 * MiB, 1 * MiB, 1))
+        sender = SenderCache(bench_config(8 * MiB, 1 * MiB))
         # a live reader: hand-outs owe it
         with sender, ReceiverCache.attach(sender.handle()) as rx:
             async with AsyncSenderCache(sender) as c:
@@ -164,7 +164,7 @@ def _lag_once(
 
     async def main() -> None:
         threshold = NEVER if mode == "inline" else DEFAULT_INLINE_THRESHOLD
-        cfg = bench_config(16 * size, size, 1)
+        cfg = bench_config(16 * size, size)
         async with AsyncSenderCache.from_config(cfg, inline_threshold_bytes=threshold) as c:
             serve = worker.attached(c.handle(), reads="copy")
             with serve if reader else nullcontext(), anyio.CancelScope() as scope:
@@ -191,7 +191,7 @@ def bench_puts(p: Params, report: Report, progress: Progress, loop: str, sizes: 
     by_size: dict[int, dict[str, tm.Stat]] = {}
 
     async def main(shm: tm.ShmBuffer) -> None:
-        with SenderCache(bench_config(8 * slot, slot, 1)) as s:
+        with SenderCache(bench_config(8 * slot, slot)) as s:
             ci = AsyncSenderCache(s, inline_threshold_bytes=NEVER)
             ct = AsyncSenderCache(s, inline_threshold_bytes=0)
             async with ci, ct:

@@ -10,7 +10,7 @@ from typing import Any
 
 from aioshmcache import CacheConfig
 
-from ..units import GiB, KiB, MiB
+from ..units import KiB, MiB
 
 __all__ = ["Params", "bench_config", "segment_prefix"]
 
@@ -26,10 +26,9 @@ def segment_prefix() -> str:
     return f"bench-{os.getpid()}-"
 
 
-def bench_config(capacity: int, max_object: int, n_readers: int = 1, **kw: Any) -> CacheConfig:
-    """A config with a recognisable, unique segment name."""
-    name = f"{segment_prefix()}{next(_counter)}"
-    return CacheConfig(capacity, max_object, n_readers, name=name, **kw)
+def bench_config(capacity: int, max_object: int, **kw: Any) -> CacheConfig:
+    """A config with one reader slot and a recognisable, unique segment name."""
+    return CacheConfig(capacity, max_object, 1, name=f"{segment_prefix()}{next(_counter)}", **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +46,8 @@ class Params:
     peer_ops: Table = tuple(zip(_SIZES, (300, 200, 60, 8, 3)))
     small_batches: int = 8  # 1 KiB steady state: batches of 256 puts per run
     sender_puts: int = 20_000  # SenderCache puts per run (the latency max is over all runs)
-    fresh_cache: int = 1 * GiB
-    fresh_runs: int = 5
     churn_puts: int = 10_000
     churn_runs: int = 3
-    readers: tuple[int, ...] = (1, 2, 4, 8)
     lag_seconds: float = 1.0
     lag_runs: int = 3
     lag_loops: tuple[str, ...] = ("asyncio", "uvloop")
@@ -87,8 +83,8 @@ class Params:
 
 _SMOKE: dict[str, Any] = dict(quick=True, runs=3, sizes=(K, 64 * K, M, 16 * M), peer_sizes=(K, M))
 _SMOKE |= dict(ops=((K, 300), (64 * K, 200), (M, 40), (16 * M, 4)), peer_ops=((K, 40), (M, 10)))
-_SMOKE |= dict(small_batches=3, sender_puts=2_000, fresh_cache=256 * M, fresh_runs=1)
-_SMOKE |= dict(churn_puts=1_000, churn_runs=1, readers=(1, 8))
+_SMOKE |= dict(small_batches=3, sender_puts=2_000)
+_SMOKE |= dict(churn_puts=1_000, churn_runs=1)
 _SMOKE |= dict(lag_seconds=0.6, lag_runs=1, lag_loops=("asyncio",), gc_entries=20_000)
 _SMOKE |= dict(threshold_sizes=(64 * K, M, 4 * M))
 _SMOKE |= dict(group_requests=600, group_images=200, group_lookups=200)

@@ -102,7 +102,7 @@ class OurRoundTrip:
     def __init__(self, worker: Worker, size: int) -> None:
         self.worker, self.mode, self.keys = worker, "", itertools.count()
         self.stack, self.serve = contextlib.ExitStack(), contextlib.ExitStack()
-        cfg = bench_config(max(8 * MiB, 6 * (size + 4096)), size + 64 * KiB, 1)
+        cfg = bench_config(max(8 * MiB, 6 * (size + 4096)), size + 64 * KiB)
         self.store = self.stack.enter_context(ShmObjectStore.create(cfg))
         self.stack.enter_context(worker.attached(self.store.handle()))
         self.stack.callback(self.serve.close)  # the data loop ends before the detach

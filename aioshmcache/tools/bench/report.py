@@ -242,7 +242,6 @@ def _section_cells(r: Row) -> tuple[str, ...]:
 _PANELS: dict[str, tuple[str, str, bool]] = {
     "store": ("Store, one array item (median)", "time per operation", True),
     "roundtrip": ("Round trip writer → reader → reply", "time", True),
-    "readers": ("Read path vs attached readers", "get time", False),
     "threshold": ("Async put: inline vs thread", "put latency", True),
     "looplag": ("Loop lag of a 1 ms ticker", "lag", False),
     "small": ("1 KiB steady state (writer/reader processes)", "time", False),

@@ -153,7 +153,7 @@ def replay(
     """
     kw = {} if second_chance is None else {"second_chance": second_chance}
     biggest = int(max(sizes))
-    config = bench_config(capacity, biggest + 64 * KiB, 1, **kw)
+    config = bench_config(capacity, biggest + 64 * KiB, **kw)
     # one source buffer: an item is a view of its first `size` bytes; the put copies them
     source = np.random.default_rng(1).integers(0, 255, size=biggest, dtype=np.uint8)
     written = 0

@@ -13,7 +13,6 @@ import itertools
 import os
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -33,9 +32,7 @@ __all__ = ["run_store_suite"]
 S_STORE = "Store: one array item, in-process reader (vs np.copyto into warm shm)"
 S_SMALL = "Small items steady state: 1 KiB, ring churning, reader in another process"
 S_SENDER = "SenderCache steady state: 1 KiB misses (puts), ring churning, reader process acking"
-S_FRESH = "Fresh cache: first put vs warm put"
 S_CHURN = "Churn: 64 MiB ring, 1 MiB items, a reader process acknowledging each"
-S_READERS = "Read path vs attached readers"
 S_GC = "Writer state vs the garbage collector: many live small items"
 GC_TARGET_ENTRIES = 250_000  # the figure the target names
 BATCH = 256  # references sent to the reader process at a time
@@ -53,12 +50,6 @@ def _room_for(report: Report, nbytes: int, what: str) -> bool:
     free = f"{fmt_bytes(avail)} available, {fmt_bytes(shm)} in /dev/shm"
     report.skip(f"{what}: not enough free memory for {fmt_bytes(nbytes)} ({free})")
     return False
-
-
-def _readers(cfg: Any) -> tuple[StoreWriter, StoreReader]:
-    """A new store and an in-process reader of it."""
-    store = ShmObjectStore.create(cfg)
-    return store, ShmObjectStore.from_handle(store.handle())
 
 
 def _handout(store: StoreWriter, key: str) -> ShmRef:
@@ -105,8 +96,8 @@ def bench_store_ops(p: Params, report: Report, progress: Progress) -> None:
 def _store_ops(p: Params, shm: tm.ShmBuffer, size: int) -> dict[str, tm.Stat]:
     n, src = p.n_ops(size), tm.source_array(size)
     item, ring = {"data": src}, max(64 * MiB, 6 * (size + 4096))  # a ring beyond the CPU caches
-    store, reader = _readers(bench_config(ring, size + 64 * KiB, 1))
-    with store, reader:
+    store = ShmObjectStore.create(bench_config(ring, size + 64 * KiB))
+    with store, ShmObjectStore.from_handle(store.handle()) as reader:
         last = ""
 
         def put(out: list[float]) -> None:
@@ -140,7 +131,7 @@ def bench_small_steady(p: Params, report: Report, progress: Progress, worker: Wo
     progress(f"small items: 1 KiB steady state, reader process ({p.runs} runs)")
     item = {"data": tm.source_array(1024)}
     put, got = tm.Samples(), {"copy": tm.Samples(), "lease": tm.Samples()}
-    with ShmObjectStore.create(bench_config(2 * MiB, 64 * KiB, 1)) as store:
+    with ShmObjectStore.create(bench_config(2 * MiB, 64 * KiB)) as store:
         for mode, samples in got.items():
             with worker.attached(store.handle(), reads=mode, reply=True) as conn:
                 for r in range(p.runs + 1):  # run 0 warms up
@@ -186,7 +177,7 @@ def bench_sender_steady(p: Params, report: Report, progress: Progress, worker: W
     item = ({"data": tm.source_array(1024)}, ())
     put, hit = tm.Samples(), tm.Samples()
     worst, fulls = {"as is": 0.0, "frozen": 0.0}, {"as is": 0, "frozen": 0}
-    with SenderCache(bench_config(2 * MiB, 64 * KiB, 1)) as cache:
+    with SenderCache(bench_config(2 * MiB, 64 * KiB)) as cache:
         with worker.attached(cache.handle(), reads="copy") as conn:
             for mode in ("as is", "frozen"):
 
@@ -228,43 +219,6 @@ def _hit_release(cache: SenderCache, key: str) -> None:
     cache.release(cache.get_and_update_item(None, key)[0])
 
 
-def bench_fresh_vs_warm(p: Params, report: Report, progress: Progress) -> None:
-    cache, size = p.fresh_cache, 16 * MiB
-    if not _room_for(report, cache, "fresh vs warm put"):
-        return
-    progress(f"fresh {fmt_bytes(cache)} cache: first 16 MiB put vs warm put ({p.fresh_runs} runs)")
-    item = {"data": tm.source_array(size)}
-    s = {k: tm.Samples() for k in ("create", "first", "fresh", "warm", "hot")}
-    for _ in range(p.fresh_runs):
-        cfg = bench_config(cache, size + 64 * KiB, 1)
-        with tm.timed(s["create"].new_run(), ShmObjectStore.create, cfg) as store:
-            tm.timed(s["first"].new_run(), store.put, "first", item)
-            run = s["fresh"].new_run()
-            for j in range(1, 8):  # more puts into pages no put has written yet
-                tm.timed(run, store.put, f"fresh{j}", item)
-            for j in range(cache // (size + 64 * KiB) + 2):  # wrap the ring: pages written before
-                store.put(f"wrap{j}", item)
-            run = s["warm"].new_run()
-            for j in range(5):  # steady state: written once, long out of the CPU caches
-                tm.timed(run, store.put, f"warm{j}", item)
-            run = s["hot"].new_run()
-            for j in range(3):
-                store.clear()  # the ring starts again at address 0: the very same pages, hot
-                tm.timed(run, store.put, f"hot{j}", item)
-    st = {k: v.stat() for k, v in s.items()}
-    add = report.section(S_FRESH, f"{fmt_bytes(cache)} cache, 16 MiB item")
-    add("create the cache (fallocate + prefault)", st["create"], param=fmt_bytes(cache))
-    for label, key in (
-        ("first put into the fresh cache", "first"),
-        ("puts 2-8 into the fresh cache (pages not yet written)", "fresh"),
-        ("warm put (after the ring wrapped: pages written before)", "warm"),
-        ("hot put (the same pages again right after clear)", "hot"),
-    ):
-        add(label, st[key], vs=None if key == "warm" else ("warm put", st["warm"]))
-    ratio = st["first"].median / st["warm"].median
-    add("first put ÷ warm put", ratio, kind="ratio", target=Target("<=", 1.5))
-
-
 def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -> None:
     size, ring = 1 * MiB, 64 * MiB
     item, base = {"data": tm.source_array(size)}, tm.Samples()
@@ -276,7 +230,7 @@ def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -
             for _ in range(p.churn_runs):
                 # the limit: np.copyto into rotating places of 64 MiB
                 tm.copy_into(shm, item["data"], 400, rotating=True)(base.new_run())
-                cfg = bench_config(ring, 2 * MiB, 1, wait_for_space=5.0)
+                cfg = bench_config(ring, 2 * MiB, wait_for_space=5.0)
                 with ShmObjectStore.create(cfg) as store:
                     with worker.attached(store.handle(), reads=mode) as conn:
                         run, t0 = lat.new_run(), time.perf_counter()
@@ -295,35 +249,6 @@ def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -
         add("np.copyto into rotating places of a 64 MiB shm buffer (baseline)", base.stat())
 
 
-def bench_readers(p: Params, report: Report, progress: Progress, worker: Worker) -> None:
-    progress(f"readers: get with {p.readers} attached readers ({p.runs} runs)")
-    gets = {f"get (copy) of {fmt_bytes(s)}": s for s in (1024, 1 * MiB)}
-    labels, kmax = [*gets, "writer hand-out (get_cached)"], max(p.readers)
-    samples = {(k, label): tm.Samples() for k in p.readers for label in labels}
-    store, reader = _readers(bench_config(8 * MiB, 2 * MiB, kmax))
-    with store, reader:
-        for s in gets.values():
-            reader.ack(store.put(f"r{s}", {"data": tm.source_array(s)}))
-        for _ in range(p.runs):
-            for k in p.readers:
-                # k - 1 idle readers in another process
-                with worker.attached(store.handle(), k - 1) if k > 1 else nullcontext():
-                    h = samples[(k, labels[-1])].new_run()
-                    for label, s in gets.items():  # the hand-out and the read, timed apart
-                        run = samples[(k, label)].new_run()
-                        for _ in range(p.n_ops(s)):
-                            tm.timed(run, reader.get, tm.timed(h, _handout, store, f"r{s}"))
-    for label in labels:
-        one = samples[(1, label)].stat()
-        for k in p.readers:
-            add = report.section(S_READERS, f"{k} readers", plot="readers", x=k)
-            add(label, samples[(k, label)].stat(), vs=("1 reader", one), series=label)
-        if label in gets:
-            worst = samples[(kmax, label)].stat().median / one.median
-            add = report.section(S_READERS, f"{kmax} vs 1", kind="ratio")
-            add(f"{label}: {kmax} readers ÷ 1 reader", worst, target=Target("<=", 1.10))
-
-
 def bench_gc_live_entries(p: Params, report: Report, progress: Progress) -> None:
     """``gc.collect()`` in a writer holding ``p.gc_entries`` live small items.
 
@@ -337,7 +262,7 @@ def bench_gc_live_entries(p: Params, report: Report, progress: Progress) -> None
         return
     progress(f"gc: full collection with {n:,} live {fmt_bytes(size)} items ({p.runs} runs)")
     item, base, full = {"data": tm.source_array(size)}, tm.Samples(), tm.Samples()
-    sender = SenderCache(bench_config(cap, 64 * KiB, 1))
+    sender = SenderCache(bench_config(cap, 64 * KiB))
     with sender, ShmObjectStore.from_handle(sender.handle()) as reader:
         for _ in range(p.runs):
             tm.each(3, gc.collect)(base.new_run())
@@ -360,11 +285,9 @@ def bench_gc_live_entries(p: Params, report: Report, progress: Progress) -> None
 _SUITE: list[tuple[str, Callable[..., None], bool]] = [
     ("store ops", bench_store_ops, False),
     ("gc live entries", bench_gc_live_entries, False),
-    ("fresh vs warm", bench_fresh_vs_warm, False),
     ("small steady state", bench_small_steady, True),
     ("sender steady state", bench_sender_steady, True),
     ("churn", bench_churn, True),
-    ("readers", bench_readers, True),
 ]
 
 
