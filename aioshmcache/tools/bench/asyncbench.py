@@ -109,7 +109,8 @@ _LAG_MODES = ("idle", "thread", "thread + reader process", "inline")
 
 def bench_lag(p: Params, report: Report, progress: Progress, loop: str, worker: Worker) -> None:
     item = {"data": tm.source_array(16 * MiB)}
-    lag = {(m, q): tm.Samples() for m in _LAG_MODES for q in ("p99", "p50", "max")}
+    quantiles = {"p99": 99, "p50": 50, "max": 100}
+    lag = {(m, q): tm.Samples() for m in _LAG_MODES for q in quantiles}
     ticks, puts = dict.fromkeys(_LAG_MODES, 0), {m: [0, 0] for m in _LAG_MODES}
     for r in range(p.lag_runs):
         progress(
@@ -118,9 +119,8 @@ def bench_lag(p: Params, report: Report, progress: Progress, loop: str, worker: 
         )
         for mode in _LAG_MODES:  # interleaved: the idle baseline sees the same load as the others
             lags = _lag_once(p, loop, worker, mode, item, puts[mode])
-            lag[(mode, "p99")].add_run([tm.percentile(lags, 99)])
-            lag[(mode, "p50")].add_run([tm.percentile(lags, 50)])
-            lag[(mode, "max")].add_run([max(lags, default=math.nan)])
+            for q, at in quantiles.items():
+                lag[(mode, q)].add_run([tm.percentile(lags, at)])
             ticks[mode] += len(lags)
     idle, add = lag[("idle", "p99")].stat(), report.section(S_LAG, "1 ms ticker")
     for mode in _LAG_MODES:

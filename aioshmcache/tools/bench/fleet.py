@@ -29,12 +29,13 @@ from aioshmcache import AsyncSenderCache, CacheConfig
 from aioshmcache.tier import RedisTier, TierPolicy
 
 from ..progress import Progress
-from ..redis_server import RedisServer, redis_binaries
+from ..redis_server import RedisServer
 from ..units import KiB, MiB
 from .params import Params, bench_config
+from .peers import redis_missing
 from .procs import run_spawned
 from .report import Report, Target
-from .timing import Samples, percentile
+from .timing import Samples, atimed, percentile, timed
 from .trace import item_sizes, zipf_trace
 
 __all__ = ["run_fleet_suite"]
@@ -144,14 +145,11 @@ def _fleet_run(
 
 
 def _tier_note(tiers: list[dict[str, Any]]) -> str:
-    """What the hosts' tiers counted, summed, and what their policies learned (median)."""
-    n = {k: sum(t[k] for t in tiers) for k in tiers[0] if isinstance(tiers[0][k], int)}
-    note = (
-        f"; {n['hits']} tier hits, {n['waits']} waits for another host, "
-        f"{n['skipped']} + {n['skipped_writes']} policy skips (look-ups + writes), "
-        f"{n['errors'] + n['timeouts']} Redis errors/timeouts, {n['bypassed']} bypassed, "
-        f"{n['dropped_writes']} dropped writes"
-    )
+    """What the hosts' tiers counted (the non-zero counters, summed) and what their policies
+    learned (median)."""
+    counted = (k for k, v in tiers[0].items() if isinstance(v, int) and not isinstance(v, bool))
+    sums = {k: sum(t[k] for t in tiers) for k in counted}
+    note = "; tier " + ", ".join(f"{k} {v}" for k, v in sums.items() if v)
     views = [t["policy"] for t in tiers if t["policy"] and t["policy"]["makes_seen"]]
     if views:  # a learning policy (one that does not learn has seen no make)
         med = {k: float(np.median([v[k] for v in views])) for k in views[0]}
@@ -239,13 +237,9 @@ async def _hit(url: str, sizes: list[int], reps: int, runs: int, report: Report)
                 trun, lrun, mrun = tier_hit.new_run(), local_hit.new_run(), make.new_run()
                 for _ in range(reps):
                     for run in (trun, lrun):  # the tier has it; then shared memory has it
-                        t0 = time.perf_counter()
-                        await b.get_or_put(h, _not_made)
-                        run.append(time.perf_counter() - t0)
+                        await atimed(run, b.get_or_put(h, _not_made))
                     await b.invalidate(h)
-                    t0 = time.perf_counter()
-                    preprocess(1, size)
-                    mrun.append(time.perf_counter() - t0)
+                    timed(mrun, preprocess, 1, size)
                     await c.get_or_put(h, make_it)
                     await c.invalidate(h)  # the learning policy sees fetches and makes
             param, ms = f"{size // MiB} MiB", make.stat()
@@ -310,16 +304,12 @@ async def _kill(r: RedisServer, trace: list[int], sizes: list[int], report: Repo
 
 def run_fleet_suite(p: Params, report: Report, progress: Progress) -> None:
     """The fleet suite (``--suite fleet``)."""
-    if redis_binaries() is None:
-        report.skip("fleet: redis-server is not installed (apt-get install redis-server)")
+    if missing := redis_missing("fleet"):
+        report.skip(f"fleet: {missing}")
         return
-    try:
-        import redis
-        import redis.asyncio
-        from redis.utils import HIREDIS_AVAILABLE
-    except ImportError:
-        report.skip("fleet: the redis client is not installed (pip install 'aioshmcache[fleet]')")
-        return
+    import redis
+    from redis.utils import HIREDIS_AVAILABLE
+
     parser = "hiredis" if HIREDIS_AVAILABLE else "its pure-Python parser (hiredis not installed)"
     report.notes.append(
         f"fleet: preprocessing = {MAKE_S * 1e3:.0f} ms of CPU (GIL released); {HOSTS} hosts = "

@@ -72,13 +72,20 @@ class RedisClient:
         self.loop.close()
 
 
+def redis_missing(extra: str) -> str | None:
+    """Why no Redis workload can run here (no server binary, no client), or None."""
+    if redis_binaries() is None:
+        return "redis-server is not installed (apt-get install redis-server)"
+    if importlib.util.find_spec("redis") is None:
+        return f"the redis client is not installed (pip install 'aioshmcache[{extra}]')"
+    return None
+
+
 @contextlib.contextmanager
 def redis_peer(report: Report, progress: Progress) -> Iterator[RedisClient | None]:
     """A client of a private ``redis-server``, or None (and a skip line) when there is none."""
-    if redis_binaries() is None:
-        report.skip("redis: redis-server is not installed (apt-get install redis-server)")
-    elif importlib.util.find_spec("redis") is None:
-        report.skip("redis: the redis client is not installed (pip install 'aioshmcache[bench]')")
+    if missing := redis_missing("bench"):
+        report.skip(f"redis: {missing}")
     else:
         progress("redis: starting redis-server on 127.0.0.1")
         try:
