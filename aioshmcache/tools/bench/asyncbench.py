@@ -29,7 +29,7 @@ from ..progress import Progress
 from ..units import KiB, MiB, fmt_bytes
 from . import timing as tm
 from .params import Params, bench_config
-from .procs import LazyWorker, Worker
+from .procs import Worker
 from .report import Report, Target
 
 __all__ = ["run_async_suite"]
@@ -267,9 +267,11 @@ def run_async_suite(p: Params, report: Report, progress: Progress) -> None:
         report.skip("uvloop: not installed; async figures on asyncio only")
     for loop in loops:
         report.attempt(f"async hit [{loop}]", partial(bench_hit, p, report, progress, loop))
-    with LazyWorker() as lw:
+    with Worker() as worker:
         for loop in (lp for lp in p.lag_loops if lp in loops):
-            lw.attempt(report, f"loop lag [{loop}]", partial(bench_lag, p, report, progress, loop))
+            worker.attempt(
+                report, f"loop lag [{loop}]", partial(bench_lag, p, report, progress, loop)
+            )
     for loop in loops:  # the 16 MiB put on every loop, the whole sweep on the last
         sizes = sorted({*p.threshold_sizes, BIG}) if loop == loops[-1] else [BIG]
         puts = partial(bench_puts, p, report, progress, loop, sizes)

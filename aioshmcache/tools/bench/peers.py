@@ -27,7 +27,7 @@ from ..redis_server import RedisServer, redis_binaries
 from ..units import KiB, MiB, fmt_bytes
 from . import timing as tm
 from .params import Params, bench_config
-from .procs import LazyWorker, Worker
+from .procs import Worker
 from .report import Report, Target
 
 __all__ = ["run_peers_suite"]
@@ -201,5 +201,7 @@ def run_peers_suite(p: Params, report: Report, progress: Progress) -> None:
     if not p.redis:
         report.skip("redis: --no-redis")
     redis = redis_peer(report, progress) if p.redis else contextlib.nullcontext()
-    with LazyWorker() as lw, redis as client:
-        lw.attempt(report, "round trip", partial(_roundtrips, p, report, progress, redis=client))
+    with Worker() as worker, redis as client:
+        worker.attempt(
+            report, "round trip", partial(_roundtrips, p, report, progress, redis=client)
+        )

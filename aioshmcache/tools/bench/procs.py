@@ -15,11 +15,12 @@ import multiprocessing as mp
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from aioshmcache import ShmObjectStore, StoreReader
 
-__all__ = ["LazyWorker", "Worker", "run_spawned"]
+__all__ = ["Worker", "run_spawned"]
 
 JOIN_TIMEOUT = 10.0
 
@@ -91,16 +92,31 @@ def _serve(conn: Connection) -> None:
 
 
 class Worker:
-    """A spawned worker process and the pipe that reaches it."""
+    """The spawned worker process and the pipe that reaches it.
 
-    def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child,), name="aioshmcache-bench-worker")
-        self.proc.daemon = True
-        self.proc.start()
-        child.close()
-        self.call("ping", timeout=60.0)
+    Started by the first workload that needs it (:meth:`attempt`); a workload that fails with
+    it leaves it in an unknown state, so it is ended at once and the next one starts afresh.
+    """
+
+    conn: Connection
+    proc: BaseProcess | None = None
+
+    def attempt(self, report: Any, what: str, fn: Callable[[Worker], object]) -> None:
+        """``report.attempt`` of ``fn(worker)``, the process started first if it is not."""
+        if not report.attempt(what, lambda: fn(self._started())) and self.proc is not None:
+            self.proc.terminate()
+            self.close()
+
+    def _started(self) -> Worker:
+        if self.proc is None:
+            ctx = mp.get_context("spawn")
+            self.conn, child = ctx.Pipe()
+            self.proc = ctx.Process(target=_serve, args=(child,), name="aioshmcache-bench-worker")
+            self.proc.daemon = True
+            self.proc.start()
+            child.close()
+            self.call("ping", timeout=60.0)
+        return self
 
     def send(self, *msg: Any) -> None:
         self.conn.send(msg)
@@ -144,43 +160,25 @@ class Worker:
             self.call("detach")
 
     def close(self) -> None:
+        if (proc := self.proc) is None:
+            return
         with contextlib.suppress(Exception):
-            if self.proc.is_alive():
+            if proc.is_alive():
                 self.conn.send(("exit",))
                 if self.conn.poll(JOIN_TIMEOUT):
                     self.conn.recv()
-        self.proc.join(JOIN_TIMEOUT)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(JOIN_TIMEOUT)
+        proc.join(JOIN_TIMEOUT)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(JOIN_TIMEOUT)
         self.conn.close()
+        self.proc = None
 
-
-class LazyWorker:
-    """Starts a worker on first use; a workload that fails with it gets it replaced."""
-
-    def __init__(self) -> None:
-        self._worker: Worker | None = None
-
-    def get(self) -> Worker:
-        if self._worker is None:
-            self._worker = Worker()
-        return self._worker
-
-    def attempt(self, report: Any, what: str, fn: Callable[[Worker], object]) -> None:
-        """``report.attempt`` of ``fn(worker)``; after a failure the worker (in an unknown
-        state) is ended at once, and the next use starts a fresh one."""
-        if not report.attempt(what, lambda: fn(self.get())) and self._worker is not None:
-            self._worker.proc.terminate()
-            self.__exit__()
-
-    def __enter__(self) -> LazyWorker:
+    def __enter__(self) -> Worker:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+        self.close()
 
 
 def run_spawned(

@@ -24,7 +24,7 @@ from ..progress import Progress
 from ..units import GiB, KiB, MiB, fmt_bytes
 from . import timing as tm
 from .params import Params, bench_config
-from .procs import LazyWorker, Worker
+from .procs import Worker
 from .report import Report, Target
 
 __all__ = ["run_store_suite"]
@@ -292,7 +292,7 @@ _SUITE: list[tuple[str, Callable[..., None], bool]] = [
 
 
 def run_store_suite(p: Params, report: Report, progress: Progress) -> None:
-    with LazyWorker() as lw:
+    with Worker() as worker:
         for name, fn, needs_worker in _SUITE:
             run = partial(fn, p, report, progress)
-            lw.attempt(report, name, run) if needs_worker else report.attempt(name, run)
+            worker.attempt(report, name, run) if needs_worker else report.attempt(name, run)
