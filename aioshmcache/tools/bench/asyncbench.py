@@ -12,10 +12,9 @@ import importlib
 import itertools
 import math
 import time
-from collections.abc import Awaitable, Callable
 from contextlib import nullcontext
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -39,17 +38,9 @@ S_PUT = "Async: 16 MiB put through the thread pool"
 S_LAG = "Async: loop lag of a 1 ms ticker while 16 MiB items stream"
 S_THR = "Async: inline vs thread (DEFAULT_INLINE_THRESHOLD = 1 MiB)"
 
-R = TypeVar("R")
 NEVER = 1 << 62
 BIG = 16 * MiB
 _keys = itertools.count()
-
-
-def _run(loop: str, fn: Callable[[], Awaitable[R]]) -> R:
-    options: dict[str, Any] = {}
-    if loop == "uvloop":
-        options["loop_factory"] = importlib.import_module("uvloop").new_event_loop
-    return anyio.run(fn, backend="asyncio", backend_options=options)
 
 
 def _ref(x: object) -> ShmRef:
@@ -94,7 +85,7 @@ def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
                 hops = partial(_hops, max(20, n // 20), anyio.CapacityLimiter(1))
                 return await tm.ainterleave(p.runs, {"hit": hit, "sync": sync_hit, "hop": hops})
 
-    st = _run(loop, main)
+    st = tm.run_on(loop, main)
     add = report.section(S_HIT, "1 KiB")
     add(f"async hit [{loop}]", st["hit"], vs=("sync hit", st["sync"]), target=Target("<=", 2e-5))
     add(f"sync SenderCache hit [{loop} run]", st["sync"])
@@ -172,7 +163,7 @@ def _lag_once(
                     tg.start_soon(ticker.run)
                     tg.start_soon(stream, c, scope)
 
-    _run(loop, main)
+    tm.run_on(loop, main)
     return list(ticker.samples)
 
 
@@ -210,7 +201,7 @@ def bench_puts(p: Params, report: Report, progress: Progress, loop: str, sizes: 
                     by_size[size] = await tm.ainterleave(p.runs, cells)
 
     with tm.ShmBuffer(8 * slot) as shm:
-        _run(loop, partial(main, shm))
+        tm.run_on(loop, partial(main, shm))
     if BIG in by_size:
         st, add = by_size[BIG], report.section(S_PUT, "16 MiB")
         vs = ("np.copyto", st["copy"])

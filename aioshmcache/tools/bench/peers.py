@@ -9,7 +9,6 @@ mechanism runs interleaved with the others and with the ``np.copyto`` baseline o
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.util
 import itertools
@@ -17,8 +16,6 @@ import time
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
-
-import numpy as np
 
 from aioshmcache import ShmObjectStore
 
@@ -35,41 +32,25 @@ __all__ = ["run_peers_suite"]
 S_RT = "Round trip: writer → reader process → reply, vs peers"
 
 _clock = time.perf_counter_ns
+LOOP = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
 
 
-class RedisClient:
-    """``redis.asyncio`` on its own (uvloop) event loop, driven synchronously per run."""
+def _redis_set_get(url: str, arr: Any, n: int, out: list[float]) -> None:
+    """``n`` ``SET`` + ``GET`` of ``arr`` through a new ``redis.asyncio`` client, each timed."""
+    import redis.asyncio
 
-    def __init__(self, url: str) -> None:
-        import redis.asyncio
-
-        try:
-            import uvloop
-
-            self.loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-            self.loop_name = "uvloop"
-        except ImportError:
-            self.loop, self.loop_name = asyncio.new_event_loop(), "asyncio"
-        self.client: Any = redis.asyncio.Redis.from_url(url)
-        self.loop.run_until_complete(self.client.ping())
-
-    def set_get(self, arr: Any, n: int, out: list[float]) -> None:
-        async def run() -> None:
-            data = memoryview(arr)  # redis-py sends bytes-like values as they are
+    async def run() -> None:
+        async with redis.asyncio.Redis.from_url(url) as client:
+            await client.ping()  # connected before the clock starts
             for _ in range(n):
                 t0 = _clock()
-                await self.client.set("bench", data)
-                back = np.frombuffer(await self.client.get("bench"), dtype=np.uint8)
+                await client.set("bench", memoryview(arr))  # bytes-like values go as they are
+                back = await client.get("bench")
                 out.append((_clock() - t0) * 1e-9)
-                if back.nbytes != arr.nbytes:
+                if not isinstance(back, bytes) or len(back) != arr.nbytes:
                     raise RuntimeError("redis returned a different size")
 
-        self.loop.run_until_complete(run())
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.loop.run_until_complete(self.client.aclose())
-        self.loop.close()
+    tm.run_on(LOOP, run)
 
 
 def redis_missing(extra: str) -> str | None:
@@ -82,25 +63,21 @@ def redis_missing(extra: str) -> str | None:
 
 
 @contextlib.contextmanager
-def redis_peer(report: Report, progress: Progress) -> Iterator[RedisClient | None]:
-    """A client of a private ``redis-server``, or None (and a skip line) when there is none."""
+def redis_peer(report: Report, progress: Progress) -> Iterator[str | None]:
+    """The URL of a private ``redis-server``, or None (and a skip line) when there is none."""
     if missing := redis_missing("bench"):
         report.skip(f"redis: {missing}")
-    else:
-        progress("redis: starting redis-server on 127.0.0.1")
-        try:
-            server = RedisServer()
-        except (OSError, RuntimeError) as exc:
-            report.skip(f"redis: redis-server would not start here ({exc})")
-        else:
-            with server:
-                client = RedisClient(server.url)
-                try:
-                    yield client
-                finally:
-                    client.close()
-            return
-    yield None
+        yield None
+        return
+    progress("redis: starting redis-server on 127.0.0.1")
+    try:
+        server = RedisServer()
+    except (OSError, RuntimeError) as exc:
+        report.skip(f"redis: redis-server would not start here ({exc})")
+        yield None
+        return
+    with server:
+        yield server.url
 
 
 class OurRoundTrip:
@@ -154,7 +131,7 @@ _OURS = {"copy": "aioshmcache (reader copies)", "lease": "aioshmcache (reader le
 
 
 def _roundtrips(
-    p: Params, report: Report, progress: Progress, worker: Worker, redis: RedisClient | None
+    p: Params, report: Report, progress: Progress, worker: Worker, redis: str | None
 ) -> None:
     with tm.ShmBuffer(max(p.peer_sizes)) as shm:
         for size in p.peer_sizes:
@@ -170,8 +147,8 @@ def _roundtrips(
                 cells["stop"] = ours.stop_serving
                 cells |= {label: partial(fn, worker, arr, n) for label, _, fn in _PEERS}
                 if redis is not None:
-                    label = f"redis.asyncio SET + GET ({redis.loop_name})"
-                    cells[label] = partial(redis.set_get, arr, n)
+                    redis_cell = partial(_redis_set_get, redis, arr, n)
+                    cells[f"redis.asyncio SET + GET ({LOOP})"] = redis_cell
                 stats = tm.interleave(p.runs, cells)
             finally:
                 ours.stack.close()

@@ -10,6 +10,7 @@ subject alike and their ratio holds.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import math
 import mmap
@@ -19,6 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 
@@ -133,6 +135,14 @@ async def atimed(run: list[float], aw: Awaitable[R]) -> R:
     out = await aw
     run.append((_ns() - t0) * 1e-9)
     return out
+
+
+def run_on(loop: str, fn: Callable[[], Awaitable[R]]) -> R:
+    """Run ``fn()`` to its end on a new ``asyncio`` or ``uvloop`` event loop (through anyio)."""
+    options: dict[str, Any] = {}
+    if loop == "uvloop":
+        options["loop_factory"] = importlib.import_module("uvloop").new_event_loop
+    return anyio.run(fn, backend="asyncio", backend_options=options)
 
 
 def source_array(nbytes: int, seed: int = 0) -> Array:
