@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
-from aioshmcache import ShmObjectStore
+from aioshmcache import ShmObjectStore, StoreWriter
 
 from ..progress import Progress
 from ..redis_server import RedisServer, redis_binaries
@@ -32,6 +32,7 @@ __all__ = ["run_peers_suite"]
 S_RT = "Round trip: writer → reader process → reply, vs peers"
 
 _clock = time.perf_counter_ns
+_keys = itertools.count()
 LOOP = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
 
 
@@ -80,34 +81,20 @@ def redis_peer(report: Report, progress: Progress) -> Iterator[str | None]:
         yield server.url
 
 
-class OurRoundTrip:
-    """Writer puts, the worker (a reader process) reads the ``ShmRef`` it is sent and replies."""
-
-    def __init__(self, worker: Worker, size: int) -> None:
-        self.worker, self.mode, self.keys = worker, "", itertools.count()
-        self.stack, self.serve = contextlib.ExitStack(), contextlib.ExitStack()
-        cfg = bench_config(max(8 * MiB, 6 * (size + 4096)), size + 64 * KiB)
-        self.store = self.stack.enter_context(ShmObjectStore.create(cfg))
-        self.stack.enter_context(worker.attached(self.store.handle()))
-        self.stack.callback(self.serve.close)  # the data loop ends before the detach
-
-    def run(self, mode: str, item: dict[str, Any], n: int, out: list[float]) -> None:
-        if self.mode != mode:
-            self.serve.close()
-            self.serve.enter_context(self.worker.serving("read", mode, True))
-            self.mode = mode
-        store, conn = self.store, self.worker.conn
+def _ours(
+    store: StoreWriter, worker: Worker, mode: str, arr: Any, n: int, out: list[float]
+) -> None:
+    """``n`` round trips: a put, its ``ShmRef`` over the pipe to the worker (a reader process),
+    which reads it (``copy`` or ``lease``) and replies; each timed."""
+    item = {"data": arr}
+    with worker.serving("read", mode, True) as conn:
         for _ in range(n):
             t0 = _clock()
-            conn.send([store.put(f"rt{next(self.keys)}", item)])
+            conn.send([store.put(f"rt{next(_keys)}", item)])
             reply = conn.recv()
             out.append((_clock() - t0) * 1e-9)
             if not isinstance(reply, list):
                 raise RuntimeError(f"bench worker: {reply!r}")
-
-    def stop_serving(self, _samples: object = None) -> None:
-        self.serve.close()
-        self.mode = ""
 
 
 def _echo(echo: bool, worker: Worker, arr: Any, n: int, out: list[float]) -> None:
@@ -138,21 +125,18 @@ def _roundtrips(
             peers = "Pipe" + (" / redis" if redis else "")
             progress(f"round trip: {fmt_bytes(size)}, aioshmcache vs {peers} ({p.runs} runs)")
             n, arr = p.n_ops(size, peers=True), tm.source_array(size)
-            item, ours = {"data": arr}, OurRoundTrip(worker, size)
-            cells: dict[str, tm.Cell] = {BASE: tm.copy_into(shm, arr, n)}
-            try:
+            cfg = bench_config(max(8 * MiB, 6 * (size + 4096)), size + 64 * KiB)
+            with ShmObjectStore.create(cfg) as store, worker.attached(store.handle()):
+                ours = partial(_ours, store, worker)
                 for mode in _OURS:  # warm-up: both processes, the pipe, the ring
-                    ours.run(mode, item, max(2, n // 5), [])
-                cells |= {label: partial(ours.run, mode, item, n) for mode, label in _OURS.items()}
-                cells["stop"] = ours.stop_serving
+                    ours(mode, arr, max(2, n // 5), [])
+                cells: dict[str, tm.Cell] = {BASE: tm.copy_into(shm, arr, n)}
+                cells |= {label: partial(ours, mode, arr, n) for mode, label in _OURS.items()}
                 cells |= {label: partial(fn, worker, arr, n) for label, _, fn in _PEERS}
                 if redis is not None:
                     redis_cell = partial(_redis_set_get, redis, arr, n)
                     cells[f"redis.asyncio SET + GET ({LOOP})"] = redis_cell
                 stats = tm.interleave(p.runs, cells)
-            finally:
-                ours.stack.close()
-            del stats["stop"]
             _report_roundtrip(report, size, stats)
 
 
