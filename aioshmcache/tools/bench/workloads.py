@@ -1,9 +1,9 @@
-"""The store suite: put / get / lease against the memcpy limit, steady state, churn and readers.
+"""The store suite: put / get / lease against the memcpy limit, steady state, churn, gc.
 
 Every baseline runs in the same run as its subject, interleaved (:func:`.timing.interleave`).
 Items are single-array mappings ``{"data": uint8 array}``; the writer is this process, readers
 are an in-process reader store (per-operation timing) or the spawned worker (cross-process
-steady state, churn and scaling).
+steady state and churn).
 """
 
 from __future__ import annotations
@@ -180,13 +180,9 @@ def bench_sender_steady(p: Params, report: Report, progress: Progress, worker: W
     with SenderCache(bench_config(2 * MiB, 64 * KiB)) as cache:
         with worker.attached(cache.handle(), reads="copy") as conn:
             for mode in ("as is", "frozen"):
-
-                def count(phase: str, info: dict[str, int], mode: str = mode) -> None:
-                    fulls[mode] += phase == "start" and info["generation"] == 2  # a full one
-
                 if mode == "frozen":
                     gc.freeze()
-                gc.callbacks.append(count)
+                fulls[mode] = -gc.get_stats()[2]["collections"]  # full collections from here
                 try:
                     for r in range(p.runs + 1):  # run 0 warms up
                         run: list[float] = []
@@ -200,7 +196,7 @@ def bench_sender_steady(p: Params, report: Report, progress: Progress, worker: W
                             put.add_run(run)
                             tm.each(1000, partial(_hit_release, cache, keys[-1]))(hit.new_run())
                 finally:
-                    gc.callbacks.remove(count)
+                    fulls[mode] += gc.get_stats()[2]["collections"]
                     gc.unfreeze()
         evictions = cache.snapshot().evictions
     ps, n, add = put.stat(), p.runs * p.sender_puts, report.section(S_SENDER, "1 KiB")
