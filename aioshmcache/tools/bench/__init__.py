@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
         out_dir = found
     t0, leaked = time.monotonic(), False
     try:
-        p = Params.smoke() if ns.quick else Params.full()
+        p = Params.smoke() if ns.quick else Params()
         p = dataclasses.replace(p, redis=not ns.no_redis, vllm_file=ns.vllm_file)
         report = run(suites, p, progress)
     except KeyboardInterrupt:

@@ -68,10 +68,6 @@ class Params:
     vllm_churn: int = 64
 
     @classmethod
-    def full(cls) -> Params:
-        return cls()
-
-    @classmethod
     def smoke(cls) -> Params:
         """The ``--quick`` run CI uses: fewer sizes, runs and operations."""
         return cls(**_SMOKE)

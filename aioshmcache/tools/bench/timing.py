@@ -150,7 +150,7 @@ def source_array(nbytes: int, seed: int = 0) -> Array:
     return np.random.default_rng(seed).integers(0, 255, size=nbytes, dtype=np.uint8)
 
 
-class ShmBuffer:
+class ShmBuffer(contextlib.AbstractContextManager["ShmBuffer"]):
     """A warm mapping of a /dev/shm file: the destination of the physical-limit baseline.
 
     The file is unlinked right after mapping (the mapping stays valid), so nothing is left in
@@ -183,9 +183,6 @@ class ShmBuffer:
         del self.array
         with contextlib.suppress(BufferError):
             self._mm.close()
-
-    def __enter__(self) -> ShmBuffer:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
