@@ -20,6 +20,7 @@ import hashlib
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -194,17 +195,14 @@ def bench_zipf(p: Params, report: Report, progress: Progress) -> None:
     # the policy's decision: the items it fetches and the items it makes on every host
     learned = runs["RedisTier"]
     budget = min(res["tier"]["policy"]["budget_bytes"] for res in learned)
-    counts = dict.fromkeys(distinct, 0)
-    for i in (i for res in learned for i in res["made"]):
-        counts[i] += 1
+    makes = Counter(i for res in learned for i in res["made"])
     under = [i for i in distinct if sizes[i] < budget]
-    over = [i for i in distinct if sizes[i] >= budget]
     for label, group in (
         (f"under the learned budget ({budget / MiB:.1f} MiB)", under),
-        ("over it (fetching would lose)", over),
+        ("over it (fetching would lose)", [i for i in distinct if sizes[i] >= budget]),
     ):
         if group:
-            n = sum(counts[i] for i in group) / len(group)
+            n = sum(makes[i] for i in group) / len(group)
             add(f"{PER_ITEM}, RedisTier, items {label}", n, param=f"{len(group)} items")
 
 
