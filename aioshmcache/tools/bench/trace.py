@@ -100,9 +100,11 @@ class PolicyResult:
         return self.bytes_written / self.requests if self.requests else 0.0
 
 
-def _simulate(
+def simulate(
     trace: Sequence[int], sizes: Sequence[int], capacity: int, *, lru: bool
 ) -> PolicyResult:
+    """A model cache of ``capacity`` bytes: a miss evicts the oldest items until it fits; a hit
+    makes its item the newest with ``lru`` (LRU), and changes nothing without it (FIFO)."""
     cached: OrderedDict[int, int] = OrderedDict()
     used = misses = written = evictions = inline = 0
     for i in trace:
@@ -123,16 +125,6 @@ def _simulate(
         used += size
         written += size
     return PolicyResult(len(trace), misses, written, evictions=evictions, inline=inline)
-
-
-def simulate_lru(trace: Sequence[int], sizes: Sequence[int], capacity: int) -> PolicyResult:
-    """An LRU cache of ``capacity`` bytes: a miss evicts least-recently-used items until it fits."""
-    return _simulate(trace, sizes, capacity, lru=True)
-
-
-def simulate_fifo(trace: Sequence[int], sizes: Sequence[int], capacity: int) -> PolicyResult:
-    """The same with insertion order (a hit changes nothing): FIFO of ``capacity`` bytes."""
-    return _simulate(trace, sizes, capacity, lru=False)
 
 
 def _key(i: int) -> str:
@@ -212,8 +204,8 @@ def bench_traces(p: Params, report: Report, progress: Progress) -> None:
                 distinct[(s, fraction)].append(len(seen))
                 capacities[(s, fraction)].append(capacity)
                 got = results[(s, fraction)]
-                for name, model in ((LRU, simulate_lru), (FIFO_MODEL, simulate_fifo)):
-                    got[name].append(model(trace, sizes, capacity))
+                for name, lru in ((LRU, True), (FIFO_MODEL, False)):
+                    got[name].append(simulate(trace, sizes, capacity, lru=lru))
                 for name, sc in POLICIES:
                     progress(
                         f"trace: seed {seed + 1}/{p.trace_seeds}, {_param(s, fraction)} "
