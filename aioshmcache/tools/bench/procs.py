@@ -118,9 +118,6 @@ class Worker:
             self.call("ping", timeout=60.0)
         return self
 
-    def send(self, *msg: Any) -> None:
-        self.conn.send(msg)
-
     def reply(self, timeout: float = 120.0) -> tuple[Any, ...]:
         if not self.conn.poll(timeout):
             raise TimeoutError(f"bench worker did not answer within {timeout} s")
@@ -130,14 +127,14 @@ class Worker:
         return r
 
     def call(self, *msg: Any, timeout: float = 120.0) -> tuple[Any, ...]:
-        self.send(*msg)
+        self.conn.send(msg)
         return self.reply(timeout)
 
     @contextlib.contextmanager
     def serving(self, *command: Any) -> Iterator[Connection]:
         """The worker runs the data loop ``command`` for the block; at its end ``None`` on the
         pipe ends the loop, and its answer is waited for."""
-        self.send(*command)
+        self.conn.send(command)
         try:
             yield self.conn
         finally:

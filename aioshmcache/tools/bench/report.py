@@ -65,12 +65,6 @@ class Target:
             return None
         return x <= self.limit if self.op == "<=" else x >= self.limit
 
-    def text(self, kind: Kind) -> str:
-        op = "≤" if self.op == "<=" else "≥"
-        if self.on == "ratio":
-            return f"ratio {op} {self.limit:g}x"
-        return f"{op} {_fmt(self.limit, kind)}"
-
 
 @dataclass
 class Row:
@@ -96,7 +90,10 @@ class Row:
 
     @property
     def target_text(self) -> str:
-        return "" if self.target is None else self.target.text(self.kind)
+        if (t := self.target) is None:
+            return ""
+        op = "≤" if t.op == "<=" else "≥"
+        return f"ratio {op} {t.limit:g}x" if t.on == "ratio" else f"{op} {_fmt(t.limit, self.kind)}"
 
     @property
     def verdict(self) -> str:
@@ -204,9 +201,12 @@ class Report:
             lines += [f"## {section}", "", *md_table((*cols, "ratio", "target"), cells), ""]
         for heading, block in self.blocks:
             lines += [f"## {heading}", "", *block, ""]
-        for heading, items in (("Errors", self.errors), ("Skipped", self.skipped)):
+        for heading, items in (
+            ("Errors", self.errors),
+            ("Skipped", self.skipped),
+            ("Notes", self.notes),
+        ):
             lines += [f"## {heading}", "", *(f"- {x}" for x in items), ""] if items else []
-        lines += ["## Notes", "", *(f"- {n}" for n in self.notes), ""] if self.notes else []
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:

@@ -127,10 +127,6 @@ def simulate(
     return PolicyResult(len(trace), misses, written, evictions=evictions, inline=inline)
 
 
-def _key(i: int) -> str:
-    return f"img-{i:06d}"
-
-
 def replay(
     trace: Sequence[int],
     sizes: Sequence[int],
@@ -153,7 +149,7 @@ def replay(
         is_cached, update = sender.is_cached_item, sender.get_and_update_features
         lease = reader.lease
         for i in trace:
-            h = _key(i)
+            h = f"img-{i:06d}"
             hit = is_cached(h)
             size = sizes[i]
             spec = FeatureSpec(h, None if hit else {"pixel_values": source[:size]})
