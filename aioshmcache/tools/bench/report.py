@@ -201,11 +201,8 @@ class Report:
             lines += [f"## {section}", "", *md_table((*cols, "ratio", "target"), cells), ""]
         for heading, block in self.blocks:
             lines += [f"## {heading}", "", *block, ""]
-        for heading, items in (
-            ("Errors", self.errors),
-            ("Skipped", self.skipped),
-            ("Notes", self.notes),
-        ):
+        lists = {"Errors": self.errors, "Skipped": self.skipped, "Notes": self.notes}
+        for heading, items in lists.items():
             lines += [f"## {heading}", "", *(f"- {x}" for x in items), ""] if items else []
         return "\n".join(lines)
 
