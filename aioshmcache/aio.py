@@ -366,6 +366,16 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         """The cache group this writer is a shard of (None for a plain cache)."""
         return self.sender.group
 
+    @property
+    def config(self) -> CacheConfig:
+        """The configuration the cache was created with, as ``SenderCache.config``."""
+        return self.sender.config
+
+    @property
+    def shard(self) -> int | None:
+        """This writer's shard index in its group (None for a plain cache)."""
+        return self.sender.shard
+
     async def open(self) -> AsyncSenderCache:
         """Create the segment if this object owns one (fallocate + prefault run in a thread)."""
         await self._open()

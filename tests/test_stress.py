@@ -17,6 +17,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import types
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from aioshmcache.tools.stress import (
 )
 from aioshmcache.tools.stress.child import SABOTAGE_GRACE, SABOTAGE_MIN_SEEN
 from aioshmcache.tools.stress.options import parse_args
+from aioshmcache.tools.stress.parent import Orchestrator
 from aioshmcache.tools.stress.report import Tally, summary
 from aioshmcache.tools.units import parse_duration, parse_size
 
@@ -141,15 +143,12 @@ def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
         "stop-readers",
         "cancel",
         "kill-writer",
-        "forge",
-        "fork",
         "close-read",
-        "sweep-restart",
     }
     assert parse_args(["--faults", "all"]).faults == frozenset(FAULTS)
-    assert parse_args(["--faults", "cancel,fork", "--close-read"]).faults == {
+    assert parse_args(["--faults", "cancel, Kill-Writer,close-read"]).faults == {
         "cancel",
-        "fork",
+        "kill-writer",
         "close-read",
     }
     for flag, value, bound in [
@@ -166,8 +165,10 @@ def test_the_command_line_is_generated_from_the_options() -> None:
     """Every option field is a flag whose default is the field's own (duration and seed are
     worked out after parsing); sizes and durations take units."""
     assert parse_args(["--seed", "5"]) == dataclasses.replace(StressOptions(), seed=5)
-    got = parse_args(["--seed", "1", "--ops", "9", "--capacity", "64MiB", "--fork-every", "2m"])
-    assert (got.duration, got.ops, got.capacity, got.fork_every) == (None, 9, 64 << 20, 120.0)
+    got = parse_args(
+        ["--seed", "1", "--ops", "9", "--capacity", "64MiB", "--reader-stop-every", "2m"]
+    )
+    assert (got.duration, got.ops, got.capacity, got.reader_stop_every) == (None, 9, 64 << 20, 120)
     assert not parse_args(["--no-second-chance"]).second_chance
     got = parse_args(["--json", "out.json", "--group", "2", "--zipf", "1.5", "--loop", "uvloop"])
     assert (got.json_path, got.group, got.zipf, got.loop) == ("out.json", 2, 1.5, "uvloop")
@@ -178,7 +179,7 @@ def test_the_report_renders_any_tally() -> None:
     tally = Tally()
     tally.stats.update(requests=10, items_verified=7)
     text = summary(StressOptions(seed=1, faults=frozenset(FAULTS)), tally, 2.0, 1, False)
-    assert "writer requests" in text and "writers restarted while swept" in text
+    assert "writer requests" in text and "closed under / beside a read" in text
     assert text.endswith("RESULT: OK")
     tally.violations.add("reader r1", "WRONG DATA: h000001: checksum")
     tally.errors["WriterGoneError (switch)"] += 1
@@ -187,20 +188,24 @@ def test_the_report_renders_any_tally() -> None:
     assert text.endswith("RESULT: INTERRUPTED (FAIL so far)")
 
 
-def test_sweep_restart_burst_keeps_every_restarted_writer_s_segment(shm_name: str) -> None:
-    """The ``sweep-restart`` fault's burst on its own: 30 writers crash and restart under one
-    name while a process sweeps it; each keeps its segment, each restart reclaims, nothing is
-    left. (Before ``sweep`` removed only the very file it judged, about 1 in 75 lost it.)"""
-    done = subprocess.run(
-        [sys.executable, "-m", "aioshmcache.tools.stress.restarts", shm_name, "30"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        stdin=subprocess.DEVNULL,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    res = json.loads(done.stdout.strip().splitlines()[-1])
-    assert res == {"rounds": 30, "lost": 0, "failed": 0, "left": [], "violations": []}
+def test_the_parent_reads_who_saw_a_writer_gone_from_the_error_counters() -> None:
+    """Readers report errors as ``"Kind (where)": n`` counters; the parent takes the writer
+    generations seen gone from them (the end check flags a WriterGoneError of a live one)."""
+    orch = Orchestrator(StressOptions(seed=1))
+    reader: Any = types.SimpleNamespace(token="r1")  # the sender of the counters
+    try:
+        orch.on_count(reader, {"gen": 3, "e": {"WriterGoneError (switch)": 1}}, b"")
+        orch.on_count(reader, {"gen": 4, "e": {"reattach (revoked)": 1}, "text": "x"}, b"")
+        orch.on_done(reader, {"gen": 5, "rid": 1, "e": {"WriterGoneError": 1}, "c": {}}, b"")
+        stale = {"CacheMissError (stale genuine refs)": 2}
+        orch.on_done(reader, {"gen": 6, "rid": 2, "e": stale, "c": {"reads": 1}}, b"")
+        assert orch.tally.wgone_gens == {3, 5}
+        assert orch.tally.errors["WriterGoneError (switch)"] == 1
+        assert orch.tally.errors["CacheMissError (stale genuine refs)"] == 2
+        assert orch.tally.err_texts == {"reattach (revoked)": "x"}
+        assert orch.tally.stats["reads"] == 1
+    finally:
+        shutil.rmtree(orch.tmp)
 
 
 # --- short runs -------------------------------------------------------------------------------
@@ -216,28 +221,6 @@ def test_quick_run_without_faults(tmp_path: pathlib.Path) -> None:
     assert [f["why"] for f in data["finals"]] == ["rotation", "end of run"]
     assert all(f["n_not_freeable"] == 0 and f["after_items"] == 0 for f in data["finals"])
     assert data["violation_count"] == 0
-
-
-@pytest.mark.stress
-def test_short_run_with_sweeps_during_restarts(tmp_path: pathlib.Path) -> None:
-    """``--faults sweep-restart`` alone, a short run: bursts of restarts under a swept name, 0
-    violations (a restarted writer that lost its segment, or could not reclaim, is one)."""
-    rc, out, data = run_stress(
-        tmp_path,
-        "--duration",
-        "5s",
-        "--readers",
-        "2",
-        "--faults",
-        "sweep-restart",
-        "--sweep-restart-every",
-        "1s",
-        limit=600,
-    )
-    assert rc == 0, "\n".join(data.get("violations", ["(no report)"])) + "\n\n" + out[-6000:]
-    assert data["violation_count"] == 0
-    assert data["stats"].get("sweep_restarts", 0) > 0
-    assert "writers restarted while swept" in out
 
 
 @pytest.mark.stress
@@ -274,30 +257,19 @@ def test_harness_catches_wrong_data_and_leaks(tmp_path: pathlib.Path) -> None:
 # --- the CI stress run --------------------------------------------------------------------------
 @pytest.mark.stress
 def test_stress_all_faults(tmp_path: pathlib.Path) -> None:
-    """Every fault on, both delivery modes: no violation, and every fault really happened.
-
-    Includes ``fork``: the writer and readers fork children that outlive them, then are
-    SIGKILLed (needs the core's fork-safe liveness: locks on descriptors closed at fork).
-    """
+    """Every fault on, both delivery modes: no violation, and every fault really happened."""
     duration = parse_duration(os.environ.get("AIOSHM_STRESS_DURATION", "60s"))
     rc, out, data = run_stress(
         tmp_path, "--duration", f"{duration}s", "--faults", "all", limit=duration + 240
     )
     assert rc == 0, "\n".join(data.get("violations", ["(no report)"])) + "\n\n" + out[-8000:]
-    st, probes = data["stats"], data["probes"]
+    st = data["stats"]
     assert st["items_verified"] > 0
     assert st.get("reader_kills", 0) > 0
     assert st.get("reader_stops", 0) > 0
-    assert probes.get("answered", 0) > 0
     assert st.get("writer_gens_broadcast", 0) >= 1 and st.get("writer_gens_one_of_n", 0) >= 1
-    # the fork fault: a reader forked then SIGKILLed is dead to the writer while its child lives
-    assert st.get("fork_kills_reader", 0) > 0
-    assert st.get("fork_slots_dropped", 0) > 0
-    if duration >= 15:  # the first burst comes 3-9 s in
-        assert st.get("sweep_restarts", 0) > 0  # restarted while swept, each kept its segment
     if duration >= 30:
-        assert st.get("writer_kills", 0) > 0
-        assert st.get("fork_kills_writer", 0) > 0  # and readers saw WriterGoneError in time
+        assert st.get("writer_kills", 0) > 0  # and readers saw WriterGoneError in time
     assert all(f["n_not_freeable"] == 0 for f in data["finals"])
     # cancel: calls cancelled mid-way on both sides (a raw Task.cancel or an anyio scope)
     writer = data["writer"]
@@ -357,8 +329,6 @@ def test_stress_group_with_faults(tmp_path: pathlib.Path) -> None:
         "all",
         "--writer-kill-every",
         "3s",
-        "--fork-every",
-        "5s",
         limit=600,
     )
     assert rc == 0, "\n".join(data.get("violations", ["(no report)"])) + "\n\n" + out[-8000:]

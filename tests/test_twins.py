@@ -32,12 +32,15 @@ from aioshmcache import (
     ShmRef,
 )
 from aioshmcache._request import SenderRequest
+from aioshmcache._store import StoreWriter
+from aioshmcache._store_reader import StoreReader
 
 from .conftest import RUN_PREFIX
 
 #: names only the sync face has, and why
 SYNC_ONLY = {
     "close": "the async face's is aclose (STYLE: the one name that differs between twins)",
+    "store": "the store's calls block: from a loop reach it as .sender.store / .receiver.store",
 }
 #: names only the async face has, and why
 ASYNC_ONLY = {
@@ -52,6 +55,7 @@ ASYNC_ONLY = {
     "single_flight_stats": "the counters of get_or_put",
     "tier": "the second tier (aioshmcache.tier.RedisTier) get_or_put looks in: async only",
     "tier_stats": "the counters of that tier",
+    "inline_threshold_bytes": "copies below it run on the loop, bigger ones in a worker thread",
 }
 #: sync methods that stay plain (not awaited) on the async face: they only read state
 NOT_AWAITED = {
@@ -64,11 +68,16 @@ NOT_AWAITED = {
     "cached_order",
     "lease",  # an async context manager on the async face
 }
-PAIRS = [(SenderCache, AsyncSenderCache), (ReceiverCache, AsyncReceiverCache)]
 
 
 def _public(cls: type) -> dict[str, Any]:
     return {n: inspect.getattr_static(cls, n) for n in dir(cls) if not n.startswith("_")}
+
+
+def _public_of(obj: object) -> dict[str, Any]:
+    """An instance's public surface: its class's, plus the attributes set in ``__init__``."""
+    names = getattr(obj, "__dict__", {}).keys()
+    return _public(type(obj)) | {n: getattr(obj, n) for n in names if not n.startswith("_")}
 
 
 def _kind(attr: Any) -> str:
@@ -79,31 +88,48 @@ def _kind(attr: Any) -> str:
     return "method" if callable(attr) else "attribute"
 
 
-def surface_gaps(sync: type, aio: type) -> list[str]:
-    """Every way ``sync`` and ``aio`` differ beyond the listed reasons (empty: in step)."""
-    s, a = _public(sync), _public(aio)
-    gaps = [f"{aio.__name__} lacks {n}" for n in sorted(s.keys() - a.keys() - SYNC_ONLY.keys())]
-    gaps += [f"{sync.__name__} lacks {n}" for n in sorted(a.keys() - s.keys() - ASYNC_ONLY.keys())]
+def surface_gaps(sync: type | object, aio: type | object) -> list[str]:
+    """Every way ``sync`` and ``aio`` (classes, or instances with their attributes) differ
+    beyond the listed reasons (empty: in step). An instance attribute is a property's match."""
+    s = _public(sync) if isinstance(sync, type) else _public_of(sync)
+    a = _public(aio) if isinstance(aio, type) else _public_of(aio)
+    sn = sync.__name__ if isinstance(sync, type) else type(sync).__name__
+    an = aio.__name__ if isinstance(aio, type) else type(aio).__name__
+    gaps = [f"{an} lacks {n}" for n in sorted(s.keys() - a.keys() - SYNC_ONLY.keys())]
+    gaps += [f"{sn} lacks {n}" for n in sorted(a.keys() - s.keys() - ASYNC_ONLY.keys())]
     for n in sorted(s.keys() & a.keys()):
         ks, ka = _kind(s[n]), _kind(a[n])
+        if {ks, ka} == {"property", "attribute"}:
+            continue  # a value either way
         if ks != ka:
-            gaps.append(f"{n}: {ks} on {sync.__name__}, {ka} on {aio.__name__}")
+            gaps.append(f"{n}: {ks} on {sn}, {ka} on {an}")
         elif ks == "method" and n not in NOT_AWAITED and not inspect.iscoroutinefunction(a[n]):
-            gaps.append(f"{aio.__name__}.{n} is not awaitable")
+            gaps.append(f"{an}.{n} is not awaitable")
     return gaps
 
 
-@pytest.mark.parametrize("sync, aio", PAIRS, ids=lambda c: c.__name__)
-def test_twins_have_the_same_methods_and_properties(sync: type, aio: type) -> None:
-    assert surface_gaps(sync, aio) == []
+@pytest.fixture
+def open_twins(make_config: Any) -> Iterator[list[tuple[object, object]]]:
+    """An open instance of each cache and of its async face, attributes set."""
+    with SenderCache(make_config()) as sender, ReceiverCache.attach(sender.handle()) as receiver:
+        yield [(sender, AsyncSenderCache(sender)), (receiver, AsyncReceiverCache(receiver))]
 
 
-def test_the_listed_differences_are_real() -> None:
+def test_twins_have_the_same_methods_properties_and_attributes(
+    open_twins: list[tuple[object, object]],
+) -> None:
+    """Open instances: attributes set in ``__init__`` (not in a class's ``dir``) count too."""
+    for sync, aio in open_twins:
+        assert surface_gaps(sync, aio) == []
+
+
+def test_the_listed_differences_are_real(open_twins: list[tuple[object, object]]) -> None:
     """A name listed as one-sided must exist on exactly that side, on some pair."""
+    pairs = [(_public_of(s), _public_of(a)) for s, a in open_twins]
     for n in SYNC_ONLY:
-        assert any(n in _public(s) and n not in _public(a) for s, a in PAIRS), n
+        assert any(n in s and n not in a for s, a in pairs), n
     for n in ASYNC_ONLY:
-        assert any(n in _public(a) and n not in _public(s) for s, a in PAIRS), n
+        assert any(n in a and n not in s for s, a in pairs), n
 
 
 def test_the_check_sees_a_missing_property_and_a_sync_method() -> None:
@@ -122,6 +148,22 @@ def test_the_check_sees_a_missing_property_and_a_sync_method() -> None:
             return True
 
     assert surface_gaps(Sync, Async) == ["Async lacks closed", "Async.invalidate is not awaitable"]
+
+
+def test_the_check_sees_a_missing_instance_attribute() -> None:
+    """An attribute set in ``__init__`` on one face only is reported; as a property it matches."""
+
+    class Sync:
+        def __init__(self) -> None:
+            self.config = 1
+
+    class Async:
+        @property
+        def config(self) -> int:
+            return 1
+
+    assert surface_gaps(Sync(), object()) == ["object lacks config"]
+    assert surface_gaps(Sync(), Async()) == []
 
 
 async def test_async_properties_answer_as_the_sync_ones(make_config: Any) -> None:
@@ -261,6 +303,35 @@ def private_returns(classes: list[type], exported: set[int]) -> dict[str, str]:
                 if _is_private(c, exported):
                     found[f"{cls.__name__}.{name}"] = f"{c.__module__}.{c.__qualname__}"
     return found
+
+
+#: the stores' public attributes (slots), and why each is public; every other slot is private
+STORE_ATTRIBUTES = {
+    "ring": "the ring buffer (capacity, used_bytes): read by snapshots, inspect and the bench",
+    "serde": "the codec the caches encode and decode with",
+    "max_object_bytes": "the largest item, from the segment's header: callers check before a put",
+    "handout_ttl": "seconds before an unacknowledged hand-out is reclaimed, from the header",
+    "one_of_n": "whether one reader acknowledges for all (delivery='any'), from the header",
+    "evictions": "a counter the writer's snapshot reports",
+    "wakeups": "a counter the writer's snapshot reports",
+    "relocations": "a counter the writer's snapshot reports (second chance)",
+    "bytes_relocated": "a counter the writer's snapshot reports (second chance)",
+    "second_chance": "the eviction policy, from the config; a test or bench may switch it",
+    "relocate_budget": "bytes second chance may move per put; tests lower it",
+    "evict_slack": "bytes freed beyond the need per eviction batch; tests lower it",
+    "on_evict": "the sender cache's hook: drops an evicted key from its own tables",
+}
+
+
+def _public_slots(cls: type) -> set[str]:
+    return {n for c in cls.__mro__ for n in getattr(c, "__slots__", ()) if not n.startswith("_")}
+
+
+def test_every_public_attribute_of_a_store_is_listed_with_its_reason() -> None:
+    """A store's state is private unless listed: a new public slot must say why it is."""
+    found = _public_slots(StoreWriter) | _public_slots(StoreReader)
+    assert found == STORE_ATTRIBUTES.keys()
+    assert _public_slots(StoreReader) <= _public_slots(StoreWriter)  # a reader adds none
 
 
 def test_no_public_method_returns_a_private_type() -> None:

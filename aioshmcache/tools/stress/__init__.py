@@ -5,11 +5,11 @@ nothing lost (the cache drains), nothing left behind. The parent (:mod:`.parent`
 (:mod:`.writer`) and reader (:mod:`.reader`) processes, routes their messages (:mod:`.child`),
 injects the faults (:data:`.options.FAULTS`) and checks the end state; items (:mod:`.workload`)
 are functions of their hash and carry their crc32. A violation (exit 1, listed in the report):
-wrong or torn data; a forged or stale reference that returns data; an unexpected exception; a
-missed deadline, a silent child, a blocked writer loop; a dead writer not seen gone within 1 s
-or not swept; lost acknowledgements; a cache that does not drain; anything left behind; a stale
-genuine reference nothing explains. SIGINT / SIGTERM end a run with the same cleanup (exit 2);
-``--private-shm SIZE`` re-runs it in a private /dev/shm (root).
+wrong or torn data; an unexpected exception; a missed deadline, a silent child, a blocked writer
+loop; a dead writer not seen gone within 1 s or not swept; lost acknowledgements; a cache that
+does not drain; anything left behind; a stale genuine reference nothing explains. SIGINT /
+SIGTERM end a run with the same cleanup (exit 2); ``--private-shm SIZE`` re-runs it in a private
+/dev/shm (root).
 """
 
 from __future__ import annotations

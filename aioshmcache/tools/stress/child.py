@@ -2,11 +2,10 @@
 
 ``python -m aioshmcache.tools.stress ROLE SOCKET TOKEN SPEC`` connects to the parent, says
 ``hello`` (a writer, once its cache is open: with its handle) and serves until ``exit`` or the
-parent is gone (it dies with the parent, even on
-SIGKILL: ``PR_SET_PDEATHSIG``). A message (:mod:`..framing`) names the receiver's ``on_<t>``
-method; one with ``re`` is a question, answered by ``{"t": "re", "re": ..., **result}``. A
-request carries its features as ``pack_features`` bytes in ``f``, each one's digest and size in
-``c``.
+parent is gone (it dies with the parent, even on SIGKILL: ``PR_SET_PDEATHSIG``). A message
+(:mod:`..framing`) names the receiver's ``on_<t>`` method; one with ``re`` is a question,
+answered by ``{"t": "re", "re": ..., **result}``. A request carries its features as
+``pack_features`` bytes in ``f``, each one's digest and size in ``c``.
 """
 
 from __future__ import annotations
@@ -15,14 +14,11 @@ import asyncio
 import contextlib
 import ctypes
 import json
-import os
 import random
 import signal
 import sys
-import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine
-from os import _exit  # a forked child leaves without running its parent's exit handlers
 from typing import Any, Final, NamedTuple, TypeVar
 
 import anyio
@@ -102,7 +98,7 @@ async def guarded(
 
 
 class Proc:
-    """What both children do: messages, violations, heartbeats, the fork fault."""
+    """What both children do: messages, violations, heartbeats."""
 
     who = "?"
 
@@ -134,24 +130,6 @@ class Proc:
             out = await getattr(self, "on_" + got[0]["t"])(got[0])
             if "re" in got[0]:
                 self.send("re", re=got[0]["re"], **(out or {}))
-
-    async def on_fork(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """The fork fault (the parent SIGKILLs us next): a child that outlives us a while.
-
-        It inherits the mapping and whatever descriptors the core left open at fork but must
-        not keep our liveness locks; it closes only the channel (so the parent sees our death),
-        lingers and exits.
-        """
-        sock = self.link.writer.get_extra_info("socket")
-        pid = os.fork()
-        if pid == 0:
-            try:
-                if sock is not None:
-                    os.close(sock.fileno())
-                time.sleep(float(msg["linger"]))  # noqa: ASYNC251 (the fork runs no loop)
-            finally:
-                _exit(0)
-        return {"pid": pid}
 
 
 def run_loop(loop: str, coro: Callable[[], Coroutine[Any, Any, T]]) -> T:

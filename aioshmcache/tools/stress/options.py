@@ -20,16 +20,13 @@ from ..units import fmt_bytes, parse_duration, parse_size
 
 __all__ = ["FAULTS", "StressOptions", "parse_args"]
 
-#: every fault, and the option that tunes it; the parent injects the first five
+#: every fault, and the option that tunes it; the parent injects the first three
 #: (``parent.PERIODIC``), the children the others
 FAULTS: Final = {
     "kill-readers": "reader_kill_every",  # SIGKILL: its debts go, a new reader owes nothing older
     "stop-readers": "reader_stop_every",  # SIGSTOP: revoked past --evict-after, then reattaches
     "kill-writer": "writer_kill_every",  # readers see WriterGoneError within 1 s; sweep; restart
-    "fork": "fork_every",  # a forked child outlives its SIGKILLed parent: the slot looks dead
-    "sweep-restart": "sweep_restart_every",  # writers restart under a name being swept
     "cancel": "cancel_prob",  # Task.cancel / anyio scopes mid-call, on both sides
-    "forge": "probe_rate",  # forged and stale references: typed errors, never data
     "close-read": "close_read_prob",  # a reader's cache closed under its own read
 }
 SABOTAGES: Final = frozenset({"digest", "drop"})
@@ -52,7 +49,7 @@ class StressOptions:
     group: int = _opt(0, "writers of one cache group's shards (0: a plain cache)", lo=0, hi=16)
     reader_concurrency: int = _opt(2, "concurrent reads per reader", lo=1)
     delivery: str = _opt("alternate", "alternate: switch at each writer", choices=DELIVERIES)
-    faults: frozenset[str] = frozenset()  # --faults LIST and one --FAULT flag each
+    faults: frozenset[str] = frozenset()  # --faults LIST
     capacity: int = _opt(96 << 20, "ring capacity", parse_size)
     max_object: int = _opt(33 << 20, "max object", parse_size)
     min_item: int = _opt(1 << 10, "smallest item", parse_size, lo=1024)
@@ -71,12 +68,8 @@ class StressOptions:
     reader_kill_every: float = _opt(4.0, "kill-readers fault period", parse_duration)
     reader_stop_every: float = _opt(5.0, "stop-readers fault period", parse_duration)
     writer_kill_every: float = _opt(15.0, "kill-writer fault period", parse_duration)
-    fork_every: float = _opt(8.0, "fork fault period (a fork, then SIGKILL)", parse_duration)
-    fork_linger: float = _opt(8.0, "how long the forked child outlives its parent", parse_duration)
-    sweep_restart_every: float = _opt(6.0, "sweep-restart fault period", parse_duration)
     cancel_prob: float = _opt(0.1, "share of cancelled operations", lo=0, hi=1)
     close_read_prob: float = _opt(0.02, "share of reads closed under (close-read)", lo=0, hi=1)
-    probe_rate: float = _opt(20.0, "forged/stale probes per second")
     seed: int = _opt(0, "random seed (default: random)", int)
     loop: str = _opt("asyncio", "event loop of the children", choices=("asyncio", "uvloop"))
     json_path: str | None = _opt(None, "write the final statistics here as JSON", flag="--json")
@@ -127,8 +120,6 @@ def parse_args(argv: list[str]) -> StressOptions:
         _add(until if f.name in ("duration", "ops") else p, f)
     names = ", ".join(FAULTS)
     p.add_argument("--faults", default="none", help=f"comma list of {names}; all; none (default)")
-    for name in FAULTS:
-        p.add_argument(f"--{name}", dest=f"fault {name}", action="store_true", help="this fault")
     p.add_argument("--sabotage", default="", help=argparse.SUPPRESS)  # harness self-test
     ns = p.parse_args(argv)
     values = {f.name: getattr(ns, f.name) for f in FIELDS}
@@ -136,7 +127,6 @@ def parse_args(argv: list[str]) -> StressOptions:
     faults = set(FAULTS) if asked == {"all"} else asked
     if unknown := faults - set(FAULTS):
         p.error(f"unknown fault {min(unknown)!r}; choose from {names}")
-    faults |= {name for name in FAULTS if getattr(ns, f"fault {name}")}
     sabotage = frozenset(s for s in ns.sabotage.split(",") if s)
     if not sabotage <= SABOTAGES:
         p.error("--sabotage takes digest,drop")

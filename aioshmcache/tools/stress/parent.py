@@ -21,8 +21,7 @@ import signal
 import sys
 import tempfile
 import time
-from asyncio.subprocess import DEVNULL, PIPE
-from collections import deque
+from asyncio.subprocess import DEVNULL
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -39,28 +38,19 @@ from .options import FAULTS, StressOptions
 from .report import Tally, as_json, progress_line, summary
 
 IN_PRIVATE_SHM: Final = "AIOSHM_STRESS_PRIVATE_SHM"  # set inside the private /dev/shm namespace
-FORK_SLOT_BOUND: Final = 3.0  # fork: a killed reader's slot looks dead within this (child lives)
-SWEEP_RESTART_ROUNDS: Final = 40  # crash-and-restart rounds per sweep-restart burst (~15 ms each)
 Msg = dict[str, Any]
 
 
-def _stat(pid: int | str) -> list[bytes]:
-    """A live process's /proc/PID/stat fields after its name: state, ppid, ... ([]: none)."""
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat", "rb") as f:
-        fields = (stat := f.read())[stat.rfind(b")") + 2 :].split()
-        return fields if len(fields) > 19 and fields[0] != b"Z" else []
-    return []
-
-
-def process_start(pid: int) -> int | None:
-    """The start time of live process ``pid`` (pid and start name one process); None if none."""
-    return int(fields[19]) if (fields := _stat(pid)) else None
-
-
 def child_pids() -> list[int]:
-    """Live (non-zombie) processes whose parent is this one."""
-    me = str(os.getpid()).encode()
-    return [int(d) for d in os.listdir("/proc") if d.isdigit() and _stat(d)[1:2] == [me]]
+    """Live (non-zombie) processes whose parent is this one (``/proc/PID/stat``: the state and
+    the parent's pid follow the name)."""
+    me, kids = str(os.getpid()).encode(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/stat", "rb") as f:
+            state, ppid = (stat := f.read())[stat.rfind(b")") + 2 :].split()[:2]
+            if state != b"Z" and ppid == me:
+                kids.append(int(pid))
+    return kids
 
 
 @dataclasses.dataclass(eq=False)
@@ -84,7 +74,6 @@ class Child:
     killed_by_us: bool = False
     rc_seen: bool = False
     replies: dict[str, asyncio.Future[Msg]] = dataclasses.field(default_factory=dict)
-    refs: deque[Msg] = dataclasses.field(default_factory=lambda: deque(maxlen=64))  # a writer's
 
     @property
     def live(self) -> bool:
@@ -143,60 +132,12 @@ async def _stop_readers(o: Orchestrator) -> None:
         c.last_hb, c.stopped, c.busy = time.monotonic(), False, False
 
 
-async def _fork(o: Orchestrator) -> None:
-    """In turn, the writer or a reader forks a child that outlives it and is SIGKILLed; the
-    reader's slot must look dead to every writer while its forked child lives."""
-    if o.fork_turn % 2 == 0:
-        o.fork_turn += 1
-        return await o.kill_writer(fork=True)
-    if (c := o.pick_reader()) is None:
-        return
-    o.fork_turn += 1
-    forked, pid = await o.fork_child(c), c.proc.pid
-    await o.kill_reader(c)
-    o.tally.stats["fork_kills_reader"] += forked
-    t0 = time.monotonic()
-    while forked:
-        slots = [await o.ask(w, "slots", 10.0) or {} for w in o.live_writers()]
-        held = [s for g in slots for s in g.get("slots", []) if s["alive"] and s["attached"]]
-        if not (held := [s for s in held if s["pid"] == pid]):
-            o.tally.stats["fork_slots_dropped"] += 1
-            return
-        if (late := time.monotonic() - t0) > FORK_SLOT_BOUND:
-            text = f"reader {pid} SIGKILLed after forking: its slot {held[0]['slot']} looks alive"
-            return o.violation("fork", f"{text} {late:.1f} s later (its forked child keeps it)")
-        await asyncio.sleep(0.1)
-
-
-async def _sweep_restart(o: Orchestrator) -> None:
-    """A burst of writers that crash and restart under one name while another process sweeps
-    it (:mod:`.restarts`): each must keep its segment and reclaim; nothing may be left."""
-    args = ("-m", "aioshmcache.tools.stress.restarts", f"{o.prefix}sr", str(SWEEP_RESTART_ROUNDS))
-    proc = await asyncio.create_subprocess_exec(sys.executable, *args, stdout=PIPE, stderr=PIPE)
-    out = err = b""
-    with anyio.move_on_after(o.opts.hang_timeout + 60):
-        out, err = await proc.communicate()
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
-    await proc.wait()
-    try:
-        res = json.loads(out.decode(errors="replace").strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        tail = err.decode(errors="replace")[-600:]
-        return o.violation("sweep-restart", f"no result (exit {proc.returncode}): {tail}")
-    o.tally.stats["sweep_restarts"] += res["rounds"]
-    for text in res["violations"]:
-        o.violation("sweep-restart", text)
-
-
 #: the faults the parent injects, each a small action run every ``--*-every`` seconds or so
-#: (``cancel``, ``forge`` and ``close-read`` act inside the children)
+#: (``cancel`` and ``close-read`` act inside the children)
 PERIODIC: Final[dict[str, Callable[[Orchestrator], Awaitable[None]]]] = {
     "kill-readers": _kill_readers,
     "stop-readers": _stop_readers,
     "kill-writer": lambda o: o.kill_writer(),
-    "fork": _fork,
-    "sweep-restart": _sweep_restart,
 }
 
 
@@ -212,9 +153,8 @@ class Orchestrator:
         # --group N: N writer processes, each the writer of its own shard of this group
         self.group = f"stress-{self.run_id}-grp" if opts.group else None
         self.writers: list[Child | None] = [None] * max(1, opts.group)
-        self.writer_gen = self.inst = self.fork_turn = 0
+        self.writer_gen = self.inst = 0
         self.owed: dict[tuple[int, int], set[str]] = {}  # (gen, rid) -> readers yet to report
-        self.forked: list[tuple[int, int, float]] = []  # fork fault: pid, start, exit deadline
         self.topology, self.pausing = asyncio.Lock(), asyncio.Event()
         self.acting, self.held = asyncio.Semaphore(len(PERIODIC)), 0  # one token per fault
         self.faults: list[asyncio.Task[None]] = []
@@ -337,7 +277,6 @@ class Orchestrator:
         """A writer's request: forwarded unchanged to its readers."""
         feats = request_features(msg)
         self.tally.stats.update(requests=1, features=len(feats))
-        w.refs.extend(ref.to_dict() for _h, ref, _d, _n in feats if ref is not None)
         readers = self.live_readers()
         if self.delivery_for(w.gen) == "one_of_n" and readers:
             readers = [self.rng.choice(readers)]
@@ -347,12 +286,6 @@ class Orchestrator:
             self.owed[w.gen, int(msg["rid"])] = waiting
         else:
             w.send("credit", n=1)
-
-    def on_probe(self, w: Child, msg: Msg, body: bytes) -> None:
-        """A forged or stale reference: to one reader, which must refuse it."""
-        if targets := self.live_readers():
-            self.rng.choice(targets).send_body(body)
-            self.tally.probes["sent"] += 1
 
     def on_hb(self, c: Child, msg: Msg, body: bytes) -> None:
         if "stats" in msg:
@@ -366,16 +299,16 @@ class Orchestrator:
         self.violation(str(msg["who"]), str(msg["text"]))
 
     def on_count(self, r: Child, msg: Msg, body: bytes) -> None:
-        """Counters a reader adds: stats ``c``, errors ``e``, probe outcomes ``p``."""
-        t, gen = self.tally, int(msg.get("gen", -1))
+        """Counters a reader adds: stats ``c``, errors ``e`` (``"Kind (where)": n``)."""
+        t, gen, errors = self.tally, int(msg["gen"]), msg.get("e", {})
         t.stats.update(msg.get("c", {}))
-        t.errors.update(msg.get("e", {}))
-        t.probes.update(msg.get("p", {}))
+        t.errors.update(errors)
         if msg.get("text"):
-            t.err_texts.update((k, str(msg["text"])) for k in msg["e"])
-        if msg.get("wgone"):
+            t.err_texts.update((k, str(msg["text"])) for k in errors)
+        kinds = {k.split()[0] for k in errors}
+        if "WriterGoneError" in kinds:
             t.wgone_gens.add(gen)
-        if msg.get("kind") == "SegmentNotFoundError":  # is the live writer's segment gone?
+        if "SegmentNotFoundError" in kinds:  # is the live writer's segment gone?
             for w in self.live_writers():
                 if w.gen == gen and not w.killed_by_us and not segment_files(w.name):
                     why = "a /dev/shm cleanup or a buggy sweep; rerun with --private-shm"
@@ -414,44 +347,21 @@ class Orchestrator:
             child.replies.pop(token, None)
 
     # --- a writer's death ----------------------------------------------------------------------
-    async def fork_child(self, c: Child) -> bool:
-        """Ask ``c`` to fork a child that outlives it (the fork fault); True if it did."""
-        if (got := await self.ask(c, "fork", 10.0, linger=self.opts.fork_linger)) is None:
-            return False
-        if (start := process_start(pid := int(got["pid"]))) is not None:
-            self.forked.append((pid, start, time.monotonic() + self.opts.fork_linger))
-        self.tally.stats["forks"] += 1
-        return True
-
-    async def reap_forked(self) -> None:
-        """Every forked child exits once its linger is over (or is killed, as a violation)."""
-        for pid, start, exit_by in self.forked:  # not our child: polled, no handle to wait on
-            while not self.interrupted and time.monotonic() < exit_by + 30:
-                if process_start(pid) != start:
-                    break
-                await asyncio.sleep(0.1)
-            if process_start(pid) == start:
-                if not self.interrupted:
-                    self.violation("fork", f"forked child {pid} did not exit after its linger")
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        self.forked.clear()
-
-    async def kill_writer(self, *, fork: bool = False) -> None:
+    async def kill_writer(self) -> None:
         """SIGKILL the writer (with ``--group``: one of them) and start its replacement.
 
         Its segment must be an orphan to ``sweep(prefix=<this run's names>)`` (other programs'
         are never looked at); readers must see ``WriterGoneError`` from it within 1 s; a group's
-        replacement must reclaim its shard; its old references must be refused.
+        replacement must reclaim its shard, and a group reader still holding the dead shard's
+        references must get ``WriterGoneError`` for them, never a forged-reference error.
         """
         async with self.topology:
             if not (live := self.live_writers()):
                 return
             w = self.rng.choice(live)
-            forked = fork and await self.fork_child(w)
             await w.kill(wait_link=True)
             dead_at = time.monotonic()
-            self.tally.stats.update(writer_kills=1, fork_kills_writer=forked)
+            self.tally.stats["writer_kills"] += 1
             self.tally.dead_gens[w.gen] = "killed"
             self.owed = {k: v for k, v in self.owed.items() if k[0] != w.gen}  # no credit back
             if self.group is None:
@@ -465,19 +375,6 @@ class Orchestrator:
             new = self.writers[w.pos]
             if started and self.group is not None and new is not None and new.name == w.name:
                 self.tally.stats["shards_reclaimed"] += 1
-            self.probe_old_refs(w)
-
-    def probe_old_refs(self, dead: Child) -> None:
-        """References of a dead writer, shown to the new one: InvalidReferenceError (nonce);
-        a group reader may still remember the dead shard's nonce: WriterGoneError."""
-        w, readers = self.writers[0], self.live_readers()
-        if "forge" not in self.opts.faults or w is None or not readers:
-            return
-        expect = ["InvalidReferenceError"] + (["WriterGoneError"] if self.group else [])
-        probe = {"kind": "old_writer", "via": "features", "h": "old", "expect": expect}
-        for ref in list(dead.refs)[-8:]:
-            self.rng.choice(readers).send("probe", gen=w.gen, ref=ref, **probe)
-            self.tally.probes["sent"] += 1
 
     # --- background tasks ----------------------------------------------------------------------
     async def watchdog(self) -> None:
@@ -621,7 +518,6 @@ class Orchestrator:
                 t.cancel()
             await asyncio.gather(*bg, *self.faults, return_exceptions=True)
             await self.kill_all()
-            await self.reap_forked()
             server.close()
             with anyio.move_on_after(5):
                 await server.wait_closed()
@@ -657,7 +553,6 @@ class Orchestrator:
                         closed_at = await self.exit_child("rotation", w)
                         st["writer_rotations"] += 1
                         await self.start_writer({"gen": w.gen, "dead_at": closed_at}, w.pos)
-                        self.probe_old_refs(w)
                 self.resume_faults()
         self.run_elapsed, self.phase = self.elapsed(), "quiesce"
         await self.pause_faults()

@@ -1,12 +1,10 @@
 """The reader process: attaches to each writer generation in turn and verifies every array.
 
 Every genuine reference must return exactly the item written for its hash (crc32 over every
-array) or a typed error that something explains; every forged or stale one must be refused with
-a typed error the writer expects. A reader attached to a writer that died must see
-``WriterGoneError`` within 1 s of the death. With ``close-read`` a reader closes its own cache
-from a worker thread (the sync ``close``, racing a read) none, up to 0.2 ms or up to 2 ms after
-a read started; the read must end with verified bytes or a typed error, then the reader attaches
-again (a new session).
+array) or a typed error that something explains. A reader attached to a writer that died must
+see ``WriterGoneError`` within 1 s of the death. ``close-read``: a worker thread closes the
+reader's cache (the sync ``close``) 0 to 2 ms into a read; the read must end with verified bytes
+or a typed error, then the reader attaches again (a new session).
 """
 
 from __future__ import annotations
@@ -92,14 +90,12 @@ class ReaderProc(Proc):
 
     def err(self, kind: str, where: str, text: str = "") -> None:
         """A typed error outside a request (counted by the parent)."""
-        e, wgone = {f"{kind} ({where})": 1}, kind == "WriterGoneError"
-        self.send("count", e=e, gen=self.gen, kind=kind, text=text, wgone=wgone)
+        self.send("count", e={f"{kind} ({where})": 1}, gen=self.gen, text=text)
 
     def done(self, msg: Msg, result: str, e: dict[str, int] | None = None, /, **c: int) -> None:
         """A request is settled: its outcome and counters."""
         c = {k: v for k, v in dict(c, reads=1, **{f"read_{result}": 1}).items() if v}
-        wgone = result == "WriterGoneError"
-        self.send("done", rid=msg["rid"], gen=msg["gen"], c=c, e=e or {}, wgone=wgone)
+        self.send("done", rid=msg["rid"], gen=msg["gen"], c=c, e=e or {})
 
     # --- the parent's messages -------------------------------------------------------------
     async def maybe_reattach(self) -> None:
@@ -113,7 +109,7 @@ class ReaderProc(Proc):
 
     async def on_req(self, msg: Msg) -> None:
         await self.maybe_reattach()
-        if "drop" in self.opts.sabotage and msg["t"] == "req" and self.drop_this(msg):
+        if "drop" in self.opts.sabotage and self.drop_this(msg):
             # self-test: a reader that silently loses requests (it tells the parent, which keeps
             # the run going until some were dropped)
             return self.done(msg, "ok", sabotage_dropped=1)
@@ -121,8 +117,6 @@ class ReaderProc(Proc):
         task = asyncio.ensure_future(self.run_one(msg))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-
-    on_probe = on_req
 
     async def on_group(self, msg: Msg) -> None:
         """--group: attach to the whole group, once."""
@@ -155,7 +149,7 @@ class ReaderProc(Proc):
 
     async def run_one(self, msg: Msg) -> None:
         try:
-            await (self.read_request(msg) if msg["t"] == "req" else self.read_probe(msg))
+            await self.read_request(msg)
         except Exception as exc:
             self.violation(f"reader harness error: {exc!r}\n{traceback.format_exc()}")
         finally:
@@ -206,10 +200,7 @@ class ReaderProc(Proc):
                 except ReaderEvictedError:
                     break
                 if (late := t_call - float(prev["dead_at"])) > DEAD_WRITER_BOUND:
-                    self.violation(
-                        f"writer g{self.gen} died {late:.2f} s ago and the reader still does "
-                        "not see WriterGoneError"
-                    )
+                    self.violation(f"writer g{self.gen} died {late:.2f} s ago, still not seen gone")
                     break
                 await asyncio.sleep(0.05)
         await self.detach()
@@ -279,25 +270,19 @@ class ReaderProc(Proc):
                 self.violation(text)
         else:
             s.uncertain += 1  # part of the request may have been read and acknowledged
-            if (kind := self.typed(exc, rx)) == "closed_beside_read" and closing:
-                self.done(msg, "closed_during_read")
-            elif kind is not None:
-                self.done(msg, kind, {} if kind.startswith("closed") else {kind: 1})
+            kind = type(exc).__name__
+            if isinstance(exc, ClosedCacheError) and rx is self.closed_rx:
+                # the close-read fault closed this cache: under this very read, or another one
+                self.done(msg, "closed_during_read" if closing else "closed_beside_read")
+            elif isinstance(exc, ReaderEvictedError):
+                self.need_reattach = True
+                self.done(msg, kind, {kind: 1})
+            elif isinstance(exc, WriterGoneError):
+                self.gone = self.group is None  # a group reader goes on with the other shards
+                self.done(msg, kind, {kind: 1})
             else:
                 self.violation(f"genuine request {msg['rid']} (g{msg['gen']}) raised {exc!r}")
-                self.done(msg, f"unexpected_{type(exc).__name__}")
-
-    def typed(self, exc: BaseException | None, rx: AsyncReceiverCache) -> str | None:
-        """The name of an error a fault explains, noting what follows from it; None if none."""
-        if isinstance(exc, ClosedCacheError) and rx is self.closed_rx:
-            return "closed_beside_read"  # the close-read fault closed this cache meanwhile
-        if isinstance(exc, ReaderEvictedError):
-            self.need_reattach = True
-        elif isinstance(exc, WriterGoneError):
-            self.gone = self.group is None  # a group reader goes on with the other shards
-        else:
-            return None
-        return type(exc).__name__
+                self.done(msg, f"unexpected_{kind}")
 
     def verify(
         self, feats: list[Feature], out: Any, nonce: int | None, *, partial: bool = False
@@ -385,31 +370,3 @@ class ReaderProc(Proc):
             f"was reclaimed {now - t0:.2f} s after its hand-out, before this reader acknowledged it"
             for i in todo
         ]
-
-    async def read_probe(self, msg: Msg) -> None:
-        """A forged or stale reference must be refused with one of the expected typed errors."""
-        rx, kind, via = self.rx, msg["kind"], msg["via"]
-        ref, h, expect = msg["ref"], str(msg["h"]), list(msg["expect"])
-        if rx is None or self.stale_gen(msg):
-            r = "skip"
-        else:
-            call = functools.partial(rx.get_and_update_features, [FeatureSpec(h, ref)])
-            if via == "item":
-                call = functools.partial(rx.get_and_update_item, ref, h)
-            res = await guarded(call, mode="none", deadline=self.opts.op_deadline, rng=self.rng)
-            r = type(res.exc).__name__ if res.exc else {"ok": "DATA"}.get(res.kind, res.kind)
-            if r == "timeout":
-                self.violation(f"probe {kind} missed its deadline")
-            elif r == "DATA":
-                self.violation(
-                    f"FORGED/STALE reference ({kind}, via {via}) returned data instead of one "
-                    f"of {expect}: {ref}"
-                )
-            elif r not in expect:
-                if (typed := self.typed(res.exc, rx)) is None:
-                    self.violation(
-                        f"probe {kind} (via {via}) raised {res.exc!r}, expected {expect}"
-                    )
-                elif typed == "closed_beside_read":
-                    r = typed
-        self.send("count", p={f"{kind}:{r}": 1, "answered": 1, "skipped": int(r == "skip")})

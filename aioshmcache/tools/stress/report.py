@@ -34,7 +34,6 @@ class Tally:
 
     stats: Counter[str] = dataclasses.field(default_factory=Counter)
     errors: Counter[str] = dataclasses.field(default_factory=Counter)
-    probes: Counter[str] = dataclasses.field(default_factory=Counter)
     err_texts: dict[str, str] = dataclasses.field(default_factory=dict)
     writer_stats: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     finals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -62,7 +61,6 @@ def as_json(o: StressOptions, t: Tally, elapsed: float) -> dict[str, Any]:
         "stats": dict(t.stats),
         "errors": dict(t.errors),
         "error_texts": t.err_texts,
-        "probes": dict(t.probes),
         "writer": dict(t.writer_totals()),
         "writer_lag_max": t.writer_max("lag_max"),
         "finals": t.finals,
@@ -88,25 +86,20 @@ def progress_line(o: StressOptions, t: Tally, elapsed: float, gen: int, live: in
         f"({st['requests'] / max(elapsed, 1e-9):.0f}/s) verified {st['items_verified']} "
         f"{fmt_bytes(st['bytes_verified'])} evict {w['evictions']} inline {w['inline']} | "
         f"kills r{st['reader_kills']} w{st['writer_kills']} stops {st['reader_stops']} "
-        f"wgone {wgone} revoked {e['ReaderEvictedError']} probes {t.probes['answered']} | "
+        f"wgone {wgone} revoked {e['ReaderEvictedError']} | "
         f"violations {len(t.violations)}"
     )
 
 
 def summary(o: StressOptions, t: Tally, elapsed: float, writer_gens: int, interrupted: bool) -> str:
     """The final table (rows of a fault that is off left out), the violations, the verdict."""
-    st, w, p, el = t.stats, t.writer_totals(), t.probes, max(elapsed, 1e-9)
+    st, w, el = t.stats, t.writer_totals(), max(elapsed, 1e-9)
     on = {"group": bool(o.group), **{f: True for f in o.faults}}
     reloc = f"{w['relocations']:,} items, {fmt_bytes(w['bytes_relocated'])}"
-    outcomes: Counter[str] = Counter()
-    for k, n in p.items():
-        if ":" in k:
-            outcomes[k.split(":", 1)[1]] += n
     mib_s = st["bytes_verified"] / el / 2**20
     drains = [f"{f['why']}: {f['items']} items, {f['n_not_freeable']} stuck" for f in t.finals]
     closed = [st["read_closed_during_read"], st["read_closed_beside_read"], st["closed_read_ok"]]
     writers = [st["writer_kills"], st["writer_rotations"]]
-    forks = [st["fork_kills_writer"], st["fork_kills_reader"], st["fork_slots_dropped"]]
     lag, op = t.writer_max("lag_max") * 1e3, t.writer_max("op_max")
     rows: list[tuple[str, str, str]] = [  # (shown with, label, value)
         ("", "writer requests", f"{st['requests']:,} ({st['requests'] / el:,.1f}/s)"),
@@ -126,14 +119,10 @@ def summary(o: StressOptions, t: Tally, elapsed: float, writer_gens: int, interr
         ("close-read", "  closed under / beside a read (read ok)", "{} / {} ({})".format(*closed)),
         ("", "faults: reader SIGKILL / SIGSTOP", f"{st['reader_kills']} / {st['reader_stops']}"),
         ("", "faults: writer SIGKILL / rotations", "{} / {}".format(*writers)),
-        ("fork", "faults: fork, SIGKILL: writer / reader (freed)", "{} / {} ({})".format(*forks)),
-        ("sweep-restart", "faults: writers restarted while swept", f"{st['sweep_restarts']}"),
         ("group", "group: dead shards reclaimed", f"{st['shards_reclaimed']}"),
         ("", "writer generations", f"{writer_gens} ({_by(st, 'writer_gens_')})"),
         *(("", f"error {k}", f"{n:,}") for k, n in sorted(t.errors.items())),
         ("", "  stale genuine refs explained", _by(st, "stale_explained_")),
-        ("", "forged/stale probes sent / answered", f"{p['sent']:,} / {p['answered']:,}"),
-        ("", "  by outcome", _by(outcomes, "")),
         ("", "writer loop lag max / slowest op", f"{lag:.0f} ms / {op:.2f} s"),
         ("", "drain checks", ", ".join(drains) or "-"),
         ("", "violations", f"{len(t.violations):,}"),

@@ -1,8 +1,8 @@
-"""The writer process: one generation of an ``AsyncSenderCache``, M request tasks, forgeries.
+"""The writer process: one generation of an ``AsyncSenderCache`` and M request tasks.
 
 It runs at most ``--window`` requests ahead (credits come back from the parent), checks what the
-sender returns and sends the references on; with ``forge`` it sends forged and stale references
-for the readers to refuse; on ``check`` (after quiescence) it checks that the cache drains.
+sender returns and sends the references on; on ``check`` (after quiescence) it checks that the
+cache drains.
 """
 
 from __future__ import annotations
@@ -12,49 +12,24 @@ import functools
 import time
 import traceback
 from collections import Counter, deque
-from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
 
 import anyio
 
 from aioshmcache import AsyncSenderCache, CacheConfig, CacheMissError, FeatureSpec, ShmRef
 from aioshmcache.wire import pack_features
 
-from .._core_gaps import retag_reference
 from ..framing import Link
 from ..lag import LoopLagMeter
 from .child import SABOTAGE_EVERY, Proc, guarded
 from .options import StressOptions
 from .workload import Workload
 
-INV, MISS = "InvalidReferenceError", "CacheMissError"
-Ref = dict[str, Any]
-#: forged references: how a recent one is altered, and what a reader may answer once the forgery
-#: is re-tagged with the segment's secret (what an attacker who maps the segment can do: the
-#: ring's own checks must refuse it; None: never re-tagged). Untagged, the tag check refuses
-#: every one (InvalidReferenceError). ``stale_evicted`` is a genuine reference, evicted since.
-FORGERIES: Final[dict[str, tuple[Callable[[Ref, WriterProc], object], list[str] | None]]] = {
-    "foreign_nonce": (lambda r, w: r.update(nonce=r["nonce"] ^ 2), None),
-    "no_length": (lambda r, w: r.pop("length"), None),
-    "negative_address": (lambda r, w: r.update(address=-64), None),
-    "string_id": (lambda r, w: r.update(id="7"), None),
-    "bool_epoch": (lambda r, w: r.update(epoch=True), None),
-    "past_epoch": (lambda r, w: r.update(epoch=r["epoch"] - 1), [MISS]),  # from before a clear
-    "future_epoch": (lambda r, w: r.update(epoch=r["epoch"] + 1), [INV]),
-    "misaligned": (lambda r, w: r.update(address=r["address"] + 8), [INV]),
-    "out_of_range": (lambda r, w: r.update(address=w.capacity + 64 * w.rand(1, 1 << 20)), [INV]),
-    # stale if the chunk was evicted meanwhile
-    "wrong_length": (lambda r, w: r.update(length=r["length"] + 64 ** w.rand(0, 3)), [INV, MISS]),
-    "unissued_id": (lambda r, w: r.update(id=(1 << 62) + w.rand(0, 1 << 40)), [INV]),
-    # an issued id at a random place: stale or invalid
-    "random": (lambda r, w: r.update(w.random_place()), [INV, MISS]),
-}
-KINDS: Final = ("stale_evicted", *FORGERIES)
 Meta = tuple[str, int, dict[str, Any], int, int]  # mm_hash, k, item, digest, size
 
 
 class WriterProc(Proc):
-    """One writer generation: an AsyncSenderCache, M request tasks and the probe injector."""
+    """One writer generation: an AsyncSenderCache and M request tasks."""
 
     def __init__(
         self, opts: StressOptions, link: Link, token: str, *, gen: int, name: str, delivery: str
@@ -65,25 +40,10 @@ class WriterProc(Proc):
         self.work = Workload(opts)
         self.credit, self.credit_event = opts.window, asyncio.Event()
         self.stopping, self.rid, self.max_op = False, 0, 0.0
-        self.capacity: int = 0
         self.stats: Counter[str] = Counter()
-        self.recent: deque[tuple[str, Ref]] = deque(maxlen=512)
         self.seen: deque[int] = deque(maxlen=256)
         self.tx = AsyncSenderCache.from_config(self.config())  # created by run()
         self.tasks: list[asyncio.Task[None]] = []
-
-    def violation(self, text: str) -> None:
-        self.stats["violations"] += 1
-        super().violation(text)
-
-    def rand(self, lo: int, hi: int) -> int:
-        return self.rng.randrange(lo, hi)
-
-    def random_place(self) -> Ref:
-        """A random address and length, and an id the writer issued, for a forgery."""
-        last = max(int(ref["id"]) for _h, ref in self.recent)
-        address, length = 64 * self.rand(0, self.capacity // 64), self.rand(0, 1 << 20)
-        return {"address": address, "id": self.rand(1, max(2, last + 1)), "length": length}
 
     def config(self) -> CacheConfig:
         o, broadcast = self.opts, self.delivery != "one_of_n"
@@ -103,13 +63,10 @@ class WriterProc(Proc):
 
     async def run(self) -> None:
         async with self.tx as tx:
-            self.capacity = tx.snapshot().capacity_bytes
             handle = {"gen": self.gen, "delivery": self.delivery, "name": tx.sender.name}
             handle["handle"] = tx.handle().to_dict()  # what readers attach by
             self.send("hello", token=self.token, writer=handle)
             loops = [self.request_loop() for _ in range(self.opts.writers)]
-            if "forge" in self.opts.faults and self.opts.probe_rate > 0:
-                loops.append(self.inject_loop())
             self.tasks = [asyncio.ensure_future(c) for c in loops]
             for t in self.tasks:
                 t.add_done_callback(self.task_done)
@@ -150,11 +107,6 @@ class WriterProc(Proc):
             t.cancel()
         return self.hb()
 
-    async def on_slots(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """The reader slots as the writer sees them now."""
-        closed = self.tx.sender.closed
-        return {"slots": [] if closed else self.tx.snapshot().to_dict()["readers"]}
-
     async def on_check(self, msg: dict[str, Any]) -> dict[str, Any]:
         """After quiescence: every cached item becomes freeable, and then the ring drains."""
         tx, deadline = self.tx, time.monotonic() + float(msg["within"])
@@ -169,7 +121,7 @@ class WriterProc(Proc):
         snap, out = tx.snapshot(), self.hb()
         out.update(items=len(keys), not_freeable=stuck[:20], n_not_freeable=len(stuck))
         out.update(after_items=snap.items, after_bytes=snap.bytes_used)
-        return out | await self.on_slots(msg)
+        return out | {"slots": snap.to_dict()["readers"]}
 
     # --- requests --------------------------------------------------------------------------
     def give_credit(self, n: int) -> None:
@@ -257,7 +209,6 @@ class WriterProc(Proc):
             if lost or f.identifier != spec.identifier:
                 self.violation(f"{h}: prompt updates / identifier not preserved")
             if isinstance(f.data, ShmRef):
-                self.recent.append((h, f.data.to_dict()))
                 self.stats.update(refs=1, ref_bytes=n)
                 # self-test: a lying digest on every SABOTAGE_EVERY-th reference (count-based:
                 # the run goes on until the readers caught some, however slow it is)
@@ -274,28 +225,3 @@ class WriterProc(Proc):
         f = pack_features(wired)
         self.send("req", gen=self.gen, d=self.delivery, rid=rid, t0=t0, f=f, c=checks)
         return True
-
-    # --- forged and stale references --------------------------------------------------------
-    async def inject_loop(self) -> None:
-        while not self.stopping:
-            await asyncio.sleep(self.rng.expovariate(self.opts.probe_rate))
-            if self.stopping or not self.recent or (probe := self.forge()) is None:
-                continue
-            ref, expect, kind = probe
-            via = "item" if self.rng.random() < 0.3 else "features"
-            if via == "item":  # a stale reference read alone raises StaleReferenceError
-                expect = ["StaleReferenceError" if e == MISS else e for e in expect]
-            self.stats.update((f"probe_{kind}", "probes"))
-            self.send("probe", gen=self.gen, kind=kind, via=via, h="forged", ref=ref, expect=expect)
-
-    def forge(self) -> tuple[Ref, list[str], str] | None:
-        """A forged or stale reference, the typed errors a reader may answer, and its kind."""
-        kind, (h, ref) = self.rng.choice(KINDS), self.rng.choice(self.recent)
-        if kind == "stale_evicted":  # certainly stale once h is not cached
-            return None if self.tx.is_cached_item(h) else (ref, [MISS], kind)
-        alter, retagged = FORGERIES[kind]
-        alter(r := dict(ref), self)
-        tag = retag_reference(self.tx.sender, r) if retagged and self.rng.random() < 0.5 else None
-        if retagged and tag is not None:
-            return dict(r, tag=tag), retagged, kind + "+tag"
-        return r, [INV], kind
