@@ -108,13 +108,13 @@ def _echo(echo: bool, worker: Worker, arr: Any, n: int, out: list[float]) -> Non
         tm.each(n, there_and_back)(out)
 
 
-#: (row label, plot series, how it is measured: (worker, arr, n, out) -> None)
-_PEERS = [
-    ("Pipe (array → reader, size back)", "Pipe", partial(_echo, False)),
-    ("Pipe echo (array both ways)", "Pipe echo", partial(_echo, True)),
-]
+#: row label (its plot series: the part before the parenthesis), and how it is measured
+_PEERS = {
+    "Pipe (array → reader, size back)": partial(_echo, False),
+    "Pipe echo (array both ways)": partial(_echo, True),
+}
 BASE = "np.copyto (baseline)"
-_OURS = {"copy": "aioshmcache (reader copies)", "lease": "aioshmcache (reader leases)"}
+_OURS = {"copy": "aioshmcache, reader copies", "lease": "aioshmcache, reader leases"}
 
 
 def _roundtrips(
@@ -132,7 +132,7 @@ def _roundtrips(
                     ours(mode, arr, max(2, n // 5), [])
                 cells: dict[str, tm.Cell] = {BASE: tm.copy_into(shm, arr, n)}
                 cells |= {label: partial(ours, mode, arr, n) for mode, label in _OURS.items()}
-                cells |= {label: partial(fn, worker, arr, n) for label, _, fn in _PEERS}
+                cells |= {label: partial(fn, worker, arr, n) for label, fn in _PEERS.items()}
                 if redis is not None:
                     redis_cell = partial(_redis_set_get, redis, arr, n)
                     cells[f"redis.asyncio SET + GET ({LOOP})"] = redis_cell
@@ -141,21 +141,19 @@ def _roundtrips(
 
 
 def _report_roundtrip(report: Report, size: int, stats: dict[str, Any]) -> None:
-    series = {BASE: BASE} | {v: f"aioshmcache ({k})" for k, v in _OURS.items()}
-    series |= {label: s for label, s, _ in _PEERS}
-    base, add = stats[BASE], report.section(S_RT, fmt_bytes(size))
+    base, add = stats[BASE], report.section(S_RT, fmt_bytes(size), plot="roundtrip", x=size)
     for label, st in stats.items():
-        vs = None if label.startswith("np.") else ("np.copyto", base)
-        kw = {"plot": "roundtrip", "series": series.get(label, label.split(" (")[0]), "x": size}
-        add(label, st, vs=vs, **kw)
-    for mode, ours in (("reader copies", _OURS["copy"]), ("reader leases", _OURS["lease"])):
+        vs = None if label == BASE else ("np.copyto", base)
+        add(label, st, vs=vs, series=label.split(" (")[0])
+    add = report.section(S_RT, fmt_bytes(size))
+    for ours in _OURS.values():
         for peer, st in stats.items():  # aioshmcache against each peer, same size, same runs
-            if peer.startswith(("np.", "aioshmcache")) or "echo" in peer:
+            if peer == BASE or peer in _OURS.values() or "echo" in peer:
                 continue
             short = peer.split(" (")[0]
             big_redis = size == 16 * MiB and peer.startswith("redis")
             tgt = Target(">=", 20.0, "ratio") if big_redis else None
-            add(f"aioshmcache ({mode}) vs {short}", stats[ours].median, vs=(short, st), target=tgt)
+            add(f"{ours} vs {short}", stats[ours].median, vs=(short, st), target=tgt)
 
 
 def run_peers_suite(p: Params, report: Report, progress: Progress) -> None:
