@@ -94,12 +94,12 @@ def test_replay_through_the_real_cache() -> None:
     trace = [int(i) for i in tr.zipf_trace(600, 80, 1.0, seed=2)]
     sizes = [int(s) for s in tr.item_sizes(80, 4096, 64 * 1024, seed=2)]
     # room for everything: exactly one miss per distinct item, nothing evicted
-    roomy = tr.replay(trace, sizes, 2 * sum(sizes) + (1 << 20), second_chance=None)
+    roomy = tr.replay(trace, sizes, 2 * sum(sizes) + (1 << 20), second_chance=True)
     assert roomy.misses == len(set(trace)) and roomy.evictions == 0 and roomy.inline == 0
     assert roomy.bytes_written >= sum(sizes[i] for i in set(trace))  # plus structure headers
     # a tenth of the bytes: the ring evicts, and misses about as often as its FIFO model
     small = sum(sizes) // 10
-    real = tr.replay(trace, sizes, small, second_chance=None)
+    real = tr.replay(trace, sizes, small, second_chance=True)
     model = tr.simulate(trace, sizes, small, lru=False)
     assert real.evictions > 0 and real.inline == 0
     assert abs(real.misses - model.misses) <= 0.1 * model.misses

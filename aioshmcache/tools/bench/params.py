@@ -79,10 +79,8 @@ class Params:
 
 _SMOKE: dict[str, Any] = dict(quick=True, runs=3, sizes=(K, 64 * K, M, 16 * M), peer_sizes=(K, M))
 _SMOKE |= dict(ops=((K, 300), (64 * K, 200), (M, 40), (16 * M, 4)), peer_ops=((K, 40), (M, 10)))
-_SMOKE |= dict(small_batches=3, sender_puts=2_000)
-_SMOKE |= dict(churn_puts=1_000, churn_runs=1)
+_SMOKE |= dict(small_batches=3, sender_puts=2_000, churn_puts=1_000, churn_runs=1)
 _SMOKE |= dict(lag_seconds=0.6, lag_runs=1, lag_loops=("asyncio",), gc_entries=20_000)
-_SMOKE |= dict(threshold_sizes=(64 * K, M, 4 * M))
+_SMOKE |= dict(threshold_sizes=(64 * K, M, 4 * M), vllm_rounds=3, vllm_sizes=(K, M), vllm_churn=16)
 _SMOKE |= dict(group_requests=600, group_images=200, group_lookups=200)
 _SMOKE |= dict(trace_items=400, trace_requests=2000, trace_seeds=1, trace_scale=64)
-_SMOKE |= dict(vllm_rounds=3, vllm_sizes=(K, M), vllm_churn=16)

@@ -128,20 +128,11 @@ def simulate(
 
 
 def replay(
-    trace: Sequence[int],
-    sizes: Sequence[int],
-    capacity: int,
-    *,
-    second_chance: bool | None,
+    trace: Sequence[int], sizes: Sequence[int], capacity: int, *, second_chance: bool
 ) -> PolicyResult:
-    """Replay ``trace`` through a real ``SenderCache`` of ``capacity`` bytes and a reader.
-
-    ``second_chance=None`` passes nothing (the build's default eviction); True/False set
-    ``CacheConfig(second_chance=...)``, which needs a build that has it.
-    """
-    kw = {} if second_chance is None else {"second_chance": second_chance}
+    """Replay ``trace`` through a real ``SenderCache`` of ``capacity`` bytes and a reader."""
     biggest = int(max(sizes))
-    config = bench_config(capacity, biggest + 64 * KiB, **kw)
+    config = bench_config(capacity, biggest + 64 * KiB, second_chance=second_chance)
     # one source buffer: an item is a view of its first `size` bytes; the put copies them
     source = np.random.default_rng(1).integers(0, 255, size=biggest, dtype=np.uint8)
     written = 0
