@@ -206,81 +206,73 @@ def bench_zipf(p: Params, report: Report, progress: Progress) -> None:
             add(f"{PER_ITEM}, RedisTier, items {label}", n, param=f"{len(group)} items")
 
 
-def bench_hit(p: Params, report: Report, progress: Progress) -> None:
-    progress("fleet: tier hit latency, 1 / 4 / 16 MiB")
-    reps, runs = 3 if p.quick else 10, max(3, p.runs)
-    with RedisServer() as r:
-        asyncio.run(_hit(r.url, [MiB, 4 * MiB, 16 * MiB], reps, runs, report))
-
-
 def _not_made() -> None:
     raise RuntimeError("a tier hit ran make (the tier missed)")
 
 
-async def _hit(url: str, sizes: list[int], reps: int, runs: int, report: Report) -> None:
-    # the raw cost of a hit: a policy that always fetches, and a deadline no fetch here reaches
-    a_tier, b_tier = (_tier(url, policy=always_fetch(), lookup_timeout_s=5.0) for _ in "ab")
-    c_tier = _tier(url)
-    a, b, c = (
-        AsyncSenderCache.from_config(bench_config(160 * MiB, 20 * MiB), tier=t)
-        for t in (a_tier, b_tier, c_tier)
-    )
-    async with a, b, c:
-        for size in sizes:
-            h, make_it = f"hit{size}", functools.partial(preprocess, 1, size)
-            await a.get_or_put(h, make_it)
-            await a_tier.flush(60)
-            tier_hit, local_hit, make = Samples(), Samples(), Samples()
-            for _ in range(runs):
-                trun, lrun, mrun = tier_hit.new_run(), local_hit.new_run(), make.new_run()
-                for _ in range(reps):
-                    for run in (trun, lrun):  # the tier has it; then shared memory has it
-                        await atimed(run, b.get_or_put(h, _not_made))
-                    await b.invalidate(h)
-                    timed(mrun, preprocess, 1, size)
-                    await c.get_or_put(h, make_it)
-                    await c.invalidate(h)  # the learning policy sees fetches and makes
-            param, ms = f"{size // MiB} MiB", make.stat()
-            target = Target(">=", 2.0, "ratio") if size == 4 * MiB else None
-            add, vs = report.section(S_HIT, param), ("preprocessing", ms)
-            add("the preprocessing (20 ms CPU + fill)", ms)
-            add("tier hit: get_or_put on a second host", tier_hit.stat(), vs=vs, target=target)
-            add("local hit: get_or_put, in shared memory", local_hit.stat(), vs=vs)
-        v = c_tier.policy.view(c_tier.max_item_bytes)
-        fetch = f"fetch {v.fetch_fixed_s * 1e3:.2f} ms + {v.fetch_per_byte_s * 1e9:.2f} ns/B"
-        note = f"make {v.make_fixed_s * 1e3:.1f} ms; probe {v.probe_s * 1e3:.2f} ms; margin "
-        note += f"{c_tier.policy.margin}"
-        label = "learned fetch budget: the largest item fetched rather than made"
-        report.section(S_HIT, fetch)(label, v.budget_bytes, kind="bytes", note=note)
+async def bench_hit(p: Params, report: Report, progress: Progress) -> None:
+    progress("fleet: tier hit latency, 1 / 4 / 16 MiB")
+    reps, runs = 3 if p.quick else 10, max(3, p.runs)
+    with RedisServer() as r:
+        # the raw cost of a hit: a policy that always fetches, and a deadline no fetch here reaches
+        a_tier, b_tier = (_tier(r.url, policy=always_fetch(), lookup_timeout_s=5.0) for _ in "ab")
+        c_tier = _tier(r.url)
+        a, b, c = (
+            AsyncSenderCache.from_config(bench_config(160 * MiB, 20 * MiB), tier=t)
+            for t in (a_tier, b_tier, c_tier)
+        )
+        async with a, b, c:
+            for size in (MiB, 4 * MiB, 16 * MiB):
+                h, make_it = f"hit{size}", functools.partial(preprocess, 1, size)
+                await a.get_or_put(h, make_it)
+                await a_tier.flush(60)
+                tier_hit, local_hit, make = Samples(), Samples(), Samples()
+                for _ in range(runs):
+                    trun, lrun, mrun = tier_hit.new_run(), local_hit.new_run(), make.new_run()
+                    for _ in range(reps):
+                        for run in (trun, lrun):  # the tier has it; then shared memory has it
+                            await atimed(run, b.get_or_put(h, _not_made))
+                        await b.invalidate(h)
+                        timed(mrun, preprocess, 1, size)
+                        await c.get_or_put(h, make_it)
+                        await c.invalidate(h)  # the learning policy sees fetches and makes
+                param, ms = f"{size // MiB} MiB", make.stat()
+                target = Target(">=", 2.0, "ratio") if size == 4 * MiB else None
+                add, vs = report.section(S_HIT, param), ("preprocessing", ms)
+                add("the preprocessing (20 ms CPU + fill)", ms)
+                add("tier hit: get_or_put on a second host", tier_hit.stat(), vs=vs, target=target)
+                add("local hit: get_or_put, in shared memory", local_hit.stat(), vs=vs)
+            v = c_tier.policy.view(c_tier.max_item_bytes)
+            fetch = f"fetch {v.fetch_fixed_s * 1e3:.2f} ms + {v.fetch_per_byte_s * 1e9:.2f} ns/B"
+            note = f"make {v.make_fixed_s * 1e3:.1f} ms; probe {v.probe_s * 1e3:.2f} ms; margin "
+            note += f"{c_tier.policy.margin}"
+            label = "learned fetch budget: the largest item fetched rather than made"
+            report.section(S_HIT, fetch)(label, v.budget_bytes, kind="bytes", note=note)
 
 
-def bench_kill(p: Params, report: Report, progress: Progress) -> None:
+async def bench_kill(p: Params, report: Report, progress: Progress) -> None:
     items, n_req = (60, 240) if p.quick else (300, 1500)
     progress(f"fleet: {n_req} requests, Redis killed halfway")
     trace = zipf_trace(n_req, items, ZIPF_S, seed=5).tolist()
     sizes = item_sizes(items, 256 * KiB, MiB, seed=3).tolist()
     with RedisServer() as r:
-        asyncio.run(_kill(r, trace, sizes, report))
-
-
-async def _kill(r: RedisServer, trace: list[int], sizes: list[int], report: Report) -> None:
-    cfg = functools.partial(bench_config, 256 * MiB, 2 * MiB)
-    half = len(trace) // 2
-    maker = _tier(r.url)  # another host has made every item already: Redis holds them
-    async with AsyncSenderCache.from_config(cfg(), tier=maker) as w:
-        await _serve(w, sorted(set(trace)), sizes)
-        await maker.flush(120)
-    # each half without a tier next to it with one: p99s minutes apart compare the machine's load
-    tier = _tier(r.url)
-    async with (
-        AsyncSenderCache.from_config(cfg()) as plain,
-        AsyncSenderCache.from_config(cfg(), tier=tier) as cache,
-    ):
-        base_first = await _serve(plain, trace[:half], sizes)
-        first = await _serve(cache, trace[:half], sizes)
-        r.kill()
-        second = await _serve(cache, trace[half:], sizes)
-        base_second = await _serve(plain, trace[half:], sizes)
+        cfg = functools.partial(bench_config, 256 * MiB, 2 * MiB)
+        half = len(trace) // 2
+        maker = _tier(r.url)  # another host has made every item already: Redis holds them
+        async with AsyncSenderCache.from_config(cfg(), tier=maker) as w:
+            await _serve(w, sorted(set(trace)), sizes)
+            await maker.flush(120)
+        # each half without a tier beside it with one: p99s minutes apart compare the machine's load
+        tier = _tier(r.url)
+        async with (
+            AsyncSenderCache.from_config(cfg()) as plain,
+            AsyncSenderCache.from_config(cfg(), tier=tier) as cache,
+        ):
+            base_first = await _serve(plain, trace[:half], sizes)
+            first = await _serve(cache, trace[:half], sizes)
+            r.kill()
+            second = await _serve(cache, trace[half:], sizes)
+            base_second = await _serve(plain, trace[half:], sizes)
     param = f"{len(trace)} req, {len(set(trace))} items 256 KiB-1 MiB, 4 at once"
     add = report.section(S_KILL, param)
     failures = first["failures"] + second["failures"]
@@ -315,6 +307,6 @@ def run_fleet_suite(p: Params, report: Report, progress: Progress) -> None:
         f"lookup_timeout_s {ZIPF_LOOKUP_TIMEOUT_S} s for the Zipf hosts, else "
         f"{LOOKUP_TIMEOUT_S} s (the default); redis-py {redis.__version__} with {parser}"
     )
-    report.attempt("fleet: tier hit latency", lambda: bench_hit(p, report, progress))
-    report.attempt("fleet: Redis killed", lambda: bench_kill(p, report, progress))
+    report.attempt("fleet: tier hit latency", lambda: asyncio.run(bench_hit(p, report, progress)))
+    report.attempt("fleet: Redis killed", lambda: asyncio.run(bench_kill(p, report, progress)))
     report.attempt("fleet: Zipf preprocessings", lambda: bench_zipf(p, report, progress))
