@@ -33,7 +33,7 @@ from .procs import run_spawned
 from .report import Report, Target
 from .trace import zipf_trace
 
-__all__ = ["run_group_suite", "zipf_stream"]
+__all__ = ["run_group_suite"]
 
 S_ZIPF = "Cache group: preprocessings of a Zipf load, 1 vs 4 gateway processes"
 S_LOOKUP = "Cache group: is_cached_item across shards (vs an own hit)"
@@ -41,12 +41,6 @@ S_COPY = "Cache group: sibling hit, copy into the own shard (vs np.copyto into w
 
 ZIPF_S = 1.1
 ITEM_BYTES = 256 * KiB  # one "preprocessed image": 64 Ki float32
-
-
-def zipf_stream(n_requests: int, images: int, *, s: float = ZIPF_S, seed: int = 0) -> list[str]:
-    """``n_requests`` image hashes; image ``i`` is asked with probability ∝ 1 / (i+1)^s."""
-    picks = zipf_trace(n_requests, images, s, seed=seed)
-    return [hashlib.blake2b(f"img{i}".encode(), digest_size=16).hexdigest() for i in picks]
 
 
 def preprocess(h: str, nbytes: int = ITEM_BYTES) -> dict[str, Any]:
@@ -86,7 +80,8 @@ def _run_load(stream: Sequence[str], writers: int, *, group: bool, capacity: int
 
 
 def bench_zipf(p: Params, report: Report, progress: Progress) -> None:
-    stream = zipf_stream(p.group_requests, p.group_images)
+    picks = zipf_trace(p.group_requests, p.group_images, ZIPF_S, seed=0)  # image i: ∝ 1/(i+1)^s
+    stream = [hashlib.blake2b(f"img{i}".encode(), digest_size=16).hexdigest() for i in picks]
     distinct = len(set(stream))
     capacity = (distinct + 16) * (ITEM_BYTES + 4 * KiB)  # every shard could hold them all
     runs = {}

@@ -91,16 +91,13 @@ class _TensorDecoder:
         return _as_tensor(arr if self.share_mem else arr.copy())
 
 
-class _MultiModalKwargsItem:
-    """Stands in for ``vllm.multimodal.inputs.MultiModalKwargsItem`` (not used here)."""
-
-
 def _stand_ins() -> dict[str, types.ModuleType]:
     """The modules the file imports, for those not importable here."""
     serde = {"MsgpackEncoder": _TensorEncoder, "MsgpackDecoder": _TensorDecoder}
     members: dict[str, dict[str, Any]] = {"vllm": {}, "vllm.multimodal": {}, "vllm.v1": {}}
     members |= {"vllm.logger": {"init_logger": logging.getLogger}, "vllm.v1.serial_utils": serde}
-    members["vllm.multimodal.inputs"] = {"MultiModalKwargsItem": _MultiModalKwargsItem}
+    item = type("MultiModalKwargsItem", (), {})  # the file imports it; no call made here uses it
+    members["vllm.multimodal.inputs"] = {"MultiModalKwargsItem": item}
     if importlib.util.find_spec("torch") is None:
         members["torch"] = {"Tensor": np.ndarray}
     mods = {name: types.ModuleType(name) for name in members}
