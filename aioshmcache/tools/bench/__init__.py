@@ -25,7 +25,7 @@ from .report import Report
 
 __all__ = ["SUITES", "checkout_results_dir", "main", "results_stem", "run"]
 
-#: suite: (module, its runner(params, report, progress, **options)); the first three by default
+#: suite: (module, its runner(params, report, progress)); the first three run by default
 _RUNNERS = {
     "store": ("workloads", "run_store_suite"),
     "peers": ("peers", "run_peers_suite"),

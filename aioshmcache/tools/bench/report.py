@@ -234,19 +234,19 @@ def _section_cells(r: Row) -> tuple[str, ...]:
 
 # --- the plot: one panel per plot key, one generic drawing for all of them -----------------------
 
-#: plot key: (panel title, y label, whether x is a byte size). A panel whose rows all have an x
-#: draws lines over it (sizes, readers), else bars: one group per param, one bar per series.
-_PANELS: dict[str, tuple[str, str, bool]] = {
-    "store": ("Store, one array item (median)", "time per operation", True),
-    "roundtrip": ("Round trip writer → reader → reply", "time", True),
-    "threshold": ("Async put: inline vs thread", "put latency", True),
-    "looplag": ("Loop lag of a 1 ms ticker", "lag", False),
-    "small": ("1 KiB steady state (writer/reader processes)", "time", False),
-    "trace": ("Miss ratio on Zipf traces (lower is better)", "miss ratio", False),
+#: plot key: (panel title, y label). A panel whose rows all have an x (an item size) draws lines
+#: over it, else bars: one group per param, one bar per series.
+_PANELS: dict[str, tuple[str, str]] = {
+    "store": ("Store, one array item (median)", "time per operation"),
+    "roundtrip": ("Round trip writer → reader → reply", "time"),
+    "threshold": ("Async put: inline vs thread", "put latency"),
+    "looplag": ("Loop lag of a 1 ms ticker", "lag"),
+    "small": ("1 KiB steady state (writer/reader processes)", "time"),
+    "trace": ("Miss ratio on Zipf traces (lower is better)", "miss ratio"),
 }
 
 
-def _draw(ax: Any, rows: list[Row], x_is_size: bool) -> str:
+def _draw(ax: Any, rows: list[Row]) -> str:
     """Draw ``rows`` into ``ax``: lines (baselines grey, dashed) or grouped bars; the time unit."""
     scale, unit = 1.0, ""
     if all(r.kind == "time" for r in rows):
@@ -265,9 +265,8 @@ def _draw(ax: Any, rows: list[Row], x_is_size: bool) -> str:
             ax.bar(at, ys, width, label=name)
     if lines:
         ticks = sorted({r.x for r in rows if r.x is not None})
-        labels = [fmt_bytes(int(t)).replace(" ", "") if x_is_size else f"{t:g}" for t in ticks]
         ax.set_xscale("log")
-        ax.set_xticks(ticks, labels, rotation=45 if x_is_size else 0)
+        ax.set_xticks(ticks, [fmt_bytes(int(t)).replace(" ", "") for t in ticks], rotation=45)
         ax.minorticks_off()
     else:
         ax.set_xticks(range(len(groups)), [g.replace(", ", "\n") for g in groups])
@@ -297,8 +296,8 @@ def plot(report: Report, path: Path) -> bool:
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     for ax, (key, rows) in zip(axes.flat, panels.items()):
-        title, ylabel, x_is_size = _PANELS[key]
-        unit = _draw(ax, rows, x_is_size)
+        title, ylabel = _PANELS[key]
+        unit = _draw(ax, rows)
         ax.set_title(title, fontsize=9)
         ax.set_ylabel(ylabel + (f" ({unit})" if unit else ""), fontsize=8)
         ax.tick_params(labelsize=7)
