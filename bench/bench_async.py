@@ -1,6 +1,6 @@
 """Async benchmarks: an async cache hit, a 16 MiB put through the thread pool,
-loop lag of a 1 ms ticker while 16 MiB items stream, many small concurrent requests, and the
-inline-vs-thread threshold behind aio.DEFAULT_INLINE_THRESHOLD.
+loop lag of a 1 ms ticker while 16 MiB items stream, and the inline-vs-thread threshold
+behind aio.DEFAULT_INLINE_THRESHOLD.
 
 A thin wrapper: ``python bench/bench_async.py [--quick] [--results-dir [DIR]]`` is
 ``python -m aioshmcache bench --suite async ...``; the code lives in ``aioshmcache.tools.bench``.

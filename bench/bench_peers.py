@@ -1,5 +1,5 @@
-"""Round trip writer -> reader process -> reply against the peers: multiprocessing Pipe
-and Queue, redis.asyncio against a private redis-server, and Ray if installed.
+"""Round trip writer -> reader process -> reply against the peers: a multiprocessing Pipe
+and redis.asyncio against a private redis-server.
 
 A thin wrapper: ``python bench/bench_peers.py [--quick] [--results-dir [DIR]]`` is
 ``python -m aioshmcache bench --suite peers ...``; the code lives in ``aioshmcache.tools.bench``.

@@ -1,6 +1,6 @@
 """Store benchmarks: put / get / lease vs np.copyto into shared memory (1 KiB to 64 MiB),
-the 1 KiB steady state with a reader process, a fresh cache's first put, churn, and how the
-cost grows with the number of readers and the cache size.
+the 1 KiB steady state with a reader process, churn, and a full collection with many live
+entries.
 
 A thin wrapper: ``python bench/bench_store.py [--quick] [--results-dir [DIR]]`` is
 ``python -m aioshmcache bench --suite store ...``; the code lives in ``aioshmcache.tools.bench``.

@@ -64,7 +64,7 @@ def test_lru_model_on_a_hand_computed_trace() -> None:
     # capacity 3: 0 1 2 fill it; 0 hits (0 becomes newest); 3 (2 bytes) evicts 1 and 2;
     # 0 hits; 1 evicts 3 (the least recent); 4 is larger than the cache: a miss, never cached;
     # 0 hits again
-    res = tr.simulate_lru([0, 1, 2, 0, 3, 0, 1, 4, 0], SIZES, 3)
+    res = tr.simulate([0, 1, 2, 0, 3, 0, 1, 4, 0], SIZES, 3, lru=True)
     assert (res.requests, res.misses, res.evictions, res.inline) == (9, 6, 3, 1)
     assert res.bytes_written == 1 + 1 + 1 + 2 + 1  # item 4 is not written
     assert res.miss_ratio == pytest.approx(6 / 9)
@@ -74,19 +74,19 @@ def test_lru_model_on_a_hand_computed_trace() -> None:
 def test_fifo_model_ignores_hits() -> None:
     # the same trace under FIFO: 3 evicts 0 and 1 (the oldest) although 0 was just hit, so the
     # next 0 misses and evicts 2; 1 then evicts 3 (3 + 1 > 3)
-    res = tr.simulate_fifo([0, 1, 2, 0, 3, 0, 1, 4, 0], SIZES, 3)
+    res = tr.simulate([0, 1, 2, 0, 3, 0, 1, 4, 0], SIZES, 3, lru=False)
     assert (res.misses, res.evictions, res.inline) == (7, 4, 1)
     # where the models differ, LRU keeps the hit item
-    assert tr.simulate_lru([0, 1, 2, 0, 3, 0], SIZES, 3).misses == 4
-    assert tr.simulate_fifo([0, 1, 2, 0, 3, 0], SIZES, 3).misses == 5
+    assert tr.simulate([0, 1, 2, 0, 3, 0], SIZES, 3, lru=True).misses == 4
+    assert tr.simulate([0, 1, 2, 0, 3, 0], SIZES, 3, lru=False).misses == 5
 
 
 def test_models_with_room_for_everything_miss_once_per_item() -> None:
     trace = [int(i) for i in tr.zipf_trace(3000, 200, 0.8, seed=1)]
     sizes = [int(s) for s in tr.item_sizes(200, 64, 4096, seed=1)]
     room = sum(sizes)
-    for model in (tr.simulate_lru, tr.simulate_fifo):
-        res = model(trace, sizes, room)
+    for lru in (True, False):
+        res = tr.simulate(trace, sizes, room, lru=lru)
         assert res.misses == len(set(trace)) and res.evictions == 0
 
 
@@ -94,13 +94,13 @@ def test_replay_through_the_real_cache() -> None:
     trace = [int(i) for i in tr.zipf_trace(600, 80, 1.0, seed=2)]
     sizes = [int(s) for s in tr.item_sizes(80, 4096, 64 * 1024, seed=2)]
     # room for everything: exactly one miss per distinct item, nothing evicted
-    roomy = tr.replay(trace, sizes, 2 * sum(sizes) + (1 << 20), second_chance=None)
+    roomy = tr.replay(trace, sizes, 2 * sum(sizes) + (1 << 20), second_chance=True)
     assert roomy.misses == len(set(trace)) and roomy.evictions == 0 and roomy.inline == 0
     assert roomy.bytes_written >= sum(sizes[i] for i in set(trace))  # plus structure headers
     # a tenth of the bytes: the ring evicts, and misses about as often as its FIFO model
     small = sum(sizes) // 10
-    real = tr.replay(trace, sizes, small, second_chance=None)
-    model = tr.simulate_fifo(trace, sizes, small)
+    real = tr.replay(trace, sizes, small, second_chance=True)
+    model = tr.simulate(trace, sizes, small, lru=False)
     assert real.evictions > 0 and real.inline == 0
     assert abs(real.misses - model.misses) <= 0.1 * model.misses
     assert 0.0 < real.miss_ratio < 1.0

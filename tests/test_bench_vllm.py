@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -142,7 +143,7 @@ def test_a_missing_or_wrong_file_is_a_skip_line_not_an_error(tmp_path: Path) -> 
         with pytest.raises((FileNotFoundError, ValueError), match=says):
             load_vllm_store(path)
         report = Report("t", quick=True)
-        run_vllm_suite(Params.smoke(), report, Progress(enabled=False), path)
+        run_vllm_suite(replace(Params.smoke(), vllm_file=path), report, Progress(enabled=False))
         assert not report.rows and len(report.skipped) == 1 and says in report.skipped[0]
 
 
@@ -152,7 +153,7 @@ def test_a_missing_or_wrong_file_is_a_skip_line_not_an_error(tmp_path: Path) -> 
 def test_no_vllm_and_no_file_is_a_skip_line() -> None:
     assert load_vllm_store(None) is None
     report = Report("t", quick=True)
-    run_vllm_suite(Params.smoke(), report, Progress(enabled=False), None)
+    run_vllm_suite(Params.smoke(), report, Progress(enabled=False))
     assert not report.rows and "not importable" in report.skipped[0]
 
 
@@ -164,7 +165,7 @@ def test_the_suite_runs_beside_a_store_loaded_from_a_file(tmp_path: Path) -> Non
     if not given:
         path.write_text(STAND_IN)
     report = Report("t", quick=True)
-    run_vllm_suite(Params.smoke(), report, Progress(enabled=False), path)
+    run_vllm_suite(replace(Params.smoke(), vllm_file=path), report, Progress(enabled=False))
     assert not report.skipped and not report.errors
     assert len(_finite_rows(report, S_VLLM)) == 2 * (4 + 2) + 2  # 2 sizes x 6 rows + churn
     assert len(_finite_rows(report, S_LIMIT)) == 2 * (6 + 2)  # 6 subjects, 2 baselines

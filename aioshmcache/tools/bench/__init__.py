@@ -1,7 +1,7 @@
 """``python -m aioshmcache bench``: the benchmark suites against the physical limit and the peers.
 
 ``store`` (put / get / lease against ``np.copyto`` into warm shared memory, steady state, churn,
-scaling), ``peers`` (the round trip against ``multiprocessing``, Redis, Ray) and ``async`` run by
+gc), ``peers`` (the round trip against ``multiprocessing`` and Redis) and ``async`` run by
 default; ``group``, ``trace``, ``fleet`` and ``vllm`` when named with ``--suite``. Each writes
 ``aioshmcache-bench[-SUITES][-quick]`` ``.md``, ``.png`` and ``.json``; bench/README.md gives the
 method. ``--quick`` is the smoke run CI uses. A peer that is not installed is a skip line, never
@@ -11,11 +11,12 @@ an error; ``--check`` turns a missed target into exit status 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from ..progress import Progress
 from ..shm import files_with_prefix, remove
@@ -24,7 +25,7 @@ from .report import Report
 
 __all__ = ["SUITES", "checkout_results_dir", "main", "results_stem", "run"]
 
-#: suite: (module, its runner(params, report, progress, **options)); the first three by default
+#: suite: (module, its runner(params, report, progress)); the first three run by default
 _RUNNERS = {
     "store": ("workloads", "run_store_suite"),
     "peers": ("peers", "run_peers_suite"),
@@ -56,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m aioshmcache bench",
         description="Benchmarks against np.copyto into shared memory and against peers "
-        "(multiprocessing, redis.asyncio, Ray). Writes a markdown table and a PNG plot.",
+        "(multiprocessing, redis.asyncio, vLLM). Writes a markdown table and a PNG plot.",
     )
     for flag, text in (
         ("--quick", "a ~30 s smoke run (CI)"),
@@ -81,38 +82,18 @@ def _parser() -> argparse.ArgumentParser:
         choices=SUITES + EXTRA_SUITES,
         help="run only this suite (repeatable; default: " + ", ".join(SUITES) + ")",
     )
-    ray = ap.add_mutually_exclusive_group()
-    text = "compare with Ray (default: yes if installed, except with --quick)"
-    ray.add_argument("--ray", dest="ray", action="store_true", default=None, help=text)
-    ray.add_argument("--no-ray", dest="ray", action="store_false")
     text = "vLLM's shm_object_storage.py for --suite vllm (default: from an installed vllm)"
     ap.add_argument("--vllm-file", type=Path, metavar="PATH", help=text)
     return ap
 
 
-def run(
-    suites: tuple[str, ...] | list[str],
-    *,
-    quick: bool,
-    want_ray: bool,
-    want_redis: bool = True,
-    progress: Progress | None = None,
-    vllm_file: Path | None = None,
-) -> Report:
-    """Run the given suites and return the report (files are written by :func:`main`)."""
-    p = Params.smoke() if quick else Params.full()
+def run(suites: Sequence[str], p: Params, progress: Progress | None = None) -> Report:
+    """Run the given suites with ``p`` and return the report (:func:`main` writes the files)."""
     progress = progress or Progress()
-    report = Report("aioshmcache benchmark", quick=quick)
-    if "peers" in suites and not want_redis:
-        report.skip("redis: --no-redis")
-    extra: dict[str, dict[str, Any]] = {
-        "peers": {"want_ray": want_ray, "want_redis": want_redis},
-        "vllm": {"vllm_file": vllm_file},
-    }
+    report = Report("aioshmcache benchmark", quick=p.quick)
     for suite in (s for s in _RUNNERS if s in suites):
         module, fn = _RUNNERS[suite]
-        runner = getattr(importlib.import_module(f".{module}", __name__), fn)
-        runner(p, report, progress, **extra.get(suite, {}))
+        getattr(importlib.import_module(f".{module}", __name__), fn)(p, report, progress)
     report.finish()
     return report
 
@@ -133,7 +114,6 @@ def main(argv: list[str]) -> int:
     ap = _parser()
     ns = ap.parse_args(argv)
     suites = tuple(ns.suite) if ns.suite else SUITES
-    want_ray = (not ns.quick) if ns.ray is None else bool(ns.ray)
     progress = Progress(enabled=not ns.quiet)
     out_dir: Path = ns.results_dir if ns.results_dir is not None else Path.cwd()
     if out_dir == _CHECKOUT:
@@ -143,8 +123,9 @@ def main(argv: list[str]) -> int:
         out_dir = found
     t0, leaked = time.monotonic(), False
     try:
-        opts = {"want_redis": not ns.no_redis, "progress": progress, "vllm_file": ns.vllm_file}
-        report = run(suites, quick=ns.quick, want_ray=want_ray, **opts)
+        p = Params.smoke() if ns.quick else Params()
+        p = dataclasses.replace(p, redis=not ns.no_redis, vllm_file=ns.vllm_file)
+        report = run(suites, p, progress)
     except KeyboardInterrupt:
         print("bench: interrupted", file=sys.stderr)
         return 130

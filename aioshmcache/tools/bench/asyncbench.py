@@ -1,9 +1,7 @@
-"""The async suite: cache hits, offloaded big puts, loop lag, concurrency, threshold.
+"""The async suite: cache hits, offloaded big puts, loop lag, the inline-vs-thread threshold.
 
 Runs on asyncio and on uvloop (through anyio). The writer is an ``AsyncSenderCache``; the
-readers, where there are any, are the spawned worker process. The inline-vs-thread threshold is
-measured with two ``AsyncSenderCache`` objects wrapping one ``SenderCache``: one that copies
-everything inline on the loop, one that sends every copy to a worker thread.
+readers, where there are any, are the spawned worker process.
 """
 
 from __future__ import annotations
@@ -12,13 +10,11 @@ import importlib
 import itertools
 import math
 import time
-from collections.abc import Awaitable, Callable
 from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 
@@ -30,7 +26,7 @@ from ..progress import Progress
 from ..units import KiB, MiB, fmt_bytes
 from . import timing as tm
 from .params import Params, bench_config
-from .procs import LazyWorker, Worker
+from .procs import Worker
 from .report import Report, Target
 
 __all__ = ["run_async_suite"]
@@ -38,31 +34,17 @@ __all__ = ["run_async_suite"]
 S_HIT = "Async: cache hit of a small item, get_and_update_item(None, h)"
 S_PUT = "Async: 16 MiB put through the thread pool"
 S_LAG = "Async: loop lag of a 1 ms ticker while 16 MiB items stream"
-S_CONC = "Async: many small concurrent requests"
 S_THR = "Async: inline vs thread (DEFAULT_INLINE_THRESHOLD = 1 MiB)"
 
 NEVER = 1 << 62
-_clock = time.perf_counter_ns
+BIG = 16 * MiB
 _keys = itertools.count()
-
-
-def _run(loop: str, fn: Callable[[], Awaitable[None]]) -> None:
-    options: dict[str, Any] = {}
-    if loop == "uvloop":
-        options["loop_factory"] = importlib.import_module("uvloop").new_event_loop
-    anyio.run(fn, backend="asyncio", backend_options=options)
 
 
 def _ref(x: object) -> ShmRef:
     if not isinstance(x, ShmRef):
         raise RuntimeError(f"expected a ShmRef, the cache served {type(x).__name__} inline")
     return x
-
-
-async def _hops(n: int, limiter: anyio.CapacityLimiter, out: list[float]) -> None:
-    """``n`` thread hops: ``anyio.to_thread.run_sync`` of a no-op, each timed."""
-    for _ in range(n):
-        await tm.atimed(out, anyio.to_thread.run_sync(lambda: None, limiter=limiter))
 
 
 async def _puts(c: AsyncSenderCache, item: Any, n: int, out: list[float]) -> None:
@@ -74,10 +56,9 @@ async def _puts(c: AsyncSenderCache, item: Any, n: int, out: list[float]) -> Non
 def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
     progress(f"async [{loop}]: small cache hit ({p.runs} runs)")
     item, n = {"data": tm.source_array(1024)}, p.n_ops(1024)
-    st: dict[str, tm.Stat] = {}
 
-    async def main() -> None:
-        sender = SenderCache(bench_config(8 * MiB, 1 * MiB, 1))
+    async def main() -> dict[str, tm.Stat]:
+        sender = SenderCache(bench_config(8 * MiB, 1 * MiB))
         # a live reader: hand-outs owe it
         with sender, ReceiverCache.attach(sender.handle()) as rx:
             async with AsyncSenderCache(sender) as c:
@@ -85,51 +66,27 @@ def bench_hit(p: Params, report: Report, progress: Progress, loop: str) -> None:
 
                 async def hit(out: list[float]) -> None:
                     for _ in range(n):
-                        rx.release(
-                            _ref((await tm.atimed(out, c.get_and_update_item(None, "h")))[0])
-                        )
+                        ref, _ = await tm.atimed(out, c.get_and_update_item(None, "h"))
+                        rx.release(_ref(ref))
 
                 async def sync_hit(out: list[float]) -> None:
                     for _ in range(n):
                         rx.release(_ref(tm.timed(out, sender.get_and_update_item, None, "h")[0]))
 
-                hops = partial(_hops, max(20, n // 20), anyio.CapacityLimiter(1))
-                st.update(await tm.ainterleave(p.runs, {"hit": hit, "sync": sync_hit, "hop": hops}))
+                one = anyio.CapacityLimiter(1)
 
-    _run(loop, main)
+                async def hop(out: list[float]) -> None:  # to a worker thread and back, for nothing
+                    for _ in range(max(20, n // 20)):
+                        await tm.atimed(out, anyio.to_thread.run_sync(lambda: None, limiter=one))
+
+                return await tm.ainterleave(p.runs, {"hit": hit, "sync": sync_hit, "hop": hop})
+
+    st = tm.run_on(loop, main)
     add = report.section(S_HIT, "1 KiB")
-    add(f"async hit [{loop}]", st["hit"], vs=("sync hit", st["sync"]), target=Target.at_most(2e-5))
+    add(f"async hit [{loop}]", st["hit"], vs=("sync hit", st["sync"]), target=Target("<=", 2e-5))
     add(f"sync SenderCache hit [{loop} run]", st["sync"])
     label = f"thread hop: anyio.to_thread.run_sync(noop) [{loop}]"
     add(label, st["hop"], param="", vs=("async hit", st["hit"]))
-
-
-def bench_big_put(p: Params, report: Report, progress: Progress, loop: str) -> None:
-    progress(f"async [{loop}]: 16 MiB put through the thread pool ({p.runs} runs)")
-    size = 16 * MiB
-    src, n, ring = tm.source_array(size), p.n_ops(size), 8 * size
-    item = {"data": src}
-    st: dict[str, tm.Stat] = {}
-
-    async def main(shm: tm.ShmBuffer) -> None:
-        async with AsyncSenderCache.from_config(bench_config(ring, size + 64 * KiB, 1)) as c:
-            await _puts(c, item, 3, [])
-            cells: dict[str, tm.Cell] = {
-                "copy": partial(tm.memcpy_into, shm.view(size), src, n),
-                "rotating": tm.each(n, np.copyto, lambda i: (shm.rotating(size, i), src)),
-                "put": partial(_puts, c, item, n),
-            }
-            st.update(await tm.ainterleave(p.runs, cells))
-
-    with tm.ShmBuffer(ring) as shm:
-        _run(loop, partial(main, shm))
-    add, vs = report.section(S_PUT, "16 MiB"), ("np.copyto", st["copy"])
-    add(f"np.copyto into warm shm [{loop} run]", st["copy"])
-    label = f"np.copyto into rotating places of a 128 MiB shm buffer [{loop} run]"
-    add(label, st["rotating"], vs=vs)
-    note = f"{st['rotating'].median / st['put'].median:.2f}x the rotating copy"
-    label = f"await get_and_update_item (a miss: put) [{loop}]"
-    add(label, st["put"], vs=vs, target=Target.at_least(0.7, "ratio"), note=note)
 
 
 # --- loop lag -------------------------------------------------------------------------------
@@ -139,7 +96,8 @@ _LAG_MODES = ("idle", "thread", "thread + reader process", "inline")
 
 def bench_lag(p: Params, report: Report, progress: Progress, loop: str, worker: Worker) -> None:
     item = {"data": tm.source_array(16 * MiB)}
-    lag = {(m, q): tm.Samples() for m in _LAG_MODES for q in ("p99", "p50", "max")}
+    quantiles = {"p99": 99, "p50": 50, "max": 100}
+    lag = {(m, q): tm.Samples() for m in _LAG_MODES for q in quantiles}
     ticks, puts = dict.fromkeys(_LAG_MODES, 0), {m: [0, 0] for m in _LAG_MODES}
     for r in range(p.lag_runs):
         progress(
@@ -148,18 +106,15 @@ def bench_lag(p: Params, report: Report, progress: Progress, loop: str, worker: 
         )
         for mode in _LAG_MODES:  # interleaved: the idle baseline sees the same load as the others
             lags = _lag_once(p, loop, worker, mode, item, puts[mode])
-            lag[(mode, "p99")].add_run([tm.percentile(lags, 99)])
-            lag[(mode, "p50")].add_run([tm.percentile(lags, 50)])
-            lag[(mode, "max")].add_run([max(lags, default=math.nan)])
+            for q, at in quantiles.items():
+                lag[(mode, q)].add_run([tm.percentile(lags, at)])
             ticks[mode] += len(lags)
     idle, add = lag[("idle", "p99")].stat(), report.section(S_LAG, "1 ms ticker")
     for mode in _LAG_MODES:
         (n_puts, n_inline), label = puts[mode], f"{mode} [{loop}]"
-        note = f"{ticks[mode]} ticks"
-        note += f", {n_puts} puts in {p.lag_runs * p.lag_seconds:.1f} s" if mode != "idle" else ""
-        note += f", {n_inline} served inline (full)" if n_inline else ""
+        note = f"{ticks[mode]} ticks, {n_puts} puts, {n_inline} served inline (the ring full)"
         kw: dict[str, Any] = {"vs": None if mode == "idle" else ("idle loop p99", idle)}
-        kw["target"] = Target.at_most(2e-3) if mode.startswith("thread") else None
+        kw["target"] = Target("<=", 2e-3) if mode.startswith("thread") else None
         kw |= {"note": note, "plot": "looplag", "series": f"p99 {label}"}
         add(f"lag p99, {label}", lag[(mode, "p99")].stat(), **kw)
         add(f"lag p50, {label}", lag[(mode, "p50")].stat())
@@ -194,109 +149,75 @@ def _lag_once(
 
     async def main() -> None:
         threshold = NEVER if mode == "inline" else DEFAULT_INLINE_THRESHOLD
-        cfg = bench_config(16 * size, size, 1)
+        cfg = bench_config(16 * size, size)
         async with AsyncSenderCache.from_config(cfg, inline_threshold_bytes=threshold) as c:
-            serve = worker.attached(c.handle(), serve=("ack_stream", "copy"))
+            serve = worker.attached(c.handle(), reads="copy")
             with serve if reader else nullcontext(), anyio.CancelScope() as scope:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(ticker.run)
                     tg.start_soon(stream, c, scope)
 
-    _run(loop, main)
+    tm.run_on(loop, main)
     return list(ticker.samples)
 
 
-# --- many small concurrent requests ---------------------------------------------------------
+# --- puts inline and in a worker thread -----------------------------------------------------
 
 
-def bench_concurrent(p: Params, report: Report, progress: Progress, loop: str) -> None:
-    tasks, per_task = p.concurrent_tasks, p.concurrent_requests
-    progress(f"async [{loop}]: {tasks} concurrent tasks x {per_task} small requests")
-    n_items, total = 64, tasks * per_task
-    items = [{"data": tm.source_array(1024, seed=i)} for i in range(n_items)]
-    rates = {k: tm.Samples() for k in ("concurrent", "one task", "puts")}
-    lat = tm.Samples()
+def bench_puts(p: Params, report: Report, progress: Progress, loop: str, sizes: list[int]) -> None:
+    """Puts of each size inline on the loop and in a worker thread, against ``np.copyto``.
 
-    async def main() -> None:
-        sender = SenderCache(bench_config(16 * MiB, 1 * MiB, 1))  # the hits: never evicted
-        fresh = SenderCache(bench_config(16 * MiB, 1 * MiB, 1))  # the puts churn this one
-        with sender, fresh:
-            async with AsyncSenderCache(sender) as c, AsyncSenderCache(fresh) as cf:
-                for i, it in enumerate(items):
-                    await c.get_and_update_item((it, ()), f"h{i}")
-
-                async def client(k: int, out: list[float]) -> None:
-                    for j in range(per_task):
-                        await anyio.lowlevel.checkpoint()  # a server awaits its socket
-                        t0 = _clock()
-                        await c.get_and_update_item(None, f"h{(k * 7 + j) % n_items}")
-                        out.append((_clock() - t0) * 1e-9)
-
-                async def putter(k: int, out: list[float]) -> None:
-                    for _ in range(per_task):
-                        await anyio.lowlevel.checkpoint()
-                        i = next(_keys)
-                        await cf.get_and_update_item((items[i % n_items], ()), f"new{i}")
-
-                async def rate(name: str, fn: Any, out: list[float], together: bool) -> None:
-                    t0 = _clock()
-                    if not together:
-                        for k in range(tasks):
-                            await fn(k, [])
-                    else:
-                        async with anyio.create_task_group() as tg:
-                            for k in range(tasks):
-                                tg.start_soon(fn, k, out)
-                    rates[name].add_run([total / ((_clock() - t0) * 1e-9)])
-
-                for _ in range(p.runs):
-                    await rate("concurrent", client, lat.new_run(), True)
-                    await rate("one task", client, [], False)
-                    await rate("puts", putter, [], True)
-
-    _run(loop, main)
-    st = {k: v.stat() for k, v in rates.items()}
-    add = report.section(S_CONC, f"{tasks} tasks x {per_task}", kind="rate")
-    ratio = st["concurrent"].median / st["one task"].median
-    label = f"hits/s, concurrent tasks [{loop}]"
-    add(label, st["concurrent"], baseline="one task, same requests", ratio=ratio)
-    add(f"hits/s, one task [{loop}]", st["one task"])
-    add(f"hit latency under concurrency [{loop}]", lat.stat(), kind="time")
-    add(f"new 1 KiB items (puts)/s, concurrent tasks [{loop}]", st["puts"])
-
-
-# --- inline vs thread threshold -------------------------------------------------------------
-
-
-def bench_threshold(p: Params, report: Report, progress: Progress, loop: str) -> None:
-    sizes, biggest = p.threshold_sizes, max(p.threshold_sizes)
+    Two ``AsyncSenderCache`` faces over one ``SenderCache``: one copies every item inline, one
+    hands every copy to a worker thread. A 16 MiB put (always a thread's by default) is also set
+    against a copy into rotating places of a ring-sized buffer: where a put really lands.
+    """
     progress(f"async [{loop}]: inline vs thread put for {', '.join(map(fmt_bytes, sizes))}")
+    slot = max(sizes) + 64 * KiB
     by_size: dict[int, dict[str, tm.Stat]] = {}
-    limiter = anyio.CapacityLimiter(4)
 
     async def main(shm: tm.ShmBuffer) -> None:
-        with SenderCache(bench_config(8 * (biggest + 64 * KiB), biggest + 64 * KiB, 1)) as s:
+        with SenderCache(bench_config(8 * slot, slot)) as s:
             ci = AsyncSenderCache(s, inline_threshold_bytes=NEVER)
             ct = AsyncSenderCache(s, inline_threshold_bytes=0)
-            for size in sizes:
-                src = tm.source_array(size)
-                item, n = {"data": src}, max(6, p.n_ops(size) // 2)
-                for c in (ci, ct, ci, ct):  # warm both paths and the worker threads
-                    await _puts(c, item, 1, [])
-                cells: dict[str, tm.Cell] = {
-                    "copy": partial(tm.memcpy_into, shm.view(size), src, n),
-                    "inline": partial(_puts, ci, item, n),
-                    "thread": partial(_puts, ct, item, n),
-                    "hop": partial(_hops, 10, limiter),
-                }
-                by_size[size] = await tm.ainterleave(p.runs, cells)
-            await ci.aclose()
-            await ct.aclose()
+            async with ci, ct:
+                for size in sizes:
+                    src = tm.source_array(size)
+                    item, n = {"data": src}, max(6, p.n_ops(size) // 2)
+                    for c in (ci, ct, ci, ct):  # warm both paths and the worker threads
+                        await _puts(c, item, 1, [])
+                    cells: dict[str, tm.Cell] = {
+                        "copy": tm.copy_into(shm, src, n),
+                        "inline": partial(_puts, ci, item, n),
+                        "thread": partial(_puts, ct, item, n),
+                    }
+                    if size == BIG:
+                        cells["rotating"] = tm.copy_into(shm, src, n, rotating=True)
+                    by_size[size] = await tm.ainterleave(p.runs, cells)
 
-    with tm.ShmBuffer(biggest) as shm:
-        _run(loop, partial(main, shm))
+    with tm.ShmBuffer(8 * slot) as shm:
+        tm.run_on(loop, partial(main, shm))
+    if BIG in by_size:
+        st, add = by_size[BIG], report.section(S_PUT, "16 MiB")
+        vs = ("np.copyto", st["copy"])
+        add(f"np.copyto into warm shm [{loop} run]", st["copy"])
+        label = f"np.copyto into rotating places of a ring-sized shm buffer [{loop} run]"
+        add(label, st["rotating"], vs=vs)
+        note = f"{st['rotating'].median / st['thread'].median:.2f}x the rotating copy"
+        label = f"await get_and_update_item (a miss: put in a worker thread) [{loop}]"
+        add(label, st["thread"], vs=vs, target=Target(">=", 0.7, "ratio"), note=note)
+    if len(by_size) > 1:
+        _threshold_rows(report, loop, by_size)
+
+
+def _threshold_rows(report: Report, loop: str, by_size: dict[int, dict[str, tm.Stat]]) -> None:
+    """The sweep, and where a worker thread starts to pay (against ``DEFAULT_INLINE_THRESHOLD``).
+
+    Latency crossover: the first size whose put is faster in a thread. Break-even: the size where
+    an inline put stalls the loop as long as the hop delays the request (inline = thread - inline),
+    interpolated on log scales; below it a copy is cheaper for everyone inline, above it the loop
+    is better off handing the copy to a thread.
+    """
     add = report.section(S_THR, plot="threshold")
-    add(f"thread hop (noop) [{loop}]", by_size[sizes[0]]["hop"], plot=None)
     for size, st in by_size.items():
         for label, key, vs, series in (
             (f"np.copyto [{loop}]", "copy", None, "np.copyto (baseline)"),
@@ -305,58 +226,21 @@ def bench_threshold(p: Params, report: Report, progress: Progress, loop: str) ->
         ):
             base = None if vs is None else (vs[0], st[vs[1]])
             add(label, st[key], param=fmt_bytes(size), vs=base, series=series, x=size)
-    medians = [(s, st["inline"].median, st["thread"].median) for s, st in by_size.items()]
-    _threshold_verdict(report, loop, medians)
-
-
-def _threshold_verdict(report: Report, loop: str, medians: list[tuple[int, float, float]]) -> None:
-    """Where a thread stops costing more than it saves, against ``DEFAULT_INLINE_THRESHOLD``."""
-    thr, top = DEFAULT_INLINE_THRESHOLD, fmt_bytes(max(s for s, _, _ in medians))
-    crossover = next((s for s, ins, ths in medians if ths <= ins), None)
-    latency = (
-        f"a worker thread never made the put itself faster (up to {top}): "
-        "the hop is pure overhead for the request"
-        if crossover is None
-        else f"the put itself is faster in a thread from {fmt_bytes(crossover)} on"
-    )
-    even = _break_even(medians)
-    if even is None:
-        stall, verdict = "no break-even in the sizes measured", "cannot tell"
-    else:
-        e = fmt_bytes(int(even))
-        stall = f"an inline put stalls the loop as long as the hop delays the request at ~{e}"
-        if even / 2 <= thr <= even * 2:
-            verdict = f"supports {fmt_bytes(thr)} (within 2x of the break-even)"
-        elif thr > even * 2:
-            verdict = f"{fmt_bytes(thr)} is high: inline copies above ~{e} stall the loop "
-            verdict += "longer than a hop costs"
-        else:
-            verdict = f"{fmt_bytes(thr)} is low: hops below ~{e} cost more than the stall "
-            verdict += "they avoid"
-    add = report.section(S_THR, kind="bytes")
-    label = f"latency crossover: first size where thread <= inline [{loop}]"
-    add(label, float(crossover or math.nan), note=latency)
-    label = f"break-even: inline put time = thread put - inline put [{loop}]"
-    add(label, math.nan if even is None else even, note=stall)
-    report.notes.append(
-        f"inline/thread threshold [{loop}]: {latency}; {stall}: {verdict} "
-        f"(DEFAULT_INLINE_THRESHOLD = {fmt_bytes(thr)})"
-    )
-
-
-def _break_even(medians: list[tuple[int, float, float]]) -> float | None:
-    """Size where an inline put's loop stall equals the latency a thread hop adds.
-
-    Below it a put is cheaper for everyone inline (the stall is shorter than the hop's cost);
-    above it the loop is better off handing the copy to a thread. Interpolated on log scales
-    between the two measured sizes around the sign change.
-    """
-    diff = np.array([ins - (ths - ins) for _, ins, ths in medians])  # stall - the hop's cost
-    if not (diff >= 0).any():
-        return None
-    i = int(np.argmax(diff >= 0))  # the first size where the stall is the larger
-    log_sizes = np.log([s for s, _, _ in medians[max(0, i - 1) : i + 1]])
-    return float(np.exp(np.interp(0.0, diff[max(0, i - 1) : i + 1], log_sizes)))
+    sizes = np.array(list(by_size), dtype=np.float64)
+    inline = np.array([st["inline"].median for st in by_size.values()])
+    thread = np.array([st["thread"].median for st in by_size.values()])
+    faster = np.flatnonzero(thread <= inline)
+    crossover = float(sizes[faster[0]]) if faster.size else math.nan
+    stall_minus_hop = inline - (thread - inline)
+    even = math.nan
+    if (stall_minus_hop >= 0).any():
+        i = int(np.argmax(stall_minus_hop >= 0))  # the first size where the stall is the larger
+        around = slice(max(0, i - 1), i + 1)
+        even = float(np.exp(np.interp(0.0, stall_minus_hop[around], np.log(sizes[around]))))
+    note = f"DEFAULT_INLINE_THRESHOLD = {fmt_bytes(DEFAULT_INLINE_THRESHOLD)}"
+    add = report.section(S_THR, kind="bytes", note=note)
+    add(f"latency crossover: first size where thread <= inline [{loop}]", crossover)
+    add(f"break-even: inline put time = thread put - inline put [{loop}]", even)
 
 
 def run_async_suite(p: Params, report: Report, progress: Progress) -> None:
@@ -366,14 +250,14 @@ def run_async_suite(p: Params, report: Report, progress: Progress) -> None:
         loops.append("uvloop")
     except ImportError:
         report.skip("uvloop: not installed; async figures on asyncio only")
-    for name, fn in (("async hit", bench_hit), ("async 16 MiB put", bench_big_put)):
-        for loop in loops:
-            report.attempt(f"{name} [{loop}]", partial(fn, p, report, progress, loop))
-    with LazyWorker() as lw:
-        for loop in (lp for lp in p.lag_loops if lp in loops):
-            lw.attempt(report, f"loop lag [{loop}]", partial(bench_lag, p, report, progress, loop))
     for loop in loops:
-        conc = partial(bench_concurrent, p, report, progress, loop)
-        report.attempt(f"concurrent requests [{loop}]", conc)
-    thr = partial(bench_threshold, p, report, progress, loops[-1])
-    report.attempt(f"inline vs thread [{loops[-1]}]", thr)
+        report.attempt(f"async hit [{loop}]", partial(bench_hit, p, report, progress, loop))
+    with Worker() as worker:
+        for loop in (lp for lp in p.lag_loops if lp in loops):
+            worker.attempt(
+                report, f"loop lag [{loop}]", partial(bench_lag, p, report, progress, loop)
+            )
+    for loop in loops:  # the 16 MiB put on every loop, the whole sweep on the last
+        sizes = sorted({*p.threshold_sizes, BIG}) if loop == loops[-1] else [BIG]
+        puts = partial(bench_puts, p, report, progress, loop, sizes)
+        report.attempt(f"async puts [{loop}]", puts)

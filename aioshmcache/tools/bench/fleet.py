@@ -18,9 +18,9 @@ import asyncio
 import functools
 import hashlib
 import math
-import multiprocessing as mp
 import os
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,11 +30,14 @@ from aioshmcache import AsyncSenderCache, CacheConfig
 from aioshmcache.tier import RedisTier, TierPolicy
 
 from ..progress import Progress
-from ..redis_server import RedisServer, redis_binaries
+from ..redis_server import RedisServer
 from ..units import KiB, MiB
 from .params import Params, bench_config
+from .peers import redis_missing
+from .procs import run_spawned
 from .report import Report, Target
-from .timing import Samples, percentile
+from .timing import Samples, atimed, percentile, timed
+from .trace import item_sizes, zipf_trace
 
 __all__ = ["run_fleet_suite"]
 
@@ -45,6 +48,7 @@ PER_ITEM = "preprocessings per distinct item"
 
 MAKE_S = 0.020  # CPU seconds of one preprocessing
 HOSTS = 4
+ZIPF_S = 1.1  # the skew of every trace
 SECRET = b"aioshmcache-bench-fleet-secret!!"
 LOOKUP_TIMEOUT_S = 0.05
 #: the Zipf hosts' look-up deadline: 4 hosts x 4 preprocessings on a 2-CPU machine (plus Redis)
@@ -62,18 +66,6 @@ def spin(seconds: float) -> None:
     end = time.thread_time() + seconds
     while time.thread_time() < end:
         hashlib.sha256(_BLOCK).digest()
-
-
-def item_sizes(items: int, lo: int, hi: int, seed: int = 7) -> list[int]:
-    """Per item, a log-uniform size in ``[lo, hi]`` (multiples of 4 KiB)."""
-    raw = np.exp(np.random.default_rng(seed).uniform(math.log(lo), math.log(hi), items))
-    return [int(x) // (4 * KiB) * (4 * KiB) for x in raw]
-
-
-def zipf_trace(n: int, items: int, *, seed: int = 0) -> list[int]:
-    """``n`` item indices, item ``i`` with probability proportional to 1 / (i+1)^1.1."""
-    w = 1.0 / np.arange(1, items + 1, dtype=np.float64) ** 1.1
-    return [int(i) for i in np.random.default_rng(seed).choice(items, size=n, p=w / w.sum())]
 
 
 def preprocess(i: int, size: int) -> dict[str, Any]:
@@ -122,12 +114,14 @@ async def _serve(
     return {"made": made, "latencies": latencies, "failures": failures, "seconds": seconds}
 
 
-def _host(url: str | None, always: bool, cfg: CacheConfig, work: Any, sync: Any) -> None:
+def _host(
+    url: str | None, always: bool, cfg: CacheConfig, work: Any, barrier: Any, out: Any
+) -> None:
     """One simulated host (a spawned process): its own cache, the shared Redis if any.
 
-    ``work``: its trace and every item's size; ``sync``: the hosts' barrier and result queue.
+    ``work``: its trace and every item's size; ``barrier`` and ``out``: see :func:`.run_spawned`.
     """
-    (trace, sizes), (barrier, out) = work, sync
+    trace, sizes = work
 
     async def main() -> None:
         policy = always_fetch() if always else None
@@ -146,32 +140,17 @@ def _host(url: str | None, always: bool, cfg: CacheConfig, work: Any, sync: Any)
 def _fleet_run(
     url: str | None, trace: list[int], sizes: list[int], capacity: int, always: bool = False
 ) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(HOSTS), ctx.Queue()
     cfg = functools.partial(bench_config, capacity, max(sizes) + MiB)
-    args = [(url, always, cfg(), (trace[k::HOSTS], sizes), (barrier, out)) for k in range(HOSTS)]
-    procs = [ctx.Process(target=_host, args=a) for a in args]
-    for p in procs:
-        p.start()
-    try:
-        return [out.get(timeout=1800) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+    args = [(url, always, cfg(), (trace[k::HOSTS], sizes)) for k in range(HOSTS)]
+    return run_spawned(_host, args, timeout=1800)
 
 
 def _tier_note(tiers: list[dict[str, Any]]) -> str:
-    """What the hosts' tiers counted, summed, and what their policies learned (median)."""
-    n = {k: sum(t[k] for t in tiers) for k in tiers[0] if isinstance(tiers[0][k], int)}
-    note = (
-        f"; {n['hits']} tier hits, {n['waits']} waits for another host, "
-        f"{n['skipped']} + {n['skipped_writes']} policy skips (look-ups + writes), "
-        f"{n['errors'] + n['timeouts']} Redis errors/timeouts, {n['bypassed']} bypassed, "
-        f"{n['dropped_writes']} dropped writes"
-    )
+    """What the hosts' tiers counted (the non-zero counters, summed) and what their policies
+    learned (median)."""
+    counted = (k for k, v in tiers[0].items() if isinstance(v, int) and not isinstance(v, bool))
+    sums = {k: sum(t[k] for t in tiers) for k in counted}
+    note = "; tier " + ", ".join(f"{k} {v}" for k, v in sums.items() if v)
     views = [t["policy"] for t in tiers if t["policy"] and t["policy"]["makes_seen"]]
     if views:  # a learning policy (one that does not learn has seen no make)
         med = {k: float(np.median([v[k] for v in views])) for k in views[0]}
@@ -186,11 +165,12 @@ def _tier_note(tiers: list[dict[str, Any]]) -> str:
 def bench_zipf(p: Params, report: Report, progress: Progress) -> None:
     items, n_req = (200, 1600) if p.quick else (2000, 8000)
     lo, hi = (256 * KiB, 2 * MiB) if p.quick else (MiB // 2, 8 * MiB)
-    sizes, trace = item_sizes(items, lo, hi), zipf_trace(n_req, items)
+    sizes = item_sizes(items, lo, hi, seed=7).tolist()
+    trace = zipf_trace(n_req, items, ZIPF_S, seed=0).tolist()
     distinct = sorted(set(trace))
     capacity = (256 if p.quick else 768) * MiB
     param = f"{n_req} req, {len(distinct)} of {items} items, {lo // KiB} KiB-{hi // MiB} MiB"
-    row = functools.partial(report.row, S_ZIPF, kind="ratio")
+    add = report.section(S_ZIPF, param, kind="ratio")
     progress(f"fleet: {param}, 4 hosts without a tier")
     runs = {"no tier": _fleet_run(None, trace, sizes, capacity)}
     redis_args = ["--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru"]
@@ -210,134 +190,116 @@ def bench_zipf(p: Params, report: Report, progress: Progress) -> None:
         note += f"{float(np.mean(lat)) * 1e3:.1f} ms"
         if label != "no tier":
             note += _tier_note([res["tier"] for res in results])
-        target = None if label == "no tier" else Target("value", "<=", 1.05)
-        row(f"{PER_ITEM}, {label}", param, len(made) / len(distinct), note=note, target=target)
+        target = None if label == "no tier" else Target("<=", 1.05)
+        add(f"{PER_ITEM}, {label}", len(made) / len(distinct), note=note, target=target)
     # the policy's decision: the items it fetches and the items it makes on every host
     learned = runs["RedisTier"]
     budget = min(res["tier"]["policy"]["budget_bytes"] for res in learned)
-    counts = dict.fromkeys(distinct, 0)
-    for i in (i for res in learned for i in res["made"]):
-        counts[i] += 1
+    makes = Counter(i for res in learned for i in res["made"])
     under = [i for i in distinct if sizes[i] < budget]
-    over = [i for i in distinct if sizes[i] >= budget]
     for label, group in (
         (f"under the learned budget ({budget / MiB:.1f} MiB)", under),
-        ("over it (fetching would lose)", over),
+        ("over it (fetching would lose)", [i for i in distinct if sizes[i] >= budget]),
     ):
         if group:
-            n = sum(counts[i] for i in group) / len(group)
-            row(f"{PER_ITEM}, RedisTier, items {label}", f"{len(group)} items", n)
-
-
-def bench_hit(p: Params, report: Report, progress: Progress) -> None:
-    progress("fleet: tier hit latency, 1 / 4 / 16 MiB")
-    reps, runs = 3 if p.quick else 10, max(3, p.runs)
-    with RedisServer() as r:
-        asyncio.run(_hit(r.url, [MiB, 4 * MiB, 16 * MiB], reps, runs, report))
+            n = sum(makes[i] for i in group) / len(group)
+            add(f"{PER_ITEM}, RedisTier, items {label}", n, param=f"{len(group)} items")
 
 
 def _not_made() -> None:
     raise RuntimeError("a tier hit ran make (the tier missed)")
 
 
-async def _hit(url: str, sizes: list[int], reps: int, runs: int, report: Report) -> None:
-    # the raw cost of a hit: a policy that always fetches, and a deadline no fetch here reaches
-    a_tier, b_tier = (_tier(url, policy=always_fetch(), lookup_timeout_s=5.0) for _ in "ab")
-    c_tier = _tier(url)
-    a, b, c = (
-        AsyncSenderCache.from_config(bench_config(160 * MiB, 20 * MiB), tier=t)
-        for t in (a_tier, b_tier, c_tier)
-    )
-    async with a, b, c:
-        for size in sizes:
-            h, make_it = f"hit{size}", functools.partial(preprocess, 1, size)
-            await a.get_or_put(h, make_it)
-            await a_tier.flush(60)
-            tier_hit, local_hit, make = Samples(), Samples(), Samples()
-            for _ in range(runs):
-                trun, lrun, mrun = tier_hit.new_run(), local_hit.new_run(), make.new_run()
-                for _ in range(reps):
-                    for run in (trun, lrun):  # the tier has it; then shared memory has it
-                        t0 = time.perf_counter()
-                        await b.get_or_put(h, _not_made)
-                        run.append(time.perf_counter() - t0)
-                    await b.invalidate(h)
-                    t0 = time.perf_counter()
-                    preprocess(1, size)
-                    mrun.append(time.perf_counter() - t0)
-                    await c.get_or_put(h, make_it)
-                    await c.invalidate(h)  # the learning policy sees fetches and makes
-            param, ms = f"{size // MiB} MiB", make.stat()
-            target = Target("ratio", ">=", 2.0) if size == 4 * MiB else None
-            row = functools.partial(report.row, S_HIT, param=param, vs=("preprocessing", ms))
-            report.row(S_HIT, "the preprocessing (20 ms CPU + fill)", param, ms)
-            row("tier hit: get_or_put on a second host", value=tier_hit.stat(), target=target)
-            row("local hit: get_or_put, in shared memory", value=local_hit.stat())
-        v = c_tier.policy.view(c_tier.max_item_bytes)
-        fetch = f"fetch {v.fetch_fixed_s * 1e3:.2f} ms + {v.fetch_per_byte_s * 1e9:.2f} ns/B"
-        note = f"make {v.make_fixed_s * 1e3:.1f} ms; probe {v.probe_s * 1e3:.2f} ms; margin "
-        note += f"{c_tier.policy.margin}"
-        label = "learned fetch budget: the largest item fetched rather than made"
-        report.row(S_HIT, label, fetch, v.budget_bytes, kind="bytes", note=note)
+async def bench_hit(p: Params, report: Report, progress: Progress) -> None:
+    progress("fleet: tier hit latency, 1 / 4 / 16 MiB")
+    reps, runs = 3 if p.quick else 10, max(3, p.runs)
+    with RedisServer() as r:
+        # the raw cost of a hit: a policy that always fetches, and a deadline no fetch here reaches
+        a_tier, b_tier = (_tier(r.url, policy=always_fetch(), lookup_timeout_s=5.0) for _ in "ab")
+        c_tier = _tier(r.url)
+        a, b, c = (
+            AsyncSenderCache.from_config(bench_config(160 * MiB, 20 * MiB), tier=t)
+            for t in (a_tier, b_tier, c_tier)
+        )
+        async with a, b, c:
+            for size in (MiB, 4 * MiB, 16 * MiB):
+                h, make_it = f"hit{size}", functools.partial(preprocess, 1, size)
+                await a.get_or_put(h, make_it)
+                await a_tier.flush(60)
+                tier_hit, local_hit, make = Samples(), Samples(), Samples()
+                for _ in range(runs):
+                    trun, lrun, mrun = tier_hit.new_run(), local_hit.new_run(), make.new_run()
+                    for _ in range(reps):
+                        for run in (trun, lrun):  # the tier has it; then shared memory has it
+                            await atimed(run, b.get_or_put(h, _not_made))
+                        await b.invalidate(h)
+                        timed(mrun, preprocess, 1, size)
+                        await c.get_or_put(h, make_it)
+                        await c.invalidate(h)  # the learning policy sees fetches and makes
+                param, ms = f"{size // MiB} MiB", make.stat()
+                target = Target(">=", 2.0, "ratio") if size == 4 * MiB else None
+                add, vs = report.section(S_HIT, param), ("preprocessing", ms)
+                add("the preprocessing (20 ms CPU + fill)", ms)
+                add("tier hit: get_or_put on a second host", tier_hit.stat(), vs=vs, target=target)
+                add("local hit: get_or_put, in shared memory", local_hit.stat(), vs=vs)
+            v = c_tier.policy.view(c_tier.max_item_bytes)
+            fetch = f"fetch {v.fetch_fixed_s * 1e3:.2f} ms + {v.fetch_per_byte_s * 1e9:.2f} ns/B"
+            note = f"make {v.make_fixed_s * 1e3:.1f} ms; probe {v.probe_s * 1e3:.2f} ms; margin "
+            note += f"{c_tier.policy.margin}"
+            label = "learned fetch budget: the largest item fetched rather than made"
+            report.section(S_HIT, fetch)(label, v.budget_bytes, kind="bytes", note=note)
 
 
-def bench_kill(p: Params, report: Report, progress: Progress) -> None:
+async def bench_kill(p: Params, report: Report, progress: Progress) -> None:
     items, n_req = (60, 240) if p.quick else (300, 1500)
     progress(f"fleet: {n_req} requests, Redis killed halfway")
-    trace, sizes = zipf_trace(n_req, items, seed=5), item_sizes(items, 256 * KiB, MiB, seed=3)
+    trace = zipf_trace(n_req, items, ZIPF_S, seed=5).tolist()
+    sizes = item_sizes(items, 256 * KiB, MiB, seed=3).tolist()
     with RedisServer() as r:
-        asyncio.run(_kill(r, trace, sizes, report))
-
-
-async def _kill(r: RedisServer, trace: list[int], sizes: list[int], report: Report) -> None:
-    cfg = functools.partial(bench_config, 256 * MiB, 2 * MiB)
-    half = len(trace) // 2
-    maker = _tier(r.url)  # another host has made every item already: Redis holds them
-    async with AsyncSenderCache.from_config(cfg(), tier=maker) as w:
-        await _serve(w, sorted(set(trace)), sizes)
-        await maker.flush(120)
-    # each half without a tier next to it with one: p99s minutes apart compare the machine's load
-    tier = _tier(r.url)
-    async with (
-        AsyncSenderCache.from_config(cfg()) as plain,
-        AsyncSenderCache.from_config(cfg(), tier=tier) as cache,
-    ):
-        base_first = await _serve(plain, trace[:half], sizes)
-        first = await _serve(cache, trace[:half], sizes)
-        r.kill()
-        second = await _serve(cache, trace[half:], sizes)
-        base_second = await _serve(plain, trace[half:], sizes)
+        cfg = functools.partial(bench_config, 256 * MiB, 2 * MiB)
+        half = len(trace) // 2
+        maker = _tier(r.url)  # another host has made every item already: Redis holds them
+        async with AsyncSenderCache.from_config(cfg(), tier=maker) as w:
+            await _serve(w, sorted(set(trace)), sizes)
+            await maker.flush(120)
+        # each half without a tier beside it with one: p99s minutes apart compare the machine's load
+        tier = _tier(r.url)
+        async with (
+            AsyncSenderCache.from_config(cfg()) as plain,
+            AsyncSenderCache.from_config(cfg(), tier=tier) as cache,
+        ):
+            base_first = await _serve(plain, trace[:half], sizes)
+            first = await _serve(cache, trace[:half], sizes)
+            r.kill()
+            second = await _serve(cache, trace[half:], sizes)
+            base_second = await _serve(plain, trace[half:], sizes)
     param = f"{len(trace)} req, {len(set(trace))} items 256 KiB-1 MiB, 4 at once"
-    row = functools.partial(report.row, S_KILL, param=param)
+    add = report.section(S_KILL, param)
     failures = first["failures"] + second["failures"]
-    row("failed requests", value=failures, kind="count", target=Target("value", "<=", 0))
+    add("failed requests", failures, kind="count", target=Target("<=", 0))
     for label, res, base in (
         ("req/s with the tier, Redis up (first half)", first, base_first),
         ("req/s with the tier, Redis killed (second half)", second, base_second),
     ):
         rate, ratio = len(res["latencies"]) / res["seconds"], base["seconds"] / res["seconds"]
-        row(label, value=rate, kind="rate", baseline="no tier", ratio=ratio)
+        add(label, rate, kind="rate", baseline="no tier", ratio=ratio)
     p99_base, p99_dead = (percentile(res["latencies"], 99) for res in (base_second, second))
     st = tier.stats()
     note = f"p99 {p99_dead * 1e3:.1f} ms vs {p99_base * 1e3:.1f} ms; {st.errors} errors, "
     note += f"{st.timeouts} timeouts, breaker opened {st.breaker_opens}x, {st.bypassed} bypassed"
     label = "added p99 latency after the kill (vs the same requests without a tier)"
-    added, target = max(0.0, p99_dead - p99_base), Target("value", "<=", LOOKUP_TIMEOUT_S + 0.005)
-    row(label, value=added, target=target, note=note)
+    added, target = max(0.0, p99_dead - p99_base), Target("<=", LOOKUP_TIMEOUT_S + 0.005)
+    add(label, added, target=target, note=note)
 
 
 def run_fleet_suite(p: Params, report: Report, progress: Progress) -> None:
     """The fleet suite (``--suite fleet``)."""
-    if redis_binaries() is None:
-        report.skip("fleet: redis-server is not installed (apt-get install redis-server)")
+    if missing := redis_missing("fleet"):
+        report.skip(f"fleet: {missing}")
         return
-    try:
-        import redis
-        import redis.asyncio
-        from redis.utils import HIREDIS_AVAILABLE
-    except ImportError:
-        report.skip("fleet: the redis client is not installed (pip install 'aioshmcache[fleet]')")
-        return
+    import redis
+    from redis.utils import HIREDIS_AVAILABLE
+
     parser = "hiredis" if HIREDIS_AVAILABLE else "its pure-Python parser (hiredis not installed)"
     report.notes.append(
         f"fleet: preprocessing = {MAKE_S * 1e3:.0f} ms of CPU (GIL released); {HOSTS} hosts = "
@@ -345,6 +307,6 @@ def run_fleet_suite(p: Params, report: Report, progress: Progress) -> None:
         f"lookup_timeout_s {ZIPF_LOOKUP_TIMEOUT_S} s for the Zipf hosts, else "
         f"{LOOKUP_TIMEOUT_S} s (the default); redis-py {redis.__version__} with {parser}"
     )
-    report.attempt("fleet: tier hit latency", lambda: bench_hit(p, report, progress))
-    report.attempt("fleet: Redis killed", lambda: bench_kill(p, report, progress))
+    report.attempt("fleet: tier hit latency", lambda: asyncio.run(bench_hit(p, report, progress)))
+    report.attempt("fleet: Redis killed", lambda: asyncio.run(bench_kill(p, report, progress)))
     report.attempt("fleet: Zipf preprocessings", lambda: bench_zipf(p, report, progress))

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -30,9 +29,11 @@ from ..progress import Progress
 from ..units import KiB, MiB
 from . import timing as tm
 from .params import Params, segment_prefix
+from .procs import run_spawned
 from .report import Report, Target
+from .trace import zipf_trace
 
-__all__ = ["run_group_suite", "zipf_stream"]
+__all__ = ["run_group_suite"]
 
 S_ZIPF = "Cache group: preprocessings of a Zipf load, 1 vs 4 gateway processes"
 S_LOOKUP = "Cache group: is_cached_item across shards (vs an own hit)"
@@ -40,13 +41,6 @@ S_COPY = "Cache group: sibling hit, copy into the own shard (vs np.copyto into w
 
 ZIPF_S = 1.1
 ITEM_BYTES = 256 * KiB  # one "preprocessed image": 64 Ki float32
-
-
-def zipf_stream(n_requests: int, images: int, *, s: float = ZIPF_S, seed: int = 0) -> list[str]:
-    """``n_requests`` image hashes; image ``i`` is asked with probability ∝ 1 / (i+1)^s."""
-    weights = 1.0 / np.arange(1, images + 1, dtype=np.float64) ** s
-    picks = np.random.default_rng(seed).choice(images, n_requests, p=weights / weights.sum())
-    return [hashlib.blake2b(f"img{i}".encode(), digest_size=16).hexdigest() for i in picks]
 
 
 def preprocess(h: str, nbytes: int = ITEM_BYTES) -> dict[str, Any]:
@@ -76,28 +70,18 @@ def _gateway(config: CacheConfig, hashes: Sequence[str], barrier: Any, out: Any)
 
 def _run_load(stream: Sequence[str], writers: int, *, group: bool, capacity: int) -> dict[str, int]:
     """Run ``stream`` over ``writers`` spawned processes; their counts summed."""
-    ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(writers), ctx.Queue()
     tag = f"{segment_prefix()}z{writers}{'g' if group else 'p'}{time.monotonic_ns() % 10**6}"
-    procs = []
+    args = []
     for k in range(writers):
         where: dict[str, Any] = {"group": tag} if group else {"name": f"{tag}-{k}"}
-        cfg = CacheConfig(capacity, 4 * ITEM_BYTES, 1, **where)
-        procs.append(ctx.Process(target=_gateway, args=(cfg, stream[k::writers], barrier, out)))
-        procs[-1].start()
-    try:
-        results = [out.get(timeout=600) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        args.append((CacheConfig(capacity, 4 * ITEM_BYTES, 1, **where), stream[k::writers]))
+    results = run_spawned(_gateway, args, timeout=600)
     return {k: sum(r[k] for r in results) for k in results[0]}
 
 
 def bench_zipf(p: Params, report: Report, progress: Progress) -> None:
-    stream = zipf_stream(p.group_requests, p.group_images)
+    picks = zipf_trace(p.group_requests, p.group_images, ZIPF_S, seed=0)  # image i: ∝ 1/(i+1)^s
+    stream = [hashlib.blake2b(f"img{i}".encode(), digest_size=16).hexdigest() for i in picks]
     distinct = len(set(stream))
     capacity = (distinct + 16) * (ITEM_BYTES + 4 * KiB)  # every shard could hold them all
     runs = {}
@@ -108,23 +92,16 @@ def bench_zipf(p: Params, report: Report, progress: Progress) -> None:
     ):
         progress(f"group: Zipf load, {p.group_requests} requests, {distinct} images, {label}")
         runs[label] = _run_load(stream, writers, group=group, capacity=capacity)
-    add = report.section(S_ZIPF, f"{p.group_requests} req, {distinct} images, s={ZIPF_S}")
+    param = f"{p.group_requests} req, {distinct} images, s={ZIPF_S}"
+    add = report.section(S_ZIPF, param, kind="count", baseline="1 process")
     base = runs.pop("1 process")["preprocessed"]
-    add("preprocessings, 1 process", base, kind="count")
+    add("preprocessings, 1 process", base, baseline=None)
     # a count ratio: more preprocessings than 1 process is worse (ratio above 1)
     for label, got in runs.items():
-        grouped = "no group" not in label
         note = f"{got['sibling_hits']} sibling hits, {got['fallbacks']} stale fallbacks"
-        kw = {"target": Target.at_most(1.1, "ratio"), "note": note} if grouped else {}
+        kw = {"target": Target("<=", 1.1, "ratio"), "note": note} if "no group" not in label else {}
         ratio = got["preprocessed"] / base
-        add(
-            f"preprocessings, {label}",
-            got["preprocessed"],
-            baseline="1 process",
-            ratio=ratio,
-            kind="count",
-            **kw,
-        )
+        add(f"preprocessings, {label}", got["preprocessed"], ratio=ratio, **kw)
 
 
 def bench_lookup_and_copy(p: Params, report: Report, progress: Progress) -> None:
@@ -155,13 +132,9 @@ def bench_lookup_and_copy(p: Params, report: Report, progress: Progress) -> None
                 b.invalidate(key)  # so that each hit copies again (untimed)
                 return ()
 
-            src = tm.source_array(size, seed=1)
             with tm.ShmBuffer(size) as dst:
-                copy = partial(tm.memcpy_into, dst.view(size), src, reps)
-                cells: dict[str, tm.Cell] = {
-                    "copy": tm.each(reps, sibling_hit, drop_own),
-                    "base": copy,
-                }
+                base = tm.copy_into(dst, tm.source_array(size, seed=1), reps)
+                cells = {"copy": tm.each(reps, sibling_hit, drop_own), "base": base}
                 st = tm.interleave(runs, cells, warmup=1)
             add = report.section(S_COPY, f"{size // MiB} MiB")
             add("np.copyto into warm shm (baseline)", st["base"])

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+from pathlib import Path
 from typing import Any
 
 from aioshmcache import CacheConfig
 
-from ..units import GiB, KiB, MiB
+from ..units import KiB, MiB
 
 __all__ = ["Params", "bench_config", "segment_prefix"]
 
@@ -25,10 +26,9 @@ def segment_prefix() -> str:
     return f"bench-{os.getpid()}-"
 
 
-def bench_config(capacity: int, max_object: int, n_readers: int = 1, **kw: Any) -> CacheConfig:
-    """A config with a recognisable, unique segment name."""
-    name = f"{segment_prefix()}{next(_counter)}"
-    return CacheConfig(capacity, max_object, n_readers, name=name, **kw)
+def bench_config(capacity: int, max_object: int, **kw: Any) -> CacheConfig:
+    """A config with one reader slot and a recognisable, unique segment name."""
+    return CacheConfig(capacity, max_object, 1, name=f"{segment_prefix()}{next(_counter)}", **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,8 @@ class Params:
     """Sizes, repetitions and operation counts: the defaults are the full run."""
 
     quick: bool = False
+    redis: bool = True  # --no-redis: no Redis peer in the round trip
+    vllm_file: Path | None = None  # --vllm-file: vLLM's store for the vllm suite
     runs: int = 5
     sizes: tuple[int, ...] = _SIZES
     peer_sizes: tuple[int, ...] = _SIZES
@@ -44,18 +46,12 @@ class Params:
     peer_ops: Table = tuple(zip(_SIZES, (300, 200, 60, 8, 3)))
     small_batches: int = 8  # 1 KiB steady state: batches of 256 puts per run
     sender_puts: int = 20_000  # SenderCache puts per run (the latency max is over all runs)
-    fresh_cache: int = 1 * GiB
-    fresh_runs: int = 5
     churn_puts: int = 10_000
     churn_runs: int = 3
-    readers: tuple[int, ...] = (1, 2, 4, 8)
-    cache_sizes: tuple[int, ...] = (64 * M, 256 * M, 1 * GiB, 4 * GiB, 8 * GiB)
     lag_seconds: float = 1.0
     lag_runs: int = 3
     lag_loops: tuple[str, ...] = ("asyncio", "uvloop")
     threshold_sizes: tuple[int, ...] = _THRESHOLDS
-    concurrent_tasks: int = 100
-    concurrent_requests: int = 50
     gc_entries: int = 250_000  # live small items in the writer for the full-collection cell
     group_requests: int = 4000  # group: the Zipf load, over group_images distinct images
     group_images: int = 1000
@@ -72,10 +68,6 @@ class Params:
     vllm_churn: int = 64
 
     @classmethod
-    def full(cls) -> Params:
-        return cls()
-
-    @classmethod
     def smoke(cls) -> Params:
         """The ``--quick`` run CI uses: fewer sizes, runs and operations."""
         return cls(**_SMOKE)
@@ -87,10 +79,8 @@ class Params:
 
 _SMOKE: dict[str, Any] = dict(quick=True, runs=3, sizes=(K, 64 * K, M, 16 * M), peer_sizes=(K, M))
 _SMOKE |= dict(ops=((K, 300), (64 * K, 200), (M, 40), (16 * M, 4)), peer_ops=((K, 40), (M, 10)))
-_SMOKE |= dict(small_batches=3, sender_puts=2_000, fresh_cache=256 * M, fresh_runs=1)
-_SMOKE |= dict(churn_puts=1_000, churn_runs=1, readers=(1, 8), cache_sizes=(64 * M, 256 * M))
+_SMOKE |= dict(small_batches=3, sender_puts=2_000, churn_puts=1_000, churn_runs=1)
 _SMOKE |= dict(lag_seconds=0.6, lag_runs=1, lag_loops=("asyncio",), gc_entries=20_000)
-_SMOKE |= dict(threshold_sizes=(64 * K, M, 4 * M), concurrent_tasks=20, concurrent_requests=20)
+_SMOKE |= dict(threshold_sizes=(64 * K, M, 4 * M), vllm_rounds=3, vllm_sizes=(K, M), vllm_churn=16)
 _SMOKE |= dict(group_requests=600, group_images=200, group_lookups=200)
 _SMOKE |= dict(trace_items=400, trace_requests=2000, trace_seeds=1, trace_scale=64)
-_SMOKE |= dict(vllm_rounds=3, vllm_sizes=(K, M), vllm_churn=16)

@@ -1,260 +1,166 @@
 """The round trip, ours and the peers': writer → another process (or server) → reply.
 
 aioshmcache puts the array and sends the ``ShmRef`` over a ``Pipe`` to the reader process, which
-reads it (a copy, or a lease: view + ack) and replies its size; ``multiprocessing`` Pipe and
-Queue send the array itself and get its size back (or the array: the "echo" rows); Redis is
-``SET`` + ``GET`` through ``redis.asyncio`` (uvloop) against a private ``redis-server``; Ray is
-``ray.get(ray.put(arr))`` in a phase of its own (its daemons load the machine), with our round
-trip measured again beside it. Every mechanism runs interleaved with the others and with the
-``np.copyto`` baseline of the same size.
+reads it (a copy, or a lease: view + ack) and replies; a ``multiprocessing`` Pipe sends the array
+itself and gets its size back (or the array: the "echo" row); Redis is
+``SET`` + ``GET`` through ``redis.asyncio`` (uvloop) against a private ``redis-server``. Every
+mechanism runs interleaved with the others and with the ``np.copyto`` baseline of the same size.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import importlib
 import importlib.util
 import itertools
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
-import numpy as np
-
-from aioshmcache import ShmObjectStore
+from aioshmcache import ShmObjectStore, StoreWriter
 
 from ..progress import Progress
 from ..redis_server import RedisServer, redis_binaries
 from ..units import KiB, MiB, fmt_bytes
 from . import timing as tm
 from .params import Params, bench_config
-from .procs import LazyWorker, Worker
+from .procs import Worker
 from .report import Report, Target
 
 __all__ = ["run_peers_suite"]
 
 S_RT = "Round trip: writer → reader process → reply, vs peers"
-S_RAY = "Round trip vs Ray (measured while Ray runs)"
 
 _clock = time.perf_counter_ns
+_keys = itertools.count()
+LOOP = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
 
 
-class RedisClient:
-    """``redis.asyncio`` on its own (uvloop) event loop, driven synchronously per run."""
+def _redis_set_get(url: str, arr: Any, n: int, out: list[float]) -> None:
+    """``n`` ``SET`` + ``GET`` of ``arr`` through a new ``redis.asyncio`` client, each timed."""
+    import redis.asyncio
 
-    def __init__(self, url: str) -> None:
-        import redis.asyncio
-
-        try:
-            import uvloop
-
-            self.loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-            self.loop_name = "uvloop"
-        except ImportError:
-            self.loop, self.loop_name = asyncio.new_event_loop(), "asyncio"
-        self.client: Any = redis.asyncio.Redis.from_url(url)
-        self.loop.run_until_complete(self.client.ping())
-
-    def set_get(self, arr: Any, n: int, out: list[float]) -> None:
-        async def run() -> None:
-            data = memoryview(arr)  # redis-py sends bytes-like values as they are
+    async def run() -> None:
+        async with redis.asyncio.Redis.from_url(url) as client:
+            await client.ping()  # connected before the clock starts
             for _ in range(n):
                 t0 = _clock()
-                await self.client.set("bench", data)
-                back = np.frombuffer(await self.client.get("bench"), dtype=np.uint8)
+                await client.set("bench", memoryview(arr))  # bytes-like values go as they are
+                back = await client.get("bench")
                 out.append((_clock() - t0) * 1e-9)
-                if back.nbytes != arr.nbytes:
+                if not isinstance(back, bytes) or len(back) != arr.nbytes:
                     raise RuntimeError("redis returned a different size")
 
-        self.loop.run_until_complete(run())
+    tm.run_on(LOOP, run)
 
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.loop.run_until_complete(self.client.aclose())
-        self.loop.close()
+
+def redis_missing(extra: str) -> str | None:
+    """Why no Redis workload can run here (no server binary, no client), or None."""
+    if redis_binaries() is None:
+        return "redis-server is not installed (apt-get install redis-server)"
+    if importlib.util.find_spec("redis") is None:
+        return f"the redis client is not installed (pip install 'aioshmcache[{extra}]')"
+    return None
 
 
 @contextlib.contextmanager
-def redis_peer(report: Report, progress: Progress) -> Iterator[RedisClient | None]:
-    """A client of a private ``redis-server``, or None (and a skip line) when there is none."""
-    if redis_binaries() is None:
-        report.skip("redis: redis-server is not installed (apt-get install redis-server)")
-    elif importlib.util.find_spec("redis") is None:
-        report.skip("redis: the redis client is not installed (pip install 'aioshmcache[bench]')")
-    else:
-        progress("redis: starting redis-server on 127.0.0.1")
-        try:
-            server = RedisServer()
-        except (OSError, RuntimeError) as exc:
-            report.skip(f"redis: redis-server would not start here ({exc})")
-        else:
-            with server:
-                client = RedisClient(server.url)
-                try:
-                    yield client
-                finally:
-                    client.close()
-            return
-    yield None
+def redis_peer(report: Report, progress: Progress) -> Iterator[str | None]:
+    """The URL of a private ``redis-server``, or None (and a skip line) when there is none."""
+    if missing := redis_missing("bench"):
+        report.skip(f"redis: {missing}")
+        yield None
+        return
+    progress("redis: starting redis-server on 127.0.0.1")
+    try:
+        server = RedisServer()
+    except (OSError, RuntimeError) as exc:
+        report.skip(f"redis: redis-server would not start here ({exc})")
+        yield None
+        return
+    with server:
+        yield server.url
 
 
-class OurRoundTrip:
-    """Writer puts, the worker (a reader process) reads the ``ShmRef`` it is sent and replies."""
-
-    def __init__(self, worker: Worker, size: int) -> None:
-        self.worker, self.mode, self.keys = worker, "", itertools.count()
-        self.stack, self.serve = contextlib.ExitStack(), contextlib.ExitStack()
-        cfg = bench_config(max(8 * MiB, 6 * (size + 4096)), size + 64 * KiB, 1)
-        self.store = self.stack.enter_context(ShmObjectStore.create(cfg))
-        self.stack.enter_context(worker.attached(self.store.handle()))
-        self.stack.callback(self.serve.close)  # the data loop ends before the detach
-
-    def run(self, mode: str, item: dict[str, Any], n: int, out: list[float]) -> None:
-        if self.mode != mode:
-            self.serve.close()
-            self.serve.enter_context(self.worker.serving("serve_refs", mode))
-            self.mode = mode
-        store, conn = self.store, self.worker.conn
+def _ours(
+    store: StoreWriter, worker: Worker, mode: str, arr: Any, n: int, out: list[float]
+) -> None:
+    """``n`` round trips: a put, its ``ShmRef`` over the pipe to the worker (a reader process),
+    which reads it (``copy`` or ``lease``) and replies; each timed."""
+    item = {"data": arr}
+    with worker.serving("read", mode, True) as conn:
         for _ in range(n):
             t0 = _clock()
-            conn.send(store.put(f"rt{next(self.keys)}", item))
-            nb = conn.recv()
+            conn.send([store.put(f"rt{next(_keys)}", item)])
+            reply = conn.recv()
             out.append((_clock() - t0) * 1e-9)
-            if not isinstance(nb, int):
-                raise RuntimeError(f"bench worker: {nb!r}")
-
-    def stop_serving(self, _samples: object = None) -> None:
-        self.serve.close()
-        self.mode = ""
+            if not isinstance(reply, list):
+                raise RuntimeError(f"bench worker: {reply!r}")
 
 
-def _echo(queues: bool, echo: bool, worker: Worker, arr: Any, n: int, out: list[float]) -> None:
-    """``n`` arrays to the worker and back (or their size back), over the pipe or two queues."""
-    send: Any = worker.q_in.put if queues else worker.conn.send
-    recv: Any = partial(worker.q_out.get, timeout=120.0) if queues else worker.conn.recv
+def _echo(echo: bool, worker: Worker, arr: Any, n: int, out: list[float]) -> None:
+    """``n`` arrays to the worker over the pipe, and back (or their size back)."""
 
     def there_and_back() -> None:
-        send(arr)
-        recv()
+        worker.conn.send(arr)
+        worker.conn.recv()
 
-    end = worker.q_in.put if queues else None
-    with worker.serving("queue_echo" if queues else "pipe_echo", echo, end=end):
+    with worker.serving("pipe_echo", echo):
         tm.each(n, there_and_back)(out)
 
 
-#: (row label, plot series, how it is measured: (worker, arr, n, out) -> None)
-_PEERS = [
-    ("Pipe (array → reader, size back)", "Pipe", partial(_echo, False, False)),
-    ("Queue (array → reader, size back)", "Queue", partial(_echo, True, False)),
-    ("Pipe echo (array both ways)", "Pipe echo", partial(_echo, False, True)),
-    ("Queue echo (array both ways)", "Queue echo", partial(_echo, True, True)),
-]
+#: row label (its plot series: the part before the parenthesis), and how it is measured
+_PEERS = {
+    "Pipe (array → reader, size back)": partial(_echo, False),
+    "Pipe echo (array both ways)": partial(_echo, True),
+}
 BASE = "np.copyto (baseline)"
-_OURS = {"copy": "aioshmcache (reader copies)", "lease": "aioshmcache (reader leases)"}
+_OURS = {"copy": "aioshmcache, reader copies", "lease": "aioshmcache, reader leases"}
 
 
 def _roundtrips(
-    p: Params, report: Report, progress: Progress, worker: Worker, redis: RedisClient | None
+    p: Params, report: Report, progress: Progress, worker: Worker, redis: str | None
 ) -> None:
     with tm.ShmBuffer(max(p.peer_sizes)) as shm:
         for size in p.peer_sizes:
-            peers = "Pipe / Queue" + (" / redis" if redis else "")
+            peers = "Pipe" + (" / redis" if redis else "")
             progress(f"round trip: {fmt_bytes(size)}, aioshmcache vs {peers} ({p.runs} runs)")
             n, arr = p.n_ops(size, peers=True), tm.source_array(size)
-            item, ours = {"data": arr}, OurRoundTrip(worker, size)
-            cells: dict[str, tm.Cell] = {BASE: partial(tm.memcpy_into, shm.view(size), arr, n)}
-            try:
+            cfg = bench_config(max(8 * MiB, 6 * (size + 4096)), size + 64 * KiB)
+            with ShmObjectStore.create(cfg) as store, worker.attached(store.handle()):
+                ours = partial(_ours, store, worker)
                 for mode in _OURS:  # warm-up: both processes, the pipe, the ring
-                    ours.run(mode, item, max(2, n // 5), [])
-                cells |= {label: partial(ours.run, mode, item, n) for mode, label in _OURS.items()}
-                cells["stop"] = ours.stop_serving
-                cells |= {label: partial(fn, worker, arr, n) for label, _, fn in _PEERS}
+                    ours(mode, arr, max(2, n // 5), [])
+                cells: dict[str, tm.Cell] = {BASE: tm.copy_into(shm, arr, n)}
+                cells |= {label: partial(ours, mode, arr, n) for mode, label in _OURS.items()}
+                cells |= {label: partial(fn, worker, arr, n) for label, fn in _PEERS.items()}
                 if redis is not None:
-                    label = f"redis.asyncio SET + GET ({redis.loop_name})"
-                    cells[label] = partial(redis.set_get, arr, n)
+                    redis_cell = partial(_redis_set_get, redis, arr, n)
+                    cells[f"redis.asyncio SET + GET ({LOOP})"] = redis_cell
                 stats = tm.interleave(p.runs, cells)
-            finally:
-                ours.stack.close()
-            del stats["stop"]
             _report_roundtrip(report, size, stats)
 
 
 def _report_roundtrip(report: Report, size: int, stats: dict[str, Any]) -> None:
-    series = {BASE: BASE} | {v: f"aioshmcache ({k})" for k, v in _OURS.items()}
-    series |= {label: s for label, s, _ in _PEERS}
-    base, add = stats[BASE], report.section(S_RT, fmt_bytes(size))
+    base, add = stats[BASE], report.section(S_RT, fmt_bytes(size), plot="roundtrip", x=size)
     for label, st in stats.items():
-        vs = None if label.startswith("np.") else ("np.copyto", base)
-        kw = {"plot": "roundtrip", "series": series.get(label, label.split(" (")[0]), "x": size}
-        add(label, st, vs=vs, **kw)
-    for mode, ours in (("reader copies", _OURS["copy"]), ("reader leases", _OURS["lease"])):
+        vs = None if label == BASE else ("np.copyto", base)
+        add(label, st, vs=vs, series=label.split(" (")[0])
+    add = report.section(S_RT, fmt_bytes(size))
+    for ours in _OURS.values():
         for peer, st in stats.items():  # aioshmcache against each peer, same size, same runs
-            if peer.startswith(("np.", "aioshmcache")) or "echo" in peer:
+            if peer == BASE or peer in _OURS.values() or "echo" in peer:
                 continue
             short = peer.split(" (")[0]
             big_redis = size == 16 * MiB and peer.startswith("redis")
-            tgt = Target.at_least(20.0, "ratio") if big_redis else None
-            add(f"aioshmcache ({mode}) vs {short}", stats[ours].median, vs=(short, st), target=tgt)
+            tgt = Target(">=", 20.0, "ratio") if big_redis else None
+            add(f"{ours} vs {short}", stats[ours].median, vs=(short, st), target=tgt)
 
 
-def bench_ray(p: Params, report: Report, progress: Progress, worker: Worker, *, want: bool) -> None:
-    if not want:
-        report.skip("Ray: skipped (--quick skips it unless --ray is given: ray.init takes ~5 s)")
-        return
-    try:
-        ray: Any = importlib.import_module("ray")
-    except ImportError:
-        report.skip("Ray: not installed (pip install ray) — the Ray comparison is skipped")
-        return
-    progress("Ray: ray.init (starts its daemons, ~5 s)")
-    temp = tempfile.mkdtemp(prefix="aioshmbench-ray-")  # Ray's sessions and logs: removed after
-    try:
-        opts = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
-        memory = max(512 * MiB, 8 * max(p.peer_sizes))
-        ray.init(num_cpus=1, object_store_memory=memory, _temp_dir=temp, **opts)
-        try:
-            ray.get(ray.put(np.zeros(16, np.uint8)))
-            for size in p.peer_sizes:
-                progress(f"Ray: {fmt_bytes(size)}, ray.get(ray.put(arr)) vs aioshmcache")
-                n, arr = p.n_ops(size, peers=True), tm.source_array(size)
-                item, ours = {"data": arr}, OurRoundTrip(worker, size)
-                try:
-                    ours.run("lease", item, 2, [])
-                    for _ in range(max(2, n // 5)):
-                        ray.get(ray.put(arr))
-                    cells: dict[str, tm.Cell] = {
-                        "ray": tm.each(n, partial(_ray_round_trip, ray, arr))
-                    }
-                    cells |= {m: partial(ours.run, m, item, n) for m in ("copy", "lease")}
-                    st = tm.interleave(p.runs, cells)
-                finally:
-                    ours.stack.close()
-                add = report.section(S_RAY, fmt_bytes(size))
-                label = "Ray ray.get(ray.put(arr)) (one process)"
-                add(label, st["ray"], plot="roundtrip", series="Ray put + get", x=size)
-                tgt = Target.at_least(1.5, "ratio") if size == 16 * MiB else None
-                for mode, who in (("copy", "reader copies"), ("lease", "reader leases")):
-                    label = f"aioshmcache ({who}) vs Ray put + get"
-                    add(label, st[mode], vs=("Ray", st["ray"]), target=tgt)
-        finally:
-            ray.shutdown()
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-def _ray_round_trip(ray: Any, arr: Any) -> None:
-    """``ray.get(ray.put(arr))``: Ray's put and (zero-copy) get of one array."""
-    ray.get(ray.put(arr))
-
-
-def run_peers_suite(
-    p: Params, report: Report, progress: Progress, *, want_ray: bool, want_redis: bool = True
-) -> None:
-    with LazyWorker() as lw:
-        with redis_peer(report, progress) if want_redis else contextlib.nullcontext() as redis:
-            lw.attempt(report, "round trip", partial(_roundtrips, p, report, progress, redis=redis))
-        lw.attempt(report, "Ray", partial(bench_ray, p, report, progress, want=want_ray))
+def run_peers_suite(p: Params, report: Report, progress: Progress) -> None:
+    if not p.redis:
+        report.skip("redis: --no-redis")
+    redis = redis_peer(report, progress) if p.redis else contextlib.nullcontext()
+    with Worker() as worker, redis as client:
+        worker.attempt(
+            report, "round trip", partial(_roundtrips, p, report, progress, redis=client)
+        )

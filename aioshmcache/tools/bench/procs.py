@@ -2,25 +2,25 @@
 
 Spawning costs about half a second here (a fresh interpreter imports numpy), so one worker
 serves a whole suite. It receives commands on a control ``Pipe`` and answers each one; the data
-paths it serves are the ones being measured (references over the same pipe, arrays over a
-``Pipe`` or a ``Queue``). Every loop it runs ends on a sentinel (``None``) or when the pipe
-closes, so a benchmark that fails midway never leaves it hanging; ``Worker.close`` joins with a
-timeout and terminates as a last resort.
+paths it serves are the ones being measured (references or arrays over the same pipe). Every
+loop it runs ends on a sentinel (``None``) or when the pipe closes, so a benchmark that fails
+midway never leaves it hanging; ``Worker.close`` joins with a timeout and terminates as a last
+resort.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import queue
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from aioshmcache import ShmObjectStore, StoreReader
 
-__all__ = ["LazyWorker", "Worker"]
+__all__ = ["Worker", "run_spawned"]
 
 JOIN_TIMEOUT = 10.0
 
@@ -30,69 +30,45 @@ def _until_none(recv: Callable[[], Any]) -> Iterator[Any]:
         yield msg
 
 
-def _from_queue(q: Any) -> Any:
-    """The next item of ``q``; ``None`` (the end) once the parent process is gone."""
-    while True:
-        try:
-            return q.get(timeout=1.0)
-        except queue.Empty:
-            parent = mp.parent_process()
-            if parent is not None and not parent.is_alive():
-                return None
-
-
 def _read(store: StoreReader, ref: Any, mode: str) -> int:
-    """Read ``ref``: a copy, or (``lease``) a zero-copy view acknowledged at once; its bytes."""
-    value = store.get(ref, copy=mode == "copy")
-    nb = sum(int(getattr(v, "nbytes", 0)) for v in value.values())
-    if mode != "copy":
-        del value
+    """Read ``ref``: a copy, or (``lease``) a zero-copy view acknowledged at once; the ns taken."""
+    t0 = time.perf_counter_ns()
+    if mode == "copy":
+        store.get(ref)
+    else:
+        store.get(ref, copy=False)
         store.ack(ref)
-    return nb
+    return time.perf_counter_ns() - t0
 
 
-def _timed_gets(store: StoreReader, batch: list[Any], mode: str) -> list[int]:
-    """Each get of the batch timed alone (ns), nothing else inside the clock."""
-    out, clock = [], time.perf_counter_ns
-    for ref in batch:
-        t0 = clock()
-        if mode == "copy":
-            store.get(ref)
-        else:
-            store.get(ref, copy=False)
-            store.ack(ref)
-        out.append(clock() - t0)
-    return out
+def _close_all(stores: list[StoreReader]) -> None:
+    for s in stores:
+        with contextlib.suppress(Exception):
+            s.close()
+    stores.clear()
 
 
-def _dispatch(cmd: str, args: tuple[Any, ...], conn: Connection, qs: Any, stores: list[Any]) -> Any:
-    """One command; its loops read from the pipe (or queue) until ``None``."""
+def _dispatch(cmd: str, args: tuple[Any, ...], conn: Connection, stores: list[Any]) -> Any:
+    """One command; its loops read from the pipe until ``None``."""
     if cmd == "attach":  # ("attach", handle, n): claim n reader slots
         stores.extend(ShmObjectStore.from_handle(args[0]) for _ in range(args[1]))
         return len(stores)
-    if cmd == "serve_refs":  # refs one by one; read each, reply its size
-        for ref in _until_none(conn.recv):
-            conn.send(_read(stores[0], ref, args[0]))
-    elif cmd == "timed_gets":  # batches of refs; reply the get times of each batch
+    if cmd == "detach":
+        _close_all(stores)
+    elif cmd == "read":  # ("read", mode, reply): lists of refs; read each, reply times if asked
         for batch in _until_none(conn.recv):
-            conn.send(_timed_gets(stores[0], batch, args[0]))
-    elif cmd == "ack_stream":  # churn: refs in small lists; read and acknowledge each
-        for batch in _until_none(conn.recv):
-            for ref in batch:
-                _read(stores[0], ref, args[0])
+            times = [_read(stores[0], ref, args[0]) for ref in batch]
+            if args[1]:
+                conn.send(times)
     elif cmd == "pipe_echo":  # arrays over the pipe; echo them back, or reply their size
         for arr in _until_none(conn.recv):
             conn.send(arr if args[0] else arr.nbytes)
-    elif cmd == "queue_echo":
-        q_in, q_out = qs
-        for arr in _until_none(lambda: _from_queue(q_in)):
-            q_out.put(arr if args[0] else arr.nbytes)
     elif cmd != "ping":
         raise ValueError(f"unknown command {cmd!r}")
     return None
 
 
-def _serve(conn: Connection, q_in: Any, q_out: Any) -> None:
+def _serve(conn: Connection) -> None:
     """The worker's main loop (runs in the spawned process)."""
     stores: list[StoreReader] = []
     try:
@@ -103,44 +79,44 @@ def _serve(conn: Connection, q_in: Any, q_out: Any) -> None:
                 return
             if not (isinstance(msg, tuple) and msg and isinstance(msg[0], str)):
                 continue  # a stray item of an aborted data loop
-            if msg[0] in ("exit", "detach"):
-                for s in stores:
-                    with contextlib.suppress(Exception):
-                        s.close()
-                stores.clear()
+            if msg[0] == "exit":
                 conn.send(("ok",))
-                if msg[0] == "exit":
-                    return
-                continue
+                return
             try:
-                reply = ("ok", _dispatch(msg[0], msg[1:], conn, (q_in, q_out), stores))
+                reply = ("ok", _dispatch(msg[0], msg[1:], conn, stores))
             except Exception as exc:  # report, keep serving
                 reply = ("error", f"{type(exc).__name__}: {exc}")
             conn.send(reply)
     finally:
-        for s in stores:
-            with contextlib.suppress(Exception):
-                s.close()
+        _close_all(stores)
 
 
 class Worker:
-    """A spawned worker process and the pipe and queues that reach it."""
+    """The spawned worker process and the pipe that reaches it.
 
-    def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.q_in: Any = ctx.Queue()
-        self.q_out: Any = ctx.Queue()
-        self.proc = ctx.Process(
-            target=_serve, args=(child, self.q_in, self.q_out), name="aioshmcache-bench-worker"
-        )
-        self.proc.daemon = True
-        self.proc.start()
-        child.close()
-        self.call("ping", timeout=60.0)
+    Started by the first workload that needs it (:meth:`attempt`); a workload that fails with
+    it leaves it in an unknown state, so it is ended at once and the next one starts afresh.
+    """
 
-    def send(self, *msg: Any) -> None:
-        self.conn.send(msg)
+    conn: Connection
+    proc: BaseProcess | None = None
+
+    def attempt(self, report: Any, what: str, fn: Callable[[Worker], object]) -> None:
+        """``report.attempt`` of ``fn(worker)``, the process started first if it is not."""
+        if not report.attempt(what, lambda: fn(self._started())) and self.proc is not None:
+            self.proc.terminate()
+            self.close()
+
+    def _started(self) -> Worker:
+        if self.proc is None:
+            ctx = mp.get_context("spawn")
+            self.conn, child = ctx.Pipe()
+            self.proc = ctx.Process(target=_serve, args=(child,), name="aioshmcache-bench-worker")
+            self.proc.daemon = True
+            self.proc.start()
+            child.close()
+            self.call("ping", timeout=60.0)
+        return self
 
     def reply(self, timeout: float = 120.0) -> tuple[Any, ...]:
         if not self.conn.poll(timeout):
@@ -151,74 +127,76 @@ class Worker:
         return r
 
     def call(self, *msg: Any, timeout: float = 120.0) -> tuple[Any, ...]:
-        self.send(*msg)
+        self.conn.send(msg)
         return self.reply(timeout)
 
     @contextlib.contextmanager
-    def serving(
-        self, command: str, arg: Any, end: Callable[[None], object] | None = None
-    ) -> Iterator[Connection]:
-        """The worker runs the data loop ``command`` for the block; at its end ``end(None)``
-        (by default: ``None`` on the pipe) ends the loop, and its answer is waited for."""
-        self.send(command, arg)
+    def serving(self, *command: Any) -> Iterator[Connection]:
+        """The worker runs the data loop ``command`` for the block; at its end ``None`` on the
+        pipe ends the loop, and its answer is waited for."""
+        self.conn.send(command)
         try:
             yield self.conn
         finally:
-            (end or self.conn.send)(None)
+            self.conn.send(None)
             self.reply()
 
     @contextlib.contextmanager
     def attached(
-        self, handle: Any, n: int = 1, serve: tuple[str, str] | None = None
+        self, handle: Any, n: int = 1, *, reads: str = "", reply: bool = False
     ) -> Iterator[Connection]:
-        """``n`` reader slots on ``handle`` for the block (and ``serve``'s data loop in it)."""
+        """``n`` reader slots on ``handle`` for the block; with ``reads`` (``copy`` or ``lease``)
+        the first reads the lists of references sent to it (and with ``reply`` replies the
+        times of each list's reads)."""
         self.call("attach", handle, n)
         try:
-            with self.serving(*serve) if serve else contextlib.nullcontext(self.conn) as conn:
-                yield conn
+            serve = self.serving("read", reads, reply) if reads else contextlib.nullcontext()
+            with serve:
+                yield self.conn
         finally:
             self.call("detach")
 
     def close(self) -> None:
+        if (proc := self.proc) is None:
+            return
         with contextlib.suppress(Exception):
-            if self.proc.is_alive():
+            if proc.is_alive():
                 self.conn.send(("exit",))
                 if self.conn.poll(JOIN_TIMEOUT):
                     self.conn.recv()
-        self.proc.join(JOIN_TIMEOUT)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(JOIN_TIMEOUT)
-        for c in (self.conn, self.q_in, self.q_out):
-            with contextlib.suppress(Exception):
-                c.close()
-        for q in (self.q_in, self.q_out):
-            with contextlib.suppress(Exception):
-                q.join_thread()
+        proc.join(JOIN_TIMEOUT)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(JOIN_TIMEOUT)
+        self.conn.close()
+        self.proc = None
 
-
-class LazyWorker:
-    """Starts a worker on first use; a workload that fails with it gets it replaced."""
-
-    def __init__(self) -> None:
-        self._worker: Worker | None = None
-
-    def get(self) -> Worker:
-        if self._worker is None:
-            self._worker = Worker()
-        return self._worker
-
-    def attempt(self, report: Any, what: str, fn: Callable[[Worker], object]) -> None:
-        """``report.attempt`` of ``fn(worker)``; after a failure the worker (in an unknown
-        state) is ended at once, and the next use starts a fresh one."""
-        if not report.attempt(what, lambda: fn(self.get())) and self._worker is not None:
-            self._worker.proc.terminate()
-            self.__exit__()
-
-    def __enter__(self) -> LazyWorker:
+    def __enter__(self) -> Worker:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+        self.close()
+
+
+def run_spawned(
+    target: Callable[..., None], args: list[tuple[Any, ...]], *, timeout: float
+) -> list[Any]:
+    """``target(*a, barrier, out)`` in a spawned process per ``a``; the one result each puts.
+
+    The simulated gateways and hosts of the group and fleet suites: they start their load
+    together behind ``barrier`` (one party per process) and put one result on ``out``. Every
+    process is joined, and killed if it is still alive a minute later.
+    """
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(len(args)), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*a, barrier, out)) for a in args]
+    for proc in procs:
+        proc.start()
+    try:
+        return [out.get(timeout=timeout) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)

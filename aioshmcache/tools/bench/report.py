@@ -3,8 +3,8 @@
 Every row names its subject and, where it has one, a baseline measured in the same run. The ratio
 is always ``baseline time / subject time`` (for rates: ``subject rate / baseline rate``), so a
 ratio above 1 means the subject is faster than its baseline: a put at 0.85x runs at 85 % of the
-speed of a plain ``np.copyto`` into warm shared memory; a round trip at 2.0x against Ray takes
-half as long as Ray's put + get.
+speed of a plain ``np.copyto`` into warm shared memory; a round trip at 2.0x against a Pipe
+takes half as long as sending the array through the Pipe.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -53,31 +53,17 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[st
 
 @dataclass(frozen=True)
 class Target:
-    """A stated target: ``value`` (or ``ratio``) compared with ``limit``."""
+    """A stated target: the row's ``value`` (or its ``ratio``) ``<=`` or ``>=`` ``limit``."""
 
-    on: Literal["value", "ratio"]
     op: Literal["<=", ">="]
     limit: float
+    on: Literal["value", "ratio"] = "value"
 
     def holds(self, value: float, ratio: float | None) -> bool | None:
         x = value if self.on == "value" else ratio
         if x is None or not math.isfinite(x):
             return None
         return x <= self.limit if self.op == "<=" else x >= self.limit
-
-    @classmethod
-    def at_most(cls, limit: float, on: Literal["value", "ratio"] = "value") -> Target:
-        return cls(on, "<=", limit)
-
-    @classmethod
-    def at_least(cls, limit: float, on: Literal["value", "ratio"] = "value") -> Target:
-        return cls(on, ">=", limit)
-
-    def text(self, kind: Kind) -> str:
-        op = "≤" if self.op == "<=" else "≥"
-        if self.on == "ratio":
-            return f"ratio {op} {self.limit:g}x"
-        return f"{op} {_fmt(self.limit, kind)}"
 
 
 @dataclass
@@ -104,7 +90,10 @@ class Row:
 
     @property
     def target_text(self) -> str:
-        return "" if self.target is None else self.target.text(self.kind)
+        if (t := self.target) is None:
+            return ""
+        op = "≤" if t.op == "<=" else "≥"
+        return f"ratio {op} {t.limit:g}x" if t.on == "ratio" else f"{op} {_fmt(t.limit, self.kind)}"
 
     @property
     def verdict(self) -> str:
@@ -136,31 +125,20 @@ class Report:
         self.rows.append(row)
         return row
 
-    def row(
-        self,
-        section: str,
-        label: str,
-        param: str,
-        value: float | Stat,
-        *,
-        vs: tuple[str, Stat] | None = None,
-        **kw: Any,
-    ) -> Row:
-        """Add one row: a :class:`Stat` gives its median (and is kept); ``vs=(name, baseline)``
-        names the baseline and sets the ratio baseline ÷ this (above 1: this is faster)."""
-        stat = value if isinstance(value, Stat) else None
-        v = value.median if isinstance(value, Stat) else value
-        if vs is not None:
-            kw.setdefault("baseline", vs[0])
-            kw.setdefault("ratio", vs[1].median / v if v else math.nan)
-        return self.add(Row(section, label, param, v, stat=stat, **kw))
-
     def section(self, name: str, param: str = "", **common: Any) -> Callable[..., Row]:
-        """A writer of rows of section ``name``: ``add(label, value, **kw)``, ``param`` and
-        ``common`` preset (and overridable)."""
+        """A writer of rows of section ``name``: ``add(label, value, **kw)``, with ``param`` and
+        ``common`` preset (and overridable). A :class:`Stat` value gives its median (and is
+        kept); ``vs=(name, baseline)`` names the baseline and sets the ratio baseline ÷ this
+        (above 1: this is faster)."""
 
         def add(label: str, value: float | Stat, param: str = param, **kw: Any) -> Row:
-            return self.row(name, label, param, value, **(common | kw))
+            kw = common | kw
+            stat = value if isinstance(value, Stat) else None
+            v = value.median if isinstance(value, Stat) else value
+            if (vs := kw.pop("vs", None)) is not None:
+                kw.setdefault("baseline", vs[0])
+                kw.setdefault("ratio", vs[1].median / v if v else math.nan)
+            return self.add(Row(name, label, param, v, stat=stat, **kw))
 
         return add
 
@@ -223,9 +201,9 @@ class Report:
             lines += [f"## {section}", "", *md_table((*cols, "ratio", "target"), cells), ""]
         for heading, block in self.blocks:
             lines += [f"## {heading}", "", *block, ""]
-        for heading, items in (("Errors", self.errors), ("Skipped", self.skipped)):
+        lists = {"Errors": self.errors, "Skipped": self.skipped, "Notes": self.notes}
+        for heading, items in lists.items():
             lines += [f"## {heading}", "", *(f"- {x}" for x in items), ""] if items else []
-        lines += ["## Notes", "", *(f"- {n}" for n in self.notes), ""] if self.notes else []
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -254,80 +232,48 @@ def _section_cells(r: Row) -> tuple[str, ...]:
     return (label, r.param, value, runs, p99, r.baseline or "", ratio, tgt)
 
 
-# --- the plot: one panel per key, lines over x (sizes, readers) or bars -----------------------
+# --- the plot: one panel per plot key, one generic drawing for all of them -----------------------
 
-#: key: (title, x label, y label, x axis is a byte size, log y, drawn as)
-_PANELS: dict[str, tuple[str, str, str, int, int, str]] = {
-    "store": ("Store, one array item (median)", "item size", "time per operation", 1, 1, "lines"),
-    "store_ratio": ("Speed relative to np.copyto into shm", "item size", "ratio", 1, 0, "lines"),
-    "roundtrip": ("Round trip writer → reader → reply", "item size", "time", 1, 1, "lines"),
-    "readers": ("Read path vs attached readers", "attached readers", "get time", 0, 1, "lines"),
-    "cache_size": ("Cost vs cache size", "cache size", "time", 1, 1, "lines"),
-    "threshold": ("Async put: inline vs thread", "item size", "put latency", 1, 1, "lines"),
-    "looplag": ("Loop lag of a 1 ms ticker", "", "lag", 0, 1, "bars"),
-    "small": ("1 KiB steady state (writer/reader processes)", "", "time", 0, 0, "bars"),
-    "trace": ("Miss ratio on Zipf traces (lower is better)", "", "miss ratio", 0, 0, "bars"),
+#: plot key: (panel title, y label). A panel whose rows all have an x (an item size) draws lines
+#: over it, else bars: one group per param, one bar per series.
+_PANELS: dict[str, tuple[str, str]] = {
+    "store": ("Store, one array item (median)", "time per operation"),
+    "roundtrip": ("Round trip writer → reader → reply", "time"),
+    "threshold": ("Async put: inline vs thread", "put latency"),
+    "looplag": ("Loop lag of a 1 ms ticker", "lag"),
+    "small": ("1 KiB steady state (writer/reader processes)", "time"),
+    "trace": ("Miss ratio on Zipf traces (lower is better)", "miss ratio"),
 }
-_COLOURS = {"FIFO": "C3", "second chance": "C2", "LRU model": "silver"}
-_BASELINE_STYLES = [("black", "--", "s"), ("dimgray", ":", "^"), ("gray", "-.", "v")]
 
 
-def _panel_rows(report: Report, key: str) -> list[Row]:
-    if key == "store_ratio":  # derived: the ratios of the store rows (the lease is not a copy)
-        return [
-            replace(r, value=r.ratio, kind="ratio", stat=None)
-            for r in report.rows
-            if r.plot == "store" and r.ratio is not None and r.series != "get (lease)"
-        ]
-    return [r for r in report.rows if r.plot == key and math.isfinite(r.value)]
-
-
-def _draw(ax: Any, key: str, rows: list[Row], scale: float) -> None:
-    """Lines over x (baselines grey and dashed), or bars grouped by param, one per series."""
+def _draw(ax: Any, rows: list[Row]) -> str:
+    """Draw ``rows`` into ``ax``: lines (baselines grey, dashed) or grouped bars; the time unit."""
+    scale, unit = 1.0, ""
+    if all(r.kind == "time" for r in rows):
+        scale, unit = (1e3, "ms") if max(r.value for r in rows) > 2e-3 else (1e6, "µs")
     names = list(dict.fromkeys(r.series or r.label for r in rows))
-    if _PANELS[key][5] == "bars":  # one group per param, a bar per series; one group: by name
-        groups = list(dict.fromkeys(r.param for r in rows))
-        width = 0.8 / len(names) if len(groups) > 1 else 0.8
-        for k, name in enumerate(names):
-            mine = [r for r in rows if (r.series or r.label) == name]
-            at = [groups.index(r.param) + (k - (len(names) - 1) / 2) * width for r in mine]
-            xs = at if len(groups) > 1 else [k]
-            bars = ax.bar(xs, [r.value * scale for r in mine], width, label=name)
-            for b, r in zip(bars, mine):  # a target: green if it holds, red if not, and its line
-                held = "C0" if r.holds is None else "C2" if r.holds else "C3"
-                b.set_color(_COLOURS.get(name, held))
-                if r.target is not None:
-                    ax.hlines(r.target.limit * scale, b.get_x(), b.get_x() + width, "gray", ":")
-            if key == "trace":
-                ax.bar_label(bars, labels=[f"{r.value:.0%}" for r in mine], fontsize=5)
-                ax.set_ylim(0, 1)
-        if len(groups) > 1:
-            ax.set_xticks(range(len(groups)), [g.replace(", ", "\n") for g in groups], fontsize=7)
-            ax.legend(fontsize=6)
-        else:
-            ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
-        return
-    n_base = 0
+    groups = list(dict.fromkeys(r.param for r in rows))
+    lines, width = all(r.x is not None for r in rows), 0.8 / len(names)
     for k, name in enumerate(names):
         mine = sorted((r for r in rows if (r.series or r.label) == name), key=lambda r: r.x or 0)
-        colour, ls, mk = f"C{(k - n_base) % 10}", "-", "o"
-        if name.startswith("np."):  # baselines: greys, dashed
-            colour, ls, mk = _BASELINE_STYLES[n_base % len(_BASELINE_STYLES)]
-            n_base += 1
-        xs, ys = [r.x or 0.0 for r in mine], [r.value * scale for r in mine]
-        ax.plot(xs, ys, ls, marker=mk, ms=3, label=name, color=colour)
-    ax.set_xscale("log")
-    for y, style in ((1.0, "-"), (0.8, ":")) if key == "store_ratio" else ():
-        ax.axhline(y, color="gray", ls=style, lw=0.8)
-    if key == "threshold":
-        from aioshmcache.aio import DEFAULT_INLINE_THRESHOLD
-
-        ax.axvline(DEFAULT_INLINE_THRESHOLD, color="gray", ls=":", lw=0.8)
-    ticks, sizes = sorted({r.x for r in rows if r.x is not None}), _PANELS[key][3]
-    labels = [fmt_bytes(int(t)).replace(" ", "") if sizes else f"{t:g}" for t in ticks]
-    ax.set_xticks(ticks, labels, rotation=45 if sizes else 0, fontsize=7)
-    ax.minorticks_off()
-    ax.legend(fontsize=6)
+        ys = [r.value * scale for r in mine]
+        if lines:
+            style = {"color": "gray", "ls": "--"} if name.startswith("np.") else {}
+            ax.plot([r.x for r in mine], ys, marker="o", ms=3, label=name, **style)
+        else:
+            at = [groups.index(r.param) + (k - (len(names) - 1) / 2) * width for r in mine]
+            ax.bar(at, ys, width, label=name)
+    if lines:
+        ticks = sorted({r.x for r in rows if r.x is not None})
+        ax.set_xscale("log")
+        ax.set_xticks(ticks, [fmt_bytes(int(t)).replace(" ", "") for t in ticks], rotation=45)
+        ax.minorticks_off()
+    else:
+        ax.set_xticks(range(len(groups)), [g.replace(", ", "\n") for g in groups])
+    values = [r.value for r in rows if r.value > 0]
+    if values and max(values) > 50 * min(values):  # figures orders of magnitude apart
+        ax.set_yscale("log")
+    return unit
 
 
 def plot(report: Report, path: Path) -> bool:
@@ -337,33 +283,26 @@ def plot(report: Report, path: Path) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import FuncFormatter, NullFormatter
     except ImportError:
         report.skip("plot: matplotlib is not installed (pip install 'aioshmcache[bench]')")
         return False
-    panels = {k: rows for k in _PANELS if (rows := _panel_rows(report, k))}
+    finite = [r for r in report.rows if r.plot in _PANELS and math.isfinite(r.value)]
+    panels = {k: rows for k in _PANELS if (rows := [r for r in finite if r.plot == k])}
     if not panels:
         return False
-    ncols = 3 if len(panels) > 4 else 2 if len(panels) > 1 else 1
+    ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.9 * nrows), squeeze=False)
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     for ax, (key, rows) in zip(axes.flat, panels.items()):
-        title, xlabel, ylabel, _sizes, logy, _style = _PANELS[key]
-        scale, unit = 1.0, ""
-        if all(r.kind == "time" for r in rows):
-            scale, unit = (1e3, "ms") if max(r.value for r in rows) > 2e-3 else (1e6, "µs")
-        _draw(ax, key, rows, scale)
-        if logy:
-            ax.set_yscale("log")
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
-            ax.yaxis.set_minor_formatter(NullFormatter())
+        title, ylabel = _PANELS[key]
+        unit = _draw(ax, rows)
         ax.set_title(title, fontsize=9)
-        ax.set_xlabel(xlabel, fontsize=8)
         ax.set_ylabel(ylabel + (f" ({unit})" if unit else ""), fontsize=8)
         ax.tick_params(labelsize=7)
-        ax.grid(True, which="major", alpha=0.3)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6)
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(report.started))
     fig.suptitle(f"{report.title} — {when}{' (quick)' if report.quick else ''}", fontsize=10)
     fig.tight_layout()

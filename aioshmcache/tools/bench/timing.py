@@ -10,6 +10,7 @@ subject alike and their ratio holds.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import math
 import mmap
@@ -19,6 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 
@@ -75,21 +77,16 @@ def interleave(runs: int, cells: dict[str, Cell], *, warmup: int = 0) -> dict[st
     samples = {name: Samples() for name in cells}
     for r in range(warmup + runs):
         for name, cell in cells.items():
-            out: list[float] = []
-            cell(out)
-            if r >= warmup:
-                samples[name].add_run(out)
+            cell(samples[name].new_run() if r >= warmup else [])
     return {name: s.stat() for name, s in samples.items()}
 
 
 async def ainterleave(runs: int, cells: dict[str, Cell]) -> dict[str, Stat]:
-    """:func:`interleave` for coroutines too: every cell called (and awaited if it is a
-    coroutine function) once per run, in turn."""
+    """:func:`interleave` for coroutine functions too: each call awaited if it is awaitable."""
     samples = {name: Samples() for name in cells}
     for _ in range(runs):
         for name, cell in cells.items():
-            result = cell(samples[name].new_run())
-            if inspect.isawaitable(result):
+            if inspect.isawaitable(result := cell(samples[name].new_run())):
                 await result
     return {name: s.stat() for name, s in samples.items()}
 
@@ -110,9 +107,18 @@ def each(
     return cell
 
 
-def memcpy_into(dst: Array, src: Array, n: int, out: list[float]) -> None:
-    """Time ``n`` ``np.copyto(dst, src)`` calls: the physical limit of a put's copy."""
-    each(n, np.copyto, lambda i: (dst, src))(out)
+def copy_into(buf: ShmBuffer, src: Array, n: int, *, rotating: bool = False, span: int = 0) -> Cell:
+    """A cell timing ``n`` ``np.copyto`` of ``src`` into ``buf``: the physical limit of a copy.
+
+    Into the same place each time (for items up to a few MiB it stays in the CPU caches), or
+    with ``rotating`` into rotating places of its first ``span`` bytes, as a ring's puts land.
+    """
+
+    def dst(i: int) -> tuple[Array, Array]:
+        place = buf.rotating(len(src), i, span=span) if rotating else buf.view(len(src))
+        return place, src
+
+    return each(n, np.copyto, dst)
 
 
 def timed(run: list[float], fn: Callable[..., R], *args: Any) -> R:
@@ -131,12 +137,20 @@ async def atimed(run: list[float], aw: Awaitable[R]) -> R:
     return out
 
 
+def run_on(loop: str, fn: Callable[[], Awaitable[R]]) -> R:
+    """Run ``fn()`` to its end on a new ``asyncio`` or ``uvloop`` event loop (through anyio)."""
+    options: dict[str, Any] = {}
+    if loop == "uvloop":
+        options["loop_factory"] = importlib.import_module("uvloop").new_event_loop
+    return anyio.run(fn, backend="asyncio", backend_options=options)
+
+
 def source_array(nbytes: int, seed: int = 0) -> Array:
     """A warm, private uint8 array of ``nbytes`` (random content, touched once)."""
     return np.random.default_rng(seed).integers(0, 255, size=nbytes, dtype=np.uint8)
 
 
-class ShmBuffer:
+class ShmBuffer(contextlib.AbstractContextManager["ShmBuffer"]):
     """A warm mapping of a /dev/shm file: the destination of the physical-limit baseline.
 
     The file is unlinked right after mapping (the mapping stays valid), so nothing is left in
@@ -169,9 +183,6 @@ class ShmBuffer:
         del self.array
         with contextlib.suppress(BufferError):
             self._mm.close()
-
-    def __enter__(self) -> ShmBuffer:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,7 +90,6 @@ class PolicyResult:
     bytes_relocated: int = 0
     evictions: int = 0
     inline: int = 0  # misses served inline (not cached: too large or no room)
-    seconds: float = 0.0
 
     @property
     def miss_ratio(self) -> float:
@@ -102,9 +100,11 @@ class PolicyResult:
         return self.bytes_written / self.requests if self.requests else 0.0
 
 
-def _simulate(
+def simulate(
     trace: Sequence[int], sizes: Sequence[int], capacity: int, *, lru: bool
 ) -> PolicyResult:
+    """A model cache of ``capacity`` bytes: a miss evicts the oldest items until it fits; a hit
+    makes its item the newest with ``lru`` (LRU), and changes nothing without it (FIFO)."""
     cached: OrderedDict[int, int] = OrderedDict()
     used = misses = written = evictions = inline = 0
     for i in trace:
@@ -127,44 +127,20 @@ def _simulate(
     return PolicyResult(len(trace), misses, written, evictions=evictions, inline=inline)
 
 
-def simulate_lru(trace: Sequence[int], sizes: Sequence[int], capacity: int) -> PolicyResult:
-    """An LRU cache of ``capacity`` bytes: a miss evicts least-recently-used items until it fits."""
-    return _simulate(trace, sizes, capacity, lru=True)
-
-
-def simulate_fifo(trace: Sequence[int], sizes: Sequence[int], capacity: int) -> PolicyResult:
-    """The same with insertion order (a hit changes nothing): FIFO of ``capacity`` bytes."""
-    return _simulate(trace, sizes, capacity, lru=False)
-
-
-def _key(i: int) -> str:
-    return f"img-{i:06d}"
-
-
 def replay(
-    trace: Sequence[int],
-    sizes: Sequence[int],
-    capacity: int,
-    *,
-    second_chance: bool | None,
+    trace: Sequence[int], sizes: Sequence[int], capacity: int, *, second_chance: bool
 ) -> PolicyResult:
-    """Replay ``trace`` through a real ``SenderCache`` of ``capacity`` bytes and a reader.
-
-    ``second_chance=None`` passes nothing (the build's default eviction); True/False set
-    ``CacheConfig(second_chance=...)``, which needs a build that has it.
-    """
-    kw = {} if second_chance is None else {"second_chance": second_chance}
+    """Replay ``trace`` through a real ``SenderCache`` of ``capacity`` bytes and a reader."""
     biggest = int(max(sizes))
-    config = bench_config(capacity, biggest + 64 * KiB, 1, **kw)
+    config = bench_config(capacity, biggest + 64 * KiB, second_chance=second_chance)
     # one source buffer: an item is a view of its first `size` bytes; the put copies them
     source = np.random.default_rng(1).integers(0, 255, size=biggest, dtype=np.uint8)
     written = 0
-    t0 = time.perf_counter()
     with SenderCache(config) as sender, ReceiverCache.attach(sender.handle()) as reader:
         is_cached, update = sender.is_cached_item, sender.get_and_update_features
         lease = reader.lease
         for i in trace:
-            h = _key(i)
+            h = f"img-{i:06d}"
             hit = is_cached(h)
             size = sizes[i]
             spec = FeatureSpec(h, None if hit else {"pixel_values": source[:size]})
@@ -179,13 +155,12 @@ def replay(
                 if not isinstance(item, dict) or item["pixel_values"].nbytes != size:
                     raise RuntimeError(f"{h}: the reader got the wrong item back")
         snap = sender.snapshot()
-    seconds = time.perf_counter() - t0
     if snap.hits + snap.misses != len(trace):
         counted = snap.hits + snap.misses
         raise RuntimeError(f"the cache counted {counted} requests, not {len(trace)}")
     inline = snap.inline_too_large + snap.inline_full + snap.inline_busy
     moved, written = (snap.relocations, snap.bytes_relocated), written + snap.bytes_relocated
-    return PolicyResult(len(trace), snap.misses, written, *moved, snap.evictions, inline, seconds)
+    return PolicyResult(len(trace), snap.misses, written, *moved, snap.evictions, inline)
 
 
 def _param(s: float, fraction: float) -> str:
@@ -203,29 +178,27 @@ Cells = dict[tuple[float, float], Any]
 def bench_traces(p: Params, report: Report, progress: Progress) -> None:
     lo, hi = (x // p.trace_scale for x in p.trace_sizes)
     # results[(s, fraction)][policy] = one PolicyResult per seed
-    results: Cells = {}
-    distinct: Cells = {}
-    capacities: Cells = {}
+    results: Cells = defaultdict(lambda: defaultdict(list))
+    distinct: Cells = defaultdict(list)
+    capacities: Cells = defaultdict(list)
     for seed in range(p.trace_seeds):
         sizes = [int(x) for x in item_sizes(p.trace_items, lo, hi, seed=seed)]
         for s in SKEWS:
             trace = [int(x) for x in zipf_trace(p.trace_requests, p.trace_items, s, seed=seed)]
             seen = set(trace)
             for fraction in CAPACITY_FRACTIONS:
-                cell = (s, fraction)
                 capacity = max(int(sum(sizes[i] for i in seen) * fraction), hi + 68 * KiB)
-                distinct.setdefault(cell, []).append(len(seen))
-                capacities.setdefault(cell, []).append(capacity)
-                got = results.setdefault(cell, {})
-                for name, model in ((LRU, simulate_lru), (FIFO_MODEL, simulate_fifo)):
-                    got.setdefault(name, []).append(model(trace, sizes, capacity))
+                distinct[(s, fraction)].append(len(seen))
+                capacities[(s, fraction)].append(capacity)
+                got = results[(s, fraction)]
+                for name, lru in ((LRU, True), (FIFO_MODEL, False)):
+                    got[name].append(simulate(trace, sizes, capacity, lru=lru))
                 for name, sc in POLICIES:
                     progress(
                         f"trace: seed {seed + 1}/{p.trace_seeds}, {_param(s, fraction)} "
                         f"({fmt_bytes(capacity)}), {name}, {len(trace):,} requests"
                     )
-                    done = replay(trace, sizes, capacity, second_chance=sc)
-                    got.setdefault(name, []).append(done)
+                    got[name].append(replay(trace, sizes, capacity, second_chance=sc))
     _report(p, report, results, distinct, capacities, [n for n, _ in POLICIES])
 
 
@@ -239,8 +212,9 @@ def _report(
 ) -> None:
     (lo, hi), scale, seeds = p.trace_sizes, p.trace_scale, p.trace_seeds
     runs = f"{seeds} seed{'s' if seeds > 1 else ''}"
-    scaled = f" scaled 1/{scale} with the capacity ({fmt_bytes(lo // scale)}-"
-    scaled += f"{fmt_bytes(hi // scale)})"
+    scaled = (
+        f" scaled 1/{scale} with the capacity ({fmt_bytes(lo // scale)}-{fmt_bytes(hi // scale)})"
+    )
     report.notes.append(
         f"trace: {p.trace_items:,} images of {fmt_bytes(lo)}-{fmt_bytes(hi)} (log-uniform),"
         f"{scaled if scale != 1 else ''}; {p.trace_requests:,} Zipf requests per trace, {runs}; "
@@ -250,13 +224,12 @@ def _report(
     summary = []
     for (s, fraction), got in results.items():
         add = report.section(S_TRACE, _param(s, fraction))
-        med: dict[str, float] = {}
-        bpr: dict[str, float] = {}
+        miss: dict[str, tm.Stat] = {}
+        per_req: dict[str, tm.Stat] = {}
         for name in (*real, LRU, FIFO_MODEL):
             runs_, reference = got[name], name in (LRU, FIFO_MODEL)
-            miss = _median(r.miss_ratio for r in runs_)
-            per_req = _median(r.bytes_per_request for r in runs_)
-            med[name], bpr[name] = miss.median, per_req.median
+            miss[name] = _median(r.miss_ratio for r in runs_)
+            per_req[name] = _median(r.bytes_per_request for r in runs_)
             notes = []
             if name == SECOND_CHANCE:
                 reloc = statistics.median(r.relocations / r.requests for r in runs_)
@@ -264,32 +237,26 @@ def _report(
             if not reference and any(r.inline for r in runs_):
                 notes.append(f"{max(r.inline for r in runs_)} served inline")
             policy = name + (" (reference)" if reference else "")
-            plot = "trace" if name != FIFO_MODEL else None
-            kw: dict[str, Any] = {"series": name, "note": "; ".join(notes)}
-            add(f"miss ratio: {policy}", miss, kind="fraction", plot=plot, x=s, **kw)
-            add(f"bytes written per request: {policy}", per_req, kind="bytes", series=name)
+            kw: dict[str, Any] = {"series": name, "plot": None if name == FIFO_MODEL else "trace"}
+            add(f"miss ratio: {policy}", miss[name], kind="fraction", note="; ".join(notes), **kw)
+            add(f"bytes written per request: {policy}", per_req[name], kind="bytes", series=name)
         add("misses: FIFO ÷ LRU model", _median(_ratio(got[FIFO], got[LRU])), kind="ratio")
-        rel = "—"
-        if SECOND_CHANCE in got:
-            vs_fifo = _median(_ratio(got[SECOND_CHANCE], got[FIFO]))
-            on_target = (s, fraction) == FIFO_TARGET[0]
-            rel = f"{1 - vs_fifo.median:.1%} fewer misses"
-            tgt = Target.at_most(FIFO_TARGET[1]) if on_target else None
-            note = f"{rel} than FIFO"
-            add("misses: second chance ÷ FIFO", vs_fifo, kind="ratio", target=tgt, note=note)
-            vs_lru = _median(_ratio(got[SECOND_CHANCE], got[LRU]))
-            tgt = Target.at_most(1.0)
-            add("misses: second chance ÷ LRU model", vs_lru, kind="ratio", target=tgt)
-        pct = {n: f"{v:.1%}" for n, v in med.items()}
-        per = {n: fmt_bytes(int(v)) for n, v in bpr.items()}
+        vs_fifo = _median(_ratio(got[SECOND_CHANCE], got[FIFO]))
+        rel = f"{1 - vs_fifo.median:.1%} fewer misses"
+        tgt = Target("<=", FIFO_TARGET[1]) if (s, fraction) == FIFO_TARGET[0] else None
+        note = f"{rel} than FIFO"
+        add("misses: second chance ÷ FIFO", vs_fifo, kind="ratio", target=tgt, note=note)
+        vs_lru = _median(_ratio(got[SECOND_CHANCE], got[LRU]))
+        add("misses: second chance ÷ LRU model", vs_lru, kind="ratio", target=Target("<=", 1.0))
+        columns = (FIFO, SECOND_CHANCE, LRU)
         summary.append(
             (
                 _param(s, fraction),
                 f"{statistics.median(distinct[(s, fraction)]):,.0f}",
                 fmt_bytes(int(statistics.median(capacities[(s, fraction)]))),
-                *(pct.get(n, "—") for n in (FIFO, SECOND_CHANCE, LRU)),
+                *(f"{miss[n].median:.1%}" for n in columns),
                 rel,
-                *(per.get(n, "—") for n in (FIFO, SECOND_CHANCE, LRU)),
+                *(fmt_bytes(int(per_req[n].median)) for n in columns),
             )
         )
     head = ["trace", "distinct images", "capacity", FIFO, SECOND_CHANCE, LRU]

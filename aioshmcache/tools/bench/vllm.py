@@ -34,7 +34,6 @@ import msgpack
 import numpy as np
 
 from aioshmcache import (
-    CacheConfig,
     ReceiverCache,
     SenderCache,
     ShmObjectStore,
@@ -45,7 +44,7 @@ from aioshmcache import (
 from ..progress import Progress
 from ..units import KiB, MiB, fmt_bytes
 from . import timing as tm
-from .params import Params, segment_prefix
+from .params import Params, bench_config, segment_prefix
 from .report import Report, Target
 
 __all__ = ["VLLM_MODULE", "load_vllm_store", "run_vllm_suite"]
@@ -92,16 +91,13 @@ class _TensorDecoder:
         return _as_tensor(arr if self.share_mem else arr.copy())
 
 
-class _MultiModalKwargsItem:
-    """Stands in for ``vllm.multimodal.inputs.MultiModalKwargsItem`` (not used here)."""
-
-
 def _stand_ins() -> dict[str, types.ModuleType]:
     """The modules the file imports, for those not importable here."""
     serde = {"MsgpackEncoder": _TensorEncoder, "MsgpackDecoder": _TensorDecoder}
     members: dict[str, dict[str, Any]] = {"vllm": {}, "vllm.multimodal": {}, "vllm.v1": {}}
     members |= {"vllm.logger": {"init_logger": logging.getLogger}, "vllm.v1.serial_utils": serde}
-    members["vllm.multimodal.inputs"] = {"MultiModalKwargsItem": _MultiModalKwargsItem}
+    item = type("MultiModalKwargsItem", (), {})  # the file imports it; no call made here uses it
+    members["vllm.multimodal.inputs"] = {"MultiModalKwargsItem": item}
     if importlib.util.find_spec("torch") is None:
         members["torch"] = {"Tensor": np.ndarray}
     mods = {name: types.ModuleType(name) for name in members}
@@ -180,13 +176,8 @@ def _stores(mod: types.ModuleType, capacity: int, max_object: int) -> Iterator[_
         handle.reader_lock = multiprocessing.Lock()
         reader = mod.SingleWriterShmObjectStorage.create_from_handle(handle)
         stack.callback(reader.close)
-
-        def config() -> CacheConfig:
-            name = f"{segment_prefix()}vllm-ours{next(_names)}"
-            return CacheConfig(capacity, max_object, 1, name=name)
-
-        sender = stack.enter_context(SenderCache(config()))
-        store = stack.enter_context(ShmObjectStore.create(config()))
+        sender = stack.enter_context(SenderCache(bench_config(capacity, max_object)))
+        store = stack.enter_context(ShmObjectStore.create(bench_config(capacity, max_object)))
         rx = stack.enter_context(ReceiverCache.attach(sender.handle()))
         rd = stack.enter_context(ShmObjectStore.from_handle(store.handle()))
         yield _Stores(writer, reader, sender, store, rx, rd)
@@ -267,11 +258,6 @@ def _churn(mod: types.ModuleType, rounds: int, n: int) -> dict[str, tm.Stat]:
         return tm.interleave(rounds, cells, warmup=1)
 
 
-_READS = (
-    "vLLM get (verify, copy)",
-    "ours ShmObjectStore.get (reader)",
-    "ours ReceiverCache.get_and_update_item",
-)
 #: (vLLM's subject, ours, the operation): ratio vLLM ÷ ours
 _PAIRS = (
     ("vLLM put + sign", "ours ShmObjectStore.put", "put"),
@@ -279,15 +265,16 @@ _PAIRS = (
     ("vLLM get (verify, copy)", "ours ShmObjectStore.get (reader)", "get"),
     ("vLLM get (verify, copy)", "ours ReceiverCache.get_and_update_item", "get"),
 )
+_READS = {name for *names, op in _PAIRS if op == "get" for name in names}  # their limit: copy out
 #: ours ÷ vLLM targets, as a ratio vLLM ÷ ours: put ≤ 0.6x and get ≤ 0.3x for 1 KiB; ≤ 0.95x
 #: for 1 MiB and more
 _TARGETS = {("put", 1 * KiB): 1 / 0.6, ("get", 1 * KiB): 1 / 0.3}
 
 
-def run_vllm_suite(p: Params, report: Report, progress: Progress, vllm_file: Path | None) -> None:
+def run_vllm_suite(p: Params, report: Report, progress: Progress) -> None:
     """The suite (skipped, with a line in the report, when vLLM's store is not available)."""
     try:
-        mod = load_vllm_store(vllm_file)
+        mod = load_vllm_store(p.vllm_file)
     except (OSError, ValueError, ImportError) as exc:
         report.skip(f"vllm: {exc}")
         return
@@ -305,7 +292,7 @@ def run_vllm_suite(p: Params, report: Report, progress: Progress, vllm_file: Pat
         add = report.section(S_VLLM, fmt_bytes(size))
         for theirs, mine, op in _PAIRS:
             limit = _TARGETS.get((op, size), 1 / 0.95 if size >= MiB else None)
-            tgt = None if limit is None else Target.at_least(limit, "ratio")
+            tgt = None if limit is None else Target(">=", limit, "ratio")
             add(mine, stats[mine], vs=(theirs, stats[theirs]), target=tgt)
         for name in ("vLLM put + sign", "vLLM get (verify, copy)"):
             add(name, stats[name])
@@ -314,7 +301,7 @@ def run_vllm_suite(p: Params, report: Report, progress: Progress, vllm_file: Pat
             if name not in ("np.copyto", "copy out"):
                 base = "copy out" if name in _READS else "np.copyto"
                 big = size >= MiB and name.startswith("ours")
-                tgt = Target.at_least(1 / 1.1, "ratio") if big else None
+                tgt = Target(">=", 1 / 1.1, "ratio") if big else None
                 limit_row(name, st_, vs=(base, stats[base]), target=tgt)
         limit_row("np.copyto into warm shm (rotating)", stats["np.copyto"])
         limit_row("copy out of shm into a new array", stats["copy out"])
@@ -323,5 +310,5 @@ def run_vllm_suite(p: Params, report: Report, progress: Progress, vllm_file: Pat
     add = report.section(S_VLLM, "1 MiB")
     label = "churn: put + read back + acknowledge, per item (ours: SenderCache + ReceiverCache)"
     vs = ("vLLM put + sign + get", churn["vllm"])
-    add(label, churn["ours"], vs=vs, target=Target.at_least(1.1, "ratio"))
+    add(label, churn["ours"], vs=vs, target=Target(">=", 1.1, "ratio"))
     add("churn: vLLM put + sign + get, per item", churn["vllm"])

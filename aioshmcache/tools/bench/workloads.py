@@ -1,9 +1,9 @@
-"""The store suite: put / get / lease against the memcpy limit, steady state, churn and scaling.
+"""The store suite: put / get / lease against the memcpy limit, steady state, churn, gc.
 
 Every baseline runs in the same run as its subject, interleaved (:func:`.timing.interleave`).
 Items are single-array mappings ``{"data": uint8 array}``; the writer is this process, readers
 are an in-process reader store (per-operation timing) or the spawned worker (cross-process
-steady state, churn and scaling).
+steady state and churn).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import itertools
 import os
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -25,7 +24,7 @@ from ..progress import Progress
 from ..units import GiB, KiB, MiB, fmt_bytes
 from . import timing as tm
 from .params import Params, bench_config
-from .procs import LazyWorker, Worker
+from .procs import Worker
 from .report import Report, Target
 
 __all__ = ["run_store_suite"]
@@ -33,10 +32,7 @@ __all__ = ["run_store_suite"]
 S_STORE = "Store: one array item, in-process reader (vs np.copyto into warm shm)"
 S_SMALL = "Small items steady state: 1 KiB, ring churning, reader in another process"
 S_SENDER = "SenderCache steady state: 1 KiB misses (puts), ring churning, reader process acking"
-S_FRESH = "Fresh cache: first put vs warm put"
 S_CHURN = "Churn: 64 MiB ring, 1 MiB items, a reader process acknowledging each"
-S_READERS = "Read path vs attached readers"
-S_CACHE = "Cost vs cache size"
 S_GC = "Writer state vs the garbage collector: many live small items"
 GC_TARGET_ENTRIES = 250_000  # the figure the target names
 BATCH = 256  # references sent to the reader process at a time
@@ -56,22 +52,12 @@ def _room_for(report: Report, nbytes: int, what: str) -> bool:
     return False
 
 
-def _readers(cfg: Any) -> tuple[StoreWriter, StoreReader]:
-    """A new store and an in-process reader of it."""
-    store = ShmObjectStore.create(cfg)
-    return store, ShmObjectStore.from_handle(store.handle())
-
-
 def _handout(store: StoreWriter, key: str) -> ShmRef:
     """The writer's part of a read: a new hand-out of ``key``."""
     ref = store.get_cached(key)
     if ref is None:
         raise RuntimeError(f"{key!r} is not cached any more")
     return ref
-
-
-def _handout_of(store: StoreWriter, key: str, i: int) -> tuple[ShmRef]:
-    return (_handout(store, key),)
 
 
 def _lease_once(reader: StoreReader, ref: ShmRef) -> None:
@@ -82,13 +68,13 @@ def _lease_once(reader: StoreReader, ref: ShmRef) -> None:
 
 
 #: the store subjects: (label, cell, plot series, the sizes whose target applies, target)
-_AT_08 = Target.at_least(0.8, "ratio")
+_AT_08 = Target(">=", 0.8, "ratio")
 _ROTATING = "np.copyto into rotating places of a ring-sized shm buffer"
 _STORE_ROWS: list[tuple[str, str, str, tuple[int, ...] | None, Target | None]] = [
     (_ROTATING, "rotating", "np.copyto, rotating", (), None),
     ("put", "put", "put", (16 * MiB,), _AT_08),
     ("get (copy)", "get", "get (copy)", (MiB, 16 * MiB), _AT_08),
-    ("get (lease: view + ack)", "lease", "get (lease)", None, Target.at_most(20e-6)),
+    ("get (lease: view + ack)", "lease", "get (lease)", None, Target("<=", 20e-6)),
     ("np.array(shm view): copy into a fresh array", "copyout", "np.array(shm view)", (), None),
 ]
 
@@ -110,8 +96,8 @@ def bench_store_ops(p: Params, report: Report, progress: Progress) -> None:
 def _store_ops(p: Params, shm: tm.ShmBuffer, size: int) -> dict[str, tm.Stat]:
     n, src = p.n_ops(size), tm.source_array(size)
     item, ring = {"data": src}, max(64 * MiB, 6 * (size + 4096))  # a ring beyond the CPU caches
-    store, reader = _readers(bench_config(ring, size + 64 * KiB, 1))
-    with store, reader:
+    store = ShmObjectStore.create(bench_config(ring, size + 64 * KiB))
+    with store, ShmObjectStore.from_handle(store.handle()) as reader:
         last = ""
 
         def put(out: list[float]) -> None:
@@ -123,9 +109,9 @@ def _store_ops(p: Params, shm: tm.ShmBuffer, size: int) -> dict[str, tm.Stat]:
         for _ in range(max(3, n // 10)):  # warm-up: the ring wraps at least once for big items
             put([])
         cells: dict[str, tm.Cell] = {
-            "base": partial(tm.memcpy_into, shm.view(size), src, n),
+            "base": tm.copy_into(shm, src, n),
             # what a put's copy meets: a new place in the ring each time
-            "rotating": tm.each(n, np.copyto, lambda i: (shm.rotating(size, i, span=ring), src)),
+            "rotating": tm.copy_into(shm, src, n, rotating=True, span=ring),
             "put": put,
             # a new hand-out (untimed: the writer's part), then the read
             "get": tm.each(n, reader.get, lambda i: (_handout(store, last),)),
@@ -145,9 +131,9 @@ def bench_small_steady(p: Params, report: Report, progress: Progress, worker: Wo
     progress(f"small items: 1 KiB steady state, reader process ({p.runs} runs)")
     item = {"data": tm.source_array(1024)}
     put, got = tm.Samples(), {"copy": tm.Samples(), "lease": tm.Samples()}
-    with ShmObjectStore.create(bench_config(2 * MiB, 64 * KiB, 1)) as store:
+    with ShmObjectStore.create(bench_config(2 * MiB, 64 * KiB)) as store:
         for mode, samples in got.items():
-            with worker.attached(store.handle(), serve=("timed_gets", mode)) as conn:
+            with worker.attached(store.handle(), reads=mode, reply=True) as conn:
                 for r in range(p.runs + 1):  # run 0 warms up
                     putrun: list[float] = []
                     getrun: list[float] = []
@@ -169,7 +155,7 @@ def bench_small_steady(p: Params, report: Report, progress: Progress, worker: Wo
         ("get (lease: view + ack, reader process)", got["lease"], "get (lease)", 8e-6),
     ):
         note = _gc_note(evictions) if series == "put" else ""
-        add(label, st.stat(), target=Target.at_most(limit), series=series, note=note)
+        add(label, st.stat(), target=Target("<=", limit), series=series, note=note)
 
 
 def _times(reply: Any) -> list[float]:
@@ -191,16 +177,12 @@ def bench_sender_steady(p: Params, report: Report, progress: Progress, worker: W
     item = ({"data": tm.source_array(1024)}, ())
     put, hit = tm.Samples(), tm.Samples()
     worst, fulls = {"as is": 0.0, "frozen": 0.0}, {"as is": 0, "frozen": 0}
-    with SenderCache(bench_config(2 * MiB, 64 * KiB, 1)) as cache:
-        with worker.attached(cache.handle(), serve=("ack_stream", "copy")) as conn:
+    with SenderCache(bench_config(2 * MiB, 64 * KiB)) as cache:
+        with worker.attached(cache.handle(), reads="copy") as conn:
             for mode in ("as is", "frozen"):
-
-                def count(phase: str, info: dict[str, int], mode: str = mode) -> None:
-                    fulls[mode] += phase == "start" and info["generation"] == 2  # a full one
-
                 if mode == "frozen":
                     gc.freeze()
-                gc.callbacks.append(count)
+                fulls[mode] = -gc.get_stats()[2]["collections"]  # full collections from here
                 try:
                     for r in range(p.runs + 1):  # run 0 warms up
                         run: list[float] = []
@@ -214,15 +196,15 @@ def bench_sender_steady(p: Params, report: Report, progress: Progress, worker: W
                             put.add_run(run)
                             tm.each(1000, partial(_hit_release, cache, keys[-1]))(hit.new_run())
                 finally:
-                    gc.callbacks.remove(count)
+                    fulls[mode] += gc.get_stats()[2]["collections"]
                     gc.unfreeze()
         evictions = cache.snapshot().evictions
     ps, n, add = put.stat(), p.runs * p.sender_puts, report.section(S_SENDER, "1 KiB")
-    tgt = Target.at_most(10e-6)
+    tgt = Target("<=", 10e-6)
     add("get_and_update_item, miss (put)", ps, note=_gc_note(evictions), target=tgt)
     label = f"put latency, max over {n:,} puts, after gc.freeze()"
     note = f"{fulls['frozen']} full collections of the unfrozen rest"
-    add(label, worst["frozen"], target=Target.at_most(5e-3), note=note)
+    add(label, worst["frozen"], target=Target("<=", 5e-3), note=note)
     note = f"p99 {ps.p99 * 1e6:.1f} us; {fulls['as is']} full collections of this process "
     note += f"({len(gc.get_objects()):,} tracked objects)"
     add(f"put latency, max over {n:,} puts, as is", worst["as is"], note=note)
@@ -231,43 +213,6 @@ def bench_sender_steady(p: Params, report: Report, progress: Progress, worker: W
 
 def _hit_release(cache: SenderCache, key: str) -> None:
     cache.release(cache.get_and_update_item(None, key)[0])
-
-
-def bench_fresh_vs_warm(p: Params, report: Report, progress: Progress) -> None:
-    cache, size = p.fresh_cache, 16 * MiB
-    if not _room_for(report, cache, "fresh vs warm put"):
-        return
-    progress(f"fresh {fmt_bytes(cache)} cache: first 16 MiB put vs warm put ({p.fresh_runs} runs)")
-    item = {"data": tm.source_array(size)}
-    s = {k: tm.Samples() for k in ("create", "first", "fresh", "warm", "hot")}
-    for _ in range(p.fresh_runs):
-        cfg = bench_config(cache, size + 64 * KiB, 1)
-        with tm.timed(s["create"].new_run(), ShmObjectStore.create, cfg) as store:
-            tm.timed(s["first"].new_run(), store.put, "first", item)
-            run = s["fresh"].new_run()
-            for j in range(1, 8):  # more puts into pages no put has written yet
-                tm.timed(run, store.put, f"fresh{j}", item)
-            for j in range(cache // (size + 64 * KiB) + 2):  # wrap the ring: pages written before
-                store.put(f"wrap{j}", item)
-            run = s["warm"].new_run()
-            for j in range(5):  # steady state: written once, long out of the CPU caches
-                tm.timed(run, store.put, f"warm{j}", item)
-            run = s["hot"].new_run()
-            for j in range(3):
-                store.clear()  # the ring starts again at address 0: the very same pages, hot
-                tm.timed(run, store.put, f"hot{j}", item)
-    st = {k: v.stat() for k, v in s.items()}
-    add, vs = (
-        report.section(S_FRESH, f"{fmt_bytes(cache)} cache, 16 MiB item"),
-        ("warm put", st["warm"]),
-    )
-    add("create the cache (fallocate + prefault)", st["create"], param=fmt_bytes(cache))
-    add("first put into the fresh cache", st["first"], vs=vs)
-    add("puts 2-8 into the fresh cache (pages not yet written)", st["fresh"], vs=vs)
-    add("warm put (after the ring wrapped: pages written before)", st["warm"])
-    add("hot put (the same pages again right after clear)", st["hot"], vs=vs)
-    ratio = st["first"].median / st["warm"].median
-    add("first put ÷ warm put", ratio, kind="ratio", target=Target.at_most(1.5))
 
 
 def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -> None:
@@ -280,11 +225,10 @@ def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -
             rates, lat, waits = tm.Samples(), tm.Samples(), 0
             for _ in range(p.churn_runs):
                 # the limit: np.copyto into rotating places of 64 MiB
-                limit = tm.each(400, np.copyto, lambda i: (shm.rotating(size, i), item["data"]))
-                limit(base.new_run())
-                cfg = bench_config(ring, 2 * MiB, 1, wait_for_space=5.0)
+                tm.copy_into(shm, item["data"], 400, rotating=True)(base.new_run())
+                cfg = bench_config(ring, 2 * MiB, wait_for_space=5.0)
                 with ShmObjectStore.create(cfg) as store:
-                    with worker.attached(store.handle(), serve=("ack_stream", mode)) as conn:
+                    with worker.attached(store.handle(), reads=mode) as conn:
                         run, t0 = lat.new_run(), time.perf_counter()
                         for i in range(p.churn_puts):  # each reference on its own, no batching
                             conn.send([tm.timed(run, store.put, f"c{i}", item)])
@@ -293,81 +237,12 @@ def bench_churn(p: Params, report: Report, progress: Progress, worker: Worker) -
                     waits += store.wakeups
             rs, bs = rates.stat(), base.stat()
             who = "reader copies each item" if mode == "copy" else "reader leases (no copy)"
-            tgt = Target.at_least(10_000) if mode == "copy" else None
-            kw = {"target": tgt, "note": f"writer waited for room {waits} times", "kind": "rate"}
-            add(
-                f"puts/s ({who})",
-                rs,
-                baseline="1 / rotating np.copyto",
-                ratio=rs.median * bs.median,
-                **kw,
-            )
+            kw: dict[str, Any] = {"kind": "rate"}
+            kw["target"] = Target(">=", 10_000) if mode == "copy" else None
+            kw |= {"note": f"writer waited for room {waits} times", "ratio": rs.median * bs.median}
+            add(f"puts/s ({who})", rs, baseline="1 / rotating np.copyto", **kw)
             add(f"put latency ({who})", lat.stat(), vs=("rotating np.copyto", bs))
         add("np.copyto into rotating places of a 64 MiB shm buffer (baseline)", base.stat())
-
-
-def bench_readers(p: Params, report: Report, progress: Progress, worker: Worker) -> None:
-    progress(f"readers: get with {p.readers} attached readers ({p.runs} runs)")
-    sizes, kmax = (1024, 1 * MiB), max(p.readers)
-    gets = {(k, s): tm.Samples() for k in p.readers for s in sizes}
-    handouts = {k: tm.Samples() for k in p.readers}
-    store, reader = _readers(bench_config(8 * MiB, 2 * MiB, kmax))
-    with store, reader:
-        for s in sizes:
-            reader.ack(store.put(f"r{s}", {"data": tm.source_array(s)}))
-        for _ in range(p.runs):
-            for k in p.readers:
-                # k - 1 idle readers in another process
-                with worker.attached(store.handle(), k - 1) if k > 1 else nullcontext():
-                    h = handouts[k].new_run()
-                    for s in sizes:  # the hand-out and the read, timed apart
-                        run = gets[(k, s)].new_run()
-                        for _ in range(p.n_ops(s)):
-                            tm.timed(run, reader.get, tm.timed(h, _handout, store, f"r{s}"))
-    for s in sizes:
-        one, what = gets[(1, s)].stat(), fmt_bytes(s)
-        for k in p.readers:
-            add = report.section(
-                S_READERS, f"{k} readers", plot="readers", x=k, vs=("1 reader", one)
-            )
-            add(f"get (copy) of {what}", gets[(k, s)].stat(), series=f"get {what}")
-        worst = gets[(kmax, s)].stat().median / one.median
-        label, tgt = f"get {what}: {kmax} readers ÷ 1 reader", Target.at_most(1.10)
-        report.row(S_READERS, label, f"{kmax} vs 1", worst, kind="ratio", target=tgt)
-    vs = ("1 reader", handouts[1].stat())
-    for k in p.readers:
-        add = report.section(S_READERS, f"{k} readers", plot="readers", x=k, vs=vs)
-        add("writer hand-out (get_cached)", handouts[k].stat(), series="writer hand-out")
-
-
-_CREATE = "create (fallocate + prefault)"
-_ATTACH = "reader attach (maps and populates the segment)"
-
-
-def bench_cache_size(p: Params, report: Report, progress: Progress) -> None:
-    small, big = {"data": tm.source_array(1024)}, {"data": tm.source_array(1 * MiB)}
-    for cache in p.cache_sizes:
-        if not _room_for(report, cache, f"cache size {fmt_bytes(cache)}"):
-            continue
-        progress(f"cache size {fmt_bytes(cache)}: create, attach, put, get")
-        s = {k: tm.Samples() for k in (_CREATE, _ATTACH, "put 1 KiB", "get 1 KiB", "get 1 MiB")}
-        for _ in range(1 if cache >= 4 * GiB else min(p.runs, 3)):
-            cfg = bench_config(cache, 2 * MiB, 1)
-            with tm.timed(s[_CREATE].new_run(), ShmObjectStore.create, cfg) as store:
-                attach = ShmObjectStore.from_handle
-                with tm.timed(s[_ATTACH].new_run(), attach, store.handle()) as reader:
-                    run = s["put 1 KiB"].new_run()
-                    for i in range(p.n_ops(1024)):
-                        reader.ack(tm.timed(run, store.put, f"p{i}", small))
-                    for label, value in (("get 1 KiB", small), ("get 1 MiB", big)):
-                        reader.ack(store.put(label, value))
-                        n = p.n_ops(len(value["data"]))
-                        tm.each(n, reader.get, partial(_handout_of, store, label))(
-                            s[label].new_run()
-                        )
-        add = report.section(S_CACHE, fmt_bytes(cache), plot="cache_size", x=cache)
-        for label, samples in s.items():
-            add(label, samples.stat(), series=label.split(" (")[0])
 
 
 def bench_gc_live_entries(p: Params, report: Report, progress: Progress) -> None:
@@ -383,7 +258,7 @@ def bench_gc_live_entries(p: Params, report: Report, progress: Progress) -> None
         return
     progress(f"gc: full collection with {n:,} live {fmt_bytes(size)} items ({p.runs} runs)")
     item, base, full = {"data": tm.source_array(size)}, tm.Samples(), tm.Samples()
-    sender = SenderCache(bench_config(cap, 64 * KiB, 1))
+    sender = SenderCache(bench_config(cap, 64 * KiB))
     with sender, ShmObjectStore.from_handle(sender.handle()) as reader:
         for _ in range(p.runs):
             tm.each(3, gc.collect)(base.new_run())
@@ -397,7 +272,7 @@ def bench_gc_live_entries(p: Params, report: Report, progress: Progress) -> None
         live = sender.snapshot().items
     add = report.section(S_GC, f"{n:,} items")
     add("gc.collect(), no items yet (baseline)", base.stat())
-    tgt = Target.at_most(30e-3) if n >= GC_TARGET_ENTRIES else None
+    tgt = Target("<=", 30e-3) if n >= GC_TARGET_ENTRIES else None
     note = f"{live:,} items cached, {tracked:,} objects tracked by gc"
     add(f"gc.collect() with {n:,} live entries", full.stat(), note=note, target=tgt)
 
@@ -406,17 +281,14 @@ def bench_gc_live_entries(p: Params, report: Report, progress: Progress) -> None
 _SUITE: list[tuple[str, Callable[..., None], bool]] = [
     ("store ops", bench_store_ops, False),
     ("gc live entries", bench_gc_live_entries, False),
-    ("fresh vs warm", bench_fresh_vs_warm, False),
     ("small steady state", bench_small_steady, True),
     ("sender steady state", bench_sender_steady, True),
     ("churn", bench_churn, True),
-    ("readers", bench_readers, True),
-    ("cache size", bench_cache_size, False),
 ]
 
 
 def run_store_suite(p: Params, report: Report, progress: Progress) -> None:
-    with LazyWorker() as lw:
+    with Worker() as worker:
         for name, fn, needs_worker in _SUITE:
             run = partial(fn, p, report, progress)
-            lw.attempt(report, name, run) if needs_worker else report.attempt(name, run)
+            worker.attempt(report, name, run) if needs_worker else report.attempt(name, run)
