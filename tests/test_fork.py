@@ -32,18 +32,9 @@ from aioshmcache import (
 )
 from aioshmcache._sweep import sweep
 
-from .helpers import SPAWN, kill_and_reap, wait_until
+from .helpers import SPAWN, gone, kill_and_reap, wait_until
 
 FORK = mp.get_context("fork")
-
-
-def _gone(pid: int) -> bool:
-    """The process is gone or a zombie (a zombie holds no descriptor and no lock)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def _messages(conn: Any) -> dict[str, Any]:
@@ -59,9 +50,9 @@ def _messages(conn: Any) -> dict[str, Any]:
 
 def _kill_grandchild(pid: int) -> None:
     """Kill a process started by a child of ours (re-parented when that child died)."""
-    if pid and not _gone(pid):
+    if pid and not gone(pid):
         os.kill(pid, signal.SIGKILL)
-        assert wait_until(lambda: _gone(pid), timeout=30.0)
+        assert wait_until(lambda: gone(pid), timeout=30.0)
 
 
 def _use_the_parent_s_store(store: ShmObjectStore, ref: dict[str, Any], conn: Any) -> None:
@@ -115,7 +106,7 @@ def test_writer_killed_while_its_forked_child_lives(shm_name: str) -> None:
         with ShmObjectStore.from_handle(handle, probe_interval=0.05) as reader:
             assert reader.get(ShmRef.from_dict(ref)) == {"x": 1}
             kill_and_reap(writer)
-            assert not _gone(grandchild)  # the child lives on, holding the inherited mapping
+            assert not gone(grandchild)  # the child lives on, holding the inherited mapping
 
             def writer_seen_gone() -> bool:
                 try:
@@ -148,7 +139,7 @@ def test_reader_killed_while_its_forked_child_lives(make_config: Any) -> None:
             store.put("a", {"x": 1})  # owed by the reader
             assert not store.is_freeable("a")
             kill_and_reap(reader)
-            assert not _gone(grandchild)
+            assert not gone(grandchild)
             assert wait_until(lambda: store.is_freeable("a"), timeout=30.0)
             assert store.evict() == ["a"]
             assert not any(s.alive for s in store.reader_info())
