@@ -27,7 +27,7 @@ from aioshmcache import (
 )
 
 from . import _procs
-from .helpers import SPAWN, FakeClock, checksum, random_item, wait_until
+from .helpers import SPAWN, FakeClock, checksum, gone, random_item, wait_until
 
 
 def _start_reader(handle: Any) -> tuple[Any, Any]:
@@ -215,7 +215,7 @@ def _zombie_scenario(cache: SenderCache, child: Any, rng: np.random.Generator) -
         child.stdin.write("\n")
         child.stdin.flush()
         # wait for exit without reaping: the child is a zombie now
-        assert wait_until(lambda: _is_zombie(child.pid), timeout=20)
+        assert wait_until(lambda: gone(child.pid), timeout=20)  # not reaped: a zombie
         out, _ = _put(cache, "new", 290_000, rng)  # dead debts dropped at this free attempt
         assert not isinstance(out, dict)
         assert cache.snapshot().readers[0].alive is False
@@ -229,14 +229,6 @@ def _zombie_scenario(cache: SenderCache, child: Any, rng: np.random.Generator) -
             newcomer.close()
     finally:
         child.wait(10)
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.slow
