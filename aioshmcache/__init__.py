@@ -10,7 +10,9 @@ returns the segment's writer (a ``StoreWriter``) and ``ShmObjectStore.from_handl
 Modules: ``aioshmcache.wire`` moves a request's features between processes (``pack_features`` /
 ``unpack_features`` and length-prefixed frames); ``aioshmcache.channel`` is the gateway <->
 engine worker channel built on it (``EngineClient``, ``serve_engine``); ``aioshmcache.metrics``
-(the ``metrics`` extra, not imported here) exports caches and cache groups to Prometheus.
+(the ``metrics`` extra, not imported here) exports caches and cache groups to Prometheus;
+``aioshmcache.keys`` derives keys no client can poison (``content_key``, ``lookup_key``,
+``tenant_key``, re-exported here).
 """
 
 from . import wire
@@ -46,6 +48,7 @@ from .errors import (
     FrameTooLargeError,
     IncompleteFrameError,
     InvalidReferenceError,
+    KeyMismatchError,
     ObjectTooLargeError,
     ReaderEvictedError,
     ReaderLimitError,
@@ -60,6 +63,7 @@ from .errors import (
     WriterGoneError,
     WrongRoleError,
 )
+from .keys import content_key, lookup_key, tenant_key
 
 __version__ = "0.1.0"
 
@@ -87,6 +91,7 @@ __all__ = [
     "GroupReceiverCache",
     "IncompleteFrameError",
     "InvalidReferenceError",
+    "KeyMismatchError",
     "MsgpackSerde",
     "ObjectTooLargeError",
     "ReaderEvictedError",
@@ -111,6 +116,9 @@ __all__ = [
     "WireError",
     "WriterGoneError",
     "WrongRoleError",
+    "content_key",
+    "lookup_key",
     "sweep",
+    "tenant_key",
     "wire",
 ]

@@ -24,6 +24,7 @@ __all__ = [
     "FrameTooLargeError",
     "IncompleteFrameError",
     "InvalidReferenceError",
+    "KeyMismatchError",
     "ObjectTooLargeError",
     "ReaderEvictedError",
     "ReaderLimitError",
@@ -63,6 +64,19 @@ class DuplicateKeyError(ShmCacheError, ValueError):
 
 class InvalidReferenceError(ShmCacheError, ValueError):
     """A reference that was never valid here: forged, out of bounds, or from another segment."""
+
+
+class KeyMismatchError(ShmCacheError, ValueError):
+    """A key a client sent does not name the body it came with, or is not a content key.
+
+    Raised by ``content_key(body, claimed=...)`` and ``lookup_key``; answer it with HTTP 400
+    and cache nothing. ``claimed`` is the key that was refused.
+    """
+
+    def __init__(self, message: str, claimed: str = "") -> None:
+        super().__init__(message)
+        #: the client's key that was refused
+        self.claimed = claimed
 
 
 class StaleReferenceError(ShmCacheError):
