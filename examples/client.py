@@ -5,8 +5,9 @@
 Serve the gateway with ``python -m aioshmcache demo serve --port 8000`` (or ``uvicorn
 --app-dir examples fastapi_app:app``). With no image files the client makes two synthetic
 ones; files are decoded to RGB with Pillow. For each image the client computes the
-``mm_hash`` itself (``image_hash``: BLAKE2b of the size and the RGB bytes) and first sends the
-hash alone, trusting that the gateway's cache still holds it. The gateway answers 409 for a
+``mm_hash`` itself (``image_hash``: the SHA-256 content key of the RGB bytes in the namespace of
+their size, exactly as the gateway keys it) and first sends the hash alone, trusting that the
+gateway's cache still holds it. The gateway answers 409 for a
 hash it does not hold; the client resends that image with its pixels. A second round of hashes
 alone is then answered from the cache.
 """

@@ -2,7 +2,8 @@
 
     uvicorn --workers 2 --app-dir examples minimal_app:app --port 8000
     curl --data-binary @photo.jpg http://127.0.0.1:8000/embed            # {"crc32": ...}
-    curl --data-binary @photo.jpg -H 'X-MM-Hash: photo-1' http://127.0.0.1:8000/embed
+    curl --data-binary @photo.jpg -H "X-MM-Hash: sha256:$(sha256sum < photo.jpg | cut -c1-64)" \
+        http://127.0.0.1:8000/embed                                       # the same, claimed
 
 Each uvicorn worker process is a gateway: its lifespan opens its own shard of the cache group
 (``CacheConfig(group=...)``) and an ``EngineClient`` to the engine worker's socket. The client
@@ -12,6 +13,10 @@ preprocessed once per ``mm_hash`` across both processes (``get_or_put`` reads wh
 shard holds), the worker gets a reference, reads the tensor from shared memory and answers with
 the CRC-32 of the bytes it read. A stale reference (the worker missed it) is resent inline.
 
+The key is the server's: ``content_key(body)``, the body's SHA-256. A client's ``X-MM-Hash`` is
+only a claim, checked against the body (a mismatch is answered 400 and nothing is cached), so no
+client can put its bytes under another image's key.
+
 Settings: ``AIOSHM_GROUP`` (the cache group, default ``minimal``), ``AIOSHM_ENGINE_SOCKET``
 (default: ``aioshm-<group>.sock`` in the temp directory).
 """
@@ -20,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 import signal
 import tempfile
@@ -33,9 +37,9 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, make_asgi_app
 
-from aioshmcache import AsyncReceiverCache, AsyncSenderCache, CacheConfig, FeatureSpec
+from aioshmcache import AsyncReceiverCache, AsyncSenderCache, CacheConfig, FeatureSpec, content_key
 from aioshmcache.channel import EngineClient, serve_engine
-from aioshmcache.errors import CacheMissError, EngineError
+from aioshmcache.errors import CacheMissError, EngineError, KeyMismatchError
 from aioshmcache.metrics import GroupCollector
 
 GROUP = os.environ.get("AIOSHM_GROUP", "minimal")
@@ -87,6 +91,11 @@ async def engine_failed(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"error": type(exc).__name__, "detail": str(exc)}, status_code=503)
 
 
+@app.exception_handler(KeyMismatchError)  # X-MM-Hash is not the body's content key
+async def bad_claim(request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse({"error": "KeyMismatchError", "detail": str(exc)}, status_code=400)
+
+
 @app.post("/embed")
 async def embed(request: Request) -> Any:
     body = bytearray()
@@ -94,9 +103,7 @@ async def embed(request: Request) -> Any:
         body += chunk
         if len(body) > MAX_BODY:
             raise HTTPException(413, f"the body exceeds {MAX_BODY} bytes")
-    mm_hash = request.headers.get("x-mm-hash") or hashlib.blake2b(body, digest_size=16).hexdigest()
-    if len(mm_hash) > 128:
-        raise HTTPException(400, "X-MM-Hash is longer than 128 characters")
+    mm_hash = content_key(body, claimed=request.headers.get("x-mm-hash"))  # never the client's
     cache, engine = request.app.state.cache, request.app.state.engine
     feature = await cache.get_or_put(mm_hash, lambda: preprocess(bytes(body)))
     return await engine.call([feature], items=lambda h: preprocess(bytes(body)))

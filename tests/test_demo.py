@@ -208,7 +208,8 @@ def test_bad_input_is_answered_per_the_table_and_the_server_keeps_serving(
         ({"json": good | {"height": 0}}, 422, "bad_request"),
         ({"json": good | {"pixels": "not base64!"}}, 422, "bad_request"),
         ({"json": good | {"pixels": good["pixels"][:-8]}}, 422, "bad_request"),
-        ({"json": good | {"mm_hash": "0" * 32}}, 422, "bad_hash"),
+        ({"json": good | {"mm_hash": "0" * 32}}, 400, "bad_hash"),
+        ({"json": {"mm_hash": "photo-1"}}, 400, "bad_hash"),  # not a content key: no look-up
     ]
     seen: set[tuple[int, str]] = set()
     with httpx.Client(base_url=gateway.url, timeout=60.0) as client:

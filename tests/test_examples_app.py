@@ -3,7 +3,8 @@
 Hash first (409 for an image the gateway does not hold), preprocessing and the worker's checksum
 checked against the same computation done here, a second round served from the cache, an image
 too large to cache sent inline over the wire, concurrent requests for one new image preprocessed
-once, metrics; then a clean shutdown leaves nothing in /dev/shm and no worker behind.
+once, a claimed hash that does not name the pixels refused (400) and nothing cached, metrics;
+then a clean shutdown leaves nothing in /dev/shm and no worker behind.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+
+from aioshmcache import tenant_key
 
 from .conftest import RUN_PREFIX, SHM
 from .helpers import gone, wait_until
@@ -135,9 +138,24 @@ def test_fastapi_example_under_uvicorn(tmp_path: Path) -> None:
             assert all(ans["crc32"] == _expected_crc(d) for ans in answers)
             assert all(ans["transport"] == "shm" for ans in answers)
 
-            # a hash that does not match the pixels is refused, not cached
-            bad = _body(_image(5, 8, 8), with_pixels=True) | {"mm_hash": "0" * 32}
-            assert client.post("/v1/embed", json=bad).status_code == 422
+            # a hash is a claim: one that does not name the pixels is refused (400), not cached;
+            # one that is not a content key looks nothing up; each image keeps its own answer
+            e = _image(5, 8, 8)
+            refused = [
+                _body(e, with_pixels=True) | {"mm_hash": "0" * 32},
+                _body(e, with_pixels=True) | {"mm_hash": _body(a, with_pixels=False)["mm_hash"]},
+                _body(b, with_pixels=True) | {"mm_hash": _body(a, with_pixels=False)["mm_hash"]},
+                {"mm_hash": "photo-1"},
+                {"mm_hash": tenant_key("photo-1", tenant="anyone")},
+            ]
+            for bad in refused:
+                r = client.post("/v1/embed", json=bad)
+                assert (r.status_code, r.json()["error"]) == (400, "bad_hash"), r.text
+            for img in (a, b):
+                ans = client.post("/v1/embed", json=_body(img, with_pixels=False)).json()
+                assert ans["crc32"] == _expected_crc(img) and not ans["preprocessed"]
+            r = client.post("/v1/embed", json=_body(e, with_pixels=False))
+            assert r.status_code == 409, "a refused claim cached nothing"
 
             stats = client.get("/stats").json()
             flight = stats["single_flight"]

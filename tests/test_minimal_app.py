@@ -2,7 +2,9 @@
 
 Two gateway processes (each the writer of its own shard of one cache group), one engine worker
 that a gateway started for the whole group, raw image bytes in, the CRC-32 of the tensor as the
-worker read it out, checked against the same computation here; bad input answered 413 / 400;
+worker read it out, checked against the same computation here; a client's ``X-MM-Hash`` never
+gives one body another's answer (a claim that does not name the body: 400, nothing cached); bad
+input answered 413 / 400;
 after shutdown nothing of the group is left (segments, semaphores, socket, engine worker).
 """
 
@@ -28,6 +30,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from aioshmcache import content_key
 from aioshmcache._flight import marker_directory
 from aioshmcache.channel import _lock_held
 
@@ -134,9 +137,21 @@ def test_minimal_app_under_uvicorn_workers_2(tmp_path: Path) -> None:
             for body in bursts:
                 for r in pool.map(lambda b: _post(url, b), [body] * 6):
                     assert r.status_code == 200 and r.json() == {"crc32": expected_crc(body)}
-        r = _post(url, bodies[0], {"X-MM-Hash": "photo-1"})
-        assert r.status_code == 200 and r.json() == {"crc32": expected_crc(bodies[0])}
-        distinct = 1 + len(bodies) + len(bursts) + 1  # "ping", the images, "photo-1"
+        # X-MM-Hash is a claim checked against the body: another body under it is refused,
+        # and caches nothing; no header, or the right one, gives each body its own answer
+        a, b = (rng.integers(0, 256, 3000, dtype=np.uint8).tobytes() for _ in range(2))
+        for body, claim in ((a, "photo-1"), (b, "photo-1"), (a, content_key(b)), (b, "h" * 129)):
+            r = _post(url, body, {"X-MM-Hash": claim})
+            assert r.status_code == 400 and r.json()["error"] == "KeyMismatchError", r.text
+        r = _post(url, a, {"X-MM-Hash": content_key(a)})
+        assert r.status_code == 200 and r.json() == {"crc32": expected_crc(a)}
+        for body, claim in ((b, content_key(a)), (b, None), (a, None), (b, content_key(b))):
+            r = _post(url, body, {"X-MM-Hash": claim} if claim else None)
+            if claim == content_key(a):
+                assert r.status_code == 400, r.text
+            else:
+                assert r.status_code == 200 and r.json() == {"crc32": expected_crc(body)}
+        distinct = 1 + len(bodies) + len(bursts) + 2  # "ping", the images, a and b
 
         # a scrape of either process shows both shards (read from shared memory); the
         # single-flight series (process-local) tell which process answered
@@ -154,7 +169,6 @@ def test_minimal_app_under_uvicorn_workers_2(tmp_path: Path) -> None:
         assert sorted(answered) == [f"aioshm-{group}.shard0", f"aioshm-{group}.shard1"]
         assert sum(answered.values()) == distinct, answered  # no preprocessing done twice
 
-        assert _post(url, b"x", {"X-MM-Hash": "h" * 129}).status_code == 400
         assert _post(url, bytes(8 << 20) + b"x").status_code == 413
 
         server.send_signal(signal.SIGINT)

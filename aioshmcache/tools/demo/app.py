@@ -20,7 +20,6 @@ import base64
 import binascii
 import contextlib
 import functools
-import hashlib
 import os
 import signal
 import tempfile
@@ -41,7 +40,10 @@ from aioshmcache import (
     CacheMissError,
     FeatureSpec,
     GroupReceiverCache,
+    KeyMismatchError,
     ShmRef,
+    content_key,
+    lookup_key,
 )
 from aioshmcache.channel import EngineClient, serve_engine
 from aioshmcache.errors import EngineError
@@ -61,11 +63,11 @@ STD = np.array([0.229, 0.224, 0.225], np.float32).reshape(3, 1, 1)
 
 
 def image_hash(pixels: bytes, height: int, width: int) -> str:
-    """The ``mm_hash`` of an image: BLAKE2b-128 of its size and RGB bytes, in hex."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"{height}x{width}:".encode())
-    h.update(pixels)
-    return h.hexdigest()
+    """The ``mm_hash`` of an image: the content key of its RGB bytes, in its size's namespace.
+
+    The size is what, beyond the bytes, decides the tensor (2x6 and 3x4 pixels may share bytes).
+    """
+    return content_key(pixels, namespace=f"rgb:{height}x{width}")
 
 
 def preprocess(pixels: bytes, height: int, width: int) -> dict[str, Any]:
@@ -145,7 +147,7 @@ BAD_INPUT: tuple[tuple[int, str, str], ...] = (
     (415, "unsupported_media_type", "a Content-Type other than application/json"),
     (400, "bad_json", "a body that is not JSON"),
     (422, "bad_request", "JSON that does not validate: fields, base64, size, a lone dimension"),
-    (422, "bad_hash", "an mm_hash that is not the image_hash of the pixels sent"),
+    (400, "bad_hash", "an mm_hash that is not a content key, or not the image_hash of the pixels"),
 )
 
 
@@ -227,8 +229,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 app = FastAPI(title="aioshmcache example gateway", lifespan=lifespan)
 
 
-def _decode(body: EmbedRequest) -> tuple[bytes, int, int] | JSONResponse:
-    """The pixels of a request that carries them, checked against its hash and size."""
+def _decode(body: EmbedRequest) -> tuple[str, bytes, int, int] | JSONResponse:
+    """The key and pixels of a request that carries them, checked against its hash and size."""
     if body.height is None or body.width is None or body.pixels is None:
         return _error(422, "bad_request", "pixels need height and width")
     h, w = body.height, body.width
@@ -240,9 +242,11 @@ def _decode(body: EmbedRequest) -> tuple[bytes, int, int] | JSONResponse:
         return _error(422, "bad_request", "pixels are not base64")
     if len(pixels) != h * w * 3:
         return _error(422, "bad_request", f"expected {h * w * 3} bytes of RGB, got {len(pixels)}")
-    if image_hash(pixels, h, w) != body.mm_hash:  # never cache data under someone else's hash
-        return _error(422, "bad_hash", "mm_hash does not match the pixels")
-    return pixels, h, w
+    try:  # the key is the server's; the client's hash is a claim: never cache under a wrong one
+        key = content_key(pixels, namespace=f"rgb:{h}x{w}", claimed=body.mm_hash)
+    except KeyMismatchError:
+        return _error(400, "bad_hash", "mm_hash is not the image_hash of the pixels")
+    return key, pixels, h, w
 
 
 @app.post("/v1/embed", response_model=None)
@@ -259,23 +263,28 @@ async def embed(request: Request) -> dict[str, Any] | JSONResponse:
         decoded = _decode(body)
         if isinstance(decoded, JSONResponse):
             return decoded
-        image = decoded
-    elif not (use_cache and cache.is_cached_item(body.mm_hash)):
-        return _cache_miss([body.mm_hash])  # asked before any work: 409, the client resends
+        key, image = decoded[0], decoded[1:]
+    else:  # the hash alone: only ever a look-up of an item this server keyed by content
+        try:
+            key = lookup_key(body.mm_hash)
+        except KeyMismatchError:
+            return _error(400, "bad_hash", "mm_hash is not a content key")
+        if not (use_cache and cache.is_cached_item(key)):
+            return _cache_miss([body.mm_hash])  # asked before any work: 409, the client resends
     ran = False
 
     def make() -> Any:  # runs in a worker thread, once per hash among concurrent requests
         nonlocal ran
         if image is None:  # the hash alone, evicted since the look-up: the client must resend
-            raise CacheMissError([body.mm_hash])
+            raise CacheMissError([key])
         ran = True
         return preprocess(*image)
 
     try:
         if use_cache:
-            feature = await cache.get_or_put(body.mm_hash, make)
+            feature = await cache.get_or_put(key, make)
         else:  # the baseline: preprocessed every time, the tensors sent over the socket
-            feature = FeatureSpec(body.mm_hash, await asyncio.to_thread(make))
+            feature = FeatureSpec(key, await asyncio.to_thread(make))
         answer = await engine.call([feature], timeout=ENGINE_TIMEOUT)
     except CacheMissError as exc:  # evicted since the look-up, or stale references: resend
         return _cache_miss(list(exc.mm_hashes))
