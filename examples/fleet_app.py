@@ -4,11 +4,15 @@
 
 Each *host* here is a process with its own shared-memory cache (as a gateway on its own
 machine would be) and a ``RedisTier`` on the same Redis, URL, ``secret`` and ``prefix``. All
-hosts receive the same images at the same moment; each asks ``get_or_put(mm_hash, preprocess)``.
+hosts receive the same images at the same moment; each asks ``get_or_put(key, preprocess)``.
 The first host to miss claims the image in Redis and preprocesses it; the others wait for its
 value instead of preprocessing it too, put it into their own shared memory, and hand out
 references as usual. The output is one JSON line per host and a summary: every image is
 preprocessed once in the whole fleet (exit status 0), not once per host.
+
+The key is the server's (:func:`embed`): ``content_key(image)``, the SHA-256 of the bytes it
+preprocesses. A hash a client sends is only a claim, checked against the bytes, so no client can
+put its bytes under another image's key, in this host's memory or in Redis for the whole fleet.
 
 Without ``--redis`` the example starts a private ``redis-server`` on a free port (if one is
 installed) and stops it at the end. The ``secret`` signs every value in Redis: take it from
@@ -21,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -36,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from aioshmcache import AsyncSenderCache, CacheConfig, ReceiverCache
+from aioshmcache import AsyncSenderCache, CacheConfig, FeatureSpec, ReceiverCache, content_key
 from aioshmcache.tier import RedisTier
 
 
@@ -53,6 +56,28 @@ def preprocess(raw: bytes) -> dict[str, Any]:
         "pixel_values": pixels.transpose(2, 0, 1).copy(),
         "image_grid_thw": np.array([1, 16, 16]),
     }
+
+
+async def embed(
+    cache: AsyncSenderCache,
+    raw: bytes,
+    *,
+    claimed: str | None = None,
+    made: list[str] | None = None,
+) -> FeatureSpec:
+    """One request: the image's feature, keyed by its bytes (``claimed``: a client's hash).
+
+    A ``claimed`` hash that does not name ``raw`` raises ``KeyMismatchError`` before anything
+    is looked up or cached (answer it with a 400). ``made`` collects the keys preprocessed here.
+    """
+    mm_hash = content_key(raw, claimed=claimed)
+
+    def make() -> dict[str, Any]:
+        if made is not None:
+            made.append(mm_hash)
+        return preprocess(raw)
+
+    return await cache.get_or_put(mm_hash, make)
 
 
 async def serve_host(host: int, opts: dict[str, Any], images: int, start: Any) -> dict[str, Any]:
@@ -73,13 +98,7 @@ async def serve_host(host: int, opts: dict[str, Any], images: int, start: Any) -
 
             async def request(k: int) -> None:
                 raw = image_bytes(k)
-                mm_hash = hashlib.blake2b(raw, digest_size=16).hexdigest()
-
-                def make() -> dict[str, Any]:
-                    preprocessed.append(mm_hash)
-                    return preprocess(raw)
-
-                feature = await cache.get_or_put(mm_hash, make)
+                feature = await embed(cache, raw, made=preprocessed)
                 [item] = engine.get_and_update_features([feature])  # what the engine reads
                 first = np.frombuffer(raw, np.uint8)[0] / np.float32(255.0)
                 if item.data["pixel_values"][0, 0, 0] != first:

@@ -4,28 +4,42 @@
 the three kinds of key, accepts the buffer types it names and refuses the rest with
 ``TypeError``; a claim that does not name its body raises ``KeyMismatchError`` and the safe flow
 caches nothing; ``lookup_key`` reaches only content keys and scopes a look-up to its namespace.
+Through the fleet tier (a real ``redis-server``), the fleet example's request never gives one
+body another's answer.
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import redis.asyncio as aioredis
 from hypothesis import given
 from hypothesis import strategies as st
 
 import aioshmcache
 from aioshmcache import (
     AsyncSenderCache,
+    CacheConfig,
     KeyMismatchError,
+    ReceiverCache,
     ShmCacheError,
     content_key,
     lookup_key,
     tenant_key,
 )
 from aioshmcache.keys import NS_TAG
+from aioshmcache.tier import RedisTier
+from aioshmcache.tools.redis_server import RedisServer, redis_binaries
+
+from . import _tier_hosts as hosts
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_content_key_is_the_published_sha256_digest() -> None:
@@ -179,3 +193,64 @@ async def test_a_mismatched_claim_caches_nothing(make_config: Any) -> None:
             await embed(cache, b, content_key(a))
         assert made == [a] and not cache.is_cached_item(content_key(b))
         assert cache.is_cached([content_key(a), content_key(b)]) == [True, False]
+
+
+# --- through the fleet tier: the fleet example's request against a real redis-server ----------
+
+
+def _fleet_app() -> Any:
+    """examples/fleet_app.py, imported (it is a script, not a module of the package)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import fleet_app
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    return fleet_app
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(redis_binaries() is None, reason="redis-server is not installed")
+async def test_through_the_tier_a_body_never_gets_another_s_answer(shm_name: str) -> None:
+    """Host ``a`` puts image A (in its memory and in Redis); on host ``b`` a client sends B's
+    bytes claiming A's key: refused before any look-up, nothing cached, Redis untouched; B
+    without a claim gets B's tensor and A gets A's, on both hosts."""
+    fleet = _fleet_app()
+    img_a, img_b = fleet.image_bytes(1), fleet.image_bytes(2)
+    made: list[str] = []
+    with RedisServer() as server:
+        client = aioredis.Redis.from_url(server.url)
+        ta, tb = (RedisTier(server.url, **hosts.tier_options(server.url)) for _ in "ab")
+        config = CacheConfig(16 << 20, 4 << 20, 1, name=shm_name)
+        try:
+            async with (
+                AsyncSenderCache.from_config(config, tier=ta) as a,
+                AsyncSenderCache.from_config(replace(config, name=shm_name + "b"), tier=tb) as b,
+            ):
+                with ReceiverCache.attach(a.handle()) as ra, ReceiverCache.attach(b.handle()) as rb:
+
+                    async def ask(host: AsyncSenderCache, rx: ReceiverCache, **kw: Any) -> Any:
+                        [got] = rx.get_and_update_features([await fleet.embed(host, **kw)])
+                        return got.data["pixel_values"]
+
+                    def tensor(raw: bytes) -> Any:
+                        return fleet.preprocess(raw)["pixel_values"]
+
+                    key_a = content_key(img_a)
+                    np.testing.assert_array_equal(
+                        await ask(a, ra, raw=img_a, claimed=key_a, made=made), tensor(img_a)
+                    )
+                    assert await ta.flush(30)
+                    in_redis, looked_up = await client.dbsize(), tb.stats().lookups
+                    assert in_redis >= 1
+                    for claim in (key_a, "photo-1"):
+                        with pytest.raises(KeyMismatchError):
+                            await ask(b, rb, raw=img_b, claimed=claim, made=made)
+                    assert made == [key_a] and b.snapshot().items == 0
+                    assert not b.is_cached_item(key_a) and tb.stats().lookups == looked_up
+                    assert await tb.flush(30) and await client.dbsize() == in_redis
+                    for host, rx in ((b, rb), (a, ra)):
+                        for raw in (img_b, img_a):
+                            got = await ask(host, rx, raw=raw, claimed=content_key(raw))
+                            np.testing.assert_array_equal(got, tensor(raw))
+        finally:
+            await client.aclose()
