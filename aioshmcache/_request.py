@@ -232,7 +232,8 @@ class SenderBook:
 
 
 _LOG_LINES: Final = {
-    "too_large": "item %s (%d bytes) exceeds max_object_bytes=%d: serving inline, not cached",
+    "too_large": "item %s (%d bytes) exceeds max_object_bytes=%d: never cached, so every "
+    "request for it is preprocessed and sent inline again",
     "full": "cache full (oldest items still owed to readers): serving %s inline",
 }
 
