@@ -24,13 +24,14 @@ import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from aioshmcache import content_key
+from aioshmcache import AsyncSenderCache, FeatureSpec, ReceiverCache, content_key
 from aioshmcache._flight import marker_directory
 from aioshmcache.channel import _lock_held
 
@@ -72,6 +73,53 @@ def test_minimal_app_is_one_screen() -> None:
 
 def expected_crc(body: bytes) -> int:
     return zlib.crc32((np.frombuffer(body, np.uint8).astype(np.float32) / 255.0).tobytes())
+
+
+def _minimal_app() -> Any:
+    sys.path.insert(0, str(APP.parent))
+    try:
+        import minimal_app
+    finally:
+        sys.path.remove(str(APP.parent))
+    return minimal_app
+
+
+async def test_the_app_keys_each_body_itself_and_a_header_is_only_a_claim(
+    make_config: Any,
+) -> None:
+    """In process (the fast twin of the uvicorn test): the app's route, a real cache, and an
+    engine stand-in that reads each reference from shared memory and runs the app's handler."""
+    example = _minimal_app()
+
+    class ReadingEngine:
+        def __init__(self, rx: ReceiverCache) -> None:
+            self.rx = rx
+
+        async def call(self, features: list[FeatureSpec], **kw: Any) -> Any:
+            return await example.embed_in_engine(self.rx.get_and_update_features(features), None)
+
+    a, b = b"README.md " * 300, b"pyproject.toml " * 200
+    async with AsyncSenderCache.from_config(make_config(1 << 20, 256 << 10, 1)) as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+            example.app.state.cache, example.app.state.engine = cache, ReadingEngine(rx)
+            transport = httpx.ASGITransport(app=example.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+
+                async def post(body: bytes, claim: str | None = None) -> httpx.Response:
+                    headers = {"X-MM-Hash": claim} if claim else {}
+                    return await client.post("/embed", content=body, headers=headers)
+
+                for body, claim in ((a, "photo-1"), (b, "photo-1"), (b, content_key(a))):
+                    r = await post(body, claim)
+                    assert r.status_code == 400 and r.json()["error"] == "KeyMismatchError"
+                assert cache.snapshot().items == 0  # a refused claim cached nothing
+                assert (await post(a, content_key(a))).json() == {"crc32": expected_crc(a)}
+                assert (await post(b, content_key(a))).status_code == 400  # a is cached now
+                assert not cache.is_cached_item(content_key(b))
+                for body in (b, a, b):
+                    assert (await post(body)).json() == {"crc32": expected_crc(body)}
+                assert cache.is_cached([content_key(a), content_key(b)]) == [True, True]
+                assert cache.snapshot().items == 2
 
 
 def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> httpx.Response:
