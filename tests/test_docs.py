@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import pydoc
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,40 @@ def test_readme_is_short_and_keeps_the_two_commands() -> None:
     assert f"    {test_command}\n" in text  # the test command exactly as CI runs it
     assert "python -m aioshmcache demo" in text
     assert "## More than one host" in text and "docs/fleet.md" in text
+
+
+def _extras(name: str, extras: dict[str, list[str]]) -> set[str]:
+    """The requirements of extra ``name``, with the extras it names resolved."""
+    out: set[str] = set()
+    for req in extras[name]:
+        if req.startswith("aioshmcache["):
+            for inner in req[len("aioshmcache[") : -1].split(","):
+                out |= _extras(inner, extras)
+        else:
+            out.add(req)
+    return out
+
+
+def test_the_readme_install_has_no_torch_and_ci_installs_it_for_the_torch_tests() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert not [r for r in _extras("test", extras) if r.startswith("torch")]
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    first = next(i for i, ln in enumerate(ci) if ln.startswith("python3 -m venv"))
+    assert "torch" not in ci[first]
+    torch_install = next(i for i, ln in enumerate(ci) if "pip install" in ln and "torch" in ln)
+    marked_run = next(i for i, ln in enumerate(ci) if "pytest -q -m" in ln)
+    assert first < torch_install < marked_run
+
+
+def test_ci_s_second_step_runs_every_marker_the_default_run_leaves_out() -> None:
+    options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]
+    addopts = options["ini_options"]["addopts"]
+    left_out = set(re.findall(r"\bnot (\w+)", addopts[addopts.index("-m") + 1]))
+    ci = (ROOT / ".ci" / "run").read_text()
+    second = re.search(r'pytest -q -m "([^"]+)"', ci)
+    assert second is not None
+    selected = set(second.group(1).split(" or "))
+    declared = {m.split(":")[0] for m in options["ini_options"]["markers"]}
+    assert left_out == selected and selected <= declared
+    assert "torch" in selected
