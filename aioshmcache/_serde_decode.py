@@ -258,7 +258,7 @@ def _import_torch() -> Any:
     except ImportError as exc:
         raise SerdeError(
             "this value holds a torch tensor, but torch is not importable here; "
-            "install torch (pip install 'aioshmcache[torch]') to read it"
+            "install torch (pip install -e '.[torch]' in a clone of aioshmcache) to read it"
         ) from exc
     return torch
 

@@ -1,6 +1,6 @@
 """Layer 5: the object store of one segment, one object per role.
 
-``ShmObjectStore`` is the public name (DESIGN.md): :meth:`ShmObjectStore.create` makes a segment
+``ShmObjectStore`` is the package's public name: :meth:`ShmObjectStore.create` makes a segment
 and returns its **writer**, a :class:`StoreWriter`; :meth:`ShmObjectStore.from_handle` attaches
 a **reader**, a ``StoreReader`` (``_store_reader``). Both are ``ShmObjectStore``s: the base holds
 what the two roles share (the mapped segment, its ring and reader table, the read path's checks

@@ -566,7 +566,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         return self.sender.touch_sender_cache_item(mm_hash)
 
     async def touch(self, mm_hash: str) -> bool:
-        """``touch_sender_cache_item`` by the short name both faces share (DESIGN §5).
+        """``touch_sender_cache_item`` by the short name both faces share.
 
         Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
         """
@@ -586,7 +586,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         self.sender.clear_cache()
 
     async def clear(self) -> None:
-        """``clear_cache`` by the short name both faces share (DESIGN §5).
+        """``clear_cache`` by the short name both faces share.
 
         Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
         """
@@ -724,7 +724,7 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
         self.receiver.touch_receiver_cache_item(mm_hash, mm_item)
 
     async def touch(self, mm_hash: str, mm_item: Any = None) -> None:
-        """``touch_receiver_cache_item`` by the short name both faces share (DESIGN §5).
+        """``touch_receiver_cache_item`` by the short name both faces share.
 
         Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
         """
@@ -735,7 +735,7 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
         self.receiver.clear_cache()
 
     async def clear(self) -> None:
-        """``clear_cache`` by the short name both faces share (DESIGN §5).
+        """``clear_cache`` by the short name both faces share.
 
         Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
         """

@@ -318,7 +318,7 @@ class SenderCache(_Cache):
             return self.store.touch(check_hash(mm_hash))
 
     def touch(self, mm_hash: str) -> bool:
-        """``touch_sender_cache_item`` by the short name both faces share (DESIGN §5).
+        """``touch_sender_cache_item`` by the short name both faces share.
 
         Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
         """
@@ -357,7 +357,7 @@ class SenderCache(_Cache):
             self._too_large.clear()
 
     def clear(self) -> None:
-        """``clear_cache`` by the short name both faces share (DESIGN §5).
+        """``clear_cache`` by the short name both faces share.
 
         Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
         """
@@ -465,7 +465,7 @@ class _Reader(_Counted):
         return self._request([FeatureSpec(mm_hash, mm_item)], copy_inline_below=copy_inline_below)
 
     def touch(self, mm_hash: str, mm_item: Any = None) -> None:
-        """``touch_receiver_cache_item`` by the short name both faces share (DESIGN §5).
+        """``touch_receiver_cache_item`` by the short name both faces share.
 
         Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
         """
@@ -489,7 +489,7 @@ class _Reader(_Counted):
         self._last_delta = CacheInfo(0, 0)
 
     def clear(self) -> None:
-        """``clear_cache`` by the short name both faces share (DESIGN §5).
+        """``clear_cache`` by the short name both faces share.
 
         Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
         """

@@ -96,7 +96,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised in a test with the import blocked
     raise ImportError(
         "aioshmcache.metrics needs prometheus_client, which comes with the 'metrics' extra: "
-        "pip install 'aioshmcache[metrics]'"
+        "pip install -e '.[metrics]' in a clone of aioshmcache"
     ) from exc
 
 from ._group import list_shards

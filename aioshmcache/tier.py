@@ -158,7 +158,7 @@ def _import_redis() -> Any:
     except ImportError as exc:
         raise ImportError(
             "aioshmcache.tier.RedisTier needs the redis client, which comes with the 'fleet' "
-            "extra: pip install 'aioshmcache[fleet]'"
+            "extra: pip install -e '.[fleet]' in a clone of aioshmcache"
         ) from exc
     return redis.asyncio
 

@@ -17,8 +17,8 @@ put its bytes under another image's key, in this host's memory or in Redis for t
 Without ``--redis`` the example starts a private ``redis-server`` on a free port (if one is
 installed) and stops it at the end. The ``secret`` signs every value in Redis: take it from
 ``AIOSHM_TIER_SECRET`` (every host of a fleet must use the same one; here a random one is made
-and handed to the hosts when unset). Needs the ``fleet`` extra: ``pip install
-'aioshmcache[fleet]'``. See docs/fleet.md.
+and handed to the hosts when unset). Needs the ``fleet`` extra: ``pip install -e
+'.[fleet]'`` in a clone of the repository. See docs/fleet.md.
 """
 
 from __future__ import annotations

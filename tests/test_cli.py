@@ -187,5 +187,5 @@ def test_demo_without_the_examples_extra_says_how_to_install_it() -> None:
         )
         assert out.returncode == 1, out.stderr
         assert "Traceback" not in out.stderr and "ModuleNotFoundError" not in out.stderr
-        assert "pip install 'aioshmcache[examples]'" in out.stderr
+        assert "pip install -e '.[examples]' in a clone of aioshmcache" in out.stderr
         assert f"{blocked} is not installed" in out.stderr, out.stderr

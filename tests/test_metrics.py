@@ -195,5 +195,5 @@ def test_import_without_prometheus_client_names_the_extra(monkeypatch: pytest.Mo
         monkeypatch.setitem(sys.modules, mod, None)
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     monkeypatch.delitem(sys.modules, "aioshmcache.metrics")
-    with pytest.raises(ImportError, match=r"pip install 'aioshmcache\[metrics\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[metrics\]' in a clone"):
         importlib.import_module("aioshmcache.metrics")

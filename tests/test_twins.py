@@ -39,7 +39,7 @@ from .conftest import RUN_PREFIX
 
 #: names only the sync face has, and why
 SYNC_ONLY = {
-    "close": "the async face's is aclose (STYLE: the one name that differs between twins)",
+    "close": "the async face's is aclose (the one name that differs between twins)",
     "store": "the store's calls block: from a loop reach it as .sender.store / .receiver.store",
 }
 #: names only the async face has, and why
@@ -249,7 +249,7 @@ def test_one_threshold_for_a_copy_under_the_writer_lock(make_config: Any) -> Non
 # --- no public method returns a private type --------------------------------------------------
 
 #: public methods of the lower layers (``ShmObjectStore`` and its two roles, ``ShmRingBuffer``:
-#: DESIGN.md section 2, the layers the caches are built on) that hand out their private building
+#: the layers the caches are built on, docs/design.md) that hand out their private building
 #: blocks, and why. Empty: the caches' own steps (a put's reservation, a request's pins, the
 #: reader's slot) are private methods (issue 23 item 4).
 PRIVATE_RETURNS: dict[str, str] = {}

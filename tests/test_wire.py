@@ -154,6 +154,7 @@ def test_empty_request() -> None:
     assert unpack_features(pack_features([])) == []
 
 
+@pytest.mark.torch
 def test_torch_bfloat16_round_trips() -> None:
     torch = pytest.importorskip("torch")
     t = torch.tensor([[1.0, -2.5], [0.125, 3.0]], dtype=torch.bfloat16)

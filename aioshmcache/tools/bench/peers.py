@@ -59,7 +59,7 @@ def redis_missing(extra: str) -> str | None:
     if redis_binaries() is None:
         return "redis-server is not installed (apt-get install redis-server)"
     if importlib.util.find_spec("redis") is None:
-        return f"the redis client is not installed (pip install 'aioshmcache[{extra}]')"
+        return f"the redis client is not installed (pip install -e '.[{extra}]' in a clone)"
     return None
 
 

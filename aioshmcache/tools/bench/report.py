@@ -284,7 +284,7 @@ def plot(report: Report, path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        report.skip("plot: matplotlib is not installed (pip install 'aioshmcache[bench]')")
+        report.skip("plot: matplotlib is not installed (pip install -e '.[bench]' in a clone)")
         return False
     finite = [r for r in report.rows if r.plot in _PANELS and math.isfinite(r.value)]
     panels = {k: rows for k in _PANELS if (rows := [r for r in finite if r.plot == k])}

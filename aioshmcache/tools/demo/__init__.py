@@ -26,7 +26,7 @@ __all__ = ["INSTALL_HINT", "DemoOptions", "ServeOptions", "main", "serve"]
 
 #: what each subcommand imports, of the ``examples`` extra (import name = distribution name)
 _NEEDS: Final = {"run": ("httpx", "fastapi", "uvicorn", "uvloop"), "serve": ("fastapi", "uvicorn")}
-INSTALL_HINT: Final = "pip install 'aioshmcache[examples]'"
+INSTALL_HINT: Final = "pip install -e '.[examples]' in a clone of aioshmcache"
 
 
 def main(argv: list[str]) -> int:

@@ -1,6 +1,6 @@
 """``python -m aioshmcache stress``: an async stress and fault-injection harness.
 
-It proves the guarantees of DESIGN.md section 6 under load and faults: no wrong data, no hang,
+It proves the guarantees of docs/guarantees.md under load and faults: no wrong data, no hang,
 nothing lost (the cache drains), nothing left behind. The parent (:mod:`.parent`) starts writer
 (:mod:`.writer`) and reader (:mod:`.reader`) processes, routes their messages (:mod:`.child`),
 injects the faults (:data:`.options.FAULTS`) and checks the end state; items (:mod:`.workload`)

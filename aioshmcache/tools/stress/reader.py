@@ -37,7 +37,7 @@ from .child import SABOTAGE_EVERY, Feature, Proc, guarded, request_features
 from .options import StressOptions
 from .workload import verify_item
 
-DEAD_WRITER_BOUND: Final = 1.0  # DESIGN 4: a reader learns of a dead writer within 1 s
+DEAD_WRITER_BOUND: Final = 1.0  # a reader learns of a dead writer within 1 s (docs/design.md)
 Msg = dict[str, Any]
 
 
