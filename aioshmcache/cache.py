@@ -117,16 +117,27 @@ def as_given(given: MmItem | None, sent: MmItem | None, out: MmItem) -> MmItem:
     return out if sent is given else (out[0], given[1])
 
 
-def kept_forms(mm_items: Sequence[MmItem | None]) -> list[MmItem | None]:
-    """``kept_form`` of each item, as a new list."""
-    return [kept_form(it) for it in mm_items]
+def kept_forms(mm_items: list[MmItem | None]) -> list[MmItem | None]:
+    """``kept_form`` of each item: ``mm_items`` itself when none changes (the usual case)."""
+    sent = mm_items
+    for i, it in enumerate(mm_items):
+        if type(it) is tuple and len(it) == 2 and type(it[1]) is list:
+            if sent is mm_items:
+                sent = list(mm_items)
+            sent[i] = (it[0], tuple(it[1]))
+    return sent
 
 
 def all_as_given(
-    given: Sequence[MmItem | None], sent: Sequence[MmItem | None], out: list[MmItem]
+    given: list[MmItem | None], sent: list[MmItem | None], out: list[MmItem]
 ) -> list[MmItem]:
-    """``as_given`` of each result (the lists as long as each other: the request checked)."""
-    return [as_given(g, s, o) for g, s, o in zip(given, sent, out)]
+    """``as_given`` of each result, in ``out`` (the request's own new list; the lengths match:
+    the request checked). Nothing to do when no item changed and none was a look-up."""
+    if sent is given and None not in given:
+        return out
+    for i, o in enumerate(out):
+        out[i] = as_given(given[i], sent[i], o)
+    return out
 
 
 class _Lease:
