@@ -186,6 +186,6 @@ def test_the_suite_runs_beside_a_store_loaded_from_a_file(tmp_path: Path) -> Non
         else:
             assert r.target is not None and (r.target.op, r.target.limit) == ("<=", c.goal)
     assert len(_finite_rows(report, S_TIMES)) == 2 * 8 + 2  # 8 subjects x 2 sizes, churn x 2
-    (heading, table), = [b for b in report.blocks if b[0].startswith(S_ISSUE)]
+    [(_, table)] = [b for b in report.blocks if b[0].startswith(S_ISSUE)]
     assert len(table) == 2 + len(run) and "ours ÷ theirs" in table[0]
     assert not [f for f in os.listdir("/dev/shm") if "vllm" in f and str(os.getpid()) in f]
