@@ -458,10 +458,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
     ) -> MmItem:
         """As ``SenderCache.get_and_update_item``; big copies and waits run in a thread."""
         sent = kept_form(mm_item)  # the prompt updates as the sender keeps them
-        tx = self._wrapped()  # ``self.sender._request(...)``, two calls shorter (``start``
-        req = SenderRequest(  # checks the owner)
-            tx.store,
-            tx._book,
+        req = self._wrapped()._request(  # ``self.sender``, one call shorter
             [sent],
             [mm_hash],
             wait_for_space=wait_for_space,
@@ -475,13 +472,8 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         self, features: Sequence[FeatureSpec], *, wait_for_space: float | None = None
     ) -> list[FeatureSpec]:
         """As ``SenderCache.get_and_update_features``; big copies and waits run in a thread."""
-        tx = self._wrapped()  # ``self.sender._features_request(...)``, two calls shorter
-        req = SenderRequest.for_features(
-            tx.store,
-            tx._book,
-            features,
-            wait_for_space=wait_for_space,
-            copy_inline_below=self.inline_threshold_bytes,
+        req = self._wrapped()._features_request(  # ``self.sender``, one call shorter
+            features, wait_for_space=wait_for_space, copy_inline_below=self.inline_threshold_bytes
         )
         out = self._send(req)
         return features_from(req.features, out if type(out) is list else await out)  # type: ignore[misc]
