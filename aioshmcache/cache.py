@@ -88,6 +88,58 @@ def _run_inline(request: ReadRequest) -> None:
         raise
 
 
+def kept_form(mm_item: MmItem | None) -> MmItem | None:
+    """``mm_item`` with a ``list`` of prompt updates as a ``tuple``: what the sender keeps.
+
+    The sender keeps each cached item's prompt updates until the item leaves. A list is a
+    container the garbage collector tracks for as long as it lives, and every full collection
+    walks each one: 200,000 cached items keeping the caller's ``[]`` made one ``gc.collect()``
+    take 40 ms, a stall of a put in the first lap. A tuple of atoms (str, int, ...) is untracked
+    by CPython at the first collection that sees it, and an empty one is the shared ``()``, so
+    entries keep no tracked object. (Updates that are themselves objects, such as vLLM's
+    ``ResolvedPromptUpdate``, stay tracked: they are the caller's.) Anything else is unchanged.
+    """
+    if type(mm_item) is tuple and len(mm_item) == 2 and type(mm_item[1]) is list:
+        return (mm_item[0], tuple(mm_item[1]))
+    return mm_item
+
+
+def as_given(given: MmItem | None, sent: MmItem | None, out: MmItem) -> MmItem:
+    """A request's result for ``given`` (sent as ``sent = kept_form(given)``), as the caller
+    passed it: an item served inline is ``given`` itself, a put or a hit of a given item carries
+    the caller's own updates, and a look-up (``given`` is None) the kept ones as a new list, the
+    type vLLM's callers pass (the features path gives tuples)."""
+    if out is sent:  # served inline
+        return given if given is not None else out
+    if given is None:
+        u = out[1]
+        return (out[0], list(u)) if type(u) is tuple else out
+    return out if sent is given else (out[0], given[1])
+
+
+def kept_forms(mm_items: list[MmItem | None]) -> list[MmItem | None]:
+    """``kept_form`` of each item: ``mm_items`` itself when none changes (the usual case)."""
+    sent = mm_items
+    for i, it in enumerate(mm_items):
+        if type(it) is tuple and len(it) == 2 and type(it[1]) is list:
+            if sent is mm_items:
+                sent = list(mm_items)
+            sent[i] = (it[0], tuple(it[1]))
+    return sent
+
+
+def all_as_given(
+    given: list[MmItem | None], sent: list[MmItem | None], out: list[MmItem]
+) -> list[MmItem]:
+    """``as_given`` of each result, in ``out`` (the request's own new list; the lengths match:
+    the request checked). Nothing to do when no item changed and none was a look-up."""
+    if sent is given and None not in given:
+        return out
+    for i, o in enumerate(out):
+        out[i] = as_given(given[i], sent[i], o)
+    return out
+
+
 class _Lease:
     """The context manager of ``ReceiverCache.lease`` (a class: a generator's costs ~1 us more).
 
@@ -280,11 +332,15 @@ class SenderCache(_Cache):
         """One item: a hit or a put gives ``(ShmRef, prompt_updates)``; else the input, inline.
 
         ``mm_item`` is ``(item, prompt_updates)`` or ``None`` (the caller believes it is cached:
-        ``CacheMissError`` if not).
+        ``CacheMissError`` if not). A given item comes back with the caller's own prompt
+        updates; a look-up (``None``) gives the kept ones, equal to those the item was put with,
+        as a new list (they are kept as a tuple, which the garbage collector need not track).
         """
-        return SenderRequest(  # ``get_and_update`` of one item, one call shorter
-            self.store, self._book, [mm_item], [mm_hash], wait_for_space=wait_for_space, _fresh=True
+        sent = kept_form(mm_item)
+        out = SenderRequest(  # ``get_and_update`` of one item, one call shorter
+            self.store, self._book, [sent], [mm_hash], wait_for_space=wait_for_space, _fresh=True
         ).run()[0]  # ``run`` checks the owner first (before the lock a forked child may hold)
+        return as_given(mm_item, sent, out)
 
     def get_and_update(
         self,
@@ -298,7 +354,10 @@ class SenderCache(_Cache):
         ``wait_for_space`` (seconds, default the config's) bounds the whole call. If anything
         raises, everything the call took is given back (hand-outs, allocations, pins).
         """
-        return self._request(mm_items, mm_hashes, wait_for_space=wait_for_space).run()
+        given = mm_items if type(mm_items) is list else list(mm_items)
+        sent = kept_forms(given)
+        out = self._request(sent, mm_hashes, wait_for_space=wait_for_space).run()
+        return all_as_given(given, sent, out)
 
     def get_and_update_features(
         self, features: Sequence[FeatureSpec], *, wait_for_space: float | None = None

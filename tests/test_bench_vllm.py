@@ -20,14 +20,16 @@ import pytest
 from aioshmcache.tools.bench.params import Params
 from aioshmcache.tools.bench.report import Report
 from aioshmcache.tools.bench.vllm import (
-    S_LIMIT,
-    S_VLLM,
+    ISSUE_CELLS,
+    S_ISSUE,
+    S_TIMES,
     _TensorDecoder,
     _TensorEncoder,
     load_vllm_store,
     run_vllm_suite,
 )
 from aioshmcache.tools.progress import Progress
+from aioshmcache.tools.units import fmt_bytes
 
 pytestmark = pytest.mark.bench
 
@@ -159,14 +161,31 @@ def test_no_vllm_and_no_file_is_a_skip_line() -> None:
 
 @pytest.mark.slow
 def test_the_suite_runs_beside_a_store_loaded_from_a_file(tmp_path: Path) -> None:
-    """Every cell, ours and the peer's, reports a finite time and ratio; nothing is left."""
+    """Every cell of the issue's table for the sizes run, and every subject's time, reports a
+    finite figure; each ratio is ours ÷ theirs and each goal a ``ratio <=`` target; nothing is
+    left in /dev/shm."""
     given = os.environ.get("AIOSHM_VLLM_FILE")
     path = Path(given) if given else tmp_path / "shm_object_storage.py"
     if not given:
         path.write_text(STAND_IN)
+    p = replace(Params.smoke(), vllm_file=path)
     report = Report("t", quick=True)
-    run_vllm_suite(replace(Params.smoke(), vllm_file=path), report, Progress(enabled=False))
+    run_vllm_suite(p, report, Progress(enabled=False))
     assert not report.skipped and not report.errors
-    assert len(_finite_rows(report, S_VLLM)) == 2 * (4 + 2) + 2  # 2 sizes x 6 rows + churn
-    assert len(_finite_rows(report, S_LIMIT)) == 2 * (6 + 2)  # 6 subjects, 2 baselines
+    run = [c for c in ISSUE_CELLS if c.size in (*p.vllm_sizes, 0)]  # 0: the churn cell
+    rows = {r.label: r for r in report.rows if r.section == S_ISSUE}
+    assert list(rows) == [c.what for c in run]
+    _finite_rows(report, S_ISSUE)
+    times = {(t.param, t.label): t.value for t in report.rows if t.section == S_TIMES}
+    for c in run:
+        r, param = rows[c.what], fmt_bytes(c.size) if c.size else "churn, 1 MiB"
+        ours, theirs = times[param, c.ours], times[param, c.theirs]
+        assert r.value == ours and r.ratio is not None and math.isclose(r.ratio, ours / theirs)
+        if c.goal is None:
+            assert r.target is None
+        else:
+            assert r.target is not None and (r.target.op, r.target.limit) == ("<=", c.goal)
+    assert len(_finite_rows(report, S_TIMES)) == 2 * 8 + 2  # 8 subjects x 2 sizes, churn x 2
+    [(_, table)] = [b for b in report.blocks if b[0].startswith(S_ISSUE)]
+    assert len(table) == 2 + len(run) and "ours ÷ theirs" in table[0]
     assert not [f for f in os.listdir("/dev/shm") if "vllm" in f and str(os.getpid()) in f]

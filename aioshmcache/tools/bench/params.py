@@ -63,7 +63,7 @@ class Params:
     trace_sizes: tuple[int, int] = (512 * K, 8 * M)
     trace_seeds: int = 5
     trace_scale: int = 4
-    vllm_rounds: int = 9  # vllm: interleaved rounds, item sizes, items per churn round
+    vllm_rounds: int = 15  # vllm: interleaved rounds, item sizes, items per churn round
     vllm_sizes: tuple[int, ...] = (1 * K, 64 * K, 1 * M, 16 * M)
     vllm_churn: int = 64
 

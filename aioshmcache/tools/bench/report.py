@@ -184,7 +184,8 @@ class Report:
             "",
             "Every figure is the median over several runs of each run's median; 'run medians' "
             "is their range (the noise between runs); p99 is over all samples. ratio = baseline "
-            "time ÷ subject time (rates: subject ÷ baseline): above 1 the subject is faster.",
+            "time ÷ subject time (rates: subject ÷ baseline): above 1 the subject is faster — "
+            "except in a section whose title states the reverse (the vLLM suite: ours ÷ theirs).",
             "",
         ]
         targets = [
