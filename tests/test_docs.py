@@ -149,11 +149,12 @@ _FOLDERS = ("docs/", "tests/", "examples/", "bench/", "aioshmcache/", "../")
 
 
 def _counts(path: str, *, in_code: bool) -> bool:
-    """Whether a name found in prose is checked: in a page, a bare ``x.py`` may be another
-    project's file (vLLM's ``shm_object_storage.py``) or a module named in passing."""
+    """Whether a name found in prose is checked: in a page, a bare ``x.py`` (or one under a
+    folder this repository does not have) may be another project's file (vLLM's
+    ``vllm/.../shm_object_storage.py``) or a module named in passing."""
     if in_code:
         return path.startswith(_FOLDERS)
-    return "/" in path or path.endswith(".md") or path.startswith("test_")
+    return path.startswith(_FOLDERS) or path.endswith(".md") or path.startswith("test_")
 
 
 def _resolve(text: str, here: Path) -> list[Path]:
