@@ -11,9 +11,13 @@ Modules: ``aioshmcache.wire`` moves a request's features between processes (``pa
 ``unpack_features`` and length-prefixed frames); ``aioshmcache.channel`` is the gateway <->
 engine worker channel built on it (``EngineClient``, ``serve_engine``); ``aioshmcache.metrics``
 (the ``metrics`` extra, not imported here) exports caches and cache groups to Prometheus.
+
+``implementation()`` says which core runs the hot steps: ``"c"`` (the compiled extension) or
+``"python"`` (the pure-Python reference: no compiler at install time, or ``AIOSHM_PURE=1``).
 """
 
 from . import wire
+from ._core_api import implementation
 from ._ring import ShmRingBuffer
 from ._serde import EncodePlan, MsgpackSerde, Serde
 from ._store import ShmObjectStore, StoreWriter
@@ -111,6 +115,7 @@ __all__ = [
     "WireError",
     "WriterGoneError",
     "WrongRoleError",
+    "implementation",
     "sweep",
     "wire",
 ]
