@@ -14,7 +14,7 @@ from ._types import _M1, _M2, _M3, _M4
 from ._types import finish_tag as _finish_tag
 from ._types import tag_base as _tag_base
 
-__all__ = ["LAYOUT", "finish_tag", "tag_base"]
+__all__ = ["LAYOUT", "ReadCtx", "finish_tag", "read_item", "read_layout", "tag_base"]
 
 _U64: Final = (1 << 64) - 1
 
@@ -78,3 +78,7 @@ def tag_base(secret: int, epoch: int, address: int, cid: int, length: int, posit
 def finish_tag(base: int, seq: int) -> int:
     """The 64-bit tag of hand-out ``seq`` from its :func:`tag_base`."""
     return _finish_tag(_word(base), _word(seq))
+
+
+# --- the read section (``_core_read.c``): its reference is ``_core_read_py`` ---------------------
+from ._core_read_py import ReadCtx, read_item, read_layout  # noqa: E402

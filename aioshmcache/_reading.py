@@ -44,8 +44,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import posix_ipc
 
+from . import _core_api
+from ._core_read_py import dtype_table as _dtype_table
 from ._layout import (
     C_CHECK,
     C_ID,
@@ -56,7 +59,10 @@ from ._layout import (
     COMMITTED,
     H_EPOCH,
     H_HEAD_POS,
+    H_READER_OFF,
+    H_RING_OFF,
     H_SECRET,
+    H_SLOT_SIZE,
     H_STATE,
     H_WAITING,
     STATE_LIVE,
@@ -66,7 +72,7 @@ from ._layout import (
 from ._readers import ReaderSlot
 from ._ring import ShmRingBuffer
 from ._segment import Segment
-from ._serde import Serde
+from ._serde import MsgpackSerde, Serde
 from ._types import _M1, _M2, _M3, _M4, _U64, ShmRef, finish_tag, tag_base
 from .errors import (
     ClosedCacheError,
@@ -135,6 +141,67 @@ class ReadPath:
         self._capacity = ring.capacity
         self._chunk_words = ring._w
         self._chunk_bytes = ring.buf
+        # the compiled read of one plain item (``enable_core``), None: the Python path only
+        self._ctx: Any = None
+        self._read_item: Callable[[Any, object], Any] | None = None
+
+    def enable_core(self, core: Any = None) -> bool:
+        """Read plain items through the core's ``read_item`` (this reader's slot must be set).
+
+        ``core``: the core module to use (default: the compiled one if it is in use; the pure
+        one only on request, as the differential tests do, since the general Python path is
+        faster than its step-by-step reference). Only for the default serde. True if enabled.
+        """
+        slot = self.slot
+        if core is None:
+            if _core_api.implementation() != "c":
+                return False
+            core = _core_api.core
+        if slot is None or type(self.serde) is not MsgpackSerde:
+            return False
+        hw = self._hw
+        self._ctx = core.ReadCtx(
+            self._seg.buf,
+            ShmRef,
+            self.serde,
+            slot,
+            np.empty,
+            _dtype_table(),
+            StaleReferenceError,
+            self._nonce,
+            self._secret,
+            int(hw[H_RING_OFF]),
+            self._capacity,
+            int(hw[H_READER_OFF]) + slot.slot * int(hw[H_SLOT_SIZE]),
+        )
+        self._read_item = core.read_item
+        return True
+
+    def read_item(self, ref: object) -> Any:
+        """The usual reader's read of a plain item in one core call (``_core_read``): the item,
+        verified and acknowledged; ``None`` (nothing done, nothing owed) for anything the core
+        does not take, which the caller then reads by the general path. ``StaleReferenceError``
+        if the chunk was reclaimed during the copy (as ``get``)."""
+        read = self._read_item
+        if read is None:
+            return None
+        inflight = self._inflight  # one read in flight: ``in_use``, inlined
+        inflight.append(None)
+        try:
+            if (
+                self.closed
+                or self._seg.forked
+                or time.monotonic() - self._last_writer_probe > self.probe_interval
+            ):
+                return None
+            value = read(self._ctx, ref)
+            if value is not None and self._hw[H_WAITING]:
+                self._post_wake()
+            return value
+        finally:
+            inflight.pop()
+            if self.closed:
+                self._left_closed()
 
     # --- reads in flight (see "Closing during a read" in the module docstring) --------------
     def _enter(self) -> None:
@@ -363,6 +430,10 @@ class ReadPath:
         general path, which makes the same checks again and raises the typed error. One read in
         flight for the whole call.
         """
+        if copy and self._read_item is not None:
+            value = self.read_item(ref)
+            if value is not None:
+                return value
         inflight = self._inflight  # one read in flight: ``in_use``, inlined
         inflight.append(None)
         try:

@@ -28,7 +28,7 @@ from ._store_reader import StoreReader
 from ._types import FeatureSpec, ShmRef
 from .errors import CacheMissError, InvalidReferenceError, StaleReferenceError
 
-__all__ = ["ReceiverRequest", "single_item"]
+__all__ = ["ReceiverRequest", "read_one", "single_item"]
 
 _NO_OWED: Final = cast("dict[int, ShmRef]", MappingProxyType({}))
 
@@ -318,6 +318,24 @@ class ReceiverRequest(_Steps):
             self._store.give_back(owed[i])
         for ref in held:
             self._store.give_back(ref)
+
+
+def read_one(store: StoreReader, counters: RequestCounters, mm_item: Any, mm_hash: Any) -> Any:
+    """``get_and_update_item``'s usual case in one core call (``ReadPath.read_item``): the item,
+    or ``None`` when the request path must run (nothing done, nothing counted then).
+
+    A reference reclaimed during the copy is counted and raised as the request raises it.
+    """
+    if type(mm_item) is not ShmRef or type(mm_hash) is not str:
+        return None
+    try:
+        value = store._reading.read_item(mm_item)
+    except StaleReferenceError:
+        counters.add(total=1)
+        raise StaleReferenceError(f"reference for {mm_hash!r} is stale") from None
+    if value is not None:
+        counters.add(hits=1, total=1)
+    return value
 
 
 def single_item(finish: Callable[[], list[FeatureSpec]], features: Sequence[FeatureSpec]) -> Any:

@@ -1,0 +1,639 @@
+/* aioshmcache._core, the read section: a reader's read of one plain item, in one call.
+ *
+ * The Python reference is ``aioshmcache/_core_read_py.py`` (same names, same results, same
+ * errors); ``ReadPath.read_item`` calls one or the other. ``read_item(ctx, ref)`` does what
+ * ``ReadPath.get`` does for the usual case, in the same order:
+ *
+ *   1. the reference: an exact ``ShmRef`` of eight ints in [0, 2**64), this segment's nonce,
+ *      the current epoch, the tag (``_types.reference_tag``), the writer live, this reader's
+ *      session not revoked and no acknowledgement waiting for log room;
+ *   2. the chunk: address 64-aligned and inside the ring with its payload, the header's id,
+ *      length, check word and state COMMITTED, the position matching the address and not
+ *      behind the reuse fence (``H_HEAD_POS``);
+ *   3. the payload (``_serde_encode``'s layout): the prefix, then a structure header that is
+ *      one msgpack map of str keys to ARRAY records without flags (non-empty, a dtype of
+ *      ``DTYPES``) or simple scalars (nil, bool, int, float, str), in the canonical layout;
+ *   4. each array copied into a new ``np.empty`` (memcpy; the GIL released for big copies);
+ *   5. the chunk re-checked (id, state, reuse fence): reclaimed during the copy is a
+ *      ``StaleReferenceError``, never torn data;
+ *   6. the hand-out acknowledged in the reader slot's log (under the slot's lock: the id and
+ *      seq, then the head, each one aligned native 8-byte store).
+ *
+ * Anything else returns ``None`` with nothing done (no acknowledgement): the caller then takes
+ * the Python path, which raises the typed error or reads what this does not handle. Every
+ * read of segment bytes is bounds-checked against the buffer the call holds.
+ */
+#include "_core.h"
+#include <string.h>
+
+/* words and values this section reads besides _core.h's (checked against ``_layout`` by
+ * ``READ_LAYOUT``'s test) */
+#define H_STATE 19
+#define STATE_LIVE 1
+#define WS_REVOKED 9
+#define PAYLOAD_VERSION 1
+#define MAX_NDIM_FORMAT 32
+#define SIZE_MAX_ELEMS ((UINT64_C(1) << 62) - 1)
+#define MAX_ARRAYS_HERE 64
+/* copies of at least this many bytes in all run with the GIL released */
+#define NOGIL_COPY (64 * 1024)
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *mem;       /* the segment's memoryview (``Segment.buf``) */
+    PyObject *ref_type;  /* ShmRef */
+    PyObject *serde;     /* the MsgpackSerde (its limits are read on each call) */
+    PyObject *slot;      /* the ReaderSlot (``closed``, ``_ack_lock``, ``_overflow``) */
+    PyObject *lock;
+    PyObject *overflow;
+    PyObject *np_empty;
+    PyObject *dtypes;    /* dict: dtype string (bytes) -> (dtype, itemsize) */
+    PyObject *stale;     /* StaleReferenceError */
+    uint64_t nonce, secret, session;
+    uint64_t ring_off, capacity, slot_off, log_entries;
+} ReadCtx;
+
+static PyObject *s_acquire, *s_release, *s_closed, *s_max_header_bytes, *s_max_arrays,
+    *s_max_ndim;
+
+static inline uint64_t
+ld(const unsigned char *p)
+{
+    return __atomic_load_n((const uint64_t *)p, __ATOMIC_ACQUIRE);
+}
+
+static inline uint64_t
+le64(const unsigned char *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static inline uint64_t
+be(const unsigned char *p, int n)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+/* --- the context ------------------------------------------------------------------------ */
+static void
+ctx_dealloc(ReadCtx *self)
+{
+    Py_XDECREF(self->mem);
+    Py_XDECREF(self->ref_type);
+    Py_XDECREF(self->serde);
+    Py_XDECREF(self->slot);
+    Py_XDECREF(self->lock);
+    Py_XDECREF(self->overflow);
+    Py_XDECREF(self->np_empty);
+    Py_XDECREF(self->dtypes);
+    Py_XDECREF(self->stale);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+get_u64(PyObject *o, uint64_t *out)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static PyObject *
+ctx_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *mem, *ref_type, *serde, *slot, *np_empty, *dtypes, *stale;
+    PyObject *nonce, *secret, *ring_off, *capacity, *slot_off;
+    static char *kw[] = {"mem", "ref_type", "serde", "slot", "np_empty", "dtypes", "stale",
+                         "nonce", "secret", "ring_off", "capacity", "slot_off", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOO!OOOOOO:ReadCtx", kw, &mem, &ref_type,
+                                     &serde, &slot, &np_empty, &PyDict_Type, &dtypes, &stale,
+                                     &nonce, &secret, &ring_off, &capacity, &slot_off))
+        return NULL;
+    ReadCtx *self = (ReadCtx *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    Py_INCREF(mem), self->mem = mem;
+    Py_INCREF(ref_type), self->ref_type = ref_type;
+    Py_INCREF(serde), self->serde = serde;
+    Py_INCREF(slot), self->slot = slot;
+    Py_INCREF(np_empty), self->np_empty = np_empty;
+    Py_INCREF(dtypes), self->dtypes = dtypes;
+    Py_INCREF(stale), self->stale = stale;
+    PyObject *session = NULL, *table = NULL, *entries = NULL;
+    if (get_u64(nonce, &self->nonce) < 0 || get_u64(secret, &self->secret) < 0
+        || get_u64(ring_off, &self->ring_off) < 0 || get_u64(capacity, &self->capacity) < 0
+        || get_u64(slot_off, &self->slot_off) < 0)
+        goto fail;
+    if ((self->lock = PyObject_GetAttrString(slot, "_ack_lock")) == NULL
+        || (self->overflow = PyObject_GetAttrString(slot, "_overflow")) == NULL
+        || (session = PyObject_GetAttrString(slot, "session")) == NULL
+        || get_u64(session, &self->session) < 0
+        || (table = PyObject_GetAttrString(slot, "table")) == NULL
+        || (entries = PyObject_GetAttrString(table, "log_entries")) == NULL
+        || get_u64(entries, &self->log_entries) < 0)
+        goto fail;
+    if (!PyList_CheckExact(self->overflow)) {
+        PyErr_SetString(PyExc_TypeError, "the slot's overflow must be a list");
+        goto fail;
+    }
+    if ((self->ring_off | self->capacity | self->slot_off) & 7 || self->log_entries == 0
+        || self->log_entries > (UINT64_C(1) << 40) || self->capacity > (UINT64_C(1) << 56)
+        || self->ring_off > (UINT64_C(1) << 56) || self->slot_off > (UINT64_C(1) << 56)) {
+        PyErr_SetString(PyExc_ValueError, "ReadCtx: offsets must be 8-aligned and in range");
+        goto fail;
+    }
+    Py_DECREF(session);
+    Py_DECREF(table);
+    Py_DECREF(entries);
+    return (PyObject *)self;
+fail:
+    Py_XDECREF(session);
+    Py_XDECREF(table);
+    Py_XDECREF(entries);
+    Py_DECREF(self);
+    return NULL;
+}
+
+static PyTypeObject ReadCtxType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "aioshmcache._core.ReadCtx",
+    .tp_basicsize = sizeof(ReadCtx),
+    .tp_dealloc = (destructor)ctx_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = ctx_new,
+    .tp_doc = "What read_item needs of one reader: the segment, its slot, the serde.",
+};
+
+/* --- the structure header (a msgpack map, the subset ``read_item`` takes) ------------------ */
+typedef struct {
+    uint64_t start; /* absolute payload offset of the array's bytes */
+    uint64_t nbytes;
+    char *dst;
+} Copy;
+
+typedef struct {
+    const unsigned char *h; /* the header (in the payload) */
+    uint64_t n, pos;
+} Cursor;
+
+/* 1: ok, 0: not handled here (nothing raised), -1: a Python error */
+static int
+take(Cursor *c, uint64_t k, const unsigned char **out)
+{
+    if (k > c->n - c->pos)
+        return 0;
+    *out = c->h + c->pos;
+    c->pos += k;
+    return 1;
+}
+
+static int
+read_str(Cursor *c, PyObject **out)
+{
+    const unsigned char *p;
+    if (!take(c, 1, &p))
+        return 0;
+    unsigned t = p[0];
+    uint64_t len;
+    if ((t & 0xe0) == 0xa0)
+        len = t & 0x1f;
+    else if (t == 0xd9 || t == 0xda || t == 0xdb) {
+        int w = t == 0xd9 ? 1 : t == 0xda ? 2 : 4;
+        if (!take(c, w, &p))
+            return 0;
+        len = be(p, w);
+    } else
+        return 0;
+    if (!take(c, len, &p))
+        return 0;
+    *out = PyUnicode_DecodeUTF8((const char *)p, (Py_ssize_t)len, NULL);
+    if (*out == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
+typedef struct {
+    ReadCtx *ctx;
+    uint64_t data_off, data_len, cursor, max_ndim, max_arrays;
+    int n_copies;
+    Copy copies[MAX_ARRAYS_HERE];
+} Walk;
+
+static int
+read_array(Walk *w, const unsigned char *rec, uint64_t rlen, PyObject **out)
+{
+    if (rlen < 19)
+        return 0;
+    uint64_t off = le64(rec), nbytes = le64(rec + 8);
+    unsigned flags = rec[16], ndim = rec[17], dlen = rec[18];
+    if (flags || ndim > MAX_NDIM_FORMAT || ndim > w->max_ndim || ndim == 0
+        || rlen != 19 + 8 * (uint64_t)ndim + dlen || w->n_copies >= MAX_ARRAYS_HERE
+        || (uint64_t)w->n_copies >= w->max_arrays)
+        return 0;
+    PyObject *key = PyBytes_FromStringAndSize((const char *)rec + 19 + 8 * ndim, dlen);
+    if (key == NULL)
+        return -1;
+    PyObject *entry = PyDict_GetItemWithError(w->ctx->dtypes, key); /* borrowed */
+    Py_DECREF(key);
+    if (entry == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2)
+        return 0;
+    uint64_t itemsize;
+    if (get_u64(PyTuple_GET_ITEM(entry, 1), &itemsize) < 0)
+        return -1;
+    uint64_t count = 1;
+    for (unsigned i = 0; i < ndim; i++) {
+        uint64_t d = le64(rec + 19 + 8 * i);
+        if (d == 0 || d > SIZE_MAX_ELEMS || count > SIZE_MAX_ELEMS / d)
+            return 0; /* empty arrays and impossible shapes: the Python path */
+        count *= d;
+    }
+    if (itemsize == 0 || count > SIZE_MAX_ELEMS / itemsize || count * itemsize != nbytes)
+        return 0;
+    uint64_t expected = (w->cursor + 63) & ~(uint64_t)63;
+    if (off != expected || nbytes > w->data_len || off > w->data_len - nbytes)
+        return 0;
+    w->cursor = off + nbytes;
+    PyObject *shape = PyTuple_New(ndim);
+    if (shape == NULL)
+        return -1;
+    for (unsigned i = 0; i < ndim; i++) {
+        PyObject *d = PyLong_FromUnsignedLongLong(le64(rec + 19 + 8 * i));
+        if (d == NULL) {
+            Py_DECREF(shape);
+            return -1;
+        }
+        PyTuple_SET_ITEM(shape, i, d);
+    }
+    PyObject *argv[2] = {shape, PyTuple_GET_ITEM(entry, 0)};
+    PyObject *arr = PyObject_Vectorcall(w->ctx->np_empty, argv, 2, NULL);
+    Py_DECREF(shape);
+    if (arr == NULL)
+        return -1;
+    Py_buffer view;
+    if (PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(arr);
+        return -1;
+    }
+    int ok = (uint64_t)view.len == nbytes;
+    char *dst = view.buf;
+    PyBuffer_Release(&view); /* the array owns its data; ``arr`` is held */
+    if (!ok) {
+        Py_DECREF(arr);
+        return 0;
+    }
+    Copy *cp = &w->copies[w->n_copies++];
+    cp->start = w->data_off + off;
+    cp->nbytes = nbytes;
+    cp->dst = dst;
+    *out = arr;
+    return 1;
+}
+
+static int
+read_value(Walk *w, Cursor *c, PyObject **out)
+{
+    const unsigned char *p;
+    if (!take(c, 1, &p))
+        return 0;
+    unsigned t = p[0];
+    if (t <= 0x7f) {
+        *out = PyLong_FromLong((long)t);
+    } else if (t >= 0xe0) {
+        *out = PyLong_FromLong((long)t - 256);
+    } else if (t == 0xc0) {
+        *out = Py_NewRef(Py_None);
+    } else if (t == 0xc2 || t == 0xc3) {
+        *out = PyBool_FromLong(t == 0xc3);
+    } else if (t >= 0xcc && t <= 0xcf) {
+        int n = 1 << (t - 0xcc);
+        if (!take(c, n, &p))
+            return 0;
+        *out = PyLong_FromUnsignedLongLong(be(p, n));
+    } else if (t >= 0xd0 && t <= 0xd3) {
+        int n = 1 << (t - 0xd0);
+        if (!take(c, n, &p))
+            return 0;
+        uint64_t u = be(p, n);
+        int sh = 64 - 8 * n; /* sign-extend the n-byte value */
+        int64_t v = (int64_t)(u << sh) >> sh;
+        *out = PyLong_FromLongLong(v);
+    } else if (t == 0xca) {
+        if (!take(c, 4, &p))
+            return 0;
+        uint32_t u = (uint32_t)be(p, 4);
+        float f;
+        memcpy(&f, &u, 4);
+        *out = PyFloat_FromDouble((double)f);
+    } else if (t == 0xcb) {
+        if (!take(c, 8, &p))
+            return 0;
+        uint64_t u = be(p, 8);
+        double d;
+        memcpy(&d, &u, 8);
+        *out = PyFloat_FromDouble(d);
+    } else if ((t & 0xe0) == 0xa0 || t == 0xd9 || t == 0xda || t == 0xdb) {
+        c->pos--;
+        return read_str(c, out);
+    } else if (t == 0xc7 || t == 0xc8) { /* ext 8 / ext 16: an ARRAY record */
+        int n = t == 0xc7 ? 1 : 2;
+        if (!take(c, n, &p))
+            return 0;
+        uint64_t rlen = be(p, n);
+        if (!take(c, 1, &p) || p[0] != 1)
+            return 0;
+        const unsigned char *rec;
+        if (!take(c, rlen, &rec))
+            return 0;
+        return read_array(w, rec, rlen, out);
+    } else {
+        return 0;
+    }
+    return *out == NULL ? -1 : 1;
+}
+
+/* The payload at ``pl`` (``size`` bytes, ``pl_off`` its offset in the mapping) as a dict with
+ * the arrays allocated and their copies planned in ``w``: 1, 0 (not handled), -1 (error). */
+static int
+decode(Walk *w, const unsigned char *pl, uint64_t size, PyObject **out)
+{
+    if (size < PAYLOAD_PREFIX_SIZE || memcmp(pl, "ASHM", 4) != 0)
+        return 0;
+    unsigned version = pl[4] | pl[5] << 8, pflags = pl[6] | pl[7] << 8;
+    uint64_t hlen = (uint64_t)pl[8] | (uint64_t)pl[9] << 8 | (uint64_t)pl[10] << 16
+                    | (uint64_t)pl[11] << 24;
+    uint64_t data_len = le64(pl + 12);
+    uint64_t max_header, max_arrays, max_ndim;
+    PyObject *v;
+    if ((v = PyObject_GetAttr(w->ctx->serde, s_max_header_bytes)) == NULL)
+        return -1;
+    int bad = get_u64(v, &max_header);
+    Py_DECREF(v);
+    if (bad || (v = PyObject_GetAttr(w->ctx->serde, s_max_arrays)) == NULL)
+        return -1;
+    bad = get_u64(v, &max_arrays);
+    Py_DECREF(v);
+    if (bad || (v = PyObject_GetAttr(w->ctx->serde, s_max_ndim)) == NULL)
+        return -1;
+    bad = get_u64(v, &max_ndim);
+    Py_DECREF(v);
+    if (bad)
+        return -1;
+    if (version != PAYLOAD_VERSION || pflags != 0 || hlen == 0 || hlen > max_header)
+        return 0;
+    uint64_t data_off = (PAYLOAD_PREFIX_SIZE + hlen + 63) & ~(uint64_t)63;
+    if (data_off > size || data_len != size - data_off)
+        return 0;
+    w->data_off = data_off;
+    w->data_len = data_len;
+    w->cursor = 0;
+    w->max_ndim = max_ndim;
+    w->max_arrays = max_arrays;
+    w->n_copies = 0;
+    Cursor c = {pl + PAYLOAD_PREFIX_SIZE, hlen, 0};
+    const unsigned char *p;
+    if (!take(&c, 1, &p))
+        return 0;
+    uint64_t n;
+    if ((p[0] & 0xf0) == 0x80)
+        n = p[0] & 0x0f;
+    else if (p[0] == 0xde) {
+        if (!take(&c, 2, &p))
+            return 0;
+        n = be(p, 2);
+    } else
+        return 0;
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return -1;
+    int r = 1;
+    for (uint64_t i = 0; i < n && r == 1; i++) {
+        PyObject *key = NULL, *value = NULL;
+        r = read_str(&c, &key);
+        if (r == 1)
+            r = read_value(w, &c, &value);
+        if (r == 1 && PyDict_SetItem(d, key, value) < 0)
+            r = -1;
+        Py_XDECREF(key);
+        Py_XDECREF(value);
+        if (r == 1 && (uint64_t)PyDict_GET_SIZE(d) != i + 1)
+            r = 0; /* a duplicate key: the Python path decides */
+    }
+    if (r == 1 && (c.pos != c.n || w->cursor != data_len))
+        r = 0;
+    if (r != 1) {
+        Py_DECREF(d);
+        return r;
+    }
+    *out = d;
+    return 1;
+}
+
+/* --- read_item ---------------------------------------------------------------------------- */
+static inline uint64_t
+reference_tag(uint64_t secret, uint64_t epoch, uint64_t address, uint64_t cid, uint64_t length,
+              uint64_t position, uint64_t seq)
+{
+    uint64_t h = secret ^ (cid * TAG_M1) ^ (address * TAG_M2) ^ (length * TAG_M3)
+                 ^ (epoch * TAG_M4) ^ (uint64_t)(((unsigned __int128)position * TAG_M2) >> 7);
+    h ^= (uint64_t)(((unsigned __int128)seq * TAG_M3) >> 11);
+    h ^= h >> 29;
+    return h * TAG_M1;
+}
+
+/* the acknowledgement (``ReaderSlot.ack``'s usual case): 1 done, 0 not here, -1 error */
+static int
+acknowledge(ReadCtx *ctx, unsigned char *slot, uint64_t cid, uint64_t seq)
+{
+    PyObject *r = PyObject_CallMethodNoArgs(ctx->lock, s_acquire);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    int done = 0;
+    PyObject *closed = PyObject_GetAttr(ctx->slot, s_closed);
+    if (closed == NULL)
+        done = -1;
+    else if (closed == Py_False && PyList_GET_SIZE(ctx->overflow) == 0) {
+        uint64_t head = ld(slot + 8 * RS_HEAD), consumed = ld(slot + 8 * WS_CONSUMED);
+        if (head - consumed < ctx->log_entries) {
+            unsigned char *e = slot + SLOT_HEADER + LOG_ENTRY_BYTES * (head % ctx->log_entries);
+            __atomic_store_n((uint64_t *)e, cid, __ATOMIC_RELAXED);
+            __atomic_store_n((uint64_t *)(e + 8), seq, __ATOMIC_RELAXED);
+            __atomic_store_n((uint64_t *)(slot + 8 * RS_HEAD), head + 1, __ATOMIC_RELEASE);
+            done = 1;
+        }
+    }
+    Py_XDECREF(closed);
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    r = PyObject_CallMethodNoArgs(ctx->lock, s_release);
+    if (r == NULL) {
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(tb);
+        return -1;
+    }
+    Py_DECREF(r);
+    PyErr_Restore(et, ev, tb);
+    return done;
+}
+
+static PyObject *
+core_read_item(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "read_item takes 2 arguments (ctx, ref)");
+        return NULL;
+    }
+    if (!Py_IS_TYPE(args[0], &ReadCtxType)) {
+        PyErr_SetString(PyExc_TypeError, "read_item: ctx must be a ReadCtx");
+        return NULL;
+    }
+    ReadCtx *ctx = (ReadCtx *)args[0];
+    PyObject *ref = args[1];
+    if ((PyObject *)Py_TYPE(ref) != ctx->ref_type || PyTuple_GET_SIZE(ref) != 8)
+        Py_RETURN_NONE;
+    uint64_t f[8];
+    for (int i = 0; i < 8; i++) {
+        PyObject *o = PyTuple_GET_ITEM(ref, i);
+        if (!PyLong_CheckExact(o))
+            Py_RETURN_NONE;
+        f[i] = PyLong_AsUnsignedLongLong(o);
+        if (f[i] == (uint64_t)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+    }
+    uint64_t nonce = f[0], epoch = f[1], address = f[2], cid = f[3], length = f[4], tag = f[5],
+             position = f[6], seq = f[7];
+    if (nonce != ctx->nonce
+        || tag != reference_tag(ctx->secret, epoch, address, cid, length, position, seq))
+        Py_RETURN_NONE;
+
+    Py_buffer mem;
+    if (PyObject_GetBuffer(ctx->mem, &mem, PyBUF_WRITABLE) < 0) {
+        PyErr_Clear(); /* released (closed): the Python path raises the typed error */
+        Py_RETURN_NONE;
+    }
+    PyObject *result = NULL, *value = NULL;
+    unsigned char *base = mem.buf;
+    uint64_t total = (uint64_t)mem.len;
+    if (total < AIOSHM_HEADER_SIZE || ctx->ring_off > total || ctx->capacity > total - ctx->ring_off
+        || ctx->slot_off > total
+        || SLOT_HEADER + LOG_ENTRY_BYTES * ctx->log_entries > total - ctx->slot_off)
+        goto pass;
+    unsigned char *slot = base + ctx->slot_off;
+    unsigned char *ring = base + ctx->ring_off;
+    uint64_t cap = ctx->capacity;
+    if (ld(base + 8 * H_STATE) != STATE_LIVE || ld(base + 8 * H_EPOCH) != epoch
+        || ld(slot + 8 * WS_REVOKED) == ctx->session || PyList_GET_SIZE(ctx->overflow) != 0)
+        goto pass;
+    if (address & 63 || cap < CHUNK_HEADER || address > cap - CHUNK_HEADER
+        || length > cap - CHUNK_HEADER - address)
+        goto pass;
+    unsigned char *ch = ring + address;
+    if (ld(ch + 8 * C_ID) != cid || ld(ch + 8 * C_LENGTH) != length
+        || ld(ch + 8 * C_CHECK) != (cid ^ length ^ CHUNK_MAGIC)
+        || ld(ch + 8 * C_STATE) != CHUNK_COMMITTED || position % cap != address
+        || ld(base + 8 * H_HEAD_POS) > position)
+        goto pass;
+
+    Walk w;
+    w.ctx = ctx;
+    uint64_t pl_off = ctx->ring_off + address + CHUNK_HEADER;
+    int r = decode(&w, base + pl_off, length, &value);
+    if (r < 0)
+        goto done;
+    if (r == 0)
+        goto pass;
+    uint64_t sum = 0;
+    for (int i = 0; i < w.n_copies; i++)
+        sum += w.copies[i].nbytes;
+    if (sum >= NOGIL_COPY) {
+        Py_BEGIN_ALLOW_THREADS
+        for (int i = 0; i < w.n_copies; i++)
+            memcpy(w.copies[i].dst, base + pl_off + w.copies[i].start, w.copies[i].nbytes);
+        Py_END_ALLOW_THREADS
+    } else {
+        for (int i = 0; i < w.n_copies; i++)
+            memcpy(w.copies[i].dst, base + pl_off + w.copies[i].start, w.copies[i].nbytes);
+    }
+    /* the copy is verified: the chunk was not reclaimed meanwhile (``ShmRingBuffer.verify``) */
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (ld(base + 8 * H_HEAD_POS) > position || ld(ch + 8 * C_ID) != cid
+        || ld(ch + 8 * C_STATE) != CHUNK_COMMITTED) {
+        PyErr_Format(ctx->stale, "chunk %llu was reclaimed during the read",
+                     (unsigned long long)cid);
+        goto done;
+    }
+    if (ld(slot + 8 * WS_REVOKED) == ctx->session)
+        goto pass; /* revoked meanwhile: the Python path raises it (nothing acknowledged) */
+    r = acknowledge(ctx, slot, cid, seq);
+    if (r < 0)
+        goto done;
+    if (r == 0)
+        goto pass;
+    result = value;
+    value = NULL;
+    goto done;
+pass:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(value);
+    PyBuffer_Release(&mem);
+    return result;
+}
+
+/* the constants this section adds (a test compares them with ``_layout``) */
+static PyObject *
+core_read_layout(PyObject *module, PyObject *unused)
+{
+    return Py_BuildValue("{s:K,s:K,s:K,s:K}", "H_STATE", (unsigned long long)H_STATE,
+                         "STATE_LIVE", (unsigned long long)STATE_LIVE, "WS_REVOKED",
+                         (unsigned long long)WS_REVOKED, "NOGIL_COPY",
+                         (unsigned long long)NOGIL_COPY);
+}
+
+PyMethodDef aioshm_read_methods[] = {
+    {"read_item", (PyCFunction)(void (*)(void))core_read_item, METH_FASTCALL,
+     "read_item(ctx, ref) -> the item (a verified, acknowledged copy), or None: not handled "
+     "here, nothing done"},
+    {"read_layout", core_read_layout, METH_NOARGS,
+     "read_layout() -> the layout constants the read section is built with"},
+    {NULL, NULL, 0, NULL},
+};
+
+int
+aioshm_read_init(PyObject *module)
+{
+#define INTERN(var, text)                                                                    \
+    if ((var) == NULL && ((var) = PyUnicode_InternFromString(text)) == NULL)               \
+        return -1;
+    INTERN(s_acquire, "acquire");
+    INTERN(s_release, "release");
+    INTERN(s_closed, "closed");
+    INTERN(s_max_header_bytes, "max_header_bytes");
+    INTERN(s_max_arrays, "max_arrays");
+    INTERN(s_max_ndim, "max_ndim");
+#undef INTERN
+    if (PyType_Ready(&ReadCtxType) < 0)
+        return -1;
+    Py_INCREF(&ReadCtxType);
+    if (PyModule_AddObject(module, "ReadCtx", (PyObject *)&ReadCtxType) < 0) {
+        Py_DECREF(&ReadCtxType);
+        return -1;
+    }
+    return 0;
+}
