@@ -237,7 +237,7 @@ read_array(Walk *w, const unsigned char *rec, uint64_t rlen, PyObject **out)
         return 0;
     uint64_t off = le64(rec), nbytes = le64(rec + 8);
     unsigned flags = rec[16], ndim = rec[17], dlen = rec[18];
-    if (flags || ndim > MAX_NDIM_FORMAT || ndim > w->max_ndim || ndim == 0
+    if (flags || ndim > MAX_NDIM_FORMAT || ndim > w->max_ndim
         || rlen != 19 + 8 * (uint64_t)ndim + dlen || w->n_copies >= MAX_ARRAYS_HERE
         || (uint64_t)w->n_copies >= w->max_arrays)
         return 0;

@@ -188,7 +188,6 @@ def _read_array(w: _Walk, rec: bytes) -> np.ndarray[Any, Any]:
         flags
         or ndim > _MAX_NDIM_FORMAT
         or ndim > w.max_ndim
-        or ndim == 0
         or len(rec) != _ARR.size + 8 * ndim + dlen
         or len(w.copies) >= _MAX_ARRAYS_HERE
         or len(w.copies) >= w.max_arrays
