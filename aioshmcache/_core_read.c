@@ -14,6 +14,9 @@
  *      one msgpack map of str keys to ARRAY records without flags (non-empty, a dtype of
  *      ``DTYPES``) or simple scalars (nil, bool, int, float, str), in the canonical layout;
  *   4. each array copied into a new ``np.empty`` (memcpy; the GIL released for big copies);
+ *      from OWN_PAGES bytes into pages of its own instead, mapped and populated in one system
+ *      call without the GIL (huge pages from HUGE_PAGES), freed with the array: a fresh heap
+ *      block would cost one page fault per 4 KiB page during the copy;
  *   5. the chunk re-checked (id, state, reuse fence): reclaimed during the copy is a
  *      ``StaleReferenceError``, never torn data;
  *   6. the hand-out acknowledged in the reader slot's log (under the slot's lock: the id and
@@ -25,6 +28,7 @@
  */
 #include "_core.h"
 #include <string.h>
+#include <sys/mman.h>
 
 /* words and values this section reads besides _core.h's (checked against ``_layout`` by
  * ``READ_LAYOUT``'s test) */
@@ -37,6 +41,15 @@
 #define MAX_ARRAYS_HERE 64
 /* copies of at least this many bytes in all run with the GIL released */
 #define NOGIL_COPY (64 * 1024)
+/* an array of at least this many bytes gets pages of its own, mapped and populated in one
+ * system call (a fresh heap block costs one page fault per 4 KiB page on the first copy) */
+#define OWN_PAGES (256 * 1024)
+/* and from this size, transparent huge pages (2 MiB aligned) */
+#define HUGE_PAGES (4 * 1024 * 1024)
+#define HUGE_ALIGN (2 * 1024 * 1024)
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
 
 typedef struct {
     PyObject_HEAD
@@ -47,6 +60,7 @@ typedef struct {
     PyObject *lock;
     PyObject *overflow;
     PyObject *np_empty;
+    PyObject *np_ndarray;
     PyObject *dtypes;    /* dict: dtype string (bytes) -> (dtype, itemsize) */
     PyObject *stale;     /* StaleReferenceError */
     uint64_t nonce, secret, session;
@@ -79,6 +93,82 @@ be(const unsigned char *p, int n)
     return v;
 }
 
+/* release the GIL for a block only when ``cond`` (the copies are big enough to be worth it) */
+#define Py_BEGIN_ALLOW_THREADS_IF(cond)                                                       \
+    {                                                                                       \
+        PyThreadState *_save = (cond) ? PyEval_SaveThread() : NULL;
+#define Py_END_ALLOW_THREADS_IF(cond)                                                         \
+    if (_save != NULL)                                                                      \
+        PyEval_RestoreThread(_save);                                                        \
+    }
+
+/* --- pages of one array (the buffer an array copied out of a big item lives in) ----------- */
+typedef struct {
+    PyObject_HEAD
+    void *map;
+    size_t maplen;
+} Pages;
+
+static void
+pages_dealloc(Pages *self)
+{
+    if (self->map != NULL)
+        munmap(self->map, self->maplen);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+pages_getbuffer(Pages *self, Py_buffer *view, int flags)
+{
+    if (self->map == NULL) {
+        PyErr_SetString(PyExc_BufferError, "no pages");
+        return -1;
+    }
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->map, (Py_ssize_t)self->maplen, 0,
+                             flags);
+}
+
+static PyBufferProcs pages_as_buffer = {(getbufferproc)pages_getbuffer, NULL};
+
+static PyTypeObject PagesType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "aioshmcache._core.Pages",
+    .tp_basicsize = sizeof(Pages),
+    .tp_dealloc = (destructor)pages_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_as_buffer = &pages_as_buffer,
+    .tp_doc = "The pages of one array read by read_item (unmapped when the array is freed).",
+};
+
+/* Map ``n`` bytes of private anonymous memory, populated (huge pages from HUGE_PAGES); the
+ * mapping's start and length in *map / *maplen. Without the GIL. NULL if it failed. */
+static char *
+map_pages(uint64_t n, void **map, size_t *maplen)
+{
+    if (n < HUGE_PAGES) {
+        void *m = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+                       -1, 0);
+        if (m == MAP_FAILED)
+            return NULL;
+        *map = m, *maplen = n;
+        return m;
+    }
+    size_t len = (n + HUGE_ALIGN - 1) & ~(size_t)(HUGE_ALIGN - 1);
+    char *m = mmap(NULL, len + HUGE_ALIGN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
+    if (m == MAP_FAILED)
+        return NULL;
+    char *a = (char *)(((uintptr_t)m + HUGE_ALIGN - 1) & ~(uintptr_t)(HUGE_ALIGN - 1));
+    if (a > m)
+        munmap(m, a - m);
+    if (m + len + HUGE_ALIGN > a + len)
+        munmap(a + len, (m + len + HUGE_ALIGN) - (a + len));
+    (void)madvise(a, len, MADV_HUGEPAGE);        /* advice: may be off on this host */
+    (void)madvise(a, len, MADV_POPULATE_WRITE);  /* Linux >= 5.14; else the copy faults */
+    *map = a, *maplen = len;
+    return a;
+}
+
 /* --- the context ------------------------------------------------------------------------ */
 static void
 ctx_dealloc(ReadCtx *self)
@@ -90,6 +180,7 @@ ctx_dealloc(ReadCtx *self)
     Py_XDECREF(self->lock);
     Py_XDECREF(self->overflow);
     Py_XDECREF(self->np_empty);
+    Py_XDECREF(self->np_ndarray);
     Py_XDECREF(self->dtypes);
     Py_XDECREF(self->stale);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -130,6 +221,13 @@ ctx_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (get_u64(nonce, &self->nonce) < 0 || get_u64(secret, &self->secret) < 0
         || get_u64(ring_off, &self->ring_off) < 0 || get_u64(capacity, &self->capacity) < 0
         || get_u64(slot_off, &self->slot_off) < 0)
+        goto fail;
+    PyObject *numpy = PyImport_ImportModule("numpy");
+    if (numpy == NULL)
+        goto fail;
+    self->np_ndarray = PyObject_GetAttrString(numpy, "ndarray");
+    Py_DECREF(numpy);
+    if (self->np_ndarray == NULL)
         goto fail;
     if ((self->lock = PyObject_GetAttrString(slot, "_ack_lock")) == NULL
         || (self->overflow = PyObject_GetAttrString(slot, "_overflow")) == NULL
@@ -176,6 +274,10 @@ typedef struct {
     uint64_t start; /* absolute payload offset of the array's bytes */
     uint64_t nbytes;
     char *dst;
+    /* an array on pages of its own (OWN_PAGES): made after the copy, under this key */
+    PyObject *key, *shape, *dtype;
+    void *map;
+    size_t maplen;
 } Copy;
 
 typedef struct {
@@ -277,6 +379,20 @@ read_array(Walk *w, const unsigned char *rec, uint64_t rlen, PyObject **out)
         }
         PyTuple_SET_ITEM(shape, i, d);
     }
+    Copy *cp = &w->copies[w->n_copies];
+    cp->start = w->data_off + off;
+    cp->nbytes = nbytes;
+    cp->key = cp->shape = cp->dtype = NULL;
+    cp->map = NULL;
+    if (nbytes >= OWN_PAGES) {
+        /* the array is made after the copy, on its own pages (``finish_pages``) */
+        cp->shape = shape;
+        cp->dtype = Py_NewRef(PyTuple_GET_ITEM(entry, 0));
+        cp->dst = NULL;
+        w->n_copies++;
+        *out = Py_NewRef(Py_None);
+        return 2;
+    }
     PyObject *argv[2] = {shape, PyTuple_GET_ITEM(entry, 0)};
     PyObject *arr = PyObject_Vectorcall(w->ctx->np_empty, argv, 2, NULL);
     Py_DECREF(shape);
@@ -294,10 +410,8 @@ read_array(Walk *w, const unsigned char *rec, uint64_t rlen, PyObject **out)
         Py_DECREF(arr);
         return 0;
     }
-    Copy *cp = &w->copies[w->n_copies++];
-    cp->start = w->data_off + off;
-    cp->nbytes = nbytes;
     cp->dst = dst;
+    w->n_copies++;
     *out = arr;
     return 1;
 }
@@ -422,8 +536,13 @@ decode(Walk *w, const unsigned char *pl, uint64_t size, PyObject **out)
     for (uint64_t i = 0; i < n && r == 1; i++) {
         PyObject *key = NULL, *value = NULL;
         r = read_str(&c, &key);
-        if (r == 1)
+        if (r == 1) {
             r = read_value(w, &c, &value);
+            if (r == 2) { /* an array made after the copy: its key kept for it */
+                w->copies[w->n_copies - 1].key = Py_NewRef(key);
+                r = 1;
+            }
+        }
         if (r == 1 && PyDict_SetItem(d, key, value) < 0)
             r = -1;
         Py_XDECREF(key);
@@ -439,6 +558,49 @@ decode(Walk *w, const unsigned char *pl, uint64_t size, PyObject **out)
     }
     *out = d;
     return 1;
+}
+
+/* Free what the copies hold that no array owns yet (on every exit of read_item). */
+static void
+release_copies(Walk *w)
+{
+    for (int i = 0; i < w->n_copies; i++) {
+        Copy *cp = &w->copies[i];
+        Py_CLEAR(cp->key);
+        Py_CLEAR(cp->shape);
+        Py_CLEAR(cp->dtype);
+        if (cp->map != NULL) {
+            munmap(cp->map, cp->maplen);
+            cp->map = NULL;
+        }
+    }
+    w->n_copies = 0;
+}
+
+/* The arrays on pages of their own, into the dict ``d`` under their keys: 0, or -1. */
+static int
+finish_pages(Walk *w, PyObject *d)
+{
+    for (int i = 0; i < w->n_copies; i++) {
+        Copy *cp = &w->copies[i];
+        if (cp->key == NULL)
+            continue;
+        Pages *pages = PyObject_New(Pages, &PagesType);
+        if (pages == NULL)
+            return -1;
+        pages->map = cp->map, pages->maplen = cp->maplen;
+        cp->map = NULL; /* the pages own it now */
+        PyObject *argv[3] = {cp->shape, cp->dtype, (PyObject *)pages};
+        PyObject *arr = PyObject_Vectorcall(w->ctx->np_ndarray, argv, 3, NULL);
+        Py_DECREF(pages);
+        if (arr == NULL)
+            return -1;
+        int bad = PyDict_SetItem(d, cp->key, arr);
+        Py_DECREF(arr);
+        if (bad)
+            return -1;
+    }
+    return 0;
 }
 
 /* --- read_item ---------------------------------------------------------------------------- */
@@ -528,6 +690,8 @@ core_read_item(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE;
     }
     PyObject *result = NULL, *value = NULL;
+    Walk w;
+    w.n_copies = 0;
     unsigned char *base = mem.buf;
     uint64_t total = (uint64_t)mem.len;
     if (total < AIOSHM_HEADER_SIZE || ctx->ring_off > total || ctx->capacity > total - ctx->ring_off
@@ -550,8 +714,8 @@ core_read_item(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         || ld(base + 8 * H_HEAD_POS) > position)
         goto pass;
 
-    Walk w;
     w.ctx = ctx;
+    w.n_copies = 0;
     uint64_t pl_off = ctx->ring_off + address + CHUNK_HEADER;
     int r = decode(&w, base + pl_off, length, &value);
     if (r < 0)
@@ -561,15 +725,19 @@ core_read_item(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     uint64_t sum = 0;
     for (int i = 0; i < w.n_copies; i++)
         sum += w.copies[i].nbytes;
-    if (sum >= NOGIL_COPY) {
-        Py_BEGIN_ALLOW_THREADS
-        for (int i = 0; i < w.n_copies; i++)
-            memcpy(w.copies[i].dst, base + pl_off + w.copies[i].start, w.copies[i].nbytes);
-        Py_END_ALLOW_THREADS
-    } else {
-        for (int i = 0; i < w.n_copies; i++)
-            memcpy(w.copies[i].dst, base + pl_off + w.copies[i].start, w.copies[i].nbytes);
+    int unmapped = 0;
+    Py_BEGIN_ALLOW_THREADS_IF(sum >= NOGIL_COPY)
+    for (int i = 0; i < w.n_copies; i++) {
+        Copy *cp = &w.copies[i];
+        if (cp->key != NULL && (cp->dst = map_pages(cp->nbytes, &cp->map, &cp->maplen)) == NULL) {
+            unmapped = 1;
+            continue;
+        }
+        memcpy(cp->dst, base + pl_off + cp->start, cp->nbytes);
     }
+    Py_END_ALLOW_THREADS_IF(sum >= NOGIL_COPY)
+    if (unmapped)
+        goto pass; /* no memory to map: the Python path (which reports it) */
     /* the copy is verified: the chunk was not reclaimed meanwhile (``ShmRingBuffer.verify``) */
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     if (ld(base + 8 * H_HEAD_POS) > position || ld(ch + 8 * C_ID) != cid
@@ -578,6 +746,8 @@ core_read_item(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                      (unsigned long long)cid);
         goto done;
     }
+    if (finish_pages(&w, value) < 0)
+        goto done;
     if (ld(slot + 8 * WS_REVOKED) == ctx->session)
         goto pass; /* revoked meanwhile: the Python path raises it (nothing acknowledged) */
     r = acknowledge(ctx, slot, cid, seq);
@@ -591,6 +761,7 @@ core_read_item(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 pass:
     result = Py_NewRef(Py_None);
 done:
+    release_copies(&w);
     Py_XDECREF(value);
     PyBuffer_Release(&mem);
     return result;
@@ -600,10 +771,12 @@ done:
 static PyObject *
 core_read_layout(PyObject *module, PyObject *unused)
 {
-    return Py_BuildValue("{s:K,s:K,s:K,s:K}", "H_STATE", (unsigned long long)H_STATE,
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K}", "H_STATE", (unsigned long long)H_STATE,
                          "STATE_LIVE", (unsigned long long)STATE_LIVE, "WS_REVOKED",
                          (unsigned long long)WS_REVOKED, "NOGIL_COPY",
-                         (unsigned long long)NOGIL_COPY);
+                         (unsigned long long)NOGIL_COPY, "OWN_PAGES",
+                         (unsigned long long)OWN_PAGES, "HUGE_PAGES",
+                         (unsigned long long)HUGE_PAGES);
 }
 
 PyMethodDef aioshm_read_methods[] = {
@@ -628,7 +801,7 @@ aioshm_read_init(PyObject *module)
     INTERN(s_max_arrays, "max_arrays");
     INTERN(s_max_ndim, "max_ndim");
 #undef INTERN
-    if (PyType_Ready(&ReadCtxType) < 0)
+    if (PyType_Ready(&ReadCtxType) < 0 || PyType_Ready(&PagesType) < 0)
         return -1;
     Py_INCREF(&ReadCtxType);
     if (PyModule_AddObject(module, "ReadCtx", (PyObject *)&ReadCtxType) < 0) {

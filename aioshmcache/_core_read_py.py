@@ -28,12 +28,19 @@ _MAX_NDIM_FORMAT: Final = 32
 _MAX_ARRAYS_HERE: Final = 64
 #: copies of at least this many bytes in all run with the GIL released (in the C section)
 NOGIL_COPY: Final = 64 * 1024
+#: from this many bytes the C section copies an array into pages of its own (mapped and
+#: populated in one system call; huge pages from ``HUGE_PAGES``); the reference, whose arrays
+#: are numpy's own, gives the same values
+OWN_PAGES: Final = 256 * 1024
+HUGE_PAGES: Final = 4 * 1024 * 1024
 #: the constants the read section adds to the core's ``LAYOUT``
 READ_LAYOUT: Final[dict[str, int]] = {
     "H_STATE": L.H_STATE,
     "STATE_LIVE": L.STATE_LIVE,
     "WS_REVOKED": L.WS_REVOKED,
     "NOGIL_COPY": NOGIL_COPY,
+    "OWN_PAGES": OWN_PAGES,
+    "HUGE_PAGES": HUGE_PAGES,
 }
 #: the dtypes the compiled read handles (any other goes to the Python path)
 DTYPES: Final = (

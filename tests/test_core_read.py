@@ -50,10 +50,10 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 
 
 @contextlib.contextmanager
-def stores() -> Iterator[tuple[StoreWriter, dict[str, StoreReader]]]:
+def stores(cap: int = CAP) -> Iterator[tuple[StoreWriter, dict[str, StoreReader]]]:
     """A writer and one reader per path: each core's ``read_item``, and Python alone."""
     with contextlib.ExitStack() as stack:
-        w = stack.enter_context(ShmObjectStore.create(CacheConfig(CAP, CAP // 2, 4)))
+        w = stack.enter_context(ShmObjectStore.create(CacheConfig(cap, cap // 2, 4)))
         readers: dict[str, StoreReader] = {}
         for core in [*CORES, None]:
             # the writer probed now, not again during the test (a due probe is the Python path's)
@@ -397,3 +397,28 @@ def test_a_reader_uses_the_compiled_read_by_default() -> None:
 def test_read_item_refuses_a_bad_context(core: Any) -> None:
     with pytest.raises(TypeError):
         core.read_item(object(), ShmRef(1, 1, 0, 1, 1))
+
+
+@pytest.mark.parametrize("nbytes", [256 << 10, (1 << 20) + 12, 5 << 20])
+def test_big_arrays_read_alike_on_pages_of_their_own(nbytes: int) -> None:
+    """From 256 KiB an array gets pages of its own (populated at once; huge pages from 4 MiB):
+    the same values, dtype, shape and writability as the Python path's copy."""
+    rng = np.random.default_rng(nbytes)
+    item = {
+        "flat": rng.integers(0, 255, nbytes, dtype=np.uint8),
+        "n": 1,
+        "shaped": rng.standard_normal(nbytes // 32).astype(np.float32).reshape(-1, 4),
+        "small": np.arange(5),
+    }
+    with stores(32 << 20) as (w, readers):
+        ref = w.put("k", item)
+        results = read_all(readers, ref)
+        agree(results)
+        assert {results[n][0] for n in results if n != "python"} == {True}
+        for name, (_took, _ok, value) in results.items():
+            assert same(value, item), name
+            for arr in (value["flat"], value["shaped"]):
+                assert arr.flags.writeable and arr.flags.c_contiguous
+                arr[...] = 0  # its own memory: writing it changes nothing shared
+            del value
+        assert same(readers["python"].get(w.put("k2", item)), item)
