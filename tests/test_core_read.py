@@ -245,6 +245,50 @@ def plant(w: StoreWriter, payload: bytes) -> ShmRef:
     return ShmRef(w._seg.nonce, epoch, address, cid, len(payload), tag, position, 0)
 
 
+class Planter:
+    """A writer and a reader per read path, kept across examples (the fuzz tests of other
+    modules read their hostile payloads through it too): ``agree(payload)`` plants the payload
+    into a committed chunk, reads it on every path and checks they agree."""
+
+    def __init__(self) -> None:
+        self._cm: Any = None
+        self._stores: tuple[StoreWriter, dict[str, StoreReader]] | None = None
+
+    def _open(self) -> tuple[StoreWriter, dict[str, StoreReader]]:
+        if self._stores is None:
+            self._cm = stores(8 << 20)
+            self._stores = self._cm.__enter__()
+        return self._stores
+
+    def agree(self, payload: bytes) -> dict[str, tuple[Any, ...]]:
+        """Every path's outcome for ``payload`` (empty: nothing to plant, nothing read)."""
+        if not payload:
+            return {}
+        w, readers = self._open()
+        try:
+            ref = plant(w, payload)
+        except ShmCacheError:  # the ring is full of planted chunks: start over
+            self.close()
+            w, readers = self._open()
+            ref = plant(w, payload)
+        results = read_all(readers, ref)
+        agree(results)
+        return results
+
+    def close(self) -> None:
+        if self._cm is not None:
+            self._cm.__exit__(None, None, None)
+        self._cm = self._stores = None
+
+
+@pytest.fixture(scope="module", name="planter")
+def planter_fixture() -> Iterator[Planter]:
+    """A :class:`Planter` for a module's tests (imported by the fuzz tests of other modules)."""
+    p = Planter()
+    yield p
+    p.close()
+
+
 def _payload(header: bytes, data: bytes = b"") -> bytes:
     body = struct.pack("<4sHHIQ", b"ASHM", 1, 0, len(header), len(data)) + header
     return body + bytes(-len(body) % 64) + data
