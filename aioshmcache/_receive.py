@@ -134,6 +134,10 @@ class ReceiverRequest(_Steps):
         copy, inline_below, pairs = self._copy, self._inline_below, self._pairs
         results = self._results
         reads: list[tuple[int, ShmRef, memoryview, str]] = []  # read below, in this step
+        # read, verified and acknowledged in one core call (``ReadPath.read_item``): counted
+        # below with the other reads; on an error the face gives back the others, as before
+        core_read = reading._read_item is not None and copy
+        core_hits = 0
         jobs: list[tuple[int, ShmRef, str]] = _NONE
         stale: list[str] = _NONE
         error: Exception | None = None
@@ -148,6 +152,23 @@ class ReceiverRequest(_Steps):
                         raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
                     if type(h) is not str:
                         check_hash(h)
+                    if (
+                        core_read
+                        and type(data) is ShmRef
+                        and type(data.length) is int
+                        and data.length < inline_below
+                    ):
+                        try:
+                            value = reading.read_item(data)
+                        except StaleReferenceError:  # reclaimed during the copy: owes nothing
+                            if stale is _NONE:
+                                stale = self._stale = []
+                            stale.append(h)
+                            continue
+                        if value is not None:
+                            results[i] = value
+                            core_hits += 1
+                            continue
                     # the usual case in one call (``ReadPath._lookup``); else the typed checks
                     view = reading._lookup(data) if type(data) is ShmRef else None
                     if view is not None:
@@ -179,7 +200,8 @@ class ReceiverRequest(_Steps):
             if error is not None:
                 raise error  # the face abandons the request: every valid reference is given back
             if slot is None:
-                slot = reading._check_reader() if not reads and not jobs else reading.slot
+                busy = reads or jobs or core_hits
+                slot = reading._check_reader() if not busy else reading.slot
         except BaseException:
             self._owe(reads, 0, 0)
             raise
@@ -187,7 +209,7 @@ class ReceiverRequest(_Steps):
             self._owed = {i: ref for i, ref, _h in jobs}
         if not copy:
             held = self._held = []
-        hits = done = 0
+        hits, done = core_hits, 0
         try:
             for i, ref, view, h in reads:
                 done += 1
