@@ -15,6 +15,14 @@ forged: a copy of a genuine one re-tagged with an older epoch (what anyone who c
 segment may make) would settle the genuine hand-out its (id, seq) names before the reader read
 it, and the writer would free the chunk under that reader.
 
+**The one owner of the read algorithm.** Every read goes through this class; the requests of
+the caches (``_receive.ReceiverRequest``) drive its steps and hold none of their own: the usual
+read of a plain item in one call (:meth:`ReadPath.read_item`, the core's ``read_item``:
+``_core_read.c``, reference ``_core_read_py``), else ``_lookup`` (the usual checks, nothing
+raised) or ``_check_reader`` + ``_resolve`` (every check, typed errors), then ``_finish_read``
+(decode, verify, acknowledge); ``get_checked`` for a request's deferred reads; ``ack`` and
+``give_back`` to settle hand-outs; ``_inflight`` / ``in_use`` around them (see below).
+
 The writer-liveness probe lives here too: a reader checks the writer's kernel lock at most once
 per ``probe_interval`` seconds.
 
