@@ -15,8 +15,9 @@
  *      ``DTYPES``) or simple scalars (nil, bool, int, float, str), in the canonical layout;
  *   4. each array copied into a new ``np.empty`` (memcpy; the GIL released for big copies);
  *      from OWN_PAGES bytes into pages of its own instead, mapped and populated in one system
- *      call without the GIL (huge pages from HUGE_PAGES), freed with the array: a fresh heap
- *      block would cost one page fault per 4 KiB page during the copy;
+ *      call without the GIL (huge pages from HUGE_PAGES), kept for reuse when the array is
+ *      freed (``spare``): a fresh heap block would cost one page fault per 4 KiB page during
+ *      the copy;
  *   5. the chunk re-checked (id, state, reuse fence): reclaimed during the copy is a
  *      ``StaleReferenceError``, never torn data;
  *   6. the hand-out acknowledged in the reader slot's log (under the slot's lock: the id and
@@ -107,13 +108,55 @@ typedef struct {
     PyObject_HEAD
     void *map;
     size_t maplen;
+    size_t size; /* the bytes of the array (what the buffer exposes) */
 } Pages;
+
+/* Mappings of freed arrays, kept for the next big read (warm: no page to fault or zero). A
+ * read that drops its item before the next one reuses the same pages, as the heap would; a
+ * batch of reads kept alive maps new ones. Bounded; only touched with the GIL held. */
+#define SPARE_MAX 16
+#define SPARE_BYTES (64 * 1024 * 1024)
+static struct {
+    void *map;
+    size_t maplen;
+} spare[SPARE_MAX];
+static int n_spare;
+static size_t spare_bytes;
+
+static void
+give_pages(void *map, size_t maplen)
+{
+    if (n_spare < SPARE_MAX && spare_bytes + maplen <= SPARE_BYTES) {
+        spare[n_spare].map = map, spare[n_spare].maplen = maplen;
+        n_spare++, spare_bytes += maplen;
+    } else {
+        munmap(map, maplen);
+    }
+}
+
+/* a spare mapping of ``n`` to ``n + n / 4`` bytes (the smallest), or NULL */
+static void *
+take_pages(uint64_t n, size_t *maplen)
+{
+    int best = -1;
+    for (int i = 0; i < n_spare; i++)
+        if (spare[i].maplen >= n && spare[i].maplen - n <= n / 4
+            && (best < 0 || spare[i].maplen < spare[best].maplen))
+            best = i;
+    if (best < 0)
+        return NULL;
+    void *m = spare[best].map;
+    *maplen = spare[best].maplen;
+    spare_bytes -= *maplen;
+    spare[best] = spare[--n_spare];
+    return m;
+}
 
 static void
 pages_dealloc(Pages *self)
 {
     if (self->map != NULL)
-        munmap(self->map, self->maplen);
+        give_pages(self->map, self->maplen);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -124,7 +167,7 @@ pages_getbuffer(Pages *self, Py_buffer *view, int flags)
         PyErr_SetString(PyExc_BufferError, "no pages");
         return -1;
     }
-    return PyBuffer_FillInfo(view, (PyObject *)self, self->map, (Py_ssize_t)self->maplen, 0,
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->map, (Py_ssize_t)self->size, 0,
                              flags);
 }
 
@@ -388,7 +431,7 @@ read_array(Walk *w, const unsigned char *rec, uint64_t rlen, PyObject **out)
         /* the array is made after the copy, on its own pages (``finish_pages``) */
         cp->shape = shape;
         cp->dtype = Py_NewRef(PyTuple_GET_ITEM(entry, 0));
-        cp->dst = NULL;
+        cp->dst = cp->map = take_pages(nbytes, &cp->maplen); /* else mapped without the GIL */
         w->n_copies++;
         *out = Py_NewRef(Py_None);
         return 2;
@@ -570,7 +613,7 @@ release_copies(Walk *w)
         Py_CLEAR(cp->shape);
         Py_CLEAR(cp->dtype);
         if (cp->map != NULL) {
-            munmap(cp->map, cp->maplen);
+            give_pages(cp->map, cp->maplen);
             cp->map = NULL;
         }
     }
@@ -588,7 +631,7 @@ finish_pages(Walk *w, PyObject *d)
         Pages *pages = PyObject_New(Pages, &PagesType);
         if (pages == NULL)
             return -1;
-        pages->map = cp->map, pages->maplen = cp->maplen;
+        pages->map = cp->map, pages->maplen = cp->maplen, pages->size = cp->nbytes;
         cp->map = NULL; /* the pages own it now */
         PyObject *argv[3] = {cp->shape, cp->dtype, (PyObject *)pages};
         PyObject *arr = PyObject_Vectorcall(w->ctx->np_ndarray, argv, 3, NULL);
@@ -729,7 +772,8 @@ core_read_item(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_BEGIN_ALLOW_THREADS_IF(sum >= NOGIL_COPY)
     for (int i = 0; i < w.n_copies; i++) {
         Copy *cp = &w.copies[i];
-        if (cp->key != NULL && (cp->dst = map_pages(cp->nbytes, &cp->map, &cp->maplen)) == NULL) {
+        if (cp->key != NULL && cp->dst == NULL
+            && (cp->dst = map_pages(cp->nbytes, &cp->map, &cp->maplen)) == NULL) {
             unmapped = 1;
             continue;
         }
