@@ -348,10 +348,11 @@ def read_one(store: StoreReader, counters: RequestCounters, mm_item: Any, mm_has
 
     A reference reclaimed during the copy is counted and raised as the request raises it.
     """
-    if type(mm_item) is not ShmRef or type(mm_hash) is not str:
+    reading = store._reading
+    if type(mm_item) is not ShmRef or type(mm_hash) is not str or reading._read_item is None:
         return None
     try:
-        value = store._reading.read_item(mm_item)
+        value = reading.read_item(mm_item)
     except StaleReferenceError:
         counters.add(total=1)
         raise StaleReferenceError(f"reference for {mm_hash!r} is stale") from None
