@@ -62,6 +62,7 @@ typedef struct {
     PyObject *overflow;
     PyObject *np_empty;
     PyObject *np_ndarray;
+    PyObject *np_frombuffer;
     PyObject *dtypes;    /* dict: dtype string (bytes) -> (dtype, itemsize) */
     PyObject *stale;     /* StaleReferenceError */
     uint64_t nonce, secret, session;
@@ -69,7 +70,7 @@ typedef struct {
 } ReadCtx;
 
 static PyObject *s_acquire, *s_release, *s_closed, *s_max_header_bytes, *s_max_arrays,
-    *s_max_ndim;
+    *s_max_ndim, *s_reshape, *s_toreadonly;
 
 static inline uint64_t
 ld(const unsigned char *p)
@@ -224,6 +225,7 @@ ctx_dealloc(ReadCtx *self)
     Py_XDECREF(self->overflow);
     Py_XDECREF(self->np_empty);
     Py_XDECREF(self->np_ndarray);
+    Py_XDECREF(self->np_frombuffer);
     Py_XDECREF(self->dtypes);
     Py_XDECREF(self->stale);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -269,8 +271,9 @@ ctx_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (numpy == NULL)
         goto fail;
     self->np_ndarray = PyObject_GetAttrString(numpy, "ndarray");
+    self->np_frombuffer = PyObject_GetAttrString(numpy, "frombuffer");
     Py_DECREF(numpy);
-    if (self->np_ndarray == NULL)
+    if (self->np_ndarray == NULL || self->np_frombuffer == NULL)
         goto fail;
     if ((self->lock = PyObject_GetAttrString(slot, "_ack_lock")) == NULL
         || (self->overflow = PyObject_GetAttrString(slot, "_overflow")) == NULL
@@ -371,7 +374,8 @@ read_str(Cursor *c, PyObject **out)
 typedef struct {
     ReadCtx *ctx;
     uint64_t data_off, data_len, cursor, max_ndim, max_arrays;
-    int n_copies;
+    PyObject *ro; /* views (a lease): the payload, read-only; NULL: copies */
+    int n_arrays, n_copies;
     Copy copies[MAX_ARRAYS_HERE];
 } Walk;
 
@@ -383,8 +387,8 @@ read_array(Walk *w, const unsigned char *rec, uint64_t rlen, PyObject **out)
     uint64_t off = le64(rec), nbytes = le64(rec + 8);
     unsigned flags = rec[16], ndim = rec[17], dlen = rec[18];
     if (flags || ndim > MAX_NDIM_FORMAT || ndim > w->max_ndim
-        || rlen != 19 + 8 * (uint64_t)ndim + dlen || w->n_copies >= MAX_ARRAYS_HERE
-        || (uint64_t)w->n_copies >= w->max_arrays)
+        || rlen != 19 + 8 * (uint64_t)ndim + dlen || w->n_arrays >= MAX_ARRAYS_HERE
+        || (uint64_t)w->n_arrays >= w->max_arrays)
         return 0;
     PyObject *key = PyBytes_FromStringAndSize((const char *)rec + 19 + 8 * ndim, dlen);
     if (key == NULL)
@@ -421,6 +425,25 @@ read_array(Walk *w, const unsigned char *rec, uint64_t rlen, PyObject **out)
             return -1;
         }
         PyTuple_SET_ITEM(shape, i, d);
+    }
+    w->n_arrays++;
+    if (w->ro != NULL) { /* a read-only view of the payload, as the serde's ``copy=False`` */
+        PyObject *cnt = PyLong_FromUnsignedLongLong(count);
+        PyObject *at = PyLong_FromUnsignedLongLong(w->data_off + off);
+        PyObject *view = NULL;
+        if (cnt != NULL && at != NULL) {
+            PyObject *argv[4] = {w->ro, PyTuple_GET_ITEM(entry, 0), cnt, at};
+            view = PyObject_Vectorcall(w->ctx->np_frombuffer, argv, 4, NULL);
+        }
+        Py_XDECREF(cnt);
+        Py_XDECREF(at);
+        if (view != NULL && ndim != 1)
+            Py_SETREF(view, PyObject_CallMethodOneArg(view, s_reshape, shape));
+        Py_DECREF(shape);
+        if (view == NULL)
+            return -1;
+        *out = view;
+        return 1;
     }
     Copy *cp = &w->copies[w->n_copies];
     cp->start = w->data_off + off;
@@ -558,7 +581,7 @@ decode(Walk *w, const unsigned char *pl, uint64_t size, PyObject **out)
     w->cursor = 0;
     w->max_ndim = max_ndim;
     w->max_arrays = max_arrays;
-    w->n_copies = 0;
+    w->n_copies = w->n_arrays = 0;
     Cursor c = {pl + PAYLOAD_PREFIX_SIZE, hlen, 0};
     const unsigned char *p;
     if (!take(&c, 1, &p))
@@ -698,10 +721,13 @@ acknowledge(ReadCtx *ctx, unsigned char *slot, uint64_t cid, uint64_t seq)
 static PyObject *
 core_read_item(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "read_item takes 2 arguments (ctx, ref)");
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "read_item takes 2 or 3 arguments (ctx, ref, copy)");
         return NULL;
     }
+    int copy = 1;
+    if (nargs == 3 && (copy = PyObject_IsTrue(args[2])) < 0)
+        return NULL;
     if (!Py_IS_TYPE(args[0], &ReadCtxType)) {
         PyErr_SetString(PyExc_TypeError, "read_item: ctx must be a ReadCtx");
         return NULL;
@@ -735,6 +761,7 @@ core_read_item(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *result = NULL, *value = NULL;
     Walk w;
     w.n_copies = 0;
+    w.ro = NULL;
     unsigned char *base = mem.buf;
     uint64_t total = (uint64_t)mem.len;
     if (total < AIOSHM_HEADER_SIZE || ctx->ring_off > total || ctx->capacity > total - ctx->ring_off
@@ -760,6 +787,21 @@ core_read_item(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     w.ctx = ctx;
     w.n_copies = 0;
     uint64_t pl_off = ctx->ring_off + address + CHUNK_HEADER;
+    if (!copy) { /* views of a read-only slice of the segment's view (it keeps it mapped) */
+        PyObject *start = PyLong_FromUnsignedLongLong(pl_off);
+        PyObject *stop = PyLong_FromUnsignedLongLong(pl_off + length);
+        PyObject *sl = start && stop ? PySlice_New(start, stop, NULL) : NULL;
+        PyObject *part = sl ? PyObject_GetItem(ctx->mem, sl) : NULL;
+        Py_XDECREF(start);
+        Py_XDECREF(stop);
+        Py_XDECREF(sl);
+        if (part == NULL)
+            goto done;
+        w.ro = PyObject_CallMethodNoArgs(part, s_toreadonly);
+        Py_DECREF(part);
+        if (w.ro == NULL)
+            goto done;
+    }
     int r = decode(&w, base + pl_off, length, &value);
     if (r < 0)
         goto done;
@@ -794,6 +836,11 @@ core_read_item(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     if (ld(slot + 8 * WS_REVOKED) == ctx->session)
         goto pass; /* revoked meanwhile: the Python path raises it (nothing acknowledged) */
+    if (!copy) { /* a lease: acknowledged when it is settled (``ReadPath.ack``) */
+        result = value;
+        value = NULL;
+        goto done;
+    }
     r = acknowledge(ctx, slot, cid, seq);
     if (r < 0)
         goto done;
@@ -806,6 +853,7 @@ pass:
     result = Py_NewRef(Py_None);
 done:
     release_copies(&w);
+    Py_XDECREF(w.ro);
     Py_XDECREF(value);
     PyBuffer_Release(&mem);
     return result;
@@ -825,8 +873,8 @@ core_read_layout(PyObject *module, PyObject *unused)
 
 PyMethodDef aioshm_read_methods[] = {
     {"read_item", (PyCFunction)(void (*)(void))core_read_item, METH_FASTCALL,
-     "read_item(ctx, ref) -> the item (a verified, acknowledged copy), or None: not handled "
-     "here, nothing done"},
+     "read_item(ctx, ref, copy=True) -> the item (a verified copy, acknowledged; with copy "
+     "false read-only views, not acknowledged), or None: not handled here, nothing done"},
     {"read_layout", core_read_layout, METH_NOARGS,
      "read_layout() -> the layout constants the read section is built with"},
     {NULL, NULL, 0, NULL},
@@ -844,6 +892,8 @@ aioshm_read_init(PyObject *module)
     INTERN(s_max_header_bytes, "max_header_bytes");
     INTERN(s_max_arrays, "max_arrays");
     INTERN(s_max_ndim, "max_ndim");
+    INTERN(s_reshape, "reshape");
+    INTERN(s_toreadonly, "toreadonly");
 #undef INTERN
     if (PyType_Ready(&ReadCtxType) < 0 || PyType_Ready(&PagesType) < 0)
         return -1;

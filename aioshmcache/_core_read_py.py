@@ -150,11 +150,23 @@ class _Pass(Exception):
 
 
 class _Walk:
-    __slots__ = ("copies", "ctx", "cursor", "data_len", "data_off", "max_arrays", "max_ndim")
+    __slots__ = (
+        "copies",
+        "ctx",
+        "cursor",
+        "data_len",
+        "data_off",
+        "max_arrays",
+        "max_ndim",
+        "n_arrays",
+        "ro",
+    )
 
-    def __init__(self, ctx: ReadCtx, data_off: int, data_len: int) -> None:
+    def __init__(self, ctx: ReadCtx, data_off: int, data_len: int, ro: memoryview | None) -> None:
         serde = ctx.serde
         self.ctx = ctx
+        self.ro = ro  # views (a lease): the payload, read-only; None: copies
+        self.n_arrays = 0
         self.data_off, self.data_len, self.cursor = data_off, data_len, 0
         self.max_arrays: int = serde.max_arrays
         self.max_ndim: int = serde.max_ndim
@@ -196,8 +208,8 @@ def _read_array(w: _Walk, rec: bytes) -> np.ndarray[Any, Any]:
         or ndim > _MAX_NDIM_FORMAT
         or ndim > w.max_ndim
         or len(rec) != _ARR.size + 8 * ndim + dlen
-        or len(w.copies) >= _MAX_ARRAYS_HERE
-        or len(w.copies) >= w.max_arrays
+        or w.n_arrays >= _MAX_ARRAYS_HERE
+        or w.n_arrays >= w.max_arrays
     ):
         raise _Pass
     dstart = _ARR.size + 8 * ndim
@@ -217,6 +229,10 @@ def _read_array(w: _Walk, rec: bytes) -> np.ndarray[Any, Any]:
     if off != expected or nbytes > w.data_len or off > w.data_len - nbytes:
         raise _Pass
     w.cursor = off + nbytes
+    w.n_arrays += 1
+    if w.ro is not None:  # a read-only view of the payload, as the serde's ``copy=False``
+        view: np.ndarray[Any, Any] = np.frombuffer(w.ro, dt, count, w.data_off + off)
+        return view if ndim == 1 else view.reshape(shape)
     arr: np.ndarray[Any, Any] = w.ctx.np_empty(shape, dt)
     if arr.nbytes != nbytes:
         raise _Pass
@@ -253,7 +269,7 @@ def _read_value(w: _Walk, h: bytes, pos: list[int]) -> Any:
     raise _Pass
 
 
-def _decode(ctx: ReadCtx, pl: memoryview) -> tuple[dict[str, Any], _Walk]:
+def _decode(ctx: ReadCtx, pl: memoryview, ro: memoryview | None) -> tuple[dict[str, Any], _Walk]:
     """The payload as a dict with the arrays allocated and their copies planned."""
     size = len(pl)
     if size < _PREFIX.size:
@@ -266,7 +282,7 @@ def _decode(ctx: ReadCtx, pl: memoryview) -> tuple[dict[str, Any], _Walk]:
     data_off = (_PREFIX.size + hlen + 63) & ~63
     if data_off > size or data_len != size - data_off:
         raise _Pass
-    w = _Walk(ctx, data_off, data_len)
+    w = _Walk(ctx, data_off, data_len, ro)
     h = bytes(pl[_PREFIX.size : _PREFIX.size + hlen])
     pos = [0]
     t = _take(h, pos, 1)[0]
@@ -287,9 +303,10 @@ def _decode(ctx: ReadCtx, pl: memoryview) -> tuple[dict[str, Any], _Walk]:
     return out, w
 
 
-def read_item(ctx: ReadCtx, ref: object) -> Any:
-    """The item of ``ref`` (a verified, acknowledged copy), or ``None``: not handled here,
-    nothing done. ``StaleReferenceError`` if the chunk was reclaimed during the copy."""
+def read_item(ctx: ReadCtx, ref: object, copy: bool = True) -> Any:
+    """The item of ``ref`` (a verified, acknowledged copy; with ``copy`` false read-only views,
+    not acknowledged: a lease), or ``None``: not handled here, nothing done.
+    ``StaleReferenceError`` if the chunk was reclaimed during the copy."""
     if type(ctx) is not ReadCtx:
         raise TypeError("read_item: ctx must be a ReadCtx")
     if type(ref) is not ctx.ref_type:
@@ -343,8 +360,9 @@ def read_item(ctx: ReadCtx, ref: object) -> Any:
     ):
         return None
     pl_off = ch + L.CHUNK_HEADER
+    payload = mem[pl_off : pl_off + length]
     try:
-        value, w = _decode(ctx, mem[pl_off : pl_off + length])
+        value, w = _decode(ctx, payload, None if copy else payload.toreadonly())
     except _Pass:
         return None
     for start, nbytes, arr in w.copies:
@@ -357,6 +375,8 @@ def read_item(ctx: ReadCtx, ref: object) -> Any:
         raise ctx.stale(f"chunk {cid} was reclaimed during the read")
     if _word(mem, slot_off + 8 * L.WS_REVOKED) == ctx.session:
         return None  # revoked meanwhile: the Python path raises it (nothing acknowledged)
+    if not copy:
+        return value  # a lease: acknowledged when it is settled (``ReadPath.ack``)
     if not _acknowledge(ctx, mem, cid, seq):
         return None
     return value

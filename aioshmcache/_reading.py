@@ -151,7 +151,7 @@ class ReadPath:
         self._chunk_bytes = ring.buf
         # the compiled read of one plain item (``enable_core``), None: the Python path only
         self._ctx: Any = None
-        self._read_item: Callable[[Any, object], Any] | None = None
+        self._read_item: Callable[[Any, object, bool], Any] | None = None
 
     def enable_core(self, core: Any = None) -> bool:
         """Read plain items through the core's ``read_item`` (this reader's slot must be set).
@@ -185,11 +185,12 @@ class ReadPath:
         self._read_item = core.read_item
         return True
 
-    def read_item(self, ref: object) -> Any:
+    def read_item(self, ref: object, copy: bool = True) -> Any:
         """The usual reader's read of a plain item in one core call (``_core_read``): the item,
-        verified and acknowledged; ``None`` (nothing done, nothing owed) for anything the core
-        does not take, which the caller then reads by the general path. ``StaleReferenceError``
-        if the chunk was reclaimed during the copy (as ``get``)."""
+        verified and acknowledged (with ``copy`` false: read-only views, acknowledged by
+        :meth:`ack` when the lease ends); ``None`` (nothing done, nothing owed) for anything the
+        core does not take, which the caller then reads by the general path.
+        ``StaleReferenceError`` if the chunk was reclaimed during the copy (as ``get``)."""
         read = self._read_item
         if read is None:
             return None
@@ -202,8 +203,8 @@ class ReadPath:
                 or time.monotonic() - self._last_writer_probe > self.probe_interval
             ):
                 return None
-            value = read(self._ctx, ref)
-            if value is not None and self._hw[H_WAITING]:
+            value = read(self._ctx, ref, copy)
+            if value is not None and copy and self._hw[H_WAITING]:
                 self._post_wake()
             return value
         finally:
@@ -438,8 +439,8 @@ class ReadPath:
         general path, which makes the same checks again and raises the typed error. One read in
         flight for the whole call.
         """
-        if copy and self._read_item is not None:
-            value = self.read_item(ref)
+        if self._read_item is not None:
+            value = self.read_item(ref, copy)
             if value is not None:
                 return value
         inflight = self._inflight  # one read in flight: ``in_use``, inlined

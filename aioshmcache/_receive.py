@@ -135,9 +135,11 @@ class ReceiverRequest(_Steps):
         results = self._results
         reads: list[tuple[int, ShmRef, memoryview, str]] = []  # read below, in this step
         # read, verified and acknowledged in one core call (``ReadPath.read_item``): counted
-        # below with the other reads; on an error the face gives back the others, as before
-        core_read = reading._read_item is not None and copy
+        # below with the other reads; on an error the face gives back the others, as before.
+        # A lease's views are not acknowledged: held (given back on an error) as ``reads``'.
+        core_read = reading._read_item is not None
         core_hits = 0
+        leased: list[tuple[int, ShmRef]] = []
         jobs: list[tuple[int, ShmRef, str]] = _NONE
         stale: list[str] = _NONE
         error: Exception | None = None
@@ -156,10 +158,10 @@ class ReceiverRequest(_Steps):
                         core_read
                         and type(data) is ShmRef
                         and type(data.length) is int
-                        and data.length < inline_below
+                        and (not copy or data.length < inline_below)
                     ):
                         try:
-                            value = reading.read_item(data)
+                            value = reading.read_item(data, copy)
                         except StaleReferenceError:  # reclaimed during the copy: owes nothing
                             if stale is _NONE:
                                 stale = self._stale = []
@@ -168,6 +170,8 @@ class ReceiverRequest(_Steps):
                         if value is not None:
                             results[i] = value
                             core_hits += 1
+                            if not copy:
+                                leased.append((i, data))
                             continue
                     # the usual case in one call (``ReadPath._lookup``); else the typed checks
                     view = reading._lookup(data) if type(data) is ShmRef else None
@@ -204,11 +208,13 @@ class ReceiverRequest(_Steps):
                 slot = reading._check_reader() if not busy else reading.slot
         except BaseException:
             self._owe(reads, 0, 0)
+            for i, ref in leased:
+                self._owed[i] = ref
             raise
         if jobs:
             self._owed = {i: ref for i, ref, _h in jobs}
         if not copy:
-            held = self._held = []
+            held = self._held = [ref for _i, ref in leased]
         hits, done = core_hits, 0
         try:
             for i, ref, view, h in reads:

@@ -400,9 +400,9 @@ def test_the_receiver_cache_reads_through_the_core_with_the_same_errors(
         if CORES[1:]:  # the compiled core in use: this read is one core call
             read = reading.read_item
 
-            def spy(r: object) -> Any:
+            def spy(r: object, copy: bool = True) -> Any:
                 spied.append(r)
-                return read(r)
+                return read(r, copy)
 
             monkeypatch.setattr(reading, "read_item", spy)
         assert same(rx.get_and_update_item(ref, "h"), item)
@@ -534,3 +534,53 @@ def test_a_request_of_several_features_reads_alike_on_every_path(kinds: list[str
             assert all(same(a.data, b.data) for a, b in zip(core[0][1], python[0][1]))
         else:
             assert core[0][1:] == python[0][1:]
+
+
+@SETTINGS
+@given(item=st.one_of(plain_items, other_items), how=st.sampled_from(MUTATIONS), data=st.data())
+def test_a_lease_reads_alike_on_every_path(item: Any, how: str, data: st.DataObject) -> None:
+    """``copy=False``: read-only views into shared memory, nothing acknowledged until ``ack``;
+    the same values and errors on every path."""
+    with stores() as (w, readers):
+        ref = mutate(w, w.put("k", item), how, data)
+        out = {}
+        for name, r in readers.items():
+            before = acked(r)
+            res = outcome(lambda r=r: r.get(ref, copy=False))  # type: ignore[misc]
+            assert acked(r) == before, name  # a lease owes its acknowledgement
+            if res[0] == "ok":
+                leaves = [v for v in res[1].values()] if isinstance(res[1], dict) else []
+                for v in leaves:
+                    if isinstance(v, np.ndarray) and v.size:
+                        assert not v.flags.writeable, name
+                given = ShmRef.from_dict(ref) if isinstance(ref, dict) else ShmRef(*ref)  # type: ignore[misc]
+                r.ack(given)
+                assert acked(r) == before + 1, name
+            out[name] = res
+        base = out["python"]
+        for name, res in out.items():
+            assert res[0] == base[0], name
+            if res[0] == "ok":
+                assert same(res[1], base[1]), name
+            else:
+                assert res[1:] == base[1:], name
+
+
+def test_a_receiver_lease_takes_the_core_and_settles_on_exit() -> None:
+    with contextlib.ExitStack() as stack:
+        tx = stack.enter_context(SenderCache(CacheConfig(CAP, CAP // 4, 2)))
+        rxs = _receivers(tx, stack)
+        item = {"a": np.arange(100, dtype=np.int32).reshape(10, 10), "s": "x"}
+        for name, rx in rxs.items():
+            ref, _ = tx.get_and_update_item((item, ()), "h")
+            if name == "core":  # the core takes a plain item's lease in one call
+                views = rx.store._reading.read_item(ref, False)
+                assert views is not None and same(views, item)
+                del views
+                rx.store.ack(ref)
+                ref, _ = tx.get_and_update_item((item, ()), "h")
+            before = acked(rx.store)
+            with rx.lease([FeatureSpec("h", ref)]) as [f]:
+                assert same(f.data, item) and not f.data["a"].flags.writeable
+                assert acked(rx.store) == before
+            assert acked(rx.store) == before + 1
