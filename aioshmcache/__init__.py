@@ -13,9 +13,13 @@ engine worker channel built on it (``EngineClient``, ``serve_engine``); ``aioshm
 (the ``metrics`` extra, not imported here) exports caches and cache groups to Prometheus;
 ``aioshmcache.keys`` derives keys no client can poison (``content_key``, ``lookup_key``,
 ``tenant_key``, re-exported here).
+
+``implementation()`` says which core runs the hot steps: ``"c"`` (the compiled extension) or
+``"python"`` (the pure-Python reference: no compiler at install time, or ``AIOSHM_PURE=1``).
 """
 
 from . import wire
+from ._core_api import implementation
 from ._ring import ShmRingBuffer
 from ._serde import EncodePlan, MsgpackSerde, Serde
 from ._store import ShmObjectStore, StoreWriter
@@ -117,6 +121,7 @@ __all__ = [
     "WriterGoneError",
     "WrongRoleError",
     "content_key",
+    "implementation",
     "lookup_key",
     "sweep",
     "tenant_key",

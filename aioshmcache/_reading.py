@@ -15,6 +15,14 @@ forged: a copy of a genuine one re-tagged with an older epoch (what anyone who c
 segment may make) would settle the genuine hand-out its (id, seq) names before the reader read
 it, and the writer would free the chunk under that reader.
 
+**The one owner of the read algorithm.** Every read goes through this class; the requests of
+the caches (``_receive.ReceiverRequest``) drive its steps and hold none of their own: the usual
+read of a plain item in one call (:meth:`ReadPath.read_item`, the core's ``read_item``:
+``_core_read.c``, reference ``_core_read_py``), else ``_lookup`` (the usual checks, nothing
+raised) or ``_check_reader`` + ``_resolve`` (every check, typed errors), then ``_finish_read``
+(decode, verify, acknowledge); ``get_checked`` for a request's deferred reads; ``ack`` and
+``give_back`` to settle hand-outs; ``_inflight`` / ``in_use`` around them (see below).
+
 The writer-liveness probe lives here too: a reader checks the writer's kernel lock at most once
 per ``probe_interval`` seconds.
 
@@ -44,8 +52,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import posix_ipc
 
+from . import _core_api
+from ._core_read_py import dtype_table as _dtype_table
 from ._layout import (
     C_CHECK,
     C_ID,
@@ -56,7 +67,10 @@ from ._layout import (
     COMMITTED,
     H_EPOCH,
     H_HEAD_POS,
+    H_READER_OFF,
+    H_RING_OFF,
     H_SECRET,
+    H_SLOT_SIZE,
     H_STATE,
     H_WAITING,
     STATE_LIVE,
@@ -66,7 +80,7 @@ from ._layout import (
 from ._readers import ReaderSlot
 from ._ring import ShmRingBuffer
 from ._segment import Segment
-from ._serde import Serde
+from ._serde import MsgpackSerde, Serde
 from ._types import _M1, _M2, _M3, _M4, _U64, ShmRef, finish_tag, tag_base
 from .errors import (
     ClosedCacheError,
@@ -135,6 +149,68 @@ class ReadPath:
         self._capacity = ring.capacity
         self._chunk_words = ring._w
         self._chunk_bytes = ring.buf
+        # the compiled read of one plain item (``enable_core``), None: the Python path only
+        self._ctx: Any = None
+        self._read_item: Callable[[Any, object, bool], Any] | None = None
+
+    def enable_core(self, core: Any = None) -> bool:
+        """Read plain items through the core's ``read_item`` (this reader's slot must be set).
+
+        ``core``: the core module to use (default: the compiled one if it is in use; the pure
+        one only on request, as the differential tests do, since the general Python path is
+        faster than its step-by-step reference). Only for the default serde. True if enabled.
+        """
+        slot = self.slot
+        if core is None:
+            if _core_api.implementation() != "c":
+                return False
+            core = _core_api.core
+        if slot is None or type(self.serde) is not MsgpackSerde:
+            return False
+        hw = self._hw
+        self._ctx = core.ReadCtx(
+            self._seg.buf,
+            ShmRef,
+            self.serde,
+            slot,
+            np.empty,
+            _dtype_table(),
+            StaleReferenceError,
+            self._nonce,
+            self._secret,
+            int(hw[H_RING_OFF]),
+            self._capacity,
+            int(hw[H_READER_OFF]) + slot.slot * int(hw[H_SLOT_SIZE]),
+        )
+        self._read_item = core.read_item
+        return True
+
+    def read_item(self, ref: object, copy: bool = True) -> Any:
+        """The usual reader's read of a plain item in one core call (``_core_read``): the item,
+        verified and acknowledged (with ``copy`` false: read-only views, acknowledged by
+        :meth:`ack` when the lease ends); ``None`` (nothing done, nothing owed) for anything the
+        core does not take, which the caller then reads by the general path.
+        ``StaleReferenceError`` if the chunk was reclaimed during the copy (as ``get``)."""
+        read = self._read_item
+        if read is None:
+            return None
+        inflight = self._inflight  # one read in flight: ``in_use``, inlined
+        inflight.append(None)
+        try:
+            if (
+                self.closed
+                or self._seg.forked
+                or time.monotonic() - self._last_writer_probe > self.probe_interval
+            ):
+                return None
+            value = read(self._ctx, ref, copy)
+            if value is not None and copy and self._hw[H_WAITING]:
+                self._post_wake()
+            return value
+        finally:
+            inflight.pop()
+            if self.closed:
+                self._left_closed()
 
     # --- reads in flight (see "Closing during a read" in the module docstring) --------------
     def _enter(self) -> None:
@@ -363,6 +439,10 @@ class ReadPath:
         general path, which makes the same checks again and raises the typed error. One read in
         flight for the whole call.
         """
+        if self._read_item is not None:
+            value = self.read_item(ref, copy)
+            if value is not None:
+                return value
         inflight = self._inflight  # one read in flight: ``in_use``, inlined
         inflight.append(None)
         try:

@@ -28,7 +28,7 @@ from ._store_reader import StoreReader
 from ._types import FeatureSpec, ShmRef
 from .errors import CacheMissError, InvalidReferenceError, StaleReferenceError
 
-__all__ = ["ReceiverRequest", "single_item"]
+__all__ = ["ReceiverRequest", "read_one", "single_item"]
 
 _NO_OWED: Final = cast("dict[int, ShmRef]", MappingProxyType({}))
 
@@ -134,6 +134,12 @@ class ReceiverRequest(_Steps):
         copy, inline_below, pairs = self._copy, self._inline_below, self._pairs
         results = self._results
         reads: list[tuple[int, ShmRef, memoryview, str]] = []  # read below, in this step
+        # read, verified and acknowledged in one core call (``ReadPath.read_item``): counted
+        # below with the other reads; on an error the face gives back the others, as before.
+        # A lease's views are not acknowledged: held (given back on an error) as ``reads``'.
+        core_read = reading._read_item is not None
+        core_hits = 0
+        leased: list[tuple[int, ShmRef]] = []
         jobs: list[tuple[int, ShmRef, str]] = _NONE
         stale: list[str] = _NONE
         error: Exception | None = None
@@ -148,6 +154,25 @@ class ReceiverRequest(_Steps):
                         raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
                     if type(h) is not str:
                         check_hash(h)
+                    if (
+                        core_read
+                        and type(data) is ShmRef
+                        and type(data.length) is int
+                        and (not copy or data.length < inline_below)
+                    ):
+                        try:
+                            value = reading.read_item(data, copy)
+                        except StaleReferenceError:  # reclaimed during the copy: owes nothing
+                            if stale is _NONE:
+                                stale = self._stale = []
+                            stale.append(h)
+                            continue
+                        if value is not None:
+                            results[i] = value
+                            core_hits += 1
+                            if not copy:
+                                leased.append((i, data))
+                            continue
                     # the usual case in one call (``ReadPath._lookup``); else the typed checks
                     view = reading._lookup(data) if type(data) is ShmRef else None
                     if view is not None:
@@ -179,15 +204,18 @@ class ReceiverRequest(_Steps):
             if error is not None:
                 raise error  # the face abandons the request: every valid reference is given back
             if slot is None:
-                slot = reading._check_reader() if not reads and not jobs else reading.slot
+                busy = reads or jobs or core_hits
+                slot = reading._check_reader() if not busy else reading.slot
         except BaseException:
             self._owe(reads, 0, 0)
+            for i, ref in leased:
+                self._owed[i] = ref
             raise
         if jobs:
             self._owed = {i: ref for i, ref, _h in jobs}
         if not copy:
-            held = self._held = []
-        hits = done = 0
+            held = self._held = [ref for _i, ref in leased]
+        hits, done = core_hits, 0
         try:
             for i, ref, view, h in reads:
                 done += 1
@@ -318,6 +346,25 @@ class ReceiverRequest(_Steps):
             self._store.give_back(owed[i])
         for ref in held:
             self._store.give_back(ref)
+
+
+def read_one(store: StoreReader, counters: RequestCounters, mm_item: Any, mm_hash: Any) -> Any:
+    """``get_and_update_item``'s usual case in one core call (``ReadPath.read_item``): the item,
+    or ``None`` when the request path must run (nothing done, nothing counted then).
+
+    A reference reclaimed during the copy is counted and raised as the request raises it.
+    """
+    reading = store._reading
+    if type(mm_item) is not ShmRef or type(mm_hash) is not str or reading._read_item is None:
+        return None
+    try:
+        value = reading.read_item(mm_item)
+    except StaleReferenceError:
+        counters.add(total=1)
+        raise StaleReferenceError(f"reference for {mm_hash!r} is stale") from None
+    if value is not None:
+        counters.add(hits=1, total=1)
+    return value
 
 
 def single_item(finish: Callable[[], list[FeatureSpec]], features: Sequence[FeatureSpec]) -> Any:

@@ -47,6 +47,7 @@ class StoreReader(ShmObjectStore):
         if not segment.writer_alive():
             raise WriterGoneError(f"the writer of {segment.name!r} is gone")
         self._reading.slot = self._readers.claim()
+        self._reading.enable_core()  # the compiled read of plain items, if the core is built
 
     def get(self, ref: ShmRef | dict[str, Any], *, copy: bool = True) -> Any:
         """Read a reference and acknowledge it once the copy is verified.

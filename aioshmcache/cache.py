@@ -24,7 +24,7 @@ from typing import Any, Final, Protocol, TypeVar
 from ._group import Siblings, open_shard
 from ._group_reader import GroupReceiverRequest, GroupShards
 from ._layout import check_group
-from ._receive import ReceiverRequest
+from ._receive import ReceiverRequest, read_one
 from ._request import (
     DEFAULT_INLINE_THRESHOLD,
     MmItem,
@@ -613,6 +613,17 @@ class ReceiverCache(_Cache, _Reader):
             copy=copy,
             copy_inline_below=copy_inline_below,
         )
+
+    def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
+        """A reference becomes its item (a copy); inline data is returned unchanged.
+
+        A stale reference raises ``StaleReferenceError``. (A plain item in one core call,
+        ``_receive.read_one``; anything else by the request.)
+        """
+        value = read_one(self.store, self._counters, mm_item, mm_hash)
+        if value is not None:
+            return value
+        return super().get_and_update_item(mm_item, mm_hash)
 
     def _item_request(self, mm_item: Any, mm_hash: str, copy_inline_below: int) -> ReadRequest:
         """``_request`` of one spec, without building the spec (``ReceiverRequest.for_item``)."""

@@ -29,6 +29,8 @@ from aioshmcache._types import coerce_handle
 from aioshmcache.errors import FrameError, InvalidReferenceError
 from aioshmcache.wire import FrameDecoder, encode_frame, pack_features, unpack_features
 
+from .test_core_read import Planter, planter_fixture  # noqa: F401 (the fixture)
+
 MiB = 1 << 20
 #: what any parser may hold at once, whatever the input: the container budget's worth
 #: (``max_containers`` nodes at ~0.5 KiB each) and the interpreter's own noise
@@ -240,20 +242,31 @@ def _only(data_len: int, fn: Callable[[], object], *typed: type[BaseException]) 
     return out
 
 
-@FUZZ
-@given(
-    data=st.one_of(
-        st.binary(max_size=2048),
-        _mutated(GOOD_MESSAGE),
-        st.builds(_payload, st.binary(max_size=2048)),
-        st.builds(lambda v: _payload(msgpack.packb(v)), values),
-    )
+PAYLOADS = st.one_of(
+    st.binary(max_size=2048),
+    _mutated(GOOD_MESSAGE),
+    st.builds(_payload, st.binary(max_size=2048)),
+    st.builds(lambda v: _payload(msgpack.packb(v)), values),
 )
+
+
+@FUZZ
+@given(data=PAYLOADS)
 def test_fuzz_wire_and_serde_payloads(data: bytes) -> None:
     out = _only(len(data), lambda: unpack_features(data), SerdeError)
     if not isinstance(out, BaseException):
         assert isinstance(out, list) and all(type(f) is FeatureSpec for f in out)
     _only(len(data), lambda: MsgpackSerde().read(memoryview(data)), SerdeError)
+
+
+@FUZZ
+@given(data=PAYLOADS)
+def test_fuzz_payloads_in_shared_memory_on_every_read_path(planter: Planter, data: bytes) -> None:
+    """The same payloads planted in a committed chunk and read by a reader on each read path
+    (the compiled ``read_item``, its reference, the Python path): the same typed errors or
+    values on all, memory bounded as above."""
+    planter._open()  # the stores are opened outside the measured call
+    _only(len(data), lambda: planter.agree(data), ShmCacheError)
 
 
 @FUZZ

@@ -25,10 +25,14 @@ from aioshmcache import (
     RoleError,
     SenderCache,
     ShmCacheError,
+    ShmRef,
     ShmRingBuffer,
     StaleReferenceError,
 )
 from aioshmcache._layout import CHUNK_HEADER, chunk_size
+from aioshmcache._types import reference_tag
+
+from .test_store import READ_PATHS, _close_fuzz_store, _fuzz_store  # noqa: F401 (its fixture)
 
 CAP = 4096
 
@@ -298,9 +302,23 @@ def test_chunk_being_written_blocks_fifo_free() -> None:
     cid=st.integers(-(1 << 70), 1 << 70),
     length=st.one_of(st.none(), st.integers(-(1 << 70), 1 << 70)),
 )
+@pytest.mark.parametrize("path", ["ring", *READ_PATHS])
 def test_forged_addresses_only_raise_typed_errors(
-    address: int, cid: int, length: int | None
+    path: str, address: int, cid: int, length: int | None
 ) -> None:
+    """The ring's own check, and a reader's on each read path (the compiled ``read_item``,
+    its reference, the Python path) given a reference a forger tagged right."""
+    if path != "ring":
+        w, r, real = _fuzz_store(path)
+        n = real.length if length is None else length
+        tag = reference_tag(w._secret, real.epoch, address, cid, n, address)
+        try:
+            value = r.get(ShmRef(real.nonce, real.epoch, address, cid, n, tag, address))
+        except (InvalidReferenceError, StaleReferenceError):
+            return
+        assert (address, cid, n) == (real.address, real.id, real.length)
+        assert np.array_equal(value["a"], np.arange(100))
+        return
     ring = _shared_ring()
     try:
         view = ring.access(address, cid, length)

@@ -29,6 +29,8 @@ import aioshmcache._serde_encode as serde_encode
 from aioshmcache._serde import EncodePlan, MsgpackSerde, Serde
 from aioshmcache.errors import SerdeError, ShmCacheError
 
+from .test_core_read import Planter, planter_fixture  # noqa: F401 (the fixture)
+
 SERDE = MsgpackSerde()
 PREFIX = struct.Struct("<4sHHIQ")  # magic, version, flags, header_len, data_len
 ALIGN = 64
@@ -681,6 +683,16 @@ def test_random_structures_with_ext_records(structure: object, data: bytes) -> N
     view = read_or_serde_error(payload, copy=False)
     if got is not None:
         assert type(view) is type(got)
+
+
+@settings(max_examples=200, deadline=None)
+@given(structure=hostile_structure, data=st.binary(max_size=300))
+def test_random_structures_read_alike_on_every_read_path(
+    planter: Planter, structure: object, data: bytes
+) -> None:
+    """The hostile payloads above, in a committed chunk: every read path of a reader (the
+    compiled ``read_item``, its reference, the Python path) gives the same value or error."""
+    planter.agree(craft(structure, data))
 
 
 @settings(max_examples=200, deadline=None)

@@ -27,6 +27,7 @@ from aioshmcache import (
     StoreReader,
     StoreWriter,
     WrongRoleError,
+    _core_py,
 )
 from aioshmcache._inspect import inspect_segment
 from aioshmcache._layout import chunk_size
@@ -401,21 +402,40 @@ def test_a_method_of_the_other_role_is_a_role_error(make_config: Any) -> None:
 _STORE: list[Any] = []  # the writer, then the reader
 
 
-def _fuzz_store() -> tuple[StoreWriter, StoreReader, ShmRef]:
+#: the read paths a reader may take: the compiled core's ``read_item`` (when it is built), its
+#: pure-Python reference, and the general Python path alone
+READ_PATHS = ["c", "reference", "python"]
+
+
+def _fuzz_store(path: str = "python") -> tuple[StoreWriter, StoreReader, ShmRef]:
+    """The shared writer, its reader on read path ``path`` and the one real reference."""
     if not _STORE:
-        w = ShmObjectStore.create(CacheConfig(1 << 16, 1 << 14, 1))
-        r = ShmObjectStore.from_handle(w.handle())
+        w = ShmObjectStore.create(CacheConfig(1 << 16, 1 << 14, 3))
         ref = w.put("real", {"a": np.arange(100)})
-        _STORE.extend([w, r])
-        _STORE.append(ref)
-    return _STORE[0], _STORE[1], _STORE[2]
+        _STORE.extend([w, ref])
+        for p in READ_PATHS:
+            # the writer probed once, not again: a due probe is the Python path's
+            r = ShmObjectStore.from_handle(w.handle(), probe_interval=3600)
+            r.check_writer()
+            r._reading._ctx = r._reading._read_item = None
+            if p == "reference":
+                r._reading.enable_core(_core_py)
+            elif p == "c" and not r._reading.enable_core():
+                r = None  # type: ignore[assignment]
+            _STORE.append(r)
+    r = _STORE[2 + READ_PATHS.index(path)]
+    if r is None:
+        pytest.skip("the compiled core is not in use")
+    return _STORE[0], r, _STORE[1]
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _close_fuzz_store() -> Any:
     yield
     if _STORE:
-        _STORE[1].close()
+        for r in _STORE[2:]:
+            if r is not None:
+                r.close()
         _STORE[0].close()
         _STORE.clear()
 
@@ -432,11 +452,13 @@ u64 = st.integers(0, (1 << 64) - 1)
     cid=st.one_of(st.integers(0, 3), u64),
     length=st.one_of(st.integers(0, 2000), u64),
 )
+@pytest.mark.parametrize("path", READ_PATHS)
 def test_forged_references_only_raise_typed_errors(
-    nonce_ok: bool, tag_ok: bool, epoch: int, address: int, cid: int, length: int
+    path: str, nonce_ok: bool, tag_ok: bool, epoch: int, address: int, cid: int, length: int
 ) -> None:
-    """Even with a correct tag (a forger who read the secret), the ring checks hold."""
-    w, r, real = _fuzz_store()
+    """Even with a correct tag (a forger who read the secret), the ring checks hold, on every
+    read path (the compiled one bounds-checks each read of segment bytes)."""
+    w, r, real = _fuzz_store(path)
     pos = address  # first lap: position == address
     tag = reference_tag(w._secret, epoch, address, cid, length, pos) if tag_ok else 0
     forged = ShmRef(
@@ -448,7 +470,7 @@ def test_forged_references_only_raise_typed_errors(
         return
     assert forged == real
     assert np.array_equal(value["a"], np.arange(100))
-    w.release(real)  # keep the accounting honest for the next example
+    w.release(real)  # keep the accounting honest for the next example (every reader acked it)
 
 
 @settings(max_examples=200, deadline=None)
@@ -464,8 +486,9 @@ def test_forged_references_only_raise_typed_errors(
         st.lists(st.integers(), max_size=3),
     )
 )
-def test_malformed_reference_dicts(data: object) -> None:
-    _w, r, _real = _fuzz_store()
+@pytest.mark.parametrize("path", READ_PATHS)
+def test_malformed_reference_dicts(path: str, data: object) -> None:
+    _w, r, _real = _fuzz_store(path)
     with pytest.raises(InvalidReferenceError):
         r.get(data)  # type: ignore[arg-type]
 

@@ -1,0 +1,76 @@
+/* The compiled core's shared header: the segment layout constants and what every section of
+ * the extension module ``aioshmcache._core`` shares.
+ *
+ * The constants mirror ``aioshmcache/_layout.py`` (the reference: its docstring lays out every
+ * byte); the module exports them as ``LAYOUT`` and a test checks them against the Python
+ * ones, so the two cannot drift apart silently.
+ *
+ * The module is built from every ``aioshmcache/_core*.c`` (``hatch_build.py``); ``_core.c``
+ * holds the module definition. A further section (e.g. the read path) adds its own functions
+ * by defining ``aioshm_read_methods`` (a NULL-terminated ``PyMethodDef`` table) and may define
+ * ``aioshm_read_init``: both are weak here, so the module builds with or without that file.
+ */
+#ifndef AIOSHM_CORE_H
+#define AIOSHM_CORE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+/* --- segment header words (H_*) --- */
+#define AIOSHM_MAGIC UINT64_C(0x31434d48534f4941) /* "AIOSHMC1" little-endian */
+#define AIOSHM_LAYOUT_VERSION 4
+#define AIOSHM_HEADER_SIZE 4096
+#define H_MAGIC 0
+#define H_VERSION 1
+#define H_CAPACITY 3
+#define H_RING_OFF 8
+#define H_NONCE 9
+#define H_EPOCH 11
+#define H_NEXT_ID 14
+#define H_WAITING 15
+#define H_HITS 20
+#define H_MISSES 21
+#define H_BYTES_USED 25
+#define H_ITEMS 26
+#define H_SECRET 28
+#define H_HEAD_POS 29
+
+/* --- reader slots --- */
+#define SLOT_HEADER 128
+#define RS_SESSION 0
+#define RS_HEAD 2
+#define WS_CONSUMED 8
+#define WS_OWED 10
+#define LOG_ENTRY_BYTES 16
+
+/* --- chunk header (C_*) --- */
+#define CHUNK_HEADER 64
+#define CHUNK_MAGIC UINT64_C(0x9E3779B97F4A7C15)
+#define C_ID 0
+#define C_LENGTH 1
+#define C_STATE 2
+#define C_CHECK 3
+#define CHUNK_WRITING 1
+#define CHUNK_COMMITTED 2
+#define CHUNK_FREED 3
+#define CHUNK_DEAD 4
+
+/* --- the reference tag's multipliers (``_types``) --- */
+#define TAG_M1 UINT64_C(0x9E3779B97F4A7C15)
+#define TAG_M2 UINT64_C(0xC2B2AE3D27D4EB4F)
+#define TAG_M3 UINT64_C(0x165667B19E3779F9)
+#define TAG_M4 UINT64_C(0xD6E8FEB86659FD93)
+
+/* --- the payload prefix (``_serde_encode``) --- */
+#define PAYLOAD_PREFIX_SIZE 20
+#define PAYLOAD_ALIGN 64
+
+/* The layout constants as a dict (for the test that compares them with ``_layout``). */
+PyObject *aioshm_layout_dict(void);
+
+/* Optional further sections of the module (weak: absent unless their file is compiled in). */
+extern PyMethodDef aioshm_read_methods[] __attribute__((weak));
+extern int aioshm_read_init(PyObject *module) __attribute__((weak));
+
+#endif

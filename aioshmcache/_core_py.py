@@ -1,0 +1,84 @@
+"""The pure-Python core: the reference of every function of the compiled ``aioshmcache._core``.
+
+Same names, same results, same errors (``_core_api`` picks one at import; ``AIOSHM_PURE=1``
+forces this one). Every argument named a *word* is a 64-bit unsigned integer: an int outside
+``[0, 2**64)`` is an ``OverflowError`` and anything else a ``TypeError``, in both.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from . import _layout as L
+from ._types import _M1, _M2, _M3, _M4
+from ._types import finish_tag as _finish_tag
+from ._types import tag_base as _tag_base
+
+__all__ = ["LAYOUT", "ReadCtx", "finish_tag", "read_item", "read_layout", "tag_base"]
+
+_U64: Final = (1 << 64) - 1
+
+#: the segment layout constants the compiled core is built with (a test compares the two)
+LAYOUT: Final[dict[str, int]] = {
+    "MAGIC": L.MAGIC,
+    "LAYOUT_VERSION": L.LAYOUT_VERSION,
+    "HEADER_SIZE": L.HEADER_SIZE,
+    "H_MAGIC": L.H_MAGIC,
+    "H_VERSION": L.H_VERSION,
+    "H_CAPACITY": L.H_CAPACITY,
+    "H_RING_OFF": L.H_RING_OFF,
+    "H_NONCE": L.H_NONCE,
+    "H_EPOCH": L.H_EPOCH,
+    "H_NEXT_ID": L.H_NEXT_ID,
+    "H_WAITING": L.H_WAITING,
+    "H_HITS": L.H_HITS,
+    "H_MISSES": L.H_MISSES,
+    "H_BYTES_USED": L.H_BYTES_USED,
+    "H_ITEMS": L.H_ITEMS,
+    "H_SECRET": L.H_SECRET,
+    "H_HEAD_POS": L.H_HEAD_POS,
+    "SLOT_HEADER": L.SLOT_HEADER,
+    "RS_SESSION": L.RS_SESSION,
+    "RS_HEAD": L.RS_HEAD,
+    "WS_CONSUMED": L.WS_CONSUMED,
+    "WS_OWED": L.WS_OWED,
+    "LOG_ENTRY_BYTES": L.LOG_ENTRY_BYTES,
+    "CHUNK_HEADER": L.CHUNK_HEADER,
+    "CHUNK_MAGIC": L.CHUNK_MAGIC,
+    "C_ID": L.C_ID,
+    "C_LENGTH": L.C_LENGTH,
+    "C_STATE": L.C_STATE,
+    "C_CHECK": L.C_CHECK,
+    "WRITING": L.WRITING,
+    "COMMITTED": L.COMMITTED,
+    "FREED": L.FREED,
+    "DEAD": L.DEAD,
+    "TAG_M1": _M1,
+    "TAG_M2": _M2,
+    "TAG_M3": _M3,
+    "TAG_M4": _M4,
+    "PAYLOAD_PREFIX_SIZE": 20,
+    "PAYLOAD_ALIGN": 64,
+}
+
+
+def _word(x: object) -> int:
+    if not isinstance(x, int):
+        raise TypeError(f"expected an int, not {type(x).__name__}")
+    if not 0 <= x <= _U64:
+        raise OverflowError("a 64-bit word must be an int in [0, 2**64)")
+    return x
+
+
+def tag_base(secret: int, epoch: int, address: int, cid: int, length: int, position: int) -> int:
+    """The hand-out-independent part of a reference's tag, as a 64-bit word."""
+    return _tag_base(*(_word(x) for x in (secret, epoch, address, cid, length, position))) & _U64
+
+
+def finish_tag(base: int, seq: int) -> int:
+    """The 64-bit tag of hand-out ``seq`` from its :func:`tag_base`."""
+    return _finish_tag(_word(base), _word(seq))
+
+
+# --- the read section (``_core_read.c``): its reference is ``_core_read_py`` ---------------------
+from ._core_read_py import ReadCtx, read_item, read_layout  # noqa: E402
