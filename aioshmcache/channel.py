@@ -411,22 +411,38 @@ class EngineClient:
     async def _resend_features(
         self, features: list[FeatureSpec], missing: set[str], items: Items
     ) -> list[FeatureSpec]:
-        """The request again: missing items inline, fresh hand-outs for its other references."""
+        """The request again: missing items inline, fresh hand-outs for its other references.
+
+        If the request cannot be built (an item missing from ``items``, ``items`` raising, the
+        caller cancelled while an async ``items`` runs), the fresh hand-outs taken so far are
+        given back before the error propagates: nothing was sent, so nobody will read them.
+        """
         out: list[FeatureSpec] = []
-        for f in features:
-            if f.mm_hash not in missing and isinstance(f.data, ShmRef) and self.cache is not None:
-                try:
-                    [fresh] = await self.cache.get_and_update_features([f.with_data(None)])
-                except CacheMissError:
-                    pass  # evicted meanwhile: inline as well
+        fresh: list[ShmRef] = []
+        try:
+            for f in features:
+                if (
+                    f.mm_hash not in missing
+                    and isinstance(f.data, ShmRef)
+                    and self.cache is not None
+                ):
+                    try:
+                        [renewed] = await self.cache.get_and_update_features([f.with_data(None)])
+                    except CacheMissError:
+                        pass  # evicted meanwhile: inline as well
+                    else:
+                        if isinstance(renewed.data, ShmRef):
+                            fresh.append(renewed.data)
+                        out.append(renewed)
+                        continue
+                if f.mm_hash in missing or isinstance(f.data, ShmRef):
+                    item = await _item_of(items, f.mm_hash)
+                    out.append(f.with_data(item))
                 else:
-                    out.append(fresh)
-                    continue
-            if f.mm_hash in missing or isinstance(f.data, ShmRef):
-                item = await _item_of(items, f.mm_hash)
-                out.append(f.with_data(item))
-            else:
-                out.append(f)
+                    out.append(f)
+        except BaseException:
+            await self._give_back(fresh)
+            raise
         return out
 
     async def _attempt(self, features: list[FeatureSpec], payload: Any, deadline: float) -> Any:

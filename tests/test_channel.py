@@ -237,6 +237,40 @@ async def test_drift_recovery_resends_the_missing_items_inline_once(
         assert cache.snapshot().readers[0].lag == 0
 
 
+@pytest.mark.parametrize("how", ["missing", "raises", "cancelled"])
+async def test_a_drift_resend_that_cannot_be_built_gives_its_fresh_hand_outs_back(
+    make_config: Callable[..., Any], tmp_path: Path, how: str
+) -> None:
+    """``[B live, A stale]``: the resend takes a fresh hand-out of B, then building A fails (the
+    mapping lacks it, ``items()`` raises, the caller is cancelled inside an async ``items()``).
+    The fresh hand-out of B was never sent: it is given back, nothing stays owed."""
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock) as (cache, _rx, engine):
+        [stale] = await _features(cache, range(1))
+        await cache.clear_cache()  # the worker will miss h0
+        [live] = await _features(cache, range(1, 2))
+        entered = asyncio.Event()
+
+        async def never(h: str) -> Any:
+            entered.set()
+            await asyncio.Event().wait()
+
+        def boom(h: str) -> Any:
+            raise RuntimeError(f"cannot make {h}")
+
+        items: Any = {"missing": {}, "raises": boom, "cancelled": never}[how]
+        call = asyncio.create_task(engine.call([live, stale], items=items))
+        if how == "cancelled":
+            await asyncio.wait_for(entered.wait(), 30)
+            assert cache.snapshot().readers[0].lag == 1  # the fresh hand-out of h1 is out
+            call.cancel()
+        expected = {"missing": CacheMissError, "raises": RuntimeError}
+        with pytest.raises(expected.get(how, asyncio.CancelledError)):
+            await call
+        assert engine.stats().released == 1  # the fresh hand-out of h1, never sent
+        assert cache.snapshot().readers[0].lag == 0  # nothing owed: the ring is not pinned
+
+
 async def test_a_second_worker_on_a_live_path_is_refused(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
