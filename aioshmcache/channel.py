@@ -28,9 +28,13 @@ arrays as raw aligned bytes; never pickle), so ``payload`` and ``result`` may be
 carries: numbers, str, bytes, lists, dicts and numpy arrays. ``kind`` is one of
 ``cache_miss``, ``writer_gone``, ``stale_reference``, ``invalid_reference``, ``reader_evicted``
 (the cache's errors while reading the features, raised on the gateway as the same types),
-``bad_request`` (the worker could not decode the call: ``WireError``) and ``handler`` (the
-handler raised: ``EngineCallError`` with ``remote_type``). ``unread`` says the worker did not
-read the call's references: the client then gives them back to its cache.
+``bad_request`` (the worker could not decode the call: ``WireError``), ``bad_response`` (the
+handler's result cannot be encoded, or its answer would exceed the worker's ``max_frame_bytes``:
+``WireError``) and ``handler`` (the handler raised, ``BaseException``s such as a
+``CancelledError`` of its own included: ``EngineCallError`` with ``remote_type``). ``unread``
+says the worker did not read the call's references: the client then gives them back to its
+cache. An answer whose header announces more than the gateway's own ``max_frame_bytes`` is a
+``WireError`` too (that connection is closed, it is out of step).
 
 **One call per connection at a time.** A connection is lent to one call from its send to its
 answer; the pool (``_channel_pool.PoolBook``: bounded, reuse first, reconnect with exponential
@@ -94,6 +98,7 @@ from .errors import (
     EngineTimeoutError,
     EngineUnavailableError,
     FrameError,
+    FrameTooLargeError,
     InvalidReferenceError,
     ReaderEvictedError,
     SerdeError,
@@ -128,7 +133,10 @@ _KIND_ERRORS: Final[dict[str, type[ShmCacheError]]] = {
     "invalid_reference": InvalidReferenceError,
     "reader_evicted": ReaderEvictedError,
     "bad_request": WireError,
+    "bad_response": WireError,
 }
+#: an error frame carries at most this much of the exception's message
+_MAX_MESSAGE_CHARS: Final = 16384
 
 _timeout = asyncio.timeout  # 10-17 us a call here, anyio.fail_after 35-95 us
 
@@ -188,8 +196,11 @@ def _decode(data: bytes, what: str) -> list[Any]:
 def _error_frame(
     kind: str, exc: BaseException, *, mm_hashes: Sequence[str] = (), unread: bool = False
 ) -> bytes:
+    message = str(exc)
+    if len(message) > _MAX_MESSAGE_CHARS:
+        message = message[:_MAX_MESSAGE_CHARS] + " [...]"
     return _encode(
-        [_TAG, _VERSION, "error", kind, type(exc).__name__, str(exc), list(mm_hashes), unread]
+        [_TAG, _VERSION, "error", kind, type(exc).__name__, message, list(mm_hashes), unread]
     )
 
 
@@ -491,6 +502,8 @@ class EngineClient:
                         answer = await read_frame(conn.reader, max_bytes=self.max_frame_bytes)
                         reusable = True
                         return answer
+                    except FrameTooLargeError as exc:  # the stream is out of step: not reused
+                        raise WireError(f"the engine's answer is too large: {exc}") from exc
                     except (OSError, FrameError, EndOfFramesError) as exc:
                         broken += 1
                         if not sent.delivered and broken < _SEND_TRIES:
@@ -809,12 +822,37 @@ class _Worker:
                 return failed.frame
 
     async def _handle(self, items: list[FeatureSpec], payload: Any) -> bytes:
-        """Run the handler and encode its result (inside a lease, before the views go)."""
+        """Run the handler and encode its result (inside a lease, before the views go).
+
+        Whatever the handler raises becomes a ``handler`` error frame, ``BaseException``s
+        included (a ``CancelledError`` of its own, a library's ``BaseException``), and is
+        logged: only the process's own end (``KeyboardInterrupt``, ``SystemExit``) and a
+        cancellation of this worker (its shutdown) pass through. A result that cannot be
+        encoded, or whose answer would exceed ``max_frame_bytes``, becomes a ``bad_response``
+        error frame (``WireError`` at the gateway), logged too.
+        """
         try:
             result = await self.handler(items, payload)
-            return _encode([_TAG, _VERSION, "ok", result])
-        except Exception as exc:
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt | SystemExit) or _cancelled_from_outside(exc):
+                raise
+            log.error("the engine handler raised %s", type(exc).__name__, exc_info=exc)
             raise _HandlerFailed(_error_frame("handler", exc)) from exc
+        try:
+            answer = _encode([_TAG, _VERSION, "ok", result])
+        except (SerdeError, TypeError) as exc:
+            log.error("the engine handler's result cannot be encoded: %s", exc)
+            raise _HandlerFailed(
+                _error_frame("bad_response", WireError(f"the result cannot be encoded: {exc}"))
+            ) from exc
+        if len(answer) > self.max_frame_bytes:
+            message = (
+                f"the answer of {len(answer)} bytes exceeds the engine's "
+                f"max_frame_bytes={self.max_frame_bytes}"
+            )
+            log.error("%s; answering an error instead", message)
+            raise _HandlerFailed(_error_frame("bad_response", WireError(message)))
+        return answer
 
     async def shutdown(self, grace: float) -> None:
         """Stop: idle connections close now; calls in progress get ``grace`` seconds."""
@@ -830,6 +868,14 @@ class _Worker:
             await asyncio.wait(rest, timeout=grace)
         for w in list(self.writers):
             w.transport.abort()
+
+
+def _cancelled_from_outside(exc: BaseException) -> bool:
+    """Whether ``exc`` is this task being cancelled (not a ``CancelledError`` a handler raised)."""
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 class _HandlerFailed(Exception):

@@ -113,6 +113,62 @@ async def test_handler_error_is_typed_and_the_connection_stays_usable(
         assert engine.stats().connects == 1
 
 
+@pytest.mark.parametrize(
+    ("op", "remote_type"), [("cancelled", "CancelledError"), ("base", "HandlerBaseError")]
+)
+async def test_a_handler_raising_a_base_exception_is_an_engine_call_error(
+    make_config: Callable[..., Any],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    op: str,
+    remote_type: str,
+) -> None:
+    """A handler's own ``CancelledError`` or another ``BaseException`` is answered (not a dead
+    engine: ``EngineUnavailableError``), logged by the worker, and the connection is reused."""
+    caplog.set_level("ERROR", logger="aioshmcache.channel")
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock, max_connections=1) as (cache, _rx, engine):
+        [f] = await _features(cache, range(1))
+        with pytest.raises(EngineCallError) as info:
+            await engine.call([f], {"op": op}, timeout=30)
+        assert info.value.remote_type == remote_type
+        assert any(
+            r.exc_info and type(r.exc_info[1]).__name__ == remote_type for r in caplog.records
+        )
+        assert cache.snapshot().readers[0].lag == 0
+        out = await engine.call([], {"op": "echo", "n": 1}, timeout=30)
+        assert out["payload"]["n"] == 1
+        assert engine.stats().connects == 1  # the same connection served both
+
+
+@pytest.mark.parametrize("side", ["engine", "gateway", "unencodable"])
+async def test_an_answer_that_cannot_travel_is_a_wire_error(
+    make_config: Callable[..., Any], tmp_path: Path, caplog: pytest.LogCaptureFixture, side: str
+) -> None:
+    """A result over the engine's ``max_frame_bytes`` (it answers an error instead and logs it),
+    over the gateway's (the header says so), or not encodable: ``WireError``, not a dead engine;
+    the next call is served."""
+    caplog.set_level("ERROR", logger="aioshmcache.channel")
+    sock = tmp_path / "e.sock"
+    limit = 1 << 16
+    serve = {"max_frame_bytes": limit} if side == "engine" else {}
+    client = {"max_frame_bytes": limit} if side == "gateway" else {}
+    payload = {"op": "unencodable"} if side == "unencodable" else {"op": "big", "n": 2 * limit}
+    async with _connected(make_config, sock, serve, **client) as (cache, _rx, engine):
+        [f] = await _features(cache, range(1))
+        with pytest.raises(WireError, match=r"too large|exceeds|cannot be encoded"):
+            await engine.call([f], payload, timeout=30)
+        if side != "gateway":  # the engine knows, says why and keeps the connection
+            assert any(
+                "max_frame_bytes" in r.getMessage() or "encoded" in r.getMessage()
+                for r in caplog.records
+            )
+        assert cache.snapshot().readers[0].lag == 0  # the worker read the features
+        out = await engine.call([], {"op": "echo", "n": 4}, timeout=30)
+        assert out["payload"]["n"] == 4
+        assert engine.stats().connects == (2 if side == "gateway" else 1)
+
+
 async def test_unencodable_call_gives_its_hand_outs_back(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
