@@ -290,7 +290,7 @@ class EngineClient:
         max_connections: int = 4,
         timeout: float = 30.0,
         backoff_initial: float = 0.05,
-        backoff_max: float = 2.0,
+        backoff_max: float = 0.5,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         start: Callable[[str], None] | None = None,
     ) -> None:
@@ -301,10 +301,13 @@ class EngineClient:
         self.cache = cache
         self.timeout = timeout
         self.max_frame_bytes = max_frame_bytes
-        self._book: PoolBook[_Conn] = PoolBook(
-            max_connections, backoff_initial=backoff_initial, backoff_max=backoff_max
-        )
         self._changed: asyncio.Event | None = None
+        self._book: PoolBook[_Conn] = PoolBook(
+            max_connections,
+            backoff_initial=backoff_initial,
+            backoff_max=backoff_max,
+            on_change=self._notify,
+        )
         self._start = start
         self._keeper: asyncio.Task[None] | None = None
         self._child: multiprocessing.process.BaseProcess | None = None
@@ -320,7 +323,7 @@ class EngineClient:
         max_connections: int = 4,
         timeout: float = 30.0,  # noqa: ASYNC109 (the deadline spans pool, send and answer)
         backoff_initial: float = 0.05,
-        backoff_max: float = 2.0,
+        backoff_max: float = 0.5,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         start: Callable[[str], None] | None = None,
     ) -> AsyncIterator[EngineClient]:
@@ -354,7 +357,6 @@ class EngineClient:
         """Close every connection; stop the engine worker this client started. Idempotent."""
         for conn in self._book.close():
             conn.close()
-        self._notify()
         if self._keeper is not None:
             self._keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -558,11 +560,9 @@ class EngineClient:
                     reader, writer = await asyncio.open_unix_connection(self.path)
                 except OSError as exc:
                     self._book.open_failed(exc)
-                    self._notify()
                     continue
                 except BaseException:
                     self._book.open_abandoned()
-                    self._notify()
                     raise
                 conn = _Conn(reader, writer)
                 self._book.opened(conn)
@@ -576,7 +576,6 @@ class EngineClient:
         to_close = self._book.give_back(conn, reusable=reusable and conn.usable())
         if to_close is not None:
             to_close.close()
-        self._notify()
 
     def _notify(self) -> None:
         if self._changed is not None:

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import os
 import signal
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -325,6 +326,43 @@ async def test_a_drift_resend_that_cannot_be_built_gives_its_fresh_hand_outs_bac
             await call
         assert engine.stats().released == 1  # the fresh hand-out of h1, never sent
         assert cache.snapshot().readers[0].lag == 0  # nothing owed: the ring is not pinned
+
+
+async def test_callers_queued_behind_the_reconnect_probe_wait_only_for_its_connect(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """After an engine restart the first call probes it; calls queued behind the probe (with
+    free slots) go on once the probe *connected*, not after its 8 s call."""
+    sock = tmp_path / "e.sock"
+    async with (
+        AsyncSenderCache.from_config(make_config(4 << 20)) as cache,
+        AsyncReceiverCache.attach(cache.handle()) as rx,
+        EngineClient.connect(sock, cache=cache, max_connections=4) as engine,
+    ):
+        with pytest.raises(EngineUnavailableError):
+            await engine.call([], {"op": "echo"}, timeout=0.3)  # no engine: backing off
+        ready = asyncio.Event()
+        serve = asyncio.create_task(
+            serve_engine(sock, handler, rx, ready=ready.set, shutdown_timeout=0.5)
+        )
+        try:
+            await asyncio.wait_for(ready.wait(), 30)  # the restarted engine
+            book = engine._book
+            assert await asyncio.to_thread(wait_until, lambda: time.monotonic() >= book.retry_at)
+            slow = asyncio.create_task(engine.call([], {"op": "sleep", "s": 8.0}, timeout=60))
+            await asyncio.sleep(0)  # it plans: open (the probe), and awaits its connect
+            assert book.failures >= 1 and book.opening == 1
+            quick = [engine.call([], {"op": "echo", "n": i}, timeout=3.0) for i in range(3)]
+            outs = await asyncio.gather(*quick)
+            assert [o["payload"]["n"] for o in outs] == [0, 1, 2]
+            assert not slow.done()  # the quick ones did not wait for the probe's call
+            slow.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await slow
+        finally:
+            serve.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await serve
 
 
 async def test_a_second_worker_on_a_live_path_is_refused(
