@@ -662,6 +662,10 @@ def _run_worker(start: Callable[[str], None], path: str) -> None:
         start(path)
     except KeyboardInterrupt:
         return
+    finally:
+        held = _HELD.pop(path, None)
+        if held is not None:  # ``start`` never reached ``serve_engine``
+            _release_path(path, held)
 
 
 def _leave_with_the_starter(ppid: int) -> None:
@@ -706,32 +710,68 @@ _HELD: dict[str, int] = {}
 
 
 def _take_path(path: str) -> int:
-    """Take ``path``'s lock (kernel-released if we die) and clear a dead worker's socket file."""
+    """Take ``path``'s lock (kernel-released if we die) and clear a dead worker's socket file.
+
+    The lock file is removed by the worker that holds it when it stops cleanly
+    (:func:`_release_path`), so a lock taken on a file that is no longer the one at the lock's
+    path (a stopping worker removed it while we waited) is let go and taken again on the file
+    that is there now.
+    """
     held = _HELD.pop(path, None)
     if held is not None:
         return held  # taken by this process already (flock would refuse a second open of it)
-    fd = os.open(_lock_path(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    lock = _lock_path(path)
     deadline = time.monotonic() + _LOCK_TRIES_S
     while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
         except BlockingIOError:
+            os.close(fd)
             if time.monotonic() >= deadline:
-                os.close(fd)
                 raise EngineAddressInUseError(
                     errno.EADDRINUSE, f"another engine worker serves {path}"
                 ) from None
             time.sleep(0.02)
+            continue
+        if _is_at(fd, lock):
+            break
+        os.close(fd)  # removed by the worker that just stopped: take the current file's lock
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return fd
     if not stat.S_ISSOCK(st.st_mode):
-        os.close(fd)
+        _release_path(path, fd)
         raise EngineAddressInUseError(errno.EEXIST, f"{path} exists and is not a socket")
     os.unlink(path)  # a dead worker's: we hold the lock, so no live worker serves it
     return fd
+
+
+def _is_at(fd: int, path: str) -> bool:
+    """Whether the open file ``fd`` is the file at ``path`` now."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _release_path(path: str, fd: int) -> None:
+    """Let go of ``path``'s lock taken by :func:`_take_path`, removing the lock file.
+
+    Removed while still locked, so that a worker waiting for the lock finds it gone and
+    takes a new file's lock (:func:`_take_path`); a gateway's probe (:func:`_lock_held`)
+    finds no file: no worker.
+    """
+    try:
+        if _is_at(fd, _lock_path(path)):
+            os.unlink(_lock_path(path))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class _Worker:
@@ -910,7 +950,7 @@ async def serve_engine(
 
     Shutdown (cancellation, or one of ``shutdown_signals`` such as ``signal.SIGTERM``): stop
     accepting, close idle connections, give calls in progress ``shutdown_timeout`` seconds,
-    remove the socket file. The receiver stays open (its owner closes it).
+    remove the socket file and the lock file. The receiver stays open (its owner closes it).
     """
     if type(max_concurrency) is not int or max_concurrency < 1:
         raise ValueError("max_concurrency must be an int >= 1")
@@ -951,4 +991,4 @@ async def serve_engine(
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
-        os.close(lock_fd)
+        _release_path(path, lock_fd)

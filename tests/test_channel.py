@@ -97,6 +97,7 @@ async def test_call_round_trip_refs_and_inline(
         assert cache.snapshot().readers[0].lag == 0  # every hand-out read and acknowledged
         assert not sock.with_name("e.sock").exists() or sock.is_socket()
     assert not sock.exists()  # the worker removed its socket file
+    assert not sock.with_name("e.sock.lock").exists()  # and its lock file
 
 
 async def test_handler_error_is_typed_and_the_connection_stays_usable(
@@ -373,6 +374,27 @@ async def test_a_second_worker_on_a_live_path_is_refused(
         with pytest.raises(EngineAddressInUseError, match="another engine worker"):
             await serve_engine(sock, handler, rx)
         assert sock.is_socket()  # the live worker's socket is untouched
+
+
+def test_a_worker_waiting_for_the_path_takes_it_when_the_holder_stops(tmp_path: Path) -> None:
+    """The lock file goes with a clean stop; a worker that waited for it then holds the file at
+    the path (not the removed one), so a third is still refused."""
+    import threading
+
+    from aioshmcache.channel import _lock_held, _release_path, _take_path
+
+    path = str(tmp_path / "e.sock")
+    first = _take_path(path)
+    taken: list[int] = []
+    waiter = threading.Thread(target=lambda: taken.append(_take_path(path)))
+    waiter.start()
+    _release_path(path, first)
+    waiter.join(30)
+    assert len(taken) == 1 and _lock_held(path)
+    with pytest.raises(EngineAddressInUseError):
+        _take_path(path)
+    _release_path(path, taken[0])
+    assert not _lock_held(path) and not os.path.exists(f"{path}.lock")
 
 
 # --- real worker processes ---------------------------------------------------------------------
