@@ -77,6 +77,7 @@ import inspect
 import logging
 import multiprocessing
 import os
+import resource
 import signal
 import stat
 import threading
@@ -107,7 +108,14 @@ from .errors import (
     WireError,
     WriterGoneError,
 )
-from .wire import DEFAULT_MAX_FRAME_BYTES, pack_features, read_frame, unpack_features, write_frame
+from .wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    FRAME_PREFIX_BYTES,
+    pack_features,
+    read_frame,
+    unpack_features,
+    write_frame,
+)
 
 __all__ = [
     "ChannelStats",
@@ -124,6 +132,8 @@ _SERDE = MsgpackSerde()
 #: how long a new engine worker tries to take the path's lock (a prober may hold it briefly)
 _LOCK_TRIES_S: Final = 1.0
 _STOP_GRACE_S: Final = 10.0
+_IDLE_TIMEOUT_S: Final = 10.0  # serve_engine: a connection's whole call must arrive within this
+_FULL_WARN_S: Final = 10.0  # at most one "max_connections reached" warning this often
 _SEND_TRIES: Final = 3
 _KEEP_POLL_S: Final = 0.5  # how often EngineClient(start=) checks the worker
 _KEEP_QUICK_S: Final = 5.0  # a worker that crashes sooner than this after its start ...
@@ -785,45 +795,84 @@ class _Worker:
         max_concurrency: int,
         lease: bool,
         max_frame_bytes: int,
+        idle_timeout: float,
+        max_connections: int,
     ) -> None:
         self.handler = handler
         self.receiver = receiver
         self.limit = asyncio.Semaphore(max_concurrency)
         self.lease = lease
         self.max_frame_bytes = max_frame_bytes
+        self.idle_timeout = idle_timeout
+        self.max_connections = max_connections
         self.idle: set[asyncio.Task[None]] = set()  # connections waiting for their next call
         self.busy: set[asyncio.Task[None]] = set()
         self.writers: set[asyncio.StreamWriter] = set()
+        #: connections that never sent a byte of a call, oldest first: the first to go when full
+        self.fresh: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self.stopping = False
         self.calls = 0
+        self.turned_away = 0  # connections closed to stay within max_connections
+        self._warned_at = -_FULL_WARN_S
 
     async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
-        if task is None or self.stopping:
+        if task is None or self.stopping or not self._admit():
             writer.transport.abort()
             return
         self.writers.add(writer)
+        proven = False  # has it sent a whole call? (a gateway's pooled connection may then idle)
         try:
             while not self.stopping:
                 self.idle.add(task)
+                if not proven:
+                    self.fresh[task] = writer
                 try:
-                    head = await read_frame(reader, max_bytes=self.max_frame_bytes)
+                    async with _timeout(None if proven else self.idle_timeout):
+                        first = await reader.readexactly(1)
                 finally:
                     self.idle.discard(task)
+                    self.fresh.pop(task, None)
                 self.busy.add(task)
                 try:
-                    body = await read_frame(reader, max_bytes=self.max_frame_bytes)
+                    async with _timeout(self.idle_timeout):  # the rest of the call, both frames
+                        head = await _rest_of_frame(reader, first, self.max_frame_bytes)
+                        body = await read_frame(reader, max_bytes=self.max_frame_bytes)
+                    proven = True
                     answer = await self.serve_call(head, body)
                     await write_frame(writer, answer, max_bytes=self.max_frame_bytes)
                 finally:
                     self.busy.discard(task)
-        except (EndOfFramesError, FrameError, OSError):
+        except TimeoutError:  # no whole call within idle_timeout: a stuck or silent peer
+            log.debug("closing an engine connection: no whole call in %.1f s", self.idle_timeout)
+        except (EOFError, FrameError, OSError):
             pass  # the gateway hung up (or sent garbage framing): this connection ends
         except asyncio.CancelledError:
             pass  # shutdown: ending quietly (asyncio logs a connection task that ends cancelled)
         finally:
             self.writers.discard(writer)
             writer.transport.abort()
+
+    def _admit(self) -> bool:
+        """Make room for a new connection: at ``max_connections``, the oldest connection that
+        never sent a byte is closed for it; with none such, the new one is refused."""
+        if len(self.writers) < self.max_connections:
+            return True
+        self.turned_away += 1
+        now = time.monotonic()
+        if now - self._warned_at >= _FULL_WARN_S:
+            self._warned_at = now
+            log.warning(
+                "the engine worker is at max_connections=%d: closing connections that sent "
+                "nothing (%d so far)",
+                self.max_connections,
+                self.turned_away,
+            )
+        for task, writer in self.fresh.items():
+            del self.fresh[task]
+            writer.transport.abort()  # its read ends: the task leaves, the slot frees
+            return True
+        return False
 
     async def serve_call(self, head: bytes, body: bytes) -> bytes:
         self.calls += 1
@@ -917,6 +966,27 @@ def _cancelled_from_outside(exc: BaseException) -> bool:
     return task is None or task.cancelling() > 0
 
 
+async def _rest_of_frame(reader: asyncio.StreamReader, first: bytes, max_bytes: int) -> bytes:
+    """A frame whose first byte was read already (``wire.read_frame``'s rules otherwise)."""
+    prefix = first + await reader.readexactly(FRAME_PREFIX_BYTES - len(first))
+    n = int.from_bytes(prefix, "little")
+    if n > max_bytes:
+        raise FrameTooLargeError(
+            f"incoming frame of {n} bytes exceeds max_bytes={max_bytes}",
+            nbytes=n,
+            max_bytes=max_bytes,
+        )
+    return await reader.readexactly(n) if n else b""
+
+
+def _default_max_connections() -> int:
+    """Half the process's open-file limit (at most 4096): room left for everything else."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(1, min(4096, soft // 2))
+
+
 class _HandlerFailed(Exception):
     def __init__(self, frame: bytes) -> None:
         super().__init__("handler failed")
@@ -931,6 +1001,8 @@ async def serve_engine(
     max_concurrency: int = 64,
     lease: bool = False,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    idle_timeout: float = _IDLE_TIMEOUT_S,
+    max_connections: int | None = None,
     shutdown_timeout: float = _STOP_GRACE_S,
     shutdown_signals: Sequence[int] = (),
     ready: Callable[[], None] | None = None,
@@ -944,6 +1016,15 @@ async def serve_engine(
     ``MsgpackSerde`` carries, numpy arrays included). At most ``max_concurrency`` calls run at
     once. Every failure is answered with a typed error frame (module docstring).
 
+    Connections: a call's frames must arrive whole within ``idle_timeout`` seconds of its first
+    byte, and a new connection must start its first call within ``idle_timeout`` (default 10 s);
+    otherwise the connection is closed. A connection that has sent a whole call may wait for
+    its next one without limit (a gateway's pooled connection). At most ``max_connections``
+    (default: half the process's open-file limit, at most 4096) are open: beyond it, the oldest
+    connection that never sent a byte is closed to make room, or, with none such, the new one
+    is closed at once. So silent connections can neither exhaust the worker's file descriptors
+    nor keep a gateway's real calls out.
+
     One worker per path: the path's lock file (``path + ".lock"``, a kernel lock released if the
     worker dies) is taken first; a live worker holding it is ``EngineAddressInUseError``; a
     socket file left by a dead worker is replaced. ``ready()`` is called once listening.
@@ -954,6 +1035,12 @@ async def serve_engine(
     """
     if type(max_concurrency) is not int or max_concurrency < 1:
         raise ValueError("max_concurrency must be an int >= 1")
+    if not idle_timeout > 0:
+        raise ValueError("idle_timeout must be > 0")
+    if max_connections is None:
+        max_connections = _default_max_connections()
+    elif type(max_connections) is not int or max_connections < 1:
+        raise ValueError("max_connections must be an int >= 1")
     path = os.fspath(path)
     lock_fd = await asyncio.to_thread(_take_path, path)
     worker = _Worker(
@@ -962,6 +1049,8 @@ async def serve_engine(
         max_concurrency=max_concurrency,
         lease=lease,
         max_frame_bytes=max_frame_bytes,
+        idle_timeout=idle_timeout,
+        max_connections=max_connections,
     )
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -574,6 +574,60 @@ async def test_hostile_calls_get_typed_answers_and_the_worker_keeps_serving(
         assert out["payload"]["n"] == 3
 
 
+async def test_a_connection_without_a_whole_call_is_closed_after_idle_timeout(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Silent, or stuck inside a frame (a cut prefix, a cut payload): closed after
+    ``idle_timeout``. A pooled connection that sent a whole call may idle longer."""
+    sock = tmp_path / "e.sock"
+    serve = {"idle_timeout": 0.3}
+    async with _connected(make_config, sock, serve, max_connections=1) as (_cache, _rx, engine):
+        await engine.call([], {"op": "echo"}, timeout=30)  # a proven, pooled connection
+        stuck = [b"", b"\x05\x00", (100).to_bytes(8, "little") + b"partial"]
+        peers = []
+        for sent in stuck:
+            reader, writer = await asyncio.open_unix_connection(str(sock))
+            writer.write(sent)
+            await writer.drain()
+            peers.append((reader, writer))
+        for reader, writer in peers:
+            assert await asyncio.wait_for(reader.read(), 30) == b""  # the worker closed it
+            writer.close()
+        out = await engine.call([], {"op": "echo", "n": 5}, timeout=30)
+        assert out["payload"]["n"] == 5
+        assert engine.stats().connects == 1  # the pooled connection outlived idle_timeout
+
+
+async def test_silent_connections_beyond_max_connections_do_not_keep_calls_out(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """200 connections that send nothing against ``max_connections=8`` (and an idle timeout far
+    away): the oldest silent ones make room, a pooled connection that sent a call is kept, and
+    a new gateway's call is served."""
+    sock = tmp_path / "e.sock"
+    serve = {"max_connections": 8, "idle_timeout": 600.0}
+    async with _connected(make_config, sock, serve) as (cache, _rx, engine):
+        await engine.call([], {"op": "echo"}, timeout=30)
+        silent = [await asyncio.open_unix_connection(str(sock)) for _ in range(200)]
+        try:
+            [f] = await _features(cache, range(1))
+            out = await engine.call([f], {"op": "crc"}, timeout=30)  # the pooled connection
+            assert out["crcs"] == [crc(_item(0)["x"])]
+            assert engine.stats().connects == 1
+            async with EngineClient.connect(sock, cache=cache) as other:  # a new connection
+                out = await other.call([], {"op": "echo", "n": 6}, timeout=30)
+                assert out["payload"]["n"] == 6
+
+            def most_closed() -> bool:
+                return sum(r.at_eof() for r, _w in silent) >= 200 - 8
+
+            assert await asyncio.to_thread(wait_until, most_closed, 60)
+        finally:
+            for _r, w in silent:
+                w.close()
+        assert cache.snapshot().readers[0].lag == 0
+
+
 async def test_a_garbage_answer_is_a_typed_error(tmp_path: Path) -> None:
     """A peer that answers junk (not a worker) makes the call raise ``WireError``."""
     from aioshmcache.wire import read_frame, write_frame
