@@ -54,7 +54,12 @@ connection: the stream is out of step, and its late answer must never reach the 
   reader's debts are dropped). A call cancelled or timed out after delivery does not give back:
   the worker still reads it. A call delivered on a connection the worker closed unread in its
   own shutdown is the one lost hand-out the cache's lapse rule (``handout_ttl``) exists for;
-* the worker answers ``unread``: the client gives it back.
+* the worker answers ``unread``: the client gives it back;
+* the worker went away before answering (died, or closed the connection) and the call is sent
+  again (``retries``, once by default, on a fresh connection): the retry takes fresh hand-outs
+  and gives the first ones back. The worker that went away acknowledged them already (giving
+  back is then a no-op: the ledger settles a hand-out once) or never will (a dead reader's
+  debts are dropped anyway).
 
 **Drift recovery.** When the worker answers ``cache_miss`` (references gone stale: evicted,
 cleared, a restarted writer), the client invalidates those hashes in its cache and, if the
@@ -247,8 +252,10 @@ class ChannelStats:
     connect_failures: int = 0
     #: drift recoveries: calls resent with their missing items inline
     resends: int = 0
-    #: hand-outs given back to the cache because the worker never read them
+    #: hand-outs given back to the cache because the worker never read them (or went away)
     released: int = 0
+    #: calls sent again because their worker went away before answering
+    retries: int = 0
 
     def to_dict(self) -> dict[str, int]:
         """The counters as a plain dict."""
@@ -269,6 +276,22 @@ class _Conn:
 
     def close(self) -> None:
         self.writer.transport.abort()
+
+
+class _Lost(Exception):
+    """A call's connection broke before the answer: retried by ``EngineClient.call``, or its
+    ``error`` raised. ``delivered``: the call's references the worker may have read."""
+
+    def __init__(self, error: EngineUnavailableError) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.delivered: list[ShmRef] = []
+
+
+def _check_retries(retries: int) -> int:
+    if type(retries) is not int or retries < 0:
+        raise ValueError(f"retries must be an int >= 0, got {retries!r}")
+    return retries
 
 
 class _Sent:
@@ -303,6 +326,7 @@ class EngineClient:
         backoff_max: float = 0.5,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         start: Callable[[str], None] | None = None,
+        retries: int = 1,
     ) -> None:
         """See :meth:`connect`; nothing is opened until ``__aenter__``."""
         if timeout <= 0:
@@ -311,6 +335,7 @@ class EngineClient:
         self.cache = cache
         self.timeout = timeout
         self.max_frame_bytes = max_frame_bytes
+        self.retries = _check_retries(retries)
         self._changed: asyncio.Event | None = None
         self._book: PoolBook[_Conn] = PoolBook(
             max_connections,
@@ -321,7 +346,7 @@ class EngineClient:
         self._start = start
         self._keeper: asyncio.Task[None] | None = None
         self._child: multiprocessing.process.BaseProcess | None = None
-        self._calls = self._failures = self._resends = self._released = 0
+        self._calls = self._failures = self._resends = self._released = self._retries = 0
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -336,15 +361,17 @@ class EngineClient:
         backoff_max: float = 0.5,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         start: Callable[[str], None] | None = None,
+        retries: int = 1,
     ) -> AsyncIterator[EngineClient]:
         """A client of the engine worker at ``path``, for an ``async with`` block.
 
         ``max_connections`` bounds the pool (calls beyond it wait for a connection, within
         their deadline); ``timeout`` is the default per-call deadline in seconds (connecting,
         sending and waiting for the answer, all together); reconnects back off from
-        ``backoff_initial`` to ``backoff_max`` seconds. No connection is opened up front: a
-        worker that starts after the gateway is found by the first call. Leaving the block
-        closes every connection (and stops the worker this process started, if any).
+        ``backoff_initial`` to ``backoff_max`` seconds; ``retries`` is the default of
+        :meth:`call`'s (a call whose worker went away is sent again). No connection is opened
+        up front: a worker that starts after the gateway is found by the first call. Leaving
+        the block closes every connection (and stops the worker this process started, if any).
         """
         client = cls(
             path,
@@ -355,6 +382,7 @@ class EngineClient:
             backoff_max=backoff_max,
             max_frame_bytes=max_frame_bytes,
             start=start,
+            retries=retries,
         )
         if start is not None:
             client._keeper = asyncio.create_task(client._keep_worker(start))
@@ -385,6 +413,7 @@ class EngineClient:
             connect_failures=self._book.open_failures,
             resends=self._resends,
             released=self._released,
+            retries=self._retries,
         )
 
     @property
@@ -399,42 +428,63 @@ class EngineClient:
         *,
         timeout: float | None = None,  # noqa: ASYNC109 (the issue's API: a per-call deadline)
         items: Items | None = None,
+        retries: int | None = None,
     ) -> Any:
         """Send a request's features (and ``payload``) to the worker; return its handler's result.
 
-        ``timeout`` (default: the client's) bounds the whole call, drift resend included:
-        ``EngineTimeoutError`` when it passes, ``EngineUnavailableError`` if no connection
-        could be made within it or the worker went away before answering. The worker's
+        ``timeout`` (default: the client's) bounds the whole call, drift resend and retries
+        included: ``EngineTimeoutError`` when it passes, ``EngineUnavailableError`` if no
+        connection could be made within it or the worker went away before answering (and no
+        retry is left). ``retries`` (default: the client's, 1) is how many times a call whose
+        worker went away before answering (died, or closed the connection) is sent again on a
+        fresh connection, with fresh hand-outs; ``retries=0`` for a call that is not safe to
+        run twice (the first worker may have run the handler before it died). The worker's
         errors come back typed (see the module docstring). ``items`` (a mapping or a function,
-        sync or async, from ``mm_hash`` to the item) enables drift recovery.
+        sync or async, from ``mm_hash`` to the item) enables drift recovery, and lets a retry
+        send inline an item evicted meanwhile.
         """
         self._calls += 1
-        features = list(features)
+        current = list(features)
         limit = self.timeout if timeout is None else timeout
         if limit <= 0:
             raise ValueError("timeout must be > 0")
+        retries_left = self.retries if retries is None else _check_retries(retries)
         deadline = time.monotonic() + limit
+        resent = False
         try:
-            try:
-                return await self._attempt(features, payload, deadline)
-            except CacheMissError as miss:
-                if self.cache is None:
-                    raise
-                for h in miss.mm_hashes:
-                    await self.cache.invalidate(h)
-                if items is None:
-                    raise
-                resend = await self._resend_features(features, set(miss.mm_hashes), items)
-                self._resends += 1
-                return await self._attempt(resend, payload, deadline)
+            while True:
+                try:
+                    return await self._attempt(current, payload, deadline)
+                except CacheMissError as miss:
+                    if self.cache is None:
+                        raise
+                    for h in miss.mm_hashes:
+                        await self.cache.invalidate(h)
+                    if items is None or resent:
+                        raise
+                    resent = True
+                    current = await self._resend_features(current, set(miss.mm_hashes), items)
+                    self._resends += 1
+                except _Lost as lost:
+                    if retries_left <= 0 or time.monotonic() >= deadline:
+                        raise lost.error from lost.error.__cause__
+                    retries_left -= 1
+                    try:
+                        current = await self._resend_features(current, set(), items)
+                    finally:  # whatever the dead worker did not acknowledge, nobody reads now
+                        await self._give_back(lost.delivered)
+                    self._retries += 1
         except BaseException:
             self._failures += 1
             raise
 
     async def _resend_features(
-        self, features: list[FeatureSpec], missing: set[str], items: Items
+        self, features: list[FeatureSpec], missing: set[str], items: Items | None
     ) -> list[FeatureSpec]:
         """The request again: missing items inline, fresh hand-outs for its other references.
+
+        A reference whose item was evicted meanwhile goes inline too, made by ``items``
+        (``CacheMissError`` without it).
 
         If the request cannot be built (an item missing from ``items``, ``items`` raising, the
         caller cancelled while an async ``items`` runs), the fresh hand-outs taken so far are
@@ -458,7 +508,9 @@ class EngineClient:
                             fresh.append(renewed.data)
                         out.append(renewed)
                         continue
-                if f.mm_hash in missing or isinstance(f.data, ShmRef):
+                if f.mm_hash in missing or (isinstance(f.data, ShmRef) and self.cache is not None):
+                    if items is None:
+                        raise CacheMissError([f.mm_hash], f"no item to resend for {f.mm_hash}")
                     item = await _item_of(items, f.mm_hash)
                     out.append(f.with_data(item))
                 else:
@@ -485,6 +537,12 @@ class EngineClient:
                     sent.delivered = False  # the worker read nothing: give back below
                 _raise_error(value)
             raise WireError("malformed channel response")
+        except _Lost as lost:
+            if sent.delivered:
+                lost.delivered = refs  # maybe read by the worker that went away
+            else:
+                await self._give_back(refs)
+            raise
         except BaseException:
             if not sent.delivered:
                 await self._give_back(refs)
@@ -518,16 +576,20 @@ class EngineClient:
                         raise WireError(f"the engine's answer is too large: {exc}") from exc
                     except (OSError, FrameError, EndOfFramesError) as exc:
                         broken += 1
+                        for idle in self._book.drop_idle():
+                            idle.close()  # they lead to the same worker: likely broken too
                         if not sent.delivered and broken < _SEND_TRIES:
                             phase = "connect"
                             continue  # the call never reached the worker: another connection
                         if not sent.delivered:
-                            raise EngineUnavailableError(
-                                f"could not send the call to {self.path}: {exc}"
-                            ) from exc
-                        raise EngineUnavailableError(
-                            f"the engine worker at {self.path} went away during the call: {exc}"
-                        ) from exc
+                            what = f"could not send the call to {self.path}: {exc}"
+                        else:
+                            what = (
+                                f"the engine worker at {self.path} went away during the call: {exc}"
+                            )
+                        error = EngineUnavailableError(what)
+                        error.__cause__ = exc
+                        raise _Lost(error) from exc
                     finally:
                         self._give_conn(conn, reusable)
         except TimeoutError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import os
 import signal
 import time
@@ -44,6 +45,22 @@ def _item(i: int, n: int = 1024) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
+async def _serving(
+    path: Path, rx: AsyncReceiverCache, **kw: Any
+) -> AsyncIterator[asyncio.Task[None]]:
+    """An in-process worker serving ``path`` with ``rx``, listening; stopped at the exit."""
+    ready = asyncio.Event()
+    task = asyncio.create_task(serve_engine(path, handler, rx, ready=ready.set, **kw))
+    try:
+        await asyncio.wait_for(ready.wait(), 10)
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@contextlib.asynccontextmanager
 async def _engine(
     make_config: Callable[..., Any], path: Path, **kw: Any
 ) -> AsyncIterator[tuple[AsyncSenderCache, AsyncReceiverCache, asyncio.Task[None]]]:
@@ -51,16 +68,9 @@ async def _engine(
     async with (
         AsyncSenderCache.from_config(make_config(4 << 20)) as cache,
         AsyncReceiverCache.attach(cache.handle()) as rx,
+        _serving(path, rx, **kw) as task,
     ):
-        ready = asyncio.Event()
-        task = asyncio.create_task(serve_engine(path, handler, rx, ready=ready.set, **kw))
-        await asyncio.wait_for(ready.wait(), 10)
-        try:
-            yield cache, rx, task
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        yield cache, rx, task
 
 
 @contextlib.asynccontextmanager
@@ -342,12 +352,7 @@ async def test_callers_queued_behind_the_reconnect_probe_wait_only_for_its_conne
     ):
         with pytest.raises(EngineUnavailableError):
             await engine.call([], {"op": "echo"}, timeout=0.3)  # no engine: backing off
-        ready = asyncio.Event()
-        serve = asyncio.create_task(
-            serve_engine(sock, handler, rx, ready=ready.set, shutdown_timeout=0.5)
-        )
-        try:
-            await asyncio.wait_for(ready.wait(), 30)  # the restarted engine
+        async with _serving(sock, rx, shutdown_timeout=0.5):  # the restarted engine
             book = engine._book
             assert await asyncio.to_thread(wait_until, lambda: time.monotonic() >= book.retry_at)
             slow = asyncio.create_task(engine.call([], {"op": "sleep", "s": 8.0}, timeout=60))
@@ -360,10 +365,38 @@ async def test_callers_queued_behind_the_reconnect_probe_wait_only_for_its_conne
             slow.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await slow
-        finally:
-            serve.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await serve
+
+
+@pytest.mark.parametrize("retries", [None, 0])
+async def test_a_call_whose_worker_went_away_is_sent_again_once(
+    make_config: Callable[..., Any], tmp_path: Path, retries: int | None
+) -> None:
+    """The worker stops (its connection cut) while the call runs in the handler: by default the
+    call is sent again on a fresh connection, with a fresh hand-out, to the next worker, and
+    nothing stays owed. ``retries=0`` opts out."""
+    sock = tmp_path / "e.sock"
+    async with (
+        AsyncSenderCache.from_config(make_config(4 << 20)) as cache,
+        AsyncReceiverCache.attach(cache.handle()) as rx,
+        EngineClient.connect(sock, cache=cache) as engine,
+    ):
+        [f] = await _features(cache, range(1))
+        mark = tmp_path / "reached"
+        payload = {"op": "sleep", "s": 0.2, "mark": str(mark)}
+        opt: dict[str, Any] = {} if retries is None else {"retries": retries}
+        async with _serving(sock, rx, shutdown_timeout=0) as first:
+            call = asyncio.create_task(engine.call([f], payload, timeout=60, **opt))
+            assert await asyncio.to_thread(wait_until, mark.exists, 30)  # in the handler
+            first.cancel()  # the worker goes away without answering
+        if retries == 0:
+            with pytest.raises(EngineUnavailableError, match="went away"):
+                await call
+        else:
+            async with _serving(sock, rx):
+                out = await call
+            assert out["crcs"] == [crc(_item(0)["x"])]
+            assert engine.stats().retries == 1
+        assert cache.snapshot().readers[0].lag == 0  # nothing owed: each hand-out settled
 
 
 async def test_a_second_worker_on_a_live_path_is_refused(
@@ -441,6 +474,74 @@ async def test_reconnect_after_the_worker_is_killed_and_restarted(
                     assert not sock.exists()  # graceful shutdown removed it
         finally:
             kill_and_reap(first)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+async def test_calls_through_an_engine_killed_9_and_restarted_all_succeed(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A steady stream of calls (four callers) with the client's defaults; the worker is
+    killed -9 while one call is inside its handler, then restarted: no call fails, every
+    answer is right, the call in the handler was sent again, nothing stays owed."""
+    sock = tmp_path / "e.sock"
+    async with AsyncSenderCache.from_config(make_config(4 << 20)) as cache:
+        handle = cache.handle()
+        procs = [_start_worker(sock, handle)]
+        answered: dict[int, int] = {}  # pid -> calls it answered
+        errors: list[str] = []
+        stop = asyncio.Event()
+
+        async def caller(k: int, engine: EngineClient) -> None:
+            for n in itertools.count():
+                if stop.is_set():
+                    return
+                i = (k + 4 * n) % 8
+                try:
+                    feats = await _features(cache, range(i, i + 1))
+                    out = await engine.call(feats, {"op": "crc"})
+                except Exception as exc:  # the test asserts there is none; the caller stops
+                    errors.append(repr(exc))
+                    return
+                assert out["crcs"] == [crc(_item(i)["x"])]
+                pid: int = out["pid"]
+                answered[pid] = answered.get(pid, 0) + 1
+
+        try:
+            async with EngineClient.connect(sock, cache=cache) as engine:
+                await engine.call([], {"op": "echo"}, timeout=120)  # the worker is up
+                callers = [asyncio.create_task(caller(k, engine)) for k in range(4)]
+                try:
+                    first = procs[0].pid
+                    assert await asyncio.to_thread(
+                        wait_until, lambda: answered.get(first, 0) > 20, 60
+                    )
+                    mark = tmp_path / "reached"
+                    [f] = await _features(cache, range(8, 9))
+                    held = asyncio.create_task(
+                        engine.call([f], {"op": "sleep", "s": 0.2, "mark": str(mark)})
+                    )
+                    assert await asyncio.to_thread(wait_until, mark.exists, 60)
+                    kill_and_reap(procs[0], signal.SIGKILL)  # inside the handler, mid-stream
+                    procs.append(_start_worker(sock, handle))
+                    second = procs[1].pid
+                    assert (await held)["crcs"] == [crc(_item(8)["x"])]  # sent again
+                    assert await asyncio.to_thread(
+                        wait_until, lambda: answered.get(second, 0) > 20 or bool(errors), 120
+                    )
+                    assert errors == []
+                    stop.set()  # each caller ends after its current call
+                    await asyncio.wait_for(asyncio.gather(*callers), 120)
+                finally:
+                    for task in callers:
+                        task.cancel()
+                    await asyncio.gather(*callers, return_exceptions=True)
+                assert engine.stats().retries >= 1
+                [reader] = [r for r in cache.snapshot().readers if r.alive]
+                assert reader.pid == second and reader.lag == 0  # nothing owed
+        finally:
+            for proc in procs:
+                kill_and_reap(proc)
 
 
 @pytest.mark.e2e
