@@ -119,7 +119,6 @@ from .wire import (
     pack_features,
     read_frame,
     unpack_features,
-    write_frame,
 )
 
 __all__ = [
@@ -140,6 +139,7 @@ _STOP_GRACE_S: Final = 10.0
 _IDLE_TIMEOUT_S: Final = 10.0  # serve_engine: a connection's whole call must arrive within this
 _FULL_WARN_S: Final = 10.0  # at most one "max_connections reached" warning this often
 _SEND_TRIES: Final = 3
+_JOIN_BELOW: Final = 256 << 10  # a message's pieces are joined into one write up to this size
 _KEEP_POLL_S: Final = 0.5  # how often EngineClient(start=) checks the worker
 _KEEP_QUICK_S: Final = 5.0  # a worker that crashes sooner than this after its start ...
 _KEEP_MAX_S: Final = 30.0  # ... is restarted after a pause that doubles up to this
@@ -606,7 +606,7 @@ class EngineClient:
         prefix = len(frames[0]).to_bytes(8, "little"), len(frames[1]).to_bytes(8, "little")
         if len(frames[0]) > self.max_frame_bytes or len(frames[1]) > self.max_frame_bytes:
             raise WireError(f"the call exceeds max_frame_bytes={self.max_frame_bytes}")
-        w.writelines((prefix[0], frames[0], prefix[1], frames[1]))
+        _write_joined(w, (prefix[0], frames[0], prefix[1], frames[1]))
         try:
             await w.drain()
         except BaseException:
@@ -890,8 +890,11 @@ class _Worker:
                 if not proven:
                     self.fresh[task] = writer
                 try:
-                    async with _timeout(None if proven else self.idle_timeout):
+                    if proven:  # a pooled connection may wait for its next call without limit
                         first = await reader.readexactly(1)
+                    else:
+                        async with _timeout(self.idle_timeout):
+                            first = await reader.readexactly(1)
                 finally:
                     self.idle.discard(task)
                     self.fresh.pop(task, None)
@@ -902,7 +905,8 @@ class _Worker:
                         body = await read_frame(reader, max_bytes=self.max_frame_bytes)
                     proven = True
                     answer = await self.serve_call(head, body)
-                    await write_frame(writer, answer, max_bytes=self.max_frame_bytes)
+                    _write_joined(writer, (len(answer).to_bytes(8, "little"), answer))
+                    await writer.drain()
                 finally:
                     self.busy.discard(task)
         except TimeoutError:  # no whole call within idle_timeout: a stuck or silent peer
@@ -1018,6 +1022,16 @@ class _Worker:
             await asyncio.wait(rest, timeout=grace)
         for w in list(self.writers):
             w.transport.abort()
+
+
+def _write_joined(writer: asyncio.StreamWriter, parts: tuple[bytes, ...]) -> None:
+    """Queue ``parts`` as one write when small: the peer wakes once for the whole message, not
+    once per piece (asyncio's ``writelines`` writes each piece on its own); large parts are
+    queued as they are, not copied."""
+    if sum(map(len, parts)) <= _JOIN_BELOW:
+        writer.write(b"".join(parts))
+    else:
+        writer.writelines(parts)
 
 
 def _cancelled_from_outside(exc: BaseException) -> bool:
