@@ -729,6 +729,83 @@ async def test_silent_connections_beyond_max_connections_do_not_keep_calls_out(
         assert cache.snapshot().readers[0].lag == 0
 
 
+def test_the_plain_features_frame_reads_as_the_wire_message_does() -> None:
+    """References and Nones travel as plain msgpack; anything else as the wire message; both
+    read back the same features."""
+    import msgpack
+
+    from aioshmcache.channel import _pack_body, _unpack_body
+    from aioshmcache.wire import pack_features, unpack_features
+
+    ref = ShmRef(1 << 63, 2, 4096, 77, 1024, (1 << 64) - 1, 3, 12345)
+    plain = [
+        [],
+        [FeatureSpec("a", ref), FeatureSpec("b", None, identifier="id-b")],
+        [FeatureSpec("é" * 70, ref, identifier=None, prompt_updates=())],
+    ]
+    for features in plain:
+        body = _pack_body(features)
+        assert body[:4] != b"ASHM"
+        assert _unpack_body(body) == unpack_features(pack_features(features)) == features
+    wire = [
+        [FeatureSpec("a", ref), FeatureSpec("i", _item(1))],  # an inline item
+        [FeatureSpec("a", ref, prompt_updates=[{"offset": 3}])],
+    ]
+    for features in wire:
+        body = _pack_body(features)
+        assert body[:4] == b"ASHM"
+        out = _unpack_body(body)
+        assert [f.mm_hash for f in out] == [f.mm_hash for f in features]
+    hostile = [
+        msgpack.packb(["aioshmcache.wire", 1, [["x", 2, {"no": "items"}, None, []]]]),  # inline
+        msgpack.packb(["aioshmcache.wire", 1, [["x", 2, [1, 2], None, []]]]),
+        msgpack.packb(["aioshmcache.wire", 9, []]),
+        msgpack.packb(["not.wire", 1, []]),
+        msgpack.packb(["aioshmcache.wire", 1, [["x", 1, [1, 2, 3], None, []]]]),
+        msgpack.packb(["aioshmcache.wire", 1, [["x", 1, [-1] * 8, None, []]]]),
+        msgpack.packb(["aioshmcache.wire", 1, [["x", 1, [0] * 8, None, []]]])[:-3],  # cut
+        msgpack.packb(["aioshmcache.wire", 1, []]) + b"\x00",  # trailing bytes
+        b"\x93\xa1\xff\x01\x90",  # not UTF-8
+        b"\x91" * 100_000 + b"\xc0",  # deep
+        b"\xdd\xff\xff\xff\xff",  # a huge declared array
+        msgpack.packb(["aioshmcache.wire", 1, [["x", 0, None, None, [b"bin"]]]]),
+        msgpack.packb(["aioshmcache.wire", 1, [["x", 0, None, None, ["update"]]]]),
+        msgpack.packb(["aioshmcache.wire", 1, [["x", 0, None, None, 5]]]),
+        msgpack.packb(["aioshmcache.wire", 1, "rows"]),
+        msgpack.packb([1, 2]),
+    ]
+    for body in hostile:
+        with pytest.raises(WireError):
+            _unpack_body(body)
+
+
+async def test_calls_of_both_channel_versions_are_served(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A gateway of the previous version (call version 1, features as a wire message) is still
+    served; an unknown version is a ``bad_request``."""
+    from aioshmcache.channel import _decode, _encode
+    from aioshmcache.wire import pack_features, read_frame, write_frame
+
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock) as (cache, _rx, _engine):
+        [f] = await _features(cache, range(1))
+        reader, writer = await asyncio.open_unix_connection(str(sock))
+        try:
+            for version, kind in [(1, "ok"), (3, "error")]:
+                await write_frame(writer, _encode(["aioshmcache.channel", version, "call", None]))
+                await write_frame(writer, pack_features([f]))
+                value = _decode(await asyncio.wait_for(read_frame(reader), 30), "response")
+                assert value[2] == kind
+                if kind == "ok":
+                    assert value[3]["crcs"] == [crc(_item(0)["x"])]
+                else:
+                    assert value[3] == "bad_request"
+        finally:
+            writer.close()
+        assert cache.snapshot().readers[0].lag == 0
+
+
 async def test_a_garbage_answer_is_a_typed_error(tmp_path: Path) -> None:
     """A peer that answers junk (not a worker) makes the call raise ``WireError``."""
     from aioshmcache.wire import read_frame, write_frame
