@@ -18,8 +18,11 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aioshmcache import (
     AsyncReceiverCache,
@@ -732,8 +735,6 @@ async def test_silent_connections_beyond_max_connections_do_not_keep_calls_out(
 def test_the_plain_features_frame_reads_as_the_wire_message_does() -> None:
     """References and Nones travel as plain msgpack; anything else as the wire message; both
     read back the same features."""
-    import msgpack
-
     from aioshmcache.channel import _pack_body, _unpack_body
     from aioshmcache.wire import pack_features, unpack_features
 
@@ -777,6 +778,32 @@ def test_the_plain_features_frame_reads_as_the_wire_message_does() -> None:
     for body in hostile:
         with pytest.raises(WireError):
             _unpack_body(body)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=300).map(lambda b: b"\x93" + b),
+        st.recursive(
+            st.none()
+            | st.integers(-(2**63), 2**64 - 1)
+            | st.text(max_size=8)
+            | st.binary(max_size=8),
+            lambda inner: st.lists(inner, max_size=6),
+            max_leaves=30,
+        ).map(lambda v: msgpack.packb(["aioshmcache.wire", 1, v])),
+    )
+)
+def test_a_plain_features_frame_is_features_or_a_wire_error(body: bytes) -> None:
+    """Any bytes starting as a msgpack array: features of references and Nones, or
+    ``WireError``; nothing else escapes."""
+    from aioshmcache.channel import _unpack_body
+
+    try:
+        features = _unpack_body(body)
+    except WireError:
+        return
+    assert all(f.data is None or type(f.data) is ShmRef for f in features)
 
 
 async def test_calls_of_both_channel_versions_are_served(
