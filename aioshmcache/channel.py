@@ -97,6 +97,7 @@ import msgpack
 
 from ._channel_pool import PoolBook
 from ._serde import MsgpackSerde
+from ._serde_decode import _check_complete, _NodeCounter
 from ._types import FeatureSpec, ShmRef
 from .errors import (
     CacheMissError,
@@ -118,6 +119,7 @@ from .errors import (
 from .wire import (
     _KIND_NONE,
     _KIND_REF,
+    _MAX_CONTAINERS,
     _MAX_FEATURES,
     DEFAULT_MAX_FRAME_BYTES,
     FRAME_PREFIX_BYTES,
@@ -257,14 +259,17 @@ def _unpack_body(body: bytes) -> list[FeatureSpec]:
     """A call's features frame (:func:`_pack_body`'s two forms), as hostile as any input.
 
     A wire message starts with the serde's magic (``ASHM``), the plain form with a msgpack
-    array marker. The plain form is unpacked with lengths bounded by its size and no maps,
-    bins or extensions, then checked as the wire message is (``wire`` rules); it may hold
-    only references and ``None``s, without prompt updates.
+    array marker. The plain form is unpacked under the serde's own bounds for a structure
+    header (complete before it is unpacked, at most ``max_containers`` lists, lengths bounded
+    by its size, no maps, bins or extensions), then checked as the wire message is (``wire``
+    rules); it may hold only references and ``None``s, without prompt updates.
     """
     if not body or body[0] not in _MSGPACK_ARRAY_FIRST:
         return unpack_features(body)
     n = len(body)
     try:
+        _check_complete(body)  # before msgpack allocates what array headers announce
+        counter = _NodeCounter(_MAX_CONTAINERS)
         value = msgpack.unpackb(
             body,
             raw=False,
@@ -275,6 +280,7 @@ def _unpack_body(body: bytes) -> list[FeatureSpec]:
             max_array_len=n,
             max_map_len=0,
             max_ext_len=0,
+            list_hook=counter.container,
         )
         for row in value[2] if type(value) is list and len(value) == 3 else ():
             if type(row) is list and len(row) == 5:
@@ -282,9 +288,9 @@ def _unpack_body(body: bytes) -> list[FeatureSpec]:
                     raise WireError("prompt updates in a plain features message")
                 row[4] = ()  # as the wire message reads them
         features = _wire_features(value, _MAX_FEATURES)
-    except SerdeError:
+    except WireError:
         raise
-    except Exception as exc:  # msgpack's errors (malformed, too deep, bad UTF-8) and the rest
+    except Exception as exc:  # msgpack's (malformed, too deep, bad UTF-8), the bounds', the rest
         raise WireError(f"malformed features message: {exc}") from exc
     for f in features:
         if f.data is not None and type(f.data) is not ShmRef:

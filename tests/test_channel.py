@@ -774,6 +774,8 @@ def test_the_plain_features_frame_reads_as_the_wire_message_does() -> None:
         msgpack.packb(["aioshmcache.wire", 1, [["x", 0, None, None, 5]]]),
         msgpack.packb(["aioshmcache.wire", 1, "rows"]),
         msgpack.packb([1, 2]),
+        b"\x93\xb0aioshmcache.wire\x01" + b"\xdd\x00\x00\xff\xff" * 1000,  # open arrays
+        b"\x93\xb0aioshmcache.wire\x01\xdd\x00\x10\x00\x00" + b"\x90" * 0x100000,  # 1M lists
     ]
     for body in hostile:
         with pytest.raises(WireError):
