@@ -16,7 +16,16 @@ Rules:
   ``backoff_initial * backoff_factor ** (n - 1)`` seconds (capped at ``backoff_max``, minus up
   to ``jitter`` of it at random, so that many gateway processes do not reconnect in lockstep)
   have passed since the last failure. While the engine is failing, one open at a time probes it
-  (half-open); the first success ends the backoff.
+  (half-open); the first success ends the backoff. The cap bounds how long a restarted engine
+  waits for its first call (a probe of a local socket is one cheap ``connect``): 0.5 s by
+  default.
+* **No lost wake-up.** Every report that can change what a waiting caller would be told
+  (a connection opened, failed, abandoned or given back; the pool closed) calls ``on_change``,
+  so that the client wakes its waiters to plan again. In particular the probe's successful
+  *open* wakes the callers queued behind it: they open their own connections at once instead
+  of waiting for the probe's whole call.
+* **Fresh after a loss.** :meth:`drop_idle` hands every idle connection over to be closed (the
+  engine they lead to went away; a retry must not pick one of them).
 * **Closed.** After :meth:`close` nothing is lent; returned connections are handed back to be
   closed.
 """
@@ -57,11 +66,12 @@ class PoolBook(Generic[C]):
         max_connections: int,
         *,
         backoff_initial: float = 0.05,
-        backoff_max: float = 2.0,
+        backoff_max: float = 0.5,
         backoff_factor: float = 2.0,
         jitter: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
         rand: Callable[[], float] = random.random,
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         if type(max_connections) is not int or max_connections < 1:
             raise ValueError(f"max_connections must be an int >= 1, got {max_connections!r}")
@@ -78,6 +88,7 @@ class PoolBook(Generic[C]):
         self.jitter = jitter
         self._clock = clock
         self._rand = rand
+        self._on_change = on_change
         self.idle: list[C] = []
         self.lent = 0
         self.opening = 0
@@ -125,6 +136,7 @@ class PoolBook(Generic[C]):
         self.failures = 0
         self.retry_at = 0.0
         self.last_error = None
+        self._on_change()  # the half-open gate and the backoff are gone: wake the waiters
 
     def open_failed(self, error: BaseException | None = None) -> None:
         """An open failed (or was abandoned): the slot is free again; the backoff grows."""
@@ -135,27 +147,35 @@ class PoolBook(Generic[C]):
         self.last_error = error
         delay = self.backoff(self.failures) * (1.0 - self.jitter * self._rand())
         self.retry_at = self._clock() + delay
+        self._on_change()
 
     def open_abandoned(self) -> None:
         """An open was given up by its caller (cancelled): the slot is free, no backoff."""
         self._check_opening()
         self.opening -= 1
+        self._on_change()
 
     def give_back(self, conn: C, *, reusable: bool) -> C | None:
         """A lent connection comes back; returns it if the caller must close it."""
         if self.lent <= 0:
             raise RuntimeError("give_back without a lent connection")
         self.lent -= 1
+        self._on_change()
         if reusable and not self.closed:
             self.idle.append(conn)
             return None
         return conn
 
+    def drop_idle(self) -> list[C]:
+        """Forget the idle connections; returns them, to be closed."""
+        idle, self.idle = self.idle, []
+        return idle
+
     def close(self) -> list[C]:
         """Lend nothing any more; returns the idle connections, to be closed."""
         self.closed = True
-        idle, self.idle = self.idle, []
-        return idle
+        self._on_change()
+        return self.drop_idle()
 
     def _check_opening(self) -> None:
         if self.opening <= 0:

@@ -8,7 +8,10 @@ length-prefixed message and answers 8 bytes. The gateway side, in this process, 
 
 * ``bare``: N bytes through a bare asyncio Unix socket, 8 bytes back (the floor for inline);
 * ``channel ref``: a cache hit (a new hand-out of the cached N-byte item) and an
-  ``EngineClient.call`` with the reference: the worker copies the item out of shared memory;
+  ``EngineClient.call`` with the reference: the worker copies the item out of shared memory
+  (from 64 KiB on, in a worker thread: the receiver's ``inline_threshold_bytes``);
+* ``channel ref, lease``: the same with ``serve_engine(lease=True)``: the handler gets views into
+  shared memory, no copy (the call's fixed cost alone);
 * ``channel inline``: an ``EngineClient.call`` with the N-byte item itself in the frame;
 * ``bare 64 B``: 64 bytes through the bare socket (the floor for a reference's round trip).
 
@@ -59,14 +62,25 @@ async def _bare(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 def worker(handle: Any, channel_path: str, bare_path: str, loop: str) -> None:
-    """The engine worker process: ``serve_engine`` and the bare server, side by side."""
+    """The engine worker process: ``serve_engine`` (copying, and leasing) and the bare server."""
 
     async def main() -> None:
         server = await asyncio.start_unix_server(_bare, bare_path)
         async with server, AsyncReceiverCache.attach(handle) as rx:
-            await serve_engine(channel_path, _read_n, rx, shutdown_signals=(15,))
+            leasing = asyncio.ensure_future(
+                serve_engine(_lease_path(channel_path), _read_n, rx, lease=True)
+            )
+            try:
+                await serve_engine(channel_path, _read_n, rx, shutdown_signals=(15,))
+            finally:
+                leasing.cancel()
+                await asyncio.gather(leasing, return_exceptions=True)
 
     _run(main(), loop)
+
+
+def _lease_path(channel_path: str) -> str:
+    return channel_path + ".lease"
 
 
 def _run(coro: Any, loop: str) -> Any:
@@ -115,7 +129,12 @@ async def measure(quick: bool, loop: str) -> list[dict[str, Any]]:
                 await writer.drain()
                 await reader.readexactly(_LEN.size)
 
-            async with EngineClient.connect(channel_path, cache=cache, max_connections=1) as eng:
+            async with (
+                EngineClient.connect(channel_path, cache=cache, max_connections=1) as eng,
+                EngineClient.connect(
+                    _lease_path(channel_path), cache=cache, max_connections=1
+                ) as leasing,
+            ):
                 for nbytes, label in SIZES:
                     reps = (20 if quick else 60) if nbytes >= 16 * MiB else (50 if quick else 300)
                     item = {"x": np.random.default_rng(1).integers(0, 255, nbytes, np.uint8)}
@@ -123,9 +142,11 @@ async def measure(quick: bool, loop: str) -> list[dict[str, Any]]:
                     [first] = await cache.get_and_update_features([FeatureSpec(key, item)])
                     assert (await eng.call([first]))["n"] == nbytes
 
-                    async def ref_call(key: str = key, n: int = nbytes) -> None:
+                    async def ref_call(
+                        key: str = key, n: int = nbytes, engine: EngineClient = eng
+                    ) -> None:
                         [f] = await cache.get_and_update_features([FeatureSpec(key, None)])
-                        if (await eng.call([f]))["n"] != n:
+                        if (await engine.call([f], timeout=60))["n"] != n:
                             raise RuntimeError("wrong answer")
 
                     async def inline_call(item: Any = item, n: int = nbytes) -> None:
@@ -138,6 +159,9 @@ async def measure(quick: bool, loop: str) -> list[dict[str, Any]]:
                             "bare": await _median_us(functools.partial(bare, nbytes), reps),
                             "bare64": await _median_us(functools.partial(bare, 64), reps),
                             "ref": await _median_us(ref_call, reps),
+                            "lease": await _median_us(
+                                functools.partial(ref_call, engine=leasing), reps
+                            ),
                             "inline": await _median_us(inline_call, reps),
                         }
                     )
@@ -152,13 +176,14 @@ async def measure(quick: bool, loop: str) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     """The figures as a markdown table (medians in microseconds, ratios to the bare rows)."""
     out = [
-        "| size | bare N bytes | channel inline | x bare | bare 64 B | channel ref | x bare 64 B |",
-        "|---|---|---|---|---|---|---|",
+        "| size | bare N bytes | channel inline | x bare | bare 64 B | channel ref | x bare 64 B "
+        "| ref, lease | x bare 64 B |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     out += [
         f"| {r['size']} | {r['bare']:.0f} us | {r['inline']:.0f} us | "
         f"{r['inline'] / r['bare']:.2f} | {r['bare64']:.0f} us | {r['ref']:.0f} us | "
-        f"{r['ref'] / r['bare64']:.2f} |"
+        f"{r['ref'] / r['bare64']:.2f} | {r['lease']:.0f} us | {r['lease'] / r['bare64']:.2f} |"
         for r in rows
     ]
     return "\n".join(out)

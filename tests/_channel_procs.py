@@ -19,6 +19,10 @@ def crc(arr: Any) -> int:
     return zlib.crc32(np.ascontiguousarray(arr).view(np.uint8).reshape(-1).data)
 
 
+class HandlerBaseError(BaseException):
+    """A ``BaseException`` that is not the process's own end (as some libraries raise)."""
+
+
 async def handler(features: list[FeatureSpec], payload: Any) -> Any:
     """What the tests ask of a worker, by ``payload["op"]``."""
     op = payload.get("op", "crc") if isinstance(payload, dict) else "crc"
@@ -28,6 +32,14 @@ async def handler(features: list[FeatureSpec], payload: Any) -> Any:
         await asyncio.sleep(float(payload["s"]))
     elif op == "fail":
         raise ZeroDivisionError("the handler divided by zero")
+    elif op == "cancelled":  # a CancelledError of the handler's own (the worker is not cancelled)
+        raise asyncio.CancelledError("the handler's own cancellation")
+    elif op == "base":
+        raise HandlerBaseError("a BaseException from a library")
+    elif op == "big":
+        return {"big": np.zeros(int(payload["n"]), dtype=np.uint8)}
+    elif op == "unencodable":
+        return {"x": object()}
     elif op == "echo":
         return {"payload": payload, "pid": os.getpid()}
     return {

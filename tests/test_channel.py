@@ -10,14 +10,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import os
 import signal
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aioshmcache import (
     AsyncReceiverCache,
@@ -43,6 +48,22 @@ def _item(i: int, n: int = 1024) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
+async def _serving(
+    path: Path, rx: AsyncReceiverCache, **kw: Any
+) -> AsyncIterator[asyncio.Task[None]]:
+    """An in-process worker serving ``path`` with ``rx``, listening; stopped at the exit."""
+    ready = asyncio.Event()
+    task = asyncio.create_task(serve_engine(path, handler, rx, ready=ready.set, **kw))
+    try:
+        await asyncio.wait_for(ready.wait(), 10)
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@contextlib.asynccontextmanager
 async def _engine(
     make_config: Callable[..., Any], path: Path, **kw: Any
 ) -> AsyncIterator[tuple[AsyncSenderCache, AsyncReceiverCache, asyncio.Task[None]]]:
@@ -50,16 +71,9 @@ async def _engine(
     async with (
         AsyncSenderCache.from_config(make_config(4 << 20)) as cache,
         AsyncReceiverCache.attach(cache.handle()) as rx,
+        _serving(path, rx, **kw) as task,
     ):
-        ready = asyncio.Event()
-        task = asyncio.create_task(serve_engine(path, handler, rx, ready=ready.set, **kw))
-        await asyncio.wait_for(ready.wait(), 10)
-        try:
-            yield cache, rx, task
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        yield cache, rx, task
 
 
 @contextlib.asynccontextmanager
@@ -96,6 +110,7 @@ async def test_call_round_trip_refs_and_inline(
         assert cache.snapshot().readers[0].lag == 0  # every hand-out read and acknowledged
         assert not sock.with_name("e.sock").exists() or sock.is_socket()
     assert not sock.exists()  # the worker removed its socket file
+    assert not sock.with_name("e.sock.lock").exists()  # and its lock file
 
 
 async def test_handler_error_is_typed_and_the_connection_stays_usable(
@@ -111,6 +126,62 @@ async def test_handler_error_is_typed_and_the_connection_stays_usable(
         out = await engine.call([], {"op": "echo", "n": 1})
         assert out["payload"] == {"op": "echo", "n": 1}
         assert engine.stats().connects == 1
+
+
+@pytest.mark.parametrize(
+    ("op", "remote_type"), [("cancelled", "CancelledError"), ("base", "HandlerBaseError")]
+)
+async def test_a_handler_raising_a_base_exception_is_an_engine_call_error(
+    make_config: Callable[..., Any],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    op: str,
+    remote_type: str,
+) -> None:
+    """A handler's own ``CancelledError`` or another ``BaseException`` is answered (not a dead
+    engine: ``EngineUnavailableError``), logged by the worker, and the connection is reused."""
+    caplog.set_level("ERROR", logger="aioshmcache.channel")
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock, max_connections=1) as (cache, _rx, engine):
+        [f] = await _features(cache, range(1))
+        with pytest.raises(EngineCallError) as info:
+            await engine.call([f], {"op": op}, timeout=30)
+        assert info.value.remote_type == remote_type
+        assert any(
+            r.exc_info and type(r.exc_info[1]).__name__ == remote_type for r in caplog.records
+        )
+        assert cache.snapshot().readers[0].lag == 0
+        out = await engine.call([], {"op": "echo", "n": 1}, timeout=30)
+        assert out["payload"]["n"] == 1
+        assert engine.stats().connects == 1  # the same connection served both
+
+
+@pytest.mark.parametrize("side", ["engine", "gateway", "unencodable"])
+async def test_an_answer_that_cannot_travel_is_a_wire_error(
+    make_config: Callable[..., Any], tmp_path: Path, caplog: pytest.LogCaptureFixture, side: str
+) -> None:
+    """A result over the engine's ``max_frame_bytes`` (it answers an error instead and logs it),
+    over the gateway's (the header says so), or not encodable: ``WireError``, not a dead engine;
+    the next call is served."""
+    caplog.set_level("ERROR", logger="aioshmcache.channel")
+    sock = tmp_path / "e.sock"
+    limit = 1 << 16
+    serve = {"max_frame_bytes": limit} if side == "engine" else {}
+    client = {"max_frame_bytes": limit} if side == "gateway" else {}
+    payload = {"op": "unencodable"} if side == "unencodable" else {"op": "big", "n": 2 * limit}
+    async with _connected(make_config, sock, serve, **client) as (cache, _rx, engine):
+        [f] = await _features(cache, range(1))
+        with pytest.raises(WireError, match=r"too large|exceeds|cannot be encoded"):
+            await engine.call([f], payload, timeout=30)
+        if side != "gateway":  # the engine knows, says why and keeps the connection
+            assert any(
+                "max_frame_bytes" in r.getMessage() or "encoded" in r.getMessage()
+                for r in caplog.records
+            )
+        assert cache.snapshot().readers[0].lag == 0  # the worker read the features
+        out = await engine.call([], {"op": "echo", "n": 4}, timeout=30)
+        assert out["payload"]["n"] == 4
+        assert engine.stats().connects == (2 if side == "gateway" else 1)
 
 
 async def test_unencodable_call_gives_its_hand_outs_back(
@@ -237,6 +308,100 @@ async def test_drift_recovery_resends_the_missing_items_inline_once(
         assert cache.snapshot().readers[0].lag == 0
 
 
+@pytest.mark.parametrize("how", ["missing", "raises", "cancelled"])
+async def test_a_drift_resend_that_cannot_be_built_gives_its_fresh_hand_outs_back(
+    make_config: Callable[..., Any], tmp_path: Path, how: str
+) -> None:
+    """``[B live, A stale]``: the resend takes a fresh hand-out of B, then building A fails (the
+    mapping lacks it, ``items()`` raises, the caller is cancelled inside an async ``items()``).
+    The fresh hand-out of B was never sent: it is given back, nothing stays owed."""
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock) as (cache, _rx, engine):
+        [stale] = await _features(cache, range(1))
+        await cache.clear_cache()  # the worker will miss h0
+        [live] = await _features(cache, range(1, 2))
+        entered = asyncio.Event()
+
+        async def never(h: str) -> Any:
+            entered.set()
+            await asyncio.Event().wait()
+
+        def boom(h: str) -> Any:
+            raise RuntimeError(f"cannot make {h}")
+
+        items: Any = {"missing": {}, "raises": boom, "cancelled": never}[how]
+        call = asyncio.create_task(engine.call([live, stale], items=items))
+        if how == "cancelled":
+            await asyncio.wait_for(entered.wait(), 30)
+            assert cache.snapshot().readers[0].lag == 1  # the fresh hand-out of h1 is out
+            call.cancel()
+        expected = {"missing": CacheMissError, "raises": RuntimeError}
+        with pytest.raises(expected.get(how, asyncio.CancelledError)):
+            await call
+        assert engine.stats().released == 1  # the fresh hand-out of h1, never sent
+        assert cache.snapshot().readers[0].lag == 0  # nothing owed: the ring is not pinned
+
+
+async def test_callers_queued_behind_the_reconnect_probe_wait_only_for_its_connect(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """After an engine restart the first call probes it; calls queued behind the probe (with
+    free slots) go on once the probe *connected*, not after its 8 s call."""
+    sock = tmp_path / "e.sock"
+    async with (
+        AsyncSenderCache.from_config(make_config(4 << 20)) as cache,
+        AsyncReceiverCache.attach(cache.handle()) as rx,
+        EngineClient.connect(sock, cache=cache, max_connections=4) as engine,
+    ):
+        with pytest.raises(EngineUnavailableError):
+            await engine.call([], {"op": "echo"}, timeout=0.3)  # no engine: backing off
+        async with _serving(sock, rx, shutdown_timeout=0.5):  # the restarted engine
+            book = engine._book
+            assert await asyncio.to_thread(wait_until, lambda: time.monotonic() >= book.retry_at)
+            slow = asyncio.create_task(engine.call([], {"op": "sleep", "s": 8.0}, timeout=60))
+            await asyncio.sleep(0)  # it plans: open (the probe), and awaits its connect
+            assert book.failures >= 1 and book.opening == 1
+            quick = [engine.call([], {"op": "echo", "n": i}, timeout=3.0) for i in range(3)]
+            outs = await asyncio.gather(*quick)
+            assert [o["payload"]["n"] for o in outs] == [0, 1, 2]
+            assert not slow.done()  # the quick ones did not wait for the probe's call
+            slow.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await slow
+
+
+@pytest.mark.parametrize("retries", [None, 0])
+async def test_a_call_whose_worker_went_away_is_sent_again_once(
+    make_config: Callable[..., Any], tmp_path: Path, retries: int | None
+) -> None:
+    """The worker stops (its connection cut) while the call runs in the handler: by default the
+    call is sent again on a fresh connection, with a fresh hand-out, to the next worker, and
+    nothing stays owed. ``retries=0`` opts out."""
+    sock = tmp_path / "e.sock"
+    async with (
+        AsyncSenderCache.from_config(make_config(4 << 20)) as cache,
+        AsyncReceiverCache.attach(cache.handle()) as rx,
+        EngineClient.connect(sock, cache=cache) as engine,
+    ):
+        [f] = await _features(cache, range(1))
+        mark = tmp_path / "reached"
+        payload = {"op": "sleep", "s": 0.2, "mark": str(mark)}
+        opt: dict[str, Any] = {} if retries is None else {"retries": retries}
+        async with _serving(sock, rx, shutdown_timeout=0) as first:
+            call = asyncio.create_task(engine.call([f], payload, timeout=60, **opt))
+            assert await asyncio.to_thread(wait_until, mark.exists, 30)  # in the handler
+            first.cancel()  # the worker goes away without answering
+        if retries == 0:
+            with pytest.raises(EngineUnavailableError, match="went away"):
+                await call
+        else:
+            async with _serving(sock, rx):
+                out = await call
+            assert out["crcs"] == [crc(_item(0)["x"])]
+            assert engine.stats().retries == 1
+        assert cache.snapshot().readers[0].lag == 0  # nothing owed: each hand-out settled
+
+
 async def test_a_second_worker_on_a_live_path_is_refused(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
@@ -245,6 +410,27 @@ async def test_a_second_worker_on_a_live_path_is_refused(
         with pytest.raises(EngineAddressInUseError, match="another engine worker"):
             await serve_engine(sock, handler, rx)
         assert sock.is_socket()  # the live worker's socket is untouched
+
+
+def test_a_worker_waiting_for_the_path_takes_it_when_the_holder_stops(tmp_path: Path) -> None:
+    """The lock file goes with a clean stop; a worker that waited for it then holds the file at
+    the path (not the removed one), so a third is still refused."""
+    import threading
+
+    from aioshmcache.channel import _lock_held, _release_path, _take_path
+
+    path = str(tmp_path / "e.sock")
+    first = _take_path(path)
+    taken: list[int] = []
+    waiter = threading.Thread(target=lambda: taken.append(_take_path(path)))
+    waiter.start()
+    _release_path(path, first)
+    waiter.join(30)
+    assert len(taken) == 1 and _lock_held(path)
+    with pytest.raises(EngineAddressInUseError):
+        _take_path(path)
+    _release_path(path, taken[0])
+    assert not _lock_held(path) and not os.path.exists(f"{path}.lock")
 
 
 # --- real worker processes ---------------------------------------------------------------------
@@ -291,6 +477,74 @@ async def test_reconnect_after_the_worker_is_killed_and_restarted(
                     assert not sock.exists()  # graceful shutdown removed it
         finally:
             kill_and_reap(first)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+async def test_calls_through_an_engine_killed_9_and_restarted_all_succeed(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A steady stream of calls (four callers) with the client's defaults; the worker is
+    killed -9 while one call is inside its handler, then restarted: no call fails, every
+    answer is right, the call in the handler was sent again, nothing stays owed."""
+    sock = tmp_path / "e.sock"
+    async with AsyncSenderCache.from_config(make_config(4 << 20)) as cache:
+        handle = cache.handle()
+        procs = [_start_worker(sock, handle)]
+        answered: dict[int, int] = {}  # pid -> calls it answered
+        errors: list[str] = []
+        stop = asyncio.Event()
+
+        async def caller(k: int, engine: EngineClient) -> None:
+            for n in itertools.count():
+                if stop.is_set():
+                    return
+                i = (k + 4 * n) % 8
+                try:
+                    feats = await _features(cache, range(i, i + 1))
+                    out = await engine.call(feats, {"op": "crc"})
+                except Exception as exc:  # the test asserts there is none; the caller stops
+                    errors.append(repr(exc))
+                    return
+                assert out["crcs"] == [crc(_item(i)["x"])]
+                pid: int = out["pid"]
+                answered[pid] = answered.get(pid, 0) + 1
+
+        try:
+            async with EngineClient.connect(sock, cache=cache) as engine:
+                await engine.call([], {"op": "echo"}, timeout=120)  # the worker is up
+                callers = [asyncio.create_task(caller(k, engine)) for k in range(4)]
+                try:
+                    first = procs[0].pid
+                    assert await asyncio.to_thread(
+                        wait_until, lambda: answered.get(first, 0) > 20, 60
+                    )
+                    mark = tmp_path / "reached"
+                    [f] = await _features(cache, range(8, 9))
+                    held = asyncio.create_task(
+                        engine.call([f], {"op": "sleep", "s": 0.2, "mark": str(mark)})
+                    )
+                    assert await asyncio.to_thread(wait_until, mark.exists, 60)
+                    kill_and_reap(procs[0], signal.SIGKILL)  # inside the handler, mid-stream
+                    procs.append(_start_worker(sock, handle))
+                    second = procs[1].pid
+                    assert (await held)["crcs"] == [crc(_item(8)["x"])]  # sent again
+                    assert await asyncio.to_thread(
+                        wait_until, lambda: answered.get(second, 0) > 20 or bool(errors), 120
+                    )
+                    assert errors == []
+                    stop.set()  # each caller ends after its current call
+                    await asyncio.wait_for(asyncio.gather(*callers), 120)
+                finally:
+                    for task in callers:
+                        task.cancel()
+                    await asyncio.gather(*callers, return_exceptions=True)
+                assert engine.stats().retries >= 1
+                [reader] = [r for r in cache.snapshot().readers if r.alive]
+                assert reader.pid == second and reader.lag == 0  # nothing owed
+        finally:
+            for proc in procs:
+                kill_and_reap(proc)
 
 
 @pytest.mark.e2e
@@ -422,6 +676,163 @@ async def test_hostile_calls_get_typed_answers_and_the_worker_keeps_serving(
         writer.close()
         out = await engine.call([], {"op": "echo", "n": 3})
         assert out["payload"]["n"] == 3
+
+
+async def test_a_connection_without_a_whole_call_is_closed_after_idle_timeout(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Silent, or stuck inside a frame (a cut prefix, a cut payload): closed after
+    ``idle_timeout``. A pooled connection that sent a whole call may idle longer."""
+    sock = tmp_path / "e.sock"
+    serve = {"idle_timeout": 0.3}
+    async with _connected(make_config, sock, serve, max_connections=1) as (_cache, _rx, engine):
+        await engine.call([], {"op": "echo"}, timeout=30)  # a proven, pooled connection
+        stuck = [b"", b"\x05\x00", (100).to_bytes(8, "little") + b"partial"]
+        peers = []
+        for sent in stuck:
+            reader, writer = await asyncio.open_unix_connection(str(sock))
+            writer.write(sent)
+            await writer.drain()
+            peers.append((reader, writer))
+        for reader, writer in peers:
+            assert await asyncio.wait_for(reader.read(), 30) == b""  # the worker closed it
+            writer.close()
+        out = await engine.call([], {"op": "echo", "n": 5}, timeout=30)
+        assert out["payload"]["n"] == 5
+        assert engine.stats().connects == 1  # the pooled connection outlived idle_timeout
+
+
+async def test_silent_connections_beyond_max_connections_do_not_keep_calls_out(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """200 connections that send nothing against ``max_connections=8`` (and an idle timeout far
+    away): the oldest silent ones make room, a pooled connection that sent a call is kept, and
+    a new gateway's call is served."""
+    sock = tmp_path / "e.sock"
+    serve = {"max_connections": 8, "idle_timeout": 600.0}
+    async with _connected(make_config, sock, serve) as (cache, _rx, engine):
+        await engine.call([], {"op": "echo"}, timeout=30)
+        silent = [await asyncio.open_unix_connection(str(sock)) for _ in range(200)]
+        try:
+            [f] = await _features(cache, range(1))
+            out = await engine.call([f], {"op": "crc"}, timeout=30)  # the pooled connection
+            assert out["crcs"] == [crc(_item(0)["x"])]
+            assert engine.stats().connects == 1
+            async with EngineClient.connect(sock, cache=cache) as other:  # a new connection
+                out = await other.call([], {"op": "echo", "n": 6}, timeout=30)
+                assert out["payload"]["n"] == 6
+
+            def most_closed() -> bool:
+                return sum(r.at_eof() for r, _w in silent) >= 200 - 8
+
+            assert await asyncio.to_thread(wait_until, most_closed, 60)
+        finally:
+            for _r, w in silent:
+                w.close()
+        assert cache.snapshot().readers[0].lag == 0
+
+
+def test_the_plain_features_frame_reads_as_the_wire_message_does() -> None:
+    """References and Nones travel as plain msgpack; anything else as the wire message; both
+    read back the same features."""
+    from aioshmcache.channel import _pack_body, _unpack_body
+    from aioshmcache.wire import pack_features, unpack_features
+
+    ref = ShmRef(1 << 63, 2, 4096, 77, 1024, (1 << 64) - 1, 3, 12345)
+    plain = [
+        [],
+        [FeatureSpec("a", ref), FeatureSpec("b", None, identifier="id-b")],
+        [FeatureSpec("é" * 70, ref, identifier=None, prompt_updates=())],
+    ]
+    for features in plain:
+        body = _pack_body(features)
+        assert body[:4] != b"ASHM"
+        assert _unpack_body(body) == unpack_features(pack_features(features)) == features
+    wire = [
+        [FeatureSpec("a", ref), FeatureSpec("i", _item(1))],  # an inline item
+        [FeatureSpec("a", ref, prompt_updates=[{"offset": 3}])],
+    ]
+    for features in wire:
+        body = _pack_body(features)
+        assert body[:4] == b"ASHM"
+        out = _unpack_body(body)
+        assert [f.mm_hash for f in out] == [f.mm_hash for f in features]
+    hostile = [
+        msgpack.packb(["aioshmcache.wire", 1, [["x", 2, {"no": "items"}, None, []]]]),  # inline
+        msgpack.packb(["aioshmcache.wire", 1, [["x", 2, [1, 2], None, []]]]),
+        msgpack.packb(["aioshmcache.wire", 9, []]),
+        msgpack.packb(["not.wire", 1, []]),
+        msgpack.packb(["aioshmcache.wire", 1, [["x", 1, [1, 2, 3], None, []]]]),
+        msgpack.packb(["aioshmcache.wire", 1, [["x", 1, [-1] * 8, None, []]]]),
+        msgpack.packb(["aioshmcache.wire", 1, [["x", 1, [0] * 8, None, []]]])[:-3],  # cut
+        msgpack.packb(["aioshmcache.wire", 1, []]) + b"\x00",  # trailing bytes
+        b"\x93\xa1\xff\x01\x90",  # not UTF-8
+        b"\x91" * 100_000 + b"\xc0",  # deep
+        b"\xdd\xff\xff\xff\xff",  # a huge declared array
+        msgpack.packb(["aioshmcache.wire", 1, [["x", 0, None, None, [b"bin"]]]]),
+        msgpack.packb(["aioshmcache.wire", 1, [["x", 0, None, None, ["update"]]]]),
+        msgpack.packb(["aioshmcache.wire", 1, [["x", 0, None, None, 5]]]),
+        msgpack.packb(["aioshmcache.wire", 1, "rows"]),
+        msgpack.packb([1, 2]),
+        b"\x93\xb0aioshmcache.wire\x01" + b"\xdd\x00\x00\xff\xff" * 1000,  # open arrays
+        b"\x93\xb0aioshmcache.wire\x01\xdd\x00\x10\x00\x00" + b"\x90" * 0x100000,  # 1M lists
+    ]
+    for body in hostile:
+        with pytest.raises(WireError):
+            _unpack_body(body)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=300).map(lambda b: b"\x93" + b),
+        st.recursive(
+            st.none()
+            | st.integers(-(2**63), 2**64 - 1)
+            | st.text(max_size=8)
+            | st.binary(max_size=8),
+            lambda inner: st.lists(inner, max_size=6),
+            max_leaves=30,
+        ).map(lambda v: msgpack.packb(["aioshmcache.wire", 1, v])),
+    )
+)
+def test_a_plain_features_frame_is_features_or_a_wire_error(body: bytes) -> None:
+    """Any bytes starting as a msgpack array: features of references and Nones, or
+    ``WireError``; nothing else escapes."""
+    from aioshmcache.channel import _unpack_body
+
+    try:
+        features = _unpack_body(body)
+    except WireError:
+        return
+    assert all(f.data is None or type(f.data) is ShmRef for f in features)
+
+
+async def test_calls_of_both_channel_versions_are_served(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A gateway of the previous version (call version 1, features as a wire message) is still
+    served; an unknown version is a ``bad_request``."""
+    from aioshmcache.channel import _decode, _encode
+    from aioshmcache.wire import pack_features, read_frame, write_frame
+
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock) as (cache, _rx, _engine):
+        [f] = await _features(cache, range(1))
+        reader, writer = await asyncio.open_unix_connection(str(sock))
+        try:
+            for version, kind in [(1, "ok"), (3, "error")]:
+                await write_frame(writer, _encode(["aioshmcache.channel", version, "call", None]))
+                await write_frame(writer, pack_features([f]))
+                value = _decode(await asyncio.wait_for(read_frame(reader), 30), "response")
+                assert value[2] == kind
+                if kind == "ok":
+                    assert value[3]["crcs"] == [crc(_item(0)["x"])]
+                else:
+                    assert value[3] == "bad_request"
+        finally:
+            writer.close()
+        assert cache.snapshot().readers[0].lag == 0
 
 
 async def test_a_garbage_answer_is_a_typed_error(tmp_path: Path) -> None:

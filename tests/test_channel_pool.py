@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from aioshmcache._channel_pool import PoolBook
+from aioshmcache.channel import EngineClient
 
 MAX = 3
 INITIAL, CAP, FACTOR, JITTER = 0.1, 1.0, 2.0, 0.5
@@ -22,7 +25,11 @@ class Clock:
 
 
 class PoolModel(RuleBasedStateMachine):
-    """Random plans, opens, failures, returns, clock steps and a close, checked step by step."""
+    """Random plans, opens, failures, returns, clock steps and a close, checked step by step.
+
+    Callers told to wait are kept as sleepers: each wakes at its ``until`` or when the book
+    signals a change (``on_change``); none may sleep through a change that would let it go on.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -36,6 +43,7 @@ class PoolModel(RuleBasedStateMachine):
             jitter=JITTER,
             clock=self.clock,
             rand=lambda: self.r,
+            on_change=self.woken,
         )
         # the model
         self.idle: list[int] = []
@@ -45,6 +53,11 @@ class PoolModel(RuleBasedStateMachine):
         self.retry_at = 0.0
         self.closed = False
         self.next_conn = 0
+        self.wakes = 0
+        self.sleepers: list[tuple[int, float | None]] = []  # (wakes when it slept, until)
+
+    def woken(self) -> None:
+        self.wakes += 1
 
     def expected_kind(self) -> str:
         if self.closed:
@@ -71,6 +84,8 @@ class PoolModel(RuleBasedStateMachine):
             self.opening += 1
         elif kind == "wait" and self.clock.now < self.retry_at and not self.opening:
             assert step.until == (self.retry_at if len(self.lent) < MAX else None)
+        if kind == "wait":
+            self.sleepers.append((self.wakes, step.until))
 
     @precondition(lambda self: self.opening > 0)
     @rule()
@@ -111,6 +126,11 @@ class PoolModel(RuleBasedStateMachine):
         else:
             assert out == conn
 
+    @rule()
+    def drop_idle(self) -> None:
+        assert self.book.drop_idle() == self.idle
+        self.idle = []
+
     @rule(dt=st.floats(0.0, 2.0))
     def time_passes(self, dt: float) -> None:
         self.clock.now += dt
@@ -123,6 +143,17 @@ class PoolModel(RuleBasedStateMachine):
         self.closed = True
 
     @invariant()
+    def no_sleeper_misses_a_change(self) -> None:
+        now = self.clock.now
+        self.sleepers = [
+            (w, until)
+            for w, until in self.sleepers
+            if w == self.wakes and (until is None or now < until)  # the others planned again
+        ]
+        if self.sleepers:
+            assert self.expected_kind() == "wait"
+
+    @invariant()
     def agrees(self) -> None:
         assert self.book.lent == len(self.lent)
         assert self.book.opening == self.opening
@@ -133,7 +164,7 @@ class PoolModel(RuleBasedStateMachine):
 
 
 TestPoolModel = PoolModel.TestCase
-TestPoolModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestPoolModel.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 
 
 def test_backoff_doubles_up_to_the_cap_and_ends_at_the_first_success() -> None:
@@ -153,6 +184,36 @@ def test_backoff_doubles_up_to_the_cap_and_ends_at_the_first_success() -> None:
     assert book.failures == 0 and book.retry_at == 0.0
     book.give_back("c", reusable=True)
     assert book.plan().conn == "c"  # reuse before opening another
+
+
+def test_the_probes_open_wakes_the_callers_queued_behind_it() -> None:
+    """After a restart the probe's connect, not its whole call, lets the queued callers open."""
+    wakes: list[str] = []
+    book: PoolBook[str] = PoolBook(
+        4, jitter=0.0, clock=Clock(), on_change=lambda: wakes.append("wake")
+    )
+    assert book.plan().kind == "open"
+    book.open_failed(OSError())
+    book.retry_at = 0.0  # the backoff has passed
+    assert book.plan().kind == "open"  # the probe
+    queued = [book.plan() for _ in range(3)]
+    assert [s.kind for s in queued] == ["wait"] * 3 and all(s.until is None for s in queued)
+    wakes.clear()
+    book.opened("probe")  # the probe's call now runs for as long as it likes
+    assert wakes  # the queued callers are woken ...
+    assert [book.plan().kind for _ in range(3)] == ["open"] * 3  # ... and open their own
+
+
+def test_a_restarted_engine_waits_at_most_half_a_second_for_its_first_call() -> None:
+    """The default backoff's cap (a probe of a local socket is one cheap connect)."""
+    clock = Clock()
+    book: PoolBook[str] = PoolBook(4, clock=clock)
+    for _ in range(20):  # a long outage
+        clock.now = book.retry_at
+        assert book.plan().kind == "open"
+        book.open_failed(OSError())
+    assert book.retry_at - clock.now <= 0.5
+    assert EngineClient(Path("x"))._book.backoff_max == book.backoff_max  # the client too
 
 
 def test_one_probe_at_a_time_while_the_engine_fails() -> None:
