@@ -35,6 +35,14 @@ died stays behind, empty, and is reused by the next claim of that hash; the grou
 goes with its last marker (a claimer that finds it gone makes it again). If the directory cannot be
 used, the group-wide part is skipped (each process computes its own misses): it never fails a
 request.
+
+**fork.** A ``flock`` belongs to the open file description, which a forked child shares: a
+leader whose ``make`` forks a helper (a fork-started process pool) would keep the marker held
+for as long as that helper lives, after the leader itself died, and every sibling would wait
+the whole ``GROUP_WAIT_S``. The marker fds are opened ``O_CLOEXEC`` (a helper that execs drops
+them) and closed in every forked child (``os.register_at_fork``): the child's copy goes, the
+lock stays the parent's, and dies with it. The marker file is never mapped, so no mapping
+keeps the description alive behind the closed fd.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import os
 import stat
 import tempfile
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
@@ -276,6 +285,17 @@ def marker_directory(group: str) -> str:
     return os.path.join(base, group.replace("/", "_"))
 
 
+_open_flights: weakref.WeakSet[GroupFlight] = weakref.WeakSet()
+
+
+def _drop_markers_in_child() -> None:
+    for gf in list(_open_flights):
+        gf._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_drop_markers_in_child)
+
+
 class GroupFlight:
     """The cross-process marker of a cache group: "a process of the group is computing h".
 
@@ -291,6 +311,14 @@ class GroupFlight:
         #: claims that found a sibling computing, and of those, the ones it then served
         self.waited = 0
         self.served = 0
+        _open_flights.add(self)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: close the inherited marker fds (the parent's locks stay its own)."""
+        held, self._held = self._held, {}
+        for fd in held.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _directory(self) -> str | None:
         if self._dir is None:
