@@ -378,7 +378,8 @@ class RedisTier:
         if not self.is_open:
             raise ClosedCacheError("the tier is not open (the cache opens it: 'async with')")
         vkey, lkey = value_key(self.prefix, mm_hash), lease_key(self.prefix, mm_hash)
-        budget = min(self.policy.lookup_budget(self.max_item_bytes), self.max_item_bytes)
+        budget, exploring = self.policy.next_lookup(self.max_item_bytes)
+        budget = min(budget, self.max_item_bytes)
         if budget == 0:  # a round trip costs more than a make: nothing to look up or store
             self._n["skipped"] += 1
             return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
@@ -409,7 +410,7 @@ class RedisTier:
                     self._n["misses"] += 1
                     self._rejected["oversized"] += 1
                     return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=True)
-                if n > HEADER_SIZE + budget:
+                if n > HEADER_SIZE + budget or not (exploring or self.policy.worth_fetching(n)):
                     self._n["misses"] += 1
                     self._n["skipped"] += 1
                     return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
@@ -495,8 +496,8 @@ class RedisTier:
         self._note_lookup(done - t0)
         self._n["hits"] += 1
         self._n["bytes_read"] += len(data)
-        if make_ns > 0:
-            self.policy.observe_make(make_ns * 1e-9, len(data))
+        if make_ns > 0:  # at the size a make here is seen at (not the value's, a bit more)
+            self.policy.observe_make(make_ns * 1e-9, _array_bytes(item))
         return (item,)
 
     def _open(self, vkey: str, mm_hash: str, data: bytes) -> tuple[Any, int]:

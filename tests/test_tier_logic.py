@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -35,6 +35,7 @@ from aioshmcache.tier import RedisTier, TierSnapshot
 from aioshmcache.wire import pack_features
 
 SECRET = b"k" * 32
+KiB = 1 << 10
 MiB = 1 << 20
 
 
@@ -300,6 +301,116 @@ def test_policy_keeps_its_prior_until_enough_samples() -> None:
     assert p.probe_cost() == pytest.approx(0.050)
     assert p.fetch_coefficients() == pytest.approx((0.0, 0.080 / MiB))  # one size: proportional
     assert not p.worth_storing(MiB, 0.010)  # learned: 80 ms per MiB
+
+
+# The model: true costs (a make fixed, proportional or both; a fetch with a fixed part and a
+# part per byte) at items of one size or of many, observed with a little noise; the policy's
+# decisions must then match the truth at every size it saw (sizes not too near the break-even,
+# where a 1 % noise may rightly tip the decision either way).
+_MARGIN = 0.8
+
+
+@st.composite
+def _cost_tables(draw: Any) -> dict[str, Any]:
+    kind = draw(st.sampled_from(["fixed", "proportional", "both"]))
+    make_fixed = 0.0 if kind == "proportional" else draw(st.floats(0.001, 0.5))
+    make_per_mb = 0.0 if kind == "fixed" else draw(st.floats(0.001, 0.5))
+    fetch_fixed = draw(st.floats(0.0, 0.005))
+    fetch_per_mb = draw(st.floats(0.0005, 0.1))
+    base = draw(st.integers(4 * KiB, 32 * MiB))
+    if draw(st.booleans()):  # one size: made at its array bytes, fetched at its value's bytes
+        sizes = [base]
+        value_extra = draw(st.integers(0, 512))
+    else:
+        factors = draw(st.lists(st.floats(0.1, 8.0), min_size=2, max_size=6, unique=True))
+        sizes = sorted({max(1, int(base * f)) for f in [1.0, *factors]})
+        value_extra = 0
+    noise = draw(st.lists(st.floats(-0.01, 0.01), min_size=64, max_size=64))
+    return {
+        "make": lambda n: make_fixed + make_per_mb * n / MiB,
+        "fetch": lambda n: fetch_fixed + fetch_per_mb * n / MiB,
+        "sizes": sizes,
+        "value_extra": value_extra,
+        "noise": noise,
+        "probe": draw(st.floats(0.0001, 0.002)),
+    }
+
+
+def _learned(t: dict[str, Any], samples: int = 40) -> TierPolicy:
+    p = TierPolicy(margin=_MARGIN, explore_every=0, warmup=0, min_samples=1)
+    noise = t["noise"]
+    for i in range(samples):
+        n = t["sizes"][i % len(t["sizes"])]
+        e = 1.0 + noise[i % len(noise)]
+        p.observe_make(t["make"](n) * e, n)  # made here
+        if i % 3 == 0:  # made by another host: its make time carried in the value
+            p.observe_make(t["make"](n) * e, n + t["value_extra"])
+        p.observe_probe(t["probe"] * e)
+        p.observe_fetch(t["fetch"](n + t["value_extra"]) * e, n + t["value_extra"])
+    return p
+
+
+@settings(max_examples=300, deadline=None)
+@given(_cost_tables())
+def test_policy_decides_as_the_true_costs_do_at_every_size_seen(t: dict[str, Any]) -> None:
+    """Model test: at each size seen, the policy fetches exactly when fetching beats the make."""
+    wins = {n: t["fetch"](n) <= _MARGIN * t["make"](n) for n in t["sizes"]}
+    for n in t["sizes"]:  # far enough from the break-even for 1 % noise not to tip it
+        assume(abs(t["fetch"](n) - _MARGIN * t["make"](n)) > 0.05 * _MARGIN * t["make"](n))
+    assume(all(t["probe"] < 0.5 * _MARGIN * t["make"](n) for n in t["sizes"]))
+    p = _learned(t)
+    budget = p.fetch_budget(1 << 40)  # a cap over every size drawn
+    # a make that grows faster than a fetch: only large values win, and a look-up cannot ask
+    # for "at least n" bytes: the budget is then everything, and the reported size decides
+    large_win = _MARGIN * p._make.coefficients()[1] >= p.fetch_coefficients()[1]
+    for n in t["sizes"]:
+        v = n + t["value_extra"]
+        view = p.view(1 << 40)
+        assert p.worth_fetching(v) == wins[n], (n, view)
+        if wins[n]:  # the budget never keeps out a value that is worth fetching
+            assert v <= budget, (n, view)
+        elif not large_win:  # nor lets in one that is not
+            assert v > budget, (n, view)
+        assert p.worth_storing(v, t["make"](n)) == wins[n]
+
+
+@settings(max_examples=100, deadline=None)
+@given(_cost_tables(), st.floats(1.05, 20.0))
+def test_policy_skips_the_tier_only_when_a_round_trip_loses_to_a_typical_make(
+    t: dict[str, Any], times: float
+) -> None:
+    mean_make = sum(t["make"](n) for n in t["sizes"]) / len(t["sizes"])
+    t["probe"] = _MARGIN * t["make"](max(t["sizes"])) * times  # more than any make is worth
+    p = _learned(t)
+    assert p.fetch_budget(64 * MiB) == 0
+    t["probe"] = _MARGIN * min(t["make"](n) for n in t["sizes"]) / times
+    p = _learned(t)
+    assert p.probe_cost() < _MARGIN * mean_make
+
+
+def test_policy_fetches_items_of_one_size_whose_make_is_long() -> None:
+    """The fleet test's costs: 256 KiB items made in ~90 ms here (at their array bytes) and by
+    other hosts (at their value's bytes, 200 more), fetched in ~2.3 ms: the budget was 0."""
+    p = TierPolicy(warmup=0)
+    for i in range(40):
+        p.observe_make(0.085 + 0.005 * (i % 2), 256 * KiB)
+        p.observe_make(0.095 + 0.005 * (i % 2), 256 * KiB + 200)  # by chance a bit longer
+        p.observe_probe(0.0008)
+        p.observe_fetch(0.0023, 256 * KiB + 200)
+    assert p.fetch_budget(64 * MiB) > 256 * KiB + 200
+    assert p.worth_fetching(256 * KiB + 200)
+    assert p.view(64 * MiB).budget_bytes > 256 * KiB
+
+
+def test_policy_with_a_make_proportional_to_its_size_uses_the_tier() -> None:
+    """A make that grows with its size (intercept 0) is not "cheaper than a round trip"."""
+    p = TierPolicy(warmup=0, explore_every=0)
+    for n in (MiB, 2 * MiB, 4 * MiB, 8 * MiB) * 5:
+        p.observe_make(0.050 * n / MiB, n)
+        p.observe_probe(0.001)
+        p.observe_fetch(0.0005 + 0.002 * n / MiB, n)
+    assert p._make.coefficients()[0] == pytest.approx(0.0, abs=1e-9)
+    assert p.fetch_budget(64 * MiB) == 64 * MiB
 
 
 def test_policy_that_does_not_learn_keeps_its_priors() -> None:
