@@ -52,8 +52,9 @@ async def _host(
     barrier: Any,
     out: Any,
     kw: Any,
-    nbytes: int = 64 * 1024,
-    at_once: int = 0,
+    *,
+    nbytes: int,
+    at_once: int,
 ) -> None:
     from aioshmcache import AsyncSenderCache, CacheConfig, ReceiverCache
     from aioshmcache.tier import RedisTier
