@@ -45,6 +45,9 @@ Decisions (pure functions of what was learned):
 * ``learn=False`` keeps the priors and an unknown make cost for good: every value is looked
   up, and an item is stored when the prior fetch cost beats the make it took (deterministic:
   for tests and for operators who measured their costs).
+* :meth:`TierPolicy.lookup_deadline` — how long a look-up may take: ``deadline_fraction`` (1)
+  of a typical make, never less than the tier's ``lookup_timeout_s`` (``first_deadline_s``
+  until a make is seen). At worst a look-up that gets no answer in time doubles a miss.
 * **Exploration.** An item the budget excludes is never fetched, so the fetch cost of large
   items would never be re-learned after a slow spell: one look-up in ``explore_every`` gets the
   full ``max_bytes`` budget.
@@ -139,6 +142,8 @@ class TierPolicy:
         learn: bool = True,
         min_samples: int = 5,
         warmup: int = 16,
+        deadline_fraction: float = 1.0,
+        first_deadline_s: float = 0.5,
     ) -> None:
         if not 0 < margin <= 1:
             raise ValueError(f"margin must be in (0, 1], got {margin!r}")
@@ -148,6 +153,10 @@ class TierPolicy:
             raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
         if type(min_samples) is not int or min_samples < 1:
             raise ValueError(f"min_samples must be an int >= 1, got {min_samples!r}")
+        if not isinstance(deadline_fraction, (int, float)) or not 0 < deadline_fraction <= 10:
+            raise ValueError(f"deadline_fraction must be in (0, 10], got {deadline_fraction!r}")
+        if not isinstance(first_deadline_s, (int, float)) or not 0 <= first_deadline_s < 3600:
+            raise ValueError(f"first_deadline_s must be in [0, 3600), got {first_deadline_s!r}")
         if type(explore_every) is not int or explore_every < 0:
             raise ValueError(f"explore_every must be an int >= 0 (0: never), got {explore_every!r}")
         self.margin = margin
@@ -160,6 +169,8 @@ class TierPolicy:
         self._min = min_samples
         self._warmup = warmup  # fetch samples still to ignore
         self._lookups = 0
+        self._deadline_fraction = float(deadline_fraction)
+        self._first_deadline = float(first_deadline_s)
 
     # --- learning ---------------------------------------------------------------------------
 
@@ -235,6 +246,20 @@ class TierPolicy:
         if room < 0:
             return 0
         return int(min(room / slope, max_bytes))
+
+    def lookup_deadline(self, floor_s: float) -> float:
+        """How long a look-up's round trip may take: ``deadline_fraction`` of the make of a
+        typical item (what a hit saves), at least ``floor_s``.
+
+        A fixed deadline is eaten by the host's own loop lag when it is busy (the answer is
+        there, the loop reads it late), and the tier then makes what it could have fetched
+        exactly when sharing matters most; one sized from the make is as long as the look-up
+        is worth waiting for, whatever the load. Until a make is seen, ``first_deadline_s``
+        (the first look-ups of a process also open its connections, each a few round trips).
+        """
+        if self._make.samples == 0:
+            return max(floor_s, self._first_deadline)
+        return max(floor_s, self._deadline_fraction * self._make.predict(self._make.mean_size()))
 
     def worth_fetching(self, nbytes: int) -> bool:
         """Whether a value of ``nbytes`` (its size reported by the probe) beats its make."""

@@ -52,7 +52,7 @@ class Clock:
 
 def test_breaker_opens_after_consecutive_failures_and_a_success_resets_the_count() -> None:
     clock = Clock()
-    b = CircuitBreaker(failures=3, retry_after_s=1.0, clock=clock)
+    b = CircuitBreaker(failures=3, retry_after_s=1.0, max_retry_after_s=10.0, clock=clock)
     b.failure()
     b.failure()
     b.success()  # the count restarts
@@ -87,7 +87,7 @@ def test_breaker_half_open_lets_one_probe_through_and_backs_off_when_it_fails() 
 
 def test_breaker_a_lost_probe_frees_its_slot_after_the_wait() -> None:
     clock = Clock()
-    b = CircuitBreaker(failures=1, retry_after_s=1.0, clock=clock)
+    b = CircuitBreaker(failures=1, retry_after_s=1.0, max_retry_after_s=10.0, clock=clock)
     b.failure()
     clock.now += 1.0
     assert b.allow()  # a probe that never reports (its task was cancelled)
@@ -99,7 +99,7 @@ def test_breaker_a_lost_probe_frees_its_slot_after_the_wait() -> None:
 
 def test_breaker_failures_of_older_operations_while_open_change_nothing() -> None:
     clock = Clock()
-    b = CircuitBreaker(failures=2, retry_after_s=1.0, clock=clock)
+    b = CircuitBreaker(failures=2, retry_after_s=1.0, max_retry_after_s=10.0, clock=clock)
     b.failure()
     b.failure()
     clock.now += 0.5
@@ -107,6 +107,42 @@ def test_breaker_failures_of_older_operations_while_open_change_nothing() -> Non
     assert b.retry_after_s == 1.0 and b.opened == 1
     clock.now += 0.5
     assert b.allow()
+
+
+def test_breaker_a_failure_older_than_the_probe_is_not_the_probe_s() -> None:
+    """An operation let through before the probe (it answered nothing for its whole socket
+    timeout) reports its failure while the probe runs: the breaker stays half-open."""
+    clock = Clock()
+    b = CircuitBreaker(failures=1, retry_after_s=1.0, max_retry_after_s=10.0, clock=clock)
+    old = b.now()
+    b.failure()
+    clock.now += 1.0
+    assert b.allow()  # the probe
+    b.failure(started_at=old)
+    assert b.state == HALF_OPEN and b.opened == 1 and b.retry_after_s == 1.0
+    b.failure(started_at=b.now())  # the probe's own failure
+    assert b.state == OPEN and b.opened == 2 and b.retry_after_s == 2.0
+
+
+def test_breaker_state_is_right_while_idle_and_retries_within_a_second_by_default() -> None:
+    """Nobody calls ``allow``: the state still turns half-open when the wait is over (an idle
+    host's metrics read it so), and the default wait never exceeds a second, so the tier is
+    tried again within a second of Redis answering again."""
+    clock = Clock()
+    b = CircuitBreaker(clock=clock)
+    for _ in range(20):  # Redis down for long: the wait doubles up to its cap
+        while b.state != HALF_OPEN:
+            b.failure()
+            clock.now += 0.01
+        clock.now += 30.0
+        assert b.state == HALF_OPEN  # no call made: read from the clock
+        assert b.allow()
+        b.failure()
+    assert b.state == OPEN and b.retry_after_s <= 1.0
+    clock.now += 1.0
+    assert b.state == HALF_OPEN and b.allow()
+    b.success()
+    assert b.state == CLOSED
 
 
 @pytest.mark.parametrize(
@@ -165,14 +201,15 @@ class BreakerModel(RuleBasedStateMachine):
         self.b.success()
         self.mode, self.fails, self.wait, self.probe = "closed", 0, self.BASE, None
 
-    @rule()
-    def failure(self) -> None:
-        self.b.failure()
+    @rule(ago=st.sampled_from([None, 0.0, 0.5, 3.0]))
+    def failure(self, ago: float | None) -> None:
+        started = None if ago is None else self.clock.now - ago
+        self.b.failure(started)
         if self.mode == "closed":
             self.fails += 1
             if self.fails == self.THRESHOLD:
                 self._open()
-        elif self.probe is not None:
+        elif self.probe is not None and (started is None or started >= self.probe):
             self.wait = min(2 * self.wait, self.MAX)
             self._open()
 
@@ -411,6 +448,26 @@ def test_policy_with_a_make_proportional_to_its_size_uses_the_tier() -> None:
         p.observe_fetch(0.0005 + 0.002 * n / MiB, n)
     assert p._make.coefficients()[0] == pytest.approx(0.0, abs=1e-9)
     assert p.fetch_budget(64 * MiB) == 64 * MiB
+
+
+def test_policy_sizes_the_lookup_deadline_from_what_a_look_up_is_worth() -> None:
+    p = TierPolicy(warmup=0, first_deadline_s=0.5, deadline_fraction=1.0)
+    assert p.lookup_deadline(0.05) == 0.5  # no make seen: the first look-ups open connections
+    for _ in range(5):
+        p.observe_make(0.200, MiB)
+    assert p.lookup_deadline(0.05) == pytest.approx(0.200)  # a look-up is worth a make
+    for _ in range(100):
+        p.observe_make(0.001, MiB)
+    assert p.lookup_deadline(0.05) == pytest.approx(0.05)  # never under the floor
+    half = TierPolicy(warmup=0, deadline_fraction=0.5)
+    for n in (MiB, 4 * MiB) * 5:  # a make that grows with size: judged at the mean size made
+        half.observe_make(0.1 * n / MiB, n)
+    assert half.lookup_deadline(0.0) == pytest.approx(0.5 * 0.1 * 2.5, rel=0.05)
+    for bad in (0.0, -1.0, 11.0):
+        with pytest.raises(ValueError):
+            TierPolicy(deadline_fraction=bad)
+    with pytest.raises(ValueError):
+        TierPolicy(first_deadline_s=-1.0)
 
 
 def test_policy_that_does_not_learn_keeps_its_priors() -> None:
