@@ -86,8 +86,10 @@ __all__ = [
 ]
 
 MiB: Final = 1 << 20
-#: values at least this large are signed / verified in a worker thread (hashing releases the GIL)
-THREAD_THRESHOLD: Final = 256 << 10
+#: values at least this large are signed / verified in a worker thread (hashing releases the GIL);
+#: smaller ones on the loop (HMAC-SHA256 of 1 MiB: ~1-3 ms here): a thread hop costs a turn of
+#: the loop, which on a busy host is tens of ms, and the policy would count it in every fetch
+THREAD_THRESHOLD: Final = 1 << 20
 #: the durations sent to Redis as expiries (in ms): at least 1 ms, at most ~31 years
 _MIN_EXPIRY_S: Final = 0.001
 _MAX_EXPIRY_S: Final = 1e9

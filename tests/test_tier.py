@@ -990,5 +990,5 @@ def test_three_hosts_share_items_of_one_size_with_the_learned_policy(
     made = [h for r in results for h in r["made"]]
     assert all(r["bad"] == 0 for r in results)
     keys = ("hits", "claims", "waits", "wait_timeouts", "late", "timeouts", "skipped", "bypassed")
-    seen = [{k: r["stats"][k] for k in keys} for r in results]
+    seen = [{k: r["stats"][k] for k in keys} | r["stats"]["policy"] for r in results]
     assert len(made) <= 44, f"{len(made)} preprocessings of 40 items; tier stats {seen}"
