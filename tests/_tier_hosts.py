@@ -36,11 +36,17 @@ def host(*args: Any, shape: dict[str, int] | None = None) -> None:
     """Serve hashes through ``get_or_put`` with a tiered cache; report makes and mismatches.
 
     ``args``: those of ``_host`` up to ``kw``. ``shape``: ``nbytes`` per item (64 KiB),
-    ``at_once`` requests at a time (0: all at once).
+    ``at_once`` requests at a time (0: all at once), ``cpu`` (1: ``make`` is ``make_s`` of
+    CPU work, not a sleep).
     """
     shape = shape or {}
     asyncio.run(
-        _host(*args, nbytes=shape.get("nbytes", 64 * 1024), at_once=shape.get("at_once", 0))
+        _host(
+            *args,
+            nbytes=shape.get("nbytes", 64 * 1024),
+            at_once=shape.get("at_once", 0),
+            cpu=bool(shape.get("cpu", 0)),
+        )
     )
 
 
@@ -55,6 +61,7 @@ async def _host(
     *,
     nbytes: int,
     at_once: int,
+    cpu: bool,
 ) -> None:
     from aioshmcache import AsyncSenderCache, CacheConfig, ReceiverCache
     from aioshmcache.tier import RedisTier
@@ -75,7 +82,12 @@ async def _host(
 
                 def make() -> dict[str, Any]:
                     made.append(h)
-                    time.sleep(make_s)
+                    if cpu:  # make_s of CPU work: on a busy host it takes longer, as a real one
+                        end = time.thread_time() + make_s
+                        while time.thread_time() < end:
+                            pass
+                    else:
+                        time.sleep(make_s)
                     return item_of(h, nbytes)
 
                 async with slots:
