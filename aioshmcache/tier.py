@@ -68,6 +68,7 @@ from ._tier_policy import TierPolicy
 from ._tier_value import (
     HEADER_SIZE,
     TierValueError,
+    keyspace,
     lease_key,
     open_value,
     seal_value,
@@ -96,13 +97,22 @@ _MAX_EXPIRY_S: Final = 1e9
 _SKIP: Final = b"skip"  # a lease value that says "not worth storing: make it yourself"
 _REJECT_REASONS: Final = ("truncated", "malformed", "oversized", "signature", "decoding")
 
-# KEYS: value, lease. ARGV: our token, lease ms, the skip marker.
+# KEYS: value, lease. ARGV: our token, lease ms, the skip marker, the longest expiry we set (ms).
 # -> {1, n} a value of n bytes | {2, 0} claimed by us | {3, 0} leased by another | {4, 0} skip
-# (a lease that holds our own token is ours: an earlier probe of this look-up answered late)
+# A lease that holds our own token is ours (an earlier probe of this look-up answered late).
+# Not ours to trust, deleted (then claimed): a key of another type at either key, a lease
+# without an expiry or with a longer one than any we set (see ``_tier_value``).
 _PROBE: Final = """
+local t = redis.call('TYPE', KEYS[1]).ok
+if t ~= 'none' and t ~= 'string' then redis.call('DEL', KEYS[1]) end
 local n = redis.call('STRLEN', KEYS[1])
 if n > 0 then return {1, n} end
+if redis.call('TYPE', KEYS[2]).ok ~= 'string' then redis.call('DEL', KEYS[2]) end
 local l = redis.call('GET', KEYS[2])
+if l then
+  local ttl = redis.call('PTTL', KEYS[2])
+  if ttl < 0 or ttl > tonumber(ARGV[4]) then l = false end
+end
 if l == ARGV[3] then return {4, 0} end
 if l and l ~= ARGV[1] then return {3, 0} end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
@@ -280,6 +290,8 @@ class RedisTier:
         self.max_item_bytes = max_item_bytes
         self.lookup_timeout_s = float(lookup_timeout_s)
         self.prefix = prefix
+        #: the start of every key: ``prefix`` and a namespace derived from ``secret``
+        self.keyspace = keyspace(prefix, key)
         self.cluster = bool(cluster)
         self.lease_s = float(lease_s)
         self.max_wait_s = float(max_wait_s)
@@ -287,6 +299,7 @@ class RedisTier:
         self._queue_items = write_queue_items
         self._queue_bytes = write_queue_bytes
         self.skip_ttl_s = float(skip_ttl_s)
+        self._longest_expiry_ms = int(max(self.lease_s, self.skip_ttl_s) * 1000)
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self.policy = policy if policy is not None else TierPolicy()
         self._client: Any = None
@@ -394,7 +407,7 @@ class RedisTier:
         """
         if not self.is_open:
             raise ClosedCacheError("the tier is not open (the cache opens it: 'async with')")
-        vkey, lkey = value_key(self.prefix, mm_hash), lease_key(self.prefix, mm_hash)
+        vkey, lkey = value_key(self.keyspace, mm_hash), lease_key(self.keyspace, mm_hash)
         budget, exploring = self.policy.next_lookup(self.max_item_bytes)
         budget = min(budget, self.max_item_bytes)
         w = _Write(vkey, lkey, mm_hash, None)  # what ``make`` writes, if it comes to that
@@ -414,7 +427,7 @@ class RedisTier:
             probe = await self._call(
                 self._scripts["probe"],
                 keys=[vkey, lkey],
-                args=[token, int(self.lease_s * 1000), _SKIP],
+                args=[token, int(self.lease_s * 1000), _SKIP, self._longest_expiry_ms],
                 deadline_s=deadline,
                 on_late=lambda out: self._late_probe(out, w, token),
             )

@@ -514,7 +514,7 @@ async def test_a_probe_answering_after_its_deadline_is_late_and_its_claim_not_lo
             await task
         gate.set()  # the probe answers now, and claims "h"
         await _until(lambda: tier.stats().late == 1)
-        lkey, vkey = lease_key(tier.prefix, "h"), value_key(tier.prefix, "h")
+        lkey, vkey = lease_key(tier.keyspace, "h"), value_key(tier.keyspace, "h")
         if answer == "while_making":
             assert (await raw.get(lkey)).startswith(b"c:")  # adopted: other hosts wait on it
             release.set()
@@ -573,7 +573,7 @@ async def test_a_value_that_fails_a_check_is_never_served(
     redis_server: RedisServer, raw: Any, make_config: Any, kind: str, reason: str
 ) -> None:
     tier = _tier(redis_server.url)
-    key = value_key(tier.prefix, "t1")
+    key = value_key(tier.keyspace, "t1")
     await raw.set(key, _tampered(kind, key, "t1"))
     calls: list[str] = []
     async with _cache(make_config, tier) as cache:
@@ -593,21 +593,85 @@ async def test_a_value_that_fails_a_check_is_never_served(
 
 
 @e2e
-async def test_a_key_of_another_type_is_an_error_that_does_not_open_the_breaker(
-    redis_server: RedisServer, raw: Any, make_config: Any
+@pytest.mark.parametrize("at", ["value", "lease"])
+async def test_a_key_of_another_type_is_replaced_not_made_forever(
+    redis_server: RedisServer, raw: Any, make_config: Any, shm_name: str, at: str
 ) -> None:
+    """Before: STRLEN (or GET) failed with WRONGTYPE on every look-up, and the item was made
+    on every request for as long as the key lived. Now the look-up deletes it and claims."""
     tier = _tier(redis_server.url, breaker=CircuitBreaker(failures=1))
-    key = value_key(tier.prefix, "w1")
-    await raw.rpush(key, b"not a string")  # STRLEN fails with WRONGTYPE
+    vkey, lkey = value_key(tier.keyspace, "w1"), lease_key(tier.keyspace, "w1")
+    await raw.rpush(vkey if at == "value" else lkey, b"not a string")
     calls: list[str] = []
     async with _cache(make_config, tier) as cache:
         with ReceiverCache.attach(cache.handle()) as rx:
             _check(rx, await cache.get_or_put("w1", _maker("w1", calls)), "w1")
             assert await tier.flush(30)
+        other = _tier(redis_server.url)
+        async with _cache(make_config, other, name=shm_name + "b") as second:
+            with ReceiverCache.attach(second.handle()) as rx:
+                _check(rx, await second.get_or_put("w1", _maker("w1", calls)), "w1")
     s = tier.stats()
-    assert calls == ["w1"] and s.errors == 1 and s.breaker_opens == 0
-    assert s.breaker_state == "closed"
-    assert s.writes == 0 and await raw.type(key) == b"list"  # not ours to overwrite
+    assert calls == ["w1"]  # made once, then served from the tier
+    assert s.errors == 0 and s.claims == 1 and s.writes == 1 and s.breaker_state == "closed"
+    assert await raw.type(vkey) == b"string" and other.stats().hits == 1
+
+
+@pytest.mark.parametrize("ttl_ms", [None, 3_600_000])
+async def test_a_garbage_lease_that_never_expires_costs_no_wait(
+    redis_server: RedisServer, raw: Any, make_config: Any, ttl_ms: int | None
+) -> None:
+    """Someone with write access sets a lease with no expiry (or one longer than any lease
+    the tier sets): before, every host waited ``max_wait_s`` on each look-up and made the item
+    anyway, for as long as the key lived. Now it is replaced: claimed at once, made, stored."""
+    tier = _tier(redis_server.url, max_wait_s=60.0)
+    lkey = lease_key(tier.keyspace, "g1")
+    await raw.set(lkey, b"garbage", px=ttl_ms)
+    calls: list[str] = []
+    async with _cache(make_config, tier) as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+            _check(rx, await cache.get_or_put("g1", _maker("g1", calls)), "g1")
+            assert await tier.flush(30)
+    s = tier.stats()
+    assert calls == ["g1"] and s.waits == 0 and s.claims == 1 and s.writes == 1
+    assert await raw.exists(value_key(tier.keyspace, "g1")) == 1
+
+
+async def test_a_garbage_lease_that_looks_like_one_costs_at_most_max_wait_s(
+    redis_server: RedisServer, raw: Any, make_config: Any
+) -> None:
+    """A lease that expires as ours do cannot be told from a host's: a waiter waits for it at
+    most ``max_wait_s`` (then makes the item); it never waits beyond that bound."""
+    tier = _tier(redis_server.url, max_wait_s=0.3, lease_s=2.0)
+    lkey = lease_key(tier.keyspace, "g2")
+    calls: list[str] = []
+    async with _cache(make_config, tier) as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+            await raw.set(lkey, b"garbage", px=2000)  # renewed by the "attacker" meanwhile
+            _check(rx, await cache.get_or_put("g2", _maker("g2", calls)), "g2")
+    s = tier.stats()
+    assert calls == ["g2"] and s.waits == 1 and s.wait_timeouts == 1
+
+
+async def test_a_host_with_another_secret_cannot_hurt_the_others(
+    redis_server: RedisServer, raw: Any, make_config: Any, shm_name: str
+) -> None:
+    """A host configured with a wrong secret writes under its own namespace: the others never
+    read its values (nothing rejected) and it never overwrites theirs (they still hit)."""
+    good = _tier(redis_server.url)
+    wrong = _tier(redis_server.url, secret=b"another-secret-0123456789abcdef")
+    later = _tier(redis_server.url)
+    assert good.keyspace == later.keyspace != wrong.keyspace
+    calls: list[str] = []
+    for k, tier in enumerate((good, wrong, later)):
+        async with _cache(make_config, tier, name=f"{shm_name}{k}") as cache:
+            with ReceiverCache.attach(cache.handle()) as rx:
+                for h in ("s1", "s2"):
+                    _check(rx, await cache.get_or_put(h, _maker(h, calls)), h)
+                assert await tier.flush(30)
+    assert calls == ["s1", "s2", "s1", "s2"]  # the wrong host made its own; nobody else did
+    assert later.stats().hits == 2 and later.stats().rejected_total == 0
+    assert wrong.stats().hits == 0 and wrong.stats().rejected_total == 0
 
 
 @e2e
@@ -615,7 +679,7 @@ async def test_an_oversized_value_is_never_fetched(
     redis_server: RedisServer, raw: Any, make_config: Any
 ) -> None:
     tier = _tier(redis_server.url, max_item_bytes=128 * KiB)
-    key = value_key(tier.prefix, "big")
+    key = value_key(tier.keyspace, "big")
     big = {"pixel_values": np.zeros(256 * KiB, np.uint8), "hash": "big"}
     await raw.set(key, seal_value(SECRET, key, "big", big))  # well signed, but too large
     calls: list[str] = []
@@ -782,7 +846,7 @@ async def test_a_request_running_when_its_tier_closes_leaves_nothing_behind(
             await first
         assert (await asyncio.wait_for(second, 20))["hash"] == "z1"
         assert b.stats().claims == 0 and b.stats().queued_writes == 0
-        assert await raw.get(lease_key(b.prefix, "z1")) is None
+        assert await raw.get(lease_key(b.keyspace, "z1")) is None
 
         made.clear()
         await c.open()
@@ -863,9 +927,8 @@ async def test_a_full_write_queue_drops_the_write_and_releases_the_claim(
     s = tier.stats()
     assert len(calls) == 3 and s.dropped_writes == 3 and s.writes == 0 and s.claims == 3
     for i in range(3):
-        assert (
-            await raw.exists(value_key(tier.prefix, f"q{i}"), lease_key(tier.prefix, f"q{i}")) == 0
-        )
+        keys = value_key(tier.keyspace, f"q{i}"), lease_key(tier.keyspace, f"q{i}")
+        assert await raw.exists(*keys) == 0
 
 
 @e2e
@@ -878,11 +941,11 @@ async def test_an_item_not_worth_fetching_is_not_stored_and_nobody_waits_for_it(
     async with two_hosts(slow_net(), slow_net()) as h:
         await h.a.get_or_put("n1", h.make("n1"))
         assert await h.ta.flush(30)
-        assert await raw.get(lease_key(h.ta.prefix, "n1")) == b"skip"
+        assert await raw.get(lease_key(h.ta.keyspace, "n1")) == b"skip"
         _check(h.rb, await h.b.get_or_put("n1", h.make("n1")), "n1")
     assert h.calls == ["n1", "n1"]
     assert h.ta.stats().skipped_writes == 1
-    assert await raw.exists(value_key(h.ta.prefix, "n1")) == 0
+    assert await raw.exists(value_key(h.ta.keyspace, "n1")) == 0
     s2 = h.tb.stats()
     assert s2.skipped == 1 and s2.waits == 0 and s2.claims == 0
 
@@ -963,7 +1026,7 @@ async def test_a_redis_cluster_serves_as_the_tier(make_config: Any, shm_name: st
         client = aioredis.RedisCluster.from_url(cluster.url)
         try:
             for h in hashes:
-                v, lk = value_key("aioshm:", h), lease_key("aioshm:", h)
+                v, lk = value_key(t1.keyspace, h), lease_key(t1.keyspace, h)
                 assert client.keyslot(v) == client.keyslot(lk)
                 slots.add(client.keyslot(v))
         finally:

@@ -26,6 +26,7 @@ from aioshmcache._tier_value import (
     HEADER_SIZE,
     TierValueError,
     key_digest,
+    keyspace,
     lease_key,
     open_value,
     seal_value,
@@ -555,6 +556,15 @@ def test_keys_share_a_hash_tag_whatever_the_hash_looks_like() -> None:
         v, lk = value_key("aioshm:", h), lease_key("aioshm:", h)
         tag = "{" + key_digest(h) + "}"
         assert v == f"aioshm:{tag}:v" and lk == f"aioshm:{tag}:l"
+
+
+def test_the_key_namespace_is_a_keyed_digest_of_the_secret() -> None:
+    space = keyspace("aioshm:", SECRET)
+    ns = hmac.new(SECRET, b"aioshmcache.tier/namespace", hashlib.sha256).hexdigest()[:16]
+    assert space == f"aioshm:{ns}:"
+    assert keyspace("aioshm:", SECRET + b"x") != space  # another secret, other keys
+    assert SECRET.hex()[:16] not in space  # names the secret without revealing it
+    assert RedisTier("redis://127.0.0.1:1/0", secret=SECRET).keyspace == space
 
 
 def _reason(data: bytes, *, key: str | None = None, h: str = "h1", limit: int = MiB) -> str:
