@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import struct
-import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -87,16 +84,6 @@ def make_config(shm_name: str) -> Callable[..., Any]:
     return make
 
 
-#: a busy loop that also ends when its parent (the test run) is gone, however it ended
-_BUSY = """
-import os
-parent = os.getppid()
-while os.getppid() == parent:
-    for _ in range(200_000):
-        pass
-"""
-
-
 @pytest.fixture
 def cpu_hog() -> Iterator[list[int]]:
     """Four busy-loop processes beside the test (on a 2-core machine: a loaded host).
@@ -104,16 +91,7 @@ def cpu_hog() -> Iterator[list[int]]:
     A condition to survive, never a timing to assert. Every process is killed on every path
     (the test's failure or timeout included), and ends by itself if the test run dies.
     """
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        procs.extend(
-            subprocess.Popen([sys.executable, "-c", _BUSY], start_new_session=True)
-            for _ in range(4)
-        )
-        yield [p.pid for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        for p in procs:
-            p.wait(30)
+    from aioshmcache.tools.bench.fleet import cpu_hog as hog
+
+    with hog(4) as pids:
+        yield pids
