@@ -418,12 +418,17 @@ class GroupFlight:
             return self._try_lock(path)
         return fd
 
-    async def claim(self, key: str, cached: Callable[[], bool]) -> bool:
+    async def claim(
+        self, key: str, cached: Callable[[], bool], cached_now: Callable[[], bool] | None = None
+    ) -> bool:
         """Whether this process should compute ``key``: False once a sibling has cached it.
 
         True with the marker held (release it with :meth:`release`), or True without it when
-        the markers cannot be used or a sibling took longer than ``wait_s``.
+        the markers cannot be used or a sibling took longer than ``wait_s``. ``cached_now``:
+        the look made once the marker is held (default ``cached``), whose "no" means "compute
+        it": one that does not miss a sibling shard opened a moment ago.
         """
+        last_look = cached if cached_now is None else cached_now
         path = self._path(key)
         if path is None or key in self._held:
             return True
@@ -437,7 +442,7 @@ class GroupFlight:
                 log.warning("group-wide single flight: %s", exc)
                 return True
             if fd is not None:
-                if cached():  # put (and released) between our look-up and the lock
+                if last_look():  # put (and released) between our look-up and the lock
                     self._unlock(path, fd)
                     self.served += waited
                     return False

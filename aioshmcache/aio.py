@@ -537,7 +537,11 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
 
         async def run_make() -> Any:
             gf = self._group_flight  # a sibling process computing it: wait, then read its item
-            if gf is not None and not await gf.claim(mm_hash, lambda: self.is_cached_item(mm_hash)):
+            if gf is not None and not await gf.claim(
+                mm_hash,
+                lambda: self.is_cached_item(mm_hash),
+                lambda: self.sender._is_cached_rescanned(mm_hash),
+            ):
                 return FROM_SIBLING
             return await make_here()
 

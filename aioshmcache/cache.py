@@ -217,6 +217,15 @@ class SenderCache(_Cache):
             return True
         return self._siblings is not None and self._siblings.find(mm_hash) is not None
 
+    def _is_cached_rescanned(self, mm_hash: str) -> bool:
+        """:meth:`is_cached_item` after looking for new sibling shards (a shard opened since
+        the last scan, up to ``RESCAN_INTERVAL`` ago, is otherwise not seen): the last look of
+        a group single-flight claim, whose "not cached" means "compute it here"."""
+        self.store.check_owner()
+        if self.store.is_cached(check_hash(mm_hash)):
+            return True
+        return self._siblings is not None and self._siblings.find(mm_hash, rescan=True) is not None
+
     @property
     def group(self) -> str | None:
         """The cache group this writer is a shard of (None for a plain cache)."""

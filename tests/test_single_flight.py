@@ -496,7 +496,9 @@ async def test_a_sibling_hit_that_is_gone_again_is_computed_here(group: str) -> 
         made.append("b")
         return random_item(np.random.default_rng(5), 1024)
 
-    async def a_sibling_has_it(key: str, cached: Callable[[], bool]) -> bool:
+    async def a_sibling_has_it(
+        key: str, cached: Callable[[], bool], cached_now: Callable[[], bool] | None = None
+    ) -> bool:
         return False  # "cached by a sibling" (which evicted it right after)
 
     async with AsyncSenderCache.from_config(_group_config(group)) as b:
@@ -645,7 +647,9 @@ async def test_every_call_of_make_is_a_counted_run_on_every_path(group: str) -> 
 
         return make
 
-    async def a_sibling_has_it(key: str, cached: Callable[[], bool]) -> bool:
+    async def a_sibling_has_it(
+        key: str, cached: Callable[[], bool], cached_now: Callable[[], bool] | None = None
+    ) -> bool:
         return False  # "cached by a sibling" (which evicted it right after)
 
     tier = _CountedTier({"from-tier": item})
@@ -682,3 +686,30 @@ async def test_every_call_of_make_is_a_counted_run_on_every_path(group: str) -> 
         await b.get_or_put("sibling-gone", counted())  # the fallback: make runs after all
         same()
         assert calls == 6
+
+
+async def test_a_sibling_shard_opened_after_the_last_scan_is_seen_by_the_claim(
+    group: str,
+) -> None:
+    """b scanned the group before a's shard existed (and would not scan again for a second):
+    a makes "h" and lets go of the marker; b then asks for "h". b's first look misses (a is
+    not known yet), but the last look of its claim, made with the marker held, scans again and
+    finds a's item: b reads it instead of making it a second time."""
+    made: list[str] = []
+    item = random_item(np.random.default_rng(10), 4096)
+
+    async def make(who: str) -> dict[str, Any]:
+        made.append(who)
+        return item
+
+    cfg = _group_config(group)
+    async with AsyncSenderCache.from_config(cfg) as b:
+        assert not b.is_cached_item("h")  # b's scan: no sibling yet (the next in RESCAN_INTERVAL)
+        async with AsyncSenderCache.from_config(cfg) as a:
+            with ReceiverCache.attach_group(group) as rx:
+                first = await a.get_or_put("h", lambda: make("a"))
+                second = await b.get_or_put("h", lambda: make("b"))
+                assert made == ["a"]
+                assert b.single_flight_stats().group_saved == 1
+                for f in rx.get_and_update_features([first, second]):
+                    assert checksum(f.data["data"]) == f.data["crc"]
