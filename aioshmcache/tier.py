@@ -237,10 +237,12 @@ class RedisTier:
     ) -> None:
         """Configure; no connection is made here (nor on ``open``: Redis may be down).
 
-        ``secret`` (at least 16 bytes; a str is UTF-8 encoded) signs and verifies every value.
+        ``secret`` (at least 16 bytes; a str is UTF-8 encoded) signs and verifies every value,
+        and names the key namespace (``keyspace``: hosts with other secrets use other keys).
         ``ttl_s``: how long Redis keeps a value. ``max_item_bytes``: the largest payload
-        written or read. ``lookup_timeout_s``: the deadline of a look-up. ``prefix``: of every
-        key. ``cluster``: ``url`` names a node of a Redis Cluster. ``lease_s``: the lease of a
+        written or read. ``lookup_timeout_s``: the least a look-up waits (its deadline is what
+        a typical make costs, as learned: ``TierPolicy.lookup_deadline``). ``prefix``: of
+        every key. ``cluster``: ``url`` names a node of a Redis Cluster. ``lease_s``: the lease of a
         claim (renewed every third of it while ``make`` runs); ``max_wait_s``: how long a
         request waits for another host's ``make``. ``breaker`` and ``policy`` replace the
         default circuit breaker and cost policy.
