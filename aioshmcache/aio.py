@@ -413,9 +413,10 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         """What a reader needs to attach."""
         return self.sender.handle()
 
-    def is_cached_item(self, mm_hash: str) -> bool:
-        """Pure look-up: no hand-out, no change to eviction order."""
-        return self.sender.is_cached_item(mm_hash)
+    def is_cached_item(self, mm_hash: str, *, rescan: bool = False) -> bool:
+        """Pure look-up: no hand-out, no change to eviction order (``rescan``: as the sync
+        cache's)."""
+        return self.sender.is_cached_item(mm_hash, rescan=rescan)
 
     def is_cached(self, mm_hashes: Sequence[str]) -> list[bool]:
         """``is_cached_item`` of each hash."""
@@ -540,7 +541,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
             if gf is not None and not await gf.claim(
                 mm_hash,
                 lambda: self.is_cached_item(mm_hash),
-                lambda: self.sender._is_cached_rescanned(mm_hash),
+                lambda: self.is_cached_item(mm_hash, rescan=True),
             ):
                 return FROM_SIBLING
             return await make_here()
