@@ -35,6 +35,14 @@ died stays behind, empty, and is reused by the next claim of that hash; the grou
 goes with its last marker (a claimer that finds it gone makes it again). If the directory cannot be
 used, the group-wide part is skipped (each process computes its own misses): it never fails a
 request.
+
+**fork.** A ``flock`` belongs to the open file description, which a forked child shares: a
+leader whose ``make`` forks a helper (a fork-started process pool) would keep the marker held
+for as long as that helper lives, after the leader itself died, and every sibling would wait
+the whole ``GROUP_WAIT_S``. The marker fds are opened ``O_CLOEXEC`` (a helper that execs drops
+them) and closed in every forked child (``os.register_at_fork``): the child's copy goes, the
+lock stays the parent's, and dies with it. The marker file is never mapped, so no mapping
+keeps the description alive behind the closed fd.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import os
 import stat
 import tempfile
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
@@ -75,6 +84,8 @@ GROUP_WAIT_S = 30.0
 _POLL_MIN_S, _POLL_MAX_S = 0.001, 0.01
 #: what a ``make`` returns when a sibling process computed the item: the put is then a hit
 FROM_SIBLING: Any = object()
+#: how many times a leader claims again after a sibling's item vanished before its copy
+_SIBLING_TRIES = 3
 
 R = TypeVar("R")
 
@@ -110,7 +121,7 @@ class SingleFlightStats:
 class _Flight:
     """One hash being made and put: its leader, its waiters, and how it ended."""
 
-    __slots__ = ("changed", "error", "finished", "leading", "made", "waiters")
+    __slots__ = ("changed", "error", "finished", "hitting", "leading", "made", "waiters")
 
     def __init__(self) -> None:
         self.changed = anyio.Event()  # set when the flight ends or its leader leaves
@@ -118,6 +129,7 @@ class _Flight:
         self.error: Exception | None = None
         self.finished = False
         self.leading = False
+        self.hitting = False  # the leader makes the request of a cached hash (no ``make``)
         self.waiters = 0
 
 
@@ -175,6 +187,11 @@ class SingleFlight(Generic[R]):
         """Keys with a flight open right now."""
         return len(self._flights)
 
+    def count_run(self) -> None:
+        """The caller's ``make`` is being called now: counted where it is called (behind a
+        tier it may not be; after a sibling's item vanished it is, as a fallback)."""
+        self._runs += 1
+
     async def run(
         self,
         key: str,
@@ -183,12 +200,20 @@ class SingleFlight(Generic[R]):
         cached: Callable[[], bool],
         hit: Callable[[], Awaitable[R]],
         put: Callable[[Any], Awaitable[R]],
+        make_anyway: Callable[[], Awaitable[Any]] | None = None,
     ) -> R:
-        """One caller of ``key``: a hit, the leader of a new flight, or a waiter of one.
+        """One caller of ``key``: the leader of a hit or of a new flight, or a waiter of one.
 
         ``cached()`` is a pure look-up; ``hit()`` makes the request for a cached key (it may
-        raise ``CacheMissError`` if the key was evicted meanwhile: then this call joins or
-        starts a flight); ``put(item)`` makes the request with the item.
+        raise ``CacheMissError`` if the key was evicted meanwhile: then this call leads a
+        flight that makes it); ``put(item)`` makes the request with the item. ``make`` may
+        return :data:`FROM_SIBLING` (a sibling process cached it): its put is then a hit, and
+        if that finds the item gone again, ``make`` runs again (``make_anyway`` after
+        ``_SIBLING_TRIES`` such returns).
+
+        A hit leads a flight too: a hit on an item a sibling shard holds copies it into this
+        process's shard, and a second caller that looked at the same moment would find that
+        copy pending (a miss) and make the item again. Its waiters ask once it is copied.
         """
         self._calls += 1
         try_hit = True
@@ -196,19 +221,27 @@ class SingleFlight(Generic[R]):
         while True:
             f = self._flights.get(key)
             if f is None:
+                f = self._flights[key] = _Flight()
                 if try_hit and cached():
+                    f.leading = f.hitting = True
                     try:
                         out = await hit()
                     except CacheMissError:  # evicted between the look-up and the request
                         try_hit = False
-                        continue
+                        f.leading = f.hitting = False
+                        return await self._lead(key, f, make, put, make_anyway)
+                    except BaseException:  # its waiters ask again themselves
+                        self._drop(key, f)
+                        f.changed.set()
+                        raise
                     self._hits += 1
+                    f.finished = True
+                    self._end(key, f)
                     return out
-                f = self._flights[key] = _Flight()
             if not f.leading:  # a new flight, or one whose leader left: lead it
                 if joined:
                     self._takeovers += 1
-                return await self._lead(key, f, make, put)
+                return await self._lead(key, f, make, put, make_anyway)
             joined = True
             changed = f.changed
             f.waiters += 1
@@ -222,9 +255,27 @@ class SingleFlight(Generic[R]):
             f.waiters -= 1  # woken: the flight (and what its leader made) stays for us
             if f.error is not None:
                 raise _same_kind(f.error) from f.error
+            if f.hitting:  # a hit flight: ended (it is cached here now) or its leader left
+                joined = False
+                if f.finished:
+                    try:
+                        out = await hit()
+                    except CacheMissError:  # gone again: make it (in a flight of its own)
+                        try_hit = False
+                        continue
+                    self._hits += 1
+                    return out
+                continue
             if f.finished and f.made is not None:
+                try:
+                    out = await put(f.made[0])
+                except CacheMissError:
+                    if f.made[0] is not FROM_SIBLING:
+                        raise
+                    try_hit, joined = False, False  # the sibling's item went: make it
+                    continue
                 self._saved += 1
-                return await put(f.made[0])
+                return out
             # the leader left before finishing: loop, and one of the waiters takes over
 
     async def _lead(
@@ -233,16 +284,26 @@ class SingleFlight(Generic[R]):
         f: _Flight,
         make: Callable[[], Awaitable[Any]],
         put: Callable[[Any], Awaitable[R]],
+        make_anyway: Callable[[], Awaitable[Any]] | None,
     ) -> R:
         f.leading = True
         try:
-            if f.made is None:
-                self._runs += 1
-                f.made = (await make(),)
-                if f.made[0] is FROM_SIBLING:  # not run here after all
-                    self._runs -= 1
-                    self._group_saved += 1
-            out = await put(f.made[0])
+            tries = 0
+            while True:
+                if f.made is None:
+                    fallback = tries >= _SIBLING_TRIES and make_anyway is not None
+                    f.made = (await (make_anyway() if fallback else make()),)  # type: ignore[misc]
+                try:
+                    out = await put(f.made[0])
+                    break
+                except CacheMissError:
+                    if f.made[0] is not FROM_SIBLING:
+                        raise
+                    # the sibling's item went between its look-up and our copy: the next
+                    # ``make`` claims the hash again (and counts its run, if it makes it)
+                    f.made, tries = None, tries + 1
+            if f.made[0] is FROM_SIBLING:  # not run here after all
+                self._group_saved += 1
         except Exception as exc:  # a failure: every waiter gets it, nothing is cached
             self._failures += 1
             f.error = exc
@@ -276,6 +337,17 @@ def marker_directory(group: str) -> str:
     return os.path.join(base, group.replace("/", "_"))
 
 
+_open_flights: weakref.WeakSet[GroupFlight] = weakref.WeakSet()
+
+
+def _drop_markers_in_child() -> None:
+    for gf in list(_open_flights):
+        gf._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_drop_markers_in_child)
+
+
 class GroupFlight:
     """The cross-process marker of a cache group: "a process of the group is computing h".
 
@@ -291,6 +363,14 @@ class GroupFlight:
         #: claims that found a sibling computing, and of those, the ones it then served
         self.waited = 0
         self.served = 0
+        _open_flights.add(self)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: close the inherited marker fds (the parent's locks stay its own)."""
+        held, self._held = self._held, {}
+        for fd in held.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _directory(self) -> str | None:
         if self._dir is None:
@@ -338,12 +418,17 @@ class GroupFlight:
             return self._try_lock(path)
         return fd
 
-    async def claim(self, key: str, cached: Callable[[], bool]) -> bool:
+    async def claim(
+        self, key: str, cached: Callable[[], bool], cached_now: Callable[[], bool] | None = None
+    ) -> bool:
         """Whether this process should compute ``key``: False once a sibling has cached it.
 
         True with the marker held (release it with :meth:`release`), or True without it when
-        the markers cannot be used or a sibling took longer than ``wait_s``.
+        the markers cannot be used or a sibling took longer than ``wait_s``. ``cached_now``:
+        the look made once the marker is held (default ``cached``), whose "no" means "compute
+        it": one that does not miss a sibling shard opened a moment ago.
         """
+        last_look = cached if cached_now is None else cached_now
         path = self._path(key)
         if path is None or key in self._held:
             return True
@@ -357,7 +442,7 @@ class GroupFlight:
                 log.warning("group-wide single flight: %s", exc)
                 return True
             if fd is not None:
-                if cached():  # put (and released) between our look-up and the lock
+                if last_look():  # put (and released) between our look-up and the lock
                     self._unlock(path, fd)
                     self.served += waited
                     return False

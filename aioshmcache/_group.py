@@ -283,12 +283,13 @@ class Siblings:
                 continue
             self._by_name[name] = sib
 
-    def find(self, key: str) -> Found | None:
-        """A live sibling holding ``key`` (its chunk checked now), or None."""
+    def find(self, key: str, *, rescan: bool = False) -> Found | None:
+        """A live sibling holding ``key`` (its chunk checked now), or None; ``rescan``: look for
+        new shards first, however recent the last scan (a single-flight claim's last look)."""
         with self._lock:
             if self.closed:
                 return None
-            if time.monotonic() - self._scanned > self._interval:
+            if rescan or time.monotonic() - self._scanned > self._interval:
                 self._rescan_locked()
             self.lookups += 1
             for sib in list(self._by_name.values()):

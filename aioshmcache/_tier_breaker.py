@@ -3,7 +3,13 @@
 Pure state machine: no I/O, time from an injected ``clock``, so every rule is tested against a
 model (``tests/test_tier_logic.py``). The tier asks :meth:`CircuitBreaker.allow` before each
 Redis operation and reports its outcome with :meth:`~CircuitBreaker.success` or
-:meth:`~CircuitBreaker.failure` (an error or a timeout).
+:meth:`~CircuitBreaker.failure`.
+
+**What a failure is.** Redis failed: a connection error, or no answer at all within the
+client's socket timeout. Not a failure: an answer that came after the request's own deadline
+(the request went on without it; on a busy host the event loop itself is late, and a 50 ms
+deadline expires with Redis answering in 1 ms). The tier lets such an operation finish in the
+background and reports its outcome when it comes: an answer is a success, however late.
 
 Rules:
 
@@ -13,9 +19,14 @@ Rules:
   reported meanwhile (operations that started before it opened) change nothing.
 * **half-open** (the wait is over): exactly one operation, the *probe*, is allowed; the others
   are refused while it runs. Its success closes the breaker and resets the wait; its failure
-  opens it again with the wait doubled (at most ``max_retry_after_s``). A probe that never
-  reports (its task was cancelled) frees the probe slot after ``retry_after_s``.
+  opens it again with the wait doubled (at most ``max_retry_after_s``: 0.8 s by default, so
+  the tier is tried again within a second of Redis coming back). A failure reported with a
+  ``started_at`` before the probe was let through is an older operation's, not the probe's:
+  it changes nothing. A probe that never reports (its task was cancelled) frees the probe
+  slot after ``retry_after_s``.
 * A success reported in any state closes the breaker (Redis answered: it is back).
+* :attr:`~CircuitBreaker.state` is computed from the clock when read: an idle breaker reads
+  ``half_open`` once its wait is over, without any call to :meth:`~CircuitBreaker.allow`.
 """
 
 from __future__ import annotations
@@ -35,8 +46,8 @@ class CircuitBreaker:
         self,
         *,
         failures: int = 3,
-        retry_after_s: float = 1.0,
-        max_retry_after_s: float = 10.0,
+        retry_after_s: float = 0.2,
+        max_retry_after_s: float = 0.8,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if type(failures) is not int or failures < 1:
@@ -65,6 +76,10 @@ class CircuitBreaker:
             return CLOSED
         return OPEN if self._clock() < opened_at + wait else HALF_OPEN
 
+    def now(self) -> float:
+        """The breaker's clock (what an operation passes back as ``started_at``)."""
+        return self._clock()
+
     @property
     def retry_after_s(self) -> float:
         """The length of the current (or next) open period."""
@@ -89,14 +104,16 @@ class CircuitBreaker:
         self._opened_at = None
         self._probe_at = None
 
-    def failure(self) -> None:
-        """An operation failed (an error or a timeout)."""
+    def failure(self, started_at: float | None = None) -> None:
+        """An operation failed (Redis errored, or never answered); ``started_at``: when it
+        was let through (:meth:`now`), None for "just now"."""
         if self._opened_at is None:
             self._failures += 1
             if self._failures >= self._threshold:
                 self._open(self._clock())
             return
-        if self._probe_at is not None:  # the probe failed: open again, for longer
+        if self._probe_at is not None and (started_at is None or started_at >= self._probe_at):
+            # the probe failed: open again, for longer
             self._wait = min(self._wait * 2, self._max)
             self._open(self._clock())
         # else: an operation that started before the breaker opened; nothing changes

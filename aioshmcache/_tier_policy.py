@@ -16,9 +16,17 @@ sample), so the policy follows a machine that gets busier or a network that gets
 Decisions (pure functions of what was learned):
 
 * :meth:`TierPolicy.fetch_budget` — the largest value worth fetching: the largest ``n`` with
-  ``fetch(n) <= margin * make(n)``, capped at ``max_bytes``; 0 means a probe alone (one round
-  trip) costs more than ``margin`` times a make, so the tier is skipped altogether. A look-up
-  never transfers a value larger than the budget (the probe reports the size first).
+  ``fetch(n) <= margin * make(n)``, capped at ``max_bytes``; 0 means no value is worth
+  fetching, or a probe alone (one round trip) costs more than ``margin`` times the make of a
+  typical item (one of the mean size made), so the tier is skipped altogether. A look-up
+  never transfers a value larger than the budget (the probe reports the size first), nor one
+  whose size :meth:`TierPolicy.worth_fetching` turns down.
+* **Items of one size** teach nothing about how a cost grows with size: each fit then goes
+  through the one point seen (:class:`LinearCost`), and every decision about items of that
+  size is exact. (Before, two clusters a few hundred bytes apart — an item's array bytes
+  made here, its value's bytes fetched — made a line of any slope; a make fit with intercept
+  0 then read as "a round trip costs more than a make", and the budget was 0 while makes
+  took 90 ms and fetches 2.3 ms.)
 * :meth:`TierPolicy.worth_storing` — write an item only if fetching it would beat making it
   (``fetch(n) <= margin * max(its measured make, make(n))``): no host would fetch it otherwise.
 * **The probe is a sunk cost** in both: when the probe has reported a value's size, its round
@@ -37,6 +45,9 @@ Decisions (pure functions of what was learned):
 * ``learn=False`` keeps the priors and an unknown make cost for good: every value is looked
   up, and an item is stored when the prior fetch cost beats the make it took (deterministic:
   for tests and for operators who measured their costs).
+* :meth:`TierPolicy.lookup_deadline` — how long a look-up may take: ``deadline_fraction`` (1)
+  of a typical make, never less than the tier's ``lookup_timeout_s`` (``first_deadline_s``
+  until a make is seen). At worst a look-up that gets no answer in time doubles a miss.
 * **Exploration.** An item the budget excludes is never fetched, so the fetch cost of large
   items would never be re-learned after a slow spell: one look-up in ``explore_every`` gets the
   full ``max_bytes`` budget.
@@ -52,10 +63,19 @@ __all__ = ["LinearCost", "PolicyView", "TierPolicy"]
 class LinearCost:
     """An exponentially weighted least-squares fit of ``seconds = a + b * nbytes``.
 
-    With samples at a single size the slope cannot be told apart from the intercept: the fit is
-    then proportional (``a = 0``) if ``proportional`` (a fetch: its cost grows with the bytes),
-    else flat (``b = 0``, a make of unknown size dependence).
+    A slope is fitted only when the sizes seen spread (their weighted standard deviation is at
+    least ``SPREAD`` of their mean). Sizes that are all equal, or nearly so (items of one size:
+    an image made here is counted by its array bytes, the same image fetched from the tier by
+    its value's bytes, a few hundred more), say nothing about how the cost grows with size: a
+    line through two such clusters is noise (its slope, and with it the intercept, took any
+    value, a negative intercept included). Such a fit is through the one point seen:
+    proportional (``a = 0``) if ``proportional`` (a fetch: its cost grows with the bytes), else
+    flat (``b = 0``: a make of unknown size dependence). Either predicts the mean cost at the
+    size seen, which is all a decision about items of that size needs.
     """
+
+    #: the relative spread of sizes below which they count as one size
+    SPREAD = 0.05
 
     def __init__(self, *, decay: float = 0.95, proportional: bool = False) -> None:
         if not 0 < decay <= 1:
@@ -78,23 +98,28 @@ class LinearCost:
         self._sxy = self._sxy * d + x * seconds
         self.samples += 1
 
+    def mean_size(self) -> float:
+        """The weighted mean of the sizes seen (bytes); 0 before any sample."""
+        return self._sx / self._w * 1e6 if self._w else 0.0
+
     def coefficients(self) -> tuple[float, float]:
         """``(a seconds, b seconds per byte)``, both >= 0; ``(0, 0)`` before any sample."""
         if self._w == 0:
             return 0.0, 0.0
         w, sx, sxx, sy, sxy = self._w, self._sx, self._sxx, self._sy, self._sxy
-        det = w * sxx - sx * sx
-        if det > 1e-9 * max(w * sxx, 1e-30):
-            b = (w * sxy - sx * sy) / det
-            a = (sy - b * sx) / w
+        mx, my = sx / w, sy / w
+        var = sxx / w - mx * mx
+        if var > (self.SPREAD * mx) ** 2:
+            b = (sxy / w - mx * my) / var
+            a = my - b * mx
             if b < 0:  # costs do not shrink with size: a flat fit
-                a, b = sy / w, 0.0
+                a, b = my, 0.0
             elif a < 0:  # nor are they negative at size 0: a proportional fit
-                a, b = 0.0, (sxy / sxx if sxx > 0 else 0.0)
-        elif self._proportional and sx > 0:
-            a, b = 0.0, sy / sx
+                a, b = 0.0, sxy / sxx
+        elif self._proportional and mx > 0:
+            a, b = 0.0, my / mx
         else:
-            a, b = sy / w, 0.0
+            a, b = my, 0.0
         return a, b / 1e6
 
     def predict(self, nbytes: float) -> float:
@@ -117,6 +142,8 @@ class TierPolicy:
         learn: bool = True,
         min_samples: int = 5,
         warmup: int = 16,
+        deadline_fraction: float = 1.0,
+        first_deadline_s: float = 0.5,
     ) -> None:
         if not 0 < margin <= 1:
             raise ValueError(f"margin must be in (0, 1], got {margin!r}")
@@ -126,6 +153,10 @@ class TierPolicy:
             raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
         if type(min_samples) is not int or min_samples < 1:
             raise ValueError(f"min_samples must be an int >= 1, got {min_samples!r}")
+        if not isinstance(deadline_fraction, (int, float)) or not 0 < deadline_fraction <= 10:
+            raise ValueError(f"deadline_fraction must be in (0, 10], got {deadline_fraction!r}")
+        if not isinstance(first_deadline_s, (int, float)) or not 0 <= first_deadline_s < 3600:
+            raise ValueError(f"first_deadline_s must be in [0, 3600), got {first_deadline_s!r}")
         if type(explore_every) is not int or explore_every < 0:
             raise ValueError(f"explore_every must be an int >= 0 (0: never), got {explore_every!r}")
         self.margin = margin
@@ -138,6 +169,8 @@ class TierPolicy:
         self._min = min_samples
         self._warmup = warmup  # fetch samples still to ignore
         self._lookups = 0
+        self._deadline_fraction = float(deadline_fraction)
+        self._first_deadline = float(first_deadline_s)
 
     # --- learning ---------------------------------------------------------------------------
 
@@ -194,10 +227,12 @@ class TierPolicy:
         """The largest value worth fetching (<= ``max_bytes``); 0: skip the tier."""
         if self._make.samples == 0:
             return max_bytes
-        am, bm = self._make.coefficients()
         m = self.margin
-        if self.probe_cost() > m * am:  # a round trip alone loses to a make
+        # a round trip alone loses to the make of a typical item (of the mean size made): not
+        # to the make's intercept, which is 0 for a make that grows with its size
+        if self.probe_cost() > m * self._make.predict(self._make.mean_size()):
             return 0
+        am, bm = self._make.coefficients()
         af, bf = self.fetch_coefficients()
         # fetch(n) <= m * make(n)  <=>  n * (bf - m*bm) <= m*am - af
         room, slope = m * am - af, bf - m * bm
@@ -206,17 +241,42 @@ class TierPolicy:
                 return max_bytes
             # only large values win (rare: a make that grows faster than a fetch); a look-up
             # cannot ask for "at least n" bytes, so take the tier if the largest one wins
+            # (:meth:`worth_fetching` then turns down the small ones by their reported size)
             return max_bytes if room - slope * max_bytes >= 0 else 0
         if room < 0:
             return 0
         return int(min(room / slope, max_bytes))
 
+    def lookup_deadline(self, floor_s: float) -> float:
+        """How long a look-up's round trip may take: ``deadline_fraction`` of the make of a
+        typical item (what a hit saves), at least ``floor_s``.
+
+        A fixed deadline is eaten by the host's own loop lag when it is busy (the answer is
+        there, the loop reads it late), and the tier then makes what it could have fetched
+        exactly when sharing matters most; one sized from the make is as long as the look-up
+        is worth waiting for, whatever the load. Until a make is seen, ``first_deadline_s``
+        (the first look-ups of a process also open its connections, each a few round trips).
+        """
+        if self._make.samples == 0:
+            return max(floor_s, self._first_deadline)
+        return max(floor_s, self._deadline_fraction * self._make.predict(self._make.mean_size()))
+
+    def worth_fetching(self, nbytes: int) -> bool:
+        """Whether a value of ``nbytes`` (its size reported by the probe) beats its make."""
+        make = self.make_cost(nbytes)
+        return make is None or self.fetch_cost(nbytes) <= self.margin * make
+
     def lookup_budget(self, max_bytes: int) -> int:
         """:meth:`fetch_budget` for the next look-up, with one in ``explore_every`` at full size."""
+        return self.next_lookup(max_bytes)[0]
+
+    def next_lookup(self, max_bytes: int) -> tuple[int, bool]:
+        """``(budget, exploring)`` of the next look-up: an exploring one fetches any value up
+        to ``max_bytes`` (its cost is then learned again), the others only what is worth it."""
         self._lookups += 1
         if self._explore_every and self._lookups % self._explore_every == 0:
-            return max_bytes
-        return self.fetch_budget(max_bytes)
+            return max_bytes, True
+        return self.fetch_budget(max_bytes), False
 
     def worth_storing(self, nbytes: int, make_seconds: float) -> bool:
         """Whether fetching ``nbytes`` would beat making it: the ``make_seconds`` this item

@@ -6,15 +6,27 @@ is therefore only ever served after its HMAC-SHA256 tag (under the tier's ``secr
 its sizes agreed with each other and with ``max_item_bytes``, and its payload decoded with the
 wire module's hostile-input decoder (msgpack with limits, arrays as raw bytes; no pickle).
 
-Keys (``P`` = the tier's prefix, ``D`` = the first 32 hex digits of BLAKE2b(``mm_hash``))::
+Keys (``P`` = the tier's prefix, ``N`` = the namespace: the first 16 hex digits of
+HMAC-SHA256(secret, ``b"aioshmcache.tier/namespace"``), ``D`` = the first 32 hex digits of
+BLAKE2b(``mm_hash``))::
 
-    P{D}:v   the value (below)
-    P{D}:l   the lease of the host computing it (a random token, or "skip": see ``tier``)
+    PN:{D}:v   the value (below)
+    PN:{D}:l   the lease of the host computing it (a random token, or "skip": see ``tier``)
 
-The braces are a Redis Cluster *hash tag*: both keys of one hash map to the same slot, so the
-scripts that touch both run on one node. Hashing the ``mm_hash`` keeps the key short and free
-of braces whatever the caller's hashes look like; the ``mm_hash`` itself is inside the payload
-and checked against the one asked for.
+The namespace comes from the secret (a keyed digest: it names the secret without revealing
+it), so hosts with different secrets use disjoint keys: a host configured with a wrong secret
+neither overwrites the others' values (which they would then reject) nor reads them; it only
+misses. The braces are a Redis Cluster *hash tag*: both keys of one hash map to the same slot,
+so the scripts that touch both run on one node. Hashing the ``mm_hash`` keeps the key short and
+free of braces whatever the caller's hashes look like; the ``mm_hash`` itself is inside the
+payload and checked against the one asked for.
+
+A key of another Redis type at either key (not ours: someone else wrote it) is deleted by the
+look-up and the hash claimed, so the item is made once and stored, not made on every request.
+A lease is ours only if it expires within the longest expiry the tier sets (``lease_s`` or
+``skip_ttl_s``): one without an expiry, or with a longer one, is replaced the same way, so a
+garbage lease costs no wait at all; a garbage lease that looks like ours costs a waiter at
+most ``max_wait_s`` once per look-up (then it makes the item itself).
 
 Value (all integers little-endian)::
 
@@ -54,6 +66,7 @@ __all__ = [
     "HEADER_SIZE",
     "TierValueError",
     "key_digest",
+    "keyspace",
     "open_value",
     "seal_value",
     "value_key",
@@ -78,19 +91,26 @@ class TierValueError(ShmCacheError, ValueError):
         self.reason = reason
 
 
+def keyspace(prefix: str, secret: bytes) -> str:
+    """``prefix`` and the namespace of ``secret`` (see the module docstring): the start of
+    every key of a tier with that secret."""
+    ns = hmac.new(secret, b"aioshmcache.tier/namespace", hashlib.sha256).hexdigest()[:16]
+    return f"{prefix}{ns}:"
+
+
 def key_digest(mm_hash: str) -> str:
     """The 32 hex digits that stand for ``mm_hash`` in the tier's keys."""
     return hashlib.blake2b(mm_hash.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
-def value_key(prefix: str, mm_hash: str) -> str:
-    """The Redis key of ``mm_hash``'s value."""
-    return f"{prefix}{{{key_digest(mm_hash)}}}:v"
+def value_key(space: str, mm_hash: str) -> str:
+    """The Redis key of ``mm_hash``'s value (``space``: from :func:`keyspace`)."""
+    return f"{space}{{{key_digest(mm_hash)}}}:v"
 
 
-def lease_key(prefix: str, mm_hash: str) -> str:
+def lease_key(space: str, mm_hash: str) -> str:
     """The Redis key of ``mm_hash``'s lease (same hash slot as the value)."""
-    return f"{prefix}{{{key_digest(mm_hash)}}}:l"
+    return f"{space}{{{key_digest(mm_hash)}}}:l"
 
 
 def _tag(secret: bytes, key: str, signed_head: bytes, payload: memoryview | bytes) -> bytes:

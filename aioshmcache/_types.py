@@ -497,8 +497,11 @@ class TierSnapshot:
     misses: int = 0
     #: Redis operations that failed (connection refused, reset, server error)
     errors: int = 0
-    #: Redis operations that hit their deadline
+    #: Redis operations that got no answer within the client's socket timeout (a failure)
     timeouts: int = 0
+    #: Redis operations answered after their request's deadline (the request went on without
+    #: the answer; Redis is healthy, the host or Redis was slow: not a failure)
+    late: int = 0
     #: values refused by a check (size, signature, decoding), by reason
     rejected: dict[str, int] = field(default_factory=dict, hash=False)
     #: look-ups skipped by the cost policy (a lookup or that value would cost more than a make)

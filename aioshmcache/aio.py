@@ -55,7 +55,7 @@ from .cache import (
     kept_form,
     kept_forms,
 )
-from .errors import CacheMissError, ClosedCacheError, RoleError
+from .errors import ClosedCacheError, RoleError
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
@@ -424,9 +424,10 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         """What a reader needs to attach."""
         return self.sender.handle()
 
-    def is_cached_item(self, mm_hash: str) -> bool:
-        """Pure look-up: no hand-out, no change to eviction order."""
-        return self.sender.is_cached_item(mm_hash)
+    def is_cached_item(self, mm_hash: str, *, rescan: bool = False) -> bool:
+        """Pure look-up: no hand-out, no change to eviction order (``rescan``: as the sync
+        cache's)."""
+        return self.sender.is_cached_item(mm_hash, rescan=rescan)
 
     def is_cached(self, mm_hashes: Sequence[str]) -> list[bool]:
         """``is_cached_item`` of each hash."""
@@ -533,26 +534,29 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
             raise TypeError(f"mm_hash must be a str, not {type(mm_hash).__name__}")
         updates = tuple(prompt_updates)
 
+        async def call_make_counted() -> Any:  # every call of ``make`` is a counted run
+            self._flight.count_run()
+            return await call_make(make, self.make_limiter)
+
         async def make_here() -> Any:
             if self._tier is not None:  # shared memory missed: the tier, then ``make``
-                return await self._tier.fetch_or_make(
-                    mm_hash, lambda: call_make(make, self.make_limiter)
-                )
-            return await call_make(make, self.make_limiter)
+                return await self._tier.fetch_or_make(mm_hash, call_make_counted)
+            return await call_make_counted()
 
         async def put(data: Any) -> FeatureSpec:
             if data is FROM_SIBLING:  # a sibling put it: a hit (its copy into our shard)
-                try:
-                    return await put(None)
-                except CacheMissError:  # gone again meanwhile: preprocess it here after all
-                    data = await make_here()
+                data = None  # (gone again: ``CacheMissError``, the flight makes it then)
             spec = FeatureSpec(mm_hash, data, identifier=identifier, prompt_updates=updates)
             [out] = await self.get_and_update_features([spec], wait_for_space=wait_for_space)
             return out
 
         async def run_make() -> Any:
             gf = self._group_flight  # a sibling process computing it: wait, then read its item
-            if gf is not None and not await gf.claim(mm_hash, lambda: self.is_cached_item(mm_hash)):
+            if gf is not None and not await gf.claim(
+                mm_hash,
+                lambda: self.is_cached_item(mm_hash),
+                lambda: self.is_cached_item(mm_hash, rescan=True),
+            ):
                 return FROM_SIBLING
             return await make_here()
 
@@ -562,6 +566,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
             cached=lambda: self.is_cached_item(mm_hash),
             hit=lambda: put(None),
             put=put,
+            make_anyway=make_here,
         )
 
     @property

@@ -258,16 +258,20 @@ class SenderCache(_Cache):
         """Items served inline because another request was putting the same hash."""
         return self._counters.inline_busy
 
-    def is_cached_item(self, mm_hash: str) -> bool:
+    def is_cached_item(self, mm_hash: str, *, rescan: bool = False) -> bool:
         """Pure look-up: no hand-out, no change to eviction order.
 
         In a group shard, also true when a live sibling shard holds the item (its chunk checked,
         not copied): a request passing ``None`` for it then copies it into this shard.
+        ``rescan``: look for sibling shards opened since the last scan first (otherwise one is
+        seen up to ``RESCAN_INTERVAL`` later): the last look of a group single-flight claim,
+        whose "not cached" means "compute it here".
         """
         self.store.check_owner()
         if self.store.is_cached(check_hash(mm_hash)):
             return True
-        return self._siblings is not None and self._siblings.find(mm_hash) is not None
+        sib = self._siblings
+        return sib is not None and sib.find(mm_hash, rescan=rescan) is not None
 
     @property
     def group(self) -> str | None:

@@ -57,9 +57,10 @@ The metrics (counters end in ``_total``, sizes in ``_bytes``; labels ``cache`` a
 The second tier (``AsyncSenderCache(tier=RedisTier(...))``), from ``snapshot().tier`` (a
 ``TierSnapshot``; once the cache is closed, its last counts from ``tier_stats()``): counters
 ``aioshmcache_tier_lookups_total``, ``_hits_total``, ``_misses_total``, ``_errors_total``,
-``_timeouts_total``, ``_rejected_total`` (label ``reason``: ``truncated``, ``malformed``,
-``oversized``, ``signature``, ``decoding``), ``_skipped_total`` (the cost policy skipped the
-tier), ``_bypassed_total`` (the circuit breaker was open), ``_claims_total``, ``_waits_total``,
+``_timeouts_total``, ``_late_total`` (answered after the request's deadline: not a failure),
+``_rejected_total`` (label ``reason``: ``truncated``, ``malformed``, ``oversized``,
+``signature``, ``decoding``), ``_skipped_total`` (the cost policy skipped the tier),
+``_bypassed_total`` (the circuit breaker was open), ``_claims_total``, ``_waits_total``,
 ``_takeovers_total``, ``_writes_total``, ``_dropped_writes_total``, ``_skipped_writes_total``,
 ``_read_bytes_total``, ``_written_bytes_total``, ``_breaker_opens_total``; a summary
 ``aioshmcache_tier_lookup_seconds`` (``_count``, ``_sum``: look-up latency); gauges
@@ -408,7 +409,8 @@ class _TierFamilies:
         ("hits", "hits", "Tier values fetched, verified and served"),
         ("misses", "misses", "Tier look-ups without a usable value"),
         ("errors", "errors", "Redis operations of the tier that failed"),
-        ("timeouts", "timeouts", "Redis operations of the tier that hit their deadline"),
+        ("timeouts", "timeouts", "Redis operations of the tier never answered (failures)"),
+        ("late", "late", "Redis operations of the tier answered after their request's deadline"),
         ("skipped", "skipped", "Look-ups the cost policy skipped (fetching would not pay)"),
         ("bypassed", "bypassed", "Tier operations skipped while the circuit breaker was open"),
         ("claims", "claims", "Hashes this process claimed to make for the fleet"),

@@ -20,16 +20,23 @@ The rules (tests in ``tests/test_tier*.py``; the byte layout of a value in ``_ti
   look again claims the hash (a *takeover*) and makes it. A claimer whose ``make`` fails or is
   cancelled releases its lease at once (a compare-and-delete of its own token, not queued
   behind the writes).
-* **Redis is never a single point of failure.** Every Redis operation has a deadline: a
-  look-up ``lookup_timeout_s``, the transfer of a value ``lookup_timeout_s`` plus twice its
-  predicted cost. An error or a timeout is a miss (the request calls ``make``); repeated ones
-  open a circuit breaker (``_tier_breaker``) that skips Redis for ``retry_after_s`` (doubling
-  while Redis stays down), then lets one probe through; the tier is used again as soon as
-  Redis answers (a refusal — a key of another type under ours, Redis out of memory — is
-  counted as an error but is an answer: it does not open the breaker). Writes run in one
-  background task from a bounded queue (``write_queue_items`` items, ``write_queue_bytes``
-  bytes of arrays): a full queue drops the write (``dropped_writes``); a request never waits
-  for a write.
+* **Redis is never a single point of failure.** Every look-up has a deadline sized from what
+  it is worth: the make of a typical item as learned (``TierPolicy.lookup_deadline``), never
+  less than ``lookup_timeout_s``; the transfer of a value that plus twice its predicted cost.
+  When the deadline passes, the request goes on without Redis (it makes the item) and the
+  operation goes on in the background, bounded by the client's socket timeout
+  (``write_timeout_s``): an answer that comes is counted ``late`` and is not a failure (on a
+  busy host the event loop itself is late; Redis is fine), and a claim it took is adopted
+  while the make runs (its item is written for the hosts that wait) or given up at once. A
+  deadline's timer and the answer often become ready in the same late turn of the loop: the
+  answer gets a few more turns to be read before the request gives up. Redis errors, and
+  operations with no answer at all, are failures: repeated ones open a circuit breaker
+  (``_tier_breaker``) that skips Redis for ``retry_after_s`` (doubling while Redis stays down,
+  at most 0.8 s), then lets one probe through; the tier is used again as soon as Redis answers
+  (a refusal — a key of another type under ours, Redis out of memory — is counted as an error
+  but is an answer: it does not open the breaker). Writes run in one background task from a
+  bounded queue (``write_queue_items`` items, ``write_queue_bytes`` bytes of arrays): a full
+  queue drops the write (``dropped_writes``); a request never waits for a write.
 * **Never slower than computing it.** The cost policy (``_tier_policy``) learns what a
   ``make`` costs and what a fetch costs per byte; a look-up never transfers a value larger
   than the size at which fetching stops paying (the server reports the size first), and an
@@ -61,6 +68,7 @@ from ._tier_policy import TierPolicy
 from ._tier_value import (
     HEADER_SIZE,
     TierValueError,
+    keyspace,
     lease_key,
     open_value,
     seal_value,
@@ -79,22 +87,34 @@ __all__ = [
 ]
 
 MiB: Final = 1 << 20
-#: values at least this large are signed / verified in a worker thread (hashing releases the GIL)
-THREAD_THRESHOLD: Final = 256 << 10
+#: values at least this large are signed / verified in a worker thread (hashing releases the GIL);
+#: smaller ones on the loop (HMAC-SHA256 of 1 MiB: ~1-3 ms here): a thread hop costs a turn of
+#: the loop, which on a busy host is tens of ms, and the policy would count it in every fetch
+THREAD_THRESHOLD: Final = 1 << 20
 #: the durations sent to Redis as expiries (in ms): at least 1 ms, at most ~31 years
 _MIN_EXPIRY_S: Final = 0.001
 _MAX_EXPIRY_S: Final = 1e9
 _SKIP: Final = b"skip"  # a lease value that says "not worth storing: make it yourself"
 _REJECT_REASONS: Final = ("truncated", "malformed", "oversized", "signature", "decoding")
 
-# KEYS: value, lease. ARGV: our token, lease ms, the skip marker.
+# KEYS: value, lease. ARGV: our token, lease ms, the skip marker, the longest expiry we set (ms).
 # -> {1, n} a value of n bytes | {2, 0} claimed by us | {3, 0} leased by another | {4, 0} skip
+# A lease that holds our own token is ours (an earlier probe of this look-up answered late).
+# Not ours to trust, deleted (then claimed): a key of another type at either key, a lease
+# without an expiry or with a longer one than any we set (see ``_tier_value``).
 _PROBE: Final = """
+local t = redis.call('TYPE', KEYS[1]).ok
+if t ~= 'none' and t ~= 'string' then redis.call('DEL', KEYS[1]) end
 local n = redis.call('STRLEN', KEYS[1])
 if n > 0 then return {1, n} end
+if redis.call('TYPE', KEYS[2]).ok ~= 'string' then redis.call('DEL', KEYS[2]) end
 local l = redis.call('GET', KEYS[2])
+if l then
+  local ttl = redis.call('PTTL', KEYS[2])
+  if ttl < 0 or ttl > tonumber(ARGV[4]) then l = false end
+end
 if l == ARGV[3] then return {4, 0} end
-if l then return {3, 0} end
+if l and l ~= ARGV[1] then return {3, 0} end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 return {2, 0}
 """
@@ -115,6 +135,10 @@ end
 return 0
 """
 _VALUE, _CLAIMED, _LEASED, _SKIPPED = 1, 2, 3, 4
+#: what ``_call`` returns when the request's deadline passed before Redis answered
+_LATE: Final[Any] = object()
+#: turns of the event loop an operation gets after its deadline (to read an arrived answer)
+_LATE_TURNS: Final = 8
 
 
 @dataclass
@@ -130,6 +154,9 @@ class _Write:
     make_s: float = 0.0
     nbytes: int = 0  # the item's array bytes (the queue's byte bound)
     renewal: asyncio.Task[None] | None = None
+    making: bool = False  # ``make`` runs now (a late probe's claim is adopted only then)
+    done: bool = False  # ``make`` returned or raised
+    adopted: bool = False  # our claim came from a late probe: store what ``make`` returns
 
 
 def _array_bytes(item: Any, depth: int = 0) -> int:
@@ -210,10 +237,12 @@ class RedisTier:
     ) -> None:
         """Configure; no connection is made here (nor on ``open``: Redis may be down).
 
-        ``secret`` (at least 16 bytes; a str is UTF-8 encoded) signs and verifies every value.
+        ``secret`` (at least 16 bytes; a str is UTF-8 encoded) signs and verifies every value,
+        and names the key namespace (``keyspace``: hosts with other secrets use other keys).
         ``ttl_s``: how long Redis keeps a value. ``max_item_bytes``: the largest payload
-        written or read. ``lookup_timeout_s``: the deadline of a look-up. ``prefix``: of every
-        key. ``cluster``: ``url`` names a node of a Redis Cluster. ``lease_s``: the lease of a
+        written or read. ``lookup_timeout_s``: the least a look-up waits (its deadline is what
+        a typical make costs, as learned: ``TierPolicy.lookup_deadline``). ``prefix``: of
+        every key. ``cluster``: ``url`` names a node of a Redis Cluster. ``lease_s``: the lease of a
         claim (renewed every third of it while ``make`` runs); ``max_wait_s``: how long a
         request waits for another host's ``make``. ``breaker`` and ``policy`` replace the
         default circuit breaker and cost policy.
@@ -263,6 +292,8 @@ class RedisTier:
         self.max_item_bytes = max_item_bytes
         self.lookup_timeout_s = float(lookup_timeout_s)
         self.prefix = prefix
+        #: the start of every key: ``prefix`` and a namespace derived from ``secret``
+        self.keyspace = keyspace(prefix, key)
         self.cluster = bool(cluster)
         self.lease_s = float(lease_s)
         self.max_wait_s = float(max_wait_s)
@@ -270,6 +301,7 @@ class RedisTier:
         self._queue_items = write_queue_items
         self._queue_bytes = write_queue_bytes
         self.skip_ttl_s = float(skip_ttl_s)
+        self._longest_expiry_ms = int(max(self.lease_s, self.skip_ttl_s) * 1000)
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self.policy = policy if policy is not None else TierPolicy()
         self._client: Any = None
@@ -281,7 +313,7 @@ class RedisTier:
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._writer: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Future[Any]] = set()
         self._releasing: set[asyncio.Task[None]] = set()  # claims being given up (in _tasks)
         self._closed = False
         self._n: collections.Counter[str] = collections.Counter()
@@ -377,16 +409,19 @@ class RedisTier:
         """
         if not self.is_open:
             raise ClosedCacheError("the tier is not open (the cache opens it: 'async with')")
-        vkey, lkey = value_key(self.prefix, mm_hash), lease_key(self.prefix, mm_hash)
-        budget = min(self.policy.lookup_budget(self.max_item_bytes), self.max_item_bytes)
+        vkey, lkey = value_key(self.keyspace, mm_hash), lease_key(self.keyspace, mm_hash)
+        budget, exploring = self.policy.next_lookup(self.max_item_bytes)
+        budget = min(budget, self.max_item_bytes)
+        w = _Write(vkey, lkey, mm_hash, None)  # what ``make`` writes, if it comes to that
         if budget == 0:  # a round trip costs more than a make: nothing to look up or store
             self._n["skipped"] += 1
-            return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
+            return await self._make(w, make, store=False)
         if not self.breaker.allow():
             self._n["bypassed"] += 1
-            return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
+            return await self._make(w, make, store=False)
         self._n["lookups"] += 1
         token = b"c:" + secrets.token_hex(12).encode()
+        deadline = self.policy.lookup_deadline(self.lookup_timeout_s)
         waited_since: float | None = None
         pause = 0.002
         while True:
@@ -394,41 +429,49 @@ class RedisTier:
             probe = await self._call(
                 self._scripts["probe"],
                 keys=[vkey, lkey],
-                args=[token, int(self.lease_s * 1000), _SKIP],
-                deadline_s=self.lookup_timeout_s,
+                args=[token, int(self.lease_s * 1000), _SKIP, self._longest_expiry_ms],
+                deadline_s=deadline,
+                on_late=lambda out: self._late_probe(out, w, token),
             )
-            reply = None if probe is None else self._probe_reply(probe)
-            if reply is None:  # Redis failed or answered nonsense (counted): make it here
+            if probe is _LATE and waited_since is not None:
+                # a poll answered late (a busy host, or Redis): wait on (bounded below)
+                reply: tuple[int, int] | None = (_LEASED, 0)
+            else:
+                reply = None if probe is None or probe is _LATE else self._probe_reply(probe)
+            if reply is None:  # Redis failed, answered late or nonsense (counted): make it here
                 self._n["misses"] += 1
-                return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
+                return await self._make(w, make, store=False)
             t1 = time.perf_counter()
-            self.policy.observe_probe(t1 - t0)
+            if probe is not _LATE:
+                self.policy.observe_probe(t1 - t0)
             kind, n = reply
             if kind == _VALUE:
                 if n > HEADER_SIZE + self.max_item_bytes:
                     self._n["misses"] += 1
                     self._rejected["oversized"] += 1
-                    return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=True)
-                if n > HEADER_SIZE + budget:
+                    return await self._make(w, make, store=True)
+                if n > HEADER_SIZE + budget or not (exploring or self.policy.worth_fetching(n)):
                     self._n["misses"] += 1
                     self._n["skipped"] += 1
-                    return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
-                item = await self._fetch(vkey, mm_hash, n, t0, t1)
+                    return await self._make(w, make, store=False)
+                item = await self._fetch(vkey, mm_hash, n, t0, t1, deadline)
                 if item is not None:
                     return item[0]
                 self._n["misses"] += 1  # rejected (counted), vanished or failed: make it here
-                return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=True)
-            self._note_lookup(t1 - t0)
+                return await self._make(w, make, store=True)
+            if probe is not _LATE:
+                self._note_lookup(t1 - t0)
             if kind == _CLAIMED:
                 self._n["misses"] += 1
                 self._n["claims"] += 1
                 if waited_since is not None:
                     self._n["takeovers"] += 1
-                return await self._make(_Write(vkey, lkey, mm_hash, token), make, store=True)
+                w.token = token
+                return await self._make(w, make, store=True)
             if kind == _SKIPPED:
                 self._n["misses"] += 1
                 self._n["skipped"] += 1
-                return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
+                return await self._make(w, make, store=False)
             # leased by another process or host: wait for its value (bounded)
             now = time.monotonic()
             if waited_since is None:
@@ -437,13 +480,29 @@ class RedisTier:
             if now - waited_since >= self.max_wait_s:
                 self._n["misses"] += 1
                 self._n["wait_timeouts"] += 1
-                return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
+                return await self._make(w, make, store=False)
             await anyio.sleep(min(pause, max(0.0, waited_since + self.max_wait_s - now)))
             pause = min(pause * 1.5, 0.05)
             if not self.breaker.allow():
                 self._n["misses"] += 1
                 self._n["bypassed"] += 1
-                return await self._make(_Write(vkey, lkey, mm_hash, None), make, store=False)
+                return await self._make(w, make, store=False)
+
+    def _late_probe(self, out: Any, w: _Write, token: bytes) -> None:
+        """A probe of ``w``'s look-up answered after its deadline: if it claimed the hash, the
+        claim is ours — adopted while ``make`` runs (its item is then written for the hosts
+        that wait on the lease), else given up at once (not left to expire under waiters)."""
+        if not (isinstance(out, (list, tuple)) and len(out) == 2 and out[0] == _CLAIMED):
+            return
+        if w.token is not None:
+            return  # a later probe of this look-up claimed it: one claim, the same token
+        if w.making:
+            w.token, w.adopted = token, True
+            if not self._closed:
+                w.renewal = self._spawn(self._renew(w.lkey, w.token))
+        elif w.done and not self._closed:  # made and queued already: give the claim up
+            self._spawn(self._release_claim(_Write(w.vkey, w.lkey, w.mm_hash, token)))
+        # else the look-up goes on: its next probe finds the lease ours (``_PROBE``)
 
     def _probe_reply(self, probe: Any) -> tuple[int, int] | None:
         """``(kind, size)`` of the probe script's reply, or None (an error, counted) if it is
@@ -468,17 +527,17 @@ class RedisTier:
         return None
 
     async def _fetch(
-        self, vkey: str, mm_hash: str, n: int, t0: float, t1: float
+        self, vkey: str, mm_hash: str, n: int, t0: float, t1: float, deadline_s: float
     ) -> tuple[Any] | None:
         """GET, verify and decode a value of ``n`` bytes; None if it failed (counted).
 
         ``t0``: when the look-up's probe was sent; ``t1``: when it answered (the policy learns
         the fetch from there: the probe is paid whether the value is fetched or made).
         """
-        deadline = self.lookup_timeout_s + 2 * self.policy.fetch_cost(n)
+        deadline = deadline_s + 2 * self.policy.fetch_cost(n)
         data = await self._call(self._client.get, args=[vkey], deadline_s=deadline)
-        if data is None:
-            return None  # failed, or expired between the probe and the GET
+        if data is None or data is _LATE:
+            return None  # failed, late, or expired between the probe and the GET
         if not isinstance(data, bytes):  # not a GET's reply (see _probe_reply): never served
             self._rejected["malformed"] += 1
             return None
@@ -495,8 +554,8 @@ class RedisTier:
         self._note_lookup(done - t0)
         self._n["hits"] += 1
         self._n["bytes_read"] += len(data)
-        if make_ns > 0:
-            self.policy.observe_make(make_ns * 1e-9, len(data))
+        if make_ns > 0:  # at the size a make here is seen at (not the value's, a bit more)
+            self.policy.observe_make(make_ns * 1e-9, _array_bytes(item))
         return (item,)
 
     def _open(self, vkey: str, mm_hash: str, data: bytes) -> tuple[Any, int]:
@@ -512,20 +571,23 @@ class RedisTier:
             w.renewal = self._spawn(self._renew(w.lkey, w.token))
         self._n["makes"] += 1
         t0 = time.perf_counter()
+        w.making = True
         try:
             item = await make()
         except BaseException:
+            w.making, w.done = False, True
             if w.token is not None:  # let a waiter take over now, not when the lease expires
                 self._enqueue(w)
             elif w.renewal is not None:
                 w.renewal.cancel()
             raise
+        w.making, w.done = False, True
         w.make_s = time.perf_counter() - t0
         w.nbytes = _array_bytes(item)
         # every make teaches its cost, not only those stored: the ones the policy kept out of
         # the tier (too large to fetch, Redis down) are the ones whose cost it must re-learn
         self.policy.observe_make(w.make_s, w.nbytes)
-        if store:
+        if store or w.adopted:
             w.item, w.has_item = item, True
         self._enqueue(w)
         return item
@@ -636,8 +698,8 @@ class RedisTier:
             kwargs={"px": int(self.ttl_s * 1000)},
             deadline_s=self.write_timeout_s,
         )
-        if ok is None:
-            return
+        if ok is None or ok is _LATE:
+            return  # not known to be written: the lease (if any) expires by itself
         self._n["writes"] += 1
         self._n["bytes_written"] += n
         await self._release(w, b"")
@@ -663,32 +725,79 @@ class RedisTier:
         args: list[Any] | None = None,
         kwargs: dict[str, Any] | None = None,
         deadline_s: float,
+        on_late: Callable[[Any], None] | None = None,
     ) -> Any:
-        """One Redis operation under a deadline; None on a failure (counted, breaker told).
+        """One Redis operation under a deadline: its reply; None on a failure (counted, the
+        breaker told); ``_LATE`` when the deadline passed first.
 
-        None at once once the tier is closed: the closed client would otherwise connect again.
+        A late operation is not abandoned: it goes on in the background (bounded by the
+        client's socket timeout, ``write_timeout_s``) and its outcome is counted when it comes:
+        an answer is ``late`` and a success for the breaker (Redis is healthy; the host, or
+        Redis, was slow), and is given to ``on_late``; no answer is a ``timeout``, an error an
+        ``error``: failures. None at once once the tier is closed: the closed client would
+        otherwise connect again.
         """
         if self._closed:
             return None
+        started = self.breaker.now()
+        op = asyncio.ensure_future(self._op(fn, keys, args, kwargs))
         try:
-            with anyio.fail_after(deadline_s):
-                if keys is not None:
-                    out = await fn(keys=keys, args=args)
-                else:
-                    out = await fn(*(args or []), **(kwargs or {}))
-        except self._redis_mod.ResponseError:
+            await asyncio.wait({op}, timeout=deadline_s)
+            # the deadline's timer and the answer may be ready in the same turn of a loop that
+            # ran late (a busy host): let the loop read what has arrived before giving up
+            for _ in range(_LATE_TURNS):
+                if op.done():
+                    break
+                await asyncio.sleep(0)
+        except BaseException:  # the request was cancelled: so is its operation
+            op.cancel()
+            raise
+        if op.done():
+            return self._settle(op, started)
+        self._tasks.add(op)
+
+        def settled(task: asyncio.Future[Any]) -> None:
+            self._tasks.discard(task)
+            if task.cancelled():
+                return  # the tier closed
+            out = self._settle(task, started)
+            if task.exception() is None:
+                self._n["late"] += 1
+                if on_late is not None:
+                    on_late(out)
+
+        op.add_done_callback(settled)
+        return _LATE
+
+    async def _op(
+        self,
+        fn: Callable[..., Awaitable[Any]],
+        keys: list[str] | None,
+        args: list[Any] | None,
+        kwargs: dict[str, Any] | None,
+    ) -> Any:
+        with anyio.fail_after(self.write_timeout_s + 1.0):  # beyond the client's own timeout
+            if keys is not None:
+                return await fn(keys=keys, args=args)
+            return await fn(*(args or []), **(kwargs or {}))
+
+    def _settle(self, op: asyncio.Future[Any], started: float) -> Any:
+        """The reply of a finished operation, or None (counted, the breaker told)."""
+        exc = op.exception()
+        if exc is None:
+            self.breaker.success()
+            return op.result()
+        if isinstance(exc, self._redis_mod.ResponseError):
             # Redis answered, but refused (a key of another type under ours, out of memory):
             # an error to count, not a sign that Redis is down
             self._n["errors"] += 1
             self.breaker.success()
             return None
-        except Exception as exc:  # connection errors, OSError, deadlines: Redis is unavailable
-            timed_out = isinstance(exc, (TimeoutError, self._redis_mod.TimeoutError))
-            self._n["timeouts" if timed_out else "errors"] += 1
-            self.breaker.failure()
-            return None
-        self.breaker.success()
-        return out
+        # connection errors, OSError, no answer within the socket timeout: Redis is unavailable
+        timed_out = isinstance(exc, (TimeoutError, self._redis_mod.TimeoutError))
+        self._n["timeouts" if timed_out else "errors"] += 1
+        self.breaker.failure(started)
+        return None
 
     # --- counters -----------------------------------------------------------------------------
 
@@ -701,6 +810,7 @@ class RedisTier:
             misses=n["misses"],
             errors=n["errors"],
             timeouts=n["timeouts"],
+            late=n["late"],
             rejected={r: self._rejected[r] for r in _REJECT_REASONS},
             skipped=n["skipped"],
             bypassed=n["bypassed"],

@@ -32,15 +32,36 @@ def tier_options(url: str, **kw: Any) -> dict[str, Any]:
     return opts
 
 
-def host(
-    url: str, name: str, hashes: list[str], make_s: float, barrier: Any, out: Any, kw: Any
-) -> None:
-    """Serve ``hashes`` through ``get_or_put`` with a tiered cache; report makes and mismatches."""
-    asyncio.run(_host(url, name, hashes, make_s, barrier, out, kw))
+def host(*args: Any, shape: dict[str, int] | None = None) -> None:
+    """Serve hashes through ``get_or_put`` with a tiered cache; report makes and mismatches.
+
+    ``args``: those of ``_host`` up to ``kw``. ``shape``: ``nbytes`` per item (64 KiB),
+    ``at_once`` requests at a time (0: all at once), ``cpu`` (1: ``make`` is ``make_s`` of
+    CPU work, not a sleep).
+    """
+    shape = shape or {}
+    asyncio.run(
+        _host(
+            *args,
+            nbytes=shape.get("nbytes", 64 * 1024),
+            at_once=shape.get("at_once", 0),
+            cpu=bool(shape.get("cpu", 0)),
+        )
+    )
 
 
 async def _host(
-    url: str, name: str, hashes: list[str], make_s: float, barrier: Any, out: Any, kw: Any
+    url: str,
+    name: str,
+    hashes: list[str],
+    make_s: float,
+    barrier: Any,
+    out: Any,
+    kw: Any,
+    *,
+    nbytes: int,
+    at_once: int,
+    cpu: bool,
 ) -> None:
     from aioshmcache import AsyncSenderCache, CacheConfig, ReceiverCache
     from aioshmcache.tier import RedisTier
@@ -54,17 +75,25 @@ async def _host(
         with ReceiverCache.attach(cache.handle()) as rx:
             await asyncio.get_running_loop().run_in_executor(None, barrier.wait, 60)
 
+            slots = asyncio.Semaphore(at_once or len(hashes) or 1)
+
             async def one(h: str) -> None:
                 nonlocal bad
 
                 def make() -> dict[str, Any]:
                     made.append(h)
-                    time.sleep(make_s)
-                    return item_of(h)
+                    if cpu:  # make_s of CPU work: on a busy host it takes longer, as a real one
+                        end = time.thread_time() + make_s
+                        while time.thread_time() < end:
+                            pass
+                    else:
+                        time.sleep(make_s)
+                    return item_of(h, nbytes)
 
-                f = await cache.get_or_put(h, make)
+                async with slots:
+                    f = await cache.get_or_put(h, make)
                 [got] = rx.get_and_update_features([f])
-                want = item_of(h)
+                want = item_of(h, nbytes)
                 data = got.data
                 if not (
                     isinstance(data, dict)

@@ -82,3 +82,16 @@ def make_config(shm_name: str) -> Callable[..., Any]:
         return CacheConfig(capacity, max_object or capacity // 2, n_readers, **kw)
 
     return make
+
+
+@pytest.fixture
+def cpu_hog() -> Iterator[list[int]]:
+    """Four busy-loop processes beside the test (on a 2-core machine: a loaded host).
+
+    A condition to survive, never a timing to assert. Every process is killed on every path
+    (the test's failure or timeout included), and ends by itself if the test run dies.
+    """
+    from aioshmcache.tools.bench.fleet import cpu_hog as hog
+
+    with hog(4) as pids:
+        yield pids

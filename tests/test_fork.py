@@ -337,3 +337,69 @@ def test_a_forked_child_with_the_writer_lock_held_gets_role_error_not_a_hang(
             done.set()
             t.join(30)
         assert got.splitlines() == [f"{name}: RoleError" for name in calls], got or "hang"
+
+
+def _leader_whose_make_forks(group: str, conn: Any) -> None:
+    """A group leader whose ``make`` forks a helper that lives on; then it waits (to be killed)."""
+    import asyncio
+
+    from aioshmcache import AsyncSenderCache
+
+    async def main() -> None:
+        cfg = CacheConfig(4 << 20, 1 << 20, 1, group=group)
+        async with AsyncSenderCache.from_config(cfg) as cache:
+
+            async def make() -> dict[str, Any]:
+                pid = os.fork()  # what a fork-started process pool does
+                if pid == 0:
+                    signal.pause()  # a helper that lives on (the test kills it)
+                    os._exit(0)
+                conn.send(pid)
+                await asyncio.sleep(3600)
+                return {"x": 1}
+
+            await cache.get_or_put("h", make)
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_a_forked_helper_does_not_keep_a_dead_leader_s_marker(shm_name: str) -> None:
+    """The group single-flight marker is not inherited: the leader SIGKILLed while the helper
+    its ``make`` forked lives, a sibling claims the hash at once (not after its whole wait)."""
+    import anyio
+
+    from aioshmcache._flight import GroupFlight, marker_directory
+
+    group = f"{shm_name}g"
+    a, b = SPAWN.Pipe()
+    leader = SPAWN.Process(target=_leader_whose_make_forks, args=(group, b))
+    leader.start()
+    helper = 0
+    try:
+        assert a.poll(60)
+        helper = a.recv()
+
+        async def held_by_the_leader() -> bool:
+            probe = GroupFlight(group, wait_s=3600.0)
+            with anyio.move_on_after(0.05):  # the first try is made before any wait
+                await probe.claim("h", lambda: False)
+            return probe.waited == 1 and "h" not in probe._held
+
+        assert anyio.run(held_by_the_leader)
+        kill_and_reap(leader)
+        assert not gone(helper)  # the helper lives on, with the leader's marker fd closed
+
+        async def claim() -> bool:
+            with anyio.fail_after(30):
+                return await gf.claim("h", lambda: False)
+
+        gf = GroupFlight(group, wait_s=3600.0)  # before the fix: waited all of it
+        assert anyio.run(claim)
+        assert "h" in gf._held  # claimed the marker itself, not given up on it
+        gf.release("h")
+    finally:
+        kill_and_reap(leader)
+        _kill_grandchild(helper)
+        sweep(prefix=group)
+    assert not os.path.exists(marker_directory(group))

@@ -496,7 +496,9 @@ async def test_a_sibling_hit_that_is_gone_again_is_computed_here(group: str) -> 
         made.append("b")
         return random_item(np.random.default_rng(5), 1024)
 
-    async def a_sibling_has_it(key: str, cached: Callable[[], bool]) -> bool:
+    async def a_sibling_has_it(
+        key: str, cached: Callable[[], bool], cached_now: Callable[[], bool] | None = None
+    ) -> bool:
         return False  # "cached by a sibling" (which evicted it right after)
 
     async with AsyncSenderCache.from_config(_group_config(group)) as b:
@@ -535,3 +537,179 @@ async def test_waiters_get_the_leaders_cache_miss_intact(make_config: Any) -> No
             assert isinstance(exc, CacheMissError)
             assert exc.mm_hashes == ("x1", "x2")
             assert str(exc) == "not cached (resend with data): x1, x2"
+
+
+async def test_concurrent_callers_of_a_hash_a_sibling_holds_never_make_it(group: str) -> None:
+    """The race behind 1-2 duplicate preprocessings in 60 across two uvicorn workers.
+
+    Shard a holds "h". Two callers in b ask for it at once: the first copies a's chunk into
+    b's shard; the second, held at the instant that copy is under way, found the key pending
+    (a miss), claimed the group marker, was told "a sibling has it", found it pending again
+    and fell back to ``make`` — uncounted. Now a hit leads a flight: the second waits for the
+    first's copy, then hits. The copy is held by a pause hook, not by load.
+    """
+    item = random_item(np.random.default_rng(8), 256 * 1024)
+    made: list[str] = []
+
+    async def make_a() -> dict[str, Any]:
+        made.append("a")
+        return item
+
+    async def make_b() -> dict[str, Any]:
+        made.append("b")
+        return item
+
+    cfg = _group_config(group)
+    async with (
+        AsyncSenderCache.from_config(cfg) as a,
+        AsyncSenderCache.from_config(cfg, inline_threshold_bytes=0) as b,
+    ):
+        siblings = b.sender._siblings  # the requests' own (a copy is taken from its Sibling)
+        assert siblings is not None
+        siblings._interval = 0.0  # see a's shard at once
+        with ReceiverCache.attach_group(group) as rx:
+            first = await a.get_or_put("h", make_a)
+            assert b.is_cached_item("h")  # from a's shard
+            [sib] = siblings._by_name.values()
+            entered, gate = threading.Event(), threading.Event()
+            payload = sib.payload
+
+            def held_payload(ref: ShmRef) -> memoryview:  # b's copy of a's chunk (a thread)
+                entered.set()
+                gate.wait(60)
+                return payload(ref)
+
+            sib.payload = held_payload  # type: ignore[method-assign]
+            results: list[FeatureSpec] = []
+            try:
+                async with anyio.create_task_group() as tg:
+
+                    async def ask() -> None:
+                        results.append(await b.get_or_put("h", make_b))
+
+                    tg.start_soon(ask)
+                    await anyio.to_thread.run_sync(entered.wait, 60)  # the copy is under way
+                    tg.start_soon(ask)
+                    flights = b._flight._flights
+                    await _until(
+                        lambda: len(results) == 1 or ("h" in flights and flights["h"].waiters == 1)
+                    )
+                    gate.set()
+            finally:
+                gate.set()
+            assert made == ["a"]  # never made in b
+            stats = b.single_flight_stats()
+            assert stats.runs == 0 and stats.hits == 2
+            assert b.sender.snapshot().sibling_hits == 1  # copied once
+            for f in rx.get_and_update_features([first, *results]):
+                assert checksum(f.data["data"]) == f.data["crc"]
+
+
+class _CountedTier:
+    """A second tier that serves some hashes itself (``make`` not called) and makes the rest."""
+
+    def __init__(self, has: dict[str, Any]) -> None:
+        self.has = has
+
+    async def open(self) -> object:
+        return self
+
+    async def aclose(self) -> None:
+        return None
+
+    async def fetch_or_make(self, mm_hash: str, make: Callable[[], Any]) -> Any:
+        if mm_hash in self.has:
+            return self.has[mm_hash]
+        return await make()
+
+    def stats(self) -> Any:
+        from aioshmcache.tier import TierSnapshot
+
+        return TierSnapshot()
+
+
+async def test_every_call_of_make_is_a_counted_run_on_every_path(group: str) -> None:
+    """``runs`` (``single_flight_runs_total``) equals the calls of ``make`` after each path:
+    a leader, its waiters, a failure, a cancelled leader's takeover, a tier that served the
+    item (no call) or did not, a sibling's item gone before it was copied (the fallback)."""
+    calls = 0
+    item = random_item(np.random.default_rng(9), 4096)
+
+    def counted(fail: bool = False, hold: anyio.Event | None = None) -> Callable[[], Any]:
+        async def make() -> dict[str, Any]:
+            nonlocal calls
+            calls += 1
+            if hold is not None:
+                await hold.wait()
+            if fail:
+                raise BoomError("make failed")
+            return item
+
+        return make
+
+    async def a_sibling_has_it(
+        key: str, cached: Callable[[], bool], cached_now: Callable[[], bool] | None = None
+    ) -> bool:
+        return False  # "cached by a sibling" (which evicted it right after)
+
+    tier = _CountedTier({"from-tier": item})
+    async with AsyncSenderCache.from_config(_group_config(group), tier=tier) as b:
+
+        def same() -> None:
+            assert b.single_flight_stats().runs == calls
+
+        async with anyio.create_task_group() as tg:  # a leader and its waiters
+            for _ in range(5):
+                tg.start_soon(b.get_or_put, "plain", counted())
+        same()
+        with pytest.raises(BoomError):
+            await b.get_or_put("fails", counted(fail=True))
+        same()
+        leader = anyio.CancelScope()
+
+        async def lead() -> None:
+            with leader:
+                await b.get_or_put("cancelled", counted(hold=anyio.Event()))
+
+        async with anyio.create_task_group() as tg:  # the leader cancelled: a waiter re-runs
+            tg.start_soon(lead)
+            await _until(lambda: calls == 3)
+            tg.start_soon(b.get_or_put, "cancelled", counted())
+            await _until(lambda: b._flight._flights["cancelled"].waiters == 1)
+            leader.cancel()
+        same()
+        await b.get_or_put("from-tier", counted())  # the tier served it: make not called
+        await b.get_or_put("through-tier", counted())
+        same()
+        assert b._group_flight is not None
+        b._group_flight.claim = a_sibling_has_it  # type: ignore[method-assign]
+        await b.get_or_put("sibling-gone", counted())  # the fallback: make runs after all
+        same()
+        assert calls == 6
+
+
+async def test_a_sibling_shard_opened_after_the_last_scan_is_seen_by_the_claim(
+    group: str,
+) -> None:
+    """b scanned the group before a's shard existed (and would not scan again for a second):
+    a makes "h" and lets go of the marker; b then asks for "h". b's first look misses (a is
+    not known yet), but the last look of its claim, made with the marker held, scans again and
+    finds a's item: b reads it instead of making it a second time."""
+    made: list[str] = []
+    item = random_item(np.random.default_rng(10), 4096)
+
+    async def make(who: str) -> dict[str, Any]:
+        made.append(who)
+        return item
+
+    cfg = _group_config(group)
+    async with AsyncSenderCache.from_config(cfg) as b:
+        assert not b.is_cached_item("h")  # b's scan: no sibling yet (the next in RESCAN_INTERVAL)
+        async with AsyncSenderCache.from_config(cfg) as a:
+            with ReceiverCache.attach_group(group) as rx:
+                first = await a.get_or_put("h", lambda: make("a"))
+                second = await b.get_or_put("h", lambda: make("b"))
+                assert made == ["a"]
+                assert b.single_flight_stats().group_saved == 1
+                for f in rx.get_and_update_features([first, second]):
+                    assert checksum(f.data["data"]) == f.data["crc"]

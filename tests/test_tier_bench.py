@@ -48,4 +48,9 @@ def test_fleet_suite_quick(tmp_path: Path) -> None:
     for label in ("preprocessings per distinct item, RedisTier", "failed requests"):
         assert by_label[label]["holds"] in (True, False)
     assert sum(r["label"].startswith("tier hit:") for r in data["rows"]) == 3  # 1, 4, 16 MiB
+    for load in ("quiet", "loaded (4 busy processes beside)"):  # one size, each beside no tier
+        tier_row = by_label[f"preprocessings per distinct item, RedisTier, {load}"]
+        base_row = by_label[f"preprocessings per distinct item, no tier, {load}"]
+        assert 1.0 <= tier_row["value"] <= base_row["value"]
+        assert tier_row["holds"] in (True, False)
     assert any(r["label"].startswith("learned fetch budget") for r in data["rows"])

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -26,6 +26,7 @@ from aioshmcache._tier_value import (
     HEADER_SIZE,
     TierValueError,
     key_digest,
+    keyspace,
     lease_key,
     open_value,
     seal_value,
@@ -35,6 +36,7 @@ from aioshmcache.tier import RedisTier, TierSnapshot
 from aioshmcache.wire import pack_features
 
 SECRET = b"k" * 32
+KiB = 1 << 10
 MiB = 1 << 20
 
 
@@ -51,7 +53,7 @@ class Clock:
 
 def test_breaker_opens_after_consecutive_failures_and_a_success_resets_the_count() -> None:
     clock = Clock()
-    b = CircuitBreaker(failures=3, retry_after_s=1.0, clock=clock)
+    b = CircuitBreaker(failures=3, retry_after_s=1.0, max_retry_after_s=10.0, clock=clock)
     b.failure()
     b.failure()
     b.success()  # the count restarts
@@ -86,7 +88,7 @@ def test_breaker_half_open_lets_one_probe_through_and_backs_off_when_it_fails() 
 
 def test_breaker_a_lost_probe_frees_its_slot_after_the_wait() -> None:
     clock = Clock()
-    b = CircuitBreaker(failures=1, retry_after_s=1.0, clock=clock)
+    b = CircuitBreaker(failures=1, retry_after_s=1.0, max_retry_after_s=10.0, clock=clock)
     b.failure()
     clock.now += 1.0
     assert b.allow()  # a probe that never reports (its task was cancelled)
@@ -98,7 +100,7 @@ def test_breaker_a_lost_probe_frees_its_slot_after_the_wait() -> None:
 
 def test_breaker_failures_of_older_operations_while_open_change_nothing() -> None:
     clock = Clock()
-    b = CircuitBreaker(failures=2, retry_after_s=1.0, clock=clock)
+    b = CircuitBreaker(failures=2, retry_after_s=1.0, max_retry_after_s=10.0, clock=clock)
     b.failure()
     b.failure()
     clock.now += 0.5
@@ -106,6 +108,42 @@ def test_breaker_failures_of_older_operations_while_open_change_nothing() -> Non
     assert b.retry_after_s == 1.0 and b.opened == 1
     clock.now += 0.5
     assert b.allow()
+
+
+def test_breaker_a_failure_older_than_the_probe_is_not_the_probe_s() -> None:
+    """An operation let through before the probe (it answered nothing for its whole socket
+    timeout) reports its failure while the probe runs: the breaker stays half-open."""
+    clock = Clock()
+    b = CircuitBreaker(failures=1, retry_after_s=1.0, max_retry_after_s=10.0, clock=clock)
+    old = b.now()
+    b.failure()
+    clock.now += 1.0
+    assert b.allow()  # the probe
+    b.failure(started_at=old)
+    assert b.state == HALF_OPEN and b.opened == 1 and b.retry_after_s == 1.0
+    b.failure(started_at=b.now())  # the probe's own failure
+    assert b.state == OPEN and b.opened == 2 and b.retry_after_s == 2.0
+
+
+def test_breaker_state_is_right_while_idle_and_retries_within_a_second_by_default() -> None:
+    """Nobody calls ``allow``: the state still turns half-open when the wait is over (an idle
+    host's metrics read it so), and the default wait never exceeds a second, so the tier is
+    tried again within a second of Redis answering again."""
+    clock = Clock()
+    b = CircuitBreaker(clock=clock)
+    for _ in range(20):  # Redis down for long: the wait doubles up to its cap
+        while b.state != HALF_OPEN:
+            b.failure()
+            clock.now += 0.01
+        clock.now += 30.0
+        assert b.state == HALF_OPEN  # no call made: read from the clock
+        assert b.allow()
+        b.failure()
+    assert b.state == OPEN and b.retry_after_s <= 1.0
+    clock.now += 1.0
+    assert b.state == HALF_OPEN and b.allow()
+    b.success()
+    assert b.state == CLOSED
 
 
 @pytest.mark.parametrize(
@@ -164,14 +202,15 @@ class BreakerModel(RuleBasedStateMachine):
         self.b.success()
         self.mode, self.fails, self.wait, self.probe = "closed", 0, self.BASE, None
 
-    @rule()
-    def failure(self) -> None:
-        self.b.failure()
+    @rule(ago=st.sampled_from([None, 0.0, 0.5, 3.0]))
+    def failure(self, ago: float | None) -> None:
+        started = None if ago is None else self.clock.now - ago
+        self.b.failure(started)
         if self.mode == "closed":
             self.fails += 1
             if self.fails == self.THRESHOLD:
                 self._open()
-        elif self.probe is not None:
+        elif self.probe is not None and (started is None or started >= self.probe):
             self.wait = min(2 * self.wait, self.MAX)
             self._open()
 
@@ -302,6 +341,136 @@ def test_policy_keeps_its_prior_until_enough_samples() -> None:
     assert not p.worth_storing(MiB, 0.010)  # learned: 80 ms per MiB
 
 
+# The model: true costs (a make fixed, proportional or both; a fetch with a fixed part and a
+# part per byte) at items of one size or of many, observed with a little noise; the policy's
+# decisions must then match the truth at every size it saw (sizes not too near the break-even,
+# where a 1 % noise may rightly tip the decision either way).
+_MARGIN = 0.8
+
+
+@st.composite
+def _cost_tables(draw: Any) -> dict[str, Any]:
+    kind = draw(st.sampled_from(["fixed", "proportional", "both"]))
+    make_fixed = 0.0 if kind == "proportional" else draw(st.floats(0.001, 0.5))
+    make_per_mb = 0.0 if kind == "fixed" else draw(st.floats(0.001, 0.5))
+    fetch_fixed = draw(st.floats(0.0, 0.005))
+    fetch_per_mb = draw(st.floats(0.0005, 0.1))
+    base = draw(st.integers(4 * KiB, 32 * MiB))
+    if draw(st.booleans()):  # one size: made at its array bytes, fetched at its value's bytes
+        sizes = [base]
+        value_extra = draw(st.integers(0, 512))
+    else:
+        factors = draw(st.lists(st.floats(0.1, 8.0), min_size=2, max_size=6, unique=True))
+        sizes = sorted({max(1, int(base * f)) for f in [1.0, *factors]})
+        value_extra = 0
+    noise = draw(st.lists(st.floats(-0.01, 0.01), min_size=64, max_size=64))
+    return {
+        "make": lambda n: make_fixed + make_per_mb * n / MiB,
+        "fetch": lambda n: fetch_fixed + fetch_per_mb * n / MiB,
+        "sizes": sizes,
+        "value_extra": value_extra,
+        "noise": noise,
+        "probe": draw(st.floats(0.0001, 0.002)),
+    }
+
+
+def _learned(t: dict[str, Any], samples: int = 40) -> TierPolicy:
+    p = TierPolicy(margin=_MARGIN, explore_every=0, warmup=0, min_samples=1)
+    noise = t["noise"]
+    for i in range(samples):
+        n = t["sizes"][i % len(t["sizes"])]
+        e = 1.0 + noise[i % len(noise)]
+        p.observe_make(t["make"](n) * e, n)  # made here
+        if i % 3 == 0:  # made by another host: its make time carried in the value
+            p.observe_make(t["make"](n) * e, n + t["value_extra"])
+        p.observe_probe(t["probe"] * e)
+        p.observe_fetch(t["fetch"](n + t["value_extra"]) * e, n + t["value_extra"])
+    return p
+
+
+@settings(max_examples=300, deadline=None)
+@given(_cost_tables())
+def test_policy_decides_as_the_true_costs_do_at_every_size_seen(t: dict[str, Any]) -> None:
+    """Model test: at each size seen, the policy fetches exactly when fetching beats the make."""
+    wins = {n: t["fetch"](n) <= _MARGIN * t["make"](n) for n in t["sizes"]}
+    for n in t["sizes"]:  # far enough from the break-even for 1 % noise not to tip it
+        assume(abs(t["fetch"](n) - _MARGIN * t["make"](n)) > 0.05 * _MARGIN * t["make"](n))
+    assume(all(t["probe"] < 0.5 * _MARGIN * t["make"](n) for n in t["sizes"]))
+    p = _learned(t)
+    budget = p.fetch_budget(1 << 40)  # a cap over every size drawn
+    # a make that grows faster than a fetch: only large values win, and a look-up cannot ask
+    # for "at least n" bytes: the budget is then everything, and the reported size decides
+    large_win = _MARGIN * p._make.coefficients()[1] >= p.fetch_coefficients()[1]
+    for n in t["sizes"]:
+        v = n + t["value_extra"]
+        view = p.view(1 << 40)
+        assert p.worth_fetching(v) == wins[n], (n, view)
+        if wins[n]:  # the budget never keeps out a value that is worth fetching
+            assert v <= budget, (n, view)
+        elif not large_win:  # nor lets in one that is not
+            assert v > budget, (n, view)
+        assert p.worth_storing(v, t["make"](n)) == wins[n]
+
+
+@settings(max_examples=100, deadline=None)
+@given(_cost_tables(), st.floats(1.05, 20.0))
+def test_policy_skips_the_tier_only_when_a_round_trip_loses_to_a_typical_make(
+    t: dict[str, Any], times: float
+) -> None:
+    mean_make = sum(t["make"](n) for n in t["sizes"]) / len(t["sizes"])
+    t["probe"] = _MARGIN * t["make"](max(t["sizes"])) * times  # more than any make is worth
+    p = _learned(t)
+    assert p.fetch_budget(64 * MiB) == 0
+    t["probe"] = _MARGIN * min(t["make"](n) for n in t["sizes"]) / times
+    p = _learned(t)
+    assert p.probe_cost() < _MARGIN * mean_make
+
+
+def test_policy_fetches_items_of_one_size_whose_make_is_long() -> None:
+    """The fleet test's costs: 256 KiB items made in ~90 ms here (at their array bytes) and by
+    other hosts (at their value's bytes, 200 more), fetched in ~2.3 ms: the budget was 0."""
+    p = TierPolicy(warmup=0)
+    for i in range(40):
+        p.observe_make(0.085 + 0.005 * (i % 2), 256 * KiB)
+        p.observe_make(0.095 + 0.005 * (i % 2), 256 * KiB + 200)  # by chance a bit longer
+        p.observe_probe(0.0008)
+        p.observe_fetch(0.0023, 256 * KiB + 200)
+    assert p.fetch_budget(64 * MiB) > 256 * KiB + 200
+    assert p.worth_fetching(256 * KiB + 200)
+    assert p.view(64 * MiB).budget_bytes > 256 * KiB
+
+
+def test_policy_with_a_make_proportional_to_its_size_uses_the_tier() -> None:
+    """A make that grows with its size (intercept 0) is not "cheaper than a round trip"."""
+    p = TierPolicy(warmup=0, explore_every=0)
+    for n in (MiB, 2 * MiB, 4 * MiB, 8 * MiB) * 5:
+        p.observe_make(0.050 * n / MiB, n)
+        p.observe_probe(0.001)
+        p.observe_fetch(0.0005 + 0.002 * n / MiB, n)
+    assert p._make.coefficients()[0] == pytest.approx(0.0, abs=1e-9)
+    assert p.fetch_budget(64 * MiB) == 64 * MiB
+
+
+def test_policy_sizes_the_lookup_deadline_from_what_a_look_up_is_worth() -> None:
+    p = TierPolicy(warmup=0, first_deadline_s=0.5, deadline_fraction=1.0)
+    assert p.lookup_deadline(0.05) == 0.5  # no make seen: the first look-ups open connections
+    for _ in range(5):
+        p.observe_make(0.200, MiB)
+    assert p.lookup_deadline(0.05) == pytest.approx(0.200)  # a look-up is worth a make
+    for _ in range(100):
+        p.observe_make(0.001, MiB)
+    assert p.lookup_deadline(0.05) == pytest.approx(0.05)  # never under the floor
+    half = TierPolicy(warmup=0, deadline_fraction=0.5)
+    for n in (MiB, 4 * MiB) * 5:  # a make that grows with size: judged at the mean size made
+        half.observe_make(0.1 * n / MiB, n)
+    assert half.lookup_deadline(0.0) == pytest.approx(0.5 * 0.1 * 2.5, rel=0.05)
+    for bad in (0.0, -1.0, 11.0):
+        with pytest.raises(ValueError):
+            TierPolicy(deadline_fraction=bad)
+    with pytest.raises(ValueError):
+        TierPolicy(first_deadline_s=-1.0)
+
+
 def test_policy_that_does_not_learn_keeps_its_priors() -> None:
     p = TierPolicy(learn=False, prior_fixed_s=0.001, prior_per_byte_s=1e-9)
     p.observe_make(0.0001, MiB)
@@ -387,6 +556,15 @@ def test_keys_share_a_hash_tag_whatever_the_hash_looks_like() -> None:
         v, lk = value_key("aioshm:", h), lease_key("aioshm:", h)
         tag = "{" + key_digest(h) + "}"
         assert v == f"aioshm:{tag}:v" and lk == f"aioshm:{tag}:l"
+
+
+def test_the_key_namespace_is_a_keyed_digest_of_the_secret() -> None:
+    space = keyspace("aioshm:", SECRET)
+    ns = hmac.new(SECRET, b"aioshmcache.tier/namespace", hashlib.sha256).hexdigest()[:16]
+    assert space == f"aioshm:{ns}:"
+    assert keyspace("aioshm:", SECRET + b"x") != space  # another secret, other keys
+    assert SECRET.hex()[:16] not in space  # names the secret without revealing it
+    assert RedisTier("redis://127.0.0.1:1/0", secret=SECRET).keyspace == space
 
 
 def _reason(data: bytes, *, key: str | None = None, h: str = "h1", limit: int = MiB) -> str:

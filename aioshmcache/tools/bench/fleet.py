@@ -7,6 +7,10 @@
   with the cost policy off (store and fetch everything).
 * **A tier hit** on a second host, 1 / 4 / 16 MiB (a policy that always fetches: the raw cost),
   next to a local hit and the preprocessing; and the budget a learning policy arrives at.
+* **Items of one size** (where a regression of cost on size has nothing to fit): 3 hosts each
+  ask for every one of 40 (quick) or 120 items of 256 KiB, in their own shuffled order, 8 at a
+  time, a 50 ms CPU preprocessing, the tier at its defaults; quiet, then *loaded* beside a CPU
+  hog (4 busy processes), each with its no-tier baseline in the same run (target <= 1.1).
 * **Redis killed halfway.** One host serves a Zipf trace from Redis; Redis is SIGKILLed
   halfway: failed requests (target 0), req/s, and the p99 after the kill against the same
   requests without a tier run next to it (target: added <= ``lookup_timeout_s`` + 5 ms).
@@ -15,13 +19,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import math
 import os
+import random
+import signal
+import subprocess
+import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +53,7 @@ __all__ = ["run_fleet_suite"]
 S_ZIPF = "Fleet: preprocessings per distinct item, 4 hosts, Zipf trace"
 S_HIT = "Fleet: a tier hit (second host) vs a local hit and the preprocessing"
 S_KILL = "Fleet: Redis killed halfway through a run"
+S_ONE = "Fleet: items of one size, 3 hosts, each asks for every item"
 PER_ITEM = "preprocessings per distinct item"
 
 MAKE_S = 0.020  # CPU seconds of one preprocessing
@@ -68,10 +78,41 @@ def spin(seconds: float) -> None:
         hashlib.sha256(_BLOCK).digest()
 
 
-def preprocess(i: int, size: int) -> dict[str, Any]:
-    """20 ms of CPU, then the item (deterministic bytes)."""
-    spin(MAKE_S)
+def preprocess(i: int, size: int, make_s: float = MAKE_S) -> dict[str, Any]:
+    """``make_s`` (20 ms) of CPU, then the item (deterministic bytes)."""
+    spin(make_s)
     return {"pixel_values": np.full(size, i % 251, np.uint8), "image_size": np.array([224, 224])}
+
+
+#: a busy loop that also ends when its parent is gone, however that ended
+_BUSY = """
+import os
+parent = os.getppid()
+while os.getppid() == parent:
+    for _ in range(200_000):
+        pass
+"""
+
+
+@contextlib.contextmanager
+def cpu_hog(n: int = 4) -> Iterator[list[int]]:
+    """``n`` busy-loop processes while the block runs (a loaded host); their pids.
+
+    Killed on every path (an exception, a timeout), and each ends by itself if its parent dies.
+    """
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.extend(
+            subprocess.Popen([sys.executable, "-c", _BUSY], start_new_session=True)
+            for _ in range(n)
+        )
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.wait(30)
 
 
 def always_fetch() -> TierPolicy:
@@ -85,7 +126,11 @@ def _tier(url: str, **kw: Any) -> RedisTier:
 
 
 async def _serve(
-    cache: AsyncSenderCache, trace: Sequence[int], sizes: Sequence[int], concurrency: int = 4
+    cache: AsyncSenderCache,
+    trace: Sequence[int],
+    sizes: Sequence[int],
+    concurrency: int = 4,
+    make_s: float = MAKE_S,
 ) -> dict[str, Any]:
     """Serve ``trace`` with ``concurrency`` requests at once; per-request latency and makes."""
     made: list[int] = []
@@ -99,7 +144,7 @@ async def _serve(
 
             def make(i: int = i) -> dict[str, Any]:
                 made.append(i)
-                return preprocess(i, sizes[i])
+                return preprocess(i, sizes[i], make_s)
 
             t0 = time.perf_counter()
             try:
@@ -119,16 +164,18 @@ def _host(
 ) -> None:
     """One simulated host (a spawned process): its own cache, the shared Redis if any.
 
-    ``work``: its trace and every item's size; ``barrier`` and ``out``: see :func:`.run_spawned`.
+    ``work``: its trace, every item's size, its requests at a time, its look-up deadline and
+    the CPU seconds of a preprocessing;
+    ``barrier`` and ``out``: see :func:`.run_spawned`.
     """
-    trace, sizes = work
+    trace, sizes, concurrency, lookup_timeout_s, make_s = work
 
     async def main() -> None:
         policy = always_fetch() if always else None
-        tier = _tier(url, policy=policy, lookup_timeout_s=ZIPF_LOOKUP_TIMEOUT_S) if url else None
+        tier = _tier(url, policy=policy, lookup_timeout_s=lookup_timeout_s) if url else None
         async with AsyncSenderCache.from_config(cfg, tier=tier) as cache:
             await asyncio.get_running_loop().run_in_executor(None, barrier.wait, 300)
-            res = await _serve(cache, trace, sizes)
+            res = await _serve(cache, trace, sizes, concurrency, make_s)
             if tier is not None:
                 await tier.flush(60)
                 res["tier"] = tier.stats().to_dict()
@@ -141,8 +188,42 @@ def _fleet_run(
     url: str | None, trace: list[int], sizes: list[int], capacity: int, always: bool = False
 ) -> list[dict[str, Any]]:
     cfg = functools.partial(bench_config, capacity, max(sizes) + MiB)
-    args = [(url, always, cfg(), (trace[k::HOSTS], sizes)) for k in range(HOSTS)]
-    return run_spawned(_host, args, timeout=1800)
+    work = [(trace[k::HOSTS], sizes, 4, ZIPF_LOOKUP_TIMEOUT_S, MAKE_S) for k in range(HOSTS)]
+    return run_spawned(_host, [(url, always, cfg(), w) for w in work], timeout=1800)
+
+
+def bench_one_size(p: Params, report: Report, progress: Progress) -> None:
+    """Items of one size: the cost policy's fits have one point (see the module docstring)."""
+    items, size, hosts = (40 if p.quick else 120), 256 * KiB, 3
+    sizes = [size] * items
+    orders = [random.Random(k).sample(range(items), items) for k in range(hosts)]
+    cfg = functools.partial(bench_config, 64 * MiB, 2 * MiB)
+
+    def run(url: str | None) -> list[dict[str, Any]]:
+        args = [(url, False, cfg(), (o, sizes, 8, LOOKUP_TIMEOUT_S, 0.05)) for o in orders]
+        return run_spawned(_host, args, timeout=1800)
+
+    param = f"{items} items of {size // KiB} KiB, {hosts} hosts, 8 at a time, 50 ms CPU makes"
+    add = report.section(S_ONE, param, kind="ratio")
+    for load in ("quiet", "loaded (4 busy processes beside)"):
+        hog: contextlib.AbstractContextManager[list[int]]
+        hog = cpu_hog() if load != "quiet" else contextlib.nullcontext([])
+        with hog:
+            progress(f"fleet: one size, {load}, no tier")
+            runs = {"no tier": run(None)}
+            progress(f"fleet: one size, {load}, RedisTier")
+            with RedisServer() as r:
+                runs["RedisTier"] = run(r.url)
+        for label, results in runs.items():
+            if sum(res["failures"] for res in results):
+                raise RuntimeError("requests failed")
+            made = sum(len(res["made"]) for res in results)
+            wall = max(res["seconds"] for res in results)
+            note = f"wall {wall:.1f} s"
+            if label != "no tier":
+                note += _tier_note([res["tier"] for res in results])
+            target = None if label == "no tier" else Target("<=", 1.1)
+            add(f"{PER_ITEM}, {label}, {load}", made / items, note=note, target=target)
 
 
 def _tier_note(tiers: list[dict[str, Any]]) -> str:
@@ -309,4 +390,5 @@ def run_fleet_suite(p: Params, report: Report, progress: Progress) -> None:
     )
     report.attempt("fleet: tier hit latency", lambda: asyncio.run(bench_hit(p, report, progress)))
     report.attempt("fleet: Redis killed", lambda: asyncio.run(bench_kill(p, report, progress)))
+    report.attempt("fleet: one size", lambda: bench_one_size(p, report, progress))
     report.attempt("fleet: Zipf preprocessings", lambda: bench_zipf(p, report, progress))
