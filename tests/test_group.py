@@ -595,3 +595,48 @@ def test_a_read_looks_again_while_a_shard_file_of_the_group_is_mid_creation(
         finally:
             os.unlink(mid)
         tx.release(ref)
+
+
+def test_a_genuine_reference_read_while_the_writer_reuses_its_place_is_stale_not_forged(
+    group: str,
+) -> None:
+    """The cause of the group stress run's "genuine reference rejected as forged" (issue 28).
+
+    To reuse a freed chunk's place the writer writes the state word (*writing*) first, then
+    the id, length and check word. A reader of an evicted item's reference that reads the
+    header between those stores sees the old id, length and check word with the state
+    *writing*: that was ``InvalidReferenceError`` ("not committed"), a forged reference, for
+    a genuine one. The memory is put in exactly that state here (the interleaving a loaded
+    machine produces when the writer is descheduled between its two stores).
+    """
+    from aioshmcache import CacheMissError, StaleReferenceError
+    from aioshmcache._layout import C_STATE, WRITING
+
+    with SenderCache(gp.config(group)) as tx:
+        [f] = tx.get_and_update_features([FeatureSpec("k", gp.make_item("k"))])
+        ref = f.data
+        assert isinstance(ref, ShmRef)
+        tx.invalidate("k")
+        tx.remove_dangling_items()  # freed (nobody owes it), the reuse fence published past it
+        words = tx.store.ring._w
+        words[(ref.address >> 3) + C_STATE] = WRITING  # the writer's first store of the reuse
+        rx = ReceiverCache.attach_group(group)
+        try:
+            with pytest.raises(CacheMissError) as got:
+                rx.get_and_update_features([FeatureSpec("k", ref)])
+            assert list(got.value.mm_hashes) == ["k"]
+            with pytest.raises(StaleReferenceError):
+                rx.get_and_update_item(ref, "k")
+            # a chunk at or past the reuse fence that is still being written is not stale
+            [g] = tx.get_and_update_features([FeatureSpec("g", gp.make_item("g"))])
+            assert isinstance(g.data, ShmRef)
+            at = (g.data.address >> 3) + C_STATE
+            committed, words[at] = words[at], WRITING
+            with pytest.raises(InvalidReferenceError, match="not committed"):
+                rx.get_and_update_features([FeatureSpec("g", g.data)])
+            words[at] = committed
+            [got_g] = rx.get_and_update_features([g])
+            assert np.array_equal(got_g.data["x"], gp.make_item("g")["x"])
+        finally:
+            rx.close()
+    assert _ours(group) == []
