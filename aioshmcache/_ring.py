@@ -519,7 +519,11 @@ class ShmRingBuffer:
                 raise StaleReferenceError(f"chunk {cid} was evicted and its space reused")
             raise InvalidReferenceError(f"chunk id {cid} was never issued by this writer")
         if hstate != COMMITTED:
-            if hstate in (FREED, DEAD):
+            # *writing* under the old id, length and check word: the writer is reusing the
+            # chunk's place (it writes the state first, then the id) and was read between its
+            # stores; the reuse fence already passed the old chunk, so it is stale, not forged
+            reused = position is not None and self._hw[H_HEAD_POS] > position
+            if hstate in (FREED, DEAD) or reused:
                 raise StaleReferenceError(f"chunk {cid} was evicted or cleared")
             raise InvalidReferenceError(f"chunk {cid} is not committed")
         if (length is not None and hlen != length) or address + CHUNK_HEADER + hlen > cap:

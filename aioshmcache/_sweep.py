@@ -11,17 +11,24 @@ taken for an orphan's.
 A segment is judged and unlinked by ``_segment.remove_orphan``: under the file's remover lock,
 and only if the name still leads to the very file judged dead. So a writer that restarts under
 the name meanwhile (reclaiming the dead file, creating its own) never loses its new segment.
+
+``sweep_named`` is what ``python -m aioshmcache sweep NAME`` runs: NAME is a segment, or else a
+cache group whose shards are swept one by one, and each one found is reported as *removed*
+(an orphan), *live* (its writer holds its lock), or *kept* (not this user's, or a creation
+still in its grace time); a NAME that is neither is *missing*.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from typing import Literal, NamedTuple
 
+from ._group import list_shards
 from ._layout import SHM_DIR, parse_semaphore_file, segment_name
-from ._segment import list_segments, remove_orphan, writer_state
+from ._segment import CREATION_GRACE, list_segments, remove_orphan, writer_state
 
-__all__ = ["sweep"]
+__all__ = ["Found", "sweep", "sweep_named"]
 
 
 def _semaphore_files() -> list[tuple[str, str, int]]:
@@ -79,3 +86,46 @@ def sweep(
                 os.unlink(path)
             removed.append(fname)
     return removed
+
+
+class Found(NamedTuple):
+    """What ``sweep_named`` found under one segment name."""
+
+    segment: str  # the segment's name in /dev/shm (``aioshm-...``)
+    state: Literal["removed", "live", "kept", "missing"]
+    why: str  # a few words for a person: the writer's pid, or why the file was kept
+
+
+def sweep_named(name: str, *, dry_run: bool = False) -> tuple[list[Found], list[str]]:
+    """Sweep segment ``name``, or every shard of cache group ``name`` if no segment has it.
+
+    Returns what was found, segment by segment (``[Found(aioshm-NAME, "missing", ...)]`` when
+    neither exists), and every file removed (segments and semaphores; ``dry_run``: would be).
+    """
+    full = segment_name(name)  # ValueError for a name no segment can have
+    if os.path.lexists(os.path.join(SHM_DIR, full)):
+        targets = [full]
+    else:
+        targets = [seg for _k, seg in list_shards(name.removeprefix("/"))]
+    if not targets:
+        removed = sweep(full, dry_run=dry_run)  # semaphores a missing segment left, if any
+        return [Found(full, "missing", "no such segment or cache group")], removed
+    found: list[Found] = []
+    removed = []
+    for seg in targets:
+        gone = sweep(seg, dry_run=dry_run)
+        removed += gone
+        st = writer_state(os.path.join(SHM_DIR, seg))
+        if seg in gone:
+            found.append(Found(seg, "removed", "orphan: its writer is dead"))
+        elif not st.exists:
+            found.append(Found(seg, "missing", "removed by another process meanwhile"))
+        elif st.alive:
+            pid = f"pid {st.pid}" if st.pid else "a process creating it"
+            found.append(Found(seg, "live", f"its writer ({pid}) is alive"))
+        elif not st.ours:
+            found.append(Found(seg, "kept", "not a segment of this user"))
+        else:
+            why = f"no complete header yet, created under {CREATION_GRACE:g} s ago"
+            found.append(Found(seg, "kept", f"{why}: sweep again later"))
+    return found, removed

@@ -12,10 +12,19 @@ import sys
 from collections.abc import Sequence
 
 from ._inspect import inspect_segment
-from ._sweep import sweep
+from ._sweep import sweep, sweep_named
 from .errors import ShmCacheError
 
-__all__ = ["main"]
+__all__ = ["SWEEP_EXIT", "main"]
+
+#: ``sweep``'s exit status: (code, when); docs/operations.md has the same table
+SWEEP_EXIT: tuple[tuple[int, str], ...] = (
+    (0, "swept: the orphans found were removed (a --prefix or full sweep: even none)"),
+    (1, "an error (a name no segment can have, a file that cannot be read), one line"),
+    (2, "a usage error"),
+    (3, "NAME is missing: no segment and no cache group has that name"),
+    (4, "NAME (each of its shards) is live, or kept: nothing was removed"),
+)
 
 DESCRIPTION = (
     "aioshmcache: an async-first shared-memory object cache for numpy tensors. "
@@ -55,12 +64,16 @@ def _parser() -> argparse.ArgumentParser:
         "sweep",
         help=help_,
         description=f"{help_[0].upper()}{help_[1:]} (killed, out of memory) and their "
-        "semaphores. A live writer's segment and other users' files are never touched.",
+        "semaphores. A live writer's segment and other users' files are never touched. "
+        "With NAME, each segment found is reported: removed (an orphan), live, kept (not "
+        "this user's, or still being created), or NAME is missing.",
+        epilog="exit status: " + "; ".join(f"{code} {when}" for code, when in SWEEP_EXIT),
     )
     p_sweep.add_argument(
         "name",
         nargs="?",
-        help="remove only this segment (with or without the aioshm- prefix), if its writer died",
+        help="only this segment (with or without the aioshm- prefix), or else every shard of "
+        "the cache group of this name, if its writer died",
     )
     p_sweep.add_argument(
         "--prefix",
@@ -85,6 +98,28 @@ def _sweep_summary(removed: list[str], *, dry_run: bool) -> str:
     return f"{'would remove' if dry_run else 'removed'} {' and '.join(parts)}"
 
 
+def _sweep_name(name: str, *, dry_run: bool) -> int:
+    """``sweep NAME``: a line per segment found (a group: per shard), then the exit status."""
+    found, removed = sweep_named(name, dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    for n in removed:
+        if n.startswith("sem."):
+            print(f"{verb} {n}")
+    for f in found:
+        if f.state == "removed":
+            print(f"{verb} {f.segment} ({f.why})")
+        elif f.state == "missing":
+            print(f"missing: {f.segment} ({f.why})")
+        else:
+            print(f"{f.state}: {f.segment} ({f.why}); left alone")
+    states = {f.state for f in found}
+    if "removed" in states:
+        return 0
+    if states == {"missing"}:
+        return 3
+    return 4
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``python -m aioshmcache ARGV``; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -103,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if ns.command == "sweep":
         try:
+            if ns.name is not None and ns.prefix is None:
+                return _sweep_name(ns.name, dry_run=ns.dry_run)
             removed = sweep(ns.name, prefix=ns.prefix, dry_run=ns.dry_run)
         except (OSError, ValueError, ShmCacheError) as exc:
             print(f"sweep: {exc}", file=sys.stderr)

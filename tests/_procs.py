@@ -117,3 +117,70 @@ def sweeper_loop(name: str, stop: Any, passes: Any) -> None:
         sweep(name=name)
         with passes.get_lock():
             passes.value += 1
+
+
+# --- process trees a test starts -----------------------------------------------------------------
+#: the environment variable that marks every process of one test's tree (inherited by every
+#: descendant, whatever session or process group it moves to, and kept when it is orphaned)
+TREE_TAG_ENV = "AIOSHM_TEST_TREE"
+
+
+def tagged_env(tag: str) -> dict[str, str]:
+    """The environment for a process tree a test can find again (:func:`tree_pids`)."""
+    return dict(os.environ, **{TREE_TAG_ENV: tag})
+
+
+def pids_with_env(entry: str) -> list[int]:
+    """Live processes of this user whose environment holds ``entry`` (``NAME=value``)."""
+    needle = entry.encode() + b"\0"
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue  # gone, or not ours
+        if needle in env or env.endswith(needle[:-1]):
+            found.append(int(d))
+    return found
+
+
+def tree_pids(tag: str) -> list[int]:
+    """The processes of the tree started with ``tagged_env(tag)`` that are still alive."""
+    return pids_with_env(f"{TREE_TAG_ENV}={tag}")
+
+
+def kill_pids(pids: list[int], timeout: float = 30.0) -> list[int]:
+    """SIGKILL ``pids`` and wait (bounded) until every thread of them has exited; returns those
+    that have not."""
+    import signal
+
+    from .helpers import gone, wait_until
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return [pid for pid in pids if not wait_until(lambda p=pid: gone(p), timeout=timeout)]
+
+
+def kill_tree(tag: str, *, sweep_prefix: str | None = None) -> list[int]:
+    """End a test's process tree on any path (a timeout included): SIGKILL every process of
+    it, wherever it went, then remove the segments it left (``sweep_prefix``: their name
+    prefix; only orphans go, so a live writer elsewhere is never touched). Returns the pids
+    that were still running."""
+    from aioshmcache import sweep
+
+    left = tree_pids(tag)
+    kill_pids(left)
+    for _ in range(10):  # one that forked while it was being killed
+        if not (more := tree_pids(tag)):
+            break
+        kill_pids(more)
+        left += more
+    if sweep_prefix is not None:
+        sweep(prefix=sweep_prefix)
+    return left

@@ -1,10 +1,15 @@
-"""Shared fixtures: unique segment names, event loops (asyncio and uvloop), and a leak check.
+"""Shared fixtures: unique segment names, event loops (asyncio and uvloop), and leak checks.
 
 Every async test runs on both asyncio and uvloop (``pytest_asyncio_loop_factories``). At the end
 of the session the suite fails if /dev/shm holds a segment (or semaphore) that this run created
-and did not remove: one named with this run's prefix (``RUN_PREFIX``, every fixture name has it)
-or one whose header names this process as its writer. Other programs' segments (another test
-run, a developer's gateway) are never looked at: the machine may be shared.
+and did not remove: one named with this run's prefix (``RUN_PREFIX``, every fixture name has it;
+the tools behind ``python -m aioshmcache demo|stress`` that the tests start put it in front of
+the names they make up, through ``AIOSHM_NAME_PREFIX``, which every child process of the run
+inherits) or one whose header names this process as its writer. It fails too if a process of
+this run is still alive (one whose environment carries this run's ``AIOSHM_NAME_PREFIX``: a
+gateway, an engine worker, a stress child, wherever it went), and kills it. Other programs'
+segments and processes (another test run, a developer's gateway) are never looked at: the
+machine may be shared.
 """
 
 from __future__ import annotations
@@ -19,9 +24,15 @@ from typing import Any
 import pytest
 import uvloop
 
+from aioshmcache.tools.shm import NAME_PREFIX_ENV
+
+from ._procs import kill_pids, pids_with_env
+
 SHM = "/dev/shm"
 #: every segment name made by the fixtures starts with this (unique per test run)
 RUN_PREFIX = f"t{uuid.uuid4().hex[:6]}-"
+#: and every name the tools make up in this run's child processes (see the module docstring)
+os.environ[NAME_PREFIX_ENV] = RUN_PREFIX
 _WRITER_PID_WORD = 10  # the segment header word that holds the writer's pid
 
 
@@ -56,13 +67,33 @@ def pytest_asyncio_loop_factories(
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
+def _run_processes() -> list[int]:
+    """This run's processes still alive, but for multiprocessing's resource tracker (it lives
+    as long as this process)."""
+    pids = []
+    for pid in pids_with_env(f"{NAME_PREFIX_ENV}={RUN_PREFIX}"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if b"resource_tracker" not in cmd:
+            pids.append(pid)
+    return pids
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leftover_segments() -> Iterator[None]:
     before = frozenset(os.listdir(SHM))
     yield
+    procs = _run_processes()
+    if procs:
+        kill_pids(procs)  # first: a live writer's segment is no orphan to report or remove
     left = _ours(before)
-    if left:
-        pytest.fail(f"left behind in /dev/shm: {sorted(left)}", pytrace=False)
+    problems = [f"processes of this run still running (killed now): {procs}"] if procs else []
+    problems += [f"left behind in /dev/shm: {sorted(left)}"] if left else []
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)
 
 
 @pytest.fixture

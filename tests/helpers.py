@@ -50,12 +50,24 @@ def wait_until(pred: Any, timeout: float = 10.0, interval: float = 0.01) -> bool
 
 
 def gone(pid: int) -> bool:
-    """Whether process ``pid`` has exited (no such process, or a zombie not reaped yet)."""
+    """Whether process ``pid`` has exited (no such process, or a zombie not reaped yet).
+
+    Every thread of it, not only the main one: a killed process whose main thread is a zombie
+    already may still have threads exiting, and its descriptors (a writer's kernel lock among
+    them) are closed only when the last one is done.
+    """
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return True
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    return False
+        except OSError:
+            continue  # that thread is gone
+    return True
 
 
 def kill_and_reap(proc: Any, sig: int = signal.SIGKILL) -> None:

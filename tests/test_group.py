@@ -559,39 +559,196 @@ def test_a_dead_instance_s_reference_is_writer_gone_while_its_reclaimer_initiali
     assert _ours(group) == []
 
 
-def test_a_read_looks_again_while_a_shard_file_of_the_group_is_mid_creation(
+def _creating(group: str, k: int) -> int:
+    """A shard file of ``group`` as a live writer leaves it mid-creation: no header yet, the
+    writer lock held (by the descriptor returned; closing it is the creator's death)."""
+    from aioshmcache._layout import SHM_DIR
+    from aioshmcache._segment import ofd_lock
+
+    fd = os.open(os.path.join(SHM_DIR, shard_name(group, k)), os.O_CREAT | os.O_EXCL | os.O_RDWR)
+    assert ofd_lock(fd, 0)
+    return fd
+
+
+def _counting_finds(shards: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    looks: list[int] = []
+    find = shards.find
+
+    def counting_find(nonce: int) -> None:
+        looks.append(nonce)
+        find(nonce)
+
+    monkeypatch.setattr(shards, "find", counting_find)
+    return looks
+
+
+def test_a_read_looks_again_only_while_a_live_writer_creates_a_shard_file(
     group: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A reclaimer removes a dead shard's file and writes the dead instance's nonce into the
     new file's header, completed last: a reference of that instance met in between is looked
-    for again until the file is complete (bounded), not reported forged at once. With no file
-    mid-creation an unknown nonce is forged at the first look."""
+    for again until the file is complete (bounded), not reported forged at once. A header-less
+    file nobody is creating (a writer SIGKILLed while creating it) and a plain cache named like
+    a shard are decided at the first look (issue 28, D5: they cost every read 2 s)."""
     from aioshmcache import _group_reader
     from aioshmcache._layout import SHM_DIR
 
-    with SenderCache(gp.config(group)) as tx, ReceiverCache.attach_group(group) as rx:
+    plain_cfg = CacheConfig(1 << 20, 1 << 19, 1, name=f"{group}.shard5")
+    with (
+        SenderCache(gp.config(group)) as tx,
+        SenderCache(plain_cfg),
+        ReceiverCache.attach_group(group) as rx,
+    ):
         ref = tx.get_and_update_item((gp.make_item("k"), []), "k")[0]
         forged = ref._replace(nonce=12345)
-        shards = rx._shards
-        looks: list[int] = []
-        find = shards.find
-
-        def counting_find(nonce: int) -> None:
-            looks.append(nonce)
-            find(nonce)
-
-        monkeypatch.setattr(shards, "find", counting_find)
-        with pytest.raises(InvalidReferenceError):
-            rx.get_and_update_features([FeatureSpec("k", forged)])
-        assert looks == [12345]  # nothing mid-creation: one look
-        monkeypatch.setattr(_group_reader, "SETTLE_TIMEOUT", 0.3)
-        mid = os.path.join(SHM_DIR, shard_name(group, 7))
-        os.close(os.open(mid, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))  # no header yet
+        looks = _counting_finds(rx._shards, monkeypatch)
+        dead = os.path.join(SHM_DIR, shard_name(group, 7))
+        os.close(os.open(dead, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))  # its creator died
         try:
-            looks.clear()
             with pytest.raises(InvalidReferenceError):
                 rx.get_and_update_features([FeatureSpec("k", forged)])
-            assert len(looks) > 1  # looked again while the file was mid-creation, then gave up
+            assert looks == [12345]  # nothing being created: one look
+            monkeypatch.setattr(_group_reader, "SETTLE_TIMEOUT", 0.3)
+            fd = _creating(group, 6)
+            try:
+                looks.clear()
+                with pytest.raises(InvalidReferenceError):
+                    rx.get_and_update_features([FeatureSpec("k", forged)])
+                assert len(looks) > 1  # looked again while it was being created, then gave up
+            finally:
+                os.close(fd)
+                os.unlink(os.path.join(SHM_DIR, shard_name(group, 6)))
         finally:
-            os.unlink(mid)
+            os.unlink(dead)
         tx.release(ref)
+
+
+def test_settle_decides_on_a_look_taken_after_its_deadline(
+    group: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader stopped (SIGSTOP, a loaded host) between a look and the decision, past the
+    deadline, while the reclaimer completed its file: it decides on a fresh look (the dead
+    instance is "writer gone"), not on the look taken before the stop ("forged")."""
+    from aioshmcache import _group_reader
+
+    with SenderCache(gp.config(group)), ReceiverCache.attach_group(group) as rx:
+        shards = rx._shards
+        monkeypatch.setattr(_group_reader, "SETTLE_TIMEOUT", 0.05)
+        fd = _creating(group, 6)
+        looks = 0
+
+        def find(nonce: int) -> None:
+            nonlocal looks
+            looks += 1
+            if looks == 1:
+                time.sleep(0.2)  # stopped right after a look that found nothing
+            else:
+                shards._remember_gone(nonce, "the reclaimed file")  # what the file says now
+
+        monkeypatch.setattr(shards, "find", find)
+        try:
+            shards.settle(777)
+        finally:
+            os.close(fd)
+            os.unlink(os.path.join("/dev/shm", shard_name(group, 6)))
+        assert looks == 2 and shards.is_gone(777)
+
+
+async def test_an_unknown_nonce_never_blocks_an_async_group_reader_s_event_loop(
+    group: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28, D5: a reference naming an instance no shard file names, while a live writer
+    creates a shard file of the group, waits for that creation in a worker thread: a heartbeat
+    task keeps ticking on the loop while the read waits, and the read then raises the typed
+    error (the creator died without completing the file: forged)."""
+    import asyncio
+
+    from aioshmcache import AsyncReceiverCache, AsyncSenderCache, GroupReceiverCache, _group_reader
+    from aioshmcache._layout import SHM_DIR
+
+    monkeypatch.setattr(_group_reader, "SETTLE_TIMEOUT", 120.0)  # the creator ends it first
+    cfg = gp.config(group)
+    async with (
+        AsyncSenderCache.from_config(cfg) as tx,
+        AsyncReceiverCache.attach_group(group) as rx,
+    ):
+        [f] = await tx.get_and_update_features([FeatureSpec("k", gp.make_item("k"))])
+        assert isinstance(f.data, ShmRef)
+        forged = [FeatureSpec("k", f.data._replace(nonce=12345))]
+        assert isinstance(rx.receiver, GroupReceiverCache)
+        looks = _counting_finds(rx.receiver._shards, monkeypatch)
+        ticks = 0
+
+        async def heartbeat() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.005)
+                ticks += 1
+
+        beat = asyncio.create_task(heartbeat())
+        fd = _creating(group, 6)
+        try:
+            read = asyncio.create_task(rx.get_and_update_features(forged))
+            await asyncio.sleep(0)
+            start, deadline = ticks, time.monotonic() + 120
+            while not (len(looks) >= 3 and ticks - start >= 3):
+                assert not read.done(), "the read ended (or blocked the loop) before the creation"
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert not read.done()
+        finally:
+            os.close(fd)  # the creator dies without completing its file
+        try:
+            with pytest.raises(InvalidReferenceError):
+                await asyncio.wait_for(read, 120)
+        finally:
+            os.unlink(os.path.join(SHM_DIR, shard_name(group, 6)))
+            beat.cancel()
+        # the item's own reference still reads (it was owed to this reader)
+        [got] = await rx.get_and_update_features([f])
+        assert np.array_equal(got.data["x"], gp.make_item("k")["x"])
+
+
+def test_a_genuine_reference_read_while_the_writer_reuses_its_place_is_stale_not_forged(
+    group: str,
+) -> None:
+    """The cause of the group stress run's "genuine reference rejected as forged" (issue 28).
+
+    To reuse a freed chunk's place the writer writes the state word (*writing*) first, then
+    the id, length and check word. A reader of an evicted item's reference that reads the
+    header between those stores sees the old id, length and check word with the state
+    *writing*: that was ``InvalidReferenceError`` ("not committed"), a forged reference, for
+    a genuine one. The memory is put in exactly that state here (the interleaving a loaded
+    machine produces when the writer is descheduled between its two stores).
+    """
+    from aioshmcache import CacheMissError, StaleReferenceError
+    from aioshmcache._layout import C_STATE, WRITING
+
+    with SenderCache(gp.config(group)) as tx:
+        [f] = tx.get_and_update_features([FeatureSpec("k", gp.make_item("k"))])
+        ref = f.data
+        assert isinstance(ref, ShmRef)
+        tx.invalidate("k")
+        tx.remove_dangling_items()  # freed (nobody owes it), the reuse fence published past it
+        words = tx.store.ring._w
+        words[(ref.address >> 3) + C_STATE] = WRITING  # the writer's first store of the reuse
+        rx = ReceiverCache.attach_group(group)
+        try:
+            with pytest.raises(CacheMissError) as got:
+                rx.get_and_update_features([FeatureSpec("k", ref)])
+            assert list(got.value.mm_hashes) == ["k"]
+            with pytest.raises(StaleReferenceError):
+                rx.get_and_update_item(ref, "k")
+            # a chunk at or past the reuse fence that is still being written is not stale
+            [g] = tx.get_and_update_features([FeatureSpec("g", gp.make_item("g"))])
+            assert isinstance(g.data, ShmRef)
+            at = (g.data.address >> 3) + C_STATE
+            committed, words[at] = words[at], WRITING
+            with pytest.raises(InvalidReferenceError, match="not committed"):
+                rx.get_and_update_features([FeatureSpec("g", g.data)])
+            words[at] = committed
+            [got_g] = rx.get_and_update_features([g])
+            assert np.array_equal(got_g.data["x"], gp.make_item("g")["x"])
+        finally:
+            rx.close()
+    assert _ours(group) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Any
@@ -95,10 +96,10 @@ def test_cli_sweep_name_removes_that_orphan_only(shm_name: str) -> None:
     try:
         cmd = [sys.executable, "-m", "aioshmcache", "sweep"]
         dry = subprocess.run([*cmd, shm_name, "--dry-run"], capture_output=True, text=True)
-        assert dry.returncode == 0 and "would remove 1 orphan segment" in dry.stdout, dry
+        assert dry.returncode == 0 and f"would remove aioshm-{shm_name} (orphan" in dry.stdout
         assert len(_files(shm_name)) == 2  # a dry run removes nothing
         done = subprocess.run([*cmd, shm_name], capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0 and f"removed aioshm-{shm_name}\n" in done.stdout, done
+        assert done.returncode == 0 and f"removed aioshm-{shm_name} (orphan" in done.stdout, done
         assert _files(shm_name) == []
         bad = subprocess.run([*cmd, "bad/name"], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 1 and "sweep:" in bad.stderr
@@ -328,3 +329,57 @@ def test_sweep_never_takes_a_writer_that_locks_and_initialises_while_judged(
         for seg in born:
             seg.close()
         sweep(name=shm_name)
+
+
+def test_cli_sweep_name_says_what_it_found_and_understands_groups(
+    shm_name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``sweep NAME`` (issue 28): a group's name sweeps its orphan shards (it said "no orphan
+    segment found" while both shards of the group were orphans), and each name found is
+    reported apart: removed, live, kept, missing, each with its own exit status."""
+    from aioshmcache._layout import shard_name
+    from aioshmcache.cli import SWEEP_EXIT, main
+
+    def cli(*args: str) -> tuple[int, list[str]]:
+        rc = main(["sweep", *args])
+        return rc, capsys.readouterr().out.splitlines()
+
+    group = f"{shm_name}-grp"
+    dead = [_new_segment(shard_name(group, k)) for k in (0, 1)]
+    for seg in dead:
+        _crash(seg)
+    live = _new_segment(shard_name(group, 2))
+    shards = [shard_name(group, k) for k in range(3)]  # segment names, aioshm- included
+    creating = os.path.join(SHM, f"aioshm-{shm_name}-new")
+    try:
+        rc, out = cli(group, "--dry-run")
+        assert rc == 0 and all(os.path.exists(os.path.join(SHM, n)) for n in shards)
+        assert f"would remove {shards[0]} (orphan: its writer is dead)" in out, out
+        assert f"would remove {shards[1]} (orphan: its writer is dead)" in out, out
+        assert f"live: {shards[2]} (its writer (pid {os.getpid()}) is alive); left alone" in out
+        rc, out = cli(group)
+        assert rc == 0 and f"removed {shards[0]} (orphan: its writer is dead)" in out, out
+        assert not any(os.path.exists(os.path.join(SHM, n)) for n in shards[:2])
+        assert os.path.exists(os.path.join(SHM, shards[2]))
+        rc, out = cli(group)  # only the live shard is left
+        assert (rc, out) == (4, [f"live: {shards[2]} (its writer (pid {os.getpid()}) is alive); "
+                                 "left alone"])  # fmt: skip
+        rc, out = cli(shards[2])  # a segment by its name: the same answer
+        assert rc == 4 and out[0].startswith(f"live: {shards[2]}")
+        rc, out = cli(f"{shm_name}-nothing")
+        assert (rc, out) == (3, [f"missing: aioshm-{shm_name}-nothing (no such segment or cache "
+                                 "group)"])  # fmt: skip
+        os.close(os.open(creating, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))  # being created
+        rc, out = cli(f"{shm_name}-new")
+        assert rc == 4 and out[0].startswith(f"kept: aioshm-{shm_name}-new (no complete header")
+        assert os.path.exists(creating)
+        assert cli("bad/name")[0] == 1
+        assert [code for code, _when in SWEEP_EXIT] == [0, 1, 2, 3, 4]
+    finally:
+        _crash(live)
+        for seg in dead:
+            sweep(name=seg.name)
+        sweep(name=live.name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(creating)
+    assert _files(group) == []

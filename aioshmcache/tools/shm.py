@@ -13,9 +13,28 @@ from typing import Final
 
 from ._core_gaps import SEGMENT_PREFIX, semaphore_prefix
 
-__all__ = ["SEGMENT_PREFIX", "SHM_DIR", "files_with_prefix", "remove", "segment_files"]
+__all__ = [
+    "NAME_PREFIX_ENV",
+    "SEGMENT_PREFIX",
+    "SHM_DIR",
+    "files_with_prefix",
+    "name_prefix",
+    "remove",
+    "segment_files",
+]
 
 SHM_DIR: Final = "/dev/shm"
+#: the environment variable whose value the tools put in front of every name they make up
+#: (a test run sets its own prefix: its leak check then sees what the tools' processes left)
+NAME_PREFIX_ENV: Final = "AIOSHM_NAME_PREFIX"
+
+
+def name_prefix() -> str:
+    """``$AIOSHM_NAME_PREFIX`` if it is a valid start of a name (letters, digits, ``-_``), else
+    empty."""
+    prefix = os.environ.get(NAME_PREFIX_ENV, "")
+    ok = len(prefix) <= 32 and all(c.isascii() and (c.isalnum() or c in "-_") for c in prefix)
+    return prefix if ok else ""
 
 
 def _names() -> list[str]:

@@ -32,7 +32,7 @@ from aioshmcache import ShmCacheError, sweep
 from aioshmcache.metrics import read_snapshot
 
 from ..progress import Progress
-from ..shm import files_with_prefix
+from ..shm import files_with_prefix, name_prefix
 from ..units import MiB, fmt_bytes
 from . import DemoOptions
 from .app import engine_answer, image_hash, preprocess
@@ -204,6 +204,16 @@ class PhaseResult:
     cache: dict[str, Any] = field(default_factory=dict)
     single_flight: dict[str, Any] = field(default_factory=dict)
     gateway_processes: int = 1
+    #: distinct images the phase's plan asks for
+    images: int = 0
+    #: (segment, mm_hash) of every answer sent by reference: which shard held which image
+    answered_from: set[tuple[str, str]] = field(default_factory=set)
+
+    @property
+    def shard_items(self) -> int:
+        """Items the gateway's segments must hold: one per (segment, image) answered by
+        reference (exact while nothing is evicted)."""
+        return len(self.answered_from)
 
     @property
     def passed(self) -> bool:
@@ -211,7 +221,9 @@ class PhaseResult:
 
     def summary(self) -> dict[str, Any]:
         """Every figure of the phase, as the table and ``--json`` give them."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("latencies_ms", "cache")}
+        skip = ("latencies_ms", "cache", "answered_from")
+        out = {k: v for k, v in asdict(self).items() if k not in skip}
+        out["shard_items"] = self.shard_items
         latencies = self.latencies_ms or [0.0]
         out |= {f"p{q}_ms": float(np.percentile(latencies, q)) for q in (50, 95, 99)}
         out |= {key: self.cache.get(key, 0) for key in _SUMMED}
@@ -249,7 +261,7 @@ async def run_load(
     """Drive ``plan`` at the gateway with ``concurrency`` clients; check every answer."""
     import base64
 
-    res = PhaseResult(label, requests=len(plan))
+    res = PhaseResult(label, requests=len(plan), images=len({r.image for r in plan}))
     full = [
         {"mm_hash": e["mm_hash"], "pixels": base64.b64encode(p).decode(), "height": h, "width": w}
         for (p, h, w), e in zip(images, expected, strict=True)
@@ -298,6 +310,8 @@ async def run_load(
                 res.verified += ok
                 res.preprocessed += bool(body.get("preprocessed"))
                 res.inline += body.get("transport") == "inline"
+                if good and body.get("transport") == "shm":
+                    res.answered_from.add((str(body.get("segment")), str(body.get("mm_hash"))))
                 if not good:
                     res.errors[f"HTTP {r.status_code}: {r.text[:120]}"] += 1
                 elif not ok:
@@ -369,7 +383,8 @@ def run_demo(opts: DemoOptions) -> int:
     configs = [("cache on", True, 1)]
     configs += [(f"cache on, {n_gw} gw", True, n_gw)] if n_gw > 1 else []  # one cache group
     configs += [("cache off", False, 1)] if opts.compare else []
-    tag, t_start = f"demo-{os.getpid()}-{int(time.time()) % 100000}", time.perf_counter()
+    tag = f"{name_prefix()}demo-{os.getpid()}-{int(time.time()) % 100000}"
+    t_start = time.perf_counter()
     images = [synthetic_image(opts.seed * 100_003 + k) for k in range(opts.images)]
     expected = [expected_answer(im) for im in images]
     plan = plan_requests(

@@ -32,7 +32,7 @@ from aioshmcache import sweep
 
 from ..framing import Link
 from ..progress import Progress
-from ..shm import SEGMENT_PREFIX, SHM_DIR, files_with_prefix, remove, segment_files
+from ..shm import SEGMENT_PREFIX, SHM_DIR, files_with_prefix, name_prefix, remove, segment_files
 from .child import MAX_FRAME, SABOTAGE_GRACE, SABOTAGE_MIN_SEEN, request_features, sock_path
 from .options import FAULTS, StressOptions
 from .report import Tally, as_json, progress_line, summary
@@ -144,14 +144,14 @@ PERIODIC: Final[dict[str, Callable[[Orchestrator], Awaitable[None]]]] = {
 class Orchestrator:
     def __init__(self, opts: StressOptions) -> None:
         self.opts, self.rng, self.run_id = opts, random.Random(opts.seed), secrets.token_hex(4)
-        self.prefix = f"{SEGMENT_PREFIX}stress-{self.run_id}-"
+        self.prefix = f"{SEGMENT_PREFIX}{name_prefix()}stress-{self.run_id}-"
         self.tmp = tempfile.mkdtemp(prefix="aioshm-stress-")
         # an abstract Unix socket (Linux): no file to clean up, no path length limit
         self.sock = f"@aioshm-stress-{self.run_id}-{os.getpid()}"
         self.tally, self.children = Tally(), dict[str, Child]()
         self.readers: list[Child | None] = [None] * opts.readers
         # --group N: N writer processes, each the writer of its own shard of this group
-        self.group = f"stress-{self.run_id}-grp" if opts.group else None
+        self.group = f"{name_prefix()}stress-{self.run_id}-grp" if opts.group else None
         self.writers: list[Child | None] = [None] * max(1, opts.group)
         self.writer_gen = self.inst = 0
         self.owed: dict[tuple[int, int], set[str]] = {}  # (gen, rid) -> readers yet to report
