@@ -69,10 +69,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Self
 
-import numpy as np
 import posix_ipc
 
 from ._acks import Acknowledgements
+from ._core_api import core
 from ._evict import EVICT_SLACK_BYTES, RELOCATE_BUDGET, Eviction
 from ._hints import Hint, HintTable
 from ._layout import (
@@ -689,7 +689,7 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
     def _write_reserved(self, res: Reservation) -> None:
         """Copy the value into its chunk. Touches only that chunk: no lock needed.
 
-        A ``RawPlan`` is copied byte for byte (a numpy copy: the GIL is let go for big ones),
+        A ``RawPlan`` is copied byte for byte (the core's copy: the GIL is let go for big ones),
         then verified at its source (``StaleReferenceError`` if the source changed meanwhile).
         """
         plan = res.plan
@@ -697,9 +697,8 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
             self.serde.write(plan, self.ring.payload(res.address))
             return
         src = plan.source()
-        try:
-            dst = np.frombuffer(self.ring.payload(res.address), dtype=np.uint8)
-            dst[...] = np.frombuffer(src, dtype=np.uint8)
+        try:  # the core's copy: no GIL, streaming stores for big ones
+            core.copy_into(self.ring.payload(res.address), 0, src)
         finally:
             src.release()
         plan.verify()
