@@ -9,16 +9,16 @@
 /* --- the reference tag (``_types.tag_base`` / ``finish_tag``) -------------------------------
  * Python computes on unbounded ints; every input is a 64-bit word, so the low 64 bits of each
  * product are the C product, and ``x * M >> k`` needs the product's bits k..k+63 (128 bits). */
-static inline uint64_t
-tag_base_u64(uint64_t secret, uint64_t epoch, uint64_t address, uint64_t cid, uint64_t length,
+uint64_t
+aioshm_tag_base(uint64_t secret, uint64_t epoch, uint64_t address, uint64_t cid, uint64_t length,
              uint64_t position)
 {
     uint64_t h = secret ^ (cid * TAG_M1) ^ (address * TAG_M2) ^ (length * TAG_M3) ^ (epoch * TAG_M4);
     return h ^ (uint64_t)(((unsigned __int128)position * TAG_M2) >> 7);
 }
 
-static inline uint64_t
-finish_tag_u64(uint64_t base, uint64_t seq)
+uint64_t
+aioshm_finish_tag(uint64_t base, uint64_t seq)
 {
     uint64_t h = base ^ (uint64_t)(((unsigned __int128)seq * TAG_M3) >> 11);
     h ^= h >> 29;
@@ -53,7 +53,7 @@ core_tag_base(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     for (int i = 0; i < 6; i++)
         if (as_u64(args[i], &v[i]) < 0)
             return NULL;
-    return PyLong_FromUnsignedLongLong(tag_base_u64(v[0], v[1], v[2], v[3], v[4], v[5]));
+    return PyLong_FromUnsignedLongLong(aioshm_tag_base(v[0], v[1], v[2], v[3], v[4], v[5]));
 }
 
 static PyObject *
@@ -66,7 +66,7 @@ core_finish_tag(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (as_u64(args[0], &base) < 0 || as_u64(args[1], &seq) < 0)
         return NULL;
-    return PyLong_FromUnsignedLongLong(finish_tag_u64(base, seq));
+    return PyLong_FromUnsignedLongLong(aioshm_finish_tag(base, seq));
 }
 
 /* --- the copy into the ring -------------------------------------------------------------------
@@ -139,8 +139,8 @@ detect_stream(void)
 #endif
 }
 
-static inline void
-copy_bytes(char *dst, const char *src, size_t n)
+void
+aioshm_copy_bytes(char *dst, const char *src, size_t n)
 {
     if (stream_copy != NULL && n >= (size_t)stream_min) {
         stream_copy(dst, src, n);
@@ -211,7 +211,7 @@ core_copy_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     char *dst = (char *)d.buf + offset;
     if (n >= NOGIL_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        copy_bytes(dst, s.buf, (size_t)n);
+        aioshm_copy_bytes(dst, s.buf, (size_t)n);
         Py_END_ALLOW_THREADS
     }
     else {
@@ -301,6 +301,8 @@ core_exec(PyObject *m)
         Py_XDECREF(layout);
         return -1;
     }
+    if (PyModule_AddFunctions(m, aioshm_put_methods) < 0)
+        return -1;
     if (aioshm_read_methods != NULL && PyModule_AddFunctions(m, aioshm_read_methods) < 0)
         return -1;
     if (aioshm_read_init != NULL && aioshm_read_init(m) < 0)

@@ -16,7 +16,16 @@ from ._types import _M1, _M2, _M3, _M4
 from ._types import finish_tag as _finish_tag
 from ._types import tag_base as _tag_base
 
-__all__ = ["LAYOUT", "copy_info", "copy_into", "finish_tag", "set_stream_min", "tag_base"]
+__all__ = [
+    "LAYOUT",
+    "configure",
+    "copy_info",
+    "copy_into",
+    "finish_tag",
+    "put_plain",
+    "set_stream_min",
+    "tag_base",
+]
 
 _U64: Final = (1 << 64) - 1
 
@@ -131,3 +140,15 @@ def set_stream_min(n: int) -> None:
     if n < 0:
         raise ValueError("stream_min must be >= 0")
     _stream_min = n
+
+
+def configure(ref_type: type, plan_type: type, serde_type: type) -> None:
+    """Name the types :func:`put_plain` recognises (the C core checks them; nothing here)."""
+    if not issubclass(ref_type, tuple):
+        raise TypeError("the reference type must be a tuple subclass")
+
+
+def put_plain(store: object, key: object, plan: object) -> None:
+    """The compiled put of a plain item, which may decline: here it always does, before any
+    side effect, so the store's own steps (``StoreWriter._put_now``, the reference) run."""
+    return None

@@ -98,6 +98,7 @@ from ._reading import ReadPath, check_ref_fields
 from ._ring import ShmRingBuffer
 from ._segment import Segment
 from ._serde import EncodePlan, MsgpackSerde, Serde
+from ._serde_encode import _Plan
 from ._shards import ShardedMap, shards_for
 from ._types import (
     _M1,
@@ -141,6 +142,9 @@ _pack_row: Final = _ROW.pack
 _unpack_row: Final = _ROW.unpack
 _new_ref: Final = tuple.__new__  # ShmRef's fields in order, without its Python-level __new__
 _NOBODY: Final[list[int]] = []  # the owers of a one-of-N hand-out (never appended to)
+#: the core's put of a plain item (``_core_put.c``); it declines with None before any side effect
+core.configure(ShmRef, _Plan, MsgpackSerde)
+_put_plain = core.put_plain
 
 
 @dataclass(frozen=True)
@@ -617,7 +621,15 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
 
     def _put_now(self, key: str, plan: EncodePlan) -> ShmRef:
         """:meth:`put_locked` for a caller that checked the owner and holds the lock (a
-        sender request, deciding all its items in one locked step)."""
+        sender request, deciding all its items in one locked step).
+
+        The core's ``put_plain`` runs first: the usual put in one compiled step (the C core;
+        the pure core declines every put), or None, before any side effect, for anything
+        unusual; then the steps below, the reference, run.
+        """
+        ref = _put_plain(self, key, plan)
+        if ref is not None:
+            return ref
         if type(key) is not str and not isinstance(key, str):
             raise TypeError(f"keys are str, not {type(key).__name__}")
         if (
