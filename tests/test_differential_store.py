@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from aioshmcache import (
     CacheConfig,
     DuplicateKeyError,
+    SenderCache,
     ShmObjectStore,
     ShmRef,
     StoreWriter,
@@ -164,3 +165,48 @@ def test_the_c_put_takes_the_usual_put_and_declines_the_rest(
             ref = store.ref_of(key)
             assert ref is not None and store.get(ref) is not None
     assert seen == [True, False, False, True, False]
+
+
+REQUESTS = st.lists(
+    st.lists(st.tuples(KEYS, st.integers(-1, 3)), min_size=1, max_size=4), min_size=1, max_size=25
+)
+
+
+def _run_requests(requests: list[list[tuple[str, int]]], seed: int) -> tuple[list[object], bytes]:
+    """Sender requests of one to four items (``-1``: a look-up), so that puts run under a
+    request's guard, repeat a hash within a request, and evict, as the sender's do."""
+    rng = np.random.default_rng(seed)
+    name = f"{RUN_PREFIX}diffreq-{uuid.uuid4().hex[:10]}"
+    cache = SenderCache(CacheConfig(256 * 1024, 200 * 1024, 1, name=name))
+    cache.store._secret = _SECRET
+    cache.store._hw[L.H_SECRET] = _SECRET
+    answers: list[object] = []
+    try:
+        for request in requests:
+            items = [None if n < 0 else (ITEMS[n](rng), [n]) for _, n in request]
+            try:
+                out = cache.get_and_update(items, [h for h, _ in request])
+                answers.append(
+                    [(_ref_fields(d) if isinstance(d, ShmRef) else "inline", u) for d, u in out]
+                )
+            except Exception as exc:
+                answers.append(("error", type(exc).__name__))
+            answers.append(("state", cache.store.keys(), cache.store.ring.used_bytes))
+        return answers, bytes(cache.store.ring.buf)
+    finally:
+        cache.close()
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(REQUESTS, st.integers(0, 2**32 - 1))
+def test_sender_requests_answer_alike_and_write_the_same_segment_on_both_cores(
+    monkeypatch: pytest.MonkeyPatch, requests: list[list[tuple[str, int]]], seed: int
+) -> None:
+    with_c = _run_requests(requests, seed)
+    with monkeypatch.context() as m:
+        m.setattr(_store, "_put_plain", _core_py.put_plain)
+        pure = _run_requests(requests, seed)
+    assert with_c[0] == pure[0]
+    assert with_c[1] == pure[1]
