@@ -643,6 +643,9 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
         got = ring.try_allocate(nbytes)
         if got is None:
             self._make_room(nbytes, 0.0, {})  # no wait: the lock is never let go
+            ref = _put_plain(self, key, plan)  # room made: the core's usual put, if it may
+            if ref is not None:
+                return ref
             got = ring.allocate(nbytes)
         address, cid = got
         start = address + CHUNK_HEADER  # ``ring.payload(address)``, inline: its length is nbytes
