@@ -82,7 +82,7 @@ core_finish_tag(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 #endif
 
 #define NOGIL_MIN (64 * 1024)
-static Py_ssize_t stream_min = 256 * 1024; /* tuned by bench/bench_core_copy.py */
+static Py_ssize_t stream_min = 64 * 1024; /* tuned by bench/bench_core_copy.py */
 static const char *stream_kind = "memcpy";
 typedef void (*stream_fn)(char *dst, const char *src, size_t n);
 static stream_fn stream_copy = NULL;

@@ -94,7 +94,7 @@ def finish_tag(base: int, seq: int) -> int:
 #: copies of this many bytes or more go through numpy, which lets go of the GIL (the C core's
 #: threshold for the same)
 _NOGIL_MIN: Final = 64 * 1024
-_stream_min = 256 * 1024
+_stream_min = 64 * 1024
 
 
 def _contiguous(obj: object, writable: bool, what: str) -> memoryview:
