@@ -486,7 +486,90 @@ done:
     return result;
 }
 
+/* ``make_ref(store, cid, seq)``: the reference of hand-out ``seq`` of the cached chunk ``cid``
+ * (``StoreWriter._ref``, the reference): its row, the tag's base (recomputed, and the row
+ * rewritten, once per epoch), the tag. None (nothing done) when the row is missing or not what
+ * the reference packs: the reference then runs (and raises what it raises). */
+static PyObject *
+core_make_ref(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "make_ref takes 3 arguments (store, cid, seq)");
+        return NULL;
+    }
+    if (ref_type == NULL)
+        Py_RETURN_NONE;
+    PyObject *store = args[0], *cid_obj = args[1], *seq_obj = args[2];
+    if (!PyLong_CheckExact(cid_obj) || !PyLong_CheckExact(seq_obj))
+        Py_RETURN_NONE;
+    uint64_t cid = PyLong_AsUnsignedLongLong(cid_obj), seq = PyLong_AsUnsignedLongLong(seq_obj);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *result = NULL, *rows = NULL, *shard = NULL, *secret_obj = NULL, *nonce = NULL;
+    PyObject *fields = NULL, *row = NULL;
+    Held held = {.ncol = 0, .has_ring = 0, .has_hw = 0, .nsrc = 0};
+    NEED(rows = PyObject_GetAttr(store, s_rows));
+    NEED(shard = shard_of(rows, cid_obj));
+    PyObject *packed = PyDict_GetItemWithError(shard, cid_obj); /* borrowed */
+    if (packed == NULL) {
+        if (PyErr_Occurred())
+            goto done;
+        DECLINE(); /* the reference raises KeyError */
+    }
+    if (!PyBytes_CheckExact(packed) || PyBytes_GET_SIZE(packed) != 5 * 8)
+        DECLINE();
+    uint64_t f[5]; /* address, length, position, base, epoch of the base */
+    memcpy(f, PyBytes_AS_STRING(packed), sizeof f);
+    CHECK(get_words(store, s_hw, &held.hw));
+    held.has_hw = 1;
+    if (held.hw.len < AIOSHM_HEADER_SIZE)
+        DECLINE();
+    uint64_t epoch = ((volatile uint64_t *)held.hw.buf)[H_EPOCH];
+    NEED(nonce = PyObject_GetAttr(store, s_nonce));
+    if (f[4] != epoch) { /* the tag's base, once per epoch */
+        NEED(secret_obj = PyObject_GetAttr(store, s_secret));
+        uint64_t secret = PyLong_AsUnsignedLongLong(secret_obj);
+        if (secret == (uint64_t)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            DECLINE();
+        }
+        f[3] = aioshm_tag_base(secret, epoch, f[0], cid, f[1], f[2]);
+        f[4] = epoch;
+        NEED(row = PyBytes_FromStringAndSize((const char *)f, sizeof f));
+        if (PyDict_SetItem(shard, cid_obj, row) < 0)
+            goto done;
+    }
+    {
+        PyObject *tag = PyLong_FromUnsignedLongLong(aioshm_finish_tag(f[3], seq));
+        PyObject *ep = PyLong_FromUnsignedLongLong(epoch);
+        PyObject *addr = PyLong_FromUnsignedLongLong(f[0]);
+        PyObject *len = PyLong_FromUnsignedLongLong(f[1]);
+        PyObject *pos = PyLong_FromUnsignedLongLong(f[2]);
+        if (tag && ep && addr && len && pos)
+            fields = PyTuple_Pack(8, nonce, ep, addr, cid_obj, len, tag, pos, seq_obj);
+        Py_XDECREF(tag), Py_XDECREF(ep), Py_XDECREF(addr), Py_XDECREF(len), Py_XDECREF(pos);
+    }
+    if (fields == NULL)
+        goto done;
+    {
+        PyObject *targs = PyTuple_Pack(1, fields);
+        if (targs == NULL)
+            goto done;
+        result = PyTuple_Type.tp_new((PyTypeObject *)ref_type, targs, NULL);
+        Py_DECREF(targs);
+    }
+done:
+    release_all(&held);
+    Py_XDECREF(rows), Py_XDECREF(shard), Py_XDECREF(secret_obj), Py_XDECREF(nonce);
+    Py_XDECREF(fields), Py_XDECREF(row);
+    return result;
+}
+
 PyMethodDef aioshm_put_methods[] = {
+    {"make_ref", (PyCFunction)(void (*)(void))core_make_ref, METH_FASTCALL,
+     "make_ref(store, cid, seq) -> the ShmRef of a hand-out, or None (the reference decides)"},
     {"configure", core_configure, METH_VARARGS,
      "configure(ShmRef, plan type, serde type): the types put_plain recognises"},
     {"put_plain", (PyCFunction)(void (*)(void))core_put_plain, METH_FASTCALL,

@@ -22,6 +22,7 @@ __all__ = [
     "copy_info",
     "copy_into",
     "finish_tag",
+    "make_ref",
     "put_plain",
     "set_stream_min",
     "tag_base",
@@ -151,4 +152,10 @@ def configure(ref_type: type, plan_type: type, serde_type: type) -> None:
 def put_plain(store: object, key: object, plan: object) -> None:
     """The compiled put of a plain item, which may decline: here it always does, before any
     side effect, so the store's own steps (``StoreWriter._put_now``, the reference) run."""
+    return None
+
+
+def make_ref(store: object, cid: int, seq: int) -> None:
+    """The reference of a hand-out, which may decline: here it always does (the store's own
+    ``StoreWriter._ref`` is the reference)."""
     return None

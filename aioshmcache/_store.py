@@ -145,6 +145,8 @@ _NOBODY: Final[list[int]] = []  # the owers of a one-of-N hand-out (never append
 #: the core's put of a plain item (``_core_put.c``); it declines with None before any side effect
 core.configure(ShmRef, _Plan, MsgpackSerde)
 _put_plain = core.put_plain
+#: the core's reference of a hand-out (``StoreWriter._ref``); None: the Python steps decide
+_make_ref = core.make_ref
 
 
 @dataclass(frozen=True)
@@ -552,6 +554,9 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
         return self._keys.pop(cid, None)
 
     def _ref(self, cid: int, seq: int = 0) -> ShmRef:
+        ref = _make_ref(self, cid, seq)  # the core's, if it may (else None: the steps below)
+        if ref is not None:
+            return ref
         epoch = self._hw[H_EPOCH]  # a "Q" view: already an int
         rows = self._rows
         shard = rows.shards[hash(cid) & rows.mask]  # self._rows[cid], one call shorter

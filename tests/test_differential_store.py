@@ -26,6 +26,7 @@ from aioshmcache import (
     ShmRef,
     StoreWriter,
     _core_py,
+    _serde,
     _store,
 )
 from aioshmcache import _layout as L
@@ -60,6 +61,13 @@ OPS = st.one_of(
     st.tuples(st.just("release_last"), KEYS, st.just(0)),
     st.tuples(st.just("clear"), KEYS, st.just(0)),
 )
+
+
+def pure_core(m: pytest.MonkeyPatch) -> None:
+    """Every entry point of the write path into the core: the pure one's (``AIOSHM_PURE=1``)."""
+    m.setattr(_store, "_put_plain", _core_py.put_plain)
+    m.setattr(_store, "_make_ref", _core_py.make_ref)
+    m.setattr(_serde, "_copy_into", _core_py.copy_into)
 
 
 def _store_for(name: str) -> StoreWriter:
@@ -130,7 +138,7 @@ def test_both_cores_answer_alike_and_write_the_same_segment(
 ) -> None:
     with_c = _run(ops, seed)
     with monkeypatch.context() as m:
-        m.setattr(_store, "_put_plain", _core_py.put_plain)
+        pure_core(m)
         pure = _run(ops, seed)
     assert with_c[0] == pure[0]  # answers and errors, op by op
     assert with_c[2] == pure[2]  # header words
@@ -206,7 +214,33 @@ def test_sender_requests_answer_alike_and_write_the_same_segment_on_both_cores(
 ) -> None:
     with_c = _run_requests(requests, seed)
     with monkeypatch.context() as m:
-        m.setattr(_store, "_put_plain", _core_py.put_plain)
+        pure_core(m)
         pure = _run_requests(requests, seed)
     assert with_c[0] == pure[0]
     assert with_c[1] == pure[1]
+
+
+def test_a_hand_out_s_reference_is_the_same_from_either_core(make_config: Any) -> None:
+    """``make_ref`` against the reference ``StoreWriter._ref``, with the tag's base recomputed
+    when the epoch moved since the row was written (and the row rewritten alike)."""
+    assert C is not None
+    with ShmObjectStore.create(make_config(1 << 20)) as store:
+        for i in range(5):
+            store.put(f"k{i}", ITEMS[1](np.random.default_rng(i)))
+        cids = [store._index[f"k{i}"] for i in range(5)]
+        for bump in (0, 1):
+            store._hw[L.H_EPOCH] = int(store._hw[L.H_EPOCH]) + bump
+            for cid in cids:
+                for seq in (0, 1, 2**40):
+                    before = store._rows[cid]
+                    got = C.make_ref(store, cid, seq)
+                    rewritten = store._rows[cid]
+                    store._rows[cid] = before
+                    with pytest.MonkeyPatch.context() as m:
+                        m.setattr(_store, "_make_ref", _core_py.make_ref)
+                        expected = store._ref(cid, seq)
+                    assert got == expected and type(got) is ShmRef
+                    assert store._rows[cid] == rewritten
+        assert C.make_ref(store, 10**6, 0) is None  # no such row: the reference raises
+        with pytest.raises(KeyError):
+            store._ref(10**6, 0)
