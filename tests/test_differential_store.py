@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from aioshmcache import (
     CacheConfig,
     DuplicateKeyError,
+    MsgpackSerde,
     SenderCache,
     ShmObjectStore,
     ShmRef,
@@ -30,12 +31,15 @@ from aioshmcache import (
     _store,
 )
 from aioshmcache import _layout as L
+from aioshmcache._serde_encode import _Plan
 
 from .conftest import RUN_PREFIX
 from .test_core import c_core
 
 C = c_core()
 pytestmark = pytest.mark.skipif(C is None, reason="the C core is not built here")
+if C is not None:  # as ``_store`` does for the core in use (with AIOSHM_PURE=1, the pure one)
+    C.configure(ShmRef, _Plan, MsgpackSerde)
 
 #: header words that differ between two instances whatever they do (see the module docstring)
 _INSTANCE_WORDS = {L.H_NONCE, L.H_WRITER_PID, L.H_OWNER_UID, L.H_CREATED, L.H_SECRET}
