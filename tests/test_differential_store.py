@@ -248,3 +248,28 @@ def test_a_hand_out_s_reference_is_the_same_from_either_core(make_config: Any) -
         assert C.make_ref(store, 10**6, 0) is None  # no such row: the reference raises
         with pytest.raises(KeyError):
             store._ref(10**6, 0)
+
+
+def test_a_source_that_changed_since_its_plan_is_refused_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plan whose array is no longer the size it was planned at: the C core declines before
+    any side effect, and the reference refuses it (``SerdeError``); both leave the same ring."""
+    from aioshmcache import SerdeError
+
+    def attempt() -> tuple[str, bytes, int]:
+        store = _store_for(f"{RUN_PREFIX}diffsz-{uuid.uuid4().hex[:10]}")
+        try:
+            plan = store.plan({"x": np.arange(100, dtype=np.int64)})
+            plan._sources = (np.arange(90, dtype=np.int64),)  # type: ignore[attr-defined]
+            with pytest.raises(SerdeError):
+                store.put_locked("k", plan)
+            return repr(store.keys()), bytes(store.ring.buf), store.ring.next_id
+        finally:
+            store.close()
+
+    with_c = attempt()
+    with monkeypatch.context() as m:
+        pure_core(m)
+        pure = attempt()
+    assert with_c == pure
