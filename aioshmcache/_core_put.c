@@ -240,6 +240,117 @@ attr_true(PyObject *obj, PyObject *name)
             goto done;                                                                         \
     } while (0)
 
+/* ``ShmRef(nonce, epoch, address, id, length, tag, position, seq)`` as the store builds it
+ * (``tuple.__new__``: no Python-level ``__new__``). */
+static PyObject *
+new_ref(PyObject *nonce, uint64_t epoch, uint64_t address, PyObject *cid_obj, uint64_t length,
+        uint64_t tag, uint64_t position, PyObject *seq_obj)
+{
+    PyObject *result = NULL, *fields = NULL;
+    PyObject *t = PyLong_FromUnsignedLongLong(tag), *ep = PyLong_FromUnsignedLongLong(epoch);
+    PyObject *addr = PyLong_FromUnsignedLongLong(address);
+    PyObject *len = PyLong_FromUnsignedLongLong(length);
+    PyObject *pos = PyLong_FromUnsignedLongLong(position);
+    if (t && ep && addr && len && pos)
+        fields = PyTuple_Pack(8, nonce, ep, addr, cid_obj, len, t, pos, seq_obj);
+    Py_XDECREF(t), Py_XDECREF(ep), Py_XDECREF(addr), Py_XDECREF(len), Py_XDECREF(pos);
+    PyObject *targs = fields == NULL ? NULL : PyTuple_Pack(1, fields);
+    if (targs != NULL)
+        result = PyTuple_Type.tp_new((PyTypeObject *)ref_type, targs, NULL);
+    Py_XDECREF(targs), Py_XDECREF(fields);
+    return result;
+}
+
+/* --- the publish step (``_publish_put``), shared by ``put_plain`` and ``publish_plain`` ---- */
+typedef struct {
+    PyObject *index, *ishard, *rows, *keys, *guarded, *nonce; /* from the store */
+    PyObject *cid_obj, *rshard, *kshard;                        /* of the chunk */
+    uint64_t secret, cid;
+} Pub;
+
+static void
+pub_clear(Pub *p)
+{
+    PyObject **all[] = {&p->index, &p->ishard, &p->rows,   &p->keys,  &p->guarded,
+                        &p->nonce, &p->cid_obj, &p->rshard, &p->kshard};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        Py_CLEAR(*all[i]);
+}
+
+/* What the publish step reads of the store (no side effect): 0, 1 (decline) or -1. */
+static int
+pub_prepare(PyObject *store, PyObject *key, Pub *p)
+{
+    if ((p->index = PyObject_GetAttr(store, s_index)) == NULL ||
+        (p->ishard = shard_of(p->index, key)) == NULL ||
+        (p->rows = PyObject_GetAttr(store, s_rows)) == NULL ||
+        (p->keys = PyObject_GetAttr(store, s_keys)) == NULL ||
+        (p->guarded = PyObject_GetAttr(store, s_guarded)) == NULL ||
+        (p->nonce = PyObject_GetAttr(store, s_nonce)) == NULL)
+        return -1;
+    if (p->guarded != Py_None && !PyDict_CheckExact(p->guarded))
+        return 1;
+    PyObject *secret = PyObject_GetAttr(store, s_secret);
+    if (secret == NULL)
+        return -1;
+    int ok = PyLong_CheckExact(secret) && PyLong_CheckExact(p->nonce);
+    p->secret = ok ? PyLong_AsUnsignedLongLong(secret) : 0;
+    Py_DECREF(secret);
+    if (ok && p->secret == (uint64_t)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        ok = 0;
+    }
+    return ok ? 0 : 1;
+}
+
+/* The chunk's id and the row and key shards it goes to. */
+static int
+pub_chunk(Pub *p, uint64_t cid)
+{
+    p->cid = cid;
+    if ((p->cid_obj = PyLong_FromUnsignedLongLong(cid)) == NULL ||
+        (p->rshard = shard_of(p->rows, p->cid_obj)) == NULL ||
+        (p->kshard = shard_of(p->keys, p->cid_obj)) == NULL)
+        return -1;
+    return 0;
+}
+
+/* ``_publish_put`` after the commit: the tag's base, the row, key and index entries, the usage
+ * words; then the hand-out (the store's own ``_hand_out_seq``: the ledger) and the ``ShmRef``.
+ * ``held`` is released before the store's Python code runs. */
+static PyObject *
+pub_finish(PyObject *store, PyObject *key, Pub *p, Held *held, volatile uint64_t *hw,
+           int64_t address, Py_ssize_t nbytes, int64_t position, int64_t used)
+{
+    PyObject *row = NULL, *seq_obj = NULL, *result = NULL;
+    uint64_t epoch = hw[H_EPOCH];
+    uint64_t base = aioshm_tag_base(p->secret, epoch, (uint64_t)address, p->cid,
+                                    (uint64_t)nbytes, (uint64_t)position);
+    uint64_t packed[5] = {(uint64_t)address, (uint64_t)nbytes, (uint64_t)position, base, epoch};
+    int64_t n_items;
+    if ((row = PyBytes_FromStringAndSize((const char *)packed, sizeof packed)) == NULL ||
+        PyDict_SetItem(p->rshard, p->cid_obj, row) < 0 || bump_n(p->rows, NULL) < 0 ||
+        PyDict_SetItem(p->kshard, p->cid_obj, key) < 0 || bump_n(p->keys, NULL) < 0 ||
+        PyDict_SetItem(p->ishard, key, p->cid_obj) < 0 || bump_n(p->index, &n_items) < 0)
+        goto done;
+    if (p->guarded != Py_None && PyDict_SetItem(p->guarded, p->cid_obj, Py_None) < 0)
+        goto done;
+    STORE_WORD(&hw[H_BYTES_USED], (uint64_t)used);
+    STORE_WORD(&hw[H_ITEMS], (uint64_t)n_items);
+    release_all(held);
+    *held = (Held){.ncol = 0, .has_ring = 0, .has_hw = 0, .nsrc = 0};
+    if ((seq_obj = PyObject_CallMethodOneArg(store, s_hand_out_seq, p->cid_obj)) == NULL)
+        goto done;
+    uint64_t seq = PyLong_AsUnsignedLongLong(seq_obj);
+    if (seq == (uint64_t)-1 && PyErr_Occurred())
+        goto done;
+    result = new_ref(p->nonce, epoch, (uint64_t)address, p->cid_obj, (uint64_t)nbytes,
+                     aioshm_finish_tag(base, seq), (uint64_t)position, seq_obj);
+done:
+    Py_XDECREF(row), Py_XDECREF(seq_obj);
+    return result;
+}
+
 static PyObject *
 core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -255,11 +366,10 @@ core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
     PyObject *result = NULL;
     Held held = {.ncol = 0, .has_ring = 0, .has_hw = 0, .nsrc = 0};
-    PyObject *serde = NULL, *index = NULL, *ishard = NULL, *pending = NULL, *waiting = NULL;
-    PyObject *ring = NULL, *seg = NULL, *layout = NULL, *sources = NULL, *at = NULL;
-    PyObject *atshard = NULL, *rows = NULL, *keys = NULL, *rshard = NULL, *kshard = NULL;
-    PyObject *guarded = NULL, *cid_obj = NULL, *k_obj = NULL, *u_obj = NULL, *row = NULL;
-    PyObject *seq_obj = NULL, *fields = NULL, *nonce = NULL, *secret_obj = NULL;
+    Pub pub = {0};
+    PyObject *serde = NULL, *pending = NULL, *waiting = NULL, *ring = NULL, *seg = NULL;
+    PyObject *layout = NULL, *sources = NULL, *at = NULL, *atshard = NULL, *k_obj = NULL;
+    PyObject *u_obj = NULL;
 
     /* --- every check, no side effect -------------------------------------------------- */
     NEED(serde = PyObject_GetAttr(store, s_serde));
@@ -269,12 +379,8 @@ core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         int hints = attr_true(store, s_has_hints);
         CHECK(hints);
     }
-    NEED(index = PyObject_GetAttr(store, s_index));
-    NEED(ishard = shard_of(index, key));
-    {
-        int has = PyDict_Contains(ishard, key);
-        CHECK(has); /* a duplicate: the reference raises DuplicateKeyError */
-    }
+    CHECK(pub_prepare(store, key, &pub));
+    CHECK(PyDict_Contains(pub.ishard, key)); /* a duplicate: the reference raises */
     NEED(pending = PyObject_GetAttr(store, s_pending));
     NEED(waiting = PyObject_GetAttr(store, s_waiting));
     if (!PyDict_CheckExact(pending) || !PyAnySet_CheckExact(waiting))
@@ -374,24 +480,7 @@ core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     uint64_t cid = hw[H_NEXT_ID];
     if (cid > MAX_RING_ID || cid == 0)
         DECLINE(); /* exhausted: the reference raises */
-    uint64_t secret;
-    NEED(secret_obj = PyObject_GetAttr(store, s_secret));
-    NEED(nonce = PyObject_GetAttr(store, s_nonce));
-    if (!PyLong_CheckExact(secret_obj) || !PyLong_CheckExact(nonce))
-        DECLINE();
-    secret = PyLong_AsUnsignedLongLong(secret_obj);
-    if (secret == (uint64_t)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        DECLINE();
-    }
-    NEED(rows = PyObject_GetAttr(store, s_rows));
-    NEED(keys = PyObject_GetAttr(store, s_keys));
-    NEED(guarded = PyObject_GetAttr(store, s_guarded));
-    if (guarded != Py_None && !PyDict_CheckExact(guarded))
-        DECLINE();
-    NEED(cid_obj = PyLong_FromUnsignedLongLong(cid));
-    NEED(rshard = shard_of(rows, cid_obj));
-    NEED(kshard = shard_of(keys, cid_obj));
+    CHECK(pub_chunk(&pub, cid));
     NEED(k_obj = PyLong_FromLongLong(end));
     NEED(u_obj = PyLong_FromLongLong(tail >> 6));
 
@@ -435,54 +524,101 @@ core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     /* ``commit``: the state word after every payload byte */
     STORE_WORD(&w[C_STATE], CHUNK_COMMITTED);
     ((int64_t *)held.col[4].buf)[j] = CHUNK_COMMITTED;
-    /* ``_publish_put``: the tag's base, the row, key and index entries, the usage words */
-    uint64_t epoch = hw[H_EPOCH];
-    uint64_t base = aioshm_tag_base(secret, epoch, (uint64_t)tail, cid, (uint64_t)nbytes,
-                                    (uint64_t)position);
-    uint64_t packed[5] = {(uint64_t)tail, (uint64_t)nbytes, (uint64_t)position, base, epoch};
-    NEED(row = PyBytes_FromStringAndSize((const char *)packed, sizeof packed));
-    int64_t n_items;
-    if (PyDict_SetItem(rshard, cid_obj, row) < 0 || bump_n(rows, NULL) < 0 ||
-        PyDict_SetItem(kshard, cid_obj, key) < 0 || bump_n(keys, NULL) < 0 ||
-        PyDict_SetItem(ishard, key, cid_obj) < 0 || bump_n(index, &n_items) < 0)
-        goto done;
-    if (guarded != Py_None && PyDict_SetItem(guarded, cid_obj, Py_None) < 0)
-        goto done;
-    STORE_WORD(&hw[H_BYTES_USED], (uint64_t)(used + size));
-    STORE_WORD(&hw[H_ITEMS], (uint64_t)n_items);
-    /* the hand-out: the store's own (the ledger), then the reference */
-    release_all(&held);
-    held = (Held){.ncol = 0, .has_ring = 0, .has_hw = 0, .nsrc = 0};
-    NEED(seq_obj = PyObject_CallMethodOneArg(store, s_hand_out_seq, cid_obj));
-    uint64_t seq = PyLong_AsUnsignedLongLong(seq_obj);
-    if (seq == (uint64_t)-1 && PyErr_Occurred())
-        goto done;
-    PyObject *tag = PyLong_FromUnsignedLongLong(aioshm_finish_tag(base, seq));
-    PyObject *ep = PyLong_FromUnsignedLongLong(epoch);
-    PyObject *addr = PyLong_FromLongLong(tail);
-    PyObject *len = PyLong_FromSsize_t(nbytes);
-    PyObject *pos = PyLong_FromLongLong(position);
-    if (tag && ep && addr && len && pos)
-        fields = PyTuple_Pack(8, nonce, ep, addr, cid_obj, len, tag, pos, seq_obj);
-    Py_XDECREF(tag), Py_XDECREF(ep), Py_XDECREF(addr), Py_XDECREF(len), Py_XDECREF(pos);
-    if (fields == NULL)
-        goto done;
-    {
-        PyObject *targs = PyTuple_Pack(1, fields);
-        if (targs == NULL)
-            goto done;
-        result = PyTuple_Type.tp_new((PyTypeObject *)ref_type, targs, NULL);
-        Py_DECREF(targs);
-    }
+    result = pub_finish(store, key, &pub, &held, hw, tail, nbytes, position, used + size);
 
 done:
     release_all(&held);
-    Py_XDECREF(serde), Py_XDECREF(index), Py_XDECREF(ishard), Py_XDECREF(pending);
-    Py_XDECREF(waiting), Py_XDECREF(ring), Py_XDECREF(seg), Py_XDECREF(layout);
-    Py_XDECREF(sources), Py_XDECREF(at), Py_XDECREF(atshard), Py_XDECREF(rows);
-    Py_XDECREF(keys), Py_XDECREF(rshard), Py_XDECREF(kshard), Py_XDECREF(guarded);
-    Py_XDECREF(cid_obj), Py_XDECREF(k_obj), Py_XDECREF(u_obj), Py_XDECREF(row);
-    Py_XDECREF(seq_obj), Py_XDECREF(fields), Py_XDECREF(nonce), Py_XDECREF(secret_obj);
+    pub_clear(&pub);
+    Py_XDECREF(serde), Py_XDECREF(pending), Py_XDECREF(waiting), Py_XDECREF(ring);
+    Py_XDECREF(seg), Py_XDECREF(layout), Py_XDECREF(sources), Py_XDECREF(at);
+    Py_XDECREF(atshard), Py_XDECREF(k_obj), Py_XDECREF(u_obj);
+    return result;
+}
+
+/* ``publish_plain(store, key, address, cid, length)``: ``StoreWriter._publish_put`` of a chunk
+ * whose payload is written (a reservation's commit): the ring's ``commit``, then the publish
+ * step as in ``put_plain``. None, before any side effect, unless the chunk at ``address`` is
+ * ``cid`` being written, in a live writer's ring with no key hints: the reference then runs
+ * (and raises what it raises). */
+static PyObject *
+core_publish_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "publish_plain takes 5 arguments");
+        return NULL;
+    }
+    PyObject *store = args[0], *key = args[1];
+    if (ref_type == NULL || !PyUnicode_CheckExact(key) || !PyLong_CheckExact(args[2]) ||
+        !PyLong_CheckExact(args[3]) || !PyLong_CheckExact(args[4]))
+        Py_RETURN_NONE;
+    int64_t address = PyLong_AsLongLong(args[2]);
+    uint64_t cid = PyLong_AsUnsignedLongLong(args[3]);
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *result = NULL, *ring = NULL, *seg = NULL, *at = NULL, *u_obj = NULL;
+    Held held = {.ncol = 0, .has_ring = 0, .has_hw = 0, .nsrc = 0};
+    Pub pub = {0};
+    if (address < 0 || address % 64 != 0 || nbytes < 0 || cid == 0 || cid > MAX_RING_ID)
+        DECLINE();
+    CHECK(attr_true(store, s_has_hints));
+    NEED(ring = PyObject_GetAttr(store, s_ring));
+    NEED(seg = PyObject_GetAttr(ring, s_seg));
+    CHECK(attr_true(seg, s_closed));
+    CHECK(attr_true(seg, s_forked));
+    int64_t mask, at_mask, used;
+    CHECK(get_i64(ring, s_mask, &mask));
+    CHECK(get_i64(ring, s_at_mask, &at_mask));
+    CHECK(get_i64(ring, s_used, &used));
+    NEED(at = PyObject_GetAttr(ring, s_at));
+    if (!PyList_CheckExact(at) || PyList_GET_SIZE(at) != at_mask + 1)
+        DECLINE();
+    NEED(u_obj = PyLong_FromLongLong(address >> 6));
+    PyObject *k_obj = PyDict_GetItemWithError(  /* borrowed: the chunk's number */
+        PyList_GET_ITEM(at, (Py_ssize_t)((address >> 6) & at_mask)), u_obj);
+    if (k_obj == NULL) {
+        if (PyErr_Occurred())
+            goto done;
+        DECLINE(); /* no chunk starts there: the reference raises */
+    }
+    int64_t k = PyLong_AsLongLong(k_obj);
+    if (k == -1 && PyErr_Occurred())
+        goto done;
+    int64_t j = k & mask;
+    PyObject *cols[5] = {s_addr, s_size, s_id, s_cpos, s_state};
+    for (int c = 0; c < 5; c++) {
+        CHECK(get_words(ring, cols[c], &held.col[held.ncol]));
+        held.ncol++;
+        if (held.col[c].len / 8 <= j)
+            DECLINE();
+    }
+    if (((int64_t *)held.col[4].buf)[j] != CHUNK_WRITING ||
+        ((int64_t *)held.col[2].buf)[j] != (int64_t)cid ||
+        ((int64_t *)held.col[0].buf)[j] != address)
+        DECLINE(); /* not this chunk being written: the reference raises */
+    CHECK(get_words(ring, s_w, &held.ring));
+    held.has_ring = 1;
+    if (address + CHUNK_HEADER > held.ring.len)
+        DECLINE();
+    CHECK(get_words(store, s_hw, &held.hw));
+    held.has_hw = 1;
+    if (held.hw.len < AIOSHM_HEADER_SIZE)
+        DECLINE();
+    CHECK(pub_prepare(store, key, &pub));
+    CHECK(pub_chunk(&pub, cid));
+    /* --- side effects: ``commit``, then the publish step --- */
+    uint64_t *w = (uint64_t *)held.ring.buf + (address >> 3);
+    STORE_WORD(&w[C_STATE], CHUNK_COMMITTED);
+    ((int64_t *)held.col[4].buf)[j] = CHUNK_COMMITTED;
+    int64_t position = ((int64_t *)held.col[3].buf)[j];
+    result = pub_finish(store, key, &pub, &held, (volatile uint64_t *)held.hw.buf, address,
+                        nbytes, position, used);
+done:
+    release_all(&held);
+    pub_clear(&pub);
+    Py_XDECREF(ring), Py_XDECREF(seg), Py_XDECREF(at), Py_XDECREF(u_obj);
     return result;
 }
 
@@ -508,7 +644,7 @@ core_make_ref(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE;
     }
     PyObject *result = NULL, *rows = NULL, *shard = NULL, *secret_obj = NULL, *nonce = NULL;
-    PyObject *fields = NULL, *row = NULL;
+    PyObject *row = NULL;
     Held held = {.ncol = 0, .has_ring = 0, .has_hw = 0, .nsrc = 0};
     NEED(rows = PyObject_GetAttr(store, s_rows));
     NEED(shard = shard_of(rows, cid_obj));
@@ -541,33 +677,18 @@ core_make_ref(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (PyDict_SetItem(shard, cid_obj, row) < 0)
             goto done;
     }
-    {
-        PyObject *tag = PyLong_FromUnsignedLongLong(aioshm_finish_tag(f[3], seq));
-        PyObject *ep = PyLong_FromUnsignedLongLong(epoch);
-        PyObject *addr = PyLong_FromUnsignedLongLong(f[0]);
-        PyObject *len = PyLong_FromUnsignedLongLong(f[1]);
-        PyObject *pos = PyLong_FromUnsignedLongLong(f[2]);
-        if (tag && ep && addr && len && pos)
-            fields = PyTuple_Pack(8, nonce, ep, addr, cid_obj, len, tag, pos, seq_obj);
-        Py_XDECREF(tag), Py_XDECREF(ep), Py_XDECREF(addr), Py_XDECREF(len), Py_XDECREF(pos);
-    }
-    if (fields == NULL)
-        goto done;
-    {
-        PyObject *targs = PyTuple_Pack(1, fields);
-        if (targs == NULL)
-            goto done;
-        result = PyTuple_Type.tp_new((PyTypeObject *)ref_type, targs, NULL);
-        Py_DECREF(targs);
-    }
+    result = new_ref(nonce, epoch, f[0], cid_obj, f[1], aioshm_finish_tag(f[3], seq), f[2],
+                     seq_obj);
 done:
     release_all(&held);
     Py_XDECREF(rows), Py_XDECREF(shard), Py_XDECREF(secret_obj), Py_XDECREF(nonce);
-    Py_XDECREF(fields), Py_XDECREF(row);
+    Py_XDECREF(row);
     return result;
 }
 
 PyMethodDef aioshm_put_methods[] = {
+    {"publish_plain", (PyCFunction)(void (*)(void))core_publish_plain, METH_FASTCALL,
+     "publish_plain(store, key, address, cid, length) -> ShmRef, or None (the reference runs)"},
     {"make_ref", (PyCFunction)(void (*)(void))core_make_ref, METH_FASTCALL,
      "make_ref(store, cid, seq) -> the ShmRef of a hand-out, or None (the reference decides)"},
     {"configure", core_configure, METH_VARARGS,

@@ -23,6 +23,7 @@ __all__ = [
     "copy_into",
     "finish_tag",
     "make_ref",
+    "publish_plain",
     "put_plain",
     "set_stream_min",
     "tag_base",
@@ -158,4 +159,10 @@ def put_plain(store: object, key: object, plan: object) -> None:
 def make_ref(store: object, cid: int, seq: int) -> None:
     """The reference of a hand-out, which may decline: here it always does (the store's own
     ``StoreWriter._ref`` is the reference)."""
+    return None
+
+
+def publish_plain(store: object, key: object, address: int, cid: int, length: int) -> None:
+    """The publish of a written chunk, which may decline: here it always does (the store's own
+    ``StoreWriter._publish_put`` is the reference)."""
     return None

@@ -147,6 +147,8 @@ core.configure(ShmRef, _Plan, MsgpackSerde)
 _put_plain = core.put_plain
 #: the core's reference of a hand-out (``StoreWriter._ref``); None: the Python steps decide
 _make_ref = core.make_ref
+#: the core's publish of a written chunk (``StoreWriter._publish_put``); None: the Python steps
+_publish_plain = core.publish_plain
 
 
 @dataclass(frozen=True)
@@ -735,7 +737,14 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
             return self._publish_put(res.key, res.address, res.id, res.plan.nbytes)
 
     def _publish_put(self, key: str, address: int, cid: int, length: int) -> ShmRef:
-        """Commit a written chunk, index it under ``key`` and take its first hand-out."""
+        """Commit a written chunk, index it under ``key`` and take its first hand-out.
+
+        The core's ``publish_plain`` first (the same steps in one call), or None before any
+        side effect: then the steps below, the reference.
+        """
+        ref = _publish_plain(self, key, address, cid, length)
+        if ref is not None:
+            return ref
         ring, hw = self.ring, self._hw
         position = ring.commit(address)
         epoch = hw[H_EPOCH]

@@ -71,6 +71,7 @@ def pure_core(m: pytest.MonkeyPatch) -> None:
     """Every entry point of the write path into the core: the pure one's (``AIOSHM_PURE=1``)."""
     m.setattr(_store, "_put_plain", _core_py.put_plain)
     m.setattr(_store, "_make_ref", _core_py.make_ref)
+    m.setattr(_store, "_publish_plain", _core_py.publish_plain)
     m.setattr(_serde, "_copy_into", _core_py.copy_into)
 
 
@@ -184,9 +185,12 @@ REQUESTS = st.lists(
 )
 
 
-def _run_requests(requests: list[list[tuple[str, int]]], seed: int) -> tuple[list[object], bytes]:
+def _run_requests(
+    requests: list[list[tuple[str, int]]], seed: int, inline_below: int
+) -> tuple[list[object], bytes]:
     """Sender requests of one to four items (``-1``: a look-up), so that puts run under a
-    request's guard, repeat a hash within a request, and evict, as the sender's do."""
+    request's guard, repeat a hash within a request, and evict, as the sender's do; with
+    ``inline_below=0`` every put is a reservation, copied, then committed (``publish_plain``)."""
     rng = np.random.default_rng(seed)
     name = f"{RUN_PREFIX}diffreq-{uuid.uuid4().hex[:10]}"
     cache = SenderCache(CacheConfig(256 * 1024, 200 * 1024, 1, name=name))
@@ -197,7 +201,8 @@ def _run_requests(requests: list[list[tuple[str, int]]], seed: int) -> tuple[lis
         for request in requests:
             items = [None if n < 0 else (ITEMS[n](rng), [n]) for _, n in request]
             try:
-                out = cache.get_and_update(items, [h for h, _ in request])
+                hashes = [h for h, _ in request]
+                out = cache._request(items, hashes, copy_inline_below=inline_below).run()
                 answers.append(
                     [(_ref_fields(d) if isinstance(d, ShmRef) else "inline", u) for d, u in out]
                 )
@@ -212,14 +217,17 @@ def _run_requests(requests: list[list[tuple[str, int]]], seed: int) -> tuple[lis
 @settings(
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(REQUESTS, st.integers(0, 2**32 - 1))
+@given(REQUESTS, st.integers(0, 2**32 - 1), st.sampled_from([1 << 20, 0]))
 def test_sender_requests_answer_alike_and_write_the_same_segment_on_both_cores(
-    monkeypatch: pytest.MonkeyPatch, requests: list[list[tuple[str, int]]], seed: int
+    monkeypatch: pytest.MonkeyPatch,
+    requests: list[list[tuple[str, int]]],
+    seed: int,
+    inline_below: int,
 ) -> None:
-    with_c = _run_requests(requests, seed)
+    with_c = _run_requests(requests, seed, inline_below)
     with monkeypatch.context() as m:
         pure_core(m)
-        pure = _run_requests(requests, seed)
+        pure = _run_requests(requests, seed, inline_below)
     assert with_c[0] == pure[0]
     assert with_c[1] == pure[1]
 
@@ -273,3 +281,30 @@ def test_a_source_that_changed_since_its_plan_is_refused_alike(
         pure_core(m)
         pure = attempt()
     assert with_c == pure
+
+
+def test_a_reservation_s_commit_is_published_by_the_c_core(
+    monkeypatch: pytest.MonkeyPatch, make_config: Any
+) -> None:
+    """Not vacuous: ``publish_plain`` published the reservations' commits (and a put the C
+    core declined to write), and declined a chunk that is not the one being written."""
+    assert C is not None
+    seen: list[bool] = []
+
+    def spy(*args: Any) -> Any:
+        ref = C.publish_plain(*args)
+        seen.append(ref is not None)
+        return ref
+
+    monkeypatch.setattr(_store, "_publish_plain", spy)
+    rng = np.random.default_rng(0)
+    with SenderCache(make_config(1 << 20)) as cache:
+        cache._request([(ITEMS[0](rng), [])], ["a"], copy_inline_below=0).run()
+        cache.get_and_update_item((ITEMS[4](rng), []), "datetimes")  # written by Python
+        assert seen == [True, True]
+        store = cache.store
+        ref = store.ref_of("a")
+        assert ref is not None
+        assert C.publish_plain(store, "b", ref.address, ref.id, ref.length) is None  # committed
+        assert C.publish_plain(store, "b", 64 * 3 + 1, 5, 10) is None  # no chunk there
+        assert store.keys() == ["a", "datetimes"]
