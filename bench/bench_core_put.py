@@ -2,10 +2,10 @@
 
 ``python bench/bench_core_put.py [ROUNDS]``: ``SenderCache.get_and_update_item`` misses (a new
 hash each time, a full ring: every put makes room) and ``ShmObjectStore.put`` of a flat item
-(one uint8 array) with the C core and with the pure-Python one (the C core's ``put_plain`` and
-``copy_into`` swapped for the reference's), and a rotating ``np.copyto`` of the same bytes into a
-256 MiB /dev/shm mapping. Each round runs every cell once, in turn (interleaved); figures are per
-put in this thread's CPU time, medians over rounds; ratios within the same run only.
+(one uint8 array) with the C core and with the pure-Python one (every entry point of the C core
+into the write path swapped for the reference's), and a rotating ``np.copyto`` of the same bytes
+into a 256 MiB /dev/shm mapping. Each round runs every cell once, in turn (interleaved); figures
+are per put in this thread's CPU time, medians over rounds; ratios within the same run only.
 """
 
 from __future__ import annotations
@@ -30,13 +30,21 @@ _keys = itertools.count()
 
 @contextmanager
 def pure_core() -> Iterator[None]:
-    """The pure-Python core's put and copy for the duration (as ``AIOSHM_PURE=1`` would)."""
-    put, copy = _store._put_plain, _serde._copy_into
-    _store._put_plain, _serde._copy_into = _core_py.put_plain, _core_py.copy_into
+    """The pure-Python core's entry points for the duration (as ``AIOSHM_PURE=1`` would)."""
+    swapped = [
+        (_store, "_put_plain", _core_py.put_plain),
+        (_store, "_publish_plain", _core_py.publish_plain),
+        (_store, "_make_ref", _core_py.make_ref),
+        (_serde, "_copy_into", _core_py.copy_into),
+    ]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in swapped]
+    for mod, name, fn in swapped:
+        setattr(mod, name, fn)
     try:
         yield
     finally:
-        _store._put_plain, _serde._copy_into = put, copy
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
 
 
 def _per_op(fn: Callable[[], None], n: int) -> float:
