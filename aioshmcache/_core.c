@@ -9,16 +9,16 @@
 /* --- the reference tag (``_types.tag_base`` / ``finish_tag``) -------------------------------
  * Python computes on unbounded ints; every input is a 64-bit word, so the low 64 bits of each
  * product are the C product, and ``x * M >> k`` needs the product's bits k..k+63 (128 bits). */
-static inline uint64_t
-tag_base_u64(uint64_t secret, uint64_t epoch, uint64_t address, uint64_t cid, uint64_t length,
+uint64_t
+aioshm_tag_base(uint64_t secret, uint64_t epoch, uint64_t address, uint64_t cid, uint64_t length,
              uint64_t position)
 {
     uint64_t h = secret ^ (cid * TAG_M1) ^ (address * TAG_M2) ^ (length * TAG_M3) ^ (epoch * TAG_M4);
     return h ^ (uint64_t)(((unsigned __int128)position * TAG_M2) >> 7);
 }
 
-static inline uint64_t
-finish_tag_u64(uint64_t base, uint64_t seq)
+uint64_t
+aioshm_finish_tag(uint64_t base, uint64_t seq)
 {
     uint64_t h = base ^ (uint64_t)(((unsigned __int128)seq * TAG_M3) >> 11);
     h ^= h >> 29;
@@ -53,7 +53,7 @@ core_tag_base(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     for (int i = 0; i < 6; i++)
         if (as_u64(args[i], &v[i]) < 0)
             return NULL;
-    return PyLong_FromUnsignedLongLong(tag_base_u64(v[0], v[1], v[2], v[3], v[4], v[5]));
+    return PyLong_FromUnsignedLongLong(aioshm_tag_base(v[0], v[1], v[2], v[3], v[4], v[5]));
 }
 
 static PyObject *
@@ -66,7 +66,180 @@ core_finish_tag(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (as_u64(args[0], &base) < 0 || as_u64(args[1], &seq) < 0)
         return NULL;
-    return PyLong_FromUnsignedLongLong(finish_tag_u64(base, seq));
+    return PyLong_FromUnsignedLongLong(aioshm_finish_tag(base, seq));
+}
+
+/* --- the copy into the ring -------------------------------------------------------------------
+ * The ring's destination is cold: a normal store first reads each cache line for ownership, so
+ * a big copy into it costs about twice a copy into warm memory. Non-temporal (streaming) stores
+ * skip that read. They are used for copies of at least ``stream_min`` bytes, with the widest
+ * vector the CPU has (detected once at import: AVX-512, AVX2, else SSE2, which every x86-64
+ * has), an ``sfence`` after; below that, and on other CPUs, plain ``memcpy``. The GIL is
+ * released around copies of ``NOGIL_MIN`` bytes or more. */
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define NOGIL_MIN (64 * 1024)
+static Py_ssize_t stream_min = 64 * 1024; /* tuned by bench/bench_core_copy.py */
+static const char *stream_kind = "memcpy";
+typedef void (*stream_fn)(char *dst, const char *src, size_t n);
+static stream_fn stream_copy = NULL;
+
+#if defined(__x86_64__)
+/* Each copies the unaligned head with memcpy, streams the 64-byte aligned body from unaligned
+ * loads, then copies the tail; the caller fences. */
+#define STREAM_BODY(VEC, LOAD, STORE, W)                                                       \
+    size_t head = (size_t)(-(uintptr_t)dst & 63);                                              \
+    if (head > n)                                                                              \
+        head = n;                                                                              \
+    memcpy(dst, src, head);                                                                    \
+    dst += head, src += head, n -= head;                                                       \
+    for (; n >= 4 * (W); dst += 4 * (W), src += 4 * (W), n -= 4 * (W)) {                       \
+        VEC a = LOAD((const VEC *)(src)), b = LOAD((const VEC *)(src + (W)));                  \
+        VEC c = LOAD((const VEC *)(src + 2 * (W))), d = LOAD((const VEC *)(src + 3 * (W)));    \
+        STORE((VEC *)(dst), a);                                                                \
+        STORE((VEC *)(dst + (W)), b);                                                          \
+        STORE((VEC *)(dst + 2 * (W)), c);                                                      \
+        STORE((VEC *)(dst + 3 * (W)), d);                                                      \
+    }                                                                                          \
+    memcpy(dst, src, n);
+
+__attribute__((target("avx512f"))) static void
+stream_avx512(char *dst, const char *src, size_t n)
+{
+    STREAM_BODY(__m512i, _mm512_loadu_si512, _mm512_stream_si512, 64)
+}
+
+__attribute__((target("avx2"))) static void
+stream_avx2(char *dst, const char *src, size_t n)
+{
+    STREAM_BODY(__m256i, _mm256_loadu_si256, _mm256_stream_si256, 32)
+}
+
+static void
+stream_sse2(char *dst, const char *src, size_t n)
+{
+    STREAM_BODY(__m128i, _mm_loadu_si128, _mm_stream_si128, 16)
+}
+#endif
+
+static void
+detect_stream(void)
+{
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f"))
+        stream_copy = stream_avx512, stream_kind = "avx512";
+    else if (__builtin_cpu_supports("avx2"))
+        stream_copy = stream_avx2, stream_kind = "avx2";
+    else
+        stream_copy = stream_sse2, stream_kind = "sse2";
+#endif
+}
+
+void
+aioshm_copy_bytes(char *dst, const char *src, size_t n)
+{
+    if (stream_copy != NULL && n >= (size_t)stream_min) {
+        stream_copy(dst, src, n);
+#if defined(__x86_64__)
+        _mm_sfence(); /* the streamed stores are ordered before any later store (the commit) */
+#endif
+    }
+    else {
+        memcpy(dst, src, n);
+    }
+}
+
+/* A C-contiguous buffer of ``obj`` (writable if asked), or -1 with the reference's error. */
+static int
+get_contiguous(PyObject *obj, Py_buffer *view, int writable, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_FULL_RO) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError))
+            return -1;
+        PyErr_Clear(); /* e.g. numpy refusing to export a datetime dtype */
+        PyErr_Format(PyExc_TypeError, "%s does not export its bytes", what);
+        return -1;
+    }
+    if (writable && view->readonly) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_TypeError, "%s must be writable", what);
+        return -1;
+    }
+    if (!PyBuffer_IsContiguous(view, 'C')) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_TypeError, "%s must be C-contiguous", what);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+core_copy_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer d, s;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "copy_into takes 3 arguments (dst, offset, src)");
+        return NULL;
+    }
+    if (!PyLong_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "offset must be an int");
+        return NULL;
+    }
+    Py_ssize_t offset = PyLong_AsSsize_t(args[1]);
+    if (offset == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "offset out of range");
+        return NULL;
+    }
+    if (get_contiguous(args[0], &d, 1, "dst") < 0)
+        return NULL;
+    if (get_contiguous(args[2], &s, 0, "src") < 0) {
+        PyBuffer_Release(&d);
+        return NULL;
+    }
+    Py_ssize_t n = s.len;
+    if (offset < 0 || offset > d.len || n > d.len - offset) {
+        PyBuffer_Release(&s);
+        PyBuffer_Release(&d);
+        PyErr_SetString(PyExc_ValueError, "offset out of range");
+        return NULL;
+    }
+    char *dst = (char *)d.buf + offset;
+    if (n >= NOGIL_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        aioshm_copy_bytes(dst, s.buf, (size_t)n);
+        Py_END_ALLOW_THREADS
+    }
+    else {
+        memcpy(dst, s.buf, (size_t)n);
+    }
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&d);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+core_copy_info(PyObject *self, PyObject *unused)
+{
+    return Py_BuildValue("(sn)", stream_kind, stream_min);
+}
+
+static PyObject *
+core_set_stream_min(PyObject *self, PyObject *arg)
+{
+    Py_ssize_t v = PyLong_AsSsize_t(arg);
+    if (v == -1 && PyErr_Occurred())
+        return NULL;
+    if (v < 0) {
+        PyErr_SetString(PyExc_ValueError, "stream_min must be >= 0");
+        return NULL;
+    }
+    stream_min = v;
+    Py_RETURN_NONE;
 }
 
 /* --- layout constants ------------------------------------------------------------------------ */
@@ -110,17 +283,26 @@ static PyMethodDef core_methods[] = {
      "tag_base(secret, epoch, address, cid, length, position) -> the tag's 64-bit base"},
     {"finish_tag", (PyCFunction)(void (*)(void))core_finish_tag, METH_FASTCALL,
      "finish_tag(base, seq) -> the 64-bit tag of hand-out seq"},
+    {"copy_into", (PyCFunction)(void (*)(void))core_copy_into, METH_FASTCALL,
+     "copy_into(dst, offset, src): src's bytes into dst[offset:] (streaming stores if big)"},
+    {"copy_info", core_copy_info, METH_NOARGS,
+     "copy_info() -> (kind, stream_min): the streaming copy in use and its threshold"},
+    {"set_stream_min", core_set_stream_min, METH_O,
+     "set_stream_min(n): stream copies of n bytes or more (for benchmarks)"},
     {NULL, NULL, 0, NULL},
 };
 
 static int
 core_exec(PyObject *m)
 {
+    detect_stream();
     PyObject *layout = aioshm_layout_dict();
     if (layout == NULL || PyModule_AddObject(m, "LAYOUT", layout) < 0) {
         Py_XDECREF(layout);
         return -1;
     }
+    if (PyModule_AddFunctions(m, aioshm_put_methods) < 0)
+        return -1;
     if (aioshm_read_methods != NULL && PyModule_AddFunctions(m, aioshm_read_methods) < 0)
         return -1;
     if (aioshm_read_init != NULL && aioshm_read_init(m) < 0)

@@ -6,7 +6,7 @@
  * ones, so the two cannot drift apart silently.
  *
  * The module is built from every ``aioshmcache/_core*.c`` (``hatch_build.py``); ``_core.c``
- * holds the module definition. A further section (e.g. the read path) adds its own functions
+ * holds the module definition, the tag and the copy; ``_core_put.c`` the put of a plain item. A further section (e.g. the read path) adds its own functions
  * by defining ``aioshm_read_methods`` (a NULL-terminated ``PyMethodDef`` table) and may define
  * ``aioshm_read_init``: both are weak here, so the module builds with or without that file.
  */
@@ -65,6 +65,16 @@
 /* --- the payload prefix (``_serde_encode``) --- */
 #define PAYLOAD_PREFIX_SIZE 20
 #define PAYLOAD_ALIGN 64
+
+/* Shared by the sections: the reference tag (``_types``), the copy into the ring. */
+uint64_t aioshm_tag_base(uint64_t secret, uint64_t epoch, uint64_t address, uint64_t cid,
+                         uint64_t length, uint64_t position);
+uint64_t aioshm_finish_tag(uint64_t base, uint64_t seq);
+/* ``memcpy``, or streaming stores and an ``sfence`` from the copy threshold (``copy_info``) */
+void aioshm_copy_bytes(char *dst, const char *src, size_t n);
+
+/* The write core's put of a plain item (``_core_put.c``). */
+extern PyMethodDef aioshm_put_methods[];
 
 /* The layout constants as a dict (for the test that compares them with ``_layout``). */
 PyObject *aioshm_layout_dict(void);

@@ -9,12 +9,28 @@ from __future__ import annotations
 
 from typing import Final
 
+import numpy as np
+
 from . import _layout as L
 from ._types import _M1, _M2, _M3, _M4
 from ._types import finish_tag as _finish_tag
 from ._types import tag_base as _tag_base
 
-__all__ = ["LAYOUT", "ReadCtx", "finish_tag", "read_item", "read_layout", "tag_base"]
+__all__ = [
+    "LAYOUT",
+    "ReadCtx",
+    "configure",
+    "copy_info",
+    "copy_into",
+    "finish_tag",
+    "make_ref",
+    "publish_plain",
+    "put_plain",
+    "read_item",
+    "read_layout",
+    "set_stream_min",
+    "tag_base",
+]
 
 _U64: Final = (1 << 64) - 1
 
@@ -78,6 +94,81 @@ def tag_base(secret: int, epoch: int, address: int, cid: int, length: int, posit
 def finish_tag(base: int, seq: int) -> int:
     """The 64-bit tag of hand-out ``seq`` from its :func:`tag_base`."""
     return _finish_tag(_word(base), _word(seq))
+
+
+#: copies of this many bytes or more go through numpy, which lets go of the GIL (the C core's
+#: threshold for the same)
+_NOGIL_MIN: Final = 64 * 1024
+_stream_min = 64 * 1024
+
+
+def _contiguous(obj: object, writable: bool, what: str) -> memoryview:
+    try:
+        view = memoryview(obj)  # type: ignore[arg-type]
+    except TypeError:
+        raise
+    except Exception:  # e.g. numpy refusing to export a datetime dtype
+        raise TypeError(f"{what} does not export its bytes") from None
+    if writable and view.readonly:
+        raise TypeError(f"{what} must be writable")
+    if not view.c_contiguous:
+        raise TypeError(f"{what} must be C-contiguous")
+    return view
+
+
+def copy_into(dst: object, offset: int, src: object) -> None:
+    """Copy ``src``'s bytes into ``dst[offset:]`` (both C-contiguous buffers, ``dst``
+    writable): ``TypeError`` for a wrong buffer, ``ValueError`` if they do not fit. The C core
+    uses streaming stores for big copies; the bytes written are the same."""
+    if not isinstance(offset, int):
+        raise TypeError("offset must be an int")
+    d = _contiguous(dst, True, "dst")
+    s = _contiguous(src, False, "src")
+    n = s.nbytes
+    if offset < 0 or offset > d.nbytes or n > d.nbytes - offset:
+        raise ValueError("offset out of range")
+    if n >= _NOGIL_MIN:
+        np.frombuffer(d, np.uint8, n, offset)[...] = np.frombuffer(s, np.uint8)
+    elif n:
+        d.cast("B")[offset : offset + n] = s.cast("B")
+
+
+def copy_info() -> tuple[str, int]:
+    """``(kind, stream_min)``: the streaming copy in use (here always ``"memcpy"``: numpy's
+    copy) and the size from which the C core would stream."""
+    return "memcpy", _stream_min
+
+
+def set_stream_min(n: int) -> None:
+    """Set the size from which copies stream (for benchmarks; no effect on this core)."""
+    global _stream_min
+    if n < 0:
+        raise ValueError("stream_min must be >= 0")
+    _stream_min = n
+
+
+def configure(ref_type: type, plan_type: type, serde_type: type) -> None:
+    """Name the types :func:`put_plain` recognises (the C core checks them; nothing here)."""
+    if not issubclass(ref_type, tuple):
+        raise TypeError("the reference type must be a tuple subclass")
+
+
+def put_plain(store: object, key: object, plan: object) -> None:
+    """The compiled put of a plain item, which may decline: here it always does, before any
+    side effect, so the store's own steps (``StoreWriter._put_now``, the reference) run."""
+    return None
+
+
+def make_ref(store: object, cid: int, seq: int) -> None:
+    """The reference of a hand-out, which may decline: here it always does (the store's own
+    ``StoreWriter._ref`` is the reference)."""
+    return None
+
+
+def publish_plain(store: object, key: object, address: int, cid: int, length: int) -> None:
+    """The publish of a written chunk, which may decline: here it always does (the store's own
+    ``StoreWriter._publish_put`` is the reference)."""
+    return None
 
 
 # --- the read section (``_core_read.c``): its reference is ``_core_read_py`` ---------------------

@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgpack
 import numpy as np
 
+from ._core_api import core
 from ._serde_decode import (
     _LIMITS,
     _TEMPLATE_HEADER_MAX,
@@ -47,6 +48,9 @@ from ._serde_encode import (
 from .errors import SerdeError
 
 __all__ = ["EncodePlan", "MsgpackSerde", "Serde"]
+
+#: the copy of a big C-contiguous array into the chunk: the core's (``_core_api``)
+_copy_into = core.copy_into
 
 
 @runtime_checkable
@@ -241,6 +245,11 @@ class MsgpackSerde:
                 if src.nbytes != slot.stop - start:
                     raise SerdeError("a source array changed size since it was planned")
                 if src.nbytes:
+                    try:  # the core's copy: streaming stores for big ones, no GIL
+                        _copy_into(buf, start, src)
+                        continue
+                    except TypeError:  # not C-contiguous, or no buffer (datetime): numpy's copy
+                        pass
                     dst = _frombuffer(buf, src.dtype, src.size, start)
                     if src.ndim != 1:
                         dst = dst.reshape(src.shape)

@@ -9,10 +9,12 @@ memory: :meth:`MsgpackSerde.plan` walks the value, packs a small msgpack *struct
 byte is copied; the plan holds the payload's first bytes (prefix, header, padding) ready and the
 slot of every array. :meth:`MsgpackSerde.write` then writes those bytes into the allocated chunk
 with one slice assignment, zeroes the padding between arrays and copies each array in, in C
-order (a large one into an ``np.frombuffer`` view of the chunk, which releases the GIL; a
-non-contiguous array is made contiguous by that same copy, with no intermediate
-``ascontiguousarray``). Every byte of the payload is written: a chunk holds an earlier item's
-bytes, and the reader accepts only the canonical layout below.
+order (a large C-contiguous one by the core's ``copy_into``, which releases the GIL and uses
+streaming stores from 64 KiB where the CPU has them (see ``docs/core.md``); any other large
+one into an ``np.frombuffer`` view of the chunk, which releases the GIL too and makes a
+non-contiguous array contiguous by that same copy, with no intermediate ``ascontiguousarray``).
+Every byte of the payload is written: a chunk holds an earlier item's bytes, and the reader
+accepts only the canonical layout below.
 :meth:`MsgpackSerde.read` rebuilds the value, with arrays either copied out by numpy
 (``copy=True``: nothing keeps exporting the buffer afterwards, so the caller may release it) or
 as read-only zero-copy views (``copy=False``: the views export the buffer while they live).

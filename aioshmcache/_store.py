@@ -69,10 +69,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Self
 
-import numpy as np
 import posix_ipc
 
 from ._acks import Acknowledgements
+from ._core_api import core
 from ._evict import EVICT_SLACK_BYTES, RELOCATE_BUDGET, Eviction
 from ._hints import Hint, HintTable
 from ._layout import (
@@ -98,6 +98,7 @@ from ._reading import ReadPath, check_ref_fields
 from ._ring import ShmRingBuffer
 from ._segment import Segment
 from ._serde import EncodePlan, MsgpackSerde, Serde
+from ._serde_encode import _Plan
 from ._shards import ShardedMap, shards_for
 from ._types import (
     _M1,
@@ -141,6 +142,13 @@ _pack_row: Final = _ROW.pack
 _unpack_row: Final = _ROW.unpack
 _new_ref: Final = tuple.__new__  # ShmRef's fields in order, without its Python-level __new__
 _NOBODY: Final[list[int]] = []  # the owers of a one-of-N hand-out (never appended to)
+#: the core's put of a plain item (``_core_put.c``); it declines with None before any side effect
+core.configure(ShmRef, _Plan, MsgpackSerde)
+_put_plain = core.put_plain
+#: the core's reference of a hand-out (``StoreWriter._ref``); None: the Python steps decide
+_make_ref = core.make_ref
+#: the core's publish of a written chunk (``StoreWriter._publish_put``); None: the Python steps
+_publish_plain = core.publish_plain
 
 
 @dataclass(frozen=True)
@@ -548,6 +556,9 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
         return self._keys.pop(cid, None)
 
     def _ref(self, cid: int, seq: int = 0) -> ShmRef:
+        ref = _make_ref(self, cid, seq)  # the core's, if it may (else None: the steps below)
+        if ref is not None:
+            return ref
         epoch = self._hw[H_EPOCH]  # a "Q" view: already an int
         rows = self._rows
         shard = rows.shards[hash(cid) & rows.mask]  # self._rows[cid], one call shorter
@@ -617,7 +628,15 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
 
     def _put_now(self, key: str, plan: EncodePlan) -> ShmRef:
         """:meth:`put_locked` for a caller that checked the owner and holds the lock (a
-        sender request, deciding all its items in one locked step)."""
+        sender request, deciding all its items in one locked step).
+
+        The core's ``put_plain`` runs first: the usual put in one compiled step (the C core;
+        the pure core declines every put), or None, before any side effect, for anything
+        unusual; then the steps below, the reference, run.
+        """
+        ref = _put_plain(self, key, plan)
+        if ref is not None:
+            return ref
         if type(key) is not str and not isinstance(key, str):
             raise TypeError(f"keys are str, not {type(key).__name__}")
         if (
@@ -631,6 +650,9 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
         got = ring.try_allocate(nbytes)
         if got is None:
             self._make_room(nbytes, 0.0, {})  # no wait: the lock is never let go
+            ref = _put_plain(self, key, plan)  # room made: the core's usual put, if it may
+            if ref is not None:
+                return ref
             got = ring.allocate(nbytes)
         address, cid = got
         start = address + CHUNK_HEADER  # ``ring.payload(address)``, inline: its length is nbytes
@@ -689,7 +711,7 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
     def _write_reserved(self, res: Reservation) -> None:
         """Copy the value into its chunk. Touches only that chunk: no lock needed.
 
-        A ``RawPlan`` is copied byte for byte (a numpy copy: the GIL is let go for big ones),
+        A ``RawPlan`` is copied byte for byte (the core's copy: the GIL is let go for big ones),
         then verified at its source (``StaleReferenceError`` if the source changed meanwhile).
         """
         plan = res.plan
@@ -697,9 +719,8 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
             self.serde.write(plan, self.ring.payload(res.address))
             return
         src = plan.source()
-        try:
-            dst = np.frombuffer(self.ring.payload(res.address), dtype=np.uint8)
-            dst[...] = np.frombuffer(src, dtype=np.uint8)
+        try:  # the core's copy: no GIL, streaming stores for big ones
+            core.copy_into(self.ring.payload(res.address), 0, src)
         finally:
             src.release()
         plan.verify()
@@ -716,7 +737,14 @@ class StoreWriter(ShmObjectStore, Acknowledgements, Eviction, Pins):
             return self._publish_put(res.key, res.address, res.id, res.plan.nbytes)
 
     def _publish_put(self, key: str, address: int, cid: int, length: int) -> ShmRef:
-        """Commit a written chunk, index it under ``key`` and take its first hand-out."""
+        """Commit a written chunk, index it under ``key`` and take its first hand-out.
+
+        The core's ``publish_plain`` first (the same steps in one call), or None before any
+        side effect: then the steps below, the reference.
+        """
+        ref = _publish_plain(self, key, address, cid, length)
+        if ref is not None:
+            return ref
         ring, hw = self.ring, self._hw
         position = ring.commit(address)
         epoch = hw[H_EPOCH]

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aioshmcache import _core_py, _types
+from aioshmcache import MsgpackSerde, _core_py, _serde, _types
 
 from .test_core import c_core
 
@@ -67,3 +68,106 @@ def test_wrong_argument_counts_are_type_errors_in_both() -> None:
             core.tag_base(1, 2, 3)
         with pytest.raises(TypeError):
             core.finish_tag(1)
+
+
+SIZES = st.sampled_from([0, 1, 63, 64, 100, 4096, 65535, 65536, 70001, 262144, 300001, 1 << 20])
+
+
+@settings(max_examples=60, deadline=None)
+@given(SIZES, st.integers(0, 200), st.integers(0, 300), st.integers(0, 2**32 - 1))
+def test_copy_into_writes_the_same_bytes(n: int, offset: int, room: int, seed: int) -> None:
+    """Both cores write ``src`` at ``offset`` and nothing else (streaming, unaligned heads
+    and tails included), or refuse the same way when it does not fit."""
+    assert C is not None
+    src = np.random.default_rng(seed).integers(0, 255, n, dtype=np.uint8)
+    got = []
+    for core in (C, _core_py):
+        dst = np.full(n + room, 7, np.uint8)
+        got.append((_outcome(core.copy_into, dst, offset, src), dst.tobytes()))
+    assert got[0] == got[1]
+    if offset <= room:  # it fits
+        assert got[0][0] == ("ok", None)
+        expected = np.full(n + room, 7, np.uint8)
+        expected[offset : offset + n] = src
+        assert got[0][1] == expected.tobytes()
+    else:
+        assert got[0][0] == ("error", ValueError)
+
+
+def test_copy_into_refuses_the_same_buffers() -> None:
+    assert C is not None
+    rw = bytearray(64)
+    cases: list[tuple[object, object, object]] = [
+        (b"read-only dst.", 0, b"x"),
+        (rw, 0, np.arange(16, dtype=np.uint8)[::2]),  # not contiguous
+        (rw, 0, np.zeros(2, "M8[s]")),  # numpy exports no buffer for datetimes
+        (rw, 0, 3),
+        (7, 0, b"x"),
+        (rw, "0", b"x"),
+        (rw, -1, b"x"),
+        (rw, 1 << 80, b"x"),
+        (rw, 60, b"12345"),
+    ]
+    for dst, off, src in cases:
+        assert _outcome(C.copy_into, dst, off, src) == _outcome(_core_py.copy_into, dst, off, src)
+        assert _outcome(C.copy_into, dst, off, src)[0] == "error", (dst, off, src)
+
+
+def test_the_copy_threshold_is_settable_and_reported() -> None:
+    assert C is not None
+    kind, default = C.copy_info()
+    assert kind in ("avx512", "avx2", "sse2", "memcpy") and default > 0
+    try:
+        C.set_stream_min(0)  # every big copy streams: the bytes must still be right
+        src = np.random.default_rng(1).integers(0, 255, 1 << 20, dtype=np.uint8)
+        dst = np.zeros((1 << 20) + 64, np.uint8)
+        C.copy_into(dst, 3, src)
+        assert np.array_equal(dst[3 : 3 + (1 << 20)], src)
+        with pytest.raises(ValueError):
+            C.set_stream_min(-1)
+    finally:
+        C.set_stream_min(default)
+    assert C.copy_info() == (kind, default)
+
+
+ARRAYS = st.sampled_from(
+    [
+        lambda r: r.integers(0, 255, 300_000, dtype=np.uint8),
+        lambda r: r.standard_normal((600, 129)).astype(np.float32),
+        lambda r: r.standard_normal((700, 300))[:, ::2],  # not contiguous
+        lambda r: np.arange(40_000).astype("M8[s]"),  # no buffer export
+        lambda r: r.integers(0, 9, 10, dtype=np.int64),
+    ]
+)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(ARRAYS, min_size=1, max_size=4), st.integers(0, 2**32 - 1))
+def test_a_payload_is_the_same_bytes_with_either_core(
+    monkeypatch_copy: Any, makers: list[Any], seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    item = {f"k{i}": make(rng) for i, make in enumerate(makers)}
+    serde = MsgpackSerde()
+    plan = serde.plan(item)
+    out = []
+    for copy in (C.copy_into, _core_py.copy_into):  # type: ignore[union-attr]
+        monkeypatch_copy(copy)
+        buf = bytearray(b"\xee" * plan.nbytes)  # a chunk that held other bytes
+        serde.write(plan, memoryview(buf))
+        out.append(bytes(buf))
+    assert out[0] == out[1]
+    back = serde.read(memoryview(out[0]))
+    assert isinstance(back, dict) and list(back) == list(item)
+    for k, v in item.items():
+        assert np.array_equal(back[k], v)
+
+
+@pytest.fixture
+def monkeypatch_copy(monkeypatch: pytest.MonkeyPatch) -> Any:
+    def use(copy: Any) -> None:
+        monkeypatch.setattr(_serde, "_copy_into", copy)
+
+    return use

@@ -1,0 +1,699 @@
+/* The compiled put of a plain item: ``put_plain(store, key, plan)``.
+ *
+ * The store's ``_put_now`` (``aioshmcache/_store.py``, the reference) calls it first; it does
+ * the same steps for the usual case in one call — duplicate checks, the ring's usual
+ * allocation right after the tail (``ShmRingBuffer.try_allocate``), the payload write
+ * (``MsgpackSerde.write`` of a plan: prefix and header, zeroed gaps, array bytes), the commit,
+ * the tag's base, the row, key and index entries and the usage words (``_publish_put``) —
+ * then takes the hand-out through the store's own ``_hand_out_seq`` and returns the
+ * ``ShmRef``. Anything else (a duplicate, a wrap or no room, columns to grow, hints, another
+ * serde, a source array that is not C-contiguous or changed size, ...) returns None *before
+ * any side effect*, and the reference path handles it.
+ *
+ * Every check and every buffer is taken before the first store. Word stores into the segment
+ * are release stores in program order: the ordering argument of ``_ring`` (chunk header, then
+ * payload, then the committed state) holds against the compiler as well as the CPU. */
+#include "_core.h"
+#include <string.h>
+
+#define MAX_RING_ID ((uint64_t)INT64_MAX)
+#define STORE_WORD(p, v) __atomic_store_n((p), (uint64_t)(v), __ATOMIC_RELEASE)
+
+static PyObject *ref_type, *plan_type, *serde_type;
+static PyObject *s_index, *s_pending, *s_waiting, *s_ring, *s_serde, *s_rows, *s_keys;
+static PyObject *s_secret, *s_nonce, *s_guarded, *s_has_hints, *s_hand_out_seq, *s_seg;
+static PyObject *s_tail, *s_limit, *s_end, *s_head, *s_mask, *s_addr, *s_size, *s_id, *s_cpos;
+static PyObject *s_state, *s_at, *s_at_mask, *s_lap, *s_used, *s_w, *s_hw, *s_closed, *s_forked;
+static PyObject *s_layout, *s_sources, *s_shards, *s_n, *s_map_mask;
+
+static int
+intern_names(void)
+{
+    struct { PyObject **p; const char *s; } names[] = {
+        {&s_index, "_index"}, {&s_pending, "_pending"}, {&s_waiting, "_waiting_keys"},
+        {&s_ring, "ring"}, {&s_serde, "serde"}, {&s_rows, "_rows"}, {&s_keys, "_keys"},
+        {&s_secret, "_secret"}, {&s_nonce, "_nonce"}, {&s_guarded, "_guarded"},
+        {&s_has_hints, "_has_hints"}, {&s_hand_out_seq, "_hand_out_seq"}, {&s_seg, "_seg"},
+        {&s_tail, "_tail"}, {&s_limit, "_limit"}, {&s_end, "_end"}, {&s_head, "_head"},
+        {&s_mask, "_mask"}, {&s_addr, "_addr"}, {&s_size, "_size"}, {&s_id, "_id"},
+        {&s_cpos, "_cpos"}, {&s_state, "_state"}, {&s_at, "_at"}, {&s_at_mask, "_at_mask"},
+        {&s_lap, "_lap"}, {&s_used, "used_bytes"}, {&s_w, "_w"}, {&s_hw, "_hw"},
+        {&s_closed, "closed"}, {&s_forked, "forked"}, {&s_layout, "_layout"},
+        {&s_sources, "_sources"}, {&s_shards, "shards"}, {&s_n, "n"},
+        {&s_map_mask, "mask"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (*names[i].p == NULL && (*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL)
+            return -1;
+    return 0;
+}
+
+/* ``configure(ShmRef, _Plan, MsgpackSerde)``: the types the fast path recognises. */
+static PyObject *
+core_configure(PyObject *self, PyObject *args)
+{
+    PyObject *r, *p, *s;
+    if (!PyArg_ParseTuple(args, "O!O!O!:configure", &PyType_Type, &r, &PyType_Type, &p,
+                          &PyType_Type, &s))
+        return NULL;
+    if (!PyType_IsSubtype((PyTypeObject *)r, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "the reference type must be a tuple subclass");
+        return NULL;
+    }
+    if (intern_names() < 0)
+        return NULL;
+    Py_INCREF(r), Py_INCREF(p), Py_INCREF(s);
+    Py_XSETREF(ref_type, r);
+    Py_XSETREF(plan_type, p);
+    Py_XSETREF(serde_type, s);
+    Py_RETURN_NONE;
+}
+
+/* --- small helpers: each returns -1 with an exception set, or 1 for "decline" ------------- */
+
+/* An int attribute as int64 (1: not an int in range; -1: error). */
+static int
+get_i64(PyObject *obj, PyObject *name, int64_t *out)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    if (!PyLong_CheckExact(v)) {
+        Py_DECREF(v);
+        return 1;
+    }
+    int overflow;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    Py_DECREF(v);
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow)
+        return 1;
+    *out = x;
+    return 0;
+}
+
+static int
+set_i64(PyObject *obj, PyObject *name, int64_t value)
+{
+    PyObject *v = PyLong_FromLongLong(value);
+    if (v == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(obj, name, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* A writable buffer of exactly what the reference reads as words (1: not such a buffer). */
+static int
+get_words(PyObject *obj, PyObject *name, Py_buffer *view)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    int rc = PyObject_GetBuffer(v, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT);
+    Py_DECREF(v);
+    if (rc < 0) {
+        PyErr_Clear();
+        return 1;
+    }
+    if (view->itemsize != 8 || view->len % 8 != 0) {
+        PyBuffer_Release(view);
+        return 1;
+    }
+    return 0;
+}
+
+/* ``m.shards[hash(key) & m.mask]`` of a ``ShardedMap`` (new reference), and ``m`` itself. */
+static PyObject *
+shard_of(PyObject *map, PyObject *key)
+{
+    Py_hash_t h = PyObject_Hash(key);
+    if (h == -1)
+        return NULL;
+    PyObject *shards = PyObject_GetAttr(map, s_shards);
+    if (shards == NULL)
+        return NULL;
+    int64_t mask;
+    int rc = get_i64(map, s_map_mask, &mask);
+    if (rc != 0 || !PyList_CheckExact(shards) || PyList_GET_SIZE(shards) != mask + 1) {
+        Py_DECREF(shards);
+        if (rc == 0 || rc == 1)
+            PyErr_SetString(PyExc_RuntimeError, "internal error: not a ShardedMap");
+        return NULL;
+    }
+    PyObject *d = PyList_GET_ITEM(shards, (Py_ssize_t)((uint64_t)h & (uint64_t)mask));
+    Py_INCREF(d);
+    Py_DECREF(shards);
+    if (!PyDict_CheckExact(d)) {
+        Py_DECREF(d);
+        PyErr_SetString(PyExc_RuntimeError, "internal error: a shard is not a dict");
+        return NULL;
+    }
+    return d;
+}
+
+static int
+bump_n(PyObject *map, int64_t *out)
+{
+    int64_t n;
+    int rc = get_i64(map, s_n, &n);
+    if (rc != 0) {
+        if (rc == 1)
+            PyErr_SetString(PyExc_RuntimeError, "internal error: a map's count is not an int");
+        return -1;
+    }
+    if (out != NULL)
+        *out = n + 1;
+    return set_i64(map, s_n, n + 1);
+}
+
+/* A slice of ints ``[start, stop)`` within ``[0, limit]`` (0), else 1. */
+static int
+slice_bounds(PyObject *sl, Py_ssize_t limit, Py_ssize_t *start, Py_ssize_t *stop)
+{
+    if (!PySlice_Check(sl))
+        return 1;
+    Py_ssize_t step;
+    if (PySlice_Unpack(sl, start, stop, &step) < 0) {
+        PyErr_Clear();
+        return 1;
+    }
+    if (step != 1 || *start < 0 || *start > *stop || *stop > limit)
+        return 1;
+    return 0;
+}
+
+#define MAX_SOURCES 64 /* the serde's flat items (``_FLAT_MAX``); more: the reference path */
+
+typedef struct {
+    Py_buffer col[5]; /* the ring's columns: address, size, id, position, state */
+    int ncol;
+    Py_buffer ring, hw;
+    int has_ring, has_hw;
+    Py_buffer src[MAX_SOURCES];
+    int nsrc;
+} Held;
+
+static void
+release_all(Held *h)
+{
+    for (int i = 0; i < h->ncol; i++)
+        PyBuffer_Release(&h->col[i]);
+    for (int i = 0; i < h->nsrc; i++)
+        PyBuffer_Release(&h->src[i]);
+    if (h->has_ring)
+        PyBuffer_Release(&h->ring);
+    if (h->has_hw)
+        PyBuffer_Release(&h->hw);
+}
+
+/* Is ``obj.<name>`` a true bool attribute (1), false (0); -1: error. */
+static int
+attr_true(PyObject *obj, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+#define DECLINE()                                                                              \
+    do {                                                                                       \
+        result = Py_None;                                                                      \
+        Py_INCREF(result);                                                                     \
+        goto done;                                                                             \
+    } while (0)
+#define CHECK(rc)                                                                              \
+    do {                                                                                       \
+        int rc_ = (rc);                                                                        \
+        if (rc_ < 0)                                                                           \
+            goto done;                                                                         \
+        if (rc_ > 0)                                                                           \
+            DECLINE();                                                                         \
+    } while (0)
+#define NEED(ptr)                                                                              \
+    do {                                                                                       \
+        if ((ptr) == NULL)                                                                     \
+            goto done;                                                                         \
+    } while (0)
+
+/* ``ShmRef(nonce, epoch, address, id, length, tag, position, seq)`` as the store builds it
+ * (``tuple.__new__``: no Python-level ``__new__``). */
+static PyObject *
+new_ref(PyObject *nonce, uint64_t epoch, uint64_t address, PyObject *cid_obj, uint64_t length,
+        uint64_t tag, uint64_t position, PyObject *seq_obj)
+{
+    PyObject *result = NULL, *fields = NULL;
+    PyObject *t = PyLong_FromUnsignedLongLong(tag), *ep = PyLong_FromUnsignedLongLong(epoch);
+    PyObject *addr = PyLong_FromUnsignedLongLong(address);
+    PyObject *len = PyLong_FromUnsignedLongLong(length);
+    PyObject *pos = PyLong_FromUnsignedLongLong(position);
+    if (t && ep && addr && len && pos)
+        fields = PyTuple_Pack(8, nonce, ep, addr, cid_obj, len, t, pos, seq_obj);
+    Py_XDECREF(t), Py_XDECREF(ep), Py_XDECREF(addr), Py_XDECREF(len), Py_XDECREF(pos);
+    PyObject *targs = fields == NULL ? NULL : PyTuple_Pack(1, fields);
+    if (targs != NULL)
+        result = PyTuple_Type.tp_new((PyTypeObject *)ref_type, targs, NULL);
+    Py_XDECREF(targs), Py_XDECREF(fields);
+    return result;
+}
+
+/* --- the publish step (``_publish_put``), shared by ``put_plain`` and ``publish_plain`` ---- */
+typedef struct {
+    PyObject *index, *ishard, *rows, *keys, *guarded, *nonce; /* from the store */
+    PyObject *cid_obj, *rshard, *kshard;                        /* of the chunk */
+    uint64_t secret, cid;
+} Pub;
+
+static void
+pub_clear(Pub *p)
+{
+    PyObject **all[] = {&p->index, &p->ishard, &p->rows,   &p->keys,  &p->guarded,
+                        &p->nonce, &p->cid_obj, &p->rshard, &p->kshard};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        Py_CLEAR(*all[i]);
+}
+
+/* What the publish step reads of the store (no side effect): 0, 1 (decline) or -1. */
+static int
+pub_prepare(PyObject *store, PyObject *key, Pub *p)
+{
+    if ((p->index = PyObject_GetAttr(store, s_index)) == NULL ||
+        (p->ishard = shard_of(p->index, key)) == NULL ||
+        (p->rows = PyObject_GetAttr(store, s_rows)) == NULL ||
+        (p->keys = PyObject_GetAttr(store, s_keys)) == NULL ||
+        (p->guarded = PyObject_GetAttr(store, s_guarded)) == NULL ||
+        (p->nonce = PyObject_GetAttr(store, s_nonce)) == NULL)
+        return -1;
+    if (p->guarded != Py_None && !PyDict_CheckExact(p->guarded))
+        return 1;
+    PyObject *secret = PyObject_GetAttr(store, s_secret);
+    if (secret == NULL)
+        return -1;
+    int ok = PyLong_CheckExact(secret) && PyLong_CheckExact(p->nonce);
+    p->secret = ok ? PyLong_AsUnsignedLongLong(secret) : 0;
+    Py_DECREF(secret);
+    if (ok && p->secret == (uint64_t)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        ok = 0;
+    }
+    return ok ? 0 : 1;
+}
+
+/* The chunk's id and the row and key shards it goes to. */
+static int
+pub_chunk(Pub *p, uint64_t cid)
+{
+    p->cid = cid;
+    if ((p->cid_obj = PyLong_FromUnsignedLongLong(cid)) == NULL ||
+        (p->rshard = shard_of(p->rows, p->cid_obj)) == NULL ||
+        (p->kshard = shard_of(p->keys, p->cid_obj)) == NULL)
+        return -1;
+    return 0;
+}
+
+/* ``_publish_put`` after the commit: the tag's base, the row, key and index entries, the usage
+ * words; then the hand-out (the store's own ``_hand_out_seq``: the ledger) and the ``ShmRef``.
+ * ``held`` is released before the store's Python code runs. */
+static PyObject *
+pub_finish(PyObject *store, PyObject *key, Pub *p, Held *held, volatile uint64_t *hw,
+           int64_t address, Py_ssize_t nbytes, int64_t position, int64_t used)
+{
+    PyObject *row = NULL, *seq_obj = NULL, *result = NULL;
+    uint64_t epoch = hw[H_EPOCH];
+    uint64_t base = aioshm_tag_base(p->secret, epoch, (uint64_t)address, p->cid,
+                                    (uint64_t)nbytes, (uint64_t)position);
+    uint64_t packed[5] = {(uint64_t)address, (uint64_t)nbytes, (uint64_t)position, base, epoch};
+    int64_t n_items;
+    if ((row = PyBytes_FromStringAndSize((const char *)packed, sizeof packed)) == NULL ||
+        PyDict_SetItem(p->rshard, p->cid_obj, row) < 0 || bump_n(p->rows, NULL) < 0 ||
+        PyDict_SetItem(p->kshard, p->cid_obj, key) < 0 || bump_n(p->keys, NULL) < 0 ||
+        PyDict_SetItem(p->ishard, key, p->cid_obj) < 0 || bump_n(p->index, &n_items) < 0)
+        goto done;
+    if (p->guarded != Py_None && PyDict_SetItem(p->guarded, p->cid_obj, Py_None) < 0)
+        goto done;
+    STORE_WORD(&hw[H_BYTES_USED], (uint64_t)used);
+    STORE_WORD(&hw[H_ITEMS], (uint64_t)n_items);
+    release_all(held);
+    *held = (Held){.ncol = 0, .has_ring = 0, .has_hw = 0, .nsrc = 0};
+    if ((seq_obj = PyObject_CallMethodOneArg(store, s_hand_out_seq, p->cid_obj)) == NULL)
+        goto done;
+    uint64_t seq = PyLong_AsUnsignedLongLong(seq_obj);
+    if (seq == (uint64_t)-1 && PyErr_Occurred())
+        goto done;
+    result = new_ref(p->nonce, epoch, (uint64_t)address, p->cid_obj, (uint64_t)nbytes,
+                     aioshm_finish_tag(base, seq), (uint64_t)position, seq_obj);
+done:
+    Py_XDECREF(row), Py_XDECREF(seq_obj);
+    return result;
+}
+
+static PyObject *
+core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "put_plain takes 3 arguments (store, key, plan)");
+        return NULL;
+    }
+    if (ref_type == NULL)
+        Py_RETURN_NONE; /* not configured: the reference path */
+    PyObject *store = args[0], *key = args[1], *plan = args[2];
+    if (!PyUnicode_CheckExact(key) || (PyObject *)Py_TYPE(plan) != plan_type)
+        Py_RETURN_NONE;
+
+    PyObject *result = NULL;
+    Held held = {.ncol = 0, .has_ring = 0, .has_hw = 0, .nsrc = 0};
+    Pub pub = {0};
+    PyObject *serde = NULL, *pending = NULL, *waiting = NULL, *ring = NULL, *seg = NULL;
+    PyObject *layout = NULL, *sources = NULL, *at = NULL, *atshard = NULL, *k_obj = NULL;
+    PyObject *u_obj = NULL;
+
+    /* --- every check, no side effect -------------------------------------------------- */
+    NEED(serde = PyObject_GetAttr(store, s_serde));
+    if ((PyObject *)Py_TYPE(serde) != serde_type)
+        DECLINE();
+    {
+        int hints = attr_true(store, s_has_hints);
+        CHECK(hints);
+    }
+    CHECK(pub_prepare(store, key, &pub));
+    CHECK(PyDict_Contains(pub.ishard, key)); /* a duplicate: the reference raises */
+    NEED(pending = PyObject_GetAttr(store, s_pending));
+    NEED(waiting = PyObject_GetAttr(store, s_waiting));
+    if (!PyDict_CheckExact(pending) || !PyAnySet_CheckExact(waiting))
+        DECLINE();
+    CHECK(PyDict_Contains(pending, key));
+    CHECK(PySet_Contains(waiting, key));
+
+    NEED(layout = PyObject_GetAttr(plan, s_layout));
+    NEED(sources = PyObject_GetAttr(plan, s_sources));
+    if (!PyTuple_CheckExact(layout) || PyTuple_GET_SIZE(layout) != 5 || !PyTuple_CheckExact(sources))
+        DECLINE();
+    PyObject *nbytes_o = PyTuple_GET_ITEM(layout, 0), *head = PyTuple_GET_ITEM(layout, 1);
+    PyObject *blob = PyTuple_GET_ITEM(layout, 2), *slots = PyTuple_GET_ITEM(layout, 3);
+    PyObject *gaps = PyTuple_GET_ITEM(layout, 4);
+    if (!PyLong_CheckExact(nbytes_o) || !PyBytes_CheckExact(blob) || !PyTuple_CheckExact(slots) ||
+        !PyTuple_CheckExact(gaps) || PyTuple_GET_SIZE(slots) != PyTuple_GET_SIZE(sources) ||
+        PyTuple_GET_SIZE(sources) > MAX_SOURCES)
+        DECLINE();
+    Py_ssize_t nbytes = PyLong_AsSsize_t(nbytes_o);
+    if (nbytes < 0) {
+        PyErr_Clear();
+        DECLINE();
+    }
+    Py_ssize_t hs, he;
+    CHECK(slice_bounds(head, nbytes, &hs, &he));
+    if (hs != 0 || he != PyBytes_GET_SIZE(blob))
+        DECLINE();
+    for (Py_ssize_t g = 0; g < PyTuple_GET_SIZE(gaps); g++) {
+        PyObject *gap = PyTuple_GET_ITEM(gaps, g);
+        Py_ssize_t a, b;
+        if (!PyTuple_CheckExact(gap) || PyTuple_GET_SIZE(gap) != 2)
+            DECLINE();
+        CHECK(slice_bounds(PyTuple_GET_ITEM(gap, 0), nbytes, &a, &b));
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sources); i++) {
+        PyObject *slot = PyTuple_GET_ITEM(slots, i);
+        Py_ssize_t a, b;
+        if (!PyTuple_CheckExact(slot) || PyTuple_GET_SIZE(slot) != 3)
+            DECLINE();
+        CHECK(slice_bounds(PyTuple_GET_ITEM(slot, 0), nbytes, &a, &b));
+        Py_buffer *v = &held.src[held.nsrc];
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(sources, i), v, PyBUF_FULL_RO) < 0) {
+            PyErr_Clear(); /* e.g. a datetime array: the reference copies it by numpy */
+            DECLINE();
+        }
+        held.nsrc++;
+        if (!PyBuffer_IsContiguous(v, 'C') || v->len != b - a)
+            DECLINE(); /* the reference copies it, or raises SerdeError (size changed) */
+    }
+
+    NEED(ring = PyObject_GetAttr(store, s_ring));
+    NEED(seg = PyObject_GetAttr(ring, s_seg));
+    {
+        int closed = attr_true(seg, s_closed);
+        CHECK(closed);
+        int forked = attr_true(seg, s_forked);
+        CHECK(forked);
+    }
+    int64_t tail, limit, end, headk, mask, at_mask, lap, used;
+    CHECK(get_i64(ring, s_tail, &tail));
+    CHECK(get_i64(ring, s_limit, &limit));
+    CHECK(get_i64(ring, s_end, &end));
+    CHECK(get_i64(ring, s_head, &headk));
+    CHECK(get_i64(ring, s_mask, &mask));
+    CHECK(get_i64(ring, s_at_mask, &at_mask));
+    CHECK(get_i64(ring, s_lap, &lap));
+    CHECK(get_i64(ring, s_used, &used));
+    int64_t size = CHUNK_HEADER + (((int64_t)nbytes + 63) & -64);
+    if (tail < 0 || tail % 64 != 0 || tail + size > limit)
+        DECLINE(); /* a wrap, or no room: the reference (which may evict) */
+    if (end - headk > mask)
+        DECLINE(); /* the columns must grow first */
+    CHECK(get_words(ring, s_w, &held.ring));
+    held.has_ring = 1;
+    if (tail + size > held.ring.len)
+        DECLINE();
+    CHECK(get_words(store, s_hw, &held.hw));
+    held.has_hw = 1;
+    if (held.hw.len < AIOSHM_HEADER_SIZE)
+        DECLINE();
+    PyObject *cols[5] = {s_addr, s_size, s_id, s_cpos, s_state};
+    int64_t j = end & mask;
+    for (int c = 0; c < 5; c++) {
+        CHECK(get_words(ring, cols[c], &held.col[held.ncol]));
+        held.ncol++;
+        if (held.col[c].len / 8 <= j)
+            DECLINE();
+    }
+    NEED(at = PyObject_GetAttr(ring, s_at));
+    if (!PyList_CheckExact(at) || PyList_GET_SIZE(at) != at_mask + 1)
+        DECLINE();
+    atshard = PyList_GET_ITEM(at, (Py_ssize_t)((tail >> 6) & at_mask));
+    Py_INCREF(atshard);
+    if (!PyDict_CheckExact(atshard))
+        DECLINE();
+    volatile uint64_t *hw = (uint64_t *)held.hw.buf;
+    uint64_t cid = hw[H_NEXT_ID];
+    if (cid > MAX_RING_ID || cid == 0)
+        DECLINE(); /* exhausted: the reference raises */
+    CHECK(pub_chunk(&pub, cid));
+    NEED(k_obj = PyLong_FromLongLong(end));
+    NEED(u_obj = PyLong_FromLongLong(tail >> 6));
+
+    /* --- side effects, in the reference's order ----------------------------------------- */
+    /* ``try_allocate``: the id, the chunk header (state first), the columns, the address map */
+    STORE_WORD(&hw[H_NEXT_ID], cid + 1);
+    uint64_t *w = (uint64_t *)held.ring.buf + (tail >> 3);
+    STORE_WORD(&w[C_STATE], CHUNK_WRITING);
+    STORE_WORD(&w[C_ID], cid);
+    STORE_WORD(&w[C_LENGTH], (uint64_t)nbytes);
+    STORE_WORD(&w[C_CHECK], cid ^ (uint64_t)nbytes ^ CHUNK_MAGIC);
+    int64_t position = lap + tail;
+    ((int64_t *)held.col[0].buf)[j] = tail;
+    ((int64_t *)held.col[1].buf)[j] = size;
+    ((int64_t *)held.col[2].buf)[j] = (int64_t)cid;
+    ((int64_t *)held.col[3].buf)[j] = position;
+    ((int64_t *)held.col[4].buf)[j] = CHUNK_WRITING;
+    if (PyDict_SetItem(atshard, u_obj, k_obj) < 0 || set_i64(ring, s_end, end + 1) < 0 ||
+        set_i64(ring, s_tail, tail + size) < 0 || set_i64(ring, s_used, used + size) < 0)
+        goto done;
+    /* ``MsgpackSerde.write``: the prefix and header, zeroed gaps, every array's bytes */
+    char *payload = (char *)held.ring.buf + tail + CHUNK_HEADER;
+    memcpy(payload, PyBytes_AS_STRING(blob), (size_t)he);
+    for (Py_ssize_t g = 0; g < PyTuple_GET_SIZE(gaps); g++) {
+        Py_ssize_t a, b;
+        slice_bounds(PyTuple_GET_ITEM(PyTuple_GET_ITEM(gaps, g), 0), nbytes, &a, &b);
+        memset(payload + a, 0, (size_t)(b - a));
+    }
+    for (int i = 0; i < held.nsrc; i++) {
+        Py_ssize_t a, b;
+        slice_bounds(PyTuple_GET_ITEM(PyTuple_GET_ITEM(slots, i), 0), nbytes, &a, &b);
+        if (b - a >= 64 * 1024) {
+            Py_BEGIN_ALLOW_THREADS
+            aioshm_copy_bytes(payload + a, held.src[i].buf, (size_t)(b - a));
+            Py_END_ALLOW_THREADS
+        }
+        else {
+            memcpy(payload + a, held.src[i].buf, (size_t)(b - a));
+        }
+    }
+    /* ``commit``: the state word after every payload byte */
+    STORE_WORD(&w[C_STATE], CHUNK_COMMITTED);
+    ((int64_t *)held.col[4].buf)[j] = CHUNK_COMMITTED;
+    result = pub_finish(store, key, &pub, &held, hw, tail, nbytes, position, used + size);
+
+done:
+    release_all(&held);
+    pub_clear(&pub);
+    Py_XDECREF(serde), Py_XDECREF(pending), Py_XDECREF(waiting), Py_XDECREF(ring);
+    Py_XDECREF(seg), Py_XDECREF(layout), Py_XDECREF(sources), Py_XDECREF(at);
+    Py_XDECREF(atshard), Py_XDECREF(k_obj), Py_XDECREF(u_obj);
+    return result;
+}
+
+/* ``publish_plain(store, key, address, cid, length)``: ``StoreWriter._publish_put`` of a chunk
+ * whose payload is written (a reservation's commit): the ring's ``commit``, then the publish
+ * step as in ``put_plain``. None, before any side effect, unless the chunk at ``address`` is
+ * ``cid`` being written, in a live writer's ring with no key hints: the reference then runs
+ * (and raises what it raises). */
+static PyObject *
+core_publish_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "publish_plain takes 5 arguments");
+        return NULL;
+    }
+    PyObject *store = args[0], *key = args[1];
+    if (ref_type == NULL || !PyUnicode_CheckExact(key) || !PyLong_CheckExact(args[2]) ||
+        !PyLong_CheckExact(args[3]) || !PyLong_CheckExact(args[4]))
+        Py_RETURN_NONE;
+    int64_t address = PyLong_AsLongLong(args[2]);
+    uint64_t cid = PyLong_AsUnsignedLongLong(args[3]);
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *result = NULL, *ring = NULL, *seg = NULL, *at = NULL, *u_obj = NULL;
+    Held held = {.ncol = 0, .has_ring = 0, .has_hw = 0, .nsrc = 0};
+    Pub pub = {0};
+    if (address < 0 || address % 64 != 0 || nbytes < 0 || cid == 0 || cid > MAX_RING_ID)
+        DECLINE();
+    CHECK(attr_true(store, s_has_hints));
+    NEED(ring = PyObject_GetAttr(store, s_ring));
+    NEED(seg = PyObject_GetAttr(ring, s_seg));
+    CHECK(attr_true(seg, s_closed));
+    CHECK(attr_true(seg, s_forked));
+    int64_t mask, at_mask, used;
+    CHECK(get_i64(ring, s_mask, &mask));
+    CHECK(get_i64(ring, s_at_mask, &at_mask));
+    CHECK(get_i64(ring, s_used, &used));
+    NEED(at = PyObject_GetAttr(ring, s_at));
+    if (!PyList_CheckExact(at) || PyList_GET_SIZE(at) != at_mask + 1)
+        DECLINE();
+    NEED(u_obj = PyLong_FromLongLong(address >> 6));
+    PyObject *k_obj = PyDict_GetItemWithError(  /* borrowed: the chunk's number */
+        PyList_GET_ITEM(at, (Py_ssize_t)((address >> 6) & at_mask)), u_obj);
+    if (k_obj == NULL) {
+        if (PyErr_Occurred())
+            goto done;
+        DECLINE(); /* no chunk starts there: the reference raises */
+    }
+    int64_t k = PyLong_AsLongLong(k_obj);
+    if (k == -1 && PyErr_Occurred())
+        goto done;
+    int64_t j = k & mask;
+    PyObject *cols[5] = {s_addr, s_size, s_id, s_cpos, s_state};
+    for (int c = 0; c < 5; c++) {
+        CHECK(get_words(ring, cols[c], &held.col[held.ncol]));
+        held.ncol++;
+        if (held.col[c].len / 8 <= j)
+            DECLINE();
+    }
+    if (((int64_t *)held.col[4].buf)[j] != CHUNK_WRITING ||
+        ((int64_t *)held.col[2].buf)[j] != (int64_t)cid ||
+        ((int64_t *)held.col[0].buf)[j] != address)
+        DECLINE(); /* not this chunk being written: the reference raises */
+    CHECK(get_words(ring, s_w, &held.ring));
+    held.has_ring = 1;
+    if (address + CHUNK_HEADER > held.ring.len)
+        DECLINE();
+    CHECK(get_words(store, s_hw, &held.hw));
+    held.has_hw = 1;
+    if (held.hw.len < AIOSHM_HEADER_SIZE)
+        DECLINE();
+    CHECK(pub_prepare(store, key, &pub));
+    CHECK(pub_chunk(&pub, cid));
+    /* --- side effects: ``commit``, then the publish step --- */
+    uint64_t *w = (uint64_t *)held.ring.buf + (address >> 3);
+    STORE_WORD(&w[C_STATE], CHUNK_COMMITTED);
+    ((int64_t *)held.col[4].buf)[j] = CHUNK_COMMITTED;
+    int64_t position = ((int64_t *)held.col[3].buf)[j];
+    result = pub_finish(store, key, &pub, &held, (volatile uint64_t *)held.hw.buf, address,
+                        nbytes, position, used);
+done:
+    release_all(&held);
+    pub_clear(&pub);
+    Py_XDECREF(ring), Py_XDECREF(seg), Py_XDECREF(at), Py_XDECREF(u_obj);
+    return result;
+}
+
+/* ``make_ref(store, cid, seq)``: the reference of hand-out ``seq`` of the cached chunk ``cid``
+ * (``StoreWriter._ref``, the reference): its row, the tag's base (recomputed, and the row
+ * rewritten, once per epoch), the tag. None (nothing done) when the row is missing or not what
+ * the reference packs: the reference then runs (and raises what it raises). */
+static PyObject *
+core_make_ref(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "make_ref takes 3 arguments (store, cid, seq)");
+        return NULL;
+    }
+    if (ref_type == NULL)
+        Py_RETURN_NONE;
+    PyObject *store = args[0], *cid_obj = args[1], *seq_obj = args[2];
+    if (!PyLong_CheckExact(cid_obj) || !PyLong_CheckExact(seq_obj))
+        Py_RETURN_NONE;
+    uint64_t cid = PyLong_AsUnsignedLongLong(cid_obj), seq = PyLong_AsUnsignedLongLong(seq_obj);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *result = NULL, *rows = NULL, *shard = NULL, *secret_obj = NULL, *nonce = NULL;
+    PyObject *row = NULL;
+    Held held = {.ncol = 0, .has_ring = 0, .has_hw = 0, .nsrc = 0};
+    NEED(rows = PyObject_GetAttr(store, s_rows));
+    NEED(shard = shard_of(rows, cid_obj));
+    PyObject *packed = PyDict_GetItemWithError(shard, cid_obj); /* borrowed */
+    if (packed == NULL) {
+        if (PyErr_Occurred())
+            goto done;
+        DECLINE(); /* the reference raises KeyError */
+    }
+    if (!PyBytes_CheckExact(packed) || PyBytes_GET_SIZE(packed) != 5 * 8)
+        DECLINE();
+    uint64_t f[5]; /* address, length, position, base, epoch of the base */
+    memcpy(f, PyBytes_AS_STRING(packed), sizeof f);
+    CHECK(get_words(store, s_hw, &held.hw));
+    held.has_hw = 1;
+    if (held.hw.len < AIOSHM_HEADER_SIZE)
+        DECLINE();
+    uint64_t epoch = ((volatile uint64_t *)held.hw.buf)[H_EPOCH];
+    NEED(nonce = PyObject_GetAttr(store, s_nonce));
+    if (f[4] != epoch) { /* the tag's base, once per epoch */
+        NEED(secret_obj = PyObject_GetAttr(store, s_secret));
+        uint64_t secret = PyLong_AsUnsignedLongLong(secret_obj);
+        if (secret == (uint64_t)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            DECLINE();
+        }
+        f[3] = aioshm_tag_base(secret, epoch, f[0], cid, f[1], f[2]);
+        f[4] = epoch;
+        NEED(row = PyBytes_FromStringAndSize((const char *)f, sizeof f));
+        if (PyDict_SetItem(shard, cid_obj, row) < 0)
+            goto done;
+    }
+    result = new_ref(nonce, epoch, f[0], cid_obj, f[1], aioshm_finish_tag(f[3], seq), f[2],
+                     seq_obj);
+done:
+    release_all(&held);
+    Py_XDECREF(rows), Py_XDECREF(shard), Py_XDECREF(secret_obj), Py_XDECREF(nonce);
+    Py_XDECREF(row);
+    return result;
+}
+
+PyMethodDef aioshm_put_methods[] = {
+    {"publish_plain", (PyCFunction)(void (*)(void))core_publish_plain, METH_FASTCALL,
+     "publish_plain(store, key, address, cid, length) -> ShmRef, or None (the reference runs)"},
+    {"make_ref", (PyCFunction)(void (*)(void))core_make_ref, METH_FASTCALL,
+     "make_ref(store, cid, seq) -> the ShmRef of a hand-out, or None (the reference decides)"},
+    {"configure", core_configure, METH_VARARGS,
+     "configure(ShmRef, plan type, serde type): the types put_plain recognises"},
+    {"put_plain", (PyCFunction)(void (*)(void))core_put_plain, METH_FASTCALL,
+     "put_plain(store, key, plan) -> ShmRef, or None (declined before any side effect)"},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,310 @@
+"""Differential tests of the write path: a store whose puts go through the C core's
+``put_plain`` and one on the pure-Python reference run the same random operation sequences and
+give the same answers, the same errors and the same segment, bit for bit (ring bytes and header
+words; only the instance's nonce, pid, time and secret differ, and the secret is made equal).
+
+The segment written through the C core is read back by the Python read path, and since the two
+segments are equal bytes, the reverse holds too. Skipped where the C core is not built.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aioshmcache import (
+    CacheConfig,
+    DuplicateKeyError,
+    MsgpackSerde,
+    SenderCache,
+    ShmObjectStore,
+    ShmRef,
+    StoreWriter,
+    _core_py,
+    _serde,
+    _store,
+)
+from aioshmcache import _layout as L
+from aioshmcache._serde_encode import _Plan
+
+from .conftest import RUN_PREFIX
+from .test_core import c_core
+
+C = c_core()
+pytestmark = pytest.mark.skipif(C is None, reason="the C core is not built here")
+if C is not None:  # as ``_store`` does for the core in use (with AIOSHM_PURE=1, the pure one)
+    C.configure(ShmRef, _Plan, MsgpackSerde)
+
+#: header words that differ between two instances whatever they do (see the module docstring)
+_INSTANCE_WORDS = {L.H_NONCE, L.H_WRITER_PID, L.H_OWNER_UID, L.H_CREATED, L.H_SECRET}
+_SECRET = 0x0123456789ABCDEF
+
+ITEMS: list[Callable[[np.random.Generator], object]] = [
+    lambda r: {"pixel_values": r.integers(0, 255, 1024, dtype=np.uint8)},
+    lambda r: {"a": r.standard_normal((7, 9)).astype(np.float32), "b": np.arange(3)},
+    lambda r: {"big": r.integers(0, 255, 70_000, dtype=np.uint8)},
+    lambda r: {"nc": r.standard_normal((40, 30))[:, ::3]},  # not contiguous: declined
+    lambda r: {"t": np.arange(50).astype("M8[s]")},  # no buffer export: declined
+    lambda r: {"empty": np.zeros(0, np.float64), "x": np.ones(5)},
+    lambda r: {"nested": {"x": 1}, "s": "text"},  # not flat
+    lambda r: [1, 2.5, "x", None],
+    lambda r: {"huge": np.zeros(300_000, np.uint8)},  # over max_object_bytes
+]
+
+KEYS = st.sampled_from([f"k{i}" for i in range(12)])
+OPS = st.one_of(
+    st.tuples(st.just("put"), KEYS, st.integers(0, len(ITEMS) - 1)),
+    st.tuples(st.just("get_cached"), KEYS, st.just(0)),
+    st.tuples(st.just("invalidate"), KEYS, st.just(0)),
+    st.tuples(st.just("release_last"), KEYS, st.just(0)),
+    st.tuples(st.just("clear"), KEYS, st.just(0)),
+)
+
+
+def pure_core(m: pytest.MonkeyPatch) -> None:
+    """Every entry point of the write path into the core: the pure one's (``AIOSHM_PURE=1``)."""
+    m.setattr(_store, "_put_plain", _core_py.put_plain)
+    m.setattr(_store, "_make_ref", _core_py.make_ref)
+    m.setattr(_store, "_publish_plain", _core_py.publish_plain)
+    m.setattr(_serde, "_copy_into", _core_py.copy_into)
+
+
+def _store_for(name: str) -> StoreWriter:
+    cfg = CacheConfig(256 * 1024, 200 * 1024, 1, name=name)
+    store = ShmObjectStore.create(cfg)
+    store._secret = _SECRET  # the same tags in both
+    store._hw[L.H_SECRET] = _SECRET
+    return store
+
+
+def _ref_fields(ref: ShmRef) -> tuple[int, ...]:
+    return tuple(ref)[1:]  # all but the nonce
+
+
+def _run(ops: list[tuple[str, str, int]], seed: int) -> tuple[list[object], bytes, list[int]]:
+    rng = np.random.default_rng(seed)
+    store = _store_for(f"{RUN_PREFIX}diff-{uuid.uuid4().hex[:10]}")
+    answers: list[object] = []
+    last: ShmRef | None = None
+    try:
+        for op, key, n in ops:
+            try:
+                if op == "put":
+                    value = ITEMS[n](rng)
+                    last = store.put(key, value)
+                    got = store.get(last)  # the Python read path reads what was written
+                    answers.append(("put", _ref_fields(last), _same(got, value)))
+                elif op == "get_cached":
+                    ref = store.get_cached(key)
+                    last = ref if ref is not None else last
+                    answers.append(("hit", None if ref is None else _ref_fields(ref)))
+                elif op == "invalidate":
+                    answers.append(("invalidate", store.invalidate(key)))
+                elif op == "release_last":
+                    answers.append(("release", last is not None and store.release(last)))
+                else:
+                    answers.append(("clear", store.clear()))
+            except Exception as exc:
+                answers.append(("error", type(exc).__name__))
+            answers.append(("state", store.keys(), store.ring.used_bytes, len(store)))
+        ring = bytes(store.ring.buf)
+        words = [w if i not in _INSTANCE_WORDS else 0 for i, w in enumerate(store._hw[:64])]
+        return answers, ring, words
+    finally:
+        store.close()
+
+
+def _same(got: object, value: object) -> bool:
+    if isinstance(value, dict):
+        return (
+            isinstance(got, dict)
+            and list(got) == list(value)
+            and all(_same(got[k], v) for k, v in value.items())
+        )
+    if isinstance(value, np.ndarray):
+        return (
+            isinstance(got, np.ndarray) and got.dtype == value.dtype and np.array_equal(got, value)
+        )
+    return bool(got == value)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(OPS, min_size=1, max_size=40), st.integers(0, 2**32 - 1))
+def test_both_cores_answer_alike_and_write_the_same_segment(
+    monkeypatch: pytest.MonkeyPatch, ops: list[tuple[str, str, int]], seed: int
+) -> None:
+    with_c = _run(ops, seed)
+    with monkeypatch.context() as m:
+        pure_core(m)
+        pure = _run(ops, seed)
+    assert with_c[0] == pure[0]  # answers and errors, op by op
+    assert with_c[2] == pure[2]  # header words
+    assert with_c[1] == pure[1]  # every byte of the ring
+
+
+def test_the_c_put_takes_the_usual_put_and_declines_the_rest(
+    monkeypatch: pytest.MonkeyPatch, make_config: Any
+) -> None:
+    """Not a vacuous comparison: the C core did put plain items, and declined the others
+    (before any side effect: the reference then made the same put)."""
+    assert C is not None
+    seen: list[bool] = []
+
+    def spy(store: object, key: object, plan: object) -> Any:
+        ref = C.put_plain(store, key, plan)
+        seen.append(ref is not None)
+        return ref
+
+    monkeypatch.setattr(_store, "_put_plain", spy)
+    rng = np.random.default_rng(0)
+    with ShmObjectStore.create(make_config(1 << 20)) as store:
+        store.put("plain", ITEMS[0](rng))
+        store.put("not-contiguous", ITEMS[3](rng))
+        store.put("datetimes", ITEMS[4](rng))
+        store.put("nested", ITEMS[6](rng))
+        with pytest.raises(DuplicateKeyError):
+            store.put("plain", ITEMS[0](rng))
+        order = store.keys()
+        assert order == ["plain", "not-contiguous", "datetimes", "nested"]
+        for key in order:
+            ref = store.ref_of(key)
+            assert ref is not None and store.get(ref) is not None
+    assert seen == [True, False, False, True, False]
+
+
+REQUESTS = st.lists(
+    st.lists(st.tuples(KEYS, st.integers(-1, 3)), min_size=1, max_size=4), min_size=1, max_size=25
+)
+
+
+def _run_requests(
+    requests: list[list[tuple[str, int]]], seed: int, inline_below: int
+) -> tuple[list[object], bytes]:
+    """Sender requests of one to four items (``-1``: a look-up), so that puts run under a
+    request's guard, repeat a hash within a request, and evict, as the sender's do; with
+    ``inline_below=0`` every put is a reservation, copied, then committed (``publish_plain``)."""
+    rng = np.random.default_rng(seed)
+    name = f"{RUN_PREFIX}diffreq-{uuid.uuid4().hex[:10]}"
+    cache = SenderCache(CacheConfig(256 * 1024, 200 * 1024, 1, name=name))
+    cache.store._secret = _SECRET
+    cache.store._hw[L.H_SECRET] = _SECRET
+    answers: list[object] = []
+    try:
+        for request in requests:
+            items = [None if n < 0 else (ITEMS[n](rng), [n]) for _, n in request]
+            try:
+                hashes = [h for h, _ in request]
+                out = cache._request(items, hashes, copy_inline_below=inline_below).run()
+                answers.append(
+                    [(_ref_fields(d) if isinstance(d, ShmRef) else "inline", u) for d, u in out]
+                )
+            except Exception as exc:
+                answers.append(("error", type(exc).__name__))
+            answers.append(("state", cache.store.keys(), cache.store.ring.used_bytes))
+        return answers, bytes(cache.store.ring.buf)
+    finally:
+        cache.close()
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(REQUESTS, st.integers(0, 2**32 - 1), st.sampled_from([1 << 20, 0]))
+def test_sender_requests_answer_alike_and_write_the_same_segment_on_both_cores(
+    monkeypatch: pytest.MonkeyPatch,
+    requests: list[list[tuple[str, int]]],
+    seed: int,
+    inline_below: int,
+) -> None:
+    with_c = _run_requests(requests, seed, inline_below)
+    with monkeypatch.context() as m:
+        pure_core(m)
+        pure = _run_requests(requests, seed, inline_below)
+    assert with_c[0] == pure[0]
+    assert with_c[1] == pure[1]
+
+
+def test_a_hand_out_s_reference_is_the_same_from_either_core(make_config: Any) -> None:
+    """``make_ref`` against the reference ``StoreWriter._ref``, with the tag's base recomputed
+    when the epoch moved since the row was written (and the row rewritten alike)."""
+    assert C is not None
+    with ShmObjectStore.create(make_config(1 << 20)) as store:
+        for i in range(5):
+            store.put(f"k{i}", ITEMS[1](np.random.default_rng(i)))
+        cids = [store._index[f"k{i}"] for i in range(5)]
+        for bump in (0, 1):
+            store._hw[L.H_EPOCH] = int(store._hw[L.H_EPOCH]) + bump
+            for cid in cids:
+                for seq in (0, 1, 2**40):
+                    before = store._rows[cid]
+                    got = C.make_ref(store, cid, seq)
+                    rewritten = store._rows[cid]
+                    store._rows[cid] = before
+                    with pytest.MonkeyPatch.context() as m:
+                        m.setattr(_store, "_make_ref", _core_py.make_ref)
+                        expected = store._ref(cid, seq)
+                    assert got == expected and type(got) is ShmRef
+                    assert store._rows[cid] == rewritten
+        assert C.make_ref(store, 10**6, 0) is None  # no such row: the reference raises
+        with pytest.raises(KeyError):
+            store._ref(10**6, 0)
+
+
+def test_a_source_that_changed_since_its_plan_is_refused_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plan whose array is no longer the size it was planned at: the C core declines before
+    any side effect, and the reference refuses it (``SerdeError``); both leave the same ring."""
+    from aioshmcache import SerdeError
+
+    def attempt() -> tuple[str, bytes, int]:
+        store = _store_for(f"{RUN_PREFIX}diffsz-{uuid.uuid4().hex[:10]}")
+        try:
+            plan = store.plan({"x": np.arange(100, dtype=np.int64)})
+            plan._sources = (np.arange(90, dtype=np.int64),)  # type: ignore[attr-defined]
+            with pytest.raises(SerdeError):
+                store.put_locked("k", plan)
+            return repr(store.keys()), bytes(store.ring.buf), store.ring.next_id
+        finally:
+            store.close()
+
+    with_c = attempt()
+    with monkeypatch.context() as m:
+        pure_core(m)
+        pure = attempt()
+    assert with_c == pure
+
+
+def test_a_reservation_s_commit_is_published_by_the_c_core(
+    monkeypatch: pytest.MonkeyPatch, make_config: Any
+) -> None:
+    """Not vacuous: ``publish_plain`` published the reservations' commits (and a put the C
+    core declined to write), and declined a chunk that is not the one being written."""
+    assert C is not None
+    seen: list[bool] = []
+
+    def spy(*args: Any) -> Any:
+        ref = C.publish_plain(*args)
+        seen.append(ref is not None)
+        return ref
+
+    monkeypatch.setattr(_store, "_publish_plain", spy)
+    rng = np.random.default_rng(0)
+    with SenderCache(make_config(1 << 20)) as cache:
+        cache._request([(ITEMS[0](rng), [])], ["a"], copy_inline_below=0).run()
+        cache.get_and_update_item((ITEMS[4](rng), []), "datetimes")  # written by Python
+        assert seen == [True, True]
+        store = cache.store
+        ref = store.ref_of("a")
+        assert ref is not None
+        assert C.publish_plain(store, "b", ref.address, ref.id, ref.length) is None  # committed
+        assert C.publish_plain(store, "b", 64 * 3 + 1, 5, 10) is None  # no chunk there
+        assert store.keys() == ["a", "datetimes"]
