@@ -402,9 +402,12 @@ read_array(Walk *w, const unsigned char *rec, uint64_t rlen, PyObject **out)
     uint64_t itemsize;
     if (get_u64(PyTuple_GET_ITEM(entry, 1), &itemsize) < 0)
         return -1;
-    uint64_t count = 1;
+    /* the dims are read once: the record lives in shared memory, which may change under the
+     * read (a hostile writer, a chunk reused meanwhile); a second read could build a shape
+     * other than the one checked here */
+    uint64_t dims[MAX_NDIM_FORMAT], count = 1;
     for (unsigned i = 0; i < ndim; i++) {
-        uint64_t d = le64(rec + 19 + 8 * i);
+        uint64_t d = dims[i] = le64(rec + 19 + 8 * i);
         if (d == 0 || d > SIZE_MAX_ELEMS || count > SIZE_MAX_ELEMS / d)
             return 0; /* empty arrays and impossible shapes: the Python path */
         count *= d;
@@ -419,7 +422,7 @@ read_array(Walk *w, const unsigned char *rec, uint64_t rlen, PyObject **out)
     if (shape == NULL)
         return -1;
     for (unsigned i = 0; i < ndim; i++) {
-        PyObject *d = PyLong_FromUnsignedLongLong(le64(rec + 19 + 8 * i));
+        PyObject *d = PyLong_FromUnsignedLongLong(dims[i]);
         if (d == NULL) {
             Py_DECREF(shape);
             return -1;
