@@ -97,8 +97,7 @@ from ._readers import ReaderTable, SlotState, reader_slots_info
 from ._reading import ReadPath, check_ref_fields
 from ._ring import ShmRingBuffer
 from ._segment import Segment
-from ._serde import EncodePlan, MsgpackSerde, Serde
-from ._serde_encode import _Plan
+from ._serde import EncodePlan, MsgpackPlan, MsgpackSerde, Serde
 from ._shards import ShardedMap, shards_for
 from ._types import (
     _M1,
@@ -143,7 +142,7 @@ _unpack_row: Final = _ROW.unpack
 _new_ref: Final = tuple.__new__  # ShmRef's fields in order, without its Python-level __new__
 _NOBODY: Final[list[int]] = []  # the owers of a one-of-N hand-out (never appended to)
 #: the core's put of a plain item (``_core_put.c``); it declines with None before any side effect
-core.configure(ShmRef, _Plan, MsgpackSerde)
+core.configure(ShmRef, MsgpackPlan, MsgpackSerde)
 _put_plain = core.put_plain
 #: the core's reference of a hand-out (``StoreWriter._ref``); None: the Python steps decide
 _make_ref = core.make_ref

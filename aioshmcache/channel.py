@@ -97,7 +97,7 @@ import msgpack
 
 from ._channel_pool import PoolBook
 from ._serde import MsgpackSerde
-from ._serde_decode import _check_complete, _NodeCounter
+from ._serde.decode import NodeCounter, check_complete
 from ._types import FeatureSpec, ShmRef
 from .errors import (
     CacheMissError,
@@ -268,8 +268,8 @@ def _unpack_body(body: bytes) -> list[FeatureSpec]:
         return unpack_features(body)
     n = len(body)
     try:
-        _check_complete(body)  # before msgpack allocates what array headers announce
-        counter = _NodeCounter(_MAX_CONTAINERS)
+        check_complete(body)  # before msgpack allocates what array headers announce
+        counter = NodeCounter(_MAX_CONTAINERS)
         value = msgpack.unpackb(
             body,
             raw=False,

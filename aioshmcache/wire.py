@@ -10,7 +10,7 @@ JSON line that works in a quiet test overflows asyncio's 64 KiB ``readline`` lim
 plain buffers) delimit messages of any size up to an explicit ``max_bytes``.
 
 Message format: one payload of the store's own serde (:class:`~aioshmcache.MsgpackSerde`, see
-``aioshmcache._serde_encode`` for the byte layout) whose value is::
+``aioshmcache._serde.format`` for the byte layout) whose value is::
 
     ["aioshmcache.wire", 1, [feature, ...]]
     feature = [mm_hash, kind, data, identifier, prompt_updates]

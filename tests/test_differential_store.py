@@ -31,7 +31,7 @@ from aioshmcache import (
     _store,
 )
 from aioshmcache import _layout as L
-from aioshmcache._serde_encode import _Plan
+from aioshmcache._serde import MsgpackPlan
 
 from .conftest import RUN_PREFIX
 from .test_core import c_core
@@ -39,7 +39,7 @@ from .test_core import c_core
 C = c_core()
 pytestmark = pytest.mark.skipif(C is None, reason="the C core is not built here")
 if C is not None:  # as ``_store`` does for the core in use (with AIOSHM_PURE=1, the pure one)
-    C.configure(ShmRef, _Plan, MsgpackSerde)
+    C.configure(ShmRef, MsgpackPlan, MsgpackSerde)
 
 #: header words that differ between two instances whatever they do (see the module docstring)
 _INSTANCE_WORDS = {L.H_NONCE, L.H_WRITER_PID, L.H_OWNER_UID, L.H_CREATED, L.H_SECRET}

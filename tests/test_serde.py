@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import aioshmcache._serde as serde_module
-import aioshmcache._serde_decode as serde_decode
-import aioshmcache._serde_encode as serde_encode
+import aioshmcache._serde.decode as serde_decode
+import aioshmcache._serde.encode as serde_encode
+import aioshmcache._serde.format as serde_format
 from aioshmcache._serde import EncodePlan, MsgpackSerde, Serde
 from aioshmcache.errors import SerdeError, ShmCacheError
 
@@ -470,7 +471,7 @@ def test_protocol_and_repr() -> None:
     assert isinstance(plan, EncodePlan)
     assert "nbytes" in repr(plan)
     assert "MsgpackSerde(" in repr(SERDE)
-    assert serde_module.__all__ == ["EncodePlan", "MsgpackSerde", "Serde"]
+    assert serde_module.__all__ == ["EncodePlan", "MsgpackPlan", "MsgpackSerde", "Serde"]
     assert issubclass(SerdeError, ShmCacheError) and issubclass(SerdeError, ValueError)
 
 
@@ -496,7 +497,7 @@ def test_threads_share_one_serde() -> None:
 
 
 def test_no_pickle_no_torch_import() -> None:
-    for module in (serde_module, serde_encode, serde_decode):  # the serde and its two halves
+    for module in (serde_module, serde_format, serde_encode, serde_decode):  # the whole package
         source = inspect.getsource(module)
         assert "import pickle" not in source and "pickle." not in source
     code = (
@@ -509,7 +510,7 @@ def test_no_pickle_no_torch_import() -> None:
         "s.read(b)\n"
         "assert 'torch' not in sys.modules, 'serde imported torch'\n"
     )
-    root = Path(serde_module.__file__).parent.parent
+    root = Path(serde_module.__file__).parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env, cwd=root)
 
@@ -1008,3 +1009,25 @@ def test_template_cache_is_bounded() -> None:
     for n in range(serde_decode._TEMPLATES_MAX + 10):
         serde.read(encode({f"k{n}": n}, serde).view)
     assert 0 < len(serde._templates) <= serde_decode._TEMPLATES_MAX
+
+
+@pytest.mark.parametrize("length", [100, 5000], ids=["kept-template", "header-over-4KiB"])
+def test_a_header_is_read_once_from_shared_memory(
+    monkeypatch: pytest.MonkeyPatch, length: int
+) -> None:
+    """A writer that changes the header between the completeness check and the unpacking
+    cannot slip bytes past the check: both read one private copy (headers over 4 KiB too)."""
+    serde = MsgpackSerde()
+    shared = bytearray(encoded_bytes({"s": "a" * length}))
+    original = serde_decode.check_complete
+    changed: list[bool] = []
+
+    def then_a_writer_changes_it(header: bytes | memoryview) -> None:
+        original(header)
+        at = shared.index(b"a" * length)
+        shared[at : at + length] = b"b" * length  # after the check, before the unpacking
+        changed.append(True)
+
+    monkeypatch.setattr(serde_decode, "check_complete", then_a_writer_changes_it)
+    assert serde.read(memoryview(shared)) == {"s": "a" * length}
+    assert changed == [True]

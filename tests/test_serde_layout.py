@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import aioshmcache._serde_encode as serde_encode
+import aioshmcache._serde.encode as serde_encode
 from aioshmcache._serde import MsgpackSerde
 from aioshmcache.errors import SerdeError
 

@@ -1,7 +1,8 @@
-"""Decoding a payload: validated array descriptors and headers compiled into builders.
+"""The decode side of `MsgpackSerde`: validated descriptors, headers compiled into builders.
 
-Split from :mod:`aioshmcache._serde_encode` (which documents the byte layout and the
-rules the reader enforces); :class:`aioshmcache.MsgpackSerde` uses both halves.
+The format and what the reader accepts are described in :mod:`.format`; :mod:`.encode` is the
+other half. :func:`unpack_bounded` is the one bounded msgpack unpacking of hostile bytes (the
+serde's structure header; other parsers of the package call it too).
 """
 
 from __future__ import annotations
@@ -13,28 +14,31 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ._serde_encode import (
-    _ALIGN_MASK,
-    _ARR_HEAD,
-    _ARR_HEAD_SIZE,
-    _BYTES_DESC,
-    _EXT_ARRAY,
-    _EXT_BYTES,
-    _EXT_SCALAR,
-    _EXT_TUPLE,
-    _FLAG_BF16,
-    _FLAG_TORCH,
-    _KNOWN_FLAGS,
-    _MAX_NDIM_FORMAT,
-    _PREFIX_SIZE,
-    _SHAPE_STRUCTS,
-    _SIZE_MAX,
-    _check_dtype_string,
-    _ExtType,
-    _frombuffer,
-    _too_many_containers,
+from ..errors import SerdeError
+from .format import (
+    ALIGN_MASK,
+    ARR_HEAD,
+    ARR_HEAD_SIZE,
+    BYTES_DESC,
+    EXT_ARRAY,
+    EXT_BYTES,
+    EXT_SCALAR,
+    EXT_TUPLE,
+    FLAG_BF16,
+    FLAG_TORCH,
+    KNOWN_FLAGS,
+    MAX_NDIM_FORMAT,
+    PREFIX_SIZE,
+    SHAPE_STRUCTS,
+    SIZE_MAX,
+    TOO_MANY_CONTAINERS,
+    check_dtype_string,
 )
-from .errors import SerdeError
+
+__all__ = ["NodeCounter", "check_complete", "unpack_bounded"]
+
+_ExtType = msgpack.ExtType
+_frombuffer = np.frombuffer
 
 # --- decoding ---------------------------------------------------------------------------------
 
@@ -54,21 +58,21 @@ def _parse_array_descriptor(data: bytes) -> _ArrayDesc:
     and the canonical offset are checked by the caller.
     """
     n = len(data)
-    if n < _ARR_HEAD_SIZE:
+    if n < ARR_HEAD_SIZE:
         raise SerdeError("malformed array descriptor")
-    off, nbytes, flags, ndim, dlen = _ARR_HEAD.unpack_from(data)
-    if ndim > _MAX_NDIM_FORMAT:
+    off, nbytes, flags, ndim, dlen = ARR_HEAD.unpack_from(data)
+    if ndim > MAX_NDIM_FORMAT:
         raise SerdeError(f"array has {ndim} dimensions")
-    dstart = _ARR_HEAD_SIZE + 8 * ndim
-    if n != dstart + dlen or flags & ~_KNOWN_FLAGS:
+    dstart = ARR_HEAD_SIZE + 8 * ndim
+    if n != dstart + dlen or flags & ~KNOWN_FLAGS:
         raise SerdeError("malformed array descriptor")
-    dt = _check_dtype_string(data[dstart:])
-    shape: tuple[int, ...] = _SHAPE_STRUCTS[ndim].unpack_from(data, _ARR_HEAD_SIZE)
+    dt = check_dtype_string(data[dstart:])
+    shape: tuple[int, ...] = SHAPE_STRUCTS[ndim].unpack_from(data, ARR_HEAD_SIZE)
     count = math.prod(shape)
     if count == 0:
-        if math.prod([d or 1 for d in shape]) * dt.itemsize > _SIZE_MAX:
+        if math.prod([d or 1 for d in shape]) * dt.itemsize > SIZE_MAX:
             raise SerdeError("zero-size array with an impossible shape")
-    elif count > _SIZE_MAX:
+    elif count > SIZE_MAX:
         raise SerdeError("array too large")
     if count * dt.itemsize != nbytes:
         raise SerdeError("array nbytes does not match its shape and dtype")
@@ -83,14 +87,14 @@ def _parse_array_descriptor(data: bytes) -> _ArrayDesc:
 # of an item shaped like an earlier one skips the unpacking and the walk. Only templates that
 # passed validation are stored, and the cache is bounded (cleared when full).
 _TEMPLATE_HEADER_MAX = 4096  # longer headers (e.g. big str values) are not worth keeping
-_TEMPLATE_KEY_MAX = _PREFIX_SIZE + _TEMPLATE_HEADER_MAX
+_TEMPLATE_KEY_MAX = PREFIX_SIZE + _TEMPLATE_HEADER_MAX
 _TEMPLATES_MAX = 256
 _LIMITS = frozenset(("max_arrays", "max_containers", "max_depth", "max_header_bytes", "max_ndim"))
 #: what a plain value of an unpacked header may be (anything else is a node to compile)
 _NODE_TYPES = frozenset((dict, list, _ExtType))
 
 
-class _NodeCounter:
+class NodeCounter:
     """msgpack's hooks for one unpacking: count containers and scalar records, convert nothing.
 
     Called as msgpack builds each map (``object_hook``), array (``list_hook``) and extension
@@ -105,18 +109,18 @@ class _NodeCounter:
     def container(self, obj: Any) -> Any:
         self.left -= 1
         if self.left < 0:
-            raise SerdeError(f"{_too_many_containers()} ({self.max})")
+            raise SerdeError(f"{TOO_MANY_CONTAINERS} ({self.max})")
         return obj
 
     def ext(self, code: int, data: bytes) -> msgpack.ExtType:
-        if code != _EXT_ARRAY and code != _EXT_BYTES:  # those are bounded by max_arrays
+        if code != EXT_ARRAY and code != EXT_BYTES:  # those are bounded by max_arrays
             self.left -= 1
             if self.left < 0:
-                raise SerdeError(f"{_too_many_containers()} ({self.max})")
+                raise SerdeError(f"{TOO_MANY_CONTAINERS} ({self.max})")
         return _ExtType(code, data)
 
 
-def _check_complete(header: bytes | memoryview) -> None:
+def check_complete(header: bytes | memoryview) -> None:
     """``SerdeError`` unless ``header`` is exactly one complete msgpack object, checked
     *before* it is unpacked when it could announce more than it holds.
 
@@ -148,6 +152,47 @@ def _check_complete(header: bytes | memoryview) -> None:
 #: ``array 16`` / ``array 32`` type bytes a header may hold without the completeness check
 #: (each, left open, may cost 8 bytes per header byte)
 _OPEN_ARRAYS_OK = 3
+
+
+def unpack_bounded(
+    data: bytes,
+    *,
+    max_containers: int,
+    maps: bool = True,
+    binary: bool = True,
+    records: bool = True,
+) -> Any:
+    """Unpack exactly one msgpack object from hostile ``data``, at a cost bounded by its size.
+
+    The object must be complete (:func:`check_complete`, before msgpack allocates what array
+    headers announce); at most ``max_containers`` maps, arrays and extension records other than
+    the serde's ARRAY and BYTES are built (:class:`NodeCounter`, counted while msgpack unpacks);
+    no string or container may announce more elements than ``data`` has bytes; map keys are
+    str or bytes; nothing is converted (extension records come back as ``msgpack.ExtType``).
+    ``maps``, ``binary`` and ``records`` False refuse non-empty maps, bin values and extension
+    records. ``data`` must be a private copy (``bytes``): it is read twice.
+
+    Raises ``SerdeError`` (incomplete, too many containers) or msgpack's own exceptions
+    (``ValueError`` and its kin) for anything else malformed: the caller types those for its
+    format.
+    """
+    check_complete(data)
+    counter = NodeCounter(max_containers)
+    n = len(data)
+    return msgpack.unpackb(
+        data,
+        raw=False,
+        strict_map_key=True,
+        use_list=True,
+        max_str_len=n,
+        max_bin_len=n if binary else 0,
+        max_array_len=n,
+        max_map_len=n if maps else 0,
+        max_ext_len=n if records else 0,
+        object_hook=counter.container,
+        list_hook=counter.container,
+        ext_hook=counter.ext,
+    )
 
 
 def _copy_list_builder(values: list[Any]) -> _Builder:
@@ -316,7 +361,7 @@ class _Compiler:
             flat: list[_FlatArray] | None = []
             items: list[tuple[Any, _Builder | None, Any]] = []
             for k, v in obj.items():
-                if flat is not None and type(v) is _ExtType and v.code == _EXT_ARRAY:
+                if flat is not None and type(v) is _ExtType and v.code == EXT_ARRAY:
                     dt, shape, count, start, flags = desc = self.array_desc(v.data)
                     if not flags and count:
                         flat.append((k, dt, count, start, None if len(shape) == 1 else shape))
@@ -337,7 +382,7 @@ class _Compiler:
             values: list[Any] = obj
             if values:
                 first = values[0]
-                if type(first) is _ExtType and first.code == _EXT_TUPLE:
+                if type(first) is _ExtType and first.code == EXT_TUPLE:
                     if first.data:
                         raise SerdeError("malformed tuple marker")
                     rest = values[1:]
@@ -359,7 +404,7 @@ class _Compiler:
         self.count += 1
         if self.count > self.max_arrays:
             raise SerdeError(f"more than max_arrays={self.max_arrays} arrays")
-        expected = (self.cursor + _ALIGN_MASK) & ~_ALIGN_MASK
+        expected = (self.cursor + ALIGN_MASK) & ~ALIGN_MASK
         if off != expected:
             raise SerdeError(f"array offset {off} is not the canonical offset {expected}")
         end = off + nbytes
@@ -371,18 +416,18 @@ class _Compiler:
     def ext(self, rec: msgpack.ExtType) -> _Node:
         code = rec.code
         data: bytes = rec.data
-        if code == _EXT_ARRAY:
+        if code == EXT_ARRAY:
             return self.array_builder(self.array_desc(data)), None
-        if code == _EXT_SCALAR:
+        if code == EXT_SCALAR:
             return None, self.scalar(data)
-        if code == _EXT_BYTES:
-            if len(data) != _BYTES_DESC.size:
+        if code == EXT_BYTES:
+            if len(data) != BYTES_DESC.size:
                 raise SerdeError("malformed bytes descriptor")
-            off, nbytes = _BYTES_DESC.unpack(data)
+            off, nbytes = BYTES_DESC.unpack(data)
             start = self._slot(off, nbytes)
             end = start + nbytes
             return (lambda buf, ro, copy: buf[start:end].tobytes()), None
-        if code == _EXT_TUPLE:
+        if code == EXT_TUPLE:
             raise SerdeError("tuple marker outside the first element of an array")
         raise SerdeError(f"unknown ExtType code {code}")
 
@@ -407,7 +452,7 @@ class _Compiler:
     def array_builder(desc: tuple[np.dtype[Any], tuple[int, ...], int, int, int]) -> _Builder:
         dt, shape, count, start, flags = desc
         if flags:
-            return _tensor_builder(dt, shape, count, start, bool(flags & _FLAG_BF16))
+            return _tensor_builder(dt, shape, count, start, bool(flags & FLAG_BF16))
         return _array_builder(dt, shape, count, start)
 
     @staticmethod
@@ -415,16 +460,16 @@ class _Compiler:
         if not data:
             raise SerdeError("malformed scalar descriptor")
         dlen = data[0]
-        dt = _check_dtype_string(data[1 : 1 + dlen])
+        dt = check_dtype_string(data[1 : 1 + dlen])
         if len(data) != 1 + dlen + dt.itemsize:
             raise SerdeError("scalar byte length does not match its dtype")
         return _frombuffer(data, dt, 1, 1 + dlen)[0]  # immutable: shared by every read
 
     @staticmethod
     def check_tensor(dt: np.dtype[Any], flags: int) -> None:
-        if not flags & _FLAG_TORCH:
+        if not flags & FLAG_TORCH:
             raise SerdeError("malformed array flags")
-        if flags & _FLAG_BF16 and dt.str != "<u2":
+        if flags & FLAG_BF16 and dt.str != "<u2":
             raise SerdeError("a bfloat16 tensor must be stored as '<u2'")
         if dt.kind not in "biufc" or dt.byteorder == ">":
             raise SerdeError(f"dtype {dt.str!r} cannot be a torch tensor")

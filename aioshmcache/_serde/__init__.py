@@ -1,8 +1,10 @@
 """Serialization straight into shared memory: `MsgpackSerde` and the `Serde` protocol.
 
-The payload's byte layout, what the reader accepts and the design choices are documented in
-:mod:`aioshmcache._serde_encode` (the encode side: plan and layout);
-:mod:`aioshmcache._serde_decode` holds the decode side (descriptor checks, compiled headers).
+A private subpackage: :mod:`.format` is the payload's byte layout and what the reader accepts
+(its docstring is the format's reference), :mod:`.encode` the plan and the encoder,
+:mod:`.decode` the checks and the compiled headers. The rest of the package imports only the
+names this module exports, and :func:`.decode.unpack_bounded` (the bounded msgpack unpacking
+other parsers share).
 """
 
 from __future__ import annotations
@@ -13,28 +15,21 @@ from typing import Any, Protocol, runtime_checkable
 import msgpack
 import numpy as np
 
-from ._core_api import core
-from ._serde_decode import (
+from .._core_api import core
+from ..errors import SerdeError
+from .decode import (
     _LIMITS,
     _TEMPLATE_HEADER_MAX,
     _TEMPLATE_KEY_MAX,
     _TEMPLATES_MAX,
-    _check_complete,
     _Compiler,
-    _NodeCounter,
     _Template,
+    unpack_bounded,
 )
-from ._serde_encode import (
-    _ALIGN_MASK,
+from .encode import (
     _FLAT_MAX,
     _FLAT_SHAPES_MAX,
-    _HLEN,
-    _HLEN_OFFSET,
-    _MAGIC,
-    _MAX_NDIM_FORMAT,
-    _PREFIX,
-    _PREFIX_SIZE,
-    _VERSION,
+    MsgpackPlan,
     _Encoder,
     _fit,
     _frombuffer,
@@ -43,11 +38,19 @@ from ._serde_encode import (
     _ndarray,
     _new_object,
     _new_plan,
-    _Plan,
 )
-from .errors import SerdeError
+from .format import (
+    ALIGN_MASK,
+    HLEN,
+    HLEN_OFFSET,
+    MAGIC,
+    MAX_NDIM_FORMAT,
+    PREFIX,
+    PREFIX_SIZE,
+    VERSION,
+)
 
-__all__ = ["EncodePlan", "MsgpackSerde", "Serde"]
+__all__ = ["EncodePlan", "MsgpackPlan", "MsgpackSerde", "Serde"]
 
 #: the copy of a big C-contiguous array into the chunk: the core's (``_core_api``)
 _copy_into = core.copy_into
@@ -91,7 +94,7 @@ class MsgpackSerde:
     values), the dimensions of one array, the nesting depth of containers and the number of
     containers (``max_containers``: maps, lists, tuples and numpy scalars, which bounds the
     memory and time a hostile header can cost; see the docstring of
-    :mod:`aioshmcache._serde_encode`).
+    :mod:`aioshmcache._serde.format`).
     """
 
     __slots__ = (
@@ -117,7 +120,7 @@ class MsgpackSerde:
         for name, value, hi in (
             ("max_header_bytes", max_header_bytes, (1 << 32) - 1),
             ("max_arrays", max_arrays, 1 << 32),
-            ("max_ndim", max_ndim, _MAX_NDIM_FORMAT),
+            ("max_ndim", max_ndim, MAX_NDIM_FORMAT),
             ("max_depth", max_depth, 256),
             ("max_containers", max_containers, 1 << 32),
         ):
@@ -179,14 +182,16 @@ class MsgpackSerde:
                 return self._plan_flat(obj, key)
             # A hit passed every check under the current limits (a change forgets them all).
             # This is _new_plan, inlined: no call on the put path.
-            plan = _new_object(_Plan)
+            plan = _new_object(MsgpackPlan)
             plan.nbytes = layout[0]
             plan._layout = layout
             plan._sources = tuple(obj.values())
             return plan
         return self._plan(obj)
 
-    def _plan_flat(self, obj: dict[str, np.ndarray[Any, Any]], key: tuple[object, ...]) -> _Plan:
+    def _plan_flat(
+        self, obj: dict[str, np.ndarray[Any, Any]], key: tuple[object, ...]
+    ) -> MsgpackPlan:
         """Plan a flat item of a shape not seen yet (under these limits), and remember it."""
         shapes = self._shapes  # before the walk reads the limits: see __setattr__
         plan = self._plan(obj)
@@ -196,7 +201,7 @@ class MsgpackSerde:
             shapes[key] = plan._layout
         return plan
 
-    def _plan(self, obj: object) -> _Plan:
+    def _plan(self, obj: object) -> MsgpackPlan:
         enc = _Encoder(self.max_depth, self.max_ndim, self.max_arrays, self.max_containers)
         try:
             structure = enc.conv(obj, 0)
@@ -217,7 +222,7 @@ class MsgpackSerde:
 
     def write(self, plan: EncodePlan, buf: memoryview) -> None:
         """Write ``plan`` into ``buf[0:plan.nbytes]``: every byte of it, and nothing else."""
-        if type(plan) is not _Plan and not isinstance(plan, _Plan):
+        if type(plan) is not MsgpackPlan and not isinstance(plan, MsgpackPlan):
             raise SerdeError(f"not a plan made by MsgpackSerde: {plan!r}")
         try:  # one frame on the put path: the checks and copies, errors made typed
             nbytes, head, blob, slots, gaps = plan._layout
@@ -253,7 +258,7 @@ class MsgpackSerde:
                     dst = _frombuffer(buf, src.dtype, src.size, start)
                     if src.ndim != 1:
                         dst = dst.reshape(src.shape)
-                    dst[...] = src  # see _serde_encode's docstring: np.copyto's loop, less overhead
+                    dst[...] = src  # see .encode's docstring: np.copyto's loop, less overhead
         except SerdeError:
             raise
         except MemoryError:
@@ -261,26 +266,14 @@ class MsgpackSerde:
         except Exception as exc:  # not a writable contiguous buffer; a source changed since plan
             raise SerdeError(f"cannot write plan: {exc}") from exc
 
-    def _compile(self, header: bytes | memoryview, data_off: int, data_len: int) -> _Template:
-        """Unpack and validate a structure header into a template (``SerdeError`` if invalid)."""
-        hlen = len(header)
-        _check_complete(header)
-        counter = _NodeCounter(self.max_containers)
+    def _compile(self, header: bytes, data_off: int, data_len: int) -> _Template:
+        """Unpack and validate a structure header into a template (``SerdeError`` if invalid).
+
+        ``header`` is a private copy: it is read more than once (checked complete, then
+        unpacked), so it must not be shared memory that a writer may change in between.
+        """
         try:
-            structure = msgpack.unpackb(
-                header,
-                raw=False,
-                strict_map_key=True,
-                use_list=True,
-                max_str_len=hlen,
-                max_bin_len=hlen,
-                max_array_len=hlen,
-                max_map_len=hlen,
-                max_ext_len=hlen,
-                object_hook=counter.container,
-                list_hook=counter.container,
-                ext_hook=counter.ext,
-            )
+            structure = unpack_bounded(header, max_containers=self.max_containers)
         except SerdeError:
             raise
         except Exception as exc:
@@ -297,10 +290,10 @@ class MsgpackSerde:
             if type(buf) is not memoryview or buf.format != "B" or buf.ndim != 1:
                 buf = (buf if type(buf) is memoryview else memoryview(buf)).cast("B")
             size = len(buf)
-            if size >= _PREFIX_SIZE:
+            if size >= PREFIX_SIZE:
                 # A template is keyed by the prefix and the header: a hit (of the same payload
                 # size) implies every check below passed when it was compiled.
-                hend = _PREFIX_SIZE + _HLEN.unpack_from(buf, _HLEN_OFFSET)[0]
+                hend = PREFIX_SIZE + HLEN.unpack_from(buf, HLEN_OFFSET)[0]
                 if hend <= _TEMPLATE_KEY_MAX:
                     tmpl = self._templates.get(buf[:hend].tobytes())
                     if tmpl is not None and tmpl[2] == size:
@@ -319,33 +312,34 @@ class MsgpackSerde:
     def _read(self, buf: memoryview, size: int, copy: bool) -> object:
         """``read`` without a template at hand: check the prefix, compile (and keep) one."""
         templates = self._templates  # before the limits are read: see __setattr__
-        if size < _PREFIX_SIZE:
+        if size < PREFIX_SIZE:
             raise SerdeError(f"truncated payload ({size} bytes)")
-        magic, version, pflags, hlen, data_len = _PREFIX.unpack_from(buf)
-        if magic != _MAGIC:
+        magic, version, pflags, hlen, data_len = PREFIX.unpack_from(buf)
+        if magic != MAGIC:
             raise SerdeError("not an aioshmcache payload (bad magic)")
-        if version != _VERSION or pflags != 0:
+        if version != VERSION or pflags != 0:
             raise SerdeError(f"unsupported payload version {version} / flags {pflags}")
         if not 0 < hlen <= self.max_header_bytes:
             raise SerdeError(
                 f"header length {hlen} outside (0, max_header_bytes={self.max_header_bytes}]"
             )
-        hend = _PREFIX_SIZE + hlen
-        data_off = (hend + _ALIGN_MASK) & ~_ALIGN_MASK
+        hend = PREFIX_SIZE + hlen
+        data_off = (hend + ALIGN_MASK) & ~ALIGN_MASK
         if data_off + data_len != size:
             raise SerdeError(
                 f"payload is {size} bytes, its prefix says {data_off + data_len} "
                 "(truncated or trailing bytes)"
             )
         if hlen > _TEMPLATE_HEADER_MAX:
-            build, value, _ = self._compile(buf[_PREFIX_SIZE:hend], data_off, data_len)
+            # one private copy of the header, which the compile reads twice (not kept)
+            build, value, _ = self._compile(buf[PREFIX_SIZE:hend].tobytes(), data_off, data_len)
         else:
             # the key is a private copy, and the template is compiled from that copy: bytes
             # changing in shared memory meanwhile cannot give a key another header's template
             key = buf[:hend].tobytes()
-            if _PREFIX.unpack_from(key) != (magic, version, pflags, hlen, data_len):
+            if PREFIX.unpack_from(key) != (magic, version, pflags, hlen, data_len):
                 raise SerdeError("payload prefix changed while it was read")
-            tmpl = self._compile(memoryview(key)[_PREFIX_SIZE:], data_off, data_len)
+            tmpl = self._compile(key[PREFIX_SIZE:], data_off, data_len)
             if len(templates) >= _TEMPLATES_MAX:
                 templates.clear()
             templates[key] = tmpl

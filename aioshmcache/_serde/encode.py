@@ -1,7 +1,7 @@
-"""The payload byte layout and the encode side of `MsgpackSerde` (plan, layout, encoder).
+"""The encode side of `MsgpackSerde`: plan (walk, pack, lay out) and the encoder.
 
-`MsgpackSerde` and the `Serde` protocol live in :mod:`aioshmcache._serde`; the decode side in
-:mod:`aioshmcache._serde_decode`. This docstring is the format's reference.
+`MsgpackSerde` and the `Serde` protocol live in :mod:`aioshmcache._serde`, the decode side in
+:mod:`.decode`; the payload format (every byte, and what the reader accepts) in :mod:`.format`.
 
 An item is encoded in two steps so that the store can size (and refuse) it before touching shared
 memory: :meth:`MsgpackSerde.plan` walks the value, packs a small msgpack *structure header*
@@ -14,72 +14,10 @@ streaming stores from 64 KiB where the CPU has them (see ``docs/core.md``); any 
 one into an ``np.frombuffer`` view of the chunk, which releases the GIL too and makes a
 non-contiguous array contiguous by that same copy, with no intermediate ``ascontiguousarray``).
 Every byte of the payload is written: a chunk holds an earlier item's bytes, and the reader
-accepts only the canonical layout below.
+accepts only the canonical layout (:mod:`.format`).
 :meth:`MsgpackSerde.read` rebuilds the value, with arrays either copied out by numpy
 (``copy=True``: nothing keeps exporting the buffer afterwards, so the caller may release it) or
 as read-only zero-copy views (``copy=False``: the views export the buffer while they live).
-
-Payload layout (integers little-endian; offsets relative to the payload start, which the store
-places at a 64-byte aligned address, so every array starts 64-byte aligned in memory)::
-
-    0       4         6         8            12                    20
-    +-------+---------+---------+------------+---------------------+
-    | magic | version |  flags  | header_len |      data_len       |  prefix, struct "<4sHHIQ"
-    | ASHM  | u16 = 1 | u16 = 0 |    u32     |         u64         |
-    +-------+---------+---------+------------+---------------------+
-    20                             20 + header_len       data_off = align64(20 + header_len)
-    +------------------------------+---------------------+
-    | msgpack structure header     | zero padding (< 64) |
-    +------------------------------+---------------------+
-    data_off                                                         data_off + data_len
-    +-----------+--------+-----------+--------+-----------+
-    |  array 0  |  pad   |  array 1  |  pad   |  array 2  |   data section
-    +-----------+--------+-----------+--------+-----------+
-    nbytes = data_off + data_len   (the payload is exactly nbytes long)
-
-The structure header is one msgpack object: maps (str/bytes keys), arrays, str, bin, int, float,
-bool, nil, and these ``ExtType`` records (all fields little-endian)::
-
-    code 1  ARRAY   "<QQBBB" offset, nbytes, flags, ndim, dtype_len
-                    + ndim x "<Q" dims + dtype string (numpy ``dtype.str``, ASCII)
-                    flags: 1 = torch tensor, 2 = torch bfloat16 (stored as its "<u2" bit pattern)
-    code 2  SCALAR  "<B" dtype_len + dtype string + the item's raw bytes (a numpy scalar)
-    code 3  TUPLE   empty; only as the first element of a msgpack array: that array is a tuple
-    code 4  BYTES   "<QQ" offset, nbytes: a bytes value of >= 1 KiB kept in the data section
-
-``offset`` is relative to ``data_off``, so the header can be packed before its own length (and
-therefore ``data_off``) is known. The layout is canonical: data items are placed in header order
-(depth-first, dict insertion order), each at ``align64(end of the previous one)``. The reader
-recomputes that layout and accepts nothing else, which implies 64-byte alignment, no overlap
-with each other or with the header, bounds inside the payload and no unreferenced bytes.
-
-Decoding treats the payload as hostile (a writable segment can be written by anyone who can open
-it). No pickle, no hook that decodes anything (the hooks below only count): the header length
-is checked against ``max_header_bytes`` before unpacking (this plays the role of msgpack's
-``max_buffer_size``, which ``unpackb`` does not take), ``msgpack.unpackb`` runs with
-``raw=False, strict_map_key=True`` and explicit ``max_*_len`` limits (trailing bytes are an
-error), and the result is walked with a depth limit,
-converting ``ExtType`` records after validating each descriptor: dtype string against a whitelist
-regex, then ``np.dtype`` and a check that it round-trips to the same canonical string with an
-allowed kind; ``ndim``; ``prod(shape) * itemsize == nbytes`` in Python integers; the canonical
-offset. Every failure is a :class:`~aioshmcache.errors.SerdeError`.
-
-Decoding cost is bounded by the payload's size, not only its validity. One byte of msgpack can be
-a whole Python container (``0x80`` is an empty map, ``0x90`` an empty list): a 1 MiB header of
-them unpacked into a million dicts cost ~0.5 GiB and seconds of CPU while staying inside every
-length limit. So ``max_containers`` (default 32,768) bounds the *nodes* of a header: maps,
-msgpack arrays (lists and tuples) and extension records other than ``ARRAY`` and ``BYTES``
-(numpy scalars, tuple markers; arrays and large bytes are bounded by ``max_arrays``). They are
-counted *while* msgpack unpacks (its ``object_hook`` / ``list_hook`` / ``ext_hook`` count and
-return what they are given, converting nothing), so a hostile header is refused after at most
-``max_containers`` containers were built, whatever its length; ``plan`` counts the same way and
-refuses to produce a header that ``read`` would refuse. msgpack also allocates each array as
-its header *announces* it, before reading its elements: a header that may leave such arrays
-open (more than a few ``array 16/32`` type bytes) is first checked to be one complete object
-(``Unpacker.skip``, in C, building nothing), so what is allocated is backed by input bytes
-(``_check_complete``). Plain values cost at most a few times
-their encoded size: a list or map whose values are all plain (no container, no record) is
-compiled into one copy of it, not one node per element.
 
 Deliberate choices (and where they differ from the first sketch):
 
@@ -130,60 +68,47 @@ Deliberate choices (and where they differ from the first sketch):
 
 from __future__ import annotations
 
-import re
-import struct
 import sys
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from .errors import SerdeError
-
-# --- format constants -------------------------------------------------------------------------
-
-_MAGIC = b"ASHM"
-_VERSION = 1
-_PREFIX = struct.Struct("<4sHHIQ")
-_PREFIX_SIZE = _PREFIX.size  # 20
-_HLEN = struct.Struct("<I")  # the prefix's header_len alone
-_HLEN_OFFSET = 8
-_ALIGN = 64
-_ALIGN_MASK = _ALIGN - 1
-
-_EXT_ARRAY = 1
-_EXT_SCALAR = 2
-_EXT_TUPLE = 3
-_EXT_BYTES = 4
-
-_FLAG_TORCH = 1
-_FLAG_BF16 = 2
-_KNOWN_FLAGS = _FLAG_TORCH | _FLAG_BF16
-
-_ARR_HEAD = struct.Struct("<QQBBB")
-_ARR_HEAD_SIZE = _ARR_HEAD.size  # 19
-_MAX_NDIM_FORMAT = 64  # numpy's own limit (NPY_MAXDIMS in numpy 2)
-_ARR_STRUCTS = tuple(struct.Struct(f"<QQBBB{n}Q") for n in range(_MAX_NDIM_FORMAT + 1))
-_SHAPE_STRUCTS = tuple(struct.Struct(f"<{n}Q") for n in range(_MAX_NDIM_FORMAT + 1))
-_BYTES_DESC = struct.Struct("<QQ")
-_U8 = struct.Struct("<B")
-
-_INLINE_BYTES_MAX = 1023  # bytes values longer than this go to the data section
-_INT_MIN = -(1 << 63)
-_INT_MAX = (1 << 64) - 1
-_SIZE_MAX = (1 << 62) - 1  # bound on any array's element count / byte size (fits npy_intp)
-
-_ALLOWED_KINDS = frozenset("biufcSUmM")
-_DTYPE_RE = re.compile(
-    rb"[<>|](?:[biufc][1-9][0-9]?|[SU][1-9][0-9]{0,8}"
-    rb"|[mM]8(?:\[(?:[1-9][0-9]{0,8})?(?:Y|M|W|D|h|m|s|ms|us|ns|ps|fs|as)\])?)"
+from ..errors import SerdeError
+from .format import (
+    ALIGN,
+    ALIGN_MASK,
+    ARR_STRUCTS,
+    BYTES_DESC,
+    DTYPE_CACHE_MAX,
+    EXT_ARRAY,
+    EXT_BYTES,
+    EXT_SCALAR,
+    EXT_TUPLE,
+    FLAG_BF16,
+    FLAG_TORCH,
+    HLEN,
+    HLEN_OFFSET,
+    INLINE_BYTES_MAX,
+    INT_MAX,
+    INT_MIN,
+    MAGIC,
+    PREFIX,
+    PREFIX_SIZE,
+    SCALAR_HEAD,
+    TOO_MANY_CONTAINERS,
+    VERSION,
+    allowed_kind,
+    check_dtype_string,
 )
-_DTYPE_CACHE_MAX = 512
+
+# --- tunables of the encoder ------------------------------------------------------------------
+
 _FLAT_MAX = 64  # flat items with at most this many fields have their headers cached by shape
 _FLAT_SHAPES_MAX = 256  # shapes remembered per serde (cleared when full)
 
-_TUPLE_MARK = msgpack.ExtType(_EXT_TUPLE, b"")
-_ZEROS = memoryview(bytes(_ALIGN))
+_TUPLE_MARK = msgpack.ExtType(EXT_TUPLE, b"")
+_ZEROS = memoryview(bytes(ALIGN))
 _BYTES_COPY = 4 << 10  # arrays up to this size are copied by tobytes (see the docstring)
 _SMALL_COPY = 64 << 10  # arrays up to this size are copied by memoryview (see the docstring)
 _ExtType = msgpack.ExtType
@@ -196,36 +121,9 @@ _generic = np.generic
 _uint8 = np.dtype(np.uint8)
 _frombuffer = np.frombuffer
 
-# dtype -> its encoded descriptor string (encode side); descriptor bytes -> dtype (decode side).
-# Only dtypes that passed validation are cached; both caches are bounded.
+# dtype -> its encoded descriptor string (the decode side's cache is in .format). Only dtypes
+# that passed validation are cached; the cache is bounded.
 _ENC_DTYPES: dict[np.dtype[Any], bytes] = {}
-_DEC_DTYPES: dict[bytes, np.dtype[Any]] = {}
-
-
-def _check_dtype_string(raw: bytes) -> np.dtype[Any]:
-    """Validate a dtype descriptor string (hostile input) and return the dtype it names."""
-    dt = _DEC_DTYPES.get(raw)
-    if dt is not None:
-        return dt
-    if _DTYPE_RE.fullmatch(raw) is None:
-        raise SerdeError(f"dtype {raw[:40]!r} is not an allowed dtype")
-    text = raw.decode("ascii")
-    try:
-        dt = np.dtype(text)
-    except Exception as exc:  # numpy raises TypeError / ValueError / DeprecationWarning
-        raise SerdeError(f"dtype {text!r} is not understood by numpy") from exc
-    if (
-        dt.str != text
-        or dt.kind not in _ALLOWED_KINDS
-        or dt.hasobject
-        or dt.fields is not None
-        or dt.subdtype is not None
-        or dt.itemsize <= 0
-    ):
-        raise SerdeError(f"dtype {text!r} is not an allowed dtype")
-    if len(_DEC_DTYPES) < _DTYPE_CACHE_MAX:
-        _DEC_DTYPES[raw] = dt
-    return dt
 
 
 def _encode_dtype(dt: np.dtype[Any]) -> bytes:
@@ -233,13 +131,13 @@ def _encode_dtype(dt: np.dtype[Any]) -> bytes:
     enc = _ENC_DTYPES.get(dt)
     if enc is not None:
         return enc
-    if dt.hasobject or dt.fields is not None or dt.kind not in _ALLOWED_KINDS:
+    if not allowed_kind(dt):
         raise SerdeError(f"arrays of dtype {dt!r} are not supported (only numeric/str/datetime)")
     enc = dt.str.encode("ascii")
     # Never write what the reader would refuse.
-    if _check_dtype_string(enc) != dt:
+    if check_dtype_string(enc) != dt:
         raise SerdeError(f"arrays of dtype {dt!r} are not supported")
-    if len(_ENC_DTYPES) < _DTYPE_CACHE_MAX:
+    if len(_ENC_DTYPES) < DTYPE_CACHE_MAX:
         _ENC_DTYPES[dt] = enc
     return enc
 
@@ -264,9 +162,9 @@ def _layout(
     header: bytes, chunks: list[tuple[int, np.ndarray[Any, Any]]], data_len: int
 ) -> _Layout:
     """Lay out a packed header and its data items (offsets relative to the data section)."""
-    hend = _PREFIX_SIZE + len(header)
-    data_off = (hend + _ALIGN_MASK) & ~_ALIGN_MASK
-    prefix = _PREFIX.pack(_MAGIC, _VERSION, 0, len(header), data_len)
+    hend = PREFIX_SIZE + len(header)
+    data_off = (hend + ALIGN_MASK) & ~ALIGN_MASK
+    prefix = PREFIX.pack(MAGIC, VERSION, 0, len(header), data_len)
     blob = b"".join((prefix, header, _ZEROS[: data_off - hend]))
     slots: list[tuple[slice, bool, bool]] = []
     gaps: list[tuple[slice, memoryview]] = []
@@ -281,7 +179,7 @@ def _layout(
     return data_off + data_len, slice(0, data_off), blob, tuple(slots), tuple(gaps)
 
 
-class _Plan:
+class MsgpackPlan:
     """An encoded value: its layout (prefix and header packed) and the source arrays, not copied."""
 
     __slots__ = ("_layout", "_sources", "nbytes")
@@ -292,12 +190,12 @@ class _Plan:
     _sources: tuple[np.ndarray[Any, Any], ...]
 
     def __repr__(self) -> str:
-        header = _HLEN.unpack_from(self._layout[2], _HLEN_OFFSET)[0]
+        header = HLEN.unpack_from(self._layout[2], HLEN_OFFSET)[0]
         return f"<serde plan nbytes={self.nbytes} header={header} arrays={len(self._sources)}>"
 
 
-def _new_plan(layout: _Layout, sources: tuple[np.ndarray[Any, Any], ...]) -> _Plan:
-    plan = _new_object(_Plan)
+def _new_plan(layout: _Layout, sources: tuple[np.ndarray[Any, Any], ...]) -> MsgpackPlan:
+    plan = _new_object(MsgpackPlan)
     plan.nbytes = layout[0]
     plan._layout = layout
     plan._sources = sources
@@ -311,10 +209,6 @@ def _fit(buf: memoryview, nbytes: int) -> memoryview:
     if len(buf) < nbytes:
         raise SerdeError(f"buffer of {len(buf)} bytes is smaller than plan.nbytes={nbytes}")
     return buf[:nbytes]  # nothing past nbytes can be written, whatever happens next
-
-
-def _too_many_containers() -> str:
-    return "more containers (maps, lists, tuples, numpy scalars) than max_containers allows"
 
 
 class _Encoder:
@@ -334,7 +228,7 @@ class _Encoder:
         """Count ``n`` containers (or scalar records); ``SerdeError`` past ``max_containers``."""
         self.nodes_left -= n
         if self.nodes_left < 0:
-            raise SerdeError(_too_many_containers())
+            raise SerdeError(TOO_MANY_CONTAINERS)
 
     def conv(self, obj: Any, depth: int) -> Any:
         """Return the msgpack-packable stand-in of ``obj`` (exact builtin types and ExtTypes)."""
@@ -342,7 +236,7 @@ class _Encoder:
         if t is str or t is float or t is bool or obj is None:
             return obj
         if t is int:
-            if _INT_MIN <= obj <= _INT_MAX:
+            if INT_MIN <= obj <= INT_MAX:
                 return obj
             raise SerdeError(f"int {obj} is outside msgpack's range [-2**63, 2**64)")
         if t is _ndarray:
@@ -382,9 +276,9 @@ class _Encoder:
         if isinstance(obj, str):
             return str.__str__(obj)
         if isinstance(obj, (bytes, bytearray)):
-            return self.blob(bytes(obj) if len(obj) <= _INLINE_BYTES_MAX else obj)
+            return self.blob(bytes(obj) if len(obj) <= INLINE_BYTES_MAX else obj)
         if isinstance(obj, memoryview):
-            if not obj.c_contiguous or obj.nbytes <= _INLINE_BYTES_MAX:
+            if not obj.c_contiguous or obj.nbytes <= INLINE_BYTES_MAX:
                 return self.blob(obj.tobytes())
             return self.blob(obj.cast("B"))
         if isinstance(obj, dict):
@@ -419,7 +313,7 @@ class _Encoder:
     def _slot(self, nbytes: int) -> int:
         if len(self.chunks) >= self.max_arrays:
             raise SerdeError(f"more than max_arrays={self.max_arrays} arrays / large bytes")
-        off = (self.cursor + _ALIGN_MASK) & ~_ALIGN_MASK
+        off = (self.cursor + ALIGN_MASK) & ~ALIGN_MASK
         self.cursor = off + nbytes
         return off
 
@@ -435,22 +329,22 @@ class _Encoder:
         nbytes = arr.nbytes
         off = self._slot(nbytes)
         self.chunks.append((off, arr))
-        desc = _ARR_STRUCTS[ndim].pack(off, nbytes, flags, ndim, len(dts), *shape) + dts
-        return _new_tuple(_ExtType, (_EXT_ARRAY, desc))
+        desc = ARR_STRUCTS[ndim].pack(off, nbytes, flags, ndim, len(dts), *shape) + dts
+        return _new_tuple(_ExtType, (EXT_ARRAY, desc))
 
     def blob(self, data: bytes | bytearray | memoryview) -> object:
         n = len(data)
-        if n <= _INLINE_BYTES_MAX:
+        if n <= INLINE_BYTES_MAX:
             return data
         off = self._slot(n)
         self.chunks.append((off, _frombuffer(data, _uint8)))
-        return _new_tuple(_ExtType, (_EXT_BYTES, _BYTES_DESC.pack(off, n)))
+        return _new_tuple(_ExtType, (EXT_BYTES, BYTES_DESC.pack(off, n)))
 
     def scalar(self, obj: np.generic[Any]) -> msgpack.ExtType:
         self.node()
         arr = np.asarray(obj)
         dts = _encode_dtype(arr.dtype)
-        return _new_tuple(_ExtType, (_EXT_SCALAR, _U8.pack(len(dts)) + dts + arr.tobytes()))
+        return _new_tuple(_ExtType, (EXT_SCALAR, SCALAR_HEAD.pack(len(dts)) + dts + arr.tobytes()))
 
     def tensor(self, obj: Any) -> msgpack.ExtType:
         torch = sys.modules["torch"]
@@ -459,10 +353,10 @@ class _Encoder:
         if obj.layout != torch.strided or obj.is_quantized:
             raise SerdeError(f"only dense strided tensors are supported, not {obj.layout}")
         t = obj.detach().resolve_conj().resolve_neg()
-        flags = _FLAG_TORCH
+        flags = FLAG_TORCH
         try:
             if t.dtype == torch.bfloat16:
-                flags |= _FLAG_BF16
+                flags |= FLAG_BF16
                 arr = t.view(torch.uint16).numpy()
             else:
                 arr = t.numpy()
