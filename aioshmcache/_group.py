@@ -69,11 +69,10 @@ from ._layout import (
     STATE_LIVE,
     group_word,
     hint_slots_for,
-    parse_shard_name,
     shard_name,
 )
 from ._ring import ShmRingBuffer
-from ._segment import Segment
+from ._segment import Segment, list_shards
 from ._serde import Serde
 from ._store import RawPlan, ShmObjectStore, StoreWriter
 from ._types import CacheConfig, ShmRef, reference_tag
@@ -85,7 +84,6 @@ __all__ = [
     "Sibling",
     "Siblings",
     "is_member",
-    "list_shards",
     "open_shard",
     "shard_identity",
 ]
@@ -96,20 +94,6 @@ log = logging.getLogger("aioshmcache")
 RESCAN_INTERVAL: Final = 1.0
 #: how often a sibling's writer lock is probed (seconds)
 PROBE_INTERVAL: Final = 0.25
-
-
-def list_shards(group: str) -> list[tuple[int, str]]:
-    """``(k, segment name)`` of every shard of ``group`` in /dev/shm, by index."""
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return []
-    out = []
-    for n in names:
-        parsed = parse_shard_name(n)
-        if parsed is not None and parsed[0] == group:
-            out.append((parsed[1], n))
-    return sorted(out)
 
 
 def shard_identity(name: str) -> tuple[int, int] | None:

@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from ._group import is_member, list_shards, shard_identity
+from ._group import is_member, shard_identity
 from ._layout import LAYOUT_VERSION, SHM_DIR, group_word
 from ._receive import ReceiverRequest, single_item
 from ._request import (
@@ -47,7 +47,7 @@ from ._request import (
     as_reference,
     check_hash,
 )
-from ._segment import writer_state
+from ._segment import list_shards, writer_state
 from ._serde import Serde
 from ._store import ShmObjectStore
 from ._store_reader import StoreReader

@@ -76,6 +76,8 @@ from ._layout import (
     STATE_LIVE,
     Layout,
     is_segment_file,
+    parse_semaphore_file,
+    parse_shard_name,
     segment_name,
     semaphore_file,
 )
@@ -93,6 +95,8 @@ __all__ = [
     "Segment",
     "WriterState",
     "list_segments",
+    "list_semaphores",
+    "list_shards",
     "ofd_lock",
     "ofd_probe",
     "ofd_unlock",
@@ -636,9 +640,29 @@ def _prefault(mm: mmap.mmap, *, write: bool) -> None:
             del arr
 
 
-def list_segments() -> list[str]:
-    """Names of every ``aioshm-`` segment in /dev/shm."""
+def _shm_names() -> list[str]:
+    """Every entry of /dev/shm (none if it does not exist)."""
     try:
-        return sorted(n for n in os.listdir(SHM_DIR) if is_segment_file(n))
+        return os.listdir(SHM_DIR)
     except FileNotFoundError:
         return []
+
+
+def list_segments() -> list[str]:
+    """Names of every ``aioshm-`` segment in /dev/shm."""
+    return sorted(n for n in _shm_names() if is_segment_file(n))
+
+
+def list_shards(group: str) -> list[tuple[int, str]]:
+    """``(k, segment name)`` of every shard of cache group ``group`` in /dev/shm, by index.
+
+    By name only: whether a segment proves it is a member is the group's business (``_group``).
+    """
+    shards = [(parse_shard_name(n), n) for n in _shm_names()]
+    return sorted((p[1], n) for p, n in shards if p is not None and p[0] == group)
+
+
+def list_semaphores() -> list[tuple[str, str, int]]:
+    """``(file name, segment, nonce low 32 bits)`` of every wake semaphore of ours in /dev/shm."""
+    sems = [(n, parse_semaphore_file(n)) for n in _shm_names()]
+    return [(n, *p) for n, p in sems if p is not None]

@@ -24,25 +24,17 @@ import contextlib
 import os
 from typing import Literal, NamedTuple
 
-from ._group import list_shards
-from ._layout import SHM_DIR, parse_semaphore_file, segment_name
-from ._segment import CREATION_GRACE, list_segments, remove_orphan, writer_state
+from ._layout import SHM_DIR, segment_name
+from ._segment import (
+    CREATION_GRACE,
+    list_segments,
+    list_semaphores,
+    list_shards,
+    remove_orphan,
+    writer_state,
+)
 
 __all__ = ["Found", "sweep", "sweep_named"]
-
-
-def _semaphore_files() -> list[tuple[str, str, int]]:
-    """(file name, segment, nonce low bits) of every wake semaphore of ours in /dev/shm."""
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return []
-    out = []
-    for n in names:
-        parsed = parse_semaphore_file(n)
-        if parsed is not None:
-            out.append((n, *parsed))
-    return out
 
 
 def sweep(
@@ -64,7 +56,7 @@ def sweep(
     def mine(seg: str) -> bool:
         return seg == only if only is not None else seg.startswith(start)
 
-    sems = [s for s in _semaphore_files() if mine(s[1])]
+    sems = [s for s in list_semaphores() if mine(s[1])]
     candidates = [only] if only is not None else [s for s in list_segments() if mine(s)]
     removed = [
         seg for seg in candidates if remove_orphan(os.path.join(SHM_DIR, seg), dry_run=dry_run)

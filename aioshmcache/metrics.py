@@ -100,24 +100,8 @@ except ImportError as exc:  # pragma: no cover - exercised in a test with the im
         "pip install -e '.[metrics]' in a clone of aioshmcache"
     ) from exc
 
-from ._group import list_shards
-from ._layout import (
-    H_BYTES_RELOCATED,
-    H_BYTES_USED,
-    H_CAPACITY,
-    H_EPOCH,
-    H_EVICTIONS,
-    H_HITS,
-    H_INLINE_FULL,
-    H_INLINE_LARGE,
-    H_ITEMS,
-    H_MISSES,
-    H_RELOCATIONS,
-    H_SIBLING_HITS,
-    parse_shard_name,
-)
-from ._readers import ReaderTable, reader_slots_info
-from ._segment import Segment
+from ._inspect import read_snapshot
+from ._segment import list_shards
 from ._types import CacheHandle, CacheInfo, CacheSnapshot, TierSnapshot
 from .errors import ShmCacheError
 
@@ -497,54 +481,15 @@ def _tier_of(cache: object) -> TierSnapshot | None:
     return tier if isinstance(tier, TierSnapshot) else None
 
 
-def read_snapshot(name: str) -> tuple[CacheSnapshot, bool]:
-    """A segment's counters and reader slots read from shared memory, and its writer's liveness.
-
-    Needs no reader slot and nothing from the writer: it maps the segment, reads the words the
-    writer publishes in its header and each slot's words, and probes the kernel locks. What only
-    the writer process knows (items served inline because busy, seconds waited for space) is 0.
-    ``SegmentNotFoundError`` (or another ``ShmCacheError``) if the segment is gone or not ours.
-    """
-    seg = Segment.attach(name, populate=False)
-    try:
-        w = seg.words
-        table = ReaderTable(seg)
-        try:
-            slots = tuple(reader_slots_info(table, probe=True))
-        finally:
-            table.release()
-        parsed = parse_shard_name(name)
-        snap = CacheSnapshot(
-            name=name,
-            hits=int(w[H_HITS]),
-            misses=int(w[H_MISSES]),
-            inline_too_large=int(w[H_INLINE_LARGE]),
-            inline_full=int(w[H_INLINE_FULL]),
-            evictions=int(w[H_EVICTIONS]),
-            bytes_used=int(w[H_BYTES_USED]),
-            items=int(w[H_ITEMS]),
-            capacity_bytes=int(w[H_CAPACITY]),
-            epoch=int(w[H_EPOCH]),
-            readers=slots,
-            sibling_hits=int(w[H_SIBLING_HITS]),
-            group=None if parsed is None else parsed[0],
-            shard=None if parsed is None else parsed[1],
-            relocations=int(w[H_RELOCATIONS]),
-            bytes_relocated=int(w[H_BYTES_RELOCATED]),
-        )
-        return snap, seg.writer_alive()
-    finally:
-        seg.close()
-
-
 class GroupCollector:
     """A Prometheus collector for every live shard of a cache group, read from shared memory.
 
     Why: under ``uvicorn --workers N`` each process writes its own shard, and a scrape reaches
     whichever process the kernel picks. A ``CacheCollector`` of the process's own cache shows one
     shard per scrape; this collector lists the group's shards at every scrape and reads each
-    from shared memory (:func:`read_snapshot`), so a scrape of any process shows them all, with
-    the same labels a ``CacheCollector`` gives a shard (``cache``, ``role="sender"``,
+    from shared memory (:func:`read_snapshot`, the package's one reader of a segment from
+    outside its writer, which this module re-exports), so a scrape of any process shows them
+    all, with the same labels a ``CacheCollector`` gives a shard (``cache``, ``role="sender"``,
     ``group``, ``shard``; reader slots add ``slot``). A shard whose writer died shows
     ``aioshmcache_open 0`` until it is reclaimed or swept.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import os
 import pathlib
 import re
@@ -189,3 +191,65 @@ def test_demo_without_the_examples_extra_says_how_to_install_it() -> None:
         assert "Traceback" not in out.stderr and "ModuleNotFoundError" not in out.stderr
         assert "pip install -e '.[examples]' in a clone of aioshmcache" in out.stderr
         assert f"{blocked} is not installed" in out.stderr, out.stderr
+
+
+def test_one_reader_of_a_segment_serves_inspect_the_metrics_and_the_tools(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``_inspect.read_segment`` is the package's one reader of a segment from outside: it
+    agrees with the writer's own snapshot, ``inspect`` prints what it read, the metrics
+    re-export it, and it needs no optional dependency (prometheus_client blocked)."""
+    import aioshmcache._inspect as inspect_module
+    import aioshmcache.metrics
+
+    assert aioshmcache.metrics.read_snapshot is inspect_module.read_snapshot
+    with SenderCache(make_config(1 << 20, 1 << 18, 2)) as cache:
+        cache.get_and_update_item(({"a": np.zeros(100)}, ()), "h")
+        cache.get_and_update_item(None, "h")
+        state = inspect_module.read_segment(cache.name)
+        own = cache.snapshot()
+        got = state.snapshot
+        assert (got.name, got.hits, got.misses, got.items) == (own.name, 1, 1, 1)
+        assert (got.bytes_used, got.capacity_bytes, got.epoch) == (
+            own.bytes_used,
+            own.capacity_bytes,
+            own.epoch,
+        )
+        assert state.writer_alive and state.writer_pid == os.getpid()
+        assert state.delivery == "broadcast" and state.next_id > 0
+        assert inspect_module.read_snapshot(cache.name) == (got, True)
+
+        code = (
+            "import sys\n"
+            "sys.modules['prometheus_client'] = None  # as without the metrics extra\n"
+            "from aioshmcache._inspect import read_segment\n"
+            f"s = read_segment({cache.name!r})\n"
+            "print(s.snapshot.hits, s.snapshot.items, s.writer_alive)\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["1", "1", "True"]
+
+        # ``inspect`` prints what the shared reader read, and reads nothing on its own
+        fake = dataclasses.replace(
+            state, snapshot=dataclasses.replace(got, hits=12345), writer_pid=424242
+        )
+        monkeypatch.setattr(inspect_module, "read_segment", lambda name: fake)
+        text = inspect_module.inspect_segment(cache.name)
+        assert re.search(r"hits\s+12345 of 12346", text) and "pid 424242" in text, text
+
+
+def test_the_cli_uses_only_public_names() -> None:
+    """``cli`` and ``__main__`` import no private name, and of a private module only what it
+    exports (``__all__``): the shared segment reader (``_inspect``) and ``_sweep``."""
+    import importlib
+
+    for path in (PKG / "cli.py", PKG / "__main__.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                module = importlib.import_module(f"aioshmcache.{node.module}")
+                for alias in node.names:
+                    assert not alias.name.startswith("_"), (path.name, alias.name)
+                    assert alias.name in module.__all__, (path.name, node.module, alias.name)

@@ -1,17 +1,19 @@
 """The tools (``aioshmcache.tools``: demo, bench, stress) stand apart from the library.
 
-The core never imports them, and they use only the public API: no private core module, no
-private name, no reaching into a cache's store. The one exception is the stopgap module
-``aioshmcache/tools/_core_gaps.py``, allowed exactly the private names listed here (each is
-missing from the public API; see that module's docstring).
+The core never imports them, and they use the public API and, of the private modules, only the
+documented internal API: the names the table "Internal API for the tools" of docs/design.md
+lists, the one list of them. No other private core module or name, no reaching into a cache's
+store or another object's private attributes.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import pathlib
 import pkgutil
+import re
 import subprocess
 import sys
 
@@ -19,11 +21,22 @@ import aioshmcache
 
 PKG = pathlib.Path(aioshmcache.__file__).resolve().parent
 TOOLS = PKG / "tools"
-STOPGAP = TOOLS / "_core_gaps.py"
-#: what the stopgap may take from private core modules (shrink this list, never grow it lightly)
-STOPGAP_ALLOWED = {
-    ("aioshmcache._types", "SEGMENT_PREFIX"),
-}
+DESIGN = PKG.parent / "docs" / "design.md"
+
+
+def _internal_api(text: str) -> set[tuple[str, str]]:
+    """(module, name) of every row of the design's table "Internal API for the tools"."""
+    section = text.split("## Internal API for the tools", 1)[1].split("\n## ", 1)[0]
+    found: set[tuple[str, str]] = set()
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and re.fullmatch(r"`aioshmcache\.[\w.]+`", cells[0]):
+            found |= {(cells[0].strip("`"), n) for n in re.findall(r"`(\w+)`", cells[1])}
+    return found
+
+
+#: what the tools may take from private core modules, read from docs/design.md
+INTERNAL_API = _internal_api(DESIGN.read_text())
 
 
 def _core_modules() -> list[str]:
@@ -109,43 +122,72 @@ def _private_uses(path: pathlib.Path, source: str | None = None) -> list[tuple[s
     return found
 
 
-def test_tools_use_only_the_public_api() -> None:
+def _forbidden(path: pathlib.Path, source: str | None = None) -> list[tuple[str, str]]:
+    """The private uses of a tool that the internal API does not allow."""
+    return [use for use in _private_uses(path, source) if use not in INTERNAL_API]
+
+
+def test_the_internal_api_is_listed_and_documented() -> None:
+    """The design's table names exported names of private modules, each function documented."""
+    assert len(INTERNAL_API) >= 5
+    for module, name in sorted(INTERNAL_API):
+        mod = importlib.import_module(module)
+        assert _is_private_core(module) and not name.startswith("_"), (module, name)
+        assert hasattr(mod, name), f"docs/design.md lists {module}.{name}, which does not exist"
+        assert name in getattr(mod, "__all__", ()), f"{module}.{name} is not in its __all__"
+        obj = getattr(mod, name)
+        if callable(obj):  # a function or class has a docstring; a constant the table's words
+            assert (obj.__doc__ or "").strip(), f"{module}.{name} has no docstring"
+
+
+def test_tools_use_only_the_public_and_the_internal_api() -> None:
     files = sorted(TOOLS.rglob("*.py"))
-    assert len(files) > 20 and STOPGAP in files
-    bad = {
-        str(p.relative_to(PKG)): uses for p in files if p != STOPGAP and (uses := _private_uses(p))
-    }
+    assert len(files) > 20
+    bad = {str(p.relative_to(PKG)): uses for p in files if (uses := _forbidden(p))}
     assert bad == {}
-
-
-def test_the_stopgap_takes_only_what_is_listed() -> None:
-    imported = {(m, n) for m, n in _private_uses(STOPGAP) if m.startswith("aioshmcache.")}
-    assert imported == STOPGAP_ALLOWED
-    reached = {n for m, n in _private_uses(STOPGAP) if not m.startswith("aioshmcache.")}
-    assert reached == set()  # no reaching into a cache (its store, a private attribute)
+    used = {use for p in files for use in _private_uses(p)}
+    assert used <= INTERNAL_API and used, "the tools' use of the internal API is seen"
 
 
 def test_the_checker_sees_private_imports() -> None:
-    """The AST check is not vacuous: it flags each kind of reaching in."""
+    """The AST check is not vacuous: it flags each kind of reaching in, and lets the listed
+    internal API through."""
     probe = TOOLS / "stress" / "probe_for_test.py"  # never written: only its place matters
     src = (
-        "from .._core_gaps import semaphore_prefix\n"
         "from ... import _store\n"
         "from ..._segment import list_segments\n"
         "from aioshmcache._sweep import sweep\n"
         "from aioshmcache import _types\n"
         "import aioshmcache._ring\n"
+        "from aioshmcache._inspect import read_snapshot, inspect_segment\n"
+        "from ..._layout import SHM_DIR, H_HITS\n"
+        "from aioshmcache._serde import MsgpackSerde\n"
         "def f(cache, x):\n"
         "    return cache.store.ring, x._secret\n"
     )
-    uses = _private_uses(probe, src)
+    uses = _forbidden(probe, src)
     assert ("aioshmcache", "_store") in uses
     assert ("aioshmcache._segment", "list_segments") in uses
     assert ("aioshmcache._sweep", "sweep") in uses
     assert ("aioshmcache", "_types") in uses
     assert ("aioshmcache._ring", "*") in uses
+    assert ("aioshmcache._inspect", "inspect_segment") in uses
+    assert ("aioshmcache._layout", "H_HITS") in uses
+    assert ("aioshmcache._serde", "MsgpackSerde") in uses
     assert any(n == "store" for _m, n in uses) and any(n == "_secret" for _m, n in uses)
+    assert ("aioshmcache._inspect", "read_snapshot") not in uses
+    assert ("aioshmcache._layout", "SHM_DIR") not in uses
     assert not any(m.startswith("aioshmcache.tools") for m, _n in uses)
+
+
+def test_the_table_is_read_as_written() -> None:
+    """The design's table parser takes each row's names, and nothing from other sections."""
+    text = (
+        "## Internal API for the tools\n\n| module | names | what for |\n| --- | --- | --- |\n"
+        "| `aioshmcache._a` | `x`, `Y` | why `not_a_name` |\n\n## Next\n"
+        "| `aioshmcache._b` | `z` | later |\n"
+    )
+    assert _internal_api(text) == {("aioshmcache._a", "x"), ("aioshmcache._a", "Y")}
 
 
 #: the one private door aio.py may use: the sync caches' request steps, private because they

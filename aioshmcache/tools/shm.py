@@ -1,7 +1,8 @@
 """What a tool leaves in /dev/shm: segment and semaphore files by name or prefix.
 
-The core lists its segments privately; until it offers a public listing these scans use the
-naming rules kept in :mod:`._core_gaps` (``aioshm-<name>`` and ``sem.<segment>.<nonce>.wake``).
+The names of a cache's files come from the core's naming rules (``aioshm-<name>`` and
+``sem.<segment>.<nonce>.wake``), through the documented internal API of ``aioshmcache._layout``
+(docs/design.md lists what the tools may use).
 """
 
 from __future__ import annotations
@@ -9,9 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable
-from typing import Final
 
-from ._core_gaps import SEGMENT_PREFIX, semaphore_prefix
+from aioshmcache._layout import SEGMENT_PREFIX, SHM_DIR, parse_semaphore_file
 
 __all__ = [
     "NAME_PREFIX_ENV",
@@ -23,10 +23,9 @@ __all__ = [
     "segment_files",
 ]
 
-SHM_DIR: Final = "/dev/shm"
 #: the environment variable whose value the tools put in front of every name they make up
 #: (a test run sets its own prefix: its leak check then sees what the tools' processes left)
-NAME_PREFIX_ENV: Final = "AIOSHM_NAME_PREFIX"
+NAME_PREFIX_ENV = "AIOSHM_NAME_PREFIX"
 
 
 def name_prefix() -> str:
@@ -44,17 +43,22 @@ def _names() -> list[str]:
         return []
 
 
+def _segment_of(filename: str) -> str:
+    """The segment a /dev/shm file belongs to: itself, or the segment of a wake semaphore."""
+    parsed = parse_semaphore_file(filename)
+    return filename if parsed is None else parsed[0]
+
+
 def segment_files(name: str) -> list[str]:
     """Segment ``name`` (with or without the prefix) and its semaphores, if they exist."""
     seg = name if name.startswith(SEGMENT_PREFIX) else SEGMENT_PREFIX + name
-    sem = semaphore_prefix(seg)
-    return sorted(n for n in _names() if n == seg or n.startswith(sem))
+    return sorted(n for n in _names() if _segment_of(n) == seg)
 
 
 def files_with_prefix(prefix: str) -> list[str]:
     """Every segment whose name starts with ``prefix`` (prefix included), and its semaphores."""
     seg = prefix if prefix.startswith(SEGMENT_PREFIX) else SEGMENT_PREFIX + prefix
-    return sorted(n for n in _names() if n.startswith((seg, semaphore_prefix(seg)[:-1])))
+    return sorted(n for n in _names() if _segment_of(n).startswith(seg))
 
 
 def remove(names: Iterable[str]) -> None:

@@ -147,7 +147,7 @@ def _has_live_writer(name: str) -> bool:
     the way (the gateway's cache reclaims it).
     """
     from aioshmcache import ShmCacheError
-    from aioshmcache.metrics import read_snapshot
+    from aioshmcache._inspect import read_snapshot
 
     try:
         return read_snapshot(name)[1]

@@ -29,7 +29,7 @@ import numpy as np
 import uvloop
 
 from aioshmcache import ShmCacheError, sweep
-from aioshmcache.metrics import read_snapshot
+from aioshmcache._inspect import read_snapshot
 
 from ..progress import Progress
 from ..shm import files_with_prefix, name_prefix
