@@ -383,3 +383,21 @@ def test_cli_sweep_name_says_what_it_found_and_understands_groups(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(creating)
     assert _files(group) == []
+
+
+def test_the_tools_find_a_cache_s_files_by_the_core_s_names(
+    make_config: Any, shm_name: str
+) -> None:
+    """``aioshmcache.tools.shm`` lists a segment and its wake semaphore through the core's own
+    naming (``_layout``'s internal API), not a copy of the rules."""
+    from aioshmcache.tools.shm import files_with_prefix, segment_files
+
+    longer = make_config(name=f"{shm_name}-longer")
+    with SenderCache(make_config()) as cache, SenderCache(longer) as other:
+        mine = [n for n in os.listdir(SHM) if n == cache.name or n.startswith(f"sem.{cache.name}.")]
+        assert len(mine) == 2  # the segment and its wake semaphore
+        assert segment_files(cache.name) == sorted(mine)
+        assert segment_files(shm_name) == sorted(mine)  # without the prefix: the same
+        both = files_with_prefix(shm_name)
+        assert set(mine) < set(both) and other.name in both and len(both) == 4
+    assert segment_files(cache.name) == [] and files_with_prefix(shm_name) == []

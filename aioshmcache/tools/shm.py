@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable
+from typing import Final
 
 from aioshmcache._layout import SEGMENT_PREFIX, SHM_DIR, parse_semaphore_file
 
@@ -25,7 +26,7 @@ __all__ = [
 
 #: the environment variable whose value the tools put in front of every name they make up
 #: (a test run sets its own prefix: its leak check then sees what the tools' processes left)
-NAME_PREFIX_ENV = "AIOSHM_NAME_PREFIX"
+NAME_PREFIX_ENV: Final = "AIOSHM_NAME_PREFIX"
 
 
 def name_prefix() -> str:
