@@ -220,7 +220,7 @@ class _Encoder:
         self.max_depth = max_depth
         self.max_ndim = max_ndim
         self.max_arrays = max_arrays
-        self.nodes_left = max_containers  # counted as the reader counts (module docstring)
+        self.nodes_left = max_containers  # counted as the reader counts (see .format)
         self.cursor = 0
         self.chunks: list[tuple[int, np.ndarray[Any, Any]]] = []
 
