@@ -1,6 +1,6 @@
 /* The compiled put of a plain item: ``put_plain(store, key, plan)``.
  *
- * The store's ``_put_now`` (``aioshmcache/_store.py``, the reference) calls it first; it does
+ * The store's ``put_now`` (``aioshmcache/_store.py``, the reference) calls it first; it does
  * the same steps for the usual case in one call — duplicate checks, the ring's usual
  * allocation right after the tail (``ShmRingBuffer.try_allocate``), the payload write
  * (``MsgpackSerde.write`` of a plan: prefix and header, zeroed gaps, array bytes), the commit,
@@ -24,7 +24,7 @@ static PyObject *s_index, *s_pending, *s_waiting, *s_ring, *s_serde, *s_rows, *s
 static PyObject *s_secret, *s_nonce, *s_guarded, *s_has_hints, *s_hand_out_seq, *s_seg;
 static PyObject *s_tail, *s_limit, *s_end, *s_head, *s_mask, *s_addr, *s_size, *s_id, *s_cpos;
 static PyObject *s_state, *s_at, *s_at_mask, *s_lap, *s_used, *s_w, *s_hw, *s_closed, *s_forked;
-static PyObject *s_layout, *s_sources, *s_shards, *s_n, *s_map_mask;
+static PyObject *s_layout, *s_sources, *s_shards, *s_n, *s_map_mask, *s_pins;
 
 static int
 intern_names(void)
@@ -32,7 +32,7 @@ intern_names(void)
     struct { PyObject **p; const char *s; } names[] = {
         {&s_index, "_index"}, {&s_pending, "_pending"}, {&s_waiting, "_waiting_keys"},
         {&s_ring, "ring"}, {&s_serde, "serde"}, {&s_rows, "_rows"}, {&s_keys, "_keys"},
-        {&s_secret, "_secret"}, {&s_nonce, "_nonce"}, {&s_guarded, "_guarded"},
+        {&s_secret, "_secret"}, {&s_nonce, "_nonce"}, {&s_guarded, "guarded"}, {&s_pins, "_pins"},
         {&s_has_hints, "_has_hints"}, {&s_hand_out_seq, "_hand_out_seq"}, {&s_seg, "_seg"},
         {&s_tail, "_tail"}, {&s_limit, "_limit"}, {&s_end, "_end"}, {&s_head, "_head"},
         {&s_mask, "_mask"}, {&s_addr, "_addr"}, {&s_size, "_size"}, {&s_id, "_id"},
@@ -285,8 +285,14 @@ pub_prepare(PyObject *store, PyObject *key, Pub *p)
         (p->ishard = shard_of(p->index, key)) == NULL ||
         (p->rows = PyObject_GetAttr(store, s_rows)) == NULL ||
         (p->keys = PyObject_GetAttr(store, s_keys)) == NULL ||
-        (p->guarded = PyObject_GetAttr(store, s_guarded)) == NULL ||
         (p->nonce = PyObject_GetAttr(store, s_nonce)) == NULL)
+        return -1;
+    PyObject *pins = PyObject_GetAttr(store, s_pins); /* the pins part holds the guard */
+    if (pins == NULL)
+        return -1;
+    p->guarded = PyObject_GetAttr(pins, s_guarded);
+    Py_DECREF(pins);
+    if (p->guarded == NULL)
         return -1;
     if (p->guarded != Py_None && !PyDict_CheckExact(p->guarded))
         return 1;

@@ -155,7 +155,7 @@ def configure(ref_type: type, plan_type: type, serde_type: type) -> None:
 
 def put_plain(store: object, key: object, plan: object) -> None:
     """The compiled put of a plain item, which may decline: here it always does, before any
-    side effect, so the store's own steps (``StoreWriter._put_now``, the reference) run."""
+    side effect, so the store's own steps (``StoreWriter.put_now``, the reference) run."""
     return None
 
 

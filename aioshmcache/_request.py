@@ -167,7 +167,7 @@ class SenderBook:
         self.prompt_updates: ShardedMap[str, Sequence[Any]] = ShardedMap(store.shards)
         self.too_large = TooLargeMemory()
         self.counters = RequestCounters(lock=store.lock)
-        self._words = store._hw
+        self._words = store.words
         self._logged: set[str] = set()
 
     def forget(self, mm_hash: str) -> None:
@@ -350,7 +350,7 @@ class SenderRequest(_Steps):
             self._wait = check_wait(wait_for_space)
         self._book = book
         self._store = store
-        self._lock = store._lock  # ``store.lock``, one call shorter
+        self._lock = store.lock
         self._inline_below = copy_inline_below
         self._out: list[Any] = [None] * len(items)
         self._handed: list[ShmRef] = []  # every hand-out this request took, for the roll back
@@ -428,7 +428,7 @@ class SenderRequest(_Steps):
                     for i in range(len(hashes)):
                         self._decide_locked(i, 0.0, may_defer, True)
                     if self._copies or self._waits:  # going on unlocked: guard becomes pins
-                        self._pins = store._pin_ids(guarded)
+                        self._pins = store.pin_ids(guarded)
                 finally:
                     store.unguard()
             if not settle or self._copies or self._waits:
@@ -462,12 +462,12 @@ class SenderRequest(_Steps):
         """
         store, book, h = self._store, self._book, self._hashes[i]
         it = self._items[i]
-        # ``store._hand_out_key(h)`` (get_cached: checked in ``begin``, under its lock), the
-        # look-up inline: a miss costs no call
-        index = store._index
+        # ``store.get_cached(h)`` (checked in ``begin``, under its lock), the look-up inline:
+        # a miss costs no call
+        index = store.index
         cid = index.shards[hash(h) & index.mask].get(h)
         if cid is not None:
-            ref = store._hand_out_cid(cid)
+            ref = store.hand_out(cid)
             self._handed.append(ref)
             if it is None:  # ``book.prompt_updates.get(h, ())``, one call shorter
                 pu = book.prompt_updates
@@ -502,7 +502,7 @@ class SenderRequest(_Steps):
                 # a small copy: allocate, copy and publish in one step (microseconds, under
                 # the lock; nothing can see the chunk before it is committed)
                 try:
-                    ref = store._put_now(h, plan)  # put_locked: checked, under the lock
+                    ref = store.put_now(h, plan)  # checked, under the lock
                 except (CacheFullError, DuplicateKeyError):
                     raise
                 except BaseException:
@@ -520,7 +520,7 @@ class SenderRequest(_Steps):
                 d[h] = updates
                 self._out[i] = (ref, updates)
                 return None
-            res = store._reserve(
+            res = store.reserve(
                 h,
                 plan,
                 wait_for_space=wait,
@@ -607,7 +607,7 @@ class SenderRequest(_Steps):
             raise RuntimeError(f"internal error: {h!r} not found in a sibling")
         found = self._sibling[h]
         try:
-            res = self._store._reserve(
+            res = self._store.reserve(
                 h, found.sibling.raw_plan(found.ref), wait_for_space=wait, abort=self._gone
             )
         except CacheFullError:
@@ -624,7 +624,7 @@ class SenderRequest(_Steps):
     def _write(self, res: Reservation) -> None:
         """The copy into a reserved chunk; a sibling's chunk that changed meanwhile is a miss."""
         try:
-            self._store._write_reserved(res)
+            self._store.write_reserved(res)
         except ShmCacheError:
             if self._sibling is None or res.key not in self._sibling:
                 raise
@@ -636,16 +636,16 @@ class SenderRequest(_Steps):
 
     def _commit_locked(self, i: int, res: Reservation, *, pin: bool = True) -> None:
         if self._abandoned:  # the caller is gone: never publish for nobody
-            self._store._abort(res)
+            self._store.abort(res)
             return
         item = self._items[i]
         updates: Sequence[Any] = () if item is None else item[1]
-        ref = self._store._commit(res)
+        ref = self._store.commit(res)
         self._handed.append(ref)
         self._putting.discard(res.key)
         self._book.prompt_updates[res.key] = updates
         self._out[i] = (ref, updates)
-        if pin and (e := self._store._pin_entry(res.key)) is not None:  # protect it from the rest
+        if pin and (e := self._store.pin_entry(res.key)) is not None:  # protect it from the rest
             if self._pins is _NONE:
                 self._pins = []
             self._pins.append(e)
@@ -750,7 +750,7 @@ class SenderRequest(_Steps):
 
     def _unpin_locked(self) -> None:
         for e in self._pins:
-            self._store._unpin_entry(e)
+            self._store.unpin_entry(e)
         self._pins = _NONE
 
     def _undo_locked(self) -> None:
@@ -759,7 +759,7 @@ class SenderRequest(_Steps):
             with contextlib.suppress(ClosedCacheError):  # closed: nothing is owed any more
                 store.release(ref)
         for res in self._reserved:
-            store._abort(res)  # idempotent: a committed reservation is left alone
+            store.abort(res)  # idempotent: a committed reservation is left alone
         self._unpin_locked()
 
 
