@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias, cast
 
+from ._core_api import core
 from ._group import Found, Siblings
 from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
 from ._shards import ShardedMap
@@ -55,12 +56,15 @@ __all__ = [
     "SenderRequest",
     "as_reference",
     "check_hash",
+    "run_one",
 ]
 
 #: The default ``copy_inline_below``: the store's one threshold for a copy under the writer lock.
 DEFAULT_INLINE_THRESHOLD: Final = INLINE_COPY_UNDER_LOCK
 
 _REF_KEYS: Final = frozenset(REF_FIELDS)
+#: the core's one-item miss (``_core_put.c``, see ``run_one``); None: declined, no side effect
+_put_item = core.put_item
 
 log = logging.getLogger("aioshmcache")
 
@@ -169,6 +173,14 @@ class SenderBook:
         self.counters = RequestCounters(lock=store.lock)
         self._words = store.words
         self._logged: set[str] = set()
+
+    def keep_updates(self, mm_hash: str, updates: Sequence[Any]) -> None:
+        """Keep the prompt updates of an item just put (the one place they are stored)."""
+        pu = self.prompt_updates  # ``pu[h] = updates``, one call shorter
+        d = pu.shards[hash(mm_hash) & pu.mask]
+        if mm_hash not in d:
+            pu.n += 1
+        d[mm_hash] = updates
 
     def forget(self, mm_hash: str) -> None:
         """An item left the cache: drop its prompt updates."""
@@ -513,11 +525,7 @@ class SenderRequest(_Steps):
                 book._words[H_MISSES] = total - c.hits
                 self._handed.append(ref)
                 updates = it[1]
-                pu = book.prompt_updates  # ``pu[h] = updates``, one call shorter
-                d = pu.shards[hash(h) & pu.mask]
-                if h not in d:
-                    pu.n += 1
-                d[h] = updates
+                book.keep_updates(h, updates)
                 self._out[i] = (ref, updates)
                 return None
             res = store.reserve(
@@ -643,7 +651,7 @@ class SenderRequest(_Steps):
         ref = self._store.commit(res)
         self._handed.append(ref)
         self._putting.discard(res.key)
-        self._book.prompt_updates[res.key] = updates
+        self._book.keep_updates(res.key, updates)
         self._out[i] = (ref, updates)
         if pin and (e := self._store.pin_entry(res.key)) is not None:  # protect it from the rest
             if self._pins is _NONE:
@@ -761,6 +769,29 @@ class SenderRequest(_Steps):
         for res in self._reserved:
             store.abort(res)  # idempotent: a committed reservation is left alone
         self._unpin_locked()
+
+
+def run_one(
+    store: StoreWriter,
+    book: SenderBook,
+    mm_item: MmItem | None,
+    mm_hash: str,
+    *,
+    wait_for_space: float | None = None,
+) -> MmItem:
+    """``get_and_update`` of one item (the sync face's ``get_and_update_item``).
+
+    The core's ``put_item`` first: a plain miss in one compiled call, the same steps as the
+    request's (the pure core declines every call); else, declined before any side effect, the
+    request (``SenderRequest``, the reference) runs.
+    """
+    if wait_for_space is None:
+        out = _put_item(store, book, mm_item, mm_hash, DEFAULT_INLINE_THRESHOLD)
+        if out is not None:
+            return cast("MmItem", out)
+    return SenderRequest(
+        store, book, [mm_item], [mm_hash], wait_for_space=wait_for_space, _fresh=True
+    ).run()[0]  # ``run`` checks the owner first (before the lock a forked child may hold)
 
 
 def feature_item(f: FeatureSpec) -> MmItem | None:
