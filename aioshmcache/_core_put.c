@@ -714,7 +714,7 @@ intern_item_names(void)
     struct { PyObject **p; const char *s; } names[] = {
         {&s_check_owner, "check_owner"}, {&s_lock, "_lock"}, {&s_acquire, "acquire"},
         {&s_release, "release"}, {&s_plan, "plan"}, {&s_siblings, "siblings"},
-        {&s_too_large, "too_large"}, {&s_sizes, "_sizes"}, {&s_counters, "counters"},
+        {&s_too_large, "too_large"}, {&s_sizes, "sizes"}, {&s_counters, "counters"},
         {&s_total, "total"}, {&s_hits, "hits"}, {&s_words, "words"}, {&s_keep, "keep_updates"},
         {&s_nbytes, "nbytes"}, {&s_pub_index, "index"}, {&s_found_too_large, "found_too_large"},
     };

@@ -502,7 +502,7 @@ class SenderRequest(_Steps):
         if h in self._putting:  # this request puts it: a hit once that copy is committed
             self._follow(h, i)
             return None
-        if book.too_large._sizes:  # mostly empty
+        if book.too_large.sizes:  # mostly empty
             known = book.too_large.get(h)
             if known is not None:
                 self._out[i] = it
@@ -826,22 +826,23 @@ class TooLargeMemory:
     """Hashes remembered as too large to cache (bounded), so they are not serialised again."""
 
     def __init__(self, capacity: int = 4096) -> None:
-        self._sizes: OrderedDict[str, int] = OrderedDict()
+        #: hash -> bytes, oldest first (read it; :meth:`add` and :meth:`get` keep it)
+        self.sizes: OrderedDict[str, int] = OrderedDict()
         self._capacity = capacity
 
     def get(self, mm_hash: str) -> int | None:
-        n = self._sizes.get(mm_hash)
+        n = self.sizes.get(mm_hash)
         if n is not None:
-            self._sizes.move_to_end(mm_hash)
+            self.sizes.move_to_end(mm_hash)
         return n
 
     def add(self, mm_hash: str, nbytes: int) -> None:
-        self._sizes[mm_hash] = nbytes
-        if len(self._sizes) > self._capacity:
-            self._sizes.popitem(last=False)
+        self.sizes[mm_hash] = nbytes
+        if len(self.sizes) > self._capacity:
+            self.sizes.popitem(last=False)
 
     def discard(self, mm_hash: str) -> None:
-        self._sizes.pop(mm_hash, None)
+        self.sizes.pop(mm_hash, None)
 
     def clear(self) -> None:
-        self._sizes.clear()
+        self.sizes.clear()
