@@ -1,6 +1,6 @@
 /* The compiled put of a plain item: ``put_plain(store, key, plan)``.
  *
- * The store's ``_put_now`` (``aioshmcache/_store.py``, the reference) calls it first; it does
+ * The store's ``put_now`` (``aioshmcache/_store.py``, the reference) calls it first; it does
  * the same steps for the usual case in one call — duplicate checks, the ring's usual
  * allocation right after the tail (``ShmRingBuffer.try_allocate``), the payload write
  * (``MsgpackSerde.write`` of a plan: prefix and header, zeroed gaps, array bytes), the commit,
@@ -24,7 +24,7 @@ static PyObject *s_index, *s_pending, *s_waiting, *s_ring, *s_serde, *s_rows, *s
 static PyObject *s_secret, *s_nonce, *s_guarded, *s_has_hints, *s_hand_out_seq, *s_seg;
 static PyObject *s_tail, *s_limit, *s_end, *s_head, *s_mask, *s_addr, *s_size, *s_id, *s_cpos;
 static PyObject *s_state, *s_at, *s_at_mask, *s_lap, *s_used, *s_w, *s_hw, *s_closed, *s_forked;
-static PyObject *s_layout, *s_sources, *s_shards, *s_n, *s_map_mask;
+static PyObject *s_layout, *s_sources, *s_shards, *s_n, *s_map_mask, *s_pins;
 
 static int
 intern_names(void)
@@ -32,7 +32,7 @@ intern_names(void)
     struct { PyObject **p; const char *s; } names[] = {
         {&s_index, "_index"}, {&s_pending, "_pending"}, {&s_waiting, "_waiting_keys"},
         {&s_ring, "ring"}, {&s_serde, "serde"}, {&s_rows, "_rows"}, {&s_keys, "_keys"},
-        {&s_secret, "_secret"}, {&s_nonce, "_nonce"}, {&s_guarded, "_guarded"},
+        {&s_secret, "_secret"}, {&s_nonce, "_nonce"}, {&s_guarded, "guarded"}, {&s_pins, "_pins"},
         {&s_has_hints, "_has_hints"}, {&s_hand_out_seq, "_hand_out_seq"}, {&s_seg, "_seg"},
         {&s_tail, "_tail"}, {&s_limit, "_limit"}, {&s_end, "_end"}, {&s_head, "_head"},
         {&s_mask, "_mask"}, {&s_addr, "_addr"}, {&s_size, "_size"}, {&s_id, "_id"},
@@ -285,8 +285,14 @@ pub_prepare(PyObject *store, PyObject *key, Pub *p)
         (p->ishard = shard_of(p->index, key)) == NULL ||
         (p->rows = PyObject_GetAttr(store, s_rows)) == NULL ||
         (p->keys = PyObject_GetAttr(store, s_keys)) == NULL ||
-        (p->guarded = PyObject_GetAttr(store, s_guarded)) == NULL ||
         (p->nonce = PyObject_GetAttr(store, s_nonce)) == NULL)
+        return -1;
+    PyObject *pins = PyObject_GetAttr(store, s_pins); /* the pins part holds the guard */
+    if (pins == NULL)
+        return -1;
+    p->guarded = PyObject_GetAttr(pins, s_guarded);
+    Py_DECREF(pins);
+    if (p->guarded == NULL)
         return -1;
     if (p->guarded != Py_None && !PyDict_CheckExact(p->guarded))
         return 1;
@@ -686,7 +692,216 @@ done:
     return result;
 }
 
+/* --- a sender's one-item miss (``_request.run_one``) ----------------------------------------
+ * ``put_item(store, book, mm_item, mm_hash, inline_below)``: ``SenderCache.get_and_update_item``
+ * of an item not cached, in one call, as ``SenderRequest`` decides it (``_request``, the
+ * reference): the owner checked (its typed error raised, as the request's first step does),
+ * the writer lock taken, the look-up, the item's plan (``store.plan``), ``put_plain`` (above),
+ * the miss counted and published (``H_MISSES``), the prompt updates kept
+ * (``book.keep_updates``), the lock let go; returns ``(ShmRef, prompt_updates)``. An item
+ * measured too large is remembered and served inline (``mm_item`` returned), as the request
+ * does. It declines (None) before any side effect for anything else — a hit, a look-up (no
+ * item), a group shard, another serde, a hash remembered too large, an item that is not a dict
+ * or whose plan fails otherwise or is ``inline_below`` bytes or more, and whatever
+ * ``put_plain`` declines (no room: eviction) — and the request runs. */
+static PyObject *s_check_owner, *s_lock, *s_acquire, *s_release, *s_plan, *s_siblings;
+static PyObject *s_too_large, *s_sizes, *s_counters, *s_total, *s_hits, *s_words, *s_keep;
+static PyObject *s_nbytes, *s_pub_index, *s_found_too_large, *too_large_error;
+
+static int
+intern_item_names(void)
+{
+    struct { PyObject **p; const char *s; } names[] = {
+        {&s_check_owner, "check_owner"}, {&s_lock, "_lock"}, {&s_acquire, "acquire"},
+        {&s_release, "release"}, {&s_plan, "plan"}, {&s_siblings, "siblings"},
+        {&s_too_large, "too_large"}, {&s_sizes, "sizes"}, {&s_counters, "counters"},
+        {&s_total, "total"}, {&s_hits, "hits"}, {&s_words, "words"}, {&s_keep, "keep_updates"},
+        {&s_nbytes, "nbytes"}, {&s_pub_index, "index"}, {&s_found_too_large, "found_too_large"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (*names[i].p == NULL && (*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL)
+            return -1;
+    if (too_large_error == NULL) {
+        PyObject *errors = PyImport_ImportModule("aioshmcache.errors");
+        if (errors == NULL)
+            return -1;
+        too_large_error = PyObject_GetAttrString(errors, "ObjectTooLargeError");
+        Py_DECREF(errors);
+        if (too_large_error == NULL)
+            return -1;
+    }
+    return 0;
+}
+
+/* What is decided under the lock: the put's ``(ref, updates)``, None (declined) or NULL. */
+static PyObject *
+put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
+                Py_ssize_t inline_below)
+{
+    PyObject *value = PyTuple_GET_ITEM(item, 0), *updates = PyTuple_GET_ITEM(item, 1);
+    PyObject *result = NULL, *index = NULL, *shard = NULL, *tl = NULL, *sizes = NULL;
+    PyObject *plan = NULL, *nb = NULL, *ref = NULL, *counters = NULL, *total = NULL;
+    PyObject *hits = NULL, *total1 = NULL, *misses = NULL, *words = NULL, *kept = NULL;
+    PyObject *serde = NULL;
+    NEED(serde = PyObject_GetAttr(store, s_serde));
+    if ((PyObject *)Py_TYPE(serde) != serde_type)
+        DECLINE(); /* another serde's plan is its own business: the request calls it */
+    NEED(index = PyObject_GetAttr(store, s_pub_index));
+    NEED(shard = shard_of(index, key));
+    CHECK(PyDict_Contains(shard, key)); /* a hit: the request hands it out */
+    NEED(tl = PyObject_GetAttr(book, s_too_large));
+    NEED(sizes = PyObject_GetAttr(tl, s_sizes));
+    if (!PyDict_Check(sizes))
+        DECLINE();
+    if (PyDict_GET_SIZE(sizes))
+        CHECK(PyDict_Contains(sizes, key)); /* remembered too large: served inline */
+    plan = PyObject_CallMethodOneArg(store, s_plan, value);
+    if (plan == NULL && PyErr_ExceptionMatches(too_large_error)) {
+        /* measured too large: remembered and counted, the item served inline, as the
+         * request does (``book.found_too_large``) */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        PyErr_NormalizeException(&et, &ev, &tb);
+        PyObject *n = ev == NULL ? NULL : PyObject_GetAttr(ev, s_nbytes);
+        Py_XDECREF(et), Py_XDECREF(ev), Py_XDECREF(tb);
+        if (n == NULL)
+            goto done;
+        PyObject *fargs[3] = {book, key, n};
+        PyObject *r = PyObject_VectorcallMethod(s_found_too_large, fargs,
+                                                3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(n);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+        result = item;
+        Py_INCREF(result);
+        goto done;
+    }
+    if (plan == NULL) { /* not encodable: the request plans it again, and raises */
+        PyErr_Clear();
+        DECLINE();
+    }
+    NEED(nb = PyObject_GetAttr(plan, s_nbytes));
+    if (!PyLong_CheckExact(nb))
+        DECLINE();
+    Py_ssize_t nbytes = PyLong_AsSsize_t(nb);
+    if (nbytes == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        DECLINE();
+    }
+    if (nbytes >= inline_below)
+        DECLINE(); /* a copy job */
+    /* the counters and words, read before the put (nothing is changed if they are odd) */
+    NEED(counters = PyObject_GetAttr(book, s_counters));
+    NEED(total = PyObject_GetAttr(counters, s_total));
+    NEED(hits = PyObject_GetAttr(counters, s_hits));
+    NEED(words = PyObject_GetAttr(store, s_words));
+    if (!PyLong_CheckExact(total) || !PyLong_CheckExact(hits))
+        DECLINE();
+    PyObject *pargs[3] = {store, key, plan};
+    NEED(ref = core_put_plain(NULL, pargs, 3));
+    if (ref == Py_None)
+        DECLINE(); /* no room (eviction), or anything else put_plain leaves to the reference */
+    /* the put is made: ``book.count_miss()`` and ``book.keep_updates(h, updates)`` */
+    PyObject *one = PyLong_FromLong(1);
+    if (one == NULL)
+        goto undo;
+    total1 = PyNumber_Add(total, one);
+    Py_DECREF(one);
+    if (total1 == NULL || (misses = PyNumber_Subtract(total1, hits)) == NULL ||
+        PyObject_SetAttr(counters, s_total, total1) < 0)
+        goto undo;
+    PyObject *w = PyLong_FromLong(H_MISSES);
+    if (w == NULL)
+        goto undo;
+    int rc = PyObject_SetItem(words, w, misses);
+    Py_DECREF(w);
+    if (rc < 0)
+        goto undo;
+    PyObject *kargs[3] = {book, key, updates};
+    kept = PyObject_VectorcallMethod(s_keep, kargs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (kept == NULL)
+        goto undo;
+    result = PyTuple_Pack(2, ref, updates);
+    if (result == NULL)
+        goto undo;
+    goto done;
+undo: { /* only a failed allocation gets here: the hand-out is given back, as the request's
+         * roll back does, and the error raised */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        PyObject *r = PyObject_CallMethodOneArg(store, s_release, ref);
+        Py_XDECREF(r);
+        PyErr_Clear();
+        PyErr_Restore(et, ev, tb);
+    }
+done:
+    Py_XDECREF(index), Py_XDECREF(shard), Py_XDECREF(tl), Py_XDECREF(sizes);
+    Py_XDECREF(plan), Py_XDECREF(nb), Py_XDECREF(ref), Py_XDECREF(counters);
+    Py_XDECREF(total), Py_XDECREF(hits), Py_XDECREF(total1), Py_XDECREF(misses);
+    Py_XDECREF(words), Py_XDECREF(kept), Py_XDECREF(serde);
+    return result;
+}
+
+static PyObject *
+core_put_item(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "put_item takes 5 arguments (store, book, mm_item, mm_hash, inline_below)");
+        return NULL;
+    }
+    PyObject *store = args[0], *book = args[1], *item = args[2], *key = args[3];
+    if (ref_type == NULL || !PyUnicode_CheckExact(key) || !PyTuple_CheckExact(item) ||
+        PyTuple_GET_SIZE(item) != 2 || !PyDict_CheckExact(PyTuple_GET_ITEM(item, 0)) ||
+        !PyLong_CheckExact(args[4]))
+        Py_RETURN_NONE;
+    Py_ssize_t inline_below = PyLong_AsSsize_t(args[4]);
+    if (inline_below == -1 && PyErr_Occurred())
+        return NULL;
+    if (s_check_owner == NULL && intern_item_names() < 0)
+        return NULL;
+    PyObject *siblings = PyObject_GetAttr(book, s_siblings);
+    if (siblings == NULL)
+        return NULL;
+    int shard = siblings != Py_None; /* a group shard: the request looks at its siblings */
+    Py_DECREF(siblings);
+    if (shard)
+        Py_RETURN_NONE;
+    /* the request's first step: the owner (a forked child may have inherited the lock held) */
+    PyObject *r = PyObject_CallMethodNoArgs(store, s_check_owner);
+    if (r == NULL)
+        return NULL;
+    Py_DECREF(r);
+    PyObject *lock = PyObject_GetAttr(store, s_lock);
+    if (lock == NULL)
+        return NULL;
+    if ((r = PyObject_CallMethodNoArgs(lock, s_acquire)) == NULL) {
+        Py_DECREF(lock);
+        return NULL;
+    }
+    Py_DECREF(r);
+    PyObject *result = put_item_locked(store, book, item, key, inline_below);
+    PyObject *et = NULL, *ev = NULL, *tb = NULL;
+    if (result == NULL)
+        PyErr_Fetch(&et, &ev, &tb);
+    r = PyObject_CallMethodNoArgs(lock, s_release);
+    Py_DECREF(lock);
+    if (r == NULL) {
+        Py_XDECREF(result);
+        Py_XDECREF(et), Py_XDECREF(ev), Py_XDECREF(tb);
+        return NULL;
+    }
+    Py_DECREF(r);
+    if (result == NULL)
+        PyErr_Restore(et, ev, tb);
+    return result;
+}
+
 PyMethodDef aioshm_put_methods[] = {
+    {"put_item", (PyCFunction)(void (*)(void))core_put_item, METH_FASTCALL,
+     "put_item(store, book, mm_item, mm_hash, inline_below) -> (ShmRef, prompt_updates), or "
+     "None (declined before any side effect: the sender request runs)"},
     {"publish_plain", (PyCFunction)(void (*)(void))core_publish_plain, METH_FASTCALL,
      "publish_plain(store, key, address, cid, length) -> ShmRef, or None (the reference runs)"},
     {"make_ref", (PyCFunction)(void (*)(void))core_make_ref, METH_FASTCALL,

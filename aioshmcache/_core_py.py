@@ -25,6 +25,7 @@ __all__ = [
     "finish_tag",
     "make_ref",
     "publish_plain",
+    "put_item",
     "put_plain",
     "read_item",
     "read_layout",
@@ -155,7 +156,15 @@ def configure(ref_type: type, plan_type: type, serde_type: type) -> None:
 
 def put_plain(store: object, key: object, plan: object) -> None:
     """The compiled put of a plain item, which may decline: here it always does, before any
-    side effect, so the store's own steps (``StoreWriter._put_now``, the reference) run."""
+    side effect, so the store's own steps (``StoreWriter.put_now``, the reference) run."""
+    return None
+
+
+def put_item(
+    store: object, book: object, mm_item: object, mm_hash: object, inline_below: int
+) -> None:
+    """The compiled one-item miss of a sender, which may decline: here it always does, before
+    any side effect, so the sender request (``_request.SenderRequest``, the reference) runs."""
     return None
 
 

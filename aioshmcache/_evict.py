@@ -1,8 +1,12 @@
 """Layer 5, eviction: how the writer makes room — FIFO, second chance, batch eviction, waits.
 
-``Eviction`` is the part of the writer (``StoreWriter``) that frees chunks: the writer
-inherits it, and it works on the writer's state (index, rows, marks, ledger, ring),
-declared below for the type checker. Its entry points take the writer lock, as the store's do.
+``Eviction`` is the part of the writer (``StoreWriter``) that frees chunks. It owns the
+second-chance marks, its counters and settings, and the wake-up semaphore with the writers
+asleep on it; it works on the ring, the hand-out ledger, the acknowledgements and pins parts and
+the writer's index and rows, which the writer lends it, and asks the writer (a small
+``EvictionHost`` interface) for what only the writer knows: which keys are being put, and how to
+publish its usage and re-point a key at a moved chunk. It holds no lock of its own: the writer
+calls it holding the writer lock, which :meth:`Eviction.make_room` lets go of while it waits.
 
 Eviction is FIFO in allocation order: under put pressure the writer drains the logs, frees free
 chunks from the head until the new chunk fits contiguously, probes the kernel locks of the
@@ -38,30 +42,20 @@ Both bounds are small on purpose: a burst of lazy frees is what makes a put stal
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 import posix_ipc
 
-from ._hints import Hint, HintTable
-from ._layout import (
-    H_BYTES_RELOCATED,
-    H_EPOCH,
-    H_EVICTIONS,
-    H_RELOCATIONS,
-    H_WAITING,
-    RS_PID,
-    WS_REVOKED,
-    chunk_size,
-)
+from ._acks import Acknowledgements
+from ._hints import HintTable
+from ._layout import H_BYTES_RELOCATED, H_EVICTIONS, H_RELOCATIONS, H_WAITING, chunk_size
 from ._ledger import Debts, HandoutLedger
-from ._readers import ReaderTable, SlotState
+from ._pins import Pins
 from ._ring import ShmRingBuffer
 from ._shards import ShardedMap
-from ._types import CacheConfig, tag_base
 from .errors import CacheFullError
 
 __all__ = [
@@ -72,9 +66,8 @@ __all__ = [
     "RELOCATE_MAX_ITEMS",
     "WAIT_POLL",
     "Eviction",
+    "EvictionHost",
 ]
-
-log = logging.getLogger("aioshmcache")
 
 WAIT_POLL: Final = 0.1  # the longest a waiting writer sleeps between checks (lost-post bound)
 #: Second chance: bytes (chunk sizes) one put may relocate before marked heads are evicted.
@@ -101,119 +94,146 @@ EVICT_SLACK_CHUNKS: Final = 16
 EVICT_AHEAD_PUTS: Final = 2
 
 
+class EvictionHost(Protocol):
+    """What eviction asks of the writer it belongs to."""
+
+    def is_pending(self, key: str) -> bool:
+        """A put of ``key`` is in progress (allocated, or waiting for room)."""
+
+    def publish_usage(self) -> None:
+        """Publish the bytes and items in use (and the evictions) in the segment header."""
+
+    def relocated(self, key: str, cid: int, address: int, length: int, position: int) -> None:
+        """Index ``key`` under chunk ``cid``, the copy of its entry moved to the tail."""
+
+    def check_owner(self) -> None:
+        """The writer's typed error if it closed (or this is a forked child)."""
+
+    def length_of(self, cid: int) -> int:
+        """The payload length of live chunk ``cid`` (0 if it has no row)."""
+
+
+def release_all(lock: threading.RLock) -> int:
+    """Let go of a re-entrant lock this thread holds, however many times; how many."""
+    n = 0
+    while True:
+        try:
+            lock.release()
+        except RuntimeError:  # no longer ours: released as many times as it was taken
+            return n
+        n += 1
+
+
 class Eviction:
-    """The writer's eviction (see the module docstring); mixed into ``StoreWriter``."""
+    """The writer's eviction (see the module docstring)."""
 
-    if TYPE_CHECKING:  # the writer's state this part works on (set by ``StoreWriter``)
-        ring: ShmRingBuffer
-        _readers: ReaderTable
-        _ledger: HandoutLedger
-        _hints: HintTable
-        _has_hints: bool
-        _hw: Any
-        _index: ShardedMap[str, int]
-        _rows: ShardedMap[int, bytes]
-        _keys: ShardedMap[int, str]
-        _marked: ShardedMap[int, None]
-        _by_id: dict[int, Debts]
-        _guarded: dict[int, None] | None
-        _slots: list[SlotState]
-        _config: CacheConfig
-        _sem: Any
-        _lock: threading.RLock
-        _waiters: int
-        _closed: bool
-        _secret: int
-        one_of_n: bool
-        second_chance: bool
-        relocate_budget: int
-        evict_slack: int
-        evictions: int
-        relocations: int
-        bytes_relocated: int
-        wakeups: int
-        on_evict: Callable[[str], None] | None
+    __slots__ = (
+        "_acks",
+        "_closed",
+        "_entries",
+        "_evict_after",
+        "_hints",
+        "_host",
+        "_hw",
+        "_index",
+        "_keys",
+        "_ledger",
+        "_lock",
+        "_pins",
+        "_rows",
+        "_sem",
+        "_waiters",
+        "bytes_relocated",
+        "evict_slack",
+        "evictions",
+        "marked",
+        "on_evict",
+        "relocate_budget",
+        "relocations",
+        "ring",
+        "second_chance",
+        "wakeups",
+    )
 
-        def drain(self) -> int: ...
-        def is_pending(self, key: str) -> bool: ...
-        def _check_writer(self) -> None: ...
-        def _row(self, cid: int) -> tuple[str, int, int, int, int, int] | None: ...
-        def _set_row(self, cid: int, row: tuple[str, int, int, int, int, int]) -> None: ...
-        def _drop_row(self, cid: int) -> str | None: ...
-        def _publish_usage(self) -> None: ...
-        def _publish_owed(self) -> None: ...
-        def _refresh_live(self) -> None: ...
-    else:  # no state of its own: the writer's (hidden from the checker, which
-        __slots__ = ()  # would then refuse every assignment to the writer's state here)
+    def __init__(
+        self,
+        host: EvictionHost,
+        *,
+        ring: ShmRingBuffer,
+        words: Any,
+        ledger: HandoutLedger,
+        acks: Acknowledgements,
+        pins: Pins,
+        hints: HintTable | None,
+        index: ShardedMap[str, int],
+        rows: ShardedMap[int, bytes],
+        keys: ShardedMap[int, str],
+        lock: threading.RLock,
+        sem: Any,
+        second_chance: bool,
+        evict_after: float | None,
+    ) -> None:
+        self._host = host
+        self.ring = ring
+        self._hw = words  # the segment header's words
+        self._ledger = ledger
+        self._entries = ledger.entries  # active entries only, by chunk id
+        self._acks = acks
+        self._pins = pins
+        self._hints = hints  # None unless the segment is a group shard
+        self._index, self._rows, self._keys = index, rows, keys
+        self._lock = lock
+        self._sem = sem  # the wake-up semaphore readers post while the writer waits for space
+        self._waiters = 0  # threads asleep in _wait (they own the semaphore handle then)
+        self._closed = False
+        self._evict_after = evict_after
+        # second chance: chunk ids hit since written or moved. A dict of int -> None, not a set:
+        # the collector untracks such a dict, while it walks every member of a set (12 ms per
+        # full collection with 250,000 marked items)
+        self.marked: ShardedMap[int, None] = ShardedMap(len(index.shards))
+        self.second_chance = second_chance
+        self.evictions = 0
+        self.wakeups = 0
+        self.relocations = 0  # second chance: chunks moved to the tail instead of evicted
+        self.bytes_relocated = 0  # their payload bytes
+        self.relocate_budget = RELOCATE_BUDGET  # per put (tests lower it)
+        self.evict_slack = min(EVICT_SLACK_BYTES, ring.capacity // 16)
+        self.on_evict: Callable[[str], None] | None = None
 
-    def _probe_debtors(self, e: Debts) -> bool:
-        """Probe the readers owing ``e``; drop dead ones, revoke stuck ones. True if any dropped."""
-        since = self._ledger.debtors(e)
-        if not since:
-            return False
-        changed = False
-        evict_after = self._config.evict_stuck_readers_after
-        stuck = set(self._ledger.stuck(e, evict_after)) if evict_after is not None else set()
-        for slot, st in enumerate(self._slots):
-            s = st.session
-            if not s or not st.alive or s not in since:
-                continue
-            if not self._readers.probe(slot):
-                log.info(
-                    "reader slot %d (pid %d) is dead: dropping its debts",
-                    slot,
-                    self._readers.word(slot, RS_PID),
-                )
-                st.alive = False
-                self._ledger.drop_session(s)
-                changed = True
-            elif s in stuck:
-                log.warning(
-                    "reader slot %d acknowledged nothing for %.1f s while owing: revoking it",
-                    slot,
-                    evict_after,
-                )
-                self._readers.set_word(slot, WS_REVOKED, s)
-                st.alive = False
-                st.revoked = s
-                self._ledger.drop_session(s)
-                changed = True
-        if changed:
-            self._refresh_live()
-            self._publish_owed()
-        return changed
+    def mark(self, cid: int) -> None:
+        """A hit on chunk ``cid``: it gets a second chance (``self.marked[cid] = None``)."""
+        marks = self.marked
+        shard = marks.shards[hash(cid) & marks.mask]
+        if cid not in shard:
+            shard[cid] = None
+            marks.n += 1
 
     def _is_free(self, cid: int) -> bool:
-        g = self._guarded
+        g = self._pins.guarded
         if g is not None and cid in g:
             return False  # guarded by the request deciding now
-        e = self._by_id.get(cid)
+        e = self._entries.get(cid)
         return e is None or self._ledger.is_free(e)
 
     def is_freeable(self, key: str) -> bool:
-        """Whether ``key``'s chunk could be evicted now.
+        """Whether ``key``'s chunk could be evicted now (the logs drained first; the readers
+        still owing it probed, so a dead reader's debts do not count)."""
+        self._acks.drain()
+        cid = self._index.get(key)
+        if cid is None:
+            return False
+        e = self._ledger.get(cid)
+        if e is None:
+            return True  # nothing owed, pinned or touched
+        if e.debt > 0 and not self._acks.one_of_n:
+            self._acks.probe_debtors(e, self._evict_after)
+        return self._ledger.is_free(e)
 
-        Drains the acknowledgement logs first and probes the readers still owing it, so a dead
-        reader's debts do not count.
-        """
-        self._check_writer()
-        with self._lock:
-            self.drain()
-            cid = self._index.get(key)
-            if cid is None:
-                return False
-            e = self._ledger.get(cid)
-            if e is None:
-                return True  # nothing owed, pinned or touched
-            if e.debt > 0 and not self.one_of_n:
-                self._probe_debtors(e)
-            return self._ledger.is_free(e)
-
-    def _forget(self, freed: list[int]) -> None:
+    def forget(self, freed: list[int]) -> None:
         """Drop the rows, index entries, marks and debts of freed chunks; count evictions."""
-        index, marked, entries = self._index, self._marked, self._by_id
+        index, marked, entries = self._index, self.marked, self._entries
         rows, keys = self._rows, self._keys
-        hints = self._hints if self._has_hints else None
+        hints = self._hints
         on_evict = self.on_evict
         evicted = self.evictions
         for cid in freed:  # the ``ShardedMap`` calls inline: once per chunk freed
@@ -223,7 +243,7 @@ class Eviction:
             if cid in (dm := marked.shards[h & marked.mask]):  # ``del marked[cid]``
                 del dm[cid]
                 marked.n -= 1
-            if cid in (dr := rows.shards[h & rows.mask]):  # ``self._drop_row(cid)``
+            if cid in (dr := rows.shards[h & rows.mask]):  # ``del rows[cid]``
                 del dr[cid]
                 rows.n -= 1
             key = keys.shards[h & keys.mask].pop(cid, None)
@@ -243,62 +263,68 @@ class Eviction:
 
     def _head_entry(self) -> Debts | None:
         cid = self.ring.head_id
-        return None if cid is None else self._by_id.get(cid)
+        return None if cid is None else self._entries.get(cid)
 
     def evict(self, nbytes: int = 0) -> list[str]:
-        """Free free chunks from the head (all of them, or until ``nbytes`` fit).
+        """Free free chunks from the head (all of them, or until ``nbytes`` fit); their keys.
 
         Readers owing the head item are probed first: a dead one's debts are dropped. An explicit
         eviction: hit items are evicted too (second chance applies to puts that need room).
         """
-        self._check_writer()
-        with self._lock:
-            self.drain()
-            head = self._head_entry()
-            if head is not None and head.debt > 0:
-                self._probe_debtors(head)
-            freed = self.ring.free(self._is_free, nbytes)
-            keys = [k for c in freed if (k := self._keys.get(c)) is not None]
-            self._forget(freed)
-            self._publish_usage()
-            self._publish_owed()
-            return keys
+        self._acks.drain()
+        head = self._head_entry()
+        if head is not None and head.debt > 0:
+            self._acks.probe_debtors(head, self._evict_after)
+        freed = self.ring.free(self._is_free, nbytes)
+        keys = [k for c in freed if (k := self._keys.get(c)) is not None]
+        self.forget(freed)
+        self._host.publish_usage()
+        self._acks.publish_owed()
+        return keys
 
-    def _make_room(
+    def make_room(
         self,
         nbytes: int,
         wait_for_space: float,
         own_pins: Mapping[object, int],
         abort: Callable[[], bool] | None = None,
     ) -> None:
+        """Free (and relocate) from the head until ``nbytes`` fit, waiting up to
+        ``wait_for_space`` s for readers; ``CacheFullError`` if no room comes (see
+        ``StoreWriter.reserve`` for ``own_pins`` and ``abort``)."""
         ring = self.ring
         if chunk_size(nbytes) > ring.capacity:
             raise CacheFullError(f"{nbytes} bytes can never fit a {ring.capacity}-byte ring")
         deadline = time.monotonic() + wait_for_space
         waiting = False
         budget = [self.relocate_budget if self.second_chance else 0]
+        acks, pins = self._acks, self._pins
         try:
             while True:
                 if ring.fits(nbytes):
                     return
-                self.drain()
+                acks.drain()
                 self._reclaim(nbytes, budget)
                 if ring.fits(nbytes):
                     return
                 head = self._head_entry()
-                if head is not None and head.debt > 0 and self._probe_debtors(head):
+                if (
+                    head is not None
+                    and head.debt > 0
+                    and acks.probe_debtors(head, self._evict_after)
+                ):
                     continue
-                head_id, guarded = ring.head_id, self._guarded
+                head_id, guarded = ring.head_id, pins.guarded
                 if (head is not None and 0 < head.pins <= own_pins.get(head, 0)) or (
                     guarded is not None and head_id in guarded
                 ):
-                    self._publish_usage()
+                    self._host.publish_usage()
                     raise CacheFullError(
                         f"no room for {nbytes} bytes: the oldest item is pinned by this request"
                     )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self._publish_usage()
+                    self._host.publish_usage()
                     raise CacheFullError(
                         f"no room for {nbytes} bytes: the oldest item is "
                         + (
@@ -329,6 +355,7 @@ class Eviction:
         """
         ring = self.ring
         fifo = not self.second_chance
+        is_pending = self._host.is_pending
 
         def relocatable(cid: int | None) -> bool:
             return (
@@ -337,10 +364,11 @@ class Eviction:
                 and self._is_marked(cid)
                 and self._relocation_cost(cid) <= budget[0]
                 and self._is_free(cid)
-                and not self.is_pending(self._keys[cid])
+                and not is_pending(self._keys[cid])
             )
 
-        entries, marked, ledger, guarded = self._by_id, self._marked, self._ledger, self._guarded
+        entries, marked, ledger = self._entries, self.marked, self._ledger
+        guarded = self._pins.guarded
 
         def evictable(cid: int) -> bool:  # _is_free and _is_marked, inline: once per chunk freed
             if guarded is not None and cid in guarded:
@@ -359,7 +387,7 @@ class Eviction:
             slack = max(slack, min(EVICT_AHEAD_PUTS * chunk_size(nbytes), ring.capacity // 16))
         looked_ahead = False
         while True:
-            self._forget(ring.free(pred, nbytes, slack=slack, max_extra=EVICT_SLACK_CHUNKS))
+            self.forget(ring.free(pred, nbytes, slack=slack, max_extra=EVICT_SLACK_CHUNKS))
             if ring.fits(nbytes):
                 return
             head = ring.head_id
@@ -375,16 +403,16 @@ class Eviction:
 
     def _is_marked(self, cid: int) -> bool:
         """Hit since written or relocated, and still the indexed chunk of its key."""
-        if cid not in self._marked:
+        if cid not in self.marked:
             return False
         key = self._keys.get(cid)
         return key is not None and self._index.get(key) == cid
 
     def _relocation_cost(self, cid: int) -> int:
         """What moving chunk ``cid`` takes from a put's budget (see ``RELOCATE_MAX_ITEMS``)."""
-        row = self._row(cid)
-        length = 0 if row is None else row[2]
-        return max(chunk_size(length), self.relocate_budget // RELOCATE_MAX_ITEMS)
+        return max(
+            chunk_size(self._host.length_of(cid)), self.relocate_budget // RELOCATE_MAX_ITEMS
+        )
 
     def _rotation_makes_room(self, nbytes: int, budget: int) -> bool:
         """Whether moving marked heads (within ``budget``) and evicting the others reaches room
@@ -409,24 +437,20 @@ class Eviction:
 
     def _relocate(self, cid: int) -> None:
         """Move chunk ``cid`` (the free head) to the tail and point its key at the new chunk."""
-        row = self._row(cid)
-        if row is None:  # unreachable: the head of a relocation is an indexed chunk
+        key = self._keys.get(cid)
+        if key is None:  # unreachable: the head of a relocation is an indexed chunk
             return
-        key, _address, length, _position, _base, _epoch = row
+        length = self._host.length_of(cid)
         self._ledger.forget(cid)  # it owes nothing: it was free
-        self._marked.pop(cid, None)
+        self.marked.pop(cid, None)
         moved = self.ring.relocate_head()
         if moved is None:  # ids exhausted: the chunk is gone, as if evicted
-            self._forget([cid])
+            self.forget([cid])
             return
-        self._drop_row(cid)
+        self._rows.pop(cid, None)
+        self._keys.pop(cid, None)
         address, new, position = moved
-        epoch = int(self._hw[H_EPOCH])
-        base = tag_base(self._secret, epoch, address, new, length, position) & ((1 << 64) - 1)
-        self._set_row(new, (key, address, length, position, base, epoch))
-        self._index[key] = new
-        if self._hints:
-            self._hints.publish(key, Hint(epoch, address, new, length, position))
+        self._host.relocated(key, new, address, length, position)
         self.relocations += 1
         self.bytes_relocated += length
         hw = self._hw
@@ -436,7 +460,7 @@ class Eviction:
     def _wait(self, timeout: float) -> None:
         """Sleep until a reader posts (or ``timeout``), letting go of the writer lock meanwhile.
 
-        :meth:`reserve` holds the (re-entrant) lock, maybe more than once (a caller's ``with
+        The caller holds the (re-entrant) lock, maybe more than once (a caller's ``with
         store.lock``): it is let go entirely while asleep, as ``threading.Condition`` lets go of
         its lock, so that hits and other puts go on (the waiting loop re-checks everything after
         waking), and taken back as many times before returning.
@@ -444,7 +468,7 @@ class Eviction:
         self.wakeups += 1
         sem = self._sem
         self._waiters += 1
-        saved = self._lock._release_save()  # type: ignore[attr-defined]
+        held = release_all(self._lock)
         try:
             sem.acquire(timeout)
             # absorb posts that piled up while we were not waiting
@@ -454,9 +478,27 @@ class Eviction:
         except posix_ipc.BusyError:
             pass
         finally:
-            self._lock._acquire_restore(saved)  # type: ignore[attr-defined]
+            for _ in range(held):
+                self._lock.acquire()
             self._waiters -= 1
             if self._closed and not self._waiters:  # close() left the handle to us
                 with contextlib.suppress(posix_ipc.ExistentialError, OSError):
                     sem.close()
-        self._check_writer()
+        self._host.check_owner()
+
+    def close(self, *, unlink: bool) -> None:
+        """The writer closes: unlink the semaphore (``unlink``), wake the writers waiting on
+        it (the last of them closes the handle, never closed under them), drop the marks."""
+        self._closed = True
+        sem = self._sem
+        if unlink:
+            with contextlib.suppress(posix_ipc.ExistentialError, OSError):
+                sem.unlink()
+        if self._waiters:
+            for _ in range(self._waiters):
+                with contextlib.suppress(posix_ipc.ExistentialError, OSError):
+                    sem.release()
+        else:
+            with contextlib.suppress(posix_ipc.ExistentialError, OSError):
+                sem.close()
+        self.marked.clear()

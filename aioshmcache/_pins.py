@@ -1,146 +1,92 @@
 """Layer 5, pins: how the writer protects items from eviction without a debt.
 
-``Pins`` is the part of the writer (``StoreWriter``) that pins: a *touch* (``touch``: until the
-item's next hand-out, ``handout_ttl`` at most), a request's *pins* (``pin`` / ``unpin``, and the
-caches' ``_pin_entry`` / ``_unpin_entry``, which hold the entry itself so that an item
-invalidated and put again meanwhile keeps its own pins), and a request's *guard* (``guard`` /
-``unguard``: every chunk of the request, while it decides in one step under the lock, without a
-ledger entry each; ``_pin_ids`` turns it into pins when the request goes on unlocked). Its
-methods take the writer lock, as the store's do; it works on the writer's state, declared below
-for the type checker.
+``Pins`` is the part of the writer (``StoreWriter``) that pins: a *touch* (until the item's next
+hand-out, ``handout_ttl`` at most), a request's *pins* (counted, on the entry itself, so that an
+item invalidated and put again meanwhile keeps its own pins: :meth:`Pins.pin_entry` /
+:meth:`Pins.unpin_entry`), and a request's *guard* (:meth:`Pins.guard`: every chunk of the
+request, while it decides in one step under the lock, without a ledger entry each;
+:meth:`Pins.pin_ids` turns it into pins when the request goes on unlocked).
+
+It owns the guard; the pins and touches are the ledger's, found through the writer's index. It
+holds no lock: the writer calls it holding the writer lock.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
 
 from ._ledger import Debts, HandoutLedger
-from ._segment import Segment
 from ._shards import ShardedMap
 
 __all__ = ["Pins"]
 
 
 class Pins:
-    """The writer's pins and guards (see the module docstring); mixed into ``StoreWriter``."""
+    """The writer's pins and guard (see the module docstring)."""
 
-    if TYPE_CHECKING:  # the writer's state this part works on (set by ``StoreWriter``)
-        _ledger: HandoutLedger
-        _index: ShardedMap[str, int]
-        _rows: ShardedMap[int, bytes]
-        _guarded: dict[int, None] | None
-        _lock: threading.RLock
-        _seg: Segment
+    __slots__ = ("_index", "_ledger", "_rows", "guarded")
 
-        def _check_writer(self) -> None: ...
-    else:  # no state of its own: the writer's (hidden from the checker, which
-        __slots__ = ()  # would then refuse every assignment to the writer's state here)
+    def __init__(
+        self, ledger: HandoutLedger, index: ShardedMap[str, int], rows: ShardedMap[int, bytes]
+    ) -> None:
+        self._ledger = ledger
+        self._index = index  # key -> chunk id (the writer's)
+        self._rows = rows  # chunk id -> row, while the chunk lives (the writer's)
+        #: the chunk ids a request's guard protects (see :meth:`guard`); None: no guard
+        self.guarded: dict[int, None] | None = None
 
     def touch(self, key: str) -> bool:
-        """Protect a cached key from eviction until its next hand-out (``handout_ttl`` at most).
+        """Protect the entry cached under ``key`` until its next hand-out; False if none."""
+        cid = self._index.get(key)
+        if cid is None:
+            return False
+        self._ledger.touch(self._ledger.debts_of(cid))
+        return True
 
-        Returns False if ``key`` is not cached.
-        """
-        self._check_writer()  # first: a forked child may inherit the lock held
-        with self._lock:
-            cid = self._index.get(key)
-            if cid is None:
-                return False
-            self._ledger.touch(self._ledger.debts_of(cid))
-            return True
+    def pin_entry(self, key: str) -> Debts | None:
+        """One request-scoped pin of the entry cached under ``key`` now: its debts (``id`` is
+        its chunk id), which hold the pin; None if ``key`` is not cached."""
+        cid = self._index.get(key)
+        if cid is None:
+            return None
+        e = self._ledger.debts_of(cid)
+        self._ledger.pin(e)
+        return e
 
-    def pin(self, key: str) -> bool:
-        """Request-scoped pin (counted) of the entry cached under ``key``; pair with
-        :meth:`unpin`. False if ``key`` is not cached."""
-        self._check_writer()
-        with self._lock:
-            cid = self._index.get(key)
-            if cid is None:
-                return False
-            self._ledger.pin(self._ledger.debts_of(cid))
-            return True
+    def unpin_entry(self, e: Debts) -> None:
+        """Undo one :meth:`pin_entry` of ``e`` (whatever key names it by now)."""
+        self._ledger.unpin(e)
 
-    def unpin(self, key: str) -> None:
-        """Undo one :meth:`pin` of the entry cached under ``key`` now."""
-        if self._seg.forked:  # not when closed: a request's cleanup may run after a close
-            self._check_writer()
-        with self._lock:
-            cid = self._index.get(key)
-            if cid is not None and (e := self._ledger.get(cid)) is not None:
-                self._ledger.unpin(e)
-
-    def _pin_entry(self, key: str) -> Debts | None:
-        """Request-scoped pin of the entry cached under ``key`` now (see :meth:`_unpin_entry`).
-
-        Returns the entry's debts (``id`` is its chunk id), which hold the pin.
-        """
-        self._check_writer()
-        with self._lock:
-            cid = self._index.get(key)
-            if cid is None:
-                return None
-            e = self._ledger.debts_of(cid)
-            self._ledger.pin(e)
-            return e
-
-    def _unpin_entry(self, e: Debts) -> None:
-        """Undo one :meth:`_pin_entry` of ``e`` (whatever key names it by now)."""
-        with self._lock:
+    def unpin_key(self, key: str) -> None:
+        """Undo one pin of the entry cached under ``key`` now (if any)."""
+        cid = self._index.get(key)
+        if cid is not None and (e := self._ledger.get(cid)) is not None:
             self._ledger.unpin(e)
 
-    @contextlib.contextmanager
-    def pinned(self, keys: list[str]) -> Iterator[list[str]]:
-        """Pin the cached ones of ``keys`` for the block; yields the list of keys pinned.
-
-        Keys appended to that list (pinned later in the block with :meth:`pin`) are unpinned on
-        exit too. Pins belong to entries: an entry invalidated and re-put meanwhile keeps the
-        pins of its own requests, and the new entry is not unpinned by mistake.
-        """
-        entries = [(k, e) for k in keys if (e := self._pin_entry(k)) is not None]
-        done = [k for k, _e in entries]
-        n0 = len(done)
-        try:
-            yield done
-        finally:
-            for _k, e in entries:
-                self._unpin_entry(e)
-            for k in done[n0:]:
-                self.unpin(k)
-
     def guard(self, keys: Sequence[str]) -> dict[int, None]:
-        """Protect the chunks of the cached ``keys``, and every chunk put (committed) from now
-        on, from eviction and relocation until :meth:`unguard`. Hold :attr:`lock` from here to
-        :meth:`unguard`: the guard covers one step.
-
-        A request protects its own items so that its later puts never evict its earlier ones.
-        While it decides in one step under the lock, nothing else can put, so "every chunk put
-        from now on" is exactly its own puts: a set member each instead of a pin (a ledger
-        entry). Returns the guarded set (for :meth:`_pin_ids` if the request goes on unlocked).
-        """
-        with self._lock:
-            index = self._index
-            self._guarded = g = {cid: None for k in keys if (cid := index.get(k)) is not None}
-            return g
+        """Guard the chunks of the cached ``keys``, and every chunk committed from now on, until
+        :meth:`unguard` (see ``StoreWriter.guard``). Returns the guarded set."""
+        index = self._index
+        self.guarded = g = {cid: None for k in keys if (cid := index.get(k)) is not None}
+        return g
 
     def unguard(self) -> None:
         """End :meth:`guard` (idempotent)."""
-        with self._lock:
-            self._guarded = None
+        self.guarded = None
 
-    def _pin_ids(self, ids: Iterable[int]) -> list[Debts]:
-        """Request-scoped pins of the live chunks ``ids`` (each undone by :meth:`_unpin_entry`).
+    def is_guarded(self, cid: int) -> bool:
+        """Whether the request deciding now guards chunk ``cid``."""
+        g = self.guarded
+        return g is not None and cid in g
 
-        What a request's :meth:`guard` becomes when the request goes on outside the lock.
-        """
-        with self._lock:
-            rows, ledger = self._rows, self._ledger
-            out = []
-            for cid in ids:
-                if cid in rows:
-                    e = ledger.debts_of(cid)
-                    ledger.pin(e)
-                    out.append(e)
-            return out
+    def pin_ids(self, ids: Iterable[int]) -> list[Debts]:
+        """Request-scoped pins of the live chunks ``ids`` (each undone by :meth:`unpin_entry`):
+        what a request's guard becomes when the request goes on outside the lock."""
+        rows, ledger = self._rows, self._ledger
+        out = []
+        for cid in ids:
+            if cid in rows:
+                e = ledger.debts_of(cid)
+                ledger.pin(e)
+                out.append(e)
+        return out

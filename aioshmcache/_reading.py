@@ -81,7 +81,7 @@ from ._readers import ReaderSlot
 from ._ring import ShmRingBuffer
 from ._segment import Segment
 from ._serde import MsgpackSerde, Serde
-from ._types import _M1, _M2, _M3, _M4, _U64, ShmRef, finish_tag, tag_base
+from ._types import ShmRef, reference_tag
 from .errors import (
     ClosedCacheError,
     InvalidReferenceError,
@@ -366,7 +366,7 @@ class ReadPath:
         nonce, epoch, address, cid, length, tag, position, seq = r
         if nonce != self._nonce:
             raise InvalidReferenceError("reference belongs to another cache (nonce mismatch)")
-        if tag != finish_tag(tag_base(self._secret, epoch, address, cid, length, position), seq):
+        if tag != reference_tag(self._secret, epoch, address, cid, length, position, seq):
             raise InvalidReferenceError("reference is forged or corrupted (tag mismatch)")
         if epoch != self._hw[H_EPOCH]:
             self._check_epoch(epoch)
@@ -499,18 +499,7 @@ class ReadPath:
             or epoch != hw[H_EPOCH]
         ):
             return None
-        # ``_types.reference_tag`` (``tag_base`` then ``finish_tag``), inlined: two calls fewer
-        t = (
-            self._secret
-            ^ cid * _M1
-            ^ address * _M2
-            ^ length * _M3
-            ^ epoch * _M4
-            ^ (position * _M2 >> 7)
-            ^ (seq * _M3 >> 11)
-        ) & _U64
-        t ^= t >> 29
-        if tag != (t * _M1) & _U64:
+        if tag != reference_tag(self._secret, epoch, address, cid, length, position, seq):
             return None
         # ShmRingBuffer.access: a committed chunk of this id and length, at its position, not
         # behind the reuse fence

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias, cast
 
+from ._core_api import core
 from ._group import Found, Siblings
 from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
 from ._shards import ShardedMap
@@ -55,12 +56,15 @@ __all__ = [
     "SenderRequest",
     "as_reference",
     "check_hash",
+    "run_one",
 ]
 
 #: The default ``copy_inline_below``: the store's one threshold for a copy under the writer lock.
 DEFAULT_INLINE_THRESHOLD: Final = INLINE_COPY_UNDER_LOCK
 
 _REF_KEYS: Final = frozenset(REF_FIELDS)
+#: the core's one-item miss (``_core_put.c``, see ``run_one``); None: declined, no side effect
+_put_item = core.put_item
 
 log = logging.getLogger("aioshmcache")
 
@@ -167,8 +171,16 @@ class SenderBook:
         self.prompt_updates: ShardedMap[str, Sequence[Any]] = ShardedMap(store.shards)
         self.too_large = TooLargeMemory()
         self.counters = RequestCounters(lock=store.lock)
-        self._words = store._hw
+        self._words = store.words
         self._logged: set[str] = set()
+
+    def keep_updates(self, mm_hash: str, updates: Sequence[Any]) -> None:
+        """Keep the prompt updates of an item just put (the one place they are stored)."""
+        pu = self.prompt_updates  # ``pu[h] = updates``, one call shorter
+        d = pu.shards[hash(mm_hash) & pu.mask]
+        if mm_hash not in d:
+            pu.n += 1
+        d[mm_hash] = updates
 
     def forget(self, mm_hash: str) -> None:
         """An item left the cache: drop its prompt updates."""
@@ -350,7 +362,7 @@ class SenderRequest(_Steps):
             self._wait = check_wait(wait_for_space)
         self._book = book
         self._store = store
-        self._lock = store._lock  # ``store.lock``, one call shorter
+        self._lock = store.lock
         self._inline_below = copy_inline_below
         self._out: list[Any] = [None] * len(items)
         self._handed: list[ShmRef] = []  # every hand-out this request took, for the roll back
@@ -428,7 +440,7 @@ class SenderRequest(_Steps):
                     for i in range(len(hashes)):
                         self._decide_locked(i, 0.0, may_defer, True)
                     if self._copies or self._waits:  # going on unlocked: guard becomes pins
-                        self._pins = store._pin_ids(guarded)
+                        self._pins = store.pin_ids(guarded)
                 finally:
                     store.unguard()
             if not settle or self._copies or self._waits:
@@ -462,12 +474,12 @@ class SenderRequest(_Steps):
         """
         store, book, h = self._store, self._book, self._hashes[i]
         it = self._items[i]
-        # ``store._hand_out_key(h)`` (get_cached: checked in ``begin``, under its lock), the
-        # look-up inline: a miss costs no call
-        index = store._index
+        # ``store.get_cached(h)`` (checked in ``begin``, under its lock), the look-up inline:
+        # a miss costs no call
+        index = store.index
         cid = index.shards[hash(h) & index.mask].get(h)
         if cid is not None:
-            ref = store._hand_out_cid(cid)
+            ref = store.hand_out(cid)
             self._handed.append(ref)
             if it is None:  # ``book.prompt_updates.get(h, ())``, one call shorter
                 pu = book.prompt_updates
@@ -490,7 +502,7 @@ class SenderRequest(_Steps):
         if h in self._putting:  # this request puts it: a hit once that copy is committed
             self._follow(h, i)
             return None
-        if book.too_large._sizes:  # mostly empty
+        if book.too_large.sizes:  # mostly empty
             known = book.too_large.get(h)
             if known is not None:
                 self._out[i] = it
@@ -502,7 +514,7 @@ class SenderRequest(_Steps):
                 # a small copy: allocate, copy and publish in one step (microseconds, under
                 # the lock; nothing can see the chunk before it is committed)
                 try:
-                    ref = store._put_now(h, plan)  # put_locked: checked, under the lock
+                    ref = store.put_now(h, plan)  # checked, under the lock
                 except (CacheFullError, DuplicateKeyError):
                     raise
                 except BaseException:
@@ -513,14 +525,10 @@ class SenderRequest(_Steps):
                 book._words[H_MISSES] = total - c.hits
                 self._handed.append(ref)
                 updates = it[1]
-                pu = book.prompt_updates  # ``pu[h] = updates``, one call shorter
-                d = pu.shards[hash(h) & pu.mask]
-                if h not in d:
-                    pu.n += 1
-                d[h] = updates
+                book.keep_updates(h, updates)
                 self._out[i] = (ref, updates)
                 return None
-            res = store._reserve(
+            res = store.reserve(
                 h,
                 plan,
                 wait_for_space=wait,
@@ -607,7 +615,7 @@ class SenderRequest(_Steps):
             raise RuntimeError(f"internal error: {h!r} not found in a sibling")
         found = self._sibling[h]
         try:
-            res = self._store._reserve(
+            res = self._store.reserve(
                 h, found.sibling.raw_plan(found.ref), wait_for_space=wait, abort=self._gone
             )
         except CacheFullError:
@@ -624,7 +632,7 @@ class SenderRequest(_Steps):
     def _write(self, res: Reservation) -> None:
         """The copy into a reserved chunk; a sibling's chunk that changed meanwhile is a miss."""
         try:
-            self._store._write_reserved(res)
+            self._store.write_reserved(res)
         except ShmCacheError:
             if self._sibling is None or res.key not in self._sibling:
                 raise
@@ -636,16 +644,16 @@ class SenderRequest(_Steps):
 
     def _commit_locked(self, i: int, res: Reservation, *, pin: bool = True) -> None:
         if self._abandoned:  # the caller is gone: never publish for nobody
-            self._store._abort(res)
+            self._store.abort(res)
             return
         item = self._items[i]
         updates: Sequence[Any] = () if item is None else item[1]
-        ref = self._store._commit(res)
+        ref = self._store.commit(res)
         self._handed.append(ref)
         self._putting.discard(res.key)
-        self._book.prompt_updates[res.key] = updates
+        self._book.keep_updates(res.key, updates)
         self._out[i] = (ref, updates)
-        if pin and (e := self._store._pin_entry(res.key)) is not None:  # protect it from the rest
+        if pin and (e := self._store.pin_entry(res.key)) is not None:  # protect it from the rest
             if self._pins is _NONE:
                 self._pins = []
             self._pins.append(e)
@@ -750,7 +758,7 @@ class SenderRequest(_Steps):
 
     def _unpin_locked(self) -> None:
         for e in self._pins:
-            self._store._unpin_entry(e)
+            self._store.unpin_entry(e)
         self._pins = _NONE
 
     def _undo_locked(self) -> None:
@@ -759,8 +767,31 @@ class SenderRequest(_Steps):
             with contextlib.suppress(ClosedCacheError):  # closed: nothing is owed any more
                 store.release(ref)
         for res in self._reserved:
-            store._abort(res)  # idempotent: a committed reservation is left alone
+            store.abort(res)  # idempotent: a committed reservation is left alone
         self._unpin_locked()
+
+
+def run_one(
+    store: StoreWriter,
+    book: SenderBook,
+    mm_item: MmItem | None,
+    mm_hash: str,
+    *,
+    wait_for_space: float | None = None,
+) -> MmItem:
+    """``get_and_update`` of one item (the sync face's ``get_and_update_item``).
+
+    The core's ``put_item`` first: a plain miss in one compiled call, the same steps as the
+    request's (the pure core declines every call); else, declined before any side effect, the
+    request (``SenderRequest``, the reference) runs.
+    """
+    if wait_for_space is None:
+        out = _put_item(store, book, mm_item, mm_hash, DEFAULT_INLINE_THRESHOLD)
+        if out is not None:
+            return cast("MmItem", out)
+    return SenderRequest(
+        store, book, [mm_item], [mm_hash], wait_for_space=wait_for_space, _fresh=True
+    ).run()[0]  # ``run`` checks the owner first (before the lock a forked child may hold)
 
 
 def feature_item(f: FeatureSpec) -> MmItem | None:
@@ -795,22 +826,23 @@ class TooLargeMemory:
     """Hashes remembered as too large to cache (bounded), so they are not serialised again."""
 
     def __init__(self, capacity: int = 4096) -> None:
-        self._sizes: OrderedDict[str, int] = OrderedDict()
+        #: hash -> bytes, oldest first (read it; :meth:`add` and :meth:`get` keep it)
+        self.sizes: OrderedDict[str, int] = OrderedDict()
         self._capacity = capacity
 
     def get(self, mm_hash: str) -> int | None:
-        n = self._sizes.get(mm_hash)
+        n = self.sizes.get(mm_hash)
         if n is not None:
-            self._sizes.move_to_end(mm_hash)
+            self.sizes.move_to_end(mm_hash)
         return n
 
     def add(self, mm_hash: str, nbytes: int) -> None:
-        self._sizes[mm_hash] = nbytes
-        if len(self._sizes) > self._capacity:
-            self._sizes.popitem(last=False)
+        self.sizes[mm_hash] = nbytes
+        if len(self.sizes) > self._capacity:
+            self.sizes.popitem(last=False)
 
     def discard(self, mm_hash: str) -> None:
-        self._sizes.pop(mm_hash, None)
+        self.sizes.pop(mm_hash, None)
 
     def clear(self) -> None:
-        self._sizes.clear()
+        self.sizes.clear()

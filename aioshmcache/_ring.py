@@ -78,11 +78,13 @@ from .errors import (
     StaleReferenceError,
 )
 
-__all__ = ["CHUNK_HEADER", "MAX_RING_ID", "ShmRingBuffer"]
+__all__ = ["CHUNK_HEADER", "MAX_RING_ID", "PRESIZE_CHUNK_BYTES", "ShmRingBuffer"]
 
 #: the largest chunk id: the writer's FIFO columns are signed 64-bit (``array("q")``), so ids
 #: stop at 2**63 - 1 (a ring numbering 10**9 chunks a second takes 292 years to get there)
 MAX_RING_ID: Final = (1 << 63) - 1
+#: the writer's FIFO columns start with a slot per this many bytes of ring (see ``presize``)
+PRESIZE_CHUNK_BYTES: Final = 1024
 
 
 class ShmRingBuffer:
@@ -101,14 +103,17 @@ class ShmRingBuffer:
         self._w = self.buf.cast("Q")
         self._writer = writer
         # writer bookkeeping: the FIFO of chunks numbered _head.._end-1 (chunk k in column slot
-        # k & _mask), columns address, size, id, position, state (the writer's own view)
-        # (the columns start small and double when full: the ring's model test grows them)
-        self._mask = 7
-        self._addr = array("q", bytes(64))
-        self._size = array("q", bytes(64))
-        self._id = array("q", bytes(64))
-        self._cpos = array("q", bytes(64))
-        self._state = array("q", bytes(64))
+        # k & _mask), columns address, size, id, position, state (the writer's own view).
+        # Sized at creation for a ring of PRESIZE_CHUNK_BYTES chunks, so a first lap of items
+        # that size or bigger never grows them (doubling 5 columns of 131,072 slots stalled a
+        # put for milliseconds); a ring of smaller items still doubles them when full.
+        n = self.presize(self.capacity) if writer else 8
+        self._mask = n - 1
+        self._addr = array("q", bytes(8 * n))
+        self._size = array("q", bytes(8 * n))
+        self._id = array("q", bytes(8 * n))
+        self._cpos = array("q", bytes(8 * n))
+        self._state = array("q", bytes(8 * n))
         self._head = 0  # number of the oldest chunk
         self._end = 0  # number the next chunk gets
         # address // 64 -> number of the chunk there: one entry per chunk, so split in dicts by
@@ -128,6 +133,12 @@ class ShmRingBuffer:
         self.used_bytes = 0
         self._limit = -1  # end of the free run at the tail (``_set_limit``)
         self._set_limit()
+
+    @staticmethod
+    def presize(capacity: int) -> int:
+        """Slots the writer's FIFO columns start with for a ring of ``capacity`` bytes: a power
+        of two, one per :data:`PRESIZE_CHUNK_BYTES` of ring (40 bytes of writer memory each)."""
+        return max(8, 1 << (max(1, capacity // PRESIZE_CHUNK_BYTES) - 1).bit_length())
 
     # --- standalone construction ----------------------------------------------------------
     @classmethod

@@ -3,8 +3,9 @@
 A reader holds a reader slot (claimed at attach, released at close; its kernel lock tells the
 writer it is alive) and reads references: resolve, copy or view, verify the copy, then
 acknowledge the hand-out in its slot's log (``_reading.ReadPath`` does all of it). It holds no
-writer state: no index, rows, ledger or writer lock. The writer's methods are not on this class
-(see ``_store``: looked up here they raise ``WrongRoleError``).
+writer state: no index, rows, ledger or writer lock, and no writer methods: asked for one of the
+writer's names, it raises ``WrongRoleError`` (``__getattr__``, which only runs once the usual
+look-up has failed), saying which role has it.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from ._reading import CLOSE_WAIT
 from ._ring import ShmRingBuffer
 from ._segment import Segment
 from ._serde import Serde
-from ._store import ShmObjectStore
+from ._store_base import ShmObjectStore
 from ._types import ShmRef
-from .errors import WriterGoneError
+from .errors import WriterGoneError, WrongRoleError
 
 __all__ = ["StoreReader"]
 
@@ -88,6 +89,14 @@ class StoreReader(ShmObjectStore):
         them as it leaves; True if freed here. Never call it from inside a read of this store.
         """
         return self._reading.close_when_idle(self.close, wait=wait)
+
+    def __getattr__(self, name: str) -> Any:
+        """Only for names the reader lacks: one of the writer's is a ``WrongRoleError`` (also
+        an ``AttributeError``: ``hasattr(reader, "put")`` is False), any other the usual
+        ``AttributeError``."""
+        if name in ShmObjectStore._role_names.get("writer", ()):
+            raise WrongRoleError(self._wrong_role(name, "writer"), name=name, obj=self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _close_role(self) -> None:
         """Nothing of its own: the slot is the read path's, freed when that closes."""

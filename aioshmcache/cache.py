@@ -33,6 +33,7 @@ from ._request import (
     SenderRequest,
     as_reference,
     check_hash,
+    run_one,
 )
 from ._serde import Serde
 from ._store import ShmObjectStore, StoreWriter
@@ -341,9 +342,7 @@ class SenderCache(_Cache):
         as a new list (they are kept as a tuple, which the garbage collector need not track).
         """
         sent = kept_form(mm_item)
-        out = SenderRequest(  # ``get_and_update`` of one item, one call shorter
-            self.store, self._book, [sent], [mm_hash], wait_for_space=wait_for_space, _fresh=True
-        ).run()[0]  # ``run`` checks the owner first (before the lock a forked child may hold)
+        out = run_one(self.store, self._book, sent, mm_hash, wait_for_space=wait_for_space)
         return as_given(mm_item, sent, out)
 
     def get_and_update(

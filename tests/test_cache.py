@@ -857,16 +857,16 @@ async def test_the_sync_face_s_last_copy_job_needs_no_pin(
     until the end, as are the async face's (its ``finish`` comes later, on the loop). Every
     pin is undone and every item reads back whole."""
     from aioshmcache import AsyncSenderCache
-    from aioshmcache._pins import Pins
+    from aioshmcache._store import StoreWriter
 
     pinned: list[str] = []
-    pin_entry = Pins._pin_entry
+    pin_entry = StoreWriter.pin_entry
 
     def counted(self: Any, key: str) -> Any:
         pinned.append(key)
         return pin_entry(self, key)
 
-    monkeypatch.setattr(Pins, "_pin_entry", counted)
+    monkeypatch.setattr(StoreWriter, "pin_entry", counted)
     big = 2 << 20  # a copy job (over the 1 MiB inline threshold)
     with (
         SenderCache(make_config(32 << 20, 8 << 20, 1)) as tx,

@@ -110,7 +110,7 @@ async def test_a_hash_its_process_copies_from_a_sibling_is_waited_for_not_made(
 
     cfg = gp.config(f"{RUN_PREFIX}demo-{uuid.uuid4().hex[:8]}")
     copying, go = threading.Event(), threading.Event()
-    write = StoreWriter._write_reserved
+    write = StoreWriter.write_reserved
     async with (
         AsyncSenderCache.from_config(cfg) as a,
         AsyncSenderCache.from_config(cfg, inline_threshold_bytes=0) as b,  # copies in threads
@@ -123,7 +123,7 @@ async def test_a_hash_its_process_copies_from_a_sibling_is_waited_for_not_made(
                 go.wait(120)
             write(self, res)
 
-        monkeypatch.setattr(StoreWriter, "_write_reserved", paused)
+        monkeypatch.setattr(StoreWriter, "write_reserved", paused)
         await a.get_and_update_features([FeatureSpec("x", gp.make_item("x"))])
         made: list[str] = []
 

@@ -27,6 +27,7 @@ from aioshmcache import (
     ShmRef,
     StoreWriter,
     _core_py,
+    _request,
     _serde,
     _store,
 )
@@ -72,7 +73,30 @@ def pure_core(m: pytest.MonkeyPatch) -> None:
     m.setattr(_store, "_put_plain", _core_py.put_plain)
     m.setattr(_store, "_make_ref", _core_py.make_ref)
     m.setattr(_store, "_publish_plain", _core_py.publish_plain)
+    m.setattr(_request, "_put_item", _core_py.put_item)
     m.setattr(_serde, "_copy_into", _core_py.copy_into)
+
+
+def _spied(m: pytest.MonkeyPatch, module: object, name: str, fn: Any) -> list[bool]:
+    """Route ``module.name`` through ``fn``; whether each call was taken (not declined)."""
+    seen: list[bool] = []
+
+    def spy(*args: Any) -> Any:
+        out = fn(*args)
+        seen.append(out is not None)
+        return out
+
+    m.setattr(module, name, spy)
+    return seen
+
+
+def _sender_for(tag: str) -> SenderCache:
+    """A small sender cache whose tags equal the other run's (the secret made equal)."""
+    name = f"{RUN_PREFIX}{tag}-{uuid.uuid4().hex[:10]}"
+    cache = SenderCache(CacheConfig(256 * 1024, 200 * 1024, 1, name=name))
+    cache.store._secret = _SECRET
+    cache.store._hw[L.H_SECRET] = _SECRET
+    return cache
 
 
 def _store_for(name: str) -> StoreWriter:
@@ -192,10 +216,7 @@ def _run_requests(
     request's guard, repeat a hash within a request, and evict, as the sender's do; with
     ``inline_below=0`` every put is a reservation, copied, then committed (``publish_plain``)."""
     rng = np.random.default_rng(seed)
-    name = f"{RUN_PREFIX}diffreq-{uuid.uuid4().hex[:10]}"
-    cache = SenderCache(CacheConfig(256 * 1024, 200 * 1024, 1, name=name))
-    cache.store._secret = _SECRET
-    cache.store._hw[L.H_SECRET] = _SECRET
+    cache = _sender_for("diffreq")
     answers: list[object] = []
     try:
         for request in requests:
@@ -289,14 +310,7 @@ def test_a_reservation_s_commit_is_published_by_the_c_core(
     """Not vacuous: ``publish_plain`` published the reservations' commits (and a put the C
     core declined to write), and declined a chunk that is not the one being written."""
     assert C is not None
-    seen: list[bool] = []
-
-    def spy(*args: Any) -> Any:
-        ref = C.publish_plain(*args)
-        seen.append(ref is not None)
-        return ref
-
-    monkeypatch.setattr(_store, "_publish_plain", spy)
+    seen = _spied(monkeypatch, _store, "_publish_plain", C.publish_plain)
     rng = np.random.default_rng(0)
     with SenderCache(make_config(1 << 20)) as cache:
         cache._request([(ITEMS[0](rng), [])], ["a"], copy_inline_below=0).run()
@@ -308,3 +322,97 @@ def test_a_reservation_s_commit_is_published_by_the_c_core(
         assert C.publish_plain(store, "b", ref.address, ref.id, ref.length) is None  # committed
         assert C.publish_plain(store, "b", 64 * 3 + 1, 5, 10) is None  # no chunk there
         assert store.keys() == ["a", "datetimes"]
+
+
+ONE_ITEM_CALLS = st.lists(st.tuples(KEYS, st.integers(-1, len(ITEMS) - 1)), min_size=1, max_size=40)
+
+
+def _run_one_item_calls(calls: list[tuple[str, int]], seed: int) -> tuple[list[object], bytes]:
+    """``SenderCache.get_and_update_item`` calls (``-1``: a look-up): hits, misses that put,
+    evict (the ring holds a few items) or are served inline (too large, not encodable), and
+    look-ups of what is not cached; the answers, the counters and the whole segment."""
+    rng = np.random.default_rng(seed)
+    cache = _sender_for("diffone")
+    answers: list[object] = []
+    try:
+        for h, n in calls:
+            item = None if n < 0 else (ITEMS[n](rng), [n])
+            try:
+                data, updates = cache.get_and_update_item(item, h)
+                answers.append(
+                    (_ref_fields(data) if isinstance(data, ShmRef) else "inline", updates)
+                )
+            except Exception as exc:
+                answers.append(("error", type(exc).__name__))
+            snap = cache.snapshot()
+            answers.append(("state", cache.store.keys(), snap.hits, snap.misses, snap.evictions))
+        words = [w if i not in _INSTANCE_WORDS else 0 for i, w in enumerate(cache.store._hw[:64])]
+        answers.append(("words", words))
+        return answers, bytes(cache.store.ring.buf)
+    finally:
+        cache.close()
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ONE_ITEM_CALLS, st.integers(0, 2**32 - 1))
+def test_one_item_calls_answer_alike_and_write_the_same_segment_on_both_cores(
+    monkeypatch: pytest.MonkeyPatch, calls: list[tuple[str, int]], seed: int
+) -> None:
+    """The compiled one-item miss (``put_item``) against the sender request it stands for."""
+    with_c = _run_one_item_calls(calls, seed)
+    with monkeypatch.context() as m:
+        pure_core(m)
+        pure = _run_one_item_calls(calls, seed)
+    assert with_c[0] == pure[0]
+    assert with_c[1] == pure[1]
+
+
+def test_the_c_one_item_miss_takes_plain_misses_and_declines_the_rest(
+    monkeypatch: pytest.MonkeyPatch, make_config: Any
+) -> None:
+    """Not vacuous: ``put_item`` made the plain misses in one call, and declined (before any
+    side effect: the request then decided) a hit, a look-up, an item that is not a dict, one
+    remembered too large, a miss that needs eviction, and a call with its own
+    ``wait_for_space`` (never offered to it). An item measured too large it serves inline."""
+    assert C is not None
+    seen = _spied(monkeypatch, _request, "_put_item", C.put_item)
+    rng = np.random.default_rng(0)
+    updates = ["u"]
+    with SenderCache(CacheConfig(256 * 1024, 200 * 1024, 1)) as cache:
+        ref, got = cache.get_and_update_item((ITEMS[0](rng), updates), "plain")
+        assert isinstance(ref, ShmRef) and got == updates
+        assert cache.get_and_update_item(None, "plain")[0].id == ref.id  # a look-up
+        assert cache.get_and_update_item((ITEMS[0](rng), updates), "plain")[0].id == ref.id
+        cache.get_and_update_item((ITEMS[7](rng), []), "a-list")  # not a dict
+        huge: tuple[object, list[object]] = (ITEMS[8](rng), [])
+        assert cache.get_and_update_item(huge, "huge") == huge  # too large: inline
+        assert cache.get_and_update_item(huge, "huge") == huge  # remembered too large
+        for i in range(4):  # the ring fills: these evict (or are served inline)
+            cache.get_and_update_item((ITEMS[2](rng), []), f"big{i}")
+        cache.get_and_update_item((ITEMS[0](rng), []), "waits", wait_for_space=0.0)
+        assert cache.snapshot().misses == 9 and cache.snapshot().hits == 2
+    assert seen[:6] == [True, False, False, False, True, False]  # too large: served by the core
+    assert seen[6] is True and False in seen[7:]  # a big one that fits; one that must evict
+    assert len(seen) == 10  # the call with its own wait was never offered to the core
+    declined = _core_py.put_item(None, None, (None, ()), "k", 0)  # type: ignore[func-returns-value]
+    assert declined is None  # the reference declines every call
+
+
+def test_the_c_one_item_miss_raises_what_the_request_raises(
+    monkeypatch: pytest.MonkeyPatch, make_config: Any
+) -> None:
+    """A closed cache: ``ClosedCacheError`` from either core, and a bad item's ``TypeError``."""
+    from aioshmcache import ClosedCacheError
+
+    for pure in (False, True):
+        with monkeypatch.context() as m:
+            if pure:
+                pure_core(m)
+            cache = SenderCache(make_config(1 << 20))
+            with pytest.raises(TypeError):
+                cache.get_and_update_item(({"x": np.ones(3)}, [], "extra"), "k")  # type: ignore[arg-type]
+            cache.close()
+            with pytest.raises(ClosedCacheError):
+                cache.get_and_update_item(({"x": np.ones(3)}, []), "k")

@@ -208,7 +208,7 @@ def _writer_calls(tx: SenderCache, ref: ShmRef) -> dict[str, Callable[[], object
         "store.reader_info": st.reader_info,
         "store.evict": st.evict,
         "store.pin": lambda: st.pin("h0"),
-        "store._pin_entry": lambda: st._pin_entry("h0"),
+        "store.pin_entry": lambda: st.pin_entry("h0"),
         "store.unpin": lambda: st.unpin("h0"),
         "store.get_cached": lambda: st.get_cached("h0"),
         "store.touch": lambda: st.touch("h0"),

@@ -353,10 +353,13 @@ def _one_item_steps(tx: SenderCache, put: Callable[[Any, Any], Any]) -> list[Any
 def test_get_and_update_item_is_a_one_item_request(
     make_config: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``SenderCache.get_and_update_item`` has no path of its own: every call, the usual cases
-    (a hit, a small put that fits) included, runs exactly one ``SenderRequest``, and every
-    outcome, counter and side table equals ``get_and_update`` of one item."""
+    """``SenderCache.get_and_update_item`` is ``get_and_update`` of one item: every outcome,
+    counter and side table equals the request's. Its only other path is the core's compiled
+    one-item miss (``_request.run_one``): with the pure core (which declines every call) every
+    call, the usual cases included, runs exactly one ``SenderRequest``; with the C core the
+    plain misses run none, and the outcomes are the same."""
     import aioshmcache.cache as cache_module
+    from aioshmcache import _core_py, _request
     from aioshmcache._request import SenderRequest
 
     made: list[int] = []
@@ -367,18 +370,26 @@ def test_get_and_update_item_is_a_one_item_request(
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(cache_module, "SenderRequest", Counting)
+    monkeypatch.setattr(_request, "SenderRequest", Counting)
     outcomes = {}
     calls = 0
-    for kind in ("one_item", "request"):
+    for kind in ("one_item", "one_item_pure", "request"):
         cfg = make_config(256 * KiB, 100 * KiB, 1, name=f"{make_config().name}-{kind}")
-        with SenderCache(cfg) as tx, ReceiverCache.attach(tx.handle()):
-            if kind == "one_item":
+        with monkeypatch.context() as m:
+            if kind == "one_item_pure":
+                m.setattr(_request, "_put_item", _core_py.put_item)
+            with SenderCache(cfg) as tx, ReceiverCache.attach(tx.handle()):
+                if kind == "request":
+                    outcomes[kind] = _one_item_steps(
+                        tx, lambda it, h: tx.get_and_update([it], [h])[0]
+                    )
+                    continue
+                made.clear()
                 outcomes[kind] = _one_item_steps(tx, tx.get_and_update_item)
-                requests_made = len(made)
-                calls = len(outcomes[kind]) - 2  # the last two entries are the counters
-            else:
-                outcomes[kind] = _one_item_steps(tx, lambda it, h: tx.get_and_update([it], [h])[0])
-    assert outcomes["one_item"] == outcomes["request"]
+                if kind == "one_item_pure":
+                    requests_made = len(made)
+                    calls = len(outcomes[kind]) - 2  # the last two entries are the counters
+    assert outcomes["one_item"] == outcomes["request"] == outcomes["one_item_pure"]
     assert outcomes["one_item"][0][0] == "ref" and outcomes["one_item"][1][0] == "ref"
     # one request per call, and the scenario's own (the request left putting "b")
     assert calls == 13 and requests_made == calls + 1

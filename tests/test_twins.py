@@ -250,9 +250,14 @@ def test_one_threshold_for_a_copy_under_the_writer_lock(make_config: Any) -> Non
 
 #: public methods of the lower layers (``ShmObjectStore`` and its two roles, ``ShmRingBuffer``:
 #: the layers the caches are built on, docs/design.md) that hand out their private building
-#: blocks, and why. Empty: the caches' own steps (a put's reservation, a request's pins, the
-#: reader's slot) are private methods (issue 23 item 4).
-PRIVATE_RETURNS: dict[str, str] = {}
+#: blocks, and why. The writer's request steps are its documented internal interface (the
+#: sender request drives them, without reaching into the writer's private names): the
+#: reservation a put's copy job finishes and the pins a request holds are theirs to hand out.
+PRIVATE_RETURNS: dict[str, str] = {
+    "StoreWriter.reserve": "aioshmcache._store.Reservation",
+    "StoreWriter.pin_entry": "aioshmcache._ledger.Debts",
+    "StoreWriter.pin_ids": "aioshmcache._ledger.Debts",
+}
 
 
 def _exported_ids() -> set[int]:
@@ -306,20 +311,15 @@ def private_returns(classes: list[type], exported: set[int]) -> dict[str, str]:
 
 
 #: the stores' public attributes (slots), and why each is public; every other slot is private
+#: (eviction's counters and settings are the writer's properties over its eviction part)
 STORE_ATTRIBUTES = {
     "ring": "the ring buffer (capacity, used_bytes): read by snapshots, inspect and the bench",
     "serde": "the codec the caches encode and decode with",
     "max_object_bytes": "the largest item, from the segment's header: callers check before a put",
     "handout_ttl": "seconds before an unacknowledged hand-out is reclaimed, from the header",
     "one_of_n": "whether one reader acknowledges for all (delivery='any'), from the header",
-    "evictions": "a counter the writer's snapshot reports",
-    "wakeups": "a counter the writer's snapshot reports",
-    "relocations": "a counter the writer's snapshot reports (second chance)",
-    "bytes_relocated": "a counter the writer's snapshot reports (second chance)",
-    "second_chance": "the eviction policy, from the config; a test or bench may switch it",
-    "relocate_budget": "bytes second chance may move per put; tests lower it",
-    "evict_slack": "bytes freed beyond the need per eviction batch; tests lower it",
-    "on_evict": "the sender cache's hook: drops an evicted key from its own tables",
+    "index": "the writer's key -> chunk id map: a sender request looks hits up in it (read only)",
+    "words": "the segment header's words: a sender request publishes its counters there",
 }
 
 
