@@ -417,20 +417,20 @@ def test_a_worker_waiting_for_the_path_takes_it_when_the_holder_stops(tmp_path: 
     the path (not the removed one), so a third is still refused."""
     import threading
 
-    from aioshmcache.channel import _lock_held, _release_path, _take_path
+    from aioshmcache._channel_keeper import lock_held, release_path, take_path
 
     path = str(tmp_path / "e.sock")
-    first = _take_path(path)
+    first = take_path(path)
     taken: list[int] = []
-    waiter = threading.Thread(target=lambda: taken.append(_take_path(path)))
+    waiter = threading.Thread(target=lambda: taken.append(take_path(path)))
     waiter.start()
-    _release_path(path, first)
+    release_path(path, first)
     waiter.join(30)
-    assert len(taken) == 1 and _lock_held(path)
+    assert len(taken) == 1 and lock_held(path)
     with pytest.raises(EngineAddressInUseError):
-        _take_path(path)
-    _release_path(path, taken[0])
-    assert not _lock_held(path) and not os.path.exists(f"{path}.lock")
+        take_path(path)
+    release_path(path, taken[0])
+    assert not lock_held(path) and not os.path.exists(f"{path}.lock")
 
 
 # --- real worker processes ---------------------------------------------------------------------
@@ -579,7 +579,7 @@ async def test_start_keeps_one_worker_alive_among_clients(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
     """``start=``: two clients (two gateways) share one worker; one killed -9 is replaced."""
-    from aioshmcache.channel import _lock_held
+    from aioshmcache._channel_keeper import lock_held
 
     sock = tmp_path / "e.sock"
     async with AsyncSenderCache.from_config(make_config(4 << 20)) as cache:
@@ -600,7 +600,7 @@ async def test_start_keeps_one_worker_alive_among_clients(
                 await asyncio.sleep(0.1)
             assert again["pid"] != first["pid"]  # a new worker was started for the path
             assert (await two.call([], {"op": "echo"}, timeout=60))["pid"] == again["pid"]
-        assert await asyncio.to_thread(wait_until, lambda: not _lock_held(str(sock)), 30)
+        assert await asyncio.to_thread(wait_until, lambda: not lock_held(str(sock)), 30)
 
 
 @pytest.mark.e2e
@@ -612,7 +612,7 @@ def test_a_started_worker_leaves_when_its_gateway_is_killed(tmp_path: Path) -> N
     import uuid
 
     from aioshmcache import sweep
-    from aioshmcache.channel import _lock_held
+    from aioshmcache._channel_keeper import lock_held
 
     from .conftest import RUN_PREFIX
 
@@ -624,10 +624,10 @@ def test_a_started_worker_leaves_when_its_gateway_is_killed(tmp_path: Path) -> N
     gateway.start()
     try:
         assert parent.poll(120) and parent.recv() == "ready"
-        assert _lock_held(sock)  # the started worker serves the path
+        assert lock_held(sock)  # the started worker serves the path
     finally:
         kill_and_reap(gateway)
-    assert wait_until(lambda: not _lock_held(sock), 60)  # the orphan left
+    assert wait_until(lambda: not lock_held(sock), 60)  # the orphan left
     sweep(name=name)  # the killed gateway's segment
 
 
@@ -653,7 +653,7 @@ async def test_hostile_calls_get_typed_answers_and_the_worker_keeps_serving(
 ) -> None:
     """Garbage call frames are answered ``bad_request``; a huge declared frame ends only its
     own connection; a well-formed call on a new connection is served afterwards."""
-    from aioshmcache.channel import _decode, _raise_error
+    from aioshmcache._channel_format import decode, raise_error
     from aioshmcache.wire import read_frame, write_frame
 
     sock = tmp_path / "e.sock"
@@ -666,10 +666,10 @@ async def test_hostile_calls_get_typed_answers_and_the_worker_keeps_serving(
         ]:
             await write_frame(writer, head)
             await write_frame(writer, body)
-            value = _decode(await asyncio.wait_for(read_frame(reader), 10), "response")
+            value = decode(await asyncio.wait_for(read_frame(reader), 10), "response")
             assert value[2] == "error" and value[3] == "bad_request" and value[7] is True
             with pytest.raises(WireError):
-                _raise_error(value)
+                raise_error(value)
         writer.write((1 << 40).to_bytes(8, "little"))  # a frame far over max_frame_bytes
         await writer.drain()
         assert await asyncio.wait_for(reader.read(), 10) == b""  # that connection ends
@@ -735,7 +735,7 @@ async def test_silent_connections_beyond_max_connections_do_not_keep_calls_out(
 def test_the_plain_features_frame_reads_as_the_wire_message_does() -> None:
     """References and Nones travel as plain msgpack; anything else as the wire message; both
     read back the same features."""
-    from aioshmcache.channel import _pack_body, _unpack_body
+    from aioshmcache._channel_format import pack_call_features, unpack_call_features
     from aioshmcache.wire import pack_features, unpack_features
 
     ref = ShmRef(1 << 63, 2, 4096, 77, 1024, (1 << 64) - 1, 3, 12345)
@@ -745,17 +745,17 @@ def test_the_plain_features_frame_reads_as_the_wire_message_does() -> None:
         [FeatureSpec("é" * 70, ref, identifier=None, prompt_updates=())],
     ]
     for features in plain:
-        body = _pack_body(features)
+        body = pack_call_features(features)
         assert body[:4] != b"ASHM"
-        assert _unpack_body(body) == unpack_features(pack_features(features)) == features
+        assert unpack_call_features(body) == unpack_features(pack_features(features)) == features
     wire = [
         [FeatureSpec("a", ref), FeatureSpec("i", _item(1))],  # an inline item
         [FeatureSpec("a", ref, prompt_updates=[{"offset": 3}])],
     ]
     for features in wire:
-        body = _pack_body(features)
+        body = pack_call_features(features)
         assert body[:4] == b"ASHM"
-        out = _unpack_body(body)
+        out = unpack_call_features(body)
         assert [f.mm_hash for f in out] == [f.mm_hash for f in features]
     hostile = [
         msgpack.packb(["aioshmcache.wire", 1, [["x", 2, {"no": "items"}, None, []]]]),  # inline
@@ -779,7 +779,7 @@ def test_the_plain_features_frame_reads_as_the_wire_message_does() -> None:
     ]
     for body in hostile:
         with pytest.raises(WireError):
-            _unpack_body(body)
+            unpack_call_features(body)
 
 
 @settings(max_examples=200, deadline=None)
@@ -799,10 +799,10 @@ def test_the_plain_features_frame_reads_as_the_wire_message_does() -> None:
 def test_a_plain_features_frame_is_features_or_a_wire_error(body: bytes) -> None:
     """Any bytes starting as a msgpack array: features of references and Nones, or
     ``WireError``; nothing else escapes."""
-    from aioshmcache.channel import _unpack_body
+    from aioshmcache._channel_format import unpack_call_features
 
     try:
-        features = _unpack_body(body)
+        features = unpack_call_features(body)
     except WireError:
         return
     assert all(f.data is None or type(f.data) is ShmRef for f in features)
@@ -811,20 +811,25 @@ def test_a_plain_features_frame_is_features_or_a_wire_error(body: bytes) -> None
 async def test_calls_of_both_channel_versions_are_served(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
-    """A gateway of the previous version (call version 1, features as a wire message) is still
-    served; an unknown version is a ``bad_request``."""
-    from aioshmcache.channel import _decode, _encode
+    """Gateways of the previous versions (1: features as a wire message; 2: the envelope always
+    the serde's) are still served, in the serde's form; an unknown version is a
+    ``bad_request``."""
+    from aioshmcache._channel_format import decode, encode
     from aioshmcache.wire import pack_features, read_frame, write_frame
 
     sock = tmp_path / "e.sock"
     async with _connected(make_config, sock) as (cache, _rx, _engine):
-        [f] = await _features(cache, range(1))
         reader, writer = await asyncio.open_unix_connection(str(sock))
         try:
-            for version, kind in [(1, "ok"), (3, "error")]:
-                await write_frame(writer, _encode(["aioshmcache.channel", version, "call", None]))
+            for version, kind in [(1, "ok"), (2, "ok"), (9, "error")]:
+                if kind == "ok":  # the unknown version's call is not read: no new hand-out
+                    [f] = await _features(cache, range(1))
+                envelope = ["aioshmcache.channel", version, "call", None]
+                await write_frame(writer, encode(envelope, plain=False))  # as they sent it
                 await write_frame(writer, pack_features([f]))
-                value = _decode(await asyncio.wait_for(read_frame(reader), 30), "response")
+                answer = await asyncio.wait_for(read_frame(reader), 30)
+                assert answer[:4] == b"ASHM"  # the serde's form: what they read
+                value = decode(answer, "response")
                 assert value[2] == kind
                 if kind == "ok":
                     assert value[3]["crcs"] == [crc(_item(0)["x"])]
