@@ -855,3 +855,131 @@ async def test_a_garbage_answer_is_a_typed_error(tmp_path: Path) -> None:
     async with server, EngineClient.connect(sock) as engine:
         with pytest.raises(WireError):
             await engine.call([], {"op": "echo"}, timeout=10)
+
+
+# --- the envelope's two forms, the connection's framing, the client's lifetime ----------------
+
+
+@pytest.mark.parametrize(
+    ("value", "plain"),
+    [
+        (None, True),
+        ({"prompt": "é" * 100, "n": [1, 2.5, True, None, b"raw"]}, True),
+        ({"nested": {"a": [[], {}]}}, True),
+        ((1, 2), False),  # a tuple stays a tuple: the serde's
+        ({"x": np.arange(4, dtype=np.float32)}, False),
+        ([np.float64(1.5)], False),  # a numpy scalar (a float subclass)
+        ([1 << 70], False),  # beyond msgpack's ints: the serde's error
+    ],
+)
+def test_an_envelope_is_plain_msgpack_only_for_plain_values(value: Any, plain: bool) -> None:
+    """Plain msgpack for exactly the plain types, the serde's payload otherwise; both read back
+    as what was sent (a tuple as a tuple, arrays as arrays)."""
+    from aioshmcache._channel_format import TAG, decode, encode
+    from aioshmcache.errors import SerdeError
+
+    envelope = [TAG, 1, "ok", value]
+    try:
+        data = encode(envelope)
+    except SerdeError:
+        assert not plain  # neither form carries it
+        return
+    assert (data[:4] != b"ASHM") is plain
+    for form in (data, encode(envelope, plain=False)):  # the chosen form, and the serde's
+        back = decode(form, "response")[3]
+        if isinstance(value, dict) and "x" in value:
+            assert np.array_equal(back["x"], value["x"]) and back["x"].dtype == value["x"].dtype
+        else:
+            assert back == value and type(back) is type(value)
+
+
+def test_a_hostile_plain_envelope_is_a_wire_error() -> None:
+    from aioshmcache._channel_format import decode
+
+    for data in [
+        msgpack.packb(["aioshmcache.channel", 1, "ok", {1: "int key"}]),
+        msgpack.packb(["aioshmcache.channel", 1, "ok", msgpack.ExtType(1, b"x")]),
+        msgpack.packb(["aioshmcache.channel", 1, "ok", None]) + b"\x00",  # trailing bytes
+        msgpack.packb(["aioshmcache.channel", 1, "ok", "x" * 50])[:-10],  # cut
+        b"\x94" + b"\x91" * 100_000 + b"\xc0",  # deep
+        b"\xdd\xff\xff\xff\xff",  # a huge declared array
+        b"\x94\xb3aioshmcache.channel\x01\xa2ok" + b"\x90" * 40_000,  # too many containers
+        msgpack.packb(["not.channel", 1, "ok", None]),
+        msgpack.packb(["aioshmcache.channel", 7, "ok", None]),
+    ]:
+        with pytest.raises(WireError):
+            decode(data, "response")
+
+
+async def test_payloads_and_results_of_both_forms_cross_the_channel(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A plain payload and one with a tuple and an array come back as sent (the echo handler
+    returns the payload)."""
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock) as (_cache, _rx, engine):
+        plain = {"op": "echo", "prompt": "a cat", "ids": [1, 2, 3], "raw": b"\x00\x01"}
+        assert (await engine.call([], plain, timeout=30))["payload"] == plain
+        rich = {"op": "echo", "pair": (1, "b"), "x": np.arange(5, dtype=np.int16)}
+        back = (await engine.call([], rich, timeout=30))["payload"]
+        assert back["pair"] == (1, "b") and type(back["pair"]) is tuple
+        assert np.array_equal(back["x"], rich["x"]) and back["x"].dtype == np.int16
+
+
+async def test_calls_cut_into_bytes_or_sent_back_to_back_are_served_in_order(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """The worker cuts frames as bytes arrive: a call written one byte at a time is served, and
+    three calls written in one go get three answers, in order."""
+    from aioshmcache._channel_format import call_envelope, decode, pack_call_features
+    from aioshmcache.wire import encode_frame, read_frame
+
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock) as (cache, _rx, _engine):
+        reader, writer = await asyncio.open_unix_connection(str(sock))
+        try:
+            [f] = await _features(cache, range(1))
+            call = encode_frame(call_envelope({"op": "crc"})) + encode_frame(
+                pack_call_features([f])
+            )
+            for i in range(len(call)):
+                writer.write(call[i : i + 1])
+                await writer.drain()
+                if i % 16 == 0:
+                    await asyncio.sleep(0.001)
+            value = decode(await asyncio.wait_for(read_frame(reader), 30), "response")
+            assert value[2] == "ok" and value[3]["crcs"] == [crc(_item(0)["x"])]
+            calls = b"".join(
+                encode_frame(call_envelope({"op": "echo", "n": n}))
+                + encode_frame(pack_call_features([]))
+                for n in range(3)
+            )
+            writer.write(calls)
+            await writer.drain()
+            for n in range(3):
+                value = decode(await asyncio.wait_for(read_frame(reader), 30), "response")
+                assert value[3]["payload"]["n"] == n
+        finally:
+            writer.close()
+        assert cache.snapshot().readers[0].lag == 0
+
+
+async def test_the_client_is_an_async_resource(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """``connect`` is a plain call whose result is used with ``async with``; ``aclose`` closes
+    every connection, is idempotent, and a closed client refuses calls (typed)."""
+    from anyio.abc import AsyncResource
+
+    sock = tmp_path / "e.sock"
+    async with _engine(make_config, sock) as (_cache, _rx, _task):
+        engine = EngineClient.connect(sock)
+        assert isinstance(engine, AsyncResource) and engine.open_connections == 0
+        async with engine as same:
+            assert same is engine
+            await engine.call([], {"op": "echo"}, timeout=30)
+            assert engine.open_connections == 1
+        assert engine.open_connections == 0
+        await engine.aclose()  # again: nothing to do
+        with pytest.raises(EngineUnavailableError, match="closed"):
+            await engine.call([], {"op": "echo"}, timeout=5)
