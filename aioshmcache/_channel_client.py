@@ -39,7 +39,6 @@ from .wire import DEFAULT_MAX_FRAME_BYTES
 __all__ = ["ChannelStats", "EngineClient", "Items", "SenderLike"]
 
 _SEND_TRIES: Final = 3
-_timeout = asyncio.timeout  # 10-17 us a call here, anyio.fail_after 35-95 us
 
 Items = Mapping[str, Any] | Callable[[str], Any]
 
@@ -352,41 +351,47 @@ class EngineClient(AsyncResource):
                     self._released += 1
 
     async def _exchange(self, frames: tuple[bytes, bytes], deadline: float, sent: _Sent) -> bytes:
-        """Write the call's frames on a pooled connection and read the answer, by ``deadline``."""
+        """Write the call's frames on a pooled connection and read the answer, by ``deadline``.
+
+        Each wait below carries the deadline itself (on the loop's clock): the usual call (an
+        idle connection, a send that needs no drain) waits once, for its answer, with one timer
+        on that wait and no timeout scope around the call.
+        """
         phase = "connect"
         broken = 0  # connections that broke before the call reached the worker
+        loop = asyncio.get_running_loop()
+        at = loop.time() + (deadline - time.monotonic())
         try:
-            async with _timeout(max(0.0, deadline - time.monotonic())):
-                while True:
-                    conn = await self._acquire()
-                    phase = "send"
-                    reusable = False
-                    try:
-                        await self._send(conn, frames, sent)
-                        phase = "answer"
-                        answer = await conn.next_frame()
-                        reusable = True
-                        return answer
-                    except FrameTooLargeError as exc:  # the stream is out of step: not reused
-                        raise WireError(f"the engine's answer is too large: {exc}") from exc
-                    except (OSError, FrameError, EndOfFramesError) as exc:
-                        broken += 1
-                        for idle in self._book.drop_idle():
-                            idle.abort()  # they lead to the same worker: likely broken too
-                        if not sent.delivered and broken < _SEND_TRIES:
-                            phase = "connect"
-                            continue  # the call never reached the worker: another connection
-                        if not sent.delivered:
-                            what = f"could not send the call to {self.path}: {exc}"
-                        else:
-                            what = (
-                                f"the engine worker at {self.path} went away during the call: {exc}"
-                            )
-                        error = EngineUnavailableError(what)
-                        error.__cause__ = exc
-                        raise _Lost(error) from exc
-                    finally:
-                        self._give_conn(conn, reusable)
+            while True:
+                conn = await self._acquire(at)
+                phase = "send"
+                reusable = False
+                try:
+                    await self._send(conn, frames, sent, at)
+                    phase = "answer"
+                    answer = await conn.next_frame(at)
+                    reusable = True
+                    return answer
+                except FrameTooLargeError as exc:  # the stream is out of step: not reused
+                    raise WireError(f"the engine's answer is too large: {exc}") from exc
+                except TimeoutError:
+                    raise
+                except (OSError, FrameError, EndOfFramesError) as exc:
+                    broken += 1
+                    for idle in self._book.drop_idle():
+                        idle.abort()  # they lead to the same worker: likely broken too
+                    if not sent.delivered and broken < _SEND_TRIES:
+                        phase = "connect"
+                        continue  # the call never reached the worker: another connection
+                    if not sent.delivered:
+                        what = f"could not send the call to {self.path}: {exc}"
+                    else:
+                        what = f"the engine worker at {self.path} went away during the call: {exc}"
+                    error = EngineUnavailableError(what)
+                    error.__cause__ = exc
+                    raise _Lost(error) from exc
+                finally:
+                    self._give_conn(conn, reusable)
         except TimeoutError:
             if phase == "connect" and self._book.last_error is not None:
                 raise EngineUnavailableError(
@@ -396,12 +401,14 @@ class EngineClient(AsyncResource):
                 f"the engine call did not finish in time (waiting for: {phase})"
             ) from None
 
-    async def _send(self, conn: FrameConnection, frames: tuple[bytes, bytes], sent: _Sent) -> None:
+    async def _send(
+        self, conn: FrameConnection, frames: tuple[bytes, bytes], sent: _Sent, at: float
+    ) -> None:
         if len(frames[0]) > self.max_frame_bytes or len(frames[1]) > self.max_frame_bytes:
             raise WireError(f"the call exceeds max_frame_bytes={self.max_frame_bytes}")
         conn.write(frames)
         try:
-            await conn.drain()
+            await conn.drain(at)
         except BaseException:
             if conn.queued() == 0 and conn.usable():
                 sent.delivered = True  # every byte is in the socket: the worker will read it
@@ -410,7 +417,9 @@ class EngineClient(AsyncResource):
             raise
         sent.delivered = True
 
-    async def _acquire(self) -> FrameConnection:
+    async def _acquire(self, at: float) -> FrameConnection:
+        """A connection for one call: an idle one, a new one, or one given back, by ``at``."""
+        loop = asyncio.get_running_loop()
         while True:
             step = self._book.plan()
             if step.kind == "closed":
@@ -422,9 +431,11 @@ class EngineClient(AsyncResource):
                 continue
             if step.kind == "open":
                 try:
-                    _, conn = await asyncio.get_running_loop().create_unix_connection(
-                        self._protocol, self.path
-                    )
+                    async with asyncio.timeout_at(at):
+                        _, conn = await loop.create_unix_connection(self._protocol, self.path)
+                except TimeoutError:  # the deadline (also an OSError: before the clause below)
+                    self._book.open_abandoned()
+                    raise
                 except OSError as exc:
                     self._book.open_failed(exc)
                     continue
@@ -436,7 +447,7 @@ class EngineClient(AsyncResource):
                     self._give_conn(conn, False)
                     continue
                 return conn
-            await self._wait_changed(step.until)
+            await self._wait_changed(step.until, at)
 
     def _protocol(self) -> FrameConnection:
         return FrameConnection(self.max_frame_bytes)
@@ -451,15 +462,20 @@ class EngineClient(AsyncResource):
             self._changed.set()
             self._changed = None
 
-    async def _wait_changed(self, until: float | None) -> None:
+    async def _wait_changed(self, until: float | None, at: float) -> None:
+        """Wait for the pool to change, or ``until`` (the pool's clock); ``TimeoutError`` once
+        ``at`` (the loop's clock) has passed."""
         if self._changed is None:
             self._changed = asyncio.Event()
         ev = self._changed
-        if until is None:
+        loop = asyncio.get_running_loop()
+        limit = at - loop.time()
+        if until is not None:
+            limit = min(limit, until - time.monotonic())
+        with anyio.move_on_after(max(0.0, limit)):
             await ev.wait()
-            return
-        with anyio.move_on_after(max(0.0, until - time.monotonic())):
-            await ev.wait()
+        if loop.time() >= at:
+            raise TimeoutError
 
 
 async def _item_of(items: Items, mm_hash: str) -> Any:

@@ -99,12 +99,16 @@ class FrameConnection(asyncio.Protocol):
         if not self._frames and self._decoder.pending == 0 and self.error is not None:
             raise self.error
 
-    async def next_frame(self) -> bytes:
-        """The next whole frame, once it is in; the error if reading ends first."""
+    async def next_frame(self, deadline: float | None = None) -> bytes:
+        """The next whole frame, once it is in; the error if reading ends first.
+
+        ``TimeoutError`` if ``deadline`` (on the loop's clock) passes first: one timer on the
+        wait itself, cheaper than a timeout scope around the call.
+        """
         while not self._frames:
             if self.error is not None:
                 raise self.error
-            await self._wait()
+            await self._wait(deadline)
         return self._frames.popleft()
 
     def usable(self) -> bool:
@@ -122,16 +126,17 @@ class FrameConnection(asyncio.Protocol):
         else:
             self.transport.writelines(parts)
 
-    async def drain(self) -> None:
-        """Wait while the transport has paused writing; ``ConnectionResetError`` if it closed."""
+    async def drain(self, deadline: float | None = None) -> None:
+        """Wait while the transport has paused writing; ``ConnectionResetError`` if it closed;
+        ``TimeoutError`` if ``deadline`` (on the loop's clock) passes first."""
         t = self.transport
         if t is None or t.is_closing():
             raise ConnectionResetError("the connection is closed")
         if not self._paused:
             return
-        if self._drain is None:
+        if self._drain is None or self._drain.done():
             self._drain = asyncio.get_running_loop().create_future()
-        await self._drain
+        await _until(self._drain, deadline)
         if t.is_closing():
             raise ConnectionResetError("the connection is closed")
 
@@ -154,7 +159,24 @@ class FrameConnection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def _wait(self) -> None:
+    async def _wait(self, deadline: float | None = None) -> None:
         if self._waiter is None or self._waiter.done():
             self._waiter = asyncio.get_running_loop().create_future()
-        await self._waiter
+        await _until(self._waiter, deadline)
+
+
+async def _until(future: asyncio.Future[None], deadline: float | None) -> None:
+    """Await ``future``; ``TimeoutError`` if ``deadline`` (on the loop's clock) passes first."""
+    if deadline is None:
+        await future
+        return
+    timer = asyncio.get_running_loop().call_at(deadline, _expire, future)
+    try:
+        await future
+    finally:
+        timer.cancel()
+
+
+def _expire(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())

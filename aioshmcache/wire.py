@@ -330,7 +330,9 @@ def unpack_bounded(
     n = len(data)
     try:
         _check_complete(data)  # before msgpack allocates what array headers announce
-        counter = _NodeCounter(max_containers)
+        # Each container takes at least a byte: no shorter message can hold too many of them,
+        # and it is unpacked without a Python call per container.
+        hook = None if n <= max_containers else _NodeCounter(max_containers).container
         return msgpack.unpackb(
             data,
             raw=False,
@@ -341,8 +343,8 @@ def unpack_bounded(
             max_array_len=n,
             max_map_len=n if maps else 0,
             max_ext_len=0,
-            list_hook=counter.container,
-            object_hook=counter.container,
+            list_hook=hook,
+            object_hook=hook,
         )
     except WireError:
         raise

@@ -920,7 +920,7 @@ async def test_payloads_and_results_of_both_forms_cross_the_channel(
     async with _connected(make_config, sock) as (_cache, _rx, engine):
         plain = {"op": "echo", "prompt": "a cat", "ids": [1, 2, 3], "raw": b"\x00\x01"}
         assert (await engine.call([], plain, timeout=30))["payload"] == plain
-        rich = {"op": "echo", "pair": (1, "b"), "x": np.arange(5, dtype=np.int16)}
+        rich: dict[str, Any] = {"op": "echo", "pair": (1, "b"), "x": np.arange(5, dtype=np.int16)}
         back = (await engine.call([], rich, timeout=30))["payload"]
         assert back["pair"] == (1, "b") and type(back["pair"]) is tuple
         assert np.array_equal(back["x"], rich["x"]) and back["x"].dtype == np.int16
