@@ -227,6 +227,28 @@ async def test_deadline_then_the_late_answer_never_reaches_the_next_call(
         assert engine.stats().connects == 2  # the timed-out call's connection was dropped
 
 
+async def test_the_deadline_bounds_the_wait_for_a_pooled_connection(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """With the one connection lent to a slow call, another call's deadline passes while it
+    waits for the pool: ``EngineTimeoutError`` naming that wait, its hand-out given back."""
+    sock = tmp_path / "e.sock"
+    serve = {"shutdown_timeout": 0.5}
+    async with _connected(make_config, sock, serve, max_connections=1) as (cache, _rx, engine):
+        slow = asyncio.create_task(engine.call([], {"op": "sleep", "s": 600.0}, timeout=600))
+        try:
+            await asyncio.to_thread(wait_until, lambda: engine.open_connections == 1)
+            [f] = await _features(cache, range(1))
+            with pytest.raises(EngineTimeoutError, match="connect"):
+                await engine.call([f], timeout=0.2)
+            assert engine.stats().released == 1
+            assert not slow.done()
+        finally:
+            slow.cancel()
+            await asyncio.gather(slow, return_exceptions=True)
+        assert cache.snapshot().readers[0].lag == 0
+
+
 async def test_cancelled_while_waiting_for_the_pool_gives_hand_outs_back(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
