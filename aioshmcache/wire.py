@@ -443,12 +443,20 @@ def frame_parts(
     larger ones are left as prefixes and payloads, not copied. ``FrameTooLargeError`` (nothing
     to write) if a payload is longer than ``max_bytes``.
     """
+    _check_max_bytes(max_bytes)
     parts: list[Buffer] = []
     total = 0
     for data in payloads:
-        mv = _payload_view(data)
-        parts += (_prefix_for(mv, max_bytes), mv)
-        total += FRAME_PREFIX_BYTES + mv.nbytes
+        if type(data) is bytes:
+            piece: Buffer = data
+            n = len(data)
+        else:
+            view = _payload_view(data)
+            piece, n = view, view.nbytes
+        if n > max_bytes:
+            raise _too_large(n, max_bytes, "frame")
+        parts += (_LENGTH.pack(n), piece)
+        total += FRAME_PREFIX_BYTES + n
     if total <= _JOIN_BELOW:
         return [b"".join(parts)]
     return parts
@@ -479,24 +487,33 @@ class FrameDecoder:
         """Add bytes; return every frame they complete (possibly none), in order."""
         if self._broken is not None:
             raise FrameError(f"the stream is out of step after an earlier error: {self._broken}")
+        if not self._buf and type(data) is bytes:  # nothing pending: cut the bytes themselves
+            frames, pos = self._cut(data, len(data))
+            if pos < len(data):
+                self._buf += memoryview(data)[pos:]
+            return frames
         self._buf += _payload_view(data)
-        buf = self._buf
+        with memoryview(self._buf) as mv:
+            frames, pos = self._cut(mv, len(mv))
+        if pos:
+            del self._buf[:pos]
+        return frames
+
+    def _cut(self, src: bytes | memoryview, size: int) -> tuple[list[bytes], int]:
+        """The whole frames at the start of ``src``, and where the rest begins."""
         frames: list[bytes] = []
         pos = 0
-        with memoryview(buf) as mv:
-            while len(buf) - pos >= FRAME_PREFIX_BYTES:
-                (n,) = _LENGTH.unpack_from(mv, pos)
-                if n > self.max_bytes:
-                    self._broken = _too_large(n, self.max_bytes, "incoming frame")
-                    raise self._broken
-                end = pos + FRAME_PREFIX_BYTES + n
-                if end > len(buf):
-                    break
-                frames.append(bytes(mv[pos + FRAME_PREFIX_BYTES : end]))
-                pos = end
-        if pos:
-            del buf[:pos]
-        return frames
+        while size - pos >= FRAME_PREFIX_BYTES:
+            (n,) = _LENGTH.unpack_from(src, pos)
+            if n > self.max_bytes:
+                self._broken = _too_large(n, self.max_bytes, "incoming frame")
+                raise self._broken
+            end = pos + FRAME_PREFIX_BYTES + n
+            if end > size:
+                break
+            frames.append(bytes(src[pos + FRAME_PREFIX_BYTES : end]))  # one copy (bytes: none more)
+            pos = end
+        return frames, pos
 
     def close(self) -> None:
         """Declare the end of the input: ``IncompleteFrameError`` if part of a frame is pending."""
