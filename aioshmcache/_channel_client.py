@@ -211,6 +211,11 @@ class EngineClient(AsyncResource):
         )
 
     @property
+    def pool(self) -> PoolBook[FrameConnection]:
+        """The pool's state (``_channel_pool.PoolBook``: counts, backoff), to read, not change."""
+        return self._book
+
+    @property
     def open_connections(self) -> int:
         """Connections open now (idle or lent), plus those being opened."""
         return len(self._book.idle) + self._book.lent + self._book.opening

@@ -378,7 +378,7 @@ async def test_callers_queued_behind_the_reconnect_probe_wait_only_for_its_conne
         with pytest.raises(EngineUnavailableError):
             await engine.call([], {"op": "echo"}, timeout=0.3)  # no engine: backing off
         async with _serving(sock, rx, shutdown_timeout=0.5):  # the restarted engine
-            book = engine._book
+            book = engine.pool
             assert await asyncio.to_thread(wait_until, lambda: time.monotonic() >= book.retry_at)
             slow = asyncio.create_task(engine.call([], {"op": "sleep", "s": 8.0}, timeout=60))
             await asyncio.sleep(0)  # it plans: open (the probe), and awaits its connect
