@@ -95,7 +95,7 @@ class FrameConnection(asyncio.Protocol):
     async def wait_started(self) -> None:
         """Wait until a byte of a frame arrives; raise the error if reading ended first."""
         while not self.started():
-            await self._wait()
+            await self._waiter_future()
         if not self._frames and self._decoder.pending == 0 and self.error is not None:
             raise self.error
 
@@ -108,7 +108,10 @@ class FrameConnection(asyncio.Protocol):
         while not self._frames:
             if self.error is not None:
                 raise self.error
-            await self._wait(deadline)
+            if deadline is None:
+                await self._waiter_future()
+            else:
+                await _until(self._waiter_future(), deadline)
         return self._frames.popleft()
 
     def usable(self) -> bool:
@@ -159,10 +162,12 @@ class FrameConnection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def _wait(self, deadline: float | None = None) -> None:
+    def _waiter_future(self) -> asyncio.Future[None]:
+        """The future the next ``data_received`` or the end resolves (awaited directly: no
+        coroutine of its own)."""
         if self._waiter is None or self._waiter.done():
             self._waiter = asyncio.get_running_loop().create_future()
-        await _until(self._waiter, deadline)
+        return self._waiter
 
 
 async def _until(future: asyncio.Future[None], deadline: float | None) -> None:
