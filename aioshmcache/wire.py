@@ -41,7 +41,18 @@ sent. A frame that cannot be read raises a ``FrameError`` (``FrameTooLargeError`
 ``IncompleteFrameError``); the stream is then out of step and should be closed. A stream that
 ends cleanly between frames raises ``EndOfFramesError`` (an ``EOFError``, like
 ``IncompleteFrameError``). A read or
-write that is cancelled part-way also leaves the stream mid-frame: close it.
+write that is cancelled part-way also leaves the stream mid-frame: close it. One framing per I/O
+style, all on the same rules: asyncio streams, anyio byte streams, plain buffers (the engine
+channel's connections feed a :class:`FrameDecoder` from their protocol); every writer takes its
+pieces from :func:`frame_parts` (frames joined into one buffer up to 256 KiB).
+
+The plain form (for the engine channel; not in ``__all__``): a message of references and
+``None``s without prompt updates may travel as its value packed with plain msgpack
+(:func:`pack_plain_features`), which :func:`unpack_features_any` reads beside the serde form
+under the same bounds (:func:`unpack_bounded`: the serde's bounds for a structure header).
+
+Layering: this module stands on the serde and the value types only (nothing of the cache), so
+any process that carries features can use it without a cache.
 """
 
 from __future__ import annotations
