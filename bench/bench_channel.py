@@ -30,6 +30,7 @@ import asyncio
 import functools
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import struct
 import sys
@@ -211,6 +212,7 @@ async def measure(quick: bool, loop: str) -> list[dict[str, Any]]:
             if proc.is_alive():
                 proc.terminate()
             proc.join(30)
+            shutil.rmtree(tmp, ignore_errors=True)  # the bare server's socket file stays behind
     return rows
 
 
