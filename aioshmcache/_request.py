@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias, cast
 
@@ -38,7 +38,7 @@ from ._group import Found, Siblings
 from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
 from ._shards import ShardedMap
 from ._store import INLINE_COPY_UNDER_LOCK, Reservation, StoreWriter
-from ._types import REF_FIELDS, FeatureSpec, ShmRef
+from ._types import FeatureSpec, ShmRef, as_reference
 from .errors import (
     CacheFullError,
     CacheMissError,
@@ -62,7 +62,6 @@ __all__ = [
 #: The default ``copy_inline_below``: the store's one threshold for a copy under the writer lock.
 DEFAULT_INLINE_THRESHOLD: Final = INLINE_COPY_UNDER_LOCK
 
-_REF_KEYS: Final = frozenset(REF_FIELDS)
 #: the core's one-item miss (``_core_put.c``, see ``run_one``); None: declined, no side effect
 _put_item = core.put_item
 
@@ -85,20 +84,6 @@ def check_hash(mm_hash: object) -> str:
     if not isinstance(mm_hash, str):
         raise TypeError(f"mm_hash must be a str, not {type(mm_hash).__name__}")
     return mm_hash
-
-
-def as_reference(data: object) -> ShmRef | None:
-    """``data`` as a reference if it is one (a ``ShmRef``, or a mapping of reference fields).
-
-    A mapping with a ``nonce`` whose keys are all reference field names is a reference, validated
-    strictly (``InvalidReferenceError`` for missing fields or wrong types); any other mapping is
-    an inline item.
-    """
-    if isinstance(data, ShmRef):
-        return data
-    if isinstance(data, Mapping) and "nonce" in data and all(k in _REF_KEYS for k in data):
-        return ShmRef.from_dict(data)
-    return None
 
 
 def check_wait(wait: object) -> float:

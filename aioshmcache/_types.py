@@ -32,6 +32,7 @@ __all__ = [
     "ReaderSlotInfo",
     "ShmRef",
     "TierSnapshot",
+    "as_reference",
 ]
 
 Delivery = Literal["broadcast", "one_of_n"]
@@ -399,6 +400,23 @@ class ShmRef(NamedTuple):
 
 _new_object = object.__new__
 _set_field = object.__setattr__
+
+
+_REF_KEYS = frozenset(REF_FIELDS)
+
+
+def as_reference(data: object) -> ShmRef | None:
+    """``data`` as a reference if it is one (a ``ShmRef``, or a mapping of reference fields).
+
+    A mapping with a ``nonce`` whose keys are all reference field names is a reference, validated
+    strictly (``InvalidReferenceError`` for missing fields or wrong types); any other mapping is
+    an inline item.
+    """
+    if isinstance(data, ShmRef):
+        return data
+    if isinstance(data, Mapping) and "nonce" in data and all(k in _REF_KEYS for k in data):
+        return ShmRef.from_dict(data)
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """The channel's round trip (``aioshmcache.channel``) next to a bare asyncio Unix-socket exchange.
 
-    python bench/bench_channel.py [--quick] [--loop asyncio|uvloop]
+    python bench/bench_channel.py [--quick] [--loop asyncio|uvloop] [--hog N]
 
 One engine worker process serves two sockets: ``serve_engine`` (reads the call's features with an
 ``AsyncReceiverCache``, answers ``{"n": bytes read}``) and a bare asyncio server that reads one
@@ -12,11 +12,15 @@ length-prefixed message and answers 8 bytes. The gateway side, in this process, 
   (from 64 KiB on, in a worker thread: the receiver's ``inline_threshold_bytes``);
 * ``channel ref, lease``: the same with ``serve_engine(lease=True)``: the handler gets views into
   shared memory, no copy (the call's fixed cost alone);
+* ``channel ref, loop read``: the same as ``channel ref`` with a receiver that copies every item
+  on the event loop (``inline_threshold_bytes`` above the item): no thread hop, the loop blocked
+  for the copy (an engine worker whose loop serves nothing else may choose it);
 * ``channel inline``: an ``EngineClient.call`` with the N-byte item itself in the frame;
 * ``bare 64 B``: 64 bytes through the bare socket (the floor for a reference's round trip).
 
 Every figure is the median of repeated sequential round trips, printed with its ratio to the
-bare figure of the same row measured in the same run.
+bare figure of the same row measured in the same run. ``--hog N`` runs N busy processes (pure
+Python loops) beside the benchmark: the same figures on a loaded machine.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import asyncio
 import functools
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import struct
 import sys
@@ -36,7 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from aioshmcache import AsyncReceiverCache, AsyncSenderCache, CacheConfig, FeatureSpec
+from aioshmcache import (
+    AsyncReceiverCache,
+    AsyncSenderCache,
+    CacheConfig,
+    FeatureSpec,
+    ReceiverCache,
+)
 from aioshmcache.channel import EngineClient, serve_engine
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -66,21 +77,46 @@ def worker(handle: Any, channel_path: str, bare_path: str, loop: str) -> None:
 
     async def main() -> None:
         server = await asyncio.start_unix_server(_bare, bare_path)
-        async with server, AsyncReceiverCache.attach(handle) as rx:
-            leasing = asyncio.ensure_future(
-                serve_engine(_lease_path(channel_path), _read_n, rx, lease=True)
-            )
-            try:
-                await serve_engine(channel_path, _read_n, rx, shutdown_signals=(15,))
-            finally:
-                leasing.cancel()
-                await asyncio.gather(leasing, return_exceptions=True)
+        sync_rx = ReceiverCache.attach(handle)
+        try:
+            async with (
+                server,
+                AsyncReceiverCache(
+                    sync_rx
+                ) as rx,  # borrows the reader: copies big reads in a thread
+                AsyncReceiverCache(sync_rx, inline_threshold_bytes=1 << 30) as on_loop,
+            ):
+                others = [
+                    asyncio.ensure_future(
+                        serve_engine(_lease_path(channel_path), _read_n, rx, lease=True)
+                    ),
+                    asyncio.ensure_future(serve_engine(_loop_path(channel_path), _read_n, on_loop)),
+                ]
+                try:
+                    await serve_engine(channel_path, _read_n, rx, shutdown_signals=(15,))
+                finally:
+                    for task in others:
+                        task.cancel()
+                    await asyncio.gather(*others, return_exceptions=True)
+        finally:
+            sync_rx.close()
 
     _run(main(), loop)
 
 
 def _lease_path(channel_path: str) -> str:
     return channel_path + ".lease"
+
+
+def _loop_path(channel_path: str) -> str:
+    return channel_path + ".loop"
+
+
+def _hog() -> None:
+    """A busy process: a pure Python loop until terminated."""
+    n = 0
+    while True:
+        n = (n + 1) % 1_000_003
 
 
 def _run(coro: Any, loop: str) -> Any:
@@ -134,6 +170,9 @@ async def measure(quick: bool, loop: str) -> list[dict[str, Any]]:
                 EngineClient.connect(
                     _lease_path(channel_path), cache=cache, max_connections=1
                 ) as leasing,
+                EngineClient.connect(
+                    _loop_path(channel_path), cache=cache, max_connections=1
+                ) as on_loop,
             ):
                 for nbytes, label in SIZES:
                     reps = (20 if quick else 60) if nbytes >= 16 * MiB else (50 if quick else 300)
@@ -162,6 +201,9 @@ async def measure(quick: bool, loop: str) -> list[dict[str, Any]]:
                             "lease": await _median_us(
                                 functools.partial(ref_call, engine=leasing), reps
                             ),
+                            "loop": await _median_us(
+                                functools.partial(ref_call, engine=on_loop), reps
+                            ),
                             "inline": await _median_us(inline_call, reps),
                         }
                     )
@@ -170,6 +212,7 @@ async def measure(quick: bool, loop: str) -> list[dict[str, Any]]:
             if proc.is_alive():
                 proc.terminate()
             proc.join(30)
+            shutil.rmtree(tmp, ignore_errors=True)  # the bare server's socket file stays behind
     return rows
 
 
@@ -177,13 +220,14 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The figures as a markdown table (medians in microseconds, ratios to the bare rows)."""
     out = [
         "| size | bare N bytes | channel inline | x bare | bare 64 B | channel ref | x bare 64 B "
-        "| ref, lease | x bare 64 B |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| ref, lease | x bare 64 B | ref, loop read | x bare 64 B |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     out += [
         f"| {r['size']} | {r['bare']:.0f} us | {r['inline']:.0f} us | "
         f"{r['inline'] / r['bare']:.2f} | {r['bare64']:.0f} us | {r['ref']:.0f} us | "
-        f"{r['ref'] / r['bare64']:.2f} | {r['lease']:.0f} us | {r['lease'] / r['bare64']:.2f} |"
+        f"{r['ref'] / r['bare64']:.2f} | {r['lease']:.0f} us | {r['lease'] / r['bare64']:.2f} | "
+        f"{r['loop']:.0f} us | {r['loop'] / r['bare64']:.2f} |"
         for r in rows
     ]
     return "\n".join(out)
@@ -193,9 +237,19 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     p.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop")
+    p.add_argument("--hog", type=int, default=0, help="busy processes to run beside it")
     ns = p.parse_args(argv)
-    rows = _run(measure(ns.quick, ns.loop), ns.loop)
-    print(f"loop {ns.loop}, median of sequential round trips, one connection")
+    hogs = [mp.get_context("spawn").Process(target=_hog, daemon=True) for _ in range(ns.hog)]
+    for h in hogs:
+        h.start()
+    try:
+        rows = _run(measure(ns.quick, ns.loop), ns.loop)
+    finally:
+        for h in hogs:
+            h.terminate()
+            h.join(10)
+    hog = f", beside {ns.hog} busy processes" if ns.hog else ""
+    print(f"loop {ns.loop}, median of sequential round trips, one connection{hog}")
     print(table(rows))
     return 0
 

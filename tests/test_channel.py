@@ -227,6 +227,28 @@ async def test_deadline_then_the_late_answer_never_reaches_the_next_call(
         assert engine.stats().connects == 2  # the timed-out call's connection was dropped
 
 
+async def test_the_deadline_bounds_the_wait_for_a_pooled_connection(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """With the one connection lent to a slow call, another call's deadline passes while it
+    waits for the pool: ``EngineTimeoutError`` naming that wait, its hand-out given back."""
+    sock = tmp_path / "e.sock"
+    serve = {"shutdown_timeout": 0.5}
+    async with _connected(make_config, sock, serve, max_connections=1) as (cache, _rx, engine):
+        slow = asyncio.create_task(engine.call([], {"op": "sleep", "s": 600.0}, timeout=600))
+        try:
+            await asyncio.to_thread(wait_until, lambda: engine.open_connections == 1)
+            [f] = await _features(cache, range(1))
+            with pytest.raises(EngineTimeoutError, match="connect"):
+                await engine.call([f], timeout=0.2)
+            assert engine.stats().released == 1
+            assert not slow.done()
+        finally:
+            slow.cancel()
+            await asyncio.gather(slow, return_exceptions=True)
+        assert cache.snapshot().readers[0].lag == 0
+
+
 async def test_cancelled_while_waiting_for_the_pool_gives_hand_outs_back(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
@@ -356,7 +378,7 @@ async def test_callers_queued_behind_the_reconnect_probe_wait_only_for_its_conne
         with pytest.raises(EngineUnavailableError):
             await engine.call([], {"op": "echo"}, timeout=0.3)  # no engine: backing off
         async with _serving(sock, rx, shutdown_timeout=0.5):  # the restarted engine
-            book = engine._book
+            book = engine.pool
             assert await asyncio.to_thread(wait_until, lambda: time.monotonic() >= book.retry_at)
             slow = asyncio.create_task(engine.call([], {"op": "sleep", "s": 8.0}, timeout=60))
             await asyncio.sleep(0)  # it plans: open (the probe), and awaits its connect
@@ -417,20 +439,20 @@ def test_a_worker_waiting_for_the_path_takes_it_when_the_holder_stops(tmp_path: 
     the path (not the removed one), so a third is still refused."""
     import threading
 
-    from aioshmcache.channel import _lock_held, _release_path, _take_path
+    from aioshmcache._channel_keeper import lock_held, release_path, take_path
 
     path = str(tmp_path / "e.sock")
-    first = _take_path(path)
+    first = take_path(path)
     taken: list[int] = []
-    waiter = threading.Thread(target=lambda: taken.append(_take_path(path)))
+    waiter = threading.Thread(target=lambda: taken.append(take_path(path)))
     waiter.start()
-    _release_path(path, first)
+    release_path(path, first)
     waiter.join(30)
-    assert len(taken) == 1 and _lock_held(path)
+    assert len(taken) == 1 and lock_held(path)
     with pytest.raises(EngineAddressInUseError):
-        _take_path(path)
-    _release_path(path, taken[0])
-    assert not _lock_held(path) and not os.path.exists(f"{path}.lock")
+        take_path(path)
+    release_path(path, taken[0])
+    assert not lock_held(path) and not os.path.exists(f"{path}.lock")
 
 
 # --- real worker processes ---------------------------------------------------------------------
@@ -579,7 +601,7 @@ async def test_start_keeps_one_worker_alive_among_clients(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
     """``start=``: two clients (two gateways) share one worker; one killed -9 is replaced."""
-    from aioshmcache.channel import _lock_held
+    from aioshmcache._channel_keeper import lock_held
 
     sock = tmp_path / "e.sock"
     async with AsyncSenderCache.from_config(make_config(4 << 20)) as cache:
@@ -600,7 +622,7 @@ async def test_start_keeps_one_worker_alive_among_clients(
                 await asyncio.sleep(0.1)
             assert again["pid"] != first["pid"]  # a new worker was started for the path
             assert (await two.call([], {"op": "echo"}, timeout=60))["pid"] == again["pid"]
-        assert await asyncio.to_thread(wait_until, lambda: not _lock_held(str(sock)), 30)
+        assert await asyncio.to_thread(wait_until, lambda: not lock_held(str(sock)), 30)
 
 
 @pytest.mark.e2e
@@ -612,7 +634,7 @@ def test_a_started_worker_leaves_when_its_gateway_is_killed(tmp_path: Path) -> N
     import uuid
 
     from aioshmcache import sweep
-    from aioshmcache.channel import _lock_held
+    from aioshmcache._channel_keeper import lock_held
 
     from .conftest import RUN_PREFIX
 
@@ -624,10 +646,10 @@ def test_a_started_worker_leaves_when_its_gateway_is_killed(tmp_path: Path) -> N
     gateway.start()
     try:
         assert parent.poll(120) and parent.recv() == "ready"
-        assert _lock_held(sock)  # the started worker serves the path
+        assert lock_held(sock)  # the started worker serves the path
     finally:
         kill_and_reap(gateway)
-    assert wait_until(lambda: not _lock_held(sock), 60)  # the orphan left
+    assert wait_until(lambda: not lock_held(sock), 60)  # the orphan left
     sweep(name=name)  # the killed gateway's segment
 
 
@@ -653,7 +675,7 @@ async def test_hostile_calls_get_typed_answers_and_the_worker_keeps_serving(
 ) -> None:
     """Garbage call frames are answered ``bad_request``; a huge declared frame ends only its
     own connection; a well-formed call on a new connection is served afterwards."""
-    from aioshmcache.channel import _decode, _raise_error
+    from aioshmcache._channel_format import decode, raise_error
     from aioshmcache.wire import read_frame, write_frame
 
     sock = tmp_path / "e.sock"
@@ -666,10 +688,10 @@ async def test_hostile_calls_get_typed_answers_and_the_worker_keeps_serving(
         ]:
             await write_frame(writer, head)
             await write_frame(writer, body)
-            value = _decode(await asyncio.wait_for(read_frame(reader), 10), "response")
+            value = decode(await asyncio.wait_for(read_frame(reader), 10), "response")
             assert value[2] == "error" and value[3] == "bad_request" and value[7] is True
             with pytest.raises(WireError):
-                _raise_error(value)
+                raise_error(value)
         writer.write((1 << 40).to_bytes(8, "little"))  # a frame far over max_frame_bytes
         await writer.drain()
         assert await asyncio.wait_for(reader.read(), 10) == b""  # that connection ends
@@ -735,7 +757,7 @@ async def test_silent_connections_beyond_max_connections_do_not_keep_calls_out(
 def test_the_plain_features_frame_reads_as_the_wire_message_does() -> None:
     """References and Nones travel as plain msgpack; anything else as the wire message; both
     read back the same features."""
-    from aioshmcache.channel import _pack_body, _unpack_body
+    from aioshmcache._channel_format import pack_call_features, unpack_call_features
     from aioshmcache.wire import pack_features, unpack_features
 
     ref = ShmRef(1 << 63, 2, 4096, 77, 1024, (1 << 64) - 1, 3, 12345)
@@ -745,17 +767,17 @@ def test_the_plain_features_frame_reads_as_the_wire_message_does() -> None:
         [FeatureSpec("é" * 70, ref, identifier=None, prompt_updates=())],
     ]
     for features in plain:
-        body = _pack_body(features)
+        body = pack_call_features(features)
         assert body[:4] != b"ASHM"
-        assert _unpack_body(body) == unpack_features(pack_features(features)) == features
+        assert unpack_call_features(body) == unpack_features(pack_features(features)) == features
     wire = [
         [FeatureSpec("a", ref), FeatureSpec("i", _item(1))],  # an inline item
         [FeatureSpec("a", ref, prompt_updates=[{"offset": 3}])],
     ]
     for features in wire:
-        body = _pack_body(features)
+        body = pack_call_features(features)
         assert body[:4] == b"ASHM"
-        out = _unpack_body(body)
+        out = unpack_call_features(body)
         assert [f.mm_hash for f in out] == [f.mm_hash for f in features]
     hostile = [
         msgpack.packb(["aioshmcache.wire", 1, [["x", 2, {"no": "items"}, None, []]]]),  # inline
@@ -779,7 +801,7 @@ def test_the_plain_features_frame_reads_as_the_wire_message_does() -> None:
     ]
     for body in hostile:
         with pytest.raises(WireError):
-            _unpack_body(body)
+            unpack_call_features(body)
 
 
 @settings(max_examples=200, deadline=None)
@@ -799,10 +821,10 @@ def test_the_plain_features_frame_reads_as_the_wire_message_does() -> None:
 def test_a_plain_features_frame_is_features_or_a_wire_error(body: bytes) -> None:
     """Any bytes starting as a msgpack array: features of references and Nones, or
     ``WireError``; nothing else escapes."""
-    from aioshmcache.channel import _unpack_body
+    from aioshmcache._channel_format import unpack_call_features
 
     try:
-        features = _unpack_body(body)
+        features = unpack_call_features(body)
     except WireError:
         return
     assert all(f.data is None or type(f.data) is ShmRef for f in features)
@@ -811,20 +833,25 @@ def test_a_plain_features_frame_is_features_or_a_wire_error(body: bytes) -> None
 async def test_calls_of_both_channel_versions_are_served(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
-    """A gateway of the previous version (call version 1, features as a wire message) is still
-    served; an unknown version is a ``bad_request``."""
-    from aioshmcache.channel import _decode, _encode
+    """Gateways of the previous versions (1: features as a wire message; 2: the envelope always
+    the serde's) are still served, in the serde's form; an unknown version is a
+    ``bad_request``."""
+    from aioshmcache._channel_format import decode, encode
     from aioshmcache.wire import pack_features, read_frame, write_frame
 
     sock = tmp_path / "e.sock"
     async with _connected(make_config, sock) as (cache, _rx, _engine):
-        [f] = await _features(cache, range(1))
         reader, writer = await asyncio.open_unix_connection(str(sock))
         try:
-            for version, kind in [(1, "ok"), (3, "error")]:
-                await write_frame(writer, _encode(["aioshmcache.channel", version, "call", None]))
+            for version, kind in [(1, "ok"), (2, "ok"), (9, "error")]:
+                if kind == "ok":  # the unknown version's call is not read: no new hand-out
+                    [f] = await _features(cache, range(1))
+                envelope = ["aioshmcache.channel", version, "call", None]
+                await write_frame(writer, encode(envelope, plain=False))  # as they sent it
                 await write_frame(writer, pack_features([f]))
-                value = _decode(await asyncio.wait_for(read_frame(reader), 30), "response")
+                answer = await asyncio.wait_for(read_frame(reader), 30)
+                assert answer[:4] == b"ASHM"  # the serde's form: what they read
+                value = decode(answer, "response")
                 assert value[2] == kind
                 if kind == "ok":
                     assert value[3]["crcs"] == [crc(_item(0)["x"])]
@@ -850,3 +877,131 @@ async def test_a_garbage_answer_is_a_typed_error(tmp_path: Path) -> None:
     async with server, EngineClient.connect(sock) as engine:
         with pytest.raises(WireError):
             await engine.call([], {"op": "echo"}, timeout=10)
+
+
+# --- the envelope's two forms, the connection's framing, the client's lifetime ----------------
+
+
+@pytest.mark.parametrize(
+    ("value", "plain"),
+    [
+        (None, True),
+        ({"prompt": "é" * 100, "n": [1, 2.5, True, None, b"raw"]}, True),
+        ({"nested": {"a": [[], {}]}}, True),
+        ((1, 2), False),  # a tuple stays a tuple: the serde's
+        ({"x": np.arange(4, dtype=np.float32)}, False),
+        ([np.float64(1.5)], False),  # a numpy scalar (a float subclass)
+        ([1 << 70], False),  # beyond msgpack's ints: the serde's error
+    ],
+)
+def test_an_envelope_is_plain_msgpack_only_for_plain_values(value: Any, plain: bool) -> None:
+    """Plain msgpack for exactly the plain types, the serde's payload otherwise; both read back
+    as what was sent (a tuple as a tuple, arrays as arrays)."""
+    from aioshmcache._channel_format import TAG, decode, encode
+    from aioshmcache.errors import SerdeError
+
+    envelope = [TAG, 1, "ok", value]
+    try:
+        data = encode(envelope)
+    except SerdeError:
+        assert not plain  # neither form carries it
+        return
+    assert (data[:4] != b"ASHM") is plain
+    for form in (data, encode(envelope, plain=False)):  # the chosen form, and the serde's
+        back = decode(form, "response")[3]
+        if isinstance(value, dict) and "x" in value:
+            assert np.array_equal(back["x"], value["x"]) and back["x"].dtype == value["x"].dtype
+        else:
+            assert back == value and type(back) is type(value)
+
+
+def test_a_hostile_plain_envelope_is_a_wire_error() -> None:
+    from aioshmcache._channel_format import decode
+
+    for data in [
+        msgpack.packb(["aioshmcache.channel", 1, "ok", {1: "int key"}]),
+        msgpack.packb(["aioshmcache.channel", 1, "ok", msgpack.ExtType(1, b"x")]),
+        msgpack.packb(["aioshmcache.channel", 1, "ok", None]) + b"\x00",  # trailing bytes
+        msgpack.packb(["aioshmcache.channel", 1, "ok", "x" * 50])[:-10],  # cut
+        b"\x94" + b"\x91" * 100_000 + b"\xc0",  # deep
+        b"\xdd\xff\xff\xff\xff",  # a huge declared array
+        b"\x94\xb3aioshmcache.channel\x01\xa2ok" + b"\x90" * 40_000,  # too many containers
+        msgpack.packb(["not.channel", 1, "ok", None]),
+        msgpack.packb(["aioshmcache.channel", 7, "ok", None]),
+    ]:
+        with pytest.raises(WireError):
+            decode(data, "response")
+
+
+async def test_payloads_and_results_of_both_forms_cross_the_channel(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A plain payload and one with a tuple and an array come back as sent (the echo handler
+    returns the payload)."""
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock) as (_cache, _rx, engine):
+        plain = {"op": "echo", "prompt": "a cat", "ids": [1, 2, 3], "raw": b"\x00\x01"}
+        assert (await engine.call([], plain, timeout=30))["payload"] == plain
+        rich: dict[str, Any] = {"op": "echo", "pair": (1, "b"), "x": np.arange(5, dtype=np.int16)}
+        back = (await engine.call([], rich, timeout=30))["payload"]
+        assert back["pair"] == (1, "b") and type(back["pair"]) is tuple
+        assert np.array_equal(back["x"], rich["x"]) and back["x"].dtype == np.int16
+
+
+async def test_calls_cut_into_bytes_or_sent_back_to_back_are_served_in_order(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """The worker cuts frames as bytes arrive: a call written one byte at a time is served, and
+    three calls written in one go get three answers, in order."""
+    from aioshmcache._channel_format import call_envelope, decode, pack_call_features
+    from aioshmcache.wire import encode_frame, read_frame
+
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock) as (cache, _rx, _engine):
+        reader, writer = await asyncio.open_unix_connection(str(sock))
+        try:
+            [f] = await _features(cache, range(1))
+            call = encode_frame(call_envelope({"op": "crc"})) + encode_frame(
+                pack_call_features([f])
+            )
+            for i in range(len(call)):
+                writer.write(call[i : i + 1])
+                await writer.drain()
+                if i % 16 == 0:
+                    await asyncio.sleep(0.001)
+            value = decode(await asyncio.wait_for(read_frame(reader), 30), "response")
+            assert value[2] == "ok" and value[3]["crcs"] == [crc(_item(0)["x"])]
+            calls = b"".join(
+                encode_frame(call_envelope({"op": "echo", "n": n}))
+                + encode_frame(pack_call_features([]))
+                for n in range(3)
+            )
+            writer.write(calls)
+            await writer.drain()
+            for n in range(3):
+                value = decode(await asyncio.wait_for(read_frame(reader), 30), "response")
+                assert value[3]["payload"]["n"] == n
+        finally:
+            writer.close()
+        assert cache.snapshot().readers[0].lag == 0
+
+
+async def test_the_client_is_an_async_resource(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """``connect`` is a plain call whose result is used with ``async with``; ``aclose`` closes
+    every connection, is idempotent, and a closed client refuses calls (typed)."""
+    from anyio.abc import AsyncResource
+
+    sock = tmp_path / "e.sock"
+    async with _engine(make_config, sock) as (_cache, _rx, _task):
+        engine = EngineClient.connect(sock)
+        assert isinstance(engine, AsyncResource) and engine.open_connections == 0
+        async with engine as same:
+            assert same is engine
+            await engine.call([], {"op": "echo"}, timeout=30)
+            assert engine.open_connections == 1
+        assert engine.open_connections == 0
+        await engine.aclose()  # again: nothing to do
+        with pytest.raises(EngineUnavailableError, match="closed"):
+            await engine.call([], {"op": "echo"}, timeout=5)

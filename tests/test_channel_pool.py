@@ -213,7 +213,7 @@ def test_a_restarted_engine_waits_at_most_half_a_second_for_its_first_call() -> 
         assert book.plan().kind == "open"
         book.open_failed(OSError())
     assert book.retry_at - clock.now <= 0.5
-    assert EngineClient(Path("x"))._book.backoff_max == book.backoff_max  # the client too
+    assert EngineClient.connect(Path("x")).pool.backoff_max == book.backoff_max  # the client too
 
 
 def test_one_probe_at_a_time_while_the_engine_fails() -> None:

@@ -32,8 +32,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from aioshmcache import AsyncSenderCache, FeatureSpec, ReceiverCache, content_key
+from aioshmcache._channel_keeper import lock_held
 from aioshmcache._flight import marker_directory
-from aioshmcache.channel import _lock_held
 
 from .conftest import RUN_PREFIX, SHM
 from .helpers import wait_until
@@ -177,7 +177,7 @@ def test_minimal_app_under_uvicorn_workers_2(tmp_path: Path) -> None:
             assert r.status_code == 200, r.text
             assert r.json() == {"crc32": expected_crc(body)}
         assert wait_until(lambda: len([n for n in _ours(group) if "sem." not in n]) == 2)
-        assert _lock_held(sock)  # one engine worker serves the group
+        assert lock_held(sock)  # one engine worker serves the group
 
         # bursts of identical new requests: each image preprocessed once in the whole group
         bursts = [rng.integers(0, 256, 5000 + 13 * i, dtype=np.uint8).tobytes() for i in range(12)]
@@ -219,7 +219,7 @@ def test_minimal_app_under_uvicorn_workers_2(tmp_path: Path) -> None:
 
         server.send_signal(signal.SIGINT)
         assert server.wait(60) == 0, log.read_text()[-3000:]
-        assert wait_until(lambda: not _lock_held(sock), timeout=30)  # the engine worker ended
+        assert wait_until(lambda: not lock_held(sock), timeout=30)  # the engine worker ended
         assert not os.path.exists(sock)
         assert _ours(group) == [], "the group left a shard (or a semaphore) behind"
         assert not os.path.exists(marker_directory(group))  # every marker, and their directory

@@ -704,3 +704,50 @@ def test_frame_errors_are_cache_errors() -> None:
     for cls in (FrameError, FrameTooLargeError, IncompleteFrameError, EndOfFramesError, WireError):
         assert issubclass(cls, ShmCacheError)
     assert issubclass(WireError, SerdeError) and not issubclass(EndOfFramesError, FrameError)
+
+
+def test_frame_parts_join_small_frames_and_leave_large_payloads_uncopied() -> None:
+    """Up to 256 KiB in all: one buffer (the peer wakes once); beyond: prefixes and the payloads
+    themselves; over ``max_bytes``: ``FrameTooLargeError`` before anything."""
+    from aioshmcache.wire import frame_parts
+
+    small = frame_parts([b"ab", b"", b"cde"])
+    assert len(small) == 1
+    assert FrameDecoder().feed(small[0]) == [b"ab", b"", b"cde"]
+    big = bytes(300 << 10)
+    parts = frame_parts([b"x", big])
+    assert len(parts) == 4 and memoryview(parts[3]).obj is big
+    assert FrameDecoder().feed(b"".join(parts)) == [b"x", big]
+    with pytest.raises(FrameTooLargeError):
+        frame_parts([b"ok", b"too long"], max_bytes=4)
+
+
+def test_the_plain_form_and_the_bounded_unpack() -> None:
+    """``pack_plain_features`` takes references and Nones only; ``unpack_features_any`` reads
+    both forms; ``unpack_bounded`` refuses maps and bins unless asked, and what is over its
+    bounds."""
+    from aioshmcache.errors import WireError
+    from aioshmcache.wire import (
+        is_plain,
+        pack_plain_features,
+        unpack_bounded,
+        unpack_features_any,
+    )
+
+    ref = ShmRef(1, 2, 4096, 7, 1024, 5, 3, 9)
+    refs = [FeatureSpec("a", ref), FeatureSpec("b", None, identifier="i")]
+    plain = pack_plain_features(refs)
+    assert plain is not None and is_plain(plain) and not is_plain(pack_features(refs))
+    assert unpack_features_any(plain) == unpack_features_any(pack_features(refs)) == refs
+    assert pack_plain_features([FeatureSpec("c", {"x": np.zeros(2)})]) is None
+    assert pack_plain_features([FeatureSpec("c", ref, prompt_updates=[1])]) is None
+    assert unpack_bounded(msgpack.packb([1, [2]])) == [1, [2]]
+    assert unpack_bounded(msgpack.packb({"k": b"v"}), maps=True) == {"k": b"v"}
+    for data, maps in [
+        (msgpack.packb({"k": 1}), False),
+        (msgpack.packb([b"bin"]), False),
+        (msgpack.packb({1: 1}), True),
+        (msgpack.packb([[]] * 10), False),
+    ]:
+        with pytest.raises(WireError):
+            unpack_bounded(data, maps=maps, max_containers=5)

@@ -177,8 +177,22 @@ def unpack_bounded(
     format.
     """
     check_complete(data)
-    counter = NodeCounter(max_containers)
     n = len(data)
+    if n <= max_containers and not records:
+        # Each container takes at least a byte: no shorter object can hold too many of them,
+        # and it is unpacked without a Python call per container.
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=n,
+            max_bin_len=n if binary else 0,
+            max_array_len=n,
+            max_map_len=n if maps else 0,
+            max_ext_len=0,
+        )
+    counter = NodeCounter(max_containers)
     return msgpack.unpackb(
         data,
         raw=False,

@@ -1,7 +1,9 @@
 """Msgpack messages on asyncio streams, one per :mod:`aioshmcache.wire` frame.
 
 The stress harness's channel between its parent and children. A message is a msgpack map whose
-string ``"t"`` names its type; ``msgpack.unpackb`` bounds every length by the frame's size.
+string ``"t"`` names its type; ``msgpack.unpackb`` bounds every length by the frame's size. The
+framing is ``aioshmcache.wire``'s own (``read_frame``, ``encode_frame``): this module adds only
+the messages on top, and no framing of its own.
 """
 
 from __future__ import annotations

@@ -1,0 +1,187 @@
+"""One channel connection: an ``asyncio.Protocol`` that cuts the bytes it receives into frames.
+
+Both ends of the channel use it. The bytes go through ``wire.FrameDecoder`` as they arrive
+(``data_received``), so a call whose two frames come in one read is taken whole with no stream
+read per frame and no wait at all; a task awaits only when no whole frame is there yet.
+Writes go out as ``wire.frame_parts`` makes them (one buffer up to 256 KiB: the peer wakes once);
+``drain`` waits only while the transport has paused writing (its buffer over the high-water mark).
+
+Why not asyncio streams: a ``StreamReader`` costs a ``readexactly`` per prefix and per payload,
+each a coroutine with its own bookkeeping; on a small call that was a sizeable part of the
+round trip (bench/README.md, the channel section).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Sequence
+from typing import cast
+
+from .errors import EndOfFramesError, FrameError
+from .wire import Buffer, FrameDecoder, frame_parts
+
+__all__ = ["FrameConnection"]
+
+
+class FrameConnection(asyncio.Protocol):
+    """Frames in, frames out, over one transport. After an error every read raises it."""
+
+    def __init__(self, max_frame_bytes: int) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self.transport: asyncio.Transport | None = None
+        self._decoder = FrameDecoder(max_bytes=max_frame_bytes)
+        self._frames: collections.deque[bytes] = collections.deque()
+        #: why reading ended: a FrameError, an OSError, or EndOfFramesError at a clean end
+        self.error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+        self._drain: asyncio.Future[None] | None = None
+
+    # --- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # a Unix stream socket's
+
+    def data_received(self, data: bytes) -> None:
+        if self.error is not None:
+            return
+        try:
+            self._frames.extend(self._decoder.feed(data))
+        except FrameError as exc:
+            self._fail(exc)
+            self.abort()  # out of step: nothing more is read from it
+            return
+        self._wake()
+
+    def eof_received(self) -> bool:
+        try:
+            self._decoder.close()
+        except FrameError as exc:  # the peer ended inside a frame
+            self._fail(exc)
+        else:
+            self._fail(EndOfFramesError("the stream ended (no more frames)"))
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc if exc is not None else EndOfFramesError("the connection was closed"))
+        drain, self._drain = self._drain, None
+        if drain is not None and not drain.done():
+            drain.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        drain, self._drain = self._drain, None
+        if drain is not None and not drain.done():
+            drain.set_result(None)
+
+    # --- for the channel ----------------------------------------------------------------------
+
+    def has_frames(self, n: int) -> bool:
+        """Whether ``n`` whole frames are waiting."""
+        return len(self._frames) >= n
+
+    def take(self) -> bytes:
+        """The next whole frame (``has_frames`` said there is one)."""
+        return self._frames.popleft()
+
+    def started(self) -> bool:
+        """Whether any byte of a frame is waiting (or reading has ended)."""
+        return bool(self._frames) or self._decoder.pending > 0 or self.error is not None
+
+    async def wait_started(self) -> None:
+        """Wait until a byte of a frame arrives; raise the error if reading ended first."""
+        while not self.started():
+            await self._waiter_future()
+        if not self._frames and self._decoder.pending == 0 and self.error is not None:
+            raise self.error
+
+    async def next_frame(self, deadline: float | None = None) -> bytes:
+        """The next whole frame, once it is in; the error if reading ends first.
+
+        ``TimeoutError`` if ``deadline`` (on the loop's clock) passes first: one timer on the
+        wait itself, cheaper than a timeout scope around the call.
+        """
+        while not self._frames:
+            if self.error is not None:
+                raise self.error
+            if deadline is None:
+                await self._waiter_future()
+            else:
+                await _until(self._waiter_future(), deadline)
+        return self._frames.popleft()
+
+    def usable(self) -> bool:
+        """Open, in step, nothing unread: fit for the next call."""
+        t = self.transport
+        return self.error is None and t is not None and not t.is_closing() and not self._frames
+
+    def write(self, payloads: Sequence[Buffer]) -> None:
+        """Queue ``payloads`` as frames (``FrameTooLargeError`` over ``max_frame_bytes``)."""
+        if self.transport is None:
+            raise ConnectionResetError("not connected")
+        parts = frame_parts(payloads, max_bytes=self.max_frame_bytes)
+        if len(parts) == 1:
+            self.transport.write(parts[0])
+        else:
+            self.transport.writelines(parts)
+
+    async def drain(self, deadline: float | None = None) -> None:
+        """Wait while the transport has paused writing; ``ConnectionResetError`` if it closed;
+        ``TimeoutError`` if ``deadline`` (on the loop's clock) passes first."""
+        t = self.transport
+        if t is None or t.is_closing():
+            raise ConnectionResetError("the connection is closed")
+        if not self._paused:
+            return
+        if self._drain is None or self._drain.done():
+            self._drain = asyncio.get_running_loop().create_future()
+        await _until(self._drain, deadline)
+        if t.is_closing():
+            raise ConnectionResetError("the connection is closed")
+
+    def queued(self) -> int:
+        """Bytes written but still in the transport's buffer."""
+        return self.transport.get_write_buffer_size() if self.transport is not None else 0
+
+    def abort(self) -> None:
+        """Close at once, dropping whatever is still queued."""
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _waiter_future(self) -> asyncio.Future[None]:
+        """The future the next ``data_received`` or the end resolves (awaited directly: no
+        coroutine of its own)."""
+        if self._waiter is None or self._waiter.done():
+            self._waiter = asyncio.get_running_loop().create_future()
+        return self._waiter
+
+
+async def _until(future: asyncio.Future[None], deadline: float | None) -> None:
+    """Await ``future``; ``TimeoutError`` if ``deadline`` (on the loop's clock) passes first."""
+    if deadline is None:
+        await future
+        return
+    timer = asyncio.get_running_loop().call_at(deadline, _expire, future)
+    try:
+        await future
+    finally:
+        timer.cancel()
+
+
+def _expire(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())

@@ -1,0 +1,175 @@
+"""The channel's messages: a call, an answer, an error frame; built and parsed here only.
+
+Everything travels in ``aioshmcache.wire`` frames (8-byte length, payload). A call is two
+frames, a response one::
+
+    call      frame 1: envelope ["aioshmcache.channel", 3, "call", payload]
+              frame 2: wire.pack_features(features), or, for references and Nones without
+                       prompt updates, that message's plain form (wire.pack_plain_features)
+    response  frame:   envelope ["aioshmcache.channel", 1, "ok", result]
+                    or ["aioshmcache.channel", 1, "error", kind, remote_type, message,
+                        mm_hashes, unread]
+
+An envelope is plain msgpack when its value is made of dicts, lists, str, bytes, int, float,
+bool and None only (exactly those types: a tuple, a numpy array or scalar, a subclass is not),
+and a payload of the store's own serde otherwise (``MsgpackSerde``: msgpack with size limits,
+numpy arrays as raw aligned bytes; never pickle). The first byte tells the two apart (a msgpack
+array marker, or the serde's ``ASHM``); a plain envelope is unpacked under the serde's bounds
+for a structure header (``wire.unpack_bounded``: complete first, at most 32,768 containers,
+lengths bounded by its size, str map keys, no extensions). A worker answers in plain msgpack
+only to a call of version 3 (whose gateway reads both forms); it serves calls of versions 1
+(the features always a serde message), 2 (the envelope always the serde's) and 3.
+
+``kind`` is one of ``cache_miss``, ``writer_gone``, ``stale_reference``, ``invalid_reference``,
+``reader_evicted`` (the cache's errors while reading the features, raised on the gateway as the
+same types), ``bad_request`` (the worker could not decode the call: ``WireError``),
+``bad_response`` (the handler's result cannot be encoded, or its answer would exceed the
+worker's ``max_frame_bytes``: ``WireError``) and ``handler`` (the handler raised:
+``EngineCallError`` with ``remote_type``). ``unread`` says the worker did not read the call's
+references: the client then gives them back to its cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+import msgpack
+
+from . import wire
+from ._serde import MsgpackSerde
+from ._types import FeatureSpec
+from .errors import (
+    CacheMissError,
+    EngineCallError,
+    InvalidReferenceError,
+    ReaderEvictedError,
+    SerdeError,
+    ShmCacheError,
+    StaleReferenceError,
+    WireError,
+    WriterGoneError,
+)
+
+__all__ = [
+    "ANSWER_VERSION",
+    "CALL_VERSION",
+    "CALL_VERSIONS",
+    "TAG",
+    "call_envelope",
+    "decode",
+    "encode",
+    "error_frame",
+    "pack_call_features",
+    "raise_error",
+    "unpack_call_features",
+]
+
+TAG: Final = "aioshmcache.channel"
+ANSWER_VERSION: Final = 1
+#: 3: the envelope may be plain msgpack, and so may the answer (module docstring)
+CALL_VERSION: Final = 3
+CALL_VERSIONS: Final = (1, 2, 3)
+#: calls of this version and later read an answer in plain msgpack
+PLAIN_ANSWER_FROM: Final = 3
+#: an error frame carries at most this much of the exception's message
+_MAX_MESSAGE_CHARS: Final = 16384
+_SERDE = MsgpackSerde()
+_PLAIN = msgpack.Packer(strict_types=True)  # reused: cheaper than a packb per message
+_KIND_ERRORS: Final[dict[str, type[ShmCacheError]]] = {
+    "stale_reference": StaleReferenceError,
+    "invalid_reference": InvalidReferenceError,
+    "reader_evicted": ReaderEvictedError,
+    "bad_request": WireError,
+    "bad_response": WireError,
+}
+
+
+def encode(value: object, *, plain: bool = True) -> bytes:
+    """An envelope: plain msgpack when ``plain`` and the value allows it, else the serde's.
+
+    ``SerdeError`` or ``TypeError`` when the serde cannot carry the value either.
+    """
+    if plain:
+        try:
+            packed: bytes = _PLAIN.pack(value)
+            return packed
+        except (TypeError, ValueError, OverflowError):
+            pass  # a tuple, an array, a numpy scalar, a subclass, too deep, too big an int
+    plan = _SERDE.plan(value)
+    out = bytearray(plan.nbytes)
+    _SERDE.write(plan, memoryview(out))
+    return bytes(out)
+
+
+def decode(data: bytes, what: str, versions: Sequence[int] = (ANSWER_VERSION,)) -> list[Any]:
+    """An envelope in either form, checked to be the channel's (``WireError`` otherwise)."""
+    if wire.is_plain(data):
+        value = wire.unpack_bounded(data, maps=True)
+    else:
+        try:
+            value = _SERDE.read(memoryview(data), copy=False)
+        except WireError:
+            raise
+        except SerdeError as exc:
+            raise WireError(f"not an aioshmcache.channel {what}: {exc}") from exc
+    if type(value) is not list or len(value) < 3 or value[0] != TAG:
+        raise WireError(f"not an aioshmcache.channel {what}")
+    if value[1] not in versions:
+        raise WireError(f"unsupported channel version {value[1]!r} (this side reads {versions})")
+    return value
+
+
+def call_envelope(payload: Any) -> bytes:
+    """A call's first frame."""
+    return encode([TAG, CALL_VERSION, "call", payload])
+
+
+def pack_call_features(features: list[FeatureSpec]) -> bytes:
+    """A call's second frame: the plain form for references and Nones, else a wire message.
+
+    A request of references (and ``None``s) without prompt updates, the channel's usual call,
+    travels in the plain form (``wire.pack_plain_features``: the serde's decoder would compile a
+    template per call, since every hand-out's reference makes a new header). Anything else (an
+    inline item, prompt updates, a malformed feature: its error) is ``wire.pack_features``'s.
+    """
+    plain = wire.pack_plain_features(features)
+    return plain if plain is not None else wire.pack_features(features)
+
+
+def unpack_call_features(body: bytes) -> list[FeatureSpec]:
+    """A call's second frame, in either form, as hostile as any input (``WireError``)."""
+    return wire.unpack_features_any(body)
+
+
+def error_frame(
+    kind: str,
+    exc: BaseException,
+    *,
+    mm_hashes: Sequence[str] = (),
+    unread: bool = False,
+    plain: bool = False,
+) -> bytes:
+    """An error answer (``plain``: the caller reads plain msgpack)."""
+    message = str(exc)
+    if len(message) > _MAX_MESSAGE_CHARS:
+        message = message[:_MAX_MESSAGE_CHARS] + " [...]"
+    value = [TAG, ANSWER_VERSION, "error", kind, type(exc).__name__, message, list(mm_hashes)]
+    return encode([*value, unread], plain=plain)
+
+
+def raise_error(value: list[Any]) -> None:
+    """Raise what an error answer says, as a typed exception."""
+    try:
+        _, _, _, kind, remote_type, message, mm_hashes, _unread = value
+        hashes = [str(h) for h in mm_hashes]
+    except (TypeError, ValueError):
+        raise WireError("malformed channel error response") from None
+    message = str(message)
+    if kind == "cache_miss":
+        raise CacheMissError(hashes, message)
+    if kind == "writer_gone":
+        raise WriterGoneError(message, mm_hashes=hashes)
+    if kind in _KIND_ERRORS:
+        raise _KIND_ERRORS[kind](message)
+    raise EngineCallError(f"engine worker: {remote_type}: {message}", remote_type=str(remote_type))

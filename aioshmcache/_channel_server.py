@@ -1,0 +1,387 @@
+"""The engine worker's end of the channel: ``serve_engine`` and its connections.
+
+Each accepted connection gets a ``FrameConnection`` (frames cut as the bytes arrive) and one
+task that serves its calls one after the other: a pooled gateway connection carries one call at
+a time, so no task is made per call. The call's messages are ``_channel_format``'s; the path's
+lock is ``_channel_keeper``'s. See ``aioshmcache.channel`` for the behaviour as a whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import resource
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Final, Protocol
+
+import anyio
+
+from ._channel_conn import FrameConnection
+from ._channel_format import (
+    ANSWER_VERSION,
+    CALL_VERSIONS,
+    PLAIN_ANSWER_FROM,
+    TAG,
+    decode,
+    encode,
+    error_frame,
+    unpack_call_features,
+)
+from ._channel_keeper import release_path, take_path
+from ._types import FeatureSpec
+from .errors import (
+    CacheMissError,
+    FrameError,
+    InvalidReferenceError,
+    ReaderEvictedError,
+    SerdeError,
+    StaleReferenceError,
+    WireError,
+    WriterGoneError,
+)
+from .wire import DEFAULT_MAX_FRAME_BYTES
+
+__all__ = ["Handler", "ReceiverLike", "serve_engine"]
+
+log = logging.getLogger("aioshmcache.channel")
+
+_STOP_GRACE_S: Final = 10.0
+_IDLE_TIMEOUT_S: Final = 10.0  # a connection's whole call must arrive within this
+_FULL_WARN_S: Final = 10.0  # at most one "max_connections reached" warning this often
+_timeout = asyncio.timeout  # 10-17 us a call here, anyio.fail_after 35-95 us
+
+Handler = Callable[[list[FeatureSpec], Any], Awaitable[Any]]
+
+
+class ReceiverLike(Protocol):
+    """What the worker needs of its cache (``AsyncReceiverCache``)."""
+
+    async def get_and_update_features(
+        self, features: Sequence[FeatureSpec]
+    ) -> list[FeatureSpec]: ...
+
+    def lease(
+        self, features: Sequence[FeatureSpec]
+    ) -> contextlib.AbstractAsyncContextManager[list[FeatureSpec]]: ...
+
+
+class _ServerConnection(FrameConnection):
+    """A connection the worker accepted: its serving task starts with it."""
+
+    def __init__(self, worker: _Worker) -> None:
+        super().__init__(worker.max_frame_bytes)
+        self._worker = worker
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        task = asyncio.get_running_loop().create_task(self._worker.connection(self))
+        self._worker.tasks.add(task)
+        task.add_done_callback(self._worker.tasks.discard)
+
+
+class _Worker:
+    """One ``serve_engine`` run: its connections, the calls in progress, the shutdown."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        receiver: ReceiverLike,
+        *,
+        max_concurrency: int,
+        lease: bool,
+        max_frame_bytes: int,
+        idle_timeout: float,
+        max_connections: int,
+    ) -> None:
+        self.handler = handler
+        self.receiver = receiver
+        self.limit = asyncio.Semaphore(max_concurrency)
+        self.lease = lease
+        self.max_frame_bytes = max_frame_bytes
+        self.idle_timeout = idle_timeout
+        self.max_connections = max_connections
+        self.idle: set[asyncio.Task[None]] = set()  # connections waiting for their next call
+        self.busy: set[asyncio.Task[None]] = set()
+        self.conns: set[FrameConnection] = set()
+        self.tasks: set[asyncio.Task[None]] = set()  # every connection's (a strong reference)
+        #: connections that never sent a byte of a call, oldest first: the first to go when full
+        self.fresh: dict[asyncio.Task[None], FrameConnection] = {}
+        self.stopping = False
+        self.calls = 0
+        self.turned_away = 0  # connections closed to stay within max_connections
+        self._warned_at = -_FULL_WARN_S
+
+    def protocol(self) -> FrameConnection:
+        """A new connection's protocol (``loop.create_unix_server``'s factory)."""
+        return _ServerConnection(self)
+
+    async def connection(self, conn: FrameConnection) -> None:
+        """Serve one connection's calls, one after the other, until it ends or the worker stops."""
+        task = asyncio.current_task()
+        if task is None or self.stopping or not self._admit():
+            conn.abort()
+            return
+        self.conns.add(conn)
+        proven = False  # has it sent a whole call? (a gateway's pooled connection may then idle)
+        try:
+            while not self.stopping:
+                if not conn.started():
+                    self.idle.add(task)
+                    if not proven:
+                        self.fresh[task] = conn
+                    try:
+                        if proven:  # a pooled connection may wait for its next call without limit
+                            await conn.wait_started()
+                        else:
+                            async with _timeout(self.idle_timeout):
+                                await conn.wait_started()
+                    finally:
+                        self.idle.discard(task)
+                        self.fresh.pop(task, None)
+                self.busy.add(task)
+                try:
+                    if conn.has_frames(2):  # the whole call is in: no deadline needed
+                        head, body = conn.take(), conn.take()
+                    else:
+                        async with _timeout(self.idle_timeout):  # the rest of the call
+                            head = await conn.next_frame()
+                            body = await conn.next_frame()
+                    proven = True
+                    answer = await self.serve_call(head, body)
+                    conn.write((answer,))
+                    await conn.drain()
+                finally:
+                    self.busy.discard(task)
+        except TimeoutError:  # no whole call within idle_timeout: a stuck or silent peer
+            log.debug("closing an engine connection: no whole call in %.1f s", self.idle_timeout)
+        except (EOFError, FrameError, OSError):
+            pass  # the gateway hung up (or sent garbage framing): this connection ends
+        except asyncio.CancelledError:
+            pass  # shutdown: ending quietly
+        finally:
+            self.conns.discard(conn)
+            conn.abort()
+
+    def _admit(self) -> bool:
+        """Make room for a new connection: at ``max_connections``, the oldest connection that
+        never sent a byte is closed for it; with none such, the new one is refused."""
+        if len(self.conns) < self.max_connections:
+            return True
+        self.turned_away += 1
+        now = time.monotonic()
+        if now - self._warned_at >= _FULL_WARN_S:
+            self._warned_at = now
+            log.warning(
+                "the engine worker is at max_connections=%d: closing connections that sent "
+                "nothing (%d so far)",
+                self.max_connections,
+                self.turned_away,
+            )
+        for task, conn in self.fresh.items():
+            del self.fresh[task]
+            conn.abort()  # its read ends: the task leaves, the slot frees
+            return True
+        return False
+
+    async def serve_call(self, head: bytes, body: bytes) -> bytes:
+        """One call's answer: decode, read the features, run the handler, encode its result."""
+        self.calls += 1
+        plain = False
+        try:
+            value = decode(head, "call", CALL_VERSIONS)
+            plain = value[1] >= PLAIN_ANSWER_FROM
+            if value[2] != "call" or len(value) != 4:
+                raise WireError("not a channel call")
+            features = unpack_call_features(body)
+        except SerdeError as exc:
+            return error_frame("bad_request", exc, unread=True, plain=plain)
+        async with self.limit:
+            try:
+                if self.lease:
+                    async with self.receiver.lease(features) as items:
+                        return await self._handle(items, value[3], plain)
+                items = await self.receiver.get_and_update_features(features)
+            except CacheMissError as exc:
+                return error_frame("cache_miss", exc, mm_hashes=exc.mm_hashes, plain=plain)
+            except WriterGoneError as exc:
+                return error_frame("writer_gone", exc, mm_hashes=exc.mm_hashes, plain=plain)
+            except StaleReferenceError as exc:
+                return error_frame("stale_reference", exc, plain=plain)
+            except InvalidReferenceError as exc:
+                return error_frame("invalid_reference", exc, plain=plain)
+            except ReaderEvictedError as exc:
+                return error_frame("reader_evicted", exc, plain=plain)
+            except _HandlerFailed as failed:
+                return failed.frame
+            except Exception as exc:  # the cache failed otherwise: still a typed answer
+                log.exception("reading a call's features failed")
+                return error_frame("handler", exc, plain=plain)
+            try:
+                return await self._handle(items, value[3], plain)
+            except _HandlerFailed as failed:
+                return failed.frame
+
+    async def _handle(self, items: list[FeatureSpec], payload: Any, plain: bool) -> bytes:
+        """Run the handler and encode its result (inside a lease, before the views go).
+
+        Whatever the handler raises becomes a ``handler`` error frame, ``BaseException``s
+        included (a ``CancelledError`` of its own, a library's ``BaseException``), and is
+        logged: only the process's own end (``KeyboardInterrupt``, ``SystemExit``) and a
+        cancellation of this worker (its shutdown) pass through. A result that cannot be
+        encoded, or whose answer would exceed ``max_frame_bytes``, becomes a ``bad_response``
+        error frame (``WireError`` at the gateway), logged too.
+        """
+        try:
+            result = await self.handler(items, payload)
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt | SystemExit) or _cancelled_from_outside(exc):
+                raise
+            log.error("the engine handler raised %s", type(exc).__name__, exc_info=exc)
+            raise _HandlerFailed(error_frame("handler", exc, plain=plain)) from exc
+        try:
+            answer = encode([TAG, ANSWER_VERSION, "ok", result], plain=plain)
+        except (SerdeError, TypeError) as exc:
+            log.error("the engine handler's result cannot be encoded: %s", exc)
+            raise _HandlerFailed(
+                error_frame(
+                    "bad_response", WireError(f"the result cannot be encoded: {exc}"), plain=plain
+                )
+            ) from exc
+        if len(answer) > self.max_frame_bytes:
+            message = (
+                f"the answer of {len(answer)} bytes exceeds the engine's "
+                f"max_frame_bytes={self.max_frame_bytes}"
+            )
+            log.error("%s; answering an error instead", message)
+            raise _HandlerFailed(error_frame("bad_response", WireError(message), plain=plain))
+        return answer
+
+    async def shutdown(self, grace: float) -> None:
+        """Stop: idle connections close now; calls in progress get ``grace`` seconds."""
+        self.stopping = True
+        for task in list(self.idle):
+            task.cancel()
+        if self.busy:
+            await asyncio.wait(set(self.busy), timeout=grace)
+        rest = self.idle | self.busy
+        for task in rest:
+            task.cancel()
+        if rest:
+            await asyncio.wait(rest, timeout=grace)
+        for conn in list(self.conns):
+            conn.abort()
+
+
+def _cancelled_from_outside(exc: BaseException) -> bool:
+    """Whether ``exc`` is this task being cancelled (not a ``CancelledError`` a handler raised)."""
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
+
+
+def _default_max_connections() -> int:
+    """Half the process's open-file limit (at most 4096): room left for everything else."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(1, min(4096, soft // 2))
+
+
+class _HandlerFailed(Exception):
+    def __init__(self, frame: bytes) -> None:
+        super().__init__("handler failed")
+        self.frame = frame
+
+
+async def serve_engine(
+    path: str | os.PathLike[str],
+    handler: Handler,
+    receiver: ReceiverLike,
+    *,
+    max_concurrency: int = 64,
+    lease: bool = False,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    idle_timeout: float = _IDLE_TIMEOUT_S,
+    max_connections: int | None = None,
+    shutdown_timeout: float = _STOP_GRACE_S,
+    shutdown_signals: Sequence[int] = (),
+    ready: Callable[[], None] | None = None,
+) -> None:
+    """Serve engine calls on the Unix socket ``path`` until cancelled (or a shutdown signal).
+
+    For each call the worker reads its features with ``receiver`` (an open
+    ``AsyncReceiverCache``, plain or of a group) — as copies, or zero-copy with ``lease=True``
+    (the arrays are views into shared memory until the handler returns and its result is
+    encoded) — then awaits ``handler(features, payload)`` and sends back its result (anything
+    ``MsgpackSerde`` carries, numpy arrays included). At most ``max_concurrency`` calls run at
+    once. Every failure is answered with a typed error frame (module docstring).
+
+    Connections: a call's frames must arrive whole within ``idle_timeout`` seconds of its first
+    byte, and a new connection must start its first call within ``idle_timeout`` (default 10 s);
+    otherwise the connection is closed. A connection that has sent a whole call may wait for
+    its next one without limit (a gateway's pooled connection). At most ``max_connections``
+    (default: half the process's open-file limit, at most 4096) are open: beyond it, the oldest
+    connection that never sent a byte is closed to make room, or, with none such, the new one
+    is closed at once. So silent connections can neither exhaust the worker's file descriptors
+    nor keep a gateway's real calls out.
+
+    One worker per path: the path's lock file (``path + ".lock"``, a kernel lock released if the
+    worker dies) is taken first; a live worker holding it is ``EngineAddressInUseError``; a
+    socket file left by a dead worker is replaced. ``ready()`` is called once listening.
+
+    Shutdown (cancellation, or one of ``shutdown_signals`` such as ``signal.SIGTERM``): stop
+    accepting, close idle connections, give calls in progress ``shutdown_timeout`` seconds,
+    remove the socket file and the lock file. The receiver stays open (its owner closes it).
+    """
+    if type(max_concurrency) is not int or max_concurrency < 1:
+        raise ValueError("max_concurrency must be an int >= 1")
+    if not idle_timeout > 0:
+        raise ValueError("idle_timeout must be > 0")
+    if max_connections is None:
+        max_connections = _default_max_connections()
+    elif type(max_connections) is not int or max_connections < 1:
+        raise ValueError("max_connections must be an int >= 1")
+    path = os.fspath(path)
+    loop = asyncio.get_running_loop()
+    lock_fd = await asyncio.to_thread(take_path, path)
+    worker = _Worker(
+        handler,
+        receiver,
+        max_concurrency=max_concurrency,
+        lease=lease,
+        max_frame_bytes=max_frame_bytes,
+        idle_timeout=idle_timeout,
+        max_connections=max_connections,
+    )
+    stop = asyncio.Event()
+    installed: list[int] = []
+    try:
+        old_umask = os.umask(0o177)
+        try:
+            server = await loop.create_unix_server(worker.protocol, path)
+        finally:
+            os.umask(old_umask)
+        inode = os.stat(path).st_ino
+        for sig in shutdown_signals:
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+        log.info("engine worker serving %s", path)
+        if ready is not None:
+            ready()
+        try:
+            await stop.wait()
+        finally:
+            server.close()
+            with anyio.CancelScope(shield=True):
+                await worker.shutdown(shutdown_timeout)
+                with contextlib.suppress(OSError):
+                    if os.stat(path).st_ino == inode:
+                        os.unlink(path)
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        release_path(path, lock_fd)
