@@ -323,7 +323,7 @@ def _imported(module: str) -> set[str]:
         package = ("aioshmcache", *file.relative_to(PACKAGE).parent.parts)
         tree = ast.parse(file.read_text())
         for node in ast.walk(tree):
-            if _type_checking_only(node):
+            if isinstance(node, ast.If) and _type_checking_only(node):
                 node.body = []  # the checker's imports never run: no import cycle at run time
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
