@@ -40,7 +40,7 @@ from typing import Any
 
 from ._group import is_member, list_shards, shard_identity
 from ._layout import LAYOUT_VERSION, SHM_DIR, group_word
-from ._receive import ReceiverRequest, single_item
+from ._receive import ReceiverRequest, genuine, single_item
 from ._request import (
     DEFAULT_INLINE_THRESHOLD,
     RequestCounters,
@@ -303,8 +303,10 @@ class GroupReceiverRequest:
         for nonce in routes:
             if not shards.resolved(nonce):
                 shards.find(nonce)  # the one shard file that holds this instance, if any
+        todo = list(routes.items())
         for nonce in routes:
             if shards.store(nonce) is None and not shards.is_gone(nonce):
+                self._give_back(todo)  # the request fails owing nothing
                 if shards.closed:  # closed meanwhile (another thread): the look-up was skipped
                     raise ClosedCacheError("the group reader is closed")
                 hint = "" if shards.has_member() else f" (it has no shard in {SHM_DIR} at all)"
@@ -312,7 +314,7 @@ class GroupReceiverRequest:
                     f"reference names no live shard of cache group {shards.group!r}{hint}"
                 )
         self._counters.add(total=len(self._features) - sum(map(len, routes.values())))
-        for nonce, items in routes.items():
+        for at, (nonce, items) in enumerate(todo):
             store = shards.store(nonce)
             if store is None:
                 self._gone.extend(items)
@@ -331,6 +333,7 @@ class GroupReceiverRequest:
                 if isinstance(exc, ClosedCacheError) and not shards.is_gone(nonce):
                     sub.abandon()
                     self.abandon()
+                    self._give_back(todo[at + 1 :])
                     raise
                 sub.abandon()
                 shards.detach(nonce)
@@ -339,12 +342,26 @@ class GroupReceiverRequest:
             except BaseException:
                 sub.abandon()
                 self.abandon()
+                self._give_back(todo[at + 1 :])
                 raise
             with self._lock:
                 if self._abandoned:  # the caller left while this ran in a worker thread
                     sub.abandon()
+                    self._give_back(todo[at + 1 :])
                     return
                 self._subs.append((nonce, items, sub))
+
+    def _give_back(self, routes: Sequence[tuple[int, list[int]]]) -> None:
+        """Give back the genuine references of ``routes``, whose shards' reads never began (a
+        request that fails gives back every reference it did not read)."""
+        for nonce, items in routes:
+            store = self._shards.store(nonce)
+            if store is None:
+                continue
+            for i in items:
+                ref = as_reference(self._features[i].data)
+                if ref is not None and genuine(store, ref):
+                    store.give_back(ref)
 
     def run_jobs(self) -> None:
         """Each shard's big reads; a shard whose writer dies meanwhile only fails its items."""

@@ -26,9 +26,9 @@ from ._request import (
 )
 from ._store_reader import StoreReader
 from ._types import FeatureSpec, ShmRef
-from .errors import CacheMissError, InvalidReferenceError, StaleReferenceError
+from .errors import CacheMissError, InvalidReferenceError, ShmCacheError, StaleReferenceError
 
-__all__ = ["ReceiverRequest", "read_one", "single_item"]
+__all__ = ["ReceiverRequest", "genuine", "read_one", "single_item"]
 
 _NO_OWED: Final = cast("dict[int, ShmRef]", MappingProxyType({}))
 
@@ -143,6 +143,7 @@ class ReceiverRequest(_Steps):
         jobs: list[tuple[int, ShmRef, str]] = _NONE
         stale: list[str] = _NONE
         error: Exception | None = None
+        i = 0  # the feature being read: on an error, it and every later one are not read
         try:
             for i, f in enumerate(self._features):
                 try:
@@ -201,15 +202,23 @@ class ReceiverRequest(_Steps):
                         jobs.append((i, ref, h))
                 except (InvalidReferenceError, TypeError) as exc:
                     error = error or exc
+            i = len(results)  # every feature was looked at
             if error is not None:
                 raise error  # the face abandons the request: every valid reference is given back
             if slot is None:
                 busy = reads or jobs or core_hits
                 slot = reading._check_reader() if not busy else reading.slot
         except BaseException:
+            # owed (``abandon`` gives them back): what was set aside to read, what is leased,
+            # and the genuine references not read yet (a read failing untyped in the core's
+            # call, a check of the reader failing midway)
             self._owe(reads, 0, 0)
-            for i, ref in leased:
-                self._owed[i] = ref
+            for k, ref in leased:
+                self._owed[k] = ref
+            for k in range(i, len(results)):
+                given = self._reference(k)
+                if given is not None and genuine(self._store, given):
+                    self._owed[k] = given
             raise
         if jobs:
             self._owed = {i: ref for i, ref, _h in jobs}
@@ -247,6 +256,15 @@ class ReceiverRequest(_Steps):
                 counters.total += len(results)
             finally:
                 lock.release()
+
+    def _reference(self, i: int) -> ShmRef | None:
+        """Feature ``i``'s reference, if its data is one."""
+        f = self._features[i]
+        data = f[1] if self._pairs else getattr(f, "data", None)
+        try:
+            return as_reference(data)
+        except Exception:  # not a reference a reader could have been handed
+            return None
 
     def _owe(
         self, reads: list[tuple[int, ShmRef, memoryview, str]], owed_from: int, unread_from: int
@@ -362,9 +380,24 @@ def read_one(store: StoreReader, counters: RequestCounters, mm_item: Any, mm_has
     except StaleReferenceError:
         counters.add(total=1)
         raise StaleReferenceError(f"reference for {mm_hash!r} is stale") from None
+    except BaseException:
+        if genuine(store, mm_item):  # a failed read gives its reference back
+            reading.give_back(mm_item)
+        raise
     if value is not None:
         counters.add(hits=1, total=1)
     return value
+
+
+def genuine(store: StoreReader, ref: ShmRef) -> bool:
+    """Whether ``ref`` is a live hand-out of ``store``'s segment now: a reference whose read
+    failed otherwise than typed, or was never read, is given back only then (never a forged or
+    stale one: see ``_reading``)."""
+    try:
+        store.validate(ref)
+    except (ShmCacheError, ValueError, TypeError):
+        return False
+    return True
 
 
 def single_item(finish: Callable[[], list[FeatureSpec]], features: Sequence[FeatureSpec]) -> Any:

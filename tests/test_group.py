@@ -859,3 +859,33 @@ def test_a_shard_reclaimed_while_a_reader_finds_it_dead_is_not_taken_for_gone(
             cache.close()
     sweep(prefix=group)
     assert _ours(group) == []
+
+
+@pytest.mark.parametrize("how", ["a read fails", "a reference is forged"])
+def test_a_failed_group_read_gives_back_every_shard_s_references(group: str, how: str) -> None:
+    """A group request that fails gives back the references of every shard, not only those of
+    the shard whose read failed: the shards read after it never began (a read failing in the
+    core's call), or none began (a reference naming no shard)."""
+    cfg = gp.config(group)
+    with SenderCache(cfg) as a, SenderCache(cfg) as b, ReceiverCache.attach_group(group) as rx:
+        [fa] = a.get_and_update_features([FeatureSpec("ha", gp.make_item("ha"))])
+        [fb] = b.get_and_update_features([FeatureSpec("hb", gp.make_item("hb"))])
+        assert not a.is_freeable("ha") and not b.is_freeable("hb")  # owed to the reader
+        assert isinstance(fa.data, ShmRef) and isinstance(fb.data, ShmRef)
+        request = [fa, fb]
+        if how == "a read fails":
+            store = rx._shards.store(fa.data.nonce)
+            assert store is not None
+            store.check_writer()  # probed now: the core's call takes the read
+
+            def fails(ctx: Any, ref: object, copy: bool) -> Any:
+                raise RuntimeError("bug")
+
+            store._reading._read_item = fails
+            expected: type[Exception] = RuntimeError
+        else:
+            request.append(FeatureSpec("hf", fb.data._replace(nonce=12345)))
+            expected = InvalidReferenceError
+        with pytest.raises(expected):
+            rx.get_and_update_features(request)
+        assert a.is_freeable("ha") and b.is_freeable("hb")
