@@ -149,6 +149,11 @@ class ReaderSlot:
                 f"reader slot {self.slot} was revoked by the writer (stuck past its deadline)"
             )
 
+    def ready(self) -> bool:
+        """Whether a read may acknowledge through this slot as usual: not revoked, and no
+        acknowledgement waiting for log room (one call for the read path's usual case)."""
+        return self._words[WS_REVOKED] != self.session and not self._overflow
+
     @property
     def overflowing(self) -> bool:
         """Whether acknowledgements wait for log room (see :meth:`flush`)."""
