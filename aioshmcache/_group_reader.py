@@ -17,11 +17,11 @@ it adds is the merge:
   shard file names it: the file it lived in, or the file that reclaimed it (which remembers
   the last ``PAST_NONCES`` instances of its name); a shard closed cleanly and removed, then
   created afresh, forgets its past, so a reference of it is told apart from a forged one only
-  by a reader that saw that instance. While a live writer is creating a shard file of the
-  group (a reclaimer writes the instances it replaces into the header it completes last),
-  such a reference is looked for again until that file is complete (bounded): as a job, so
-  that the async face waits in a worker thread, never on its event loop. A header-less file
-  nobody is creating, or a plain cache named like a shard, is decided at the first look;
+  by a reader that saw that instance. One look decides: a reclaimer renames its new shard
+  file, complete, over the dead one (``_segment``), so the name always leads to a file that
+  names the instance; a file still being created under a free name (no header yet) names no
+  instance a reference can come from, and a plain cache named like a shard is no member. So
+  a read never waits for a shard file, on an event loop or anywhere;
 * a reference of a shard whose writer died or closed: ``WriterGoneError`` after the others were
   read, listing those hashes (``mm_hashes``) with the partial result (``features``);
 * stale references of every shard are collected into one ``CacheMissError``.
@@ -40,7 +40,7 @@ from typing import Any
 
 from ._group import is_member, shard_identity
 from ._layout import LAYOUT_VERSION, SHM_DIR, group_word
-from ._receive import ReceiverRequest, single_item
+from ._receive import ReceiverRequest, genuine, single_item
 from ._request import (
     DEFAULT_INLINE_THRESHOLD,
     RequestCounters,
@@ -64,10 +64,6 @@ __all__ = ["GroupReceiverRequest", "GroupShards"]
 
 _GONE_MEMORY = 1024  # nonces of departed shards remembered (their late references)
 _MEMBER_POLL = 0.05  # how often ``wait_for_member`` looks for the group's first shard (s)
-#: the longest a read waits for a live writer that is creating a shard file (s): the time a
-#: creation takes (reserving and prefaulting the segment), generous for a loaded host
-SETTLE_TIMEOUT = 10.0
-_SETTLE_POLL = 0.005
 
 
 class GroupShards:
@@ -111,10 +107,12 @@ class GroupShards:
                     )
                 except WriterGoneError:
                     # dead before we ever attached: remember its instance, so that references
-                    # it handed out are "writer gone", not "no such shard"
-                    dead = writer_state(os.path.join(SHM_DIR, name))
-                    if dead.nonce is not None and dead.nonce not in self._by_nonce:
-                        self._remember_gone(dead.nonce, name)
+                    # it handed out are "writer gone", not "no such shard". The instance of
+                    # the header read above: the file found dead is that one or a later one,
+                    # and a file is replaced only once its writer is gone. (A fresh look at
+                    # the name may find the live writer that reclaimed it meanwhile.)
+                    if ident[0] not in self._by_nonce:
+                        self._remember_gone(ident[0], name)
                     continue
                 except SegmentNotFoundError:
                     continue  # gone meanwhile
@@ -192,39 +190,9 @@ class GroupShards:
                 self._adopt_locked(store)
                 return
 
-    def initialising(self) -> bool:
-        """Whether a live writer is creating (or reclaiming) a file of the group's shards right
-        now: no complete header yet, and its creator holds the writer lock. That writer may be
-        the reclaimer of the instance a reference names.
-
-        Decided at once otherwise: a header-less file nobody holds (a creation that died, left
-        until a sweep) never completes, and a complete header already names the dead instances
-        it was reclaimed from (``find`` reads them, group word or not; a plain cache named
-        like a shard has a complete header too)."""
-        for _k, name in list_shards(self.group):
-            st = writer_state(os.path.join(SHM_DIR, name))
-            if st.ours and not st.initialised and st.alive:
-                return True
-        return False
-
     def resolved(self, nonce: int) -> bool:
         """Whether ``nonce`` is decided: attached, known gone, or this reader closed."""
         return self.closed or nonce in self._by_nonce or nonce in self._gone
-
-    def settle(self, nonce: int, timeout: float | None = None) -> None:
-        """``find``, and while a live writer is creating a shard file of the group, again
-        (bounded; it sleeps: never call it on an event loop). A reclaimer writes the dead
-        instances it replaces into its header before it marks it complete, so a reference of
-        one of them is told apart only once that is done. The deadline is taken before a look,
-        never between a look and the decision: a reader stopped (SIGSTOP, a loaded host) past
-        the deadline still decides on a fresh look."""
-        deadline = time.monotonic() + (SETTLE_TIMEOUT if timeout is None else timeout)
-        while True:
-            expired = time.monotonic() >= deadline
-            self.find(nonce)
-            if self.resolved(nonce) or expired or not self.initialising():
-                return
-            time.sleep(_SETTLE_POLL)
 
     def _adopt_locked(self, store: StoreReader) -> bool:
         """Keep an attached shard if it proves membership (the name may have been reused
@@ -305,25 +273,19 @@ class GroupReceiverRequest:
         self._inline_below = copy_inline_below
         self._subs: list[tuple[int, list[int], ReceiverRequest]] = []  # (nonce, items, request)
         self._gone: list[int] = []  # items of shards whose writer is gone
-        # routes left to ``run_jobs``: a nonce to resolve while a shard file is being created
-        self._unresolved: dict[int, list[int]] | None = None
         self._abandoned = False
         self._lock = threading.Lock()
 
     @property
     def has_jobs(self) -> bool:
-        """Whether ``run_jobs`` has work: big reads, or references to resolve first."""
-        return self._unresolved is not None or any(sub.has_jobs for _n, _i, sub in self._subs)
+        """Whether ``run_jobs`` has work (big reads)."""
+        return any(sub.has_jobs for _n, _i, sub in self._subs)
 
     def begin(self) -> None:
         """Route every reference, then begin one read per shard (typed errors, nothing owed).
 
-        A reference naming an instance no shard file names yet while a live writer is creating
-        a shard file of the group (its reclaimer, maybe) is resolved by ``run_jobs`` instead:
-        that waits for the creation, and the faces run jobs where waiting is allowed (the
-        caller's thread; a worker thread for the async face, never its event loop). Nothing is
-        begun then, so a reference still unknown after the wait fails the request owing
-        nothing, as a forged one does here.
+        A reference naming no attached shard is looked up once (a rescan, then the one shard
+        file that names its instance): that decides it (see the module docstring).
         """
         shards = self._shards
         if shards.closed:
@@ -341,17 +303,10 @@ class GroupReceiverRequest:
         for nonce in routes:
             if not shards.resolved(nonce):
                 shards.find(nonce)  # the one shard file that holds this instance, if any
-            if not shards.resolved(nonce) and shards.initialising():
-                if self._copy:  # a lease has no jobs step: it waits here (sync faces only)
-                    self._unresolved = routes
-                    return
-                shards.settle(nonce)
-        self._begin_routes(routes)
-
-    def _begin_routes(self, routes: dict[int, list[int]]) -> None:
-        shards = self._shards
+        todo = list(routes.items())
         for nonce in routes:
             if shards.store(nonce) is None and not shards.is_gone(nonce):
+                self._give_back(todo)  # the request fails owing nothing
                 if shards.closed:  # closed meanwhile (another thread): the look-up was skipped
                     raise ClosedCacheError("the group reader is closed")
                 hint = "" if shards.has_member() else f" (it has no shard in {SHM_DIR} at all)"
@@ -359,7 +314,7 @@ class GroupReceiverRequest:
                     f"reference names no live shard of cache group {shards.group!r}{hint}"
                 )
         self._counters.add(total=len(self._features) - sum(map(len, routes.values())))
-        for nonce, items in routes.items():
+        for at, (nonce, items) in enumerate(todo):
             store = shards.store(nonce)
             if store is None:
                 self._gone.extend(items)
@@ -378,6 +333,7 @@ class GroupReceiverRequest:
                 if isinstance(exc, ClosedCacheError) and not shards.is_gone(nonce):
                     sub.abandon()
                     self.abandon()
+                    self._give_back(todo[at + 1 :])
                     raise
                 sub.abandon()
                 shards.detach(nonce)
@@ -386,24 +342,29 @@ class GroupReceiverRequest:
             except BaseException:
                 sub.abandon()
                 self.abandon()
+                self._give_back(todo[at + 1 :])
                 raise
             with self._lock:
                 if self._abandoned:  # the caller left while this ran in a worker thread
                     sub.abandon()
+                    self._give_back(todo[at + 1 :])
                     return
                 self._subs.append((nonce, items, sub))
 
+    def _give_back(self, routes: Sequence[tuple[int, list[int]]]) -> None:
+        """Give back the genuine references of ``routes``, whose shards' reads never began (a
+        request that fails gives back every reference it did not read)."""
+        for nonce, items in routes:
+            store = self._shards.store(nonce)
+            if store is None:
+                continue
+            for i in items:
+                ref = as_reference(self._features[i].data)
+                if ref is not None and genuine(store, ref):
+                    store.give_back(ref)
+
     def run_jobs(self) -> None:
-        """References to resolve first (see ``begin``), then each shard's big reads; a shard
-        whose writer dies meanwhile only fails its items."""
-        if (routes := self._unresolved) is not None:
-            self._unresolved = None
-            for nonce in routes:
-                if self._abandoned:
-                    return
-                if not self._shards.resolved(nonce):
-                    self._shards.settle(nonce)
-            self._begin_routes(routes)
+        """Each shard's big reads; a shard whose writer dies meanwhile only fails its items."""
         for nonce, items, sub in list(self._subs):
             if self._abandoned:
                 return
@@ -428,8 +389,6 @@ class GroupReceiverRequest:
 
     def finish(self) -> list[FeatureSpec]:
         """The merged result; ``WriterGoneError`` then ``CacheMissError`` (see the docstring)."""
-        if self._unresolved is not None:
-            raise RuntimeError("internal error: finish before run_jobs resolved the references")
         data: list[Any] = [
             None if as_reference(f.data) is not None else f.data for f in self._features
         ]

@@ -108,6 +108,7 @@ __all__ = [
     "check_group",
     "group_word",
     "hint_slots_for",
+    "building_name",
     "is_segment_file",
     "parse_shard_name",
     "parse_semaphore_file",
@@ -230,6 +231,7 @@ _GROUP_RE: Final = re.compile(r"[A-Za-z0-9_\-]{1,180}")
 _SHARD_RE: Final = re.compile(r"aioshm-([A-Za-z0-9_\-]{1,180})\.shard(0|[1-9][0-9]{0,2})")
 #: shards a group can have (writer processes at once)
 MAX_SHARDS: Final = 64
+_BUILDING_RE: Final = re.compile(r"[A-Za-z0-9_.\-]{1,200}\.new-[0-9a-f]{8}")
 _SEM_FILE_RE: Final = re.compile(r"sem\.(aioshm-[A-Za-z0-9_.\-]{0,193})\.([0-9a-f]{8})\.wake")
 
 
@@ -281,9 +283,17 @@ def parse_shard_name(filename: str) -> tuple[str, int] | None:
     return m.group(1), int(m.group(2))
 
 
+def building_name(segment: str, token: str) -> str:
+    """The name a reclaimer builds segment ``segment``'s replacement under (``token``: 8 hex
+    digits), until it renames it over the dead one (see ``_segment``)."""
+    return f"{segment}.new-{token}"
+
+
 def is_segment_file(filename: str) -> bool:
-    """Whether a /dev/shm entry has the shape of a segment of ours."""
-    return filename.startswith(SEGMENT_PREFIX) and _NAME_RE.fullmatch(filename) is not None
+    """Whether a /dev/shm entry has the shape of a segment of ours (or of one being built)."""
+    return filename.startswith(SEGMENT_PREFIX) and (
+        _NAME_RE.fullmatch(filename) is not None or _BUILDING_RE.fullmatch(filename) is not None
+    )
 
 
 def semaphore_name(segment: str, nonce: int) -> str:

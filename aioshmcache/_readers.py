@@ -10,6 +10,11 @@ has exactly one writing process, so there is no lock and no read-modify-write ac
 an acknowledgement is one store of the id into the log and one store of the new head. The writer
 drains the logs when it needs room; acknowledgements never touch chunk memory, which the writer
 may already have reused.
+
+The log's head and the writer's consumed mark are 64-bit counters: a reader computes with them
+modulo 2**64, as the compiled core does (``_core_read.c``), so words another process wrote (a
+hostile writer can set them to anything) never make an acknowledgement fail; at worst that
+reader's acknowledgements are lost to the writer, which then sees it owe.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
+from typing import Final
 
 from ._layout import (
     H_LOG_ENTRIES,
@@ -40,6 +46,8 @@ from ._types import ReaderSlotInfo
 from .errors import ClosedCacheError, ReaderEvictedError, ReaderLimitError
 
 __all__ = ["ReaderSlot", "ReaderTable", "SlotState", "reader_slots_info"]
+
+_U64: Final = (1 << 64) - 1  # the counters' modulus, less one (see the module docstring)
 
 
 class ReaderTable:
@@ -141,6 +149,11 @@ class ReaderSlot:
                 f"reader slot {self.slot} was revoked by the writer (stuck past its deadline)"
             )
 
+    def ready(self) -> bool:
+        """Whether a read may acknowledge through this slot as usual: not revoked, and no
+        acknowledgement waiting for log room (one call for the read path's usual case)."""
+        return self._words[WS_REVOKED] != self.session and not self._overflow
+
     @property
     def overflowing(self) -> bool:
         """Whether acknowledgements wait for log room (see :meth:`flush`)."""
@@ -149,7 +162,7 @@ class ReaderSlot:
     @property
     def acknowledged(self) -> int:
         """Acknowledgements written by this session so far."""
-        return int(self._words[RS_HEAD] - self._words[RS_START])
+        return (self._words[RS_HEAD] - self._words[RS_START]) & _U64
 
     def ack(self, cid: int, seq: int) -> None:
         """Record that chunk ``cid`` was read and verified: two aligned stores, no syscall.
@@ -169,14 +182,14 @@ class ReaderSlot:
             w = self._words
             head: int = w[RS_HEAD]  # a "Q" view's items are ints already
             n = self._n
-            if head - w[WS_CONSUMED] >= n:
+            if (head - w[WS_CONSUMED]) & _U64 >= n:  # modulo 2**64 (module docstring)
                 self._overflow.append((cid, seq))
                 return
             k = 2 * (head % n)
             log = self._log
             log[k] = cid
             log[k + 1] = seq
-            w[RS_HEAD] = head + 1
+            w[RS_HEAD] = (head + 1) & _U64
         finally:
             lock.release()
 
@@ -184,14 +197,14 @@ class ReaderSlot:
         """Move overflowed acknowledgements into the log as far as it has room."""
         w = self._words
         head = int(w[RS_HEAD])
-        room = self._n - (head - int(w[WS_CONSUMED]))
+        room = self._n - ((head - int(w[WS_CONSUMED])) & _U64)
         k = min(room, len(self._overflow))
         for cid, seq in self._overflow[:k]:
             j = 2 * (head % self._n)
             self._log[j] = cid
             self._log[j + 1] = seq
-            head += 1
-        if k:
+            head = (head + 1) & _U64
+        if k > 0:
             w[RS_HEAD] = head
             del self._overflow[:k]
 

@@ -18,8 +18,9 @@ it, and the writer would free the chunk under that reader.
 **The one owner of the read algorithm.** Every read goes through this class; the requests of
 the caches (``_receive.ReceiverRequest``) drive its steps and hold none of their own: the usual
 read of a plain item in one call (:meth:`ReadPath.read_item`, the core's ``read_item``:
-``_core_read.c``, reference ``_core_read_py``), else ``_lookup`` (the usual checks, nothing
-raised) or ``_check_reader`` + ``_resolve`` (every check, typed errors), then ``_finish_read``
+``_core_read.c``, reference ``_core_read_py``), else ``lookup`` (the usual checks, nothing
+raised) or ``check_reader_held`` + ``resolve_held`` (every check, typed errors), then
+``finish_read_held``
 (decode, verify, acknowledge); ``get_checked`` for a request's deferred reads; ``ack`` and
 ``give_back`` to settle hand-outs; ``_inflight`` / ``in_use`` around them (see below).
 
@@ -74,7 +75,6 @@ from ._layout import (
     H_STATE,
     H_WAITING,
     STATE_LIVE,
-    WS_REVOKED,
     semaphore_name,
 )
 from ._readers import ReaderSlot
@@ -144,10 +144,12 @@ class ReadPath:
         self._idle = threading.Condition(threading.Lock())
         self._release: Callable[[], None] | None = None  # run by the last read out, if deferred
         self._closed_done = False
-        # the ring's size and views, for ``get``'s inline chunk checks (borrowed: the ring
+        # the ring's size and views, for ``get``'s inline chunk checks: its words through a
+        # view of this path's own (released by ``close``), its bytes borrowed (the ring
         # releases them when it closes)
         self._capacity = ring.capacity
-        self._chunk_words = ring._w
+        off = int(self._hw[H_RING_OFF])
+        self._chunk_words = segment.buf[off : off + self._capacity].cast("Q")
         self._chunk_bytes = ring.buf
         # the compiled read of one plain item (``enable_core``), None: the Python path only
         self._ctx: Any = None
@@ -185,6 +187,11 @@ class ReadPath:
         self._read_item = core.read_item
         return True
 
+    @property
+    def has_core(self) -> bool:
+        """Whether plain items are read through the core's ``read_item`` (:meth:`enable_core`)."""
+        return self._read_item is not None
+
     def read_item(self, ref: object, copy: bool = True) -> Any:
         """The usual reader's read of a plain item in one core call (``_core_read``): the item,
         verified and acknowledged (with ``copy`` false: read-only views, acknowledged by
@@ -213,14 +220,19 @@ class ReadPath:
                 self._left_closed()
 
     # --- reads in flight (see "Closing during a read" in the module docstring) --------------
+    def hold(self) -> None:
+        """Count a read in flight without a check (the caller's own checks see ``closed``):
+        a step of several reads, ended by :meth:`leave` on every path."""
+        self._inflight.append(None)
+
     def _enter(self) -> None:
         """Count a read in flight; ``ClosedCacheError`` (uncounted) if closed already."""
         self._inflight.append(None)
         if self.closed:
-            self._leave()
+            self.leave()
             self.check_open()
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
         """Uncount a read; the last one out after a close wakes the closer or runs the release."""
         self._inflight.pop()
         if self.closed:
@@ -242,7 +254,7 @@ class ReadPath:
         try:
             yield
         finally:
-            self._leave()
+            self.leave()
 
     def shut(self, wait: float) -> bool:
         """Refuse new reads, then wait up to ``wait`` s for those in flight; True once none is.
@@ -296,7 +308,7 @@ class ReadPath:
         try:
             self._check_writer()
         finally:
-            self._leave()
+            self.leave()
 
     def _check_writer(self) -> None:
         if self._hw[H_STATE] != STATE_LIVE:
@@ -311,11 +323,11 @@ class ReadPath:
         """The reader slot, after checking that this reader may read now (typed errors)."""
         self._enter()
         try:
-            return self._check_reader()
+            return self.check_reader_held()
         finally:
-            self._leave()
+            self.leave()
 
-    def _check_reader(self) -> ReaderSlot:
+    def check_reader_held(self) -> ReaderSlot:
         if self.closed or self._seg.forked:
             self.check_open()
         slot = self.slot
@@ -329,9 +341,8 @@ class ReadPath:
             or time.monotonic() - self._last_writer_probe > self.probe_interval
         ):
             self._check_writer()
-        if slot._words[WS_REVOKED] == slot.session:
-            slot.check_revoked()
-        if slot._overflow:
+        slot.check_revoked()
+        if slot.overflowing:
             slot.flush()
         return slot
 
@@ -353,11 +364,11 @@ class ReadPath:
         """
         self._enter()
         try:
-            return self._resolve(ref)
+            return self.resolve_held(ref)
         finally:
-            self._leave()
+            self.leave()
 
-    def _resolve(self, ref: object) -> tuple[ShmRef, memoryview]:
+    def resolve_held(self, ref: object) -> tuple[ShmRef, memoryview]:
         if self.closed or self._seg.forked:
             self.check_open()
         r = ref if isinstance(ref, ShmRef) else ShmRef.from_dict(ref)
@@ -391,13 +402,15 @@ class ReadPath:
                 if copy:
                     view.release()
                 self.check_open()
-            return self._finish_read(slot, r, view, copy)
+            return self.finish_read_held(slot, r, view, copy)
         finally:
             inflight.pop()
             if self.closed:
                 self._left_closed()
 
-    def _finish_read(self, slot: ReaderSlot | None, r: ShmRef, view: memoryview, copy: bool) -> Any:
+    def finish_read_held(
+        self, slot: ReaderSlot | None, r: ShmRef, view: memoryview, copy: bool
+    ) -> Any:
         address, cid, position = r[2], r[3], r[6]
         try:
             value = self.serde.read(view, copy=copy)
@@ -418,8 +431,7 @@ class ReadPath:
         ):
             self.ring.verify(address, cid, position)
         if slot is not None:
-            if slot._words[WS_REVOKED] == slot.session:
-                slot.check_revoked()
+            slot.check_revoked()
             if copy:
                 slot.ack(cid, r[7])
                 if hw[H_WAITING]:
@@ -435,7 +447,7 @@ class ReadPath:
     def get(self, ref: ShmRef | dict[str, Any], *, copy: bool = True) -> Any:
         """A reader's read: verify, copy (or view), acknowledge (a copy only).
 
-        The usual case is :meth:`_lookup` then :meth:`_finish_read`; anything unusual takes the
+        The usual case is :meth:`lookup` then :meth:`finish_read_held`; anything unusual takes the
         general path, which makes the same checks again and raises the typed error. One read in
         flight for the whole call.
         """
@@ -446,10 +458,10 @@ class ReadPath:
         inflight = self._inflight  # one read in flight: ``in_use``, inlined
         inflight.append(None)
         try:
-            view = self._lookup(ref)  # None if closed: ``_check_reader`` raises then
+            view = self.lookup(ref)  # None if closed: ``check_reader_held`` raises then
             if view is None:
                 return self._get(ref, copy)
-            return self._finish_read(self.slot, ref, view, copy)  # type: ignore[arg-type]
+            return self.finish_read_held(self.slot, ref, view, copy)  # type: ignore[arg-type]
         finally:
             inflight.pop()
             if self.closed:
@@ -457,11 +469,11 @@ class ReadPath:
 
     def _get(self, ref: object, copy: bool) -> Any:
         """``get``'s general path, in the caller's read in flight: every check, typed errors."""
-        slot = self._check_reader()
-        r, view = self._resolve(ref)  # stale: raised, not acknowledged (module docstring)
-        return self._finish_read(slot, r, view, copy)
+        slot = self.check_reader_held()
+        r, view = self.resolve_held(ref)  # stale: raised, not acknowledged (module docstring)
+        return self.finish_read_held(slot, r, view, copy)
 
-    def _lookup(self, ref: object) -> memoryview | None:
+    def lookup(self, ref: object) -> memoryview | None:
         """The usual case of :meth:`check_reader` and :meth:`resolve`, in one function.
 
         A view of the payload of ``ref`` if it is a ``ShmRef`` that passes every check, the
@@ -480,8 +492,7 @@ class ReadPath:
             or self._seg.closed
             or hw[H_STATE] != STATE_LIVE
             or time.monotonic() - self._last_writer_probe > self.probe_interval
-            or slot._words[WS_REVOKED] == slot.session
-            or slot._overflow
+            or not slot.ready()
         ):
             return None
         nonce, epoch, address, cid, length, tag, position, seq = ref
@@ -527,10 +538,10 @@ class ReadPath:
         """
         with self.in_use():
             if slot is None:
-                slot = self._check_reader()
+                slot = self.check_reader_held()
             self._check_epoch(r.epoch)  # stale: raised, owes nothing (see the module docstring)
             view = self.ring.access(r.address, r.id, r.length, r.position)
-            return self._finish_read(slot, r, view, copy)
+            return self.finish_read_held(slot, r, view, copy)
 
     def ack(self, ref: ShmRef) -> None:
         """Acknowledge a reference read with ``copy=False`` after re-verifying it."""
@@ -538,7 +549,7 @@ class ReadPath:
             self._ack_checked(ref)
 
     def _ack_checked(self, ref: ShmRef) -> None:
-        slot = self._check_reader()
+        slot = self.check_reader_held()
         address, cid, position = ref.address, ref.id, ref.position
         # ShmRingBuffer.verify's checks, inline (as in finish_read); it raises if one fails
         hw = self._hw
@@ -593,3 +604,4 @@ class ReadPath:
         if self._sem is not None:
             with contextlib.suppress(posix_ipc.ExistentialError, OSError):
                 self._sem.close()
+        self._chunk_words.release()

@@ -26,9 +26,9 @@ from ._request import (
 )
 from ._store_reader import StoreReader
 from ._types import FeatureSpec, ShmRef
-from .errors import CacheMissError, InvalidReferenceError, StaleReferenceError
+from .errors import CacheMissError, InvalidReferenceError, ShmCacheError, StaleReferenceError
 
-__all__ = ["ReceiverRequest", "read_one", "single_item"]
+__all__ = ["ReceiverRequest", "genuine", "read_one", "single_item"]
 
 _NO_OWED: Final = cast("dict[int, ShmRef]", MappingProxyType({}))
 
@@ -111,25 +111,22 @@ class ReceiverRequest(_Steps):
     def begin(self) -> None:
         """Validate the whole request, then read what is small. Typed errors, nothing owed.
 
-        The whole step is one read in flight of the store (``ReadPath.in_use``, inlined): a
+        The whole step is one read in flight of the store (``ReadPath.hold`` ... ``leave``): a
         close waits for it, so the view a validation made of a reference read in this step is
         the one read (the copy is verified after it: a chunk freed meanwhile is stale), and a
         second look-up of the chunk would add nothing. Jobs look their chunk up again when they
         run.
         """
         reading = self._store._reading
-        inflight = reading._inflight  # ``ReadPath.in_use``, inlined
-        inflight.append(None)
+        reading.hold()
         try:
-            self._begin(reading)  # closed: ``_lookup`` gives None, ``_check_reader`` raises
+            self._begin(reading)  # closed: ``lookup`` gives None, ``check_reader_held`` raises
         finally:
-            inflight.pop()
-            if reading.closed:
-                reading._left_closed()
+            reading.leave()
 
     def _begin(self, reading: ReadPath) -> None:
         # ``check_reader`` (a dead writer is raised first) is skipped while every reference
-        # passes ``ReadPath._lookup``, which checks the same (open, writer live, not revoked)
+        # passes ``ReadPath.lookup``, which checks the same (open, writer live, not revoked)
         slot: ReaderSlot | None = None
         copy, inline_below, pairs = self._copy, self._inline_below, self._pairs
         results = self._results
@@ -137,12 +134,13 @@ class ReceiverRequest(_Steps):
         # read, verified and acknowledged in one core call (``ReadPath.read_item``): counted
         # below with the other reads; on an error the face gives back the others, as before.
         # A lease's views are not acknowledged: held (given back on an error) as ``reads``'.
-        core_read = reading._read_item is not None
+        core_read = reading.has_core
         core_hits = 0
         leased: list[tuple[int, ShmRef]] = []
         jobs: list[tuple[int, ShmRef, str]] = _NONE
         stale: list[str] = _NONE
         error: Exception | None = None
+        i = 0  # the feature being read: on an error, it and every later one are not read
         try:
             for i, f in enumerate(self._features):
                 try:
@@ -173,20 +171,20 @@ class ReceiverRequest(_Steps):
                             if not copy:
                                 leased.append((i, data))
                             continue
-                    # the usual case in one call (``ReadPath._lookup``); else the typed checks
-                    view = reading._lookup(data) if type(data) is ShmRef else None
+                    # the usual case in one call (``ReadPath.lookup``); else the typed checks
+                    view = reading.lookup(data) if type(data) is ShmRef else None
                     if view is not None:
                         ref: ShmRef = data
                     else:
                         if slot is None:
-                            slot = reading._check_reader()
+                            slot = reading.check_reader_held()
                         given = as_reference(data)
                         if given is None:
                             results[i] = data
                             continue
                         try:
                             # forged or foreign: never given back (not ours)
-                            ref, view = reading._resolve(given)
+                            ref, view = reading.resolve_held(given)
                         except StaleReferenceError:  # owes nothing: not acknowledged
                             if stale is _NONE:
                                 stale = self._stale = []
@@ -201,15 +199,23 @@ class ReceiverRequest(_Steps):
                         jobs.append((i, ref, h))
                 except (InvalidReferenceError, TypeError) as exc:
                     error = error or exc
+            i = len(results)  # every feature was looked at
             if error is not None:
                 raise error  # the face abandons the request: every valid reference is given back
             if slot is None:
                 busy = reads or jobs or core_hits
-                slot = reading._check_reader() if not busy else reading.slot
+                slot = reading.check_reader_held() if not busy else reading.slot
         except BaseException:
+            # owed (``abandon`` gives them back): what was set aside to read, what is leased,
+            # and the genuine references not read yet (a read failing untyped in the core's
+            # call, a check of the reader failing midway)
             self._owe(reads, 0, 0)
-            for i, ref in leased:
-                self._owed[i] = ref
+            for k, ref in leased:
+                self._owed[k] = ref
+            for k in range(i, len(results)):
+                given = self._reference(k)
+                if given is not None and genuine(self._store, given):
+                    self._owed[k] = given
             raise
         if jobs:
             self._owed = {i: ref for i, ref, _h in jobs}
@@ -220,7 +226,7 @@ class ReceiverRequest(_Steps):
             for i, ref, view, h in reads:
                 done += 1
                 try:
-                    results[i] = reading._finish_read(slot, ref, view, copy)
+                    results[i] = reading.finish_read_held(slot, ref, view, copy)
                 except StaleReferenceError:
                     # stale after the copy: the chunk was freed (or cleared), and a freed chunk
                     # is owed by nobody, so there is nothing to acknowledge
@@ -247,6 +253,15 @@ class ReceiverRequest(_Steps):
                 counters.total += len(results)
             finally:
                 lock.release()
+
+    def _reference(self, i: int) -> ShmRef | None:
+        """Feature ``i``'s reference, if its data is one."""
+        f = self._features[i]
+        data = f[1] if self._pairs else getattr(f, "data", None)
+        try:
+            return as_reference(data)
+        except Exception:  # not a reference a reader could have been handed
+            return None
 
     def _owe(
         self, reads: list[tuple[int, ShmRef, memoryview, str]], owed_from: int, unread_from: int
@@ -355,16 +370,31 @@ def read_one(store: StoreReader, counters: RequestCounters, mm_item: Any, mm_has
     A reference reclaimed during the copy is counted and raised as the request raises it.
     """
     reading = store._reading
-    if type(mm_item) is not ShmRef or type(mm_hash) is not str or reading._read_item is None:
+    if type(mm_item) is not ShmRef or type(mm_hash) is not str or not reading.has_core:
         return None
     try:
         value = reading.read_item(mm_item)
     except StaleReferenceError:
         counters.add(total=1)
         raise StaleReferenceError(f"reference for {mm_hash!r} is stale") from None
+    except BaseException:
+        if genuine(store, mm_item):  # a failed read gives its reference back
+            reading.give_back(mm_item)
+        raise
     if value is not None:
         counters.add(hits=1, total=1)
     return value
+
+
+def genuine(store: StoreReader, ref: ShmRef) -> bool:
+    """Whether ``ref`` is a live hand-out of ``store``'s segment now: a reference whose read
+    failed otherwise than typed, or was never read, is given back only then (never a forged or
+    stale one: see ``_reading``)."""
+    try:
+        store.validate(ref)
+    except (ShmCacheError, ValueError, TypeError):
+        return False
+    return True
 
 
 def single_item(finish: Callable[[], list[FeatureSpec]], features: Sequence[FeatureSpec]) -> Any:

@@ -21,6 +21,19 @@ waits for the remover lock, or finds the file gone), and nobody else unlinks a d
 file, so the name cannot be given to a new file between the check and the unlink. The remover
 lock is not byte 0: a writer's liveness is probed on byte 0, and a remover must never look
 like a live writer (a restart would then refuse the name).
+
+**A restart replaces a dead writer's file in one step.** A name that no file holds is created in
+place (``O_EXCL`` decides a race; no reference of any instance can name it). A name whose writer
+is provably dead is *reclaimed*: under the dead file's remover lock (and its *reclaimer lock*,
+byte :data:`RECLAIMER_BYTE`, which tells another restart of the name that a new writer is on its
+way), the new segment is made whole under a name of its own (``_layout.building_name``: space
+reserved, prefaulted, writer lock held, header complete with the dead instances it replaces),
+then ``rename(2)``-d over the dead file, which the remover lock proves is still the one judged.
+So a reader that looks up the name at any instant finds the dead file or the whole new one,
+which names the dead instance: never no file, nor a header not yet written (a group reader
+that never saw the dead instance would take its references for forged ones). A build whose
+process died is an orphan under its own name (``sweep``, or the next reclaim of the name,
+removes it).
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ import stat
 import struct
 import time
 import weakref
+from collections.abc import Callable
 from typing import Final, NamedTuple
 
 from ._layout import (
@@ -75,6 +89,7 @@ from ._layout import (
     STATE_CLOSED,
     STATE_LIVE,
     Layout,
+    building_name,
     is_segment_file,
     parse_semaphore_file,
     parse_shard_name,
@@ -91,6 +106,7 @@ from .errors import (
 )
 
 __all__ = [
+    "RECLAIMER_BYTE",
     "REMOVER_BYTE",
     "Segment",
     "WriterState",
@@ -153,6 +169,8 @@ _SPACE_ERRNOS: Final = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.ENOMEM)
 CREATION_GRACE: Final = 10.0
 #: the lock byte held by whoever removes a dead writer's file (see the module docstring)
 REMOVER_BYTE: Final = 1 << 62
+#: held with it by a restart that replaces the dead file with its own (see the module docstring)
+RECLAIMER_BYTE: Final = REMOVER_BYTE + 1
 #: how long a restart waits for another process that is removing the dead file under its name
 #: (a removal holds its lock for microseconds; this only bounds a stalled one)
 REMOVAL_WAIT: Final = 5.0
@@ -299,30 +317,48 @@ def remove_orphan(path: str, *, dry_run: bool = False) -> bool:
         os.close(fd)  # drops the remover lock
 
 
-def _reclaim(full: str, path: str, *, allowed: bool) -> tuple[int, ...] | None:
-    """Remove the segment at ``path`` if its writer is provably dead, or say why not.
+def _remove_dead_builds(full: str) -> None:
+    """Remove the orphans of builds of ``full``'s replacement whose process died (their own
+    names; only provably dead ones, as ``sweep`` would)."""
+    start = building_name(full, "")
+    with contextlib.suppress(OSError):
+        for n in os.listdir(SHM_DIR):
+            if n.startswith(start) and is_segment_file(n):
+                remove_orphan(os.path.join(SHM_DIR, n))
+
+
+def _reclaim(
+    full: str, path: str, *, allowed: bool, build: Callable[[int, str, tuple[int, ...]], Segment]
+) -> Segment | None:
+    """Replace the segment at ``path`` with a new one if its writer is provably dead, or say
+    why not.
 
     Provably dead: a regular file of this user, with our magic and layout version, whose writer
-    lock nobody holds. It is removed as :func:`remove_orphan` removes (under its remover lock,
-    only if the name still leads to it), so two writers restarting at once, or a restart and a
-    ``sweep``, never remove each other's new file. The wake semaphore goes too.
-    Returns the removed segment's lineage (its nonce, then its own past ones), which the new
-    segment records, so that a late reference of a dead instance is known as such
-    (``WriterGoneError``) by a reader that never saw that instance (a group's reader); ``()``
-    when the file went meanwhile; None when another process is removing it right now (try
-    again).
+    lock nobody holds. The new segment is built by ``build(fd, file, past)`` under a name of its
+    own, whole, then renamed over the dead file under that file's remover lock, and only if the
+    name still leads to it (see the module docstring): so two writers restarting at once, or a
+    restart and a ``sweep``, never replace each other's new file, and a reader sees the dead
+    file or the new one. ``past`` is the dead segment's lineage (its nonce, then its own past
+    ones), which the new segment records, so that a late reference of a dead instance is known
+    as such (``WriterGoneError``) by a reader that never saw that instance (a group's reader).
+    The wake semaphore goes too. Returns the new segment; None when the file went meanwhile or
+    a sweep is removing it right now (try again).
     """
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
-        return ()  # gone meanwhile: just create
+        return None  # gone meanwhile: just create
     except OSError as exc:
         raise SegmentExistsError(
             errno.EEXIST, f"{path} exists and is not a segment of ours ({exc.strerror})", path
         ) from None
     try:
         if not ofd_lock(fd, REMOVER_BYTE):
-            return None  # a sweep or another restart is removing it: wait for it
+            if ofd_probe(fd, RECLAIMER_BYTE):
+                raise SegmentExistsError(
+                    errno.EEXIST, f"segment {full!r} is being reclaimed by another writer", path
+                )
+            return None  # a sweep is removing it: wait for it
         st = _state_of(fd)
         if not st.ours:
             raise SegmentExistsError(
@@ -347,14 +383,30 @@ def _reclaim(full: str, path: str, *, allowed: bool) -> tuple[int, ...] | None:
                 "remove it with sweep(name=...) or create with reclaim_dead=True",
                 path,
             )
-        if not _same_file(path, fd):
-            return ()  # removed (and maybe replaced) meanwhile: try to create again
-        os.unlink(path)  # under the remover lock: still the file judged
+        ofd_lock(fd, RECLAIMER_BYTE)  # another restart of the name now gives way at once
+        _remove_dead_builds(full)
+        tmp = os.path.join(SHM_DIR, building_name(full, secrets.token_hex(4)))
+        try:
+            new_fd = os.open(tmp, os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+        except OSError as exc:
+            raise _typed(exc, full, tmp, "create") from None
+        seg = build(new_fd, tmp, st.lineage[:PAST_NONCES])  # removes ``tmp`` if it fails
+        try:
+            if not _same_file(path, fd):
+                seg.close()  # removed (and maybe replaced) meanwhile: try to create again
+                os.unlink(tmp)
+                return None
+            os.rename(tmp, path)  # under the remover lock: still the file judged
+        except BaseException:
+            seg.close()  # the name does not lead to it: nothing but ``tmp`` is removed
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
         if st.nonce is not None:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(SHM_DIR, semaphore_file(full, st.nonce)))
         log.info("reclaimed segment %r of dead writer pid %d", full, st.pid)
-        return st.lineage[:PAST_NONCES]
+        return seg
     finally:
         os.close(fd)
 
@@ -394,41 +446,75 @@ class Segment:
         """Create, reserve, prefault and lock a new segment; nothing is left behind on failure.
 
         ``SegmentExistsError`` if the name is taken, unless its writer is provably dead and
-        ``reclaim_dead`` is set: then the old segment and its semaphore are removed first.
+        ``reclaim_dead`` is set: then the new segment replaces the old one in one step (see the
+        module docstring) and the old semaphore is removed.
         """
         full = segment_name(name) if name is not None else SEGMENT_PREFIX + secrets.token_hex(8)
         path = os.path.join(SHM_DIR, full)
-        flags = os.O_CREAT | os.O_EXCL | _OPEN_FLAGS
-        past: tuple[int, ...] = ()
+
+        def build(fd: int, file: str, past: tuple[int, ...]) -> Segment:
+            return cls._build(
+                fd,
+                full,
+                file,
+                layout,
+                past=past,
+                max_object_bytes=max_object_bytes,
+                delivery=delivery,
+                handout_ttl=handout_ttl,
+                prefault=prefault,
+            )
+
         deadline = time.monotonic() + REMOVAL_WAIT
-        try:
-            while True:
-                try:
-                    fd = os.open(path, flags, 0o600)
-                    break
-                except FileExistsError:
-                    if time.monotonic() > deadline:
-                        raise SegmentExistsError(
-                            errno.EEXIST,
-                            f"segment {full!r} is still being removed by another process "
-                            f"after {REMOVAL_WAIT:g} s",
-                            path,
-                        ) from None
-                    got = _reclaim(full, path, allowed=reclaim_dead)  # or raises why not
-                    if got is None:
-                        time.sleep(0.001)  # another process is removing it: microseconds
-                    elif got:
-                        past = got
-        except OSError as exc:
-            if isinstance(exc, ShmCacheError):
-                raise
-            raise _typed(exc, full, path, "create") from None
+        while True:
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise _typed(exc, full, path, "create") from None
+            else:
+                return build(fd, path, ())  # a name nobody holds: made in place
+            if time.monotonic() > deadline:
+                raise SegmentExistsError(
+                    errno.EEXIST,
+                    f"segment {full!r} is still being removed by another process "
+                    f"after {REMOVAL_WAIT:g} s",
+                    path,
+                )
+            try:
+                seg = _reclaim(full, path, allowed=reclaim_dead, build=build)  # or raises why
+            except OSError as exc:
+                if isinstance(exc, ShmCacheError):
+                    raise
+                raise _typed(exc, full, path, "create") from None
+            if seg is not None:
+                return seg
+            time.sleep(0.001)  # gone meanwhile, or a sweep is removing it: microseconds
+
+    @classmethod
+    def _build(
+        cls,
+        fd: int,
+        full: str,
+        file: str,
+        layout: Layout,
+        *,
+        past: tuple[int, ...],
+        max_object_bytes: int,
+        delivery: str,
+        handout_ttl: float,
+        prefault: bool,
+    ) -> Segment:
+        """Make the file just created as ``fd`` (at ``file``) segment ``full``: the writer lock,
+        the space, the prefault, the header (the magic last); closes ``fd``. On failure the
+        file is removed and nothing is left behind."""
         lock_fd = -1
         mm: mmap.mmap | None = None
         try:
             lock_fd = _open_lock_fd(fd)
             if not ofd_lock(lock_fd, 0):  # cannot fail on a file we just created; never assume
-                raise SegmentExistsError(errno.EEXIST, f"segment {full!r} has a writer", path)
+                raise SegmentExistsError(errno.EEXIST, f"segment {full!r} has a writer", file)
             try:
                 os.posix_fallocate(fd, 0, layout.total)
             except OSError as exc:
@@ -477,9 +563,9 @@ class Segment:
             if lock_fd >= 0:
                 os.close(lock_fd)
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+                os.unlink(file)
             if isinstance(exc, OSError) and not isinstance(exc, ShmCacheError):
-                raise _typed(exc, full, path, "create") from None
+                raise _typed(exc, full, file, "create") from None
             raise
         finally:
             os.close(fd)

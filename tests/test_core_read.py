@@ -584,3 +584,85 @@ def test_a_receiver_lease_takes_the_core_and_settles_on_exit() -> None:
                 assert same(f.data, item) and not f.data["a"].flags.writeable
                 assert acked(rx.store) == before
             assert acked(rx.store) == before + 1
+
+
+@pytest.mark.parametrize("start", [(1 << 64) - 1, (1 << 64) - 2])
+def test_a_log_head_a_hostile_writer_set_to_the_top_wraps_alike_on_every_path(
+    start: int,
+) -> None:
+    """The acknowledgement log's head is a 64-bit counter that another process can write (a
+    hostile writer sets it, and the writer's consumed mark, to the top). The compiled core
+    stores ``head + 1`` modulo 2**64; the Python path raised an untyped ``ValueError`` (the
+    word cannot hold 2**64). Every path now acknowledges alike: the read succeeds, the head
+    wraps, the entry lands where the compiled core puts it."""
+    with stores() as (w, readers):
+        for name, r in readers.items():
+            ref = w.put(f"k-{name}", {"a": np.arange(10)})
+            slot = r._reading.slot
+            assert slot is not None
+            table, i = slot.table, slot.slot
+            table.set_word(i, L.RS_HEAD, start)
+            table.set_word(i, L.WS_CONSUMED, start)
+            got = r.get(ref)
+            assert np.array_equal(got["a"], np.arange(10)), name
+            assert table.word(i, L.RS_HEAD) == (start + 1) % (1 << 64), name
+            k = start % table.log_entries
+            assert table.log_view(i)[2 * k : 2 * k + 2].tolist() == [ref.id, ref.seq], name
+            # a lease's acknowledgement and a give-back take the Python path (no core call)
+            table.set_word(i, L.RS_HEAD, start)
+            table.set_word(i, L.WS_CONSUMED, start)
+            r.ack(ref)
+            r.give_back(ref)
+            assert table.word(i, L.RS_HEAD) == (start + 2) % (1 << 64), name
+
+
+@pytest.mark.parametrize("exc", [MemoryError("no memory"), RuntimeError("bug")], ids=repr)
+@pytest.mark.parametrize("how", ["features", "item", "lease", "async"])
+def test_a_core_read_that_fails_gives_its_reference_and_the_rest_back(
+    exc: BaseException, how: str
+) -> None:
+    """The core's ``read_item`` raising anything but stale (no memory for the copy, a bug) is a
+    failed read like any other: its reference and every one of its request not read yet are
+    given back before the error reaches the caller (they stayed owed and pinned the ring)."""
+    import anyio
+
+    from aioshmcache import AsyncReceiverCache
+
+    with (
+        SenderCache(CacheConfig(1 << 20, 1 << 18, 1)) as tx,
+        ReceiverCache.attach(tx.handle()) as rx,
+    ):
+        feats = tx.get_and_update_features(
+            [FeatureSpec(f"k{i}", {"a": np.full(10, i, np.uint8)}) for i in range(3)]
+        )
+        assert not any(tx.is_freeable(f.mm_hash) for f in feats)  # owed to the reader
+        rx.store.check_writer()  # probed now: the core's call takes the reads
+        reading = rx.store._reading
+        calls: list[object] = []
+
+        def fails(ctx: Any, ref: object, copy: bool) -> Any:
+            calls.append(ref)
+            raise exc
+
+        reading._read_item = fails  # as the compiled call failing in its copy
+        with pytest.raises(type(exc)):
+            if how == "features":
+                rx.get_and_update_features(feats)
+            elif how == "item":
+                rx.get_and_update_item(feats[0].data, "k0")
+            elif how == "lease":
+                with rx.lease(feats):
+                    pass
+            else:
+
+                async def read() -> None:
+                    await AsyncReceiverCache(rx).get_and_update_features(feats)
+
+                anyio.run(read)
+        assert calls == [feats[0].data]
+        if how == "item":  # the other two were never part of the read: give them back
+            assert rx.release(feats[1].data) and rx.release(feats[2].data)
+        reading._read_item = None
+        rx.get_and_update_features([])  # flushes what was acknowledged locally
+        assert [r.lag for r in tx.snapshot().readers if r.attached] == [0]
+        assert all(tx.is_freeable(f.mm_hash) for f in feats)

@@ -19,6 +19,7 @@ from aioshmcache import (
     ReaderEvictedError,
     ReceiverCache,
     SenderCache,
+    ShmObjectStore,
     ShmRef,
     WriterGoneError,
     sweep,
@@ -201,6 +202,22 @@ def _get(conn: Any, h: str) -> dict[str, int]:
     ref, _pre = conn.recv()
     out: dict[str, int] = ref
     return out
+
+
+def _dead_writer_s_reference(group: str, h: str) -> tuple[int, str, ShmRef]:
+    """A gateway process of ``group`` hands out ``h`` and is SIGKILLed: its shard index, its
+    segment name (the dead file stays), and the reference."""
+    parent, child = SPAWN.Pipe()
+    p = SPAWN.Process(target=gp.command_writer, args=(group, child))
+    p.start()
+    try:
+        assert parent.poll(60)
+        _ready, shard, name = parent.recv()
+        ref = ShmRef.from_dict(_get(parent, h))
+    finally:
+        p.kill()
+        _stop([p])
+    return shard, name, ref
 
 
 def test_forked_gateway_workers_open_their_own_shards(group: str) -> None:
@@ -531,16 +548,7 @@ def test_a_dead_instance_s_reference_is_writer_gone_while_its_reclaimer_initiali
     ``InvalidReferenceError`` while its replacement started)."""
     from aioshmcache._layout import H_GROUP, SHM_DIR
 
-    parent, child = SPAWN.Pipe()
-    p = SPAWN.Process(target=gp.command_writer, args=(group, child))
-    p.start()
-    try:
-        assert parent.poll(60)
-        _ready, shard, name = parent.recv()
-        ref = ShmRef.from_dict(_get(parent, "k"))
-    finally:
-        p.kill()
-        _stop([p])
+    shard, name, ref = _dead_writer_s_reference(group, "k")
     with SenderCache(gp.config(group)) as again:
         assert (again.shard, again.name) == (shard, name)  # the dead shard's file, reclaimed
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
@@ -582,15 +590,15 @@ def _counting_finds(shards: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return looks
 
 
-def test_a_read_looks_again_only_while_a_live_writer_creates_a_shard_file(
+def test_a_read_decides_an_unknown_instance_at_its_first_look(
     group: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A reclaimer removes a dead shard's file and writes the dead instance's nonce into the
-    new file's header, completed last: a reference of that instance met in between is looked
-    for again until the file is complete (bounded), not reported forged at once. A header-less
-    file nobody is creating (a writer SIGKILLed while creating it) and a plain cache named like
-    a shard are decided at the first look (issue 28, D5: they cost every read 2 s)."""
-    from aioshmcache import _group_reader
+    """A reference naming an instance no shard file names is decided at the first look, with
+    nothing to wait for: a header-less file nobody is creating (a writer SIGKILLed while
+    creating it), a plain cache named like a shard, and a file a live writer is creating right
+    now (a name nobody held: it names no instance; a reclaimer renames its whole file over the
+    dead one, so a dead instance's file never goes missing) (issue 28, D5: the two first cost
+    every read 2 s; the last made a read wait for the creation, on an async lease's loop)."""
     from aioshmcache._layout import SHM_DIR
 
     plain_cfg = CacheConfig(1 << 20, 1 << 19, 1, name=f"{group}.shard5")
@@ -604,69 +612,38 @@ def test_a_read_looks_again_only_while_a_live_writer_creates_a_shard_file(
         looks = _counting_finds(rx._shards, monkeypatch)
         dead = os.path.join(SHM_DIR, shard_name(group, 7))
         os.close(os.open(dead, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))  # its creator died
+        fd = _creating(group, 6)
         try:
-            with pytest.raises(InvalidReferenceError):
-                rx.get_and_update_features([FeatureSpec("k", forged)])
-            assert looks == [12345]  # nothing being created: one look
-            monkeypatch.setattr(_group_reader, "SETTLE_TIMEOUT", 0.3)
-            fd = _creating(group, 6)
-            try:
+            for read in (rx.get_and_update_features, rx.lease):
                 looks.clear()
                 with pytest.raises(InvalidReferenceError):
-                    rx.get_and_update_features([FeatureSpec("k", forged)])
-                assert len(looks) > 1  # looked again while it was being created, then gave up
-            finally:
-                os.close(fd)
-                os.unlink(os.path.join(SHM_DIR, shard_name(group, 6)))
+                    if read is rx.lease:
+                        with rx.lease([FeatureSpec("k", forged)]):
+                            pass
+                    else:
+                        rx.get_and_update_features([FeatureSpec("k", forged)])
+                assert looks == [12345]  # one look, while the creation still runs
         finally:
+            os.close(fd)
+            os.unlink(os.path.join(SHM_DIR, shard_name(group, 6)))
             os.unlink(dead)
         tx.release(ref)
 
 
-def test_settle_decides_on_a_look_taken_after_its_deadline(
+async def test_an_async_group_read_never_holds_its_loop_between_two_looks(
     group: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A reader stopped (SIGSTOP, a loaded host) between a look and the decision, past the
-    deadline, while the reclaimer completed its file: it decides on a fresh look (the dead
-    instance is "writer gone"), not on the look taken before the stop ("forged")."""
-    from aioshmcache import _group_reader
-
-    with SenderCache(gp.config(group)), ReceiverCache.attach_group(group) as rx:
-        shards = rx._shards
-        monkeypatch.setattr(_group_reader, "SETTLE_TIMEOUT", 0.05)
-        fd = _creating(group, 6)
-        looks = 0
-
-        def find(nonce: int) -> None:
-            nonlocal looks
-            looks += 1
-            if looks == 1:
-                time.sleep(0.2)  # stopped right after a look that found nothing
-            else:
-                shards._remember_gone(nonce, "the reclaimed file")  # what the file says now
-
-        monkeypatch.setattr(shards, "find", find)
-        try:
-            shards.settle(777)
-        finally:
-            os.close(fd)
-            os.unlink(os.path.join("/dev/shm", shard_name(group, 6)))
-        assert looks == 2 and shards.is_gone(777)
-
-
-async def test_an_unknown_nonce_never_blocks_an_async_group_reader_s_event_loop(
-    group: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Issue 28, D5: a reference naming an instance no shard file names, while a live writer
-    creates a shard file of the group, waits for that creation in a worker thread: a heartbeat
-    task keeps ticking on the loop while the read waits, and the read then raises the typed
-    error (the creator died without completing the file: forged)."""
+    """Issue 28, D5, and an async ``lease``: a reference naming an instance no shard file
+    names, while a live writer creates a shard file of the group, used to be looked for again
+    until the creation ended, with ``time.sleep`` on the event loop for a lease. A ticker task
+    counts the loop's turns; each look records the count: no read, plain or lease, ever looks
+    twice without the loop turning in between, and each read ends, typed, while the creation
+    still runs (it waits for nothing)."""
     import asyncio
 
-    from aioshmcache import AsyncReceiverCache, AsyncSenderCache, GroupReceiverCache, _group_reader
+    from aioshmcache import AsyncReceiverCache, AsyncSenderCache, GroupReceiverCache
     from aioshmcache._layout import SHM_DIR
 
-    monkeypatch.setattr(_group_reader, "SETTLE_TIMEOUT", 120.0)  # the creator ends it first
     cfg = gp.config(group)
     async with (
         AsyncSenderCache.from_config(cfg) as tx,
@@ -676,34 +653,40 @@ async def test_an_unknown_nonce_never_blocks_an_async_group_reader_s_event_loop(
         assert isinstance(f.data, ShmRef)
         forged = [FeatureSpec("k", f.data._replace(nonce=12345))]
         assert isinstance(rx.receiver, GroupReceiverCache)
-        looks = _counting_finds(rx.receiver._shards, monkeypatch)
-        ticks = 0
+        shards = rx.receiver._shards
+        turns = 0
+        at: list[int] = []  # the loop's turn at each look
+        find = shards.find
 
-        async def heartbeat() -> None:
-            nonlocal ticks
+        def looking(nonce: int) -> None:
+            at.append(turns)
+            find(nonce)
+
+        monkeypatch.setattr(shards, "find", looking)
+
+        async def ticker() -> None:
+            nonlocal turns
             while True:
-                await asyncio.sleep(0.005)
-                ticks += 1
+                await asyncio.sleep(0)
+                turns += 1
 
-        beat = asyncio.create_task(heartbeat())
+        tick = asyncio.create_task(ticker())
         fd = _creating(group, 6)
         try:
-            read = asyncio.create_task(rx.get_and_update_features(forged))
-            await asyncio.sleep(0)
-            start, deadline = ticks, time.monotonic() + 120
-            while not (len(looks) >= 3 and ticks - start >= 3):
-                assert not read.done(), "the read ended (or blocked the loop) before the creation"
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
-            assert not read.done()
+            for lease in (True, False, True, False):
+                at.clear()
+                with pytest.raises(InvalidReferenceError):
+                    if lease:
+                        async with rx.lease(forged):
+                            pass
+                    else:
+                        await rx.get_and_update_features(forged)
+                assert at and at == sorted(set(at)), at  # a turn between any two looks
+                await asyncio.sleep(0)
         finally:
-            os.close(fd)  # the creator dies without completing its file
-        try:
-            with pytest.raises(InvalidReferenceError):
-                await asyncio.wait_for(read, 120)
-        finally:
+            os.close(fd)
             os.unlink(os.path.join(SHM_DIR, shard_name(group, 6)))
-            beat.cancel()
+            tick.cancel()
         # the item's own reference still reads (it was owed to this reader)
         [got] = await rx.get_and_update_features([f])
         assert np.array_equal(got.data["x"], gp.make_item("k")["x"])
@@ -752,3 +735,157 @@ def test_a_genuine_reference_read_while_the_writer_reuses_its_place_is_stale_not
         finally:
             rx.close()
     assert _ours(group) == []
+
+
+class _StepsOfReclaim:
+    """Stands in for ``os`` in ``_segment``: after every call that changes what ``path`` leads
+    to (``unlink``, ``rename``, ``link``, an ``open`` that may create), runs ``look`` there and
+    then, before the reclaimer takes its next step (a fake step: no thread, no timing)."""
+
+    def __init__(self, path: str, look: Any) -> None:
+        self._path = path
+        self._look = look
+        self._looking = False
+        self.steps: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def _after(self, step: str, *paths: Any) -> None:
+        if self._path in paths and not self._looking:
+            self.steps.append(step)
+            self._looking = True
+            try:
+                self._look()
+            finally:
+                self._looking = False
+
+    def open(self, path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        fd = os.open(path, flags, *args, **kwargs)
+        if flags & os.O_CREAT:
+            self._after("open(O_CREAT)", path)
+        return fd
+
+    def unlink(self, path: Any, *args: Any, **kwargs: Any) -> None:
+        os.unlink(path, *args, **kwargs)
+        self._after("unlink", path)
+
+    def rename(self, src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        os.rename(src, dst, *args, **kwargs)
+        self._after("rename", dst)
+
+    def replace(self, src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        os.replace(src, dst, *args, **kwargs)
+        self._after("replace", dst)
+
+    def link(self, src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        os.link(src, dst, *args, **kwargs)
+        self._after("link", dst)
+
+
+def test_a_reclaim_shows_readers_the_dead_file_or_a_whole_new_one_never_none(
+    group: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28: a reclaimer removed the dead shard's file and then created its own under the
+    name, so a reader that never saw the dead instance and met one of its references in
+    between found no file naming it and called the genuine reference forged. Now the new
+    segment is made whole under a name of its own and renamed over the dead one: after every
+    step of the reclaim that changes what the name leads to, a reader started then finds a
+    complete header there, and the dead instance's reference is ``WriterGoneError``."""
+    from aioshmcache import _segment
+    from aioshmcache._layout import SHM_DIR
+    from aioshmcache._segment import writer_state
+
+    shard, name, ref = _dead_writer_s_reference(group, "k")
+    path = os.path.join(SHM_DIR, name)
+    seen: list[tuple[bool, str]] = []  # (a whole file under the name, what the read raised)
+
+    def look() -> None:  # a reader that starts now: it never saw the dead instance
+        st = writer_state(path)
+        with ReceiverCache.attach_group(group, wait_for_shard=None) as rx:
+            try:
+                rx.get_and_update_features([FeatureSpec("k", ref)])
+            except (WriterGoneError, InvalidReferenceError) as exc:
+                seen.append((st.exists and st.initialised, type(exc).__name__))
+
+    steps = _StepsOfReclaim(path, look)
+    monkeypatch.setattr(_segment, "os", steps)
+    with SenderCache(gp.config(group)) as again:
+        monkeypatch.undo()
+        assert (again.shard, again.name) == (shard, name)  # the dead shard's file, reclaimed
+        assert steps.steps  # the reclaim changed what the name leads to, and a reader looked
+        assert seen == [(True, "WriterGoneError")] * len(steps.steps), steps.steps
+        look()  # and once it is done
+        assert seen[-1] == (True, "WriterGoneError")
+    sweep(prefix=group)
+    assert _ours(group) == []
+
+
+def test_a_shard_reclaimed_while_a_reader_finds_it_dead_is_not_taken_for_gone(
+    group: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader's rescan attaches a shard whose writer is dead (its instance is remembered as
+    gone), and a new writer reclaims the name right then: the instance remembered is the dead
+    one the reader read, not the live one a fresh look at the name finds (which was taken for
+    gone, and its genuine references refused as a dead writer's for good)."""
+    from aioshmcache import _group_reader
+
+    _shard, _name, old = _dead_writer_s_reference(group, "k")
+    made: list[SenderCache] = []
+    real = ShmObjectStore  # what ``_group_reader`` attaches shards with
+
+    class Reclaiming:  # stands in for ``ShmObjectStore`` there: the reclaim comes right after
+        @staticmethod
+        def from_handle(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return real.from_handle(*args, **kwargs)
+            except WriterGoneError:
+                if not made:
+                    made.append(SenderCache(gp.config(group)))
+                raise
+
+    monkeypatch.setattr(_group_reader, "ShmObjectStore", Reclaiming)
+    try:
+        with ReceiverCache.attach_group(group, wait_for_shard=None) as rx:
+            monkeypatch.undo()
+            [again] = made
+            [f] = again.get_and_update_features([FeatureSpec("y", gp.make_item("y"))])
+            [got] = rx.get_and_update_features([f])
+            assert np.array_equal(got.data["x"], gp.make_item("y")["x"])
+            with pytest.raises(WriterGoneError):
+                rx.get_and_update_features([FeatureSpec("k", old)])
+    finally:
+        for cache in made:
+            cache.close()
+    sweep(prefix=group)
+    assert _ours(group) == []
+
+
+@pytest.mark.parametrize("how", ["a read fails", "a reference is forged"])
+def test_a_failed_group_read_gives_back_every_shard_s_references(group: str, how: str) -> None:
+    """A group request that fails gives back the references of every shard, not only those of
+    the shard whose read failed: the shards read after it never began (a read failing in the
+    core's call), or none began (a reference naming no shard)."""
+    cfg = gp.config(group)
+    with SenderCache(cfg) as a, SenderCache(cfg) as b, ReceiverCache.attach_group(group) as rx:
+        [fa] = a.get_and_update_features([FeatureSpec("ha", gp.make_item("ha"))])
+        [fb] = b.get_and_update_features([FeatureSpec("hb", gp.make_item("hb"))])
+        assert not a.is_freeable("ha") and not b.is_freeable("hb")  # owed to the reader
+        assert isinstance(fa.data, ShmRef) and isinstance(fb.data, ShmRef)
+        request = [fa, fb]
+        if how == "a read fails":
+            store = rx._shards.store(fa.data.nonce)
+            assert store is not None
+            store.check_writer()  # probed now: the core's call takes the read
+
+            def fails(ctx: Any, ref: object, copy: bool) -> Any:
+                raise RuntimeError("bug")
+
+            store._reading._read_item = fails
+            expected: type[Exception] = RuntimeError
+        else:
+            request.append(FeatureSpec("hf", fb.data._replace(nonce=12345)))
+            expected = InvalidReferenceError
+        with pytest.raises(expected):
+            rx.get_and_update_features(request)
+        assert a.is_freeable("ha") and b.is_freeable("hb")

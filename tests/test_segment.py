@@ -306,3 +306,86 @@ def test_closing_a_writer_whose_file_was_replaced_leaves_the_new_file(shm_name: 
     finally:
         new.close()
     assert not os.path.exists(os.path.join(SHM, new.name))
+
+
+def test_a_restart_gives_way_at_once_to_another_restart_reclaiming_the_name(
+    shm_name: str,
+) -> None:
+    """A restart that meets a dead file another restart is replacing (its remover and
+    reclaimer locks held while it builds the new segment) gets ``SegmentExistsError`` at once:
+    a new writer is on its way (a cache group's writer then takes the next shard index, rather
+    than waiting for that build and then finding the name live)."""
+    from aioshmcache._segment import RECLAIMER_BYTE, REMOVER_BYTE, ofd_lock
+
+    from .test_sweep import _crash, _new_segment, _owns_its_file
+
+    _crash(_new_segment(shm_name))
+    fd = os.open(os.path.join(SHM, f"aioshm-{shm_name}"), os.O_RDWR)
+    try:
+        assert ofd_lock(fd, REMOVER_BYTE) and ofd_lock(fd, RECLAIMER_BYTE)
+        with pytest.raises(SegmentExistsError, match="being reclaimed by another writer"):
+            _new_segment(shm_name)
+    finally:
+        os.close(fd)
+    seg = _new_segment(shm_name)  # that restart died before its rename: reclaimed now
+    try:
+        assert _owns_its_file(seg)
+    finally:
+        seg.close()
+
+
+def test_a_reclaim_that_fails_leaves_the_dead_file_and_no_build(
+    shm_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reclaim whose build fails (no room) leaves the dead writer's file where it was (its
+    late references stay known as a dead writer's) and nothing of its own."""
+    import errno
+
+    from aioshmcache import _segment
+    from aioshmcache._segment import writer_state
+
+    from .test_sweep import _crash, _new_segment
+
+    dead = _new_segment(shm_name)
+    nonce = dead.nonce
+    _crash(dead)
+    path = os.path.join(SHM, f"aioshm-{shm_name}")
+
+    class NoRoom:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(os, name)
+
+        def posix_fallocate(self, *args: Any) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_segment, "os", NoRoom())
+    with pytest.raises(ShmSpaceError):
+        _new_segment(shm_name)
+    monkeypatch.undo()
+    st = writer_state(path)
+    assert st.initialised and not st.alive and st.nonce == nonce
+    assert [n for n in os.listdir(SHM) if shm_name in n] == [f"aioshm-{shm_name}"]
+    assert sweep(name=shm_name) == [f"aioshm-{shm_name}"]
+
+
+def test_a_build_left_by_a_reclaimer_that_died_is_removed(shm_name: str) -> None:
+    """A reclaimer killed while it builds leaves its build under a name of its own: never the
+    shard's name, and removed by the next reclaim of the name (or by ``sweep``)."""
+    from aioshmcache._layout import building_name, is_segment_file
+    from aioshmcache._segment import list_segments
+
+    from .test_sweep import _crash, _new_segment, _owns_its_file
+
+    long = "aioshm-" + "y" * 193
+    assert is_segment_file(building_name(long, "0123abcd"))  # listed even past 200 bytes
+    assert not is_segment_file(building_name(long, "0123abcd") + "\n")
+    build = building_name(f"aioshm-{shm_name}", "0badf00d")
+    _crash(_new_segment(shm_name))
+    _crash(_new_segment(build))  # what a reclaimer killed after its header leaves
+    assert build in list_segments()
+    seg = _new_segment(shm_name)  # reclaims the dead file, and removes the dead build
+    try:
+        assert _owns_its_file(seg)
+        assert [n for n in os.listdir(SHM) if shm_name in n] == [seg.name]
+    finally:
+        seg.close()
