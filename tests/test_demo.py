@@ -432,30 +432,37 @@ def test_demo_quick_with_two_gateway_processes(tmp_path: Path) -> None:
     assert _left_behind(caches) == []
 
 
-def _start_demo(tag: str, *args: str) -> subprocess.Popen[str]:
-    """The demo as a user starts it (a long load), its whole tree marked with ``tag``."""
+def _start_demo(tag: str, log: Path, *args: str) -> subprocess.Popen[bytes]:
+    """The demo as a user starts it (a long load), its whole tree marked with ``tag``.
+
+    Its output goes to the file ``log``, not to a pipe: the gateway and its engine worker
+    inherit it, and a pipe nobody reads while the test waits would block them once full.
+    """
     cmd = [sys.executable, "-m", "aioshmcache", "demo", "--requests", "100000", "--no-compare"]
     cmd += ["--images", "6", "--concurrency", "4", *args]
-    return subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=tagged_env(tag),
-        start_new_session=True,  # a signal meant for the test run never reaches it
-    )
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=tagged_env(tag),
+            start_new_session=True,  # a signal meant for the test run never reaches it
+        )
 
 
-def _await_load(proc: subprocess.Popen[str]) -> tuple[int, list[str]]:
+def _await_load(proc: subprocess.Popen[bytes], log: Path) -> tuple[int, list[str]]:
     """The gateway's pid and cache, once the demo's load has started (hits + misses >= 3)."""
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        m = re.search(r"gateway at \S+ \(pid (\d+)", line)
+    found: list[re.Match[str]] = []
+
+    def gateway_up() -> bool:
+        m = re.search(r"gateway at \S+ \(pid (\d+).*", log.read_text(errors="replace"))
         if m:
-            gateway_pid, caches = int(m.group(1)), _demo_caches(line)
-            break
-    else:
-        raise AssertionError("the demo exited before its gateway was up")
+            found.append(m)
+        return bool(m) or proc.poll() is not None
+
+    assert wait_until(gateway_up, timeout=120), "the demo's gateway did not come up"
+    assert found, f"the demo exited before its gateway was up: {log.read_text(errors='replace')}"
+    gateway_pid, caches = int(found[0].group(1)), _demo_caches(found[0].group(0))
     assert caches and caches[0].startswith(RUN_PREFIX), caches  # the run's leak check sees it
 
     def load_running() -> bool:
@@ -472,18 +479,19 @@ def _await_load(proc: subprocess.Popen[str]) -> tuple[int, list[str]]:
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_demo_interrupted_cleans_up(sig: signal.Signals) -> None:
+def test_demo_interrupted_cleans_up(sig: signal.Signals, tmp_path: Path) -> None:
     """Ctrl-C or SIGTERM: the demo stops its gateway and engine worker and removes their
     segments itself. Whatever happens (an assertion, a timeout), the test ends the whole tree
     and removes what it left (``kill_tree``), so a failure never leaves processes running."""
-    tag = uuid.uuid4().hex
-    with _start_demo(tag) as proc:
+    tag, log = uuid.uuid4().hex, tmp_path / "demo.log"
+    with _start_demo(tag, log) as proc:
         try:
-            gateway_pid, caches = _await_load(proc)
+            gateway_pid, caches = _await_load(proc, log)
             engines = _engine_pids(gateway_pid)
             assert engines
             proc.send_signal(sig)
-            _, err = proc.communicate(timeout=120)
+            proc.wait(timeout=120)
+            err = log.read_text(errors="replace")
         finally:
             left = kill_tree(tag, sweep_prefix=f"{RUN_PREFIX}demo-")
     assert proc.returncode == 130, err
@@ -495,15 +503,15 @@ def test_demo_interrupted_cleans_up(sig: signal.Signals) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_a_demo_killed_at_its_timeout_leaves_no_process_or_segment() -> None:
+def test_a_demo_killed_at_its_timeout_leaves_no_process_or_segment(tmp_path: Path) -> None:
     """What a test does when a demo it started runs past its deadline (issue 28: a timed-out
     test SIGKILLed only the top-level process, and the gateway, its engine worker and their
     segments stayed for 15 minutes): ``kill_tree`` SIGKILLs every process of the demo's tree
     wherever it went (the gateway runs in a session of its own) and sweeps the orphans."""
-    tag = uuid.uuid4().hex
-    with _start_demo(tag) as proc:
+    tag, log = uuid.uuid4().hex, tmp_path / "demo.log"
+    with _start_demo(tag, log) as proc:
         try:
-            gateway_pid, caches = _await_load(proc)
+            gateway_pid, caches = _await_load(proc, log)
             engines = _engine_pids(gateway_pid)
             tree = tree_pids(tag)
             assert {proc.pid, gateway_pid, *engines} <= set(tree), tree
@@ -511,7 +519,7 @@ def test_a_demo_killed_at_its_timeout_leaves_no_process_or_segment() -> None:
         finally:
             # the deadline passed: nothing is asked to stop, everything is killed
             left = kill_tree(tag, sweep_prefix=f"{RUN_PREFIX}demo-")
-        proc.communicate(timeout=60)  # the pipes: every writer of them is dead
+        proc.wait(timeout=60)  # every process of its tree is dead
     assert set(tree) <= set(left)
     assert tree_pids(tag) == []
     assert all(gone(p) for p in tree)
