@@ -7,7 +7,7 @@ what the two roles share (the mapped segment, its ring and reader table, the rea
 in :meth:`~ShmObjectStore.validate` and :meth:`~ShmObjectStore.get`, the handle, the lifetime)
 and nothing else. Each role holds only its own state (``__slots__``): the writer has no reader
 slot, the reader no index, ledger, rows or writer lock. Neither offers the other's methods:
-looked up on the wrong object, one raises ``WrongRoleError``, a ``RoleError`` that says which
+looked up on the wrong object, one raises ``RoleError``, which says which
 role has it and is also an ``AttributeError`` (so ``hasattr(reader, "put")`` is False).
 The type checker knows each role too: ``create`` is typed to return a ``StoreWriter``,
 ``from_handle`` a ``StoreReader``, and neither class declares the other's methods.
@@ -116,8 +116,8 @@ from .errors import (
     DuplicateKeyError,
     InvalidReferenceError,
     ObjectTooLargeError,
+    RoleError,
     ShmCacheError,
-    WrongRoleError,
 )
 
 __all__ = ["RawPlan", "Reservation", "ShmObjectStore", "StoreWriter"]
@@ -181,7 +181,7 @@ def _public_names(cls: type) -> frozenset[str]:
 
 class _OtherRolesName:
     """One of the other role's names on a role's class (``put`` on the reader's): looked up on
-    an instance, it raises ``WrongRoleError`` (an ``AttributeError`` too: ``hasattr`` is False).
+    an instance, it raises ``RoleError`` (an ``AttributeError`` too: ``hasattr`` is False).
 
     Set on the class at run time only, so the type checker still knows each role's own names.
     """
@@ -195,7 +195,7 @@ class _OtherRolesName:
     def __get__(self, obj: ShmObjectStore | None, cls: type | None = None) -> Any:
         if obj is None:
             return self  # on the class: for ``dir``, ``inspect`` and the like
-        raise WrongRoleError(obj._wrong_role(self.name, self.role), name=self.name, obj=obj)
+        raise RoleError(obj._wrong_role(self.name, self.role), name=self.name, obj=obj)
 
 
 class ShmObjectStore(abc.ABC):
@@ -204,7 +204,7 @@ class ShmObjectStore(abc.ABC):
     :meth:`create` makes the segment and returns its writer (:class:`StoreWriter`);
     :meth:`from_handle` attaches a reader (``StoreReader``), which claims a reader slot. This
     base is what both roles share; each role's methods are on its own class (see the module
-    docstring: the other role's names raise ``WrongRoleError``).
+    docstring: the other role's names raise ``RoleError``).
     """
 
     __slots__ = (
@@ -229,7 +229,7 @@ class ShmObjectStore(abc.ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Register a role (a class that sets ``_role``): its own public names become, on
-        every other role's class, names that raise ``WrongRoleError`` (``_OtherRolesName``),
+        every other role's class, names that raise ``RoleError`` (``_OtherRolesName``),
         and theirs on it.
 
         Class attributes, not ``__getattr__``: a class with ``__getattr__`` loses the

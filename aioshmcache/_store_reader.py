@@ -4,7 +4,7 @@ A reader holds a reader slot (claimed at attach, released at close; its kernel l
 writer it is alive) and reads references: resolve, copy or view, verify the copy, then
 acknowledge the hand-out in its slot's log (``_reading.ReadPath`` does all of it). It holds no
 writer state: no index, rows, ledger or writer lock. The writer's methods are not on this class
-(see ``_store``: looked up here they raise ``WrongRoleError``).
+(see ``_store``: looked up here they raise ``RoleError``).
 """
 
 from __future__ import annotations

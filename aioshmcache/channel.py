@@ -108,6 +108,7 @@ from .errors import (
     EngineUnavailableError,
     FrameError,
     FrameTooLargeError,
+    IncompleteFrameError,
     InvalidReferenceError,
     ReaderEvictedError,
     SerdeError,
@@ -664,7 +665,7 @@ class EngineClient:
                         return answer
                     except FrameTooLargeError as exc:  # the stream is out of step: not reused
                         raise WireError(f"the engine's answer is too large: {exc}") from exc
-                    except (OSError, FrameError, EndOfFramesError) as exc:
+                    except (OSError, FrameError, IncompleteFrameError, EndOfFramesError) as exc:
                         broken += 1
                         for idle in self._book.drop_idle():
                             idle.close()  # they lead to the same worker: likely broken too
@@ -1001,7 +1002,7 @@ class _Worker:
                     self.busy.discard(task)
         except TimeoutError:  # no whole call within idle_timeout: a stuck or silent peer
             log.debug("closing an engine connection: no whole call in %.1f s", self.idle_timeout)
-        except (EOFError, FrameError, OSError):
+        except (EOFError, FrameError, FrameTooLargeError, OSError):
             pass  # the gateway hung up (or sent garbage framing): this connection ends
         except asyncio.CancelledError:
             pass  # shutdown: ending quietly (asyncio logs a connection task that ends cancelled)
@@ -1037,7 +1038,7 @@ class _Worker:
             if value[2] != "call" or len(value) != 4:
                 raise WireError("not a channel call")
             features = _unpack_body(body)
-        except SerdeError as exc:
+        except (SerdeError, WireError) as exc:
             return _error_frame("bad_request", exc, unread=True)
         async with self.limit:
             try:

@@ -37,8 +37,8 @@ more levels.
 Frame format: an 8-byte little-endian unsigned length, then that many payload bytes. The length is
 checked against ``max_bytes`` before any of the payload is read; payload bytes are then gathered
 as they arrive, so a peer that declares a huge length makes the receiver hold only what it really
-sent. A frame that cannot be read raises a ``FrameError`` (``FrameTooLargeError``,
-``IncompleteFrameError``); the stream is then out of step and should be closed. A stream that
+sent. A frame that cannot be read raises ``FrameTooLargeError`` or ``IncompleteFrameError``
+(``FrameError`` once a stream is out of step); the stream should then be closed. A stream that
 ends cleanly between frames raises ``EndOfFramesError`` (an ``EOFError``, like
 ``IncompleteFrameError``). A read or
 write that is cancelled part-way also leaves the stream mid-frame: close it.
@@ -230,7 +230,7 @@ def unpack_features(
     value = serde.read(view, copy=copy)
     try:
         return _features(value, max_features)
-    except (SerdeError, MemoryError):
+    except (SerdeError, WireError, MemoryError):
         raise
     except Exception as exc:  # a safety net: whatever slipped past the checks is still typed
         raise WireError(f"malformed features message: {exc}") from exc
@@ -347,7 +347,7 @@ class FrameDecoder:
     def __init__(self, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self.max_bytes = _check_max_bytes(max_bytes)
         self._buf = bytearray()
-        self._broken: FrameError | None = None
+        self._broken: FrameTooLargeError | None = None
 
     @property
     def pending(self) -> int:

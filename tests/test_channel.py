@@ -24,19 +24,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioshmcache import (
-    AsyncReceiverCache,
-    AsyncSenderCache,
-    CacheMissError,
+from aioshmcache import AsyncReceiverCache, AsyncSenderCache, CacheMissError, FeatureSpec, ShmRef
+from aioshmcache.channel import EngineClient, serve_engine
+from aioshmcache.errors import (
     EngineAddressInUseError,
     EngineCallError,
     EngineTimeoutError,
     EngineUnavailableError,
-    FeatureSpec,
-    ShmRef,
     WireError,
 )
-from aioshmcache.channel import EngineClient, serve_engine
 
 from . import _channel_procs
 from ._channel_procs import crc, handler

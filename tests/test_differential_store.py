@@ -25,13 +25,13 @@ from aioshmcache import (
     SenderCache,
     ShmObjectStore,
     ShmRef,
-    StoreWriter,
     _core_py,
     _serde,
     _store,
 )
 from aioshmcache import _layout as L
 from aioshmcache._serde_encode import _Plan
+from aioshmcache.store import StoreWriter
 
 from .conftest import RUN_PREFIX
 from .test_core import c_core

@@ -663,8 +663,9 @@ async def test_an_unknown_nonce_never_blocks_an_async_group_reader_s_event_loop(
     error (the creator died without completing the file: forged)."""
     import asyncio
 
-    from aioshmcache import AsyncReceiverCache, AsyncSenderCache, GroupReceiverCache, _group_reader
+    from aioshmcache import AsyncReceiverCache, AsyncSenderCache, _group_reader
     from aioshmcache._layout import SHM_DIR
+    from aioshmcache.cache import GroupReceiverCache
 
     monkeypatch.setattr(_group_reader, "SETTLE_TIMEOUT", 120.0)  # the creator ends it first
     cfg = gp.config(group)

@@ -24,7 +24,6 @@ from aioshmcache import (
     ShmObjectStore,
     ShmRingBuffer,
     StaleReferenceError,
-    StoreWriter,
 )
 from aioshmcache._evict import (
     EVICT_AHEAD_PUTS,
@@ -35,6 +34,7 @@ from aioshmcache._evict import (
 from aioshmcache._inspect import inspect_segment
 from aioshmcache._layout import chunk_size
 from aioshmcache.errors import ShmCacheError
+from aioshmcache.store import StoreWriter
 
 from .conftest import RUN_PREFIX
 

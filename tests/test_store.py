@@ -24,15 +24,13 @@ from aioshmcache import (
     ShmObjectStore,
     ShmRef,
     StaleReferenceError,
-    StoreReader,
-    StoreWriter,
-    WrongRoleError,
     _core_py,
 )
 from aioshmcache._inspect import inspect_segment
 from aioshmcache._layout import chunk_size
 from aioshmcache._serde import MsgpackSerde
 from aioshmcache._types import reference_tag
+from aioshmcache.store import StoreReader, StoreWriter
 
 from .helpers import SPAWN, checksum
 
@@ -375,7 +373,7 @@ def test_a_method_of_the_other_role_is_a_role_error(make_config: Any) -> None:
                 for name in names[other]:
                     assert not hasattr(obj, name)
                     assert getattr(obj, name, None) is None
-                    with pytest.raises(WrongRoleError, match=f"'{name}' is the {other}'s"):
+                    with pytest.raises(RoleError, match=f"'{name}' is the {other}'s"):
                         getattr(obj, name)
             calls: list[Callable[[], object]] = [
                 lambda: reader.put("k2", {}),

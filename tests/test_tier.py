@@ -27,16 +27,9 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from aioshmcache import (
-    AsyncSenderCache,
-    CacheConfig,
-    FeatureSpec,
-    GroupReceiverCache,
-    ReceiverCache,
-    ShmRef,
-    sweep,
-)
+from aioshmcache import AsyncSenderCache, CacheConfig, FeatureSpec, ReceiverCache, ShmRef, sweep
 from aioshmcache._tier_value import HEADER_SIZE, lease_key, seal_value, value_key
+from aioshmcache.cache import GroupReceiverCache
 from aioshmcache.metrics import read_snapshot
 from aioshmcache.tier import CircuitBreaker, RedisTier, TierPolicy
 from aioshmcache.tools.redis_server import RedisCluster, RedisServer, free_port, redis_binaries

@@ -25,7 +25,6 @@ from aioshmcache import (
     AsyncSenderCache,
     CacheConfig,
     FeatureSpec,
-    GroupReceiverCache,
     MsgpackSerde,
     ReceiverCache,
     SenderCache,
@@ -34,6 +33,7 @@ from aioshmcache import (
 from aioshmcache._request import SenderRequest
 from aioshmcache._store import StoreWriter
 from aioshmcache._store_reader import StoreReader
+from aioshmcache.cache import GroupReceiverCache
 
 from .conftest import RUN_PREFIX
 
