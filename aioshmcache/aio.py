@@ -46,8 +46,8 @@ from ._types import (
     coerce_handle,
 )
 from .cache import (
-    GroupReceiverCache,
     MmItem,
+    Receiver,
     ReceiverCache,
     SenderCache,
     all_as_given,
@@ -76,7 +76,7 @@ CHECKPOINT_EVERY: Final = 32
 CHECKPOINT_AFTER: Final = 0.0005
 _monotonic = time.monotonic
 
-C = TypeVar("C", SenderCache, ReceiverCache | GroupReceiverCache)
+C = TypeVar("C", SenderCache, Receiver)
 
 
 class SecondTier(Protocol):
@@ -424,14 +424,10 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         """What a reader needs to attach."""
         return self.sender.handle()
 
-    def is_cached_item(self, mm_hash: str, *, rescan: bool = False) -> bool:
+    def is_cached(self, mm_hash: str, *, rescan: bool = False) -> bool:
         """Pure look-up: no hand-out, no change to eviction order (``rescan``: as the sync
         cache's)."""
-        return self.sender.is_cached_item(mm_hash, rescan=rescan)
-
-    def is_cached(self, mm_hashes: Sequence[str]) -> list[bool]:
-        """``is_cached_item`` of each hash."""
-        return self.sender.is_cached(mm_hashes)
+        return self.sender.is_cached(mm_hash, rescan=rescan)
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
         """Hits and total; with ``delta`` the change since the previous delta call."""
@@ -554,8 +550,8 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
             gf = self._group_flight  # a sibling process computing it: wait, then read its item
             if gf is not None and not await gf.claim(
                 mm_hash,
-                lambda: self.is_cached_item(mm_hash),
-                lambda: self.is_cached_item(mm_hash, rescan=True),
+                lambda: self.is_cached(mm_hash),
+                lambda: self.is_cached(mm_hash, rescan=True),
             ):
                 return FROM_SIBLING
             return await make_here()
@@ -563,7 +559,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         return await self._flight.run(
             mm_hash,
             run_make,
-            cached=lambda: self.is_cached_item(mm_hash),
+            cached=lambda: self.is_cached(mm_hash),
             hit=lambda: put(None),
             put=put,
             make_anyway=make_here,
@@ -580,16 +576,9 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         """What ``get_or_put`` counted: calls, hits, runs of ``make``, saved, failures."""
         return self._flight.stats()
 
-    async def touch_sender_cache_item(self, mm_hash: str) -> bool:
-        """Protect a cached item from eviction until its next hand-out."""
-        return self.sender.touch_sender_cache_item(mm_hash)
-
     async def touch(self, mm_hash: str) -> bool:
-        """``touch_sender_cache_item`` by the short name both faces share.
-
-        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
-        """
-        return await self.touch_sender_cache_item(mm_hash)
+        """Protect a cached item from eviction until its next hand-out; False if not cached."""
+        return self.sender.touch(mm_hash)
 
     async def release(self, ref: ShmRef) -> bool:
         """Undo a hand-out whose request failed before reaching the readers."""
@@ -600,29 +589,22 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         handed out before stay readable until acknowledged)."""
         return self.sender.invalidate(mm_hash)
 
-    async def clear_cache(self) -> None:
-        """Drop everything; a new epoch makes every older reference stale."""
-        self.sender.clear_cache()
-
     async def clear(self) -> None:
-        """``clear_cache`` by the short name both faces share.
-
-        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
-        """
-        await self.clear_cache()
+        """Drop everything; a new epoch makes every older reference stale."""
+        self.sender.clear()
 
     async def remove_dangling_items(self) -> int:
         """Free every freeable chunk at the head; drop side-table rows of evicted items."""
         return self.sender.remove_dangling_items()
 
 
-class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
+class AsyncReceiverCache(_AsyncFace[Receiver]):
     """A reader's asyncio face. ``AsyncReceiverCache.attach(handle)`` attaches on ``__aenter__``;
     ``AsyncReceiverCache(receiver_cache)`` wraps (and borrows) an attached ``ReceiverCache``."""
 
     def __init__(
         self,
-        receiver: ReceiverCache | GroupReceiverCache | None = None,
+        receiver: Receiver | None = None,
         *,
         handle: object = None,
         serde: Serde | None = None,
@@ -682,7 +664,7 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
         face._wait_for_shard = wait_for_shard
         return face
 
-    def _open_cache(self) -> ReceiverCache | GroupReceiverCache:
+    def _open_cache(self) -> Receiver:
         if self._handle is None:
             raise ClosedCacheError("no handle")
         if self._group is not None:
@@ -692,7 +674,7 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
         return ReceiverCache.attach(self._handle, serde=self._serde)
 
     @property
-    def receiver(self) -> ReceiverCache | GroupReceiverCache:
+    def receiver(self) -> Receiver:
         """The sync cache this face drives (a ``GroupReceiverCache`` after ``attach_group``)."""
         return self._wrapped()
 
@@ -712,8 +694,9 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
         ``shard_handles()`` lists them).
         """
         receiver = self.receiver
-        if isinstance(receiver, GroupReceiverCache):
-            raise RoleError(f"a reader of cache group {receiver.group!r} has one handle per shard")
+        if not isinstance(receiver, ReceiverCache):
+            group = getattr(receiver, "group", None)
+            raise RoleError(f"a reader of cache group {group!r} has one handle per shard")
         return receiver.handle()
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
@@ -738,27 +721,13 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
         """Give back a hand-out this reader will not read; False if unknown or released."""
         return self.receiver.release(ref)
 
-    async def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:
-        """Validate a reference without reading it; owes nothing."""
-        self.receiver.touch_receiver_cache_item(mm_hash, mm_item)
-
     async def touch(self, mm_hash: str, mm_item: Any = None) -> None:
-        """``touch_receiver_cache_item`` by the short name both faces share.
-
-        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
-        """
-        await self.touch_receiver_cache_item(mm_hash, mm_item)
-
-    async def clear_cache(self) -> None:
-        """Drop local state (the receiver keeps no item copies)."""
-        self.receiver.clear_cache()
+        """Validate a reference without reading it; owes nothing."""
+        self.receiver.touch(mm_hash, mm_item)
 
     async def clear(self) -> None:
-        """``clear_cache`` by the short name both faces share.
-
-        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
-        """
-        await self.clear_cache()
+        """Drop local state (the receiver keeps no item copies): its counters restart."""
+        self.receiver.clear()
 
     @contextlib.asynccontextmanager
     async def lease(self, features: Sequence[FeatureSpec]) -> AsyncIterator[list[FeatureSpec]]:

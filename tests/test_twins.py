@@ -62,7 +62,6 @@ NOT_AWAITED = {
     "handle",
     "make_stats",
     "is_cached",
-    "is_cached_item",
     "is_freeable",
     "snapshot",
     "cached_order",
@@ -236,14 +235,14 @@ def test_one_threshold_for_a_copy_under_the_writer_lock(make_config: Any) -> Non
         req = tx._request([small, bigger], ["small", "bigger"])
         try:
             req.begin()
-            assert tx.is_cached_item("small")  # copied and committed in the locked step
-            assert req.has_jobs and not tx.is_cached_item("bigger")  # left for outside the lock
+            assert tx.is_cached("small")  # copied and committed in the locked step
+            assert req.has_jobs and not tx.is_cached("bigger")  # left for outside the lock
             req.run_jobs()
         except BaseException:
             req.abandon()
             raise
         req.finish()
-        assert tx.is_cached_item("bigger")
+        assert tx.is_cached("bigger")
 
 
 # --- no public method returns a private type --------------------------------------------------
@@ -397,13 +396,11 @@ def test_every_public_name_of_a_group_reader_works() -> None:
                 "get_and_update_features": lambda: rx.get_and_update_features([f1])[0].data,
                 "get_and_update_item": lambda: rx.get_and_update_item(f3.data, "h3"),
                 "lease": lease,
-                "touch_receiver_cache_item": lambda: rx.touch_receiver_cache_item("h1", f1.data),
                 "touch": lambda: rx.touch("h1", f1.data),
                 "release": lambda: rx.release(f1.data),
                 "make_stats": lambda: rx.make_stats(delta=True),
                 "shard_handles": rx.shard_handles,
                 "rescan": rx.rescan,
-                "clear_cache": rx.clear_cache,
                 "clear": rx.clear,
                 "closed": lambda: rx.closed,
                 "close": rx.close,  # last

@@ -269,7 +269,7 @@ async def embed(request: Request) -> dict[str, Any] | JSONResponse:
             key = lookup_key(body.mm_hash)
         except KeyMismatchError:
             return _error(400, "bad_hash", "mm_hash is not a content key")
-        if not (use_cache and cache.is_cached_item(key)):
+        if not (use_cache and cache.is_cached(key)):
             return _cache_miss([body.mm_hash])  # asked before any work: 409, the client resends
     ran = False
 
