@@ -61,8 +61,9 @@ class StoreReader(ShmObjectStore):
         """Acknowledge a reference read with ``copy=False`` after re-verifying it."""
         self._reading.ack(ref)
 
-    def give_back(self, ref: ShmRef) -> None:
-        """Acknowledge a reference that will not be read (never raises).
+    def release(self, ref: ShmRef) -> None:
+        """Acknowledge a reference that will not be read (never raises): the reader's side of
+        the writer's ``release``.
 
         For a request that failed or was cancelled: the debt is settled so the writer can free
         the chunk. Nothing is read, so nothing needs verifying. A reference found stale is never

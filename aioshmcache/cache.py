@@ -649,7 +649,7 @@ class ReceiverCache(_Cache, Receiver):
         self._released[key] = None
         if len(self._released) > 65536:
             self._released.pop(next(iter(self._released)))
-        self.store.give_back(r)
+        self.store.release(r)
         return True
 
     def close(self) -> None:
@@ -750,7 +750,7 @@ class GroupReceiverCache(Receiver):
         self._group_released[key] = None
         if len(self._group_released) > 65536:
             self._group_released.pop(next(iter(self._group_released)))
-        store.give_back(r)
+        store.release(r)
         return True
 
     def close(self) -> None:
