@@ -350,7 +350,7 @@ def test_loop_shutdown_with_copies_in_flight_is_bounded(make_config: Any) -> Non
 
     async def main() -> None:
         cache = AsyncSenderCache.from_config(cfg)
-        await cache.open()
+        await cache.__aenter__()
         try:
             tasks = [
                 asyncio.ensure_future(cache.get_and_update_features([FeatureSpec(f"b{i}", big)]))
@@ -474,7 +474,7 @@ async def test_a_job_cancelled_before_its_thread_started_does_not_hold_aclose(
     cache = AsyncSenderCache.from_config(
         make_config(64 * MiB, 32 * MiB, 1), max_threads=1, inline_threshold_bytes=MiB
     )
-    await cache.open()
+    await cache.__aenter__()
     try:
         a = asyncio.ensure_future(
             cache.get_and_update_features([FeatureSpec("a", {"x": np.ones(24 * MiB, np.uint8)})])

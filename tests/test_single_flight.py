@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from anyio.abc import AsyncResource
 
 from aioshmcache import (
     AsyncSenderCache,
@@ -605,14 +606,11 @@ async def test_concurrent_callers_of_a_hash_a_sibling_holds_never_make_it(group:
                 assert checksum(f.data["data"]) == f.data["crc"]
 
 
-class _CountedTier:
+class _CountedTier(AsyncResource):
     """A second tier that serves some hashes itself (``make`` not called) and makes the rest."""
 
     def __init__(self, has: dict[str, Any]) -> None:
         self.has = has
-
-    async def open(self) -> object:
-        return self
 
     async def aclose(self) -> None:
         return None

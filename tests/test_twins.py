@@ -45,7 +45,6 @@ SYNC_ONLY = {
 #: names only the async face has, and why
 ASYNC_ONLY = {
     "aclose": "close, awaited",
-    "open": "an async face creates or attaches in a thread; a sync cache is open once built",
     "from_config": "the async sender is built before the loop runs, opened by async with",
     "limiter": "the worker threads of big copies: the sync face copies in the caller's thread",
     "make_limiter": "the worker threads of get_or_put's sync make",
@@ -210,13 +209,28 @@ async def test_serde_is_taken_wherever_a_cache_is_created_or_attached(make_confi
     assert tx_serde.plans == 1 and rx_serde.reads == 1
 
 
-def test_serde_for_a_wrapped_cache_is_refused(make_config: Any) -> None:
-    """A wrapped cache has its serde already: a second one would be silently ignored."""
+def test_one_constructor_per_way_to_get_an_async_face(make_config: Any) -> None:
+    """Wrapping (borrowed) takes a cache and no serde (it has its own); ``from_config`` /
+    ``attach`` / ``attach_group`` (owned) take the serde; a wrong first argument is a
+    ``TypeError`` that names the constructor it needed."""
+    for wrap in (AsyncSenderCache, AsyncReceiverCache):
+        params = inspect.signature(wrap).parameters
+        assert "serde" not in params and next(iter(params)) in ("sender", "receiver")
+    for owned in (
+        AsyncSenderCache.from_config,
+        AsyncReceiverCache.attach,
+        AsyncReceiverCache.attach_group,
+    ):
+        assert "serde" in inspect.signature(owned).parameters
+    with pytest.raises(TypeError, match="from_config"):
+        AsyncSenderCache(make_config())
+    with pytest.raises(TypeError, match="attach"):
+        AsyncReceiverCache("aioshm-x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="CacheConfig"):
+        AsyncSenderCache.from_config("aioshm-x")  # type: ignore[arg-type]
     with SenderCache(make_config()) as sender, ReceiverCache.attach(sender.handle()) as rx:
-        with pytest.raises(ValueError, match="serde"):
-            AsyncSenderCache(sender, serde=MsgpackSerde())
-        with pytest.raises(ValueError, match="serde"):
-            AsyncReceiverCache(rx, serde=MsgpackSerde())
+        assert AsyncSenderCache(sender).sender is sender
+        assert AsyncReceiverCache(rx).receiver is rx
 
 
 def test_one_threshold_for_a_copy_under_the_writer_lock(make_config: Any) -> None:
