@@ -33,7 +33,7 @@ from aioshmcache import (
 from aioshmcache._request import SenderRequest
 from aioshmcache._store import StoreWriter
 from aioshmcache._store_reader import StoreReader
-from aioshmcache.cache import GroupReceiverCache
+from aioshmcache.cache import GroupReceiverCache, Receiver
 
 from .conftest import RUN_PREFIX
 
@@ -207,6 +207,16 @@ async def test_serde_is_taken_wherever_a_cache_is_created_or_attached(make_confi
         [back] = await rx.get_and_update_features([f])
         assert np.array_equal(back.data["x"], np.arange(10))
     assert tx_serde.plans == 1 and rx_serde.reads == 1
+
+
+def test_every_async_class_is_an_async_resource() -> None:
+    """One lifetime style: anyio's ``AsyncResource`` (``async with``, ``aclose``), no ``open``."""
+    from anyio.abc import AsyncResource
+
+    from aioshmcache.tier import RedisTier
+
+    for cls in (AsyncSenderCache, AsyncReceiverCache, RedisTier):
+        assert issubclass(cls, AsyncResource) and not hasattr(cls, "open"), cls
 
 
 def test_one_constructor_per_way_to_get_an_async_face(make_config: Any) -> None:
@@ -429,3 +439,47 @@ def test_every_public_name_of_a_group_reader_works() -> None:
     assert got["shard_handles"] == [shard] and got["closed"] is False and rx.closed
     assert not isinstance(rx, ReceiverCache)
     assert not hasattr(rx, "handle") and not hasattr(rx, "store")
+
+
+def _read_with(receiver: Receiver, features: list[FeatureSpec]) -> list[float]:
+    """Code typed for any reader (mypy checks these calls against ``Receiver``)."""
+    for f in features:
+        receiver.touch(f.mm_hash, f.data)
+    with receiver.lease(features[:1]) as leased:
+        sums = [float(leased[0].data["x"].sum())]
+    sums += [float(f.data["x"].sum()) for f in receiver.get_and_update_features(features[1:])]
+    sums.append(
+        float(receiver.get_and_update_item(features[0].data, features[0].mm_hash)["x"].sum())
+    )
+    receiver.clear()
+    assert receiver.make_stats() == aioshmcache.CacheInfo(0, 0) and not receiver.closed
+    return sums
+
+
+def test_a_group_reader_goes_wherever_a_reader_does() -> None:
+    """``GroupReceiverCache`` and ``ReceiverCache`` share ``Receiver``: the same read methods
+    with the same signatures, so code typed for ``Receiver`` (and the faces that wrap a reader)
+    takes either, with the same results."""
+    from aioshmcache.vllm import VllmReceiverCache
+
+    shared = {n for n in dir(Receiver) if not n.startswith("_")}
+    assert {"get_and_update_features", "get_and_update_item", "lease", "touch", "release"} <= shared
+    for cls in (ReceiverCache, GroupReceiverCache):
+        assert issubclass(cls, Receiver)
+        for n in shared:
+            mine, base = inspect.getattr_static(cls, n), inspect.getattr_static(Receiver, n)
+            if callable(mine):
+                assert inspect.signature(mine) == inspect.signature(base), (cls, n)
+    group = f"{RUN_PREFIX}tw{uuid.uuid4().hex[:10]}"
+    with (
+        SenderCache(CacheConfig(1 << 20, 1 << 18, 2, group=group)) as tx,
+        ReceiverCache.attach(tx.handle()) as one,
+        ReceiverCache.attach_group(group) as whole,
+    ):
+        feats = tx.get_and_update_features(
+            [FeatureSpec(f"h{i}", {"x": np.arange(8) * i}) for i in range(3)]
+        )
+        assert _read_with(one, feats) == _read_with(whole, feats) == [0.0, 28.0, 56.0, 0.0]
+        for reader in (one, whole):  # the faces that wrap a reader take either
+            assert AsyncReceiverCache(reader).receiver is reader
+            assert VllmReceiverCache(reader).receiver is reader
