@@ -31,6 +31,7 @@ from .errors import (
     EngineUnavailableError,
     FrameError,
     FrameTooLargeError,
+    IncompleteFrameError,
     SerdeError,
     WireError,
 )
@@ -325,7 +326,7 @@ class EngineClient(AsyncResource):
         try:
             try:
                 frames = (call_envelope(payload), pack_call_features(features))
-            except (SerdeError, TypeError) as exc:
+            except (SerdeError, WireError, TypeError) as exc:
                 raise WireError(f"the call cannot be encoded: {exc}") from exc
             answer = await self._exchange(frames, deadline, sent)
             value = decode(answer, "response")
@@ -381,7 +382,7 @@ class EngineClient(AsyncResource):
                     raise WireError(f"the engine's answer is too large: {exc}") from exc
                 except TimeoutError:
                     raise
-                except (OSError, FrameError, EndOfFramesError) as exc:
+                except (OSError, FrameError, IncompleteFrameError, EndOfFramesError) as exc:
                     broken += 1
                     for idle in self._book.drop_idle():
                         idle.abort()  # they lead to the same worker: likely broken too

@@ -18,7 +18,7 @@ import collections
 from collections.abc import Sequence
 from typing import cast
 
-from .errors import EndOfFramesError, FrameError
+from .errors import EndOfFramesError, FrameError, FrameTooLargeError, IncompleteFrameError
 from .wire import Buffer, FrameDecoder, frame_parts
 
 __all__ = ["FrameConnection"]
@@ -48,7 +48,7 @@ class FrameConnection(asyncio.Protocol):
             return
         try:
             self._frames.extend(self._decoder.feed(data))
-        except FrameError as exc:
+        except (FrameError, FrameTooLargeError) as exc:
             self._fail(exc)
             self.abort()  # out of step: nothing more is read from it
             return
@@ -57,7 +57,7 @@ class FrameConnection(asyncio.Protocol):
     def eof_received(self) -> bool:
         try:
             self._decoder.close()
-        except FrameError as exc:  # the peer ended inside a frame
+        except IncompleteFrameError as exc:  # the peer ended inside a frame
             self._fail(exc)
         else:
             self._fail(EndOfFramesError("the stream ended (no more frames)"))

@@ -35,6 +35,7 @@ from ._types import FeatureSpec
 from .errors import (
     CacheMissError,
     FrameError,
+    FrameTooLargeError,
     InvalidReferenceError,
     ReaderEvictedError,
     SerdeError,
@@ -157,7 +158,7 @@ class _Worker:
                     self.busy.discard(task)
         except TimeoutError:  # no whole call within idle_timeout: a stuck or silent peer
             log.debug("closing an engine connection: no whole call in %.1f s", self.idle_timeout)
-        except (EOFError, FrameError, OSError):
+        except (EOFError, FrameError, FrameTooLargeError, OSError):
             pass  # the gateway hung up (or sent garbage framing): this connection ends
         except asyncio.CancelledError:
             pass  # shutdown: ending quietly
@@ -196,7 +197,7 @@ class _Worker:
             if value[2] != "call" or len(value) != 4:
                 raise WireError("not a channel call")
             features = unpack_call_features(body)
-        except SerdeError as exc:
+        except (SerdeError, WireError) as exc:
             return error_frame("bad_request", exc, unread=True, plain=plain)
         async with self.limit:
             try:
@@ -243,7 +244,7 @@ class _Worker:
             raise _HandlerFailed(error_frame("handler", exc, plain=plain)) from exc
         try:
             answer = encode([TAG, ANSWER_VERSION, "ok", result], plain=plain)
-        except (SerdeError, TypeError) as exc:
+        except (SerdeError, WireError, TypeError) as exc:
             log.error("the engine handler's result cannot be encoded: %s", exc)
             raise _HandlerFailed(
                 error_frame(

@@ -349,7 +349,7 @@ class ReceiverRequest(_Steps):
             try:
                 self._store.ack(ref)
             except Exception as exc:  # keep settling the others
-                self._store.give_back(ref)
+                self._store.release(ref)
                 errors.append(exc)
         if errors:
             raise errors[0]
@@ -358,9 +358,9 @@ class ReceiverRequest(_Steps):
         owed, self._owed = self._owed, {}
         held, self._held = self._held, []
         for i in sorted(owed):
-            self._store.give_back(owed[i])
+            self._store.release(owed[i])
         for ref in held:
-            self._store.give_back(ref)
+            self._store.release(ref)
 
 
 def read_one(store: StoreReader, counters: RequestCounters, mm_item: Any, mm_hash: Any) -> Any:

@@ -7,8 +7,8 @@ mapped segment, its ring and reader table, the read path's checks in
 :meth:`~ShmObjectStore.validate` and :meth:`~ShmObjectStore.get`, the handle, the lifetime) and
 nothing else. Each role holds only its own state (``__slots__``) and offers only its own
 methods: a reader simply has no writer methods, and a writer no reader methods. A reader asked
-for one of the writer's names raises ``WrongRoleError`` (a ``RoleError`` that says which role
-has it, and an ``AttributeError``, so ``hasattr(reader, "put")`` is False).
+for one of the writer's names raises ``RoleError``, which says which role has it and is also an
+``AttributeError``, so ``hasattr(reader, "put")`` is False.
 
 Each role's class registers itself here when it is defined (``__init_subclass__``), which is how
 ``create`` and ``from_handle`` find them without this module importing either (no import

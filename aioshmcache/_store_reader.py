@@ -4,7 +4,7 @@ A reader holds a reader slot (claimed at attach, released at close; its kernel l
 writer it is alive) and reads references: resolve, copy or view, verify the copy, then
 acknowledge the hand-out in its slot's log (``_reading.ReadPath`` does all of it). It holds no
 writer state: no index, rows, ledger or writer lock, and no writer methods: asked for one of the
-writer's names, it raises ``WrongRoleError`` (``__getattr__``, which only runs once the usual
+writer's names, it raises ``RoleError`` (``__getattr__``, which only runs once the usual
 look-up has failed), saying which role has it.
 """
 
@@ -19,7 +19,7 @@ from ._segment import Segment
 from ._serde import Serde
 from ._store_base import ShmObjectStore
 from ._types import ShmRef
-from .errors import WriterGoneError, WrongRoleError
+from .errors import RoleError, WriterGoneError
 
 __all__ = ["StoreReader"]
 
@@ -62,8 +62,9 @@ class StoreReader(ShmObjectStore):
         """Acknowledge a reference read with ``copy=False`` after re-verifying it."""
         self._reading.ack(ref)
 
-    def give_back(self, ref: ShmRef) -> None:
-        """Acknowledge a reference that will not be read (never raises).
+    def release(self, ref: ShmRef) -> None:
+        """Acknowledge a reference that will not be read (never raises): the reader's side of
+        the writer's ``release``.
 
         For a request that failed or was cancelled: the debt is settled so the writer can free
         the chunk. Nothing is read, so nothing needs verifying. A reference found stale is never
@@ -91,11 +92,11 @@ class StoreReader(ShmObjectStore):
         return self._reading.close_when_idle(self.close, wait=wait)
 
     def __getattr__(self, name: str) -> Any:
-        """Only for names the reader lacks: one of the writer's is a ``WrongRoleError`` (also
+        """Only for names the reader lacks: one of the writer's is a ``RoleError`` (also
         an ``AttributeError``: ``hasattr(reader, "put")`` is False), any other the usual
         ``AttributeError``."""
         if name in ShmObjectStore._role_names.get("writer", ()):
-            raise WrongRoleError(self._wrong_role(name, "writer"), name=name, obj=self)
+            raise RoleError(self._wrong_role(name, "writer"), name=name, obj=self)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _close_role(self) -> None:

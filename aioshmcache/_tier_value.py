@@ -59,7 +59,7 @@ import struct
 from typing import Any, Final
 
 from ._types import FeatureSpec, ShmRef
-from .errors import SerdeError, ShmCacheError
+from .errors import SerdeError, ShmCacheError, WireError
 from .wire import pack_features, unpack_features
 
 __all__ = [
@@ -155,7 +155,7 @@ def open_value(
         raise TierValueError("signature", "the value's signature does not match")
     try:
         features = unpack_features(view[HEADER_SIZE:])
-    except SerdeError as exc:
+    except (SerdeError, WireError) as exc:
         raise TierValueError("decoding", f"payload: {exc}") from exc
     if (
         len(features) != 1

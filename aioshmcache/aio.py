@@ -25,12 +25,12 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import replace
-from types import TracebackType
 from typing import Any, Final, Generic, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
+from anyio.abc import AsyncResource
 
 from ._flight import FROM_SIBLING, GroupFlight, SingleFlight, SingleFlightStats, call_make
 from ._request import DEFAULT_INLINE_THRESHOLD, SenderRequest, features_from
@@ -46,8 +46,8 @@ from ._types import (
     coerce_handle,
 )
 from .cache import (
-    GroupReceiverCache,
     MmItem,
+    Receiver,
     ReceiverCache,
     SenderCache,
     all_as_given,
@@ -76,13 +76,14 @@ CHECKPOINT_EVERY: Final = 32
 CHECKPOINT_AFTER: Final = 0.0005
 _monotonic = time.monotonic
 
-C = TypeVar("C", SenderCache, ReceiverCache | GroupReceiverCache)
+C = TypeVar("C", SenderCache, Receiver)
 
 
 class SecondTier(Protocol):
-    """What ``AsyncSenderCache(tier=...)`` needs of a second tier (``aioshmcache.tier``)."""
+    """What ``AsyncSenderCache(tier=...)`` needs of a second tier (``aioshmcache.tier``): an
+    anyio ``AsyncResource`` (``async with``, ``aclose``) that fetches or makes items."""
 
-    async def open(self) -> object:
+    async def __aenter__(self) -> object:
         """Start (no I/O that may fail: the tier may be down)."""
         ...
 
@@ -153,10 +154,14 @@ class _Job:
         self._owner.done()
 
 
-class _AsyncFace(Generic[C]):
-    """What both twins share: lifetime (own or borrow), the thread limiter, the job driver."""
+class _AsyncFace(AsyncResource, Generic[C]):
+    """What both twins share: lifetime (own or borrow), the thread limiter, the job driver.
 
-    def __init__(self, cache: C | None, *, max_threads: int, inline_threshold_bytes: int) -> None:
+    An anyio ``AsyncResource``: ``async with`` opens what the object owns (creates the segment,
+    attaches the reader) and ``aclose`` (idempotent) closes it.
+    """
+
+    def _init_face(self, cache: C | None, *, max_threads: int, inline_threshold_bytes: int) -> None:
         if max_threads < 1:
             raise ValueError("max_threads must be >= 1")
         if inline_threshold_bytes < 0:
@@ -190,7 +195,7 @@ class _AsyncFace(Generic[C]):
         if self._closed:
             raise ClosedCacheError("the cache is closed")
         if self._cache is None:
-            raise ClosedCacheError("not open yet: use 'async with' (or 'await cache.open()')")
+            raise ClosedCacheError("not open yet: use 'async with'")
         return self._cache
 
     async def _open(self) -> None:
@@ -213,12 +218,6 @@ class _AsyncFace(Generic[C]):
                 await anyio.to_thread.run_sync(self._inflight.idle.wait, CLOSE_TIMEOUT)
             if self._owned and self._cache is not None:
                 self._cache.close()
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        """Leave ``async with``: ``aclose()``."""
-        await self.aclose()
 
     def _due(self) -> bool:
         """Whether this inline call should yield to the loop first (see ``CHECKPOINT_EVERY``)."""
@@ -283,34 +282,64 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
 
     def __init__(
         self,
-        sender: SenderCache | None = None,
+        sender: SenderCache,
         *,
-        config: CacheConfig | None = None,
-        serde: Serde | None = None,
         max_threads: int = 4,
         inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
         tier: SecondTier | None = None,
     ) -> None:
-        """Wrap ``sender`` (borrowed) or, with ``config``, create one on ``open`` (owned).
+        """Wrap ``sender``, borrowed: ``aclose`` leaves it open (``from_config`` creates one).
 
-        ``serde`` replaces the default ``MsgpackSerde`` of a cache this object creates (a wrapped
-        cache keeps its own). ``max_threads`` bounds the worker threads of big copies (and,
-        separately, those of ``get_or_put``'s sync ``make``); copies under
-        ``inline_threshold_bytes`` run on the loop. ``tier`` (an ``aioshmcache.tier.RedisTier``)
-        is a second tier ``get_or_put`` looks in before it calls ``make``; this object opens and
-        closes it. Does no loop-bound work: it can be built outside a running loop.
+        ``max_threads`` bounds the worker threads of big copies (and, separately, those of
+        ``get_or_put``'s sync ``make``); copies under ``inline_threshold_bytes`` run on the
+        loop. ``tier`` (an ``aioshmcache.tier.RedisTier``) is a second tier ``get_or_put`` looks
+        in before it calls ``make``; this object enters and closes it. Does no loop-bound work:
+        it can be built outside a running loop.
         """
-        if (sender is None) == (config is None):
-            raise ValueError("give either a SenderCache to wrap or a config to create one")
-        if sender is not None and serde is not None:
-            raise ValueError("serde= is for a cache this object creates; a wrapped one has its own")
-        super().__init__(
+        if not isinstance(sender, SenderCache):
+            raise TypeError(
+                f"AsyncSenderCache wraps a SenderCache, not {type(sender).__name__} "
+                "(AsyncSenderCache.from_config(config) creates one)"
+            )
+        self._setup(sender, sender.config, None, max_threads, inline_threshold_bytes, tier)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: CacheConfig,
+        *,
+        serde: Serde | None = None,
+        max_threads: int = 4,
+        inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
+        tier: SecondTier | None = None,
+    ) -> AsyncSenderCache:
+        """A cache that creates its segment on ``async with`` and owns it (``aclose`` unlinks).
+
+        ``serde`` replaces the default ``MsgpackSerde``; the other keywords as for the
+        constructor. A plain call (not awaited): nothing is created until ``async with``.
+        """
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config must be a CacheConfig, not {type(config).__name__}")
+        face = cls.__new__(cls)
+        face._setup(None, config, serde, max_threads, inline_threshold_bytes, tier)
+        return face
+
+    def _setup(
+        self,
+        sender: SenderCache | None,
+        config: CacheConfig,
+        serde: Serde | None,
+        max_threads: int,
+        inline_threshold_bytes: int,
+        tier: SecondTier | None,
+    ) -> None:
+        """What both constructors set: a wrapped ``sender``, or the ``config`` to create one."""
+        self._init_face(
             sender, max_threads=max_threads, inline_threshold_bytes=inline_threshold_bytes
         )
         self._config = config
         self._serde = serde
-        cfg = config if config is not None else sender.config if sender is not None else None
-        group = None if cfg is None else cfg.group
+        group = config.group
         self._group_flight = None if group is None else GroupFlight(group)  # across processes
         self._flight: SingleFlight[FeatureSpec] = SingleFlight(
             on_end=None if self._group_flight is None else self._group_flight.release
@@ -318,17 +347,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         self._make_limiter: anyio.CapacityLimiter | None = None
         self._tier = tier
 
-    @classmethod
-    def from_config(cls, config: CacheConfig, **kwargs: Any) -> AsyncSenderCache:
-        """A cache that creates (on ``__aenter__``) and owns its segment.
-
-        Keywords as for the constructor: ``serde``, ``max_threads``, ``inline_threshold_bytes``.
-        """
-        return cls(config=config, **kwargs)
-
     def _open_cache(self) -> SenderCache:
-        if self._config is None:  # unreachable by construction; never an assert
-            raise ClosedCacheError("no configuration")
         return SenderCache(self._config, serde=self._serde)
 
     def _send(self, req: SenderRequest) -> list[MmItem] | Coroutine[Any, Any, list[MmItem]]:
@@ -387,11 +406,16 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         """This writer's shard index in its group (None for a plain cache)."""
         return self.sender.shard
 
-    async def open(self) -> AsyncSenderCache:
-        """Create the segment if this object owns one (fallocate + prefault run in a thread)."""
+    async def __aenter__(self) -> AsyncSenderCache:
+        """Enter ``async with``: create the segment if this object owns one (fallocate and
+        prefault run in a thread), then enter the tier; if that fails, close again."""
         await self._open()
         if self._tier is not None:
-            await self._tier.open()
+            try:
+                await self._tier.__aenter__()
+            except BaseException:
+                await self.aclose()
+                raise
         return self
 
     async def aclose(self) -> None:
@@ -411,10 +435,6 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         without a tier."""
         return None if self._tier is None else self._tier.stats()
 
-    async def __aenter__(self) -> AsyncSenderCache:
-        """Enter ``async with``: ``open()``."""
-        return await self.open()
-
     @property
     def inline_busy(self) -> int:
         """Items served inline because another request was putting the same hash."""
@@ -424,14 +444,10 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         """What a reader needs to attach."""
         return self.sender.handle()
 
-    def is_cached_item(self, mm_hash: str, *, rescan: bool = False) -> bool:
+    def is_cached(self, mm_hash: str, *, rescan: bool = False) -> bool:
         """Pure look-up: no hand-out, no change to eviction order (``rescan``: as the sync
         cache's)."""
-        return self.sender.is_cached_item(mm_hash, rescan=rescan)
-
-    def is_cached(self, mm_hashes: Sequence[str]) -> list[bool]:
-        """``is_cached_item`` of each hash."""
-        return self.sender.is_cached(mm_hashes)
+        return self.sender.is_cached(mm_hash, rescan=rescan)
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
         """Hits and total; with ``delta`` the change since the previous delta call."""
@@ -554,8 +570,8 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
             gf = self._group_flight  # a sibling process computing it: wait, then read its item
             if gf is not None and not await gf.claim(
                 mm_hash,
-                lambda: self.is_cached_item(mm_hash),
-                lambda: self.is_cached_item(mm_hash, rescan=True),
+                lambda: self.is_cached(mm_hash),
+                lambda: self.is_cached(mm_hash, rescan=True),
             ):
                 return FROM_SIBLING
             return await make_here()
@@ -563,7 +579,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         return await self._flight.run(
             mm_hash,
             run_make,
-            cached=lambda: self.is_cached_item(mm_hash),
+            cached=lambda: self.is_cached(mm_hash),
             hit=lambda: put(None),
             put=put,
             make_anyway=make_here,
@@ -580,16 +596,9 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         """What ``get_or_put`` counted: calls, hits, runs of ``make``, saved, failures."""
         return self._flight.stats()
 
-    async def touch_sender_cache_item(self, mm_hash: str) -> bool:
-        """Protect a cached item from eviction until its next hand-out."""
-        return self.sender.touch_sender_cache_item(mm_hash)
-
     async def touch(self, mm_hash: str) -> bool:
-        """``touch_sender_cache_item`` by the short name both faces share.
-
-        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
-        """
-        return await self.touch_sender_cache_item(mm_hash)
+        """Protect a cached item from eviction until its next hand-out; False if not cached."""
+        return self.sender.touch(mm_hash)
 
     async def release(self, ref: ShmRef) -> bool:
         """Undo a hand-out whose request failed before reaching the readers."""
@@ -600,64 +609,59 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         handed out before stay readable until acknowledged)."""
         return self.sender.invalidate(mm_hash)
 
-    async def clear_cache(self) -> None:
-        """Drop everything; a new epoch makes every older reference stale."""
-        self.sender.clear_cache()
-
     async def clear(self) -> None:
-        """``clear_cache`` by the short name both faces share.
-
-        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
-        """
-        await self.clear_cache()
+        """Drop everything; a new epoch makes every older reference stale."""
+        self.sender.clear()
 
     async def remove_dangling_items(self) -> int:
         """Free every freeable chunk at the head; drop side-table rows of evicted items."""
         return self.sender.remove_dangling_items()
 
 
-class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
-    """A reader's asyncio face. ``AsyncReceiverCache.attach(handle)`` attaches on ``__aenter__``;
-    ``AsyncReceiverCache(receiver_cache)`` wraps (and borrows) an attached ``ReceiverCache``."""
+class AsyncReceiverCache(_AsyncFace[Receiver]):
+    """A reader's asyncio face. ``AsyncReceiverCache.attach(handle)`` attaches on ``async with``
+    and frees its slot on ``aclose``; ``AsyncReceiverCache(receiver)`` wraps (and borrows) an
+    attached reader: a ``ReceiverCache`` or a ``GroupReceiverCache``."""
 
     def __init__(
         self,
-        receiver: ReceiverCache | GroupReceiverCache | None = None,
+        receiver: Receiver,
         *,
-        handle: object = None,
-        serde: Serde | None = None,
         max_threads: int = 4,
         inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
     ) -> None:
-        """Wrap ``receiver`` (borrowed) or, with ``handle``, attach on ``open`` (owned).
+        """Wrap ``receiver``, borrowed: ``aclose`` leaves it open (``attach`` attaches one).
 
-        ``handle`` is a ``CacheHandle``, its dict or a segment name; ``serde`` replaces the
-        default ``MsgpackSerde`` of a reader this object attaches. ``max_threads`` bounds the
-        worker threads of big reads; reads under ``inline_threshold_bytes`` run on the loop.
+        ``max_threads`` bounds the worker threads of big reads; reads under
+        ``inline_threshold_bytes`` run on the loop.
         """
-        if (receiver is None) == (handle is None):
-            raise ValueError("give either a ReceiverCache to wrap or a handle to attach")
-        if receiver is not None and serde is not None:
-            raise ValueError(
-                "serde= is for a reader this object attaches; a wrapped one has its own"
+        if not isinstance(receiver, Receiver):
+            raise TypeError(
+                f"AsyncReceiverCache wraps a ReceiverCache, not {type(receiver).__name__} "
+                "(AsyncReceiverCache.attach(handle) attaches one)"
             )
-        super().__init__(
-            receiver, max_threads=max_threads, inline_threshold_bytes=inline_threshold_bytes
-        )
-        self._handle = handle
-        self._group: str | None = None
-        self._wait_for_shard: float | None = 0.0
-        self._serde = serde
+        self._setup(receiver, None, None, None, 0.0, max_threads, inline_threshold_bytes)
 
     @classmethod
-    def attach(cls, handle: object, **kwargs: Any) -> AsyncReceiverCache:
-        """A reader that attaches (on ``__aenter__``) and frees its slot on ``aclose``.
+    def attach(
+        cls,
+        handle: object,
+        *,
+        serde: Serde | None = None,
+        max_threads: int = 4,
+        inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
+    ) -> AsyncReceiverCache:
+        """A reader that attaches on ``async with`` and frees its slot on ``aclose``.
 
         ``handle`` as for ``ReceiverCache.attach`` (a handle, its dict or JSON, or a name);
-        keywords as for the constructor: ``serde``, ``max_threads``, ``inline_threshold_bytes``.
-        A malformed handle is refused here, at once, rather than at ``__aenter__``.
+        ``serde`` replaces the default ``MsgpackSerde``; the other keywords as for the
+        constructor. A plain call (not awaited); a malformed handle is refused here, at once.
         """
-        return cls(handle=coerce_handle(handle), **kwargs)
+        face = cls.__new__(cls)
+        face._setup(
+            None, coerce_handle(handle), None, serde, 0.0, max_threads, inline_threshold_bytes
+        )
+        return face
 
     @classmethod
     def attach_group(
@@ -670,21 +674,32 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
         inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
     ) -> AsyncReceiverCache:
         """A reader of every shard of cache group ``group`` (``ReceiverCache.attach_group``),
-        attached on ``__aenter__`` (in a worker thread: a ``wait_for_shard`` wait does not
+        attached on ``async with`` (in a worker thread: a ``wait_for_shard`` wait does not
         block the loop); ``aclose`` frees its slot on every shard."""
-        face = cls(
-            handle=group,
-            serde=serde,
-            max_threads=max_threads,
-            inline_threshold_bytes=inline_threshold_bytes,
-        )
-        face._group = group
-        face._wait_for_shard = wait_for_shard
+        face = cls.__new__(cls)
+        face._setup(None, None, group, serde, wait_for_shard, max_threads, inline_threshold_bytes)
         return face
 
-    def _open_cache(self) -> ReceiverCache | GroupReceiverCache:
-        if self._handle is None:
-            raise ClosedCacheError("no handle")
+    def _setup(
+        self,
+        receiver: Receiver | None,
+        handle: CacheHandle | str | None,
+        group: str | None,
+        serde: Serde | None,
+        wait_for_shard: float | None,
+        max_threads: int,
+        inline_threshold_bytes: int,
+    ) -> None:
+        """What the constructors set: a wrapped ``receiver``, or what to attach to."""
+        self._init_face(
+            receiver, max_threads=max_threads, inline_threshold_bytes=inline_threshold_bytes
+        )
+        self._handle = handle
+        self._group = group
+        self._wait_for_shard = wait_for_shard
+        self._serde = serde
+
+    def _open_cache(self) -> Receiver:
         if self._group is not None:
             return ReceiverCache.attach_group(
                 self._group, serde=self._serde, wait_for_shard=self._wait_for_shard
@@ -692,18 +707,15 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
         return ReceiverCache.attach(self._handle, serde=self._serde)
 
     @property
-    def receiver(self) -> ReceiverCache | GroupReceiverCache:
+    def receiver(self) -> Receiver:
         """The sync cache this face drives (a ``GroupReceiverCache`` after ``attach_group``)."""
         return self._wrapped()
 
-    async def open(self) -> AsyncReceiverCache:
-        """Attach and claim a reader slot (in a thread) if this object owns its reader."""
+    async def __aenter__(self) -> AsyncReceiverCache:
+        """Enter ``async with``: attach and claim a reader slot (in a thread) if this object
+        owns its reader."""
         await self._open()
         return self
-
-    async def __aenter__(self) -> AsyncReceiverCache:
-        """Enter ``async with``: ``open()``."""
-        return await self.open()
 
     def handle(self) -> CacheHandle:
         """The handle of the segment this reader is attached to.
@@ -712,8 +724,9 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
         ``shard_handles()`` lists them).
         """
         receiver = self.receiver
-        if isinstance(receiver, GroupReceiverCache):
-            raise RoleError(f"a reader of cache group {receiver.group!r} has one handle per shard")
+        if not isinstance(receiver, ReceiverCache):
+            group = getattr(receiver, "group", None)
+            raise RoleError(f"a reader of cache group {group!r} has one handle per shard")
         return receiver.handle()
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
@@ -738,27 +751,13 @@ class AsyncReceiverCache(_AsyncFace[ReceiverCache | GroupReceiverCache]):
         """Give back a hand-out this reader will not read; False if unknown or released."""
         return self.receiver.release(ref)
 
-    async def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:
-        """Validate a reference without reading it; owes nothing."""
-        self.receiver.touch_receiver_cache_item(mm_hash, mm_item)
-
     async def touch(self, mm_hash: str, mm_item: Any = None) -> None:
-        """``touch_receiver_cache_item`` by the short name both faces share.
-
-        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
-        """
-        await self.touch_receiver_cache_item(mm_hash, mm_item)
-
-    async def clear_cache(self) -> None:
-        """Drop local state (the receiver keeps no item copies)."""
-        self.receiver.clear_cache()
+        """Validate a reference without reading it; owes nothing."""
+        self.receiver.touch(mm_hash, mm_item)
 
     async def clear(self) -> None:
-        """``clear_cache`` by the short name both faces share.
-
-        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
-        """
-        await self.clear_cache()
+        """Drop local state (the receiver keeps no item copies): its counters restart."""
+        self.receiver.clear()
 
     @contextlib.asynccontextmanager
     async def lease(self, features: Sequence[FeatureSpec]) -> AsyncIterator[list[FeatureSpec]]:

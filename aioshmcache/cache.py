@@ -53,7 +53,14 @@ from .errors import (
     WriterGoneError,
 )
 
-__all__ = ["GroupReceiverCache", "MmItem", "ReceiverCache", "SenderCache", "as_reference"]
+__all__ = [
+    "GroupReceiverCache",
+    "MmItem",
+    "Receiver",
+    "ReceiverCache",
+    "SenderCache",
+    "as_reference",
+]
 
 log = logging.getLogger("aioshmcache")
 
@@ -150,7 +157,7 @@ class _Lease:
 
     __slots__ = ("_cache", "_entered", "_features", "_out", "_req")
 
-    def __init__(self, cache: _Reader, features: Sequence[FeatureSpec]) -> None:
+    def __init__(self, cache: Receiver, features: Sequence[FeatureSpec]) -> None:
         self._cache = cache
         self._features = features
         self._req: ReadRequest | None = None
@@ -259,7 +266,7 @@ class SenderCache(_Cache):
         """Items served inline because another request was putting the same hash."""
         return self._counters.inline_busy
 
-    def is_cached_item(self, mm_hash: str, *, rescan: bool = False) -> bool:
+    def is_cached(self, mm_hash: str, *, rescan: bool = False) -> bool:
         """Pure look-up: no hand-out, no change to eviction order.
 
         In a group shard, also true when a live sibling shard holds the item (its chunk checked,
@@ -278,10 +285,6 @@ class SenderCache(_Cache):
     def group(self) -> str | None:
         """The cache group this writer is a shard of (None for a plain cache)."""
         return self.config.group
-
-    def is_cached(self, mm_hashes: Sequence[str]) -> list[bool]:
-        """``is_cached_item`` of each hash."""
-        return [self.is_cached_item(h) for h in mm_hashes]
 
     @property
     def name(self) -> str:
@@ -373,18 +376,11 @@ class SenderCache(_Cache):
             self.store, self._book, features, wait_for_space=wait_for_space
         ).run_features()
 
-    def touch_sender_cache_item(self, mm_hash: str) -> bool:
-        """Protect a cached item from eviction until its next hand-out."""
+    def touch(self, mm_hash: str) -> bool:
+        """Protect a cached item from eviction until its next hand-out; False if not cached."""
         self.store.check_owner()
         with self.store.lock:
             return self.store.touch(check_hash(mm_hash))
-
-    def touch(self, mm_hash: str) -> bool:
-        """``touch_sender_cache_item`` by the short name both faces share.
-
-        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
-        """
-        return self.touch_sender_cache_item(mm_hash)
 
     def release(self, ref: ShmRef) -> bool:
         """Undo a hand-out whose request failed before reaching the readers."""
@@ -400,7 +396,7 @@ class SenderCache(_Cache):
         out *before* stay valid: each is still owed by its readers, so it reads the item it was
         made for, and the old chunk is freed once every hand-out of it is acknowledged (or
         expires by the usual rules). A reference becomes stale only when its chunk is freed
-        (nothing owed for it any more), on ``clear_cache``, when a one-of-N hand-out outlives
+        (nothing owed for it any more), on ``clear``, when a one-of-N hand-out outlives
         ``handout_ttl`` or when its reader was evicted. Revoking outstanding references here
         would only turn reads that are correct (same hash, same bytes) into misses and resends.
         """
@@ -410,20 +406,13 @@ class SenderCache(_Cache):
             self._too_large.discard(mm_hash)
             return self.store.invalidate(check_hash(mm_hash))
 
-    def clear_cache(self) -> None:
+    def clear(self) -> None:
         """Drop everything; a new epoch makes every older reference stale."""
         self.store.check_owner()
         with self.store.lock:
             self.store.clear()
             self._prompt_updates.clear()
             self._too_large.clear()
-
-    def clear(self) -> None:
-        """``clear_cache`` by the short name both faces share.
-
-        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
-        """
-        self.clear_cache()
 
     def remove_dangling_items(self) -> int:
         """Free every freeable chunk at the head and drop side-table rows of evicted items."""
@@ -483,8 +472,15 @@ class SenderCache(_Cache):
             self._siblings.close()
 
 
-class _Reader(_Counted):
-    """The read methods both readers share (one segment's, a group's), on their ``_request``."""
+class Receiver(_Counted):
+    """What every reader offers, one segment's (``ReceiverCache``) or a group's
+    (``GroupReceiverCache``): type code with it to take either.
+
+    The read methods (``get_and_update_features``, ``get_and_update_item``, ``lease``), ``touch``,
+    ``release``, ``clear``, ``make_stats``, ``close``, ``closed`` and ``with``. What only one
+    kind has is on its own class: a segment's ``handle()`` and ``store``, a group's
+    ``shard_handles()`` and ``rescan()``.
+    """
 
     @abc.abstractmethod
     def _request(
@@ -497,7 +493,7 @@ class _Reader(_Counted):
         """A read as steps, over this reader's store or shards."""
 
     @abc.abstractmethod
-    def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:
+    def touch(self, mm_hash: str, mm_item: Any = None) -> None:
         """Validate a reference without reading it; owes nothing."""
 
     def get_and_update_features(self, features: Sequence[FeatureSpec]) -> list[FeatureSpec]:
@@ -526,13 +522,6 @@ class _Reader(_Counted):
         """The request of ``get_and_update_item``: ``_request`` of one spec (of ``mm_hash``)."""
         return self._request([FeatureSpec(mm_hash, mm_item)], copy_inline_below=copy_inline_below)
 
-    def touch(self, mm_hash: str, mm_item: Any = None) -> None:
-        """``touch_receiver_cache_item`` by the short name both faces share.
-
-        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
-        """
-        self.touch_receiver_cache_item(mm_hash, mm_item)
-
     def lease(
         self, features: Sequence[FeatureSpec]
     ) -> contextlib.AbstractContextManager[list[FeatureSpec]]:
@@ -544,21 +533,23 @@ class _Reader(_Counted):
         """
         return _Lease(self, features)
 
-    def clear_cache(self) -> None:
-        """Drop local state (the receiver keeps no item copies)."""
+    def clear(self) -> None:
+        """Drop local state (the receiver keeps no item copies): its counters restart."""
         with self._counters.lock:
             self._counters.hits = self._counters.total = 0
         self._last_delta = CacheInfo(0, 0)
 
-    def clear(self) -> None:
-        """``clear_cache`` by the short name both faces share.
+    @abc.abstractmethod
+    def release(self, ref: ShmRef) -> bool:
+        """Give back a hand-out this reader will not read; False if unknown or already released."""
 
-        Why two names: the long one is vLLM's (drop-in use), the short one the facade's own.
-        """
-        self.clear_cache()
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool:
+        """Whether ``close`` was called."""
 
 
-class ReceiverCache(_Cache, _Reader):
+class ReceiverCache(_Cache, Receiver):
     """P1: a reader. Attaches to a sender's segment and claims a reader slot."""
 
     store: StoreReader
@@ -634,8 +625,8 @@ class ReceiverCache(_Cache, _Reader):
             self.store, self._counters, mm_item, mm_hash, copy_inline_below
         )
 
-    def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:
-        """Validate a reference without reading it; owes nothing (parity with vLLM)."""
+    def touch(self, mm_hash: str, mm_item: Any = None) -> None:
+        """Validate a reference without reading it; owes nothing."""
         check_hash(mm_hash)
         ref = as_reference(mm_item)
         if ref is not None:
@@ -657,7 +648,7 @@ class ReceiverCache(_Cache, _Reader):
         self._released[key] = None
         if len(self._released) > 65536:
             self._released.pop(next(iter(self._released)))
-        self.store.give_back(r)
+        self.store.release(r)
         return True
 
     def close(self) -> None:
@@ -675,7 +666,7 @@ class ReceiverCache(_Cache, _Reader):
         return self.store._reading.closed or self.store.closed
 
 
-class GroupReceiverCache(_Reader):
+class GroupReceiverCache(Receiver):
     """A reader of a whole cache group (``ReceiverCache.attach_group(name)``).
 
     The read methods of ``ReceiverCache`` (shared, not inherited: a group has no single store,
@@ -738,7 +729,7 @@ class GroupReceiverCache(_Reader):
         store = self._shards.route(r)
         return store, store.validate(r)
 
-    def touch_receiver_cache_item(self, mm_hash: str, mm_item: Any = None) -> None:
+    def touch(self, mm_hash: str, mm_item: Any = None) -> None:
         """Validate a reference against its shard without reading it; owes nothing."""
         check_hash(mm_hash)
         self._route(mm_item)
@@ -758,7 +749,7 @@ class GroupReceiverCache(_Reader):
         self._group_released[key] = None
         if len(self._group_released) > 65536:
             self._group_released.pop(next(iter(self._group_released)))
-        store.give_back(r)
+        store.release(r)
         return True
 
     def close(self) -> None:

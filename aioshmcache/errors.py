@@ -1,8 +1,10 @@
 """Error types shared by every layer, the sync caches and the asyncio facade.
 
-All errors derive from :class:`ShmCacheError`. Some also mix in the builtin that a caller would
-naturally catch (``ValueError`` for bad input, ``FileExistsError`` / ``FileNotFoundError`` for
-segment names). No error derives from ``MemoryError``.
+Flat: every error is a direct subclass of :class:`ShmCacheError`, some also of the builtin a
+caller would naturally catch (``ValueError`` for bad input, ``FileExistsError`` /
+``FileNotFoundError`` for segment names, ``EOFError`` for a stream that ended, ``TimeoutError``
+and ``ConnectionError`` for the engine channel). There are no intermediate families: catch the
+base, a builtin, or the leaves you mean. No error derives from ``MemoryError``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ __all__ = [
     "EndOfFramesError",
     "EngineAddressInUseError",
     "EngineCallError",
-    "EngineError",
     "EngineTimeoutError",
     "EngineUnavailableError",
     "FrameError",
@@ -37,7 +38,6 @@ __all__ = [
     "StaleReferenceError",
     "WireError",
     "WriterGoneError",
-    "WrongRoleError",
 ]
 
 
@@ -142,16 +142,12 @@ class ShmSpaceError(ShmCacheError, OSError):
     """Not enough space in /dev/shm to reserve the segment at creation."""
 
 
-class RoleError(ShmCacheError):
-    """A writer-only method was called on a reader (or in a forked child of the writer)."""
+class RoleError(ShmCacheError, AttributeError):
+    """An object was used in a role it does not have: a method of the other role looked up on
+    a store (``reader.put``, ``writer.ack``), or a cache used in a forked child of its opener.
 
-
-class WrongRoleError(RoleError, AttributeError):
-    """A method of the other role was looked up on a store (``reader.put``, ``writer.ack``).
-
-    A ``RoleError`` that names the role having the method; also an ``AttributeError``, since
-    the object indeed has no such attribute: ``hasattr(reader, "put")`` is False and
-    ``getattr(reader, "put", None)`` is None.
+    Also an ``AttributeError``, since a reader indeed has no writer method:
+    ``hasattr(reader, "put")`` is False and ``getattr(reader, "put", None)`` is None.
     """
 
 
@@ -159,15 +155,17 @@ class SerdeError(ShmCacheError, ValueError):
     """A value cannot be encoded, or bytes are not in our format (decoding is refused)."""
 
 
-class WireError(SerdeError):
+class WireError(ShmCacheError, ValueError):
     """Bytes received as a features message (``aioshmcache.wire``) are not a valid one."""
 
 
 class FrameError(ShmCacheError):
-    """A length-prefixed frame cannot be read or written; the stream is out of step: close it."""
+    """A length-prefixed stream is out of step (an earlier frame failed, or a read returned
+    more than asked): close it. The frames' other errors are ``FrameTooLargeError`` and
+    ``IncompleteFrameError``."""
 
 
-class FrameTooLargeError(FrameError, ValueError):
+class FrameTooLargeError(ShmCacheError, ValueError):
     """A frame's declared (or given) length exceeds ``max_bytes``; nothing of it was read."""
 
     def __init__(self, message: str, *, nbytes: int = 0, max_bytes: int = 0) -> None:
@@ -177,7 +175,7 @@ class FrameTooLargeError(FrameError, ValueError):
         self.max_bytes = max_bytes
 
 
-class IncompleteFrameError(FrameError, EOFError):
+class IncompleteFrameError(ShmCacheError, EOFError):
     """The stream ended inside a frame (in its length prefix or its payload)."""
 
     def __init__(self, message: str, *, received: int = 0, expected: int = 0) -> None:
@@ -191,23 +189,21 @@ class EndOfFramesError(ShmCacheError, EOFError):
     """The stream ended cleanly between two frames: the peer closed it (not a bad frame)."""
 
 
-class EngineError(ShmCacheError):
-    """The engine channel (``aioshmcache.channel``) failed: base of the channel's own errors.
+class EngineUnavailableError(ShmCacheError, ConnectionError):
+    """No engine worker could be reached (``aioshmcache.channel``), or it went away before
+    answering.
 
-    Errors of the cache met by the engine worker while reading a request's features come back
-    as the cache's own types (``CacheMissError``, ``WriterGoneError``, ...), not as these.
+    The channel's own errors are this, ``EngineTimeoutError``, ``EngineCallError`` and
+    ``EngineAddressInUseError``. Errors of the cache met by the engine worker while reading a
+    request's features come back as the cache's own types (``CacheMissError``, ...).
     """
 
 
-class EngineUnavailableError(EngineError, ConnectionError):
-    """No engine worker could be reached, or it went away before answering."""
-
-
-class EngineTimeoutError(EngineError, TimeoutError):
+class EngineTimeoutError(ShmCacheError, TimeoutError):
     """A call's deadline passed before the engine worker answered."""
 
 
-class EngineCallError(EngineError):
+class EngineCallError(ShmCacheError):
     """The engine worker's handler raised; ``remote_type`` names the exception it raised."""
 
     def __init__(self, message: str, *, remote_type: str = "") -> None:
@@ -216,5 +212,5 @@ class EngineCallError(EngineError):
         self.remote_type = remote_type
 
 
-class EngineAddressInUseError(EngineError, FileExistsError):
+class EngineAddressInUseError(ShmCacheError, FileExistsError):
     """Another live engine worker already serves this socket path."""

@@ -30,7 +30,7 @@ The metrics (counters end in ``_total``, sizes in ``_bytes``; labels ``cache`` a
 ``aioshmcache_used_bytes``                  gauge    bytes of the ring in use
 ``aioshmcache_capacity_bytes``              gauge    the ring's capacity
 ``aioshmcache_items``                       gauge    items cached
-``aioshmcache_epoch``                       gauge    clear generation (``clear_cache`` bumps it)
+``aioshmcache_epoch``                       gauge    clear generation (``clear`` bumps it)
 ``aioshmcache_handouts_owed``               gauge    hand-outs not yet acknowledged, summed over
                                                      the attached readers
 ``aioshmcache_reader_slots``                gauge    reader slots of the segment

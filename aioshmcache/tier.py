@@ -57,11 +57,11 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Final
 
 import anyio
 import anyio.to_thread
+from anyio.abc import AsyncResource
 
 from ._tier_breaker import CircuitBreaker
 from ._tier_policy import TierPolicy
@@ -81,6 +81,7 @@ __all__ = [
     "CircuitBreaker",
     "PolicyView",
     "RedisTier",
+    "TierConfig",
     "TierPolicy",
     "TierSnapshot",
     "TierValueError",
@@ -190,6 +191,57 @@ def _import_redis() -> Any:
     return redis.asyncio
 
 
+def _seconds(name: str, value: float, *, zero: bool = False) -> None:
+    """``ValueError`` unless ``value`` is a finite number of seconds, > 0 (>= 0 with ``zero``)."""
+    ok = isinstance(value, (int, float)) and value < float("inf")
+    if not (ok and (value >= 0 if zero else value > 0)):
+        least = ">= 0" if zero else "a positive number of"
+        raise ValueError(f"{name} must be {least} seconds, got {value!r}")
+
+
+def _expiry(name: str, value: float) -> None:
+    """``ValueError`` for a duration Redis would refuse as an expiry: it is sent in whole
+    milliseconds, and 0 ms, or more than Redis can add to its clock, is refused by the server
+    on every command (a tier that never works)."""
+    if not _MIN_EXPIRY_S <= value <= _MAX_EXPIRY_S:
+        raise ValueError(
+            f"{name} must be between {_MIN_EXPIRY_S} and {_MAX_EXPIRY_S:.0f} s, got {value!r}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """The tier's tuning, beyond ``RedisTier``'s own keywords; frozen, validated when made.
+
+    ``lease_s``: the lease of a claim (renewed every third of it while ``make`` runs).
+    ``max_wait_s``: how long a request waits for another host's ``make``. ``write_timeout_s``:
+    the client's socket timeout (bounds every operation, a background one included).
+    ``write_queue_items`` / ``write_queue_bytes``: the bounds of the queue of writes behind the
+    requests (a full queue drops the write). ``skip_ttl_s``: how long an item not worth storing
+    is marked so. ``flush_timeout_s``: how long ``aclose`` writes what is still queued.
+    """
+
+    lease_s: float = 2.0
+    max_wait_s: float = 5.0
+    write_timeout_s: float = 5.0
+    write_queue_items: int = 32
+    write_queue_bytes: int = 512 * MiB
+    skip_ttl_s: float = 10.0
+    flush_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("lease_s", "write_timeout_s", "skip_ttl_s"):
+            _seconds(name, getattr(self, name))
+        for name in ("max_wait_s", "flush_timeout_s"):
+            _seconds(name, getattr(self, name), zero=True)
+        for name in ("lease_s", "skip_ttl_s"):
+            _expiry(name, getattr(self, name))
+        for name in ("write_queue_items", "write_queue_bytes"):
+            n = getattr(self, name)
+            if type(n) is not int or n < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+
+
 def _check_url(url: str) -> None:
     """``ValueError`` for a URL the client refuses, or one that makes it decode replies.
 
@@ -207,12 +259,13 @@ def _check_url(url: str) -> None:
         raise ValueError("url must not set decode_responses: the tier's values are bytes")
 
 
-class RedisTier:
+class RedisTier(AsyncResource):
     """Redis as the fleet-wide second tier of an ``AsyncSenderCache`` (see the module docstring).
 
     Give it to the cache: ``AsyncSenderCache.from_config(config, tier=RedisTier(url,
-    secret=...))``; the cache opens and closes it with itself (one tier per cache: a tier the
-    cache closed raises ``ClosedCacheError``). Every host of a fleet uses the same ``url``,
+    secret=...))``; the cache enters and closes it with itself (one tier per cache: a tier the
+    cache closed raises ``ClosedCacheError``). On its own it is an anyio ``AsyncResource``:
+    ``async with RedisTier(...) as tier``. Every host of a fleet uses the same ``url``,
     ``secret`` and ``prefix``.
     """
 
@@ -226,58 +279,35 @@ class RedisTier:
         lookup_timeout_s: float = 0.05,
         prefix: str = "aioshm:",
         cluster: bool = False,
-        lease_s: float = 2.0,
-        max_wait_s: float = 5.0,
-        write_timeout_s: float = 5.0,
-        write_queue_items: int = 32,
-        write_queue_bytes: int = 512 * MiB,
-        skip_ttl_s: float = 10.0,
+        config: TierConfig | None = None,
         breaker: CircuitBreaker | None = None,
         policy: TierPolicy | None = None,
     ) -> None:
-        """Configure; no connection is made here (nor on ``open``: Redis may be down).
+        """Configure; no connection is made here (nor on ``async with``: Redis may be down).
 
         ``secret`` (at least 16 bytes; a str is UTF-8 encoded) signs and verifies every value,
         and names the key namespace (``keyspace``: hosts with other secrets use other keys).
         ``ttl_s``: how long Redis keeps a value. ``max_item_bytes``: the largest payload
         written or read. ``lookup_timeout_s``: the least a look-up waits (its deadline is what
         a typical make costs, as learned: ``TierPolicy.lookup_deadline``). ``prefix``: of
-        every key. ``cluster``: ``url`` names a node of a Redis Cluster. ``lease_s``: the lease of a
-        claim (renewed every third of it while ``make`` runs); ``max_wait_s``: how long a
-        request waits for another host's ``make``. ``breaker`` and ``policy`` replace the
-        default circuit breaker and cost policy.
+        every key. ``cluster``: ``url`` names a node of a Redis Cluster. ``config``: the rest of
+        the tuning (``TierConfig``: leases, waits, the write queue). ``breaker`` and ``policy``
+        replace the default circuit breaker and cost policy (state machines: one per tier).
         """
         if not isinstance(url, str) or not url:
             raise TypeError("url must be a non-empty str (redis://host:port/db)")
         key = secret.encode("utf-8") if isinstance(secret, str) else secret
         if not isinstance(key, bytes) or len(key) < 16:
             raise ValueError("secret must be bytes (or str) of at least 16 bytes")
-        for name, value in (
-            ("ttl_s", ttl_s),
-            ("lookup_timeout_s", lookup_timeout_s),
-            ("lease_s", lease_s),
-            ("write_timeout_s", write_timeout_s),
-            ("skip_ttl_s", skip_ttl_s),
-        ):
-            if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        for name, value in (("ttl_s", ttl_s), ("lease_s", lease_s), ("skip_ttl_s", skip_ttl_s)):
-            # sent to Redis in whole milliseconds: 0 ms, or more than Redis can add to its
-            # clock, is refused by the server on every command (a tier that never works)
-            if not _MIN_EXPIRY_S <= value <= _MAX_EXPIRY_S:
-                raise ValueError(
-                    f"{name} must be between {_MIN_EXPIRY_S} and {_MAX_EXPIRY_S:.0f} s, "
-                    f"got {value!r}"
-                )
-        if not isinstance(max_wait_s, (int, float)) or not 0 <= max_wait_s < float("inf"):
-            raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
-        for name, n in (
-            ("max_item_bytes", max_item_bytes),
-            ("write_queue_items", write_queue_items),
-            ("write_queue_bytes", write_queue_bytes),
-        ):
-            if type(n) is not int or n < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+        _seconds("ttl_s", ttl_s)
+        _expiry("ttl_s", ttl_s)
+        _seconds("lookup_timeout_s", lookup_timeout_s)
+        if type(max_item_bytes) is not int or max_item_bytes < 1:
+            raise ValueError(f"max_item_bytes must be an int >= 1, got {max_item_bytes!r}")
+        if config is None:
+            config = TierConfig()
+        elif not isinstance(config, TierConfig):
+            raise TypeError(f"config must be a TierConfig, not {type(config).__name__}")
         if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
             raise ValueError("prefix must be a str without braces (they make the hash tag)")
         try:
@@ -295,12 +325,14 @@ class RedisTier:
         #: the start of every key: ``prefix`` and a namespace derived from ``secret``
         self.keyspace = keyspace(prefix, key)
         self.cluster = bool(cluster)
-        self.lease_s = float(lease_s)
-        self.max_wait_s = float(max_wait_s)
-        self.write_timeout_s = float(write_timeout_s)
-        self._queue_items = write_queue_items
-        self._queue_bytes = write_queue_bytes
-        self.skip_ttl_s = float(skip_ttl_s)
+        #: the tuning beyond the keywords above
+        self.config = config
+        self.lease_s = float(config.lease_s)
+        self.max_wait_s = float(config.max_wait_s)
+        self.write_timeout_s = float(config.write_timeout_s)
+        self._queue_items = config.write_queue_items
+        self._queue_bytes = config.write_queue_bytes
+        self.skip_ttl_s = float(config.skip_ttl_s)
         self._longest_expiry_ms = int(max(self.lease_s, self.skip_ttl_s) * 1000)
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self.policy = policy if policy is not None else TierPolicy()
@@ -324,11 +356,12 @@ class RedisTier:
 
     @property
     def is_open(self) -> bool:
-        """Whether :meth:`open` ran and :meth:`aclose` did not."""
+        """Whether it was entered (``async with``) and :meth:`aclose` did not run."""
         return self._client is not None and not self._closed
 
-    async def open(self) -> RedisTier:
-        """Make the client and start the writer task (no round trip: Redis may be down)."""
+    async def __aenter__(self) -> RedisTier:
+        """Enter ``async with``: make the client and start the writer task (no round trip:
+        Redis may be down). Entering an entered tier again changes nothing."""
         if self._closed:
             raise ClosedCacheError("the tier is closed")
         if self._client is not None:
@@ -353,18 +386,9 @@ class RedisTier:
         self._writer = asyncio.create_task(self._write_loop(), name="aioshmcache-tier-writer")
         return self
 
-    async def __aenter__(self) -> RedisTier:
-        """Enter ``async with``: :meth:`open`."""
-        return await self.open()
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        """Leave ``async with``: :meth:`aclose`."""
-        await self.aclose()
-
-    async def aclose(self, *, flush_timeout_s: float = 2.0) -> None:
-        """Write what is queued (at most ``flush_timeout_s``), stop the tasks, close the client.
+    async def aclose(self) -> None:
+        """Write what is queued (at most ``config.flush_timeout_s``), stop the tasks, close the
+        client.
 
         Idempotent. Writes still queued after the timeout are dropped (and counted). A request
         still running on the tier then finishes without Redis: it claims nothing, renews
@@ -375,7 +399,7 @@ class RedisTier:
             return
         with anyio.CancelScope(shield=True):
             if self._client is not None:
-                await self.flush(flush_timeout_s)
+                await self.flush(self.config.flush_timeout_s)
             self._closed = True
             self._n["dropped_writes"] += len(self._queue)
             self._queue.clear()

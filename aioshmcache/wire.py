@@ -28,7 +28,8 @@ explicit ``max_*_len`` limits and a bound on its containers (``max_containers``:
 1 MiB of empty maps or lists is refused after 32,768 of them, not unpacked into a million);
 arrays travel as raw bytes at canonical 64-byte aligned offsets, their dtype checked against a
 whitelist, their shape against their byte length; trailing bytes are an error. Every decoding
-failure is a ``SerdeError`` (``WireError`` when the value decodes but is not a features message).
+failure is a ``SerdeError``, or a ``WireError`` when the value decodes but is not a features
+message (both are ``ValueError``s).
 The limits are the serde's (same names, same defaults), counted over the whole message (the
 wrapping counts too: two lists, and per feature its row, its reference and its prompt updates);
 ``max_depth`` counts from the item, as in the store, although the message wraps items in three
@@ -37,8 +38,8 @@ more levels.
 Frame format: an 8-byte little-endian unsigned length, then that many payload bytes. The length is
 checked against ``max_bytes`` before any of the payload is read; payload bytes are then gathered
 as they arrive, so a peer that declares a huge length makes the receiver hold only what it really
-sent. A frame that cannot be read raises a ``FrameError`` (``FrameTooLargeError``,
-``IncompleteFrameError``); the stream is then out of step and should be closed. A stream that
+sent. A frame that cannot be read raises ``FrameTooLargeError`` or ``IncompleteFrameError``
+(``FrameError`` once a stream is out of step); the stream should then be closed. A stream that
 ends cleanly between frames raises ``EndOfFramesError`` (an ``EOFError``, like
 ``IncompleteFrameError``). A read or
 write that is cancelled part-way also leaves the stream mid-frame: close it. One framing per I/O
@@ -244,7 +245,7 @@ def unpack_features(
     value = serde.read(view, copy=copy)
     try:
         return _features(value, max_features)
-    except (SerdeError, MemoryError):
+    except (SerdeError, WireError, MemoryError):
         raise
     except Exception as exc:  # a safety net: whatever slipped past the checks is still typed
         raise WireError(f"malformed features message: {exc}") from exc
@@ -354,7 +355,7 @@ def unpack_features_any(data: bytes) -> list[FeatureSpec]:
 
     The plain form is as hostile as any input: unpacked by :func:`unpack_bounded`, then
     checked as the serde form is; it may hold only references and ``None``s, without prompt
-    updates. ``WireError`` (a ``SerdeError``) for anything else.
+    updates. ``WireError`` for anything else.
     """
     if not is_plain(data):
         return unpack_features(data)
@@ -473,7 +474,7 @@ class FrameDecoder:
     def __init__(self, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self.max_bytes = _check_max_bytes(max_bytes)
         self._buf = bytearray()
-        self._broken: FrameError | None = None
+        self._broken: FrameTooLargeError | None = None
 
     @property
     def pending(self) -> int:

@@ -126,7 +126,7 @@ def entry(rounds: int, batch: int) -> None:
     async def main() -> None:
         for hit in (False, True):
             for h in hot if hit else ():  # after the misses (which may have evicted them)
-                if not tx.is_cached_item(h):
+                if not tx.is_cached(h):
                     tx.get_and_update_item((item, ()), h)
             tag = "hit" if hit else "miss"
             named = {f"{tag}: {name}": cell for name, cell in cells(hit).items()}

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from aioshmcache import AsyncSenderCache, CacheConfig, FeatureSpec, ReceiverCache, content_key
-from aioshmcache.tier import RedisTier
+from aioshmcache.tier import RedisTier, TierConfig
 
 
 def image_bytes(k: int) -> bytes:
@@ -87,6 +87,7 @@ async def serve_host(host: int, opts: dict[str, Any], images: int, start: Any) -
         secret=opts["secret"],
         prefix=opts["prefix"],
         lookup_timeout_s=opts["lookup_timeout_s"],
+        config=TierConfig(max_wait_s=5.0),  # how long a host waits for another host's make
     )
     config = CacheConfig(
         256 << 20, 32 << 20, 1, name=f"fleet-example-{host}-{uuid.uuid4().hex[:8]}"

@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry, make_asgi_app
 
 from aioshmcache import AsyncReceiverCache, AsyncSenderCache, CacheConfig, FeatureSpec, content_key
 from aioshmcache.channel import EngineClient, serve_engine
-from aioshmcache.errors import CacheMissError, EngineError, KeyMismatchError
+from aioshmcache.errors import KeyMismatchError, ShmCacheError
 from aioshmcache.metrics import GroupCollector
 
 GROUP = os.environ.get("AIOSHM_GROUP", "minimal")
@@ -85,8 +85,9 @@ app = FastAPI(lifespan=lifespan)
 app.mount("/metrics", make_asgi_app(REGISTRY))
 
 
-@app.exception_handler(EngineError)  # the engine worker is down, late, or failed
-@app.exception_handler(CacheMissError)  # it missed the item again after the resend
+# the engine worker is down, late or failed (EngineUnavailableError, EngineTimeoutError,
+# EngineCallError), or it missed the item again after the resend (CacheMissError)
+@app.exception_handler(ShmCacheError)
 async def engine_failed(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"error": type(exc).__name__, "detail": str(exc)}, status_code=503)
 

@@ -27,7 +27,7 @@ def hash_first(cache: Any, h: str) -> tuple[Any, bool]:
     """
     from aioshmcache import CacheMissError, FeatureSpec
 
-    if cache.is_cached_item(h):
+    if cache.is_cached(h):
         try:
             [f] = cache.get_and_update_features([FeatureSpec(h, None)])
             return f, False

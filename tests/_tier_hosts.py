@@ -114,9 +114,9 @@ def claimer(url: str, name: str, h: str, ready: Any) -> None:
 
 async def _claimer(url: str, name: str, h: str, ready: Any) -> None:
     from aioshmcache import AsyncSenderCache, CacheConfig
-    from aioshmcache.tier import RedisTier
+    from aioshmcache.tier import RedisTier, TierConfig
 
-    tier = RedisTier(url, **tier_options(url, lease_s=1.0))
+    tier = RedisTier(url, **tier_options(url, config=TierConfig(lease_s=1.0)))
     async with AsyncSenderCache.from_config(
         CacheConfig(8 << 20, 4 << 20, 1, name=name), tier=tier
     ) as cache:

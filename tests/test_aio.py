@@ -58,7 +58,7 @@ async def test_lifetime_owned_and_borrowed(make_config: Any) -> None:
             assert isinstance(out[0], ShmRef) and out[1] == ["u"]
             got = await rx.get_and_update_item(out[0], "h")
             assert np.array_equal(got["a"], np.arange(5))
-            assert cache.make_stats().total == 1 and cache.is_cached(["h"]) == [True]
+            assert cache.make_stats().total == 1 and cache.is_cached("h")
         await rx.aclose()  # idempotent
         with pytest.raises(ClosedCacheError):
             await rx.get_and_update_features([])
@@ -71,7 +71,7 @@ async def test_lifetime_owned_and_borrowed(make_config: Any) -> None:
     try:
         async with AsyncSenderCache(sync) as wrapped:
             await wrapped.get_and_update_item(({"a": 1}, ()), "k")
-        assert not sync.closed and sync.is_cached_item("k")
+        assert not sync.closed and sync.is_cached("k")
     finally:
         sync.close()
 
@@ -96,6 +96,7 @@ async def _drain_everything(cache: AsyncSenderCache, rx: AsyncReceiverCache) -> 
     """Read (and so acknowledge) every outstanding hand-out the writer still tracks."""
     store = cache.sender.store
     store.drain()
+    assert isinstance(rx.receiver, ReceiverCache)
     session = rx.receiver.store._reading.slot.session  # type: ignore[union-attr]
     for key in cache.cached_order():
         cid = store._index[key]
@@ -194,7 +195,7 @@ async def test_200_concurrent_tasks_two_receiver_processes(make_config: Any) -> 
             async def one(i: int) -> None:
                 j = int(rng.integers(0, len(pool)))
                 h = f"p{j}"
-                data = None if cache.is_cached_item(h) else pool[j]
+                data = None if cache.is_cached(h) else pool[j]
                 [f] = await cache.get_and_update_features([FeatureSpec(h, data)], wait_for_space=20)
                 if not isinstance(f.data, ShmRef):
                     results.append(checksum(f.data["data"]) == pool[j]["crc"])
@@ -334,7 +335,7 @@ async def test_lease_data_intact_under_eviction_pressure(make_config: Any) -> No
             async with anyio.create_task_group() as tg:
                 tg.start_soon(pressure)
             assert checksum(view) == first["crc"]  # never reused while leased
-            assert cache.is_cached_item("leased")
+            assert cache.is_cached("leased")
         snap = cache.sender.snapshot()
         # FIFO: everything older than the leased item was evicted; it then blocks the ring, so
         # newer puts are served inline rather than overwrite it
@@ -349,7 +350,7 @@ def test_loop_shutdown_with_copies_in_flight_is_bounded(make_config: Any) -> Non
 
     async def main() -> None:
         cache = AsyncSenderCache.from_config(cfg)
-        await cache.open()
+        await cache.__aenter__()
         try:
             tasks = [
                 asyncio.ensure_future(cache.get_and_update_features([FeatureSpec(f"b{i}", big)]))
@@ -473,7 +474,7 @@ async def test_a_job_cancelled_before_its_thread_started_does_not_hold_aclose(
     cache = AsyncSenderCache.from_config(
         make_config(64 * MiB, 32 * MiB, 1), max_threads=1, inline_threshold_bytes=MiB
     )
-    await cache.open()
+    await cache.__aenter__()
     try:
         a = asyncio.ensure_future(
             cache.get_and_update_features([FeatureSpec("a", {"x": np.ones(24 * MiB, np.uint8)})])

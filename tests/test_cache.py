@@ -70,7 +70,7 @@ def test_lookups_are_pure(pair: Any) -> None:
     for i, h in enumerate("abcd"):
         ref, _ = sender.get_and_update_item((item(i), ()), h)
         receiver.get_and_update_item(ref, h)
-    assert sender.is_cached(["a", "x", "d"]) == [True, False, True]
+    assert [sender.is_cached(h) for h in "axd"] == [True, False, True]
     assert sender.make_stats().total == 4
     sender.get_and_update_item((item(9), ()), "e")  # evicts the oldest: lookups did not touch
     assert sender.cached_order() == ["b", "c", "d", "e"]
@@ -94,7 +94,7 @@ def test_too_large_served_inline_counted_logged_once_not_reserialised(
                 out = sender.get_and_update_item((big, ["u"]), "big")
                 assert out[0] is big
         assert sender.snapshot().inline_too_large == 5
-        assert not sender.is_cached_item("big")
+        assert not sender.is_cached("big")
         assert len([r for r in caplog.records if "max_object_bytes" in r.message]) == 1
         assert len(calls) == 1  # measured once, not on every request
         assert sender.snapshot().inline_too_large == 5
@@ -120,7 +120,7 @@ def test_eviction_order_with_request_pins(make_config: Any) -> None:
 
         def request(*hashes: str) -> list[str]:
             out = sender.get_and_update(
-                [None if sender.is_cached_item(h) else (item(ord(h)), ()) for h in hashes],
+                [None if sender.is_cached(h) else (item(ord(h)), ()) for h in hashes],
                 list(hashes),
             )
             return ["ref" if isinstance(d, ShmRef) else "inline" for d, _u in out]
@@ -180,10 +180,10 @@ def test_invalidate_clear_and_ids(pair: Any) -> None:
     sender, receiver = pair
     ref, _ = sender.get_and_update_item((item(1), ()), "a")
     receiver.get_and_update_item(ref, "a")
-    assert sender.invalidate("a") and not sender.is_cached_item("a")
+    assert sender.invalidate("a") and not sender.is_cached("a")
     assert sender.invalidate("a") is False
     ref_b, _ = sender.get_and_update_item((item(2), ()), "b")
-    sender.clear_cache()
+    sender.clear()
     assert sender.cached_order() == []
     with pytest.raises(StaleReferenceError):
         receiver.get_and_update_item(ref_b, "b")
@@ -225,7 +225,7 @@ def test_receiver_stale_references_collected_into_one_miss(pair: Any) -> None:
     ra, _ = sender.get_and_update_item((item(1), ()), "a")
     rb, _ = sender.get_and_update_item((item(2), ()), "b")
     receiver.get_and_update_features(feats(("a", ra), ("b", rb)))
-    sender.clear_cache()
+    sender.clear()
     rc, _ = sender.get_and_update_item((item(3), ()), "c")
     with pytest.raises(CacheMissError) as ei:
         receiver.get_and_update_features(feats(("a", ra), ("c", rc), ("b", rb)))
@@ -283,7 +283,7 @@ def test_drift_path_end_to_end(pair: Any) -> None:
     for i in range(5):  # "a" is evicted by pressure
         r, _ = sender.get_and_update_item((item(10 + i), ()), f"p{i}")
         receiver.get_and_update_item(r, f"p{i}")
-    assert not sender.is_cached_item("a")
+    assert not sender.is_cached("a")
     with pytest.raises(CacheMissError) as ei:  # the sender side notices
         sender.get_and_update_features([FeatureSpec("a", None), FeatureSpec("p4", None)])
     assert ei.value.mm_hashes == ("a",)
@@ -354,7 +354,7 @@ def test_500_requests_two_receiver_processes(make_config: Any) -> None:
             features = []
             for h, name in zip(hs, hashes):
                 sizes.setdefault(h, int(rng.integers(1000, 400_000)))
-                data = None if sender.is_cached_item(name) else item(h, sizes[h])
+                data = None if sender.is_cached(name) else item(h, sizes[h])
                 features.append(FeatureSpec(name, data))
             out = sender.get_and_update_features(features, wait_for_space=10)
             msg = [
@@ -593,7 +593,7 @@ def test_a_stale_reference_is_not_acknowledged(make_config: Any) -> None:
         [f] = tx.get_and_update_features([FeatureSpec("h", {"x": np.arange(10)})])
         req = rx._request([f], copy_inline_below=0)
         req.begin()
-        tx.clear_cache()
+        tx.clear()
         slot = rx.store._reading.slot
         assert slot is not None
         before = slot.acknowledged
@@ -618,7 +618,7 @@ def test_a_retagged_stale_reference_settles_no_genuine_hand_out(make_config: Any
     read itself."""
     cfg = make_config(256 << 10, 100 << 10, 1)
     with SenderCache(cfg) as tx, ReceiverCache.attach(tx.handle()) as rx:
-        tx.clear_cache()  # epoch 1: a reference can claim epoch 0
+        tx.clear()  # epoch 1: a reference can claim epoch 0
         [f] = tx.get_and_update_features([FeatureSpec("h", item(1))])
         ref = f.data
         assert isinstance(ref, ShmRef)
@@ -698,7 +698,7 @@ def test_one_reference_is_read_by_a_one_item_request(
         others: list[ShmRef] = []
 
         def clear_and_reuse() -> None:
-            tx.clear_cache()
+            tx.clear()
             other, _ = tx.get_and_update_item(({"x": np.full(10, -1)}, ()), "b")
             others.append(other)
 
@@ -795,16 +795,16 @@ def test_a_request_that_goes_on_unlocked_keeps_its_early_items(make_config: Any)
             copy_inline_below=32 << 10,
         )
         req.begin()  # A put at once (small), B reserved: a copy job
-        assert req.has_jobs and sender.is_cached_item("A")
+        assert req.has_jobs and sender.is_cached("A")
         for i, h in enumerate("CDEF"):  # fill the ring behind A and B: eviction reaches A
             sender.get_and_update_item((item(10 + i, 60 << 10), ()), h)
-        assert sender.is_cached_item("A")  # pinned by the request: never evicted
+        assert sender.is_cached("A")  # pinned by the request: never evicted
         assert sender.snapshot().inline_full >= 1  # the ring was full: someone was refused
         req.run_jobs()
         [(a, _), (b, _)] = req.finish()
         assert isinstance(a, ShmRef) and isinstance(b, ShmRef)
         sender.get_and_update_item((item(20, 60 << 10), ()), "G")  # unpinned now: A may go
-        assert not sender.is_cached_item("A")
+        assert not sender.is_cached("A")
     finally:
         sender.close()
 

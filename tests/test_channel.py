@@ -24,19 +24,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioshmcache import (
-    AsyncReceiverCache,
-    AsyncSenderCache,
-    CacheMissError,
+from aioshmcache import AsyncReceiverCache, AsyncSenderCache, CacheMissError, FeatureSpec, ShmRef
+from aioshmcache.channel import EngineClient, serve_engine
+from aioshmcache.errors import (
     EngineAddressInUseError,
     EngineCallError,
     EngineTimeoutError,
     EngineUnavailableError,
-    FeatureSpec,
-    ShmRef,
     WireError,
 )
-from aioshmcache.channel import EngineClient, serve_engine
 
 from . import _channel_procs
 from ._channel_procs import crc, handler
@@ -309,7 +305,7 @@ async def test_drift_recovery_resends_the_missing_items_inline_once(
     sock = tmp_path / "e.sock"
     async with _connected(make_config, sock) as (cache, _rx, engine):
         [stale] = await _features(cache, range(1))
-        await cache.clear_cache()  # a new epoch: the reference goes stale (the worker misses it)
+        await cache.clear()  # a new epoch: the reference goes stale (the worker misses it)
         [fresh] = await _features(cache, range(1, 2))
         made: list[str] = []
 
@@ -321,7 +317,7 @@ async def test_drift_recovery_resends_the_missing_items_inline_once(
             with pytest.raises(CacheMissError) as info:
                 await engine.call([stale, fresh])
             assert info.value.mm_hashes == ("h0",)
-            assert not cache.is_cached_item("h0")  # invalidated for the next request
+            assert not cache.is_cached("h0")  # invalidated for the next request
             return
         out = await engine.call([stale, fresh], items=items)
         assert made == ["h0"]  # only the missing item was asked for
@@ -340,7 +336,7 @@ async def test_a_drift_resend_that_cannot_be_built_gives_its_fresh_hand_outs_bac
     sock = tmp_path / "e.sock"
     async with _connected(make_config, sock) as (cache, _rx, engine):
         [stale] = await _features(cache, range(1))
-        await cache.clear_cache()  # the worker will miss h0
+        await cache.clear()  # the worker will miss h0
         [live] = await _features(cache, range(1, 2))
         entered = asyncio.Event()
 

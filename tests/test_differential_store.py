@@ -25,7 +25,6 @@ from aioshmcache import (
     SenderCache,
     ShmObjectStore,
     ShmRef,
-    StoreWriter,
     _core_py,
     _request,
     _serde,
@@ -33,6 +32,7 @@ from aioshmcache import (
 )
 from aioshmcache import _layout as L
 from aioshmcache._serde import MsgpackPlan
+from aioshmcache.store import StoreWriter
 
 from .conftest import RUN_PREFIX
 from .test_core import c_core

@@ -185,18 +185,17 @@ def _writer_calls(tx: SenderCache, ref: ShmRef) -> dict[str, Callable[[], object
     st = tx.store
     feat = FeatureSpec("h0", None)
     return {
-        "is_cached_item": lambda: tx.is_cached_item("h0"),
-        "is_cached": lambda: tx.is_cached(["h0"]),
+        "is_cached": lambda: tx.is_cached("h0"),
         "request": lambda: tx._request([None], ["h0"]),
         "features_request": lambda: tx._features_request([feat]),
         "get_and_update_item hit": lambda: tx.get_and_update_item(None, "h0"),
         "get_and_update_item put": lambda: tx.get_and_update_item(({"x": 1}, ()), "new"),
         "get_and_update": lambda: tx.get_and_update([None], ["h0"]),
         "get_and_update_features": lambda: tx.get_and_update_features([feat]),
-        "touch_sender_cache_item": lambda: tx.touch_sender_cache_item("h0"),
+        "touch": lambda: tx.touch("h0"),
         "release": lambda: tx.release(ref),
         "invalidate": lambda: tx.invalidate("h0"),
-        "clear_cache": tx.clear_cache,
+        "clear": tx.clear,
         "remove_dangling_items": tx.remove_dangling_items,
         "cached_order": tx.cached_order,
         "is_freeable": lambda: tx.is_freeable("h0"),

@@ -67,7 +67,7 @@ def test_shards_sibling_hits_and_group_reader_in_process(group: str) -> None:
         assert (a.shard, b.shard) == (0, 1)
         item = gp.make_item("h1")
         [fa] = a.get_and_update_features([FeatureSpec("h1", item)])
-        assert b.is_cached_item("h1") and not b.is_cached_item("h2")
+        assert b.is_cached("h1") and not b.is_cached("h2")
         [fb] = b.get_and_update_features([FeatureSpec("h1", None)])
         assert fb.data.nonce == b.handle().nonce != fa.data.nonce
         assert b.snapshot().sibling_hits == 1
@@ -79,7 +79,7 @@ def test_shards_sibling_hits_and_group_reader_in_process(group: str) -> None:
                 rx.get_and_update_features([FeatureSpec("h1", forged)])
         a.invalidate("h1")
         b.invalidate("h1")
-        assert not b.is_cached_item("h1")  # the hint went with the item
+        assert not b.is_cached("h1")  # the hint went with the item
     assert _ours(group) == []
 
 
@@ -258,7 +258,7 @@ async def test_async_group_reader_is_the_same_reader(group: str) -> None:
     cfg = gp.config(group)
     async with AsyncSenderCache.from_config(cfg) as a, AsyncSenderCache.from_config(cfg) as b:
         [fa] = await a.get_and_update_features([FeatureSpec("h", gp.make_item("h"))])
-        assert b.is_cached_item("h")
+        assert b.is_cached("h")
         [fb] = await b.get_and_update_features([FeatureSpec("h", None)])
         async with AsyncReceiverCache.attach_group(group) as rx:
             got = await rx.get_and_update_features([fa, fb])
@@ -291,7 +291,7 @@ async def test_concurrent_sibling_copies_of_one_hash_are_misses_not_duplicates(
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         assert all(isinstance(e, CacheMissError) for e in errors), errors
-        assert len(errors) < 4 and b.is_cached_item("h")
+        assert len(errors) < 4 and b.is_cached("h")
 
 
 def test_a_reader_attaches_a_shard_recreated_under_the_same_name(group: str) -> None:
@@ -453,7 +453,7 @@ def test_a_plain_cache_named_like_a_shard_is_not_a_member(group: str) -> None:
                     got = own.get_and_update_item(ref, f"q{i}")
                     assert np.array_equal(got["x"], gp.make_item(f"q{i}")["x"])
         # a sibling writer never maps the plain cache, so never finds its keys
-        assert not member.is_cached_item("p")
+        assert not member.is_cached("p")
         assert member._siblings is not None and member._siblings.names() == []
 
 
@@ -641,8 +641,9 @@ async def test_an_async_group_read_never_holds_its_loop_between_two_looks(
     still runs (it waits for nothing)."""
     import asyncio
 
-    from aioshmcache import AsyncReceiverCache, AsyncSenderCache, GroupReceiverCache
+    from aioshmcache import AsyncReceiverCache, AsyncSenderCache
     from aioshmcache._layout import SHM_DIR
+    from aioshmcache.cache import GroupReceiverCache
 
     cfg = gp.config(group)
     async with (

@@ -29,7 +29,7 @@ def test_invalidate_keeps_earlier_references_readable_and_re_puts(make_config: A
         old, _ = tx.get_and_update_item((_item(1), []), "h")
         one_chunk = tx.snapshot().bytes_used
         assert tx.invalidate("h") is True and tx.invalidate("h") is False
-        assert not tx.is_cached_item("h")
+        assert not tx.is_cached("h")
         # the next request is a miss: a new chunk and a new reference
         new, _ = tx.get_and_update_item((_item(1), []), "h")
         assert type(new) is ShmRef and new.id != old.id

@@ -1,8 +1,11 @@
-"""The sync caches and their async twins behave the same: one table of scenarios, both faces.
+"""The sync caches, their async twins and the vLLM adapter behave the same: one table of
+scenarios, every face.
 
 Each scenario drives a sender and a receiver through a ``Face`` (the sync classes called
-directly, or the async twins awaited) and returns what a user sees: results, raised errors,
-counters, and the debts left in the store afterwards. Both faces must give equal outcomes.
+directly, the async twins awaited, or ``aioshmcache.vllm``'s adapters called the way vLLM's
+processor cache is: ``get_and_update(mm_items, mm_hashes)`` in P0, ``get_and_update_features``
+in P1) and returns what a user sees: results, raised errors, counters, and the debts left in
+the store afterwards. Every face must give equal outcomes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from aioshmcache import (
     SerdeError,
     ShmRef,
 )
+from aioshmcache.vllm import VllmReceiverCache, VllmSenderCache
 
 from .helpers import checksum, random_item
 
@@ -68,6 +72,21 @@ def _faces(sender: SenderCache, receiver: ReceiverCache, kind: str) -> Face:
             return receiver.get_and_update_item(item, h)
 
         return Face(kind, sender, receiver, send, read, read_item)
+    if kind == "vllm":  # vLLM's P0 call shape: items (or None for a cached hash) and hashes
+        vtx, vrx = VllmSenderCache(sender), VllmReceiverCache(receiver)
+
+        async def send_items(feats: Sequence[FeatureSpec], **kw: Any) -> list[FeatureSpec]:
+            items = [None if f.data is None else (f.data, f.prompt_updates) for f in feats]
+            out = vtx.get_and_update(items, [f.mm_hash for f in feats], **kw)
+            return [FeatureSpec(f.mm_hash, d, prompt_updates=u) for f, (d, u) in zip(feats, out)]
+
+        async def read_vllm(feats: Sequence[FeatureSpec]) -> list[FeatureSpec]:
+            return vrx.get_and_update_features(feats)
+
+        async def read_item_vllm(item: Any, h: str) -> Any:
+            return vrx.get_and_update_item(item, h)
+
+        return Face(kind, sender, receiver, send_items, read_vllm, read_item_vllm)
     # small threshold: big copies really go through worker threads
     tx = AsyncSenderCache(sender, inline_threshold_bytes=64 * KiB)
     rx = AsyncReceiverCache(receiver, inline_threshold_bytes=64 * KiB)
@@ -168,7 +187,7 @@ async def sc_full_wait_reader_acks(face: Face, rng: np.random.Generator) -> list
 
 async def sc_stale_reference(face: Face, rng: np.random.Generator) -> list[Any]:
     out = await face.send([FeatureSpec("s", _item(rng, 300 * KiB)), FeatureSpec("t", {"x": 1})])
-    face.sender.clear_cache()
+    face.sender.clear()
     fresh = await face.send([FeatureSpec("u", _item(rng, 100))])
     with pytest.raises(CacheMissError) as info:
         await face.read(out + fresh)
@@ -218,15 +237,15 @@ SCENARIOS: dict[str, Callable[[Face, np.random.Generator], Awaitable[list[Any]]]
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-async def test_sync_and_async_faces_agree(make_config: Any, scenario: str) -> None:
+async def test_sync_async_and_vllm_faces_agree(make_config: Any, scenario: str) -> None:
     outcomes = {}
-    for kind in ("sync", "async"):
+    for kind in ("sync", "async", "vllm"):
         cfg = make_config(4 * MiB, MiB, 2, name=f"{make_config().name}-{kind}")
         with SenderCache(cfg) as tx, ReceiverCache.attach(tx.handle()) as rx:
             face = _faces(tx, rx, kind)
             seen = await SCENARIOS[scenario](face, np.random.default_rng(7))
             outcomes[kind] = (seen, await _settle(face))
-    assert outcomes["sync"] == outcomes["async"]
+    assert outcomes["sync"] == outcomes["async"] == outcomes["vllm"]
 
 
 @pytest.mark.parametrize("delay", [0, 0.0005, 0.003, 0.02])
@@ -407,7 +426,7 @@ def test_a_failed_copy_on_the_one_item_path_leaves_nothing(make_config: Any) -> 
                     tx.get_and_update_item(item, "a")
                 else:
                     tx.get_and_update([item], ["a"])
-            assert not tx.is_cached_item("a")
+            assert not tx.is_cached("a")
             tx.remove_dangling_items()
             snap = tx.snapshot()
             assert (snap.items, snap.bytes_used, snap.misses) == (0, 0, 1)

@@ -253,7 +253,7 @@ def test_one_of_n_each_handout_read_exactly_once(make_config: Any) -> None:
             sent = []
             for i in range(2000):
                 key = f"h{i % 300}"  # repeated hashes: several hand-outs of one item
-                if cache.is_cached_item(key):
+                if cache.is_cached(key):
                     ref, _ = cache.get_and_update_item(None, key)
                 else:
                     ref, _ = cache.get_and_update_item(
@@ -366,7 +366,7 @@ def test_dead_reader_debts_do_not_count_for_is_freeable(make_config: Any) -> Non
         conn.close()
         assert cache.is_freeable("a")
         cache.remove_dangling_items()
-        assert not cache.is_cached_item("a")  # freed at the head
+        assert not cache.is_cached("a")  # freed at the head
 
 
 def test_full_ack_log_never_blocks_nor_loses(make_config: Any) -> None:

@@ -24,7 +24,6 @@ from aioshmcache import (
     ShmObjectStore,
     ShmRingBuffer,
     StaleReferenceError,
-    StoreWriter,
 )
 from aioshmcache._evict import (
     EVICT_AHEAD_PUTS,
@@ -35,6 +34,7 @@ from aioshmcache._evict import (
 from aioshmcache._inspect import inspect_segment
 from aioshmcache._layout import chunk_size
 from aioshmcache.errors import ShmCacheError
+from aioshmcache.store import StoreWriter
 
 from .conftest import RUN_PREFIX
 
@@ -203,7 +203,7 @@ def test_stale_references_of_a_relocated_item_are_typed(make_config: Any) -> Non
         hit, _ = tx.get_and_update_item(None, "k0")
         rx.get_and_update_item(hit, "k0")
         tx.get_and_update_item(({"b": np.zeros(SIZE, np.uint8)}, ()), "new")
-        assert tx.snapshot().relocations == 1 and tx.is_cached_item("k0")
+        assert tx.snapshot().relocations == 1 and tx.is_cached("k0")
         with pytest.raises(StaleReferenceError):
             rx.get_and_update_item(hit, "k0")
         with pytest.raises(CacheMissError) as ei:
@@ -244,8 +244,8 @@ def test_a_sibling_shard_finds_a_relocated_item() -> None:
             a.get_and_update_item(({"b": np.frombuffer(blob(k), np.uint8)}, ()), k)
         a.get_and_update_item(None, "k0")
         a.get_and_update_item(({"b": np.zeros(SIZE, np.uint8)}, ()), "new")
-        assert a.snapshot().relocations == 1 and not a.is_cached_item("k1")
-        assert b.is_cached_item("k0")  # the hint followed the chunk
+        assert a.snapshot().relocations == 1 and not a.is_cached("k1")
+        assert b.is_cached("k0")  # the hint followed the chunk
         ref, _ = b.get_and_update_item(None, "k0")
         assert b.snapshot().sibling_hits == 1
         assert bytes(b.store.get(ref)["b"]) == blob("k0")

@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from anyio.abc import AsyncResource
 
 from aioshmcache import (
     AsyncSenderCache,
@@ -165,7 +166,7 @@ async def test_a_failure_reaches_every_waiter_and_caches_nothing(
             assert len(errors) == 10  # every caller got it, as the same type
             assert all(str(e) == "preprocessing failed" for e in errors)
             assert sum(e.__cause__ is not None for e in errors) == 9  # waiters: chained
-            assert not cache.is_cached_item("bad") and cache.cached_order() == []
+            assert not cache.is_cached("bad") and cache.cached_order() == []
             assert cache.single_flight_stats().failures == 1
             # the next call tries again
             got = await cache.get_or_put("bad", lambda: item)
@@ -569,7 +570,7 @@ async def test_concurrent_callers_of_a_hash_a_sibling_holds_never_make_it(group:
         siblings._interval = 0.0  # see a's shard at once
         with ReceiverCache.attach_group(group) as rx:
             first = await a.get_or_put("h", make_a)
-            assert b.is_cached_item("h")  # from a's shard
+            assert b.is_cached("h")  # from a's shard
             [sib] = siblings._by_name.values()
             entered, gate = threading.Event(), threading.Event()
             payload = sib.payload
@@ -605,14 +606,11 @@ async def test_concurrent_callers_of_a_hash_a_sibling_holds_never_make_it(group:
                 assert checksum(f.data["data"]) == f.data["crc"]
 
 
-class _CountedTier:
+class _CountedTier(AsyncResource):
     """A second tier that serves some hashes itself (``make`` not called) and makes the rest."""
 
     def __init__(self, has: dict[str, Any]) -> None:
         self.has = has
-
-    async def open(self) -> object:
-        return self
 
     async def aclose(self) -> None:
         return None
@@ -704,7 +702,7 @@ async def test_a_sibling_shard_opened_after_the_last_scan_is_seen_by_the_claim(
 
     cfg = _group_config(group)
     async with AsyncSenderCache.from_config(cfg) as b:
-        assert not b.is_cached_item("h")  # b's scan: no sibling yet (the next in RESCAN_INTERVAL)
+        assert not b.is_cached("h")  # b's scan: no sibling yet (the next in RESCAN_INTERVAL)
         async with AsyncSenderCache.from_config(cfg) as a:
             with ReceiverCache.attach_group(group) as rx:
                 first = await a.get_or_put("h", lambda: make("a"))

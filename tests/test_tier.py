@@ -27,18 +27,11 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from aioshmcache import (
-    AsyncSenderCache,
-    CacheConfig,
-    FeatureSpec,
-    GroupReceiverCache,
-    ReceiverCache,
-    ShmRef,
-    sweep,
-)
+from aioshmcache import AsyncSenderCache, CacheConfig, FeatureSpec, ReceiverCache, ShmRef, sweep
 from aioshmcache._tier_value import HEADER_SIZE, lease_key, seal_value, value_key
+from aioshmcache.cache import GroupReceiverCache
 from aioshmcache.metrics import read_snapshot
-from aioshmcache.tier import CircuitBreaker, RedisTier, TierPolicy
+from aioshmcache.tier import CircuitBreaker, RedisTier, TierConfig, TierPolicy
 from aioshmcache.tools.redis_server import RedisCluster, RedisServer, free_port, redis_binaries
 
 from . import _tier_hosts as hosts
@@ -70,6 +63,11 @@ async def raw(redis_server: RedisServer) -> AsyncIterator[Any]:
 
 def _tier(url: str, **kw: Any) -> RedisTier:
     return RedisTier(url, **hosts.tier_options(url, **kw))
+
+
+def _tuned(**tuning: Any) -> dict[str, Any]:
+    """A host's tier options with ``TierConfig(**tuning)``."""
+    return {"config": TierConfig(**tuning)}
 
 
 def _cache(make_config: Callable[..., CacheConfig], tier: RedisTier, **kw: Any) -> AsyncSenderCache:
@@ -458,7 +456,7 @@ async def test_late_answers_keep_the_breaker_closed_and_no_answer_opens_it(
 ) -> None:
     """Redis stopped: look-ups go on at their deadline; the breaker opens only when the
     operations get no answer at all (the client's socket timeout), not at the deadline."""
-    tier = _tier(redis_server.url, lookup_timeout_s=0.05, write_timeout_s=0.5)
+    tier = _tier(redis_server.url, lookup_timeout_s=0.05, config=TierConfig(write_timeout_s=0.5))
     calls: list[str] = []
     async with _cache(make_config, tier) as cache:
         with ReceiverCache.attach(cache.handle()) as rx:
@@ -624,7 +622,7 @@ async def test_a_garbage_lease_that_never_expires_costs_no_wait(
     """Someone with write access sets a lease with no expiry (or one longer than any lease
     the tier sets): before, every host waited ``max_wait_s`` on each look-up and made the item
     anyway, for as long as the key lived. Now it is replaced: claimed at once, made, stored."""
-    tier = _tier(redis_server.url, max_wait_s=60.0)
+    tier = _tier(redis_server.url, config=TierConfig(max_wait_s=60.0))
     lkey = lease_key(tier.keyspace, "g1")
     await raw.set(lkey, b"garbage", px=ttl_ms)
     calls: list[str] = []
@@ -642,7 +640,7 @@ async def test_a_garbage_lease_that_looks_like_one_costs_at_most_max_wait_s(
 ) -> None:
     """A lease that expires as ours do cannot be told from a host's: a waiter waits for it at
     most ``max_wait_s`` (then makes the item); it never waits beyond that bound."""
-    tier = _tier(redis_server.url, max_wait_s=0.3, lease_s=2.0)
+    tier = _tier(redis_server.url, config=TierConfig(max_wait_s=0.3, lease_s=2.0))
     lkey = lease_key(tier.keyspace, "g2")
     calls: list[str] = []
     async with _cache(make_config, tier) as cache:
@@ -708,7 +706,7 @@ async def test_a_claimer_killed_while_computing_lets_one_waiter_take_over(
             proc.kill()
             proc.join(10)
         sweep(prefix=name)
-    async with two_hosts({"lease_s": 1.0}, {"lease_s": 1.0}) as h:
+    async with two_hosts(_tuned(lease_s=1.0), _tuned(lease_s=1.0)) as h:
         fa, fb = await asyncio.gather(
             h.a.get_or_put("k1", h.make("k1")), h.b.get_or_put("k1", h.make("k1"))
         )
@@ -726,7 +724,7 @@ async def test_a_claimer_whose_make_fails_or_is_cancelled_releases_the_claim_at_
     two_hosts: TwoHosts, how: str
 ) -> None:
     # a lease that would outlive the test's patience: only a release lets b take over in time
-    async with two_hosts({"lease_s": 60.0}, {"lease_s": 60.0, "max_wait_s": 30.0}) as h:
+    async with two_hosts(_tuned(lease_s=60.0), _tuned(lease_s=60.0, max_wait_s=30.0)) as h:
         fail = asyncio.Event()
 
         async def claimers_make() -> dict[str, Any]:
@@ -757,8 +755,8 @@ async def test_a_failed_claim_is_released_while_writes_are_stuck(
     ``write_timeout_s`` each), a host waiting on the claim waited for it too, up to
     ``max_wait_s``, for a make that had already failed.
     """
-    stuck = {"lease_s": 60.0, "write_timeout_s": 120.0}  # a's write will be stuck for good
-    async with two_hosts(stuck, {"lease_s": 60.0, "max_wait_s": 60.0}) as h:
+    stuck = _tuned(lease_s=60.0, write_timeout_s=120.0)  # a's write will be stuck for good
+    async with two_hosts(stuck, _tuned(lease_s=60.0, max_wait_s=60.0)) as h:
         gate, real_set = asyncio.Event(), h.ta._client.set
 
         async def stalled_set(*args: Any, **kw: Any) -> Any:
@@ -789,7 +787,7 @@ async def test_a_claim_is_renewed_while_make_runs_longer_than_its_lease(
     two_hosts: TwoHosts,
 ) -> None:
     # without renewal the 0.5 s lease would lapse during the 2 s make and b would make it too
-    async with two_hosts({"lease_s": 0.5}, {"lease_s": 0.5, "max_wait_s": 30.0}) as h:
+    async with two_hosts(_tuned(lease_s=0.5), _tuned(lease_s=0.5, max_wait_s=30.0)) as h:
 
         async def slow() -> dict[str, Any]:
             h.calls.append("r1")
@@ -816,9 +814,9 @@ async def test_a_request_running_when_its_tier_closes_leaves_nothing_behind(
     other host then waited ``max_wait_s`` for that hash. A write queued after close stayed in
     the queue for good, holding its item.
     """
-    a = _tier(redis_server.url, lease_s=60.0)
-    b = _tier(redis_server.url, lease_s=60.0, max_wait_s=30.0)
-    c = _tier(redis_server.url, lease_s=60.0)
+    a = _tier(redis_server.url, config=TierConfig(lease_s=60.0))
+    b = _tier(redis_server.url, config=TierConfig(lease_s=60.0, max_wait_s=30.0))
+    c = _tier(redis_server.url, config=TierConfig(lease_s=60.0))
     fail, made, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     async def failing() -> dict[str, Any]:
@@ -835,7 +833,7 @@ async def test_a_request_running_when_its_tier_closes_leaves_nothing_behind(
         return hosts.item_of("z1")
 
     async with a:
-        await b.open()
+        await b.__aenter__()  # closed below, inside the block
         first = asyncio.ensure_future(a.fetch_or_make("z1", failing))
         await made.wait()
         second = asyncio.ensure_future(b.fetch_or_make("z1", plain))
@@ -849,7 +847,7 @@ async def test_a_request_running_when_its_tier_closes_leaves_nothing_behind(
         assert await raw.get(lease_key(b.keyspace, "z1")) is None
 
         made.clear()
-        await c.open()
+        await c.__aenter__()
         third = asyncio.ensure_future(c.fetch_or_make("z2", held))
         await made.wait()  # c claimed z2 and runs its make
         await c.aclose()
@@ -895,7 +893,7 @@ async def test_the_write_queue_s_byte_bound_counts_tensors_buffers_and_strings(
     size passed a byte bound meant to cap what the queue keeps alive.
     """
     torch = pytest.importorskip("torch")
-    tier = _tier(redis_server.url, write_queue_bytes=64 * KiB)
+    tier = _tier(redis_server.url, config=TierConfig(write_queue_bytes=64 * KiB))
     items: list[Any] = [
         {"t": torch.zeros(128 * KiB, dtype=torch.uint8)},
         [memoryview(bytes(128 * KiB))],
@@ -917,7 +915,7 @@ async def test_the_write_queue_s_byte_bound_counts_tensors_buffers_and_strings(
 async def test_a_full_write_queue_drops_the_write_and_releases_the_claim(
     redis_server: RedisServer, raw: Any, make_config: Any
 ) -> None:
-    tier = _tier(redis_server.url, write_queue_bytes=1)  # every item is larger
+    tier = _tier(redis_server.url, config=TierConfig(write_queue_bytes=1))  # every item is larger
     calls: list[str] = []
     async with _cache(make_config, tier) as cache:
         with ReceiverCache.attach(cache.handle()) as rx:

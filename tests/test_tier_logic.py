@@ -32,7 +32,7 @@ from aioshmcache._tier_value import (
     seal_value,
     value_key,
 )
-from aioshmcache.tier import RedisTier, TierSnapshot
+from aioshmcache.tier import RedisTier, TierConfig, TierSnapshot
 from aioshmcache.wire import pack_features
 
 SECRET = b"k" * 32
@@ -639,18 +639,31 @@ def test_tier_arguments_are_checked() -> None:
         {"secret": SECRET, "lookup_timeout_s": -1.0},
         {"secret": SECRET, "max_item_bytes": 0},
         {"secret": SECRET, "prefix": "a{b}"},
-        {"secret": SECRET, "max_wait_s": float("nan")},
         # Redis refuses an expiry of 0 ms (or one past its clock) on every command
         {"secret": SECRET, "ttl_s": 0.0004},
-        {"secret": SECRET, "lease_s": 1e-6},
-        {"secret": SECRET, "skip_ttl_s": 1e300},
         # every key would fail to encode: each request an error, the breaker open for good
         {"secret": SECRET, "prefix": "bad\ud800:"},
     ):
         with pytest.raises(ValueError):
             RedisTier(url, **kw)
+    for tuning in (
+        {"max_wait_s": float("nan")},
+        {"lease_s": 1e-6},  # an expiry too short for Redis, as ttl_s above
+        {"skip_ttl_s": 1e300},
+        {"write_timeout_s": 0},
+        {"flush_timeout_s": -1.0},
+        {"write_queue_items": 0},
+        {"write_queue_bytes": 1.5},
+    ):
+        with pytest.raises(ValueError, match=next(iter(tuning))):
+            TierConfig(**tuning)
     with pytest.raises(TypeError):
         RedisTier("", secret=SECRET)
+    with pytest.raises(TypeError, match="TierConfig"):
+        RedisTier(url, secret=SECRET, config={"lease_s": 1.0})  # type: ignore[arg-type]
+    with pytest.raises(TypeError):  # the tuning is in the config, not a keyword of its own
+        RedisTier(url, secret=SECRET, lease_s=1.0)  # type: ignore[call-arg]
+    assert RedisTier(url, secret=SECRET, config=TierConfig(lease_s=9.0)).lease_s == 9.0
     # every GET of a value would fail to decode (the URL's query wins over the tier's options)
     for bad in ("redis://127.0.0.1:1/0?decode_responses=True", "http://127.0.0.1:1/0"):
         with pytest.raises(ValueError, match="url"):
@@ -685,7 +698,7 @@ async def _one_request(reply: bytes, **kw: Any) -> RedisTier:
         f"redis://127.0.0.1:{port}/0",
         secret=SECRET,
         lookup_timeout_s=5.0,
-        max_wait_s=30.0,
+        config=TierConfig(max_wait_s=30.0),
         policy=TierPolicy(learn=False, explore_every=0),
         **kw,
     )
@@ -783,3 +796,24 @@ def test_breaker_state_read_while_the_loop_closes_it() -> None:
     armed = True
     assert breaker.state in (OPEN, HALF_OPEN)
     assert breaker.state == CLOSED
+
+
+async def test_a_tier_is_an_async_resource() -> None:
+    """One lifetime style: ``async with`` (no round trip: nobody listens here) and an
+    idempotent ``aclose``; a closed tier refuses requests with ``ClosedCacheError``."""
+    from anyio.abc import AsyncResource
+
+    from aioshmcache.errors import ClosedCacheError
+
+    tier = RedisTier("redis://127.0.0.1:1/0", secret=SECRET)
+    assert isinstance(tier, AsyncResource) and not hasattr(tier, "open")
+    async with tier as entered:
+        assert entered is tier and tier.is_open
+    assert not tier.is_open
+    await tier.aclose()
+
+    async def make() -> dict[str, Any]:
+        return {}
+
+    with pytest.raises(ClosedCacheError):
+        await tier.fetch_or_make("h", make)

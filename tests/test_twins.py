@@ -25,7 +25,6 @@ from aioshmcache import (
     AsyncSenderCache,
     CacheConfig,
     FeatureSpec,
-    GroupReceiverCache,
     MsgpackSerde,
     ReceiverCache,
     SenderCache,
@@ -34,6 +33,7 @@ from aioshmcache import (
 from aioshmcache._request import SenderRequest
 from aioshmcache._store import StoreWriter
 from aioshmcache._store_reader import StoreReader
+from aioshmcache.cache import GroupReceiverCache, Receiver
 
 from .conftest import RUN_PREFIX
 
@@ -45,7 +45,6 @@ SYNC_ONLY = {
 #: names only the async face has, and why
 ASYNC_ONLY = {
     "aclose": "close, awaited",
-    "open": "an async face creates or attaches in a thread; a sync cache is open once built",
     "from_config": "the async sender is built before the loop runs, opened by async with",
     "limiter": "the worker threads of big copies: the sync face copies in the caller's thread",
     "make_limiter": "the worker threads of get_or_put's sync make",
@@ -62,7 +61,6 @@ NOT_AWAITED = {
     "handle",
     "make_stats",
     "is_cached",
-    "is_cached_item",
     "is_freeable",
     "snapshot",
     "cached_order",
@@ -211,13 +209,38 @@ async def test_serde_is_taken_wherever_a_cache_is_created_or_attached(make_confi
     assert tx_serde.plans == 1 and rx_serde.reads == 1
 
 
-def test_serde_for_a_wrapped_cache_is_refused(make_config: Any) -> None:
-    """A wrapped cache has its serde already: a second one would be silently ignored."""
+def test_every_async_class_is_an_async_resource() -> None:
+    """One lifetime style: anyio's ``AsyncResource`` (``async with``, ``aclose``), no ``open``."""
+    from anyio.abc import AsyncResource
+
+    from aioshmcache.tier import RedisTier
+
+    for cls in (AsyncSenderCache, AsyncReceiverCache, RedisTier):
+        assert issubclass(cls, AsyncResource) and not hasattr(cls, "open"), cls
+
+
+def test_one_constructor_per_way_to_get_an_async_face(make_config: Any) -> None:
+    """Wrapping (borrowed) takes a cache and no serde (it has its own); ``from_config`` /
+    ``attach`` / ``attach_group`` (owned) take the serde; a wrong first argument is a
+    ``TypeError`` that names the constructor it needed."""
+    for wrap in (AsyncSenderCache, AsyncReceiverCache):
+        params = inspect.signature(wrap).parameters
+        assert "serde" not in params and next(iter(params)) in ("sender", "receiver")
+    for owned in (
+        AsyncSenderCache.from_config,
+        AsyncReceiverCache.attach,
+        AsyncReceiverCache.attach_group,
+    ):
+        assert "serde" in inspect.signature(owned).parameters
+    with pytest.raises(TypeError, match="from_config"):
+        AsyncSenderCache(make_config())
+    with pytest.raises(TypeError, match="attach"):
+        AsyncReceiverCache("aioshm-x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="CacheConfig"):
+        AsyncSenderCache.from_config("aioshm-x")  # type: ignore[arg-type]
     with SenderCache(make_config()) as sender, ReceiverCache.attach(sender.handle()) as rx:
-        with pytest.raises(ValueError, match="serde"):
-            AsyncSenderCache(sender, serde=MsgpackSerde())
-        with pytest.raises(ValueError, match="serde"):
-            AsyncReceiverCache(rx, serde=MsgpackSerde())
+        assert AsyncSenderCache(sender).sender is sender
+        assert AsyncReceiverCache(rx).receiver is rx
 
 
 def test_one_threshold_for_a_copy_under_the_writer_lock(make_config: Any) -> None:
@@ -236,14 +259,14 @@ def test_one_threshold_for_a_copy_under_the_writer_lock(make_config: Any) -> Non
         req = tx._request([small, bigger], ["small", "bigger"])
         try:
             req.begin()
-            assert tx.is_cached_item("small")  # copied and committed in the locked step
-            assert req.has_jobs and not tx.is_cached_item("bigger")  # left for outside the lock
+            assert tx.is_cached("small")  # copied and committed in the locked step
+            assert req.has_jobs and not tx.is_cached("bigger")  # left for outside the lock
             req.run_jobs()
         except BaseException:
             req.abandon()
             raise
         req.finish()
-        assert tx.is_cached_item("bigger")
+        assert tx.is_cached("bigger")
 
 
 # --- no public method returns a private type --------------------------------------------------
@@ -397,13 +420,11 @@ def test_every_public_name_of_a_group_reader_works() -> None:
                 "get_and_update_features": lambda: rx.get_and_update_features([f1])[0].data,
                 "get_and_update_item": lambda: rx.get_and_update_item(f3.data, "h3"),
                 "lease": lease,
-                "touch_receiver_cache_item": lambda: rx.touch_receiver_cache_item("h1", f1.data),
                 "touch": lambda: rx.touch("h1", f1.data),
                 "release": lambda: rx.release(f1.data),
                 "make_stats": lambda: rx.make_stats(delta=True),
                 "shard_handles": rx.shard_handles,
                 "rescan": rx.rescan,
-                "clear_cache": rx.clear_cache,
                 "clear": rx.clear,
                 "closed": lambda: rx.closed,
                 "close": rx.close,  # last
@@ -418,3 +439,47 @@ def test_every_public_name_of_a_group_reader_works() -> None:
     assert got["shard_handles"] == [shard] and got["closed"] is False and rx.closed
     assert not isinstance(rx, ReceiverCache)
     assert not hasattr(rx, "handle") and not hasattr(rx, "store")
+
+
+def _read_with(receiver: Receiver, features: list[FeatureSpec]) -> list[float]:
+    """Code typed for any reader (mypy checks these calls against ``Receiver``)."""
+    for f in features:
+        receiver.touch(f.mm_hash, f.data)
+    with receiver.lease(features[:1]) as leased:
+        sums = [float(leased[0].data["x"].sum())]
+    sums += [float(f.data["x"].sum()) for f in receiver.get_and_update_features(features[1:])]
+    sums.append(
+        float(receiver.get_and_update_item(features[0].data, features[0].mm_hash)["x"].sum())
+    )
+    receiver.clear()
+    assert receiver.make_stats() == aioshmcache.CacheInfo(0, 0) and not receiver.closed
+    return sums
+
+
+def test_a_group_reader_goes_wherever_a_reader_does() -> None:
+    """``GroupReceiverCache`` and ``ReceiverCache`` share ``Receiver``: the same read methods
+    with the same signatures, so code typed for ``Receiver`` (and the faces that wrap a reader)
+    takes either, with the same results."""
+    from aioshmcache.vllm import VllmReceiverCache
+
+    shared = {n for n in dir(Receiver) if not n.startswith("_")}
+    assert {"get_and_update_features", "get_and_update_item", "lease", "touch", "release"} <= shared
+    for cls in (ReceiverCache, GroupReceiverCache):
+        assert issubclass(cls, Receiver)
+        for n in shared:
+            mine, base = inspect.getattr_static(cls, n), inspect.getattr_static(Receiver, n)
+            if callable(mine):
+                assert inspect.signature(mine) == inspect.signature(base), (cls, n)
+    group = f"{RUN_PREFIX}tw{uuid.uuid4().hex[:10]}"
+    with (
+        SenderCache(CacheConfig(1 << 20, 1 << 18, 2, group=group)) as tx,
+        ReceiverCache.attach(tx.handle()) as one,
+        ReceiverCache.attach_group(group) as whole,
+    ):
+        feats = tx.get_and_update_features(
+            [FeatureSpec(f"h{i}", {"x": np.arange(8) * i}) for i in range(3)]
+        )
+        assert _read_with(one, feats) == _read_with(whole, feats) == [0.0, 28.0, 56.0, 0.0]
+        for reader in (one, whole):  # the faces that wrap a reader take either
+            assert AsyncReceiverCache(reader).receiver is reader
+            assert VllmReceiverCache(reader).receiver is reader

@@ -15,10 +15,10 @@ from aioshmcache import (
     CacheSnapshot,
     FeatureSpec,
     InvalidReferenceError,
-    ReaderSlotInfo,
     ShmRef,
 )
 from aioshmcache._types import coerce_handle
+from aioshmcache.store import ReaderSlotInfo
 
 REF = ShmRef(nonce=(1 << 64) - 1, epoch=3, address=4096, id=(1 << 40) + 7, length=123, tag=99)
 

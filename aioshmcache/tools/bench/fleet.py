@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from aioshmcache import AsyncSenderCache, CacheConfig
-from aioshmcache.tier import RedisTier, TierPolicy
+from aioshmcache.tier import RedisTier, TierConfig, TierPolicy
 
 from ..progress import Progress
 from ..redis_server import RedisServer
@@ -122,7 +122,7 @@ def always_fetch() -> TierPolicy:
 
 def _tier(url: str, **kw: Any) -> RedisTier:
     kw.setdefault("lookup_timeout_s", LOOKUP_TIMEOUT_S)
-    return RedisTier(url, secret=SECRET, max_wait_s=10.0, **kw)
+    return RedisTier(url, secret=SECRET, config=TierConfig(max_wait_s=10.0), **kw)
 
 
 async def _serve(

@@ -2,11 +2,11 @@
 
 * **Zipf load.** Requests for image hashes of Zipf popularity, split round-robin over ``W``
   spawned gateway processes (started together behind a barrier), each the writer of its own
-  shard of one group and running the gateway's hash-first pattern: ``is_cached_item(h)``, then
+  shard of one group and running the gateway's hash-first pattern: ``is_cached(h)``, then
   ``get_and_update_features([FeatureSpec(h, None)])`` (an own hit, or a copy from a sibling) or
   "preprocess" and put. The figure: preprocessings with 4 processes against 1 (target ≤ 1.1x),
   and with 4 processes of a plain cache each (``--workers 4`` without a group).
-* **Sibling look-up.** ``is_cached_item(h)`` in shard 1 for a hash only shard 0 holds, and for
+* **Sibling look-up.** ``is_cached(h)`` in shard 1 for a hash only shard 0 holds, and for
   a hash nobody holds, against an own hit.
 * **Sibling hit.** ``get_and_update_features`` in shard 1 of a 1 MiB and a 16 MiB item held by
   shard 0 (reserve, copy, verify, publish) against ``np.copyto`` of the same bytes into warm
@@ -36,7 +36,7 @@ from .trace import zipf_trace
 __all__ = ["run_group_suite"]
 
 S_ZIPF = "Cache group: preprocessings of a Zipf load, 1 vs 4 gateway processes"
-S_LOOKUP = "Cache group: is_cached_item across shards (vs an own hit)"
+S_LOOKUP = "Cache group: is_cached across shards (vs an own hit)"
 S_COPY = "Cache group: sibling hit, copy into the own shard (vs np.copyto into warm shm)"
 
 ZIPF_S = 1.1
@@ -55,7 +55,7 @@ def _gateway(config: CacheConfig, hashes: Sequence[str], barrier: Any, out: Any)
     with SenderCache(config) as cache:
         barrier.wait(120)
         for h in hashes:
-            if cache.is_cached_item(h):
+            if cache.is_cached(h):
                 try:
                     cache.get_and_update_features([FeatureSpec(h, None)])
                     continue
@@ -112,7 +112,7 @@ def bench_lookup_and_copy(p: Params, report: Report, progress: Progress) -> None
         a.get_and_update_features([FeatureSpec("in-a", preprocess("00" * 8, 4 * KiB))])
         b.get_and_update_features([FeatureSpec("in-b", preprocess("01" * 8, 4 * KiB))])
         keys = ("in-b", "in-a", "nowhere")
-        st = tm.interleave(runs, {h: tm.each(n, partial(b.is_cached_item, h)) for h in keys})
+        st = tm.interleave(runs, {h: tm.each(n, partial(b.is_cached, h)) for h in keys})
         add = report.section(S_LOOKUP, "1 sibling")
         add("own hit (baseline)", st["in-b"], param="")
         add("held by a sibling (hint + chunk check)", st["in-a"], vs=("own hit", st["in-b"]))

@@ -55,7 +55,7 @@ class Params:
     gc_entries: int = 250_000  # live small items in the writer for the full-collection cell
     group_requests: int = 4000  # group: the Zipf load, over group_images distinct images
     group_images: int = 1000
-    group_lookups: int = 2000  # is_cached_item calls per run
+    group_lookups: int = 2000  # is_cached calls per run
     # trace: a catalogue of images, requests per trace, image sizes, seeds per trace; sizes (and
     # the capacity, a fraction of them) divided by trace_scale to keep the copies short
     trace_items: int = 3000

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
-from aioshmcache import ShmObjectStore, StoreWriter
+from aioshmcache import ShmObjectStore
+from aioshmcache.store import StoreWriter
 
 from ..progress import Progress
 from ..redis_server import RedisServer, redis_binaries

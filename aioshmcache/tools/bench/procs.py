@@ -18,7 +18,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from aioshmcache import ShmObjectStore, StoreReader
+from aioshmcache import ShmObjectStore
+from aioshmcache.store import StoreReader
 
 __all__ = ["Worker", "run_spawned"]
 

@@ -137,7 +137,7 @@ def replay(
     source = np.random.default_rng(1).integers(0, 255, size=biggest, dtype=np.uint8)
     written = 0
     with SenderCache(config) as sender, ReceiverCache.attach(sender.handle()) as reader:
-        is_cached, update = sender.is_cached_item, sender.get_and_update_features
+        is_cached, update = sender.is_cached, sender.get_and_update_features
         lease = reader.lease
         for i in trace:
             h = f"img-{i:06d}"

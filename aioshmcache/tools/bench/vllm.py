@@ -41,13 +41,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from aioshmcache import (
-    ReceiverCache,
-    SenderCache,
-    ShmObjectStore,
-    StoreReader,
-    StoreWriter,
-)
+from aioshmcache import ReceiverCache, SenderCache, ShmObjectStore
+from aioshmcache.store import StoreReader, StoreWriter
 
 from ..progress import Progress
 from ..units import KiB, MiB, fmt_bytes

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from aioshmcache import SenderCache, ShmObjectStore, ShmRef, StoreReader, StoreWriter
+from aioshmcache import SenderCache, ShmObjectStore, ShmRef
+from aioshmcache.store import StoreReader, StoreWriter
 
 from ..progress import Progress
 from ..units import GiB, KiB, MiB, fmt_bytes

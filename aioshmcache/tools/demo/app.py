@@ -39,14 +39,14 @@ from aioshmcache import (
     CacheConfig,
     CacheMissError,
     FeatureSpec,
-    GroupReceiverCache,
     KeyMismatchError,
     ShmRef,
     content_key,
     lookup_key,
 )
+from aioshmcache.cache import GroupReceiverCache
 from aioshmcache.channel import EngineClient, serve_engine
-from aioshmcache.errors import EngineError
+from aioshmcache.errors import EngineCallError, EngineTimeoutError, EngineUnavailableError
 from aioshmcache.metrics import CacheCollector
 
 MiB = 1 << 20
@@ -269,7 +269,7 @@ async def embed(request: Request) -> dict[str, Any] | JSONResponse:
             key = lookup_key(body.mm_hash)
         except KeyMismatchError:
             return _error(400, "bad_hash", "mm_hash is not a content key")
-        if not (use_cache and cache.is_cached_item(key)):
+        if not (use_cache and cache.is_cached(key)):
             return _cache_miss([body.mm_hash])  # asked before any work: 409, the client resends
     ran = False
 
@@ -288,7 +288,7 @@ async def embed(request: Request) -> dict[str, Any] | JSONResponse:
         answer = await engine.call([feature], timeout=ENGINE_TIMEOUT)
     except CacheMissError as exc:  # evicted since the look-up, or stale references: resend
         return _cache_miss(list(exc.mm_hashes))
-    except EngineError as exc:
+    except (EngineUnavailableError, EngineTimeoutError, EngineCallError) as exc:
         return _error(502, "engine_failed", f"the engine worker failed: {exc}")
     [result] = answer["results"]
     return {

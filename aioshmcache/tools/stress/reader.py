@@ -174,7 +174,7 @@ class ReaderProc(Proc):
         self.gone = True
         try:
             with anyio.fail_after(self.opts.op_deadline):
-                await rx.open()
+                await rx.__aenter__()  # attach (the object is entered, closed by aclose)
         except (WriterGoneError, SegmentNotFoundError) as exc:
             return self.err(type(exc).__name__, "attach", str(exc))
         except TimeoutError:

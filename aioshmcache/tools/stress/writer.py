@@ -146,7 +146,7 @@ class WriterProc(Proc):
         specs, meta = [], []
         for j, k in enumerate(ks):
             h, (item, digest, n), r = self.work.name(k), self.work.item(k), self.rng.random()
-            cached = self.tx.is_cached_item(h)
+            cached = self.tx.is_cached(h)
             none = h not in force_data and ((r < 0.4 and cached) or (r > 0.97 and k in self.seen))
             data, ident, updates = None if none else item, f"{self.rid}.{j}", (("upd", k),)
             specs.append(FeatureSpec(h, data, identifier=ident, prompt_updates=updates))
