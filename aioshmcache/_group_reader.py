@@ -361,7 +361,7 @@ class GroupReceiverRequest:
             for i in items:
                 ref = as_reference(self._features[i].data)
                 if ref is not None and genuine(store, ref):
-                    store.give_back(ref)
+                    store.release(ref)
 
     def run_jobs(self) -> None:
         """Each shard's big reads; a shard whose writer dies meanwhile only fails its items."""

@@ -612,7 +612,7 @@ def test_a_log_head_a_hostile_writer_set_to_the_top_wraps_alike_on_every_path(
             table.set_word(i, L.RS_HEAD, start)
             table.set_word(i, L.WS_CONSUMED, start)
             r.ack(ref)
-            r.give_back(ref)
+            r.release(ref)
             assert table.word(i, L.RS_HEAD) == (start + 2) % (1 << 64), name
 
 
