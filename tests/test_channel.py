@@ -1005,3 +1005,29 @@ async def test_the_client_is_an_async_resource(
         await engine.aclose()  # again: nothing to do
         with pytest.raises(EngineUnavailableError, match="closed"):
             await engine.call([], {"op": "echo"}, timeout=5)
+
+
+async def test_a_call_then_a_half_close_is_answered(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A client that writes a whole call then ends its side of the stream (``shutdown(SHUT_WR)``,
+    as ``nc -N`` or a one-shot client in another language does) still gets the answer: the
+    worker answers the calls it received whole before the end, then closes."""
+    from aioshmcache._channel_format import call_envelope, decode, pack_call_features
+    from aioshmcache.wire import encode_frame, read_frame
+
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock) as (_cache, _rx, _engine):
+        reader, writer = await asyncio.open_unix_connection(str(sock))
+        try:
+            writer.write(
+                encode_frame(call_envelope({"op": "echo", "n": 7}))
+                + encode_frame(pack_call_features([]))
+            )
+            writer.write_eof()
+            await writer.drain()
+            value = decode(await asyncio.wait_for(read_frame(reader), 30), "response")
+            assert value[2] == "ok" and value[3]["payload"]["n"] == 7
+            assert await asyncio.wait_for(reader.read(), 30) == b""  # then the worker closes
+        finally:
+            writer.close()
