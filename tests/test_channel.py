@@ -1031,3 +1031,39 @@ async def test_a_call_then_a_half_close_is_answered(
             assert await asyncio.wait_for(reader.read(), 30) == b""  # then the worker closes
         finally:
             writer.close()
+
+
+async def test_a_connection_stops_reading_while_whole_frames_wait_unread() -> None:
+    """A peer that sends frames faster than they are taken (calls sent back to back to a busy
+    worker, answers to a gateway) waits in its socket, not in this process's memory: the
+    connection stops reading once ``MAX_UNREAD_FRAMES`` whole frames wait, and reads on as they
+    are taken, to the last one."""
+    import socket
+
+    from aioshmcache._channel_conn import MAX_UNREAD_FRAMES, FrameConnection
+    from aioshmcache.wire import encode_frame
+
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    n = 50_000  # 5.4 MB: far more than the socket pair buffers
+    _transport, conn = await loop.connect_accepted_socket(lambda: FrameConnection(1 << 20), a)
+    send = asyncio.create_task(
+        loop.sock_sendall(b, b"".join(encode_frame(b"%99d" % i) for i in range(n)))
+    )
+    try:
+        for _ in range(3000):  # the peer fills the connection (30 s at most)
+            if conn.has_frames(MAX_UNREAD_FRAMES):
+                break
+            await asyncio.sleep(0.01)
+        assert conn.has_frames(MAX_UNREAD_FRAMES)
+        await asyncio.sleep(0.2)  # reads the loop would make meanwhile, were it still reading
+        one_read = (256 << 10) // 107 + 1  # frames one transport read may hold
+        assert not conn.has_frames(MAX_UNREAD_FRAMES + one_read)
+        for i in range(n):  # taken: reading goes on, every frame arrives in order
+            assert await asyncio.wait_for(conn.next_frame(), 30) == b"%99d" % i
+        await asyncio.wait_for(send, 30)
+    finally:
+        send.cancel()
+        conn.abort()
+        b.close()
