@@ -16,12 +16,17 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Sequence
-from typing import cast
+from typing import Final, cast
 
 from .errors import EndOfFramesError, FrameError, FrameTooLargeError, IncompleteFrameError
 from .wire import Buffer, FrameDecoder, frame_parts
 
-__all__ = ["FrameConnection"]
+__all__ = ["MAX_UNREAD_FRAMES", "FrameConnection"]
+
+#: Whole frames kept unread before a connection stops reading (two calls, or four answers):
+#: a peer that sends faster than its frames are taken then waits in its socket, not in this
+#: process's memory (as a stream reader pauses over its limit); reading resumes as they go.
+MAX_UNREAD_FRAMES: Final = 4
 
 
 class FrameConnection(asyncio.Protocol):
@@ -37,6 +42,7 @@ class FrameConnection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
         self._drain: asyncio.Future[None] | None = None
+        self._reading_paused = False  # over MAX_UNREAD_FRAMES (see ``_took``)
 
     # --- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -52,6 +58,9 @@ class FrameConnection(asyncio.Protocol):
             self._fail(exc)
             self.abort()  # out of step: nothing more is read from it
             return
+        if len(self._frames) >= MAX_UNREAD_FRAMES and self.transport is not None:
+            self._reading_paused = True  # whole frames wait: taking them reads on (``_took``)
+            self.transport.pause_reading()
         self._wake()
 
     def eof_received(self) -> bool:
@@ -86,7 +95,10 @@ class FrameConnection(asyncio.Protocol):
 
     def take(self) -> bytes:
         """The next whole frame (``has_frames`` said there is one)."""
-        return self._frames.popleft()
+        frame = self._frames.popleft()
+        if self._reading_paused:
+            self._took()
+        return frame
 
     def started(self) -> bool:
         """Whether any byte of a frame is waiting (or reading has ended)."""
@@ -112,7 +124,10 @@ class FrameConnection(asyncio.Protocol):
                 await self._waiter_future()
             else:
                 await _until(self._waiter_future(), deadline)
-        return self._frames.popleft()
+        frame = self._frames.popleft()
+        if self._reading_paused:
+            self._took()
+        return frame
 
     def usable(self) -> bool:
         """Open, in step, nothing unread: fit for the next call."""
@@ -151,6 +166,14 @@ class FrameConnection(asyncio.Protocol):
         """Close at once, dropping whatever is still queued."""
         if self.transport is not None:
             self.transport.abort()
+
+    def _took(self) -> None:
+        """A frame was taken while reading is paused: read on once fewer frames wait."""
+        t = self.transport
+        if len(self._frames) < MAX_UNREAD_FRAMES and t is not None:
+            self._reading_paused = False
+            if not t.is_closing():
+                t.resume_reading()
 
     def _fail(self, exc: BaseException) -> None:
         if self.error is None:

@@ -82,6 +82,13 @@ class _ServerConnection(FrameConnection):
         self._worker.tasks.add(task)
         task.add_done_callback(self._worker.tasks.discard)
 
+    def eof_received(self) -> bool:
+        """The peer ended its side: the calls it sent whole before are still answered (as a
+        stream server does), so the write side stays open; the serving task closes the
+        connection once it reads the end."""
+        super().eof_received()
+        return True
+
 
 class _Worker:
     """One ``serve_engine`` run: its connections, the calls in progress, the shutdown."""

@@ -700,13 +700,14 @@ done:
  * the miss counted and published (``H_MISSES``), the prompt updates kept
  * (``book.keep_updates``), the lock let go; returns ``(ShmRef, prompt_updates)``. An item
  * measured too large is remembered and served inline (``mm_item`` returned), as the request
- * does. It declines (None) before any side effect for anything else — a hit, a look-up (no
- * item), a group shard, another serde, a hash remembered too large, an item that is not a dict
- * or whose plan fails otherwise or is ``inline_below`` bytes or more, and whatever
- * ``put_plain`` declines (no room: eviction) — and the request runs. */
+ * does; the plan's other errors are raised (nothing done), and a put that raises is counted a
+ * miss, as in the request. It declines (None) before any side effect for anything else — a
+ * hit, a look-up (no item), a group shard, another serde, a hash remembered too large, an item
+ * that is not a dict or is ``inline_below`` bytes or more, and whatever ``put_plain`` declines
+ * (no room: eviction) — and the request runs. */
 static PyObject *s_check_owner, *s_lock, *s_acquire, *s_release, *s_plan, *s_siblings;
 static PyObject *s_too_large, *s_sizes, *s_counters, *s_total, *s_hits, *s_words, *s_keep;
-static PyObject *s_nbytes, *s_pub_index, *s_found_too_large, *too_large_error;
+static PyObject *s_nbytes, *s_pub_index, *s_found_too_large, *s_count_miss, *too_large_error;
 
 static int
 intern_item_names(void)
@@ -717,6 +718,7 @@ intern_item_names(void)
         {&s_too_large, "too_large"}, {&s_sizes, "sizes"}, {&s_counters, "counters"},
         {&s_total, "total"}, {&s_hits, "hits"}, {&s_words, "words"}, {&s_keep, "keep_updates"},
         {&s_nbytes, "nbytes"}, {&s_pub_index, "index"}, {&s_found_too_large, "found_too_large"},
+        {&s_count_miss, "count_miss"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (*names[i].p == NULL && (*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL)
@@ -777,10 +779,9 @@ put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
         Py_INCREF(result);
         goto done;
     }
-    if (plan == NULL) { /* not encodable: the request plans it again, and raises */
-        PyErr_Clear();
-        DECLINE();
-    }
+    if (plan == NULL) /* the plan's error, raised as the request raises it (nothing done yet):
+                       * never cleared, or an interrupt would be lost and the plan run twice */
+        goto done;
     NEED(nb = PyObject_GetAttr(plan, s_nbytes));
     if (!PyLong_CheckExact(nb))
         DECLINE();
@@ -799,7 +800,20 @@ put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
     if (!PyLong_CheckExact(total) || !PyLong_CheckExact(hits))
         DECLINE();
     PyObject *pargs[3] = {store, key, plan};
-    NEED(ref = core_put_plain(NULL, pargs, 3));
+    if ((ref = core_put_plain(NULL, pargs, 3)) == NULL) {
+        /* the put raised: a miss all the same, as the request's ``put_now`` path counts it
+         * (``book.count_miss()``; an error of its own replaces the put's, as in Python) */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        PyObject *r = PyObject_CallMethodNoArgs(book, s_count_miss);
+        if (r == NULL) {
+            Py_XDECREF(et), Py_XDECREF(ev), Py_XDECREF(tb);
+            goto done;
+        }
+        Py_DECREF(r);
+        PyErr_Restore(et, ev, tb);
+        goto done;
+    }
     if (ref == Py_None)
         DECLINE(); /* no room (eviction), or anything else put_plain leaves to the reference */
     /* the put is made: ``book.count_miss()`` and ``book.keep_updates(h, updates)`` */

@@ -1001,3 +1001,65 @@ async def test_the_client_is_an_async_resource(
         await engine.aclose()  # again: nothing to do
         with pytest.raises(EngineUnavailableError, match="closed"):
             await engine.call([], {"op": "echo"}, timeout=5)
+
+
+async def test_a_call_then_a_half_close_is_answered(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A client that writes a whole call then ends its side of the stream (``shutdown(SHUT_WR)``,
+    as ``nc -N`` or a one-shot client in another language does) still gets the answer: the
+    worker answers the calls it received whole before the end, then closes."""
+    from aioshmcache._channel_format import call_envelope, decode, pack_call_features
+    from aioshmcache.wire import encode_frame, read_frame
+
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock) as (_cache, _rx, _engine):
+        reader, writer = await asyncio.open_unix_connection(str(sock))
+        try:
+            writer.write(
+                encode_frame(call_envelope({"op": "echo", "n": 7}))
+                + encode_frame(pack_call_features([]))
+            )
+            writer.write_eof()
+            await writer.drain()
+            value = decode(await asyncio.wait_for(read_frame(reader), 30), "response")
+            assert value[2] == "ok" and value[3]["payload"]["n"] == 7
+            assert await asyncio.wait_for(reader.read(), 30) == b""  # then the worker closes
+        finally:
+            writer.close()
+
+
+async def test_a_connection_stops_reading_while_whole_frames_wait_unread() -> None:
+    """A peer that sends frames faster than they are taken (calls sent back to back to a busy
+    worker, answers to a gateway) waits in its socket, not in this process's memory: the
+    connection stops reading once ``MAX_UNREAD_FRAMES`` whole frames wait, and reads on as they
+    are taken, to the last one."""
+    import socket
+
+    from aioshmcache._channel_conn import MAX_UNREAD_FRAMES, FrameConnection
+    from aioshmcache.wire import encode_frame
+
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    n = 50_000  # 5.4 MB: far more than the socket pair buffers
+    _transport, conn = await loop.connect_accepted_socket(lambda: FrameConnection(1 << 20), a)
+    send = asyncio.create_task(
+        loop.sock_sendall(b, b"".join(encode_frame(b"%99d" % i) for i in range(n)))
+    )
+    try:
+        for _ in range(3000):  # the peer fills the connection (30 s at most)
+            if conn.has_frames(MAX_UNREAD_FRAMES):
+                break
+            await asyncio.sleep(0.01)
+        assert conn.has_frames(MAX_UNREAD_FRAMES)
+        await asyncio.sleep(0.2)  # reads the loop would make meanwhile, were it still reading
+        one_read = (256 << 10) // 107 + 1  # frames one transport read may hold
+        assert not conn.has_frames(MAX_UNREAD_FRAMES + one_read)
+        for i in range(n):  # taken: reading goes on, every frame arrives in order
+            assert await asyncio.wait_for(conn.next_frame(), 30) == b"%99d" % i
+        await asyncio.wait_for(send, 30)
+    finally:
+        send.cancel()
+        conn.abort()
+        b.close()

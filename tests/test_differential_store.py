@@ -416,3 +416,61 @@ def test_the_c_one_item_miss_raises_what_the_request_raises(
             cache.close()
             with pytest.raises(ClosedCacheError):
                 cache.get_and_update_item(({"x": np.ones(3)}, []), "k")
+
+
+@pytest.mark.parametrize("pure", [False, True])
+def test_the_one_item_miss_raises_the_plans_error_once_as_the_request_does(
+    monkeypatch: pytest.MonkeyPatch, make_config: Any, pure: bool
+) -> None:
+    """An item whose plan raises (here ``KeyboardInterrupt``, as a signal may during any Python
+    code): the error comes out of the call, the plan ran once, nothing was put or counted. The
+    core's ``put_item`` must not swallow it and leave the request to plan the item again."""
+    calls: list[int] = []
+    real = MsgpackSerde.plan
+
+    def plan(self: MsgpackSerde, value: object) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self, value)
+
+    with monkeypatch.context() as m:
+        if pure:
+            pure_core(m)
+        m.setattr(MsgpackSerde, "plan", plan)
+        cache = SenderCache(make_config(1 << 20))
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                cache.get_and_update_item(({"x": np.ones(3)}, []), "k")
+            assert calls == [1]
+            assert cache.store.keys() == []
+            assert (cache.snapshot().hits, cache.snapshot().misses) == (0, 0)
+        finally:
+            cache.close()
+
+
+@pytest.mark.parametrize("pure", [False, True])
+def test_the_one_item_miss_counts_a_failed_put_as_the_request_does(
+    monkeypatch: pytest.MonkeyPatch, make_config: Any, pure: bool
+) -> None:
+    """A put that raises after its plan (here the hand-out step) counts one miss on either core,
+    as the request's ``put_now`` path does ("a failed copy counts as a miss")."""
+    with monkeypatch.context() as m:
+        if pure:
+            pure_core(m)
+        cache = SenderCache(make_config(1 << 20))
+        try:
+            real = cache.store._hand_out_seq
+
+            def boom(cid: int) -> int:
+                raise RuntimeError("hand-out failed")
+
+            cache.store._hand_out_seq = boom
+            with pytest.raises(RuntimeError, match="hand-out failed"):
+                cache.get_and_update_item(({"x": np.ones(3)}, []), "k")
+            cache.store._hand_out_seq = real
+            snap = cache.snapshot()
+            assert (snap.hits, snap.misses) == (0, 1)
+            assert int(cache.store._hw[L.H_MISSES]) == 1
+        finally:
+            cache.close()

@@ -837,3 +837,35 @@ def test_writer_calls_of_another_thread_wait_for_the_lock_holder(make_config: An
             assert t.is_alive() and out == []  # blocked on the lock we hold
         t.join(timeout=30)
         assert not t.is_alive() and isinstance(out[0], ShmRef) and out[1] == ["a"]  # owed by none
+
+
+def test_release_all_lets_go_only_of_what_this_thread_holds() -> None:
+    """``_evict.release_all`` (the wait for space lets go of the writer lock entirely): it
+    releases this thread's holds, however many, and never another thread's — the lock taken by
+    a waiting thread the moment it is free stays that thread's."""
+    import threading
+
+    from aioshmcache._evict import release_all
+
+    lock = threading.RLock()
+    taken, leave = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with lock:  # blocks until the main thread lets go of every hold
+            taken.set()
+            leave.wait(30)
+
+    for _ in range(3):
+        lock.acquire()
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert release_all(lock) == 3
+        assert taken.wait(30)
+        assert release_all(lock) == 0  # held by the other thread: nothing released
+        assert not lock.acquire(blocking=False)  # still the other thread's
+    finally:
+        leave.set()
+        t.join(30)
+    assert lock.acquire(blocking=False)
+    lock.release()
