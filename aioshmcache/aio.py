@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import replace
-from typing import Any, Final, Generic, Protocol, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeVar, overload
 
 import anyio
 import anyio.lowlevel
@@ -444,9 +444,15 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         """What a reader needs to attach."""
         return self.sender.handle()
 
-    def is_cached(self, mm_hash: str, *, rescan: bool = False) -> bool:
-        """Pure look-up: no hand-out, no change to eviction order (``rescan``: as the sync
-        cache's)."""
+    @overload  # a str is a Sequence[str] too: this first overload wins for it
+    def is_cached(self, mm_hash: str, *, rescan: bool = False) -> bool: ...  # type: ignore[overload-overlap]
+
+    @overload
+    def is_cached(self, mm_hash: Sequence[str], *, rescan: bool = False) -> list[bool]: ...
+
+    def is_cached(self, mm_hash: str | Sequence[str], *, rescan: bool = False) -> bool | list[bool]:
+        """Pure look-up: no hand-out, no change to eviction order; one hash or a list, as the
+        sync cache's (``rescan`` too)."""
         return self.sender.is_cached(mm_hash, rescan=rescan)
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:

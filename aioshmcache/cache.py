@@ -19,7 +19,7 @@ import abc
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar, overload
 
 from ._group import Siblings, open_shard
 from ._group_reader import GroupReceiverRequest, GroupShards
@@ -266,8 +266,15 @@ class SenderCache(_Cache):
         """Items served inline because another request was putting the same hash."""
         return self._counters.inline_busy
 
-    def is_cached(self, mm_hash: str, *, rescan: bool = False) -> bool:
-        """Pure look-up: no hand-out, no change to eviction order.
+    @overload  # a str is a Sequence[str] too: this first overload wins for it
+    def is_cached(self, mm_hash: str, *, rescan: bool = False) -> bool: ...  # type: ignore[overload-overlap]
+
+    @overload
+    def is_cached(self, mm_hash: Sequence[str], *, rescan: bool = False) -> list[bool]: ...
+
+    def is_cached(self, mm_hash: str | Sequence[str], *, rescan: bool = False) -> bool | list[bool]:
+        """Pure look-up: no hand-out, no change to eviction order. One hash gives a bool, a list
+        of hashes a list of bools (vLLM's ``is_cached`` shape).
 
         In a group shard, also true when a live sibling shard holds the item (its chunk checked,
         not copied): a request passing ``None`` for it then copies it into this shard.
@@ -275,6 +282,13 @@ class SenderCache(_Cache):
         seen up to ``RESCAN_INTERVAL`` later): the last look of a group single-flight claim,
         whose "not cached" means "compute it here".
         """
+        if isinstance(mm_hash, str):
+            return self._is_cached(mm_hash, rescan)
+        if not isinstance(mm_hash, Sequence):
+            raise TypeError(f"mm_hash must be a str or a list of str, not {type(mm_hash).__name__}")
+        return [self._is_cached(h, rescan) for h in mm_hash]
+
+    def _is_cached(self, mm_hash: str, rescan: bool) -> bool:
         self.store.check_owner()
         if self.store.is_cached(check_hash(mm_hash)):
             return True

@@ -71,6 +71,10 @@ def test_lookups_are_pure(pair: Any) -> None:
         ref, _ = sender.get_and_update_item((item(i), ()), h)
         receiver.get_and_update_item(ref, h)
     assert [sender.is_cached(h) for h in "axd"] == [True, False, True]
+    assert sender.is_cached(["a", "x", "d"]) == [True, False, True]  # vLLM's shape: a list
+    assert sender.is_cached(("a",)) == [True] and sender.is_cached([]) == []
+    with pytest.raises(TypeError):
+        sender.is_cached(7)
     assert sender.make_stats().total == 4
     sender.get_and_update_item((item(9), ()), "e")  # evicts the oldest: lookups did not touch
     assert sender.cached_order() == ["b", "c", "d", "e"]
