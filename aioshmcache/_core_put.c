@@ -321,6 +321,266 @@ pub_chunk(Pub *p, uint64_t cid)
     return 0;
 }
 
+/* --- the hand-out (``Acknowledgements.hand_out``, the reference) ------------------------------
+ * ``hand_out(acks, cid)``: the writer's usual hand-out of a chunk the ledger does not track yet
+ * (every put's first one) in a broadcast store whose reader slots did not change since the last
+ * look: the next ``seq``; if live sessions owe it, one ``Debts`` (``{seq: owers}``,
+ * ``{seq: now}``), the sessions' counts and their ``WS_OWED`` words; the drain once the hand-outs
+ * since the last one could fill half a log (the Python ``drain``). The ledger's own state, so
+ * both cores keep one. None (nothing done) for the rest — one-of-N, a tracked entry, a slot
+ * whose session changed (``sync_sessions``), anything of an unexpected type — and the reference
+ * runs. ``configure_hand_out`` names the reference's function (a store whose ``_hand_out_seq``
+ * is something else, e.g. a test's, is called as it is) and the ``Debts`` type. */
+static PyObject *hand_out_func, *debts_type, *empty_tuple, *py_zero;
+static PyObject *s_ledger, *s_one_of_n, *s_readers, *s_known, *s_sessions_v, *s_live_sessions;
+static PyObject *s_live_slots, *s_entries, *s_owed, *s_next_seq, *s_clock, *s_owed_words;
+static PyObject *s_undrained, *s_log_entries, *s_drain, *s_d_id, *s_d_out, *s_d_out_time;
+static PyObject *s_d_debt, *s_d_pins, *s_d_touched;
+
+static PyObject *
+core_configure_hand_out(PyObject *self, PyObject *args)
+{
+    PyObject *f, *d;
+    if (!PyArg_ParseTuple(args, "OO!:configure_hand_out", &f, &PyType_Type, &d))
+        return NULL;
+    struct { PyObject **p; const char *s; } names[] = {
+        {&s_ledger, "_ledger"}, {&s_one_of_n, "one_of_n"}, {&s_readers, "_readers"},
+        {&s_known, "_known_sessions"}, {&s_sessions_v, "_sessions"},
+        {&s_live_sessions, "live_sessions"}, {&s_live_slots, "live_slots"},
+        {&s_entries, "entries"}, {&s_owed, "owed"}, {&s_next_seq, "next_seq"},
+        {&s_clock, "clock"}, {&s_owed_words, "owed_words"}, {&s_undrained, "_undrained"},
+        {&s_log_entries, "log_entries"}, {&s_drain, "drain"}, {&s_d_id, "id"},
+        {&s_d_out, "out"}, {&s_d_out_time, "out_time"}, {&s_d_debt, "debt"},
+        {&s_d_pins, "pins"}, {&s_d_touched, "touched_at"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (*names[i].p == NULL && (*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL)
+            return NULL;
+    if (empty_tuple == NULL && (empty_tuple = PyTuple_New(0)) == NULL)
+        return NULL;
+    if (py_zero == NULL && (py_zero = PyLong_FromLong(0)) == NULL)
+        return NULL;
+    Py_INCREF(f), Py_INCREF(d);
+    Py_XSETREF(hand_out_func, f);
+    Py_XSETREF(debts_type, d);
+    Py_RETURN_NONE;
+}
+
+/* A strided buffer of native 8-byte words (1: not such a buffer). */
+static int
+get_strided(PyObject *obj, PyObject *name, Py_buffer *view, int writable)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    int rc = PyObject_GetBuffer(v, view, PyBUF_STRIDES | PyBUF_FORMAT |
+                                             (writable ? PyBUF_WRITABLE : 0));
+    Py_DECREF(v);
+    if (rc < 0) {
+        PyErr_Clear();
+        return 1;
+    }
+    if (view->ndim != 1 || view->itemsize != 8 || view->format == NULL ||
+        strcmp(view->format, "Q") != 0 || view->strides == NULL || view->strides[0] % 8 != 0) {
+        PyBuffer_Release(view);
+        return 1;
+    }
+    return 0;
+}
+
+/* The hand-out itself: a new reference to its seq, Py_None (declined) or NULL. */
+static PyObject *
+hand_out_acks(PyObject *acks, PyObject *cid_obj)
+{
+    PyObject *result = NULL, *ledger = NULL, *readers = NULL, *known = NULL, *live = NULL;
+    PyObject *live_slots = NULL, *entries = NULL, *owed = NULL, *next = NULL, *clock = NULL;
+    PyObject *now = NULL, *seq1 = NULL, *e = NULL, *owers = NULL;
+    PyObject *out = NULL, *out_time = NULL, *debt = NULL, *und1 = NULL;
+    Py_buffer sess, words;
+    int has_sess = 0, has_words = 0;
+    int64_t seq, und, log_entries;
+    /* --- every check, no side effect --- */
+    CHECK(attr_true(acks, s_one_of_n));
+    NEED(ledger = PyObject_GetAttr(acks, s_ledger));
+    CHECK(attr_true(ledger, s_one_of_n));
+    NEED(entries = PyObject_GetAttr(ledger, s_entries));
+    NEED(owed = PyObject_GetAttr(ledger, s_owed));
+    if (!PyDict_CheckExact(entries) || !PyDict_CheckExact(owed))
+        DECLINE();
+    CHECK(PyDict_Contains(entries, cid_obj)); /* tracked: the reference's ``hand_out(e)`` */
+    CHECK(get_i64(ledger, s_next_seq, &seq));
+    if (seq < 0 || seq == INT64_MAX)
+        DECLINE();
+    NEED(readers = PyObject_GetAttr(acks, s_readers));
+    NEED(known = PyObject_GetAttr(acks, s_known));
+    if (!PyList_CheckExact(known))
+        DECLINE();
+    CHECK(get_strided(readers, s_sessions_v, &sess, 0));
+    has_sess = 1;
+    Py_ssize_t n_slots = sess.shape[0];
+    if (PyList_GET_SIZE(known) != n_slots)
+        DECLINE();
+    for (Py_ssize_t i = 0; i < n_slots; i++) {
+        PyObject *k = PyList_GET_ITEM(known, i);
+        uint64_t w = __atomic_load_n((uint64_t *)((char *)sess.buf + i * sess.strides[0]),
+                                     __ATOMIC_ACQUIRE);
+        if (!PyLong_CheckExact(k))
+            DECLINE();
+        uint64_t kv = PyLong_AsUnsignedLongLong(k);
+        if (kv == (uint64_t)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            DECLINE();
+        }
+        if (kv != w)
+            DECLINE(); /* a session changed: the reference syncs them first */
+    }
+    NEED(live = PyObject_GetAttr(acks, s_live_sessions));
+    NEED(live_slots = PyObject_GetAttr(acks, s_live_slots));
+    if (!PyList_CheckExact(live) || !PyList_CheckExact(live_slots) ||
+        PyList_GET_SIZE(live) != PyList_GET_SIZE(live_slots))
+        DECLINE();
+    Py_ssize_t n_live = PyList_GET_SIZE(live);
+    if (n_live) {
+        CHECK(get_strided(readers, s_owed_words, &words, 1));
+        has_words = 1;
+    }
+    for (Py_ssize_t i = 0; i < n_live; i++) {
+        PyObject *s = PyList_GET_ITEM(live, i), *pair = PyList_GET_ITEM(live_slots, i);
+        if (!PyLong_CheckExact(s) || !PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 ||
+            !PyLong_CheckExact(PyTuple_GET_ITEM(pair, 0)) || PyTuple_GET_ITEM(pair, 1) != s)
+            DECLINE();
+        Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 0));
+        if (slot == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            DECLINE();
+        }
+        if (slot < 0 || slot >= words.shape[0])
+            DECLINE();
+        PyObject *o = PyDict_GetItemWithError(owed, s); /* borrowed */
+        if (o == NULL && PyErr_Occurred())
+            goto done;
+        if (o != NULL && !PyLong_CheckExact(o))
+            DECLINE();
+    }
+    CHECK(get_i64(acks, s_undrained, &und));
+    CHECK(get_i64(readers, s_log_entries, &log_entries));
+    if (und < 0 || und == INT64_MAX)
+        DECLINE();
+    NEED(seq1 = PyLong_FromLongLong(seq + 1));
+    NEED(und1 = PyLong_FromLongLong(und + 1));
+    if (n_live) { /* the entry, built before any change (its clock read first) */
+        NEED(clock = PyObject_GetAttr(ledger, s_clock));
+        NEED(now = PyObject_CallNoArgs(clock));
+        NEED(e = ((PyTypeObject *)debts_type)->tp_new((PyTypeObject *)debts_type, empty_tuple,
+                                                      NULL));
+        NEED(owers = PyList_GetSlice(live, 0, n_live));
+        NEED(out = PyDict_New());
+        NEED(out_time = PyDict_New());
+        NEED(debt = PyLong_FromSsize_t(n_live));
+        NEED(next = PyLong_FromLongLong(seq));
+        if (PyDict_SetItem(out, next, owers) < 0 || PyDict_SetItem(out_time, next, now) < 0 ||
+            PyObject_SetAttr(e, s_d_id, cid_obj) < 0 || PyObject_SetAttr(e, s_d_out, out) < 0 ||
+            PyObject_SetAttr(e, s_d_out_time, out_time) < 0 ||
+            PyObject_SetAttr(e, s_d_debt, debt) < 0 ||
+            PyObject_SetAttr(e, s_d_pins, py_zero) < 0 ||
+            PyObject_SetAttr(e, s_d_touched, Py_None) < 0)
+            goto done;
+    }
+    else {
+        NEED(next = PyLong_FromLongLong(seq));
+    }
+    /* --- side effects, in the reference's order --- */
+    if (PyObject_SetAttr(ledger, s_next_seq, seq1) < 0)
+        goto done;
+    if (n_live) {
+        if (PyDict_SetItem(entries, cid_obj, e) < 0)
+            goto done;
+        for (Py_ssize_t i = 0; i < n_live; i++) {
+            PyObject *s = PyList_GET_ITEM(live, i);
+            PyObject *o = PyDict_GetItemWithError(owed, s);
+            if (o == NULL && PyErr_Occurred())
+                goto done;
+            long long v = o == NULL ? 0 : PyLong_AsLongLong(o);
+            if (v == -1 && PyErr_Occurred())
+                goto done;
+            PyObject *v1 = PyLong_FromLongLong(v + 1);
+            if (v1 == NULL || PyDict_SetItem(owed, s, v1) < 0) {
+                Py_XDECREF(v1);
+                goto done;
+            }
+            Py_DECREF(v1);
+        }
+        for (Py_ssize_t i = 0; i < n_live; i++) { /* the owing slots' debts, for inspect */
+            PyObject *pair = PyList_GET_ITEM(live_slots, i);
+            Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 0));
+            PyObject *o = PyDict_GetItemWithError(owed, PyTuple_GET_ITEM(pair, 1));
+            if (o == NULL) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_RuntimeError, "internal error: a live session owes nothing");
+                goto done;
+            }
+            uint64_t v = PyLong_AsUnsignedLongLong(o);
+            if (v == (uint64_t)-1 && PyErr_Occurred())
+                goto done;
+            STORE_WORD((uint64_t *)((char *)words.buf + slot * words.strides[0]), v);
+        }
+    }
+    if (PyObject_SetAttr(acks, s_undrained, und1) < 0)
+        goto done;
+    if ((und + 1) * 2 >= log_entries) {
+        PyObject *r = PyObject_CallMethodNoArgs(acks, s_drain);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    result = next;
+    next = NULL;
+done:
+    if (has_sess)
+        PyBuffer_Release(&sess);
+    if (has_words)
+        PyBuffer_Release(&words);
+    Py_XDECREF(ledger), Py_XDECREF(readers), Py_XDECREF(known), Py_XDECREF(live);
+    Py_XDECREF(live_slots), Py_XDECREF(entries), Py_XDECREF(owed), Py_XDECREF(next);
+    Py_XDECREF(clock), Py_XDECREF(now), Py_XDECREF(seq1), Py_XDECREF(e);
+    Py_XDECREF(owers), Py_XDECREF(out), Py_XDECREF(out_time), Py_XDECREF(debt), Py_XDECREF(und1);
+    return result;
+}
+
+static PyObject *
+core_hand_out(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "hand_out takes 2 arguments (acks, cid)");
+        return NULL;
+    }
+    if (debts_type == NULL || !PyLong_CheckExact(args[1]))
+        Py_RETURN_NONE;
+    return hand_out_acks(args[0], args[1]);
+}
+
+/* The store's hand-out step of chunk ``cid``: the compiled one when the store's
+ * ``_hand_out_seq`` is the reference's (bound to its acknowledgements part), else (or
+ * declined) that step called. */
+static PyObject *
+store_hand_out(PyObject *store, PyObject *cid_obj)
+{
+    PyObject *h = PyObject_GetAttr(store, s_hand_out_seq);
+    if (h == NULL)
+        return NULL;
+    if (debts_type != NULL && PyMethod_Check(h) && PyMethod_GET_FUNCTION(h) == hand_out_func) {
+        PyObject *seq = hand_out_acks(PyMethod_GET_SELF(h), cid_obj);
+        if (seq != Py_None) {
+            Py_DECREF(h);
+            return seq;
+        }
+        Py_DECREF(seq);
+    }
+    PyObject *seq = PyObject_CallOneArg(h, cid_obj);
+    Py_DECREF(h);
+    return seq;
+}
+
 /* ``_publish_put`` after the commit: the tag's base, the row, key and index entries, the usage
  * words; then the hand-out (the store's own ``_hand_out_seq``: the ledger) and the ``ShmRef``.
  * ``held`` is released before the store's Python code runs. */
@@ -345,7 +605,7 @@ pub_finish(PyObject *store, PyObject *key, Pub *p, Held *held, volatile uint64_t
     STORE_WORD(&hw[H_ITEMS], (uint64_t)n_items);
     release_all(held);
     *held = (Held){.ncol = 0, .has_ring = 0, .has_hw = 0, .nsrc = 0};
-    if ((seq_obj = PyObject_CallMethodOneArg(store, s_hand_out_seq, p->cid_obj)) == NULL)
+    if ((seq_obj = store_hand_out(store, p->cid_obj)) == NULL)
         goto done;
     uint64_t seq = PyLong_AsUnsignedLongLong(seq_obj);
     if (seq == (uint64_t)-1 && PyErr_Occurred())
@@ -920,6 +1180,10 @@ PyMethodDef aioshm_put_methods[] = {
      "publish_plain(store, key, address, cid, length) -> ShmRef, or None (the reference runs)"},
     {"make_ref", (PyCFunction)(void (*)(void))core_make_ref, METH_FASTCALL,
      "make_ref(store, cid, seq) -> the ShmRef of a hand-out, or None (the reference decides)"},
+    {"hand_out", (PyCFunction)(void (*)(void))core_hand_out, METH_FASTCALL,
+     "hand_out(acks, cid) -> seq of the writer's usual hand-out, or None (the reference runs)"},
+    {"configure_hand_out", core_configure_hand_out, METH_VARARGS,
+     "configure_hand_out(Acknowledgements.hand_out, Debts): the reference hand_out stands for"},
     {"configure", core_configure, METH_VARARGS,
      "configure(ShmRef, plan type, serde type): the types put_plain recognises"},
     {"put_plain", (PyCFunction)(void (*)(void))core_put_plain, METH_FASTCALL,

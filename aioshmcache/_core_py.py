@@ -20,9 +20,11 @@ __all__ = [
     "LAYOUT",
     "ReadCtx",
     "configure",
+    "configure_hand_out",
     "copy_info",
     "copy_into",
     "finish_tag",
+    "hand_out",
     "make_ref",
     "publish_plain",
     "put_item",
@@ -152,6 +154,17 @@ def configure(ref_type: type, plan_type: type, serde_type: type) -> None:
     """Name the types :func:`put_plain` recognises (the C core checks them; nothing here)."""
     if not issubclass(ref_type, tuple):
         raise TypeError("the reference type must be a tuple subclass")
+
+
+def configure_hand_out(hand_out_func: object, debts_type: type) -> None:
+    """Name the reference hand-out (``Acknowledgements.hand_out``) and the ledger's ``Debts``
+    type, which the C core's :func:`hand_out` stands for (nothing here)."""
+
+
+def hand_out(acks: object, cid: int) -> None:
+    """The writer's usual hand-out of chunk ``cid``, which may decline: here it always does
+    (``Acknowledgements.hand_out`` is the reference)."""
+    return None
 
 
 def put_plain(store: object, key: object, plan: object) -> None:

@@ -115,6 +115,8 @@ _unpack_row: Final = _ROW.unpack
 _new_ref: Final = tuple.__new__  # ShmRef's fields in order, without its Python-level __new__
 #: the core's put of a plain item (``_core_put.c``); it declines with None before any side effect
 core.configure(ShmRef, MsgpackPlan, MsgpackSerde)
+#: the core's hand-out (``_core_put.c``) stands for ``Acknowledgements.hand_out`` in its puts
+core.configure_hand_out(Acknowledgements.hand_out, Debts)
 _put_plain = core.put_plain
 #: the core's reference of a hand-out (``StoreWriter._ref``); None: the Python steps decide
 _make_ref = core.make_ref

@@ -90,10 +90,10 @@ def _spied(m: pytest.MonkeyPatch, module: object, name: str, fn: Any) -> list[bo
     return seen
 
 
-def _sender_for(tag: str) -> SenderCache:
+def _sender_for(tag: str, n_readers: int = 1) -> SenderCache:
     """A small sender cache whose tags equal the other run's (the secret made equal)."""
     name = f"{RUN_PREFIX}{tag}-{uuid.uuid4().hex[:10]}"
-    cache = SenderCache(CacheConfig(256 * 1024, 200 * 1024, 1, name=name))
+    cache = SenderCache(CacheConfig(256 * 1024, 200 * 1024, n_readers, name=name))
     cache.store._secret = _SECRET
     cache.store._hw[L.H_SECRET] = _SECRET
     return cache
@@ -474,3 +474,111 @@ def test_the_one_item_miss_counts_a_failed_put_as_the_request_does(
             assert int(cache.store._hw[L.H_MISSES]) == 1
         finally:
             cache.close()
+
+
+def _ledger_state(store: StoreWriter) -> object:
+    """The hand-out ledger and the published debts, sessions named by their slot (each run's
+    sessions are random numbers)."""
+    acks, ledger = store._acks, store._ledger
+    slot_of = {st.session: i for i, st in enumerate(acks.slots) if st.session}
+
+    def who(owers: list[int] | None) -> object:
+        return None if owers is None else [slot_of.get(s, -1) for s in owers]
+
+    entries = {
+        cid: (
+            [(seq, who(owers), e.out_time[seq]) for seq, owers in e.out.items()],
+            e.debt,
+            e.pins,
+            e.touched_at,
+        )
+        for cid, e in ledger.entries.items()
+    }
+    owed = sorted((slot_of.get(s, -1), n) for s, n in ledger.owed.items())
+    return entries, owed, ledger.next_seq, list(store._readers.owed_words), acks._undrained
+
+
+def _run_one_item_calls_read(
+    calls: list[tuple[str, int]], seed: int, readers: int
+) -> tuple[list[object], bytes]:
+    """One-item calls with ``readers`` live readers, the first of which reads (and so
+    acknowledges) every other reference it is given: each put's hand-out is owed by the live
+    sessions (the C core's ``hand_out``), drained as they acknowledge. The ledger's clock is a
+    counter, so that both runs record the same times."""
+    rng = np.random.default_rng(seed)
+    cache = _sender_for("diffho", 2)
+    ticks = iter(range(1, 1 << 30))
+    cache.store._ledger.clock = lambda: float(next(ticks))
+    attached: list[Any] = []
+    answers: list[object] = []
+    try:
+        attached += [ShmObjectStore.from_handle(cache.store.handle()) for _ in range(readers)]
+        for i, (h, n) in enumerate(calls):
+            item = None if n < 0 else (ITEMS[n](rng), [n])
+            try:
+                data, updates = cache.get_and_update_item(item, h)
+                if attached and isinstance(data, ShmRef) and i % 2 == 0:
+                    attached[0].get(data)  # read: acknowledged
+                answers.append(
+                    (_ref_fields(data) if isinstance(data, ShmRef) else "inline", updates)
+                )
+            except Exception as exc:
+                answers.append(("error", type(exc).__name__))
+            answers.append(("state", cache.store.keys(), _ledger_state(cache.store)))
+        return answers, bytes(cache.store.ring.buf)
+    finally:
+        for r in attached:
+            r.close()
+        cache.close()
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ONE_ITEM_CALLS, st.integers(0, 2**32 - 1), st.integers(0, 2))
+def test_hand_outs_owed_by_live_readers_keep_the_same_ledger_on_both_cores(
+    monkeypatch: pytest.MonkeyPatch, calls: list[tuple[str, int]], seed: int, readers: int
+) -> None:
+    """The compiled hand-out (``hand_out``, in every compiled put) against
+    ``Acknowledgements.hand_out``: the same ledger (entries, debts, times, counts), the same
+    published debts and the same segment, step by step, with 0-2 live readers acknowledging."""
+    with_c = _run_one_item_calls_read(calls, seed, readers)
+    with monkeypatch.context() as m:
+        pure_core(m)
+        pure = _run_one_item_calls_read(calls, seed, readers)
+    assert with_c[0] == pure[0]
+    assert with_c[1] == pure[1]
+
+
+def test_the_c_hand_out_takes_the_usual_hand_out_and_declines_the_rest(
+    make_config: Any,
+) -> None:
+    """Not vacuous: ``hand_out`` recorded a put's first hand-out owed by a live reader (one
+    ``Debts``, counted and published as the reference does), and declined, doing nothing, a
+    tracked entry, a changed session and one-of-N."""
+    assert C is not None
+    with SenderCache(make_config(1 << 20)) as cache:
+        store = cache.store
+        acks, ledger = store._acks, store._ledger
+        with ShmObjectStore.from_handle(store.handle()):
+            cache.get_and_update_item(({"x": np.ones(3)}, []), "a")  # syncs the new session
+            (session,) = acks.live_sessions  # the reader's
+            seq0 = ledger.next_seq
+            assert C.hand_out(acks, 10**6) == seq0
+            e = ledger.entries[10**6]
+            assert (e.id, e.out, e.debt, e.pins, e.touched_at) == (
+                10**6,
+                {seq0: [session]},
+                1,
+                0,
+                None,
+            )
+            assert list(e.out_time) == [seq0]
+            assert ledger.owed[session] == 2 and int(store._readers.owed_words[0]) == 2
+            assert C.hand_out(acks, 10**6) is None  # tracked: the reference's hand_out(e)
+            with ShmObjectStore.from_handle(store.handle()):  # a new session: sync first
+                assert C.hand_out(acks, 10**6 + 1) is None
+            assert ledger.next_seq == seq0 + 1 and 10**6 + 1 not in ledger.entries
+            acks.one_of_n = True
+            assert C.hand_out(acks, 10**6 + 2) is None
+            acks.one_of_n = False
