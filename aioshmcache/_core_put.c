@@ -15,6 +15,7 @@
  * payload, then the committed state) holds against the compiler as well as the CPU. */
 #include "_core.h"
 #include <string.h>
+#include <structmember.h>
 
 #define MAX_RING_ID ((uint64_t)INT64_MAX)
 #define STORE_WORD(p, v) __atomic_store_n((p), (uint64_t)(v), __ATOMIC_RELEASE)
@@ -329,29 +330,71 @@ pub_chunk(Pub *p, uint64_t cid)
  * since the last one could fill half a log (the Python ``drain``). The ledger's own state, so
  * both cores keep one. None (nothing done) for the rest — one-of-N, a tracked entry, a slot
  * whose session changed (``sync_sessions``), anything of an unexpected type — and the reference
- * runs. ``configure_hand_out`` names the reference's function (a store whose ``_hand_out_seq``
- * is something else, e.g. a test's, is called as it is) and the ``Debts`` type. */
-static PyObject *hand_out_func, *debts_type, *empty_tuple, *py_zero;
-static PyObject *s_ledger, *s_one_of_n, *s_readers, *s_known, *s_sessions_v, *s_live_sessions;
-static PyObject *s_live_slots, *s_entries, *s_owed, *s_next_seq, *s_clock, *s_owed_words;
-static PyObject *s_undrained, *s_log_entries, *s_drain, *s_d_id, *s_d_out, *s_d_out_time;
-static PyObject *s_d_debt, *s_d_pins, *s_d_touched;
+ * runs.
+ *
+ * ``configure_hand_out(Acknowledgements, HandoutLedger, Debts)`` names the classes: a store whose
+ * ``_hand_out_seq`` is not the reference's method (e.g. a test's) has it called as it is. Their
+ * state is read and written through the offsets of their ``__slots__`` (each a plain object
+ * slot, checked here), on objects of exactly those types: an attribute look-up costs ~170
+ * instructions, a slot a few, and a hand-out makes about twenty. */
+static PyObject *hand_out_func, *acks_type, *ledger_type, *debts_type, *empty_tuple, *py_zero;
+static PyObject *s_sessions_v, *s_owed_words, *s_log_entries, *s_drain;
+static Py_ssize_t o_a_ledger, o_a_readers, o_a_known, o_a_live, o_a_live_slots, o_a_undrained;
+static Py_ssize_t o_a_one_of_n, o_l_one_of_n, o_l_entries, o_l_owed, o_l_next_seq, o_l_clock;
+static Py_ssize_t o_d_id, o_d_out, o_d_out_time, o_d_debt, o_d_pins, o_d_touched;
+
+#define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
+
+/* The offset of ``type``'s slot ``name`` (a writable object slot), or -1 with an error. */
+static Py_ssize_t
+slot_offset(PyObject *type, const char *name)
+{
+    PyObject *d = PyObject_GetAttrString(type, name);
+    if (d == NULL)
+        return -1;
+    Py_ssize_t off = -1;
+    if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+        if (m->type == T_OBJECT_EX && !(m->flags & READONLY) && m->offset > 0)
+            off = m->offset;
+    }
+    Py_DECREF(d);
+    if (off < 0)
+        PyErr_Format(PyExc_TypeError, "%s is not a slot of %R", name, type);
+    return off;
+}
+
+/* A slot's object as a new reference (1: unset; 0: ok). */
+static int
+slot_get(PyObject *obj, Py_ssize_t off, PyObject **out)
+{
+    PyObject *v = SLOT(obj, off);
+    if (v == NULL)
+        return 1;
+    Py_INCREF(v);
+    *out = v;
+    return 0;
+}
+
+static void
+slot_set(PyObject *obj, Py_ssize_t off, PyObject *v)
+{
+    PyObject *old = SLOT(obj, off);
+    Py_INCREF(v);
+    SLOT(obj, off) = v;
+    Py_XDECREF(old);
+}
 
 static PyObject *
 core_configure_hand_out(PyObject *self, PyObject *args)
 {
-    PyObject *f, *d;
-    if (!PyArg_ParseTuple(args, "OO!:configure_hand_out", &f, &PyType_Type, &d))
+    PyObject *a, *l, *d;
+    if (!PyArg_ParseTuple(args, "O!O!O!:configure_hand_out", &PyType_Type, &a, &PyType_Type, &l,
+                          &PyType_Type, &d))
         return NULL;
     struct { PyObject **p; const char *s; } names[] = {
-        {&s_ledger, "_ledger"}, {&s_one_of_n, "one_of_n"}, {&s_readers, "_readers"},
-        {&s_known, "_known_sessions"}, {&s_sessions_v, "_sessions"},
-        {&s_live_sessions, "live_sessions"}, {&s_live_slots, "live_slots"},
-        {&s_entries, "entries"}, {&s_owed, "owed"}, {&s_next_seq, "next_seq"},
-        {&s_clock, "clock"}, {&s_owed_words, "owed_words"}, {&s_undrained, "_undrained"},
-        {&s_log_entries, "log_entries"}, {&s_drain, "drain"}, {&s_d_id, "id"},
-        {&s_d_out, "out"}, {&s_d_out_time, "out_time"}, {&s_d_debt, "debt"},
-        {&s_d_pins, "pins"}, {&s_d_touched, "touched_at"},
+        {&s_sessions_v, "_sessions"}, {&s_owed_words, "owed_words"},
+        {&s_log_entries, "log_entries"}, {&s_drain, "drain"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (*names[i].p == NULL && (*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL)
@@ -360,8 +403,26 @@ core_configure_hand_out(PyObject *self, PyObject *args)
         return NULL;
     if (py_zero == NULL && (py_zero = PyLong_FromLong(0)) == NULL)
         return NULL;
-    Py_INCREF(f), Py_INCREF(d);
+    struct { Py_ssize_t *p; PyObject *t; const char *s; } slots[] = {
+        {&o_a_ledger, a, "_ledger"}, {&o_a_readers, a, "_readers"},
+        {&o_a_known, a, "_known_sessions"}, {&o_a_live, a, "live_sessions"},
+        {&o_a_live_slots, a, "live_slots"}, {&o_a_undrained, a, "_undrained"},
+        {&o_a_one_of_n, a, "one_of_n"}, {&o_l_one_of_n, l, "one_of_n"},
+        {&o_l_entries, l, "entries"}, {&o_l_owed, l, "owed"}, {&o_l_next_seq, l, "next_seq"},
+        {&o_l_clock, l, "clock"}, {&o_d_id, d, "id"}, {&o_d_out, d, "out"},
+        {&o_d_out_time, d, "out_time"}, {&o_d_debt, d, "debt"}, {&o_d_pins, d, "pins"},
+        {&o_d_touched, d, "touched_at"},
+    };
+    for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++)
+        if ((*slots[i].p = slot_offset(slots[i].t, slots[i].s)) < 0)
+            return NULL;
+    PyObject *f = PyObject_GetAttrString(a, "hand_out");
+    if (f == NULL)
+        return NULL;
     Py_XSETREF(hand_out_func, f);
+    Py_INCREF(a), Py_INCREF(l), Py_INCREF(d);
+    Py_XSETREF(acks_type, a);
+    Py_XSETREF(ledger_type, l);
     Py_XSETREF(debts_type, d);
     Py_RETURN_NONE;
 }
@@ -388,31 +449,52 @@ get_strided(PyObject *obj, PyObject *name, Py_buffer *view, int writable)
     return 0;
 }
 
+/* An exact int as int64 (1: not one in range). */
+static int
+as_i64(PyObject *v, int64_t *out)
+{
+    if (!PyLong_CheckExact(v))
+        return 1;
+    int overflow;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow)
+        return 1;
+    *out = x;
+    return 0;
+}
+
 /* The hand-out itself: a new reference to its seq, Py_None (declined) or NULL. */
 static PyObject *
 hand_out_acks(PyObject *acks, PyObject *cid_obj)
 {
     PyObject *result = NULL, *ledger = NULL, *readers = NULL, *known = NULL, *live = NULL;
     PyObject *live_slots = NULL, *entries = NULL, *owed = NULL, *next = NULL, *clock = NULL;
-    PyObject *now = NULL, *seq1 = NULL, *e = NULL, *owers = NULL;
-    PyObject *out = NULL, *out_time = NULL, *debt = NULL, *und1 = NULL;
+    PyObject *now = NULL, *seq1 = NULL, *e = NULL, *owers = NULL, *out = NULL;
+    PyObject *out_time = NULL, *debt = NULL, *und1 = NULL, *v = NULL;
     Py_buffer sess, words;
     int has_sess = 0, has_words = 0;
     int64_t seq, und, log_entries;
     /* --- every check, no side effect --- */
-    CHECK(attr_true(acks, s_one_of_n));
-    NEED(ledger = PyObject_GetAttr(acks, s_ledger));
-    CHECK(attr_true(ledger, s_one_of_n));
-    NEED(entries = PyObject_GetAttr(ledger, s_entries));
-    NEED(owed = PyObject_GetAttr(ledger, s_owed));
+    if ((PyObject *)Py_TYPE(acks) != acks_type)
+        DECLINE();
+    CHECK(slot_get(acks, o_a_ledger, &ledger));
+    if ((PyObject *)Py_TYPE(ledger) != ledger_type || SLOT(acks, o_a_one_of_n) != Py_False ||
+        SLOT(ledger, o_l_one_of_n) != Py_False)
+        DECLINE(); /* one-of-N: the reference */
+    CHECK(slot_get(ledger, o_l_entries, &entries));
+    CHECK(slot_get(ledger, o_l_owed, &owed));
     if (!PyDict_CheckExact(entries) || !PyDict_CheckExact(owed))
         DECLINE();
     CHECK(PyDict_Contains(entries, cid_obj)); /* tracked: the reference's ``hand_out(e)`` */
-    CHECK(get_i64(ledger, s_next_seq, &seq));
+    CHECK(slot_get(ledger, o_l_next_seq, &v));
+    CHECK(as_i64(v, &seq));
+    Py_CLEAR(v);
     if (seq < 0 || seq == INT64_MAX)
         DECLINE();
-    NEED(readers = PyObject_GetAttr(acks, s_readers));
-    NEED(known = PyObject_GetAttr(acks, s_known));
+    CHECK(slot_get(acks, o_a_readers, &readers));
+    CHECK(slot_get(acks, o_a_known, &known));
     if (!PyList_CheckExact(known))
         DECLINE();
     CHECK(get_strided(readers, s_sessions_v, &sess, 0));
@@ -434,8 +516,8 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         if (kv != w)
             DECLINE(); /* a session changed: the reference syncs them first */
     }
-    NEED(live = PyObject_GetAttr(acks, s_live_sessions));
-    NEED(live_slots = PyObject_GetAttr(acks, s_live_slots));
+    CHECK(slot_get(acks, o_a_live, &live));
+    CHECK(slot_get(acks, o_a_live_slots, &live_slots));
     if (!PyList_CheckExact(live) || !PyList_CheckExact(live_slots) ||
         PyList_GET_SIZE(live) != PyList_GET_SIZE(live_slots))
         DECLINE();
@@ -462,14 +544,17 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         if (o != NULL && !PyLong_CheckExact(o))
             DECLINE();
     }
-    CHECK(get_i64(acks, s_undrained, &und));
+    CHECK(slot_get(acks, o_a_undrained, &v));
+    CHECK(as_i64(v, &und));
+    Py_CLEAR(v);
     CHECK(get_i64(readers, s_log_entries, &log_entries));
     if (und < 0 || und == INT64_MAX)
         DECLINE();
     NEED(seq1 = PyLong_FromLongLong(seq + 1));
     NEED(und1 = PyLong_FromLongLong(und + 1));
+    NEED(next = PyLong_FromLongLong(seq));
     if (n_live) { /* the entry, built before any change (its clock read first) */
-        NEED(clock = PyObject_GetAttr(ledger, s_clock));
+        CHECK(slot_get(ledger, o_l_clock, &clock));
         NEED(now = PyObject_CallNoArgs(clock));
         NEED(e = ((PyTypeObject *)debts_type)->tp_new((PyTypeObject *)debts_type, empty_tuple,
                                                       NULL));
@@ -477,21 +562,17 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         NEED(out = PyDict_New());
         NEED(out_time = PyDict_New());
         NEED(debt = PyLong_FromSsize_t(n_live));
-        NEED(next = PyLong_FromLongLong(seq));
-        if (PyDict_SetItem(out, next, owers) < 0 || PyDict_SetItem(out_time, next, now) < 0 ||
-            PyObject_SetAttr(e, s_d_id, cid_obj) < 0 || PyObject_SetAttr(e, s_d_out, out) < 0 ||
-            PyObject_SetAttr(e, s_d_out_time, out_time) < 0 ||
-            PyObject_SetAttr(e, s_d_debt, debt) < 0 ||
-            PyObject_SetAttr(e, s_d_pins, py_zero) < 0 ||
-            PyObject_SetAttr(e, s_d_touched, Py_None) < 0)
+        if (PyDict_SetItem(out, next, owers) < 0 || PyDict_SetItem(out_time, next, now) < 0)
             goto done;
-    }
-    else {
-        NEED(next = PyLong_FromLongLong(seq));
+        slot_set(e, o_d_id, cid_obj);
+        slot_set(e, o_d_out, out);
+        slot_set(e, o_d_out_time, out_time);
+        slot_set(e, o_d_debt, debt);
+        slot_set(e, o_d_pins, py_zero);
+        slot_set(e, o_d_touched, Py_None);
     }
     /* --- side effects, in the reference's order --- */
-    if (PyObject_SetAttr(ledger, s_next_seq, seq1) < 0)
-        goto done;
+    slot_set(ledger, o_l_next_seq, seq1);
     if (n_live) {
         if (PyDict_SetItem(entries, cid_obj, e) < 0)
             goto done;
@@ -500,15 +581,15 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
             PyObject *o = PyDict_GetItemWithError(owed, s);
             if (o == NULL && PyErr_Occurred())
                 goto done;
-            long long v = o == NULL ? 0 : PyLong_AsLongLong(o);
-            if (v == -1 && PyErr_Occurred())
+            long long c = o == NULL ? 0 : PyLong_AsLongLong(o);
+            if (c == -1 && PyErr_Occurred())
                 goto done;
-            PyObject *v1 = PyLong_FromLongLong(v + 1);
-            if (v1 == NULL || PyDict_SetItem(owed, s, v1) < 0) {
-                Py_XDECREF(v1);
+            PyObject *c1 = PyLong_FromLongLong(c + 1);
+            if (c1 == NULL || PyDict_SetItem(owed, s, c1) < 0) {
+                Py_XDECREF(c1);
                 goto done;
             }
-            Py_DECREF(v1);
+            Py_DECREF(c1);
         }
         for (Py_ssize_t i = 0; i < n_live; i++) { /* the owing slots' debts, for inspect */
             PyObject *pair = PyList_GET_ITEM(live_slots, i);
@@ -516,18 +597,22 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
             PyObject *o = PyDict_GetItemWithError(owed, PyTuple_GET_ITEM(pair, 1));
             if (o == NULL) {
                 if (!PyErr_Occurred())
-                    PyErr_SetString(PyExc_RuntimeError, "internal error: a live session owes nothing");
+                    PyErr_SetString(PyExc_RuntimeError,
+                                    "internal error: a live session owes nothing");
                 goto done;
             }
-            uint64_t v = PyLong_AsUnsignedLongLong(o);
-            if (v == (uint64_t)-1 && PyErr_Occurred())
+            uint64_t c = PyLong_AsUnsignedLongLong(o);
+            if (c == (uint64_t)-1 && PyErr_Occurred())
                 goto done;
-            STORE_WORD((uint64_t *)((char *)words.buf + slot * words.strides[0]), v);
+            STORE_WORD((uint64_t *)((char *)words.buf + slot * words.strides[0]), c);
         }
     }
-    if (PyObject_SetAttr(acks, s_undrained, und1) < 0)
-        goto done;
+    slot_set(acks, o_a_undrained, und1);
     if ((und + 1) * 2 >= log_entries) {
+        if (has_sess) /* the drain reads these words itself */
+            PyBuffer_Release(&sess), has_sess = 0;
+        if (has_words)
+            PyBuffer_Release(&words), has_words = 0;
         PyObject *r = PyObject_CallMethodNoArgs(acks, s_drain);
         if (r == NULL)
             goto done;
@@ -542,7 +627,7 @@ done:
         PyBuffer_Release(&words);
     Py_XDECREF(ledger), Py_XDECREF(readers), Py_XDECREF(known), Py_XDECREF(live);
     Py_XDECREF(live_slots), Py_XDECREF(entries), Py_XDECREF(owed), Py_XDECREF(next);
-    Py_XDECREF(clock), Py_XDECREF(now), Py_XDECREF(seq1), Py_XDECREF(e);
+    Py_XDECREF(clock), Py_XDECREF(now), Py_XDECREF(seq1), Py_XDECREF(e), Py_XDECREF(v);
     Py_XDECREF(owers), Py_XDECREF(out), Py_XDECREF(out_time), Py_XDECREF(debt), Py_XDECREF(und1);
     return result;
 }
@@ -1183,7 +1268,7 @@ PyMethodDef aioshm_put_methods[] = {
     {"hand_out", (PyCFunction)(void (*)(void))core_hand_out, METH_FASTCALL,
      "hand_out(acks, cid) -> seq of the writer's usual hand-out, or None (the reference runs)"},
     {"configure_hand_out", core_configure_hand_out, METH_VARARGS,
-     "configure_hand_out(Acknowledgements.hand_out, Debts): the reference hand_out stands for"},
+     "configure_hand_out(Acknowledgements, HandoutLedger, Debts): the classes hand_out knows"},
     {"configure", core_configure, METH_VARARGS,
      "configure(ShmRef, plan type, serde type): the types put_plain recognises"},
     {"put_plain", (PyCFunction)(void (*)(void))core_put_plain, METH_FASTCALL,

@@ -156,9 +156,9 @@ def configure(ref_type: type, plan_type: type, serde_type: type) -> None:
         raise TypeError("the reference type must be a tuple subclass")
 
 
-def configure_hand_out(hand_out_func: object, debts_type: type) -> None:
-    """Name the reference hand-out (``Acknowledgements.hand_out``) and the ledger's ``Debts``
-    type, which the C core's :func:`hand_out` stands for (nothing here)."""
+def configure_hand_out(acks_type: type, ledger_type: type, debts_type: type) -> None:
+    """Name the classes whose state the C core's :func:`hand_out` reads and writes
+    (``Acknowledgements``, ``HandoutLedger``, ``Debts``; nothing here)."""
 
 
 def hand_out(acks: object, cid: int) -> None:

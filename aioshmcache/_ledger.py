@@ -75,6 +75,8 @@ class Debts:
 class HandoutLedger:
     """Debts of hand-outs per entry and session, with the expiry rules of the module docstring."""
 
+    __slots__ = ("_progress", "clock", "entries", "handout_ttl", "next_seq", "one_of_n", "owed")
+
     def __init__(
         self,
         *,

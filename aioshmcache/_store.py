@@ -116,7 +116,7 @@ _new_ref: Final = tuple.__new__  # ShmRef's fields in order, without its Python-
 #: the core's put of a plain item (``_core_put.c``); it declines with None before any side effect
 core.configure(ShmRef, MsgpackPlan, MsgpackSerde)
 #: the core's hand-out (``_core_put.c``) stands for ``Acknowledgements.hand_out`` in its puts
-core.configure_hand_out(Acknowledgements.hand_out, Debts)
+core.configure_hand_out(Acknowledgements, HandoutLedger, Debts)
 _put_plain = core.put_plain
 #: the core's reference of a hand-out (``StoreWriter._ref``); None: the Python steps decide
 _make_ref = core.make_ref
