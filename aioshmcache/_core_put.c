@@ -20,6 +20,88 @@
 #define MAX_RING_ID ((uint64_t)INT64_MAX)
 #define STORE_WORD(p, v) __atomic_store_n((p), (uint64_t)(v), __ATOMIC_RELEASE)
 
+/* --- attribute access through slot offsets ----------------------------------------------------
+ * The writer's state lives in ``__slots__`` (the store, its parts, the sharded maps): a look-up
+ * by name (``PyObject_GetAttr``) costs ~120-170 instructions, a slot read a few, and a put makes
+ * about sixty. ``fast_getattr`` / ``fast_setattr`` read and write a plain object slot
+ * (``T_OBJECT_EX``, found by the type's own look-up) at its offset, remembered per (type, name)
+ * with the type's version tag — which changes whenever the class is modified, so a class whose
+ * attribute was replaced (a property, a monkeypatch) is looked up again, as CPython's own
+ * attribute caches do. Anything else — a type with its own ``__getattr__`` or ``__setattr__``,
+ * a name that is not such a slot, an unset slot — takes the usual ``PyObject_GetAttr`` /
+ * ``PyObject_SetAttr``, so the result is theirs in every case. */
+typedef struct {
+    PyTypeObject *type; /* not owned: a freed type's successor has another version tag */
+    PyObject *name;     /* an interned name of this module (never freed) */
+    unsigned int version;
+    Py_ssize_t off; /* > 0: the slot's offset; -1: not a slot (the usual look-up) */
+    int writable;
+} SlotCache;
+
+#define SLOT_CACHE_BITS 10
+static SlotCache slot_cache[1 << SLOT_CACHE_BITS];
+
+static SlotCache *
+slot_cache_of(PyTypeObject *t, PyObject *name)
+{
+    if (!PyType_HasFeature(t, Py_TPFLAGS_VALID_VERSION_TAG))
+        return NULL;
+    uint64_t h = ((uint64_t)(uintptr_t)t ^ ((uint64_t)(uintptr_t)name << 17)) *
+                 UINT64_C(0x9E3779B97F4A7C15); /* Fibonacci hashing: the top bits */
+    SlotCache *e = &slot_cache[h >> (64 - SLOT_CACHE_BITS)];
+    if (e->type == t && e->name == name && e->version == t->tp_version_tag)
+        return e;
+    PyObject *d = _PyType_Lookup(t, name); /* borrowed; may assign the version tag */
+    Py_ssize_t off = -1;
+    int writable = 0;
+    if (d != NULL && Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+        if (m->type == T_OBJECT_EX && m->offset > 0) {
+            off = m->offset;
+            writable = !(m->flags & READONLY);
+        }
+    }
+    if (!PyType_HasFeature(t, Py_TPFLAGS_VALID_VERSION_TAG))
+        return NULL;
+    *e = (SlotCache){t, name, t->tp_version_tag, off, writable};
+    return e;
+}
+
+static PyObject *
+fast_getattr(PyObject *obj, PyObject *name)
+{
+    PyTypeObject *t = Py_TYPE(obj);
+    if (t->tp_getattro == PyObject_GenericGetAttr) {
+        SlotCache *e = slot_cache_of(t, name);
+        if (e != NULL && e->off > 0) {
+            PyObject *v = *(PyObject **)((char *)obj + e->off);
+            if (v != NULL) {
+                Py_INCREF(v);
+                return v;
+            }
+        }
+    }
+    return PyObject_GetAttr(obj, name);
+}
+
+static int
+fast_setattr(PyObject *obj, PyObject *name, PyObject *value)
+{
+    PyTypeObject *t = Py_TYPE(obj);
+    if (value != NULL && t->tp_setattro == PyObject_GenericSetAttr) {
+        SlotCache *e = slot_cache_of(t, name);
+        if (e != NULL && e->off > 0 && e->writable) {
+            PyObject **p = (PyObject **)((char *)obj + e->off);
+            PyObject *old = *p;
+            Py_INCREF(value);
+            *p = value;
+            Py_XDECREF(old);
+            return 0;
+        }
+    }
+    return PyObject_SetAttr(obj, name, value);
+}
+
 static PyObject *ref_type, *plan_type, *serde_type;
 static PyObject *s_index, *s_pending, *s_waiting, *s_ring, *s_serde, *s_rows, *s_keys;
 static PyObject *s_secret, *s_nonce, *s_guarded, *s_has_hints, *s_hand_out_seq, *s_seg;
@@ -76,7 +158,7 @@ core_configure(PyObject *self, PyObject *args)
 static int
 get_i64(PyObject *obj, PyObject *name, int64_t *out)
 {
-    PyObject *v = PyObject_GetAttr(obj, name);
+    PyObject *v = fast_getattr(obj, name);
     if (v == NULL)
         return -1;
     if (!PyLong_CheckExact(v)) {
@@ -100,7 +182,7 @@ set_i64(PyObject *obj, PyObject *name, int64_t value)
     PyObject *v = PyLong_FromLongLong(value);
     if (v == NULL)
         return -1;
-    int rc = PyObject_SetAttr(obj, name, v);
+    int rc = fast_setattr(obj, name, v);
     Py_DECREF(v);
     return rc;
 }
@@ -109,7 +191,7 @@ set_i64(PyObject *obj, PyObject *name, int64_t value)
 static int
 get_words(PyObject *obj, PyObject *name, Py_buffer *view)
 {
-    PyObject *v = PyObject_GetAttr(obj, name);
+    PyObject *v = fast_getattr(obj, name);
     if (v == NULL)
         return -1;
     int rc = PyObject_GetBuffer(v, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT);
@@ -132,7 +214,7 @@ shard_of(PyObject *map, PyObject *key)
     Py_hash_t h = PyObject_Hash(key);
     if (h == -1)
         return NULL;
-    PyObject *shards = PyObject_GetAttr(map, s_shards);
+    PyObject *shards = fast_getattr(map, s_shards);
     if (shards == NULL)
         return NULL;
     int64_t mask;
@@ -213,7 +295,7 @@ release_all(Held *h)
 static int
 attr_true(PyObject *obj, PyObject *name)
 {
-    PyObject *v = PyObject_GetAttr(obj, name);
+    PyObject *v = fast_getattr(obj, name);
     if (v == NULL)
         return -1;
     int t = PyObject_IsTrue(v);
@@ -282,22 +364,22 @@ pub_clear(Pub *p)
 static int
 pub_prepare(PyObject *store, PyObject *key, Pub *p)
 {
-    if ((p->index = PyObject_GetAttr(store, s_index)) == NULL ||
+    if ((p->index = fast_getattr(store, s_index)) == NULL ||
         (p->ishard = shard_of(p->index, key)) == NULL ||
-        (p->rows = PyObject_GetAttr(store, s_rows)) == NULL ||
-        (p->keys = PyObject_GetAttr(store, s_keys)) == NULL ||
-        (p->nonce = PyObject_GetAttr(store, s_nonce)) == NULL)
+        (p->rows = fast_getattr(store, s_rows)) == NULL ||
+        (p->keys = fast_getattr(store, s_keys)) == NULL ||
+        (p->nonce = fast_getattr(store, s_nonce)) == NULL)
         return -1;
-    PyObject *pins = PyObject_GetAttr(store, s_pins); /* the pins part holds the guard */
+    PyObject *pins = fast_getattr(store, s_pins); /* the pins part holds the guard */
     if (pins == NULL)
         return -1;
-    p->guarded = PyObject_GetAttr(pins, s_guarded);
+    p->guarded = fast_getattr(pins, s_guarded);
     Py_DECREF(pins);
     if (p->guarded == NULL)
         return -1;
     if (p->guarded != Py_None && !PyDict_CheckExact(p->guarded))
         return 1;
-    PyObject *secret = PyObject_GetAttr(store, s_secret);
+    PyObject *secret = fast_getattr(store, s_secret);
     if (secret == NULL)
         return -1;
     int ok = PyLong_CheckExact(secret) && PyLong_CheckExact(p->nonce);
@@ -431,7 +513,7 @@ core_configure_hand_out(PyObject *self, PyObject *args)
 static int
 get_strided(PyObject *obj, PyObject *name, Py_buffer *view, int writable)
 {
-    PyObject *v = PyObject_GetAttr(obj, name);
+    PyObject *v = fast_getattr(obj, name);
     if (v == NULL)
         return -1;
     int rc = PyObject_GetBuffer(v, view, PyBUF_STRIDES | PyBUF_FORMAT |
@@ -650,7 +732,7 @@ core_hand_out(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 store_hand_out(PyObject *store, PyObject *cid_obj)
 {
-    PyObject *h = PyObject_GetAttr(store, s_hand_out_seq);
+    PyObject *h = fast_getattr(store, s_hand_out_seq);
     if (h == NULL)
         return NULL;
     if (debts_type != NULL && PyMethod_Check(h) && PyMethod_GET_FUNCTION(h) == hand_out_func) {
@@ -723,7 +805,7 @@ core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *u_obj = NULL;
 
     /* --- every check, no side effect -------------------------------------------------- */
-    NEED(serde = PyObject_GetAttr(store, s_serde));
+    NEED(serde = fast_getattr(store, s_serde));
     if ((PyObject *)Py_TYPE(serde) != serde_type)
         DECLINE();
     {
@@ -732,15 +814,15 @@ core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     CHECK(pub_prepare(store, key, &pub));
     CHECK(PyDict_Contains(pub.ishard, key)); /* a duplicate: the reference raises */
-    NEED(pending = PyObject_GetAttr(store, s_pending));
-    NEED(waiting = PyObject_GetAttr(store, s_waiting));
+    NEED(pending = fast_getattr(store, s_pending));
+    NEED(waiting = fast_getattr(store, s_waiting));
     if (!PyDict_CheckExact(pending) || !PyAnySet_CheckExact(waiting))
         DECLINE();
     CHECK(PyDict_Contains(pending, key));
     CHECK(PySet_Contains(waiting, key));
 
-    NEED(layout = PyObject_GetAttr(plan, s_layout));
-    NEED(sources = PyObject_GetAttr(plan, s_sources));
+    NEED(layout = fast_getattr(plan, s_layout));
+    NEED(sources = fast_getattr(plan, s_sources));
     if (!PyTuple_CheckExact(layout) || PyTuple_GET_SIZE(layout) != 5 || !PyTuple_CheckExact(sources))
         DECLINE();
     PyObject *nbytes_o = PyTuple_GET_ITEM(layout, 0), *head = PyTuple_GET_ITEM(layout, 1);
@@ -782,8 +864,8 @@ core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             DECLINE(); /* the reference copies it, or raises SerdeError (size changed) */
     }
 
-    NEED(ring = PyObject_GetAttr(store, s_ring));
-    NEED(seg = PyObject_GetAttr(ring, s_seg));
+    NEED(ring = fast_getattr(store, s_ring));
+    NEED(seg = fast_getattr(ring, s_seg));
     {
         int closed = attr_true(seg, s_closed);
         CHECK(closed);
@@ -820,7 +902,7 @@ core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (held.col[c].len / 8 <= j)
             DECLINE();
     }
-    NEED(at = PyObject_GetAttr(ring, s_at));
+    NEED(at = fast_getattr(ring, s_at));
     if (!PyList_CheckExact(at) || PyList_GET_SIZE(at) != at_mask + 1)
         DECLINE();
     atshard = PyList_GET_ITEM(at, (Py_ssize_t)((tail >> 6) & at_mask));
@@ -915,15 +997,15 @@ core_publish_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (address < 0 || address % 64 != 0 || nbytes < 0 || cid == 0 || cid > MAX_RING_ID)
         DECLINE();
     CHECK(attr_true(store, s_has_hints));
-    NEED(ring = PyObject_GetAttr(store, s_ring));
-    NEED(seg = PyObject_GetAttr(ring, s_seg));
+    NEED(ring = fast_getattr(store, s_ring));
+    NEED(seg = fast_getattr(ring, s_seg));
     CHECK(attr_true(seg, s_closed));
     CHECK(attr_true(seg, s_forked));
     int64_t mask, at_mask, used;
     CHECK(get_i64(ring, s_mask, &mask));
     CHECK(get_i64(ring, s_at_mask, &at_mask));
     CHECK(get_i64(ring, s_used, &used));
-    NEED(at = PyObject_GetAttr(ring, s_at));
+    NEED(at = fast_getattr(ring, s_at));
     if (!PyList_CheckExact(at) || PyList_GET_SIZE(at) != at_mask + 1)
         DECLINE();
     NEED(u_obj = PyLong_FromLongLong(address >> 6));
@@ -997,7 +1079,7 @@ core_make_ref(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *result = NULL, *rows = NULL, *shard = NULL, *secret_obj = NULL, *nonce = NULL;
     PyObject *row = NULL;
     Held held = {.ncol = 0, .has_ring = 0, .has_hw = 0, .nsrc = 0};
-    NEED(rows = PyObject_GetAttr(store, s_rows));
+    NEED(rows = fast_getattr(store, s_rows));
     NEED(shard = shard_of(rows, cid_obj));
     PyObject *packed = PyDict_GetItemWithError(shard, cid_obj); /* borrowed */
     if (packed == NULL) {
@@ -1014,9 +1096,9 @@ core_make_ref(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (held.hw.len < AIOSHM_HEADER_SIZE)
         DECLINE();
     uint64_t epoch = ((volatile uint64_t *)held.hw.buf)[H_EPOCH];
-    NEED(nonce = PyObject_GetAttr(store, s_nonce));
+    NEED(nonce = fast_getattr(store, s_nonce));
     if (f[4] != epoch) { /* the tag's base, once per epoch */
-        NEED(secret_obj = PyObject_GetAttr(store, s_secret));
+        NEED(secret_obj = fast_getattr(store, s_secret));
         uint64_t secret = PyLong_AsUnsignedLongLong(secret_obj);
         if (secret == (uint64_t)-1 && PyErr_Occurred()) {
             PyErr_Clear();
@@ -1090,14 +1172,14 @@ put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
     PyObject *plan = NULL, *nb = NULL, *ref = NULL, *counters = NULL, *total = NULL;
     PyObject *hits = NULL, *total1 = NULL, *misses = NULL, *words = NULL, *kept = NULL;
     PyObject *serde = NULL;
-    NEED(serde = PyObject_GetAttr(store, s_serde));
+    NEED(serde = fast_getattr(store, s_serde));
     if ((PyObject *)Py_TYPE(serde) != serde_type)
         DECLINE(); /* another serde's plan is its own business: the request calls it */
-    NEED(index = PyObject_GetAttr(store, s_pub_index));
+    NEED(index = fast_getattr(store, s_pub_index));
     NEED(shard = shard_of(index, key));
     CHECK(PyDict_Contains(shard, key)); /* a hit: the request hands it out */
-    NEED(tl = PyObject_GetAttr(book, s_too_large));
-    NEED(sizes = PyObject_GetAttr(tl, s_sizes));
+    NEED(tl = fast_getattr(book, s_too_large));
+    NEED(sizes = fast_getattr(tl, s_sizes));
     if (!PyDict_Check(sizes))
         DECLINE();
     if (PyDict_GET_SIZE(sizes))
@@ -1109,7 +1191,7 @@ put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
         PyObject *et, *ev, *tb;
         PyErr_Fetch(&et, &ev, &tb);
         PyErr_NormalizeException(&et, &ev, &tb);
-        PyObject *n = ev == NULL ? NULL : PyObject_GetAttr(ev, s_nbytes);
+        PyObject *n = ev == NULL ? NULL : fast_getattr(ev, s_nbytes);
         Py_XDECREF(et), Py_XDECREF(ev), Py_XDECREF(tb);
         if (n == NULL)
             goto done;
@@ -1127,7 +1209,7 @@ put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
     if (plan == NULL) /* the plan's error, raised as the request raises it (nothing done yet):
                        * never cleared, or an interrupt would be lost and the plan run twice */
         goto done;
-    NEED(nb = PyObject_GetAttr(plan, s_nbytes));
+    NEED(nb = fast_getattr(plan, s_nbytes));
     if (!PyLong_CheckExact(nb))
         DECLINE();
     Py_ssize_t nbytes = PyLong_AsSsize_t(nb);
@@ -1138,10 +1220,10 @@ put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
     if (nbytes >= inline_below)
         DECLINE(); /* a copy job */
     /* the counters and words, read before the put (nothing is changed if they are odd) */
-    NEED(counters = PyObject_GetAttr(book, s_counters));
-    NEED(total = PyObject_GetAttr(counters, s_total));
-    NEED(hits = PyObject_GetAttr(counters, s_hits));
-    NEED(words = PyObject_GetAttr(store, s_words));
+    NEED(counters = fast_getattr(book, s_counters));
+    NEED(total = fast_getattr(counters, s_total));
+    NEED(hits = fast_getattr(counters, s_hits));
+    NEED(words = fast_getattr(store, s_words));
     if (!PyLong_CheckExact(total) || !PyLong_CheckExact(hits))
         DECLINE();
     PyObject *pargs[3] = {store, key, plan};
@@ -1168,7 +1250,7 @@ put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
     total1 = PyNumber_Add(total, one);
     Py_DECREF(one);
     if (total1 == NULL || (misses = PyNumber_Subtract(total1, hits)) == NULL ||
-        PyObject_SetAttr(counters, s_total, total1) < 0)
+        fast_setattr(counters, s_total, total1) < 0)
         goto undo;
     PyObject *w = PyLong_FromLong(H_MISSES);
     if (w == NULL)
@@ -1220,7 +1302,7 @@ core_put_item(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (s_check_owner == NULL && intern_item_names() < 0)
         return NULL;
-    PyObject *siblings = PyObject_GetAttr(book, s_siblings);
+    PyObject *siblings = fast_getattr(book, s_siblings);
     if (siblings == NULL)
         return NULL;
     int shard = siblings != Py_None; /* a group shard: the request looks at its siblings */
@@ -1232,7 +1314,7 @@ core_put_item(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (r == NULL)
         return NULL;
     Py_DECREF(r);
-    PyObject *lock = PyObject_GetAttr(store, s_lock);
+    PyObject *lock = fast_getattr(store, s_lock);
     if (lock == NULL)
         return NULL;
     if ((r = PyObject_CallMethodNoArgs(lock, s_acquire)) == NULL) {

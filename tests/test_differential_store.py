@@ -582,3 +582,26 @@ def test_the_c_hand_out_takes_the_usual_hand_out_and_declines_the_rest(
             acks.one_of_n = True
             assert C.hand_out(acks, 10**6 + 2) is None
             acks.one_of_n = False
+
+
+def test_the_c_put_sees_a_class_attribute_replaced_after_its_first_read(
+    monkeypatch: pytest.MonkeyPatch, make_config: Any
+) -> None:
+    """The C core reads the writer's ``__slots__`` at their offsets, remembered per class: a
+    class changed afterwards (here ``_pending`` made a property that reports a put in
+    progress) is looked up again, so the core declines the duplicate and the reference raises,
+    as ``getattr`` would have it."""
+    assert C is not None
+    first = _spied(monkeypatch, _store, "_put_plain", C.put_plain)
+    rng = np.random.default_rng(0)
+    with ShmObjectStore.create(make_config(1 << 20)) as store:
+        store.put("first", ITEMS[0](rng))  # the slots' offsets remembered
+        monkeypatch.setattr(StoreWriter, "_pending", property(lambda self: {"dup": None}))
+        with pytest.raises(DuplicateKeyError):
+            store.put("dup", ITEMS[0](rng))
+        monkeypatch.undo()
+        assert first == [True, False]  # the duplicate declined, before any side effect
+        seen = _spied(monkeypatch, _store, "_put_plain", C.put_plain)
+        store.put("dup", ITEMS[0](rng))  # the slot again: the core's put
+        assert store.keys() == ["first", "dup"]
+    assert seen == [True]
