@@ -5,8 +5,8 @@
  * allocation right after the tail (``ShmRingBuffer.try_allocate``), the payload write
  * (``MsgpackSerde.write`` of a plan: prefix and header, zeroed gaps, array bytes), the commit,
  * the tag's base, the row, key and index entries and the usage words (``_publish_put``) —
- * then takes the hand-out through the store's own ``_hand_out_seq`` and returns the
- * ``ShmRef``. Anything else (a duplicate, a wrap or no room, columns to grow, hints, another
+ * then the hand-out (``hand_out`` below, standing for the store's ``_hand_out_seq``) and
+ * returns the ``ShmRef``. Anything else (a duplicate, a wrap or no room, columns to grow, hints, another
  * serde, a source array that is not C-contiguous or changed size, ...) returns None *before
  * any side effect*, and the reference path handles it.
  *
