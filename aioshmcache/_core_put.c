@@ -1135,6 +1135,7 @@ done:
 static PyObject *s_check_owner, *s_lock, *s_acquire, *s_release, *s_plan, *s_siblings;
 static PyObject *s_too_large, *s_sizes, *s_counters, *s_total, *s_hits, *s_words, *s_keep;
 static PyObject *s_nbytes, *s_pub_index, *s_found_too_large, *s_count_miss, *too_large_error;
+static PyObject *s_prompt_updates, *keep_func; /* ``SenderBook.keep_updates``: see keep_updates */
 
 static int
 intern_item_names(void)
@@ -1145,7 +1146,7 @@ intern_item_names(void)
         {&s_too_large, "too_large"}, {&s_sizes, "sizes"}, {&s_counters, "counters"},
         {&s_total, "total"}, {&s_hits, "hits"}, {&s_words, "words"}, {&s_keep, "keep_updates"},
         {&s_nbytes, "nbytes"}, {&s_pub_index, "index"}, {&s_found_too_large, "found_too_large"},
-        {&s_count_miss, "count_miss"},
+        {&s_count_miss, "count_miss"}, {&s_prompt_updates, "prompt_updates"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (*names[i].p == NULL && (*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL)
@@ -1159,7 +1160,51 @@ intern_item_names(void)
         if (too_large_error == NULL)
             return -1;
     }
+    if (keep_func == NULL) {
+        PyObject *request = PyImport_ImportModule("aioshmcache._request");
+        if (request == NULL)
+            return -1;
+        PyObject *book_type = PyObject_GetAttrString(request, "SenderBook");
+        Py_DECREF(request);
+        if (book_type == NULL)
+            return -1;
+        keep_func = PyObject_GetAttrString(book_type, "keep_updates");
+        Py_DECREF(book_type);
+        if (keep_func == NULL)
+            return -1;
+    }
     return 0;
+}
+
+/* ``book.keep_updates(h, updates)``: when it is ``SenderBook``'s own, its steps inline (``pu[h]
+ * = updates`` on the sharded map, counted once per new hash; a call costs more than the steps),
+ * else the call. 0, or -1 with an error. */
+static int
+keep_updates(PyObject *book, PyObject *key, PyObject *updates)
+{
+    PyObject *m = fast_getattr(book, s_keep);
+    if (m == NULL)
+        return -1;
+    if (!PyMethod_Check(m) || PyMethod_GET_FUNCTION(m) != keep_func ||
+        PyMethod_GET_SELF(m) != book) {
+        PyObject *r = PyObject_CallFunctionObjArgs(m, key, updates, NULL);
+        Py_DECREF(m);
+        Py_XDECREF(r);
+        return r == NULL ? -1 : 0;
+    }
+    Py_DECREF(m);
+    PyObject *pu = fast_getattr(book, s_prompt_updates);
+    if (pu == NULL)
+        return -1;
+    PyObject *d = shard_of(pu, key);
+    int rc = d == NULL ? -1 : PyDict_Contains(d, key);
+    if (rc == 0)
+        rc = bump_n(pu, NULL);
+    if (rc >= 0)
+        rc = PyDict_SetItem(d, key, updates);
+    Py_XDECREF(d);
+    Py_DECREF(pu);
+    return rc < 0 ? -1 : 0;
 }
 
 /* What is decided under the lock: the put's ``(ref, updates)``, None (declined) or NULL. */
@@ -1170,7 +1215,7 @@ put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
     PyObject *value = PyTuple_GET_ITEM(item, 0), *updates = PyTuple_GET_ITEM(item, 1);
     PyObject *result = NULL, *index = NULL, *shard = NULL, *tl = NULL, *sizes = NULL;
     PyObject *plan = NULL, *nb = NULL, *ref = NULL, *counters = NULL, *total = NULL;
-    PyObject *hits = NULL, *total1 = NULL, *misses = NULL, *words = NULL, *kept = NULL;
+    PyObject *hits = NULL, *total1 = NULL, *misses = NULL, *words = NULL;
     PyObject *serde = NULL;
     NEED(serde = fast_getattr(store, s_serde));
     if ((PyObject *)Py_TYPE(serde) != serde_type)
@@ -1259,9 +1304,7 @@ put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
     Py_DECREF(w);
     if (rc < 0)
         goto undo;
-    PyObject *kargs[3] = {book, key, updates};
-    kept = PyObject_VectorcallMethod(s_keep, kargs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-    if (kept == NULL)
+    if (keep_updates(book, key, updates) < 0)
         goto undo;
     result = PyTuple_Pack(2, ref, updates);
     if (result == NULL)
@@ -1280,7 +1323,7 @@ done:
     Py_XDECREF(index), Py_XDECREF(shard), Py_XDECREF(tl), Py_XDECREF(sizes);
     Py_XDECREF(plan), Py_XDECREF(nb), Py_XDECREF(ref), Py_XDECREF(counters);
     Py_XDECREF(total), Py_XDECREF(hits), Py_XDECREF(total1), Py_XDECREF(misses);
-    Py_XDECREF(words), Py_XDECREF(kept), Py_XDECREF(serde);
+    Py_XDECREF(words), Py_XDECREF(serde);
     return result;
 }
 

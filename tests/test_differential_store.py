@@ -346,6 +346,8 @@ def _run_one_item_calls(calls: list[tuple[str, int]], seed: int) -> tuple[list[o
                 answers.append(("error", type(exc).__name__))
             snap = cache.snapshot()
             answers.append(("state", cache.store.keys(), snap.hits, snap.misses, snap.evictions))
+            kept = cache._book.prompt_updates  # the prompt updates kept, and their count
+            answers.append(("updates", sorted(kept.items()), len(kept)))
         words = [w if i not in _INSTANCE_WORDS else 0 for i, w in enumerate(cache.store._hw[:64])]
         answers.append(("words", words))
         return answers, bytes(cache.store.ring.buf)
