@@ -31,6 +31,8 @@ from aioshmcache import (
     _store,
 )
 from aioshmcache import _layout as L
+from aioshmcache._acks import Acknowledgements
+from aioshmcache._ledger import Debts, HandoutLedger
 from aioshmcache._serde import MsgpackPlan
 from aioshmcache.store import StoreWriter
 
@@ -41,6 +43,7 @@ C = c_core()
 pytestmark = pytest.mark.skipif(C is None, reason="the C core is not built here")
 if C is not None:  # as ``_store`` does for the core in use (with AIOSHM_PURE=1, the pure one)
     C.configure(ShmRef, MsgpackPlan, MsgpackSerde)
+    C.configure_hand_out(Acknowledgements, HandoutLedger, Debts)
 
 #: header words that differ between two instances whatever they do (see the module docstring)
 _INSTANCE_WORDS = {L.H_NONCE, L.H_WRITER_PID, L.H_OWNER_UID, L.H_CREATED, L.H_SECRET}
