@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias, cast
 
 from ._group import Found, Siblings
+from ._kept import keep, restore
 from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
 from ._shards import ShardedMap
 from ._store import INLINE_COPY_UNDER_LOCK, Reservation, StoreWriter
@@ -163,8 +164,9 @@ class SenderBook:
         self.store = store
         self.siblings = siblings  # the other shards of the group, if this cache is a shard
         self.default_wait_for_space = default_wait_for_space
-        # one entry per cached item: as many shards as the store's index
-        self.prompt_updates: ShardedMap[str, Sequence[Any]] = ShardedMap(store.shards)
+        # one entry per cached item: as many shards as the store's index; each kept as
+        # ``_kept.keep`` makes it (a form the garbage collector skips), read by ``restore``
+        self.prompt_updates: ShardedMap[str, Any] = ShardedMap(store.shards)
         self.too_large = TooLargeMemory()
         self.counters = RequestCounters(lock=store.lock)
         self._words = store._hw
@@ -471,7 +473,8 @@ class SenderRequest(_Steps):
             self._handed.append(ref)
             if it is None:  # ``book.prompt_updates.get(h, ())``, one call shorter
                 pu = book.prompt_updates
-                self._out[i] = (ref, pu.shards[hash(h) & pu.mask].get(h, ()))
+                u = pu.shards[hash(h) & pu.mask].get(h, ())
+                self._out[i] = (ref, u if type(u) is tuple else restore(u))
             else:
                 self._out[i] = (ref, it[1])
             c = book.counters  # ``book.count_hit()``, inline: the usual case
@@ -517,7 +520,7 @@ class SenderRequest(_Steps):
                 d = pu.shards[hash(h) & pu.mask]
                 if h not in d:
                     pu.n += 1
-                d[h] = updates
+                d[h] = keep(updates)  # the form the sender keeps (see ``_kept``)
                 self._out[i] = (ref, updates)
                 return None
             res = store._reserve(
@@ -643,7 +646,7 @@ class SenderRequest(_Steps):
         ref = self._store._commit(res)
         self._handed.append(ref)
         self._putting.discard(res.key)
-        self._book.prompt_updates[res.key] = updates
+        self._book.prompt_updates[res.key] = keep(updates)
         self._out[i] = (ref, updates)
         if pin and (e := self._store._pin_entry(res.key)) is not None:  # protect it from the rest
             if self._pins is _NONE:
