@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from msgpack import ExtType
 
 from aioshmcache import SenderCache, ShmRef
-from aioshmcache._kept import PackedWith, keep, restore
+from aioshmcache._kept import KEPT, MAX_DEPTH, keep, restore
 
 
 class Mode(str, enum.Enum):  # noqa: UP042 (vLLM's UpdateMode is a (str, Enum))
@@ -66,7 +66,6 @@ def test_vllm_shaped_updates_are_packed_untracked_and_come_back_equal() -> None:
     given_ = vllm_like(3)
     kept = keep(given_)
     assert type(kept) is bytes  # no container: nothing for the collector to walk
-    gc.collect()
     assert not gc.is_tracked(kept)
     got = restore(kept)
     assert got == given_ and type(got) is tuple and got is not given_
@@ -83,7 +82,8 @@ def test_objects_msgpack_cannot_write_are_kept_by_reference() -> None:
     arr = np.arange(3)
     given_ = (*vllm_like(1, is_embed), arr)
     kept = keep(given_)
-    assert type(kept) is PackedWith and kept.side == (is_embed, arr)
+    assert kept[0] is KEPT and type(kept[1]) is bytes and kept[2] == (is_embed, arr)
+    assert gc.is_tracked(kept)  # it holds them: this entry stays tracked, as before
     got = restore(kept)
     assert got[0] == given_[0] and got[0].content.is_embed is is_embed and got[1] is arr
 
@@ -113,11 +113,21 @@ def test_atoms_non_tuples_and_what_cannot_be_packed_are_kept_as_they_are() -> No
     assert keep(atoms) is atoms and keep(()) == () and restore(atoms) is atoms
     custom = [Update("image", 0, Mode.INSERT, [1], Details([1]))]  # not a tuple: the caller's
     assert keep(custom) is custom and restore(custom) is custom
-    assert restore(keep(b"raw")) == b"raw"  # bytes are packed too: every kept bytes is packed
-    cyclic: list[Any] = [1]
+    fake = (bytes(bytearray(KEPT)), 1)  # equal to the mark, not the mark: a caller's tuple
+    assert keep(fake) is fake and restore(fake) is fake and restore(keep(b"raw")) == b"raw"
+    cyclic: list[Any] = [Details([1])]
     cyclic.append(cyclic)
-    assert keep((cyclic,))[0] is cyclic  # too deep for msgpack: kept, tracked, as before
-    huge = (2**70, Details([1]))
+    r = restore(keep((cyclic,)))[0]
+    for _ in range(MAX_DEPTH + 2):  # copies down to MAX_DEPTH, then the caller's list itself
+        if r is cyclic:
+            break
+        assert type(r) is list and r[0] == Details([1])
+        r = r[1]
+    assert r is cyclic
+    mixed = [1, Details([2])]  # a list of atoms, at first sight
+    got = restore(keep((mixed,)))
+    assert got == (mixed,) and got[0][1] is not mixed[1]
+    huge = (2**70, Details([1]), (KEPT, 1))
     assert restore(keep(huge)) == huge
 
 
