@@ -474,7 +474,7 @@ class SenderRequest(_Steps):
             if it is None:  # ``book.prompt_updates.get(h, ())``, one call shorter
                 pu = book.prompt_updates
                 u = pu.shards[hash(h) & pu.mask].get(h, ())
-                self._out[i] = (ref, u if type(u) is tuple else restore(u))
+                self._out[i] = (ref, restore(u))  # as kept by ``_kept.keep``
             else:
                 self._out[i] = (ref, it[1])
             c = book.counters  # ``book.count_hit()``, inline: the usual case
