@@ -76,7 +76,7 @@ core_finish_tag(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
  * after; below that, and on other CPUs, plain ``memcpy``. The kind is chosen once at import:
  * AVX2 where the CPU has it, else SSE2 (every x86-64 has it). AVX-512 streaming stores are kept
  * for ``set_stream_kind`` but not chosen: on the AMD EPYC this was measured on, 512-bit
- * streaming stores copied 5-20 % slower than 256-bit ones from 512 KiB up (1 MiB: ~52 against
+ * streaming stores copied 2-24 % slower than 256-bit ones from 512 KiB up (1 MiB: ~52 against
  * ~45 us; ``bench/bench_core_copy.py``), and no faster below. The GIL is released around
  * copies of ``NOGIL_MIN`` bytes or more. */
 #include <string.h>
