@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias, cast
 
 from ._group import Found, Siblings
-from ._kept import keep, restore
+from ._kept import KEPT, keep, restore
 from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
 from ._shards import ShardedMap
 from ._store import INLINE_COPY_UNDER_LOCK, Reservation, StoreWriter
@@ -474,7 +474,9 @@ class SenderRequest(_Steps):
             if it is None:  # ``book.prompt_updates.get(h, ())``, one call shorter
                 pu = book.prompt_updates
                 u = pu.shards[hash(h) & pu.mask].get(h, ())
-                self._out[i] = (ref, restore(u))  # as kept by ``_kept.keep``
+                if type(u) is not tuple or (u and u[0] is KEPT):  # kept by ``_kept.keep``
+                    u = restore(u)
+                self._out[i] = (ref, u)
             else:
                 self._out[i] = (ref, it[1])
             c = book.counters  # ``book.count_hit()``, inline: the usual case
@@ -520,7 +522,8 @@ class SenderRequest(_Steps):
                 d = pu.shards[hash(h) & pu.mask]
                 if h not in d:
                     pu.n += 1
-                d[h] = keep(updates)  # the form the sender keeps (see ``_kept``)
+                # the form the sender keeps (``_kept``); ``()`` as it is, without a call
+                d[h] = updates if type(updates) is tuple and not updates else keep(updates)
                 self._out[i] = (ref, updates)
                 return None
             res = store._reserve(
