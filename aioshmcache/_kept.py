@@ -17,10 +17,11 @@ what the sender stores:
   ``bytes`` object, which is no container: its records in prefix order — a code, then what the
   value holds — as a flat tuple of atoms, written by ``marshal``. A list whose first item is an
   atom (a list of token ids) is its length and its items as they are; any other list, a tuple
-  and a dict are their length and their items' records; a dataclass instance is its class's
-  number and the records of its instance dict (or, with slots, of its fields); an enum member is
-  its number. Classes and enum members are numbered in a registry of this module (a few, for
-  the life of the process);
+  and a dict are their length and their items' records; a dataclass instance (of a class whose
+  instances ``object.__new__`` makes) is its class's number and the records of its instance
+  dict (or, when its slots are its fields, of its fields); an enum member is its number.
+  Classes and enum members are numbered in a registry of this module (a few, for the life of
+  the process);
 - anything else inside (a function such as vLLM's ``is_embed`` closures, a numpy array, an
   object of another class, what lies deeper than ``MAX_DEPTH``) is kept by reference beside the
   bytes, ``(KEPT, data, refs)``: that entry stays tracked, as it was before, and only it;
@@ -80,13 +81,18 @@ def _classify(obj: Any) -> tuple[int, tuple[str, ...]] | None:
     how: tuple[int, tuple[str, ...]] | None = None
     if issubclass(cls, enum.Enum):
         how = (_MEMBER, ())
-    elif dataclasses.is_dataclass(cls) and not issubclass(cls, (tuple, list, dict)):
+    elif dataclasses.is_dataclass(cls) and cls.__new__ is object.__new__:  # made bare again
         names = tuple(f.name for f in dataclasses.fields(cls))
+        slots: set[str] = set()
+        for c in cls.__mro__:
+            declared = c.__dict__.get("__slots__", ())
+            slots.update((declared,) if isinstance(declared, str) else declared)
         state = getattr(obj, "__dict__", None)
-        if type(state) is dict and all(n in state for n in names):
+        if slots - {"__dict__", "__weakref__"}:  # a slot's value would not be in its dict
+            if state is None and slots <= {*names, "__weakref__"}:
+                how = (_SLOT_OBJ, names)  # slots only, each a field: its fields are its state
+        elif type(state) is dict and all(n in state for n in names):
             how = (_DICT_OBJ, ())  # its instance dict: its fields and any other attribute
-        elif state is None:
-            how = (_SLOT_OBJ, names)  # slots only: its fields are its state
     _how[cls] = how
     return how
 

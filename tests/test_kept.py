@@ -108,6 +108,29 @@ def test_every_shape_round_trips_with_its_types() -> None:
     assert got[5] is odd  # a dict subclass: kept by reference
 
 
+@dataclass
+class OwnNew:
+    x: int
+
+    def __new__(cls, x: int) -> OwnNew:  # a bare instance cannot be made again
+        return super().__new__(cls)
+
+
+@dataclass
+class ExtraSlot:
+    __slots__ = ("hidden", "x")  # a slot that is no field
+    x: int
+
+
+def test_dataclasses_that_cannot_be_made_again_field_by_field_are_kept_by_reference() -> None:
+    own, extra = OwnNew(1), ExtraSlot(2)
+    setattr(extra, "hidden", "h")  # noqa: B010 (a slot mypy does not know of)
+    kept = keep((own, extra, Details([3])))
+    assert type(kept) is tuple and kept[2] == (own, extra)
+    got = restore(kept)
+    assert got[0] is own and got[1] is extra and got[2] == Details([3])
+
+
 def test_atoms_non_tuples_and_what_cannot_be_packed_are_kept_as_they_are() -> None:
     atoms = ("<image>", 3, 2.5, None, b"x", True)
     assert keep(atoms) is atoms and keep(()) == () and restore(atoms) is atoms
