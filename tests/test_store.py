@@ -365,7 +365,8 @@ def test_a_method_of_the_other_role_is_a_role_error(make_config: Any) -> None:
     simply has no reader methods (a plain ``AttributeError``). Neither class has the other's
     names on it, injected or otherwise."""
     names = ShmObjectStore._role_names
-    assert names["reader"] == {"ack", "check_writer", "close_when_idle", "release"}
+    reader_names = {"ack", "check_writer", "close_when_idle", "group_word", "read_path", "release"}
+    assert names["reader"] == reader_names
     assert {"put", "get_cached", "clear", "touch", "evict", "lock", "evictions"} <= names["writer"]
     # one name, each role's own: the writer undoes a hand-out, a reader settles one unread
     shared = names["reader"] & names["writer"]
