@@ -97,7 +97,7 @@ async def _drain_everything(cache: AsyncSenderCache, rx: AsyncReceiverCache) -> 
     store = cache.sender.store
     store.drain()
     assert isinstance(rx.receiver, ReceiverCache)
-    session = rx.receiver.store._reading.slot.session  # type: ignore[union-attr]
+    session = rx.receiver.store.read_path.slot.session  # type: ignore[union-attr]
     for key in cache.cached_order():
         cid = store._index[key]
         e = store._ledger.get(cid)  # None: nothing owed on it

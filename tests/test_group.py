@@ -882,7 +882,7 @@ def test_a_failed_group_read_gives_back_every_shard_s_references(group: str, how
             def fails(ctx: Any, ref: object, copy: bool) -> Any:
                 raise RuntimeError("bug")
 
-            store._reading._read_item = fails
+            store.read_path._read_item = fails
             expected: type[Exception] = RuntimeError
         else:
             request.append(FeatureSpec("hf", fb.data._replace(nonce=12345)))

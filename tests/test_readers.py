@@ -376,10 +376,10 @@ def test_full_ack_log_never_blocks_nor_loses(make_config: Any) -> None:
             refs = [tx.get_and_update_item(None, f"k{i}")[0] for i in range(100)]
             for i, r in enumerate(refs):  # the writer is idle: the log fills up
                 assert rx.get_and_update_item(r, f"k{i}") == {"i": i}
-            assert rx.store._reading.slot is not None and rx.store._reading.slot.flush() > 0
+            assert rx.store.read_path.slot is not None and rx.store.read_path.slot.flush() > 0
             tx.store.drain()  # the writer drains; the next reader call flushes the rest
             rx.get_and_update_features([])
-            assert rx.store._reading.slot.flush() == 0
+            assert rx.store.read_path.slot.flush() == 0
             assert all(tx.is_freeable(f"k{i}") for i in range(100))
 
 
@@ -393,7 +393,8 @@ def test_closing_a_reader_that_acknowledged_more_than_its_log_holds_logs_nothing
         for i in range(3 * 64):  # three times the log: the writer drains as it hands out
             ref = tx.get_and_update_item(({"i": i}, ()), f"k{i}")[0]
             assert rx.get_and_update_item(ref, f"k{i}") == {"i": i}
-        assert rx.store._reading.slot is not None and rx.store._reading.slot.acknowledged == 3 * 64
+        slot = rx.store.read_path.slot
+        assert slot is not None and slot.acknowledged == 3 * 64
         rx.close()
         snap = tx.snapshot()  # the writer drains and notices the closed slot
         assert not snap.readers[0].attached

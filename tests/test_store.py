@@ -27,7 +27,7 @@ from aioshmcache import (
     _core_py,
 )
 from aioshmcache._inspect import inspect_segment
-from aioshmcache._layout import chunk_size
+from aioshmcache._layout import H_SECRET, chunk_size
 from aioshmcache._serde import MsgpackSerde
 from aioshmcache._types import reference_tag
 from aioshmcache.store import StoreReader, StoreWriter
@@ -354,7 +354,7 @@ def test_each_role_holds_only_its_own_state(make_config: Any) -> None:
             assert not hasattr(obj, "__dict__")
             assert all(hasattr(obj, n) for n in _slots(cls)), "a declared field left unset"
         assert store._reading.slot is None  # no reader slot: the writer owes nothing
-        assert reader._reading.slot is not None
+        assert reader.read_path.slot is not None
         for name in writer_only:
             assert not hasattr(reader, name)
 
@@ -428,10 +428,10 @@ def _fuzz_store(path: str = "python") -> tuple[StoreWriter, StoreReader, ShmRef]
             # the writer probed once, not again: a due probe is the Python path's
             r = ShmObjectStore.from_handle(w.handle(), probe_interval=3600)
             r.check_writer()
-            r._reading._ctx = r._reading._read_item = None
+            r.read_path._ctx = r.read_path._read_item = None
             if p == "reference":
-                r._reading.enable_core(_core_py)
-            elif p == "c" and not r._reading.enable_core():
+                r.read_path.enable_core(_core_py)
+            elif p == "c" and not r.read_path.enable_core():
                 r = None  # type: ignore[assignment]
             _STORE.append(r)
     r = _STORE[2 + READ_PATHS.index(path)]
@@ -471,7 +471,7 @@ def test_forged_references_only_raise_typed_errors(
     read path (the compiled one bounds-checks each read of segment bytes)."""
     w, r, real = _fuzz_store(path)
     pos = address  # first lap: position == address
-    tag = reference_tag(w._secret, epoch, address, cid, length, pos) if tag_ok else 0
+    tag = reference_tag(int(w.words[H_SECRET]), epoch, address, cid, length, pos) if tag_ok else 0
     forged = ShmRef(
         real.nonce if nonce_ok else real.nonce ^ 5, epoch, address, cid, length, tag, pos
     )
@@ -692,7 +692,7 @@ def test_lag_counts_a_reader_that_never_acknowledged(make_config: Any) -> None:
     ):
         refs = [store.put(f"k{i}", {"i": i}) for i in range(3)]
         assert [s.lag for s in store.reader_info() if s.attached] == [3]
-        assert reader._reading.slot is not None and reader._reading.slot.slot == 0
+        assert reader.read_path.slot is not None and reader.read_path.slot.slot == 0
         # inspect, from outside the writer: slot 0's row says acked 0, behind 3
         row = inspect_segment(store.name).splitlines()[-2].split()
         assert row[0] == "0" and row[4:6] == ["0", "3"]
