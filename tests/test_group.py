@@ -408,6 +408,7 @@ def test_a_group_reader_revoked_by_one_shard_learns_it_from_that_shard_s_referen
     stress harness used an empty request to ask, and missed a revocation by one shard)."""
     cfg = CacheConfig(1 << 20, 1 << 18, 2, group=group, evict_stuck_readers_after=0.05)
     with SenderCache(cfg) as a, SenderCache(cfg) as b, ReceiverCache.attach_group(group) as rx:
+        # the ledger's clock is private: a test of its time limits injects it
         clock = a.store._ledger.clock = FakeClock()  # shard a's stuck limit runs on it
         [fb0] = b.get_and_update_features([FeatureSpec("hb0", gp.make_item("hb0"))])
         rx.get_and_update_features([fb0])  # attached to both shards, b's slot in use

@@ -149,6 +149,7 @@ def test_stopped_reader_deadline_then_eviction(make_config: Any) -> None:
     rng = np.random.default_rng(2)
     cfg = make_config(1 << 20, 300 << 10, 2, evict_stuck_readers_after=0.5)
     cache = SenderCache(cfg)
+    # the ledger's clock is private: a test of its time limits injects it, as the ledger's do
     clock = cache.store._ledger.clock = FakeClock()  # the stuck limit runs on this clock
     p, conn = _start_reader(cache.handle().to_dict())
     try:
@@ -289,7 +290,7 @@ def test_one_of_n_each_handout_read_exactly_once(make_config: Any) -> None:
 def test_one_of_n_undelivered_handouts_expire(make_config: Any) -> None:
     cfg = make_config(1 << 20, 1 << 16, 2, delivery="one_of_n", handout_ttl=0.3)
     with SenderCache(cfg) as cache:
-        clock = cache.store._ledger.clock = FakeClock()
+        clock = cache.store._ledger.clock = FakeClock()  # private: injected (a time limit)
         cache.get_and_update_item(({"a": np.zeros(100)}, ()), "lost")  # never delivered
         assert not cache.is_freeable("lost")
         clock.advance(0.29)

@@ -353,6 +353,7 @@ def test_each_role_holds_only_its_own_state(make_config: Any) -> None:
         for obj, cls in ((store, StoreWriter), (reader, StoreReader)):
             assert not hasattr(obj, "__dict__")
             assert all(hasattr(obj, n) for n in _slots(cls)), "a declared field left unset"
+        # the writer's read path is private (it has no read_path): its slot is under test
         assert store._reading.slot is None  # no reader slot: the writer owes nothing
         assert reader.read_path.slot is not None
         for name in writer_only:
@@ -364,7 +365,7 @@ def test_a_method_of_the_other_role_is_a_role_error(make_config: Any) -> None:
     naming the role that has it, also an ``AttributeError`` (``hasattr`` is False). A writer
     simply has no reader methods (a plain ``AttributeError``). Neither class has the other's
     names on it, injected or otherwise."""
-    names = ShmObjectStore._role_names
+    names = ShmObjectStore._role_names  # the roles' registry is what this test is about
     reader_names = {"ack", "check_writer", "close_when_idle", "group_word", "read_path", "release"}
     assert names["reader"] == reader_names
     assert {"put", "get_cached", "clear", "touch", "evict", "lock", "evictions"} <= names["writer"]
@@ -769,11 +770,12 @@ def test_settled_entries_leave_no_objects_for_the_garbage_collector(
             grown = len(gc.get_objects()) - before
             assert len(tx.store) == 2 * n
             assert grown < n // 20, f"{grown} more tracked objects for {n} settled items"
+            # the private rows and ledger are what this test is about (their memory)
             assert not tx.store._ledger.entries  # settled: nothing owed, pinned or touched
             assert not any(gc.is_tracked(row) for row in tx.store._rows.values())
             # nor the maps that hold them: a full collection walks no row (issue 20)
             assert not any(gc.is_tracked(shard) for shard in tx.store._rows.shards)
-            assert not any(gc.is_tracked(shard) for shard in tx.store._index.shards)
+            assert not any(gc.is_tracked(shard) for shard in tx.store.index.shards)
         finally:
             if rx is not None:
                 rx.close()
