@@ -678,7 +678,7 @@ class ReceiverCache(_Cache, Receiver):
     @property
     def closed(self) -> bool:
         """Whether ``close`` was called (reads refused; the release may wait for reads)."""
-        return self.store._reading.closed or self.store.closed
+        return self.store.read_path.closed or self.store.closed
 
 
 class GroupReceiverCache(Receiver):
