@@ -72,10 +72,13 @@ core_finish_tag(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 /* --- the copy into the ring -------------------------------------------------------------------
  * The ring's destination is cold: a normal store first reads each cache line for ownership, so
  * a big copy into it costs about twice a copy into warm memory. Non-temporal (streaming) stores
- * skip that read. They are used for copies of at least ``stream_min`` bytes, with the widest
- * vector the CPU has (detected once at import: AVX-512, AVX2, else SSE2, which every x86-64
- * has), an ``sfence`` after; below that, and on other CPUs, plain ``memcpy``. The GIL is
- * released around copies of ``NOGIL_MIN`` bytes or more. */
+ * skip that read. They are used for copies of at least ``stream_min`` bytes, with an ``sfence``
+ * after; below that, and on other CPUs, plain ``memcpy``. The kind is chosen once at import:
+ * AVX2 where the CPU has it, else SSE2 (every x86-64 has it). AVX-512 streaming stores are kept
+ * for ``set_stream_kind`` but not chosen: on the AMD EPYC this was measured on, 512-bit
+ * streaming stores copied 2-24 % slower than 256-bit ones from 512 KiB up (1 MiB: ~52 against
+ * ~45 us; ``bench/bench_core_copy.py``), and no faster below. The GIL is released around
+ * copies of ``NOGIL_MIN`` bytes or more. */
 #include <string.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -125,17 +128,30 @@ stream_sse2(char *dst, const char *src, size_t n)
 }
 #endif
 
+/* The streaming kinds, widest first; ``ok`` is set at import from the CPU's flags. */
+static struct {
+    const char *name;
+    stream_fn fn;
+    int ok;
+} stream_kinds[] = {
+#if defined(__x86_64__)
+    {"avx512", stream_avx512, 0},
+    {"avx2", stream_avx2, 0},
+    {"sse2", stream_sse2, 0},
+#endif
+    {NULL, NULL, 0},
+};
+
 static void
 detect_stream(void)
 {
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f"))
-        stream_copy = stream_avx512, stream_kind = "avx512";
-    else if (__builtin_cpu_supports("avx2"))
-        stream_copy = stream_avx2, stream_kind = "avx2";
-    else
-        stream_copy = stream_sse2, stream_kind = "sse2";
+    stream_kinds[0].ok = __builtin_cpu_supports("avx512f");
+    stream_kinds[1].ok = __builtin_cpu_supports("avx2");
+    stream_kinds[2].ok = 1;
+    int pick = stream_kinds[1].ok ? 1 : 2; /* AVX2, else SSE2: see the section's comment */
+    stream_copy = stream_kinds[pick].fn, stream_kind = stream_kinds[pick].name;
 #endif
 }
 
@@ -215,7 +231,7 @@ core_copy_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_END_ALLOW_THREADS
     }
     else {
-        memcpy(dst, s.buf, (size_t)n);
+        aioshm_copy_bytes(dst, s.buf, (size_t)n);
     }
     PyBuffer_Release(&s);
     PyBuffer_Release(&d);
@@ -240,6 +256,49 @@ core_set_stream_min(PyObject *self, PyObject *arg)
     }
     stream_min = v;
     Py_RETURN_NONE;
+}
+
+static PyObject *
+core_set_stream_kind(PyObject *self, PyObject *arg)
+{
+    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+    if (name == NULL) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "the streaming kind must be a str");
+        return NULL;
+    }
+    if (strcmp(name, "memcpy") == 0) {
+        stream_copy = NULL, stream_kind = "memcpy";
+        Py_RETURN_NONE;
+    }
+    for (int i = 0; stream_kinds[i].name != NULL; i++) {
+        if (strcmp(name, stream_kinds[i].name) == 0 && stream_kinds[i].ok) {
+            stream_copy = stream_kinds[i].fn, stream_kind = stream_kinds[i].name;
+            Py_RETURN_NONE;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "streaming kind %R is not available on this CPU", arg);
+    return NULL;
+}
+
+static PyObject *
+core_stream_kinds(PyObject *self, PyObject *unused)
+{
+    const char *names[8];
+    int n = 0;
+    for (int i = 0; stream_kinds[i].name != NULL; i++)
+        if (stream_kinds[i].ok)
+            names[n++] = stream_kinds[i].name;
+    names[n++] = "memcpy";
+    PyObject *out = PyTuple_New(n);
+    for (int i = 0; out != NULL && i < n; i++) {
+        PyObject *v = PyUnicode_FromString(names[i]);
+        if (v == NULL)
+            Py_CLEAR(out);
+        else
+            PyTuple_SET_ITEM(out, i, v);
+    }
+    return out;
 }
 
 /* --- layout constants ------------------------------------------------------------------------ */
@@ -289,6 +348,10 @@ static PyMethodDef core_methods[] = {
      "copy_info() -> (kind, stream_min): the streaming copy in use and its threshold"},
     {"set_stream_min", core_set_stream_min, METH_O,
      "set_stream_min(n): stream copies of n bytes or more (for benchmarks)"},
+    {"set_stream_kind", core_set_stream_kind, METH_O,
+     "set_stream_kind(kind): copy with this streaming kind, or 'memcpy' (for benchmarks)"},
+    {"stream_kinds", core_stream_kinds, METH_NOARGS,
+     "stream_kinds() -> the streaming kinds this CPU has, widest first, then 'memcpy'"},
     {NULL, NULL, 0, NULL},
 };
 

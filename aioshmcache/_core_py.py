@@ -31,7 +31,9 @@ __all__ = [
     "put_plain",
     "read_item",
     "read_layout",
+    "set_stream_kind",
     "set_stream_min",
+    "stream_kinds",
     "tag_base",
 ]
 
@@ -148,6 +150,20 @@ def set_stream_min(n: int) -> None:
     if n < 0:
         raise ValueError("stream_min must be >= 0")
     _stream_min = n
+
+
+def set_stream_kind(kind: str) -> None:
+    """Copy with this streaming kind (for benchmarks): this core has only ``"memcpy"``
+    (numpy's copy); any other is a ``ValueError``, as a kind the CPU lacks is in the C core."""
+    if not isinstance(kind, str):
+        raise TypeError("the streaming kind must be a str")
+    if kind != "memcpy":
+        raise ValueError(f"streaming kind {kind!r} is not available in the pure core")
+
+
+def stream_kinds() -> tuple[str, ...]:
+    """The copy kinds :func:`set_stream_kind` accepts here: ``("memcpy",)``."""
+    return ("memcpy",)
 
 
 def configure(ref_type: type, plan_type: type, serde_type: type) -> None:

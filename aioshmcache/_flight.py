@@ -342,7 +342,7 @@ _open_flights: weakref.WeakSet[GroupFlight] = weakref.WeakSet()
 
 def _drop_markers_in_child() -> None:
     for gf in list(_open_flights):
-        gf._forget_after_fork()
+        gf.forget_after_fork()
 
 
 os.register_at_fork(after_in_child=_drop_markers_in_child)
@@ -365,7 +365,7 @@ class GroupFlight:
         self.served = 0
         _open_flights.add(self)
 
-    def _forget_after_fork(self) -> None:
+    def forget_after_fork(self) -> None:
         """In a forked child: close the inherited marker fds (the parent's locks stay its own)."""
         held, self._held = self._held, {}
         for fd in held.values():

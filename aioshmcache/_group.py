@@ -142,7 +142,7 @@ def open_shard(config: CacheConfig, *, serde: Serde | None = None) -> tuple[Stor
         except SegmentExistsError:
             continue  # a live writer (or one creating it right now): the next index
         # the proof of membership, before anything is handed out or published (see _layout)
-        store._hw[H_GROUP] = group_word(group)
+        store.words[H_GROUP] = group_word(group)
         log.info("opened shard %d of cache group %r (%s)", k, group, name)
         return store, k
     raise SegmentExistsError(f"cache group {group!r} has {MAX_SHARDS} live writers already")

@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from ._group import is_member, shard_identity
+from ._group import shard_identity
 from ._layout import LAYOUT_VERSION, SHM_DIR, group_word
 from ._receive import ReceiverRequest, genuine, single_item
 from ._request import (
@@ -197,7 +197,7 @@ class GroupShards:
     def _adopt_locked(self, store: StoreReader) -> bool:
         """Keep an attached shard if it proves membership (the name may have been reused
         since its header was read); else free its slot at once."""
-        if not is_member(store._seg, self.group):
+        if store.group_word != group_word(self.group):
             store.close()
             return False
         self._by_nonce[store.nonce] = store

@@ -84,6 +84,11 @@ class ReaderTable:
         """Store word ``index`` of slot ``slot`` (only the word's one writing process does)."""
         self._all[slot * self._stride + index] = value
 
+    def header_view(self, slot: int) -> memoryview:
+        """The slot's header: word ``k`` is its ``RS_`` / ``WS_`` word ``k``."""
+        base = slot * self._stride
+        return self._all[base : base + SLOT_HEADER // 8]
+
     def log_view(self, slot: int) -> memoryview:
         """The slot's log: entry ``k`` is words ``2k`` (chunk id) and ``2k + 1`` (seq)."""
         base = slot * self._stride + SLOT_HEADER // 8
@@ -127,8 +132,7 @@ class ReaderSlot:
         self.table = table
         self.slot = slot
         self.session = session
-        base = slot * table._stride
-        self._words = table._all[base : base + SLOT_HEADER // 8]
+        self._words = table.header_view(slot)
         self._log = table.log_view(slot)
         self._n = table.log_entries
         self.closed = False

@@ -117,7 +117,7 @@ class ReceiverRequest(_Steps):
         second look-up of the chunk would add nothing. Jobs look their chunk up again when they
         run.
         """
-        reading = self._store._reading
+        reading = self._store.read_path
         reading.hold()
         try:
             self._begin(reading)  # closed: ``lookup`` gives None, ``check_reader_held`` raises
@@ -279,7 +279,7 @@ class ReceiverRequest(_Steps):
     def _read(self, i: int, ref: ShmRef, h: str) -> int:
         """Read one job's reference; 1 if it was read (a hit), 0 if it was stale."""
         try:
-            data = self._store._reading.get_checked(ref, copy=self._copy)
+            data = self._store.read_path.get_checked(ref, copy=self._copy)
         except StaleReferenceError:
             # stale before or after the copy: owed by nobody (see ``_begin``)
             with self._lock:
@@ -369,7 +369,7 @@ def read_one(store: StoreReader, counters: RequestCounters, mm_item: Any, mm_has
 
     A reference reclaimed during the copy is counted and raised as the request raises it.
     """
-    reading = store._reading
+    reading = store.read_path
     if type(mm_item) is not ShmRef or type(mm_hash) is not str or not reading.has_core:
         return None
     try:

@@ -35,6 +35,7 @@ from typing import Any, Final, TypeAlias, cast
 
 from ._core_api import core
 from ._group import Found, Siblings
+from ._kept import KEPT, keep, restore
 from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
 from ._shards import ShardedMap
 from ._store import INLINE_COPY_UNDER_LOCK, Reservation, StoreWriter
@@ -152,8 +153,9 @@ class SenderBook:
         self.store = store
         self.siblings = siblings  # the other shards of the group, if this cache is a shard
         self.default_wait_for_space = default_wait_for_space
-        # one entry per cached item: as many shards as the store's index
-        self.prompt_updates: ShardedMap[str, Sequence[Any]] = ShardedMap(store.shards)
+        # one entry per cached item: as many shards as the store's index; each kept as
+        # ``_kept.keep`` makes it (a form the garbage collector skips), read by ``restore``
+        self.prompt_updates: ShardedMap[str, Any] = ShardedMap(store.shards)
         self.too_large = TooLargeMemory()
         self.counters = RequestCounters(lock=store.lock)
         self._words = store.words
@@ -165,7 +167,8 @@ class SenderBook:
         d = pu.shards[hash(mm_hash) & pu.mask]
         if mm_hash not in d:
             pu.n += 1
-        d[mm_hash] = updates
+        # the form the sender keeps (``_kept``); ``()`` as it is, without a call
+        d[mm_hash] = updates if type(updates) is tuple and not updates else keep(updates)
 
     def forget(self, mm_hash: str) -> None:
         """An item left the cache: drop its prompt updates."""
@@ -468,7 +471,10 @@ class SenderRequest(_Steps):
             self._handed.append(ref)
             if it is None:  # ``book.prompt_updates.get(h, ())``, one call shorter
                 pu = book.prompt_updates
-                self._out[i] = (ref, pu.shards[hash(h) & pu.mask].get(h, ()))
+                u = pu.shards[hash(h) & pu.mask].get(h, ())
+                if type(u) is not tuple or (u and u[0] is KEPT):  # kept by ``_kept.keep``
+                    u = restore(u)
+                self._out[i] = (ref, u)
             else:
                 self._out[i] = (ref, it[1])
             c = book.counters  # ``book.count_hit()``, inline: the usual case

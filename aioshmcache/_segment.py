@@ -157,7 +157,7 @@ _open_segments: weakref.WeakSet[Segment] = weakref.WeakSet()
 
 def _close_lock_fds_in_child() -> None:
     for seg in list(_open_segments):
-        seg._forget_after_fork()
+        seg.forget_after_fork()
 
 
 os.register_at_fork(after_in_child=_close_lock_fds_in_child)
@@ -204,7 +204,7 @@ def _typed(exc: OSError, full: str, path: str, doing: str) -> ShmCacheError:
 def _open_lock_fd(fd: int) -> int:
     """A second open file description of the file behind ``fd``, for the kernel locks only.
 
-    It is never mapped: a forked child that closes its copy (see ``_forget_after_fork``) drops
+    It is never mapped: a forked child that closes its copy (see ``forget_after_fork``) drops
     every reference it had to it, while the mapping keeps its own open file description alive.
     Re-opening through ``/proc/self/fd`` guarantees the same file, never a replacement.
     """
@@ -671,10 +671,13 @@ class Segment:
             return True
         return ofd_probe(self.fd, 0)
 
-    def _forget_after_fork(self) -> None:
-        # The child must not keep the parent's locks alive: close its copy of the lock
-        # descriptor (its only reference to that open file description). The mapping, made
-        # from another one, stays readable, but this object refuses to be used (``fd``).
+    def forget_after_fork(self) -> None:
+        """In a forked child (the module's at-fork hook): drop the parent's locks.
+
+        The child must not keep them alive: it closes its copy of the lock descriptor (its
+        only reference to that open file description). The mapping, made from another one,
+        stays readable, but this object refuses to be used (``fd``).
+        """
         if not self.closed and not self.forked:
             self.forked = True
             with contextlib.suppress(OSError):

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._layout import H_GROUP
 from ._readers import ReaderSlot
-from ._reading import CLOSE_WAIT
+from ._reading import CLOSE_WAIT, ReadPath
 from ._ring import ShmRingBuffer
 from ._segment import Segment
 from ._serde import Serde
@@ -77,6 +78,19 @@ class StoreReader(ShmObjectStore):
         every ``probe_interval`` s)."""
         self._reading.check_writer()
 
+    @property
+    def read_path(self) -> ReadPath:
+        """This reader's read path (internal API, for the receiver requests of ``_receive`` and
+        the caches): the steps of a read (``hold`` ... ``leave``, ``lookup``, ``read_item``,
+        ``get_checked``) that a request drives itself, and whether it is closing."""
+        return self._reading
+
+    @property
+    def group_word(self) -> int:
+        """The segment header's ``H_GROUP`` word, a cache group shard's proof of membership
+        (``_layout.group_word`` of the group's name; 0 when not a shard, or once closed)."""
+        return 0 if self._seg.closed else int(self._hw[H_GROUP])
+
     def _check_reader(self) -> ReaderSlot:
         """This reader's slot, after checking it may read now (open, writer alive, not
         revoked): for the caches' requests, which read through the slot themselves."""
@@ -95,7 +109,7 @@ class StoreReader(ShmObjectStore):
         """Only for names the reader lacks: one of the writer's is a ``RoleError`` (also
         an ``AttributeError``: ``hasattr(reader, "put")`` is False), any other the usual
         ``AttributeError``."""
-        if name in ShmObjectStore._role_names.get("writer", ()):
+        if name in self._role_names.get("writer", ()):
             raise RoleError(self._wrong_role(name, "writer"), name=name, obj=self)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 

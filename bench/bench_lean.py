@@ -9,8 +9,8 @@ rotating ``np.copyto`` into shared memory.
   Each cell's overhead over the sync item call is the difference of their minimum over rounds
   (the least-disturbed round: load only ever adds time), with the median of the paired
   per-round differences beside it. Issue 29's goal: at most 1.5 µs.
-- ``lap [--updates empty atoms objects none] [--puts N]``: fill a 256 MiB cache with 300,000
-  1 KiB puts, each passing a new prompt-update list as vLLM's processor does, gc on and not
+- ``lap [--updates empty atoms objects closures none] [--puts N]``: fill a 256 MiB cache with
+  300,000 1 KiB puts, each passing a new prompt-update list as vLLM's processor does, gc on and not
   frozen; the worst put (wall and CPU) against issue 29's 5 ms, and every full collection.
 - ``big``: put / get of 1 and 16 MiB against a rotating ``np.copyto``.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import enum
 import gc
 import itertools
 import os
@@ -163,12 +164,20 @@ def entry(rounds: int, batch: int) -> None:
         )
 
 
-@dataclass(frozen=True)
+class _UpdateMode(str, enum.Enum):  # noqa: UP042 (vLLM's own shape, not StrEnum)
+    """vLLM's ``UpdateMode``: a ``str`` enum."""
+
+    INSERT = "insert"
+    REPLACE = "replace"
+
+
+@dataclass
 class _Details:
-    """The shape of vLLM's ``PromptUpdateDetails``: the placeholder tokens of an update."""
+    """The shape of vLLM's ``PromptUpdateDetails``: the placeholder tokens of an update and
+    ``is_embed`` (``None``, or a closure made per item by ``select_token_id``)."""
 
     full: list[int]
-    is_embed: None = None
+    is_embed: Callable[[list[int]], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -177,19 +186,35 @@ class _Update:
 
     modality: str
     item_idx: int
-    mode: str
+    mode: _UpdateMode
     target: list[int]
     content: _Details
+
+
+def _select_token_id(seq: list[int], token: int) -> _Details:
+    """vLLM's ``PromptUpdateDetails.select_token_id``: a new closure per call."""
+
+    def is_embed(full: list[int]) -> Any:
+        return [t == token for t in full]
+
+    return _Details(seq, is_embed)
+
+
+def _update(i: int, details: _Details) -> list[_Update]:
+    return [_Update("image", i % 8, _UpdateMode.REPLACE, [32000], details)]
 
 
 #: what each put passes as its prompt updates, made new for every put as vLLM's processor does
 #: (``[update.resolve(item_idx) for update in updates]``): ``empty`` a model whose items need
 #: no update (the caller's ``[]``), ``atoms`` a list of str/int, ``objects`` one update object
-#: (vLLM's own type, which the caller owns), ``none`` the shared ``()`` (no list at all)
+#: shaped as vLLM's (its classes: a frozen dataclass, a ``str`` enum, a dataclass holding 576
+#: token ids), ``closures`` the same whose ``is_embed`` is a closure made per item (as vLLM's
+#: ``select_token_id`` makes), ``none`` the shared ``()`` (no list at all)
 UPDATES: dict[str, Callable[[int], Any]] = {
     "empty": lambda i: [],
     "atoms": lambda i: ["image", i % 8, "<image>"],
-    "objects": lambda i: [_Update("image", i % 8, "replace", [32000], _Details([32000] * 576))],
+    "objects": lambda i: _update(i, _Details([32000] * 576)),
+    "closures": lambda i: _update(i, _select_token_id([32000] * 576, 32000)),
     "none": lambda i: (),
 }
 
@@ -293,8 +318,8 @@ def main(argv: list[str]) -> int:
         "--updates",
         nargs="+",
         choices=list(UPDATES),
-        default=["empty", "atoms"],
-        help="lap: the prompt updates each put passes (default: empty atoms)",
+        default=["empty", "atoms", "objects"],
+        help="lap: the prompt updates each put passes (default: empty atoms objects)",
     )
     a = ap.parse_args(argv)
     for w in a.what:

@@ -97,9 +97,11 @@ async def _drain_everything(cache: AsyncSenderCache, rx: AsyncReceiverCache) -> 
     store = cache.sender.store
     store.drain()
     assert isinstance(rx.receiver, ReceiverCache)
-    session = rx.receiver.store._reading.slot.session  # type: ignore[union-attr]
+    session = rx.receiver.store.read_path.slot.session  # type: ignore[union-attr]
+    # the writer's ledger and its references by hand-out (private): this helper settles exactly
+    # what the ledger says this reader still owes, which no public call lists
     for key in cache.cached_order():
-        cid = store._index[key]
+        cid = store.index[key]
         e = store._ledger.get(cid)  # None: nothing owed on it
         for seq, owers in list(e.out.items()) if e is not None else []:
             if owers and session in owers:

@@ -189,3 +189,32 @@ def test_the_suite_runs_beside_a_store_loaded_from_a_file(tmp_path: Path) -> Non
     [(_, table)] = [b for b in report.blocks if b[0].startswith(S_ISSUE)]
     assert len(table) == 2 + len(run) and "ours ÷ theirs" in table[0]
     assert not [f for f in os.listdir("/dev/shm") if "vllm" in f and str(os.getpid()) in f]
+
+
+#: issue 29's table: every cell and its goal (ours ÷ theirs at most this), as the issue states it
+ISSUE_29 = {
+    ("put", 1 << 10, "vLLM put + sign"): 0.3,
+    ("get", 1 << 10, "vLLM get (verify, copy)"): 0.2,
+    ("put", 64 << 10, "vLLM put + sign"): 0.6,
+    ("put", 1 << 20, "vLLM put + sign"): 0.6,
+    ("put", 1 << 20, "np.copyto"): 0.8,
+    ("get", 1 << 20, "vLLM get (verify, copy)"): 0.9,
+    ("put", 16 << 20, "vLLM put + sign"): 0.75,
+    ("get", 16 << 20, "vLLM get (verify, copy)"): 0.95,
+    ("churn", 0, "vllm"): 0.85,
+}
+
+
+def test_the_full_run_reports_every_cell_of_the_issue_and_the_rotating_copy() -> None:
+    """The full run's sizes and ``ISSUE_CELLS`` cover issue 29's table cell for cell, with its
+    goals, and the rotating ``np.copyto`` is a subject of every size (the baseline of the put
+    ÷ copy cells)."""
+    sizes = set(Params().vllm_sizes)
+    got = {}
+    for c in ISSUE_CELLS:
+        if c.goal is not None:
+            assert c.size == 0 or c.size in sizes
+            got[(c.what.split()[0], c.size, c.theirs)] = c.goal
+    assert got == ISSUE_29
+    copy_cells = [c for c in ISSUE_CELLS if c.theirs == "np.copyto"]
+    assert {c.size for c in copy_cells} >= {1 << 20, 16 << 20}

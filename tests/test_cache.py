@@ -23,6 +23,7 @@ from aioshmcache import (
     StaleReferenceError,
 )
 from aioshmcache._evict import WAIT_POLL
+from aioshmcache._layout import H_SECRET
 from aioshmcache._types import reference_tag
 
 from . import _procs  # noqa: F401  (spawned children import it)
@@ -438,7 +439,8 @@ def test_a_failed_read_gives_its_references_back(
         )
         rx = ReceiverCache.attach(tx.handle(), serde=_ReadFails(exc))
         try:
-            rx.store._check_reader()  # the writer probed now: one-item reads take their own path
+            # the writer probed now: one-item reads take their own path
+            rx.store.read_path.check_reader()
             with pytest.raises(type(exc)):
                 if how == "features":
                     rx.get_and_update_features(feats)
@@ -598,7 +600,7 @@ def test_a_stale_reference_is_not_acknowledged(make_config: Any) -> None:
         req = rx._request([f], copy_inline_below=0)
         req.begin()
         tx.clear()
-        slot = rx.store._reading.slot
+        slot = rx.store.read_path.slot
         assert slot is not None
         before = slot.acknowledged
         req.run_jobs()
@@ -629,7 +631,7 @@ def test_a_retagged_stale_reference_settles_no_genuine_hand_out(make_config: Any
         forged = ref.to_dict()
         forged["epoch"] = ref.epoch - 1
         forged["tag"] = reference_tag(
-            tx.store._secret,
+            int(tx.store.words[H_SECRET]),  # a forger who read the header
             forged["epoch"],
             forged["address"],
             forged["id"],
@@ -682,7 +684,7 @@ def test_one_reference_is_read_by_a_one_item_request(
         SenderCache(make_config()) as tx,
         ReceiverCache.attach(tx.handle(), serde=serde) as rx,
     ):
-        rx.store._check_reader()  # the first check probes the writer: not the usual case
+        rx.store.read_path.check_reader()  # the first check probes the writer: not the usual case
         monkeypatch.setattr(ReceiverRequest, "begin", counted_begin)
 
         def owed() -> list[int]:
@@ -731,7 +733,7 @@ def test_one_reference_is_read_by_a_one_item_request(
                         pass
                 else:
                     rx.get_and_update_item(ref, "b")
-            rx.store._reading.slot.flush()  # type: ignore[union-attr]
+            rx.store.read_path.slot.flush()  # type: ignore[union-attr]
             assert owed() == [1]
         assert rx.make_stats() == CacheInfo(2, 6)
         assert len(requests) == 6  # one per call
@@ -900,7 +902,7 @@ def test_a_receiver_item_with_a_bad_hash_takes_nothing(make_config: Any, face: s
 
     with SenderCache(make_config()) as tx, ReceiverCache.attach(tx.handle()) as rx:
         ref, _ = tx.get_and_update_item(({"x": np.arange(10)}, ()), "h")
-        slot = rx.store._reading.slot
+        slot = rx.store.read_path.slot
         assert slot is not None
         before = slot.acknowledged
         with pytest.raises(TypeError, match="mm_hash must be a str"):
@@ -939,7 +941,7 @@ def test_a_read_failing_midway_gives_back_itself_and_what_follows(make_config: A
         )
         serde = _FailsSecond()
         with ReceiverCache.attach(tx.handle(), serde=serde) as rx:
-            slot = rx.store._reading.slot
+            slot = rx.store.read_path.slot
             assert slot is not None
             before = slot.acknowledged
             with pytest.raises(RuntimeError, match="bug"):

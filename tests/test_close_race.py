@@ -191,7 +191,7 @@ def test_a_writer_probe_during_a_close_never_uses_a_closed_descriptor(
             return real_probe(fd, byte)
 
         monkeypatch.setattr(_segment, "ofd_probe", parking_probe)
-        rx.store._reading._last_writer_probe = 0.0  # the next read probes the writer
+        rx.store.read_path._last_writer_probe = 0.0  # the next read probes the writer
         outcome: list[Any] = []
 
         def reader() -> None:
@@ -228,7 +228,7 @@ def test_a_group_shard_detached_during_a_read_gives_the_item_or_a_typed_error(
             assert keep.shard != tx.shard
             store = rx._shards.store(ref.nonce)
             assert store is not None
-            clock.closed = lambda: store._reading.closed
+            clock.closed = lambda: store.read_path.closed
 
             def writer_goes_then_rescan() -> None:
                 tx.close()  # its references now raise WriterGoneError...
@@ -314,7 +314,7 @@ def test_a_close_waits_for_a_read_in_flight_in_another_thread() -> None:
     with SenderCache(CacheConfig(8 << 20, 1 << 20, 2, name=name)) as tx:
         ref = tx.get_and_update_item((_item(0), []), "h0")[0]
         rx = ReceiverCache.attach(tx.handle())
-        reading: ReadPath = rx.store._reading
+        reading: ReadPath = rx.store.read_path
         entered, closing = threading.Event(), threading.Event()
         seen: list[bool] = []
 
@@ -342,7 +342,7 @@ def test_a_close_that_cannot_wait_leaves_the_release_to_the_last_read() -> None:
     with SenderCache(CacheConfig(8 << 20, 1 << 20, 2, name=name)) as tx:
         ref = tx.get_and_update_item((_item(0), []), "h0")[0]
         rx = ReceiverCache.attach(tx.handle())
-        reading: ReadPath = rx.store._reading
+        reading: ReadPath = rx.store.read_path
         with reading.in_use():  # a read in flight (this thread)
             assert reading.close_when_idle(rx.store.close, wait=0.0) is False
             assert rx.closed and not rx.store.closed  # mapping and slot kept for the read

@@ -130,6 +130,39 @@ def test_the_copy_threshold_is_settable_and_reported() -> None:
     assert C.copy_info() == (kind, default)
 
 
+def test_every_streaming_kind_writes_the_same_bytes() -> None:
+    """Each kind the CPU has (the one the core picked and the others ``set_stream_kind`` can
+    choose: AVX-512, AVX2, SSE2, memcpy) writes ``src`` at unaligned places and nothing else;
+    a kind the CPU lacks or a non-str is refused as the pure core refuses it."""
+    assert C is not None
+    kind, default = C.copy_info()
+    kinds = C.stream_kinds()
+    assert kind in kinds and kinds[-1] == "memcpy" and _core_py.stream_kinds() == ("memcpy",)
+    rng = np.random.default_rng(2)
+    try:
+        C.set_stream_min(0)
+        for k in kinds:
+            C.set_stream_kind(k)
+            assert C.copy_info() == (k, 0)
+            for n, off in ((1 << 20, 3), (65536 + 17, 64), (100, 5), (1, 0)):
+                src = rng.integers(0, 255, n, dtype=np.uint8)
+                dst = np.full(n + 200, 7, np.uint8)
+                C.copy_into(dst, off, src)
+                expected = np.full(n + 200, 7, np.uint8)
+                expected[off : off + n] = src
+                assert np.array_equal(dst, expected), (k, n, off)
+        for bad, err in (("neon", ValueError), ("", ValueError), (3, TypeError)):
+            for core in (C, _core_py):
+                with pytest.raises(err):
+                    core.set_stream_kind(bad)
+        assert C.copy_info()[0] == "memcpy"  # a refused kind changes nothing
+    finally:
+        C.set_stream_kind(kind)
+        C.set_stream_min(default)
+    assert C.copy_info() == (kind, default)
+    assert "avx512" not in kinds or kind == "avx2"  # measured: AVX2's are the faster here
+
+
 ARRAYS = st.sampled_from(
     [
         lambda r: r.integers(0, 255, 300_000, dtype=np.uint8),

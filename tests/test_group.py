@@ -408,6 +408,7 @@ def test_a_group_reader_revoked_by_one_shard_learns_it_from_that_shard_s_referen
     stress harness used an empty request to ask, and missed a revocation by one shard)."""
     cfg = CacheConfig(1 << 20, 1 << 18, 2, group=group, evict_stuck_readers_after=0.05)
     with SenderCache(cfg) as a, SenderCache(cfg) as b, ReceiverCache.attach_group(group) as rx:
+        # the ledger's clock is private: a test of its time limits injects it
         clock = a.store._ledger.clock = FakeClock()  # shard a's stuck limit runs on it
         [fb0] = b.get_and_update_features([FeatureSpec("hb0", gp.make_item("hb0"))])
         rx.get_and_update_features([fb0])  # attached to both shards, b's slot in use
@@ -882,7 +883,7 @@ def test_a_failed_group_read_gives_back_every_shard_s_references(group: str, how
             def fails(ctx: Any, ref: object, copy: bool) -> Any:
                 raise RuntimeError("bug")
 
-            store._reading._read_item = fails
+            store.read_path._read_item = fails
             expected: type[Exception] = RuntimeError
         else:
             request.append(FeatureSpec("hf", fb.data._replace(nonce=12345)))

@@ -149,6 +149,7 @@ def test_stopped_reader_deadline_then_eviction(make_config: Any) -> None:
     rng = np.random.default_rng(2)
     cfg = make_config(1 << 20, 300 << 10, 2, evict_stuck_readers_after=0.5)
     cache = SenderCache(cfg)
+    # the ledger's clock is private: a test of its time limits injects it, as the ledger's do
     clock = cache.store._ledger.clock = FakeClock()  # the stuck limit runs on this clock
     p, conn = _start_reader(cache.handle().to_dict())
     try:
@@ -289,7 +290,7 @@ def test_one_of_n_each_handout_read_exactly_once(make_config: Any) -> None:
 def test_one_of_n_undelivered_handouts_expire(make_config: Any) -> None:
     cfg = make_config(1 << 20, 1 << 16, 2, delivery="one_of_n", handout_ttl=0.3)
     with SenderCache(cfg) as cache:
-        clock = cache.store._ledger.clock = FakeClock()
+        clock = cache.store._ledger.clock = FakeClock()  # private: injected (a time limit)
         cache.get_and_update_item(({"a": np.zeros(100)}, ()), "lost")  # never delivered
         assert not cache.is_freeable("lost")
         clock.advance(0.29)
@@ -376,10 +377,10 @@ def test_full_ack_log_never_blocks_nor_loses(make_config: Any) -> None:
             refs = [tx.get_and_update_item(None, f"k{i}")[0] for i in range(100)]
             for i, r in enumerate(refs):  # the writer is idle: the log fills up
                 assert rx.get_and_update_item(r, f"k{i}") == {"i": i}
-            assert rx.store._reading.slot is not None and rx.store._reading.slot.flush() > 0
+            assert rx.store.read_path.slot is not None and rx.store.read_path.slot.flush() > 0
             tx.store.drain()  # the writer drains; the next reader call flushes the rest
             rx.get_and_update_features([])
-            assert rx.store._reading.slot.flush() == 0
+            assert rx.store.read_path.slot.flush() == 0
             assert all(tx.is_freeable(f"k{i}") for i in range(100))
 
 
@@ -393,7 +394,8 @@ def test_closing_a_reader_that_acknowledged_more_than_its_log_holds_logs_nothing
         for i in range(3 * 64):  # three times the log: the writer drains as it hands out
             ref = tx.get_and_update_item(({"i": i}, ()), f"k{i}")[0]
             assert rx.get_and_update_item(ref, f"k{i}") == {"i": i}
-        assert rx.store._reading.slot is not None and rx.store._reading.slot.acknowledged == 3 * 64
+        slot = rx.store.read_path.slot
+        assert slot is not None and slot.acknowledged == 3 * 64
         rx.close()
         snap = tx.snapshot()  # the writer drains and notices the closed slot
         assert not snap.readers[0].attached

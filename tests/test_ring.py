@@ -29,7 +29,7 @@ from aioshmcache import (
     ShmRingBuffer,
     StaleReferenceError,
 )
-from aioshmcache._layout import CHUNK_HEADER, chunk_size
+from aioshmcache._layout import CHUNK_HEADER, H_SECRET, chunk_size
 from aioshmcache._ring import PRESIZE_CHUNK_BYTES
 from aioshmcache._types import reference_tag
 
@@ -312,7 +312,7 @@ def test_forged_addresses_only_raise_typed_errors(
     if path != "ring":
         w, r, real = _fuzz_store(path)
         n = real.length if length is None else length
-        tag = reference_tag(w._secret, real.epoch, address, cid, n, address)
+        tag = reference_tag(int(w.words[H_SECRET]), real.epoch, address, cid, n, address)
         try:
             value = r.get(ShmRef(real.nonce, real.epoch, address, cid, n, tag, address))
         except (InvalidReferenceError, StaleReferenceError):

@@ -27,7 +27,7 @@ from aioshmcache import (
     _core_py,
 )
 from aioshmcache._inspect import inspect_segment
-from aioshmcache._layout import chunk_size
+from aioshmcache._layout import H_SECRET, chunk_size
 from aioshmcache._serde import MsgpackSerde
 from aioshmcache._types import reference_tag
 from aioshmcache.store import StoreReader, StoreWriter
@@ -353,8 +353,9 @@ def test_each_role_holds_only_its_own_state(make_config: Any) -> None:
         for obj, cls in ((store, StoreWriter), (reader, StoreReader)):
             assert not hasattr(obj, "__dict__")
             assert all(hasattr(obj, n) for n in _slots(cls)), "a declared field left unset"
+        # the writer's read path is private (it has no read_path): its slot is under test
         assert store._reading.slot is None  # no reader slot: the writer owes nothing
-        assert reader._reading.slot is not None
+        assert reader.read_path.slot is not None
         for name in writer_only:
             assert not hasattr(reader, name)
 
@@ -364,8 +365,9 @@ def test_a_method_of_the_other_role_is_a_role_error(make_config: Any) -> None:
     naming the role that has it, also an ``AttributeError`` (``hasattr`` is False). A writer
     simply has no reader methods (a plain ``AttributeError``). Neither class has the other's
     names on it, injected or otherwise."""
-    names = ShmObjectStore._role_names
-    assert names["reader"] == {"ack", "check_writer", "close_when_idle", "release"}
+    names = ShmObjectStore._role_names  # the roles' registry is what this test is about
+    reader_names = {"ack", "check_writer", "close_when_idle", "group_word", "read_path", "release"}
+    assert names["reader"] == reader_names
     assert {"put", "get_cached", "clear", "touch", "evict", "lock", "evictions"} <= names["writer"]
     # one name, each role's own: the writer undoes a hand-out, a reader settles one unread
     shared = names["reader"] & names["writer"]
@@ -427,10 +429,10 @@ def _fuzz_store(path: str = "python") -> tuple[StoreWriter, StoreReader, ShmRef]
             # the writer probed once, not again: a due probe is the Python path's
             r = ShmObjectStore.from_handle(w.handle(), probe_interval=3600)
             r.check_writer()
-            r._reading._ctx = r._reading._read_item = None
+            r.read_path._ctx = r.read_path._read_item = None
             if p == "reference":
-                r._reading.enable_core(_core_py)
-            elif p == "c" and not r._reading.enable_core():
+                r.read_path.enable_core(_core_py)
+            elif p == "c" and not r.read_path.enable_core():
                 r = None  # type: ignore[assignment]
             _STORE.append(r)
     r = _STORE[2 + READ_PATHS.index(path)]
@@ -470,7 +472,7 @@ def test_forged_references_only_raise_typed_errors(
     read path (the compiled one bounds-checks each read of segment bytes)."""
     w, r, real = _fuzz_store(path)
     pos = address  # first lap: position == address
-    tag = reference_tag(w._secret, epoch, address, cid, length, pos) if tag_ok else 0
+    tag = reference_tag(int(w.words[H_SECRET]), epoch, address, cid, length, pos) if tag_ok else 0
     forged = ShmRef(
         real.nonce if nonce_ok else real.nonce ^ 5, epoch, address, cid, length, tag, pos
     )
@@ -691,7 +693,7 @@ def test_lag_counts_a_reader_that_never_acknowledged(make_config: Any) -> None:
     ):
         refs = [store.put(f"k{i}", {"i": i}) for i in range(3)]
         assert [s.lag for s in store.reader_info() if s.attached] == [3]
-        assert reader._reading.slot is not None and reader._reading.slot.slot == 0
+        assert reader.read_path.slot is not None and reader.read_path.slot.slot == 0
         # inspect, from outside the writer: slot 0's row says acked 0, behind 3
         row = inspect_segment(store.name).splitlines()[-2].split()
         assert row[0] == "0" and row[4:6] == ["0", "3"]
@@ -768,11 +770,12 @@ def test_settled_entries_leave_no_objects_for_the_garbage_collector(
             grown = len(gc.get_objects()) - before
             assert len(tx.store) == 2 * n
             assert grown < n // 20, f"{grown} more tracked objects for {n} settled items"
+            # the private rows and ledger are what this test is about (their memory)
             assert not tx.store._ledger.entries  # settled: nothing owed, pinned or touched
             assert not any(gc.is_tracked(row) for row in tx.store._rows.values())
             # nor the maps that hold them: a full collection walks no row (issue 20)
             assert not any(gc.is_tracked(shard) for shard in tx.store._rows.shards)
-            assert not any(gc.is_tracked(shard) for shard in tx.store._index.shards)
+            assert not any(gc.is_tracked(shard) for shard in tx.store.index.shards)
         finally:
             if rx is not None:
                 rx.close()

@@ -178,21 +178,13 @@ def unpack_bounded(
     """
     check_complete(data)
     n = len(data)
-    if n <= max_containers and not records:
+    hooks: dict[str, Any] = {}
+    if n > max_containers or records:
         # Each container takes at least a byte: no shorter object can hold too many of them,
-        # and it is unpacked without a Python call per container.
-        return msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            max_str_len=n,
-            max_bin_len=n if binary else 0,
-            max_array_len=n,
-            max_map_len=n if maps else 0,
-            max_ext_len=0,
-        )
-    counter = NodeCounter(max_containers)
+        # and one is unpacked without a Python call per container.
+        counter = NodeCounter(max_containers)
+        hooks = {"object_hook": counter.container, "list_hook": counter.container}
+        hooks["ext_hook"] = counter.ext
     return msgpack.unpackb(
         data,
         raw=False,
@@ -203,9 +195,7 @@ def unpack_bounded(
         max_array_len=n,
         max_map_len=n if maps else 0,
         max_ext_len=n if records else 0,
-        object_hook=counter.container,
-        list_hook=counter.container,
-        ext_hook=counter.ext,
+        **hooks,
     )
 
 

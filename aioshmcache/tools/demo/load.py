@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any, NamedTuple
 
@@ -292,8 +292,12 @@ async def run_load(
             return r
         return await post(client, full[req.image])
 
+    stopping = asyncio.Event()
+
     async def client_task(client: httpx.AsyncClient) -> None:
         for req in todo:
+            if stopping.is_set():
+                return  # interrupted: no new request
             t0 = time.perf_counter()
             try:
                 r = await ask(client, req)
@@ -320,12 +324,57 @@ async def run_load(
 
     async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=limits) as client:
         t0 = time.perf_counter()
-        await asyncio.gather(*(client_task(client) for _ in range(concurrency)))
+        clients = asyncio.gather(*(client_task(client) for _ in range(concurrency)))
+        with _stop_on_signals(stopping):
+            stop: asyncio.Future[Any] = asyncio.ensure_future(stopping.wait())
+            either: list[asyncio.Future[Any]] = [clients, stop]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if stopping.is_set():
+                await _wind_down(clients)
+                raise KeyboardInterrupt
+        await clients
         res.wall_s = time.perf_counter() - t0
         _show(prog, label, len(plan), res, final=True)
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
             res.single_flight = (await client.get("/stats")).json()["single_flight"]
     return res
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stopping: asyncio.Event) -> Iterator[None]:
+    """Ctrl-C and SIGTERM set ``stopping`` while the load runs (the loop's own handlers).
+
+    Not a cancellation of the running task: one cancel can be lost in a client library's
+    shielded clean-up under load, and the load then ran on for minutes after a Ctrl-C. The
+    flag is read before every request, so every client stops after the one it is sending.
+    """
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        before = signal.getsignal(sig)
+        try:
+            loop.add_signal_handler(sig, stopping.set)
+        except (RuntimeError, ValueError, NotImplementedError):  # not the main thread
+            continue
+        installed.append((sig, before))
+    try:
+        yield
+    finally:
+        for sig, before in installed:
+            loop.remove_signal_handler(sig)
+            if before is not None:  # the loop would leave the default (SIGTERM: death)
+                signal.signal(sig, before)
+
+
+async def _wind_down(clients: asyncio.Future[Any], grace: float = 10.0) -> None:
+    """After a stop: the clients end after their request in flight; cancelled after ``grace``."""
+    done, _ = await asyncio.wait([clients], timeout=grace)
+    if not done:
+        clients.cancel()
+        await asyncio.wait([clients], timeout=grace)
+    if clients.done() and not clients.cancelled():
+        clients.exception()  # retrieved: an interrupted load reports nothing more
 
 
 #: the rows of the results table: (what, its cell for one phase, from the phase's summary)

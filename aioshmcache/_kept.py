@@ -1,0 +1,231 @@
+"""What the sender keeps of a cached item's prompt updates: a form the garbage collector skips.
+
+The sender keeps each cached item's prompt updates until the item leaves its cache, to hand them
+back to a look-up. Every object the collector tracks is visited by each full collection, and a
+cache holds hundreds of thousands of items: vLLM's ``ResolvedPromptUpdate`` (a frozen dataclass
+of a str, an int, an enum member, a list of token ids and a ``PromptUpdateDetails``, itself a
+dataclass holding a list of hundreds of token ids) is five tracked objects per item. Kept as they
+were, 233,000 cached items made full collections take 0.1-0.65 s, stalls of whichever put ran
+into one (``bench/bench_lean.py lap --updates objects``).
+
+:func:`keep` turns a request's prompt updates (a tuple: the caches pass lists as tuples) into
+what the sender stores:
+
+- ``()`` and a tuple of atoms (``str``, ``int``, ``float``, ``bool``, ``None``, ``bytes``) as
+  they are: CPython untracks such a tuple at the first collection that sees it;
+- any other tuple (and ``bytes``, so that every ``bytes`` kept is this module's) as one
+  ``bytes`` object, which is no container: its records in prefix order — a code, then what the
+  value holds — as a flat tuple of atoms, written by ``marshal``. A list whose first item is an
+  atom (a list of token ids) is its length and its items as they are; any other list, a tuple
+  and a dict are their length and their items' records; a dataclass instance (of a class whose
+  instances ``object.__new__`` makes) is its class's number and the records of its instance
+  dict (or, when its slots are its fields, of its fields); an enum member is its number.
+  Classes and enum members are numbered in a registry of this module (a few, for the life of
+  the process);
+- anything else inside (a function such as vLLM's ``is_embed`` closures, a numpy array, an
+  object of another class, what lies deeper than ``MAX_DEPTH``) is kept by reference beside the
+  bytes, ``(KEPT, data, refs)``: that entry stays tracked, as it was before, and only it;
+- anything else (not a tuple: a caller's own sequence type) as it is.
+
+:func:`restore` gives the updates back: a new tuple of new lists, dicts and dataclass instances
+equal to those kept; enum members, classes and what was kept by reference are the same objects.
+``KEPT`` is a private ``bytes`` object compared by identity, so no tuple a caller passes is ever
+mistaken for a kept one. Nothing here is read from shared memory or from outside this process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import marshal
+import os
+import threading
+from typing import Any, Final
+
+__all__ = ["KEPT", "MAX_DEPTH", "keep", "restore"]
+
+#: the first item of a kept tree (compared by identity: no caller can hold this object)
+KEPT: Final = os.urandom(16)
+#: nodes deeper than this are kept by reference (a cycle ends here too)
+MAX_DEPTH: Final = 32
+
+_ATOMS: Final = frozenset({str, int, float, bool, bytes, type(None)})
+# record codes: the first item of every record in a kept tuple
+_ATOM, _ATOM_LIST, _LIST, _TUPLE, _DICT, _DICT_OBJ, _SLOT_OBJ, _MEMBER, _REF = range(9)
+
+
+# --- the registry: classes and enum members, numbered once ----------------------------------
+
+_lock = threading.Lock()
+_objects: list[Any] = []  # number -> class or enum member (kept alive: their ids stay theirs)
+_numbers: dict[int, int] = {}  # id(object) -> number
+#: per class met in updates: its node code and, for slotted dataclasses, its field names; or
+#: None: its instances are kept by reference
+_how: dict[type, tuple[int, tuple[str, ...]] | None] = {}
+
+
+def _number(obj: Any) -> int:
+    n = _numbers.get(id(obj))
+    if n is None:
+        with _lock:
+            n = _numbers.get(id(obj))
+            if n is None:
+                _objects.append(obj)
+                n = _numbers[id(obj)] = len(_objects) - 1
+    return n
+
+
+def _classify(obj: Any) -> tuple[int, tuple[str, ...]] | None:
+    """How instances of ``type(obj)`` are kept, decided on the first one met."""
+    cls = type(obj)
+    how: tuple[int, tuple[str, ...]] | None = None
+    if issubclass(cls, enum.Enum):
+        how = (_MEMBER, ())
+    elif dataclasses.is_dataclass(cls) and cls.__new__ is object.__new__:  # made bare again
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        slots: set[str] = set()
+        for c in cls.__mro__:
+            declared = c.__dict__.get("__slots__", ())
+            slots.update((declared,) if isinstance(declared, str) else declared)
+        state = getattr(obj, "__dict__", None)
+        if slots - {"__dict__", "__weakref__"}:  # a slot's value would not be in its dict
+            if state is None and slots <= {*names, "__weakref__"}:
+                how = (_SLOT_OBJ, names)  # slots only, each a field: its fields are its state
+        elif type(state) is dict and all(n in state for n in names):
+            how = (_DICT_OBJ, ())  # its instance dict: its fields and any other attribute
+    _how[cls] = how
+    return how
+
+
+# --- keeping --------------------------------------------------------------------------------
+
+
+def _put(v: Any, out: list[Any], refs: list[Any], depth: int, strict: bool = False) -> None:
+    """Append ``v``'s record to ``out``: its code, then what it holds, in prefix order; what is
+    kept by reference goes to ``refs`` (its record holds its index there). A list whose first
+    item is an atom is taken for a list of atoms unless ``strict`` (then each item is checked)."""
+    t = type(v)
+    if t in _ATOMS:
+        out += (_ATOM, v)
+        return
+    if depth > MAX_DEPTH:
+        out += (_REF, len(refs))
+        refs.append(v)
+        return
+    depth += 1
+    if t is list:
+        if not v or (type(v[0]) in _ATOMS and (not strict or all(type(x) in _ATOMS for x in v))):
+            out += (_ATOM_LIST, len(v))
+            out += v
+            return
+        out += (_LIST, len(v))
+        for x in v:
+            _put(x, out, refs, depth, strict)
+        return
+    if t is tuple or t is dict:
+        out += (_TUPLE if t is tuple else _DICT, len(v))
+        for x in v if t is tuple else v.items():
+            if t is dict:
+                _put(x[0], out, refs, depth, strict)
+                x = x[1]
+            _put(x, out, refs, depth, strict)
+        return
+    how = _how[t] if t in _how else _classify(v)
+    if how is None:
+        out += (_REF, len(refs))
+        refs.append(v)
+        return
+    code, names = how
+    if code == _MEMBER:
+        out += (_MEMBER, _number(v))
+    elif code == _DICT_OBJ:
+        state = v.__dict__
+        out += (_DICT_OBJ, _number(t), len(state))
+        for k, x in state.items():
+            _put(k, out, refs, depth, strict)
+            _put(x, out, refs, depth, strict)
+    else:
+        out += (_SLOT_OBJ, _number(t))
+        for n in names:
+            _put(getattr(v, n), out, refs, depth, strict)
+
+
+def keep(updates: Any) -> Any:
+    """``updates`` as the sender keeps them (see the module docstring)."""
+    t = type(updates)
+    if t is tuple:
+        for u in updates:
+            if type(u) not in _ATOMS:
+                break
+        else:
+            return updates  # atoms (or empty): an untracked tuple already
+    elif t is not bytes:
+        return updates
+    out: list[Any] = []
+    refs: list[Any] = []
+    _put(updates, out, refs, 0)
+    try:
+        data = marshal.dumps(tuple(out))  # atoms only: marshal writes them all
+    except ValueError:  # a list of atoms held something else after its first item
+        out.clear()
+        refs.clear()
+        _put(updates, out, refs, 0, strict=True)
+        data = marshal.dumps(tuple(out))
+    return (KEPT, data, tuple(refs)) if refs else data
+
+
+# --- restoring ------------------------------------------------------------------------------
+
+_set = object.__setattr__
+
+
+def _get(flat: tuple[Any, ...], i: int, refs: tuple[Any, ...]) -> tuple[Any, int]:
+    """The value whose record starts at ``flat[i]``, and the index after that record."""
+    code = flat[i]
+    if code == _ATOM:
+        return flat[i + 1], i + 2
+    if code in (_MEMBER, _REF):
+        v = flat[i + 1]
+        return (_objects[v] if code == _MEMBER else refs[v]), i + 2
+    if code == _ATOM_LIST:
+        n = flat[i + 1]
+        return list(flat[i + 2 : i + 2 + n]), i + 2 + n
+    if code in (_LIST, _TUPLE):
+        items = []
+        i += 2
+        for _ in range(flat[i - 1]):
+            v, i = _get(flat, i, refs)
+            items.append(v)
+        return (items if code == _LIST else tuple(items)), i
+    if code == _DICT:
+        d = {}
+        i += 2
+        for _ in range(flat[i - 1]):
+            k, i = _get(flat, i, refs)
+            d[k], i = _get(flat, i, refs)
+        return d, i
+    cls = _objects[flat[i + 1]]
+    obj = cls.__new__(cls)
+    if code == _DICT_OBJ:
+        state = obj.__dict__
+        i += 3
+        for _ in range(flat[i - 1]):
+            k, i = _get(flat, i, refs)
+            state[k], i = _get(flat, i, refs)
+        return obj, i
+    how = _how[cls]
+    i += 2
+    for name in how[1] if how else ():
+        v, i = _get(flat, i, refs)
+        _set(obj, name, v)
+    return obj, i
+
+
+def restore(kept: Any) -> Any:
+    """The prompt updates :func:`keep` made ``kept`` of (``kept`` itself if it made nothing)."""
+    t = type(kept)
+    if t is bytes:
+        return _get(marshal.loads(kept), 0, ())[0]
+    if t is tuple and len(kept) == 3 and kept[0] is KEPT:
+        return _get(marshal.loads(kept[1]), 0, kept[2])[0]
+    return kept

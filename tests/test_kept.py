@@ -1,0 +1,242 @@
+"""The sender's kept prompt updates (``aioshmcache._kept``): untracked by the garbage collector,
+given back equal, with the same types, and the same objects where identity matters."""
+
+from __future__ import annotations
+
+import enum
+import gc
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from msgpack import ExtType
+
+from aioshmcache import SenderCache, ShmRef
+from aioshmcache._kept import KEPT, MAX_DEPTH, keep, restore
+
+
+class Mode(str, enum.Enum):  # noqa: UP042 (vLLM's UpdateMode is a (str, Enum))
+    INSERT = "insert"
+    REPLACE = "replace"
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+
+
+@dataclass
+class Details:  # vLLM's PromptUpdateDetails
+    full: list[int]
+    is_embed: Callable[[list[int]], Any] | None = None
+
+
+@dataclass(frozen=True)
+class Update:  # vLLM's ResolvedPromptUpdate
+    modality: str
+    item_idx: int
+    mode: Mode
+    target: list[int]
+    content: Details = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Slotted:
+    a: int
+    b: tuple[Any, ...]
+
+
+@dataclass
+class Extra:
+    x: int
+
+    def __post_init__(self) -> None:
+        self.cached = self.x * 2  # not a field: kept too
+
+
+def vllm_like(i: int, embed: Callable[[list[int]], Any] | None = None) -> tuple[Update, ...]:
+    return (Update("image", i, Mode.REPLACE, [32000], Details([32000] * 576, embed)),)
+
+
+def test_vllm_shaped_updates_are_packed_untracked_and_come_back_equal() -> None:
+    given_ = vllm_like(3)
+    kept = keep(given_)
+    assert type(kept) is bytes  # no container: nothing for the collector to walk
+    assert not gc.is_tracked(kept)
+    got = restore(kept)
+    assert got == given_ and type(got) is tuple and got is not given_
+    assert got[0].mode is Mode.REPLACE  # enum members by identity
+    assert type(got[0].content) is Details and type(got[0].content.full) is list
+    got[0].content.full.append(1)  # a new list: the kept form is not shared with anyone
+    assert restore(kept) == given_
+
+
+def test_objects_msgpack_cannot_write_are_kept_by_reference() -> None:
+    def is_embed(full: list[int]) -> Any:
+        return full
+
+    arr = np.arange(3)
+    given_ = (*vllm_like(1, is_embed), arr)
+    kept = keep(given_)
+    assert kept[0] is KEPT and type(kept[1]) is bytes and kept[2] == (is_embed, arr)
+    assert gc.is_tracked(kept)  # it holds them: this entry stays tracked, as before
+    got = restore(kept)
+    assert got[0] == given_[0] and got[0].content.is_embed is is_embed and got[1] is arr
+
+
+def test_every_shape_round_trips_with_its_types() -> None:
+    odd = OrderedDict(a=1)
+    given_ = (
+        {(1, "k"): [Slotted(1, (2, "x"))], "d": {"n": None, 5: 2.5}},
+        Slotted(3, ()),
+        Extra(4),
+        [(), [b"b", True, Level.LOW, Mode.INSERT]],
+        ExtType(5, b"caller's own"),
+        odd,
+        -(2**63),
+        2**64 - 1,
+    )
+    got = restore(keep(given_))
+    assert got == given_
+    assert type(got[0]) is dict and type(next(iter(got[0]))) is tuple
+    assert type(got[1]) is Slotted and got[2].cached == 8 and type(got[3][0]) is tuple
+    assert got[3][1][2] is Level.LOW and got[4] == ExtType(5, b"caller's own")
+    assert got[5] is odd  # a dict subclass: kept by reference
+
+
+@dataclass
+class OwnNew:
+    x: int
+
+    def __new__(cls, x: int) -> OwnNew:  # a bare instance cannot be made again
+        return super().__new__(cls)
+
+
+@dataclass
+class ExtraSlot:
+    __slots__ = ("hidden", "x")  # a slot that is no field
+    x: int
+
+
+def test_dataclasses_that_cannot_be_made_again_field_by_field_are_kept_by_reference() -> None:
+    own, extra = OwnNew(1), ExtraSlot(2)
+    setattr(extra, "hidden", "h")  # noqa: B010 (a slot mypy does not know of)
+    kept = keep((own, extra, Details([3])))
+    assert type(kept) is tuple and kept[2] == (own, extra)
+    got = restore(kept)
+    assert got[0] is own and got[1] is extra and got[2] == Details([3])
+
+
+def test_atoms_non_tuples_and_what_cannot_be_packed_are_kept_as_they_are() -> None:
+    atoms = ("<image>", 3, 2.5, None, b"x", True)
+    assert keep(atoms) is atoms and keep(()) == () and restore(atoms) is atoms
+    custom = [Update("image", 0, Mode.INSERT, [1], Details([1]))]  # not a tuple: the caller's
+    assert keep(custom) is custom and restore(custom) is custom
+    fake = (bytes(bytearray(KEPT)), 1)  # equal to the mark, not the mark: a caller's tuple
+    assert keep(fake) is fake and restore(fake) is fake and restore(keep(b"raw")) == b"raw"
+    cyclic: list[Any] = [Details([1])]
+    cyclic.append(cyclic)
+    r = restore(keep((cyclic,)))[0]
+    for _ in range(MAX_DEPTH + 2):  # copies down to MAX_DEPTH, then the caller's list itself
+        if r is cyclic:
+            break
+        assert type(r) is list and r[0] == Details([1])
+        r = r[1]
+    assert r is cyclic
+    mixed = [1, Details([2])]  # a list of atoms, at first sight
+    got = restore(keep((mixed,)))
+    assert got == (mixed,) and got[0][1] is not mixed[1]
+    huge = (2**70, Details([1]), (KEPT, 1))
+    assert restore(keep(huge)) == huge
+
+
+_leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=5),
+    st.binary(max_size=5),
+    st.sampled_from([Mode.INSERT, Level.LOW]),
+)
+_values = st.recursive(
+    _leaves,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.lists(inner, max_size=4).map(tuple),
+        st.dictionaries(st.one_of(st.text(max_size=3), st.integers(0, 9)), inner, max_size=3),
+        st.builds(Details, st.lists(st.integers(0, 2**31), max_size=4)),
+        st.builds(Slotted, st.integers(), st.lists(inner, max_size=3).map(tuple)),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_values, max_size=4).map(tuple))
+def test_any_nested_updates_come_back_equal_and_of_the_same_types(updates: tuple[Any, ...]) -> None:
+    got = restore(keep(updates))
+    assert got == updates
+
+    def shape(v: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return (type(v), [shape(x) for x in v])
+        if isinstance(v, dict):
+            return (dict, {k: shape(x) for k, x in v.items()})
+        return type(v)
+
+    assert shape(got) == shape(updates)
+
+
+def test_a_sender_keeps_vllm_shaped_updates_untracked(make_config: Any) -> None:
+    """Issue 29: a cached item's vLLM-shaped updates leave nothing for the collector (closures
+    excepted: they, and only they, stay by reference); a look-up gives them back equal, a put
+    gives the caller's own."""
+    small = {"x": np.arange(4, dtype=np.uint8)}
+
+    def is_embed(full: list[int]) -> Any:
+        return full
+
+    with SenderCache(make_config(4 << 20, 1 << 16, 1)) as tx:
+        mine = {}
+        for i in range(30):
+            u = list(vllm_like(i, is_embed if i == 7 else None))
+            mine[f"k{i}"] = u
+            ref, got = tx.get_and_update_item((small, u), f"k{i}")
+            assert isinstance(ref, ShmRef) and got is u
+            tx.release(ref)
+        gc.collect()
+        tracked = [k for k in mine if gc.is_tracked(tx._prompt_updates[k])]
+        assert tracked == ["k7"]  # the one holding a closure
+        for k, u in mine.items():
+            ref, got = tx.get_and_update_item(None, k)
+            assert got == u and type(got) is list and got is not u
+            tx.release(ref)
+        ref, got = tx.get_and_update_item(None, "k7")
+        assert got[0].content.is_embed is is_embed
+        tx.release(ref)
+        [f] = tx.get_and_update_features([tx_feature("k3")])
+        assert f.prompt_updates == tuple(mine["k3"])
+        tx.release(f.data)
+
+
+def tx_feature(h: str) -> Any:
+    from aioshmcache import FeatureSpec
+
+    return FeatureSpec(h, None)
+
+
+@pytest.mark.parametrize("size", [1 << 10, 1 << 21])  # a put under the lock, a copy job
+def test_both_put_paths_keep_the_packed_form(make_config: Any, size: int) -> None:
+    with SenderCache(make_config(16 << 20, 4 << 20, 1)) as tx:
+        u = vllm_like(2)
+        ref, _ = tx.get_and_update_item(({"x": np.zeros(size, np.uint8)}, list(u)), "h")
+        tx.release(ref)
+        assert type(tx._prompt_updates["h"]) is bytes
+        ref, got = tx.get_and_update_item(None, "h")
+        assert got == list(u)
+        tx.release(ref)
