@@ -1136,6 +1136,7 @@ static PyObject *s_check_owner, *s_lock, *s_acquire, *s_release, *s_plan, *s_sib
 static PyObject *s_too_large, *s_sizes, *s_counters, *s_total, *s_hits, *s_words, *s_keep;
 static PyObject *s_nbytes, *s_pub_index, *s_found_too_large, *s_count_miss, *too_large_error;
 static PyObject *s_prompt_updates, *keep_func; /* ``SenderBook.keep_updates``: see keep_updates */
+static PyObject *kept_keep; /* ``_kept.keep``: the form the book stores */
 
 static int
 intern_item_names(void)
@@ -1173,11 +1174,20 @@ intern_item_names(void)
         if (keep_func == NULL)
             return -1;
     }
+    if (kept_keep == NULL) {
+        PyObject *kept = PyImport_ImportModule("aioshmcache._kept");
+        if (kept == NULL)
+            return -1;
+        kept_keep = PyObject_GetAttrString(kept, "keep");
+        Py_DECREF(kept);
+        if (kept_keep == NULL)
+            return -1;
+    }
     return 0;
 }
 
-/* ``book.keep_updates(h, updates)``: when it is ``SenderBook``'s own, its steps inline (``pu[h]
- * = updates`` on the sharded map, counted once per new hash; a call costs more than the steps),
+/* ``book.keep_updates(h, updates)``: when it is ``SenderBook``'s own, its steps inline (``pu[h] = keep(updates)``
+ * on the sharded map, counted once per new hash; a call costs more than the steps),
  * else the call. 0, or -1 with an error. */
 static int
 keep_updates(PyObject *book, PyObject *key, PyObject *updates)
@@ -1196,13 +1206,25 @@ keep_updates(PyObject *book, PyObject *key, PyObject *updates)
     PyObject *pu = fast_getattr(book, s_prompt_updates);
     if (pu == NULL)
         return -1;
+    /* the form the book keeps (``_kept``): ``()`` as it is, anything else through ``keep`` */
+    PyObject *kept;
+    if (PyTuple_CheckExact(updates) && PyTuple_GET_SIZE(updates) == 0) {
+        kept = Py_NewRef(updates);
+    } else {
+        kept = PyObject_CallOneArg(kept_keep, updates);
+        if (kept == NULL) {
+            Py_DECREF(pu);
+            return -1;
+        }
+    }
     PyObject *d = shard_of(pu, key);
     int rc = d == NULL ? -1 : PyDict_Contains(d, key);
     if (rc == 0)
         rc = bump_n(pu, NULL);
     if (rc >= 0)
-        rc = PyDict_SetItem(d, key, updates);
+        rc = PyDict_SetItem(d, key, kept);
     Py_XDECREF(d);
+    Py_DECREF(kept);
     Py_DECREF(pu);
     return rc < 0 ? -1 : 0;
 }
