@@ -670,7 +670,7 @@ def test_one_reference_is_read_by_a_one_item_request(
     """get_and_update_item and a one-item lease of a ShmRef run one ``ReceiverRequest`` each
     (no path of their own, issue 20), with the request's outcomes: counted, acknowledged (a
     lease on exit), a chunk reused during the read raised as stale, a failed read given back."""
-    from aioshmcache._receive import ReceiverRequest
+    from aioshmcache._receiver_request import ReceiverRequest
 
     serde = _ClearsDuringRead()
     requests: list[object] = []
@@ -822,7 +822,7 @@ def test_sync_receivers_read_big_references_in_the_validating_step(
     it (no read job, no second look-up of the chunk); the item is read whole and acknowledged.
     The threshold is the async face's: a ``ReceiverRequest`` with the default one still makes
     its big reads jobs."""
-    from aioshmcache._receive import ReceiverRequest
+    from aioshmcache._receiver_request import ReceiverRequest
 
     jobs: list[object] = []
     run_jobs = ReceiverRequest.run_jobs

@@ -830,11 +830,11 @@ def test_a_shard_reclaimed_while_a_reader_finds_it_dead_is_not_taken_for_gone(
     gone), and a new writer reclaims the name right then: the instance remembered is the dead
     one the reader read, not the live one a fresh look at the name finds (which was taken for
     gone, and its genuine references refused as a dead writer's for good)."""
-    from aioshmcache import _group_reader
+    from aioshmcache import _group_receiver
 
     _shard, _name, old = _dead_writer_s_reference(group, "k")
     made: list[SenderCache] = []
-    real = ShmObjectStore  # what ``_group_reader`` attaches shards with
+    real = ShmObjectStore  # what ``_group_receiver`` attaches shards with
 
     class Reclaiming:  # stands in for ``ShmObjectStore`` there: the reclaim comes right after
         @staticmethod
@@ -846,7 +846,7 @@ def test_a_shard_reclaimed_while_a_reader_finds_it_dead_is_not_taken_for_gone(
                     made.append(SenderCache(gp.config(group)))
                 raise
 
-    monkeypatch.setattr(_group_reader, "ShmObjectStore", Reclaiming)
+    monkeypatch.setattr(_group_receiver, "ShmObjectStore", Reclaiming)
     try:
         with ReceiverCache.attach_group(group, wait_for_shard=None) as rx:
             monkeypatch.undo()

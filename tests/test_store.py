@@ -651,7 +651,7 @@ def test_reader_get_reads_the_usual_reference_without_the_general_path(
     """A valid reference, a live writer, a slot with room: no detour through the general path
     (``ReadPath._get``), whose repeated checks cost a small read a quarter of its time. An
     unusual one (a dict, a forged tag, a stale chunk) still takes it, for its typed errors."""
-    from aioshmcache._reading import ReadPath
+    from aioshmcache._read_path import ReadPath
 
     detours: list[object] = []
     general = ReadPath._get
