@@ -27,7 +27,7 @@ from aioshmcache._layout import H_SECRET
 from aioshmcache._types import reference_tag
 
 from . import _procs  # noqa: F401  (spawned children import it)
-from .helpers import SPAWN, checksum
+from .helpers import SPAWN, HookAfterRead, checksum
 
 SLOT = 60_000  # bytes of one test item's array: 4 fit in the 256 KiB ring below
 
@@ -651,19 +651,6 @@ def test_a_retagged_stale_reference_settles_no_genuine_hand_out(make_config: Any
         assert tx.is_freeable("h")  # the read settled it
 
 
-class _ClearsDuringRead(MsgpackSerde):
-    """A reader's serde whose next read runs ``hook`` after decoding (the writer clears)."""
-
-    hook: Any = None
-
-    def read(self, buf: memoryview, *, copy: bool = True) -> object:
-        value = super().read(buf, copy=copy)
-        hook, self.hook = self.hook, None
-        if hook is not None:
-            hook()
-        return value
-
-
 def test_one_reference_is_read_by_a_one_item_request(
     make_config: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -672,7 +659,7 @@ def test_one_reference_is_read_by_a_one_item_request(
     lease on exit), a chunk reused during the read raised as stale, a failed read given back."""
     from aioshmcache._receiver_request import ReceiverRequest
 
-    serde = _ClearsDuringRead()
+    serde = HookAfterRead()
     requests: list[object] = []
     begin = ReceiverRequest.begin
 

@@ -120,6 +120,18 @@ class LedgerModel(RuleBasedStateMachine):
         elif self.sessions:
             self.handouts[cid][seq] = _Handout(set(self.sessions), self.clock.now)
 
+    def _expect_settle(self, s: int, cid: int, seq: int) -> bool:
+        """The model's acknowledgement of (cid, seq) by session ``s``: whether it settles a debt
+        (a one-of-N hand-out, or one ``s`` owes), which goes once no session owes it."""
+        h = self.handouts.get(cid, {}).get(seq)
+        if h is None or (h.owers is not None and s not in h.owers):
+            return False
+        if h.owers is not None:
+            h.owers.discard(s)
+        if not h.owers:
+            del self.handouts[cid][seq]
+        return True
+
     @precondition(lambda self: self.entries)
     @rule(data=st.data())
     def hand_out(self, data: st.DataObject) -> None:
@@ -139,17 +151,7 @@ class LedgerModel(RuleBasedStateMachine):
         else:
             cid = data.draw(st.integers(1, self.next_cid))
             seq = data.draw(st.integers(1, self.next_seq))
-        expected = False
-        h = self.handouts.get(cid, {}).get(seq)
-        if h is not None:
-            if h.owers is None:
-                del self.handouts[cid][seq]
-                expected = True
-            elif s in h.owers:
-                h.owers.discard(s)
-                expected = True
-                if not h.owers:
-                    del self.handouts[cid][seq]
+        expected = self._expect_settle(s, cid, seq)
         p = self.progress.get(s)
         self.progress[s] = (seq if p is None else max(p[0], seq), self.clock.now)
         assert self.ledger.settle(cid, seq, s) is expected
@@ -178,19 +180,7 @@ class LedgerModel(RuleBasedStateMachine):
             else st.tuples(st.integers(1, self.next_cid), st.integers(1, self.next_seq))
         )
         pairs = data.draw(st.lists(one, max_size=5))
-        expected = 0
-        for cid, seq in pairs:
-            h = self.handouts.get(cid, {}).get(seq)
-            if h is None:
-                continue
-            if h.owers is None:
-                del self.handouts[cid][seq]
-                expected += 1
-            elif s in h.owers:
-                h.owers.discard(s)
-                expected += 1
-                if not h.owers:
-                    del self.handouts[cid][seq]
+        expected = sum(self._expect_settle(s, cid, seq) for cid, seq in pairs)
         if pairs:
             top = max(q for _c, q in pairs)
             p = self.progress.get(s)
