@@ -451,5 +451,5 @@ def test_store_lost_broadcast_handout_neither_pins_nor_revokes(shm_name: str) ->
         while not reader_progresses_and_lost_lapses():
             clock.advance(0.05)
         assert clock.now - t0 > 0.2  # the revocation limit passed meanwhile
-        assert not r._reading.slot.revoked  # type: ignore[union-attr]
+        assert not r.read_path.slot.revoked  # type: ignore[union-attr]
         assert r.get(w.put("after", _item()))["x"][5] == 5
