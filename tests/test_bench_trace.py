@@ -137,7 +137,7 @@ def test_report_targets_with_second_chance() -> None:
             }
             distinct[(s, f)], caps[(s, f)] = [300], [1 << 20]
     report = Report("t", quick=True)
-    tr._report(p, report, results, distinct, caps, [tr.FIFO, tr.SECOND_CHANCE])
+    tr.report_results(p, report, results, distinct, caps, [tr.FIFO, tr.SECOND_CHANCE])
     with_target = [r for r in report.rows if r.target is not None]
     vs_fifo = [r for r in with_target if r.label == "misses: second chance ÷ FIFO"]
     vs_lru = [r for r in with_target if r.label == "misses: second chance ÷ LRU model"]
@@ -151,7 +151,7 @@ def test_report_targets_with_second_chance() -> None:
     # second chance worse than LRU: a miss
     results[(0.8, 0.05)][tr.SECOND_CHANCE] = [_fake(56)]
     report = Report("t", quick=True)
-    tr._report(p, report, results, distinct, caps, [tr.FIFO, tr.SECOND_CHANCE])
+    tr.report_results(p, report, results, distinct, caps, [tr.FIFO, tr.SECOND_CHANCE])
     assert [(r.label, r.param) for r in report.missed()] == [
         ("misses: second chance ÷ LRU model", "s=0.8, 5% capacity")
     ]

@@ -715,27 +715,28 @@ def test_a_genuine_reference_read_while_the_writer_reuses_its_place_is_stale_not
         assert isinstance(ref, ShmRef)
         tx.invalidate("k")
         tx.remove_dangling_items()  # freed (nobody owes it), the reuse fence published past it
-        words = tx.store.ring._w
-        words[(ref.address >> 3) + C_STATE] = WRITING  # the writer's first store of the reuse
-        rx = ReceiverCache.attach_group(group)
-        try:
-            with pytest.raises(CacheMissError) as got:
-                rx.get_and_update_features([FeatureSpec("k", ref)])
-            assert list(got.value.mm_hashes) == ["k"]
-            with pytest.raises(StaleReferenceError):
-                rx.get_and_update_item(ref, "k")
-            # a chunk at or past the reuse fence that is still being written is not stale
-            [g] = tx.get_and_update_features([FeatureSpec("g", gp.make_item("g"))])
-            assert isinstance(g.data, ShmRef)
-            at = (g.data.address >> 3) + C_STATE
-            committed, words[at] = words[at], WRITING
-            with pytest.raises(InvalidReferenceError, match="not committed"):
-                rx.get_and_update_features([FeatureSpec("g", g.data)])
-            words[at] = committed
-            [got_g] = rx.get_and_update_features([g])
-            assert np.array_equal(got_g.data["x"], gp.make_item("g")["x"])
-        finally:
-            rx.close()
+        # the ring's words, through its public buffer (released before the cache closes)
+        with tx.store.ring.buf.cast("Q") as words:
+            words[(ref.address >> 3) + C_STATE] = WRITING  # the writer's first store of the reuse
+            rx = ReceiverCache.attach_group(group)
+            try:
+                with pytest.raises(CacheMissError) as got:
+                    rx.get_and_update_features([FeatureSpec("k", ref)])
+                assert list(got.value.mm_hashes) == ["k"]
+                with pytest.raises(StaleReferenceError):
+                    rx.get_and_update_item(ref, "k")
+                # a chunk at or past the reuse fence that is still being written is not stale
+                [g] = tx.get_and_update_features([FeatureSpec("g", gp.make_item("g"))])
+                assert isinstance(g.data, ShmRef)
+                at = (g.data.address >> 3) + C_STATE
+                committed, words[at] = words[at], WRITING
+                with pytest.raises(InvalidReferenceError, match="not committed"):
+                    rx.get_and_update_features([FeatureSpec("g", g.data)])
+                words[at] = committed
+                [got_g] = rx.get_and_update_features([g])
+                assert np.array_equal(got_g.data["x"], gp.make_item("g")["x"])
+            finally:
+                rx.close()
     assert _ours(group) == []
 
 

@@ -352,9 +352,10 @@ def test_each_role_holds_only_its_own_state(make_config: Any) -> None:
         for obj, cls in ((store, StoreWriter), (reader, StoreReader)):
             assert not hasattr(obj, "__dict__")
             assert all(hasattr(obj, n) for n in _slots(cls)), "a declared field left unset"
-        # the writer's read path is private (it has no read_path): its slot is under test
-        assert store._reading.slot is None  # no reader slot: the writer owes nothing
+        # the writer claims no reader slot (it owes nothing): the one slot attached is the reader's
         assert reader.read_path.slot is not None
+        attached = [s.slot for s in store.reader_info() if s.attached]
+        assert attached == [reader.read_path.slot.slot]
         for name in writer_only:
             assert not hasattr(reader, name)
 
