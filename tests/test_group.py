@@ -130,13 +130,9 @@ def test_killed_gateway_is_seen_dead_reclaimed_and_typed(group: str) -> None:
     pipes, procs = [], []
     try:
         for _ in range(2):
-            parent, child = SPAWN.Pipe()
-            p = SPAWN.Process(target=gp.command_writer, args=(group, child))
-            p.start()
+            p, parent, _shard, _name = gp.start_gateway(group)
             pipes.append(parent)
             procs.append(p)
-            assert parent.poll(60)
-            _ready, shard, _name = parent.recv()
         rx = ReceiverCache.attach_group(group)
         try:
             refs = []
@@ -170,13 +166,9 @@ def test_killed_gateway_is_seen_dead_reclaimed_and_typed(group: str) -> None:
                 assert time.monotonic() < deadline
                 mixed[0] = FeatureSpec("k0", ShmRef.from_dict(_get(pipes[0], "k1")))
             # a new gateway process takes the dead one's shard index (reclaimed)
-            parent, child = SPAWN.Pipe()
-            p = SPAWN.Process(target=gp.command_writer, args=(group, child))
-            p.start()
+            p, parent, shard, _name = gp.start_gateway(group)
             procs.append(p)
             pipes.append(parent)
-            assert parent.poll(60)
-            _ready, shard, _name = parent.recv()
             assert shard == 1
             parent.send(("get", "k9"))
             ref, _ = parent.recv()
@@ -207,12 +199,8 @@ def _get(conn: Any, h: str) -> dict[str, int]:
 def _dead_writer_s_reference(group: str, h: str) -> tuple[int, str, ShmRef]:
     """A gateway process of ``group`` hands out ``h`` and is SIGKILLed: its shard index, its
     segment name (the dead file stays), and the reference."""
-    parent, child = SPAWN.Pipe()
-    p = SPAWN.Process(target=gp.command_writer, args=(group, child))
-    p.start()
+    p, parent, shard, name = gp.start_gateway(group)
     try:
-        assert parent.poll(60)
-        _ready, shard, name = parent.recv()
         ref = ShmRef.from_dict(_get(parent, h))
     finally:
         p.kill()
@@ -325,12 +313,8 @@ def test_a_reference_of_a_shard_that_died_before_the_reader_attached_is_writer_g
     shard" (stress --group found it: a writer killed right after its first request)."""
     from aioshmcache import WriterGoneError
 
-    parent, child = SPAWN.Pipe()
-    p = SPAWN.Process(target=gp.command_writer, args=(group, child))
-    p.start()
+    p, parent, _shard, _name = gp.start_gateway(group)
     try:
-        assert parent.poll(60)
-        parent.recv()
         parent.send(("get", "k"))
         ref, _pre = parent.recv()
         p.kill()
@@ -362,11 +346,7 @@ def test_a_reference_of_a_dead_instance_reclaimed_before_the_reader_started_is_w
     kill). A nonce that no shard file ever held stays ``InvalidReferenceError``."""
 
     def writer_of_shard0() -> tuple[Any, Any]:
-        parent, child = SPAWN.Pipe()
-        p = SPAWN.Process(target=gp.command_writer, args=(group, child))
-        p.start()
-        assert parent.poll(60)
-        _ready, shard, _name = parent.recv()
+        p, parent, shard, _name = gp.start_gateway(group)
         assert shard == 0  # the dead instances' file, reclaimed each time
         return p, parent
 

@@ -120,6 +120,16 @@ class LedgerModel(RuleBasedStateMachine):
         elif self.sessions:
             self.handouts[cid][seq] = _Handout(set(self.sessions), self.clock.now)
 
+    def _acknowledger(self, data: st.DataObject) -> tuple[int, st.SearchStrategy[tuple[int, int]]]:
+        """A session that acknowledges, and what it acknowledges: a (cid, seq) owed now, or any
+        (settled already, never made, or owed by another session)."""
+        s = data.draw(st.sampled_from(sorted(self.sessions)))
+        owed = [(c, q) for c, hs in self.handouts.items() for q in hs]
+        pick_owed: bool = data.draw(st.booleans())
+        if owed and pick_owed:
+            return s, st.sampled_from(owed)
+        return s, st.tuples(st.integers(1, self.next_cid), st.integers(1, self.next_seq))
+
     def _expect_settle(self, s: int, cid: int, seq: int) -> bool:
         """The model's acknowledgement of (cid, seq) by session ``s``: whether it settles a debt
         (a one-of-N hand-out, or one ``s`` owes), which goes once no session owes it."""
@@ -143,14 +153,8 @@ class LedgerModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def settle(self, data: st.DataObject) -> None:
         """A session acknowledges some (cid, seq): owed, not owed, or never made."""
-        s = data.draw(st.sampled_from(sorted(self.sessions)))
-        owed = [(c, q) for c, hs in self.handouts.items() for q in hs]
-        pick: bool = data.draw(st.booleans())
-        if owed and pick:
-            cid, seq = data.draw(st.sampled_from(owed))
-        else:
-            cid = data.draw(st.integers(1, self.next_cid))
-            seq = data.draw(st.integers(1, self.next_seq))
+        s, pair = self._acknowledger(data)
+        cid, seq = data.draw(pair)
         expected = self._expect_settle(s, cid, seq)
         p = self.progress.get(s)
         self.progress[s] = (seq if p is None else max(p[0], seq), self.clock.now)
@@ -171,14 +175,7 @@ class LedgerModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def settle_batch(self, data: st.DataObject) -> None:
         """A drain: one session's acknowledgements applied in order by ``settle_all``."""
-        s = data.draw(st.sampled_from(sorted(self.sessions)))
-        owed = [(c, q) for c, hs in self.handouts.items() for q in hs]
-        pick_owed: bool = data.draw(st.booleans())
-        one: st.SearchStrategy[tuple[int, int]] = (
-            st.sampled_from(owed)
-            if owed and pick_owed
-            else st.tuples(st.integers(1, self.next_cid), st.integers(1, self.next_seq))
-        )
+        s, one = self._acknowledger(data)
         pairs = data.draw(st.lists(one, max_size=5))
         expected = sum(self._expect_settle(s, cid, seq) for cid, seq in pairs)
         if pairs:
