@@ -171,7 +171,7 @@ class Sibling:
         self._alive = True
         # a copy from this sibling runs outside the Siblings lock (payload, the copy, verify):
         # a rescan may close the sibling meanwhile. payload and verify take this lock and see
-        # ``closed`` (the copy itself reads a view that keeps its pages mapped); see _reading
+        # ``closed`` (the copy itself reads a view that keeps its pages mapped); see ``_read_path``
         self._lock = threading.Lock()
         self.closed = False
 
