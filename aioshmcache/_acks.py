@@ -16,7 +16,7 @@ import logging
 
 from ._layout import RS_HEAD, RS_PID, RS_SESSION, RS_START, WS_CONSUMED, WS_OWED, WS_REVOKED
 from ._ledger import Debts, HandoutLedger
-from ._readers import ReaderTable, SlotState
+from ._reader_table import ReaderTable, SlotState
 
 __all__ = ["Acknowledgements"]
 

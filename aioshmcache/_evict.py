@@ -55,7 +55,7 @@ from ._layout import H_BYTES_RELOCATED, H_EVICTIONS, H_RELOCATIONS, H_WAITING, c
 from ._ledger import Debts, HandoutLedger
 from ._pins import Pins
 from ._ring import ShmRingBuffer
-from ._shards import ShardedMap
+from ._sharded_map import ShardedMap
 from .errors import CacheFullError
 
 __all__ = [

@@ -187,6 +187,11 @@ class SingleFlight(Generic[R]):
         """Keys with a flight open right now."""
         return len(self._flights)
 
+    def waiters(self, key: str) -> int:
+        """Callers waiting on the flight of ``key`` right now (0 when it has none)."""
+        f = self._flights.get(key)
+        return 0 if f is None else f.waiters
+
     def count_run(self) -> None:
         """The caller's ``make`` is being called now: counted where it is called (behind a
         tier it may not be; after a sibling's item vanished it is, as a fallback)."""
@@ -458,6 +463,10 @@ class GroupFlight:
                 return True
             await anyio.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
+
+    def holds(self, key: str) -> bool:
+        """Whether this process holds the marker of ``key`` (its flight of it is on)."""
+        return key in self._held
 
     def release(self, key: str) -> None:
         """The flight of ``key`` is over in this process: drop its marker, if held."""

@@ -31,7 +31,7 @@ Why this shape:
   not decoded: the shards of a group must use the same serde (they do unless you pass a custom
   one to some writers only).
 * **Readers of a group** (``ReceiverCache.attach_group``) claim a reader slot on every live
-  shard and route each reference by its nonce to the shard that issued it (``_group_reader``).
+  shard and route each reference by its nonce to the shard that issued it (``_group_receiver``).
 
 **Membership is proven, not guessed from the name.** A plain cache named ``G.shard0`` is not
 shard 0 of group ``G``: only a segment whose header word ``H_GROUP`` is ``group_word(G)``
@@ -171,7 +171,7 @@ class Sibling:
         self._alive = True
         # a copy from this sibling runs outside the Siblings lock (payload, the copy, verify):
         # a rescan may close the sibling meanwhile. payload and verify take this lock and see
-        # ``closed`` (the copy itself reads a view that keeps its pages mapped); see _reading
+        # ``closed`` (the copy itself reads a view that keeps its pages mapped); see ``_read_path``
         self._lock = threading.Lock()
         self.closed = False
 

@@ -6,7 +6,7 @@ the tools all read a segment they do not own through :func:`read_segment`. It ne
 dependency, no reader slot and nothing from the writer: it maps the segment, reads the words the
 writer publishes in its header and each reader slot's words, and probes the kernel locks. A
 reader's "behind" count needs no help from the writer either: it is the debt the writer last
-published less the acknowledgements the reader wrote since (``_readers.reader_slots_info``), so
+published less the acknowledgements the reader wrote since (``_reader_table.reader_slots_info``), so
 an idle gateway, which drains nothing, shows its readers' true lag.
 
 A documented internal API (docs/design.md lists it for the tools): :func:`read_segment`,
@@ -40,7 +40,7 @@ from ._layout import (
     check_group,
     parse_shard_name,
 )
-from ._readers import ReaderTable, reader_slots_info
+from ._reader_table import ReaderTable, reader_slots_info
 from ._segment import Segment, list_shards
 from ._types import CacheSnapshot
 from .errors import SegmentNotFoundError, ShmCacheError

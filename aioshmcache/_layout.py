@@ -1,7 +1,7 @@
 """The byte layout of a segment, in one place: header words, reader slots, chunks and names.
 
 Every word is a native unsigned 64-bit integer written with one aligned store (a word has exactly
-one writing process; see ``_readers``). Word indices are named by where they live:
+one writing process; see ``_reader_table``). Word indices are named by where they live:
 ``H_`` segment header, ``RS_`` reader slot words written by the reader, ``WS_`` reader slot words
 written by the writer, ``C_`` chunk header.
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from ._ledger import Debts, HandoutLedger
-from ._shards import ShardedMap
+from ._sharded_map import ShardedMap
 
 __all__ = ["Pins"]
 

@@ -37,7 +37,7 @@ from ._core_api import core
 from ._group import Found, Siblings
 from ._kept import KEPT, keep, restore
 from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
-from ._shards import ShardedMap
+from ._sharded_map import ShardedMap
 from ._store import INLINE_COPY_UNDER_LOCK, Reservation, StoreWriter
 from ._types import FeatureSpec, ShmRef, as_reference
 from .errors import (

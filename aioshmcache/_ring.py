@@ -67,7 +67,7 @@ from ._layout import (
     chunk_size,
 )
 from ._segment import Segment
-from ._shards import shards_for
+from ._sharded_map import shards_for
 from ._types import CacheHandle
 from .errors import (
     CacheFullError,
@@ -117,8 +117,8 @@ class ShmRingBuffer:
         self._head = 0  # number of the oldest chunk
         self._end = 0  # number the next chunk gets
         # address // 64 -> number of the chunk there: one entry per chunk, so split in dicts by
-        # the 64-byte unit (as ``_shards.ShardedMap`` splits by hash, which is the same for these
-        # ints), so that consecutive chunks fall in different dicts (one then holds at most
+        # the 64-byte unit (as ``_sharded_map.ShardedMap`` splits by hash, which is the same for
+        # these ints), so that consecutive chunks fall in different dicts (one then holds at most
         # capacity / 16 KiB entries, whatever the chunk sizes); no count is kept
         self._at: list[dict[int, int]] = [
             {} for _ in range(shards_for(self.capacity // (2 * CHUNK_HEADER)))

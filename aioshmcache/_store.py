@@ -82,12 +82,12 @@ from ._layout import (
 )
 from ._ledger import Debts, HandoutLedger
 from ._pins import Pins
-from ._readers import reader_slots_info
-from ._reading import check_ref_fields
+from ._read_path import check_ref_fields
+from ._reader_table import reader_slots_info
 from ._ring import ShmRingBuffer
 from ._segment import Segment
 from ._serde import EncodePlan, MsgpackPlan, MsgpackSerde, Serde
-from ._shards import ShardedMap, shards_for
+from ._sharded_map import ShardedMap, shards_for
 from ._store_base import ShmObjectStore
 from ._store_reader import StoreReader
 from ._types import CacheConfig, ReaderSlotInfo, ShmRef, reference_tag
@@ -188,7 +188,7 @@ class StoreWriter(ShmObjectStore):
         self._secret = int(self._hw[H_SECRET])  # the key of every reference's tag
         self._hints = HintTable(segment)  # empty unless the segment is a group shard
         self._has_hints = bool(self._hints)  # its size is fixed with the segment
-        # one entry per cached item: sharded, so that no put rebuilds a big table (``_shards``)
+        # one entry per cached item: sharded, so that no put rebuilds a big table (``_sharded_map``)
         # at most one item per smallest chunk: the per-item maps are sized for that many
         n = shards_for(self.ring.capacity // chunk_size(1))
         self._index: ShardedMap[str, int] = ShardedMap(n)  # key -> chunk id
@@ -238,7 +238,7 @@ class StoreWriter(ShmObjectStore):
 
     @property
     def shards(self) -> int:
-        """How many dicts each per-item map of the writer is split into (``_shards``)."""
+        """How many dicts each per-item map of the writer is split into (``_sharded_map``)."""
         return len(self._index.shards)
 
     def check_owner(self) -> None:

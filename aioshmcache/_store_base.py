@@ -31,8 +31,8 @@ from ._layout import (
     LAYOUT_VERSION,
     Layout,
 )
-from ._readers import ReaderTable, reader_slots_info
-from ._reading import ReadPath
+from ._read_path import ReadPath
+from ._reader_table import ReaderTable, reader_slots_info
 from ._ring import ShmRingBuffer
 from ._segment import Segment
 from ._serde import MsgpackSerde, Serde

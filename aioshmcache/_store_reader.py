@@ -2,7 +2,7 @@
 
 A reader holds a reader slot (claimed at attach, released at close; its kernel lock tells the
 writer it is alive) and reads references: resolve, copy or view, verify the copy, then
-acknowledge the hand-out in its slot's log (``_reading.ReadPath`` does all of it). It holds no
+acknowledge the hand-out in its slot's log (``_read_path.ReadPath`` does all of it). It holds no
 writer state: no index, rows, ledger or writer lock, and no writer methods: asked for one of the
 writer's names, it raises ``RoleError`` (``__getattr__``, which only runs once the usual
 look-up has failed), saying which role has it.
@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from ._layout import H_GROUP
-from ._readers import ReaderSlot
-from ._reading import CLOSE_WAIT, ReadPath
+from ._read_path import CLOSE_WAIT, ReadPath
+from ._reader_table import ReaderSlot
 from ._ring import ShmRingBuffer
 from ._segment import Segment
 from ._serde import Serde
@@ -29,7 +29,7 @@ class StoreReader(ShmObjectStore):
     """A reader of one segment (:meth:`ShmObjectStore.from_handle`); ``close`` frees its slot.
 
     Reads and acknowledges references; no lock on the read path. Its reader slot is its read
-    path's (``_reading.slot``): the one piece of state it adds to the base.
+    path's (``read_path.slot``): the one piece of state it adds to the base.
     """
 
     __slots__ = ()
@@ -69,7 +69,7 @@ class StoreReader(ShmObjectStore):
 
         For a request that failed or was cancelled: the debt is settled so the writer can free
         the chunk. Nothing is read, so nothing needs verifying. A reference found stale is never
-        given back (it owes nothing; see ``_reading``).
+        given back (it owes nothing; see ``_read_path``).
         """
         self._reading.give_back(ref)
 
@@ -80,9 +80,10 @@ class StoreReader(ShmObjectStore):
 
     @property
     def read_path(self) -> ReadPath:
-        """This reader's read path (internal API, for the receiver requests of ``_receive`` and
-        the caches): the steps of a read (``hold`` ... ``leave``, ``lookup``, ``read_item``,
-        ``get_checked``) that a request drives itself, and whether it is closing."""
+        """This reader's read path (internal API, for the receiver requests of
+        ``_receiver_request`` and the caches): the steps of a read (``hold`` ... ``leave``,
+        ``lookup``, ``read_item``, ``get_checked``) that a request drives itself, and whether it
+        is closing."""
         return self._reading
 
     @property

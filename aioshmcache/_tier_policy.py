@@ -203,6 +203,11 @@ class TierPolicy:
         """Predicted seconds of a ``make`` of ``nbytes``; None before any was seen."""
         return self._make.predict(nbytes) if self._make.samples else None
 
+    def make_coefficients(self) -> tuple[float, float]:
+        """``(fixed seconds, seconds per byte)`` of a ``make`` as learned (``(0, 0)`` before any
+        was seen): the line ``make_cost`` predicts on, beside ``fetch_coefficients``."""
+        return self._make.coefficients()
+
     def probe_cost(self) -> float:
         """Predicted seconds of a probe (the prior until learned)."""
         if self._probe.samples < self._min:

@@ -113,6 +113,11 @@ class _InFlight:
         self.idle.set()
         self._lock = threading.Lock()
 
+    @property
+    def count(self) -> int:
+        """Jobs counted right now (added, and neither run nor withdrawn yet)."""
+        return self._n
+
     def add(self, fn: Callable[[], None]) -> _Job:
         with self._lock:
             self._n += 1

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from typing import Any, Final, Protocol, TypeVar, overload
 
 from ._group import Siblings, open_shard
-from ._group_reader import GroupReceiverRequest, GroupShards
+from ._group_receiver import GroupReceiverRequest, GroupShards
 from ._layout import check_group
-from ._receive import ReceiverRequest, read_one
+from ._receiver_request import ReceiverRequest, read_one
 from ._request import (
     DEFAULT_INLINE_THRESHOLD,
     MmItem,
@@ -627,7 +627,7 @@ class ReceiverCache(_Cache, Receiver):
         """A reference becomes its item (a copy); inline data is returned unchanged.
 
         A stale reference raises ``StaleReferenceError``. (A plain item in one core call,
-        ``_receive.read_one``; anything else by the request.)
+        ``_receiver_request.read_one``; anything else by the request.)
         """
         value = read_one(self.store, self._counters, mm_item, mm_hash)
         if value is not None:

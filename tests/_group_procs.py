@@ -113,6 +113,24 @@ def command_writer(group: str, conn: Any) -> None:
             conn.send((f.data.to_dict(), pre))
 
 
+def start_gateway(group: str) -> tuple[Any, Any, int, str]:
+    """Start a ``command_writer`` of ``group`` and wait until it is ready: the process, the
+    test's end of its pipe, its shard index and its segment name. A process that never gets
+    ready is killed before the failure is raised."""
+    from .helpers import SPAWN, kill_and_reap
+
+    parent, child = SPAWN.Pipe()
+    p = SPAWN.Process(target=command_writer, args=(group, child))
+    p.start()
+    try:
+        assert parent.poll(60), "the gateway process never got ready"
+        _ready, shard, name = parent.recv()
+    except BaseException:
+        kill_and_reap(p)
+        raise
+    return p, parent, shard, name
+
+
 def forked_writer(cfg: Any, keys: list[str], first: bool, barrier: Any, out: Any) -> None:
     """Open the group's shard in a forked child (the config came from the parent)."""
     from aioshmcache import SenderCache

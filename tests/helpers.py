@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import time
 import zlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from aioshmcache import MsgpackSerde
 
 SPAWN = mp.get_context("spawn")
 
@@ -74,3 +80,41 @@ def kill_and_reap(proc: Any, sig: int = signal.SIGKILL) -> None:
     if proc.is_alive():
         os.kill(proc.pid, sig)
     proc.join(10)
+
+
+class HookAfterRead(MsgpackSerde):
+    """A serde whose next read runs ``hook`` right after decoding: something another thread
+    does mid-read (the writer clears, evicts and reuses the chunk) before the read's re-check."""
+
+    hook: Any = None
+
+    def read(self, buf: memoryview, *, copy: bool = True) -> object:
+        value = super().read(buf, copy=copy)
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return value
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_quick_bench(
+    cwd: Path, suite: str | None = None, *, timeout: float = 240
+) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
+    """Run ``python -m aioshmcache bench --quick`` (``--suite suite``) in ``cwd``, where it
+    writes its results; its JSON results and the finished process (which must have succeeded)."""
+    args = ["--suite", suite] if suite else []
+    proc = subprocess.run(
+        [sys.executable, "-m", "aioshmcache", "bench", "--quick", *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    stem = f"aioshmcache-bench-{suite}-quick" if suite else "aioshmcache-bench-quick"
+    data: dict[str, Any] = json.loads((cwd / f"{stem}.json").read_text("utf-8"))
+    return data, proc

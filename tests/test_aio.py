@@ -485,7 +485,7 @@ async def test_a_job_cancelled_before_its_thread_started_does_not_hold_aclose(
             cache.get_and_update_features([FeatureSpec("b", {"x": np.ones(24 * MiB, np.uint8)})])
         )
         # "a" holds the only thread; "b" waits for the limiter
-        await _until(lambda: cache._inflight._n >= 2 or a.done())
+        await _until(lambda: cache._inflight.count >= 2 or a.done())
         b.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await b
@@ -543,7 +543,7 @@ async def test_a_cancelled_leader_s_finished_make_is_kept_for_the_waiter(
         lead = asyncio.ensure_future(cache.get_or_put("h", make))
         await _until(lambda: calls == 1)  # the leader runs make
         waiter = asyncio.ensure_future(cache.get_or_put("h", make))
-        await _until(lambda: cache._flight._flights["h"].waiters == 1)
+        await _until(lambda: cache._flight.waiters("h") == 1)
         gate.set()
         while calls == 0 or (not lead.done() and cache.sender.store.is_pending("h") is False):
             await asyncio.sleep(0)

@@ -11,12 +11,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import re
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +22,7 @@ import pytest
 from aioshmcache.tools import bench
 from aioshmcache.tools.bench.report import Report, Row, Target
 
-ROOT = Path(__file__).resolve().parent.parent
+from .helpers import ROOT, run_quick_bench
 
 pytestmark = pytest.mark.bench
 
@@ -44,18 +41,7 @@ SECTIONS = (
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
     out = tmp_path_factory.mktemp("bench")
-    proc = subprocess.run(
-        [sys.executable, "-m", "aioshmcache", "bench", "--quick"],
-        cwd=out,  # the results go to the current directory by default
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert proc.returncode == 0, (
-        f"bench --quick failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
+    _data, proc = run_quick_bench(out)  # the results go to the current directory by default
     return out, proc.stdout, proc.stderr
 
 

@@ -7,32 +7,18 @@ Zipf target carries a verdict, and nothing is left in /dev/shm.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from .helpers import run_quick_bench
 
 pytestmark = pytest.mark.bench
 
 
 def test_group_suite_quick(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "aioshmcache", "bench", "--quick", "--suite", "group"],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    data = json.loads((tmp_path / "aioshmcache-bench-group-quick.json").read_text("utf-8"))
+    data, _proc = run_quick_bench(tmp_path, "group")
     rows = {r["label"] + "|" + r["param"]: r for r in data["rows"]}
     assert all(math.isfinite(r["value"]) and r["value"] > 0 for r in rows.values())
     counts = {label.split("|")[0]: r["value"] for label, r in rows.items() if r["kind"] == "count"}

@@ -9,11 +9,7 @@ with miss ratios in [0, 1]. No timed assertions.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +19,7 @@ from aioshmcache.tools.bench import trace as tr
 from aioshmcache.tools.bench.params import Params
 from aioshmcache.tools.bench.report import Report
 
-ROOT = Path(__file__).resolve().parent.parent
+from .helpers import run_quick_bench
 
 
 def test_zipf_trace_is_deterministic_and_skewed() -> None:
@@ -141,7 +137,7 @@ def test_report_targets_with_second_chance() -> None:
             }
             distinct[(s, f)], caps[(s, f)] = [300], [1 << 20]
     report = Report("t", quick=True)
-    tr._report(p, report, results, distinct, caps, [tr.FIFO, tr.SECOND_CHANCE])
+    tr.report_results(p, report, results, distinct, caps, [tr.FIFO, tr.SECOND_CHANCE])
     with_target = [r for r in report.rows if r.target is not None]
     vs_fifo = [r for r in with_target if r.label == "misses: second chance ÷ FIFO"]
     vs_lru = [r for r in with_target if r.label == "misses: second chance ÷ LRU model"]
@@ -155,7 +151,7 @@ def test_report_targets_with_second_chance() -> None:
     # second chance worse than LRU: a miss
     results[(0.8, 0.05)][tr.SECOND_CHANCE] = [_fake(56)]
     report = Report("t", quick=True)
-    tr._report(p, report, results, distinct, caps, [tr.FIFO, tr.SECOND_CHANCE])
+    tr.report_results(p, report, results, distinct, caps, [tr.FIFO, tr.SECOND_CHANCE])
     assert [(r.label, r.param) for r in report.missed()] == [
         ("misses: second chance ÷ LRU model", "s=0.8, 5% capacity")
     ]
@@ -163,17 +159,7 @@ def test_report_targets_with_second_chance() -> None:
 
 @pytest.mark.bench
 def test_trace_suite_quick(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "aioshmcache", "bench", "--quick", "--suite", "trace"],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    data = json.loads((tmp_path / "aioshmcache-bench-trace-quick.json").read_text("utf-8"))
+    data, _proc = run_quick_bench(tmp_path, "trace")
     assert not data["errors"]
     rows = data["rows"]
     policies = [tr.FIFO, tr.LRU, tr.FIFO_MODEL, tr.SECOND_CHANCE]

@@ -27,7 +27,7 @@ from aioshmcache._layout import H_SECRET
 from aioshmcache._types import reference_tag
 
 from . import _procs  # noqa: F401  (spawned children import it)
-from .helpers import SPAWN, checksum
+from .helpers import SPAWN, HookAfterRead, checksum
 
 SLOT = 60_000  # bytes of one test item's array: 4 fit in the 256 KiB ring below
 
@@ -651,28 +651,15 @@ def test_a_retagged_stale_reference_settles_no_genuine_hand_out(make_config: Any
         assert tx.is_freeable("h")  # the read settled it
 
 
-class _ClearsDuringRead(MsgpackSerde):
-    """A reader's serde whose next read runs ``hook`` after decoding (the writer clears)."""
-
-    hook: Any = None
-
-    def read(self, buf: memoryview, *, copy: bool = True) -> object:
-        value = super().read(buf, copy=copy)
-        hook, self.hook = self.hook, None
-        if hook is not None:
-            hook()
-        return value
-
-
 def test_one_reference_is_read_by_a_one_item_request(
     make_config: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """get_and_update_item and a one-item lease of a ShmRef run one ``ReceiverRequest`` each
     (no path of their own, issue 20), with the request's outcomes: counted, acknowledged (a
     lease on exit), a chunk reused during the read raised as stale, a failed read given back."""
-    from aioshmcache._receive import ReceiverRequest
+    from aioshmcache._receiver_request import ReceiverRequest
 
-    serde = _ClearsDuringRead()
+    serde = HookAfterRead()
     requests: list[object] = []
     begin = ReceiverRequest.begin
 
@@ -822,7 +809,7 @@ def test_sync_receivers_read_big_references_in_the_validating_step(
     it (no read job, no second look-up of the chunk); the item is read whole and acknowledged.
     The threshold is the async face's: a ``ReceiverRequest`` with the default one still makes
     its big reads jobs."""
-    from aioshmcache._receive import ReceiverRequest
+    from aioshmcache._receiver_request import ReceiverRequest
 
     jobs: list[object] = []
     run_jobs = ReceiverRequest.run_jobs

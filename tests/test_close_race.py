@@ -26,7 +26,7 @@ from aioshmcache import (
     ShmCacheError,
     ShmRef,
 )
-from aioshmcache._reading import ReadPath
+from aioshmcache._read_path import ReadPath
 
 from .conftest import RUN_PREFIX
 
@@ -35,7 +35,7 @@ THREADS = 3
 
 
 class ParkingClock:
-    """Stands in for ``time`` in ``_reading``: the first clock read of the thread named
+    """Stands in for ``time`` in ``_read_path``: the first clock read of the thread named
     ``parked-reader`` (armed) parks until the reader is closed under it.
 
     The read path reads the clock after its ``closed`` checks and before it touches the
@@ -60,10 +60,10 @@ class ParkingClock:
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> ParkingClock:
-    from aioshmcache import _reading
+    from aioshmcache import _read_path
 
     c = ParkingClock()
-    monkeypatch.setattr(_reading, "time", c)
+    monkeypatch.setattr(_read_path, "time", c)
     return c
 
 

@@ -151,7 +151,7 @@ def test_reader_killed_while_its_forked_child_lives(make_config: Any) -> None:
 def test_fork_hook_closes_only_the_lock_descriptor(make_config: Any) -> None:
     """In the child, the parent's segment is marked forked and its lock descriptor is closed."""
     with ShmObjectStore.create(make_config()) as store:
-        fd = store._seg._fd
+        fd = store._seg.fd
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - child
@@ -383,7 +383,7 @@ def test_a_forked_helper_does_not_keep_a_dead_leader_s_marker(shm_name: str) -> 
             probe = GroupFlight(group, wait_s=3600.0)
             with anyio.move_on_after(0.05):  # the first try is made before any wait
                 await probe.claim("h", lambda: False)
-            return probe.waited == 1 and "h" not in probe._held
+            return probe.waited == 1 and not probe.holds("h")
 
         assert anyio.run(held_by_the_leader)
         kill_and_reap(leader)
@@ -395,7 +395,7 @@ def test_a_forked_helper_does_not_keep_a_dead_leader_s_marker(shm_name: str) -> 
 
         gf = GroupFlight(group, wait_s=3600.0)  # before the fix: waited all of it
         assert anyio.run(claim)
-        assert "h" in gf._held  # claimed the marker itself, not given up on it
+        assert gf.holds("h")  # claimed the marker itself, not given up on it
         gf.release("h")
     finally:
         kill_and_reap(leader)

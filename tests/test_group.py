@@ -130,13 +130,9 @@ def test_killed_gateway_is_seen_dead_reclaimed_and_typed(group: str) -> None:
     pipes, procs = [], []
     try:
         for _ in range(2):
-            parent, child = SPAWN.Pipe()
-            p = SPAWN.Process(target=gp.command_writer, args=(group, child))
-            p.start()
+            p, parent, _shard, _name = gp.start_gateway(group)
             pipes.append(parent)
             procs.append(p)
-            assert parent.poll(60)
-            _ready, shard, _name = parent.recv()
         rx = ReceiverCache.attach_group(group)
         try:
             refs = []
@@ -170,13 +166,9 @@ def test_killed_gateway_is_seen_dead_reclaimed_and_typed(group: str) -> None:
                 assert time.monotonic() < deadline
                 mixed[0] = FeatureSpec("k0", ShmRef.from_dict(_get(pipes[0], "k1")))
             # a new gateway process takes the dead one's shard index (reclaimed)
-            parent, child = SPAWN.Pipe()
-            p = SPAWN.Process(target=gp.command_writer, args=(group, child))
-            p.start()
+            p, parent, shard, _name = gp.start_gateway(group)
             procs.append(p)
             pipes.append(parent)
-            assert parent.poll(60)
-            _ready, shard, _name = parent.recv()
             assert shard == 1
             parent.send(("get", "k9"))
             ref, _ = parent.recv()
@@ -207,12 +199,8 @@ def _get(conn: Any, h: str) -> dict[str, int]:
 def _dead_writer_s_reference(group: str, h: str) -> tuple[int, str, ShmRef]:
     """A gateway process of ``group`` hands out ``h`` and is SIGKILLed: its shard index, its
     segment name (the dead file stays), and the reference."""
-    parent, child = SPAWN.Pipe()
-    p = SPAWN.Process(target=gp.command_writer, args=(group, child))
-    p.start()
+    p, parent, shard, name = gp.start_gateway(group)
     try:
-        assert parent.poll(60)
-        _ready, shard, name = parent.recv()
         ref = ShmRef.from_dict(_get(parent, h))
     finally:
         p.kill()
@@ -325,12 +313,8 @@ def test_a_reference_of_a_shard_that_died_before_the_reader_attached_is_writer_g
     shard" (stress --group found it: a writer killed right after its first request)."""
     from aioshmcache import WriterGoneError
 
-    parent, child = SPAWN.Pipe()
-    p = SPAWN.Process(target=gp.command_writer, args=(group, child))
-    p.start()
+    p, parent, _shard, _name = gp.start_gateway(group)
     try:
-        assert parent.poll(60)
-        parent.recv()
         parent.send(("get", "k"))
         ref, _pre = parent.recv()
         p.kill()
@@ -362,11 +346,7 @@ def test_a_reference_of_a_dead_instance_reclaimed_before_the_reader_started_is_w
     kill). A nonce that no shard file ever held stays ``InvalidReferenceError``."""
 
     def writer_of_shard0() -> tuple[Any, Any]:
-        parent, child = SPAWN.Pipe()
-        p = SPAWN.Process(target=gp.command_writer, args=(group, child))
-        p.start()
-        assert parent.poll(60)
-        _ready, shard, _name = parent.recv()
+        p, parent, shard, _name = gp.start_gateway(group)
         assert shard == 0  # the dead instances' file, reclaimed each time
         return p, parent
 
@@ -715,27 +695,28 @@ def test_a_genuine_reference_read_while_the_writer_reuses_its_place_is_stale_not
         assert isinstance(ref, ShmRef)
         tx.invalidate("k")
         tx.remove_dangling_items()  # freed (nobody owes it), the reuse fence published past it
-        words = tx.store.ring._w
-        words[(ref.address >> 3) + C_STATE] = WRITING  # the writer's first store of the reuse
-        rx = ReceiverCache.attach_group(group)
-        try:
-            with pytest.raises(CacheMissError) as got:
-                rx.get_and_update_features([FeatureSpec("k", ref)])
-            assert list(got.value.mm_hashes) == ["k"]
-            with pytest.raises(StaleReferenceError):
-                rx.get_and_update_item(ref, "k")
-            # a chunk at or past the reuse fence that is still being written is not stale
-            [g] = tx.get_and_update_features([FeatureSpec("g", gp.make_item("g"))])
-            assert isinstance(g.data, ShmRef)
-            at = (g.data.address >> 3) + C_STATE
-            committed, words[at] = words[at], WRITING
-            with pytest.raises(InvalidReferenceError, match="not committed"):
-                rx.get_and_update_features([FeatureSpec("g", g.data)])
-            words[at] = committed
-            [got_g] = rx.get_and_update_features([g])
-            assert np.array_equal(got_g.data["x"], gp.make_item("g")["x"])
-        finally:
-            rx.close()
+        # the ring's words, through its public buffer (released before the cache closes)
+        with tx.store.ring.buf.cast("Q") as words:
+            words[(ref.address >> 3) + C_STATE] = WRITING  # the writer's first store of the reuse
+            rx = ReceiverCache.attach_group(group)
+            try:
+                with pytest.raises(CacheMissError) as got:
+                    rx.get_and_update_features([FeatureSpec("k", ref)])
+                assert list(got.value.mm_hashes) == ["k"]
+                with pytest.raises(StaleReferenceError):
+                    rx.get_and_update_item(ref, "k")
+                # a chunk at or past the reuse fence that is still being written is not stale
+                [g] = tx.get_and_update_features([FeatureSpec("g", gp.make_item("g"))])
+                assert isinstance(g.data, ShmRef)
+                at = (g.data.address >> 3) + C_STATE
+                committed, words[at] = words[at], WRITING
+                with pytest.raises(InvalidReferenceError, match="not committed"):
+                    rx.get_and_update_features([FeatureSpec("g", g.data)])
+                words[at] = committed
+                [got_g] = rx.get_and_update_features([g])
+                assert np.array_equal(got_g.data["x"], gp.make_item("g")["x"])
+            finally:
+                rx.close()
     assert _ours(group) == []
 
 
@@ -830,11 +811,11 @@ def test_a_shard_reclaimed_while_a_reader_finds_it_dead_is_not_taken_for_gone(
     gone), and a new writer reclaims the name right then: the instance remembered is the dead
     one the reader read, not the live one a fresh look at the name finds (which was taken for
     gone, and its genuine references refused as a dead writer's for good)."""
-    from aioshmcache import _group_reader
+    from aioshmcache import _group_receiver
 
     _shard, _name, old = _dead_writer_s_reference(group, "k")
     made: list[SenderCache] = []
-    real = ShmObjectStore  # what ``_group_reader`` attaches shards with
+    real = ShmObjectStore  # what ``_group_receiver`` attaches shards with
 
     class Reclaiming:  # stands in for ``ShmObjectStore`` there: the reclaim comes right after
         @staticmethod
@@ -846,7 +827,7 @@ def test_a_shard_reclaimed_while_a_reader_finds_it_dead_is_not_taken_for_gone(
                     made.append(SenderCache(gp.config(group)))
                 raise
 
-    monkeypatch.setattr(_group_reader, "ShmObjectStore", Reclaiming)
+    monkeypatch.setattr(_group_receiver, "ShmObjectStore", Reclaiming)
     try:
         with ReceiverCache.attach_group(group, wait_for_shard=None) as rx:
             monkeypatch.undo()

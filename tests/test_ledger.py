@@ -120,6 +120,28 @@ class LedgerModel(RuleBasedStateMachine):
         elif self.sessions:
             self.handouts[cid][seq] = _Handout(set(self.sessions), self.clock.now)
 
+    def _acknowledger(self, data: st.DataObject) -> tuple[int, st.SearchStrategy[tuple[int, int]]]:
+        """A session that acknowledges, and what it acknowledges: a (cid, seq) owed now, or any
+        (settled already, never made, or owed by another session)."""
+        s = data.draw(st.sampled_from(sorted(self.sessions)))
+        owed = [(c, q) for c, hs in self.handouts.items() for q in hs]
+        pick_owed: bool = data.draw(st.booleans())
+        if owed and pick_owed:
+            return s, st.sampled_from(owed)
+        return s, st.tuples(st.integers(1, self.next_cid), st.integers(1, self.next_seq))
+
+    def _expect_settle(self, s: int, cid: int, seq: int) -> bool:
+        """The model's acknowledgement of (cid, seq) by session ``s``: whether it settles a debt
+        (a one-of-N hand-out, or one ``s`` owes), which goes once no session owes it."""
+        h = self.handouts.get(cid, {}).get(seq)
+        if h is None or (h.owers is not None and s not in h.owers):
+            return False
+        if h.owers is not None:
+            h.owers.discard(s)
+        if not h.owers:
+            del self.handouts[cid][seq]
+        return True
+
     @precondition(lambda self: self.entries)
     @rule(data=st.data())
     def hand_out(self, data: st.DataObject) -> None:
@@ -131,25 +153,9 @@ class LedgerModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def settle(self, data: st.DataObject) -> None:
         """A session acknowledges some (cid, seq): owed, not owed, or never made."""
-        s = data.draw(st.sampled_from(sorted(self.sessions)))
-        owed = [(c, q) for c, hs in self.handouts.items() for q in hs]
-        pick: bool = data.draw(st.booleans())
-        if owed and pick:
-            cid, seq = data.draw(st.sampled_from(owed))
-        else:
-            cid = data.draw(st.integers(1, self.next_cid))
-            seq = data.draw(st.integers(1, self.next_seq))
-        expected = False
-        h = self.handouts.get(cid, {}).get(seq)
-        if h is not None:
-            if h.owers is None:
-                del self.handouts[cid][seq]
-                expected = True
-            elif s in h.owers:
-                h.owers.discard(s)
-                expected = True
-                if not h.owers:
-                    del self.handouts[cid][seq]
+        s, pair = self._acknowledger(data)
+        cid, seq = data.draw(pair)
+        expected = self._expect_settle(s, cid, seq)
         p = self.progress.get(s)
         self.progress[s] = (seq if p is None else max(p[0], seq), self.clock.now)
         assert self.ledger.settle(cid, seq, s) is expected
@@ -169,28 +175,9 @@ class LedgerModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def settle_batch(self, data: st.DataObject) -> None:
         """A drain: one session's acknowledgements applied in order by ``settle_all``."""
-        s = data.draw(st.sampled_from(sorted(self.sessions)))
-        owed = [(c, q) for c, hs in self.handouts.items() for q in hs]
-        pick_owed: bool = data.draw(st.booleans())
-        one: st.SearchStrategy[tuple[int, int]] = (
-            st.sampled_from(owed)
-            if owed and pick_owed
-            else st.tuples(st.integers(1, self.next_cid), st.integers(1, self.next_seq))
-        )
+        s, one = self._acknowledger(data)
         pairs = data.draw(st.lists(one, max_size=5))
-        expected = 0
-        for cid, seq in pairs:
-            h = self.handouts.get(cid, {}).get(seq)
-            if h is None:
-                continue
-            if h.owers is None:
-                del self.handouts[cid][seq]
-                expected += 1
-            elif s in h.owers:
-                h.owers.discard(s)
-                expected += 1
-                if not h.owers:
-                    del self.handouts[cid][seq]
+        expected = sum(self._expect_settle(s, cid, seq) for cid, seq in pairs)
         if pairs:
             top = max(q for _c, q in pairs)
             p = self.progress.get(s)
@@ -461,5 +448,5 @@ def test_store_lost_broadcast_handout_neither_pins_nor_revokes(shm_name: str) ->
         while not reader_progresses_and_lost_lapses():
             clock.advance(0.05)
         assert clock.now - t0 > 0.2  # the revocation limit passed meanwhile
-        assert not r._reading.slot.revoked  # type: ignore[union-attr]
+        assert not r.read_path.slot.revoked  # type: ignore[union-attr]
         assert r.get(w.put("after", _item()))["x"][5] == 5

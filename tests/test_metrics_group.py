@@ -106,15 +106,11 @@ def test_group_collector_shows_every_shard_as_its_writer_would(group: str) -> No
 
     Shard 1's writer is another process: this process sees it only through shared memory.
     """
-    from .helpers import SPAWN, kill_and_reap
+    from .helpers import kill_and_reap
 
-    parent, child = SPAWN.Pipe()
-    proc = SPAWN.Process(target=gp.command_writer, args=(group, child))
     with SenderCache(gp.config(group)) as a, ReceiverCache.attach_group(group) as rx:
-        proc.start()
+        proc, parent, shard, name = gp.start_gateway(group)
         try:
-            assert parent.poll(60)
-            _ready, shard, name = parent.recv()
             assert shard == 1
             for h in ("h1", "h2"):
                 parent.send(("get", h))

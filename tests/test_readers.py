@@ -335,7 +335,7 @@ def test_torn_reads_are_detected(make_config: Any) -> None:
         refs.append(writer.put("k0", items[0]))
         writer.release(refs[-1])  # nobody owes it: the writer may reuse it at any time
         t.start()
-        wait_until(lambda: writer._readers.word(0, 0) != 0)
+        wait_until(lambda: writer.reader_info()[0].attached)
         deadline = time.monotonic() + 10
         i = 1
         while time.monotonic() < deadline and (outcomes["stale"] < 20 or outcomes["ok"] < 20):

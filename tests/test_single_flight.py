@@ -480,7 +480,7 @@ async def test_a_dead_siblings_marker_is_seen_dead(group: str) -> None:
         gf = GroupFlight(group, wait_s=60.0)
         with anyio.move_on_after(0.05):
             await gf.claim("h", lambda: False)  # held by the live child: still waiting
-        assert gf.waited == 1 and "h" not in gf._held
+        assert gf.waited == 1 and not gf.holds("h")
         await anyio.to_thread.run_sync(kill_and_reap, proc)
         with anyio.fail_after(30):  # the kernel dropped the dead child's lock
             assert await gf.claim("h", lambda: False)
@@ -591,10 +591,8 @@ async def test_concurrent_callers_of_a_hash_a_sibling_holds_never_make_it(group:
                     tg.start_soon(ask)
                     await anyio.to_thread.run_sync(entered.wait, 60)  # the copy is under way
                     tg.start_soon(ask)
-                    flights = b._flight._flights
-                    await _until(
-                        lambda: len(results) == 1 or ("h" in flights and flights["h"].waiters == 1)
-                    )
+                    flight = b._flight
+                    await _until(lambda: len(results) == 1 or flight.waiters("h") == 1)
                     gate.set()
             finally:
                 gate.set()
@@ -673,7 +671,7 @@ async def test_every_call_of_make_is_a_counted_run_on_every_path(group: str) -> 
             tg.start_soon(lead)
             await _until(lambda: calls == 3)
             tg.start_soon(b.get_or_put, "cancelled", counted())
-            await _until(lambda: b._flight._flights["cancelled"].waiters == 1)
+            await _until(lambda: b._flight.waiters("cancelled") == 1)
             leader.cancel()
         same()
         await b.get_or_put("from-tier", counted())  # the tier served it: make not called

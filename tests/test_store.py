@@ -28,11 +28,10 @@ from aioshmcache import (
 )
 from aioshmcache._inspect import inspect_segment
 from aioshmcache._layout import H_SECRET, chunk_size
-from aioshmcache._serde import MsgpackSerde
 from aioshmcache._types import reference_tag
 from aioshmcache.store import StoreReader, StoreWriter
 
-from .helpers import SPAWN, checksum
+from .helpers import SPAWN, HookAfterRead, checksum
 
 KEYS = [f"k{i}" for i in range(6)]  # few: the ring fills, wraps and evicts often
 
@@ -353,9 +352,10 @@ def test_each_role_holds_only_its_own_state(make_config: Any) -> None:
         for obj, cls in ((store, StoreWriter), (reader, StoreReader)):
             assert not hasattr(obj, "__dict__")
             assert all(hasattr(obj, n) for n in _slots(cls)), "a declared field left unset"
-        # the writer's read path is private (it has no read_path): its slot is under test
-        assert store._reading.slot is None  # no reader slot: the writer owes nothing
+        # the writer claims no reader slot (it owes nothing): the one slot attached is the reader's
         assert reader.read_path.slot is not None
+        attached = [s.slot for s in store.reader_info() if s.attached]
+        assert attached == [reader.read_path.slot.slot]
         for name in writer_only:
             assert not hasattr(reader, name)
 
@@ -580,22 +580,9 @@ def test_writer_and_two_reader_processes_move_1000_items(make_config: Any) -> No
                     p.join(5)
 
 
-class _ReuseAfterCopy(MsgpackSerde):
-    """A serde whose next read runs ``hook`` right after its copy (a second writer thread)."""
-
-    hook: Any = None
-
-    def read(self, buf: memoryview, *, copy: bool = True) -> object:
-        value = super().read(buf, copy=copy)
-        hook, self.hook = self.hook, None
-        if hook is not None:
-            hook()
-        return value
-
-
 def test_writer_own_get_verifies_like_a_reader(make_config: Any) -> None:
     """Evicted and reused mid-copy: the writer's get says stale instead of returning the copy."""
-    serde = _ReuseAfterCopy()
+    serde = HookAfterRead()
     with ShmObjectStore.create(make_config(1 << 16, 1 << 12, 1), serde=serde) as store:
         ref = store.put("a", {"x": np.arange(100)})
         assert store.get(ref)["x"][7] == 7
@@ -614,7 +601,7 @@ def test_writer_own_get_verifies_like_a_reader(make_config: Any) -> None:
 @pytest.mark.parametrize("copy", [True, False])
 def test_reader_get_verifies_after_the_copy(make_config: Any, copy: bool) -> None:
     """Cleared and reused mid-copy: a reader's get says stale instead of returning the copy."""
-    serde = _ReuseAfterCopy()
+    serde = HookAfterRead()
     with (
         ShmObjectStore.create(make_config(1 << 16, 1 << 12, 1)) as store,
         ShmObjectStore.from_handle(store.handle(), serde=serde) as reader,
@@ -651,7 +638,7 @@ def test_reader_get_reads_the_usual_reference_without_the_general_path(
     """A valid reference, a live writer, a slot with room: no detour through the general path
     (``ReadPath._get``), whose repeated checks cost a small read a quarter of its time. An
     unusual one (a dict, a forged tag, a stale chunk) still takes it, for its typed errors."""
-    from aioshmcache._reading import ReadPath
+    from aioshmcache._read_path import ReadPath
 
     detours: list[object] = []
     general = ReadPath._get

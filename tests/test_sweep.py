@@ -155,7 +155,7 @@ def _owns_its_file(seg: Segment) -> bool:
         st = os.stat(os.path.join(SHM, seg.name))
     except FileNotFoundError:
         return False
-    mine = os.fstat(seg._fd)
+    mine = os.fstat(seg.fd)
     return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 

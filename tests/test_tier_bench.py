@@ -6,18 +6,14 @@ more preprocessings than no tier, the targets carry a verdict, and nothing is le
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from aioshmcache.tools.redis_server import redis_binaries
 
-ROOT = Path(__file__).resolve().parent.parent
+from .helpers import run_quick_bench
 
 pytestmark = [
     pytest.mark.bench,
@@ -27,17 +23,7 @@ pytestmark = [
 
 
 def test_fleet_suite_quick(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "aioshmcache", "bench", "--quick", "--suite", "fleet"],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    data = json.loads((tmp_path / "aioshmcache-bench-fleet-quick.json").read_text("utf-8"))
+    data, _proc = run_quick_bench(tmp_path, "fleet", timeout=600)
     rows = {r["label"] + "|" + r["param"]: r for r in data["rows"]}
     assert all(math.isfinite(r["value"]) for r in rows.values())
     by_label = {r["label"]: r for r in data["rows"]}

@@ -256,9 +256,14 @@ def test_linear_cost_one_size_only() -> None:
 
 
 def _trained(
-    make_s: float = 0.020, fixed: float = 0.0003, per_byte: float = 2.5e-9, probe: float = 0.0002
+    make_s: float = 0.020,
+    fixed: float = 0.0003,
+    per_byte: float = 2.5e-9,
+    probe: float = 0.0002,
+    *,
+    explore_every: int = 0,
 ) -> TierPolicy:
-    p = TierPolicy(margin=0.8, explore_every=0, warmup=0)
+    p = TierPolicy(margin=0.8, explore_every=explore_every, warmup=0)
     for n in (MiB, 2 * MiB, 4 * MiB, 8 * MiB) * 4:
         p.observe_make(make_s, n)
         p.observe_probe(probe)
@@ -319,8 +324,7 @@ def test_policy_before_learning_is_optimistic_and_explores() -> None:
     p = TierPolicy(explore_every=3)
     assert p.fetch_budget(64 * MiB) == 64 * MiB  # no make seen yet
     assert p.fetch_cost(0) == p.probe_cost() == pytest.approx(0.0005)  # the prior
-    p = _trained(make_s=0.0002, fixed=0.0003, probe=0.0003)
-    p._explore_every = 3
+    p = _trained(make_s=0.0002, fixed=0.0003, probe=0.0003, explore_every=3)
     assert [p.lookup_budget(64 * MiB) for _ in range(6)] == [0, 0, 64 * MiB, 0, 0, 64 * MiB]
 
 
@@ -400,7 +404,7 @@ def test_policy_decides_as_the_true_costs_do_at_every_size_seen(t: dict[str, Any
     budget = p.fetch_budget(1 << 40)  # a cap over every size drawn
     # a make that grows faster than a fetch: only large values win, and a look-up cannot ask
     # for "at least n" bytes: the budget is then everything, and the reported size decides
-    large_win = _MARGIN * p._make.coefficients()[1] >= p.fetch_coefficients()[1]
+    large_win = _MARGIN * p.make_coefficients()[1] >= p.fetch_coefficients()[1]
     for n in t["sizes"]:
         v = n + t["value_extra"]
         view = p.view(1 << 40)
@@ -447,7 +451,7 @@ def test_policy_with_a_make_proportional_to_its_size_uses_the_tier() -> None:
         p.observe_make(0.050 * n / MiB, n)
         p.observe_probe(0.001)
         p.observe_fetch(0.0005 + 0.002 * n / MiB, n)
-    assert p._make.coefficients()[0] == pytest.approx(0.0, abs=1e-9)
+    assert p.make_coefficients()[0] == pytest.approx(0.0, abs=1e-9)
     assert p.fetch_budget(64 * MiB) == 64 * MiB
 
 

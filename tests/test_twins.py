@@ -281,7 +281,7 @@ PRIVATE_RETURNS: dict[str, str] = {
     "StoreWriter.pin_entry": "aioshmcache._ledger.Debts",
     "StoreWriter.pin_ids": "aioshmcache._ledger.Debts",
     # the reader's read path, the internal API its cache's requests drive step by step
-    "StoreReader.read_path": "aioshmcache._reading.ReadPath",
+    "StoreReader.read_path": "aioshmcache._read_path.ReadPath",
     # the channel pool's book, to read in tests and diagnostics (counts, backoff), not to drive
     "EngineClient.pool": "aioshmcache._channel_conn.FrameConnection",
 }

@@ -199,7 +199,7 @@ def bench_traces(p: Params, report: Report, progress: Progress) -> None:
                         f"({fmt_bytes(capacity)}), {name}, {len(trace):,} requests"
                     )
                     got[name].append(replay(trace, sizes, capacity, second_chance=sc))
-    _report(p, report, results, distinct, capacities, [n for n, _ in POLICIES])
+    report_results(p, report, results, distinct, capacities, [n for n, _ in POLICIES])
 
 
 def _median(values: Any) -> tm.Stat:
@@ -207,9 +207,11 @@ def _median(values: Any) -> tm.Stat:
     return tm.Samples([[v] for v in values]).stat()
 
 
-def _report(
+def report_results(
     p: Params, report: Report, results: Cells, distinct: Cells, capacities: Cells, real: list[str]
 ) -> None:
+    """Add the suite's notes, rows and targets to ``report`` from the runs' results (the misses
+    of each policy per skew and capacity); ``real``: the policies run through the real cache."""
     (lo, hi), scale, seeds = p.trace_sizes, p.trace_scale, p.trace_seeds
     runs = f"{seeds} seed{'s' if seeds > 1 else ''}"
     scaled = (

@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from aioshmcache._shards import SHARD_ENTRIES, SHARDS, ShardedMap, shards_for
+from aioshmcache._sharded_map import SHARD_ENTRIES, SHARDS, ShardedMap, shards_for
 
 
 def test_it_behaves_as_a_dict() -> None:

@@ -16,8 +16,8 @@ segment may make) would settle the genuine hand-out its (id, seq) names before t
 it, and the writer would free the chunk under that reader.
 
 **The one owner of the read algorithm.** Every read goes through this class; the requests of
-the caches (``_receive.ReceiverRequest``) drive its steps and hold none of their own: the usual
-read of a plain item in one call (:meth:`ReadPath.read_item`, the core's ``read_item``:
+the caches (``_receiver_request.ReceiverRequest``) drive its steps and hold none of their own:
+the usual read of a plain item in one call (:meth:`ReadPath.read_item`, the core's ``read_item``:
 ``_core_read.c``, reference ``_core_read_py``), else ``lookup`` (the usual checks, nothing
 raised) or ``check_reader_held`` + ``resolve_held`` (every check, typed errors), then
 ``finish_read_held``
@@ -77,7 +77,7 @@ from ._layout import (
     STATE_LIVE,
     semaphore_name,
 )
-from ._readers import ReaderSlot
+from ._reader_table import ReaderSlot
 from ._ring import ShmRingBuffer
 from ._segment import Segment
 from ._serde import MsgpackSerde, Serde

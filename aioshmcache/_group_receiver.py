@@ -40,7 +40,7 @@ from typing import Any
 
 from ._group import shard_identity
 from ._layout import LAYOUT_VERSION, SHM_DIR, group_word
-from ._receive import ReceiverRequest, genuine, single_item
+from ._receiver_request import ReceiverRequest, genuine, single_item
 from ._request import (
     DEFAULT_INLINE_THRESHOLD,
     RequestCounters,

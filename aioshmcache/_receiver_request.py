@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any, Final, cast
 
-from ._readers import ReaderSlot
-from ._reading import ReadPath
+from ._read_path import ReadPath
+from ._reader_table import ReaderSlot
 from ._request import (
     _NONE,
     DEFAULT_INLINE_THRESHOLD,
@@ -389,7 +389,7 @@ def read_one(store: StoreReader, counters: RequestCounters, mm_item: Any, mm_has
 def genuine(store: StoreReader, ref: ShmRef) -> bool:
     """Whether ``ref`` is a live hand-out of ``store``'s segment now: a reference whose read
     failed otherwise than typed, or was never read, is given back only then (never a forged or
-    stale one: see ``_reading``)."""
+    stale one: see ``_read_path``)."""
     try:
         store.validate(ref)
     except (ShmCacheError, ValueError, TypeError):
