@@ -68,7 +68,7 @@ import posix_ipc
 
 from ._acks import Acknowledgements
 from ._core_api import core
-from ._evict import Eviction
+from ._evict import EVICT_AHEAD_PUTS, EVICT_SLACK_CHUNKS, Eviction
 from ._hints import Hint, HintTable
 from ._layout import (
     CHUNK_HEADER,
@@ -117,6 +117,8 @@ _new_ref: Final = tuple.__new__  # ShmRef's fields in order, without its Python-
 core.configure(ShmRef, MsgpackPlan, MsgpackSerde)
 #: the core's hand-out (``_core_put.c``) stands for ``Acknowledgements.hand_out`` in its puts
 core.configure_hand_out(Acknowledgements, HandoutLedger, Debts)
+#: ...and makes the room itself in the usual case: ``Eviction.make_room``'s FIFO pass, compiled
+core.configure_evict(Eviction, EVICT_AHEAD_PUTS, EVICT_SLACK_CHUNKS, H_EVICTIONS)
 _put_plain = core.put_plain
 #: the core's reference of a hand-out (``StoreWriter._ref``); None: the Python steps decide
 _make_ref = core.make_ref
