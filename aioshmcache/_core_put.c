@@ -6,7 +6,7 @@
  * (``MsgpackSerde.write`` of a plan: prefix and header, zeroed gaps, array bytes), the commit,
  * the tag's base, the row, key and index entries and the usage words (``_publish_put``) —
  * then the hand-out (``hand_out`` below, standing for the store's ``_hand_out_seq``) and
- * returns the ``ShmRef``. Anything else (a duplicate, a wrap or no room, columns to grow, hints, another
+ * returns the ``ShmRef``. Anything else (a duplicate, room that needs the eviction policy, columns to grow, hints, another
  * serde, a source array that is not C-contiguous or changed size, ...) returns None *before
  * any side effect*, and the reference path handles it.
  *
@@ -1557,7 +1557,7 @@ done:
  * miss, as in the request. It declines (None) before any side effect for anything else — a
  * hit, a look-up (no item), a group shard, another serde, a hash remembered too large, an item
  * that is not a dict or is ``inline_below`` bytes or more, and whatever ``put_plain`` declines
- * (no room: eviction) — and the request runs. */
+ * (room that needs the eviction policy) — and the request runs. */
 static PyObject *s_check_owner, *s_lock, *s_acquire, *s_release, *s_plan, *s_siblings;
 static PyObject *s_too_large, *s_sizes, *s_counters, *s_total, *s_hits, *s_words, *s_keep;
 static PyObject *s_nbytes, *s_pub_index, *s_found_too_large, *s_count_miss, *too_large_error;
