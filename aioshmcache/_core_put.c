@@ -6,7 +6,7 @@
  * (``MsgpackSerde.write`` of a plan: prefix and header, zeroed gaps, array bytes), the commit,
  * the tag's base, the row, key and index entries and the usage words (``_publish_put``) —
  * then the hand-out (``hand_out`` below, standing for the store's ``_hand_out_seq``) and
- * returns the ``ShmRef``. Anything else (a duplicate, a wrap or no room, columns to grow, hints, another
+ * returns the ``ShmRef``. Anything else (a duplicate, room that needs the eviction policy, columns to grow, hints, another
  * serde, a source array that is not C-contiguous or changed size, ...) returns None *before
  * any side effect*, and the reference path handles it.
  *
@@ -108,6 +108,8 @@ static PyObject *s_secret, *s_nonce, *s_guarded, *s_has_hints, *s_hand_out_seq, 
 static PyObject *s_tail, *s_limit, *s_end, *s_head, *s_mask, *s_addr, *s_size, *s_id, *s_cpos;
 static PyObject *s_state, *s_at, *s_at_mask, *s_lap, *s_used, *s_w, *s_hw, *s_closed, *s_forked;
 static PyObject *s_layout, *s_sources, *s_shards, *s_n, *s_map_mask, *s_pins;
+static PyObject *s_evict, *s_acks, *s_entries, *s_hints, *s_marked, *s_second_chance;
+static PyObject *s_evict_slack, *s_evictions, *s_on_evict, *s_capacity, *s_drain_name;
 
 static int
 intern_names(void)
@@ -123,7 +125,11 @@ intern_names(void)
         {&s_lap, "_lap"}, {&s_used, "used_bytes"}, {&s_w, "_w"}, {&s_hw, "_hw"},
         {&s_closed, "closed"}, {&s_forked, "forked"}, {&s_layout, "_layout"},
         {&s_sources, "_sources"}, {&s_shards, "shards"}, {&s_n, "n"},
-        {&s_map_mask, "mask"},
+        {&s_map_mask, "mask"}, {&s_evict, "_evict"}, {&s_acks, "_acks"},
+        {&s_entries, "_entries"}, {&s_hints, "_hints"}, {&s_marked, "marked"},
+        {&s_second_chance, "second_chance"}, {&s_evict_slack, "evict_slack"},
+        {&s_evictions, "evictions"}, {&s_on_evict, "on_evict"}, {&s_capacity, "capacity"},
+        {&s_drain_name, "drain"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (*names[i].p == NULL && (*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL)
@@ -784,6 +790,404 @@ done:
     return result;
 }
 
+/* --- the eviction pass of a put (``Eviction.make_room`` with no wait, the reference) ---------
+ * When the chunk does not fit right after the tail, ``put_plain`` makes the room itself in the
+ * usual case instead of declining: a wrap to address 0 (``ShmRingBuffer._allocate_rare``), or
+ * the log drain and one FIFO pass from the head (``Eviction._reclaim``'s ``ring.free`` with its
+ * batch slack, then ``Eviction.forget``), exactly as the reference does them. The whole pass is
+ * planned first, reading only: the chunks it frees are the oldest, in order, each free by the
+ * reference's own test — dead, or committed, not guarded by a request, not tracked by the
+ * ledger (nothing owed, pinned or touched) and, with second chance, not marked while the put
+ * still needs room. It declines (the reference runs) before any side effect for anything else:
+ * a tracked entry (debts to probe, expiry, pins: the ledger's policy), a marked head (a
+ * relocation), no room after the pass (waiting, probing or the typed error), a key hint table,
+ * another eviction class. The one thing done before such a decline is the drain — the
+ * reference's own first step, which applies the readers' acknowledgements and finds nothing new
+ * when the reference runs it again — so either path ends in the same state.
+ *
+ * ``configure_evict(Eviction, EVICT_AHEAD_PUTS, EVICT_SLACK_CHUNKS, H_EVICTIONS)``: the class
+ * and the constants, from ``aioshmcache._evict`` (their one definition). */
+static PyObject *evict_type;
+static int64_t ev_ahead_puts, ev_slack_chunks;
+static Py_ssize_t ev_h_evictions = -1;
+
+static PyObject *
+core_configure_evict(PyObject *self, PyObject *args)
+{
+    PyObject *t;
+    long long ahead, chunks;
+    Py_ssize_t h;
+    if (!PyArg_ParseTuple(args, "O!LLn:configure_evict", &PyType_Type, &t, &ahead, &chunks, &h))
+        return NULL;
+    if (ahead < 0 || chunks < 0 || h < 0 || h >= AIOSHM_HEADER_SIZE / 8) {
+        PyErr_SetString(PyExc_ValueError, "configure_evict: a constant out of range");
+        return NULL;
+    }
+    if (intern_names() < 0)
+        return NULL;
+    Py_INCREF(t);
+    Py_XSETREF(evict_type, t);
+    ev_ahead_puts = ahead;
+    ev_slack_chunks = chunks;
+    ev_h_evictions = h;
+    Py_RETURN_NONE;
+}
+
+/* ``ShmRingBuffer._place``: where a chunk of ``size`` fits with the head at number ``k``. */
+static int64_t
+ring_place(int64_t cap, int64_t tail, int64_t k, int64_t end, const int64_t *addrs, int64_t mask,
+           int64_t size)
+{
+    if (end == k)
+        return size <= cap ? 0 : -1;
+    int64_t head = addrs[k & mask];
+    if (tail > head) {
+        if (cap - tail >= size)
+            return tail;
+        return head >= size ? 0 : -1;
+    }
+    return head - tail >= size ? tail : -1;
+}
+
+/* The room a put makes, planned (nothing changed yet). */
+typedef struct {
+    int64_t nfree;                  /* chunks freed from the head: numbers headk .. headk+nfree-1 */
+    int64_t head, tail, lap, limit, used, head_pos; /* the ring after the frees and any wrap */
+    PyObject *ev, *marked, *keys, *index, *rows, *on_evict; /* the eviction's, when nfree > 0 */
+} Room;
+
+static void
+room_clear(Room *r)
+{
+    Py_CLEAR(r->ev);
+    Py_CLEAR(r->marked);
+    Py_CLEAR(r->keys);
+    Py_CLEAR(r->index);
+    Py_CLEAR(r->rows);
+    Py_CLEAR(r->on_evict);
+}
+
+/* ``key = keys.get(cid)`` and ``index.get(key) == cid`` (``Eviction._is_marked``'s second half):
+ * 1 if so, 0 if not, -1 on error. */
+static int
+still_indexed(PyObject *keys, PyObject *index, PyObject *cid_obj)
+{
+    PyObject *ks = shard_of(keys, cid_obj);
+    if (ks == NULL)
+        return -1;
+    PyObject *key = PyDict_GetItemWithError(ks, cid_obj);
+    Py_XINCREF(key);
+    Py_DECREF(ks);
+    if (key == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    PyObject *is = shard_of(index, key);
+    if (is == NULL) {
+        Py_DECREF(key);
+        return -1;
+    }
+    PyObject *c = PyDict_GetItemWithError(is, key);
+    Py_XINCREF(c);
+    Py_DECREF(is);
+    Py_DECREF(key);
+    if (c == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    int eq = PyObject_RichCompareBool(c, cid_obj, Py_EQ);
+    Py_DECREF(c);
+    return eq;
+}
+
+/* Is ``cid`` in the sharded map ``m`` (1/0/-1). */
+static int
+map_contains(PyObject *m, PyObject *key)
+{
+    PyObject *d = shard_of(m, key);
+    if (d == NULL)
+        return -1;
+    int rc = PyDict_Contains(d, key);
+    Py_DECREF(d);
+    return rc;
+}
+
+/* Plan the room for a chunk of ``size`` bytes (payload ``nbytes``) when it does not fit after
+ * the tail: 0 (planned, maybe with frees: ``r``), 1 (decline), -1 (error). Reads only, but for
+ * the drain (see above). */
+static int
+plan_room(PyObject *store, PyObject *ring, Room *r, int64_t nbytes, int64_t size, int64_t cap,
+          int64_t tail, int64_t limit, int64_t headk, int64_t end, int64_t lap, int64_t used,
+          int64_t mask, const int64_t *addrs, const int64_t *ids, const int64_t *states,
+          const int64_t *cpos)
+{
+    int rc = 1;
+    PyObject *acks = NULL, *entries = NULL, *hints = NULL, *pins = NULL, *guarded = NULL;
+    PyObject *cid_obj = NULL;
+    *r = (Room){.nfree = 0, .head = headk, .tail = tail, .lap = lap, .limit = limit,
+                .used = used, .head_pos = 0};
+    int64_t k = headk;
+    if (ring_place(cap, tail, k, end, addrs, mask, size) < 0) {
+        /* no room without freeing: the reference's eviction pass (``make_room``, no wait) */
+        if (evict_type == NULL || nbytes <= 0)
+            return 1;
+        if ((r->ev = fast_getattr(store, s_evict)) == NULL)
+            return -1;
+        if ((PyObject *)Py_TYPE(r->ev) != evict_type)
+            return 1;
+        int sc = attr_true(r->ev, s_second_chance);
+        int64_t slack, evictions;
+        if (sc < 0 || (rc = get_i64(r->ev, s_evict_slack, &slack)) != 0 ||
+            (rc = get_i64(r->ev, s_evictions, &evictions)) != 0)
+            return sc < 0 ? -1 : rc;
+        rc = 1;
+        if ((hints = fast_getattr(r->ev, s_hints)) == NULL)
+            return -1;
+        if (hints != Py_None)
+            goto out; /* a group shard's key hints: the reference */
+        if ((acks = fast_getattr(r->ev, s_acks)) == NULL ||
+            (r->marked = fast_getattr(r->ev, s_marked)) == NULL ||
+            (r->keys = fast_getattr(r->ev, s_keys)) == NULL ||
+            (r->index = fast_getattr(r->ev, s_index)) == NULL ||
+            (r->rows = fast_getattr(r->ev, s_rows)) == NULL ||
+            (r->on_evict = fast_getattr(r->ev, s_on_evict)) == NULL ||
+            (pins = fast_getattr(r->ev, s_pins)) == NULL ||
+            (guarded = fast_getattr(pins, s_guarded)) == NULL) {
+            rc = -1;
+            goto out;
+        }
+        if (guarded != Py_None && !PyDict_CheckExact(guarded))
+            goto out;
+        /* the reference's first step: the readers' acknowledgements applied */
+        PyObject *d = PyObject_CallMethodNoArgs(acks, s_drain_name);
+        if (d == NULL) {
+            rc = -1;
+            goto out;
+        }
+        Py_DECREF(d);
+        if ((entries = fast_getattr(r->ev, s_entries)) == NULL) {
+            rc = -1;
+            goto out;
+        }
+        if (!PyDict_CheckExact(entries))
+            goto out;
+        /* ``ring.free(pred, nbytes, slack=..., max_extra=EVICT_SLACK_CHUNKS)``, planned */
+        if (0 < slack && slack < nbytes) { /* a big put: room for a few more like it */
+            int64_t ahead = ev_ahead_puts * size, sixteenth = cap / 16;
+            int64_t more = ahead < sixteenth ? ahead : sixteenth;
+            if (more > slack)
+                slack = more;
+        }
+        int64_t need = size, extra = 0;
+        int fits = 0;
+        while (end != k) {
+            if (!fits)
+                fits = tail + need <= limit || ring_place(cap, tail, k, end, addrs, mask, need) >= 0;
+            if (fits) {
+                if (extra >= ev_slack_chunks)
+                    break;
+                int64_t a = addrs[k & mask];
+                int64_t u = tail > a ? tail - a : cap - a + tail;
+                if (cap - u >= need + slack)
+                    break;
+                extra++;
+            }
+            int64_t j = k & mask, st = states[j];
+            if (st == CHUNK_WRITING)
+                break;
+            Py_XSETREF(cid_obj, PyLong_FromLongLong(ids[j]));
+            if (cid_obj == NULL) {
+                rc = -1;
+                goto out;
+            }
+            int in = PyDict_Contains(entries, cid_obj);
+            if (in < 0) {
+                rc = -1;
+                goto out;
+            }
+            if (in)
+                goto out; /* tracked by the ledger (owed, pinned, touched): its policy */
+            if (st == CHUNK_COMMITTED) {
+                if (guarded != Py_None) {
+                    int g = PyDict_Contains(guarded, cid_obj);
+                    if (g < 0) {
+                        rc = -1;
+                        goto out;
+                    }
+                    if (g)
+                        break; /* guarded by the request deciding now: not free */
+                }
+                if (sc) {
+                    int m = map_contains(r->marked, cid_obj);
+                    if (m < 0) {
+                        rc = -1;
+                        goto out;
+                    }
+                    if (m) {
+                        if (!fits)
+                            goto out; /* a second chance while room is needed: relocation */
+                        int still = still_indexed(r->keys, r->index, cid_obj);
+                        if (still < 0) {
+                            rc = -1;
+                            goto out;
+                        }
+                        if (still)
+                            break; /* kept in the slack */
+                    }
+                }
+            }
+            k++;
+        }
+        if (!fits) /* nothing more is free: probing, waiting or the typed error */
+            fits = k != headk && ring_place(cap, tail, k, end, addrs, mask, need) >= 0;
+        if (!fits)
+            goto out;
+        r->nfree = k - headk;
+        if (r->nfree) { /* ``_publish_head`` */
+            r->head = k;
+            if (end != k) {
+                r->head_pos = cpos[k & mask];
+                r->used = lap + tail - r->head_pos;
+            } else {
+                int64_t pos = lap + tail;
+                r->lap = (pos + cap - 1) / cap * cap;
+                r->tail = 0;
+                r->head_pos = r->lap;
+                r->used = 0;
+            }
+            if (end == k)
+                r->limit = r->tail == 0 ? cap : -1;
+            else
+                r->limit = r->tail > addrs[k & mask] ? cap : addrs[k & mask];
+        }
+    }
+    /* the allocation: right after the tail, or a wrap to 0 first (``_allocate_rare``) */
+    if (r->tail + size > r->limit) {
+        int64_t at = ring_place(cap, r->tail, r->head, end, addrs, mask, size);
+        if (at < 0)
+            goto out; /* never: planned to fit */
+        if (at != r->tail) {
+            r->lap += cap;
+            r->used += cap - r->tail;
+            r->tail = 0;
+        }
+        if (end == r->head)
+            r->limit = r->tail == 0 ? cap : -1;
+        else
+            r->limit = r->tail > addrs[r->head & mask] ? cap : addrs[r->head & mask];
+        if (r->tail + size > r->limit)
+            goto out;
+    }
+    rc = 0;
+out:
+    Py_XDECREF(acks), Py_XDECREF(entries), Py_XDECREF(hints), Py_XDECREF(pins);
+    Py_XDECREF(guarded), Py_XDECREF(cid_obj);
+    return rc;
+}
+
+/* ``del m[key]`` of a sharded map when present (``m.n`` counted down): 0, or -1. */
+static int
+map_discard(PyObject *m, PyObject *key, PyObject **popped)
+{
+    PyObject *d = shard_of(m, key);
+    if (d == NULL)
+        return -1;
+    PyObject *v = PyDict_GetItemWithError(d, key);
+    if (v == NULL) {
+        Py_DECREF(d);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    if (popped != NULL)
+        *popped = Py_NewRef(v);
+    int rc = PyDict_DelItem(d, key);
+    Py_DECREF(d);
+    if (rc < 0)
+        return -1;
+    int64_t n;
+    rc = get_i64(m, s_n, &n);
+    if (rc != 0) {
+        if (rc == 1)
+            PyErr_SetString(PyExc_RuntimeError, "internal error: a map's count is not an int");
+        return -1;
+    }
+    return set_i64(m, s_n, n - 1);
+}
+
+/* The planned frees, in the reference's order: each chunk's state word and address entry
+ * (``ring.free``), the reuse fence (``_publish_head``: before any byte is reused), then
+ * ``Eviction.forget``: marks, rows, keys, index entries, the evictions counted (and
+ * ``on_evict`` called) and published. 0, or -1. */
+static int
+apply_frees(PyObject *ring, Room *r, uint64_t *ringw, volatile uint64_t *hw, int64_t headk,
+            int64_t mask, const int64_t *addrs, const int64_t *ids, PyObject *at,
+            int64_t at_mask)
+{
+    for (int64_t k = headk; k < headk + r->nfree; k++) {
+        int64_t a = addrs[k & mask];
+        STORE_WORD(&ringw[(a >> 3) + C_STATE], CHUNK_FREED);
+        PyObject *u = PyLong_FromLongLong(a >> 6);
+        if (u == NULL)
+            return -1;
+        int rc = PyDict_DelItem(PyList_GET_ITEM(at, (Py_ssize_t)((a >> 6) & at_mask)), u);
+        Py_DECREF(u);
+        if (rc < 0)
+            return -1;
+    }
+    STORE_WORD(&hw[H_HEAD_POS], (uint64_t)r->head_pos);
+    if (set_i64(ring, s_head, r->head) < 0 || set_i64(ring, s_lap, r->lap) < 0 || set_i64(ring, s_tail, r->tail) < 0 ||
+        set_i64(ring, s_used, r->used) < 0 || set_i64(ring, s_limit, r->limit) < 0)
+        return -1;
+    int64_t evictions, before;
+    int g = get_i64(r->ev, s_evictions, &evictions);
+    if (g != 0) {
+        if (g == 1)
+            PyErr_SetString(PyExc_RuntimeError, "internal error: evictions is not an int");
+        return -1;
+    }
+    before = evictions;
+    for (int64_t k = headk; k < headk + r->nfree; k++) {
+        PyObject *cid = PyLong_FromLongLong(ids[k & mask]), *key = NULL;
+        if (cid == NULL)
+            return -1;
+        int rc = map_discard(r->marked, cid, NULL);
+        if (rc == 0)
+            rc = map_discard(r->rows, cid, NULL);
+        if (rc == 0)
+            rc = map_discard(r->keys, cid, &key);
+        if (rc == 0 && key != NULL) {
+            PyObject *is = shard_of(r->index, key);
+            PyObject *c = is == NULL ? NULL : PyDict_GetItemWithError(is, key);
+            int same = c == NULL ? (PyErr_Occurred() ? -1 : 0)
+                                 : PyObject_RichCompareBool(c, cid, Py_EQ);
+            if (same > 0) { /* ``del index[key]``, then counted and told */
+                if (PyDict_DelItem(is, key) < 0)
+                    same = -1;
+                else {
+                    int64_t n;
+                    int gi = get_i64(r->index, s_n, &n);
+                    if (gi != 0 || set_i64(r->index, s_n, n - 1) < 0 ||
+                        set_i64(r->ev, s_evictions, ++evictions) < 0) {
+                        if (gi == 1)
+                            PyErr_SetString(PyExc_RuntimeError, "internal error: not a count");
+                        same = -1;
+                    }
+                    else if (r->on_evict != Py_None) {
+                        PyObject *res = PyObject_CallOneArg(r->on_evict, key);
+                        if (res == NULL)
+                            same = -1;
+                        Py_XDECREF(res);
+                    }
+                }
+            }
+            Py_XDECREF(is);
+            rc = same < 0 ? -1 : 0;
+        }
+        Py_XDECREF(key);
+        Py_DECREF(cid);
+        if (rc < 0)
+            return -1;
+    }
+    if (evictions != before)
+        STORE_WORD(&hw[ev_h_evictions], (uint64_t)evictions);
+    return 0;
+}
+
 static PyObject *
 core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -803,6 +1207,7 @@ core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *serde = NULL, *pending = NULL, *waiting = NULL, *ring = NULL, *seg = NULL;
     PyObject *layout = NULL, *sources = NULL, *at = NULL, *atshard = NULL, *k_obj = NULL;
     PyObject *u_obj = NULL;
+    Room room = {.nfree = 0};
 
     /* --- every check, no side effect -------------------------------------------------- */
     NEED(serde = fast_getattr(store, s_serde));
@@ -881,14 +1286,13 @@ core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     CHECK(get_i64(ring, s_at_mask, &at_mask));
     CHECK(get_i64(ring, s_lap, &lap));
     CHECK(get_i64(ring, s_used, &used));
-    int64_t size = CHUNK_HEADER + (((int64_t)nbytes + 63) & -64);
-    if (tail < 0 || tail % 64 != 0 || tail + size > limit)
-        DECLINE(); /* a wrap, or no room: the reference (which may evict) */
-    if (end - headk > mask)
-        DECLINE(); /* the columns must grow first */
+    int64_t size = CHUNK_HEADER + (((int64_t)nbytes + 63) & -64), cap;
+    CHECK(get_i64(ring, s_capacity, &cap));
+    if (tail < 0 || tail % 64 != 0 || size > cap || mask < 0 || headk > end)
+        DECLINE(); /* a chunk that can never fit: the reference raises */
     CHECK(get_words(ring, s_w, &held.ring));
     held.has_ring = 1;
-    if (tail + size > held.ring.len)
+    if (held.ring.len < cap)
         DECLINE();
     CHECK(get_words(store, s_hw, &held.hw));
     held.has_hw = 1;
@@ -899,13 +1303,26 @@ core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     for (int c = 0; c < 5; c++) {
         CHECK(get_words(ring, cols[c], &held.col[held.ncol]));
         held.ncol++;
-        if (held.col[c].len / 8 <= j)
+        if (held.col[c].len / 8 != mask + 1)
             DECLINE();
     }
+    const int64_t *addrs = held.col[0].buf, *ids = held.col[2].buf;
+    for (int64_t k = headk; k < end && tail + size > limit; k++) /* chunks the pass may visit */
+        if (addrs[k & mask] < 0 || addrs[k & mask] % 64 || addrs[k & mask] + CHUNK_HEADER > cap)
+            DECLINE();
+    room = (Room){.head = headk, .tail = tail, .lap = lap, .limit = limit, .used = used};
+    if (tail + size > limit) /* a wrap, or no room: the eviction pass, planned (or declined) */
+        CHECK(plan_room(store, ring, &room, nbytes, size, cap, tail, limit, headk, end, lap, used,
+                        mask, addrs, ids, held.col[4].buf, held.col[3].buf));
+    if (end - room.head > mask)
+        DECLINE(); /* the columns must grow first */
+    int64_t at_tail = room.tail;
+    if (at_tail + size > cap)
+        DECLINE();
     NEED(at = fast_getattr(ring, s_at));
     if (!PyList_CheckExact(at) || PyList_GET_SIZE(at) != at_mask + 1)
         DECLINE();
-    atshard = PyList_GET_ITEM(at, (Py_ssize_t)((tail >> 6) & at_mask));
+    atshard = PyList_GET_ITEM(at, (Py_ssize_t)((at_tail >> 6) & at_mask));
     Py_INCREF(atshard);
     if (!PyDict_CheckExact(atshard))
         DECLINE();
@@ -915,9 +1332,17 @@ core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         DECLINE(); /* exhausted: the reference raises */
     CHECK(pub_chunk(&pub, cid));
     NEED(k_obj = PyLong_FromLongLong(end));
-    NEED(u_obj = PyLong_FromLongLong(tail >> 6));
+    NEED(u_obj = PyLong_FromLongLong(at_tail >> 6));
 
     /* --- side effects, in the reference's order ----------------------------------------- */
+    /* the room: the frees and their bookkeeping (``make_room``), a wrap (``_allocate_rare``) */
+    if (room.nfree && apply_frees(ring, &room, held.ring.buf, hw, headk, mask, addrs, ids, at,
+                                  at_mask) < 0)
+        goto done;
+    if ((room.lap != lap && set_i64(ring, s_lap, room.lap) < 0) ||
+        (room.limit != limit && set_i64(ring, s_limit, room.limit) < 0))
+        goto done;
+    tail = at_tail, lap = room.lap, used = room.used;
     /* ``try_allocate``: the id, the chunk header (state first), the columns, the address map */
     STORE_WORD(&hw[H_NEXT_ID], cid + 1);
     uint64_t *w = (uint64_t *)held.ring.buf + (tail >> 3);
@@ -965,6 +1390,7 @@ done:
     Py_XDECREF(serde), Py_XDECREF(pending), Py_XDECREF(waiting), Py_XDECREF(ring);
     Py_XDECREF(seg), Py_XDECREF(layout), Py_XDECREF(sources), Py_XDECREF(at);
     Py_XDECREF(atshard), Py_XDECREF(k_obj), Py_XDECREF(u_obj);
+    room_clear(&room);
     return result;
 }
 
@@ -1131,7 +1557,7 @@ done:
  * miss, as in the request. It declines (None) before any side effect for anything else — a
  * hit, a look-up (no item), a group shard, another serde, a hash remembered too large, an item
  * that is not a dict or is ``inline_below`` bytes or more, and whatever ``put_plain`` declines
- * (no room: eviction) — and the request runs. */
+ * (room that needs the eviction policy) — and the request runs. */
 static PyObject *s_check_owner, *s_lock, *s_acquire, *s_release, *s_plan, *s_siblings;
 static PyObject *s_too_large, *s_sizes, *s_counters, *s_total, *s_hits, *s_words, *s_keep;
 static PyObject *s_nbytes, *s_pub_index, *s_found_too_large, *s_count_miss, *too_large_error;
@@ -1418,6 +1844,9 @@ PyMethodDef aioshm_put_methods[] = {
      "configure_hand_out(Acknowledgements, HandoutLedger, Debts): the classes hand_out knows"},
     {"configure", core_configure, METH_VARARGS,
      "configure(ShmRef, plan type, serde type): the types put_plain recognises"},
+    {"configure_evict", core_configure_evict, METH_VARARGS,
+     "configure_evict(Eviction, EVICT_AHEAD_PUTS, EVICT_SLACK_CHUNKS, H_EVICTIONS): what the "
+     "eviction pass of put_plain follows"},
     {"put_plain", (PyCFunction)(void (*)(void))core_put_plain, METH_FASTCALL,
      "put_plain(store, key, plan) -> ShmRef, or None (declined before any side effect)"},
     {NULL, NULL, 0, NULL},

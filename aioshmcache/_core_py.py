@@ -20,6 +20,7 @@ __all__ = [
     "LAYOUT",
     "ReadCtx",
     "configure",
+    "configure_evict",
     "configure_hand_out",
     "copy_info",
     "copy_into",
@@ -175,6 +176,12 @@ def configure(ref_type: type, plan_type: type, serde_type: type) -> None:
 def configure_hand_out(acks_type: type, ledger_type: type, debts_type: type) -> None:
     """Name the classes whose state the C core's :func:`hand_out` reads and writes
     (``Acknowledgements``, ``HandoutLedger``, ``Debts``; nothing here)."""
+
+
+def configure_evict(evict_type: type, ahead_puts: int, slack_chunks: int, h_evictions: int) -> None:
+    """Name the eviction class and constants the C core's eviction pass in :func:`put_plain`
+    follows (``_evict.Eviction``, ``EVICT_AHEAD_PUTS``, ``EVICT_SLACK_CHUNKS``,
+    ``H_EVICTIONS``; nothing here: the pure core's puts always decline)."""
 
 
 def hand_out(acks: object, cid: int) -> None:

@@ -38,7 +38,7 @@ from ._group import Found, Siblings
 from ._kept import KEPT, keep, restore
 from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
 from ._sharded_map import ShardedMap
-from ._store import INLINE_COPY_UNDER_LOCK, Reservation, StoreWriter
+from ._store import INLINE_COPY_UNDER_LOCK, SYNC_ONE_STEP_PUT_UNDER, Reservation, StoreWriter
 from ._types import FeatureSpec, ShmRef, as_reference
 from .errors import (
     CacheFullError,
@@ -777,7 +777,7 @@ def run_one(
     request (``SenderRequest``, the reference) runs.
     """
     if wait_for_space is None:
-        out = _put_item(store, book, mm_item, mm_hash, DEFAULT_INLINE_THRESHOLD)
+        out = _put_item(store, book, mm_item, mm_hash, SYNC_ONE_STEP_PUT_UNDER)
         if out is not None:
             return cast("MmItem", out)
     return SenderRequest(

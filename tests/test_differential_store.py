@@ -32,6 +32,7 @@ from aioshmcache import (
 )
 from aioshmcache import _layout as L
 from aioshmcache._acks import Acknowledgements
+from aioshmcache._evict import EVICT_AHEAD_PUTS, EVICT_SLACK_CHUNKS, Eviction
 from aioshmcache._ledger import Debts, HandoutLedger
 from aioshmcache._serde import MsgpackPlan
 from aioshmcache.store import StoreWriter
@@ -44,6 +45,7 @@ pytestmark = pytest.mark.skipif(C is None, reason="the C core is not built here"
 if C is not None:  # as ``_store`` does for the core in use (with AIOSHM_PURE=1, the pure one)
     C.configure(ShmRef, MsgpackPlan, MsgpackSerde)
     C.configure_hand_out(Acknowledgements, HandoutLedger, Debts)
+    C.configure_evict(Eviction, EVICT_AHEAD_PUTS, EVICT_SLACK_CHUNKS, L.H_EVICTIONS)
 
 #: header words that differ between two instances whatever they do (see the module docstring)
 _INSTANCE_WORDS = {L.H_NONCE, L.H_WRITER_PID, L.H_OWNER_UID, L.H_CREATED, L.H_SECRET}
@@ -379,7 +381,8 @@ def test_the_c_one_item_miss_takes_plain_misses_and_declines_the_rest(
 ) -> None:
     """Not vacuous: ``put_item`` made the plain misses in one call, and declined (before any
     side effect: the request then decided) a hit, a look-up, an item that is not a dict, one
-    remembered too large, a miss that needs eviction, and a call with its own
+    remembered too large, a miss whose eviction meets the head marked by a hit (its second
+    chance: a relocation, the Python policy), and a call with its own
     ``wait_for_space`` (never offered to it). An item measured too large it serves inline."""
     assert C is not None
     seen = _spied(monkeypatch, _request, "_put_item", C.put_item)
@@ -399,7 +402,7 @@ def test_the_c_one_item_miss_takes_plain_misses_and_declines_the_rest(
         cache.get_and_update_item((ITEMS[0](rng), []), "waits", wait_for_space=0.0)
         assert cache.snapshot().misses == 9 and cache.snapshot().hits == 2
     assert seen[:6] == [True, False, False, False, True, False]  # too large: served by the core
-    assert seen[6] is True and False in seen[7:]  # a big one that fits; one that must evict
+    assert seen[6] is True and False in seen[7:]  # a big one that fits; one meets "plain"
     assert len(seen) == 10  # the call with its own wait was never offered to the core
     declined = _core_py.put_item(None, None, (None, ()), "k", 0)  # type: ignore[func-returns-value]
     assert declined is None  # the reference declines every call
@@ -610,3 +613,154 @@ def test_the_c_put_sees_a_class_attribute_replaced_after_its_first_read(
         store.put("dup", ITEMS[0](rng))  # the slot again: the core's put
         assert store.keys() == ["first", "dup"]
     assert seen == [True]
+
+
+# --- the compiled eviction pass (``put_plain`` makes its own room) -------------------------------
+
+#: items of 1-90 KiB: a 256 KiB ring holds a few, so most puts free the oldest first (or wrap)
+EVICT_ITEMS: list[Callable[[np.random.Generator], object]] = [
+    lambda r: {"a": r.integers(0, 255, 1024, dtype=np.uint8)},
+    lambda r: {"a": r.integers(0, 255, 20_000, dtype=np.uint8)},
+    lambda r: {"a": r.integers(0, 255, 45_000, dtype=np.uint8), "n": 3},
+    lambda r: {"a": r.integers(0, 255, 90_000, dtype=np.uint8)},
+]
+EVICT_KEYS = st.sampled_from([f"e{i}" for i in range(10)])
+EVICT_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), EVICT_KEYS, st.integers(0, len(EVICT_ITEMS) - 1)),
+        st.tuples(st.sampled_from(["hit", "read", "pin", "unpin", "touch"]), EVICT_KEYS),
+        st.tuples(st.sampled_from(["invalidate", "release"]), EVICT_KEYS),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+def _run_evicting(
+    ops: list[tuple[Any, ...]], seed: int, second_chance: bool, slack: int
+) -> tuple[list[object], bytes]:
+    """Store puts that evict: hits (second-chance marks), a live reader that reads (so
+    acknowledges) some of its hand-outs and owes the rest, pins, touches, invalidations,
+    releases. The answers, the writer's maps, the ledger, the header words after each step,
+    and the ring's bytes."""
+    rng = np.random.default_rng(seed)
+    store = _store_for(f"{RUN_PREFIX}diffev-{uuid.uuid4().hex[:10]}")
+    store.second_chance = second_chance
+    store.evict_slack = slack
+    ticks = iter(range(1, 1 << 30))
+    store._ledger.clock = lambda: float(next(ticks))
+    evicted: list[str] = []
+    store.on_evict = evicted.append
+    reader = ShmObjectStore.from_handle(store.handle())
+    refs: dict[str, ShmRef] = {}
+    answers: list[object] = []
+    try:
+        for op in ops:
+            kind, key = op[0], op[1]
+            try:
+                if kind == "put":
+                    ref = store.put(key, EVICT_ITEMS[op[2]](rng))
+                    refs[key] = ref
+                    answers.append(("put", _ref_fields(ref)))
+                elif kind == "hit":
+                    hit = store.get_cached(key)
+                    refs.update({} if hit is None else {key: hit})
+                    answers.append(("hit", None if hit is None else _ref_fields(hit)))
+                elif kind == "read" and key in refs:  # acknowledged (or a stale error)
+                    answers.append(("read", sorted(reader.get(refs[key]))))
+                elif kind == "pin":
+                    answers.append(("pin", store.pin(key)))
+                elif kind == "unpin":
+                    store.unpin(key)
+                elif kind == "touch":
+                    answers.append(("touch", store.touch(key)))
+                elif kind == "invalidate":
+                    answers.append(("invalidate", store.invalidate(key)))
+                elif kind == "release" and key in refs:
+                    answers.append(("release", store.release(refs[key])))
+            except Exception as exc:
+                answers.append(("error", type(exc).__name__, str(exc)))
+            words = [w if i not in _INSTANCE_WORDS else 0 for i, w in enumerate(store._hw[:64])]
+            answers.append(
+                (
+                    sorted(store.keys()),
+                    sorted(store._evict.marked.items()),
+                    list(evicted),
+                    store.evictions,
+                    store.ring.used_bytes,
+                    store.ring.chunk_ids(),
+                    _ledger_state(store),
+                    words,
+                )
+            )
+        return answers, bytes(store.ring.buf)
+    finally:
+        reader.close()
+        store.close()
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(EVICT_OPS, st.integers(0, 2**32 - 1), st.booleans(), st.sampled_from([0, 16 << 10]))
+def test_puts_that_evict_answer_alike_and_leave_the_same_state_on_both_cores(
+    monkeypatch: pytest.MonkeyPatch,
+    ops: list[tuple[Any, ...]],
+    seed: int,
+    second_chance: bool,
+    slack: int,
+) -> None:
+    """The compiled eviction pass of ``put_plain`` against ``Eviction.make_room``: the same
+    answers and errors, the same keys, marks, evicted keys (``on_evict``), counters, ring
+    bookkeeping, ledger and header words after every step, and the same ring bytes, with
+    second chance on or off, with and without batch slack."""
+    with_c = _run_evicting(ops, seed, second_chance, slack)
+    with monkeypatch.context() as m:
+        pure_core(m)
+        pure = _run_evicting(ops, seed, second_chance, slack)
+    assert with_c[0] == pure[0]
+    assert with_c[1] == pure[1]
+
+
+def test_the_c_put_evicts_the_usual_way_and_declines_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not vacuous: a put that must free the oldest items (nothing owed, pinned or marked) or
+    wrap is made by ``put_plain`` itself; one whose room needs the Python policy — the head
+    marked by a hit (a relocation), owed to a reader, or pinned — is declined (None), and
+    ``make_room`` runs."""
+    assert C is not None
+    seen = _spied(monkeypatch, _store, "_put_plain", C.put_plain)
+    store = _store_for(f"{RUN_PREFIX}diffev1-{uuid.uuid4().hex[:10]}")
+    blob = {"a": np.ones(60_000, np.uint8)}  # four fit a 256 KiB ring
+    try:
+        for i in range(12):  # lap after lap: every put after the fourth frees the oldest
+            store.put(f"k{i}", blob)
+        assert all(seen) and store.evictions >= 8
+        seen.clear()
+        store.get_cached(store.keys()[0])  # the head is marked: its second chance
+        store.put("marked", blob)
+        assert seen[0] is False and store.relocations == 1  # declined: make_room moved it
+        seen.clear()
+        reader = ShmObjectStore.from_handle(store.handle())
+        try:  # hand-outs owed by a live reader that never acknowledges: the ledger decides
+            for i in range(6):
+                store.put(f"owed{i}", blob)
+        except Exception as exc:
+            assert type(exc).__name__ == "CacheFullError"
+        finally:
+            reader.close()
+        assert False in seen
+        seen.clear()
+        store.drain()
+        store.evict()
+        store.put("p0", blob)
+        assert store.pin("p0")
+        for i in range(5):  # the pinned head stops the pass: the reference raises
+            try:
+                store.put(f"after-pin{i}", blob)
+            except Exception as exc:
+                assert type(exc).__name__ == "CacheFullError"
+        assert seen[0] is True and False in seen[1:]
+    finally:
+        store.close()

@@ -243,16 +243,22 @@ def test_one_constructor_per_way_to_get_an_async_face(make_config: Any) -> None:
         assert AsyncReceiverCache(rx).receiver is rx
 
 
-def test_one_threshold_for_a_copy_under_the_writer_lock(make_config: Any) -> None:
+def test_one_threshold_for_a_copy_under_the_writer_lock(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A request copies holding the writer lock exactly what ``put`` would, and no more.
 
     Review: the one-item fast path held the lock for copies up to 1 MiB, the store's ``put``
-    for copies up to 64 KiB: two constants for one decision. Now one threshold decides both.
+    for copies up to 64 KiB: two constants for one decision. Now one threshold decides both
+    for requests (and the async face, whose copy jobs leave the loop). The sync face's one-item
+    puts are deliberately one step at every size (``SYNC_ONE_STEP_PUT_UNDER``: measured fewer
+    instructions at 1-16 MiB, the copy made without the GIL by the calling thread either way),
+    so they stay above the requests' threshold, never below it.
     """
     from aioshmcache._request import DEFAULT_INLINE_THRESHOLD
-    from aioshmcache._store import INLINE_COPY_UNDER_LOCK
+    from aioshmcache._store import INLINE_COPY_UNDER_LOCK, SYNC_ONE_STEP_PUT_UNDER
 
-    assert DEFAULT_INLINE_THRESHOLD == INLINE_COPY_UNDER_LOCK
+    assert DEFAULT_INLINE_THRESHOLD == INLINE_COPY_UNDER_LOCK <= SYNC_ONE_STEP_PUT_UNDER
     with SenderCache(make_config(8 << 20, 4 << 20, 1)) as tx:
         small = ({"x": np.zeros(INLINE_COPY_UNDER_LOCK // 2, np.uint8)}, ())
         bigger = ({"x": np.zeros(INLINE_COPY_UNDER_LOCK * 2, np.uint8)}, ())
@@ -267,6 +273,16 @@ def test_one_threshold_for_a_copy_under_the_writer_lock(make_config: Any) -> Non
             raise
         req.finish()
         assert tx.is_cached("bigger")
+        one = ({"x": np.ones(INLINE_COPY_UNDER_LOCK * 2, np.uint8)}, ())
+        if aioshmcache.implementation() == "c":  # the core's one step: no request, no job
+            from aioshmcache import _request
+
+            def no_request(*a: object, **k: object) -> None:
+                raise AssertionError("the sync one-item put made a request")
+
+            monkeypatch.setattr(_request, "SenderRequest", no_request)
+        ref, _ = tx.get_and_update_item(one, "one")  # the sync one-item put
+        assert isinstance(ref, ShmRef) and tx.is_cached("one")
 
 
 # --- no public method returns a private type --------------------------------------------------
