@@ -7,7 +7,7 @@ forces this one). Every argument named a *word* is a 64-bit unsigned integer: an
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -21,11 +21,13 @@ __all__ = [
     "ReadCtx",
     "configure",
     "configure_hand_out",
+    "configure_plan",
     "copy_info",
     "copy_into",
     "finish_tag",
     "hand_out",
     "make_ref",
+    "plan_item",
     "publish_plain",
     "put_item",
     "put_plain",
@@ -175,6 +177,19 @@ def configure(ref_type: type, plan_type: type, serde_type: type) -> None:
 def configure_hand_out(acks_type: type, ledger_type: type, debts_type: type) -> None:
     """Name the classes whose state the C core's :func:`hand_out` reads and writes
     (``Acknowledgements``, ``HandoutLedger``, ``Debts``; nothing here)."""
+
+
+def configure_plan(
+    serde_type: type, plan_type: type, enc_dtypes: dict[Any, bytes], zeros: memoryview
+) -> bool:
+    """Name what the C core's :func:`plan_item` reads; here it never runs (``False``)."""
+    return False
+
+
+def plan_item(serde: object, value: object) -> None:
+    """The compiled plan of a usual value, which may decline: here it always does, so
+    ``MsgpackSerde.plan`` (the reference) plans it."""
+    return None
 
 
 def hand_out(acks: object, cid: int) -> None:
