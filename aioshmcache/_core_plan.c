@@ -411,15 +411,14 @@ slice_of(Py_ssize_t a, Py_ssize_t b)
     return s;
 }
 
-/* the layout and plan of a finished walk (``encode._layout`` and ``encode._new_plan``) */
+/* The layout of a finished walk (``encode._layout``): a new tuple, or NULL with an error. */
 static PyObject *
-build_plan(Walk *w)
+build_layout(Walk *w, Py_ssize_t data_off)
 {
     Py_ssize_t hlen = w->len, hend = PAYLOAD_PREFIX_SIZE + hlen;
-    Py_ssize_t data_off = (hend + PAYLOAD_ALIGN - 1) & ~(Py_ssize_t)(PAYLOAD_ALIGN - 1);
-    Py_ssize_t data_len = w->cursor, n = w->nchunks;
-    PyObject *blob = NULL, *head = NULL, *slots = NULL, *gaps = NULL, *sources = NULL;
-    PyObject *nb = NULL, *layout = NULL, *plan = NULL, *gl = NULL;
+    Py_ssize_t data_len = w->cursor, n = w->nchunks, ngaps = 0;
+    PyObject *blob = NULL, *head = NULL, *slots = NULL, *gaps = NULL, *nb = NULL;
+    PyObject *layout = NULL;
     if ((blob = PyBytes_FromStringAndSize(NULL, data_off)) == NULL)
         goto done;
     char *p = PyBytes_AS_STRING(blob);
@@ -431,21 +430,26 @@ build_plan(Walk *w)
         p[12 + i] = (char)((uint64_t)data_len >> (8 * i));
     memcpy(p + PAYLOAD_PREFIX_SIZE, w->buf, hlen);
     memset(p + hend, 0, data_off - hend);
-    if ((head = slice_of(0, data_off)) == NULL || (slots = PyTuple_New(n)) == NULL ||
-        (sources = PyTuple_New(n)) == NULL || (gl = PyList_New(0)) == NULL)
-        goto done;
     Py_ssize_t prev = data_off;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) { /* the gaps: a run of padding before a slot */
+        ngaps += data_off + w->chunks[i].off != prev;
+        prev = data_off + w->chunks[i].off + w->chunks[i].nbytes;
+    }
+    if ((head = slice_of(0, data_off)) == NULL || (slots = PyTuple_New(n)) == NULL ||
+        (gaps = PyTuple_New(ngaps)) == NULL)
+        goto done;
+    prev = data_off;
+    for (Py_ssize_t i = 0, g = 0; i < n; i++) {
         Chunk *c = &w->chunks[i];
         Py_ssize_t start = data_off + c->off;
         if (start != prev) {
             PyObject *gs = slice_of(prev, start);
             PyObject *z = gs == NULL ? NULL : PySequence_GetSlice(zeros, 0, start - prev);
             PyObject *gap = z == NULL ? NULL : PyTuple_Pack(2, gs, z);
-            int rc = gap == NULL ? -1 : PyList_Append(gl, gap);
-            Py_XDECREF(gs), Py_XDECREF(z), Py_XDECREF(gap);
-            if (rc < 0)
+            Py_XDECREF(gs), Py_XDECREF(z);
+            if (gap == NULL)
                 goto done;
+            PyTuple_SET_ITEM(gaps, g++, gap);
         }
         prev = start + c->nbytes;
         PyObject *ss = slice_of(start, prev);
@@ -458,20 +462,88 @@ build_plan(Walk *w)
         if (slot == NULL)
             goto done;
         PyTuple_SET_ITEM(slots, i, slot);
-        PyTuple_SET_ITEM(sources, i, Py_NewRef(c->src));
     }
-    if ((gaps = PyList_AsTuple(gl)) == NULL || (nb = PyLong_FromSsize_t(data_off + data_len)) == NULL)
+    if ((nb = PyLong_FromSsize_t(data_off + data_len)) == NULL)
         goto done;
-    if ((layout = PyTuple_Pack(5, nb, head, blob, slots, gaps)) == NULL)
+    layout = PyTuple_Pack(5, nb, head, blob, slots, gaps);
+done:
+    Py_XDECREF(blob), Py_XDECREF(head), Py_XDECREF(slots), Py_XDECREF(gaps), Py_XDECREF(nb);
+    return layout;
+}
+
+/* Layouts by their first bytes (prefix, header, padding), which determine all of it: items of
+ * one shape share one layout, as the reference's flat items do (``MsgpackSerde._shapes``),
+ * without its objects made again each time. A direct-mapped table of small layouts; the walk
+ * (and its checks against the serde's limits) runs on every plan all the same. */
+#define LAYOUT_CACHE 64
+#define LAYOUT_CACHE_BLOB_MAX 4096
+static PyObject *layout_cache[LAYOUT_CACHE];
+
+static uint64_t
+blob_hash(const Walk *w)
+{
+    uint64_t h = UINT64_C(0x9E3779B97F4A7C15) ^ (uint64_t)w->cursor ^ ((uint64_t)w->len << 40);
+    Py_ssize_t i = 0;
+    for (; i + 8 <= w->len; i += 8) {
+        uint64_t v;
+        memcpy(&v, w->buf + i, 8);
+        h = (h ^ v) * UINT64_C(0xC2B2AE3D27D4EB4F);
+        h ^= h >> 29;
+    }
+    uint64_t v = 0;
+    memcpy(&v, w->buf + i, w->len - i);
+    h = (h ^ v) * UINT64_C(0x165667B19E3779F9);
+    return h ^ (h >> 32);
+}
+
+/* the cached layout of this walk's bytes (a new reference), or NULL (none) */
+static PyObject *
+cached_layout(const Walk *w, Py_ssize_t data_off, size_t idx)
+{
+    PyObject *layout = layout_cache[idx];
+    if (layout == NULL)
+        return NULL;
+    PyObject *blob = PyTuple_GET_ITEM(layout, 2);
+    const char *p = PyBytes_AS_STRING(blob);
+    uint32_t hlen;
+    uint64_t data_len;
+    memcpy(&hlen, p + 8, 4);
+    memcpy(&data_len, p + 12, 8);
+    if (PyBytes_GET_SIZE(blob) != data_off || hlen != (uint64_t)w->len ||
+        data_len != (uint64_t)w->cursor ||
+        memcmp(p + PAYLOAD_PREFIX_SIZE, w->buf, (size_t)w->len) != 0)
+        return NULL;
+    return Py_NewRef(layout);
+}
+
+/* the plan of a finished walk (``encode._layout`` and ``encode._new_plan``) */
+static PyObject *
+build_plan(Walk *w)
+{
+    Py_ssize_t hend = PAYLOAD_PREFIX_SIZE + w->len;
+    Py_ssize_t data_off = (hend + PAYLOAD_ALIGN - 1) & ~(Py_ssize_t)(PAYLOAD_ALIGN - 1);
+    Py_ssize_t n = w->nchunks;
+    size_t idx = (size_t)(blob_hash(w) % LAYOUT_CACHE);
+    int cacheable = data_off <= LAYOUT_CACHE_BLOB_MAX;
+    PyObject *layout = cacheable ? cached_layout(w, data_off, idx) : NULL;
+    PyObject *sources = NULL, *plan = NULL;
+    if (layout == NULL) {
+        if ((layout = build_layout(w, data_off)) == NULL)
+            return NULL;
+        if (cacheable)
+            Py_XSETREF(layout_cache[idx], Py_NewRef(layout));
+    }
+    if ((sources = PyTuple_New(n)) == NULL)
         goto done;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyTuple_SET_ITEM(sources, i, Py_NewRef(w->chunks[i].src));
     if ((plan = plan_t->tp_alloc(plan_t, 0)) == NULL)
         goto done;
-    *(PyObject **)((char *)plan + off_nbytes) = Py_NewRef(nb);
+    *(PyObject **)((char *)plan + off_nbytes) = Py_NewRef(PyTuple_GET_ITEM(layout, 0));
     *(PyObject **)((char *)plan + off_layout) = Py_NewRef(layout);
     *(PyObject **)((char *)plan + off_sources) = Py_NewRef(sources);
 done:
-    Py_XDECREF(blob), Py_XDECREF(head), Py_XDECREF(slots), Py_XDECREF(gaps);
-    Py_XDECREF(sources), Py_XDECREF(nb), Py_XDECREF(layout), Py_XDECREF(gl);
+    Py_XDECREF(layout), Py_XDECREF(sources);
     return plan;
 }
 
@@ -642,6 +714,8 @@ core_configure_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_CLEAR(descr_cache[i].enc);
     }
     descr_n = 0;
+    for (int i = 0; i < LAYOUT_CACHE; i++)
+        Py_CLEAR(layout_cache[i]);
     off_nbytes = o[0], off_layout = o[1], off_sources = o[2];
     off_depth = o[3], off_ndim = o[4], off_arrays = o[5], off_containers = o[6], off_header = o[7];
     int offsets_ok = 1;

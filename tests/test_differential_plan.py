@@ -268,3 +268,56 @@ class _OwnPlan(MsgpackSerde):
     """A serde of another type (the compiled paths decline it): the reference's plan."""
 
     __slots__ = ()
+
+
+# --- the sync face's one-item call ------------------------------------------------------------
+
+
+def _answers(cache: SenderCache, form: type) -> list[object]:
+    """Misses, hits, an item served inline, look-ups and errors, with updates given as ``form``."""
+    small = {"data": np.arange(256, dtype=np.float32)}
+    big = {"data": np.zeros(100_000, np.uint8)}  # over max_object_bytes: served inline
+    out: list[object] = []
+    calls: list[tuple[object, str]] = [
+        ((small, form([1, "u"])), "a"),  # a miss
+        ((small, form([2])), "a"),  # a hit: the caller's own updates come back
+        ((big, form([3])), "b"),  # too large: the item itself, inline
+        ((big, form([3])), "b"),  # remembered too large
+        (None, "a"),  # a look-up: the kept updates, as a list
+        (None, "missing"),  # CacheMissError
+        ((small, form([])), 7),  # not a str hash: an error
+        (({"x": object()}, form([])), "c"),  # the serde refuses it
+    ]
+    for item, h in calls:
+        try:
+            got = cache.get_and_update_item(item, h)  # type: ignore[arg-type]
+        except Exception as exc:
+            out.append(type(exc).__name__)
+            continue
+        ref, updates = got
+        same = got is item
+        # a given item's updates come back as given; a look-up's as a new list
+        kind = type(updates) is form if item is not None else type(updates) is list
+        out.append((type(ref).__name__, same, list(updates), kind))
+        if item is not None and not same:
+            assert updates is item[1]  # the caller's own object
+    info = cache.make_stats()
+    out.append((info.hits, info.total, len(cache.store)))
+    return out
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["c-core", "pure-core"])
+def test_tuple_and_list_updates_answer_alike(monkeypatch: pytest.MonkeyPatch, pure: bool) -> None:
+    """The sync call's shortcut for updates given as a tuple (the core's one-item call at once)
+    answers as the general path (a list is converted first), on either core."""
+    from aioshmcache import _core_py, _request
+
+    if pure:
+        monkeypatch.setattr(_request, "_put_item", _core_py.put_item)
+    answers = []
+    for form in (tuple, list):
+        name = f"{RUN_PREFIX}face-{uuid.uuid4().hex[:10]}"
+        with SenderCache(CacheConfig(256 * 1024, 64 * 1024, 1, name=name)) as cache:
+            answers.append(_answers(cache, form))
+    assert answers[0] == answers[1]
+    assert answers[0][0][0] == "ShmRef" and answers[0][2][1] is True
