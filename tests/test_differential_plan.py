@@ -278,7 +278,7 @@ def _answers(cache: SenderCache, form: type) -> list[object]:
     small = {"data": np.arange(256, dtype=np.float32)}
     big = {"data": np.zeros(100_000, np.uint8)}  # over max_object_bytes: served inline
     out: list[object] = []
-    calls: list[tuple[object, str]] = [
+    calls: list[tuple[Any, Any]] = [
         ((small, form([1, "u"])), "a"),  # a miss
         ((small, form([2])), "a"),  # a hit: the caller's own updates come back
         ((big, form([3])), "b"),  # too large: the item itself, inline
@@ -290,7 +290,7 @@ def _answers(cache: SenderCache, form: type) -> list[object]:
     ]
     for item, h in calls:
         try:
-            got = cache.get_and_update_item(item, h)  # type: ignore[arg-type]
+            got = cache.get_and_update_item(item, h)
         except Exception as exc:
             out.append(type(exc).__name__)
             continue
@@ -314,7 +314,7 @@ def test_tuple_and_list_updates_answer_alike(monkeypatch: pytest.MonkeyPatch, pu
 
     if pure:
         monkeypatch.setattr(_request, "_put_item", _core_py.put_item)
-    answers = []
+    answers: list[list[Any]] = []
     for form in (tuple, list):
         name = f"{RUN_PREFIX}face-{uuid.uuid4().hex[:10]}"
         with SenderCache(CacheConfig(256 * 1024, 64 * 1024, 1, name=name)) as cache:
