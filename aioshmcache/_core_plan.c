@@ -661,8 +661,10 @@ array_layout_ok(PyObject *numpy)
         goto done;
     void *ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(data, 0));
     NpArray *a = (NpArray *)arr;
-    ok = a->nd == 2 && a->dimensions[0] == 3 && a->dimensions[1] == 5 && a->descr == dt &&
-         (void *)a->data == ptr && a->strides[0] == 20 && a->strides[1] == 4 && a->base == NULL;
+    /* no pointer read is followed unless the fields before it matched */
+    ok = (void *)a->data == ptr && a->nd == 2 && a->descr == dt && a->base == NULL &&
+         a->dimensions[0] == 3 && a->dimensions[1] == 5 && a->strides[0] == 20 &&
+         a->strides[1] == 4;
 done:
     PyErr_Clear();
     Py_XDECREF(arr), Py_XDECREF(dt), Py_XDECREF(iface);

@@ -321,3 +321,13 @@ def test_tuple_and_list_updates_answer_alike(monkeypatch: pytest.MonkeyPatch, pu
             answers.append(_answers(cache, form))
     assert answers[0] == answers[1]
     assert answers[0][0][0] == "ShmRef" and answers[0][2][1] is True
+
+
+def test_the_entry_points_refuse_bad_arguments() -> None:
+    assert C is not None
+    with pytest.raises(TypeError):
+        C.configure_plan(MsgpackSerde, MsgpackPlan, [], _ZEROS)
+    with pytest.raises(TypeError):
+        C.plan_item(MsgpackSerde())
+    assert C.plan_item(object(), {"a": 1}) is None  # not a MsgpackSerde: declined
+    assert C.configure_plan(MsgpackSerde, MsgpackPlan, _ENC_DTYPES, _ZEROS)  # as it was
