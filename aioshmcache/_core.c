@@ -366,6 +366,8 @@ core_exec(PyObject *m)
     }
     if (PyModule_AddFunctions(m, aioshm_put_methods) < 0)
         return -1;
+    if (PyModule_AddFunctions(m, aioshm_plan_methods) < 0)
+        return -1;
     if (aioshm_read_methods != NULL && PyModule_AddFunctions(m, aioshm_read_methods) < 0)
         return -1;
     if (aioshm_read_init != NULL && aioshm_read_init(m) < 0)

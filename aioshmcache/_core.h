@@ -76,6 +76,11 @@ void aioshm_copy_bytes(char *dst, const char *src, size_t n);
 /* The write core's put of a plain item (``_core_put.c``). */
 extern PyMethodDef aioshm_put_methods[];
 
+/* The compiled plan of the usual items (``_core_plan.c``): ``StoreWriter.plan`` of ``value``
+ * with ``store.serde`` (a ``MsgpackSerde``), or None (declined: the reference plans it). */
+extern PyMethodDef aioshm_plan_methods[];
+PyObject *aioshm_plan_store(PyObject *store, PyObject *serde, PyObject *value);
+
 /* The layout constants as a dict (for the test that compares them with ``_layout``). */
 PyObject *aioshm_layout_dict(void);
 

@@ -1677,7 +1677,9 @@ put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
         DECLINE();
     if (PyDict_GET_SIZE(sizes))
         CHECK(PyDict_Contains(sizes, key)); /* remembered too large: served inline */
-    plan = PyObject_CallMethodOneArg(store, s_plan, value);
+    plan = aioshm_plan_store(store, serde, value); /* the compiled plan (_core_plan.c) */
+    if (plan == Py_None)
+        Py_SETREF(plan, PyObject_CallMethodOneArg(store, s_plan, value)); /* declined */
     if (plan == NULL && PyErr_ExceptionMatches(too_large_error)) {
         /* measured too large: remembered and counted, the item served inline, as the
          * request does (``book.found_too_large``) */

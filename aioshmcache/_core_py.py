@@ -7,7 +7,7 @@ forces this one). Every argument named a *word* is a 64-bit unsigned integer: an
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -22,11 +22,13 @@ __all__ = [
     "configure",
     "configure_evict",
     "configure_hand_out",
+    "configure_plan",
     "copy_info",
     "copy_into",
     "finish_tag",
     "hand_out",
     "make_ref",
+    "plan_item",
     "publish_plain",
     "put_item",
     "put_plain",
@@ -182,6 +184,19 @@ def configure_evict(evict_type: type, ahead_puts: int, slack_chunks: int, h_evic
     """Name the eviction class and constants the C core's eviction pass in :func:`put_plain`
     follows (``_evict.Eviction``, ``EVICT_AHEAD_PUTS``, ``EVICT_SLACK_CHUNKS``,
     ``H_EVICTIONS``; nothing here: the pure core's puts always decline)."""
+
+
+def configure_plan(
+    serde_type: type, plan_type: type, enc_dtypes: dict[Any, bytes], zeros: memoryview
+) -> bool:
+    """Name what the C core's :func:`plan_item` reads; here it never runs (``False``)."""
+    return False
+
+
+def plan_item(serde: object, value: object) -> None:
+    """The compiled plan of a usual value, which may decline: here it always does, so
+    ``MsgpackSerde.plan`` (the reference) plans it."""
+    return None
 
 
 def hand_out(acks: object, cid: int) -> None:

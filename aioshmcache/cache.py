@@ -21,6 +21,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Final, Protocol, TypeVar, overload
 
+from . import _request
 from ._group import Siblings, open_shard
 from ._group_receiver import GroupReceiverRequest, GroupShards
 from ._layout import check_group
@@ -359,6 +360,22 @@ class SenderCache(_Cache):
         updates; a look-up (``None``) gives the kept ones, equal to those the item was put with,
         as a new list (they are kept as a tuple, which the garbage collector need not track).
         """
+        if (
+            wait_for_space is None
+            and type(mm_item) is tuple
+            and len(mm_item) == 2
+            and type(mm_item[1]) is tuple
+        ):
+            # run_one's first step, without its frame and the conversions (an item given with
+            # its updates as a tuple is sent as it is, and its result needs no conversion):
+            # the core's one-item miss; declined, the request runs as in run_one
+            store, book = self.store, self._book
+            done: MmItem | None = _request._put_item(
+                store, book, mm_item, mm_hash, DEFAULT_INLINE_THRESHOLD
+            )
+            if done is not None:
+                return done
+            return SenderRequest(store, book, [mm_item], [mm_hash], _fresh=True).run()[0]
         sent = kept_form(mm_item)
         out = run_one(self.store, self._book, sent, mm_hash, wait_for_space=wait_for_space)
         return as_given(mm_item, sent, out)

@@ -27,8 +27,10 @@ from .decode import (
     unpack_bounded,
 )
 from .encode import (
+    _ENC_DTYPES,
     _FLAT_MAX,
     _FLAT_SHAPES_MAX,
+    _ZEROS,
     MsgpackPlan,
     _Encoder,
     _fit,
@@ -348,3 +350,8 @@ class MsgpackSerde:
             return value
         # copies may come from the writable view; views must come from a read-only one
         return build(buf, buf if copy or buf.readonly else buf.toreadonly(), copy)
+
+
+# The core's compiled plan (``plan_item``; the one-item miss of a sender calls it first) makes
+# the plans ``MsgpackSerde.plan`` makes, for the usual values; it reads these.
+core.configure_plan(MsgpackSerde, MsgpackPlan, _ENC_DTYPES, _ZEROS)
