@@ -20,7 +20,7 @@ import anyio
 from anyio.abc import AsyncResource
 
 from ._channel_conn import FrameConnection
-from ._channel_format import call_envelope, decode, pack_call_features, raise_error
+from ._channel_format import call_frames, decode, raise_error
 from ._channel_keeper import WorkerKeeper
 from ._channel_pool import PoolBook
 from ._types import FeatureSpec, ShmRef
@@ -325,7 +325,7 @@ class EngineClient(AsyncResource):
         sent = _Sent()
         try:
             try:
-                frames = (call_envelope(payload), pack_call_features(features))
+                frames = call_frames(payload, features)
             except (SerdeError, WireError, TypeError) as exc:
                 raise WireError(f"the call cannot be encoded: {exc}") from exc
             answer = await self._exchange(frames, deadline, sent)
