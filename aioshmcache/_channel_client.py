@@ -425,6 +425,11 @@ class EngineClient(AsyncResource):
 
     async def _acquire(self, at: float) -> FrameConnection:
         """A connection for one call: an idle one, a new one, or one given back, by ``at``."""
+        conn = self._book.take_idle()  # the usual case, no ``Step`` made
+        if conn is not None:
+            if conn.usable():
+                return conn
+            self._give_conn(conn, False)
         loop = asyncio.get_running_loop()
         while True:
             step = self._book.plan()

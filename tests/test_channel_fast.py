@@ -206,3 +206,37 @@ async def test_a_one_message_call_is_served_with_a_plain_answer(
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+
+
+async def test_a_connection_s_one_timer_enforces_every_wait_s_own_deadline() -> None:
+    """A connection keeps one timer for its waits: a wait with a later deadline than the armed
+    timer's times out at its own deadline, never at the earlier one; a wait with an earlier
+    deadline times out at it, not at the armed one; a frame in time is returned."""
+    import socket
+
+    from aioshmcache._channel_conn import FrameConnection
+    from aioshmcache.wire import encode_frame
+
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    transport, conn = await loop.connect_accepted_socket(lambda: FrameConnection(1 << 20), a)
+    try:
+        await loop.sock_sendall(b, encode_frame(b"one"))
+        assert await conn.next_frame(loop.time() + 0.2) == b"one"  # arms a timer at +0.2
+        later = loop.time() + 0.5
+        with pytest.raises(TimeoutError):
+            await conn.next_frame(later)
+        # not at the armed timer's earlier deadline (a timer may fire a millisecond early)
+        assert loop.time() >= later - 0.05
+        await loop.sock_sendall(b, encode_frame(b"two"))
+        assert await conn.next_frame(loop.time() + 60) == b"two"  # arms a timer at +60
+        start = loop.time()
+        with pytest.raises(TimeoutError):
+            await conn.next_frame(start + 0.05)
+        assert loop.time() - start < 30  # its own deadline, not the armed one's
+        await loop.sock_sendall(b, encode_frame(b"three"))
+        assert await conn.next_frame(loop.time() + 60) == b"three"  # usable after a timeout
+    finally:
+        transport.abort()
+        b.close()
