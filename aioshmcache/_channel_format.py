@@ -253,7 +253,7 @@ def _rows(rows: object) -> list[FeatureSpec]:
         if ref is not None:
             if type(ref) is not bytes or len(ref) != _REF_BYTES:
                 raise WireError(f"feature {i}: malformed reference")
-            ref = ShmRef._make(_REF.unpack(ref))
+            ref = ShmRef(*_REF.unpack(ref))
         out.append(FeatureSpec(mm_hash, ref, identifier=ident))
     return out
 
