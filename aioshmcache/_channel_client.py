@@ -20,7 +20,7 @@ import anyio
 from anyio.abc import AsyncResource
 
 from ._channel_conn import FrameConnection
-from ._channel_format import call_envelope, decode, pack_call_features, raise_error
+from ._channel_format import call_frames, decode, raise_error
 from ._channel_keeper import WorkerKeeper
 from ._channel_pool import PoolBook
 from ._types import FeatureSpec, ShmRef
@@ -325,7 +325,7 @@ class EngineClient(AsyncResource):
         sent = _Sent()
         try:
             try:
-                frames = (call_envelope(payload), pack_call_features(features))
+                frames = call_frames(payload, features)
             except (SerdeError, WireError, TypeError) as exc:
                 raise WireError(f"the call cannot be encoded: {exc}") from exc
             answer = await self._exchange(frames, deadline, sent)
@@ -425,6 +425,11 @@ class EngineClient(AsyncResource):
 
     async def _acquire(self, at: float) -> FrameConnection:
         """A connection for one call: an idle one, a new one, or one given back, by ``at``."""
+        conn = self._book.take_idle()  # the usual case, no ``Step`` made
+        if conn is not None:
+            if conn.usable():
+                return conn
+            self._give_conn(conn, False)
         loop = asyncio.get_running_loop()
         while True:
             step = self._book.plan()

@@ -43,6 +43,11 @@ class FrameConnection(asyncio.Protocol):
         self._paused = False
         self._drain: asyncio.Future[None] | None = None
         self._reading_paused = False  # over MAX_UNREAD_FRAMES (see ``_took``)
+        #: the deadline of the ``next_frame`` wait in progress (loop clock), and the one timer
+        #: that enforces it (``_on_timer``)
+        self._deadline: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     # --- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -74,6 +79,9 @@ class FrameConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(exc if exc is not None else EndOfFramesError("the connection was closed"))
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         drain, self._drain = self._drain, None
         if drain is not None and not drain.done():
             drain.set_result(None)
@@ -114,16 +122,25 @@ class FrameConnection(asyncio.Protocol):
     async def next_frame(self, deadline: float | None = None) -> bytes:
         """The next whole frame, once it is in; the error if reading ends first.
 
-        ``TimeoutError`` if ``deadline`` (on the loop's clock) passes first: one timer on the
-        wait itself, cheaper than a timeout scope around the call.
+        ``TimeoutError`` if ``deadline`` (on the loop's clock) passes first. The connection
+        keeps one timer for its waits (``_on_timer``): a wait whose deadline is not earlier than
+        the armed timer's reuses it, so a connection whose calls have the same timeout arms
+        about one timer per timeout, not one per call (``call_at`` and ``cancel`` cost ~1.8 us
+        a call on uvloop, more than a timeout scope's share).
         """
         while not self._frames:
             if self.error is not None:
                 raise self.error
             if deadline is None:
                 await self._waiter_future()
-            else:
-                await _until(self._waiter_future(), deadline)
+                continue
+            self._deadline = deadline
+            if self._timer is None or self._timer_at > deadline:
+                self._arm(deadline)
+            try:
+                await self._waiter_future()
+            finally:
+                self._deadline = None
         frame = self._frames.popleft()
         if self._reading_paused:
             self._took()
@@ -174,6 +191,26 @@ class FrameConnection(asyncio.Protocol):
             self._reading_paused = False
             if not t.is_closing():
                 t.resume_reading()
+
+    def _arm(self, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = asyncio.get_running_loop().call_at(at, self._on_timer)
+
+    def _on_timer(self) -> None:
+        """The timer fired: the wait in progress times out if its deadline was the timer's (or
+        earlier); a later one re-arms the timer for itself; with no wait, the timer lapses."""
+        self._timer = None
+        at = self._deadline
+        if at is None:
+            return
+        if at <= self._timer_at:
+            waiter = self._waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(TimeoutError())
+        else:
+            self._arm(at)
 
     def _fail(self, exc: BaseException) -> None:
         if self.error is None:

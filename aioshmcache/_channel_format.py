@@ -3,12 +3,28 @@
 Everything travels in ``aioshmcache.wire`` frames (8-byte length, payload). A call is two
 frames, a response one::
 
-    call      frame 1: envelope ["aioshmcache.channel", 3, "call", payload]
+    call      frame 1: ["aioshmcache.channel", 4, "call", payload, [row, ...]]  (plain msgpack)
+                       row = [mm_hash, identifier, reference]
+                           mm_hash     str
+                           identifier  str or None
+                           reference   None (the feature's data is None), or 64 bytes (bin):
+                                       the ``ShmRef`` fields as eight little-endian unsigned
+                                       64-bit ints, in order (nonce, epoch, address, id,
+                                       length, tag, position, seq)
+              frame 2: empty
+      or (version 3, any other call)
+              frame 1: envelope ["aioshmcache.channel", 3, "call", payload]
               frame 2: wire.pack_features(features), or, for references and Nones without
                        prompt updates, that message's plain form (wire.pack_plain_features)
     response  frame:   envelope ["aioshmcache.channel", 1, "ok", result]
                     or ["aioshmcache.channel", 1, "error", kind, remote_type, message,
                         mm_hashes, unread]
+
+Version 4 is the usual call in one message: references and ``None``s without prompt updates,
+a payload that plain msgpack carries (below). It is unpacked once, under the same bounds as a
+plain envelope, and its references need no per-field check (eight u64 by construction; the
+receiver validates them against its segment). Its second frame is empty so that a worker that
+does not read version 4 answers ``bad_request`` at once rather than waiting for a second frame.
 
 An envelope is plain msgpack when its value is made of dicts, lists, str, bytes, int, float,
 bool and None only (exactly those types: a tuple, a numpy array or scalar, a subclass is not),
@@ -17,8 +33,8 @@ numpy arrays as raw aligned bytes; never pickle). The first byte tells the two a
 array marker, or the serde's ``ASHM``); a plain envelope is unpacked under the serde's bounds
 for a structure header (``wire.unpack_bounded``: complete first, at most 32,768 containers,
 lengths bounded by its size, str map keys, no extensions). A worker answers in plain msgpack
-only to a call of version 3 (whose gateway reads both forms); it serves calls of versions 1
-(the features always a serde message), 2 (the envelope always the serde's) and 3.
+only to a call of version 3 or 4 (whose gateway reads both forms); it serves calls of versions
+1 (the features always a serde message), 2 (the envelope always the serde's), 3 and 4.
 
 ``kind`` is one of ``cache_miss``, ``writer_gone``, ``stale_reference``, ``invalid_reference``,
 ``reader_evicted`` (the cache's errors while reading the features, raised on the gateway as the
@@ -31,6 +47,7 @@ references: the client then gives them back to its cache.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -38,7 +55,7 @@ import msgpack
 
 from . import wire
 from ._serde import MsgpackSerde
-from ._types import FeatureSpec
+from ._types import FeatureSpec, ShmRef
 from .errors import (
     CacheMissError,
     EngineCallError,
@@ -57,7 +74,9 @@ __all__ = [
     "CALL_VERSIONS",
     "TAG",
     "call_envelope",
+    "call_frames",
     "decode",
+    "decode_call",
     "encode",
     "error_frame",
     "pack_call_features",
@@ -69,9 +88,16 @@ TAG: Final = "aioshmcache.channel"
 ANSWER_VERSION: Final = 1
 #: 3: the envelope may be plain msgpack, and so may the answer (module docstring)
 CALL_VERSION: Final = 3
-CALL_VERSIONS: Final = (1, 2, 3)
+#: 4: the call and its features in one plain message (module docstring)
+ONE_MESSAGE_VERSION: Final = 4
+CALL_VERSIONS: Final = (1, 2, 3, 4)
 #: calls of this version and later read an answer in plain msgpack
 PLAIN_ANSWER_FROM: Final = 3
+#: at most this many features in one call (``aioshmcache.wire``'s bound)
+MAX_FEATURES: Final = 4096
+_REF = struct.Struct("<8Q")
+_REF_BYTES: Final = _REF.size
+_EMPTY: Final = b""
 #: an error frame carries at most this much of the exception's message
 _MAX_MESSAGE_CHARS: Final = 16384
 _SERDE = MsgpackSerde()
@@ -113,6 +139,11 @@ def decode(data: bytes, what: str, versions: Sequence[int] = (ANSWER_VERSION,)) 
             raise
         except SerdeError as exc:
             raise WireError(f"not an aioshmcache.channel {what}: {exc}") from exc
+    return _checked(value, what, versions)
+
+
+def _checked(value: Any, what: str, versions: Sequence[int]) -> list[Any]:
+    """``value`` if it is a channel envelope of one of ``versions`` (``WireError`` otherwise)."""
     if type(value) is not list or len(value) < 3 or value[0] != TAG:
         raise WireError(f"not an aioshmcache.channel {what}")
     if value[1] not in versions:
@@ -135,6 +166,96 @@ def pack_call_features(features: list[FeatureSpec]) -> bytes:
     """
     plain = wire.pack_plain_features(features)
     return plain if plain is not None else wire.pack_features(features)
+
+
+def call_frames(payload: Any, features: Sequence[FeatureSpec]) -> tuple[bytes, bytes]:
+    """A call's two frames: version 4 when it fits (module docstring), else version 3.
+
+    Errors as :func:`call_envelope` and :func:`pack_call_features` raise them.
+    """
+    one = _one_message(payload, features)
+    if one is not None:
+        return one, _EMPTY
+    return call_envelope(payload), pack_call_features(list(features))
+
+
+def _one_message(payload: Any, features: Sequence[FeatureSpec]) -> bytes | None:
+    """The version-4 call, or None when the call does not fit it."""
+    if len(features) > MAX_FEATURES:
+        return None
+    rows: list[list[Any]] = []
+    for f in features:
+        data, ident = f.data, f.identifier
+        if (
+            type(f.mm_hash) is not str
+            or f.prompt_updates != ()
+            or not (ident is None or type(ident) is str)
+        ):
+            return None
+        if data is None:
+            rows.append([f.mm_hash, ident, None])
+            continue
+        if type(data) is not ShmRef:
+            return None
+        for v in data:  # what the general form refuses (a bool, a numpy int) it refuses
+            if type(v) is not int:
+                return None
+        try:
+            rows.append([f.mm_hash, ident, _REF.pack(*data)])
+        except struct.error:  # out of range: the general form says why
+            return None
+    try:
+        packed: bytes = _PLAIN.pack([TAG, ONE_MESSAGE_VERSION, "call", payload, rows])
+    except (TypeError, ValueError, OverflowError):
+        return None  # a payload plain msgpack does not carry
+    return packed
+
+
+def decode_call(head: bytes, body: bytes) -> tuple[int, Any, list[FeatureSpec]]:
+    """A call's frames as (version, payload, features); ``WireError`` or ``SerdeError``."""
+    if wire.is_plain(head):
+        value = wire.unpack_bounded(head, maps=True)
+        if (
+            type(value) is list
+            and len(value) == 5
+            and type(value[1]) is int
+            and value[1] == ONE_MESSAGE_VERSION
+            and value[0] == TAG
+        ):
+            if value[2] != "call":
+                raise WireError("not a channel call")
+            if body:
+                raise WireError("a version-4 call's second frame must be empty")
+            return ONE_MESSAGE_VERSION, value[3], _rows(value[4])
+        value = _checked(value, "call", CALL_VERSIONS)
+    else:
+        value = decode(head, "call", CALL_VERSIONS)
+    if value[2] != "call" or len(value) != 4 or value[1] == ONE_MESSAGE_VERSION:
+        raise WireError("not a channel call")
+    return value[1], value[3], unpack_call_features(body)
+
+
+def _rows(rows: object) -> list[FeatureSpec]:
+    """A version-4 call's features, as hostile as any input (``WireError``)."""
+    if type(rows) is not list:
+        raise WireError("malformed channel call: the features are not a list")
+    if len(rows) > MAX_FEATURES:
+        raise WireError(f"{len(rows)} features exceed max_features={MAX_FEATURES}")
+    out: list[FeatureSpec] = []
+    for i, row in enumerate(rows):
+        if type(row) is not list or len(row) != 3:
+            raise WireError(f"feature {i} is malformed")
+        mm_hash, ident, ref = row
+        if type(mm_hash) is not str:
+            raise WireError(f"feature {i}: mm_hash is not a str")
+        if ident is not None and type(ident) is not str:
+            raise WireError(f"feature {i}: identifier is not a str")
+        if ref is not None:
+            if type(ref) is not bytes or len(ref) != _REF_BYTES:
+                raise WireError(f"feature {i}: malformed reference")
+            ref = ShmRef(*_REF.unpack(ref))
+        out.append(FeatureSpec(mm_hash, ref, identifier=ident))
+    return out
 
 
 def unpack_call_features(body: bytes) -> list[FeatureSpec]:

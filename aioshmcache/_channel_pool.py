@@ -124,6 +124,14 @@ class PoolBook(Generic[C]):
         self.opening += 1
         return Step("open")
 
+    def take_idle(self) -> C | None:
+        """An idle connection lent at once (``plan``'s ``reuse``, without a ``Step``), or None
+        when ``plan`` would say anything else."""
+        if self.closed or not self.idle:
+            return None
+        self.lent += 1
+        return self.idle.pop()
+
     def opened(self, conn: C) -> None:
         """An open succeeded: ``conn`` is lent to the caller that opened it; backoff ends."""
         self._check_opening()

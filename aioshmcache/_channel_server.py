@@ -22,13 +22,11 @@ import anyio
 from ._channel_conn import FrameConnection
 from ._channel_format import (
     ANSWER_VERSION,
-    CALL_VERSIONS,
     PLAIN_ANSWER_FROM,
     TAG,
-    decode,
+    decode_call,
     encode,
     error_frame,
-    unpack_call_features,
 )
 from ._channel_keeper import release_path, take_path
 from ._types import FeatureSpec
@@ -197,20 +195,16 @@ class _Worker:
     async def serve_call(self, head: bytes, body: bytes) -> bytes:
         """One call's answer: decode, read the features, run the handler, encode its result."""
         self.calls += 1
-        plain = False
         try:
-            value = decode(head, "call", CALL_VERSIONS)
-            plain = value[1] >= PLAIN_ANSWER_FROM
-            if value[2] != "call" or len(value) != 4:
-                raise WireError("not a channel call")
-            features = unpack_call_features(body)
+            version, payload, features = decode_call(head, body)
         except (SerdeError, WireError) as exc:
-            return error_frame("bad_request", exc, unread=True, plain=plain)
+            return error_frame("bad_request", exc, unread=True)
+        plain = version >= PLAIN_ANSWER_FROM
         async with self.limit:
             try:
                 if self.lease:
                     async with self.receiver.lease(features) as items:
-                        return await self._handle(items, value[3], plain)
+                        return await self._handle(items, payload, plain)
                 items = await self.receiver.get_and_update_features(features)
             except CacheMissError as exc:
                 return error_frame("cache_miss", exc, mm_hashes=exc.mm_hashes, plain=plain)
@@ -228,7 +222,7 @@ class _Worker:
                 log.exception("reading a call's features failed")
                 return error_frame("handler", exc, plain=plain)
             try:
-                return await self._handle(items, value[3], plain)
+                return await self._handle(items, payload, plain)
             except _HandlerFailed as failed:
                 return failed.frame
 

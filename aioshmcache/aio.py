@@ -59,12 +59,19 @@ from .errors import ClosedCacheError, RoleError
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
+    "DEFAULT_READ_INLINE_THRESHOLD",
     "AsyncReceiverCache",
     "AsyncSenderCache",
     "SingleFlightStats",
 ]
 
 CLOSE_TIMEOUT: Final = 10.0
+#: The reader face's default ``inline_threshold_bytes``: reads below 2 MiB copy on the loop.
+#: Measured here (one process, uvloop, the compiled core's copy into pages it reuses): a read of
+#: 1 MiB on the loop took 38 us, of 2 MiB 61 us, against 190-230 us through a worker thread (the
+#: hop alone ~150-170 us). Kept out of the loop above: a read whose pages are fresh (a reader that
+#: keeps its items) took 340 us for 1 MiB, 700 us for 2 MiB and 9 ms for 4 MiB.
+DEFAULT_READ_INLINE_THRESHOLD: Final = 2 << 20
 #: An awaitable call whose request has no jobs (every copy inline) yields to the loop before it
 #: begins only on every ``CHECKPOINT_EVERY``-th such call of the face, or when
 #: ``CHECKPOINT_AFTER`` seconds passed since it last yielded: a checkpoint per call was a loop
@@ -639,12 +646,13 @@ class AsyncReceiverCache(_AsyncFace[Receiver]):
         receiver: Receiver,
         *,
         max_threads: int = 4,
-        inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
+        inline_threshold_bytes: int = DEFAULT_READ_INLINE_THRESHOLD,
     ) -> None:
         """Wrap ``receiver``, borrowed: ``aclose`` leaves it open (``attach`` attaches one).
 
         ``max_threads`` bounds the worker threads of big reads; reads under
-        ``inline_threshold_bytes`` run on the loop.
+        ``inline_threshold_bytes`` (default 2 MiB, ``DEFAULT_READ_INLINE_THRESHOLD``) run on
+        the loop.
         """
         if not isinstance(receiver, Receiver):
             raise TypeError(
@@ -660,7 +668,7 @@ class AsyncReceiverCache(_AsyncFace[Receiver]):
         *,
         serde: Serde | None = None,
         max_threads: int = 4,
-        inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
+        inline_threshold_bytes: int = DEFAULT_READ_INLINE_THRESHOLD,
     ) -> AsyncReceiverCache:
         """A reader that attaches on ``async with`` and frees its slot on ``aclose``.
 
@@ -682,7 +690,7 @@ class AsyncReceiverCache(_AsyncFace[Receiver]):
         serde: Serde | None = None,
         wait_for_shard: float | None = 0.0,
         max_threads: int = 4,
-        inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
+        inline_threshold_bytes: int = DEFAULT_READ_INLINE_THRESHOLD,
     ) -> AsyncReceiverCache:
         """A reader of every shard of cache group ``group`` (``ReceiverCache.attach_group``),
         attached on ``async with`` (in a worker thread: a ``wait_for_shard`` wait does not

@@ -15,7 +15,8 @@ timeouts and reconnect, the worker's accept loop, the error mapping, giving hand
 send fails, the resend after a drift signal), and each got some of it wrong.
 
 **Frames.** Everything travels in ``aioshmcache.wire`` frames (8-byte length, payload): a call
-is two frames (an envelope with the payload, then the features), an answer one (the result, or
+is two frames (the usual call of references in one plain message and an empty frame; any other
+an envelope with the payload, then the features), an answer one (the result, or
 an error of a named kind raised on the gateway as a typed error). The messages are built and
 parsed in one module, ``aioshmcache._channel_format``, whose docstring is the reference.
 

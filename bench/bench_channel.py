@@ -9,7 +9,8 @@ length-prefixed message and answers 8 bytes. The gateway side, in this process, 
 * ``bare``: N bytes through a bare asyncio Unix socket, 8 bytes back (the floor for inline);
 * ``channel ref``: a cache hit (a new hand-out of the cached N-byte item) and an
   ``EngineClient.call`` with the reference: the worker copies the item out of shared memory
-  (from 64 KiB on, in a worker thread: the receiver's ``inline_threshold_bytes``);
+  (on the loop below the receiver's ``inline_threshold_bytes``, 2 MiB by default; in a worker
+  thread above it: the 16 MiB row);
 * ``channel ref, lease``: the same with ``serve_engine(lease=True)``: the handler gets views into
   shared memory, no copy (the call's fixed cost alone);
 * ``channel ref, loop read``: the same as ``channel ref`` with a receiver that copies every item

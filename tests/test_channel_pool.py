@@ -87,6 +87,17 @@ class PoolModel(RuleBasedStateMachine):
         if kind == "wait":
             self.sleepers.append((self.wakes, step.until))
 
+    @rule()
+    def take_idle(self) -> None:
+        """The fast path: ``plan``'s reuse when it would reuse, nothing (no change) otherwise."""
+        kind = self.expected_kind()
+        conn = self.book.take_idle()
+        if kind == "reuse":
+            assert conn == self.idle.pop()
+            self.lent.add(conn)
+        else:
+            assert conn is None
+
     @precondition(lambda self: self.opening > 0)
     @rule()
     def open_succeeds(self) -> None:

@@ -1,0 +1,242 @@
+"""The channel's one-message call (version 4) and its fallback to the two-frame form.
+
+A call of references and ``None``s without prompt updates, whose payload plain msgpack carries,
+travels as one plain message (``_channel_format.call_frames``); any other call as before
+(version 3). The worker reads both (``decode_call``) and refuses hostile bytes with
+``WireError``, never anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aioshmcache import AsyncReceiverCache, AsyncSenderCache, FeatureSpec, ShmRef
+from aioshmcache._channel_format import (
+    CALL_VERSION,
+    MAX_FEATURES,
+    ONE_MESSAGE_VERSION,
+    TAG,
+    call_envelope,
+    call_frames,
+    decode,
+    decode_call,
+    pack_call_features,
+)
+from aioshmcache.channel import EngineClient, serve_engine
+from aioshmcache.errors import InvalidReferenceError, WireError
+
+from ._channel_procs import crc, handler
+
+REF = ShmRef(1 << 63, 2, 4096, 77, 1024, (1 << 64) - 1, 3, 12345)
+_U64X8 = struct.Struct("<8Q")
+
+
+def _v4(rows: Any, payload: Any = None, *, tag: str = TAG, kind: str = "call") -> bytes:
+    packed: bytes = msgpack.packb([tag, ONE_MESSAGE_VERSION, kind, payload, rows])
+    return packed
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        [],
+        [FeatureSpec("a", REF), FeatureSpec("b", None, identifier="id-b")],
+        [FeatureSpec("é" * 70, REF, identifier=None, prompt_updates=())],
+        [FeatureSpec(f"h{i}", REF._replace(seq=i)) for i in range(50)],
+    ],
+)
+@pytest.mark.parametrize("payload", [None, {"prompt": "a cat", "ids": [1, 2], "raw": b"\x00"}])
+def test_a_call_of_references_is_one_message(features: list[FeatureSpec], payload: Any) -> None:
+    head, body = call_frames(payload, features)
+    assert body == b"" and msgpack.unpackb(head)[1] == ONE_MESSAGE_VERSION
+    version, got_payload, got = decode_call(head, body)
+    assert version == ONE_MESSAGE_VERSION and got_payload == payload and got == features
+    assert all(type(f.data) is ShmRef or f.data is None for f in got)
+    # the two-frame form of the same call reads back the same
+    old = decode_call(call_envelope(payload), pack_call_features(features))
+    assert old == (CALL_VERSION, payload, features)
+
+
+@pytest.mark.parametrize(
+    ("payload", "features"),
+    [
+        (None, [FeatureSpec("i", {"x": np.arange(3)})]),  # an inline item
+        (None, [FeatureSpec("a", REF, prompt_updates=[{"offset": 3}])]),
+        ((1, 2), [FeatureSpec("a", REF)]),  # a tuple payload: the serde's envelope
+        ({"x": np.arange(4, dtype=np.float32)}, []),
+        (None, [FeatureSpec("a", REF.to_dict())]),  # a reference's dict
+    ],
+)
+def test_any_other_call_keeps_the_two_frame_form(payload: Any, features: list[FeatureSpec]) -> None:
+    head, body = call_frames(payload, features)
+    assert body != b""
+    version, got_payload, got = decode_call(head, body)
+    assert version == CALL_VERSION
+    assert [f.mm_hash for f in got] == [f.mm_hash for f in features]
+    if isinstance(payload, tuple):
+        assert got_payload == payload and type(got_payload) is tuple
+
+
+@pytest.mark.parametrize(
+    "ref",
+    [
+        REF._replace(seq=True),  # a bool is not an int here
+        REF._replace(seq=np.uint64(3)),  # type: ignore[arg-type]  # nor a numpy int
+        REF._replace(seq=1 << 64),  # out of range
+        REF._replace(seq=-1),
+    ],
+)
+def test_a_malformed_reference_is_refused_as_before(ref: ShmRef) -> None:
+    """The one-message form takes only what the general form takes; the rest raises there."""
+    with pytest.raises(InvalidReferenceError):
+        call_frames(None, [FeatureSpec("a", ref)])
+
+
+def test_a_version_three_worker_refuses_a_one_message_call() -> None:
+    """What a worker of the previous version runs on the call's first frame: ``WireError``, so
+    it answers ``bad_request`` at once (the second frame is there, empty)."""
+    head, _ = call_frames(None, [FeatureSpec("a", REF)])
+    with pytest.raises(WireError, match="version"):
+        decode(head, "call", (1, 2, 3))
+
+
+@pytest.mark.parametrize(
+    ("head", "body"),
+    [
+        (_v4([]), b"\x00"),  # the second frame must be empty
+        (_v4([["a", None, b"\x00" * 63]]), b""),  # a short reference
+        (_v4([["a", None, b"\x00" * 65]]), b""),
+        (_v4([["a", None, [0] * 8]]), b""),  # a reference as a list: not this form's
+        (_v4([["a", None, "x" * 64]]), b""),  # a str, not bytes
+        (_v4([["a", None]]), b""),
+        (_v4([["a", None, None, None]]), b""),
+        (_v4([[1, None, None]]), b""),  # mm_hash not a str
+        (_v4([["a", 5, None]]), b""),  # identifier not a str
+        (_v4("rows"), b""),
+        (_v4([None]), b""),
+        (_v4([["a", None, None]] * (MAX_FEATURES + 1)), b""),
+        (_v4([], kind="answer"), b""),
+        (_v4([], tag="not.channel"), b""),
+        (_v4([]) + b"\x00", b""),  # trailing bytes
+        (_v4([["a", None, b"\x00" * 64]])[:-5], b""),  # cut
+        (msgpack.packb([TAG, ONE_MESSAGE_VERSION, "call", None]), b""),  # four items
+        (msgpack.packb([TAG, True, "call", None, []]), b""),
+        (msgpack.packb([TAG, ONE_MESSAGE_VERSION, "call", {1: "int key"}, []]), b""),
+        (b"\x95" + b"\x91" * 100_000 + b"\xc0", b""),  # deep
+        (b"\x95\xb3aioshmcache.channel\x04\xa4call\xc0" + b"\x90" * 40_000, b""),  # containers
+    ],
+)
+def test_a_hostile_one_message_call_is_a_wire_error(head: bytes, body: bytes) -> None:
+    with pytest.raises(WireError):
+        decode_call(head, body)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=300).map(lambda b: b"\x95\xb3aioshmcache.channel\x04\xa4call" + b),
+        st.recursive(
+            st.none()
+            | st.integers(-(2**63), 2**64 - 1)
+            | st.text(max_size=8)
+            | st.binary(min_size=60, max_size=68)
+            | st.binary(max_size=8),
+            lambda inner: st.lists(inner, max_size=6),
+            max_leaves=30,
+        ).map(_v4),
+    )
+)
+def test_a_one_message_call_is_features_or_a_wire_error(head: bytes) -> None:
+    """Any bytes starting as a version-4 call: references and Nones, or ``WireError``."""
+    try:
+        _version, _payload, features = decode_call(head, b"")
+    except WireError:
+        return
+    for f in features:
+        assert type(f.mm_hash) is str and (f.identifier is None or type(f.identifier) is str)
+        assert f.data is None or (type(f.data) is ShmRef and all(type(v) is int for v in f.data))
+
+
+async def test_a_one_message_call_is_served_with_a_plain_answer(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Written by hand on a socket, as a gateway of this version does: read, acknowledged,
+    answered in plain msgpack; a reference's eight ints cross as they were."""
+    from aioshmcache.wire import encode_frame, read_frame
+
+    sock = tmp_path / "e.sock"
+    async with (
+        AsyncSenderCache.from_config(make_config(4 << 20)) as cache,
+        AsyncReceiverCache.attach(cache.handle()) as rx,
+    ):
+        ready = asyncio.Event()
+        task = asyncio.create_task(serve_engine(sock, handler, rx, ready=ready.set))
+        try:
+            await asyncio.wait_for(ready.wait(), 10)
+            item = {"x": np.arange(256, dtype=np.float32)}
+            [f] = await cache.get_and_update_features([FeatureSpec("h", item)])
+            reader, writer = await asyncio.open_unix_connection(str(sock))
+            try:
+                row = ["h", None, _U64X8.pack(*f.data)]
+                writer.write(encode_frame(_v4([row], {"op": "echo", "n": 1})) + encode_frame(b""))
+                await writer.drain()
+                answer = await asyncio.wait_for(read_frame(reader), 30)
+                assert answer[:4] != b"ASHM"  # plain msgpack (the echo's result allows it)
+                value = decode(answer, "response")
+                assert value[2] == "ok" and value[3]["payload"] == {"op": "echo", "n": 1}
+            finally:
+                writer.close()
+            assert cache.snapshot().readers[0].lag == 0  # read and acknowledged
+            async with EngineClient.connect(sock, cache=cache) as engine:  # and by the client
+                [g] = await cache.get_and_update_features([FeatureSpec("h", None)])
+                out = await engine.call([g], {"op": "crc"}, timeout=30)
+                assert out["crcs"] == [crc(item["x"])]
+            assert cache.snapshot().readers[0].lag == 0
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+
+async def test_a_connection_s_one_timer_enforces_every_wait_s_own_deadline() -> None:
+    """A connection keeps one timer for its waits: a wait with a later deadline than the armed
+    timer's times out at its own deadline, never at the earlier one; a wait with an earlier
+    deadline times out at it, not at the armed one; a frame in time is returned."""
+    import socket
+
+    from aioshmcache._channel_conn import FrameConnection
+    from aioshmcache.wire import encode_frame
+
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    transport, conn = await loop.connect_accepted_socket(lambda: FrameConnection(1 << 20), a)
+    try:
+        await loop.sock_sendall(b, encode_frame(b"one"))
+        assert await conn.next_frame(loop.time() + 0.2) == b"one"  # arms a timer at +0.2
+        later = loop.time() + 0.5
+        with pytest.raises(TimeoutError):
+            await conn.next_frame(later)
+        # not at the armed timer's earlier deadline (a timer may fire a millisecond early)
+        assert loop.time() >= later - 0.05
+        await loop.sock_sendall(b, encode_frame(b"two"))
+        assert await conn.next_frame(loop.time() + 60) == b"two"  # arms a timer at +60
+        start = loop.time()
+        with pytest.raises(TimeoutError):
+            await conn.next_frame(start + 0.05)
+        assert loop.time() - start < 30  # its own deadline, not the armed one's
+        await loop.sock_sendall(b, encode_frame(b"three"))
+        assert await conn.next_frame(loop.time() + 60) == b"three"  # usable after a timeout
+    finally:
+        transport.abort()
+        b.close()
