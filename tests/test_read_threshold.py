@@ -23,17 +23,18 @@ async def _reads_in_a_thread(
 ) -> bool:
     """Read one ``nbytes`` item through an ``AsyncReceiverCache(**face)``: whether a thread ran."""
     hops: list[object] = []
-    original = AsyncReceiverCache._run_jobs
-
-    async def counted(self: AsyncReceiverCache, request: Any) -> None:
-        hops.append(request)
-        await original(self, request)
-
-    monkeypatch.setattr(AsyncReceiverCache, "_run_jobs", counted)
     item = {"x": np.arange(nbytes, dtype=np.uint8)}
     async with AsyncSenderCache.from_config(make_config(16 * MiB, 8 * MiB, 1)) as cache:
         with ReceiverCache.attach(cache.handle()) as sync_rx:
             async with AsyncReceiverCache(sync_rx, **face) as rx:
+                jobs = rx._inflight  # the jobs the reader face hands to worker threads
+                add = jobs.add
+
+                def counted(fn: Any) -> Any:
+                    hops.append(fn)
+                    return add(fn)
+
+                monkeypatch.setattr(jobs, "add", counted)
                 [ref] = await cache.get_and_update_features([FeatureSpec("h", item)])
                 [got] = await rx.get_and_update_features([ref])
                 assert np.array_equal(got.data["x"], item["x"])
