@@ -37,7 +37,7 @@ from ._request import (
     run_one,
 )
 from ._serde import Serde
-from ._store import ShmObjectStore, StoreWriter
+from ._store import SYNC_ONE_STEP_PUT_UNDER, ShmObjectStore, StoreWriter
 from ._store_reader import StoreReader
 from ._types import (
     CacheConfig,
@@ -371,7 +371,7 @@ class SenderCache(_Cache):
             # the core's one-item miss; declined, the request runs as in run_one
             store, book = self.store, self._book
             done: MmItem | None = _request._put_item(
-                store, book, mm_item, mm_hash, DEFAULT_INLINE_THRESHOLD
+                store, book, mm_item, mm_hash, SYNC_ONE_STEP_PUT_UNDER
             )
             if done is not None:
                 return done

@@ -275,14 +275,18 @@ def test_one_threshold_for_a_copy_under_the_writer_lock(
         assert tx.is_cached("bigger")
         one = ({"x": np.ones(INLINE_COPY_UNDER_LOCK * 2, np.uint8)}, ())
         if aioshmcache.implementation() == "c":  # the core's one step: no request, no job
-            from aioshmcache import _request
+            from aioshmcache._request import SenderRequest
 
             def no_request(*a: object, **k: object) -> None:
                 raise AssertionError("the sync one-item put made a request")
 
-            monkeypatch.setattr(_request, "SenderRequest", no_request)
-        ref, _ = tx.get_and_update_item(one, "one")  # the sync one-item put
+            # the class itself: every module that names it (the face, run_one) makes none
+            monkeypatch.setattr(SenderRequest, "__init__", no_request)
+        ref, _ = tx.get_and_update_item(one, "one")  # the sync one-item put, updates a tuple
         assert isinstance(ref, ShmRef) and tx.is_cached("one")
+        two = ({"x": np.full(INLINE_COPY_UNDER_LOCK * 2, 2, np.uint8)}, [])
+        ref, _ = tx.get_and_update_item(two, "two")  # the same with updates given as a list
+        assert isinstance(ref, ShmRef) and tx.is_cached("two")
 
 
 # --- no public method returns a private type --------------------------------------------------
