@@ -284,7 +284,10 @@ def test_one_threshold_for_a_copy_under_the_writer_lock(
             monkeypatch.setattr(SenderRequest, "__init__", no_request)
         ref, _ = tx.get_and_update_item(one, "one")  # the sync one-item put, updates a tuple
         assert isinstance(ref, ShmRef) and tx.is_cached("one")
-        two = ({"x": np.full(INLINE_COPY_UNDER_LOCK * 2, 2, np.uint8)}, [])
+        two: tuple[object, list[object]] = (
+            {"x": np.full(INLINE_COPY_UNDER_LOCK * 2, 2, np.uint8)},
+            [],
+        )
         ref, _ = tx.get_and_update_item(two, "two")  # the same with updates given as a list
         assert isinstance(ref, ShmRef) and tx.is_cached("two")
 
