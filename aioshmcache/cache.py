@@ -34,6 +34,8 @@ from ._request import (
     SenderRequest,
     as_reference,
     check_hash,
+    feature_item,
+    features_from,
     run_one,
 )
 from ._serde import Serde
@@ -393,6 +395,9 @@ class SenderCache(_Cache):
         raises, everything the call took is given back (hand-outs, allocations, pins).
         """
         given = mm_items if type(mm_items) is list else list(mm_items)
+        if len(given) == 1 and type(mm_hashes) in (list, tuple) and len(mm_hashes) == 1:
+            # one item: the one-item call's path (the same algorithm: ``run_one``)
+            return [self.get_and_update_item(given[0], mm_hashes[0], wait_for_space=wait_for_space)]
         sent = kept_forms(given)
         out = self._request(sent, mm_hashes, wait_for_space=wait_for_space).run()
         return all_as_given(given, sent, out)
@@ -404,6 +409,17 @@ class SenderCache(_Cache):
 
         A spec whose data is ``None`` (or already a reference) is looked up by its hash.
         """
+        if wait_for_space is None and type(features) is list and len(features) == 1:
+            # one spec to put: the core's one-item miss first (``run_one``'s first step);
+            # declined before any side effect, the request runs
+            f = features[0]
+            item = feature_item(f)  # checks the spec and its hash, as the request does
+            if item is not None:
+                done: MmItem | None = _request._put_item(
+                    self.store, self._book, item, f.mm_hash, SYNC_ONE_STEP_PUT_UNDER
+                )
+                if done is not None:
+                    return features_from(features, [done])
         return SenderRequest.for_features(
             self.store, self._book, features, wait_for_space=wait_for_space
         ).run_features()

@@ -1023,3 +1023,37 @@ async def test_the_async_face_keeps_prompt_updates_untracked_too(make_config: An
         ref, got = await c.get_and_update_item(None, "a3")
         assert got == ["<image>", 3] and type(got) is list
         await c.release(ref)
+
+
+@pytest.mark.parametrize("updates", [(), ["u"]])
+def test_one_item_lists_and_specs_take_the_one_item_path(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch, updates: Any
+) -> None:
+    """``get_and_update([x], [h])`` and ``get_and_update_features([spec])`` of one item to put
+    answer as the one-item call does; on the compiled core they make no request at all (the
+    core's one-item miss), on the pure core the request answers the same."""
+    import aioshmcache
+    from aioshmcache._request import SenderRequest
+
+    with SenderCache(make_config(4 << 20, 1 << 20, 1)) as tx:
+        made: list[object] = []
+        init = SenderRequest.__init__
+
+        def counted(self: Any, *a: Any, **k: Any) -> None:
+            made.append(a)
+            init(self, *a, **k)
+
+        monkeypatch.setattr(SenderRequest, "__init__", counted)
+        x = item(1)
+        [(ref, got)] = tx.get_and_update([(x, updates)], ["a"])
+        assert isinstance(ref, ShmRef) and got is updates
+        [spec] = tx.get_and_update_features([FeatureSpec("b", x, prompt_updates=tuple(updates))])
+        assert isinstance(spec.data, ShmRef) and spec.prompt_updates == tuple(updates)
+        assert tx.is_cached(["a", "b"]) == [True, True]
+        assert made == [] if aioshmcache.implementation() == "c" else len(made) == 2
+        # a hit and a look-up of one item answer as before (through the request)
+        [(ref2, got2)] = tx.get_and_update([None], ["a"])
+        assert isinstance(ref2, ShmRef) and got2 == list(updates)
+        for r in (ref, spec.data, ref2):
+            assert isinstance(r, ShmRef)
+            tx.release(r)
