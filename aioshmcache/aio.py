@@ -33,7 +33,7 @@ import anyio.to_thread
 from anyio.abc import AsyncResource
 
 from ._flight import FROM_SIBLING, GroupFlight, SingleFlight, SingleFlightStats, call_make
-from ._request import DEFAULT_INLINE_THRESHOLD, SenderRequest, features_from
+from ._request import DEFAULT_INLINE_THRESHOLD, SenderRequest, feature_item, features_from
 from ._serde import Serde
 from ._types import (
     CacheConfig,
@@ -380,6 +380,18 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
             raise
         return out if out is not None else self._jobs_then_finish(req)
 
+    def _one_step(self, sent: MmItem | None, mm_hash: str) -> MmItem | None:
+        """The core's one-item miss on the loop (a copy under ``inline_threshold_bytes``), when
+        no turn to yield is due: its result, or None (declined before any side effect, or a turn
+        due: the request's path runs and takes the turn). Counted as one inline call."""
+        n = self._inline_calls + 1
+        if n >= CHECKPOINT_EVERY or _monotonic() - self._last_yield >= CHECKPOINT_AFTER:
+            return None
+        done = self._wrapped()._put_one(sent, mm_hash, self.inline_threshold_bytes)
+        if done is not None:
+            self._inline_calls = n
+        return done
+
     async def _yield_then_send(self, req: SenderRequest) -> list[MmItem]:
         await anyio.lowlevel.checkpoint()  # before anything is taken: nothing to undo
         try:
@@ -493,6 +505,8 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
     ) -> MmItem:
         """As ``SenderCache.get_and_update_item``; big copies and waits run in a thread."""
         sent = kept_form(mm_item)  # the prompt updates as the sender keeps them
+        if wait_for_space is None and (done := self._one_step(sent, mm_hash)) is not None:
+            return as_given(mm_item, sent, done)
         req = self._wrapped()._request(  # ``self.sender``, one call shorter
             [sent],
             [mm_hash],
@@ -507,6 +521,11 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         self, features: Sequence[FeatureSpec], *, wait_for_space: float | None = None
     ) -> list[FeatureSpec]:
         """As ``SenderCache.get_and_update_features``; big copies and waits run in a thread."""
+        if wait_for_space is None and type(features) is list and len(features) == 1:
+            f = features[0]
+            item = feature_item(f)  # checks the spec and its hash, as the request does
+            if item is not None and (done := self._one_step(item, f.mm_hash)) is not None:
+                return features_from(features, [done])
         req = self._wrapped()._features_request(  # ``self.sender``, one call shorter
             features, wait_for_space=wait_for_space, copy_inline_below=self.inline_threshold_bytes
         )
@@ -522,6 +541,12 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
     ) -> list[MmItem]:
         """As ``SenderCache.get_and_update``; big copies and waits run in a thread."""
         given = mm_items if type(mm_items) is list else list(mm_items)
+        if len(given) == 1 and type(mm_hashes) in (list, tuple) and len(mm_hashes) == 1:
+            # one item: the one-item call's path (the same algorithm)
+            got = await self.get_and_update_item(
+                given[0], mm_hashes[0], wait_for_space=wait_for_space
+            )
+            return [got]
         sent = kept_forms(given)  # the prompt updates as the sender keeps them
         req = self._wrapped()._request(  # ``self.sender``, one call shorter
             sent,

@@ -352,6 +352,11 @@ class SenderCache(_Cache):
             copy_inline_below=copy_inline_below,
         )
 
+    def _put_one(self, sent: MmItem | None, mm_hash: str, inline_below: int) -> MmItem | None:
+        """The core's one-item miss (``run_one``'s first step) for an item in the kept form:
+        its result, or None, declined before any side effect (then a request runs)."""
+        return _request._put_item(self.store, self._book, sent, mm_hash, inline_below)
+
     def get_and_update_item(
         self, mm_item: MmItem | None, mm_hash: str, *, wait_for_space: float | None = None
     ) -> MmItem:
@@ -371,13 +376,10 @@ class SenderCache(_Cache):
             # run_one's first step, without its frame and the conversions (an item given with
             # its updates as a tuple is sent as it is, and its result needs no conversion):
             # the core's one-item miss; declined, the request runs as in run_one
-            store, book = self.store, self._book
-            done: MmItem | None = _request._put_item(
-                store, book, mm_item, mm_hash, SYNC_ONE_STEP_PUT_UNDER
-            )
+            done = self._put_one(mm_item, mm_hash, SYNC_ONE_STEP_PUT_UNDER)
             if done is not None:
                 return done
-            return SenderRequest(store, book, [mm_item], [mm_hash], _fresh=True).run()[0]
+            return SenderRequest(self.store, self._book, [mm_item], [mm_hash], _fresh=True).run()[0]
         sent = kept_form(mm_item)
         out = run_one(self.store, self._book, sent, mm_hash, wait_for_space=wait_for_space)
         return as_given(mm_item, sent, out)
@@ -415,9 +417,7 @@ class SenderCache(_Cache):
             f = features[0]
             item = feature_item(f)  # checks the spec and its hash, as the request does
             if item is not None:
-                done: MmItem | None = _request._put_item(
-                    self.store, self._book, item, f.mm_hash, SYNC_ONE_STEP_PUT_UNDER
-                )
+                done = self._put_one(item, f.mm_hash, SYNC_ONE_STEP_PUT_UNDER)
                 if done is not None:
                     return features_from(features, [done])
         return SenderRequest.for_features(

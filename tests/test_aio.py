@@ -554,3 +554,41 @@ async def test_a_cancelled_leader_s_finished_make_is_kept_for_the_waiter(
             await lead
         out = await waiter
         assert out.mm_hash == "h" and calls == 1
+
+
+@pytest.mark.parametrize("updates", [(), ["u"]])
+async def test_async_one_item_misses_take_the_one_item_path(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch, updates: Any
+) -> None:
+    """The awaitable one-item miss, and a list or a features call of one item to put, answer as
+    the request does; on the compiled core they make no request (the core's one-item miss runs
+    on the loop), on the pure core the request answers the same. A hit still goes through it."""
+    import aioshmcache.aio
+    from aioshmcache._request import SenderRequest
+
+    made: list[object] = []
+    init = SenderRequest.__init__
+
+    def counted(self: Any, *a: Any, **k: Any) -> None:
+        made.append(a)
+        init(self, *a, **k)
+
+    monkeypatch.setattr(SenderRequest, "__init__", counted)
+    # no turn to yield falls due in these few calls, however slow the machine (a due turn
+    # sends a call through the request, which takes it)
+    monkeypatch.setattr(aioshmcache.aio, "CHECKPOINT_AFTER", 1e9)
+    x = {"x": np.arange(1024, dtype=np.uint8)}
+    async with AsyncSenderCache.from_config(make_config(4 << 20, 1 << 20, 1)) as tx:
+        ref1, got1 = await tx.get_and_update_item((x, updates), "a")
+        [(ref2, got2)] = await tx.get_and_update([(x, updates)], ["b"])
+        [spec] = await tx.get_and_update_features(
+            [FeatureSpec("c", x, prompt_updates=tuple(updates))]
+        )
+        assert got1 is updates and got2 is updates and spec.prompt_updates == tuple(updates)
+        assert tx.is_cached(["a", "b", "c"]) == [True, True, True]
+        assert made == [] if aioshmcache.implementation() == "c" else len(made) == 3
+        ref3, got3 = await tx.get_and_update_item((x, updates), "a")  # a hit: the request
+        assert got3 is updates and made
+        for r in (ref1, ref2, spec.data, ref3):
+            assert isinstance(r, ShmRef)
+            await tx.release(r)
