@@ -140,8 +140,6 @@ PUBLIC_UNDERSCORE = frozenset({"_asdict", "_exit", "_fields", "_replace"})
 
 #: test files whose reaches are not moved to the documented internal API yet, with why
 NOT_YET_MOVED: dict[str, str] = {
-    "test_core_read.py": "not yet moved: the compiled read's tests, reshaped in parallel",
-    "test_core_read_attacks.py": "not yet moved: the compiled read's tests, reshaped in parallel",
     "test_differential_store.py": "not yet moved: the write path's differential test, reshaped "
     "in parallel",
 }
