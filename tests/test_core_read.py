@@ -60,9 +60,9 @@ def stores(cap: int = CAP) -> Iterator[tuple[StoreWriter, dict[str, StoreReader]
             # the writer probed now, not again during the test (a due probe is the Python path's)
             r = stack.enter_context(ShmObjectStore.from_handle(w.handle(), probe_interval=3600))
             r.check_writer()
-            r._reading._ctx = r._reading._read_item = None
+            r.read_path._ctx = r.read_path._read_item = None
             if core is not None:
-                assert r._reading.enable_core(core)
+                assert r.read_path.enable_core(core)
             readers["python" if core is None else core.__name__.rsplit(".", 1)[1]] = r
         yield w, readers
 
@@ -76,7 +76,7 @@ def outcome(fn: Callable[[], Any]) -> tuple[Any, ...]:
 
 def acked(r: StoreReader) -> int:
     """Acknowledgements reader ``r`` has written."""
-    slot = r._reading.slot
+    slot = r.read_path.slot
     assert slot is not None
     return slot.acknowledged
 
@@ -106,7 +106,7 @@ def read_all(readers: dict[str, StoreReader], ref: object) -> dict[str, tuple[An
     for name, r in readers.items():
         took, res = False, None
         if name != "python":
-            res = outcome(lambda r=r: r._reading.read_item(ref))  # type: ignore[misc]
+            res = outcome(lambda r=r: r.read_path.read_item(ref))  # type: ignore[misc]
             took = res[0] != "ok" or res[1] is not None
         if not took:  # not taken: the get reads it (its core hands it to the Python path)
             res = outcome(lambda r=r: r.get(ref))  # type: ignore[misc]
@@ -188,7 +188,7 @@ def mutate(w: StoreWriter, ref: ShmRef, how: str, data: st.DataObject) -> object
         f[2] = data.draw(st.sampled_from([CAP, CAP - 64, CAP + 64, (1 << 64) - 64]))
         f[6] = f[2]
     _nonce, epoch, address, cid, length, _tag, position, seq = f
-    f[5] = reference_tag(w._secret, epoch, address, cid, length, position, seq)
+    f[5] = reference_tag(int(w.words[L.H_SECRET]), epoch, address, cid, length, position, seq)
     return ShmRef(*f)
 
 
@@ -219,7 +219,7 @@ def test_plain_items_are_taken_by_the_core_and_acknowledged_once(item: dict[str,
                 continue
             ref = w.put(f"k{name}", item)
             before = acked(r)
-            value = r._reading.read_item(ref)
+            value = r.read_path.read_item(ref)
             usual = all(
                 not isinstance(v, np.ndarray) or (v.size and v.dtype.str in DTYPES)
                 for v in item.values()
@@ -241,9 +241,9 @@ def plant(w: StoreWriter, payload: bytes) -> ShmRef:
     address, cid = ring.allocate(len(payload))
     ring.payload(address)[:] = payload
     position = ring.commit(address)
-    epoch = int(w._seg.words[L.H_EPOCH])
-    tag = reference_tag(w._secret, epoch, address, cid, len(payload), position, 0)
-    return ShmRef(w._seg.nonce, epoch, address, cid, len(payload), tag, position, 0)
+    epoch = int(w.words[L.H_EPOCH])
+    tag = reference_tag(int(w.words[L.H_SECRET]), epoch, address, cid, len(payload), position, 0)
+    return ShmRef(w.nonce, epoch, address, cid, len(payload), tag, position, 0)
 
 
 class Planter:
@@ -349,7 +349,7 @@ def test_a_chunk_reclaimed_during_the_copy_is_stale_and_not_acknowledged(
     with stores() as (w, readers):
         r = readers["python"]
         ref = w.put("k", {"a": np.arange(1000, dtype=np.float32)})
-        words = w._seg.words
+        words = w.words
 
         def empty_then_rewrite(shape: Any, dtype: Any) -> Any:
             # runs after every check and before the copy: the writer reclaims the chunk now
@@ -364,8 +364,8 @@ def test_a_chunk_reclaimed_during_the_copy_is_stale_and_not_acknowledged(
             whole.release()
             return np.empty(shape, dtype)
 
-        assert r._reading.enable_core(core)
-        slot = r._reading.slot
+        assert r.read_path.enable_core(core)
+        slot = r.read_path.slot
         assert slot is not None
         torn = core.ReadCtx(
             r._seg.buf,
@@ -375,7 +375,7 @@ def test_a_chunk_reclaimed_during_the_copy_is_stale_and_not_acknowledged(
             empty_then_rewrite,
             dtype_table(),
             StaleReferenceError,
-            r._seg.nonce,
+            r.nonce,
             int(r._seg.words[L.H_SECRET]),
             int(r._seg.words[L.H_RING_OFF]),
             r.ring.capacity,
@@ -395,7 +395,7 @@ def test_the_receiver_cache_reads_through_the_core_with_the_same_errors(
         ref, _ = tx.get_and_update_item((item, ()), "h")
         assert same(rx.get_and_update_item(ref, "h"), item)  # the first read probes the writer
         ref, _ = tx.get_and_update_item(None, "h")
-        reading = rx.store._reading
+        reading = rx.store.read_path
         spied: list[object] = []
         if CORES[1:]:  # the compiled core in use: this read is one core call
             read = reading.read_item
@@ -431,7 +431,7 @@ def test_a_reader_uses_the_compiled_read_by_default() -> None:
         ShmObjectStore.create(CacheConfig(CAP, CAP // 2, 1)) as w,
         ShmObjectStore.from_handle(w.handle()) as r,
     ):
-        assert r._reading._read_item is _core_api.core.read_item
+        assert r.read_path._read_item is _core_api.core.read_item
         ref = w.put("k", {"a": np.arange(10)})
         before = acked(r)
         assert same(r.get(ref), {"a": np.arange(10)})
@@ -480,7 +480,7 @@ def _receivers(tx: SenderCache, stack: contextlib.ExitStack) -> dict[str, Receiv
     out = {}
     for name, core in (("core", CORES[-1]), ("python", None)):
         rx = stack.enter_context(ReceiverCache.attach(tx.handle()))
-        reading = rx.store._reading
+        reading = rx.store.read_path
         reading.probe_interval = 3600
         reading.check_writer()
         reading._ctx = reading._read_item = None
@@ -574,7 +574,7 @@ def test_a_receiver_lease_takes_the_core_and_settles_on_exit() -> None:
         for name, rx in rxs.items():
             ref, _ = tx.get_and_update_item((item, ()), "h")
             if name == "core":  # the core takes a plain item's lease in one call
-                views = rx.store._reading.read_item(ref, False)
+                views = rx.store.read_path.read_item(ref, False)
                 assert views is not None and same(views, item)
                 del views
                 rx.store.ack(ref)
@@ -598,7 +598,7 @@ def test_a_log_head_a_hostile_writer_set_to_the_top_wraps_alike_on_every_path(
     with stores() as (w, readers):
         for name, r in readers.items():
             ref = w.put(f"k-{name}", {"a": np.arange(10)})
-            slot = r._reading.slot
+            slot = r.read_path.slot
             assert slot is not None
             table, i = slot.table, slot.slot
             table.set_word(i, L.RS_HEAD, start)
@@ -637,7 +637,7 @@ def test_a_core_read_that_fails_gives_its_reference_and_the_rest_back(
         )
         assert not any(tx.is_freeable(f.mm_hash) for f in feats)  # owed to the reader
         rx.store.check_writer()  # probed now: the core's call takes the reads
-        reading = rx.store._reading
+        reading = rx.store.read_path
         calls: list[object] = []
 
         def fails(ctx: Any, ref: object, copy: bool) -> Any:

@@ -70,7 +70,7 @@ def core_id(core: Any) -> str:
 
 def ctx_of(r: StoreReader, core: Any, *, np_empty: Callable[..., Any] = np.empty) -> Any:
     """A ``ReadCtx`` of ``core`` for reader ``r``, with ``np_empty`` as its allocator."""
-    slot = r._reading.slot
+    slot = r.read_path.slot
     assert slot is not None
     words = r._seg.words
     return core.ReadCtx(
@@ -81,7 +81,7 @@ def ctx_of(r: StoreReader, core: Any, *, np_empty: Callable[..., Any] = np.empty
         np_empty,
         dtype_table(),
         StaleReferenceError,
-        r._seg.nonce,
+        r.nonce,
         int(words[L.H_SECRET]),
         int(words[L.H_RING_OFF]),
         r.ring.capacity,
@@ -91,7 +91,7 @@ def ctx_of(r: StoreReader, core: Any, *, np_empty: Callable[..., Any] = np.empty
 
 def payload_offset(w: StoreWriter, ref: ShmRef) -> int:
     """Where the payload of ``ref`` starts in the segment."""
-    return int(w._seg.words[L.H_RING_OFF]) + ref.address + L.CHUNK_HEADER
+    return int(w.words[L.H_RING_OFF]) + ref.address + L.CHUNK_HEADER
 
 
 def vm_bytes() -> tuple[int, int]:
@@ -198,7 +198,7 @@ def test_references_forged_with_the_secret_and_extreme_fields_read_alike(
         f = list(ref)
         for i, v in changes.items():
             f[i] = (f[i] + v) & U64 if -130 <= v <= 130 else v  # a step, or a value outright
-        f[5] = reference_tag(w._secret, f[1], f[2], f[3], f[4], f[6], f[7])
+        f[5] = reference_tag(int(w.words[L.H_SECRET]), f[1], f[2], f[3], f[4], f[6], f[7])
         forged = ShmRef(*f)
         results = read_all(readers, forged)
         agree(results)
@@ -387,7 +387,7 @@ _LeakCase = tuple[ShmRef, "Callable[..., Any] | None", str]
 
 def _leak_cases(w: StoreWriter) -> dict[str, _LeakCase]:
     small = msgpack.packb(_array_rec(OWN_PAGES, 64, 0, [16], b"<f4"))
-    words = w._seg.words
+    words = w.words
 
     def stale_after_planning(ref: list[ShmRef]) -> Callable[..., Any]:
         def empty(shape: Any, dtype: Any) -> Any:  # the chunk "reused" under the read
@@ -444,7 +444,7 @@ def test_failing_reads_leak_neither_objects_nor_pages() -> None:
                     got = type(exc).__name__
                 assert got == expected, name
                 if name == "stale after the copy":  # the chunk back as it was
-                    i = (int(w._seg.words[L.H_RING_OFF]) + ref.address) // 8
+                    i = (int(w.words[L.H_RING_OFF]) + ref.address) // 8
                     whole = w._seg.buf.cast("Q")
                     whole[i + L.C_ID] = ref.id
                     whole.release()
@@ -594,7 +594,7 @@ def test_the_core_call_holds_the_mapping_even_without_the_read_path_s_guard() ->
     with stores(32 << 20) as (w, readers):
         r = readers["_core"]
         ref = w.put("k", {"a": np.full(n, 3, np.uint8)})
-        ctx = r._reading._ctx
+        ctx = r.read_path._ctx
         out: list[Any] = []
 
         def run() -> None:
@@ -673,7 +673,7 @@ cap = 32 << 20
 out = {}
 with ShmObjectStore.create(CacheConfig(cap, cap // 2, 1)) as w, \
         ShmObjectStore.from_handle(w.handle()) as r:
-    reading = r._reading
+    reading = r.read_path
     refs = {n: w.put(str(n), {"a": np.full(n, 5, np.uint8)}) for n in (1 << 20, 6 << 20)}
     before = reading.slot.acknowledged
     with open("/proc/self/statm") as f:

@@ -100,7 +100,7 @@ def _sender_for(tag: str, n_readers: int = 1) -> SenderCache:
     name = f"{RUN_PREFIX}{tag}-{uuid.uuid4().hex[:10]}"
     cache = SenderCache(CacheConfig(256 * 1024, 200 * 1024, n_readers, name=name))
     cache.store._secret = _SECRET
-    cache.store._hw[L.H_SECRET] = _SECRET
+    cache.store.words[L.H_SECRET] = _SECRET
     return cache
 
 
@@ -108,7 +108,7 @@ def _store_for(name: str) -> StoreWriter:
     cfg = CacheConfig(256 * 1024, 200 * 1024, 1, name=name)
     store = ShmObjectStore.create(cfg)
     store._secret = _SECRET  # the same tags in both
-    store._hw[L.H_SECRET] = _SECRET
+    store.words[L.H_SECRET] = _SECRET
     return store
 
 
@@ -143,7 +143,7 @@ def _run(ops: list[tuple[str, str, int]], seed: int) -> tuple[list[object], byte
                 answers.append(("error", type(exc).__name__))
             answers.append(("state", store.keys(), store.ring.used_bytes, len(store)))
         ring = bytes(store.ring.buf)
-        words = [w if i not in _INSTANCE_WORDS else 0 for i, w in enumerate(store._hw[:64])]
+        words = [w if i not in _INSTANCE_WORDS else 0 for i, w in enumerate(store.words[:64])]
         return answers, ring, words
     finally:
         store.close()
@@ -265,9 +265,9 @@ def test_a_hand_out_s_reference_is_the_same_from_either_core(make_config: Any) -
     with ShmObjectStore.create(make_config(1 << 20)) as store:
         for i in range(5):
             store.put(f"k{i}", ITEMS[1](np.random.default_rng(i)))
-        cids = [store._index[f"k{i}"] for i in range(5)]
+        cids = [store.index[f"k{i}"] for i in range(5)]
         for bump in (0, 1):
-            store._hw[L.H_EPOCH] = int(store._hw[L.H_EPOCH]) + bump
+            store.words[L.H_EPOCH] = int(store.words[L.H_EPOCH]) + bump
             for cid in cids:
                 for seq in (0, 1, 2**40):
                     before = store._rows[cid]
@@ -351,9 +351,9 @@ def _run_one_item_calls(calls: list[tuple[str, int]], seed: int) -> tuple[list[o
                 answers.append(("error", type(exc).__name__))
             snap = cache.snapshot()
             answers.append(("state", cache.store.keys(), snap.hits, snap.misses, snap.evictions))
-            kept = cache._book.prompt_updates  # the prompt updates kept, and their count
+            kept = cache._prompt_updates  # the prompt updates kept, and their count
             answers.append(("updates", sorted(kept.items()), len(kept)))
-        words = [w if i not in _INSTANCE_WORDS else 0 for i, w in enumerate(cache.store._hw[:64])]
+        words = [w if i not in _INSTANCE_WORDS else 0 for i, w in enumerate(cache.store.words[:64])]
         answers.append(("words", words))
         return answers, bytes(cache.store.ring.buf)
     finally:
@@ -479,7 +479,7 @@ def test_the_one_item_miss_counts_a_failed_put_as_the_request_does(
             cache.store._hand_out_seq = real
             snap = cache.snapshot()
             assert (snap.hits, snap.misses) == (0, 1)
-            assert int(cache.store._hw[L.H_MISSES]) == 1
+            assert int(cache.store.words[L.H_MISSES]) == 1
         finally:
             cache.close()
 
@@ -680,7 +680,7 @@ def _run_evicting(
                     answers.append(("release", store.release(refs[key])))
             except Exception as exc:
                 answers.append(("error", type(exc).__name__, str(exc)))
-            words = [w if i not in _INSTANCE_WORDS else 0 for i, w in enumerate(store._hw[:64])]
+            words = [w if i not in _INSTANCE_WORDS else 0 for i, w in enumerate(store.words[:64])]
             answers.append(
                 (
                     sorted(store.keys()),
