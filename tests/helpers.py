@@ -24,6 +24,22 @@ def checksum(arr: np.ndarray[Any, Any]) -> int:
     return zlib.crc32(np.ascontiguousarray(arr).view(np.uint8).reshape(-1).data)
 
 
+def count_sender_requests(monkeypatch: Any) -> list[object]:
+    """The arguments of every ``SenderRequest`` made from now on (its class patched, so every
+    module naming it counts): a call that took the core's one-item miss makes none."""
+    from aioshmcache._request import SenderRequest
+
+    made: list[object] = []
+    init = SenderRequest.__init__
+
+    def counted(self: Any, *a: Any, **k: Any) -> None:
+        made.append(a)
+        init(self, *a, **k)
+
+    monkeypatch.setattr(SenderRequest, "__init__", counted)
+    return made
+
+
 def random_item(rng: np.random.Generator, nbytes: int) -> dict[str, Any]:
     data = rng.integers(0, 255, size=max(1, nbytes), dtype=np.uint8)
     return {"data": data, "crc": checksum(data)}

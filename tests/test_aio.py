@@ -29,7 +29,7 @@ from aioshmcache._evict import WAIT_POLL
 from aioshmcache.aio import CHECKPOINT_EVERY
 
 from . import _procs
-from .helpers import SPAWN, checksum, random_item, wait_until
+from .helpers import SPAWN, checksum, count_sender_requests, random_item, wait_until
 
 MiB = 1 << 20
 #: heartbeat turns over eight 64 MiB copies in threads (a copy made on the loop gives a handful)
@@ -564,16 +564,8 @@ async def test_async_one_item_misses_take_the_one_item_path(
     the request does; on the compiled core they make no request (the core's one-item miss runs
     on the loop), on the pure core the request answers the same. A hit still goes through it."""
     import aioshmcache.aio
-    from aioshmcache._request import SenderRequest
 
-    made: list[object] = []
-    init = SenderRequest.__init__
-
-    def counted(self: Any, *a: Any, **k: Any) -> None:
-        made.append(a)
-        init(self, *a, **k)
-
-    monkeypatch.setattr(SenderRequest, "__init__", counted)
+    made = count_sender_requests(monkeypatch)
     # no turn to yield falls due in these few calls, however slow the machine (a due turn
     # sends a call through the request, which takes it)
     monkeypatch.setattr(aioshmcache.aio, "CHECKPOINT_AFTER", 1e9)

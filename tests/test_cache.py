@@ -27,7 +27,7 @@ from aioshmcache._layout import H_SECRET
 from aioshmcache._types import reference_tag
 
 from . import _procs  # noqa: F401  (spawned children import it)
-from .helpers import SPAWN, HookAfterRead, checksum
+from .helpers import SPAWN, HookAfterRead, checksum, count_sender_requests
 
 SLOT = 60_000  # bytes of one test item's array: 4 fit in the 256 KiB ring below
 
@@ -1033,17 +1033,9 @@ def test_one_item_lists_and_specs_take_the_one_item_path(
     answer as the one-item call does; on the compiled core they make no request at all (the
     core's one-item miss), on the pure core the request answers the same."""
     import aioshmcache
-    from aioshmcache._request import SenderRequest
 
     with SenderCache(make_config(4 << 20, 1 << 20, 1)) as tx:
-        made: list[object] = []
-        init = SenderRequest.__init__
-
-        def counted(self: Any, *a: Any, **k: Any) -> None:
-            made.append(a)
-            init(self, *a, **k)
-
-        monkeypatch.setattr(SenderRequest, "__init__", counted)
+        made = count_sender_requests(monkeypatch)
         x = item(1)
         [(ref, got)] = tx.get_and_update([(x, updates)], ["a"])
         assert isinstance(ref, ShmRef) and got is updates
