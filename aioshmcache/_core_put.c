@@ -1563,6 +1563,7 @@ static PyObject *s_too_large, *s_sizes, *s_counters, *s_total, *s_hits, *s_words
 static PyObject *s_nbytes, *s_pub_index, *s_found_too_large, *s_count_miss, *too_large_error;
 static PyObject *s_prompt_updates, *keep_func; /* ``SenderBook.keep_updates``: see keep_updates */
 static PyObject *kept_keep; /* ``_kept.keep``: the form the book stores */
+static PyObject *owner_func, *s_reading; /* ``StoreWriter.check_owner``: see check_owner */
 
 static int
 intern_item_names(void)
@@ -1574,6 +1575,7 @@ intern_item_names(void)
         {&s_total, "total"}, {&s_hits, "hits"}, {&s_words, "words"}, {&s_keep, "keep_updates"},
         {&s_nbytes, "nbytes"}, {&s_pub_index, "index"}, {&s_found_too_large, "found_too_large"},
         {&s_count_miss, "count_miss"}, {&s_prompt_updates, "prompt_updates"},
+        {&s_reading, "_reading"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (*names[i].p == NULL && (*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL)
@@ -1600,6 +1602,23 @@ intern_item_names(void)
         if (keep_func == NULL)
             return -1;
     }
+    if (owner_func == NULL) {
+        PyObject *mod = PyImport_ImportModule("aioshmcache._store");
+        if (mod == NULL)
+            return -1;
+        PyObject *writer_type = PyObject_GetAttrString(mod, "StoreWriter");
+        Py_DECREF(mod);
+        if (writer_type == NULL)
+            return -1;
+        if (PyType_Check(writer_type))
+            owner_func = _PyType_Lookup((PyTypeObject *)writer_type, s_check_owner);
+        Py_XINCREF(owner_func);
+        Py_DECREF(writer_type);
+        if (owner_func == NULL) {
+            PyErr_SetString(PyExc_TypeError, "StoreWriter.check_owner not found");
+            return -1;
+        }
+    }
     if (kept_keep == NULL) {
         PyObject *kept = PyImport_ImportModule("aioshmcache._kept");
         if (kept == NULL)
@@ -1610,6 +1629,39 @@ intern_item_names(void)
             return -1;
     }
     return 0;
+}
+
+/* Is ``obj.<part>.<name>`` true (1), false (0); -1: error. */
+static int
+part_attr_true(PyObject *obj, PyObject *part, PyObject *name)
+{
+    PyObject *p = fast_getattr(obj, part);
+    if (p == NULL)
+        return -1;
+    int t = attr_true(p, name);
+    Py_DECREF(p);
+    return t;
+}
+
+/* ``store.check_owner()``: when it is ``StoreWriter``'s own (found on the store's class, which
+ * has no instance dict to shadow it), its one test in C — ``self._reading.closed or
+ * self._seg.forked`` — and the call only when it is true (the call then raises the typed
+ * error, as the reference does); else the call. 0, or -1 with an error. */
+static int
+check_owner(PyObject *store)
+{
+    PyTypeObject *t = Py_TYPE(store);
+    if (t->tp_dictoffset == 0 && t->tp_getattro == PyObject_GenericGetAttr &&
+        _PyType_Lookup(t, s_check_owner) == owner_func) {
+        int bad = part_attr_true(store, s_reading, s_closed);
+        if (bad == 0)
+            bad = part_attr_true(store, s_seg, s_forked);
+        if (bad <= 0)
+            return bad;
+    }
+    PyObject *r = PyObject_CallMethodNoArgs(store, s_check_owner);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
 }
 
 /* ``book.keep_updates(h, updates)``: when it is ``SenderBook``'s own, its steps inline (``pu[h] = keep(updates)``
@@ -1803,10 +1855,9 @@ core_put_item(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (shard)
         Py_RETURN_NONE;
     /* the request's first step: the owner (a forked child may have inherited the lock held) */
-    PyObject *r = PyObject_CallMethodNoArgs(store, s_check_owner);
-    if (r == NULL)
+    if (check_owner(store) < 0)
         return NULL;
-    Py_DECREF(r);
+    PyObject *r;
     PyObject *lock = fast_getattr(store, s_lock);
     if (lock == NULL)
         return NULL;
