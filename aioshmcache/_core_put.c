@@ -41,7 +41,11 @@ typedef struct {
 #define SLOT_CACHE_BITS 10
 static SlotCache slot_cache[1 << SLOT_CACHE_BITS];
 
-static SlotCache *
+/* The entry's look-up when it does not hold (type, name) at the type's current version. */
+static SlotCache *slot_cache_fill(SlotCache *e, PyTypeObject *t, PyObject *name);
+
+/* The hit is inlined into every caller (a put makes about sixty); the rest is out of line. */
+static inline SlotCache *
 slot_cache_of(PyTypeObject *t, PyObject *name)
 {
     if (!PyType_HasFeature(t, Py_TPFLAGS_VALID_VERSION_TAG))
@@ -51,6 +55,12 @@ slot_cache_of(PyTypeObject *t, PyObject *name)
     SlotCache *e = &slot_cache[h >> (64 - SLOT_CACHE_BITS)];
     if (e->type == t && e->name == name && e->version == t->tp_version_tag)
         return e;
+    return slot_cache_fill(e, t, name);
+}
+
+static SlotCache *
+slot_cache_fill(SlotCache *e, PyTypeObject *t, PyObject *name)
+{
     PyObject *d = _PyType_Lookup(t, name); /* borrowed; may assign the version tag */
     Py_ssize_t off = -1;
     int writable = 0;
@@ -67,7 +77,7 @@ slot_cache_of(PyTypeObject *t, PyObject *name)
     return e;
 }
 
-static PyObject *
+static inline PyObject *
 fast_getattr(PyObject *obj, PyObject *name)
 {
     PyTypeObject *t = Py_TYPE(obj);
