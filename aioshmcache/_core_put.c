@@ -345,18 +345,21 @@ static PyObject *
 new_ref(PyObject *nonce, uint64_t epoch, uint64_t address, PyObject *cid_obj, uint64_t length,
         uint64_t tag, uint64_t position, PyObject *seq_obj)
 {
-    PyObject *result = NULL, *fields = NULL;
     PyObject *t = PyLong_FromUnsignedLongLong(tag), *ep = PyLong_FromUnsignedLongLong(epoch);
     PyObject *addr = PyLong_FromUnsignedLongLong(address);
     PyObject *len = PyLong_FromUnsignedLongLong(length);
     PyObject *pos = PyLong_FromUnsignedLongLong(position);
+    PyObject *result = NULL;
+    /* what ``tuple.__new__(ShmRef, fields)`` makes (its ``tp_alloc``, the items set; the
+     * generic allocation tracks it), without the two tuples it copies from */
     if (t && ep && addr && len && pos)
-        fields = PyTuple_Pack(8, nonce, ep, addr, cid_obj, len, t, pos, seq_obj);
+        result = ((PyTypeObject *)ref_type)->tp_alloc((PyTypeObject *)ref_type, 8);
+    if (result != NULL) {
+        PyObject *items[8] = {nonce, ep, addr, cid_obj, len, t, pos, seq_obj};
+        for (Py_ssize_t i = 0; i < 8; i++)
+            PyTuple_SET_ITEM(result, i, Py_NewRef(items[i]));
+    }
     Py_XDECREF(t), Py_XDECREF(ep), Py_XDECREF(addr), Py_XDECREF(len), Py_XDECREF(pos);
-    PyObject *targs = fields == NULL ? NULL : PyTuple_Pack(1, fields);
-    if (targs != NULL)
-        result = PyTuple_Type.tp_new((PyTypeObject *)ref_type, targs, NULL);
-    Py_XDECREF(targs), Py_XDECREF(fields);
     return result;
 }
 
