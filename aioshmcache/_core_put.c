@@ -273,6 +273,17 @@ slice_bounds(PyObject *sl, Py_ssize_t limit, Py_ssize_t *start, Py_ssize_t *stop
 {
     if (!PySlice_Check(sl))
         return 1;
+    PySliceObject *so = (PySliceObject *)sl;
+    if (so->step == Py_None && PyLong_CheckExact(so->start) && PyLong_CheckExact(so->stop)) {
+        /* the plan's own slices: ``PySlice_Unpack``'s answer without its generic index steps
+         * (an int out of range clears its error and takes them, which clip it) */
+        Py_ssize_t a = PyLong_AsSsize_t(so->start), b = PyLong_AsSsize_t(so->stop);
+        if ((a != -1 && b != -1) || !PyErr_Occurred()) {
+            *start = a, *stop = b;
+            return *start < 0 || *start > *stop || *stop > limit;
+        }
+        PyErr_Clear();
+    }
     Py_ssize_t step;
     if (PySlice_Unpack(sl, start, stop, &step) < 0) {
         PyErr_Clear();
