@@ -41,7 +41,11 @@ typedef struct {
 #define SLOT_CACHE_BITS 10
 static SlotCache slot_cache[1 << SLOT_CACHE_BITS];
 
-static SlotCache *
+/* The entry's look-up when it does not hold (type, name) at the type's current version. */
+static SlotCache *slot_cache_fill(SlotCache *e, PyTypeObject *t, PyObject *name);
+
+/* The hit is inlined into every caller (a put makes about sixty); the rest is out of line. */
+static inline SlotCache *
 slot_cache_of(PyTypeObject *t, PyObject *name)
 {
     if (!PyType_HasFeature(t, Py_TPFLAGS_VALID_VERSION_TAG))
@@ -51,6 +55,12 @@ slot_cache_of(PyTypeObject *t, PyObject *name)
     SlotCache *e = &slot_cache[h >> (64 - SLOT_CACHE_BITS)];
     if (e->type == t && e->name == name && e->version == t->tp_version_tag)
         return e;
+    return slot_cache_fill(e, t, name);
+}
+
+static SlotCache *
+slot_cache_fill(SlotCache *e, PyTypeObject *t, PyObject *name)
+{
     PyObject *d = _PyType_Lookup(t, name); /* borrowed; may assign the version tag */
     Py_ssize_t off = -1;
     int writable = 0;
@@ -67,7 +77,7 @@ slot_cache_of(PyTypeObject *t, PyObject *name)
     return e;
 }
 
-static PyObject *
+static inline PyObject *
 fast_getattr(PyObject *obj, PyObject *name)
 {
     PyTypeObject *t = Py_TYPE(obj);
@@ -263,6 +273,17 @@ slice_bounds(PyObject *sl, Py_ssize_t limit, Py_ssize_t *start, Py_ssize_t *stop
 {
     if (!PySlice_Check(sl))
         return 1;
+    PySliceObject *so = (PySliceObject *)sl;
+    if (so->step == Py_None && PyLong_CheckExact(so->start) && PyLong_CheckExact(so->stop)) {
+        /* the plan's own slices: ``PySlice_Unpack``'s answer without its generic index steps
+         * (an int out of range clears its error and takes them, which clip it) */
+        Py_ssize_t a = PyLong_AsSsize_t(so->start), b = PyLong_AsSsize_t(so->stop);
+        if ((a != -1 && b != -1) || !PyErr_Occurred()) {
+            *start = a, *stop = b;
+            return *start < 0 || *start > *stop || *stop > limit;
+        }
+        PyErr_Clear();
+    }
     Py_ssize_t step;
     if (PySlice_Unpack(sl, start, stop, &step) < 0) {
         PyErr_Clear();
@@ -335,18 +356,21 @@ static PyObject *
 new_ref(PyObject *nonce, uint64_t epoch, uint64_t address, PyObject *cid_obj, uint64_t length,
         uint64_t tag, uint64_t position, PyObject *seq_obj)
 {
-    PyObject *result = NULL, *fields = NULL;
     PyObject *t = PyLong_FromUnsignedLongLong(tag), *ep = PyLong_FromUnsignedLongLong(epoch);
     PyObject *addr = PyLong_FromUnsignedLongLong(address);
     PyObject *len = PyLong_FromUnsignedLongLong(length);
     PyObject *pos = PyLong_FromUnsignedLongLong(position);
+    PyObject *result = NULL;
+    /* what ``tuple.__new__(ShmRef, fields)`` makes (its ``tp_alloc``, the items set; the
+     * generic allocation tracks it), without the two tuples it copies from */
     if (t && ep && addr && len && pos)
-        fields = PyTuple_Pack(8, nonce, ep, addr, cid_obj, len, t, pos, seq_obj);
+        result = ((PyTypeObject *)ref_type)->tp_alloc((PyTypeObject *)ref_type, 8);
+    if (result != NULL) {
+        PyObject *items[8] = {nonce, ep, addr, cid_obj, len, t, pos, seq_obj};
+        for (Py_ssize_t i = 0; i < 8; i++)
+            PyTuple_SET_ITEM(result, i, Py_NewRef(items[i]));
+    }
     Py_XDECREF(t), Py_XDECREF(ep), Py_XDECREF(addr), Py_XDECREF(len), Py_XDECREF(pos);
-    PyObject *targs = fields == NULL ? NULL : PyTuple_Pack(1, fields);
-    if (targs != NULL)
-        result = PyTuple_Type.tp_new((PyTypeObject *)ref_type, targs, NULL);
-    Py_XDECREF(targs), Py_XDECREF(fields);
     return result;
 }
 
@@ -1563,6 +1587,7 @@ static PyObject *s_too_large, *s_sizes, *s_counters, *s_total, *s_hits, *s_words
 static PyObject *s_nbytes, *s_pub_index, *s_found_too_large, *s_count_miss, *too_large_error;
 static PyObject *s_prompt_updates, *keep_func; /* ``SenderBook.keep_updates``: see keep_updates */
 static PyObject *kept_keep; /* ``_kept.keep``: the form the book stores */
+static PyObject *owner_func, *s_reading; /* ``StoreWriter.check_owner``: see check_owner */
 
 static int
 intern_item_names(void)
@@ -1574,6 +1599,7 @@ intern_item_names(void)
         {&s_total, "total"}, {&s_hits, "hits"}, {&s_words, "words"}, {&s_keep, "keep_updates"},
         {&s_nbytes, "nbytes"}, {&s_pub_index, "index"}, {&s_found_too_large, "found_too_large"},
         {&s_count_miss, "count_miss"}, {&s_prompt_updates, "prompt_updates"},
+        {&s_reading, "_reading"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (*names[i].p == NULL && (*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL)
@@ -1600,6 +1626,23 @@ intern_item_names(void)
         if (keep_func == NULL)
             return -1;
     }
+    if (owner_func == NULL) {
+        PyObject *mod = PyImport_ImportModule("aioshmcache._store");
+        if (mod == NULL)
+            return -1;
+        PyObject *writer_type = PyObject_GetAttrString(mod, "StoreWriter");
+        Py_DECREF(mod);
+        if (writer_type == NULL)
+            return -1;
+        if (PyType_Check(writer_type))
+            owner_func = _PyType_Lookup((PyTypeObject *)writer_type, s_check_owner);
+        Py_XINCREF(owner_func);
+        Py_DECREF(writer_type);
+        if (owner_func == NULL) {
+            PyErr_SetString(PyExc_TypeError, "StoreWriter.check_owner not found");
+            return -1;
+        }
+    }
     if (kept_keep == NULL) {
         PyObject *kept = PyImport_ImportModule("aioshmcache._kept");
         if (kept == NULL)
@@ -1610,6 +1653,39 @@ intern_item_names(void)
             return -1;
     }
     return 0;
+}
+
+/* Is ``obj.<part>.<name>`` true (1), false (0); -1: error. */
+static int
+part_attr_true(PyObject *obj, PyObject *part, PyObject *name)
+{
+    PyObject *p = fast_getattr(obj, part);
+    if (p == NULL)
+        return -1;
+    int t = attr_true(p, name);
+    Py_DECREF(p);
+    return t;
+}
+
+/* ``store.check_owner()``: when it is ``StoreWriter``'s own (found on the store's class, which
+ * has no instance dict to shadow it), its one test in C — ``self._reading.closed or
+ * self._seg.forked`` — and the call only when it is true (the call then raises the typed
+ * error, as the reference does); else the call. 0, or -1 with an error. */
+static int
+check_owner(PyObject *store)
+{
+    PyTypeObject *t = Py_TYPE(store);
+    if (t->tp_dictoffset == 0 && t->tp_getattro == PyObject_GenericGetAttr &&
+        _PyType_Lookup(t, s_check_owner) == owner_func) {
+        int bad = part_attr_true(store, s_reading, s_closed);
+        if (bad == 0)
+            bad = part_attr_true(store, s_seg, s_forked);
+        if (bad <= 0)
+            return bad;
+    }
+    PyObject *r = PyObject_CallMethodNoArgs(store, s_check_owner);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
 }
 
 /* ``book.keep_updates(h, updates)``: when it is ``SenderBook``'s own, its steps inline (``pu[h] = keep(updates)``
@@ -1803,10 +1879,9 @@ core_put_item(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (shard)
         Py_RETURN_NONE;
     /* the request's first step: the owner (a forked child may have inherited the lock held) */
-    PyObject *r = PyObject_CallMethodNoArgs(store, s_check_owner);
-    if (r == NULL)
+    if (check_owner(store) < 0)
         return NULL;
-    Py_DECREF(r);
+    PyObject *r;
     PyObject *lock = fast_getattr(store, s_lock);
     if (lock == NULL)
         return NULL;

@@ -94,6 +94,32 @@ class ShmRingBuffer:
     through :meth:`access` and confirms the copy with :meth:`verify`.
     """
 
+    # the state the compiled put reads and writes at the slots' offsets (a look-up by name in
+    # an instance dict costs ~150 instructions); ``__dict__`` still takes anything else
+    __slots__ = (
+        "__dict__",
+        "_addr",
+        "_at",
+        "_at_mask",
+        "_cpos",
+        "_end",
+        "_head",
+        "_hw",
+        "_id",
+        "_lap",
+        "_limit",
+        "_mask",
+        "_seg",
+        "_size",
+        "_state",
+        "_tail",
+        "_w",
+        "_writer",
+        "buf",
+        "capacity",
+        "used_bytes",
+    )
+
     def __init__(self, segment: Segment, *, writer: bool) -> None:
         self._seg = segment
         self._hw = segment.words
