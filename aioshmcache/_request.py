@@ -425,8 +425,7 @@ class SenderRequest(_Steps):
                 store = self._store
                 guarded = store.guard(hashes)
                 try:
-                    for i in range(len(hashes)):
-                        self._decide_locked(i, 0.0, may_defer, True)
+                    self._decide_all_locked(may_defer)
                     if self._copies or self._waits:  # going on unlocked: guard becomes pins
                         self._pins = store.pin_ids(guarded)
                 finally:
@@ -438,6 +437,33 @@ class SenderRequest(_Steps):
                 raise RuntimeError("internal error: an item of the request was not decided")
             self._settled = True
             return out
+
+    def _decide_all_locked(self, may_defer: bool) -> None:
+        """Decide every item of a request of several, in order, in ``begin``'s locked step.
+
+        Each given item is offered to the core's one-item miss first (``put_item``: the steps
+        of ``_decide_locked``'s small miss in one compiled call — the look-up, the plan, the
+        put under this request's guard, the miss counted, the prompt updates kept — or its
+        answer for an item measured too large: served inline). What it declines, before any
+        side effect (a hit, a hash remembered too large, a copy job, room that needs the
+        eviction policy; every call on the pure core), ``_decide_locked`` decides, as it does
+        every look-up, every item of a hash this request is reserving and a group shard's.
+        A hand-out the core made is recorded for the roll back, as ``_decide_locked`` does.
+        """
+        store, book, hashes = self._store, self._book, self._hashes
+        items, results, handed = self._items, self._out, self._handed
+        below = self._inline_below
+        plain = book.siblings is None
+        for i in range(len(hashes)):
+            it = items[i]
+            if plain and it is not None and hashes[i] not in self._putting:
+                done = _put_item(store, book, it, hashes[i], below)
+                if done is not None:
+                    if done is not it:  # put (``it`` itself: too large, served inline)
+                        handed.append(done[0])
+                    results[i] = done
+                    continue
+            self._decide_locked(i, 0.0, may_defer, True)
 
     def _check_lookups(self) -> None:
         """``CacheMissError`` (nothing taken) unless every ``None`` item's hash is cached here
