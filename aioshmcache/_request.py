@@ -65,6 +65,11 @@ DEFAULT_INLINE_THRESHOLD: Final = INLINE_COPY_UNDER_LOCK
 
 #: the core's one-item miss (``_core_put.c``, see ``run_one``); None: declined, no side effect
 _put_item = core.put_item
+#: the core's split of a request's features and its new specs (``_core_spec.c``, see
+#: ``SenderRequest.for_features`` and ``features_from``, the references); None: declined
+_split_features = core.split_features
+_specs_from = core.specs_from
+core.configure_specs(FeatureSpec, ShmRef)
 
 log = logging.getLogger("aioshmcache")
 
@@ -718,13 +723,21 @@ class SenderRequest(_Steps):
         wait_for_space: float | None = None,
         copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
     ) -> SenderRequest:
-        """A request over ``FeatureSpec``s: data ``None`` (or a reference) means look it up."""
-        features = list(features)
-        items: list[MmItem | None] = []
-        hashes: list[str] = []
-        for f in features:  # one pass, no comprehension frames
-            items.append(feature_item(f))  # checks every spec and its hash
-            hashes.append(f.mm_hash)
+        """A request over ``FeatureSpec``s: data ``None`` (or a reference) means look it up.
+
+        The core's ``split_features`` first (the steps below in one call), or, declined
+        (anything unusual; every call on the pure core), the steps below.
+        """
+        split = _split_features(features)
+        if split is not None:
+            features, items, hashes = split
+        else:
+            features = list(features)
+            items = []
+            hashes = []
+            for f in features:  # one pass, no comprehension frames
+                items.append(feature_item(f))  # checks every spec and its hash
+                hashes.append(f.mm_hash)
         req = cls(
             store,
             book,
@@ -825,7 +838,13 @@ def feature_item(f: FeatureSpec) -> MmItem | None:
 
 
 def features_from(features: Sequence[FeatureSpec], results: Sequence[MmItem]) -> list[FeatureSpec]:
-    """New specs carrying each result (a ``ShmRef`` or the inline item)."""
+    """New specs carrying each result (a ``ShmRef`` or the inline item).
+
+    The core's ``specs_from`` first (the same specs in one call), or, declined, the steps below.
+    """
+    made: list[FeatureSpec] | None = _specs_from(features, results)
+    if made is not None:
+        return made
     out = []
     for f, (data, updates) in zip(features, results):
         # FeatureSpec(f.mm_hash, data, identifier=..., prompt_updates=tuple(updates)) without

@@ -11,7 +11,7 @@ Python (``SenderRequest._decide_locked``). With ``AIOSHM_PURE=1`` both runs are 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from aioshmcache import (
     SerdeError,
     ShmObjectStore,
     ShmRef,
+    _core_py,
     _request,
 )
 from aioshmcache._kept import restore
@@ -241,3 +242,154 @@ def test_a_request_that_fails_half_way_gives_back_what_its_plain_misses_took(
         finally:
             reader.close()
             cache.close()
+
+
+class _Spec(FeatureSpec):
+    """A subclass: the core declines it (the reference takes it as a ``FeatureSpec``)."""
+
+
+class _Ref(ShmRef):
+    """A reference subclass: a look-up for both (``isinstance``)."""
+
+
+_REF = ShmRef(1, 0, 64, 1, 10, 99, 0, 0)
+DATA = st.sampled_from(["none", "dict", "ref", "ref-sub", "list", "int"])
+UPDATES = st.sampled_from(["empty", "tuple", "list", "str", "iter", "int"])
+SPECS = st.lists(
+    st.tuples(st.sampled_from(["spec", "sub", "other", "bad-hash"]), DATA, UPDATES),
+    max_size=6,
+)
+
+
+def _data(kind: str) -> object:
+    return {
+        "none": None,
+        "dict": {"x": 1},
+        "ref": _REF,
+        "ref-sub": _Ref(*_REF),
+        "list": [1, 2],
+        "int": 7,
+    }[kind]
+
+
+def _updates(kind: str) -> Any:
+    return {
+        "empty": (),
+        "tuple": (1, "a"),
+        "list": [1, {"u": 2}],
+        "str": "ab",
+        "iter": iter([3, 4]),
+        "int": 5,  # not iterable: ``tuple(5)`` raises
+    }[kind]
+
+
+def _build(desc: list[tuple[str, str, str]]) -> list[Any]:
+    """Fresh specs of ``desc`` (an iterator is consumed once: each run gets its own)."""
+    out: list[Any] = []
+    for i, (kind, data, updates) in enumerate(desc):
+        if kind == "other":
+            out.append((f"h{i}", _data(data)))
+            continue
+        cls = _Spec if kind == "sub" else FeatureSpec
+        f = cls(f"h{i}", _data(data), identifier=f"id{i}", prompt_updates=_updates(updates))
+        if kind == "bad-hash":
+            object.__setattr__(f, "mm_hash", i)  # not a str
+        out.append(f)
+    return out
+
+
+def _outcome(fn: Any) -> tuple[object, ...]:
+    try:
+        return ("ok", fn())
+    except Exception as exc:
+        return ("error", type(exc), str(exc))
+
+
+def _spec_fields(specs: list[FeatureSpec]) -> list[object]:
+    """Each spec's type and fields (an iterator as what is left of it: consumed or not)."""
+    return [(type(s), s.mm_hash, s.data, s.identifier, _left(s.prompt_updates)) for s in specs]
+
+
+def _left(u: object) -> object:
+    return ("iterator", list(u)) if isinstance(u, Iterator) else u
+
+
+@pytest.mark.skipif(C is None, reason="the C core is not built here")
+@settings(max_examples=300, deadline=None)
+@given(SPECS, st.sampled_from(["list", "tuple", "deque"]))
+def test_the_cores_split_of_features_is_the_reference_s(
+    desc: list[tuple[str, str, str]], container: str
+) -> None:
+    """``split_features`` against ``SenderRequest.for_features``'s steps (``feature_item`` of
+    each spec, and its hash): the same specs, items and hashes, or the same error, or declined
+    (a subclass, a hash that is not a str, a sequence other than a list or tuple)."""
+    from collections import deque
+
+    wrap: Any = {"list": list, "tuple": tuple, "deque": deque}[container]
+
+    def reference() -> object:
+        features = list(wrap(_build(desc)))
+        items = [_request.feature_item(f) for f in features]
+        return _spec_fields(features), items, [f.mm_hash for f in features]
+
+    def core() -> object:
+        assert C is not None
+        got = C.split_features(wrap(_build(desc)))
+        if got is None:
+            return None
+        features, items, hashes = got
+        assert type(features) is list and type(items) is list and type(hashes) is list
+        return _spec_fields(features), items, hashes
+
+    expected, got = _outcome(reference), _outcome(core)
+    unusual = container == "deque" or any(k in ("sub", "other", "bad-hash") for k, _d, _u in desc)
+    if got == ("ok", None):
+        assert unusual  # declined: only what the core leaves to the reference
+    else:
+        assert not unusual or got[0] == "error"
+        assert got == expected
+
+
+RESULTS = st.lists(
+    st.tuples(DATA, UPDATES, st.sampled_from(["pair", "pair", "pair", "triple", "list"])),
+    max_size=6,
+)
+
+
+@pytest.mark.skipif(C is None, reason="the C core is not built here")
+@settings(max_examples=300, deadline=None)
+@given(SPECS, RESULTS)
+def test_the_cores_new_specs_are_the_reference_s(
+    desc: list[tuple[str, str, str]], results: list[tuple[str, str, str]]
+) -> None:
+    """``specs_from`` against ``features_from``'s steps: the same new specs (exactly
+    ``FeatureSpec``, the spec's hash and identifier, the result's data, its updates as a
+    tuple), or the same error, or declined (lengths that differ, a spec not exactly a
+    ``FeatureSpec``, a result that is not a pair)."""
+
+    def make() -> tuple[list[Any], list[Any]]:
+        specs = _build(desc)
+        out: list[Any] = []
+        for data, updates, shape in results:
+            pair = (_data(data), _updates(updates))
+            out.append(pair if shape == "pair" else (*pair, 0) if shape == "triple" else list(pair))
+        return specs, out
+
+    def reference() -> object:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(_request, "_specs_from", _core_py.specs_from)
+            return _spec_fields(_request.features_from(*make()))
+
+    def core() -> object:
+        assert C is not None
+        got = C.specs_from(*make())
+        return None if got is None else _spec_fields(got)
+
+    expected, got = _outcome(reference), _outcome(core)
+    unusual = len(desc) != len(results) or any(k in ("sub", "other") for k, _d, _u in desc)
+    unusual |= any(shape != "pair" for _d, _u, shape in results)
+    if got == ("ok", None):
+        assert unusual
+    else:
+        assert not unusual or got[0] == "error"
+        assert got == expected
