@@ -45,6 +45,8 @@ from .test_differential_store import (
 )
 
 C = c_core()
+if C is not None:  # as ``_request`` does for the core in use (with AIOSHM_PURE=1, the pure one)
+    C.configure_specs(FeatureSpec, ShmRef)
 
 #: ``ITEMS``, then an item whose plan raises (``SerdeError``): its request fails half-way
 BAD = len(ITEMS)
