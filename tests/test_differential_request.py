@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from aioshmcache import (
     AsyncSenderCache,
     FeatureSpec,
+    ReceiverCache,
     SenderCache,
     SerdeError,
     ShmObjectStore,
@@ -31,7 +32,7 @@ from aioshmcache import (
 )
 from aioshmcache._kept import restore
 
-from .helpers import count_sender_requests
+from .helpers import checksum, count_sender_requests, random_item
 from .test_core import c_core
 from .test_differential_store import (
     _INSTANCE_WORDS,
@@ -395,3 +396,42 @@ def test_the_cores_new_specs_are_the_reference_s(
     else:
         assert not unusual or got[0] == "error"
         assert got == expected
+
+
+@pytest.mark.parametrize("pure", [False, True])
+@pytest.mark.parametrize("delay", [0, 0.0002, 0.001, 0.005])
+async def test_a_cancelled_request_gives_back_what_its_compiled_misses_took(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch, pure: bool, delay: float
+) -> None:
+    """An async request of small items (put in its first step, by the core's one-item miss on
+    the C core) and big ones (copied in a worker thread) cancelled at any point: every hand-out
+    it took is given back or, if it finished, read; nothing is half-allocated or pinned; the
+    same request then works and reads back what was put."""
+    with monkeypatch.context() as m:
+        if pure:
+            pure_core(m)
+        rng = np.random.default_rng(2)
+        sizes = (1024, 2 << 20, 3000, 1 << 20, 512)
+        feats = [FeatureSpec(f"m{i}", random_item(rng, n)) for i, n in enumerate(sizes)]
+        with (
+            SenderCache(make_config(16 << 20, 4 << 20, 1)) as tx,
+            ReceiverCache.attach(tx.handle()) as rx,
+        ):
+            face = AsyncSenderCache(tx, inline_threshold_bytes=64 << 10)
+            task = asyncio.ensure_future(face.get_and_update_features(feats))
+            await asyncio.sleep(delay)
+            task.cancel()
+            try:
+                rx.get_and_update_features(await task)  # finished first: read it
+            except asyncio.CancelledError:
+                pass
+            await face.aclose()  # waits for a thread that may still run
+            rx.get_and_update_features([])  # its acknowledgements are published
+            tx.remove_dangling_items()
+            assert all(tx.is_freeable(h) for h in tx.cached_order())
+            assert not tx.store.is_pending("m1") and not tx.store.is_pending("m3")
+            assert tx.snapshot().readers[0].lag == 0
+            back = rx.get_and_update_features(tx.get_and_update_features(feats))
+            assert [f.mm_hash for f in back] == [f.mm_hash for f in feats]
+            for f in back:
+                assert checksum(f.data["data"]) == f.data["crc"]
