@@ -80,6 +80,8 @@ extern PyMethodDef aioshm_put_methods[];
  * with ``store.serde`` (a ``MsgpackSerde``), or None (declined: the reference plans it). */
 extern PyMethodDef aioshm_plan_methods[];
 PyObject *aioshm_plan_store(PyObject *store, PyObject *serde, PyObject *value);
+/* The offset of ``t``'s object slot ``name`` (a member descriptor), or -1: not such a slot. */
+Py_ssize_t aioshm_member_offset(PyTypeObject *t, const char *name);
 
 /* The layout constants as a dict (for the test that compares them with ``_layout``). */
 PyObject *aioshm_layout_dict(void);
@@ -87,5 +89,7 @@ PyObject *aioshm_layout_dict(void);
 /* Optional further sections of the module (weak: absent unless their file is compiled in). */
 extern PyMethodDef aioshm_read_methods[] __attribute__((weak));
 extern int aioshm_read_init(PyObject *module) __attribute__((weak));
+/* The specs of a sender's request over features (``_core_spec.c``). */
+extern PyMethodDef aioshm_spec_methods[] __attribute__((weak));
 
 #endif

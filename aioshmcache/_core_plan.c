@@ -644,6 +644,13 @@ member_offset(PyTypeObject *t, const char *name)
     return m->type == T_OBJECT_EX && m->offset > 0 ? m->offset : -1;
 }
 
+/* ``member_offset`` for the other sections (``_core.h``). */
+Py_ssize_t
+aioshm_member_offset(PyTypeObject *t, const char *name)
+{
+    return member_offset(t, name);
+}
+
 /* numpy's array struct as this file reads it, checked on a live array: 1 if it matches */
 static int
 array_layout_ok(PyObject *numpy)

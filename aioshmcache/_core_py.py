@@ -23,6 +23,7 @@ __all__ = [
     "configure_evict",
     "configure_hand_out",
     "configure_plan",
+    "configure_specs",
     "copy_info",
     "copy_into",
     "finish_tag",
@@ -36,6 +37,8 @@ __all__ = [
     "read_layout",
     "set_stream_kind",
     "set_stream_min",
+    "specs_from",
+    "split_features",
     "stream_kinds",
     "tag_base",
 ]
@@ -216,6 +219,23 @@ def put_item(
 ) -> None:
     """The compiled one-item miss of a sender, which may decline: here it always does, before
     any side effect, so the sender request (``_request.SenderRequest``, the reference) runs."""
+    return None
+
+
+def configure_specs(spec_type: type, ref_type: type) -> None:
+    """Name the classes :func:`split_features` and :func:`specs_from` know (``FeatureSpec``,
+    ``ShmRef``; nothing here)."""
+
+
+def split_features(features: object) -> None:
+    """A request's features split into specs, items and hashes, which may decline: here it
+    always does (``SenderRequest.for_features`` is the reference)."""
+    return None
+
+
+def specs_from(features: object, results: object) -> None:
+    """The new specs of a request's results, which may decline: here it always does
+    (``_request.features_from`` is the reference)."""
     return None
 
 

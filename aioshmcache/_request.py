@@ -65,6 +65,11 @@ DEFAULT_INLINE_THRESHOLD: Final = INLINE_COPY_UNDER_LOCK
 
 #: the core's one-item miss (``_core_put.c``, see ``run_one``); None: declined, no side effect
 _put_item = core.put_item
+#: the core's split of a request's features and its new specs (``_core_spec.c``, see
+#: ``SenderRequest.for_features`` and ``features_from``, the references); None: declined
+_split_features = core.split_features
+_specs_from = core.specs_from
+core.configure_specs(FeatureSpec, ShmRef)
 
 log = logging.getLogger("aioshmcache")
 
@@ -425,8 +430,7 @@ class SenderRequest(_Steps):
                 store = self._store
                 guarded = store.guard(hashes)
                 try:
-                    for i in range(len(hashes)):
-                        self._decide_locked(i, 0.0, may_defer, True)
+                    self._decide_all_locked(may_defer)
                     if self._copies or self._waits:  # going on unlocked: guard becomes pins
                         self._pins = store.pin_ids(guarded)
                 finally:
@@ -438,6 +442,33 @@ class SenderRequest(_Steps):
                 raise RuntimeError("internal error: an item of the request was not decided")
             self._settled = True
             return out
+
+    def _decide_all_locked(self, may_defer: bool) -> None:
+        """Decide every item of a request of several, in order, in ``begin``'s locked step.
+
+        Each given item is offered to the core's one-item miss first (``put_item``: the steps
+        of ``_decide_locked``'s small miss in one compiled call — the look-up, the plan, the
+        put under this request's guard, the miss counted, the prompt updates kept — or its
+        answer for an item measured too large: served inline). What it declines, before any
+        side effect (a hit, a hash remembered too large, a copy job, room that needs the
+        eviction policy; every call on the pure core), ``_decide_locked`` decides, as it does
+        every look-up, every item of a hash this request is reserving and a group shard's.
+        A hand-out the core made is recorded for the roll back, as ``_decide_locked`` does.
+        """
+        store, book, hashes = self._store, self._book, self._hashes
+        items, results, handed = self._items, self._out, self._handed
+        below = self._inline_below
+        plain = book.siblings is None
+        for i in range(len(hashes)):
+            it = items[i]
+            if plain and it is not None and hashes[i] not in self._putting:
+                done = _put_item(store, book, it, hashes[i], below)
+                if done is not None:
+                    if done is not it:  # put (``it`` itself: too large, served inline)
+                        handed.append(done[0])
+                    results[i] = done
+                    continue
+            self._decide_locked(i, 0.0, may_defer, True)
 
     def _check_lookups(self) -> None:
         """``CacheMissError`` (nothing taken) unless every ``None`` item's hash is cached here
@@ -692,13 +723,21 @@ class SenderRequest(_Steps):
         wait_for_space: float | None = None,
         copy_inline_below: int = DEFAULT_INLINE_THRESHOLD,
     ) -> SenderRequest:
-        """A request over ``FeatureSpec``s: data ``None`` (or a reference) means look it up."""
-        features = list(features)
-        items: list[MmItem | None] = []
-        hashes: list[str] = []
-        for f in features:  # one pass, no comprehension frames
-            items.append(feature_item(f))  # checks every spec and its hash
-            hashes.append(f.mm_hash)
+        """A request over ``FeatureSpec``s: data ``None`` (or a reference) means look it up.
+
+        The core's ``split_features`` first (the steps below in one call), or, declined
+        (anything unusual; every call on the pure core), the steps below.
+        """
+        split = _split_features(features)
+        if split is not None:
+            features, items, hashes = split
+        else:
+            features = list(features)
+            items = []
+            hashes = []
+            for f in features:  # one pass, no comprehension frames
+                items.append(feature_item(f))  # checks every spec and its hash
+                hashes.append(f.mm_hash)
         req = cls(
             store,
             book,
@@ -799,7 +838,13 @@ def feature_item(f: FeatureSpec) -> MmItem | None:
 
 
 def features_from(features: Sequence[FeatureSpec], results: Sequence[MmItem]) -> list[FeatureSpec]:
-    """New specs carrying each result (a ``ShmRef`` or the inline item)."""
+    """New specs carrying each result (a ``ShmRef`` or the inline item).
+
+    The core's ``specs_from`` first (the same specs in one call), or, declined, the steps below.
+    """
+    made: list[FeatureSpec] | None = _specs_from(features, results)
+    if made is not None:
+        return made
     out = []
     for f, (data, updates) in zip(features, results):
         # FeatureSpec(f.mm_hash, data, identifier=..., prompt_updates=tuple(updates)) without

@@ -507,6 +507,14 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         sent = kept_form(mm_item)  # the prompt updates as the sender keeps them
         if wait_for_space is None and (done := self._one_step(sent, mm_hash)) is not None:
             return as_given(mm_item, sent, done)
+        out = self._send_one(sent, mm_hash, wait_for_space)
+        return as_given(mm_item, sent, (out if type(out) is list else await out)[0])  # type: ignore[misc]
+
+    def _send_one(
+        self, sent: MmItem | None, mm_hash: str, wait_for_space: float | None
+    ) -> list[MmItem] | Coroutine[Any, Any, list[MmItem]]:
+        """``_send`` of the request of one item (``sent``, in the kept form): what a one-item
+        call runs when its first step (``_one_step``) declined."""
         req = self._wrapped()._request(  # ``self.sender``, one call shorter
             [sent],
             [mm_hash],
@@ -514,8 +522,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
             copy_inline_below=self.inline_threshold_bytes,
             _fresh=True,
         )
-        out = self._send(req)
-        return as_given(mm_item, sent, (out if type(out) is list else await out)[0])  # type: ignore[misc]
+        return self._send(req)
 
     async def get_and_update_features(
         self, features: Sequence[FeatureSpec], *, wait_for_space: float | None = None
@@ -542,11 +549,14 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         """As ``SenderCache.get_and_update``; big copies and waits run in a thread."""
         given = mm_items if type(mm_items) is list else list(mm_items)
         if len(given) == 1 and type(mm_hashes) in (list, tuple) and len(mm_hashes) == 1:
-            # one item: the one-item call's path (the same algorithm)
-            got = await self.get_and_update_item(
-                given[0], mm_hashes[0], wait_for_space=wait_for_space
-            )
-            return [got]
+            # one item: ``get_and_update_item``'s steps (the same algorithm), without its
+            # coroutine
+            it, h = given[0], mm_hashes[0]
+            kept = kept_form(it)
+            if wait_for_space is None and (done := self._one_step(kept, h)) is not None:
+                return [as_given(it, kept, done)]
+            one = self._send_one(kept, h, wait_for_space)
+            return [as_given(it, kept, (one if type(one) is list else await one)[0])]  # type: ignore[misc]
         sent = kept_forms(given)  # the prompt updates as the sender keeps them
         req = self._wrapped()._request(  # ``self.sender``, one call shorter
             sent,

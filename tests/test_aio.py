@@ -581,6 +581,8 @@ async def test_async_one_item_misses_take_the_one_item_path(
         assert made == [] if aioshmcache.implementation() == "c" else len(made) == 3
         ref3, got3 = await tx.get_and_update_item((x, updates), "a")  # a hit: the request
         assert got3 is updates and made
-        for r in (ref1, ref2, spec.data, ref3):
+        [(ref4, got4)] = await tx.get_and_update([(x, updates)], ["b"])  # a hit, as a list
+        assert got4 is updates and ref4.id == ref2.id and ref4.seq != ref2.seq
+        for r in (ref1, ref2, spec.data, ref3, ref4):
             assert isinstance(r, ShmRef)
             await tx.release(r)

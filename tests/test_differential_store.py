@@ -79,6 +79,8 @@ def pure_core(m: pytest.MonkeyPatch) -> None:
     m.setattr(_store, "_make_ref", _core_py.make_ref)
     m.setattr(_store, "_publish_plain", _core_py.publish_plain)
     m.setattr(_request, "_put_item", _core_py.put_item)
+    m.setattr(_request, "_split_features", _core_py.split_features)
+    m.setattr(_request, "_specs_from", _core_py.specs_from)
     m.setattr(_serde, "_copy_into", _core_py.copy_into)
 
 
