@@ -1694,17 +1694,23 @@ check_owner(PyObject *store)
 static int
 keep_updates(PyObject *book, PyObject *key, PyObject *updates)
 {
-    PyObject *m = fast_getattr(book, s_keep);
-    if (m == NULL)
-        return -1;
-    if (!PyMethod_Check(m) || PyMethod_GET_FUNCTION(m) != keep_func ||
-        PyMethod_GET_SELF(m) != book) {
-        PyObject *r = PyObject_CallFunctionObjArgs(m, key, updates, NULL);
+    PyTypeObject *t = Py_TYPE(book);
+    /* the class's own method on a book with no instance dict to shadow it (``SenderBook``'s
+     * ``__slots__``): known without making the bound method */
+    if (t->tp_dictoffset != 0 || t->tp_getattro != PyObject_GenericGetAttr ||
+        _PyType_Lookup(t, s_keep) != keep_func) {
+        PyObject *m = fast_getattr(book, s_keep);
+        if (m == NULL)
+            return -1;
+        if (!PyMethod_Check(m) || PyMethod_GET_FUNCTION(m) != keep_func ||
+            PyMethod_GET_SELF(m) != book) {
+            PyObject *r = PyObject_CallFunctionObjArgs(m, key, updates, NULL);
+            Py_DECREF(m);
+            Py_XDECREF(r);
+            return r == NULL ? -1 : 0;
+        }
         Py_DECREF(m);
-        Py_XDECREF(r);
-        return r == NULL ? -1 : 0;
     }
-    Py_DECREF(m);
     PyObject *pu = fast_getattr(book, s_prompt_updates);
     if (pu == NULL)
         return -1;
