@@ -411,12 +411,19 @@ pub_clear(Pub *p)
         Py_CLEAR(*all[i]);
 }
 
-/* What the publish step reads of the store (no side effect): 0, 1 (decline) or -1. */
+/* What the publish step reads of the store (no side effect): 0, 1 (decline) or -1. ``index``
+ * and ``ishard``: a caller's index and the key's shard of it, if known (else NULL), used when
+ * that index is the store's own. */
 static int
-pub_prepare(PyObject *store, PyObject *key, Pub *p)
+pub_prepare(PyObject *store, PyObject *key, Pub *p, PyObject *index, PyObject *ishard)
 {
-    if ((p->index = fast_getattr(store, s_index)) == NULL ||
-        (p->ishard = shard_of(p->index, key)) == NULL ||
+    if ((p->index = fast_getattr(store, s_index)) == NULL)
+        return -1;
+    if (ishard != NULL && index == p->index)
+        p->ishard = Py_NewRef(ishard);
+    else if ((p->ishard = shard_of(p->index, key)) == NULL)
+        return -1;
+    if (
         (p->rows = fast_getattr(store, s_rows)) == NULL ||
         (p->keys = fast_getattr(store, s_keys)) == NULL ||
         (p->nonce = fast_getattr(store, s_nonce)) == NULL)
@@ -1218,6 +1225,9 @@ apply_frees(PyObject *ring, Room *r, uint64_t *ringw, volatile uint64_t *hw, int
     return 0;
 }
 
+static PyObject *put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index,
+                           PyObject *ishard);
+
 static PyObject *
 core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1225,9 +1235,16 @@ core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "put_plain takes 3 arguments (store, key, plan)");
         return NULL;
     }
+    return put_plain(args[0], args[1], args[2], NULL, NULL);
+}
+
+/* ``put_plain(store, key, plan)``; ``index`` and ``ishard``: see ``pub_prepare`` (the one-item
+ * miss has just found the key's shard of the index). */
+static PyObject *
+put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObject *ishard)
+{
     if (ref_type == NULL)
         Py_RETURN_NONE; /* not configured: the reference path */
-    PyObject *store = args[0], *key = args[1], *plan = args[2];
     if (!PyUnicode_CheckExact(key) || (PyObject *)Py_TYPE(plan) != plan_type)
         Py_RETURN_NONE;
 
@@ -1247,7 +1264,7 @@ core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         int hints = attr_true(store, s_has_hints);
         CHECK(hints);
     }
-    CHECK(pub_prepare(store, key, &pub));
+    CHECK(pub_prepare(store, key, &pub, index, ishard));
     CHECK(PyDict_Contains(pub.ishard, key)); /* a duplicate: the reference raises */
     NEED(pending = fast_getattr(store, s_pending));
     NEED(waiting = fast_getattr(store, s_waiting));
@@ -1495,7 +1512,7 @@ core_publish_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     held.has_hw = 1;
     if (held.hw.len < AIOSHM_HEADER_SIZE)
         DECLINE();
-    CHECK(pub_prepare(store, key, &pub));
+    CHECK(pub_prepare(store, key, &pub, NULL, NULL));
     CHECK(pub_chunk(&pub, cid));
     /* --- side effects: ``commit``, then the publish step --- */
     uint64_t *w = (uint64_t *)held.ring.buf + (address >> 3);
@@ -1836,8 +1853,7 @@ put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
     NEED(words = fast_getattr(store, s_words));
     if (!PyLong_CheckExact(total) || !PyLong_CheckExact(hits))
         DECLINE();
-    PyObject *pargs[3] = {store, key, plan};
-    if ((ref = core_put_plain(NULL, pargs, 3)) == NULL) {
+    if ((ref = put_plain(store, key, plan, index, shard)) == NULL) {
         /* the put raised: a miss all the same, as the request's ``put_now`` path counts it
          * (``book.count_miss()``; an error of its own replaces the put's, as in Python) */
         PyObject *et, *ev, *tb;
