@@ -170,6 +170,37 @@ core_configure(PyObject *self, PyObject *args)
 
 /* --- small helpers: each returns -1 with an exception set, or 1 for "decline" ------------- */
 
+/* An exact int as int64 (1: not an exact int in range; -1: error). A put reads about thirty:
+ * on CPython 3.11 one of at most two digits is read directly (what
+ * ``PyLong_AsLongLongAndOverflow`` computes, without its generic steps); else that call. */
+static inline int
+as_i64(PyObject *v, int64_t *out)
+{
+    if (!PyLong_CheckExact(v))
+        return 1;
+#if PY_VERSION_HEX < 0x030C0000
+    Py_ssize_t size = Py_SIZE(v);
+    const digit *d = ((PyLongObject *)v)->ob_digit;
+    if (size >= -1 && size <= 1) {
+        *out = size == 0 ? 0 : size * (int64_t)d[0];
+        return 0;
+    }
+    if (size == 2 || size == -2) {
+        int64_t x = (int64_t)d[0] | ((int64_t)d[1] << PyLong_SHIFT);
+        *out = size < 0 ? -x : x;
+        return 0;
+    }
+#endif
+    int overflow;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow)
+        return 1;
+    *out = x;
+    return 0;
+}
+
 /* An int attribute as int64 (1: not an int in range; -1: error). */
 static int
 get_i64(PyObject *obj, PyObject *name, int64_t *out)
@@ -177,19 +208,9 @@ get_i64(PyObject *obj, PyObject *name, int64_t *out)
     PyObject *v = fast_getattr(obj, name);
     if (v == NULL)
         return -1;
-    if (!PyLong_CheckExact(v)) {
-        Py_DECREF(v);
-        return 1;
-    }
-    int overflow;
-    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    int rc = as_i64(v, out);
     Py_DECREF(v);
-    if (x == -1 && PyErr_Occurred())
-        return -1;
-    if (overflow)
-        return 1;
-    *out = x;
-    return 0;
+    return rc;
 }
 
 static int
@@ -390,12 +411,19 @@ pub_clear(Pub *p)
         Py_CLEAR(*all[i]);
 }
 
-/* What the publish step reads of the store (no side effect): 0, 1 (decline) or -1. */
+/* What the publish step reads of the store (no side effect): 0, 1 (decline) or -1. ``index``
+ * and ``ishard``: a caller's index and the key's shard of it, if known (else NULL), used when
+ * that index is the store's own. */
 static int
-pub_prepare(PyObject *store, PyObject *key, Pub *p)
+pub_prepare(PyObject *store, PyObject *key, Pub *p, PyObject *index, PyObject *ishard)
 {
-    if ((p->index = fast_getattr(store, s_index)) == NULL ||
-        (p->ishard = shard_of(p->index, key)) == NULL ||
+    if ((p->index = fast_getattr(store, s_index)) == NULL)
+        return -1;
+    if (ishard != NULL && index == p->index)
+        p->ishard = Py_NewRef(ishard);
+    else if ((p->ishard = shard_of(p->index, key)) == NULL)
+        return -1;
+    if (
         (p->rows = fast_getattr(store, s_rows)) == NULL ||
         (p->keys = fast_getattr(store, s_keys)) == NULL ||
         (p->nonce = fast_getattr(store, s_nonce)) == NULL)
@@ -562,21 +590,6 @@ get_strided(PyObject *obj, PyObject *name, Py_buffer *view, int writable)
 }
 
 /* An exact int as int64 (1: not one in range). */
-static int
-as_i64(PyObject *v, int64_t *out)
-{
-    if (!PyLong_CheckExact(v))
-        return 1;
-    int overflow;
-    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
-    if (x == -1 && PyErr_Occurred())
-        return -1;
-    if (overflow)
-        return 1;
-    *out = x;
-    return 0;
-}
-
 /* The hand-out itself: a new reference to its seq, Py_None (declined) or NULL. */
 static PyObject *
 hand_out_acks(PyObject *acks, PyObject *cid_obj)
@@ -1212,6 +1225,9 @@ apply_frees(PyObject *ring, Room *r, uint64_t *ringw, volatile uint64_t *hw, int
     return 0;
 }
 
+static PyObject *put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index,
+                           PyObject *ishard);
+
 static PyObject *
 core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1219,9 +1235,16 @@ core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "put_plain takes 3 arguments (store, key, plan)");
         return NULL;
     }
+    return put_plain(args[0], args[1], args[2], NULL, NULL);
+}
+
+/* ``put_plain(store, key, plan)``; ``index`` and ``ishard``: see ``pub_prepare`` (the one-item
+ * miss has just found the key's shard of the index). */
+static PyObject *
+put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObject *ishard)
+{
     if (ref_type == NULL)
         Py_RETURN_NONE; /* not configured: the reference path */
-    PyObject *store = args[0], *key = args[1], *plan = args[2];
     if (!PyUnicode_CheckExact(key) || (PyObject *)Py_TYPE(plan) != plan_type)
         Py_RETURN_NONE;
 
@@ -1241,7 +1264,7 @@ core_put_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         int hints = attr_true(store, s_has_hints);
         CHECK(hints);
     }
-    CHECK(pub_prepare(store, key, &pub));
+    CHECK(pub_prepare(store, key, &pub, index, ishard));
     CHECK(PyDict_Contains(pub.ishard, key)); /* a duplicate: the reference raises */
     NEED(pending = fast_getattr(store, s_pending));
     NEED(waiting = fast_getattr(store, s_waiting));
@@ -1489,7 +1512,7 @@ core_publish_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     held.has_hw = 1;
     if (held.hw.len < AIOSHM_HEADER_SIZE)
         DECLINE();
-    CHECK(pub_prepare(store, key, &pub));
+    CHECK(pub_prepare(store, key, &pub, NULL, NULL));
     CHECK(pub_chunk(&pub, cid));
     /* --- side effects: ``commit``, then the publish step --- */
     uint64_t *w = (uint64_t *)held.ring.buf + (address >> 3);
@@ -1588,6 +1611,8 @@ static PyObject *s_nbytes, *s_pub_index, *s_found_too_large, *s_count_miss, *too
 static PyObject *s_prompt_updates, *keep_func; /* ``SenderBook.keep_updates``: see keep_updates */
 static PyObject *kept_keep; /* ``_kept.keep``: the form the book stores */
 static PyObject *owner_func, *s_reading; /* ``StoreWriter.check_owner``: see check_owner */
+/* ``_thread.RLock`` and its ``acquire`` / ``release`` descriptors: see lock_call */
+static PyObject *rlock_type, *rlock_acquire, *rlock_release;
 
 static int
 intern_item_names(void)
@@ -1643,6 +1668,20 @@ intern_item_names(void)
             return -1;
         }
     }
+    if (rlock_type == NULL) {
+        PyObject *thread = PyImport_ImportModule("_thread");
+        if (thread == NULL)
+            return -1;
+        PyObject *t = PyObject_GetAttrString(thread, "RLock");
+        Py_DECREF(thread);
+        if (t == NULL)
+            return -1;
+        if (PyType_Check(t) && PyType_HasFeature((PyTypeObject *)t, Py_TPFLAGS_IMMUTABLETYPE)) {
+            rlock_acquire = Py_XNewRef(_PyType_Lookup((PyTypeObject *)t, s_acquire));
+            rlock_release = Py_XNewRef(_PyType_Lookup((PyTypeObject *)t, s_release));
+        }
+        rlock_type = t;
+    }
     if (kept_keep == NULL) {
         PyObject *kept = PyImport_ImportModule("aioshmcache._kept");
         if (kept == NULL)
@@ -1688,23 +1727,40 @@ check_owner(PyObject *store)
     return r == NULL ? -1 : 0;
 }
 
+/* ``lock.acquire()`` or ``lock.release()`` (``name``): on an exact ``_thread.RLock``, whose
+ * methods cannot be replaced, its type's method ``descr`` called at once (the bound method's
+ * look-up costs ~110 instructions); else the call by name. */
+static PyObject *
+lock_call(PyObject *lock, PyObject *name, PyObject *descr)
+{
+    if (descr != NULL && (PyObject *)Py_TYPE(lock) == rlock_type)
+        return PyObject_Vectorcall(descr, &lock, 1, NULL);
+    return PyObject_CallMethodNoArgs(lock, name);
+}
+
 /* ``book.keep_updates(h, updates)``: when it is ``SenderBook``'s own, its steps inline (``pu[h] = keep(updates)``
  * on the sharded map, counted once per new hash; a call costs more than the steps),
  * else the call. 0, or -1 with an error. */
 static int
 keep_updates(PyObject *book, PyObject *key, PyObject *updates)
 {
-    PyObject *m = fast_getattr(book, s_keep);
-    if (m == NULL)
-        return -1;
-    if (!PyMethod_Check(m) || PyMethod_GET_FUNCTION(m) != keep_func ||
-        PyMethod_GET_SELF(m) != book) {
-        PyObject *r = PyObject_CallFunctionObjArgs(m, key, updates, NULL);
+    PyTypeObject *t = Py_TYPE(book);
+    /* the class's own method on a book with no instance dict to shadow it (``SenderBook``'s
+     * ``__slots__``): known without making the bound method */
+    if (t->tp_dictoffset != 0 || t->tp_getattro != PyObject_GenericGetAttr ||
+        _PyType_Lookup(t, s_keep) != keep_func) {
+        PyObject *m = fast_getattr(book, s_keep);
+        if (m == NULL)
+            return -1;
+        if (!PyMethod_Check(m) || PyMethod_GET_FUNCTION(m) != keep_func ||
+            PyMethod_GET_SELF(m) != book) {
+            PyObject *r = PyObject_CallFunctionObjArgs(m, key, updates, NULL);
+            Py_DECREF(m);
+            Py_XDECREF(r);
+            return r == NULL ? -1 : 0;
+        }
         Py_DECREF(m);
-        Py_XDECREF(r);
-        return r == NULL ? -1 : 0;
     }
-    Py_DECREF(m);
     PyObject *pu = fast_getattr(book, s_prompt_updates);
     if (pu == NULL)
         return -1;
@@ -1797,8 +1853,7 @@ put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
     NEED(words = fast_getattr(store, s_words));
     if (!PyLong_CheckExact(total) || !PyLong_CheckExact(hits))
         DECLINE();
-    PyObject *pargs[3] = {store, key, plan};
-    if ((ref = core_put_plain(NULL, pargs, 3)) == NULL) {
+    if ((ref = put_plain(store, key, plan, index, shard)) == NULL) {
         /* the put raised: a miss all the same, as the request's ``put_now`` path counts it
          * (``book.count_miss()``; an error of its own replaces the put's, as in Python) */
         PyObject *et, *ev, *tb;
@@ -1815,13 +1870,21 @@ put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
     if (ref == Py_None)
         DECLINE(); /* no room (eviction), or anything else put_plain leaves to the reference */
     /* the put is made: ``book.count_miss()`` and ``book.keep_updates(h, updates)`` */
-    PyObject *one = PyLong_FromLong(1);
-    if (one == NULL)
-        goto undo;
-    total1 = PyNumber_Add(total, one);
-    Py_DECREF(one);
-    if (total1 == NULL || (misses = PyNumber_Subtract(total1, hits)) == NULL ||
-        fast_setattr(counters, s_total, total1) < 0)
+    int64_t t, h, t1, m;
+    if (as_i64(total, &t) == 0 && as_i64(hits, &h) == 0 && !__builtin_add_overflow(t, 1, &t1) &&
+        !__builtin_sub_overflow(t1, h, &m)) { /* the usual counts: no generic int arithmetic */
+        total1 = PyLong_FromLongLong(t1);
+        misses = total1 == NULL ? NULL : PyLong_FromLongLong(m);
+    }
+    else {
+        PyObject *one = PyLong_FromLong(1);
+        if (one == NULL)
+            goto undo;
+        total1 = PyNumber_Add(total, one);
+        Py_DECREF(one);
+        misses = total1 == NULL ? NULL : PyNumber_Subtract(total1, hits);
+    }
+    if (total1 == NULL || misses == NULL || fast_setattr(counters, s_total, total1) < 0)
         goto undo;
     PyObject *w = PyLong_FromLong(H_MISSES);
     if (w == NULL)
@@ -1885,7 +1948,7 @@ core_put_item(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *lock = fast_getattr(store, s_lock);
     if (lock == NULL)
         return NULL;
-    if ((r = PyObject_CallMethodNoArgs(lock, s_acquire)) == NULL) {
+    if ((r = lock_call(lock, s_acquire, rlock_acquire)) == NULL) {
         Py_DECREF(lock);
         return NULL;
     }
@@ -1894,7 +1957,7 @@ core_put_item(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *et = NULL, *ev = NULL, *tb = NULL;
     if (result == NULL)
         PyErr_Fetch(&et, &ev, &tb);
-    r = PyObject_CallMethodNoArgs(lock, s_release);
+    r = lock_call(lock, s_release, rlock_release);
     Py_DECREF(lock);
     if (r == NULL) {
         Py_XDECREF(result);

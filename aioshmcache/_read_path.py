@@ -119,6 +119,32 @@ def check_ref_fields(r: ShmRef) -> bool:
 class ReadPath:
     """Reading references of one segment; with a reader slot, acknowledging them too."""
 
+    # ``closed`` is read by the compiled put's owner check at the slot's offset (a look-up by
+    # name in an instance dict costs ~150 instructions); ``__dict__`` still takes anything else
+    __slots__ = (
+        "__dict__",
+        "_capacity",
+        "_chunk_bytes",
+        "_chunk_words",
+        "_closed_done",
+        "_ctx",
+        "_hw",
+        "_idle",
+        "_inflight",
+        "_last_writer_probe",
+        "_nonce",
+        "_read_item",
+        "_release",
+        "_secret",
+        "_seg",
+        "_sem",
+        "closed",
+        "probe_interval",
+        "ring",
+        "serde",
+        "slot",
+    )
+
     def __init__(
         self,
         segment: Segment,

@@ -53,6 +53,20 @@ _U64: Final = (1 << 64) - 1  # the counters' modulus, less one (see the module d
 class ReaderTable:
     """The table of reader slots of one segment (shared by writer and readers)."""
 
+    # the compiled hand-out reads ``_sessions``, ``owed_words`` and ``log_entries`` at the
+    # slots' offsets (a look-up by name in an instance dict costs ~150 instructions)
+    __slots__ = (
+        "_all",
+        "_heads",
+        "_sessions",
+        "_stride",
+        "log_entries",
+        "n_slots",
+        "owed_words",
+        "segment",
+        "slot_size",
+    )
+
     def __init__(self, segment: Segment) -> None:
         hw = segment.words
         self.segment = segment

@@ -101,7 +101,7 @@ def check_wait(wait: object) -> float:
     return float(wait)
 
 
-@dataclass
+@dataclass(slots=True)  # the compiled one-item miss reads and writes them at the slots' offsets
 class RequestCounters:
     """What the requests of one cache counted, changed only under ``lock``.
 
@@ -147,6 +147,20 @@ class SenderBook:
     Prompt updates stay in the writer process only; hashes found too large are remembered so
     they are not serialised again; counters are published to the segment for ``inspect``.
     """
+
+    # the compiled one-item miss reads these at the slots' offsets (a look-up by name in an
+    # instance dict costs ~150 instructions), and with no instance dict ``keep_updates`` is
+    # known to be the class's own without making a bound method
+    __slots__ = (
+        "_logged",
+        "_words",
+        "counters",
+        "default_wait_for_space",
+        "prompt_updates",
+        "siblings",
+        "store",
+        "too_large",
+    )
 
     def __init__(
         self,
@@ -860,6 +874,8 @@ def features_from(features: Sequence[FeatureSpec], results: Sequence[MmItem]) ->
 
 class TooLargeMemory:
     """Hashes remembered as too large to cache (bounded), so they are not serialised again."""
+
+    __slots__ = ("_capacity", "sizes")  # ``sizes``: read by the compiled one-item miss
 
     def __init__(self, capacity: int = 4096) -> None:
         #: hash -> bytes, oldest first (read it; :meth:`add` and :meth:`get` keep it)

@@ -419,6 +419,21 @@ class Segment:
     is made from another descriptor, closed at once (``mmap`` keeps its own).
     """
 
+    # ``closed`` and ``forked`` are read by the compiled put at the slots' offsets (a look-up by
+    # name in an instance dict costs ~150 instructions); ``__weakref__`` for ``_open_segments``
+    __slots__ = (
+        "__weakref__",
+        "_fd",
+        "_mmap",
+        "buf",
+        "closed",
+        "forked",
+        "name",
+        "owner",
+        "pid",
+        "words",
+    )
+
     def __init__(self, name: str, lock_fd: int, mm: mmap.mmap, *, owner: bool) -> None:
         self.name = name
         self._fd = lock_fd

@@ -375,8 +375,11 @@ class SenderCache(_Cache):
         ):
             # run_one's first step, without its frame and the conversions (an item given with
             # its updates as a tuple is sent as it is, and its result needs no conversion):
-            # the core's one-item miss; declined, the request runs as in run_one
-            done = self._put_one(mm_item, mm_hash, SYNC_ONE_STEP_PUT_UNDER)
+            # the core's one-item miss (``_put_one``'s call, without that frame either);
+            # declined, the request runs as in run_one
+            done = _request._put_item(
+                self.store, self._book, mm_item, mm_hash, SYNC_ONE_STEP_PUT_UNDER
+            )
             if done is not None:
                 return done
             return SenderRequest(self.store, self._book, [mm_item], [mm_hash], _fresh=True).run()[0]

@@ -34,6 +34,7 @@ from aioshmcache import _layout as L
 from aioshmcache._acks import Acknowledgements
 from aioshmcache._evict import EVICT_AHEAD_PUTS, EVICT_SLACK_CHUNKS, Eviction
 from aioshmcache._ledger import Debts, HandoutLedger
+from aioshmcache._request import SenderBook
 from aioshmcache._serde import MsgpackPlan
 from aioshmcache.store import StoreWriter
 
@@ -615,6 +616,32 @@ def test_the_c_put_sees_a_class_attribute_replaced_after_its_first_read(
         store.put("dup", ITEMS[0](rng))  # the slot again: the core's put
         assert store.keys() == ["first", "dup"]
     assert seen == [True]
+
+
+def test_the_c_one_item_miss_calls_a_keep_updates_replaced_on_the_class(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The one-item miss keeps the prompt updates inline only while ``SenderBook.keep_updates``
+    is the class's own (a book has no instance dict to shadow it): replaced on the class, the
+    core calls the replacement, as the request would."""
+    assert C is not None
+    seen = _spied(monkeypatch, _request, "_put_item", C.put_item)
+    kept: list[str] = []
+    own = SenderBook.keep_updates
+
+    def counted(self: SenderBook, mm_hash: str, updates: Any) -> None:
+        kept.append(mm_hash)
+        own(self, mm_hash, updates)
+
+    rng = np.random.default_rng(0)
+    with SenderCache(CacheConfig(1 << 20, 200 * 1024, 1)) as cache:
+        cache.get_and_update_item((ITEMS[0](rng), ("u",)), "inline")
+        monkeypatch.setattr(SenderBook, "keep_updates", counted)
+        cache.get_and_update_item((ITEMS[0](rng), ("v",)), "called")
+        assert kept == ["called"]
+        assert cache.get_and_update_item(None, "called")[1] == ["v"]
+        assert cache.get_and_update_item(None, "inline")[1] == ["u"]
+    assert seen[:2] == [True, True]  # both puts made by the core
 
 
 # --- the compiled eviction pass (``put_plain`` makes its own room) -------------------------------
