@@ -1146,6 +1146,61 @@ map_discard(PyObject *m, PyObject *key, PyObject **popped)
     return set_i64(m, s_n, n - 1);
 }
 
+/* ``SenderBook.forget`` and ``ShardedMap``, found once ``aioshmcache._request`` is imported
+ * (before that no sender exists, so no hook can be its ``forget``): see evict_hook. */
+static PyObject *forget_func, *sharded_map_type, *s_book_updates;
+
+static void
+find_forget(void)
+{
+    PyObject *name = PyUnicode_FromString("aioshmcache._request");
+    PyObject *mod = name == NULL ? NULL : PyImport_GetModule(name);
+    Py_XDECREF(name);
+    if (mod == NULL) {
+        PyErr_Clear(); /* not imported yet: looked for again at the next eviction */
+        return;
+    }
+    PyObject *book = PyObject_GetAttrString(mod, "SenderBook");
+    PyObject *func = book == NULL ? NULL : PyObject_GetAttrString(book, "forget");
+    PyObject *map = PyObject_GetAttrString(mod, "ShardedMap");
+    PyObject *pu = PyUnicode_InternFromString("prompt_updates");
+    Py_DECREF(mod);
+    Py_XDECREF(book);
+    if (func != NULL && PyFunction_Check(func) && map != NULL && PyType_Check(map) && pu != NULL) {
+        forget_func = func, sharded_map_type = map, s_book_updates = pu;
+        return;
+    }
+    PyErr_Clear(); /* not the classes this knows: the hook is always called */
+    Py_XDECREF(func), Py_XDECREF(map), Py_XDECREF(pu);
+}
+
+/* ``on_evict(key)``: when it is the sender's own ``SenderBook.forget`` (a bound method of that
+ * very function) and the book's ``prompt_updates`` a ``ShardedMap``, its one step inline,
+ * ``prompt_updates.pop(key, None)`` (a call costs more than the step); else the call.
+ * 0, or -1 with an error. */
+static int
+evict_hook(PyObject *on_evict, PyObject *key)
+{
+    if (PyMethod_Check(on_evict)) {
+        if (forget_func == NULL)
+            find_forget();
+        if (forget_func != NULL && PyMethod_GET_FUNCTION(on_evict) == forget_func) {
+            PyObject *pu = fast_getattr(PyMethod_GET_SELF(on_evict), s_book_updates);
+            if (pu == NULL)
+                return -1;
+            if (Py_IS_TYPE(pu, (PyTypeObject *)sharded_map_type)) {
+                int rc = map_discard(pu, key, NULL);
+                Py_DECREF(pu);
+                return rc;
+            }
+            Py_DECREF(pu);
+        }
+    }
+    PyObject *res = PyObject_CallOneArg(on_evict, key);
+    Py_XDECREF(res);
+    return res == NULL ? -1 : 0;
+}
+
 /* The planned frees, in the reference's order: each chunk's state word and address entry
  * (``ring.free``), the reuse fence (``_publish_head``: before any byte is reused), then
  * ``Eviction.forget``: marks, rows, keys, index entries, the evictions counted (and
@@ -1204,12 +1259,8 @@ apply_frees(PyObject *ring, Room *r, uint64_t *ringw, volatile uint64_t *hw, int
                             PyErr_SetString(PyExc_RuntimeError, "internal error: not a count");
                         same = -1;
                     }
-                    else if (r->on_evict != Py_None) {
-                        PyObject *res = PyObject_CallOneArg(r->on_evict, key);
-                        if (res == NULL)
-                            same = -1;
-                        Py_XDECREF(res);
-                    }
+                    else if (r->on_evict != Py_None && evict_hook(r->on_evict, key) < 0)
+                        same = -1;
                 }
             }
             Py_XDECREF(is);

@@ -9,6 +9,7 @@ segments are equal bytes, the reverse holds too. Skipped where the C core is not
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,7 @@ from aioshmcache import (
     _request,
     _serde,
     _store,
+    implementation,
 )
 from aioshmcache import _layout as L
 from aioshmcache._acks import Acknowledgements
@@ -377,6 +379,63 @@ def test_one_item_calls_answer_alike_and_write_the_same_segment_on_both_cores(
         pure = _run_one_item_calls(calls, seed)
     assert with_c[0] == pure[0]
     assert with_c[1] == pure[1]
+
+
+def _evicting_puts(cache: SenderCache, n: int) -> list[str]:
+    """``n`` misses of 64 KiB items with prompt updates into a ring that holds three: the keys
+    whose prompt updates the sender still keeps afterwards."""
+    for i in range(n):
+        cache.get_and_update_item(({"a": np.full(64 * 1024, i, np.uint8)}, [i]), f"h{i}")
+    return sorted(cache._prompt_updates)
+
+
+def test_the_c_eviction_pass_forgets_the_senders_prompt_updates_inline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sender's own hook (``SenderBook.forget``) runs as its one step in C: the evicted
+    hashes' prompt updates are gone, as on the pure core, without a call of ``forget``; a hook
+    that is anything else is called for each evicted key."""
+    calls: list[str] = []
+
+    def profile(frame: Any, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code is _request.SenderBook.forget.__code__:
+            calls.append(frame.f_locals["mm_hash"])
+
+    cache = _sender_for("forget")
+    try:
+        sys.setprofile(profile)
+        try:
+            kept = _evicting_puts(cache, 12)
+        finally:
+            sys.setprofile(None)
+        assert cache.snapshot().evictions >= 8
+        assert kept == sorted(cache.store.keys())  # exactly the cached ones keep updates
+        # the compiled pass took the sender's own hook inline (with AIOSHM_PURE=1 the sender
+        # runs the pure core, which calls it)
+        assert calls == [] if implementation() == "c" else calls
+        told: list[str] = []
+        forget = cache.store.on_evict
+        assert forget is not None
+
+        def hook(key: str) -> None:  # another hook: called, and it still forgets
+            told.append(key)
+            forget(key)
+
+        cache.store.on_evict = hook
+        before = set(cache.store.keys())
+        for i in range(12, 18):
+            cache.get_and_update_item(({"a": np.full(64 * 1024, i, np.uint8)}, [i]), f"h{i}")
+        assert told and set(told) <= before | {f"h{i}" for i in range(12, 18)}
+        assert sorted(cache._prompt_updates) == sorted(cache.store.keys())
+    finally:
+        cache.close()
+    with monkeypatch.context() as m:  # the pure core: the same prompt updates kept
+        pure_core(m)
+        pure = _sender_for("forgetpy")
+        try:
+            assert _evicting_puts(pure, 12) == kept
+        finally:
+            pure.close()
 
 
 def test_the_c_one_item_miss_takes_plain_misses_and_declines_the_rest(
