@@ -9,6 +9,7 @@ lock is ``_channel_keeper``'s. See ``aioshmcache.channel`` for the behaviour as 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -43,7 +44,7 @@ from .errors import (
 )
 from .wire import DEFAULT_MAX_FRAME_BYTES
 
-__all__ = ["Handler", "ReceiverLike", "serve_engine"]
+__all__ = ["CallLimit", "Handler", "ReceiverLike", "serve_engine"]
 
 log = logging.getLogger("aioshmcache.channel")
 
@@ -88,6 +89,52 @@ class _ServerConnection(FrameConnection):
         return True
 
 
+class CallLimit:
+    """At most ``n`` calls at once, first come first served (``asyncio.Semaphore``'s rule).
+
+    ``take`` is the usual case, a free slot taken with no coroutine (a semaphore's
+    ``async with`` made four coroutine and method calls per call); ``wait`` queues for a slot
+    that ``give`` hands over directly. A waiter cancelled after it was handed a slot passes it
+    on; one cancelled before leaves the queue.
+    """
+
+    __slots__ = ("free", "waiters")
+
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def take(self) -> bool:
+        """Take a free slot if one is free and nobody queues for it."""
+        if self.free > 0 and not self.waiters:
+            self.free -= 1
+            return True
+        return False
+
+    async def wait(self) -> None:
+        """Queue for a slot (after ``take`` said no); it is this caller's once this returns."""
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        try:
+            await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.give()  # handed a slot, then cancelled: the next waiter has it
+            else:
+                with contextlib.suppress(ValueError):
+                    self.waiters.remove(waiter)
+            raise
+
+    def give(self) -> None:
+        """Give a slot back: to the first waiter still waiting, else to the free ones."""
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.free += 1
+
+
 class _Worker:
     """One ``serve_engine`` run: its connections, the calls in progress, the shutdown."""
 
@@ -104,7 +151,7 @@ class _Worker:
     ) -> None:
         self.handler = handler
         self.receiver = receiver
-        self.limit = asyncio.Semaphore(max_concurrency)
+        self.limit = CallLimit(max_concurrency)
         self.lease = lease
         self.max_frame_bytes = max_frame_bytes
         self.idle_timeout = idle_timeout
@@ -200,7 +247,9 @@ class _Worker:
         except (SerdeError, WireError) as exc:
             return error_frame("bad_request", exc, unread=True)
         plain = version >= PLAIN_ANSWER_FROM
-        async with self.limit:
+        if not self.limit.take():
+            await self.limit.wait()
+        try:
             try:
                 if self.lease:
                     async with self.receiver.lease(features) as items:
@@ -225,6 +274,8 @@ class _Worker:
                 return await self._handle(items, payload, plain)
             except _HandlerFailed as failed:
                 return failed.frame
+        finally:
+            self.limit.give()
 
     async def _handle(self, items: list[FeatureSpec], payload: Any, plain: bool) -> bytes:
         """Run the handler and encode its result (inside a lease, before the views go).

@@ -20,6 +20,7 @@ concurrent callers); its bookkeeping lives in ``_flight`` and drives the same re
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -78,7 +79,9 @@ DEFAULT_READ_INLINE_THRESHOLD: Final = 2 << 20
 #: round per call (most of the async face's cost), while a stream of hits still lets other
 #: tasks run at least every few calls (and every half millisecond of inline copies). At 8 the
 #: checkpoints still cost 0.3-0.45 µs per 1 KiB call (issue 29: ≤ 1.5 µs over the sync call);
-#: 32 calls of 1 KiB take ~0.1-0.4 ms, inside the time bound.
+#: 32 calls of 1 KiB take ~0.1-0.4 ms, inside the time bound. Both count from the first inline
+#: call after the loop last turned (``_note_turn``): calls that each await something that
+#: suspends (an engine channel's answer) never yield on their own.
 CHECKPOINT_EVERY: Final = 32
 CHECKPOINT_AFTER: Final = 0.0005
 _monotonic = time.monotonic
@@ -187,6 +190,8 @@ class _AsyncFace(AsyncResource, Generic[C]):
         self._inflight = _InFlight()
         self._inline_calls = 0  # inline calls since this face last yielded to the loop
         self._last_yield = _monotonic()
+        self._turn_noted = False  # a ``_turned`` callback is queued on the loop
+        self._loop_turned = False  # it ran: the loop turned since the last inline call
 
     @property
     def closed(self) -> bool:
@@ -233,14 +238,35 @@ class _AsyncFace(AsyncResource, Generic[C]):
 
     def _due(self) -> bool:
         """Whether this inline call should yield to the loop first (see ``CHECKPOINT_EVERY``)."""
-        n = self._inline_calls + 1
         now = _monotonic()
+        if self._loop_turned:
+            self._restart(now)
+        n = self._inline_calls + 1
         if n >= CHECKPOINT_EVERY or now - self._last_yield >= CHECKPOINT_AFTER:
             self._inline_calls = 0
             self._last_yield = now
             return True
         self._inline_calls = n
+        if not self._turn_noted:
+            self._note_turn()
         return False
+
+    def _note_turn(self) -> None:
+        """Learn when the loop next turns (``_turned``): a call that awaited something that
+        suspended (a channel's answer) let the other tasks run, so the calls after it start a
+        new count instead of yielding again for the same turn."""
+        self._turn_noted = True
+        asyncio.get_running_loop().call_soon(self._turned)
+
+    def _turned(self) -> None:
+        self._turn_noted = False
+        self._loop_turned = True
+
+    def _restart(self, now: float) -> None:
+        """The loop turned since the last inline call: count from this call."""
+        self._loop_turned = False
+        self._inline_calls = 0
+        self._last_yield = now
 
     def _drive(self, request: Any) -> Coroutine[Any, Any, None] | None:
         """Run a request's steps as far as they go on the loop; what is left to await, if any.
@@ -384,12 +410,17 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         """The core's one-item miss on the loop (a copy under ``inline_threshold_bytes``), when
         no turn to yield is due: its result, or None (declined before any side effect, or a turn
         due: the request's path runs and takes the turn). Counted as one inline call."""
+        now = _monotonic()
+        if self._loop_turned:
+            self._restart(now)
         n = self._inline_calls + 1
-        if n >= CHECKPOINT_EVERY or _monotonic() - self._last_yield >= CHECKPOINT_AFTER:
+        if n >= CHECKPOINT_EVERY or now - self._last_yield >= CHECKPOINT_AFTER:
             return None
         done = self._wrapped()._put_one(sent, mm_hash, self.inline_threshold_bytes)
         if done is not None:
             self._inline_calls = n
+            if not self._turn_noted:
+                self._note_turn()
         return done
 
     async def _yield_then_send(self, req: SenderRequest) -> list[MmItem]:

@@ -1,6 +1,6 @@
 """The channel's round trip (``aioshmcache.channel``) next to a bare asyncio Unix-socket exchange.
 
-    python bench/bench_channel.py [--quick] [--loop asyncio|uvloop] [--hog N]
+    python bench/bench_channel.py [--quick] [--loop asyncio|uvloop] [--hog N] [--cpu N]
 
 One engine worker process serves two sockets: ``serve_engine`` (reads the call's features with an
 ``AsyncReceiverCache``, answers ``{"n": bytes read}``) and a bare asyncio server that reads one
@@ -21,7 +21,9 @@ length-prefixed message and answers 8 bytes. The gateway side, in this process, 
 
 Every figure is the median of repeated sequential round trips, printed with its ratio to the
 bare figure of the same row measured in the same run. ``--hog N`` runs N busy processes (pure
-Python loops) beside the benchmark: the same figures on a loaded machine.
+Python loops) beside the benchmark: the same figures on a loaded machine. ``--cpu N`` adds N
+sequential 1 KiB calls by reference and N bare 64-byte echoes, with the CPU time each process
+spent per round trip (``/proc/<pid>/schedstat``: user and system, the two processes apart).
 """
 
 from __future__ import annotations
@@ -139,7 +141,29 @@ async def _median_us(fn: Callable[[], Awaitable[Any]], reps: int) -> float:
     return statistics.median(times) * 1e6
 
 
-async def measure(quick: bool, loop: str) -> list[dict[str, Any]]:
+def _cpu_ns(pid: int | str = "self") -> int:
+    """The CPU time the process's main thread has run, in ns (Linux)."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        return int(f.read().split()[0])
+
+
+async def _cpu_per_call(
+    fn: Callable[[], Awaitable[Any]], reps: int, worker_pid: int
+) -> tuple[float, float, float]:
+    """Median wall time of ``fn``, and the CPU per call of this process and of the worker (us)."""
+    for _ in range(min(200, reps)):
+        await fn()
+    times = []
+    g0, w0 = _cpu_ns(), _cpu_ns(worker_pid)
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        await fn()
+        times.append(time.perf_counter() - t0)
+    g1, w1 = _cpu_ns(), _cpu_ns(worker_pid)
+    return statistics.median(times) * 1e6, (g1 - g0) / reps / 1e3, (w1 - w0) / reps / 1e3
+
+
+async def measure(quick: bool, loop: str, cpu: int = 0) -> list[dict[str, Any]]:
     tmp = tempfile.mkdtemp(prefix="aioshm-bench-")
     channel_path, bare_path = os.path.join(tmp, "engine.sock"), os.path.join(tmp, "bare.sock")
     config = CacheConfig(256 * MiB, 64 * MiB, 1)
@@ -193,6 +217,13 @@ async def measure(quick: bool, loop: str) -> list[dict[str, Any]]:
                         if (await eng.call([FeatureSpec("inline", item)]))["n"] != n:
                             raise RuntimeError("wrong answer")
 
+                    if cpu and nbytes == KiB:
+                        for what, fn in (
+                            ("ref", ref_call),
+                            ("bare64", functools.partial(bare, 64)),
+                        ):
+                            wall, gw, wk = await _cpu_per_call(fn, cpu, proc.pid or 0)
+                            rows.append({"cpu": what, "wall": wall, "gateway": gw, "worker": wk})
                     rows.append(
                         {
                             "size": label,
@@ -230,6 +261,13 @@ def table(rows: list[dict[str, Any]]) -> str:
         f"{r['ref'] / r['bare64']:.2f} | {r['lease']:.0f} us | {r['lease'] / r['bare64']:.2f} | "
         f"{r['loop']:.0f} us | {r['loop'] / r['bare64']:.2f} |"
         for r in rows
+        if "size" in r
+    ]
+    out += [
+        f"{r['cpu']}: median {r['wall']:.1f} us, CPU per call: gateway "
+        f"{r['gateway']:.1f} us, worker {r['worker']:.1f} us"
+        for r in rows
+        if "cpu" in r
     ]
     return "\n".join(out)
 
@@ -239,12 +277,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     p.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop")
     p.add_argument("--hog", type=int, default=0, help="busy processes to run beside it")
+    p.add_argument("--cpu", type=int, default=0, help="also count CPU per call over N calls")
     ns = p.parse_args(argv)
     hogs = [mp.get_context("spawn").Process(target=_hog, daemon=True) for _ in range(ns.hog)]
     for h in hogs:
         h.start()
     try:
-        rows = _run(measure(ns.quick, ns.loop), ns.loop)
+        rows = _run(measure(ns.quick, ns.loop, ns.cpu), ns.loop)
     finally:
         for h in hogs:
             h.terminate()

@@ -419,6 +419,44 @@ async def test_inline_calls_yield_once_half_a_millisecond_has_passed(
         assert await _turns_of_others(cache, calls) >= calls - 1
 
 
+async def test_a_loop_turn_between_inline_calls_starts_a_new_count(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inline calls each followed by an await that lets the loop turn (a channel's answer) do
+    not yield on their own: the turn gave the other tasks theirs, so the count and the half
+    millisecond start again (with a clock moving 0.2 ms per reading, calls in a row without a
+    turn yield every few calls, as the test above shows for 1 ms)."""
+    import aioshmcache.aio as aio_module
+
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.0002
+        return now[0]
+
+    yields = 0
+    checkpoint = anyio.lowlevel.checkpoint
+
+    async def counted() -> None:
+        nonlocal yields
+        yields += 1
+        await checkpoint()
+
+    monkeypatch.setattr(aio_module, "_monotonic", clock)
+    monkeypatch.setattr(anyio.lowlevel, "checkpoint", counted)
+    async with AsyncSenderCache.from_config(make_config()) as cache:
+        await cache.get_and_update_item(({"a": 1}, ()), "h")
+        await asyncio.sleep(0)
+        yields = 0
+        for _ in range(4 * CHECKPOINT_EVERY):
+            await cache.get_and_update_item(None, "h")
+            await asyncio.sleep(0)  # the loop turns
+        assert yields == 0
+        for _ in range(CHECKPOINT_EVERY):  # no turn between the calls: they yield
+            await cache.get_and_update_item(None, "h")
+        assert yields >= CHECKPOINT_EVERY // 4
+
+
 async def test_async_rejected_request_owes_nothing(make_config: Any) -> None:
     async with (
         AsyncSenderCache.from_config(make_config()) as tx,

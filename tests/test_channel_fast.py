@@ -9,6 +9,7 @@ travels as one plain message (``_channel_format.call_frames``); any other call a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,7 @@ from aioshmcache._channel_format import (
     decode_call,
     pack_call_features,
 )
+from aioshmcache._channel_server import CallLimit
 from aioshmcache.channel import EngineClient, serve_engine
 from aioshmcache.errors import InvalidReferenceError, WireError
 
@@ -240,3 +242,71 @@ async def test_a_connection_s_one_timer_enforces_every_wait_s_own_deadline() -> 
     finally:
         transport.abort()
         b.close()
+
+
+async def test_the_call_limit_hands_slots_over_in_order_and_survives_cancellation() -> None:
+    """``CallLimit`` (``serve_engine``'s ``max_concurrency``): a free slot is taken at once, a
+    given-back slot goes to the first waiter, a waiter cancelled in the queue leaves it, and
+    one cancelled after it was handed a slot passes it on (no slot is lost)."""
+    limit = CallLimit(1)
+    assert limit.take() and not limit.take()
+    order: list[str] = []
+
+    async def queued(name: str) -> None:
+        await limit.wait()
+        order.append(name)
+
+    a = asyncio.create_task(queued("a"))
+    b = asyncio.create_task(queued("b"))
+    c = asyncio.create_task(queued("c"))
+    await asyncio.sleep(0)
+    b.cancel()  # cancelled while queued: leaves the queue
+    await asyncio.sleep(0)
+    limit.give()  # to "a"
+    await a
+    assert order == ["a"] and b.cancelled()
+    limit.give()  # handed to "c", which is cancelled before it runs: passed on, not lost
+    c.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await c
+    assert order == ["a"] and limit.free == 1 and not limit.waiters
+    assert limit.take() and not limit.take()
+
+
+async def test_at_most_max_concurrency_handlers_run_at_once(tmp_path: Path) -> None:
+    """Calls beyond ``max_concurrency`` wait for a slot; every one is answered."""
+    running = peak = 0
+    full = asyncio.Event()  # two handlers run: each waits for it, so the peak reaches two
+
+    async def slow(features: list[FeatureSpec], payload: Any) -> int:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        if running == 2:
+            full.set()
+        await full.wait()
+        await asyncio.sleep(0)
+        running -= 1
+        return int(payload)
+
+    class NoReads:
+        async def get_and_update_features(self, features: Any) -> list[FeatureSpec]:
+            return list(features)
+
+        def lease(self, features: Any) -> Any:
+            raise AssertionError("not leasing")
+
+    sock = tmp_path / "e.sock"
+    ready = asyncio.Event()
+    task = asyncio.create_task(
+        serve_engine(sock, slow, NoReads(), max_concurrency=2, ready=ready.set)
+    )
+    try:
+        await asyncio.wait_for(ready.wait(), 10)
+        async with EngineClient.connect(sock, max_connections=6) as engine:
+            got = await asyncio.gather(*(engine.call([], i, timeout=60) for i in range(6)))
+        assert got == list(range(6)) and peak == 2
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
