@@ -42,6 +42,7 @@ from .test_differential_store import (
     _ref_fields,
     _sender_for,
     _spied,
+    on_both_cores,
     pure_core,
 )
 
@@ -164,10 +165,7 @@ def test_requests_of_several_items_answer_alike_on_both_cores(
     """Hits, look-ups (some not cached: ``CacheMissError``, nothing taken), a hash repeated
     within a request, misses that evict, items too large, not encodable (a failed request gives
     back what it took) or copied in a thread: the same on both cores, step by step."""
-    with_core = _run(requests, seed, via, threshold)
-    with monkeypatch.context() as m:
-        pure_core(m)
-        pure = _run(requests, seed, via, threshold)
+    with_core, pure = on_both_cores(monkeypatch, lambda: _run(requests, seed, via, threshold))
     assert with_core[0] == pure[0]
     assert with_core[1] == pure[1]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -75,6 +75,8 @@ OPS = st.one_of(
     st.tuples(st.just("clear"), KEYS, st.just(0)),
 )
 
+T = TypeVar("T")
+
 
 def pure_core(m: pytest.MonkeyPatch) -> None:
     """Every entry point of the write path into the core: the pure one's (``AIOSHM_PURE=1``)."""
@@ -85,6 +87,14 @@ def pure_core(m: pytest.MonkeyPatch) -> None:
     m.setattr(_request, "_split_features", _core_py.split_features)
     m.setattr(_request, "_specs_from", _core_py.specs_from)
     m.setattr(_serde, "_copy_into", _core_py.copy_into)
+
+
+def on_both_cores(m: pytest.MonkeyPatch, run: Callable[[], T]) -> tuple[T, T]:
+    """``run()`` on the compiled core, then again on the pure one: the two answers."""
+    with_c = run()
+    with m.context() as pure_m:
+        pure_core(pure_m)
+        return with_c, run()
 
 
 def _spied(m: pytest.MonkeyPatch, module: object, name: str, fn: Any) -> list[bool]:
@@ -175,10 +185,7 @@ def _same(got: object, value: object) -> bool:
 def test_both_cores_answer_alike_and_write_the_same_segment(
     monkeypatch: pytest.MonkeyPatch, ops: list[tuple[str, str, int]], seed: int
 ) -> None:
-    with_c = _run(ops, seed)
-    with monkeypatch.context() as m:
-        pure_core(m)
-        pure = _run(ops, seed)
+    with_c, pure = on_both_cores(monkeypatch, lambda: _run(ops, seed))
     assert with_c[0] == pure[0]  # answers and errors, op by op
     assert with_c[2] == pure[2]  # header words
     assert with_c[1] == pure[1]  # every byte of the ring
@@ -255,10 +262,7 @@ def test_sender_requests_answer_alike_and_write_the_same_segment_on_both_cores(
     seed: int,
     inline_below: int,
 ) -> None:
-    with_c = _run_requests(requests, seed, inline_below)
-    with monkeypatch.context() as m:
-        pure_core(m)
-        pure = _run_requests(requests, seed, inline_below)
+    with_c, pure = on_both_cores(monkeypatch, lambda: _run_requests(requests, seed, inline_below))
     assert with_c[0] == pure[0]
     assert with_c[1] == pure[1]
 
@@ -307,10 +311,7 @@ def test_a_source_that_changed_since_its_plan_is_refused_alike(
         finally:
             store.close()
 
-    with_c = attempt()
-    with monkeypatch.context() as m:
-        pure_core(m)
-        pure = attempt()
+    with_c, pure = on_both_cores(monkeypatch, lambda: attempt())
     assert with_c == pure
 
 
@@ -373,10 +374,7 @@ def test_one_item_calls_answer_alike_and_write_the_same_segment_on_both_cores(
     monkeypatch: pytest.MonkeyPatch, calls: list[tuple[str, int]], seed: int
 ) -> None:
     """The compiled one-item miss (``put_item``) against the sender request it stands for."""
-    with_c = _run_one_item_calls(calls, seed)
-    with monkeypatch.context() as m:
-        pure_core(m)
-        pure = _run_one_item_calls(calls, seed)
+    with_c, pure = on_both_cores(monkeypatch, lambda: _run_one_item_calls(calls, seed))
     assert with_c[0] == pure[0]
     assert with_c[1] == pure[1]
 
@@ -612,10 +610,9 @@ def test_hand_outs_owed_by_live_readers_keep_the_same_ledger_on_both_cores(
     """The compiled hand-out (``hand_out``, in every compiled put) against
     ``Acknowledgements.hand_out``: the same ledger (entries, debts, times, counts), the same
     published debts and the same segment, step by step, with 0-2 live readers acknowledging."""
-    with_c = _run_one_item_calls_read(calls, seed, readers)
-    with monkeypatch.context() as m:
-        pure_core(m)
-        pure = _run_one_item_calls_read(calls, seed, readers)
+    with_c, pure = on_both_cores(
+        monkeypatch, lambda: _run_one_item_calls_read(calls, seed, readers)
+    )
     assert with_c[0] == pure[0]
     assert with_c[1] == pure[1]
 
@@ -802,10 +799,9 @@ def test_puts_that_evict_answer_alike_and_leave_the_same_state_on_both_cores(
     answers and errors, the same keys, marks, evicted keys (``on_evict``), counters, ring
     bookkeeping, ledger and header words after every step, and the same ring bytes, with
     second chance on or off, with and without batch slack."""
-    with_c = _run_evicting(ops, seed, second_chance, slack)
-    with monkeypatch.context() as m:
-        pure_core(m)
-        pure = _run_evicting(ops, seed, second_chance, slack)
+    with_c, pure = on_both_cores(
+        monkeypatch, lambda: _run_evicting(ops, seed, second_chance, slack)
+    )
     assert with_c[0] == pure[0]
     assert with_c[1] == pure[1]
 
