@@ -443,11 +443,16 @@ async def test_a_slow_redis_is_bounded_by_the_lookup_timeout(
                     _check(rx, f, f"s{i}")
             finally:
                 redis_server.proc.send_signal(signal.SIGCONT)
+            # the three probes went on in the background; each is counted when it settles
+            # (answered once Redis resumes: late; or at the client's timeout): wait for that,
+            # since closing the tier first would cancel them uncounted (a busy host's race)
+            await _until(lambda: tier.stats().late + tier.stats().timeouts >= 3)
     s = tier.stats()
     assert calls == ["warm", "s0", "s1", "s2"]  # no request waited for the stopped Redis
-    assert s.hits == 0 and s.late + s.timeouts >= 1
-    # answered once resumed (or the tier closed first): a late answer is not a failure
-    assert s.breaker_opens == 0
+    assert s.lookups == 4 and s.hits == 0
+    # a late answer is not a failure: only the client's own timeout (5 s, a host stalled
+    # that long) is, and three of those open the breaker
+    assert s.breaker_opens == 0 or s.timeouts >= 3
 
 
 @e2e
