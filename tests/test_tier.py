@@ -282,6 +282,8 @@ async def test_the_snapshot_shows_the_tier_s_counters_as_the_collector_does(
         assert hit.mean_lookup_s == hit.lookup_seconds > 0
         redis_server.kill()
         await b.get_or_put("h2", h.make("h2"))  # an error: made here
+        # counted when the probe fails: at once, or after its deadline on a busy host (late)
+        await _until(lambda: h.tb.stats().errors + h.tb.stats().timeouts >= 1)
         down = b.snapshot()
         assert down.tier is not None and down.tier.hits == 1 and down.tier.misses == 1
         assert down.tier.errors + down.tier.timeouts == 1 and h.calls == ["h1", "h2"]
@@ -406,6 +408,8 @@ async def test_redis_killed_and_restarted_mid_run_fails_no_request(
             redis_server.kill()
             for i in range(10):  # Redis is gone: every request is still answered
                 await ask(f"a{i}")
+            # failures are counted when each probe fails (after its deadline on a busy host)
+            await _until(lambda: tier.stats().breaker_opens >= 1)
             down = tier.stats()
             assert down.errors + down.timeouts >= 2 and down.breaker_opens >= 1
             assert down.bypassed >= 1  # the open breaker kept requests away from Redis
