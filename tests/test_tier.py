@@ -705,20 +705,32 @@ async def test_a_claimer_killed_while_computing_lets_one_waiter_take_over(
     ready = ctx.Event()
     name = f"{RUN_PREFIX}claimer-{time.monotonic_ns() % 10**6}"
     proc = ctx.Process(target=hosts.claimer, args=(redis_server.url, name, "k1", ready))
-    proc.start()
-    try:
-        assert await asyncio.to_thread(ready.wait, 60), "the claimer never started its make"
-        proc.kill()  # -9 while computing: its lease is never released
-        proc.join(30)
-    finally:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
-        sweep(prefix=name)
-    async with two_hosts(_tuned(lease_s=1.0), _tuned(lease_s=1.0)) as h:
-        fa, fb = await asyncio.gather(
-            h.a.get_or_put("k1", h.make("k1")), h.b.get_or_put("k1", h.make("k1"))
-        )
+    # both hosts wait on the claimer's lease before it is killed: opened after the kill, a
+    # loaded host found the lease expired already (the first to ask claimed, nobody took over)
+    patient = {"lease_s": 1.0, "max_wait_s": 60.0}  # whatever the load, the wait is not the subject
+    async with two_hosts(_tuned(**patient), _tuned(**patient)) as h:
+        proc.start()
+        both: asyncio.Future[tuple[FeatureSpec, FeatureSpec]] | None = None
+        try:
+            assert await asyncio.to_thread(ready.wait, 60), "the claimer never started its make"
+            both = asyncio.gather(
+                h.a.get_or_put("k1", h.make("k1")), h.b.get_or_put("k1", h.make("k1"))
+            )
+            await _until(lambda: h.ta.stats().waits + h.tb.stats().waits == 2)
+            proc.kill()  # -9 while computing: its lease is never released
+            await asyncio.to_thread(proc.join, 30)
+        except BaseException:
+            if both is not None:
+                both.cancel()
+                await asyncio.gather(both, return_exceptions=True)
+            raise
+        finally:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+            sweep(prefix=name)
+        assert both is not None
+        fa, fb = await asyncio.wait_for(both, 60)
         _check(h.ra, fa, "k1")
         _check(h.rb, fb, "k1")
     s1, s2 = h.ta.stats(), h.tb.stats()
