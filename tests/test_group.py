@@ -480,7 +480,9 @@ def test_attach_group_waits_for_the_first_shard(group: str) -> None:
     th.start()
     try:
         with ReceiverCache.attach_group(group, wait_for_shard=60) as rx:
-            assert opened.is_set()
+            # the shard is there once its constructor made it, maybe before the gateway thread
+            # runs its next line (a descheduled thread): wait for that line, do not read it
+            assert opened.wait(60)
             assert [h.name for h in rx.shard_handles()] == [shard_name(group, 0)]
     finally:
         stop.set()
