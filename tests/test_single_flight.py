@@ -701,6 +701,10 @@ async def test_a_sibling_shard_opened_after_the_last_scan_is_seen_by_the_claim(
     cfg = _group_config(group)
     async with AsyncSenderCache.from_config(cfg) as b:
         assert not b.is_cached("h")  # b's scan: no sibling yet (the next in RESCAN_INTERVAL)
+        assert b.sender._siblings is not None
+        # not for an hour, however long a loaded host takes to get to b's request (past the
+        # one second, b's first look scanned again and simply found a's item)
+        b.sender._siblings._interval = 3600.0
         async with AsyncSenderCache.from_config(cfg) as a:
             with ReceiverCache.attach_group(group) as rx:
                 first = await a.get_or_put("h", lambda: make("a"))
