@@ -484,7 +484,9 @@ async def test_late_answers_keep_the_breaker_closed_and_no_answer_opens_it(
             # (its probe) finds Redis and closes it
             await _until(lambda: tier.breaker.state != "open")  # read while idle
             _check(rx, await cache.get_or_put("t", _maker("t", calls)), "t")
-            assert tier.breaker.state == "closed"
+            # its answer closes it: at once, or when it comes after the deadline (late, a busy
+            # host or a Redis just resumed), in the background
+            await _until(lambda: tier.breaker.state == "closed")
 
 
 @e2e
