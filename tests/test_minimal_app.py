@@ -176,7 +176,9 @@ def test_minimal_app_under_uvicorn_workers_2(tmp_path: Path) -> None:
         for body, r in answers:
             assert r.status_code == 200, r.text
             assert r.json() == {"crc32": expected_crc(body)}
-        assert wait_until(lambda: len([n for n in _ours(group) if "sem." not in n]) == 2)
+        # the second worker may still be starting (one answering was enough above): its shard
+        # comes when its startup is done, which a loaded host stretches far beyond 10 s
+        assert wait_until(lambda: len([n for n in _ours(group) if "sem." not in n]) == 2, 120)
         assert lock_held(sock)  # one engine worker serves the group
 
         # bursts of identical new requests: each image preprocessed once in the whole group
