@@ -651,12 +651,14 @@ async def test_a_garbage_lease_that_looks_like_one_costs_at_most_max_wait_s(
 ) -> None:
     """A lease that expires as ours do cannot be told from a host's: a waiter waits for it at
     most ``max_wait_s`` (then makes the item); it never waits beyond that bound."""
-    tier = _tier(redis_server.url, config=TierConfig(max_wait_s=0.3, lease_s=2.0))
+    tier = _tier(redis_server.url, config=TierConfig(max_wait_s=0.3, lease_s=60.0))
     lkey = lease_key(tier.keyspace, "g2")
     calls: list[str] = []
     async with _cache(make_config, tier) as cache:
         with ReceiverCache.attach(cache.handle()) as rx:
-            await raw.set(lkey, b"garbage", px=2000)  # renewed by the "attacker" meanwhile
+            # as long as a lease of ours: it outlives the wait however slow the host (with 2 s,
+            # a host 2 s late found it expired and claimed the hash: no wait to bound)
+            await raw.set(lkey, b"garbage", px=60_000)
             _check(rx, await cache.get_or_put("g2", _maker("g2", calls)), "g2")
     s = tier.stats()
     assert calls == ["g2"] and s.waits == 1 and s.wait_timeouts == 1
