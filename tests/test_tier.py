@@ -811,13 +811,15 @@ async def test_a_failed_claim_is_released_while_writes_are_stuck(
 async def test_a_claim_is_renewed_while_make_runs_longer_than_its_lease(
     two_hosts: TwoHosts,
 ) -> None:
-    # without renewal the 0.5 s lease would lapse during the 2 s make and b would make it too
-    async with two_hosts(_tuned(lease_s=0.5), _tuned(lease_s=0.5, max_wait_s=30.0)) as h:
+    # without renewal the 3 s lease would lapse during the 6 s make and b would make it too;
+    # renewed every second, it outlives a host stalled 2 s (with 0.5 s, a 0.6 s stall let it
+    # lapse: b took over and made it too)
+    async with two_hosts(_tuned(lease_s=3.0), _tuned(lease_s=3.0, max_wait_s=60.0)) as h:
 
         async def slow() -> dict[str, Any]:
             h.calls.append("r1")
             h.started.set()
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(6.0)
             return hosts.item_of("r1")
 
         first, second = await h.b_asks_while_a_makes("r1", slow)
