@@ -347,6 +347,7 @@ class RedisTier(AsyncResource):
         self._writer: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
         self._releasing: set[asyncio.Task[None]] = set()  # claims being given up (in _tasks)
+        self._late: set[asyncio.Future[Any]] = set()  # operations past their deadline (in _tasks)
         self._closed = False
         self._n: collections.Counter[str] = collections.Counter()
         self._rejected: collections.Counter[str] = collections.Counter()
@@ -414,15 +415,20 @@ class RedisTier(AsyncResource):
                     await self._client.aclose()
 
     async def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until the write queue is empty and no claim is being given up (or
-        ``timeout_s``); True if so."""
+        """Wait until the write queue is empty, no claim is being given up and every operation
+        that passed its deadline has settled (or ``timeout_s``); True if so.
+
+        After it the counters are final: an operation past its deadline goes on in the
+        background and is counted (``late``, ``timeouts``, ``errors``) only when it settles,
+        and a claim its late answer took is given up then.
+        """
         if self._idle is None:
             return True
         with anyio.move_on_after(timeout_s):
             await self._idle.wait()
-            while self._releasing:
-                await asyncio.wait(set(self._releasing))
-        return self._idle.is_set() and not self._releasing
+            while self._releasing or self._late:
+                await asyncio.wait(self._releasing | self._late)
+        return self._idle.is_set() and not self._releasing and not self._late
 
     # --- the request path ---------------------------------------------------------------------
 
@@ -525,7 +531,7 @@ class RedisTier(AsyncResource):
             if not self._closed:
                 w.renewal = self._spawn(self._renew(w.lkey, w.token))
         elif w.done and not self._closed:  # made and queued already: give the claim up
-            self._spawn(self._release_claim(_Write(w.vkey, w.lkey, w.mm_hash, token)))
+            self._give_up(_Write(w.vkey, w.lkey, w.mm_hash, token))
         # else the look-up goes on: its next probe finds the lease ours (``_PROBE``)
 
     def _probe_reply(self, probe: Any) -> tuple[int, int] | None:
@@ -662,9 +668,7 @@ class RedisTier(AsyncResource):
             if w.token is not None:
                 # at once, not behind the queued writes: a stuck write would otherwise keep
                 # every waiting host waiting for a make that failed (up to max_wait_s)
-                task = self._spawn(self._release_claim(w))
-                self._releasing.add(task)
-                task.add_done_callback(self._releasing.discard)
+                self._give_up(w)
             return
         if w.has_item:
             self._queued_bytes += w.nbytes
@@ -693,8 +697,15 @@ class RedisTier(AsyncResource):
                 if w.renewal is not None:
                     w.renewal.cancel()
 
+    def _give_up(self, w: _Write) -> None:
+        """Release ``w``'s claim in the background (``flush`` waits for it)."""
+        task = self._spawn(self._release_claim(w))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
     async def _release_claim(self, w: _Write) -> None:
-        """Give up a claim whose make failed, was cancelled, or whose write was dropped."""
+        """Give up a claim nobody will fill: its make failed or was cancelled, its write was
+        dropped, or a late answer took it after the make."""
         if self.breaker.allow():
             await self._release(w, b"")
 
@@ -779,9 +790,11 @@ class RedisTier(AsyncResource):
         if op.done():
             return self._settle(op, started)
         self._tasks.add(op)
+        self._late.add(op)
 
         def settled(task: asyncio.Future[Any]) -> None:
             self._tasks.discard(task)
+            self._late.discard(task)
             if task.cancelled():
                 return  # the tier closed
             out = self._settle(task, started)

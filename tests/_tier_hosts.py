@@ -103,19 +103,8 @@ async def _host(
                     bad += 1
 
             await asyncio.gather(*(one(h) for h in hashes))
-            await tier.flush(30)
-            await _settled(tier)
+            await tier.flush(30)  # every operation settled: the counters are final
             out.put({"pid": os.getpid(), "made": made, "bad": bad, "stats": tier.stats().to_dict()})
-
-
-async def _settled(tier: Any, deadline_s: float = 120.0) -> None:
-    """Until every background task of ``tier`` is done (a generous deadline: a hang, not a
-    speed). An operation that passed its deadline goes on in the background and is counted
-    (``late``, or a ``timeout``) only when it settles, and a claim its late answer took is
-    given up then: the counters are not reported before."""
-    end = time.monotonic() + deadline_s
-    while tier._tasks and time.monotonic() < end:  # noqa: ASYNC110 - nothing signals: polled
-        await asyncio.sleep(0.01)
 
 
 def claimer(url: str, name: str, h: str, ready: Any) -> None:

@@ -448,9 +448,9 @@ async def test_a_slow_redis_is_bounded_by_the_lookup_timeout(
             finally:
                 redis_server.proc.send_signal(signal.SIGCONT)
             # the three probes went on in the background; each is counted when it settles
-            # (answered once Redis resumes: late; or at the client's timeout): wait for that,
-            # since closing the tier first would cancel them uncounted (a busy host's race)
-            await _until(lambda: tier.stats().late + tier.stats().timeouts >= 3)
+            # (answered once Redis resumes: late; or at the client's timeout): flush waits
+            assert await tier.flush(30)
+            assert tier.stats().late + tier.stats().timeouts >= 3
     s = tier.stats()
     assert calls == ["warm", "s0", "s1", "s2"]  # no request waited for the stopped Redis
     assert s.lookups == 4 and s.hits == 0
@@ -521,8 +521,10 @@ async def test_a_probe_answering_after_its_deadline_is_late_and_its_claim_not_lo
         if answer == "after_making":
             release.set()
             await task
+        assert not await tier.flush(0.05)  # the probe is still out: the counters not final
         gate.set()  # the probe answers now, and claims "h"
-        await _until(lambda: tier.stats().late == 1)
+        assert await tier.flush(30)  # it settled (and a claim it took after the make, given up)
+        assert tier.stats().late == 1
         lkey, vkey = lease_key(tier.keyspace, "h"), value_key(tier.keyspace, "h")
         if answer == "while_making":
             assert (await raw.get(lkey)).startswith(b"c:")  # adopted: other hosts wait on it
@@ -531,8 +533,6 @@ async def test_a_probe_answering_after_its_deadline_is_late_and_its_claim_not_lo
             assert await tier.flush(30)
             assert await raw.exists(vkey) == 1  # written for them
         else:
-            await _until(lambda: not tier._tasks)
-            assert await tier.flush(30)
             assert await raw.exists(lkey) == 0  # given up at once
         s = tier.stats()
         assert s.errors == s.timeouts == s.breaker_opens == 0 and s.breaker_state == "closed"
