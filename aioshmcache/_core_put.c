@@ -224,6 +224,61 @@ set_i64(PyObject *obj, PyObject *name, int64_t value)
     return rc;
 }
 
+/* --- the writer's counters (``_core_state.c``) ------------------------------------------------
+ * A ring or a sharded map whose base is the core's ``RingState`` / ``MapState`` (always, when
+ * this core is the one in use) has its ints read and written in its struct; any other object
+ * (e.g. one built on the pure core's bases) through its attributes, as before. */
+#define IS_RING_STATE(o) PyObject_TypeCheck((o), &AioshmRingState_Type)
+#define IS_MAP_STATE(o) PyObject_TypeCheck((o), &AioshmMapState_Type)
+
+/* A ring's int field: its struct's (``off``: its offset there), else the attribute ``name``. */
+static int
+ring_get(PyObject *ring, PyObject *name, size_t off, int64_t *out)
+{
+    if (IS_RING_STATE(ring)) {
+        *out = *(int64_t *)((char *)ring + off);
+        return 0;
+    }
+    return get_i64(ring, name, out);
+}
+
+static int
+ring_set(PyObject *ring, PyObject *name, size_t off, int64_t value)
+{
+    if (IS_RING_STATE(ring)) {
+        *(int64_t *)((char *)ring + off) = value;
+        return 0;
+    }
+    return set_i64(ring, name, value);
+}
+
+#define RING_GET(ring, field, out) ring_get((ring), s_##field, offsetof(AioshmRingState, field), (out))
+#define RING_SET(ring, field, v) ring_set((ring), s_##field, offsetof(AioshmRingState, field), (v))
+
+/* ``m.n += delta`` of a sharded map; the new count in ``out`` (if not NULL). 0, or -1. */
+static int
+map_count_add(PyObject *map, int64_t delta, int64_t *out)
+{
+    int64_t n;
+    if (IS_MAP_STATE(map)) {
+        n = ((AioshmMapState *)map)->n += delta;
+    }
+    else {
+        int rc = get_i64(map, s_n, &n);
+        if (rc != 0) {
+            if (rc == 1)
+                PyErr_SetString(PyExc_RuntimeError, "internal error: a map's count is not an int");
+            return -1;
+        }
+        n += delta;
+        if (set_i64(map, s_n, n) < 0)
+            return -1;
+    }
+    if (out != NULL)
+        *out = n;
+    return 0;
+}
+
 /* A writable buffer of exactly what the reference reads as words (1: not such a buffer). */
 static int
 get_words(PyObject *obj, PyObject *name, Py_buffer *view)
@@ -255,7 +310,11 @@ shard_of(PyObject *map, PyObject *key)
     if (shards == NULL)
         return NULL;
     int64_t mask;
-    int rc = get_i64(map, s_map_mask, &mask);
+    int rc = 0;
+    if (IS_MAP_STATE(map))
+        mask = ((AioshmMapState *)map)->mask;
+    else
+        rc = get_i64(map, s_map_mask, &mask);
     if (rc != 0 || !PyList_CheckExact(shards) || PyList_GET_SIZE(shards) != mask + 1) {
         Py_DECREF(shards);
         if (rc == 0 || rc == 1)
@@ -273,20 +332,6 @@ shard_of(PyObject *map, PyObject *key)
     return d;
 }
 
-static int
-bump_n(PyObject *map, int64_t *out)
-{
-    int64_t n;
-    int rc = get_i64(map, s_n, &n);
-    if (rc != 0) {
-        if (rc == 1)
-            PyErr_SetString(PyExc_RuntimeError, "internal error: a map's count is not an int");
-        return -1;
-    }
-    if (out != NULL)
-        *out = n + 1;
-    return set_i64(map, s_n, n + 1);
-}
 
 /* A slice of ints ``[start, stop)`` within ``[0, limit]`` (0), else 1. */
 static int
@@ -805,9 +850,9 @@ pub_finish(PyObject *store, PyObject *key, Pub *p, Held *held, volatile uint64_t
     uint64_t packed[5] = {(uint64_t)address, (uint64_t)nbytes, (uint64_t)position, base, epoch};
     int64_t n_items;
     if ((row = PyBytes_FromStringAndSize((const char *)packed, sizeof packed)) == NULL ||
-        PyDict_SetItem(p->rshard, p->cid_obj, row) < 0 || bump_n(p->rows, NULL) < 0 ||
-        PyDict_SetItem(p->kshard, p->cid_obj, key) < 0 || bump_n(p->keys, NULL) < 0 ||
-        PyDict_SetItem(p->ishard, key, p->cid_obj) < 0 || bump_n(p->index, &n_items) < 0)
+        PyDict_SetItem(p->rshard, p->cid_obj, row) < 0 || map_count_add(p->rows, 1, NULL) < 0 ||
+        PyDict_SetItem(p->kshard, p->cid_obj, key) < 0 || map_count_add(p->keys, 1, NULL) < 0 ||
+        PyDict_SetItem(p->ishard, key, p->cid_obj) < 0 || map_count_add(p->index, 1, &n_items) < 0)
         goto done;
     if (p->guarded != Py_None && PyDict_SetItem(p->guarded, p->cid_obj, Py_None) < 0)
         goto done;
@@ -1136,14 +1181,7 @@ map_discard(PyObject *m, PyObject *key, PyObject **popped)
     Py_DECREF(d);
     if (rc < 0)
         return -1;
-    int64_t n;
-    rc = get_i64(m, s_n, &n);
-    if (rc != 0) {
-        if (rc == 1)
-            PyErr_SetString(PyExc_RuntimeError, "internal error: a map's count is not an int");
-        return -1;
-    }
-    return set_i64(m, s_n, n - 1);
+    return map_count_add(m, -1, NULL);
 }
 
 /* ``SenderBook.forget`` and ``ShardedMap``, found once ``aioshmcache._request`` is imported
@@ -1222,8 +1260,9 @@ apply_frees(PyObject *ring, Room *r, uint64_t *ringw, volatile uint64_t *hw, int
             return -1;
     }
     STORE_WORD(&hw[H_HEAD_POS], (uint64_t)r->head_pos);
-    if (set_i64(ring, s_head, r->head) < 0 || set_i64(ring, s_lap, r->lap) < 0 || set_i64(ring, s_tail, r->tail) < 0 ||
-        set_i64(ring, s_used, r->used) < 0 || set_i64(ring, s_limit, r->limit) < 0)
+    if (RING_SET(ring, head, r->head) < 0 || RING_SET(ring, lap, r->lap) < 0 ||
+        RING_SET(ring, tail, r->tail) < 0 || RING_SET(ring, used, r->used) < 0 ||
+        RING_SET(ring, limit, r->limit) < 0)
         return -1;
     int64_t evictions, before;
     int g = get_i64(r->ev, s_evictions, &evictions);
@@ -1251,14 +1290,9 @@ apply_frees(PyObject *ring, Room *r, uint64_t *ringw, volatile uint64_t *hw, int
                 if (PyDict_DelItem(is, key) < 0)
                     same = -1;
                 else {
-                    int64_t n;
-                    int gi = get_i64(r->index, s_n, &n);
-                    if (gi != 0 || set_i64(r->index, s_n, n - 1) < 0 ||
-                        set_i64(r->ev, s_evictions, ++evictions) < 0) {
-                        if (gi == 1)
-                            PyErr_SetString(PyExc_RuntimeError, "internal error: not a count");
+                    if (map_count_add(r->index, -1, NULL) < 0 ||
+                        set_i64(r->ev, s_evictions, ++evictions) < 0)
                         same = -1;
-                    }
                     else if (r->on_evict != Py_None && evict_hook(r->on_evict, key) < 0)
                         same = -1;
                 }
@@ -1376,16 +1410,23 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
         CHECK(forked);
     }
     int64_t tail, limit, end, headk, mask, at_mask, lap, used;
-    CHECK(get_i64(ring, s_tail, &tail));
-    CHECK(get_i64(ring, s_limit, &limit));
-    CHECK(get_i64(ring, s_end, &end));
-    CHECK(get_i64(ring, s_head, &headk));
-    CHECK(get_i64(ring, s_mask, &mask));
-    CHECK(get_i64(ring, s_at_mask, &at_mask));
-    CHECK(get_i64(ring, s_lap, &lap));
-    CHECK(get_i64(ring, s_used, &used));
     int64_t size = CHUNK_HEADER + (((int64_t)nbytes + 63) & -64), cap;
-    CHECK(get_i64(ring, s_capacity, &cap));
+    if (IS_RING_STATE(ring)) { /* the usual ring: its ints at once */
+        AioshmRingState *rs = (AioshmRingState *)ring;
+        tail = rs->tail, limit = rs->limit, end = rs->end, headk = rs->head, mask = rs->mask;
+        at_mask = rs->at_mask, lap = rs->lap, used = rs->used, cap = rs->capacity;
+    }
+    else {
+        CHECK(get_i64(ring, s_tail, &tail));
+        CHECK(get_i64(ring, s_limit, &limit));
+        CHECK(get_i64(ring, s_end, &end));
+        CHECK(get_i64(ring, s_head, &headk));
+        CHECK(get_i64(ring, s_mask, &mask));
+        CHECK(get_i64(ring, s_at_mask, &at_mask));
+        CHECK(get_i64(ring, s_lap, &lap));
+        CHECK(get_i64(ring, s_used, &used));
+        CHECK(get_i64(ring, s_capacity, &cap));
+    }
     if (tail < 0 || tail % 64 != 0 || size > cap || mask < 0 || headk > end)
         DECLINE(); /* a chunk that can never fit: the reference raises */
     CHECK(get_words(ring, s_w, &held.ring));
@@ -1437,8 +1478,8 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
     if (room.nfree && apply_frees(ring, &room, held.ring.buf, hw, headk, mask, addrs, ids, at,
                                   at_mask) < 0)
         goto done;
-    if ((room.lap != lap && set_i64(ring, s_lap, room.lap) < 0) ||
-        (room.limit != limit && set_i64(ring, s_limit, room.limit) < 0))
+    if ((room.lap != lap && RING_SET(ring, lap, room.lap) < 0) ||
+        (room.limit != limit && RING_SET(ring, limit, room.limit) < 0))
         goto done;
     tail = at_tail, lap = room.lap, used = room.used;
     /* ``try_allocate``: the id, the chunk header (state first), the columns, the address map */
@@ -1454,8 +1495,8 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
     ((int64_t *)held.col[2].buf)[j] = (int64_t)cid;
     ((int64_t *)held.col[3].buf)[j] = position;
     ((int64_t *)held.col[4].buf)[j] = CHUNK_WRITING;
-    if (PyDict_SetItem(atshard, u_obj, k_obj) < 0 || set_i64(ring, s_end, end + 1) < 0 ||
-        set_i64(ring, s_tail, tail + size) < 0 || set_i64(ring, s_used, used + size) < 0)
+    if (PyDict_SetItem(atshard, u_obj, k_obj) < 0 || RING_SET(ring, end, end + 1) < 0 ||
+        RING_SET(ring, tail, tail + size) < 0 || RING_SET(ring, used, used + size) < 0)
         goto done;
     /* ``MsgpackSerde.write``: the prefix and header, zeroed gaps, every array's bytes */
     char *payload = (char *)held.ring.buf + tail + CHUNK_HEADER;
@@ -1526,9 +1567,9 @@ core_publish_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     CHECK(attr_true(seg, s_closed));
     CHECK(attr_true(seg, s_forked));
     int64_t mask, at_mask, used;
-    CHECK(get_i64(ring, s_mask, &mask));
-    CHECK(get_i64(ring, s_at_mask, &at_mask));
-    CHECK(get_i64(ring, s_used, &used));
+    CHECK(RING_GET(ring, mask, &mask));
+    CHECK(RING_GET(ring, at_mask, &at_mask));
+    CHECK(RING_GET(ring, used, &used));
     NEED(at = fast_getattr(ring, s_at));
     if (!PyList_CheckExact(at) || PyList_GET_SIZE(at) != at_mask + 1)
         DECLINE();
@@ -1829,7 +1870,7 @@ keep_updates(PyObject *book, PyObject *key, PyObject *updates)
     PyObject *d = shard_of(pu, key);
     int rc = d == NULL ? -1 : PyDict_Contains(d, key);
     if (rc == 0)
-        rc = bump_n(pu, NULL);
+        rc = map_count_add(pu, 1, NULL);
     if (rc >= 0)
         rc = PyDict_SetItem(d, key, kept);
     Py_XDECREF(d);

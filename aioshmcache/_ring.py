@@ -46,6 +46,7 @@ from typing import Final
 
 import numpy as np
 
+from ._core_api import core
 from ._layout import (
     C_CHECK,
     C_ID,
@@ -87,7 +88,7 @@ MAX_RING_ID: Final = (1 << 63) - 1
 PRESIZE_CHUNK_BYTES: Final = 1024
 
 
-class ShmRingBuffer:
+class ShmRingBuffer(core.RingState):
     """Single-writer ring of chunks, addressed by (address, id).
 
     The writer allocates, commits, abandons and frees (FIFO); any process reads a committed chunk
@@ -95,29 +96,23 @@ class ShmRingBuffer:
     """
 
     # the state the compiled put reads and writes at the slots' offsets (a look-up by name in
-    # an instance dict costs ~150 instructions); ``__dict__`` still takes anything else
+    # an instance dict costs ~150 instructions); ``__dict__`` still takes anything else. The
+    # ints (``_tail``, ``_limit``, ``_end``, ``_head``, ``_mask``, ``_at_mask``, ``_lap``,
+    # ``used_bytes``, ``capacity``) live in the base, the core's ``RingState``: C integers on
+    # the compiled core, which its put reads and writes without making Python ints
     __slots__ = (
         "__dict__",
         "_addr",
         "_at",
-        "_at_mask",
         "_cpos",
-        "_end",
-        "_head",
         "_hw",
         "_id",
-        "_lap",
-        "_limit",
-        "_mask",
         "_seg",
         "_size",
         "_state",
-        "_tail",
         "_w",
         "_writer",
         "buf",
-        "capacity",
-        "used_bytes",
     )
 
     def __init__(self, segment: Segment, *, writer: bool) -> None:
@@ -153,7 +148,8 @@ class ShmRingBuffer:
         self._tail = 0
         # position of address 0 in the tail's lap: the next byte allocated is at position
         # ``_lap + _tail`` (a segment starts at a lap boundary: position mod capacity = address)
-        self._lap = int(self._hw[H_HEAD_POS])
+        # (a reader never allocates: its 0 keeps a header word it cannot trust out of an int64)
+        self._lap = int(self._hw[H_HEAD_POS]) if writer else 0
         #: bytes between head and tail, the skipped tail of a wrap included (writer only; an
         #: attribute kept up to date, not a property: the store publishes it on every put)
         self.used_bytes = 0
