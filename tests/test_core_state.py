@@ -1,0 +1,134 @@
+"""The writer's counters as C integers: the compiled core's ``RingState`` and ``MapState``
+(``_core_state.c``), the bases of ``ShmRingBuffer`` and ``ShardedMap``, against their pure
+references (``_core_py``, plain slots).
+
+Both bases hold the same names and read back what was written; the C one refuses what a
+64-bit signed integer cannot hold and leaves the field as it was. A write from Python is what
+the compiled put reads, and the put's writes are what Python reads next: a store whose ring and
+maps were changed from Python puts the same way on both cores.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aioshmcache import CacheConfig, ShmObjectStore, _core_py, _store, implementation
+from aioshmcache import _layout as L
+from aioshmcache._ring import ShmRingBuffer
+from aioshmcache._sharded_map import ShardedMap
+
+from .conftest import RUN_PREFIX
+from .test_core import c_core
+from .test_differential_store import _spied, on_both_cores
+
+C = c_core()
+RING_FIELDS = (
+    "_tail",
+    "_limit",
+    "_end",
+    "_head",
+    "_mask",
+    "_at_mask",
+    "_lap",
+    "used_bytes",
+    "capacity",
+)
+MAP_FIELDS = ("mask", "n")
+BASES: list[tuple[str, Any, tuple[str, ...]]] = [
+    ("pure-ring", _core_py.RingState, RING_FIELDS),
+    ("pure-map", _core_py.MapState, MAP_FIELDS),
+]
+if C is not None:
+    BASES += [("c-ring", C.RingState, RING_FIELDS), ("c-map", C.MapState, MAP_FIELDS)]
+
+
+@pytest.mark.parametrize(("base", "fields"), [b[1:] for b in BASES], ids=[b[0] for b in BASES])
+def test_each_base_holds_its_ints_under_a_slotted_subclass(
+    base: type, fields: tuple[str, ...]
+) -> None:
+    sub = type("Sub", (base,), {"__slots__": ("extra",)})
+    a, b = sub(), sub()
+    values = [0, -1, 1, 255, 256, 1 << 40, (1 << 63) - 1, -(1 << 63)]
+    for name in fields:
+        for v in values:
+            setattr(a, name, v)
+            assert getattr(a, name) == v and type(getattr(a, name)) is int
+    for i, name in enumerate(fields):  # each field its own, each object its own
+        setattr(a, name, i)
+        setattr(b, name, -i)
+    assert [getattr(a, n) for n in fields] == list(range(len(fields)))
+    assert [getattr(b, n) for n in fields] == [-i for i in range(len(fields))]
+    a.extra = "x"  # the subclass's own slot beside the base's fields
+    assert a.extra == "x" and getattr(a, fields[-1]) == len(fields) - 1
+    with pytest.raises(AttributeError):
+        a.not_a_field = 1
+
+
+@pytest.mark.skipif(C is None, reason="the C core is not built here")
+@pytest.mark.parametrize("base", ["RingState", "MapState"])
+def test_the_c_base_refuses_what_an_int64_cannot_hold(base: str) -> None:
+    obj = getattr(C, base)()
+    name = "_tail" if base == "RingState" else "n"
+    setattr(obj, name, 7)
+    for bad, error in (
+        (1 << 63, OverflowError),
+        (-(1 << 63) - 1, OverflowError),
+        (1.5, TypeError),
+        ("7", TypeError),
+        (None, TypeError),
+    ):
+        with pytest.raises(error):
+            setattr(obj, name, bad)
+        assert getattr(obj, name) == 7  # left as it was
+    setattr(obj, name, np.int64(9))  # an integer type (``__index__``) is an int
+    assert getattr(obj, name) == 9
+    with pytest.raises(TypeError):
+        delattr(obj, name)
+
+
+def test_the_package_builds_on_the_core_in_use() -> None:
+    """``ShmRingBuffer`` and ``ShardedMap`` derive from the bases of the core in use."""
+    core = C if implementation() == "c" else _core_py
+    assert core is not None
+    assert issubclass(ShmRingBuffer, core.RingState)
+    assert issubclass(ShardedMap, core.MapState)
+    m: ShardedMap[str, int] = ShardedMap(4)
+    m["a"] = 1
+    m["b"] = 2
+    del m["a"]
+    assert (len(m), m.mask, m.n, m.to_dict()) == (1, 3, 1, {"b": 2})
+
+
+def _put_after_python_writes() -> tuple[Any, ...]:
+    """A store whose ring lap, index count and ring tail were set from Python, then one put:
+    the reference's position and every int the put changed, read back from Python."""
+    cfg = CacheConfig(256 * 1024, 200 * 1024, 1, name=f"{RUN_PREFIX}state-{uuid.uuid4().hex[:10]}")
+    with ShmObjectStore.create(cfg) as store:
+        ring = store.ring
+        first = store.put("a", {"x": np.arange(16, dtype=np.uint8)})
+        ring._lap = 3 * ring.capacity  # as a later lap (positions only grow: no reader is fooled)
+        store._index.n += 40  # a count the put goes on from
+        ref = store.put("b", {"x": np.arange(300, dtype=np.float32)})
+        state = tuple(getattr(ring, n) for n in RING_FIELDS)
+        counts = (store._index.n, store._rows.n, store._keys.n)
+        words = (int(store.words[L.H_ITEMS]), int(store.words[L.H_BYTES_USED]))
+        got = store.get(ref)
+        return (first.position, ref.position, ref.address, state, counts, words, got["x"].sum())
+
+
+def test_python_writes_reach_the_compiled_put_and_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _spied(monkeypatch, _store, "_put_plain", _store._put_plain)
+    with_c, pure = on_both_cores(monkeypatch, _put_after_python_writes)
+    assert with_c == pure
+    first, position, address, state, counts, words, _ = with_c
+    assert first == 0  # the first lap's first chunk
+    ring = dict(zip(RING_FIELDS, state))
+    assert position == 3 * ring["capacity"] + address  # the lap written from Python
+    assert ring["_tail"] > address and ring["_end"] == 2 and ring["used_bytes"] == ring["_tail"]
+    assert counts == (42, 2, 2) and words == (42, ring["used_bytes"])  # 40 + 2 puts
+    if implementation() == "c":
+        assert seen[:2] == [True, True]  # both puts were the compiled one's
