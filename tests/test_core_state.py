@@ -10,13 +10,22 @@ maps were changed from Python puts the same way on both cores.
 
 from __future__ import annotations
 
+import gc
 import uuid
 from typing import Any
 
 import numpy as np
 import pytest
 
-from aioshmcache import CacheConfig, ShmObjectStore, _core_py, _store, implementation
+from aioshmcache import (
+    CacheConfig,
+    ReceiverCache,
+    SenderCache,
+    ShmObjectStore,
+    _core_py,
+    _store,
+    implementation,
+)
 from aioshmcache import _layout as L
 from aioshmcache._ring import ShmRingBuffer
 from aioshmcache._sharded_map import ShardedMap
@@ -104,24 +113,25 @@ def test_the_package_builds_on_the_core_in_use() -> None:
 
 
 def _put_after_python_writes() -> tuple[Any, ...]:
-    """A store whose ring lap, index count and ring tail were set from Python, then one put:
+    """A store whose ring lap and row count were set from Python, then one put:
     the reference's position and every int the put changed, read back from Python."""
     cfg = CacheConfig(256 * 1024, 200 * 1024, 1, name=f"{RUN_PREFIX}state-{uuid.uuid4().hex[:10]}")
     with ShmObjectStore.create(cfg) as store:
         ring = store.ring
         first = store.put("a", {"x": np.arange(16, dtype=np.uint8)})
         ring._lap = 3 * ring.capacity  # as a later lap (positions only grow: no reader is fooled)
-        store._index.n += 40  # a count the put goes on from
+        store._rows.n += 40  # a count the put goes on from
         ref = store.put("b", {"x": np.arange(300, dtype=np.float32)})
         state = tuple(getattr(ring, n) for n in RING_FIELDS)
-        counts = (store._index.n, store._rows.n, store._keys.n)
+        counts = (len(store), store._rows.n)
         words = (int(store.words[L.H_ITEMS]), int(store.words[L.H_BYTES_USED]))
         got = store.get(ref)
         return (first.position, ref.position, ref.address, state, counts, words, got["x"].sum())
 
 
 def test_python_writes_reach_the_compiled_put_and_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = _spied(monkeypatch, _store, "_put_plain", _store._put_plain)
+    # the first run's puts through the compiled put (with AIOSHM_PURE=1: on the pure bases)
+    seen = _spied(monkeypatch, _store, "_put_plain", (C or _core_py).put_plain)
     with_c, pure = on_both_cores(monkeypatch, _put_after_python_writes)
     assert with_c == pure
     first, position, address, state, counts, words, _ = with_c
@@ -129,6 +139,31 @@ def test_python_writes_reach_the_compiled_put_and_back(monkeypatch: pytest.Monke
     ring = dict(zip(RING_FIELDS, state))
     assert position == 3 * ring["capacity"] + address  # the lap written from Python
     assert ring["_tail"] > address and ring["_end"] == 2 and ring["used_bytes"] == ring["_tail"]
-    assert counts == (42, 2, 2) and words == (42, ring["used_bytes"])  # 40 + 2 puts
-    if implementation() == "c":
+    assert counts == (2, 42) and words == (2, ring["used_bytes"])  # the rows: 40 + 2 puts
+    if C is not None:
         assert seen[:2] == [True, True]  # both puts were the compiled one's
+
+
+def test_a_put_owed_by_a_reader_leaves_no_entry_for_the_collector_to_walk() -> None:
+    """The compiled hand-out's ledger entry (``Debts``, its hand-outs and owers) is not
+    tracked by the garbage collector (it cannot be part of a cycle); the ledger's Python code
+    works on it as on any entry: a second hand-out, the reader's acknowledgements, retired."""
+    cfg = CacheConfig(256 * 1024, 64 * 1024, 1, name=f"{RUN_PREFIX}gc-{uuid.uuid4().hex[:10]}")
+    item = {"x": np.arange(64, dtype=np.float32)}
+    with SenderCache(cfg) as tx, ReceiverCache.attach(tx.handle()) as rx:
+        tx.get_and_update_item((item, ()), "first")  # the first sees the new session (Python)
+        ref, _ = tx.get_and_update_item((item, ()), "a")
+        ledger = tx.store._ledger
+        e = ledger.entries[ref.id]
+        owers = e.out[ref.seq]
+        assert owers is not None and len(owers) == 1 and e.debt == 1
+        if implementation() == "c":
+            assert not any(gc.is_tracked(o) for o in (e, e.out, e.out_time, owers))
+        again, _ = tx.get_and_update_item(None, "a")  # a hit: the ledger's own hand-out
+        assert again.id == ref.id and again.seq > ref.seq and e.debt == 2
+        gc.collect()  # a full collection with the entry untracked: nothing lost
+        assert ledger.entries[ref.id] is e and set(e.out) == {ref.seq, again.seq}
+        for r in (ref, again):
+            assert rx.get_and_update_item(r, "a")["x"].sum() == item["x"].sum()
+        tx.store._acks.drain()
+        assert ref.id not in ledger.entries and e.debt == 0  # settled and retired
