@@ -298,13 +298,28 @@ map_count_add(PyObject *map, int64_t delta, int64_t *out)
     return 0;
 }
 
-/* A writable buffer of exactly what the reference reads as words (1: not such a buffer). */
+/* A writable buffer of exactly what the reference reads as words (1: not such a buffer).
+ * With ``borrow``, a live memoryview's own buffer as it is (``view->obj`` NULL: nothing to
+ * release; the export and its release cost ~120 instructions, and a put takes seven): only
+ * for a caller that runs no Python code until its last use of the buffer, so nothing can
+ * release the view meanwhile. Else an export (a view cannot be released while exported). */
 static int
-get_words(PyObject *obj, PyObject *name, Py_buffer *view)
+get_words(PyObject *obj, PyObject *name, Py_buffer *view, int borrow)
 {
     PyObject *v = fast_getattr(obj, name);
     if (v == NULL)
         return -1;
+    if (borrow && Py_IS_TYPE(v, &PyMemoryView_Type) &&
+        !(((PyMemoryViewObject *)v)->flags & _Py_MEMORYVIEW_RELEASED)) {
+        Py_buffer *b = PyMemoryView_GET_BUFFER(v);
+        if (!b->readonly && b->itemsize == 8 && b->ndim == 1 && b->len % 8 == 0 &&
+            (b->strides == NULL || b->strides[0] == 8)) { /* one C-contiguous row of words */
+            *view = *b;
+            view->obj = NULL; /* borrowed: ``PyBuffer_Release`` does nothing */
+            Py_DECREF(v);     /* still held by ``obj`` (no Python code runs to change that) */
+            return 0;
+        }
+    }
     int rc = PyObject_GetBuffer(v, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT);
     Py_DECREF(v);
     if (rc < 0) {
@@ -1405,22 +1420,6 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
             DECLINE();
         CHECK(slice_bounds(PyTuple_GET_ITEM(gap, 0), nbytes, &a, &b));
     }
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sources); i++) {
-        PyObject *slot = PyTuple_GET_ITEM(slots, i);
-        Py_ssize_t a, b;
-        if (!PyTuple_CheckExact(slot) || PyTuple_GET_SIZE(slot) != 3)
-            DECLINE();
-        CHECK(slice_bounds(PyTuple_GET_ITEM(slot, 0), nbytes, &a, &b));
-        Py_buffer *v = &held.src[held.nsrc];
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(sources, i), v, PyBUF_FULL_RO) < 0) {
-            PyErr_Clear(); /* e.g. a datetime array: the reference copies it by numpy */
-            DECLINE();
-        }
-        held.nsrc++;
-        if (!PyBuffer_IsContiguous(v, 'C') || v->len != b - a)
-            DECLINE(); /* the reference copies it, or raises SerdeError (size changed) */
-    }
-
     NEED(ring = fast_getattr(store, s_ring));
     NEED(seg = fast_getattr(ring, s_seg));
     {
@@ -1449,18 +1448,48 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
     }
     if (tail < 0 || tail % 64 != 0 || size > cap || mask < 0 || headk > end)
         DECLINE(); /* a chunk that can never fit: the reference raises */
-    CHECK(get_words(ring, s_w, &held.ring));
+    /* The usual put: the chunk fits after the tail, so no eviction pass runs (the one place
+     * that calls Python code before the copy: the drain, ``on_evict``); from here to the copy
+     * and the publish only C runs, and the buffers are read as they are (``borrow``: the
+     * ring's and the header's views, small source arrays) instead of exported. */
+    const int borrow = IS_RING_STATE(ring) && tail + size <= limit;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sources); i++) {
+        PyObject *slot = PyTuple_GET_ITEM(slots, i), *src = PyTuple_GET_ITEM(sources, i);
+        Py_ssize_t a, b;
+        if (!PyTuple_CheckExact(slot) || PyTuple_GET_SIZE(slot) != 3)
+            DECLINE();
+        CHECK(slice_bounds(PyTuple_GET_ITEM(slot, 0), nbytes, &a, &b));
+        Py_buffer *v = &held.src[held.nsrc];
+        const char *data;
+        Py_ssize_t len;
+        if (borrow && b - a < 64 * 1024 && aioshm_array_bytes(src, &data, &len)) {
+            /* copied under the GIL with nothing run before: its fields, no export */
+            v->buf = (void *)data, v->len = len, v->obj = NULL;
+            held.nsrc++;
+            if (len != b - a)
+                DECLINE(); /* the reference raises SerdeError (size changed) */
+            continue;
+        }
+        if (PyObject_GetBuffer(src, v, PyBUF_FULL_RO) < 0) {
+            PyErr_Clear(); /* e.g. a datetime array: the reference copies it by numpy */
+            DECLINE();
+        }
+        held.nsrc++;
+        if (!PyBuffer_IsContiguous(v, 'C') || v->len != b - a)
+            DECLINE(); /* the reference copies it, or raises SerdeError (size changed) */
+    }
+    CHECK(get_words(ring, s_w, &held.ring, borrow));
     held.has_ring = 1;
     if (held.ring.len < cap)
         DECLINE();
-    CHECK(get_words(store, s_hw, &held.hw));
+    CHECK(get_words(store, s_hw, &held.hw, borrow));
     held.has_hw = 1;
     if (held.hw.len < AIOSHM_HEADER_SIZE)
         DECLINE();
     PyObject *cols[5] = {s_addr, s_size, s_id, s_cpos, s_state};
     int64_t j = end & mask;
     for (int c = 0; c < 5; c++) {
-        CHECK(get_words(ring, cols[c], &held.col[held.ncol]));
+        CHECK(get_words(ring, cols[c], &held.col[held.ncol], borrow));
         held.ncol++;
         if (held.col[c].len / 8 != mask + 1)
             DECLINE();
@@ -1607,7 +1636,7 @@ core_publish_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int64_t j = k & mask;
     PyObject *cols[5] = {s_addr, s_size, s_id, s_cpos, s_state};
     for (int c = 0; c < 5; c++) {
-        CHECK(get_words(ring, cols[c], &held.col[held.ncol]));
+        CHECK(get_words(ring, cols[c], &held.col[held.ncol], 0));
         held.ncol++;
         if (held.col[c].len / 8 <= j)
             DECLINE();
@@ -1616,11 +1645,11 @@ core_publish_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         ((int64_t *)held.col[2].buf)[j] != (int64_t)cid ||
         ((int64_t *)held.col[0].buf)[j] != address)
         DECLINE(); /* not this chunk being written: the reference raises */
-    CHECK(get_words(ring, s_w, &held.ring));
+    CHECK(get_words(ring, s_w, &held.ring, 0));
     held.has_ring = 1;
     if (address + CHUNK_HEADER > held.ring.len)
         DECLINE();
-    CHECK(get_words(store, s_hw, &held.hw));
+    CHECK(get_words(store, s_hw, &held.hw, 0));
     held.has_hw = 1;
     if (held.hw.len < AIOSHM_HEADER_SIZE)
         DECLINE();
@@ -1676,7 +1705,7 @@ core_make_ref(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         DECLINE();
     uint64_t f[5]; /* address, length, position, base, epoch of the base */
     memcpy(f, PyBytes_AS_STRING(packed), sizeof f);
-    CHECK(get_words(store, s_hw, &held.hw));
+    CHECK(get_words(store, s_hw, &held.hw, 0));
     held.has_hw = 1;
     if (held.hw.len < AIOSHM_HEADER_SIZE)
         DECLINE();

@@ -21,6 +21,7 @@ from aioshmcache import (
     CacheConfig,
     ReceiverCache,
     SenderCache,
+    SerdeError,
     ShmObjectStore,
     _core_py,
     _store,
@@ -167,3 +168,59 @@ def test_a_put_owed_by_a_reader_leaves_no_entry_for_the_collector_to_walk() -> N
             assert rx.get_and_update_item(r, "a")["x"].sum() == item["x"].sum()
         tx.store._acks.drain()
         assert ref.id not in ledger.entries and e.debt == 0  # settled and retired
+
+
+def _spy_put_plain(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Puts through the compiled ``put_plain`` (the pure one without the C core): whether each
+    was taken (not declined)."""
+    return _spied(monkeypatch, _store, "_put_plain", (C or _core_py).put_plain)
+
+
+def _store_config(tag: str, capacity: int = 256 * 1024) -> CacheConfig:
+    return CacheConfig(capacity, 200 * 1024, 1, name=f"{RUN_PREFIX}{tag}-{uuid.uuid4().hex[:10]}")
+
+
+def _put_resized(size: int) -> tuple[object, ...]:
+    """Two plans whose source array is resized before ``put_now``, then a plain put: the
+    errors, the chunks and items after each, the plain item read back."""
+    out: list[object] = []
+    with ShmObjectStore.create(_store_config("resized")) as store:
+        for new_size in (size - 8, size + 8):
+            arr = np.ones(size)
+            plan = store.plan({"a": arr, "b": np.arange(3)})
+            arr.resize(new_size, refcheck=False)
+            with pytest.raises(SerdeError) as err:
+                store.put_now(f"k{new_size}", plan)
+            out += [str(err.value), len(store), store.ring.n_chunks]
+        ref = store.put("ok", {"a": np.ones(size)})
+        out += [len(store), float(store.get(ref)["a"].sum())]
+    return tuple(out)
+
+
+@pytest.mark.parametrize("size", [16, 1000, 7000])  # float64s: below the 64 KiB of a borrowed read
+def test_a_source_resized_after_its_plan_is_declined_and_refused_alike(
+    monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """The compiled put reads a small source array's fields instead of exporting its buffer: an
+    array resized between ``plan`` and ``put_now`` (which the docs forbid) is still seen, the
+    put declined before any change, and the reference refuses it (``SerdeError``) as it does
+    on the pure core."""
+    seen = _spy_put_plain(monkeypatch)
+    with_c, pure = on_both_cores(monkeypatch, lambda: _put_resized(size))
+    assert with_c == pure and with_c[-2:] == (1, float(size))
+    if C is not None:
+        assert seen == [False, False, True]
+
+
+def test_the_compiled_put_follows_the_columns_as_they_grow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiny items fill more chunks than the FIFO columns were sized for: the columns grow
+    (new views, by the reference's allocation; the compiled put then reads the live ones) and
+    every item reads back."""
+    seen = _spy_put_plain(monkeypatch)
+    with ShmObjectStore.create(_store_config("grow", 1 << 20)) as store:
+        slots = store.ring.presize(store.ring.capacity)
+        refs = [store.put(f"k{i}", {"i": np.full(2, i)}) for i in range(3 * slots)]
+        assert store.ring.n_chunks == 3 * slots > slots
+        assert [int(store.get(r)["i"][0]) for r in refs] == list(range(3 * slots))
+    if C is not None:  # each growth declined (the reference grows the columns), the rest taken
+        assert len(seen) == 3 * slots and seen.count(False) == 2
