@@ -646,13 +646,27 @@ core_configure_hand_out(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* A strided buffer of native 8-byte words (1: not such a buffer). */
+/* A strided buffer of native 8-byte words (1: not such a buffer); ``borrow`` as for
+ * ``get_words`` (a live memoryview's own buffer, for a caller that runs no Python code until
+ * its last use of it). */
 static int
-get_strided(PyObject *obj, PyObject *name, Py_buffer *view, int writable)
+get_strided(PyObject *obj, PyObject *name, Py_buffer *view, int writable, int borrow)
 {
     PyObject *v = fast_getattr(obj, name);
     if (v == NULL)
         return -1;
+    if (borrow && Py_IS_TYPE(v, &PyMemoryView_Type) &&
+        !(((PyMemoryViewObject *)v)->flags & _Py_MEMORYVIEW_RELEASED)) {
+        Py_buffer *b = PyMemoryView_GET_BUFFER(v);
+        if ((!writable || !b->readonly) && b->ndim == 1 && b->itemsize == 8 &&
+            b->format != NULL && strcmp(b->format, "Q") == 0 && b->strides != NULL &&
+            b->strides[0] % 8 == 0) {
+            *view = *b;
+            view->obj = NULL; /* borrowed: ``PyBuffer_Release`` does nothing */
+            Py_DECREF(v);
+            return 0;
+        }
+    }
     int rc = PyObject_GetBuffer(v, view, PyBUF_STRIDES | PyBUF_FORMAT |
                                              (writable ? PyBUF_WRITABLE : 0));
     Py_DECREF(v);
@@ -703,7 +717,7 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
     CHECK(slot_get(acks, o_a_known, &known));
     if (!PyList_CheckExact(known))
         DECLINE();
-    CHECK(get_strided(readers, s_sessions_v, &sess, 0));
+    CHECK(get_strided(readers, s_sessions_v, &sess, 0, 1)); /* read at once, only C between */
     has_sess = 1;
     Py_ssize_t n_slots = sess.shape[0];
     if (PyList_GET_SIZE(known) != n_slots)
@@ -728,10 +742,6 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         PyList_GET_SIZE(live) != PyList_GET_SIZE(live_slots))
         DECLINE();
     Py_ssize_t n_live = PyList_GET_SIZE(live);
-    if (n_live) {
-        CHECK(get_strided(readers, s_owed_words, &words, 1));
-        has_words = 1;
-    }
     if (n_live > MAX_LIVE)
         DECLINE();
     int64_t owes[MAX_LIVE];         /* each live session's count before this hand-out */
@@ -746,7 +756,7 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
             PyErr_Clear();
             DECLINE();
         }
-        if (slot < 0 || slot >= words.shape[0])
+        if (slot < 0 || slot >= n_slots)
             DECLINE();
         PyObject *o = PyDict_GetItemWithError(owed, s); /* borrowed */
         if (o == NULL && PyErr_Occurred())
@@ -769,6 +779,11 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
     if (n_live) { /* the entry, built before any change (its clock read first) */
         CHECK(slot_get(ledger, o_l_clock, &clock));
         NEED(now = PyObject_CallNoArgs(clock));
+        /* the slots' debt words, after the clock (Python code): borrowed, only C from here */
+        CHECK(get_strided(readers, s_owed_words, &words, 1, 1));
+        has_words = 1;
+        if (words.shape[0] != n_slots)
+            DECLINE();
         NEED(e = ((PyTypeObject *)debts_type)->tp_new((PyTypeObject *)debts_type, empty_tuple,
                                                       NULL));
         NEED(owers = PyList_GetSlice(live, 0, n_live));
