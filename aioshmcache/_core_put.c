@@ -708,9 +708,8 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
     if (!PyDict_CheckExact(entries) || !PyDict_CheckExact(owed))
         DECLINE();
     CHECK(PyDict_Contains(entries, cid_obj)); /* tracked: the reference's ``hand_out(e)`` */
-    CHECK(slot_get(ledger, o_l_next_seq, &v));
-    CHECK(as_i64(v, &seq));
-    Py_CLEAR(v);
+    CHECK(slot_get(ledger, o_l_next_seq, &next)); /* the seq this hand-out gets: that int */
+    CHECK(as_i64(next, &seq));
     if (seq < 0 || seq == INT64_MAX)
         DECLINE();
     CHECK(slot_get(acks, o_a_readers, &readers));
@@ -775,7 +774,6 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         DECLINE();
     NEED(seq1 = PyLong_FromLongLong(seq + 1));
     NEED(und1 = PyLong_FromLongLong(und + 1));
-    NEED(next = PyLong_FromLongLong(seq));
     if (n_live) { /* the entry, built before any change (its clock read first) */
         CHECK(slot_get(ledger, o_l_clock, &clock));
         NEED(now = PyObject_CallNoArgs(clock));
