@@ -395,6 +395,7 @@ slice_bounds(PyObject *sl, Py_ssize_t limit, Py_ssize_t *start, Py_ssize_t *stop
 }
 
 #define MAX_SOURCES 64 /* the serde's flat items (``_FLAT_MAX``); more: the reference path */
+#define NOGIL_COPY (64 * 1024) /* a source's copy from this size lets go of the GIL */
 
 typedef struct {
     Py_buffer col[5]; /* the ring's columns: address, size, id, position, state */
@@ -1461,11 +1462,14 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
     }
     if (tail < 0 || tail % 64 != 0 || size > cap || mask < 0 || headk > end)
         DECLINE(); /* a chunk that can never fit: the reference raises */
-    /* The usual put: the chunk fits after the tail, so no eviction pass runs (the one place
-     * that calls Python code before the copy: the drain, ``on_evict``); from here to the copy
-     * and the publish only C runs, and the buffers are read as they are (``borrow``: the
-     * ring's and the header's views, small source arrays) instead of exported. */
-    const int borrow = IS_RING_STATE(ring) && tail + size <= limit;
+    /* The usual small put: the chunk fits after the tail, so no eviction pass runs (the one
+     * place that calls Python code before the copy: the drain, ``on_evict``), and every copy
+     * is below ``NOGIL_COPY`` (the GIL held: no other thread runs either). From here to the
+     * copy and the publish only this C code runs, and the buffers are read as they are
+     * (``borrow``: the ring's and the header's views, the source arrays) instead of
+     * exported. A bigger put, or one that needs room, takes exports: then a view cannot be
+     * released (the ring closed) while its bytes are being written. */
+    const int borrow = IS_RING_STATE(ring) && tail + size <= limit && nbytes < NOGIL_COPY;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sources); i++) {
         PyObject *slot = PyTuple_GET_ITEM(slots, i), *src = PyTuple_GET_ITEM(sources, i);
         Py_ssize_t a, b;
@@ -1475,7 +1479,7 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
         Py_buffer *v = &held.src[held.nsrc];
         const char *data;
         Py_ssize_t len;
-        if (borrow && b - a < 64 * 1024 && aioshm_array_bytes(src, &data, &len)) {
+        if (borrow && aioshm_array_bytes(src, &data, &len)) {
             /* copied under the GIL with nothing run before: its fields, no export */
             v->buf = (void *)data, v->len = len, v->obj = NULL;
             held.nsrc++;
@@ -1571,7 +1575,7 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
     for (int i = 0; i < held.nsrc; i++) {
         Py_ssize_t a, b;
         slice_bounds(PyTuple_GET_ITEM(PyTuple_GET_ITEM(slots, i), 0), nbytes, &a, &b);
-        if (b - a >= 64 * 1024) {
+        if (b - a >= NOGIL_COPY) {
             Py_BEGIN_ALLOW_THREADS
             aioshm_copy_bytes(payload + a, held.src[i].buf, (size_t)(b - a));
             Py_END_ALLOW_THREADS
