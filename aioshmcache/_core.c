@@ -364,6 +364,8 @@ core_exec(PyObject *m)
         Py_XDECREF(layout);
         return -1;
     }
+    if (aioshm_state_init(m) < 0)
+        return -1;
     if (PyModule_AddFunctions(m, aioshm_put_methods) < 0)
         return -1;
     if (PyModule_AddFunctions(m, aioshm_plan_methods) < 0)

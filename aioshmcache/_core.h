@@ -80,8 +80,27 @@ extern PyMethodDef aioshm_put_methods[];
  * with ``store.serde`` (a ``MsgpackSerde``), or None (declined: the reference plans it). */
 extern PyMethodDef aioshm_plan_methods[];
 PyObject *aioshm_plan_store(PyObject *store, PyObject *serde, PyObject *value);
+/* The bytes of ``obj`` read from its fields, without a buffer export (``_core_plan.c``): 1 if
+ * it is an exact numpy array, C-contiguous, of a dtype the plan has met (its item size known),
+ * with its data pointer and size; else 0 (take its buffer). The pointer is good while nothing
+ * can run Python code that resizes the array: a caller uses it at once, holding the GIL. */
+int aioshm_array_bytes(PyObject *obj, const char **data, Py_ssize_t *nbytes);
 /* The offset of ``t``'s object slot ``name`` (a member descriptor), or -1: not such a slot. */
 Py_ssize_t aioshm_member_offset(PyTypeObject *t, const char *name);
+
+/* The writer's counters as C integers (``_core_state.c``; reference: ``_core_py.RingState`` /
+ * ``MapState``): the bases of ``ShmRingBuffer`` and ``ShardedMap``, whose fields the put reads
+ * and writes here instead of Python ints in slots. */
+typedef struct {
+    PyObject_HEAD
+    int64_t tail, limit, end, head, mask, at_mask, lap, used, capacity;
+} AioshmRingState;
+typedef struct {
+    PyObject_HEAD
+    int64_t mask, n;
+} AioshmMapState;
+extern PyTypeObject AioshmRingState_Type, AioshmMapState_Type;
+int aioshm_state_init(PyObject *module);
 
 /* The layout constants as a dict (for the test that compares them with ``_layout``). */
 PyObject *aioshm_layout_dict(void);

@@ -1,6 +1,8 @@
 # Types of the compiled core (aioshmcache/_core*.c); its reference is aioshmcache/_core_py.py.
 from typing import Any, Final
 
+from ._core_py import MapState as MapState  # the writer's counters as C integers (_core_state.c)
+from ._core_py import RingState as RingState
 from ._core_read_py import ReadCtx as ReadCtx
 
 LAYOUT: Final[dict[str, int]]

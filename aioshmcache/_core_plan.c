@@ -36,7 +36,9 @@ typedef struct {
     Py_ssize_t *strides;
     PyObject *base;
     PyObject *descr;
+    int flags;
 } NpArray;
+#define NP_C_CONTIGUOUS 0x0001 /* ``NPY_ARRAY_C_CONTIGUOUS`` */
 
 #define INLINE_BYTES_MAX 1023
 #define BYTES_COPY (4 << 10)  /* ``encode._BYTES_COPY``: a slot's ``tiny`` */
@@ -218,6 +220,28 @@ dtype_enc(PyObject *descr, Py_ssize_t *itemsize)
     }
     *itemsize = n;
     return enc;
+}
+
+/* ``aioshm_array_bytes`` (``_core.h``): an exact, C-contiguous array of a dtype met here. */
+int
+aioshm_array_bytes(PyObject *obj, const char **data, Py_ssize_t *nbytes)
+{
+    if (!plan_on || Py_TYPE(obj) != ndarray_t)
+        return 0;
+    NpArray *a = (NpArray *)obj;
+    if (!(a->flags & NP_C_CONTIGUOUS) || a->nd < 0 || a->nd > MAX_NDIM)
+        return 0;
+    Py_ssize_t n = -1;
+    for (int i = 0; i < descr_n; i++)
+        if (descr_cache[i].descr == a->descr)
+            n = descr_cache[i].itemsize;
+    for (int i = 0; i < a->nd && n >= 0; i++)
+        if (a->dimensions[i] < 0 || __builtin_mul_overflow(n, a->dimensions[i], &n))
+            n = -1;
+    if (n < 0)
+        return 0;
+    *data = a->data, *nbytes = n;
+    return 1;
 }
 
 static int
@@ -671,7 +695,12 @@ array_layout_ok(PyObject *numpy)
     /* no pointer read is followed unless the fields before it matched */
     ok = (void *)a->data == ptr && a->nd == 2 && a->descr == dt && a->base == NULL &&
          a->dimensions[0] == 3 && a->dimensions[1] == 5 && a->strides[0] == 20 &&
-         a->strides[1] == 4;
+         a->strides[1] == 4 && (a->flags & NP_C_CONTIGUOUS);
+    if (ok) { /* the flags word too: its transpose is not C-contiguous */
+        PyObject *t = PyObject_GetAttrString(arr, "T");
+        ok = t != NULL && Py_TYPE(t) == ndarray_t && !(((NpArray *)t)->flags & NP_C_CONTIGUOUS);
+        Py_XDECREF(t);
+    }
 done:
     PyErr_Clear();
     Py_XDECREF(arr), Py_XDECREF(dt), Py_XDECREF(iface);

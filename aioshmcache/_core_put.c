@@ -201,6 +201,25 @@ as_i64(PyObject *v, int64_t *out)
     return 0;
 }
 
+/* ``PyLong_AsUnsignedLongLong(v)`` (the same result and errors), an exact int of at most
+ * three digits read directly on CPython 3.11: that call converts through a byte array
+ * (~100 instructions), and a put converts a few 64-bit words (secret, sessions, seq). */
+static inline uint64_t
+u64_of(PyObject *v)
+{
+#if PY_VERSION_HEX < 0x030C0000 && PyLong_SHIFT == 30
+    if (PyLong_CheckExact(v)) {
+        Py_ssize_t size = Py_SIZE(v);
+        const digit *d = ((PyLongObject *)v)->ob_digit;
+        if (size >= 0 && size <= 2)
+            return size == 0 ? 0 : size == 1 ? d[0] : (uint64_t)d[0] | (uint64_t)d[1] << 30;
+        if (size == 3 && d[2] < 16) /* 60 + 4 bits */
+            return (uint64_t)d[0] | (uint64_t)d[1] << 30 | (uint64_t)d[2] << 60;
+    }
+#endif
+    return PyLong_AsUnsignedLongLong(v);
+}
+
 /* An int attribute as int64 (1: not an int in range; -1: error). */
 static int
 get_i64(PyObject *obj, PyObject *name, int64_t *out)
@@ -224,13 +243,83 @@ set_i64(PyObject *obj, PyObject *name, int64_t value)
     return rc;
 }
 
-/* A writable buffer of exactly what the reference reads as words (1: not such a buffer). */
+/* --- the writer's counters (``_core_state.c``) ------------------------------------------------
+ * A ring or a sharded map whose base is the core's ``RingState`` / ``MapState`` (always, when
+ * this core is the one in use) has its ints read and written in its struct; any other object
+ * (e.g. one built on the pure core's bases) through its attributes, as before. */
+#define IS_RING_STATE(o) PyObject_TypeCheck((o), &AioshmRingState_Type)
+#define IS_MAP_STATE(o) PyObject_TypeCheck((o), &AioshmMapState_Type)
+
+/* A ring's int field: its struct's (``off``: its offset there), else the attribute ``name``. */
 static int
-get_words(PyObject *obj, PyObject *name, Py_buffer *view)
+ring_get(PyObject *ring, PyObject *name, size_t off, int64_t *out)
+{
+    if (IS_RING_STATE(ring)) {
+        *out = *(int64_t *)((char *)ring + off);
+        return 0;
+    }
+    return get_i64(ring, name, out);
+}
+
+static int
+ring_set(PyObject *ring, PyObject *name, size_t off, int64_t value)
+{
+    if (IS_RING_STATE(ring)) {
+        *(int64_t *)((char *)ring + off) = value;
+        return 0;
+    }
+    return set_i64(ring, name, value);
+}
+
+#define RING_GET(ring, field, out) ring_get((ring), s_##field, offsetof(AioshmRingState, field), (out))
+#define RING_SET(ring, field, v) ring_set((ring), s_##field, offsetof(AioshmRingState, field), (v))
+
+/* ``m.n += delta`` of a sharded map; the new count in ``out`` (if not NULL). 0, or -1. */
+static int
+map_count_add(PyObject *map, int64_t delta, int64_t *out)
+{
+    int64_t n;
+    if (IS_MAP_STATE(map)) {
+        n = ((AioshmMapState *)map)->n += delta;
+    }
+    else {
+        int rc = get_i64(map, s_n, &n);
+        if (rc != 0) {
+            if (rc == 1)
+                PyErr_SetString(PyExc_RuntimeError, "internal error: a map's count is not an int");
+            return -1;
+        }
+        n += delta;
+        if (set_i64(map, s_n, n) < 0)
+            return -1;
+    }
+    if (out != NULL)
+        *out = n;
+    return 0;
+}
+
+/* A writable buffer of exactly what the reference reads as words (1: not such a buffer).
+ * With ``borrow``, a live memoryview's own buffer as it is (``view->obj`` NULL: nothing to
+ * release; the export and its release cost ~120 instructions, and a put takes seven): only
+ * for a caller that runs no Python code until its last use of the buffer, so nothing can
+ * release the view meanwhile. Else an export (a view cannot be released while exported). */
+static int
+get_words(PyObject *obj, PyObject *name, Py_buffer *view, int borrow)
 {
     PyObject *v = fast_getattr(obj, name);
     if (v == NULL)
         return -1;
+    if (borrow && Py_IS_TYPE(v, &PyMemoryView_Type) &&
+        !(((PyMemoryViewObject *)v)->flags & _Py_MEMORYVIEW_RELEASED)) {
+        Py_buffer *b = PyMemoryView_GET_BUFFER(v);
+        if (!b->readonly && b->itemsize == 8 && b->ndim == 1 && b->len % 8 == 0 &&
+            (b->strides == NULL || b->strides[0] == 8)) { /* one C-contiguous row of words */
+            *view = *b;
+            view->obj = NULL; /* borrowed: ``PyBuffer_Release`` does nothing */
+            Py_DECREF(v);     /* still held by ``obj`` (no Python code runs to change that) */
+            return 0;
+        }
+    }
     int rc = PyObject_GetBuffer(v, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT);
     Py_DECREF(v);
     if (rc < 0) {
@@ -255,7 +344,11 @@ shard_of(PyObject *map, PyObject *key)
     if (shards == NULL)
         return NULL;
     int64_t mask;
-    int rc = get_i64(map, s_map_mask, &mask);
+    int rc = 0;
+    if (IS_MAP_STATE(map))
+        mask = ((AioshmMapState *)map)->mask;
+    else
+        rc = get_i64(map, s_map_mask, &mask);
     if (rc != 0 || !PyList_CheckExact(shards) || PyList_GET_SIZE(shards) != mask + 1) {
         Py_DECREF(shards);
         if (rc == 0 || rc == 1)
@@ -273,20 +366,6 @@ shard_of(PyObject *map, PyObject *key)
     return d;
 }
 
-static int
-bump_n(PyObject *map, int64_t *out)
-{
-    int64_t n;
-    int rc = get_i64(map, s_n, &n);
-    if (rc != 0) {
-        if (rc == 1)
-            PyErr_SetString(PyExc_RuntimeError, "internal error: a map's count is not an int");
-        return -1;
-    }
-    if (out != NULL)
-        *out = n + 1;
-    return set_i64(map, s_n, n + 1);
-}
 
 /* A slice of ints ``[start, stop)`` within ``[0, limit]`` (0), else 1. */
 static int
@@ -316,6 +395,7 @@ slice_bounds(PyObject *sl, Py_ssize_t limit, Py_ssize_t *start, Py_ssize_t *stop
 }
 
 #define MAX_SOURCES 64 /* the serde's flat items (``_FLAT_MAX``); more: the reference path */
+#define NOGIL_COPY (64 * 1024) /* a source's copy from this size lets go of the GIL */
 
 typedef struct {
     Py_buffer col[5]; /* the ring's columns: address, size, id, position, state */
@@ -441,7 +521,7 @@ pub_prepare(PyObject *store, PyObject *key, Pub *p, PyObject *index, PyObject *i
     if (secret == NULL)
         return -1;
     int ok = PyLong_CheckExact(secret) && PyLong_CheckExact(p->nonce);
-    p->secret = ok ? PyLong_AsUnsignedLongLong(secret) : 0;
+    p->secret = ok ? u64_of(secret) : 0;
     Py_DECREF(secret);
     if (ok && p->secret == (uint64_t)-1 && PyErr_Occurred()) {
         PyErr_Clear();
@@ -567,13 +647,27 @@ core_configure_hand_out(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* A strided buffer of native 8-byte words (1: not such a buffer). */
+/* A strided buffer of native 8-byte words (1: not such a buffer); ``borrow`` as for
+ * ``get_words`` (a live memoryview's own buffer, for a caller that runs no Python code until
+ * its last use of it). */
 static int
-get_strided(PyObject *obj, PyObject *name, Py_buffer *view, int writable)
+get_strided(PyObject *obj, PyObject *name, Py_buffer *view, int writable, int borrow)
 {
     PyObject *v = fast_getattr(obj, name);
     if (v == NULL)
         return -1;
+    if (borrow && Py_IS_TYPE(v, &PyMemoryView_Type) &&
+        !(((PyMemoryViewObject *)v)->flags & _Py_MEMORYVIEW_RELEASED)) {
+        Py_buffer *b = PyMemoryView_GET_BUFFER(v);
+        if ((!writable || !b->readonly) && b->ndim == 1 && b->itemsize == 8 &&
+            b->format != NULL && strcmp(b->format, "Q") == 0 && b->strides != NULL &&
+            b->strides[0] % 8 == 0) {
+            *view = *b;
+            view->obj = NULL; /* borrowed: ``PyBuffer_Release`` does nothing */
+            Py_DECREF(v);
+            return 0;
+        }
+    }
     int rc = PyObject_GetBuffer(v, view, PyBUF_STRIDES | PyBUF_FORMAT |
                                              (writable ? PyBUF_WRITABLE : 0));
     Py_DECREF(v);
@@ -589,7 +683,9 @@ get_strided(PyObject *obj, PyObject *name, Py_buffer *view, int writable)
     return 0;
 }
 
-/* An exact int as int64 (1: not one in range). */
+/* The most live sessions a compiled hand-out takes (a segment has at most 256 reader slots). */
+#define MAX_LIVE 256
+
 /* The hand-out itself: a new reference to its seq, Py_None (declined) or NULL. */
 static PyObject *
 hand_out_acks(PyObject *acks, PyObject *cid_obj)
@@ -613,16 +709,15 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
     if (!PyDict_CheckExact(entries) || !PyDict_CheckExact(owed))
         DECLINE();
     CHECK(PyDict_Contains(entries, cid_obj)); /* tracked: the reference's ``hand_out(e)`` */
-    CHECK(slot_get(ledger, o_l_next_seq, &v));
-    CHECK(as_i64(v, &seq));
-    Py_CLEAR(v);
+    CHECK(slot_get(ledger, o_l_next_seq, &next)); /* the seq this hand-out gets: that int */
+    CHECK(as_i64(next, &seq));
     if (seq < 0 || seq == INT64_MAX)
         DECLINE();
     CHECK(slot_get(acks, o_a_readers, &readers));
     CHECK(slot_get(acks, o_a_known, &known));
     if (!PyList_CheckExact(known))
         DECLINE();
-    CHECK(get_strided(readers, s_sessions_v, &sess, 0));
+    CHECK(get_strided(readers, s_sessions_v, &sess, 0, 1)); /* read at once, only C between */
     has_sess = 1;
     Py_ssize_t n_slots = sess.shape[0];
     if (PyList_GET_SIZE(known) != n_slots)
@@ -633,7 +728,7 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
                                      __ATOMIC_ACQUIRE);
         if (!PyLong_CheckExact(k))
             DECLINE();
-        uint64_t kv = PyLong_AsUnsignedLongLong(k);
+        uint64_t kv = u64_of(k);
         if (kv == (uint64_t)-1 && PyErr_Occurred()) {
             PyErr_Clear();
             DECLINE();
@@ -647,10 +742,10 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         PyList_GET_SIZE(live) != PyList_GET_SIZE(live_slots))
         DECLINE();
     Py_ssize_t n_live = PyList_GET_SIZE(live);
-    if (n_live) {
-        CHECK(get_strided(readers, s_owed_words, &words, 1));
-        has_words = 1;
-    }
+    if (n_live > MAX_LIVE)
+        DECLINE();
+    int64_t owes[MAX_LIVE];         /* each live session's count before this hand-out */
+    Py_ssize_t owes_slot[MAX_LIVE]; /* and its slot */
     for (Py_ssize_t i = 0; i < n_live; i++) {
         PyObject *s = PyList_GET_ITEM(live, i), *pair = PyList_GET_ITEM(live_slots, i);
         if (!PyLong_CheckExact(s) || !PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 ||
@@ -661,12 +756,15 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
             PyErr_Clear();
             DECLINE();
         }
-        if (slot < 0 || slot >= words.shape[0])
+        if (slot < 0 || slot >= n_slots)
             DECLINE();
         PyObject *o = PyDict_GetItemWithError(owed, s); /* borrowed */
         if (o == NULL && PyErr_Occurred())
             goto done;
-        if (o != NULL && !PyLong_CheckExact(o))
+        owes[i] = 0, owes_slot[i] = slot;
+        if (o != NULL)
+            CHECK(as_i64(o, &owes[i]));
+        if (owes[i] < 0 || owes[i] == INT64_MAX)
             DECLINE();
     }
     CHECK(slot_get(acks, o_a_undrained, &v));
@@ -677,10 +775,14 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         DECLINE();
     NEED(seq1 = PyLong_FromLongLong(seq + 1));
     NEED(und1 = PyLong_FromLongLong(und + 1));
-    NEED(next = PyLong_FromLongLong(seq));
     if (n_live) { /* the entry, built before any change (its clock read first) */
         CHECK(slot_get(ledger, o_l_clock, &clock));
         NEED(now = PyObject_CallNoArgs(clock));
+        /* the slots' debt words, after the clock (Python code): borrowed, only C from here */
+        CHECK(get_strided(readers, s_owed_words, &words, 1, 1));
+        has_words = 1;
+        if (words.shape[0] != n_slots)
+            DECLINE();
         NEED(e = ((PyTypeObject *)debts_type)->tp_new((PyTypeObject *)debts_type, empty_tuple,
                                                       NULL));
         NEED(owers = PyList_GetSlice(live, 0, n_live));
@@ -695,41 +797,33 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         slot_set(e, o_d_debt, debt);
         slot_set(e, o_d_pins, py_zero);
         slot_set(e, o_d_touched, Py_None);
+        /* The entry holds ints, a float, None and these containers of ints and floats: it can
+         * never be part of a reference cycle, so the collector need not walk it (as CPython
+         * untracks such dicts and tuples itself). A put made four tracked objects, and each
+         * young collection walked every one of them: ~1.5k instructions a put with a reader
+         * attached. (The ledger's Python code tracks ``out`` again when it stores a list in
+         * it; nothing it stores in the entry or the list could make a cycle either.) */
+        PyObject_GC_UnTrack(owers);
+        PyObject_GC_UnTrack(out);
+        if (PyType_IS_GC(Py_TYPE(e)))
+            PyObject_GC_UnTrack(e);
     }
     /* --- side effects, in the reference's order --- */
     slot_set(ledger, o_l_next_seq, seq1);
     if (n_live) {
         if (PyDict_SetItem(entries, cid_obj, e) < 0)
             goto done;
+        /* each live session owes one more (the live sessions are distinct), and its slot's
+         * word publishes the count, for inspect */
         for (Py_ssize_t i = 0; i < n_live; i++) {
-            PyObject *s = PyList_GET_ITEM(live, i);
-            PyObject *o = PyDict_GetItemWithError(owed, s);
-            if (o == NULL && PyErr_Occurred())
-                goto done;
-            long long c = o == NULL ? 0 : PyLong_AsLongLong(o);
-            if (c == -1 && PyErr_Occurred())
-                goto done;
-            PyObject *c1 = PyLong_FromLongLong(c + 1);
-            if (c1 == NULL || PyDict_SetItem(owed, s, c1) < 0) {
+            PyObject *c1 = PyLong_FromLongLong(owes[i] + 1);
+            if (c1 == NULL || PyDict_SetItem(owed, PyList_GET_ITEM(live, i), c1) < 0) {
                 Py_XDECREF(c1);
                 goto done;
             }
             Py_DECREF(c1);
-        }
-        for (Py_ssize_t i = 0; i < n_live; i++) { /* the owing slots' debts, for inspect */
-            PyObject *pair = PyList_GET_ITEM(live_slots, i);
-            Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 0));
-            PyObject *o = PyDict_GetItemWithError(owed, PyTuple_GET_ITEM(pair, 1));
-            if (o == NULL) {
-                if (!PyErr_Occurred())
-                    PyErr_SetString(PyExc_RuntimeError,
-                                    "internal error: a live session owes nothing");
-                goto done;
-            }
-            uint64_t c = PyLong_AsUnsignedLongLong(o);
-            if (c == (uint64_t)-1 && PyErr_Occurred())
-                goto done;
-            STORE_WORD((uint64_t *)((char *)words.buf + slot * words.strides[0]), c);
+            STORE_WORD((uint64_t *)((char *)words.buf + owes_slot[i] * words.strides[0]),
+                       owes[i] + 1);
         }
     }
     slot_set(acks, o_a_undrained, und1);
@@ -805,9 +899,9 @@ pub_finish(PyObject *store, PyObject *key, Pub *p, Held *held, volatile uint64_t
     uint64_t packed[5] = {(uint64_t)address, (uint64_t)nbytes, (uint64_t)position, base, epoch};
     int64_t n_items;
     if ((row = PyBytes_FromStringAndSize((const char *)packed, sizeof packed)) == NULL ||
-        PyDict_SetItem(p->rshard, p->cid_obj, row) < 0 || bump_n(p->rows, NULL) < 0 ||
-        PyDict_SetItem(p->kshard, p->cid_obj, key) < 0 || bump_n(p->keys, NULL) < 0 ||
-        PyDict_SetItem(p->ishard, key, p->cid_obj) < 0 || bump_n(p->index, &n_items) < 0)
+        PyDict_SetItem(p->rshard, p->cid_obj, row) < 0 || map_count_add(p->rows, 1, NULL) < 0 ||
+        PyDict_SetItem(p->kshard, p->cid_obj, key) < 0 || map_count_add(p->keys, 1, NULL) < 0 ||
+        PyDict_SetItem(p->ishard, key, p->cid_obj) < 0 || map_count_add(p->index, 1, &n_items) < 0)
         goto done;
     if (p->guarded != Py_None && PyDict_SetItem(p->guarded, p->cid_obj, Py_None) < 0)
         goto done;
@@ -817,7 +911,7 @@ pub_finish(PyObject *store, PyObject *key, Pub *p, Held *held, volatile uint64_t
     *held = (Held){.ncol = 0, .has_ring = 0, .has_hw = 0, .nsrc = 0};
     if ((seq_obj = store_hand_out(store, p->cid_obj)) == NULL)
         goto done;
-    uint64_t seq = PyLong_AsUnsignedLongLong(seq_obj);
+    uint64_t seq = u64_of(seq_obj);
     if (seq == (uint64_t)-1 && PyErr_Occurred())
         goto done;
     result = new_ref(p->nonce, epoch, (uint64_t)address, p->cid_obj, (uint64_t)nbytes,
@@ -1136,14 +1230,7 @@ map_discard(PyObject *m, PyObject *key, PyObject **popped)
     Py_DECREF(d);
     if (rc < 0)
         return -1;
-    int64_t n;
-    rc = get_i64(m, s_n, &n);
-    if (rc != 0) {
-        if (rc == 1)
-            PyErr_SetString(PyExc_RuntimeError, "internal error: a map's count is not an int");
-        return -1;
-    }
-    return set_i64(m, s_n, n - 1);
+    return map_count_add(m, -1, NULL);
 }
 
 /* ``SenderBook.forget`` and ``ShardedMap``, found once ``aioshmcache._request`` is imported
@@ -1222,8 +1309,9 @@ apply_frees(PyObject *ring, Room *r, uint64_t *ringw, volatile uint64_t *hw, int
             return -1;
     }
     STORE_WORD(&hw[H_HEAD_POS], (uint64_t)r->head_pos);
-    if (set_i64(ring, s_head, r->head) < 0 || set_i64(ring, s_lap, r->lap) < 0 || set_i64(ring, s_tail, r->tail) < 0 ||
-        set_i64(ring, s_used, r->used) < 0 || set_i64(ring, s_limit, r->limit) < 0)
+    if (RING_SET(ring, head, r->head) < 0 || RING_SET(ring, lap, r->lap) < 0 ||
+        RING_SET(ring, tail, r->tail) < 0 || RING_SET(ring, used, r->used) < 0 ||
+        RING_SET(ring, limit, r->limit) < 0)
         return -1;
     int64_t evictions, before;
     int g = get_i64(r->ev, s_evictions, &evictions);
@@ -1251,14 +1339,9 @@ apply_frees(PyObject *ring, Room *r, uint64_t *ringw, volatile uint64_t *hw, int
                 if (PyDict_DelItem(is, key) < 0)
                     same = -1;
                 else {
-                    int64_t n;
-                    int gi = get_i64(r->index, s_n, &n);
-                    if (gi != 0 || set_i64(r->index, s_n, n - 1) < 0 ||
-                        set_i64(r->ev, s_evictions, ++evictions) < 0) {
-                        if (gi == 1)
-                            PyErr_SetString(PyExc_RuntimeError, "internal error: not a count");
+                    if (map_count_add(r->index, -1, NULL) < 0 ||
+                        set_i64(r->ev, s_evictions, ++evictions) < 0)
                         same = -1;
-                    }
                     else if (r->on_evict != Py_None && evict_hook(r->on_evict, key) < 0)
                         same = -1;
                 }
@@ -1351,22 +1434,6 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
             DECLINE();
         CHECK(slice_bounds(PyTuple_GET_ITEM(gap, 0), nbytes, &a, &b));
     }
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sources); i++) {
-        PyObject *slot = PyTuple_GET_ITEM(slots, i);
-        Py_ssize_t a, b;
-        if (!PyTuple_CheckExact(slot) || PyTuple_GET_SIZE(slot) != 3)
-            DECLINE();
-        CHECK(slice_bounds(PyTuple_GET_ITEM(slot, 0), nbytes, &a, &b));
-        Py_buffer *v = &held.src[held.nsrc];
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(sources, i), v, PyBUF_FULL_RO) < 0) {
-            PyErr_Clear(); /* e.g. a datetime array: the reference copies it by numpy */
-            DECLINE();
-        }
-        held.nsrc++;
-        if (!PyBuffer_IsContiguous(v, 'C') || v->len != b - a)
-            DECLINE(); /* the reference copies it, or raises SerdeError (size changed) */
-    }
-
     NEED(ring = fast_getattr(store, s_ring));
     NEED(seg = fast_getattr(ring, s_seg));
     {
@@ -1376,30 +1443,70 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
         CHECK(forked);
     }
     int64_t tail, limit, end, headk, mask, at_mask, lap, used;
-    CHECK(get_i64(ring, s_tail, &tail));
-    CHECK(get_i64(ring, s_limit, &limit));
-    CHECK(get_i64(ring, s_end, &end));
-    CHECK(get_i64(ring, s_head, &headk));
-    CHECK(get_i64(ring, s_mask, &mask));
-    CHECK(get_i64(ring, s_at_mask, &at_mask));
-    CHECK(get_i64(ring, s_lap, &lap));
-    CHECK(get_i64(ring, s_used, &used));
     int64_t size = CHUNK_HEADER + (((int64_t)nbytes + 63) & -64), cap;
-    CHECK(get_i64(ring, s_capacity, &cap));
+    if (IS_RING_STATE(ring)) { /* the usual ring: its ints at once */
+        AioshmRingState *rs = (AioshmRingState *)ring;
+        tail = rs->tail, limit = rs->limit, end = rs->end, headk = rs->head, mask = rs->mask;
+        at_mask = rs->at_mask, lap = rs->lap, used = rs->used, cap = rs->capacity;
+    }
+    else {
+        CHECK(get_i64(ring, s_tail, &tail));
+        CHECK(get_i64(ring, s_limit, &limit));
+        CHECK(get_i64(ring, s_end, &end));
+        CHECK(get_i64(ring, s_head, &headk));
+        CHECK(get_i64(ring, s_mask, &mask));
+        CHECK(get_i64(ring, s_at_mask, &at_mask));
+        CHECK(get_i64(ring, s_lap, &lap));
+        CHECK(get_i64(ring, s_used, &used));
+        CHECK(get_i64(ring, s_capacity, &cap));
+    }
     if (tail < 0 || tail % 64 != 0 || size > cap || mask < 0 || headk > end)
         DECLINE(); /* a chunk that can never fit: the reference raises */
-    CHECK(get_words(ring, s_w, &held.ring));
+    /* The usual small put: the chunk fits after the tail, so no eviction pass runs (the one
+     * place that calls Python code before the copy: the drain, ``on_evict``), and every copy
+     * is below ``NOGIL_COPY`` (the GIL held: no other thread runs either). From here to the
+     * copy and the publish only this C code runs, and the buffers are read as they are
+     * (``borrow``: the ring's and the header's views, the source arrays) instead of
+     * exported. A bigger put, or one that needs room, takes exports: then a view cannot be
+     * released (the ring closed) while its bytes are being written. */
+    const int borrow = IS_RING_STATE(ring) && tail + size <= limit && nbytes < NOGIL_COPY;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sources); i++) {
+        PyObject *slot = PyTuple_GET_ITEM(slots, i), *src = PyTuple_GET_ITEM(sources, i);
+        Py_ssize_t a, b;
+        if (!PyTuple_CheckExact(slot) || PyTuple_GET_SIZE(slot) != 3)
+            DECLINE();
+        CHECK(slice_bounds(PyTuple_GET_ITEM(slot, 0), nbytes, &a, &b));
+        Py_buffer *v = &held.src[held.nsrc];
+        const char *data;
+        Py_ssize_t len;
+        if (borrow && aioshm_array_bytes(src, &data, &len)) {
+            /* copied under the GIL with nothing run before: its fields, no export */
+            v->buf = (void *)data, v->len = len, v->obj = NULL;
+            held.nsrc++;
+            if (len != b - a)
+                DECLINE(); /* the reference raises SerdeError (size changed) */
+            continue;
+        }
+        if (PyObject_GetBuffer(src, v, PyBUF_FULL_RO) < 0) {
+            PyErr_Clear(); /* e.g. a datetime array: the reference copies it by numpy */
+            DECLINE();
+        }
+        held.nsrc++;
+        if (!PyBuffer_IsContiguous(v, 'C') || v->len != b - a)
+            DECLINE(); /* the reference copies it, or raises SerdeError (size changed) */
+    }
+    CHECK(get_words(ring, s_w, &held.ring, borrow));
     held.has_ring = 1;
     if (held.ring.len < cap)
         DECLINE();
-    CHECK(get_words(store, s_hw, &held.hw));
+    CHECK(get_words(store, s_hw, &held.hw, borrow));
     held.has_hw = 1;
     if (held.hw.len < AIOSHM_HEADER_SIZE)
         DECLINE();
     PyObject *cols[5] = {s_addr, s_size, s_id, s_cpos, s_state};
     int64_t j = end & mask;
     for (int c = 0; c < 5; c++) {
-        CHECK(get_words(ring, cols[c], &held.col[held.ncol]));
+        CHECK(get_words(ring, cols[c], &held.col[held.ncol], borrow));
         held.ncol++;
         if (held.col[c].len / 8 != mask + 1)
             DECLINE();
@@ -1437,8 +1544,8 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
     if (room.nfree && apply_frees(ring, &room, held.ring.buf, hw, headk, mask, addrs, ids, at,
                                   at_mask) < 0)
         goto done;
-    if ((room.lap != lap && set_i64(ring, s_lap, room.lap) < 0) ||
-        (room.limit != limit && set_i64(ring, s_limit, room.limit) < 0))
+    if ((room.lap != lap && RING_SET(ring, lap, room.lap) < 0) ||
+        (room.limit != limit && RING_SET(ring, limit, room.limit) < 0))
         goto done;
     tail = at_tail, lap = room.lap, used = room.used;
     /* ``try_allocate``: the id, the chunk header (state first), the columns, the address map */
@@ -1454,8 +1561,8 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
     ((int64_t *)held.col[2].buf)[j] = (int64_t)cid;
     ((int64_t *)held.col[3].buf)[j] = position;
     ((int64_t *)held.col[4].buf)[j] = CHUNK_WRITING;
-    if (PyDict_SetItem(atshard, u_obj, k_obj) < 0 || set_i64(ring, s_end, end + 1) < 0 ||
-        set_i64(ring, s_tail, tail + size) < 0 || set_i64(ring, s_used, used + size) < 0)
+    if (PyDict_SetItem(atshard, u_obj, k_obj) < 0 || RING_SET(ring, end, end + 1) < 0 ||
+        RING_SET(ring, tail, tail + size) < 0 || RING_SET(ring, used, used + size) < 0)
         goto done;
     /* ``MsgpackSerde.write``: the prefix and header, zeroed gaps, every array's bytes */
     char *payload = (char *)held.ring.buf + tail + CHUNK_HEADER;
@@ -1468,7 +1575,7 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
     for (int i = 0; i < held.nsrc; i++) {
         Py_ssize_t a, b;
         slice_bounds(PyTuple_GET_ITEM(PyTuple_GET_ITEM(slots, i), 0), nbytes, &a, &b);
-        if (b - a >= 64 * 1024) {
+        if (b - a >= NOGIL_COPY) {
             Py_BEGIN_ALLOW_THREADS
             aioshm_copy_bytes(payload + a, held.src[i].buf, (size_t)(b - a));
             Py_END_ALLOW_THREADS
@@ -1509,7 +1616,7 @@ core_publish_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         !PyLong_CheckExact(args[3]) || !PyLong_CheckExact(args[4]))
         Py_RETURN_NONE;
     int64_t address = PyLong_AsLongLong(args[2]);
-    uint64_t cid = PyLong_AsUnsignedLongLong(args[3]);
+    uint64_t cid = u64_of(args[3]);
     Py_ssize_t nbytes = PyLong_AsSsize_t(args[4]);
     if (PyErr_Occurred()) {
         PyErr_Clear();
@@ -1526,9 +1633,9 @@ core_publish_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     CHECK(attr_true(seg, s_closed));
     CHECK(attr_true(seg, s_forked));
     int64_t mask, at_mask, used;
-    CHECK(get_i64(ring, s_mask, &mask));
-    CHECK(get_i64(ring, s_at_mask, &at_mask));
-    CHECK(get_i64(ring, s_used, &used));
+    CHECK(RING_GET(ring, mask, &mask));
+    CHECK(RING_GET(ring, at_mask, &at_mask));
+    CHECK(RING_GET(ring, used, &used));
     NEED(at = fast_getattr(ring, s_at));
     if (!PyList_CheckExact(at) || PyList_GET_SIZE(at) != at_mask + 1)
         DECLINE();
@@ -1546,7 +1653,7 @@ core_publish_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int64_t j = k & mask;
     PyObject *cols[5] = {s_addr, s_size, s_id, s_cpos, s_state};
     for (int c = 0; c < 5; c++) {
-        CHECK(get_words(ring, cols[c], &held.col[held.ncol]));
+        CHECK(get_words(ring, cols[c], &held.col[held.ncol], 0));
         held.ncol++;
         if (held.col[c].len / 8 <= j)
             DECLINE();
@@ -1555,11 +1662,11 @@ core_publish_plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         ((int64_t *)held.col[2].buf)[j] != (int64_t)cid ||
         ((int64_t *)held.col[0].buf)[j] != address)
         DECLINE(); /* not this chunk being written: the reference raises */
-    CHECK(get_words(ring, s_w, &held.ring));
+    CHECK(get_words(ring, s_w, &held.ring, 0));
     held.has_ring = 1;
     if (address + CHUNK_HEADER > held.ring.len)
         DECLINE();
-    CHECK(get_words(store, s_hw, &held.hw));
+    CHECK(get_words(store, s_hw, &held.hw, 0));
     held.has_hw = 1;
     if (held.hw.len < AIOSHM_HEADER_SIZE)
         DECLINE();
@@ -1595,7 +1702,7 @@ core_make_ref(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *store = args[0], *cid_obj = args[1], *seq_obj = args[2];
     if (!PyLong_CheckExact(cid_obj) || !PyLong_CheckExact(seq_obj))
         Py_RETURN_NONE;
-    uint64_t cid = PyLong_AsUnsignedLongLong(cid_obj), seq = PyLong_AsUnsignedLongLong(seq_obj);
+    uint64_t cid = u64_of(cid_obj), seq = u64_of(seq_obj);
     if (PyErr_Occurred()) {
         PyErr_Clear();
         Py_RETURN_NONE;
@@ -1615,7 +1722,7 @@ core_make_ref(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         DECLINE();
     uint64_t f[5]; /* address, length, position, base, epoch of the base */
     memcpy(f, PyBytes_AS_STRING(packed), sizeof f);
-    CHECK(get_words(store, s_hw, &held.hw));
+    CHECK(get_words(store, s_hw, &held.hw, 0));
     held.has_hw = 1;
     if (held.hw.len < AIOSHM_HEADER_SIZE)
         DECLINE();
@@ -1623,7 +1730,7 @@ core_make_ref(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     NEED(nonce = fast_getattr(store, s_nonce));
     if (f[4] != epoch) { /* the tag's base, once per epoch */
         NEED(secret_obj = fast_getattr(store, s_secret));
-        uint64_t secret = PyLong_AsUnsignedLongLong(secret_obj);
+        uint64_t secret = u64_of(secret_obj);
         if (secret == (uint64_t)-1 && PyErr_Occurred()) {
             PyErr_Clear();
             DECLINE();
@@ -1829,13 +1936,39 @@ keep_updates(PyObject *book, PyObject *key, PyObject *updates)
     PyObject *d = shard_of(pu, key);
     int rc = d == NULL ? -1 : PyDict_Contains(d, key);
     if (rc == 0)
-        rc = bump_n(pu, NULL);
+        rc = map_count_add(pu, 1, NULL);
     if (rc >= 0)
         rc = PyDict_SetItem(d, key, kept);
     Py_XDECREF(d);
     Py_DECREF(kept);
     Py_DECREF(pu);
     return rc < 0 ? -1 : 0;
+}
+
+/* ``words[i] = value`` of the store's header words: when ``words`` is a live memoryview of
+ * native 8-byte words, one release store into its buffer (nothing runs between the check and
+ * the store; the item assignment costs ~300 instructions), else that assignment. 0, or -1. */
+static int
+set_header_word(PyObject *words, Py_ssize_t i, PyObject *value)
+{
+    if (PyMemoryView_Check(words) && PyLong_CheckExact(value) && Py_SIZE(value) >= 0 &&
+        !(((PyMemoryViewObject *)words)->flags & _Py_MEMORYVIEW_RELEASED)) {
+        Py_buffer *b = PyMemoryView_GET_BUFFER(words);
+        uint64_t v = u64_of(value);
+        if (!(v == (uint64_t)-1 && PyErr_Occurred()) && !b->readonly && b->ndim == 1 &&
+            b->itemsize == 8 && b->format != NULL && strcmp(b->format, "Q") == 0 &&
+            b->strides != NULL && b->strides[0] == 8 && b->shape[0] > i) {
+            STORE_WORD((uint64_t *)b->buf + i, v);
+            return 0;
+        }
+        PyErr_Clear();
+    }
+    PyObject *w = PyLong_FromSsize_t(i);
+    if (w == NULL)
+        return -1;
+    int rc = PyObject_SetItem(words, w, value);
+    Py_DECREF(w);
+    return rc;
 }
 
 /* What is decided under the lock: the put's ``(ref, updates)``, None (declined) or NULL. */
@@ -1937,12 +2070,7 @@ put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
     }
     if (total1 == NULL || misses == NULL || fast_setattr(counters, s_total, total1) < 0)
         goto undo;
-    PyObject *w = PyLong_FromLong(H_MISSES);
-    if (w == NULL)
-        goto undo;
-    int rc = PyObject_SetItem(words, w, misses);
-    Py_DECREF(w);
-    if (rc < 0)
+    if (set_header_word(words, H_MISSES, misses) < 0)
         goto undo;
     if (keep_updates(book, key, updates) < 0)
         goto undo;

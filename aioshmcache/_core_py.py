@@ -18,7 +18,9 @@ from ._types import tag_base as _tag_base
 
 __all__ = [
     "LAYOUT",
+    "MapState",
     "ReadCtx",
+    "RingState",
     "configure",
     "configure_evict",
     "configure_hand_out",
@@ -249,6 +251,45 @@ def publish_plain(store: object, key: object, address: int, cid: int, length: in
     """The publish of a written chunk, which may decline: here it always does (the store's own
     ``StoreWriter._publish_put`` is the reference)."""
     return None
+
+
+# --- the writer's counters (``_core_state.c``) ---------------------------------------------------
+class RingState:
+    """The ring's counters: the base of ``ShmRingBuffer`` (``_ring``, which documents them).
+
+    The compiled core's ``RingState`` holds the same names as C integers that the compiled put
+    reads and writes directly; here they are plain slots.
+    """
+
+    __slots__ = (
+        "_at_mask",
+        "_end",
+        "_head",
+        "_lap",
+        "_limit",
+        "_mask",
+        "_tail",
+        "capacity",
+        "used_bytes",
+    )
+    _tail: int
+    _limit: int
+    _end: int
+    _head: int
+    _mask: int
+    _at_mask: int
+    _lap: int
+    used_bytes: int
+    capacity: int
+
+
+class MapState:
+    """A sharded map's shard mask and entry count: the base of ``ShardedMap`` (the compiled
+    core's ``MapState`` holds them as C integers)."""
+
+    __slots__ = ("mask", "n")
+    mask: int
+    n: int
 
 
 # --- the read section (``_core_read.c``): its reference is ``_core_read_py`` ---------------------

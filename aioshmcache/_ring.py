@@ -16,10 +16,11 @@ publishes in the segment header the position of the oldest live chunk (``H_HEAD_
 it reuses any byte behind it. A reader re-checks after its copy that the head has not passed its
 chunk's position — a word no payload can touch.
 
-The writer's FIFO of chunks is a circular buffer of parallel ``array('q')`` columns (address,
-size, id, position, state) indexed by an ever-growing chunk number, plus dicts address ->
-chunk number: no Python object per chunk, nothing for the garbage collector to walk (a deque of
-250,000 tuples costs ~6 ms per full collection, even a deque of ints as much).
+The writer's FIFO of chunks is a circular buffer of parallel columns of signed 64-bit words
+(address, size, id, position, state; ``"q"`` views of one ``bytearray``) indexed by an
+ever-growing chunk number, plus dicts address -> chunk number: no Python object per chunk,
+nothing for the garbage collector to walk (a deque of 250,000 tuples costs ~6 ms per full
+collection, even a deque of ints as much).
 
 Allocation wraps at the end of the ring; the tail that is skipped stays accounted as used until the
 head passes it. The usual allocation, right after the tail, is one comparison with the end of the
@@ -40,12 +41,12 @@ bytes nobody else writes; in a full ring it is a shift back by the gap between t
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Iterator
 from typing import Final
 
 import numpy as np
 
+from ._core_api import core
 from ._layout import (
     C_CHECK,
     C_ID,
@@ -80,14 +81,21 @@ from .errors import (
 
 __all__ = ["CHUNK_HEADER", "MAX_RING_ID", "PRESIZE_CHUNK_BYTES", "ShmRingBuffer"]
 
-#: the largest chunk id: the writer's FIFO columns are signed 64-bit (``array("q")``), so ids
+#: the largest chunk id: the writer's FIFO columns are signed 64-bit (format ``"q"``), so ids
 #: stop at 2**63 - 1 (a ring numbering 10**9 chunks a second takes 292 years to get there)
 MAX_RING_ID: Final = (1 << 63) - 1
 #: the writer's FIFO columns start with a slot per this many bytes of ring (see ``presize``)
 PRESIZE_CHUNK_BYTES: Final = 1024
 
 
-class ShmRingBuffer:
+def _columns(n: int) -> tuple[memoryview, ...]:
+    """The writer's five FIFO columns of ``n`` signed 64-bit words, zeroed: views of one
+    ``bytearray`` (the compiled put reads a live view's buffer without exporting it)."""
+    block = memoryview(bytearray(40 * n))
+    return tuple(block[8 * n * i : 8 * n * (i + 1)].cast("q") for i in range(5))
+
+
+class ShmRingBuffer(core.RingState):
     """Single-writer ring of chunks, addressed by (address, id).
 
     The writer allocates, commits, abandons and frees (FIFO); any process reads a committed chunk
@@ -95,29 +103,23 @@ class ShmRingBuffer:
     """
 
     # the state the compiled put reads and writes at the slots' offsets (a look-up by name in
-    # an instance dict costs ~150 instructions); ``__dict__`` still takes anything else
+    # an instance dict costs ~150 instructions); ``__dict__`` still takes anything else. The
+    # ints (``_tail``, ``_limit``, ``_end``, ``_head``, ``_mask``, ``_at_mask``, ``_lap``,
+    # ``used_bytes``, ``capacity``) live in the base, the core's ``RingState``: C integers on
+    # the compiled core, which its put reads and writes without making Python ints
     __slots__ = (
         "__dict__",
         "_addr",
         "_at",
-        "_at_mask",
         "_cpos",
-        "_end",
-        "_head",
         "_hw",
         "_id",
-        "_lap",
-        "_limit",
-        "_mask",
         "_seg",
         "_size",
         "_state",
-        "_tail",
         "_w",
         "_writer",
         "buf",
-        "capacity",
-        "used_bytes",
     )
 
     def __init__(self, segment: Segment, *, writer: bool) -> None:
@@ -135,11 +137,7 @@ class ShmRingBuffer:
         # put for milliseconds); a ring of smaller items still doubles them when full.
         n = self.presize(self.capacity) if writer else 8
         self._mask = n - 1
-        self._addr = array("q", bytes(8 * n))
-        self._size = array("q", bytes(8 * n))
-        self._id = array("q", bytes(8 * n))
-        self._cpos = array("q", bytes(8 * n))
-        self._state = array("q", bytes(8 * n))
+        self._addr, self._size, self._id, self._cpos, self._state = _columns(n)
         self._head = 0  # number of the oldest chunk
         self._end = 0  # number the next chunk gets
         # address // 64 -> number of the chunk there: one entry per chunk, so split in dicts by
@@ -153,7 +151,8 @@ class ShmRingBuffer:
         self._tail = 0
         # position of address 0 in the tail's lap: the next byte allocated is at position
         # ``_lap + _tail`` (a segment starts at a lap boundary: position mod capacity = address)
-        self._lap = int(self._hw[H_HEAD_POS])
+        # (a reader never allocates: its 0 keeps a header word it cannot trust out of an int64)
+        self._lap = int(self._hw[H_HEAD_POS]) if writer else 0
         #: bytes between head and tail, the skipped tail of a wrap included (writer only; an
         #: attribute kept up to date, not a property: the store publishes it on every put)
         self.used_bytes = 0
@@ -242,13 +241,18 @@ class ShmRingBuffer:
     def _grow(self) -> None:
         """Double the FIFO's columns (they are full), keeping every chunk's number.
 
-        Each column is extended by a copy of itself: chunk ``k`` was in slot ``k & mask`` and is
-        now in slot ``k & mask`` or ``(k & mask) + size``, which hold the same value. One
+        Each new column holds the old one twice: chunk ``k`` was in slot ``k & mask`` and is
+        now in slot ``k & mask`` or ``(k & mask) + size``, which hold the same value. Two
         ``memcpy`` per column, no Python loop: growing to a million chunks takes milliseconds.
         """
-        for col in (self._addr, self._size, self._id, self._cpos, self._state):
-            col.extend(col)
-        self._mask = 2 * self._mask + 1
+        n = self._mask + 1
+        old = (self._addr, self._size, self._id, self._cpos, self._state)
+        new = _columns(2 * n)
+        for src, dst in zip(old, new, strict=True):
+            dst[:n] = src
+            dst[n:] = src
+        self._addr, self._size, self._id, self._cpos, self._state = new
+        self._mask = 2 * n - 1
 
     def _pop_head(self) -> None:
         """Drop the head chunk from the FIFO (its state word is already written)."""

@@ -11,12 +11,16 @@ keeps one dict (many shards cost a cache miss or so per access: the shard is one
 
 Hot paths may index a shard themselves (``m.shards[hash(key) & m.mask]``) to skip a call;
 one that inserts a key it knows is new, or deletes one it knows is there, adjusts ``n`` itself.
+``mask`` and ``n`` live in the core's ``MapState`` base: C integers on the compiled core (its
+put counts entries without making Python ints), plain slots on the pure one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Final, Generic, TypeVar, overload
+
+from ._core_api import core
 
 __all__ = ["SHARDS", "ShardedMap", "shards_for"]
 
@@ -39,14 +43,14 @@ V = TypeVar("V")
 D = TypeVar("D")
 
 
-class ShardedMap(Generic[K, V]):
+class ShardedMap(core.MapState, Generic[K, V]):
     """A mapping in ``shards`` dicts by ``hash(key) & mask`` (see the module docstring).
 
     Holds no object per entry: shards whose keys and values are str and ints stay untracked by
     the garbage collector, as a plain dict of them would.
     """
 
-    __slots__ = ("mask", "n", "shards")
+    __slots__ = ("shards",)  # and the base's ``mask`` and ``n``
 
     def __init__(self, shards: int = SHARDS) -> None:
         if shards < 1 or shards & (shards - 1):

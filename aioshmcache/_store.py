@@ -49,9 +49,10 @@ untracked only by a collection, and every insert of a fresh one tracks its dict 
 collection then walked every row, ~6 ms per 30,000 items here.) Only *active* entries (owed,
 pinned or touched) have a ``Debts`` object in the ledger, and it is dropped again once settled.
 The second-chance marks are a map of chunk id -> None (a set would be walked member by member),
-and the ring keeps its FIFO in ``array('q')`` columns. The maps with one entry per item (index,
-rows, keys, marks) are ``ShardedMap``s of 256 small dicts: growing, or rebuilding after churn,
-never stalls a put for the tens of milliseconds a rebuild of one big dict takes.
+and the ring keeps its FIFO in columns of 64-bit words (views of one ``bytearray``). The maps
+with one entry per item (index, rows, keys, marks) are ``ShardedMap``s of 256 small dicts:
+growing, or rebuilding after churn, never stalls a put for the tens of milliseconds a rebuild
+of one big dict takes.
 """
 
 from __future__ import annotations

@@ -7,20 +7,24 @@ figure the wall clock cannot give on a shared machine). ``OPENBLAS_NUM_THREADS=1
 threads otherwise spin, and their instructions grow with the run's length.
 
 ``python bench/bench_lean_ir.py --inner CELL N`` is one such run (what valgrind executes).
-Cells: a 1 KiB miss and a hit, through ``get_and_update_item``, ``get_and_update_features([spec])``
-and their awaited twins on ``AsyncSenderCache``; ``put_1m``, a 1 MiB ``ShmObjectStore.put`` into a
-full 72 MiB ring (every put evicts, in steady state), and ``copy_1m``, a rotating ``np.copyto`` of
-1 MiB into a /dev/shm mapping of the same size: their difference is what a big put costs beyond
-its copy. Receiver cells (1 KiB reads of distinct references by a reader in the same process):
-``rx_get``, the reader store's own ``get`` (the floor); ``rx_item``,
-``ReceiverCache.get_and_update_item``; ``rx_feat``, ``get_and_update_features([spec])``;
-``arx_item``, the awaited ``AsyncReceiverCache.get_and_update_item``. Uses only the public API.
+Cells: a 1 KiB miss and a hit, through ``get_and_update_item`` (``item_miss_rx``: the miss with a
+reader attached, as ``bench_vllm.py`` runs it: each put is then owed by that reader),
+``get_and_update_features([spec])`` and their awaited twins on ``AsyncSenderCache``; ``put_1m``, a
+1 MiB ``ShmObjectStore.put`` into a full 72 MiB ring (every put evicts, in steady state), and
+``copy_1m``, a rotating ``np.copyto`` of 1 MiB into a /dev/shm mapping of the same size: their
+difference is what a big put costs beyond its copy. Receiver cells (1 KiB reads of distinct
+references by a reader in the same process): ``rx_get``, the reader store's own ``get`` (the
+floor); ``rx_item``, ``ReceiverCache.get_and_update_item``; ``rx_feat``,
+``get_and_update_features([spec])``; ``arx_item``, the awaited
+``AsyncReceiverCache.get_and_update_item``.
+Uses only the public API.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
 import subprocess
@@ -30,7 +34,16 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-CELLS = ("item_miss", "item_hit", "feat_miss", "feat_hit", "aitem_miss", "aitem_hit", "afeat_miss")
+CELLS = (
+    "item_miss",
+    "item_miss_rx",
+    "item_hit",
+    "feat_miss",
+    "feat_hit",
+    "aitem_miss",
+    "aitem_hit",
+    "afeat_miss",
+)
 BIG_CELLS = ("put_1m", "copy_1m")
 RX_CELLS = ("rx_get", "rx_item", "rx_feat", "arx_item")
 WARM = 200
@@ -115,20 +128,22 @@ def inner(cell: str, calls: int, setup: int) -> None:
     specs are made for ``WARM + setup`` calls in both runs, so their making is not counted."""
     import numpy as np
 
-    from aioshmcache import AsyncSenderCache, CacheConfig, FeatureSpec, SenderCache
+    from aioshmcache import AsyncSenderCache, CacheConfig, FeatureSpec, ReceiverCache, SenderCache
 
     item = {"data": np.arange(256, dtype=np.float32)}  # 1 KiB
     n = WARM + max(calls, setup, 1)
     keys = [f"k{i:08d}" for i in range(n)]
     cfg = CacheConfig(64 << 20, 1 << 20, 1, name=f"bench-ir-{os.getpid()}")
-    with SenderCache(cfg) as tx:
+    with SenderCache(cfg) as tx, contextlib.ExitStack() as stack:
+        if cell == "item_miss_rx":  # a reader that owes every put (it never reads here)
+            stack.enter_context(ReceiverCache.attach(tx.handle()))
         face = AsyncSenderCache(tx)
         tx.get_and_update_item((item, ()), "hot")
         hot_spec = [FeatureSpec("hot", None)]
         specs = [[FeatureSpec(k, item)] for k in keys]
         miss = (item, ())
         one: Callable[[int], object]
-        if cell == "item_miss":
+        if cell in ("item_miss", "item_miss_rx"):
             one = lambda i: tx.get_and_update_item(miss, keys[i])  # noqa: E731
         elif cell == "item_hit":
             one = lambda i: tx.get_and_update_item(None, "hot")  # noqa: E731
