@@ -161,6 +161,12 @@ class FrameConnection(asyncio.Protocol):
         else:
             self.transport.writelines(parts)
 
+    def write_framed(self, data: bytes) -> None:
+        """Queue ``data``, frames already made (``_channel_format.framed_call``'s)."""
+        if self.transport is None:
+            raise ConnectionResetError("not connected")
+        self.transport.write(data)
+
     async def drain(self, deadline: float | None = None) -> None:
         """Wait while the transport has paused writing; ``ConnectionResetError`` if it closed;
         ``TimeoutError`` if ``deadline`` (on the loop's clock) passes first."""

@@ -19,7 +19,12 @@ from ._types import tag_base as _tag_base
 __all__ = [
     "LAYOUT",
     "ReadCtx",
+    "chan_call4",
+    "chan_call4_frames",
+    "chan_cut",
+    "chan_unpack",
     "configure",
+    "configure_chan",
     "configure_evict",
     "configure_hand_out",
     "configure_plan",
@@ -248,6 +253,38 @@ def make_ref(store: object, cid: int, seq: int) -> None:
 def publish_plain(store: object, key: object, address: int, cid: int, length: int) -> None:
     """The publish of a written chunk, which may decline: here it always does (the store's own
     ``StoreWriter._publish_put`` is the reference)."""
+    return None
+
+
+# --- the channel section (``_core_chan.c``): its reference is the channel's own modules ----------
+
+
+def configure_chan(spec_type: type, ref_type: type) -> None:
+    """Name the classes the channel's call steps know (``FeatureSpec``, ``ShmRef``; nothing
+    here)."""
+
+
+def chan_cut(data: object, max_bytes: int) -> None:
+    """The whole frames at the start of ``data``, which may decline: here it always does
+    (``wire.FrameDecoder`` is the reference)."""
+    return None
+
+
+def chan_unpack(data: object) -> None:
+    """A plain envelope under the bounded unpack's rules, which may decline: here it always
+    does (``wire.unpack_bounded`` is the reference)."""
+    return None
+
+
+def chan_call4(head: object) -> None:
+    """A version-4 call's ``(payload, features)``, which may decline: here it always does
+    (``_channel_format.decode_call`` is the reference)."""
+    return None
+
+
+def chan_call4_frames(payload: object, features: object, max_bytes: int) -> None:
+    """A version-4 call's two frames as one buffer, which may decline: here it always does
+    (``_channel_format.call_frames`` is the reference)."""
     return None
 
 
