@@ -11,6 +11,9 @@
  *                                      that is a msgpack array (an envelope);
  *   chan_call4(head)                   ``_channel_format.decode_call``'s version-4 branch:
  *                                      ``(payload, features)``;
+ *   chan_take_call(data, max_bytes)    both at once for the worker's usual read: received
+ *                                      bytes that are exactly a version-4 call's two frames
+ *                                      (cut, then decoded as ``chan_call4``);
  *   chan_call4_frames(payload, features, max_bytes)
  *                                      ``_channel_format._one_message`` and its two frames
  *                                      as one buffer (the call frame's prefix, the call, the
@@ -390,17 +393,16 @@ fail:
     return NULL;
 }
 
-/* ``chan_call4(head)``: ``(payload, features)`` of a version-4 call, or None (declined) */
+/* the version-4 call in ``p[:n]`` as ``(payload, features)``; NULL: declined (no error set) or
+ * a memory error */
 static PyObject *
-chan_call4(PyObject *self, PyObject *head)
+decode_call4(const unsigned char *p, Py_ssize_t n)
 {
     static const unsigned char start[] = "\x95\xb3" CHAN_TAG "\x04\xa4"
                                          "call";
-    const unsigned char *p;
-    Py_ssize_t n;
-    if (spec_type == NULL || !get_bytes(head, &p, &n) || n < (Py_ssize_t)sizeof start - 1 ||
+    if (spec_type == NULL || n < (Py_ssize_t)sizeof start - 1 ||
         memcmp(p, start, sizeof start - 1) != 0)
-        Py_RETURN_NONE;
+        return NULL;
     Reader r = {p + sizeof start - 1, p + n, 1};
     PyObject *payload = read_obj(&r, 1), *features = NULL;
     if (payload == NULL || !need(&r, 1))
@@ -429,13 +431,55 @@ chan_call4(PyObject *self, PyObject *head)
 out:
     if (features == NULL) {
         Py_XDECREF(payload);
-        if (declined() == NULL && PyErr_Occurred())
-            return NULL;
-        Py_RETURN_NONE;
+        return declined();
     }
-    PyObject *out = PyTuple_Pack(2, payload, features);
+    PyObject *call = PyTuple_Pack(2, payload, features);
     Py_DECREF(payload), Py_DECREF(features);
-    return out;
+    return call;
+}
+
+/* a decoded call, or None when declined (NULL: an error) */
+static PyObject *
+call_or_none(PyObject *call)
+{
+    if (call != NULL || PyErr_Occurred())
+        return call;
+    Py_RETURN_NONE;
+}
+
+/* ``chan_call4(head)``: ``(payload, features)`` of a version-4 call, or None (declined) */
+static PyObject *
+chan_call4(PyObject *self, PyObject *head)
+{
+    const unsigned char *p;
+    Py_ssize_t n;
+    if (!get_bytes(head, &p, &n))
+        Py_RETURN_NONE;
+    return call_or_none(decode_call4(p, n));
+}
+
+
+/* ``chan_take_call(data, max_bytes)``: ``(payload, features)`` when ``data`` is exactly the two
+ * frames of a version-4 call (its frame within ``max_bytes``, then the empty one), or None
+ * (declined: the frames are cut and decoded one by one) */
+static PyObject *
+chan_take_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "chan_take_call takes 2 arguments (data, max_bytes)");
+        return NULL;
+    }
+    unsigned long long max_bytes = PyLong_AsUnsignedLongLong(args[1]);
+    if (max_bytes == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    const unsigned char *p;
+    Py_ssize_t n;
+    if (!get_bytes(args[0], &p, &n) || n < 16)
+        Py_RETURN_NONE;
+    uint64_t head = le64(p);
+    if (head > max_bytes || head != (uint64_t)(n - 16) || le64(p + n - 8) != 0)
+        Py_RETURN_NONE;
+    return call_or_none(decode_call4(p + 8, (Py_ssize_t)head));
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -759,6 +803,9 @@ PyMethodDef aioshm_chan_methods[] = {
      "chan_cut(data, max_bytes) -> (frames, pos), or None (declined)"},
     {"chan_unpack", chan_unpack, METH_O,
      "chan_unpack(data) -> a plain envelope under the bounded unpack's rules, or None"},
+    {"chan_take_call", (PyCFunction)(void (*)(void))chan_take_call, METH_FASTCALL,
+     "chan_take_call(data, max_bytes) -> (payload, features) of a version-4 call's two "
+     "frames, or None (declined)"},
     {"chan_call4", chan_call4, METH_O,
      "chan_call4(head) -> (payload, features) of a version-4 call, or None (declined)"},
     {"chan_call4_frames", (PyCFunction)(void (*)(void))chan_call4_frames, METH_FASTCALL,

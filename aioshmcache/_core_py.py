@@ -22,6 +22,7 @@ __all__ = [
     "chan_call4",
     "chan_call4_frames",
     "chan_cut",
+    "chan_take_call",
     "chan_unpack",
     "configure",
     "configure_chan",
@@ -279,6 +280,13 @@ def chan_unpack(data: object) -> None:
 def chan_call4(head: object) -> None:
     """A version-4 call's ``(payload, features)``, which may decline: here it always does
     (``_channel_format.decode_call`` is the reference)."""
+    return None
+
+
+def chan_take_call(data: object, max_bytes: int) -> None:
+    """A version-4 call's ``(payload, features)`` from its two frames' bytes, which may
+    decline: here it always does (``wire.FrameDecoder`` then ``decode_call`` are the
+    reference)."""
     return None
 
 

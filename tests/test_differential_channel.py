@@ -95,17 +95,19 @@ odd_features = st.one_of(
 feature_lists = st.lists(features, max_size=12)
 
 
-def mutated(data: bytes, draw: st.DrawFn) -> bytes:
+def mutated(data: bytes, draw: Callable[..., Any]) -> bytes:
     """``data`` cut short, with bytes changed, inserted or appended."""
     how = draw(st.sampled_from(["cut", "flip", "insert", "append"]))
     if not data or how == "append":
-        return data + draw(st.binary(min_size=1, max_size=8))
+        more: bytes = draw(st.binary(min_size=1, max_size=8))
+        return data + more
     i = draw(st.integers(0, len(data) - 1))
     if how == "cut":
         return data[:i]
     if how == "flip":
         return data[:i] + bytes([draw(st.integers(0, 255))]) + data[i + 1 :]
-    return data[:i] + draw(st.binary(min_size=1, max_size=4)) + data[i:]
+    inserted: bytes = draw(st.binary(min_size=1, max_size=4))
+    return data[:i] + inserted + data[i:]
 
 
 @st.composite
@@ -380,3 +382,61 @@ def test_the_decoder_still_raises_over_max_bytes() -> None:
     with pytest.raises(Exception, match="out of step"):
         dec.feed(b"")
     assert C is not None and C.chan_cut(struct.pack("<Q", U64), 10) is None
+
+
+# --- the worker's read of a whole call -------------------------------------------------------
+
+
+def reference_take_call(data: bytes, max_bytes: int) -> Any:
+    """What the worker's connection makes of ``data`` received at once: the frames cut
+    (``FrameDecoder``), then a call of exactly two frames decoded (``decode_call``)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(wire, "_core_cut", lambda src, n: None)
+        frames = outcome(lambda: wire.FrameDecoder(max_bytes=max_bytes).feed(data))
+    if type(frames) is not list or len(frames) != 2:
+        return None  # not one whole call: another frame count, or a framing error
+    return reference_call(frames[0]) if frames[1] == b"" else None
+
+
+def check_take_call(data: bytes, max_bytes: int = 1 << 30) -> Any:
+    assert C is not None
+    got = C.chan_take_call(data, max_bytes)
+    ref = reference_take_call(data, max_bytes)
+    if got is not None:
+        assert type(ref) is tuple and ref[0] == F.ONE_MESSAGE_VERSION, (data, ref)
+        assert same(got[0], ref[1]) and same(got[1], ref[2]), (data, got, ref)
+    return got
+
+
+@SETTINGS
+@given(payload=plain, specs=feature_lists)
+def test_a_whole_call_is_cut_and_decoded_alike(payload: Any, specs: list[FeatureSpec]) -> None:
+    framed = C.chan_call4_frames(payload, specs, 1 << 30) if C is not None else None
+    assert framed is not None
+    got = check_take_call(framed)
+    assert got is not None and same(got[1], specs)  # the usual call is taken
+
+
+@SETTINGS
+@given(payload=plain, specs=feature_lists, data=st.data(), max_bytes=st.integers(0, 600))
+def test_odd_bytes_are_declined_or_taken_alike(
+    payload: Any, specs: list[FeatureSpec], data: st.DataObject, max_bytes: int
+) -> None:
+    head = F._one_message(payload, specs)
+    assert head is not None
+    framed = wire.encode_frame(head) + wire.encode_frame(b"")
+    odd = data.draw(
+        st.sampled_from(
+            [
+                framed,  # under max_bytes or not
+                framed[:-1],  # the empty frame cut short
+                framed + b"\x00",  # a byte more
+                framed + framed,  # two calls
+                wire.encode_frame(head) + wire.encode_frame(b"x"),  # a second frame not empty
+                wire.encode_frame(head),  # one frame
+            ]
+        )
+    )
+    if data.draw(st.booleans()):
+        odd = mutated(odd, data.draw)
+    check_take_call(odd, max_bytes)
