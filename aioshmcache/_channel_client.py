@@ -23,6 +23,7 @@ from ._channel_conn import FrameConnection
 from ._channel_format import call_frames, decode, framed_call, raise_error
 from ._channel_keeper import WorkerKeeper
 from ._channel_pool import PoolBook
+from ._core_api import core
 from ._types import FeatureSpec, ShmRef
 from .errors import (
     CacheMissError,
@@ -40,6 +41,7 @@ from .wire import DEFAULT_MAX_FRAME_BYTES
 __all__ = ["ChannelStats", "EngineClient", "Items", "SenderLike"]
 
 _SEND_TRIES: Final = 3
+ok_result = core.chan_ok_result  # ``(result,)`` of a plain ok answer, or None (``_core_chan``)
 
 Items = Mapping[str, Any] | Callable[[str], Any]
 
@@ -332,6 +334,9 @@ class EngineClient(AsyncResource):
                 except (SerdeError, WireError, TypeError) as exc:
                     raise WireError(f"the call cannot be encoded: {exc}") from exc
             answer = await self._exchange(frames, deadline, sent)
+            ok = ok_result(answer)  # the usual answer, compiled
+            if ok is not None:
+                return ok[0]
             value = decode(answer, "response")
             if value[2] == "ok" and len(value) == 4:
                 return value[3]

@@ -138,6 +138,7 @@ def encode(value: object, *, plain: bool = True) -> bytes:
 
 def decode(data: bytes, what: str, versions: Sequence[int] = (ANSWER_VERSION,)) -> list[Any]:
     """An envelope in either form, checked to be the channel's (``WireError`` otherwise)."""
+    value: Any
     if wire.is_plain(data):
         value = _core_unpack(data)
         if value is None:

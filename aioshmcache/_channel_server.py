@@ -55,6 +55,7 @@ _IDLE_TIMEOUT_S: Final = 10.0  # a connection's whole call must arrive within th
 _FULL_WARN_S: Final = 10.0  # at most one "max_connections reached" warning this often
 _timeout = asyncio.timeout  # 10-17 us a call here, anyio.fail_after 35-95 us
 take_call = core.chan_take_call  # a version-4 call's two frames cut and decoded (``_core_chan``)
+ok_frame = core.chan_ok_frame  # a plain ok answer encoded and framed (``_core_chan``)
 
 Handler = Callable[[list[FeatureSpec], Any], Awaitable[Any]]
 
@@ -230,11 +231,15 @@ class _Worker:
                                 body = await conn.next_frame()
                         call = self.decode(head, body)
                     proven = True
+                    answer: bytes | tuple[bytes]
                     if type(call) is bytes:
                         answer = call
                     else:
                         answer = await self.serve_call(*call)
-                    conn.write((answer,))
+                    if isinstance(answer, tuple):  # its frame already made (``_handle``)
+                        conn.write_framed(answer[0])
+                    else:
+                        conn.write((answer,))
                     await conn.drain()
                 finally:
                     self.busy.discard(task)
@@ -277,8 +282,11 @@ class _Worker:
         except (SerdeError, WireError) as exc:
             return error_frame("bad_request", exc, unread=True)
 
-    async def serve_call(self, version: int, payload: Any, features: list[FeatureSpec]) -> bytes:
-        """One call's answer: read the features, run the handler, encode its result."""
+    async def serve_call(
+        self, version: int, payload: Any, features: list[FeatureSpec]
+    ) -> bytes | tuple[bytes]:
+        """One call's answer: read the features, run the handler, encode its result (as
+        ``_handle`` returns it)."""
         plain = version >= PLAIN_ANSWER_FROM
         if not self.limit.take():
             await self.limit.wait()
@@ -310,7 +318,9 @@ class _Worker:
         finally:
             self.limit.give()
 
-    async def _handle(self, items: list[FeatureSpec], payload: Any, plain: bool) -> bytes:
+    async def _handle(
+        self, items: list[FeatureSpec], payload: Any, plain: bool
+    ) -> bytes | tuple[bytes]:
         """Run the handler and encode its result (inside a lease, before the views go).
 
         Whatever the handler raises becomes a ``handler`` error frame, ``BaseException``s
@@ -327,6 +337,10 @@ class _Worker:
                 raise
             log.error("the engine handler raised %s", type(exc).__name__, exc_info=exc)
             raise _HandlerFailed(error_frame("handler", exc, plain=plain)) from exc
+        if plain:  # the usual answer: encoded and framed in one core call, ``(frame,)``
+            framed = ok_frame(result, self.max_frame_bytes)
+            if framed is not None:
+                return (framed,)
         try:
             answer = encode([TAG, ANSWER_VERSION, "ok", result], plain=plain)
         except (SerdeError, WireError, TypeError) as exc:

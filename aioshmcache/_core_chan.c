@@ -14,6 +14,10 @@
  *   chan_take_call(data, max_bytes)    both at once for the worker's usual read: received
  *                                      bytes that are exactly a version-4 call's two frames
  *                                      (cut, then decoded as ``chan_call4``);
+ *   chan_ok_frame(result, max_bytes)   the worker's plain ``ok`` answer as its frame
+ *                                      (``_channel_format.encode`` and the frame);
+ *   chan_ok_result(answer)             the gateway's read of that answer: ``(result,)``
+ *                                      (``_channel_format.decode`` and the ``ok`` check);
  *   chan_call4_frames(payload, features, max_bytes)
  *                                      ``_channel_format._one_message`` and its two frames
  *                                      as one buffer (the call frame's prefix, the call, the
@@ -751,6 +755,66 @@ chan_call4_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* ``chan_ok_frame(result, max_bytes)``: the frame of the plain answer
+ * ``["aioshmcache.channel", 1, "ok", result]``, or None (declined: a result the encoder does not
+ * write, or a frame over ``max_bytes``) */
+static PyObject *
+chan_ok_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char start[] = "\x94\xb3" CHAN_TAG "\x01\xa2"
+                                "ok";
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "chan_ok_frame takes 2 arguments (result, max_bytes)");
+        return NULL;
+    }
+    unsigned long long max_bytes = PyLong_AsUnsignedLongLong(args[1]);
+    if (max_bytes == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    Writer w = {PyMem_Malloc(256), 0, 256};
+    if (w.buf == NULL)
+        return PyErr_NoMemory();
+    w.len = 8; /* the prefix, set below */
+    int rc = put(&w, start, sizeof start - 1);
+    if (rc == 0)
+        rc = write_obj(&w, args[0], 1);
+    PyObject *out = NULL;
+    if (rc == 0 && (unsigned long long)(w.len - 8) <= max_bytes) {
+        put_le64(w.buf, (uint64_t)(w.len - 8));
+        out = PyBytes_FromStringAndSize(w.buf, w.len);
+    }
+    else if (rc >= 0) {
+        out = Py_NewRef(Py_None);
+    }
+    PyMem_Free(w.buf);
+    return out;
+}
+
+/* ``chan_ok_result(answer)``: ``(result,)`` of a plain answer
+ * ``["aioshmcache.channel", 1, "ok", result]``, or None (declined: any other answer) */
+static PyObject *
+chan_ok_result(PyObject *self, PyObject *answer)
+{
+    static const unsigned char start[] = "\x94\xb3" CHAN_TAG "\x01\xa2"
+                                         "ok";
+    const unsigned char *p;
+    Py_ssize_t n;
+    if (!get_bytes(answer, &p, &n) || n < (Py_ssize_t)sizeof start - 1 ||
+        memcmp(p, start, sizeof start - 1) != 0)
+        Py_RETURN_NONE;
+    Reader r = {p + sizeof start - 1, p + n, 1};
+    PyObject *result = read_obj(&r, 1);
+    if (result != NULL && r.p != r.end)
+        Py_CLEAR(result);
+    if (result == NULL) {
+        if (declined() == NULL && PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject *out = PyTuple_Pack(1, result);
+    Py_DECREF(result);
+    return out;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 
 /* ``chan_cut(data, max_bytes)``: ``(frames, pos)``, or None (declined: a declared length over
@@ -810,5 +874,9 @@ PyMethodDef aioshm_chan_methods[] = {
      "chan_call4(head) -> (payload, features) of a version-4 call, or None (declined)"},
     {"chan_call4_frames", (PyCFunction)(void (*)(void))chan_call4_frames, METH_FASTCALL,
      "chan_call4_frames(payload, features, max_bytes) -> the version-4 call's frames, or None"},
+    {"chan_ok_frame", (PyCFunction)(void (*)(void))chan_ok_frame, METH_FASTCALL,
+     "chan_ok_frame(result, max_bytes) -> the plain ok answer's frame, or None (declined)"},
+    {"chan_ok_result", chan_ok_result, METH_O,
+     "chan_ok_result(answer) -> (result,) of a plain ok answer, or None (declined)"},
     {NULL, NULL, 0, NULL},
 };

@@ -324,10 +324,11 @@ async def test_a_call_received_whole_is_cut_and_decoded_in_one_core_call(
 ) -> None:
     """With the C core the worker takes a version-4 call that arrives in one read with one core
     call (``chan_take_call``: no frame queued, no separate decode), and answers it as it answers
-    the frames; a call cut into pieces, or two calls in one read, take the frame path and are
+    the frames; its plain answer is encoded and framed, and read by the gateway, in one core call
+    each; a call cut into pieces, or two calls in one read, take the frame path and are
     answered alike, in order."""
     import aioshmcache
-    from aioshmcache import _channel_server
+    from aioshmcache import _channel_client, _channel_server
     from aioshmcache.wire import encode_frame, read_frame
 
     taken: list[bool] = []
@@ -339,6 +340,21 @@ async def test_a_call_received_whole_is_cut_and_decoded_in_one_core_call(
         return got
 
     monkeypatch.setattr(_channel_server, "take_call", counting)
+    answered: list[bool] = []  # the answer encoded and framed, then read, in one core call each
+    ok_frame, ok_result = _channel_server.ok_frame, _channel_client.ok_result
+
+    def framing(result: Any, max_bytes: int) -> Any:
+        got = ok_frame(result, max_bytes)
+        answered.append(got is not None)
+        return got
+
+    def reading(answer: bytes) -> Any:
+        got = ok_result(answer)
+        answered.append(got is not None)
+        return got
+
+    monkeypatch.setattr(_channel_server, "ok_frame", framing)
+    monkeypatch.setattr(_channel_client, "ok_result", reading)
     sock = tmp_path / "e.sock"
     async with _worker(make_config, sock) as cache:
         item = {"x": np.arange(300, dtype=np.float32)}

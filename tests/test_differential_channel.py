@@ -440,3 +440,72 @@ def test_odd_bytes_are_declined_or_taken_alike(
     if data.draw(st.booleans()):
         odd = mutated(odd, data.draw)
     check_take_call(odd, max_bytes)
+
+
+# --- the answer ------------------------------------------------------------------------------
+
+
+def reference_ok_frame(result: Any, max_bytes: int) -> bytes | None:
+    """The worker's plain ok answer as its frame when plain msgpack carries it (``encode``
+    takes the serde's form otherwise), or None."""
+    try:
+        answer = F._PLAIN.pack([F.TAG, F.ANSWER_VERSION, "ok", result])
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if len(answer) > max_bytes:
+        return None
+    assert answer == F.encode([F.TAG, F.ANSWER_VERSION, "ok", result], plain=True)
+    return wire.encode_frame(answer)
+
+
+def reference_ok_result(answer: bytes) -> Any:
+    """The gateway's read of an answer: ``(result,)`` of an ok answer, None for an error
+    answer, the error's type for a malformed one."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(F, "_core_unpack", lambda data: None)
+        value = outcome(lambda: F.decode(answer, "response"))
+    if isinstance(value, list) and value[2] == "ok" and len(value) == 4:
+        return (value[3],)
+    return value if isinstance(value, type) else None
+
+
+@SETTINGS
+@given(result=payloads, max_bytes=st.integers(0, 300) | st.just(1 << 30))
+def test_answers_encode_to_the_same_frame_or_are_declined(result: Any, max_bytes: int) -> None:
+    """(A ``bytearray`` the reference packs, or nesting past 64, is declined.)"""
+    assert C is not None
+    got = C.chan_ok_frame(result, max_bytes)
+    if got is not None:
+        assert got == reference_ok_frame(result, max_bytes)
+
+
+@SETTINGS
+@given(result=plain)
+def test_plain_answers_are_taken(result: Any) -> None:
+    assert C is not None
+    got = C.chan_ok_frame(result, 1 << 30)
+    assert got is not None and got == reference_ok_frame(result, 1 << 30)
+
+
+@SETTINGS
+@given(result=plain)
+def test_valid_answers_read_alike(result: Any) -> None:
+    assert C is not None
+    answer = msgpack.packb([F.TAG, 1, "ok", result], use_bin_type=True)
+    got = C.chan_ok_result(answer)
+    assert got is not None and same(got[0], reference_ok_result(answer)[0])
+
+
+@SETTINGS
+@given(answer=hostile_envelopes())
+@example(answer=F.error_frame("handler", ValueError("x"), plain=True))
+@example(answer=msgpack.packb([F.TAG, 1, "ok", 1, 2]))
+@example(answer=msgpack.packb([F.TAG, 2, "ok", 1]))
+@example(answer=msgpack.packb([F.TAG, True, "ok", 1]))
+@example(answer=F.encode([F.TAG, 1, "ok", (1, 2)]))  # the serde's form
+def test_other_answers_are_declined_or_read_alike(answer: bytes) -> None:
+    assert C is not None
+    got = C.chan_ok_result(answer)
+    ref = reference_ok_result(answer)
+    if got is not None:
+        assert type(ref) is tuple and same(got[0], ref[0]), (answer, got, ref)
