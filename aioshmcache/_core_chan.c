@@ -709,6 +709,40 @@ write_row(Writer *w, PyObject *f)
     return write_ref(w, data);
 }
 
+/* A frame being written: its 8-byte prefix left for ``frame_end``, then ``start``. 0, or -1 (an
+ * error set). */
+static int
+frame_start(Writer *w, const char *start, Py_ssize_t n)
+{
+    w->len = 0, w->cap = 256;
+    if ((w->buf = PyMem_Malloc(256)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    w->len = 8;
+    return put(w, start, n);
+}
+
+/* The frame written (``rc`` 0) as bytes, its prefix set, followed by an empty frame if
+ * ``empty_after``; None if declined (``rc`` 1, or a frame over ``max_bytes``); NULL on an error
+ * (``rc`` -1). Frees the buffer. */
+static PyObject *
+frame_end(Writer *w, int rc, unsigned long long max_bytes, int empty_after)
+{
+    static const char none[8] = {0};
+    PyObject *out = NULL;
+    if (rc == 0 && (unsigned long long)(w->len - 8) <= max_bytes) {
+        put_le64(w->buf, (uint64_t)(w->len - 8));
+        if (!empty_after || put(w, none, 8) == 0)
+            out = PyBytes_FromStringAndSize(w->buf, w->len);
+    }
+    else if (rc >= 0) {
+        out = Py_NewRef(Py_None);
+    }
+    PyMem_Free(w->buf);
+    return out;
+}
+
 /* ``chan_call4_frames(payload, features, max_bytes)``: the version-4 call's two frames as one
  * buffer, or None (declined: the call is not version 4, or its frame exceeds ``max_bytes``) */
 static PyObject *
@@ -729,11 +763,10 @@ chan_call4_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t n = PySequence_Fast_GET_SIZE(features);
     if (n > MAX_FEATURES)
         Py_RETURN_NONE;
-    Writer w = {PyMem_Malloc(256), 0, 256};
+    Writer w;
+    int rc = frame_start(&w, start, sizeof start - 1);
     if (w.buf == NULL)
-        return PyErr_NoMemory();
-    w.len = 8; /* the call frame's prefix, set below */
-    int rc = put(&w, start, sizeof start - 1);
+        return NULL;
     if (rc == 0)
         rc = write_obj(&w, payload, 1);
     if (rc == 0)
@@ -741,18 +774,7 @@ chan_call4_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject **items = PySequence_Fast_ITEMS(features);
     for (Py_ssize_t i = 0; rc == 0 && i < n; i++)
         rc = write_row(&w, items[i]);
-    PyObject *out = NULL;
-    if (rc == 0 && (unsigned long long)(w.len - 8) <= max_bytes) {
-        put_le64(w.buf, (uint64_t)(w.len - 8));
-        static const char none[8] = {0};
-        if (put(&w, none, 8) == 0)
-            out = PyBytes_FromStringAndSize(w.buf, w.len);
-    }
-    else if (rc >= 0) {
-        out = Py_NewRef(Py_None);
-    }
-    PyMem_Free(w.buf);
-    return out;
+    return frame_end(&w, rc, max_bytes, 1);
 }
 
 /* ``chan_ok_frame(result, max_bytes)``: the frame of the plain answer
@@ -770,23 +792,13 @@ chan_ok_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     unsigned long long max_bytes = PyLong_AsUnsignedLongLong(args[1]);
     if (max_bytes == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
-    Writer w = {PyMem_Malloc(256), 0, 256};
+    Writer w;
+    int rc = frame_start(&w, start, sizeof start - 1);
     if (w.buf == NULL)
-        return PyErr_NoMemory();
-    w.len = 8; /* the prefix, set below */
-    int rc = put(&w, start, sizeof start - 1);
+        return NULL;
     if (rc == 0)
         rc = write_obj(&w, args[0], 1);
-    PyObject *out = NULL;
-    if (rc == 0 && (unsigned long long)(w.len - 8) <= max_bytes) {
-        put_le64(w.buf, (uint64_t)(w.len - 8));
-        out = PyBytes_FromStringAndSize(w.buf, w.len);
-    }
-    else if (rc >= 0) {
-        out = Py_NewRef(Py_None);
-    }
-    PyMem_Free(w.buf);
-    return out;
+    return frame_end(&w, rc, max_bytes, 0);
 }
 
 /* ``chan_ok_result(answer)``: ``(result,)`` of a plain answer
