@@ -827,12 +827,16 @@ class AsyncReceiverCache(_AsyncFace[Receiver]):
         """
         receiver = self.receiver
         below = self.inline_threshold_bytes
-        if len(features) == 1 and type(receiver) is ReceiverCache and not self._due():
-            got = receiver._read_one_feature(features, below)
-            if got is not None:
-                return got
+        if len(features) == 1 and type(receiver) is ReceiverCache:
+            due = self._due()  # asked once: ``_drive``'s steps follow, without asking again
+            if not due:
+                got = receiver._read_one_feature(features, below)
+                if got is not None:
+                    return got
             req = receiver._request(features, copy_inline_below=below)
-            if self._begin(req):  # what ``_drive`` does when no yield is due (counted above)
+            if due:
+                await self._yield_then_run(req)
+            elif self._begin(req):
                 await self._run_jobs(req)
             return req.finish()
         req = receiver._request(features, copy_inline_below=below)
