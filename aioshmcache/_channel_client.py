@@ -20,9 +20,10 @@ import anyio
 from anyio.abc import AsyncResource
 
 from ._channel_conn import FrameConnection
-from ._channel_format import call_frames, decode, raise_error
+from ._channel_format import call_frames, decode, framed_call, raise_error
 from ._channel_keeper import WorkerKeeper
 from ._channel_pool import PoolBook
+from ._core_api import core
 from ._types import FeatureSpec, ShmRef
 from .errors import (
     CacheMissError,
@@ -40,6 +41,7 @@ from .wire import DEFAULT_MAX_FRAME_BYTES
 __all__ = ["ChannelStats", "EngineClient", "Items", "SenderLike"]
 
 _SEND_TRIES: Final = 3
+ok_result = core.chan_ok_result  # ``(result,)`` of a plain ok answer, or None (``_core_chan``)
 
 Items = Mapping[str, Any] | Callable[[str], Any]
 
@@ -324,11 +326,17 @@ class EngineClient(AsyncResource):
         refs = [f.data for f in features if isinstance(f.data, ShmRef)]
         sent = _Sent()
         try:
-            try:
-                frames = call_frames(payload, features)
-            except (SerdeError, WireError, TypeError) as exc:
-                raise WireError(f"the call cannot be encoded: {exc}") from exc
+            frames: tuple[bytes, bytes] | bytes | None
+            frames = framed_call(payload, features, self.max_frame_bytes)
+            if frames is None:
+                try:
+                    frames = call_frames(payload, features)
+                except (SerdeError, WireError, TypeError) as exc:
+                    raise WireError(f"the call cannot be encoded: {exc}") from exc
             answer = await self._exchange(frames, deadline, sent)
+            ok = ok_result(answer)  # the usual answer, compiled
+            if ok is not None:
+                return ok[0]
             value = decode(answer, "response")
             if value[2] == "ok" and len(value) == 4:
                 return value[3]
@@ -356,7 +364,9 @@ class EngineClient(AsyncResource):
                 if await self.cache.release(ref):
                     self._released += 1
 
-    async def _exchange(self, frames: tuple[bytes, bytes], deadline: float, sent: _Sent) -> bytes:
+    async def _exchange(
+        self, frames: tuple[bytes, bytes] | bytes, deadline: float, sent: _Sent
+    ) -> bytes:
         """Write the call's frames on a pooled connection and read the answer, by ``deadline``.
 
         Each wait below carries the deadline itself (on the loop's clock): the usual call (an
@@ -408,11 +418,15 @@ class EngineClient(AsyncResource):
             ) from None
 
     async def _send(
-        self, conn: FrameConnection, frames: tuple[bytes, bytes], sent: _Sent, at: float
+        self, conn: FrameConnection, frames: tuple[bytes, bytes] | bytes, sent: _Sent, at: float
     ) -> None:
-        if len(frames[0]) > self.max_frame_bytes or len(frames[1]) > self.max_frame_bytes:
-            raise WireError(f"the call exceeds max_frame_bytes={self.max_frame_bytes}")
-        conn.write(frames)
+        """Write the call: its two frames, or (``bytes``) the frames ``framed_call`` made."""
+        if isinstance(frames, bytes):
+            conn.write_framed(frames)
+        else:
+            if len(frames[0]) > self.max_frame_bytes or len(frames[1]) > self.max_frame_bytes:
+                raise WireError(f"the call exceeds max_frame_bytes={self.max_frame_bytes}")
+            conn.write(frames)
         try:
             await conn.drain(at)
         except BaseException:

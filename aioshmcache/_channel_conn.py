@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Sequence
-from typing import Final, cast
+from typing import Any, Final, cast
 
 from .errors import EndOfFramesError, FrameError, FrameTooLargeError, IncompleteFrameError
 from .wire import Buffer, FrameDecoder, frame_parts
@@ -48,6 +48,9 @@ class FrameConnection(asyncio.Protocol):
         self._deadline: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        #: a whole call cut and decoded as it arrived (the worker's: ``_channel_server``),
+        #: served before any frame received after it
+        self.call: tuple[Any, list[Any]] | None = None
 
     # --- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -110,13 +113,23 @@ class FrameConnection(asyncio.Protocol):
 
     def started(self) -> bool:
         """Whether any byte of a frame is waiting (or reading has ended)."""
-        return bool(self._frames) or self._decoder.pending > 0 or self.error is not None
+        return (
+            bool(self._frames)
+            or self.call is not None
+            or self._decoder.pending > 0
+            or self.error is not None
+        )
 
     async def wait_started(self) -> None:
         """Wait until a byte of a frame arrives; raise the error if reading ended first."""
         while not self.started():
             await self._waiter_future()
-        if not self._frames and self._decoder.pending == 0 and self.error is not None:
+        if (
+            not self._frames
+            and self.call is None
+            and self._decoder.pending == 0
+            and self.error is not None
+        ):
             raise self.error
 
     async def next_frame(self, deadline: float | None = None) -> bytes:
@@ -160,6 +173,12 @@ class FrameConnection(asyncio.Protocol):
             self.transport.write(parts[0])
         else:
             self.transport.writelines(parts)
+
+    def write_framed(self, data: bytes) -> None:
+        """Queue ``data``, frames already made (``_channel_format.framed_call``'s)."""
+        if self.transport is None:
+            raise ConnectionResetError("not connected")
+        self.transport.write(data)
 
     async def drain(self, deadline: float | None = None) -> None:
         """Wait while the transport has paused writing; ``ConnectionResetError`` if it closed;

@@ -54,6 +54,7 @@ from typing import Any, Final
 import msgpack
 
 from . import wire
+from ._core_api import core
 from ._serde import MsgpackSerde
 from ._types import FeatureSpec, ShmRef
 from .errors import (
@@ -75,6 +76,7 @@ __all__ = [
     "TAG",
     "call_envelope",
     "call_frames",
+    "framed_call",
     "decode",
     "decode_call",
     "encode",
@@ -109,6 +111,12 @@ _KIND_ERRORS: Final[dict[str, type[ShmCacheError]]] = {
     "bad_request": WireError,
     "bad_response": WireError,
 }
+# the compiled steps (``_core_chan.c``): each declines (None, nothing done) for anything but the
+# usual case, which this module's own functions, their reference, then handle
+core.configure_chan(FeatureSpec, ShmRef)
+_core_unpack = core.chan_unpack
+_core_call4 = core.chan_call4
+_core_call4_frames = core.chan_call4_frames
 
 
 def encode(value: object, *, plain: bool = True) -> bytes:
@@ -130,8 +138,11 @@ def encode(value: object, *, plain: bool = True) -> bytes:
 
 def decode(data: bytes, what: str, versions: Sequence[int] = (ANSWER_VERSION,)) -> list[Any]:
     """An envelope in either form, checked to be the channel's (``WireError`` otherwise)."""
+    value: Any
     if wire.is_plain(data):
-        value = wire.unpack_bounded(data, maps=True)
+        value = _core_unpack(data)
+        if value is None:
+            value = wire.unpack_bounded(data, maps=True)
     else:
         try:
             value = _SERDE.read(memoryview(data), copy=False)
@@ -179,6 +190,13 @@ def call_frames(payload: Any, features: Sequence[FeatureSpec]) -> tuple[bytes, b
     return call_envelope(payload), pack_call_features(list(features))
 
 
+def framed_call(payload: Any, features: Sequence[FeatureSpec], max_bytes: int) -> bytes | None:
+    """The version-4 call's two frames as one buffer to write (the compiled core), or None:
+    the caller takes :func:`call_frames` (not version 4, a frame over ``max_bytes``, or the
+    pure core)."""
+    return _core_call4_frames(payload, features, max_bytes)
+
+
 def _one_message(payload: Any, features: Sequence[FeatureSpec]) -> bytes | None:
     """The version-4 call, or None when the call does not fit it."""
     if len(features) > MAX_FEATURES:
@@ -213,6 +231,10 @@ def _one_message(payload: Any, features: Sequence[FeatureSpec]) -> bytes | None:
 
 def decode_call(head: bytes, body: bytes) -> tuple[int, Any, list[FeatureSpec]]:
     """A call's frames as (version, payload, features); ``WireError`` or ``SerdeError``."""
+    if not body:
+        got = _core_call4(head)  # the usual call, compiled
+        if got is not None:
+            return ONE_MESSAGE_VERSION, got[0], got[1]
     if wire.is_plain(head):
         value = wire.unpack_bounded(head, maps=True)
         if (

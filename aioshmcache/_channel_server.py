@@ -23,6 +23,7 @@ import anyio
 from ._channel_conn import FrameConnection
 from ._channel_format import (
     ANSWER_VERSION,
+    ONE_MESSAGE_VERSION,
     PLAIN_ANSWER_FROM,
     TAG,
     decode_call,
@@ -30,6 +31,7 @@ from ._channel_format import (
     error_frame,
 )
 from ._channel_keeper import release_path, take_path
+from ._core_api import core
 from ._types import FeatureSpec
 from .errors import (
     CacheMissError,
@@ -52,6 +54,8 @@ _STOP_GRACE_S: Final = 10.0
 _IDLE_TIMEOUT_S: Final = 10.0  # a connection's whole call must arrive within this
 _FULL_WARN_S: Final = 10.0  # at most one "max_connections reached" warning this often
 _timeout = asyncio.timeout  # 10-17 us a call here, anyio.fail_after 35-95 us
+take_call = core.chan_take_call  # a version-4 call's two frames cut and decoded (``_core_chan``)
+ok_frame = core.chan_ok_frame  # a plain ok answer encoded and framed (``_core_chan``)
 
 Handler = Callable[[list[FeatureSpec], Any], Awaitable[Any]]
 
@@ -80,6 +84,22 @@ class _ServerConnection(FrameConnection):
         task = asyncio.get_running_loop().create_task(self._worker.connection(self))
         self._worker.tasks.add(task)
         task.add_done_callback(self._worker.tasks.discard)
+
+    def data_received(self, data: bytes) -> None:
+        """Bytes that are exactly one version-4 call's two frames, with nothing else waiting,
+        are cut and decoded in one core call (``chan_take_call``) and kept as ``call``; any
+        other bytes are cut into frames as they arrive (``FrameConnection``)."""
+        if (
+            self.call is None
+            and not self._frames
+            and self.error is None
+            and self._decoder.pending == 0
+            and (call := take_call(data, self.max_frame_bytes)) is not None
+        ):
+            self.call = call
+            self._wake()
+            return
+        super().data_received(data)
 
     def eof_received(self) -> bool:
         """The peer ended its side: the calls it sent whole before are still answered (as a
@@ -196,15 +216,30 @@ class _Worker:
                         self.fresh.pop(task, None)
                 self.busy.add(task)
                 try:
-                    if conn.has_frames(2):  # the whole call is in: no deadline needed
-                        head, body = conn.take(), conn.take()
+                    call: tuple[int, Any, list[FeatureSpec]] | bytes
+                    if conn.call is not None:  # cut and decoded as it arrived
+                        payload, features = conn.call
+                        conn.call = None
+                        call = (ONE_MESSAGE_VERSION, payload, features)
+                        self.calls += 1
                     else:
-                        async with _timeout(self.idle_timeout):  # the rest of the call
-                            head = await conn.next_frame()
-                            body = await conn.next_frame()
+                        if conn.has_frames(2):  # the whole call is in: no deadline needed
+                            head, body = conn.take(), conn.take()
+                        else:
+                            async with _timeout(self.idle_timeout):  # the rest of the call
+                                head = await conn.next_frame()
+                                body = await conn.next_frame()
+                        call = self.decode(head, body)
                     proven = True
-                    answer = await self.serve_call(head, body)
-                    conn.write((answer,))
+                    answer: bytes | tuple[bytes]
+                    if type(call) is bytes:
+                        answer = call
+                    else:
+                        answer = await self.serve_call(*call)
+                    if isinstance(answer, tuple):  # its frame already made (``_handle``)
+                        conn.write_framed(answer[0])
+                    else:
+                        conn.write((answer,))
                     await conn.drain()
                 finally:
                     self.busy.discard(task)
@@ -239,13 +274,19 @@ class _Worker:
             return True
         return False
 
-    async def serve_call(self, head: bytes, body: bytes) -> bytes:
-        """One call's answer: decode, read the features, run the handler, encode its result."""
+    def decode(self, head: bytes, body: bytes) -> tuple[int, Any, list[FeatureSpec]] | bytes:
+        """A call's frames as (version, payload, features), or the ``bad_request`` answer."""
         self.calls += 1
         try:
-            version, payload, features = decode_call(head, body)
+            return decode_call(head, body)
         except (SerdeError, WireError) as exc:
             return error_frame("bad_request", exc, unread=True)
+
+    async def serve_call(
+        self, version: int, payload: Any, features: list[FeatureSpec]
+    ) -> bytes | tuple[bytes]:
+        """One call's answer: read the features, run the handler, encode its result (as
+        ``_handle`` returns it)."""
         plain = version >= PLAIN_ANSWER_FROM
         if not self.limit.take():
             await self.limit.wait()
@@ -277,7 +318,9 @@ class _Worker:
         finally:
             self.limit.give()
 
-    async def _handle(self, items: list[FeatureSpec], payload: Any, plain: bool) -> bytes:
+    async def _handle(
+        self, items: list[FeatureSpec], payload: Any, plain: bool
+    ) -> bytes | tuple[bytes]:
         """Run the handler and encode its result (inside a lease, before the views go).
 
         Whatever the handler raises becomes a ``handler`` error frame, ``BaseException``s
@@ -294,6 +337,10 @@ class _Worker:
                 raise
             log.error("the engine handler raised %s", type(exc).__name__, exc_info=exc)
             raise _HandlerFailed(error_frame("handler", exc, plain=plain)) from exc
+        if plain:  # the usual answer: encoded and framed in one core call, ``(frame,)``
+            framed = ok_frame(result, self.max_frame_bytes)
+            if framed is not None:
+                return (framed,)
         try:
             answer = encode([TAG, ANSWER_VERSION, "ok", result], plain=plain)
         except (SerdeError, WireError, TypeError) as exc:

@@ -376,6 +376,8 @@ core_exec(PyObject *m)
         return -1;
     if (aioshm_spec_methods != NULL && PyModule_AddFunctions(m, aioshm_spec_methods) < 0)
         return -1;
+    if (aioshm_chan_methods != NULL && PyModule_AddFunctions(m, aioshm_chan_methods) < 0)
+        return -1;
     return 0;
 }
 

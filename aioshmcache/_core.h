@@ -110,5 +110,7 @@ extern PyMethodDef aioshm_read_methods[] __attribute__((weak));
 extern int aioshm_read_init(PyObject *module) __attribute__((weak));
 /* The specs of a sender's request over features (``_core_spec.c``). */
 extern PyMethodDef aioshm_spec_methods[] __attribute__((weak));
+/* The channel's per-call steps (``_core_chan.c``). */
+extern PyMethodDef aioshm_chan_methods[] __attribute__((weak));
 
 #endif

@@ -21,7 +21,15 @@ __all__ = [
     "MapState",
     "ReadCtx",
     "RingState",
+    "chan_call4",
+    "chan_call4_frames",
+    "chan_cut",
+    "chan_ok_frame",
+    "chan_ok_result",
+    "chan_take_call",
+    "chan_unpack",
     "configure",
+    "configure_chan",
     "configure_evict",
     "configure_hand_out",
     "configure_plan",
@@ -290,6 +298,57 @@ class MapState:
     __slots__ = ("mask", "n")
     mask: int
     n: int
+
+
+# --- the channel section (``_core_chan.c``): its reference is the channel's own modules ----------
+
+
+def configure_chan(spec_type: type, ref_type: type) -> None:
+    """Name the classes the channel's call steps know (``FeatureSpec``, ``ShmRef``; nothing
+    here)."""
+
+
+def chan_cut(data: object, max_bytes: int) -> tuple[list[bytes], int] | None:
+    """The whole frames at the start of ``data``, which may decline: here it always does
+    (``wire.FrameDecoder`` is the reference)."""
+    return None
+
+
+def chan_unpack(data: object) -> list[Any] | None:
+    """A plain envelope under the bounded unpack's rules, which may decline: here it always
+    does (``wire.unpack_bounded`` is the reference)."""
+    return None
+
+
+def chan_call4(head: object) -> tuple[Any, list[Any]] | None:
+    """A version-4 call's ``(payload, features)``, which may decline: here it always does
+    (``_channel_format.decode_call`` is the reference)."""
+    return None
+
+
+def chan_take_call(data: object, max_bytes: int) -> tuple[Any, list[Any]] | None:
+    """A version-4 call's ``(payload, features)`` from its two frames' bytes, which may
+    decline: here it always does (``wire.FrameDecoder`` then ``decode_call`` are the
+    reference)."""
+    return None
+
+
+def chan_ok_frame(result: object, max_bytes: int) -> bytes | None:
+    """The plain ok answer's frame, which may decline: here it always does
+    (``_channel_format.encode`` and ``wire.frame_parts`` are the reference)."""
+    return None
+
+
+def chan_ok_result(answer: object) -> tuple[Any] | None:
+    """``(result,)`` of a plain ok answer, which may decline: here it always does
+    (``_channel_format.decode`` is the reference)."""
+    return None
+
+
+def chan_call4_frames(payload: object, features: object, max_bytes: int) -> bytes | None:
+    """A version-4 call's two frames as one buffer, which may decline: here it always does
+    (``_channel_format.call_frames`` is the reference)."""
+    return None
 
 
 # --- the read section (``_core_read.c``): its reference is ``_core_read_py`` ---------------------

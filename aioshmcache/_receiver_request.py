@@ -28,7 +28,7 @@ from ._store_reader import StoreReader
 from ._types import FeatureSpec, ShmRef
 from .errors import CacheMissError, InvalidReferenceError, ShmCacheError, StaleReferenceError
 
-__all__ = ["ReceiverRequest", "genuine", "read_one", "single_item"]
+__all__ = ["ReceiverRequest", "genuine", "read_one", "read_one_feature", "single_item"]
 
 _NO_OWED: Final = cast("dict[int, ShmRef]", MappingProxyType({}))
 
@@ -384,6 +384,33 @@ def read_one(store: StoreReader, counters: RequestCounters, mm_item: Any, mm_has
     if value is not None:
         counters.add(hits=1, total=1)
     return value
+
+
+def read_one_feature(
+    store: StoreReader, counters: RequestCounters, features: Sequence[object], inline_below: int
+) -> list[FeatureSpec] | None:
+    """``get_and_update_features``'s usual one-spec case in one core call (:func:`read_one`): a
+    single ``FeatureSpec`` whose data is a reference of fewer than ``inline_below`` bytes (the
+    request reads it in ``begin``). Its new spec, as the request's ``finish`` makes it, or
+    ``None`` when the request must run (nothing done, nothing counted then).
+
+    A reference reclaimed during the copy is counted and raised as the request raises it (a
+    ``CacheMissError`` whose ``features`` hold the spec without data); any other failure gives
+    the reference back, as the request's roll back does.
+    """
+    if len(features) != 1:
+        return None
+    f = features[0]
+    if type(f) is not FeatureSpec:
+        return None
+    ref = f.data
+    if type(ref) is not ShmRef or type(ref.length) is not int or ref.length >= inline_below:
+        return None
+    try:
+        value = read_one(store, counters, ref, f.mm_hash)
+    except StaleReferenceError:
+        raise CacheMissError([f.mm_hash], features=[f.with_data(None)]) from None
+    return None if value is None else [f.with_data(value)]
 
 
 def genuine(store: StoreReader, ref: ShmRef) -> bool:

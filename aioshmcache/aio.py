@@ -819,8 +819,27 @@ class AsyncReceiverCache(_AsyncFace[Receiver]):
         return self.receiver.make_stats(delta=delta)
 
     async def get_and_update_features(self, features: Sequence[FeatureSpec]) -> list[FeatureSpec]:
-        """As ``ReceiverCache.get_and_update_features``; big copies run in a worker thread."""
-        req = self.receiver._request(features, copy_inline_below=self.inline_threshold_bytes)
+        """As ``ReceiverCache.get_and_update_features``; big copies run in a worker thread.
+
+        One spec of a plain item below the threshold, when no yield is due, is read in one core
+        call (``ReceiverCache._read_one_feature``, as the sync face reads it); anything else by
+        the request.
+        """
+        receiver = self.receiver
+        below = self.inline_threshold_bytes
+        if len(features) == 1 and type(receiver) is ReceiverCache:
+            due = self._due()  # asked once: ``_drive``'s steps follow, without asking again
+            if not due:
+                got = receiver._read_one_feature(features, below)
+                if got is not None:
+                    return got
+            req = receiver._request(features, copy_inline_below=below)
+            if due:
+                await self._yield_then_run(req)
+            elif self._begin(req):
+                await self._run_jobs(req)
+            return req.finish()
+        req = receiver._request(features, copy_inline_below=below)
         if (pending := self._drive(req)) is not None:
             await pending
         return req.finish()

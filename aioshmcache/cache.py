@@ -25,7 +25,7 @@ from . import _request
 from ._group import Siblings, open_shard
 from ._group_receiver import GroupReceiverRequest, GroupShards
 from ._layout import check_group
-from ._receiver_request import ReceiverRequest, read_one
+from ._receiver_request import ReceiverRequest, read_one, read_one_feature
 from ._request import (
     DEFAULT_INLINE_THRESHOLD,
     MmItem,
@@ -658,6 +658,21 @@ class ReceiverCache(_Cache, Receiver):
             copy=copy,
             copy_inline_below=copy_inline_below,
         )
+
+    def get_and_update_features(self, features: Sequence[FeatureSpec]) -> list[FeatureSpec]:
+        """As ``Receiver.get_and_update_features``. (One spec of a plain item in one core call,
+        ``_receiver_request.read_one_feature``; anything else by the request.)"""
+        got = self._read_one_feature(features, _READ_IN_BEGIN)
+        if got is not None:
+            return got
+        return super().get_and_update_features(features)
+
+    def _read_one_feature(
+        self, features: Sequence[FeatureSpec], inline_below: int
+    ) -> list[FeatureSpec] | None:
+        """``_receiver_request.read_one_feature`` on this reader: the new spec, or None (the
+        request must run; nothing done)."""
+        return read_one_feature(self.store, self._counters, features, inline_below)
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
         """A reference becomes its item (a copy); inline data is returned unchanged.

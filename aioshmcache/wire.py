@@ -68,6 +68,7 @@ import anyio
 import msgpack
 from anyio.abc import AnyByteSendStream, ByteReceiveStream
 
+from ._core_api import core
 from ._serde import MsgpackSerde
 from ._serde.decode import unpack_bounded as _unpack_bounded
 from ._types import FeatureSpec, ShmRef, as_reference
@@ -118,6 +119,7 @@ _MAX_NDIM = 32
 _MAX_DEPTH = 64
 _MAX_FEATURES = 4096
 _MAX_CONTAINERS = 1 << 15
+_core_cut = core.chan_cut  # ``FrameDecoder._cut`` compiled (``_core_chan.c``), or declining
 #: first bytes of a msgpack array (fixarray, array 16, array 32): a message in the plain form
 _MSGPACK_ARRAY_FIRST = frozenset((*range(0x90, 0xA0), 0xDC, 0xDD))
 
@@ -499,6 +501,9 @@ class FrameDecoder:
 
     def _cut(self, src: bytes | memoryview, size: int) -> tuple[list[bytes], int]:
         """The whole frames at the start of ``src``, and where the rest begins."""
+        cut = _core_cut(src, self.max_bytes)  # compiled; None for an over-long declared frame
+        if cut is not None:
+            return cut
         frames: list[bytes] = []
         pos = 0
         while size - pos >= FRAME_PREFIX_BYTES:

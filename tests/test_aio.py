@@ -380,6 +380,35 @@ async def test_a_stream_of_hits_does_not_starve_the_loop(make_config: Any) -> No
         assert ticks >= calls // CHECKPOINT_EVERY - 1
 
 
+async def test_a_stream_of_one_spec_reads_does_not_starve_the_loop(make_config: Any) -> None:
+    """A reader's one-spec reads by reference (one core call each when no yield is due) still
+    let the other tasks run at least once per ``CHECKPOINT_EVERY`` reads."""
+    async with (
+        AsyncSenderCache.from_config(make_config()) as cache,
+        AsyncReceiverCache.attach(cache.handle()) as rx,
+    ):
+        await cache.get_and_update_item(({"a": np.arange(8)}, ()), "h")
+        calls = 10 * CHECKPOINT_EVERY
+        specs = [
+            (await cache.get_and_update_features([FeatureSpec("h", None)]))[0] for _ in range(calls)
+        ]
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await anyio.lowlevel.checkpoint()
+                ticks += 1
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            for f in specs:
+                [got] = await rx.get_and_update_features([f])
+                assert got.data["a"].tolist() == list(range(8))
+            tg.cancel_scope.cancel()
+        assert ticks >= calls // CHECKPOINT_EVERY - 1
+
+
 async def _turns_of_others(cache: AsyncSenderCache, calls: int) -> int:
     """How often another task ran while this one made ``calls`` hits of "h" in a row."""
     ticks = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -169,14 +169,9 @@ def test_a_one_message_call_is_features_or_a_wire_error(head: bytes) -> None:
         assert f.data is None or (type(f.data) is ShmRef and all(type(v) is int for v in f.data))
 
 
-async def test_a_one_message_call_is_served_with_a_plain_answer(
-    make_config: Callable[..., Any], tmp_path: Path
-) -> None:
-    """Written by hand on a socket, as a gateway of this version does: read, acknowledged,
-    answered in plain msgpack; a reference's eight ints cross as they were."""
-    from aioshmcache.wire import encode_frame, read_frame
-
-    sock = tmp_path / "e.sock"
+@contextlib.asynccontextmanager
+async def _worker(make_config: Callable[..., Any], sock: Path) -> AsyncIterator[AsyncSenderCache]:
+    """A writer's cache, and an engine worker serving ``handler`` on ``sock`` with its reader."""
     async with (
         AsyncSenderCache.from_config(make_config(4 << 20)) as cache,
         AsyncReceiverCache.attach(cache.handle()) as rx,
@@ -185,29 +180,41 @@ async def test_a_one_message_call_is_served_with_a_plain_answer(
         task = asyncio.create_task(serve_engine(sock, handler, rx, ready=ready.set))
         try:
             await asyncio.wait_for(ready.wait(), 10)
-            item = {"x": np.arange(256, dtype=np.float32)}
-            [f] = await cache.get_and_update_features([FeatureSpec("h", item)])
-            reader, writer = await asyncio.open_unix_connection(str(sock))
-            try:
-                row = ["h", None, _U64X8.pack(*f.data)]
-                writer.write(encode_frame(_v4([row], {"op": "echo", "n": 1})) + encode_frame(b""))
-                await writer.drain()
-                answer = await asyncio.wait_for(read_frame(reader), 30)
-                assert answer[:4] != b"ASHM"  # plain msgpack (the echo's result allows it)
-                value = decode(answer, "response")
-                assert value[2] == "ok" and value[3]["payload"] == {"op": "echo", "n": 1}
-            finally:
-                writer.close()
-            assert cache.snapshot().readers[0].lag == 0  # read and acknowledged
-            async with EngineClient.connect(sock, cache=cache) as engine:  # and by the client
-                [g] = await cache.get_and_update_features([FeatureSpec("h", None)])
-                out = await engine.call([g], {"op": "crc"}, timeout=30)
-                assert out["crcs"] == [crc(item["x"])]
-            assert cache.snapshot().readers[0].lag == 0
+            yield cache
         finally:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+
+
+async def test_a_one_message_call_is_served_with_a_plain_answer(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Written by hand on a socket, as a gateway of this version does: read, acknowledged,
+    answered in plain msgpack; a reference's eight ints cross as they were."""
+    from aioshmcache.wire import encode_frame, read_frame
+
+    sock = tmp_path / "e.sock"
+    async with _worker(make_config, sock) as cache:
+        item = {"x": np.arange(256, dtype=np.float32)}
+        [f] = await cache.get_and_update_features([FeatureSpec("h", item)])
+        reader, writer = await asyncio.open_unix_connection(str(sock))
+        try:
+            row = ["h", None, _U64X8.pack(*f.data)]
+            writer.write(encode_frame(_v4([row], {"op": "echo", "n": 1})) + encode_frame(b""))
+            await writer.drain()
+            answer = await asyncio.wait_for(read_frame(reader), 30)
+            assert answer[:4] != b"ASHM"  # plain msgpack (the echo's result allows it)
+            value = decode(answer, "response")
+            assert value[2] == "ok" and value[3]["payload"] == {"op": "echo", "n": 1}
+        finally:
+            writer.close()
+        assert cache.snapshot().readers[0].lag == 0  # read and acknowledged
+        async with EngineClient.connect(sock, cache=cache) as engine:  # and by the client
+            [g] = await cache.get_and_update_features([FeatureSpec("h", None)])
+            out = await engine.call([g], {"op": "crc"}, timeout=30)
+            assert out["crcs"] == [crc(item["x"])]
+        assert cache.snapshot().readers[0].lag == 0
 
 
 async def test_a_connection_s_one_timer_enforces_every_wait_s_own_deadline() -> None:
@@ -310,3 +317,67 @@ async def test_at_most_max_concurrency_handlers_run_at_once(tmp_path: Path) -> N
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def test_a_call_received_whole_is_cut_and_decoded_in_one_core_call(
+    make_config: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the C core the worker takes a version-4 call that arrives in one read with one core
+    call (``chan_take_call``: no frame queued, no separate decode), and answers it as it answers
+    the frames; its plain answer is encoded and framed, and read by the gateway, in one core call
+    each; a call cut into pieces, or two calls in one read, take the frame path and are
+    answered alike, in order."""
+    import aioshmcache
+    from aioshmcache import _channel_client, _channel_server
+    from aioshmcache.wire import encode_frame, read_frame
+
+    taken: list[bool] = []
+    take = _channel_server.take_call
+
+    def counting(data: bytes, max_bytes: int) -> Any:
+        got = take(data, max_bytes)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(_channel_server, "take_call", counting)
+    answered: list[bool] = []  # the answer encoded and framed, then read, in one core call each
+    ok_frame, ok_result = _channel_server.ok_frame, _channel_client.ok_result
+
+    def framing(result: Any, max_bytes: int) -> Any:
+        got = ok_frame(result, max_bytes)
+        answered.append(got is not None)
+        return got
+
+    def reading(answer: bytes) -> Any:
+        got = ok_result(answer)
+        answered.append(got is not None)
+        return got
+
+    monkeypatch.setattr(_channel_server, "ok_frame", framing)
+    monkeypatch.setattr(_channel_client, "ok_result", reading)
+    sock = tmp_path / "e.sock"
+    async with _worker(make_config, sock) as cache:
+        item = {"x": np.arange(300, dtype=np.float32)}
+        [f] = await cache.get_and_update_features([FeatureSpec("h", item)])
+        async with EngineClient.connect(sock, cache=cache) as engine:
+            out = await engine.call([f], {"op": "crc"}, timeout=30)
+            assert out["crcs"] == [crc(item["x"])]
+        assert taken and taken[-1] is (aioshmcache.implementation() == "c")
+        reader, writer = await asyncio.open_unix_connection(str(sock))
+        try:
+            calls = []
+            for n in range(2):
+                [g] = await cache.get_and_update_features([FeatureSpec("h", None)])
+                row = ["h", None, _U64X8.pack(*g.data)]
+                calls.append(encode_frame(_v4([row], {"op": "echo", "n": n})) + encode_frame(b""))
+            writer.write(calls[0][:7])  # a call in pieces, then the next one with its end
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(calls[0][7:] + calls[1])
+            await writer.drain()
+            for n in range(2):
+                value = decode(await asyncio.wait_for(read_frame(reader), 30), "response")
+                assert value[2] == "ok" and value[3]["payload"] == {"op": "echo", "n": n}
+        finally:
+            writer.close()
+        assert cache.snapshot().readers[0].lag == 0  # every call read and acknowledged

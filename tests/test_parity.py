@@ -430,3 +430,102 @@ def test_a_failed_copy_on_the_one_item_path_leaves_nothing(make_config: Any) -> 
             tx.remove_dangling_items()
             snap = tx.snapshot()
             assert (snap.items, snap.bytes_used, snap.misses) == (0, 0, 1)
+
+
+async def _one_spec_reads(
+    tx: SenderCache, read: Callable[[list[FeatureSpec]], Awaitable[list[FeatureSpec]]]
+) -> list[Any]:
+    """What a reader's caller sees of one-spec ``get_and_update_features`` calls (each result
+    or error, then the reader's counters and the writer's view of its acknowledgements)."""
+    rng = np.random.default_rng(5)
+    seen: list[Any] = []
+
+    async def step(f: FeatureSpec) -> None:
+        try:
+            [out] = await read([f])
+        except (CacheMissError, InvalidReferenceError, TypeError) as exc:
+            features = getattr(exc, "features", None)
+            seen.append(("raised", type(exc).__name__, str(exc), features))
+            return
+        data = out.data
+        body = (checksum(data["data"]), data["crc"]) if isinstance(data, dict) else data
+        seen.append(("ok", out.mm_hash, out.identifier, out.prompt_updates, body))
+
+    def hand_out(h: str, nbytes: int) -> FeatureSpec:
+        item = random_item(rng, nbytes)
+        [f] = tx.get_and_update_features([FeatureSpec(h, item)])
+        return f
+
+    await step(hand_out("w", KiB))  # the first read probes the writer: the request's way
+    a = hand_out("a", 2 * KiB)
+    await step(FeatureSpec("a", a.data, identifier="img-a"))  # the usual read
+    await step(FeatureSpec("inline", "x"))  # inline: unchanged
+    await step(FeatureSpec("a", None))  # no data: unchanged
+    big = hand_out("big", 40 * KiB)
+    await step(big)  # over the async face's threshold below: a copy job there
+    forged = a.data._replace(tag=a.data.tag ^ 1)
+    await step(FeatureSpec("a", forged))  # InvalidReferenceError
+    await step(FeatureSpec(7, a.data))  # type: ignore[arg-type]  # a hash that is not a str
+    stale = hand_out("b", KiB)
+    tx.clear()
+    await step(stale)  # CacheMissError, its spec without data in ``features``
+    c = hand_out("c", KiB)
+    await step(c)
+    seen.append(tx.store.reader_info())
+    return seen
+
+
+async def test_a_one_spec_read_is_a_one_spec_request(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``get_and_update_features`` of one spec by reference, sync and async, reads it in one core
+    call (``_receiver_request.read_one_feature``, no ``ReceiverRequest``) where the core reads
+    (the C core); the answers, errors, counters and acknowledgements equal the request's."""
+    import aioshmcache
+    import aioshmcache.cache as cache_module
+    from aioshmcache._receiver_request import ReceiverRequest
+
+    made: list[int] = []
+
+    class Counting(ReceiverRequest):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(cache_module, "ReceiverRequest", Counting)
+    # which path a read takes must not depend on time: no yield falls due on the async face
+    # (every ~0.5 ms otherwise), and the writer's liveness probe (every 0.25 s otherwise, the
+    # core declining the read that is due to probe) is not due either
+    monkeypatch.setattr(AsyncReceiverCache, "_due", lambda self: False)
+    outcomes: dict[str, list[Any]] = {}
+    requests: dict[str, int] = {}
+    for face in ("sync", "async"):
+        for path in ("one_spec", "request"):
+            kind = f"{face}-{path}"
+            cfg = make_config(512 * KiB, 100 * KiB, 1, name=f"{make_config().name}-{kind}")
+            with monkeypatch.context() as m:
+                if path == "request":
+                    m.setattr(cache_module, "read_one_feature", lambda *a: None)
+                with SenderCache(cfg) as tx, ReceiverCache.attach(tx.handle()) as rx:
+                    rx.store.read_path.probe_interval = 3600.0
+                    made.clear()
+                    if face == "sync":
+
+                        async def read(fs: list[FeatureSpec]) -> list[FeatureSpec]:
+                            return rx.get_and_update_features(fs)
+
+                        outcomes[kind] = await _one_spec_reads(tx, read)
+                    else:
+                        async with AsyncReceiverCache(rx, inline_threshold_bytes=32 * KiB) as arx:
+                            outcomes[kind] = await _one_spec_reads(tx, arx.get_and_update_features)
+                    outcomes[kind].append(rx.make_stats())
+                    requests[kind] = len(made)
+    assert outcomes["sync-one_spec"] == outcomes["sync-request"]
+    assert outcomes["async-one_spec"] == outcomes["async-request"]
+    assert outcomes["sync-request"][1][0] == "ok" and outcomes["sync-request"][7][0] == "raised"
+    assert requests["sync-request"] == requests["async-request"] == 9  # one per read
+    if aioshmcache.implementation() == "c":
+        # the two usual reads and the sync face's big one take no request (the core declines
+        # the stale and the forged reference: the request raises their errors)
+        assert requests["sync-one_spec"] == 9 - 3
+        assert requests["async-one_spec"] == 9 - 2

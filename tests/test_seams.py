@@ -42,8 +42,9 @@ ALLOWED_REACHES: dict[str, str] = {
     "aio.py: self._wrapped()._request": "the async twin drives the wrapped sync sender",
     "aio.py: self._wrapped()._features_request": "the async twin drives the wrapped sync sender",
     "aio.py: self._wrapped()._put_one": "the async twin drives the wrapped sync sender",
-    "aio.py: self.receiver._request": "the async twin drives the wrapped sync receiver",
     "aio.py: self.receiver._item_request": "the async twin drives the wrapped sync receiver",
+    "aio.py: receiver._request": "the async twin drives the wrapped sync receiver",
+    "aio.py: receiver._read_one_feature": "the async twin takes the wrapped receiver's read",
     "cache.py: self._cache._request": "a lease drives its receiver's request (same module)",
     # the sender request's hot path inlines its book's counting (``SenderBook.count_hit`` /
     # ``count_miss``, same module): one attribute look-up less per feature
