@@ -242,13 +242,13 @@ class _AsyncFace(AsyncResource, Generic[C]):
         if self._loop_turned:
             self._restart(now)
         n = self._inline_calls + 1
+        if not self._turn_noted:
+            self._note_turn()  # the yield, or whatever the caller awaits next, turns it
         if n >= CHECKPOINT_EVERY or now - self._last_yield >= CHECKPOINT_AFTER:
             self._inline_calls = 0
             self._last_yield = now
             return True
         self._inline_calls = n
-        if not self._turn_noted:
-            self._note_turn()
         return False
 
     def _note_turn(self) -> None:

@@ -486,6 +486,45 @@ async def test_a_loop_turn_between_inline_calls_starts_a_new_count(
         assert yields >= CHECKPOINT_EVERY // 4
 
 
+async def test_after_a_due_yield_sparse_calls_do_not_yield_at_every_call(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call preempted for a millisecond between its first step and its request (a loaded
+    host) finds its turn due and yields; the calls after it, further apart than
+    ``CHECKPOINT_AFTER`` (a server at a low rate: the loop waits between them), start a new
+    count each, since the due yield notes its turn. It did not: from such a yield on, every
+    sparse call was due again and paid a loop round and the request path."""
+    import aioshmcache.aio as aio_module
+
+    now, step = [0.0], [0.0]
+    yields = 0
+    checkpoint = anyio.lowlevel.checkpoint
+
+    def clock() -> float:
+        now[0] += step[0]
+        return now[0]
+
+    async def counted() -> None:
+        nonlocal yields
+        yields += 1
+        await checkpoint()
+
+    monkeypatch.setattr(aio_module, "_monotonic", clock)
+    monkeypatch.setattr(anyio.lowlevel, "checkpoint", counted)
+    async with AsyncSenderCache.from_config(make_config()) as cache:
+        await cache.get_and_update_item(({"a": 1}, ()), "h")
+        await asyncio.sleep(0)
+        step[0] = 0.001  # each reading of the clock a millisecond later: preempted
+        await cache.get_and_update_item(None, "h")
+        step[0] = 0.0
+        assert yields == 1
+        for _ in range(2 * CHECKPOINT_EVERY):
+            await asyncio.sleep(0)  # the loop turns between the calls ...
+            now[0] += 0.001  # ... and they come 1 ms apart
+            await cache.get_and_update_item(None, "h")
+        assert yields == 1
+
+
 async def test_async_rejected_request_owes_nothing(make_config: Any) -> None:
     async with (
         AsyncSenderCache.from_config(make_config()) as tx,
