@@ -1691,16 +1691,9 @@ done:
  * rewritten, once per epoch), the tag. None (nothing done) when the row is missing or not what
  * the reference packs: the reference then runs (and raises what it raises). */
 static PyObject *
-core_make_ref(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+make_ref(PyObject *store, PyObject *cid_obj, PyObject *seq_obj)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "make_ref takes 3 arguments (store, cid, seq)");
-        return NULL;
-    }
-    if (ref_type == NULL)
-        Py_RETURN_NONE;
-    PyObject *store = args[0], *cid_obj = args[1], *seq_obj = args[2];
-    if (!PyLong_CheckExact(cid_obj) || !PyLong_CheckExact(seq_obj))
+    if (ref_type == NULL || !PyLong_CheckExact(cid_obj) || !PyLong_CheckExact(seq_obj))
         Py_RETURN_NONE;
     uint64_t cid = u64_of(cid_obj), seq = u64_of(seq_obj);
     if (PyErr_Occurred()) {
@@ -1750,6 +1743,16 @@ done:
     return result;
 }
 
+static PyObject *
+core_make_ref(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "make_ref takes 3 arguments (store, cid, seq)");
+        return NULL;
+    }
+    return make_ref(args[0], args[1], args[2]);
+}
+
 /* --- a sender's one-item miss (``_request.run_one``) ----------------------------------------
  * ``put_item(store, book, mm_item, mm_hash, inline_below)``: ``SenderCache.get_and_update_item``
  * of an item not cached, in one call, as ``SenderRequest`` decides it (``_request``, the
@@ -1769,6 +1772,9 @@ static PyObject *s_nbytes, *s_pub_index, *s_found_too_large, *s_count_miss, *too
 static PyObject *s_prompt_updates, *keep_func; /* ``SenderBook.keep_updates``: see keep_updates */
 static PyObject *kept_keep; /* ``_kept.keep``: the form the book stores */
 static PyObject *owner_func, *s_reading; /* ``StoreWriter.check_owner``: see check_owner */
+/* ``StoreWriter.hand_out`` and ``StoreWriter._ref``, ``_kept.KEPT`` and ``_kept.restore``: see
+ * hit_locked */
+static PyObject *s_hand_out, *s_ref, *writer_hand_out, *writer_ref, *kept_marker, *kept_restore;
 /* ``_thread.RLock`` and its ``acquire`` / ``release`` descriptors: see lock_call */
 static PyObject *rlock_type, *rlock_acquire, *rlock_release;
 
@@ -1782,7 +1788,7 @@ intern_item_names(void)
         {&s_total, "total"}, {&s_hits, "hits"}, {&s_words, "words"}, {&s_keep, "keep_updates"},
         {&s_nbytes, "nbytes"}, {&s_pub_index, "index"}, {&s_found_too_large, "found_too_large"},
         {&s_count_miss, "count_miss"}, {&s_prompt_updates, "prompt_updates"},
-        {&s_reading, "_reading"},
+        {&s_reading, "_reading"}, {&s_hand_out, "hand_out"}, {&s_ref, "_ref"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (*names[i].p == NULL && (*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL)
@@ -1820,9 +1826,13 @@ intern_item_names(void)
         if (PyType_Check(writer_type))
             owner_func = _PyType_Lookup((PyTypeObject *)writer_type, s_check_owner);
         Py_XINCREF(owner_func);
+        if (PyType_Check(writer_type)) {
+            writer_hand_out = Py_XNewRef(_PyType_Lookup((PyTypeObject *)writer_type, s_hand_out));
+            writer_ref = Py_XNewRef(_PyType_Lookup((PyTypeObject *)writer_type, s_ref));
+        }
         Py_DECREF(writer_type);
-        if (owner_func == NULL) {
-            PyErr_SetString(PyExc_TypeError, "StoreWriter.check_owner not found");
+        if (owner_func == NULL || writer_hand_out == NULL || writer_ref == NULL) {
+            PyErr_SetString(PyExc_TypeError, "StoreWriter's check_owner, hand_out or _ref not found");
             return -1;
         }
     }
@@ -1845,8 +1855,10 @@ intern_item_names(void)
         if (kept == NULL)
             return -1;
         kept_keep = PyObject_GetAttrString(kept, "keep");
+        kept_marker = PyObject_GetAttrString(kept, "KEPT");
+        kept_restore = PyObject_GetAttrString(kept, "restore");
         Py_DECREF(kept);
-        if (kept_keep == NULL)
+        if (kept_keep == NULL || kept_marker == NULL || kept_restore == NULL)
             return -1;
     }
     return 0;
@@ -1971,22 +1983,140 @@ set_header_word(PyObject *words, Py_ssize_t i, PyObject *value)
     return rc;
 }
 
+/* ``n + 1`` of an int counter (a new reference), without generic int arithmetic when it fits. */
+static PyObject *
+plus_one(PyObject *n)
+{
+    int64_t v, v1;
+    if (as_i64(n, &v) == 0 && !__builtin_add_overflow(v, 1, &v1))
+        return PyLong_FromLongLong(v1);
+    PyErr_Clear();
+    PyObject *one = PyLong_FromLong(1);
+    if (one == NULL)
+        return NULL;
+    PyObject *r = PyNumber_Add(n, one);
+    Py_DECREF(one);
+    return r;
+}
+
+/* A hit of ``key``, cached as chunk ``cid_obj`` (``_decide_locked``'s hit, the reference): the
+ * store's ``hand_out(cid)`` — the mark for the second chance, the hand-out (``_hand_out_seq``:
+ * the ledger, whatever it keeps for expiry, pins and touches) and the ``ShmRef`` (``_ref``) —
+ * then the prompt updates (the caller's own for a given item; for a look-up, ``item`` None,
+ * the kept ones, restored from the kept form as ``_kept.restore`` does), the hit counted
+ * (``total``, ``hits``) and published (``H_HITS``). Declines (None) before any side effect when
+ * the store's ``hand_out`` or ``_ref`` is not ``StoreWriter``'s, the eviction is another class,
+ * or the counters are not ints. An error after the hand-out gives it back (``store.release``),
+ * as the request's roll back does. */
+static PyObject *
+hit_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key, PyObject *cid_obj)
+{
+    PyObject *result = NULL, *ev = NULL, *marks = NULL, *mshard = NULL, *counters = NULL;
+    PyObject *total = NULL, *hits = NULL, *words = NULL, *pu = NULL, *ushard = NULL;
+    PyObject *updates = NULL, *seq = NULL, *ref = NULL, *total1 = NULL, *hits1 = NULL;
+    PyTypeObject *t = Py_TYPE(store);
+    if (writer_hand_out == NULL || writer_ref == NULL || kept_restore == NULL || empty_tuple == NULL ||
+        evict_type == NULL || !PyLong_CheckExact(cid_obj) || t->tp_dictoffset != 0 ||
+        t->tp_getattro != PyObject_GenericGetAttr ||
+        _PyType_Lookup(t, s_hand_out) != writer_hand_out || _PyType_Lookup(t, s_ref) != writer_ref)
+        DECLINE(); /* a store of its own: its ``hand_out`` runs in the request */
+    NEED(ev = fast_getattr(store, s_evict));
+    if ((PyObject *)Py_TYPE(ev) != evict_type)
+        DECLINE();
+    NEED(counters = fast_getattr(book, s_counters));
+    NEED(total = fast_getattr(counters, s_total));
+    NEED(hits = fast_getattr(counters, s_hits));
+    NEED(words = fast_getattr(store, s_words));
+    if (!PyLong_CheckExact(total) || !PyLong_CheckExact(hits))
+        DECLINE();
+    if (item == Py_None) { /* ``book.prompt_updates.get(h, ())``, read before anything is done */
+        NEED(pu = fast_getattr(book, s_prompt_updates));
+        NEED(ushard = shard_of(pu, key));
+        updates = PyDict_GetItemWithError(ushard, key);
+        if (updates == NULL && PyErr_Occurred())
+            goto done;
+        updates = Py_NewRef(updates == NULL ? empty_tuple : updates);
+    }
+    else {
+        updates = Py_NewRef(PyTuple_GET_ITEM(item, 1));
+    }
+    /* ``store.hand_out(cid)``: the mark (``ev.mark(cid)``), the hand-out, the reference */
+    int sc = attr_true(ev, s_second_chance);
+    if (sc < 0)
+        goto done;
+    if (sc) {
+        NEED(marks = fast_getattr(ev, s_marked));
+        NEED(mshard = shard_of(marks, cid_obj));
+        int in = PyDict_Contains(mshard, cid_obj);
+        if (in < 0)
+            goto done;
+        if (!in && (PyDict_SetItem(mshard, cid_obj, Py_None) < 0 ||
+                    map_count_add(marks, 1, NULL) < 0))
+            goto done;
+    }
+    NEED(seq = store_hand_out(store, cid_obj));
+    NEED(ref = make_ref(store, cid_obj, seq));
+    if (ref == Py_None) { /* the reference's steps (``_ref`` asks the core again: declined) */
+        Py_SETREF(ref, PyObject_CallMethodObjArgs(store, s_ref, cid_obj, seq, NULL));
+        NEED(ref);
+    }
+    /* from here an error gives the hand-out back */
+    if (item == Py_None && (!PyTuple_CheckExact(updates) ||
+                            (PyTuple_GET_SIZE(updates) && PyTuple_GET_ITEM(updates, 0) == kept_marker))) {
+        Py_SETREF(updates, PyObject_CallOneArg(kept_restore, updates));
+        if (updates == NULL)
+            goto undo;
+    }
+    /* ``c.total += 1``, ``c.hits = hits = c.hits + 1``, ``words[H_HITS] = hits`` */
+    if ((total1 = plus_one(total)) == NULL || fast_setattr(counters, s_total, total1) < 0 ||
+        (hits1 = plus_one(hits)) == NULL || fast_setattr(counters, s_hits, hits1) < 0 ||
+        set_header_word(words, H_HITS, hits1) < 0)
+        goto undo;
+    if ((result = PyTuple_Pack(2, ref, updates)) == NULL)
+        goto undo;
+    goto done;
+undo: {
+        PyObject *et, *ev_, *tb;
+        PyErr_Fetch(&et, &ev_, &tb);
+        PyObject *r = PyObject_CallMethodOneArg(store, s_release, ref);
+        Py_XDECREF(r);
+        PyErr_Clear();
+        PyErr_Restore(et, ev_, tb);
+    }
+done:
+    Py_XDECREF(ev), Py_XDECREF(marks), Py_XDECREF(mshard), Py_XDECREF(counters);
+    Py_XDECREF(total), Py_XDECREF(hits), Py_XDECREF(words), Py_XDECREF(pu);
+    Py_XDECREF(ushard), Py_XDECREF(updates), Py_XDECREF(seq), Py_XDECREF(ref);
+    Py_XDECREF(total1), Py_XDECREF(hits1);
+    return result;
+}
+
 /* What is decided under the lock: the put's ``(ref, updates)``, None (declined) or NULL. */
 static PyObject *
 put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
                 Py_ssize_t inline_below)
 {
-    PyObject *value = PyTuple_GET_ITEM(item, 0), *updates = PyTuple_GET_ITEM(item, 1);
     PyObject *result = NULL, *index = NULL, *shard = NULL, *tl = NULL, *sizes = NULL;
     PyObject *plan = NULL, *nb = NULL, *ref = NULL, *counters = NULL, *total = NULL;
     PyObject *hits = NULL, *total1 = NULL, *misses = NULL, *words = NULL;
     PyObject *serde = NULL;
+    NEED(index = fast_getattr(store, s_pub_index));
+    NEED(shard = shard_of(index, key));
+    PyObject *cid_obj = PyDict_GetItemWithError(shard, key); /* borrowed */
+    if (cid_obj != NULL) { /* a hit (the look-up of ``_decide_locked``) */
+        Py_INCREF(cid_obj);
+        result = hit_locked(store, book, item, key, cid_obj);
+        Py_DECREF(cid_obj);
+        goto done;
+    }
+    if (PyErr_Occurred())
+        goto done;
+    if (item == Py_None || !PyDict_CheckExact(PyTuple_GET_ITEM(item, 0)))
+        DECLINE(); /* a look-up not cached (the request's CacheMissError), or not a plain item */
+    PyObject *value = PyTuple_GET_ITEM(item, 0), *updates = PyTuple_GET_ITEM(item, 1);
     NEED(serde = fast_getattr(store, s_serde));
     if ((PyObject *)Py_TYPE(serde) != serde_type)
         DECLINE(); /* another serde's plan is its own business: the request calls it */
-    NEED(index = fast_getattr(store, s_pub_index));
-    NEED(shard = shard_of(index, key));
-    CHECK(PyDict_Contains(shard, key)); /* a hit: the request hands it out */
     NEED(tl = fast_getattr(book, s_too_large));
     NEED(sizes = fast_getattr(tl, s_sizes));
     if (!PyDict_Check(sizes))
@@ -2104,8 +2234,8 @@ core_put_item(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *store = args[0], *book = args[1], *item = args[2], *key = args[3];
-    if (ref_type == NULL || !PyUnicode_CheckExact(key) || !PyTuple_CheckExact(item) ||
-        PyTuple_GET_SIZE(item) != 2 || !PyDict_CheckExact(PyTuple_GET_ITEM(item, 0)) ||
+    if (ref_type == NULL || !PyUnicode_CheckExact(key) ||
+        (item != Py_None && (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 2)) ||
         !PyLong_CheckExact(args[4]))
         Py_RETURN_NONE;
     Py_ssize_t inline_below = PyLong_AsSsize_t(args[4]);

@@ -439,10 +439,10 @@ def test_the_c_eviction_pass_forgets_the_senders_prompt_updates_inline(
 def test_the_c_one_item_miss_takes_plain_misses_and_declines_the_rest(
     monkeypatch: pytest.MonkeyPatch, make_config: Any
 ) -> None:
-    """Not vacuous: ``put_item`` made the plain misses in one call, and declined (before any
-    side effect: the request then decided) a hit, a look-up, an item that is not a dict, one
-    remembered too large, a miss whose eviction meets the head marked by a hit (its second
-    chance: a relocation, the Python policy), and a call with its own
+    """Not vacuous: ``put_item`` made the plain misses, the look-up and the hit in one call
+    each, and declined (before any side effect: the request then decided) an item that is not
+    a dict, one remembered too large, a miss whose eviction meets the head marked by a hit (its
+    second chance: a relocation, the Python policy), and a call with its own
     ``wait_for_space`` (never offered to it). An item measured too large it serves inline."""
     assert C is not None
     seen = _spied(monkeypatch, _request, "_put_item", C.put_item)
@@ -461,7 +461,8 @@ def test_the_c_one_item_miss_takes_plain_misses_and_declines_the_rest(
             cache.get_and_update_item((ITEMS[2](rng), []), f"big{i}")
         cache.get_and_update_item((ITEMS[0](rng), []), "waits", wait_for_space=0.0)
         assert cache.snapshot().misses == 9 and cache.snapshot().hits == 2
-    assert seen[:6] == [True, False, False, False, True, False]  # too large: served by the core
+    # the look-up and the hit: taken; too large: served by the core
+    assert seen[:6] == [True, True, True, False, True, False]
     assert seen[6] is True and False in seen[7:]  # a big one that fits; one meets "plain"
     assert len(seen) == 10  # the call with its own wait was never offered to the core
     declined = _core_py.put_item(None, None, (None, ()), "k", 0)  # type: ignore[func-returns-value]
