@@ -1753,17 +1753,19 @@ core_make_ref(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return make_ref(args[0], args[1], args[2]);
 }
 
-/* --- a sender's one-item miss (``_request.run_one``) ----------------------------------------
+/* --- a sender's one-item miss, hit or look-up (``_request.run_one``) -------------------------
  * ``put_item(store, book, mm_item, mm_hash, inline_below)``: ``SenderCache.get_and_update_item``
- * of an item not cached, in one call, as ``SenderRequest`` decides it (``_request``, the
- * reference): the owner checked (its typed error raised, as the request's first step does),
- * the writer lock taken, the look-up, the item's plan (``store.plan``), ``put_plain`` (above),
- * the miss counted and published (``H_MISSES``), the prompt updates kept
- * (``book.keep_updates``), the lock let go; returns ``(ShmRef, prompt_updates)``. An item
+ * of one item, in one call, as ``SenderRequest`` decides it (``_request``, the reference): the
+ * owner checked (its typed error raised, as the request's first step does), the writer lock
+ * taken, the look-up. A cached hash (a given item, or a look-up: ``mm_item`` None) is a hit
+ * (``hit_locked`` below: the hand-out, ``(ShmRef, prompt_updates)``). Not cached: a look-up
+ * declines (the request raises ``CacheMissError``); an item: its plan (``store.plan``),
+ * ``put_plain`` (above), the miss counted and published (``H_MISSES``), the prompt updates
+ * kept (``book.keep_updates``), the lock let go; returns ``(ShmRef, prompt_updates)``. An item
  * measured too large is remembered and served inline (``mm_item`` returned), as the request
  * does; the plan's other errors are raised (nothing done), and a put that raises is counted a
  * miss, as in the request. It declines (None) before any side effect for anything else — a
- * hit, a look-up (no item), a group shard, another serde, a hash remembered too large, an item
+ * look-up not cached, a group shard, another serde, a hash remembered too large, an item
  * that is not a dict or is ``inline_below`` bytes or more, and whatever ``put_plain`` declines
  * (room that needs the eviction policy) — and the request runs. */
 static PyObject *s_check_owner, *s_lock, *s_acquire, *s_release, *s_plan, *s_siblings;
@@ -1832,7 +1834,8 @@ intern_item_names(void)
         }
         Py_DECREF(writer_type);
         if (owner_func == NULL || writer_hand_out == NULL || writer_ref == NULL) {
-            PyErr_SetString(PyExc_TypeError, "StoreWriter's check_owner, hand_out or _ref not found");
+            PyErr_SetString(PyExc_TypeError,
+                            "StoreWriter's check_owner, hand_out or _ref not found");
             return -1;
         }
     }
@@ -2015,9 +2018,9 @@ hit_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key, PyObj
     PyObject *total = NULL, *hits = NULL, *words = NULL, *pu = NULL, *ushard = NULL;
     PyObject *updates = NULL, *seq = NULL, *ref = NULL, *total1 = NULL, *hits1 = NULL;
     PyTypeObject *t = Py_TYPE(store);
-    if (writer_hand_out == NULL || writer_ref == NULL || kept_restore == NULL || empty_tuple == NULL ||
-        evict_type == NULL || !PyLong_CheckExact(cid_obj) || t->tp_dictoffset != 0 ||
-        t->tp_getattro != PyObject_GenericGetAttr ||
+    if (writer_hand_out == NULL || writer_ref == NULL || kept_restore == NULL ||
+        empty_tuple == NULL || evict_type == NULL || !PyLong_CheckExact(cid_obj) ||
+        t->tp_dictoffset != 0 || t->tp_getattro != PyObject_GenericGetAttr ||
         _PyType_Lookup(t, s_hand_out) != writer_hand_out || _PyType_Lookup(t, s_ref) != writer_ref)
         DECLINE(); /* a store of its own: its ``hand_out`` runs in the request */
     NEED(ev = fast_getattr(store, s_evict));
@@ -2061,8 +2064,9 @@ hit_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key, PyObj
         NEED(ref);
     }
     /* from here an error gives the hand-out back */
-    if (item == Py_None && (!PyTuple_CheckExact(updates) ||
-                            (PyTuple_GET_SIZE(updates) && PyTuple_GET_ITEM(updates, 0) == kept_marker))) {
+    if (item == Py_None &&
+        (!PyTuple_CheckExact(updates) ||
+         (PyTuple_GET_SIZE(updates) && PyTuple_GET_ITEM(updates, 0) == kept_marker))) {
         Py_SETREF(updates, PyObject_CallOneArg(kept_restore, updates));
         if (updates == NULL)
             goto undo;

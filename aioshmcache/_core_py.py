@@ -227,8 +227,9 @@ def put_plain(store: object, key: object, plan: object) -> None:
 def put_item(
     store: object, book: object, mm_item: object, mm_hash: object, inline_below: int
 ) -> None:
-    """The compiled one-item miss of a sender, which may decline: here it always does, before
-    any side effect, so the sender request (``_request.SenderRequest``, the reference) runs."""
+    """The compiled one-item call of a sender (a miss, a hit, or a look-up when ``mm_item`` is
+    None), which may decline: here it always does, before any side effect, so the sender request
+    (``_request.SenderRequest``, the reference) runs."""
     return None
 
 

@@ -63,7 +63,8 @@ __all__ = [
 #: The default ``copy_inline_below``: the store's one threshold for a copy under the writer lock.
 DEFAULT_INLINE_THRESHOLD: Final = INLINE_COPY_UNDER_LOCK
 
-#: the core's one-item miss (``_core_put.c``, see ``run_one``); None: declined, no side effect
+#: the core's one-item miss, hit or look-up (``_core_put.c``, see ``run_one``); None: declined,
+#: no side effect
 _put_item = core.put_item
 #: the core's split of a request's features and its new specs (``_core_spec.c``, see
 #: ``SenderRequest.for_features`` and ``features_from``, the references); None: declined
@@ -460,13 +461,14 @@ class SenderRequest(_Steps):
     def _decide_all_locked(self, may_defer: bool) -> None:
         """Decide every item of a request of several, in order, in ``begin``'s locked step.
 
-        Each given item is offered to the core's one-item miss first (``put_item``: the steps
-        of ``_decide_locked``'s small miss in one compiled call — the look-up, the plan, the
-        put under this request's guard, the miss counted, the prompt updates kept — or its
-        answer for an item measured too large: served inline). What it declines, before any
-        side effect (a hit, a hash remembered too large, a copy job, room that needs the
-        eviction policy; every call on the pure core), ``_decide_locked`` decides, as it does
-        every look-up, every item of a hash this request is reserving and a group shard's.
+        Each given item is offered to the core's one-item call first (``put_item``: the steps
+        of ``_decide_locked``'s hit or small miss in one compiled call — the look-up, then the
+        hand-out and the hit counted, or the plan, the put under this request's guard, the miss
+        counted, the prompt updates kept — or its answer for an item measured too large: served
+        inline). What it declines, before any side effect (a hash remembered too large, a copy
+        job, room that needs the eviction policy; every call on the pure core),
+        ``_decide_locked`` decides, as it does every look-up, every item of a hash this request
+        is reserving and a group shard's.
         A hand-out the core made is recorded for the roll back, as ``_decide_locked`` does.
         """
         store, book, hashes = self._store, self._book, self._hashes
@@ -825,9 +827,9 @@ def run_one(
 ) -> MmItem:
     """``get_and_update`` of one item (the sync face's ``get_and_update_item``).
 
-    The core's ``put_item`` first: a plain miss in one compiled call, the same steps as the
-    request's (the pure core declines every call); else, declined before any side effect, the
-    request (``SenderRequest``, the reference) runs.
+    The core's ``put_item`` first: a plain miss, a hit or a look-up of a cached hash in one
+    compiled call, the same steps as the request's (the pure core declines every call); else,
+    declined before any side effect, the request (``SenderRequest``, the reference) runs.
     """
     if wait_for_space is None:
         out = _put_item(store, book, mm_item, mm_hash, SYNC_ONE_STEP_PUT_UNDER)

@@ -407,9 +407,10 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         return out if out is not None else self._jobs_then_finish(req)
 
     def _one_step(self, sent: MmItem | None, mm_hash: str) -> MmItem | None:
-        """The core's one-item miss on the loop (a copy under ``inline_threshold_bytes``), when
-        no turn to yield is due: its result, or None (declined before any side effect, or a turn
-        due: the request's path runs and takes the turn). Counted as one inline call."""
+        """The core's one-item call on the loop (a hit, a look-up, or a miss whose copy is under
+        ``inline_threshold_bytes``), when no turn to yield is due: its result, or None (declined
+        before any side effect, or a turn due: the request's path runs and takes the turn).
+        Counted as one inline call."""
         now = _monotonic()
         if self._loop_turned:
             self._restart(now)
@@ -562,7 +563,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         if wait_for_space is None and type(features) is list and len(features) == 1:
             f = features[0]
             item = feature_item(f)  # checks the spec and its hash, as the request does
-            if item is not None and (done := self._one_step(item, f.mm_hash)) is not None:
+            if (done := self._one_step(item, f.mm_hash)) is not None:  # a look-up too
                 return features_from(features, [done])
         req = self._wrapped()._features_request(  # ``self.sender``, one call shorter
             features, wait_for_space=wait_for_space, copy_inline_below=self.inline_threshold_bytes

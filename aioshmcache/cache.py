@@ -353,8 +353,9 @@ class SenderCache(_Cache):
         )
 
     def _put_one(self, sent: MmItem | None, mm_hash: str, inline_below: int) -> MmItem | None:
-        """The core's one-item miss (``run_one``'s first step) for an item in the kept form:
-        its result, or None, declined before any side effect (then a request runs)."""
+        """The core's one-item call (``run_one``'s first step: a miss, a hit or a look-up) for
+        an item in the kept form: its result, or None, declined before any side effect (then a
+        request runs)."""
         return _request._put_item(self.store, self._book, sent, mm_hash, inline_below)
 
     def get_and_update_item(
@@ -415,14 +416,14 @@ class SenderCache(_Cache):
         A spec whose data is ``None`` (or already a reference) is looked up by its hash.
         """
         if wait_for_space is None and type(features) is list and len(features) == 1:
-            # one spec to put: the core's one-item miss first (``run_one``'s first step);
-            # declined before any side effect, the request runs
+            # one spec: the core's one-item call first (``run_one``'s first step: a miss, a
+            # hit, or a look-up when its data is None or a reference); declined before any
+            # side effect, the request runs
             f = features[0]
             item = feature_item(f)  # checks the spec and its hash, as the request does
-            if item is not None:
-                done = self._put_one(item, f.mm_hash, SYNC_ONE_STEP_PUT_UNDER)
-                if done is not None:
-                    return features_from(features, [done])
+            done = self._put_one(item, f.mm_hash, SYNC_ONE_STEP_PUT_UNDER)
+            if done is not None:
+                return features_from(features, [done])
         return SenderRequest.for_features(
             self.store, self._book, features, wait_for_space=wait_for_space
         ).run_features()
