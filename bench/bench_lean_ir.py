@@ -8,7 +8,8 @@ threads otherwise spin, and their instructions grow with the run's length.
 
 ``python bench/bench_lean_ir.py --inner CELL N`` is one such run (what valgrind executes).
 Cells: a 1 KiB miss and a hit, through ``get_and_update_item`` (``item_miss_rx``: the miss with a
-reader attached, as ``bench_vllm.py`` runs it: each put is then owed by that reader),
+reader attached, as ``bench_vllm.py`` runs it: each put is then owed by that reader; the ``_hit``
+cells are look-ups, ``mm_item`` None; ``item_hit_item``, the hit of a given item),
 ``get_and_update_features([spec])`` and their awaited twins on ``AsyncSenderCache``; ``put_1m``, a
 1 MiB ``ShmObjectStore.put`` into a full 72 MiB ring (every put evicts, in steady state), and
 ``copy_1m``, a rotating ``np.copyto`` of 1 MiB into a /dev/shm mapping of the same size: their
@@ -38,6 +39,7 @@ CELLS = (
     "item_miss",
     "item_miss_rx",
     "item_hit",
+    "item_hit_item",
     "feat_miss",
     "feat_hit",
     "aitem_miss",
@@ -147,6 +149,8 @@ def inner(cell: str, calls: int, setup: int) -> None:
             one = lambda i: tx.get_and_update_item(miss, keys[i])  # noqa: E731
         elif cell == "item_hit":
             one = lambda i: tx.get_and_update_item(None, "hot")  # noqa: E731
+        elif cell == "item_hit_item":
+            one = lambda i: tx.get_and_update_item(miss, "hot")  # noqa: E731
         elif cell == "feat_miss":
             one = lambda i: tx.get_and_update_features(specs[i])  # noqa: E731
         elif cell == "feat_hit":
