@@ -97,6 +97,18 @@ def same(a: Any, b: Any) -> bool:
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, float) and math.isnan(a):
         return math.isnan(b)
+    if type(a).__module__ == "torch" and type(a).__name__ == "Tensor":
+        # a payload with overwritten bytes can name the torch tensor kind (torch installed):
+        # compared as bytes, dtype and shape, as arrays are (``==`` on tensors is elementwise)
+        import torch
+
+        return bool(
+            a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.is_contiguous()
+            and b.is_contiguous()
+            and a.reshape(-1).view(torch.uint8).tolist() == b.reshape(-1).view(torch.uint8).tolist()
+        )
     return bool(a == b)
 
 
