@@ -2002,6 +2002,19 @@ plus_one(PyObject *n)
     return r;
 }
 
+/* A hand-out given back after a failed allocation, as the request's roll back does; the
+ * error being raised is kept. */
+static void
+give_back(PyObject *store, PyObject *ref)
+{
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    PyObject *r = PyObject_CallMethodOneArg(store, s_release, ref);
+    Py_XDECREF(r);
+    PyErr_Clear();
+    PyErr_Restore(et, ev, tb);
+}
+
 /* A hit of ``key``, cached as chunk ``cid_obj`` (``_decide_locked``'s hit, the reference): the
  * store's ``hand_out(cid)`` — the mark for the second chance, the hand-out (``_hand_out_seq``:
  * the ledger, whatever it keeps for expiry, pins and touches) and the ``ShmRef`` (``_ref``) —
@@ -2079,14 +2092,8 @@ hit_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key, PyObj
     if ((result = PyTuple_Pack(2, ref, updates)) == NULL)
         goto undo;
     goto done;
-undo: {
-        PyObject *et, *ev_, *tb;
-        PyErr_Fetch(&et, &ev_, &tb);
-        PyObject *r = PyObject_CallMethodOneArg(store, s_release, ref);
-        Py_XDECREF(r);
-        PyErr_Clear();
-        PyErr_Restore(et, ev_, tb);
-    }
+undo:
+    give_back(store, ref);
 done:
     Py_XDECREF(ev), Py_XDECREF(marks), Py_XDECREF(mshard), Py_XDECREF(counters);
     Py_XDECREF(total), Py_XDECREF(hits), Py_XDECREF(words), Py_XDECREF(pu);
@@ -2212,15 +2219,8 @@ put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
     if (result == NULL)
         goto undo;
     goto done;
-undo: { /* only a failed allocation gets here: the hand-out is given back, as the request's
-         * roll back does, and the error raised */
-        PyObject *et, *ev, *tb;
-        PyErr_Fetch(&et, &ev, &tb);
-        PyObject *r = PyObject_CallMethodOneArg(store, s_release, ref);
-        Py_XDECREF(r);
-        PyErr_Clear();
-        PyErr_Restore(et, ev, tb);
-    }
+undo: /* only a failed allocation gets here */
+    give_back(store, ref);
 done:
     Py_XDECREF(index), Py_XDECREF(shard), Py_XDECREF(tl), Py_XDECREF(sizes);
     Py_XDECREF(plan), Py_XDECREF(nb), Py_XDECREF(ref), Py_XDECREF(counters);

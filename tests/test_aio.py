@@ -7,7 +7,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -376,7 +376,7 @@ async def test_a_stream_of_hits_does_not_starve_the_loop(make_config: Any) -> No
     async with AsyncSenderCache.from_config(make_config()) as cache:
         await cache.get_and_update_item(({"a": 1}, ()), "h")
         calls = 25 * CHECKPOINT_EVERY
-        ticks = await _turns_of_others(cache, calls)
+        ticks = await _turns_of_others(calls, _hits_of(cache))
         # at least one turn of the other tasks per CHECKPOINT_EVERY calls (the ticker starts
         # on the first one)
         assert ticks >= calls // CHECKPOINT_EVERY - 1
@@ -394,25 +394,16 @@ async def test_a_stream_of_one_spec_reads_does_not_starve_the_loop(make_config: 
         specs = [
             (await cache.get_and_update_features([FeatureSpec("h", None)]))[0] for _ in range(calls)
         ]
-        ticks = 0
 
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                await anyio.lowlevel.checkpoint()
-                ticks += 1
+        async def read(i: int) -> None:
+            [got] = await rx.get_and_update_features([specs[i]])
+            assert got.data["a"].tolist() == list(range(8))
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(ticker)
-            for f in specs:
-                [got] = await rx.get_and_update_features([f])
-                assert got.data["a"].tolist() == list(range(8))
-            tg.cancel_scope.cancel()
-        assert ticks >= calls // CHECKPOINT_EVERY - 1
+        assert await _turns_of_others(calls, read) >= calls // CHECKPOINT_EVERY - 1
 
 
-async def _turns_of_others(cache: AsyncSenderCache, calls: int) -> int:
-    """How often another task ran while this one made ``calls`` hits of "h" in a row."""
+async def _turns_of_others(calls: int, step: Callable[[int], Awaitable[None]]) -> int:
+    """How often another task ran while this one awaited ``step(i)`` ``calls`` times in a row."""
     ticks = 0
 
     async def ticker() -> None:
@@ -423,10 +414,19 @@ async def _turns_of_others(cache: AsyncSenderCache, calls: int) -> int:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(ticker)
-        for _ in range(calls):  # hits need no thread: every few calls must still yield
-            await cache.get_and_update_item(None, "h")
+        for i in range(calls):
+            await step(i)
         tg.cancel_scope.cancel()
     return ticks
+
+
+def _hits_of(cache: AsyncSenderCache) -> Callable[[int], Awaitable[None]]:
+    """A step of hits of "h" (no thread: every few calls must still yield)."""
+
+    async def hit(_: int) -> None:
+        await cache.get_and_update_item(None, "h")
+
+    return hit
 
 
 async def test_inline_calls_yield_once_half_a_millisecond_has_passed(
@@ -450,7 +450,7 @@ async def test_inline_calls_yield_once_half_a_millisecond_has_passed(
     async with AsyncSenderCache.from_config(make_config()) as cache:
         await cache.get_and_update_item(({"a": 1}, ()), "h")
         calls = 2 * CHECKPOINT_EVERY
-        assert await _turns_of_others(cache, calls) >= calls - 1
+        assert await _turns_of_others(calls, _hits_of(cache)) >= calls - 1
 
 
 async def test_a_loop_turn_between_inline_calls_starts_a_new_count(
