@@ -112,12 +112,13 @@ class FrameConnection(asyncio.Protocol):
         return frame
 
     def started(self) -> bool:
-        """Whether any byte of a frame is waiting (or reading has ended)."""
+        """Whether any byte of a frame is waiting (or reading has ended). The worker's usual
+        case, a call cut as it arrived, is asked first."""
         return (
-            bool(self._frames)
-            or self.call is not None
-            or self._decoder.pending > 0
+            self.call is not None
+            or bool(self._frames)
             or self.error is not None
+            or self._decoder.pending > 0
         )
 
     async def wait_started(self) -> None:
@@ -125,10 +126,10 @@ class FrameConnection(asyncio.Protocol):
         while not self.started():
             await self._waiter_future()
         if (
-            not self._frames
+            self.error is not None  # the rare case first: one test on the usual path
             and self.call is None
+            and not self._frames
             and self._decoder.pending == 0
-            and self.error is not None
         ):
             raise self.error
 

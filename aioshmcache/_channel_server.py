@@ -33,6 +33,7 @@ from ._channel_format import (
 from ._channel_keeper import release_path, take_path
 from ._core_api import core
 from ._types import FeatureSpec
+from .aio import read_after_wait
 from .errors import (
     CacheMissError,
     FrameError,
@@ -201,7 +202,9 @@ class _Worker:
         proven = False  # has it sent a whole call? (a gateway's pooled connection may then idle)
         try:
             while not self.stopping:
+                waited = False  # did this task wait for the call (the loop turned meanwhile)?
                 if not conn.started():
+                    waited = True
                     self.idle.add(task)
                     if not proven:
                         self.fresh[task] = conn
@@ -235,7 +238,7 @@ class _Worker:
                     if type(call) is bytes:
                         answer = call
                     else:
-                        answer = await self.serve_call(*call)
+                        answer = await self.serve_call(*call, waited=waited)
                     if isinstance(answer, tuple):  # its frame already made (``_handle``)
                         conn.write_framed(answer[0])
                     else:
@@ -283,10 +286,11 @@ class _Worker:
             return error_frame("bad_request", exc, unread=True)
 
     async def serve_call(
-        self, version: int, payload: Any, features: list[FeatureSpec]
+        self, version: int, payload: Any, features: list[FeatureSpec], *, waited: bool = False
     ) -> bytes | tuple[bytes]:
         """One call's answer: read the features, run the handler, encode its result (as
-        ``_handle`` returns it)."""
+        ``_handle`` returns it). ``waited``: the serving task waited for this call, so the
+        usual read needs no checkpoint (``aio.read_after_wait``)."""
         plain = version >= PLAIN_ANSWER_FROM
         if not self.limit.take():
             await self.limit.wait()
@@ -295,7 +299,12 @@ class _Worker:
                 if self.lease:
                     async with self.receiver.lease(features) as items:
                         return await self._handle(items, payload, plain)
-                items = await self.receiver.get_and_update_features(features)
+                got = read_after_wait(self.receiver, features) if waited else None
+                items = (
+                    got
+                    if got is not None
+                    else await self.receiver.get_and_update_features(features)
+                )
             except CacheMissError as exc:
                 return error_frame("cache_miss", exc, mm_hashes=exc.mm_hashes, plain=plain)
             except WriterGoneError as exc:

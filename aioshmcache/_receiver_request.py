@@ -369,30 +369,26 @@ def read_one(store: StoreReader, counters: RequestCounters, mm_item: Any, mm_has
 
     A reference reclaimed during the copy is counted and raised as the request raises it.
     """
-    reading = store.read_path
-    if type(mm_item) is not ShmRef or type(mm_hash) is not str or not reading.has_core:
+    if type(mm_item) is not ShmRef or type(mm_hash) is not str:
         return None
     try:
-        value = reading.read_item(mm_item)
-    except StaleReferenceError:
-        counters.add(total=1)
+        value = store.read_path.read_item(mm_item)  # None without the core
+    except BaseException as exc:
+        _read_failed(store, counters, mm_item, exc)
         raise StaleReferenceError(f"reference for {mm_hash!r} is stale") from None
-    except BaseException:
-        if genuine(store, mm_item):  # a failed read gives its reference back
-            reading.give_back(mm_item)
-        raise
     if value is not None:
-        counters.add(hits=1, total=1)
+        counters.hit()
     return value
 
 
 def read_one_feature(
     store: StoreReader, counters: RequestCounters, features: Sequence[object], inline_below: int
 ) -> list[FeatureSpec] | None:
-    """``get_and_update_features``'s usual one-spec case in one core call (:func:`read_one`): a
-    single ``FeatureSpec`` whose data is a reference of fewer than ``inline_below`` bytes (the
-    request reads it in ``begin``). Its new spec, as the request's ``finish`` makes it, or
-    ``None`` when the request must run (nothing done, nothing counted then).
+    """``get_and_update_features``'s usual one-spec case in one core call (as :func:`read_one`,
+    whose steps it repeats rather than calls: it runs once per engine call): a single
+    ``FeatureSpec`` whose data is a reference of fewer than ``inline_below`` bytes (the request
+    reads it in ``begin``). Its new spec, as the request's ``finish`` makes it, or ``None`` when
+    the request must run (nothing done, nothing counted then).
 
     A reference reclaimed during the copy is counted and raised as the request raises it (a
     ``CacheMissError`` whose ``features`` hold the spec without data); any other failure gives
@@ -406,11 +402,31 @@ def read_one_feature(
     ref = f.data
     if type(ref) is not ShmRef or type(ref.length) is not int or ref.length >= inline_below:
         return None
+    if type(f.mm_hash) is not str:
+        return None
     try:
-        value = read_one(store, counters, ref, f.mm_hash)
-    except StaleReferenceError:
+        value = store.read_path.read_item(ref)  # None without the core
+    except BaseException as exc:
+        _read_failed(store, counters, ref, exc)
         raise CacheMissError([f.mm_hash], features=[f.with_data(None)]) from None
-    return None if value is None else [f.with_data(value)]
+    if value is None:
+        return None
+    counters.hit()
+    return [f.with_data(value)]
+
+
+def _read_failed(
+    store: StoreReader, counters: RequestCounters, ref: ShmRef, exc: BaseException
+) -> None:
+    """A one-item read raised ``exc``: a stale reference (reclaimed during the copy) is counted
+    and returns, for the caller to raise as the request would; anything else gives a genuine
+    reference back, as the request's roll back does, and propagates."""
+    if isinstance(exc, StaleReferenceError):
+        counters.add(total=1)
+        return
+    if genuine(store, ref):
+        store.read_path.give_back(ref)
+    raise exc
 
 
 def genuine(store: StoreReader, ref: ShmRef) -> bool:

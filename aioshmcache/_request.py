@@ -131,6 +131,17 @@ class RequestCounters:
                 self.inline_busy,
             )
 
+    def hit(self) -> None:
+        """Count one item seen and found (``add(hits=1, total=1)`` without its keywords: once per
+        one-item read)."""
+        lock = self.lock
+        lock.acquire()
+        try:
+            self.hits += 1
+            self.total += 1
+        finally:
+            lock.release()
+
     def add(self, *, hits: int = 0, total: int = 0) -> None:
         """Count hits and items seen (takes the lock: safe from any thread)."""
         lock = self.lock

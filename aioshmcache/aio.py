@@ -826,7 +826,7 @@ class AsyncReceiverCache(_AsyncFace[Receiver]):
         call (``ReceiverCache._read_one_feature``, as the sync face reads it); anything else by
         the request.
         """
-        receiver = self.receiver
+        receiver = self._wrapped()  # ``self.receiver``, one call shorter
         below = self.inline_threshold_bytes
         if len(features) == 1 and type(receiver) is ReceiverCache:
             due = self._due()  # asked once: ``_drive``'s steps follow, without asking again
@@ -869,3 +869,19 @@ class AsyncReceiverCache(_AsyncFace[Receiver]):
         """Zero-copy: arrays are views into shared memory until the block exits (then acked)."""
         with self.receiver.lease(features) as items:
             yield items
+
+
+def read_after_wait(face: object, features: Sequence[FeatureSpec]) -> list[FeatureSpec] | None:
+    """``await face.get_and_update_features(features)``'s usual case, for a caller whose task
+    has just come back from a wait that suspended (an engine worker's connection, woken by the
+    call's arrival): the loop has turned since, so no checkpoint can be due and the face's turn
+    accounting (``_due``: a loop callback per call) is skipped. A single spec of a plain reader
+    below the face's ``inline_threshold_bytes``, read on the loop in one core call (as the face
+    reads it); ``None``, with nothing done, for anything else, which the caller then awaits
+    through the face."""
+    if type(face) is not AsyncReceiverCache or len(features) != 1:
+        return None
+    receiver = face.receiver
+    if type(receiver) is not ReceiverCache:
+        return None
+    return receiver._read_one_feature(features, face.inline_threshold_bytes)

@@ -15,6 +15,7 @@ import anyio.lowlevel
 import numpy as np
 import pytest
 
+import aioshmcache
 from aioshmcache import (
     AsyncReceiverCache,
     AsyncSenderCache,
@@ -28,7 +29,7 @@ from aioshmcache import (
     _request,
 )
 from aioshmcache._evict import WAIT_POLL
-from aioshmcache.aio import CHECKPOINT_EVERY
+from aioshmcache.aio import CHECKPOINT_EVERY, read_after_wait
 
 from . import _procs
 from .helpers import SPAWN, checksum, count_sender_requests, random_item, wait_until
@@ -400,6 +401,55 @@ async def test_a_stream_of_one_spec_reads_does_not_starve_the_loop(make_config: 
             assert got.data["a"].tolist() == list(range(8))
 
         assert await _turns_of_others(calls, read) >= calls // CHECKPOINT_EVERY - 1
+
+
+async def test_read_after_wait_reads_as_the_face_does_or_declines_doing_nothing(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``read_after_wait`` (an engine worker's read of a call it waited for) gives the spec the
+    face's ``get_and_update_features`` gives, read, acknowledged and counted as a hit, with no
+    turn noted; anything it does not take (two specs, an item over the face's threshold, a
+    face of another kind; every read on the pure core) is ``None`` with nothing read. (Its
+    errors are the face's one-spec read's: ``tests/test_parity.py``.)"""
+    dues: list[int] = []
+    due = AsyncReceiverCache._due
+
+    def counted_due(face: AsyncReceiverCache) -> bool:
+        dues.append(1)
+        return due(face)
+
+    monkeypatch.setattr(AsyncReceiverCache, "_due", counted_due)
+    async with (
+        AsyncSenderCache.from_config(make_config()) as cache,
+        AsyncReceiverCache.attach(cache.handle(), inline_threshold_bytes=4096) as rx,
+    ):
+        small, big = {"a": np.arange(8)}, {"a": np.arange(1024)}  # 64 and 8192 bytes
+        await cache.get_and_update_features([FeatureSpec("s", small), FeatureSpec("b", big)])
+
+        async def ref(h: str) -> FeatureSpec:
+            return (await cache.get_and_update_features([FeatureSpec(h, None)]))[0]
+
+        await rx.get_and_update_features([await ref("s")])  # the first read probes the writer
+        assert dues == [1]  # the face asks whether its turn to yield is due
+        hits = rx.make_stats().hits
+        got = read_after_wait(rx, [await ref("s")])
+        if aioshmcache.implementation() == "c":
+            assert got is not None and got[0].data["a"].tolist() == list(range(8))
+            hits += 1  # read and counted, no turn asked
+        else:  # the pure core's read goes through the face: it declines this one too
+            assert got is None
+        assert rx.make_stats().hits == hits and dues == [1]
+        assert read_after_wait(cache, [await ref("s")]) is None  # not a reader face
+        declined = [[await ref("s"), await ref("s")], [await ref("b")]]
+        for features in declined:
+            assert read_after_wait(rx, features) is None
+        assert rx.make_stats().hits == hits  # nothing read by the declines ...
+        for features, sizes in zip(declined, ([8, 8], [1024]), strict=True):
+            out = await rx.get_and_update_features(features)  # ... which the face then reads
+            assert [len(f.data["a"]) for f in out] == sizes
+        # owed and unread: the first put's two hand-outs, the reference given to ``cache``, and
+        # with the pure core the one it declined
+        assert cache.snapshot().readers[0].lag == (3 if aioshmcache.implementation() == "c" else 4)
 
 
 async def _turns_of_others(calls: int, step: Callable[[int], Awaitable[None]]) -> int:

@@ -34,10 +34,13 @@ from aioshmcache._channel_format import (
     pack_call_features,
 )
 from aioshmcache._channel_server import CallLimit
+from aioshmcache.aio import read_after_wait
 from aioshmcache.channel import EngineClient, serve_engine
 from aioshmcache.errors import InvalidReferenceError, WireError
+from aioshmcache.wire import encode_frame, read_frame
 
 from ._channel_procs import crc, handler
+from .test_differential_store import _spied
 
 REF = ShmRef(1 << 63, 2, 4096, 77, 1024, (1 << 64) - 1, 3, 12345)
 _U64X8 = struct.Struct("<8Q")
@@ -192,7 +195,6 @@ async def test_a_one_message_call_is_served_with_a_plain_answer(
 ) -> None:
     """Written by hand on a socket, as a gateway of this version does: read, acknowledged,
     answered in plain msgpack; a reference's eight ints cross as they were."""
-    from aioshmcache.wire import encode_frame, read_frame
 
     sock = tmp_path / "e.sock"
     async with _worker(make_config, sock) as cache:
@@ -224,7 +226,6 @@ async def test_a_connection_s_one_timer_enforces_every_wait_s_own_deadline() -> 
     import socket
 
     from aioshmcache._channel_conn import FrameConnection
-    from aioshmcache.wire import encode_frame
 
     loop = asyncio.get_running_loop()
     a, b = socket.socketpair()
@@ -319,6 +320,30 @@ async def test_at_most_max_concurrency_handlers_run_at_once(tmp_path: Path) -> N
             await task
 
 
+async def _echo_call(cache: AsyncSenderCache, n: int) -> bytes:
+    """A one-message call (and its empty end frame) of one reference to "h", payload n."""
+    [g] = await cache.get_and_update_features([FeatureSpec("h", None)])
+    row = ["h", None, _U64X8.pack(*g.data)]
+    return encode_frame(_v4([row], {"op": "echo", "n": n})) + encode_frame(b"")
+
+
+async def _send_raw(sock: Path, pieces: list[bytes], *, answers: int) -> None:
+    """Write ``pieces`` to the worker on a connection of its own (a pause between pieces);
+    the ``answers`` echo answers come back in order."""
+    reader, writer = await asyncio.open_unix_connection(str(sock))
+    try:
+        for i, piece in enumerate(pieces):
+            if i:
+                await asyncio.sleep(0.05)
+            writer.write(piece)
+            await writer.drain()
+        for n in range(answers):
+            value = decode(await asyncio.wait_for(read_frame(reader), 30), "response")
+            assert value[2] == "ok" and value[3]["payload"] == {"op": "echo", "n": n}
+    finally:
+        writer.close()
+
+
 async def test_a_call_received_whole_is_cut_and_decoded_in_one_core_call(
     make_config: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -329,32 +354,11 @@ async def test_a_call_received_whole_is_cut_and_decoded_in_one_core_call(
     answered alike, in order."""
     import aioshmcache
     from aioshmcache import _channel_client, _channel_server
-    from aioshmcache.wire import encode_frame, read_frame
 
-    taken: list[bool] = []
-    take = _channel_server.take_call
-
-    def counting(data: bytes, max_bytes: int) -> Any:
-        got = take(data, max_bytes)
-        taken.append(got is not None)
-        return got
-
-    monkeypatch.setattr(_channel_server, "take_call", counting)
-    answered: list[bool] = []  # the answer encoded and framed, then read, in one core call each
-    ok_frame, ok_result = _channel_server.ok_frame, _channel_client.ok_result
-
-    def framing(result: Any, max_bytes: int) -> Any:
-        got = ok_frame(result, max_bytes)
-        answered.append(got is not None)
-        return got
-
-    def reading(answer: bytes) -> Any:
-        got = ok_result(answer)
-        answered.append(got is not None)
-        return got
-
-    monkeypatch.setattr(_channel_server, "ok_frame", framing)
-    monkeypatch.setattr(_channel_client, "ok_result", reading)
+    taken = _spied(monkeypatch, _channel_server, "take_call", _channel_server.take_call)
+    # the answer encoded and framed, then read, in one core call each
+    framed = _spied(monkeypatch, _channel_server, "ok_frame", _channel_server.ok_frame)
+    read = _spied(monkeypatch, _channel_client, "ok_result", _channel_client.ok_result)
     sock = tmp_path / "e.sock"
     async with _worker(make_config, sock) as cache:
         item = {"x": np.arange(300, dtype=np.float32)}
@@ -362,22 +366,59 @@ async def test_a_call_received_whole_is_cut_and_decoded_in_one_core_call(
         async with EngineClient.connect(sock, cache=cache) as engine:
             out = await engine.call([f], {"op": "crc"}, timeout=30)
             assert out["crcs"] == [crc(item["x"])]
-        assert taken and taken[-1] is (aioshmcache.implementation() == "c")
-        reader, writer = await asyncio.open_unix_connection(str(sock))
-        try:
-            calls = []
-            for n in range(2):
-                [g] = await cache.get_and_update_features([FeatureSpec("h", None)])
-                row = ["h", None, _U64X8.pack(*g.data)]
-                calls.append(encode_frame(_v4([row], {"op": "echo", "n": n})) + encode_frame(b""))
-            writer.write(calls[0][:7])  # a call in pieces, then the next one with its end
-            await writer.drain()
-            await asyncio.sleep(0.05)
-            writer.write(calls[0][7:] + calls[1])
-            await writer.drain()
-            for n in range(2):
-                value = decode(await asyncio.wait_for(read_frame(reader), 30), "response")
-                assert value[2] == "ok" and value[3]["payload"] == {"op": "echo", "n": n}
-        finally:
-            writer.close()
+            compiled = aioshmcache.implementation() == "c"
+            assert taken and taken[-1] is compiled
+            # an answer with an array takes the general path; a plain one the core's
+            assert framed == read == [False]
+            [f] = await cache.get_and_update_features([FeatureSpec("h", None)])
+            out = await engine.call([f], {"op": "echo"}, timeout=30)
+            assert out["payload"] == {"op": "echo"}
+            assert framed == read == [False, compiled]
+        calls = [await _echo_call(cache, n) for n in range(2)]
+        # a call in pieces, then the next one with its end
+        await _send_raw(sock, [calls[0][:7], calls[0][7:] + calls[1]], answers=2)
+        assert cache.snapshot().readers[0].lag == 0  # every call read and acknowledged
+
+
+async def test_a_call_the_worker_waited_for_is_read_without_the_face_s_turn_accounting(
+    make_config: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection whose task waited for its call (the loop turned meanwhile) reads the call's
+    one reference with ``aio.read_after_wait``: no checkpoint accounting (``_due``) on the reader
+    face (with the C core; the pure core declines and the face reads). A call already waiting
+    when the task comes back for it (two calls in one read) was not
+    waited for: it is read through the face, which may yield first. Both are answered alike."""
+    import aioshmcache
+    from aioshmcache import _channel_server
+
+    direct = _spied(monkeypatch, _channel_server, "read_after_wait", read_after_wait)
+    dues: list[bool] = []
+    due = AsyncReceiverCache._due
+
+    def counted_due(self: AsyncReceiverCache) -> bool:
+        dues.append(True)
+        return due(self)
+
+    monkeypatch.setattr(AsyncReceiverCache, "_due", counted_due)
+    sock = tmp_path / "e.sock"
+    async with _worker(make_config, sock) as cache:
+        item = {"x": np.arange(300, dtype=np.float32)}
+        [f] = await cache.get_and_update_features([FeatureSpec("h", item)])
+        async with EngineClient.connect(sock, cache=cache) as engine:
+            for n in range(4):
+                if n == 1:  # the first read probes the writer (the request path): not counted
+                    direct.clear()
+                    dues.clear()
+                out = await engine.call([f], {"op": "crc"}, timeout=30)
+                assert out["crcs"] == [crc(item["x"])]
+                [f] = await cache.get_and_update_features([FeatureSpec("h", None)])
+            await cache.release(f.data)
+        compiled = aioshmcache.implementation() == "c"  # the pure core reads through the face
+        assert direct == [compiled] * 3 and (dues == []) is compiled
+        calls = [await _echo_call(cache, n) for n in range(2)]
+        # in one write: the second call waits while the first is served
+        await _send_raw(sock, [calls[0] + calls[1]], answers=2)
+        # the first call was waited for (read directly); the second was there already
+        assert direct == [compiled] * 4
+        assert len(dues) == 1 if compiled else len(dues) >= 4  # pure: every read by the face
         assert cache.snapshot().readers[0].lag == 0  # every call read and acknowledged
