@@ -450,8 +450,9 @@ def test_a_reader_uses_the_compiled_read_by_default() -> None:
         assert acked(r) == before + 1
 
 
+@pytest.mark.parametrize("core", CORES, ids=lambda c: c.__name__.rsplit(".", 1)[1])
 def test_the_first_read_probes_the_writer_however_young_the_clock(
-    monkeypatch: pytest.MonkeyPatch,
+    core: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A reader's first read probes the writer (the general path, which the core leaves to
     Python) even when the monotonic clock is younger than ``probe_interval`` (a machine booted
@@ -468,6 +469,8 @@ def test_the_first_read_probes_the_writer_however_young_the_clock(
         ShmObjectStore.create(CacheConfig(CAP, CAP // 2, 1)) as w,
         ShmObjectStore.from_handle(w.handle(), probe_interval=3600) as r,
     ):
+        r.read_path._ctx = r.read_path._read_item = None
+        assert r.read_path.enable_core(core)
         ref = w.put("k", {"a": np.arange(10)})
         assert r.read_path.read_item(ref) is None  # declined: the probe is due
         r.check_writer()
