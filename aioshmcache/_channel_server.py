@@ -102,6 +102,11 @@ class _ServerConnection(FrameConnection):
             return
         super().data_received(data)
 
+    def arrival(self) -> asyncio.Future[None]:
+        """The future the next bytes (or the end) resolve: awaited by the serving task itself,
+        no coroutine level of its own (``wait_started``'s)."""
+        return self._waiter_future()
+
     def eof_received(self) -> bool:
         """The peer ended its side: the calls it sent whole before are still answered (as a
         stream server does), so the write side stays open; the serving task closes the
@@ -192,7 +197,7 @@ class _Worker:
         """A new connection's protocol (``loop.create_unix_server``'s factory)."""
         return _ServerConnection(self)
 
-    async def connection(self, conn: FrameConnection) -> None:
+    async def connection(self, conn: _ServerConnection) -> None:
         """Serve one connection's calls, one after the other, until it ends or the worker stops."""
         task = asyncio.current_task()
         if task is None or self.stopping or not self._admit():
@@ -210,7 +215,8 @@ class _Worker:
                         self.fresh[task] = conn
                     try:
                         if proven:  # a pooled connection may wait for its next call without limit
-                            await conn.wait_started()
+                            while not conn.started():  # (an error ends the read below)
+                                await conn.arrival()
                         else:
                             async with _timeout(self.idle_timeout):
                                 await conn.wait_started()
@@ -320,8 +326,12 @@ class _Worker:
             except Exception as exc:  # the cache failed otherwise: still a typed answer
                 log.exception("reading a call's features failed")
                 return error_frame("handler", exc, plain=plain)
+            try:  # ``_handle``'s steps, without its coroutine level
+                result = await self.handler(items, payload)
+            except BaseException as exc:
+                return self._failed(exc, plain).frame
             try:
-                return await self._handle(items, payload, plain)
+                return self._answer(result, plain)
             except _HandlerFailed as failed:
                 return failed.frame
         finally:
@@ -342,10 +352,20 @@ class _Worker:
         try:
             result = await self.handler(items, payload)
         except BaseException as exc:
-            if isinstance(exc, KeyboardInterrupt | SystemExit) or _cancelled_from_outside(exc):
-                raise
-            log.error("the engine handler raised %s", type(exc).__name__, exc_info=exc)
-            raise _HandlerFailed(error_frame("handler", exc, plain=plain)) from exc
+            raise self._failed(exc, plain) from exc
+        return self._answer(result, plain)
+
+    def _failed(self, exc: BaseException, plain: bool) -> _HandlerFailed:
+        """The handler raised ``exc``: its ``handler`` error frame, logged; the process's own
+        end and a cancellation of this worker are raised again instead."""
+        if isinstance(exc, KeyboardInterrupt | SystemExit) or _cancelled_from_outside(exc):
+            raise exc
+        log.error("the engine handler raised %s", type(exc).__name__, exc_info=exc)
+        return _HandlerFailed(error_frame("handler", exc, plain=plain))
+
+    def _answer(self, result: Any, plain: bool) -> bytes | tuple[bytes]:
+        """The handler's result as its answer (``_handle``'s return); ``_HandlerFailed`` with
+        a ``bad_response`` frame if it cannot be encoded or is too large."""
         if plain:  # the usual answer: encoded and framed in one core call, ``(frame,)``
             framed = ok_frame(result, self.max_frame_bytes)
             if framed is not None:
