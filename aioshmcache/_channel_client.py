@@ -251,7 +251,9 @@ class EngineClient(AsyncResource):
         if limit <= 0:
             raise ValueError("timeout must be > 0")
         retries_left = self.retries if retries is None else _check_retries(retries)
-        deadline = time.monotonic() + limit
+        # on the loop's clock from the start: every wait below takes it as it is
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
         resent = False
         try:
             while True:
@@ -268,7 +270,7 @@ class EngineClient(AsyncResource):
                     current = await self._resend_features(current, set(miss.mm_hashes), items)
                     self._resends += 1
                 except _Lost as lost:
-                    if retries_left <= 0 or time.monotonic() >= deadline:
+                    if retries_left <= 0 or loop.time() >= deadline:
                         raise lost.error from lost.error.__cause__
                     retries_left -= 1
                     try:
@@ -323,6 +325,7 @@ class EngineClient(AsyncResource):
         return out
 
     async def _attempt(self, features: list[FeatureSpec], payload: Any, deadline: float) -> Any:
+        """One send of the call and its answer, by ``deadline`` (the loop's clock)."""
         refs = [f.data for f in features if isinstance(f.data, ShmRef)]
         sent = _Sent()
         try:
@@ -364,19 +367,16 @@ class EngineClient(AsyncResource):
                 if await self.cache.release(ref):
                     self._released += 1
 
-    async def _exchange(
-        self, frames: tuple[bytes, bytes] | bytes, deadline: float, sent: _Sent
-    ) -> bytes:
-        """Write the call's frames on a pooled connection and read the answer, by ``deadline``.
+    async def _exchange(self, frames: tuple[bytes, bytes] | bytes, at: float, sent: _Sent) -> bytes:
+        """Write the call's frames on a pooled connection and read the answer, by ``at``.
 
-        Each wait below carries the deadline itself (on the loop's clock): the usual call (an
-        idle connection, a send that needs no drain) waits once, for its answer, with one timer
-        on that wait and no timeout scope around the call.
+        Each wait below carries the deadline itself (on the loop's clock, as ``call`` took it:
+        no clock is read here): the usual call (an idle connection, a send that needs no drain)
+        waits once, for its answer, with one timer on that wait and no timeout scope around the
+        call.
         """
         phase = "connect"
         broken = 0  # connections that broke before the call reached the worker
-        loop = asyncio.get_running_loop()
-        at = loop.time() + (deadline - time.monotonic())
         try:
             while True:
                 conn = await self._acquire(at)
