@@ -1,6 +1,6 @@
 """The gateway's end of the channel: ``EngineClient``, a pool of connections to one worker.
 
-A call borrows a pooled ``FrameConnection`` from its send to its answer (the pool's rules are
+A call borrows a pooled ``ClientConnection`` from its send to its answer (the pool's rules are
 ``_channel_pool.PoolBook``'s, a pure state machine), writes the call's two frames in one go and
 waits for the answer frame; the call's messages are ``_channel_format``'s. See
 ``aioshmcache.channel`` for the behaviour as a whole (hand-outs, retries, drift recovery).
@@ -19,7 +19,7 @@ from typing import Any, Final, Protocol, Self
 import anyio
 from anyio.abc import AsyncResource
 
-from ._channel_conn import FrameConnection
+from ._channel_conn import ClientConnection
 from ._channel_format import call_frames, decode, framed_call, raise_error
 from ._channel_keeper import WorkerKeeper
 from ._channel_pool import PoolBook
@@ -141,7 +141,7 @@ class EngineClient(AsyncResource):
         self.max_frame_bytes = max_frame_bytes
         self.retries = _check_retries(retries)
         self._changed: asyncio.Event | None = None
-        self._book: PoolBook[FrameConnection] = PoolBook(
+        self._book: PoolBook[ClientConnection] = PoolBook(
             max_connections,
             backoff_initial=backoff_initial,
             backoff_max=backoff_max,
@@ -214,7 +214,7 @@ class EngineClient(AsyncResource):
         )
 
     @property
-    def pool(self) -> PoolBook[FrameConnection]:
+    def pool(self) -> PoolBook[ClientConnection]:
         """The pool's state (``_channel_pool.PoolBook``: counts, backoff), to read, not change."""
         return self._book
 
@@ -373,17 +373,22 @@ class EngineClient(AsyncResource):
         Each wait below carries the deadline itself (on the loop's clock, as ``call`` took it:
         no clock is read here): the usual call (an idle connection, a send that needs no drain)
         waits once, for its answer, with one timer on that wait and no timeout scope around the
-        call.
+        call; it takes its connection and sends with no coroutine of their own (``_acquire``
+        and ``_drained`` are the other cases).
         """
         phase = "connect"
         broken = 0  # connections that broke before the call reached the worker
         try:
             while True:
-                conn = await self._acquire(at)
+                conn = self._book.take_idle()  # the usual case, no ``Step`` made
+                if conn is None or not conn.usable():
+                    conn = await self._acquire(at, conn)
                 phase = "send"
                 reusable = False
                 try:
-                    await self._send(conn, frames, sent, at)
+                    if conn.send(frames):  # paused writing, or closing: not in the socket yet
+                        await self._drained(conn, sent, at)
+                    sent.delivered = True
                     phase = "answer"
                     answer = await conn.next_frame(at)
                     reusable = True
@@ -417,16 +422,13 @@ class EngineClient(AsyncResource):
                 f"the engine call did not finish in time (waiting for: {phase})"
             ) from None
 
-    async def _send(
-        self, conn: FrameConnection, frames: tuple[bytes, bytes] | bytes, sent: _Sent, at: float
-    ) -> None:
-        """Write the call: its two frames, or (``bytes``) the frames ``framed_call`` made."""
-        if isinstance(frames, bytes):
-            conn.write_framed(frames)
-        else:
-            if len(frames[0]) > self.max_frame_bytes or len(frames[1]) > self.max_frame_bytes:
-                raise WireError(f"the call exceeds max_frame_bytes={self.max_frame_bytes}")
-            conn.write(frames)
+    async def _drained(self, conn: ClientConnection, sent: _Sent, at: float) -> None:
+        """Wait until a call's send (``conn.send`` said so) is in the socket, by ``at``.
+
+        If the wait ends otherwise, the call counts as sent when nothing is still queued on a
+        usable connection; else what is queued is dropped (``abort``: the worker sees a cut
+        frame and reads nothing).
+        """
         try:
             await conn.drain(at)
         except BaseException:
@@ -435,15 +437,13 @@ class EngineClient(AsyncResource):
             else:
                 conn.abort()  # drop what is queued: the worker sees a cut frame
             raise
-        sent.delivered = True
 
-    async def _acquire(self, at: float) -> FrameConnection:
-        """A connection for one call: an idle one, a new one, or one given back, by ``at``."""
-        conn = self._book.take_idle()  # the usual case, no ``Step`` made
-        if conn is not None:
-            if conn.usable():
-                return conn
-            self._give_conn(conn, False)
+    async def _acquire(self, at: float, unusable: ClientConnection | None) -> ClientConnection:
+        """A connection for one call when no usable idle one was at hand (``unusable``: the
+        idle one taken, closed or out of step, given back here): another idle one, a new one,
+        or one given back, by ``at``."""
+        if unusable is not None:
+            self._give_conn(unusable, False)
         loop = asyncio.get_running_loop()
         while True:
             step = self._book.plan()
@@ -474,10 +474,10 @@ class EngineClient(AsyncResource):
                 return conn
             await self._wait_changed(step.until, at)
 
-    def _protocol(self) -> FrameConnection:
-        return FrameConnection(self.max_frame_bytes)
+    def _protocol(self) -> ClientConnection:
+        return ClientConnection(self.max_frame_bytes)
 
-    def _give_conn(self, conn: FrameConnection, reusable: bool) -> None:
+    def _give_conn(self, conn: ClientConnection, reusable: bool) -> None:
         to_close = self._book.give_back(conn, reusable=reusable and conn.usable())
         if to_close is not None:
             to_close.abort()

@@ -18,10 +18,16 @@ import collections
 from collections.abc import Sequence
 from typing import Any, Final, cast
 
-from .errors import EndOfFramesError, FrameError, FrameTooLargeError, IncompleteFrameError
+from .errors import (
+    EndOfFramesError,
+    FrameError,
+    FrameTooLargeError,
+    IncompleteFrameError,
+    WireError,
+)
 from .wire import Buffer, FrameDecoder, frame_parts
 
-__all__ = ["MAX_UNREAD_FRAMES", "FrameConnection"]
+__all__ = ["MAX_UNREAD_FRAMES", "ClientConnection", "FrameConnection"]
 
 #: Whole frames kept unread before a connection stops reading (two calls, or four answers):
 #: a peer that sends faster than its frames are taken then waits in its socket, not in this
@@ -248,6 +254,35 @@ class FrameConnection(asyncio.Protocol):
         if self._waiter is None or self._waiter.done():
             self._waiter = asyncio.get_running_loop().create_future()
         return self._waiter
+
+
+class ClientConnection(FrameConnection):
+    """The gateway's connection (``EngineClient``): one call at a time, written in one go.
+
+    ``send`` writes a call without a coroutine and says whether it must be waited for: the
+    usual call's send needs no drain (the transport took it whole, or below its high-water
+    mark), so the call goes from an idle connection to the wait for its answer with no
+    coroutine level in between (each cost ~1.5k instructions per round trip).
+    """
+
+    def send(self, frames: tuple[bytes, bytes] | bytes) -> bool:
+        """Queue a call: its two frames, or (``bytes``) the frames ``framed_call`` made.
+
+        Returns whether the caller must ``await drain`` before the call counts as sent: the
+        transport paused writing, or it is closing (``drain`` then raises). ``WireError`` if a
+        frame exceeds ``max_frame_bytes`` (nothing written).
+        """
+        t = self.transport
+        if t is None:
+            raise ConnectionResetError("not connected")
+        if isinstance(frames, bytes):
+            t.write(frames)
+        else:
+            head, body = frames
+            if len(head) > self.max_frame_bytes or len(body) > self.max_frame_bytes:
+                raise WireError(f"the call exceeds max_frame_bytes={self.max_frame_bytes}")
+            self.write(frames)
+        return self._paused or t.is_closing()
 
 
 async def _until(future: asyncio.Future[None], deadline: float | None) -> None:

@@ -7,6 +7,7 @@ to the general path (a pool wait, a drain, an answer in pieces, a deadline) beha
 
 from __future__ import annotations
 
+import asyncio
 import time
 import types
 from collections.abc import Callable
@@ -15,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from aioshmcache import AsyncReceiverCache, AsyncSenderCache, FeatureSpec
+from aioshmcache.channel import EngineClient
 from aioshmcache.errors import EngineTimeoutError
 
 from ._channel_procs import crc
@@ -48,3 +51,91 @@ async def test_the_usual_call_reads_only_the_loop_s_clock(
         assert reads == []
         assert (await engine.call([], {"op": "echo", "n": 1}, timeout=30))["payload"]["n"] == 1
         assert cache.snapshot().readers[0].lag == 0
+
+
+def _counted(m: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of ``EngineClient.name`` (a coroutine method), which still runs."""
+    seen: list[int] = []
+    real = getattr(EngineClient, name)
+
+    async def counted(self: EngineClient, *args: Any) -> Any:
+        seen.append(1)
+        return await real(self, *args)
+
+    m.setattr(EngineClient, name, counted)
+    return seen
+
+
+async def test_the_usual_call_takes_an_idle_connection_and_sends_without_a_coroutine(
+    make_config: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle usable connection is taken and the call written on it with no coroutine of
+    their own (``_acquire``, ``_drained``: the other cases); an idle connection found closed
+    is given back and another one opened (``_acquire``), and the call is answered alike."""
+    acquired = _counted(monkeypatch, "_acquire")
+    drained = _counted(monkeypatch, "_drained")
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock, max_connections=1) as (cache, _rx, engine):
+        for i in range(3):
+            [f] = await _features(cache, range(i, i + 1))
+            assert (await engine.call([f], {"op": "crc"}, timeout=30))["crcs"] == [
+                crc(_item(i)["x"])
+            ]
+        assert acquired == [1] and drained == []  # the first call opened the connection
+        [idle] = engine.pool.idle
+        idle.abort()  # closed while idle: not usable
+        assert (await engine.call([], {"op": "echo", "n": 5}, timeout=30))["payload"]["n"] == 5
+        assert acquired == [1, 1] and drained == [] and engine.stats().connects == 2
+        assert engine.pool.lent == 0 and len(engine.pool.idle) == 1
+        assert cache.snapshot().readers[0].lag == 0
+
+
+async def test_a_send_the_transport_paused_is_drained_before_the_answer(
+    make_config: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call too big for the socket's buffer pauses the transport's writing: ``send`` says
+    so and the call waits for the drain (``_drained``), then for its answer, as before."""
+    drained = _counted(monkeypatch, "_drained")
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock, max_connections=1) as (cache, _rx, engine):
+        [f] = await _features(cache, range(1))
+        big = FeatureSpec("big", _item(2, 1 << 20))  # 4 MiB inline
+        out = await engine.call([f, big], {"op": "crc"}, timeout=60)
+        assert out["crcs"] == [crc(_item(0)["x"]), crc(_item(2, 1 << 20)["x"])]
+        assert drained == [1]
+        out = await engine.call([], {"op": "echo", "n": 1}, timeout=60)  # the same connection
+        assert out["payload"]["n"] == 1 and drained == [1] and engine.stats().connects == 1
+        assert cache.snapshot().readers[0].lag == 0
+
+
+async def test_a_send_never_drained_times_out_and_gives_its_hand_outs_back(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A peer that accepts and never reads: the big call's send waits for the drain until the
+    deadline, ``EngineTimeoutError`` naming the send; the bytes still queued are dropped (the
+    connection closed) and its hand-out given back (nobody will read it)."""
+    sock = tmp_path / "e.sock"
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_unix_server(silent, str(sock))
+    try:
+        async with (
+            AsyncSenderCache.from_config(make_config(4 << 20)) as cache,
+            AsyncReceiverCache.attach(cache.handle()) as _rx,
+            EngineClient.connect(sock, cache=cache, max_connections=1) as engine,
+        ):
+            [f] = await _features(cache, range(1))
+            big = FeatureSpec("big", _item(2, 2 << 20))  # 8 MiB inline
+            with pytest.raises(EngineTimeoutError, match="send"):
+                await engine.call([f, big], {"op": "crc"}, timeout=0.5)
+            assert engine.stats().released == 1
+            assert engine.open_connections == 0  # dropped, not pooled
+            assert not await cache.release(f.data)  # given back already
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+        await server.wait_closed()
