@@ -390,7 +390,9 @@ class EngineClient(AsyncResource):
                         await self._drained(conn, sent, at)
                     sent.delivered = True
                     phase = "answer"
-                    answer = await conn.next_frame(at)
+                    answer = await conn.answer(at)  # the usual answer: whole, in one read
+                    if answer is None:  # in pieces, or more than one frame: cut and queued
+                        answer = await conn.next_frame(at)
                     reusable = True
                     return answer
                 except FrameTooLargeError as exc:  # the stream is out of step: not reused

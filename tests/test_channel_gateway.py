@@ -16,12 +16,15 @@ from typing import Any
 
 import pytest
 
-from aioshmcache import AsyncReceiverCache, AsyncSenderCache, FeatureSpec
+from aioshmcache import AsyncReceiverCache, AsyncSenderCache, FeatureSpec, wire
+from aioshmcache import _channel_format as F
 from aioshmcache.channel import EngineClient
-from aioshmcache.errors import EngineTimeoutError
+from aioshmcache.errors import EndOfFramesError, EngineTimeoutError
+from aioshmcache.wire import read_frame
 
 from ._channel_procs import crc
 from .test_channel import _connected, _features, _item
+from .test_differential_store import _spied
 
 
 async def test_the_usual_call_reads_only_the_loop_s_clock(
@@ -139,3 +142,86 @@ async def test_a_send_never_drained_times_out_and_gives_its_hand_outs_back(
             w.close()
         server.close()
         await server.wait_closed()
+
+
+def _ok(n: int) -> bytes:
+    """The frame of a plain ok answer ``{"n": n}``, as the worker makes it."""
+    return wire.encode_frame(F.encode([F.TAG, F.ANSWER_VERSION, "ok", {"n": n}], plain=True))
+
+
+async def test_an_answer_in_one_read_is_handed_to_its_call_and_any_other_is_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An answer that arrives whole in one read while its call waits is cut with one core call
+    (``chan_frame``; the pure core declines) and handed to the call; an answer in pieces, or
+    with another frame after it in the same read, is cut by the decoder and read as before
+    (the connection is reused after the first; after the second, whose extra frame is unread,
+    it is dropped)."""
+    import aioshmcache
+    from aioshmcache import _channel_conn
+
+    taken = _spied(monkeypatch, _channel_conn, "cut_frame", _channel_conn.cut_frame)
+    modes = ["whole", "pieces", "whole", "two", "whole"]
+    answered = 0
+    handlers: list[asyncio.Task[Any]] = []
+
+    async def answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal answered
+        current = asyncio.current_task()
+        assert current is not None
+        handlers.append(current)
+        try:
+            while True:
+                await read_frame(reader)
+                await read_frame(reader)
+                frame, mode = _ok(answered), modes[answered]
+                answered += 1
+                if mode == "pieces":
+                    writer.write(frame[:5])  # not even the length's prefix
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+                    writer.write(frame[5:])
+                elif mode == "two":
+                    writer.write(frame + _ok(-1))  # a frame nobody asked for after it
+                else:
+                    writer.write(frame)
+                await writer.drain()
+        except (EndOfFramesError, ConnectionError):
+            pass  # the client closed the connection
+        finally:
+            writer.close()
+
+    sock = tmp_path / "a.sock"
+    server = await asyncio.start_unix_server(answering, str(sock))
+    try:
+        async with EngineClient.connect(sock, max_connections=1) as engine:
+            got = [(await engine.call([], {"i": i}, timeout=30))["n"] for i in range(3)]
+            assert got == [0, 1, 2] and engine.stats().connects == 1
+            c = aioshmcache.implementation() == "c"
+            assert taken == [c, False, c]  # in pieces: the first piece declined, then cut
+            assert (await engine.call([], None, timeout=30))["n"] == 3
+            assert taken == [c, False, c, False] and engine.open_connections == 0  # dropped
+            assert (await engine.call([], None, timeout=30))["n"] == 4
+            assert taken == [c, False, c, False, c] and engine.stats().connects == 2
+    finally:
+        server.close()
+        await server.wait_closed()
+        await asyncio.gather(*handlers, return_exceptions=True)
+
+
+async def test_an_answer_after_the_deadline_is_not_handed_to_anyone(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A call whose deadline passes while it waits for its answer: ``EngineTimeoutError``; its
+    connection is dropped, so the late answer reaches no later call; a call answered at once
+    leaves the connection's timer to lapse, and the next call's longer wait is not cut short
+    by it."""
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock, max_connections=1) as (_cache, _rx, engine):
+        assert (await engine.call([], {"op": "echo", "n": 1}, timeout=0.3))["payload"]["n"] == 1
+        out = await engine.call([], {"op": "sleep", "s": 0.6}, timeout=30)  # past the 0.3
+        assert out["hashes"] == [] and engine.stats().connects == 1
+        with pytest.raises(EngineTimeoutError, match="answer"):
+            await engine.call([], {"op": "sleep", "s": 1.0}, timeout=0.2)
+        assert (await engine.call([], {"op": "echo", "n": 2}, timeout=30))["payload"]["n"] == 2
+        assert engine.stats().connects == 2
