@@ -325,8 +325,11 @@ class EngineClient(AsyncResource):
         return out
 
     async def _attempt(self, features: list[FeatureSpec], payload: Any, deadline: float) -> Any:
-        """One send of the call and its answer, by ``deadline`` (the loop's clock)."""
-        refs = [f.data for f in features if isinstance(f.data, ShmRef)]
+        """One send of the call and its answer, by ``deadline`` (the loop's clock).
+
+        The call's references are gathered (``_refs``) only when it fails: to give them back,
+        or to hand them to the retry as maybe read.
+        """
         sent = _Sent()
         try:
             frames: tuple[bytes, bytes] | bytes | None
@@ -350,13 +353,13 @@ class EngineClient(AsyncResource):
             raise WireError("malformed channel response")
         except _Lost as lost:
             if sent.delivered:
-                lost.delivered = refs  # maybe read by the worker that went away
+                lost.delivered = _refs(features)  # maybe read by the worker that went away
             else:
-                await self._give_back(refs)
+                await self._give_back(_refs(features))
             raise
         except BaseException:
             if not sent.delivered:
-                await self._give_back(refs)
+                await self._give_back(_refs(features))
             raise
 
     async def _give_back(self, refs: list[ShmRef]) -> None:
@@ -503,6 +506,11 @@ class EngineClient(AsyncResource):
             await ev.wait()
         if loop.time() >= at:
             raise TimeoutError
+
+
+def _refs(features: list[FeatureSpec]) -> list[ShmRef]:
+    """The call's references (its hand-outs)."""
+    return [f.data for f in features if isinstance(f.data, ShmRef)]
 
 
 async def _item_of(items: Items, mm_hash: str) -> Any:

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from aioshmcache import AsyncReceiverCache, AsyncSenderCache, FeatureSpec, wire
+from aioshmcache import AsyncReceiverCache, AsyncSenderCache, FeatureSpec, ShmRef, wire
 from aioshmcache import _channel_format as F
 from aioshmcache.channel import EngineClient
-from aioshmcache.errors import EndOfFramesError, EngineTimeoutError
+from aioshmcache.errors import EndOfFramesError, EngineCallError, EngineTimeoutError, WireError
 from aioshmcache.wire import read_frame
 
 from ._channel_procs import crc
@@ -225,3 +225,36 @@ async def test_an_answer_after_the_deadline_is_not_handed_to_anyone(
             await engine.call([], {"op": "sleep", "s": 1.0}, timeout=0.2)
         assert (await engine.call([], {"op": "echo", "n": 2}, timeout=30))["payload"]["n"] == 2
         assert engine.stats().connects == 2
+
+
+async def test_a_call_gathers_its_references_only_when_they_are_given_back(
+    make_config: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The call's references (``_refs``) are gathered only on a failure that gives them back
+    or passes them to a retry: not for an answered call, nor for a delivered call whose
+    handler failed (the worker read them); an unencodable call gives its hand-out back."""
+    from aioshmcache import _channel_client
+
+    gathered: list[list[ShmRef]] = []
+    refs = _channel_client._refs
+
+    def spy(features: list[FeatureSpec]) -> list[ShmRef]:
+        gathered.append(out := refs(features))
+        return out
+
+    monkeypatch.setattr(_channel_client, "_refs", spy)
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock) as (cache, _rx, engine):
+        feats = await _features(cache, range(2))
+        out = await engine.call([*feats, FeatureSpec("i", _item(5))], {"op": "crc"}, timeout=30)
+        assert out["crcs"] == [crc(_item(i)["x"]) for i in (0, 1, 5)] and gathered == []
+        [f] = await _features(cache, range(2, 3))
+        with pytest.raises(EngineCallError):
+            await engine.call([f], {"op": "fail"}, timeout=30)
+        assert gathered == [] and engine.stats().released == 0
+        [f] = await _features(cache, range(3, 4))
+        with pytest.raises(WireError):
+            await engine.call([f, FeatureSpec("i", None)], {"op": object()}, timeout=30)
+        assert gathered == [[f.data]] and engine.stats().released == 1
+        assert not await cache.release(f.data)  # already given back by the client
+        assert cache.snapshot().readers[0].lag == 0
