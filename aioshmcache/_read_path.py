@@ -48,6 +48,7 @@ read) keeps its pages mapped by itself (the mapping cannot be unmapped while exp
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -162,7 +163,7 @@ class ReadPath:
         self.probe_interval = probe_interval
         self._secret = int(self._hw[H_SECRET])
         self._nonce = segment.nonce
-        self._last_writer_probe = 0.0
+        self._last_writer_probe = -math.inf  # the first read probes, however young the clock
         self._sem: Any = None
         self.closed = False
         # reads in flight (one entry each; see "Closing during a read" in the module docstring)

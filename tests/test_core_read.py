@@ -450,6 +450,30 @@ def test_a_reader_uses_the_compiled_read_by_default() -> None:
         assert acked(r) == before + 1
 
 
+def test_the_first_read_probes_the_writer_however_young_the_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reader's first read probes the writer (the general path, which the core leaves to
+    Python) even when the monotonic clock is younger than ``probe_interval`` (a machine booted
+    minutes ago, a long interval); later reads within the interval are the core's."""
+    import aioshmcache._read_path as read_path_module
+
+    class Young:  # the monotonic clock of a machine up for ten seconds
+        @staticmethod
+        def monotonic() -> float:
+            return 10.0
+
+    monkeypatch.setattr(read_path_module, "time", Young)
+    with (
+        ShmObjectStore.create(CacheConfig(CAP, CAP // 2, 1)) as w,
+        ShmObjectStore.from_handle(w.handle(), probe_interval=3600) as r,
+    ):
+        ref = w.put("k", {"a": np.arange(10)})
+        assert r.read_path.read_item(ref) is None  # declined: the probe is due
+        r.check_writer()
+        assert same(r.read_path.read_item(ref), {"a": np.arange(10)})
+
+
 @pytest.mark.parametrize("core", CORES, ids=lambda c: c.__name__.rsplit(".", 1)[1])
 def test_read_item_refuses_a_bad_context(core: Any) -> None:
     with pytest.raises(TypeError):
