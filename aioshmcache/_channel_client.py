@@ -327,7 +327,7 @@ class EngineClient(AsyncResource):
     async def _attempt(self, features: list[FeatureSpec], payload: Any, deadline: float) -> Any:
         """One send of the call and its answer, by ``deadline`` (the loop's clock).
 
-        The call's references are gathered (``_refs``) only when it fails: to give them back,
+        The call's references are gathered (``refs_of``) only when it fails: to give them back,
         or to hand them to the retry as maybe read.
         """
         sent = _Sent()
@@ -353,13 +353,13 @@ class EngineClient(AsyncResource):
             raise WireError("malformed channel response")
         except _Lost as lost:
             if sent.delivered:
-                lost.delivered = _refs(features)  # maybe read by the worker that went away
+                lost.delivered = refs_of(features)  # maybe read by the worker that went away
             else:
-                await self._give_back(_refs(features))
+                await self._give_back(refs_of(features))
             raise
         except BaseException:
             if not sent.delivered:
-                await self._give_back(_refs(features))
+                await self._give_back(refs_of(features))
             raise
 
     async def _give_back(self, refs: list[ShmRef]) -> None:
@@ -508,7 +508,7 @@ class EngineClient(AsyncResource):
             raise TimeoutError
 
 
-def _refs(features: list[FeatureSpec]) -> list[ShmRef]:
+def refs_of(features: list[FeatureSpec]) -> list[ShmRef]:
     """The call's references (its hand-outs)."""
     return [f.data for f in features if isinstance(f.data, ShmRef)]
 

@@ -230,19 +230,19 @@ async def test_an_answer_after_the_deadline_is_not_handed_to_anyone(
 async def test_a_call_gathers_its_references_only_when_they_are_given_back(
     make_config: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The call's references (``_refs``) are gathered only on a failure that gives them back
+    """The call's references (``refs_of``) are gathered only on a failure that gives them back
     or passes them to a retry: not for an answered call, nor for a delivered call whose
     handler failed (the worker read them); an unencodable call gives its hand-out back."""
     from aioshmcache import _channel_client
 
     gathered: list[list[ShmRef]] = []
-    refs = _channel_client._refs
+    refs = _channel_client.refs_of
 
     def spy(features: list[FeatureSpec]) -> list[ShmRef]:
         gathered.append(out := refs(features))
         return out
 
-    monkeypatch.setattr(_channel_client, "_refs", spy)
+    monkeypatch.setattr(_channel_client, "refs_of", spy)
     sock = tmp_path / "e.sock"
     async with _connected(make_config, sock) as (cache, _rx, engine):
         feats = await _features(cache, range(2))
