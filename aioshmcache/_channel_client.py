@@ -97,15 +97,6 @@ def _check_retries(retries: int) -> int:
     return retries
 
 
-class _Sent:
-    """How far a call got: whether its frames reached the socket whole."""
-
-    __slots__ = ("delivered",)
-
-    def __init__(self) -> None:
-        self.delivered = False
-
-
 class EngineClient(AsyncResource):
     """The gateway's end of the channel: a small pool of Unix-socket connections to one worker.
 
@@ -324,13 +315,19 @@ class EngineClient(AsyncResource):
             raise
         return out
 
-    async def _attempt(self, features: list[FeatureSpec], payload: Any, deadline: float) -> Any:
-        """One send of the call and its answer, by ``deadline`` (the loop's clock).
+    async def _attempt(self, features: list[FeatureSpec], payload: Any, at: float) -> Any:
+        """One send of the call on a pooled connection and its answer, by ``at``.
 
-        The call's references are gathered (``refs_of``) only when it fails: to give them back,
-        or to hand them to the retry as maybe read.
+        Each wait below carries the deadline itself (on the loop's clock, as ``call`` took it:
+        no clock is read here): the usual call (an idle connection, a send that needs no drain)
+        waits once, for its answer, with one timer on that wait and no timeout scope around the
+        call, and no coroutine of its own but this one (``_acquire`` is the other cases').
+
+        ``delivered``: whether the call's frames reached the socket whole (the worker will read
+        its references). The references are gathered (``refs_of``) only when the call fails:
+        to give them back, or to hand them to the retry as maybe read.
         """
-        sent = _Sent()
+        delivered = False
         try:
             frames: tuple[bytes, bytes] | bytes | None
             frames = framed_call(payload, features, self.max_frame_bytes)
@@ -339,7 +336,54 @@ class EngineClient(AsyncResource):
                     frames = call_frames(payload, features)
                 except (SerdeError, WireError, TypeError) as exc:
                     raise WireError(f"the call cannot be encoded: {exc}") from exc
-            answer = await self._exchange(frames, deadline, sent)
+            phase = "connect"
+            broken = 0  # connections that broke before the call reached the worker
+            try:
+                while True:
+                    conn = self._book.take_idle()  # the usual case, no ``Step`` made
+                    if conn is None or not conn.usable():
+                        conn = await self._acquire(at, conn)
+                    phase = "send"
+                    reusable = False
+                    try:
+                        if conn.send(frames):  # paused writing, or closing: not in the socket
+                            try:
+                                await conn.drain(at)
+                            except BaseException:
+                                if conn.queued() == 0 and conn.usable():
+                                    delivered = True  # every byte is in the socket
+                                else:
+                                    conn.abort()  # drop what is queued: the worker sees a cut
+                                raise
+                        delivered = True
+                        phase = "answer"
+                        answer = await conn.answer(at)  # the usual answer: whole, in one read
+                        if answer is None:  # in pieces, or more than one frame: cut and queued
+                            answer = await conn.next_frame(at)
+                        reusable = True
+                        break
+                    except FrameTooLargeError as exc:  # the stream is out of step: not reused
+                        raise WireError(f"the engine's answer is too large: {exc}") from exc
+                    except TimeoutError:
+                        raise
+                    except (OSError, FrameError, IncompleteFrameError, EndOfFramesError) as exc:
+                        broken += 1
+                        for idle in self._book.drop_idle():
+                            idle.abort()  # they lead to the same worker: likely broken too
+                        if not delivered and broken < _SEND_TRIES:
+                            phase = "connect"
+                            continue  # the call never reached the worker: another connection
+                        raise _Lost(self._unavailable(delivered, exc)) from exc
+                    finally:
+                        self._give_conn(conn, reusable)
+            except TimeoutError:
+                if phase == "connect" and self._book.last_error is not None:
+                    raise EngineUnavailableError(
+                        f"no engine worker at {self.path}: {self._book.last_error}"
+                    ) from None
+                raise EngineTimeoutError(
+                    f"the engine call did not finish in time (waiting for: {phase})"
+                ) from None
             ok = ok_result(answer)  # the usual answer, compiled
             if ok is not None:
                 return ok[0]
@@ -348,19 +392,29 @@ class EngineClient(AsyncResource):
                 return value[3]
             if value[2] == "error" and len(value) == 8:
                 if value[7] is True:
-                    sent.delivered = False  # the worker read nothing: give back below
+                    delivered = False  # the worker read nothing: give back below
                 raise_error(value)
             raise WireError("malformed channel response")
         except _Lost as lost:
-            if sent.delivered:
+            if delivered:
                 lost.delivered = refs_of(features)  # maybe read by the worker that went away
             else:
                 await self._give_back(refs_of(features))
             raise
         except BaseException:
-            if not sent.delivered:
+            if not delivered:
                 await self._give_back(refs_of(features))
             raise
+
+    def _unavailable(self, delivered: bool, exc: BaseException) -> EngineUnavailableError:
+        """The error of a call whose connection broke (``exc``): before or after delivery."""
+        if not delivered:
+            what = f"could not send the call to {self.path}: {exc}"
+        else:
+            what = f"the engine worker at {self.path} went away during the call: {exc}"
+        error = EngineUnavailableError(what)
+        error.__cause__ = exc
+        return error
 
     async def _give_back(self, refs: list[ShmRef]) -> None:
         if self.cache is None or not refs:
@@ -369,79 +423,6 @@ class EngineClient(AsyncResource):
             for ref in refs:
                 if await self.cache.release(ref):
                     self._released += 1
-
-    async def _exchange(self, frames: tuple[bytes, bytes] | bytes, at: float, sent: _Sent) -> bytes:
-        """Write the call's frames on a pooled connection and read the answer, by ``at``.
-
-        Each wait below carries the deadline itself (on the loop's clock, as ``call`` took it:
-        no clock is read here): the usual call (an idle connection, a send that needs no drain)
-        waits once, for its answer, with one timer on that wait and no timeout scope around the
-        call; it takes its connection and sends with no coroutine of their own (``_acquire``
-        and ``_drained`` are the other cases).
-        """
-        phase = "connect"
-        broken = 0  # connections that broke before the call reached the worker
-        try:
-            while True:
-                conn = self._book.take_idle()  # the usual case, no ``Step`` made
-                if conn is None or not conn.usable():
-                    conn = await self._acquire(at, conn)
-                phase = "send"
-                reusable = False
-                try:
-                    if conn.send(frames):  # paused writing, or closing: not in the socket yet
-                        await self._drained(conn, sent, at)
-                    sent.delivered = True
-                    phase = "answer"
-                    answer = await conn.answer(at)  # the usual answer: whole, in one read
-                    if answer is None:  # in pieces, or more than one frame: cut and queued
-                        answer = await conn.next_frame(at)
-                    reusable = True
-                    return answer
-                except FrameTooLargeError as exc:  # the stream is out of step: not reused
-                    raise WireError(f"the engine's answer is too large: {exc}") from exc
-                except TimeoutError:
-                    raise
-                except (OSError, FrameError, IncompleteFrameError, EndOfFramesError) as exc:
-                    broken += 1
-                    for idle in self._book.drop_idle():
-                        idle.abort()  # they lead to the same worker: likely broken too
-                    if not sent.delivered and broken < _SEND_TRIES:
-                        phase = "connect"
-                        continue  # the call never reached the worker: another connection
-                    if not sent.delivered:
-                        what = f"could not send the call to {self.path}: {exc}"
-                    else:
-                        what = f"the engine worker at {self.path} went away during the call: {exc}"
-                    error = EngineUnavailableError(what)
-                    error.__cause__ = exc
-                    raise _Lost(error) from exc
-                finally:
-                    self._give_conn(conn, reusable)
-        except TimeoutError:
-            if phase == "connect" and self._book.last_error is not None:
-                raise EngineUnavailableError(
-                    f"no engine worker at {self.path}: {self._book.last_error}"
-                ) from None
-            raise EngineTimeoutError(
-                f"the engine call did not finish in time (waiting for: {phase})"
-            ) from None
-
-    async def _drained(self, conn: ClientConnection, sent: _Sent, at: float) -> None:
-        """Wait until a call's send (``conn.send`` said so) is in the socket, by ``at``.
-
-        If the wait ends otherwise, the call counts as sent when nothing is still queued on a
-        usable connection; else what is queued is dropped (``abort``: the worker sees a cut
-        frame and reads nothing).
-        """
-        try:
-            await conn.drain(at)
-        except BaseException:
-            if conn.queued() == 0 and conn.usable():
-                sent.delivered = True  # every byte is in the socket: the worker will read it
-            else:
-                conn.abort()  # drop what is queued: the worker sees a cut frame
-            raise
 
     async def _acquire(self, at: float, unusable: ClientConnection | None) -> ClientConnection:
         """A connection for one call when no usable idle one was at hand (``unusable``: the

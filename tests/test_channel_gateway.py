@@ -18,6 +18,7 @@ import pytest
 
 from aioshmcache import AsyncReceiverCache, AsyncSenderCache, FeatureSpec, ShmRef, wire
 from aioshmcache import _channel_format as F
+from aioshmcache._channel_conn import ClientConnection
 from aioshmcache.channel import EngineClient
 from aioshmcache.errors import EndOfFramesError, EngineCallError, EngineTimeoutError, WireError
 from aioshmcache.wire import read_frame
@@ -56,16 +57,16 @@ async def test_the_usual_call_reads_only_the_loop_s_clock(
         assert cache.snapshot().readers[0].lag == 0
 
 
-def _counted(m: pytest.MonkeyPatch, name: str) -> list[int]:
-    """Count the calls of ``EngineClient.name`` (a coroutine method), which still runs."""
+def _counted(m: pytest.MonkeyPatch, cls: type, name: str) -> list[int]:
+    """Count the calls of ``cls.name`` (a coroutine method), which still runs."""
     seen: list[int] = []
-    real = getattr(EngineClient, name)
+    real = getattr(cls, name)
 
-    async def counted(self: EngineClient, *args: Any) -> Any:
+    async def counted(self: Any, *args: Any) -> Any:
         seen.append(1)
         return await real(self, *args)
 
-    m.setattr(EngineClient, name, counted)
+    m.setattr(cls, name, counted)
     return seen
 
 
@@ -73,10 +74,11 @@ async def test_the_usual_call_takes_an_idle_connection_and_sends_without_a_corou
     make_config: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An idle usable connection is taken and the call written on it with no coroutine of
-    their own (``_acquire``, ``_drained``: the other cases); an idle connection found closed
-    is given back and another one opened (``_acquire``), and the call is answered alike."""
-    acquired = _counted(monkeypatch, "_acquire")
-    drained = _counted(monkeypatch, "_drained")
+    their own (``_acquire``, the connection's ``drain``: the other cases); an idle connection
+    found closed is given back and another one opened (``_acquire``), and the call is
+    answered alike."""
+    acquired = _counted(monkeypatch, EngineClient, "_acquire")
+    drained = _counted(monkeypatch, ClientConnection, "drain")
     sock = tmp_path / "e.sock"
     async with _connected(make_config, sock, max_connections=1) as (cache, _rx, engine):
         for i in range(3):
@@ -97,8 +99,9 @@ async def test_a_send_the_transport_paused_is_drained_before_the_answer(
     make_config: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A call too big for the socket's buffer pauses the transport's writing: ``send`` says
-    so and the call waits for the drain (``_drained``), then for its answer, as before."""
-    drained = _counted(monkeypatch, "_drained")
+    so and the call waits for the drain (the connection's ``drain``), then for its answer, as
+    before."""
+    drained = _counted(monkeypatch, ClientConnection, "drain")
     sock = tmp_path / "e.sock"
     async with _connected(make_config, sock, max_connections=1) as (cache, _rx, engine):
         [f] = await _features(cache, range(1))
