@@ -1,6 +1,6 @@
 """The gateway's end of the channel: ``EngineClient``, a pool of connections to one worker.
 
-A call borrows a pooled ``FrameConnection`` from its send to its answer (the pool's rules are
+A call borrows a pooled ``ClientConnection`` from its send to its answer (the pool's rules are
 ``_channel_pool.PoolBook``'s, a pure state machine), writes the call's two frames in one go and
 waits for the answer frame; the call's messages are ``_channel_format``'s. See
 ``aioshmcache.channel`` for the behaviour as a whole (hand-outs, retries, drift recovery).
@@ -19,7 +19,7 @@ from typing import Any, Final, Protocol, Self
 import anyio
 from anyio.abc import AsyncResource
 
-from ._channel_conn import FrameConnection
+from ._channel_conn import ClientConnection
 from ._channel_format import call_frames, decode, framed_call, raise_error
 from ._channel_keeper import WorkerKeeper
 from ._channel_pool import PoolBook
@@ -97,15 +97,6 @@ def _check_retries(retries: int) -> int:
     return retries
 
 
-class _Sent:
-    """How far a call got: whether its frames reached the socket whole."""
-
-    __slots__ = ("delivered",)
-
-    def __init__(self) -> None:
-        self.delivered = False
-
-
 class EngineClient(AsyncResource):
     """The gateway's end of the channel: a small pool of Unix-socket connections to one worker.
 
@@ -141,7 +132,7 @@ class EngineClient(AsyncResource):
         self.max_frame_bytes = max_frame_bytes
         self.retries = _check_retries(retries)
         self._changed: asyncio.Event | None = None
-        self._book: PoolBook[FrameConnection] = PoolBook(
+        self._book: PoolBook[ClientConnection] = PoolBook(
             max_connections,
             backoff_initial=backoff_initial,
             backoff_max=backoff_max,
@@ -214,7 +205,7 @@ class EngineClient(AsyncResource):
         )
 
     @property
-    def pool(self) -> PoolBook[FrameConnection]:
+    def pool(self) -> PoolBook[ClientConnection]:
         """The pool's state (``_channel_pool.PoolBook``: counts, backoff), to read, not change."""
         return self._book
 
@@ -251,7 +242,9 @@ class EngineClient(AsyncResource):
         if limit <= 0:
             raise ValueError("timeout must be > 0")
         retries_left = self.retries if retries is None else _check_retries(retries)
-        deadline = time.monotonic() + limit
+        # on the loop's clock from the start: every wait below takes it as it is
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
         resent = False
         try:
             while True:
@@ -268,7 +261,7 @@ class EngineClient(AsyncResource):
                     current = await self._resend_features(current, set(miss.mm_hashes), items)
                     self._resends += 1
                 except _Lost as lost:
-                    if retries_left <= 0 or time.monotonic() >= deadline:
+                    if retries_left <= 0 or loop.time() >= deadline:
                         raise lost.error from lost.error.__cause__
                     retries_left -= 1
                     try:
@@ -322,9 +315,19 @@ class EngineClient(AsyncResource):
             raise
         return out
 
-    async def _attempt(self, features: list[FeatureSpec], payload: Any, deadline: float) -> Any:
-        refs = [f.data for f in features if isinstance(f.data, ShmRef)]
-        sent = _Sent()
+    async def _attempt(self, features: list[FeatureSpec], payload: Any, at: float) -> Any:
+        """One send of the call on a pooled connection and its answer, by ``at``.
+
+        Each wait below carries the deadline itself (on the loop's clock, as ``call`` took it:
+        no clock is read here): the usual call (an idle connection, a send that needs no drain)
+        waits once, for its answer, with one timer on that wait and no timeout scope around the
+        call, and no coroutine of its own but this one (``_acquire`` is the other cases').
+
+        ``delivered``: whether the call's frames reached the socket whole (the worker will read
+        its references). The references are gathered (``refs_of``) only when the call fails:
+        to give them back, or to hand them to the retry as maybe read.
+        """
+        delivered = False
         try:
             frames: tuple[bytes, bytes] | bytes | None
             frames = framed_call(payload, features, self.max_frame_bytes)
@@ -333,7 +336,54 @@ class EngineClient(AsyncResource):
                     frames = call_frames(payload, features)
                 except (SerdeError, WireError, TypeError) as exc:
                     raise WireError(f"the call cannot be encoded: {exc}") from exc
-            answer = await self._exchange(frames, deadline, sent)
+            phase = "connect"
+            broken = 0  # connections that broke before the call reached the worker
+            try:
+                while True:
+                    conn = self._book.take_idle()  # the usual case, no ``Step`` made
+                    if conn is None or not conn.usable():
+                        conn = await self._acquire(at, conn)
+                    phase = "send"
+                    reusable = False
+                    try:
+                        if conn.send(frames):  # paused writing, or closing: not in the socket
+                            try:
+                                await conn.drain(at)
+                            except BaseException:
+                                if conn.queued() == 0 and conn.usable():
+                                    delivered = True  # every byte is in the socket
+                                else:
+                                    conn.abort()  # drop what is queued: the worker sees a cut
+                                raise
+                        delivered = True
+                        phase = "answer"
+                        answer = await conn.answer(at)  # the usual answer: whole, in one read
+                        if answer is None:  # in pieces, or more than one frame: cut and queued
+                            answer = await conn.next_frame(at)
+                        reusable = True
+                        break
+                    except FrameTooLargeError as exc:  # the stream is out of step: not reused
+                        raise WireError(f"the engine's answer is too large: {exc}") from exc
+                    except TimeoutError:
+                        raise
+                    except (OSError, FrameError, IncompleteFrameError, EndOfFramesError) as exc:
+                        broken += 1
+                        for idle in self._book.drop_idle():
+                            idle.abort()  # they lead to the same worker: likely broken too
+                        if not delivered and broken < _SEND_TRIES:
+                            phase = "connect"
+                            continue  # the call never reached the worker: another connection
+                        raise _Lost(self._unavailable(delivered, exc)) from exc
+                    finally:
+                        self._give_conn(conn, reusable)
+            except TimeoutError:
+                if phase == "connect" and self._book.last_error is not None:
+                    raise EngineUnavailableError(
+                        f"no engine worker at {self.path}: {self._book.last_error}"
+                    ) from None
+                raise EngineTimeoutError(
+                    f"the engine call did not finish in time (waiting for: {phase})"
+                ) from None
             ok = ok_result(answer)  # the usual answer, compiled
             if ok is not None:
                 return ok[0]
@@ -342,19 +392,29 @@ class EngineClient(AsyncResource):
                 return value[3]
             if value[2] == "error" and len(value) == 8:
                 if value[7] is True:
-                    sent.delivered = False  # the worker read nothing: give back below
+                    delivered = False  # the worker read nothing: give back below
                 raise_error(value)
             raise WireError("malformed channel response")
         except _Lost as lost:
-            if sent.delivered:
-                lost.delivered = refs  # maybe read by the worker that went away
+            if delivered:
+                lost.delivered = refs_of(features)  # maybe read by the worker that went away
             else:
-                await self._give_back(refs)
+                await self._give_back(refs_of(features))
             raise
         except BaseException:
-            if not sent.delivered:
-                await self._give_back(refs)
+            if not delivered:
+                await self._give_back(refs_of(features))
             raise
+
+    def _unavailable(self, delivered: bool, exc: BaseException) -> EngineUnavailableError:
+        """The error of a call whose connection broke (``exc``): before or after delivery."""
+        if not delivered:
+            what = f"could not send the call to {self.path}: {exc}"
+        else:
+            what = f"the engine worker at {self.path} went away during the call: {exc}"
+        error = EngineUnavailableError(what)
+        error.__cause__ = exc
+        return error
 
     async def _give_back(self, refs: list[ShmRef]) -> None:
         if self.cache is None or not refs:
@@ -364,86 +424,12 @@ class EngineClient(AsyncResource):
                 if await self.cache.release(ref):
                     self._released += 1
 
-    async def _exchange(
-        self, frames: tuple[bytes, bytes] | bytes, deadline: float, sent: _Sent
-    ) -> bytes:
-        """Write the call's frames on a pooled connection and read the answer, by ``deadline``.
-
-        Each wait below carries the deadline itself (on the loop's clock): the usual call (an
-        idle connection, a send that needs no drain) waits once, for its answer, with one timer
-        on that wait and no timeout scope around the call.
-        """
-        phase = "connect"
-        broken = 0  # connections that broke before the call reached the worker
-        loop = asyncio.get_running_loop()
-        at = loop.time() + (deadline - time.monotonic())
-        try:
-            while True:
-                conn = await self._acquire(at)
-                phase = "send"
-                reusable = False
-                try:
-                    await self._send(conn, frames, sent, at)
-                    phase = "answer"
-                    answer = await conn.next_frame(at)
-                    reusable = True
-                    return answer
-                except FrameTooLargeError as exc:  # the stream is out of step: not reused
-                    raise WireError(f"the engine's answer is too large: {exc}") from exc
-                except TimeoutError:
-                    raise
-                except (OSError, FrameError, IncompleteFrameError, EndOfFramesError) as exc:
-                    broken += 1
-                    for idle in self._book.drop_idle():
-                        idle.abort()  # they lead to the same worker: likely broken too
-                    if not sent.delivered and broken < _SEND_TRIES:
-                        phase = "connect"
-                        continue  # the call never reached the worker: another connection
-                    if not sent.delivered:
-                        what = f"could not send the call to {self.path}: {exc}"
-                    else:
-                        what = f"the engine worker at {self.path} went away during the call: {exc}"
-                    error = EngineUnavailableError(what)
-                    error.__cause__ = exc
-                    raise _Lost(error) from exc
-                finally:
-                    self._give_conn(conn, reusable)
-        except TimeoutError:
-            if phase == "connect" and self._book.last_error is not None:
-                raise EngineUnavailableError(
-                    f"no engine worker at {self.path}: {self._book.last_error}"
-                ) from None
-            raise EngineTimeoutError(
-                f"the engine call did not finish in time (waiting for: {phase})"
-            ) from None
-
-    async def _send(
-        self, conn: FrameConnection, frames: tuple[bytes, bytes] | bytes, sent: _Sent, at: float
-    ) -> None:
-        """Write the call: its two frames, or (``bytes``) the frames ``framed_call`` made."""
-        if isinstance(frames, bytes):
-            conn.write_framed(frames)
-        else:
-            if len(frames[0]) > self.max_frame_bytes or len(frames[1]) > self.max_frame_bytes:
-                raise WireError(f"the call exceeds max_frame_bytes={self.max_frame_bytes}")
-            conn.write(frames)
-        try:
-            await conn.drain(at)
-        except BaseException:
-            if conn.queued() == 0 and conn.usable():
-                sent.delivered = True  # every byte is in the socket: the worker will read it
-            else:
-                conn.abort()  # drop what is queued: the worker sees a cut frame
-            raise
-        sent.delivered = True
-
-    async def _acquire(self, at: float) -> FrameConnection:
-        """A connection for one call: an idle one, a new one, or one given back, by ``at``."""
-        conn = self._book.take_idle()  # the usual case, no ``Step`` made
-        if conn is not None:
-            if conn.usable():
-                return conn
-            self._give_conn(conn, False)
+    async def _acquire(self, at: float, unusable: ClientConnection | None) -> ClientConnection:
+        """A connection for one call when no usable idle one was at hand (``unusable``: the
+        idle one taken, closed or out of step, given back here): another idle one, a new one,
+        or one given back, by ``at``."""
+        if unusable is not None:
+            self._give_conn(unusable, False)
         loop = asyncio.get_running_loop()
         while True:
             step = self._book.plan()
@@ -474,10 +460,10 @@ class EngineClient(AsyncResource):
                 return conn
             await self._wait_changed(step.until, at)
 
-    def _protocol(self) -> FrameConnection:
-        return FrameConnection(self.max_frame_bytes)
+    def _protocol(self) -> ClientConnection:
+        return ClientConnection(self.max_frame_bytes)
 
-    def _give_conn(self, conn: FrameConnection, reusable: bool) -> None:
+    def _give_conn(self, conn: ClientConnection, reusable: bool) -> None:
         to_close = self._book.give_back(conn, reusable=reusable and conn.usable())
         if to_close is not None:
             to_close.abort()
@@ -501,6 +487,11 @@ class EngineClient(AsyncResource):
             await ev.wait()
         if loop.time() >= at:
             raise TimeoutError
+
+
+def refs_of(features: list[FeatureSpec]) -> list[ShmRef]:
+    """The call's references (its hand-outs)."""
+    return [f.data for f in features if isinstance(f.data, ShmRef)]
 
 
 async def _item_of(items: Items, mm_hash: str) -> Any:

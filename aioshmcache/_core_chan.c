@@ -7,6 +7,9 @@
  *   chan_cut(data, max_bytes)          ``wire.FrameDecoder._cut``: the whole frames at the
  *                                      start of ``data`` and where the rest begins; declines
  *                                      on a declared length over ``max_bytes``;
+ *   chan_frame(data, max_bytes)        the gateway's usual read: received bytes that are
+ *                                      exactly one whole frame, its payload (as ``chan_cut``
+ *                                      would cut it, with no list);
  *   chan_unpack(data)                  ``wire.unpack_bounded(data, maps=True)`` of a message
  *                                      that is a msgpack array (an envelope);
  *   chan_call4(head)                   ``_channel_format.decode_call``'s version-4 branch:
@@ -463,27 +466,53 @@ chan_call4(PyObject *self, PyObject *head)
 }
 
 
+/* the ``(data, max_bytes)`` arguments of the cuts: ``max_bytes`` read, or -1 (an error set) */
+static int
+cut_args(const char *name, PyObject *const *args, Py_ssize_t nargs, unsigned long long *max_bytes)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "%s takes 2 arguments (data, max_bytes)", name);
+        return -1;
+    }
+    *max_bytes = PyLong_AsUnsignedLongLong(args[1]);
+    return *max_bytes == (unsigned long long)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* ``data`` (bytes) that is exactly one frame within ``max_bytes`` and ``rest`` bytes after it:
+ * 1 and the frame's payload (``*len`` bytes at ``*payload``); 0 if not (declined); -1 (an error
+ * set) for bad arguments */
+static int
+lead_frame(const char *name, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t rest,
+           const unsigned char **payload, Py_ssize_t *len)
+{
+    unsigned long long max_bytes;
+    if (cut_args(name, args, nargs, &max_bytes) < 0)
+        return -1;
+    const unsigned char *p;
+    Py_ssize_t n;
+    if (!get_bytes(args[0], &p, &n) || n < 8 + rest)
+        return 0;
+    uint64_t head = le64(p);
+    if (head > max_bytes || head != (uint64_t)(n - 8 - rest))
+        return 0;
+    *payload = p + 8, *len = (Py_ssize_t)head;
+    return 1;
+}
+
 /* ``chan_take_call(data, max_bytes)``: ``(payload, features)`` when ``data`` is exactly the two
  * frames of a version-4 call (its frame within ``max_bytes``, then the empty one), or None
  * (declined: the frames are cut and decoded one by one) */
 static PyObject *
 chan_take_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "chan_take_call takes 2 arguments (data, max_bytes)");
-        return NULL;
-    }
-    unsigned long long max_bytes = PyLong_AsUnsignedLongLong(args[1]);
-    if (max_bytes == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    const unsigned char *p;
+    const unsigned char *head;
     Py_ssize_t n;
-    if (!get_bytes(args[0], &p, &n) || n < 16)
+    int rc = lead_frame("chan_take_call", args, nargs, 8, &head, &n);
+    if (rc < 0)
+        return NULL;
+    if (rc == 0 || le64(head + n) != 0) /* then the empty frame */
         Py_RETURN_NONE;
-    uint64_t head = le64(p);
-    if (head > max_bytes || head != (uint64_t)(n - 16) || le64(p + n - 8) != 0)
-        Py_RETURN_NONE;
-    return call_or_none(decode_call4(p + 8, (Py_ssize_t)head));
+    return call_or_none(decode_call4(head, n));
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -834,12 +863,8 @@ chan_ok_result(PyObject *self, PyObject *answer)
 static PyObject *
 chan_cut(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "chan_cut takes 2 arguments (data, max_bytes)");
-        return NULL;
-    }
-    unsigned long long max_bytes = PyLong_AsUnsignedLongLong(args[1]);
-    if (max_bytes == (unsigned long long)-1 && PyErr_Occurred())
+    unsigned long long max_bytes;
+    if (cut_args("chan_cut", args, nargs, &max_bytes) < 0)
         return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
@@ -872,11 +897,30 @@ done:
     return out;
 }
 
+/* ``chan_frame(data, max_bytes)``: the payload when ``data`` (bytes) is exactly one whole frame
+ * within ``max_bytes``, or None (declined: anything else is cut by the decoder) */
+static PyObject *
+chan_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const unsigned char *payload;
+    Py_ssize_t n;
+    switch (lead_frame("chan_frame", args, nargs, 0, &payload, &n)) {
+    case 1:
+        return PyBytes_FromStringAndSize((const char *)payload, n);
+    case 0:
+        Py_RETURN_NONE;
+    default:
+        return NULL;
+    }
+}
+
 PyMethodDef aioshm_chan_methods[] = {
     {"configure_chan", chan_configure, METH_VARARGS,
      "configure_chan(FeatureSpec, ShmRef): the classes the channel's call steps know"},
     {"chan_cut", (PyCFunction)(void (*)(void))chan_cut, METH_FASTCALL,
      "chan_cut(data, max_bytes) -> (frames, pos), or None (declined)"},
+    {"chan_frame", (PyCFunction)(void (*)(void))chan_frame, METH_FASTCALL,
+     "chan_frame(data, max_bytes) -> the payload of data that is one whole frame, or None"},
     {"chan_unpack", chan_unpack, METH_O,
      "chan_unpack(data) -> a plain envelope under the bounded unpack's rules, or None"},
     {"chan_take_call", (PyCFunction)(void (*)(void))chan_take_call, METH_FASTCALL,

@@ -24,6 +24,7 @@ __all__ = [
     "chan_call4",
     "chan_call4_frames",
     "chan_cut",
+    "chan_frame",
     "chan_ok_frame",
     "chan_ok_result",
     "chan_take_call",
@@ -312,6 +313,12 @@ def configure_chan(spec_type: type, ref_type: type) -> None:
 def chan_cut(data: object, max_bytes: int) -> tuple[list[bytes], int] | None:
     """The whole frames at the start of ``data``, which may decline: here it always does
     (``wire.FrameDecoder`` is the reference)."""
+    return None
+
+
+def chan_frame(data: object, max_bytes: int) -> bytes | None:
+    """The payload of ``data`` when it is exactly one whole frame, which may decline: here it
+    always does (``wire.FrameDecoder`` is the reference)."""
     return None
 
 

@@ -191,11 +191,16 @@ def _ir(cell: str, calls: int, setup: int) -> int:
             check=True,
             capture_output=True,
         )
-        with open(out) as f:
-            m = re.search(r"^summary:\s+(\d+)", f.read(), re.M)
-        if m is None:
-            raise SystemExit("no summary line in callgrind's output")
-        return int(m.group(1))
+        return callgrind_total(out)
+
+
+def callgrind_total(out: str) -> int:
+    """The instructions a callgrind run counted (its output file's ``summary`` line)."""
+    with open(out) as f:
+        m = re.search(r"^summary:\s+(\d+)", f.read(), re.M)
+    if m is None:
+        raise SystemExit("no summary line in callgrind's output")
+    return int(m.group(1))
 
 
 def main(argv: list[str]) -> int:

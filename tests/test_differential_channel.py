@@ -1,5 +1,5 @@
 """Differential tests of the channel's compiled steps (``aioshmcache/_core_chan.c``) against
-their references, the channel's own Python functions: the frame cut (``FrameDecoder``), the
+their references, the channel's own Python functions: the frame cuts (``FrameDecoder``), the
 bounded unpack of an envelope (``wire.unpack_bounded``), the version-4 call's decode
 (``_channel_format.decode_call``) and its encode (``_channel_format.call_frames``'s version-4
 form). On random valid inputs both give the same values (types included) and the same bytes;
@@ -375,7 +375,14 @@ def reference_cut(data: bytes, max_bytes: int) -> Any:
     max_bytes=st.integers(0, 50),
     as_view=st.booleans(),
 )
+@example(frames=[b"abc"], tail=b"", max_bytes=10, as_view=False)  # one frame: taken
+@example(frames=[b""], tail=b"", max_bytes=0, as_view=False)
+@example(frames=[b"abc"], tail=b"", max_bytes=2, as_view=False)  # over max_bytes: declined
+@example(frames=[], tail=struct.pack("<Q", U64), max_bytes=10, as_view=False)
 def test_frames_cut_alike(frames: list[bytes], tail: bytes, max_bytes: int, as_view: bool) -> None:
+    """``chan_cut`` cuts what the decoder cuts; ``chan_frame`` (the gateway's usual answer)
+    gives the payload exactly when the decoder cuts one frame with nothing left over, and
+    declines anything else (any other buffer than bytes too)."""
     assert C is not None
     data = b"".join(struct.pack("<Q", len(f)) + f for f in frames) + tail
     ref = reference_cut(data, max_bytes)
@@ -385,6 +392,11 @@ def test_frames_cut_alike(frames: list[bytes], tail: bytes, max_bytes: int, as_v
         assert got is None
     else:
         assert got == ref
+    one = C.chan_frame(src, max_bytes)
+    if not as_view and type(ref) is tuple and len(ref[0]) == 1 and ref[1] == len(data):
+        assert type(one) is bytes and one == ref[0][0]
+    else:
+        assert one is None
 
 
 def test_the_decoder_still_raises_over_max_bytes() -> None:

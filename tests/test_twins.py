@@ -306,7 +306,7 @@ PRIVATE_RETURNS: dict[str, str] = {
     # the reader's read path, the internal API its cache's requests drive step by step
     "StoreReader.read_path": "aioshmcache._read_path.ReadPath",
     # the channel pool's book, to read in tests and diagnostics (counts, backoff), not to drive
-    "EngineClient.pool": "aioshmcache._channel_conn.FrameConnection",
+    "EngineClient.pool": "aioshmcache._channel_conn.ClientConnection",
 }
 
 
