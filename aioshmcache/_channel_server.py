@@ -102,7 +102,7 @@ class _ServerConnection(FrameConnection):
             return
         super().data_received(data)
 
-    def arrival(self) -> asyncio.Future[None]:
+    def arrival(self) -> asyncio.Future[bytes | None]:
         """The future the next bytes (or the end) resolve: awaited by the serving task itself,
         no coroutine level of its own (``wait_started``'s)."""
         return self._waiter_future()
