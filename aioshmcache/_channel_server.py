@@ -245,7 +245,7 @@ class _Worker:
                         answer = call
                     else:
                         answer = await self.serve_call(*call, waited=waited)
-                    if isinstance(answer, tuple):  # its frame already made (``_handle``)
+                    if isinstance(answer, tuple):  # its frame already made (``_answer``)
                         conn.write_framed(answer[0])
                     else:
                         conn.write((answer,))
@@ -295,7 +295,7 @@ class _Worker:
         self, version: int, payload: Any, features: list[FeatureSpec], *, waited: bool = False
     ) -> bytes | tuple[bytes]:
         """One call's answer: read the features, run the handler, encode its result (as
-        ``_handle`` returns it). ``waited``: the serving task waited for this call, so the
+        ``_answer`` makes it). ``waited``: the serving task waited for this call, so the
         usual read needs no checkpoint (``aio.read_after_wait``)."""
         plain = version >= PLAIN_ANSWER_FROM
         if not self.limit.take():
