@@ -136,7 +136,7 @@ async def test_a_send_never_drained_times_out_and_gives_its_hand_outs_back(
             [f] = await _features(cache, range(1))
             big = FeatureSpec("big", _item(2, 2 << 20))  # 8 MiB inline
             with pytest.raises(EngineTimeoutError, match="send"):
-                await engine.call([f, big], {"op": "crc"}, timeout=0.5)
+                await engine.call([f, big], {"op": "crc"}, timeout=1.0)  # the connect well within
             assert engine.stats().released == 1
             assert engine.open_connections == 0  # dropped, not pooled
             assert not await cache.release(f.data)  # given back already
@@ -221,8 +221,9 @@ async def test_an_answer_after_the_deadline_is_not_handed_to_anyone(
     by it."""
     sock = tmp_path / "e.sock"
     async with _connected(make_config, sock, max_connections=1) as (_cache, _rx, engine):
-        assert (await engine.call([], {"op": "echo", "n": 1}, timeout=0.3))["payload"]["n"] == 1
-        out = await engine.call([], {"op": "sleep", "s": 0.6}, timeout=30)  # past the 0.3
+        # a deadline no busy machine reaches for an echo, yet one the next call outlasts
+        assert (await engine.call([], {"op": "echo", "n": 1}, timeout=1.5))["payload"]["n"] == 1
+        out = await engine.call([], {"op": "sleep", "s": 1.8}, timeout=30)  # past the 1.5
         assert out["hashes"] == [] and engine.stats().connects == 1
         with pytest.raises(EngineTimeoutError, match="answer"):
             await engine.call([], {"op": "sleep", "s": 1.0}, timeout=0.2)
