@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,6 +34,19 @@ from aioshmcache.tools.progress import Progress
 from aioshmcache.tools.units import fmt_bytes
 
 pytestmark = pytest.mark.bench
+
+
+@pytest.fixture(autouse=True)
+def _stand_ins_leave_with_the_test() -> Iterator[None]:
+    """A load from a file puts its imports' stand-ins in ``sys.modules`` (a fake ``torch``
+    among them when torch is not installed) and the loaded store; they go when the test ends,
+    so a later test's ``pytest.importorskip("torch")`` does not find a module without torch."""
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if getattr(sys.modules[name], "__spec__", None) is None or name.startswith("_vllm"):
+            del sys.modules[name]
+
 
 #: a store with the calls the suite makes of vLLM's, and the imports the real file has
 STAND_IN = """

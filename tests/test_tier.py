@@ -1033,8 +1033,10 @@ async def test_a_redis_cluster_serves_as_the_tier(make_config: Any, shm_name: st
     with cluster:
         calls: list[str] = []
         hashes = [f"c{i}" for i in range(8)]  # spread over the masters' slots
-        t1 = _tier(cluster.url, cluster=True)
-        t2 = _tier(cluster.url, cluster=True)
+        # a new cluster client's first look-up also discovers the nodes: a generous deadline,
+        # so a busy machine does not turn it into a make (the subject here is the cluster)
+        t1 = _tier(cluster.url, cluster=True, lookup_timeout_s=15.0)
+        t2 = _tier(cluster.url, cluster=True, lookup_timeout_s=15.0)
         async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
             with ReceiverCache.attach(b.handle()) as rb:
                 for h in hashes:
