@@ -543,13 +543,16 @@ pub_chunk(Pub *p, uint64_t cid)
 }
 
 /* --- the hand-out (``Acknowledgements.hand_out``, the reference) ------------------------------
- * ``hand_out(acks, cid)``: the writer's usual hand-out of a chunk the ledger does not track yet
- * (every put's first one) in a broadcast store whose reader slots did not change since the last
- * look: the next ``seq``; if live sessions owe it, one ``Debts`` (``{seq: owers}``,
- * ``{seq: now}``), the sessions' counts and their ``WS_OWED`` words; the drain once the hand-outs
- * since the last one could fill half a log (the Python ``drain``). The ledger's own state, so
- * both cores keep one. None (nothing done) for the rest — one-of-N, a tracked entry, a slot
- * whose session changed (``sync_sessions``), anything of an unexpected type — and the reference
+ * ``hand_out(acks, cid)``: the writer's usual hand-out of a chunk in a broadcast store whose
+ * reader slots did not change since the last look: the next ``seq``, owed by the live sessions.
+ * A chunk the ledger does not track yet (every put's first hand-out) gets one ``Debts``
+ * (``{seq: owers}``, ``{seq: now}``) if anyone owes it; a tracked one (a look-up hit while an
+ * earlier hand-out is unacknowledged: an engine channel's every call) gets the seq added to its
+ * ``out`` and ``out_time``, its ``debt`` raised and its touch ended (``HandoutLedger.hand_out``,
+ * ``_retire`` included). Then the sessions' counts and their ``WS_OWED`` words; the drain once
+ * the hand-outs since the last one could fill half a log (the Python ``drain``). The ledger's own
+ * state, so both cores keep one. None (nothing done) for the rest — one-of-N, a slot whose
+ * session changed (``sync_sessions``), anything of an unexpected type — and the reference
  * runs.
  *
  * ``configure_hand_out(Acknowledgements, HandoutLedger, Debts)`` names the classes: a store whose
@@ -693,7 +696,7 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
     PyObject *result = NULL, *ledger = NULL, *readers = NULL, *known = NULL, *live = NULL;
     PyObject *live_slots = NULL, *entries = NULL, *owed = NULL, *next = NULL, *clock = NULL;
     PyObject *now = NULL, *seq1 = NULL, *e = NULL, *owers = NULL, *out = NULL;
-    PyObject *out_time = NULL, *debt = NULL, *und1 = NULL, *v = NULL;
+    PyObject *out_time = NULL, *debt = NULL, *und1 = NULL, *v = NULL, *tracked = NULL;
     Py_buffer sess, words;
     int has_sess = 0, has_words = 0;
     int64_t seq, und, log_entries;
@@ -708,7 +711,30 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
     CHECK(slot_get(ledger, o_l_owed, &owed));
     if (!PyDict_CheckExact(entries) || !PyDict_CheckExact(owed))
         DECLINE();
-    CHECK(PyDict_Contains(entries, cid_obj)); /* tracked: the reference's ``hand_out(e)`` */
+    /* tracked (owed, pinned or touched): its ``Debts``, with exactly the reference's types */
+    int64_t old_debt = 0, pins = 0;
+    if ((tracked = PyDict_GetItemWithError(entries, cid_obj)) != NULL) {
+        Py_INCREF(tracked);
+        if ((PyObject *)Py_TYPE(tracked) != debts_type)
+            DECLINE();
+        PyObject *id = SLOT(tracked, o_d_id), *o = SLOT(tracked, o_d_out);
+        PyObject *t = SLOT(tracked, o_d_out_time), *d = SLOT(tracked, o_d_debt);
+        PyObject *p = SLOT(tracked, o_d_pins);
+        if (id == NULL || o == NULL || t == NULL || d == NULL || p == NULL ||
+            SLOT(tracked, o_d_touched) == NULL || !PyDict_CheckExact(o) || !PyDict_CheckExact(t) ||
+            !PyLong_CheckExact(id) || !PyLong_CheckExact(d) || !PyLong_CheckExact(p))
+            DECLINE();
+        int same = PyObject_RichCompareBool(id, cid_obj, Py_EQ); /* ints: no Python code */
+        CHECK(same < 0 ? -1 : !same);
+        CHECK(as_i64(d, &old_debt));
+        CHECK(as_i64(p, &pins));
+        if (old_debt < 0 || old_debt > INT64_MAX - MAX_LIVE || pins < 0)
+            DECLINE();
+        Py_INCREF(o), Py_INCREF(t);
+        out = o, out_time = t;
+    }
+    else if (PyErr_Occurred())
+        goto done;
     CHECK(slot_get(ledger, o_l_next_seq, &next)); /* the seq this hand-out gets: that int */
     CHECK(as_i64(next, &seq));
     if (seq < 0 || seq == INT64_MAX)
@@ -783,12 +809,15 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         has_words = 1;
         if (words.shape[0] != n_slots)
             DECLINE();
+        NEED(owers = PyList_GetSlice(live, 0, n_live));
+        PyObject_GC_UnTrack(owers); /* ints only (see below) */
+        NEED(debt = PyLong_FromLongLong(old_debt + n_live));
+    }
+    if (n_live && tracked == NULL) {
         NEED(e = ((PyTypeObject *)debts_type)->tp_new((PyTypeObject *)debts_type, empty_tuple,
                                                       NULL));
-        NEED(owers = PyList_GetSlice(live, 0, n_live));
         NEED(out = PyDict_New());
         NEED(out_time = PyDict_New());
-        NEED(debt = PyLong_FromSsize_t(n_live));
         if (PyDict_SetItem(out, next, owers) < 0 || PyDict_SetItem(out_time, next, now) < 0)
             goto done;
         slot_set(e, o_d_id, cid_obj);
@@ -803,15 +832,24 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
          * young collection walked every one of them: ~1.5k instructions a put with a reader
          * attached. (The ledger's Python code tracks ``out`` again when it stores a list in
          * it; nothing it stores in the entry or the list could make a cycle either.) */
-        PyObject_GC_UnTrack(owers);
         PyObject_GC_UnTrack(out);
         if (PyType_IS_GC(Py_TYPE(e)))
             PyObject_GC_UnTrack(e);
     }
     /* --- side effects, in the reference's order --- */
     slot_set(ledger, o_l_next_seq, seq1);
+    if (tracked != NULL) { /* ``hand_out(e)``: this seq owed, the touch ended, then ``_retire`` */
+        if (n_live) {
+            if (PyDict_SetItem(out, next, owers) < 0 || PyDict_SetItem(out_time, next, now) < 0)
+                goto done;
+            slot_set(tracked, o_d_debt, debt);
+        }
+        slot_set(tracked, o_d_touched, Py_None);
+        if (PyDict_GET_SIZE(out) == 0 && pins == 0 && PyDict_DelItem(entries, cid_obj) < 0)
+            goto done; /* idle (it was tracked for a touch alone): no longer tracked */
+    }
     if (n_live) {
-        if (PyDict_SetItem(entries, cid_obj, e) < 0)
+        if (tracked == NULL && PyDict_SetItem(entries, cid_obj, e) < 0)
             goto done;
         /* each live session owes one more (the live sessions are distinct), and its slot's
          * word publishes the count, for inspect */
@@ -848,6 +886,7 @@ done:
     Py_XDECREF(live_slots), Py_XDECREF(entries), Py_XDECREF(owed), Py_XDECREF(next);
     Py_XDECREF(clock), Py_XDECREF(now), Py_XDECREF(seq1), Py_XDECREF(e), Py_XDECREF(v);
     Py_XDECREF(owers), Py_XDECREF(out), Py_XDECREF(out_time), Py_XDECREF(debt), Py_XDECREF(und1);
+    Py_XDECREF(tracked);
     return result;
 }
 
