@@ -57,6 +57,35 @@ async def test_the_usual_call_reads_only_the_loop_s_clock(
         assert cache.snapshot().readers[0].lag == 0
 
 
+async def test_a_connection_asks_for_its_loop_once_not_per_call(
+    make_config: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection learns its loop when it is made: the waits of its calls (the answer's
+    future, the deadline's timer; the worker's wait for the next call) do not ask
+    ``asyncio.get_running_loop`` again, a system call (``getpid``) each on Python 3.11."""
+    from aioshmcache import _channel_conn
+
+    asked: list[None] = []
+
+    def get_running_loop() -> asyncio.AbstractEventLoop:
+        asked.append(None)
+        return asyncio.get_running_loop()
+
+    monkeypatch.setattr(
+        _channel_conn,
+        "asyncio",
+        types.SimpleNamespace(**{**vars(asyncio), "get_running_loop": get_running_loop}),
+    )
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock, max_connections=1) as (cache, _rx, engine):
+        for i in range(4):
+            [f] = await _features(cache, range(i, i + 1))
+            out = await engine.call([f], {"op": "crc"}, timeout=30)
+            assert out["crcs"] == [crc(_item(i)["x"])]
+        assert engine.stats().connects == 1
+        assert len(asked) == 2  # connection_made's, at either end (the worker is in-process)
+
+
 def _counted(m: pytest.MonkeyPatch, cls: type, name: str) -> list[int]:
     """Count the calls of ``cls.name`` (a coroutine method), which still runs."""
     seen: list[int] = []
