@@ -181,21 +181,28 @@ class FrameConnection(asyncio.Protocol):
         t = self.transport
         return self.error is None and t is not None and not t.is_closing() and not self._frames
 
-    def write(self, payloads: Sequence[Buffer]) -> None:
-        """Queue ``payloads`` as frames (``FrameTooLargeError`` over ``max_frame_bytes``)."""
-        if self.transport is None:
+    def write(self, payloads: Sequence[Buffer]) -> bool:
+        """Queue ``payloads`` as frames (``FrameTooLargeError`` over ``max_frame_bytes``);
+        whether they must be drained (``drain`` would wait, or raise: the transport paused or
+        closing), so that the usual write awaits no coroutine."""
+        t = self.transport
+        if t is None:
             raise ConnectionResetError("not connected")
         parts = frame_parts(payloads, max_bytes=self.max_frame_bytes)
         if len(parts) == 1:
-            self.transport.write(parts[0])
+            t.write(parts[0])
         else:
-            self.transport.writelines(parts)
+            t.writelines(parts)
+        return self._paused or t.is_closing()
 
-    def write_framed(self, data: bytes) -> None:
-        """Queue ``data``, frames already made (``_channel_format.framed_call``'s)."""
-        if self.transport is None:
+    def write_framed(self, data: bytes) -> bool:
+        """Queue ``data``, frames already made (``_channel_format.framed_call``'s); whether it
+        must be drained, as ``write``."""
+        t = self.transport
+        if t is None:
             raise ConnectionResetError("not connected")
-        self.transport.write(data)
+        t.write(data)
+        return self._paused or t.is_closing()
 
     async def drain(self, deadline: float | None = None) -> None:
         """Wait while the transport has paused writing; ``ConnectionResetError`` if it closed;

@@ -215,6 +215,7 @@ class _Worker:
                         self.fresh[task] = conn
                     try:
                         if proven:  # a pooled connection may wait for its next call without limit
+                            await conn.arrival()  # (nothing came since ``started`` said so above)
                             while not conn.started():  # (an error ends the read below)
                                 await conn.arrival()
                         else:
@@ -246,10 +247,11 @@ class _Worker:
                     else:
                         answer = await self.serve_call(*call, waited=waited)
                     if isinstance(answer, tuple):  # its frame already made (``_answer``)
-                        conn.write_framed(answer[0])
+                        must_drain = conn.write_framed(answer[0])
                     else:
-                        conn.write((answer,))
-                    await conn.drain()
+                        must_drain = conn.write((answer,))
+                    if must_drain:  # paused or closing: the usual answer awaits nothing more
+                        await conn.drain()
                 finally:
                     self.busy.discard(task)
         except TimeoutError:  # no whole call within idle_timeout: a stuck or silent peer

@@ -34,6 +34,7 @@ import anyio.to_thread
 from anyio.abc import AsyncResource
 
 from ._flight import FROM_SIBLING, GroupFlight, SingleFlight, SingleFlightStats, call_make
+from ._receiver_request import read_one_feature
 from ._request import DEFAULT_INLINE_THRESHOLD, SenderRequest, feature_item, features_from
 from ._serde import Serde
 from ._types import (
@@ -879,9 +880,11 @@ def read_after_wait(face: object, features: Sequence[FeatureSpec]) -> list[Featu
     below the face's ``inline_threshold_bytes``, read on the loop in one core call (as the face
     reads it); ``None``, with nothing done, for anything else, which the caller then awaits
     through the face."""
-    if type(face) is not AsyncReceiverCache or len(features) != 1:
-        return None
-    receiver = face.receiver
+    if type(face) is not AsyncReceiverCache or face._closed:
+        return None  # (a closed face: its own call raises)
+    receiver = face._cache  # ``face.receiver``, two calls shorter
     if type(receiver) is not ReceiverCache:
         return None
-    return receiver._read_one_feature(features, face.inline_threshold_bytes)
+    return read_one_feature(
+        receiver.store, receiver._counters, features, face.inline_threshold_bytes
+    )

@@ -422,3 +422,57 @@ async def test_a_call_the_worker_waited_for_is_read_without_the_face_s_turn_acco
         assert direct == [compiled] * 4
         assert len(dues) == 1 if compiled else len(dues) >= 4  # pure: every read by the face
         assert cache.snapshot().readers[0].lag == 0  # every call read and acknowledged
+
+
+async def test_the_worker_s_usual_answer_awaits_no_drain(
+    make_config: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An answer the transport takes without pausing (the usual one) is written with no
+    coroutine: ``write_framed`` (and ``write``) say whether it must be drained, and the worker
+    awaits ``drain`` only then (its transport paused or closing)."""
+    from aioshmcache import _channel_server
+
+    drained: list[None] = []
+    drain = _channel_server._ServerConnection.drain
+
+    async def counted(self: Any, deadline: float | None = None) -> None:
+        drained.append(None)
+        await drain(self, deadline)
+
+    monkeypatch.setattr(_channel_server._ServerConnection, "drain", counted)
+    sock = tmp_path / "e.sock"
+    async with _worker(make_config, sock) as cache:
+        item = {"x": np.arange(300, dtype=np.float32)}
+        async with EngineClient.connect(sock, cache=cache) as engine:
+            for _ in range(3):
+                [f] = await cache.get_and_update_features([FeatureSpec("h", item)])
+                assert (await engine.call([f], {"op": "crc"}, timeout=30))["crcs"] == [
+                    crc(item["x"])
+                ]
+    assert drained == []
+
+    class Transport(asyncio.Transport):
+        def __init__(self) -> None:
+            super().__init__()
+            self.written: list[bytes] = []
+            self.closing = False
+
+        def write(self, data: Any) -> None:
+            self.written.append(bytes(data))
+
+        def is_closing(self) -> bool:
+            return self.closing
+
+    conn = _channel_server._ServerConnection.__mro__[1](1 << 10)  # the plain FrameConnection
+    t = Transport()
+    conn.connection_made(t)
+    assert conn.write_framed(b"a") is False
+    conn.pause_writing()
+    assert conn.write_framed(b"b") is True  # paused: drain waits for the transport
+    conn.resume_writing()
+    t.closing = True
+    assert conn.write_framed(b"c") is True  # closing: drain raises
+    assert conn.write([b"d"]) is True
+    t.closing = False
+    assert conn.write([b"e"]) is False
+    assert t.written == [b"a", b"b", b"c", encode_frame(b"d"), encode_frame(b"e")]
