@@ -661,6 +661,37 @@ def test_the_c_hand_out_takes_the_usual_hand_out_and_declines_the_rest(
             acks.one_of_n = False
 
 
+def test_the_c_hand_out_of_a_touched_or_pinned_entry_keeps_the_reference_s_ledger(
+    make_config: Any,
+) -> None:
+    """An entry tracked only for a touch or a pin, handed out with no reader attached: the C
+    hand-out ends the touch and stops tracking an entry left idle, and keeps a pinned one, as
+    ``Acknowledgements.hand_out`` does (the same ledger, step by step, on a twin store)."""
+    assert C is not None
+
+    def steps(compiled: bool) -> list[object]:
+        with SenderCache(make_config(1 << 20)) as cache:
+            store = cache.store
+            acks, ledger = store._acks, store._ledger
+            seen: list[object] = []
+            for key in ("t", "p", "tp"):
+                cache.get_and_update_item(({"x": np.ones(3)}, []), key)
+            cid = {k: store._index[k] for k in ("t", "p", "tp")}
+            assert cid["t"] not in ledger.entries  # owed by nobody: not tracked
+            store.touch("t"), store.pin("p"), store.touch("tp"), store.pin("tp")
+            for key in ("t", "p", "tp", "t"):
+                seq = C.hand_out(acks, cid[key]) if compiled else acks.hand_out(cid[key])
+                e = ledger.entries.get(cid[key])
+                seen.append(
+                    (key, seq, None if e is None else (e.out, e.debt, e.pins, e.touched_at))
+                )
+            return seen
+
+    compiled, reference = steps(True), steps(False)
+    assert compiled == reference
+    assert [row[2] is None for row in compiled] == [True, False, False, True]
+
+
 def test_the_c_put_sees_a_class_attribute_replaced_after_its_first_read(
     monkeypatch: pytest.MonkeyPatch, make_config: Any
 ) -> None:
