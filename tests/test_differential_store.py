@@ -669,11 +669,11 @@ def test_the_c_hand_out_of_a_touched_or_pinned_entry_keeps_the_reference_s_ledge
     ``Acknowledgements.hand_out`` does (the same ledger, step by step, on a twin store)."""
     assert C is not None
 
-    def steps(compiled: bool) -> list[object]:
+    def steps(compiled: bool) -> list[tuple[str, object, object]]:
         with SenderCache(make_config(1 << 20)) as cache:
             store = cache.store
             acks, ledger = store._acks, store._ledger
-            seen: list[object] = []
+            seen: list[tuple[str, object, object]] = []
             for key in ("t", "p", "tp"):
                 cache.get_and_update_item(({"x": np.ones(3)}, []), key)
             cid = {k: store._index[k] for k in ("t", "p", "tp")}
