@@ -34,7 +34,6 @@ import anyio.to_thread
 from anyio.abc import AsyncResource
 
 from ._flight import FROM_SIBLING, GroupFlight, SingleFlight, SingleFlightStats, call_make
-from ._receiver_request import read_one_feature
 from ._request import DEFAULT_INLINE_THRESHOLD, SenderRequest, feature_item, features_from
 from ._serde import Serde
 from ._types import (
@@ -886,11 +885,9 @@ def read_after_wait(face: object, features: Sequence[FeatureSpec]) -> list[Featu
     uvloop's ``time()`` moves by milliseconds). That callback costs ~4k instructions per call
     and an extra loop iteration, an ``epoll_wait`` that returns at once, before the loop sleeps
     (measured on the gateway, whose look-up hits take it)."""
-    if type(face) is not AsyncReceiverCache or face._closed:
-        return None  # (a closed face: its own call raises)
-    receiver = face._cache  # ``face.receiver``, two calls shorter
+    if type(face) is not AsyncReceiverCache or len(features) != 1:
+        return None
+    receiver = face.receiver  # (closed: ``ClosedCacheError``, as the face's own call)
     if type(receiver) is not ReceiverCache:
         return None
-    return read_one_feature(
-        receiver.store, receiver._counters, features, face.inline_threshold_bytes
-    )
+    return receiver._read_one_feature(features, face.inline_threshold_bytes)

@@ -409,8 +409,9 @@ async def test_read_after_wait_reads_as_the_face_does_or_declines_doing_nothing(
     """``read_after_wait`` (an engine worker's read of a call it waited for) gives the spec the
     face's ``get_and_update_features`` gives, read, acknowledged and counted as a hit, with no
     turn noted; anything it does not take (two specs, an item over the face's threshold, a
-    face of another kind, a closed face; every read on the pure core) is ``None`` with nothing
-    read. (Its errors are the face's one-spec read's: ``tests/test_parity.py``.)"""
+    face of another kind; every read on the pure core) is ``None`` with nothing read. (Its
+    errors are the face's one-spec read's: ``tests/test_parity.py``; closed, it raises
+    ``ClosedCacheError`` as the face does.)"""
     dues: list[int] = []
     due = AsyncReceiverCache._due
 
@@ -450,9 +451,10 @@ async def test_read_after_wait_reads_as_the_face_does_or_declines_doing_nothing(
         # owed and unread: the first put's two hand-outs, the reference given to ``cache``, and
         # with the pure core the one it declined
         assert cache.snapshot().readers[0].lag == (3 if aioshmcache.implementation() == "c" else 4)
-        await rx.aclose()  # closed: declined, and the face's own call says why
+        await rx.aclose()  # closed: it raises what the face's own call raises
         late = [await ref("s")]
-        assert read_after_wait(rx, late) is None
+        with pytest.raises(ClosedCacheError):
+            read_after_wait(rx, late)
         with pytest.raises(ClosedCacheError):
             await rx.get_and_update_features(late)
 

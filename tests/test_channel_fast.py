@@ -430,16 +430,16 @@ async def test_the_worker_s_usual_answer_awaits_no_drain(
     """An answer the transport takes without pausing (the usual one) is written with no
     coroutine: ``write_framed`` (and ``write``) say whether it must be drained, and the worker
     awaits ``drain`` only then (its transport paused or closing)."""
-    from aioshmcache import _channel_server
+    from aioshmcache._channel_conn import FrameConnection
 
     drained: list[None] = []
-    drain = _channel_server._ServerConnection.drain
+    drain = FrameConnection.drain
 
     async def counted(self: Any, deadline: float | None = None) -> None:
         drained.append(None)
         await drain(self, deadline)
 
-    monkeypatch.setattr(_channel_server._ServerConnection, "drain", counted)
+    monkeypatch.setattr(FrameConnection, "drain", counted)  # either end's (the gateway: none)
     sock = tmp_path / "e.sock"
     async with _worker(make_config, sock) as cache:
         item = {"x": np.arange(300, dtype=np.float32)}
@@ -463,7 +463,7 @@ async def test_the_worker_s_usual_answer_awaits_no_drain(
         def is_closing(self) -> bool:
             return self.closing
 
-    conn = _channel_server._ServerConnection.__mro__[1](1 << 10)  # the plain FrameConnection
+    conn = FrameConnection(1 << 10)
     t = Transport()
     conn.connection_made(t)
     assert conn.write_framed(b"a") is False

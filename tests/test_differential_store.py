@@ -676,7 +676,7 @@ def test_the_c_hand_out_of_a_touched_or_pinned_entry_keeps_the_reference_s_ledge
             seen: list[tuple[str, object, object]] = []
             for key in ("t", "p", "tp"):
                 cache.get_and_update_item(({"x": np.ones(3)}, []), key)
-            cid = {k: store._index[k] for k in ("t", "p", "tp")}
+            cid = {k: ref.id for k in ("t", "p", "tp") if (ref := store.ref_of(k)) is not None}
             assert cid["t"] not in ledger.entries  # owed by nobody: not tracked
             store.touch("t"), store.pin("p"), store.touch("tp"), store.pin("tp")
             for key in ("t", "p", "tp", "t"):
