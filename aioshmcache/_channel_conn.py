@@ -71,7 +71,10 @@ class FrameConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # a Unix stream socket's
-        self._loop = asyncio.get_running_loop()  # the transport's: it calls this protocol
+        try:  # the transport's, which calls this protocol from its loop
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven by hand, outside a loop: each wait asks for its own
+            self._loop = None
 
     def data_received(self, data: bytes) -> None:
         if self.error is not None:

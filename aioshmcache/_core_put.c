@@ -686,8 +686,10 @@ get_strided(PyObject *obj, PyObject *name, Py_buffer *view, int writable, int bo
     return 0;
 }
 
-/* The most live sessions a compiled hand-out takes (a segment has at most 256 reader slots). */
-#define MAX_LIVE 256
+/* The most live sessions a compiled hand-out takes (a segment has up to 256 reader slots):
+ * their distinctness is checked pairwise; more are the reference's, whose cost is then the
+ * sessions' own anyway. */
+#define MAX_LIVE 32
 
 /* The hand-out itself: a new reference to its seq, Py_None (declined) or NULL. */
 static PyObject *
@@ -772,11 +774,23 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         DECLINE();
     int64_t owes[MAX_LIVE];         /* each live session's count before this hand-out */
     Py_ssize_t owes_slot[MAX_LIVE]; /* and its slot */
+    uint64_t owes_session[MAX_LIVE];
+    PyObject *live_obj[MAX_LIVE]; /* the sessions as listed (borrowed: compared, not read) */
     for (Py_ssize_t i = 0; i < n_live; i++) {
         PyObject *s = PyList_GET_ITEM(live, i), *pair = PyList_GET_ITEM(live_slots, i);
         if (!PyLong_CheckExact(s) || !PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 ||
             !PyLong_CheckExact(PyTuple_GET_ITEM(pair, 0)) || PyTuple_GET_ITEM(pair, 1) != s)
             DECLINE();
+        /* distinct sessions, as the counts below assume (the reference counts a session once
+         * per slot holding it; two slots with one session are a reader table gone wrong) */
+        owes_session[i] = u64_of(s);
+        if (owes_session[i] == (uint64_t)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            DECLINE();
+        }
+        for (Py_ssize_t j = 0; j < i; j++)
+            if (owes_session[j] == owes_session[i])
+                DECLINE();
         Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 0));
         if (slot == -1 && PyErr_Occurred()) {
             PyErr_Clear();
@@ -784,14 +798,7 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         }
         if (slot < 0 || slot >= n_slots)
             DECLINE();
-        PyObject *o = PyDict_GetItemWithError(owed, s); /* borrowed */
-        if (o == NULL && PyErr_Occurred())
-            goto done;
-        owes[i] = 0, owes_slot[i] = slot;
-        if (o != NULL)
-            CHECK(as_i64(o, &owes[i]));
-        if (owes[i] < 0 || owes[i] == INT64_MAX)
-            DECLINE();
+        owes_slot[i] = slot, live_obj[i] = s;
     }
     CHECK(slot_get(acks, o_a_undrained, &v));
     CHECK(as_i64(v, &und));
@@ -804,6 +811,42 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
     if (n_live) { /* the entry, built before any change (its clock read first) */
         CHECK(slot_get(ledger, o_l_clock, &clock));
         NEED(now = PyObject_CallNoArgs(clock));
+        /* The clock is Python code: what was read before it is read again (the seq, the
+         * hand-outs since the drain, the live sessions, the entry), and anything changed
+         * declines to the reference; the counts and the entry's debt are read only now. */
+        int64_t seq_now, und_now;
+        PyObject *still = PyDict_GetItemWithError(entries, cid_obj); /* borrowed */
+        if (still == NULL && PyErr_Occurred())
+            goto done;
+        if (still != tracked || SLOT(ledger, o_l_next_seq) == NULL ||
+            SLOT(acks, o_a_undrained) == NULL || SLOT(acks, o_a_live) != live ||
+            PyList_GET_SIZE(live) != n_live)
+            DECLINE();
+        CHECK(as_i64(SLOT(ledger, o_l_next_seq), &seq_now));
+        CHECK(as_i64(SLOT(acks, o_a_undrained), &und_now));
+        if (seq_now != seq || und_now != und)
+            DECLINE();
+        for (Py_ssize_t i = 0; i < n_live; i++) {
+            if (PyList_GET_ITEM(live, i) != live_obj[i])
+                DECLINE();
+            PyObject *o = PyDict_GetItemWithError(owed, live_obj[i]); /* borrowed */
+            if (o == NULL && PyErr_Occurred())
+                goto done;
+            owes[i] = 0;
+            if (o != NULL)
+                CHECK(as_i64(o, &owes[i]));
+            if (owes[i] < 0 || owes[i] == INT64_MAX)
+                DECLINE();
+        }
+        if (tracked != NULL) {
+            PyObject *d = SLOT(tracked, o_d_debt);
+            if (d == NULL || !PyLong_CheckExact(d) || SLOT(tracked, o_d_out) != out ||
+                SLOT(tracked, o_d_out_time) != out_time)
+                DECLINE();
+            CHECK(as_i64(d, &old_debt));
+            if (old_debt < 0 || old_debt > INT64_MAX - MAX_LIVE)
+                DECLINE();
+        }
         /* the slots' debt words, after the clock (Python code): borrowed, only C from here */
         CHECK(get_strided(readers, s_owed_words, &words, 1, 1));
         has_words = 1;

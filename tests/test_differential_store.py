@@ -9,6 +9,7 @@ segments are equal bytes, the reverse holds too. Skipped where the C core is not
 
 from __future__ import annotations
 
+import itertools
 import sys
 import uuid
 from collections.abc import Callable
@@ -690,6 +691,48 @@ def test_the_c_hand_out_of_a_touched_or_pinned_entry_keeps_the_reference_s_ledge
     compiled, reference = steps(True), steps(False)
     assert compiled == reference
     assert [row[2] is None for row in compiled] == [True, False, False, True]
+
+
+@pytest.mark.parametrize("also_released", [False, True])
+def test_a_ledger_clock_that_changes_the_entry_meanwhile_leaves_the_reference_s_ledger(
+    make_config: Any, also_released: bool
+) -> None:
+    """The ledger's clock is Python code, called inside the compiled hand-out of a tracked
+    entry: one that gives back an earlier hand-out of that entry meanwhile (one of two, or its
+    only one, which retires the entry) leaves the same hand-outs and debt as the reference,
+    the compiled step taking the entry as the clock left it or declining to the reference."""
+    assert C is not None
+
+    def run(compiled: bool) -> tuple[list[int], int, list[int]]:
+        with (
+            ShmObjectStore.create(make_config(1 << 20)) as store,
+            ShmObjectStore.from_handle(store.handle()),
+        ):
+            acks, ledger = store._acks, store._ledger
+            store.put("a", {"x": np.ones(3)})  # its first hand-out, owed by the reader
+            earlier = store.get_cached("a")
+            assert earlier is not None
+            if also_released:
+                assert store.release(earlier)  # the put's hand-out left alone: one owed
+            ticks = itertools.count(1)
+            armed = [True]
+            first = min(ledger.entries[earlier.id].out)
+
+            def clock() -> float:
+                if armed[0]:
+                    armed[0] = False
+                    ledger.release(earlier.id, first)  # the entry changed meanwhile
+                return float(next(ticks))
+
+            ledger.clock = clock
+            seq = C.hand_out(acks, earlier.id) if compiled else None
+            if seq is None:  # declined: the store's own step, as ``store_hand_out``
+                seq = acks.hand_out(earlier.id)
+            e = ledger.entries[earlier.id]
+            assert seq in e.out
+            return sorted(e.out), e.debt, sorted(ledger.owed.values())
+
+    assert run(True) == run(False)
 
 
 def test_the_c_put_sees_a_class_attribute_replaced_after_its_first_read(
