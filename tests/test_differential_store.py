@@ -693,6 +693,33 @@ def test_the_c_hand_out_of_a_touched_or_pinned_entry_keeps_the_reference_s_ledge
     assert [row[2] is None for row in compiled] == [True, False, False, True]
 
 
+def test_two_slots_with_one_session_are_the_reference_s_to_count(make_config: Any) -> None:
+    """A reader table gone wrong (two slots holding one session number): the compiled hand-out
+    declines, doing nothing, and the reference counts the session once per slot."""
+    from aioshmcache._layout import RS_SESSION
+
+    assert C is not None
+    with SenderCache(make_config(1 << 20)) as cache:
+        store = cache.store
+        acks, ledger = store._acks, store._ledger
+        with (
+            ShmObjectStore.from_handle(store.handle()),
+            ShmObjectStore.from_handle(store.handle()),
+        ):
+            cache.get_and_update_item(({"x": np.ones(3)}, []), "a")  # syncs both sessions
+            first, second = acks.live_sessions
+            store._readers.set_word(1, RS_SESSION, first)  # slot 1 now claims slot 0's session
+            acks.sync_sessions()
+            assert acks.live_sessions == [first, first]
+            owed, seq = dict(ledger.owed), ledger.next_seq
+            assert C.hand_out(acks, 10**6) is None
+            assert (dict(ledger.owed), ledger.next_seq) == (owed, seq)  # nothing done
+            assert acks.hand_out(10**6) == seq
+            assert ledger.owed[first] == owed[first] + 2
+            store._readers.set_word(1, RS_SESSION, second)  # as it was, for the slot's close
+            acks.sync_sessions()
+
+
 @pytest.mark.parametrize("also_released", [False, True])
 def test_a_ledger_clock_that_changes_the_entry_meanwhile_leaves_the_reference_s_ledger(
     make_config: Any, also_released: bool
