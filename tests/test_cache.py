@@ -987,8 +987,10 @@ def test_kept_prompt_updates_leave_no_object_for_the_garbage_collector(
         assert _kept_tracked(tx, keys) == []
         gc.collect()  # the maps that hold them, too (dicts are untracked by full collections)
         assert not any(gc.is_tracked(d) for d in tx._prompt_updates.shards)
-        for given in mine:  # the cache holds no reference to a caller's list
-            assert not [r for r in gc.get_referrers(given) if r in tx._prompt_updates.shards]
+        # the cache holds no reference to a caller's list (one scan of the collector's objects
+        # for all of them: one per list took ~5 s a test)
+        shards = {id(d) for d in tx._prompt_updates.shards}
+        assert not [r for r in gc.get_referrers(*mine) if id(r) in shards]
         for i, k in enumerate(keys[:6]):
             ref, got = tx.get_and_update_item(None, k)  # a look-up: equal, as a new list
             assert type(got) is list and got == list(updates) and got is not mine[i]
