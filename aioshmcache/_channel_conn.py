@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any, Final, cast
 
 from ._core_api import core
+from ._loop_turns import turned
 from .errors import (
     EndOfFramesError,
     FrameError,
@@ -77,6 +78,7 @@ class FrameConnection(asyncio.Protocol):
             self._loop = None
 
     def data_received(self, data: bytes) -> None:
+        turned()  # the loop turned (``_loop_turns``: the async faces' checkpoints)
         if self.error is not None:
             return
         try:
@@ -323,6 +325,7 @@ class ClientConnection(FrameConnection):
             self._waiter = None
             self._deadline = None
             waiter.set_result(frame)
+            turned()  # as ``FrameConnection.data_received`` counts
             return
         super().data_received(data)
 

@@ -99,6 +99,7 @@ class _ServerConnection(FrameConnection):
         ):
             self.call = call
             self._wake()
+            pass  # XXX
             return
         super().data_received(data)
 

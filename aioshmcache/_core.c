@@ -301,6 +301,25 @@ core_stream_kinds(PyObject *self, PyObject *unused)
     return out;
 }
 
+/* --- loop turns (``_loop_turns``) ----------------------------------------------------------------
+ * A count per thread of the loop turns the package's I/O callbacks witnessed: one C call to add
+ * a turn, one to read the count (a ``threading.local`` attribute cost ~1.2k instructions more
+ * per access, as measured with callgrind on Python 3.11). */
+static _Thread_local unsigned long long loop_turns;
+
+static PyObject *
+core_loop_turned(PyObject *self, PyObject *unused)
+{
+    loop_turns++;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+core_loop_turns(PyObject *self, PyObject *unused)
+{
+    return PyLong_FromUnsignedLongLong(loop_turns);
+}
+
 /* --- layout constants ------------------------------------------------------------------------ */
 PyObject *
 aioshm_layout_dict(void)
@@ -352,6 +371,10 @@ static PyMethodDef core_methods[] = {
      "set_stream_kind(kind): copy with this streaming kind, or 'memcpy' (for benchmarks)"},
     {"stream_kinds", core_stream_kinds, METH_NOARGS,
      "stream_kinds() -> the streaming kinds this CPU has, widest first, then 'memcpy'"},
+    {"loop_turned", core_loop_turned, METH_NOARGS,
+     "loop_turned(): count a loop turn an I/O callback witnessed, in this thread"},
+    {"loop_turns", core_loop_turns, METH_NOARGS,
+     "loop_turns() -> the loop turns counted in this thread so far"},
     {NULL, NULL, 0, NULL},
 };
 

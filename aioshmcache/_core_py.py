@@ -7,6 +7,7 @@ forces this one). Every argument named a *word* is a 64-bit unsigned integer: an
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Final
 
 import numpy as np
@@ -39,6 +40,8 @@ __all__ = [
     "copy_into",
     "finish_tag",
     "hand_out",
+    "loop_turned",
+    "loop_turns",
     "make_ref",
     "plan_item",
     "publish_plain",
@@ -181,6 +184,23 @@ def set_stream_kind(kind: str) -> None:
 def stream_kinds() -> tuple[str, ...]:
     """The copy kinds :func:`set_stream_kind` accepts here: ``("memcpy",)``."""
     return ("memcpy",)
+
+
+class _LoopTurns(threading.local):
+    n = 0
+
+
+_turns: Final = _LoopTurns()
+
+
+def loop_turned() -> None:
+    """Count a loop turn an I/O callback witnessed, in this thread (``_loop_turns``)."""
+    _turns.n += 1
+
+
+def loop_turns() -> int:
+    """The loop turns counted in this thread so far."""
+    return _turns.n
 
 
 def configure(ref_type: type, plan_type: type, serde_type: type) -> None:

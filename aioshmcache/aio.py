@@ -34,6 +34,7 @@ import anyio.to_thread
 from anyio.abc import AsyncResource
 
 from ._flight import FROM_SIBLING, GroupFlight, SingleFlight, SingleFlightStats, call_make
+from ._loop_turns import turns
 from ._request import DEFAULT_INLINE_THRESHOLD, SenderRequest, feature_item, features_from
 from ._serde import Serde
 from ._types import (
@@ -80,8 +81,10 @@ DEFAULT_READ_INLINE_THRESHOLD: Final = 2 << 20
 #: tasks run at least every few calls (and every half millisecond of inline copies). At 8 the
 #: checkpoints still cost 0.3-0.45 µs per 1 KiB call (issue 29: ≤ 1.5 µs over the sync call);
 #: 32 calls of 1 KiB take ~0.1-0.4 ms, inside the time bound. Both count from the first inline
-#: call after the loop last turned (``_note_turn``): calls that each await something that
-#: suspends (an engine channel's answer) never yield on their own.
+#: call after the loop last turned: calls that each await something that suspends never yield
+#: on their own. The face learns of a turn from the package's own I/O callbacks when they ran
+#: since its last call (an engine channel's answer: ``_loop_turns``), else from a callback it
+#: queues on the loop (``_note_turn``).
 CHECKPOINT_EVERY: Final = 32
 CHECKPOINT_AFTER: Final = 0.0005
 _monotonic = time.monotonic
@@ -192,6 +195,10 @@ class _AsyncFace(AsyncResource, Generic[C]):
         self._last_yield = _monotonic()
         self._turn_noted = False  # a ``_turned`` callback is queued on the loop
         self._loop_turned = False  # it ran: the loop turned since the last inline call
+        self._turns_seen = 0  # ``turns()`` at the last inline call
+        #: the last inline call found an I/O turn (``_loop_turns``) and queued nothing: the next one
+        #: cannot tell whether the loop turned since, so it does not apply the time bound
+        self._unwatched = False
 
     @property
     def closed(self) -> bool:
@@ -239,22 +246,33 @@ class _AsyncFace(AsyncResource, Generic[C]):
     def _due(self) -> bool:
         """Whether this inline call should yield to the loop first (see ``CHECKPOINT_EVERY``)."""
         now = _monotonic()
-        if self._loop_turned:
+        seen = turns()
+        io_turn = seen != self._turns_seen
+        if io_turn or self._loop_turned:
+            self._turns_seen = seen
             self._restart(now)
         n = self._inline_calls + 1
-        if not self._turn_noted:
-            self._note_turn()  # the yield, or whatever the caller awaits next, turns it
-        if n >= CHECKPOINT_EVERY or now - self._last_yield >= CHECKPOINT_AFTER:
+        if n >= CHECKPOINT_EVERY or (
+            not self._unwatched and now - self._last_yield >= CHECKPOINT_AFTER
+        ):
             self._inline_calls = 0
             self._last_yield = now
+            self._unwatched = False
+            if not self._turn_noted:
+                self._note_turn()  # the yield turns it
             return True
         self._inline_calls = n
+        self._unwatched = io_turn
+        if not io_turn and not self._turn_noted:
+            self._note_turn()  # whatever the caller awaits next turns it
         return False
 
     def _note_turn(self) -> None:
         """Learn when the loop next turns (``_turned``): a call that awaited something that
-        suspended (a channel's answer) let the other tasks run, so the calls after it start a
-        new count instead of yielding again for the same turn."""
+        suspended let the other tasks run, so the calls after it start a new count instead of
+        yielding again for the same turn. Not queued by a call that found the package's I/O
+        callbacks had turned the loop (``_loop_turns``: a channel's answer came): its caller
+        awaits such answers, which will say so again."""
         self._turn_noted = True
         asyncio.get_running_loop().call_soon(self._turned)
 
@@ -412,15 +430,21 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         before any side effect, or a turn due: the request's path runs and takes the turn).
         Counted as one inline call."""
         now = _monotonic()
-        if self._loop_turned:
+        seen = turns()
+        io_turn = seen != self._turns_seen
+        if io_turn or self._loop_turned:
             self._restart(now)
         n = self._inline_calls + 1
-        if n >= CHECKPOINT_EVERY or now - self._last_yield >= CHECKPOINT_AFTER:
+        if n >= CHECKPOINT_EVERY or (
+            not self._unwatched and now - self._last_yield >= CHECKPOINT_AFTER
+        ):
             return None
         done = self._wrapped()._put_one(sent, mm_hash, self.inline_threshold_bytes)
-        if done is not None:
+        if done is not None:  # (declined: the request's ``_due`` still finds the I/O turn)
             self._inline_calls = n
-            if not self._turn_noted:
+            self._turns_seen = seen
+            self._unwatched = io_turn
+            if not io_turn and not self._turn_noted:
                 self._note_turn()
         return done
 
@@ -875,16 +899,14 @@ def read_after_wait(face: object, features: Sequence[FeatureSpec]) -> list[Featu
     """``await face.get_and_update_features(features)``'s usual case, for a caller whose task
     has just come back from a wait that suspended (an engine worker's connection, woken by the
     call's arrival): the loop has turned since, so no checkpoint can be due and the face's turn
-    accounting (``_due``: a loop callback per call) is skipped. A single spec of a plain reader
+    accounting (``_due``) is skipped. A single spec of a plain reader
     below the face's ``inline_threshold_bytes``, read on the loop in one core call (as the face
     reads it); ``None``, with nothing done, for anything else, which the caller then awaits
     through the face.
 
-    Only the caller can know this: the face learns that the loop turned from the callback it
-    queues (``_note_turn``), and asyncio offers no cheaper witness (no loop iteration counter;
-    uvloop's ``time()`` moves by milliseconds). That callback costs ~4k instructions per call
-    and an extra loop iteration, an ``epoll_wait`` that returns at once, before the loop sleeps
-    (measured on the gateway, whose look-up hits take it)."""
+    The face would find the turn too (the call's arrival is counted in ``_loop_turns``), but
+    through its coroutine and its turn accounting (``_due``); this caller knows the answer
+    already and calls the face's read itself."""
     if type(face) is not AsyncReceiverCache or len(features) != 1:
         return None
     receiver = face.receiver  # (closed: ``ClosedCacheError``, as the face's own call)

@@ -25,6 +25,7 @@ from aioshmcache import (
     SenderCache,
     SerdeError,
     ShmRef,
+    _core_api,
     _core_py,
     _request,
 )
@@ -486,21 +487,41 @@ def _hits_of(cache: AsyncSenderCache) -> Callable[[int], Awaitable[None]]:
     return hit
 
 
+def _clock_of(monkeypatch: pytest.MonkeyPatch, step: float) -> list[float]:
+    """The async faces' clock made to move ``step`` seconds per reading: ``[now, step]``, both
+    for the test to change."""
+    import aioshmcache.aio as aio_module
+
+    state = [0.0, step]
+
+    def clock() -> float:
+        state[0] += state[1]
+        return state[0]
+
+    monkeypatch.setattr(aio_module, "_monotonic", clock)
+    return state
+
+
+def _yields_of(monkeypatch: pytest.MonkeyPatch) -> list[None]:
+    """The faces' yields to the loop (``anyio.lowlevel.checkpoint``), one entry each."""
+    yields: list[None] = []
+    checkpoint = anyio.lowlevel.checkpoint
+
+    async def counted() -> None:
+        yields.append(None)
+        await checkpoint()
+
+    monkeypatch.setattr(anyio.lowlevel, "checkpoint", counted)
+    return yields
+
+
 async def test_inline_calls_yield_once_half_a_millisecond_has_passed(
     make_config: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Besides every ``CHECKPOINT_EVERY`` calls, an inline call yields when 0.5 ms passed since
     the face last yielded (slow inline copies): with a clock that moves 1 ms per reading, every
     call yields."""
-    import aioshmcache.aio as aio_module
-
-    now = [0.0]
-
-    def clock() -> float:
-        now[0] += 0.001
-        return now[0]
-
-    monkeypatch.setattr(aio_module, "_monotonic", clock)
+    _clock_of(monkeypatch, 0.001)
     # the request's path (``_due``): the core's one-item call declines every call, as it does
     # a call it does not take (it takes these hits, in one reading of the clock per call)
     monkeypatch.setattr(_request, "_put_item", _core_py.put_item)
@@ -517,35 +538,19 @@ async def test_a_loop_turn_between_inline_calls_starts_a_new_count(
     not yield on their own: the turn gave the other tasks theirs, so the count and the half
     millisecond start again (with a clock moving 0.2 ms per reading, calls in a row without a
     turn yield every few calls, as the test above shows for 1 ms)."""
-    import aioshmcache.aio as aio_module
-
-    now = [0.0]
-
-    def clock() -> float:
-        now[0] += 0.0002
-        return now[0]
-
-    yields = 0
-    checkpoint = anyio.lowlevel.checkpoint
-
-    async def counted() -> None:
-        nonlocal yields
-        yields += 1
-        await checkpoint()
-
-    monkeypatch.setattr(aio_module, "_monotonic", clock)
-    monkeypatch.setattr(anyio.lowlevel, "checkpoint", counted)
+    _clock_of(monkeypatch, 0.0002)
+    yields = _yields_of(monkeypatch)
     async with AsyncSenderCache.from_config(make_config()) as cache:
         await cache.get_and_update_item(({"a": 1}, ()), "h")
         await asyncio.sleep(0)
-        yields = 0
+        yields.clear()
         for _ in range(4 * CHECKPOINT_EVERY):
             await cache.get_and_update_item(None, "h")
             await asyncio.sleep(0)  # the loop turns
-        assert yields == 0
+        assert yields == []
         for _ in range(CHECKPOINT_EVERY):  # no turn between the calls: they yield
             await cache.get_and_update_item(None, "h")
-        assert yields >= CHECKPOINT_EVERY // 4
+        assert len(yields) >= CHECKPOINT_EVERY // 4
 
 
 async def test_after_a_due_yield_sparse_calls_do_not_yield_at_every_call(
@@ -556,38 +561,94 @@ async def test_after_a_due_yield_sparse_calls_do_not_yield_at_every_call(
     ``CHECKPOINT_AFTER`` (a server at a low rate: the loop waits between them), start a new
     count each, since the due yield notes its turn. It did not: from such a yield on, every
     sparse call was due again and paid a loop round and the request path."""
-    import aioshmcache.aio as aio_module
-
-    now, step = [0.0], [0.0]
-    yields = 0
-    checkpoint = anyio.lowlevel.checkpoint
-
-    def clock() -> float:
-        now[0] += step[0]
-        return now[0]
-
-    async def counted() -> None:
-        nonlocal yields
-        yields += 1
-        await checkpoint()
-
-    monkeypatch.setattr(aio_module, "_monotonic", clock)
-    monkeypatch.setattr(anyio.lowlevel, "checkpoint", counted)
+    clock = _clock_of(monkeypatch, 0.0)
+    yields = _yields_of(monkeypatch)
     # a call whose first step declines (the core's one-item call, made to decline every call
     # as it does a call it does not take: it takes these hits) goes on to its request
     monkeypatch.setattr(_request, "_put_item", _core_py.put_item)
     async with AsyncSenderCache.from_config(make_config()) as cache:
         await cache.get_and_update_item(({"a": 1}, ()), "h")
         await asyncio.sleep(0)
-        step[0] = 0.001  # each reading of the clock a millisecond later: preempted
+        clock[1] = 0.001  # each reading of the clock a millisecond later: preempted
         await cache.get_and_update_item(None, "h")
-        step[0] = 0.0
-        assert yields == 1
+        clock[1] = 0.0
+        assert len(yields) == 1
         for _ in range(2 * CHECKPOINT_EVERY):
             await asyncio.sleep(0)  # the loop turns between the calls ...
-            now[0] += 0.001  # ... and they come 1 ms apart
+            clock[0] += 0.001  # ... and they come 1 ms apart
             await cache.get_and_update_item(None, "h")
-        assert yields == 1
+        assert len(yields) == 1
+
+
+def _callbacks_of(monkeypatch: pytest.MonkeyPatch, owner: object) -> list[object]:
+    """The callbacks the running loop is asked to queue (``call_soon``) that are ``owner``'s
+    bound methods (an async face's way to learn that the loop turned)."""
+    loop = asyncio.get_running_loop()
+    queued: list[object] = []
+    real = loop.call_soon
+
+    def call_soon(callback: Any, *args: Any, **kw: Any) -> asyncio.Handle:
+        if getattr(callback, "__self__", None) is owner:
+            queued.append(callback)
+        return real(callback, *args, **kw)
+
+    monkeypatch.setattr(loop, "call_soon", call_soon)
+    return queued
+
+
+async def test_a_turn_the_channel_witnessed_restarts_the_count_with_nothing_queued(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inline calls between which the package's I/O callbacks ran (``_loop_turns.turned``, which
+    an engine channel's ``data_received`` counts: here counted by hand, with no other turn)
+    start a new count each, as a turn the face learnt of itself does, and queue nothing on
+    the loop to learn of the next turn. The call after one that relied on the count (no other
+    witness of a turn since) does not apply the time bound; it queues its witness, and the
+    call after it does apply it (with a clock moving 0.4 ms per reading)."""
+    from aioshmcache._loop_turns import turned
+
+    clock = _clock_of(monkeypatch, 0.0004)
+    yields = _yields_of(monkeypatch)
+    async with AsyncSenderCache.from_config(make_config()) as cache:
+        await cache.get_and_update_item(({"a": 1}, ()), "h")
+        await asyncio.sleep(0)
+        queued = _callbacks_of(monkeypatch, cache)
+        yields.clear()
+        for _ in range(4 * CHECKPOINT_EVERY):
+            turned()  # an answer came: the loop turned
+            await cache.get_and_update_item(None, "h")
+        assert yields == [] and queued == []
+        turned()
+        await cache.get_and_update_item(None, "h")
+        clock[0] += 0.001  # no turn witnessed since, 1 ms later: not the time bound's call yet
+        await cache.get_and_update_item(None, "h")
+        assert yields == [] and len(queued) == 1  # ... but it watches for the next turn
+        await cache.get_and_update_item(None, "h")  # no turn since, 1.4 ms: it yields
+        assert len(yields) == 1
+
+
+@pytest.mark.parametrize("impl", ["c", "python"])
+def test_each_thread_counts_its_own_loop_turns(impl: str) -> None:
+    """A turn witnessed in another thread (another loop) says nothing of this thread's, in
+    either core."""
+    if impl == "c" and aioshmcache.implementation() != "c":
+        pytest.skip("the compiled core is not in use")
+    core = _core_py if impl == "python" else _core_api.core
+    before = core.loop_turns()
+    core.loop_turned()
+    assert core.loop_turns() == before + 1
+    seen: list[int] = []
+
+    def other() -> None:
+        seen.append(core.loop_turns())
+        for _ in range(5):
+            core.loop_turned()
+        seen.append(core.loop_turns())
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert seen == [0, 5] and core.loop_turns() == before + 1
 
 
 async def test_async_rejected_request_owes_nothing(make_config: Any) -> None:

@@ -19,6 +19,7 @@ import pytest
 from aioshmcache import AsyncReceiverCache, AsyncSenderCache, FeatureSpec, ShmRef, wire
 from aioshmcache import _channel_format as F
 from aioshmcache._channel_conn import ClientConnection
+from aioshmcache.aio import CHECKPOINT_EVERY
 from aioshmcache.channel import EngineClient
 from aioshmcache.errors import EndOfFramesError, EngineCallError, EngineTimeoutError, WireError
 from aioshmcache.wire import read_frame
@@ -84,6 +85,29 @@ async def test_a_connection_asks_for_its_loop_once_not_per_call(
             assert out["crcs"] == [crc(_item(i)["x"])]
         assert engine.stats().connects == 1
         assert len(asked) == 2  # connection_made's, at either end (the worker is in-process)
+
+
+async def test_a_gateway_s_hand_outs_between_answers_queue_no_turn_witness(
+    make_config: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gateway's look-up hit then call, again and again: each answer's ``data_received``
+    tells the gateway's face that the loop turned (``_loop_turns``), so its hand-outs queue
+    no callback of their own on the loop to learn it (an extra loop iteration per call) and
+    never yield."""
+    from .test_aio import _callbacks_of, _yields_of
+
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock, max_connections=1) as (cache, _rx, engine):
+        await _features(cache, range(1))
+        [f] = await cache.get_and_update_features([FeatureSpec("h0", None)])
+        await engine.call([f], {"op": "crc"}, timeout=30)
+        queued = _callbacks_of(monkeypatch, cache)
+        yields = _yields_of(monkeypatch)
+        for _ in range(2 * CHECKPOINT_EVERY):
+            [f] = await cache.get_and_update_features([FeatureSpec("h0", None)])
+            out = await engine.call([f], {"op": "crc"}, timeout=30)
+            assert out["crcs"] == [crc(_item(0)["x"])]
+        assert queued == [] and yields == []
 
 
 def _counted(m: pytest.MonkeyPatch, cls: type, name: str) -> list[int]:
