@@ -242,8 +242,11 @@ class EngineClient(AsyncResource):
         if limit <= 0:
             raise ValueError("timeout must be > 0")
         retries_left = self.retries if retries is None else _check_retries(retries)
-        # on the loop's clock from the start: every wait below takes it as it is
-        loop = asyncio.get_running_loop()
+        # on the loop's clock from the start: every wait below takes it as it is. The loop is
+        # the idle connection's that the usual call takes, as it is a ``getpid`` system call to
+        # ask asyncio for it on Python 3.11 (``FrameConnection.loop``)
+        idle = self._book.idle
+        loop = (idle[-1].loop if idle else None) or asyncio.get_running_loop()
         deadline = loop.time() + limit
         resent = False
         try:

@@ -47,9 +47,10 @@ class FrameConnection(asyncio.Protocol):
     def __init__(self, max_frame_bytes: int) -> None:
         self.max_frame_bytes = max_frame_bytes
         self.transport: asyncio.Transport | None = None
-        #: the loop the transport belongs to, known once connected: asked once, not per call
-        #: (``asyncio.get_running_loop`` makes a ``getpid`` system call on Python 3.11)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        #: the loop the transport belongs to, known once connected (None before, or driven by
+        #: hand outside a loop): asked once, not per call (``asyncio.get_running_loop`` makes a
+        #: ``getpid`` system call on Python 3.11)
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._decoder = FrameDecoder(max_bytes=max_frame_bytes)
         self._frames: collections.deque[bytes] = collections.deque()
         #: why reading ended: a FrameError, an OSError, or EndOfFramesError at a clean end
@@ -73,9 +74,9 @@ class FrameConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # a Unix stream socket's
         try:  # the transport's, which calls this protocol from its loop
-            self._loop = asyncio.get_running_loop()
+            self.loop = asyncio.get_running_loop()
         except RuntimeError:  # driven by hand, outside a loop: each wait asks for its own
-            self._loop = None
+            self.loop = None
 
     def data_received(self, data: bytes) -> None:
         turned()  # the loop turned (``_loop_turns``: the async faces' checkpoints)
@@ -218,7 +219,7 @@ class FrameConnection(asyncio.Protocol):
         if not self._paused:
             return
         if self._drain is None or self._drain.done():
-            self._drain = (self._loop or asyncio.get_running_loop()).create_future()
+            self._drain = (self.loop or asyncio.get_running_loop()).create_future()
         await _until(self._drain, deadline)
         if t.is_closing():
             raise ConnectionResetError("the connection is closed")
@@ -244,7 +245,7 @@ class FrameConnection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
         self._timer_at = at
-        self._timer = (self._loop or asyncio.get_running_loop()).call_at(at, self._on_timer)
+        self._timer = (self.loop or asyncio.get_running_loop()).call_at(at, self._on_timer)
 
     def _on_timer(self) -> None:
         """The timer fired: the wait in progress times out if its deadline was the timer's (or
@@ -276,7 +277,7 @@ class FrameConnection(asyncio.Protocol):
         """The future the next ``data_received`` or the end resolves (awaited directly: no
         coroutine of its own)."""
         if self._waiter is None or self._waiter.done():
-            self._waiter = (self._loop or asyncio.get_running_loop()).create_future()
+            self._waiter = (self.loop or asyncio.get_running_loop()).create_future()
         return self._waiter
 
 
@@ -338,7 +339,7 @@ class ClientConnection(FrameConnection):
         """
         if self._frames or self.error is not None:  # a frame came during the drain, or the end
             done: asyncio.Future[bytes | None] = (
-                self._loop or asyncio.get_running_loop()
+                self.loop or asyncio.get_running_loop()
             ).create_future()
             done.set_result(None)
             return done

@@ -63,28 +63,35 @@ async def test_a_connection_asks_for_its_loop_once_not_per_call(
 ) -> None:
     """A connection learns its loop when it is made: the waits of its calls (the answer's
     future, the deadline's timer; the worker's wait for the next call) do not ask
-    ``asyncio.get_running_loop`` again, a system call (``getpid``) each on Python 3.11."""
-    from aioshmcache import _channel_conn
+    ``asyncio.get_running_loop`` again, a system call (``getpid``) each on Python 3.11; nor
+    does a call that takes an idle connection (its deadline is on that connection's loop)."""
+    from aioshmcache import _channel_client, _channel_conn
 
-    asked: list[None] = []
+    asked: dict[str, int] = {"conn": 0, "client": 0}
 
-    def get_running_loop() -> asyncio.AbstractEventLoop:
-        asked.append(None)
-        return asyncio.get_running_loop()
+    def counting(module: str) -> types.SimpleNamespace:
+        def get_running_loop() -> asyncio.AbstractEventLoop:
+            asked[module] += 1
+            return asyncio.get_running_loop()
 
-    monkeypatch.setattr(
-        _channel_conn,
-        "asyncio",
-        types.SimpleNamespace(**{**vars(asyncio), "get_running_loop": get_running_loop}),
-    )
+        return types.SimpleNamespace(**{**vars(asyncio), "get_running_loop": get_running_loop})
+
+    monkeypatch.setattr(_channel_conn, "asyncio", counting("conn"))
+    monkeypatch.setattr(_channel_client, "asyncio", counting("client"))
     sock = tmp_path / "e.sock"
     async with _connected(make_config, sock, max_connections=1) as (cache, _rx, engine):
         for i in range(4):
             [f] = await _features(cache, range(i, i + 1))
             out = await engine.call([f], {"op": "crc"}, timeout=30)
             assert out["crcs"] == [crc(_item(i)["x"])]
+            if i == 0:  # no idle connection yet: the call and its connect asked
+                assert asked["client"] == 2
         assert engine.stats().connects == 1
-        assert len(asked) == 2  # connection_made's, at either end (the worker is in-process)
+        assert asked["conn"] == 2  # connection_made's, at either end (the worker is in-process)
+        assert asked["client"] == 2
+        with pytest.raises(EngineTimeoutError):  # a deadline on the idle connection's loop
+            await engine.call([], {"op": "sleep", "s": 1.0}, timeout=0.2)
+        assert asked["client"] == 2
 
 
 async def test_a_gateway_s_hand_outs_between_answers_queue_no_turn_witness(
