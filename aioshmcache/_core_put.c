@@ -945,6 +945,128 @@ core_hand_out(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return hand_out_acks(args[0], args[1]);
 }
 
+/* --- the settlement (``HandoutLedger.settle_all``, the reference) ----------------------------
+ * ``settle_pairs(ledger, acks, session)``: ``settle_all``'s loop over the flat ``(cid, seq)``
+ * pairs of ``acks`` that ``session`` acknowledged (its caller read the clock and recorded the
+ * session's progress first). A pair settles a hand-out still out: a one-of-N one, or a broadcast
+ * one ``session`` owes (one debt less for the entry and the session; the hand-out's last debt
+ * drops it); an entry left idle is no longer tracked (``_retire``). Returns ``(settled, done)``:
+ * the pairs settled and how many ints of ``acks`` it went through. The reference goes on from
+ * ``done``: ``len(acks)`` in the usual case, earlier at a pair whose entry, hand-out or count is
+ * of a type the core does not know (checked before anything of that pair changes). Only C runs
+ * meanwhile: ints hash and compare, the dicts and lists hold ints and floats, and the ``Debts``
+ * an entry drops has no code of its own. */
+static PyObject *
+core_settle_pairs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "settle_pairs takes 3 arguments (ledger, acks, session)");
+        return NULL;
+    }
+    PyObject *ledger = args[0], *acks = args[1], *session = args[2];
+    Py_ssize_t k = 0, settled = 0;
+    if (debts_type == NULL || (PyObject *)Py_TYPE(ledger) != ledger_type ||
+        !PyList_CheckExact(acks) || PyList_GET_SIZE(acks) % 2 || !PyLong_CheckExact(session))
+        return Py_BuildValue("(nn)", settled, k);
+    PyObject *entries = SLOT(ledger, o_l_entries), *owed = SLOT(ledger, o_l_owed);
+    if (entries == NULL || owed == NULL || !PyDict_CheckExact(entries) || !PyDict_CheckExact(owed))
+        return Py_BuildValue("(nn)", settled, k);
+    Py_INCREF(entries), Py_INCREF(owed);
+    PyObject *result = NULL, *e = NULL;
+    for (; k < PyList_GET_SIZE(acks); k += 2) {
+        PyObject *cid = PyList_GET_ITEM(acks, k), *seq = PyList_GET_ITEM(acks, k + 1);
+        if (!PyLong_CheckExact(cid) || !PyLong_CheckExact(seq))
+            break;
+        Py_CLEAR(e);
+        if ((e = PyDict_GetItemWithError(entries, cid)) == NULL) {
+            if (PyErr_Occurred())
+                goto done;
+            continue; /* not tracked: nothing out */
+        }
+        Py_INCREF(e);
+        if ((PyObject *)Py_TYPE(e) != debts_type)
+            break;
+        PyObject *out = SLOT(e, o_d_out), *out_time = SLOT(e, o_d_out_time);
+        PyObject *debt = SLOT(e, o_d_debt), *pins = SLOT(e, o_d_pins);
+        PyObject *touched = SLOT(e, o_d_touched);
+        int64_t d, p, ow = 0;
+        if (out == NULL || out_time == NULL || touched == NULL || !PyDict_CheckExact(out) ||
+            !PyDict_CheckExact(out_time) || debt == NULL || as_i64(debt, &d) != 0 ||
+            d == INT64_MIN || pins == NULL || as_i64(pins, &p) != 0)
+            break;
+        PyObject *owers = PyDict_GetItemWithError(out, seq); /* borrowed */
+        if (owers == NULL) {
+            if (PyErr_Occurred())
+                goto done;
+            continue; /* not out (released, expired, or never handed to this reader) */
+        }
+        Py_ssize_t at = -1;
+        if (owers != Py_None) { /* broadcast: owed by this session? */
+            if (!PyList_CheckExact(owers))
+                break;
+            Py_ssize_t i, n = PyList_GET_SIZE(owers);
+            for (i = 0; i < n; i++) {
+                PyObject *s = PyList_GET_ITEM(owers, i);
+                if (!PyLong_CheckExact(s))
+                    break;
+                int eq = PyObject_RichCompareBool(s, session, Py_EQ); /* ints: no Python code */
+                if (eq < 0)
+                    goto done;
+                if (eq) {
+                    at = i;
+                    break;
+                }
+            }
+            if (at < 0 && i < n)
+                break; /* an ower that is not an int */
+            if (at < 0)
+                continue;
+            PyObject *o = PyDict_GetItemWithError(owed, session);
+            if (o == NULL && PyErr_Occurred())
+                goto done;
+            if (o != NULL && (as_i64(o, &ow) != 0 || ow == INT64_MIN))
+                break;
+        }
+        int last = owers == Py_None || PyList_GET_SIZE(owers) == 1;
+        if (last) { /* dropped from both dicts: the reference's ``KeyError`` if one lacks it */
+            int has = PyDict_Contains(out_time, seq);
+            if (has < 0)
+                goto done;
+            if (!has)
+                break;
+        }
+        /* --- this pair's changes, in the reference's order --- */
+        if (owers != Py_None && PyList_SetSlice(owers, at, at + 1, NULL) < 0)
+            goto done;
+        PyObject *d1 = PyLong_FromLongLong(d - 1);
+        if (d1 == NULL)
+            goto done;
+        slot_set(e, o_d_debt, d1);
+        Py_DECREF(d1);
+        if (owers != Py_None) {
+            PyObject *o1 = PyLong_FromLongLong(ow - 1);
+            if (o1 == NULL || PyDict_SetItem(owed, session, o1) < 0) {
+                Py_XDECREF(o1);
+                goto done;
+            }
+            Py_DECREF(o1);
+        }
+        settled++;
+        if (!last)
+            continue;
+        if (PyDict_DelItem(out, seq) < 0 || PyDict_DelItem(out_time, seq) < 0)
+            goto done;
+        if (PyDict_GET_SIZE(out) == 0 && p == 0 && touched == Py_None &&
+            PyDict_DelItem(entries, cid) < 0) /* ``_retire``: idle, no longer tracked */
+            goto done;
+    }
+    result = Py_BuildValue("(nn)", settled, k);
+done:
+    Py_XDECREF(e);
+    Py_DECREF(entries), Py_DECREF(owed);
+    return result;
+}
+
 /* The store's hand-out step of chunk ``cid``: the compiled one when the store's
  * ``_hand_out_seq`` is the reference's (bound to its acknowledgements part), else (or
  * declined) that step called. */
@@ -2375,6 +2497,9 @@ PyMethodDef aioshm_put_methods[] = {
      "make_ref(store, cid, seq) -> the ShmRef of a hand-out, or None (the reference decides)"},
     {"hand_out", (PyCFunction)(void (*)(void))core_hand_out, METH_FASTCALL,
      "hand_out(acks, cid) -> seq of the writer's usual hand-out, or None (the reference runs)"},
+    {"settle_pairs", (PyCFunction)(void (*)(void))core_settle_pairs, METH_FASTCALL,
+     "settle_pairs(ledger, acks, session) -> (settled, done): settle_all's loop, as far as it "
+     "goes (the reference goes on from done)"},
     {"configure_hand_out", core_configure_hand_out, METH_VARARGS,
      "configure_hand_out(Acknowledgements, HandoutLedger, Debts): the classes hand_out knows"},
     {"configure", core_configure, METH_VARARGS,

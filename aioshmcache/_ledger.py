@@ -47,7 +47,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
+from ._core_api import core
+
 __all__ = ["Debts", "HandoutLedger"]
+
+#: ``settle_all``'s loop in the compiled core, as far as it goes (the pure core's goes nowhere)
+_settle_pairs = core.settle_pairs
 
 _ABSENT: list[int] = []  # the "no such hand-out" marker of a look-up in ``Debts.out``
 
@@ -209,7 +214,9 @@ class HandoutLedger:
         """:meth:`settle` of each ``(cid, seq)`` pair in ``acks`` (flat: cid, seq, cid, ...),
         in order, by ``session``; returns how many it owed. One clock read for the batch (the
         time a drain applied them), and the common case inline: a broadcast hand-out whose
-        last debt this is.
+        last debt this is. The compiled core runs the loop below as far as it goes
+        (``settle_pairs``: every pair, unless one holds a type it does not know); this loop
+        goes on from there.
         """
         if not acks:
             return 0
@@ -217,9 +224,9 @@ class HandoutLedger:
         prev = self._progress.get(session)
         top = max(acks[1::2])
         self._progress[session] = (top if prev is None else max(top, prev[0]), now)
+        settled, start = _settle_pairs(self, acks, session)
         entries, owed = self.entries, self.owed
-        settled = 0
-        for k in range(0, len(acks), 2):
+        for k in range(start, len(acks), 2):
             cid, seq = acks[k], acks[k + 1]
             e = entries.get(cid)
             if e is None:

@@ -1,0 +1,193 @@
+"""The compiled settlement of acknowledgements (``core.settle_pairs``) against its reference.
+
+``HandoutLedger.settle_all`` (a drain's acknowledgements applied in order) runs its loop in the
+compiled core as far as it goes and in its own Python loop from there; the pure core goes
+nowhere, so the Python loop is the reference. Two ledgers made by the same operations on a fake
+clock, one settling on each core, give the same answers and end in the same state; a pair
+whose entry, hand-out or count the core does not know stops it there, before that pair changes
+anything, and the reference goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import aioshmcache
+from aioshmcache import _core_py, _ledger
+from aioshmcache._core_api import core
+from aioshmcache._ledger import Debts, HandoutLedger
+
+from .helpers import FakeClock
+
+pytestmark = pytest.mark.skipif(
+    aioshmcache.implementation() != "c", reason="the compiled core is not in use"
+)
+
+T = TypeVar("T")
+SESSIONS = (11, 12, 13)
+CIDS = st.integers(1, 6)
+OPS = st.one_of(
+    st.tuples(st.just("hand"), CIDS, st.sets(st.sampled_from(SESSIONS))),
+    st.tuples(st.just("pin"), CIDS, st.just(frozenset())),
+    st.tuples(st.just("unpin"), CIDS, st.just(frozenset())),
+    st.tuples(st.just("touch"), CIDS, st.just(frozenset())),
+    st.tuples(st.just("release"), CIDS, st.just(frozenset())),
+    st.tuples(st.just("drop"), st.sampled_from(SESSIONS), st.just(frozenset())),
+    st.tuples(st.just("tick"), st.just(0), st.just(frozenset())),
+)
+#: one drain: a session and its acknowledgements, each the index of a hand-out made so far
+#: (counted from the latest: settled already, owed by another session, or still owed) or,
+#: from ``FORGED`` on, a pair never made
+FORGED = 40
+DRAIN = st.tuples(st.sampled_from(SESSIONS), st.lists(st.integers(0, FORGED + 5), max_size=12))
+
+
+def state(ledger: HandoutLedger) -> object:
+    """Everything the settlement reads or writes, by value."""
+    entries = {
+        cid: (
+            {seq: None if o is None else list(o) for seq, o in e.out.items()},
+            dict(e.out_time),
+            e.debt,
+            e.pins,
+            e.touched_at,
+        )
+        for cid, e in ledger.entries.items()
+    }
+    return entries, dict(ledger.owed), ledger.last_acknowledged(11), ledger.next_seq
+
+
+def on_both_cores(m: pytest.MonkeyPatch, run: Callable[[], T]) -> tuple[T, T]:
+    """``run()`` settling on the compiled core, then again on the pure one."""
+    with_c = run()
+    with m.context() as pure:
+        pure.setattr(_ledger, "_settle_pairs", _core_py.settle_pairs)
+        return with_c, run()
+
+
+def _run(one_of_n: bool, steps: list[tuple[list[Any], Any]]) -> list[object]:
+    """The operations then a drain, step after step: each answer and the state after it."""
+    clock = FakeClock(0.0)
+    ledger = HandoutLedger(one_of_n=one_of_n, handout_ttl=10.0, clock=clock)
+    seqs: dict[int, int] = {}
+    made: list[tuple[int, int]] = []
+    seen: list[object] = []
+    for ops, (session, picks) in steps:
+        for op, x, owers in ops:
+            if op == "hand":
+                seqs[x] = ledger.hand_out_id(x, sorted(owers))
+                made.append((x, seqs[x]))
+            elif op in ("pin", "touch"):
+                getattr(ledger, op)(ledger.debts_of(x))
+            elif op == "unpin" and (e := ledger.get(x)) is not None and e.pins:
+                ledger.unpin(e)
+            elif op == "release" and x in seqs:
+                seen.append(ledger.release(x, seqs[x]))
+            elif op == "drop":
+                ledger.drop_session(x)
+            elif op == "tick":
+                clock.now += 1.0
+        pairs = [made[-1 - i % len(made)] if made and i < FORGED else (i % 7, i) for i in picks]
+        seen.append(ledger.settle_all([v for p in pairs for v in p], session))
+        seen.append(state(ledger))
+    return seen
+
+
+@settings(max_examples=150, deadline=None)
+@given(one_of_n=st.booleans(), steps=st.lists(st.tuples(st.lists(OPS, max_size=8), DRAIN)))
+def test_random_drains_settle_alike_on_both_cores(
+    one_of_n: bool, steps: list[tuple[list[Any], Any]]
+) -> None:
+    with pytest.MonkeyPatch.context() as m:
+        with_c, pure = on_both_cores(m, lambda: _run(one_of_n, steps))
+    assert with_c == pure
+
+
+class _OwnDebts(Debts):
+    """An entry of a type the core does not know (a subclass)."""
+
+    __slots__ = ()
+
+
+def _odd_drain(case: str) -> tuple[HandoutLedger, list[Any]]:
+    """A ledger owing three hand-outs to session 11, the second of them odd (``case``: its
+    entry a ``Debts`` subclass, its ower a float; or the session's count a float, which every
+    pair reads), and the drain that acknowledges all three."""
+    ledger = HandoutLedger(one_of_n=False, handout_ttl=10.0, clock=FakeClock(0.0))
+    first = ledger.hand_out_id(1, [11])
+    if case == "count":
+        odd = ledger.hand_out_id(2, [11])
+        ledger.owed[11] = 2.0  # type: ignore[assignment]
+    else:
+        e = _OwnDebts(2) if case == "entry" else Debts(2)
+        ledger.add(e)
+        owers: list[Any] = [11] if case == "entry" else [11.0]  # 11.0 == 11
+        odd = ledger.hand_out(e, owers)
+    last = ledger.hand_out_id(3, [11])
+    return ledger, [1, first, 2, odd, 3, last]
+
+
+@pytest.mark.parametrize("case", ["entry", "ower", "count"])
+def test_a_pair_the_core_does_not_know_stops_it_and_the_reference_goes_on(case: str) -> None:
+    """The core settles in order up to a pair whose entry is not a ``Debts``, whose ower is
+    not an int, or whose session's count is not an int, and leaves that pair untouched: the ledger's
+    own loop settles it and the rest, so the whole drain ends as the reference's."""
+    ledger, acks = _odd_drain(case)
+    # stopped at the second pair, the first settled; at the first for the session's count
+    stop = 0 if case == "count" else 1
+    assert core.settle_pairs(ledger, acks, 11) == (stop, 2 * stop)
+    left = ledger.get(stop + 1)
+    assert left is not None and left.debt == 1  # ... and that pair left alone
+
+    def drain(settle_c: bool) -> tuple[int, object]:
+        ledger, acks = _odd_drain(case)
+        with pytest.MonkeyPatch.context() as m:
+            if not settle_c:
+                m.setattr(_ledger, "_settle_pairs", _core_py.settle_pairs)
+            return ledger.settle_all(acks, 11), state(ledger)
+
+    with_c, pure = drain(True), drain(False)
+    assert with_c == pure and with_c[0] == 3
+
+
+def test_a_hand_out_missing_its_time_raises_as_the_reference_does() -> None:
+    """A hand-out out without its time (a ledger gone wrong) is the reference's ``KeyError``,
+    with the same state left: the core stops before that pair."""
+
+    def drain(settle_c: bool) -> object:
+        ledger = HandoutLedger(one_of_n=False, handout_ttl=10.0, clock=FakeClock(0.0))
+        first = ledger.hand_out_id(1, [11])
+        broken = ledger.hand_out_id(2, [11])
+        del ledger.entries[2].out_time[broken]
+        with pytest.MonkeyPatch.context() as m:
+            if not settle_c:
+                m.setattr(_ledger, "_settle_pairs", _core_py.settle_pairs)
+            with pytest.raises(KeyError):
+                ledger.settle_all([1, first, 2, broken], 11)
+        return state(ledger)
+
+    assert drain(True) == drain(False)
+
+
+def test_the_core_declines_what_is_not_a_ledger_s_drain() -> None:
+    """Not the ledger's class, not a list of pairs, not an int session: nothing gone through."""
+    ledger = HandoutLedger(one_of_n=False, handout_ttl=10.0)
+    seq = ledger.hand_out_id(1, [11])
+
+    class OwnLedger(HandoutLedger):
+        __slots__ = ()
+
+    for args in (
+        (OwnLedger(one_of_n=False, handout_ttl=10.0), [1, seq], 11),
+        (ledger, (1, seq), 11),
+        (ledger, [1, seq, 2], 11),
+        (ledger, [1, seq], 11.0),
+    ):
+        assert core.settle_pairs(*args) == (0, 0)
+    assert ledger.owed == {11: 1}
+    assert core.settle_pairs(ledger, [1, seq], 11) == (1, 2) and ledger.owed == {11: 0}
