@@ -22,7 +22,7 @@ __all__ = ["Acknowledgements"]
 
 log = logging.getLogger("aioshmcache")
 
-_NOBODY: list[int] = []  # the owers of a one-of-N hand-out (never appended to)
+_NOBODY: tuple[int, ...] = ()  # the owers of a one-of-N hand-out
 
 
 class Acknowledgements:
@@ -45,9 +45,10 @@ class Acknowledgements:
         self.one_of_n = one_of_n
         self.slots = [SlotState() for _ in range(readers.n_slots)]
         self._known_sessions = [0] * readers.n_slots
-        #: (slot, session) of the live readers, and their sessions alone
+        #: (slot, session) of the live readers, and their sessions alone: the tuple each
+        #: broadcast hand-out records as its owers (the ledger replaces, never changes, it)
         self.live_slots: list[tuple[int, int]] = []
-        self.live_sessions: list[int] = []
+        self.live_sessions: tuple[int, ...] = ()
         self._undrained = 0  # hand-outs since the last drain
 
     def hand_out(self, cid: int) -> int:
@@ -97,7 +98,7 @@ class Acknowledgements:
     def _refresh_live(self) -> None:
         """Recompute the live sessions a broadcast hand-out is owed by (after any change)."""
         self.live_slots = [(i, st.session) for i, st in enumerate(self.slots) if st.alive]
-        self.live_sessions = [s for _i, s in self.live_slots]
+        self.live_sessions = tuple(s for _i, s in self.live_slots)
 
     def publish_owed(self) -> None:
         """Publish each live slot's debt for ``inspect`` and ``reader_info`` (``WS_OWED``)."""

@@ -766,18 +766,18 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
     }
     CHECK(slot_get(acks, o_a_live, &live));
     CHECK(slot_get(acks, o_a_live_slots, &live_slots));
-    if (!PyList_CheckExact(live) || !PyList_CheckExact(live_slots) ||
-        PyList_GET_SIZE(live) != PyList_GET_SIZE(live_slots))
+    if (!PyTuple_CheckExact(live) || !PyList_CheckExact(live_slots) ||
+        PyTuple_GET_SIZE(live) != PyList_GET_SIZE(live_slots))
         DECLINE();
-    Py_ssize_t n_live = PyList_GET_SIZE(live);
+    Py_ssize_t n_live = PyTuple_GET_SIZE(live);
     if (n_live > MAX_LIVE)
         DECLINE();
     int64_t owes[MAX_LIVE];         /* each live session's count before this hand-out */
     Py_ssize_t owes_slot[MAX_LIVE]; /* and its slot */
     uint64_t owes_session[MAX_LIVE];
-    PyObject *live_obj[MAX_LIVE]; /* the sessions as listed (borrowed: compared, not read) */
+    PyObject *live_obj[MAX_LIVE]; /* the sessions as listed (borrowed from the tuple) */
     for (Py_ssize_t i = 0; i < n_live; i++) {
-        PyObject *s = PyList_GET_ITEM(live, i), *pair = PyList_GET_ITEM(live_slots, i);
+        PyObject *s = PyTuple_GET_ITEM(live, i), *pair = PyList_GET_ITEM(live_slots, i);
         if (!PyLong_CheckExact(s) || !PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 ||
             !PyLong_CheckExact(PyTuple_GET_ITEM(pair, 0)) || PyTuple_GET_ITEM(pair, 1) != s)
             DECLINE();
@@ -819,16 +819,13 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         if (still == NULL && PyErr_Occurred())
             goto done;
         if (still != tracked || SLOT(ledger, o_l_next_seq) == NULL ||
-            SLOT(acks, o_a_undrained) == NULL || SLOT(acks, o_a_live) != live ||
-            PyList_GET_SIZE(live) != n_live)
+            SLOT(acks, o_a_undrained) == NULL || SLOT(acks, o_a_live) != live)
             DECLINE();
         CHECK(as_i64(SLOT(ledger, o_l_next_seq), &seq_now));
         CHECK(as_i64(SLOT(acks, o_a_undrained), &und_now));
         if (seq_now != seq || und_now != und)
             DECLINE();
         for (Py_ssize_t i = 0; i < n_live; i++) {
-            if (PyList_GET_ITEM(live, i) != live_obj[i])
-                DECLINE();
             PyObject *o = PyDict_GetItemWithError(owed, live_obj[i]); /* borrowed */
             if (o == NULL && PyErr_Occurred())
                 goto done;
@@ -852,8 +849,10 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         has_words = 1;
         if (words.shape[0] != n_slots)
             DECLINE();
-        NEED(owers = PyList_GetSlice(live, 0, n_live));
-        PyObject_GC_UnTrack(owers); /* ints only (see below) */
+        owers = live; /* the live sessions' own tuple, shared by the hand-outs (the ledger
+                       * replaces owers, never changes them); ints only (see below) */
+        Py_INCREF(owers);
+        PyObject_GC_UnTrack(owers);
         NEED(debt = PyLong_FromLongLong(old_debt + n_live));
     }
     if (n_live && tracked == NULL) {
@@ -873,8 +872,8 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
          * never be part of a reference cycle, so the collector need not walk it (as CPython
          * untracks such dicts and tuples itself). A put made four tracked objects, and each
          * young collection walked every one of them: ~1.5k instructions a put with a reader
-         * attached. (The ledger's Python code tracks ``out`` again when it stores a list in
-         * it; nothing it stores in the entry or the list could make a cycle either.) */
+         * attached. (The ledger's Python code may track ``out`` again when it stores in it;
+         * nothing it stores in the entry could make a cycle either.) */
         PyObject_GC_UnTrack(out);
         if (PyType_IS_GC(Py_TYPE(e)))
             PyObject_GC_UnTrack(e);
@@ -898,7 +897,7 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
          * word publishes the count, for inspect */
         for (Py_ssize_t i = 0; i < n_live; i++) {
             PyObject *c1 = PyLong_FromLongLong(owes[i] + 1);
-            if (c1 == NULL || PyDict_SetItem(owed, PyList_GET_ITEM(live, i), c1) < 0) {
+            if (c1 == NULL || PyDict_SetItem(owed, PyTuple_GET_ITEM(live, i), c1) < 0) {
                 Py_XDECREF(c1);
                 goto done;
             }
@@ -949,8 +948,9 @@ core_hand_out(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
  * ``settle_pairs(ledger, acks, session)``: ``settle_all``'s loop over the flat ``(cid, seq)``
  * pairs of ``acks`` that ``session`` acknowledged (its caller read the clock and recorded the
  * session's progress first). A pair settles a hand-out still out: a one-of-N one, or a broadcast
- * one ``session`` owes (one debt less for the entry and the session; the hand-out's last debt
- * drops it); an entry left idle is no longer tracked (``_retire``). Returns ``(settled, done)``:
+ * one ``session`` owes (one debt less for the entry and the session; its owers replaced by a
+ * tuple without it, or the hand-out dropped with its last debt); an entry left idle is no
+ * longer tracked (``_retire``). Returns ``(settled, done)``:
  * the pairs settled and how many ints of ``acks`` it went through. The reference goes on from
  * ``done``: ``len(acks)`` in the usual case, earlier at a pair whose entry, hand-out or count is
  * of a type the core does not know (checked before anything of that pair changes). Only C runs
@@ -1002,11 +1002,11 @@ core_settle_pairs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_ssize_t at = -1;
         if (owers != Py_None) { /* broadcast: owed by this session? */
-            if (!PyList_CheckExact(owers))
+            if (!PyTuple_CheckExact(owers))
                 break;
-            Py_ssize_t i, n = PyList_GET_SIZE(owers);
+            Py_ssize_t i, n = PyTuple_GET_SIZE(owers);
             for (i = 0; i < n; i++) {
-                PyObject *s = PyList_GET_ITEM(owers, i);
+                PyObject *s = PyTuple_GET_ITEM(owers, i);
                 if (!PyLong_CheckExact(s))
                     break;
                 int eq = PyObject_RichCompareBool(s, session, Py_EQ); /* ints: no Python code */
@@ -1027,7 +1027,7 @@ core_settle_pairs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (o != NULL && (as_i64(o, &ow) != 0 || ow == INT64_MIN))
                 break;
         }
-        int last = owers == Py_None || PyList_GET_SIZE(owers) == 1;
+        int last = owers == Py_None || PyTuple_GET_SIZE(owers) == 1;
         if (last) { /* dropped from both dicts: the reference's ``KeyError`` if one lacks it */
             int has = PyDict_Contains(out_time, seq);
             if (has < 0)
@@ -1036,8 +1036,24 @@ core_settle_pairs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 break;
         }
         /* --- this pair's changes, in the reference's order --- */
-        if (owers != Py_None && PyList_SetSlice(owers, at, at + 1, NULL) < 0)
-            goto done;
+        if (!last) { /* the owers without this session (``_without``) */
+            Py_ssize_t n = PyTuple_GET_SIZE(owers);
+            PyObject *rest = PyTuple_New(n - 1);
+            if (rest == NULL)
+                goto done;
+            for (Py_ssize_t i = 0, j = 0; i < n; i++) {
+                if (i == at)
+                    continue;
+                PyObject *s = PyTuple_GET_ITEM(owers, i);
+                Py_INCREF(s);
+                PyTuple_SET_ITEM(rest, j++, s);
+            }
+            PyObject_GC_UnTrack(rest); /* ints only: ``out`` stays untracked (the hand-out's) */
+            int rc = PyDict_SetItem(out, seq, rest);
+            Py_DECREF(rest);
+            if (rc < 0)
+                goto done;
+        }
         PyObject *d1 = PyLong_FromLongLong(d - 1);
         if (d1 == NULL)
             goto done;

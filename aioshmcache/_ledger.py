@@ -45,7 +45,7 @@ own activity.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from ._core_api import core
 
@@ -54,7 +54,8 @@ __all__ = ["Debts", "HandoutLedger"]
 #: ``settle_all``'s loop in the compiled core, as far as it goes (the pure core's goes nowhere)
 _settle_pairs = core.settle_pairs
 
-_ABSENT: list[int] = []  # the "no such hand-out" marker of a look-up in ``Debts.out``
+#: the "no such hand-out" marker of a look-up in ``Debts.out``, compared by identity
+_ABSENT: tuple[int, ...] = (-1,)
 
 
 class Debts:
@@ -64,8 +65,10 @@ class Debts:
 
     def __init__(self, cid: int) -> None:
         self.id = cid
-        #: outstanding hand-outs: seq -> sessions still owing it (broadcast), or None (one-of-N)
-        self.out: dict[int, list[int] | None] = {}
+        #: outstanding hand-outs: seq -> sessions still owing it (broadcast), or None (one-of-N);
+        #: a tuple, replaced as they settle: a put's first one is the live sessions' own tuple
+        #: (``Acknowledgements.live_sessions``), shared, not copied
+        self.out: dict[int, tuple[int, ...] | None] = {}
         self.out_time: dict[int, float] = {}  # seq -> when it was handed out
         self.debt = 0  # unsettled (hand-out, session) pairs; one per one-of-N hand-out
         self.pins = 0  # request-scoped pins
@@ -148,7 +151,7 @@ class HandoutLedger:
             e.out_time[seq] = self.clock()
             e.debt += 1
         else:
-            sessions = list(owers)
+            sessions = tuple(owers)  # the same tuple if it is one
             if sessions:
                 self._track(e)
                 e.out[seq] = sessions
@@ -161,7 +164,7 @@ class HandoutLedger:
         self._retire(e)
         return seq
 
-    def hand_out_id(self, cid: int, owers: list[int]) -> int:
+    def hand_out_id(self, cid: int, owers: Sequence[int]) -> int:
         """``hand_out`` by chunk id: makes no ``Debts`` when nobody owes it and none exists."""
         e = self.entries.get(cid)
         if e is not None:
@@ -175,7 +178,7 @@ class HandoutLedger:
             e.debt = 1
         elif owers:  # the common put: a new entry owed by the live sessions, in one go
             e = self.entries[cid] = Debts(cid)
-            e.out[seq] = list(owers)
+            e.out[seq] = owers = tuple(owers)  # the same tuple if it is one
             e.out_time[seq] = self.clock()
             e.debt = len(owers)
             owed = self.owed
@@ -202,10 +205,11 @@ class HandoutLedger:
             return True
         if session not in owers:
             return False
-        owers.remove(session)
         e.debt -= 1
         self._owe(session, -1)
-        if not owers:
+        if len(owers) > 1:
+            e.out[seq] = _without(owers, session)
+        else:
             self._drop_seq(e, seq)
             self._retire(e)
         return True
@@ -239,10 +243,10 @@ class HandoutLedger:
                 del out[seq], e.out_time[seq]
                 e.debt -= 1
             elif session in owers:
-                owers.remove(session)
                 e.debt -= 1
                 owed[session] = owed.get(session, 0) - 1
-                if owers:
+                if len(owers) > 1:
+                    out[seq] = _without(owers, session)
                     settled += 1
                     continue
                 del out[seq], e.out_time[seq]
@@ -281,9 +285,10 @@ class HandoutLedger:
                 continue
             for seq, owers in list(e.out.items()):
                 if owers and session in owers:
-                    owers.remove(session)
                     e.debt -= 1
-                    if not owers:
+                    if len(owers) > 1:
+                        e.out[seq] = _without(owers, session)
+                    else:
                         self._drop_seq(e, seq)
             if not e.out:
                 emptied.append(e)
@@ -332,14 +337,16 @@ class HandoutLedger:
                 e.debt -= 1
                 lapsed += 1
                 continue
-            for s in list(owers):
+            for s in owers:
                 p = self._progress.get(s)
                 if p is not None and p[0] > seq:  # s moved on: this hand-out never reached it
-                    owers.remove(s)
+                    owers = _without(owers, s)
                     e.debt -= 1
                     self._owe(s, -1)
                     lapsed += 1
-            if not owers:
+            if owers:
+                e.out[seq] = owers
+            else:
                 self._drop_seq(e, seq)
         self._retire(e)
         return lapsed
@@ -387,3 +394,9 @@ class HandoutLedger:
 
     def _owe(self, session: int, n: int) -> None:
         self.owed[session] = self.owed.get(session, 0) + n
+
+
+def _without(owers: tuple[int, ...], session: int) -> tuple[int, ...]:
+    """``owers`` without its first ``session`` (as ``list.remove``; ``session`` is in it)."""
+    i = owers.index(session)
+    return owers[:i] + owers[i + 1 :]

@@ -554,7 +554,7 @@ def _ledger_state(store: StoreWriter) -> object:
     acks, ledger = store._acks, store._ledger
     slot_of = {st.session: i for i, st in enumerate(acks.slots) if st.session}
 
-    def who(owers: list[int] | None) -> object:
+    def who(owers: tuple[int, ...] | None) -> object:
         return None if owers is None else [slot_of.get(s, -1) for s in owers]
 
     entries = {
@@ -640,7 +640,7 @@ def test_the_c_hand_out_takes_the_usual_hand_out_and_declines_the_rest(
             e = ledger.entries[10**6]
             assert (e.id, e.out, e.debt, e.pins, e.touched_at) == (
                 10**6,
-                {seq0: [session]},
+                {seq0: (session,)},
                 1,
                 0,
                 None,
@@ -650,7 +650,7 @@ def test_the_c_hand_out_takes_the_usual_hand_out_and_declines_the_rest(
             ledger.touch(e)  # tracked: its next hand-out ends the touch, as ``hand_out(e)``
             assert C.hand_out(acks, 10**6) == seq0 + 1
             assert ledger.entries[10**6] is e and e.touched_at is None
-            assert (e.out, e.debt) == ({seq0: [session], seq0 + 1: [session]}, 2)
+            assert (e.out, e.debt) == ({seq0: (session,), seq0 + 1: (session,)}, 2)
             assert list(e.out_time) == [seq0, seq0 + 1]
             assert ledger.owed[session] == 3 and int(store._readers.owed_words[0]) == 3
             seq0 += 1
@@ -710,7 +710,7 @@ def test_two_slots_with_one_session_are_the_reference_s_to_count(make_config: An
             first, second = acks.live_sessions
             store._readers.set_word(1, RS_SESSION, first)  # slot 1 now claims slot 0's session
             acks.sync_sessions()
-            assert acks.live_sessions == [first, first]
+            assert acks.live_sessions == (first, first)
             owed, seq = dict(ledger.owed), ledger.next_seq
             assert C.hand_out(acks, 10**6) is None
             assert (dict(ledger.owed), ledger.next_seq) == (owed, seq)  # nothing done
