@@ -195,7 +195,7 @@ class _AsyncFace(AsyncResource, Generic[C]):
         self._last_yield = _monotonic()
         self._turn_noted = False  # a ``_turned`` callback is queued on the loop
         self._loop_turned = False  # it ran: the loop turned since the last inline call
-        self._turns_seen = 0  # ``turns()`` at the last inline call
+        self._turns_seen = turns()  # ``turns()`` at the last inline call (or at the start)
         #: the last inline call found an I/O turn (``_loop_turns``) and queued nothing: the next one
         #: cannot tell whether the loop turned since, so it does not apply the time bound
         self._unwatched = False
