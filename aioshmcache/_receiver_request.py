@@ -382,7 +382,11 @@ def read_one(store: StoreReader, counters: RequestCounters, mm_item: Any, mm_has
 
 
 def read_one_feature(
-    store: StoreReader, counters: RequestCounters, features: Sequence[object], inline_below: int
+    store: StoreReader,
+    read_path: ReadPath,
+    counters: RequestCounters,
+    features: Sequence[object],
+    inline_below: int,
 ) -> list[FeatureSpec] | None:
     """``get_and_update_features``'s usual one-spec case in one core call (as :func:`read_one`,
     whose steps it repeats rather than calls: it runs once per engine call): a single
@@ -392,7 +396,8 @@ def read_one_feature(
 
     A reference reclaimed during the copy is counted and raised as the request raises it (a
     ``CacheMissError`` whose ``features`` hold the spec without data); any other failure gives
-    the reference back, as the request's roll back does.
+    the reference back, as the request's roll back does. ``read_path`` is ``store.read_path``
+    (a reader binds both once: ``ReceiverCache``).
     """
     if len(features) != 1:
         return None
@@ -405,7 +410,7 @@ def read_one_feature(
     if type(f.mm_hash) is not str:
         return None
     try:
-        value = store.read_path.read_item(ref)  # None without the core
+        value = read_path.read_item(ref)  # None without the core
     except BaseException as exc:
         _read_failed(store, counters, ref, exc)
         raise CacheMissError([f.mm_hash], features=[f.with_data(None)]) from None

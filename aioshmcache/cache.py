@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol, TypeVar, overload
 
 from . import _request
@@ -612,6 +613,13 @@ class ReceiverCache(_Cache, Receiver):
         self._released: dict[tuple[int, int], None] = {}  # hand-outs given back (bounded)
         self._counters = RequestCounters()
         self._last_delta = CacheInfo(0, 0)
+        #: ``_receiver_request.read_one_feature`` on this reader, ``(features, inline_below)``:
+        #: the new spec, or None (the request must run; nothing done). Bound once: an engine
+        #: worker's every call takes it, and a method around it was one Python frame more.
+        self._read_one_feature: Callable[[Sequence[FeatureSpec], int], list[FeatureSpec] | None]
+        self._read_one_feature = functools.partial(
+            read_one_feature, store, store.read_path, self._counters
+        )
 
     @classmethod
     def attach(cls, handle: object, *, serde: Serde | None = None) -> ReceiverCache:
@@ -667,13 +675,6 @@ class ReceiverCache(_Cache, Receiver):
         if got is not None:
             return got
         return super().get_and_update_features(features)
-
-    def _read_one_feature(
-        self, features: Sequence[FeatureSpec], inline_below: int
-    ) -> list[FeatureSpec] | None:
-        """``_receiver_request.read_one_feature`` on this reader: the new spec, or None (the
-        request must run; nothing done)."""
-        return read_one_feature(self.store, self._counters, features, inline_below)
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
         """A reference becomes its item (a copy); inline data is returned unchanged.
