@@ -32,6 +32,7 @@ from ._channel_format import (
 )
 from ._channel_keeper import release_path, take_path
 from ._core_api import core
+from ._loop_turns import turned
 from ._types import FeatureSpec
 from .aio import read_after_wait
 from .errors import (
@@ -99,7 +100,7 @@ class _ServerConnection(FrameConnection):
         ):
             self.call = call
             self._wake()
-            pass  # XXX
+            turned()  # as ``FrameConnection.data_received`` counts
             return
         super().data_received(data)
 

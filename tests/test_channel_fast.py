@@ -380,6 +380,36 @@ async def test_a_call_received_whole_is_cut_and_decoded_in_one_core_call(
         assert cache.snapshot().readers[0].lag == 0  # every call read and acknowledged
 
 
+async def test_a_call_taken_whole_counts_a_loop_turn(
+    make_config: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's connection counts a loop turn (``_loop_turns.turned``) for a call the core
+    takes whole as it arrives, as for any other read: the async faces' checkpoints learn of the
+    turn from it (a first version left the count out of this path)."""
+    import aioshmcache
+    from aioshmcache import _channel_server
+
+    if aioshmcache.implementation() != "c":
+        pytest.skip("the pure core takes no call whole")
+    counted: list[None] = []
+    from aioshmcache._loop_turns import turned as real
+
+    def turned() -> None:
+        counted.append(None)
+        real()
+
+    taken = _spied(monkeypatch, _channel_server, "take_call", _channel_server.take_call)
+    monkeypatch.setattr(_channel_server, "turned", turned)
+    sock = tmp_path / "e.sock"
+    async with _worker(make_config, sock) as cache:
+        [f] = await cache.get_and_update_features([FeatureSpec("h", {"x": np.ones(8)})])
+        async with EngineClient.connect(sock, cache=cache) as engine:
+            for _ in range(5):
+                [f] = await cache.get_and_update_features([FeatureSpec("h", None)])
+                assert (await engine.call([f], {"op": "echo"}, timeout=30))["payload"]
+    assert len(counted) == taken.count(True) >= 5
+
+
 async def test_a_call_the_worker_waited_for_is_read_without_the_face_s_turn_accounting(
     make_config: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
