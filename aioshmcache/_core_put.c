@@ -700,7 +700,7 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
     PyObject *now = NULL, *seq1 = NULL, *e = NULL, *owers = NULL, *out = NULL;
     PyObject *out_time = NULL, *debt = NULL, *und1 = NULL, *v = NULL, *tracked = NULL;
     Py_buffer sess, words;
-    int has_sess = 0, has_words = 0;
+    int has_sess = 0, has_words = 0, gc_off = 0, gc_was = 0;
     int64_t seq, und, log_entries;
     /* --- every check, no side effect --- */
     if ((PyObject *)Py_TYPE(acks) != acks_type)
@@ -811,6 +811,10 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
     if (n_live) { /* the entry, built before any change (its clock read first) */
         CHECK(slot_get(ledger, o_l_clock, &clock));
         NEED(now = PyObject_CallNoArgs(clock));
+        /* From here to the drain no Python code may run: the collector, which an allocation
+         * can start (Python 3.11), could run a finalizer that reaches this ledger or closes
+         * the store under the borrowed debt words. Off until the drain (``settle_pairs``). */
+        gc_was = PyGC_Disable(), gc_off = 1;
         /* The clock is Python code: what was read before it is read again (the seq, the
          * hand-outs since the drain, the live sessions, the entry), and anything changed
          * declines to the reference; the counts and the entry's debt are read only now. */
@@ -912,6 +916,9 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
             PyBuffer_Release(&sess), has_sess = 0;
         if (has_words)
             PyBuffer_Release(&words), has_words = 0;
+        if (gc_off && gc_was) /* Python code again */
+            PyGC_Enable();
+        gc_off = 0;
         PyObject *r = PyObject_CallMethodNoArgs(acks, s_drain);
         if (r == NULL)
             goto done;
@@ -924,6 +931,8 @@ done:
         PyBuffer_Release(&sess);
     if (has_words)
         PyBuffer_Release(&words);
+    if (gc_off && gc_was)
+        PyGC_Enable();
     Py_XDECREF(ledger), Py_XDECREF(readers), Py_XDECREF(known), Py_XDECREF(live);
     Py_XDECREF(live_slots), Py_XDECREF(entries), Py_XDECREF(owed), Py_XDECREF(next);
     Py_XDECREF(clock), Py_XDECREF(now), Py_XDECREF(seq1), Py_XDECREF(e), Py_XDECREF(v);
@@ -950,12 +959,16 @@ core_hand_out(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
  * session's progress first). A pair settles a hand-out still out: a one-of-N one, or a broadcast
  * one ``session`` owes (one debt less for the entry and the session; its owers replaced by a
  * tuple without it, or the hand-out dropped with its last debt); an entry left idle is no
- * longer tracked (``_retire``). Returns ``(settled, done)``:
- * the pairs settled and how many ints of ``acks`` it went through. The reference goes on from
- * ``done``: ``len(acks)`` in the usual case, earlier at a pair whose entry, hand-out or count is
- * of a type the core does not know (checked before anything of that pair changes). Only C runs
- * meanwhile: ints hash and compare, the dicts and lists hold ints and floats, and the ``Debts``
- * an entry drops has no code of its own. */
+ * longer tracked (``_retire``). Returns ``(settled, done)``: the pairs settled and how many ints
+ * of ``acks`` it went through. The reference goes on from ``done``: ``len(acks)`` in the usual
+ * case, earlier at a pair whose entry, hand-out or count is of a type the core does not know
+ * (checked before anything of that pair changes).
+ *
+ * No Python code runs meanwhile: ints hash and compare, the dicts and tuples hold ints and
+ * floats, the ``Debts`` an entry drops has no code of its own, and the garbage collector is
+ * off for the call. (On Python 3.11 an allocation can start a collection, which can run
+ * finalizers, and one of those could reach this ledger: a review made one release the very
+ * hand-outs being settled, and the owers tuple read from ``out`` was freed under the loop.) */
 static PyObject *
 core_settle_pairs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -972,6 +985,7 @@ core_settle_pairs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (entries == NULL || owed == NULL || !PyDict_CheckExact(entries) || !PyDict_CheckExact(owed))
         return Py_BuildValue("(nn)", settled, k);
     Py_INCREF(entries), Py_INCREF(owed);
+    int gc_was = PyGC_Disable();
     PyObject *result = NULL, *e = NULL;
     for (; k < PyList_GET_SIZE(acks); k += 2) {
         PyObject *cid = PyList_GET_ITEM(acks, k), *seq = PyList_GET_ITEM(acks, k + 1);
@@ -989,45 +1003,51 @@ core_settle_pairs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject *out = SLOT(e, o_d_out), *out_time = SLOT(e, o_d_out_time);
         PyObject *debt = SLOT(e, o_d_debt), *pins = SLOT(e, o_d_pins);
         PyObject *touched = SLOT(e, o_d_touched);
-        int64_t d, p, ow = 0;
+        int64_t d = 0, p = 0, ow = 0;
+        int rd = debt == NULL ? 1 : as_i64(debt, &d), rp = pins == NULL ? 1 : as_i64(pins, &p);
+        if (rd < 0 || rp < 0)
+            goto done;
         if (out == NULL || out_time == NULL || touched == NULL || !PyDict_CheckExact(out) ||
-            !PyDict_CheckExact(out_time) || debt == NULL || as_i64(debt, &d) != 0 ||
-            d == INT64_MIN || pins == NULL || as_i64(pins, &p) != 0)
+            !PyDict_CheckExact(out_time) || rd || rp || d == INT64_MIN)
             break;
-        PyObject *owers = PyDict_GetItemWithError(out, seq); /* borrowed */
+        PyObject *owers = PyDict_GetItemWithError(out, seq); /* borrowed: nothing frees it here */
         if (owers == NULL) {
             if (PyErr_Occurred())
                 goto done;
             continue; /* not out (released, expired, or never handed to this reader) */
         }
-        Py_ssize_t at = -1;
-        if (owers != Py_None) { /* broadcast: owed by this session? */
+        Py_ssize_t at = -1, n = 0;
+        if (owers != Py_None) { /* broadcast: ints only, and owed by this session? */
             if (!PyTuple_CheckExact(owers))
                 break;
-            Py_ssize_t i, n = PyTuple_GET_SIZE(owers);
+            n = PyTuple_GET_SIZE(owers);
+            Py_ssize_t i;
             for (i = 0; i < n; i++) {
                 PyObject *s = PyTuple_GET_ITEM(owers, i);
                 if (!PyLong_CheckExact(s))
                     break;
-                int eq = PyObject_RichCompareBool(s, session, Py_EQ); /* ints: no Python code */
-                if (eq < 0)
-                    goto done;
-                if (eq) {
-                    at = i;
-                    break;
+                if (at < 0) {
+                    int eq = PyObject_RichCompareBool(s, session, Py_EQ); /* ints: only C */
+                    if (eq < 0)
+                        goto done;
+                    if (eq)
+                        at = i;
                 }
             }
-            if (at < 0 && i < n)
+            if (i < n)
                 break; /* an ower that is not an int */
             if (at < 0)
                 continue;
             PyObject *o = PyDict_GetItemWithError(owed, session);
             if (o == NULL && PyErr_Occurred())
                 goto done;
-            if (o != NULL && (as_i64(o, &ow) != 0 || ow == INT64_MIN))
+            int ro = o == NULL ? 0 : as_i64(o, &ow);
+            if (ro < 0)
+                goto done;
+            if (ro || ow == INT64_MIN)
                 break;
         }
-        int last = owers == Py_None || PyTuple_GET_SIZE(owers) == 1;
+        int last = owers == Py_None || n == 1;
         if (last) { /* dropped from both dicts: the reference's ``KeyError`` if one lacks it */
             int has = PyDict_Contains(out_time, seq);
             if (has < 0)
@@ -1035,19 +1055,14 @@ core_settle_pairs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (!has)
                 break;
         }
-        /* --- this pair's changes, in the reference's order --- */
+        /* --- this pair's changes (the reference's, in another order: nothing runs between) --- */
         if (!last) { /* the owers without this session (``_without``) */
-            Py_ssize_t n = PyTuple_GET_SIZE(owers);
             PyObject *rest = PyTuple_New(n - 1);
             if (rest == NULL)
                 goto done;
-            for (Py_ssize_t i = 0, j = 0; i < n; i++) {
-                if (i == at)
-                    continue;
-                PyObject *s = PyTuple_GET_ITEM(owers, i);
-                Py_INCREF(s);
-                PyTuple_SET_ITEM(rest, j++, s);
-            }
+            for (Py_ssize_t i = 0, j = 0; i < n; i++)
+                if (i != at)
+                    PyTuple_SET_ITEM(rest, j++, Py_NewRef(PyTuple_GET_ITEM(owers, i)));
             PyObject_GC_UnTrack(rest); /* ints only: ``out`` stays untracked (the hand-out's) */
             int rc = PyDict_SetItem(out, seq, rest);
             Py_DECREF(rest);
@@ -1080,6 +1095,8 @@ core_settle_pairs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 done:
     Py_XDECREF(e);
     Py_DECREF(entries), Py_DECREF(owed);
+    if (gc_was)
+        PyGC_Enable();
     return result;
 }
 

@@ -10,6 +10,9 @@ anything, and the reference goes on.
 
 from __future__ import annotations
 
+import dis
+import gc
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -51,7 +54,7 @@ def state(ledger: HandoutLedger) -> object:
     """Everything the settlement reads or writes, by value."""
     entries = {
         cid: (
-            {seq: None if o is None else list(o) for seq, o in e.out.items()},
+            dict(e.out),
             dict(e.out_time),
             e.debt,
             e.pins,
@@ -191,3 +194,61 @@ def test_the_core_declines_what_is_not_a_ledger_s_drain() -> None:
         assert core.settle_pairs(*args) == (0, 0)
     assert ledger.owed == {11: 1}
     assert core.settle_pairs(ledger, [1, seq], 11) == (1, 2) and ledger.owed == {11: 0}
+
+
+def _consistent(ledger: HandoutLedger) -> None:
+    """Each entry's debt is what its hand-outs are owed, and each session's count the hand-outs
+    that list it."""
+    per: dict[int, int] = {}
+    for e in ledger.entries.values():
+        assert e.debt == sum(1 if o is None else len(o) for o in e.out.values())
+        assert e.out.keys() == e.out_time.keys()
+        for o in e.out.values():
+            for session in o or ():
+                per[session] = per.get(session, 0) + 1
+    assert {s: n for s, n in ledger.owed.items() if n} == per
+
+
+def test_a_collection_cannot_start_inside_the_settlement() -> None:
+    """No collection starts while the core settles (the collector is off for the call): a
+    finalizer that a collection there ran could change the ledger under the loop. A review made
+    one release the hand-outs being settled, from a collection started by the first allocation
+    of the call (the owers without the session): the owers read from ``out`` were freed, and a
+    session's count was left at 6 with nothing owed."""
+    big = 10**15
+    s1, s2, s3 = big + 1, big + 2, big + 3
+    ledger = HandoutLedger(one_of_n=False, handout_ttl=60.0, clock=FakeClock(0.0))
+    outs = [(cid, ledger.hand_out_id(cid, (s1, s2, s3))) for cid in range(1, 9)]
+    ledger.settle_all([v for p in outs for v in p], s1)  # each owers now (s2, s3), out's own
+    lines, first = inspect.getsourcelines(HandoutLedger.settle_all)
+    line = first + next(i for i, text in enumerate(lines) if "_settle_pairs(" in text)
+    code = HandoutLedger.settle_all.__code__
+    call = next(  # the instruction that calls the core: a collection started inside it
+        ins.offset
+        for ins in dis.get_instructions(code)
+        if ins.opname == "CALL" and ins.positions is not None and ins.positions.lineno == line
+    )
+    fired: list[None] = []
+
+    def inside(phase: str, info: dict[str, Any]) -> None:
+        here = inspect.currentframe()
+        frame = here.f_back if here is not None else None  # where the collection started
+        if phase != "start" or fired or frame is None:
+            return
+        if (frame.f_code, frame.f_lasti) == (code, call):
+            fired.append(None)
+            for cid, seq in outs:
+                ledger.release(cid, seq)
+
+    gc.collect()
+    threshold = gc.get_threshold()
+    gc.callbacks.append(inside)
+    gc.set_threshold(1)
+    try:
+        settled = ledger.settle_all([v for p in outs for v in p], s2)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(inside)
+    assert fired == [] and settled == len(outs)
+    _consistent(ledger)
+    assert ledger.owed == {s1: 0, s2: 0, s3: len(outs)}
