@@ -52,6 +52,7 @@ __all__ = [
     "set_stream_kind",
     "set_stream_min",
     "settle_pairs",
+    "spec_with",
     "specs_from",
     "split_features",
     "stream_kinds",
@@ -276,6 +277,12 @@ def split_features(features: object) -> None:
 def specs_from(features: object, results: object) -> None:
     """The new specs of a request's results, which may decline: here it always does
     (``_request.features_from`` is the reference)."""
+    return None
+
+
+def spec_with(spec: object, data: object) -> None:
+    """A spec's copy carrying ``data``, which may decline: here it always does
+    (``FeatureSpec.with_data`` is the reference)."""
     return None
 
 

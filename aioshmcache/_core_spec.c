@@ -1,4 +1,5 @@
-/* The specs of a sender's request over features: ``split_features`` and ``specs_from``.
+/* The specs of a sender's request over features: ``split_features`` and ``specs_from``; and
+ * the new spec of a reader's one-spec read, ``spec_with``.
  *
  * Their reference is ``aioshmcache/_request.py``: ``SenderRequest.for_features`` (each spec as
  * the sender's ``(item, prompt_updates)`` or ``None``, and its hash) and ``features_from`` (a new
@@ -165,6 +166,30 @@ core_specs_from(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* ``spec_with(spec, data)``: ``spec.with_data(data)`` (its other three slots as they are), or
+ * None (declined: not exactly a ``FeatureSpec``, or a slot unset). A reader's one-spec read
+ * makes one per call (``_receiver_request.read_one_feature``): ~1k instructions in Python. */
+static PyObject *
+core_spec_with(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "spec_with takes 2 arguments (spec, data)");
+        return NULL;
+    }
+    PyObject *f = args[0];
+    if (spec_type == NULL || Py_TYPE(f) != spec_type || SPEC_SLOT(f, o_hash) == NULL ||
+        SPEC_SLOT(f, o_ident) == NULL || SPEC_SLOT(f, o_updates) == NULL)
+        Py_RETURN_NONE;
+    PyObject *new = spec_type->tp_alloc(spec_type, 0);
+    if (new == NULL)
+        return NULL;
+    SPEC_SLOT(new, o_hash) = Py_NewRef(SPEC_SLOT(f, o_hash));
+    SPEC_SLOT(new, o_data) = Py_NewRef(args[1]);
+    SPEC_SLOT(new, o_ident) = Py_NewRef(SPEC_SLOT(f, o_ident));
+    SPEC_SLOT(new, o_updates) = Py_NewRef(SPEC_SLOT(f, o_updates));
+    return new;
+}
+
 PyMethodDef aioshm_spec_methods[] = {
     {"configure_specs", core_configure_specs, METH_VARARGS,
      "configure_specs(FeatureSpec, ShmRef): the classes split_features and specs_from know"},
@@ -174,5 +199,8 @@ PyMethodDef aioshm_spec_methods[] = {
     {"specs_from", (PyCFunction)(void (*)(void))core_specs_from, METH_FASTCALL,
      "specs_from(features, results) -> the new specs of a request's results, or None "
      "(declined: _request.features_from builds them)"},
+    {"spec_with", (PyCFunction)(void (*)(void))core_spec_with, METH_FASTCALL,
+     "spec_with(spec, data) -> spec.with_data(data), or None (declined: FeatureSpec.with_data "
+     "builds it)"},
     {NULL, NULL, 0, NULL},
 };

@@ -40,7 +40,7 @@ from typing import Any
 
 from ._group import shard_identity
 from ._layout import LAYOUT_VERSION, SHM_DIR, group_word
-from ._receiver_request import ReceiverRequest, genuine, single_item
+from ._receiver_request import ReceiverRequest, genuine, new_spec, single_item
 from ._request import (
     DEFAULT_INLINE_THRESHOLD,
     RequestCounters,
@@ -404,7 +404,7 @@ class GroupReceiverRequest:
             if isinstance(part, list):
                 for j, i in enumerate(items):
                     data[i] = part[j].data
-        out = [f.with_data(d) for f, d in zip(self._features, data)]
+        out = [new_spec(f, d) for f, d in zip(self._features, data)]
         if (self._gone or stale) and not self._copy:
             for sub in leased:  # no lease will follow: settle the views read so far now
                 with contextlib.suppress(Exception):

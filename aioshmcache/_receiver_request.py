@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any, Final, cast
 
+from ._core_api import core
 from ._read_path import ReadPath
 from ._reader_table import ReaderSlot
 from ._request import (
@@ -28,9 +29,18 @@ from ._store_reader import StoreReader
 from ._types import FeatureSpec, ShmRef
 from .errors import CacheMissError, InvalidReferenceError, ShmCacheError, StaleReferenceError
 
-__all__ = ["ReceiverRequest", "genuine", "read_one", "read_one_feature", "single_item"]
+__all__ = [
+    "ReceiverRequest",
+    "genuine",
+    "new_spec",
+    "read_one",
+    "read_one_feature",
+    "single_item",
+]
 
 _NO_OWED: Final = cast("dict[int, ShmRef]", MappingProxyType({}))
+#: ``FeatureSpec.with_data`` in one core call, which may decline (the pure core's always does)
+_spec_with = core.spec_with
 
 
 class ReceiverRequest(_Steps):
@@ -315,7 +325,7 @@ class ReceiverRequest(_Steps):
 
     def finish(self) -> list[FeatureSpec]:
         """New specs with the items read; ``CacheMissError`` lists the stale ones, if any."""
-        out = [f.with_data(d) for f, d in zip(self._specs(), self._results)]
+        out = [new_spec(f, d) for f, d in zip(self._specs(), self._results)]
         with self._lock:
             if self._settled:
                 raise RuntimeError("request already finished or rolled back")
@@ -417,7 +427,13 @@ def read_one_feature(
     if value is None:
         return None
     counters.hit()
-    return [f.with_data(value)]
+    return [_spec_with(f, value) or f.with_data(value)]  # ``new_spec``, without its frame
+
+
+def new_spec(f: FeatureSpec, data: Any) -> FeatureSpec:
+    """``f.with_data(data)``: in one core call (``spec_with``, ~1k instructions less), else by
+    ``FeatureSpec.with_data`` (a subclass, the pure core)."""
+    return _spec_with(f, data) or f.with_data(data)
 
 
 def _read_failed(

@@ -397,6 +397,28 @@ def test_the_cores_new_specs_are_the_reference_s(
         assert got == expected
 
 
+@pytest.mark.skipif(C is None, reason="the C core is not built here")
+@settings(max_examples=200, deadline=None)
+@given(SPECS, DATA)
+def test_the_cores_spec_with_data_is_the_reference_s(
+    desc: list[tuple[str, str, str]], data: str
+) -> None:
+    """``spec_with`` against ``FeatureSpec.with_data``: exactly a ``FeatureSpec`` with the
+    spec's hash, identifier and updates (as they are, unconverted) and the new data; declined
+    for a subclass or what is not a spec (the reference then builds, or fails alike)."""
+    assert C is not None
+    new = _data(data)
+    for f in _build(desc):
+        got = C.spec_with(f, new)
+        if type(f) is not FeatureSpec:
+            assert got is None
+            continue
+        want = f.with_data(new)
+        assert type(got) is FeatureSpec and got == want
+        assert got.data is new and got.prompt_updates is f.prompt_updates
+        assert got.mm_hash is f.mm_hash and got.identifier is f.identifier
+
+
 @pytest.mark.parametrize("pure", [False, True])
 @pytest.mark.parametrize("delay", [0, 0.0002, 0.001, 0.005])
 async def test_a_cancelled_request_gives_back_what_its_compiled_misses_took(
