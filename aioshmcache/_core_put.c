@@ -1222,6 +1222,7 @@ typedef struct {
     int64_t nfree;                  /* chunks freed from the head: numbers headk .. headk+nfree-1 */
     int64_t head, tail, lap, limit, used, head_pos; /* the ring after the frees and any wrap */
     PyObject *ev, *marked, *keys, *index, *rows, *on_evict; /* the eviction's, when nfree > 0 */
+    PyObject *dropped; /* the evicted keys' prompt updates, released once the put is done */
 } Room;
 
 static void
@@ -1233,7 +1234,10 @@ room_clear(Room *r)
     Py_CLEAR(r->index);
     Py_CLEAR(r->rows);
     Py_CLEAR(r->on_evict);
+    Py_CLEAR(r->dropped); /* last: a value's own code (``__del__``) runs after the put */
 }
+
+static int is_forget(PyObject *on_evict);
 
 /* ``key = keys.get(cid)`` and ``index.get(key) == cid`` (``Eviction._is_marked``'s second half):
  * 1 if so, 0 if not, -1 on error. */
@@ -1407,6 +1411,8 @@ plan_room(PyObject *store, PyObject *ring, Room *r, int64_t nbytes, int64_t size
         if (!fits)
             goto out;
         r->nfree = k - headk;
+        if (r->nfree && r->on_evict != Py_None && !is_forget(r->on_evict))
+            goto out; /* another ``on_evict``: Python code amid the frees, the reference's */
         if (r->nfree) { /* ``_publish_head`` */
             r->head = k;
             if (end != k) {
@@ -1498,27 +1504,45 @@ find_forget(void)
     Py_XDECREF(func), Py_XDECREF(map), Py_XDECREF(pu);
 }
 
-/* ``on_evict(key)``: when it is the sender's own ``SenderBook.forget`` (a bound method of that
- * very function) and the book's ``prompt_updates`` a ``ShardedMap``, its one step inline,
- * ``prompt_updates.pop(key, None)`` (a call costs more than the step); else the call.
+/* Whether ``on_evict`` is the sender's own ``SenderBook.forget`` (a bound method of that very
+ * function): the one hook the eviction pass runs inline; any other is Python code that could
+ * change the store amid the frees, and the pass declines it (``plan_room``). */
+static int
+is_forget(PyObject *on_evict)
+{
+    if (!PyMethod_Check(on_evict))
+        return 0;
+    if (forget_func == NULL)
+        find_forget();
+    return forget_func != NULL && PyMethod_GET_FUNCTION(on_evict) == forget_func;
+}
+
+/* ``on_evict(key)`` of the sender's own ``SenderBook.forget`` (``is_forget``) whose book's
+ * ``prompt_updates`` is a ``ShardedMap``: its one step inline, ``prompt_updates.pop(key,
+ * None)`` (a call costs more than the step), the value kept in ``r->dropped`` until the put is
+ * done (its last reference may be one whose ``__del__`` is Python code); else the call.
  * 0, or -1 with an error. */
 static int
-evict_hook(PyObject *on_evict, PyObject *key)
+evict_hook(PyObject *on_evict, PyObject *key, Room *r)
 {
-    if (PyMethod_Check(on_evict)) {
-        if (forget_func == NULL)
-            find_forget();
-        if (forget_func != NULL && PyMethod_GET_FUNCTION(on_evict) == forget_func) {
-            PyObject *pu = fast_getattr(PyMethod_GET_SELF(on_evict), s_book_updates);
-            if (pu == NULL)
-                return -1;
-            if (Py_IS_TYPE(pu, (PyTypeObject *)sharded_map_type)) {
-                int rc = map_discard(pu, key, NULL);
-                Py_DECREF(pu);
-                return rc;
-            }
+    if (is_forget(on_evict)) {
+        PyObject *pu = fast_getattr(PyMethod_GET_SELF(on_evict), s_book_updates);
+        if (pu == NULL)
+            return -1;
+        if (Py_IS_TYPE(pu, (PyTypeObject *)sharded_map_type)) {
+            PyObject *v = NULL;
+            int rc = map_discard(pu, key, &v);
             Py_DECREF(pu);
+            if (rc == 0 && v != NULL) {
+                if (r->dropped == NULL && (r->dropped = PyList_New(0)) == NULL)
+                    rc = -1;
+                else if (PyList_Append(r->dropped, v) < 0)
+                    rc = -1;
+            }
+            Py_XDECREF(v);
+            return rc;
         }
+        Py_DECREF(pu);
     }
     PyObject *res = PyObject_CallOneArg(on_evict, key);
     Py_XDECREF(res);
@@ -1579,7 +1603,7 @@ apply_frees(PyObject *ring, Room *r, uint64_t *ringw, volatile uint64_t *hw, int
                     if (map_count_add(r->index, -1, NULL) < 0 ||
                         set_i64(r->ev, s_evictions, ++evictions) < 0)
                         same = -1;
-                    else if (r->on_evict != Py_None && evict_hook(r->on_evict, key) < 0)
+                    else if (r->on_evict != Py_None && evict_hook(r->on_evict, key, r) < 0)
                         same = -1;
                 }
             }
@@ -1594,6 +1618,30 @@ apply_frees(PyObject *ring, Room *r, uint64_t *ringw, volatile uint64_t *hw, int
     if (evictions != before)
         STORE_WORD(&hw[ev_h_evictions], (uint64_t)evictions);
     return 0;
+}
+
+/* 1 if the ring's counters are not these any more (Python code ran since they were read), 0 if
+ * they are, -1 on error. */
+static int
+ring_changed(PyObject *ring, int64_t tail, int64_t limit, int64_t end, int64_t head, int64_t lap,
+             int64_t used)
+{
+    int64_t v[6];
+    if (IS_RING_STATE(ring)) {
+        AioshmRingState *rs = (AioshmRingState *)ring;
+        v[0] = rs->tail, v[1] = rs->limit, v[2] = rs->end, v[3] = rs->head, v[4] = rs->lap;
+        v[5] = rs->used;
+    }
+    else {
+        PyObject *names[6] = {s_tail, s_limit, s_end, s_head, s_lap, s_used};
+        for (int i = 0; i < 6; i++) {
+            int rc = get_i64(ring, names[i], &v[i]);
+            if (rc != 0)
+                return rc;
+        }
+    }
+    return v[0] != tail || v[1] != limit || v[2] != end || v[3] != head || v[4] != lap ||
+           v[5] != used;
 }
 
 static PyObject *put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index,
@@ -1753,9 +1801,19 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
         if (addrs[k & mask] < 0 || addrs[k & mask] % 64 || addrs[k & mask] + CHUNK_HEADER > cap)
             DECLINE();
     room = (Room){.head = headk, .tail = tail, .lap = lap, .limit = limit, .used = used};
-    if (tail + size > limit) /* a wrap, or no room: the eviction pass, planned (or declined) */
+    if (tail + size > limit) { /* a wrap, or no room: the eviction pass, planned (or declined) */
         CHECK(plan_room(store, ring, &room, nbytes, size, cap, tail, limit, headk, end, lap, used,
                         mask, addrs, ids, held.col[4].buf, held.col[3].buf));
+        /* The pass drains the readers' logs first: Python code, and any allocation in it can
+         * start a collection whose finalizers run anything (a put, an eviction, a close). What
+         * was read before it is read again, and anything changed declines to the reference,
+         * whose own drain then finds nothing new. */
+        CHECK(ring_changed(ring, tail, limit, end, headk, lap, used));
+        CHECK(attr_true(seg, s_closed));
+        CHECK(PyDict_Contains(pub.ishard, key));
+        CHECK(PyDict_Contains(pending, key));
+        CHECK(PySet_Contains(waiting, key));
+    }
     if (end - room.head > mask)
         DECLINE(); /* the columns must grow first */
     int64_t at_tail = room.tail;
@@ -2282,17 +2340,8 @@ hit_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key, PyObj
     NEED(words = fast_getattr(store, s_words));
     if (!PyLong_CheckExact(total) || !PyLong_CheckExact(hits))
         DECLINE();
-    if (item == Py_None) { /* ``book.prompt_updates.get(h, ())``, read before anything is done */
-        NEED(pu = fast_getattr(book, s_prompt_updates));
-        NEED(ushard = shard_of(pu, key));
-        updates = PyDict_GetItemWithError(ushard, key);
-        if (updates == NULL && PyErr_Occurred())
-            goto done;
-        updates = Py_NewRef(updates == NULL ? empty_tuple : updates);
-    }
-    else {
+    if (item != Py_None)
         updates = Py_NewRef(PyTuple_GET_ITEM(item, 1));
-    }
     /* ``store.hand_out(cid)``: the mark (``ev.mark(cid)``), the hand-out, the reference */
     int sc = attr_true(ev, s_second_chance);
     if (sc < 0)
@@ -2313,7 +2362,24 @@ hit_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key, PyObj
         Py_SETREF(ref, PyObject_CallMethodObjArgs(store, s_ref, cid_obj, seq, NULL));
         NEED(ref);
     }
-    /* from here an error gives the hand-out back */
+    /* From here an error gives the hand-out back. The hand-out may have run Python code (the
+     * ledger's clock, the drain, a finalizer of a collection started by an allocation), as the
+     * reference's does: what the reference reads after it is read only now, the kept updates
+     * (``book.prompt_updates.get(h, ())``) and the counters. */
+    if (item == Py_None) {
+        if ((pu = fast_getattr(book, s_prompt_updates)) == NULL ||
+            (ushard = shard_of(pu, key)) == NULL)
+            goto undo;
+        updates = PyDict_GetItemWithError(ushard, key);
+        if (updates == NULL && PyErr_Occurred())
+            goto undo;
+        updates = Py_NewRef(updates == NULL ? empty_tuple : updates);
+    }
+    Py_CLEAR(total);
+    Py_CLEAR(hits);
+    if ((total = fast_getattr(counters, s_total)) == NULL ||
+        (hits = fast_getattr(counters, s_hits)) == NULL)
+        goto undo;
     if (item == Py_None &&
         (!PyTuple_CheckExact(updates) ||
          (PyTuple_GET_SIZE(updates) && PyTuple_GET_ITEM(updates, 0) == kept_marker))) {
@@ -2431,7 +2497,14 @@ put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
     }
     if (ref == Py_None)
         DECLINE(); /* no room (eviction), or anything else put_plain leaves to the reference */
-    /* the put is made: ``book.count_miss()`` and ``book.keep_updates(h, updates)`` */
+    /* the put is made: ``book.count_miss()`` and ``book.keep_updates(h, updates)``, the
+     * counters read again (the put may have run Python code that counted too: its drain, its
+     * hand-out's clock, a finalizer) */
+    Py_CLEAR(total);
+    Py_CLEAR(hits);
+    if ((total = fast_getattr(counters, s_total)) == NULL ||
+        (hits = fast_getattr(counters, s_hits)) == NULL)
+        goto undo;
     int64_t t, h, t1, m;
     if (as_i64(total, &t) == 0 && as_i64(hits, &h) == 0 && !__builtin_add_overflow(t, 1, &t1) &&
         !__builtin_sub_overflow(t1, h, &m)) { /* the usual counts: no generic int arithmetic */
@@ -2456,7 +2529,7 @@ put_item_locked(PyObject *store, PyObject *book, PyObject *item, PyObject *key,
     if (result == NULL)
         goto undo;
     goto done;
-undo: /* only a failed allocation gets here */
+undo: /* a failed allocation, or a counter gone meanwhile */
     give_back(store, ref);
 done:
     Py_XDECREF(index), Py_XDECREF(shard), Py_XDECREF(tl), Py_XDECREF(sizes);
