@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 
+from ._core_api import core
 from ._layout import RS_HEAD, RS_PID, RS_SESSION, RS_START, WS_CONSUMED, WS_OWED, WS_REVOKED
 from ._ledger import Debts, HandoutLedger
 from ._reader_table import ReaderTable, SlotState
@@ -23,6 +24,10 @@ __all__ = ["Acknowledgements"]
 log = logging.getLogger("aioshmcache")
 
 _NOBODY: tuple[int, ...] = ()  # the owers of a one-of-N hand-out
+
+#: the drain in the compiled core, or None where it leaves it to the reference (the pure core
+#: always does)
+_drain_logs = core.drain_logs
 
 
 class Acknowledgements:
@@ -109,7 +114,14 @@ class Acknowledgements:
                 t.set_word(slot, WS_OWED, max(0, owed.get(st.session, 0)))
 
     def drain(self) -> int:
-        """Apply every acknowledgement written since the last drain; returns how many."""
+        """Apply every acknowledgement written since the last drain; returns how many.
+
+        The compiled core drains in one call when no slot's session changed and every log is
+        sane (``drain_logs``); the loop below is the reference, and runs for everything else.
+        """
+        n = _drain_logs(self)
+        if n is not None:
+            return n
         t = self._readers
         n_total = 0
         self._undrained = 0

@@ -119,7 +119,7 @@ static PyObject *s_tail, *s_limit, *s_end, *s_head, *s_mask, *s_addr, *s_size, *
 static PyObject *s_state, *s_at, *s_at_mask, *s_lap, *s_used, *s_w, *s_hw, *s_closed, *s_forked;
 static PyObject *s_layout, *s_sources, *s_shards, *s_n, *s_map_mask, *s_pins;
 static PyObject *s_evict, *s_acks, *s_entries, *s_hints, *s_marked, *s_second_chance;
-static PyObject *s_evict_slack, *s_evictions, *s_on_evict, *s_capacity, *s_drain_name;
+static PyObject *s_evict_slack, *s_evictions, *s_on_evict, *s_capacity;
 
 static int
 intern_names(void)
@@ -139,7 +139,6 @@ intern_names(void)
         {&s_entries, "_entries"}, {&s_hints, "_hints"}, {&s_marked, "marked"},
         {&s_second_chance, "second_chance"}, {&s_evict_slack, "evict_slack"},
         {&s_evictions, "evictions"}, {&s_on_evict, "on_evict"}, {&s_capacity, "capacity"},
-        {&s_drain_name, "drain"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (*names[i].p == NULL && (*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL)
@@ -560,11 +559,15 @@ pub_chunk(Pub *p, uint64_t cid)
  * state is read and written through the offsets of their ``__slots__`` (each a plain object
  * slot, checked here), on objects of exactly those types: an attribute look-up costs ~170
  * instructions, a slot a few, and a hand-out makes about twenty. */
-static PyObject *hand_out_func, *acks_type, *ledger_type, *debts_type, *empty_tuple, *py_zero;
-static PyObject *s_sessions_v, *s_owed_words, *s_log_entries, *s_drain;
+static PyObject *drain_func, *hand_out_func, *acks_type, *ledger_type, *debts_type, *slot_state_type;
+static PyObject *empty_tuple, *py_zero;
+static PyObject *s_sessions_v, *s_owed_words, *s_log_entries, *s_drain, *s_all, *s_stride;
+static PyObject *s_settle_from, *s_publish_owed;
 static Py_ssize_t o_a_ledger, o_a_readers, o_a_known, o_a_live, o_a_live_slots, o_a_undrained;
-static Py_ssize_t o_a_one_of_n, o_l_one_of_n, o_l_entries, o_l_owed, o_l_next_seq, o_l_clock;
+static Py_ssize_t o_a_one_of_n, o_a_slots, o_l_one_of_n, o_l_entries, o_l_owed, o_l_next_seq;
+static Py_ssize_t o_l_clock, o_l_progress;
 static Py_ssize_t o_d_id, o_d_out, o_d_out_time, o_d_debt, o_d_pins, o_d_touched;
+static Py_ssize_t o_s_session, o_s_cursor, o_s_alive;
 
 #define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
 
@@ -611,13 +614,15 @@ slot_set(PyObject *obj, Py_ssize_t off, PyObject *v)
 static PyObject *
 core_configure_hand_out(PyObject *self, PyObject *args)
 {
-    PyObject *a, *l, *d;
-    if (!PyArg_ParseTuple(args, "O!O!O!:configure_hand_out", &PyType_Type, &a, &PyType_Type, &l,
-                          &PyType_Type, &d))
+    PyObject *a, *l, *d, *st;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!:configure_hand_out", &PyType_Type, &a, &PyType_Type,
+                          &l, &PyType_Type, &d, &PyType_Type, &st))
         return NULL;
     struct { PyObject **p; const char *s; } names[] = {
         {&s_sessions_v, "_sessions"}, {&s_owed_words, "owed_words"},
-        {&s_log_entries, "log_entries"}, {&s_drain, "drain"},
+        {&s_log_entries, "log_entries"}, {&s_drain, "drain"}, {&s_all, "_all"},
+        {&s_stride, "_stride"}, {&s_settle_from, "settle_from"},
+        {&s_publish_owed, "publish_owed"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (*names[i].p == NULL && (*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL)
@@ -630,11 +635,13 @@ core_configure_hand_out(PyObject *self, PyObject *args)
         {&o_a_ledger, a, "_ledger"}, {&o_a_readers, a, "_readers"},
         {&o_a_known, a, "_known_sessions"}, {&o_a_live, a, "live_sessions"},
         {&o_a_live_slots, a, "live_slots"}, {&o_a_undrained, a, "_undrained"},
-        {&o_a_one_of_n, a, "one_of_n"}, {&o_l_one_of_n, l, "one_of_n"},
-        {&o_l_entries, l, "entries"}, {&o_l_owed, l, "owed"}, {&o_l_next_seq, l, "next_seq"},
-        {&o_l_clock, l, "clock"}, {&o_d_id, d, "id"}, {&o_d_out, d, "out"},
+        {&o_a_one_of_n, a, "one_of_n"}, {&o_a_slots, a, "slots"},
+        {&o_l_one_of_n, l, "one_of_n"}, {&o_l_entries, l, "entries"}, {&o_l_owed, l, "owed"},
+        {&o_l_next_seq, l, "next_seq"}, {&o_l_clock, l, "clock"},
+        {&o_l_progress, l, "_progress"}, {&o_d_id, d, "id"}, {&o_d_out, d, "out"},
         {&o_d_out_time, d, "out_time"}, {&o_d_debt, d, "debt"}, {&o_d_pins, d, "pins"},
-        {&o_d_touched, d, "touched_at"},
+        {&o_d_touched, d, "touched_at"}, {&o_s_session, st, "session"},
+        {&o_s_cursor, st, "cursor"}, {&o_s_alive, st, "alive"},
     };
     for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++)
         if ((*slots[i].p = slot_offset(slots[i].t, slots[i].s)) < 0)
@@ -643,10 +650,18 @@ core_configure_hand_out(PyObject *self, PyObject *args)
     if (f == NULL)
         return NULL;
     Py_XSETREF(hand_out_func, f);
-    Py_INCREF(a), Py_INCREF(l), Py_INCREF(d);
+    PyObject *dr = _PyType_Lookup((PyTypeObject *)a, s_drain); /* borrowed */
+    if (dr == NULL) {
+        PyErr_SetString(PyExc_TypeError, "the acknowledgements' class has no drain");
+        return NULL;
+    }
+    Py_INCREF(dr);
+    Py_XSETREF(drain_func, dr);
+    Py_INCREF(a), Py_INCREF(l), Py_INCREF(d), Py_INCREF(st);
     Py_XSETREF(acks_type, a);
     Py_XSETREF(ledger_type, l);
     Py_XSETREF(debts_type, d);
+    Py_XSETREF(slot_state_type, st);
     Py_RETURN_NONE;
 }
 
@@ -690,6 +705,8 @@ get_strided(PyObject *obj, PyObject *name, Py_buffer *view, int writable, int bo
  * their distinctness is checked pairwise; more are the reference's, whose cost is then the
  * sessions' own anyway. */
 #define MAX_LIVE 32
+
+static PyObject *call_drain(PyObject *acks); /* below, with the drain */
 
 /* The hand-out itself: a new reference to its seq, Py_None (declined) or NULL. */
 static PyObject *
@@ -919,7 +936,7 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         if (gc_off && gc_was) /* Python code again */
             PyGC_Enable();
         gc_off = 0;
-        PyObject *r = PyObject_CallMethodNoArgs(acks, s_drain);
+        PyObject *r = call_drain(acks);
         if (r == NULL)
             goto done;
         Py_DECREF(r);
@@ -969,24 +986,21 @@ core_hand_out(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
  * off for the call. (On Python 3.11 an allocation can start a collection, which can run
  * finalizers, and one of those could reach this ledger: a review made one release the very
  * hand-outs being settled, and the owers tuple read from ``out`` was freed under the loop.) */
-static PyObject *
-core_settle_pairs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static int
+settle_pairs(PyObject *ledger, PyObject *acks, PyObject *session, Py_ssize_t *settled_out,
+             Py_ssize_t *done_out)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "settle_pairs takes 3 arguments (ledger, acks, session)");
-        return NULL;
-    }
-    PyObject *ledger = args[0], *acks = args[1], *session = args[2];
     Py_ssize_t k = 0, settled = 0;
+    *settled_out = *done_out = 0;
     if (debts_type == NULL || (PyObject *)Py_TYPE(ledger) != ledger_type ||
         !PyList_CheckExact(acks) || PyList_GET_SIZE(acks) % 2 || !PyLong_CheckExact(session))
-        return Py_BuildValue("(nn)", settled, k);
+        return 0;
     PyObject *entries = SLOT(ledger, o_l_entries), *owed = SLOT(ledger, o_l_owed);
     if (entries == NULL || owed == NULL || !PyDict_CheckExact(entries) || !PyDict_CheckExact(owed))
-        return Py_BuildValue("(nn)", settled, k);
+        return 0;
     Py_INCREF(entries), Py_INCREF(owed);
-    int gc_was = PyGC_Disable();
-    PyObject *result = NULL, *e = NULL;
+    int gc_was = PyGC_Disable(), result = -1;
+    PyObject *e = NULL;
     for (; k < PyList_GET_SIZE(acks); k += 2) {
         PyObject *cid = PyList_GET_ITEM(acks, k), *seq = PyList_GET_ITEM(acks, k + 1);
         if (!PyLong_CheckExact(cid) || !PyLong_CheckExact(seq))
@@ -1091,13 +1105,305 @@ core_settle_pairs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             PyDict_DelItem(entries, cid) < 0) /* ``_retire``: idle, no longer tracked */
             goto done;
     }
-    result = Py_BuildValue("(nn)", settled, k);
+    *settled_out = settled, *done_out = k;
+    result = 0;
 done:
     Py_XDECREF(e);
     Py_DECREF(entries), Py_DECREF(owed);
     if (gc_was)
         PyGC_Enable();
     return result;
+}
+
+static PyObject *
+core_settle_pairs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "settle_pairs takes 3 arguments (ledger, acks, session)");
+        return NULL;
+    }
+    Py_ssize_t settled, done;
+    if (settle_pairs(args[0], args[1], args[2], &settled, &done) < 0)
+        return NULL;
+    return Py_BuildValue("(nn)", settled, done);
+}
+
+/* ``settle_all(pairs, session)`` as a drain calls it, ``top`` the highest seq of the pairs: the
+ * ledger's clock read once, the session's progress recorded, then the pairs settled
+ * (``settle_pairs``, then ``settle_from`` where it stopped). 0, or -1 with an exception. */
+static int
+settle_logged(PyObject *ledger, PyObject *pairs, PyObject *session, uint64_t top)
+{
+    PyObject *clock = NULL, *now = NULL, *progress = NULL, *top_obj = NULL, *record = NULL;
+    int rc = -1;
+    if (slot_get(ledger, o_l_clock, &clock) != 0) {
+        PyErr_SetString(PyExc_AttributeError, "the ledger has no clock");
+        goto done;
+    }
+    if ((now = PyObject_CallNoArgs(clock)) == NULL)
+        goto done;
+    if (slot_get(ledger, o_l_progress, &progress) != 0 || !PyDict_CheckExact(progress)) {
+        PyErr_SetString(PyExc_TypeError, "the ledger's progress is not a dict");
+        goto done;
+    }
+    if ((top_obj = PyLong_FromUnsignedLongLong(top)) == NULL)
+        goto done;
+    PyObject *best = top_obj, *prev = PyDict_GetItemWithError(progress, session), *p0 = NULL;
+    if (prev == NULL && PyErr_Occurred())
+        goto done;
+    if (prev != NULL) { /* ``max(top, prev[0])`` */
+        Py_INCREF(prev);
+        p0 = PySequence_GetItem(prev, 0);
+        Py_DECREF(prev);
+        if (p0 == NULL)
+            goto done;
+        int gt = PyObject_RichCompareBool(p0, top_obj, Py_GT);
+        if (gt < 0) {
+            Py_DECREF(p0);
+            goto done;
+        }
+        if (gt)
+            best = p0;
+    }
+    record = PyTuple_Pack(2, best, now);
+    Py_XDECREF(p0);
+    if (record == NULL || PyDict_SetItem(progress, session, record) < 0)
+        goto done;
+    Py_ssize_t settled, k;
+    if (settle_pairs(ledger, pairs, session, &settled, &k) < 0)
+        goto done;
+    if (k < PyList_GET_SIZE(pairs)) { /* the reference goes on from there */
+        PyObject *start = PyLong_FromSsize_t(k);
+        if (start == NULL)
+            goto done;
+        PyObject *r = PyObject_CallMethodObjArgs(ledger, s_settle_from, pairs, session, start,
+                                                 NULL);
+        Py_DECREF(start);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    rc = 0;
+done:
+    Py_XDECREF(clock), Py_XDECREF(now), Py_XDECREF(progress), Py_XDECREF(top_obj);
+    Py_XDECREF(record);
+    return rc;
+}
+
+/* One slot of a drain (``st``, its cursor ``cursor`` < its head ``head``, its words ``w``):
+ * its new pairs settled if its reader may settle (one-of-N, or a live session), then its
+ * cursor and ``WS_CONSUMED`` moved to the head, unless Python code run by the settlement took
+ * the slot meanwhile. 0, or -1 with an exception. */
+static int
+drain_slot(PyObject *ledger, PyObject *st, PyObject *cursor, uint64_t head, uint64_t *w,
+           int64_t log_entries, int one_of_n)
+{
+    uint64_t cur = u64_of(cursor), n = head - cur;
+    PyObject *session = SLOT(st, o_s_session);
+    if (session != NULL && (one_of_n || SLOT(st, o_s_alive) == Py_True)) {
+        PyObject *pairs = PyList_New(2 * (Py_ssize_t)n);
+        if (pairs == NULL)
+            return -1;
+        const uint64_t *log = w + SLOT_HEADER / 8; /* entry k: words 2k (id) and 2k + 1 (seq) */
+        uint64_t top = 0;
+        for (uint64_t j = 0; j < n; j++) {
+            uint64_t at = (cur + j) % (uint64_t)log_entries;
+            uint64_t seq = log[2 * at + 1];
+            PyObject *c = PyLong_FromUnsignedLongLong(log[2 * at]);
+            PyObject *q = c == NULL ? NULL : PyLong_FromUnsignedLongLong(seq);
+            if (q == NULL) {
+                Py_XDECREF(c);
+                Py_DECREF(pairs);
+                return -1;
+            }
+            PyList_SET_ITEM(pairs, 2 * j, c);
+            PyList_SET_ITEM(pairs, 2 * j + 1, q);
+            top = seq > top ? seq : top;
+        }
+        Py_INCREF(session);
+        int rc = settle_logged(ledger, pairs, session, top);
+        Py_DECREF(session);
+        Py_DECREF(pairs);
+        if (rc < 0)
+            return -1;
+        if (SLOT(st, o_s_cursor) != cursor)
+            return 0; /* taken by Python code meanwhile */
+    }
+    PyObject *h = PyLong_FromUnsignedLongLong(head);
+    if (h == NULL)
+        return -1;
+    slot_set(st, o_s_cursor, h);
+    Py_DECREF(h);
+    STORE_WORD(w + WS_CONSUMED, head);
+    return 0;
+}
+
+/* ``publish_owed``: each slot's debt, ``max(0, owed.get(session, 0))``, in its ``WS_OWED`` word
+ * (of ``rows`` slots mapped); the method (the reference) for anything not a plain count. */
+static int
+publish_owed(PyObject *acks, PyObject *ledger, PyObject *slots, uint64_t *words, int64_t stride,
+             Py_ssize_t rows)
+{
+    PyObject *owed = SLOT(ledger, o_l_owed);
+    Py_ssize_t n = PyList_GET_SIZE(slots);
+    int plain = owed != NULL && PyDict_CheckExact(owed) && n <= rows;
+    for (Py_ssize_t i = 0; plain && i < n; i++) {
+        PyObject *st = PyList_GET_ITEM(slots, i), *s;
+        if ((PyObject *)Py_TYPE(st) != slot_state_type || (s = SLOT(st, o_s_session)) == NULL ||
+            !PyLong_CheckExact(s)) {
+            plain = 0;
+            break;
+        }
+        if (Py_SIZE(s) == 0)
+            continue; /* a free slot */
+        PyObject *o = PyDict_GetItemWithError(owed, s); /* ints: no Python code */
+        int64_t v = 0;
+        if (o == NULL && PyErr_Occurred())
+            return -1;
+        if (o != NULL && as_i64(o, &v) != 0) {
+            PyErr_Clear();
+            plain = 0;
+            break;
+        }
+        STORE_WORD(words + i * stride + WS_OWED, v > 0 ? v : 0);
+    }
+    if (plain)
+        return 0;
+    PyObject *r = PyObject_CallMethodNoArgs(acks, s_publish_owed);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* --- the drain (``Acknowledgements.drain``, the reference) ------------------------------------
+ * ``drain_logs(acks)``: the writer's usual drain of the readers' acknowledgement logs, when every
+ * slot's session is the one the writer knows (no attach, close or replacement to sync) and
+ * every log holds between 0 and ``log_entries`` new entries. For each slot with new entries, in
+ * slot order: its ``(cid, seq)`` pairs read into one flat list; if the slot's reader may settle
+ * (one-of-N, or a live broadcast session) the ledger's clock read, the session's progress
+ * recorded and the pairs settled (``settle_pairs``, then ``HandoutLedger.settle_from`` from
+ * where it stopped: ``settle_all``); then the slot's cursor and ``WS_CONSUMED`` word moved to
+ * its head. Then each session's debt published (``publish_owed``). Returns how many entries it
+ * read; None, before any side effect, for anything else (the reference runs).
+ *
+ * The clock and ``settle_from`` may be Python code. The reader table stays mapped meanwhile
+ * (this holds a buffer of it), the collector is off (no finalizer runs), and each slot is
+ * taken only if its cursor is still the one read first. */
+static PyObject *
+drain_logs(PyObject *acks)
+{
+    PyObject *result = NULL, *ledger = NULL, *readers = NULL, *known = NULL, *slots = NULL;
+    PyObject *cursors[256];
+    uint64_t heads[256];
+    Py_buffer all;
+    int has_all = 0, gc_was = 0, gc_off = 0;
+    Py_ssize_t n_slots = 0, n_cursors = 0;
+    int64_t stride, log_entries;
+    /* --- every check, no side effect --- */
+    if (slot_state_type == NULL || (PyObject *)Py_TYPE(acks) != acks_type)
+        DECLINE();
+    CHECK(slot_get(acks, o_a_ledger, &ledger));
+    CHECK(slot_get(acks, o_a_readers, &readers));
+    CHECK(slot_get(acks, o_a_known, &known));
+    CHECK(slot_get(acks, o_a_slots, &slots));
+    PyObject *one_of_n = SLOT(acks, o_a_one_of_n);
+    if ((PyObject *)Py_TYPE(ledger) != ledger_type || !PyList_CheckExact(known) ||
+        !PyList_CheckExact(slots) || (one_of_n != Py_True && one_of_n != Py_False))
+        DECLINE();
+    n_slots = PyList_GET_SIZE(slots);
+    if (n_slots > 256 || PyList_GET_SIZE(known) != n_slots)
+        DECLINE();
+    CHECK(get_i64(readers, s_stride, &stride));
+    CHECK(get_i64(readers, s_log_entries, &log_entries));
+    CHECK(get_strided(readers, s_all, &all, 1, 0)); /* held: the table stays mapped */
+    has_all = 1;
+    if (all.strides[0] != 8 || stride < SLOT_HEADER / 8 || log_entries < 1 ||
+        log_entries > (stride - SLOT_HEADER / 8) / 2 || all.shape[0] / stride < n_slots)
+        DECLINE();
+    uint64_t *words = (uint64_t *)all.buf;
+    int any = 0;
+    for (Py_ssize_t i = 0; i < n_slots; i++) {
+        PyObject *st = PyList_GET_ITEM(slots, i), *k = PyList_GET_ITEM(known, i);
+        if ((PyObject *)Py_TYPE(st) != slot_state_type || !PyLong_CheckExact(k))
+            DECLINE();
+        PyObject *session = SLOT(st, o_s_session), *cursor = SLOT(st, o_s_cursor);
+        PyObject *alive = SLOT(st, o_s_alive);
+        if (session == NULL || cursor == NULL || !PyLong_CheckExact(session) ||
+            !PyLong_CheckExact(cursor) || (alive != Py_True && alive != Py_False))
+            DECLINE();
+        uint64_t *w = words + i * stride;
+        /* the session around the head, as the reference reads them: a slot claimed or closed
+         * meanwhile is the reference's */
+        uint64_t s0 = __atomic_load_n(w + RS_SESSION, __ATOMIC_ACQUIRE);
+        uint64_t head = __atomic_load_n(w + RS_HEAD, __ATOMIC_ACQUIRE);
+        uint64_t s1 = __atomic_load_n(w + RS_SESSION, __ATOMIC_ACQUIRE);
+        uint64_t kv = u64_of(k), sv = u64_of(session), cur = u64_of(cursor);
+        if (PyErr_Occurred()) { /* a word out of range: not this core's case */
+            PyErr_Clear();
+            DECLINE();
+        }
+        if (s0 != s1 || s0 != kv || s0 != sv || head < cur ||
+            head - cur > (uint64_t)log_entries)
+            DECLINE(); /* a session to sync, or a corrupted log: the reference */
+        heads[i] = head;
+        cursors[i] = cursor;
+        any |= head != cur;
+    }
+    for (Py_ssize_t i = 0; i < n_slots; i++)
+        Py_INCREF(cursors[i]);
+    n_cursors = n_slots;
+    /* --- side effects, in the reference's order --- */
+    slot_set(acks, o_a_undrained, py_zero);
+    if (!any) {
+        result = PyLong_FromLong(0);
+        goto done;
+    }
+    gc_was = PyGC_Disable(), gc_off = 1;
+    uint64_t n_total = 0;
+    for (Py_ssize_t i = 0; i < n_slots && i < PyList_GET_SIZE(slots); i++) {
+        PyObject *st = PyList_GET_ITEM(slots, i);
+        if ((PyObject *)Py_TYPE(st) != slot_state_type || SLOT(st, o_s_cursor) != cursors[i] ||
+            heads[i] == u64_of(cursors[i]))
+            continue; /* nothing new, or the slot changed meanwhile (Python code took it) */
+        Py_INCREF(st);
+        int rc = drain_slot(ledger, st, cursors[i], heads[i], words + i * stride, log_entries,
+                            one_of_n == Py_True);
+        Py_DECREF(st);
+        if (rc < 0)
+            goto done;
+        n_total += heads[i] - u64_of(cursors[i]);
+    }
+    if (publish_owed(acks, ledger, slots, words, stride, all.shape[0] / stride) < 0)
+        goto done;
+    result = PyLong_FromUnsignedLongLong(n_total);
+done:
+    if (gc_off && gc_was)
+        PyGC_Enable();
+    if (has_all)
+        PyBuffer_Release(&all);
+    for (Py_ssize_t i = 0; i < n_cursors; i++)
+        Py_DECREF(cursors[i]);
+    Py_XDECREF(ledger), Py_XDECREF(readers), Py_XDECREF(known), Py_XDECREF(slots);
+    return result;
+}
+
+/* ``acks.drain()``: the compiled drain, or the method where it declines (and always a method
+ * that is not the reference's, e.g. a test's). A new reference to the count, or NULL. */
+static PyObject *
+call_drain(PyObject *acks)
+{
+    if (drain_func != NULL && _PyType_Lookup(Py_TYPE(acks), s_drain) == drain_func) {
+        PyObject *r = drain_logs(acks);
+        if (r != Py_None)
+            return r;
+        Py_DECREF(r);
+    }
+    return PyObject_CallMethodNoArgs(acks, s_drain);
+}
+
+static PyObject *
+core_drain_logs(PyObject *self, PyObject *acks)
+{
+    return drain_logs(acks);
 }
 
 /* The store's hand-out step of chunk ``cid``: the compiled one when the store's
@@ -1327,7 +1633,7 @@ plan_room(PyObject *store, PyObject *ring, Room *r, int64_t nbytes, int64_t size
         if (guarded != Py_None && !PyDict_CheckExact(guarded))
             goto out;
         /* the reference's first step: the readers' acknowledgements applied */
-        PyObject *d = PyObject_CallMethodNoArgs(acks, s_drain_name);
+        PyObject *d = call_drain(acks);
         if (d == NULL) {
             rc = -1;
             goto out;
@@ -2606,8 +2912,12 @@ PyMethodDef aioshm_put_methods[] = {
     {"settle_pairs", (PyCFunction)(void (*)(void))core_settle_pairs, METH_FASTCALL,
      "settle_pairs(ledger, acks, session) -> (settled, done): settle_all's loop, as far as it "
      "goes (the reference goes on from done)"},
+    {"drain_logs", core_drain_logs, METH_O,
+     "drain_logs(acks) -> how many acknowledgements the writer's usual drain read, or None "
+     "(declined before any side effect: the reference runs)"},
     {"configure_hand_out", core_configure_hand_out, METH_VARARGS,
-     "configure_hand_out(Acknowledgements, HandoutLedger, Debts): the classes hand_out knows"},
+     "configure_hand_out(Acknowledgements, HandoutLedger, Debts, SlotState): the classes "
+     "hand_out and drain_logs know"},
     {"configure", core_configure, METH_VARARGS,
      "configure(ShmRef, plan type, serde type): the types put_plain recognises"},
     {"configure_evict", core_configure_evict, METH_VARARGS,

@@ -38,6 +38,7 @@ __all__ = [
     "configure_specs",
     "copy_info",
     "copy_into",
+    "drain_logs",
     "finish_tag",
     "hand_out",
     "loop_turned",
@@ -211,9 +212,12 @@ def configure(ref_type: type, plan_type: type, serde_type: type) -> None:
         raise TypeError("the reference type must be a tuple subclass")
 
 
-def configure_hand_out(acks_type: type, ledger_type: type, debts_type: type) -> None:
-    """Name the classes whose state the C core's :func:`hand_out` reads and writes
-    (``Acknowledgements``, ``HandoutLedger``, ``Debts``; nothing here)."""
+def configure_hand_out(
+    acks_type: type, ledger_type: type, debts_type: type, slot_state_type: type
+) -> None:
+    """Name the classes whose state the C core's :func:`hand_out` and :func:`drain_logs` read
+    and write (``Acknowledgements``, ``HandoutLedger``, ``Debts``, ``SlotState``; nothing
+    here)."""
 
 
 def configure_evict(evict_type: type, ahead_puts: int, slack_chunks: int, h_evictions: int) -> None:
@@ -246,6 +250,12 @@ def settle_pairs(ledger: object, acks: object, session: object) -> tuple[int, in
     (``(0, 0)``: nothing settled, no pair gone through), so the ledger's own loop settles
     every pair."""
     return 0, 0
+
+
+def drain_logs(acks: object) -> None:
+    """The writer's usual drain of the readers' logs, which may decline: here it always does
+    (``Acknowledgements.drain`` is the reference)."""
+    return None
 
 
 def put_plain(store: object, key: object, plan: object) -> None:

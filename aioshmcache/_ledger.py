@@ -229,6 +229,13 @@ class HandoutLedger:
         top = max(acks[1::2])
         self._progress[session] = (top if prev is None else max(top, prev[0]), now)
         settled, start = _settle_pairs(self, acks, session)
+        return settled + self.settle_from(acks, session, start)
+
+    def settle_from(self, acks: list[int], session: int, start: int) -> int:
+        """``settle_all``'s loop from pair ``acks[start]`` on, its clock and progress already
+        recorded: the reference, where the compiled core stopped (or did not start). Returns
+        how many of those pairs ``session`` owed."""
+        settled = 0
         entries, owed = self.entries, self.owed
         for k in range(start, len(acks), 2):
             cid, seq = acks[k], acks[k + 1]

@@ -27,6 +27,7 @@ from aioshmcache import (
     SenderCache,
     ShmObjectStore,
     ShmRef,
+    _acks,
     _core_py,
     _request,
     _serde,
@@ -37,6 +38,7 @@ from aioshmcache import _layout as L
 from aioshmcache._acks import Acknowledgements
 from aioshmcache._evict import EVICT_AHEAD_PUTS, EVICT_SLACK_CHUNKS, Eviction
 from aioshmcache._ledger import Debts, HandoutLedger
+from aioshmcache._reader_table import SlotState
 from aioshmcache._request import SenderBook
 from aioshmcache._serde import MsgpackPlan
 from aioshmcache.store import StoreWriter
@@ -48,7 +50,7 @@ C = c_core()
 pytestmark = pytest.mark.skipif(C is None, reason="the C core is not built here")
 if C is not None:  # as ``_store`` does for the core in use (with AIOSHM_PURE=1, the pure one)
     C.configure(ShmRef, MsgpackPlan, MsgpackSerde)
-    C.configure_hand_out(Acknowledgements, HandoutLedger, Debts)
+    C.configure_hand_out(Acknowledgements, HandoutLedger, Debts, SlotState)
     C.configure_evict(Eviction, EVICT_AHEAD_PUTS, EVICT_SLACK_CHUNKS, L.H_EVICTIONS)
 
 #: header words that differ between two instances whatever they do (see the module docstring)
@@ -88,6 +90,7 @@ def pure_core(m: pytest.MonkeyPatch) -> None:
     m.setattr(_request, "_split_features", _core_py.split_features)
     m.setattr(_request, "_specs_from", _core_py.specs_from)
     m.setattr(_serde, "_copy_into", _core_py.copy_into)
+    m.setattr(_acks, "_drain_logs", _core_py.drain_logs)
 
 
 def on_both_cores(m: pytest.MonkeyPatch, run: Callable[[], T]) -> tuple[T, T]:
@@ -567,7 +570,11 @@ def _ledger_state(store: StoreWriter) -> object:
         for cid, e in ledger.entries.items()
     }
     owed = sorted((slot_of.get(s, -1), n) for s, n in ledger.owed.items())
-    return entries, owed, ledger.next_seq, list(store._readers.owed_words), acks._undrained
+    progress = [ledger.last_acknowledged(st.session) for st in acks.slots]
+    slots = [(st.cursor, st.alive, st.revoked) for st in acks.slots]
+    consumed = [store._readers.word(i, L.WS_CONSUMED) for i in range(len(acks.slots))]
+    words = list(store._readers.owed_words)
+    return entries, owed, progress, slots, consumed, ledger.next_seq, words, acks._undrained
 
 
 def _run_one_item_calls_read(

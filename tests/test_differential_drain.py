@@ -1,0 +1,192 @@
+"""The compiled drain of the readers' logs (``core.drain_logs``) against its reference.
+
+``Acknowledgements.drain`` reads every reader slot's new acknowledgements into the hand-out
+ledger. The compiled core takes the usual case in one call (no session to sync, every log
+sane); the Python loop is the reference, and runs for the rest. Random sequences of readers
+attaching, reading (acknowledging), closing and writing nonsense into their logs, with puts
+that evict and drains between them, end in the same ledger, the same slot states and the same
+published words on both cores; the compiled drain declines what it does not take before
+changing anything, and runs the ledger's clock (Python code) with the collector off.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aioshmcache import SenderCache, ShmObjectStore, ShmRef, implementation
+from aioshmcache import _layout as L
+from aioshmcache.store import StoreReader
+
+from .test_differential_store import C, _ledger_state, _sender_for, on_both_cores
+
+pytestmark = pytest.mark.skipif(C is None, reason="the C core is not built here")
+
+READERS = 3
+OPS = st.one_of(
+    st.tuples(st.just("attach"), st.just(0)),
+    st.tuples(st.just("close"), st.integers(0, READERS - 1)),
+    st.tuples(st.just("put"), st.integers(0, 11)),
+    st.tuples(st.just("read"), st.integers(0, READERS * 16 - 1)),
+    st.tuples(st.just("drain"), st.just(0)),
+    st.tuples(st.just("garble"), st.integers(0, READERS - 1)),
+)
+
+
+def _item(n: int) -> tuple[dict[str, Any], list[int]]:
+    """Items of 8-72 KiB: a 256 KiB ring holds a few, so puts evict (and drain first)."""
+    return {"x": np.full(1024 * (1 + n % 9), n, dtype=np.uint64)}, [n]
+
+
+def _run(ops: list[tuple[str, int]]) -> list[object]:
+    """The operations on a fresh sender cache with up to three readers; after each one, its
+    answer and the writer's whole state of the readers (``_ledger_state``)."""
+    cache = _sender_for("diffdrain", READERS)
+    ticks = iter(range(1, 1 << 30))
+    cache.store._ledger.clock = lambda: float(next(ticks))
+    readers: list[StoreReader | None] = []
+    refs: list[ShmRef] = []
+    seen: list[object] = []
+    try:
+        for op, n in ops:
+            answer: object = None
+            try:
+                if op == "attach" and sum(r is not None for r in readers) < READERS:
+                    readers.append(ShmObjectStore.from_handle(cache.store.handle()))
+                elif op == "close" and n < len(readers) and (r := readers[n]) is not None:
+                    r.close()
+                    readers[n] = None
+                elif op == "put":
+                    ref, _ = cache.get_and_update_item(_item(n), f"k{n}")
+                    if isinstance(ref, ShmRef):
+                        refs.append(ref)
+                elif op == "read" and refs and readers:
+                    r = readers[n % len(readers)]
+                    if r is not None:  # acknowledges (or raises: evicted, revoked)
+                        answer = float(r.get(refs[n // READERS % len(refs)])["x"][0])
+                elif op == "drain":
+                    answer = cache.store.drain()
+                elif op == "garble" and n < len(readers) and (r := readers[n]) is not None:
+                    # its head far ahead: the writer must not trust it
+                    slot = r.read_path.slot.slot  # type: ignore[union-attr]
+                    cache.store._readers.set_word(slot, L.RS_HEAD, 1 << 40)
+            except Exception as exc:
+                answer = type(exc).__name__
+            seen.append((op, answer, _ledger_state(cache.store)))
+        return seen
+    finally:
+        for r in readers:
+            if r is not None:
+                r.close()
+        cache.close()
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(OPS, min_size=1, max_size=40))
+def test_random_drains_keep_the_reference_s_state(
+    monkeypatch: pytest.MonkeyPatch, ops: list[tuple[str, int]]
+) -> None:
+    """Every answer and every state after each step alike on both cores."""
+    with_c, pure = on_both_cores(monkeypatch, lambda: _run(ops))
+    assert with_c == pure
+
+
+def _sender_with_acks(cache: SenderCache, reader: StoreReader, n: int) -> list[ShmRef]:
+    """``n`` puts, each read (acknowledged) by ``reader``."""
+    refs = []
+    for i in range(n):
+        ref, _ = cache.get_and_update_item(_item(i), f"a{i}")
+        assert isinstance(ref, ShmRef)
+        reader.get(ref)
+        refs.append(ref)
+    return refs
+
+
+def test_the_c_drain_takes_the_usual_drain_and_declines_the_rest() -> None:
+    """Not vacuous: ``drain_logs`` applied a reader's three acknowledgements (its debts
+    settled and published, its cursor and ``WS_CONSUMED`` moved), then declined, changing
+    nothing, a session it does not know yet and a log whose head is out of range."""
+    assert C is not None
+    cache = _sender_for("drainc", 2)
+    try:
+        store = cache.store
+        acks, ledger = store._acks, store._ledger
+        with ShmObjectStore.from_handle(store.handle()) as reader:
+            acks.drain()  # the new session synced (the reference's)
+            assert C.drain_logs(acks) == 0  # nothing new
+            _sender_with_acks(cache, reader, 3)
+            (session,) = acks.live_sessions
+            slot = reader.read_path.slot.slot  # type: ignore[union-attr]
+            assert ledger.owed[session] == 3
+            assert C.drain_logs(acks) == 3
+            assert ledger.owed[session] == 0 and not ledger.entries
+            assert store._readers.word(slot, L.WS_OWED) == 0
+            head = store._readers.word(slot, L.RS_HEAD)
+            assert acks.slots[slot].cursor == head == store._readers.word(slot, L.WS_CONSUMED)
+            assert ledger.last_acknowledged(session) is not None
+            with ShmObjectStore.from_handle(store.handle()):  # not synced yet
+                before = _ledger_state(store)
+                assert C.drain_logs(acks) is None
+                assert _ledger_state(store) == before
+            acks.drain()
+            store._readers.set_word(slot, L.RS_HEAD, head + (1 << 40))  # a garbled log
+            before = _ledger_state(store)
+            assert C.drain_logs(acks) is None
+            assert _ledger_state(store) == before
+            assert acks.drain() == 0  # the reference: the slot ignored, its cursor moved on
+    finally:
+        cache.close()
+
+
+def test_a_clock_that_drains_again_keeps_the_reference_s_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Python code inside the compiled drain (the ledger's clock) that drains the same logs
+    again: each acknowledgement applied once, the same state as the reference's, and the
+    collector off while it runs (no finalizer can reach the ledger mid-drain)."""
+    collector: list[bool] = []
+
+    def run() -> tuple[int, list[int], object]:
+        cache = _sender_for("drainclock", 2)
+        try:
+            store = cache.store
+            with (
+                ShmObjectStore.from_handle(store.handle()) as r1,
+                ShmObjectStore.from_handle(store.handle()) as r2,
+            ):
+                ticks = iter(range(1, 1 << 30))
+                nested = [False]
+
+                def clock() -> float:
+                    if nested[0]:
+                        nested[0] = False
+                        collector.append(gc.isenabled())
+                        store._acks.drain()  # re-entered: the same new entries
+                    return float(next(ticks))
+
+                store._ledger.clock = clock
+                store._acks.drain()
+                refs = _sender_with_acks(cache, r1, 4)
+                for ref in refs[:2]:
+                    r2.get(ref)
+                nested[0] = True
+                n = store._acks.drain()
+                return n, list(store._readers.owed_words), _ledger_state(store)
+        finally:
+            cache.close()
+
+    with_c, pure = on_both_cores(monkeypatch, run)
+    assert with_c == pure
+    # the outer drain counts the first slot's four (the nested one took both slots), and the
+    # second reader still owes the two hand-outs it did not read
+    n, owed, _state = with_c
+    assert n == 4 and owed == [0, 2]
+    if implementation() == "c":  # the compiled drain's clock ran with the collector off
+        assert collector == [False, True]
