@@ -559,7 +559,8 @@ pub_chunk(Pub *p, uint64_t cid)
  * state is read and written through the offsets of their ``__slots__`` (each a plain object
  * slot, checked here), on objects of exactly those types: an attribute look-up costs ~170
  * instructions, a slot a few, and a hand-out makes about twenty. */
-static PyObject *drain_func, *hand_out_func, *acks_type, *ledger_type, *debts_type, *slot_state_type;
+static PyObject *drain_func, *hand_out_func, *acks_type, *ledger_type, *debts_type;
+static PyObject *slot_state_type, *reader_table_type;
 static PyObject *empty_tuple, *py_zero;
 static PyObject *s_sessions_v, *s_owed_words, *s_log_entries, *s_drain, *s_all, *s_stride;
 static PyObject *s_settle_from, *s_publish_owed;
@@ -614,9 +615,9 @@ slot_set(PyObject *obj, Py_ssize_t off, PyObject *v)
 static PyObject *
 core_configure_hand_out(PyObject *self, PyObject *args)
 {
-    PyObject *a, *l, *d, *st;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!:configure_hand_out", &PyType_Type, &a, &PyType_Type,
-                          &l, &PyType_Type, &d, &PyType_Type, &st))
+    PyObject *a, *l, *d, *st, *rt;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!:configure_hand_out", &PyType_Type, &a, &PyType_Type,
+                          &l, &PyType_Type, &d, &PyType_Type, &st, &PyType_Type, &rt))
         return NULL;
     struct { PyObject **p; const char *s; } names[] = {
         {&s_sessions_v, "_sessions"}, {&s_owed_words, "owed_words"},
@@ -657,11 +658,12 @@ core_configure_hand_out(PyObject *self, PyObject *args)
     }
     Py_INCREF(dr);
     Py_XSETREF(drain_func, dr);
-    Py_INCREF(a), Py_INCREF(l), Py_INCREF(d), Py_INCREF(st);
+    Py_INCREF(a), Py_INCREF(l), Py_INCREF(d), Py_INCREF(st), Py_INCREF(rt);
     Py_XSETREF(acks_type, a);
     Py_XSETREF(ledger_type, l);
     Py_XSETREF(debts_type, d);
     Py_XSETREF(slot_state_type, st);
+    Py_XSETREF(reader_table_type, rt);
     Py_RETURN_NONE;
 }
 
@@ -760,8 +762,8 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         DECLINE();
     CHECK(slot_get(acks, o_a_readers, &readers));
     CHECK(slot_get(acks, o_a_known, &known));
-    if (!PyList_CheckExact(known))
-        DECLINE();
+    if (!PyList_CheckExact(known) || (PyObject *)Py_TYPE(readers) != reader_table_type)
+        DECLINE(); /* the table's attributes are then plain slots: no Python code reads them */
     CHECK(get_strided(readers, s_sessions_v, &sess, 0, 1)); /* read at once, only C between */
     has_sess = 1;
     Py_ssize_t n_slots = sess.shape[0];
@@ -1307,7 +1309,8 @@ drain_logs(PyObject *acks)
     CHECK(slot_get(acks, o_a_slots, &slots));
     PyObject *one_of_n = SLOT(acks, o_a_one_of_n);
     if ((PyObject *)Py_TYPE(ledger) != ledger_type || !PyList_CheckExact(known) ||
-        !PyList_CheckExact(slots) || (one_of_n != Py_True && one_of_n != Py_False))
+        (PyObject *)Py_TYPE(readers) != reader_table_type || !PyList_CheckExact(slots) ||
+        (one_of_n != Py_True && one_of_n != Py_False))
         DECLINE();
     n_slots = PyList_GET_SIZE(slots);
     if (n_slots > 256 || PyList_GET_SIZE(known) != n_slots)
@@ -2916,8 +2919,8 @@ PyMethodDef aioshm_put_methods[] = {
      "drain_logs(acks) -> how many acknowledgements the writer's usual drain read, or None "
      "(declined before any side effect: the reference runs)"},
     {"configure_hand_out", core_configure_hand_out, METH_VARARGS,
-     "configure_hand_out(Acknowledgements, HandoutLedger, Debts, SlotState): the classes "
-     "hand_out and drain_logs know"},
+     "configure_hand_out(Acknowledgements, HandoutLedger, Debts, SlotState, ReaderTable): the "
+     "classes hand_out and drain_logs know"},
     {"configure", core_configure, METH_VARARGS,
      "configure(ShmRef, plan type, serde type): the types put_plain recognises"},
     {"configure_evict", core_configure_evict, METH_VARARGS,

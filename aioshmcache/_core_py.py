@@ -213,11 +213,15 @@ def configure(ref_type: type, plan_type: type, serde_type: type) -> None:
 
 
 def configure_hand_out(
-    acks_type: type, ledger_type: type, debts_type: type, slot_state_type: type
+    acks_type: type,
+    ledger_type: type,
+    debts_type: type,
+    slot_state_type: type,
+    reader_table_type: type,
 ) -> None:
     """Name the classes whose state the C core's :func:`hand_out` and :func:`drain_logs` read
-    and write (``Acknowledgements``, ``HandoutLedger``, ``Debts``, ``SlotState``; nothing
-    here)."""
+    and write (``Acknowledgements``, ``HandoutLedger``, ``Debts``, ``SlotState``,
+    ``ReaderTable``; nothing here)."""
 
 
 def configure_evict(evict_type: type, ahead_puts: int, slack_chunks: int, h_evictions: int) -> None:

@@ -84,7 +84,7 @@ from ._layout import (
 from ._ledger import Debts, HandoutLedger
 from ._pins import Pins
 from ._read_path import check_ref_fields
-from ._reader_table import SlotState, reader_slots_info
+from ._reader_table import ReaderTable, SlotState, reader_slots_info
 from ._ring import ShmRingBuffer
 from ._segment import Segment
 from ._serde import EncodePlan, MsgpackPlan, MsgpackSerde, Serde
@@ -126,7 +126,7 @@ _new_ref: Final = tuple.__new__  # ShmRef's fields in order, without its Python-
 #: the core's put of a plain item (``_core_put.c``); it declines with None before any side effect
 core.configure(ShmRef, MsgpackPlan, MsgpackSerde)
 #: the core's hand-out (``_core_put.c``) stands for ``Acknowledgements.hand_out`` in its puts
-core.configure_hand_out(Acknowledgements, HandoutLedger, Debts, SlotState)
+core.configure_hand_out(Acknowledgements, HandoutLedger, Debts, SlotState, ReaderTable)
 #: ...and makes the room itself in the usual case: ``Eviction.make_room``'s FIFO pass, compiled
 core.configure_evict(Eviction, EVICT_AHEAD_PUTS, EVICT_SLACK_CHUNKS, H_EVICTIONS)
 _put_plain = core.put_plain

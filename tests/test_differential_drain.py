@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from aioshmcache import SenderCache, ShmObjectStore, ShmRef, implementation
 from aioshmcache import _layout as L
+from aioshmcache._reader_table import ReaderTable
 from aioshmcache.store import StoreReader
 
 from .test_differential_store import C, _ledger_state, _sender_for, on_both_cores
@@ -190,3 +191,33 @@ def test_a_clock_that_drains_again_keeps_the_reference_s_state(
     assert n == 4 and owed == [0, 2]
     if implementation() == "c":  # the compiled drain's clock ran with the collector off
         assert collector == [False, True]
+
+
+def test_a_reader_table_of_another_class_is_left_to_the_reference() -> None:
+    """A reader table whose class is not the package's own (a subclass could make its words
+    properties: Python code, which the core must not run with the collector off): the compiled
+    drain and hand-out decline it, changing nothing, and the reference drains it."""
+
+    class Table(ReaderTable):
+        __slots__ = ()
+
+    assert C is not None
+    cache = _sender_for("draintable", 2)
+    try:
+        store = cache.store
+        acks = store._acks
+        with ShmObjectStore.from_handle(store.handle()) as reader:
+            acks.drain()
+            _sender_with_acks(cache, reader, 2)
+            store._readers.__class__ = Table
+            try:
+                before = _ledger_state(store)
+                assert C.drain_logs(acks) is None
+                assert C.hand_out(acks, 10**6) is None
+                assert _ledger_state(store) == before
+                assert acks.drain() == 2
+            finally:
+                store._readers.__class__ = ReaderTable
+            assert C.drain_logs(acks) == 0
+    finally:
+        cache.close()

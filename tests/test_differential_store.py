@@ -38,7 +38,7 @@ from aioshmcache import _layout as L
 from aioshmcache._acks import Acknowledgements
 from aioshmcache._evict import EVICT_AHEAD_PUTS, EVICT_SLACK_CHUNKS, Eviction
 from aioshmcache._ledger import Debts, HandoutLedger
-from aioshmcache._reader_table import SlotState
+from aioshmcache._reader_table import ReaderTable, SlotState
 from aioshmcache._request import SenderBook
 from aioshmcache._serde import MsgpackPlan
 from aioshmcache.store import StoreWriter
@@ -50,7 +50,7 @@ C = c_core()
 pytestmark = pytest.mark.skipif(C is None, reason="the C core is not built here")
 if C is not None:  # as ``_store`` does for the core in use (with AIOSHM_PURE=1, the pure one)
     C.configure(ShmRef, MsgpackPlan, MsgpackSerde)
-    C.configure_hand_out(Acknowledgements, HandoutLedger, Debts, SlotState)
+    C.configure_hand_out(Acknowledgements, HandoutLedger, Debts, SlotState, ReaderTable)
     C.configure_evict(Eviction, EVICT_AHEAD_PUTS, EVICT_SLACK_CHUNKS, L.H_EVICTIONS)
 
 #: header words that differ between two instances whatever they do (see the module docstring)
