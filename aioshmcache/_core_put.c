@@ -545,9 +545,9 @@ pub_chunk(Pub *p, uint64_t cid)
  * ``hand_out(acks, cid)``: the writer's usual hand-out of a chunk in a broadcast store whose
  * reader slots did not change since the last look: the next ``seq``, owed by the live sessions.
  * A chunk the ledger does not track yet (every put's first hand-out) gets one ``Debts``
- * (``{seq: owers}``, ``{seq: now}``) if anyone owes it; a tracked one (a look-up hit while an
+ * (``out = {seq: (owers, now)}``) if anyone owes it; a tracked one (a look-up hit while an
  * earlier hand-out is unacknowledged: an engine channel's every call) gets the seq added to its
- * ``out`` and ``out_time``, its ``debt`` raised and its touch ended (``HandoutLedger.hand_out``,
+ * ``out``, its ``debt`` raised and its touch ended (``HandoutLedger.hand_out``,
  * ``_retire`` included). Then the sessions' counts and their ``WS_OWED`` words; the drain once
  * the hand-outs since the last one could fill half a log (the Python ``drain``). The ledger's own
  * state, so both cores keep one. None (nothing done) for the rest — one-of-N, a slot whose
@@ -567,7 +567,7 @@ static PyObject *s_settle_from, *s_publish_owed;
 static Py_ssize_t o_a_ledger, o_a_readers, o_a_known, o_a_live, o_a_live_slots, o_a_undrained;
 static Py_ssize_t o_a_one_of_n, o_a_slots, o_l_one_of_n, o_l_entries, o_l_owed, o_l_next_seq;
 static Py_ssize_t o_l_clock, o_l_progress;
-static Py_ssize_t o_d_id, o_d_out, o_d_out_time, o_d_debt, o_d_pins, o_d_touched;
+static Py_ssize_t o_d_id, o_d_out, o_d_debt, o_d_pins, o_d_touched;
 static Py_ssize_t o_s_session, o_s_cursor, o_s_alive;
 
 #define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
@@ -640,7 +640,7 @@ core_configure_hand_out(PyObject *self, PyObject *args)
         {&o_l_one_of_n, l, "one_of_n"}, {&o_l_entries, l, "entries"}, {&o_l_owed, l, "owed"},
         {&o_l_next_seq, l, "next_seq"}, {&o_l_clock, l, "clock"},
         {&o_l_progress, l, "_progress"}, {&o_d_id, d, "id"}, {&o_d_out, d, "out"},
-        {&o_d_out_time, d, "out_time"}, {&o_d_debt, d, "debt"}, {&o_d_pins, d, "pins"},
+        {&o_d_debt, d, "debt"}, {&o_d_pins, d, "pins"},
         {&o_d_touched, d, "touched_at"}, {&o_s_session, st, "session"},
         {&o_s_cursor, st, "cursor"}, {&o_s_alive, st, "alive"},
     };
@@ -717,7 +717,7 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
     PyObject *result = NULL, *ledger = NULL, *readers = NULL, *known = NULL, *live = NULL;
     PyObject *live_slots = NULL, *entries = NULL, *owed = NULL, *next = NULL, *clock = NULL;
     PyObject *now = NULL, *seq1 = NULL, *e = NULL, *owers = NULL, *out = NULL;
-    PyObject *out_time = NULL, *debt = NULL, *und1 = NULL, *v = NULL, *tracked = NULL;
+    PyObject *pair = NULL, *debt = NULL, *und1 = NULL, *v = NULL, *tracked = NULL;
     Py_buffer sess, words;
     int has_sess = 0, has_words = 0, gc_off = 0, gc_was = 0;
     int64_t seq, und, log_entries;
@@ -739,10 +739,10 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         if ((PyObject *)Py_TYPE(tracked) != debts_type)
             DECLINE();
         PyObject *id = SLOT(tracked, o_d_id), *o = SLOT(tracked, o_d_out);
-        PyObject *t = SLOT(tracked, o_d_out_time), *d = SLOT(tracked, o_d_debt);
+        PyObject *d = SLOT(tracked, o_d_debt);
         PyObject *p = SLOT(tracked, o_d_pins);
-        if (id == NULL || o == NULL || t == NULL || d == NULL || p == NULL ||
-            SLOT(tracked, o_d_touched) == NULL || !PyDict_CheckExact(o) || !PyDict_CheckExact(t) ||
+        if (id == NULL || o == NULL || d == NULL || p == NULL ||
+            SLOT(tracked, o_d_touched) == NULL || !PyDict_CheckExact(o) ||
             !PyLong_CheckExact(id) || !PyLong_CheckExact(d) || !PyLong_CheckExact(p))
             DECLINE();
         int same = PyObject_RichCompareBool(id, cid_obj, Py_EQ); /* ints: no Python code */
@@ -751,8 +751,8 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         CHECK(as_i64(p, &pins));
         if (old_debt < 0 || old_debt > INT64_MAX - MAX_LIVE || pins < 0)
             DECLINE();
-        Py_INCREF(o), Py_INCREF(t);
-        out = o, out_time = t;
+        Py_INCREF(o);
+        out = o;
     }
     else if (PyErr_Occurred())
         goto done;
@@ -860,8 +860,7 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         }
         if (tracked != NULL) {
             PyObject *d = SLOT(tracked, o_d_debt);
-            if (d == NULL || !PyLong_CheckExact(d) || SLOT(tracked, o_d_out) != out ||
-                SLOT(tracked, o_d_out_time) != out_time)
+            if (d == NULL || !PyLong_CheckExact(d) || SLOT(tracked, o_d_out) != out)
                 DECLINE();
             CHECK(as_i64(d, &old_debt));
             if (old_debt < 0 || old_debt > INT64_MAX - MAX_LIVE)
@@ -876,18 +875,18 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
                        * replaces owers, never changes them); ints only (see below) */
         Py_INCREF(owers);
         PyObject_GC_UnTrack(owers);
+        NEED(pair = PyTuple_Pack(2, owers, now)); /* ints and a float: untracked, as ``out`` */
+        PyObject_GC_UnTrack(pair);
         NEED(debt = PyLong_FromLongLong(old_debt + n_live));
     }
     if (n_live && tracked == NULL) {
         NEED(e = ((PyTypeObject *)debts_type)->tp_new((PyTypeObject *)debts_type, empty_tuple,
                                                       NULL));
         NEED(out = PyDict_New());
-        NEED(out_time = PyDict_New());
-        if (PyDict_SetItem(out, next, owers) < 0 || PyDict_SetItem(out_time, next, now) < 0)
+        if (PyDict_SetItem(out, next, pair) < 0)
             goto done;
         slot_set(e, o_d_id, cid_obj);
         slot_set(e, o_d_out, out);
-        slot_set(e, o_d_out_time, out_time);
         slot_set(e, o_d_debt, debt);
         slot_set(e, o_d_pins, py_zero);
         slot_set(e, o_d_touched, Py_None);
@@ -895,7 +894,7 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
          * never be part of a reference cycle, so the collector need not walk it (as CPython
          * untracks such dicts and tuples itself). A put made four tracked objects, and each
          * young collection walked every one of them: ~1.5k instructions a put with a reader
-         * attached. (The ledger's Python code may track ``out`` again when it stores in it;
+         * attached (before ``out`` held pairs: a second dict of times). (The ledger's Python code may track ``out`` again when it stores in it;
          * nothing it stores in the entry could make a cycle either.) */
         PyObject_GC_UnTrack(out);
         if (PyType_IS_GC(Py_TYPE(e)))
@@ -905,7 +904,7 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
     slot_set(ledger, o_l_next_seq, seq1);
     if (tracked != NULL) { /* ``hand_out(e)``: this seq owed, the touch ended, then ``_retire`` */
         if (n_live) {
-            if (PyDict_SetItem(out, next, owers) < 0 || PyDict_SetItem(out_time, next, now) < 0)
+            if (PyDict_SetItem(out, next, pair) < 0)
                 goto done;
             slot_set(tracked, o_d_debt, debt);
         }
@@ -955,7 +954,7 @@ done:
     Py_XDECREF(ledger), Py_XDECREF(readers), Py_XDECREF(known), Py_XDECREF(live);
     Py_XDECREF(live_slots), Py_XDECREF(entries), Py_XDECREF(owed), Py_XDECREF(next);
     Py_XDECREF(clock), Py_XDECREF(now), Py_XDECREF(seq1), Py_XDECREF(e), Py_XDECREF(v);
-    Py_XDECREF(owers), Py_XDECREF(out), Py_XDECREF(out_time), Py_XDECREF(debt), Py_XDECREF(und1);
+    Py_XDECREF(owers), Py_XDECREF(out), Py_XDECREF(pair), Py_XDECREF(debt), Py_XDECREF(und1);
     Py_XDECREF(tracked);
     return result;
 }
@@ -1016,22 +1015,25 @@ settle_pairs(PyObject *ledger, PyObject *acks, PyObject *session, Py_ssize_t *se
         Py_INCREF(e);
         if ((PyObject *)Py_TYPE(e) != debts_type)
             break;
-        PyObject *out = SLOT(e, o_d_out), *out_time = SLOT(e, o_d_out_time);
+        PyObject *out = SLOT(e, o_d_out);
         PyObject *debt = SLOT(e, o_d_debt), *pins = SLOT(e, o_d_pins);
         PyObject *touched = SLOT(e, o_d_touched);
         int64_t d = 0, p = 0, ow = 0;
         int rd = debt == NULL ? 1 : as_i64(debt, &d), rp = pins == NULL ? 1 : as_i64(pins, &p);
         if (rd < 0 || rp < 0)
             goto done;
-        if (out == NULL || out_time == NULL || touched == NULL || !PyDict_CheckExact(out) ||
-            !PyDict_CheckExact(out_time) || rd || rp || d == INT64_MIN)
+        if (out == NULL || touched == NULL || !PyDict_CheckExact(out) || rd || rp ||
+            d == INT64_MIN)
             break;
-        PyObject *owers = PyDict_GetItemWithError(out, seq); /* borrowed: nothing frees it here */
-        if (owers == NULL) {
+        PyObject *pair = PyDict_GetItemWithError(out, seq); /* borrowed: nothing frees it here */
+        if (pair == NULL) {
             if (PyErr_Occurred())
                 goto done;
             continue; /* not out (released, expired, or never handed to this reader) */
         }
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2)
+            break;
+        PyObject *owers = PyTuple_GET_ITEM(pair, 0), *when = PyTuple_GET_ITEM(pair, 1);
         Py_ssize_t at = -1, n = 0;
         if (owers != Py_None) { /* broadcast: ints only, and owed by this session? */
             if (!PyTuple_CheckExact(owers))
@@ -1064,24 +1066,22 @@ settle_pairs(PyObject *ledger, PyObject *acks, PyObject *session, Py_ssize_t *se
                 break;
         }
         int last = owers == Py_None || n == 1;
-        if (last) { /* dropped from both dicts: the reference's ``KeyError`` if one lacks it */
-            int has = PyDict_Contains(out_time, seq);
-            if (has < 0)
-                goto done;
-            if (!has)
-                break;
-        }
         /* --- this pair's changes (the reference's, in another order: nothing runs between) --- */
-        if (!last) { /* the owers without this session (``_without``) */
-            PyObject *rest = PyTuple_New(n - 1);
+        if (!last) { /* the owers without this session (``_without``), handed out when it was */
+            PyObject *rest = PyTuple_New(n - 1), *again = NULL;
             if (rest == NULL)
                 goto done;
             for (Py_ssize_t i = 0, j = 0; i < n; i++)
                 if (i != at)
                     PyTuple_SET_ITEM(rest, j++, Py_NewRef(PyTuple_GET_ITEM(owers, i)));
-            PyObject_GC_UnTrack(rest); /* ints only: ``out`` stays untracked (the hand-out's) */
-            int rc = PyDict_SetItem(out, seq, rest);
+            again = PyTuple_Pack(2, rest, when);
             Py_DECREF(rest);
+            if (again == NULL)
+                goto done;
+            PyObject_GC_UnTrack(rest); /* ints only: ``out`` stays untracked (the hand-out's) */
+            PyObject_GC_UnTrack(again);
+            int rc = PyDict_SetItem(out, seq, again); /* ``pair`` and ``owers`` may go */
+            Py_DECREF(again);
             if (rc < 0)
                 goto done;
         }
@@ -1101,7 +1101,7 @@ settle_pairs(PyObject *ledger, PyObject *acks, PyObject *session, Py_ssize_t *se
         settled++;
         if (!last)
             continue;
-        if (PyDict_DelItem(out, seq) < 0 || PyDict_DelItem(out_time, seq) < 0)
+        if (PyDict_DelItem(out, seq) < 0)
             goto done;
         if (PyDict_GET_SIZE(out) == 0 && p == 0 && touched == Py_None &&
             PyDict_DelItem(entries, cid) < 0) /* ``_retire``: idle, no longer tracked */

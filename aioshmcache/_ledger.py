@@ -54,22 +54,19 @@ __all__ = ["Debts", "HandoutLedger"]
 #: ``settle_all``'s loop in the compiled core, as far as it goes (the pure core's goes nowhere)
 _settle_pairs = core.settle_pairs
 
-#: the "no such hand-out" marker of a look-up in ``Debts.out``, compared by identity
-_ABSENT: tuple[int, ...] = (-1,)
-
 
 class Debts:
     """The ledger's part of one entry: its outstanding hand-outs, pins and touch."""
 
-    __slots__ = ("debt", "id", "out", "out_time", "pins", "touched_at")
+    __slots__ = ("debt", "id", "out", "pins", "touched_at")
 
     def __init__(self, cid: int) -> None:
         self.id = cid
-        #: outstanding hand-outs: seq -> sessions still owing it (broadcast), or None (one-of-N);
-        #: a tuple, replaced as they settle: a put's first one is the live sessions' own tuple
+        #: outstanding hand-outs, in hand-out order: seq -> (owers, when it was handed out). The
+        #: owers are the sessions still owing it (broadcast), or None (one-of-N): a tuple,
+        #: replaced as they settle; a put's first one is the live sessions' own tuple
         #: (``Acknowledgements.live_sessions``), shared, not copied
-        self.out: dict[int, tuple[int, ...] | None] = {}
-        self.out_time: dict[int, float] = {}  # seq -> when it was handed out
+        self.out: dict[int, tuple[tuple[int, ...] | None, float]] = {}
         self.debt = 0  # unsettled (hand-out, session) pairs; one per one-of-N hand-out
         self.pins = 0  # request-scoped pins
         self.touched_at: float | None = None  # a standalone touch, until the next hand-out
@@ -130,7 +127,7 @@ class HandoutLedger:
         """Stop tracking an entry that was freed; its debts disappear with it."""
         e = self.entries.pop(cid, None)
         if e is not None and e.debt > 0 and not self.one_of_n:
-            for owers in e.out.values():
+            for owers, _t in e.out.values():
                 for s in owers or ():
                     self._owe(s, -1)
         return e
@@ -145,17 +142,19 @@ class HandoutLedger:
         """Record a hand-out of ``e`` owed by ``owers`` (ignored in one-of-N); returns its seq."""
         seq = self.next_seq
         self.next_seq = seq + 1
+        # the clock is read before the entry changes (it may be a test's Python code, which
+        # may change the ledger: the entry is then tracked again as the clock left it)
         if self.one_of_n:
+            now = self.clock()
             self._track(e)
-            e.out[seq] = None
-            e.out_time[seq] = self.clock()
+            e.out[seq] = (None, now)
             e.debt += 1
         else:
             sessions = tuple(owers)  # the same tuple if it is one
             if sessions:
+                now = self.clock()
                 self._track(e)
-                e.out[seq] = sessions
-                e.out_time[seq] = self.clock()
+                e.out[seq] = (sessions, now)
                 e.debt += len(sessions)
                 owed = self.owed
                 for s in sessions:
@@ -173,13 +172,12 @@ class HandoutLedger:
         self.next_seq = seq + 1
         if self.one_of_n:
             e = self.entries[cid] = Debts(cid)
-            e.out[seq] = None
-            e.out_time[seq] = self.clock()
+            e.out[seq] = (None, self.clock())
             e.debt = 1
         elif owers:  # the common put: a new entry owed by the live sessions, in one go
             e = self.entries[cid] = Debts(cid)
-            e.out[seq] = owers = tuple(owers)  # the same tuple if it is one
-            e.out_time[seq] = self.clock()
+            owers = tuple(owers)  # the same tuple if it is one
+            e.out[seq] = (owers, self.clock())
             e.debt = len(owers)
             owed = self.owed
             for s in owers:
@@ -197,9 +195,9 @@ class HandoutLedger:
         e = self.entries.get(cid)
         if e is None or seq not in e.out:
             return False  # not outstanding (released, expired, or never handed to this reader)
-        owers = e.out[seq]
+        owers, t = e.out[seq]
         if owers is None:  # one-of-N: any reader settles it
-            self._drop_seq(e, seq)
+            del e.out[seq]
             e.debt -= 1
             self._retire(e)
             return True
@@ -208,9 +206,9 @@ class HandoutLedger:
         e.debt -= 1
         self._owe(session, -1)
         if len(owers) > 1:
-            e.out[seq] = _without(owers, session)
+            e.out[seq] = (_without(owers, session), t)
         else:
-            self._drop_seq(e, seq)
+            del e.out[seq]
             self._retire(e)
         return True
 
@@ -243,20 +241,21 @@ class HandoutLedger:
             if e is None:
                 continue
             out = e.out
-            owers = out.get(seq, _ABSENT)
-            if owers is _ABSENT:
+            pair = out.get(seq)
+            if pair is None:
                 continue  # not outstanding (released, expired, or never handed to this reader)
+            owers = pair[0]
             if owers is None:  # one-of-N: any reader settles it
-                del out[seq], e.out_time[seq]
+                del out[seq]
                 e.debt -= 1
             elif session in owers:
                 e.debt -= 1
                 owed[session] = owed.get(session, 0) - 1
                 if len(owers) > 1:
-                    out[seq] = _without(owers, session)
+                    out[seq] = (_without(owers, session), pair[1])
                     settled += 1
                     continue
-                del out[seq], e.out_time[seq]
+                del out[seq]
             else:
                 continue
             settled += 1
@@ -269,8 +268,7 @@ class HandoutLedger:
         e = self.entries.get(cid)
         if e is None or seq not in e.out:
             return False
-        owers = e.out[seq]
-        self._drop_seq(e, seq)
+        owers, _t = e.out.pop(seq)
         if owers is None:
             e.debt -= 1
         else:
@@ -290,13 +288,13 @@ class HandoutLedger:
         for e in self.entries.values():
             if not e.debt:
                 continue
-            for seq, owers in list(e.out.items()):
+            for seq, (owers, t) in list(e.out.items()):
                 if owers and session in owers:
                     e.debt -= 1
                     if len(owers) > 1:
-                        e.out[seq] = _without(owers, session)
+                        e.out[seq] = (_without(owers, session), t)
                     else:
-                        self._drop_seq(e, seq)
+                        del e.out[seq]
             if not e.out:
                 emptied.append(e)
         for e in emptied:
@@ -335,12 +333,11 @@ class HandoutLedger:
         if e.touched_at is not None and now - e.touched_at >= ttl:
             e.touched_at = None
         lapsed = 0
-        for seq, t in list(e.out_time.items()):
+        for seq, (owers, t) in list(e.out.items()):
             if now - t < ttl:
                 break  # seqs are in hand-out order, so the rest are younger
-            owers = e.out[seq]
             if owers is None:  # one-of-N: this hand-out was never read
-                self._drop_seq(e, seq)
+                del e.out[seq]
                 e.debt -= 1
                 lapsed += 1
                 continue
@@ -352,9 +349,9 @@ class HandoutLedger:
                     self._owe(s, -1)
                     lapsed += 1
             if owers:
-                e.out[seq] = owers
+                e.out[seq] = (owers, t)
             else:
-                self._drop_seq(e, seq)
+                del e.out[seq]
         self._retire(e)
         return lapsed
 
@@ -366,8 +363,7 @@ class HandoutLedger:
     def debtors(self, e: Debts) -> dict[int, float]:
         """Sessions owing a hand-out of ``e`` -> when the oldest one they owe was made."""
         since: dict[int, float] = {}
-        for seq, owers in e.out.items():
-            t = e.out_time[seq]
+        for owers, t in e.out.values():
             for s in owers or ():
                 if t < since.get(s, float("inf")):
                     since[s] = t
@@ -377,8 +373,7 @@ class HandoutLedger:
         """Sessions owing ``e`` a hand-out older than ``after`` s with no acknowledgement since."""
         now = self.clock()
         out: list[int] = []
-        for seq, owers in e.out.items():
-            t = e.out_time[seq]
+        for owers, t in e.out.values():
             if now - t <= after:
                 break
             for s in owers or ():
@@ -394,11 +389,6 @@ class HandoutLedger:
         return self._progress.get(session)
 
     # --- internals ------------------------------------------------------------------------
-    @staticmethod
-    def _drop_seq(e: Debts, seq: int) -> None:
-        del e.out[seq]
-        del e.out_time[seq]
-
     def _owe(self, session: int, n: int) -> None:
         self.owed[session] = self.owed.get(session, 0) + n
 

@@ -107,7 +107,7 @@ async def _drain_everything(cache: AsyncSenderCache, rx: AsyncReceiverCache) -> 
     for key in cache.cached_order():
         cid = store.index[key]
         e = store._ledger.get(cid)  # None: nothing owed on it
-        for seq, owers in list(e.out.items()) if e is not None else []:
+        for seq, (owers, _t) in list(e.out.items()) if e is not None else []:
             if owers and session in owers:
                 await rx.get_and_update_item(store._ref(cid, seq), key)
 

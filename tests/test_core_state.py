@@ -156,10 +156,10 @@ def test_a_put_owed_by_a_reader_leaves_no_entry_for_the_collector_to_walk() -> N
         ref, _ = tx.get_and_update_item((item, ()), "a")
         ledger = tx.store._ledger
         e = ledger.entries[ref.id]
-        owers = e.out[ref.seq]
+        owers, _when = e.out[ref.seq]
         assert owers is not None and len(owers) == 1 and e.debt == 1
         if implementation() == "c":
-            assert not any(gc.is_tracked(o) for o in (e, e.out, e.out_time, owers))
+            assert not any(gc.is_tracked(o) for o in (e, e.out, e.out[ref.seq], owers))
         again, _ = tx.get_and_update_item(None, "a")  # a hit: the ledger's own hand-out
         assert again.id == ref.id and again.seq > ref.seq and e.debt == 2
         gc.collect()  # a full collection with the entry untracked: nothing lost

@@ -55,7 +55,6 @@ def state(ledger: HandoutLedger) -> object:
     entries = {
         cid: (
             dict(e.out),
-            dict(e.out_time),
             e.debt,
             e.pins,
             e.touched_at,
@@ -158,19 +157,20 @@ def test_a_pair_the_core_does_not_know_stops_it_and_the_reference_goes_on(case: 
     assert with_c == pure and with_c[0] == 3
 
 
-def test_a_hand_out_missing_its_time_raises_as_the_reference_does() -> None:
-    """A hand-out out without its time (a ledger gone wrong) is the reference's ``KeyError``,
-    with the same state left: the core stops before that pair."""
+def test_a_hand_out_that_is_not_a_pair_raises_as_the_reference_does() -> None:
+    """A hand-out recorded as something other than an ``(owers, when)`` pair (a ledger gone
+    wrong) is the reference's ``TypeError``, with the same state left: the core stops before
+    that pair."""
 
     def drain(settle_c: bool) -> object:
         ledger = HandoutLedger(one_of_n=False, handout_ttl=10.0, clock=FakeClock(0.0))
         first = ledger.hand_out_id(1, [11])
         broken = ledger.hand_out_id(2, [11])
-        del ledger.entries[2].out_time[broken]
+        ledger.entries[2].out[broken] = 7  # type: ignore[assignment]
         with pytest.MonkeyPatch.context() as m:
             if not settle_c:
                 m.setattr(_ledger, "_settle_pairs", _core_py.settle_pairs)
-            with pytest.raises(KeyError):
+            with pytest.raises(TypeError):
                 ledger.settle_all([1, first, 2, broken], 11)
         return state(ledger)
 
@@ -201,9 +201,8 @@ def _consistent(ledger: HandoutLedger) -> None:
     that list it."""
     per: dict[int, int] = {}
     for e in ledger.entries.values():
-        assert e.debt == sum(1 if o is None else len(o) for o in e.out.values())
-        assert e.out.keys() == e.out_time.keys()
-        for o in e.out.values():
+        assert e.debt == sum(1 if o is None else len(o) for o, _t in e.out.values())
+        for o, _t in e.out.values():
             for session in o or ():
                 per[session] = per.get(session, 0) + 1
     assert {s: n for s, n in ledger.owed.items() if n} == per

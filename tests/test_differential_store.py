@@ -562,7 +562,7 @@ def _ledger_state(store: StoreWriter) -> object:
 
     entries = {
         cid: (
-            [(seq, who(owers), e.out_time[seq]) for seq, owers in e.out.items()],
+            [(seq, who(owers), t) for seq, (owers, t) in e.out.items()],
             e.debt,
             e.pins,
             e.touched_at,
@@ -645,20 +645,21 @@ def test_the_c_hand_out_takes_the_usual_hand_out_and_declines_the_rest(
             seq0 = ledger.next_seq
             assert C.hand_out(acks, 10**6) == seq0
             e = ledger.entries[10**6]
-            assert (e.id, e.out, e.debt, e.pins, e.touched_at) == (
+            owers = {seq: o for seq, (o, _t) in e.out.items()}
+            assert (e.id, owers, e.debt, e.pins, e.touched_at) == (
                 10**6,
                 {seq0: (session,)},
                 1,
                 0,
                 None,
             )
-            assert list(e.out_time) == [seq0]
             assert ledger.owed[session] == 2 and int(store._readers.owed_words[0]) == 2
             ledger.touch(e)  # tracked: its next hand-out ends the touch, as ``hand_out(e)``
             assert C.hand_out(acks, 10**6) == seq0 + 1
             assert ledger.entries[10**6] is e and e.touched_at is None
-            assert (e.out, e.debt) == ({seq0: (session,), seq0 + 1: (session,)}, 2)
-            assert list(e.out_time) == [seq0, seq0 + 1]
+            owers = {seq: o for seq, (o, _t) in e.out.items()}
+            assert (owers, e.debt) == ({seq0: (session,), seq0 + 1: (session,)}, 2)
+            assert [type(t) for _o, t in e.out.values()] == [float, float]
             assert ledger.owed[session] == 3 and int(store._readers.owed_words[0]) == 3
             seq0 += 1
             with ShmObjectStore.from_handle(store.handle()):  # a new session: sync first

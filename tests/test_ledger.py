@@ -247,7 +247,7 @@ class LedgerModel(RuleBasedStateMachine):
             assert sorted(e.out) == sorted(hs)
             n = 0
             for seq, h in hs.items():
-                got = e.out[seq]
+                got = e.out[seq][0]
                 if h.owers is None:
                     assert got is None
                     n += 1
