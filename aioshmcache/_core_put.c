@@ -1192,17 +1192,33 @@ done:
     return rc;
 }
 
-/* One slot of a drain (``st``, its cursor ``cursor`` < its head ``head``, its words ``w``):
- * its new pairs settled if its reader may settle (one-of-N, or a live session), then its
- * cursor and ``WS_CONSUMED`` moved to the head, unless Python code run by the settlement took
- * the slot meanwhile. 0, or -1 with an exception. */
-static int
-drain_slot(PyObject *ledger, PyObject *st, PyObject *cursor, uint64_t head, uint64_t *w,
-           int64_t log_entries, int one_of_n)
+/* A slot as a drain first read it: its state, that state's session and cursor (new references:
+ * Python code run meanwhile may replace them), and the head read then. */
+typedef struct {
+    PyObject *st, *session, *cursor;
+    uint64_t head;
+} SlotSnap;
+
+/* Whether slot ``i`` is still as ``snap`` read it (the same state object, session and cursor in
+ * the same list): else Python code run meanwhile changed or took it, and the drain leaves it. */
+static inline int
+slot_unchanged(PyObject *slots, Py_ssize_t i, const SlotSnap *snap)
 {
-    uint64_t cur = u64_of(cursor), n = head - cur;
-    PyObject *session = SLOT(st, o_s_session);
-    if (session != NULL && (one_of_n || SLOT(st, o_s_alive) == Py_True)) {
+    return i < PyList_GET_SIZE(slots) && PyList_GET_ITEM(slots, i) == snap->st &&
+           SLOT(snap->st, o_s_session) == snap->session &&
+           SLOT(snap->st, o_s_cursor) == snap->cursor;
+}
+
+/* A slot of a drain (``snap``, its cursor below its head; ``w`` its words): its new pairs
+ * settled if its reader may settle (one-of-N, or a live broadcast session), then the cursor of
+ * that state and the slot's ``WS_CONSUMED`` moved to the head, as the reference does whatever
+ * the settlement's Python code did meanwhile. 0, or -1 with an exception. */
+static int
+drain_slot(PyObject *ledger, const SlotSnap *snap, uint64_t *w, int64_t log_entries, int one_of_n)
+{
+    uint64_t cur = u64_of(snap->cursor), n = snap->head - cur;
+    int live = SLOT(snap->st, o_s_alive) == Py_True && Py_SIZE(snap->session) != 0;
+    if (one_of_n || live) {
         PyObject *pairs = PyList_New(2 * (Py_ssize_t)n);
         if (pairs == NULL)
             return -1;
@@ -1222,33 +1238,31 @@ drain_slot(PyObject *ledger, PyObject *st, PyObject *cursor, uint64_t head, uint
             PyList_SET_ITEM(pairs, 2 * j + 1, q);
             top = seq > top ? seq : top;
         }
-        Py_INCREF(session);
-        int rc = settle_logged(ledger, pairs, session, top);
-        Py_DECREF(session);
+        int rc = settle_logged(ledger, pairs, snap->session, top);
         Py_DECREF(pairs);
         if (rc < 0)
             return -1;
-        if (SLOT(st, o_s_cursor) != cursor)
-            return 0; /* taken by Python code meanwhile */
     }
-    PyObject *h = PyLong_FromUnsignedLongLong(head);
+    PyObject *h = PyLong_FromUnsignedLongLong(snap->head);
     if (h == NULL)
         return -1;
-    slot_set(st, o_s_cursor, h);
+    slot_set(snap->st, o_s_cursor, h);
     Py_DECREF(h);
-    STORE_WORD(w + WS_CONSUMED, head);
+    STORE_WORD(w + WS_CONSUMED, snap->head);
     return 0;
 }
 
 /* ``publish_owed``: each slot's debt, ``max(0, owed.get(session, 0))``, in its ``WS_OWED`` word
- * (of ``rows`` slots mapped); the method (the reference) for anything not a plain count. */
+ * (of ``rows`` slots mapped); the method (the reference) for anything not a plain count, or
+ * where Python code replaced the slots or the ledger meanwhile. */
 static int
 publish_owed(PyObject *acks, PyObject *ledger, PyObject *slots, uint64_t *words, int64_t stride,
              Py_ssize_t rows)
 {
     PyObject *owed = SLOT(ledger, o_l_owed);
     Py_ssize_t n = PyList_GET_SIZE(slots);
-    int plain = owed != NULL && PyDict_CheckExact(owed) && n <= rows;
+    int plain = owed != NULL && PyDict_CheckExact(owed) && n <= rows &&
+                SLOT(acks, o_a_slots) == slots && SLOT(acks, o_a_ledger) == ledger;
     for (Py_ssize_t i = 0; plain && i < n; i++) {
         PyObject *st = PyList_GET_ITEM(slots, i), *s;
         if ((PyObject *)Py_TYPE(st) != slot_state_type || (s = SLOT(st, o_s_session)) == NULL ||
@@ -1288,17 +1302,21 @@ publish_owed(PyObject *acks, PyObject *ledger, PyObject *slots, uint64_t *words,
  * read; None, before any side effect, for anything else (the reference runs).
  *
  * The clock and ``settle_from`` may be Python code. The reader table stays mapped meanwhile
- * (this holds a buffer of it), the collector is off (no finalizer runs), and each slot is
- * taken only if its cursor is still the one read first. */
+ * (this holds a buffer of it), the collector is off (no finalizer runs), and a slot is taken
+ * only if its state, session and cursor are still the objects read first (a nested drain, or a
+ * replaced state, leaves it as it is then), as the reference skips a slot whose state no longer
+ * holds the session in shared memory or whose cursor is at its head. Every head is read before
+ * the first settlement: an
+ * acknowledgement a reader writes meanwhile waits for the next drain, as one written by
+ * another process while this runs. */
 static PyObject *
 drain_logs(PyObject *acks)
 {
     PyObject *result = NULL, *ledger = NULL, *readers = NULL, *known = NULL, *slots = NULL;
-    PyObject *cursors[256];
-    uint64_t heads[256];
+    SlotSnap snap[256];
     Py_buffer all;
     int has_all = 0, gc_was = 0, gc_off = 0;
-    Py_ssize_t n_slots = 0, n_cursors = 0;
+    Py_ssize_t n_slots = 0, n_snap = 0;
     int64_t stride, log_entries;
     /* --- every check, no side effect --- */
     if (slot_state_type == NULL || (PyObject *)Py_TYPE(acks) != acks_type)
@@ -1347,13 +1365,12 @@ drain_logs(PyObject *acks)
         if (s0 != s1 || s0 != kv || s0 != sv || head < cur ||
             head - cur > (uint64_t)log_entries)
             DECLINE(); /* a session to sync, or a corrupted log: the reference */
-        heads[i] = head;
-        cursors[i] = cursor;
+        snap[i] = (SlotSnap){st, session, cursor, head};
         any |= head != cur;
     }
     for (Py_ssize_t i = 0; i < n_slots; i++)
-        Py_INCREF(cursors[i]);
-    n_cursors = n_slots;
+        Py_INCREF(snap[i].st), Py_INCREF(snap[i].session), Py_INCREF(snap[i].cursor);
+    n_snap = n_slots;
     /* --- side effects, in the reference's order --- */
     slot_set(acks, o_a_undrained, py_zero);
     if (!any) {
@@ -1362,18 +1379,13 @@ drain_logs(PyObject *acks)
     }
     gc_was = PyGC_Disable(), gc_off = 1;
     uint64_t n_total = 0;
-    for (Py_ssize_t i = 0; i < n_slots && i < PyList_GET_SIZE(slots); i++) {
-        PyObject *st = PyList_GET_ITEM(slots, i);
-        if ((PyObject *)Py_TYPE(st) != slot_state_type || SLOT(st, o_s_cursor) != cursors[i] ||
-            heads[i] == u64_of(cursors[i]))
-            continue; /* nothing new, or the slot changed meanwhile (Python code took it) */
-        Py_INCREF(st);
-        int rc = drain_slot(ledger, st, cursors[i], heads[i], words + i * stride, log_entries,
-                            one_of_n == Py_True);
-        Py_DECREF(st);
-        if (rc < 0)
+    for (Py_ssize_t i = 0; i < n_slots; i++) {
+        uint64_t n = snap[i].head - u64_of(snap[i].cursor);
+        if (n == 0 || !slot_unchanged(slots, i, &snap[i]))
+            continue; /* nothing new, or changed by Python code meanwhile (left as it is) */
+        if (drain_slot(ledger, &snap[i], words + i * stride, log_entries, one_of_n == Py_True) < 0)
             goto done;
-        n_total += heads[i] - u64_of(cursors[i]);
+        n_total += n;
     }
     if (publish_owed(acks, ledger, slots, words, stride, all.shape[0] / stride) < 0)
         goto done;
@@ -1383,8 +1395,8 @@ done:
         PyGC_Enable();
     if (has_all)
         PyBuffer_Release(&all);
-    for (Py_ssize_t i = 0; i < n_cursors; i++)
-        Py_DECREF(cursors[i]);
+    for (Py_ssize_t i = 0; i < n_snap; i++)
+        Py_DECREF(snap[i].st), Py_DECREF(snap[i].session), Py_DECREF(snap[i].cursor);
     Py_XDECREF(ledger), Py_XDECREF(readers), Py_XDECREF(known), Py_XDECREF(slots);
     return result;
 }
@@ -1394,6 +1406,8 @@ done:
 static PyObject *
 call_drain(PyObject *acks)
 {
+    if (s_drain == NULL && (s_drain = PyUnicode_InternFromString("drain")) == NULL)
+        return NULL;
     if (drain_func != NULL && _PyType_Lookup(Py_TYPE(acks), s_drain) == drain_func) {
         PyObject *r = drain_logs(acks);
         if (r != Py_None)

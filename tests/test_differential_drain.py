@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from aioshmcache import SenderCache, ShmObjectStore, ShmRef, implementation
 from aioshmcache import _layout as L
-from aioshmcache._reader_table import ReaderTable
+from aioshmcache._reader_table import ReaderTable, SlotState
 from aioshmcache.store import StoreReader
 
 from .test_differential_store import C, _ledger_state, _sender_for, on_both_cores
@@ -44,10 +44,11 @@ def _item(n: int) -> tuple[dict[str, Any], list[int]]:
     return {"x": np.full(1024 * (1 + n % 9), n, dtype=np.uint64)}, [n]
 
 
-def _run(ops: list[tuple[str, int]]) -> list[object]:
-    """The operations on a fresh sender cache with up to three readers; after each one, its
-    answer and the writer's whole state of the readers (``_ledger_state``)."""
-    cache = _sender_for("diffdrain", READERS)
+def _run(ops: list[tuple[str, int]], log_entries: int) -> list[object]:
+    """The operations on a fresh sender cache with up to three readers, logs of
+    ``log_entries``; after each one, its answer and the writer's whole state of the readers
+    (``_ledger_state``)."""
+    cache = _sender_for("diffdrain", READERS, ack_log_entries=log_entries)
     ticks = iter(range(1, 1 << 30))
     cache.store._ledger.clock = lambda: float(next(ticks))
     readers: list[StoreReader | None] = []
@@ -90,12 +91,14 @@ def _run(ops: list[tuple[str, int]]) -> list[object]:
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(st.lists(OPS, min_size=1, max_size=40))
+@given(st.lists(OPS, min_size=1, max_size=60), st.sampled_from([64, 16384]))
 def test_random_drains_keep_the_reference_s_state(
-    monkeypatch: pytest.MonkeyPatch, ops: list[tuple[str, int]]
+    monkeypatch: pytest.MonkeyPatch, ops: list[tuple[str, int]], log_entries: int
 ) -> None:
-    """Every answer and every state after each step alike on both cores."""
-    with_c, pure = on_both_cores(monkeypatch, lambda: _run(ops))
+    """Every answer and every state after each step alike on both cores. With logs of 64
+    entries the hand-outs drain too (every 32 since the last drain), as well as the puts'
+    eviction passes and the explicit drains."""
+    with_c, pure = on_both_cores(monkeypatch, lambda: _run(ops, log_entries))
     assert with_c == pure
 
 
@@ -146,12 +149,15 @@ def test_the_c_drain_takes_the_usual_drain_and_declines_the_rest() -> None:
         cache.close()
 
 
+@pytest.mark.parametrize("meanwhile", ["drain", "new_states"])
 def test_a_clock_that_drains_again_keeps_the_reference_s_state(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, meanwhile: str
 ) -> None:
     """Python code inside the compiled drain (the ledger's clock) that drains the same logs
-    again: each acknowledgement applied once, the same state as the reference's, and the
-    collector off while it runs (no finalizer can reach the ledger mid-drain)."""
+    again, or replaces every slot's state (a review's case: the cursors are small ints, the
+    same objects in the new states): each acknowledgement applied once, the same state and
+    count as the reference's, and the collector off while the clock runs (no finalizer can
+    reach the ledger mid-drain)."""
     collector: list[bool] = []
 
     def run() -> tuple[int, list[int], object]:
@@ -169,7 +175,11 @@ def test_a_clock_that_drains_again_keeps_the_reference_s_state(
                     if nested[0]:
                         nested[0] = False
                         collector.append(gc.isenabled())
-                        store._acks.drain()  # re-entered: the same new entries
+                        if meanwhile == "drain":
+                            store._acks.drain()  # re-entered: the same new entries
+                        else:
+                            slots = store._acks.slots
+                            slots[:] = [SlotState(cursor=st.cursor) for st in slots]
                     return float(next(ticks))
 
                 store._ledger.clock = clock
@@ -186,9 +196,10 @@ def test_a_clock_that_drains_again_keeps_the_reference_s_state(
     with_c, pure = on_both_cores(monkeypatch, run)
     assert with_c == pure
     # the outer drain counts the first slot's four (the nested one took both slots), and the
-    # second reader still owes the two hand-outs it did not read
+    # second reader still owes the two hand-outs it did not read; with new states (sessionless)
+    # the second slot is left as the clock made it and no debt word is published again
     n, owed, _state = with_c
-    assert n == 4 and owed == [0, 2]
+    assert n == 4 and owed == ([0, 2] if meanwhile == "drain" else [4, 4])
     if implementation() == "c":  # the compiled drain's clock ran with the collector off
         assert collector == [False, True]
 
@@ -221,3 +232,34 @@ def test_a_reader_table_of_another_class_is_left_to_the_reference() -> None:
             assert C.drain_logs(acks) == 0
     finally:
         cache.close()
+
+
+def test_a_free_slot_s_entries_are_skipped_as_the_reference_skips_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A broadcast slot with no session whose state says alive (a writer's view gone wrong)
+    and whose head moved: neither core settles its entries under session 0 (no progress, no
+    clock read for it); both move its cursor and count them."""
+
+    def run() -> tuple[int, object]:
+        cache = _sender_for("drainfree", 2)
+        try:
+            store = cache.store
+            acks = store._acks
+            ticks = iter(range(1, 1 << 30))
+            store._ledger.clock = lambda: float(next(ticks))
+            with ShmObjectStore.from_handle(store.handle()) as reader:
+                acks.drain()
+                _sender_with_acks(cache, reader, 2)
+                free = 1 - reader.read_path.slot.slot  # type: ignore[union-attr]
+                acks.slots[free].alive = True
+                head = store._readers.word(free, L.RS_HEAD)
+                store._readers.set_word(free, L.RS_HEAD, head + 2)
+                n = acks.drain()
+                assert store._ledger.last_acknowledged(0) is None
+                return n, _ledger_state(store)
+        finally:
+            cache.close()
+
+    with_c, pure = on_both_cores(monkeypatch, run)
+    assert with_c == pure and with_c[0] == 4

@@ -114,10 +114,10 @@ def _spied(m: pytest.MonkeyPatch, module: object, name: str, fn: Any) -> list[bo
     return seen
 
 
-def _sender_for(tag: str, n_readers: int = 1) -> SenderCache:
+def _sender_for(tag: str, n_readers: int = 1, **config: Any) -> SenderCache:
     """A small sender cache whose tags equal the other run's (the secret made equal)."""
     name = f"{RUN_PREFIX}{tag}-{uuid.uuid4().hex[:10]}"
-    cache = SenderCache(CacheConfig(256 * 1024, 200 * 1024, n_readers, name=name))
+    cache = SenderCache(CacheConfig(256 * 1024, 200 * 1024, n_readers, name=name, **config))
     cache.store._secret = _SECRET
     cache.store.words[L.H_SECRET] = _SECRET
     return cache
