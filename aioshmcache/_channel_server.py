@@ -95,7 +95,7 @@ class _ServerConnection(FrameConnection):
             self.call is None
             and not self._frames
             and self.error is None
-            and self._decoder.pending == 0
+            and not self._partial
             and (call := take_call(data, self.max_frame_bytes)) is not None
         ):
             self.call = call

@@ -322,3 +322,25 @@ async def test_a_call_gathers_its_references_only_when_they_are_given_back(
         assert gathered == [[f.data]] and engine.stats().released == 1
         assert not await cache.release(f.data)  # already given back by the client
         assert cache.snapshot().readers[0].lag == 0
+
+
+async def test_a_piece_that_looks_like_a_whole_frame_ends_the_frame_in_progress() -> None:
+    """A connection knows part of a frame is waiting (kept as it feeds its decoder): bytes that
+    follow it, even bytes that form a whole frame by themselves, are that frame's rest, never an
+    answer of their own (``ClientConnection.data_received``'s one-read path), and a connection
+    holding part of a frame has started a frame (``started``: the worker's idle wait ends)."""
+    conn = ClientConnection(1 << 20)
+    inner = wire.encode_frame(b"abc")  # a whole frame by itself
+    head = b"head-"
+    whole = wire.encode_frame(head + inner)
+    loop = asyncio.get_running_loop()
+    waiter = conn.answer(loop.time() + 30)
+    conn.data_received(whole[: wire.FRAME_PREFIX_BYTES + len(head)])
+    assert conn.started() and not conn.has_frames(1)
+    assert await waiter is None  # woken: no frame yet
+    waiter = conn.answer(loop.time() + 30)
+    conn.data_received(inner)
+    assert await waiter is None  # not ``b"abc"``: the frame came in pieces, queued
+    assert await conn.next_frame(loop.time() + 30) == head + inner
+    assert not conn.started()
+    conn.connection_lost(None)
