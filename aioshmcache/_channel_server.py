@@ -104,11 +104,6 @@ class _ServerConnection(FrameConnection):
             return
         super().data_received(data)
 
-    def arrival(self) -> asyncio.Future[bytes | None]:
-        """The future the next bytes (or the end) resolve: awaited by the serving task itself,
-        no coroutine level of its own (``wait_started``'s)."""
-        return self._waiter_future()
-
     def eof_received(self) -> bool:
         """The peer ended its side: the calls it sent whole before are still answered (as a
         stream server does), so the write side stays open; the serving task closes the
