@@ -103,6 +103,7 @@ class FrameConnection(asyncio.Protocol):
         try:
             self._decoder.close()
         except IncompleteFrameError as exc:  # the peer ended inside a frame
+            self._partial = False  # the decoder dropped that part
             self._fail(exc)
         else:
             self._fail(EndOfFramesError("the stream ended (no more frames)"))

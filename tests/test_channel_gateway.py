@@ -344,3 +344,17 @@ async def test_a_piece_that_looks_like_a_whole_frame_ends_the_frame_in_progress(
     assert await conn.next_frame(loop.time() + 30) == head + inner
     assert not conn.started()
     conn.connection_lost(None)
+
+
+async def test_a_stream_that_ends_inside_a_frame_is_its_error_not_a_frame_started() -> None:
+    """The peer ends its side inside a frame: the decoder drops that part and the connection
+    knows nothing is pending any more, so a wait for a frame raises ``IncompleteFrameError``
+    (it would wait on, or read nothing, if the part still counted as a frame started)."""
+    conn = ClientConnection(1 << 20)
+    whole = wire.encode_frame(b"abcdef")
+    conn.data_received(whole[:-2])
+    assert conn.started()
+    conn.eof_received()
+    with pytest.raises(wire.IncompleteFrameError):
+        await conn.wait_started()
+    conn.connection_lost(None)
