@@ -377,8 +377,10 @@ class EngineClient(AsyncResource):
                             phase = "connect"
                             continue  # the call never reached the worker: another connection
                         raise _Lost(self._unavailable(delivered, exc)) from exc
-                    finally:
-                        self._give_conn(conn, reusable)
+                    finally:  # ``_give_conn``, without its frame
+                        to_close = self._book.give_back(conn, reusable=reusable and conn.usable())
+                        if to_close is not None:
+                            to_close.abort()
             except TimeoutError:
                 if phase == "connect" and self._book.last_error is not None:
                     raise EngineUnavailableError(

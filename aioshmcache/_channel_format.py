@@ -116,7 +116,11 @@ _KIND_ERRORS: Final[dict[str, type[ShmCacheError]]] = {
 core.configure_chan(FeatureSpec, ShmRef)
 _core_unpack = core.chan_unpack
 _core_call4 = core.chan_call4
-_core_call4_frames = core.chan_call4_frames
+#: ``framed_call(payload, features, max_bytes)``: the version-4 call's two frames as one buffer
+#: to write (the compiled core), or None: the caller takes :func:`call_frames` (not version 4, a
+#: frame over ``max_bytes``, or the pure core). The core's function itself: the gateway calls it
+#: once a call, and a Python function around it was one frame more
+framed_call = core.chan_call4_frames
 
 
 def encode(value: object, *, plain: bool = True) -> bytes:
@@ -188,13 +192,6 @@ def call_frames(payload: Any, features: Sequence[FeatureSpec]) -> tuple[bytes, b
     if one is not None:
         return one, _EMPTY
     return call_envelope(payload), pack_call_features(list(features))
-
-
-def framed_call(payload: Any, features: Sequence[FeatureSpec], max_bytes: int) -> bytes | None:
-    """The version-4 call's two frames as one buffer to write (the compiled core), or None:
-    the caller takes :func:`call_frames` (not version 4, a frame over ``max_bytes``, or the
-    pure core)."""
-    return _core_call4_frames(payload, features, max_bytes)
 
 
 def _one_message(payload: Any, features: Sequence[FeatureSpec]) -> bytes | None:

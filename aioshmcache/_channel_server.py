@@ -95,7 +95,7 @@ class _ServerConnection(FrameConnection):
             self.call is None
             and not self._frames
             and self.error is None
-            and self._decoder.pending == 0
+            and not self._partial
             and (call := take_call(data, self.max_frame_bytes)) is not None
         ):
             self.call = call
@@ -103,11 +103,6 @@ class _ServerConnection(FrameConnection):
             turned()  # as ``FrameConnection.data_received`` counts
             return
         super().data_received(data)
-
-    def arrival(self) -> asyncio.Future[bytes | None]:
-        """The future the next bytes (or the end) resolve: awaited by the serving task itself,
-        no coroutine level of its own (``wait_started``'s)."""
-        return self._waiter_future()
 
     def eof_received(self) -> bool:
         """The peer ended its side: the calls it sent whole before are still answered (as a

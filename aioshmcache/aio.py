@@ -33,6 +33,7 @@ import anyio.lowlevel
 import anyio.to_thread
 from anyio.abc import AsyncResource
 
+from ._core_api import core
 from ._flight import FROM_SIBLING, GroupFlight, SingleFlight, SingleFlightStats, call_make
 from ._loop_turns import turns
 from ._request import DEFAULT_INLINE_THRESHOLD, SenderRequest, feature_item, features_from
@@ -88,6 +89,7 @@ DEFAULT_READ_INLINE_THRESHOLD: Final = 2 << 20
 CHECKPOINT_EVERY: Final = 32
 CHECKPOINT_AFTER: Final = 0.0005
 _monotonic = time.monotonic
+_specs_from = core.specs_from  # ``_request.features_from``'s core step
 
 C = TypeVar("C", SenderCache, Receiver)
 
@@ -428,18 +430,26 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         """The core's one-item call on the loop (a hit, a look-up, or a miss whose copy is under
         ``inline_threshold_bytes``), when no turn to yield is due: its result, or None (declined
         before any side effect, or a turn due: the request's path runs and takes the turn).
-        Counted as one inline call."""
+        Counted as one inline call.
+
+        Every call of a steady channel's gateway runs it: ``_restart`` and ``_wrapped`` are
+        inlined (their frames were ~0.4k instructions a call)."""
         now = _monotonic()
         seen = turns()
         io_turn = seen != self._turns_seen
-        if io_turn or self._loop_turned:
-            self._restart(now)
+        if io_turn or self._loop_turned:  # ``_restart(now)``
+            self._loop_turned = False
+            self._inline_calls = 0
+            self._last_yield = now
         n = self._inline_calls + 1
         if n >= CHECKPOINT_EVERY or (
             not self._unwatched and now - self._last_yield >= CHECKPOINT_AFTER
         ):
             return None
-        done = self._wrapped()._put_one(sent, mm_hash, self.inline_threshold_bytes)
+        cache = self._cache
+        if cache is None or self._closed:
+            cache = self._wrapped()  # raises ``ClosedCacheError``, as it says
+        done = cache._put_one(sent, mm_hash, self.inline_threshold_bytes)
         if done is not None:  # (declined: the request's ``_due`` still finds the I/O turn)
             self._inline_calls = n
             self._turns_seen = seen
@@ -586,9 +596,13 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         """As ``SenderCache.get_and_update_features``; big copies and waits run in a thread."""
         if wait_for_space is None and type(features) is list and len(features) == 1:
             f = features[0]
-            item = feature_item(f)  # checks the spec and its hash, as the request does
+            if type(f) is FeatureSpec and f.data is None and type(f.mm_hash) is str:
+                item = None  # a look-up: ``feature_item``'s answer, without its frame
+            else:
+                item = feature_item(f)  # checks the spec and its hash, as the request does
             if (done := self._one_step(item, f.mm_hash)) is not None:  # a look-up too
-                return features_from(features, [done])
+                made = _specs_from(features, [done])  # ``features_from``'s core step
+                return made if made is not None else features_from(features, [done])
         req = self._wrapped()._features_request(  # ``self.sender``, one call shorter
             features, wait_for_space=wait_for_space, copy_inline_below=self.inline_threshold_bytes
         )

@@ -19,6 +19,7 @@ import aioshmcache
 from aioshmcache import (
     AsyncReceiverCache,
     AsyncSenderCache,
+    CacheMissError,
     ClosedCacheError,
     FeatureSpec,
     ReceiverCache,
@@ -402,6 +403,29 @@ async def test_a_stream_of_one_spec_reads_does_not_starve_the_loop(make_config: 
             assert got.data["a"].tolist() == list(range(8))
 
         assert await _turns_of_others(calls, read) >= calls // CHECKPOINT_EVERY - 1
+
+
+async def test_the_one_item_hand_out_checks_as_the_request_does(make_config: Any) -> None:
+    """The async sender's one-spec hand-out (its look-up checked inline, the face's state read
+    without ``_wrapped``'s frame) refuses what the request refuses, and a face not open yet or
+    closed says so, as every other call does."""
+    face = AsyncSenderCache.from_config(make_config())
+    with pytest.raises(ClosedCacheError, match="not open yet"):
+        await face.get_and_update_features([FeatureSpec("h", None)])
+    async with face as cache:
+        item = {"a": np.arange(4)}
+        [put] = await cache.get_and_update_features([FeatureSpec("h", item, identifier="i")])
+        [got] = await cache.get_and_update_features([FeatureSpec("h", None, identifier="i")])
+        assert isinstance(got.data, ShmRef) and got.identifier == "i" and got.mm_hash == "h"
+        assert got.data.id == put.data.id
+        with pytest.raises(TypeError, match="expected FeatureSpec"):
+            await cache.get_and_update_features([("h", None)])  # type: ignore[list-item]
+        with pytest.raises(TypeError):
+            await cache.get_and_update_features([FeatureSpec(7, None)])  # type: ignore[arg-type]
+        with pytest.raises(CacheMissError):
+            await cache.get_and_update_features([FeatureSpec("absent", None)])
+    with pytest.raises(ClosedCacheError, match="closed"):
+        await face.get_and_update_features([FeatureSpec("h", None)])
 
 
 async def test_read_after_wait_reads_as_the_face_does_or_declines_doing_nothing(

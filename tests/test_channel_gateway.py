@@ -322,3 +322,39 @@ async def test_a_call_gathers_its_references_only_when_they_are_given_back(
         assert gathered == [[f.data]] and engine.stats().released == 1
         assert not await cache.release(f.data)  # already given back by the client
         assert cache.snapshot().readers[0].lag == 0
+
+
+async def test_a_piece_that_looks_like_a_whole_frame_ends_the_frame_in_progress() -> None:
+    """A connection knows part of a frame is waiting (kept as it feeds its decoder): bytes that
+    follow it, even bytes that form a whole frame by themselves, are that frame's rest, never an
+    answer of their own (``ClientConnection.data_received``'s one-read path), and a connection
+    holding part of a frame has started a frame (``started``: the worker's idle wait ends)."""
+    conn = ClientConnection(1 << 20)
+    inner = wire.encode_frame(b"abc")  # a whole frame by itself
+    head = b"head-"
+    whole = wire.encode_frame(head + inner)
+    loop = asyncio.get_running_loop()
+    waiter = conn.answer(loop.time() + 30)
+    conn.data_received(whole[: wire.FRAME_PREFIX_BYTES + len(head)])
+    assert conn.started() and not conn.has_frames(1)
+    assert await waiter is None  # woken: no frame yet
+    waiter = conn.answer(loop.time() + 30)
+    conn.data_received(inner)
+    assert await waiter is None  # not ``b"abc"``: the frame came in pieces, queued
+    assert await conn.next_frame(loop.time() + 30) == head + inner
+    assert not conn.started()
+    conn.connection_lost(None)
+
+
+async def test_a_stream_that_ends_inside_a_frame_is_its_error_not_a_frame_started() -> None:
+    """The peer ends its side inside a frame: the decoder drops that part and the connection
+    knows nothing is pending any more, so a wait for a frame raises ``IncompleteFrameError``
+    (it would wait on, or read nothing, if the part still counted as a frame started)."""
+    conn = ClientConnection(1 << 20)
+    whole = wire.encode_frame(b"abcdef")
+    conn.data_received(whole[:-2])
+    assert conn.started()
+    conn.eof_received()
+    with pytest.raises(wire.IncompleteFrameError):
+        await conn.wait_started()
+    conn.connection_lost(None)

@@ -32,6 +32,7 @@ from aioshmcache import (
     _request,
     _serde,
     _store,
+    aio,
     implementation,
 )
 from aioshmcache import _layout as L
@@ -89,6 +90,7 @@ def pure_core(m: pytest.MonkeyPatch) -> None:
     m.setattr(_request, "_put_item", _core_py.put_item)
     m.setattr(_request, "_split_features", _core_py.split_features)
     m.setattr(_request, "_specs_from", _core_py.specs_from)
+    m.setattr(aio, "_specs_from", _core_py.specs_from)  # the async face's one-item hand-out
     m.setattr(_serde, "_copy_into", _core_py.copy_into)
     m.setattr(_acks, "_drain_logs", _core_py.drain_logs)
 

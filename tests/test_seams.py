@@ -41,7 +41,7 @@ ALLOWED_REACHES: dict[str, str] = {
     # (tests/test_twins.py): the async twin and the lease drive the wrapped cache's steps
     "aio.py: self._wrapped()._request": "the async twin drives the wrapped sync sender",
     "aio.py: self._wrapped()._features_request": "the async twin drives the wrapped sync sender",
-    "aio.py: self._wrapped()._put_one": "the async twin drives the wrapped sync sender",
+    "aio.py: cache._put_one": "the async twin drives the wrapped sync sender",
     "aio.py: self.receiver._item_request": "the async twin drives the wrapped sync receiver",
     "aio.py: receiver._request": "the async twin drives the wrapped sync receiver",
     "aio.py: receiver._read_one_feature": "the async twin takes the wrapped receiver's read",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import pickle
 from typing import Any
@@ -65,6 +67,54 @@ def test_cache_info_and_feature_spec() -> None:
     f = FeatureSpec("h", None, identifier="i", prompt_updates=("u",))
     g = f.with_data(REF)
     assert g.data is REF and g.identifier == "i" and g.prompt_updates == ("u",) and f.data is None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _GeneratedSpec:
+    """``FeatureSpec``'s fields with the dataclass's own generated ``__init__``."""
+
+    mm_hash: str
+    data: Any
+    identifier: str | None = dataclasses.field(default=None, kw_only=True)
+    prompt_updates: Any = dataclasses.field(default=(), kw_only=True)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        (("h", None), {}),
+        (("h", REF), {"identifier": "i"}),
+        (("h",), {"data": {"x": 1}, "prompt_updates": ["u"]}),
+        ((), {"mm_hash": "h", "data": None, "identifier": None, "prompt_updates": ("u",)}),
+        (("h", None, "i"), {}),  # identifier is keyword-only
+        (("h",), {}),  # data is required
+        (("h", None), {"other": 1}),
+        (("h", None), {"mm_hash": "g"}),
+    ],
+)
+def test_feature_spec_init_is_the_dataclass_s(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """``FeatureSpec.__init__`` (its own, faster) takes and sets what the generated one does,
+    and refuses what it refuses."""
+    try:
+        want = _GeneratedSpec(*args, **kwargs)
+    except TypeError:
+        with pytest.raises(TypeError):
+            FeatureSpec(*args, **kwargs)
+        return
+    got = FeatureSpec(*args, **kwargs)
+    names = [f.name for f in dataclasses.fields(FeatureSpec)]
+    assert names == [f.name for f in dataclasses.fields(_GeneratedSpec)]
+    assert all(getattr(got, n) is getattr(want, n) for n in names)
+    assert got == FeatureSpec(*args, **kwargs)
+    assert dataclasses.replace(got, data=REF).data is REF
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.data = 1  # type: ignore[misc]
+    params = inspect.signature(FeatureSpec).parameters
+    assert [(p.name, p.kind, p.default) for p in params.values()] == [
+        (p.name, p.kind, p.default) for p in inspect.signature(_GeneratedSpec).parameters.values()
+    ]
 
 
 # --- handles that travel ------------------------------------------------------------------------
