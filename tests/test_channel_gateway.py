@@ -21,7 +21,13 @@ from aioshmcache import _channel_format as F
 from aioshmcache._channel_conn import ClientConnection
 from aioshmcache.aio import CHECKPOINT_EVERY
 from aioshmcache.channel import EngineClient
-from aioshmcache.errors import EndOfFramesError, EngineCallError, EngineTimeoutError, WireError
+from aioshmcache.errors import (
+    EndOfFramesError,
+    EngineCallError,
+    EngineTimeoutError,
+    IncompleteFrameError,
+    WireError,
+)
 from aioshmcache.wire import read_frame
 
 from ._channel_procs import crc
@@ -355,6 +361,6 @@ async def test_a_stream_that_ends_inside_a_frame_is_its_error_not_a_frame_starte
     conn.data_received(whole[:-2])
     assert conn.started()
     conn.eof_received()
-    with pytest.raises(wire.IncompleteFrameError):
+    with pytest.raises(IncompleteFrameError):
         await conn.wait_started()
     conn.connection_lost(None)
