@@ -29,12 +29,15 @@ from .test_differential_store import C, _ledger_state, _sender_for, on_both_core
 pytestmark = pytest.mark.skipif(C is None, reason="the C core is not built here")
 
 READERS = 3
+#: each sequence starts with a reader attached; reads and puts are the common steps
 OPS = st.one_of(
-    st.tuples(st.just("attach"), st.just(0)),
-    st.tuples(st.just("close"), st.integers(0, READERS - 1)),
+    st.tuples(st.just("put"), st.integers(0, 11)),
+    st.tuples(st.just("read"), st.integers(0, READERS * 16 - 1)),
     st.tuples(st.just("put"), st.integers(0, 11)),
     st.tuples(st.just("read"), st.integers(0, READERS * 16 - 1)),
     st.tuples(st.just("drain"), st.just(0)),
+    st.tuples(st.just("attach"), st.just(0)),
+    st.tuples(st.just("close"), st.integers(0, READERS - 1)),
     st.tuples(st.just("garble"), st.integers(0, READERS - 1)),
 )
 
@@ -44,11 +47,11 @@ def _item(n: int) -> tuple[dict[str, Any], list[int]]:
     return {"x": np.full(1024 * (1 + n % 9), n, dtype=np.uint64)}, [n]
 
 
-def _run(ops: list[tuple[str, int]], log_entries: int) -> list[object]:
+def _run(ops: list[tuple[str, int]], log_entries: int, delivery: str) -> list[object]:
     """The operations on a fresh sender cache with up to three readers, logs of
-    ``log_entries``; after each one, its answer and the writer's whole state of the readers
-    (``_ledger_state``)."""
-    cache = _sender_for("diffdrain", READERS, ack_log_entries=log_entries)
+    ``log_entries``, ``delivery`` broadcast or one-of-N; after each one, its answer and the
+    writer's whole state of the readers (``_ledger_state``)."""
+    cache = _sender_for("diffdrain", READERS, ack_log_entries=log_entries, delivery=delivery)
     ticks = iter(range(1, 1 << 30))
     cache.store._ledger.clock = lambda: float(next(ticks))
     readers: list[StoreReader | None] = []
@@ -91,14 +94,18 @@ def _run(ops: list[tuple[str, int]], log_entries: int) -> list[object]:
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(st.lists(OPS, min_size=1, max_size=60), st.sampled_from([64, 16384]))
+@given(
+    st.lists(OPS, min_size=20, max_size=60).map(lambda ops: [("attach", 0), *ops]),
+    st.sampled_from([64, 16384]),
+    st.sampled_from(["broadcast", "one_of_n"]),
+)
 def test_random_drains_keep_the_reference_s_state(
-    monkeypatch: pytest.MonkeyPatch, ops: list[tuple[str, int]], log_entries: int
+    monkeypatch: pytest.MonkeyPatch, ops: list[tuple[str, int]], log_entries: int, delivery: str
 ) -> None:
-    """Every answer and every state after each step alike on both cores. With logs of 64
-    entries the hand-outs drain too (every 32 since the last drain), as well as the puts'
-    eviction passes and the explicit drains."""
-    with_c, pure = on_both_cores(monkeypatch, lambda: _run(ops, log_entries))
+    """Every answer and every state after each step alike on both cores, in broadcast and
+    one-of-N. With logs of 64 entries the hand-outs drain too (every 32 since the last drain),
+    as well as the puts' eviction passes and the explicit drains."""
+    with_c, pure = on_both_cores(monkeypatch, lambda: _run(ops, log_entries, delivery))
     assert with_c == pure
 
 
