@@ -2398,6 +2398,18 @@ static PyObject *s_hand_out, *s_ref, *writer_hand_out, *writer_ref, *kept_marker
 /* ``_thread.RLock`` and its ``acquire`` / ``release`` descriptors: see lock_call */
 static PyObject *rlock_type, *rlock_acquire, *rlock_release;
 
+/* ``module.name`` (``module`` imported), a new reference, or NULL with an exception. */
+static PyObject *
+module_attr(const char *module, const char *name)
+{
+    PyObject *m = PyImport_ImportModule(module);
+    if (m == NULL)
+        return NULL;
+    PyObject *v = PyObject_GetAttrString(m, name);
+    Py_DECREF(m);
+    return v;
+}
+
 static int
 intern_item_names(void)
 {
@@ -2413,21 +2425,11 @@ intern_item_names(void)
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (*names[i].p == NULL && (*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL)
             return -1;
-    if (too_large_error == NULL) {
-        PyObject *errors = PyImport_ImportModule("aioshmcache.errors");
-        if (errors == NULL)
-            return -1;
-        too_large_error = PyObject_GetAttrString(errors, "ObjectTooLargeError");
-        Py_DECREF(errors);
-        if (too_large_error == NULL)
-            return -1;
-    }
+    if (too_large_error == NULL &&
+        (too_large_error = module_attr("aioshmcache.errors", "ObjectTooLargeError")) == NULL)
+        return -1;
     if (keep_func == NULL) {
-        PyObject *request = PyImport_ImportModule("aioshmcache._request");
-        if (request == NULL)
-            return -1;
-        PyObject *book_type = PyObject_GetAttrString(request, "SenderBook");
-        Py_DECREF(request);
+        PyObject *book_type = module_attr("aioshmcache._request", "SenderBook");
         if (book_type == NULL)
             return -1;
         keep_func = PyObject_GetAttrString(book_type, "keep_updates");
@@ -2436,17 +2438,11 @@ intern_item_names(void)
             return -1;
     }
     if (owner_func == NULL) {
-        PyObject *mod = PyImport_ImportModule("aioshmcache._store");
-        if (mod == NULL)
-            return -1;
-        PyObject *writer_type = PyObject_GetAttrString(mod, "StoreWriter");
-        Py_DECREF(mod);
+        PyObject *writer_type = module_attr("aioshmcache._store", "StoreWriter");
         if (writer_type == NULL)
             return -1;
-        if (PyType_Check(writer_type))
-            owner_func = _PyType_Lookup((PyTypeObject *)writer_type, s_check_owner);
-        Py_XINCREF(owner_func);
         if (PyType_Check(writer_type)) {
+            owner_func = Py_XNewRef(_PyType_Lookup((PyTypeObject *)writer_type, s_check_owner));
             writer_hand_out = Py_XNewRef(_PyType_Lookup((PyTypeObject *)writer_type, s_hand_out));
             writer_ref = Py_XNewRef(_PyType_Lookup((PyTypeObject *)writer_type, s_ref));
         }
@@ -2458,11 +2454,7 @@ intern_item_names(void)
         }
     }
     if (rlock_type == NULL) {
-        PyObject *thread = PyImport_ImportModule("_thread");
-        if (thread == NULL)
-            return -1;
-        PyObject *t = PyObject_GetAttrString(thread, "RLock");
-        Py_DECREF(thread);
+        PyObject *t = module_attr("_thread", "RLock");
         if (t == NULL)
             return -1;
         if (PyType_Check(t) && PyType_HasFeature((PyTypeObject *)t, Py_TPFLAGS_IMMUTABLETYPE)) {
