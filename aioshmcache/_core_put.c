@@ -612,6 +612,15 @@ slot_set(PyObject *obj, Py_ssize_t off, PyObject *v)
     Py_XDECREF(old);
 }
 
+/* A time the ledger keeps (a hand-out's, a touch's, or none): exactly a float, an int or None,
+ * whose release runs no Python code. The clock is a Python callable (a test's may return any
+ * object, a float subclass with a finalizer): anything else is the reference's to keep. */
+static inline int
+plain_time(PyObject *v)
+{
+    return v == Py_None || PyFloat_CheckExact(v) || PyLong_CheckExact(v);
+}
+
 static PyObject *
 core_configure_hand_out(PyObject *self, PyObject *args)
 {
@@ -742,8 +751,9 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         PyObject *d = SLOT(tracked, o_d_debt);
         PyObject *p = SLOT(tracked, o_d_pins);
         if (id == NULL || o == NULL || d == NULL || p == NULL ||
-            SLOT(tracked, o_d_touched) == NULL || !PyDict_CheckExact(o) ||
-            !PyLong_CheckExact(id) || !PyLong_CheckExact(d) || !PyLong_CheckExact(p))
+            SLOT(tracked, o_d_touched) == NULL || !plain_time(SLOT(tracked, o_d_touched)) ||
+            !PyDict_CheckExact(o) || !PyLong_CheckExact(id) || !PyLong_CheckExact(d) ||
+            !PyLong_CheckExact(p))
             DECLINE();
         int same = PyObject_RichCompareBool(id, cid_obj, Py_EQ); /* ints: no Python code */
         CHECK(same < 0 ? -1 : !same);
@@ -858,10 +868,13 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
             if (owes[i] < 0 || owes[i] == INT64_MAX)
                 DECLINE();
         }
+        if (!plain_time(now))
+            DECLINE(); /* kept in the entry, untracked: a plain time only */
         if (tracked != NULL) {
-            PyObject *d = SLOT(tracked, o_d_debt);
-            if (d == NULL || !PyLong_CheckExact(d) || SLOT(tracked, o_d_out) != out)
-                DECLINE();
+            PyObject *d = SLOT(tracked, o_d_debt), *touched = SLOT(tracked, o_d_touched);
+            if (d == NULL || !PyLong_CheckExact(d) || SLOT(tracked, o_d_out) != out ||
+                touched == NULL || !plain_time(touched))
+                DECLINE(); /* the touch ended below must release no Python code */
             CHECK(as_i64(d, &old_debt));
             if (old_debt < 0 || old_debt > INT64_MAX - MAX_LIVE)
                 DECLINE();
@@ -1034,6 +1047,8 @@ settle_pairs(PyObject *ledger, PyObject *acks, PyObject *session, Py_ssize_t *se
         if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2)
             break;
         PyObject *owers = PyTuple_GET_ITEM(pair, 0), *when = PyTuple_GET_ITEM(pair, 1);
+        if (!plain_time(when) || when == Py_None)
+            break; /* released below with the pair: it must run no Python code */
         Py_ssize_t at = -1, n = 0;
         if (owers != Py_None) { /* broadcast: ints only, and owed by this session? */
             if (!PyTuple_CheckExact(owers))

@@ -139,26 +139,25 @@ class HandoutLedger:
 
     # --- hand-outs and settlement ---------------------------------------------------------
     def hand_out(self, e: Debts, owers: Iterable[int] = ()) -> int:
-        """Record a hand-out of ``e`` owed by ``owers`` (ignored in one-of-N); returns its seq."""
+        """Record a hand-out of ``e`` owed by ``owers`` (ignored in one-of-N); returns its seq.
+
+        The clock is read first, before anything changes (it may be a test's Python code, which
+        may raise or change the ledger), as the compiled hand-out reads it."""
+        sessions = () if self.one_of_n else tuple(owers)  # the same tuple if it is one
+        now = self.clock() if self.one_of_n or sessions else 0.0
         seq = self.next_seq
         self.next_seq = seq + 1
-        # the clock is read before the entry changes (it may be a test's Python code, which
-        # may change the ledger: the entry is then tracked again as the clock left it)
         if self.one_of_n:
-            now = self.clock()
             self._track(e)
             e.out[seq] = (None, now)
             e.debt += 1
-        else:
-            sessions = tuple(owers)  # the same tuple if it is one
-            if sessions:
-                now = self.clock()
-                self._track(e)
-                e.out[seq] = (sessions, now)
-                e.debt += len(sessions)
-                owed = self.owed
-                for s in sessions:
-                    owed[s] = owed.get(s, 0) + 1
+        elif sessions:
+            self._track(e)
+            e.out[seq] = (sessions, now)
+            e.debt += len(sessions)
+            owed = self.owed
+            for s in sessions:
+                owed[s] = owed.get(s, 0) + 1
         e.touched_at = None
         self._retire(e)
         return seq
@@ -168,21 +167,25 @@ class HandoutLedger:
         e = self.entries.get(cid)
         if e is not None:
             return self.hand_out(e, owers)
+        if not self.one_of_n and not owers:
+            seq = self.next_seq
+            self.next_seq = seq + 1
+            return seq  # owed by nobody, nothing pinned or touched: just a number
+        now = self.clock()  # first, as in ``hand_out``
         seq = self.next_seq
         self.next_seq = seq + 1
+        e = self.entries[cid] = Debts(cid)
         if self.one_of_n:
-            e = self.entries[cid] = Debts(cid)
-            e.out[seq] = (None, self.clock())
+            e.out[seq] = (None, now)
             e.debt = 1
-        elif owers:  # the common put: a new entry owed by the live sessions, in one go
-            e = self.entries[cid] = Debts(cid)
+        else:  # the common put: a new entry owed by the live sessions, in one go
             owers = tuple(owers)  # the same tuple if it is one
-            e.out[seq] = (owers, self.clock())
+            e.out[seq] = (owers, now)
             e.debt = len(owers)
             owed = self.owed
             for s in owers:
                 owed[s] = owed.get(s, 0) + 1
-        return seq  # owed by nobody, nothing pinned or touched: just a number
+        return seq
 
     def settle(self, cid: int, seq: int, session: int) -> bool:
         """Session ``session`` acknowledged hand-out ``seq`` of entry ``cid``; True if it owed it.

@@ -251,3 +251,65 @@ def test_a_collection_cannot_start_inside_the_settlement() -> None:
     assert fired == [] and settled == len(outs)
     _consistent(ledger)
     assert ledger.owed == {s1: 0, s2: 0, s3: len(outs)}
+
+
+class _Stamp(float):
+    """A clock's time that is not a plain float: a finalizer of its own, and a ``__dict__``
+    (so a tuple holding it must stay tracked by the collector)."""
+
+    on_free: Callable[[], None] | None = None
+
+    def __del__(self) -> None:
+        if self.on_free is not None:
+            self.on_free()
+
+
+def test_a_time_that_is_not_a_plain_float_is_the_reference_s_to_release() -> None:
+    """A review's case: a hand-out whose time is the clock's own object, whose release runs
+    Python code (it replaced the entry's ``out`` under the loop: a use after free on the
+    sanitizer build). The core stops before such a pair, and the reference settles it, with
+    the same answer and state; a pair kept with such a time stays tracked by the collector."""
+    cid = 10**12 + 7
+
+    def drain(settle_c: bool) -> tuple[int, object, bool]:
+        ledger = HandoutLedger(one_of_n=False, handout_ttl=10.0, clock=lambda: _Stamp(1.0))
+        seq = ledger.hand_out_id(cid, (11, 12))
+        ledger.settle_all([cid, seq], 12)  # partial: out[seq] = ((11,), when)
+        e = ledger.entries[cid]
+        tracked = gc.is_tracked(e.out[seq])
+        when = e.out[seq][1]
+        assert isinstance(when, _Stamp)
+
+        def replace_out() -> None:
+            if (again := ledger.entries.get(cid)) is not None:
+                again.out = {}
+
+        when.on_free = replace_out
+        del when
+        with pytest.MonkeyPatch.context() as m:
+            if not settle_c:
+                m.setattr(_ledger, "_settle_pairs", _core_py.settle_pairs)
+            n = ledger.settle_all([cid, seq], 11)
+        return n, state(ledger), tracked
+
+    with_c, pure = drain(True), drain(False)
+    assert with_c == pure
+    assert with_c[0] == 1 and with_c[2] is True and cid not in with_c[1][0]  # type: ignore[index]
+
+
+def test_a_clock_that_raises_changes_nothing_on_either_core() -> None:
+    """A review's case: the reference read the clock after taking the seq and making the entry,
+    the compiled hand-out before anything; a clock that raises now leaves the ledger as it was
+    in both (no seq taken, no empty entry tracked)."""
+
+    def boom() -> float:
+        raise RuntimeError("clock")
+
+    for one_of_n in (False, True):
+        ledger = HandoutLedger(one_of_n=one_of_n, handout_ttl=10.0, clock=boom)
+        with pytest.raises(RuntimeError):
+            ledger.hand_out_id(5, (11,))
+        e = Debts(6)
+        with pytest.raises(RuntimeError):
+            ledger.hand_out(e, (11,))
+        assert ledger.next_seq == 1 and not ledger.entries and not ledger.owed

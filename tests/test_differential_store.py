@@ -969,3 +969,36 @@ def test_the_c_put_evicts_the_usual_way_and_declines_the_rest(
         assert seen[0] is True and False in seen[1:]
     finally:
         store.close()
+
+
+def test_a_touch_whose_time_runs_code_when_freed_is_the_reference_s_to_end(
+    make_config: Any,
+) -> None:
+    """A review's case: the compiled hand-out of a touched entry ended the touch (freeing the
+    clock's object, whose finalizer ran Python code) and then wrote the counts it had read
+    before it. It now declines an entry whose touch or new time is not a plain float, int or
+    None, and the reference keeps what the finalizer did."""
+    assert C is not None
+
+    def run(compiled: bool) -> tuple[object, int, int]:
+        with SenderCache(make_config(1 << 20)) as cache:
+            store = cache.store
+            acks, ledger = store._acks, store._ledger
+            with ShmObjectStore.from_handle(store.handle()):
+                cache.get_and_update_item(({"x": np.ones(3)}, []), "a")  # syncs the session
+                (session,) = acks.live_sessions
+
+                class Stamp(float):
+                    def __del__(self) -> None:
+                        ledger.owed[session] = ledger.owed.get(session, 0) + 100
+
+                ledger.clock = lambda: Stamp(5.0)
+                e = ledger.debts_of(10**6)
+                ledger.touch(e)  # its touch: a Stamp, held by the entry only
+                seq = C.hand_out(acks, 10**6) if compiled else None
+                if seq is None:  # declined: the store's own step
+                    seq = acks.hand_out(10**6)
+                return seq, ledger.owed[session], int(store._readers.owed_words[0])
+
+    with_c, pure = run(True), run(False)
+    assert with_c == pure and with_c[1] >= 100
