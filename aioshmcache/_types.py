@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, NamedTuple
 
@@ -424,7 +424,9 @@ class FeatureSpec:
     """One multimodal item of a request.
 
     ``data`` is the item (a mapping of field name to nested arrays), a ``ShmRef`` standing for it,
-    or ``None`` (the sender believes the receiver side can resolve the hash).
+    or ``None`` (the sender believes the receiver side can resolve the hash). ``prompt_updates``
+    given as an iterable that is not a sequence (an iterator, a generator) is kept as a tuple: a
+    request reads them more than once.
     """
 
     mm_hash: str
@@ -438,17 +440,29 @@ class FeatureSpec:
         data: Any,
         *,
         identifier: str | None = None,
-        prompt_updates: Sequence[Any] = (),
+        prompt_updates: Iterable[Any] = (),
     ) -> None:
         # the frozen dataclass's own __init__, field for field (its signature and defaults),
         # with each slot set through its member descriptor (``_SET_*``, bound below the class)
         # rather than ``object.__setattr__`` looked up per field: a caller builds one spec per
         # item of every request (measured ~470 -> ~300 ns a spec; ~1.7k instructions of the
-        # channel's gateway round trip)
-        _SET_HASH(self, mm_hash)
-        _SET_DATA(self, data)
-        _SET_IDENTIFIER(self, identifier)
-        _SET_UPDATES(self, prompt_updates)
+        # channel's gateway round trip). A subclass's instance is set as the dataclass sets it
+        # (through its class: a property there still refuses it).
+        u = prompt_updates
+        if type(u) is not tuple and type(u) is not list and not isinstance(u, Sequence):
+            # an iterator, a generator, a set: the updates are read more than once (the
+            # request's look-up, then its put), and in order, so the spec keeps them whole
+            u = tuple(u)
+        if type(self) is FeatureSpec:
+            _SET_HASH(self, mm_hash)
+            _SET_DATA(self, data)
+            _SET_IDENTIFIER(self, identifier)
+            _SET_UPDATES(self, u)
+        else:
+            _set_field(self, "mm_hash", mm_hash)
+            _set_field(self, "data", data)
+            _set_field(self, "identifier", identifier)
+            _set_field(self, "prompt_updates", u)
 
     def with_data(self, data: Any) -> FeatureSpec:
         # this spec's fields with another data: nothing to check, so the frozen dataclass's
@@ -468,6 +482,8 @@ _SET_HASH, _SET_DATA, _SET_IDENTIFIER, _SET_UPDATES = (
     FeatureSpec.__dict__[name].__set__
     for name in ("mm_hash", "data", "identifier", "prompt_updates")
 )
+# as the generated __init__ says it returns (the module's annotations are strings)
+FeatureSpec.__init__.__annotations__["return"] = None
 
 
 @dataclass(frozen=True, slots=True)

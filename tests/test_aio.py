@@ -81,6 +81,21 @@ async def test_lifetime_owned_and_borrowed(make_config: Any) -> None:
         sync.close()
 
 
+async def test_a_declined_one_spec_put_keeps_updates_given_as_an_iterator(
+    make_config: Any,
+) -> None:
+    """A review's case: the async face's one-spec call reads a spec's updates, declines (a copy
+    over its inline threshold goes to a thread) and its request read them again: a one-shot
+    iterator gave the put no updates. The spec now keeps them whole."""
+    cfg = make_config(8 << 20, 4 << 20)
+    async with AsyncSenderCache.from_config(cfg, inline_threshold_bytes=1024) as cache:
+        spec = FeatureSpec("h", {"b": np.zeros(100_000)}, prompt_updates=iter([1]))
+        [out] = await cache.get_and_update_features([spec])
+        assert isinstance(out.data, ShmRef) and tuple(out.prompt_updates) == (1,)
+        [again] = await cache.get_and_update_features([FeatureSpec("h", None)])
+        assert tuple(again.prompt_updates) == (1,)  # the kept ones
+
+
 async def test_hits_are_inline_and_lease(make_config: Any) -> None:
     async with (
         AsyncSenderCache.from_config(make_config(8 * MiB, 4 * MiB, 1)) as cache,

@@ -293,7 +293,10 @@ def _build(desc: list[tuple[str, str, str]]) -> list[Any]:
             out.append((f"h{i}", _data(data)))
             continue
         cls = _Spec if kind == "sub" else FeatureSpec
-        f = cls(f"h{i}", _data(data), identifier=f"id{i}", prompt_updates=_updates(updates))
+        f = cls(f"h{i}", _data(data), identifier=f"id{i}")
+        # set as given, past the constructor (which keeps an iterator whole and refuses what is
+        # not iterable): the cores must still handle any stored value alike
+        object.__setattr__(f, "prompt_updates", _updates(updates))
         if kind == "bad-hash":
             object.__setattr__(f, "mm_hash", i)  # not a str
         out.append(f)

@@ -115,6 +115,37 @@ def test_feature_spec_init_is_the_dataclass_s(
     assert [(p.name, p.kind, p.default) for p in params.values()] == [
         (p.name, p.kind, p.default) for p in inspect.signature(_GeneratedSpec).parameters.values()
     ]
+    assert inspect.signature(FeatureSpec).return_annotation is None  # not the string "None"
+
+
+def test_a_feature_spec_subclass_is_set_as_the_dataclass_sets_it() -> None:
+    """A review's case: a subclass that makes a field a property refuses it at construction, as
+    the generated ``__init__`` (``object.__setattr__``, through the class) does; a plain
+    subclass is built as a ``FeatureSpec``."""
+
+    class Prop(FeatureSpec):
+        __slots__ = ()
+
+        @property
+        def identifier(self) -> str:
+            return "prop"
+
+    class Plain(FeatureSpec):
+        __slots__ = ()
+
+    with pytest.raises(AttributeError):
+        Prop("h", 1, identifier="x")
+    spec = Plain("h", 1, identifier="x", prompt_updates=["u"])
+    assert (spec.mm_hash, spec.data, spec.identifier, spec.prompt_updates) == ("h", 1, "x", ["u"])
+
+
+def test_prompt_updates_given_as_an_iterator_are_kept_whole() -> None:
+    """A review's case: a request reads a spec's updates more than once (its look-up, then its
+    put), so a one-shot iterator is kept as a tuple; sequences are kept as given."""
+    assert FeatureSpec("h", 1, prompt_updates=iter([1, 2])).prompt_updates == (1, 2)
+    assert FeatureSpec("h", 1, prompt_updates=(u for u in "ab")).prompt_updates == ("a", "b")
+    given = ["u"]
+    assert FeatureSpec("h", 1, prompt_updates=given).prompt_updates is given
 
 
 # --- handles that travel ------------------------------------------------------------------------
