@@ -285,6 +285,8 @@ put_array(Walk *w, PyObject *obj)
         w->chunk_cap = cap;
     }
     Py_ssize_t off = (w->cursor + PAYLOAD_ALIGN - 1) & ~(Py_ssize_t)(PAYLOAD_ALIGN - 1);
+    if ((uint64_t)off > (uint64_t)PY_SSIZE_T_MAX / 2 - nbytes)
+        return -1; /* the arrays' total past any store's size: the reference's sums decide */
     w->cursor = off + (Py_ssize_t)nbytes;
     w->chunks[w->nchunks++] = (Chunk){off, (Py_ssize_t)nbytes, Py_NewRef(obj)};
     Py_ssize_t dlen = PyBytes_GET_SIZE(enc);

@@ -389,8 +389,8 @@ def _acknowledge(ctx: ReadCtx, mem: memoryview, cid: int, seq: int) -> bool:
             return False
         so = ctx.slot_off
         head = _word(mem, so + 8 * L.RS_HEAD)
-        if head - _word(mem, so + 8 * L.WS_CONSUMED) >= ctx.log_entries:
-            return False
+        if (head - _word(mem, so + 8 * L.WS_CONSUMED)) & _U64 >= ctx.log_entries:
+            return False  # full (a consumed mark past the head, garbled, wraps: full too)
         e = so + L.SLOT_HEADER + L.LOG_ENTRY_BYTES * (head % ctx.log_entries)
         _Q.pack_into(mem, e, cid)
         _Q.pack_into(mem, e + 8, seq)

@@ -38,7 +38,13 @@ from ._group import Found, Siblings
 from ._kept import KEPT, keep, restore
 from ._layout import H_HITS, H_INLINE_FULL, H_INLINE_LARGE, H_MISSES, H_SIBLING_HITS
 from ._sharded_map import ShardedMap
-from ._store import INLINE_COPY_UNDER_LOCK, SYNC_ONE_STEP_PUT_UNDER, Reservation, StoreWriter
+from ._store import (
+    INLINE_COPY_UNDER_LOCK,
+    SYNC_ONE_STEP_PUT_UNDER,
+    Reservation,
+    StoreWriter,
+    exact_key,
+)
 from ._types import FeatureSpec, ShmRef, as_reference
 from .errors import (
     CacheFullError,
@@ -87,10 +93,13 @@ _set_field = object.__setattr__
 
 
 def check_hash(mm_hash: object) -> str:
-    """``mm_hash`` if it is a ``str``, else ``TypeError``."""
+    """``mm_hash`` as an exact ``str`` (a subclass's characters: ``_store.exact_key``), else
+    ``TypeError``."""
+    if type(mm_hash) is str:
+        return mm_hash
     if not isinstance(mm_hash, str):
         raise TypeError(f"mm_hash must be a str, not {type(mm_hash).__name__}")
-    return mm_hash
+    return exact_key(mm_hash)
 
 
 def check_wait(wait: object) -> float:
@@ -764,7 +773,7 @@ class SenderRequest(_Steps):
             hashes = []
             for f in features:  # one pass, no comprehension frames
                 items.append(feature_item(f))  # checks every spec and its hash
-                hashes.append(f.mm_hash)
+                hashes.append(check_hash(f.mm_hash))
         req = cls(
             store,
             book,

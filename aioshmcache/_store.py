@@ -114,6 +114,21 @@ INLINE_COPY_UNDER_LOCK: Final = 1 << 20
 #: lock: on a worker thread, off the event loop).
 SYNC_ONE_STEP_PUT_UNDER: Final = 1 << 62
 
+
+def exact_key(key: object) -> str:
+    """``key`` as the store keeps it: an exact ``str`` (``TypeError`` if it is not a ``str``).
+
+    A ``str`` subclass is kept as its characters alone: the index, the ledger and the sender's
+    book are hashed and compared by the compiled core, where a subclass's own ``__hash__`` or
+    ``__eq__`` (Python code) must never run between a put's first change and its last.
+    """
+    if type(key) is str:
+        return key
+    if not isinstance(key, str):
+        raise TypeError(f"keys are str, not {type(key).__name__}")
+    return str.__str__(key)  # the base method: a new exact str, whatever the subclass defines
+
+
 #: A cached item's row, by chunk id: ``(key, address, length, position, tag_base, tag_epoch)``.
 #: Kept as its key (a str) and the five ints packed in a bytes object (``_ROW``): neither is a
 #: container, so the collector never tracks them or the dicts that hold them (see "Compact
@@ -464,8 +479,8 @@ class StoreWriter(ShmObjectStore):
         ref = _put_plain(self, key, plan)
         if ref is not None:
             return ref
-        if type(key) is not str and not isinstance(key, str):
-            raise TypeError(f"keys are str, not {type(key).__name__}")
+        if type(key) is not str:
+            key = exact_key(key)  # (the core declines every other key)
         if (
             key in (i := self._index).shards[hash(key) & i.mask]  # ``key in self._index``
             or key in self._pending
@@ -510,8 +525,8 @@ class StoreWriter(ShmObjectStore):
         """
         self._check_writer()  # first: a forked child may inherit the lock held
         with self._lock:
-            if type(key) is not str and not isinstance(key, str):
-                raise TypeError(f"keys are str, not {type(key).__name__}")
+            if type(key) is not str:
+                key = exact_key(key)
             if key in self._index or key in self._pending or key in self._waiting_keys:
                 raise DuplicateKeyError(f"key {key!r} is already cached")
             if plan.nbytes > self.max_object_bytes:

@@ -36,7 +36,13 @@ from anyio.abc import AsyncResource
 from ._core_api import core
 from ._flight import FROM_SIBLING, GroupFlight, SingleFlight, SingleFlightStats, call_make
 from ._loop_turns import turns
-from ._request import DEFAULT_INLINE_THRESHOLD, SenderRequest, feature_item, features_from
+from ._request import (
+    DEFAULT_INLINE_THRESHOLD,
+    SenderRequest,
+    check_hash,
+    feature_item,
+    features_from,
+)
 from ._serde import Serde
 from ._types import (
     CacheConfig,
@@ -669,8 +675,7 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
         found there is put as if made here) and ``make``'s item is stored in the tier behind
         the request; see ``aioshmcache.tier`` and ``tier_stats()``.
         """
-        if not isinstance(mm_hash, str):
-            raise TypeError(f"mm_hash must be a str, not {type(mm_hash).__name__}")
+        mm_hash = check_hash(mm_hash)
         updates = tuple(prompt_updates)
 
         async def call_make_counted() -> Any:  # every call of ``make`` is a counted run

@@ -625,6 +625,13 @@ def test_a_receiver_lease_takes_the_core_and_settles_on_exit() -> None:
             assert acked(rx.store) == before + 1
 
 
+def _log_words(r: StoreReader) -> tuple[Any, int]:
+    """Reader ``r``'s slot table and slot: its acknowledgement log's words."""
+    slot = r.read_path.slot
+    assert slot is not None
+    return slot.table, slot.slot
+
+
 @pytest.mark.parametrize("start", [(1 << 64) - 1, (1 << 64) - 2])
 def test_a_log_head_a_hostile_writer_set_to_the_top_wraps_alike_on_every_path(
     start: int,
@@ -637,9 +644,7 @@ def test_a_log_head_a_hostile_writer_set_to_the_top_wraps_alike_on_every_path(
     with stores() as (w, readers):
         for name, r in readers.items():
             ref = w.put(f"k-{name}", {"a": np.arange(10)})
-            slot = r.read_path.slot
-            assert slot is not None
-            table, i = slot.table, slot.slot
+            table, i = _log_words(r)
             table.set_word(i, L.RS_HEAD, start)
             table.set_word(i, L.WS_CONSUMED, start)
             got = r.get(ref)
@@ -653,6 +658,23 @@ def test_a_log_head_a_hostile_writer_set_to_the_top_wraps_alike_on_every_path(
             r.ack(ref)
             r.release(ref)
             assert table.word(i, L.RS_HEAD) == (start + 2) % (1 << 64), name
+
+
+def test_a_consumed_mark_past_the_log_head_is_a_full_log_on_every_path() -> None:
+    """A garbled slot whose consumed mark is ahead of its log head: the log's fill, ``head -
+    consumed``, wraps modulo 2**64 (as ``ReaderSlot.ack`` and the compiled core compute it): the
+    log is full, so the acknowledgement waits and the head stays. A review found the pure
+    core computing it on Python ints (negative: room) and writing the log."""
+    with stores() as (w, readers):
+        for name, r in readers.items():
+            ref = w.put(f"k-{name}", {"a": np.arange(10)})
+            table, i = _log_words(r)
+            head = table.word(i, L.RS_HEAD)
+            table.set_word(i, L.WS_CONSUMED, head + 5)
+            got = r.get(ref)
+            assert np.array_equal(got["a"], np.arange(10)), name
+            assert table.word(i, L.RS_HEAD) == head, name  # nothing written to the log
+            table.set_word(i, L.WS_CONSUMED, head)
 
 
 @pytest.mark.parametrize("exc", [MemoryError("no memory"), RuntimeError("bug")], ids=repr)

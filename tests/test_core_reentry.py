@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import gc
 import inspect
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 
 from aioshmcache import CacheConfig, ShmObjectStore, _acks, _core_py
+from aioshmcache import _layout as L
 from aioshmcache._acks import Acknowledgements
 from aioshmcache.store import StoreWriter
 
@@ -183,3 +186,128 @@ def test_a_call_counted_amid_a_compiled_one_is_counted_too(outer: str) -> None:
         with_c, pure = on_both_cores(m, run)
     expected = ((2, 2), (2, 0)) if outer == "hit" else ((2, 1), (1, 1))
     assert (with_c, pure) == (expected, expected)
+
+
+class _Key(str):
+    """A key whose ``__hash__`` and ``__eq__`` are Python code: each call counted, and the first
+    one after ``arm`` runs ``act`` (a put into the same store, a close) before answering."""
+
+    calls = 0
+    act: Callable[[], object] | None = None
+    collides_with: str | None = None  # hash as this key does: a put of it compares the two
+
+    def __hash__(self) -> int:
+        type(self).calls += 1
+        act, type(self).act = type(self).act, None
+        if act is not None:
+            act()
+        return str.__hash__(self if self.collides_with is None else self.collides_with)
+
+    def __eq__(self, other: object) -> bool:
+        type(self).calls += 1
+        act, type(self).act = type(self).act, None
+        if act is not None:
+            act()
+        return str.__eq__(self, other)
+
+
+def _keys_held(store: StoreWriter) -> set[type]:
+    """The types of every key the store's index holds."""
+    return {type(k) for k in store.keys()}
+
+
+@pytest.mark.parametrize("when", ["evicted", "published beside"])
+def test_a_key_given_as_a_str_subclass_runs_no_code_of_its_own_in_a_put(when: str) -> None:
+    """A key is kept as its characters alone (an exact ``str``). A review found a ``str``
+    subclass's ``__hash__`` / ``__eq__`` run by the compiled put amid its changes: when the key
+    was evicted (the frees' index look-up), a put made from there took the outer put's chunk
+    and id ("inner" read the outer item's bytes); when the new key's shard held it, the publish
+    stored a stale bytes-used word, or wrote the header after a close (a crash)."""
+
+    def run() -> tuple[dict[str, float | str], set[type], int]:
+        cfg = CacheConfig(
+            256 * 1024, 200 * 1024, 1, name=f"{RUN_PREFIX}key-{uuid.uuid4().hex[:10]}"
+        )
+        with ShmObjectStore.create(cfg) as store:
+            _Key.calls, _Key.act = 0, None
+
+            def inner() -> None:
+                store.put("inner", {"x": np.full(100, -1.0)})
+
+            if when == "evicted":
+                k = _Key("evil")
+                store.put(k, {"x": np.full(7000, 1.0)})  # ~55 KiB: four fill the ring
+                for i in range(3):
+                    store.put(f"fill{i}", {"x": np.full(7000, 2.0 + i)})
+            else:
+                k = _Key("evil")
+                k.collides_with = "outer"
+                store.put(k, {"x": np.full(8, 1.0)})
+            stored_calls = _Key.calls
+            _Key.act = inner
+            store.put("outer", {"x": np.full(7000, 9.0)})
+            seen: dict[str, float | str] = {}
+            with ShmObjectStore.from_handle(store.handle()) as reader:
+                for key in ("evil", "fill0", "inner", "outer"):
+                    ref = store.get_cached(key)
+                    seen[key] = "absent" if ref is None else float(reader.get(ref)["x"][0])
+            assert store.words[L.H_BYTES_USED] == store.ring.used_bytes
+            return seen, _keys_held(store), _Key.calls - stored_calls
+
+    with pytest.MonkeyPatch.context() as m:
+        with_c, pure = on_both_cores(m, run)
+    seen, held, calls = with_c
+    assert (held, calls) == ({str}, 0)  # kept as a str: none of its code ran in the later put
+    assert seen["outer"] == 9.0 and seen["inner"] == "absent"
+    assert with_c == pure
+
+
+def test_a_close_from_a_colliding_key_s_code_cannot_happen_amid_a_publish() -> None:
+    """The crash of the review, in a process of its own: a stored key whose ``__eq__`` closed
+    the store when the compiled publish compared it with the new key (the header's words were
+    then written to unmapped memory). The key is kept as a plain ``str``: nothing runs."""
+    name = f"{RUN_PREFIX}close-{uuid.uuid4().hex[:10]}"
+    script = f"""
+import numpy as np
+from aioshmcache import CacheConfig, ShmObjectStore
+class K(str):
+    def __hash__(self):
+        return hash("k2")
+    def __eq__(self, other):
+        store.close()
+        return str.__eq__(self, other)
+store = ShmObjectStore.create(CacheConfig(1 << 18, 1 << 17, 1, name="{name}"))
+store.put(K("evil"), {{"x": np.zeros(10)}})
+store.put("k2", {{"x": np.arange(10.0)}})
+print(sorted(store.keys()))
+store.close()
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["['evil',", "'k2']"]
+
+
+def test_the_sender_keeps_hashes_given_as_str_subclasses_as_plain_str() -> None:
+    """Through every sender entry point that stores a hash (the one-item miss, a request of
+    several, a request over features, and their fall-backs on the pure core), the index and
+    the book of prompt updates hold exact ``str``s; a look-up by the subclass still finds them."""
+    from aioshmcache import FeatureSpec, SenderCache
+
+    def run() -> tuple[set[type], set[type], list[bool]]:
+        name = f"{RUN_PREFIX}hashes-{uuid.uuid4().hex[:10]}"
+        with SenderCache(CacheConfig(1 << 20, 1 << 18, 1, name=name)) as cache:
+            cache.get_and_update_item((_small(1), ("u",)), _Key("a"))
+            cache.get_and_update([(_small(2), ()), (_small(3), ())], [_Key("b"), "c"])
+            cache.get_and_update_features(
+                [FeatureSpec(_Key("d"), _small(4)), FeatureSpec("e", _small(5))]
+            )
+            book = cache._prompt_updates
+            kept = {type(k) for shard in book.shards for k in shard}
+            found = [cache.is_cached(_Key(h)) for h in "abcde"]
+            return _keys_held(cache.store), kept, found
+
+    with pytest.MonkeyPatch.context() as m:
+        with_c, pure = on_both_cores(m, run)
+    assert with_c == pure == ({str}, {str}, [True] * 5)

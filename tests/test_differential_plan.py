@@ -209,6 +209,35 @@ def test_limits_are_declined_before_the_reference_raises() -> None:
         assert not _check(serde, value)
 
 
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_arrays_whose_sizes_add_past_any_store_are_the_reference_s_to_refuse(n: int) -> None:
+    """Zero-stride views of 2**61 nominal bytes each: their sum wrapped in the compiled plan
+    (a negative size, then 320 bytes that passed the store's limit). The core now declines a
+    sum past any store's size; the reference sums exactly, and a sum the format's length field
+    cannot hold is a ``SerdeError`` (it was a raw ``struct.error``)."""
+    from numpy.lib.stride_tricks import as_strided
+
+    huge = as_strided(np.zeros(1), shape=(2**58,), strides=(0,))
+    value = {f"x{i}": huge for i in range(n)}
+    serde = MsgpackSerde()
+    serde.plan({"w": np.zeros(1)})  # a plan made: the core's limits are known
+    assert C is not None and C.plan_item(serde, value) is None
+    if n * 2**61 > (1 << 64) - 1:
+        with pytest.raises(SerdeError, match="exceed the format"):
+            serde.plan(value)
+    else:
+        assert serde.plan(value).nbytes > n * 2**61
+    name = f"{RUN_PREFIX}huge-{uuid.uuid4().hex[:8]}"
+    with SenderCache(CacheConfig(1 << 20, 1 << 19, 1, name=name)) as cache:
+        for _ in range(2):  # nothing is put: inline, as any item too large; or the serde's error
+            if n * 2**61 > (1 << 64) - 1:
+                with pytest.raises(SerdeError):
+                    cache.get_and_update_item((value, ()), "h")
+            else:
+                assert cache.get_and_update_item((value, ()), "h")[0] is value
+        assert not cache.is_cached("h")
+
+
 def test_a_replaced_plan_method_is_the_one_that_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """A monkeypatched ``MsgpackSerde.plan`` is what decides: the compiled plan declines."""
     assert C is not None

@@ -335,7 +335,7 @@ def test_the_cores_split_of_features_is_the_reference_s(
     def reference() -> object:
         features = list(wrap(_build(desc)))
         items = [_request.feature_item(f) for f in features]
-        return _spec_fields(features), items, [f.mm_hash for f in features]
+        return _spec_fields(features), items, [_request.check_hash(f.mm_hash) for f in features]
 
     def core() -> object:
         assert C is not None
@@ -393,11 +393,122 @@ def test_the_cores_new_specs_are_the_reference_s(
     expected, got = _outcome(reference), _outcome(core)
     unusual = len(desc) != len(results) or any(k in ("sub", "other") for k, _d, _u in desc)
     unusual |= any(shape != "pair" for _d, _u, shape in results)
+    unusual |= any(u not in ("empty", "tuple", "list") for _d, u, _s in results)  # Python code
     if got == ("ok", None):
         assert unusual
     else:
         assert not unusual or got[0] == "error"
         assert got == expected
+
+
+class _Updates(Sequence[Any]):
+    """Prompt updates whose ``tuple()`` runs ``act`` first (the Python code of a user's class)."""
+
+    def __init__(self, act: Any) -> None:
+        self.act = act
+
+    def __len__(self) -> int:
+        return 0
+
+    def __getitem__(self, i: Any) -> Any:
+        raise IndexError(i)
+
+    def __iter__(self) -> Iterator[Any]:
+        act, self.act = self.act, None
+        if act is not None:
+            act()
+        return iter(())
+
+
+class _Data(dict[str, Any]):
+    """Data whose ``isinstance`` check (its ``__class__``) runs ``act`` first."""
+
+    act: Any = None
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        act, type(self).act = type(self).act, None
+        if act is not None:
+            act()
+        return dict
+
+
+def _hostile(change: str) -> tuple[list[FeatureSpec], list[Any]]:
+    """Two specs whose first one's check or updates change it; what the change keeps alive."""
+    first = FeatureSpec("h0", None)
+    keep: list[Any] = []
+
+    def replace_data() -> None:
+        object.__setattr__(first, "data", None)  # the spec held the data's last reference
+        keep.append({"impostor": True})  # (a new dict takes the freed one's memory)
+
+    acts = {
+        "data replaced": replace_data,
+        "hash deleted": lambda: object.__delattr__(first, "mm_hash"),
+        "hash a subclass": lambda: object.__setattr__(first, "mm_hash", _StrKey("h9")),
+        "updates deleted": lambda: object.__delattr__(first, "prompt_updates"),
+    }
+    if change == "data replaced":  # from the updates' ``tuple()``, after the data was read
+        object.__setattr__(first, "data", {"x": 1})
+        object.__setattr__(first, "prompt_updates", _Updates(acts[change]))
+    else:  # from the data's ``isinstance`` check, before the updates and the hash are read
+        object.__setattr__(first, "data", _Data(x=1))
+        _Data.act = acts[change]
+    return [first, FeatureSpec("h1", {"y": 2})], keep
+
+
+class _StrKey(str):
+    pass
+
+
+@pytest.mark.skipif(C is None, reason="the C core is not built here")
+@pytest.mark.parametrize(
+    "change", ["data replaced", "hash deleted", "hash a subclass", "updates deleted"]
+)
+def test_python_code_amid_the_cores_split_changes_the_spec_as_in_the_reference(
+    change: str,
+) -> None:
+    """A review found ``split_features`` holding borrowed slots across ``isinstance`` and
+    ``tuple(updates)``, which may run Python code that changes the spec: a replaced data was
+    freed and its memory, reused by another object, was cached under the spec's hash; a hash
+    deleted was read as NULL (a crash). The core now holds what it read, reads the hash after,
+    as the reference does, and gives the reference's item, hash or error."""
+
+    def reference() -> object:
+        features, _alive = _hostile(change)
+        items = [_request.feature_item(f) for f in features]
+        return items, [_request.check_hash(f.mm_hash) for f in features]
+
+    def core() -> object:
+        assert C is not None
+        features, _alive = _hostile(change)
+        got = C.split_features(features)
+        assert got is not None
+        return got[1], got[2]
+
+    expected, got = _outcome(reference), _outcome(core)
+    assert got == expected
+    if got[0] == "ok":
+        assert all(type(h) is str for h in got[1][1])  # type: ignore[index]
+
+
+@pytest.mark.skipif(C is None, reason="the C core is not built here")
+def test_the_cores_new_specs_leave_updates_that_run_code_to_the_reference() -> None:
+    """``specs_from`` held borrowed items of the caller's lists across ``tuple(updates)``; an
+    ``__iter__`` that emptied the lists made it read freed memory (a crash). Updates that are not
+    a tuple or a list are now the reference's, which the core declines before building."""
+    assert C is not None
+    features = [FeatureSpec("a", None), FeatureSpec("b", None)]
+    results: list[Any] = []
+
+    def empty_both() -> None:
+        features.clear()
+        results.clear()
+
+    results += [({"x": 1}, _Updates(empty_both)), ({"y": 2}, ())]
+    assert C.specs_from(features, results) is None
+    made = _request.features_from(features, results)
+    assert [(f.mm_hash, f.data, f.prompt_updates) for f in made] == [("a", {"x": 1}, ())]
 
 
 @pytest.mark.skipif(C is None, reason="the C core is not built here")

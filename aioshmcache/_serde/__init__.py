@@ -46,6 +46,7 @@ from .format import (
     HLEN,
     HLEN_OFFSET,
     MAGIC,
+    MAX_DATA_BYTES,
     MAX_NDIM_FORMAT,
     PREFIX,
     PREFIX_SIZE,
@@ -218,6 +219,10 @@ class MsgpackSerde:
             raise SerdeError(
                 f"structure header of {len(header)} bytes exceeds "
                 f"max_header_bytes={self.max_header_bytes} (large str values live in the header)"
+            )
+        if enc.cursor > MAX_DATA_BYTES:
+            raise SerdeError(
+                f"the arrays' {enc.cursor} bytes exceed the format's {MAX_DATA_BYTES} bytes"
             )
         chunks = enc.chunks
         return _new_plan(_layout(header, chunks, enc.cursor), tuple([src for _o, src in chunks]))

@@ -100,6 +100,7 @@ __all__ = [
     "MAGIC",
     "MAX_NDIM_FORMAT",
     "PREFIX",
+    "MAX_DATA_BYTES",
     "PREFIX_SIZE",
     "SCALAR_HEAD",
     "SHAPE_STRUCTS",
@@ -116,6 +117,8 @@ MAGIC: Final = b"ASHM"
 VERSION: Final = 1
 PREFIX: Final = struct.Struct("<4sHHIQ")
 PREFIX_SIZE: Final = PREFIX.size  # 20
+#: the prefix's data length field: the most bytes a payload's arrays can take, in all
+MAX_DATA_BYTES: Final = (1 << 64) - 1
 HLEN: Final = struct.Struct("<I")  # the prefix's header_len alone
 HLEN_OFFSET: Final = 8
 ALIGN: Final = 64
