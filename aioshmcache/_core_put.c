@@ -1872,8 +1872,10 @@ evict_hook(PyObject *on_evict, PyObject *key, Room *r)
             int rc = map_discard(pu, key, &v);
             Py_DECREF(pu);
             if (rc == 0 && v != NULL) {
-                if (r->dropped == NULL && (r->dropped = PyList_New(0)) == NULL)
+                if (r->dropped == NULL) { /* made by put_plain before its first change */
+                    PyErr_SetString(PyExc_SystemError, "internal error: no list for the drops");
                     rc = -1;
+                }
                 else if (PyList_Append(r->dropped, v) < 0)
                     rc = -1;
             }
@@ -2142,6 +2144,11 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
     if (tail + size > limit) { /* a wrap, or no room: the eviction pass, planned (or declined) */
         CHECK(plan_room(store, ring, &room, nbytes, size, cap, tail, limit, headk, end, lap, used,
                         mask, addrs, ids, held.col[4].buf, held.col[3].buf));
+        /* the list of the values the sender's hook drops, made now: it is the one object the
+         * side effects below would allocate that the collector tracks, and a collection it
+         * started amid the frees could run a finalizer that puts into this store */
+        if (room.nfree && room.on_evict != Py_None && room.dropped == NULL)
+            NEED(room.dropped = PyList_New(0));
         /* The pass drains the readers' logs first: Python code, and any allocation in it can
          * start a collection whose finalizers run anything (a put, an eviction, a close). What
          * was read before it is read again, and anything changed declines to the reference,

@@ -64,8 +64,8 @@ as_tuple(PyObject *u)
 /* ``feature_item(f)`` of a spec of exactly ``FeatureSpec``: 0 with ``*item`` (a new reference:
  * ``(data, prompt_updates)``, or None for a look-up), 1 (declined) or -1 (an error). As in the
  * reference, ``isinstance`` and ``tuple(updates)`` may run Python code (a ``__class__``
- * property, an ``__iter__``) that changes the spec: ``data`` is held across them and the
- * updates slot is read after them, where the reference reads it. */
+ * property, an ``__iter__``) that changes the spec: ``data`` and the updates are held across
+ * them, and the updates slot is read after the first, where the reference reads it. */
 static int
 spec_item(PyObject *f, PyObject **item)
 {
@@ -92,7 +92,9 @@ spec_item(PyObject *f, PyObject **item)
         Py_XDECREF(PyObject_GetAttr(f, s_prompt_updates)); /* unset: its AttributeError */
         goto done;
     }
-    if ((u = as_tuple(u)) == NULL)
+    Py_INCREF(u); /* held too: its own ``__iter__`` may replace it in the spec */
+    Py_SETREF(u, as_tuple(u));
+    if (u == NULL)
         goto done;
     *item = PyTuple_Pack(2, data, u);
     Py_DECREF(u);

@@ -213,7 +213,8 @@ class _Key(str):
 
 def _keys_held(store: StoreWriter) -> set[type]:
     """The types of every key the store's index holds."""
-    return {type(k) for k in store.keys()}
+    keys = store.keys()  # a list in FIFO order (the store is no mapping)
+    return {type(k) for k in keys}
 
 
 @pytest.mark.parametrize("when", ["evicted", "published beside"])
@@ -311,3 +312,55 @@ def test_the_sender_keeps_hashes_given_as_str_subclasses_as_plain_str() -> None:
     with pytest.MonkeyPatch.context() as m:
         with_c, pure = on_both_cores(m, run)
     assert with_c == pure == ({str}, {str}, [True] * 5)
+
+
+def test_a_collection_amid_the_sender_s_frees_cannot_put_into_their_room() -> None:
+    """A review started a collection amid the compiled eviction pass of a sender's put (the
+    list of dropped prompt updates was the one object it allocated there that the collector
+    tracks) and put "inner" from its callback, as a finalizer could: the frees were applied,
+    the outer put's chunk not yet allocated, so "inner" took the same chunk and id and read
+    the outer item's bytes. That list is now made before the first change: every key reads
+    its own bytes, or is absent, as on the pure core."""
+    from aioshmcache import SenderCache
+
+    def run() -> dict[str, float | str]:
+        name = f"{RUN_PREFIX}frees-{uuid.uuid4().hex[:10]}"
+        cfg = CacheConfig(1 << 16, 1 << 15, 2, name=name, second_chance=False)
+        with SenderCache(cfg) as cache:
+            store = cache.store
+            for i in range(16):
+                cache.get_and_update_item((_big(i), ()), f"b{i}")
+            for j in range(3):
+                cache.get_and_update_item((_small(100 + j), ()), f"s{j}")
+            present = [f"b{i}" for i in range(16) if store.is_cached(f"b{i}")]
+            once = _Once(store)
+            primed: list[object] = []
+
+            def callback(phase: str, info: dict[str, Any]) -> None:
+                if phase == "stop":  # one tracked object: the next allocation collects
+                    primed.append([])
+                if phase != "start" or once.done or store.is_cached("outer"):
+                    return
+                if not all(store.is_cached(k) for k in present):  # amid the pass
+                    once()
+
+            gc.collect()
+            threshold = gc.get_threshold()
+            gc.callbacks.append(callback)
+            gc.set_threshold(1)
+            try:
+                cache.get_and_update_item((_big(-2), ()), "outer")
+            finally:
+                gc.set_threshold(*threshold)
+                gc.callbacks.remove(callback)
+            seen: dict[str, float | str] = {}
+            with ShmObjectStore.from_handle(store.handle()) as reader:
+                for key in ("inner", "outer"):
+                    ref = store.get_cached(key)
+                    seen[key] = "absent" if ref is None else float(reader.get(ref)["x"][0])
+            return seen
+
+    with pytest.MonkeyPatch.context() as m:
+        with_c, pure = on_both_cores(m, run)
+    for seen in (with_c, pure):
+        assert seen["outer"] == -2.0 and seen["inner"] in (-1.0, "absent"), seen
