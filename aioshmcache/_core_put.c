@@ -366,31 +366,24 @@ shard_of(PyObject *map, PyObject *key)
 }
 
 
-/* A slice of ints ``[start, stop)`` within ``[0, limit]`` (0), else 1. */
+/* A slice of exact ints ``[start, stop)`` within ``[0, limit]`` (0), else 1: the plan's own
+ * slices. Anything else (an int subclass, whose ``__index__`` is Python code and could answer
+ * differently when the copy reads the slice again) is the reference's. */
 static int
 slice_bounds(PyObject *sl, Py_ssize_t limit, Py_ssize_t *start, Py_ssize_t *stop)
 {
     if (!PySlice_Check(sl))
         return 1;
     PySliceObject *so = (PySliceObject *)sl;
-    if (so->step == Py_None && PyLong_CheckExact(so->start) && PyLong_CheckExact(so->stop)) {
-        /* the plan's own slices: ``PySlice_Unpack``'s answer without its generic index steps
-         * (an int out of range clears its error and takes them, which clip it) */
-        Py_ssize_t a = PyLong_AsSsize_t(so->start), b = PyLong_AsSsize_t(so->stop);
-        if ((a != -1 && b != -1) || !PyErr_Occurred()) {
-            *start = a, *stop = b;
-            return *start < 0 || *start > *stop || *stop > limit;
-        }
-        PyErr_Clear();
-    }
-    Py_ssize_t step;
-    if (PySlice_Unpack(sl, start, stop, &step) < 0) {
-        PyErr_Clear();
+    if (so->step != Py_None || !PyLong_CheckExact(so->start) || !PyLong_CheckExact(so->stop))
+        return 1;
+    Py_ssize_t a = PyLong_AsSsize_t(so->start), b = a < 0 ? -1 : PyLong_AsSsize_t(so->stop);
+    if (PyErr_Occurred()) {
+        PyErr_Clear(); /* past Py_ssize_t: never a plan's */
         return 1;
     }
-    if (step != 1 || *start < 0 || *start > *stop || *stop > limit)
-        return 1;
-    return 0;
+    *start = a, *stop = b;
+    return a < 0 || a > b || b > limit;
 }
 
 #define MAX_SOURCES 64 /* the serde's flat items (``_FLAT_MAX``); more: the reference path */

@@ -227,6 +227,31 @@ def test_the_c_put_takes_the_usual_put_and_declines_the_rest(
     assert seen == [True, False, False, True, False]
 
 
+class _Flip(int):
+    """An int whose ``__index__`` (Python code) answers 4 KiB further every other time."""
+
+    asked = 0
+
+    def __index__(self) -> int:
+        type(self).asked += 1
+        return int(self) + (type(self).asked % 2) * 4096
+
+
+def test_a_plan_whose_slices_run_code_is_the_reference_s(make_config: Any) -> None:
+    """The compiled put reads a plan's slices twice (checked, then copied to): one whose bounds
+    are int subclasses could answer out of range the second time. It takes exact ints only
+    and declines the rest, before any change."""
+    assert C is not None
+    with ShmObjectStore.create(make_config(1 << 20)) as store:
+        plan = store.plan({"x": np.ones(8)})
+        assert isinstance(plan, MsgpackPlan)
+        nbytes, head, blob, ((sl, tiny, small),), gaps = plan._layout
+        flipping = slice(_Flip(sl.start), _Flip(sl.stop))
+        plan._layout = (nbytes, head, blob, ((flipping, tiny, small),), gaps)
+        assert C.put_plain(store, "k", plan) is None
+        assert store.keys() == [] and store.ring.used_bytes == 0
+
+
 REQUESTS = st.lists(
     st.lists(st.tuples(KEYS, st.integers(-1, 3)), min_size=1, max_size=4), min_size=1, max_size=25
 )
