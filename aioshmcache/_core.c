@@ -158,6 +158,10 @@ detect_stream(void)
 void
 aioshm_copy_bytes(char *dst, const char *src, size_t n)
 {
+    if (dst < src + n && src < dst + n) { /* overlapping (a source viewing the destination's */
+        memmove(dst, src, n);             /* mapping): what numpy's copy gives, never streamed */
+        return;
+    }
     if (stream_copy != NULL && n >= (size_t)stream_min) {
         stream_copy(dst, src, n);
 #if defined(__x86_64__)

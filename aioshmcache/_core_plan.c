@@ -425,7 +425,8 @@ limit_of(PyObject *serde, Py_ssize_t off, long long *out)
         PyErr_Clear();
         return -1;
     }
-    return 0;
+    /* the serde's ranges (it refuses others), so that sums with them cannot overflow */
+    return *out >= 1 && *out <= (1LL << 32) ? 0 : -1;
 }
 
 static PyObject *

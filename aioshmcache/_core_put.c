@@ -935,7 +935,8 @@ hand_out_acks(PyObject *acks, PyObject *cid_obj)
         }
     }
     slot_set(acks, o_a_undrained, und1);
-    if ((und + 1) * 2 >= log_entries) {
+    /* ``undrained * 2 >= log_entries`` (the drain's turn), without the product */
+    if (und + 1 >= log_entries / 2 + (log_entries % 2 != 0)) {
         if (has_sess) /* the drain reads these words itself */
             PyBuffer_Release(&sess), has_sess = 0;
         if (has_words)
@@ -1687,7 +1688,10 @@ plan_room(PyObject *store, PyObject *ring, Room *r, int64_t nbytes, int64_t size
                     break;
                 int64_t a = addrs[k & mask];
                 int64_t u = tail > a ? tail - a : cap - a + tail;
-                if (cap - u >= need + slack)
+                int64_t want; /* need + slack, saturated: a slack of "everything" is a value */
+                if (__builtin_add_overflow(need, slack, &want))
+                    want = slack < 0 ? INT64_MIN : INT64_MAX;
+                if (cap - u >= want)
                     break;
                 extra++;
             }
@@ -2061,6 +2065,8 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
         CHECK(forked);
     }
     int64_t tail, limit, end, headk, mask, at_mask, lap, used;
+    if ((int64_t)nbytes > ((int64_t)1 << 62))
+        DECLINE(); /* larger than any ring: the reference raises CacheFullError */
     int64_t size = CHUNK_HEADER + (((int64_t)nbytes + 63) & -64), cap;
     if (IS_RING_STATE(ring)) { /* the usual ring: its ints at once */
         AioshmRingState *rs = (AioshmRingState *)ring;
@@ -2213,8 +2219,8 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
             aioshm_copy_bytes(payload + a, held.src[i].buf, (size_t)(b - a));
             Py_END_ALLOW_THREADS
         }
-        else {
-            memcpy(payload + a, held.src[i].buf, (size_t)(b - a));
+        else { /* (a source viewing the ring itself may overlap: aioshm_copy_bytes moves it) */
+            aioshm_copy_bytes(payload + a, held.src[i].buf, (size_t)(b - a));
         }
     }
     /* ``commit``: the state word after every payload byte */

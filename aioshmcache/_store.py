@@ -323,6 +323,8 @@ class StoreWriter(ShmObjectStore):
 
     @evict_slack.setter
     def evict_slack(self, n: int) -> None:
+        if type(n) is not int or n < 0:
+            raise ValueError(f"evict_slack must be an int >= 0 (bytes), got {n!r}")
         self._evict.evict_slack = n
 
     @property

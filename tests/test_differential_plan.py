@@ -238,6 +238,26 @@ def test_arrays_whose_sizes_add_past_any_store_are_the_reference_s_to_refuse(n: 
         assert not cache.is_cached("h")
 
 
+@pytest.mark.parametrize(
+    "name", ["max_header_bytes", "max_arrays", "max_ndim", "max_depth", "max_containers"]
+)
+def test_a_limit_is_checked_when_set_later_and_the_core_declines_one_past_its_range(
+    name: str,
+) -> None:
+    """A limit set after the constructor is checked as the constructor checks it; one forced
+    past its range anyway (``object.__setattr__``) is declined by the compiled plan, which
+    computes with the limits in 64 bits (a header limit near 2**63 overflowed its sums), and
+    the reference plans as before."""
+    serde = MsgpackSerde()
+    for bad in (0, -1, 2**63 - 1, 1.5, True):
+        with pytest.raises(ValueError, match=name):
+            setattr(serde, name, bad)
+    value = {f"key{i}": i for i in range(100)}  # a header past the walk's first buffer
+    object.__setattr__(serde, name, 2**63 - 1)
+    assert C is not None and C.plan_item(serde, value) is None
+    assert serde.plan(value).nbytes > 0
+
+
 def test_a_replaced_plan_method_is_the_one_that_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """A monkeypatched ``MsgpackSerde.plan`` is what decides: the compiled plan declines."""
     assert C is not None

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from aioshmcache import (
     CacheConfig,
+    CacheFullError,
     DuplicateKeyError,
     MsgpackSerde,
     SenderCache,
@@ -250,6 +251,89 @@ def test_a_plan_whose_slices_run_code_is_the_reference_s(make_config: Any) -> No
         plan._layout = (nbytes, head, blob, ((flipping, tiny, small),), gaps)
         assert C.put_plain(store, "k", plan) is None
         assert store.keys() == [] and store.ring.used_bytes == 0
+
+
+def test_a_slack_of_everything_evicts_the_same_batch_on_both_cores(make_config: Any) -> None:
+    """``evict_slack = sys.maxsize`` ("free what you can"): the compiled pass added it to the
+    put's need in 64 bits, the sum wrapped, and it freed one chunk where the reference frees a
+    batch. The sum is now saturated; a slack that is not a non-negative int is refused."""
+
+    def run() -> list[int]:
+        with ShmObjectStore.create(make_config(256 * 1024, 200 * 1024, 1)) as store:
+            store.evict_slack = sys.maxsize
+            seen = []
+            for i in range(16):
+                store.put(f"k{i}", {"a": np.full(20_000, i, np.uint8)})
+                seen.append(store.evictions)
+            for bad in (-1, 1.5, True, "1"):
+                with pytest.raises((TypeError, ValueError)):
+                    store.evict_slack = bad  # type: ignore[assignment]
+            assert store.evict_slack == sys.maxsize
+            return seen
+
+    with pytest.MonkeyPatch.context() as m:
+        with_c, pure = on_both_cores(m, run)
+    assert with_c == pure and max(pure) > 1  # the batch freed more than the put's need
+
+
+def test_a_forged_plan_larger_than_any_ring_changes_nothing(make_config: Any) -> None:
+    """A plan built by hand whose size is near 2**63 (``put_now`` takes any plan): its chunk's
+    size wrapped negative in the compiled put, which committed it and set the ring's tail and
+    bytes used negative. It is declined now; the reference raises ``CacheFullError``."""
+    from aioshmcache._serde.encode import _new_plan
+
+    def run() -> tuple[str, int, list[str]]:
+        with ShmObjectStore.create(make_config(256 * 1024, 200 * 1024, 1)) as store:
+            real = store.plan({"x": 1})
+            assert isinstance(real, MsgpackPlan)
+            forged = _new_plan((2**63 - 1, *real._layout[1:]), real._sources)
+            with pytest.raises(CacheFullError) as caught:
+                store.put_now("k", forged)
+            store.put("k2", {"y": 2})  # the ring still works
+            return type(caught.value).__name__, store.ring.used_bytes, store.keys()
+
+    with pytest.MonkeyPatch.context() as m:
+        with_c, pure = on_both_cores(m, run)
+    assert with_c == pure
+
+
+def test_a_hand_out_past_half_the_log_drains_however_many_are_undrained(
+    make_config: Any,
+) -> None:
+    """The hand-out drains the readers' logs once the hand-outs since the last drain fill half
+    a log; the compiled one tested ``(undrained + 1) * 2``, which overflowed for a count near
+    2**62 and skipped the drain the reference makes."""
+
+    def run() -> int:
+        with ShmObjectStore.create(make_config(1 << 20, 1 << 18, 1)) as store:
+            store._acks._undrained = 2**62 + 5
+            store.put("k", {"x": 1})
+            return int(store._acks._undrained)
+
+    with pytest.MonkeyPatch.context() as m:
+        with_c, pure = on_both_cores(m, run)
+    assert with_c == pure == 0
+
+
+def test_a_source_viewing_the_ring_itself_is_moved_as_the_reference_moves_it(
+    make_config: Any,
+) -> None:
+    """An item whose array is a view of the ring's own bytes, overlapping where its chunk lands
+    (the store's buffer is the caller's to read): the compiled put copies it as the reference's
+    numpy copy does (a move), streamed copies included; it copied forwards."""
+
+    def run() -> bytes:
+        with ShmObjectStore.create(make_config(1 << 20, 1 << 19, 1)) as store:
+            ring = np.frombuffer(store.ring.buf, np.uint8)
+            ring[:] = (np.arange(ring.size) * 2654435761 % 251).astype(np.uint8)
+            store.put("k", {"a": ring[4096 : 4096 + 150_000]})  # lands below its source
+            tail = store.ring.used_bytes  # where the next chunk goes: its payload lands above
+            store.put("k2", {"a": ring[tail : tail + 70_000]})  # its source, overlapping it
+            return bytes(store.ring.buf)
+
+    with pytest.MonkeyPatch.context() as m:
+        with_c, pure = on_both_cores(m, run)
+    assert with_c == pure
 
 
 REQUESTS = st.lists(

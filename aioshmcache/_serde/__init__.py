@@ -55,6 +55,16 @@ from .format import (
 
 __all__ = ["EncodePlan", "MsgpackPlan", "MsgpackSerde", "Serde"]
 
+#: each limit's largest value (the smallest is 1)
+_LIMIT_MAX: dict[str, int] = {
+    "max_header_bytes": (1 << 32) - 1,
+    "max_arrays": 1 << 32,
+    "max_ndim": MAX_NDIM_FORMAT,
+    "max_depth": 256,
+    "max_containers": 1 << 32,
+}
+assert _LIMIT_MAX.keys() == _LIMITS
+
 #: the copy of a big C-contiguous array into the chunk: the core's (``_core_api``)
 _copy_into = core.copy_into
 
@@ -120,16 +130,7 @@ class MsgpackSerde:
         max_depth: int = 64,
         max_containers: int = 1 << 15,
     ) -> None:
-        for name, value, hi in (
-            ("max_header_bytes", max_header_bytes, (1 << 32) - 1),
-            ("max_arrays", max_arrays, 1 << 32),
-            ("max_ndim", max_ndim, MAX_NDIM_FORMAT),
-            ("max_depth", max_depth, 256),
-            ("max_containers", max_containers, 1 << 32),
-        ):
-            if type(value) is not int or not 1 <= value <= hi:
-                raise ValueError(f"{name} must be an int in [1, {hi}], got {value!r}")
-        self.max_header_bytes = max_header_bytes
+        self.max_header_bytes = max_header_bytes  # each checked by __setattr__
         self.max_arrays = max_arrays
         self.max_ndim = max_ndim
         self.max_depth = max_depth
@@ -142,10 +143,14 @@ class MsgpackSerde:
         self._templates: dict[bytes, _Template] = {}
 
     def __setattr__(self, name: str, value: object) -> None:
-        # Cached layouts and templates were validated against the limits: changing one forgets
-        # them. The caches are replaced, not cleared, after the limit is set: a walk captures its
-        # cache before it reads the limits, so one that read the old limits stores into a cache
-        # that is no longer used.
+        # A limit is an int in its range, set in the constructor or later (the compiled plan
+        # computes with them as C integers). Cached layouts and templates were validated
+        # against the limits: changing one forgets them. The caches are replaced, not cleared,
+        # after the limit is set: a walk captures its cache before it reads the limits, so one
+        # that read the old limits stores into a cache that is no longer used.
+        hi = _LIMIT_MAX.get(name)
+        if hi is not None and (type(value) is not int or not 1 <= value <= hi):
+            raise ValueError(f"{name} must be an int in [1, {hi}], got {value!r}")
         object.__setattr__(self, name, value)
         if name in _LIMITS and hasattr(self, "_templates"):
             object.__setattr__(self, "_shapes", {})
