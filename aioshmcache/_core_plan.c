@@ -425,8 +425,7 @@ limit_of(PyObject *serde, Py_ssize_t off, long long *out)
         PyErr_Clear();
         return -1;
     }
-    /* the serde's ranges (it refuses others), so that sums with them cannot overflow */
-    return *out >= 1 && *out <= (1LL << 32) ? 0 : -1;
+    return 0;
 }
 
 static PyObject *
@@ -591,6 +590,10 @@ plan_of(PyObject *serde, PyObject *value)
         limit_of(serde, off_arrays, &w.max_arrays) < 0 ||
         limit_of(serde, off_containers, &w.nodes_left) < 0 ||
         limit_of(serde, off_header, &w.max_header) < 0)
+        goto done;
+    /* the serde's ranges (it refuses others when set): sums with them cannot overflow */
+    if ((unsigned long long)(w.max_depth | w.max_ndim | w.max_arrays | w.nodes_left |
+                             w.max_header) >> 33) /* (a negative one has its top bits set) */
         goto done;
     if (conv(&w, value, 0) < 0 || w.len > w.max_header)
         goto done;

@@ -2219,8 +2219,13 @@ put_plain(PyObject *store, PyObject *key, PyObject *plan, PyObject *index, PyObj
             aioshm_copy_bytes(payload + a, held.src[i].buf, (size_t)(b - a));
             Py_END_ALLOW_THREADS
         }
-        else { /* (a source viewing the ring itself may overlap: aioshm_copy_bytes moves it) */
-            aioshm_copy_bytes(payload + a, held.src[i].buf, (size_t)(b - a));
+        else { /* a source viewing the ring itself may overlap: moved, as aioshm_copy_bytes */
+            char *d = payload + a;
+            const char *from = held.src[i].buf;
+            if (d < from + (b - a) && from < d + (b - a))
+                memmove(d, from, (size_t)(b - a));
+            else
+                memcpy(d, from, (size_t)(b - a));
         }
     }
     /* ``commit``: the state word after every payload byte */
