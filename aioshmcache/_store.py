@@ -829,6 +829,18 @@ class StoreWriter(ShmObjectStore):
         ``StaleReferenceError``, as for a reader."""
         return self._reading.read(ref)
 
+    def close(self) -> None:
+        """Idempotent: unlink the segment and its semaphore (readers then see
+        ``WriterGoneError``). A put running in another thread ends first (its big copy runs
+        without the GIL, holding the writer lock and the ring's views): the close takes the
+        writer lock. A forked child's copy closes at once (no thread of the child holds the lock;
+        the parent's may have held it at the fork)."""
+        if self.forked:
+            super().close()
+            return
+        with self._lock:
+            super().close()
+
     def _close_role(self) -> None:
         """Unlink the wake-up semaphore, wake the writers waiting on it, drop the maps."""
         self._evict.close(unlink=not self._seg.forked)

@@ -200,6 +200,12 @@ class ShmObjectStore(abc.ABC):
         """Whether :meth:`close` was called (and has released the mapping)."""
         return self._closed
 
+    @property
+    def forked(self) -> bool:
+        """Whether this is a forked child's copy of a store opened by its parent (its role's
+        calls raise ``RoleError`` here; a close releases the copy and unlinks nothing)."""
+        return self._seg.forked
+
     def _check_open(self) -> None:
         self._reading.check_open()
 

@@ -517,8 +517,10 @@ class SenderCache(_Cache):
             )
 
     def close(self) -> None:
-        """Unlink the segment (idempotent). Readers then see ``WriterGoneError``."""
-        with self.store.lock:
+        """Unlink the segment (idempotent). Readers then see ``WriterGoneError``. A call in
+        another thread ends first (the close takes the writer lock); a forked child's copy
+        closes at once (it unlinks nothing)."""
+        with contextlib.nullcontext() if self.store.forked else self.store.lock:
             self.store.close()
             self._prompt_updates.clear()
         if self._siblings is not None:

@@ -24,11 +24,12 @@ from aioshmcache import (
     ReceiverCache,
     SenderCache,
     ShmCacheError,
+    ShmObjectStore,
     ShmRef,
 )
 from aioshmcache._read_path import ReadPath
 
-from .conftest import RUN_PREFIX
+from .conftest import RUN_PREFIX, SHM
 
 ROUNDS = 8
 THREADS = 3
@@ -376,3 +377,53 @@ def test_a_group_reader_closed_while_it_looks_for_a_new_shard_is_closed_not_forg
         monkeypatch.setattr(shards, "rescan", rescan_then_close)
         with pytest.raises(ClosedCacheError):
             rx.get_and_update_item(ref, "h0")
+
+
+def test_a_writer_closed_during_a_put_in_another_thread_closes_whole() -> None:
+    """A review closed a store while another thread's big put copied without the GIL: the
+    close raised ``BufferError`` half-way (the ring's views were exported for the copy), left
+    the segment linked and readers reading, and the put failed with an untyped error. The
+    close now takes the writer lock: it waits for the put that holds it, then closes whole."""
+    import os
+
+    name = f"{RUN_PREFIX}wclose-{uuid.uuid4().hex[:8]}"
+    store = ShmObjectStore.create(CacheConfig(96 << 20, 80 << 20, 1, name=name, prefault=False))
+    try:
+        ref0 = store.put("k0", {"x": np.arange(10)})
+        big = np.ones(64 << 20, np.uint8)
+        holding, release = threading.Event(), threading.Event()
+        out: dict[str, Any] = {}
+
+        def put() -> None:
+            with store.lock:  # the put's own step, held from before the close starts
+                holding.set()
+                release.wait(60)
+                try:
+                    out["ref"] = store.put("big", {"a": big})
+                except BaseException as exc:
+                    out["put"] = exc
+
+        def close() -> None:
+            try:
+                store.close()
+                out["closed"] = True
+            except BaseException as exc:
+                out["close"] = exc
+
+        putter = threading.Thread(target=put)
+        putter.start()
+        assert holding.wait(60)
+        closer = threading.Thread(target=close)
+        closer.start()
+        closer.join(0.2)
+        assert closer.is_alive() and "closed" not in out  # waits for the writer lock
+        release.set()
+        putter.join(60)
+        closer.join(60)
+        assert out.get("closed") is True, out
+        assert isinstance(out.get("ref"), ShmRef), out  # the put ended before the close
+        assert name not in os.listdir(SHM)
+        with pytest.raises(ShmCacheError):
+            store.get(ref0)
+    finally:
+        store.close()

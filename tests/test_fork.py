@@ -285,7 +285,8 @@ def test_a_forked_child_with_the_writer_lock_held_gets_role_error_not_a_hang(
 ) -> None:
     """Forked while another thread holds the writer lock, the child inherits it held forever:
     every sender request entry point must raise ``RoleError`` before it would take that lock
-    (the request's roll back takes it too, so the check comes before the request's ``try``)."""
+    (the request's roll back takes it too, so the check comes before the request's ``try``),
+    and the child's close of its copy does not wait for it."""
     import select
     import threading
 
@@ -321,6 +322,8 @@ def test_a_forked_child_with_the_writer_lock_held_gets_role_error_not_a_hang(
                         out.append(f"{name}: RoleError")
                     except Exception as exc:
                         out.append(f"{name}: {type(exc).__name__}")
+                tx.close()  # its copy, at once: the lock held in the parent is not waited for
+                out.append("closed")
                 os.write(w, "\n".join(out).encode())
                 os._exit(0)
             os.close(w)
@@ -335,7 +338,8 @@ def test_a_forked_child_with_the_writer_lock_held_gets_role_error_not_a_hang(
         finally:
             done.set()
             t.join(30)
-        assert got.splitlines() == [f"{name}: RoleError" for name in calls], got or "hang"
+        want = [f"{name}: RoleError" for name in calls] + ["closed"]
+        assert got.splitlines() == want, got or "hang"
 
 
 def _leader_whose_make_forks(group: str, conn: Any) -> None:

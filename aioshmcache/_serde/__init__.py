@@ -18,7 +18,6 @@ import numpy as np
 from .._core_api import core
 from ..errors import SerdeError
 from .decode import (
-    _LIMITS,
     _TEMPLATE_HEADER_MAX,
     _TEMPLATE_KEY_MAX,
     _TEMPLATES_MAX,
@@ -63,7 +62,6 @@ _LIMIT_MAX: dict[str, int] = {
     "max_depth": 256,
     "max_containers": 1 << 32,
 }
-assert _LIMIT_MAX.keys() == _LIMITS
 
 #: the copy of a big C-contiguous array into the chunk: the core's (``_core_api``)
 _copy_into = core.copy_into
@@ -152,7 +150,7 @@ class MsgpackSerde:
         if hi is not None and (type(value) is not int or not 1 <= value <= hi):
             raise ValueError(f"{name} must be an int in [1, {hi}], got {value!r}")
         object.__setattr__(self, name, value)
-        if name in _LIMITS and hasattr(self, "_templates"):
+        if hi is not None and hasattr(self, "_templates"):
             object.__setattr__(self, "_shapes", {})
             object.__setattr__(self, "_templates", {})
 

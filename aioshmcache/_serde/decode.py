@@ -89,7 +89,6 @@ def _parse_array_descriptor(data: bytes) -> _ArrayDesc:
 _TEMPLATE_HEADER_MAX = 4096  # longer headers (e.g. big str values) are not worth keeping
 _TEMPLATE_KEY_MAX = PREFIX_SIZE + _TEMPLATE_HEADER_MAX
 _TEMPLATES_MAX = 256
-_LIMITS = frozenset(("max_arrays", "max_containers", "max_depth", "max_header_bytes", "max_ndim"))
 #: what a plain value of an unpacked header may be (anything else is a node to compile)
 _NODE_TYPES = frozenset((dict, list, _ExtType))
 
