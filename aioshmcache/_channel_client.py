@@ -12,6 +12,7 @@ import asyncio
 import inspect
 import os
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Final, Protocol, Self
@@ -124,7 +125,7 @@ class EngineClient(AsyncResource):
         retries: int = 1,
     ) -> None:
         """See :meth:`connect` (the documented way to make one); nothing is opened here."""
-        if timeout <= 0:
+        if not timeout > 0:  # (NaN too)
             raise ValueError("timeout must be > 0")
         self.path = os.fspath(path)
         self.cache = cache
@@ -139,6 +140,9 @@ class EngineClient(AsyncResource):
             on_change=self._notify,
         )
         self._keeper = WorkerKeeper(self.path, start) if start is not None else None
+        #: every connection this client opened and has not seen closed (``aclose`` closes
+        #: those lent to calls in flight too)
+        self._conns: weakref.WeakSet[ClientConnection] = weakref.WeakSet()
         self._calls = self._failures = self._resends = self._released = self._retries = 0
 
     @classmethod
@@ -186,8 +190,12 @@ class EngineClient(AsyncResource):
         return self
 
     async def aclose(self) -> None:
-        """Close every connection; stop the engine worker this client started. Idempotent."""
+        """Close every connection, idle or lent to a call in flight (that call then raises
+        ``EngineUnavailableError``, without a retry); stop the engine worker this client
+        started. Idempotent."""
         for conn in self._book.close():
+            conn.abort()
+        for conn in list(self._conns):
             conn.abort()
         if self._keeper is not None:
             await self._keeper.aclose()
@@ -239,7 +247,7 @@ class EngineClient(AsyncResource):
         self._calls += 1
         current = list(features)
         limit = self.timeout if timeout is None else timeout
-        if limit <= 0:
+        if not limit > 0:  # (NaN too: a deadline never reached)
             raise ValueError("timeout must be > 0")
         retries_left = self.retries if retries is None else _check_retries(retries)
         # on the loop's clock from the start: every wait below takes it as it is. The loop is
@@ -264,7 +272,7 @@ class EngineClient(AsyncResource):
                     current = await self._resend_features(current, set(miss.mm_hashes), items)
                     self._resends += 1
                 except _Lost as lost:
-                    if retries_left <= 0 or loop.time() >= deadline:
+                    if retries_left <= 0 or loop.time() >= deadline or self._book.closed:
                         raise lost.error from lost.error.__cause__
                     retries_left -= 1
                     try:
@@ -466,7 +474,9 @@ class EngineClient(AsyncResource):
             await self._wait_changed(step.until, at)
 
     def _protocol(self) -> ClientConnection:
-        return ClientConnection(self.max_frame_bytes)
+        conn = ClientConnection(self.max_frame_bytes)
+        self._conns.add(conn)
+        return conn
 
     def _give_conn(self, conn: ClientConnection, reusable: bool) -> None:
         to_close = self._book.give_back(conn, reusable=reusable and conn.usable())

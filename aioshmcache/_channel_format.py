@@ -289,13 +289,32 @@ def error_frame(
     mm_hashes: Sequence[str] = (),
     unread: bool = False,
     plain: bool = False,
+    limit: int | None = None,
 ) -> bytes:
-    """An error answer (``plain``: the caller reads plain msgpack)."""
-    message = str(exc)
+    """An error answer (``plain``: the caller reads plain msgpack), of at most ``limit`` bytes.
+
+    It never raises: an error answer is what is left when all else failed, and a worker that
+    could not send it would drop the connection, which the gateway takes for a worker gone
+    (and may run the handler again). A message that cannot be made (its ``__str__`` raises) is
+    replaced, lone surrogates (a file name's undecodable bytes) are escaped, and the message is
+    cut until the answer fits ``limit``.
+    """
+    try:
+        message = str(exc)
+    except Exception:  # any error of the exception's own code
+        message = "(its message could not be made)"
+    if type(message) is not str:  # a str subclass's own methods stay out of the answer
+        message = str.__str__(message)
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     if len(message) > _MAX_MESSAGE_CHARS:
         message = message[:_MAX_MESSAGE_CHARS] + " [...]"
-    value = [TAG, ANSWER_VERSION, "error", kind, type(exc).__name__, message, list(mm_hashes)]
-    return encode([*value, unread], plain=plain)
+    head = [TAG, ANSWER_VERSION, "error", kind, type(exc).__name__]
+    tail = [list(mm_hashes), unread]
+    frame = encode([*head, message, *tail], plain=plain)
+    while limit is not None and len(frame) > limit and message:
+        message = message[: len(message) // 2]  # (each cut at least halves it: few encodes)
+        frame = encode([*head, message + " [...]" if message else "", *tail], plain=plain)
+    return frame
 
 
 def raise_error(value: list[Any]) -> None:
@@ -306,6 +325,8 @@ def raise_error(value: list[Any]) -> None:
     except (TypeError, ValueError):
         raise WireError("malformed channel error response") from None
     message = str(message)
+    if type(kind) is not str:  # (an unhashable kind could not even be looked up)
+        raise WireError("malformed channel error response: its kind is not a str")
     if kind == "cache_miss":
         raise CacheMissError(hashes, message)
     if kind == "writer_gone":

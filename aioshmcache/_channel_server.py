@@ -248,11 +248,15 @@ class _Worker:
                     else:
                         must_drain = conn.write((answer,))
                     if must_drain:  # paused or closing: the usual answer awaits nothing more
-                        await conn.drain()
+                        async with _timeout(self.idle_timeout):  # a gateway that stops reading
+                            await conn.drain()
                 finally:
                     self.busy.discard(task)
-        except TimeoutError:  # no whole call within idle_timeout: a stuck or silent peer
-            log.debug("closing an engine connection: no whole call in %.1f s", self.idle_timeout)
+        except TimeoutError:  # no whole call, or its answer not read, within idle_timeout
+            log.debug(
+                "closing an engine connection: a call or its answer stuck for %.1f s",
+                self.idle_timeout,
+            )
         except (EOFError, FrameError, FrameTooLargeError, OSError):
             pass  # the gateway hung up (or sent garbage framing): this connection ends
         except asyncio.CancelledError:
@@ -288,7 +292,7 @@ class _Worker:
         try:
             return decode_call(head, body)
         except (SerdeError, WireError) as exc:
-            return error_frame("bad_request", exc, unread=True)
+            return self._error_frame("bad_request", exc, unread=True)
 
     async def serve_call(
         self, version: int, payload: Any, features: list[FeatureSpec], *, waited: bool = False
@@ -311,20 +315,20 @@ class _Worker:
                     else await self.receiver.get_and_update_features(features)
                 )
             except CacheMissError as exc:
-                return error_frame("cache_miss", exc, mm_hashes=exc.mm_hashes, plain=plain)
+                return self._error_frame("cache_miss", exc, mm_hashes=exc.mm_hashes, plain=plain)
             except WriterGoneError as exc:
-                return error_frame("writer_gone", exc, mm_hashes=exc.mm_hashes, plain=plain)
+                return self._error_frame("writer_gone", exc, mm_hashes=exc.mm_hashes, plain=plain)
             except StaleReferenceError as exc:
-                return error_frame("stale_reference", exc, plain=plain)
+                return self._error_frame("stale_reference", exc, plain=plain)
             except InvalidReferenceError as exc:
-                return error_frame("invalid_reference", exc, plain=plain)
+                return self._error_frame("invalid_reference", exc, plain=plain)
             except ReaderEvictedError as exc:
-                return error_frame("reader_evicted", exc, plain=plain)
+                return self._error_frame("reader_evicted", exc, plain=plain)
             except _HandlerFailed as failed:
                 return failed.frame
             except Exception as exc:  # the cache failed otherwise: still a typed answer
                 log.exception("reading a call's features failed")
-                return error_frame("handler", exc, plain=plain)
+                return self._error_frame("handler", exc, plain=plain)
             try:  # ``_handle``'s steps, without its coroutine level
                 result = await self.handler(items, payload)
             except BaseException as exc:
@@ -354,13 +358,27 @@ class _Worker:
             raise self._failed(exc, plain) from exc
         return self._answer(result, plain)
 
+    def _error_frame(
+        self,
+        kind: str,
+        exc: BaseException,
+        *,
+        mm_hashes: Sequence[str] = (),
+        unread: bool = False,
+        plain: bool = False,
+    ) -> bytes:
+        """``error_frame`` that fits this worker's ``max_frame_bytes``."""
+        return error_frame(
+            kind, exc, mm_hashes=mm_hashes, unread=unread, plain=plain, limit=self.max_frame_bytes
+        )
+
     def _failed(self, exc: BaseException, plain: bool) -> _HandlerFailed:
         """The handler raised ``exc``: its ``handler`` error frame, logged; the process's own
         end and a cancellation of this worker are raised again instead."""
         if isinstance(exc, KeyboardInterrupt | SystemExit) or _cancelled_from_outside(exc):
             raise exc
         log.error("the engine handler raised %s", type(exc).__name__, exc_info=exc)
-        return _HandlerFailed(error_frame("handler", exc, plain=plain))
+        return _HandlerFailed(self._error_frame("handler", exc, plain=plain))
 
     def _answer(self, result: Any, plain: bool) -> bytes | tuple[bytes]:
         """The handler's result as its answer (``_handle``'s return); ``_HandlerFailed`` with
@@ -374,7 +392,7 @@ class _Worker:
         except (SerdeError, WireError, TypeError) as exc:
             log.error("the engine handler's result cannot be encoded: %s", exc)
             raise _HandlerFailed(
-                error_frame(
+                self._error_frame(
                     "bad_response", WireError(f"the result cannot be encoded: {exc}"), plain=plain
                 )
             ) from exc
@@ -384,7 +402,7 @@ class _Worker:
                 f"max_frame_bytes={self.max_frame_bytes}"
             )
             log.error("%s; answering an error instead", message)
-            raise _HandlerFailed(error_frame("bad_response", WireError(message), plain=plain))
+            raise _HandlerFailed(self._error_frame("bad_response", WireError(message), plain=plain))
         return answer
 
     async def shutdown(self, grace: float) -> None:
@@ -449,7 +467,8 @@ async def serve_engine(
     once. Every failure is answered with a typed error frame (module docstring).
 
     Connections: a call's frames must arrive whole within ``idle_timeout`` seconds of its first
-    byte, and a new connection must start its first call within ``idle_timeout`` (default 10 s);
+    byte, a new connection must start its first call within ``idle_timeout`` (default 10 s),
+    and an answer the socket could not take at once must be read within ``idle_timeout``;
     otherwise the connection is closed. A connection that has sent a whole call may wait for
     its next one without limit (a gateway's pooled connection). At most ``max_connections``
     (default: half the process's open-file limit, at most 4096) are open: beyond it, the oldest

@@ -399,7 +399,9 @@ class GroupFlight:
         d = self._directory()
         if d is None:
             return None
-        return os.path.join(d, hashlib.blake2b(key.encode(), digest_size=16).hexdigest())
+        # any str is a hash (lone surrogates too, as keys.py encodes them)
+        digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16)
+        return os.path.join(d, digest.hexdigest())
 
     def _try_lock(self, path: str) -> int | None:
         """The locked marker file at ``path`` (the one linked there now), or None if held."""

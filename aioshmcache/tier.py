@@ -454,6 +454,7 @@ class RedisTier(AsyncResource):
         deadline = self.policy.lookup_deadline(self.lookup_timeout_s)
         waited_since: float | None = None
         pause = 0.002
+        start = time.perf_counter()  # the look-up's latency: one sample, waits included
         while True:
             t0 = time.perf_counter()
             probe = await self._call(
@@ -484,13 +485,13 @@ class RedisTier(AsyncResource):
                     self._n["misses"] += 1
                     self._n["skipped"] += 1
                     return await self._make(w, make, store=False)
-                item = await self._fetch(vkey, mm_hash, n, t0, t1, deadline)
+                item = await self._fetch(vkey, mm_hash, n, start, t1, deadline)
                 if item is not None:
                     return item[0]
                 self._n["misses"] += 1  # rejected (counted), vanished or failed: make it here
                 return await self._make(w, make, store=True)
-            if probe is not _LATE:
-                self._note_lookup(t1 - t0)
+            if kind in (_CLAIMED, _SKIPPED):  # answered: the look-up ends (a poll does not)
+                self._note_lookup(t1 - start)
             if kind == _CLAIMED:
                 self._n["misses"] += 1
                 self._n["claims"] += 1
@@ -528,6 +529,7 @@ class RedisTier(AsyncResource):
             return  # a later probe of this look-up claimed it: one claim, the same token
         if w.making:
             w.token, w.adopted = token, True
+            self._n["claims"] += 1  # a claim all the same: its item is written
             if not self._closed:
                 w.renewal = self._spawn(self._renew(w.lkey, w.token))
         elif w.done and not self._closed:  # made and queued already: give the claim up
@@ -561,8 +563,9 @@ class RedisTier(AsyncResource):
     ) -> tuple[Any] | None:
         """GET, verify and decode a value of ``n`` bytes; None if it failed (counted).
 
-        ``t0``: when the look-up's probe was sent; ``t1``: when it answered (the policy learns
-        the fetch from there: the probe is paid whether the value is fetched or made).
+        ``t0``: when the look-up began (its latency, waits on another's lease included);
+        ``t1``: when its last probe answered (the policy learns the fetch from there: the probe
+        is paid whether the value is fetched or made).
         """
         deadline = deadline_s + 2 * self.policy.fetch_cost(n)
         data = await self._call(self._client.get, args=[vkey], deadline_s=deadline)

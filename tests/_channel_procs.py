@@ -23,6 +23,17 @@ class HandlerBaseError(BaseException):
     """A ``BaseException`` that is not the process's own end (as some libraries raise)."""
 
 
+class UnprintableError(Exception):
+    """An exception whose ``str()`` raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no message today")
+
+
+#: the ``raise`` op's runs in this process (an in-process worker's), by kind
+RAISED: list[str] = []
+
+
 async def handler(features: list[FeatureSpec], payload: Any) -> Any:
     """What the tests ask of a worker, by ``payload["op"]``."""
     op = payload.get("op", "crc") if isinstance(payload, dict) else "crc"
@@ -36,6 +47,13 @@ async def handler(features: list[FeatureSpec], payload: Any) -> Any:
         raise asyncio.CancelledError("the handler's own cancellation")
     elif op == "base":
         raise HandlerBaseError("a BaseException from a library")
+    elif op == "raise":  # an exception whose message is hard to send; each run counted
+        RAISED.append(payload["kind"])
+        if payload["kind"] == "surrogate":  # as a file name's undecodable bytes give
+            raise ValueError("no file named b\udcff.txt")
+        if payload["kind"] == "str-raises":
+            raise UnprintableError()
+        raise ValueError("x" * int(payload["n"]))
     elif op == "big":
         return {"big": np.zeros(int(payload["n"]), dtype=np.uint8)}
     elif op == "unencodable":

@@ -858,14 +858,27 @@ async def test_calls_of_both_channel_versions_are_served(
         assert cache.snapshot().readers[0].lag == 0
 
 
-async def test_a_garbage_answer_is_a_typed_error(tmp_path: Path) -> None:
-    """A peer that answers junk (not a worker) makes the call raise ``WireError``."""
+def _error_answer(kind: Any) -> bytes:
+    from aioshmcache._channel_format import ANSWER_VERSION, TAG
+
+    return bytes(msgpack.packb([TAG, ANSWER_VERSION, "error", kind, "C", "m", [], False]))
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"\x93not ours", *(_error_answer(kind) for kind in ({"x": 1}, [1], 7, None))],
+    ids=["junk", "kind-dict", "kind-list", "kind-int", "kind-nil"],
+)
+async def test_a_garbage_answer_is_a_typed_error(tmp_path: Path, answer: bytes) -> None:
+    """A peer that answers junk (not a worker), or an error answer whose kind is not a str
+    (unhashable: a review found it raising an untyped ``TypeError`` at the kind's look-up),
+    makes the call raise ``WireError``."""
     from aioshmcache.wire import read_frame, write_frame
 
     async def junk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_frame(reader)
         await read_frame(reader)
-        await write_frame(writer, b"\x93not ours")
+        await write_frame(writer, answer)
         writer.close()
 
     sock = tmp_path / "junk.sock"
@@ -873,6 +886,96 @@ async def test_a_garbage_answer_is_a_typed_error(tmp_path: Path) -> None:
     async with server, EngineClient.connect(sock) as engine:
         with pytest.raises(WireError):
             await engine.call([], {"op": "echo"}, timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("kind", "match"),
+    [
+        ("surrogate", r"no file named b\\udcff\.txt"),
+        ("str-raises", "could not be made"),
+        ("long", r"xxx \[\.\.\.\]"),
+    ],
+)
+async def test_a_handler_error_whose_message_is_hard_to_send_is_answered_once(
+    make_config: Callable[..., Any], tmp_path: Path, kind: str, match: str
+) -> None:
+    """A review's handler errors that the worker could not answer: a message with a lone
+    surrogate or a ``__str__`` that raises made the error answer raise, and one longer than
+    the worker's ``max_frame_bytes`` could not be written; the worker dropped the connection,
+    the gateway took it for a worker gone and ran the handler again. Each is answered, once."""
+    sock = tmp_path / "e.sock"
+    serve = {"max_frame_bytes": 4096}
+    _channel_procs.RAISED.clear()
+    async with _connected(make_config, sock, serve, max_connections=1) as (_c, _rx, engine):
+        with pytest.raises(EngineCallError, match=match):
+            await engine.call([], {"op": "raise", "kind": kind, "n": 10_000})
+        runs = list(_channel_procs.RAISED)
+        assert runs == [kind]  # run once: no retry of a call answered
+        assert (await engine.call([], {"op": "echo"}))["payload"] == {"op": "echo"}
+        assert engine.stats().connects == 1  # the connection stayed in use
+
+
+async def test_aclose_closes_a_connection_lent_to_a_call_in_flight(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """``aclose`` closes every connection, those lent to calls in flight too: such a call
+    raises ``EngineUnavailableError`` and is not sent again (a review's call ran on to its
+    answer after the client was closed, its connection still open)."""
+    sock, mark = tmp_path / "e.sock", tmp_path / "reached"
+    async with _engine(make_config, sock) as (cache, _rx, _task):
+        engine = EngineClient.connect(sock, cache=cache)
+        async with engine:
+            call = asyncio.create_task(engine.call([], {"op": "sleep", "s": 2, "mark": str(mark)}))
+            assert await asyncio.to_thread(wait_until, mark.exists, 30)  # in the handler
+            await engine.aclose()
+            with pytest.raises(EngineUnavailableError):
+                await asyncio.wait_for(call, 30)
+            assert engine.open_connections == 0 and engine.stats().retries == 0
+
+
+async def test_a_gateway_that_stops_reading_an_answer_is_closed_after_idle_timeout(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A peer that sends a call whose answer does not fit the socket, then never reads: the
+    worker's wait for the answer to drain is bounded by ``idle_timeout`` (it held the
+    connection's task, and delayed a shutdown, for as long as the peer lived)."""
+    import socket
+
+    from aioshmcache._channel_format import call_frames
+    from aioshmcache.wire import frame_parts
+
+    sock = tmp_path / "e.sock"
+    async with _engine(make_config, sock, idle_timeout=0.5):
+        head, body = call_frames({"op": "big", "n": 8 << 20}, [])
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.connect(str(sock))
+        try:
+            raw.sendall(b"".join(frame_parts([head, body], max_bytes=1 << 30)))
+
+            def closed_by_the_worker() -> bool:
+                try:
+                    raw.send(b"\0")  # (our bytes, never read: the worker closes anyway)
+                except OSError:
+                    return True
+                return False
+
+            assert await asyncio.to_thread(wait_until, closed_by_the_worker, 60, 0.05)
+        finally:
+            raw.close()
+
+
+@pytest.mark.parametrize("where", ["client", "call"])
+async def test_a_timeout_that_is_not_a_number_above_zero_is_refused(
+    tmp_path: Path, where: str
+) -> None:
+    """NaN passed ``timeout <= 0`` and made a deadline never reached (a review's call hung)."""
+    if where == "client":
+        with pytest.raises(ValueError, match="timeout"):
+            EngineClient.connect(tmp_path / "e.sock", timeout=float("nan"))
+        return
+    async with EngineClient.connect(tmp_path / "e.sock") as engine:
+        with pytest.raises(ValueError, match="timeout"):
+            await engine.call([], {}, timeout=float("nan"))
 
 
 # --- the envelope's two forms, the connection's framing, the client's lifetime ----------------

@@ -378,6 +378,22 @@ def group() -> Iterator[str]:
     assert not os.path.exists(markers)  # every marker was removed, and their directory
 
 
+async def test_a_hash_of_any_str_is_put_in_a_group(group: str) -> None:
+    """A hash with a lone surrogate (any ``str`` is a hash, as for a plain cache): the group's
+    single-flight marker is named from it too (a review found its name's encoding raising an
+    untyped ``UnicodeEncodeError`` on every call, so the item was never cached)."""
+    item = random_item(np.random.default_rng(5), 1024)
+
+    async def make() -> dict[str, Any]:
+        return item
+
+    async with AsyncSenderCache.from_config(_group_config(group)) as cache:
+        for _ in range(2):
+            got = await cache.get_or_put("sur\ud800rogate", make)
+            assert isinstance(got.data, ShmRef)
+        assert cache.single_flight_stats().runs == 1  # the second one was a hit
+
+
 async def test_a_sibling_computing_the_hash_is_waited_for_not_repeated(group: str) -> None:
     """Two shards (as two gateway processes): b waits for a's make and reads a's item."""
     from aioshmcache._group import Siblings

@@ -536,6 +536,25 @@ async def test_a_probe_answering_after_its_deadline_is_late_and_its_claim_not_lo
             assert await raw.exists(lkey) == 0  # given up at once
         s = tier.stats()
         assert s.errors == s.timeouts == s.breaker_opens == 0 and s.breaker_state == "closed"
+        assert s.claims == (1 if answer == "while_making" else 0)  # an adopted claim counts
+
+
+async def test_a_look_up_that_waits_on_another_host_s_lease_is_one_latency_sample(
+    redis_server: RedisServer, raw: Any, make_config: Any
+) -> None:
+    """A look-up that polls another host's lease until it expires, then claims the hash: one
+    look-up, one latency sample, the wait included (each poll was counted a sample of its own
+    round trip, reporting many fast look-ups where there was one slow one)."""
+    tier = _tier(redis_server.url, config=TierConfig(max_wait_s=30.0))
+    lkey = lease_key(tier.keyspace, "w9")
+    calls: list[str] = []
+    async with _cache(make_config, tier) as cache:
+        with ReceiverCache.attach(cache.handle()) as rx:
+            await raw.set(lkey, b"c:" + b"0" * 24, px=400)  # a host's lease, expiring unfilled
+            _check(rx, await cache.get_or_put("w9", _maker("w9", calls)), "w9")
+    s = tier.stats()
+    assert calls == ["w9"] and s.waits == 1 and s.takeovers == 1 and s.lookups == 1
+    assert s.lookup_samples == 1 and s.lookup_seconds >= 0.3  # the wait is in it
 
 
 @e2e
