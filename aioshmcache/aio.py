@@ -237,19 +237,25 @@ class _AsyncFace(AsyncResource, Generic[C]):
             self._cache = await anyio.to_thread.run_sync(self._open_cache)
 
     async def aclose(self) -> None:
-        """Close: wait (bounded) for jobs in worker threads, then close what this object owns.
+        """Close what this object owns, then wait (bounded) for its jobs in worker threads.
 
-        An owned sender unlinks its segment, an owned reader frees its slot; a borrowed cache is
-        left open. Idempotent.
+        An owned sender unlinks its segment (a job waiting there for space is woken and ends
+        with ``ClosedCacheError``; a copy in progress ends on its own view of the mapping), an
+        owned reader frees its slot (after the reads in progress); a borrowed cache is left
+        open, and its jobs are waited for. Idempotent.
         """
         if self._closed:
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
+            if self._owned and self._cache is not None:
+                # first: a job waiting for space holds no lock, and the close wakes it (the
+                # jobs' copies run outside the writer lock, their commits take it for a
+                # moment); waiting for the jobs first let such a job hold the close for
+                # CLOSE_TIMEOUT
+                self._cache.close()
             if not self._inflight.idle.is_set():
                 await anyio.to_thread.run_sync(self._inflight.idle.wait, CLOSE_TIMEOUT)
-            if self._owned and self._cache is not None:
-                self._cache.close()
 
     def _due(self) -> bool:
         """Whether this inline call should yield to the loop first (see ``CHECKPOINT_EVERY``)."""

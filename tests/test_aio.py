@@ -771,6 +771,37 @@ async def test_a_job_cancelled_before_its_thread_started_does_not_hold_aclose(
         await cache.aclose()
 
 
+async def test_aclose_wakes_a_job_waiting_for_space_and_waits_for_it(make_config: Any) -> None:
+    """A request waiting for space in a worker thread when its owned cache closes: the close
+    wakes it (it ends with ``ClosedCacheError``) and ``aclose`` returns once the job is done.
+    A review's ``aclose`` waited ``CLOSE_TIMEOUT`` for the job first, then closed under it."""
+    from aioshmcache import ClosedCacheError
+
+    cache = AsyncSenderCache.from_config(
+        make_config(4 * MiB, 2 * MiB, 1), inline_threshold_bytes=MiB
+    )
+    await cache.__aenter__()
+    rx = ReceiverCache.attach(cache.handle())
+    try:
+        for k in range(3):  # owed to the reader, never read: no room without it
+            await cache.get_and_update_features(
+                [FeatureSpec(f"f{k}", {"x": np.ones(MiB, np.uint8)})]
+            )
+        big = {"x": np.ones(MiB + 500_000, np.uint8)}
+        task = asyncio.ensure_future(
+            cache.get_and_update_features([FeatureSpec("big", big)], wait_for_space=60)
+        )
+        store = cache.sender.store
+        await _until(lambda: store.wakeups > 0)  # it waits for space in its thread
+        await cache.aclose()
+        assert cache._inflight.idle.is_set()  # the job ended before aclose returned
+        with pytest.raises(ClosedCacheError):
+            await task
+    finally:
+        rx.close()
+        await cache.aclose()
+
+
 async def test_an_abandoned_request_stops_waiting_for_space(make_config: Any) -> None:
     """Review: a cancelled request went on waiting, then evicted and copied for nobody."""
     async with AsyncSenderCache.from_config(
