@@ -56,7 +56,7 @@ from ._ledger import Debts, HandoutLedger
 from ._pins import Pins
 from ._ring import ShmRingBuffer
 from ._sharded_map import ShardedMap
-from .errors import CacheFullError
+from .errors import CacheFullError, ClosedCacheError
 
 __all__ = [
     "EVICT_AHEAD_PUTS",
@@ -142,6 +142,7 @@ class Eviction:
         "_pins",
         "_rows",
         "_sem",
+        "_stopping",
         "_waiters",
         "bytes_relocated",
         "evict_slack",
@@ -186,6 +187,7 @@ class Eviction:
         self._sem = sem  # the wake-up semaphore readers post while the writer waits for space
         self._waiters = 0  # threads asleep in _wait (they own the semaphore handle then)
         self._closed = False
+        self._stopping = False  # ``stop_waits``: no put waits for space any more
         self._evict_after = evict_after
         # second chance: chunk ids hit since written or moved. A dict of int -> None, not a set:
         # the collector untracks such a dict, while it walks every member of a set (12 ms per
@@ -337,7 +339,10 @@ class Eviction:
                     waiting = True
                     self._hw[H_WAITING] = 1
                     continue  # re-check once after raising the flag: no lost wake-up
-                self._wait(min(remaining, WAIT_POLL))
+                if not self._stopping:
+                    self._wait(min(remaining, WAIT_POLL))
+                if self._stopping:  # (checked and waited under the lock: no lost wake-up)
+                    raise ClosedCacheError(f"no room for {nbytes} bytes: the cache is closing")
                 if abort is not None and abort():
                     raise CacheFullError(f"no room for {nbytes} bytes: the request was abandoned")
         finally:
@@ -485,6 +490,15 @@ class Eviction:
                 with contextlib.suppress(posix_ipc.ExistentialError, OSError):
                     sem.close()
         self._host.check_owner()
+
+    def stop_waits(self) -> None:
+        """Wake every put waiting for space, and fail it and any later wait with
+        ``ClosedCacheError`` (the first step of a close that lets the other puts finish)."""
+        with self._lock:
+            self._stopping = True
+            for _ in range(self._waiters):
+                with contextlib.suppress(posix_ipc.ExistentialError, OSError):
+                    self._sem.release()
 
     def close(self, *, unlink: bool) -> None:
         """The writer closes: unlink the semaphore (``unlink``), wake the writers waiting on

@@ -829,6 +829,12 @@ class StoreWriter(ShmObjectStore):
         ``StaleReferenceError``, as for a reader."""
         return self._reading.read(ref)
 
+    def stop_waits(self) -> None:
+        """Wake every put waiting for space (readers slow to acknowledge) and fail it, and any
+        later wait, with ``ClosedCacheError``; puts that need no wait go on. The first step of
+        a close that lets the puts in progress finish (``AsyncSenderCache.aclose``)."""
+        self._evict.stop_waits()
+
     def close(self) -> None:
         """Idempotent: unlink the segment and its semaphore (readers then see
         ``WriterGoneError``). A put running in another thread ends first (its big copy runs

@@ -237,25 +237,25 @@ class _AsyncFace(AsyncResource, Generic[C]):
             self._cache = await anyio.to_thread.run_sync(self._open_cache)
 
     async def aclose(self) -> None:
-        """Close what this object owns, then wait (bounded) for its jobs in worker threads.
+        """Close: wait (bounded) for jobs in worker threads, then close what this object owns.
 
-        An owned sender unlinks its segment (a job waiting there for space is woken and ends
-        with ``ClosedCacheError``; a copy in progress ends on its own view of the mapping), an
-        owned reader frees its slot (after the reads in progress); a borrowed cache is left
-        open, and its jobs are waited for. Idempotent.
+        An owned sender unlinks its segment (first, a job of its waiting for space is woken and
+        fails with ``ClosedCacheError``: ``StoreWriter.stop_waits``; the others finish), an
+        owned reader frees its slot; a borrowed cache is left open. Idempotent.
         """
         if self._closed:
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
             if self._owned and self._cache is not None:
-                # first: a job waiting for space holds no lock, and the close wakes it (the
-                # jobs' copies run outside the writer lock, their commits take it for a
-                # moment); waiting for the jobs first let such a job hold the close for
-                # CLOSE_TIMEOUT
-                self._cache.close()
+                self._before_close(self._cache)
             if not self._inflight.idle.is_set():
                 await anyio.to_thread.run_sync(self._inflight.idle.wait, CLOSE_TIMEOUT)
+            if self._owned and self._cache is not None:
+                self._cache.close()
+
+    def _before_close(self, cache: C) -> None:
+        """What an owned cache does before its jobs are waited for (a sender: ``stop_waits``)."""
 
     def _due(self) -> bool:
         """Whether this inline call should yield to the loop first (see ``CHECKPOINT_EVERY``)."""
@@ -372,6 +372,15 @@ class AsyncSenderCache(_AsyncFace[SenderCache]):
                 "(AsyncSenderCache.from_config(config) creates one)"
             )
         self._setup(sender, sender.config, None, max_threads, inline_threshold_bytes, tier)
+
+    def _before_close(self, cache: SenderCache) -> None:
+        cache.stop_waits()  # a job waiting for space ends now, not at CLOSE_TIMEOUT
+
+    async def stop_waits(self) -> None:
+        """Wake every request waiting for space and fail it, and any later wait, with
+        ``ClosedCacheError`` (``SenderCache.stop_waits``; ``aclose`` of an owned cache does it
+        first)."""
+        self.sender.stop_waits()
 
     @classmethod
     def from_config(

@@ -516,6 +516,12 @@ class SenderCache(_Cache):
                 readers=tuple(st.reader_info()),
             )
 
+    def stop_waits(self) -> None:
+        """Wake every request waiting for space and fail it, and any later wait, with
+        ``ClosedCacheError`` (``StoreWriter.stop_waits``): the first step of a close that lets
+        the requests in progress finish (``AsyncSenderCache.aclose``)."""
+        self.store.stop_waits()
+
     def close(self) -> None:
         """Unlink the segment (idempotent). Readers then see ``WriterGoneError``. A call in
         another thread ends first (the close takes the writer lock); a forked child's copy

@@ -470,6 +470,8 @@ class RedisTier(AsyncResource):
             else:
                 reply = None if probe is None or probe is _LATE else self._probe_reply(probe)
             if reply is None:  # Redis failed, answered late or nonsense (counted): make it here
+                if waited_since is not None:  # it answered the polls before: the wait is a sample
+                    self._note_lookup(time.perf_counter() - start)
                 self._n["misses"] += 1
                 return await self._make(w, make, store=False)
             t1 = time.perf_counter()
@@ -509,12 +511,14 @@ class RedisTier(AsyncResource):
                 waited_since = now
                 self._n["waits"] += 1
             if now - waited_since >= self.max_wait_s:
+                self._note_lookup(time.perf_counter() - start)
                 self._n["misses"] += 1
                 self._n["wait_timeouts"] += 1
                 return await self._make(w, make, store=False)
             await anyio.sleep(min(pause, max(0.0, waited_since + self.max_wait_s - now)))
             pause = min(pause * 1.5, 0.05)
             if not self.breaker.allow():
+                self._note_lookup(time.perf_counter() - start)
                 self._n["misses"] += 1
                 self._n["bypassed"] += 1
                 return await self._make(w, make, store=False)

@@ -802,6 +802,84 @@ async def test_aclose_wakes_a_job_waiting_for_space_and_waits_for_it(make_config
         await cache.aclose()
 
 
+async def test_stop_waits_fails_a_waiting_request_and_later_waits_but_not_puts_that_fit(
+    make_config: Any,
+) -> None:
+    """``stop_waits`` (both faces): the request waiting for space ends with ``ClosedCacheError``
+    at once, a later one that would wait too; a put that fits still goes in."""
+    from aioshmcache import ClosedCacheError
+
+    async with AsyncSenderCache.from_config(
+        make_config(4 * MiB, 2 * MiB, 1), inline_threshold_bytes=MiB
+    ) as cache:
+        rx = ReceiverCache.attach(cache.handle())
+        try:
+            for k in range(3):
+                await cache.get_and_update_features(
+                    [FeatureSpec(f"f{k}", {"x": np.ones(MiB, np.uint8)})]
+                )
+            big = [FeatureSpec("big", {"x": np.ones(MiB + 500_000, np.uint8)})]
+            task = asyncio.ensure_future(cache.get_and_update_features(big, wait_for_space=60))
+            store = cache.sender.store
+            await _until(lambda: store.wakeups > 0)
+            await cache.stop_waits()
+            with pytest.raises(ClosedCacheError):
+                await task
+            with pytest.raises(ClosedCacheError):
+                cache.sender.get_and_update_item(
+                    ({"x": np.ones(MiB + 500_000, np.uint8)}, ()), "b2", wait_for_space=60
+                )
+            [small] = await cache.get_and_update_features([FeatureSpec("s", {"x": np.ones(8)})])
+            assert isinstance(small.data, ShmRef)
+        finally:
+            rx.close()
+
+
+@pytest.mark.parametrize("delay_ms", [0, 1, 3, 8])
+async def test_aclose_lets_the_copies_in_progress_finish(make_config: Any, delay_ms: int) -> None:
+    """``aclose`` of an owned sender while its requests copy big items in worker threads: each
+    request gets its references or a typed error, never a released buffer's ``ValueError``
+    (a first version of the fix above closed the store before waiting for the jobs, and a
+    job that had not started its copy yet indexed the released ring)."""
+    from aioshmcache import ShmCacheError
+
+    cache = AsyncSenderCache.from_config(
+        make_config(512 * MiB, 64 * MiB, 1), inline_threshold_bytes=256 * 1024
+    )
+    await cache.__aenter__()
+    try:
+        items = [FeatureSpec(f"i{k}", {"x": np.full(48 * MiB, k, np.uint8)}) for k in range(4)]
+        task = asyncio.ensure_future(cache.get_and_update_features(items))
+        await asyncio.sleep(delay_ms / 1000)
+        await cache.aclose()
+        try:
+            out = await task
+        except ShmCacheError:
+            pass  # closed before it was done: typed
+        else:
+            assert all(isinstance(f.data, ShmRef) for f in out)
+    finally:
+        await cache.aclose()
+
+
+async def test_aclose_of_an_owned_receiver_lets_reads_in_progress_finish(make_config: Any) -> None:
+    """An owned receiver's ``aclose`` waits for the reads in its worker threads before it frees
+    its slot: they give their items (a first version of the fix above cut them off)."""
+    async with AsyncSenderCache.from_config(
+        make_config(256 * MiB, 64 * MiB, 1), inline_threshold_bytes=256 * 1024
+    ) as tx:
+        refs = await tx.get_and_update_features(
+            [FeatureSpec(f"r{k}", {"x": np.full(32 * MiB, k, np.uint8)}) for k in range(4)]
+        )
+        rx = AsyncReceiverCache.attach(tx.handle())
+        await rx.__aenter__()
+        task = asyncio.ensure_future(rx.get_and_update_features(refs))
+        await _until(lambda: rx._inflight.count > 0 or task.done())
+        await rx.aclose()
+        got = await task
+        assert [int(f.data["x"][-1]) for f in got] == [0, 1, 2, 3]
+
+
 async def test_an_abandoned_request_stops_waiting_for_space(make_config: Any) -> None:
     """Review: a cancelled request went on waiting, then evicted and copied for nobody."""
     async with AsyncSenderCache.from_config(

@@ -681,6 +681,7 @@ async def test_a_garbage_lease_that_looks_like_one_costs_at_most_max_wait_s(
             _check(rx, await cache.get_or_put("g2", _maker("g2", calls)), "g2")
     s = tier.stats()
     assert calls == ["g2"] and s.waits == 1 and s.wait_timeouts == 1
+    assert s.lookup_samples == 1 and s.lookup_seconds >= 0.3  # the wait, as one sample
 
 
 async def test_a_host_with_another_secret_cannot_hurt_the_others(
