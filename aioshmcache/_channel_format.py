@@ -293,11 +293,12 @@ def error_frame(
 ) -> bytes:
     """An error answer (``plain``: the caller reads plain msgpack), of at most ``limit`` bytes.
 
-    It never raises: an error answer is what is left when all else failed, and a worker that
-    could not send it would drop the connection, which the gateway takes for a worker gone
-    (and may run the handler again). A message that cannot be made (its ``__str__`` raises) is
-    replaced, lone surrogates (a file name's undecodable bytes) are escaped, and the message is
-    cut until the answer fits ``limit``.
+    The exception's message never makes it fail: an error answer is what is left when all else
+    failed, and a worker that could not send it would drop the connection, which the gateway
+    takes for a worker gone (and may run the handler again). A message that cannot be made (its
+    ``__str__`` raises) is replaced, lone surrogates (a file name's undecodable bytes) are
+    escaped, and the message is cut until the answer fits ``limit``. (``mm_hashes`` come from
+    a call the gateway could encode: they encode here too.)
     """
     try:
         message = str(exc)
