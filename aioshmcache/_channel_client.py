@@ -420,8 +420,11 @@ class EngineClient(AsyncResource):
             raise
 
     def _unavailable(self, delivered: bool, exc: BaseException) -> EngineUnavailableError:
-        """The error of a call whose connection broke (``exc``): before or after delivery."""
-        if not delivered:
+        """The error of a call whose connection broke (``exc``): before or after delivery, or
+        cut by this client's own ``aclose``."""
+        if self._book.closed:
+            what = f"the engine client was closed during the call to {self.path}"
+        elif not delivered:
             what = f"could not send the call to {self.path}: {exc}"
         else:
             what = f"the engine worker at {self.path} went away during the call: {exc}"

@@ -919,8 +919,9 @@ async def test_aclose_closes_a_connection_lent_to_a_call_in_flight(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
     """``aclose`` closes every connection, those lent to calls in flight too: such a call
-    raises ``EngineUnavailableError`` and is not sent again (a review's call ran on to its
-    answer after the client was closed, its connection still open)."""
+    raises ``EngineUnavailableError`` saying the client was closed (not that the worker went
+    away) and is not sent again (a review's call ran on to its answer after the client was
+    closed, its connection still open)."""
     sock, mark = tmp_path / "e.sock", tmp_path / "reached"
     async with _engine(make_config, sock) as (cache, _rx, _task):
         engine = EngineClient.connect(sock, cache=cache)
@@ -928,7 +929,7 @@ async def test_aclose_closes_a_connection_lent_to_a_call_in_flight(
             call = asyncio.create_task(engine.call([], {"op": "sleep", "s": 2, "mark": str(mark)}))
             assert await asyncio.to_thread(wait_until, mark.exists, 30)  # in the handler
             await engine.aclose()
-            with pytest.raises(EngineUnavailableError):
+            with pytest.raises(EngineUnavailableError, match="client was closed"):
                 await asyncio.wait_for(call, 30)
             assert engine.open_connections == 0 and engine.stats().retries == 0
 
