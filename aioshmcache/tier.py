@@ -740,8 +740,12 @@ class RedisTier(AsyncResource):
             kwargs={"px": int(self.ttl_s * 1000)},
             deadline_s=self.write_timeout_s,
         )
-        if ok is None or ok is _LATE:
-            return  # not known to be written: the lease (if any) expires by itself
+        if ok is _LATE:
+            return  # it may still land: the lease (if any) expires by itself
+        if ok is None:  # refused (Redis out of memory, ...) or failed: nothing was written
+            if self.breaker.state == "closed":  # Redis answers: a waiter takes over now
+                await self._release(w, b"")  # (a DEL: allowed out of memory too)
+            return
         self._n["writes"] += 1
         self._n["bytes_written"] += n
         await self._release(w, b"")

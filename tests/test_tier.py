@@ -827,6 +827,35 @@ async def test_a_failed_claim_is_released_while_writes_are_stuck(
 
 
 @e2e
+async def test_a_value_redis_refuses_to_store_releases_the_claim_at_once(
+    two_hosts: TwoHosts, raw: Any
+) -> None:
+    """A value write that Redis refuses (out of memory) gives the claim up at once: a host
+    waiting on it takes over, instead of waiting out the lease (``lease_s``) or its own
+    ``max_wait_s`` for a value that will never come."""
+    async with two_hosts(_tuned(lease_s=60.0), _tuned(lease_s=60.0, max_wait_s=60.0)) as h:
+        go = asyncio.Event()
+
+        async def claimers_make() -> dict[str, Any]:
+            h.started.set()
+            await go.wait()
+            return h.make("m1")()
+
+        first, second = await h.b_asks_while_a_makes("m1", claimers_make)
+        await _until(lambda: h.tb.stats().waits == 1)  # b waits on a's claim
+        await raw.config_set("maxmemory", 1)  # every write that may grow memory is refused
+        try:
+            go.set()
+            _check(h.ra, await asyncio.wait_for(first, 20), "m1")
+            await h.b_gets(second, "m1")
+        finally:
+            await raw.config_set("maxmemory", 0)
+    assert h.ta.stats().writes == 0 and h.ta.stats().errors >= 1  # refused, not written
+    s2 = h.tb.stats()
+    assert h.calls == ["m1", "m1"] and s2.waits == 1 and s2.wait_timeouts == 0
+
+
+@e2e
 @pytest.mark.slow
 async def test_a_claim_is_renewed_while_make_runs_longer_than_its_lease(
     two_hosts: TwoHosts,
