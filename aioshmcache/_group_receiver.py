@@ -291,19 +291,33 @@ class GroupReceiverRequest:
         if shards.closed:
             raise ClosedCacheError("the group reader is closed")
         routes: dict[int, list[int]] = {}
+        error: Exception | None = None
         for i, f in enumerate(self._features):
-            if not isinstance(f, FeatureSpec):
-                raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
-            check_hash(f.mm_hash)
-            ref = as_reference(f.data)
+            try:
+                if not isinstance(f, FeatureSpec):
+                    raise TypeError(f"expected FeatureSpec, got {type(f).__name__}")
+                check_hash(f.mm_hash)
+                ref = as_reference(f.data)
+            except (InvalidReferenceError, TypeError) as exc:
+                error = error or exc  # as a single cache's request: every feature is looked at
+                continue
             if ref is not None:
                 routes.setdefault(ref.nonce, []).append(i)
-        if any(shards.store(n) is None and not shards.is_gone(n) for n in routes):
-            shards.rescan()  # a shard that appeared since (or a forged nonce)
-        for nonce in routes:
-            if not shards.resolved(nonce):
-                shards.find(nonce)  # the one shard file that holds this instance, if any
         todo = list(routes.items())
+        if error is not None:
+            self._give_back(todo)  # the request fails owing nothing
+            raise error
+        try:
+            if any(shards.store(n) is None and not shards.is_gone(n) for n in routes):
+                shards.rescan()  # a shard that appeared since (or a forged nonce)
+            for nonce in routes:
+                if not shards.resolved(nonce):
+                    shards.find(nonce)  # the one shard file that holds this instance, if any
+        except BaseException:
+            # the look-up failed (a shard whose reader slots are all taken, say): the request
+            # fails owing nothing to the shards it could read
+            self._give_back(todo)
+            raise
         for nonce in routes:
             if shards.store(nonce) is None and not shards.is_gone(nonce):
                 self._give_back(todo)  # the request fails owing nothing

@@ -846,11 +846,21 @@ def test_a_shard_reclaimed_while_a_reader_finds_it_dead_is_not_taken_for_gone(
     assert _ours(group) == []
 
 
-@pytest.mark.parametrize("how", ["a read fails", "a reference is forged"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "a read fails",
+        "a reference is forged",
+        "a feature is not a FeatureSpec",
+        "a hash is not a str",
+        "a reference is malformed",
+    ],
+)
 def test_a_failed_group_read_gives_back_every_shard_s_references(group: str, how: str) -> None:
     """A group request that fails gives back the references of every shard, not only those of
     the shard whose read failed: the shards read after it never began (a read failing in the
-    core's call), or none began (a reference naming no shard)."""
+    core's call), or none began (a reference naming no shard, a feature a single cache's request
+    rejects too: every feature is looked at, then the valid references are given back)."""
     cfg = gp.config(group)
     with SenderCache(cfg) as a, SenderCache(cfg) as b, ReceiverCache.attach_group(group) as rx:
         [fa] = a.get_and_update_features([FeatureSpec("ha", gp.make_item("ha"))])
@@ -868,8 +878,17 @@ def test_a_failed_group_read_gives_back_every_shard_s_references(group: str, how
 
             store.read_path._read_item = fails
             expected: type[Exception] = RuntimeError
-        else:
+        elif how == "a reference is forged":
             request.append(FeatureSpec("hf", fb.data._replace(nonce=12345)))
+            expected = InvalidReferenceError
+        elif how == "a feature is not a FeatureSpec":
+            request.insert(1, ("hx", fb.data))  # type: ignore[arg-type]
+            expected = TypeError
+        elif how == "a hash is not a str":
+            request.insert(1, FeatureSpec(b"hx", None))  # type: ignore[arg-type]
+            expected = TypeError
+        else:
+            request.insert(1, FeatureSpec("hx", {"nonce": fa.data.nonce}))
             expected = InvalidReferenceError
         with pytest.raises(expected):
             rx.get_and_update_features(request)
