@@ -57,6 +57,7 @@ from .errors import (
     ClosedCacheError,
     InvalidReferenceError,
     SegmentNotFoundError,
+    ShmCacheError,
     WriterGoneError,
 )
 
@@ -78,8 +79,13 @@ class GroupShards:
         self._lock = threading.Lock()
         self.closed = False
 
-    def rescan(self) -> None:
-        """Detach from dead shards, attach to new live ones."""
+    def rescan(self, *, strict: bool = True) -> None:
+        """Detach from dead shards, attach to new live ones.
+
+        ``strict``: a shard it cannot attach (every reader slot taken, say) raises why, as
+        attaching the group does; else it is skipped (a request's look-up: one full shard must
+        not keep the shards after it unattached, and only a reference of it fails, in ``find``).
+        """
         with self._lock:
             if self.closed:
                 raise ClosedCacheError("the group reader is closed")
@@ -116,6 +122,10 @@ class GroupShards:
                     continue
                 except SegmentNotFoundError:
                     continue  # gone meanwhile
+                except ShmCacheError:
+                    if strict:
+                        raise
+                    continue  # not attachable now: ``find`` raises why for its references
                 if not self._adopt_locked(store):
                     continue
 
@@ -309,7 +319,7 @@ class GroupReceiverRequest:
             raise error
         try:
             if any(shards.store(n) is None and not shards.is_gone(n) for n in routes):
-                shards.rescan()  # a shard that appeared since (or a forged nonce)
+                shards.rescan(strict=False)  # a shard that appeared since (or a forged nonce)
             for nonce in routes:
                 if not shards.resolved(nonce):
                     shards.find(nonce)  # the one shard file that holds this instance, if any

@@ -53,6 +53,7 @@ from ._types import (
 )
 from .errors import (
     InvalidReferenceError,
+    ReaderLimitError,
     StaleReferenceError,
     WriterGoneError,
 )
@@ -801,7 +802,7 @@ class GroupReceiverCache(Receiver):
         if r is None:
             return None
         if self._shards.store(r.nonce) is None and not self._shards.is_gone(r.nonce):
-            self._shards.rescan()
+            self._shards.rescan(strict=False)
         store = self._shards.route(r)
         return store, store.validate(r)
 
@@ -814,8 +815,8 @@ class GroupReceiverCache(Receiver):
         """Give back a hand-out this reader will not read; False if unknown or released."""
         try:
             routed = self._route(ref)
-        except (InvalidReferenceError, StaleReferenceError, WriterGoneError):
-            return False
+        except (InvalidReferenceError, StaleReferenceError, WriterGoneError, ReaderLimitError):
+            return False  # (a shard it cannot attach: it never was handed that reference)
         if routed is None:
             return False
         store, r = routed

@@ -370,8 +370,8 @@ def test_a_group_reader_closed_while_it_looks_for_a_new_shard_is_closed_not_forg
         shards = rx._shards
         rescan = shards.rescan
 
-        def rescan_then_close() -> None:
-            rescan()  # adopts the new shard...
+        def rescan_then_close(**kw: Any) -> None:
+            rescan(**kw)  # adopts the new shard...
             rx.close()  # ...and another thread's close drops it before the look-up
 
         monkeypatch.setattr(shards, "rescan", rescan_then_close)

@@ -17,6 +17,7 @@ from aioshmcache import (
     FeatureSpec,
     InvalidReferenceError,
     ReaderEvictedError,
+    ReaderLimitError,
     ReceiverCache,
     SenderCache,
     ShmObjectStore,
@@ -893,3 +894,34 @@ def test_a_failed_group_read_gives_back_every_shard_s_references(group: str, how
         with pytest.raises(expected):
             rx.get_and_update_features(request)
         assert a.is_freeable("ha") and b.is_freeable("hb")
+
+
+def test_a_shard_without_a_free_reader_slot_fails_only_its_own_references(group: str) -> None:
+    """A group reader that cannot attach one shard opened after it (every reader slot taken)
+    still attaches the shards opened later, and a request that names the full shard fails owing
+    nothing: a request's rescan skips the full shard, and only a reference of that shard raises
+    why (as attaching the group, or an explicit ``rescan()``, does)."""
+    cfg = CacheConfig(32 << 20, 1 << 20, 1, group=group)
+    with (
+        SenderCache(cfg) as a,
+        ReceiverCache.attach_group(group) as rx,
+        SenderCache(cfg) as b,
+        ReceiverCache.attach(b.handle()),  # takes b's only reader slot
+        SenderCache(cfg) as c,
+    ):
+        [fa] = a.get_and_update_features([FeatureSpec("ha", gp.make_item("ha"))])
+        [fb] = b.get_and_update_features([FeatureSpec("hb", gp.make_item("hb"))])
+        [fc] = c.get_and_update_features([FeatureSpec("hc", gp.make_item("hc"))])
+        assert isinstance(fb.data, ShmRef) and not a.is_freeable("ha")
+        # a reference of a shard with room is read, though the full one sorts before it
+        [got] = rx.get_and_update_features([fc])
+        assert np.array_equal(got.data["x"], gp.make_item("hc")["x"])
+        with pytest.raises(ReaderLimitError):
+            rx.get_and_update_features([fa, fb])
+        assert a.is_freeable("ha")  # the failed request owes nothing
+        assert rx.release(fb.data) is False  # never handed to this reader: not an error
+        assert sorted(h.name for h in rx.shard_handles()) == sorted([a.name, c.name])
+        with pytest.raises(ReaderLimitError):
+            rx.rescan()
+        with pytest.raises(ReaderLimitError):
+            ReceiverCache.attach_group(group)
