@@ -288,9 +288,15 @@ class ReadPath:
 
         After it returns True nothing can touch this reader's memory or descriptors any more:
         the caller may release them. (Not from inside a read of this path: see
-        ``close_when_idle``.)
+        ``close_when_idle``.) In a forked child of the opener it never waits: the reads in
+        flight at the fork were other threads' of the parent.
         """
         self.closed = True
+        if self._seg.forked:
+            # a forked child's copy: the reads counted in flight were the parent's threads',
+            # which the child does not have (nor a lock one of them held at the fork): none
+            # will ever leave, and nothing of the child reads through this copy
+            return True
         deadline = time.monotonic() + wait
         with self._idle:
             while self._inflight:

@@ -240,11 +240,16 @@ class ReaderSlot:
         its ``RS_START``, so a free slot then has nothing to read, however many acknowledgements
         the closed session wrote (more than the log holds is no inconsistency).
         """
-        with self._ack_lock:
+        seg = self.table.segment
+        if seg.forked:  # a forked child's copy: the lock may have been held by a parent thread
             if self.closed:
                 return
             self.closed = True
-        seg = self.table.segment
+        else:
+            with self._ack_lock:
+                if self.closed:
+                    return
+                self.closed = True
         if not seg.closed and not seg.forked:
             w = self._words
             if w[RS_SESSION] == self.session:

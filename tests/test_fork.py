@@ -406,3 +406,71 @@ def test_a_forked_helper_does_not_keep_a_dead_leader_s_marker(shm_name: str) -> 
         _kill_grandchild(helper)
         sweep(prefix=group)
     assert not os.path.exists(marker_directory(group))
+
+
+class _HeldRead:
+    """The default serde, whose reads wait for ``go`` once they have started (``entered``)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from aioshmcache.store import MsgpackSerde
+
+        self.inner = MsgpackSerde()
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def plan(self, obj: object) -> Any:
+        return self.inner.plan(obj)
+
+    def write(self, plan: Any, buf: memoryview) -> None:
+        self.inner.write(plan, buf)
+
+    def read(self, buf: memoryview, *, copy: bool = True) -> object:
+        self.entered.set()
+        self.go.wait(60)
+        return self.inner.read(buf, copy=copy)
+
+
+def test_a_forked_child_closes_a_reader_copy_at_once_while_a_parent_thread_reads(
+    make_config: Any,
+) -> None:
+    """Forked while another thread of the parent is in the middle of a read, the child's close
+    of its reader copy neither waits for that read (the child has no such thread: it would wait
+    the whole close bound, 5 s, for nothing) nor leaves the copy to a last read that never
+    comes; the parent's read ends as usual."""
+    import select
+    import threading
+
+    with SenderCache(make_config()) as tx:
+        serde = _HeldRead()
+        rx = ReceiverCache.attach(tx.handle(), serde=serde)
+        ref = tx.get_and_update_item(({"x": np.arange(8)}, ()), "h0")[0]
+        got: list[Any] = []
+        t = threading.Thread(target=lambda: got.append(rx.get_and_update_item(ref, "h0")))
+        t.start()
+        try:
+            assert serde.entered.wait(30)  # a read in flight in another thread
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - child
+                start = time.monotonic()
+                rx.close()
+                took = time.monotonic() - start
+                os.write(w, f"{took:.3f} {rx.closed}".encode())
+                os._exit(0)
+            os.close(w)
+            try:
+                ready, _, _ = select.select([r], [], [], 30)
+                out = os.read(r, 4096).decode() if ready else ""
+            finally:
+                os.close(r)
+                if not out:
+                    os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        finally:
+            serde.go.set()
+            t.join(30)
+        took_s, closed = out.split()
+        assert float(took_s) < 1.0 and closed == "True", out
+        assert np.array_equal(got[0]["x"], np.arange(8))  # the parent's read is untouched
+        rx.close()
