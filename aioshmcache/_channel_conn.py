@@ -187,9 +187,18 @@ class FrameConnection(asyncio.Protocol):
         return frame
 
     def usable(self) -> bool:
-        """Open, in step, nothing unread: fit for the next call."""
+        """Open, in step, nothing unread (no whole frame, nor part of one): fit for the next
+        call. Part of a frame that nobody asked for (a broken peer's stray or duplicate answer
+        cut short) would otherwise be completed by later bytes and read as the next call's
+        answer."""
         t = self.transport
-        return self.error is None and t is not None and not t.is_closing() and not self._frames
+        return (
+            self.error is None
+            and t is not None
+            and not t.is_closing()
+            and not self._frames
+            and not self._partial
+        )
 
     def write(self, payloads: Sequence[Buffer]) -> bool:
         """Queue ``payloads`` as frames (``FrameTooLargeError`` over ``max_frame_bytes``);

@@ -278,6 +278,57 @@ async def test_an_answer_in_one_read_is_handed_to_its_call_and_any_other_is_cut(
         await asyncio.gather(*handlers, return_exceptions=True)
 
 
+async def test_part_of_a_stray_frame_after_an_answer_never_becomes_the_next_answer(
+    tmp_path: Path,
+) -> None:
+    """A broken worker sends its answer, then part of a frame nobody asked for (a duplicate
+    answer cut short). The connection holds that part unread: it is not given back to the pool
+    (``usable`` counted only whole frames, so the next call took it and the stray frame's rest,
+    sent later, completed it into the next call's answer: another call's result)."""
+    stray = _ok(-1)
+    handlers: list[asyncio.Task[Any]] = []
+    opened = 0
+
+    async def answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal opened
+        current = asyncio.current_task()
+        assert current is not None
+        handlers.append(current)
+        opened += 1
+        first, answered = opened == 1, 0
+        try:
+            while True:
+                await read_frame(reader)
+                await read_frame(reader)
+                if first and answered == 0:
+                    writer.write(_ok(0) + stray[:10])  # the answer, then part of a stray frame
+                elif first:  # the same connection's next call: the stray frame's rest first
+                    writer.write(stray[10:])
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+                    writer.write(_ok(answered))
+                else:
+                    writer.write(_ok(1))
+                answered += 1
+                await writer.drain()
+        except (EndOfFramesError, ConnectionError):
+            pass  # the client closed the connection
+        finally:
+            writer.close()
+
+    sock = tmp_path / "s.sock"
+    server = await asyncio.start_unix_server(answering, str(sock))
+    try:
+        async with EngineClient.connect(sock, max_connections=1) as engine:
+            assert (await engine.call([], {"i": 0}, timeout=30))["n"] == 0
+            assert (await engine.call([], {"i": 1}, timeout=30))["n"] == 1  # not the stray -1
+            assert engine.stats().connects == 2  # the connection holding the part was dropped
+    finally:
+        server.close()
+        await server.wait_closed()
+        await asyncio.gather(*handlers, return_exceptions=True)
+
+
 async def test_an_answer_after_the_deadline_is_not_handed_to_anyone(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
