@@ -158,11 +158,18 @@ def decode(data: bytes, what: str, versions: Sequence[int] = (ANSWER_VERSION,)) 
 
 
 def _checked(value: Any, what: str, versions: Sequence[int]) -> list[Any]:
-    """``value`` if it is a channel envelope of one of ``versions`` (``WireError`` otherwise)."""
-    if type(value) is not list or len(value) < 3 or value[0] != TAG:
+    """``value`` if it is a channel envelope of one of ``versions`` (``WireError`` otherwise).
+
+    Its tag, version and kind are checked to be a str, an int and a str before they are
+    compared: the serde's form carries numpy arrays, whose comparison is an array (its truth a
+    ``ValueError`` of numpy's own, or, for one element, the truth of that element).
+    """
+    if type(value) is not list or len(value) < 3 or type(value[0]) is not str or value[0] != TAG:
         raise WireError(f"not an aioshmcache.channel {what}")
-    if value[1] not in versions:
+    if type(value[1]) is not int or value[1] not in versions:
         raise WireError(f"unsupported channel version {value[1]!r} (this side reads {versions})")
+    if type(value[2]) is not str:
+        raise WireError(f"malformed aioshmcache.channel {what}: its kind is not a str")
     return value
 
 

@@ -681,6 +681,7 @@ async def test_hostile_calls_get_typed_answers_and_the_worker_keeps_serving(
             (b"\x00garbage", b"more garbage"),
             (np.arange(8, dtype=np.uint8).tobytes(), b""),
             (b"", b""),
+            *((_serde_envelope(bad), b"") for bad in _arrays_in_place("call")),
         ]:
             await write_frame(writer, head)
             await write_frame(writer, body)
@@ -858,6 +859,27 @@ async def test_calls_of_both_channel_versions_are_served(
         assert cache.snapshot().readers[0].lag == 0
 
 
+def _serde_envelope(value: list[Any]) -> bytes:
+    """``value`` as an envelope in the serde's form (which carries numpy arrays)."""
+    from aioshmcache._channel_format import encode
+
+    return encode(value, plain=False)
+
+
+def _arrays_in_place(what: str) -> list[list[Any]]:
+    """Envelopes whose tag, version or kind is a numpy array (of two elements: its truth is
+    ambiguous, a ``ValueError`` of numpy's own; of one: it passed for the value it holds)."""
+    from aioshmcache._channel_format import TAG
+
+    tail = [None] if what == "call" else [7]
+    return [
+        [np.array([TAG, TAG]), 1, what, *tail],
+        [TAG, np.array([1, 1]), what, *tail],
+        [TAG, 1, np.array([what, what]), *tail],
+        [np.array([TAG]), np.array([1]), np.array([what]), *tail],
+    ]
+
+
 def _error_answer(kind: Any) -> bytes:
     from aioshmcache._channel_format import ANSWER_VERSION, TAG
 
@@ -866,8 +888,22 @@ def _error_answer(kind: Any) -> bytes:
 
 @pytest.mark.parametrize(
     "answer",
-    [b"\x93not ours", *(_error_answer(kind) for kind in ({"x": 1}, [1], 7, None))],
-    ids=["junk", "kind-dict", "kind-list", "kind-int", "kind-nil"],
+    [
+        b"\x93not ours",
+        *(_error_answer(kind) for kind in ({"x": 1}, [1], 7, None)),
+        *(_serde_envelope(bad) for bad in _arrays_in_place("ok")),
+    ],
+    ids=[
+        "junk",
+        "kind-dict",
+        "kind-list",
+        "kind-int",
+        "kind-nil",
+        "tag-array",
+        "version-array",
+        "ok-array",
+        "all-arrays",
+    ],
 )
 async def test_a_garbage_answer_is_a_typed_error(tmp_path: Path, answer: bytes) -> None:
     """A peer that answers junk (not a worker), or an error answer whose kind is not a str
