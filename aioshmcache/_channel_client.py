@@ -508,8 +508,9 @@ class EngineClient(AsyncResource):
 
 
 def refs_of(features: list[FeatureSpec]) -> list[ShmRef]:
-    """The call's references (its hand-outs)."""
-    return [f.data for f in features if isinstance(f.data, ShmRef)]
+    """The call's references (its hand-outs); an item that is not a ``FeatureSpec`` (a call
+    refused as unencodable) has none, and does not keep the others from being given back."""
+    return [f.data for f in features if isinstance(f, FeatureSpec) and isinstance(f.data, ShmRef)]
 
 
 async def _item_of(items: Items, mm_hash: str) -> Any:

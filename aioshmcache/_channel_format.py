@@ -207,6 +207,8 @@ def _one_message(payload: Any, features: Sequence[FeatureSpec]) -> bytes | None:
         return None
     rows: list[list[Any]] = []
     for f in features:
+        if not isinstance(f, FeatureSpec):  # the general form says why (``TypeError``)
+            return None
         data, ident = f.data, f.identifier
         if (
             type(f.mm_hash) is not str

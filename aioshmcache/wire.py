@@ -309,6 +309,8 @@ def pack_plain_features(features: Sequence[FeatureSpec]) -> bytes | None:
         return None
     rows: list[list[Any]] = []
     for f in features:
+        if not isinstance(f, FeatureSpec):  # :func:`pack_features` says why
+            return None
         data = f.data
         if (
             type(f.mm_hash) is not str

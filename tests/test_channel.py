@@ -193,6 +193,23 @@ async def test_unencodable_call_gives_its_hand_outs_back(
         assert cache.snapshot().readers[0].lag == 0
 
 
+@pytest.mark.parametrize("bad", [None, "h", {"mm_hash": "h", "data": None}])
+async def test_a_call_with_an_item_that_is_not_a_spec_gives_its_hand_outs_back(
+    make_config: Callable[..., Any], tmp_path: Path, bad: Any
+) -> None:
+    """A call whose features hold something that is not a ``FeatureSpec`` cannot be encoded:
+    ``WireError`` (the general form's ``TypeError``), and its hand-outs are given back (the
+    version-4 form read ``.data`` of it: an ``AttributeError``, raised again while gathering
+    the references to give back, so the hand-out stayed owed)."""
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock) as (cache, _rx, engine):
+        [f] = await _features(cache, range(1))
+        with pytest.raises(WireError, match="must be a FeatureSpec"):
+            await engine.call([f, bad], {"op": "echo"})
+        assert engine.stats().released == 1
+        assert cache.snapshot().readers[0].lag == 0
+
+
 async def test_a_call_without_a_worker_fails_typed_and_gives_hand_outs_back(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
