@@ -596,16 +596,25 @@ class ReadPath:
             self._post_wake()
 
     def give_back(self, ref: ShmRef) -> None:
-        """Acknowledge a reference that will not be read (never raises)."""
+        """Acknowledge a genuine reference that will not be read (never raises).
+
+        Checked first as a read checks it (``resolve_held``: nonce, tag, epoch, the chunk live):
+        a forged, foreign or stale reference is not acknowledged (module docstring), so no
+        copy of a live reference, whatever its other fields, settles a hand-out the reader has
+        not read (or still leases).
+        """
         slot = self.slot
         if slot is None or self.closed or slot.closed or self._seg.forked:
             return
-        # closed meanwhile: in_use raises ClosedCacheError, suppressed
+        # closed meanwhile: in_use raises ClosedCacheError, suppressed; forged or stale: the
+        # typed error of ``resolve_held``, suppressed (nothing acknowledged)
         with (
             contextlib.suppress(ShmCacheError, ValueError, AttributeError, TypeError),
             self.in_use(),
         ):
-            self._ack(slot, ref.id, ref.seq)
+            r, view = self.resolve_held(ref)
+            view.release()
+            self._ack(slot, r.id, r.seq)
 
     def _ack(self, slot: ReaderSlot, cid: int, seq: int) -> None:
         slot.ack(cid, seq)

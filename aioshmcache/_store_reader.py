@@ -68,8 +68,9 @@ class StoreReader(ShmObjectStore):
         the writer's ``release``.
 
         For a request that failed or was cancelled: the debt is settled so the writer can free
-        the chunk. Nothing is read, so nothing needs verifying. A reference found stale is never
-        given back (it owes nothing; see ``_read_path``).
+        the chunk. Nothing is read, but the reference is checked as a read checks it: a forged,
+        foreign or stale one is never given back (it owes nothing, and a copy of a live one
+        must not settle a hand-out not read yet; see ``_read_path``).
         """
         self._reading.give_back(ref)
 

@@ -25,6 +25,8 @@ from aioshmcache import (
     WriterGoneError,
     sweep,
 )
+from aioshmcache._layout import H_SECRET
+from aioshmcache._types import reference_tag
 
 from . import _procs
 from .helpers import SPAWN, FakeClock, checksum, gone, random_item, wait_until
@@ -404,3 +406,42 @@ def test_closing_a_reader_that_acknowledged_more_than_its_log_holds_logs_nothing
             assert rx2.get_and_update_item(ref, "k0") == {"i": 0}
             assert tx.snapshot().readers[0].lag == 0
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def _forged_copies(writer: Any, ref: Any) -> list[Any]:
+    """Copies of a genuine reference that are not it: another segment's nonce, a garbage tag,
+    and an older epoch re-tagged with the secret (a forger who read the header)."""
+    old = ref.epoch - 1
+    secret = int(writer.words[H_SECRET])
+    tag = reference_tag(secret, old, ref.address, ref.id, ref.length, ref.position, ref.seq)
+    return [
+        ref._replace(nonce=ref.nonce ^ 2),
+        ref._replace(tag=ref.tag ^ 1),
+        ref._replace(epoch=old, tag=tag),
+    ]
+
+
+def test_a_forged_copy_given_back_settles_no_lease(make_config: Any) -> None:
+    """A reader's ``release`` acknowledged whatever (id, seq) it was given, unchecked: a copy of
+    a leased reference with another nonce, a wrong tag or an older epoch settled the lease's
+    hand-out, the writer reused the chunk and the lease's views showed another item's bytes.
+    Only a genuine, live reference is given back (as the docstring always said)."""
+    writer = ShmObjectStore.create(make_config(64 << 10, 16 << 10, 1))
+    try:
+        writer.clear()  # epoch 1: a forged copy can claim epoch 0
+        reader = ShmObjectStore.from_handle(writer.handle())
+        try:
+            ref = writer.put("k", {"a": np.arange(10)})
+            leased = reader.get(ref, copy=False)  # views: owed until acknowledged
+            for forged in _forged_copies(writer, ref):
+                reader.release(forged)  # never raises; settles nothing
+                assert not writer.is_freeable("k")
+            assert writer.evict() == []  # still owed: the leased chunk stays
+            assert writer.put("x", {"b": np.full(10, 7)}) is not None
+            assert np.array_equal(leased["a"], np.arange(10))
+            reader.ack(ref)  # the lease ends: the genuine reference settles it
+            assert writer.is_freeable("k")
+        finally:
+            reader.close()
+    finally:
+        writer.close()
