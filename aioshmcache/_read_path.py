@@ -577,22 +577,21 @@ class ReadPath:
             return self.finish_read_held(slot, r, view, copy)
 
     def ack(self, ref: ShmRef) -> None:
-        """Acknowledge a reference read with ``copy=False`` after re-verifying it."""
+        """Acknowledge a reference read with ``copy=False`` after re-verifying it.
+
+        Verified as a read is (``resolve_held``): a forged or foreign reference is an
+        ``InvalidReferenceError`` and a stale one a ``StaleReferenceError``, neither
+        acknowledged, so no copy of a leased reference settles the lease's hand-out.
+        """
         with self.in_use():
             self._ack_checked(ref)
 
     def _ack_checked(self, ref: ShmRef) -> None:
         slot = self.check_reader_held()
-        address, cid, position = ref.address, ref.id, ref.position
-        # ShmRingBuffer.verify's checks, inline (as in finish_read); it raises if one fails
-        hw = self._hw
-        if self._seg.closed or hw[H_HEAD_POS] > position:
-            self.ring.verify(address, cid, position)
-        cw, i = self._chunk_words, address >> 3
-        if cw[i + C_ID] != cid or cw[i + C_STATE] != COMMITTED:
-            self.ring.verify(address, cid, position)
-        slot.ack(cid, ref.seq)
-        if hw[H_WAITING]:
+        r, view = self.resolve_held(ref)  # typed errors; the chunk re-checked (fence, id, state)
+        view.release()
+        slot.ack(r.id, r.seq)
+        if self._hw[H_WAITING]:
             self._post_wake()
 
     def give_back(self, ref: ShmRef) -> None:

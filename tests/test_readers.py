@@ -17,6 +17,7 @@ import pytest
 
 from aioshmcache import (
     CacheFullError,
+    InvalidReferenceError,
     ReaderLimitError,
     ReceiverCache,
     SenderCache,
@@ -438,6 +439,34 @@ def test_a_forged_copy_given_back_settles_no_lease(make_config: Any) -> None:
                 assert not writer.is_freeable("k")
             assert writer.evict() == []  # still owed: the leased chunk stays
             assert writer.put("x", {"b": np.full(10, 7)}) is not None
+            assert np.array_equal(leased["a"], np.arange(10))
+            reader.ack(ref)  # the lease ends: the genuine reference settles it
+            assert writer.is_freeable("k")
+        finally:
+            reader.close()
+    finally:
+        writer.close()
+
+
+def test_a_forged_copy_acknowledged_settles_no_lease_and_raises_typed(make_config: Any) -> None:
+    """A reader's ``ack`` re-checked only the chunk a reference names, not the reference: a copy
+    of a leased reference with another nonce, a wrong tag or an older epoch was acknowledged
+    and settled the lease's hand-out; one with an address past the ring or a field that is not
+    an int raised an untyped ``IndexError`` / ``TypeError``. Now each is refused with the typed
+    error a read gives it, and settles nothing."""
+    writer = ShmObjectStore.create(make_config(64 << 10, 16 << 10, 1))
+    try:
+        writer.clear()  # epoch 1: a forged copy can claim epoch 0
+        reader = ShmObjectStore.from_handle(writer.handle())
+        try:
+            ref = writer.put("k", {"a": np.arange(10)})
+            leased = reader.get(ref, copy=False)  # views: owed until acknowledged
+            bad = [*_forged_copies(writer, ref), ref._replace(address=1 << 40)]
+            bad.append(ref._replace(address="0"))  # type: ignore[arg-type]
+            for forged in bad:
+                with pytest.raises((InvalidReferenceError, StaleReferenceError)):
+                    reader.ack(forged)
+                assert not writer.is_freeable("k")
             assert np.array_equal(leased["a"], np.arange(10))
             reader.ack(ref)  # the lease ends: the genuine reference settles it
             assert writer.is_freeable("k")
