@@ -22,8 +22,6 @@ import hashlib
 from typing import NamedTuple
 
 from ._layout import (
-    H_HINT_OFF,
-    H_HINT_SLOTS,
     HINT_SLOT_SIZE,
     HS_D0,
     HS_D1,
@@ -59,9 +57,9 @@ class HintTable:
     """The key-hint region of one segment: written by its writer, read by anyone."""
 
     def __init__(self, segment: Segment) -> None:
-        hw = segment.words
-        self.n_slots = n = int(hw[H_HINT_SLOTS])
-        off = int(hw[H_HINT_OFF])
+        # the geometry checked at attach (or made at create), not the header words again
+        self.n_slots = n = segment.layout.hint_slots
+        off = segment.layout.hint_off
         self._w = segment.buf[off : off + n * HINT_SLOT_SIZE].cast("Q")
         self._buckets = max(1, n // WAYS)
 

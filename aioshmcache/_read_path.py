@@ -69,10 +69,7 @@ from ._layout import (
     COMMITTED,
     H_EPOCH,
     H_HEAD_POS,
-    H_READER_OFF,
-    H_RING_OFF,
     H_SECRET,
-    H_SLOT_SIZE,
     H_STATE,
     H_WAITING,
     STATE_LIVE,
@@ -175,7 +172,7 @@ class ReadPath:
         # view of this path's own (released by ``close``), its bytes borrowed (the ring
         # releases them when it closes)
         self._capacity = ring.capacity
-        off = int(self._hw[H_RING_OFF])
+        off = segment.layout.ring_off  # checked at attach (the header word may change since)
         self._chunk_words = segment.buf[off : off + self._capacity].cast("Q")
         self._chunk_bytes = ring.buf
         # the compiled read of one plain item (``enable_core``), None: the Python path only
@@ -196,7 +193,7 @@ class ReadPath:
             core = _core_api.core
         if slot is None or type(self.serde) is not MsgpackSerde:
             return False
-        hw = self._hw
+        layout = self._seg.layout  # the geometry checked at attach, not the header words
         self._ctx = core.ReadCtx(
             self._seg.buf,
             ShmRef,
@@ -207,9 +204,9 @@ class ReadPath:
             StaleReferenceError,
             self._nonce,
             self._secret,
-            int(hw[H_RING_OFF]),
+            layout.ring_off,
             self._capacity,
-            int(hw[H_READER_OFF]) + slot.slot * int(hw[H_SLOT_SIZE]),
+            layout.reader_off + slot.slot * layout.slot_size,
         )
         self._read_item = core.read_item
         return True

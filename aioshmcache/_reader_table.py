@@ -27,10 +27,6 @@ from dataclasses import dataclass
 from typing import Final
 
 from ._layout import (
-    H_LOG_ENTRIES,
-    H_N_READERS,
-    H_READER_OFF,
-    H_SLOT_SIZE,
     RS_ATTACHED,
     RS_HEAD,
     RS_PID,
@@ -68,12 +64,14 @@ class ReaderTable:
     )
 
     def __init__(self, segment: Segment) -> None:
-        hw = segment.words
+        # the geometry checked at attach (or made at create), never the header words again:
+        # a process that maps the segment may rewrite them after the check
+        layout = segment.layout
         self.segment = segment
-        self.n_slots = int(hw[H_N_READERS])
-        self.slot_size = int(hw[H_SLOT_SIZE])
-        self.log_entries = int(hw[H_LOG_ENTRIES])
-        off = int(hw[H_READER_OFF])
+        self.n_slots = layout.n_readers
+        self.slot_size = layout.slot_size
+        self.log_entries = layout.log_entries
+        off = layout.reader_off
         region = segment.buf[off : off + self.n_slots * self.slot_size]
         self._all = region.cast("Q")
         self._stride = self.slot_size // 8

@@ -57,11 +57,9 @@ from ._layout import (
     COMMITTED,
     DEAD,
     FREED,
-    H_CAPACITY,
     H_EPOCH,
     H_HEAD_POS,
     H_NEXT_ID,
-    H_RING_OFF,
     LAYOUT_VERSION,
     WRITING,
     Layout,
@@ -125,8 +123,8 @@ class ShmRingBuffer(core.RingState):
     def __init__(self, segment: Segment, *, writer: bool) -> None:
         self._seg = segment
         self._hw = segment.words
-        off = int(self._hw[H_RING_OFF])
-        self.capacity = int(self._hw[H_CAPACITY])
+        off = segment.layout.ring_off  # the checked geometry, not the header words again
+        self.capacity = segment.layout.capacity
         self.buf = segment.buf[off : off + self.capacity]
         self._w = self.buf.cast("Q")
         self._writer = writer

@@ -428,14 +428,21 @@ class Segment:
         "buf",
         "closed",
         "forked",
+        "layout",
         "name",
         "owner",
         "pid",
         "words",
     )
 
-    def __init__(self, name: str, lock_fd: int, mm: mmap.mmap, *, owner: bool) -> None:
+    def __init__(
+        self, name: str, lock_fd: int, mm: mmap.mmap, *, owner: bool, layout: Layout
+    ) -> None:
         self.name = name
+        #: the geometry this segment was created with, or checked at attach against the header
+        #: read then: the regions are sized and placed from it, never from the header words
+        #: again (any process that maps the segment can rewrite them after the check)
+        self.layout = layout
         self._fd = lock_fd
         self._mmap = mm
         self.buf = memoryview(mm)
@@ -544,7 +551,7 @@ class Segment:
             mm = mmap.mmap(fd, layout.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             if prefault:
                 _prefault(mm, write=True)
-            seg = cls(full, lock_fd, mm, owner=True)
+            seg = cls(full, lock_fd, mm, owner=True, layout=layout)
             w = seg.words
             w[H_VERSION] = LAYOUT_VERSION
             w[H_HEADER_SIZE] = HEADER_SIZE
@@ -648,7 +655,7 @@ class Segment:
             mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             if populate:
                 _prefault(mm, write=False)
-            return cls(full, lock_fd, mm, owner=False)
+            return cls(full, lock_fd, mm, owner=False, layout=expect)
         except BaseException as exc:
             if mm is not None:
                 mm.close()

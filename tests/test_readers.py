@@ -26,7 +26,18 @@ from aioshmcache import (
     WriterGoneError,
     sweep,
 )
-from aioshmcache._layout import H_SECRET
+from aioshmcache._layout import (
+    H_CAPACITY,
+    H_HINT_OFF,
+    H_HINT_SLOTS,
+    H_LOG_ENTRIES,
+    H_N_READERS,
+    H_READER_OFF,
+    H_RING_OFF,
+    H_SECRET,
+    H_SLOT_SIZE,
+)
+from aioshmcache._segment import Segment
 from aioshmcache._types import reference_tag
 
 from . import _procs
@@ -472,5 +483,52 @@ def test_a_forged_copy_acknowledged_settles_no_lease_and_raises_typed(make_confi
             assert writer.is_freeable("k")
         finally:
             reader.close()
+    finally:
+        writer.close()
+
+
+def test_header_words_rewritten_after_the_attach_check_are_not_trusted(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that maps the segment rewrote its geometry words (ring offset, capacity,
+    reader table, hints) between the attach's check of the header and the reader's use of
+    them: the reader sized its views from the live words, so a ring offset past the end gave
+    reads an untyped ``IndexError`` (seen with a real process flipping the word). The reader
+    now places every region from the geometry the attach checked."""
+    attach = Segment.attach
+
+    def attach_then_garble(name: str, **kw: Any) -> Segment:
+        seg = attach(name, **kw)
+        for word, value in (
+            (H_RING_OFF, 1 << 50),
+            (H_CAPACITY, 1 << 40),
+            (H_READER_OFF, 1 << 50),
+            (H_SLOT_SIZE, 8),
+            (H_LOG_ENTRIES, 1 << 40),
+            (H_N_READERS, 255),
+            (H_HINT_OFF, 1 << 50),
+            (H_HINT_SLOTS, 1 << 20),
+        ):
+            seg.words[word] = value
+        return seg
+
+    writer = ShmObjectStore.create(make_config(64 << 10, 16 << 10, 2))
+    try:
+        first = ShmObjectStore.from_handle(writer.handle())  # slot 0 taken
+        monkeypatch.setattr(Segment, "attach", attach_then_garble)
+        reader = ShmObjectStore.from_handle(writer.handle())
+        try:
+            for i in range(3):
+                ref = writer.put(f"k{i}", {"a": np.arange(10) + i})
+                first.release(ref)
+                got = reader.get(ref)  # the copy path (core or Python), acknowledged
+                assert np.array_equal(got["a"], np.arange(10) + i)
+                leased = reader.get(ref, copy=False) if i else None
+                if leased is not None:
+                    reader.ack(ref)
+            assert all(writer.is_freeable(f"k{i}") for i in range(3))
+        finally:
+            reader.close()
+            first.close()
     finally:
         writer.close()
