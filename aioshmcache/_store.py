@@ -553,18 +553,27 @@ class StoreWriter(ShmObjectStore):
             return res
 
     def write_reserved(self, res: Reservation) -> None:
-        """Copy the value into its chunk. Touches only that chunk: no lock needed.
+        """Copy the value into its chunk. Touches only that chunk: the lock is held only while
+        the chunk's view is taken, not for the copy.
 
+        ``ClosedCacheError`` if the store was closed since the reservation (another thread's
+        ``close`` does not wait for a copy outside the lock). Once the view is taken, a close
+        meanwhile leaves the mapping to it (a released ring has no view to take: its
+        ``ValueError`` was what such a put raised) and the commit raises ``ClosedCacheError``.
         A ``RawPlan`` is copied byte for byte (the core's copy: the GIL is let go for big ones),
         then verified at its source (``StaleReferenceError`` if the source changed meanwhile).
         """
+        self._check_writer()  # closed, or a forked child: before the lock it may hold
+        with self._lock:
+            self._check_writer()  # closed while this waited for the lock
+            dst = self.ring.payload(res.address)
         plan = res.plan
         if not isinstance(plan, RawPlan):
-            self.serde.write(plan, self.ring.payload(res.address))
+            self.serde.write(plan, dst)
             return
         src = plan.source()
         try:  # the core's copy: no GIL, streaming stores for big ones
-            core.copy_into(self.ring.payload(res.address), 0, src)
+            core.copy_into(dst, 0, src)
         finally:
             src.release()
         plan.verify()
@@ -839,8 +848,9 @@ class StoreWriter(ShmObjectStore):
         """Idempotent: unlink the segment and its semaphore (readers then see
         ``WriterGoneError``). A put running in another thread ends first (its big copy runs
         without the GIL, holding the writer lock and the ring's views): the close takes the
-        writer lock. A forked child's copy closes at once (no thread of the child holds the lock;
-        the parent's may have held it at the fork)."""
+        writer lock; a put copying outside it (one that may wait for space, a request's copy
+        job) raises ``ClosedCacheError`` instead. A forked child's copy closes at once (no
+        thread of the child holds the lock; the parent's may have held it at the fork)."""
         if self.forked:
             super().close()
             return

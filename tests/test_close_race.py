@@ -427,3 +427,41 @@ def test_a_writer_closed_during_a_put_in_another_thread_closes_whole() -> None:
             store.get(ref0)
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("entry", ["put", "request"])
+def test_a_writer_closed_before_a_copy_outside_the_lock_gives_closed_cache_error(
+    entry: str,
+) -> None:
+    """A big put that may wait for space (``put(..., wait_for_space=)``, a sender request's copy
+    job) copies outside the writer lock, so a close in another thread does not wait for it. A
+    review closed the store between the reservation and the copy: the copy took its view of a
+    released ring and the put raised the memoryview's ``ValueError``. It now raises
+    ``ClosedCacheError``, and the close is whole."""
+    import os
+    import sys
+
+    name = f"{RUN_PREFIX}wcopy-{uuid.uuid4().hex[:8]}"
+    cache = SenderCache(CacheConfig(8 << 20, 4 << 20, 1, name=name, prefault=False))
+    big = {"a": np.ones(2 << 20, np.uint8)}  # over the 1 MiB copied under the lock
+
+    def close_at_the_copy(frame: Any, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code.co_name == "write_reserved":
+            sys.setprofile(None)
+            closer = threading.Thread(target=cache.close)  # another thread's close, whole
+            closer.start()
+            closer.join(60)
+
+    try:
+        sys.setprofile(close_at_the_copy)
+        with pytest.raises(ClosedCacheError):
+            if entry == "put":
+                cache.store.put("big", big, wait_for_space=0.5)
+            else:
+                cache.get_and_update_item((big, ()), "big", wait_for_space=0.0)
+        sys.setprofile(None)
+        assert cache.closed
+        assert name not in os.listdir(SHM)
+    finally:
+        sys.setprofile(None)
+        cache.close()
