@@ -37,7 +37,7 @@ from ._ring import ShmRingBuffer
 from ._segment import Segment
 from ._serde import MsgpackSerde, Serde
 from ._types import CacheConfig, CacheHandle, ReaderSlotInfo, ShmRef
-from .errors import InvalidReferenceError
+from .errors import ClosedCacheError, InvalidReferenceError
 
 if TYPE_CHECKING:
     from ._store import StoreWriter
@@ -177,8 +177,9 @@ class ShmObjectStore(abc.ABC):
 
     # --- what both roles share -------------------------------------------------------------------
     def handle(self) -> CacheHandle:
-        """What a reader needs to attach: name, nonce and layout version."""
-        return CacheHandle(self._seg.name, self._seg.nonce, LAYOUT_VERSION)
+        """What a reader needs to attach: name, nonce and layout version (the same once closed:
+        the nonce kept at open, not read from the mapping the close released)."""
+        return CacheHandle(self._seg.name, self._nonce, LAYOUT_VERSION)
 
     @property
     def name(self) -> str:
@@ -187,13 +188,22 @@ class ShmObjectStore(abc.ABC):
 
     @property
     def nonce(self) -> int:
-        """The random number of this instance of the segment."""
-        return self._seg.nonce
+        """The random number of this instance of the segment (kept at open: readable once
+        closed too)."""
+        return self._nonce
 
     @property
     def epoch(self) -> int:
-        """The current epoch (:meth:`StoreWriter.clear` starts a new one)."""
+        """The current epoch (:meth:`StoreWriter.clear` starts a new one; ``ClosedCacheError``
+        once closed)."""
+        self._check_mapped()
         return int(self._hw[H_EPOCH])
+
+    def _check_mapped(self) -> None:
+        """``ClosedCacheError`` once closed: the header words are released (reading them would
+        raise the released memoryview's ``ValueError``)."""
+        if self._closed:
+            raise ClosedCacheError(f"store {self._seg.name!r} is closed")
 
     @property
     def closed(self) -> bool:

@@ -465,3 +465,22 @@ def test_a_writer_closed_before_a_copy_outside_the_lock_gives_closed_cache_error
     finally:
         sys.setprofile(None)
         cache.close()
+
+
+def test_a_closed_cache_s_handle_is_kept_and_its_epoch_is_a_typed_error() -> None:
+    """A review read a closed sender's ``handle()`` (and its store's ``nonce`` and ``epoch``):
+    each read the header words the close had released and raised the memoryview's
+    ``ValueError``. The handle and nonce are the instance's, kept at open; the epoch, which
+    only the mapping holds, is ``ClosedCacheError``."""
+    name = f"{RUN_PREFIX}hclose-{uuid.uuid4().hex[:8]}"
+    cache = SenderCache(CacheConfig(1 << 16, 1 << 15, 1, name=name, prefault=False))
+    handle, nonce = cache.handle(), cache.store.nonce
+    rx = ReceiverCache.attach(handle)
+    rx_handle = rx.store.handle()
+    cache.close()
+    rx.close()
+    assert cache.handle() == handle and cache.store.nonce == nonce
+    assert rx.store.handle() == rx_handle
+    for store in (cache.store, rx.store):
+        with pytest.raises(ClosedCacheError):
+            _ = store.epoch
