@@ -284,6 +284,7 @@ class GroupReceiverRequest:
         self._subs: list[tuple[int, list[int], ReceiverRequest]] = []  # (nonce, items, request)
         self._gone: list[int] = []  # items of shards whose writer is gone
         self._abandoned = False
+        self._begun = False  # ``begin`` was called (``abandon`` before it gives references back)
         self._lock = threading.Lock()
 
     @property
@@ -297,6 +298,7 @@ class GroupReceiverRequest:
         A reference naming no attached shard is looked up once (a rescan, then the one shard
         file that names its instance): that decides it (see the module docstring).
         """
+        self._begun = True
         shards = self._shards
         if shards.closed:
             raise ClosedCacheError("the group reader is closed")
@@ -408,8 +410,25 @@ class GroupReceiverRequest:
         with self._lock:
             self._abandoned = True
             subs = list(self._subs)
+            begun, self._begun = self._begun, True
+        if not begun:  # abandoned before ``begin`` (a cancelled caller): nothing was read
+            self._give_back_unread()
         for _n, _i, sub in subs:
             sub.abandon()
+
+    def _give_back_unread(self) -> None:
+        """Give back the genuine references of a request abandoned before ``begin``, on the
+        shards attached now (a read that never runs owes nothing)."""
+        routes: dict[int, list[int]] = {}
+        for i, f in enumerate(self._features):
+            try:
+                ref = as_reference(getattr(f, "data", None))
+            except Exception:  # not a reference a reader could have been handed
+                continue
+            if ref is not None:
+                routes.setdefault(ref.nonce, []).append(i)
+        if not self._shards.closed:
+            self._give_back(list(routes.items()))
 
     def finish(self) -> list[FeatureSpec]:
         """The merged result; ``WriterGoneError`` then ``CacheMissError`` (see the docstring)."""

@@ -64,6 +64,7 @@ class ReceiverRequest(_Steps):
     _held: list[ShmRef] = _NONE  # leased: read as views, acknowledged by settle_lease
     _stale: list[str] = _NONE  # hashes of the stale references
     _running = _abandoned = _settled = False
+    _begun = False  # ``begin`` was called (``abandon`` before it gives every reference back)
     _copy = True
     _inline_below = DEFAULT_INLINE_THRESHOLD
     _pairs = False  # ``_features`` holds one ``(hash, data)`` pair (``for_item``), not specs
@@ -127,6 +128,7 @@ class ReceiverRequest(_Steps):
         second look-up of the chunk would add nothing. Jobs look their chunk up again when they
         run.
         """
+        self._begun = True
         reading = self._store.read_path
         reading.hold()
         try:
@@ -263,6 +265,21 @@ class ReceiverRequest(_Steps):
                 counters.total += len(results)
             finally:
                 lock.release()
+
+    def abandon(self) -> None:
+        """Roll the request back (``_Steps.abandon``). One abandoned before ``begin`` (its
+        caller was cancelled at the face's turn to yield, before anything was read) gives back
+        every genuine reference of the request: a read that never runs owes nothing."""
+        if not self._begun:
+            self._begun = True
+            owed: dict[int, ShmRef] = {}
+            for k in range(len(self._features)):
+                given = self._reference(k)
+                if given is not None and genuine(self._store, given):
+                    owed[k] = given
+            if owed:
+                self._owed = owed
+        super().abandon()
 
     def _reference(self, i: int) -> ShmRef | None:
         """Feature ``i``'s reference, if its data is one."""

@@ -314,7 +314,11 @@ class _AsyncFace(AsyncResource, Generic[C]):
         return self._run_jobs(request) if self._begin(request) else None
 
     async def _yield_then_run(self, request: Any) -> None:
-        await anyio.lowlevel.checkpoint()  # before anything is taken: nothing to undo
+        try:
+            await anyio.lowlevel.checkpoint()  # before anything is read
+        except BaseException:  # cancelled: the read never runs, its references are given back
+            request.abandon()
+            raise
         if self._begin(request):
             await self._run_jobs(request)
 

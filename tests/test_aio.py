@@ -909,6 +909,48 @@ async def test_an_abandoned_request_stops_waiting_for_space(make_config: Any) ->
             rx.close()
 
 
+@pytest.mark.parametrize("how", ["features", "item", "group"])
+async def test_a_read_cancelled_at_its_turn_to_yield_gives_its_references_back(
+    make_config: Any, shm_name: str, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Review: a read whose face yielded to the loop first (its turn was due) and was cancelled
+    there never began, and gave nothing back: its references stayed owed, and the writer could
+    not free their chunks (until ``handout_ttl`` and a later acknowledgement). A read cancelled
+    in its worker thread gave them back; now one cancelled before it began does too."""
+    from aioshmcache._loop_turns import turned
+
+    from . import _group_procs as gp
+
+    turned()
+    _clock_of(monkeypatch, 0.001)  # every inline call's turn to yield is due
+    group = shm_name + "g"
+    cfg = gp.config(group) if how == "group" else make_config(8 * MiB, 2 * MiB, 1)
+    async with (
+        AsyncSenderCache.from_config(cfg) as cache,
+        (
+            AsyncReceiverCache.attach_group(group)
+            if how == "group"
+            else AsyncReceiverCache.attach(cache.handle())
+        ) as rx,
+    ):
+        [f] = await cache.get_and_update_features([FeatureSpec("h", gp.make_item("h"))])
+        assert not cache.is_freeable("h")  # owed by the reader
+        task = asyncio.ensure_future(
+            rx.get_and_update_item(f.data, "h")
+            if how == "item"
+            else rx.get_and_update_features([f])
+        )
+        await asyncio.sleep(0)  # it runs up to its yield
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):  # at the yield: nothing read
+            await task
+        cache.sender.store.drain()
+        assert cache.is_freeable("h")  # given back: nothing owed
+        [g] = await cache.get_and_update_features([FeatureSpec("h", None)])
+        [back] = await rx.get_and_update_features([g])  # and the reader goes on
+        assert np.array_equal(back.data["x"], gp.make_item("h")["x"])
+
+
 async def test_a_cancelled_leader_s_finished_make_is_kept_for_the_waiter(
     make_config: Any,
 ) -> None:
