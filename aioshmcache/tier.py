@@ -19,7 +19,8 @@ The rules (tests in ``tests/test_tier*.py``; the byte layout of a value in ``_ti
   the value. A claimer that dies stops renewing: its lease expires and the first waiter to
   look again claims the hash (a *takeover*) and makes it. A claimer whose ``make`` fails or is
   cancelled releases its lease at once (a compare-and-delete of its own token, not queued
-  behind the writes).
+  behind the writes), as does a request cancelled during its look-up whose probe had claimed
+  (the probe goes on; its claim is given up when it answers).
 * **Redis is never a single point of failure.** Every look-up has a deadline sized from what
   it is worth: the make of a typical item as learned (``TierPolicy.lookup_deadline``), never
   less than ``lookup_timeout_s``; the transfer of a value that plus twice its predicted cost.
@@ -158,6 +159,7 @@ class _Write:
     making: bool = False  # ``make`` runs now (a late probe's claim is adopted only then)
     done: bool = False  # ``make`` returned or raised
     adopted: bool = False  # our claim came from a late probe: store what ``make`` returns
+    late_token: bytes | None = None  # a late probe claimed with it while the look-up went on
 
 
 def _array_bytes(item: Any, depth: int = 0) -> int:
@@ -452,9 +454,32 @@ class RedisTier(AsyncResource):
         self._n["lookups"] += 1
         token = b"c:" + secrets.token_hex(12).encode()
         deadline = self.policy.lookup_deadline(self.lookup_timeout_s)
+        start = time.perf_counter()  # the look-up's latency: one sample, waits included
+        try:
+            return await self._look_up(w, make, token, budget, exploring, deadline, start)
+        finally:
+            # over: fetched, made, or left (cancelled). A claim a probe took that nobody fills
+            # is given up at once, not left to expire under the hosts waiting on it: one taken
+            # already (a late answer while the look-up went on) now, one still out (a probe
+            # the request left, which goes on: ``_call``) when it answers (``_late_probe``)
+            w.done = True
+            if w.late_token is not None and w.token is None and not self._closed:
+                self._give_up(_Write(w.vkey, w.lkey, w.mm_hash, w.late_token))
+
+    async def _look_up(
+        self,
+        w: _Write,
+        make: Callable[[], Awaitable[Any]],
+        token: bytes,
+        budget: int,
+        exploring: bool,
+        deadline: float,
+        start: float,
+    ) -> Any:
+        """``fetch_or_make``'s probes (and waits): the item fetched, or ``make``'s."""
+        vkey, lkey, mm_hash = w.vkey, w.lkey, w.mm_hash
         waited_since: float | None = None
         pause = 0.002
-        start = time.perf_counter()  # the look-up's latency: one sample, waits included
         while True:
             t0 = time.perf_counter()
             probe = await self._call(
@@ -536,9 +561,10 @@ class RedisTier(AsyncResource):
             self._n["claims"] += 1  # a claim all the same: its item is written
             if not self._closed:
                 w.renewal = self._spawn(self._renew(w.lkey, w.token))
-        elif w.done and not self._closed:  # made and queued already: give the claim up
+        elif w.done and not self._closed:  # made (or left) already: give the claim up
             self._give_up(_Write(w.vkey, w.lkey, w.mm_hash, token))
-        # else the look-up goes on: its next probe finds the lease ours (``_PROBE``)
+        else:  # the look-up goes on: its next probe finds the lease ours (``_PROBE``), else
+            w.late_token = token  # ``_make`` adopts it, or the look-up's end gives it up
 
     def _probe_reply(self, probe: Any) -> tuple[int, int] | None:
         """``(kind, size)`` of the probe script's reply, or None (an error, counted) if it is
@@ -604,6 +630,9 @@ class RedisTier(AsyncResource):
 
     async def _make(self, w: _Write, make: Callable[[], Awaitable[Any]], *, store: bool) -> Any:
         """Run ``make`` (renewing our lease, if any), then queue the write or the release."""
+        if w.token is None and w.late_token is not None and not self._closed:
+            w.token, w.adopted = w.late_token, True  # a late probe's claim: ours to fill
+            self._n["claims"] += 1
         if w.token is not None and not self._closed:
             w.renewal = self._spawn(self._renew(w.lkey, w.token))
         self._n["makes"] += 1
@@ -795,11 +824,27 @@ class RedisTier(AsyncResource):
                 if op.done():
                     break
                 await asyncio.sleep(0)
-        except BaseException:  # the request was cancelled: so is its operation
-            op.cancel()
+        except BaseException:  # the request was cancelled: so is its operation, but a probe
+            if on_late is None:  # (it may have claimed already: Redis ran it, the answer is
+                op.cancel()  # on its way) goes on, and its answer is given to ``on_late``
+                raise
+            self._settle_later(op, started, on_late, late=False)
             raise
         if op.done():
             return self._settle(op, started)
+        self._settle_later(op, started, on_late, late=True)
+        return _LATE
+
+    def _settle_later(
+        self,
+        op: asyncio.Future[Any],
+        started: float,
+        on_late: Callable[[Any], None] | None,
+        *,
+        late: bool,
+    ) -> None:
+        """Let ``op`` go on in the background; its outcome is counted when it comes (an answer
+        counted ``late`` if ``late``) and an answer given to ``on_late``."""
         self._tasks.add(op)
         self._late.add(op)
 
@@ -810,12 +855,11 @@ class RedisTier(AsyncResource):
                 return  # the tier closed
             out = self._settle(task, started)
             if task.exception() is None:
-                self._n["late"] += 1
+                self._n["late"] += late
                 if on_late is not None:
                     on_late(out)
 
         op.add_done_callback(settled)
-        return _LATE
 
     async def _op(
         self,

@@ -790,6 +790,47 @@ async def test_a_claimer_whose_make_fails_or_is_cancelled_releases_the_claim_at_
     assert h.calls == ["f1"] and s2.waits == 1 and s2.takeovers == 1 and s2.wait_timeouts == 0
 
 
+@pytest.mark.parametrize("when", ["first_probe", "after_a_wait"])
+async def test_a_request_cancelled_once_its_probe_claimed_releases_the_claim_at_once(
+    redis_server: RedisServer, make_config: Any, raw: Any, when: str
+) -> None:
+    """Review: the probe's script had run (the hash claimed in Redis) and its answer was on its
+    way when the request was cancelled (a client that went away): the operation was cancelled
+    with it, nobody knew of the claim, and every host waited on it for ``lease_s``. The probe
+    now goes on and its claim is given up when it answers."""
+    tier = _tier(redis_server.url, **_tuned(lease_s=60.0))
+    lkey = lease_key(tier.keyspace, "k1")
+    if when == "after_a_wait":  # another host's claim, expiring unfilled: a takeover claims
+        await raw.set(lkey, b"c:" + b"0" * 24, px=300)
+    async with _cache(make_config, tier) as cache:
+        real = tier._scripts["probe"]
+        claimed, answer = asyncio.Event(), asyncio.Event()
+
+        async def probe(*, keys: list[str], args: list[Any]) -> Any:
+            out = await real(keys=keys, args=args)  # run by Redis
+            if out[0] == 2:  # claimed: the answer is on its way while the request is cancelled
+                claimed.set()
+                await answer.wait()
+            return out
+
+        tier._scripts["probe"] = probe
+
+        async def make() -> dict[str, Any]:
+            raise AssertionError("cancelled before its make")
+
+        task = asyncio.ensure_future(cache.get_or_put("k1", make))
+        await asyncio.wait_for(claimed.wait(), 20)
+        assert (await raw.get(lkey)).startswith(b"c:")  # claimed: its lease of 60 s
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        answer.set()
+        assert await tier.flush(30)
+        assert await raw.get(lkey) is None  # given up: no host waits on it
+        s = tier.stats()
+        assert s.late == s.errors == s.timeouts == s.makes == 0 and s.breaker_state == "closed"
+
+
 @e2e
 async def test_a_failed_claim_is_released_while_writes_are_stuck(
     two_hosts: TwoHosts,
