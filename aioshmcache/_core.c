@@ -242,6 +242,32 @@ core_copy_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* A new bytes of ``src``'s bytes (a C-contiguous buffer). A big one is copied with the GIL
+ * released, as arrays are: a reader's big ``bytes`` value (copied in a worker thread by the
+ * async face) otherwise stopped every other thread, its event loop included, for the whole
+ * copy. Nobody else holds the new object until it is returned. */
+static PyObject *
+core_bytes_of(PyObject *self, PyObject *src)
+{
+    Py_buffer s;
+    if (get_contiguous(src, &s, 0, "src") < 0)
+        return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, s.len);
+    if (out != NULL) {
+        char *dst = PyBytes_AS_STRING(out);
+        if (s.len >= NOGIL_MIN) {
+            Py_BEGIN_ALLOW_THREADS
+            memcpy(dst, s.buf, (size_t)s.len);
+            Py_END_ALLOW_THREADS
+        }
+        else if (s.len > 0) {
+            memcpy(dst, s.buf, (size_t)s.len);
+        }
+    }
+    PyBuffer_Release(&s);
+    return out;
+}
+
 static PyObject *
 core_copy_info(PyObject *self, PyObject *unused)
 {
@@ -367,6 +393,8 @@ static PyMethodDef core_methods[] = {
      "finish_tag(base, seq) -> the 64-bit tag of hand-out seq"},
     {"copy_into", (PyCFunction)(void (*)(void))core_copy_into, METH_FASTCALL,
      "copy_into(dst, offset, src): src's bytes into dst[offset:] (streaming stores if big)"},
+    {"bytes_of", core_bytes_of, METH_O,
+     "bytes_of(src) -> a new bytes of src's bytes (the GIL released if big)"},
     {"copy_info", core_copy_info, METH_NOARGS,
      "copy_info() -> (kind, stream_min): the streaming copy in use and its threshold"},
     {"set_stream_min", core_set_stream_min, METH_O,

@@ -22,6 +22,7 @@ __all__ = [
     "MapState",
     "ReadCtx",
     "RingState",
+    "bytes_of",
     "chan_call4",
     "chan_call4_frames",
     "chan_cut",
@@ -159,6 +160,13 @@ def copy_into(dst: object, offset: int, src: object) -> None:
         np.frombuffer(d, np.uint8, n, offset)[...] = np.frombuffer(s, np.uint8)
     elif n:
         d.cast("B")[offset : offset + n] = s.cast("B")
+
+
+def bytes_of(src: object) -> bytes:
+    """A new ``bytes`` of ``src``'s bytes (a C-contiguous buffer; ``TypeError`` otherwise).
+    The C core copies a big one with the GIL released (another thread's event loop runs on);
+    the bytes are the same."""
+    return _contiguous(src, False, "src").tobytes()
 
 
 def copy_info() -> tuple[str, int]:

@@ -94,6 +94,22 @@ def test_copy_into_writes_the_same_bytes(n: int, offset: int, room: int, seed: i
         assert got[0][0] == ("error", ValueError)
 
 
+@settings(max_examples=30, deadline=None)
+@given(SIZES, st.integers(0, 2**32 - 1))
+def test_bytes_of_copies_the_same_bytes(n: int, seed: int) -> None:
+    """Both cores make the same ``bytes`` of a buffer (the C one copies a big one with the GIL
+    released), and refuse a buffer that is not C-contiguous, or no buffer, the same way."""
+    assert C is not None
+    src = np.random.default_rng(seed).integers(0, 255, n, dtype=np.uint8)
+    raw = src.tobytes()
+    given_srcs: list[object] = [src, memoryview(raw), raw, src[::2], 7]
+    for given_src in given_srcs:
+        got = [_outcome(core.bytes_of, given_src) for core in (C, _core_py)]
+        assert got[0] == got[1], (type(given_src), got)
+        if got[0][0] == "ok":
+            assert type(got[0][1]) is bytes and got[0][1] == raw
+
+
 def test_copy_into_refuses_the_same_buffers() -> None:
     assert C is not None
     rw = bytearray(64)

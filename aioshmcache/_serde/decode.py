@@ -14,6 +14,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from .._core_api import core
 from ..errors import SerdeError
 from .format import (
     ALIGN_MASK,
@@ -38,6 +39,8 @@ from .format import (
 __all__ = ["NodeCounter", "check_complete", "unpack_bounded"]
 
 _ExtType = msgpack.ExtType
+#: a BYTES value's copy out of the chunk: the core's (a big one without the GIL)
+_bytes_of = core.bytes_of
 _frombuffer = np.frombuffer
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -429,7 +432,7 @@ class _Compiler:
             off, nbytes = BYTES_DESC.unpack(data)
             start = self._slot(off, nbytes)
             end = start + nbytes
-            return (lambda buf, ro, copy: buf[start:end].tobytes()), None
+            return (lambda buf, ro, copy: _bytes_of(buf[start:end])), None
         if code == EXT_TUPLE:
             raise SerdeError("tuple marker outside the first element of an array")
         raise SerdeError(f"unknown ExtType code {code}")
