@@ -9,7 +9,8 @@ inherits) or one whose header names this process as its writer. It fails too if 
 this run is still alive (one whose environment carries this run's ``AIOSHM_NAME_PREFIX``: a
 gateway, an engine worker, a stress child, wherever it went), and kills it. Other programs'
 segments and processes (another test run, a developer's gateway) are never looked at: the
-machine may be shared.
+machine may be shared. Hypothesis times nothing here (no deadline, no ``too_slow`` health
+check): load never decides.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 import uvloop
+from hypothesis import HealthCheck, settings
 
 from aioshmcache.tools.shm import NAME_PREFIX_ENV
 
@@ -34,6 +36,15 @@ RUN_PREFIX = f"t{uuid.uuid4().hex[:6]}-"
 #: and every name the tools make up in this run's child processes (see the module docstring)
 os.environ[NAME_PREFIX_ENV] = RUN_PREFIX
 _WRITER_PID_WORD = 10  # the segment header word that holds the writer's pid
+
+# Load never decides an outcome, Hypothesis's timings included: a busy machine stalls an example
+# past the default 200 ms deadline ("Unreliable test timings", a FlakyFailure) or slows the
+# generation past the ``too_slow`` health check. A test's own ``@settings`` keeps what it sets
+# and takes the rest from here.
+settings.register_profile(
+    "aioshmcache", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("aioshmcache")
 
 
 def _written_by_us(name: str) -> bool:
