@@ -9,17 +9,22 @@ inherits) or one whose header names this process as its writer. It fails too if 
 this run is still alive (one whose environment carries this run's ``AIOSHM_NAME_PREFIX``: a
 gateway, an engine worker, a stress child, wherever it went), and kills it. Other programs'
 segments and processes (another test run, a developer's gateway) are never looked at: the
-machine may be shared. Hypothesis times nothing here (no deadline, no ``too_slow`` health
-check): load never decides.
+machine may be shared. What it reports left in /dev/shm it then removes (a failed run leaks
+nothing), and SIGTERM or SIGHUP end the run as Ctrl-C does, so those checks run then too.
+Hypothesis times nothing here (no deadline, no ``too_slow`` health check): load never decides.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import struct
+import sys
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -93,17 +98,49 @@ def _run_processes() -> list[int]:
     return pids
 
 
+def _stop_as_ctrl_c(main_pid: int) -> Callable[[int, FrameType | None], None]:
+    """A SIGTERM or SIGHUP handler: in the run's own process, the signal ends the run as Ctrl-C
+    does (the test in progress unwinds, closing what it opened, and the session's checks and
+    clean-up below run); a second one, or one a forked child of a test gets, kills at once."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        if os.getpid() != main_pid:
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt(f"{signal.Signals(signum).name} received")
+
+    return handler
+
+
 @pytest.fixture(scope="session", autouse=True)
-def no_leftover_segments() -> Iterator[None]:
+def no_leftover_segments(request: pytest.FixtureRequest) -> Iterator[None]:
+    # A CI job's timeout or a closed terminal ends a run with SIGTERM or SIGHUP, whose default
+    # kills this process at once: every segment it had open would stay in /dev/shm for good.
+    stop = _stop_as_ctrl_c(os.getpid())
+    kept = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    for s, was in kept.items():
+        if was is signal.SIG_DFL:
+            signal.signal(s, stop)
     before = frozenset(os.listdir(SHM))
-    yield
-    procs = _run_processes()
-    if procs:
-        kill_pids(procs)  # first: a live writer's segment is no orphan to report or remove
-    left = _ours(before)
+    try:
+        yield
+    finally:
+        for s, was in kept.items():
+            if was is signal.SIG_DFL:
+                signal.signal(s, signal.SIG_DFL)
+        procs = _run_processes()
+        if procs:
+            kill_pids(procs)  # first: a live writer's segment is no orphan to report or remove
+        left = _ours(before)
+        for name in left:  # reported, then removed: a failed run leaks nothing either
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM, name))
     problems = [f"processes of this run still running (killed now): {procs}"] if procs else []
-    problems += [f"left behind in /dev/shm: {sorted(left)}"] if left else []
-    if problems:
+    problems += [f"left behind in /dev/shm (removed now): {sorted(left)}"] if left else []
+    if problems and request.session.exitstatus == pytest.ExitCode.INTERRUPTED:
+        print("\n" + "; ".join(problems), file=sys.stderr)  # a test cut short leaves them
+    elif problems:
         pytest.fail("; ".join(problems), pytrace=False)
 
 
