@@ -1186,3 +1186,16 @@ def test_three_hosts_share_items_of_one_size_with_the_learned_policy(
         f"{len(made)} preprocessings of 40 items, {reasons} counted reasons; tier stats {seen}"
     )
     assert sum(st["hits"] for st in seen) > 0, seen  # the hosts shared through Redis
+
+
+@e2e
+def test_a_redis_server_never_takes_another_s_on_its_port_for_its_own(
+    redis_server: RedisServer,
+) -> None:
+    """A port free a moment ago may be another run's server by the time ours starts (or
+    restarts after ``kill``): ours then exits, and the start says so instead of passing the
+    other's answers off as its own (two runs would share one Redis, each one's data the
+    other's)."""
+    with pytest.raises(RuntimeError, match="exited at start"):
+        RedisServer(port=redis_server.port)
+    assert redis_server.proc is not None and redis_server.proc.poll() is None

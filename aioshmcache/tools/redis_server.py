@@ -49,13 +49,23 @@ def _binaries() -> tuple[str, str]:
     return found
 
 
-def _pong(port: int) -> bool:
+def _server_pid(port: int) -> int | None:
+    """The pid of the redis-server answering on ``port`` (its ``INFO server``), or None.
+
+    Not a PING: a port that was free a moment ago may be another program's server by now
+    (another test run's), and a PONG from it would pass for ours."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as c:
-            c.sendall(b"PING\r\n")
-            return c.recv(64).startswith(b"+PONG")
+            c.sendall(b"INFO server\r\n")
+            data = b""
+            while data.partition(b"\r\nprocess_id:")[2].find(b"\r\n") < 0:  # not that line yet
+                if not (chunk := c.recv(4096)) or len(data) > 1 << 16:
+                    return None
+                data += chunk
     except OSError:
-        return False
+        return None
+    value = data.partition(b"\r\nprocess_id:")[2].split(b"\r\n", 1)[0]
+    return int(value) if value.isdigit() else None
 
 
 class _Stopped:
@@ -96,15 +106,17 @@ class RedisServer(_Stopped):
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> None:
-        """Start (again) on ``port`` and wait until it answers PING."""
+        """Start (again) on ``port`` and wait until it answers as itself (``INFO``'s pid)."""
         if self.proc is not None and self.proc.poll() is None:
             return
         args = [self.binary, *self.args, "--dir", self._dir.name]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
-        while not _pong(self.port):
+        while _server_pid(self.port) != self.proc.pid:  # ours, not whoever holds the port
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited at start (port {self.port})")
+                raise RuntimeError(
+                    f"redis-server exited at start (port {self.port}, maybe taken meanwhile)"
+                )
             if time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"redis-server did not answer PING within {timeout} s")
