@@ -2,6 +2,9 @@
 
 The ``--help`` runs are subprocesses, as a user types them: exit 0, a usage line, no traceback
 (``examples/client.py --help`` used to crash asking the network for a URL named ``--help``).
+A demo option the gateway would refuse (a size, a port, a log level, a name) is a usage error
+(exit 2, one line), never a traceback from a gateway process; a group of gateway processes that
+fails to start exits 3, as one gateway process does.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 import pytest
 
 from aioshmcache import SenderCache
+from aioshmcache.tools.demo import DemoOptions, ServeOptions, parse
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULE = [sys.executable, "-m", "aioshmcache"]
@@ -52,3 +56,38 @@ def test_a_gateway_on_a_name_with_a_live_writer_says_so_in_one_line(
         assert len(lines) == 1, out.stderr
         assert shm_name in lines[0] and "live writer" in lines[0]
         assert live.snapshot().readers[0].attached is False  # the probe left no reader behind
+
+
+BAD_DEMO_OPTIONS = [
+    (DemoOptions, ["--cache-mb", "0"], "--cache-mb"),
+    (DemoOptions, ["--cache-mb", "nan"], "--cache-mb"),
+    (DemoOptions, ["--max-object-mb", "-1"], "--max-object-mb"),
+    (DemoOptions, ["--cache-mb", "1", "--max-object-mb", "8"], "capacity_bytes"),
+    (DemoOptions, ["--hash-first", "5"], "--hash-first"),
+    (ServeOptions, ["--port", "70000"], "--port"),
+    (ServeOptions, ["--port", "-1"], "--port"),
+    (ServeOptions, ["--log-level", "bogus"], "--log-level"),
+    (ServeOptions, ["--name", "a/b"], "segment name"),
+    (ServeOptions, ["--name", "a.b", "--gateway-workers", "2"], "group name"),
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "args", "what"), BAD_DEMO_OPTIONS, ids=[" ".join(a) for _c, a, _w in BAD_DEMO_OPTIONS]
+)
+def test_a_demo_option_the_gateway_would_refuse_is_a_usage_error(
+    cls: Any, args: list[str], what: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(cls, args, "demo")
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("demo: error: ") and what in last, last
+
+
+def test_demo_serve_with_a_bad_port_says_so_in_one_line() -> None:
+    cmd = [*MODULE, "demo", "serve", "--port", "70000"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2, out.stderr
+    assert "listening" not in out.stdout and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].endswith("error: --port must be <= 65535")

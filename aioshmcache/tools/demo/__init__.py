@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import math
 import multiprocessing
 import os
 import shutil
@@ -68,8 +69,13 @@ GATEWAY_WORKERS = (
 APP = "aioshmcache.tools.demo.app:app"
 
 
+#: uvicorn's log levels (``uvicorn.config.LOG_LEVELS``)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
 def _opt(default: Any, help: str, **flag: Any) -> Any:
-    """A field with its flag: ``help``, and ``flag=`` / ``min=`` / any ``add_argument`` option."""
+    """A field with its flag: ``help``, and ``flag=`` / ``min=`` / ``max=`` / any
+    ``add_argument`` option."""
     return dataclasses.field(default=default, metadata={"help": help, **flag})
 
 
@@ -82,6 +88,35 @@ class GatewayOptions:
     #: a 576x576 image is 3.8 MiB once preprocessed: 8 MiB caches every image of the load
     max_object_mb: float = _opt(8.0, "largest cached item in MiB, else inline (%(default)g)")
     loop: str = _opt("auto", "gateway event loop (%(default)s: uvloop if installed)", choices=LOOPS)
+
+    def gateway_name(self) -> str | None:
+        """The name the gateway's cache is given (``serve --name``); ``None``: made up."""
+        return None
+
+    def check(self) -> str | None:
+        """Why the gateway could not start with these options (a usage error), or ``None``.
+
+        The gateway's ``CacheConfig`` is built here, as each gateway process builds it, so that
+        a size or a name it refuses is one line and exit status 2, not a traceback in a gateway
+        process."""
+        from aioshmcache import CacheConfig
+
+        for flag, mb in (("--cache-mb", self.cache_mb), ("--max-object-mb", self.max_object_mb)):
+            if not (math.isfinite(mb) and mb > 0):
+                return f"{flag} must be a positive number of MiB, got {mb:g}"
+        name = self.gateway_name()
+        group = name if self.gateway_workers > 1 else None
+        try:
+            CacheConfig.from_gb(
+                self.cache_mb / 1024,
+                self.max_object_mb,
+                n_readers=1,
+                name=None if group else name,
+                group=group,
+            )
+        except ValueError as exc:
+            return str(exc)
+        return None
 
 
 @dataclass
@@ -96,7 +131,9 @@ class DemoOptions(GatewayOptions):
     zipf: float = _opt(1.1, "Zipf exponent of image popularity")
     seed: int = _opt(0, "seed of the images and the request plan")
     compare: bool = _opt(True, "skip the cache-off phase", flag="--no-compare")
-    hash_first: float = _opt(0.2, "share of repeat requests sending the hash first (%(default)s)")
+    hash_first: float = _opt(
+        0.2, "share of repeat requests sending the hash first (%(default)s)", min=0, max=1
+    )
     quick: bool = _opt(False, "a short CI run (< 20 s)")
     json_path: str | None = _opt(None, "write the results as JSON", flag="--json", metavar="PATH")
 
@@ -112,21 +149,24 @@ class ServeOptions(GatewayOptions):
     """Run the example gateway (examples/fastapi_app.py) under uvicorn, with its engine worker."""
 
     host: str = _opt("127.0.0.1", "address to listen on (%(default)s)")
-    port: int = _opt(0, "0 picks a free port (default)")
+    port: int = _opt(0, "0 picks a free port (default)", min=0, max=65535)
     name: str | None = _opt(None, "segment name, or the group's with --gateway-workers")
     cache: bool = _opt(True, "bypass the cache: always inline", flag="--no-cache")
-    log_level: str = _opt("warning", "uvicorn's log level (%(default)s)")
+    log_level: str = _opt("warning", "uvicorn's log level (%(default)s)", choices=LOG_LEVELS)
+
+    def gateway_name(self) -> str | None:
+        return self.name or None  # serve: an empty --name is a made-up one
 
 
 def parse(cls: type[T], argv: list[str], prog: str) -> T:
     """``cls`` from ``argv``: a flag per field; the class's docstring describes the command."""
     p = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
-    limits: dict[str, int] = {}
+    limits: dict[str, tuple[float | None, float | None]] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         meta = dict(f.metadata)
         flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
-        if "min" in meta:
-            limits[f.name] = meta.pop("min")
+        if "min" in meta or "max" in meta:
+            limits[f.name] = (meta.pop("min", None), meta.pop("max", None))
         if isinstance(f.default, bool):
             action = "store_false" if f.default else "store_true"
             p.add_argument(flag, dest=f.name, action=action, **meta)
@@ -134,10 +174,17 @@ def parse(cls: type[T], argv: list[str], prog: str) -> T:
             kind = str if f.default is None else type(f.default)
             p.add_argument(flag, dest=f.name, type=kind, default=f.default, **meta)
     ns = p.parse_args(argv)
-    for name, least in limits.items():
-        if getattr(ns, name) < least:
-            p.error(f"--{name.replace('_', '-')} must be >= {least}")
-    return cls(**vars(ns))
+    for name, (least, most) in limits.items():
+        value, flag = getattr(ns, name), f"--{name.replace('_', '-')}"
+        if least is not None and not value >= least:  # not >=: a NaN is refused too
+            p.error(f"{flag} must be >= {least}")
+        if most is not None and not value <= most:
+            p.error(f"{flag} must be <= {most}")
+    opts = cls(**vars(ns))
+    check = getattr(opts, "check", None)
+    if check is not None and (problem := check()) is not None:
+        p.error(problem)
+    return opts
 
 
 def _has_live_writer(name: str) -> bool:
