@@ -91,3 +91,15 @@ def test_demo_serve_with_a_bad_port_says_so_in_one_line() -> None:
     assert out.returncode == 2, out.stderr
     assert "listening" not in out.stdout and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].endswith("error: --port must be <= 65535")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_group_of_gateways_that_fails_to_start_exits_3(shm_name: str) -> None:
+    """Each gateway process's lifespan fails (no room in /dev/shm for a 57 TiB shard): uvicorn's
+    supervisor stops the rest, and ``serve`` says so with exit status 3, not 0."""
+    cmd = [*MODULE, "demo", "serve", "--gateway-workers", "2", "--name", shm_name]
+    cmd += ["--cache-mb", str(60 << 20)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert "ShmSpaceError" in out.stderr, out.stderr[-3000:]
+    assert out.returncode == 3, out.stderr[-3000:]

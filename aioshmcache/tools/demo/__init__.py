@@ -212,6 +212,7 @@ def serve(opts: ServeOptions) -> int:
     SIGTERM stops uvicorn (each lifespan unlinks its segment), then the engine worker.
     """
     import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
     from uvicorn.supervisors import Multiprocess
 
     workers = opts.gateway_workers
@@ -256,13 +257,17 @@ def serve(opts: ServeOptions) -> int:
         # killed by it: this handler makes that second one a clean exit (code 0) instead
         signal.signal(signal.SIGTERM, _exit_cleanly)
         server = uvicorn.Server(config)
+        supervisor = Multiprocess(config, sockets=[listener]) if workers > 1 else None
         with contextlib.suppress(KeyboardInterrupt):
-            if workers > 1:
-                Multiprocess(config, sockets=[listener]).run()
+            if supervisor is not None:
+                supervisor.run()
             else:
                 server.run(sockets=[listener])
-        # 3: the lifespan of the one gateway process failed (uvicorn logged why)
-        return 0 if workers > 1 or server.started else 3
+        # 3: the lifespan of a gateway process failed (uvicorn logged why); with N processes
+        # uvicorn's supervisor then stops the others, and that one's exit status says so
+        if supervisor is not None:
+            return 3 if any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes) else 0
+        return 0 if server.started else 3
     finally:
         listener.close()
         if engine is not None:  # after the gateways: they release their hand-outs first
