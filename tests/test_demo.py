@@ -148,6 +148,97 @@ async def test_a_hash_its_process_copies_from_a_sibling_is_waited_for_not_made(
     assert snap.items == len(made) + snap.sibling_hits  # the demo's identity holds here
 
 
+async def test_a_request_that_carries_its_pixels_is_never_told_to_resend_them(
+    make_config: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The app in process, with a real engine channel: a 409 ``cache_miss`` ("resend these
+    images with their pixels") is the answer to a hash sent alone, never to a request that sent
+    its pixels. Two paths used to give one: (1) the engine worker missed the reference (the
+    cache cleared, or the item evicted, before it read it): the gateway, which holds the pixels,
+    now resends the item inline (``items=``); (2) the request joined the single flight of a
+    hash-alone request for the same image whose item was evicted between its look-up and its
+    flight: that leader has no pixels and fails, and its waiters used to get its failure."""
+    from aioshmcache import AsyncReceiverCache, AsyncSenderCache, FeatureSpec
+    from aioshmcache.channel import EngineClient, serve_engine
+    from aioshmcache.tools.demo import app as demo
+
+    async def handler(features: list[FeatureSpec], payload: Any) -> dict[str, Any]:
+        return {"results": [demo.engine_answer(f.mm_hash, f.data) for f in features]}
+
+    sock = str(tmp_path / "engine.sock")
+    pixels, h, w = synthetic_image(7)
+    want = expected_answer((pixels, h, w))
+    full = {"mm_hash": want["mm_hash"], "height": h, "width": w}
+    full["pixels"] = base64.b64encode(pixels).decode()
+    async with (
+        AsyncSenderCache.from_config(make_config(64 << 20, 8 << 20, 1)) as cache,
+        AsyncReceiverCache.attach(cache.handle()) as rx,
+    ):
+        ready = asyncio.Event()
+        server = asyncio.create_task(serve_engine(sock, handler, rx, ready=ready.set))
+        await asyncio.wait_for(ready.wait(), 30)
+        try:
+            async with EngineClient.connect(sock, cache=cache) as engine:
+
+                class ClearingEngine:  # the cache is cleared between the put and the read
+                    async def call(self, *args: Any, **kw: Any) -> Any:
+                        await cache.clear()
+                        return await engine.call(*args, **kw)
+
+                state = demo.app.state
+                state.cache, state.engine, state.use_cache = cache, ClearingEngine(), True
+                transport = httpx.ASGITransport(app=demo.app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+                    # (1) the worker misses the reference
+                    r = await c.post("/v1/embed", json=full)
+                    assert r.status_code == 200, r.text
+                    assert check_response(r.json(), want)[0]
+
+                    # (2) a hash alone finds the image, which is evicted before its flight
+                    state.engine = engine
+                    await cache.clear()
+                    real = cache.is_cached
+                    told = iter([True])
+                    monkeypatch.setattr(cache, "is_cached", lambda k: next(told, real(k)))
+                    limiter = cache.make_limiter
+                    held = [object() for _ in range(int(limiter.total_tokens))]
+                    for token in held:  # no make runs until both requests are in
+                        await limiter.acquire_on_behalf_of(token)
+                    try:
+                        alone = asyncio.ensure_future(
+                            c.post("/v1/embed", json={"mm_hash": want["mm_hash"]})
+                        )
+                        await wait_until_async(
+                            lambda: alone.done() or limiter.statistics().tasks_waiting > 0
+                        )
+                        with_pixels = asyncio.ensure_future(c.post("/v1/embed", json=full))
+                        await wait_until_async(
+                            lambda: (
+                                cache.single_flight_stats().calls >= 2
+                                or limiter.statistics().tasks_waiting > 1
+                            )
+                        )
+                    finally:
+                        for token in held:
+                            limiter.release_on_behalf_of(token)
+                    assert (await alone).status_code == 409
+                    r = await with_pixels
+                    assert r.status_code == 200, r.text
+                    assert check_response(r.json(), want)[0]
+        finally:
+            server.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await server
+
+
+async def wait_until_async(cond: Any, timeout: float = 10.0) -> None:
+    """Until ``cond()`` (polled on the loop), about ``timeout`` seconds at most."""
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+
+
 # --- a gateway under test ------------------------------------------------------------------------
 def _shm_files(name: str) -> list[str]:
     return [n for n in os.listdir(SHM) if name in n]

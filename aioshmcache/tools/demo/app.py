@@ -282,11 +282,20 @@ async def embed(request: Request) -> dict[str, Any] | JSONResponse:
 
     try:
         if use_cache:
-            feature = await cache.get_or_put(key, make)
+            try:
+                feature = await cache.get_or_put(key, make)
+            except CacheMissError:
+                if image is None:
+                    raise
+                # it waited on the flight of a hash sent alone whose item was evicted since
+                # its look-up: that one has no pixels to make it with, this one has
+                feature = await cache.get_or_put(key, make)
         else:  # the baseline: preprocessed every time, the tensors sent over the socket
             feature = FeatureSpec(key, await asyncio.to_thread(make))
-        answer = await engine.call([feature], timeout=ENGINE_TIMEOUT)
-    except CacheMissError as exc:  # evicted since the look-up, or stale references: resend
+        # the worker missed the reference (evicted, cleared): the pixels are here, resend them
+        resend = None if image is None else lambda h: preprocess(*image)
+        answer = await engine.call([feature], timeout=ENGINE_TIMEOUT, items=resend)
+    except CacheMissError as exc:  # a hash alone: evicted since the look-up, the client resends
         return _cache_miss(list(exc.mm_hashes))
     except (EngineUnavailableError, EngineTimeoutError, EngineCallError) as exc:
         return _error(502, "engine_failed", f"the engine worker failed: {exc}")
