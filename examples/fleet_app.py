@@ -28,6 +28,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import queue
 import secrets
 import shutil
 import socket
@@ -149,16 +150,25 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--images", type=int, default=8)
     ap.add_argument("--lookup-timeout", type=float, default=0.05, help="seconds (default 0.05)")
     ns = ap.parse_args(argv)
-    server = None
-    url = ns.redis
-    if url is None:
-        url, server = start_redis()
+    if ns.hosts < 1 or ns.images < 1:
+        ap.error("--hosts and --images must be >= 1")
     opts = {
-        "url": url,
+        "url": ns.redis,
         "secret": os.environ.get("AIOSHM_TIER_SECRET") or secrets.token_hex(32),
         "prefix": f"fleet-example:{uuid.uuid4().hex[:8]}:",  # a fresh start on a shared Redis
         "lookup_timeout_s": ns.lookup_timeout,
     }
+    try:  # what each host's tier would refuse (URL, secret, timeout): here, in one line
+        url = ns.redis or "redis://127.0.0.1:6379/0"  # (it connects on its first look-up)
+        RedisTier(
+            url, secret=opts["secret"], prefix=opts["prefix"], lookup_timeout_s=ns.lookup_timeout
+        )
+    except (TypeError, ValueError) as exc:
+        ap.error(str(exc))
+    server = None
+    if opts["url"] is None:
+        opts["url"], server = start_redis()
+    results: list[dict[str, Any]] = []
     try:
         ctx = mp.get_context("spawn")
         start, out = ctx.Event(), ctx.Queue()
@@ -169,13 +179,29 @@ def main(argv: list[str]) -> int:
         for p in procs:
             p.start()
         start.set()
-        results = [out.get(timeout=120) for _ in procs]
+        deadline = time.monotonic() + 120
+        while len(results) < len(procs) and time.monotonic() < deadline:
+            try:
+                results.append(out.get(timeout=0.5))
+            except queue.Empty:  # a host that died puts nothing: stop waiting for it
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
         for p in procs:
-            p.join(30)
+            p.join(30 if len(results) == len(procs) else 0)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
     finally:
         if server is not None:
             server.terminate()
             server.wait(10)
+    if len(results) < len(procs):
+        codes = [p.exitcode for p in procs]
+        print(
+            f"fleet_app: {len(procs) - len(results)} host(s) failed (exit codes {codes})",
+            file=sys.stderr,
+        )
+        return 1
     for r in sorted(results, key=lambda r: r["host"]):
         print(json.dumps(r))
     total = sum(r["preprocessed"] for r in results)

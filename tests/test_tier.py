@@ -1199,3 +1199,31 @@ def test_a_redis_server_never_takes_another_s_on_its_port_for_its_own(
     with pytest.raises(RuntimeError, match="exited at start"):
         RedisServer(port=redis_server.port)
     assert redis_server.proc is not None and redis_server.proc.poll() is None
+
+
+@pytest.mark.parametrize(
+    ("args", "secret", "what"),
+    [
+        (["--lookup-timeout", "-1"], None, "lookup_timeout_s"),
+        (["--redis", "http://127.0.0.1:6379/0"], None, "scheme"),
+        (["--hosts", "0"], None, "--hosts"),
+        ([], "short", "secret"),
+    ],
+    ids=["timeout", "url", "hosts", "secret"],
+)
+def test_the_fleet_example_refuses_a_bad_argument_in_one_line_at_once(
+    args: list[str], secret: str | None, what: str
+) -> None:
+    """Before: each host process died on it with a traceback, and the example waited 120 s for
+    their results, then crashed with ``queue.Empty``. Now: one usage line, exit 2, no host."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("AIOSHM_TIER_SECRET", None)
+    if secret is not None:
+        env["AIOSHM_TIER_SECRET"] = secret
+    cmd = [sys.executable, str(root / "examples" / "fleet_app.py"), "--images", "1", *args]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert "error:" in last and what in last, last
