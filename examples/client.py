@@ -54,8 +54,24 @@ def main(argv: list[str]) -> int:
     p.add_argument("url", help="the gateway, e.g. http://127.0.0.1:8000")
     p.add_argument("images", nargs="*", help="image files (default: two synthetic images)")
     ns = p.parse_args(argv)
-    images = [load_rgb(path) for path in ns.images] or [synthetic_image(1), synthetic_image(2)]
-    with httpx.Client(base_url=ns.url, timeout=30.0) as client:
+    try:
+        images = [load_rgb(path) for path in ns.images] or [synthetic_image(1), synthetic_image(2)]
+    except OSError as exc:  # missing, unreadable, or not an image (Pillow's error is an OSError)
+        p.error(f"cannot read an image: {exc}")
+    try:
+        run(ns.url, images)
+    except httpx.HTTPStatusError as exc:  # the gateway's JSON error, e.g. 413 too_large
+        print(f"{exc.request.url}: {exc.response.status_code} {exc.response.text}", file=sys.stderr)
+        return 1
+    except httpx.HTTPError as exc:  # no gateway there, a bad URL, a timeout
+        print(f"cannot reach the gateway at {ns.url}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(url: str, images: list[tuple[bytes, int, int]]) -> None:
+    """Two rounds of every image: the first fills the gateway's cache, the second hits it."""
+    with httpx.Client(base_url=url, timeout=30.0) as client:
         for round_ in (1, 2):
             print(f"round {round_}:")
             for k, image in enumerate(images):
@@ -65,7 +81,6 @@ def main(argv: list[str]) -> int:
                     f"  image {k} {answer['mm_hash'][:12]}: {answer['shape']} via "
                     f"{answer['transport']} ({where}), crc32 {answer['crc32']:08x}"
                 )
-    return 0
 
 
 if __name__ == "__main__":

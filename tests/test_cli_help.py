@@ -103,3 +103,24 @@ def test_a_group_of_gateways_that_fails_to_start_exits_3(shm_name: str) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert "ShmSpaceError" in out.stderr, out.stderr[-3000:]
     assert out.returncode == 3, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "what"),
+    [
+        (["http://127.0.0.1:1"], 1, "cannot reach the gateway"),
+        (["not-a-url"], 1, "cannot reach the gateway"),
+        (["http://127.0.0.1:1", "no-such-image.png"], 2, "cannot read an image"),
+        (["http://127.0.0.1:1", "README.md"], 2, "cannot read an image"),
+    ],
+    ids=["refused", "not-a-url", "missing-file", "not-an-image"],
+)
+def test_the_example_client_says_what_went_wrong_in_one_line(
+    args: list[str], code: int, what: str
+) -> None:
+    """No gateway at the URL, or an image file it cannot read: one line, never a traceback."""
+    cmd = [sys.executable, str(ROOT / "examples" / "client.py"), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == code, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    assert what in out.stderr.strip().splitlines()[-1], out.stderr
