@@ -9,6 +9,7 @@ fails to start exits 3, as one gateway process does.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ import pytest
 
 from aioshmcache import SenderCache
 from aioshmcache.tools.demo import DemoOptions, ServeOptions, parse
+
+from .helpers import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULE = [sys.executable, "-m", "aioshmcache"]
@@ -124,3 +127,34 @@ def test_the_example_client_says_what_went_wrong_in_one_line(
     assert out.returncode == code, out.stderr[-3000:]
     assert "Traceback" not in out.stderr
     assert what in out.stderr.strip().splitlines()[-1], out.stderr
+
+
+def test_a_group_engine_worker_that_cannot_start_says_why_in_one_line(
+    tmp_path: Path, shm_name: str
+) -> None:
+    """``examples/fastapi_app.py --engine``: a group name no gateway could have (a usage error,
+    exit 2), a socket in no directory, a socket another engine worker serves (exit 1): one
+    line each, never a traceback."""
+    app = [sys.executable, str(ROOT / "examples" / "fastapi_app.py"), "--engine"]
+    sock = str(tmp_path / "engine.sock")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*app, *args], capture_output=True, text=True, timeout=120)
+
+    bad_name = run("--group", "a.b", "--socket", sock)
+    no_dir = run("--group", shm_name, "--socket", str(tmp_path / "no" / "engine.sock"))
+    first = subprocess.Popen([*app, "--group", shm_name, "--socket", sock])
+    try:
+        assert wait_until(lambda: os.path.exists(sock), timeout=60)
+        in_use = run("--group", shm_name, "--socket", sock)
+    finally:
+        first.terminate()  # SIGTERM: it stops serving
+        assert first.wait(30) == 0
+    for out, code, what in (
+        (bad_name, 2, "invalid group name"),
+        (no_dir, 1, "No such file or directory"),
+        (in_use, 1, "another engine worker serves"),
+    ):
+        assert out.returncode == code, out.stderr[-3000:]
+        assert "Traceback" not in out.stderr
+        assert what in out.stderr.strip().splitlines()[-1], out.stderr

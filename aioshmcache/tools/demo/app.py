@@ -40,6 +40,7 @@ from aioshmcache import (
     CacheMissError,
     FeatureSpec,
     KeyMismatchError,
+    ShmCacheError,
     ShmRef,
     content_key,
     lookup_key,
@@ -338,7 +339,14 @@ def main() -> None:
     parser.add_argument("--group", required=True, help="the cache group (AIOSHM_GROUP)")
     parser.add_argument("--socket", required=True, help="Unix socket (AIOSHM_ENGINE_SOCKET)")
     args = parser.parse_args()
-    group_engine_main(args.group, args.socket)
+    try:  # the name, checked as each gateway process checks it
+        CacheConfig(1 << 20, 1 << 16, 1, group=args.group)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        group_engine_main(args.group, args.socket)
+    except (OSError, ShmCacheError) as exc:  # no such directory, another worker serves it, ...
+        raise SystemExit(f"engine worker: {exc}") from None
 
 
 if __name__ == "__main__":
