@@ -7,7 +7,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -295,6 +295,26 @@ async def test_wait_for_space_wakes_on_acknowledgement(make_config: Any) -> None
                 p.kill()
 
 
+class _Beat:
+    ticks = 0
+
+
+@contextlib.asynccontextmanager
+async def _heartbeat() -> AsyncIterator[_Beat]:
+    """A task that counts the event loop's turns (``beat.ticks``) while the block runs."""
+    beat = _Beat()
+
+    async def heartbeat() -> None:
+        while True:
+            await anyio.lowlevel.checkpoint()
+            beat.ticks += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(heartbeat)
+        yield beat
+        tg.cancel_scope.cancel()
+
+
 @pytest.mark.slow
 async def test_heartbeat_keeps_ticking_during_64mib_copies(make_config: Any) -> None:
     cfg = make_config(200 * MiB, 70 * MiB, 1)
@@ -303,32 +323,23 @@ async def test_heartbeat_keeps_ticking_during_64mib_copies(make_config: Any) -> 
         AsyncSenderCache.from_config(cfg) as cache,
         AsyncReceiverCache.attach(cache.handle()) as rx,
     ):
-        ticks = 0
-
-        async def heartbeat() -> None:
-            nonlocal ticks
-            while True:
-                await anyio.lowlevel.checkpoint()
-                ticks += 1
-
         during: list[int] = []  # heartbeat turns while each call (one 64 MiB copy) ran
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(heartbeat)
+        async with _heartbeat() as beat:
             for i in range(4):
-                before = ticks
+                before = beat.ticks
                 [f] = await cache.get_and_update_features([FeatureSpec(f"b{i}", big)])
-                during.append(ticks - before)
-                before = ticks
+                during.append(beat.ticks - before)
+                before = beat.ticks
                 [back] = await rx.get_and_update_features([f])
-                during.append(ticks - before)
+                during.append(beat.ticks - before)
                 assert back.data["data"].shape == (64 * MiB,)
-            tg.cancel_scope.cancel()
         # Counted in loop turns, not milliseconds: a copy made on the loop lets the heartbeat
         # turn only at the call's few checkpoints; a copy in a thread leaves the loop free to
         # turn for as long as the copy takes, however slow a loaded machine makes it.
         assert sum(during) >= HEARTBEAT_TURNS, during
 
 
+@pytest.mark.slow
 async def test_a_big_bytes_value_is_read_without_holding_the_loop(make_config: Any) -> None:
     """Review: a reader's big ``bytes`` value was copied out of the chunk (in the worker
     thread) by ``memoryview.tobytes``, which holds the GIL for the whole copy: the event loop
@@ -341,17 +352,8 @@ async def test_a_big_bytes_value_is_read_without_holding_the_loop(make_config: A
         AsyncSenderCache.from_config(make_config(200 * MiB, 70 * MiB, 1)) as cache,
         AsyncReceiverCache.attach(cache.handle()) as rx,
     ):
-        ticks = 0
-
-        async def heartbeat() -> None:
-            nonlocal ticks
-            while True:
-                await anyio.lowlevel.checkpoint()
-                ticks += 1
-
         turns = {"array": 0, "bytes": 0}
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(heartbeat)
+        async with _heartbeat() as beat:
             for i in range(3):
                 for kind, value in (
                     ("array", np.full(64 * MiB, i, np.uint8)),
@@ -359,11 +361,10 @@ async def test_a_big_bytes_value_is_read_without_holding_the_loop(make_config: A
                 ):
                     item = {"x": value}
                     [f] = await cache.get_and_update_features([FeatureSpec(f"{kind}{i}", item)])
-                    before = ticks
+                    before = beat.ticks
                     [back] = await rx.get_and_update_features([f])
-                    turns[kind] += ticks - before
+                    turns[kind] += beat.ticks - before
                     assert type(back.data["x"]) is type(value) and back.data["x"][-1] == i
-            tg.cancel_scope.cancel()
         # in loop turns, not milliseconds (see the heartbeat test above): a copy in a thread
         # that lets go of the GIL leaves the loop turning for as long as the copy takes
         # (here: bytes 28-50k turns against arrays' 10-20k; under the GIL 3-6k against 12-79k)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,7 @@ from aioshmcache import (
     ReceiverCache,
     SenderCache,
     ShmObjectStore,
+    ShmRef,
     StaleReferenceError,
     WriterGoneError,
     sweep,
@@ -433,23 +436,19 @@ def _forged_copies(writer: Any, ref: Any) -> list[Any]:
     ]
 
 
-def test_a_forged_copy_given_back_settles_no_lease(make_config: Any) -> None:
-    """A reader's ``release`` acknowledged whatever (id, seq) it was given, unchecked: a copy of
-    a leased reference with another nonce, a wrong tag or an older epoch settled the lease's
-    hand-out, the writer reused the chunk and the lease's views showed another item's bytes.
-    Only a genuine, live reference is given back (as the docstring always said)."""
+@contextlib.contextmanager
+def _a_lease(make_config: Any) -> Iterator[tuple[Any, Any, ShmRef, dict[str, Any]]]:
+    """A writer at epoch 1 (so that a forged copy can claim epoch 0), a reader, and the
+    reader's lease (``copy=False``: owed until acknowledged) of one put's reference; on exit
+    the lease must have been settled by the genuine reference alone."""
     writer = ShmObjectStore.create(make_config(64 << 10, 16 << 10, 1))
     try:
-        writer.clear()  # epoch 1: a forged copy can claim epoch 0
+        writer.clear()
         reader = ShmObjectStore.from_handle(writer.handle())
         try:
             ref = writer.put("k", {"a": np.arange(10)})
-            leased = reader.get(ref, copy=False)  # views: owed until acknowledged
-            for forged in _forged_copies(writer, ref):
-                reader.release(forged)  # never raises; settles nothing
-                assert not writer.is_freeable("k")
-            assert writer.evict() == []  # still owed: the leased chunk stays
-            assert writer.put("x", {"b": np.full(10, 7)}) is not None
+            leased = reader.get(ref, copy=False)
+            yield writer, reader, ref, leased
             assert np.array_equal(leased["a"], np.arange(10))
             reader.ack(ref)  # the lease ends: the genuine reference settles it
             assert writer.is_freeable("k")
@@ -457,6 +456,19 @@ def test_a_forged_copy_given_back_settles_no_lease(make_config: Any) -> None:
             reader.close()
     finally:
         writer.close()
+
+
+def test_a_forged_copy_given_back_settles_no_lease(make_config: Any) -> None:
+    """A reader's ``release`` acknowledged whatever (id, seq) it was given, unchecked: a copy of
+    a leased reference with another nonce, a wrong tag or an older epoch settled the lease's
+    hand-out, the writer reused the chunk and the lease's views showed another item's bytes.
+    Only a genuine, live reference is given back (as the docstring always said)."""
+    with _a_lease(make_config) as (writer, reader, ref, _leased):
+        for forged in _forged_copies(writer, ref):
+            reader.release(forged)  # never raises; settles nothing
+            assert not writer.is_freeable("k")
+        assert writer.evict() == []  # still owed: the leased chunk stays
+        assert writer.put("x", {"b": np.full(10, 7)}) is not None
 
 
 def test_a_forged_copy_acknowledged_settles_no_lease_and_raises_typed(make_config: Any) -> None:
@@ -465,26 +477,13 @@ def test_a_forged_copy_acknowledged_settles_no_lease_and_raises_typed(make_confi
     and settled the lease's hand-out; one with an address past the ring or a field that is not
     an int raised an untyped ``IndexError`` / ``TypeError``. Now each is refused with the typed
     error a read gives it, and settles nothing."""
-    writer = ShmObjectStore.create(make_config(64 << 10, 16 << 10, 1))
-    try:
-        writer.clear()  # epoch 1: a forged copy can claim epoch 0
-        reader = ShmObjectStore.from_handle(writer.handle())
-        try:
-            ref = writer.put("k", {"a": np.arange(10)})
-            leased = reader.get(ref, copy=False)  # views: owed until acknowledged
-            bad = [*_forged_copies(writer, ref), ref._replace(address=1 << 40)]
-            bad.append(ref._replace(address="0"))  # type: ignore[arg-type]
-            for forged in bad:
-                with pytest.raises((InvalidReferenceError, StaleReferenceError)):
-                    reader.ack(forged)
-                assert not writer.is_freeable("k")
-            assert np.array_equal(leased["a"], np.arange(10))
-            reader.ack(ref)  # the lease ends: the genuine reference settles it
-            assert writer.is_freeable("k")
-        finally:
-            reader.close()
-    finally:
-        writer.close()
+    with _a_lease(make_config) as (writer, reader, ref, _leased):
+        bad = [*_forged_copies(writer, ref), ref._replace(address=1 << 40)]
+        bad.append(ref._replace(address="0"))  # type: ignore[arg-type]
+        for forged in bad:
+            with pytest.raises((InvalidReferenceError, StaleReferenceError)):
+                reader.ack(forged)
+            assert not writer.is_freeable("k")
 
 
 def test_header_words_rewritten_after_the_attach_check_are_not_trusted(
