@@ -508,13 +508,19 @@ class SenderRequest(_Steps):
 
     def _check_lookups(self) -> None:
         """``CacheMissError`` (nothing taken) unless every ``None`` item's hash is cached here
-        or in a sibling shard."""
+        or in a sibling shard, or given by an earlier item of the request.
+
+        Items are decided in order, as vLLM's sender does: a look-up after an item of the same
+        hash is that item's hit once it is put (a miss then only if it was served inline).
+        """
         store = self._store
-        missing = [
-            h
-            for it, h in zip(self._items, self._hashes)
-            if it is None and not store.is_cached(h) and not self._in_sibling(h)
-        ]
+        given: set[str] = set()
+        missing = []
+        for it, h in zip(self._items, self._hashes):
+            if it is not None:
+                given.add(h)
+            elif h not in given and not store.is_cached(h) and not self._in_sibling(h):
+                missing.append(h)
         if missing:
             raise CacheMissError(missing)
 
@@ -549,6 +555,9 @@ class SenderRequest(_Steps):
             c.hits = hits = c.hits + 1
             book._words[H_HITS] = hits
             return None
+        if h in self._putting:  # this request puts it: a hit once that copy is committed
+            self._follow(h, i)
+            return None
         if it is None:
             if self._sibling is not None and h in self._sibling:
                 res = self._reserve_sibling(i, wait=wait, may_defer=may_defer)
@@ -556,10 +565,8 @@ class SenderRequest(_Steps):
                     self._job(i, res)
                     return None
                 return res
-            raise CacheMissError([h])  # only when the item was dropped meanwhile (invalidate)
-        if h in self._putting:  # this request puts it: a hit once that copy is committed
-            self._follow(h, i)
-            return None
+            # dropped meanwhile (invalidate), or an earlier item of its hash was served inline
+            raise CacheMissError([h])
         if book.too_large.sizes:  # mostly empty
             known = book.too_large.get(h)
             if known is not None:

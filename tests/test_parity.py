@@ -141,10 +141,17 @@ async def sc_hits_and_misses(face: Face, rng: np.random.Generator) -> list[Any]:
 async def sc_duplicate_hashes(face: Face, rng: np.random.Generator) -> list[Any]:
     it = _item(rng, 200 * KiB)
     out = await face.send([FeatureSpec("d", it), FeatureSpec("d", it)])
-    with pytest.raises(CacheMissError):  # None for a hash not cached *before* the call
-        await face.send([FeatureSpec("e", it), FeatureSpec("e", None)])
+    with pytest.raises(CacheMissError):  # None for a hash neither cached nor given before it
+        await face.send([FeatureSpec("e", None), FeatureSpec("e", it)])
+    after = await face.send([FeatureSpec("e", it), FeatureSpec("e", None)])  # the item's hit
     again = await face.send([FeatureSpec("d", None), FeatureSpec("d", None)])
-    return [_shape(out), _content(await face.read(out)), _content(await face.read(again))]
+    return [
+        _shape(out),
+        _shape(after),
+        _content(await face.read(out)),
+        _content(await face.read(after)),
+        _content(await face.read(again)),
+    ]
 
 
 async def sc_oversize(face: Face, rng: np.random.Generator) -> list[Any]:

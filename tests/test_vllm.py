@@ -169,3 +169,42 @@ def test_the_adapters_refuse_what_they_cannot_wrap(make_config: Any) -> None:
         pytest.raises(ValueError, match="2 items for 1 hashes"),
     ):
         VllmReceiverCache(rx).get_and_update([None, None], ["a"])
+
+
+#: a copy job of a request (over the store's 1 MiB copy-under-lock threshold)
+_BIG = {"x": np.zeros(3 << 19, dtype=np.uint8)}
+_SMALL = {"x": np.arange(64, dtype=np.float32)}
+
+
+@pytest.mark.parametrize("item", [_SMALL, _BIG], ids=["small", "copy-job"])
+def test_a_look_up_after_an_item_of_its_hash_is_that_item_s_hit(
+    make_config: Any, item: dict[str, Any]
+) -> None:
+    """vLLM's sender decides a request's items in order: ``[item, None]`` of one new hash puts
+    the first and answers the second as its hit (the kept updates), as one call or as
+    features; a look-up before the item, or after one served inline, is still a miss that
+    takes nothing."""
+    with (
+        SenderCache(make_config(8 << 20, 2 << 20)) as tx,
+        ReceiverCache.attach(tx.handle()) as rx,
+    ):
+        out = tx.get_and_update([(item, ["u"]), None], ["a", "a"])
+        assert [type(d) for d, _ in out] == [ShmRef, ShmRef]
+        assert [u for _, u in out] == [["u"], ["u"]]
+        assert tx.make_stats() == CacheInfo(hits=1, total=2)
+        for d, _ in out:
+            assert np.array_equal(rx.get_and_update_item(d, "a")["x"], item["x"])
+        feats = tx.get_and_update_features(
+            [FeatureSpec("b", item, prompt_updates=("v",)), FeatureSpec("b", None)]
+        )
+        assert [type(f.data) for f in feats] == [ShmRef, ShmRef]
+        assert feats[1].prompt_updates == ("v",)
+        rx.get_and_update_features(feats)
+        with pytest.raises(CacheMissError):
+            tx.get_and_update([None, (item, ["u"])], ["c", "c"])
+        assert not tx.is_cached("c")
+        huge = {"x": np.zeros(3 << 20, dtype=np.uint8)}  # over max_object_bytes: inline
+        with pytest.raises(CacheMissError):
+            tx.get_and_update([(huge, ["u"]), None], ["d", "d"])
+        assert not tx.is_cached("d")
+        assert all(tx.is_freeable(h) for h in ("a", "b"))  # the failed requests owe nothing
