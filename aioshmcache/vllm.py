@@ -10,9 +10,14 @@ names live.
 Each method is one call of the wrapped cache: the same algorithm, the same errors (a hash that
 is not cached any more raises ``CacheMissError``, whose ``mm_hashes`` list the items to resend).
 What differs from vLLM's own shared-memory cache: the receiver returns new ``FeatureSpec``
-objects rather than filling in the given ones, and a standalone touch lapses by aioshmcache's
-rule (at the item's next hand-out, or after ``handout_ttl`` at most), so there is nothing to
-release by hand.
+objects rather than filling in the given ones; a standalone touch lapses by aioshmcache's rule
+(at the item's next hand-out, or after ``handout_ttl`` at most), so ``release_sender_touches``
+has nothing to release; a hit of a given item returns the caller's own prompt updates (vLLM:
+the kept ones, equal when a hash's updates are); and a reference is not bound to its hash
+(vLLM 0.33 signs the hash into its handle): the receiver reads a reference under whatever hash
+it is given, so the sender's ``validate_input_item`` is the check of a pair from outside. The
+sender's stats are the wrapped cache's counted from the adapter's last ``clear_cache`` (vLLM's
+restart there; the cache's own, published for ``inspect`` and the metrics, never do).
 
 The adapter takes over the cache it is given: ``close()`` closes it (vLLM closes its caches at
 shutdown). ``sender`` / ``receiver`` give the wrapped cache for everything else.
@@ -23,9 +28,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ._request import MmItem
-from ._types import CacheInfo, FeatureSpec
+from ._request import MmItem, check_hash
+from ._types import CacheInfo, FeatureSpec, as_reference
 from .cache import Receiver, SenderCache
+from .errors import InvalidReferenceError, StaleReferenceError
 
 __all__ = ["VllmReceiverCache", "VllmSenderCache"]
 
@@ -41,6 +47,8 @@ class VllmSenderCache:
         if not isinstance(sender, SenderCache):
             raise TypeError(f"a SenderCache is needed, not {type(sender).__name__}")
         self.sender = sender
+        self._base = CacheInfo(0, 0)  # the sender's counters at the last ``clear_cache``
+        self._last_delta = CacheInfo(0, 0)
 
     def is_cached_item(self, mm_hash: str) -> bool:
         """Whether ``mm_hash`` is cached (a pure look-up: no hand-out, no change of order)."""
@@ -69,21 +77,53 @@ class VllmSenderCache:
         """Protect a cached item from eviction until its next hand-out (nothing if not cached)."""
         self.sender.touch(mm_hash)
 
+    def release_sender_touches(self) -> None:
+        """Nothing to do: a touch lapses by itself (vLLM's processor calls this after every
+        request's updates)."""
+
+    def validate_input_item(self, mm_item: Any, mm_hash: str) -> None:
+        """Check a pair that came from outside: a reference must be the one this cache holds
+        for ``mm_hash`` now, else ``InvalidReferenceError`` (a ``ValueError``, as vLLM raises);
+        anything else (inline data) passes."""
+        ref = as_reference(mm_item)  # a malformed reference mapping: InvalidReferenceError
+        if ref is None:
+            return
+        store = self.sender.store
+        try:
+            r = store.validate(ref)
+        except StaleReferenceError as exc:
+            raise InvalidReferenceError(f"not a live reference of {mm_hash!r}: {exc}") from None
+        cur = store.ref_of(check_hash(mm_hash))
+        if cur is None or (cur.id, cur.address, cur.epoch) != (r.id, r.address, r.epoch):
+            raise InvalidReferenceError(f"the reference is not the one cached for {mm_hash!r}")
+
     def invalidate(self, mm_hash: str) -> None:
         """Forget ``mm_hash`` (after a receiver's ``CacheMissError``): the next request puts it."""
         self.sender.invalidate(mm_hash)
 
     def clear_cache(self) -> None:
-        """Drop every item; every reference handed out before becomes stale."""
-        self.sender.clear()
+        """Drop every item; every reference handed out before becomes stale. The stats restart
+        (vLLM's do): ``make_stats`` counts from here."""
+        sender = self.sender
+        with sender.store.lock:  # the counters' lock too: no request counts in between
+            sender.clear()
+            self._base = sender.make_stats()
+            self._last_delta = CacheInfo(0, 0)
 
     def make_stats(self, *, delta: bool = False) -> CacheInfo:
-        """Hits and total; with ``delta``, the change since the previous delta call."""
-        return self.sender.make_stats(delta=delta)
+        """Hits and total since the last ``clear_cache``; with ``delta``, the change since the
+        previous delta call (or that clear)."""
+        with self.sender.store.lock:
+            info = self.sender.make_stats() - self._base
+            if not delta:
+                return info
+            out = info - self._last_delta
+            self._last_delta = info
+            return out
 
     def remove_dangling_items(self) -> None:
-        """Free what can be freed at the head; drop the prompt updates of evicted items."""
-        self.sender.remove_dangling_items()
+        """Nothing to do, as in vLLM once its table is clean: no cached item is freed, and the
+        sender drops an item's prompt updates as it leaves, so none dangles."""
 
     def close(self) -> None:
         """Close the wrapped cache: its segment is unlinked (idempotent)."""

@@ -38,6 +38,8 @@ SENDER = {
     "get_and_update_item": ["mm_item", "mm_hash"],
     "get_and_update": ["mm_items", "mm_hashes"],
     "touch_sender_cache_item": ["mm_hash"],
+    "release_sender_touches": [],
+    "validate_input_item": ["mm_item", "mm_hash"],
     "invalidate": ["mm_hash"],
     "clear_cache": [],
     "make_stats": ["*delta=False"],
@@ -208,3 +210,43 @@ def test_a_look_up_after_an_item_of_its_hash_is_that_item_s_hit(
             tx.get_and_update([(huge, ["u"]), None], ["d", "d"])
         assert not tx.is_cached("d")
         assert all(tx.is_freeable(h) for h in ("a", "b"))  # the failed requests owe nothing
+
+
+def test_the_sender_adapter_answers_vllm_s_other_calls(make_config: Any) -> None:
+    """What vLLM 0.33's own callers also call on a processor cache: the processor's
+    ``release_sender_touches`` after each request's updates, the token-in-token-out server's
+    ``validate_input_item`` on a pair from outside (a ``ValueError`` for a handle that is not the
+    hash's current one), the renderer's ``make_stats(delta=True)`` and ``clear_cache`` (the stats
+    restart there); ``remove_dangling_items`` frees no cached item."""
+    item = {"x": np.arange(16)}
+    p0 = VllmSenderCache(SenderCache(make_config()))
+    try:
+        with ReceiverCache.attach(p0.sender.handle()) as rx:
+            p0.touch_sender_cache_item("a")
+            [(ref, _)] = p0.get_and_update([(item, ["u"])], ["a"])
+            p0.release_sender_touches()
+            p0.validate_input_item(ref, "a")  # the hash's own reference
+            p0.validate_input_item(item, "a")  # inline data: nothing to check
+            p0.validate_input_item(ref.to_dict(), "a")
+            (ref_b, _) = p0.get_and_update_item((item, ["v"]), "b")
+            for bad, h in [(ref_b, "a"), (ref, "b"), (ref, "z")]:
+                with pytest.raises(ValueError):
+                    p0.validate_input_item(bad, h)
+            rx.get_and_update_features([FeatureSpec("a", ref), FeatureSpec("b", ref_b)])
+            p0.remove_dangling_items()  # read: freeable, yet still cached
+            assert p0.is_cached(["a", "b"]) == [True, True]
+            assert set(p0.sender._prompt_updates) == {"a", "b"}
+            p0.get_and_update_item(None, "a")
+            assert p0.make_stats(delta=True) == CacheInfo(hits=1, total=3)
+            p0.get_and_update_item(None, "b")
+            p0.clear_cache()
+            assert p0.make_stats() == CacheInfo(0, 0)
+            assert p0.make_stats(delta=True) == CacheInfo(0, 0)
+            with pytest.raises(ValueError):
+                p0.validate_input_item(ref, "a")  # cleared: not a live reference
+            p0.get_and_update_item((item, ["u"]), "a")
+            assert p0.make_stats() == CacheInfo(hits=0, total=1)
+            assert p0.make_stats(delta=True) == CacheInfo(hits=0, total=1)
+            assert p0.sender.make_stats() == CacheInfo(hits=2, total=5)  # the cache's own
+    finally:
+        p0.close()
