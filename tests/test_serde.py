@@ -29,6 +29,7 @@ import aioshmcache._serde.encode as serde_encode
 import aioshmcache._serde.format as serde_format
 from aioshmcache._serde import EncodePlan, MsgpackSerde, Serde
 from aioshmcache.errors import SerdeError, ShmCacheError
+from aioshmcache.wire import unpack_features
 
 from .test_core_read import Planter, planter_fixture  # noqa: F401 (the fixture)
 
@@ -782,6 +783,34 @@ def test_header_level_refusals() -> None:
             serde.read(memoryview(payload))
             pytest.fail(name)
     assert SERDE.read(memoryview(craft(msgpack.ExtType(2, b"\x03<f4" + bytes(4))))) == 0.0
+
+
+def test_a_timestamp_record_is_refused_anywhere_in_the_header(planter: Planter) -> None:
+    """msgpack unpacks a timestamp record (ext code -1) into a ``msgpack.Timestamp`` without
+    calling the ext hook: refused at the top level, it was read as a value inside a list, a
+    tuple or a map, which the format has no such value for (and the wire handed it out)."""
+    ts = msgpack.Timestamp(1, 2)
+    tup = msgpack.ExtType(3, b"")
+    for structure in (
+        [ts],
+        [1, "a", ts],
+        {"a": ts},
+        {"a": 1, "b": ts},
+        [tup, ts],
+        [tup, [ts]],
+        {"a": [ts, 1]},
+        {"x": ext_array("<i8", (1,), 0, 8), "t": ts},
+    ):
+        data = bytes(8) if isinstance(structure, dict) and "x" in structure else b""
+        payload = craft(structure, data)
+        for copy in (True, False):
+            with pytest.raises(SerdeError, match="Timestamp"):
+                SERDE.read(memoryview(payload), copy=copy)
+        results = planter.agree(payload)  # every read path of a store refuses it alike
+        assert results["python"][1:3] == ("error", SerdeError), results
+    message = ["aioshmcache.wire", 1, [["h", 2, {"x": ts}, None, []]]]
+    with pytest.raises(SerdeError, match="Timestamp"):
+        unpack_features(craft(message))
 
 
 def test_deep_nesting() -> None:

@@ -92,8 +92,10 @@ def _parse_array_descriptor(data: bytes) -> _ArrayDesc:
 _TEMPLATE_HEADER_MAX = 4096  # longer headers (e.g. big str values) are not worth keeping
 _TEMPLATE_KEY_MAX = PREFIX_SIZE + _TEMPLATE_HEADER_MAX
 _TEMPLATES_MAX = 256
-#: what a plain value of an unpacked header may be (anything else is a node to compile)
-_NODE_TYPES = frozenset((dict, list, _ExtType))
+#: what a plain value of an unpacked header may be (anything else is a node to compile, or
+#: refused: msgpack unpacks a timestamp record, code -1, into a ``msgpack.Timestamp`` without
+#: calling the ext hook, and the format has no such value)
+_PLAIN_TYPES = frozenset((str, int, float, bool, bytes, type(None)))
 
 
 class NodeCounter:
@@ -361,7 +363,7 @@ class _Compiler:
             depth += 1
             if depth > self.max_depth:
                 raise SerdeError(f"nesting deeper than max_depth={self.max_depth}")
-            if _NODE_TYPES.isdisjoint(map(type, obj.values())):
+            if _PLAIN_TYPES.issuperset(map(type, obj.values())):
                 return _copy_dict_builder(obj), None  # plain values only: one node, not one each
             conv = self.conv
             flat: list[_FlatArray] | None = []
@@ -392,13 +394,13 @@ class _Compiler:
                     if first.data:
                         raise SerdeError("malformed tuple marker")
                     rest = values[1:]
-                    if _NODE_TYPES.isdisjoint(map(type, rest)):
+                    if _PLAIN_TYPES.issuperset(map(type, rest)):
                         return None, tuple(rest)  # plain values only: shared, immutable
                     nodes = [conv(v, depth) for v in rest]
                     if _is_shared(nodes):
                         return None, tuple([v for _, v in nodes])
                     return _container_builder(tuple, nodes), None
-                if _NODE_TYPES.isdisjoint(map(type, values)):
+                if _PLAIN_TYPES.issuperset(map(type, values)):
                     return _copy_list_builder(values), None  # plain values: one node, not one each
             return _container_builder(list, [conv(v, depth) for v in values]), None
         if t is str or t is int or t is float or t is bool or t is bytes or obj is None:
