@@ -813,6 +813,34 @@ def test_a_timestamp_record_is_refused_anywhere_in_the_header(planter: Planter) 
         unpack_features(craft(message))
 
 
+def test_text_with_a_code_point_past_unicode_is_refused(planter: Planter) -> None:
+    """A ``U`` array or numpy str scalar is UCS-4 code units: one above U+10FFFF made numpy hand
+    out a str CPython cannot hold (``ord`` raised ``SystemError``, ``encode`` wrote invalid
+    UTF-8) instead of a ``SerdeError``; valid text still reads, on every read path."""
+    bad = (0x110000).to_bytes(4, "little")
+    for value, code in (
+        ({"t": np.array(["ab", "cd"])}, "a"),  # the flat item
+        ({"t": np.array(["ab", "cd"], dtype=">U2"), "n": 1}, "a"),
+        ({"t": np.array("ab")}, "a"),  # 0-d
+        ({"t": [np.array([["xy"]])]}, "y"),
+        ({"t": np.str_("ab")}, "a"),  # a scalar record of the header
+    ):
+        good = encoded_bytes(value)
+        for copy in (True, False):
+            for _ in range(2):  # compiled, then its template
+                assert_same(value, SERDE.read(memoryview(good), copy=copy))
+        be = any(isinstance(a, np.ndarray) and a.dtype.byteorder == ">" for a in value.values())
+        unit = code.encode("utf-32-be" if be else "utf-32-le")
+        at = good.index(unit)
+        payload = good[:at] + (bad[::-1] if be else bad) + good[at + 4 :]
+        for copy in (True, False):
+            for _ in range(2):
+                with pytest.raises(SerdeError, match="code point"):
+                    SERDE.read(memoryview(payload), copy=copy)
+        results = planter.agree(payload)
+        assert results["python"][1:3] == ("error", SerdeError), results
+
+
 def test_deep_nesting() -> None:
     for depth in (65, 100, 600, 5000):
         header = b"\x91" * depth + b"\xc0"  # [[[...[None]...]]]

@@ -279,7 +279,43 @@ def _flat_dict_builder(arrays: list[_FlatArray]) -> _Builder:
     return build
 
 
+#: the largest code point a str may hold (numpy makes a ``U`` element above it into a str that
+#: breaks CPython's own invariant: ``SystemError`` from ``ord``, invalid UTF-8 from ``encode``)
+_MAX_CODE_POINT = 0x10FFFF
+
+#: a ``U`` dtype's code units by its byte order (``=`` is native, ``|`` never a ``U``'s)
+_UCS4 = {
+    "<": np.dtype(np.uint32).newbyteorder("<"),
+    ">": np.dtype(np.uint32).newbyteorder(">"),
+    "=": np.dtype(np.uint32),
+}
+
+
+def _check_code_points(raw: np.ndarray[Any, Any]) -> None:
+    """``SerdeError`` unless every code point of a C-contiguous ``U`` array is one a str holds."""
+    dt = raw.dtype
+    codes = raw.reshape(-1).view(_UCS4[dt.byteorder])
+    if codes.size and codes.max() > _MAX_CODE_POINT:
+        raise SerdeError(f"a {dt.str!r} value holds a code point above U+10FFFF")
+
+
 def _array_builder(dt: np.dtype[Any], shape: tuple[int, ...], count: int, start: int) -> _Builder:
+    """Build one array: a copy, or a read-only view; a ``U`` array's code points are checked."""
+    build = _raw_array_builder(dt, shape, count, start)
+    if dt.kind != "U" or count == 0:
+        return build
+
+    def text(buf: memoryview, ro: memoryview, copy: bool) -> Any:
+        arr = build(buf, ro, copy)
+        _check_code_points(arr)  # the copy itself, or the view handed out
+        return arr
+
+    return text
+
+
+def _raw_array_builder(
+    dt: np.dtype[Any], shape: tuple[int, ...], count: int, start: int
+) -> _Builder:
     """Build one array: a copy, or a read-only view of the read-only buffer."""
     if count == 0:
 
@@ -371,10 +407,13 @@ class _Compiler:
             for k, v in obj.items():
                 if flat is not None and type(v) is _ExtType and v.code == EXT_ARRAY:
                     dt, shape, count, start, flags = desc = self.array_desc(v.data)
-                    if not flags and count:
+                    # the flat builder makes plain arrays only: no tensor, no empty array, no
+                    # ``U`` array (whose code points its own builder checks)
+                    plain = not flags and count and dt.kind != "U"
+                    if plain:
                         flat.append((k, dt, count, start, None if len(shape) == 1 else shape))
                     items.append((k, self.array_builder(desc), None))
-                    if flags or not count:
+                    if not plain:
                         flat = None
                     continue
                 flat = None
@@ -471,7 +510,10 @@ class _Compiler:
         dt = check_dtype_string(data[1 : 1 + dlen])
         if len(data) != 1 + dlen + dt.itemsize:
             raise SerdeError("scalar byte length does not match its dtype")
-        return _frombuffer(data, dt, 1, 1 + dlen)[0]  # immutable: shared by every read
+        raw = _frombuffer(data, dt, 1, 1 + dlen)
+        if dt.kind == "U":
+            _check_code_points(raw)
+        return raw[0]  # immutable: shared by every read
 
     @staticmethod
     def check_tensor(dt: np.dtype[Any], flags: int) -> None:

@@ -47,9 +47,11 @@ error), and the result is walked with a depth limit,
 converting ``ExtType`` records after validating each descriptor: dtype string against a whitelist
 regex, then ``np.dtype`` and a check that it round-trips to the same canonical string with an
 allowed kind; ``ndim``; ``prod(shape) * itemsize == nbytes`` in Python integers; the canonical
-offset. Any other value msgpack may unpack (its own timestamp record, code -1, which it turns into
-a ``msgpack.Timestamp`` without calling the ext hook) is refused wherever it stands, inside a
-container too. Every failure is a :class:`~aioshmcache.errors.SerdeError`.
+offset; the code points of a ``U`` array or scalar (at most U+10FFFF: numpy would make a larger
+one into a str CPython cannot hold), in each array as it is read. Any other value msgpack may
+unpack (its own timestamp record, code -1, which it turns into a ``msgpack.Timestamp`` without
+calling the ext hook) is refused wherever it stands, inside a container too. Every failure is a
+:class:`~aioshmcache.errors.SerdeError`.
 
 Decoding cost is bounded by the payload's size, not only its validity. One byte of msgpack can be
 a whole Python container (``0x80`` is an empty map, ``0x90`` an empty list): a 1 MiB header of
