@@ -324,7 +324,10 @@ def pack_plain_features(features: Sequence[FeatureSpec]) -> bytes | None:
             rows.append([f.mm_hash, _KIND_REF, _reference_row(data), f.identifier, []])
         else:
             return None
-    packed: bytes = msgpack.packb([_TAG, _VERSION, rows])
+    try:
+        packed: bytes = msgpack.packb([_TAG, _VERSION, rows])
+    except ValueError:  # a str UTF-8 cannot encode (a lone surrogate): pack_features says why
+        return None
     return packed
 
 

@@ -754,3 +754,19 @@ def test_the_plain_form_and_the_bounded_unpack() -> None:
     ]:
         with pytest.raises(WireError):
             unpack_bounded(data, maps=maps, max_containers=5)
+
+
+def test_a_feature_plain_msgpack_cannot_encode_is_left_to_the_serde_form() -> None:
+    """A hash or identifier with a lone surrogate does not fit the plain form: it is None there
+    (it raised ``UnicodeEncodeError``, which the channel's call let through untyped instead of
+    the ``SerdeError`` of :func:`pack_features`, whose errors say why)."""
+    from aioshmcache.wire import pack_plain_features
+
+    ref = ShmRef(1, 2, 4096, 7, 1024, 5, 3, 9)
+    for features in (
+        [FeatureSpec("\ud800", ref)],
+        [FeatureSpec("a", None), FeatureSpec("b", ref, identifier="x\udfff")],
+    ):
+        assert pack_plain_features(features) is None
+        with pytest.raises(SerdeError, match="surrogates"):
+            pack_features(features)
