@@ -556,6 +556,21 @@ def test_encode_refuses(bad: object) -> None:
         SERDE.plan(bad)
 
 
+def test_a_numpy_text_scalar_ending_in_nul_is_refused_not_cut() -> None:
+    """numpy's fixed-width text drops trailing NULs: ``np.str_("a\\0")`` (2 characters) was
+    written as ``<U2`` and read back as ``np.str_("a")``, another value. Refused instead; a
+    NUL elsewhere, and the empty scalar, round-trip exactly."""
+    for bad in (np.str_("a\x00"), np.str_("\x00"), np.bytes_(b"ab\x00\x00"), np.bytes_(b"\x00")):
+        with pytest.raises(SerdeError, match="NUL"):
+            SERDE.plan(bad)
+        with pytest.raises(SerdeError, match="NUL"):
+            SERDE.plan({"k": [bad]})
+    for good in (np.str_("a\x00b"), np.bytes_(b"\x00b"), np.str_(""), np.bytes_(b"")):
+        got = SERDE.read(encode({"k": good}).view)
+        assert isinstance(got, dict)
+        assert type(got["k"]) is type(good) and got["k"] == good and len(got["k"]) == len(good)
+
+
 def test_encode_refuses_key_collision() -> None:
     class Key(str):  # distinct from "a" as a dict key, "a" once converted to str
         def __eq__(self, other: object) -> bool:

@@ -55,7 +55,9 @@ Deliberate choices (and where they differ from the first sketch):
 * Values come back as their base type: bytearray / memoryview as bytes, dict / list / tuple / str /
   int / float subclasses (OrderedDict, namedtuple, StrEnum, IntEnum) as the plain type, ndarray
   subclasses as ndarray, arrays always C-contiguous. ``np.ma.MaskedArray`` is refused (its mask
-  would be lost silently). Python ``complex``, sets and any other object are refused.
+  would be lost silently), and so is a numpy ``str_`` / ``bytes_`` scalar ending in NUL (numpy's
+  fixed-width text drops trailing NULs: it would read back shorter). Python ``complex``, sets and
+  any other object are refused.
 * Torch (optional; never imported unless a tensor is encoded or decoded): CPU strided tensors
   round-trip with their dtype and shape; ``bfloat16`` travels as its uint16 bit pattern. Torch has
   no read-only tensors, so with ``copy=False`` a tensor shares the (writable) shared memory and
@@ -343,6 +345,12 @@ class _Encoder:
     def scalar(self, obj: np.generic[Any]) -> msgpack.ExtType:
         self.node()
         arr = np.asarray(obj)
+        if arr.dtype.kind in "SU" and arr[()] != obj:
+            # numpy's fixed-width text drops trailing NULs: np.str_("a\0") would read as "a"
+            raise SerdeError(
+                f"a numpy {type(obj).__name__} ending in NUL does not round-trip "
+                "(numpy drops trailing NULs); pass it as a str or bytes"
+            )
         dts = _encode_dtype(arr.dtype)
         return _new_tuple(_ExtType, (EXT_SCALAR, SCALAR_HEAD.pack(len(dts)) + dts + arr.tobytes()))
 
