@@ -274,7 +274,8 @@ def reader_slots_info(table: ReaderTable, *, probe: bool) -> list[ReaderSlotInfo
     ``lag`` is the number of hand-outs the slot's reader owes, from shared memory alone: the
     debt the writer last published (``WS_OWED``, kept current at every hand-out) less the
     acknowledgements the reader wrote since the writer last read its log (``RS_HEAD -
-    WS_CONSUMED``). So an idle writer, which drains nothing, is still shown right from outside
+    WS_CONSUMED``; every difference of these counters is taken modulo 2**64, as the slot's own
+    are). So an idle writer, which drains nothing, is still shown right from outside
     (``inspect``); right after a drain the second term is 0. A difference outside the log's size
     is a slot the writer has not synced yet (a session just changed): nothing is subtracted.
     Until the next drain an acknowledgement of a hand-out the reader did not owe (one made
@@ -287,7 +288,8 @@ def reader_slots_info(table: ReaderTable, *, probe: bool) -> list[ReaderSlotInfo
             out.append(ReaderSlotInfo(slot, False, False, 0, 0, 0, False))
             continue
         owed = table.word(slot, WS_OWED)
-        unread = table.word(slot, RS_HEAD) - table.word(slot, WS_CONSUMED)
+        head = table.word(slot, RS_HEAD)
+        unread = (head - table.word(slot, WS_CONSUMED)) & _U64  # modulo 2**64 (module doc)
         if 0 < unread <= table.log_entries:
             owed = max(0, owed - unread)
         out.append(
@@ -296,7 +298,7 @@ def reader_slots_info(table: ReaderTable, *, probe: bool) -> list[ReaderSlotInfo
                 attached=True,
                 alive=probe and table.probe(slot),
                 pid=table.word(slot, RS_PID),
-                acknowledged=table.word(slot, RS_HEAD) - table.word(slot, RS_START),
+                acknowledged=(head - table.word(slot, RS_START)) & _U64,
                 lag=owed,
                 revoked=table.word(slot, WS_REVOKED) == session,
             )

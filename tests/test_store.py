@@ -26,6 +26,7 @@ from aioshmcache import (
     StaleReferenceError,
     _core_py,
 )
+from aioshmcache import _layout as L
 from aioshmcache._inspect import inspect_segment
 from aioshmcache._layout import H_SECRET, chunk_size
 from aioshmcache._types import reference_tag
@@ -687,6 +688,29 @@ def test_lag_counts_a_reader_that_never_acknowledged(make_config: Any) -> None:
         reader.get(refs[0])
         store.drain()
         assert [s.lag for s in store.reader_info() if s.attached] == [2]
+
+
+def test_reader_info_counts_modulo_2_64_across_a_wrapped_log_head(make_config: Any) -> None:
+    """The log head, the session's start and the writer's consumed mark are 64-bit counters (a
+    hostile process may set them to the top; the slot's own ``acknowledged`` wraps).
+    ``reader_info`` subtracted them as Python ints: past the wrap ``acknowledged`` went negative
+    and the acknowledgements written since the last drain were not taken off ``lag``."""
+    top = (1 << 64) - 1
+    with (
+        ShmObjectStore.create(make_config()) as store,
+        ShmObjectStore.from_handle(store.handle()) as reader,
+    ):
+        slot = reader.read_path.slot
+        assert slot is not None
+        refs = [store.put(f"k{i}", {"i": i}) for i in range(3)]
+        for word in (L.RS_START, L.RS_HEAD, L.WS_CONSUMED):
+            slot.table.set_word(slot.slot, word, top)
+        reader.get(refs[0])
+        reader.get(refs[1])  # the head wraps to 1
+        assert slot.acknowledged == 2
+        for info in (store.reader_info(), reader.reader_info()):
+            [row] = [s for s in info if s.attached]
+            assert (row.acknowledged, row.lag) == (2, 1)
 
 
 def test_handmade_refs_with_bad_fields_are_invalid(make_config: Any) -> None:
