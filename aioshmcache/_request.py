@@ -695,9 +695,12 @@ class SenderRequest(_Steps):
         return res
 
     def _write(self, res: Reservation) -> None:
-        """The copy into a reserved chunk; a sibling's chunk that changed meanwhile is a miss."""
+        """The copy into a reserved chunk; a sibling's chunk that changed meanwhile is a miss
+        (our own store closed meanwhile is not: ``ClosedCacheError``, as for any copy)."""
         try:
             self._store.write_reserved(res)
+        except ClosedCacheError:
+            raise
         except ShmCacheError:
             if self._sibling is None or res.key not in self._sibling:
                 raise

@@ -467,6 +467,35 @@ def test_a_writer_closed_before_a_copy_outside_the_lock_gives_closed_cache_error
         cache.close()
 
 
+def test_a_group_shard_closed_before_a_sibling_copy_gives_closed_cache_error() -> None:
+    """As above, for a copy from a sibling shard (the item is passed as None: only a sibling
+    holds it). The request turned every error of a sibling's copy into a miss, so the close of
+    its own store, found by the copy, read as ``CacheMissError`` (the caller would preprocess
+    and send the item for a cache that is gone). It is ``ClosedCacheError``, as for a put."""
+    import sys
+
+    group = f"{RUN_PREFIX}gsib{uuid.uuid4().hex[:8]}"
+    cfg = CacheConfig(8 << 20, 4 << 20, 1, group=group, prefault=False)
+    big = {"a": np.ones(2 << 20, np.uint8)}  # over the 1 MiB copied under the lock
+    with SenderCache(cfg) as a, SenderCache(cfg) as b:
+        a.get_and_update_item((big, ()), "big")
+
+        def close_at_the_copy(frame: Any, event: str, arg: object) -> None:
+            if event == "call" and frame.f_code.co_name == "write_reserved":
+                sys.setprofile(None)
+                closer = threading.Thread(target=b.close)
+                closer.start()
+                closer.join(60)
+
+        try:
+            sys.setprofile(close_at_the_copy)
+            with pytest.raises(ClosedCacheError):
+                b.get_and_update_item(None, "big")
+        finally:
+            sys.setprofile(None)
+        assert b.closed
+
+
 def test_a_closed_cache_s_handle_is_kept_and_its_epoch_is_a_typed_error() -> None:
     """A review read a closed sender's ``handle()`` (and its store's ``nonce`` and ``epoch``):
     each read the header words the close had released and raised the memoryview's
