@@ -339,6 +339,7 @@ class StoreWriter(ShmObjectStore):
     # --- the host of eviction (``_evict.EvictionHost``) ------------------------------------
     def publish_usage(self) -> None:
         """Publish the bytes and items in use, and the evictions, in the segment header."""
+        self._check_writer()  # closed: its header words are released (a ValueError)
         hw = self._hw
         hw[H_BYTES_USED] = self.ring.used_bytes
         hw[H_ITEMS] = len(self._index)
@@ -653,7 +654,8 @@ class StoreWriter(ShmObjectStore):
 
     def hand_out(self, cid: int) -> ShmRef:
         """A new hand-out of the cached chunk ``cid`` (``index[key]``; the lock held): a hit,
-        marked for its second chance."""
+        marked for its second chance. ``ClosedCacheError`` once closed (checked only when
+        the hand-out fails: its callers checked, and a try costs nothing)."""
         ev = self._evict
         if ev.second_chance:  # ``ev.mark(cid)``, inline
             marks = ev.marked
@@ -661,7 +663,11 @@ class StoreWriter(ShmObjectStore):
             if cid not in shard:
                 shard[cid] = None
                 marks.n += 1
-        return self._ref(cid, self._hand_out_seq(cid))
+        try:
+            return self._ref(cid, self._hand_out_seq(cid))
+        except (ValueError, BufferError):  # a released view: closed (else not ours to hide)
+            self._check_writer()
+            raise
 
     def release(self, ref: ShmRef) -> bool:
         """Undo one hand-out that never reached the readers. False if unknown or none left."""

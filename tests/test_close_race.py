@@ -513,3 +513,20 @@ def test_a_closed_cache_s_handle_is_kept_and_its_epoch_is_a_typed_error() -> Non
     for store in (cache.store, rx.store):
         with pytest.raises(ClosedCacheError):
             _ = store.epoch
+
+
+@pytest.mark.parametrize("delivery", ["broadcast", "one_of_n"])
+def test_a_closed_writer_s_hand_out_and_publish_usage_are_closed_cache_error(
+    delivery: Any,
+) -> None:
+    """``StoreWriter.hand_out`` and ``publish_usage`` (public steps a caller runs holding
+    ``lock``) read the words and views the close released: a review saw the memoryview's
+    ``ValueError``. They raise ``ClosedCacheError``, as every writer method does."""
+    name = f"{RUN_PREFIX}hout-{uuid.uuid4().hex[:8]}"
+    store = ShmObjectStore.create(CacheConfig(1 << 16, 1 << 15, 1, name=name, delivery=delivery))
+    ref = store.put("a", {"x": 1})
+    store.close()
+    with pytest.raises(ClosedCacheError):
+        store.hand_out(ref.id)
+    with pytest.raises(ClosedCacheError):
+        store.publish_usage()
