@@ -194,7 +194,9 @@ class GroupShards:
                         serde=self._serde,
                         probe_interval=self._probe,
                     )
-                except WriterGoneError:
+                except (WriterGoneError, SegmentNotFoundError):
+                    # dead, or closed and removed since its state was read: this instance was
+                    # seen alive in that file, so its references are "writer gone"
                     self._remember_gone(nonce, name)
                     return
                 self._adopt_locked(store)

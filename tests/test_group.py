@@ -847,6 +847,44 @@ def test_a_shard_reclaimed_while_a_reader_finds_it_dead_is_not_taken_for_gone(
     assert _ours(group) == []
 
 
+def test_a_shard_closed_while_a_reader_finds_it_is_writer_gone(
+    group: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reference of a shard the reader has not attached: the request's rescan skips it (here:
+    its reader slots are taken), then ``find`` reads the file's writer state (alive, this very
+    instance) and attaches by nonce; the writer closes (unlinks) in between. The request got
+    the attach's ``SegmentNotFoundError``; the instance was seen, so it is ``WriterGoneError``
+    (its hash listed), as for any reference of a shard whose writer closed."""
+    from aioshmcache import _group_receiver
+
+    cfg = gp.config(group)
+    real = ShmObjectStore  # what ``_group_receiver`` attaches shards with
+    with SenderCache(cfg), ReceiverCache.attach_group(group) as rx:
+        late = SenderCache(cfg)
+        [f] = late.get_and_update_features([FeatureSpec("k", gp.make_item("k"))])
+        calls: list[str] = []
+
+        class Racing:  # stands in for ``ShmObjectStore`` there
+            @staticmethod
+            def from_handle(*args: Any, **kwargs: Any) -> Any:
+                calls.append("attach")
+                if len(calls) == 1:  # the rescan's: skipped, as a shard with no free slot
+                    raise ReaderLimitError("all reader slots are taken")
+                late.close()  # find's: the writer closes right after its state was read
+                return real.from_handle(*args, **kwargs)
+
+        monkeypatch.setattr(_group_receiver, "ShmObjectStore", Racing)
+        try:
+            with pytest.raises(WriterGoneError) as info:
+                rx.get_and_update_features([f])
+            assert list(info.value.mm_hashes) == ["k"]
+        finally:
+            late.close()
+        assert calls == ["attach", "attach"]
+    sweep(prefix=group)
+    assert _ours(group) == []
+
+
 @pytest.mark.parametrize(
     "how",
     [
