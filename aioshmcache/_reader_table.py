@@ -183,8 +183,11 @@ class ReaderSlot:
     def ack(self, cid: int, seq: int) -> None:
         """Record that chunk ``cid`` was read and verified: two aligned stores, no syscall.
 
-        Never blocks and never loses one: if the log is full (the writer has not drained it),
-        the id waits in a local overflow list that the next acknowledgement flushes first.
+        Never blocks: if the log is full (the writer has not drained it), the id waits in a
+        local overflow list that the next acknowledgement (and the close) flushes first. At
+        most one log's worth waits, the newest: a log that stays full that long is one a
+        hostile process keeps full (its consumed mark pinned), which would grow the list by one
+        per read without bound; the older ones are lost to that writer, which sees them owed.
         """
         lock = self._ack_lock
         lock.acquire()  # not ``with``: measured 0.27 -> 0.10 us, once per read
@@ -194,6 +197,8 @@ class ReaderSlot:
             if self._overflow:
                 self._overflow.append((cid, seq))
                 self._flush()
+                if len(self._overflow) > self._n:
+                    del self._overflow[0]  # the oldest (see above)
                 return
             w = self._words
             head: int = w[RS_HEAD]  # a "Q" view's items are ints already
@@ -234,9 +239,12 @@ class ReaderSlot:
     def close(self) -> None:
         """Free the slot: mark every acknowledgement as the start, clear the session, unlock.
 
-        ``RS_START = RS_HEAD`` first: the writer starts reading a slot whose session changed at
-        its ``RS_START``, so a free slot then has nothing to read, however many acknowledgements
-        the closed session wrote (more than the log holds is no inconsistency).
+        Acknowledgements still waiting for log room are moved into the log first, as far as it
+        has room (a one-of-N hand-out is nobody's debt that the closed session's drop settles:
+        one lost here stayed unevictable for ``handout_ttl``). ``RS_START = RS_HEAD`` next: the
+        writer starts reading a slot whose session changed at its ``RS_START``, so a free slot
+        then has nothing to read, however many acknowledgements the closed session wrote (more
+        than the log holds is no inconsistency).
         """
         seg = self.table.segment
         if seg.forked:  # a forked child's copy: the lock may have been held by a parent thread
@@ -251,6 +259,9 @@ class ReaderSlot:
         if not seg.closed and not seg.forked:
             w = self._words
             if w[RS_SESSION] == self.session:
+                if self._overflow:
+                    self._flush()
+                    self._overflow.clear()
                 w[RS_START] = w[RS_HEAD]
                 w[RS_SESSION] = 0
             ofd_unlock(seg.fd, 1 + self.slot)

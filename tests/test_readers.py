@@ -39,6 +39,8 @@ from aioshmcache._layout import (
     H_RING_OFF,
     H_SECRET,
     H_SLOT_SIZE,
+    RS_HEAD,
+    WS_CONSUMED,
 )
 from aioshmcache._segment import Segment
 from aioshmcache._types import reference_tag
@@ -399,6 +401,49 @@ def test_full_ack_log_never_blocks_nor_loses(make_config: Any) -> None:
             rx.get_and_update_features([])
             assert rx.store.read_path.slot.flush() == 0
             assert all(tx.is_freeable(f"k{i}") for i in range(100))
+
+
+def test_a_one_of_n_reader_closed_with_acknowledgements_waiting_hands_them_to_the_writer(
+    make_config: Any,
+) -> None:
+    """One-of-N: a reader's acknowledgements waiting for log room (the writer was idle) were
+    dropped at its close even once the writer had drained its log, and a one-of-N hand-out is
+    nobody's debt that a closed session's drop settles: those items stayed unevictable for
+    ``handout_ttl``. The close now moves what fits into the log first."""
+    cfg = make_config(4 << 20, 1 << 20, 1, ack_log_entries=64, delivery="one_of_n")
+    with SenderCache(cfg) as tx:
+        rx = ReceiverCache.attach(tx.handle())
+        refs = [tx.get_and_update_item(({"i": i}, ()), f"k{i}")[0] for i in range(100)]
+        for i, r in enumerate(refs):  # the writer is idle: the log fills up
+            assert rx.get_and_update_item(r, f"k{i}") == {"i": i}
+        slot = rx.store.read_path.slot
+        assert slot is not None and slot.flush() > 0
+        tx.store.drain()  # the writer drains; the reader reads nothing more
+        rx.close()
+        tx.store.drain()
+        assert all(tx.is_freeable(f"k{i}") for i in range(100))
+
+
+def test_a_log_a_hostile_writer_keeps_full_bounds_the_waiting_acknowledgements(
+    make_config: Any,
+) -> None:
+    """A process that keeps the writer's consumed mark pinned so that the reader's log always
+    looks full: every acknowledgement waited in the reader's memory, one more per read, without
+    bound. At most one log's worth waits now (the newest); older ones are lost to that writer,
+    which then sees the reader owe, as the guarantees say of counters a hostile writer sets."""
+    with (
+        SenderCache(make_config(4 << 20, 1 << 20, 1, ack_log_entries=64)) as tx,
+        ReceiverCache.attach(tx.handle()) as rx,
+    ):
+        ref = tx.get_and_update_item(({"i": 1}, ()), "k")[0]
+        slot = rx.store.read_path.slot
+        assert slot is not None
+        table = slot.table
+        for _ in range(300):
+            head = table.word(slot.slot, RS_HEAD)
+            table.set_word(slot.slot, WS_CONSUMED, (head + 1) % (1 << 64))  # full
+            assert rx.get_and_update_item(ref, "k") == {"i": 1}
+        assert slot.flush() == 64
 
 
 def test_closing_a_reader_that_acknowledged_more_than_its_log_holds_logs_nothing(
