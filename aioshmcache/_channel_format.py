@@ -32,7 +32,9 @@ and a payload of the store's own serde otherwise (``MsgpackSerde``: msgpack with
 numpy arrays as raw aligned bytes; never pickle). The first byte tells the two apart (a msgpack
 array marker, or the serde's ``ASHM``); a plain envelope is unpacked under the serde's bounds
 for a structure header (``wire.unpack_bounded``: complete first, at most 32,768 containers,
-lengths bounded by its size, str map keys, no extensions). A worker answers in plain msgpack
+lengths bounded by its size, str or bytes map keys, no extensions). A map key of another type
+(an int, None) travels in neither form (the serde refuses it too): a payload or a result
+holding one cannot be encoded. A worker answers in plain msgpack
 only to a call of version 3 or 4 (whose gateway reads both forms); it serves calls of versions
 1 (the features always a serde message), 2 (the envelope always the serde's), 3 and 4.
 
@@ -123,17 +125,38 @@ _core_call4 = core.chan_call4
 framed_call = core.chan_call4_frames
 
 
+def _keys_travel(value: object) -> bool:
+    """Whether every map key in ``value`` is a str or bytes (exactly), the only keys either
+    form of an envelope carries: plain msgpack packs any key, but its bounded unpack (and the
+    serde) refuse the others. Walked only after ``value`` packed (its depth is bounded); the
+    compiled encode declines such a key itself, so its usual call never comes here."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if type(v) is dict:
+            for k in v:
+                if type(k) is not str and type(k) is not bytes:
+                    return False
+            todo.extend(x for x in v.values() if type(x) is dict or type(x) is list)
+        elif type(v) is list:
+            todo.extend(x for x in v if type(x) is dict or type(x) is list)
+    return True
+
+
 def encode(value: object, *, plain: bool = True) -> bytes:
     """An envelope: plain msgpack when ``plain`` and the value allows it, else the serde's.
 
-    ``SerdeError`` or ``TypeError`` when the serde cannot carry the value either.
+    ``SerdeError`` or ``TypeError`` when the serde cannot carry the value either (a map key
+    that is not a str or bytes: neither form carries it).
     """
     if plain:
         try:
             packed: bytes = _PLAIN.pack(value)
-            return packed
         except (TypeError, ValueError, OverflowError):
             pass  # a tuple, an array, a numpy scalar, a subclass, too deep, too big an int
+        else:
+            if _keys_travel(value):
+                return packed
     plan = _SERDE.plan(value)
     out = bytearray(plan.nbytes)
     _SERDE.write(plan, memoryview(out))
@@ -232,7 +255,7 @@ def _one_message(payload: Any, features: Sequence[FeatureSpec]) -> bytes | None:
         packed: bytes = _PLAIN.pack([TAG, ONE_MESSAGE_VERSION, "call", payload, rows])
     except (TypeError, ValueError, OverflowError):
         return None  # a payload plain msgpack does not carry
-    return packed
+    return packed if _keys_travel(payload) else None
 
 
 def decode_call(head: bytes, body: bytes) -> tuple[int, Any, list[FeatureSpec]]:

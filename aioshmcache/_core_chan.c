@@ -671,6 +671,8 @@ write_obj(Writer *w, PyObject *o, int depth)
         PyObject *k, *v;
         int rc = put_len(w, n, 0x80, 16, 0, 0xde, 0xdf);
         while (rc == 0 && PyDict_Next(o, &pos, &k, &v)) {
+            if (!PyUnicode_CheckExact(k) && !PyBytes_CheckExact(k))
+                return 1; /* a key neither form of an envelope carries: the encode's error */
             rc = write_obj(w, k, depth + 1);
             if (rc == 0)
                 rc = write_obj(w, v, depth + 1);

@@ -58,6 +58,8 @@ async def handler(features: list[FeatureSpec], payload: Any) -> Any:
         return {"big": np.zeros(int(payload["n"]), dtype=np.uint8)}
     elif op == "unencodable":
         return {"x": object()}
+    elif op == "int_keys":  # map keys neither form of an envelope carries
+        return {"x": {1: "a", None: "b"}}
     elif op == "echo":
         return {"payload": payload, "pid": os.getpid()}
     return {

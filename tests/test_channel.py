@@ -152,19 +152,21 @@ async def test_a_handler_raising_a_base_exception_is_an_engine_call_error(
         assert engine.stats().connects == 1  # the same connection served both
 
 
-@pytest.mark.parametrize("side", ["engine", "gateway", "unencodable"])
+@pytest.mark.parametrize("side", ["engine", "gateway", "unencodable", "int_keys"])
 async def test_an_answer_that_cannot_travel_is_a_wire_error(
     make_config: Callable[..., Any], tmp_path: Path, caplog: pytest.LogCaptureFixture, side: str
 ) -> None:
     """A result over the engine's ``max_frame_bytes`` (it answers an error instead and logs it),
-    over the gateway's (the header says so), or not encodable: ``WireError``, not a dead engine;
-    the next call is served."""
+    over the gateway's (the header says so), or not encodable (an object, map keys that are not
+    str or bytes: plain msgpack packed those, the gateway refused them as a malformed message
+    and the worker logged nothing): ``WireError``, not a dead engine; the next call is
+    served."""
     caplog.set_level("ERROR", logger="aioshmcache.channel")
     sock = tmp_path / "e.sock"
     limit = 1 << 16
     serve = {"max_frame_bytes": limit} if side == "engine" else {}
     client = {"max_frame_bytes": limit} if side == "gateway" else {}
-    payload = {"op": "unencodable"} if side == "unencodable" else {"op": "big", "n": 2 * limit}
+    payload = {"op": side} if side in ("unencodable", "int_keys") else {"op": "big", "n": 2 * limit}
     async with _connected(make_config, sock, serve, **client) as (cache, _rx, engine):
         [f] = await _features(cache, range(1))
         with pytest.raises(WireError, match=r"too large|exceeds|cannot be encoded"):
@@ -190,6 +192,25 @@ async def test_unencodable_call_gives_its_hand_outs_back(
             await engine.call([f], {"op": object()})
         assert engine.stats().released == 1
         assert not await cache.release(f.data)  # already given back by the client
+        assert cache.snapshot().readers[0].lag == 0
+
+
+@pytest.mark.parametrize("key", [1, None, 2.5])
+@pytest.mark.parametrize("inline", [False, True])
+async def test_a_payload_with_map_keys_neither_form_carries_is_refused_at_the_gateway(
+    make_config: Callable[..., Any], tmp_path: Path, key: Any, inline: bool
+) -> None:
+    """Map keys that are not str or bytes: plain msgpack packed them, and the worker refused the
+    call (``bad_request``). Neither form of an envelope carries them (the serde's refuses them
+    too), so the call cannot be encoded: refused at the gateway, its hand-outs given back
+    (``inline``: a version-3 call, an item sent inline)."""
+    sock = tmp_path / "e.sock"
+    async with _connected(make_config, sock) as (cache, _rx, engine):
+        [f] = await _features(cache, range(1))
+        features = [f, FeatureSpec("inline", _item(9))] if inline else [f]
+        with pytest.raises(WireError, match="the call cannot be encoded"):
+            await engine.call(features, {"op": "echo", "m": [{"a": {key: 1}}]})
+        assert engine.stats().released == 1
         assert cache.snapshot().readers[0].lag == 0
 
 
