@@ -505,6 +505,7 @@ class StoreWriter(ShmObjectStore):
             self.serde.write(plan, ring.buf[start : start + nbytes])
         except BaseException:
             ring.abandon(address)
+            self.publish_usage()  # the room made may have evicted: the header says so
             raise
         return self._publish_put(key, address, cid, nbytes)
 
@@ -637,6 +638,8 @@ class StoreWriter(ShmObjectStore):
             self._pending.pop(res.key, None)
             if not self._closed:
                 self.ring.abandon(res.address)
+                # the room made for it may have evicted: publish what is left, as a commit does
+                self.publish_usage()
 
     def is_pending(self, key: str) -> bool:
         """A put of ``key`` is in progress (allocated, or waiting for room)."""

@@ -27,10 +27,10 @@ from aioshmcache import (
     _core_py,
 )
 from aioshmcache import _layout as L
-from aioshmcache._inspect import inspect_segment
+from aioshmcache._inspect import inspect_segment, read_snapshot
 from aioshmcache._layout import H_SECRET, chunk_size
 from aioshmcache._types import reference_tag
-from aioshmcache.store import StoreReader, StoreWriter
+from aioshmcache.store import EncodePlan, MsgpackSerde, StoreReader, StoreWriter
 
 from .helpers import SPAWN, HookAfterRead, checksum
 
@@ -311,6 +311,36 @@ def test_eviction_frees_until_contiguous_room(make_config: Any) -> None:
         store.put("big", {"b": b"y" * 39000})  # needs many small ones gone, not a fixed count
         assert store.is_cached("big")
         assert store.evictions > 10
+
+
+@pytest.mark.parametrize("wait", [None, 0.01])  # the one-step put, and reserve / abort
+def test_a_failed_put_that_evicted_publishes_what_is_left(make_config: Any, wait: Any) -> None:
+    """A put whose copy fails after its room was made: the items it evicted are gone from the
+    header too, so what ``inspect`` and the collectors read equals the writer's own count."""
+
+    class FailingWrite(MsgpackSerde):
+        fail = False
+
+        def write(self, plan: EncodePlan, buf: memoryview) -> None:
+            if self.fail:
+                raise RuntimeError("the copy failed")
+            super().write(plan, buf)
+
+    serde = FailingWrite()
+    with ShmObjectStore.create(make_config(16384, 8000, 2), serde=serde) as store:
+        store.evict_slack = 0
+        for i in range(5):  # no reader attached: every item is free
+            store.put(f"k{i}", {"b": b"x" * 3000})
+        serde.fail = True
+        with pytest.raises(RuntimeError, match="the copy failed"):
+            store.put("new", {"b": b"y" * 3000}, wait_for_space=wait)
+        assert store.evictions >= 1 and len(store) < 5
+        outside, _alive = read_snapshot(store.name)
+        assert (outside.items, outside.bytes_used, outside.evictions) == (
+            len(store),
+            store.ring.used_bytes,
+            store.evictions,
+        )
 
 
 def test_create_makes_the_writer_and_from_handle_a_reader(make_config: Any) -> None:
