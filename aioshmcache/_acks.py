@@ -15,7 +15,16 @@ from __future__ import annotations
 import logging
 
 from ._core_api import core
-from ._layout import RS_HEAD, RS_PID, RS_SESSION, RS_START, WS_CONSUMED, WS_OWED, WS_REVOKED
+from ._layout import (
+    RS_HEAD,
+    RS_PID,
+    RS_SESSION,
+    RS_START,
+    WS_CONSUMED,
+    WS_OWED,
+    WS_REVOKED,
+    WS_SESSION,
+)
 from ._ledger import Debts, HandoutLedger
 from ._reader_table import ReaderTable, SlotState
 
@@ -98,6 +107,7 @@ class Acknowledgements:
                 st.cursor = t.word(slot, RS_START)
                 t.set_word(slot, WS_CONSUMED, st.cursor)
             t.set_word(slot, WS_OWED, 0)
+            t.set_word(slot, WS_SESSION, s)  # last: WS_OWED is this session's from now on
         self._refresh_live()
 
     def _refresh_live(self) -> None:

@@ -54,7 +54,7 @@ Reader slot (``slot_size`` bytes: SLOT_HEADER, then the acknowledgement log)::
           0 RS_SESSION (0: free)                   8 WS_CONSUMED (acks the writer has read)
           1 RS_PID (information only)              9 WS_REVOKED (the revoked session)
           2 RS_HEAD (acks written)                10 WS_OWED (hand-outs not acknowledged)
-          3 RS_START (head at attach)
+          3 RS_START (head at attach)             11 WS_SESSION (the session WS_OWED is of)
           4 RS_ATTACHED (ns)
     +128  acknowledgement log: ``log_entries`` pairs of words; entry ``k % log_entries`` =
           (chunk id, hand-out seq)
@@ -160,7 +160,7 @@ DELIVERY_CODES: Final = {"broadcast": 0, "one_of_n": 1}
 # --- reader slot words ------------------------------------------------------------------------
 SLOT_HEADER: Final = 128  # two cache lines: reader-written words, then writer-written words
 RS_SESSION, RS_PID, RS_HEAD, RS_START, RS_ATTACHED = 0, 1, 2, 3, 4
-WS_CONSUMED, WS_REVOKED, WS_OWED = 8, 9, 10
+WS_CONSUMED, WS_REVOKED, WS_OWED, WS_SESSION = 8, 9, 10, 11
 LOG_ENTRY_BYTES: Final = 16  # (chunk id, seq)
 
 # --- key hint slots (group shards) -------------------------------------------------------------

@@ -36,6 +36,7 @@ from ._layout import (
     WS_CONSUMED,
     WS_OWED,
     WS_REVOKED,
+    WS_SESSION,
 )
 from ._segment import Segment, ofd_lock, ofd_probe, ofd_unlock
 from ._types import ReaderSlotInfo
@@ -290,7 +291,9 @@ def reader_slots_info(table: ReaderTable, *, probe: bool) -> list[ReaderSlotInfo
     (``inspect``); right after a drain the second term is 0. A difference outside the log's size
     is a slot the writer has not synced yet (a session just changed): nothing is subtracted.
     Until the next drain an acknowledgement of a hand-out the reader did not owe (one made
-    before it attached) makes the count one low, never negative.
+    before it attached) makes the count one low, never negative. A session the writer has not
+    synced yet (``WS_SESSION``, the session ``WS_OWED`` is of, names another) owes nothing: the
+    writer hands out only to the sessions it knows, and ``WS_OWED`` is still a closed session's.
     """
     out = []
     for slot in range(table.n_slots):
@@ -298,7 +301,7 @@ def reader_slots_info(table: ReaderTable, *, probe: bool) -> list[ReaderSlotInfo
         if not session:
             out.append(ReaderSlotInfo(slot, False, False, 0, 0, 0, False))
             continue
-        owed = table.word(slot, WS_OWED)
+        owed = table.word(slot, WS_OWED) if table.word(slot, WS_SESSION) == session else 0
         head = table.word(slot, RS_HEAD)
         unread = (head - table.word(slot, WS_CONSUMED)) & _U64  # modulo 2**64 (module doc)
         if 0 < unread <= table.log_entries:

@@ -100,6 +100,27 @@ def test_inspect_counts_what_a_reader_is_behind_without_the_writer_s_help(
         assert cache.snapshot().readers[0].lag == 0  # the writer's own view agrees
 
 
+def test_a_reader_new_in_a_slot_owes_nothing_of_the_closed_session_s_debt(
+    make_config: Any,
+) -> None:
+    """A reader that closed owing hand-outs, and a new one in its slot, all while the writer
+    is idle: from outside the new reader owes nothing (the writer's own view), not the closed
+    session's debt the writer published for that slot."""
+    from aioshmcache._inspect import read_snapshot
+
+    with SenderCache(make_config(1 << 20, 1 << 18, 1)) as cache:
+        with ReceiverCache.attach(cache.handle()):
+            for i in range(5):
+                cache.get_and_update_item(({"i": np.full(10, i)}, ()), f"h{i}")
+            assert read_snapshot(cache.name)[0].readers[0].lag == 5  # never read: owed
+        with ReceiverCache.attach(cache.handle()):  # the same slot, a new session
+            row = _reader_rows(run_cli("inspect", cache.name).stdout)[0]
+            assert row[:3] == ["0", "yes", "yes"] and row[4:6] == ["0", "0"], row
+            outside = read_snapshot(cache.name)[0].readers[0]
+            assert (outside.lag, outside.acknowledged) == (0, 0)
+            assert cache.snapshot().readers[0].lag == 0  # the writer's own view agrees
+
+
 @pytest.mark.slow
 def test_sweep_cli_removes_only_orphans(make_config: Any, shm_name: str) -> None:
     a, b = SPAWN.Pipe()
