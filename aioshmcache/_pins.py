@@ -57,6 +57,12 @@ class Pins:
         """Undo one :meth:`pin_entry` of ``e`` (whatever key names it by now)."""
         self._ledger.unpin(e)
 
+    def pinned_entry_of(self, key: str) -> Debts | None:
+        """The entry cached under ``key`` now if it holds a pin, else None."""
+        cid = self._index.get(key)
+        e = None if cid is None else self._ledger.get(cid)
+        return e if e is not None and e.pins > 0 else None
+
     def unpin_key(self, key: str) -> None:
         """Undo one pin of the entry cached under ``key`` now (if any)."""
         cid = self._index.get(key)

@@ -178,6 +178,32 @@ class Reservation:
     done: bool = False
 
 
+class _PinnedKeys(list[str]):
+    """The list :meth:`StoreWriter.pinned` yields. A key appended (pinned just before by
+    :meth:`StoreWriter.pin`) notes the entry it names then, the one that pin holds, so that the
+    block's exit unpins that entry, never a newer one put under the key meanwhile."""
+
+    def __init__(self, entry_of: Callable[[str], Debts | None], keys: list[str]) -> None:
+        super().__init__(keys)
+        self._entry_of = entry_of  # the writer's: the entry cached under a key, if pinned
+        #: key -> the entries pinned under it after the block began, in the order appended
+        self.later: dict[str, list[Debts]] = {}
+
+    def append(self, key: str) -> None:
+        super().append(key)
+        e = self._entry_of(key)
+        if e is not None:
+            self.later.setdefault(key, []).append(e)
+
+    def extend(self, keys: Iterable[str]) -> None:
+        for k in keys:
+            self.append(k)
+
+    def __iadd__(self, keys: Iterable[str]) -> _PinnedKeys:  # type: ignore[override,misc]
+        self.extend(keys)
+        return self
+
+
 class StoreWriter(ShmObjectStore):
     """The writer of one segment (:meth:`ShmObjectStore.create`); ``close`` unlinks it.
 
@@ -722,6 +748,11 @@ class StoreWriter(ShmObjectStore):
         with self._lock:
             return self._pins.pin_entry(key)
 
+    def _pinned_entry_of(self, key: str) -> Debts | None:
+        """The entry cached under ``key`` now if it holds a pin (what :meth:`pin` pinned)."""
+        with self._lock:
+            return self._pins.pinned_entry_of(key)
+
     def unpin_entry(self, e: Debts) -> None:
         """Undo one :meth:`pin_entry` of ``e`` (whatever key names it by now)."""
         with self._lock:
@@ -736,7 +767,7 @@ class StoreWriter(ShmObjectStore):
         pins of its own requests, and the new entry is not unpinned by mistake.
         """
         entries = [(k, e) for k in keys if (e := self.pin_entry(k)) is not None]
-        done = [k for k, _e in entries]
+        done = _PinnedKeys(self._pinned_entry_of, [k for k, _e in entries])
         n0 = len(done)
         try:
             yield done
@@ -744,7 +775,11 @@ class StoreWriter(ShmObjectStore):
             for _k, e in entries:
                 self.unpin_entry(e)
             for k in done[n0:]:
-                self.unpin(k)
+                later = done.later.get(k)
+                if later:  # the entry its pin pinned, noted when it was appended
+                    self.unpin_entry(later.pop(0))
+                else:
+                    self.unpin(k)
 
     def guard(self, keys: Sequence[str]) -> dict[int, None]:
         """Protect the chunks of the cached ``keys``, and every chunk put (committed) from now

@@ -343,6 +343,29 @@ def test_a_failed_put_that_evicted_publishes_what_is_left(make_config: Any, wait
         )
 
 
+def test_pinned_unpins_the_entry_a_key_appended_named_not_a_newer_one(make_config: Any) -> None:
+    """``pinned``: a key pinned with ``pin`` and appended in the block, then invalidated and put
+    again (another request pinning the new entry): the exit unpins the entry its pin holds.
+    Unpinning by key took the other request's pin of the new entry (freeable while pinned) and
+    left the old one pinned for ever, blocking the ring's head."""
+    with ShmObjectStore.create(make_config(16384, 8000, 2)) as store:
+        store.put("a", {"b": b"x" * 100})
+        old = store.ref_of("a")
+        with store.pinned([]) as done:
+            assert store.pin("a")
+            done.append("a")
+            assert store.invalidate("a")
+            store.put("a", {"b": b"y" * 100})
+            other = store.pin_entry("a")  # another request's pin of the new entry
+            assert other is not None
+        assert other.pins == 1 and not store.is_freeable("a")
+        store.evict(0)  # the old entry is free now: freed, the new one stays
+        assert old is not None and store.ring.head_id != old.id
+        assert store.is_cached("a") and len(store.ring.chunk_ids()) == 1
+        store.unpin_entry(other)
+        assert store.is_freeable("a")
+
+
 def test_create_makes_the_writer_and_from_handle_a_reader(make_config: Any) -> None:
     """Issue 20 item 5: one object per role, and the type checker knows which (``assert_type``
     is checked by mypy over the tests)."""
