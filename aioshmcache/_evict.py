@@ -320,13 +320,11 @@ class Eviction:
                 if (head is not None and 0 < head.pins <= own_pins.get(head, 0)) or (
                     guarded is not None and head_id in guarded
                 ):
-                    self._host.publish_usage()
                     raise CacheFullError(
                         f"no room for {nbytes} bytes: the oldest item is pinned by this request"
                     )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self._host.publish_usage()
                     raise CacheFullError(
                         f"no room for {nbytes} bytes: the oldest item is "
                         + (
@@ -345,6 +343,9 @@ class Eviction:
                     raise ClosedCacheError(f"no room for {nbytes} bytes: the cache is closing")
                 if abort is not None and abort():
                     raise CacheFullError(f"no room for {nbytes} bytes: the request was abandoned")
+        except CacheFullError:  # what the pass evicted is gone: the header says so, every way
+            self._host.publish_usage()
+            raise
         finally:
             if waiting and not self._closed:
                 self._hw[H_WAITING] = 0

@@ -343,6 +343,25 @@ def test_a_failed_put_that_evicted_publishes_what_is_left(make_config: Any, wait
         )
 
 
+def test_a_put_abandoned_waiting_for_space_publishes_what_its_pass_evicted(
+    make_config: Any,
+) -> None:
+    """A reservation whose pass evicted the free head, then waited on an owed item and was
+    abandoned (``CacheFullError``): the header counts the items and bytes left, as the writer."""
+    with ShmObjectStore.create(make_config(16384, 8000, 2)) as store:
+        store.evict_slack = 0
+        store.put("k0", {"b": b"x" * 3000})  # no reader yet: free
+        with ShmObjectStore.from_handle(store.handle()):
+            for i in range(1, 5):
+                store.put(f"k{i}", {"b": b"x" * 3000})  # owed by the reader
+            plan = store.plan({"b": b"y" * 6000})
+            with pytest.raises(CacheFullError, match="abandoned"):
+                store.reserve("new", plan, wait_for_space=5.0, abort=lambda: True)
+            assert store.evictions == 1 and len(store) == 4
+            outside, _alive = read_snapshot(store.name)
+            assert (outside.items, outside.bytes_used) == (len(store), store.ring.used_bytes)
+
+
 def test_pinned_unpins_the_entry_a_key_appended_named_not_a_newer_one(make_config: Any) -> None:
     """``pinned``: a key pinned with ``pin`` and appended in the block, then invalidated and put
     again (another request pinning the new entry): the exit unpins the entry its pin holds.
