@@ -8,7 +8,8 @@ threads otherwise spin, and their instructions grow with the run's length.
 
 ``python bench/bench_lean_ir.py --inner CELL N`` is one such run (what valgrind executes).
 Cells: a 1 KiB miss and a hit, through ``get_and_update_item`` (``item_miss_rx``: the miss with a
-reader attached, as ``bench_vllm.py`` runs it: each put is then owed by that reader; the ``_hit``
+reader attached, as ``bench_vllm.py`` runs it: each put is then owed by that reader, which never
+reads here, so the acknowledgements ``bench_vllm.py``'s puts settle are not counted; the ``_hit``
 cells are look-ups, ``mm_item`` None; ``item_hit_item``, the hit of a given item),
 ``get_and_update_features([spec])`` and their awaited twins on ``AsyncSenderCache``; ``put_1m``, a
 1 MiB ``ShmObjectStore.put`` into a full 72 MiB ring (every put evicts, in steady state), and

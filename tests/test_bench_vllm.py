@@ -22,16 +22,18 @@ import pytest
 from aioshmcache.tools.bench.params import Params
 from aioshmcache.tools.bench.report import Report
 from aioshmcache.tools.bench.vllm import (
+    DROPPED,
     ISSUE_CELLS,
     S_ISSUE,
     S_TIMES,
+    UPDATES,
+    _param,
     _TensorDecoder,
     _TensorEncoder,
     load_vllm_store,
     run_vllm_suite,
 )
 from aioshmcache.tools.progress import Progress
-from aioshmcache.tools.units import fmt_bytes
 
 pytestmark = pytest.mark.bench
 
@@ -187,20 +189,23 @@ def test_the_suite_runs_beside_a_store_loaded_from_a_file(tmp_path: Path) -> Non
     report = Report("t", quick=True)
     run_vllm_suite(p, report, Progress(enabled=False))
     assert not report.skipped and not report.errors
-    run = [c for c in ISSUE_CELLS if c.size in (*p.vllm_sizes, 0)]  # 0: the churn cell
+    # 0: the churn cell; UPDATES: the put with a prompt update; -size: the gets, copies dropped
+    ran = (*p.vllm_sizes, 0, UPDATES, *(-s for s in p.vllm_sizes if s in DROPPED))
+    run = [c for c in ISSUE_CELLS if c.size in ran]
     rows = {r.label: r for r in report.rows if r.section == S_ISSUE}
     assert list(rows) == [c.what for c in run]
     _finite_rows(report, S_ISSUE)
     times = {(t.param, t.label): t.value for t in report.rows if t.section == S_TIMES}
     for c in run:
-        r, param = rows[c.what], fmt_bytes(c.size) if c.size else "churn, 1 MiB"
+        r, param = rows[c.what], _param(c.size)
         ours, theirs = times[param, c.ours], times[param, c.theirs]
         assert r.value == ours and r.ratio is not None and math.isclose(r.ratio, ours / theirs)
         if c.goal is None:
             assert r.target is None
         else:
             assert r.target is not None and (r.target.op, r.target.limit) == ("<=", c.goal)
-    assert len(_finite_rows(report, S_TIMES)) == 2 * 8 + 2  # 8 subjects x 2 sizes, churn x 2
+    # 8 subjects x 2 sizes, churn x 2, the prompt update's 4, the dropped copies' 4 (1 MiB)
+    assert len(_finite_rows(report, S_TIMES)) == 2 * 8 + 2 + 4 + 4
     [(_, table)] = [b for b in report.blocks if b[0].startswith(S_ISSUE)]
     assert len(table) == 2 + len(run) and "ours ÷ theirs" in table[0]
     assert not [f for f in os.listdir("/dev/shm") if "vllm" in f and str(os.getpid()) in f]

@@ -24,6 +24,7 @@ section title says so, and the table block repeats it in its column name.
 from __future__ import annotations
 
 import contextlib
+import enum
 import importlib
 import importlib.util
 import itertools
@@ -34,7 +35,7 @@ import sys
 import time
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -190,16 +191,33 @@ def _stores(mod: types.ModuleType, capacity: int, max_object: int) -> Iterator[_
 
 
 def _batch(
-    n: int, args: Callable[[], list[Any]], op: Callable[[Any], Any], kept: list[Any] | None = None
+    n: int,
+    args: Callable[[], list[Any]],
+    op: Callable[[Any], Any],
+    kept: list[Any] | None = None,
+    *,
+    drop: bool = False,
 ) -> tm.Cell:
     """A cell: ``op`` over a batch of ``args()`` (made untimed); one sample, the time per op.
 
-    The results are kept until the batch ends (a read's copy lands in fresh memory each time);
-    ``kept`` receives them for the reads of the next cell.
+    The results are kept until the batch ends; ``kept`` receives them for the reads of the next
+    cell. A batch of big reads kept alive is new memory for vLLM's copies (numpy's allocation:
+    glibc gives the freed batch back to the kernel, so each copy faults its pages in), but not
+    all of it for ours: our reader maps a big copy's pages itself and keeps up to 16 freed
+    mappings (64 MiB) for the next reads, so the first 64 MiB of each batch land in warm pages
+    (every copy of a 16 MiB batch of 4, 16 of a 1 MiB batch of 63). With ``drop`` each result
+    is dropped before the next call: both sides' copies then land in warm pages (glibc reuses
+    the freed block, ours the freed mapping).
     """
 
     def cell(out: list[float]) -> None:
         batch = args()
+        if drop:
+            t0 = _clock()
+            for a in batch:
+                op(a)
+            out.append((_clock() - t0) / n)
+            return
         t0 = _clock()
         results = [op(a) for a in batch]
         out.append((_clock() - t0) / n)
@@ -207,6 +225,12 @@ def _batch(
             kept[:] = results
 
     return cell
+
+
+def _batch_size(size: int, quick: bool) -> int:
+    """Items per round of one size: as many as fill about 64 MiB, 4 to 256 (fewer when quick)."""
+    batch = max(4, min(256, (256 * MiB) // (size + 4 * KiB) // 4))
+    return max(2, batch // 8) if quick else batch
 
 
 def _cells(st: _Stores, src: Any, n: int, target: tm.ShmBuffer, span: int) -> dict[str, tm.Cell]:
@@ -261,7 +285,113 @@ def _churn(mod: types.ModuleType, rounds: int, n: int) -> dict[str, tm.Stat]:
         return tm.interleave(rounds, cells, warmup=1)
 
 
+class _Mode(str, enum.Enum):  # noqa: UP042 (vLLM's own shape, not StrEnum)
+    """vLLM's ``UpdateMode``: a ``str`` enum."""
+
+    REPLACE = "replace"
+
+
+@dataclass
+class _Details:
+    """vLLM's ``PromptUpdateDetails``: the placeholder tokens of an update (``is_embed`` None)."""
+
+    full: list[int]
+    is_embed: Any = None
+
+
+@dataclass(frozen=True)
+class _Update:
+    """vLLM's ``ResolvedPromptUpdate``: a frozen dataclass of a few fields."""
+
+    modality: str
+    item_idx: int
+    mode: _Mode
+    target: list[int] = field(default_factory=list)
+    content: _Details = field(default_factory=lambda: _Details([]))
+
+
+def _prompt_updates(i: int) -> list[_Update]:
+    """What vLLM's processor passes with an image item: one resolved update, 576 token ids,
+    made new for every item (as ``bench/bench_lean.py lap --updates objects``)."""
+    return [_Update("image", i % 8, _Mode.REPLACE, [32000], _Details([32000] * 576))]
+
+
+def _with_updates(mod: types.ModuleType, rounds: int) -> dict[str, tm.Stat]:
+    """1 KiB items passed with a vLLM-shaped prompt update, put and read back in each round.
+
+    The table's put cells pass no prompt updates (``()``). vLLM's sender cache keeps a caller's
+    updates by reference (``_p0_cache[mm_hash] = mm_item[1]``: one dict store); ours keeps them
+    packed (``aioshmcache._kept``), which costs per put. Both sides here: vLLM's put + sign + that
+    dict store, our ``SenderCache.get_and_update_item`` miss given the same updates; each round's
+    items read back as in the table's cells (vLLM's verified get, our ``ReceiverCache``).
+    """
+    size, n = 1 * KiB, 256
+    src = tm.source_array(size)
+    item, tensor, keys = {"data": src}, _as_tensor(src), itertools.count()
+    kept: dict[str, Any] = {}  # vLLM's ``_p0_cache``
+    v: list[Any] = []
+    c: list[Any] = []
+    with _stores(mod, 2 * n * (size + 4 * KiB) + 8 * MiB, size + 64 * KiB) as st:  # as 1 KiB's
+
+        def new(prefix: str) -> Callable[[], list[tuple[str, Any]]]:
+            return lambda: [(f"{prefix}{i}", _prompt_updates(i)) for i in itertools.islice(keys, n)]
+
+        def vllm_put(ku: tuple[str, Any]) -> tuple[str, Any]:
+            kh = st.vllm_put(ku[0], tensor)
+            kept[ku[0]] = ku[1]
+            return kh
+
+        def ours_put(ku: tuple[str, Any]) -> tuple[str, Any]:
+            return ku[0], st.sender.get_and_update_item((item, ku[1]), ku[0])[0]
+
+        cells = {
+            PUT_U: _batch(n, new("v"), vllm_put, v),
+            GET: _batch(n, lambda: v, st.vllm_get),
+            SENDER_U: _batch(n, new("c"), ours_put, c),
+            RECEIVER: _batch(
+                n, lambda: c, lambda kr: st.receiver.get_and_update_item(kr[1], kr[0])
+            ),
+        }
+        return tm.interleave(rounds, cells, warmup=1)
+
+
+def _dropped(mod: types.ModuleType, size: int, rounds: int, n: int) -> dict[str, tm.Stat]:
+    """Items of ``size`` put as in the table's cells, then read back one at a time, each copy
+    dropped before the next read (``_batch(drop=True)``): the gets with warm destination pages
+    on both sides, where the table's get cells give vLLM's copies fresh pages and ours mostly
+    warm ones."""
+    src = tm.source_array(size)
+    item, tensor, keys = {"data": src}, _as_tensor(src), itertools.count()
+    v: list[Any] = []
+    c: list[Any] = []
+    with _stores(mod, 2 * n * (size + 4 * KiB) + 8 * MiB, size + 64 * KiB) as st:
+
+        def new(prefix: str) -> Callable[[], list[str]]:
+            return lambda: [f"{prefix}{next(keys)}" for _ in range(n)]
+
+        def cached(k: str) -> tuple[str, Any]:
+            return k, st.sender.get_and_update_item((item, ()), k)[0]
+
+        cells = {
+            PUT: _batch(n, new("v"), lambda k: st.vllm_put(k, tensor), v),
+            GET_DROP: _batch(n, lambda: v, st.vllm_get, drop=True),
+            SENDER: _batch(n, new("c"), cached, c),
+            RECEIVER_DROP: _batch(
+                n, lambda: c, lambda kr: st.receiver.get_and_update_item(kr[1], kr[0]), drop=True
+            ),
+        }
+        return tm.interleave(rounds, cells, warmup=1)
+
+
 PUT, GET = "vLLM put + sign", "vLLM get (verify, copy)"
+GET_DROP = "vLLM get (verify, copy), each copy dropped"
+RECEIVER_DROP = "ours ReceiverCache.get_and_update_item, each copy dropped"
+PUT_U = "vLLM put + sign, updates kept by reference"
+SENDER_U = "ours SenderCache.get_and_update_item, updates packed"
+#: ``by_size`` key of the measurement with prompt updates (0 is the churn's)
+UPDATES = -1
+#: sizes whose gets are also measured with each copy dropped (``by_size`` key: ``-size``)
+DROPPED = (1 * MiB, 16 * MiB)
 SENDER, RECEIVER = "ours SenderCache.get_and_update_item", "ours ReceiverCache.get_and_update_item"
 STORE_PUT, STORE_GET = "ours ShmObjectStore.put", "ours ShmObjectStore.get (reader)"
 
@@ -279,7 +409,11 @@ class IssueCell:
 
 #: the issue's table, in its order. "put" is the sender cache's miss (a put through
 #: ``SenderCache.get_and_update_item``) against vLLM's put + signature, "get" the receiver
-#: cache's read against vLLM's verified get; the store's own calls are shown beside them.
+#: cache's read against vLLM's verified get; the store's own calls are shown beside them. The
+#: last three rows have no goal: the 1 and 16 MiB gets with each copy dropped before the next
+#: read (``_dropped``: warm destination pages on both sides, which the get cells above do not
+#: give vLLM's copies), and a 1 KiB put given a vLLM-shaped prompt update (``_with_updates``: the
+#: put cells above pass none).
 ISSUE_CELLS = (
     IssueCell("put 1 KiB, SenderCache.get_and_update_item miss", 1 * KiB, SENDER, PUT, 0.3),
     IssueCell("put 1 KiB, ShmObjectStore.put alone", 1 * KiB, STORE_PUT, PUT, None),
@@ -295,6 +429,17 @@ ISSUE_CELLS = (
     IssueCell("put 16 MiB ÷ a rotating np.copyto", 16 * MiB, SENDER, "np.copyto", None),
     IssueCell("get 16 MiB", 16 * MiB, RECEIVER, GET, 0.95),
     IssueCell("churn 1 MiB, reader acknowledging", 0, "ours", "vllm", 0.85),
+    IssueCell(
+        "get 1 MiB, each copy dropped before the next read", -MiB, RECEIVER_DROP, GET_DROP, None
+    ),
+    IssueCell(
+        "get 16 MiB, each copy dropped before the next read",
+        -16 * MiB,
+        RECEIVER_DROP,
+        GET_DROP,
+        None,
+    ),
+    IssueCell("put 1 KiB with one vLLM-shaped prompt update", UPDATES, SENDER_U, PUT_U, None),
 )
 S_ISSUE = (
     "vLLM 0.33 side by side: the compiled-core issue's table (ratio = OUR time ÷ vLLM's or the"
@@ -321,6 +466,15 @@ def issue_rows(by_size: dict[int, dict[str, tm.Stat]], report: Report) -> list[l
     return lines
 
 
+def _param(size: int) -> str:
+    """The times section's param of one ``by_size`` key."""
+    if size == UPDATES:
+        return "1 KiB, one prompt update"
+    if size < 0:
+        return f"{fmt_bytes(-size)}, copies dropped"
+    return fmt_bytes(size) if size else "churn, 1 MiB"
+
+
 def run_vllm_suite(p: Params, report: Report, progress: Progress) -> None:
     """The suite (skipped, with a line in the report, when vLLM's store is not available)."""
     try:
@@ -333,8 +487,7 @@ def run_vllm_suite(p: Params, report: Report, progress: Progress) -> None:
         return
     by_size: dict[int, dict[str, tm.Stat]] = {}
     for size in p.vllm_sizes:
-        batch = max(4, min(256, (256 * MiB) // (size + 4 * KiB) // 4))
-        batch = max(2, batch // 8) if p.quick else batch
+        batch = _batch_size(size, p.quick)
         progress(f"vllm: {fmt_bytes(size)} x {batch}, {p.vllm_rounds} interleaved rounds")
         cap = 2 * batch * (size + 4 * KiB) + 8 * MiB
         with _stores(mod, cap, size + 64 * KiB) as st, tm.ShmBuffer(cap) as target:
@@ -342,10 +495,15 @@ def run_vllm_suite(p: Params, report: Report, progress: Progress) -> None:
             by_size[size] = tm.interleave(p.vllm_rounds, cells, warmup=1)  # round 0 warms up
     progress(f"vllm: churn, 1 MiB items through 64 MiB rings ({p.vllm_churn} per round)")
     by_size[0] = _churn(mod, p.vllm_rounds, p.vllm_churn)
+    for size in (s for s in p.vllm_sizes if s in DROPPED):
+        progress(f"vllm: {fmt_bytes(size)} gets, each copy dropped before the next read")
+        by_size[-size] = _dropped(mod, size, p.vllm_rounds, _batch_size(size, p.quick))
+    progress("vllm: 1 KiB puts with a vLLM-shaped prompt update")
+    by_size[UPDATES] = _with_updates(mod, p.vllm_rounds)
     lines = issue_rows(by_size, report)
     head = ("cell", "ours", "vLLM (or the copy)", "ours ÷ theirs (lower: we win)", "goal", "holds")
     report.blocks.append((S_ISSUE + ": the table", md_table(head, lines)))
     for size, stats in by_size.items():  # every subject's time, as measured
-        add = report.section(S_TIMES, fmt_bytes(size) if size else "churn, 1 MiB")
+        add = report.section(S_TIMES, _param(size))
         for name, st_ in stats.items():
             add(name, st_)
