@@ -512,21 +512,22 @@ async def serve_engine(
             server = await loop.create_unix_server(worker.protocol, path)
         finally:
             os.umask(old_umask)
-        inode = os.stat(path).st_ino
-        for sig in shutdown_signals:
-            loop.add_signal_handler(sig, stop.set)
-            installed.append(sig)
-        log.info("engine worker serving %s", path)
-        if ready is not None:
-            ready()
-        try:
+        inode = None
+        try:  # from here on, whatever fails (a signal refused, ``ready`` raising) closes it
+            inode = os.stat(path).st_ino
+            for sig in shutdown_signals:
+                loop.add_signal_handler(sig, stop.set)
+                installed.append(sig)
+            log.info("engine worker serving %s", path)
+            if ready is not None:
+                ready()
             await stop.wait()
         finally:
             server.close()
             with anyio.CancelScope(shield=True):
                 await worker.shutdown(shutdown_timeout)
                 with contextlib.suppress(OSError):
-                    if os.stat(path).st_ino == inode:
+                    if inode is not None and os.stat(path).st_ino == inode:
                         os.unlink(path)
     finally:
         for sig in installed:

@@ -489,6 +489,35 @@ def test_a_worker_waiting_for_the_path_takes_it_when_the_holder_stops(tmp_path: 
     assert not lock_held(path) and not os.path.exists(f"{path}.lock")
 
 
+@pytest.mark.parametrize("fails", ["ready", "signal"])
+async def test_a_worker_failing_after_it_listened_stops_serving(
+    make_config: Callable[..., Any], tmp_path: Path, fails: str
+) -> None:
+    """``ready()`` raising, or a shutdown signal that cannot be caught, fails ``serve_engine``
+    after it listened: it closes its socket and removes the file (it kept both, accepting and
+    serving connections after it raised, with the path's lock already let go)."""
+    import socket
+
+    from aioshmcache._channel_keeper import lock_held
+
+    def refuse() -> None:
+        raise RuntimeError("not ready today")
+
+    sock = tmp_path / "e.sock"
+    kw: dict[str, Any] = (
+        {"ready": refuse} if fails == "ready" else {"shutdown_signals": (signal.SIGKILL,)}
+    )
+    async with (
+        AsyncSenderCache.from_config(make_config(1 << 20)) as cache,
+        AsyncReceiverCache.attach(cache.handle()) as rx,
+    ):
+        with pytest.raises(RuntimeError):
+            await serve_engine(sock, handler, rx, **kw)
+        assert not sock.exists() and not lock_held(str(sock))
+        with socket.socket(socket.AF_UNIX) as s, pytest.raises(OSError):
+            s.connect(str(sock))
+
+
 # --- real worker processes ---------------------------------------------------------------------
 
 
