@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import resource
@@ -429,6 +430,12 @@ def _cancelled_from_outside(exc: BaseException) -> bool:
     return task is None or task.cancelling() > 0
 
 
+def _let_go(path: str, taking: asyncio.Future[int]) -> None:
+    """``take_path`` finished for a ``serve_engine`` cancelled meanwhile: let the lock go."""
+    if not taking.cancelled() and taking.exception() is None:
+        release_path(path, taking.result())
+
+
 def _default_max_connections() -> int:
     """Half the process's open-file limit (at most 4096): room left for everything else."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -494,7 +501,12 @@ async def serve_engine(
         raise ValueError("max_connections must be an int >= 1")
     path = os.fspath(path)
     loop = asyncio.get_running_loop()
-    lock_fd = await asyncio.to_thread(take_path, path)
+    taking = asyncio.ensure_future(asyncio.to_thread(take_path, path))
+    try:
+        lock_fd = await asyncio.shield(taking)
+    except asyncio.CancelledError:  # the thread takes the lock anyway: let it go once it has
+        taking.add_done_callback(functools.partial(_let_go, path))
+        raise
     worker = _Worker(
         handler,
         receiver,

@@ -518,6 +518,35 @@ async def test_a_worker_failing_after_it_listened_stops_serving(
             s.connect(str(sock))
 
 
+async def test_a_worker_cancelled_while_waiting_for_the_path_does_not_take_it_later(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """``serve_engine`` cancelled while it waits for the path's lock (a worker still stopping
+    holds it): the lock its thread takes afterwards is let go (it was kept for the process's
+    life, so no worker could serve the path and every gateway saw one alive)."""
+    import fcntl
+
+    from aioshmcache._channel_keeper import lock_held, lock_path
+
+    sock = tmp_path / "e.sock"
+    holder = os.open(lock_path(str(sock)), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    async with (
+        AsyncSenderCache.from_config(make_config(1 << 20)) as cache,
+        AsyncReceiverCache.attach(cache.handle()) as rx,
+    ):
+        task = asyncio.create_task(serve_engine(sock, handler, rx))
+        await asyncio.sleep(0.2)  # waiting for the lock in its thread
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        os.close(holder)  # the holder stops: the waiting thread takes the lock
+        await asyncio.sleep(0.5)
+        assert not lock_held(str(sock))
+        async with _serving(sock, rx):  # another worker serves the path
+            assert lock_held(str(sock))
+
+
 # --- real worker processes ---------------------------------------------------------------------
 
 
