@@ -154,8 +154,10 @@ def run_worker(start: Callable[[str], None], path: str) -> None:
     """
     try:
         _HELD[path] = take_path(path)
-    except EngineAddressInUseError:
-        return
+    except EngineAddressInUseError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return  # another worker serves the path: this starter lost the race
+        raise  # it cannot serve the path (not a socket): a failed start, paused and logged
     threading.Thread(
         target=_leave_with_the_starter, args=(os.getppid(),), name="aioshm-starter", daemon=True
     ).start()

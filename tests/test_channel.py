@@ -762,6 +762,33 @@ async def test_a_worker_that_cannot_start_is_restarted_with_growing_pauses(
         assert pauses()[:2] == [1.0, 2.0]  # doubling, not a crash loop every half second
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
+async def test_a_started_worker_that_cannot_serve_its_path_is_restarted_with_growing_pauses(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``start=`` for a path that is a regular file: the worker fails (it left quietly, as a
+    starter that lost the race does, exit code 0, so it was started again every half second
+    without a word); the file is left alone."""
+    from aioshmcache._channel_keeper import run_worker
+
+    caplog.set_level("WARNING", logger="aioshmcache.channel")
+    sock = tmp_path / "e.sock"
+    sock.write_bytes(b"not a socket")
+    with pytest.raises(EngineAddressInUseError, match="not a socket"):
+        run_worker(_channel_procs.crash, str(sock))
+    async with EngineClient.connect(sock, start=_channel_procs.crash) as engine:
+        with pytest.raises(EngineUnavailableError):
+            await engine.call([], timeout=1.0)
+
+        def pauses() -> list[float]:
+            return [float(r.args[2]) for r in caplog.records if "restarting in" in r.msg]  # type: ignore[index,arg-type]
+
+        assert await asyncio.to_thread(wait_until, lambda: len(pauses()) >= 2, 30)
+        assert pauses()[:2] == [1.0, 2.0]
+    assert sock.read_bytes() == b"not a socket"
+
+
 async def test_hostile_calls_get_typed_answers_and_the_worker_keeps_serving(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
