@@ -197,6 +197,9 @@ class WorkerKeeper:
         self.path = path
         self._start = start
         self._child: multiprocessing.process.BaseProcess | None = None
+        #: a worker being started, and its start (in a thread, which ``aclose`` cannot stop)
+        self._starting: tuple[multiprocessing.process.BaseProcess, asyncio.Future[None]] | None
+        self._starting = None
         self._task: asyncio.Task[None] | None = None
 
     def begin(self) -> None:
@@ -212,6 +215,15 @@ class WorkerKeeper:
                 await self._task
             self._task = None
         child, self._child = self._child, None
+        starting, self._starting = self._starting, None
+        if starting is not None:  # closed while a worker was being started: it is ours too
+            proc, started = starting
+            try:
+                await started
+            except Exception:
+                pass  # it did not start
+            else:
+                child = proc
         if child is not None:
             await asyncio.to_thread(stop_process, child)
 
@@ -243,6 +255,9 @@ class WorkerKeeper:
                         await asyncio.sleep(pause)
                         continue
                 child = ctx.Process(target=run_worker, args=(start, self.path), daemon=True)
-                await asyncio.to_thread(child.start)
+                starting = asyncio.ensure_future(asyncio.to_thread(child.start))
+                self._starting = (child, starting)
+                await asyncio.shield(starting)  # cancelled here, ``aclose`` stops the child
+                self._starting = None
                 self._child, started = child, time.monotonic()
             await asyncio.sleep(_KEEP_POLL_S)

@@ -789,6 +789,33 @@ async def test_a_started_worker_that_cannot_serve_its_path_is_restarted_with_gro
     assert sock.read_bytes() == b"not a socket"
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
+async def test_a_client_closed_while_starting_its_worker_stops_it(
+    make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """``aclose`` while the keeper's worker process is being started (in a thread, which a
+    cancellation does not stop): that worker is stopped too (it was left serving the path,
+    holding its lock and a reader slot, until the gateway's process ended)."""
+    import multiprocessing
+
+    from aioshmcache._channel_keeper import lock_held
+
+    sock = tmp_path / "e.sock"
+    before = set(multiprocessing.active_children())
+    try:
+        async with AsyncSenderCache.from_config(make_config(4 << 20)) as cache:
+            start = functools.partial(_channel_procs.engine_main, handle=cache.handle())
+            async with EngineClient.connect(sock, cache=cache, start=start):
+                await asyncio.sleep(0)  # the keeper is starting a worker
+            await asyncio.sleep(1.0)
+            assert set(multiprocessing.active_children()) - before == set()
+            assert not lock_held(str(sock))
+    finally:
+        for proc in set(multiprocessing.active_children()) - before:
+            kill_and_reap(proc)
+
+
 async def test_hostile_calls_get_typed_answers_and_the_worker_keeps_serving(
     make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
