@@ -145,12 +145,14 @@ def stop_process(proc: multiprocessing.process.BaseProcess) -> None:
         proc.join(_STOP_GRACE_S)
 
 
-def run_worker(start: Callable[[str], None], path: str) -> None:
+def run_worker(start: Callable[[str], None], path: str, starter: int | None = None) -> None:
     """A spawned engine worker's entry: take the path, then ``start(path)``.
 
     The path's lock is taken before ``start`` runs (before it attaches a reader anywhere), so a
     process that lost the race to another starter leaves at once and quietly; ``serve_engine``
-    in ``start`` then uses the lock this process already holds.
+    in ``start`` then uses the lock this process already holds. ``starter``: the pid of the
+    process that started this one (the keeper's), so that a starter gone before this process
+    got here (it was reparented already) is seen gone.
     """
     try:
         _HELD[path] = take_path(path)
@@ -158,10 +160,13 @@ def run_worker(start: Callable[[str], None], path: str) -> None:
         if exc.errno == errno.EADDRINUSE:
             return  # another worker serves the path: this starter lost the race
         raise  # it cannot serve the path (not a socket): a failed start, paused and logged
-    threading.Thread(
-        target=_leave_with_the_starter, args=(os.getppid(),), name="aioshm-starter", daemon=True
-    ).start()
-    try:
+    try:  # (a starter gone already: the SIGINT may come before ``start`` runs)
+        threading.Thread(
+            target=_leave_with_the_starter,
+            args=(os.getppid() if starter is None else starter,),
+            name="aioshm-starter",
+            daemon=True,
+        ).start()
         start(path)
     except KeyboardInterrupt:
         return
@@ -254,7 +259,9 @@ class WorkerKeeper:
                         self._child = None
                         await asyncio.sleep(pause)
                         continue
-                child = ctx.Process(target=run_worker, args=(start, self.path), daemon=True)
+                child = ctx.Process(
+                    target=run_worker, args=(start, self.path, os.getpid()), daemon=True
+                )
                 starting = asyncio.ensure_future(asyncio.to_thread(child.start))
                 self._starting = (child, starting)
                 await asyncio.shield(starting)  # cancelled here, ``aclose`` stops the child

@@ -107,3 +107,32 @@ def gateway_starting_a_worker(path: str, name: str, conn: Any) -> None:
             await asyncio.sleep(3600)
 
     asyncio.run(main())
+
+
+def bare_worker(path: str) -> None:
+    """An engine worker that is never called (no cache), serving until SIGTERM or SIGINT."""
+
+    async def main() -> None:
+        receiver: Any = None
+        await serve_engine(
+            path, handler, receiver, shutdown_signals=(signal.SIGTERM, signal.SIGINT)
+        )
+
+    asyncio.run(main())
+
+
+def gateway_killed_while_starting_a_worker(path: str, conn: Any) -> None:
+    """A gateway whose ``EngineClient(start=)`` starts a bare worker; sends that worker's pid as
+    soon as it is spawned (before it has run any of its own code), then waits to be killed."""
+    import multiprocessing
+
+    from aioshmcache.channel import EngineClient
+
+    async def main() -> None:
+        async with EngineClient.connect(path, start=bare_worker):
+            while not (children := multiprocessing.active_children()):  # noqa: ASYNC110 (no event to wait for)
+                await asyncio.sleep(0.001)
+            conn.send(children[0].pid)
+            await asyncio.sleep(3600)
+
+    asyncio.run(main())

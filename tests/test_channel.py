@@ -747,6 +747,41 @@ def test_a_started_worker_leaves_when_its_gateway_is_killed(tmp_path: Path) -> N
 
 @pytest.mark.e2e
 @pytest.mark.slow
+def test_a_worker_whose_gateway_is_killed_while_it_starts_leaves_too(tmp_path: Path) -> None:
+    """The gateway killed -9 right after it spawned its worker, before the worker ran its own
+    code: the worker, already reparented, took its new parent for its starter and served the
+    path (holding its lock) for ever; it now knows its starter's pid and leaves."""
+    from aioshmcache._channel_keeper import lock_held
+
+    def gone(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            return True
+
+    sock = str(tmp_path / "e.sock")
+    parent, child = SPAWN.Pipe()
+    gateway = SPAWN.Process(
+        target=_channel_procs.gateway_killed_while_starting_a_worker, args=(sock, child)
+    )
+    gateway.start()
+    worker = 0
+    try:
+        assert parent.poll(120)
+        worker = parent.recv()
+    finally:
+        kill_and_reap(gateway)
+    try:
+        assert wait_until(lambda: gone(worker), 30)  # the orphan left
+        assert not lock_held(sock)
+    finally:
+        if not gone(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
 async def test_a_worker_that_cannot_start_is_restarted_with_growing_pauses(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
