@@ -22,6 +22,8 @@ __all__ = [
     "MapState",
     "ReadCtx",
     "RingState",
+    "all_atoms",
+    "atom_tuple",
     "bytes_of",
     "chan_call4",
     "chan_call4_frames",
@@ -160,6 +162,24 @@ def copy_into(dst: object, offset: int, src: object) -> None:
         np.frombuffer(d, np.uint8, n, offset)[...] = np.frombuffer(s, np.uint8)
     elif n:
         d.cast("B")[offset : offset + n] = s.cast("B")
+
+
+_ATOM_TYPES: Final = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+def all_atoms(seq: object) -> bool:
+    """Whether ``seq`` is a ``list`` whose items are each exactly a ``str``, ``int``, ``float``,
+    ``bool``, ``bytes`` or ``None`` (``_kept``'s atoms; a subclass is not one)."""
+    return type(seq) is list and all(type(x) in _ATOM_TYPES for x in seq)
+
+
+def atom_tuple(seq: list[Any]) -> tuple[Any, ...]:
+    """``tuple(seq)`` of a ``list`` (``TypeError`` otherwise). The C core untracks it at once
+    when it holds no tracked container, as CPython's next collection would after walking it;
+    here that collection does."""
+    if type(seq) is not list:
+        raise TypeError("atom_tuple: a list is expected")
+    return tuple(seq)
 
 
 def bytes_of(src: object) -> bytes:

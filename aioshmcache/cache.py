@@ -110,8 +110,8 @@ def kept_form(mm_item: MmItem | None) -> MmItem | None:
     take 40 ms, a stall of a put in the first lap. A tuple of atoms (str, int, ...) is untracked
     by CPython at the first collection that sees it, and an empty one is the shared ``()``, so
     entries keep no tracked object. (Updates that are themselves objects, such as vLLM's
-    ``ResolvedPromptUpdate``, are packed by the sender's book into untracked bytes: ``_kept``.)
-    Anything else is unchanged.
+    ``ResolvedPromptUpdate``, are packed by the sender's book into one flat tuple of atoms,
+    untracked too: ``_kept``.) Anything else is unchanged.
     """
     if type(mm_item) is tuple and len(mm_item) == 2 and type(mm_item[1]) is list:
         return (mm_item[0], tuple(mm_item[1]))

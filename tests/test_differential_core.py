@@ -7,6 +7,7 @@ this file on the plain C build and on one built with ASan and UBSan.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import numpy as np
@@ -108,6 +109,61 @@ def test_bytes_of_copies_the_same_bytes(n: int, seed: int) -> None:
         assert got[0] == got[1], (type(given_src), got)
         if got[0][0] == "ok":
             assert type(got[0][1]) is bytes and got[0][1] == raw
+
+
+class _Str(str):
+    pass
+
+
+_ATOMISH = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.text(max_size=3),
+    st.floats(allow_nan=False),
+    st.booleans(),
+    st.none(),
+    st.binary(max_size=3),
+    st.sampled_from([_Str("s"), np.int64(3), [1], (1,), {"a": 1}, 1.5j]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_ATOMISH, max_size=12) | st.sampled_from([(1, 2), "ab", None, b""]))
+def test_all_atoms_answers_as_its_reference(seq: object) -> None:
+    """The sender's kept prompt updates take a list for a list of atoms on the core's word
+    (``all_atoms``): exactly str, int, float, bool, bytes and None items, a subclass or a
+    numpy scalar not one, anything but a list never one, on both cores alike."""
+    assert C is not None
+    assert C.all_atoms(seq) is _core_py.all_atoms(seq)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_ATOMISH, max_size=12), st.sampled_from([None, (), (1,), ([],), {}, {1: 2}, [1]]))
+def test_atom_tuple_makes_the_same_tuple_untracked_only_when_it_holds_no_container(
+    items: list[Any], extra: object
+) -> None:
+    """The kept updates' records tuple (``atom_tuple``): the reference's ``tuple(seq)``, left
+    to no collector walk by the C core unless an item is a container (a list, a dict, even an
+    empty one, a tracked tuple); anything but a list refused alike."""
+    assert C is not None
+    seq = [*items, extra] if extra is not None else items
+    got, want = C.atom_tuple(seq), _core_py.atom_tuple(seq)
+    assert type(got) is tuple and got == want
+    assert [type(x) for x in got] == [type(x) for x in want]
+    # a container: an object of a type the collector handles (a dict, even an empty one the
+    # collector does not track yet, may come to hold a cycle), but for an untracked tuple
+    holds_container = any(
+        type(x).__flags__ & _HAVE_GC and (type(x) is not tuple or gc.is_tracked(x)) for x in seq
+    )
+    assert gc.is_tracked(got) is holds_container
+    for bad in ((1, 2), "ab", None, _ListSub([1])):
+        assert _outcome(C.atom_tuple, bad) == _outcome(_core_py.atom_tuple, bad)
+
+
+class _ListSub(list[Any]):
+    pass
+
+
+_HAVE_GC = 1 << 14  # Py_TPFLAGS_HAVE_GC
 
 
 def test_copy_into_refuses_the_same_buffers() -> None:
