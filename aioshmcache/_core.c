@@ -268,50 +268,6 @@ core_bytes_of(PyObject *self, PyObject *src)
     return out;
 }
 
-/* Whether every item of the exact list ``seq`` is of exactly one of the types the sender keeps
- * as they are (``_kept``'s atoms: str, int, float, bool, bytes, None). One type test an item,
- * no Python code: a list of hundreds of token ids is checked in a few thousand instructions
- * (its reference, a generator over the items, costs ~20 times that). Not a list: False. */
-static PyObject *
-core_all_atoms(PyObject *self, PyObject *seq)
-{
-    if (!PyList_CheckExact(seq))
-        Py_RETURN_FALSE;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(seq); i++) {
-        PyTypeObject *t = Py_TYPE(PyList_GET_ITEM(seq, i));
-        if (t != &PyLong_Type && t != &PyUnicode_Type && t != &PyFloat_Type &&
-            t != &PyBool_Type && t != &PyBytes_Type && t != Py_TYPE(Py_None))
-            Py_RETURN_FALSE;
-    }
-    Py_RETURN_TRUE;
-}
-
-/* A new tuple of the exact list ``seq``'s items, untracked at once when none of them is a
- * container the collector tracks: what CPython's next collection does to such a tuple anyway
- * (``_PyTuple_MaybeUntrack``), without that collection first walking every item of it. The
- * sender keeps each entry's prompt updates as one such tuple of hundreds of atoms: left tracked,
- * a young-generation collection walked ~700 of them at once, a stall of ~1-3 ms every ~700
- * puts. */
-static PyObject *
-core_atom_tuple(PyObject *self, PyObject *seq)
-{
-    if (!PyList_CheckExact(seq)) {
-        PyErr_SetString(PyExc_TypeError, "atom_tuple: a list is expected");
-        return NULL;
-    }
-    PyObject *out = PyList_AsTuple(seq);
-    if (out == NULL)
-        return NULL;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(out); i++) {
-        PyObject *x = PyTuple_GET_ITEM(out, i);
-        if (PyObject_IS_GC(x) && (!PyTuple_CheckExact(x) || PyObject_GC_IsTracked(x)))
-            return out;  /* it may hold a cycle through x: the collector keeps watching it */
-    }
-    if (PyObject_GC_IsTracked(out))
-        PyObject_GC_UnTrack(out);
-    return out;
-}
-
 static PyObject *
 core_copy_info(PyObject *self, PyObject *unused)
 {
@@ -437,10 +393,6 @@ static PyMethodDef core_methods[] = {
      "finish_tag(base, seq) -> the 64-bit tag of hand-out seq"},
     {"copy_into", (PyCFunction)(void (*)(void))core_copy_into, METH_FASTCALL,
      "copy_into(dst, offset, src): src's bytes into dst[offset:] (streaming stores if big)"},
-    {"all_atoms", core_all_atoms, METH_O,
-     "all_atoms(seq) -> whether seq is a list of str, int, float, bool, bytes and None only"},
-    {"atom_tuple", core_atom_tuple, METH_O,
-     "atom_tuple(seq) -> tuple(seq), untracked at once if it holds no tracked container"},
     {"bytes_of", core_bytes_of, METH_O,
      "bytes_of(src) -> a new bytes of src's bytes (the GIL released if big)"},
     {"copy_info", core_copy_info, METH_NOARGS,
@@ -480,6 +432,10 @@ core_exec(PyObject *m)
     if (aioshm_spec_methods != NULL && PyModule_AddFunctions(m, aioshm_spec_methods) < 0)
         return -1;
     if (aioshm_chan_methods != NULL && PyModule_AddFunctions(m, aioshm_chan_methods) < 0)
+        return -1;
+    if (aioshm_kept_methods != NULL && PyModule_AddFunctions(m, aioshm_kept_methods) < 0)
+        return -1;
+    if (aioshm_kept_init != NULL && aioshm_kept_init(m) < 0)
         return -1;
     return 0;
 }

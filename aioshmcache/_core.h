@@ -112,5 +112,8 @@ extern int aioshm_read_init(PyObject *module) __attribute__((weak));
 extern PyMethodDef aioshm_spec_methods[] __attribute__((weak));
 /* The channel's per-call steps (``_core_chan.c``). */
 extern PyMethodDef aioshm_chan_methods[] __attribute__((weak));
+/* The sender's kept prompt updates (``_core_kept.c``). */
+extern PyMethodDef aioshm_kept_methods[] __attribute__((weak));
+extern int aioshm_kept_init(PyObject *module) __attribute__((weak));
 
 #endif

@@ -23,6 +23,7 @@ __all__ = [
     "ReadCtx",
     "RingState",
     "all_atoms",
+    "atom_runs",
     "atom_tuple",
     "bytes_of",
     "chan_call4",
@@ -44,6 +45,7 @@ __all__ = [
     "drain_logs",
     "finish_tag",
     "hand_out",
+    "keep_updates",
     "loop_turned",
     "loop_turns",
     "make_ref",
@@ -180,6 +182,30 @@ def atom_tuple(seq: list[Any]) -> tuple[Any, ...]:
     if type(seq) is not list:
         raise TypeError("atom_tuple: a list is expected")
     return tuple(seq)
+
+
+def atom_runs(seq: list[Any]) -> tuple[Any, ...] | None:
+    """A list of atoms (``TypeError`` otherwise) as its runs, ``(item, count, ...)``: an item
+    that is the same object as the one before it extends that one's run. None when that is not
+    shorter than the list (as many runs as half its length, or more)."""
+    if not all_atoms(seq):
+        raise TypeError("atom_runs: a list of atoms is expected")
+    assert isinstance(seq, list)
+    out: list[Any] = []
+    for x in seq:
+        if out and out[-2] is x:
+            out[-1] += 1
+        else:
+            out += (x, 1)
+    return tuple(out) if len(out) < len(seq) else None
+
+
+def keep_updates(
+    updates: object, how: object, numbers: object, max_depth: int, marker: object
+) -> Any:
+    """The sender's kept form of ``updates`` in one call, which may decline (None): here it
+    always does, before any side effect, so ``_kept.keep_py`` (the reference) makes it."""
+    return None
 
 
 def bytes_of(src: object) -> bytes:

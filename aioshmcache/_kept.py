@@ -13,26 +13,28 @@ what the sender stores:
 
 - ``()`` and a tuple of atoms (``str``, ``int``, ``float``, ``bool``, ``None``, ``bytes``) as
   they are: CPython untracks such a tuple at the first collection that sees it;
-- any other tuple as one flat tuple of atoms, ``(KEPT, None, records...)``, which the C core
-  untracks at once (``atom_tuple``; on the pure core the first collection that sees it does,
-  after walking its items): its records in prefix order — a code, then what the
-  value holds. A list of atoms (a list of token ids) is its length and its items as they are
-  (checked by the core's ``all_atoms``: one type test an item, no copy made but the tuple's);
-  any other list, a tuple and a dict are their length and their items' records; a dataclass
-  instance (of a class whose instances ``object.__new__`` makes) is its class's number and the
-  records of its instance dict (or, when its slots are its fields, of its fields); an enum
-  member is its number. Classes and enum members are numbered in a registry of this module (a
-  few, for the life of the process);
+- any other tuple as one flat tuple, ``(KEPT, None, records...)``, of atoms and of tuples of
+  atoms, which the C core untracks at once (``atom_tuple``; on the pure core the first
+  collection that sees it does, after walking its items): its records in prefix order — a code,
+  then what the value holds. A list of atoms (a list of token ids) is its items as one tuple,
+  or, when shorter, its runs of one object, ``(item, count, ...)`` (``atom_runs``: vLLM's
+  placeholder tokens, ``[image_token_id] * 576``, are one run); any other list, a tuple and a
+  dict are their length and their items' records; a dataclass instance (of a class whose
+  instances ``object.__new__`` makes) is its class's number and the records of its instance
+  dict (or, when its slots are its fields, of its fields); an enum member is its number.
+  Classes and enum members are numbered in a registry of this module (a few, for the life of
+  the process);
 - anything else inside (a function such as vLLM's ``is_embed`` closures, a numpy array, an
   object of another class, what lies deeper than ``MAX_DEPTH``) is kept by reference beside the
   records, ``(KEPT, refs, records)``: that small entry stays tracked, as it was before, and only
-  it (the records are a tuple of atoms of their own, untracked);
+  it (the records are a tuple of their own, untracked);
 - anything else (not a tuple: a caller's own sequence type, ``bytes``) as it is.
 
-Why not bytes (``marshal``, as this module first did): writing and reading back the records of
-a vLLM-shaped update (576 token ids) cost ~160k instructions a put and a look-up, most of a
-1 KiB put's time; a tuple of the same atoms costs a copy of their pointers, and the ints are
-the caller's own objects (a placeholder's repeated token id is one object), as vLLM keeps them.
+The C core's ``keep_updates`` makes the same records in one call for classes the registry has
+met (:func:`keep_py`, the reference, makes them otherwise). Why not bytes (``marshal``, as this
+module first did): writing and reading back the records of a vLLM-shaped update (576 token ids)
+cost ~160k instructions a put and a look-up, most of a 1 KiB put's time; the records are the
+caller's own atoms (a placeholder's token id is one object), as vLLM keeps them.
 
 :func:`restore` gives the updates back: a new tuple of new lists, dicts and dataclass instances
 equal to those kept; enum members, classes and what was kept by reference are the same objects.
@@ -50,7 +52,7 @@ from typing import Any, Final
 
 from ._core_api import core
 
-__all__ = ["KEPT", "MAX_DEPTH", "keep", "restore"]
+__all__ = ["KEPT", "MAX_DEPTH", "keep", "keep_compiled", "keep_py", "restore"]
 
 #: the first item of a kept tree (compared by identity: no caller can hold this object)
 KEPT: Final = os.urandom(16)
@@ -60,8 +62,10 @@ MAX_DEPTH: Final = 32
 _ATOMS: Final = frozenset({str, int, float, bool, bytes, type(None)})
 _all_atoms = core.all_atoms
 _atom_tuple = core.atom_tuple
+_atom_runs = core.atom_runs
+_keep_updates = core.keep_updates
 # record codes: the first item of every record in a kept tuple
-_ATOM, _ATOM_LIST, _LIST, _TUPLE, _DICT, _DICT_OBJ, _SLOT_OBJ, _MEMBER, _REF = range(9)
+_ATOM, _ATOM_LIST, _LIST, _TUPLE, _DICT, _DICT_OBJ, _SLOT_OBJ, _MEMBER, _REF, _ATOM_RUNS = range(10)
 
 
 # --- the registry: classes and enum members, numbered once ----------------------------------
@@ -124,8 +128,8 @@ def _put(v: Any, out: list[Any], refs: list[Any], depth: int) -> None:
     depth += 1
     if t is list:
         if not v or (type(v[0]) in _ATOMS and _all_atoms(v)):
-            out += (_ATOM_LIST, len(v))
-            out += v
+            runs = _atom_runs(v)
+            out += (_ATOM_LIST, _atom_tuple(v)) if runs is None else (_ATOM_RUNS, runs)
             return
         out += (_LIST, len(v))
         for x in v:
@@ -160,7 +164,21 @@ def _put(v: Any, out: list[Any], refs: list[Any], depth: int) -> None:
 
 
 def keep(updates: Any) -> Any:
-    """``updates`` as the sender keeps them (see the module docstring)."""
+    """``updates`` as the sender keeps them (see the module docstring): the C core's walk
+    (``keep_updates``) makes them when it can, the same records as :func:`keep_py`, which it
+    leaves the rest to (a class or enum member not numbered yet, anything unusual)."""
+    kept = _keep_updates(updates, _how, _numbers, MAX_DEPTH, KEPT)
+    return keep_py(updates) if kept is None else kept
+
+
+def keep_compiled(updates: Any) -> Any:
+    """The C core's walk alone: :func:`keep`'s form of ``updates``, or None where it declines
+    (always on the pure core). For the tests that hold it to :func:`keep_py`."""
+    return _keep_updates(updates, _how, _numbers, MAX_DEPTH, KEPT)
+
+
+def keep_py(updates: Any) -> Any:
+    """:func:`keep`'s reference: its walk in Python, numbering what it meets."""
     if type(updates) is not tuple:
         return updates
     for u in updates:
@@ -190,8 +208,12 @@ def _get(flat: tuple[Any, ...], i: int, refs: tuple[Any, ...]) -> tuple[Any, int
         v = flat[i + 1]
         return (_objects[v] if code == _MEMBER else refs[v]), i + 2
     if code == _ATOM_LIST:
-        n = flat[i + 1]
-        return list(flat[i + 2 : i + 2 + n]), i + 2 + n
+        return list(flat[i + 1]), i + 2
+    if code == _ATOM_RUNS:
+        runs, items = flat[i + 1], []
+        for j in range(0, len(runs), 2):
+            items += [runs[j]] * runs[j + 1]
+        return items, i + 2
     if code in (_LIST, _TUPLE):
         items = []
         i += 2

@@ -159,6 +159,22 @@ def test_atom_tuple_makes_the_same_tuple_untracked_only_when_it_holds_no_contain
         assert _outcome(C.atom_tuple, bad) == _outcome(_core_py.atom_tuple, bad)
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 2, "a", None, 2**70, 1.5]), max_size=24), st.data())
+def test_atom_runs_are_the_reference_s_runs(items: list[Any], data: st.DataObject) -> None:
+    """A list of atoms as its runs of one object (``atom_runs``, the kept token ids): the same
+    runs or None (not shorter) on both cores; a non-atom item or a non-list refused alike."""
+    assert C is not None
+    k = data.draw(st.integers(0, 5))
+    seq = [x for x in items for _ in range(k)]  # each item's object repeated k times
+    got, want = C.atom_runs(seq), _core_py.atom_runs(seq)
+    assert got == want and (got is None or not gc.is_tracked(got))
+    if got is not None and want is not None:
+        assert all(a is b for a, b in zip(got[::2], want[::2], strict=True))
+    for bad in ([1, [2]], (1, 1), [1, _Str("s")]):
+        assert _outcome(C.atom_runs, bad) == _outcome(_core_py.atom_runs, bad)
+
+
 class _ListSub(list[Any]):
     pass
 

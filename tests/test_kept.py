@@ -18,7 +18,7 @@ from msgpack import ExtType
 
 from aioshmcache import SenderCache, ShmRef
 from aioshmcache._core_api import implementation
-from aioshmcache._kept import KEPT, MAX_DEPTH, keep, restore
+from aioshmcache._kept import KEPT, MAX_DEPTH, keep, keep_compiled, keep_py, restore
 
 
 class Mode(str, enum.Enum):  # noqa: UP042 (vLLM's UpdateMode is a (str, Enum))
@@ -70,9 +70,12 @@ def test_vllm_shaped_updates_are_packed_untracked_and_come_back_equal() -> None:
     # the C core untracks it at once (no young collection walks its ~600 items, a stall of
     # milliseconds every ~700 puts); on the pure core the first collection that sees it does
     assert gc.is_tracked(kept) is (implementation() == "python")
-    gc.collect()
+    gc.collect()  # on the pure core: the runs' tuple in it, and it if it came after that one
+    gc.collect()  # ... else at the next collection
     assert not gc.is_tracked(kept)
-    assert all(type(x) in (str, int, float, bool, bytes, type(None)) for x in kept)
+    atoms = (str, int, float, bool, bytes, type(None))
+    assert all(type(x) in atoms or all(type(y) in atoms for y in x) for x in kept)
+    assert len(kept) < 40  # the 576 token ids, one object repeated, are one run
     got = restore(kept)
     assert got == given_ and type(got) is tuple and got is not given_
     assert got[0].mode is Mode.REPLACE  # enum members by identity
@@ -90,6 +93,7 @@ def test_objects_msgpack_cannot_write_are_kept_by_reference() -> None:
     kept = keep(given_)
     assert kept[0] is KEPT and kept[1] == (is_embed, arr) and type(kept[2]) is tuple
     assert gc.is_tracked(kept[2]) is (implementation() == "python")
+    gc.collect()
     gc.collect()
     assert gc.is_tracked(kept)  # it holds them: this small entry stays tracked, as before
     assert not gc.is_tracked(kept[2])  # the records, atoms only, do not
@@ -201,6 +205,46 @@ def test_any_nested_updates_come_back_equal_and_of_the_same_types(updates: tuple
     assert shape(got) == shape(updates)
 
 
+_with_runs = st.one_of(
+    _values,
+    st.builds(
+        lambda x, k: [x] * k, st.one_of(st.integers(0, 3), st.text(max_size=1)), st.integers(1, 7)
+    ),
+    st.builds(
+        lambda a, b, k: [a, *[b] * k, a], st.integers(0, 2), st.integers(3, 4), st.integers(0, 5)
+    ),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_with_runs, max_size=4).map(tuple))
+def test_the_core_keeps_the_records_the_python_walk_makes(updates: tuple[Any, ...]) -> None:
+    """The C core's walk (``keep_compiled``) makes exactly the records of ``keep_py``, its
+    reference (codes, counts, atoms, runs, what is kept by reference), once the registry has
+    met the classes; the pure core declines, and ``keep`` then walks in Python."""
+    want = keep_py(updates)  # numbers every class and enum member it meets
+    got = keep_compiled(updates)
+    if implementation() == "python":
+        assert got is None
+    else:
+        assert got == want and type(got) is type(want)
+    assert keep(updates) == want and restore(want) == updates
+
+
+def test_token_runs_are_kept_as_runs_and_come_back_as_the_same_objects() -> None:
+    """A list of one token id repeated (vLLM's ``[image_token_id] * 576``, between a start and
+    an end token) is kept as its runs, not as 578 pointers; distinct ids as their tuple."""
+    tok, start, end = 151655, 151652, 151653
+    seq = [start, *[tok] * 576, end]
+    kept = keep((Details(seq),))
+    assert len(kept) < 20 and (start, 1, tok, 576, end, 1) in kept
+    got = restore(kept)[0].full
+    assert got == seq and got[1] is seq[1] and got is not seq
+    distinct = list(range(1000, 1100))
+    kept = keep((Details(distinct),))
+    assert tuple(distinct) in kept and restore(kept)[0].full == distinct
+
+
 def test_a_sender_keeps_vllm_shaped_updates_untracked(make_config: Any) -> None:
     """Issue 29: a cached item's vLLM-shaped updates leave nothing for the collector (closures
     excepted: they, and only they, stay by reference); a look-up gives them back equal, a put
@@ -219,6 +263,7 @@ def test_a_sender_keeps_vllm_shaped_updates_untracked(make_config: Any) -> None:
             assert isinstance(ref, ShmRef) and got is u
             tx.release(ref)
         gc.collect()
+        gc.collect()  # the pure core's records: untracked by the collections that walk them
         tracked = [k for k in mine if gc.is_tracked(tx._prompt_updates[k])]
         assert tracked == ["k7"]  # the one holding a closure
         for k, u in mine.items():

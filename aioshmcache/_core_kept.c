@@ -1,0 +1,413 @@
+/* aioshmcache._core, the kept section: the sender's kept prompt updates (``aioshmcache._kept``).
+ *
+ * The sender keeps each cached item's prompt updates until the item leaves, in a form the
+ * garbage collector need not walk (``_kept``'s docstring: one flat tuple of records, each a
+ * code and what the value holds). The reference is ``_kept.keep_py`` and the pure core's
+ * functions in ``aioshmcache/_core_py.py``:
+ *
+ *   all_atoms(seq)        whether ``seq`` is a list of exactly str, int, float, bool, bytes and
+ *                         None items (a list of token ids: kept as its items);
+ *   atom_tuple(seq)       ``tuple(seq)`` of a list, untracked at once when it holds no
+ *                         container the collector may need to watch;
+ *   atom_runs(seq)        a list of atoms as its runs of one object, when shorter;
+ *   keep_updates(updates, how, numbers, max_depth, marker)
+ *                         ``_kept.keep_py(updates)`` in one call, for updates of classes the
+ *                         registry has met: the same records, or None (declined, nothing done)
+ *                         for anything else (a class or enum member not numbered yet, an
+ *                         instance dict that is not a dict, an attribute that raises), and the
+ *                         Python walk then makes them (and numbers what it meets).
+ *
+ * Why compiled: a vLLM-shaped update (a frozen dataclass holding a str enum member and a
+ * dataclass of 576 token ids) cost ~9-13 us a put in the Python walk, most of a 1 KiB put with
+ * updates; this walk makes the same records with no Python frame, copying the token ids once.
+ */
+#include "_core.h"
+
+/* record codes: ``_kept``'s ``_ATOM, _ATOM_LIST, ...`` (the differential test compares them) */
+enum { K_ATOM, K_ATOM_LIST, K_LIST, K_TUPLE, K_DICT, K_DICT_OBJ, K_SLOT_OBJ, K_MEMBER, K_REF, K_ATOM_RUNS };
+
+static inline int
+is_atom(PyObject *v)
+{
+    PyTypeObject *t = Py_TYPE(v);
+    return t == &PyLong_Type || t == &PyUnicode_Type || t == &PyFloat_Type || t == &PyBool_Type ||
+           t == &PyBytes_Type || v == Py_None;
+}
+
+static int
+list_all_atoms(PyObject *seq)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(seq); i++)
+        if (!is_atom(PyList_GET_ITEM(seq, i)))
+            return 0;
+    return 1;
+}
+
+/* Whether every item of the exact list ``seq`` is an atom. One type test an item, no Python
+ * code: a list of hundreds of token ids is checked in a few thousand instructions (its
+ * reference, a generator over the items, costs ~20 times that). Not a list: False. */
+static PyObject *
+kept_all_atoms(PyObject *self, PyObject *seq)
+{
+    if (PyList_CheckExact(seq) && list_all_atoms(seq))
+        Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+}
+
+/* ``tuple(seq)`` of the exact list ``seq``, untracked at once when none of its items is a
+ * container that may come to hold a cycle (an object of a GC type, but for an untracked
+ * tuple): what CPython's next collection does to such a tuple anyway (``_PyTuple_MaybeUntrack``),
+ * without that collection first walking every item of it. The sender keeps each entry's
+ * prompt updates as one such tuple of hundreds of atoms: left tracked, a young-generation
+ * collection walked ~700 of them at once, a stall of ~1-3 ms every ~700 puts. */
+static PyObject *
+untracked_tuple(PyObject *seq)
+{
+    PyObject *out = PyList_AsTuple(seq);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(out); i++) {
+        PyObject *x = PyTuple_GET_ITEM(out, i);
+        if (PyObject_IS_GC(x) && (!PyTuple_CheckExact(x) || PyObject_GC_IsTracked(x)))
+            return out; /* it may hold a cycle through x: the collector keeps watching it */
+    }
+    if (PyObject_GC_IsTracked(out))
+        PyObject_GC_UnTrack(out);
+    return out;
+}
+
+/* A list of atoms as its runs, ``(item, count, item, count, ...)`` (an item the same object as
+ * the one before it extends that one's run), untracked, when that is shorter than the list
+ * (fewer runs than half its length); else None. vLLM's placeholder tokens are such runs: an
+ * image's 576 tokens ``[image_token_id] * 576``, maybe between a start and an end token, are
+ * one run to keep, not 576 pointers to copy into new memory a put. */
+/* The number of runs of one object in a list, or -1 if an item is not an atom: one pass,
+ * each run's object type-tested once. */
+static Py_ssize_t
+atom_run_count(PyObject *seq)
+{
+    Py_ssize_t runs = 0;
+    PyObject *prev = NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(seq); i++) {
+        PyObject *x = PyList_GET_ITEM(seq, i);
+        if (x != prev) {
+            if (!is_atom(x))
+                return -1;
+            runs++;
+            prev = x;
+        }
+    }
+    return runs;
+}
+
+static PyObject *
+runs_of(PyObject *seq, Py_ssize_t runs)
+{
+    Py_ssize_t n = PyList_GET_SIZE(seq);
+    if (2 * runs >= n)
+        Py_RETURN_NONE;
+    PyObject *out = PyTuple_New(2 * runs);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0, r = 0; i < n; r++) {
+        PyObject *x = PyList_GET_ITEM(seq, i);
+        Py_ssize_t j = i + 1;
+        while (j < n && PyList_GET_ITEM(seq, j) == x)
+            j++;
+        PyObject *count = PyLong_FromSsize_t(j - i);
+        if (count == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, 2 * r, Py_NewRef(x));
+        PyTuple_SET_ITEM(out, 2 * r + 1, count);
+        i = j;
+    }
+    PyObject_GC_UnTrack(out); /* atoms and counts only: no cycle through it */
+    return out;
+}
+
+static PyObject *
+kept_atom_runs(PyObject *self, PyObject *seq)
+{
+    Py_ssize_t runs = PyList_CheckExact(seq) ? atom_run_count(seq) : -1;
+    if (runs < 0) {
+        PyErr_SetString(PyExc_TypeError, "atom_runs: a list of atoms is expected");
+        return NULL;
+    }
+    return runs_of(seq, runs);
+}
+
+static PyObject *
+kept_atom_tuple(PyObject *self, PyObject *seq)
+{
+    if (!PyList_CheckExact(seq)) {
+        PyErr_SetString(PyExc_TypeError, "atom_tuple: a list is expected");
+        return NULL;
+    }
+    return untracked_tuple(seq);
+}
+
+/* --- the walk: _kept._put ------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject *out;     /* list: the records so far */
+    PyObject *refs;    /* list: what is kept by reference */
+    PyObject *how;     /* dict: class -> (code, field names), or None (kept by reference) */
+    PyObject *numbers; /* dict: id(class or enum member) -> its number */
+    long max_depth;
+} Walk;
+
+static PyObject *s_dict; /* "__dict__", interned */
+
+/* Each step: 1 done, 0 declined (no exception set), -1 failed (an exception set). */
+
+static int
+add(PyObject *out, long code, PyObject *v)
+{
+    PyObject *c = PyLong_FromLong(code); /* a small int: shared, no allocation */
+    if (c == NULL)
+        return -1;
+    int r = PyList_Append(out, c);
+    Py_DECREF(c);
+    return (r < 0 || PyList_Append(out, v) < 0) ? -1 : 1;
+}
+
+static int
+add_n(PyObject *out, long code, Py_ssize_t n)
+{
+    PyObject *x = PyLong_FromSsize_t(n);
+    if (x == NULL)
+        return -1;
+    int r = add(out, code, x);
+    Py_DECREF(x);
+    return r;
+}
+
+static int
+by_reference(Walk *w, PyObject *v)
+{
+    if (add_n(w->out, K_REF, PyList_GET_SIZE(w->refs)) < 0)
+        return -1;
+    return PyList_Append(w->refs, v) < 0 ? -1 : 1;
+}
+
+/* ``_number(obj)`` when the registry has it (a new reference in *num), or declined. */
+static int
+number_of(Walk *w, PyObject *obj, PyObject **num)
+{
+    PyObject *id = PyLong_FromVoidPtr(obj);
+    if (id == NULL)
+        return -1;
+    PyObject *n = PyDict_GetItemWithError(w->numbers, id);
+    Py_DECREF(id);
+    if (n == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    *num = Py_NewRef(n);
+    return 1;
+}
+
+static int put(Walk *w, PyObject *v, long depth);
+
+static int
+put_items(Walk *w, PyObject *items, long depth)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(items); i++) {
+        int r = put(w, PyTuple_GET_ITEM(items, i), depth);
+        if (r <= 0)
+            return r;
+    }
+    return 1;
+}
+
+/* A dict's items (a snapshot: what the walk meets cannot change what it records). */
+static int
+put_pairs(Walk *w, PyObject *d, long depth)
+{
+    PyObject *pairs = PyDict_Items(d);
+    if (pairs == NULL)
+        return -1;
+    int r = 1;
+    for (Py_ssize_t i = 0; r > 0 && i < PyList_GET_SIZE(pairs); i++) {
+        PyObject *kv = PyList_GET_ITEM(pairs, i);
+        r = put(w, PyTuple_GET_ITEM(kv, 0), depth);
+        if (r > 0)
+            r = put(w, PyTuple_GET_ITEM(kv, 1), depth);
+    }
+    Py_DECREF(pairs);
+    return r;
+}
+
+/* An instance of a class the registry has met: an enum member, a dataclass instance kept by
+ * its instance dict or by its slotted fields, or (``how`` None) one kept by reference. */
+static int
+put_object(Walk *w, PyObject *v, long depth)
+{
+    PyObject *how = PyDict_GetItemWithError(w->how, (PyObject *)Py_TYPE(v));
+    if (how == NULL)
+        return PyErr_Occurred() ? -1 : 0; /* a class not met yet: the Python walk classifies it */
+    if (how == Py_None)
+        return by_reference(w, v);
+    if (!PyTuple_CheckExact(how) || PyTuple_GET_SIZE(how) != 2 ||
+        !PyLong_CheckExact(PyTuple_GET_ITEM(how, 0)) || !PyTuple_CheckExact(PyTuple_GET_ITEM(how, 1)))
+        return 0;
+    Py_INCREF(how);
+    long code = PyLong_AsLong(PyTuple_GET_ITEM(how, 0));
+    if (code == -1 && PyErr_Occurred())
+        PyErr_Clear(); /* no code of ours: declined below */
+    PyObject *names = PyTuple_GET_ITEM(how, 1), *num = NULL, *state = NULL;
+    int r = number_of(w, code == K_MEMBER ? v : (PyObject *)Py_TYPE(v), &num);
+    if (r <= 0)
+        goto done;
+    if (code == K_MEMBER) {
+        r = add(w->out, K_MEMBER, num);
+    } else if (code == K_DICT_OBJ) {
+        state = PyObject_GetAttr(v, s_dict);
+        if (state == NULL || !PyDict_CheckExact(state)) {
+            PyErr_Clear();
+            r = 0; /* the Python walk raises what it raises, or walks what it is */
+            goto done;
+        }
+        r = add(w->out, K_DICT_OBJ, num);
+        if (r > 0) {
+            PyObject *n = PyLong_FromSsize_t(PyDict_GET_SIZE(state));
+            r = (n == NULL || PyList_Append(w->out, n) < 0) ? -1 : 1;
+            Py_XDECREF(n);
+        }
+        if (r > 0)
+            r = put_pairs(w, state, depth);
+    } else if (code == K_SLOT_OBJ) {
+        r = add(w->out, K_SLOT_OBJ, num);
+        for (Py_ssize_t i = 0; r > 0 && i < PyTuple_GET_SIZE(names); i++) {
+            PyObject *x = PyObject_GetAttr(v, PyTuple_GET_ITEM(names, i));
+            if (x == NULL) {
+                PyErr_Clear();
+                r = 0; /* an unset slot: the Python walk raises its AttributeError */
+                break;
+            }
+            r = put(w, x, depth);
+            Py_DECREF(x);
+        }
+    } else {
+        r = 0;
+    }
+done:
+    Py_XDECREF(state);
+    Py_XDECREF(num);
+    Py_DECREF(how);
+    return r;
+}
+
+static int
+put(Walk *w, PyObject *v, long depth)
+{
+    if (is_atom(v))
+        return add(w->out, K_ATOM, v);
+    if (depth > w->max_depth)
+        return by_reference(w, v);
+    depth++;
+    if (PyList_CheckExact(v)) {
+        Py_ssize_t runs = atom_run_count(v);
+        if (runs >= 0) {
+            PyObject *items = runs_of(v, runs);
+            long code = K_ATOM_RUNS;
+            if (items == Py_None) {
+                Py_DECREF(items);
+                items = untracked_tuple(v);
+                code = K_ATOM_LIST;
+            }
+            if (items == NULL)
+                return -1;
+            int r = add(w->out, code, items);
+            Py_DECREF(items);
+            return r;
+        }
+        PyObject *items = PyList_AsTuple(v); /* a snapshot, as put_pairs's */
+        if (items == NULL)
+            return -1;
+        int r = add_n(w->out, K_LIST, PyTuple_GET_SIZE(items));
+        if (r > 0)
+            r = put_items(w, items, depth);
+        Py_DECREF(items);
+        return r;
+    }
+    if (PyTuple_CheckExact(v)) {
+        int r = add_n(w->out, K_TUPLE, PyTuple_GET_SIZE(v));
+        return r > 0 ? put_items(w, v, depth) : r;
+    }
+    if (PyDict_CheckExact(v)) {
+        int r = add_n(w->out, K_DICT, PyDict_GET_SIZE(v));
+        return r > 0 ? put_pairs(w, v, depth) : r;
+    }
+    return put_object(w, v, depth);
+}
+
+/* keep_updates(updates, how, numbers, max_depth, marker) -> the kept form, or None. */
+static PyObject *
+kept_keep_updates(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2]) ||
+        !PyLong_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "keep_updates(updates, how: dict, numbers: dict, max_depth: int, marker)");
+        return NULL;
+    }
+    PyObject *updates = args[0], *marker = args[4];
+    if (!PyTuple_CheckExact(updates))
+        return Py_NewRef(updates);
+    Py_ssize_t i = 0;
+    while (i < PyTuple_GET_SIZE(updates) && is_atom(PyTuple_GET_ITEM(updates, i)))
+        i++;
+    if (i == PyTuple_GET_SIZE(updates))
+        return Py_NewRef(updates); /* atoms (or empty): an untracked tuple already */
+    long max_depth = PyLong_AsLong(args[3]);
+    if (max_depth == -1 && PyErr_Occurred())
+        return NULL;
+    Walk w = {PyList_New(0), PyList_New(0), args[1], args[2], max_depth};
+    PyObject *result = NULL;
+    if (w.out == NULL || w.refs == NULL || PyList_Append(w.out, marker) < 0 ||
+        PyList_Append(w.out, Py_None) < 0)
+        goto done;
+    int r = put(&w, updates, 0);
+    if (r < 0)
+        goto done;
+    if (r == 0) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    PyObject *records = untracked_tuple(w.out);
+    if (records == NULL || PyList_GET_SIZE(w.refs) == 0) {
+        result = records;
+        goto done;
+    }
+    PyObject *refs = PyList_AsTuple(w.refs);
+    if (refs != NULL)
+        result = PyTuple_Pack(3, marker, refs, records);
+    Py_XDECREF(refs);
+    Py_DECREF(records);
+done:
+    Py_XDECREF(w.out);
+    Py_XDECREF(w.refs);
+    return result;
+}
+
+PyMethodDef aioshm_kept_methods[] = {
+    {"all_atoms", kept_all_atoms, METH_O,
+     "all_atoms(seq) -> whether seq is a list of str, int, float, bool, bytes and None only"},
+    {"atom_tuple", kept_atom_tuple, METH_O,
+     "atom_tuple(seq) -> tuple(seq), untracked at once if it holds no tracked container"},
+    {"atom_runs", kept_atom_runs, METH_O,
+     "atom_runs(seq) -> the runs (item, count, ...) of a list of atoms, or None if not shorter"},
+    {"keep_updates", (PyCFunction)(void (*)(void))kept_keep_updates, METH_FASTCALL,
+     "keep_updates(updates, how, numbers, max_depth, marker) -> _kept's kept form of "
+     "updates, or None (declined)"},
+    {NULL, NULL, 0, NULL},
+};
+
+int
+aioshm_kept_init(PyObject *module)
+{
+    if (s_dict == NULL && (s_dict = PyUnicode_InternFromString("__dict__")) == NULL)
+        return -1;
+    return 0;
+}
