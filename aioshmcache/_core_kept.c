@@ -16,6 +16,10 @@
  *                         for anything else (a class or enum member not numbered yet, an
  *                         instance dict that is not a dict, an attribute that raises), and the
  *                         Python walk then makes them (and numbers what it meets).
+ *   restore_kept(kept, objects, how)
+ *                         ``(_kept.restore_py(kept),)``: the updates made again from their
+ *                         records, or None (declined: anything unusual, any error; the Python
+ *                         steps then restore them, or raise).
  *
  * Why compiled: a vLLM-shaped update (a frozen dataclass holding a str enum member and a
  * dataclass of 576 token ids) cost ~9-13 us a put in the Python walk, most of a 1 KiB put with
@@ -391,6 +395,230 @@ done:
     return result;
 }
 
+/* --- restoring: _kept._get ------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject *flat;    /* tuple: the records */
+    PyObject *refs;    /* tuple: what was kept by reference */
+    PyObject *objects; /* list: number -> class or enum member */
+    PyObject *how;     /* dict: class -> (code, field names) or None */
+} Unwalk;
+
+static PyObject *s_new; /* "__new__", interned */
+
+/* ``flat[*i]`` as a non-negative index below ``limit`` (advancing *i), or -1 (declined). */
+static Py_ssize_t
+next_index(Unwalk *u, Py_ssize_t *i, Py_ssize_t limit)
+{
+    if (*i >= PyTuple_GET_SIZE(u->flat))
+        return -1;
+    PyObject *x = PyTuple_GET_ITEM(u->flat, (*i)++);
+    if (!PyLong_CheckExact(x))
+        return -1;
+    Py_ssize_t n = PyLong_AsSsize_t(x);
+    if (n == -1 && PyErr_Occurred())
+        PyErr_Clear();
+    return (n >= 0 && n < limit) ? n : -1;
+}
+
+/* Whether ``object.__setattr__`` may set an attribute of ``cls``'s instances: the check
+ * Python makes (its first static base is ``object``); else the Python steps raise its error. */
+static int
+object_setattr_applies(PyTypeObject *cls)
+{
+    while (cls != NULL && (cls->tp_flags & Py_TPFLAGS_HEAPTYPE))
+        cls = cls->tp_base;
+    return cls == &PyBaseObject_Type;
+}
+
+/* The value whose record starts at ``flat[*i]`` (a new reference; *i after that record), or
+ * NULL: declined (any error cleared: the Python steps raise it). */
+static PyObject *
+get(Unwalk *u, Py_ssize_t *i, int depth)
+{
+    Py_ssize_t big = PY_SSIZE_T_MAX;
+    Py_ssize_t code = depth > 64 ? -1 : next_index(u, i, K_ATOM_RUNS + 1);
+    if (code < 0 || *i >= PyTuple_GET_SIZE(u->flat))
+        return NULL;
+    PyObject *arg = PyTuple_GET_ITEM(u->flat, *i);
+    switch (code) {
+    case K_ATOM:
+        (*i)++;
+        return Py_NewRef(arg);
+    case K_MEMBER:
+    case K_REF: {
+        PyObject *from = code == K_MEMBER ? u->objects : u->refs;
+        Py_ssize_t n = next_index(u, i, PyList_CheckExact(from) ? PyList_GET_SIZE(from)
+                                                              : PyTuple_GET_SIZE(from));
+        if (n < 0)
+            return NULL;
+        return Py_NewRef(PyList_CheckExact(from) ? PyList_GET_ITEM(from, n)
+                                                 : PyTuple_GET_ITEM(from, n));
+    }
+    case K_ATOM_LIST:
+        if (!PyTuple_CheckExact(arg))
+            return NULL;
+        (*i)++;
+        return PySequence_List(arg);
+    case K_ATOM_RUNS: {
+        if (!PyTuple_CheckExact(arg) || PyTuple_GET_SIZE(arg) % 2)
+            return NULL;
+        (*i)++;
+        Py_ssize_t total = 0, n = PyTuple_GET_SIZE(arg);
+        for (Py_ssize_t j = 1; j < n; j += 2) {
+            PyObject *c = PyTuple_GET_ITEM(arg, j);
+            Py_ssize_t k = PyLong_CheckExact(c) ? PyLong_AsSsize_t(c) : -1;
+            if (k < 0 || k > (1 << 24) || total > (1 << 24)) {
+                PyErr_Clear();
+                return NULL;
+            }
+            total += k;
+        }
+        PyObject *out = PyList_New(total);
+        if (out == NULL) {
+            PyErr_Clear();
+            return NULL;
+        }
+        for (Py_ssize_t j = 0, at = 0; j < n; j += 2) {
+            PyObject *x = PyTuple_GET_ITEM(arg, j);
+            for (Py_ssize_t k = PyLong_AsSsize_t(PyTuple_GET_ITEM(arg, j + 1)); k > 0; k--)
+                PyList_SET_ITEM(out, at++, Py_NewRef(x));
+        }
+        return out;
+    }
+    case K_LIST:
+    case K_TUPLE:
+    case K_DICT: {
+        Py_ssize_t n = next_index(u, i, big);
+        if (n < 0 || n > PyTuple_GET_SIZE(u->flat))
+            return NULL;
+        PyObject *out = code == K_LIST ? PyList_New(n) : code == K_TUPLE ? PyTuple_New(n) : PyDict_New();
+        if (out == NULL) {
+            PyErr_Clear();
+            return NULL;
+        }
+        for (Py_ssize_t j = 0; j < n; j++) {
+            PyObject *k = NULL, *v = NULL;
+            if (code == K_DICT && (k = get(u, i, depth + 1)) == NULL)
+                goto failed;
+            if ((v = get(u, i, depth + 1)) == NULL) {
+                Py_XDECREF(k);
+                goto failed;
+            }
+            if (code == K_LIST) {
+                PyList_SET_ITEM(out, j, v);
+            } else if (code == K_TUPLE) {
+                PyTuple_SET_ITEM(out, j, v);
+            } else {
+                int r = PyDict_SetItem(out, k, v);
+                Py_DECREF(k);
+                Py_DECREF(v);
+                if (r < 0)
+                    goto failed;
+            }
+            continue;
+        failed:
+            PyErr_Clear();
+            Py_DECREF(out);
+            return NULL;
+        }
+        return out;
+    }
+    default: /* K_DICT_OBJ, K_SLOT_OBJ: an instance of a numbered class */
+        break;
+    }
+    Py_ssize_t num = next_index(u, i, PyList_GET_SIZE(u->objects));
+    if (num < 0)
+        return NULL;
+    PyObject *cls = PyList_GET_ITEM(u->objects, num);
+    if (!PyType_Check(cls))
+        return NULL;
+    PyObject *names = NULL, *state = NULL, *obj = NULL;
+    Py_ssize_t n = 0;
+    if (code == K_DICT_OBJ) {
+        if ((n = next_index(u, i, big)) < 0)
+            return NULL;
+    } else {
+        PyObject *how = PyDict_GetItemWithError(u->how, cls);
+        if (how == NULL || !object_setattr_applies((PyTypeObject *)cls)) {
+            PyErr_Clear();
+            return NULL;
+        }
+        if (how != Py_None) {
+            if (!PyTuple_CheckExact(how) || PyTuple_GET_SIZE(how) != 2 ||
+                !PyTuple_CheckExact(PyTuple_GET_ITEM(how, 1)))
+                return NULL;
+            names = Py_NewRef(PyTuple_GET_ITEM(how, 1));
+            n = PyTuple_GET_SIZE(names);
+        }
+    }
+    Py_INCREF(cls);
+    PyObject *make = PyObject_GetAttr(cls, s_new); /* cls.__new__(cls), as the Python steps */
+    if (make != NULL)
+        obj = PyObject_CallOneArg(make, cls);
+    Py_XDECREF(make);
+    if (obj != NULL && code == K_DICT_OBJ) {
+        state = PyObject_GetAttr(obj, s_dict);
+        if (state != NULL && !PyDict_CheckExact(state))
+            Py_CLEAR(state);
+        if (state == NULL)
+            Py_CLEAR(obj);
+    }
+    for (Py_ssize_t j = 0; obj != NULL && j < n; j++) {
+        PyObject *k = code == K_DICT_OBJ ? get(u, i, depth + 1) : Py_NewRef(PyTuple_GET_ITEM(names, j));
+        PyObject *v = k == NULL ? NULL : get(u, i, depth + 1);
+        int r = v == NULL ? -1
+                : code == K_DICT_OBJ ? PyDict_SetItem(state, k, v)
+                                     : PyObject_GenericSetAttr(obj, k, v);
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+        if (r < 0)
+            Py_CLEAR(obj);
+    }
+    if (obj == NULL)
+        PyErr_Clear();
+    Py_XDECREF(state);
+    Py_XDECREF(names);
+    Py_DECREF(cls);
+    return obj;
+}
+
+/* restore_kept(kept, objects, how) -> ``(updates,)`` restored from a kept form (``_kept.keep``
+ * made it: ``(KEPT, None, records...)`` or ``(KEPT, refs, records)``), or None: declined. */
+static PyObject *
+kept_restore_kept(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyList_CheckExact(args[1]) || !PyDict_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "restore_kept(kept, objects: list, how: dict)");
+        return NULL;
+    }
+    PyObject *kept = args[0];
+    if (!PyTuple_CheckExact(kept) || PyTuple_GET_SIZE(kept) < 3)
+        Py_RETURN_NONE;
+    PyObject *refs = PyTuple_GET_ITEM(kept, 1);
+    Unwalk u = {kept, PyTuple_New(0), args[1], args[2]};
+    if (u.refs == NULL)
+        return NULL;
+    if (refs != Py_None) {
+        u.flat = PyTuple_GET_ITEM(kept, 2);
+        Py_SETREF(u.refs, Py_NewRef(refs));
+        if (!PyTuple_CheckExact(u.flat) || !PyTuple_CheckExact(u.refs)) {
+            Py_DECREF(u.refs);
+            Py_RETURN_NONE;
+        }
+    }
+    Py_INCREF(u.flat);
+    Py_ssize_t i = 2;
+    PyObject *v = get(&u, &i, 0);
+    Py_DECREF(u.flat);
+    Py_DECREF(u.refs);
+    if (v == NULL)
+        Py_RETURN_NONE;
+    PyObject *out = PyTuple_Pack(1, v);
+    Py_DECREF(v);
+    return out;
+}
+
 PyMethodDef aioshm_kept_methods[] = {
     {"all_atoms", kept_all_atoms, METH_O,
      "all_atoms(seq) -> whether seq is a list of str, int, float, bool, bytes and None only"},
@@ -398,6 +626,8 @@ PyMethodDef aioshm_kept_methods[] = {
      "atom_tuple(seq) -> tuple(seq), untracked at once if it holds no tracked container"},
     {"atom_runs", kept_atom_runs, METH_O,
      "atom_runs(seq) -> the runs (item, count, ...) of a list of atoms, or None if not shorter"},
+    {"restore_kept", (PyCFunction)(void (*)(void))kept_restore_kept, METH_FASTCALL,
+     "restore_kept(kept, objects, how) -> (updates,) restored, or None (declined)"},
     {"keep_updates", (PyCFunction)(void (*)(void))kept_keep_updates, METH_FASTCALL,
      "keep_updates(updates, how, numbers, max_depth, marker) -> _kept's kept form of "
      "updates, or None (declined)"},
@@ -408,6 +638,8 @@ int
 aioshm_kept_init(PyObject *module)
 {
     if (s_dict == NULL && (s_dict = PyUnicode_InternFromString("__dict__")) == NULL)
+        return -1;
+    if (s_new == NULL && (s_new = PyUnicode_InternFromString("__new__")) == NULL)
         return -1;
     return 0;
 }

@@ -55,6 +55,7 @@ __all__ = [
     "put_plain",
     "read_item",
     "read_layout",
+    "restore_kept",
     "set_stream_kind",
     "set_stream_min",
     "settle_pairs",
@@ -205,6 +206,12 @@ def keep_updates(
 ) -> Any:
     """The sender's kept form of ``updates`` in one call, which may decline (None): here it
     always does, before any side effect, so ``_kept.keep_py`` (the reference) makes it."""
+    return None
+
+
+def restore_kept(kept: object, objects: object, how: object) -> Any:
+    """``(updates,)`` made again from a kept form, which may decline (None): here it always
+    does, so ``_kept.restore_py`` (the reference) makes them."""
     return None
 
 

@@ -3,6 +3,7 @@ given back equal, with the same types, and the same objects where identity matte
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import gc
 from collections import OrderedDict
@@ -18,7 +19,16 @@ from msgpack import ExtType
 
 from aioshmcache import SenderCache, ShmRef
 from aioshmcache._core_api import implementation
-from aioshmcache._kept import KEPT, MAX_DEPTH, keep, keep_compiled, keep_py, restore
+from aioshmcache._kept import (
+    KEPT,
+    MAX_DEPTH,
+    keep,
+    keep_compiled,
+    keep_py,
+    restore,
+    restore_compiled,
+    restore_py,
+)
 
 
 class Mode(str, enum.Enum):  # noqa: UP042 (vLLM's UpdateMode is a (str, Enum))
@@ -229,6 +239,37 @@ def test_the_core_keeps_the_records_the_python_walk_makes(updates: tuple[Any, ..
     else:
         assert got == want and type(got) is type(want)
     assert keep(updates) == want and restore(want) == updates
+
+
+def _shape(v: Any) -> Any:
+    """A value's types all the way down, and the identity of what must stay the same object."""
+    if isinstance(v, (list, tuple)):
+        return (type(v), [_shape(x) for x in v])
+    if isinstance(v, dict):
+        return (dict, {k: _shape(x) for k, x in v.items()})
+    if isinstance(v, enum.Enum) or callable(v):
+        return (type(v), id(v))
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return (type(v), _shape(dataclasses.asdict(v)))
+    return type(v)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_with_runs, max_size=4).map(tuple))
+def test_the_core_restores_what_the_python_steps_restore(updates: tuple[Any, ...]) -> None:
+    """The C core's ``restore_kept`` (``restore_compiled``) makes the updates again as
+    ``restore_py``, its reference: equal, of the same types all the way down, enum members and
+    what was kept by reference the same objects; it declines nothing ``keep`` made (the pure
+    core declines all)."""
+    kept = keep(updates)
+    want = restore_py(kept)
+    got = restore_compiled(kept)
+    if kept is updates or implementation() == "python":
+        assert got is None
+    else:
+        assert got is not None and got[0] == want == updates
+        assert _shape(got[0]) == _shape(want) == _shape(updates)
+    assert restore(kept) == updates
 
 
 def test_token_runs_are_kept_as_runs_and_come_back_as_the_same_objects() -> None:
