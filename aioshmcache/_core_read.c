@@ -114,7 +114,8 @@ typedef struct {
 
 /* Mappings of freed arrays, kept for the next big read (warm: no page to fault or zero). A
  * read that drops its item before the next one reuses the same pages, as the heap would; a
- * batch of reads kept alive maps new ones. Bounded; only touched with the GIL held. */
+ * batch of reads kept alive maps new ones. Bounded, the most recently freed kept, in the order
+ * they were freed; only touched with the GIL held. */
 #define SPARE_MAX 16
 #define SPARE_BYTES (64 * 1024 * 1024)
 static struct {
@@ -127,12 +128,20 @@ static size_t spare_bytes;
 static void
 give_pages(void *map, size_t maplen)
 {
-    if (n_spare < SPARE_MAX && spare_bytes + maplen <= SPARE_BYTES) {
-        spare[n_spare].map = map, spare[n_spare].maplen = maplen;
-        n_spare++, spare_bytes += maplen;
-    } else {
+    if (maplen > SPARE_BYTES) {
         munmap(map, maplen);
+        return;
     }
+    /* the oldest spares give way: a reader whose items grew (from 1 MiB to 16 MiB) mapped
+     * fresh pages for every read while its spares, full of small mappings, were kept */
+    while (n_spare == SPARE_MAX || spare_bytes + maplen > SPARE_BYTES) {
+        munmap(spare[0].map, spare[0].maplen);
+        spare_bytes -= spare[0].maplen;
+        n_spare--;
+        memmove(&spare[0], &spare[1], (size_t)n_spare * sizeof spare[0]);
+    }
+    spare[n_spare].map = map, spare[n_spare].maplen = maplen;
+    n_spare++, spare_bytes += maplen;
 }
 
 /* a spare mapping of ``n`` to ``n + n / 4`` bytes (the smallest), or NULL */
@@ -149,7 +158,8 @@ take_pages(uint64_t n, size_t *maplen)
     void *m = spare[best].map;
     *maplen = spare[best].maplen;
     spare_bytes -= *maplen;
-    spare[best] = spare[--n_spare];
+    n_spare--;
+    memmove(&spare[best], &spare[best + 1], (size_t)(n_spare - best) * sizeof spare[0]);
     return m;
 }
 

@@ -11,7 +11,9 @@ the same cases. Random inputs by Hypothesis; no timing is asserted.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import resource
 import struct
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -512,6 +514,35 @@ def test_big_arrays_read_alike_on_pages_of_their_own(nbytes: int) -> None:
             assert same(value, other), name
             if name == "_core":  # the compiled read's pages expose the array's bytes only
                 assert memoryview(value["flat"].base).nbytes == value["flat"].nbytes
+
+
+def _faults_of(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """``fn()`` and the page faults this thread took meanwhile."""
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    got = fn()
+    return got, resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+
+@needs_c
+def test_a_bigger_item_reuses_its_pages_when_smaller_ones_filled_the_spares() -> None:
+    """A freed array's pages are kept for the next big read, the most recently freed first: a
+    reader that read many smaller items before (their mappings filling the spares) reads a
+    bigger item, drops it, and the next one of that size lands in its warm pages, with no
+    page fault. (The spares kept the oldest: every such read mapped and faulted fresh pages.)"""
+    small = {"x": np.ones((300 << 10) // 8)}
+    big = {"x": np.ones((3 << 20) // 8)}  # under the huge-page size: a fault per 4 KiB page
+    with stores(64 << 20) as (w, readers):
+        r = readers["_core"]
+        held = [r.get(w.put(f"s{i}", small)) for i in range(20)]  # more than the spares hold
+        del held  # ... all freed: the spares are full of small mappings
+        refs = [w.put(f"b{i}", big) for i in range(3)]
+        first, faults = _faults_of(lambda: r.get(refs[0]))
+        assert faults >= (3 << 20) >> 12  # fresh pages, each faulted in once
+        del first  # its mapping kept, an old small one given back
+        for ref in refs[1:]:
+            value, faults = _faults_of(functools.partial(r.get, ref))
+            assert same(value, big) and faults < 64, faults  # the warm pages again
+            del value
 
 
 def _receivers(tx: SenderCache, stack: contextlib.ExitStack) -> dict[str, ReceiverCache]:
