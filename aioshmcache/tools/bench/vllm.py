@@ -323,7 +323,13 @@ def _with_updates(mod: types.ModuleType, rounds: int) -> dict[str, tm.Stat]:
     updates by reference (``_p0_cache[mm_hash] = mm_item[1]``: one dict store); ours keeps them
     packed (``aioshmcache._kept``), which costs per put. Both sides here: vLLM's put + sign + that
     dict store, our ``SenderCache.get_and_update_item`` miss given the same updates; each round's
-    items read back as in the table's cells (vLLM's verified get, our ``ReceiverCache``).
+    items read back as in the table's cells (vLLM's verified get, our ``ReceiverCache``). Then
+    each item is looked up again as a sender cache's hit: vLLM's ``is_cached``, ``get_cached``,
+    ``get_signature`` and its ``_p0_cache`` look-up (its ``get_and_update_item`` of a cached
+    item, but for the small item object it makes), ours a look-up (``None``) that restores the
+    kept updates. Both leave their hand-out owed (vLLM's writer flag raised, ours in the
+    ledger); ours are then given back in a cell of their own (``release``), which the table
+    leaves out.
     """
     size, n = 1 * KiB, 256
     src = tm.source_array(size)
@@ -331,6 +337,7 @@ def _with_updates(mod: types.ModuleType, rounds: int) -> dict[str, tm.Stat]:
     kept: dict[str, Any] = {}  # vLLM's ``_p0_cache``
     v: list[Any] = []
     c: list[Any] = []
+    hits: list[Any] = []
     with _stores(mod, 2 * n * (size + 4 * KiB) + 8 * MiB, size + 64 * KiB) as st:  # as 1 KiB's
 
         def new(prefix: str) -> Callable[[], list[tuple[str, Any]]]:
@@ -344,6 +351,16 @@ def _with_updates(mod: types.ModuleType, rounds: int) -> dict[str, tm.Stat]:
         def ours_put(ku: tuple[str, Any]) -> tuple[str, Any]:
             return ku[0], st.sender.get_and_update_item((item, ku[1]), ku[0])[0]
 
+        def vllm_hit(kh: tuple[str, Any]) -> Any:
+            w = st.vllm_writer
+            if w.is_cached(kh[0]):
+                address, mid = w.get_cached(kh[0])
+                return address, mid, w.get_signature(kh[0]), kept[kh[0]]
+            return None
+
+        def ours_hit(kr: tuple[str, Any]) -> Any:
+            return st.sender.get_and_update_item(None, kr[0])
+
         cells = {
             PUT_U: _batch(n, new("v"), vllm_put, v),
             GET: _batch(n, lambda: v, st.vllm_get),
@@ -351,6 +368,9 @@ def _with_updates(mod: types.ModuleType, rounds: int) -> dict[str, tm.Stat]:
             RECEIVER: _batch(
                 n, lambda: c, lambda kr: st.receiver.get_and_update_item(kr[1], kr[0])
             ),
+            HIT_U: _batch(n, lambda: v, vllm_hit),
+            SENDER_HIT_U: _batch(n, lambda: c, ours_hit, hits),
+            RELEASE: _batch(n, lambda: hits, lambda h: st.sender.release(h[0])),
         }
         return tm.interleave(rounds, cells, warmup=1)
 
@@ -388,6 +408,9 @@ GET_DROP = "vLLM get (verify, copy), each copy dropped"
 RECEIVER_DROP = "ours ReceiverCache.get_and_update_item, each copy dropped"
 PUT_U = "vLLM put + sign, updates kept by reference"
 SENDER_U = "ours SenderCache.get_and_update_item, updates packed"
+HIT_U = "vLLM look-up (is_cached, get_cached, sign), updates by reference"
+SENDER_HIT_U = "ours SenderCache.get_and_update_item look-up, updates restored"
+RELEASE = "ours SenderCache.release of each look-up's hand-out"
 #: ``by_size`` key of the measurement with prompt updates (0 is the churn's)
 UPDATES = -1
 #: sizes whose gets are also measured with each copy dropped (``by_size`` key: ``-size``)
@@ -410,10 +433,10 @@ class IssueCell:
 #: the issue's table, in its order. "put" is the sender cache's miss (a put through
 #: ``SenderCache.get_and_update_item``) against vLLM's put + signature, "get" the receiver
 #: cache's read against vLLM's verified get; the store's own calls are shown beside them. The
-#: last three rows have no goal: the 1 and 16 MiB gets with each copy dropped before the next
+#: last four rows have no goal: the 1 and 16 MiB gets with each copy dropped before the next
 #: read (``_dropped``: warm destination pages on both sides, which the get cells above do not
-#: give vLLM's copies), and a 1 KiB put given a vLLM-shaped prompt update (``_with_updates``: the
-#: put cells above pass none).
+#: give vLLM's copies), and a 1 KiB put and a look-up given a vLLM-shaped prompt update
+#: (``_with_updates``: the put cells above pass none).
 ISSUE_CELLS = (
     IssueCell("put 1 KiB, SenderCache.get_and_update_item miss", 1 * KiB, SENDER, PUT, 0.3),
     IssueCell("put 1 KiB, ShmObjectStore.put alone", 1 * KiB, STORE_PUT, PUT, None),
@@ -440,6 +463,9 @@ ISSUE_CELLS = (
         None,
     ),
     IssueCell("put 1 KiB with one vLLM-shaped prompt update", UPDATES, SENDER_U, PUT_U, None),
+    IssueCell(
+        "look-up 1 KiB with one vLLM-shaped prompt update", UPDATES, SENDER_HIT_U, HIT_U, None
+    ),
 )
 S_ISSUE = (
     "vLLM 0.33 side by side: the compiled-core issue's table (ratio = OUR time ÷ vLLM's or the"
