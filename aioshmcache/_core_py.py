@@ -189,9 +189,8 @@ def atom_runs(seq: list[Any]) -> tuple[Any, ...] | None:
     """A list of atoms (``TypeError`` otherwise) as its runs, ``(item, count, ...)``: an item
     that is the same object as the one before it extends that one's run. None when that is not
     shorter than the list (as many runs as half its length, or more)."""
-    if not all_atoms(seq):
+    if not isinstance(seq, list) or not all_atoms(seq):
         raise TypeError("atom_runs: a list of atoms is expected")
-    assert isinstance(seq, list)
     out: list[Any] = []
     for x in seq:
         if out and out[-2] is x:

@@ -175,28 +175,32 @@ async def test_a_failure_reaches_every_waiter_and_caches_nothing(
             await _read_all(cache, rx, [got], item)
 
 
-def _blocking_first_put(cache: AsyncSenderCache, started: threading.Event) -> threading.Event:
+def _blocking_first_put(
+    cache: AsyncSenderCache, started: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> threading.Event:
     """Make the first put's copy (a job in a worker thread) block until the event is set: the
-    copy asks the ring for its chunk's payload first."""
-    ring = cache.sender.store.ring
-    original = ring.payload
+    serde's write into the chunk, which runs outside the writer's lock. (Blocking where the
+    copy takes its chunk's view, under the lock, held the lock: the event loop's next step
+    that took it waited for the event's 60-second timeout.)"""
+    serde_type = type(cache.sender.store.serde)
+    original = serde_type.write
     release = threading.Event()
     first = [True]
 
-    def payload(address: int) -> memoryview:
+    def write(self: Any, plan: Any, dst: Any) -> Any:
         if first[0]:
             first[0] = False
             started.set()
             release.wait(60)
-        return original(address)
+        return original(self, plan, dst)
 
-    ring.payload = payload  # type: ignore[method-assign]
+    monkeypatch.setattr(serde_type, "write", write)
     return release
 
 
 @pytest.mark.parametrize("point", ["in_async_make", "in_sync_make", "after_make", "in_put"])
 async def test_cancelling_the_first_caller_hands_the_flight_over(
-    make_config: Any, point: str
+    make_config: Any, point: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     item = random_item(np.random.default_rng(3), 2 * MiB)
     runs: list[str] = []
@@ -234,7 +238,9 @@ async def test_cancelling_the_first_caller_hands_the_flight_over(
     async with AsyncSenderCache.from_config(cfg, inline_threshold_bytes=0) as cache:
         with ReceiverCache.attach(cache.handle()) as rx:
             put_release = (
-                _blocking_first_put(cache, put_started) if point == "in_put" else threading.Event()
+                _blocking_first_put(cache, put_started, monkeypatch)
+                if point == "in_put"
+                else threading.Event()
             )
             try:
                 leader = asyncio.ensure_future(cache.get_or_put("h", leader_make))
