@@ -715,7 +715,7 @@ class SenderRequest(_Steps):
             self._store.abort(res)
             return
         item = self._items[i]
-        updates: Sequence[Any] = () if item is None else item[1]
+        updates: Sequence[Any] = self._copied_updates(i) if item is None else item[1]
         ref = self._store.commit(res)
         self._handed.append(ref)
         self._putting.discard(res.key)
@@ -728,6 +728,15 @@ class SenderRequest(_Steps):
         if self._followers is not None:
             for j in self._followers.pop(res.key, ()):  # the same hash again in this request
                 self._decide_locked(j, 0.0, False)
+
+    def _copied_updates(self, i: int) -> tuple[Any, ...]:
+        """The prompt updates kept for look-up ``i``, copied from a sibling shard: the sibling
+        keeps its own in its process, so the look-up's spec gives them (``get_or_put`` passes
+        its caller's); none for a request over items (vLLM's ``None`` carries none)."""
+        if self._features is None:
+            return ()
+        u = self._features[i].prompt_updates
+        return u if type(u) is tuple else tuple(u)
 
     def _run_jobs(self) -> None:
         store = self._store

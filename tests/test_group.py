@@ -283,6 +283,39 @@ async def test_concurrent_sibling_copies_of_one_hash_are_misses_not_duplicates(
         assert len(errors) < 4 and b.is_cached("h")
 
 
+def test_a_sibling_copy_keeps_the_look_up_s_prompt_updates(group: str) -> None:
+    """A look-up copied from a sibling shard keeps (and returns) the prompt updates its spec
+    carries, as a put does: the sibling keeps its own in its own process."""
+    cfg = gp.config(group)
+    with SenderCache(cfg) as a, SenderCache(cfg) as b:
+        a.get_and_update_features([FeatureSpec("h", gp.make_item("h"), prompt_updates=("u",))])
+        [fb] = b.get_and_update_features([FeatureSpec("h", None, prompt_updates=["u"])])
+        assert b.snapshot().sibling_hits == 1
+        assert fb.prompt_updates == ("u",)
+        [again] = b.get_and_update_features([FeatureSpec("h", None)])  # a hit of b's own copy
+        assert again.prompt_updates == ("u",)  # the kept ones
+
+
+async def test_get_or_put_of_a_hash_a_sibling_holds_returns_its_prompt_updates(
+    group: str,
+) -> None:
+    """``get_or_put`` served by a sibling's item (copied as a job: no inline threshold) returns
+    the caller's prompt updates, and every later hit the same, not ``()``."""
+    from aioshmcache import AsyncSenderCache
+
+    item = gp.make_item("h")
+    cfg = gp.config(group)
+    async with (
+        AsyncSenderCache.from_config(cfg) as a,
+        AsyncSenderCache.from_config(cfg, inline_threshold_bytes=0) as b,
+    ):
+        fa = await a.get_or_put("h", lambda: item, prompt_updates=("u",))
+        fb = await b.get_or_put("h", lambda: item, prompt_updates=("u",))
+        again = await b.get_or_put("h", lambda: item, prompt_updates=("u",))
+        assert b.snapshot().sibling_hits == 1 and b.single_flight_stats().runs == 0
+        assert fa.prompt_updates == fb.prompt_updates == again.prompt_updates == ("u",)
+
+
 def test_a_reader_attaches_a_shard_recreated_under_the_same_name(group: str) -> None:
     """A shard reclaimed under the same name (new nonce) is attached by the next rescan even if
     the old writer's lock was probed alive a moment ago."""
