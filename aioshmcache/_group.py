@@ -50,6 +50,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Final
 
@@ -94,6 +95,8 @@ log = logging.getLogger("aioshmcache")
 RESCAN_INTERVAL: Final = 1.0
 #: how often a sibling's writer lock is probed (seconds)
 PROBE_INTERVAL: Final = 0.25
+#: keys a writer invalidated and copies from no sibling until it puts them again (the newest)
+WITHHELD_MAX: Final = 65536
 
 
 def shard_identity(name: str) -> tuple[int, int] | None:
@@ -244,6 +247,18 @@ class Siblings:
         self._lock = threading.Lock()
         self.lookups = 0
         self.closed = False
+        #: keys this writer invalidated: a sibling's copy of one is the old item (see
+        #: ``withhold``), the newest ``WITHHELD_MAX``
+        self.withheld: OrderedDict[str, None] = OrderedDict()
+
+    def withhold(self, key: str) -> None:
+        """Copy ``key`` from no sibling until this shard puts it again (``invalidate``: from
+        then on no request of this writer is given the old copy, a sibling's included)."""
+        w = self.withheld
+        w[key] = None
+        w.move_to_end(key)
+        if len(w) > WITHHELD_MAX:
+            w.popitem(last=False)
 
     def _rescan_locked(self) -> None:
         self._scanned = time.monotonic()
@@ -271,7 +286,7 @@ class Siblings:
         """A live sibling holding ``key`` (its chunk checked now), or None; ``rescan``: look for
         new shards first, however recent the last scan (a single-flight claim's last look)."""
         with self._lock:
-            if self.closed:
+            if self.closed or (self.withheld and key in self.withheld):
                 return None
             if rescan or time.monotonic() - self._scanned > self._interval:
                 self._rescan_locked()

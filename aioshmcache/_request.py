@@ -209,6 +209,9 @@ class SenderBook:
             pu.n += 1
         # the form the sender keeps (``_kept``); ``()`` as it is, without a call
         d[mm_hash] = updates if type(updates) is tuple and not updates else keep(updates)
+        sib = self.siblings
+        if sib is not None and sib.withheld:  # put again after its ``invalidate``
+            sib.withheld.pop(mm_hash, None)
 
     def forget(self, mm_hash: str) -> None:
         """An item left the cache: drop its prompt updates."""

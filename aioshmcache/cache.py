@@ -458,7 +458,10 @@ class SenderCache(_Cache):
         with self.store.lock:
             self._prompt_updates.pop(mm_hash, None)
             self._too_large.discard(mm_hash)
-            return self.store.invalidate(check_hash(mm_hash))
+            key = check_hash(mm_hash)
+            if self._siblings is not None:  # a sibling's copy is the old item too
+                self._siblings.withhold(key)
+            return self.store.invalidate(key)
 
     def clear(self) -> None:
         """Drop everything; a new epoch makes every older reference stale."""

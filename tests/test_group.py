@@ -14,6 +14,7 @@ import pytest
 
 from aioshmcache import (
     CacheConfig,
+    CacheMissError,
     FeatureSpec,
     InvalidReferenceError,
     ReaderEvictedError,
@@ -314,6 +315,44 @@ async def test_get_or_put_of_a_hash_a_sibling_holds_returns_its_prompt_updates(
         again = await b.get_or_put("h", lambda: item, prompt_updates=("u",))
         assert b.snapshot().sibling_hits == 1 and b.single_flight_stats().runs == 0
         assert fa.prompt_updates == fb.prompt_updates == again.prompt_updates == ("u",)
+
+
+def test_after_invalidate_a_shard_copies_no_sibling_s_old_item(group: str) -> None:
+    """``invalidate(h)``: the next request of this writer for ``h`` is a miss and puts a new
+    item, although a sibling still holds the old one; once put again, look-ups hit it."""
+    old, new = {"x": np.zeros(8)}, {"x": np.ones(8)}
+    cfg = gp.config(group)
+    with SenderCache(cfg) as a, SenderCache(cfg) as b:
+        a.get_and_update_features([FeatureSpec("k", old)])
+        b.get_and_update_features([FeatureSpec("k", None)])  # b copies the old item
+        assert a.invalidate("k")
+        assert not a.is_cached("k") and b.is_cached("k")
+        with pytest.raises(CacheMissError):
+            a.get_and_update_features([FeatureSpec("k", None)])
+        [fa] = a.get_and_update_features([FeatureSpec("k", new)])
+        [again] = a.get_and_update_features([FeatureSpec("k", None)])
+        with ReceiverCache.attach_group(group) as rx:
+            got = rx.get_and_update_features([fa, again])
+        assert all(np.array_equal(f.data["x"], new["x"]) for f in got)
+        assert a.snapshot().sibling_hits == 0
+
+
+async def test_invalidate_then_get_or_put_makes_the_new_item_in_a_group(group: str) -> None:
+    """``get_or_put`` after ``invalidate`` runs ``make`` (the new bytes), not a sibling's copy
+    of the old item."""
+    from aioshmcache import AsyncSenderCache
+
+    old, new = {"x": np.zeros(8)}, {"x": np.ones(8)}
+    cfg = gp.config(group)
+    async with AsyncSenderCache.from_config(cfg) as a, AsyncSenderCache.from_config(cfg) as b:
+        await a.get_or_put("k", lambda: old)
+        await b.get_or_put("k", lambda: old)  # a sibling hit: b holds the old item too
+        assert await a.invalidate("k")
+        f = await a.get_or_put("k", lambda: new)
+        with ReceiverCache.attach_group(group) as rx:
+            [got] = rx.get_and_update_features([f])
+        assert np.array_equal(got.data["x"], new["x"])
+        assert a.single_flight_stats().runs == 2
 
 
 def test_a_reader_attaches_a_shard_recreated_under_the_same_name(group: str) -> None:
