@@ -919,7 +919,8 @@ class AsyncReceiverCache(_AsyncFace[Receiver]):
         return self.receiver.release(ref)
 
     async def touch(self, mm_hash: str, mm_item: Any = None) -> None:
-        """Validate a reference without reading it; owes nothing."""
+        """Validate a reference without reading it; owes nothing. ``WriterGoneError`` first,
+        as a read (the writer closed or died: its item can no longer be read)."""
         self.receiver.touch(mm_hash, mm_item)
 
     async def clear(self) -> None:

@@ -706,10 +706,12 @@ class ReceiverCache(_Cache, Receiver):
         )
 
     def touch(self, mm_hash: str, mm_item: Any = None) -> None:
-        """Validate a reference without reading it; owes nothing."""
+        """Validate a reference without reading it; owes nothing. ``WriterGoneError`` first,
+        as a read (the writer closed or died: its item can no longer be read)."""
         check_hash(mm_hash)
         ref = as_reference(mm_item)
         if ref is not None:
+            self.store.check_writer()
             self.store.validate(ref)
 
     def release(self, ref: ShmRef) -> bool:
@@ -810,9 +812,12 @@ class GroupReceiverCache(Receiver):
         return store, store.validate(r)
 
     def touch(self, mm_hash: str, mm_item: Any = None) -> None:
-        """Validate a reference against its shard without reading it; owes nothing."""
+        """Validate a reference against its shard without reading it; owes nothing.
+        ``WriterGoneError`` if the shard's writer closed or died, as a read."""
         check_hash(mm_hash)
-        self._route(mm_item)
+        routed = self._route(mm_item)
+        if routed is not None:
+            routed[0].check_writer()
 
     def release(self, ref: ShmRef) -> bool:
         """Give back a hand-out this reader will not read; False if unknown or released."""

@@ -1006,6 +1006,22 @@ def test_a_failed_group_read_gives_back_every_shard_s_references(group: str, how
         assert a.is_freeable("ha") and b.is_freeable("hb")
 
 
+def test_a_touch_of_a_closed_shard_s_reference_is_writer_gone(group: str) -> None:
+    """A group reader's ``touch`` is a call like a read: a reference of a shard whose writer
+    has closed is not declared valid, within the probe interval."""
+    tx = SenderCache(CacheConfig(1 << 20, 1 << 16, 1, group=group))
+    try:
+        with ReceiverCache.attach_group(group) as rx:
+            ref, _ = tx.get_and_update_item(({"x": np.arange(4)}, ()), "h")
+            rx.touch("h", ref)  # valid while the shard's writer lives
+            tx.close()
+            time.sleep(0.3)  # a shard's writer lock is probed at least every 0.25 s
+            with pytest.raises(WriterGoneError):
+                rx.touch("h", ref)
+    finally:
+        tx.close()
+
+
 def test_a_shard_without_a_free_reader_slot_fails_only_its_own_references(group: str) -> None:
     """A group reader that cannot attach one shard opened after it (every reader slot taken)
     still attaches the shards opened later, and a request that names the full shard fails owing

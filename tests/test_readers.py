@@ -164,6 +164,22 @@ def test_sigkilled_writer_is_seen_within_a_second_and_swept(shm_name: str) -> No
         sweep(name=shm_name)
 
 
+def test_a_touch_after_the_writer_closed_is_writer_gone(make_config: Any) -> None:
+    """``touch`` is a call like a read: once the writer has closed, a reference it handed out is
+    not declared valid (its item can no longer be read), within the probe interval."""
+    tx = SenderCache(make_config(1 << 20, 1 << 16, 1))
+    try:
+        with ReceiverCache.attach(tx.handle()) as rx:
+            ref, _ = tx.get_and_update_item(({"x": np.arange(4)}, ()), "h")
+            rx.touch("h", ref)  # valid while the writer lives
+            tx.close()
+            time.sleep(0.3)  # the writer's lock is probed at least every 0.25 s
+            with pytest.raises(WriterGoneError):
+                rx.touch("h", ref)
+    finally:
+        tx.close()
+
+
 def test_stopped_reader_deadline_then_eviction(make_config: Any) -> None:
     rng = np.random.default_rng(2)
     cfg = make_config(1 << 20, 300 << 10, 2, evict_stuck_readers_after=0.5)
