@@ -24,7 +24,7 @@ import contextlib
 import os
 from typing import Literal, NamedTuple
 
-from ._layout import SHM_DIR, segment_name
+from ._layout import SEGMENT_PREFIX, SHM_DIR, segment_name
 from ._segment import (
     CREATION_GRACE,
     list_segments,
@@ -98,7 +98,8 @@ def sweep_named(name: str, *, dry_run: bool = False) -> tuple[list[Found], list[
     if os.path.lexists(os.path.join(SHM_DIR, full)):
         targets = [full]
     else:
-        targets = [seg for _k, seg in list_shards(name.removeprefix("/"))]
+        # the group's name: ``name`` as normalised (a leading ``/`` or ``aioshm-`` accepted)
+        targets = [seg for _k, seg in list_shards(full.removeprefix(SEGMENT_PREFIX))]
     if not targets:
         removed = sweep(full, dry_run=dry_run)  # semaphores a missing segment left, if any
         return [Found(full, "missing", "no such segment or cache group")], removed

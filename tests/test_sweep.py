@@ -366,6 +366,8 @@ def test_cli_sweep_name_says_what_it_found_and_understands_groups(
                                  "left alone"])  # fmt: skip
         rc, out = cli(shards[2])  # a segment by its name: the same answer
         assert rc == 4 and out[0].startswith(f"live: {shards[2]}")
+        rc, out = cli(f"aioshm-{group}")  # the group by its files' prefix, as a segment's
+        assert rc == 4 and out[0].startswith(f"live: {shards[2]}"), out
         rc, out = cli(f"{shm_name}-nothing")
         assert (rc, out) == (3, [f"missing: aioshm-{shm_name}-nothing (no such segment or cache "
                                  "group)"])  # fmt: skip
