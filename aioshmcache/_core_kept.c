@@ -64,10 +64,32 @@ kept_all_atoms(PyObject *self, PyObject *seq)
  * without that collection first walking every item of it. The sender keeps each entry's
  * prompt updates as one such tuple of hundreds of atoms: left tracked, a young-generation
  * collection walked ~700 of them at once, a stall of ~1-3 ms every ~700 puts. */
+/* ``tuple(seq)`` of the exact list ``seq``, its items read after the tuple's allocation: that
+ * allocation may run a collection (CPython 3.11 collects in the allocation itself) whose
+ * finalizer changes the list, and ``PyList_AsTuple`` then copies the items it saw before, freed
+ * since (a segfault); a list whose length changed is copied again. */
+static PyObject *
+list_snapshot(PyObject *seq)
+{
+    for (;;) {
+        Py_ssize_t n = PyList_GET_SIZE(seq);
+        PyObject *out = PyTuple_New(n);
+        if (out == NULL || PyList_GET_SIZE(seq) != n) {
+            Py_XDECREF(out);
+            if (out == NULL)
+                return NULL;
+            continue;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) /* no allocation: the list stays as it is */
+            PyTuple_SET_ITEM(out, i, Py_NewRef(PyList_GET_ITEM(seq, i)));
+        return out;
+    }
+}
+
 static PyObject *
 untracked_tuple(PyObject *seq)
 {
-    PyObject *out = PyList_AsTuple(seq);
+    PyObject *out = list_snapshot(seq);
     if (out == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(out); i++) {
@@ -104,17 +126,29 @@ atom_run_count(PyObject *seq)
     return runs;
 }
 
+/* ``seq``'s runs (``runs`` of them, as ``atom_run_count`` counted), or None (not shorter), or
+ * NULL: an error set, or none (an item is no longer an atom: the list changed). The tuple's
+ * allocation may run a collection (CPython 3.11 collects in the allocation itself) whose
+ * finalizer changes the list: it is read afresh after that, every bound checked, and counted
+ * again when it changed. Nothing after the allocation runs Python code (a count is an int, no
+ * object the collector tracks), so the copy never reads past the list nor writes past the
+ * tuple, and the tuple holds atoms only. */
 static PyObject *
 runs_of(PyObject *seq, Py_ssize_t runs)
 {
-    Py_ssize_t n = PyList_GET_SIZE(seq);
-    if (2 * runs >= n)
+again:
+    if (runs < 0)
+        return NULL;
+    if (2 * runs >= PyList_GET_SIZE(seq))
         Py_RETURN_NONE;
     PyObject *out = PyTuple_New(2 * runs);
     if (out == NULL)
         return NULL;
-    for (Py_ssize_t i = 0, r = 0; i < n; r++) {
+    Py_ssize_t n = PyList_GET_SIZE(seq), i = 0, r = 0;
+    while (i < n && r < runs) {
         PyObject *x = PyList_GET_ITEM(seq, i);
+        if (!is_atom(x))
+            break;
         Py_ssize_t j = i + 1;
         while (j < n && PyList_GET_ITEM(seq, j) == x)
             j++;
@@ -125,7 +159,13 @@ runs_of(PyObject *seq, Py_ssize_t runs)
         }
         PyTuple_SET_ITEM(out, 2 * r, Py_NewRef(x));
         PyTuple_SET_ITEM(out, 2 * r + 1, count);
+        r++;
         i = j;
+    }
+    if (i < n || r < runs) { /* the list changed under the allocation: count it again */
+        Py_DECREF(out);
+        runs = atom_run_count(seq);
+        goto again;
     }
     PyObject_GC_UnTrack(out); /* atoms and counts only: no cycle through it */
     return out;
@@ -135,11 +175,10 @@ static PyObject *
 kept_atom_runs(PyObject *self, PyObject *seq)
 {
     Py_ssize_t runs = PyList_CheckExact(seq) ? atom_run_count(seq) : -1;
-    if (runs < 0) {
+    PyObject *out = runs < 0 ? NULL : runs_of(seq, runs);
+    if (out == NULL && !PyErr_Occurred())
         PyErr_SetString(PyExc_TypeError, "atom_runs: a list of atoms is expected");
-        return NULL;
-    }
-    return runs_of(seq, runs);
+    return out;
 }
 
 static PyObject *
@@ -315,6 +354,8 @@ put(Walk *w, PyObject *v, long depth)
         if (runs >= 0) {
             PyObject *items = runs_of(v, runs);
             long code = K_ATOM_RUNS;
+            if (items == NULL && !PyErr_Occurred())
+                return 0; /* it changed under runs_of (a finalizer): the Python walk walks it */
             if (items == Py_None) {
                 Py_DECREF(items);
                 items = untracked_tuple(v);
@@ -326,7 +367,7 @@ put(Walk *w, PyObject *v, long depth)
             Py_DECREF(items);
             return r;
         }
-        PyObject *items = PyList_AsTuple(v); /* a snapshot, as put_pairs's */
+        PyObject *items = list_snapshot(v); /* a snapshot, as put_pairs's */
         if (items == NULL)
             return -1;
         int r = add_n(w->out, K_LIST, PyTuple_GET_SIZE(items));

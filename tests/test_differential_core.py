@@ -7,7 +7,9 @@ this file on the plain C build and on one built with ASan and UBSan.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -173,6 +175,56 @@ def test_atom_runs_are_the_reference_s_runs(items: list[Any], data: st.DataObjec
         assert all(a is b for a, b in zip(got[::2], want[::2], strict=True))
     for bad in ([1, [2]], (1, 1), [1, _Str("s")]):
         assert _outcome(C.atom_runs, bad) == _outcome(_core_py.atom_runs, bad)
+
+
+@contextlib.contextmanager
+def _finalizer_in_the_next_allocation(change: Callable[[], None]) -> Iterator[None]:
+    """Garbage whose finalizer calls ``change``, freed by the collection the next allocation of
+    an object the collector tracks starts (CPython 3.11 collects in the allocation itself; later
+    versions at the next bytecode, which no compiled call reaches). The threshold given back."""
+
+    class Finalized:
+        def __init__(self) -> None:
+            self.me = self  # a cycle: only a collection frees it
+
+        def __del__(self) -> None:
+            change()
+
+    was = gc.get_threshold()
+    gc.collect()
+    Finalized()
+    gc.set_threshold(1)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*was)
+        gc.collect()
+
+
+@pytest.mark.parametrize("into", ["empty", "more runs", "a non-atom"])
+@pytest.mark.parametrize("name", ["atom_runs", "atom_tuple"])
+def test_atom_runs_of_a_list_a_finalizer_changes_meanwhile(name: str, into: str) -> None:
+    """The runs' or the tuple's allocation may start a collection whose finalizer changes the
+    list: ``atom_runs`` and ``atom_tuple`` give what their references give for the list as it
+    is then (``atom_runs`` refuses it alike when it no longer holds atoms only), never reading
+    past its items nor writing past their tuple (they read a cleared list's freed items, a
+    segfault, and ``atom_runs`` wrote more runs than its tuple had room for)."""
+    assert C is not None
+    # 15 runs: a 30-tuple, and 45 items: tuples no free list holds
+    seq = [x for x in range(500, 515) for _ in range(3)]
+    after: dict[str, list[Any]] = {
+        "empty": [],
+        "more runs": [x for x in range(900, 940) for _ in range(3)],
+        "a non-atom": [[1]] * 45,
+    }
+
+    def change() -> None:
+        seq[:] = after[into]
+
+    with _finalizer_in_the_next_allocation(change):
+        got = _outcome(getattr(C, name), seq)
+    assert seq == after[into]  # the finalizer ran
+    assert got == _outcome(getattr(_core_py, name), seq)
 
 
 class _ListSub(list[Any]):

@@ -286,6 +286,50 @@ def test_token_runs_are_kept_as_runs_and_come_back_as_the_same_objects() -> None
     assert tuple(distinct) in kept and restore(kept)[0].full == distinct
 
 
+@pytest.mark.parametrize("into", ["empty", "more runs", "a non-atom"])
+@pytest.mark.parametrize("runs", [True, False])
+def test_a_token_list_a_finalizer_changes_amid_the_walk_is_kept_as_it_was_or_is(
+    runs: bool, into: str
+) -> None:
+    """An allocation of the walk may start a collection (CPython 3.11 collects in the
+    allocation itself) whose finalizer changes a token list the walk is keeping as its runs or
+    its items: it is kept as it was before or as it is after, never read past its items (a
+    segfault) nor its runs written past their tuple. Each threshold starts that collection at
+    another allocation."""
+    # 15 runs (a 30-tuple) or 45 items: tuples no free list holds
+    before = [x for x in range(500, 515) for _ in range(3)] if runs else [*range(500, 545)]
+    afters: dict[str, list[Any]] = {
+        "empty": [],
+        "more runs": [x for x in range(900, 940) for _ in range(3)],
+        "a non-atom": [[1]] * 45,
+    }
+    after = afters[into]
+
+    class Finalized:
+        def __init__(self, seq: list[Any]) -> None:
+            self.me, self.seq = self, seq  # a cycle: only a collection frees it
+
+        def __del__(self) -> None:
+            self.seq[:] = after
+
+    was = gc.get_threshold()
+    try:
+        for threshold in range(1, 30):
+            seq = list(before)
+            updates = (Details(seq),)
+            keep_py(updates)  # its classes met: the C core walks it
+            gc.collect()
+            Finalized(seq)
+            gc.set_threshold(threshold)
+            kept = keep(updates)
+            gc.set_threshold(*was)
+            gc.collect()  # the finalizer ran by now, in the walk or here
+            assert restore(kept)[0].full in (before, after) and seq == after
+    finally:
+        gc.set_threshold(*was)
+        gc.collect()
+
+
 def test_a_sender_keeps_vllm_shaped_updates_untracked(make_config: Any) -> None:
     """Issue 29: a cached item's vLLM-shaped updates leave nothing for the collector (closures
     excepted: they, and only they, stay by reference); a look-up gives them back equal, a put
