@@ -263,14 +263,19 @@ put_items(Walk *w, PyObject *items, long depth)
     return 1;
 }
 
-/* A dict's items (a snapshot: what the walk meets cannot change what it records). */
+/* A dict's length and items' records, from one snapshot of its items: what the walk meets
+ * cannot change what it records, nor can a finalizer that a collection started by the
+ * snapshot's allocations runs (its length read before them said more or fewer pairs than
+ * followed: the records read back as other values). */
 static int
 put_pairs(Walk *w, PyObject *d, long depth)
 {
     PyObject *pairs = PyDict_Items(d);
     if (pairs == NULL)
         return -1;
-    int r = 1;
+    PyObject *n = PyLong_FromSsize_t(PyList_GET_SIZE(pairs));
+    int r = (n == NULL || PyList_Append(w->out, n) < 0) ? -1 : 1;
+    Py_XDECREF(n);
     for (Py_ssize_t i = 0; r > 0 && i < PyList_GET_SIZE(pairs); i++) {
         PyObject *kv = PyList_GET_ITEM(pairs, i);
         r = put(w, PyTuple_GET_ITEM(kv, 0), depth);
@@ -312,11 +317,6 @@ put_object(Walk *w, PyObject *v, long depth)
             goto done;
         }
         r = add(w->out, K_DICT_OBJ, num);
-        if (r > 0) {
-            PyObject *n = PyLong_FromSsize_t(PyDict_GET_SIZE(state));
-            r = (n == NULL || PyList_Append(w->out, n) < 0) ? -1 : 1;
-            Py_XDECREF(n);
-        }
         if (r > 0)
             r = put_pairs(w, state, depth);
     } else if (code == K_SLOT_OBJ) {
@@ -381,7 +381,9 @@ put(Walk *w, PyObject *v, long depth)
         return r > 0 ? put_items(w, v, depth) : r;
     }
     if (PyDict_CheckExact(v)) {
-        int r = add_n(w->out, K_DICT, PyDict_GET_SIZE(v));
+        PyObject *c = PyLong_FromLong(K_DICT);
+        int r = (c == NULL || PyList_Append(w->out, c) < 0) ? -1 : 1;
+        Py_XDECREF(c);
         return r > 0 ? put_pairs(w, v, depth) : r;
     }
     return put_object(w, v, depth);

@@ -136,22 +136,26 @@ def _put(v: Any, out: list[Any], refs: list[Any], depth: int) -> None:
         refs.append(v)
         return
     depth += 1
+    # a list's and a dict's items are walked from a snapshot, its length taken from that: a
+    # finalizer (run by a collection an allocation here starts) changing them makes no records
+    # that say more or fewer items than follow
     if t is list:
         if not v or (type(v[0]) in _ATOMS and _all_atoms(v)):
             runs = _atom_runs(v)
             out += (_ATOM_LIST, _atom_tuple(v)) if runs is None else (_ATOM_RUNS, runs)
             return
-        out += (_LIST, len(v))
+        items = (*v,)
+        out += (_LIST, len(items))
+        for x in items:
+            _put(x, out, refs, depth)
+        return
+    if t is tuple:
+        out += (_TUPLE, len(v))
         for x in v:
             _put(x, out, refs, depth)
         return
-    if t is tuple or t is dict:
-        out += (_TUPLE if t is tuple else _DICT, len(v))
-        for x in v if t is tuple else v.items():
-            if t is dict:
-                _put(x[0], out, refs, depth)
-                x = x[1]
-            _put(x, out, refs, depth)
+    if t is dict:
+        _put_pairs(v, v, _DICT, out, refs, depth)
         return
     how = _how[t] if t in _how else _classify(v)
     if how is None:
@@ -162,15 +166,31 @@ def _put(v: Any, out: list[Any], refs: list[Any], depth: int) -> None:
     if code == _MEMBER:
         out += (_MEMBER, _number(v))
     elif code == _DICT_OBJ:
-        state = v.__dict__
-        out += (_DICT_OBJ, _number(t), len(state))
-        for k, x in state.items():
-            _put(k, out, refs, depth)
-            _put(x, out, refs, depth)
+        _put_pairs(v, v.__dict__, _DICT_OBJ, out, refs, depth, _number(t))
     else:
         out += (_SLOT_OBJ, _number(t))
         for n in names:
             _put(getattr(v, n), out, refs, depth)
+
+
+def _put_pairs(
+    v: Any, d: Any, code: int, out: list[Any], refs: list[Any], depth: int, *head: int
+) -> None:
+    """Append the record of ``v``, the dict ``d`` or the instance it is the dict of (``code``,
+    ``head``, its length, its pairs' records), its length that of one snapshot of its pairs;
+    ``v`` is kept by reference if a finalizer changes ``d`` while that is taken (iterating it
+    raised ``RuntimeError``; on CPython 3.11 ``dict.copy`` may give a copy whose length is not
+    its items' count)."""
+    try:
+        pairs = [*d.items()]
+    except RuntimeError:
+        out += (_REF, len(refs))
+        refs.append(v)
+        return
+    out += (code, *head, len(pairs))
+    for k, x in pairs:
+        _put(k, out, refs, depth)
+        _put(x, out, refs, depth)
 
 
 def keep(updates: Any) -> Any:

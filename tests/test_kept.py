@@ -330,6 +330,47 @@ def test_a_token_list_a_finalizer_changes_amid_the_walk_is_kept_as_it_was_or_is(
         gc.collect()
 
 
+@pytest.mark.parametrize("change", ["add", "delete"])
+def test_a_dict_a_finalizer_changes_amid_the_walk_is_kept_whole(change: str) -> None:
+    """An allocation of the walk may start a collection whose finalizer changes a dict the
+    walk is at: its length is that of the snapshot its pairs are walked from, as it was or as
+    it is, never one read before (the records then said more or fewer pairs than followed and
+    read back as other values: the next update taken for a pair, or an ``IndexError``). The
+    Python walk keeps a dict changed amid its snapshot by reference."""
+    was = gc.get_threshold()
+    try:
+        for threshold in range(1, 30):
+            d = {"a": 1, "c": 3}
+            before, updates = dict(d), (d, "x", Details([1]))
+            keep_py(updates)  # its classes met: the C core walks it
+
+            class Finalized:
+                def __init__(self, d: dict[str, int]) -> None:
+                    self.me, self.d = self, d  # a cycle: only a collection frees it
+
+                def __del__(self) -> None:
+                    if change == "add":
+                        self.d["b"] = 2
+                    else:
+                        del self.d["a"]
+
+            # the free lists of pairs and lists emptied: their allocations start collections
+            drained = [(i, i) for i in range(2100)], [[i] for i in range(100)]
+            gc.collect()
+            Finalized(d)
+            gc.set_threshold(threshold)
+            try:
+                kept = keep(updates)
+            finally:
+                gc.set_threshold(*was)
+                del drained
+                gc.collect()  # the finalizer ran by now, in the walk or here
+            assert restore(kept) in ((before, "x", Details([1])), updates)
+    finally:
+        gc.set_threshold(*was)
+        gc.collect()
+
+
 def test_a_sender_keeps_vllm_shaped_updates_untracked(make_config: Any) -> None:
     """Issue 29: a cached item's vLLM-shaped updates leave nothing for the collector (closures
     excepted: they, and only they, stay by reference); a look-up gives them back equal, a put
