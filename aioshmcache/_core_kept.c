@@ -325,7 +325,7 @@ put_object(Walk *w, PyObject *v, long depth)
             PyObject *x = PyObject_GetAttr(v, PyTuple_GET_ITEM(names, i));
             if (x == NULL) {
                 PyErr_Clear();
-                r = 0; /* an unset slot: the Python walk raises its AttributeError */
+                r = 0; /* an unset slot: the Python walk keeps it by reference */
                 break;
             }
             r = put(w, x, depth);

@@ -21,7 +21,8 @@ what the sender stores:
   placeholder tokens, ``[image_token_id] * 576``, are one run); any other list, a tuple and a
   dict are their length and their items' records; a dataclass instance (of a class whose
   instances ``object.__new__`` makes) is its class's number and the records of its instance
-  dict (or, when its slots are its fields, of its fields); an enum member is its number.
+  dict (or, when its slots are its fields, of its fields: one with a field unset is kept by
+  reference); an enum member is its number.
   Classes and enum members are numbered in a registry of this module (a few, for the life of
   the process);
 - anything else inside (a function such as vLLM's ``is_embed`` closures, a numpy array, an
@@ -168,9 +169,15 @@ def _put(v: Any, out: list[Any], refs: list[Any], depth: int) -> None:
     elif code == _DICT_OBJ:
         _put_pairs(v, v.__dict__, _DICT_OBJ, out, refs, depth, _number(t))
     else:
+        try:
+            values = [getattr(v, n) for n in names]
+        except AttributeError:  # an unset slot (a field never set): kept by reference
+            out += (_REF, len(refs))
+            refs.append(v)
+            return
         out += (_SLOT_OBJ, _number(t))
-        for n in names:
-            _put(getattr(v, n), out, refs, depth)
+        for x in values:
+            _put(x, out, refs, depth)
 
 
 def _put_pairs(

@@ -154,6 +154,31 @@ def test_dataclasses_that_cannot_be_made_again_field_by_field_are_kept_by_refere
     assert got[0] is own and got[1] is extra and got[2] == Details([3])
 
 
+@dataclass(slots=True)
+class Later:
+    a: int
+    later: Any = field(init=False)  # set after it is made, or never
+
+
+def test_a_slotted_instance_with_a_field_unset_is_kept_by_reference(make_config: Any) -> None:
+    """A slotted dataclass instance with a field never set (``field(init=False)``) cannot be
+    made again field by field: it is kept by reference, as what cannot be packed is, not an
+    ``AttributeError`` out of the put after its item was cached (the put's reference never
+    reached its caller, and the item's look-ups gave ``[]`` for its updates)."""
+    obj = Later(1)
+    kept = keep((obj, Details([1])))
+    assert kept[0] is KEPT and kept[1] == (obj,)
+    got = restore(kept)
+    assert got[0] is obj and got[1] == Details([1])
+    with SenderCache(make_config(1 << 20, 1 << 18, 1)) as tx:
+        ref, updates = tx.get_and_update_item(({"x": np.arange(4, dtype=np.uint8)}, [obj]), "k")
+        assert isinstance(ref, ShmRef) and updates[0] is obj
+        tx.release(ref)
+        ref, updates = tx.get_and_update_item(None, "k")
+        assert type(updates) is list and len(updates) == 1 and updates[0] is obj
+        tx.release(ref)
+
+
 def test_atoms_non_tuples_and_what_cannot_be_packed_are_kept_as_they_are() -> None:
     atoms = ("<image>", 3, 2.5, None, b"x", True)
     assert keep(atoms) is atoms and keep(()) == () and restore(atoms) is atoms
