@@ -536,12 +536,13 @@ def test_a_bigger_item_reuses_its_pages_when_smaller_ones_filled_the_spares() ->
         held = [r.get(w.put(f"s{i}", small)) for i in range(20)]  # more than the spares hold
         del held  # ... all freed: the spares are full of small mappings
         refs = [w.put(f"b{i}", big) for i in range(3)]
-        first, faults = _faults_of(lambda: r.get(refs[0]))
-        assert faults >= (3 << 20) >> 12  # fresh pages, each faulted in once
+        first, fresh = _faults_of(lambda: r.get(refs[0]))
+        assert fresh >= (3 << 20) >> 12  # fresh pages, each faulted in once
         del first  # its mapping kept, an old small one given back
         for ref in refs[1:]:
             value, faults = _faults_of(functools.partial(r.get, ref))
-            assert same(value, big) and faults < 64, faults  # the warm pages again
+            # the warm pages again: (next to) no fault (a sanitizer's own memory faults a few)
+            assert same(value, big) and faults < fresh // 4, (faults, fresh)
             del value
 
 
