@@ -203,9 +203,17 @@ def _put_pairs(
 def keep(updates: Any) -> Any:
     """``updates`` as the sender keeps them (see the module docstring): the C core's walk
     (``keep_updates``) makes them when it can, the same records as :func:`keep_py`, which it
-    leaves the rest to (a class or enum member not numbered yet, anything unusual)."""
+    leaves the rest to (a class or enum member not numbered yet, anything unusual). Updates
+    whose walk raises (a caller's object whose attributes or instance dict raise) are kept as
+    given, by reference: never an error out of the put that keeps them, after its item was
+    cached."""
     kept = _keep_updates(updates, _how, _numbers, MAX_DEPTH, KEPT)
-    return keep_py(updates) if kept is None else kept
+    if kept is not None:
+        return kept
+    try:
+        return keep_py(updates)
+    except Exception:  # anything a caller's object raises: kept as given
+        return updates
 
 
 def keep_compiled(updates: Any) -> Any:

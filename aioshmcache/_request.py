@@ -203,12 +203,14 @@ class SenderBook:
 
     def keep_updates(self, mm_hash: str, updates: Sequence[Any]) -> None:
         """Keep the prompt updates of an item just put (the one place they are stored)."""
-        pu = self.prompt_updates  # ``pu[h] = updates``, one call shorter
+        # the form the sender keeps (``_kept``); ``()`` as it is, without a call; made before
+        # the count changes, as the compiled put makes it
+        kept = updates if type(updates) is tuple and not updates else keep(updates)
+        pu = self.prompt_updates  # ``pu[h] = kept``, one call shorter
         d = pu.shards[hash(mm_hash) & pu.mask]
         if mm_hash not in d:
             pu.n += 1
-        # the form the sender keeps (``_kept``); ``()`` as it is, without a call
-        d[mm_hash] = updates if type(updates) is tuple and not updates else keep(updates)
+        d[mm_hash] = kept
         sib = self.siblings
         if sib is not None and sib.withheld:  # put again after its ``invalidate``
             sib.withheld.pop(mm_hash, None)

@@ -179,6 +179,33 @@ def test_a_slotted_instance_with_a_field_unset_is_kept_by_reference(make_config:
         tx.release(ref)
 
 
+@dataclass
+class Touchy:  # a caller's object whose instance dict cannot be read
+    x: int
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "__dict__":
+            raise ValueError("not today")
+        return object.__getattribute__(self, name)
+
+
+def test_updates_whose_walk_raises_are_kept_as_given(make_config: Any) -> None:
+    """Updates holding an object that raises while it is walked (here its ``__dict__``) are
+    kept as given, by reference: the put succeeds and its look-ups give them back, never an
+    error out of the put after its item was cached."""
+    obj = Touchy(1)
+    given_ = (obj, Details([1]))
+    assert keep(given_) is given_ and restore(given_) is given_
+    with SenderCache(make_config(1 << 20, 1 << 18, 1)) as tx:
+        ref, updates = tx.get_and_update_item(({"x": np.arange(4, dtype=np.uint8)}, [obj]), "k")
+        assert isinstance(ref, ShmRef) and updates[0] is obj
+        tx.release(ref)
+        ref, updates = tx.get_and_update_item(None, "k")
+        assert updates == [obj] and updates[0] is obj
+        tx.release(ref)
+        assert tx.snapshot().items == 1
+
+
 def test_atoms_non_tuples_and_what_cannot_be_packed_are_kept_as_they_are() -> None:
     atoms = ("<image>", 3, 2.5, None, b"x", True)
     assert keep(atoms) is atoms and keep(()) == () and restore(atoms) is atoms
