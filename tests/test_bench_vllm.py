@@ -110,6 +110,12 @@ class SingleWriterShmObjectStorage:
     def get_signature(self, key):
         return list(self._sign(key, self.index[key][0]).digest())
 
+    def is_cached(self, key):
+        return key in self.index
+
+    def get_cached(self, key):
+        return self.index[key]
+
     def get(self, address, mid, signature, key):
         if bytes(signature) != self._sign(key, address).digest():
             raise ValueError("bad signature")
@@ -204,8 +210,9 @@ def test_the_suite_runs_beside_a_store_loaded_from_a_file(tmp_path: Path) -> Non
             assert r.target is None
         else:
             assert r.target is not None and (r.target.op, r.target.limit) == ("<=", c.goal)
-    # 8 subjects x 2 sizes, churn x 2, the prompt update's 4, the dropped copies' 4 (1 MiB)
-    assert len(_finite_rows(report, S_TIMES)) == 2 * 8 + 2 + 4 + 4
+    # 8 subjects x 2 sizes, churn x 2, the prompt update's 7 (put, get, look-up on each side,
+    # our release), the dropped copies' 4 (1 MiB)
+    assert len(_finite_rows(report, S_TIMES)) == 2 * 8 + 2 + 7 + 4
     [(_, table)] = [b for b in report.blocks if b[0].startswith(S_ISSUE)]
     assert len(table) == 2 + len(run) and "ours ÷ theirs" in table[0]
     assert not [f for f in os.listdir("/dev/shm") if "vllm" in f and str(os.getpid()) in f]
