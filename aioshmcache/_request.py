@@ -720,6 +720,10 @@ class SenderRequest(_Steps):
             self._store.abort(res)
             return
         item = self._items[i]
+        if item is None and self._withheld_since(res.key):
+            # a sibling's chunk copied while this writer invalidated the hash: the old item,
+            # never published (the roll back aborts it); a miss, as for a chunk that changed
+            raise CacheMissError([res.key])
         updates: Sequence[Any] = self._copied_updates(i) if item is None else item[1]
         ref = self._store.commit(res)
         self._handed.append(ref)
@@ -733,6 +737,18 @@ class SenderRequest(_Steps):
         if self._followers is not None:
             for j in self._followers.pop(res.key, ()):  # the same hash again in this request
                 self._decide_locked(j, 0.0, False)
+
+    def _withheld_since(self, key: str) -> bool:
+        """Whether ``key``, reserved as a copy of a sibling's chunk, was invalidated by this
+        writer since (``Siblings.withhold``): that chunk is the old item."""
+        sib = self._book.siblings
+        return (
+            sib is not None
+            and bool(sib.withheld)
+            and key in sib.withheld
+            and self._sibling is not None
+            and key in self._sibling
+        )
 
     def _copied_updates(self, i: int) -> tuple[Any, ...]:
         """The prompt updates kept for look-up ``i``, copied from a sibling shard: the sibling

@@ -337,6 +337,28 @@ def test_after_invalidate_a_shard_copies_no_sibling_s_old_item(group: str) -> No
         assert a.snapshot().sibling_hits == 0
 
 
+def test_invalidate_during_a_sibling_copy_publishes_no_old_item(group: str) -> None:
+    """``invalidate(h)`` while a request copies a sibling's chunk of ``h`` (a copy job, outside
+    the lock): the copy is the old item, so it is not published (a miss, rolled back), and the
+    next put of ``h`` puts the new item instead of hitting the old copy."""
+    old, new = {"x": np.zeros(1 << 16)}, {"x": np.ones(1 << 16)}
+    cfg = gp.config(group)
+    with SenderCache(cfg) as a, SenderCache(cfg) as b:
+        a.get_and_update_features([FeatureSpec("k", old)])
+        req = b._request([None], ["k"], copy_inline_below=0)  # the copy is a job
+        req.begin()
+        b.invalidate("k")
+        with pytest.raises(CacheMissError):
+            req.run_jobs()
+            req.finish()
+        req.abandon()
+        assert not b.is_cached("k") and not b.store._pending
+        [f] = b.get_and_update_features([FeatureSpec("k", new)])
+        with ReceiverCache.attach_group(group) as rx:
+            [got] = rx.get_and_update_features([f])
+        assert np.array_equal(got.data["x"], new["x"])
+
+
 async def test_invalidate_then_get_or_put_makes_the_new_item_in_a_group(group: str) -> None:
     """``get_or_put`` after ``invalidate`` runs ``make`` (the new bytes), not a sibling's copy
     of the old item."""
