@@ -333,9 +333,13 @@ class ReadPath:
             )
 
     def check_writer(self) -> None:
-        """``WriterGoneError`` if the writer closed or died (probed every ``probe_interval``)."""
+        """``WriterGoneError`` if the writer closed or died (probed every ``probe_interval``);
+        ``RoleError`` first in a forked child of the opener (its copy probes no lock: a live
+        writer would look dead)."""
         self._enter()
         try:
+            if self._seg.forked:
+                self.check_open()
             self._check_writer()
         finally:
             self.leave()

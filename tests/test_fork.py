@@ -233,6 +233,36 @@ def _child_uses_the_parent_s_writer(tx: SenderCache, ref: ShmRef, conn: Any) -> 
     conn.close()
 
 
+def _child_touches_with_the_parent_s_reader(rx: ReceiverCache, ref: ShmRef, conn: Any) -> None:
+    """Forked child: the error ``touch`` of the parent's reader raised (or that it raised none)."""
+    try:
+        rx.touch("h", ref)
+        conn.send("no error")
+    except Exception as exc:  # report anything to the test
+        conn.send(f"{type(exc).__name__}: {exc}")
+    conn.close()
+
+
+def test_a_forked_child_s_touch_of_its_parent_s_reader_is_role_error(make_config: Any) -> None:
+    """A reader's ``touch`` probes the writer; in a forked child the copy probes no lock, so the
+    parent's live writer was reported dead (``WriterGoneError``): ``RoleError`` first, as a read."""
+    cfg = make_config(64 * 1024, 8 * 1024, 1)
+    with SenderCache(cfg) as tx, ReceiverCache.attach(tx.handle()) as rx:
+        ref = tx.get_and_update_item(({"a": np.zeros(8)}, ()), "h")[0]
+        assert isinstance(ref, ShmRef)
+        a, b = FORK.Pipe()
+        child = FORK.Process(target=_child_touches_with_the_parent_s_reader, args=(rx, ref, b))
+        child.start()
+        try:
+            assert a.poll(60), "the forked child did not report"
+            got = a.recv()
+            child.join(60)
+        finally:
+            kill_and_reap(child)
+        assert got.startswith("RoleError") and "attach again" in got, got
+        rx.touch("h", ref)  # the parent's reader and writer are fine
+
+
 def test_a_forked_child_cannot_touch_its_parent_s_writer(
     make_config: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
