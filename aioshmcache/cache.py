@@ -813,11 +813,19 @@ class GroupReceiverCache(Receiver):
 
     def touch(self, mm_hash: str, mm_item: Any = None) -> None:
         """Validate a reference against its shard without reading it; owes nothing.
-        ``WriterGoneError`` if the shard's writer closed or died, as a read."""
-        check_hash(mm_hash)
-        routed = self._route(mm_item)
-        if routed is not None:
-            routed[0].check_writer()
+        ``WriterGoneError`` if the shard's writer closed or died, as a read (listing
+        ``mm_hash``)."""
+        h = check_hash(mm_hash)
+        try:
+            routed = self._route(mm_item)
+            if routed is not None:
+                routed[0].check_writer()
+        except WriterGoneError as exc:
+            if exc.mm_hashes:
+                raise
+            raise WriterGoneError(
+                f"the shard writer of 1 item(s) is gone: {h}", mm_hashes=(h,)
+            ) from exc
 
     def release(self, ref: ShmRef) -> bool:
         """Give back a hand-out this reader will not read; False if unknown or released."""

@@ -1044,6 +1044,24 @@ def test_a_touch_of_a_closed_shard_s_reference_is_writer_gone(group: str) -> Non
         tx.close()
 
 
+def test_a_touch_of_a_gone_shard_s_reference_lists_its_hash(group: str) -> None:
+    """A group reader's ``WriterGoneError`` lists the hashes of the shard that is gone
+    (``mm_hashes``, what a gateway resends): a ``touch``'s lists its hash too, as a read's
+    does, before and after the rescan that detaches the shard."""
+    tx = SenderCache(CacheConfig(1 << 20, 1 << 16, 1, group=group))
+    try:
+        with ReceiverCache.attach_group(group) as rx:
+            ref, _ = tx.get_and_update_item(({"x": np.arange(4)}, ()), "h")
+            tx.close()
+            for _ in range(2):
+                with pytest.raises(WriterGoneError) as info:
+                    rx.touch("h", ref)
+                assert info.value.mm_hashes == ("h",)
+                rx.rescan()
+    finally:
+        tx.close()
+
+
 def test_a_shard_without_a_free_reader_slot_fails_only_its_own_references(group: str) -> None:
     """A group reader that cannot attach one shard opened after it (every reader slot taken)
     still attaches the shards opened later, and a request that names the full shard fails owing
