@@ -98,8 +98,11 @@ def sweep_named(name: str, *, dry_run: bool = False) -> tuple[list[Found], list[
     if os.path.lexists(os.path.join(SHM_DIR, full)):
         targets = [full]
     else:
-        # the group's name: ``name`` as normalised (a leading ``/`` or ``aioshm-`` accepted)
-        targets = [seg for _k, seg in list_shards(full.removeprefix(SEGMENT_PREFIX))]
+        # the group's name as given, else as normalised (``aioshm-G`` for group ``G``, as a
+        # segment's name may be given with its prefix; a group may itself be named ``aioshm-x``)
+        targets = [seg for _k, seg in list_shards(name.removeprefix("/"))] or [
+            seg for _k, seg in list_shards(full.removeprefix(SEGMENT_PREFIX))
+        ]
     if not targets:
         removed = sweep(full, dry_run=dry_run)  # semaphores a missing segment left, if any
         return [Found(full, "missing", "no such segment or cache group")], removed
