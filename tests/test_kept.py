@@ -365,6 +365,7 @@ def test_a_token_list_a_finalizer_changes_amid_the_walk_is_kept_as_it_was_or_is(
             self.seq[:] = after
 
     was = gc.get_threshold()
+    gc.freeze()  # the test process's own objects left out of every collection here: fast
     try:
         for threshold in range(1, 30):
             seq = list(before)
@@ -379,6 +380,7 @@ def test_a_token_list_a_finalizer_changes_amid_the_walk_is_kept_as_it_was_or_is(
             assert restore(kept)[0].full in (before, after) and seq == after
     finally:
         gc.set_threshold(*was)
+        gc.unfreeze()
         gc.collect()
 
 
@@ -390,6 +392,7 @@ def test_a_dict_a_finalizer_changes_amid_the_walk_is_kept_whole(change: str) -> 
     read back as other values: the next update taken for a pair, or an ``IndexError``). The
     Python walk keeps a dict changed amid its snapshot by reference."""
     was = gc.get_threshold()
+    gc.freeze()  # the test process's own objects left out of every collection here: fast
     try:
         for threshold in range(1, 30):
             d = {"a": 1, "c": 3}
@@ -420,6 +423,7 @@ def test_a_dict_a_finalizer_changes_amid_the_walk_is_kept_whole(change: str) -> 
             assert restore(kept) in ((before, "x", Details([1])), updates)
     finally:
         gc.set_threshold(*was)
+        gc.unfreeze()
         gc.collect()
 
 
