@@ -5,8 +5,6 @@
  * code and what the value holds). The reference is ``_kept.keep_py`` and the pure core's
  * functions in ``aioshmcache/_core_py.py``:
  *
- *   all_atoms(seq)        whether ``seq`` is a list of exactly str, int, float, bool, bytes and
- *                         None items (a list of token ids: kept as its items);
  *   atom_tuple(seq)       ``tuple(seq)`` of a list, untracked at once when it holds no
  *                         container the collector may need to watch;
  *   atom_runs(seq)        a list of atoms as its runs of one object, when shorter;
@@ -36,26 +34,6 @@ is_atom(PyObject *v)
     PyTypeObject *t = Py_TYPE(v);
     return t == &PyLong_Type || t == &PyUnicode_Type || t == &PyFloat_Type || t == &PyBool_Type ||
            t == &PyBytes_Type || v == Py_None;
-}
-
-static int
-list_all_atoms(PyObject *seq)
-{
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(seq); i++)
-        if (!is_atom(PyList_GET_ITEM(seq, i)))
-            return 0;
-    return 1;
-}
-
-/* Whether every item of the exact list ``seq`` is an atom. One type test an item, no Python
- * code: a list of hundreds of token ids is checked in a few thousand instructions (its
- * reference, a generator over the items, costs ~20 times that). Not a list: False. */
-static PyObject *
-kept_all_atoms(PyObject *self, PyObject *seq)
-{
-    if (PyList_CheckExact(seq) && list_all_atoms(seq))
-        Py_RETURN_TRUE;
-    Py_RETURN_FALSE;
 }
 
 /* ``tuple(seq)`` of the exact list ``seq``, untracked at once when none of its items is a
@@ -663,8 +641,6 @@ kept_restore_kept(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 PyMethodDef aioshm_kept_methods[] = {
-    {"all_atoms", kept_all_atoms, METH_O,
-     "all_atoms(seq) -> whether seq is a list of str, int, float, bool, bytes and None only"},
     {"atom_tuple", kept_atom_tuple, METH_O,
      "atom_tuple(seq) -> tuple(seq), untracked at once if it holds no tracked container"},
     {"atom_runs", kept_atom_runs, METH_O,

@@ -22,7 +22,6 @@ __all__ = [
     "MapState",
     "ReadCtx",
     "RingState",
-    "all_atoms",
     "atom_runs",
     "atom_tuple",
     "bytes_of",
@@ -170,12 +169,6 @@ def copy_into(dst: object, offset: int, src: object) -> None:
 _ATOM_TYPES: Final = frozenset({str, int, float, bool, bytes, type(None)})
 
 
-def all_atoms(seq: object) -> bool:
-    """Whether ``seq`` is a ``list`` whose items are each exactly a ``str``, ``int``, ``float``,
-    ``bool``, ``bytes`` or ``None`` (``_kept``'s atoms; a subclass is not one)."""
-    return type(seq) is list and all(type(x) in _ATOM_TYPES for x in seq)
-
-
 def atom_tuple(seq: list[Any]) -> tuple[Any, ...]:
     """``tuple(seq)`` of a ``list`` (``TypeError`` otherwise). The C core untracks it at once
     when it holds no tracked container, as CPython's next collection would after walking it;
@@ -186,10 +179,12 @@ def atom_tuple(seq: list[Any]) -> tuple[Any, ...]:
 
 
 def atom_runs(seq: list[Any]) -> tuple[Any, ...] | None:
-    """A list of atoms (``TypeError`` otherwise) as its runs, ``(item, count, ...)``: an item
-    that is the same object as the one before it extends that one's run. None when that is not
-    shorter than the list (as many runs as half its length, or more)."""
-    if not isinstance(seq, list) or not all_atoms(seq):
+    """A list of atoms (``TypeError`` otherwise: a list of anything else, a subclass of an
+    atom type included) as its runs, ``(item, count, ...)``: an item that is the same object as
+    the one before it extends that one's run. None when that is not shorter than the list (as
+    many runs as half its length, or more). ``_kept``'s atoms: exactly ``str``, ``int``,
+    ``float``, ``bool``, ``bytes`` and ``None``."""
+    if type(seq) is not list or not all(type(x) in _ATOM_TYPES for x in seq):
         raise TypeError("atom_runs: a list of atoms is expected")
     out: list[Any] = []
     for x in seq:

@@ -70,7 +70,6 @@ KEPT: Final = os.urandom(16)
 MAX_DEPTH: Final = 32
 
 _ATOMS: Final = frozenset({str, int, float, bool, bytes, type(None)})
-_all_atoms = core.all_atoms
 _atom_tuple = core.atom_tuple
 _atom_runs = core.atom_runs
 _keep_updates = core.keep_updates
@@ -141,10 +140,14 @@ def _put(v: Any, out: list[Any], refs: list[Any], depth: int) -> None:
     # finalizer (run by a collection an allocation here starts) changing them makes no records
     # that say more or fewer items than follow
     if t is list:
-        if not v or (type(v[0]) in _ATOMS and _all_atoms(v)):
-            runs = _atom_runs(v)
-            out += (_ATOM_LIST, _atom_tuple(v)) if runs is None else (_ATOM_RUNS, runs)
-            return
+        if not v or type(v[0]) in _ATOMS:  # a list of atoms, at first sight
+            try:
+                runs = _atom_runs(v)  # (checks every item: one pass)
+            except TypeError:  # a list of atoms and more
+                pass
+            else:
+                out += (_ATOM_LIST, _atom_tuple(v)) if runs is None else (_ATOM_RUNS, runs)
+                return
         items = (*v,)
         out += (_LIST, len(items))
         for x in items:

@@ -243,6 +243,21 @@ def _child_touches_with_the_parent_s_reader(rx: ReceiverCache, ref: ShmRef, conn
     conn.close()
 
 
+def _forked_report(target: Callable[..., None], *args: Any) -> tuple[Any, int | None]:
+    """Run ``target(*args, conn)`` in a forked child: what it sends back, and its exit code
+    (the child reaped on every path)."""
+    a, b = FORK.Pipe()
+    child = FORK.Process(target=target, args=(*args, b))
+    child.start()
+    try:
+        assert a.poll(60), "the forked child did not report"
+        got = a.recv()
+        child.join(60)
+        return got, child.exitcode
+    finally:
+        kill_and_reap(child)
+
+
 def test_a_forked_child_s_touch_of_its_parent_s_reader_is_role_error(make_config: Any) -> None:
     """A reader's ``touch`` probes the writer; in a forked child the copy probes no lock, so the
     parent's live writer was reported dead (``WriterGoneError``): ``RoleError`` first, as a read."""
@@ -250,15 +265,7 @@ def test_a_forked_child_s_touch_of_its_parent_s_reader_is_role_error(make_config
     with SenderCache(cfg) as tx, ReceiverCache.attach(tx.handle()) as rx:
         ref = tx.get_and_update_item(({"a": np.zeros(8)}, ()), "h")[0]
         assert isinstance(ref, ShmRef)
-        a, b = FORK.Pipe()
-        child = FORK.Process(target=_child_touches_with_the_parent_s_reader, args=(rx, ref, b))
-        child.start()
-        try:
-            assert a.poll(60), "the forked child did not report"
-            got = a.recv()
-            child.join(60)
-        finally:
-            kill_and_reap(child)
+        got, _ = _forked_report(_child_touches_with_the_parent_s_reader, rx, ref)
         assert got.startswith("RoleError") and "attach again" in got, got
         rx.touch("h", ref)  # the parent's reader and writer are fine
 
@@ -283,16 +290,8 @@ def test_a_forked_child_cannot_touch_its_parent_s_writer(
         assert tx.release(spare)  # the parent can; the child must not
         for i, ref in enumerate(refs):
             rx.get_and_update_item(ref, f"h{i}")
-        a, b = FORK.Pipe()
-        child = FORK.Process(target=_child_uses_the_parent_s_writer, args=(tx, spare, b))
-        child.start()
-        try:
-            assert a.poll(60), "the forked child did not report"
-            got = a.recv()
-            child.join(60)
-            assert child.exitcode == 0
-        finally:
-            kill_and_reap(child)
+        got, exitcode = _forked_report(_child_uses_the_parent_s_writer, tx, spare)
+        assert exitcode == 0
         assert {k: v for k, v in got.items() if v != "RoleError"} == {}
         for _ in range(2):  # read everything twice more: had the child drained the log, these
             for i, ref in enumerate(refs):  # acknowledgements would overwrite unread ones
