@@ -8,7 +8,7 @@
  *   atom_tuple(seq)       ``tuple(seq)`` of a list, untracked at once when it holds no
  *                         container the collector may need to watch;
  *   atom_runs(seq)        a list of atoms as its runs of one object, when shorter;
- *   keep_updates(updates, how, numbers, max_depth, marker)
+ *   keep_updates(updates, how, numbers, objects, max_depth, marker)
  *                         ``_kept.keep_py(updates)`` in one call, for updates of classes the
  *                         registry has met: the same records, or None (declined, nothing done)
  *                         for anything else (a class or enum member not numbered yet, an
@@ -26,7 +26,11 @@
 #include "_core.h"
 
 /* record codes: ``_kept``'s ``_ATOM, _ATOM_LIST, ...`` (the differential test compares them) */
-enum { K_ATOM, K_ATOM_LIST, K_LIST, K_TUPLE, K_DICT, K_DICT_OBJ, K_SLOT_OBJ, K_MEMBER, K_REF, K_ATOM_RUNS };
+enum { K_ATOM, K_ATOM_LIST, K_LIST, K_TUPLE, K_DICT, K_DICT_OBJ, K_SLOT_OBJ, K_MEMBER, K_REF, K_ATOM_RUNS, K_FUNC };
+
+/* a function definition in the registry (``_kept._definition``): code, globals, name,
+ * qualname, module, doc, annotations (a dict) */
+enum { D_CODE, D_GLOBALS, D_NAME, D_QUALNAME, D_MODULE, D_DOC, D_ANNOTATIONS, D_SIZE };
 
 static inline int
 is_atom(PyObject *v)
@@ -175,7 +179,8 @@ typedef struct {
     PyObject *out;     /* list: the records so far */
     PyObject *refs;    /* list: what is kept by reference */
     PyObject *how;     /* dict: class -> (code, field names), or None (kept by reference) */
-    PyObject *numbers; /* dict: id(class or enum member) -> its number */
+    PyObject *numbers; /* dict: id(class, enum member or definition's code) -> its number */
+    PyObject *objects; /* list: number -> class, enum member or definition */
     long max_depth;
 } Walk;
 
@@ -319,6 +324,131 @@ done:
     return r;
 }
 
+/* ``_kept._same(a, b)`` (NULL is None): 1, 0, or -1 with an error set. */
+static int
+same(PyObject *a, PyObject *b)
+{
+    a = a == NULL ? Py_None : a;
+    b = b == NULL ? Py_None : b;
+    return a == b ? 1 : PyObject_RichCompareBool(a, b, Py_EQ);
+}
+
+/* Whether the function ``f``'s annotations are its definition's ``d`` (a dict): what
+ * ``f.__annotations__ == d`` says, without making ``f``'s dict of them. CPython 3.11-3.13 keep
+ * a new function's annotations as the flat tuple ``(name, value, ...)`` its ``def`` built,
+ * made a dict when first read. 1, 0, or -1 with an error set. */
+static int
+same_annotations(PyObject *raw, PyObject *d)
+{
+    if (!PyDict_CheckExact(d))
+        return 0;
+    if (raw == NULL || raw == Py_None)
+        return PyDict_GET_SIZE(d) == 0;
+    if (PyDict_Check(raw))
+        return PyObject_RichCompareBool(raw, d, Py_EQ);
+    if (!PyTuple_CheckExact(raw) || PyTuple_GET_SIZE(raw) % 2 ||
+        PyTuple_GET_SIZE(raw) / 2 != PyDict_GET_SIZE(d))
+        return 0; /* (a name twice would make fewer pairs: declined) */
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(raw); i += 2) {
+        PyObject *want = PyDict_GetItemWithError(d, PyTuple_GET_ITEM(raw, i));
+        if (want == NULL)
+            return PyErr_Occurred() ? -1 : 0;
+        Py_INCREF(want);
+        int r = same(PyTuple_GET_ITEM(raw, i + 1), want);
+        Py_DECREF(want);
+        if (r <= 0)
+            return r;
+    }
+    return 1;
+}
+
+/* A function as its definition's number and the records of its defaults, keyword defaults
+ * and cells' contents (``_kept._put``); declined if its code is not numbered yet or it
+ * differs from its definition in any way (the Python walk then keeps it by reference). */
+static int
+put_function(Walk *w, PyObject *v, long depth)
+{
+#if PY_VERSION_HEX >= 0x030E0000
+    return 0; /* annotations made lazily (PEP 649): the Python walk keeps it by reference */
+#else
+    PyFunctionObject *f = (PyFunctionObject *)v;
+    PyObject *num = NULL, *d = NULL, *held = NULL, *parts[3] = {NULL, NULL, NULL};
+    int r = number_of(w, f->func_code, &num);
+    if (r <= 0)
+        return r;
+    Py_ssize_t n = PyLong_AsSsize_t(num);
+    if (n < 0 || n >= PyList_GET_SIZE(w->objects)) {
+        PyErr_Clear();
+        r = 0;
+        goto done;
+    }
+    d = Py_NewRef(PyList_GET_ITEM(w->objects, n));
+    r = 0;
+    if (!PyTuple_CheckExact(d) || PyTuple_GET_SIZE(d) != D_SIZE ||
+        PyTuple_GET_ITEM(d, D_CODE) != f->func_code ||
+        PyTuple_GET_ITEM(d, D_GLOBALS) != f->func_globals ||
+        (f->func_dict != NULL && (!PyDict_Check(f->func_dict) || PyDict_GET_SIZE(f->func_dict))))
+        goto done;
+#if PY_VERSION_HEX >= 0x030C0000
+    if (f->func_typeparams != NULL &&
+        (!PyTuple_CheckExact(f->func_typeparams) || PyTuple_GET_SIZE(f->func_typeparams)))
+        goto done;
+#endif
+    /* what a comparison may run (a caller's __eq__) cannot free what is compared */
+    PyObject *mine[5] = {f->func_name, f->func_qualname, f->func_module, f->func_doc,
+                         f->func_annotations};
+    for (int j = 0; j < 5; j++)
+        Py_XINCREF(mine[j]);
+    r = 1;
+    for (int j = 0; r > 0 && j < 4; j++)
+        r = same(mine[j], PyTuple_GET_ITEM(d, D_NAME + j));
+    if (r > 0)
+        r = same_annotations(mine[4], PyTuple_GET_ITEM(d, D_ANNOTATIONS));
+    for (int j = 0; j < 5; j++)
+        Py_XDECREF(mine[j]);
+    if (r <= 0) {
+        PyErr_Clear(); /* the Python walk compares them again, and raises what they raise */
+        r = 0;
+        goto done;
+    }
+    parts[0] = Py_XNewRef(f->func_defaults);
+    parts[1] = Py_XNewRef(f->func_kwdefaults);
+    parts[2] = Py_XNewRef(f->func_closure);
+    if (parts[2] != NULL) { /* what its cells hold, at this moment */
+        if (!PyTuple_CheckExact(parts[2])) {
+            r = 0;
+            goto done;
+        }
+        Py_ssize_t k = PyTuple_GET_SIZE(parts[2]);
+        if ((held = PyTuple_New(k)) == NULL) {
+            r = -1;
+            goto done;
+        }
+        for (Py_ssize_t j = 0; j < k; j++) {
+            PyObject *cell = PyTuple_GET_ITEM(parts[2], j);
+            PyObject *x = PyCell_Check(cell) ? PyCell_GET(cell) : NULL;
+            if (x == NULL) { /* an empty cell: the Python walk keeps the function by reference */
+                r = 0;
+                goto done;
+            }
+            PyTuple_SET_ITEM(held, j, Py_NewRef(x));
+        }
+    }
+    r = add(w->out, K_FUNC, num);
+    for (int j = 0; r > 0 && j < 3; j++) {
+        PyObject *x = j < 2 ? parts[j] : held;
+        r = put(w, x == NULL ? Py_None : x, depth);
+    }
+done:
+    Py_XDECREF(held);
+    for (int j = 0; j < 3; j++)
+        Py_XDECREF(parts[j]);
+    Py_XDECREF(d);
+    Py_DECREF(num);
+    return r;
+#endif
+}
+
 static int
 put(Walk *w, PyObject *v, long depth)
 {
@@ -364,20 +494,22 @@ put(Walk *w, PyObject *v, long depth)
         Py_XDECREF(c);
         return r > 0 ? put_pairs(w, v, depth) : r;
     }
+    if (PyFunction_Check(v) && Py_IS_TYPE(v, &PyFunction_Type))
+        return put_function(w, v, depth);
     return put_object(w, v, depth);
 }
 
-/* keep_updates(updates, how, numbers, max_depth, marker) -> the kept form, or None. */
+/* keep_updates(updates, how, numbers, objects, max_depth, marker) -> the kept form, or None. */
 static PyObject *
 kept_keep_updates(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5 || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2]) ||
-        !PyLong_CheckExact(args[3])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "keep_updates(updates, how: dict, numbers: dict, max_depth: int, marker)");
+    if (nargs != 6 || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2]) ||
+        !PyList_CheckExact(args[3]) || !PyLong_CheckExact(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "keep_updates(updates, how: dict, numbers: dict, "
+                                         "objects: list, max_depth: int, marker)");
         return NULL;
     }
-    PyObject *updates = args[0], *marker = args[4];
+    PyObject *updates = args[0], *marker = args[5];
     if (!PyTuple_CheckExact(updates))
         return Py_NewRef(updates);
     Py_ssize_t i = 0;
@@ -385,10 +517,10 @@ kept_keep_updates(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         i++;
     if (i == PyTuple_GET_SIZE(updates))
         return Py_NewRef(updates); /* atoms (or empty): an untracked tuple already */
-    long max_depth = PyLong_AsLong(args[3]);
+    long max_depth = PyLong_AsLong(args[4]);
     if (max_depth == -1 && PyErr_Occurred())
         return NULL;
-    Walk w = {PyList_New(0), PyList_New(0), args[1], args[2], max_depth};
+    Walk w = {PyList_New(0), PyList_New(0), args[1], args[2], args[3], max_depth};
     PyObject *result = NULL;
     if (w.out == NULL || w.refs == NULL || PyList_Append(w.out, marker) < 0 ||
         PyList_Append(w.out, Py_None) < 0)
@@ -452,13 +584,78 @@ object_setattr_applies(PyTypeObject *cls)
     return cls == &PyBaseObject_Type;
 }
 
+static PyObject *get(Unwalk *u, Py_ssize_t *i, int depth);
+
+/* A function made again (``_kept._get``'s ``_FUNC``): a new function of its definition's code
+ * and globals, its defaults, keyword defaults, new cells holding what they held, and a copy of
+ * its definition's annotations; or NULL: declined (any error cleared). */
+static PyObject *
+get_function(Unwalk *u, Py_ssize_t *i, int depth)
+{
+#if PY_VERSION_HEX >= 0x030E0000
+    return NULL;
+#else
+    Py_ssize_t num = next_index(u, i, PyList_GET_SIZE(u->objects));
+    if (num < 0)
+        return NULL;
+    PyObject *d = Py_NewRef(PyList_GET_ITEM(u->objects, num)), *fn = NULL, *cells = NULL;
+    PyObject *parts[3] = {NULL, NULL, NULL};
+    for (int j = 0; j < 3; j++)
+        if ((parts[j] = get(u, i, depth + 1)) == NULL)
+            goto done;
+    PyObject *defaults = parts[0], *kwdefaults = parts[1], *held = parts[2];
+    if (!PyTuple_CheckExact(d) || PyTuple_GET_SIZE(d) != D_SIZE ||
+        !PyCode_Check(PyTuple_GET_ITEM(d, D_CODE)) ||
+        !PyDict_CheckExact(PyTuple_GET_ITEM(d, D_ANNOTATIONS)) ||
+        (defaults != Py_None && !PyTuple_CheckExact(defaults)) ||
+        (kwdefaults != Py_None && !PyDict_CheckExact(kwdefaults)) ||
+        (held != Py_None && !PyTuple_CheckExact(held)))
+        goto done;
+    PyCodeObject *code = (PyCodeObject *)PyTuple_GET_ITEM(d, D_CODE);
+    if ((held == Py_None ? 0 : PyTuple_GET_SIZE(held)) != code->co_nfreevars)
+        goto done;
+    if (held != Py_None) {
+        if ((cells = PyTuple_New(PyTuple_GET_SIZE(held))) == NULL)
+            goto done;
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(held); j++) {
+            PyObject *cell = PyCell_New(PyTuple_GET_ITEM(held, j));
+            if (cell == NULL)
+                goto done;
+            PyTuple_SET_ITEM(cells, j, cell);
+        }
+    }
+    fn = PyFunction_New((PyObject *)code, PyTuple_GET_ITEM(d, D_GLOBALS));
+    if (fn == NULL || (defaults != Py_None && PyFunction_SetDefaults(fn, defaults) < 0) ||
+        (kwdefaults != Py_None && PyFunction_SetKwDefaults(fn, kwdefaults) < 0) ||
+        (cells != NULL && PyFunction_SetClosure(fn, cells) < 0)) {
+        Py_CLEAR(fn);
+        goto done;
+    }
+    PyObject *annotations = PyTuple_GET_ITEM(d, D_ANNOTATIONS);
+    if (PyDict_GET_SIZE(annotations)) {
+        PyObject *mine = PyDict_Copy(annotations);
+        if (mine == NULL || PyFunction_SetAnnotations(fn, mine) < 0)
+            Py_CLEAR(fn);
+        Py_XDECREF(mine);
+    }
+done:
+    if (fn == NULL)
+        PyErr_Clear();
+    Py_XDECREF(cells);
+    for (int j = 0; j < 3; j++)
+        Py_XDECREF(parts[j]);
+    Py_DECREF(d);
+    return fn;
+#endif
+}
+
 /* The value whose record starts at ``flat[*i]`` (a new reference; *i after that record), or
  * NULL: declined (any error cleared: the Python steps raise it). */
 static PyObject *
 get(Unwalk *u, Py_ssize_t *i, int depth)
 {
     Py_ssize_t big = PY_SSIZE_T_MAX;
-    Py_ssize_t code = depth > 64 ? -1 : next_index(u, i, K_ATOM_RUNS + 1);
+    Py_ssize_t code = depth > 64 ? -1 : next_index(u, i, K_FUNC + 1);
     if (code < 0 || *i >= PyTuple_GET_SIZE(u->flat))
         return NULL;
     PyObject *arg = PyTuple_GET_ITEM(u->flat, *i);
@@ -545,6 +742,8 @@ get(Unwalk *u, Py_ssize_t *i, int depth)
         }
         return out;
     }
+    case K_FUNC:
+        return get_function(u, i, depth);
     default: /* K_DICT_OBJ, K_SLOT_OBJ: an instance of a numbered class */
         break;
     }
@@ -648,7 +847,7 @@ PyMethodDef aioshm_kept_methods[] = {
     {"restore_kept", (PyCFunction)(void (*)(void))kept_restore_kept, METH_FASTCALL,
      "restore_kept(kept, objects, how) -> (updates,) restored, or None (declined)"},
     {"keep_updates", (PyCFunction)(void (*)(void))kept_keep_updates, METH_FASTCALL,
-     "keep_updates(updates, how, numbers, max_depth, marker) -> _kept's kept form of "
+     "keep_updates(updates, how, numbers, objects, max_depth, marker) -> _kept's kept form of "
      "updates, or None (declined)"},
     {NULL, NULL, 0, NULL},
 };

@@ -196,7 +196,7 @@ def atom_runs(seq: list[Any]) -> tuple[Any, ...] | None:
 
 
 def keep_updates(
-    updates: object, how: object, numbers: object, max_depth: int, marker: object
+    updates: object, how: object, numbers: object, objects: object, max_depth: int, marker: object
 ) -> Any:
     """The sender's kept form of ``updates`` in one call, which may decline (None): here it
     always does, before any side effect, so ``_kept.keep_py`` (the reference) makes it."""

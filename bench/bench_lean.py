@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import enum
 import gc
 import itertools
 import os
@@ -29,7 +28,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,6 +40,7 @@ from aioshmcache import (
     ShmObjectStore,
 )
 from aioshmcache.tools.bench.timing import ShmBuffer
+from aioshmcache.tools.bench.vllm_shapes import image_updates
 
 KiB, MiB = 1 << 10, 1 << 20
 #: the entry cells are timed in this thread's CPU time: on a shared machine, time the process
@@ -164,46 +163,6 @@ def entry(rounds: int, batch: int) -> None:
         )
 
 
-class _UpdateMode(str, enum.Enum):  # noqa: UP042 (vLLM's own shape, not StrEnum)
-    """vLLM's ``UpdateMode``: a ``str`` enum."""
-
-    INSERT = "insert"
-    REPLACE = "replace"
-
-
-@dataclass
-class _Details:
-    """The shape of vLLM's ``PromptUpdateDetails``: the placeholder tokens of an update and
-    ``is_embed`` (``None``, or a closure made per item by ``select_token_id``)."""
-
-    full: list[int]
-    is_embed: Callable[[list[int]], Any] | None = None
-
-
-@dataclass(frozen=True)
-class _Update:
-    """The shape of vLLM's ``ResolvedPromptUpdate`` (a frozen dataclass of a few fields)."""
-
-    modality: str
-    item_idx: int
-    mode: _UpdateMode
-    target: list[int]
-    content: _Details
-
-
-def _select_token_id(seq: list[int], token: int) -> _Details:
-    """vLLM's ``PromptUpdateDetails.select_token_id``: a new closure per call."""
-
-    def is_embed(full: list[int]) -> Any:
-        return [t == token for t in full]
-
-    return _Details(seq, is_embed)
-
-
-def _update(i: int, details: _Details) -> list[_Update]:
-    return [_Update("image", i % 8, _UpdateMode.REPLACE, [32000], details)]
-
-
 #: what each put passes as its prompt updates, made new for every put as vLLM's processor does
 #: (``[update.resolve(item_idx) for update in updates]``): ``empty`` a model whose items need
 #: no update (the caller's ``[]``), ``atoms`` a list of str/int, ``objects`` one update object
@@ -213,8 +172,8 @@ def _update(i: int, details: _Details) -> list[_Update]:
 UPDATES: dict[str, Callable[[int], Any]] = {
     "empty": lambda i: [],
     "atoms": lambda i: ["image", i % 8, "<image>"],
-    "objects": lambda i: _update(i, _Details([32000] * 576)),
-    "closures": lambda i: _update(i, _select_token_id([32000] * 576, 32000)),
+    "objects": image_updates,
+    "closures": lambda i: image_updates(i, closure=True),
     "none": lambda i: (),
 }
 

@@ -9,6 +9,7 @@ import gc
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import FunctionType
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,8 @@ from aioshmcache._kept import (
     restore_compiled,
     restore_py,
 )
+from aioshmcache.tools.bench.vllm_shapes import Details as VDetails
+from aioshmcache.tools.bench.vllm_shapes import image_updates
 
 
 class Mode(str, enum.Enum):  # noqa: UP042 (vLLM's UpdateMode is a (str, Enum))
@@ -98,10 +101,12 @@ def test_objects_msgpack_cannot_write_are_kept_by_reference() -> None:
     def is_embed(full: list[int]) -> Any:
         return full
 
+    is_embed.tag = "mine"  # type: ignore[attr-defined]  # an attribute: not as its def made it
     arr = np.arange(3)
     given_ = (*vllm_like(1, is_embed), arr)
     kept = keep(given_)
-    assert kept[0] is KEPT and kept[1] == (is_embed, arr) and type(kept[2]) is tuple
+    assert kept[0] is KEPT and type(kept[2]) is tuple
+    assert kept[1][0] is is_embed and kept[1][1] is arr
     assert gc.is_tracked(kept[2]) is (implementation() == "python")
     gc.collect()
     gc.collect()
@@ -109,6 +114,158 @@ def test_objects_msgpack_cannot_write_are_kept_by_reference() -> None:
     assert not gc.is_tracked(kept[2])  # the records, atoms only, do not
     got = restore(kept)
     assert got[0] == given_[0] and got[0].content.is_embed is is_embed and got[1] is arr
+
+
+def _fn_state(f: Any) -> tuple[Any, ...]:
+    """All a plain function is: what a function kept as its definition must come back with."""
+    held = None if f.__closure__ is None else tuple(c.cell_contents for c in f.__closure__)
+    return (
+        f.__code__,
+        f.__globals__,
+        f.__name__,
+        f.__qualname__,
+        f.__module__,
+        f.__doc__,
+        f.__defaults__,
+        f.__kwdefaults__,
+        f.__annotations__,
+        held,
+    )
+
+
+@pytest.mark.parametrize("maker", ["select_token_id", "select_token_ids"])
+def test_closures_are_kept_as_their_definition_and_cells_untracked(maker: str) -> None:
+    """Issue 29, first lap: vLLM's ``select_token_id`` makes a closure per item (the function,
+    its cell, its annotations' tuple and ``list[int]``: four tracked objects per cached item,
+    full collections of 132 ms). It is kept as its definition's number and what its cells
+    hold: nothing tracked; it comes back a new function equal in all it is, that works."""
+    make = getattr(VDetails, maker)
+    token = [32000] if maker == "select_token_ids" else 32000
+    updates = (Update("image", 0, Mode.REPLACE, [32000], make([32000] * 576, token)),)
+    f = updates[0].content.is_embed
+    kept = keep(updates)
+    assert kept[0] is KEPT and kept[1] is None  # nothing by reference
+    assert gc.is_tracked(kept) is (implementation() == "python")  # untracked at once in C
+    gc.collect()
+    gc.collect()  # on the pure core: the collections that walk it untrack it
+    assert not gc.is_tracked(kept) and len(kept) < 60
+    got = restore(kept)
+    g = got[0].content.is_embed
+    assert g is not None and f is not None and g is not f and type(g) is type(f)
+    assert _fn_state(g) == _fn_state(f)
+    assert g([32000, 1]).tolist() == f([32000, 1]).tolist() == [True, False]
+    assert got[0].content.full == updates[0].content.full and got[0].mode is Mode.REPLACE
+    # the next item's closure (a new function, cell and list[int]) is kept alike: the walk
+    # compares its annotations with its definition's, equal but not the same objects
+    later = (make([7] * 3, [7] if maker == "select_token_ids" else 7),)
+    k2 = keep(later)
+    assert k2[0] is KEPT and k2[1] is None  # not by reference: its definition's
+    assert restore(k2)[0].is_embed([7, 8]).tolist() == [True, False]
+    if implementation() != "python":
+        assert keep_compiled(later) == keep_py(later) == k2
+        c = restore_compiled(k2)
+        assert c is not None
+        assert _fn_state(c[0][0].is_embed) == _fn_state(restore_py(k2)[0].is_embed)
+
+
+def _closure_over(v: Any) -> Any:
+    def f(x: int = 3, *, k: Any = (1,)) -> Any:
+        """A closure with defaults, keyword defaults and a doc."""
+        return (v, x, k)
+
+    return f
+
+
+def test_a_function_differing_from_its_definition_is_kept_by_reference() -> None:
+    """Only a function as its ``def`` made it is kept as its definition: renamed, an attribute
+    set, other annotations than the first met, other globals, an empty cell: each kept by
+    reference, the caller's own; and a caller's object raising in the comparison: the updates
+    kept as given."""
+    plain = _closure_over(1)
+    assert keep((plain,))[1] is None  # numbers the definition
+    renamed = _closure_over(2)
+    renamed.__name__ = "other"
+    tagged = _closure_over(3)
+    tagged.tag = 1
+    annotated = _closure_over(4)
+    annotated.__annotations__ = {"x": str}
+    elsewhere = FunctionType(
+        plain.__code__, {"__name__": "elsewhere"}, None, None, plain.__closure__
+    )
+
+    def unbound() -> Any:
+        return later  # a cell still empty at the put
+
+    for f in (renamed, tagged, annotated, elsewhere, unbound):
+        kept = keep((f,))
+        assert kept[1] == (f,), f
+        assert restore(kept)[0] is f
+        if implementation() != "python":
+            assert keep_compiled((f,)) in (None, kept)
+    later = 1
+
+    class Raises:
+        def __eq__(self, other: object) -> bool:
+            raise RuntimeError("no")
+
+        __hash__ = None  # type: ignore[assignment]
+
+    odd = _closure_over(5)
+    odd.__doc__ = Raises()
+    given_ = (odd,)
+    assert keep(given_) is given_
+    assert unbound() == 1
+
+
+def test_a_function_comes_back_with_its_defaults_and_cells_as_they_were_at_the_put() -> None:
+    """Defaults and keyword defaults are kept as records, the cells' contents copied as any
+    value (a list: a new list); a cell rebound after the put is not carried over."""
+    box = [1, 2]
+    f = _closure_over(box)
+    f.__defaults__ = (9,)
+    f.__kwdefaults__ = {"k": [Details([5])]}
+    kept = keep((f,))
+    box.append(3)
+    g = restore(kept)[0]
+    assert g() == ([1, 2], 9, [Details([5])]) and g(x=0, k=2) == ([1, 2], 0, 2)
+    assert f() == ([1, 2, 3], 9, [Details([5])])
+    for _ in range(3):  # every look-up: a new function, new cells, a new list
+        h = restore(kept)[0]
+        assert h is not g and h.__closure__[0] is not g.__closure__[0]
+        assert h()[0] is not g()[0] and h() == g()
+
+    def counter() -> Any:
+        n = 0
+
+        def step() -> int:
+            nonlocal n
+            n += 1
+            return n
+
+        return step
+
+    step = counter()
+    kept = keep((step,))
+    assert step() == 1 and step() == 2
+    again = restore(kept)[0]
+    assert again() == 1 and again() == 2 and restore(kept)[0]() == 1
+
+
+def test_a_closure_over_itself_comes_back_callable() -> None:
+    """A function whose cell holds itself (a recursive inner ``def``): copied down to
+    ``MAX_DEPTH``, then the caller's own (the walk ends there, as for a cyclic list)."""
+
+    def outer() -> Any:
+        def fact(n: int) -> int:
+            return 1 if n <= 1 else n * fact(n - 1)
+
+        return fact
+
+    fact = outer()
+    got = restore(keep((fact,)))[0]
+    assert got(5) == 120 and got is not fact
+    if implementation() != "python":
+        assert keep_compiled((fact,)) == keep_py((fact,))
 
 
 def test_every_shape_round_trips_with_its_types() -> None:
@@ -324,6 +481,49 @@ def test_the_core_restores_what_the_python_steps_restore(updates: tuple[Any, ...
     assert restore(kept) == updates
 
 
+def _norm(v: Any) -> Any:
+    """A value with every plain function replaced by all it is (``_fn_state``), all the way
+    down: what a function kept as its definition must come back equal to."""
+    if type(v) is FunctionType:
+        return ("fn", *map(_norm, _fn_state(v)[2:]), id(v.__code__), id(v.__globals__))
+    if isinstance(v, (list, tuple)):
+        return (type(v), [_norm(x) for x in v])
+    if isinstance(v, dict):
+        return (type(v), [(_norm(k), _norm(x)) for k, x in v.items()])
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return (type(v), [_norm(getattr(v, f.name)) for f in dataclasses.fields(v)])
+    if isinstance(v, enum.Enum):
+        return (type(v), id(v))
+    return (type(v), v)
+
+
+_with_functions = st.one_of(
+    _with_runs,
+    st.builds(_closure_over, _values),
+    st.builds(lambda v: Details([1, 1], _closure_over(v)), _values),
+    st.builds(lambda v: _closure_over(_closure_over(v)), _values),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(_with_functions, max_size=4).map(tuple))
+def test_both_cores_keep_and_restore_functions_alike(updates: tuple[Any, ...]) -> None:
+    """Functions (closures over any value, inside dataclasses, over other closures): the C
+    core's walk makes exactly ``keep_py``'s records, and both restores give back new functions
+    equal in all they are to the given ones, as the rest of the updates."""
+    want = keep_py(updates)
+    got = keep_compiled(updates)
+    if implementation() == "python":
+        assert got is None
+    else:
+        assert got == want and type(got) is type(want)
+    back = restore_py(want)
+    assert _norm(back) == _norm(updates)
+    if implementation() != "python" and want is not updates:
+        c = restore_compiled(want)
+        assert c is not None and _norm(c[0]) == _norm(updates)
+
+
 def test_token_runs_are_kept_as_runs_and_come_back_as_the_same_objects() -> None:
     """A list of one token id repeated (vLLM's ``[image_token_id] * 576``, between a start and
     an end token) is kept as its runs, not as 578 pointers; distinct ids as their tuple."""
@@ -428,18 +628,19 @@ def test_a_dict_a_finalizer_changes_amid_the_walk_is_kept_whole(change: str) -> 
 
 
 def test_a_sender_keeps_vllm_shaped_updates_untracked(make_config: Any) -> None:
-    """Issue 29: a cached item's vLLM-shaped updates leave nothing for the collector (closures
-    excepted: they, and only they, stay by reference); a look-up gives them back equal, a put
-    gives the caller's own."""
+    """Issue 29: a cached item's vLLM-shaped updates, closures included, leave nothing for the
+    collector (a function not as its ``def`` made it excepted: it, and only it, stays by
+    reference); a look-up gives them back equal, a put gives the caller's own."""
     small = {"x": np.arange(4, dtype=np.uint8)}
 
     def is_embed(full: list[int]) -> Any:
         return full
 
+    is_embed.tag = 1  # type: ignore[attr-defined]  # an attribute set: kept by reference
     with SenderCache(make_config(4 << 20, 1 << 16, 1)) as tx:
-        mine = {}
-        for i in range(30):
-            u = list(vllm_like(i, is_embed if i == 7 else None))
+        mine: dict[str, list[Any]] = {}
+        for i in range(30):  # but for k7, vLLM's select_token_id: a new closure per item
+            u: list[Any] = list(vllm_like(i, is_embed)) if i == 7 else image_updates(i, True)
             mine[f"k{i}"] = u
             ref, got = tx.get_and_update_item((small, u), f"k{i}")
             assert isinstance(ref, ShmRef) and got is u
@@ -447,16 +648,20 @@ def test_a_sender_keeps_vllm_shaped_updates_untracked(make_config: Any) -> None:
         gc.collect()
         gc.collect()  # the pure core's records: untracked by the collections that walk them
         tracked = [k for k in mine if gc.is_tracked(tx._prompt_updates[k])]
-        assert tracked == ["k7"]  # the one holding a closure
+        assert tracked == ["k7"]  # the one holding a function kept by reference
         for k, u in mine.items():
             ref, got = tx.get_and_update_item(None, k)
-            assert got == u and type(got) is list and got is not u
+            assert type(got) is list and got is not u and len(got) == 1
+            if k != "k7":
+                assert got[0].content.full == u[0].content.full and got[0].mode is u[0].mode
+                fn, g = u[0].content.is_embed, got[0].content.is_embed
+                assert _fn_state(g) == _fn_state(fn) and g([32000, 1]).tolist() == [True, False]
             tx.release(ref)
         ref, got = tx.get_and_update_item(None, "k7")
-        assert got[0].content.is_embed is is_embed
+        assert got == mine["k7"] and got[0].content.is_embed is is_embed
         tx.release(ref)
-        [f] = tx.get_and_update_features([tx_feature("k3")])
-        assert f.prompt_updates == tuple(mine["k3"])
+        [f] = tx.get_and_update_features([tx_feature("k7")])
+        assert f.prompt_updates == tuple(mine["k7"])
         tx.release(f.data)
 
 

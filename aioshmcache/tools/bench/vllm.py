@@ -24,7 +24,6 @@ section title says so, and the table block repeats it in its column name.
 from __future__ import annotations
 
 import contextlib
-import enum
 import importlib
 import importlib.util
 import itertools
@@ -35,7 +34,7 @@ import sys
 import time
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +49,7 @@ from ..units import KiB, MiB, fmt_bytes
 from . import timing as tm
 from .params import Params, bench_config, segment_prefix
 from .report import Report, Target, md_table
+from .vllm_shapes import image_updates
 
 __all__ = ["ISSUE_CELLS", "VLLM_MODULE", "IssueCell", "load_vllm_store", "run_vllm_suite"]
 
@@ -285,37 +285,6 @@ def _churn(mod: types.ModuleType, rounds: int, n: int) -> dict[str, tm.Stat]:
         return tm.interleave(rounds, cells, warmup=1)
 
 
-class _Mode(str, enum.Enum):  # noqa: UP042 (vLLM's own shape, not StrEnum)
-    """vLLM's ``UpdateMode``: a ``str`` enum."""
-
-    REPLACE = "replace"
-
-
-@dataclass
-class _Details:
-    """vLLM's ``PromptUpdateDetails``: the placeholder tokens of an update (``is_embed`` None)."""
-
-    full: list[int]
-    is_embed: Any = None
-
-
-@dataclass(frozen=True)
-class _Update:
-    """vLLM's ``ResolvedPromptUpdate``: a frozen dataclass of a few fields."""
-
-    modality: str
-    item_idx: int
-    mode: _Mode
-    target: list[int] = field(default_factory=list)
-    content: _Details = field(default_factory=lambda: _Details([]))
-
-
-def _prompt_updates(i: int) -> list[_Update]:
-    """What vLLM's processor passes with an image item: one resolved update, 576 token ids,
-    made new for every item (as ``bench/bench_lean.py lap --updates objects``)."""
-    return [_Update("image", i % 8, _Mode.REPLACE, [32000], _Details([32000] * 576))]
-
-
 def _with_updates(mod: types.ModuleType, rounds: int) -> dict[str, tm.Stat]:
     """1 KiB items passed with a vLLM-shaped prompt update, put and read back in each round.
 
@@ -341,7 +310,7 @@ def _with_updates(mod: types.ModuleType, rounds: int) -> dict[str, tm.Stat]:
     with _stores(mod, 2 * n * (size + 4 * KiB) + 8 * MiB, size + 64 * KiB) as st:  # as 1 KiB's
 
         def new(prefix: str) -> Callable[[], list[tuple[str, Any]]]:
-            return lambda: [(f"{prefix}{i}", _prompt_updates(i)) for i in itertools.islice(keys, n)]
+            return lambda: [(f"{prefix}{i}", image_updates(i)) for i in itertools.islice(keys, n)]
 
         def vllm_put(ku: tuple[str, Any]) -> tuple[str, Any]:
             kh = st.vllm_put(ku[0], tensor)
