@@ -184,7 +184,8 @@ typedef struct {
     long max_depth;
 } Walk;
 
-static PyObject *s_dict; /* "__dict__", interned */
+static PyObject *s_dict;   /* "__dict__", interned */
+static PyObject *s_locals; /* "<locals>" */
 
 /* Each step: 1 done, 0 declined (no exception set), -1 failed (an exception set). */
 
@@ -373,7 +374,22 @@ put_function(Walk *w, PyObject *v, long depth)
 #else
     PyFunctionObject *f = (PyFunctionObject *)v;
     PyObject *num = NULL, *d = NULL, *held = NULL, *parts[3] = {NULL, NULL, NULL};
-    int r = number_of(w, f->func_code, &num);
+    int r = number_of(w, v, &num); /* a function its module names, numbered: itself */
+    if (r != 0) {
+        if (r > 0)
+            r = add(w->out, K_MEMBER, num);
+        Py_XDECREF(num);
+        return r;
+    }
+    /* one its module may name (no "<locals>" in its qualified name): the Python walk looks */
+    Py_ssize_t at = PyUnicode_Check(f->func_qualname)
+                        ? PyUnicode_Find(f->func_qualname, s_locals, 0, PY_SSIZE_T_MAX, 1)
+                        : -1;
+    if (at < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    r = number_of(w, f->func_code, &num);
     if (r <= 0)
         return r;
     Py_ssize_t n = PyLong_AsSsize_t(num);
@@ -858,6 +874,8 @@ aioshm_kept_init(PyObject *module)
     if (s_dict == NULL && (s_dict = PyUnicode_InternFromString("__dict__")) == NULL)
         return -1;
     if (s_new == NULL && (s_new = PyUnicode_InternFromString("__new__")) == NULL)
+        return -1;
+    if (s_locals == NULL && (s_locals = PyUnicode_InternFromString("<locals>")) == NULL)
         return -1;
     return 0;
 }

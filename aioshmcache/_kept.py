@@ -25,7 +25,9 @@ what the sender stores:
   reference); an enum member is its number.
   Classes, enum members and function definitions are numbered in a registry of this module (a
   few, for the life of the process);
-- a function as what its ``def`` made it of (vLLM's ``select_token_id`` makes a closure,
+- a function its module names (``module.qualname`` is that very function, as ``pickle`` finds
+  one: a module's function, a class's method) is numbered, and comes back the same object;
+- any other function as what its ``def`` made it of (vLLM's ``select_token_id`` makes a closure,
   ``is_embed``, per item: the function, its cell and its annotations were three or four tracked
   objects per cached item, 132 ms full collections in the first lap): its definition's number,
   then the records of its defaults, its keyword defaults and what its cells hold. A definition
@@ -130,6 +132,18 @@ def _same(a: Any, b: Any) -> bool:
     return a is b or bool(a == b)
 
 
+def _named(f: Any) -> bool:
+    """Whether ``f``'s module names it: ``module.qualname`` is ``f`` itself (a function of a
+    module or a method of its class: an object as long-lived as its module, numbered once)."""
+    try:
+        obj = sys.modules.get(f.__module__)
+        for part in f.__qualname__.split("."):
+            obj = getattr(obj, part)
+    except Exception:  # anything a module's or a class's __getattr__ raises: not named
+        return False
+    return obj is f
+
+
 def _definition(f: Any) -> int | None:
     """The number of ``f``'s definition (numbered on the first function of its code met), or
     None: ``f`` differs from it, and is kept by reference."""
@@ -226,6 +240,12 @@ def _put(v: Any, out: list[Any], refs: list[Any], depth: int) -> None:
         _put_pairs(v, v, _DICT, out, refs, depth)
         return
     if t is FunctionType:
+        n = _numbers.get(id(v))
+        if n is None and "<locals>" not in v.__qualname__ and _named(v):
+            n = _number(v)
+        if n is not None:
+            out += (_MEMBER, n)
+            return
         n = _definition(v)
         cells = v.__closure__
         try:

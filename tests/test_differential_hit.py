@@ -57,13 +57,13 @@ class _Update:
 
 
 def _by_reference(x: int) -> int:
-    """Kept by reference beside the packed updates (the same object in both runs)."""
+    """Its module names it: numbered, kept as itself (the same object in both runs)."""
     return x
 
 
 def _updates(kind: int, n: int) -> list[Any]:
     """Prompt updates of every form the sender keeps: none, atoms (kept as they are), lists and
-    dicts, a dataclass (packed), a function (kept by reference)."""
+    dicts, a dataclass (packed), a function its module names (numbered: the same object)."""
     forms: list[list[Any]] = [
         [],
         [n, "u"],

@@ -176,6 +176,42 @@ def _closure_over(v: Any) -> Any:
     return f
 
 
+def _module_function(full: list[int]) -> Any:
+    return full
+
+
+class _Holder:
+    def method(self) -> int:
+        return 1
+
+    @staticmethod
+    def static() -> int:
+        return 2
+
+
+_module_lambda = lambda: 3  # noqa: E731  (its module names it "_module_lambda", not "<lambda>")
+
+
+def test_a_function_its_module_names_comes_back_the_same_object() -> None:
+    """A module's function or a class's method (``module.qualname`` is that very function) is
+    numbered once and comes back itself, as vLLM would give it back; a lambda its module holds
+    under another name is not named so, and comes back a new function."""
+    given_ = (_module_function, _Holder.method, _Holder.static, Details([1], _module_function))
+    kept = keep(given_)
+    assert kept[0] is KEPT and kept[1] is None  # nothing by reference
+    got = restore(kept)
+    assert got[0] is _module_function and got[1] is _Holder.method and got[2] is _Holder.static
+    assert got[3].is_embed is _module_function and got == given_
+    lam = restore(keep((_module_lambda,)))[0]
+    assert lam is not _module_lambda and lam() == 3
+    if implementation() != "python":
+        assert keep_compiled(given_) == keep_py(given_) == kept
+        # (the C walk leaves a function with no "<locals>" to the Python walk: named or not)
+        assert keep_compiled((_module_lambda,)) in (None, keep_py((_module_lambda,)))
+        c = restore_compiled(kept)
+        assert c is not None and c[0][0] is _module_function and c[0][2] is _Holder.static
+
+
 def test_a_function_differing_from_its_definition_is_kept_by_reference() -> None:
     """Only a function as its ``def`` made it is kept as its definition: renamed, an attribute
     set, other annotations than the first met, other globals, an empty cell: each kept by
@@ -499,6 +535,7 @@ def _norm(v: Any) -> Any:
 
 _with_functions = st.one_of(
     _with_runs,
+    st.just(_module_function),
     st.builds(_closure_over, _values),
     st.builds(lambda v: Details([1, 1], _closure_over(v)), _values),
     st.builds(lambda v: _closure_over(_closure_over(v)), _values),
