@@ -27,6 +27,7 @@ from aioshmcache.tools.bench.vllm import (
     S_ISSUE,
     S_TIMES,
     UPDATES,
+    UPDATES_FN,
     _param,
     _TensorDecoder,
     _TensorEncoder,
@@ -195,8 +196,9 @@ def test_the_suite_runs_beside_a_store_loaded_from_a_file(tmp_path: Path) -> Non
     report = Report("t", quick=True)
     run_vllm_suite(p, report, Progress(enabled=False))
     assert not report.skipped and not report.errors
-    # 0: the churn cell; UPDATES: the put with a prompt update; -size: the gets, copies dropped
-    ran = (*p.vllm_sizes, 0, UPDATES, *(-s for s in p.vllm_sizes if s in DROPPED))
+    # 0: the churn cell; UPDATES(_FN): the put with a prompt update (its is_embed a closure);
+    # -size: the gets, copies dropped
+    ran = (*p.vllm_sizes, 0, UPDATES, UPDATES_FN, *(-s for s in p.vllm_sizes if s in DROPPED))
     run = [c for c in ISSUE_CELLS if c.size in ran]
     rows = {r.label: r for r in report.rows if r.section == S_ISSUE}
     assert list(rows) == [c.what for c in run]
@@ -210,9 +212,9 @@ def test_the_suite_runs_beside_a_store_loaded_from_a_file(tmp_path: Path) -> Non
             assert r.target is None
         else:
             assert r.target is not None and (r.target.op, r.target.limit) == ("<=", c.goal)
-    # 8 subjects x 2 sizes, churn x 2, the prompt update's 7 (put, get, look-up on each side,
-    # our release), the dropped copies' 4 (1 MiB)
-    assert len(_finite_rows(report, S_TIMES)) == 2 * 8 + 2 + 7 + 4
+    # 8 subjects x 2 sizes, churn x 2, each prompt update's 7 (put, get, look-up on each side,
+    # our release: without a closure and with one), the dropped copies' 4 (1 MiB)
+    assert len(_finite_rows(report, S_TIMES)) == 2 * 8 + 2 + 2 * 7 + 4
     [(_, table)] = [b for b in report.blocks if b[0].startswith(S_ISSUE)]
     assert len(table) == 2 + len(run) and "ours ÷ theirs" in table[0]
     assert not [f for f in os.listdir("/dev/shm") if "vllm" in f and str(os.getpid()) in f]
