@@ -695,8 +695,7 @@ class SenderRequest(_Steps):
             raise CacheMissError([h]) from None
         except ObjectTooLargeError:
             raise CacheMissError([h]) from None
-        self._reserving(res)
-        self._book.count(hit=True, sibling=True)
+        self._reserving(res)  # a hit once committed (a copy that fails counts nothing)
         return res
 
     def _write(self, res: Reservation) -> None:
@@ -726,6 +725,8 @@ class SenderRequest(_Steps):
             raise CacheMissError([res.key])
         updates: Sequence[Any] = self._copied_updates(i) if item is None else item[1]
         ref = self._store.commit(res)
+        if item is None:  # a sibling's chunk, copied: counted as the hit it now is
+            self._book.count(hit=True, sibling=True)
         self._handed.append(ref)
         self._putting.discard(res.key)
         self._book.keep_updates(res.key, updates)

@@ -359,6 +359,34 @@ def test_invalidate_during_a_sibling_copy_publishes_no_old_item(group: str) -> N
         assert np.array_equal(got.data["x"], new["x"])
 
 
+@pytest.mark.parametrize("how", ["cleared", "invalidated"])
+def test_a_sibling_copy_that_fails_counts_no_hit(group: str, how: str) -> None:
+    """A look-up whose copy from a sibling fails (the sibling cleared during the copy, or this
+    writer invalidating the hash meanwhile) is the caller's ``CacheMissError``: counted as no
+    hit and no sibling hit, in the snapshot and in the words the metrics read."""
+    from aioshmcache.metrics import read_snapshot
+
+    cfg = gp.config(group)
+    with SenderCache(cfg) as a, SenderCache(cfg) as b:
+        a.get_and_update_features([FeatureSpec("k", {"x": np.zeros(1 << 16)})])
+        req = b._request([None], ["k"], copy_inline_below=0)  # the copy is a job
+        req.begin()
+        if how == "cleared":
+            a.clear()
+        else:
+            b.invalidate("k")
+        with pytest.raises(CacheMissError):
+            req.run_jobs()
+            req.finish()
+        req.abandon()
+        snap, _alive = read_snapshot(b.name)
+        for s in (b.snapshot(), snap):
+            assert (s.hits, s.sibling_hits) == (0, 0), s
+        a.get_and_update_features([FeatureSpec("j", {"x": np.ones(8)})])
+        b.get_and_update_features([FeatureSpec("j", None)])  # a copy that succeeds: one hit
+        assert (b.snapshot().hits, b.snapshot().sibling_hits) == (1, 1)
+
+
 async def test_invalidate_then_get_or_put_makes_the_new_item_in_a_group(group: str) -> None:
     """``get_or_put`` after ``invalidate`` runs ``make`` (the new bytes), not a sibling's copy
     of the old item."""
