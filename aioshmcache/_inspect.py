@@ -27,6 +27,7 @@ from ._layout import (
     H_DELIVERY,
     H_EPOCH,
     H_EVICTIONS,
+    H_GROUP,
     H_HITS,
     H_INLINE_FULL,
     H_INLINE_LARGE,
@@ -38,6 +39,7 @@ from ._layout import (
     H_SIBLING_HITS,
     H_WRITER_PID,
     check_group,
+    group_word,
     parse_shard_name,
 )
 from ._reader_table import ReaderTable, reader_slots_info
@@ -82,6 +84,8 @@ def read_segment(name: str) -> SegmentState:
         finally:
             table.release()
         shard = parse_shard_name(seg.name)
+        if shard is not None and int(w[H_GROUP]) != group_word(shard[0]):
+            shard = None  # named like a shard, but no member: its header does not prove it
         snap = CacheSnapshot(
             name=seg.name,
             hits=int(w[H_HITS]),
@@ -127,20 +131,26 @@ def inspect_segment(name: str) -> str:
     """A human-readable report of segment ``name``, or of every shard of cache group ``name``."""
     try:
         return _report(read_segment(name))
-    except SegmentNotFoundError:
+    except SegmentNotFoundError as exc:
+        not_found = exc
         try:
             shards = list_shards(check_group(name))
         except ValueError:  # not a group name either
             shards = []
         if not shards:
             raise
-    parts = [f"group       {name}: {len(shards)} shard(s)"]
+    parts = []
     for k, seg_name in shards:
         try:
-            parts.append(f"--- shard {k}\n" + _report(read_segment(seg_name)))
+            state = read_segment(seg_name)
         except (SegmentNotFoundError, ShmCacheError) as exc:
             parts.append(f"--- shard {k}\n{seg_name}: {exc}")
-    return "\n".join(parts)
+            continue
+        if state.snapshot.group == name:  # a plain cache named like a shard is no member
+            parts.append(f"--- shard {k}\n" + _report(state))
+    if not parts:  # only plain caches named like its shards: no such group either
+        raise not_found
+    return "\n".join([f"group       {name}: {len(parts)} shard(s)", *parts])
 
 
 def _report(state: SegmentState) -> str:

@@ -518,6 +518,8 @@ class GroupCollector:
                 snap, alive = read_snapshot(name)
             except (ShmCacheError, OSError, ValueError):
                 continue  # gone, being created or reclaimed right now
+            if snap.group != self.group:
+                continue  # a plain cache named like a shard: its header proves no membership
             who = _Identity(name, "sender", self.group, k)
             fam.add_snapshot(who, snap)
             _put(fam.open, who.labels(), 1.0 if alive else 0.0)

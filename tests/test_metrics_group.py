@@ -140,3 +140,30 @@ def test_group_collector_shows_every_shard_as_its_writer_would(group: str) -> No
             kill_and_reap(proc)
         s = parse(registry)
         assert not any(("shard", "1") in k[1] for k in s)  # closed and unlinked: gone
+
+
+def test_group_collector_and_inspect_show_members_only(group: str) -> None:
+    """A plain cache named like shard 0 of the group, and a shard of a group whose name starts
+    with this one's, are not shards of it: the collector, ``inspect`` and ``read_snapshot``
+    (whose labels the collector gives) say so, as the plain cache's own snapshot does."""
+    from aioshmcache import CacheConfig
+    from aioshmcache._inspect import inspect_segment
+    from aioshmcache.metrics import read_snapshot
+
+    plain_cfg = CacheConfig(4 << 20, 1 << 20, 1, name=f"{group}.shard0")
+    with (
+        SenderCache(plain_cfg) as plain,
+        SenderCache(gp.config(group)) as member,
+        SenderCache(gp.config(f"{group}-y")) as other,
+    ):
+        assert (member.shard, other.shard) == (1, 0)
+        snap, _alive = read_snapshot(plain.name)
+        assert (snap.group, snap.shard) == (plain.snapshot().group, plain.snapshot().shard)
+        assert (snap.group, snap.shard) == (None, None)
+        registry = CollectorRegistry()
+        registry.register(GroupCollector(group))
+        s = parse(registry)
+        caches = {dict(labels)["cache"] for n, labels in s if n == "aioshmcache_open"}
+        assert caches == {member.name}
+        report = inspect_segment(group)
+        assert member.name in report and plain.name not in report and other.name not in report
