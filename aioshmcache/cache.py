@@ -606,7 +606,8 @@ class Receiver(_Counted):
 
     @abc.abstractmethod
     def release(self, ref: ShmRef) -> bool:
-        """Give back a hand-out this reader will not read; False if unknown or already released."""
+        """Give back a hand-out this reader will not read; False if unknown or already released,
+        or if its writer is gone (nothing is owed to it)."""
 
     @property
     @abc.abstractmethod
@@ -715,14 +716,16 @@ class ReceiverCache(_Cache, Receiver):
             self.store.validate(ref)
 
     def release(self, ref: ShmRef) -> bool:
-        """Give back a hand-out this reader will not read; False if unknown or already released.
+        """Give back a hand-out this reader will not read; False if unknown or already released,
+        or if its writer closed or died (nothing is owed to a writer that is gone).
 
         The writer may then free the chunk (as if the reference had been read). Each hand-out is
         a distinct reference (its ``seq``), so a second release of it is recognised.
         """
         try:
             r = self.store.validate(ref)
-        except (InvalidReferenceError, StaleReferenceError):
+            self.store.check_writer()  # gone: there is no hand-out left to give back
+        except (InvalidReferenceError, StaleReferenceError, WriterGoneError):
             return False
         key = (r.id, r.seq)
         if key in self._released:
@@ -828,9 +831,12 @@ class GroupReceiverCache(Receiver):
             ) from exc
 
     def release(self, ref: ShmRef) -> bool:
-        """Give back a hand-out this reader will not read; False if unknown or released."""
+        """Give back a hand-out this reader will not read; False if unknown or released, or if
+        its shard's writer closed or died (nothing is owed to a writer that is gone)."""
         try:
             routed = self._route(ref)
+            if routed is not None:
+                routed[0].check_writer()  # gone: there is no hand-out left to give back
         except (InvalidReferenceError, StaleReferenceError, WriterGoneError, ReaderLimitError):
             return False  # (a shard it cannot attach: it never was handed that reference)
         if routed is None:

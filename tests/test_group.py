@@ -1090,6 +1090,29 @@ def test_a_touch_of_a_gone_shard_s_reference_lists_its_hash(group: str) -> None:
         tx.close()
 
 
+def test_a_release_after_the_writer_is_gone_gives_back_nothing(group: str) -> None:
+    """``release`` of a genuine hand-out whose writer closed answers False (nothing is owed to
+    a writer that is gone), for a plain reader and a group reader alike, as the group reader
+    answers for a shard it meets gone; while the writer lives it is True once."""
+    item = {"x": np.zeros(8)}
+    with (
+        SenderCache(CacheConfig(4 << 20, 1 << 20, 1, name=f"{group}p")) as plain,
+        SenderCache(gp.config(group)) as shard,  # (closed in the loop: close is idempotent)
+        ReceiverCache.attach(plain.handle()) as rx,
+        ReceiverCache.attach_group(group) as grx,
+    ):
+        for sender, reader in ((plain, rx), (shard, grx)):
+            live, _ = sender.get_and_update_item((item, []), "k")
+            assert reader.release(live) is True
+            assert reader.release(live) is False  # released already
+            ref, _ = sender.get_and_update_item((item, []), "k")
+            sender.close()
+            assert reader.release(ref) is False
+            with pytest.raises(WriterGoneError):  # what a read of it says
+                reader.get_and_update_item(ref, "k")
+    assert _ours(group) == []
+
+
 def test_a_shard_without_a_free_reader_slot_fails_only_its_own_references(group: str) -> None:
     """A group reader that cannot attach one shard opened after it (every reader slot taken)
     still attaches the shards opened later, and a request that names the full shard fails owing
