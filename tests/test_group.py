@@ -387,6 +387,35 @@ def test_a_sibling_copy_that_fails_counts_no_hit(group: str, how: str) -> None:
         assert (b.snapshot().hits, b.snapshot().sibling_hits) == (1, 1)
 
 
+def test_a_sibling_item_too_large_here_is_a_miss_that_takes_and_counts_nothing(
+    group: str,
+) -> None:
+    """A request whose look-up finds its hash only in a sibling, in a chunk over this shard's
+    ``max_object_bytes``, is the ``CacheMissError`` a plain cache gives a look-up it does not
+    hold: raised before anything is taken, put or counted (its other items too)."""
+    big = gp.config(group)
+    small = CacheConfig(32 << 20, 1 << 16, 4, group=group)
+    with SenderCache(big) as a, SenderCache(small) as b:
+        a.get_and_update_features([FeatureSpec("k", {"x": np.zeros(1 << 16)})])
+        b.get_and_update_features([FeatureSpec("own", {"x": np.zeros(8)})])
+        before = b.snapshot()
+        for specs in (
+            [FeatureSpec("own", None), FeatureSpec("k", None)],
+            [FeatureSpec("new", {"x": np.ones(8)}), FeatureSpec("k", None)],
+            [FeatureSpec("k", None)],
+        ):
+            with pytest.raises(CacheMissError) as ei:
+                b.get_and_update_features(specs)
+            assert ei.value.mm_hashes == ("k",)
+            after = b.snapshot()
+            assert (after.hits, after.misses, after.items) == (
+                before.hits,
+                before.misses,
+                before.items,
+            )
+        assert b.cached_order() == ["own"]  # nothing of the failed requests was put
+
+
 async def test_invalidate_then_get_or_put_makes_the_new_item_in_a_group(group: str) -> None:
     """``get_or_put`` after ``invalidate`` runs ``make`` (the new bytes), not a sibling's copy
     of the old item."""
