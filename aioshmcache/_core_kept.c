@@ -402,31 +402,38 @@ put_function(Walk *w, PyObject *v, long depth)
     r = 0;
     if (!PyTuple_CheckExact(d) || PyTuple_GET_SIZE(d) != D_SIZE ||
         PyTuple_GET_ITEM(d, D_CODE) != f->func_code ||
-        PyTuple_GET_ITEM(d, D_GLOBALS) != f->func_globals ||
-        (f->func_dict != NULL && (!PyDict_Check(f->func_dict) || PyDict_GET_SIZE(f->func_dict))))
+        PyTuple_GET_ITEM(d, D_GLOBALS) != f->func_globals)
         goto done;
-#if PY_VERSION_HEX >= 0x030C0000
-    if (f->func_typeparams != NULL &&
-        (!PyTuple_CheckExact(f->func_typeparams) || PyTuple_GET_SIZE(f->func_typeparams)))
-        goto done;
-#endif
-    /* what a comparison may run (a caller's __eq__) cannot free what is compared */
-    PyObject *mine[5] = {f->func_name, f->func_qualname, f->func_module, f->func_doc,
-                         f->func_annotations};
-    for (int j = 0; j < 5; j++)
-        Py_XINCREF(mine[j]);
+    /* what a comparison may run (a caller's __eq__) cannot free what is compared; it may set
+     * an attribute on the function or give it another code: checked after them, as
+     * ``_kept._definition`` does */
     r = 1;
-    for (int j = 0; r > 0 && j < 4; j++)
-        r = same(mine[j], PyTuple_GET_ITEM(d, D_NAME + j));
-    if (r > 0)
-        r = same_annotations(mine[4], PyTuple_GET_ITEM(d, D_ANNOTATIONS));
-    for (int j = 0; j < 5; j++)
-        Py_XDECREF(mine[j]);
+    for (int j = 0; r > 0 && j < 5; j++) { /* each read as the comparisons before left it */
+        PyObject *mine = j == 0   ? f->func_name
+                         : j == 1 ? f->func_qualname
+                         : j == 2 ? f->func_module
+                         : j == 3 ? f->func_doc
+                                  : f->func_annotations;
+        Py_XINCREF(mine);
+        r = j < 4 ? same(mine, PyTuple_GET_ITEM(d, D_NAME + j))
+                  : same_annotations(mine, PyTuple_GET_ITEM(d, D_ANNOTATIONS));
+        Py_XDECREF(mine);
+    }
     if (r <= 0) {
         PyErr_Clear(); /* the Python walk compares them again, and raises what they raise */
         r = 0;
         goto done;
     }
+    r = 0;
+    if (f->func_code != PyTuple_GET_ITEM(d, D_CODE) ||
+        (f->func_dict != NULL &&
+         (!PyDict_CheckExact(f->func_dict) || PyDict_GET_SIZE(f->func_dict))))
+        goto done; /* (a dict of a subclass: the Python walk asks it whether it is empty) */
+#if PY_VERSION_HEX >= 0x030C0000
+    if (f->func_typeparams != NULL &&
+        (!PyTuple_CheckExact(f->func_typeparams) || PyTuple_GET_SIZE(f->func_typeparams)))
+        goto done;
+#endif
     parts[0] = Py_XNewRef(f->func_defaults);
     parts[1] = Py_XNewRef(f->func_kwdefaults);
     parts[2] = Py_XNewRef(f->func_closure);

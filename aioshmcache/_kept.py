@@ -163,15 +163,18 @@ def _definition(f: Any) -> int | None:
                 _objects.append((*d, dict(f.__annotations__)))
                 n = _numbers[id(code)] = len(_objects) - 1
     d = _objects[n]
+    # the comparisons first: what they run (a caller's ``__eq__``) may set an attribute on
+    # ``f`` or give it another code, which the checks after them see
     if (
         f.__globals__ is not d[1]
         or not _same(f.__name__, d[2])
         or not _same(f.__qualname__, d[3])
         or not _same(f.__module__, d[4])
         or not _same(f.__doc__, d[5])
+        or not _same(f.__annotations__, d[6])
+        or f.__code__ is not code
         or f.__dict__
         or getattr(f, "__type_params__", ())
-        or not _same(f.__annotations__, d[6])
     ):
         return None
     return n

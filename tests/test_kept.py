@@ -253,6 +253,65 @@ def test_a_function_differing_from_its_definition_is_kept_by_reference() -> None
     assert unbound() == 1
 
 
+def _other_closure(v: Any) -> Any:
+    def f(x: int = 3, *, k: Any = (1,)) -> Any:
+        return ("other", v, x, k)
+
+    return f
+
+
+def test_a_function_its_comparison_changes_is_kept_as_it_is_left() -> None:
+    """A caller's ``__eq__`` run by the comparison with the definition (of its module, its
+    doc) that sets an attribute on the function, gives it another code or other annotations:
+    both walks see the function as the comparison left it, and keep it by reference (the
+    caller's own, with that attribute, code or annotations), never as a copy of its definition
+    without them."""
+    assert keep((_closure_over(0),))[1] is None  # numbers the definition
+    doc = _closure_over(0).__doc__
+
+    class Tags:  # equal to the definition's module, tagging the function on the way
+        def __eq__(self, other: object) -> bool:
+            f.tag = 1
+            return other == __name__
+
+        __hash__ = None  # type: ignore[assignment]
+
+    class Swaps:  # equal to the definition's doc, giving the function another code
+        def __eq__(self, other: object) -> bool:
+            g.__code__ = _other_closure(0).__code__
+            return bool(other == doc)
+
+        __hash__ = None  # type: ignore[assignment]
+
+    class Annotates:  # equal to the definition's module, giving the function other annotations
+        def __eq__(self, other: object) -> bool:
+            h.__annotations__ = {"x": str}
+            return other == __name__
+
+        __hash__ = None  # type: ignore[assignment]
+
+    f, g, h = _closure_over(1), _closure_over(2), _closure_over(3)
+    f.__module__ = Tags()
+    g.__doc__ = Swaps()
+    h.__module__ = Annotates()
+
+    def as_given() -> None:  # before each walk: the functions as the caller passes them
+        f.__dict__.clear()
+        g.__code__ = _closure_over(0).__code__
+        h.__annotations__ = _closure_over(0).__annotations__
+
+    for fn in (f, g, h):
+        as_given()
+        compiled = keep_compiled((fn,))
+        as_given()
+        want = keep_py((fn,))
+        assert want[1] == (fn,)  # by reference
+        if implementation() != "python":
+            assert compiled in (None, want)
+        as_given()
+        assert restore(keep((fn,)))[0] is fn
+
+
 def test_a_function_comes_back_with_its_defaults_and_cells_as_they_were_at_the_put() -> None:
     """Defaults and keyword defaults are kept as records, the cells' contents copied as any
     value (a list: a new list); a cell rebound after the put is not carried over."""
