@@ -260,9 +260,10 @@ def _put(v: Any, out: list[Any], refs: list[Any], depth: int) -> None:
             refs.append(v)
             return
         out += (_FUNC, n)
-        _put(v.__defaults__, out, refs, depth)
-        _put(v.__kwdefaults__, out, refs, depth)
-        _put(held, out, refs, depth)
+        # read before any is walked (a walk may run a caller's code rebinding them), as the C
+        # walk reads them
+        for x in (v.__defaults__, v.__kwdefaults__, held):
+            _put(x, out, refs, depth)
         return
     how = _how[t] if t in _how else _classify(v)
     if how is None:

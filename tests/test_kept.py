@@ -312,6 +312,40 @@ def test_a_function_its_comparison_changes_is_kept_as_it_is_left() -> None:
         assert restore(keep((fn,)))[0] is fn
 
 
+@dataclass
+class _Rebinds:  # a default whose walk (its instance dict read) rebinds the function's kwdefaults
+    a: int = 1
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "__dict__":
+            for f in _rebound:
+                f.__kwdefaults__ = {"k": 99}
+        return object.__getattribute__(self, name)
+
+
+_rebound: list[Any] = []
+
+
+def test_a_function_is_kept_as_it_was_met_whatever_the_walk_of_its_defaults_runs() -> None:
+    """Its defaults, keyword defaults and cells are read when the function is met, before any
+    of them is walked: a default whose walk runs a caller's code rebinding the function's
+    keyword defaults changes nothing kept, on both walks alike."""
+    keep((_closure_over(0), _Rebinds()))  # numbers the definition and the class
+    f = _closure_over(5)
+    f.__defaults__ = (_Rebinds(),)
+    _rebound.append(f)
+    try:
+        kept = {}
+        for walk in (keep_py, keep_compiled, keep):
+            f.__kwdefaults__ = {"k": 1}
+            kept[walk] = walk((f,))
+        assert kept[keep_py][1] is None  # nothing by reference
+        assert kept[keep_compiled] in (None, kept[keep_py])
+        assert restore(kept[keep])[0]() == (5, _Rebinds(), 1)
+    finally:
+        _rebound.clear()
+
+
 def test_a_function_comes_back_with_its_defaults_and_cells_as_they_were_at_the_put() -> None:
     """Defaults and keyword defaults are kept as records, the cells' contents copied as any
     value (a list: a new list); a cell rebound after the put is not carried over."""
