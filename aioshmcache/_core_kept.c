@@ -182,6 +182,7 @@ typedef struct {
     PyObject *numbers; /* dict: id(class, enum member or definition's code) -> its number */
     PyObject *objects; /* list: number -> class, enum member or definition */
     long max_depth;
+    PyObject *met; /* set: the functions kept as their definitions so far (NULL: none) */
 } Walk;
 
 static PyObject *s_dict;   /* "__dict__", interned */
@@ -389,6 +390,11 @@ put_function(Walk *w, PyObject *v, long depth)
         PyErr_Clear();
         return 0;
     }
+    /* met before in this walk (a closure over itself, or over a table of closures holding
+     * it): by reference, as ``_kept._put`` (each function copied once, not once a path) */
+    r = w->met == NULL ? 0 : PySet_Contains(w->met, v);
+    if (r != 0)
+        return r < 0 ? -1 : by_reference(w, v);
     r = number_of(w, f->func_code, &num);
     if (r <= 0)
         return r;
@@ -457,7 +463,11 @@ put_function(Walk *w, PyObject *v, long depth)
             PyTuple_SET_ITEM(held, j, Py_NewRef(x));
         }
     }
-    r = add(w->out, K_FUNC, num);
+    if (w->met == NULL && (w->met = PySet_New(NULL)) == NULL) {
+        r = -1;
+        goto done;
+    }
+    r = PySet_Add(w->met, v) < 0 ? -1 : add(w->out, K_FUNC, num);
     for (int j = 0; r > 0 && j < 3; j++) {
         PyObject *x = j < 2 ? parts[j] : held;
         r = put(w, x == NULL ? Py_None : x, depth);
@@ -543,7 +553,7 @@ kept_keep_updates(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     long max_depth = PyLong_AsLong(args[4]);
     if (max_depth == -1 && PyErr_Occurred())
         return NULL;
-    Walk w = {PyList_New(0), PyList_New(0), args[1], args[2], args[3], max_depth};
+    Walk w = {PyList_New(0), PyList_New(0), args[1], args[2], args[3], max_depth, NULL};
     PyObject *result = NULL;
     if (w.out == NULL || w.refs == NULL || PyList_Append(w.out, marker) < 0 ||
         PyList_Append(w.out, Py_None) < 0)
@@ -568,6 +578,7 @@ kept_keep_updates(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 done:
     Py_XDECREF(w.out);
     Py_XDECREF(w.refs);
+    Py_XDECREF(w.met);
     return result;
 }
 

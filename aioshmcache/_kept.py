@@ -37,7 +37,9 @@ what the sender stores:
   annotations other, an attribute set on it, an empty cell) is kept by reference. A function
   comes back as a new function of that code and globals, new cells holding what they held at
   the put: as a dataclass instance does, it is a copy, and one that rebinds its cells after the
-  put does not carry that over;
+  put does not carry that over. A function met again in one walk (a closure over itself, or
+  over a table of closures that holds it) is kept by reference there: each is copied once, not
+  once per path to it;
 - anything else inside (a numpy array, an object of another class, a function kept by
   reference, what lies deeper than ``MAX_DEPTH``) is kept by reference beside the records,
   ``(KEPT, refs, records)``: that small entry stays tracked, as it was before, and only it (the
@@ -205,9 +207,10 @@ def _classify(obj: Any) -> tuple[int, tuple[str, ...]] | None:
 # --- keeping --------------------------------------------------------------------------------
 
 
-def _put(v: Any, out: list[Any], refs: list[Any], depth: int) -> None:
+def _put(v: Any, out: list[Any], refs: list[Any], depth: int, met: set[Any]) -> None:
     """Append ``v``'s record to ``out``: its code, then what it holds, in prefix order; what is
-    kept by reference goes to ``refs`` (its record holds its index there)."""
+    kept by reference goes to ``refs`` (its record holds its index there); ``met``: the
+    functions this walk keeps as their definitions."""
     t = type(v)
     if t in _ATOMS:
         out += (_ATOM, v)
@@ -232,15 +235,15 @@ def _put(v: Any, out: list[Any], refs: list[Any], depth: int) -> None:
         items = (*v,)
         out += (_LIST, len(items))
         for x in items:
-            _put(x, out, refs, depth)
+            _put(x, out, refs, depth, met)
         return
     if t is tuple:
         out += (_TUPLE, len(v))
         for x in v:
-            _put(x, out, refs, depth)
+            _put(x, out, refs, depth, met)
         return
     if t is dict:
-        _put_pairs(v, v, _DICT, out, refs, depth)
+        _put_pairs(v, v, _DICT, out, refs, depth, met)
         return
     if t is FunctionType:
         n = _numbers.get(id(v))
@@ -249,7 +252,9 @@ def _put(v: Any, out: list[Any], refs: list[Any], depth: int) -> None:
         if n is not None:
             out += (_MEMBER, n)
             return
-        n = _definition(v)
+        # met before in this walk (a closure over itself, or over a table of closures that
+        # holds it): by reference there, each function copied once, not once per path to it
+        n = None if v in met else _definition(v)
         cells = v.__closure__
         try:
             held = None if cells is None else tuple(c.cell_contents for c in cells)
@@ -259,11 +264,12 @@ def _put(v: Any, out: list[Any], refs: list[Any], depth: int) -> None:
             out += (_REF, len(refs))
             refs.append(v)
             return
+        met.add(v)
         out += (_FUNC, n)
         # read before any is walked (a walk may run a caller's code rebinding them), as the C
         # walk reads them
         for x in (v.__defaults__, v.__kwdefaults__, held):
-            _put(x, out, refs, depth)
+            _put(x, out, refs, depth, met)
         return
     how = _how[t] if t in _how else _classify(v)
     if how is None:
@@ -274,7 +280,7 @@ def _put(v: Any, out: list[Any], refs: list[Any], depth: int) -> None:
     if code == _MEMBER:
         out += (_MEMBER, _number(v))
     elif code == _DICT_OBJ:
-        _put_pairs(v, v.__dict__, _DICT_OBJ, out, refs, depth, _number(t))
+        _put_pairs(v, v.__dict__, _DICT_OBJ, out, refs, depth, met, _number(t))
     else:
         try:
             values = [getattr(v, n) for n in names]
@@ -284,11 +290,18 @@ def _put(v: Any, out: list[Any], refs: list[Any], depth: int) -> None:
             return
         out += (_SLOT_OBJ, _number(t))
         for x in values:
-            _put(x, out, refs, depth)
+            _put(x, out, refs, depth, met)
 
 
 def _put_pairs(
-    v: Any, d: Any, code: int, out: list[Any], refs: list[Any], depth: int, *head: int
+    v: Any,
+    d: Any,
+    code: int,
+    out: list[Any],
+    refs: list[Any],
+    depth: int,
+    met: set[Any],
+    *head: int,
 ) -> None:
     """Append the record of ``v``, the dict ``d`` or the instance it is the dict of (``code``,
     ``head``, its length, its pairs' records), its length that of one snapshot of its pairs;
@@ -303,8 +316,8 @@ def _put_pairs(
         return
     out += (code, *head, len(pairs))
     for k, x in pairs:
-        _put(k, out, refs, depth)
-        _put(x, out, refs, depth)
+        _put(k, out, refs, depth, met)
+        _put(x, out, refs, depth, met)
 
 
 def keep(updates: Any) -> Any:
@@ -340,7 +353,7 @@ def keep_py(updates: Any) -> Any:
         return updates  # atoms (or empty): an untracked tuple already
     out: list[Any] = [KEPT, None]
     refs: list[Any] = []
-    _put(updates, out, refs, 0)
+    _put(updates, out, refs, 0, set())
     if refs:
         return (KEPT, tuple(refs), _atom_tuple(out))
     return _atom_tuple(out)

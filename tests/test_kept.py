@@ -381,8 +381,8 @@ def test_a_function_comes_back_with_its_defaults_and_cells_as_they_were_at_the_p
 
 
 def test_a_closure_over_itself_comes_back_callable() -> None:
-    """A function whose cell holds itself (a recursive inner ``def``): copied down to
-    ``MAX_DEPTH``, then the caller's own (the walk ends there, as for a cyclic list)."""
+    """A function whose cell holds itself (a recursive inner ``def``): copied once, its cell
+    holding the caller's own (a function met again in one walk is kept by reference)."""
 
     def outer() -> Any:
         def fact(n: int) -> int:
@@ -392,9 +392,37 @@ def test_a_closure_over_itself_comes_back_callable() -> None:
 
     fact = outer()
     got = restore(keep((fact,)))[0]
-    assert got(5) == 120 and got is not fact
+    assert got(5) == 120 and got is not fact and got.__closure__[0].cell_contents is fact
     if implementation() != "python":
         assert keep_compiled((fact,)) == keep_py((fact,))
+
+
+def test_closures_over_a_table_of_them_are_each_copied_once() -> None:
+    """Closures over a table (a dict) of closures over that table: each copied once, not once
+    per path to it (down to ``MAX_DEPTH``: 3 ** 10 copies of 3 closures, 0.05 s a put and
+    0.7 s a look-up; 4 ** 10 of 4)."""
+
+    def table(n: int) -> Any:
+        handlers: dict[int, Any] = {}
+
+        def make(i: int) -> Any:
+            def handle(x: int) -> Any:
+                return handlers[(i + 1) % n](x - 1) if x else i
+
+            return handle
+
+        handlers.update((i, make(i)) for i in range(n))
+        return handlers[0]
+
+    f = table(3)
+    kept = keep((f,))
+    handlers = next(c.cell_contents for c in f.__closure__ if type(c.cell_contents) is dict)
+    assert all(any(x is h for h in handlers.values()) for x in kept[1])  # by reference
+    assert len(kept[2]) < 150
+    got = restore(kept)[0]
+    assert got is not f and [got(x) for x in range(5)] == [f(x) for x in range(5)]
+    if implementation() != "python":
+        assert keep_compiled((f,)) == keep_py((f,))
 
 
 def test_every_shape_round_trips_with_its_types() -> None:
