@@ -33,8 +33,11 @@ what the sender stores:
   then the records of its defaults, its keyword defaults and what its cells hold. A definition
   is its code object, numbered in the registry with its globals, its name, qualified name,
   module and doc as a new function of that code gets them, and the annotations of the first
-  function met; a function differing from its definition in any of those (renamed, its
-  annotations other, an attribute set on it, an empty cell) is kept by reference. A function
+  function met: only a function of an imported module's globals (one made in a namespace of
+  ``exec``'s or ``eval``'s is kept by reference: its definition would keep that namespace for
+  the life of the process, one per item where each item's code is new); a function differing
+  from its definition in any of those (renamed, its annotations other, an attribute set on it,
+  an empty cell) is kept by reference. A function
   comes back as a new function of that code and globals, new cells holding what they held at
   the put: as a dataclass instance does, it is a copy, and one that rebinds its cells after the
   put does not carry that over. A function met again in one walk (a closure over itself, or
@@ -153,6 +156,14 @@ def _definition(f: Any) -> int | None:
     n = _numbers.get(id(code))
     if n is None:
         if sys.version_info >= (3, 14):  # annotations made lazily (PEP 649): not handled
+            return None
+        # only a function of an imported module's code and globals, which live as long as the
+        # process anyway: a definition numbered is kept for its life, and a namespace exec or
+        # eval made per item (its code new each time) would be kept with it, every one
+        g: dict[str, Any] = f.__globals__
+        name = g.get("__name__")
+        module = sys.modules.get(name) if type(name) is str else None
+        if getattr(module, "__dict__", None) is not g:
             return None
         try:  # a new function of that code: its name, qualname, module and doc as made
             new = FunctionType(code, f.__globals__, None, None, f.__closure__)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import gc
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -251,6 +252,27 @@ def test_a_function_differing_from_its_definition_is_kept_by_reference() -> None
     given_ = (odd,)
     assert keep(given_) is given_
     assert unbound() == 1
+
+
+class _Namespace:  # something a namespace of exec's holds
+    pass
+
+
+def test_functions_exec_makes_per_item_leave_the_registry_and_their_namespaces_alone() -> None:
+    """A function made per item in a namespace of ``exec``'s (its code new each time) is kept
+    by reference: its definition would have kept that namespace, and all it holds, for the life
+    of the process once its item had left the cache."""
+    alive = []
+    for i in range(20):
+        ns: dict[str, Any] = {"__name__": __name__, "held": _Namespace()}
+        alive.append(weakref.ref(ns["held"]))
+        exec(f"def make(t):\n    def f(x):\n        return x == t + {i}\n    return f\n", ns)
+        f = ns["make"](i)
+        kept = keep((f,))
+        assert restore(kept)[0](2 * i) and kept[1] == (f,)
+        del ns, f, kept
+    gc.collect()
+    assert [r for r in alive if r() is not None] == []
 
 
 def _other_closure(v: Any) -> Any:
