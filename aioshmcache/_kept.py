@@ -112,7 +112,10 @@ _restore_kept = core.restore_kept
 
 # --- the registry: classes and enum members, numbered once ----------------------------------
 
-_lock = threading.Lock()
+#: reentrant: a collection started amid a numbering (by an allocation; on 3.12 and later at
+#: any step after one) may run a finalizer keeping updates (a put amid a put), numbering too,
+#: on the thread that holds it
+_lock = threading.RLock()
 #: number -> class, enum member, or a function definition: ``(code, globals, name, qualname,
 #: module, doc, annotations)`` (kept alive: their ids, and their codes', stay theirs)
 _objects: list[Any] = []
@@ -124,12 +127,23 @@ _how: dict[type, tuple[int, tuple[str, ...]] | None] = {}
 
 def _number(obj: Any) -> int:
     n = _numbers.get(id(obj))
-    if n is None:
-        with _lock:
-            n = _numbers.get(id(obj))
-            if n is None:
-                _objects.append(obj)
-                n = _numbers[id(obj)] = len(_objects) - 1
+    return _register(id(obj), obj) if n is None else n
+
+
+def _register(key: int, entry: Any) -> int:
+    """The number of ``key`` (an object's id), ``entry``'s index in ``_objects`` if it was not
+    numbered yet. A finalizer run amid these steps (see ``_lock``) may number objects too: they
+    come after ``entry``, which is found by identity, and one numbering ``key`` itself first
+    has its number kept."""
+    with _lock:
+        n = _numbers.get(key)
+        if n is None:
+            _objects.append(entry)
+            n = len(_objects) - 1
+            while _objects[n] is not entry:  # others appended after it meanwhile
+                n -= 1
+            was = _numbers.get(key)  # numbered meanwhile: that number stays
+            n = _numbers[key] = n if was is None else was
     return n
 
 
@@ -170,11 +184,7 @@ def _definition(f: Any) -> int | None:
         except (TypeError, ValueError):
             return None
         d = (code, f.__globals__, new.__name__, new.__qualname__, new.__module__, new.__doc__)
-        with _lock:
-            n = _numbers.get(id(code))
-            if n is None:
-                _objects.append((*d, dict(f.__annotations__)))
-                n = _numbers[id(code)] = len(_objects) - 1
+        n = _register(id(code), (*d, dict(f.__annotations__)))
     d = _objects[n]
     # the comparisons first: what they run (a caller's ``__eq__``) may set an attribute on
     # ``f`` or give it another code, which the checks after them see

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import gc
+import subprocess
+import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -445,6 +447,57 @@ def test_closures_over_a_table_of_them_are_each_copied_once() -> None:
     assert got is not f and [got(x) for x in range(5)] == [f(x) for x in range(5)]
     if implementation() != "python":
         assert keep_compiled((f,)) == keep_py((f,))
+
+
+_NUMBERS_AMID_A_NUMBERING = """
+import dataclasses, gc
+from aioshmcache._kept import keep, restore
+
+for i in range(1, 40):  # a new definition and a new class for each threshold
+    exec(
+        f"def make{i}(v):\\n    def f(x: int) -> int:\\n        return x + v\\n    return f\\n"
+        f"@dataclasses.dataclass\\nclass Fresh{i}:\\n    a: int\\n",
+        globals(),
+    )
+
+class Finalized:  # a put amid the walk: updates of a class met for the first time
+    def __init__(self, i):
+        self.me, self.i = self, i  # a cycle: only a collection frees it
+
+    def __del__(self):
+        assert restore(keep((globals()[f"Fresh{self.i}"](self.i),)))[0].a == self.i
+
+gc.freeze()
+for i in range(1, 40):  # each threshold starts the collection at another allocation
+    f = globals()[f"make{i}"](1)
+    gc.collect()
+    Finalized(i)
+    gc.set_threshold(i)
+    kept = keep((f,))  # numbers f's definition
+    gc.set_threshold(700)
+    gc.collect()
+    assert restore(kept)[0](1) == 2
+print("done")
+"""
+
+
+def test_a_finalizer_keeping_updates_amid_a_numbering_does_not_deadlock() -> None:
+    """A collection started by an allocation of the walk may run a finalizer that keeps updates
+    (a put amid a put, as ``test_core_reentry.py``'s) numbering a class or a definition too, on
+    the same thread (on 3.12 and later, at any step after an allocation): that keep numbers
+    what it meets too, and both come back, never waiting forever on the registry's lock its own
+    thread holds. In a process of its own: a deadlock there leaves this one's registry alone."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _NUMBERS_AMID_A_NUMBERING],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("a finalizer keeping updates amid a numbering waits forever on the lock")
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr
 
 
 def test_every_shape_round_trips_with_its_types() -> None:
