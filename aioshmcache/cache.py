@@ -283,7 +283,9 @@ class SenderCache(_Cache):
         of hashes a list of bools (vLLM's ``is_cached`` shape).
 
         In a group shard, also true when a live sibling shard holds the item (its chunk checked,
-        not copied): a request passing ``None`` for it then copies it into this shard.
+        not copied) in a chunk this shard can hold: a request passing ``None`` for it then
+        copies it into this shard. One over this shard's ``max_object_bytes`` is not cached here
+        (a look-up of it is a plain miss, so the caller sends the data).
         ``rescan``: look for sibling shards opened since the last scan first (otherwise one is
         seen up to ``RESCAN_INTERVAL`` later): the last look of a group single-flight claim,
         whose "not cached" means "compute it here".
@@ -299,7 +301,11 @@ class SenderCache(_Cache):
         if self.store.is_cached(check_hash(mm_hash)):
             return True
         sib = self._siblings
-        return sib is not None and sib.find(mm_hash, rescan=rescan) is not None
+        if sib is None:
+            return False
+        found = sib.find(mm_hash, rescan=rescan)
+        # what a look-up would copy (``SenderRequest._in_sibling``): none over our limit
+        return found is not None and found.ref.length <= self.store.max_object_bytes
 
     @property
     def group(self) -> str | None:

@@ -416,6 +416,23 @@ def test_a_sibling_item_too_large_here_is_a_miss_that_takes_and_counts_nothing(
         assert b.cached_order() == ["own"]  # nothing of the failed requests was put
 
 
+def test_a_sibling_item_too_large_here_is_not_cached_here(group: str) -> None:
+    """``is_cached`` answers what a look-up would find: a hash only a sibling holds, in a chunk
+    over this shard's ``max_object_bytes``, is not cached here (a look-up of it is a plain miss),
+    so the hash-first pattern preprocesses it at once instead of sending ``None``."""
+    big = gp.config(group)
+    small = CacheConfig(32 << 20, 1 << 16, 4, group=group)
+    with SenderCache(big) as a, SenderCache(small) as b:
+        a.get_and_update_features([FeatureSpec("k", {"x": np.zeros(1 << 16)})])
+        a.get_and_update_features([FeatureSpec("fits", {"x": np.zeros(8)})])
+        assert a.is_cached("k") is True
+        assert b.is_cached("k") is False
+        assert b.is_cached("k", rescan=True) is False
+        assert b.is_cached(["k", "fits"]) == [False, True]  # a small one is copied as before
+        with pytest.raises(CacheMissError):
+            b.get_and_update_features([FeatureSpec("k", None)])
+
+
 async def test_invalidate_then_get_or_put_makes_the_new_item_in_a_group(group: str) -> None:
     """``get_or_put`` after ``invalidate`` runs ``make`` (the new bytes), not a sibling's copy
     of the old item."""
