@@ -657,15 +657,19 @@ class SenderRequest(_Steps):
         self._waits.append(i)
 
     def _in_sibling(self, h: str) -> bool:
-        """Whether a sibling shard holds ``h`` now, in a chunk this shard can hold (remembered
-        for the decision). One over ``max_object_bytes`` here is not: the look-up is then the
-        plain miss ``_check_lookups`` raises before anything is taken or counted, not a
+        """Whether a sibling shard holds ``h`` now, in a chunk this shard can hold, and no
+        other request of this writer is putting ``h`` (remembered for the decision). One over
+        ``max_object_bytes`` here is not, nor one another request is copying in (or putting)
+        right now: the look-up is then the plain miss ``_check_lookups`` raises before anything
+        is taken or counted (a plain cache's look-up of a hash being put), not a
         ``CacheMissError`` of the decision after the request's earlier items were."""
         sib = self._book.siblings
         if sib is None:
             return False
         found = sib.find(h)
         if found is None or found.ref.length > self._store.max_object_bytes:
+            return False
+        if self._store.is_pending(h):  # checked in ``begin``'s locked step, as the decision's
             return False
         if self._sibling is None:
             self._sibling = {}

@@ -433,6 +433,42 @@ def test_a_sibling_item_too_large_here_is_not_cached_here(group: str) -> None:
             b.get_and_update_features([FeatureSpec("k", None)])
 
 
+def test_a_look_up_of_a_sibling_item_being_copied_in_takes_and_counts_nothing(
+    group: str,
+) -> None:
+    """A request whose look-up finds its hash only in a sibling while another request of this
+    process copies it in is the ``CacheMissError`` of a plain miss (a plain cache's look-up of
+    a hash being put): raised before anything is taken, put or counted (its other items too),
+    not after its earlier items were decided."""
+    cfg = gp.config(group)
+    with SenderCache(cfg) as a, SenderCache(cfg) as b:
+        a.get_and_update_features([FeatureSpec("k", {"x": np.zeros(1 << 16)})])
+        b.get_and_update_features([FeatureSpec("own", {"x": np.zeros(8)})])
+        first = b._request([None], ["k"], copy_inline_below=0)  # copying k in: a job
+        first.begin()
+        before = b.snapshot()
+        for specs in (
+            [FeatureSpec("own", None), FeatureSpec("k", None)],
+            [FeatureSpec("new", {"x": np.ones(8)}), FeatureSpec("k", None)],
+            [FeatureSpec("k", None)],
+        ):
+            with pytest.raises(CacheMissError) as ei:
+                b.get_and_update_features(specs)
+            assert ei.value.mm_hashes == ("k",)
+            after = b.snapshot()
+            assert (after.hits, after.misses, after.items) == (
+                before.hits,
+                before.misses,
+                before.items,
+            )
+        assert b.cached_order() == ["own"]  # nothing of the failed requests was put
+        first.run_jobs()
+        first.finish()
+        [f] = b.get_and_update_features([FeatureSpec("k", None)])  # copied in now: a hit
+        assert isinstance(f.data, ShmRef)
+        assert (b.snapshot().hits, b.snapshot().sibling_hits) == (2, 1)
+
+
 async def test_invalidate_then_get_or_put_makes_the_new_item_in_a_group(group: str) -> None:
     """``get_or_put`` after ``invalidate`` runs ``make`` (the new bytes), not a sibling's copy
     of the old item."""
