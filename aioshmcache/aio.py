@@ -915,7 +915,8 @@ class AsyncReceiverCache(_AsyncFace[Receiver]):
         return req.finish_item()
 
     async def release(self, ref: ShmRef) -> bool:
-        """Give back a hand-out this reader will not read; False if unknown or released."""
+        """Give back a hand-out this reader will not read; False if unknown or released, or if
+        its writer is gone (nothing is owed to it)."""
         return self.receiver.release(ref)
 
     async def touch(self, mm_hash: str, mm_item: Any = None) -> None:
