@@ -17,10 +17,12 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 from collections import Counter
@@ -433,9 +435,12 @@ def test_a_sigkilled_gateway_is_cleaned_up_by_stop(tmp_path: Path) -> None:
         os.kill(gw.pid, signal.SIGKILL)
         assert wait_until(lambda: gone(gw.pid), timeout=30)
         assert _shm_files(name), "a SIGKILLed writer cannot unlink its segment"
+        tmpdir = gw.tmpdir
+        assert tmpdir is not None and os.listdir(tmpdir), "nor remove its temporary files"
     finally:
         rc = gw.stop()
     assert rc == -signal.SIGKILL
+    assert gw.tmpdir is None and not os.path.exists(tmpdir)
     assert all(wait_until(lambda p=p: gone(p), timeout=30) for p in engines)
     assert _shm_files(name) == []
 
@@ -523,11 +528,25 @@ def test_demo_quick_with_two_gateway_processes(tmp_path: Path) -> None:
     assert _left_behind(caches) == []
 
 
-def _start_demo(tag: str, log: Path, *args: str) -> subprocess.Popen[bytes]:
+@pytest.fixture
+def demo_tmp() -> Iterator[Path]:
+    """A ``TMPDIR`` for a demo the test may kill outright (which then cannot remove its
+    temporary files: the engine socket's directory), removed after the test. Short, under
+    /tmp: a Unix socket's path in it must fit in 108 bytes, which pytest's ``tmp_path`` and the
+    demo's own directories in it would not."""
+    path = Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}demo-tmp-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _start_demo(tag: str, log: Path, tmp: Path, *args: str) -> subprocess.Popen[bytes]:
     """The demo as a user starts it (a long load), its whole tree marked with ``tag``.
 
     Its output goes to the file ``log``, not to a pipe: the gateway and its engine worker
-    inherit it, and a pipe nobody reads while the test waits would block them once full.
+    inherit it, and a pipe nobody reads while the test waits would block them once full. Its
+    temporary files go to ``tmp`` (``TMPDIR``: ``demo_tmp``).
     """
     cmd = [sys.executable, "-m", "aioshmcache", "demo", "--requests", "100000", "--no-compare"]
     cmd += ["--images", "6", "--concurrency", "4", *args]
@@ -536,7 +555,7 @@ def _start_demo(tag: str, log: Path, *args: str) -> subprocess.Popen[bytes]:
             cmd,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=tagged_env(tag),
+            env={**tagged_env(tag), "TMPDIR": str(tmp)},
             start_new_session=True,  # a signal meant for the test run never reaches it
         )
 
@@ -570,12 +589,12 @@ def _await_load(proc: subprocess.Popen[bytes], log: Path) -> tuple[int, list[str
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_demo_interrupted_cleans_up(sig: signal.Signals, tmp_path: Path) -> None:
+def test_demo_interrupted_cleans_up(sig: signal.Signals, tmp_path: Path, demo_tmp: Path) -> None:
     """Ctrl-C or SIGTERM: the demo stops its gateway and engine worker and removes their
     segments itself. Whatever happens (an assertion, a timeout), the test ends the whole tree
     and removes what it left (``kill_tree``), so a failure never leaves processes running."""
     tag, log = uuid.uuid4().hex, tmp_path / "demo.log"
-    with _start_demo(tag, log) as proc:
+    with _start_demo(tag, log, demo_tmp) as proc:
         try:
             gateway_pid, caches = _await_load(proc, log)
             engines = _engine_pids(gateway_pid)
@@ -588,19 +607,22 @@ def test_demo_interrupted_cleans_up(sig: signal.Signals, tmp_path: Path) -> None
     assert proc.returncode == 130, err
     assert "interrupted" in err
     assert left == [], "the demo's own stop left processes running"
+    assert list(demo_tmp.iterdir()) == []  # its gateway's temporary files too
     assert all(gone(p) for p in [gateway_pid, *engines])
     assert _left_behind(caches) == []
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_a_demo_killed_at_its_timeout_leaves_no_process_or_segment(tmp_path: Path) -> None:
+def test_a_demo_killed_at_its_timeout_leaves_no_process_or_segment(
+    tmp_path: Path, demo_tmp: Path
+) -> None:
     """What a test does when a demo it started runs past its deadline (issue 28: a timed-out
     test SIGKILLed only the top-level process, and the gateway, its engine worker and their
     segments stayed for 15 minutes): ``kill_tree`` SIGKILLs every process of the demo's tree
     wherever it went (the gateway runs in a session of its own) and sweeps the orphans."""
     tag, log = uuid.uuid4().hex, tmp_path / "demo.log"
-    with _start_demo(tag, log) as proc:
+    with _start_demo(tag, log, demo_tmp) as proc:
         try:
             gateway_pid, caches = _await_load(proc, log)
             engines = _engine_pids(gateway_pid)
@@ -612,6 +634,9 @@ def test_a_demo_killed_at_its_timeout_leaves_no_process_or_segment(tmp_path: Pat
             left = kill_tree(tag, sweep_prefix=f"{RUN_PREFIX}demo-")
         proc.wait(timeout=60)  # every process of its tree is dead
     assert set(tree) <= set(left)
+    assert list(demo_tmp.iterdir()), (
+        "killed outright, it removed no temporary file (the fixture does)"
+    )
     assert tree_pids(tag) == []
     assert all(gone(p) for p in tree)
     assert _left_behind(caches) == []

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,7 +48,9 @@ class GatewayProcess:
 
     ``start`` waits for its address and for ``/healthz`` (the engine worker is up); ``stop``
     sends SIGTERM, SIGKILL to the whole session after ``timeout``, and removes the segments of a
-    gateway that could not."""
+    gateway that could not. The gateway's temporary files (its engine socket's directory) go to
+    a directory of its own (``TMPDIR``, :attr:`tmpdir`), which ``stop`` removes: a gateway
+    killed outright cannot."""
 
     def __init__(
         self, args: Sequence[str], *, name: str, procs: int = 1, stderr: IO[Any] | None = None
@@ -56,16 +59,20 @@ class GatewayProcess:
         self.args, self.name, self.procs, self.stderr = list(args), name, procs, stderr
         self.proc: subprocess.Popen[bytes] | None = None
         self.url, self.pid = "", 0
+        #: the gateway's ``TMPDIR`` while it runs (made by ``start``, removed by ``stop``)
+        self.tmpdir: str | None = None
 
     def start(self, timeout: float = 60.0) -> str:
         cmd = [sys.executable, "-m", "aioshmcache", "demo", "serve", "--port", "0"]
         cmd += ["--name", self.name, "--gateway-workers", str(self.procs), *self.args]
         # its stdout goes to a file (unlinked: gone with the last descriptor), which nobody has
         # to keep draining as a pipe would need; its first line is ``listening on URL``
+        self.tmpdir = tempfile.mkdtemp(prefix="aioshm-gateway-")
+        env = {**os.environ, "TMPDIR": self.tmpdir}
         with tempfile.TemporaryFile() as out:
             self.proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=self.stderr,
-                start_new_session=True,
+                start_new_session=True, env=env,
             )  # fmt: skip
             self.pid = self.proc.pid
             try:
@@ -137,6 +144,9 @@ class GatewayProcess:
         if proc.poll() is None:
             proc.wait(5.0)
         sweep(prefix=self.name)  # what a gateway process that could not clean up left behind
+        if self.tmpdir is not None:  # and its temporary files
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
         return proc.returncode
 
 
