@@ -387,6 +387,23 @@ def test_a_sibling_copy_that_fails_counts_no_hit(group: str, how: str) -> None:
         assert (b.snapshot().hits, b.snapshot().sibling_hits) == (1, 1)
 
 
+def _look_ups_of_k_take_and_count_nothing(b: SenderCache) -> None:
+    """Requests looking ``k`` up (alone, after a hit of ``own``, after a new item) each raise
+    the ``CacheMissError`` of ``k`` and take, put and count nothing: ``b`` holds ``own`` only."""
+    before = b.snapshot()
+    for specs in (
+        [FeatureSpec("own", None), FeatureSpec("k", None)],
+        [FeatureSpec("new", {"x": np.ones(8)}), FeatureSpec("k", None)],
+        [FeatureSpec("k", None)],
+    ):
+        with pytest.raises(CacheMissError) as ei:
+            b.get_and_update_features(specs)
+        assert ei.value.mm_hashes == ("k",)
+        after = b.snapshot()
+        assert (after.hits, after.misses, after.items) == (before.hits, before.misses, before.items)
+    assert b.cached_order() == ["own"]  # nothing of the failed requests was put
+
+
 def test_a_sibling_item_too_large_here_is_a_miss_that_takes_and_counts_nothing(
     group: str,
 ) -> None:
@@ -398,22 +415,7 @@ def test_a_sibling_item_too_large_here_is_a_miss_that_takes_and_counts_nothing(
     with SenderCache(big) as a, SenderCache(small) as b:
         a.get_and_update_features([FeatureSpec("k", {"x": np.zeros(1 << 16)})])
         b.get_and_update_features([FeatureSpec("own", {"x": np.zeros(8)})])
-        before = b.snapshot()
-        for specs in (
-            [FeatureSpec("own", None), FeatureSpec("k", None)],
-            [FeatureSpec("new", {"x": np.ones(8)}), FeatureSpec("k", None)],
-            [FeatureSpec("k", None)],
-        ):
-            with pytest.raises(CacheMissError) as ei:
-                b.get_and_update_features(specs)
-            assert ei.value.mm_hashes == ("k",)
-            after = b.snapshot()
-            assert (after.hits, after.misses, after.items) == (
-                before.hits,
-                before.misses,
-                before.items,
-            )
-        assert b.cached_order() == ["own"]  # nothing of the failed requests was put
+        _look_ups_of_k_take_and_count_nothing(b)
 
 
 def test_a_sibling_item_too_large_here_is_not_cached_here(group: str) -> None:
@@ -446,22 +448,7 @@ def test_a_look_up_of_a_sibling_item_being_copied_in_takes_and_counts_nothing(
         b.get_and_update_features([FeatureSpec("own", {"x": np.zeros(8)})])
         first = b._request([None], ["k"], copy_inline_below=0)  # copying k in: a job
         first.begin()
-        before = b.snapshot()
-        for specs in (
-            [FeatureSpec("own", None), FeatureSpec("k", None)],
-            [FeatureSpec("new", {"x": np.ones(8)}), FeatureSpec("k", None)],
-            [FeatureSpec("k", None)],
-        ):
-            with pytest.raises(CacheMissError) as ei:
-                b.get_and_update_features(specs)
-            assert ei.value.mm_hashes == ("k",)
-            after = b.snapshot()
-            assert (after.hits, after.misses, after.items) == (
-                before.hits,
-                before.misses,
-                before.items,
-            )
-        assert b.cached_order() == ["own"]  # nothing of the failed requests was put
+        _look_ups_of_k_take_and_count_nothing(b)
         first.run_jobs()
         first.finish()
         [f] = b.get_and_update_features([FeatureSpec("k", None)])  # copied in now: a hit
