@@ -29,7 +29,10 @@ Why this shape:
   a *guest* read owes nothing and pins nothing in the sibling (it never takes a reader slot
   there), so a sibling's eviction is never held up by its siblings. The item is copied as bytes,
   not decoded: the shards of a group must use the same serde (they do unless you pass a custom
-  one to some writers only).
+  one to some writers only). When this shard has no room for the copy (its ring full of items
+  its readers still owe), the payload is decoded into objects of the writer's own and verified
+  the same way (``Sibling.decode``), then served inline, as a plain cache serves an item it has
+  no room for.
 * **Readers of a group** (``ReceiverCache.attach_group``) claim a reader slot on every live
   shard and route each reference by its nonce to the shard that issued it (``_group_receiver``).
 
@@ -77,7 +80,7 @@ from ._segment import Segment, list_shards
 from ._serde import Serde
 from ._store import RawPlan, ShmObjectStore, StoreWriter
 from ._types import CacheConfig, ShmRef, reference_tag
-from .errors import SegmentExistsError, ShmCacheError, StaleReferenceError
+from .errors import SegmentExistsError, SerdeError, ShmCacheError, StaleReferenceError
 
 __all__ = [
     "RESCAN_INTERVAL",
@@ -224,6 +227,23 @@ class Sibling:
     def raw_plan(self, ref: ShmRef) -> RawPlan:
         """The plan that copies this chunk into a chunk of our own shard."""
         return RawPlan(ref.length, lambda: self.payload(ref), lambda: self.verify(ref))
+
+    def decode(self, ref: ShmRef, serde: Serde) -> object:
+        """The chunk's payload decoded into objects of our own (``serde.read`` with ``copy``:
+        for a look-up served inline when our shard has no room), verified after the decode:
+        ``StaleReferenceError`` if the chunk changed meanwhile, also when its torn bytes did
+        not decode (a ``SerdeError`` only for a chunk that did not change).
+        """
+        src = self.payload(ref)
+        try:
+            value = serde.read(src, copy=True)
+        except SerdeError:
+            self.verify(ref)
+            raise
+        finally:
+            src.release()
+        self.verify(ref)
+        return value
 
     def close(self) -> None:
         """Unmap (idempotent); a copy in progress then fails its ``verify`` (stale)."""

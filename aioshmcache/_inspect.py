@@ -168,7 +168,7 @@ def _report(state: SegmentState) -> str:
         f"used        {s.bytes_used} bytes ({100 * s.bytes_used / cap:.1f}%), {s.items} items",
         f"epoch       {s.epoch}, next id {state.next_id}",
         f"hits        {s.hits} of {total}" + (f" ({100 * s.hits / total:.1f}%)" if total else ""),
-        f"siblings    {s.sibling_hits} items copied from sibling shards",
+        f"siblings    {s.sibling_hits} items served from sibling shards",
         f"inline      too large {s.inline_too_large}, full {s.inline_full}",
         f"evictions   {s.evictions}",
         f"relocated   {s.relocations} items, {s.bytes_relocated} bytes "

@@ -31,7 +31,7 @@ Segment (``total`` bytes, a multiple of the page size)::
              |          the oldest live chunk, see ``_ring``)   |
              |       30 H_HINT_OFF  31 H_HINT_SLOTS (0: none)   |
              |       32 H_SIBLING_HITS (items a group shard     |
-             |          copied from a sibling shard)            |
+             |          served from a sibling shard)            |
              |       33 H_RELOCATIONS  34 H_BYTES_RELOCATED     |
              |          (second chance: chunks moved to the     |
              |          tail instead of evicted, their bytes)   |

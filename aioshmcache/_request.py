@@ -52,6 +52,7 @@ from .errors import (
     ClosedCacheError,
     DuplicateKeyError,
     ObjectTooLargeError,
+    SerdeError,
     ShmCacheError,
 )
 
@@ -125,7 +126,7 @@ class RequestCounters:
     inline_too_large: int = 0
     inline_full: int = 0
     inline_busy: int = 0
-    sibling_hits: int = 0  # group shards: items copied from a sibling (also counted as hits)
+    sibling_hits: int = 0  # group shards: items served from a sibling (also counted as hits)
     wait_seconds: float = 0.0  # time spent waiting for space, summed over requests
     lock: _Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -356,6 +357,7 @@ class SenderRequest(_Steps):
     _putting: set[str] = _NO_SET  # hashes this request reserved
     _followers: dict[str, list[int]] | None = None  # hash -> later items of that hash
     _sibling: dict[str, Found] | None = None  # hash -> a sibling shard holding it
+    _guests: list[int] = _NONE  # look-ups of a sibling's item to serve inline (no room here)
     _features: list[FeatureSpec] | None = None
     _deadline = 0.0
     _wait: float | None = None  # wait_for_space if the caller gave one, else the book's default
@@ -403,7 +405,7 @@ class SenderRequest(_Steps):
     @property
     def has_jobs(self) -> bool:
         """Whether ``run_jobs`` has anything to do (a big copy or a wait for space)."""
-        return bool(self._copies or self._waits)
+        return bool(self._copies or self._waits or self._guests)
 
     def begin(self) -> None:
         """Validate, guard, hand out hits, put the small misses, reserve the big ones. Raises
@@ -471,11 +473,11 @@ class SenderRequest(_Steps):
                 guarded = store.guard(hashes)
                 try:
                     self._decide_all_locked(may_defer)
-                    if self._copies or self._waits:  # going on unlocked: guard becomes pins
-                        self._pins = store.pin_ids(guarded)
+                    if self._copies or self._waits or self._guests:  # going on unlocked:
+                        self._pins = store.pin_ids(guarded)  # the guard becomes pins
                 finally:
                     store.unguard()
-            if not settle or self._copies or self._waits:
+            if not settle or self._copies or self._waits or self._guests:
                 return None
             out: list[MmItem] = self._out  # ``finish``, in the same step (nothing pinned)
             if None in out:
@@ -679,8 +681,11 @@ class SenderRequest(_Steps):
     def _reserve_sibling(self, i: int, *, wait: float, may_defer: bool) -> Reservation | None:
         """Reserve room for a copy of a sibling shard's chunk of item ``i`` (see ``_group``).
 
-        No room (or the sibling's item exceeds our limit) is a ``CacheMissError``: the caller
-        has no data to serve inline, so it preprocesses and sends it, as for any miss.
+        No room (and no ``wait_for_space`` left) serves the sibling's item inline, as a plain
+        cache serves an item it has no room for: decoded out of the sibling into objects of our
+        own (``_read_guest``) and counted as a hit served from a sibling, inline for want of
+        room. The sibling's item over our limit is a ``CacheMissError`` (not found up front, in
+        ``_in_sibling``).
         """
         h = self._hashes[i]
         if h in self._putting:
@@ -698,12 +703,39 @@ class SenderRequest(_Steps):
         except CacheFullError:
             if may_defer and time.monotonic() < self._deadline:
                 self._wait_for_room(i)
-                return None
-            raise CacheMissError([h]) from None
+            elif found.ref.length < self._inline_below:
+                self._serve_guest_locked(i, self._read_guest(i))  # microseconds: now
+            else:
+                if self._guests is _NONE:
+                    self._guests = []
+                self._guests.append(i)  # a copy job of its own, outside the lock
+            return None
         except ObjectTooLargeError:
             raise CacheMissError([h]) from None
         self._reserving(res)  # a hit once committed (a copy that fails counts nothing)
         return res
+
+    def _read_guest(self, i: int) -> Any:
+        """Look-up ``i``'s item, decoded out of the sibling shard holding it into objects of its
+        own; a chunk that changed meanwhile is a miss."""
+        h = self._hashes[i]
+        found = self._sibling[h] if self._sibling is not None else None
+        if found is None:
+            raise RuntimeError(f"internal error: {h!r} not found in a sibling")
+        try:
+            return found.sibling.decode(found.ref, self._store.serde)
+        except SerdeError:  # the chunk did not change: the shards' serdes differ
+            raise
+        except ShmCacheError:  # gone or changed (as ``_write``'s copy into this shard)
+            raise CacheMissError([h]) from None
+
+    def _serve_guest_locked(self, i: int, value: Any) -> None:
+        """Serve look-up ``i`` inline with its sibling's item (``_read_guest``), counted."""
+        h = self._hashes[i]
+        if self._withheld_since(h):  # invalidated by this writer meanwhile: the old item
+            raise CacheMissError([h])
+        self._out[i] = (value, self._copied_updates(i))
+        self._book.count(hit=True, sibling=True, inline="full", mm_hash=h)
 
     def _write(self, res: Reservation) -> None:
         """The copy into a reserved chunk; a sibling's chunk that changed meanwhile is a miss
@@ -772,7 +804,9 @@ class SenderRequest(_Steps):
         # ``run`` (the sync face) ends the request in the step of its last commit when no wait
         # follows: that item then needs no pin, since nothing can run between its commit and
         # the end of the request (as ``start`` ends a request without jobs in ``begin``'s step)
-        last = len(self._copies) - 1 if self._finish_in_jobs and not self._waits else -1
+        last = -1
+        if self._finish_in_jobs and not self._waits and not self._guests:
+            last = len(self._copies) - 1
         for n, (i, res) in enumerate(self._copies):
             if self._abandoned:
                 return  # the roll back aborts what is left
@@ -796,6 +830,12 @@ class SenderRequest(_Steps):
             self._write(waited)
             with store.lock:
                 self._commit_locked(i, waited)
+        for i in self._guests:  # after the waits, which may add some
+            if self._abandoned:
+                return
+            value = self._read_guest(i)  # outside the lock, as a copy job
+            with store.lock:
+                self._serve_guest_locked(i, value)
 
     @classmethod
     def for_features(

@@ -632,7 +632,8 @@ class CacheSnapshot:
     inline_busy: int = 0
     #: seconds requests spent waiting for space (``wait_for_space``), summed
     wait_for_space_seconds: float = 0.0
-    #: group shards: items copied from a sibling shard instead of preprocessed (counted as hits)
+    #: group shards: items served from a sibling shard instead of preprocessed (counted as
+    #: hits): copied into this shard, or inline when it had no room (then in ``inline_full``)
     sibling_hits: int = 0
     #: group shards: the group's name and this shard's index (None for a plain cache)
     group: str | None = None

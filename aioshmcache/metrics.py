@@ -45,7 +45,7 @@ The metrics (counters end in ``_total``, sizes in ``_bytes``; labels ``cache`` a
 ``aioshmcache_single_flight_runs_total``    counter  preprocessings (``make()``) it ran
 ``aioshmcache_single_flight_saved_total``   counter  preprocessings single flight saved (calls
                                                      served by another caller's ``make``)
-``aioshmcache_sibling_hits_total``          counter  a shard of a cache group: items copied from a
+``aioshmcache_sibling_hits_total``          counter  a shard of a cache group: items served from a
                                                      sibling shard instead of preprocessed (also
                                                      counted in ``aioshmcache_hits_total``)
 ``aioshmcache_group_shards``                gauge    a reader of a cache group: the shards it is
@@ -242,7 +242,7 @@ class _Families:
             "single_flight_saved", "Preprocessings saved: get_or_put calls served by another's"
         )
         self.sibling_hits = counter(
-            "sibling_hits", "Group shard: items copied from a sibling shard (also counted as hits)"
+            "sibling_hits", "Group shard: items served from a sibling shard (also counted as hits)"
         )
         self.shards = gauge("group_shards", "Group reader: shards it is attached to now")
 

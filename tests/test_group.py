@@ -456,6 +456,127 @@ def test_a_look_up_of_a_sibling_item_being_copied_in_takes_and_counts_nothing(
         assert (b.snapshot().hits, b.snapshot().sibling_hits) == (2, 1)
 
 
+def _full_of_its_own(group: str) -> tuple[CacheConfig, list[FeatureSpec]]:
+    """A shard config and two new items that fill it: a request putting both has no room left
+    for a third item (a request never evicts its own)."""
+    own = [FeatureSpec(f"own{n}", {"x": np.full(12_000, n, np.float64)}) for n in range(2)]
+    return CacheConfig(256 << 10, 100 << 10, 1, group=group), own
+
+
+@pytest.mark.parametrize("wait", [None, 0.05], ids=["no-wait", "after-a-wait"])
+@pytest.mark.parametrize("threshold", [1 << 20, 0], ids=["now", "job"])
+def test_a_sibling_item_with_no_room_here_is_served_inline(
+    group: str, threshold: int, wait: float | None
+) -> None:
+    """A look-up of an item only a sibling holds, when this shard has no room for its copy (its
+    ring full of the request's own items): served inline, as a plain cache serves an item it has
+    no room for, with the sibling's bytes (copied out and verified: in the request's step when
+    small, as a copy job when not; after ``wait_for_space`` found no room either), counted as a
+    hit from a sibling served inline for want of room; the request's other items are cached as
+    usual and nothing of ``k`` is."""
+    k = {"x": np.arange(10_240, dtype=np.float64)}  # 80 KiB: no room after the two own items
+    small, own = _full_of_its_own(group)
+    with SenderCache(gp.config(group)) as a, SenderCache(small) as b:
+        a.get_and_update_features([FeatureSpec("k", k, prompt_updates=("a's",))])
+        req = b._request(
+            [(f.data, ()) for f in own] + [None],
+            ["own0", "own1", "k"],
+            copy_inline_below=threshold,
+            wait_for_space=wait,
+        )
+        req.begin()
+        assert req.has_jobs is (threshold == 0 or wait is not None)
+        req.run_jobs()
+        out = req.finish()
+        assert [type(d) for d, _u in out] == [ShmRef, ShmRef, dict]
+        got, updates = out[2]
+        assert np.array_equal(got["x"], k["x"]) and updates == ()
+        got["x"][0] = -1.0  # objects of its own: the sibling's chunk is untouched
+        snap = b.snapshot()
+        assert (snap.hits, snap.sibling_hits, snap.inline_full, snap.misses) == (1, 1, 1, 2)
+        assert b.cached_order() == ["own0", "own1"]
+        with ReceiverCache.attach_group(group) as rx:
+            [fa] = a.get_and_update_features([FeatureSpec("k", None)])
+            [back] = rx.get_and_update_features([fa])
+        assert np.array_equal(back.data["x"], k["x"])
+
+
+def test_a_sibling_item_served_inline_keeps_the_look_up_s_prompt_updates(group: str) -> None:
+    """The features face: the sibling's item served inline (no room here) comes back as the
+    spec's data, with the prompt updates the look-up's spec carries."""
+    k = {"x": np.arange(10_240, dtype=np.float64)}
+    small, own = _full_of_its_own(group)
+    with SenderCache(gp.config(group)) as a, SenderCache(small) as b:
+        a.get_and_update_features([FeatureSpec("k", k)])
+        out = b.get_and_update_features([*own, FeatureSpec("k", None, prompt_updates=["u"])])
+        assert isinstance(out[0].data, ShmRef) and isinstance(out[1].data, ShmRef)
+        assert np.array_equal(out[2].data["x"], k["x"]) and out[2].prompt_updates == ("u",)
+
+
+async def test_an_async_sibling_item_with_no_room_here_is_served_inline(group: str) -> None:
+    """The async face runs the copy out of the sibling as a job (off the loop) and serves it."""
+    from aioshmcache import AsyncSenderCache
+
+    k = {"x": np.arange(10_240, dtype=np.float64)}
+    small, own = _full_of_its_own(group)
+    async with (
+        AsyncSenderCache.from_config(gp.config(group)) as a,
+        AsyncSenderCache.from_config(small, inline_threshold_bytes=0) as b,
+    ):
+        await a.get_and_update_features([FeatureSpec("k", k)])
+        out = await b.get_and_update_features([*own, FeatureSpec("k", None)])
+        assert np.array_equal(out[2].data["x"], k["x"])
+        assert (b.snapshot().sibling_hits, b.snapshot().inline_full) == (1, 1)
+
+
+@pytest.mark.parametrize("how", ["cleared", "invalidated"])
+def test_a_sibling_item_served_inline_that_changed_is_a_miss(group: str, how: str) -> None:
+    """A sibling's item to serve inline (a copy job) whose chunk goes before the copy (the
+    sibling cleared) or that this writer invalidates meanwhile (the old item) is the look-up's
+    ``CacheMissError``, counted as no hit, as a copy into this shard that fails."""
+    k = {"x": np.arange(10_240, dtype=np.float64)}
+    small, own = _full_of_its_own(group)
+    with SenderCache(gp.config(group)) as a, SenderCache(small) as b:
+        a.get_and_update_features([FeatureSpec("k", k)])
+        req = b._request(
+            [(f.data, ()) for f in own] + [None], ["own0", "own1", "k"], copy_inline_below=0
+        )
+        req.begin()
+        if how == "cleared":
+            a.clear()
+        else:
+            b.invalidate("k")
+        with pytest.raises(CacheMissError) as ei:
+            req.run_jobs()
+            req.finish()
+        req.abandon()
+        assert ei.value.mm_hashes == ("k",)
+        assert (b.snapshot().hits, b.snapshot().sibling_hits, b.snapshot().inline_full) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("changed", [True, False], ids=["torn", "unchanged"])
+def test_a_sibling_item_that_fails_to_decode_is_a_miss_only_if_it_changed(
+    group: str, changed: bool
+) -> None:
+    """Served inline, the sibling's item is decoded out of its chunk, which its writer may
+    reuse meanwhile: a decode error of a chunk that changed during the decode is the look-up's
+    ``CacheMissError`` (torn bytes, not a bad payload), while one of a chunk that did not
+    change is the ``SerdeError`` it is (the shards' serdes differ)."""
+    from aioshmcache import MsgpackSerde, SerdeError
+
+    class Failing(MsgpackSerde):  # the reuse happens during the decode, then the decode fails
+        def read(self, buf: memoryview, *, copy: bool = True) -> object:
+            if changed:
+                a.clear()
+            raise SerdeError("cannot decode payload")
+
+    small, own = _full_of_its_own(group)
+    with SenderCache(gp.config(group)) as a, SenderCache(small, serde=Failing()) as b:
+        a.get_and_update_features([FeatureSpec("k", {"x": np.zeros(10_240)})])
+        with pytest.raises(CacheMissError if changed else SerdeError):
+            b.get_and_update([(f.data, ()) for f in own] + [None], ["own0", "own1", "k"])
+
+
 async def test_invalidate_then_get_or_put_makes_the_new_item_in_a_group(group: str) -> None:
     """``get_or_put`` after ``invalidate`` runs ``make`` (the new bytes), not a sibling's copy
     of the old item."""
