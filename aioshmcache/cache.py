@@ -52,6 +52,7 @@ from ._types import (
     coerce_handle,
 )
 from .errors import (
+    ClosedCacheError,
     InvalidReferenceError,
     ReaderLimitError,
     StaleReferenceError,
@@ -838,13 +839,20 @@ class GroupReceiverCache(Receiver):
 
     def release(self, ref: ShmRef) -> bool:
         """Give back a hand-out this reader will not read; False if unknown or released, or if
-        its shard's writer closed or died (nothing is owed to a writer that is gone)."""
+        its shard's writer closed or died (nothing is owed to a writer that is gone).
+        ``ClosedCacheError`` once this reader is closed, as a plain reader's."""
+        if self.closed:
+            raise ClosedCacheError("the group reader is closed")
         try:
             routed = self._route(ref)
             if routed is not None:
                 routed[0].check_writer()  # gone: there is no hand-out left to give back
         except (InvalidReferenceError, StaleReferenceError, WriterGoneError, ReaderLimitError):
             return False  # (a shard it cannot attach: it never was handed that reference)
+        except ClosedCacheError:
+            if self.closed:
+                raise
+            return False  # its shard detached meanwhile (the writer seen gone by another thread)
         if routed is None:
             return False
         store, r = routed

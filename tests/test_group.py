@@ -1303,6 +1303,34 @@ def test_a_release_after_the_writer_is_gone_gives_back_nothing(group: str) -> No
     assert _ours(group) == []
 
 
+def test_a_release_racing_the_detach_of_its_shard_gives_back_nothing(
+    group: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group reader's ``release`` whose shard is detached (its writer seen gone by another
+    thread) between routing the reference and giving it back answers False, as for a writer
+    gone before, instead of the detached store's ``ClosedCacheError``; a release on the group
+    reader closed by its owner is still that error, as a plain reader's is."""
+    from aioshmcache import ClosedCacheError
+
+    with SenderCache(gp.config(group)) as s, ReceiverCache.attach_group(group) as grx:
+        refs = [s.get_and_update_item(({"x": np.zeros(8)}, []), k)[0] for k in ("k", "j")]
+        shards = grx._shards
+        route = shards.route
+
+        def route_then_detach(ref: ShmRef) -> Any:
+            store = route(ref)
+            shards.detach(ref.nonce)
+            return store
+
+        monkeypatch.setattr(shards, "route", route_then_detach)
+        assert grx.release(refs[0]) is False
+        monkeypatch.undo()
+        grx.close()
+        with pytest.raises(ClosedCacheError):
+            grx.release(refs[1])
+    assert _ours(group) == []
+
+
 def test_a_shard_without_a_free_reader_slot_fails_only_its_own_references(group: str) -> None:
     """A group reader that cannot attach one shard opened after it (every reader slot taken)
     still attaches the shards opened later, and a request that names the full shard fails owing
