@@ -101,11 +101,12 @@ def summary(o: StressOptions, t: Tally, elapsed: float, writer_gens: int, interr
     closed = [st["read_closed_during_read"], st["read_closed_beside_read"], st["closed_read_ok"]]
     writers = [st["writer_kills"], st["writer_rotations"]]
     lag, op = t.writer_max("lag_max") * 1e3, t.writer_max("op_max")
+    sib = f"{w['sibling_hits']:,} ({w['sibling_inline']:,}: no room here)"
     rows: list[tuple[str, str, str]] = [  # (shown with, label, value)
         ("", "writer requests", f"{st['requests']:,} ({st['requests'] / el:,.1f}/s)"),
         ("", "  features", f"{st['features']:,}"),
         ("", "  hits / misses", f"{w['hits']:,} / {w['misses']:,}"),
-        ("group", "  sibling hits (copied from another shard)", f"{w['sibling_hits']:,}"),
+        ("group", "  sibling hits (of them served inline)", sib),
         ("", "  handed out (refs)", f"{w['refs']:,}"),
         ("", "  inline", _by(w, "inline_")),
         ("", "  sender CacheMissError resends", f"{w['sender_cache_miss']:,}"),

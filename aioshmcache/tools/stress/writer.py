@@ -23,7 +23,7 @@ from ..framing import Link
 from ..lag import LoopLagMeter
 from .child import SABOTAGE_EVERY, Proc, guarded
 from .options import StressOptions
-from .workload import Workload
+from .workload import Workload, verify_item
 
 Meta = tuple[str, int, dict[str, Any], int, int]  # mm_hash, k, item, digest, size
 
@@ -218,6 +218,14 @@ class WriterProc(Proc):
                 checks.append([digest ^ lie, n])
             elif f.data is item and spec.data is item:
                 self.stats["inline"] += 1
+                wired.append(FeatureSpec(h, None))
+                checks.append([digest, n])
+            elif self.opts.group and spec.data is None and f.data is not None:
+                # a sibling shard's item this shard had no room for, served inline: a copy of
+                # the sibling's bytes, checked here as a reader checks what it reads
+                if (wrong := verify_item(f.data, h, digest, n)) is not None:
+                    self.violation(f"served inline from a sibling: {wrong}")
+                self.stats["sibling_inline"] += 1
                 wired.append(FeatureSpec(h, None))
                 checks.append([digest, n])
             else:
