@@ -270,6 +270,10 @@ class Siblings:
         #: keys this writer invalidated: a sibling's copy of one is the old item (see
         #: ``withhold``), the newest ``WITHHELD_MAX``
         self.withheld: OrderedDict[str, None] = OrderedDict()
+        #: ``withhold`` calls so far, and the count at each key's last one (the newest
+        #: ``WITHHELD_MAX``; kept when the key is put again): see ``withheld_since``
+        self.withholds = 0
+        self._last_withheld: OrderedDict[str, int] = OrderedDict()
 
     def withhold(self, key: str) -> None:
         """Copy ``key`` from no sibling until this shard puts it again (``invalidate``: from
@@ -279,6 +283,22 @@ class Siblings:
         w.move_to_end(key)
         if len(w) > WITHHELD_MAX:
             w.popitem(last=False)
+        self.withholds += 1
+        last = self._last_withheld
+        last[key] = self.withholds
+        last.move_to_end(key)
+        if len(last) > WITHHELD_MAX:
+            last.popitem(last=False)
+
+    def withheld_since(self, key: str, withholds: int) -> bool:
+        """Whether ``key`` was withheld (invalidated) since ``withholds`` was this writer's
+        count of them: a sibling's chunk found before is then the old item, also when this
+        shard put ``key`` again meanwhile (which ends its withholding: ``withheld`` no longer
+        says it). More than ``WITHHELD_MAX`` withholds since count as one of ``key``."""
+        n = self.withholds - withholds
+        if n == 0:
+            return False
+        return n >= WITHHELD_MAX or self._last_withheld.get(key, 0) > withholds
 
     def _rescan_locked(self) -> None:
         self._scanned = time.monotonic()

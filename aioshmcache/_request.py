@@ -357,6 +357,7 @@ class SenderRequest(_Steps):
     _putting: set[str] = _NO_SET  # hashes this request reserved
     _followers: dict[str, list[int]] | None = None  # hash -> later items of that hash
     _sibling: dict[str, Found] | None = None  # hash -> a sibling shard holding it
+    _withholds = 0  # the siblings' ``withholds`` when they were looked at (``_in_sibling``)
     _guests: list[int] = _NONE  # look-ups of a sibling's item to serve inline (no room here)
     _features: list[FeatureSpec] | None = None
     _deadline = 0.0
@@ -675,6 +676,7 @@ class SenderRequest(_Steps):
             return False
         if self._sibling is None:
             self._sibling = {}
+            self._withholds = sib.withholds  # (``begin``'s locked step: as for every look-up)
         self._sibling[h] = found
         return True
 
@@ -779,15 +781,15 @@ class SenderRequest(_Steps):
                 self._decide_locked(j, 0.0, False)
 
     def _withheld_since(self, key: str) -> bool:
-        """Whether ``key``, reserved as a copy of a sibling's chunk, was invalidated by this
-        writer since (``Siblings.withhold``): that chunk is the old item."""
+        """Whether ``key``, a copy of a sibling's chunk (reserved, or to serve inline), was
+        invalidated by this writer since the sibling was looked at (``Siblings.withheld_since``):
+        that chunk is the old item, also when this writer put ``key`` anew meanwhile."""
         sib = self._book.siblings
         return (
             sib is not None
-            and bool(sib.withheld)
-            and key in sib.withheld
             and self._sibling is not None
             and key in self._sibling
+            and sib.withheld_since(key, self._withholds)
         )
 
     def _copied_updates(self, i: int) -> tuple[Any, ...]:

@@ -577,6 +577,57 @@ def test_a_sibling_item_that_fails_to_decode_is_a_miss_only_if_it_changed(
             b.get_and_update([(f.data, ()) for f in own] + [None], ["own0", "own1", "k"])
 
 
+class _Hooked:
+    """A serde (the default one's) whose next ``read`` runs ``hook`` first: what happens while
+    a sibling's item is decoded to be served inline."""
+
+    def __init__(self) -> None:
+        from aioshmcache import MsgpackSerde
+
+        self.serde = MsgpackSerde()
+        self.hook: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.serde, name)
+
+    def read(self, buf: memoryview, *, copy: bool = True) -> object:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return self.serde.read(buf, copy=copy)
+
+
+def test_a_sibling_item_served_inline_after_an_invalidate_and_a_new_put_is_a_miss(
+    group: str,
+) -> None:
+    """This writer invalidates ``k`` and puts its new item while a request decodes the
+    sibling's (old) ``k`` to serve it inline: the look-up is a ``CacheMissError``, as when it is
+    only invalidated meanwhile, never the old item (the new put ended the withholding of ``k``
+    before the decode ended); the new ``k`` stays cached."""
+    serde = _Hooked()
+    small, own = _full_of_its_own(group)
+    with SenderCache(gp.config(group)) as a, SenderCache(small, serde=serde) as b:
+        a.get_and_update_features([FeatureSpec("k", {"x": np.arange(10_240.0)})])
+        req = b._request(
+            [(f.data, ()) for f in own] + [None], ["own0", "own1", "k"], copy_inline_below=0
+        )
+        req.begin()
+
+        def invalidate_and_put_anew() -> None:
+            assert b.invalidate("k") is False  # k is not cached here: only withheld
+            [new] = b.get_and_update_features([FeatureSpec("k", {"x": np.full(8, -1.0)})])
+            assert isinstance(new.data, ShmRef)
+
+        serde.hook = invalidate_and_put_anew
+        with pytest.raises(CacheMissError) as ei:
+            req.run_jobs()
+            req.finish()
+        req.abandon()
+        assert ei.value.mm_hashes == ("k",)
+        assert (b.snapshot().sibling_hits, b.snapshot().inline_full) == (0, 0)
+        assert "k" in b.cached_order()
+
+
 async def test_invalidate_then_get_or_put_makes_the_new_item_in_a_group(group: str) -> None:
     """``get_or_put`` after ``invalidate`` runs ``make`` (the new bytes), not a sibling's copy
     of the old item."""
