@@ -732,7 +732,10 @@ class SenderRequest(_Steps):
             raise CacheMissError([h]) from None
 
     def _serve_guest_locked(self, i: int, value: Any) -> None:
-        """Serve look-up ``i`` inline with its sibling's item (``_read_guest``), counted."""
+        """Serve look-up ``i`` inline with its sibling's item (``_read_guest``), counted; as a
+        copy's commit (``_commit_locked``), nothing for a caller gone meanwhile."""
+        if self._abandoned:  # the caller is gone: serve and count nothing (the roll back)
+            return
         h = self._hashes[i]
         if self._withheld_since(h):  # invalidated by this writer meanwhile: the old item
             raise CacheMissError([h])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import os
 import signal
@@ -626,6 +627,67 @@ def test_a_sibling_item_served_inline_after_an_invalidate_and_a_new_put_is_a_mis
         assert ei.value.mm_hashes == ("k",)
         assert (b.snapshot().sibling_hits, b.snapshot().inline_full) == (0, 0)
         assert "k" in b.cached_order()
+
+
+def test_a_sibling_item_served_inline_for_an_abandoned_request_counts_nothing(group: str) -> None:
+    """A request abandoned while its look-up's sibling item is decoded (a copy job): nothing is
+    served nor counted for it (no hit, sibling hit or inline serve, in ``snapshot()`` or the
+    segment's header words), as a copy into this shard abandoned meanwhile is never committed;
+    its pins are given back."""
+    from aioshmcache.metrics import read_snapshot
+
+    serde = _Hooked()
+    small, own = _full_of_its_own(group)
+    with SenderCache(gp.config(group)) as a, SenderCache(small, serde=serde) as b:
+        a.get_and_update_features([FeatureSpec("k", {"x": np.arange(10_240.0)})])
+        req = b._request(
+            [(f.data, ()) for f in own] + [None], ["own0", "own1", "k"], copy_inline_below=0
+        )
+        req.begin()
+        serde.hook = req.abandon
+        req.run_jobs()
+        assert req.abandoned
+        snap, (shm, _alive) = b.snapshot(), read_snapshot(b.name)
+        for s in (snap, shm):
+            assert (s.hits, s.sibling_hits, s.inline_full, s.misses) == (0, 0, 0, 2)
+        assert b.store._pending == {}
+        assert b.is_freeable("own0") and b.is_freeable("own1")
+
+
+async def test_a_cancelled_async_look_up_served_inline_counts_nothing(group: str) -> None:
+    """The async face: a request cancelled while its worker thread decodes a sibling's item to
+    serve inline counts no hit for it, and gives back every hand-out and pin."""
+    import threading
+
+    import anyio
+
+    from aioshmcache import AsyncSenderCache
+
+    serde = _Hooked()
+    started, go = threading.Event(), threading.Event()
+
+    def block() -> None:
+        started.set()
+        go.wait(30)
+
+    small, own = _full_of_its_own(group)
+    async with (
+        AsyncSenderCache.from_config(gp.config(group)) as a,
+        AsyncSenderCache.from_config(small, serde=serde, inline_threshold_bytes=0) as b,
+    ):
+        await a.get_and_update_features([FeatureSpec("k", {"x": np.arange(10_240.0)})])
+        serde.hook = block
+        task = asyncio.ensure_future(b.get_and_update_features([*own, FeatureSpec("k", None)]))
+        assert await anyio.to_thread.run_sync(started.wait, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        go.set()
+        assert await anyio.to_thread.run_sync(b._inflight.idle.wait, 30)
+        snap = b.snapshot()
+        assert (snap.hits, snap.sibling_hits, snap.inline_full, snap.misses) == (0, 0, 0, 2)
+        assert b.sender.store._pending == {}
+        assert b.sender.is_freeable("own0") and b.sender.is_freeable("own1")
 
 
 async def test_invalidate_then_get_or_put_makes_the_new_item_in_a_group(group: str) -> None:
