@@ -733,9 +733,12 @@ class SenderRequest(_Steps):
 
     def _serve_guest_locked(self, i: int, value: Any) -> None:
         """Serve look-up ``i`` inline with its sibling's item (``_read_guest``), counted; as a
-        copy's commit (``_commit_locked``), nothing for a caller gone meanwhile."""
+        copy's commit (``_commit_locked``): nothing for a caller gone meanwhile, and
+        ``ClosedCacheError`` once this writer is closed (its header words released)."""
         if self._abandoned:  # the caller is gone: serve and count nothing (the roll back)
             return
+        if self._store.closed:
+            raise ClosedCacheError("store closed during the sibling's read")
         h = self._hashes[i]
         if self._withheld_since(h):  # invalidated by this writer meanwhile: the old item
             raise CacheMissError([h])

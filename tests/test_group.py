@@ -690,6 +690,36 @@ async def test_a_cancelled_async_look_up_served_inline_counts_nothing(group: str
         assert b.sender.is_freeable("own0") and b.sender.is_freeable("own1")
 
 
+def test_a_sibling_item_served_inline_when_this_writer_closes_meanwhile_is_closed(
+    group: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This writer closed (by another thread) after the sibling's item was decoded and verified,
+    before it is served inline: ``ClosedCacheError``, as for a copy into this shard whose
+    commit finds the store closed (not the ``ValueError`` of the closed header's words)."""
+    from aioshmcache import ClosedCacheError
+    from aioshmcache._group import Sibling
+
+    decode = Sibling.decode
+    small, own = _full_of_its_own(group)
+    with SenderCache(gp.config(group)) as a, SenderCache(small) as b:
+        a.get_and_update_features([FeatureSpec("k", {"x": np.arange(10_240.0)})])
+        req = b._request(
+            [(f.data, ()) for f in own] + [None], ["own0", "own1", "k"], copy_inline_below=0
+        )
+        req.begin()
+
+        def decode_then_close(self: Sibling, ref: ShmRef, serde: Any) -> object:
+            value = decode(self, ref, serde)
+            b.close()
+            return value
+
+        monkeypatch.setattr(Sibling, "decode", decode_then_close)
+        with pytest.raises(ClosedCacheError):
+            req.run_jobs()
+        req.abandon()
+    assert _ours(group) == []
+
+
 async def test_invalidate_then_get_or_put_makes_the_new_item_in_a_group(group: str) -> None:
     """``get_or_put`` after ``invalidate`` runs ``make`` (the new bytes), not a sibling's copy
     of the old item."""
