@@ -700,7 +700,11 @@ class SenderRequest(_Steps):
         found = self._sibling[h]
         try:
             res = self._store.reserve(
-                h, found.sibling.raw_plan(found.ref), wait_for_space=wait, abort=self._gone
+                h,
+                found.sibling.raw_plan(found.ref),
+                wait_for_space=wait,
+                own_pins=Counter(self._pins) if self._pins else None,
+                abort=self._gone,
             )
         except CacheFullError:
             if may_defer and time.monotonic() < self._deadline:

@@ -720,6 +720,24 @@ def test_a_sibling_item_served_inline_when_this_writer_closes_meanwhile_is_close
     assert _ours(group) == []
 
 
+def test_a_sibling_look_up_never_waits_for_space_only_its_own_pins_hold(group: str) -> None:
+    """A look-up of a sibling's item when the head of this shard's ring is the request's own
+    (pinned) item: waiting cannot make room, so it is served inline at once, as a new item is
+    (``test_cache.py::test_a_request_never_waits_for_space_only_its_own_pins_hold``), not after
+    the whole ``wait_for_space``."""
+    small, own = _full_of_its_own(group)
+    with SenderCache(gp.config(group)) as a, SenderCache(small) as b:
+        k = {"x": np.arange(10_240.0)}
+        a.get_and_update_features([FeatureSpec("k", k)])
+        t0 = time.monotonic()
+        out = b.get_and_update_features([*own, FeatureSpec("k", None)], wait_for_space=10)
+        assert time.monotonic() - t0 < 5
+        assert b.store.wakeups == 0  # it never went to sleep waiting for room it holds
+        assert np.array_equal(out[2].data["x"], k["x"])
+        assert (b.snapshot().sibling_hits, b.snapshot().inline_full) == (1, 1)
+        assert b.is_freeable("own0") and b.is_freeable("own1")
+
+
 async def test_invalidate_then_get_or_put_makes_the_new_item_in_a_group(group: str) -> None:
     """``get_or_put`` after ``invalidate`` runs ``make`` (the new bytes), not a sibling's copy
     of the old item."""
