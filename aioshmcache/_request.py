@@ -405,7 +405,8 @@ class SenderRequest(_Steps):
 
     @property
     def has_jobs(self) -> bool:
-        """Whether ``run_jobs`` has anything to do (a big copy or a wait for space)."""
+        """Whether ``run_jobs`` has anything to do (a big copy, a wait for space, or a sibling's
+        item to read out and serve inline)."""
         return bool(self._copies or self._waits or self._guests)
 
     def begin(self) -> None:

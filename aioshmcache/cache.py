@@ -285,8 +285,9 @@ class SenderCache(_Cache):
 
         In a group shard, also true when a live sibling shard holds the item (its chunk checked,
         not copied) in a chunk this shard can hold: a request passing ``None`` for it then
-        copies it into this shard. One over this shard's ``max_object_bytes`` is not cached here
-        (a look-up of it is a plain miss, so the caller sends the data).
+        copies it into this shard (or, with no room here, serves it inline). One over this
+        shard's ``max_object_bytes`` is not cached here (a look-up of it is a plain miss, so the
+        caller sends the data).
         ``rescan``: look for sibling shards opened since the last scan first (otherwise one is
         seen up to ``RESCAN_INTERVAL`` later): the last look of a group single-flight claim,
         whose "not cached" means "compute it here".

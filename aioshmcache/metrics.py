@@ -16,7 +16,8 @@ segment name and role (and, for caches of a group, the group and the shard)::
 The metrics (counters end in ``_total``, sizes in ``_bytes``; labels ``cache`` and ``role``):
 
 ==========================================  =======  =============================================
-``aioshmcache_hits_total``                  counter  sender: items handed out from the cache;
+``aioshmcache_hits_total``                  counter  sender: items handed out from the cache
+                                                     (or a group's sibling item served inline);
                                                      receiver: references resolved from memory
 ``aioshmcache_misses_total``                counter  sender: items that were not cached when
                                                      asked; receiver: features that came inline
