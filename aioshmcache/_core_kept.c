@@ -12,7 +12,7 @@
  *                         ``_kept.keep_py(updates)`` in one call, for updates of classes the
  *                         registry has met: the same records, or None (declined, nothing done)
  *                         for anything else (a class or enum member not numbered yet, an
- *                         instance dict that is not a dict, an attribute that raises), and the
+ *                         instance dict that is not a dict, an attribute or a class's hash that raises), and the
  *                         Python walk then makes them (and numbers what it meets).
  *   restore_kept(kept, objects, how)
  *                         ``(_kept.restore_py(kept),)``: the updates made again from their
@@ -277,8 +277,12 @@ static int
 put_object(Walk *w, PyObject *v, long depth)
 {
     PyObject *how = PyDict_GetItemWithError(w->how, (PyObject *)Py_TYPE(v));
-    if (how == NULL)
-        return PyErr_Occurred() ? -1 : 0; /* a class not met yet: the Python walk classifies it */
+    if (how == NULL) { /* a class not met yet: the Python walk classifies it; or its look-up
+                        * raised (a metaclass's ``__hash__``): the Python walk raises it, and
+                        * ``keep`` keeps the updates as given */
+        PyErr_Clear();
+        return 0;
+    }
     if (how == Py_None)
         return by_reference(w, v);
     if (!PyTuple_CheckExact(how) || PyTuple_GET_SIZE(how) != 2 ||
