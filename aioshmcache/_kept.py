@@ -24,7 +24,10 @@ what the sender stores:
   dict (or, when its slots are its fields, of its fields: one with a field unset is kept by
   reference); an enum member is its number.
   Classes, enum members and function definitions are numbered in a registry of this module (a
-  few, for the life of the process);
+  few, for the life of the process): only classes as long-lived as it (a static type, or one
+  its module names: ``module.qualname`` is it); an object of a class made per item (a local
+  class, dataclass or enum, ``make_dataclass``'s) is kept by reference, its class not
+  remembered;
 - a function its module names (``module.qualname`` is that very function, as ``pickle`` finds
   one: a module's function, a class's method) is numbered, and comes back the same object;
 - any other function as what its ``def`` made it of (vLLM's ``select_token_id`` makes a closure,
@@ -203,10 +206,21 @@ def _definition(f: Any) -> int | None:
     return n
 
 
+#: ``Py_TPFLAGS_HEAPTYPE``: a class made at run time (a ``class`` statement), not a static type
+_HEAPTYPE: Final = 1 << 9
+
+
 def _classify(obj: Any) -> tuple[int, tuple[str, ...]] | None:
-    """How instances of ``type(obj)`` are kept, decided on the first one met."""
+    """How instances of ``type(obj)`` are kept, decided on the first one met and remembered
+    only for a class as long-lived as the process (a static type, or one its module names, as
+    :func:`_named` finds a function): a class made per item (a local class, dataclass or enum,
+    ``make_dataclass``'s) would be kept, with all its methods reach, for the life of the
+    process, one per item; its objects are kept by reference, and it is classified again the
+    next time (the C walk declines it: the Python walk does)."""
     cls = type(obj)
     how: tuple[int, tuple[str, ...]] | None = None
+    if cls.__flags__ & _HEAPTYPE and not _named(cls):
+        return None
     if issubclass(cls, enum.Enum):
         how = (_MEMBER, ())
     elif dataclasses.is_dataclass(cls) and cls.__new__ is object.__new__:  # made bare again

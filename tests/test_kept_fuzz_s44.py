@@ -3,13 +3,18 @@ raises and classes made per item, on both walks alike."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import gc
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from aioshmcache import SenderCache, ShmRef
-from aioshmcache._kept import keep, keep_compiled, keep_py
+from aioshmcache._core_api import implementation
+from aioshmcache._kept import _how, _objects, keep, keep_compiled, keep_py, restore
 
 
 @dataclass
@@ -43,3 +48,53 @@ def test_a_class_whose_hash_raises_is_kept_as_given_by_both_walks(make_config: A
         ref, got = tx.get_and_update_item(None, "k")
         assert got == list(given_) and got[0] is given_[0]
         tx.release(ref)
+
+
+def _plain(i: int) -> Any:
+    class Local:
+        pass
+
+    return Local()
+
+
+def _dataclass(i: int) -> Any:
+    @dataclass
+    class LocalBox:
+        a: int
+
+    return LocalBox(i)
+
+
+def _member(i: int) -> Any:
+    class LocalEnum(enum.Enum):
+        A = 1
+
+    return LocalEnum.A
+
+
+def _made(i: int) -> Any:
+    return dataclasses.make_dataclass(f"Made{i}", [("a", int)])(i)
+
+
+def test_classes_made_per_item_leave_the_registry_alone() -> None:
+    """A class made per item (a local class, dataclass or enum, ``make_dataclass``'s): its
+    objects are kept by reference, and the registry neither numbers nor remembers it. It kept
+    every such class (and all its methods reach) for the life of the process, long after its
+    item had left the cache: a registry growing with each item."""
+    for make in (_plain, _dataclass, _member, _made):
+        alive = []
+        n_objects, n_how = len(_objects), len(_how)
+        for i in range(20):
+            obj = make(i)
+            alive.append(weakref.ref(type(obj)))
+            given_ = (obj, [i, Box(i)])
+            kept = keep(given_)
+            assert kept[1] == (obj,)  # by reference: the caller's own
+            got = restore(kept)
+            assert got[0] is obj and got == given_
+            if implementation() != "python":
+                assert keep_compiled(given_) in (None, keep_py(given_))
+            del obj, given_, kept, got
+        gc.collect()
+        assert [r for r in alive if r() is not None] == [], make
+        assert (len(_objects), len(_how)) == (n_objects, n_how), make
