@@ -12,8 +12,9 @@
  *                         ``_kept.keep_py(updates)`` in one call, for updates of classes the
  *                         registry has met: the same records, or None (declined, nothing done)
  *                         for anything else (a class or enum member not numbered yet, an
- *                         instance dict that is not a dict, an attribute or a class's hash that raises), and the
- *                         Python walk then makes them (and numbers what it meets).
+ *                         instance dict that is not a dict, an attribute or a class's hash
+ *                         that raises), and the Python walk then makes them (and numbers what
+ *                         it meets).
  *   restore_kept(kept, objects, how)
  *                         ``(_kept.restore_py(kept),)``: the updates made again from their
  *                         records, or None (declined: anything unusual, any error; the Python
