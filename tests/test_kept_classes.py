@@ -1,5 +1,5 @@
-"""The sender's kept prompt updates (``aioshmcache._kept``) on odd inputs: classes whose hash
-raises and classes made per item, on both walks alike."""
+"""The sender's kept prompt updates (``aioshmcache._kept``) and the classes of their objects: a
+class whose hash raises, classes made per item (never remembered), alike on both walks."""
 
 from __future__ import annotations
 
