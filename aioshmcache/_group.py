@@ -80,7 +80,7 @@ from ._segment import Segment, list_shards
 from ._serde import Serde
 from ._store import RawPlan, ShmObjectStore, StoreWriter
 from ._types import CacheConfig, ShmRef, reference_tag
-from .errors import SegmentExistsError, SerdeError, ShmCacheError, StaleReferenceError
+from .errors import SegmentExistsError, ShmCacheError, StaleReferenceError
 
 __all__ = [
     "RESCAN_INTERVAL",
@@ -232,12 +232,13 @@ class Sibling:
         """The chunk's payload decoded into objects of our own (``serde.read`` with ``copy``:
         for a look-up served inline when our shard has no room), verified after the decode:
         ``StaleReferenceError`` if the chunk changed meanwhile, also when its torn bytes did
-        not decode (a ``SerdeError`` only for a chunk that did not change).
+        not decode (the serde's error, a ``SerdeError`` or a custom serde's own, only for a
+        chunk that did not change).
         """
         src = self.payload(ref)
         try:
             value = serde.read(src, copy=True)
-        except SerdeError:
+        except Exception:
             self.verify(ref)
             raise
         finally:

@@ -555,26 +555,29 @@ def test_a_sibling_item_served_inline_that_changed_is_a_miss(group: str, how: st
         assert (b.snapshot().hits, b.snapshot().sibling_hits, b.snapshot().inline_full) == (0, 0, 0)
 
 
+@pytest.mark.parametrize("error", ["SerdeError", "ValueError"])
 @pytest.mark.parametrize("changed", [True, False], ids=["torn", "unchanged"])
 def test_a_sibling_item_that_fails_to_decode_is_a_miss_only_if_it_changed(
-    group: str, changed: bool
+    group: str, changed: bool, error: str
 ) -> None:
     """Served inline, the sibling's item is decoded out of its chunk, which its writer may
     reuse meanwhile: a decode error of a chunk that changed during the decode is the look-up's
     ``CacheMissError`` (torn bytes, not a bad payload), while one of a chunk that did not
-    change is the ``SerdeError`` it is (the shards' serdes differ)."""
+    change is the error it is (the shards' serdes differ), whatever a custom serde raises."""
     from aioshmcache import MsgpackSerde, SerdeError
+
+    raised = {"SerdeError": SerdeError, "ValueError": ValueError}[error]
 
     class Failing(MsgpackSerde):  # the reuse happens during the decode, then the decode fails
         def read(self, buf: memoryview, *, copy: bool = True) -> object:
             if changed:
                 a.clear()
-            raise SerdeError("cannot decode payload")
+            raise raised("cannot decode payload")
 
     small, own = _full_of_its_own(group)
     with SenderCache(gp.config(group)) as a, SenderCache(small, serde=Failing()) as b:
         a.get_and_update_features([FeatureSpec("k", {"x": np.zeros(10_240)})])
-        with pytest.raises(CacheMissError if changed else SerdeError):
+        with pytest.raises(CacheMissError if changed else raised):
             b.get_and_update([(f.data, ()) for f in own] + [None], ["own0", "own1", "k"])
 
 
