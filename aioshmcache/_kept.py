@@ -27,7 +27,8 @@ what the sender stores:
   few, for the life of the process): only classes as long-lived as it (a static type, or one
   its module names: ``module.qualname`` is it); an object of a class made per item (a local
   class, dataclass or enum, ``make_dataclass``'s) is kept by reference, its class not
-  remembered;
+  remembered. The registry stops at ``REGISTRY_MAX`` entries (a module's name bound to a new
+  class per item would grow it): what is not numbered by then is kept by reference;
 - a function its module names (``module.qualname`` is that very function, as ``pickle`` finds
   one: a module's function, a class's method) is numbered, and comes back the same object;
 - any other function as what its ``def`` made it of (vLLM's ``select_token_id`` makes a closure,
@@ -126,21 +127,28 @@ _numbers: dict[int, int] = {}  # id(class, enum member or definition's code) -> 
 #: per class met in updates: its node code and, for slotted dataclasses, its field names; or
 #: None: its instances are kept by reference
 _how: dict[type, tuple[int, tuple[str, ...]] | None] = {}
+#: the most entries ``_objects`` and ``_how`` each take. A program's classes and functions are
+#: a few hundred; one that binds a module's name to a new class per item, or gives a function
+#: a new code per item, would grow them for the life of the process: past the bound, what is
+#: not numbered yet is kept by reference (its items' updates cost collections again)
+REGISTRY_MAX = 1 << 16
 
 
-def _number(obj: Any) -> int:
+def _number(obj: Any) -> int | None:
     n = _numbers.get(id(obj))
     return _register(id(obj), obj) if n is None else n
 
 
-def _register(key: int, entry: Any) -> int:
+def _register(key: int, entry: Any) -> int | None:
     """The number of ``key`` (an object's id), ``entry``'s index in ``_objects`` if it was not
-    numbered yet. A finalizer run amid these steps (see ``_lock``) may number objects too: they
-    come after ``entry``, which is found by identity, and one numbering ``key`` itself first
-    has its number kept."""
+    numbered yet; None if it was not and the registry is full (``REGISTRY_MAX``). A finalizer
+    run amid these steps (see ``_lock``) may number objects too: they come after ``entry``,
+    which is found by identity, and one numbering ``key`` itself first has its number kept."""
     with _lock:
         n = _numbers.get(key)
         if n is None:
+            if len(_objects) >= REGISTRY_MAX:
+                return None
             _objects.append(entry)
             n = len(_objects) - 1
             while _objects[n] is not entry:  # others appended after it meanwhile
@@ -188,6 +196,8 @@ def _definition(f: Any) -> int | None:
             return None
         d = (code, f.__globals__, new.__name__, new.__qualname__, new.__module__, new.__doc__)
         n = _register(id(code), (*d, dict(f.__annotations__)))
+        if n is None:  # the registry is full
+            return None
     d = _objects[n]
     # the comparisons first: what they run (a caller's ``__eq__``) may set an attribute on
     # ``f`` or give it another code, which the checks after them see
@@ -235,7 +245,8 @@ def _classify(obj: Any) -> tuple[int, tuple[str, ...]] | None:
                 how = (_SLOT_OBJ, names)  # slots only, each a field: its fields are its state
         elif type(state) is dict and all(n in state for n in names):
             how = (_DICT_OBJ, ())  # its instance dict: its fields and any other attribute
-    _how[cls] = how
+    if len(_how) < REGISTRY_MAX:
+        _how[cls] = how
     return how
 
 
@@ -312,18 +323,22 @@ def _put(v: Any, out: list[Any], refs: list[Any], depth: int, met: set[Any]) -> 
         refs.append(v)
         return
     code, names = how
-    if code == _MEMBER:
-        out += (_MEMBER, _number(v))
+    n = _number(v if code == _MEMBER else t)
+    if n is None:  # the registry is full: by reference
+        out += (_REF, len(refs))
+        refs.append(v)
+    elif code == _MEMBER:
+        out += (_MEMBER, n)
     elif code == _DICT_OBJ:
-        _put_pairs(v, v.__dict__, _DICT_OBJ, out, refs, depth, met, _number(t))
+        _put_pairs(v, v.__dict__, _DICT_OBJ, out, refs, depth, met, n)
     else:
         try:
-            values = [getattr(v, n) for n in names]
+            values = [getattr(v, name) for name in names]
         except AttributeError:  # an unset slot (a field never set): kept by reference
             out += (_REF, len(refs))
             refs.append(v)
             return
-        out += (_SLOT_OBJ, _number(t))
+        out += (_SLOT_OBJ, n)
         for x in values:
             _put(x, out, refs, depth, met)
 

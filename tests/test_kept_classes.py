@@ -98,3 +98,37 @@ def test_classes_made_per_item_leave_the_registry_alone() -> None:
         gc.collect()
         assert [r for r in alive if r() is not None] == [], make
         assert (len(_objects), len(_how)) == (n_objects, n_how), make
+
+
+def test_the_registry_stops_growing_at_its_bound(monkeypatch: Any) -> None:
+    """A module's name bound to a new class per item (each named by its module when met) would
+    number every one for the life of the process: past ``REGISTRY_MAX`` entries, what is not
+    numbered yet is kept by reference instead, and neither the registry nor its classes grow
+    any more. Both walks agree, and every item's updates come back equal."""
+    import sys
+    import types
+
+    from aioshmcache import _kept
+
+    module = types.ModuleType("aioshm_kept_rebound")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    bound = max(len(_objects), len(_how)) + 3
+    monkeypatch.setattr(_kept, "REGISTRY_MAX", bound)
+    room = (bound - len(_objects)) + (bound - len(_how))  # the most classes they may still take
+    classes, kept = [], []
+    for i in range(room + 20):
+        point = dataclasses.make_dataclass("Point", [("x", int)])
+        point.__module__ = module.__name__
+        module.Point = point  # type: ignore[attr-defined]  # rebound per item: named when met
+        updates = (point(i), [i])
+        compiled = keep_compiled(updates)
+        made = keep_py(updates)
+        assert compiled is None or compiled == made
+        kept.append((updates, keep(updates)))
+        classes.append(weakref.ref(point))
+    assert len(_objects) == bound and len(_how) == bound
+    assert [restore(k) for _u, k in kept] == [u for u, _k in kept]
+    del kept, point, updates, compiled, made
+    module.Point = None  # type: ignore[attr-defined]
+    gc.collect()
+    assert sum(c() is not None for c in classes) <= room  # the others were never remembered
