@@ -100,6 +100,13 @@ def test_classes_made_per_item_leave_the_registry_alone() -> None:
         assert (len(_objects), len(_how)) == (n_objects, n_how), make
 
 
+def _closure(i: int) -> Any:
+    def f() -> int:
+        return i
+
+    return f
+
+
 def test_the_registry_stops_growing_at_its_bound(monkeypatch: Any) -> None:
     """A module's name bound to a new class per item (each named by its module when met) would
     number every one for the life of the process: past ``REGISTRY_MAX`` entries, what is not
@@ -128,6 +135,11 @@ def test_the_registry_stops_growing_at_its_bound(monkeypatch: Any) -> None:
         classes.append(weakref.ref(point))
     assert len(_objects) == bound and len(_how) == bound
     assert [restore(k) for _u, k in kept] == [u for u, _k in kept]
+    for i in range(5):  # a function given a new code per item: its definition not numbered
+        f = _closure(i)
+        f.__code__ = f.__code__.replace(co_consts=(*f.__code__.co_consts, i))
+        assert restore(keep(([f],)))[0][0] is f
+    assert len(_objects) == bound
     del kept, point, updates, compiled, made
     module.Point = None  # type: ignore[attr-defined]
     gc.collect()
