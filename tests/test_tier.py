@@ -1123,11 +1123,15 @@ async def test_a_redis_cluster_serves_as_the_tier(make_config: Any, shm_name: st
     with cluster:
         calls: list[str] = []
         hashes = [f"c{i}" for i in range(8)]  # spread over the masters' slots
-        # a new cluster client's first look-up also discovers the nodes: a generous deadline,
-        # so a busy machine does not turn it into a make (the subject here is the cluster)
-        t1 = _tier(cluster.url, cluster=True, lookup_timeout_s=15.0)
-        t2 = _tier(cluster.url, cluster=True, lookup_timeout_s=15.0)
+        # the subject is the cluster, not the machine's load: the clients discover the nodes
+        # before the look-ups, and a look-up has a deadline a busy machine does not reach (one
+        # answered late is made instead: host b "preprocessed" c0 in a loaded CI run, its
+        # look-up late beside another run's stress tests, load ~20 on two CPUs)
+        t1 = _tier(cluster.url, cluster=True, lookup_timeout_s=60.0)
+        t2 = _tier(cluster.url, cluster=True, lookup_timeout_s=60.0)
         async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
+            for t in (t1, t2):
+                await t._client.initialize()
             with ReceiverCache.attach(b.handle()) as rb:
                 for h in hashes:
                     await a.get_or_put(h, _maker(h, calls))
