@@ -464,6 +464,15 @@ def _full_of_its_own(group: str) -> tuple[CacheConfig, list[FeatureSpec]]:
     return CacheConfig(256 << 10, 100 << 10, 1, group=group), own
 
 
+def _begin_own_then_k(b: SenderCache, own: list[FeatureSpec], **kw: Any) -> Any:
+    """``b``'s request putting ``own`` (which fills its shard) and then looking ``k`` up,
+    begun (``kw``: the request's ``copy_inline_below`` and ``wait_for_space``)."""
+    items = [(f.data, ()) for f in own] + [None]
+    req = b._request(items, [f.mm_hash for f in own] + ["k"], **kw)
+    req.begin()
+    return req
+
+
 @pytest.mark.parametrize("wait", [None, 0.05], ids=["no-wait", "after-a-wait"])
 @pytest.mark.parametrize("threshold", [1 << 20, 0], ids=["now", "job"])
 def test_a_sibling_item_with_no_room_here_is_served_inline(
@@ -479,13 +488,7 @@ def test_a_sibling_item_with_no_room_here_is_served_inline(
     small, own = _full_of_its_own(group)
     with SenderCache(gp.config(group)) as a, SenderCache(small) as b:
         a.get_and_update_features([FeatureSpec("k", k, prompt_updates=("a's",))])
-        req = b._request(
-            [(f.data, ()) for f in own] + [None],
-            ["own0", "own1", "k"],
-            copy_inline_below=threshold,
-            wait_for_space=wait,
-        )
-        req.begin()
+        req = _begin_own_then_k(b, own, copy_inline_below=threshold, wait_for_space=wait)
         assert req.has_jobs is (threshold == 0 or wait is not None)
         req.run_jobs()
         out = req.finish()
@@ -539,10 +542,7 @@ def test_a_sibling_item_served_inline_that_changed_is_a_miss(group: str, how: st
     small, own = _full_of_its_own(group)
     with SenderCache(gp.config(group)) as a, SenderCache(small) as b:
         a.get_and_update_features([FeatureSpec("k", k)])
-        req = b._request(
-            [(f.data, ()) for f in own] + [None], ["own0", "own1", "k"], copy_inline_below=0
-        )
-        req.begin()
+        req = _begin_own_then_k(b, own, copy_inline_below=0)
         if how == "cleared":
             a.clear()
         else:
@@ -612,10 +612,7 @@ def test_a_sibling_item_served_inline_after_an_invalidate_and_a_new_put_is_a_mis
     small, own = _full_of_its_own(group)
     with SenderCache(gp.config(group)) as a, SenderCache(small, serde=serde) as b:
         a.get_and_update_features([FeatureSpec("k", {"x": np.arange(10_240.0)})])
-        req = b._request(
-            [(f.data, ()) for f in own] + [None], ["own0", "own1", "k"], copy_inline_below=0
-        )
-        req.begin()
+        req = _begin_own_then_k(b, own, copy_inline_below=0)
 
         def invalidate_and_put_anew() -> None:
             assert b.invalidate("k") is False  # k is not cached here: only withheld
@@ -643,10 +640,7 @@ def test_a_sibling_item_served_inline_for_an_abandoned_request_counts_nothing(gr
     small, own = _full_of_its_own(group)
     with SenderCache(gp.config(group)) as a, SenderCache(small, serde=serde) as b:
         a.get_and_update_features([FeatureSpec("k", {"x": np.arange(10_240.0)})])
-        req = b._request(
-            [(f.data, ()) for f in own] + [None], ["own0", "own1", "k"], copy_inline_below=0
-        )
-        req.begin()
+        req = _begin_own_then_k(b, own, copy_inline_below=0)
         serde.hook = req.abandon
         req.run_jobs()
         assert req.abandoned
@@ -706,10 +700,7 @@ def test_a_sibling_item_served_inline_when_this_writer_closes_meanwhile_is_close
     small, own = _full_of_its_own(group)
     with SenderCache(gp.config(group)) as a, SenderCache(small) as b:
         a.get_and_update_features([FeatureSpec("k", {"x": np.arange(10_240.0)})])
-        req = b._request(
-            [(f.data, ()) for f in own] + [None], ["own0", "own1", "k"], copy_inline_below=0
-        )
-        req.begin()
+        req = _begin_own_then_k(b, own, copy_inline_below=0)
 
         def decode_then_close(self: Sibling, ref: ShmRef, serde: Any) -> object:
             value = decode(self, ref, serde)
