@@ -1130,8 +1130,16 @@ async def test_a_redis_cluster_serves_as_the_tier(make_config: Any, shm_name: st
         t1 = _tier(cluster.url, cluster=True, lookup_timeout_s=60.0)
         t2 = _tier(cluster.url, cluster=True, lookup_timeout_s=60.0)
         async with _cache(make_config, t1) as a, _cache(make_config, t2, name=shm_name + "b") as b:
-            for t in (t1, t2):
-                await t._client.initialize()
+            for t in (t1, t2):  # (the client's own socket timeouts may fire on a busy machine)
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        await t._client.initialize()
+                        break
+                    except aioredis.RedisError:
+                        if time.monotonic() > deadline:
+                            raise
+                        await asyncio.sleep(0.2)
             with ReceiverCache.attach(b.handle()) as rb:
                 for h in hashes:
                     await a.get_or_put(h, _maker(h, calls))
