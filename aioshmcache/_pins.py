@@ -72,8 +72,11 @@ class Pins:
     def guard(self, keys: Sequence[str]) -> dict[int, None]:
         """Guard the chunks of the cached ``keys``, and every chunk committed from now on, until
         :meth:`unguard` (see ``StoreWriter.guard``). Returns the guarded set."""
-        index = self._index
-        self.guarded = g = {cid: None for k in keys if (cid := index.get(k)) is not None}
+        index = self._index  # ``index.get(k)``, inline: a look-up per item of the request
+        shards, mask = index.shards, index.mask
+        self.guarded = g = {
+            cid: None for k in keys if (cid := shards[hash(k) & mask].get(k)) is not None
+        }
         return g
 
     def unguard(self) -> None:

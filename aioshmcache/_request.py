@@ -490,14 +490,15 @@ class SenderRequest(_Steps):
     def _decide_all_locked(self, may_defer: bool) -> None:
         """Decide every item of a request of several, in order, in ``begin``'s locked step.
 
-        Each given item is offered to the core's one-item call first (``put_item``: the steps
-        of ``_decide_locked``'s hit or small miss in one compiled call — the look-up, then the
-        hand-out and the hit counted, or the plan, the put under this request's guard, the miss
-        counted, the prompt updates kept — or its answer for an item measured too large: served
-        inline). What it declines, before any side effect (a hash remembered too large, a copy
-        job, room that needs the eviction policy; every call on the pure core),
-        ``_decide_locked`` decides, as it does every look-up, every item of a hash this request
-        is reserving and a group shard's.
+        Each item, given or a look-up (None), is offered to the core's one-item call first
+        (``put_item``: the steps of ``_decide_locked``'s hit or small miss in one compiled call
+        — the look-up, then the hand-out and the hit counted (a look-up's kept prompt updates
+        restored), or the plan, the put under this request's guard, the miss counted, the
+        prompt updates kept — or its answer for an item measured too large: served inline).
+        What it declines, before any side effect (a look-up not cached, a hash remembered too
+        large, a copy job, room that needs the eviction policy; every call on the pure core),
+        ``_decide_locked`` decides, as it does every item of a hash this request is reserving
+        and a group shard's.
         A hand-out the core made is recorded for the roll back, as ``_decide_locked`` does.
         """
         store, book, hashes = self._store, self._book, self._hashes
@@ -506,10 +507,10 @@ class SenderRequest(_Steps):
         plain = book.siblings is None
         for i in range(len(hashes)):
             it = items[i]
-            if plain and it is not None and hashes[i] not in self._putting:
+            if plain and hashes[i] not in self._putting:
                 done = _put_item(store, book, it, hashes[i], below)
                 if done is not None:
-                    if done is not it:  # put (``it`` itself: too large, served inline)
+                    if done is not it:  # a put or a hit (``it`` itself: served inline)
                         handed.append(done[0])
                     results[i] = done
                     continue
@@ -522,13 +523,14 @@ class SenderRequest(_Steps):
         Items are decided in order, as vLLM's sender does: a look-up after an item of the same
         hash is that item's hit once it is put (a miss then only if it was served inline).
         """
-        store = self._store
+        index = self._store.index  # ``store.is_cached(h)``, inline: a look-up per item
+        shards, mask = index.shards, index.mask
         given: set[str] = set()
         missing = []
         for it, h in zip(self._items, self._hashes):
             if it is not None:
                 given.add(h)
-            elif h not in given and not store.is_cached(h) and not self._in_sibling(h):
+            elif h not in shards[hash(h) & mask] and h not in given and not self._in_sibling(h):
                 missing.append(h)
         if missing:
             raise CacheMissError(missing)

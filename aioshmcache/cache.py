@@ -151,7 +151,13 @@ def all_as_given(
     if sent is given and None not in given:
         return out
     for i, o in enumerate(out):
-        out[i] = as_given(given[i], sent[i], o)
+        g = given[i]
+        if g is None:  # a look-up (``as_given``'s case, inline): its updates as a new list
+            u = o[1]
+            if type(u) is tuple:
+                out[i] = (o[0], list(u))
+        else:
+            out[i] = as_given(g, sent[i], o)
     return out
 
 

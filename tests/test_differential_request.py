@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from aioshmcache import (
     AsyncSenderCache,
+    CacheMissError,
     FeatureSpec,
     ReceiverCache,
     SenderCache,
@@ -178,8 +179,8 @@ def test_a_request_of_several_items_puts_its_plain_misses_through_the_core(
     """Not vacuous: one request of eight specs (one ``SenderRequest``) whose plain misses each
     took the core's one-item miss; a hit, a look-up, a repeat of a hash the request just put, a
     big item the async face copies in a thread (a job) and an item too large (served inline by
-    the core) in one request: the core took all but the look-up (which the request decides)
-    and the job."""
+    the core) in one request: the core took all but the job. A look-up of a hash an earlier
+    item served inline (not cached) is declined, and the request's ``CacheMissError``."""
     assert C is not None
     seen = _spied(monkeypatch, _request, "_put_item", C.put_item)
     made = count_sender_requests(monkeypatch)
@@ -199,14 +200,19 @@ def test_a_request_of_several_items_puts_its_plain_misses_through_the_core(
         mixed += [(ITEMS[2](rng), ["big"]), huge]
         hashes = ["a", "p0", "p1", "a", "big", "huge"]
         out = asyncio.run(_call(cache, face, via, mixed, hashes))
-        # offered: "a" (taken), "p0" (a hit: taken), "a" again (now a hit: taken), "big" (taken
-        # by the sync faces; a job on the async one: declined), "huge" (served inline)
+        # offered: "a" (taken), "p0" (a hit: taken), "p1" (a look-up's hit: taken), "a" again
+        # (now a hit: taken), "big" (taken by the sync faces; a job on the async one:
+        # declined), "huge" (served inline)
         job = via.startswith("async")
-        assert seen == [True, True, True, not job, True]
+        assert seen == [True, True, True, True, not job, True]
         assert [list(u) for _d, u in out] == [["a"], [0], [1], ["a2"], ["big"], ["h"]]
         assert out[0][0].id == out[3][0].id  # the repeat is a hand-out of the same chunk
         assert out[5][0] is huge[0]  # served inline
         assert cache.snapshot().inline_too_large == 1
+        seen.clear()
+        with pytest.raises(CacheMissError) as miss:
+            asyncio.run(_call(cache, face, via, [huge, None], ["huge2", "huge2"]))
+        assert miss.value.mm_hashes == ("huge2",) and seen == [True, False]
     finally:
         cache.close()
 
