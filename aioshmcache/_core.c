@@ -89,6 +89,7 @@ static Py_ssize_t stream_min = 64 * 1024; /* tuned by bench/bench_core_copy.py *
 static const char *stream_kind = "memcpy";
 typedef void (*stream_fn)(char *dst, const char *src, size_t n);
 static stream_fn stream_copy = NULL;
+static uint64_t streamed = 0; /* copies that took the streaming stores (``streamed_copies``) */
 
 #if defined(__x86_64__)
 /* Each copies the unaligned head with memcpy, streams the 64-byte aligned body from unaligned
@@ -164,6 +165,7 @@ aioshm_copy_bytes(char *dst, const char *src, size_t n)
     }
     if (stream_copy != NULL && n >= (size_t)stream_min) {
         stream_copy(dst, src, n);
+        __atomic_fetch_add(&streamed, 1, __ATOMIC_RELAXED); /* may run without the GIL */
 #if defined(__x86_64__)
         _mm_sfence(); /* the streamed stores are ordered before any later store (the commit) */
 #endif
@@ -272,6 +274,12 @@ static PyObject *
 core_copy_info(PyObject *self, PyObject *unused)
 {
     return Py_BuildValue("(sn)", stream_kind, stream_min);
+}
+
+static PyObject *
+core_streamed_copies(PyObject *self, PyObject *unused)
+{
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&streamed, __ATOMIC_RELAXED));
 }
 
 static PyObject *
@@ -397,6 +405,8 @@ static PyMethodDef core_methods[] = {
      "bytes_of(src) -> a new bytes of src's bytes (the GIL released if big)"},
     {"copy_info", core_copy_info, METH_NOARGS,
      "copy_info() -> (kind, stream_min): the streaming copy in use and its threshold"},
+    {"streamed_copies", core_streamed_copies, METH_NOARGS,
+     "streamed_copies() -> how many copies took the streaming stores in this process"},
     {"set_stream_min", core_set_stream_min, METH_O,
      "set_stream_min(n): stream copies of n bytes or more (for benchmarks)"},
     {"set_stream_kind", core_set_stream_kind, METH_O,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import platform
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aioshmcache import MsgpackSerde, _core_py, _serde, _types
+from aioshmcache import MsgpackSerde, SenderCache, _core_py, _serde, _types, implementation
 
 from .test_core import c_core
 
@@ -315,6 +316,45 @@ def test_every_streaming_kind_writes_the_same_bytes() -> None:
         C.set_stream_min(default)
     assert C.copy_info() == (kind, default)
     assert "avx512" not in kinds or kind == "avx2"  # measured: AVX2's are the faster here
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="streaming stores are x86-64's")
+@pytest.mark.skipif(implementation() != "c", reason="the caches run on the pure core here")
+@pytest.mark.parametrize("via", ["item", "several"])
+def test_a_big_put_streams_into_the_ring_and_a_small_one_does_not(
+    make_config: Callable[..., Any], via: str
+) -> None:
+    """On x86-64 the core picks a streaming kind at import, and a put's array of ``stream_min``
+    bytes or more is written with it (counted by ``streamed_copies``), through the one-item
+    call and a request of several alike; a smaller one, or any array once the threshold is
+    raised above it, is a plain copy. The bytes read back are the put's."""
+    assert C is not None
+    kind, stream_min = C.copy_info()
+    assert kind in ("avx512", "avx2", "sse2")  # never memcpy where the CPU streams
+    big = {"x": np.arange(stream_min, dtype=np.uint8)}
+    small = {"x": np.arange(stream_min - 1, dtype=np.uint8)}
+    cache = SenderCache(make_config(8 << 20, 1 << 20, 1))
+
+    def put(item: dict[str, Any], key: str) -> int:
+        before = int(C.streamed_copies())
+        if via == "item":
+            cache.get_and_update_item((item, ()), key)
+        else:
+            cache.get_and_update([(item, ()), (small, ())], [key, key + "-small"])
+        ref = cache.store.ref_of(key)
+        assert ref is not None
+        assert np.array_equal(cache.store.get(ref)["x"], item["x"])
+        return int(C.streamed_copies()) - before
+
+    try:
+        assert put(big, "big") == 1
+        assert put(small, "small") == 0
+        C.set_stream_min(stream_min + 1)
+        assert put(big, "big-again") == 0
+    finally:
+        C.set_stream_min(stream_min)
+        cache.close()
+    assert C.copy_info() == (kind, stream_min)
 
 
 ARRAYS = st.sampled_from(
