@@ -9,6 +9,7 @@ results; here: what picks one, and that a machine without a compiler still insta
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -135,6 +136,52 @@ def test_a_machine_without_a_compiler_installs_the_pure_package(tmp_path: Path) 
     with zipfile.ZipFile(wheel) as z:
         assert not [n for n in z.namelist() if n.endswith(".so")]
     assert _install_and_ask(tmp_path, wheel) == "python"
+
+
+@pytest.mark.slow
+def test_an_editable_install_without_a_compiler_is_pure_and_drops_a_stale_core(
+    tmp_path: Path,
+) -> None:
+    """``pip install -e .`` where the compile fails: the one line (``-v``), no core left in
+    place (one built before is removed: it must not outlive the failed build), and the
+    installed package runs the pure core."""
+    src = tmp_path / "src"
+    shutil.copytree(
+        ROOT,
+        src,
+        ignore=shutil.ignore_patterns(".*", "tests", "bench", "examples", "docs", "__pycache__"),
+    )
+    stale = src / "aioshmcache" / ("_core" + sysconfig.get_config_var("EXT_SUFFIX"))
+    stale.write_bytes(b"a core built before")  # whatever was in place: it must go
+    prefix = tmp_path / "prefix"
+    install = ["install", "-v", "-e", str(src), "--no-deps", "--no-build-isolation"]
+    proc = subprocess.run(
+        [*PIP, *install, "--prefix", str(prefix)],
+        env={**os.environ, "CC": "/bin/false"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    assert "the C core was not built" in proc.stdout + proc.stderr
+    assert not list((src / "aioshmcache").glob("_core*.so"))
+    (site,) = prefix.glob("lib/python*/site-packages")
+    code = (
+        "import site, sys; site.addsitedir(sys.argv[1]); import aioshmcache; "
+        "assert aioshmcache.__file__.startswith(sys.argv[2]), aioshmcache.__file__; "
+        "print(aioshmcache.implementation())"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("AIOSHM_PURE", "PYTHONPATH")}
+    got = subprocess.run(
+        [sys.executable, "-c", code, str(site), str(src)],
+        env=env,
+        cwd=tmp_path,  # not the checkout: ``-c`` puts the working directory first on the path
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert got.stdout.strip() == "python"
 
 
 @pytest.mark.slow
