@@ -96,6 +96,39 @@ async def test_a_declined_one_spec_put_keeps_updates_given_as_an_iterator(
         assert tuple(again.prompt_updates) == (1,)  # the kept ones
 
 
+@pytest.mark.parametrize("call", ["item", "list", "features"])
+async def test_a_one_item_put_over_the_threshold_is_copied_off_the_loop(
+    make_config: Any, monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    """Each async one-item entry point: an item of ``inline_threshold_bytes`` or more is
+    reserved on the loop, copied into its chunk in a worker thread, and committed; a smaller one
+    is put on the loop in one step (no copy job). The bytes read back are the put's."""
+    from aioshmcache.store import StoreWriter
+
+    copies: list[int] = []  # the thread of each copy into a reserved chunk
+    write = StoreWriter.write_reserved
+
+    def spy(self: StoreWriter, res: Any) -> None:
+        copies.append(threading.get_ident())
+        write(self, res)
+
+    monkeypatch.setattr(StoreWriter, "write_reserved", spy)
+    cfg = make_config(16 * MiB, 4 * MiB, 1)
+    async with AsyncSenderCache.from_config(cfg, inline_threshold_bytes=MiB) as cache:
+        for key, nbytes in (("big", 2 * MiB), ("small", MiB // 2)):
+            item = {"x": np.arange(nbytes, dtype=np.uint8)}
+            if call == "item":
+                ref, _u = await cache.get_and_update_item((item, ()), key)
+            elif call == "list":
+                [(ref, _u)] = await cache.get_and_update([(item, ())], [key])
+            else:
+                [f] = await cache.get_and_update_features([FeatureSpec(key, item)])
+                ref = f.data
+            assert isinstance(ref, ShmRef)
+            assert np.array_equal(cache.sender.store.get(ref)["x"], item["x"])
+        assert len(copies) == 1 and copies[0] != threading.get_ident()  # the big one only
+
+
 async def test_hits_are_inline_and_lease(make_config: Any) -> None:
     async with (
         AsyncSenderCache.from_config(make_config(8 * MiB, 4 * MiB, 1)) as cache,
