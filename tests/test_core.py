@@ -142,9 +142,11 @@ def test_a_machine_without_a_compiler_installs_the_pure_package(tmp_path: Path) 
 def test_an_editable_install_without_a_compiler_is_pure_and_drops_a_stale_core(
     tmp_path: Path,
 ) -> None:
-    """``pip install -e .`` where the compile fails: the one line (``-v``), no core left in
-    place (one built before is removed: it must not outlive the failed build), and the
-    installed package runs the pure core."""
+    """``pip install -e .`` where the compile fails: the one line, no core left in place (one
+    built before is removed: it must not outlive the failed build), and the installed package
+    runs the pure core. The editable wheel is built as pip builds it (the backend's
+    ``build_editable``, no isolation) and installed with ``--target``: an install into a
+    prefix would uninstall this environment's own aioshmcache."""
     src = tmp_path / "src"
     shutil.copytree(
         ROOT,
@@ -153,10 +155,11 @@ def test_an_editable_install_without_a_compiler_is_pure_and_drops_a_stale_core(
     )
     stale = src / "aioshmcache" / ("_core" + sysconfig.get_config_var("EXT_SUFFIX"))
     stale.write_bytes(b"a core built before")  # whatever was in place: it must go
-    prefix = tmp_path / "prefix"
-    install = ["install", "-v", "-e", str(src), "--no-deps", "--no-build-isolation"]
+    out = tmp_path / "wheel"
+    build = "import sys; from hatchling.build import build_editable; build_editable(sys.argv[1])"
     proc = subprocess.run(
-        [*PIP, *install, "--prefix", str(prefix)],
+        [sys.executable, "-c", build, str(out)],
+        cwd=src,
         env={**os.environ, "CC": "/bin/false"},
         capture_output=True,
         text=True,
@@ -165,15 +168,24 @@ def test_an_editable_install_without_a_compiler_is_pure_and_drops_a_stale_core(
     )
     assert "the C core was not built" in proc.stdout + proc.stderr
     assert not list((src / "aioshmcache").glob("_core*.so"))
-    (site,) = prefix.glob("lib/python*/site-packages")
-    code = (
-        "import site, sys; site.addsitedir(sys.argv[1]); import aioshmcache; "
+    (wheel,) = out.glob("*.whl")
+    target = tmp_path / "site"
+    subprocess.run(
+        [*PIP, "install", "-q", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
+        capture_output=True,
+        timeout=600,
+        check=True,
+    )
+    code = (  # this checkout (this environment's own editable install) out of the way first
+        "import site, sys; sys.path[:] = [p for p in sys.path if p != sys.argv[3]]; "
+        "site.addsitedir(sys.argv[1]); "
+        "import aioshmcache; "
         "assert aioshmcache.__file__.startswith(sys.argv[2]), aioshmcache.__file__; "
         "print(aioshmcache.implementation())"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("AIOSHM_PURE", "PYTHONPATH")}
     got = subprocess.run(
-        [sys.executable, "-c", code, str(site), str(src)],
+        [sys.executable, "-c", code, str(target), str(src), str(ROOT)],
         env=env,
         cwd=tmp_path,  # not the checkout: ``-c`` puts the working directory first on the path
         capture_output=True,
