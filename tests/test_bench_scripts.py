@@ -1,8 +1,10 @@
 """The benchmark scripts that no suite of ``python -m aioshmcache bench`` runs: a smoke run
 of each, as a user runs it (a subprocess), so the scripts cannot rot.
 
-``bench/bench_channel.py`` (the channel's round trip against a bare echo) and
-``bench/bench_lean.py`` (every entry point's cost, the first lap's worst put). No timed
+``bench/bench_channel.py`` (the channel's round trip against a bare echo),
+``bench/bench_lean.py`` (every entry point's cost, the first lap's worst put) and
+``bench/bench_core_copy.py`` (the compiled copy's kinds and threshold, and a put read back by
+another process). No timed
 assertions: only that every row is reported with sane figures and nothing is left behind.
 """
 
@@ -88,3 +90,18 @@ def test_the_entry_point_and_first_lap_benchmarks_report_every_cell() -> None:
     laps = re.findall(r"^thread CPU: median ([\d.]+) µs, worst ([\d.]+) ms", out, re.M)
     assert len(laps) == 2 and all(float(a) > 0 and float(b) > 0 for a, b in laps), out
     assert not [n for n in os.listdir("/dev/shm") if f"bench-lean-{pid}-" in n]
+
+
+def test_the_copy_benchmark_reports_every_size_and_the_cross_process_pair() -> None:
+    from aioshmcache import implementation
+
+    if implementation() != "c":
+        pytest.skip("the copy benchmark measures the C core")
+    out, _ = _run("bench_core_copy.py", "1")
+    sizes = re.findall(r"^ *(\d+ [KM]iB) +([\d.]+) ", out, re.M)
+    assert len(sizes) == 9 and all(float(us) > 0 for _s, us in sizes), out
+    out, pid = _run("bench_core_copy.py", "pair", "1")
+    rows = re.findall(r"^ *(\d+ [KM]iB) \|(.*)\| +([\d.]+)$", out, re.M)
+    assert [r[0] for r in rows] == ["64 KiB", "256 KiB", "600 KiB", "1 MiB", "4 MiB"], out
+    assert all(float(r[2]) > 0 for r in rows)
+    assert not [n for n in os.listdir("/dev/shm") if f"bench-copy-pair-{pid}" in n]
