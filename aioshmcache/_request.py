@@ -521,7 +521,8 @@ class SenderRequest(_Steps):
         or in a sibling shard, or given by an earlier item of the request.
 
         Items are decided in order, as vLLM's sender does: a look-up after an item of the same
-        hash is that item's hit once it is put (a miss then only if it was served inline).
+        hash is that item's hit once it is put (a miss then only if it was served inline), also
+        when that item first waits for room (the look-up waits after it).
         """
         index = self._store.index  # ``store.is_cached(h)``, inline: a look-up per item
         shards, mask = index.shards, index.mask
@@ -576,6 +577,9 @@ class SenderRequest(_Steps):
                     self._job(i, res)
                     return None
                 return res
+            if begin and any(self._hashes[j] == h for j in self._waits):
+                self._wait_for_room(i)  # an earlier item of its hash waits for room: after it
+                return None
             # dropped meanwhile (invalidate), or an earlier item of its hash was served inline
             raise CacheMissError([h])
         if book.too_large.sizes:  # mostly empty
