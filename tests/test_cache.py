@@ -535,15 +535,21 @@ def test_a_rejected_request_owes_nothing(make_config: Any) -> None:
         assert tx.is_freeable("a")
 
 
+def _owed_full(tx: SenderCache) -> list[ShmRef]:
+    """Two 900 kB items put into a 2 MiB cache and owed to its reader (``o0``, ``o1``): no
+    room for another until the reader reads one."""
+    return [
+        tx.get_and_update_item(({"x": np.ones(900_000, np.uint8)}, ()), f"o{i}")[0]
+        for i in range(2)
+    ]
+
+
 def test_sync_put_while_another_thread_waits_for_the_same_key(make_config: Any) -> None:
     with (
         SenderCache(make_config(2 << 20, 1 << 20, 1)) as tx,
         ReceiverCache.attach(tx.handle()) as rx,
     ):
-        held = [
-            tx.get_and_update_item(({"x": np.ones(900_000, np.uint8)}, ()), f"o{i}")[0]
-            for i in range(2)
-        ]
+        held = _owed_full(tx)
         big = {"x": np.ones(900_000, np.uint8)}
         results: dict[str, Any] = {}
 
@@ -574,10 +580,7 @@ def test_a_look_up_after_an_item_of_its_hash_that_waits_for_room_is_its_hit(
         SenderCache(make_config(2 << 20, 1 << 20, 1)) as tx,
         ReceiverCache.attach(tx.handle()) as rx,
     ):
-        held = [
-            tx.get_and_update_item(({"x": np.ones(900_000, np.uint8)}, ()), f"o{i}")[0]
-            for i in range(2)
-        ]  # owed to the reader: no room until it reads one
+        held = _owed_full(tx)
         waiting = threading.Event()
         wait_for_room = _request.SenderRequest._wait_for_room
 
