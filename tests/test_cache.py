@@ -569,32 +569,25 @@ def test_sync_put_while_another_thread_waits_for_the_same_key(make_config: Any) 
 
 @pytest.mark.parametrize("via", ["list", "features"])
 def test_a_look_up_after_an_item_of_its_hash_that_waits_for_room_is_its_hit(
-    make_config: Any, monkeypatch: pytest.MonkeyPatch, via: str
+    make_config: Any, via: str
 ) -> None:
     """A request of an item that must wait for room and then a look-up of the same hash: the
     look-up waits after the item and is its hit once it is put (a review found it raised
     ``CacheMissError`` at once, the whole request given up, though the item was put later)."""
-    from aioshmcache import _request
-
     with (
         SenderCache(make_config(2 << 20, 1 << 20, 1)) as tx,
         ReceiverCache.attach(tx.handle()) as rx,
     ):
         held = _owed_full(tx)
-        waiting = threading.Event()
-        wait_for_room = _request.SenderRequest._wait_for_room
+        stop = threading.Event()
 
-        def spy(self: Any, i: int) -> None:
-            wait_for_room(self, i)
-            waiting.set()
-
-        monkeypatch.setattr(_request.SenderRequest, "_wait_for_room", spy)
-
-        def read_when_it_waits() -> None:  # the room comes once the request waits for it
-            if waiting.wait(30):
+        def read_once_it_waits() -> None:  # the room comes once the writer sleeps for it
+            while tx.store.wakeups == 0 and not stop.wait(0.001):
+                pass
+            if not stop.is_set():
                 rx.get_and_update_item(held[0], "o0")
 
-        reader = threading.Thread(target=read_when_it_waits)
+        reader = threading.Thread(target=read_once_it_waits)
         reader.start()
         try:
             big = {"x": np.full(900_000, 7, np.uint8)}
@@ -607,9 +600,9 @@ def test_a_look_up_after_an_item_of_its_hash_that_waits_for_room_is_its_hit(
                 got = tx.get_and_update_features(specs, wait_for_space=30)
                 refs, updates = [f.data for f in got], [list(f.prompt_updates) for f in got]
         finally:
-            waiting.set()
+            stop.set()
             reader.join(30)
-        assert waiting.is_set() and all(isinstance(r, ShmRef) for r in refs)
+        assert tx.store.wakeups >= 1 and all(isinstance(r, ShmRef) for r in refs)
         assert refs[0].id == refs[1].id and updates == [["u"], ["u"]]
         assert tx.snapshot().hits == hits + 1
         assert int(rx.get_and_update_item(refs[1], "k")["x"].sum()) == 7 * 900_000
