@@ -103,7 +103,11 @@ def _build_wheel(tmp_path: Path, env: dict[str, str]) -> tuple[Path, str]:
     return wheel, proc.stdout + proc.stderr
 
 
-def _install_and_ask(tmp_path: Path, wheel: Path) -> str:
+def _install_and_ask(tmp_path: Path, wheel: Path, package_at: Path | None = None) -> str:
+    """Install ``wheel`` into a directory of its own (``--target``: an install into a prefix
+    would uninstall this environment's own aioshmcache) and ask, in a new interpreter that sees
+    it and not this checkout, which core runs; its package must be at ``package_at`` (default:
+    that directory; an editable install's sources for an editable wheel)."""
     target = tmp_path / "site"
     subprocess.run(
         [*PIP, "install", "-q", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
@@ -111,14 +115,17 @@ def _install_and_ask(tmp_path: Path, wheel: Path) -> str:
         timeout=600,
         check=True,
     )
-    code = (
-        "import aioshmcache, sys; assert aioshmcache.__file__.startswith(sys.argv[1]), "
-        "aioshmcache.__file__; print(aioshmcache.implementation())"
+    code = (  # this checkout (this environment's own editable install) out of the way first
+        "import site, sys; sys.path[:] = [p for p in sys.path if p != sys.argv[3]]; "
+        "site.addsitedir(sys.argv[1]); import aioshmcache; "
+        "assert aioshmcache.__file__.startswith(sys.argv[2]), aioshmcache.__file__; "
+        "print(aioshmcache.implementation())"
     )
-    env = {k: v for k, v in os.environ.items() if k != "AIOSHM_PURE"}
+    env = {k: v for k, v in os.environ.items() if k not in ("AIOSHM_PURE", "PYTHONPATH")}
+    at = package_at or target
     got = subprocess.run(
-        [sys.executable, "-c", code, str(target)],
-        env={**env, "PYTHONPATH": str(target)},
+        [sys.executable, "-c", code, str(target), str(at), str(ROOT)],
+        env=env,
         cwd=tmp_path,  # not the checkout: ``-c`` puts the working directory first on the path
         capture_output=True,
         text=True,
@@ -145,8 +152,7 @@ def test_an_editable_install_without_a_compiler_is_pure_and_drops_a_stale_core(
     """``pip install -e .`` where the compile fails: the one line, no core left in place (one
     built before is removed: it must not outlive the failed build), and the installed package
     runs the pure core. The editable wheel is built as pip builds it (the backend's
-    ``build_editable``, no isolation) and installed with ``--target``: an install into a
-    prefix would uninstall this environment's own aioshmcache."""
+    ``build_editable``, no isolation)."""
     src = tmp_path / "src"
     shutil.copytree(
         ROOT,
@@ -169,31 +175,7 @@ def test_an_editable_install_without_a_compiler_is_pure_and_drops_a_stale_core(
     assert "the C core was not built" in proc.stdout + proc.stderr
     assert not list((src / "aioshmcache").glob("_core*.so"))
     (wheel,) = out.glob("*.whl")
-    target = tmp_path / "site"
-    subprocess.run(
-        [*PIP, "install", "-q", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
-        capture_output=True,
-        timeout=600,
-        check=True,
-    )
-    code = (  # this checkout (this environment's own editable install) out of the way first
-        "import site, sys; sys.path[:] = [p for p in sys.path if p != sys.argv[3]]; "
-        "site.addsitedir(sys.argv[1]); "
-        "import aioshmcache; "
-        "assert aioshmcache.__file__.startswith(sys.argv[2]), aioshmcache.__file__; "
-        "print(aioshmcache.implementation())"
-    )
-    env = {k: v for k, v in os.environ.items() if k not in ("AIOSHM_PURE", "PYTHONPATH")}
-    got = subprocess.run(
-        [sys.executable, "-c", code, str(target), str(src), str(ROOT)],
-        env=env,
-        cwd=tmp_path,  # not the checkout: ``-c`` puts the working directory first on the path
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    assert got.stdout.strip() == "python"
+    assert _install_and_ask(tmp_path, wheel, package_at=src) == "python"
 
 
 @pytest.mark.slow
